@@ -1,0 +1,39 @@
+# calque. `make demo` runs the whole loop on this machine; `make test` is what CI runs; `make bench` measures.
+# Every target installs what it needs first (setup), so each works from a clean clone.
+PYTHON ?= python3            # the interpreter that creates the venv (3.11 here)
+VENV ?= .venv                # where the pinned packages go
+PYTEST_ARGS ?=               # extra pytest flags, e.g. PYTEST_ARGS="-k slug -x"
+PY := $(VENV)/bin/python
+FASTBATCH_SO := fastbatch/.built
+
+.PHONY: setup demo test bench gpu-check clean
+
+setup: $(VENV)/.installed $(FASTBATCH_SO)
+
+# the venv is rebuilt when a requirements file changes; torch==2.13.0 comes from the CPU wheel on disk here
+$(VENV)/.installed: requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements-dev.txt
+	touch $@
+
+# fastbatch's C module, rebuilt when its source changes; a failed build is not fatal: the numpy
+# reference path takes over, and fastbatch says so in one line when imported
+$(FASTBATCH_SO): $(VENV)/.installed fastbatch/fastbatch.c fastbatch/fastbatch.h fastbatch/_build.py
+	$(PY) fastbatch/_build.py && touch $@ || echo "fastbatch: C build failed; the numpy reference path will be used ---> HINT: check gcc and python3-dev"
+
+demo: setup
+	PY=$(PY) bash examples/demo.sh
+
+test: setup
+	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: setup
+	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_pool.py
+	$(PY) tests/bench_fastbatch.py
+
+# needs a CUDA machine: builds fastbatch, runs its tests, measures pinned vs pageable host-to-device GB/s
+gpu-check: setup
+	$(PY) fastbatch/gpu_check.py
+
+clean:
+	rm -rf .calque .calque-state .calque-demo fastbatch/_fastbatch_c.* fastbatch/*.o $(FASTBATCH_SO)

@@ -1,0 +1,1320 @@
+"""calque: sticky warm-worker pools for batch model inference. The submitter CLI, and the small shared
+library a handler imports (`import calque`; `@calque.enter`, `@calque.batch`).
+
+    python calque.py pool create --model demo --handler examples/demo_model.py:DemoModel --workers 2
+    python calque.py submit --pool demo examples/items.jsonl      # claims against the warm pool
+    python calque.py submit --model demo examples/items.jsonl     # cold baseline: a fresh worker pays @enter
+    python calque.py pool status --model demo
+    python calque.py runs results RUN_ID
+    python calque.py cost RUN_ID
+    python calque.py pool delete --model demo --yes
+
+CALQUE_STORE picks the backend: a local path (default .calque) is the embedded one (a SQLite queue and a
+directory store); s3://bucket/prefix is SQS + S3 through boto3 (AWS_ENDPOINT_URL honoured).
+The contract every part honours is in README.md ("The contract, as implemented").
+"""
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+
+# ------------------------------------------------------------------------------------------------
+# defaults: each one can be set in the environment or in a pool.env file (KEY=value lines);
+# the environment wins over pool.env, pool.env over these. pool.env.example documents them all.
+DEFAULTS = {
+    "CALQUE_STORE": ".calque",          # local path -> SQLite queue + directory store; s3://bucket/prefix -> SQS + S3
+    "CALQUE_STATE": ".calque-state",    # this machine's supervisor pids and worker logs (never in the store)
+    "CALQUE_BATCH_SIZE": "32",          # items per handler.batch() call
+    "CALQUE_CLAIM_SIZE": "1000",        # items per claim (one queue message) when submit splits a run
+    "CALQUE_VISIBILITY_TIMEOUT": "60",  # seconds a claim stays invisible to others; the heartbeat renews it
+    "CALQUE_MAX_DELIVERIES": "3",       # a claim received more often than this goes to the dead-letter queue
+    "CALQUE_POLL_WAIT": "20",           # seconds of one long poll (SQS caps it at 20)
+    "CALQUE_GRACE": "30",               # seconds a SIGTERM'd worker may spend finishing its claim before releasing it
+    "CALQUE_TIMEOUT": "3600",           # seconds submit waits for the summaries
+    "CALQUE_SPOT_POLL": "",             # spot-interruption metadata address (off when empty; EC2 bootstrap sets it)
+}
+ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
+LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
+SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
+ERRORS_KEPT = 100                       # per-item error messages kept in a summary (the count is always exact)
+ERROR_CHARS = 500                       # an error message is cut to this many characters
+QUEUE_OPEN_RETRY = 10.0                 # s to retry opening a queue that does not resolve yet (SQS lag)
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UserError(Exception):
+    """A mistake the user can fix: printed as one line, exit 2, nothing lost."""
+
+
+class NotFound(Exception):
+    """A store key or a queue that does not exist."""
+
+
+class LeaseLost(Exception):
+    """The claim's receipt is no longer valid: another worker may own the message now."""
+
+
+def settings():
+    """The merged settings: DEFAULTS < pool.env < environment."""
+    merged = dict(DEFAULTS)
+    env_file = os.environ.get("CALQUE_ENV", ENV_FILE)
+    if os.path.exists(env_file):
+        with open(env_file) as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line or line.startswith("#"):
+                    continue
+                key, sep, value = line.partition("=")
+                if not sep:
+                    raise UserError(f"{env_file}:{lineno}: expected KEY=value, got {line!r}")
+                merged[key.strip()] = value.strip().strip('"').strip("'")
+    for key in DEFAULTS:
+        if key in os.environ:
+            merged[key] = os.environ[key]
+    return merged
+
+
+def setting_number(conf, key, kind=float, minimum=None):
+    try:
+        value = kind(conf[key])
+    except ValueError:
+        raise UserError(f"{key}={conf[key]!r} is not a number: fix it in the environment or pool.env")
+    if minimum is not None and value < minimum:
+        raise UserError(f"{key}={value} must be at least {minimum}")
+    return value
+
+
+def now_iso(t=None):
+    return datetime.datetime.fromtimestamp(time.time() if t is None else t, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def parse_iso(text):
+    return datetime.datetime.fromisoformat(text).timestamp()
+
+
+# ------------------------------------------------------------------------------------------------
+# the contract: names, the message, store keys
+
+POOL_PREFIX, DLQ_PREFIX = "calque-pool-", "calque-dlq-"
+RUN_QUEUE_PREFIX, RUN_DLQ_PREFIX = "calque-run-", "calque-rundlq-"
+QUEUE_NAME_MAX = 80                     # SQS's limit on a queue name
+SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # run ids and claim ids: safe as path parts
+
+
+def slug(model, prefix=POOL_PREFIX):
+    """The queue-safe form of a model name, cut so that prefix + slug fits in 80 characters."""
+    s = re.sub(r"[^a-z0-9_]", "-", model.lower())
+    s = re.sub(r"-+", "-", s).strip("-")
+    s = s[: QUEUE_NAME_MAX - len(prefix)].rstrip("-")
+    if not s:
+        raise UserError(f"model name {model!r} has no letters or digits to name a queue with: pick another name")
+    return s
+
+
+def pool_queue_name(model):
+    return POOL_PREFIX + slug(model, POOL_PREFIX)
+
+
+def dlq_name(model):
+    return DLQ_PREFIX + slug(model, DLQ_PREFIX)
+
+
+def pool_key(model):
+    return f"pools/{slug(model)}/pool.json"
+
+
+def worker_stats_prefix(model):
+    return f"pools/{slug(model)}/workers/"
+
+
+def run_key(run_id):
+    return f"runs/{run_id}/run.json"
+
+
+def cold_record_key(run_id):
+    return f"runs/{run_id}/pool.json"
+
+
+def manifest_key(run_id, claim):
+    return f"runs/{run_id}/manifests/{claim}.json"
+
+
+def results_key(run_id, claim):
+    return f"runs/{run_id}/results/{claim}.jsonl"
+
+
+def summary_key(run_id, claim):
+    return f"runs/{run_id}/summaries/{claim}.json"
+
+
+MANIFEST_KEY = re.compile(r"^runs/([A-Za-z0-9][A-Za-z0-9._-]*)/manifests/([A-Za-z0-9][A-Za-z0-9._-]*)\.json$")
+
+
+def new_run_id():
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def claim_id(index):
+    return f"c{index:05d}"
+
+
+def make_message(run_id, model, manifest_uri, claim):
+    # `claim` is an extra field (the contract ignores unknown fields): it lets a worker write a failure
+    # summary even for a claim whose manifest_uri it must refuse.
+    return json.dumps({"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim})
+
+
+def parse_message(body):
+    """The message fields, or ValueError naming what is wrong with it."""
+    try:
+        msg = json.loads(body)
+    except ValueError as e:
+        raise ValueError(f"body is not JSON ({e})")
+    if not isinstance(msg, dict):
+        raise ValueError("body is not a JSON object")
+    for field in ("run_id", "model", "manifest_uri"):
+        if not isinstance(msg.get(field), str) or not msg[field]:
+            raise ValueError(f"field {field!r} missing or not a string")
+    return msg
+
+
+def to_jsonable(value):
+    """json.dumps default=: numpy and torch values become plain numbers and lists."""
+    if hasattr(value, "tolist"):        # numpy arrays and scalars, torch tensors (CPU or not)
+        if hasattr(value, "detach"):
+            value = value.detach().cpu()
+        return value.tolist()
+    if isinstance(value, (set, tuple)):
+        return list(value)
+    raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+
+
+def dumps(value):
+    return json.dumps(value, default=to_jsonable, separators=(",", ":"))
+
+
+# ------------------------------------------------------------------------------------------------
+# the handler API: a class with one @enter method (load, runs once) and one @batch method
+# (a list of item payloads -> a list of results of the same length). collate(self, payloads) is optional.
+
+def enter(fn):
+    fn._calque_role = "enter"
+    return fn
+
+
+def batch(fn):
+    fn._calque_role = "batch"
+    return fn
+
+
+def parse_handler_spec(spec):
+    path, sep, cls = spec.rpartition(":")
+    if not sep or not path or not cls.isidentifier():
+        raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName")
+    if not os.path.isfile(path):
+        raise UserError(f"--handler {spec!r}: file {path} not found")
+    return path, cls
+
+
+def check_handler_source(source, cls, where):
+    """Check without running it that `source` defines class `cls` with @calque.enter and @calque.batch."""
+    import ast
+    try:
+        tree = ast.parse(source, filename=where)
+    except SyntaxError as e:
+        raise UserError(f"handler {where}: syntax error on line {e.lineno}: {e.msg}")
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    if cls not in classes:
+        raise UserError(f"handler {where}: no class {cls} (classes found: {', '.join(classes) or 'none'})")
+    roles = set()
+    for node in classes[cls].body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for deco in node.decorator_list:
+                name = deco.attr if isinstance(deco, ast.Attribute) else getattr(deco, "id", "")
+                if name in ("enter", "batch"):
+                    roles.add(name)
+    missing = [f"@calque.{r}" for r in ("enter", "batch") if r not in roles]
+    if missing:
+        raise UserError(f"handler {where}: class {cls} lacks {' and '.join(missing)}: decorate its load and batch methods")
+
+
+def load_handler(path, cls):
+    """Import the handler class from a file and return (instance, enter_method, batch_method, collate or None)."""
+    import importlib.util
+    name = "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3])
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    obj = getattr(module, cls)()
+    methods = {}
+    for attr in dir(type(obj)):
+        role = getattr(getattr(type(obj), attr), "_calque_role", None)
+        if role:
+            methods[role] = getattr(obj, attr)
+    if "enter" not in methods or "batch" not in methods:
+        raise UserError(f"handler {path}:{cls} lacks @calque.enter or @calque.batch")
+    return obj, methods["enter"], methods["batch"], getattr(obj, "collate", None)
+
+
+# ------------------------------------------------------------------------------------------------
+# backends. A backend is a store (get/put/exists/list/delete_prefix/uri/key_for_uri) plus queues
+# (create_queue/open_queue/delete_queue; a queue has send/receive/delete/change_visibility/counts).
+# Both count their requests in `requests`, which the cost model prices.
+
+class Message:
+    __slots__ = ("body", "receipt", "receive_count")
+
+    def __init__(self, body, receipt, receive_count):
+        self.body, self.receipt, self.receive_count = body, receipt, receive_count
+
+
+class LocalStore:
+    """A directory of objects. A write lands in a temporary file that is renamed over the key, so a reader
+    sees the old object or the new one, never half of one; files are not fsynced (a power loss may lose the
+    last writes, a process crash loses nothing)."""
+
+    def __init__(self, root, requests):
+        self.root = os.path.realpath(root)
+        self.requests = requests
+
+    def _path(self, key):
+        return os.path.join(self.root, key)
+
+    def uri(self, key):
+        return "file://" + self._path(key)
+
+    def key_for_uri(self, uri):
+        """The key a URI names, or None when it points outside this store's root."""
+        if not uri.startswith("file://"):
+            return None
+        path = os.path.realpath(uri[len("file://"):])
+        if not path.startswith(self.root + os.sep):
+            return None
+        return os.path.relpath(path, self.root).replace(os.sep, "/")
+
+    def get(self, key):
+        self.requests["store_gets"] += 1
+        try:
+            with open(self._path(key), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            raise NotFound(key)
+
+    def put(self, key, data):
+        self.requests["store_puts"] += 1
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as f:
+            f.write(data if isinstance(data, bytes) else data.encode())
+        os.replace(tmp, path)
+
+    def exists(self, key):
+        self.requests["store_gets"] += 1
+        return os.path.exists(self._path(key))
+
+    def list(self, prefix):
+        """Keys under a prefix that ends in '/', one level deep (enough for every layout here)."""
+        self.requests["store_lists"] += 1
+        try:
+            names = os.listdir(self._path(prefix))
+        except FileNotFoundError:
+            return []
+        return sorted(prefix + n for n in names if ".tmp-" not in n)
+
+    def delete_prefix(self, prefix):
+        import shutil
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
+
+
+class LocalQueues:
+    """SQS semantics on one SQLite file: visibility timeout, receive count, long-poll wait, depth counts.
+    WAL mode, so many worker processes read while one writes; a claim takes the write lock (BEGIN IMMEDIATE)
+    for the few microseconds of its UPDATE, so two workers never receive the same message."""
+
+    SCHEMA = """
+    CREATE TABLE IF NOT EXISTS queues (name TEXT PRIMARY KEY, visibility_timeout REAL NOT NULL, created_at REAL NOT NULL);
+    CREATE TABLE IF NOT EXISTS messages (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT NOT NULL, body TEXT NOT NULL,
+        visible_at REAL NOT NULL, receive_count INTEGER NOT NULL DEFAULT 0, receipt TEXT, sent_at REAL NOT NULL);
+    CREATE INDEX IF NOT EXISTS messages_ready ON messages (queue, visible_at);
+    """
+    SQL_READY = "SELECT 1 FROM messages WHERE queue = ? AND visible_at <= ? LIMIT 1"
+    SQL_NEXT = "SELECT id, body, receive_count FROM messages WHERE queue = ? AND visible_at <= ? ORDER BY visible_at, id LIMIT 1"
+    SQL_TAKE = "UPDATE messages SET visible_at = ?, receive_count = receive_count + 1, receipt = ? WHERE id = ?"
+    SQL_VISIBILITY = "UPDATE messages SET visible_at = ? WHERE id = ? AND receipt = ?"
+    SQL_DELETE = "DELETE FROM messages WHERE id = ? AND receipt = ?"
+    SQL_COUNTS = ("SELECT COALESCE(SUM(visible_at <= ?), 0), COALESCE(SUM(visible_at > ?), 0) "
+                  "FROM messages WHERE queue = ?")
+
+    def __init__(self, path, requests):
+        self.path, self.requests = path, requests
+        self._local = threading.local()   # one lazy connection per thread: the heartbeat has its own
+
+    def db(self):
+        conn = getattr(self._local, "conn", None)
+        if conn is None:    # autocommit; transactions are explicit (BEGIN IMMEDIATE)
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            conn = self._local.conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")   # durable across process crashes, not power loss
+            conn.executescript(self.SCHEMA)
+        return conn
+
+    @contextlib.contextmanager
+    def transaction(self):
+        db = self.db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def create_queue(self, name, visibility_timeout):
+        with self.transaction() as db:
+            db.execute("INSERT INTO queues VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET visibility_timeout = excluded.visibility_timeout",
+                       (name, visibility_timeout, time.time()))
+        return LocalQueue(self, name, visibility_timeout)
+
+    def open_queue(self, name):
+        row = self.db().execute("SELECT visibility_timeout FROM queues WHERE name = ?", (name,)).fetchone()
+        if row is None:
+            raise NotFound(f"queue {name}")
+        return LocalQueue(self, name, row[0])
+
+    def delete_queue(self, name):
+        with self.transaction() as db:
+            db.execute("DELETE FROM messages WHERE queue = ?", (name,))
+            db.execute("DELETE FROM queues WHERE name = ?", (name,))
+
+
+class LocalQueue:
+    def __init__(self, queues, name, visibility_timeout):
+        self.queues, self.name, self.visibility_timeout = queues, name, visibility_timeout
+
+    def send(self, body):
+        self.queues.requests["queue_other"] += 1
+        with self.queues.transaction() as db:
+            db.execute("INSERT INTO messages (queue, body, visible_at, sent_at) VALUES (?, ?, ?, ?)",
+                       (self.name, body, 0.0, time.time()))
+
+    def receive(self, wait_seconds, should_stop=lambda: False):
+        """One message or None after wait_seconds. The wait probes an index every LOCAL_POLL_INTERVAL
+        (read-only, no lock) and takes the write lock only when a message is ready."""
+        deadline = time.monotonic() + wait_seconds
+        db = self.queues.db()
+        while True:
+            now = time.time()
+            if db.execute(LocalQueues.SQL_READY, (self.name, now)).fetchone():
+                with self.queues.transaction() as tx:
+                    row = tx.execute(LocalQueues.SQL_NEXT, (self.name, now)).fetchone()
+                    if row:
+                        receipt = f"{row[0]}:{uuid.uuid4().hex}"
+                        tx.execute(LocalQueues.SQL_TAKE, (now + self.visibility_timeout, receipt, row[0]))
+                if row:
+                    self.queues.requests["queue_receives"] += 1
+                    return Message(row[1], receipt, row[2] + 1)
+            if time.monotonic() >= deadline or should_stop():
+                self.queues.requests["queue_empty_receives"] += 1
+                return None
+            time.sleep(LOCAL_POLL_INTERVAL)
+
+    def change_visibility(self, message, seconds):
+        self.queues.requests["queue_other"] += 1
+        with self.queues.transaction() as db:
+            changed = db.execute(LocalQueues.SQL_VISIBILITY, (time.time() + seconds, int(message.receipt.split(":")[0]),
+                                                              message.receipt)).rowcount
+        if not changed:
+            raise LeaseLost(f"queue {self.name}: receipt no longer valid")
+
+    def delete(self, message):
+        """Ack. False when the receipt went stale (the message was redelivered to another worker)."""
+        self.queues.requests["queue_other"] += 1
+        with self.queues.transaction() as db:
+            return db.execute(LocalQueues.SQL_DELETE, (int(message.receipt.split(":")[0]), message.receipt)).rowcount == 1
+
+    def counts(self):
+        now = time.time()
+        visible, in_flight = self.queues.db().execute(LocalQueues.SQL_COUNTS, (now, now, self.name)).fetchone()
+        return {"visible": int(visible), "in_flight": int(in_flight)}
+
+
+class LocalBackend:
+    kind = "local"
+
+    def __init__(self, root):
+        self.requests = Counter()
+        self.root = os.path.abspath(root)
+        self.store = LocalStore(self.root, self.requests)
+        self.queues = LocalQueues(os.path.join(self.root, "queue.db"), self.requests)
+
+    def describe(self):
+        return self.root
+
+    def check(self):
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"store {self.root} cannot be created ({e.strerror}): set CALQUE_STORE to a writable folder")
+
+
+def _aws_error_code(error):
+    return getattr(error, "response", {}).get("Error", {}).get("Code", "")
+
+
+class S3Store:
+    def __init__(self, s3, bucket, prefix, requests):
+        self.s3, self.bucket, self.prefix, self.requests = s3, bucket, prefix, requests
+
+    def _key(self, key):
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def uri(self, key):
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+    def key_for_uri(self, uri):
+        root = self.uri("")
+        if not uri.startswith(root) or "/../" in uri or uri.endswith("/..") or "/./" in uri:
+            return None
+        return uri[len(root):]
+
+    def get(self, key):
+        self.requests["store_gets"] += 1
+        try:
+            return self.s3.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except self.s3.exceptions.NoSuchKey:
+            raise NotFound(key)
+
+    def put(self, key, data):
+        self.requests["store_puts"] += 1
+        self.s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data if isinstance(data, bytes) else data.encode())
+
+    def exists(self, key):
+        self.requests["store_gets"] += 1
+        try:
+            self.s3.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except Exception as e:
+            if _aws_error_code(e) in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def list(self, prefix):
+        keys = []
+        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix), Delimiter="/"):
+            self.requests["store_lists"] += 1
+            keys += [o["Key"] for o in page.get("Contents", [])]
+        strip = len(self._key(""))
+        return sorted(k[strip:] for k in keys)
+
+    def delete_prefix(self, prefix):
+        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if objects:
+                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+
+
+class SqsQueues:
+    def __init__(self, sqs, requests):
+        self.sqs, self.requests = sqs, requests
+
+    def create_queue(self, name, visibility_timeout):
+        attributes = {"VisibilityTimeout": str(int(visibility_timeout))}
+        try:
+            url = self.sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
+        except Exception as e:
+            if _aws_error_code(e) not in ("QueueAlreadyExists", "QueueNameExists"):
+                raise
+            url = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]   # exists with other settings: adopt ours
+            self.sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
+        return SqsQueue(self, name, url, visibility_timeout)
+
+    def open_queue(self, name):
+        """Resolve a queue, retrying briefly: a queue just created may take seconds to resolve on SQS."""
+        deadline = time.monotonic() + QUEUE_OPEN_RETRY
+        delay = 0.1
+        while True:
+            try:
+                url = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]
+                break
+            except Exception as e:
+                if _aws_error_code(e) not in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"):
+                    raise
+                if time.monotonic() >= deadline:
+                    raise NotFound(f"queue {name}")
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        vt = int(self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]["VisibilityTimeout"])
+        return SqsQueue(self, name, url, vt)
+
+    def delete_queue(self, name):
+        try:
+            self.sqs.delete_queue(QueueUrl=self.sqs.get_queue_url(QueueName=name)["QueueUrl"])
+        except Exception as e:
+            if _aws_error_code(e) not in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"):
+                raise
+
+
+class SqsQueue:
+    def __init__(self, queues, name, url, visibility_timeout):
+        self.queues, self.name, self.url, self.visibility_timeout = queues, name, url, visibility_timeout
+        self.sqs = queues.sqs
+
+    def send(self, body):
+        self.queues.requests["queue_other"] += 1
+        self.sqs.send_message(QueueUrl=self.url, MessageBody=body)
+
+    def receive(self, wait_seconds, should_stop=lambda: False):
+        # should_stop is not consulted inside the long poll: warmd's SIGTERM handler interrupts it instead.
+        reply = self.sqs.receive_message(QueueUrl=self.url, MaxNumberOfMessages=1, WaitTimeSeconds=int(min(wait_seconds, 20)),
+                                         MessageSystemAttributeNames=["ApproximateReceiveCount"])
+        messages = reply.get("Messages", [])
+        if not messages:
+            self.queues.requests["queue_empty_receives"] += 1
+            return None
+        self.queues.requests["queue_receives"] += 1
+        m = messages[0]
+        return Message(m["Body"], m["ReceiptHandle"], int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1)))
+
+    def change_visibility(self, message, seconds):
+        self.queues.requests["queue_other"] += 1
+        try:
+            self.sqs.change_message_visibility(QueueUrl=self.url, ReceiptHandle=message.receipt, VisibilityTimeout=int(seconds))
+        except Exception as e:
+            if _aws_error_code(e) in ("ReceiptHandleIsInvalid", "InvalidParameterValue", "MessageNotInflight"):
+                raise LeaseLost(f"queue {self.name}: {e}")
+            raise
+
+    def delete(self, message):
+        self.queues.requests["queue_other"] += 1
+        try:
+            self.sqs.delete_message(QueueUrl=self.url, ReceiptHandle=message.receipt)
+            return True
+        except Exception as e:
+            if _aws_error_code(e) in ("ReceiptHandleIsInvalid", "InvalidParameterValue"):
+                return False
+            raise
+
+    def counts(self):
+        attrs = self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=[
+            "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
+        return {"visible": int(attrs["ApproximateNumberOfMessages"]), "in_flight": int(attrs["ApproximateNumberOfMessagesNotVisible"])}
+
+
+class AwsBackend:
+    """SQS + S3 through boto3: the standard credential chain and region; AWS_ENDPOINT_URL (or the
+    service-specific AWS_ENDPOINT_URL_SQS / _S3) points it at moto_server or LocalStack unchanged."""
+    kind = "aws"
+
+    def __init__(self, uri):
+        import boto3   # imported here so that the embedded backend never loads it
+        import botocore.config
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        if not bucket:
+            raise UserError(f"CALQUE_STORE={uri!r} names no bucket: use s3://bucket/prefix")
+        self.uri, self.bucket = uri, bucket
+        self.requests = Counter()
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        config = botocore.config.Config(region_name=region, retries={"max_attempts": 5, "mode": "standard"},
+                                        connect_timeout=5, read_timeout=30)
+        self.session = boto3.session.Session()
+        self.store = S3Store(self.session.client("s3", config=config), bucket, prefix.strip("/"), self.requests)
+        self.queues = SqsQueues(self.session.client("sqs", config=config), self.requests)
+
+    def describe(self):
+        return self.uri
+
+    def check(self):
+        import botocore.exceptions
+        try:
+            self.store.s3.head_bucket(Bucket=self.bucket)
+        except botocore.exceptions.NoCredentialsError:
+            raise UserError("no AWS credentials found: configure them (aws configure, or AWS_ACCESS_KEY_ID) or use a local CALQUE_STORE")
+        except botocore.exceptions.EndpointConnectionError as e:
+            raise UserError(f"cannot reach the S3 endpoint ({e}): check AWS_ENDPOINT_URL and the network")
+        except botocore.exceptions.ClientError as e:
+            if _aws_error_code(e) in ("404", "NoSuchBucket", "NotFound"):
+                raise UserError(f"bucket {self.bucket} does not exist: create it (aws s3 mb s3://{self.bucket}) or fix CALQUE_STORE")
+            raise UserError(f"bucket {self.bucket} is not usable ({_aws_error_code(e)}): check your credentials' S3 permissions")
+
+
+def open_backend(store=None, check=True):
+    store = store or settings()["CALQUE_STORE"]
+    backend = AwsBackend(store) if store.startswith("s3://") else LocalBackend(store)
+    if check:
+        backend.check()
+    return backend
+
+
+# ------------------------------------------------------------------------------------------------
+# records: pool records, run records, summaries, worker stats (all JSON in the store)
+
+def read_json(backend, key):
+    return json.loads(backend.store.get(key))
+
+
+def write_json(backend, key, value):
+    backend.store.put(key, json.dumps(value, indent=1, default=to_jsonable))
+
+
+def load_pool(backend, model):
+    try:
+        record = read_json(backend, pool_key(model))
+    except NotFound:
+        raise UserError(f"no pool for model {model!r} in {backend.describe()}: create it with "
+                        f"`python calque.py pool create --model {model} --handler file.py:Class` (or see `pool list`)")
+    if record["model"] != model:
+        raise UserError(f"model {model!r} shares its queue name with the pool of {record['model']!r}: use that exact name")
+    return record
+
+
+def snapshot_handler(backend, handler_spec, key_prefix):
+    """Copy the handler file into the store (the code a worker on another machine will run); returns its record."""
+    path, cls = parse_handler_spec(handler_spec)
+    with open(path, "rb") as f:
+        source = f.read()
+    check_handler_source(source, cls, path)
+    key = f"{key_prefix}handler/{os.path.basename(path)}"
+    backend.store.put(key, source)
+    import hashlib
+    return {"key": key, "file": os.path.basename(path), "class": cls, "sha256": hashlib.sha256(source).hexdigest(),
+            "source_path": os.path.abspath(path)}
+
+
+def list_summaries(backend, run_id):
+    return [k for k in backend.store.list(f"runs/{run_id}/summaries/") if k.endswith(".json")]
+
+
+def read_run(backend, run_id):
+    if not SAFE_ID.match(run_id):
+        raise UserError(f"run id {run_id!r} is not a run id: see `python calque.py runs list`")
+    try:
+        return read_json(backend, run_key(run_id))
+    except NotFound:
+        raise UserError(f"no run {run_id} in {backend.describe()}: see `python calque.py runs list`")
+
+
+def read_summaries(backend, run_id):
+    return [read_json(backend, k) for k in list_summaries(backend, run_id)]
+
+
+def read_worker_stats(backend, model):
+    return [read_json(backend, k) for k in backend.store.list(worker_stats_prefix(model)) if k.endswith(".json")]
+
+
+# ------------------------------------------------------------------------------------------------
+# local workers: a detached supervisor per pool keeps N warmd.py processes alive on this machine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WARMD = os.path.join(HERE, "warmd.py")
+RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay, doubling up to this cap
+RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long restarts without backoff
+SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
+COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
+
+
+def state_dir(conf, model):
+    return os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "pools", slug(model))
+
+
+def child_env(conf):
+    """The environment for a process we start: absolute store and state paths, so its cwd does not matter."""
+    env = dict(os.environ)
+    store = conf["CALQUE_STORE"]
+    env["CALQUE_STORE"] = store if store.startswith("s3://") else os.path.abspath(store)
+    env["CALQUE_STATE"] = os.path.abspath(conf["CALQUE_STATE"])
+    env["CALQUE_SPAWNED_AT"] = repr(time.time())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours still answers kill(0); /proc tells
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def read_supervisor(conf, model):
+    """The supervisor's status file, or None when no live supervisor runs this pool on this machine."""
+    path = os.path.join(state_dir(conf, model), "supervisor.json")
+    try:
+        with open(path) as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return status if pid_alive(status["pid"]) else None
+
+
+def write_file_atomic(path, text):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def start_supervisor(conf, model, workers):
+    folder = state_dir(conf, model)
+    os.makedirs(folder, exist_ok=True)
+    write_file_atomic(os.path.join(folder, "desired"), str(workers))
+    status = read_supervisor(conf, model)
+    if status:
+        os.kill(status["pid"], signal.SIGHUP)   # already running: it re-reads `desired`
+        return status["pid"]
+    with open(os.path.join(folder, "supervisor.log"), "ab") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "pool", "supervise", "--model", model],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env(conf),
+                                start_new_session=True, cwd=HERE)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not read_supervisor(conf, model):
+        if proc.poll() is not None:
+            raise UserError(f"the pool supervisor exited at once: see {folder}/supervisor.log")
+        time.sleep(0.02)
+    return proc.pid
+
+
+def stop_supervisor(conf, model, timeout):
+    """SIGTERM the supervisor (it stops its workers gracefully) and wait; True when it is gone."""
+    status = read_supervisor(conf, model)
+    if not status:
+        return True
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(status["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(status["pid"]):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def supervise(conf, model):
+    """The detached supervisor's loop: keep `desired` warmd.py processes, restart the dead with backoff."""
+    folder = state_dir(conf, model)
+    grace = setting_number(conf, "CALQUE_GRACE")
+    slots = {}            # slot -> {"proc", "started", "restarts", "not_before", "log"}
+    restarts_total = 0
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGHUP, lambda *_: None)   # wakes the sleep; `desired` is re-read every tick anyway
+
+    def desired():
+        try:
+            with open(os.path.join(folder, "desired")) as f:
+                return int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def publish():
+        workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
+                    "restarts": v["restarts"], "log": v["log"]} for s, v in sorted(slots.items())]
+        write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
+            {"pid": os.getpid(), "model": model, "desired": want, "restarts": restarts_total,
+             "workers": workers, "updated_at": now_iso()}))
+
+    want = desired()
+    print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
+    try:
+        while not stopping:
+            want = desired()
+            now = time.time()
+            for s, slot in list(slots.items()):
+                proc = slot["proc"]
+                if proc is not None and proc.poll() is not None:
+                    print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
+                    slot["proc"] = None
+                    if s < want:
+                        lived = now - slot["started"]
+                        slot["restarts"] += 1
+                        restarts_total += 1
+                        backoff = 0.0 if lived > RESTART_RESET_AFTER else min(
+                            RESTART_BACKOFF[0] * 2 ** (slot["restarts"] - 1), RESTART_BACKOFF[1])
+                        slot["not_before"] = now + backoff
+                if s >= want:
+                    if slot["proc"] is None:
+                        del slots[s]
+                    elif not slot.get("stopping"):
+                        slot["stopping"] = True
+                        slot["proc"].send_signal(signal.SIGTERM)
+            for s in range(want):
+                slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0,
+                                            "log": os.path.join(folder, f"worker-{s}.log")})
+                if slot["proc"] is None and now >= slot["not_before"]:
+                    with open(slot["log"], "ab") as log:
+                        slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
+                                                        stdout=log, stderr=log, env=child_env(conf), cwd=HERE)
+                    slot["started"] = now
+                    print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
+            publish()
+            time.sleep(SUPERVISOR_TICK)
+    finally:
+        live = [v["proc"] for v in slots.values() if v["proc"] is not None]
+        print(f"supervisor: stopping {len(live)} worker(s)", flush=True)
+        for proc in live:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace + 5
+        for proc in live:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {grace + 5:.0f}s; killing it", flush=True)
+                proc.kill()
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, "supervisor.json"))
+        print("supervisor: exit", flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# submit: stage manifests, send claims, wait on summaries
+
+def read_items(path):
+    """Items from a JSONL file (or '-' for stdin): one JSON value per line; blank lines are skipped."""
+    try:
+        stream = sys.stdin if path == "-" else open(path)
+    except OSError as e:
+        raise UserError(f"cannot read items file {path}: {e.strerror}")
+    items = []
+    with stream:
+        for lineno, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                items.append(json.loads(line))
+            except ValueError as e:
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}): one JSON item per line")
+    if not items:
+        raise UserError(f"{path} holds no items: give one JSON item per line")
+    return items
+
+
+def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
+    """Write the run record and one manifest per claim, then send one message per claim; returns the run record."""
+    run_id = run_id or new_run_id()
+    chunks = [items[i:i + claim_size] for i in range(0, len(items), claim_size)]
+    claims = [claim_id(i) for i in range(len(chunks))]
+    run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": len(items), "claims": claims,
+           "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
+           "created_at": now_iso()}
+    write_json(backend, run_key(run_id), run)
+    first = 0
+    for claim, chunk in zip(claims, chunks):
+        manifest = {"run_id": run_id, "claim": claim, "model": record["model"], "first_index": first, "items": chunk}
+        backend.store.put(manifest_key(run_id, claim), dumps(manifest))
+        first += len(chunk)
+    for claim in claims:   # after every manifest is written, so no worker fetches one that is not there yet
+        queue.send(make_message(run_id, record["model"], backend.store.uri(manifest_key(run_id, claim)), claim))
+    return run
+
+
+def wait_for_run(backend, run, timeout, progress=True):
+    """Poll the run's summaries until every claim has one or timeout; returns (summaries, timed_out)."""
+    from tqdm import tqdm
+    deadline = time.monotonic() + timeout
+    done = {}
+    delay = 0.002
+    bar = tqdm(total=run["items"], unit="item", file=sys.stderr, disable=not progress, leave=False,
+               desc=f"run {run['run_id']}")
+    try:
+        while len(done) < len(run["claims"]):
+            for key in list_summaries(backend, run["run_id"]):
+                claim = key.rsplit("/", 1)[1][:-5]
+                if claim not in done:
+                    done[claim] = read_json(backend, key)
+                    bar.update(done[claim]["items"])
+                    delay = 0.002
+            if len(done) == len(run["claims"]) or time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(delay * 1.25, SUMMARY_POLL_MAX)   # quick at first (idle round trip), gentle on S3 after
+    finally:
+        bar.close()
+    return [done[c] for c in run["claims"] if c in done], len(done) < len(run["claims"])
+
+
+def claim_table(summaries):
+    lines = [f"{'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
+    for s in summaries:
+        lines.append(f"{s['claim']:<8} {s['worker_id'][:28]:<28} {'yes' if s['warm_hit'] else 'no':<5} "
+                     f"{s['enter_seconds_paid']:>8.3f} {s['ok']:>6} {len(s['failed']):>6} {s['claim_seconds']:>8.3f}  {s['status']}")
+    return lines
+
+
+def report_run(backend, run, summaries, timed_out, as_json, out=sys.stdout):
+    """Print the claim table (or JSON); returns the exit code: 0 when every item of every claim succeeded."""
+    failed_items = sum(len(s["failed"]) for s in summaries)
+    if as_json:
+        print(json.dumps({"run": run, "summaries": summaries, "complete": not timed_out}, indent=1), file=out)
+    else:
+        print(f"run {run['run_id']} ({run['mode']}, model {run['model']}): {len(summaries)}/{len(run['claims'])} claims, "
+              f"{sum(s['ok'] for s in summaries)} items ok, {failed_items} failed", file=out)
+        for line in claim_table(summaries):
+            print("  " + line, file=out)
+        for s in summaries:
+            if s.get("error"):
+                print(f"  claim {s['claim']} failed: {s['error']}", file=out)
+        results = backend.store.uri(f"runs/{run['run_id']}/results/")
+        print(f"  results: {results}  (python calque.py runs results {run['run_id']})", file=out)
+        if timed_out:
+            print(f"  not finished: {len(run['claims']) - len(summaries)} claim(s) still pending; the run goes on — "
+                  f"read it later with `python calque.py runs show {run['run_id']}`", file=out)
+    return EXIT_OK if not timed_out and failed_items == 0 and all(s["status"] == "ok" for s in summaries) else EXIT_FAILED
+
+
+def cold_run(conf, backend, args, items):
+    """The baseline: a fresh acquisition. Ephemeral warmd.py processes pay @enter, drain this run's own queue, exit."""
+    if args.handler:
+        handler_source = args.handler
+        record = None
+    else:
+        record = load_pool(backend, args.model)    # reuse the pool's handler snapshot
+        handler_source = None
+    run_id = new_run_id()
+    queue_name = RUN_QUEUE_PREFIX + run_id
+    vt = setting_number(conf, "CALQUE_VISIBILITY_TIMEOUT", int, 1)
+    cold = {"model": args.model, "queue": queue_name, "dlq": RUN_DLQ_PREFIX + run_id, "ephemeral": True,
+            "batch_size": args.batch_size or (record or {}).get("batch_size") or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
+            "visibility_timeout": vt, "max_deliveries": setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
+            "created_at": now_iso()}
+    prefix = f"runs/{run_id}/"
+    if handler_source:
+        cold["handler"] = snapshot_handler(backend, handler_source, prefix)
+    else:
+        source = backend.store.get(record["handler"]["key"])
+        cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
+        backend.store.put(cold["handler"]["key"], source)
+    queue = backend.queues.create_queue(queue_name, vt)
+    backend.queues.create_queue(cold["dlq"], vt)
+    shards = max(1, args.shards)
+    claim_size = args.claim_size or max(1, -(-len(items) // shards))
+    write_json(backend, cold_record_key(run_id), cold)
+    run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
+    folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run["run_id"])
+    os.makedirs(folder, exist_ok=True)
+    procs = []
+    for shard in range(shards):
+        with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
+            procs.append(subprocess.Popen([sys.executable, WARMD, "--run", run["run_id"]], stdin=subprocess.DEVNULL,
+                                          stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
+    print(f"run {run['run_id']}: cold, {len(run['claims'])} claim(s) of {len(items)} items, {shards} fresh worker(s); logs in {folder}",
+          file=sys.stderr)
+    try:
+        summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json)
+    finally:
+        # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,
+        # which releases its claim, so nothing is left invisible in a queue about to be deleted
+        for proc in procs:
+            try:
+                proc.wait(COLD_EXIT_WAIT)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait()
+        backend.queues.delete_queue(queue_name)
+        backend.queues.delete_queue(cold["dlq"])
+    return run, summaries, timed_out
+
+
+# ------------------------------------------------------------------------------------------------
+# the CLI verbs
+
+def cmd_pool_create(conf, backend, args):
+    if args.batch_size is not None and args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
+    for name in ("visibility_timeout", "max_deliveries"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    queue, dlq = pool_queue_name(args.model), dlq_name(args.model)
+    with contextlib.suppress(NotFound):
+        existing = read_json(backend, pool_key(args.model))
+        if existing["model"] != args.model:
+            raise UserError(f"model {args.model!r} would share queue {queue} with the existing pool of {existing['model']!r}: "
+                            f"pick a name that differs in more than case or punctuation")
+    record = {
+        "model": args.model, "slug": slug(args.model), "queue": queue, "dlq": dlq,
+        "batch_size": args.batch_size or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
+        "visibility_timeout": args.visibility_timeout or setting_number(conf, "CALQUE_VISIBILITY_TIMEOUT", int, 1),
+        "max_deliveries": args.max_deliveries or setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
+        "created_at": now_iso(), "store": backend.describe(),
+    }
+    record["handler"] = snapshot_handler(backend, args.handler, f"pools/{record['slug']}/")
+    backend.queues.create_queue(queue, record["visibility_timeout"])
+    backend.queues.create_queue(dlq, record["visibility_timeout"])
+    write_json(backend, pool_key(args.model), record)
+    print(f"pool {args.model}: queue {queue}, dead-letter {dlq}, handler {record['handler']['file']}:{record['handler']['class']}, "
+          f"batch {record['batch_size']}, visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}")
+    if args.workers:
+        pid = start_supervisor(conf, args.model, args.workers)
+        print(f"pool {args.model}: {args.workers} local worker(s) under supervisor pid {pid}; logs in {state_dir(conf, args.model)}")
+    return EXIT_OK
+
+
+def cmd_pool_scale(conf, backend, args):
+    load_pool(backend, args.model)
+    if args.workers < 0:
+        raise UserError(f"--workers {args.workers}: must be 0 or more")
+    if args.workers == 0:
+        write_file_atomic(os.path.join(state_dir(conf, args.model), "desired"), "0") if os.path.isdir(state_dir(conf, args.model)) else None
+        stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 10)
+        print(f"pool {args.model}: scaled to 0 local workers")
+        return EXIT_OK
+    pid = start_supervisor(conf, args.model, args.workers)
+    print(f"pool {args.model}: scaling to {args.workers} local worker(s) (supervisor pid {pid})")
+    return EXIT_OK
+
+
+def pool_status(conf, backend, model):
+    record = load_pool(backend, model)
+    depths = {}
+    for role in ("queue", "dlq"):
+        try:
+            depths[role] = backend.queues.open_queue(record[role]).counts()
+        except NotFound:
+            depths[role] = None
+    supervisor = read_supervisor(conf, model)
+    local = []
+    if supervisor:
+        for w in supervisor["workers"]:
+            local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
+    stats = read_worker_stats(backend, model)
+    return {"model": model, "record": record, "queue": depths["queue"], "dlq": depths["dlq"],
+            "supervisor": {"pid": supervisor["pid"], "desired": supervisor["desired"], "restarts": supervisor["restarts"]} if supervisor else None,
+            "local_workers": local, "workers": stats}
+
+
+def cmd_pool_status(conf, backend, args):
+    status = pool_status(conf, backend, args.model)
+    if args.json:
+        print(json.dumps(status, indent=1))
+        return EXIT_OK
+    q, d = status["queue"], status["dlq"]
+    print(f"pool {args.model}  ({status['record']['queue']} on {backend.describe()})")
+    print(f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  dead-letter: {d['visible'] if d else '?'}")
+    sup = status["supervisor"]
+    if sup:
+        alive = sum(w["alive"] for w in status["local_workers"])
+        print(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, {sup['restarts']} restart(s))")
+    else:
+        print("  local workers: none on this machine")
+    running = [w for w in status["workers"] if w.get("state") == "running"]
+    print(f"  workers with stats: {len(status['workers'])} ({len(running)} running)")
+    if status["workers"]:
+        print(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} {'items':>7} {'busy%':>6}")
+        for w in sorted(status["workers"], key=lambda w: w["started_at"]):
+            busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
+            print(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} {w['enter_count']:>6} "
+                  f"{w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
+    return EXIT_OK
+
+
+def cmd_pool_list(conf, backend, args):
+    pools = []
+    for folder in backend.store.list("pools/"):
+        with contextlib.suppress(NotFound):
+            pools.append(read_json(backend, folder.rstrip("/") + "/pool.json"))
+    if args.json:
+        print(json.dumps(pools, indent=1))
+        return EXIT_OK
+    if not pools:
+        print(f"no pools in {backend.describe()}")
+    for p in pools:
+        sup = read_supervisor(conf, p["model"])
+        print(f"{p['model']:<40} {p['queue']:<50} workers here: {sup['desired'] if sup else 0}")
+    return EXIT_OK
+
+
+def cmd_pool_delete(conf, backend, args):
+    record = load_pool(backend, args.model)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise UserError(f"pool delete {args.model}: refusing without --yes (no terminal to ask)")
+        answer = input(f"delete pool {args.model}: stop its local workers, delete {record['queue']} and {record['dlq']}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("not deleted")
+            return EXIT_FAILED
+    if not stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15):
+        raise UserError(f"pool {args.model}: its supervisor did not stop; see {state_dir(conf, args.model)}/supervisor.log, then retry")
+    print(f"pool {args.model}: local workers stopped")
+    for role in ("queue", "dlq"):
+        backend.queues.delete_queue(record[role])
+        print(f"pool {args.model}: deleted queue {record[role]}")
+    backend.store.delete_prefix(f"pools/{record['slug']}/")
+    print(f"pool {args.model}: deleted its record, handler snapshot and worker stats (runs are kept under runs/)")
+    return EXIT_OK
+
+
+def cmd_supervise(conf, backend, args):
+    supervise(conf, args.model)
+    return EXIT_OK
+
+
+def cmd_submit(conf, backend, args):
+    items = read_items(args.items)
+    if args.claim_size is not None and args.claim_size < 1:
+        raise UserError(f"--claim-size {args.claim_size}: must be at least 1")
+    if args.pool:
+        if args.shards > 1:
+            raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
+                            "scale the pool instead (pool scale), or drop --pool for a cold run")
+        record = load_pool(backend, args.pool)
+        queue = backend.queues.open_queue(record["queue"])
+        run = stage_run(backend, record, items, args.claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), queue, "pool")
+        if args.no_wait:
+            print(run["run_id"])
+            return EXIT_OK
+        depth = queue.counts()
+        print(f"run {run['run_id']}: {len(run['claims'])} claim(s) of {len(items)} items sent to {record['queue']} "
+              f"({depth['visible']} visible, {depth['in_flight']} in flight)", file=sys.stderr)
+        summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json)
+    else:
+        if not args.model:
+            raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
+        if args.no_wait:
+            raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
+        run, summaries, timed_out = cold_run(conf, backend, args, items)
+    code = report_run(backend, run, summaries, timed_out, args.json)
+    if not args.json and summaries:
+        for line in run_cost_lines(backend, run, summaries, args):
+            print("  " + line)
+    return code
+
+
+def cmd_runs_list(conf, backend, args):
+    runs = []
+    for folder in backend.store.list("runs/"):
+        with contextlib.suppress(NotFound):
+            runs.append(read_json(backend, folder.rstrip("/") + "/run.json"))
+    if args.json:
+        print(json.dumps(runs, indent=1))
+        return EXIT_OK
+    for r in runs:
+        print(f"{r['run_id']}  {r['mode']:<5} {r['model']:<30} {r['items']:>7} items  {len(r['claims'])} claim(s)  {r['created_at']}")
+    return EXIT_OK
+
+
+def cmd_runs_show(conf, backend, args):
+    run = read_run(backend, args.run)
+    summaries = read_summaries(backend, args.run)
+    return report_run(backend, run, summaries, len(summaries) < len(run["claims"]), args.json)
+
+
+def cmd_runs_results(conf, backend, args):
+    """Every item's result, in item order, as JSONL on stdout."""
+    run = read_run(backend, args.run)
+    missing = []
+    for claim in run["claims"]:
+        try:
+            sys.stdout.write(backend.store.get(results_key(args.run, claim)).decode())
+        except NotFound:
+            missing.append(claim)
+    if missing:
+        print(f"run {args.run}: no results yet for claim(s) {', '.join(missing)}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def run_cost_lines(backend, run, summaries, args):
+    return []   # the cost model lands here (issue: the cost model)
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="calque.py", description="Sticky warm-worker pools for batch model inference.")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost}")
+
+    pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(dest="pool_verb", required=True)
+    p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, handler snapshot, local workers")
+    p.add_argument("--model", required=True, help="the model name: the pool's identity")
+    p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
+    p.add_argument("--workers", type=int, default=0, help="local warmd.py processes to start under a supervisor (default 0)")
+    p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
+    p.add_argument("--visibility-timeout", type=int, help="seconds a claim stays invisible; the heartbeat renews it")
+    p.add_argument("--max-deliveries", type=int, help="deliveries before a claim goes to the dead-letter queue")
+    p.set_defaults(func=cmd_pool_create)
+    p = pool.add_parser("scale", help="set the number of local workers")
+    p.add_argument("--model", required=True)
+    p.add_argument("--workers", type=int, required=True)
+    p.set_defaults(func=cmd_pool_scale)
+    p = pool.add_parser("status", help="queue depths, live workers, per-worker claims, warm hits, enter_count")
+    p.add_argument("--model", required=True)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pool_status)
+    p = pool.add_parser("list", help="the pools in this store")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pool_list)
+    p = pool.add_parser("delete", help="stop local workers, delete the queues and the pool record")
+    p.add_argument("--model", required=True)
+    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.set_defaults(func=cmd_pool_delete)
+    p = pool.add_parser("supervise", help=argparse.SUPPRESS)
+    p.add_argument("--model", required=True)
+    p.set_defaults(func=cmd_supervise)
+
+    p = verbs.add_parser("submit", help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
+    p.add_argument("items", help="a JSONL file, one item per line, or - for stdin")
+    p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
+    p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, or --handler)")
+    p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's handler")
+    p.add_argument("--shards", type=int, default=1, help="cold run: fresh workers to start (default 1)")
+    p.add_argument("--batch-size", type=int, help="cold run: items per handler.batch() call")
+    p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
+    p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
+    p.add_argument("--no-wait", action="store_true", help="print the run id and return at once")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_submit)
+
+    runs = verbs.add_parser("runs", help="read runs: list, show, results").add_subparsers(dest="runs_verb", required=True)
+    p = runs.add_parser("list", help="every run in the store")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_runs_list)
+    p = runs.add_parser("show", help="a run's claims: worker, warm hit, @enter paid, items, seconds")
+    p.add_argument("run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_runs_show)
+    p = runs.add_parser("results", help="a run's results as JSONL, in item order")
+    p.add_argument("run")
+    p.set_defaults(func=cmd_runs_results)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        conf = settings()
+        if getattr(args, "timeout", None) is None and hasattr(args, "timeout"):
+            args.timeout = setting_number(conf, "CALQUE_TIMEOUT", float, 0)
+        backend = open_backend(conf["CALQUE_STORE"])
+        return args.func(conf, backend, args)
+    except UserError as e:
+        print(f"calque: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("calque: interrupted; queued claims stay queued and finish without you (runs show RUN reads them)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Shared fixtures. Every test talks only to 127.0.0.1: dummy AWS credentials, no EC2 metadata, and a
+guard that fails any in-process connection to a non-loopback address."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+os.environ.update(AWS_EC2_METADATA_DISABLED="true", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                  AWS_DEFAULT_REGION="us-east-1", AWS_REGION="us-east-1")
+for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN", "CALQUE_ENV"):
+    os.environ.pop(var, None)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+PY = sys.executable
+HANDLERS = os.path.join(ROOT, "tests", "handlers.py")
+
+_connect = socket.socket.connect
+
+
+def _loopback_only(self, address):
+    if self.family in (socket.AF_INET, socket.AF_INET6):
+        host = address[0]
+        if host not in ("127.0.0.1", "::1", "localhost"):
+            raise AssertionError(f"test tried to reach {address}: only loopback is allowed")
+    return _connect(self, address)
+
+
+socket.socket.connect = _loopback_only
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def local_env(tmp_path):
+    """Environment for a subprocess on a fresh embedded backend."""
+    env = dict(os.environ, CALQUE_STORE=str(tmp_path / "store"), CALQUE_STATE=str(tmp_path / "state"),
+               CALQUE_POLL_WAIT="1", CALQUE_GRACE="5", PYTHONUNBUFFERED="1", CALQUE_ENV=str(tmp_path / "none.env"))
+    return env
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A moto_server on 127.0.0.1 for multi-process AWS tests."""
+    port = free_port()
+    proc = subprocess.Popen([os.path.join(os.path.dirname(PY), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        raise RuntimeError("moto_server did not start")
+    yield f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture
+def aws_env(tmp_path, moto_endpoint):
+    """Environment for a subprocess on SQS + S3 served by moto_server, with a fresh bucket."""
+    import boto3
+    bucket = f"calque-test-{os.urandom(4).hex()}"
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
+    env = dict(os.environ, AWS_ENDPOINT_URL=moto_endpoint, CALQUE_STORE=f"s3://{bucket}/root",
+               CALQUE_STATE=str(tmp_path / "state"), CALQUE_POLL_WAIT="1", CALQUE_GRACE="5", PYTHONUNBUFFERED="1",
+               CALQUE_ENV=str(tmp_path / "none.env"))
+    return env
+
+
+def cli(env, *args, stdin=None, timeout=120):
+    """Run `python calque.py ARGS` as a real process."""
+    return subprocess.run([PY, os.path.join(ROOT, "calque.py"), *args], env=env, cwd=ROOT, input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def start_worker(env, *args, log=None):
+    return subprocess.Popen([PY, os.path.join(ROOT, "warmd.py"), *args], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=log or subprocess.DEVNULL, stderr=log or subprocess.STDOUT, text=True)
+
+
+def wait_for(predicate, timeout=30.0, what="condition"):
+    """Poll predicate() until it is truthy; fail the test after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def write_items(path, items):
+    path.write_text("".join(json.dumps(i) + "\n" for i in items))
+    return str(path)
+
+
+def backend_for(env):
+    """An in-process backend on the same store a subprocess with `env` uses."""
+    import calque
+    if env["CALQUE_STORE"].startswith("s3://"):
+        os.environ["AWS_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL"]
+    return calque.open_backend(env["CALQUE_STORE"])

@@ -1,0 +1,74 @@
+"""Handlers the tests run in real warmd.py processes."""
+import os
+import time
+
+import calque
+
+
+class Echo:
+    """Doubles x; an item with "fail" raises, so only that item fails; counts @enter calls in a file."""
+
+    @calque.enter
+    def load(self):
+        self.loaded = True
+
+    @calque.batch
+    def run(self, items):
+        out = []
+        for item in items:
+            if item.get("fail"):
+                raise ValueError(f"item {item['x']} asked to fail")
+            out.append({"y": item["x"] * 2, "pid": os.getpid()})
+        return out
+
+
+class WrongCount:
+    """Returns one result too few for every batch."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, items):
+        return [{"y": 1}] * (len(items) - 1)
+
+
+class Gate:
+    """Announces each batch in $GATE_DIR/started-<pid>, then holds it until $GATE_DIR/open exists:
+    lets a test act on a worker that is provably mid-claim."""
+
+    @calque.enter
+    def load(self):
+        self.dir = os.environ["GATE_DIR"]
+
+    @calque.batch
+    def run(self, items):
+        with open(os.path.join(self.dir, f"started-{os.getpid()}"), "w") as f:
+            f.write(str(len(items)))
+        while not os.path.exists(os.path.join(self.dir, "open")):
+            time.sleep(0.01)
+        return [{"y": item["x"] * 2, "pid": os.getpid()} for item in items]
+
+
+class Empty:
+    """Does nothing: the benchmark of per-claim dispatch overhead."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, items):
+        return [None] * len(items)
+
+
+class NoBatch:
+    """Lacks @calque.batch: pool create must refuse it."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    def run(self, items):
+        return items

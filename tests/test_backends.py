@@ -1,0 +1,140 @@
+"""One contract suite, run against both backends: the SQLite queue + directory store, and SQS + S3
+(moto's in-process mock_aws)."""
+import time
+
+import pytest
+
+import calque
+
+
+@pytest.fixture(params=["local", "aws"])
+def backend(request, tmp_path):
+    if request.param == "local":
+        yield calque.LocalBackend(str(tmp_path / "store"))
+        return
+    from moto import mock_aws
+    with mock_aws():
+        import boto3
+        boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="contract")
+        yield calque.open_backend("s3://contract/root")
+
+
+def test_store_round_trip(backend):
+    """put/get/exists/list, and NotFound for a missing key."""
+    backend.store.put("runs/r/summaries/c00000.json", b'{"a": 1}')
+    backend.store.put("runs/r/summaries/c00001.json", "text")
+    assert backend.store.get("runs/r/summaries/c00000.json") == b'{"a": 1}'
+    assert backend.store.exists("runs/r/summaries/c00001.json")
+    assert not backend.store.exists("runs/r/summaries/c00002.json")
+    assert backend.store.list("runs/r/summaries/") == ["runs/r/summaries/c00000.json", "runs/r/summaries/c00001.json"]
+    with pytest.raises(calque.NotFound):
+        backend.store.get("runs/r/nothing.json")
+    backend.store.delete_prefix("runs/r/")
+    assert backend.store.list("runs/r/summaries/") == []
+
+
+def test_uri_round_trip(backend):
+    """A key's URI maps back to the key."""
+    key = "runs/r1/manifests/c00000.json"
+    assert backend.store.key_for_uri(backend.store.uri(key)) == key
+
+
+def test_queue_create_is_idempotent_and_open_missing_fails(backend):
+    """Creating a queue twice is fine; opening one that does not exist raises NotFound."""
+    backend.queues.create_queue("calque-pool-x", 30)
+    backend.queues.create_queue("calque-pool-x", 30)
+    assert backend.queues.open_queue("calque-pool-x").visibility_timeout == 30
+    calque.QUEUE_OPEN_RETRY, saved = 0.2, calque.QUEUE_OPEN_RETRY
+    try:
+        with pytest.raises(calque.NotFound):
+            backend.queues.open_queue("calque-pool-missing")
+    finally:
+        calque.QUEUE_OPEN_RETRY = saved
+
+
+def test_receive_delete_and_counts(backend):
+    """A received message is in flight, not visible; delete removes it; an empty long poll returns None."""
+    q = backend.queues.create_queue("calque-pool-c", 30)
+    q.send("one")
+    q.send("two")
+    assert q.counts() == {"visible": 2, "in_flight": 0}
+    m = q.receive(1)
+    assert m.body == "one" and m.receive_count == 1
+    assert q.counts() == {"visible": 1, "in_flight": 1}
+    assert q.delete(m)
+    m2 = q.receive(1)
+    assert q.delete(m2)
+    t0 = time.monotonic()
+    assert q.receive(1) is None
+    assert time.monotonic() - t0 >= 0.9     # it waited (long poll), it did not spin back at once
+    assert q.counts() == {"visible": 0, "in_flight": 0}
+    assert backend.requests["queue_receives"] == 2 and backend.requests["queue_empty_receives"] == 1
+
+
+def test_visibility_expiry_redelivers(backend):
+    """A message not deleted within its visibility timeout is delivered again, with receive_count 2."""
+    q = backend.queues.create_queue("calque-pool-v", 1)
+    q.send("job")
+    first = q.receive(1)
+    assert q.receive(0) is None                    # invisible while its lease holds
+    second = q.receive(3)                          # the lease expires after 1 s
+    assert second is not None and second.body == "job" and second.receive_count == 2
+    assert q.delete(second)
+
+
+def test_heartbeat_extends_visibility(backend):
+    """change_visibility keeps a message invisible past its original timeout; 0 releases it at once."""
+    q = backend.queues.create_queue("calque-pool-h", 1)
+    q.send("job")
+    m = q.receive(1)
+    q.change_visibility(m, 3)
+    time.sleep(1.5)                               # past the original 1 s lease
+    assert q.receive(0) is None
+    q.change_visibility(m, 0)                     # release
+    again = q.receive(1)
+    assert again is not None and again.receive_count == 2
+
+
+def test_stale_receipt_loses_the_lease_local(tmp_path):
+    """After redelivery to another receiver, the first receipt can neither renew nor ack (local backend)."""
+    q = calque.LocalBackend(str(tmp_path / "s")).queues.create_queue("calque-pool-s", 1)
+    q.send("job")
+    first = q.receive(1)
+    second = q.receive(3)
+    with pytest.raises(calque.LeaseLost):
+        q.change_visibility(first, 10)
+    assert not q.delete(first)
+    assert q.delete(second)
+
+
+def test_local_queue_survives_restart(tmp_path):
+    """Nothing queued is lost when every process goes away: a new backend on the same folder sees it."""
+    calque.LocalBackend(str(tmp_path / "s")).queues.create_queue("calque-pool-r", 30).send("kept")
+    again = calque.LocalBackend(str(tmp_path / "s")).queues.open_queue("calque-pool-r")
+    assert again.receive(1).body == "kept"
+
+
+def test_delete_queue(backend):
+    """A deleted queue is gone."""
+    backend.queues.create_queue("calque-pool-d", 30).send("x")
+    backend.queues.delete_queue("calque-pool-d")
+    calque.QUEUE_OPEN_RETRY, saved = 0.2, calque.QUEUE_OPEN_RETRY
+    try:
+        with pytest.raises(calque.NotFound):
+            backend.queues.open_queue("calque-pool-d")
+    finally:
+        calque.QUEUE_OPEN_RETRY = saved
+
+
+def test_local_backend_never_imports_boto3(tmp_path):
+    """The embedded backend works in a process where boto3 is not importable."""
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['boto3'] = None; sys.modules['botocore'] = None\n"
+            "import calque\n"
+            f"b = calque.open_backend({str(tmp_path / 's')!r})\n"
+            "b.queues.create_queue('calque-pool-z', 5).send('x')\n"
+            "print(b.queues.open_queue('calque-pool-z').receive(1).body)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=calque.HERE)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "x"

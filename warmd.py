@@ -1,0 +1,514 @@
+"""warmd: the sticky worker. Loads its pool's model once (@enter), then claims batch after batch.
+
+    python warmd.py --model demo                 # a pool worker (foreground; what the supervisor and EC2 run)
+    python warmd.py --run 20261129-101500-ab12cd # a cold run's ephemeral worker: pays @enter, drains, exits
+    CALQUE_STORE=s3://bucket/prefix python warmd.py --model Qwen/Qwen2.5-1.5B-Instruct
+
+Everything it needs comes from the pool record in the store (handler snapshot, batch size, visibility
+timeout, max deliveries); handler code is never taken from a message. One claim at a time: long poll,
+manifest, drain in batches, results + summary written, then ack. SIGTERM (or a spot interruption notice)
+stops claiming and finishes the running claim within CALQUE_GRACE seconds, else releases it; a second
+SIGTERM/SIGINT releases it at once. Exit 0 on a graceful stop.
+"""
+import argparse
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import calque
+
+try:
+    import fastbatch
+except ImportError:   # not built: the pass-through collate still works
+    fastbatch = None
+
+# ------------------------------------------------------------------------------------------------
+# defaults (the pool record and CALQUE_* settings override the per-pool ones)
+STATS_INTERVAL = 30.0       # s between two worker-stats writes while idle (pool cost reads them)
+COLD_POLL_WAIT = 1          # s of one long poll for a cold run's worker, which exits once its queue is empty
+SPOT_POLL_INTERVAL = 5.0    # s between two spot-interruption checks (AWS gives a 2-minute notice)
+GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
+PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"   # collate batch k+1 while the model runs batch k
+
+log = logging.getLogger("warmd")
+
+
+class Interrupted(BaseException):
+    """Raised by the signal handler to break out of an idle long poll."""
+
+
+class ColdStop(BaseException):
+    """Raised by a second signal during a claim: release the claim now. BaseException, so that a
+    handler's `except Exception` cannot swallow it."""
+
+
+class ClaimReleased(Exception):
+    """The drain loop gave the claim back (grace period over, or lease lost)."""
+
+
+def default_collate(payloads):
+    """Numeric payloads (dicts of arrays/lists) are collated by fastbatch; anything else passes as a list."""
+    if fastbatch is not None:
+        collated = fastbatch.collate_default(payloads)
+        if collated is not None:
+            return collated
+    return payloads
+
+
+class Heartbeat:
+    """Renews the claim's visibility every third of the timeout; on a lost lease, sets `lost`."""
+
+    def __init__(self, queue, message, visibility_timeout):
+        self.queue, self.message, self.timeout = queue, message, visibility_timeout
+        self.done, self.lost = threading.Event(), threading.Event()
+        self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.done.wait(max(self.timeout / 3.0, 0.2)):
+            try:
+                self.queue.change_visibility(self.message, self.timeout)
+            except calque.LeaseLost as e:
+                log.warning("heartbeat: lease lost (%s); this claim will not be written", e)
+                self.lost.set()
+                return
+            except Exception as e:   # a transient network error: the next beat retries, well inside the timeout
+                log.warning("heartbeat: visibility renewal failed (%s); retrying", e)
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+
+
+class GpuSampler:
+    """Mean GPU utilisation over a claim, sampled through NVML; unavailable without a GPU (and says so)."""
+
+    def __init__(self):
+        self.nvml, self.reason = None, "no NVML (nvidia-ml-py not installed)"
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CALQUE_GPU_INDEX", "0")))
+            self.nvml = pynvml
+        except ImportError:
+            pass
+        except Exception as e:
+            self.reason = f"no GPU visible to NVML ({type(e).__name__})"
+
+    def start(self):
+        self.samples, self.done = [], threading.Event()
+        if self.nvml:
+            self.thread = threading.Thread(target=self._run, daemon=True)
+            self.thread.start()
+
+    def _run(self):
+        while not self.done.wait(GPU_SAMPLE_INTERVAL):
+            self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu / 100.0)
+
+    def stop(self):
+        """{value, source, scope, measured} for the claim."""
+        self.done.set()
+        if not self.nvml or not self.samples:
+            return {"value": None, "source": "nvml", "scope": "device", "measured": False,
+                    "reason": self.reason if not self.nvml else "claim shorter than one sample"}
+        self.thread.join()
+        return {"value": round(sum(self.samples) / len(self.samples), 4), "source": "nvml", "scope": "device",
+                "measured": True, "samples": len(self.samples)}
+
+
+class SpotPoller:
+    """Polls the EC2 metadata spot `instance-action` (IMDSv2) and calls `on_notice` once when one appears.
+    Off unless CALQUE_SPOT_POLL names the metadata address; tests point it at a loopback stub."""
+
+    def __init__(self, base_url, on_notice):
+        self.base, self.on_notice = base_url.rstrip("/"), on_notice
+        threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
+
+    def _check(self):
+        import urllib.error
+        import urllib.request
+        token_req = urllib.request.Request(self.base + "/latest/api/token", method="PUT",
+                                           headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+        token = urllib.request.urlopen(token_req, timeout=2).read().decode()
+        req = urllib.request.Request(self.base + "/latest/meta-data/spot/instance-action",
+                                     headers={"X-aws-ec2-metadata-token": token})
+        try:
+            return json.loads(urllib.request.urlopen(req, timeout=2).read() or b"{}")
+        except urllib.error.HTTPError as e:
+            if e.code == 404:   # the normal answer: no interruption scheduled
+                return None
+            raise
+
+    def _run(self):
+        while True:
+            try:
+                notice = self._check()
+                if notice is not None:
+                    log.warning("spot: interruption notice %s; stopping as on SIGTERM", notice)
+                    self.on_notice()
+                    return
+            except Exception as e:
+                log.warning("spot: metadata check failed (%s)", e)
+            time.sleep(SPOT_POLL_INTERVAL)
+
+
+class Worker:
+    def __init__(self, backend, record, record_key, stats_key_prefix, conf, ephemeral):
+        self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
+        self.record_key = record_key
+        self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.stats_key = f"{stats_key_prefix}{self.worker_id}.json"
+        self.grace = calque.setting_number(conf, "CALQUE_GRACE", float, 0)
+        self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
+        self.state = "starting"          # starting | polling | claim | stopping
+        self.stop_requested = False
+        self.release_now = threading.Event()
+        self.started = time.time()
+        spawned = os.environ.get("CALQUE_SPAWNED_AT")
+        self.spawned_at = float(spawned) if spawned else self.started
+        self.acquisition_seconds = 0.0   # process spawn -> ready to load; charged to a cold worker's first claim
+        self.entered_at = None
+        self.enter_seconds = 0.0
+        self.enter_count = 0
+        self.stats = Counter()           # claims, warm_hits, items, items_failed
+        self.busy_seconds = 0.0
+        self.requests_mark = Counter()
+        self.gpu = GpuSampler()
+        self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="collate") if PREFETCH else None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def load_handler(self):
+        """Fetch the handler snapshot named by the pool record, check its digest, import it."""
+        h = self.record["handler"]
+        source = self.backend.store.get(h["key"])
+        if hashlib.sha256(source).hexdigest() != h["sha256"]:
+            raise calque.UserError(f"handler snapshot {h['key']} does not match the pool record's sha256: recreate the pool")
+        folder = os.path.join(os.path.abspath(self.conf["CALQUE_STATE"]), "handlers", h["sha256"][:16])
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, h["file"])
+        calque.write_file_atomic(path, source.decode())
+        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"])
+        self.collate = collate or default_collate
+
+    def enter(self):
+        self.acquisition_seconds = max(0.0, time.time() - self.spawned_at)
+        t0 = time.perf_counter()
+        self.enter_fn()
+        self.enter_seconds = time.perf_counter() - t0
+        self.enter_count += 1
+        self.entered_at = time.time()
+        log.info("worker %s: @enter done in %.3fs (acquisition %.3fs)", self.worker_id, self.enter_seconds, self.acquisition_seconds)
+
+    def on_signal(self, signum, frame):
+        if self.stop_requested:
+            log.warning("worker %s: second %s: releasing the claim now", self.worker_id, signal.Signals(signum).name)
+            self.release_now.set()
+            if self.state == "claim":
+                raise ColdStop()
+            return
+        self.stop_requested = True
+        log.info("worker %s: %s: warm stop (no new claims; %.0fs grace for the running one)",
+                 self.worker_id, signal.Signals(signum).name, self.grace)
+        if self.state == "claim":
+            threading.Timer(self.grace, self.release_now.set).start()
+        elif self.state == "polling":
+            raise Interrupted()
+
+    def request_stop(self):
+        """The spot poller's notice: the same warm stop as SIGTERM."""
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def work(self):
+        """The loop: claim, drain, write, ack; a logged reason for every exit."""
+        signal.signal(signal.SIGTERM, self.on_signal)
+        signal.signal(signal.SIGINT, self.on_signal)
+        if self.conf.get("CALQUE_SPOT_POLL"):
+            SpotPoller(self.conf["CALQUE_SPOT_POLL"], self.request_stop)
+        queue = self.backend.queues.open_queue(self.record["queue"])
+        self.dlq = self.backend.queues.open_queue(self.record["dlq"])
+        reason = "?"
+        try:
+            self.load_handler()
+            if not self.ephemeral:
+                self.enter()      # a pool worker loads before its first claim: no claim waits on a load
+            self.write_stats("running")
+            last_stats = time.monotonic()
+            while True:
+                if self.stop_requested:
+                    reason = "stop requested"
+                    break
+                self.state = "polling"
+                try:
+                    message = queue.receive(self.poll_wait, should_stop=lambda: self.stop_requested)
+                except Interrupted:
+                    reason = "stop requested while polling"
+                    break
+                self.state = "claim"
+                if message is not None:
+                    try:
+                        self.handle(queue, message)
+                    except ColdStop:
+                        queue.change_visibility(message, 0)
+                        reason = "second signal: claim released"
+                        break
+                    self.write_stats("running")
+                    last_stats = time.monotonic()
+                elif self.ephemeral and sum(queue.counts().values()) == 0:
+                    reason = "cold run drained"
+                    break
+                elif time.monotonic() - last_stats > STATS_INTERVAL:
+                    self.write_stats("running")
+                    last_stats = time.monotonic()
+        except Interrupted:
+            reason = "stop requested"
+        finally:
+            self.state = "stopping"
+            if self.prefetcher:
+                self.prefetcher.shutdown(wait=False, cancel_futures=True)
+            self.write_stats("stopped")
+            log.info("worker %s: exit (%s) after %d claim(s), %d warm hit(s), enter_count %d",
+                     self.worker_id, reason, self.stats["claims"], self.stats["warm_hits"], self.enter_count)
+
+    # ---- one claim ------------------------------------------------------------------------------
+
+    def handle(self, queue, message):
+        """Validate, dedupe, fetch the manifest, drain, write results then summary, then ack."""
+        received = time.time()
+        try:
+            msg = calque.parse_message(message.body)
+        except ValueError as e:
+            return self.dead_letter(queue, message, f"malformed message: {e}", None)
+        key = self.backend.store.key_for_uri(msg["manifest_uri"])
+        match = calque.MANIFEST_KEY.match(key or "")
+        if not match:
+            return self.dead_letter(queue, message, f"manifest_uri {msg['manifest_uri']!r} is outside this pool's store "
+                                                    f"{self.backend.describe()}: refused", msg)
+        run_id, claim = match.groups()
+        msg.update(run_id=run_id, claim=claim)    # the key is the authority, not the message's own fields
+        if msg["model"] != self.record["model"]:
+            return self.dead_letter(queue, message, f"claim is for model {msg['model']!r}, this pool serves {self.record['model']!r}", msg)
+        if self.backend.store.exists(calque.summary_key(run_id, claim)):
+            queue.delete(message)
+            log.info("worker %s: claim %s/%s already has a summary (duplicate delivery): acked without recompute",
+                     self.worker_id, run_id, claim)
+            return
+        if message.receive_count > self.record["max_deliveries"]:
+            return self.dead_letter(queue, message, f"delivered {message.receive_count} times, more than the pool's "
+                                                    f"max deliveries {self.record['max_deliveries']}", msg)
+        try:
+            manifest = json.loads(self.backend.store.get(key))
+            items, first = manifest["items"], int(manifest.get("first_index", 0))
+            if not isinstance(items, list):
+                raise ValueError("'items' is not a list")
+        except calque.NotFound:
+            return self.dead_letter(queue, message, f"manifest {key} does not exist", msg)
+        except (ValueError, KeyError, TypeError) as e:
+            return self.dead_letter(queue, message, f"manifest {key} is corrupt: {e}", msg)
+
+        warm_hit = self.entered_at is not None and self.entered_at <= received
+        enter_paid, acquisition = 0.0, 0.0
+        heartbeat = Heartbeat(queue, message, self.record["visibility_timeout"])
+        self.gpu.start()
+        try:
+            if self.entered_at is None:     # a cold worker pays its load inside its first claim
+                self.enter()
+                enter_paid, acquisition = self.enter_seconds, self.acquisition_seconds
+            outcome = self.drain(items, first, heartbeat)
+        except ClaimReleased as e:
+            queue.change_visibility(message, 0) if not heartbeat.lost.is_set() else None
+            log.warning("worker %s: claim %s/%s given back (%s)", self.worker_id, run_id, claim, e)
+            return
+        finally:
+            heartbeat.stop()
+            gpu = self.gpu.stop()
+        finished = time.time()
+        results, failed, errors, model_seconds = outcome
+        claim_seconds = finished - received
+        notes = []
+        if len(errors) < len(failed):
+            notes.append(f"errors: only the first {len(errors)} of {len(failed)} messages kept")
+        if not gpu["measured"]:
+            notes.append(f"GPU utilisation not measured: {gpu['reason']}")
+        if self.backend.kind == "local":
+            notes.append("requests: counted on the local backend, where they cost nothing; priced as if on SQS/S3")
+        summary = {
+            "run_id": run_id, "claim": claim, "model": self.record["model"], "worker_id": self.worker_id,
+            "status": "ok" if not failed else ("failed" if len(failed) == len(items) and items else "partial"),
+            "items": len(items), "ok": len(items) - len(failed), "failed": failed, "errors": errors,
+            "warm_hit": warm_hit, "enter_seconds_paid": round(enter_paid, 6), "enter_count": self.enter_count,
+            "acquisition_seconds": round(acquisition, 6), "receive_count": message.receive_count,
+            "claim_seconds": round(claim_seconds, 6), "model_seconds": round(model_seconds, 6),
+            "occupancy": {"value": round(model_seconds / claim_seconds, 4) if claim_seconds > 0 else None,
+                          "source": "drain-loop", "scope": "claim", "measured": True},
+            "gpu_utilisation": gpu, "mode": "cold" if self.ephemeral else "pool", "backend": self.backend.kind,
+            "started_at": calque.now_iso(received), "finished_at": calque.now_iso(finished), "notes": notes,
+        }
+        if heartbeat.lost.is_set():
+            log.warning("worker %s: claim %s/%s lease lost: not writing it", self.worker_id, run_id, claim)
+            return
+        self.backend.store.put(calque.results_key(run_id, claim), "".join(results))
+        summary["requests"] = self.claim_requests(extra_puts=1, extra_other=1)   # + the summary put and the ack below
+        self.backend.store.put(calque.summary_key(run_id, claim), json.dumps(summary, indent=1))
+        if not queue.delete(message):
+            log.warning("worker %s: claim %s/%s: ack refused (receipt stale); its summary stands", self.worker_id, run_id, claim)
+        self.stats["claims"] += 1
+        self.stats["warm_hits"] += warm_hit
+        self.stats["items"] += len(items)
+        self.stats["items_failed"] += len(failed)
+        self.busy_seconds += claim_seconds
+        log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid %.3fs, %.3fs",
+                 self.worker_id, run_id, claim, len(items), len(failed), "yes" if warm_hit else "no", enter_paid, claim_seconds)
+
+    def drain(self, items, first, heartbeat):
+        """Items through collate + batch, batch_size at a time, the next batch collated while the model runs.
+        Returns (result lines, failed indices, errors, model seconds). A batch that raises is retried one
+        item at a time, so that only the failing items fail."""
+        size = self.record["batch_size"]
+        batches = [items[i:i + size] for i in range(0, len(items), size)]
+        results, failed, errors = [], [], {}
+        model_seconds = 0.0
+        pending = self._collate_async(batches[0]) if batches else None
+        for k, payloads in enumerate(batches):
+            collated = pending
+            if k + 1 < len(batches):
+                pending = self._collate_async(batches[k + 1])   # overlaps with the model call below
+            if self.release_now.is_set():
+                raise ClaimReleased("grace period over" if self.stop_requested else "released")
+            if heartbeat.lost.is_set():
+                raise ClaimReleased("lease lost")
+            base = first + k * size
+            t0 = time.perf_counter()
+            try:
+                outputs = self.batch_fn(collated.result() if self.prefetcher else collated)
+                model_seconds += time.perf_counter() - t0
+                if not isinstance(outputs, (list, tuple)) or len(outputs) != len(payloads):
+                    got = f"{len(outputs)} results" if isinstance(outputs, (list, tuple)) else type(outputs).__name__
+                    outcome = [(False, f"handler returned {got} for a batch of {len(payloads)} items")] * len(payloads)
+                else:
+                    outcome = [(True, o) for o in outputs]
+            except Exception:
+                model_seconds += time.perf_counter() - t0
+                outcome, seconds = self._one_by_one(payloads)
+                model_seconds += seconds
+            for i, (ok, value) in enumerate(outcome):
+                line = None
+                if ok:
+                    try:
+                        line = calque.dumps({"i": base + i, "ok": True, "result": value})
+                    except (TypeError, ValueError) as e:
+                        ok, value = False, f"result is not JSON-serialisable: {e}"
+                if not ok:
+                    failed.append(base + i)
+                    if len(errors) < calque.ERRORS_KEPT:
+                        errors[str(base + i)] = value[:calque.ERROR_CHARS]
+                    line = calque.dumps({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS]})
+                results.append(line + "\n")
+        return results, failed, errors, model_seconds
+
+    def _collate_async(self, payloads):
+        if self.prefetcher:
+            return self.prefetcher.submit(self.collate, payloads)
+        return self.collate(payloads)
+
+    def _one_by_one(self, payloads):
+        outcome, seconds = [], 0.0
+        for payload in payloads:
+            t0 = time.perf_counter()
+            try:
+                out = self.batch_fn(self.collate([payload]))
+                if not isinstance(out, (list, tuple)) or len(out) != 1:
+                    outcome.append((False, f"handler returned {len(out) if isinstance(out, (list, tuple)) else type(out).__name__} "
+                                           f"results for 1 item"))
+                else:
+                    outcome.append((True, out[0]))
+            except Exception as e:
+                outcome.append((False, f"{type(e).__name__}: {e}"))
+            seconds += time.perf_counter() - t0
+        return outcome, seconds
+
+    def dead_letter(self, queue, message, reason, msg):
+        """A claim that cannot succeed: failure summary (where the run is known), DLQ copy, then delete."""
+        run_id, claim = (msg or {}).get("run_id"), (msg or {}).get("claim")
+        if isinstance(run_id, str) and isinstance(claim, str) and calque.SAFE_ID.match(run_id) and calque.SAFE_ID.match(claim):
+            key = calque.summary_key(run_id, claim)
+            if not self.backend.store.exists(key):
+                now = calque.now_iso()
+                self.backend.store.put(key, json.dumps({
+                    "run_id": run_id, "claim": claim, "model": self.record["model"], "worker_id": self.worker_id,
+                    "status": "failed", "error": reason, "items": 0, "ok": 0, "failed": [], "errors": {},
+                    "warm_hit": False, "enter_seconds_paid": 0.0, "enter_count": self.enter_count, "acquisition_seconds": 0.0,
+                    "receive_count": message.receive_count, "claim_seconds": 0.0, "model_seconds": 0.0,
+                    "occupancy": {"value": None, "source": "drain-loop", "scope": "claim", "measured": False},
+                    "mode": "cold" if self.ephemeral else "pool", "backend": self.backend.kind,
+                    "started_at": now, "finished_at": now, "requests": self.claim_requests(extra_puts=1, extra_other=2),
+                    "notes": ["dead-lettered: the claim was not run"]}, indent=1))
+        self.dlq.send(json.dumps({"reason": reason, "body": message.body, "receive_count": message.receive_count,
+                                  "worker_id": self.worker_id, "at": calque.now_iso()}))
+        queue.delete(message)
+        log.warning("worker %s: claim to dead-letter queue %s: %s", self.worker_id, self.record["dlq"], reason)
+
+    # ---- accounting -----------------------------------------------------------------------------
+
+    def claim_requests(self, extra_puts, extra_other):
+        """Requests since the previous claim (its idle polls included), plus the writes about to happen."""
+        now = Counter(self.backend.requests)
+        delta = {k: now[k] - self.requests_mark[k] for k in ("queue_receives", "queue_empty_receives", "queue_other",
+                                                             "store_gets", "store_puts", "store_lists")}
+        delta["store_puts"] += extra_puts
+        delta["queue_other"] += extra_other
+        self.requests_mark = now + Counter({"store_puts": extra_puts, "queue_other": extra_other})
+        return delta
+
+    def write_stats(self, state):
+        now = time.time()
+        stats = {"worker_id": self.worker_id, "model": self.record["model"], "host": socket.gethostname(), "pid": os.getpid(),
+                 "mode": "cold" if self.ephemeral else "pool", "state": state, "backend": self.backend.kind,
+                 "started_at": calque.now_iso(self.started), "updated_at": calque.now_iso(now),
+                 "alive_seconds": round(now - self.started, 3), "busy_seconds": round(self.busy_seconds, 3),
+                 "enter_seconds": round(self.enter_seconds, 6), "enter_count": self.enter_count,
+                 "acquisition_seconds": round(self.acquisition_seconds, 6),
+                 "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"], "items": self.stats["items"],
+                 "items_failed": self.stats["items_failed"], "requests": dict(self.backend.requests)}
+        try:
+            self.backend.store.put(self.stats_key, json.dumps(stats, indent=1))
+        except Exception as e:   # stats are bookkeeping: a failed write must not stop the worker
+            log.warning("worker %s: stats write failed (%s)", self.worker_id, e)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="warmd.py", description="The sticky worker of a calque pool.")
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", help="serve the pool of this model")
+    which.add_argument("--run", help="serve one cold run's queue, then exit (started by `calque.py submit` without --pool)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
+    try:
+        conf = calque.settings()
+        backend = calque.open_backend(conf["CALQUE_STORE"])
+        if args.model:
+            record = calque.load_pool(backend, args.model)
+            worker = Worker(backend, record, calque.pool_key(args.model), calque.worker_stats_prefix(args.model), conf, False)
+        else:
+            record = calque.read_json(backend, calque.cold_record_key(args.run))
+            worker = Worker(backend, record, calque.cold_record_key(args.run), f"runs/{args.run}/workers/", conf, True)
+        worker.work()
+    except calque.UserError as e:
+        print(f"warmd: error: {e}", file=sys.stderr)
+        return calque.EXIT_USAGE
+    except calque.NotFound as e:
+        print(f"warmd: error: {e} not found in the store: check CALQUE_STORE and the pool (`calque.py pool list`)", file=sys.stderr)
+        return calque.EXIT_USAGE
+    return calque.EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
