@@ -16,6 +16,7 @@ The contract every part honours is in README.md ("The contract, as implemented")
 import argparse
 import contextlib
 import datetime
+import math
 import json
 import os
 import re
@@ -44,6 +45,7 @@ DEFAULTS = {
     "CALQUE_GRACE": "30",               # seconds a SIGTERM'd worker may spend finishing its claim before releasing it
     "CALQUE_TIMEOUT": "3600",           # seconds submit waits for the summaries
     "CALQUE_SPOT_POLL": "",             # spot-interruption metadata address (off when empty; EC2 bootstrap sets it)
+    "CALQUE_SPOT_INTERVAL": "5",        # s between two spot-interruption checks (AWS gives a 2-minute notice)
 }
 ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
@@ -1040,6 +1042,676 @@ def cold_run(conf, backend, args, items):
 
 
 # ------------------------------------------------------------------------------------------------
+# the cost model
+# Where the money goes. A worker on an instance of rate r ($/s) pays, per claim:
+#   fixed    = @enter paid during the claim + acquisition (cold runs only: billed boot before @enter)
+#   variable = the drain: claim_seconds - @enter paid during it
+# plus the queue and store requests the worker counted. A warm pool's point is that `fixed` is
+# paid once per worker, not once per batch; the cold counterfactual prices the same run as a
+# fresh acquisition so the two can be compared. Rates come from rates.json (source + date each).
+# -----------------------------------------------------------------------------------------------
+RATES_VERSION = 1                                     # rates.json schema this code reads
+LADDER_ITEMS = (10, 100, 1_000, 10_000, 100_000)      # item counts the crossover ladder prices
+REQUEST_KEYS = (
+    "queue_receives",        # ReceiveMessage calls that returned a claim
+    "queue_empty_receives",  # ReceiveMessage calls that returned nothing (long polls that timed out): billed too
+    "queue_other",           # SendMessage, DeleteMessage, ChangeMessageVisibility (heartbeats), ...
+    "store_gets",            # S3 GET (manifests, pool record, handler code, summary existence checks)
+    "store_puts",            # S3 PUT (result parts, summaries, stats)
+    "store_lists",           # S3 LIST (priced as PUT by S3)
+)
+TIE_REL = 1e-9                                        # costs this close count as a tie (float noise)
+# -----------------------------------------------------------------------------------------------
+
+
+
+def load_rates(path):
+    """Read and validate a rates file; every failure is a UserError naming the file and the field."""
+    path = str(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise UserError(f"rates file {path} not found ---> HINT: pass --rates FILE, or restore rates.json") from None
+    except OSError as e:
+        raise UserError(f"rates file {path}: cannot read it ({e.strerror})") from None
+    try:
+        rates = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"rates file {path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    _check_rates(rates, path)
+    rates["_file"] = path  # for error messages that list known names
+    return rates
+
+
+def _field_name(keys):
+    """('ec2', 'instances', 'g5.xlarge', 'usd_per_hour') -> "ec2.instances['g5.xlarge'].usd_per_hour"."""
+    out = ""
+    for k in keys:
+        out += f"['{k}']" if "." in k else (f".{k}" if out else k)
+    return out
+
+
+_NUMBER_CHECKS = {  # kind: (test, what the message asks for)
+    "positive": (lambda v: v > 0, "a positive number"),
+    "nonneg": (lambda v: v >= 0, "a number >= 0"),
+    "fraction": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+}
+
+
+def _get(rates, keys, file, kind=None):
+    """The value at `keys`, checked: a _NUMBER_CHECKS name, a type (str, int, bool, dict), or None."""
+    node = rates
+    for i, k in enumerate(keys):
+        if not isinstance(node, dict) or k not in node:
+            raise UserError(f"rates file {file}: missing field {_field_name(keys[:i + 1])}")
+        node = node[k]
+    if isinstance(kind, str):
+        test, want = _NUMBER_CHECKS[kind]
+        number = isinstance(node, (int, float)) and not isinstance(node, bool) and math.isfinite(node)
+        if not (number and test(node)):
+            raise UserError(f"rates file {file}: {_field_name(keys)} must be {want}, got {node!r}")
+    elif kind is not None and (not isinstance(node, kind) or (kind is int and isinstance(node, bool))):
+        raise UserError(f"rates file {file}: {_field_name(keys)} must be a {kind.__name__}, got {node!r}")
+    return node
+
+
+def _check_sourced(rates, keys, file):
+    """Every figure says where it came from and when."""
+    _get(rates, keys + ("source",), file, str)
+    _get(rates, keys + ("as_of",), file, str)
+
+
+def _check_rates(rates, file):
+    if not isinstance(rates, dict):
+        raise UserError(f"rates file {file}: top level must be a JSON object")
+    version = _get(rates, ("version",), file, int)
+    if version != RATES_VERSION:
+        raise UserError(f"rates file {file}: version {version} is not supported (this calque reads version {RATES_VERSION})")
+    _get(rates, ("updated",), file, str)
+    instances = _get(rates, ("ec2", "instances"), file, dict)
+    cards = _get(rates, ("serverless", "cards"), file, dict)
+    if not instances:
+        raise UserError(f"rates file {file}: ec2.instances is empty")
+    if not cards:
+        raise UserError(f"rates file {file}: serverless.cards is empty")
+    for name in instances:
+        keys = ("ec2", "instances", name)
+        _get(rates, keys + ("usd_per_hour",), file, "positive")
+        _get(rates, keys + ("gpu",), file, str)
+        gpus = _get(rates, keys + ("gpus",), file, int)
+        if gpus < 1:
+            raise UserError(f"rates file {file}: {_field_name(keys + ('gpus',))} must be >= 1, got {gpus}")
+        card = _get(rates, keys + ("serverless_card",), file, str)
+        if card not in cards:
+            raise UserError(f"rates file {file}: {_field_name(keys + ('serverless_card',))} {card!r} "
+                            f"is not in serverless.cards ({', '.join(cards)})")
+        _check_sourced(rates, keys, file)
+    for name in ("spot_fraction", "savings_plan_fraction"):
+        _get(rates, ("ec2", name, "value"), file, "fraction")
+        _check_sourced(rates, ("ec2", name), file)
+    for name in cards:
+        _get(rates, ("serverless", "cards", name, "usd_per_second"), file, "positive")
+        _check_sourced(rates, ("serverless", "cards", name), file)
+    _get(rates, ("serverless", "gpu_rate_includes_cpu_memory"), file, bool)
+    for name in ("cpu_usd_per_core_second", "memory_usd_per_gib_second"):
+        _get(rates, ("serverless", name, "value"), file, "positive")
+        _check_sourced(rates, ("serverless", name), file)
+    _get(rates, ("serverless", "container_per_gpu", "cpu_cores"), file, "nonneg")
+    _get(rates, ("serverless", "container_per_gpu", "memory_gib"), file, "nonneg")
+    for name in ("sqs_usd_per_million", "s3_put_usd_per_thousand", "s3_get_usd_per_thousand"):
+        _get(rates, ("requests", name, "value"), file, "positive")
+        _check_sourced(rates, ("requests", name), file)
+    default_type = _get(rates, ("defaults", "instance_type", "value"), file, str)
+    if default_type not in instances:
+        raise UserError(f"rates file {file}: defaults.instance_type {default_type!r} is not in ec2.instances")
+    _get(rates, ("defaults", "acquisition_seconds", "value"), file, "nonneg")
+
+
+def _known(names):
+    return ", ".join(sorted(names, key=str.lower))
+
+
+def instance_rate_per_second(rates, instance_type, spot=False, savings_plan=False):
+    """$/s for one instance: on-demand, or scaled by the file's spot or savings-plan fraction."""
+    instances = rates["ec2"]["instances"]
+    if instance_type not in instances:
+        raise UserError(f"no rate for instance type {instance_type!r} in {rates.get('_file', 'the rates file')}; "
+                        f"known: {_known(instances)} ---> HINT: pick one, or add it to a --rates FILE")
+    if spot and savings_plan:
+        raise UserError("an instance is priced as spot or under a savings plan, not both")
+    fraction = 1.0
+    if spot:
+        fraction = rates["ec2"]["spot_fraction"]["value"]
+    elif savings_plan:
+        fraction = rates["ec2"]["savings_plan_fraction"]["value"]
+    return instances[instance_type]["usd_per_hour"] * fraction / 3600.0
+
+
+def serverless_rate_per_second(rates, card, count=1):
+    """$/s for `count` serverless GPUs of `card` (case-insensitive), plus the CPU and memory a
+    container reserves per GPU when the card rate excludes them (Modal bills them separately)."""
+    cards = rates["serverless"]["cards"]
+    key = next((k for k in cards if k.lower() == str(card).lower()), None)
+    if key is None:
+        raise UserError(f"no serverless rate for GPU card {card!r} in {rates.get('_file', 'the rates file')}; "
+                        f"known: {_known(cards)}")
+    per_gpu = cards[key]["usd_per_second"]
+    if not rates["serverless"]["gpu_rate_includes_cpu_memory"]:
+        shape = rates["serverless"]["container_per_gpu"]
+        per_gpu += (shape["cpu_cores"] * rates["serverless"]["cpu_usd_per_core_second"]["value"]
+                    + shape["memory_gib"] * rates["serverless"]["memory_usd_per_gib_second"]["value"])
+    return count * per_gpu
+
+
+def serverless_match(rates, instance_type):
+    """(card, count): the serverless GPUs that stand in for this instance's GPUs in the ladder."""
+    instance_rate_per_second(rates, instance_type)  # same unknown-type error
+    inst = rates["ec2"]["instances"][instance_type]
+    return inst["serverless_card"], inst["gpus"]
+
+
+def price_label(rates, instance_type, spot=False, savings_plan=False):
+    """'g5.xlarge (1x A10G) on-demand $1.006/h, rates.json 2026-11-29' -- what every cost line is priced as."""
+    per_hour = instance_rate_per_second(rates, instance_type, spot, savings_plan) * 3600
+    inst = rates["ec2"]["instances"][instance_type]
+    option = "spot" if spot else "savings plan" if savings_plan else "on-demand"
+    return (f"{instance_type} ({inst['gpus']}x {inst['gpu']}) {option} {_usd(per_hour)}/h, "
+            f"{rates.get('_file', 'rates')} {rates['updated']}")
+
+
+
+def request_counts(requests):
+    """All REQUEST_KEYS, missing ones as 0 (an older worker). An unknown key is a ValueError: the
+    worker and this model share these names, and a typo must fail a test rather than go unpriced."""
+    requests = requests or {}
+    unknown = set(requests) - set(REQUEST_KEYS)
+    if unknown:
+        raise ValueError(f"unknown request counter(s) {sorted(unknown)}; known: {', '.join(REQUEST_KEYS)}")
+    counts = {}
+    for k in REQUEST_KEYS:
+        v = requests.get(k, 0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"request counter {k} must be a count >= 0, got {v!r}")
+        counts[k] = v
+    return counts
+
+
+def _add_counts(many):
+    total = dict.fromkeys(REQUEST_KEYS, 0)
+    for counts in many:
+        for k, v in request_counts(counts).items():
+            total[k] += v
+    return total
+
+
+def request_cost(rates, requests):
+    """$ for these request counts at SQS Standard + S3 Standard prices.
+
+    Always the AWS price, whatever the backend: the local backend (SQLite + a directory) pays
+    nothing, but its counts are the ones the same run would make on SQS + S3, so a local run is
+    priced "as if on AWS" exactly as its seconds are priced as if on the default instance. The
+    caller labels which it is (run_cost's `requests_basis`). Not modelled: the SQS free tier
+    (1M requests/month, an account-level allowance, not a per-run one) and the 64 KB rule
+    (calque messages are pointers, well under 64 KB, so one API call is one billed request)."""
+    n = request_counts(requests)
+    r = rates["requests"]
+    sqs = n["queue_receives"] + n["queue_empty_receives"] + n["queue_other"]
+    return (sqs * r["sqs_usd_per_million"]["value"] / 1e6
+            + n["store_gets"] * r["s3_get_usd_per_thousand"]["value"] / 1e3
+            + (n["store_puts"] + n["store_lists"]) * r["s3_put_usd_per_thousand"]["value"] / 1e3)
+
+
+
+def _seconds(record, key, what, default=None):
+    v = record.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise UserError(f"{what}: field {key!r} is missing or not a number >= 0 (got {v!r})")
+    return float(v)
+
+
+def _claim_label(summary):
+    return f"summary of claim {summary.get('claim', '?')} of run {summary.get('run_id', '?')}"
+
+
+def claim_cost(summary, rate_per_s, rates):
+    """Split one claim's instance-seconds into fixed and variable and price them.
+
+    fixed    = enter_seconds_paid + acquisition_seconds
+    variable = max(0, claim_seconds - enter_seconds_paid)
+    claim_seconds includes the @enter paid during the claim; acquisition_seconds (cold runs: billed
+    time from process start to @enter start; 0 for pool claims) lies before the claim, outside it."""
+    what = _claim_label(summary)
+    enter = _seconds(summary, "enter_seconds_paid", what)
+    acquisition = _seconds(summary, "acquisition_seconds", what, default=0.0)
+    claim_seconds = _seconds(summary, "claim_seconds", what)
+    fixed = enter + acquisition
+    variable = max(0.0, claim_seconds - enter)  # clamp: clocks read at different points can cross
+    request_usd = request_cost(rates, summary.get("requests"))
+    return {
+        "fixed_seconds": fixed,
+        "variable_seconds": variable,
+        "instance_seconds": fixed + variable,
+        "fixed_usd": fixed * rate_per_s,
+        "variable_usd": variable * rate_per_s,
+        "request_usd": request_usd,
+        "total_usd": (fixed + variable) * rate_per_s + request_usd,
+    }
+
+
+def measured_enter_seconds(worker_stats):
+    """Mean @enter seconds over every @enter the pool's workers recorded, or None if none has."""
+    count = sum(w.get("enter_count", 0) for w in worker_stats)
+    return sum(w.get("enter_seconds", 0.0) for w in worker_stats) / count if count else None
+
+
+def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *,
+             enter_status="measured", acquisition_status="assumed", shards=1,
+             expected_claims=None, backend="aws"):
+    """Price a run from its claim summaries, against a cold acquisition of the same work.
+
+    actual = sum of claim_cost totals
+    warm   = rate * sum(variable) + requests: the same work on a pool whose @enter was already paid
+    cold   = rate * (shards * (A + E) + sum(variable)) + requests: a fresh acquisition per shard
+             (1 for a pool run's counterfactual) paying acquisition A and @enter E, then the same drain
+    saving = cold - actual (for a cold run this is ~0: it *is* the baseline; compare `warm` instead)
+
+    E is the pool's measured @enter (measured_enter_seconds of its workers), not a guess; say
+    otherwise with enter_status. The cold side reuses this run's request counts (its long polls
+    would differ a little). A run with fewer summaries than expected_claims is reported as partial."""
+    if backend not in ("aws", "local"):
+        raise ValueError(f"backend must be 'aws' or 'local', got {backend!r}")
+    for name, v in (("enter_seconds", enter_seconds), ("acquisition_seconds", acquisition_seconds)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    claims = [claim_cost(s, rate_per_s, rates) for s in summaries]
+    items = sum(int(_seconds(s, "items", _claim_label(s))) for s in summaries)
+    ok = sum(int(_seconds(s, "ok", _claim_label(s))) for s in summaries)
+    fixed = sum(c["fixed_seconds"] for c in claims)
+    variable = sum(c["variable_seconds"] for c in claims)
+    requests = _add_counts(s.get("requests") for s in summaries)
+    request_usd = request_cost(rates, requests)
+    total = sum(c["total_usd"] for c in claims)
+    cold_seconds = shards * (acquisition_seconds + enter_seconds) + variable
+    cold_usd = cold_seconds * rate_per_s + request_usd
+    notes = []
+    partial = expected_claims is not None and len(summaries) < expected_claims
+    if partial:
+        notes.append(f"partial: {len(summaries)} of {expected_claims} claims have finished; figures cover those only")
+    missing = [str(s.get("claim", "?")) for s in summaries if "requests" not in s]
+    if missing:
+        notes.append(f"claim(s) {', '.join(missing)} recorded no request counts: priced as 0 requests")
+    if any(s.get("receive_count", 1) > 1 for s in summaries):
+        notes.append("some claims were redelivered: work lost with a dropped lease is in no summary and not priced")
+    if backend == "local":
+        notes.append("seconds and requests are priced as if on AWS; the local backend itself pays nothing")
+    return {
+        "claims": len(summaries),
+        "expected_claims": expected_claims,
+        "partial": partial,
+        "items": items,
+        "ok": ok,
+        "failed": items - ok,
+        "warm_hits": sum(1 for s in summaries if s.get("warm_hit")),
+        "rate_per_second": rate_per_s,
+        "fixed_seconds": fixed,
+        "variable_seconds": variable,
+        "instance_seconds": fixed + variable,
+        "fixed_usd": fixed * rate_per_s,
+        "variable_usd": variable * rate_per_s,
+        "requests": requests,
+        "request_usd": request_usd,
+        "requests_basis": "billed on SQS + S3" if backend == "aws" else "as if on SQS + S3",
+        "total_usd": total,
+        "usd_per_1000_items": total / items * 1000 if items else None,
+        "seconds_per_item": variable / items if items else None,  # the ladder's c
+        "warm_usd": variable * rate_per_s + request_usd,
+        "cold": {
+            "shards": shards,
+            "acquisition_seconds": acquisition_seconds,
+            "enter_seconds": enter_seconds,
+            "variable_seconds": variable,
+            "instance_seconds": cold_seconds,
+            "usd": cold_usd,
+        },
+        "saving_usd": cold_usd - total,
+        "saving_fraction": (cold_usd - total) / cold_usd if cold_usd > 0 else None,
+        "inputs": {
+            "instance rate": "published (rates file)",
+            "claim seconds": "measured",
+            "request counts": "measured",
+            "@enter seconds": enter_status,
+            "acquisition seconds": acquisition_status,
+        },
+        "notes": notes,
+    }
+
+
+
+def _tie(x, y):
+    return math.isclose(x, y, rel_tol=TIE_REL, abs_tol=1e-15)
+
+
+def _first_int_above(x):
+    """Smallest integer n > x, reading an x within float noise of an integer k as exactly k."""
+    k = round(x)
+    return k + 1 if _tie(x, k) else math.floor(x) + 1
+
+
+def _last_int_below(x):
+    k = round(x)
+    return k - 1 if _tie(x, k) else math.ceil(x) - 1
+
+
+def _cheaper_interval(fx, sx, fy, sy):
+    """Open interval (lo, hi) of real n where fx + sx*n < fy + sy*n, or None if there is none."""
+    a, b = fy - fx, sy - sx  # cost_y - cost_x = a + b*n
+    if _tie(sx, sy):
+        return (-math.inf, math.inf) if a > 0 and not _tie(fx, fy) else None
+    n0 = -a / b
+    return (n0, math.inf) if b > 0 else (-math.inf, n0)
+
+
+def _pair(name_x, x, name_y, y):
+    """Break-even between two options (fixed $, $ per item) and who is cheaper on each side."""
+    (fx, sx), (fy, sy) = x, y
+    out = {"a": name_x, "b": name_y, "break_even_items": None}
+    if _tie(sx, sy):
+        cheaper = None if _tie(fx, fy) else (name_x if fx < fy else name_y)
+        out.update(cheaper_below=cheaper, cheaper_above=cheaper, wins_from=None,
+                   text=(f"{name_x} = {name_y} at every n" if cheaper is None else
+                         f"{cheaper} cheaper at every n: same $ per item, {_usd(abs(fx - fy))} less up front"))
+        return out
+    n0 = (fy - fx) / (sx - sy)  # fx + sx*n0 == fy + sy*n0
+    below, above = (name_x, name_y) if sx > sy else (name_y, name_x)
+    out.update(break_even_items=n0, cheaper_below=below, cheaper_above=above,
+               wins_from=max(1, _first_int_above(n0)))
+    if n0 <= 0:
+        out["text"] = f"{above} cheaper at every n: no more up front and less per item"
+    elif n0 < 1 and not _tie(n0, 1):
+        out["text"] = f"{above} cheaper at every n >= 1 (break-even {n0:.4g} items)"
+    else:
+        out["text"] = (f"{below} cheaper below {n0:.6g} items, {above} from {out['wins_from']:,}"
+                       + (f" (tie at {round(n0):,})" if _tie(n0, round(n0)) else ""))
+    return out
+
+
+def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER_ITEMS, request_usd_per_item=0.0):
+    """Cost of n items three ways, and the n where each way starts to win.
+
+    c: seconds per item (drain), E: @enter seconds, A: acquisition seconds, rates in $/s,
+    request_usd_per_item: the pool's queue + store requests per item (warm and cold pay it).
+      warm(n)       = (r*c + q) * n             @enter already paid by the pool: amortized away
+      cold(n)       = r*(A + E) + (r*c + q) * n  one fresh acquisition, then the same drain
+      serverless(n) = R*(c*n + E)               pays @enter in its billed cold start, not the
+                                                scheduling before it; same c on the like-for-like card
+    Each is a line fixed + slope*n, so every break-even is n* = (f_y - f_x) / (s_x - s_y); at n*
+    the two tie, and the one with the smaller slope is strictly cheaper from the next integer on.
+    An option "wins" at n when it is strictly cheaper than both others; ties win nothing."""
+    for name, v in (("c", c), ("E", E), ("A", A), ("request_usd_per_item", request_usd_per_item)):
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    for name, v in (("instance_rate", instance_rate), ("serverless_rate", serverless_rate)):
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a positive rate, got {v!r}")
+    r, R, q = instance_rate, serverless_rate, request_usd_per_item
+    options = {  # name: (fixed $, $ per item)
+        "warm": (0.0, r * c + q),
+        "cold": (r * (A + E), r * c + q),
+        "serverless": (R * E, R * c),
+    }
+    names = list(options)
+    rows = []
+    for n in item_counts:
+        cost = {k: f + s * n for k, (f, s) in options.items()}
+        low = min(cost.values())
+        rows.append({"items": n, **{f"{k}_usd": v for k, v in cost.items()},
+                     "cheapest": " = ".join(k for k in names if _tie(cost[k], low))})
+    pairs = [_pair(x, options[x], y, options[y]) for i, x in enumerate(names) for y in names[i + 1:]]
+    wins = {}
+    for x in names:
+        lo, hi, reasons = 0.0, math.inf, []  # items are integers n >= 1, i.e. n > 0
+        for y in (y for y in names if y != x):
+            span = _cheaper_interval(*options[x], *options[y])
+            reasons.append(_span_reason(x, options[x], y, options[y], span))
+            lo, hi = (math.inf, -math.inf) if span is None else (max(lo, span[0]), min(hi, span[1]))
+        first = _first_int_above(lo) if math.isfinite(lo) else None
+        last = _last_int_below(hi) if math.isfinite(hi) else None
+        if first is None or (last is not None and first > last):
+            wins[x] = {"from": None, "until": None, "reason": "never: " + "; ".join(r for r in reasons if r)}
+        else:
+            wins[x] = {"from": first, "until": last, "reason": None}
+    return {
+        "inputs": {"c": c, "E": E, "A": A, "instance_rate": r, "serverless_rate": R, "request_usd_per_item": q},
+        "options": {k: {"fixed_usd": f, "usd_per_item": s} for k, (f, s) in options.items()},
+        "rows": rows,
+        "pairs": pairs,
+        "wins": wins,
+        "assumptions": [
+            "warm excludes the pool's idle time between runs: see `calque.py pool cost` for what idling costs",
+            "serverless runs at the same seconds per item on the like-for-like card, pays @enter on one "
+            "cold start, no acquisition, no per-request fee, and no idle tail after the last item",
+        ],
+    }
+
+
+def _span_reason(x, fx_sx, y, fy_sy, span):
+    """How x's cheaper-than-y span limits where x can win ('' when x beats y at every n >= 1)."""
+    (fx, sx), (fy, sy) = fx_sx, fy_sy
+    if span is None:
+        if _tie(fx, fy):
+            return f"ties with {y} at every n"
+        return f"same $ per item as {y} but {_usd(fx - fy)} more up front"
+    lo, hi = span
+    if math.isinf(hi):
+        return "" if lo < 1 else f"cheaper than {y} only above {lo:.6g} items"
+    if hi <= 0:
+        return f"{y} costs no more up front ({_usd(fy)} vs {_usd(fx)}) and less per item ({_usd(sy)} vs {_usd(sx)})"
+    return f"cheaper than {y} only below {hi:.6g} items"
+
+
+
+def _parse_time(text, what):
+    try:
+        t = datetime.datetime.fromisoformat(text)
+    except (TypeError, ValueError):
+        raise UserError(f"{what}: {text!r} is not an ISO-8601 time (e.g. 2026-11-29T10:00:00Z)") from None
+    return t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)  # a bare time is UTC, like the stats
+
+
+def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_seconds, since=None,
+              cold_starts=None, acquisition_status="assumed"):
+    """What a pool paid, idle included, against serving its observed traffic cold.
+
+    Each worker's stats: alive_seconds (process life), busy_seconds (sum of its claim_seconds, so
+    including the @enter warmd pays inside its first claim), claims, warm_hits, enter_count,
+    enter_seconds, items, requests, started_at, updated_at. So per worker
+      alive = busy + idle,  busy = enter + drain
+      pool $ = r * sum(alive) + requests
+      cold $ = r * (N*(A + E) + sum(drain)) + requests   N cold starts, each paying acquisition A + @enter E
+    Warm beats cold while  sum(enter) + idle < N*(A + E),  so the idle budget is
+      idle_budget_seconds = N*(A + E) - sum(enter)    instance-seconds the pool may idle in the window;
+      per claim, with W workers idling side by side:  (A + E - sum(enter)/N) / W  seconds of wall clock
+      between claims before keeping the pool warm costs more than a cold start per claim.
+    N defaults to the number of claims (each claim a separate batch that would need its own
+    acquisition without the pool); pass cold_starts (e.g. runs counted in the store) to say otherwise.
+    E defaults to the pool's measured mean @enter. With `since`, a worker that started earlier is
+    prorated by time (uniform activity assumed) and its @enter, paid at start, falls outside."""
+    enter_status = "measured" if cold_enter_seconds is None else "given"
+    if cold_enter_seconds is None:
+        cold_enter_seconds = measured_enter_seconds(worker_stats)
+        if cold_enter_seconds is None:
+            cold_enter_seconds, enter_status = 0.0, "unknown: no worker has recorded an @enter yet (0 used)"
+    since_t = _parse_time(since, "--since") if since is not None else None
+    notes, t = [], dict(workers=0, alive=0.0, busy=0.0, enter=0.0, enter_count=0, claims=0.0,
+                        warm_hits=0.0, items=0.0)
+    window_requests, prorated = [], False
+    for i, w in enumerate(worker_stats):
+        what = f"stats of worker {w.get('worker_id', i)}"
+        share, enter_in_window = 1.0, True
+        if since_t is not None:
+            started = _parse_time(w.get("started_at"), what + ": started_at")
+            updated = _parse_time(w.get("updated_at"), what + ": updated_at")
+            if updated < since_t:
+                continue
+            if started < since_t:
+                life = (updated - started).total_seconds()
+                share = (updated - since_t).total_seconds() / life if life > 0 else 0.0
+                enter_in_window, prorated = False, True
+                notes.append(f"worker {w.get('worker_id', i)} started before --since: counters prorated to {share:.0%}")
+        t["workers"] += 1
+        t["alive"] += share * _seconds(w, "alive_seconds", what)
+        t["busy"] += share * _seconds(w, "busy_seconds", what)
+        if enter_in_window:
+            t["enter"] += _seconds(w, "enter_seconds", what, default=0.0)
+            t["enter_count"] += int(_seconds(w, "enter_count", what, default=0))
+        for k in ("claims", "warm_hits", "items"):
+            t[k] += share * _seconds(w, k, what, default=0)
+        window_requests.append({k: share * v for k, v in request_counts(w.get("requests")).items()})
+    requests = _add_counts(window_requests)
+    request_usd = request_cost(rates, requests)
+    idle = max(0.0, t["alive"] - t["busy"])
+    drain = max(0.0, t["busy"] - t["enter"])
+    n_cold = t["claims"] if cold_starts is None else cold_starts
+    per_start = acquisition_seconds + cold_enter_seconds
+    pool_usd = t["alive"] * rate_per_s + request_usd
+    cold_usd = (n_cold * per_start + drain) * rate_per_s + request_usd
+    budget = n_cold * per_start - t["enter"]
+    if t["workers"] == 0:
+        notes.append("no worker stats in the window")
+    return {
+        "workers": t["workers"],
+        "instance_seconds": t["alive"],
+        "busy_seconds": t["busy"],
+        "drain_seconds": drain,
+        "enter_seconds": t["enter"],
+        "enter_count": t["enter_count"],
+        "idle_seconds": idle,
+        "busy_fraction": t["busy"] / t["alive"] if t["alive"] else None,
+        "claims": t["claims"],
+        "warm_hits": t["warm_hits"],
+        "items": t["items"],
+        "requests": requests,
+        "request_usd": request_usd,
+        "usd": pool_usd,
+        "usd_per_1000_items": pool_usd / t["items"] * 1000 if t["items"] else None,
+        "drain_usd_per_1000_items": drain * rate_per_s / t["items"] * 1000 if t["items"] else None,
+        "cold": {"starts": n_cold, "acquisition_seconds": acquisition_seconds,
+                 "enter_seconds": cold_enter_seconds, "usd": cold_usd},
+        "warm_beats_cold": pool_usd < cold_usd,
+        "idle_budget_seconds": budget,
+        "idle_headroom_seconds": budget - idle,
+        "idle_budget_per_claim_seconds": budget / n_cold / t["workers"] if n_cold and t["workers"] else None,
+        "idle_per_claim_seconds": idle / n_cold / t["workers"] if n_cold and t["workers"] else None,
+        "inputs": {
+            "instance rate": "published (rates file)",
+            "alive/busy seconds, claims, items": "measured (prorated)" if prorated else "measured",
+            "@enter seconds": enter_status,
+            "acquisition seconds": acquisition_status,
+            "cold starts": "assumed: one per claim" if cold_starts is None else "given",
+        },
+        "notes": notes,
+    }
+
+
+
+def _usd(x):
+    """Dollars: cents above $100, else 6 significant figures without trailing zeros ($0.000305556)."""
+    if x == 0:
+        return "$0"
+    sign, x = ("-" if x < 0 else ""), abs(x)
+    if x >= 100:
+        return f"{sign}${x:,.2f}"
+    digits = max(2, 5 - math.floor(math.log10(x)))
+    text = f"{x:.{digits}f}".rstrip("0")
+    if len(text.split(".")[1]) < 2:
+        text = f"{x:.2f}"
+    return f"{sign}${text}"
+
+
+def _inputs_line(inputs):
+    return "  inputs    " + "; ".join(f"{k}: {v}" for k, v in inputs.items())
+
+
+def format_run_cost(report, priced_as):
+    """The lines `submit` and `calque.py cost RUN` print."""
+    cold, n = report["cold"], report["requests"]
+    per_1000 = report["usd_per_1000_items"]
+    lines = [
+        f"cost      priced as {priced_as}" + ("  [PARTIAL]" if report["partial"] else ""),
+        f"  fixed     {report['fixed_seconds']:.1f} s (@enter paid + acquisition)  {_usd(report['fixed_usd'])}",
+        f"  variable  {report['variable_seconds']:.1f} s (drain)  {_usd(report['variable_usd'])}",
+        f"  requests  {n['queue_receives'] + n['queue_empty_receives'] + n['queue_other']:,} queue "
+        f"({n['queue_empty_receives']:,} empty receives), {n['store_gets']:,} gets, "
+        f"{n['store_puts'] + n['store_lists']:,} puts/lists  {_usd(report['request_usd'])} ({report['requests_basis']})",
+        f"  total     {_usd(report['total_usd'])} for {report['items']:,} items ({report['claims']} claims, "
+        f"{report['warm_hits']} warm hits)" + (f" = {_usd(per_1000)} per 1,000 items" if per_1000 is not None else ""),
+        f"  cold      {_usd(cold['usd'])} as a fresh acquisition: {cold['shards']} x ({cold['acquisition_seconds']:.0f} s "
+        f"acquisition + {cold['enter_seconds']:.1f} s @enter) + {cold['variable_seconds']:.1f} s drain",
+    ]
+    if report["saving_fraction"] is not None:
+        lines.append(f"  saving    {_usd(report['saving_usd'])} ({report['saving_fraction']:.1%}) against cold; "
+                     f"on an already-warm pool this work costs {_usd(report['warm_usd'])}")
+    lines.append(_inputs_line(report["inputs"]))
+    lines += [f"  note      {note}" for note in report["notes"]]
+    return lines
+
+
+def format_ladder(ladder, status):
+    """The crossover table; `status` labels each input, e.g. {"c": "measured", "E": "measured", "A": "assumed"}."""
+    i = ladder["inputs"]
+    lines = [
+        f"ladder    c = {i['c']:.4g} s/item ({status.get('c', 'assumed')}), E = {i['E']:.4g} s @enter "
+        f"({status.get('E', 'assumed')}), A = {i['A']:.4g} s acquisition ({status.get('A', 'assumed')})",
+        f"          instance {_usd(i['instance_rate'] * 3600)}/h, serverless {_usd(i['serverless_rate'] * 3600)}/h "
+        f"(published), requests {_usd(i['request_usd_per_item'])}/item ({status.get('q', 'measured')})",
+        f"  {'items':>9}  {'warm':>13}  {'cold':>13}  {'serverless':>13}  cheapest",
+    ]
+    for row in ladder["rows"]:
+        lines.append(f"  {row['items']:>9,}  {_usd(row['warm_usd']):>13}  {_usd(row['cold_usd']):>13}  "
+                     f"{_usd(row['serverless_usd']):>13}  {row['cheapest']}")
+    for name, w in ladder["wins"].items():
+        if w["from"] is None:
+            lines.append(f"  {name:<10}  {w['reason']}")
+        else:
+            span = (f"from {w['from']:,} to {w['until']:,} items" if w["until"] is not None else
+                    "at every n" if w["from"] == 1 else f"from {w['from']:,} items on")
+            lines.append(f"  {name:<10}  cheapest {span}")
+    lines += [f"  {p['a']} vs {p['b']}: {p['text']}" for p in ladder["pairs"]]
+    lines += [f"  assumes   {a}" for a in ladder["assumptions"]]
+    return lines
+
+
+def format_pool_cost(report, priced_as, model):
+    """The lines `calque.py pool cost --model M` prints."""
+    if report["workers"] == 0:
+        return [f"pool cost {model}: no worker stats in the window"]
+    per_1000, drain_1000 = report["usd_per_1000_items"], report["drain_usd_per_1000_items"]
+    cold = report["cold"]
+    lines = [
+        f"pool cost {model}, priced as {priced_as}",
+        f"  paid      {report['instance_seconds']:,.0f} instance-s over {report['workers']} workers = "
+        f"{_usd(report['usd'])} (requests {_usd(report['request_usd'])})",
+        f"  busy      {report['busy_fraction']:.1%} ({report['drain_seconds']:,.0f} s drain + "
+        f"{report['enter_seconds']:,.0f} s @enter x{report['enter_count']}; {report['idle_seconds']:,.0f} s idle)",
+        f"  traffic   {report['claims']:,.0f} claims, {report['warm_hits']:,.0f} warm hits, {report['items']:,.0f} items",
+    ]
+    if per_1000 is not None:
+        lines.append(f"  per 1,000 {_usd(per_1000)} with idle, {_usd(drain_1000)} drain only")
+    lines.append(f"  cold      {_usd(cold['usd'])} for {cold['starts']:,.0f} cold starts x ({cold['acquisition_seconds']:.0f} s "
+                 f"acquisition + {cold['enter_seconds']:.1f} s @enter) + the same drain: "
+                 + ("warm is cheaper" if report["warm_beats_cold"] else "COLD would have been cheaper"))
+    per_claim = report["idle_budget_per_claim_seconds"]
+    lines.append(f"  idle      budget {report['idle_budget_seconds']:,.0f} instance-s, used {report['idle_seconds']:,.0f}, "
+                 f"headroom {report['idle_headroom_seconds']:,.0f}"
+                 + (f"; between claims the pool may idle {per_claim:,.0f} s, it idled "
+                    f"{report['idle_per_claim_seconds']:,.0f} s" if per_claim is not None else ""))
+    lines.append(_inputs_line(report["inputs"]))
+    lines += [f"  note      {note}" for note in report["notes"]]
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
 # the CLI verbs
 
 def cmd_pool_create(conf, backend, args):
@@ -1237,12 +1909,83 @@ def cmd_runs_results(conf, backend, args):
     return EXIT_OK
 
 
+RATES_FILE = os.path.join(HERE, "rates.json")
+
+
+def pricing(args):
+    """(rates, instance type, $/s, label) from --rates, --instance-type, --spot (defaults in rates.json)."""
+    rates = load_rates(args.rates or RATES_FILE)
+    instance_type = args.instance_type or rates["defaults"]["instance_type"]["value"]
+    rate = instance_rate_per_second(rates, instance_type, spot=args.spot)
+    return rates, instance_type, rate, price_label(rates, instance_type, spot=args.spot)
+
+
+def run_cost_report(backend, run, summaries, args):
+    """The run's cost, its cold counterfactual and the crossover ladder, with every input's status.
+    E (@enter) is measured: the pool's workers' mean for a pool run, this run's own for a cold one.
+    A (acquisition of a fresh instance) is the rates file's assumption: a local process start is not
+    an EC2 boot, so a cold run's own measured start-up is priced in its claims but not used for A."""
+    rates, instance_type, rate, label = pricing(args)
+    if run["mode"] == "cold":
+        paid = [s["enter_seconds_paid"] for s in summaries if s["enter_seconds_paid"] > 0]
+        enter, enter_status = (sum(paid) / len(paid), "measured (this cold run)") if paid else (0.0, "unknown (no claim paid one)")
+        shards = max(1, len({s["worker_id"] for s in summaries}))
+    else:
+        enter = measured_enter_seconds(read_worker_stats(backend, run["model"]))
+        enter_status = "measured (pool workers' mean)" if enter is not None else "unknown (no worker stats; 0 used)"
+        enter, shards = enter or 0.0, 1
+    acquisition = rates["defaults"]["acquisition_seconds"]["value"]
+    report = run_cost(summaries, rate, rates, enter, acquisition, enter_status=enter_status,
+                      acquisition_status="assumed (rates.json defaults)", shards=shards,
+                      expected_claims=len(run["claims"]), backend=backend.kind)
+    ladder = None
+    if report["seconds_per_item"] is not None:
+        card, count = serverless_match(rates, instance_type)
+        ladder = crossover_ladder(report["seconds_per_item"], enter, acquisition, rate,
+                                  serverless_rate_per_second(rates, card, count),
+                                  request_usd_per_item=report["request_usd"] / report["items"])
+    status = {"c": "measured", "E": enter_status.split(" ")[0], "A": "assumed", "q": "measured"}
+    return report, ladder, label, status
+
+
 def run_cost_lines(backend, run, summaries, args):
-    return []   # the cost model lands here (issue: the cost model)
+    report, _, label, _ = run_cost_report(backend, run, summaries, args)
+    return format_run_cost(report, label)
+
+
+def cmd_cost(conf, backend, args):
+    run = read_run(backend, args.run)
+    summaries = read_summaries(backend, args.run)
+    if not summaries:
+        raise UserError(f"run {args.run} has no finished claim yet ({len(run['claims'])} pending): nothing to price; try again later")
+    report, ladder, label, status = run_cost_report(backend, run, summaries, args)
+    if args.json:
+        print(json.dumps({"run_id": args.run, "priced_as": label, "cost": report, "ladder": ladder}, indent=1))
+        return EXIT_OK
+    print(f"run {args.run} ({run['mode']}, model {run['model']})")
+    for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
+        print("  " + line)
+    return EXIT_OK
+
+
+def cmd_pool_cost(conf, backend, args):
+    load_pool(backend, args.model)
+    rates, _, rate, label = pricing(args)
+    report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
+                       rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
+    if args.json:
+        print(json.dumps({"model": args.model, "priced_as": label, "cost": report}, indent=1))
+    else:
+        print("\n".join(format_pool_cost(report, label, args.model)))
+    return EXIT_OK
 
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="calque.py", description="Sticky warm-worker pools for batch model inference.")
+    priced = argparse.ArgumentParser(add_help=False)   # the pricing options every cost-printing verb takes
+    priced.add_argument("--instance-type", help="price as this EC2 instance type (default: rates.json defaults)")
+    priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
+    priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(dest="pool_verb", required=True)
@@ -1269,11 +2012,17 @@ def build_parser():
     p.add_argument("--model", required=True)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.set_defaults(func=cmd_pool_delete)
+    p = pool.add_parser("cost", parents=[priced], help="what the pool paid, idle included, against cold starts")
+    p.add_argument("--model", required=True)
+    p.add_argument("--since", metavar="T", help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_pool_cost)
     p = pool.add_parser("supervise", help=argparse.SUPPRESS)
     p.add_argument("--model", required=True)
     p.set_defaults(func=cmd_supervise)
 
-    p = verbs.add_parser("submit", help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
+    p = verbs.add_parser("submit", parents=[priced],
+                         help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
     p.add_argument("items", help="a JSONL file, one item per line, or - for stdin")
     p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
     p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, or --handler)")
@@ -1297,6 +2046,11 @@ def build_parser():
     p = runs.add_parser("results", help="a run's results as JSONL, in item order")
     p.add_argument("run")
     p.set_defaults(func=cmd_runs_results)
+
+    p = verbs.add_parser("cost", parents=[priced], help="a run's cost, its cold counterfactual and the crossover ladder")
+    p.add_argument("run")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cost)
     return parser
 
 

@@ -11,6 +11,7 @@ stops claiming and finishes the running claim within CALQUE_GRACE seconds, else 
 SIGTERM/SIGINT releases it at once. Exit 0 on a graceful stop.
 """
 import argparse
+import functools
 import hashlib
 import json
 import logging
@@ -25,16 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import calque
 
-try:
-    import fastbatch
-except ImportError:   # not built: the pass-through collate still works
-    fastbatch = None
-
 # ------------------------------------------------------------------------------------------------
 # defaults (the pool record and CALQUE_* settings override the per-pool ones)
 STATS_INTERVAL = 30.0       # s between two worker-stats writes while idle (pool cost reads them)
 COLD_POLL_WAIT = 1          # s of one long poll for a cold run's worker, which exits once its queue is empty
-SPOT_POLL_INTERVAL = 5.0    # s between two spot-interruption checks (AWS gives a 2-minute notice)
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
 PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"   # collate batch k+1 while the model runs batch k
 
@@ -54,13 +49,10 @@ class ClaimReleased(Exception):
     """The drain loop gave the claim back (grace period over, or lease lost)."""
 
 
-def default_collate(payloads):
+def default_collate(fastbatch, payloads):
     """Numeric payloads (dicts of arrays/lists) are collated by fastbatch; anything else passes as a list."""
-    if fastbatch is not None:
-        collated = fastbatch.collate_default(payloads)
-        if collated is not None:
-            return collated
-    return payloads
+    collated = fastbatch.collate_default(payloads)
+    return payloads if collated is None else collated
 
 
 class Heartbeat:
@@ -128,8 +120,8 @@ class SpotPoller:
     """Polls the EC2 metadata spot `instance-action` (IMDSv2) and calls `on_notice` once when one appears.
     Off unless CALQUE_SPOT_POLL names the metadata address; tests point it at a loopback stub."""
 
-    def __init__(self, base_url, on_notice):
-        self.base, self.on_notice = base_url.rstrip("/"), on_notice
+    def __init__(self, base_url, interval, on_notice):
+        self.base, self.interval, self.on_notice = base_url.rstrip("/"), interval, on_notice
         threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
 
     def _check(self):
@@ -157,7 +149,7 @@ class SpotPoller:
                     return
             except Exception as e:
                 log.warning("spot: metadata check failed (%s)", e)
-            time.sleep(SPOT_POLL_INTERVAL)
+            time.sleep(self.interval)
 
 
 class Worker:
@@ -197,7 +189,10 @@ class Worker:
         path = os.path.join(folder, h["file"])
         calque.write_file_atomic(path, source.decode())
         self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"])
-        self.collate = collate or default_collate
+        if collate is None:
+            import fastbatch   # brings torch (~2 s): a start-up cost, paid here and not inside a claim
+            collate = functools.partial(default_collate, fastbatch)
+        self.collate = collate
 
     def enter(self):
         self.acquisition_seconds = max(0.0, time.time() - self.spawned_at)
@@ -232,7 +227,8 @@ class Worker:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         if self.conf.get("CALQUE_SPOT_POLL"):
-            SpotPoller(self.conf["CALQUE_SPOT_POLL"], self.request_stop)
+            SpotPoller(self.conf["CALQUE_SPOT_POLL"], calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
+                       self.request_stop)
         queue = self.backend.queues.open_queue(self.record["queue"])
         self.dlq = self.backend.queues.open_queue(self.record["dlq"])
         reason = "?"

@@ -1,0 +1,180 @@
+"""calque.py end to end: real warmd.py processes under the pool supervisor, on the embedded backend and
+on SQS + S3 served by moto_server; and the one-line errors for bad input."""
+import json
+import os
+import signal
+
+import pytest
+
+from conftest import HANDLERS, ROOT, backend_for, cli, wait_for, write_items
+
+
+def create_pool(env, model="m", handler="Echo", *extra):
+    out = cli(env, "pool", "create", "--model", model, "--handler", f"{HANDLERS}:{handler}", *extra)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def three_runs_on_two_workers(env, tmp_path):
+    """The end-to-end check shared by both backends."""
+    create_pool(env, "m", "Echo", "--workers", "2", "--batch-size", "4")
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(30)])
+    runs = []
+    for _ in range(3):
+        out = cli(env, "submit", "--pool", "m", items, "--claim-size", "5", "--json")
+        assert out.returncode == 0, out.stderr
+        runs.append(json.loads(out.stdout))
+    claims = [s for r in runs for s in r["summaries"]]
+    assert len(claims) == 18 and all(s["status"] == "ok" and s["ok"] == 5 for s in claims)
+    for r in runs:                                    # every item done, results in item order
+        out = cli(env, "runs", "results", r["run"]["run_id"])
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        assert [(l["i"], l["result"]["y"]) for l in lines] == [(i, 2 * i) for i in range(30)]
+    by_worker = {}
+    for s in sorted(claims, key=lambda s: s["started_at"]):
+        by_worker.setdefault(s["worker_id"], []).append(s)
+    assert len(by_worker) == 2, "both workers served claims"
+    for worker, served in by_worker.items():
+        assert all(s["enter_count"] == 1 for s in served), f"{worker} loaded its model more than once"
+        assert all(s["warm_hit"] and s["enter_seconds_paid"] == 0 for s in served[1:])
+    status = json.loads(cli(env, "pool", "status", "--model", "m", "--json").stdout)
+    assert status["queue"] == {"visible": 0, "in_flight": 0}
+    assert sum(w["alive"] for w in status["local_workers"]) == 2
+    assert sorted(w["claims"] for w in status["workers"]) == sorted(len(v) for v in by_worker.values())
+    assert all(w["enter_count"] == 1 for w in status["workers"])
+    out = cli(env, "pool", "delete", "--model", "m", "--yes")
+    assert out.returncode == 0, out.stderr
+    pids = [w["pid"] for w in status["local_workers"]] + [status["supervisor"]["pid"]]
+    wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+                             for p in pids), 20, "workers and supervisor to exit")
+    assert cli(env, "pool", "status", "--model", "m").returncode == 2
+
+
+def test_end_to_end_local(local_env, tmp_path):
+    """2 workers, 3 runs: every item done, enter_count 1 each, every claim after a worker's first warm."""
+    three_runs_on_two_workers(local_env, tmp_path)
+
+
+def test_end_to_end_moto_server(aws_env, tmp_path):
+    """The same end-to-end run against SQS + S3 on moto_server (127.0.0.1)."""
+    three_runs_on_two_workers(aws_env, tmp_path)
+
+
+def test_supervisor_restarts_a_dead_worker(local_env, tmp_path):
+    """A worker killed with SIGKILL is restarted; pool status counts the restart."""
+    create_pool(local_env, "m", "Echo", "--workers", "1")
+    first = wait_for(lambda: [w for w in json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)
+                              ["local_workers"] if w["alive"]], 20, "a live worker")[0]
+    os.kill(first["pid"], signal.SIGKILL)
+
+    def restarted():
+        status = json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)
+        live = [w for w in status["local_workers"] if w["alive"] and w["pid"] != first["pid"]]
+        return status["supervisor"]["restarts"] == 1 and live
+    wait_for(restarted, 20, "the supervisor to restart the worker")
+    out = cli(local_env, "pool", "scale", "--model", "m", "--workers", "2")
+    assert out.returncode == 0, out.stderr
+    wait_for(lambda: sum(w["alive"] for w in json.loads(cli(local_env, "pool", "status", "--model", "m", "--json")
+                                                        .stdout)["local_workers"]) == 2, 20, "scale to 2")
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
+def test_cold_run_pays_enter(local_env, tmp_path):
+    """Without --pool, fresh workers pay @enter inside their first claim; the run queue is deleted after."""
+    create_pool(local_env, "m", "Echo")
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(8)])
+    out = cli(local_env, "submit", "--model", "m", items, "--shards", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["summaries"]) == 2
+    for s in result["summaries"]:
+        assert s["mode"] == "cold" and not s["warm_hit"] and s["enter_seconds_paid"] > 0 and s["acquisition_seconds"] > 0
+    assert len({s["worker_id"] for s in result["summaries"]}) == 2
+    import calque
+    with pytest.raises(calque.NotFound):
+        backend_for(local_env).queues.open_queue(result["run"]["queue"])
+
+
+def test_cold_run_with_a_handler_and_no_pool(local_env, tmp_path):
+    """A cold run can name its handler directly; no pool is needed."""
+    items = write_items(tmp_path / "items.jsonl", [{"x": 1}, {"x": 2, "fail": True}])
+    out = cli(local_env, "submit", "--model", "solo", "--handler", f"{HANDLERS}:Echo", items)
+    assert out.returncode == 1, out.stderr        # one item failed: the work failed
+    assert "1 items ok, 1 failed" in out.stdout
+
+
+def test_no_wait_then_runs_show(local_env, tmp_path):
+    """--no-wait prints the run id; runs show and runs results read it later."""
+    create_pool(local_env, "m", "Echo", "--workers", "1")
+    items = write_items(tmp_path / "items.jsonl", [{"x": 3}])
+    out = cli(local_env, "submit", "--pool", "m", items, "--no-wait")
+    run_id = out.stdout.strip()
+    assert out.returncode == 0 and run_id
+    wait_for(lambda: cli(local_env, "runs", "show", run_id).returncode == 0, 20, "the run to finish")
+    assert json.loads(cli(local_env, "runs", "results", run_id).stdout)["result"]["y"] == 6
+    assert run_id in cli(local_env, "runs", "list").stdout
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
+def test_submit_times_out_honestly(local_env, tmp_path):
+    """With no worker, submit gives up after --timeout, exit 1, and says the run goes on."""
+    create_pool(local_env, "m", "Echo")
+    items = write_items(tmp_path / "items.jsonl", [{"x": 3}])
+    out = cli(local_env, "submit", "--pool", "m", items, "--timeout", "0.5")
+    assert out.returncode == 1
+    assert "still pending" in out.stdout and "runs show" in out.stdout
+
+
+def one_line_error(out, *needles):
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_bad_input_gets_one_line_errors(local_env, tmp_path):
+    """Each user mistake: exit 2, one line naming the problem, nothing created or lost."""
+    items = write_items(tmp_path / "items.jsonl", [{"x": 1}])
+    one_line_error(cli(local_env, "submit", "--pool", "nope", items), "no pool for model 'nope'", "pool create")
+    one_line_error(cli(local_env, "pool", "create", "--model", "m", "--handler", "missing.py:X"), "missing.py not found")
+    one_line_error(cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Nope"), "no class Nope")
+    one_line_error(cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:NoBatch"), "lacks @calque.batch")
+    one_line_error(cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--batch-size", "0"),
+                   "--batch-size 0")
+    create_pool(local_env, "Foo/Bar", "Echo")
+    one_line_error(cli(local_env, "pool", "create", "--model", "foo-bar", "--handler", f"{HANDLERS}:Echo"),
+                   "'foo-bar'", "'Foo/Bar'")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"x": 1}\n{"x": \n')
+    one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", str(bad)), "bad.jsonl:2", "not valid JSON")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", str(empty)), "no items")
+    one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", items, "--shards", "2"), "--shards")
+    one_line_error(cli(local_env, "runs", "show", "20990101-000000-abcdef"), "no run")
+    one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", str(tmp_path / "none.jsonl")), "cannot read items")
+    import calque
+    backend = backend_for(local_env)
+    assert backend.queues.open_queue("calque-pool-foo-bar").counts() == {"visible": 0, "in_flight": 0}
+    assert [k for k in backend.store.list("pools/")] == ["pools/foo-bar"]
+
+
+def test_items_from_stdin(local_env):
+    """ITEMS may be - for stdin."""
+    out = cli(local_env, "submit", "--model", "s", "--handler", f"{HANDLERS}:Echo", "-", stdin='{"x": 4}\n')
+    assert out.returncode == 0, out.stderr
+    assert "1 items ok, 0 failed" in out.stdout
+
+
+def test_missing_bucket_is_one_line(aws_env):
+    """An s3:// store whose bucket does not exist: one line naming the bucket and the fix."""
+    env = dict(aws_env, CALQUE_STORE="s3://no-such-bucket-calque/x")
+    one_line_error(cli(env, "pool", "list"), "bucket no-such-bucket-calque does not exist")
+
+
+def test_unreachable_endpoint_is_one_line(aws_env):
+    """An endpoint nobody listens on: one line, exit 2."""
+    from conftest import free_port
+    env = dict(aws_env, AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_MAX_ATTEMPTS="1")
+    one_line_error(cli(env, "pool", "list"), "cannot reach")

@@ -1,0 +1,233 @@
+"""warmd.py's claim semantics, each in real worker processes on the embedded backend: crash redelivery,
+duplicate delivery, the dead-letter queue, per-item failure, SIGTERM, and the spot-interruption poller."""
+import http.server
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+import calque
+from conftest import HANDLERS, backend_for, cli, start_worker, wait_for, write_items
+
+
+def make_pool(env, handler, *extra):
+    out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:{handler}", *extra)
+    assert out.returncode == 0, out.stderr
+    return backend_for(env)
+
+
+def submit_no_wait(env, tmp_path, items, *extra):
+    out = cli(env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", items), "--no-wait", *extra)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def summary(backend, run_id, claim="c00000"):
+    try:
+        return calque.read_json(backend, calque.summary_key(run_id, claim))
+    except calque.NotFound:
+        return None
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    return proc.wait(30)
+
+
+def test_kill_9_mid_claim_is_redelivered_to_the_other_worker(local_env, tmp_path):
+    """A worker SIGKILLed mid-claim: after the visibility timeout the other worker completes it, no item lost."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate))
+    backend = make_pool(env, "Gate", "--visibility-timeout", "2", "--batch-size", "3")
+    a = start_worker(env, "--model", "m")
+    run_id = submit_no_wait(env, tmp_path, [{"x": i} for i in range(6)])
+    started = wait_for(lambda: os.listdir(gate), 30, "a worker to start the claim")
+    victim = int(started[0].split("-")[1])
+    b = start_worker(env, "--model", "m")     # the survivor, started once the claim is provably held by a
+    assert victim == a.pid
+    os.kill(victim, signal.SIGKILL)
+    (gate / "open").touch()
+    done = wait_for(lambda: summary(backend, run_id), 30, "the redelivered claim's summary")
+    assert done["worker_id"].endswith(f"-{b.pid}") and done["receive_count"] == 2
+    assert done["status"] == "ok" and done["ok"] == 6 and done["failed"] == []
+    lines = [json.loads(l) for l in backend.store.get(calque.results_key(run_id, "c00000")).decode().splitlines()]
+    assert [l["i"] for l in lines] == list(range(6)) and all(l["result"]["pid"] == b.pid for l in lines)
+    assert stop(b) == 0
+    a.wait()
+
+
+def test_duplicate_delivery_is_acked_without_recompute(local_env, tmp_path):
+    """A claim whose summary exists is acked and not run again (SQS delivers at least once)."""
+    backend = make_pool(local_env, "Echo")
+    w = start_worker(local_env, "--model", "m")
+    run_id = submit_no_wait(local_env, tmp_path, [{"x": 1}, {"x": 2}])
+    first = wait_for(lambda: summary(backend, run_id), 30, "the summary")
+    results_before = backend.store.get(calque.results_key(run_id, "c00000"))
+    queue = backend.queues.open_queue("calque-pool-m")
+    queue.send(calque.make_message(run_id, "m", backend.store.uri(calque.manifest_key(run_id, "c00000")), "c00000"))
+    wait_for(lambda: queue.counts() == {"visible": 0, "in_flight": 0}, 30, "the duplicate to be acked")
+    assert stop(w) == 0
+    assert summary(backend, run_id) == first
+    assert backend.store.get(calque.results_key(run_id, "c00000")) == results_before
+    stats = calque.read_worker_stats(backend, "m")[0]
+    assert stats["claims"] == 1 and stats["enter_count"] == 1
+
+
+def test_claims_that_cannot_succeed_go_to_the_dead_letter_queue(local_env, tmp_path):
+    """Malformed body, wrong model, manifest outside the store, missing manifest, too many deliveries:
+    each lands in the DLQ, with a failure summary wherever the run is known; the worker stays up."""
+    backend = make_pool(local_env, "Echo", "--max-deliveries", "2", "--visibility-timeout", "5")
+    queue, dlq = backend.queues.open_queue("calque-pool-m"), backend.queues.open_queue("calque-dlq-m")
+    uri = backend.store.uri(calque.manifest_key("r-missing", "c00000"))
+    queue.send("{not json")
+    queue.send(calque.make_message("r-model", "other-model", backend.store.uri(calque.manifest_key("r-model", "c00000")), "c00000"))
+    queue.send(calque.make_message("r-outside", "m", "file:///etc/passwd", "c00000"))
+    queue.send(calque.make_message("r-missing", "m", uri, "c00000"))
+    # a claim already delivered max-deliveries times: receive it twice here, releasing it each time
+    w = start_worker(local_env, "--model", "m")
+    wait_for(lambda: dlq.counts()["visible"] == 4, 30, "four dead letters")
+    assert stop(w) == 0
+    # a claim already delivered max-deliveries (2) times: receive and release it twice before the worker runs
+    backend.store.put(calque.manifest_key("r-over", "c00000"), json.dumps({"items": [{"x": 1}]}))
+    queue.send(calque.make_message("r-over", "m", backend.store.uri(calque.manifest_key("r-over", "c00000")), "c00000"))
+    for _ in range(2):
+        queue.change_visibility(queue.receive(1), 0)
+    w = start_worker(local_env, "--model", "m")
+    wait_for(lambda: dlq.counts()["visible"] == 5, 30, "the over-delivered claim's dead letter")
+    assert stop(w) == 0
+    reasons = []
+    while (m := dlq.receive(0)) is not None:
+        reasons.append(json.loads(m.body)["reason"])
+        dlq.delete(m)
+    assert any("malformed" in r for r in reasons)
+    assert any("for model 'other-model'" in r for r in reasons)
+    assert any("outside this pool's store" in r for r in reasons)
+    assert any("does not exist" in r for r in reasons)
+    assert any("delivered 3 times" in r for r in reasons)
+    for run_id in ("r-model", "r-outside", "r-missing", "r-over"):
+        s = summary(backend, run_id)
+        assert s["status"] == "failed" and s["error"] and s["failed"] == [], run_id
+    assert queue.counts() == {"visible": 0, "in_flight": 0}
+
+
+def test_per_item_failure_and_wrong_result_count(local_env, tmp_path):
+    """An item that raises fails alone; a handler returning the wrong count fails its batch; the worker stays up."""
+    backend = make_pool(local_env, "Echo", "--batch-size", "4")
+    w = start_worker(local_env, "--model", "m")
+    run_id = submit_no_wait(local_env, tmp_path, [{"x": i, "fail": i == 2} for i in range(6)])
+    s = wait_for(lambda: summary(backend, run_id), 30, "the summary")
+    assert s["status"] == "partial" and s["ok"] == 5 and s["failed"] == [2]
+    assert "asked to fail" in s["errors"]["2"]
+    stop(w)
+    wrong = dict(local_env)
+    cli(wrong, "pool", "delete", "--model", "m", "--yes")
+    backend = make_pool(wrong, "WrongCount", "--batch-size", "4")
+    w = start_worker(wrong, "--model", "m")
+    run_id = submit_no_wait(wrong, tmp_path, [{"x": i} for i in range(5)])
+    s = wait_for(lambda: summary(backend, run_id), 30, "the summary")
+    assert s["status"] == "failed" and s["failed"] == [0, 1, 2, 3, 4]
+    assert "returned 3 results for a batch of 4 items" in s["errors"]["0"]
+    assert "returned 0 results for a batch of 1 items" in s["errors"]["4"]
+    run2 = submit_no_wait(wrong, tmp_path, [{"x": 1}])
+    assert wait_for(lambda: summary(backend, run2), 30, "a second claim on the same worker")["worker_id"] == s["worker_id"]
+    assert stop(w) == 0
+
+
+def test_sigterm_finishes_the_running_claim_within_grace(local_env, tmp_path):
+    """SIGTERM mid-claim: no new claims, the running one completes and is acked, exit 0."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GRACE="30")
+    backend = make_pool(env, "Gate")
+    w = start_worker(env, "--model", "m")
+    run_id = submit_no_wait(env, tmp_path, [{"x": 1}])
+    second = submit_no_wait(env, tmp_path, [{"x": 2}])
+    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
+    w.send_signal(signal.SIGTERM)
+    (gate / "open").touch()
+    assert w.wait(30) == 0
+    assert summary(backend, run_id)["status"] == "ok"
+    assert summary(backend, second) is None            # it stopped claiming
+    assert backend.queues.open_queue("calque-pool-m").counts() == {"visible": 1, "in_flight": 0}
+
+
+def test_sigterm_past_grace_releases_the_claim_at_once(local_env, tmp_path):
+    """A claim that outlives the grace period is released (visibility 0), so another worker takes it at once."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GRACE="0")
+    backend = make_pool(env, "Gate", "--batch-size", "1", "--visibility-timeout", "600")
+    w = start_worker(env, "--model", "m")
+    run_id = submit_no_wait(env, tmp_path, [{"x": 1}, {"x": 2}])
+    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
+    w.send_signal(signal.SIGTERM)
+    (gate / "open").touch()                            # the first batch ends; the loop sees the grace is over
+    assert w.wait(30) == 0
+    assert summary(backend, run_id) is None
+    queue = backend.queues.open_queue("calque-pool-m")
+    assert queue.counts() == {"visible": 1, "in_flight": 0}   # released, not left invisible for 600 s
+    w2 = start_worker(env, "--model", "m")
+    done = wait_for(lambda: summary(backend, run_id), 30, "the released claim to complete")
+    assert done["receive_count"] == 2 and done["ok"] == 2
+    assert stop(w2) == 0
+
+
+def test_idle_sigterm_exits_promptly(local_env):
+    """An idle worker in its long poll exits 0 on SIGTERM, well before the poll would end."""
+    make_pool(local_env, "Echo")
+    w = start_worker(dict(local_env, CALQUE_POLL_WAIT="20"), "--model", "m")
+    backend = backend_for(local_env)
+    wait_for(lambda: calque.read_worker_stats(backend, "m"), 30, "the worker to start")
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(5) == 0
+    assert calque.read_worker_stats(backend, "m")[0]["state"] == "stopped"
+
+
+class SpotStub(http.server.BaseHTTPRequestHandler):
+    """The EC2 metadata service's IMDSv2 token and spot instance-action, on 127.0.0.1."""
+    notice = False
+
+    def do_PUT(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"token-123")
+
+    def do_GET(self):
+        ok = self.headers.get("X-aws-ec2-metadata-token") == "token-123"
+        if ok and type(self).notice and self.path == "/latest/meta-data/spot/instance-action":
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"action": "terminate", "time": "2026-11-29T12:00:00Z"}')
+        else:
+            self.send_response(404 if ok else 401)
+            self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_spot_notice_releases_the_claim_and_exits_0(local_env, tmp_path):
+    """With the poller pointed at a loopback stub, a spot notice stops the worker like SIGTERM."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SpotStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GRACE="0", CALQUE_SPOT_INTERVAL="0.1",
+               CALQUE_SPOT_POLL=f"http://127.0.0.1:{server.server_port}")
+    try:
+        backend = make_pool(env, "Gate", "--batch-size", "1", "--visibility-timeout", "600")
+        w = start_worker(env, "--model", "m")
+        run_id = submit_no_wait(env, tmp_path, [{"x": 1}, {"x": 2}])
+        wait_for(lambda: os.listdir(gate), 30, "the claim to start")
+        SpotStub.notice = True
+        (gate / "open").touch()
+        assert w.wait(30) == 0
+        assert summary(backend, run_id) is None
+        assert backend.queues.open_queue("calque-pool-m").counts() == {"visible": 1, "in_flight": 0}
+    finally:
+        SpotStub.notice = False
+        server.shutdown()
