@@ -1,8 +1,11 @@
 # calque. `make demo` runs the whole loop on this machine; `make test` is what CI runs; `make bench` measures.
 # Every target installs what it needs first (setup), so each works from a clean clone.
-PYTHON ?= python3            # the interpreter that creates the venv (3.11 here)
-VENV ?= .venv                # where the pinned packages go
-PYTEST_ARGS ?=               # extra pytest flags, e.g. PYTEST_ARGS="-k slug -x"
+# the interpreter that creates the venv (3.11 here)
+PYTHON ?= python3
+# where the pinned packages go
+VENV ?= .venv
+# extra pytest flags, e.g. PYTEST_ARGS="-k slug -x"
+PYTEST_ARGS ?=
 PY := $(VENV)/bin/python
 FASTBATCH_SO := fastbatch/.built
 

@@ -1923,20 +1923,26 @@ def pricing(args):
 def run_cost_report(backend, run, summaries, args):
     """The run's cost, its cold counterfactual and the crossover ladder, with every input's status.
     E (@enter) is measured: the pool's workers' mean for a pool run, this run's own for a cold one.
-    A (acquisition of a fresh instance) is the rates file's assumption: a local process start is not
-    an EC2 boot, so a cold run's own measured start-up is priced in its claims but not used for A."""
+    A (acquisition) for a pool run is the rates file's assumption for a fresh EC2 instance; a cold run
+    is its own counterfactual, so it uses the start-up its workers measured."""
     rates, instance_type, rate, label = pricing(args)
     if run["mode"] == "cold":
-        paid = [s["enter_seconds_paid"] for s in summaries if s["enter_seconds_paid"] > 0]
-        enter, enter_status = (sum(paid) / len(paid), "measured (this cold run)") if paid else (0.0, "unknown (no claim paid one)")
-        shards = max(1, len({s["worker_id"] for s in summaries}))
+        paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
+        if paid:
+            enter = sum(s["enter_seconds_paid"] for s in paid) / len(paid)
+            acquisition = sum(s["acquisition_seconds"] for s in paid) / len(paid)
+            enter_status = acquisition_status = "measured (this cold run)"
+        else:
+            enter, acquisition, enter_status, acquisition_status = 0.0, 0.0, "unknown (no claim paid one)", "unknown"
+        shards = max(1, len({s["worker_id"] for s in paid}))
     else:
         enter = measured_enter_seconds(read_worker_stats(backend, run["model"]))
         enter_status = "measured (pool workers' mean)" if enter is not None else "unknown (no worker stats; 0 used)"
         enter, shards = enter or 0.0, 1
-    acquisition = rates["defaults"]["acquisition_seconds"]["value"]
+        acquisition = rates["defaults"]["acquisition_seconds"]["value"]
+        acquisition_status = "assumed (rates.json defaults: a fresh EC2 GPU instance)"
     report = run_cost(summaries, rate, rates, enter, acquisition, enter_status=enter_status,
-                      acquisition_status="assumed (rates.json defaults)", shards=shards,
+                      acquisition_status=acquisition_status, shards=shards,
                       expected_claims=len(run["claims"]), backend=backend.kind)
     ladder = None
     if report["seconds_per_item"] is not None:
@@ -1944,7 +1950,7 @@ def run_cost_report(backend, run, summaries, args):
         ladder = crossover_ladder(report["seconds_per_item"], enter, acquisition, rate,
                                   serverless_rate_per_second(rates, card, count),
                                   request_usd_per_item=report["request_usd"] / report["items"])
-    status = {"c": "measured", "E": enter_status.split(" ")[0], "A": "assumed", "q": "measured"}
+    status = {"c": "measured", "E": enter_status.split(" ")[0], "A": acquisition_status.split(" ")[0], "q": "measured"}
     return report, ladder, label, status
 
 
@@ -1954,17 +1960,31 @@ def run_cost_lines(backend, run, summaries, args):
 
 
 def cmd_cost(conf, backend, args):
-    run = read_run(backend, args.run)
-    summaries = read_summaries(backend, args.run)
-    if not summaries:
-        raise UserError(f"run {args.run} has no finished claim yet ({len(run['claims'])} pending): nothing to price; try again later")
-    report, ladder, label, status = run_cost_report(backend, run, summaries, args)
+    """One run: its cost lines and the crossover ladder. Several: one comparison line each."""
+    reports = []
+    for run_id in args.run:
+        run = read_run(backend, run_id)
+        summaries = read_summaries(backend, run_id)
+        if not summaries:
+            raise UserError(f"run {run_id} has no finished claim yet ({len(run['claims'])} pending): nothing to price; try again later")
+        reports.append((run, *run_cost_report(backend, run, summaries, args)))
     if args.json:
-        print(json.dumps({"run_id": args.run, "priced_as": label, "cost": report, "ladder": ladder}, indent=1))
+        print(json.dumps([{"run_id": run["run_id"], "priced_as": label, "cost": report, "ladder": ladder}
+                          for run, report, ladder, label, _ in reports], indent=1))
         return EXIT_OK
-    print(f"run {args.run} ({run['mode']}, model {run['model']})")
-    for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
-        print("  " + line)
+    if len(reports) == 1:
+        run, report, ladder, label, status = reports[0]
+        print(f"run {run['run_id']} ({run['mode']}, model {run['model']})")
+        for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
+            print("  " + line)
+        return EXIT_OK
+    print(f"priced as {reports[0][3]}")
+    print(f"  {'run':<24} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} {'fixed_s':>8} {'drain_s':>8} "
+          f"{'total':>13} {'per 1,000 items':>16}")
+    for run, report, *_ in reports:
+        print(f"  {run['run_id']:<24} {run['mode']:<5} {report['claims']:>6} {report['warm_hits']:>5} {report['items']:>7} "
+              f"{report['fixed_seconds']:>8.2f} {report['variable_seconds']:>8.3f} {_usd(report['total_usd']):>13} "
+              f"{_usd(report['usd_per_1000_items'] or 0):>16}" + ("  [partial]" if report["partial"] else ""))
     return EXIT_OK
 
 
@@ -2048,7 +2068,7 @@ def build_parser():
     p.set_defaults(func=cmd_runs_results)
 
     p = verbs.add_parser("cost", parents=[priced], help="a run's cost, its cold counterfactual and the crossover ladder")
-    p.add_argument("run")
+    p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_cost)
     return parser
