@@ -896,7 +896,10 @@ def supervise(conf, model):
 # submit: stage manifests, send claims, wait on summaries
 
 def read_items(path):
-    """Items from a JSONL file (or '-' for stdin): one JSON value per line; blank lines are skipped."""
+    """Items from a JSONL file (or '-' for stdin): one JSON value per line; blank lines are skipped.
+    A .npy or .npz file is numeric input instead (see ArrayItems)."""
+    if path.endswith((".npy", ".npz")):
+        return ArrayItems.load(path)
     try:
         stream = sys.stdin if path == "-" else open(path)
     except OSError as e:
@@ -915,20 +918,121 @@ def read_items(path):
     return items
 
 
+class ArrayItems:
+    """Numeric items from a .npy file (item i = {"input": a[i]}) or a .npz file, where each array
+    `k` of shape [N, ...] is the field k of every item, and an array `k_offsets` of N+1 increasing
+    indices makes `k` ragged: item i's k is k[offsets[i]:offsets[i+1]] (token ids, say). Staged as raw
+    .npy objects per claim and field, which the worker maps as views: no per-item parsing, no pickle."""
+
+    def __init__(self, fields, count, source):
+        self.fields, self.count, self.source = fields, count, source   # fields: name -> (values, offsets or None)
+
+    def __len__(self):
+        return self.count
+
+    @classmethod
+    def load(cls, path):
+        import numpy as np
+        try:
+            loaded = np.load(path, allow_pickle=False)
+        except OSError as e:
+            raise UserError(f"cannot read items file {path}: {e}")
+        except ValueError as e:   # object arrays need pickle, which we refuse
+            raise UserError(f"{path}: {e}: save plain numeric arrays")
+        arrays = {"input": loaded} if path.endswith(".npy") else {k: loaded[k] for k in loaded.files}
+        fields, counts = {}, {}
+        for name, values in arrays.items():
+            if name.endswith("_offsets") and name[:-len("_offsets")] in arrays:
+                continue
+            if values.dtype.hasobject or values.dtype.kind not in "biuf":
+                raise UserError(f"{path}: array {name!r} has dtype {values.dtype}: only numeric arrays are items")
+            offsets = arrays.get(name + "_offsets")
+            if offsets is not None:
+                if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) < 1 or offsets[0] != 0 \
+                        or offsets[-1] != len(values) or (np.diff(offsets) < 0).any() or values.ndim != 1:
+                    raise UserError(f"{path}: {name}_offsets must be N+1 increasing ints from 0 to len({name}) "
+                                    f"over a 1-D {name}")
+                counts[name] = len(offsets) - 1
+            else:
+                if values.ndim == 0:
+                    raise UserError(f"{path}: array {name!r} is a scalar: its first axis must index the items")
+                counts[name] = values.shape[0]
+            fields[name] = (np.ascontiguousarray(values), offsets)
+        if len(set(counts.values())) > 1:
+            raise UserError(f"{path}: fields disagree on the item count: {counts}")
+        count = next(iter(counts.values()), 0)
+        if count == 0:
+            raise UserError(f"{path} holds no items")
+        return cls(fields, count, path)
+
+    def stage(self, backend, run_id, claim, start, stop):
+        """Write this claim's slice of every field as .npy objects; returns the manifest's `arrays` entry."""
+        import io
+        import numpy as np
+        entry = {}
+        for name, (values, offsets) in self.fields.items():
+            if offsets is None:
+                part, part_offsets = values[start:stop], None
+            else:
+                part = values[offsets[start]:offsets[stop]]
+                part_offsets = offsets[start:stop + 1] - offsets[start]
+            entry[name] = {}
+            for role, array in (("values", part), ("offsets", part_offsets)):
+                if array is None:
+                    continue
+                buf = io.BytesIO()
+                np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+                key = f"runs/{run_id}/inputs/{claim}/{name}.{role}.npy"
+                backend.store.put(key, buf.getvalue())
+                entry[name][role] = key
+        return entry
+
+
+def npy_view(data):
+    """A read-only numpy array over the bytes of a .npy object, without copying them (np.load would).
+    Refuses object dtypes (they would need pickle) and Fortran order."""
+    import io
+    import numpy as np
+    f = io.BytesIO(data)
+    version = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(f)
+    if dtype.hasobject or fortran_order:
+        raise ValueError("object or Fortran-ordered array refused")
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(data, dtype=dtype, count=count, offset=f.tell()).reshape(shape)
+
+
+def array_items(store, manifest):
+    """A numeric claim's items: a list of {field: view}, every view into the fetched bytes."""
+    fields, count = {}, manifest["count"]
+    for name, keys in manifest["arrays"].items():
+        values = npy_view(store.get(keys["values"]))
+        offsets = npy_view(store.get(keys["offsets"])) if "offsets" in keys else None
+        if (offsets is not None and len(offsets) != count + 1) or (offsets is None and len(values) != count):
+            raise ValueError(f"field {name!r} does not hold {count} items")
+        fields[name] = (values, offsets)
+    return [{name: values[i] if offsets is None else values[offsets[i]:offsets[i + 1]]
+             for name, (values, offsets) in fields.items()} for i in range(count)]
+
+
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
-    """Write the run record and one manifest per claim, then send one message per claim; returns the run record."""
+    """Write the run record and one manifest per claim, then send one message per claim; returns the run record.
+    JSON items travel inside the manifest; numeric items (ArrayItems) beside it as .npy objects."""
     run_id = run_id or new_run_id()
-    chunks = [items[i:i + claim_size] for i in range(0, len(items), claim_size)]
-    claims = [claim_id(i) for i in range(len(chunks))]
+    bounds = [(i, min(i + claim_size, len(items))) for i in range(0, len(items), claim_size)]
+    claims = [claim_id(i) for i in range(len(bounds))]
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": len(items), "claims": claims,
            "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
            "created_at": now_iso()}
     write_json(backend, run_key(run_id), run)
-    first = 0
-    for claim, chunk in zip(claims, chunks):
-        manifest = {"run_id": run_id, "claim": claim, "model": record["model"], "first_index": first, "items": chunk}
+    for claim, (start, stop) in zip(claims, bounds):
+        manifest = {"run_id": run_id, "claim": claim, "model": record["model"], "first_index": start, "count": stop - start}
+        if isinstance(items, ArrayItems):
+            manifest["arrays"] = items.stage(backend, run_id, claim, start, stop)
+        else:
+            manifest["items"] = items[start:stop]
         backend.store.put(manifest_key(run_id, claim), dumps(manifest))
-        first += len(chunk)
     for claim in claims:   # after every manifest is written, so no worker fetches one that is not there yet
         queue.send(make_message(run_id, record["model"], backend.store.uri(manifest_key(run_id, claim)), claim))
     return run

@@ -302,11 +302,12 @@ class Worker:
                                                     f"max deliveries {self.record['max_deliveries']}", msg)
         try:
             manifest = json.loads(self.backend.store.get(key))
-            items, first = manifest["items"], int(manifest.get("first_index", 0))
+            items = calque.array_items(self.backend.store, manifest) if "arrays" in manifest else manifest["items"]
+            first = int(manifest.get("first_index", 0))
             if not isinstance(items, list):
                 raise ValueError("'items' is not a list")
-        except calque.NotFound:
-            return self.dead_letter(queue, message, f"manifest {key} does not exist", msg)
+        except calque.NotFound as e:
+            return self.dead_letter(queue, message, f"claim object {e} does not exist", msg)
         except (ValueError, KeyError, TypeError) as e:
             return self.dead_letter(queue, message, f"manifest {key} is corrupt: {e}", msg)
 

@@ -72,3 +72,20 @@ class NoBatch:
 
     def run(self, items):
         return items
+
+
+class RowSum:
+    """Numeric items: sums each item's fields. Receives fastbatch's collated dict of tensors (fixed
+    fields stacked, ragged ones padded with <name>_lengths), or the list of dicts when not collated."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, batch):
+        if isinstance(batch, list):
+            return [{k: float(v.sum()) for k, v in item.items()} for item in batch]
+        names = [k for k in batch if not k.endswith("_lengths")]
+        rows = len(batch[names[0]])
+        return [{k: float(batch[k][i].sum()) for k in names} for i in range(rows)]

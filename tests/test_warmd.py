@@ -106,7 +106,7 @@ def test_claims_that_cannot_succeed_go_to_the_dead_letter_queue(local_env, tmp_p
     assert any("malformed" in r for r in reasons)
     assert any("for model 'other-model'" in r for r in reasons)
     assert any("outside this pool's store" in r for r in reasons)
-    assert any("does not exist" in r for r in reasons)
+    assert any("claim object runs/r-missing/manifests/c00000.json does not exist" in r for r in reasons)
     assert any("delivered 3 times" in r for r in reasons)
     for run_id in ("r-model", "r-outside", "r-missing", "r-over"):
         s = summary(backend, run_id)
