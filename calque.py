@@ -518,10 +518,12 @@ class S3Store:
             raise
 
     def list(self, prefix):
+        """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list."""
         keys = []
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix), Delimiter="/"):
             self.requests["store_lists"] += 1
             keys += [o["Key"] for o in page.get("Contents", [])]
+            keys += [p["Prefix"].rstrip("/") for p in page.get("CommonPrefixes", [])]
         strip = len(self._key(""))
         return sorted(k[strip:] for k in keys)
 
@@ -644,8 +646,8 @@ class AwsBackend:
 
     def check(self):
         import botocore.exceptions
-        try:
-            self.store.s3.head_bucket(Bucket=self.bucket)
+        try:   # a LIST under runs/, not HeadBucket: a worker's role may list only under its own prefixes
+            self.store.s3.list_objects_v2(Bucket=self.bucket, Prefix=self.store._key("runs/"), MaxKeys=1)
         except botocore.exceptions.NoCredentialsError:
             raise UserError("no AWS credentials found: configure them (aws configure, or AWS_ACCESS_KEY_ID) or use a local CALQUE_STORE")
         except botocore.exceptions.EndpointConnectionError as e:
@@ -1114,22 +1116,29 @@ def cold_run(conf, backend, args, items):
         source = backend.store.get(record["handler"]["key"])
         cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
         backend.store.put(cold["handler"]["key"], source)
+    shards = max(1, args.shards)
+    on_ec2 = backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run)
+    if on_ec2 and args.dry_run:      # print the launch it would make; stage nothing
+        ec2_cold_launch(backend, cold, run_id, shards, args)
+        return None, [], False
     queue = backend.queues.create_queue(queue_name, vt)
     backend.queues.create_queue(cold["dlq"], vt)
-    shards = max(1, args.shards)
     claim_size = args.claim_size or max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
     run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
-    folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run["run_id"])
-    os.makedirs(folder, exist_ok=True)
-    procs = []
-    for shard in range(shards):
-        with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
-            procs.append(subprocess.Popen([sys.executable, WARMD, "--run", run["run_id"]], stdin=subprocess.DEVNULL,
-                                          stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
-    print(f"run {run['run_id']}: cold, {len(run['claims'])} claim(s) of {len(items)} items, {shards} fresh worker(s); logs in {folder}",
-          file=sys.stderr)
+    procs, instance_ids = [], []
     try:
+        if on_ec2:   # one-shot instances that drain the run's queue and terminate themselves
+            instance_ids = ec2_cold_launch(backend, cold, run_id, shards, args)
+        else:        # fresh local processes
+            folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run_id)
+            os.makedirs(folder, exist_ok=True)
+            for shard in range(shards):
+                with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
+                    procs.append(subprocess.Popen([sys.executable, WARMD, "--run", run_id], stdin=subprocess.DEVNULL,
+                                                  stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
+            print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {len(items)} items, {shards} fresh worker(s); "
+                  f"logs in {folder}", file=sys.stderr)
         summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json)
     finally:
         # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,
@@ -1140,6 +1149,8 @@ def cold_run(conf, backend, args, items):
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait()
+        if instance_ids:
+            ec2_cold_cleanup(backend, instance_ids, args)
         backend.queues.delete_queue(queue_name)
         backend.queues.delete_queue(cold["dlq"])
     return run, summaries, timed_out
@@ -1816,6 +1827,1280 @@ def format_pool_cost(report, priced_as, model):
 
 
 # ------------------------------------------------------------------------------------------------
+# the EC2 cohort: where one machine is not enough, a pool is its SQS queue plus an Auto Scaling group of
+# instances, each running `warmd.py --model M` under systemd. AWS's own engines do the fleet work: the ASG
+# keeps the cohort at size and replaces dead instances, SQS redelivers a dead worker's claim, S3 holds the
+# rest. Every AWS call below goes through AwsCalls.call, so --dry-run prints each mutating call instead.
+IAM_NAME_MAX = 64                   # IAM role and instance-profile names: at most 64 characters
+DLAMI_PARAMETERS = {                # SSM public parameters naming the current deep-learning GPU AMI, by architecture
+    "x86_64": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
+    "arm64": "/aws/service/deeplearning/ami/arm64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
+}
+KIT_FILES = ("calque.py", "warmd.py", "requirements.txt", "rates.json")   # + fastbatch/*.py|.c|.h: what a worker runs
+EC2_STATE_DIR = "/var/lib/calque"    # CALQUE_STATE on an instance (handler cache)
+EC2_SPOT_POLL = "http://169.254.169.254"  # the metadata address the bootstrap enables the spot poller with
+EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # this machine's values go to workers
+IAM_PROPAGATION_WAIT = 10.0         # s after creating an instance profile: EC2 refuses a profile IAM has not propagated yet
+IAM_RETRY_SECONDS = 90.0            # s RunInstances retries "invalid instance profile" (IAM propagation) before failing
+EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + pip install torch etc. (assumed, not measured)
+COLD_BOOT_ALLOWANCE = 30            # min a cold instance may spend booting on top of the submit timeout before it powers off
+ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
+MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
+SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")
+
+
+def _digest(text, n):
+    import hashlib
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def _iam_name(name, key):
+    """`name` when it fits IAM's 64 characters, else cut + '-' + 8 hex of sha256(key) (so two cut names differ)."""
+    if len(name) <= IAM_NAME_MAX:
+        return name
+    return name[: IAM_NAME_MAX - 9].rstrip("-") + "-" + _digest(key, 8)
+
+
+def ec2_names(model):
+    """Every AWS name of a model's EC2 pool, derived from its slug (so `pool delete` finds them without a record)."""
+    s = slug(model)
+    base = POOL_PREFIX + s          # <= 80 characters: fits launch-template (128), ASG and alarm (255) names
+    role = _iam_name("calque-" + s, s)
+    return {"queue": pool_queue_name(model), "dlq": dlq_name(model), "role": role, "instance_profile": role,
+            "launch_template": base, "asg": base, "alarm_wake": base + "-wake", "alarm_idle": base + "-idle",
+            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "kit_prefix": f"pools/{s}/kit/"}
+
+
+def cold_role_name(store, region):
+    """One shared role for every cold run of a store in a region (a role per run would wait on IAM each time)."""
+    return "calque-cold-" + _digest(f"{store}|{region}", 12)
+
+
+# ------------------------------------------------------------------------------------------------
+# the call layer
+
+class AwsCalls:
+    """The one door every EC2-cohort AWS call goes through: `call(service, operation, **params)`.
+    A mutating call (anything but Get*/Describe*/List*/Head*) in dry-run mode is printed as
+    `would call iam.CreateRole {...}` and answered with a plausible fake; read-only calls run even in
+    dry-run, so the plan shows what exists already (and is not re-created). `log` keeps (service,
+    operation, executed) for every call, which the tests read. boto3 is imported only here."""
+
+    READ_ONLY = ("Get", "Describe", "List", "Head")
+
+    def __init__(self, session, region, dry_run=False, sleep=time.sleep):
+        self.session, self.region, self.dry_run, self.sleep = session, region, dry_run, sleep
+        self.clients, self.log, self._identity = {}, [], None
+
+    @classmethod
+    def for_backend(cls, backend, dry_run=False):
+        return cls(backend.session, backend.queues.sqs.meta.region_name, dry_run)
+
+    @classmethod
+    def mutating(cls, operation):
+        return not operation.startswith(cls.READ_ONLY)
+
+    def client(self, service):
+        if service not in self.clients:
+            import botocore.config
+            config = botocore.config.Config(region_name=self.region, retries={"max_attempts": 5, "mode": "standard"},
+                                            connect_timeout=5, read_timeout=30)
+            self.clients[service] = self.session.client(service, config=config)
+        return self.clients[service]
+
+    def call(self, service, operation, **params):
+        if self.dry_run and self.mutating(operation):
+            self.log.append((service, operation, False))
+            print(f"would call {service}.{operation} {_show_params(params)}")
+            return self._fake(service, operation, params)
+        self.log.append((service, operation, True))
+        import botocore
+        return getattr(self.client(service), botocore.xform_name(operation))(**params)
+
+    def note(self, service, operation, shown):
+        """A store write made through the backend (not a client here): printed in dry-run, logged always.
+        True when the caller should go on and make it."""
+        self.log.append((service, operation, not self.dry_run))
+        if self.dry_run:
+            print(f"would call {service}.{operation} {json.dumps(shown)}")
+        return not self.dry_run
+
+    def identity(self):
+        """{account, partition} of the caller (STS GetCallerIdentity; read-only, so it runs in dry-run too)."""
+        if self._identity is None:
+            arn = self.call("sts", "GetCallerIdentity")
+            self._identity = {"account": arn["Account"], "partition": arn["Arn"].split(":")[1]}
+        return self._identity
+
+    def _fake(self, service, operation, params):
+        """What a dry-run mutating call answers: just the fields the code reads next."""
+        ident = self.identity()
+        account, partition = ident["account"], ident["partition"]
+        if operation == "CreateRole":
+            return {"Role": {"RoleName": params["RoleName"], "Arn": f"arn:{partition}:iam::{account}:role/{params['RoleName']}"}}
+        if operation == "CreateInstanceProfile":
+            name = params["InstanceProfileName"]
+            return {"InstanceProfile": {"InstanceProfileName": name, "Arn": f"arn:{partition}:iam::{account}:instance-profile/{name}"}}
+        if operation == "CreateLaunchTemplate":
+            return {"LaunchTemplate": {"LaunchTemplateId": "lt-dry-run", "LaunchTemplateName": params["LaunchTemplateName"],
+                                       "LatestVersionNumber": 1}}
+        if operation == "CreateLaunchTemplateVersion":
+            return {"LaunchTemplateVersion": {"VersionNumber": 0}}
+        if operation == "CreateQueue":
+            return {"QueueUrl": f"https://sqs.{self.region}.amazonaws.com/{account}/{params['QueueName']}"}
+        if operation == "PutScalingPolicy":
+            return {"PolicyARN": f"arn:{partition}:autoscaling:{self.region}:{account}:scalingPolicy:dry-run:"
+                                 f"autoScalingGroupName/{params['AutoScalingGroupName']}:policyName/{params['PolicyName']}"}
+        if operation == "RunInstances":
+            return {"Instances": [{"InstanceId": f"i-dry-run-{k}"} for k in range(params["MaxCount"])]}
+        return {}
+
+
+def _show_params(params):
+    """The call's parameters as one line of JSON; a user-data blob is shown by size and digest, policies as JSON."""
+    def shown(value):
+        if isinstance(value, dict):
+            out = {}
+            for k, v in value.items():
+                if k == "UserData" and isinstance(v, str):
+                    out[k] = f"<user-data: {len(v)} base64 characters, sha256 {_digest(v, 12)}>"
+                elif k.endswith("PolicyDocument") and isinstance(v, str):
+                    out[k] = json.loads(v)
+                else:
+                    out[k] = shown(v)
+            return out
+        if isinstance(value, list):
+            return [shown(v) for v in value]
+        return value
+    return json.dumps(shown(params), default=str)
+
+
+def _exists(fn, *missing_codes):
+    """fn()'s answer, or None when it fails with one of the 'does not exist' codes."""
+    try:
+        return fn()
+    except Exception as e:
+        if _aws_error_code(e) in missing_codes:
+            return None
+        raise
+
+
+def _aws_store(backend, what):
+    if getattr(backend, "kind", None) != "aws":
+        raise UserError(f"{what} needs an s3:// store (CALQUE_STORE={backend.describe()}): EC2 workers read and write "
+                        f"everything through S3 ---> HINT: export CALQUE_STORE=s3://your-bucket/calque")
+    prefix = backend.store.prefix
+    if not re.fullmatch(r"[A-Za-z0-9._/-]*", prefix):
+        raise UserError(f"store prefix {prefix!r}: on EC2 use letters, digits and . _ / - only (it goes into IAM policies and shell)")
+    return backend.bucket, prefix
+
+
+def _check_text(value, what):
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise UserError(f"{what} {value!r} contains control characters: an EC2 pool cannot carry it into its bootstrap")
+
+
+def _strict_tag(value):
+    """IAM, SQS and CloudWatch tag values allow letters, digits, spaces and _ . : / = + - @ only (EC2 and
+    Auto Scaling tags take any text, so the raw model goes there)."""
+    return re.sub(r"[^\w .:/=+@-]", "_", str(value))[:256]
+
+
+def _tags(pairs, strict=False):
+    return [{"Key": k, "Value": _strict_tag(v) if strict else str(v)[:256]} for k, v in pairs.items()]
+
+
+def _tag_dict(tags):
+    return {t["Key"]: t["Value"] for t in tags or []}
+
+
+# ------------------------------------------------------------------------------------------------
+# least privilege: the instance role's policy
+
+def _s3_parts(store, partition):
+    bucket, _, prefix = store[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    root = f"{prefix}/" if prefix else ""
+    return f"arn:{partition}:s3:::{bucket}", f"arn:{partition}:s3:::{bucket}/{root}", root
+
+
+def worker_policy(store, model, region, account, partition="aws"):
+    """The pool worker's inline policy, statement by statement. What warmd.py does with each:
+    - its pool queue: long-poll (ReceiveMessage), ack (DeleteMessage), heartbeat and release
+      (ChangeMessageVisibility), open (GetQueueUrl, GetQueueAttributes for the visibility timeout);
+    - its dead-letter queue: open it and SendMessage a claim that cannot succeed; nothing else;
+    - S3 read: the pool's own folder (record, handler snapshot, kit), claim manifests, and summaries
+      (HeadObject: is this claim already done?);
+    - S3 write: result parts, summaries (incl. failure summaries) and its own worker stats;
+    - ListBucket limited by s3:prefix to the store root's runs/ and the pool's folder. Not to list: S3
+      answers a HeadObject or GetObject for a missing key with 403 instead of 404 unless the caller may
+      list that key's prefix (S3 evaluates s3:prefix as the key), and warmd must tell "no summary yet"
+      from "forbidden". The worker never lists anything itself."""
+    s = slug(model)
+    bucket_arn, obj, root = _s3_parts(store, partition)
+    sqs = f"arn:{partition}:sqs:{region}:{account}:"
+    return {"Version": "2012-10-17", "Statement": [
+        {"Sid": "ClaimFromPoolQueue", "Effect": "Allow",
+         "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
+                    "sqs:ReceiveMessage"],
+         "Resource": sqs + pool_queue_name(model)},
+        {"Sid": "DeadLetterOnly", "Effect": "Allow",
+         "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
+         "Resource": sqs + dlq_name(model)},
+        {"Sid": "ReadPoolAndClaims", "Effect": "Allow", "Action": ["s3:GetObject"],
+         "Resource": [f"{obj}pools/{s}/*", f"{obj}runs/*/manifests/*", f"{obj}runs/*/summaries/*"]},
+        {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
+         "Resource": [f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}pools/{s}/workers/*"]},
+        {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn,
+         "Condition": {"StringLike": {"s3:prefix": [f"{root}runs/*", f"{root}pools/{s}/*"]}}},
+    ]}
+
+
+def cold_worker_policy(store, region, account, partition="aws"):
+    """The cold-run worker's policy: the same shape as a pool worker's, on every run queue of this account and
+    region (calque-run-*, calque-rundlq-*) and on runs/* of this store. One role serves every cold run of a
+    store: creating a role per run would add IAM's propagation delay (seconds to a minute) to each run."""
+    bucket_arn, obj, root = _s3_parts(store, partition)
+    sqs = f"arn:{partition}:sqs:{region}:{account}:"
+    return {"Version": "2012-10-17", "Statement": [
+        {"Sid": "ClaimFromRunQueues", "Effect": "Allow",
+         "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
+                    "sqs:ReceiveMessage"],
+         "Resource": sqs + RUN_QUEUE_PREFIX + "*"},
+        {"Sid": "DeadLetterOnly", "Effect": "Allow",
+         "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
+         "Resource": sqs + RUN_DLQ_PREFIX + "*"},
+        {"Sid": "ReadRunAndClaims", "Effect": "Allow", "Action": ["s3:GetObject"],
+         "Resource": [f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
+                      f"{obj}runs/*/manifests/*", f"{obj}runs/*/summaries/*"]},
+        {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
+         "Resource": [f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*"]},
+        {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn,
+         "Condition": {"StringLike": {"s3:prefix": [f"{root}runs/*"]}}},
+    ]}
+
+
+EC2_TRUST_POLICY = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
+
+
+# ------------------------------------------------------------------------------------------------
+# the kit and the bootstrap (user-data). No credentials anywhere: workers use their instance profile.
+
+def kit_archive():
+    """(bytes, sha256) of a reproducible tar.gz of what a worker runs: the same files give the same digest,
+    so a re-run `pool create` finds its launch template unchanged."""
+    import glob
+    import gzip
+    import hashlib
+    import io
+    import tarfile
+    names = list(KIT_FILES) + sorted(os.path.relpath(p, HERE) for ext in ("py", "c", "h")
+                                     for p in glob.glob(os.path.join(HERE, "fastbatch", f"*.{ext}")))
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(set(names)):
+            with open(os.path.join(HERE, name), "rb") as f:
+                data = f.read()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            tar.addfile(info, io.BytesIO(data))
+    packed = io.BytesIO()
+    with gzip.GzipFile(fileobj=packed, mode="wb", mtime=0) as gz:
+        gz.write(raw.getvalue())
+    blob = packed.getvalue()
+    return blob, hashlib.sha256(blob).hexdigest()
+
+
+def _boto3_pin():
+    with open(os.path.join(HERE, "requirements.txt")) as f:
+        for line in f:
+            if line.split("#")[0].strip().startswith("boto3=="):
+                return line.split("#")[0].strip()
+    return "boto3"
+
+
+_BOOTSTRAP = r"""#!/bin/bash
+# calque bootstrap: {title}
+# Written by `calque.py {verb}`. No credentials here: the instance profile {profile} gives this machine
+# its least-privilege access. Bootstrap output: /var/log/cloud-init-output.log; worker: journalctl -u {unit}
+set -euo pipefail
+{preamble}
+CALQUE=/opt/calque
+BUCKET={bucket}
+KIT_KEY={kit_key}
+KIT_SHA256={kit_sha256}
+REGION={region}
+mkdir -p "$CALQUE/kit" /etc/calque {state}
+# the worker runs as an unprivileged system user (NVIDIA device files are world-usable); its home is the state dir
+id -u calque >/dev/null 2>&1 || useradd --system --home-dir {state} --shell /usr/sbin/nologin calque
+chown calque: {state}
+
+pick_python() {{
+  for c in python3.13 python3.12 python3.11; do
+    if command -v "$c" >/dev/null 2>&1; then command -v "$c"; return 0; fi
+  done
+  return 1
+}}
+install_python() {{   # a bare image: Ubuntu (apt) or Amazon Linux (dnf)
+  if command -v apt-get >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get -o DPkg::Lock::Timeout=600 update -q
+    apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv python3-dev gcc
+  elif command -v dnf >/dev/null 2>&1; then
+    dnf install -y -q python3.11 python3.11-devel gcc
+  fi
+}}
+PY=$(pick_python) || {{ install_python; PY=$(pick_python); }} || {{ echo "calque: no python >= 3.11 on this image" >&2; exit 1; }}
+"$PY" -m venv "$CALQUE/venv" 2>/dev/null || {{ install_python; rm -rf "$CALQUE/venv"; "$PY" -m venv "$CALQUE/venv"; }}
+
+# the kit snapshot this pool was created with, checked against the digest pinned here
+if command -v aws >/dev/null 2>&1; then
+  aws s3 cp --only-show-errors --region "$REGION" "s3://$BUCKET/$KIT_KEY" "$CALQUE/kit.tar.gz"
+else
+  "$CALQUE/venv/bin/pip" install -q {boto3_pin}
+  "$CALQUE/venv/bin/python" -c 'import sys, boto3; boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' \
+    "$REGION" "$BUCKET" "$KIT_KEY" "$CALQUE/kit.tar.gz"
+fi
+echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -
+tar -xzf "$CALQUE/kit.tar.gz" -C "$CALQUE/kit"
+"$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt"
+(cd "$CALQUE/kit" && "$CALQUE/venv/bin/python" fastbatch/_build.py) \
+  || echo "calque: fastbatch C build failed; the numpy reference path will be used"
+
+cat > /etc/calque/worker.env <<'CALQUE_ENV_EOF'
+{env}
+CALQUE_ENV_EOF
+
+cat > "$CALQUE/worker.sh" <<'CALQUE_SH_EOF'
+#!/bin/bash
+set -a
+. /etc/calque/worker.env
+set +a
+exec /opt/calque/venv/bin/python /opt/calque/kit/warmd.py {worker_args}
+CALQUE_SH_EOF
+chmod 755 "$CALQUE/worker.sh"
+
+cat > /etc/systemd/system/{unit}.service <<'CALQUE_UNIT_EOF'
+[Unit]
+Description=calque {description} (settings: /etc/calque/worker.env)
+Wants=network-online.target
+After=network-online.target
+StartLimitIntervalSec=0
+
+[Service]
+Type=simple
+User=calque
+WorkingDirectory=/opt/calque/kit
+ExecStart=/opt/calque/worker.sh
+{service}
+KillSignal=SIGTERM
+TimeoutStopSec={stop_timeout}
+StandardOutput=journal
+StandardError=journal
+SyslogIdentifier={unit}
+
+[Install]
+WantedBy=multi-user.target
+CALQUE_UNIT_EOF
+systemctl daemon-reload
+systemctl enable --now {unit}.service
+echo "calque: {unit} started"
+"""
+
+
+def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit, service,
+               preamble="", conf=None):
+    import shlex
+    conf = conf or settings()
+    bucket, _, prefix = store[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    lines = {"CALQUE_STORE": store, "CALQUE_STATE": EC2_STATE_DIR, "CALQUE_SPOT_POLL": EC2_SPOT_POLL,
+             "AWS_REGION": region, "AWS_DEFAULT_REGION": region, "PYTHONUNBUFFERED": "1"}
+    lines.update({k: conf[k] for k in EC2_PASSED_SETTINGS if k in conf})
+    lines.update(env)
+    for key, value in lines.items():
+        _check_text(str(value), key)
+    grace = float(conf.get("CALQUE_GRACE", 30))
+    script = _BOOTSTRAP.format(
+        title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble, bucket=shlex.quote(bucket),
+        kit_key=shlex.quote(f"{prefix}/{kit_key}" if prefix else kit_key), kit_sha256=kit_sha256,
+        region=shlex.quote(region), state=EC2_STATE_DIR, boto3_pin=shlex.quote(_boto3_pin()),
+        env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()), worker_args=worker_args,
+        service=service, stop_timeout=int(grace + 30))
+    _refuse_credentials(script)
+    return script
+
+
+def _refuse_credentials(text):
+    """Belt and braces: user-data is readable by anyone who can describe the instance; no key may be in it."""
+    banned = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "aws_secret_access_key"]
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        if len(os.environ.get(var, "")) >= 16:     # a real key (dummy test values are short)
+            banned.append(os.environ[var])
+    if re.search(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b", text) or any(b in text for b in banned):
+        raise RuntimeError("refusing to write user-data that contains AWS credentials")
+
+
+def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile", conf=None):
+    """The pool instance's bootstrap: venv + pinned requirements, the kit and handler from the store, then
+    `warmd.py --model M` under systemd (Restart=always, journal logs, spot poller on)."""
+    _check_text(model, "model")
+    return _bootstrap(
+        title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
+        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_POOL_MODEL": model},
+        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service="Restart=always\nRestartSec=5", conf=conf)
+
+
+def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, profile="the cold-run instance profile", conf=None):
+    """A cold run's one-shot instance: the same bootstrap, then `warmd.py --run RUN` once; when it exits (its
+    queue drained, or an error) the machine powers off, which terminates it (InstanceInitiatedShutdownBehavior).
+    A bootstrap that fails powers off too, and a dead-man's switch powers off after max_minutes whatever happens."""
+    preamble = (f'shutdown -h +{int(max_minutes)} "calque: cold run over its time limit" || true\n'
+                'trap \'rc=$?; if [ "$rc" -ne 0 ]; then echo "calque: bootstrap failed ($rc): powering off"; '
+                'shutdown -h now; fi\' EXIT')
+    return _bootstrap(
+        title=f"cold-run worker for run {run_id}", description="cold-run worker", verb="submit", profile=profile,
+        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_RUN": run_id}, worker_args='--run "$CALQUE_RUN"',
+        unit="calque-cold", service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble, conf=conf)
+
+
+def _user_data_b64(script):
+    import base64
+    return base64.b64encode(script.encode()).decode()
+
+
+# ------------------------------------------------------------------------------------------------
+# pre-flight: everything read-only, before anything is created
+
+def _opt(args, name, default=None):
+    value = getattr(args, name, default)
+    return default if value is None else value
+
+
+def _instance_type_info(calls, instance_type):
+    if not instance_type:
+        raise UserError("--instance-type is required for EC2 workers (e.g. g5.xlarge): see rates.json for priced ones")
+    try:
+        return calls.call("ec2", "DescribeInstanceTypes", InstanceTypes=[instance_type])["InstanceTypes"][0]
+    except Exception as e:
+        if _aws_error_code(e) in ("InvalidInstanceType", "InvalidParameterValue"):
+            raise UserError(f"--instance-type {instance_type}: not an instance type in {calls.region} ---> HINT: e.g. g5.xlarge") from None
+        raise
+
+
+def resolve_ami(calls, ami, instance_type_info):
+    """(ami id, where it came from). --ami is checked to exist; else the SSM public parameter of the current
+    deep-learning GPU AMI for the instance type's architecture. Missing or ambiguous is a UserError."""
+    archs = [a for a in instance_type_info["ProcessorInfo"]["SupportedArchitectures"] if a in DLAMI_PARAMETERS]
+    itype = instance_type_info["InstanceType"]
+    source = "--ami"
+    if not ami:
+        if len(archs) != 1:
+            raise UserError(f"instance type {itype} supports {archs or 'no known'} architecture(s): cannot pick one "
+                            f"deep-learning AMI ---> HINT: pass --ami ami-...")
+        param = DLAMI_PARAMETERS[archs[0]]
+        try:
+            value = calls.call("ssm", "GetParameter", Name=param)["Parameter"]["Value"]
+        except Exception as e:
+            if _aws_error_code(e) in ("ParameterNotFound", "ParameterVersionNotFound"):
+                raise UserError(f"no current deep-learning AMI: SSM public parameter {param} does not exist in "
+                                f"{calls.region} ---> HINT: pass --ami ami-... (an image with an NVIDIA driver)") from None
+            raise
+        found = [v.strip() for v in value.split(",") if v.strip()]
+        if len(found) != 1 or not re.fullmatch(r"ami-[0-9a-f]{8,17}", found[0]):
+            raise UserError(f"SSM parameter {param} holds {value!r}, not exactly one AMI id ---> HINT: pass --ami ami-...")
+        ami, source = found[0], f"ssm:{param}"
+    try:
+        images = calls.call("ec2", "DescribeImages", ImageIds=[ami])["Images"]
+    except Exception as e:
+        if _aws_error_code(e) in ("InvalidAMIID.NotFound", "InvalidAMIID.Malformed", "InvalidAMIID.Unavailable"):
+            images = []
+        else:
+            raise
+    if not images:
+        raise UserError(f"AMI {ami} ({source}) does not exist in {calls.region} or is not visible to this account")
+    if archs and images[0].get("Architecture") and images[0]["Architecture"] not in archs:
+        raise UserError(f"AMI {ami} is {images[0]['Architecture']}, instance type {itype} runs {', '.join(archs)}: pick a matching --ami")
+    return ami, source
+
+
+def resolve_subnets(calls, subnet_arg, instance_type):
+    """--subnet (comma-separated) checked to exist, else the default VPC's subnets; only those in zones that
+    offer the instance type."""
+    if subnet_arg:
+        ids = [s.strip() for s in subnet_arg.split(",") if s.strip()]
+        try:
+            subnets = calls.call("ec2", "DescribeSubnets", SubnetIds=ids)["Subnets"]
+        except Exception as e:
+            if _aws_error_code(e) in ("InvalidSubnetID.NotFound", "InvalidSubnetID.Malformed"):
+                raise UserError(f"--subnet {subnet_arg}: no such subnet in {calls.region}") from None
+            raise
+    else:
+        subnets = calls.call("ec2", "DescribeSubnets", Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
+        if not subnets:
+            raise UserError(f"no default VPC in {calls.region}: pass --subnet subnet-... (one with a route to the internet: "
+                            f"the bootstrap installs packages)")
+    offered = {o["Location"] for o in calls.call("ec2", "DescribeInstanceTypeOfferings", LocationType="availability-zone",
+                                                  Filters=[{"Name": "instance-type", "Values": [instance_type]}])["InstanceTypeOfferings"]}
+    usable = [s["SubnetId"] for s in subnets if s["AvailabilityZone"] in offered]
+    if not usable:
+        raise UserError(f"instance type {instance_type} is not offered in the zones of subnet(s) "
+                        f"{', '.join(s['SubnetId'] for s in subnets)}: pick another --subnet or --instance-type")
+    return sorted(usable)
+
+
+def _check_key(calls, key_name):
+    if not key_name:
+        return
+    try:
+        calls.call("ec2", "DescribeKeyPairs", KeyNames=[key_name])
+    except Exception as e:
+        if _aws_error_code(e) == "InvalidKeyPair.NotFound":
+            raise UserError(f"--key-name {key_name}: no such key pair in {calls.region}") from None
+        raise
+
+
+def _pool_options(args):
+    """The pool-create options, checked: instances, instance_type, ami, spot, min_instances, subnet, key_name,
+    scale_to_zero_after (minutes)."""
+    instances = _opt(args, "instances")
+    if instances is None or instances < 0:
+        raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
+    stz = _opt(args, "scale_to_zero_after")
+    if stz is not None and not 1 <= stz <= MAX_IDLE_MINUTES:
+        raise UserError(f"--scale-to-zero-after {stz}: minutes between 1 and {MAX_IDLE_MINUTES} (CloudWatch's one-day window)")
+    floor = _opt(args, "min_instances", 0 if stz is not None else None)     # None: always the instance count
+    if floor is not None and not 0 <= floor <= instances:
+        raise UserError(f"--min-instances {floor}: between 0 and --instances {instances}")
+    return {"instances": instances, "min_instances": floor, "instance_type": _opt(args, "instance_type"),
+            "ami": _opt(args, "ami"), "spot": bool(_opt(args, "spot", False)), "subnet": _opt(args, "subnet"),
+            "key_name": _opt(args, "key_name"), "scale_to_zero_after": stz}
+
+
+def _hourly(instance_type, spot, count):
+    """'~$2.01/h for 2 x g5.xlarge on-demand (rates.json)', or a line saying the type is not priced there."""
+    try:
+        rates = load_rates(os.path.join(HERE, "rates.json"))
+        per_hour = instance_rate_per_second(rates, instance_type, spot=spot) * 3600 * count
+        return f"~${per_hour:.2f}/h while {count} x {instance_type} {'spot' if spot else 'on-demand'} run (rates.json {rates['updated']})"
+    except UserError:
+        return f"{instance_type} is not priced in rates.json: check its hourly price before you go on"
+
+
+def _refuse_spending(args, what):
+    if not _opt(args, "dry_run", False) and not _opt(args, "yes_spend_money", False):
+        raise UserError(f"{what} starts paid EC2 instances: add --yes-spend-money (or --dry-run to see every AWS call first)")
+
+
+# ------------------------------------------------------------------------------------------------
+# idempotent steps: each checks what exists, then creates or updates
+
+def _ensure_queue(calls, name, visibility_timeout, tags):
+    vt = str(int(visibility_timeout))
+    url = _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
+    if url:
+        current = calls.call("sqs", "GetQueueAttributes", QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]
+        if current.get("VisibilityTimeout") != vt:
+            calls.call("sqs", "SetQueueAttributes", QueueUrl=url, Attributes={"VisibilityTimeout": vt})
+        return "found"
+    try:
+        calls.call("sqs", "CreateQueue", QueueName=name, Attributes={"VisibilityTimeout": vt}, tags=tags)
+    except Exception as e:
+        if _aws_error_code(e) in ("AWS.SimpleQueueService.QueueDeletedRecently", "QueueDeletedRecently"):
+            raise UserError(f"queue {name} was deleted less than 60 s ago and SQS refuses to recreate it yet: wait a minute, re-run") from None
+        raise
+    return "created"
+
+
+def _check_owned(kind, name, tags, model, store, region):
+    """A resource with our name must be calque's and this pool's: never adopt or delete someone else's."""
+    if tags.get("calque:managed") != "true":
+        raise UserError(f"{kind} {name} exists but is not calque's (no calque:managed=true tag): rename or remove it first")
+    ours = tuple(_strict_tag(v) if kind.startswith("IAM") else str(v)[:256] for v in (model, store, region))
+    theirs = (tags.get("calque:pool-model", ours[0]), tags.get("calque:store", ours[1]), tags.get("calque:region", ours[2]))
+    if theirs != ours:
+        raise UserError(f"{kind} {name} belongs to the pool of {theirs[0]!r} (store {theirs[1]}, region {theirs[2]}): "
+                        f"one model has one EC2 pool per account; delete that one first")
+
+
+def _role_tags(calls, name):
+    return _tag_dict(calls.call("iam", "ListRoleTags", RoleName=name)["Tags"])
+
+
+def _ensure_role(calls, name, policy, tags, owner):
+    """Create the role (or check the existing one is ours) and put its one inline policy: always, so a re-run
+    also repairs a policy edited by hand."""
+    role = _exists(lambda: calls.call("iam", "GetRole", RoleName=name)["Role"], "NoSuchEntity")
+    if role:
+        _check_owned("IAM role", name, _role_tags(calls, name), *owner)
+        state = "found"
+    else:
+        calls.call("iam", "CreateRole", RoleName=name, AssumeRolePolicyDocument=json.dumps(EC2_TRUST_POLICY),
+                   Description="calque worker instances (least privilege; see the calque README, On AWS)",
+                   Tags=_tags(tags, strict=True))
+        state = "created"
+    calls.call("iam", "PutRolePolicy", RoleName=name, PolicyName="calque-worker", PolicyDocument=json.dumps(policy))
+    return state
+
+
+def _ensure_instance_profile(calls, name, role, tags):
+    profile = _exists(lambda: calls.call("iam", "GetInstanceProfile", InstanceProfileName=name)["InstanceProfile"], "NoSuchEntity")
+    state = "found"
+    if not profile:
+        calls.call("iam", "CreateInstanceProfile", InstanceProfileName=name, Tags=_tags(tags, strict=True))
+        profile, state = {"Roles": []}, "created"
+    roles = [r["RoleName"] for r in profile.get("Roles", [])]
+    if role not in roles:
+        for other in roles:    # a profile holds one role
+            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=name, RoleName=other)
+        calls.call("iam", "AddRoleToInstanceProfile", InstanceProfileName=name, RoleName=role)
+        if not calls.dry_run:
+            calls.sleep(IAM_PROPAGATION_WAIT)   # note: EC2 rejects a profile IAM has not propagated yet
+        if state == "found":
+            state = "repaired"
+    return state
+
+
+def _ensure_launch_template(calls, name, data, tags, owner):
+    """Create it, or add a version when the wanted data differ from its latest (compared by digest, kept in
+    the version description). The ASG launches $Latest, so new instances pick the change up."""
+    wanted = "calque " + _digest(json.dumps(data, sort_keys=True), 16)
+    found = _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates", LaunchTemplateNames=[name])["LaunchTemplates"][0],
+                    "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
+    if not found:
+        calls.call("ec2", "CreateLaunchTemplate", LaunchTemplateName=name, VersionDescription=wanted, LaunchTemplateData=data,
+                   TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(tags)}])
+        return "created"
+    _check_owned("launch template", name, _tag_dict(found.get("Tags")), *owner)
+    latest = calls.call("ec2", "DescribeLaunchTemplateVersions", LaunchTemplateName=name,
+                        Versions=["$Latest"])["LaunchTemplateVersions"][0]
+    if latest.get("VersionDescription") == wanted:
+        return "found"
+    version = calls.call("ec2", "CreateLaunchTemplateVersion", LaunchTemplateName=name, VersionDescription=wanted,
+                         LaunchTemplateData=data)["LaunchTemplateVersion"]["VersionNumber"]
+    calls.call("ec2", "ModifyLaunchTemplate", LaunchTemplateName=name, DefaultVersion=str(version))
+    return f"updated (version {version})"
+
+
+def _describe_asg(calls, name):
+    groups = calls.call("autoscaling", "DescribeAutoScalingGroups", AutoScalingGroupNames=[name])["AutoScalingGroups"]
+    return groups[0] if groups else None
+
+
+def _asg_sizes(ec2):
+    """(min, max, desired) for the record's EC2 settings; min_instances None means a fixed-size cohort."""
+    n, floor = ec2["instances"], ec2["min_instances"]
+    return (n if floor is None else min(floor, n)), n, n
+
+
+def _asg_params(names, ec2):
+    lo, hi, desired = _asg_sizes(ec2)
+    template = {"LaunchTemplateName": names["launch_template"], "Version": "$Latest"}
+    params = {"AutoScalingGroupName": names["asg"], "MinSize": lo, "MaxSize": hi, "DesiredCapacity": desired,
+              "VPCZoneIdentifier": ",".join(ec2["subnets"]), "HealthCheckType": "EC2", "HealthCheckGracePeriod": 300}
+    if ec2["spot"]:
+        params["MixedInstancesPolicy"] = {
+            "LaunchTemplate": {"LaunchTemplateSpecification": template},
+            "InstancesDistribution": {"OnDemandBaseCapacity": 0, "OnDemandPercentageAboveBaseCapacity": 0,
+                                      "SpotAllocationStrategy": "price-capacity-optimized"}}
+        params["CapacityRebalance"] = True     # launch a replacement on a rebalance signal, before the 2-minute notice
+    else:
+        params["LaunchTemplate"] = template
+    return params
+
+
+def _ensure_asg(calls, names, ec2, tags, owner):
+    asg = _describe_asg(calls, names["asg"])
+    params = _asg_params(names, ec2)
+    asg_tags = [{"ResourceId": names["asg"], "ResourceType": "auto-scaling-group", "Key": k, "Value": str(v),
+                 "PropagateAtLaunch": True} for k, v in tags.items()]
+    if asg is None:
+        calls.call("autoscaling", "CreateAutoScalingGroup", Tags=asg_tags, **params)
+        return "created"
+    if asg.get("Status"):    # "Delete in progress"
+        raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): wait for it to go, then re-run")
+    _check_owned("auto scaling group", names["asg"], _tag_dict(asg.get("Tags")), *owner)
+    calls.call("autoscaling", "UpdateAutoScalingGroup", **params)
+    return "updated"
+
+
+def _policy_arn(calls, asg, name, answer):
+    if answer.get("PolicyARN"):
+        return answer["PolicyARN"]
+    policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=asg, PolicyNames=[name])["ScalingPolicies"]
+    return policies[0]["PolicyARN"]
+
+
+def _sqs_metric(queue, metric):
+    return {"Namespace": "AWS/SQS", "MetricName": metric, "Dimensions": [{"Name": "QueueName", "Value": queue}]}
+
+
+def _ensure_scale_to_zero(calls, names, ec2, tags):
+    """Two simple-scaling policies (exactly N; exactly the floor) and two alarms. Wake: any visible message
+    in a minute. Idle: visible + in flight == 0 for the whole window -- in flight counts, so a pool busy on
+    long claims with an empty backlog is not scaled in under its workers."""
+    asg, minutes = names["asg"], ec2["scale_to_zero_after"]
+    wake = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=names["policy_wake"],
+                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=ec2["instances"], Cooldown=60)
+    idle = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=names["policy_idle"],
+                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=ec2["min_instances"] or 0,
+                      Cooldown=60)
+    calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_wake"],
+               AlarmDescription=f"calque: wake pool {asg} when a claim waits in {names['queue']}",
+               ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_wake"], wake)],
+               Statistic="Maximum", Period=ALARM_PERIOD, EvaluationPeriods=1, Threshold=0,
+               ComparisonOperator="GreaterThanThreshold", TreatMissingData="notBreaching", Tags=_tags(tags, strict=True),
+               **_sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"))
+    calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_idle"],
+               AlarmDescription=f"calque: scale pool {asg} to {ec2['min_instances'] or 0} after {minutes} idle minute(s)",
+               ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_idle"], idle)],
+               EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
+               ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching", Tags=_tags(tags, strict=True),
+               Metrics=[{"Id": "visible", "ReturnData": False, "MetricStat": {
+                            "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"),
+                            "Period": ALARM_PERIOD, "Stat": "Maximum"}},
+                        {"Id": "inflight", "ReturnData": False, "MetricStat": {
+                            "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesNotVisible"),
+                            "Period": ALARM_PERIOD, "Stat": "Maximum"}},
+                        {"Id": "backlog", "Expression": "visible + inflight", "Label": "claims waiting or running",
+                         "ReturnData": True}])
+    return "put"
+
+
+def _remove_scale_to_zero(calls, names):
+    """Alarms and policies of a pool that no longer scales to zero; True when something was removed."""
+    alarms = [a["AlarmName"] for a in calls.call("cloudwatch", "DescribeAlarms",
+                                                 AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]]
+    if alarms:
+        calls.call("cloudwatch", "DeleteAlarms", AlarmNames=alarms)
+    removed = bool(alarms)
+    if _describe_asg(calls, names["asg"]):
+        have = {p["PolicyName"] for p in calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
+        for policy in (names["policy_wake"], names["policy_idle"]):
+            if policy in have:
+                calls.call("autoscaling", "DeletePolicy", AutoScalingGroupName=names["asg"], PolicyName=policy)
+                removed = True
+    return removed
+
+
+def _said(calls, state):
+    """A step's outcome as printed: 'created' in a dry run reads 'would be created'."""
+    return f"would be {state}" if calls.dry_run and state not in ("found",) else state
+
+
+class _Progress:
+    """The steps of a create: what is in place, what is not yet, said exactly when one fails."""
+
+    def __init__(self, subject, steps):
+        self.subject, self.steps, self.done, self.current = subject, steps, [], None
+
+    @contextlib.contextmanager
+    def step(self, name):
+        self.current = name
+        yield
+        self.done.append(name)
+        self.current = None
+
+    def report(self, error, fix):
+        reason = f"{_aws_error_code(error) or type(error).__name__}: {error}" if not isinstance(error, KeyboardInterrupt) else "interrupted"
+        print(f"{self.subject}: stopped at {self.current or 'the start'} ({reason})", file=sys.stderr)
+        print(f"  in place: {', '.join(self.done) or 'nothing'}", file=sys.stderr)
+        print(f"  not done: {', '.join(s for s in self.steps if s not in self.done)}", file=sys.stderr)
+        print(f"  ---> HINT: {fix}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# the verbs
+
+def ec2_pool_create(backend, record, args, calls=None):
+    """`pool create --instances N ...` on an s3:// store. `record` is the pool record cmd_pool_create built
+    (model, slug, queue, dlq, batch_size, visibility_timeout, max_deliveries, created_at, store), with or
+    without "handler": without it, the handler named by args.handler is snapshotted here.
+    Reads args: handler, instances, instance_type, ami, spot, min_instances, subnet, key_name,
+    scale_to_zero_after, yes_spend_money, dry_run. Every step checks what exists first, so a re-run
+    finishes an interrupted create; a failure says exactly what is in place and what is not."""
+    import hashlib
+    model = record["model"]
+    _aws_store(backend, "pool create --instances")
+    _check_text(model, "model")
+    opts = _pool_options(args)
+    _refuse_spending(args, f"pool create --model {model} --instances {opts['instances']}")
+    dry = bool(_opt(args, "dry_run", False))
+    calls = calls or AwsCalls.for_backend(backend, dry)
+    names, store, region = ec2_names(model), backend.describe(), calls.region
+    existing = None
+    with contextlib.suppress(NotFound):
+        existing = read_json(backend, pool_key(model))
+    if existing and existing["model"] != model:
+        raise UserError(f"model {model!r} would share queue {names['queue']} with the existing pool of {existing['model']!r}: "
+                        f"pick a name that differs in more than case or punctuation")
+
+    # pre-flight: read-only calls; nothing is created if any fails
+    ident = calls.identity()
+    itype = _instance_type_info(calls, opts["instance_type"])
+    ami, ami_source = resolve_ami(calls, opts["ami"], itype)
+    subnets = resolve_subnets(calls, opts["subnet"], opts["instance_type"])
+    _check_key(calls, opts["key_name"])
+    if not itype.get("GpuInfo"):
+        print(f"pool {model}: note: {opts['instance_type']} has no GPU; fine for a CPU handler, not for a GPU model")
+    blob, kit_sha = kit_archive()
+    kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
+    ec2 = {"instances": opts["instances"], "min_instances": opts["min_instances"], "instance_type": opts["instance_type"],
+           "ami": ami, "ami_source": ami_source, "spot": opts["spot"], "subnets": subnets, "key_name": opts["key_name"],
+           "scale_to_zero_after": opts["scale_to_zero_after"], "region": region, "account": ident["account"],
+           "role": names["role"], "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
+           "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if opts["scale_to_zero_after"] else [],
+           "kit": {"key": kit_key, "sha256": kit_sha}, "state": "creating", "updated_at": now_iso()}
+    tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
+            "calque:created-at": (existing or {}).get("ec2", {}).get("created_at") or record.get("created_at") or now_iso(),
+            "calque:store": store, "calque:region": region}
+    ec2["created_at"] = tags["calque:created-at"]
+    owner = (model, store, region)
+    print(f"pool {model}: EC2 cohort of {opts['instances']} x {opts['instance_type']} "
+          f"{'spot' if opts['spot'] else 'on-demand'}, AMI {ami} ({ami_source}), subnets {', '.join(subnets)}")
+    idle = opts["scale_to_zero_after"]
+    print(f"pool {model}: cost {_hourly(opts['instance_type'], opts['spot'], max(opts['instances'], 1))}"
+          + (f"; scales to {opts['min_instances'] or 0} after {idle} idle minute(s)" if idle else ""))
+
+    steps = [f"queues {names['queue']} + {names['dlq']}", "handler, kit and pool record in the store",
+             f"IAM role {names['role']}", f"instance profile {names['instance_profile']}",
+             f"launch template {names['launch_template']}", f"auto scaling group {names['asg']}",
+             "scale-to-zero alarms" if opts["scale_to_zero_after"] else "no scale-to-zero alarms", "pool record ready"]
+    progress = _Progress(f"pool {model}: create", steps)
+    try:
+        with progress.step(steps[0]):
+            qtags = {k: _strict_tag(tags[k]) for k in ("calque:pool-model", "calque:managed")}
+            for q in (names["queue"], names["dlq"]):
+                print(f"pool {model}: queue {q} {_said(calls, _ensure_queue(calls, q, record['visibility_timeout'], qtags))}")
+        with progress.step(steps[1]):
+            full = dict(existing or {}, **record)
+            full["created_at"] = (existing or record).get("created_at") or now_iso()
+            if "handler" not in record:
+                path, cls = parse_handler_spec(args.handler)
+                with open(path, "rb") as f:
+                    source = f.read()
+                check_handler_source(source, cls, path)
+                full["handler"] = {"key": f"pools/{record['slug']}/handler/{os.path.basename(path)}", "file": os.path.basename(path),
+                                   "class": cls, "sha256": hashlib.sha256(source).hexdigest(), "source_path": os.path.abspath(path)}
+                if calls.note("s3", "PutObject", {"uri": backend.store.uri(full["handler"]["key"]), "bytes": len(source)}):
+                    backend.store.put(full["handler"]["key"], source)
+            if calls.note("s3", "PutObject", {"uri": backend.store.uri(kit_key), "bytes": len(blob)}):
+                backend.store.put(kit_key, blob)
+            full["ec2"] = ec2
+            text = json.dumps(full, indent=1)
+            if calls.note("s3", "PutObject", {"uri": backend.store.uri(pool_key(model)), "bytes": len(text)}):
+                write_json(backend, pool_key(model), full)
+            print(f"pool {model}: handler {full['handler']['file']}:{full['handler']['class']}, kit {kit_sha[:16]}, "
+                  f"record {_said(calls, 'written')}")
+        with progress.step(steps[2]):
+            policy = worker_policy(store, model, region, ident["account"], ident["partition"])
+            state = _ensure_role(calls, names["role"], policy, tags, owner)
+            print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy {_said(calls, 'put')}")
+        with progress.step(steps[3]):
+            state = _ensure_instance_profile(calls, names["instance_profile"], names["role"], tags)
+            print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
+        with progress.step(steps[4]):
+            script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"])
+            data = {"ImageId": ami, "InstanceType": opts["instance_type"], "UserData": _user_data_b64(script),
+                    "IamInstanceProfile": {"Name": names["instance_profile"]},
+                    "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
+                    "TagSpecifications": [{"ResourceType": "instance", "Tags": _tags(tags)},
+                                          {"ResourceType": "volume", "Tags": _tags(tags)}]}
+            if opts["key_name"]:
+                data["KeyName"] = opts["key_name"]
+            state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
+            print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} ({len(script)} bytes of user-data)")
+        with progress.step(steps[5]):
+            state = _ensure_asg(calls, names, ec2, tags, owner)
+            lo, hi, desired = _asg_sizes(ec2)
+            print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} (min {lo}, max {hi}, desired {desired})")
+        with progress.step(steps[6]):
+            if opts["scale_to_zero_after"]:
+                _ensure_scale_to_zero(calls, names, ec2, tags)
+                print(f"pool {model}: alarms {names['alarm_wake']} (work arrives -> {opts['instances']}) and "
+                      f"{names['alarm_idle']} ({opts['scale_to_zero_after']} idle min -> {opts['min_instances'] or 0}) {_said(calls, 'put')}")
+            elif _remove_scale_to_zero(calls, names):
+                print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
+        with progress.step(steps[7]):
+            full["ec2"] = dict(ec2, state="ready", updated_at=now_iso())
+            text = json.dumps(full, indent=1)
+            if calls.note("s3", "PutObject", {"uri": backend.store.uri(pool_key(model)), "bytes": len(text)}):
+                write_json(backend, pool_key(model), full)
+    except (Exception, KeyboardInterrupt) as e:
+        if isinstance(e, UserError) and progress.current is None:
+            raise
+        progress.report(e, f"re-run the same command to finish (each step checks what exists first), or "
+                           f"`python calque.py pool delete --model {model} --yes` to remove what is in place")
+        if isinstance(e, (UserError, KeyboardInterrupt)):
+            raise
+        raise UserError(f"pool {model}: create stopped at {progress.current}: {_aws_error_code(e) or type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''} (what is in place is listed above)") from e
+    if dry:
+        print(f"pool {model}: dry run: nothing was created or changed; the calls above are what --yes-spend-money makes")
+    else:
+        print(f"pool {model}: ready. Instances boot and bootstrap in ~{EC2_BOOT_ESTIMATE / 60:.0f} min, then load the model; "
+              f"watch with `python calque.py pool status --model {model}`")
+    return full
+
+
+def _require_ec2(record):
+    if not record.get("ec2"):
+        raise UserError(f"pool {record['model']} has no EC2 cohort (it was created without --instances): "
+                        f"scale its local workers with `pool scale --workers N`")
+    return record["ec2"]
+
+
+def ec2_pool_scale(backend, record, instances, args, calls=None):
+    """`pool scale --instances N` for an EC2 pool: the ASG's desired (and max) to N; with scale-to-zero the
+    wake policy's target too. Growing needs --yes-spend-money; shrinking does not. Reads args:
+    yes_spend_money, dry_run."""
+    model = record["model"]
+    _aws_store(backend, "pool scale --instances")
+    ec2 = dict(_require_ec2(record))
+    if instances is None or instances < 0:
+        raise UserError(f"--instances {instances}: 0 or more")
+    dry = bool(_opt(args, "dry_run", False))
+    calls = calls or AwsCalls.for_backend(backend, dry)
+    names = ec2_names(model)
+    asg = _describe_asg(calls, names["asg"])
+    if asg is None:
+        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: re-run `pool create` to finish the pool")
+    if instances > asg["DesiredCapacity"]:
+        _refuse_spending(args, f"pool scale --model {model} --instances {instances}")
+    ec2["instances"] = instances
+    lo, hi, desired = _asg_sizes(ec2)
+    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo, MaxSize=hi,
+               DesiredCapacity=desired)
+    if ec2.get("scale_to_zero_after"):
+        calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=names["asg"], PolicyName=names["policy_wake"],
+                   PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=instances, Cooldown=60)
+    full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
+    if calls.note("s3", "PutObject", {"uri": backend.store.uri(pool_key(model)), "bytes": len(json.dumps(full, indent=1))}):
+        write_json(backend, pool_key(model), full)
+    print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
+          f"(min {lo}, max {hi}); {_hourly(ec2['instance_type'], ec2['spot'], desired) if desired else 'no instance cost at 0'}")
+    return full
+
+
+def _queue_depth(calls, name):
+    url = _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
+    if not url:
+        return None
+    a = calls.call("sqs", "GetQueueAttributes", QueueUrl=url, AttributeNames=[
+        "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
+    return {"visible": int(a["ApproximateNumberOfMessages"]), "in_flight": int(a["ApproximateNumberOfMessagesNotVisible"])}
+
+
+def ec2_pool_status(backend, record, calls=None):
+    """The EC2 side of `pool status`: the ASG's sizes, its instances by lifecycle state, its last scaling
+    activities (where a launch failure shows), the alarms' states, queue/DLQ depths and worker stats."""
+    model = record["model"]
+    calls = calls or AwsCalls.for_backend(backend)
+    names = ec2_names(model)
+    asg = _describe_asg(calls, names["asg"])
+    status = {"model": model, "ec2": record.get("ec2"), "asg": None, "instances": {}, "instance_list": [], "activities": [],
+              "alarms": {}, "queue": _queue_depth(calls, names["queue"]), "dlq": _queue_depth(calls, names["dlq"]),
+              "workers": read_worker_stats(backend, model)}
+    if asg:
+        status["asg"] = {"name": names["asg"], "min": asg["MinSize"], "max": asg["MaxSize"], "desired": asg["DesiredCapacity"],
+                         "status": asg.get("Status")}
+        for i in asg.get("Instances", []):
+            status["instances"][i["LifecycleState"]] = status["instances"].get(i["LifecycleState"], 0) + 1
+            status["instance_list"].append({"id": i["InstanceId"], "state": i["LifecycleState"], "health": i.get("HealthStatus"),
+                                            "zone": i.get("AvailabilityZone"), "type": i.get("InstanceType")})
+        for a in calls.call("autoscaling", "DescribeScalingActivities", AutoScalingGroupName=names["asg"],
+                            MaxRecords=3).get("Activities", []):
+            status["activities"].append({"status": a.get("StatusCode"), "description": a.get("Description"),
+                                         "reason": (a.get("StatusMessage") or a.get("Cause") or "")[:300],
+                                         "start": str(a.get("StartTime", ""))})
+    alarms = calls.call("cloudwatch", "DescribeAlarms", AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]
+    status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in alarms}
+    return status
+
+
+def ec2_status_lines(status):
+    """`pool status` lines for the EC2 part (the lead prints the worker table as for local pools)."""
+    lines, ec2 = [], status.get("ec2") or {}
+    asg = status["asg"]
+    if asg is None:
+        lines.append(f"  auto scaling group: none (re-run `pool create` to finish, or `pool delete` to clean up)")
+    else:
+        by_state = ", ".join(f"{n} {s}" for s, n in sorted(status["instances"].items())) or "no instances"
+        lines.append(f"  auto scaling group {asg['name']}: desired {asg['desired']} (min {asg['min']}, max {asg['max']})"
+                     f"{' ' + asg['status'] if asg['status'] else ''}: {by_state}")
+        lines.append(f"  instances: {ec2.get('instance_type', '?')} {'spot' if ec2.get('spot') else 'on-demand'}, AMI {ec2.get('ami', '?')}")
+        for a in status["activities"]:
+            lines.append(f"    {a['start'][:19]} {a['status']}: {a['description']}" + (f" ({a['reason']})" if a["reason"] else ""))
+    q, d = status["queue"], status["dlq"]
+    lines.append(f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  "
+                 f"dead-letter: {d['visible'] if d else '?'}")
+    if status["alarms"]:
+        lines.append("  scale to zero: " + ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items())))
+    running = [w for w in status["workers"] if w.get("state") == "running"]
+    in_service = status["instances"].get("InService", 0)
+    if in_service and not running:
+        lines.append(f"  note: {in_service} instance(s) in service but no worker reports running yet: still bootstrapping "
+                     f"(~{EC2_BOOT_ESTIMATE / 60:.0f} min), or the bootstrap failed: see the instance's console output")
+    return lines
+
+
+def ec2_pool_list(backend, calls=None):
+    """Every pool in this store, found by its record, plus EC2 fleets found only by their ASG tags (a
+    half-created pool, or one whose record is gone: record False).
+    [{model, record, asg, desired, in_service, instance_type, spot, store}]"""
+    calls = calls or AwsCalls.for_backend(backend)
+    found = {}
+    for folder in backend.store.list("pools/"):
+        with contextlib.suppress(NotFound):
+            rec = read_json(backend, folder + "/pool.json")
+            ec2 = rec.get("ec2") or {}
+            found[rec["model"]] = {"model": rec["model"], "record": True, "asg": None, "desired": None, "in_service": 0,
+                                   "instance_type": ec2.get("instance_type"), "spot": ec2.get("spot"),
+                                   "store": backend.describe()}
+    token = None
+    while True:
+        page = calls.call("autoscaling", "DescribeAutoScalingGroups", Filters=[{"Name": "tag:calque:role", "Values": ["pool-worker"]}],
+                          **({"NextToken": token} if token else {}))
+        for g in page["AutoScalingGroups"]:
+            tags = _tag_dict(g.get("Tags"))
+            model = tags.get("calque:pool-model")
+            if not model or tags.get("calque:managed") != "true":
+                continue
+            entry = found.setdefault(model, {"model": model, "record": False, "instance_type": None, "spot": None,
+                                             "store": tags.get("calque:store")})
+            entry.update(asg=g["AutoScalingGroupName"], desired=g["DesiredCapacity"],
+                         in_service=sum(i["LifecycleState"] == "InService" for i in g.get("Instances", [])))
+        token = page.get("NextToken")
+        if not token:
+            break
+    return sorted(found.values(), key=lambda p: p["model"])
+
+
+def _delete_step(model, what, fn):
+    """Run one delete step and report it; a step's failure is reported and the others still run."""
+    try:
+        state = fn()
+        print(f"pool {model}: {what}: {state}")
+        return True
+    except UserError as e:
+        print(f"pool {model}: {what}: skipped: {e}")
+    except Exception as e:
+        print(f"pool {model}: {what}: FAILED ({_aws_error_code(e) or type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+    return False
+
+
+def ec2_pool_delete(backend, record, args, calls=None):
+    """`pool delete --model M --yes` for an EC2 pool: alarms, ASG (to 0, then force-deleted: its instances
+    get SIGTERM and terminate in the background), launch template, instance profile, role, queues, then the
+    pool's folder in the store (record last, so a failed delete can be re-run). Names come from the model,
+    so `record` may be just {"model": M} for a pool whose record was never written. Only resources tagged
+    calque:managed=true are deleted. Reads args: yes, dry_run. Returns True when every step succeeded."""
+    model = record["model"]
+    _aws_store(backend, "pool delete of an EC2 pool")
+    dry = bool(_opt(args, "dry_run", False))
+    if not dry and not _opt(args, "yes", False):
+        raise UserError(f"pool delete {model}: deletes instances, queues and IAM: refusing without --yes")
+    calls = calls or AwsCalls.for_backend(backend, dry)
+    names = ec2_names(model)
+
+    def alarms():
+        have = [a["AlarmName"] for a in calls.call("cloudwatch", "DescribeAlarms",
+                                                   AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]]
+        if not have:
+            return "none"
+        calls.call("cloudwatch", "DeleteAlarms", AlarmNames=have)
+        return "deleted " + ", ".join(have)
+
+    def asg():
+        group = _describe_asg(calls, names["asg"])
+        if group is None:
+            return "not found (already gone)"
+        if group.get("Status"):
+            return f"already {group['Status'].lower()}"
+        if _tag_dict(group.get("Tags")).get("calque:managed") != "true":
+            raise UserError(f"{names['asg']} is not tagged calque:managed=true; not touching it")
+        calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0, DesiredCapacity=0)
+        calls.call("autoscaling", "DeleteAutoScalingGroup", AutoScalingGroupName=names["asg"], ForceDelete=True)
+        return f"scaled to 0 and deleted ({len(group.get('Instances', []))} instance(s) terminating: warmd gets SIGTERM)"
+
+    def template():
+        found = _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates", LaunchTemplateNames=[names["launch_template"]])["LaunchTemplates"][0],
+                        "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
+        if not found:
+            return "not found (already gone)"
+        if _tag_dict(found.get("Tags")).get("calque:managed") != "true":
+            raise UserError(f"{names['launch_template']} is not tagged calque:managed=true; not touching it")
+        calls.call("ec2", "DeleteLaunchTemplate", LaunchTemplateName=names["launch_template"])
+        return "deleted"
+
+    def profile():
+        found = _exists(lambda: calls.call("iam", "GetInstanceProfile", InstanceProfileName=names["instance_profile"])["InstanceProfile"],
+                        "NoSuchEntity")
+        if not found:
+            return "not found (already gone)"
+        for role in found.get("Roles", []):
+            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=names["instance_profile"], RoleName=role["RoleName"])
+        calls.call("iam", "DeleteInstanceProfile", InstanceProfileName=names["instance_profile"])
+        return "deleted"
+
+    def role():
+        if not _exists(lambda: calls.call("iam", "GetRole", RoleName=names["role"]), "NoSuchEntity"):
+            return "not found (already gone)"
+        if _role_tags(calls, names["role"]).get("calque:managed") != "true":
+            raise UserError(f"{names['role']} is not tagged calque:managed=true; not touching it")
+        for p in calls.call("iam", "ListRolePolicies", RoleName=names["role"])["PolicyNames"]:
+            calls.call("iam", "DeleteRolePolicy", RoleName=names["role"], PolicyName=p)
+        for p in calls.call("iam", "ListAttachedRolePolicies", RoleName=names["role"])["AttachedPolicies"]:
+            calls.call("iam", "DetachRolePolicy", RoleName=names["role"], PolicyArn=p["PolicyArn"])
+        for p in calls.call("iam", "ListInstanceProfilesForRole", RoleName=names["role"])["InstanceProfiles"]:
+            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=p["InstanceProfileName"], RoleName=names["role"])
+        calls.call("iam", "DeleteRole", RoleName=names["role"])
+        return "deleted"
+
+    def queue(name):
+        def step():
+            url = _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
+            if not url:
+                return "not found (already gone)"
+            calls.call("sqs", "DeleteQueue", QueueUrl=url)
+            return "deleted (SQS lets the name be reused after 60 s)"
+        return step
+
+    def store():
+        prefix = f"pools/{slug(model)}/"
+        if calls.note("s3", "DeleteObjects", {"uri": backend.store.uri(prefix), "what": "every key under it"}):
+            backend.store.delete_prefix(prefix)
+        return "deleted (record, handler, kit, worker stats; runs are kept under runs/)"
+
+    ok = all([_delete_step(model, f"alarms", alarms),
+              _delete_step(model, f"auto scaling group {names['asg']}", asg),
+              _delete_step(model, f"launch template {names['launch_template']}", template),
+              _delete_step(model, f"instance profile {names['instance_profile']}", profile),
+              _delete_step(model, f"IAM role {names['role']}", role),
+              _delete_step(model, f"queue {names['queue']}", queue(names["queue"])),
+              _delete_step(model, f"queue {names['dlq']}", queue(names["dlq"]))])
+    if ok:
+        ok = _delete_step(model, f"store folder pools/{slug(model)}/", store)
+    else:
+        print(f"pool {model}: record kept (a step failed): fix what is reported above and re-run `pool delete --model {model} --yes`")
+    if dry:
+        print(f"pool {model}: dry run: nothing was deleted")
+    return ok
+
+
+def ec2_cold_wait_hint(backend, record, calls=None):
+    """For `submit --pool M`: one line when the EC2 pool has no instance in service (how long until the
+    first claim can start, and why), else None. Local pools (no "ec2" in the record) give None."""
+    ec2 = record.get("ec2")
+    if not ec2 or getattr(backend, "kind", None) != "aws":
+        return None
+    model = record["model"]
+    calls = calls or AwsCalls.for_backend(backend)
+    asg = _describe_asg(calls, ec2_names(model)["asg"])
+    if asg is None:
+        return f"pool {model} has no auto scaling group: no instance will claim this run ---> HINT: re-run `pool create` for it"
+    states = [i["LifecycleState"] for i in asg.get("Instances", [])]
+    if "InService" in states:
+        return None
+    enter = measured_enter_seconds(read_worker_stats(backend, model))
+    load = f"@enter ~{enter:.0f}s (measured)" if enter is not None else "@enter (not measured yet)"
+    boot = f"boot + bootstrap ~{EC2_BOOT_ESTIMATE / 60:.0f} min (assumed)"
+    if asg["DesiredCapacity"] == 0:
+        if not ec2.get("scale_to_zero_after"):
+            return f"pool {model} is scaled to 0: nothing will claim this run ---> HINT: pool scale --model {model} --instances N"
+        return (f"pool {model} is cold (0 instances): its wake alarm scales it to {ec2['instances']} within ~1-3 min "
+                f"(SQS metrics are per minute), then {boot}, then {load} before the first claim starts")
+    pending = sum(s.startswith("Pending") for s in states)
+    return (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in service, {pending} launching): "
+            f"{boot} from launch, then {load} before the first claim starts")
+
+
+# ------------------------------------------------------------------------------------------------
+# the cold path on AWS: one-shot instances on a run-scoped queue
+
+def ec2_cold_launch(backend, cold_record, run_id, shards, args, calls=None):
+    """Launch `shards` one-shot instances for cold run `run_id`, after the run is staged (cold record at
+    runs/RUN/pool.json, its queue holding the claims). Each bootstraps, runs `warmd.py --run RUN` once,
+    and powers off when its queue is drained (shutdown -> terminate); a dead-man's switch powers it off
+    after the submit timeout + COLD_BOOT_ALLOWANCE minutes whatever happens. All shards or none
+    (MinCount = MaxCount). Reads args: ami (required), instance_type, spot, subnet, key_name,
+    yes_spend_money, dry_run, timeout. Returns the instance ids."""
+    _aws_store(backend, "a cold run on EC2")
+    ami = _opt(args, "ami")
+    if not ami:
+        raise UserError("a cold run on EC2 needs --ami ami-... (an image with an NVIDIA driver; see the README, On AWS)")
+    if shards < 1:
+        raise UserError(f"--shards {shards}: at least 1")
+    _refuse_spending(args, f"submit (cold, {shards} instance(s))")
+    dry = bool(_opt(args, "dry_run", False))
+    calls = calls or AwsCalls.for_backend(backend, dry)
+    store, region = backend.describe(), calls.region
+    ident = calls.identity()
+    itype = _instance_type_info(calls, _opt(args, "instance_type"))
+    ami, _ = resolve_ami(calls, ami, itype)
+    subnet = resolve_subnets(calls, _opt(args, "subnet"), itype["InstanceType"])[0]
+    _check_key(calls, _opt(args, "key_name"))
+    name = cold_role_name(store, region)
+    owner = (cold_record["model"], store, region)
+    tags = {"calque:pool-model": cold_record["model"], "calque:role": "cold-worker", "calque:managed": "true",
+            "calque:created-at": now_iso(), "calque:store": store, "calque:region": region}
+    role_tags = dict(tags, **{"calque:pool-model": "cold-runs"})
+    role_owner = ("cold-runs", store, region)
+    role_state = _ensure_role(calls, name, cold_worker_policy(store, region, ident["account"], ident["partition"]), role_tags, role_owner)
+    profile_state = _ensure_instance_profile(calls, name, name, role_tags)
+    print(f"run {run_id}: cold role {name} {_said(calls, role_state)}, instance profile {_said(calls, profile_state)}")
+    blob, kit_sha = kit_archive()
+    kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
+    if calls.note("s3", "PutObject", {"uri": backend.store.uri(kit_key), "bytes": len(blob)}):
+        backend.store.put(kit_key, blob)
+    timeout = float(_opt(args, "timeout", 0) or setting_number(settings(), "CALQUE_TIMEOUT", float, 0))
+    max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
+    script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name)
+    params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards, "MaxCount": shards,
+              "UserData": script, "IamInstanceProfile": {"Name": name}, "InstanceInitiatedShutdownBehavior": "terminate",
+              "SubnetId": subnet, "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
+              "TagSpecifications": [{"ResourceType": t, "Tags": _tags(dict(tags, **{"calque:run": run_id, "Name": f"calque-cold-{run_id}"}))}
+                                    for t in ("instance", "volume")]}
+    if _opt(args, "key_name"):
+        params["KeyName"] = args.key_name
+    if _opt(args, "spot", False):
+        params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+            "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+    deadline = time.monotonic() + IAM_RETRY_SECONDS
+    while True:
+        try:
+            answer = calls.call("ec2", "RunInstances", **params)
+            break
+        except Exception as e:   # a just-made instance profile is refused until IAM has propagated it
+            if not (_aws_error_code(e) == "InvalidParameterValue" and "profile" in str(e).lower()) or time.monotonic() > deadline:
+                raise
+            calls.sleep(5)
+    ids = [i["InstanceId"] for i in answer["Instances"]]
+    if dry:
+        print(f"run {run_id}: dry run: no instance was launched")
+    print(f"run {run_id}: launched {len(ids)} x {itype['InstanceType']} ({', '.join(ids)}); each boots and bootstraps "
+          f"(~{EC2_BOOT_ESTIMATE / 60:.0f} min), drains {cold_record['queue']}, then terminates itself "
+          f"(at the latest after {max_minutes} min); {_hourly(itype['InstanceType'], bool(_opt(args, 'spot', False)), len(ids))}")
+    return ids
+
+
+def ec2_cold_cleanup(backend, instance_ids, args=None, calls=None):
+    """Terminate a cold run's instances that are still up (submit timed out or was interrupted); the ones
+    that already drained have terminated themselves. Returns the ids it terminated."""
+    if not instance_ids:
+        return []
+    calls = calls or AwsCalls.for_backend(backend, bool(_opt(args, "dry_run", False)))
+    live = []
+    for res in calls.call("ec2", "DescribeInstances", InstanceIds=list(instance_ids))["Reservations"]:
+        live += [i["InstanceId"] for i in res["Instances"] if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
+    if live:
+        calls.call("ec2", "TerminateInstances", InstanceIds=live)
+        print(f"cold run: terminated {len(live)} instance(s) still up: {', '.join(live)}", file=sys.stderr)
+    return live
+
+
+# ------------------------------------------------------------------------------------------------
 # the CLI verbs
 
 def cmd_pool_create(conf, backend, args):
@@ -1837,6 +3122,11 @@ def cmd_pool_create(conf, backend, args):
         "max_deliveries": args.max_deliveries or setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
         "created_at": now_iso(), "store": backend.describe(),
     }
+    if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
+        ec2_pool_create(backend, record, args)
+        return EXIT_OK
+    if args.dry_run:
+        raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
     record["handler"] = snapshot_handler(backend, args.handler, f"pools/{record['slug']}/")
     backend.queues.create_queue(queue, record["visibility_timeout"])
     backend.queues.create_queue(dlq, record["visibility_timeout"])
@@ -1850,7 +3140,10 @@ def cmd_pool_create(conf, backend, args):
 
 
 def cmd_pool_scale(conf, backend, args):
-    load_pool(backend, args.model)
+    record = load_pool(backend, args.model)
+    if args.instances is not None:
+        ec2_pool_scale(backend, record, args.instances, args)
+        return EXIT_OK
     if args.workers < 0:
         raise UserError(f"--workers {args.workers}: must be 0 or more")
     if args.workers == 0:
@@ -1878,6 +3171,7 @@ def pool_status(conf, backend, model):
             local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
     stats = read_worker_stats(backend, model)
     return {"model": model, "record": record, "queue": depths["queue"], "dlq": depths["dlq"],
+            "ec2": ec2_pool_status(backend, record) if "ec2" in record else None,
             "supervisor": {"pid": supervisor["pid"], "desired": supervisor["desired"], "restarts": supervisor["restarts"]} if supervisor else None,
             "local_workers": local, "workers": stats}
 
@@ -1890,6 +3184,9 @@ def cmd_pool_status(conf, backend, args):
     q, d = status["queue"], status["dlq"]
     print(f"pool {args.model}  ({status['record']['queue']} on {backend.describe()})")
     print(f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  dead-letter: {d['visible'] if d else '?'}")
+    if status["ec2"]:
+        for line in ec2_status_lines(status["ec2"]):
+            print("  " + line)
     sup = status["supervisor"]
     if sup:
         alive = sum(w["alive"] for w in status["local_workers"])
@@ -1908,10 +3205,13 @@ def cmd_pool_status(conf, backend, args):
 
 
 def cmd_pool_list(conf, backend, args):
-    pools = []
-    for folder in backend.store.list("pools/"):
-        with contextlib.suppress(NotFound):
-            pools.append(read_json(backend, folder.rstrip("/") + "/pool.json"))
+    if backend.kind == "aws":   # records in the store, plus fleets found only by their tags (a half-created pool)
+        pools = ec2_pool_list(backend)
+    else:
+        pools = []
+        for folder in backend.store.list("pools/"):
+            with contextlib.suppress(NotFound):
+                pools.append({"model": read_json(backend, folder + "/pool.json")["model"], "record": True, "asg": None})
     if args.json:
         print(json.dumps(pools, indent=1))
         return EXIT_OK
@@ -1919,12 +3219,25 @@ def cmd_pool_list(conf, backend, args):
         print(f"no pools in {backend.describe()}")
     for p in pools:
         sup = read_supervisor(conf, p["model"])
-        print(f"{p['model']:<40} {p['queue']:<50} workers here: {sup['desired'] if sup else 0}")
+        fleet = f"EC2 {p['in_service']}/{p['desired']} in service ({p['asg']})" if p["asg"] else "no EC2 fleet"
+        print(f"{p['model']:<40} {pool_queue_name(p['model']):<50} local workers here: {sup['desired'] if sup else 0}; {fleet}"
+              + ("" if p["record"] else "  [no pool record: half-created? `pool delete --model M --yes` cleans it up]"))
     return EXIT_OK
 
 
 def cmd_pool_delete(conf, backend, args):
-    record = load_pool(backend, args.model)
+    try:
+        record = load_pool(backend, args.model)
+    except UserError:
+        if backend.kind != "aws":
+            raise
+        record = {"model": args.model}     # a half-created EC2 pool: delete finds what is there by name and tag
+    if "ec2" in record or "queue" not in record:
+        if not args.yes and not args.dry_run:
+            raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes (or previewed with --dry-run)")
+        stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15)
+        ec2_pool_delete(backend, record, args)
+        return EXIT_OK
     if not args.yes:
         if not sys.stdin.isatty():
             raise UserError(f"pool delete {args.model}: refusing without --yes (no terminal to ask)")
@@ -1957,6 +3270,10 @@ def cmd_submit(conf, backend, args):
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
         record = load_pool(backend, args.pool)
+        if "ec2" in record:
+            hint = ec2_cold_wait_hint(backend, record)
+            if hint:
+                print(hint, file=sys.stderr)
         queue = backend.queues.open_queue(record["queue"])
         run = stage_run(backend, record, items, args.claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), queue, "pool")
         if args.no_wait:
@@ -1972,6 +3289,8 @@ def cmd_submit(conf, backend, args):
         if args.no_wait:
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
         run, summaries, timed_out = cold_run(conf, backend, args, items)
+        if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
+            return EXIT_OK
     code = report_run(backend, run, summaries, timed_out, args.json)
     if not args.json and summaries:
         for line in run_cost_lines(backend, run, summaries, args):
@@ -2120,10 +3439,25 @@ def build_parser():
     p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
     p.add_argument("--visibility-timeout", type=int, help="seconds a claim stays invisible; the heartbeat renews it")
     p.add_argument("--max-deliveries", type=int, help="deliveries before a claim goes to the dead-letter queue")
+    ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
+    ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
+    ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
+    ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its public SSM parameter)")
+    ec2.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be interrupted at 2 minutes' notice")
+    ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: --instances; 0 with --scale-to-zero-after)")
+    ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
+    ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
+    ec2.add_argument("--scale-to-zero-after", type=int, metavar="MINUTES", help="scale to 0 after this many idle minutes; wake on work")
+    ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
+    ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would change something; change nothing")
     p.set_defaults(func=cmd_pool_create)
-    p = pool.add_parser("scale", help="set the number of local workers")
+    p = pool.add_parser("scale", help="set the number of local workers, or of EC2 instances")
     p.add_argument("--model", required=True)
-    p.add_argument("--workers", type=int, required=True)
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
+    size.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
+    p.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
+    p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
     p.set_defaults(func=cmd_pool_scale)
     p = pool.add_parser("status", help="queue depths, live workers, per-worker claims, warm hits, enter_count")
     p.add_argument("--model", required=True)
@@ -2135,6 +3469,7 @@ def build_parser():
     p = pool.add_parser("delete", help="stop local workers, delete the queues and the pool record")
     p.add_argument("--model", required=True)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change nothing")
     p.set_defaults(func=cmd_pool_delete)
     p = pool.add_parser("cost", parents=[priced], help="what the pool paid, idle included, against cold starts")
     p.add_argument("--model", required=True)
@@ -2156,6 +3491,12 @@ def build_parser():
     p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
     p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
     p.add_argument("--no-wait", action="store_true", help="print the run id and return at once")
+    cold_ec2 = p.add_argument_group("cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
+    cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
+    cold_ec2.add_argument("--subnet", help="subnet id (default: the default VPC's)")
+    cold_ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
+    cold_ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
+    cold_ec2.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_submit)
 
