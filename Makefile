@@ -39,4 +39,4 @@ gpu-check: setup
 	$(PY) fastbatch/gpu_check.py
 
 clean:
-	rm -rf .calque .calque-state .calque-demo fastbatch/_fastbatch_c.* fastbatch/*.o $(FASTBATCH_SO)
+	rm -rf .calque .calque-state .calque-demo fastbatch/_fastbatch_c.* fastbatch/*.o fastbatch/.build-* $(FASTBATCH_SO)

@@ -11,7 +11,7 @@ stops claiming and finishes the running claim within CALQUE_GRACE seconds, else 
 SIGTERM/SIGINT releases it at once. Exit 0 on a graceful stop.
 """
 import argparse
-import functools
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import calque
 
@@ -32,6 +32,8 @@ STATS_INTERVAL = 30.0       # s between two worker-stats writes while idle (pool
 COLD_POLL_WAIT = 1          # s of one long poll for a cold run's worker, which exits once its queue is empty
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
 PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"   # collate batch k+1 while the model runs batch k
+RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
+RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
 
 log = logging.getLogger("warmd")
 
@@ -49,10 +51,64 @@ class ClaimReleased(Exception):
     """The drain loop gave the claim back (grace period over, or lease lost)."""
 
 
-def default_collate(fastbatch, payloads):
-    """Numeric payloads (dicts of arrays/lists) are collated by fastbatch; anything else passes as a list."""
-    collated = fastbatch.collate_default(payloads)
-    return payloads if collated is None else collated
+class Prepared:
+    """One batch as the handler will receive it, plus the ring slot and CUDA event that back it."""
+    __slots__ = ("inputs", "slot", "event")
+
+    def __init__(self, inputs, slot=None, event=None):
+        self.inputs, self.slot, self.event = inputs, slot, event
+
+
+class Collator:
+    """What a handler's batch call receives: its own collate(payloads) when it has one; otherwise numeric
+    payloads (dicts of arrays/lists) are gathered by fastbatch in one copy into a ring of reused host
+    buffers (pinned with CUDA), and with CUDA copied to the GPU on a side stream, non_blocking, so the
+    copy of batch k+1 overlaps the model running batch k. Anything else passes through as the list."""
+
+    def __init__(self, handler_collate):
+        self.handler_collate = handler_collate
+        if handler_collate is None:
+            import fastbatch   # brings torch (~2 s): a start-up cost, paid at load and not inside a claim
+            import torch
+            self.torch, self.ring = torch, fastbatch.PinnedRing(RING_SLOTS)
+            self.cuda = torch.cuda.is_available()
+            self.stream = torch.cuda.Stream() if self.cuda else None
+
+    def prepare(self, payloads):
+        """Runs on the prefetch thread."""
+        if self.handler_collate is not None:
+            return Prepared(self.handler_collate(payloads))
+        collated = self.ring.collate(payloads, timeout=RING_WAIT)
+        if collated is None:
+            return Prepared(payloads)
+        slot, batch = collated
+        if not self.cuda:
+            return Prepared(batch, slot)
+        try:
+            with self.torch.cuda.stream(self.stream):
+                on_device = {k: v.to("cuda", non_blocking=True) for k, v in batch.items()}   # DMA from the pinned slot
+                event = self.torch.cuda.Event()
+                event.record(self.stream)
+        except BaseException:
+            self.ring.release(slot)
+            raise
+        return Prepared(on_device, slot, event)
+
+    def inputs(self, prepared):
+        """On the model's thread: make its stream wait for the copy (a GPU-side wait, not a host sync)."""
+        if prepared.event is not None:
+            main = self.torch.cuda.current_stream()
+            main.wait_event(prepared.event)
+            for tensor in prepared.inputs.values():
+                tensor.record_stream(main)   # the allocator must not reuse this memory before the model is done
+        return prepared.inputs
+
+    def release(self, prepared):
+        """The slot is handed out again only once the copy out of it has finished."""
+        if prepared.slot is not None:
+            if prepared.event is not None:
+                prepared.event.synchronize()
+            self.ring.release(prepared.slot)
 
 
 class Heartbeat:
@@ -189,10 +245,7 @@ class Worker:
         path = os.path.join(folder, h["file"])
         calque.write_file_atomic(path, source.decode())
         self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"])
-        if collate is None:
-            import fastbatch   # brings torch (~2 s): a start-up cost, paid here and not inside a claim
-            collate = functools.partial(default_collate, fastbatch)
-        self.collate = collate
+        self.collator = Collator(collate)
 
     def enter(self):
         self.acquisition_seconds = max(0.0, time.time() - self.spawned_at)
@@ -214,7 +267,9 @@ class Worker:
         log.info("worker %s: %s: warm stop (no new claims; %.0fs grace for the running one)",
                  self.worker_id, signal.Signals(signum).name, self.grace)
         if self.state == "claim":
-            threading.Timer(self.grace, self.release_now.set).start()
+            timer = threading.Timer(self.grace, self.release_now.set)
+            timer.daemon = True    # a claim that ends first must not keep the process alive for the rest of the grace
+            timer.start()
         elif self.state == "polling":
             raise Interrupted()
 
@@ -328,7 +383,7 @@ class Worker:
             heartbeat.stop()
             gpu = self.gpu.stop()
         finished = time.time()
-        results, failed, errors, model_seconds = outcome
+        results, failed, errors, model_seconds, collate_wait = outcome
         claim_seconds = finished - received
         notes = []
         if len(errors) < len(failed):
@@ -344,6 +399,7 @@ class Worker:
             "warm_hit": warm_hit, "enter_seconds_paid": round(enter_paid, 6), "enter_count": self.enter_count,
             "acquisition_seconds": round(acquisition, 6), "receive_count": message.receive_count,
             "claim_seconds": round(claim_seconds, 6), "model_seconds": round(model_seconds, 6),
+            "collate_wait_seconds": round(collate_wait, 6), "prefetch": bool(self.prefetcher),
             "occupancy": {"value": round(model_seconds / claim_seconds, 4) if claim_seconds > 0 else None,
                           "source": "drain-loop", "scope": "claim", "measured": True},
             "gpu_utilisation": gpu, "mode": "cold" if self.ephemeral else "pool", "backend": self.backend.kind,
@@ -366,71 +422,96 @@ class Worker:
                  self.worker_id, run_id, claim, len(items), len(failed), "yes" if warm_hit else "no", enter_paid, claim_seconds)
 
     def drain(self, items, first, heartbeat):
-        """Items through collate + batch, batch_size at a time, the next batch collated while the model runs.
-        Returns (result lines, failed indices, errors, model seconds). A batch that raises is retried one
-        item at a time, so that only the failing items fail."""
+        """Items through collate + batch, batch_size at a time, the next batch collated (on the prefetch
+        thread) while the model runs the current one. Returns (result lines, failed indices, errors,
+        model seconds, collate-wait seconds). A batch that raises is retried one item at a time, so that
+        only the failing items fail."""
         size = self.record["batch_size"]
         batches = [items[i:i + size] for i in range(0, len(items), size)]
         results, failed, errors = [], [], {}
-        model_seconds = 0.0
-        pending = self._collate_async(batches[0]) if batches else None
-        for k, payloads in enumerate(batches):
-            collated = pending
-            if k + 1 < len(batches):
-                pending = self._collate_async(batches[k + 1])   # overlaps with the model call below
-            if self.release_now.is_set():
-                raise ClaimReleased("grace period over" if self.stop_requested else "released")
-            if heartbeat.lost.is_set():
-                raise ClaimReleased("lease lost")
-            base = first + k * size
+        model_seconds = wait_seconds = 0.0
+        pending = self._prepare(batches[0]) if batches else None
+        try:
+            for k, payloads in enumerate(batches):
+                if self.release_now.is_set():
+                    raise ClaimReleased("grace period over" if self.stop_requested else "released")
+                if heartbeat.lost.is_set():
+                    raise ClaimReleased("lease lost")
+                current, pending = pending, (self._prepare(batches[k + 1]) if k + 1 < len(batches) else None)
+                outcome, model, wait = self._run_batch(current, payloads)
+                model_seconds += model
+                wait_seconds += wait
+                base = first + k * size
+                for i, (ok, value) in enumerate(outcome):
+                    line = None
+                    if ok:
+                        try:
+                            line = calque.dumps({"i": base + i, "ok": True, "result": value})
+                        except (TypeError, ValueError) as e:
+                            ok, value = False, f"result is not JSON-serialisable: {e}"
+                    if not ok:
+                        failed.append(base + i)
+                        if len(errors) < calque.ERRORS_KEPT:
+                            errors[str(base + i)] = value[:calque.ERROR_CHARS]
+                        line = calque.dumps({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS]})
+                    results.append(line + "\n")
+        finally:
+            if pending is not None:   # a batch gathered ahead of a loop that ended early gives its slot back
+                with contextlib.suppress(Exception):
+                    self.collator.release(pending.result())
+        return results, failed, errors, model_seconds, wait_seconds
+
+    def _prepare(self, payloads):
+        """A future of the prepared batch: on the prefetch thread, or done at once without one."""
+        if self.prefetcher:
+            return self.prefetcher.submit(self.collator.prepare, payloads)
+        done = Future()
+        try:
+            done.set_result(self.collator.prepare(payloads))
+        except Exception as e:
+            done.set_exception(e)
+        return done
+
+    def _run_batch(self, future, payloads):
+        """[(ok, result or error)] for one batch, its model seconds and the seconds spent waiting for collation."""
+        t0 = time.perf_counter()
+        try:
+            prepared = future.result()
+        except Exception:
+            prepared = None     # collation failed: the items are tried one by one below, each failing alone
+        wait = time.perf_counter() - t0
+        model = 0.0
+        if prepared is not None:
             t0 = time.perf_counter()
             try:
-                outputs = self.batch_fn(collated.result() if self.prefetcher else collated)
-                model_seconds += time.perf_counter() - t0
-                if not isinstance(outputs, (list, tuple)) or len(outputs) != len(payloads):
-                    got = f"{len(outputs)} results" if isinstance(outputs, (list, tuple)) else type(outputs).__name__
-                    outcome = [(False, f"handler returned {got} for a batch of {len(payloads)} items")] * len(payloads)
-                else:
-                    outcome = [(True, o) for o in outputs]
+                outputs = self.batch_fn(self.collator.inputs(prepared))
+                model = time.perf_counter() - t0
+                if isinstance(outputs, (list, tuple)) and len(outputs) == len(payloads):
+                    return [(True, o) for o in outputs], model, wait
+                got = f"{len(outputs)} results" if isinstance(outputs, (list, tuple)) else type(outputs).__name__
+                return [(False, f"handler returned {got} for a batch of {len(payloads)} items")] * len(payloads), model, wait
             except Exception:
-                model_seconds += time.perf_counter() - t0
-                outcome, seconds = self._one_by_one(payloads)
-                model_seconds += seconds
-            for i, (ok, value) in enumerate(outcome):
-                line = None
-                if ok:
-                    try:
-                        line = calque.dumps({"i": base + i, "ok": True, "result": value})
-                    except (TypeError, ValueError) as e:
-                        ok, value = False, f"result is not JSON-serialisable: {e}"
-                if not ok:
-                    failed.append(base + i)
-                    if len(errors) < calque.ERRORS_KEPT:
-                        errors[str(base + i)] = value[:calque.ERROR_CHARS]
-                    line = calque.dumps({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS]})
-                results.append(line + "\n")
-        return results, failed, errors, model_seconds
-
-    def _collate_async(self, payloads):
-        if self.prefetcher:
-            return self.prefetcher.submit(self.collate, payloads)
-        return self.collate(payloads)
-
-    def _one_by_one(self, payloads):
-        outcome, seconds = [], 0.0
+                model = time.perf_counter() - t0
+            finally:
+                self.collator.release(prepared)
+        outcome = []
         for payload in payloads:
             t0 = time.perf_counter()
             try:
-                out = self.batch_fn(self.collate([payload]))
-                if not isinstance(out, (list, tuple)) or len(out) != 1:
-                    outcome.append((False, f"handler returned {len(out) if isinstance(out, (list, tuple)) else type(out).__name__} "
-                                           f"results for 1 item"))
-                else:
+                single = self.collator.prepare([payload])
+                try:
+                    out = self.batch_fn(self.collator.inputs(single))
+                finally:
+                    self.collator.release(single)
+                if isinstance(out, (list, tuple)) and len(out) == 1:
                     outcome.append((True, out[0]))
+                else:
+                    got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
+                    outcome.append((False, f"handler returned {got} results for 1 item"))
             except Exception as e:
                 outcome.append((False, f"{type(e).__name__}: {e}"))
-            seconds += time.perf_counter() - t0
-        return outcome, seconds
+            model += time.perf_counter() - t0
+        return outcome, model, wait
 
     def dead_letter(self, queue, message, reason, msg):
         """A claim that cannot succeed: failure summary (where the run is known), DLQ copy, then delete."""

@@ -7,7 +7,8 @@
    measured inside one worker object so that nothing else is in the number;
 2. the idle round trip: submit -> summary with an idle warm worker (a real warmd.py process);
 3. warm pool against a cold fresh-process-per-claim baseline over the same claims of the demo model with a
-   made-expensive @enter, with the ideal ratio (enter + batch) / batch beside the measured one.
+   made-expensive @enter, with the ideal ratio (enter + batch) / batch beside the measured one;
+4. the drain loop's occupancy (model busy / claim wall) with and without the collation prefetch thread.
 Medians of many trials; the machine is shared and noisy, so read ratios, not absolutes.
 """
 import json
@@ -33,6 +34,8 @@ CLAIMS = int(os.environ.get("BENCH_CLAIMS", "20"))               # claims in the
 ITEMS_PER_CLAIM = int(os.environ.get("BENCH_ITEMS", "64"))       # demo items per claim
 EXPENSIVE_ENTER = {"DEMO_MODEL_MB": os.environ.get("DEMO_MODEL_MB", "256"),      # checkpoint loaded by @enter
                    "DEMO_WARMUP_BATCHES": os.environ.get("DEMO_WARMUP_BATCHES", "100")}
+OVERLAP_ITEMS = int(os.environ.get("BENCH_OVERLAP_ITEMS", "2048"))   # numeric items in the occupancy claim
+OVERLAP_BATCH = 64                                                  # items per batch there (1 MiB of float32)
 HANDLERS = os.path.join(ROOT, "tests", "handlers.py")
 
 
@@ -59,8 +62,8 @@ def make_pool(store, state, handler, model="bench", batch_size=64):
     os.environ.update(CALQUE_STORE=store, CALQUE_STATE=state)
     conf = calque.settings()
     backend = calque.open_backend(store)
-    args = type("Args", (), dict(model=model, handler=handler, workers=0, batch_size=batch_size,
-                                 visibility_timeout=60, max_deliveries=3))
+    args = calque.build_parser().parse_args(["pool", "create", "--model", model, "--handler", handler,
+                                            "--batch-size", str(batch_size), "--visibility-timeout", "60"])
     with open(os.devnull, "w") as quiet:
         saved, sys.stdout = sys.stdout, quiet
         try:
@@ -138,8 +141,8 @@ def warm_vs_cold(store, state):
     t0 = time.perf_counter()
     for k in range(CLAIMS):   # the baseline: a fresh process (imports + @enter) for every claim
         chunk = items[k * ITEMS_PER_CLAIM:(k + 1) * ITEMS_PER_CLAIM]
-        args = type("Args", (), dict(model="demo", handler=None, batch_size=ITEMS_PER_CLAIM, shards=1,
-                                     claim_size=ITEMS_PER_CLAIM, timeout=3600, json=True))
+        args = calque.build_parser().parse_args(["submit", "--model", "demo", "-", "--batch-size", str(ITEMS_PER_CLAIM),
+                                                "--claim-size", str(ITEMS_PER_CLAIM), "--timeout", "3600", "--json"])
         saved, sys.stderr = sys.stderr, open(os.devnull, "w")
         try:
             run, summaries, _ = calque.cold_run(conf, backend, args, chunk)
@@ -150,6 +153,24 @@ def warm_vs_cold(store, state):
     batch = statistics.mean(s["claim_seconds"] for s in warm_summaries)
     enter = statistics.mean(s["enter_seconds_paid"] + s["acquisition_seconds"] for s in cold_summaries)
     return warm_wall, cold_wall, batch, enter, warm_summaries, cold_summaries
+
+
+def occupancy(store, state, prefetch):
+    """One claim of numeric items through the Matmul handler in one in-process worker; its summary."""
+    import numpy as np
+    conf, backend, record = make_pool(store, state, f"{HANDLERS}:Matmul", model="overlap", batch_size=OVERLAP_BATCH)
+    path = os.path.join(state, "x.npy")
+    os.makedirs(state, exist_ok=True)
+    np.save(path, np.random.default_rng(0).standard_normal((OVERLAP_ITEMS, 1024)).astype(np.float32))
+    queue = backend.queues.open_queue(record["queue"])
+    warmd.PREFETCH = prefetch
+    worker = warmd.Worker(backend, record, calque.pool_key("overlap"), calque.worker_stats_prefix("overlap"), conf, False)
+    worker.dlq = backend.queues.open_queue(record["dlq"])
+    worker.load_handler()
+    worker.enter()
+    run = calque.stage_run(backend, record, calque.read_items(path), OVERLAP_ITEMS, queue, "pool")
+    worker.handle(queue, queue.receive(1))
+    return calque.read_summaries(backend, run["run_id"])[0]
 
 
 def main():
@@ -176,6 +197,13 @@ def main():
         print(f"   warm pool   {warm:8.2f} s  ({CLAIMS * ITEMS_PER_CLAIM / warm:8.1f} items/s), batch {batch * 1e3:.1f} ms/claim")
         print(f"   cold        {cold:8.2f} s  ({CLAIMS * ITEMS_PER_CLAIM / cold:8.1f} items/s), start + @enter {enter:.2f} s/claim")
         print(f"   speed-up {measured:.1f}x  vs ideal (enter + batch) / batch = {ideal:.1f}x  -> {measured / ideal:.2f} of ideal")
+        print(f"\n4. drain-loop occupancy (model busy / claim wall): {OVERLAP_ITEMS} x 1024 float32 items from .npy, "
+              f"batches of {OVERLAP_BATCH}, Matmul handler, local backend")
+        for prefetch in (False, True):
+            s = occupancy(*backends["local"](f"overlap-{prefetch}"), prefetch)
+            print(f"   prefetch {'on ' if prefetch else 'off'}  occupancy {s['occupancy']['value']:.1%}  "
+                  f"(model {s['model_seconds']:.3f} s, waiting on collation {s['collate_wait_seconds']:.3f} s, "
+                  f"claim {s['claim_seconds']:.3f} s)")
     finally:
         moto.terminate()
         moto.wait()

@@ -89,3 +89,23 @@ class RowSum:
         names = [k for k in batch if not k.endswith("_lengths")]
         rows = len(batch[names[0]])
         return [{k: float(batch[k][i].sum()) for k in names} for i in range(rows)]
+
+
+class Matmul:
+    """Real compute on collated numeric input: a few [B, D] x [D, D] products per batch (the drain-loop
+    overlap benchmark needs a model whose batch time exceeds its collation time)."""
+
+    @calque.enter
+    def load(self):
+        import torch
+        torch.set_num_threads(1)    # the other core is the prefetch thread's
+        torch.manual_seed(0)
+        self.weight = torch.randn(int(os.environ.get("MATMUL_DIM", "1024")), int(os.environ.get("MATMUL_DIM", "1024")))
+        self.repeats = int(os.environ.get("MATMUL_REPEATS", "4"))
+
+    @calque.batch
+    def run(self, batch):
+        x = batch["input"]          # items from a .npy file arrive as {"input": row}
+        for _ in range(self.repeats):
+            x = (x @ self.weight).tanh()
+        return x.sum(dim=1).tolist()

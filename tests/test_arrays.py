@@ -75,3 +75,21 @@ def test_numeric_run_end_to_end(local_env, tmp_path):
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.split()[1]
     assert [json.loads(l)["result"]["input"] for l in cli(local_env, "runs", "results", run_id).stdout.splitlines()] == [1.0, 5.0, 9.0]
+
+
+def test_prefetch_gives_identical_results(local_env, tmp_path):
+    """The drain loop's results are the same with and without the prefetch thread."""
+    rng = np.random.default_rng(3)
+    offsets = np.concatenate([[0], np.cumsum(rng.integers(1, 50, size=40))]).astype(np.int64)
+    np.savez(tmp_path / "in.npz", tokens=rng.integers(0, 9, size=offsets[-1]), tokens_offsets=offsets,
+             x=rng.standard_normal((40, 8)).astype(np.float32))
+    outputs = []
+    for prefetch in ("1", "0"):
+        env = dict(local_env, CALQUE_PREFETCH=prefetch)
+        out = cli(env, "submit", "--model", "sum", "--handler", f"{HANDLERS}:RowSum", str(tmp_path / "in.npz"),
+                  "--batch-size", "7", "--json")
+        assert out.returncode == 0, out.stderr
+        run = json.loads(out.stdout)
+        assert run["summaries"][0]["prefetch"] is (prefetch == "1")
+        outputs.append(cli(env, "runs", "results", run["run"]["run_id"]).stdout)
+    assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 40

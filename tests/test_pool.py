@@ -86,10 +86,14 @@ def test_cold_run_pays_enter(local_env, tmp_path):
     out = cli(local_env, "submit", "--model", "m", items, "--shards", "2", "--json")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert len(result["summaries"]) == 2
-    for s in result["summaries"]:
-        assert s["mode"] == "cold" and not s["warm_hit"] and s["enter_seconds_paid"] > 0 and s["acquisition_seconds"] > 0
-    assert len({s["worker_id"] for s in result["summaries"]}) == 2
+    assert len(result["summaries"]) == 2 and all(s["mode"] == "cold" and s["ok"] == 4 for s in result["summaries"])
+    first_of = {}
+    for s in sorted(result["summaries"], key=lambda s: s["started_at"]):
+        first = first_of.setdefault(s["worker_id"], s) is s
+        if first:     # a fresh process loads inside its first claim (the other shard may have taken both claims)
+            assert not s["warm_hit"] and s["enter_seconds_paid"] > 0 and s["acquisition_seconds"] > 0
+        else:
+            assert s["warm_hit"] and s["enter_seconds_paid"] == 0
     import calque
     with pytest.raises(calque.NotFound):
         backend_for(local_env).queues.open_queue(result["run"]["queue"])

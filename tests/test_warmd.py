@@ -220,10 +220,13 @@ def test_spot_notice_releases_the_claim_and_exits_0(local_env, tmp_path):
                CALQUE_SPOT_POLL=f"http://127.0.0.1:{server.server_port}")
     try:
         backend = make_pool(env, "Gate", "--batch-size", "1", "--visibility-timeout", "600")
-        w = start_worker(env, "--model", "m")
+        log = tmp_path / "worker.log"
+        with open(log, "w") as f:
+            w = start_worker(env, "--model", "m", log=f)
         run_id = submit_no_wait(env, tmp_path, [{"x": 1}, {"x": 2}])
         wait_for(lambda: os.listdir(gate), 30, "the claim to start")
         SpotStub.notice = True
+        wait_for(lambda: "warm stop" in log.read_text(), 30, "the worker to see the notice")
         (gate / "open").touch()
         assert w.wait(30) == 0
         assert summary(backend, run_id) is None
