@@ -586,7 +586,8 @@ class SqsQueue:
 
     def receive(self, wait_seconds, should_stop=lambda: False):
         # should_stop is not consulted inside the long poll: warmd's SIGTERM handler interrupts it instead.
-        reply = self.sqs.receive_message(QueueUrl=self.url, MaxNumberOfMessages=1, WaitTimeSeconds=int(min(wait_seconds, 20)),
+        reply = self.sqs.receive_message(QueueUrl=self.url, MaxNumberOfMessages=1,
+                                         WaitTimeSeconds=math.ceil(min(wait_seconds, 20)),   # whole seconds; 0 = short poll
                                          MessageSystemAttributeNames=["ApproximateReceiveCount"])
         messages = reply.get("Messages", [])
         if not messages:

@@ -29,9 +29,9 @@ import calque
 # ------------------------------------------------------------------------------------------------
 # defaults (the pool record and CALQUE_* settings override the per-pool ones)
 STATS_INTERVAL = 30.0       # s between two worker-stats writes while idle (pool cost reads them)
-COLD_POLL_WAIT = 1          # s of one long poll for a cold run's worker, which exits once its queue is empty
+COLD_POLL_WAIT = 0.2        # s of one long poll for a cold run's worker, which exits once its queue is empty (SQS: 1)
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
-PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"   # collate batch k+1 while the model runs batch k
+PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"   # pipeline thread: collate k+1, serialise k-1 while the model runs k
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
 
@@ -109,6 +109,23 @@ class Collator:
             if prepared.event is not None:
                 prepared.event.synchronize()
             self.ring.release(prepared.slot)
+
+
+def format_outcome(outcome, base):
+    """One batch's [(ok, result or error)] as result lines, failed indices and error messages. A result
+    that is not JSON-serialisable fails its item."""
+    lines, failed, errors = [], [], {}
+    for i, (ok, value) in enumerate(outcome):
+        if ok:
+            try:
+                lines.append(calque.dumps({"i": base + i, "ok": True, "result": value}) + "\n")
+                continue
+            except (TypeError, ValueError) as e:
+                value = f"result is not JSON-serialisable: {e}"
+        failed.append(base + i)
+        errors[str(base + i)] = value[:calque.ERROR_CHARS]
+        lines.append(calque.dumps({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS]}) + "\n")
+    return lines, failed, errors
 
 
 class Heartbeat:
@@ -230,7 +247,7 @@ class Worker:
         self.busy_seconds = 0.0
         self.requests_mark = Counter()
         self.gpu = GpuSampler()
-        self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="collate") if PREFETCH else None
+        self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -422,13 +439,13 @@ class Worker:
                  self.worker_id, run_id, claim, len(items), len(failed), "yes" if warm_hit else "no", enter_paid, claim_seconds)
 
     def drain(self, items, first, heartbeat):
-        """Items through collate + batch, batch_size at a time, the next batch collated (on the prefetch
-        thread) while the model runs the current one. Returns (result lines, failed indices, errors,
-        model seconds, collate-wait seconds). A batch that raises is retried one item at a time, so that
-        only the failing items fail."""
+        """Items through collate + batch, batch_size at a time. With the pipeline thread, the next batch is
+        collated and the previous one's results serialised while the model runs the current one.
+        Returns (result lines, failed indices, errors, model seconds, collate-wait seconds). A batch that
+        raises is retried one item at a time, so that only the failing items fail."""
         size = self.record["batch_size"]
         batches = [items[i:i + size] for i in range(0, len(items), size)]
-        results, failed, errors = [], [], {}
+        formatted = []     # futures of (lines, failed, errors), one per batch, in order
         model_seconds = wait_seconds = 0.0
         pending = self._prepare(batches[0]) if batches else None
         try:
@@ -441,36 +458,32 @@ class Worker:
                 outcome, model, wait = self._run_batch(current, payloads)
                 model_seconds += model
                 wait_seconds += wait
-                base = first + k * size
-                for i, (ok, value) in enumerate(outcome):
-                    line = None
-                    if ok:
-                        try:
-                            line = calque.dumps({"i": base + i, "ok": True, "result": value})
-                        except (TypeError, ValueError) as e:
-                            ok, value = False, f"result is not JSON-serialisable: {e}"
-                    if not ok:
-                        failed.append(base + i)
-                        if len(errors) < calque.ERRORS_KEPT:
-                            errors[str(base + i)] = value[:calque.ERROR_CHARS]
-                        line = calque.dumps({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS]})
-                    results.append(line + "\n")
+                formatted.append(self._in_pipeline(format_outcome, outcome, first + k * size))
         finally:
             if pending is not None:   # a batch gathered ahead of a loop that ended early gives its slot back
                 with contextlib.suppress(Exception):
                     self.collator.release(pending.result())
-        return results, failed, errors, model_seconds, wait_seconds
+        lines, failed, errors = [], [], {}
+        for future in formatted:
+            batch_lines, batch_failed, batch_errors = future.result()
+            lines += batch_lines
+            failed += batch_failed
+            errors.update(list(batch_errors.items())[:calque.ERRORS_KEPT - len(errors)])
+        return lines, failed, errors, model_seconds, wait_seconds
 
-    def _prepare(self, payloads):
-        """A future of the prepared batch: on the prefetch thread, or done at once without one."""
+    def _in_pipeline(self, fn, *args):
+        """A future of fn(*args): on the pipeline thread, or done at once without one."""
         if self.prefetcher:
-            return self.prefetcher.submit(self.collator.prepare, payloads)
+            return self.prefetcher.submit(fn, *args)
         done = Future()
         try:
-            done.set_result(self.collator.prepare(payloads))
+            done.set_result(fn(*args))
         except Exception as e:
             done.set_exception(e)
         return done
+
+    def _prepare(self, payloads):
+        return self._in_pipeline(self.collator.prepare, payloads)
 
     def _run_batch(self, future, payloads):
         """[(ok, result or error)] for one batch, its model seconds and the seconds spent waiting for collation."""

@@ -31,7 +31,7 @@ import warmd   # noqa: E402
 DISPATCH_CLAIMS = int(os.environ.get("BENCH_DISPATCH", "200"))   # claims timed for dispatch overhead
 ROUND_TRIPS = int(os.environ.get("BENCH_ROUND_TRIPS", "30"))     # idle round trips timed
 CLAIMS = int(os.environ.get("BENCH_CLAIMS", "20"))               # claims in the warm-vs-cold comparison
-ITEMS_PER_CLAIM = int(os.environ.get("BENCH_ITEMS", "64"))       # demo items per claim
+ITEMS_PER_CLAIM = int(os.environ.get("BENCH_ITEMS", "1024"))     # demo items per claim (a batch of real size)
 EXPENSIVE_ENTER = {"DEMO_MODEL_MB": os.environ.get("DEMO_MODEL_MB", "256"),      # checkpoint loaded by @enter
                    "DEMO_WARMUP_BATCHES": os.environ.get("DEMO_WARMUP_BATCHES", "100")}
 OVERLAP_ITEMS = int(os.environ.get("BENCH_OVERLAP_ITEMS", "2048"))   # numeric items in the occupancy claim
@@ -170,7 +170,9 @@ def occupancy(store, state, prefetch):
     worker.enter()
     run = calque.stage_run(backend, record, calque.read_items(path), OVERLAP_ITEMS, queue, "pool")
     worker.handle(queue, queue.receive(1))
-    return calque.read_summaries(backend, run["run_id"])[0]
+    summary = calque.read_summaries(backend, run["run_id"])[0]
+    assert summary["status"] == "ok", summary["errors"]
+    return summary
 
 
 def main():
