@@ -2039,21 +2039,28 @@ def worker_policy(store, model, region, account, partition="aws"):
       from "forbidden". The worker never lists anything itself."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
-    sqs = f"arn:{partition}:sqs:{region}:{account}:"
+    return _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
+                          ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
+                          reads=[f"{obj}pools/{s}/*", f"{obj}runs/*/manifests/*", f"{obj}runs/*/summaries/*"],
+                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}pools/{s}/workers/*"],
+                          listed=[f"{root}runs/*", f"{root}pools/{s}/*"])
+
+
+def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed):
+    """The shape both worker roles share: claim from one queue (or queue pattern), dead-letter to one,
+    read and write the given S3 keys, list only under the given prefixes."""
     return {"Version": "2012-10-17", "Statement": [
-        {"Sid": "ClaimFromPoolQueue", "Effect": "Allow",
+        {"Sid": sids[0], "Effect": "Allow",
          "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
                     "sqs:ReceiveMessage"],
-         "Resource": sqs + pool_queue_name(model)},
+         "Resource": sqs + queue},
         {"Sid": "DeadLetterOnly", "Effect": "Allow",
          "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
-         "Resource": sqs + dlq_name(model)},
-        {"Sid": "ReadPoolAndClaims", "Effect": "Allow", "Action": ["s3:GetObject"],
-         "Resource": [f"{obj}pools/{s}/*", f"{obj}runs/*/manifests/*", f"{obj}runs/*/summaries/*"]},
-        {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
-         "Resource": [f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}pools/{s}/workers/*"]},
+         "Resource": sqs + dlq},
+        {"Sid": sids[1], "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": reads},
+        {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"], "Resource": writes},
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn,
-         "Condition": {"StringLike": {"s3:prefix": [f"{root}runs/*", f"{root}pools/{s}/*"]}}},
+         "Condition": {"StringLike": {"s3:prefix": listed}}},
     ]}
 
 
@@ -2062,23 +2069,12 @@ def cold_worker_policy(store, region, account, partition="aws"):
     region (calque-run-*, calque-rundlq-*) and on runs/* of this store. One role serves every cold run of a
     store: creating a role per run would add IAM's propagation delay (seconds to a minute) to each run."""
     bucket_arn, obj, root = _s3_parts(store, partition)
-    sqs = f"arn:{partition}:sqs:{region}:{account}:"
-    return {"Version": "2012-10-17", "Statement": [
-        {"Sid": "ClaimFromRunQueues", "Effect": "Allow",
-         "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
-                    "sqs:ReceiveMessage"],
-         "Resource": sqs + RUN_QUEUE_PREFIX + "*"},
-        {"Sid": "DeadLetterOnly", "Effect": "Allow",
-         "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
-         "Resource": sqs + RUN_DLQ_PREFIX + "*"},
-        {"Sid": "ReadRunAndClaims", "Effect": "Allow", "Action": ["s3:GetObject"],
-         "Resource": [f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
-                      f"{obj}runs/*/manifests/*", f"{obj}runs/*/summaries/*"]},
-        {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
-         "Resource": [f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*"]},
-        {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn,
-         "Condition": {"StringLike": {"s3:prefix": [f"{root}runs/*"]}}},
-    ]}
+    return _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", RUN_QUEUE_PREFIX + "*", RUN_DLQ_PREFIX + "*",
+                          ("ClaimFromRunQueues", "ReadRunAndClaims"), bucket_arn, root,
+                          reads=[f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
+                                 f"{obj}runs/*/manifests/*", f"{obj}runs/*/summaries/*"],
+                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*"],
+                          listed=[f"{root}runs/*"])
 
 
 EC2_TRUST_POLICY = {"Version": "2012-10-17", "Statement": [
