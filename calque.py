@@ -452,6 +452,7 @@ class LocalQueue:
             return db.execute(LocalQueues.SQL_DELETE, (int(message.receipt.split(":")[0]), message.receipt)).rowcount == 1
 
     def counts(self):
+        self.queues.requests["queue_other"] += 1
         now = time.time()
         visible, in_flight = self.queues.db().execute(LocalQueues.SQL_COUNTS, (now, now, self.name)).fetchone()
         return {"visible": int(visible), "in_flight": int(in_flight)}
@@ -617,6 +618,7 @@ class SqsQueue:
             raise
 
     def counts(self):
+        self.queues.requests["queue_other"] += 1
         attrs = self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=[
             "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
         return {"visible": int(attrs["ApproximateNumberOfMessages"]), "in_flight": int(attrs["ApproximateNumberOfMessagesNotVisible"])}
@@ -3333,11 +3335,11 @@ RATES_FILE = os.path.join(HERE, "rates.json")
 
 
 def pricing(args):
-    """(rates, instance type, $/s, label) from --rates, --instance-type, --spot (defaults in rates.json)."""
+    """(rates, instance type, $/s, label) from --rates, --instance-type, --spot/--savings-plan (defaults in rates.json)."""
     rates = load_rates(args.rates or RATES_FILE)
     instance_type = args.instance_type or rates["defaults"]["instance_type"]["value"]
-    rate = instance_rate_per_second(rates, instance_type, spot=args.spot)
-    return rates, instance_type, rate, price_label(rates, instance_type, spot=args.spot)
+    rate = instance_rate_per_second(rates, instance_type, spot=args.spot, savings_plan=args.savings_plan)
+    return rates, instance_type, rate, price_label(rates, instance_type, spot=args.spot, savings_plan=args.savings_plan)
 
 
 def run_cost_report(backend, run, summaries, args):
@@ -3425,6 +3427,7 @@ def build_parser():
     priced = argparse.ArgumentParser(add_help=False)   # the pricing options every cost-printing verb takes
     priced.add_argument("--instance-type", help="price as this EC2 instance type (default: rates.json defaults)")
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
+    priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost}")
 

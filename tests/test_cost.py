@@ -492,3 +492,100 @@ def test_ladder_lines_show_status_and_never(rates):
 def test_dollars_keep_six_significant_figures_when_small(value, text):
     """Small amounts keep 6 significant figures, large ones cents."""
     assert _usd(value) == text
+
+
+# --- end to end: what the worker counted, and what the CLI prints -----------------------------
+
+import json as _json
+
+from conftest import HANDLERS, cli, write_items
+
+
+@pytest.fixture(params=["local", "aws"])
+def any_env(request, local_env, tmp_path):
+    if request.param == "local":
+        return local_env
+    return request.getfixturevalue("aws_env")
+
+
+def test_workers_count_requests_on_both_backends(any_env, tmp_path):
+    """Each summary records the requests since the worker's previous claim: a later claim's are exactly
+    the stats write after the previous claim, the summary check and manifest read, one receive, the
+    results and summary writes, and the ack; the first claim also carries the worker's start-up reads."""
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(6)])
+    out = cli(any_env, "submit", "--model", "m", "--handler", f"{HANDLERS}:Echo", items, "--claim-size", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    first, second = sorted(_json.loads(out.stdout)["summaries"], key=lambda s: s["started_at"])
+    assert first["worker_id"] == second["worker_id"]          # one shard: one worker served both
+    assert {k: v for k, v in second["requests"].items() if v} == {
+        "queue_receives": 1, "queue_other": 1, "store_gets": 2, "store_puts": 3}
+    assert first["requests"]["queue_receives"] == 1 and first["requests"]["store_puts"] >= 3
+    assert first["requests"]["store_gets"] > 2                 # + pool record, handler snapshot
+    rates = load_rates(REPO_RATES)
+    # SQS: 2 requests x $0.40/M; S3: 2 GETs x $0.0004/k + 3 PUTs x $0.005/k
+    assert request_cost(rates, second["requests"]) == pytest.approx(2 * 0.40e-6 + 2 * 0.0004e-3 + 3 * 0.005e-3)
+
+
+def test_printed_cost_equals_recomputation_from_summaries(local_env, tmp_path):
+    """`calque.py cost RUN --json` is the arithmetic of this module over the run's own summaries."""
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(10)])
+    out = cli(local_env, "submit", "--model", "m", "--handler", f"{HANDLERS}:Echo", items, "--claim-size", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    run = _json.loads(out.stdout)
+    summaries = run["summaries"]
+    out = cli(local_env, "cost", run["run"]["run_id"], "--instance-type", "g6.xlarge", "--json")
+    assert out.returncode == 0, out.stderr
+    printed = _json.loads(out.stdout)[0]["cost"]
+    rates = load_rates(REPO_RATES)
+    rate = instance_rate_per_second(rates, "g6.xlarge")
+    by_hand = sum(claim_cost(s, rate, rates)["total_usd"] for s in summaries)
+    assert printed["total_usd"] == pytest.approx(by_hand, rel=1e-12)
+    assert printed["items"] == 10 and printed["claims"] == 3 and not printed["partial"]
+    paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
+    assert printed["cold"]["enter_seconds"] == pytest.approx(sum(s["enter_seconds_paid"] for s in paid) / len(paid))
+    text = cli(local_env, "cost", run["run"]["run_id"], "--instance-type", "g6.xlarge")
+    assert text.returncode == 0 and "ladder" in text.stdout and "cheapest" in text.stdout
+
+
+def test_cost_cli_errors_and_pool_cost(local_env, tmp_path):
+    """Unknown run, unknown instance type and a bad rates file are one-line errors; pool cost reports a live pool."""
+    out = cli(local_env, "cost", "20990101-000000-abcdef")
+    assert out.returncode == 2 and "no run" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "1").returncode == 0
+    items = write_items(tmp_path / "items.jsonl", [{"x": 1}])
+    out = cli(local_env, "submit", "--pool", "m", items)
+    assert out.returncode == 0, out.stderr
+    run_id = out.stdout.split()[1]
+    out = cli(local_env, "cost", run_id, "--instance-type", "x9.huge")
+    assert out.returncode == 2 and "known: g4dn.12xlarge" in out.stderr
+    bad = tmp_path / "rates.json"
+    bad.write_text("{")
+    out = cli(local_env, "cost", run_id, "--rates", str(bad))
+    assert out.returncode == 2 and str(bad) in out.stderr and "Traceback" not in out.stderr
+    out = cli(local_env, "pool", "cost", "--model", "m", "--json")
+    assert out.returncode == 0, out.stderr
+    report = _json.loads(out.stdout)["cost"]
+    assert report["workers"] == 1 and report["claims"] == 1 and report["instance_seconds"] > 0
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
+def test_cost_of_a_run_in_progress_is_partial(local_env, tmp_path):
+    """A run with claims still pending is priced as far as it has gone, and marked partial."""
+    import calque
+    from conftest import backend_for
+    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo").returncode == 0
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(4)])
+    run_id = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "2", "--no-wait").stdout.strip()
+    backend = backend_for(local_env)
+    queue = backend.queues.open_queue("calque-pool-m")
+    import warmd
+    record = calque.load_pool(backend, "m")
+    worker = warmd.Worker(backend, record, calque.pool_key("m"), calque.worker_stats_prefix("m"), calque.settings(), False)
+    worker.dlq = backend.queues.open_queue(record["dlq"])
+    worker.load_handler()
+    worker.enter()
+    worker.handle(queue, queue.receive(1))       # one of the two claims
+    out = cli(local_env, "cost", run_id, "--json")
+    assert out.returncode == 0, out.stderr
+    assert _json.loads(out.stdout)[0]["cost"]["partial"] is True
+    assert "[PARTIAL]" in cli(local_env, "cost", run_id).stdout
