@@ -3301,7 +3301,8 @@ def cmd_runs_list(conf, backend, args):
     runs = []
     for folder in backend.store.list("runs/"):
         with contextlib.suppress(NotFound):
-            runs.append(read_json(backend, folder.rstrip("/") + "/run.json"))
+            runs.append(read_json(backend, folder + "/run.json"))
+    runs.sort(key=lambda r: r["created_at"])
     if args.json:
         print(json.dumps(runs, indent=1))
         return EXIT_OK
