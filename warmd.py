@@ -248,6 +248,7 @@ class Worker:
         self.requests_mark = Counter()
         self.gpu = GpuSampler()
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")   # the manifest read beside the duplicate check
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -342,6 +343,7 @@ class Worker:
             self.state = "stopping"
             if self.prefetcher:
                 self.prefetcher.shutdown(wait=False, cancel_futures=True)
+            self.reader.shutdown(wait=False, cancel_futures=True)
             self.write_stats("stopped")
             log.info("worker %s: exit (%s) after %d claim(s), %d warm hit(s), enter_count %d",
                      self.worker_id, reason, self.stats["claims"], self.stats["warm_hits"], self.enter_count)
@@ -364,16 +366,21 @@ class Worker:
         msg.update(run_id=run_id, claim=claim)    # the key is the authority, not the message's own fields
         if msg["model"] != self.record["model"]:
             return self.dead_letter(queue, message, f"claim is for model {msg['model']!r}, this pool serves {self.record['model']!r}", msg)
+        # the duplicate check and the manifest read are independent: issue both at once (one store round
+        # trip off every claim's critical path; a duplicate wastes one read)
+        manifest_read = self.reader.submit(self.backend.store.get, key)
         if self.backend.store.exists(calque.summary_key(run_id, claim)):
+            manifest_read.exception()    # let it finish: nothing is left running behind the ack
             queue.delete(message)
             log.info("worker %s: claim %s/%s already has a summary (duplicate delivery): acked without recompute",
                      self.worker_id, run_id, claim)
             return
         if message.receive_count > self.record["max_deliveries"]:
+            manifest_read.exception()
             return self.dead_letter(queue, message, f"delivered {message.receive_count} times, more than the pool's "
                                                     f"max deliveries {self.record['max_deliveries']}", msg)
         try:
-            manifest = json.loads(self.backend.store.get(key))
+            manifest = json.loads(manifest_read.result())
             items = calque.array_items(self.backend.store, manifest) if "arrays" in manifest else manifest["items"]
             first = int(manifest.get("first_index", 0))
             if not isinstance(items, list):
