@@ -491,3 +491,28 @@ def test_every_aws_call_is_documented(aws, api_calls):
             docs += open(path).read()
     missing = sorted({c for c in api_calls if f"`{c}`" not in docs})
     assert not missing, f"AWS calls not listed in the On AWS section: {missing}"
+
+
+def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
+    """Through `calque.py` itself: dry-run creates nothing; create, status, scale, list, a cold dry-run, delete."""
+    monkeypatch.setenv("CALQUE_STORE", STORE)
+    monkeypatch.setenv("CALQUE_STATE", str(tmp_path / "state"))
+    create = ["pool", "create", "--model", MODEL, "--handler", HANDLER, "--instances", "2", "--instance-type", "g5.xlarge"]
+    assert calque.main(create) == calque.EXIT_USAGE                       # no --yes-spend-money: refused
+    assert "--yes-spend-money" in capsys.readouterr().err
+    assert calque.main(create + ["--dry-run"]) == 0
+    assert "would call" in capsys.readouterr().out and asg_of() is None
+    assert calque.main(create + ["--yes-spend-money"]) == 0
+    assert asg_of()["DesiredCapacity"] == 2
+    assert calque.main(["pool", "status", "--model", MODEL]) == 0
+    assert "desired 2" in capsys.readouterr().out
+    assert calque.main(["pool", "scale", "--model", MODEL, "--instances", "1"]) == 0
+    assert asg_of()["DesiredCapacity"] == 1
+    assert calque.main(["pool", "list"]) == 0
+    assert "EC2 1/1 in service" in capsys.readouterr().out
+    items = os.path.join(ROOT, "examples", "items.jsonl")
+    assert calque.main(["submit", "--model", MODEL, items, "--instance-type", "g5.xlarge", "--ami", aws.ami, "--dry-run"]) == 0
+    assert "would call ec2.RunInstances" in capsys.readouterr().out
+    assert calque.main(["pool", "delete", "--model", MODEL]) == calque.EXIT_USAGE   # no --yes: refused
+    assert calque.main(["pool", "delete", "--model", MODEL, "--yes"]) == 0
+    assert asg_of() is None and not queue_exists(calque.pool_queue_name(MODEL))
