@@ -22,7 +22,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -101,10 +100,6 @@ def setting_number(conf, key, kind=float, minimum=None):
 
 def now_iso(t=None):
     return datetime.datetime.fromtimestamp(time.time() if t is None else t, datetime.timezone.utc).isoformat(timespec="milliseconds")
-
-
-def parse_iso(text):
-    return datetime.datetime.fromisoformat(text).timestamp()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1182,7 +1177,6 @@ TIE_REL = 1e-9                                        # costs this close count a
 # -----------------------------------------------------------------------------------------------
 
 
-
 def load_rates(path):
     """Read and validate a rates file; every failure is a UserError naming the file and the field."""
     path = str(path)
@@ -1338,7 +1332,6 @@ def price_label(rates, instance_type, spot=False, savings_plan=False):
             f"{rates.get('_file', 'rates')} {rates['updated']}")
 
 
-
 def request_counts(requests):
     """All REQUEST_KEYS, missing ones as 0 (an older worker). An unknown key is a ValueError: the
     worker and this model share these names, and a typo must fail a test rather than go unpriced."""
@@ -1378,7 +1371,6 @@ def request_cost(rates, requests):
     return (sqs * r["sqs_usd_per_million"]["value"] / 1e6
             + n["store_gets"] * r["s3_get_usd_per_thousand"]["value"] / 1e3
             + (n["store_puts"] + n["store_lists"]) * r["s3_put_usd_per_thousand"]["value"] / 1e3)
-
 
 
 def _seconds(record, key, what, default=None):
@@ -1505,7 +1497,6 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
     }
 
 
-
 def _tie(x, y):
     return math.isclose(x, y, rel_tol=TIE_REL, abs_tol=1e-15)
 
@@ -1628,7 +1619,6 @@ def _span_reason(x, fx_sx, y, fy_sy, span):
     return f"cheaper than {y} only below {hi:.6g} items"
 
 
-
 def _parse_time(text, what):
     try:
         t = datetime.datetime.fromisoformat(text)
@@ -1730,7 +1720,6 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
         },
         "notes": notes,
     }
-
 
 
 def _usd(x):
@@ -2823,7 +2812,7 @@ def ec2_status_lines(status):
     lines, ec2 = [], status.get("ec2") or {}
     asg = status["asg"]
     if asg is None:
-        lines.append(f"  auto scaling group: none (re-run `pool create` to finish, or `pool delete` to clean up)")
+        lines.append("  auto scaling group: none (re-run `pool create` to finish, or `pool delete` to clean up)")
     else:
         by_state = ", ".join(f"{n} {s}" for s, n in sorted(status["instances"].items())) or "no instances"
         lines.append(f"  auto scaling group {asg['name']}: desired {asg['desired']} (min {asg['min']}, max {asg['max']})"
@@ -2972,7 +2961,7 @@ def ec2_pool_delete(backend, record, args, calls=None):
             backend.store.delete_prefix(prefix)
         return "deleted (record, handler, kit, worker stats; runs are kept under runs/)"
 
-    ok = all([_delete_step(model, f"alarms", alarms),
+    ok = all([_delete_step(model, "alarms", alarms),
               _delete_step(model, f"auto scaling group {names['asg']}", asg),
               _delete_step(model, f"launch template {names['launch_template']}", template),
               _delete_step(model, f"instance profile {names['instance_profile']}", profile),
@@ -3041,7 +3030,6 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, args, calls=None):
     subnet = resolve_subnets(calls, _opt(args, "subnet"), itype["InstanceType"])[0]
     _check_key(calls, _opt(args, "key_name"))
     name = cold_role_name(store, region)
-    owner = (cold_record["model"], store, region)
     tags = {"calque:pool-model": cold_record["model"], "calque:role": "cold-worker", "calque:managed": "true",
             "calque:created-at": now_iso(), "calque:store": store, "calque:region": region}
     role_tags = dict(tags, **{"calque:pool-model": "cold-runs"})

@@ -75,7 +75,7 @@ def test_visibility_expiry_redelivers(backend):
     """A message not deleted within its visibility timeout is delivered again, with receive_count 2."""
     q = backend.queues.create_queue("calque-pool-v", 1)
     q.send("job")
-    first = q.receive(1)
+    assert q.receive(1) is not None
     assert q.receive(0) is None                    # invisible while its lease holds
     second = q.receive(3)                          # the lease expires after 1 s
     assert second is not None and second.body == "job" and second.receive_count == 2

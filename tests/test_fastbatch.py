@@ -588,7 +588,7 @@ def test_stale_build_is_rebuilt(tmp_path, monkeypatch):
 
 def test_concurrent_imports_build_once_and_env_forces_reference(tmp_path):
     """Two processes importing a copy with no .so both get the C path; FASTBATCH_REFERENCE=1 forces numpy."""
-    pkg = copy_package(tmp_path, with_so=False)
+    copy_package(tmp_path, with_so=False)
     code = "import fastbatch, numpy as np; print(fastbatch.BACKEND, fastbatch.stack([np.ones(2)] * 2).sum().item())"
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     env.pop("FASTBATCH_REFERENCE", None)

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from conftest import HANDLERS, ROOT, backend_for, cli, wait_for, write_items
+from conftest import HANDLERS, backend_for, cli, wait_for, write_items
 
 
 def create_pool(env, model="m", handler="Echo", *extra):
@@ -158,7 +158,6 @@ def test_bad_input_gets_one_line_errors(local_env, tmp_path):
     one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", items, "--shards", "2"), "--shards")
     one_line_error(cli(local_env, "runs", "show", "20990101-000000-abcdef"), "no run")
     one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", str(tmp_path / "none.jsonl")), "cannot read items")
-    import calque
     backend = backend_for(local_env)
     assert backend.queues.open_queue("calque-pool-foo-bar").counts() == {"visible": 0, "in_flight": 0}
     assert [k for k in backend.store.list("pools/")] == ["pools/foo-bar"]

@@ -6,8 +6,6 @@ import os
 import signal
 import threading
 
-import pytest
-
 import calque
 from conftest import HANDLERS, backend_for, cli, start_worker, wait_for, write_items
 
