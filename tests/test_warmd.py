@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import threading
+import time
 
 import calque
 from conftest import HANDLERS, backend_for, cli, start_worker, wait_for, write_items
@@ -232,3 +233,69 @@ def test_spot_notice_releases_the_claim_and_exits_0(local_env, tmp_path):
     finally:
         SpotStub.notice = False
         server.shutdown()
+
+
+def test_heartbeat_keeps_a_long_claim(local_env, tmp_path):
+    """A claim held 3x longer than its visibility timeout is not redelivered while the heartbeat runs."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate))
+    backend = make_pool(env, "Gate", "--visibility-timeout", "1")
+    a = start_worker(env, "--model", "m")
+    run_id = submit_no_wait(env, tmp_path, [{"x": 1}])
+    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
+    b = start_worker(env, "--model", "m")                  # would take the claim if its lease lapsed
+    wait_for(lambda: len(calque.read_worker_stats(backend, "m")) == 2, 30, "the second worker to be polling")
+    queue = backend.queues.open_queue("calque-pool-m")
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:                     # 3 timeouts' worth: the lease must hold throughout
+        assert queue.counts() == {"visible": 0, "in_flight": 1}
+        time.sleep(0.1)
+    (gate / "open").touch()
+    done = wait_for(lambda: summary(backend, run_id), 30, "the summary")
+    assert done["worker_id"].endswith(f"-{a.pid}") and done["receive_count"] == 1
+    assert sorted(os.listdir(gate)) == ["open", f"started-{a.pid}"]   # b never started it
+    assert stop(a) == 0 and stop(b) == 0
+
+
+def test_a_lost_lease_is_not_written(local_env, tmp_path):
+    """When another receiver takes the claim (its lease lapsed), the first worker writes nothing for it."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate))
+    backend = make_pool(env, "Gate", "--visibility-timeout", "30")
+    log = tmp_path / "worker.log"
+    with open(log, "w") as f:
+        w = start_worker(env, "--model", "m", log=f)
+    run_id = submit_no_wait(env, tmp_path, [{"x": 1}])
+    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
+    db = backend.queues.db()
+    db.execute("UPDATE messages SET visible_at = 0")        # the lease lapses (as if the heartbeat had stalled)
+    thief = backend.queues.open_queue("calque-pool-m").receive(1)
+    assert thief is not None and thief.receive_count == 2
+    wait_for(lambda: "lease lost" in log.read_text(), 30, "the heartbeat to notice")
+    (gate / "open").touch()
+    wait_for(lambda: "lease lost: not writing it" in log.read_text(), 30, "the worker to drop the claim")
+    assert summary(backend, run_id) is None
+    assert not backend.store.exists(calque.results_key(run_id, "c00000"))
+    assert w.poll() is None                                  # and it stays up for the next claim
+    assert stop(w) == 0
+
+
+def test_second_signal_releases_the_claim_at_once(local_env, tmp_path):
+    """A second SIGTERM during a claim releases it immediately, even inside a long batch, and exits 0."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GRACE="600")
+    backend = make_pool(env, "Gate", "--visibility-timeout", "600")
+    log = tmp_path / "worker.log"
+    with open(log, "w") as f:
+        w = start_worker(env, "--model", "m", log=f)
+    run_id = submit_no_wait(env, tmp_path, [{"x": 1}])
+    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
+    w.send_signal(signal.SIGTERM)
+    wait_for(lambda: "warm stop" in log.read_text(), 30, "the first signal to land")
+    w.send_signal(signal.SIGTERM)
+    assert w.wait(30) == 0                                   # the gate never opened: the batch was cut short
+    assert summary(backend, run_id) is None
+    assert backend.queues.open_queue("calque-pool-m").counts() == {"visible": 1, "in_flight": 0}
