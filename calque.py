@@ -729,6 +729,7 @@ RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay, doubling up to
 RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long restarts without backoff
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
+STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
 
 
 def state_dir(conf, model):
@@ -3182,12 +3183,18 @@ def cmd_pool_status(conf, backend, args):
         print("  local workers: none on this machine")
     running = [w for w in status["workers"] if w.get("state") == "running"]
     print(f"  workers with stats: {len(status['workers'])} ({len(running)} running)")
-    if status["workers"]:
+    # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
+    # and the few most recently stopped, so a pool that restarted many times still prints a short table
+    stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
+    shown = running + stopped[-STOPPED_SHOWN:]
+    if shown:
         print(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} {'items':>7} {'busy%':>6}")
-        for w in sorted(status["workers"], key=lambda w: w["started_at"]):
+        for w in sorted(shown, key=lambda w: w["started_at"]):
             busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
             print(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} {w['enter_count']:>6} "
                   f"{w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
+    if len(stopped) > STOPPED_SHOWN:
+        print(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
     return EXIT_OK
 
 

@@ -1,5 +1,6 @@
-"""fastbatch on a GPU machine: build, run the tests with CUDA present (so PinnedRing pins), and
-measure host-to-device GB/s from a pinned ring slot (non_blocking, side stream) vs pageable memory.
+"""fastbatch on a GPU machine: build, run the tests with CUDA present (so PinnedRing pins), run the
+worker's numeric end-to-end tests (its CUDA side-stream collation), and measure host-to-device GB/s
+from a pinned ring slot (non_blocking, side stream) vs pageable memory.
 
     .venv/bin/python fastbatch/gpu_check.py      # `make gpu-check`: ~1 min, exits 1 without CUDA
 
@@ -62,6 +63,10 @@ def main():
     print(f"gpu_check: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     step("build", [sys.executable, os.path.join("fastbatch", "_build.py")], timeout=120)
     step("tests", [sys.executable, "-m", "pytest", "-q", os.path.join("tests", "test_fastbatch.py")],
+         timeout=TEST_TIMEOUT_S)
+    # warmd's collation on CUDA: ring slot -> side-stream copy -> the handler gets device tensors; the
+    # numeric end-to-end tests (prefetch on and off must agree) run that path when CUDA is present
+    step("worker drain loop on CUDA", [sys.executable, "-m", "pytest", "-q", os.path.join("tests", "test_arrays.py")],
          timeout=TEST_TIMEOUT_S)
 
     sys.path.insert(0, ROOT)

@@ -100,7 +100,8 @@ class Matmul:
         import torch
         torch.set_num_threads(1)    # the other core is the prefetch thread's
         torch.manual_seed(0)
-        self.weight = torch.randn(int(os.environ.get("MATMUL_DIM", "1024")), int(os.environ.get("MATMUL_DIM", "1024")))
+        dim = int(os.environ.get("MATMUL_DIM", "1024"))
+        self.weight = torch.randn(dim, dim).to("cuda" if torch.cuda.is_available() else "cpu")   # where collation puts x
         self.repeats = int(os.environ.get("MATMUL_REPEATS", "4"))
 
     @calque.batch
