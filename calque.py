@@ -3526,9 +3526,27 @@ def main(argv=None):
     except UserError as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except NotFound as e:   # something the pool record names is gone (a queue deleted by hand, say)
+        print(f"calque: error: {e} not found in {conf['CALQUE_STORE']}: recreate the pool (pool create is idempotent) "
+              f"or delete it", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("calque: interrupted; queued claims stay queued and finish without you (runs show RUN reads them)", file=sys.stderr)
         return 130
+    except Exception as e:
+        if type(e).__module__.startswith("botocore"):   # AWS refused or could not be reached: say so in one line
+            print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions (README, On AWS) and region",
+                  file=sys.stderr)
+            return EXIT_FAILED
+        raise   # anything else is a bug: the traceback is the report
+
+
+def aws_error_line(error):
+    """'AccessDenied: ... (CreateQueue)' from a botocore error, else its text."""
+    info = getattr(error, "response", {}).get("Error", {})
+    if info:
+        return f"{info.get('Code')}: {info.get('Message')} ({getattr(error, 'operation_name', '?')})"
+    return str(error)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import calque
 STATS_INTERVAL = 30.0       # s between two worker-stats writes while idle (pool cost reads them)
 COLD_POLL_WAIT = 0.2        # s of one long poll for a cold run's worker, which exits once its queue is empty (SQS: 1)
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
+ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up to this cap
 PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"   # pipeline thread: collate k+1, serialise k-1 while the model runs k
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
@@ -311,16 +312,23 @@ class Worker:
                 self.enter()      # a pool worker loads before its first claim: no claim waits on a load
             self.write_stats("running")
             last_stats = time.monotonic()
+            backoff = 0.0
             while True:
                 if self.stop_requested:
                     reason = "stop requested"
                     break
                 self.state = "polling"
                 try:
+                    time.sleep(backoff)
                     message = queue.receive(self.poll_wait, should_stop=lambda: self.stop_requested)
+                    backoff = 0.0
                 except Interrupted:
                     reason = "stop requested while polling"
                     break
+                except Exception as e:   # the queue is unreachable for a while: stay warm (the model stays loaded), retry
+                    backoff = min(max(backoff * 2, ERROR_BACKOFF[0]), ERROR_BACKOFF[1])
+                    log.warning("worker %s: receive failed (%s: %s); retrying in %.0fs", self.worker_id, type(e).__name__, e, backoff)
+                    continue
                 self.state = "claim"
                 if message is not None:
                     try:
@@ -329,6 +337,11 @@ class Worker:
                         queue.change_visibility(message, 0)
                         reason = "second signal: claim released"
                         break
+                    except Exception as e:   # a store or queue error outside the handler: the claim is not acked
+                        log.warning("worker %s: claim failed outside the handler (%s: %s); released for redelivery "
+                                    "(the dead-letter queue takes it after max deliveries)", self.worker_id, type(e).__name__, e)
+                        with contextlib.suppress(Exception):
+                            queue.change_visibility(message, 0)
                     self.write_stats("running")
                     last_stats = time.monotonic()
                 elif self.ephemeral and sum(queue.counts().values()) == 0:
@@ -605,6 +618,11 @@ def main(argv=None):
     except calque.NotFound as e:
         print(f"warmd: error: {e} not found in the store: check CALQUE_STORE and the pool (`calque.py pool list`)", file=sys.stderr)
         return calque.EXIT_USAGE
+    except Exception as e:
+        if type(e).__module__.startswith("botocore"):   # at start-up: credentials, permissions, endpoint
+            print(f"warmd: error: AWS: {calque.aws_error_line(e)}: check the instance role and region", file=sys.stderr)
+            return calque.EXIT_FAILED
+        raise
     return calque.EXIT_OK
 
 

@@ -181,3 +181,13 @@ def test_unreachable_endpoint_is_one_line(aws_env):
     from conftest import free_port
     env = dict(aws_env, AWS_ENDPOINT_URL=f"http://127.0.0.1:{free_port()}", AWS_MAX_ATTEMPTS="1")
     one_line_error(cli(env, "pool", "list"), "cannot reach")
+
+
+def test_aws_refusals_are_one_line(aws_env, tmp_path):
+    """A queue deleted behind calque's back: after the brief retry a new queue gets on SQS, one line, exit 2."""
+    assert cli(aws_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo").returncode == 0
+    backend = backend_for(aws_env)
+    backend.queues.delete_queue("calque-pool-m")
+    out = cli(aws_env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": 1}]), timeout=60)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "calque-pool-m not found" in out.stderr and len(out.stderr.strip().splitlines()) == 1

@@ -299,3 +299,40 @@ def test_second_signal_releases_the_claim_at_once(local_env, tmp_path):
     assert w.wait(30) == 0                                   # the gate never opened: the batch was cut short
     assert summary(backend, run_id) is None
     assert backend.queues.open_queue("calque-pool-m").counts() == {"visible": 1, "in_flight": 0}
+
+
+def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, monkeypatch):
+    """A receive that fails and a claim whose result write fails: the worker logs, stays up with its model
+    loaded (enter_count 1), and the failed claim is redelivered and completed."""
+    import warmd
+    for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_ENV"):
+        monkeypatch.setenv(key, local_env[key])
+    monkeypatch.setattr(warmd, "ERROR_BACKOFF", (0.01, 0.01))
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(4)])
+    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo").returncode == 0
+    backend = backend_for(local_env)
+    run = calque.stage_run(backend, calque.load_pool(backend, "m"), calque.read_items(items), 2,
+                           backend.queues.open_queue("calque-pool-m"), "cold")
+    record = dict(calque.load_pool(backend, "m"))   # served as a cold run: the worker exits once it is drained
+    worker = warmd.Worker(backend, record, calque.pool_key("m"), "test-workers/", calque.settings(), True)
+    faults = {"receive": 1, "put": 1}
+    real_receive, real_put = calque.LocalQueue.receive, backend.store.put
+
+    def flaky_receive(self, *a, **kw):
+        if faults["receive"]:
+            faults["receive"] -= 1
+            raise ConnectionError("queue unreachable")
+        return real_receive(self, *a, **kw)
+
+    def flaky_put(key, data):
+        if "/results/" in key and faults["put"]:
+            faults["put"] -= 1
+            raise OSError("store unreachable")
+        return real_put(key, data)
+    monkeypatch.setattr(calque.LocalQueue, "receive", flaky_receive)
+    monkeypatch.setattr(backend.store, "put", flaky_put)
+    worker.work()
+    summaries = calque.read_summaries(backend, run["run_id"])
+    assert len(summaries) == 2 and all(s["status"] == "ok" for s in summaries)
+    assert worker.enter_count == 1 and faults == {"receive": 0, "put": 0}
+    assert sorted(s["receive_count"] for s in summaries) == [1, 2]    # the claim whose write failed came back
