@@ -227,14 +227,13 @@ class SpotPoller:
 
 
 class Worker:
-    def __init__(self, backend, record, record_key, stats_key_prefix, conf, ephemeral):
+    def __init__(self, backend, record, stats_key_prefix, conf, ephemeral):
         self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
-        self.record_key = record_key
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self.stats_key = f"{stats_key_prefix}{self.worker_id}.json"
         self.grace = calque.setting_number(conf, "CALQUE_GRACE", float, 0)
         self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
-        self.state = "starting"          # starting | polling | claim | stopping
+        self.state = "starting"          # starting | polling | claim | between | stopping
         self.stop_requested = False
         self.release_now = threading.Event()
         self.started = time.time()
@@ -252,6 +251,15 @@ class Worker:
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")   # the manifest read beside the duplicate check
 
     # ---- lifecycle ------------------------------------------------------------------------------
+
+    def start(self):
+        """Everything before the first claim: open the queues, import the handler, and, for a pool
+        worker, run @enter (so no claim waits on a load; a cold worker pays it in its first claim)."""
+        self.queue = self.backend.queues.open_queue(self.record["queue"])
+        self.dlq = self.backend.queues.open_queue(self.record["dlq"])
+        self.load_handler()
+        if not self.ephemeral:
+            self.enter()
 
     def load_handler(self):
         """Fetch the handler snapshot named by the pool record, check its digest, import it."""
@@ -303,13 +311,10 @@ class Worker:
         if self.conf.get("CALQUE_SPOT_POLL"):
             SpotPoller(self.conf["CALQUE_SPOT_POLL"], calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
                        self.request_stop)
-        queue = self.backend.queues.open_queue(self.record["queue"])
-        self.dlq = self.backend.queues.open_queue(self.record["dlq"])
         reason = "?"
         try:
-            self.load_handler()
-            if not self.ephemeral:
-                self.enter()      # a pool worker loads before its first claim: no claim waits on a load
+            self.start()
+            queue = self.queue
             self.write_stats("running")
             last_stats = time.monotonic()
             backoff = 0.0
@@ -329,10 +334,10 @@ class Worker:
                     backoff = min(max(backoff * 2, ERROR_BACKOFF[0]), ERROR_BACKOFF[1])
                     log.warning("worker %s: receive failed (%s: %s); retrying in %.0fs", self.worker_id, type(e).__name__, e, backoff)
                     continue
-                self.state = "claim"
+                self.state = "claim" if message is not None else "between"
                 if message is not None:
                     try:
-                        self.handle(queue, message)
+                        self.handle(message)
                     except ColdStop:
                         queue.change_visibility(message, 0)
                         reason = "second signal: claim released"
@@ -342,6 +347,7 @@ class Worker:
                                     "(the dead-letter queue takes it after max deliveries)", self.worker_id, type(e).__name__, e)
                         with contextlib.suppress(Exception):
                             queue.change_visibility(message, 0)
+                    self.state = "between"       # a second signal from here on has no claim to release
                     self.write_stats("running")
                     last_stats = time.monotonic()
                 elif self.ephemeral and sum(queue.counts().values()) == 0:
@@ -363,22 +369,22 @@ class Worker:
 
     # ---- one claim ------------------------------------------------------------------------------
 
-    def handle(self, queue, message):
+    def handle(self, message):
         """Validate, dedupe, fetch the manifest, drain, write results then summary, then ack."""
-        received = time.time()
+        queue, received = self.queue, time.time()
         try:
             msg = calque.parse_message(message.body)
         except ValueError as e:
-            return self.dead_letter(queue, message, f"malformed message: {e}", None)
+            return self.dead_letter(message, f"malformed message: {e}", None)
         key = self.backend.store.key_for_uri(msg["manifest_uri"])
         match = calque.MANIFEST_KEY.match(key or "")
         if not match:
-            return self.dead_letter(queue, message, f"manifest_uri {msg['manifest_uri']!r} is outside this pool's store "
+            return self.dead_letter(message, f"manifest_uri {msg['manifest_uri']!r} is outside this pool's store "
                                                     f"{self.backend.describe()}: refused", msg)
         run_id, claim = match.groups()
         msg.update(run_id=run_id, claim=claim)    # the key is the authority, not the message's own fields
         if msg["model"] != self.record["model"]:
-            return self.dead_letter(queue, message, f"claim is for model {msg['model']!r}, this pool serves {self.record['model']!r}", msg)
+            return self.dead_letter(message, f"claim is for model {msg['model']!r}, this pool serves {self.record['model']!r}", msg)
         # the duplicate check and the manifest read are independent: issue both at once (one store round
         # trip off every claim's critical path; a duplicate wastes one read)
         manifest_read = self.reader.submit(self.backend.store.get, key)
@@ -390,7 +396,7 @@ class Worker:
             return
         if message.receive_count > self.record["max_deliveries"]:
             manifest_read.exception()
-            return self.dead_letter(queue, message, f"delivered {message.receive_count} times, more than the pool's "
+            return self.dead_letter(message, f"delivered {message.receive_count} times, more than the pool's "
                                                     f"max deliveries {self.record['max_deliveries']}", msg)
         try:
             manifest = json.loads(manifest_read.result())
@@ -399,9 +405,9 @@ class Worker:
             if not isinstance(items, list):
                 raise ValueError("'items' is not a list")
         except calque.NotFound as e:
-            return self.dead_letter(queue, message, f"claim object {e} does not exist", msg)
+            return self.dead_letter(message, f"claim object {e} does not exist", msg)
         except (ValueError, KeyError, TypeError) as e:
-            return self.dead_letter(queue, message, f"manifest {key} is corrupt: {e}", msg)
+            return self.dead_letter(message, f"manifest {key} is corrupt: {e}", msg)
 
         warm_hit = self.entered_at is not None and self.entered_at <= received
         enter_paid, acquisition = 0.0, 0.0
@@ -413,7 +419,8 @@ class Worker:
                 enter_paid, acquisition = self.enter_seconds, self.acquisition_seconds
             outcome = self.drain(items, first, heartbeat)
         except ClaimReleased as e:
-            queue.change_visibility(message, 0) if not heartbeat.lost.is_set() else None
+            if not heartbeat.lost.is_set():    # ours to give back: visible again at once, for another worker
+                queue.change_visibility(message, 0)
             log.warning("worker %s: claim %s/%s given back (%s)", self.worker_id, run_id, claim, e)
             return
         finally:
@@ -546,7 +553,7 @@ class Worker:
             model += time.perf_counter() - t0
         return outcome, model, wait
 
-    def dead_letter(self, queue, message, reason, msg):
+    def dead_letter(self, message, reason, msg):
         """A claim that cannot succeed: failure summary (where the run is known), DLQ copy, then delete."""
         run_id, claim = (msg or {}).get("run_id"), (msg or {}).get("claim")
         if isinstance(run_id, str) and isinstance(claim, str) and calque.SAFE_ID.match(run_id) and calque.SAFE_ID.match(claim):
@@ -564,7 +571,7 @@ class Worker:
                     "notes": ["dead-lettered: the claim was not run"]}, indent=1))
         self.dlq.send(json.dumps({"reason": reason, "body": message.body, "receive_count": message.receive_count,
                                   "worker_id": self.worker_id, "at": calque.now_iso()}))
-        queue.delete(message)
+        self.queue.delete(message)
         log.warning("worker %s: claim to dead-letter queue %s: %s", self.worker_id, self.record["dlq"], reason)
 
     # ---- accounting -----------------------------------------------------------------------------
@@ -607,10 +614,10 @@ def main(argv=None):
         backend = calque.open_backend(conf["CALQUE_STORE"])
         if args.model:
             record = calque.load_pool(backend, args.model)
-            worker = Worker(backend, record, calque.pool_key(args.model), calque.worker_stats_prefix(args.model), conf, False)
+            worker = Worker(backend, record, calque.worker_stats_prefix(args.model), conf, False)
         else:
             record = calque.read_json(backend, calque.cold_record_key(args.run))
-            worker = Worker(backend, record, calque.cold_record_key(args.run), f"runs/{args.run}/workers/", conf, True)
+            worker = Worker(backend, record, f"runs/{args.run}/workers/", conf, True)
         worker.work()
     except calque.UserError as e:
         print(f"warmd: error: {e}", file=sys.stderr)

@@ -77,16 +77,14 @@ def dispatch_overhead(store, state):
     """Median seconds per claim through one in-process worker with an empty handler."""
     conf, backend, record = make_pool(store, state, f"{HANDLERS}:Empty")
     queue = backend.queues.open_queue(record["queue"])
-    worker = warmd.Worker(backend, record, calque.pool_key("bench"), calque.worker_stats_prefix("bench"), conf, False)
-    worker.dlq = backend.queues.open_queue(record["dlq"])
-    worker.load_handler()
-    worker.enter()
+    worker = warmd.Worker(backend, record, calque.worker_stats_prefix("bench"), conf, False)
+    worker.start()
     for _ in range(DISPATCH_CLAIMS):
         calque.stage_run(backend, record, [{"x": 1}], 1, queue, "pool")
     times = []
     for _ in range(DISPATCH_CLAIMS):
         t0 = time.perf_counter()
-        worker.handle(queue, queue.receive(1))
+        worker.handle(queue.receive(1))
         times.append(time.perf_counter() - t0)
     return statistics.median(times), statistics.quantiles(times, n=20)[18]
 
@@ -164,12 +162,10 @@ def occupancy(store, state, prefetch):
     np.save(path, np.random.default_rng(0).standard_normal((OVERLAP_ITEMS, 1024)).astype(np.float32))
     queue = backend.queues.open_queue(record["queue"])
     warmd.PREFETCH = prefetch
-    worker = warmd.Worker(backend, record, calque.pool_key("overlap"), calque.worker_stats_prefix("overlap"), conf, False)
-    worker.dlq = backend.queues.open_queue(record["dlq"])
-    worker.load_handler()
-    worker.enter()
+    worker = warmd.Worker(backend, record, calque.worker_stats_prefix("overlap"), conf, False)
+    worker.start()
     run = calque.stage_run(backend, record, calque.read_items(path), OVERLAP_ITEMS, queue, "pool")
-    worker.handle(queue, queue.receive(1))
+    worker.handle(queue.receive(1))
     summary = calque.read_summaries(backend, run["run_id"])[0]
     assert summary["status"] == "ok", summary["errors"]
     return summary

@@ -580,11 +580,9 @@ def test_cost_of_a_run_in_progress_is_partial(local_env, tmp_path):
     queue = backend.queues.open_queue("calque-pool-m")
     import warmd
     record = calque.load_pool(backend, "m")
-    worker = warmd.Worker(backend, record, calque.pool_key("m"), calque.worker_stats_prefix("m"), calque.settings(), False)
-    worker.dlq = backend.queues.open_queue(record["dlq"])
-    worker.load_handler()
-    worker.enter()
-    worker.handle(queue, queue.receive(1))       # one of the two claims
+    worker = warmd.Worker(backend, record, calque.worker_stats_prefix("m"), calque.settings(), False)
+    worker.start()
+    worker.handle(queue.receive(1))       # one of the two claims
     out = cli(local_env, "cost", run_id, "--json")
     assert out.returncode == 0, out.stderr
     assert _json.loads(out.stdout)[0]["cost"]["partial"] is True

@@ -314,7 +314,7 @@ def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, 
     run = calque.stage_run(backend, calque.load_pool(backend, "m"), calque.read_items(items), 2,
                            backend.queues.open_queue("calque-pool-m"), "cold")
     record = dict(calque.load_pool(backend, "m"))   # served as a cold run: the worker exits once it is drained
-    worker = warmd.Worker(backend, record, calque.pool_key("m"), "test-workers/", calque.settings(), True)
+    worker = warmd.Worker(backend, record, "test-workers/", calque.settings(), True)
     faults = {"receive": 1, "put": 1}
     real_receive, real_put = calque.LocalQueue.receive, backend.store.put
 
