@@ -824,7 +824,7 @@ def supervise(conf, model):
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGHUP, lambda *_: None)   # wakes the sleep; `desired` is re-read every tick anyway
+    signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; harmless: `desired` is re-read every tick
 
     def desired():
         try:
