@@ -737,8 +737,9 @@ def state_dir(conf, model):
 
 
 def child_env(conf):
-    """The environment for a process we start: absolute store and state paths, so its cwd does not matter."""
-    env = dict(os.environ)
+    """The environment for a process we start: every setting as resolved here (pool.env included: the
+    child runs in the kit's folder, not ours), with absolute store and state paths."""
+    env = dict(os.environ, **{key: conf[key] for key in DEFAULTS})
     store = conf["CALQUE_STORE"]
     env["CALQUE_STORE"] = store if store.startswith("s3://") else os.path.abspath(store)
     env["CALQUE_STATE"] = os.path.abspath(conf["CALQUE_STATE"])

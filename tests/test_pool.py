@@ -191,3 +191,17 @@ def test_aws_refusals_are_one_line(aws_env, tmp_path):
     out = cli(aws_env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": 1}]), timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "calque-pool-m not found" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_pool_env_reaches_the_workers(local_env, tmp_path):
+    """Settings from a pool.env in the user's folder reach the supervisor's workers, which run elsewhere."""
+    env_file = tmp_path / "pool.env"
+    env_file.write_text(f"CALQUE_STORE={tmp_path / 'from-env-file'}\nCALQUE_GRACE=7\n")
+    env = {k: v for k, v in local_env.items() if k not in ("CALQUE_STORE", "CALQUE_GRACE")}
+    env["CALQUE_ENV"] = str(env_file)
+    assert cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "1").returncode == 0
+    items = write_items(tmp_path / "items.jsonl", [{"x": 2}])
+    out = cli(env, "submit", "--pool", "m", items, "--timeout", "60")
+    assert out.returncode == 0, out.stdout + out.stderr
+    log = wait_for(lambda: [p for p in (tmp_path / "state" / "pools" / "m").glob("worker-0.log")], 20, "the worker log")[0]
+    assert "7s grace" in cli(env, "pool", "delete", "--model", "m", "--yes").stdout + log.read_text()
