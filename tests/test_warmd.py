@@ -36,6 +36,31 @@ def stop(proc):
     return proc.wait(30)
 
 
+class Gated:
+    """A pool of the Gate handler and one worker (logging to a file) provably in the middle of a claim:
+    its first batch has started and holds until open() is called."""
+
+    def __init__(self, local_env, tmp_path, items=({"x": 1},), pool_args=(), **settings):
+        self.gate = tmp_path / "gate"
+        self.gate.mkdir()
+        self.env = dict(local_env, GATE_DIR=str(self.gate), **settings)
+        self.backend = make_pool(self.env, "Gate", *pool_args)
+        self.log = tmp_path / "worker.log"
+        with open(self.log, "w") as f:
+            self.worker = start_worker(self.env, "--model", "m", log=f)
+        self.run_id = submit_no_wait(self.env, tmp_path, list(items))
+        wait_for(lambda: os.listdir(self.gate), 30, "the claim to start")
+
+    def logged(self, text, what):
+        wait_for(lambda: text in self.log.read_text(), 30, what)
+
+    def open(self):
+        (self.gate / "open").touch()
+
+    def queue(self):
+        return self.backend.queues.open_queue("calque-pool-m")
+
+
 def test_kill_9_mid_claim_is_redelivered_to_the_other_worker(local_env, tmp_path):
     """A worker SIGKILLed mid-claim: after the visibility timeout the other worker completes it, no item lost."""
     gate = tmp_path / "gate"
@@ -138,42 +163,30 @@ def test_per_item_failure_and_wrong_result_count(local_env, tmp_path):
 
 def test_sigterm_finishes_the_running_claim_within_grace(local_env, tmp_path):
     """SIGTERM mid-claim: no new claims, the running one completes and is acked, exit 0."""
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GRACE="30")
-    backend = make_pool(env, "Gate")
-    w = start_worker(env, "--model", "m")
-    run_id = submit_no_wait(env, tmp_path, [{"x": 1}])
-    second = submit_no_wait(env, tmp_path, [{"x": 2}])
-    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
-    w.send_signal(signal.SIGTERM)
-    (gate / "open").touch()
-    assert w.wait(30) == 0
-    assert summary(backend, run_id)["status"] == "ok"
-    assert summary(backend, second) is None            # it stopped claiming
-    assert backend.queues.open_queue("calque-pool-m").counts() == {"visible": 1, "in_flight": 0}
-
+    g = Gated(local_env, tmp_path, CALQUE_GRACE="30")
+    second = submit_no_wait(g.env, tmp_path, [{"x": 2}])
+    g.worker.send_signal(signal.SIGTERM)
+    g.logged("warm stop", "the signal to land")
+    g.open()
+    assert g.worker.wait(30) == 0
+    assert summary(g.backend, g.run_id)["status"] == "ok"
+    assert summary(g.backend, second) is None            # it stopped claiming
+    assert g.queue().counts() == {"visible": 1, "in_flight": 0}
 
 def test_sigterm_past_grace_releases_the_claim_at_once(local_env, tmp_path):
     """A claim that outlives the grace period is released (visibility 0), so another worker takes it at once."""
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GRACE="0")
-    backend = make_pool(env, "Gate", "--batch-size", "1", "--visibility-timeout", "600")
-    w = start_worker(env, "--model", "m")
-    run_id = submit_no_wait(env, tmp_path, [{"x": 1}, {"x": 2}])
-    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
-    w.send_signal(signal.SIGTERM)
-    (gate / "open").touch()                            # the first batch ends; the loop sees the grace is over
-    assert w.wait(30) == 0
-    assert summary(backend, run_id) is None
-    queue = backend.queues.open_queue("calque-pool-m")
-    assert queue.counts() == {"visible": 1, "in_flight": 0}   # released, not left invisible for 600 s
-    w2 = start_worker(env, "--model", "m")
-    done = wait_for(lambda: summary(backend, run_id), 30, "the released claim to complete")
+    g = Gated(local_env, tmp_path, items=[{"x": 1}, {"x": 2}], pool_args=("--batch-size", "1", "--visibility-timeout", "600"),
+              CALQUE_GRACE="0")
+    g.worker.send_signal(signal.SIGTERM)
+    g.logged("warm stop", "the signal to land")
+    g.open()                                           # the first batch ends; the loop sees the grace is over
+    assert g.worker.wait(30) == 0
+    assert summary(g.backend, g.run_id) is None
+    assert g.queue().counts() == {"visible": 1, "in_flight": 0}   # released, not left invisible for 600 s
+    w2 = start_worker(g.env, "--model", "m")
+    done = wait_for(lambda: summary(g.backend, g.run_id), 30, "the released claim to complete")
     assert done["receive_count"] == 2 and done["ok"] == 2
     assert stop(w2) == 0
-
 
 def test_idle_sigterm_exits_promptly(local_env):
     """An idle worker in its long poll exits 0 on SIGTERM, well before the poll would end."""
@@ -213,93 +226,58 @@ def test_spot_notice_releases_the_claim_and_exits_0(local_env, tmp_path):
     """With the poller pointed at a loopback stub, a spot notice stops the worker like SIGTERM."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SpotStub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GRACE="0", CALQUE_SPOT_INTERVAL="0.1",
-               CALQUE_SPOT_POLL=f"http://127.0.0.1:{server.server_port}")
     try:
-        backend = make_pool(env, "Gate", "--batch-size", "1", "--visibility-timeout", "600")
-        log = tmp_path / "worker.log"
-        with open(log, "w") as f:
-            w = start_worker(env, "--model", "m", log=f)
-        run_id = submit_no_wait(env, tmp_path, [{"x": 1}, {"x": 2}])
-        wait_for(lambda: os.listdir(gate), 30, "the claim to start")
+        g = Gated(local_env, tmp_path, items=[{"x": 1}, {"x": 2}], pool_args=("--batch-size", "1", "--visibility-timeout", "600"),
+                  CALQUE_GRACE="0", CALQUE_SPOT_INTERVAL="0.1", CALQUE_SPOT_POLL=f"http://127.0.0.1:{server.server_port}")
         SpotStub.notice = True
-        wait_for(lambda: "warm stop" in log.read_text(), 30, "the worker to see the notice")
-        (gate / "open").touch()
-        assert w.wait(30) == 0
-        assert summary(backend, run_id) is None
-        assert backend.queues.open_queue("calque-pool-m").counts() == {"visible": 1, "in_flight": 0}
+        g.logged("warm stop", "the worker to see the notice")
+        g.open()
+        assert g.worker.wait(30) == 0
+        assert summary(g.backend, g.run_id) is None
+        assert g.queue().counts() == {"visible": 1, "in_flight": 0}
     finally:
         SpotStub.notice = False
         server.shutdown()
 
-
 def test_heartbeat_keeps_a_long_claim(local_env, tmp_path):
     """A claim held 3x longer than its visibility timeout is not redelivered while the heartbeat runs."""
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    env = dict(local_env, GATE_DIR=str(gate))
-    backend = make_pool(env, "Gate", "--visibility-timeout", "1")
-    a = start_worker(env, "--model", "m")
-    run_id = submit_no_wait(env, tmp_path, [{"x": 1}])
-    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
-    b = start_worker(env, "--model", "m")                  # would take the claim if its lease lapsed
-    wait_for(lambda: len(calque.read_worker_stats(backend, "m")) == 2, 30, "the second worker to be polling")
-    queue = backend.queues.open_queue("calque-pool-m")
+    g = Gated(local_env, tmp_path, pool_args=("--visibility-timeout", "1"))
+    b = start_worker(g.env, "--model", "m")                  # would take the claim if its lease lapsed
+    wait_for(lambda: len(calque.read_worker_stats(g.backend, "m")) == 2, 30, "the second worker to be polling")
+    queue = g.queue()
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:                     # 3 timeouts' worth: the lease must hold throughout
         assert queue.counts() == {"visible": 0, "in_flight": 1}
         time.sleep(0.1)
-    (gate / "open").touch()
-    done = wait_for(lambda: summary(backend, run_id), 30, "the summary")
-    assert done["worker_id"].endswith(f"-{a.pid}") and done["receive_count"] == 1
-    assert sorted(os.listdir(gate)) == ["open", f"started-{a.pid}"]   # b never started it
-    assert stop(a) == 0 and stop(b) == 0
-
+    g.open()
+    done = wait_for(lambda: summary(g.backend, g.run_id), 30, "the summary")
+    assert done["worker_id"].endswith(f"-{g.worker.pid}") and done["receive_count"] == 1
+    assert sorted(os.listdir(g.gate)) == ["open", f"started-{g.worker.pid}"]   # b never started it
+    assert stop(g.worker) == 0 and stop(b) == 0
 
 def test_a_lost_lease_is_not_written(local_env, tmp_path):
     """When another receiver takes the claim (its lease lapsed), the first worker writes nothing for it."""
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    env = dict(local_env, GATE_DIR=str(gate))
-    backend = make_pool(env, "Gate", "--visibility-timeout", "30")
-    log = tmp_path / "worker.log"
-    with open(log, "w") as f:
-        w = start_worker(env, "--model", "m", log=f)
-    run_id = submit_no_wait(env, tmp_path, [{"x": 1}])
-    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
-    db = backend.queues.db()
-    db.execute("UPDATE messages SET visible_at = 0")        # the lease lapses (as if the heartbeat had stalled)
-    thief = backend.queues.open_queue("calque-pool-m").receive(1)
+    g = Gated(local_env, tmp_path, pool_args=("--visibility-timeout", "30"))
+    g.backend.queues.db().execute("UPDATE messages SET visible_at = 0")   # the lease lapses (as if the heartbeat had stalled)
+    thief = g.queue().receive(1)
     assert thief is not None and thief.receive_count == 2
-    wait_for(lambda: "lease lost" in log.read_text(), 30, "the heartbeat to notice")
-    (gate / "open").touch()
-    wait_for(lambda: "lease lost: not writing it" in log.read_text(), 30, "the worker to drop the claim")
-    assert summary(backend, run_id) is None
-    assert not backend.store.exists(calque.results_key(run_id, "c00000"))
-    assert w.poll() is None                                  # and it stays up for the next claim
-    assert stop(w) == 0
-
+    g.logged("lease lost", "the heartbeat to notice")
+    g.open()
+    g.logged("lease lost: not writing it", "the worker to drop the claim")
+    assert summary(g.backend, g.run_id) is None
+    assert not g.backend.store.exists(calque.results_key(g.run_id, "c00000"))
+    assert g.worker.poll() is None                           # and it stays up for the next claim
+    assert stop(g.worker) == 0
 
 def test_second_signal_releases_the_claim_at_once(local_env, tmp_path):
     """A second SIGTERM during a claim releases it immediately, even inside a long batch, and exits 0."""
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GRACE="600")
-    backend = make_pool(env, "Gate", "--visibility-timeout", "600")
-    log = tmp_path / "worker.log"
-    with open(log, "w") as f:
-        w = start_worker(env, "--model", "m", log=f)
-    run_id = submit_no_wait(env, tmp_path, [{"x": 1}])
-    wait_for(lambda: os.listdir(gate), 30, "the claim to start")
-    w.send_signal(signal.SIGTERM)
-    wait_for(lambda: "warm stop" in log.read_text(), 30, "the first signal to land")
-    w.send_signal(signal.SIGTERM)
-    assert w.wait(30) == 0                                   # the gate never opened: the batch was cut short
-    assert summary(backend, run_id) is None
-    assert backend.queues.open_queue("calque-pool-m").counts() == {"visible": 1, "in_flight": 0}
-
+    g = Gated(local_env, tmp_path, pool_args=("--visibility-timeout", "600"), CALQUE_GRACE="600")
+    g.worker.send_signal(signal.SIGTERM)
+    g.logged("warm stop", "the first signal to land")
+    g.worker.send_signal(signal.SIGTERM)
+    assert g.worker.wait(30) == 0                            # the gate never opened: the batch was cut short
+    assert summary(g.backend, g.run_id) is None
+    assert g.queue().counts() == {"visible": 1, "in_flight": 0}
 
 def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, monkeypatch):
     """A receive that fails and a claim whose result write fails: the worker logs, stays up with its model
