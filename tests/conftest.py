@@ -2,6 +2,7 @@
 guard that fails any in-process connection to a non-loopback address."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -86,9 +87,31 @@ def cli(env, *args, stdin=None, timeout=120):
                           capture_output=True, text=True, timeout=timeout)
 
 
+_workers = []   # every warmd.py a test started: killed after the test if it is still running
+
+
 def start_worker(env, *args, log=None):
-    return subprocess.Popen([PY, os.path.join(ROOT, "warmd.py"), *args], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "warmd.py"), *args], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
                             stdout=log or subprocess.DEVNULL, stderr=log or subprocess.STDOUT, text=True)
+    _workers.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(tmp_path):
+    """A failed test must not leave workers or detached pool supervisors running (they would load the
+    machine for every later test): kill what the test started and did not stop."""
+    yield
+    while _workers:
+        proc = _workers.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    for status in tmp_path.glob("**/pools/*/supervisor.json"):
+        try:
+            os.kill(json.loads(status.read_text())["pid"], signal.SIGTERM)   # it stops its own workers
+        except (OSError, ValueError, KeyError):
+            pass
 
 
 def wait_for(predicate, timeout=30.0, what="condition"):
