@@ -869,9 +869,10 @@ def supervise(conf, model):
                 slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0,
                                             "log": os.path.join(folder, f"worker-{s}.log")})
                 if slot["proc"] is None and now >= slot["not_before"]:
+                    env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()))   # the worker stops if we die
                     with open(slot["log"], "ab") as log:
                         slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
-                                                        stdout=log, stderr=log, env=child_env(conf), cwd=HERE)
+                                                        stdout=log, stderr=log, env=env, cwd=HERE)
                     slot["started"] = now
                     print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
             publish()

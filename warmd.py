@@ -246,6 +246,7 @@ class Worker:
         self.stats = Counter()           # claims, warm_hits, items, items_failed
         self.busy_seconds = 0.0
         self.requests_mark = Counter()
+        self.supervisor = int(os.environ.get("CALQUE_SUPERVISOR_PID", "0"))   # set when a pool supervisor started us
         self.gpu = GpuSampler()
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")   # the manifest read beside the duplicate check
@@ -321,6 +322,11 @@ class Worker:
             while True:
                 if self.stop_requested:
                     reason = "stop requested"
+                    break
+                if self.supervisor and os.getppid() != self.supervisor:
+                    # the supervisor was killed without stopping us: nobody would stop or count this worker
+                    # any more (pool delete included), so leave rather than run on as an orphan
+                    reason = f"supervisor {self.supervisor} is gone"
                     break
                 self.state = "polling"
                 try:

@@ -205,3 +205,16 @@ def test_pool_env_reaches_the_workers(local_env, tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     log = wait_for(lambda: [p for p in (tmp_path / "state" / "pools" / "m").glob("worker-0.log")], 20, "the worker log")[0]
     assert "7s grace" in cli(env, "pool", "delete", "--model", "m", "--yes").stdout + log.read_text()
+
+
+def test_workers_leave_when_their_supervisor_is_killed(local_env, tmp_path):
+    """SIGKILL the supervisor: its workers notice within a poll and exit instead of running on as orphans."""
+    create_pool(local_env, "m", "Echo", "--workers", "2")
+    status = wait_for(lambda: (lambda s: s if sum(w["alive"] for w in s["local_workers"]) == 2 else None)(
+        json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)), 30, "two live workers")
+    os.kill(status["supervisor"]["pid"], signal.SIGKILL)
+    pids = [w["pid"] for w in status["local_workers"]]
+    wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z"
+                             for p in pids), 30, "the orphaned workers to exit")
+    logs = "".join(p.read_text() for p in (tmp_path / "state" / "pools" / "m").glob("worker-*.log"))
+    assert logs.count("is gone") == 2
