@@ -160,8 +160,22 @@ def summary_key(run_id, claim):
 MANIFEST_KEY = re.compile(r"^runs/([A-Za-z0-9][A-Za-z0-9._-]*)/manifests/([A-Za-z0-9][A-Za-z0-9._-]*)\.json$")
 
 
-def new_run_id():
-    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+def new_run_id(model):
+    """<slug>.<UTC time>-<6 hex>: the model's slug leads, so that an IAM policy can confine a pool's
+    workers to its own runs (runs/<slug>.*); slugs have no '.', so no slug's runs match another's."""
+    return f"{slug(model)}.{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
+
+
+def run_slug(run_id):
+    """The slug a run id starts with ('' for an id without one)."""
+    return run_id.split(".", 1)[0] if "." in run_id else ""
+
+
+def run_queue_names(run_id):
+    """A cold run's queue and dead-letter queue: named by the id's time-and-hex tail (the slug would
+    not fit in SQS's 80 characters)."""
+    tail = run_id.rsplit(".", 1)[-1]
+    return RUN_QUEUE_PREFIX + tail, RUN_DLQ_PREFIX + tail
 
 
 def claim_id(index):
@@ -465,7 +479,7 @@ class LocalBackend:
     def describe(self):
         return self.root
 
-    def check(self):
+    def check(self, prefix=""):
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
@@ -642,10 +656,10 @@ class AwsBackend:
     def describe(self):
         return self.uri
 
-    def check(self):
+    def check(self, prefix=""):
         import botocore.exceptions
-        try:   # a LIST under runs/, not HeadBucket: a worker's role may list only under its own prefixes
-            self.store.s3.list_objects_v2(Bucket=self.bucket, Prefix=self.store._key("runs/"), MaxKeys=1)
+        try:   # a LIST, not HeadBucket: a worker's role may list only under its own prefixes (it passes one)
+            self.store.s3.list_objects_v2(Bucket=self.bucket, Prefix=self.store._key(prefix), MaxKeys=1)
         except botocore.exceptions.NoCredentialsError:
             raise UserError("no AWS credentials found: configure them (aws configure, or AWS_ACCESS_KEY_ID) or use a local CALQUE_STORE")
         except botocore.exceptions.EndpointConnectionError as e:
@@ -656,11 +670,12 @@ class AwsBackend:
             raise UserError(f"bucket {self.bucket} is not usable ({_aws_error_code(e)}): check your credentials' S3 permissions")
 
 
-def open_backend(store=None, check=True):
+def open_backend(store=None, check_prefix=""):
+    """The backend CALQUE_STORE names, checked usable by a LIST under check_prefix (a worker passes its
+    own pool's folder, the only one its role may list)."""
     store = store or settings()["CALQUE_STORE"]
     backend = AwsBackend(store) if store.startswith("s3://") else LocalBackend(store)
-    if check:
-        backend.check()
+    backend.check(check_prefix)
     return backend
 
 
@@ -1022,7 +1037,7 @@ def array_items(store, manifest):
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     """Write the run record and one manifest per claim, then send one message per claim; returns the run record.
     JSON items travel inside the manifest; numeric items (ArrayItems) beside it as .npy objects."""
-    run_id = run_id or new_run_id()
+    run_id = run_id or new_run_id(record["model"])
     bounds = [(i, min(i + claim_size, len(items))) for i in range(0, len(items), claim_size)]
     claims = [claim_id(i) for i in range(len(bounds))]
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": len(items), "claims": claims,
@@ -1103,10 +1118,10 @@ def cold_run(conf, backend, args, items):
     else:
         record = load_pool(backend, args.model)    # reuse the pool's handler snapshot
         handler_source = None
-    run_id = new_run_id()
-    queue_name = RUN_QUEUE_PREFIX + run_id
+    run_id = new_run_id(args.model)
+    queue_name, dlq = run_queue_names(run_id)
     vt = setting_number(conf, "CALQUE_VISIBILITY_TIMEOUT", int, 1)
-    cold = {"model": args.model, "queue": queue_name, "dlq": RUN_DLQ_PREFIX + run_id, "ephemeral": True,
+    cold = {"model": args.model, "slug": slug(args.model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
             "batch_size": args.batch_size or (record or {}).get("batch_size") or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
             "visibility_timeout": vt, "max_deliveries": setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
             "created_at": now_iso()}
@@ -2024,10 +2039,11 @@ def worker_policy(store, model, region, account, partition="aws"):
     - its pool queue: long-poll (ReceiveMessage), ack (DeleteMessage), heartbeat and release
       (ChangeMessageVisibility), open (GetQueueUrl, GetQueueAttributes for the visibility timeout);
     - its dead-letter queue: open it and SendMessage a claim that cannot succeed; nothing else;
-    - S3 read: the pool's own folder (record, handler snapshot, kit), claim manifests, and summaries
-      (HeadObject: is this claim already done?);
-    - S3 write: result parts, summaries (incl. failure summaries) and its own worker stats;
-    - ListBucket limited by s3:prefix to the store root's runs/ and the pool's folder. Not to list: S3
+    - S3 read: the pool's own folder (record, handler snapshot, kit), and of its model's runs only
+      (runs/<slug>.*, see new_run_id) the manifests, numeric inputs and summaries (HeadObject: is this
+      claim already done?);
+    - S3 write: result parts and summaries of its model's runs, and its own worker stats;
+    - ListBucket limited by s3:prefix to its model's runs and the pool's folder. Not to list: S3
       answers a HeadObject or GetObject for a missing key with 403 instead of 404 unless the caller may
       list that key's prefix (S3 evaluates s3:prefix as the key), and warmd must tell "no summary yet"
       from "forbidden". The worker never lists anything itself."""
@@ -2035,9 +2051,10 @@ def worker_policy(store, model, region, account, partition="aws"):
     bucket_arn, obj, root = _s3_parts(store, partition)
     return _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
                           ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
-                          reads=[f"{obj}pools/{s}/*", f"{obj}runs/*/manifests/*", f"{obj}runs/*/summaries/*"],
-                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}pools/{s}/workers/*"],
-                          listed=[f"{root}runs/*", f"{root}pools/{s}/*"])
+                          reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
+                                 f"{obj}runs/{s}.*/summaries/*"],
+                          writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*", f"{obj}pools/{s}/workers/*"],
+                          listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
 
 
 def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed):
@@ -2066,7 +2083,7 @@ def cold_worker_policy(store, region, account, partition="aws"):
     return _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", RUN_QUEUE_PREFIX + "*", RUN_DLQ_PREFIX + "*",
                           ("ClaimFromRunQueues", "ReadRunAndClaims"), bucket_arn, root,
                           reads=[f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
-                                 f"{obj}runs/*/manifests/*", f"{obj}runs/*/summaries/*"],
+                                 f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
                           writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*"],
                           listed=[f"{root}runs/*"])
 

@@ -1,7 +1,7 @@
 """warmd: the sticky worker. Loads its pool's model once (@enter), then claims batch after batch.
 
     python warmd.py --model demo                 # a pool worker (foreground; what the supervisor and EC2 run)
-    python warmd.py --run 20261129-101500-ab12cd # a cold run's ephemeral worker: pays @enter, drains, exits
+    python warmd.py --run demo.20261129-101500-ab12cd   # a cold run's ephemeral worker: pays @enter, drains, exits
     CALQUE_STORE=s3://bucket/prefix python warmd.py --model Qwen/Qwen2.5-1.5B-Instruct
 
 Everything it needs comes from the pool record in the store (handler snapshot, batch size, visibility
@@ -391,6 +391,8 @@ class Worker:
         msg.update(run_id=run_id, claim=claim)    # the key is the authority, not the message's own fields
         if msg["model"] != self.record["model"]:
             return self.dead_letter(message, f"claim is for model {msg['model']!r}, this pool serves {self.record['model']!r}", msg)
+        if calque.run_slug(run_id) != self.record["slug"]:
+            return self.dead_letter(message, f"run {run_id} is not one of this model's runs ({self.record['slug']}.*): refused", msg)
         # the duplicate check and the manifest read are independent: issue both at once (one store round
         # trip off every claim's critical path; a duplicate wastes one read)
         manifest_read = self.reader.submit(self.backend.store.get, key)
@@ -563,22 +565,29 @@ class Worker:
         """A claim that cannot succeed: failure summary (where the run is known), DLQ copy, then delete."""
         run_id, claim = (msg or {}).get("run_id"), (msg or {}).get("claim")
         if isinstance(run_id, str) and isinstance(claim, str) and calque.SAFE_ID.match(run_id) and calque.SAFE_ID.match(claim):
-            key = calque.summary_key(run_id, claim)
-            if not self.backend.store.exists(key):
-                now = calque.now_iso()
-                self.backend.store.put(key, json.dumps({
-                    "run_id": run_id, "claim": claim, "model": self.record["model"], "worker_id": self.worker_id,
-                    "status": "failed", "error": reason, "items": 0, "ok": 0, "failed": [], "errors": {},
-                    "warm_hit": False, "enter_seconds_paid": 0.0, "enter_count": self.enter_count, "acquisition_seconds": 0.0,
-                    "receive_count": message.receive_count, "claim_seconds": 0.0, "model_seconds": 0.0,
-                    "occupancy": {"value": None, "source": "drain-loop", "scope": "claim", "measured": False},
-                    "mode": "cold" if self.ephemeral else "pool", "backend": self.backend.kind,
-                    "started_at": now, "finished_at": now, "requests": self.claim_requests(extra_puts=1, extra_other=2),
-                    "notes": ["dead-lettered: the claim was not run"]}, indent=1))
+            try:    # another model's run may be out of this worker's reach (its IAM role): the DLQ copy still goes
+                self.write_failure_summary(message, run_id, claim, reason)
+            except Exception as e:
+                log.warning("worker %s: no failure summary for %s/%s (%s: %s)", self.worker_id, run_id, claim, type(e).__name__, e)
         self.dlq.send(json.dumps({"reason": reason, "body": message.body, "receive_count": message.receive_count,
                                   "worker_id": self.worker_id, "at": calque.now_iso()}))
         self.queue.delete(message)
         log.warning("worker %s: claim to dead-letter queue %s: %s", self.worker_id, self.record["dlq"], reason)
+
+    def write_failure_summary(self, message, run_id, claim, reason):
+        """The summary of a claim that was not run, so that a waiting submitter reports it (unless one exists)."""
+        key = calque.summary_key(run_id, claim)
+        if not self.backend.store.exists(key):
+            now = calque.now_iso()
+            self.backend.store.put(key, json.dumps({
+                "run_id": run_id, "claim": claim, "model": self.record["model"], "worker_id": self.worker_id,
+                "status": "failed", "error": reason, "items": 0, "ok": 0, "failed": [], "errors": {},
+                "warm_hit": False, "enter_seconds_paid": 0.0, "enter_count": self.enter_count, "acquisition_seconds": 0.0,
+                "receive_count": message.receive_count, "claim_seconds": 0.0, "model_seconds": 0.0,
+                "occupancy": {"value": None, "source": "drain-loop", "scope": "claim", "measured": False},
+                "mode": "cold" if self.ephemeral else "pool", "backend": self.backend.kind,
+                "started_at": now, "finished_at": now, "requests": self.claim_requests(extra_puts=1, extra_other=2),
+                "notes": ["dead-lettered: the claim was not run"]}, indent=1))
 
     # ---- accounting -----------------------------------------------------------------------------
 
@@ -617,7 +626,9 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
     try:
         conf = calque.settings()
-        backend = calque.open_backend(conf["CALQUE_STORE"])
+        # check the store under the pool's own folder, the only one a least-privilege worker role may list
+        backend = calque.open_backend(conf["CALQUE_STORE"], check_prefix=f"pools/{calque.slug(args.model)}/" if args.model
+                                      else f"runs/{args.run}/")
         if args.model:
             record = calque.load_pool(backend, args.model)
             worker = Worker(backend, record, calque.worker_stats_prefix(args.model), conf, False)

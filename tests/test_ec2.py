@@ -180,12 +180,13 @@ def test_worker_policy_statement_by_statement(aws):
          "Resource": q + "calque-pool-" + s},
         {"Sid": "DeadLetterOnly", "Effect": "Allow", "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
          "Resource": q + "calque-dlq-" + s},
-        {"Sid": "ReadPoolAndClaims", "Effect": "Allow", "Action": ["s3:GetObject"],
-         "Resource": [obj + f"pools/{s}/*", obj + "runs/*/manifests/*", obj + "runs/*/summaries/*"]},
+        {"Sid": "ReadPoolAndClaims", "Effect": "Allow", "Action": ["s3:GetObject"],   # only this model's runs
+         "Resource": [obj + f"pools/{s}/*", obj + f"runs/{s}.*/manifests/*", obj + f"runs/{s}.*/inputs/*",
+                      obj + f"runs/{s}.*/summaries/*"]},
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
-         "Resource": [obj + "runs/*/results/*", obj + "runs/*/summaries/*", obj + f"pools/{s}/workers/*"]},
+         "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"pools/{s}/workers/*"]},
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": "arn:aws:s3:::bkt",
-         "Condition": {"StringLike": {"s3:prefix": ["calque/root/runs/*", f"calque/root/pools/{s}/*"]}}},
+         "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
     ]}
     cold = code.cold_worker_policy("s3://bkt", "eu-west-1", "111122223333")
     assert [(st["Sid"], st["Action"], st["Resource"]) for st in cold["Statement"]] == [
@@ -194,7 +195,7 @@ def test_worker_policy_statement_by_statement(aws):
         ("DeadLetterOnly", ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"], q + "calque-rundlq-*"),
         ("ReadRunAndClaims", ["s3:GetObject"], ["arn:aws:s3:::bkt/runs/*/pool.json", "arn:aws:s3:::bkt/runs/*/handler/*",
                                                "arn:aws:s3:::bkt/runs/*/kit/*", "arn:aws:s3:::bkt/runs/*/manifests/*",
-                                               "arn:aws:s3:::bkt/runs/*/summaries/*"]),
+                                               "arn:aws:s3:::bkt/runs/*/inputs/*", "arn:aws:s3:::bkt/runs/*/summaries/*"]),
         ("WriteResults", ["s3:PutObject"], ["arn:aws:s3:::bkt/runs/*/results/*", "arn:aws:s3:::bkt/runs/*/summaries/*",
                                             "arn:aws:s3:::bkt/runs/*/workers/*"]),
         ("NotFoundIsNotForbidden", ["s3:ListBucket"], "arn:aws:s3:::bkt")]

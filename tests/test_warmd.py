@@ -102,26 +102,27 @@ def test_duplicate_delivery_is_acked_without_recompute(local_env, tmp_path):
 
 
 def test_claims_that_cannot_succeed_go_to_the_dead_letter_queue(local_env, tmp_path):
-    """Malformed body, wrong model, manifest outside the store, missing manifest, too many deliveries:
-    each lands in the DLQ, with a failure summary wherever the run is known; the worker stays up."""
+    """Malformed body, wrong model, manifest outside the store, another model's run, missing manifest, too
+    many deliveries: each lands in the DLQ, with a failure summary wherever the run is known; the worker stays up."""
     backend = make_pool(local_env, "Echo", "--max-deliveries", "2", "--visibility-timeout", "5")
     queue, dlq = backend.queues.open_queue("calque-pool-m"), backend.queues.open_queue("calque-dlq-m")
-    uri = backend.store.uri(calque.manifest_key("r-missing", "c00000"))
+    uri = backend.store.uri(calque.manifest_key("m.r-missing", "c00000"))
     queue.send("{not json")
-    queue.send(calque.make_message("r-model", "other-model", backend.store.uri(calque.manifest_key("r-model", "c00000")), "c00000"))
-    queue.send(calque.make_message("r-outside", "m", "file:///etc/passwd", "c00000"))
-    queue.send(calque.make_message("r-missing", "m", uri, "c00000"))
-    # a claim already delivered max-deliveries times: receive it twice here, releasing it each time
+    queue.send(calque.make_message("other-model.r1", "other-model",
+                                   backend.store.uri(calque.manifest_key("other-model.r1", "c00000")), "c00000"))
+    queue.send(calque.make_message("m.r-outside", "m", "file:///etc/passwd", "c00000"))
+    queue.send(calque.make_message("n.r-foreign", "m", backend.store.uri(calque.manifest_key("n.r-foreign", "c00000")), "c00000"))
+    queue.send(calque.make_message("m.r-missing", "m", uri, "c00000"))
     w = start_worker(local_env, "--model", "m")
-    wait_for(lambda: dlq.counts()["visible"] == 4, 30, "four dead letters")
+    wait_for(lambda: dlq.counts()["visible"] == 5, 30, "five dead letters")
     assert stop(w) == 0
     # a claim already delivered max-deliveries (2) times: receive and release it twice before the worker runs
-    backend.store.put(calque.manifest_key("r-over", "c00000"), json.dumps({"items": [{"x": 1}]}))
-    queue.send(calque.make_message("r-over", "m", backend.store.uri(calque.manifest_key("r-over", "c00000")), "c00000"))
+    backend.store.put(calque.manifest_key("m.r-over", "c00000"), json.dumps({"items": [{"x": 1}]}))
+    queue.send(calque.make_message("m.r-over", "m", backend.store.uri(calque.manifest_key("m.r-over", "c00000")), "c00000"))
     for _ in range(2):
         queue.change_visibility(queue.receive(1), 0)
     w = start_worker(local_env, "--model", "m")
-    wait_for(lambda: dlq.counts()["visible"] == 5, 30, "the over-delivered claim's dead letter")
+    wait_for(lambda: dlq.counts()["visible"] == 6, 30, "the over-delivered claim's dead letter")
     assert stop(w) == 0
     reasons = []
     while (m := dlq.receive(0)) is not None:
@@ -130,13 +131,13 @@ def test_claims_that_cannot_succeed_go_to_the_dead_letter_queue(local_env, tmp_p
     assert any("malformed" in r for r in reasons)
     assert any("for model 'other-model'" in r for r in reasons)
     assert any("outside this pool's store" in r for r in reasons)
-    assert any("claim object runs/r-missing/manifests/c00000.json does not exist" in r for r in reasons)
+    assert any("run n.r-foreign is not one of this model's runs (m.*)" in r for r in reasons)
+    assert any("claim object runs/m.r-missing/manifests/c00000.json does not exist" in r for r in reasons)
     assert any("delivered 3 times" in r for r in reasons)
-    for run_id in ("r-model", "r-outside", "r-missing", "r-over"):
+    for run_id in ("other-model.r1", "m.r-outside", "n.r-foreign", "m.r-missing", "m.r-over"):
         s = summary(backend, run_id)
         assert s["status"] == "failed" and s["error"] and s["failed"] == [], run_id
     assert queue.counts() == {"visible": 0, "in_flight": 0}
-
 
 def test_per_item_failure_and_wrong_result_count(local_env, tmp_path):
     """An item that raises fails alone; a handler returning the wrong count fails its batch; the worker stays up."""
