@@ -3416,10 +3416,11 @@ def cmd_cost(conf, backend, args):
             print("  " + line)
         return EXIT_OK
     print(f"priced as {reports[0][3]}")
-    print(f"  {'run':<24} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} {'fixed_s':>8} {'drain_s':>8} "
+    width = max(len(run["run_id"]) for run, *_ in reports)
+    print(f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} {'fixed_s':>8} {'drain_s':>8} "
           f"{'total':>13} {'per 1,000 items':>16}")
     for run, report, *_ in reports:
-        print(f"  {run['run_id']:<24} {run['mode']:<5} {report['claims']:>6} {report['warm_hits']:>5} {report['items']:>7} "
+        print(f"  {run['run_id']:<{width}} {run['mode']:<5} {report['claims']:>6} {report['warm_hits']:>5} {report['items']:>7} "
               f"{report['fixed_seconds']:>8.2f} {report['variable_seconds']:>8.3f} {_usd(report['total_usd']):>13} "
               f"{_usd(report['usd_per_1000_items'] or 0):>16}" + ("  [partial]" if report["partial"] else ""))
     return EXIT_OK
