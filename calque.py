@@ -3245,6 +3245,12 @@ def cmd_pool_delete(conf, backend, args):
         if backend.kind != "aws":
             raise
         record = {"model": args.model}     # a half-created EC2 pool: delete finds what is there by name and tag
+    if "queue" in record and not args.force:   # deleting the queue would drop claims nobody has finished
+        with contextlib.suppress(NotFound):
+            depth = backend.queues.open_queue(record["queue"]).counts()
+            if depth["visible"] or depth["in_flight"]:
+                raise UserError(f"pool {args.model} still has {depth['visible']} queued and {depth['in_flight']} in-flight "
+                                f"claim(s): wait for them (runs show RUN), or pass --force to delete them with the pool")
     if "ec2" in record or "queue" not in record:
         if not args.yes and not args.dry_run:
             raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes (or previewed with --dry-run)")
@@ -3485,6 +3491,7 @@ def build_parser():
     p = pool.add_parser("delete", help="stop local workers, delete the queues and the pool record")
     p.add_argument("--model", required=True)
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    p.add_argument("--force", action="store_true", help="delete even with claims still queued or in flight (they are lost)")
     p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change nothing")
     p.set_defaults(func=cmd_pool_delete)
     p = pool.add_parser("cost", parents=[priced], help="what the pool paid, idle included, against cold starts")

@@ -4,8 +4,8 @@
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 export CALQUE_STORE=.calque-demo CALQUE_STATE=.calque-demo/state
-trap '$PY calque.py pool delete --model demo --yes >/dev/null 2>&1 || true' EXIT
-$PY calque.py pool delete --model demo --yes >/dev/null 2>&1 || true
+trap '$PY calque.py pool delete --model demo --yes --force >/dev/null 2>&1 || true' EXIT
+$PY calque.py pool delete --model demo --yes --force >/dev/null 2>&1 || true
 rm -rf .calque-demo   # the demo's own store: start from nothing each time
 $PY calque.py pool create --model demo --handler examples/demo_model.py:DemoModel --workers 2 --batch-size 8
 for i in 1 2 3; do

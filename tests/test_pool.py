@@ -121,12 +121,16 @@ def test_no_wait_then_runs_show(local_env, tmp_path):
 
 
 def test_submit_times_out_honestly(local_env, tmp_path):
-    """With no worker, submit gives up after --timeout, exit 1, and says the run goes on."""
+    """With no worker, submit gives up after --timeout, exit 1, and says the run goes on; pool delete then
+    refuses to drop the queued claim unless --force."""
     create_pool(local_env, "m", "Echo")
     items = write_items(tmp_path / "items.jsonl", [{"x": 3}])
     out = cli(local_env, "submit", "--pool", "m", items, "--timeout", "0.5")
     assert out.returncode == 1
     assert "still pending" in out.stdout and "runs show" in out.stdout
+    one_line_error(cli(local_env, "pool", "delete", "--model", "m", "--yes"), "1 queued and 0 in-flight", "--force")
+    assert backend_for(local_env).queues.open_queue("calque-pool-m").counts()["visible"] == 1   # nothing lost
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes", "--force").returncode == 0
 
 
 def one_line_error(out, *needles):
