@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import uuid
 from collections import Counter
 
@@ -53,6 +54,7 @@ ERRORS_KEPT = 100                       # per-item error messages kept in a summ
 ERROR_CHARS = 500                       # an error message is cut to this many characters
 QUEUE_OPEN_RETRY = 10.0                 # s to retry opening a queue that does not resolve yet (SQS lag)
 
+VERSION = "0.2.0"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -153,6 +155,54 @@ def results_key(run_id, claim):
     return f"runs/{run_id}/results/{claim}.jsonl"
 
 
+def results_prefix(run_id, claim):
+    """The folder of a claim's result parts (and of its attempt record)."""
+    return f"runs/{run_id}/results/{claim}/"
+
+
+def part_key(run_id, claim, start, stop):
+    """One result part: the result lines of the claim's items [start, stop) (offsets within the claim), in
+    order, one JSON object per line. Zero-padded, so that the keys sort in item order."""
+    return f"{results_prefix(run_id, claim)}{start:07d}-{stop:07d}.jsonl"
+
+
+PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.jsonl$")
+
+
+def attempt_key(run_id, claim):
+    """The attempt record of a redelivered claim: which item a worker is about to run alone (poison tracking)."""
+    return f"{results_prefix(run_id, claim)}attempt.json"
+
+
+class ResultsIncomplete(Exception):
+    """A claim's result parts do not cover its items: a part is missing or truncated."""
+
+
+def read_claim_results(store, run_id, claim, count):
+    """The claim's `count` result lines in item order, read from its parts. Parts written by two deliveries may
+    overlap (a lease lost mid-claim): at each offset the part reaching furthest is taken. A gap or a part with
+    fewer lines than its name promises raises ResultsIncomplete naming it: never a silent short read."""
+    parts = []
+    for key in store.list(results_prefix(run_id, claim)):
+        m = PART_NAME.match(key.rsplit("/", 1)[1])
+        if m:
+            parts.append((int(m[1]), int(m[2]), key))
+    lines, at = [], 0
+    while at < count:
+        covering = [p for p in parts if p[0] <= at < p[1]]
+        if not covering:
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part holds item offset {at} of {count}")
+        start, stop, key = max(covering, key=lambda p: p[1])
+        text = store.get(key).decode()
+        part_lines = text.splitlines(keepends=True)
+        if len(part_lines) != stop - start or not text.endswith("\n"):
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: part {key} is truncated "
+                                    f"({len(part_lines)} of {stop - start} lines)")
+        lines += part_lines[at - start:]
+        at = stop
+    return lines
+
+
 def summary_key(run_id, claim):
     return f"runs/{run_id}/summaries/{claim}.json"
 
@@ -215,6 +265,46 @@ def to_jsonable(value):
 
 def dumps(value):
     return json.dumps(value, default=to_jsonable, separators=(",", ":"))
+
+
+# the request counters every backend keeps and every summary carries; the cost model prices them
+REQUEST_KEYS = (
+    "queue_receives",        # ReceiveMessage calls that returned a claim
+    "queue_empty_receives",  # ReceiveMessage calls that returned nothing (long polls that timed out): billed too
+    "queue_other",           # SendMessage, DeleteMessage, ChangeMessageVisibility (heartbeats), ...
+    "store_gets",            # S3 GET (manifests, pool record, handler code, summary existence checks)
+    "store_puts",            # S3 PUT (result parts, summaries, stats)
+    "store_lists",           # S3 LIST (priced as PUT by S3)
+)
+
+
+def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_count, enter_count, started, finished,
+                  requests, items=0, failed=(), errors=None, warm_hit=False, enter_seconds_paid=0.0,
+                  acquisition_seconds=0.0, model_seconds=None, error=None, notes=(), **measured):
+    """A claim's summary: its completion record, written last (the contract's fields plus calque's own).
+    With `error`, the summary of a claim that was not run (dead-lettered); model_seconds None means the
+    drain was not measured. `measured` adds the worker's other measurements (GPU utilisation, ...)."""
+    failed, claim_seconds = list(failed), max(0.0, finished - started)
+    if error is None and not failed:
+        status = "ok"
+    else:
+        status = "failed" if error is not None or len(failed) == items else "partial"
+    occupancy = {"value": None, "source": "drain-loop", "scope": "claim", "measured": model_seconds is not None}
+    if model_seconds is not None and claim_seconds > 0:
+        occupancy["value"] = round(model_seconds / claim_seconds, 4)
+    summary = {
+        "run_id": run_id, "claim": claim, "model": model, "worker_id": worker_id, "status": status,
+        "items": items, "ok": items - len(failed), "failed": failed, "errors": errors or {},
+        "warm_hit": warm_hit, "enter_seconds_paid": round(enter_seconds_paid, 6), "enter_count": enter_count,
+        "acquisition_seconds": round(acquisition_seconds, 6), "receive_count": receive_count,
+        "claim_seconds": round(claim_seconds, 6), "model_seconds": round(model_seconds or 0.0, 6),
+        "occupancy": occupancy, "mode": mode, "backend": backend,
+        "started_at": now_iso(started), "finished_at": now_iso(finished),
+        "requests": {k: requests.get(k, 0) for k in REQUEST_KEYS}, "notes": list(notes), **measured,
+    }
+    if error is not None:
+        summary["error"] = error
+    return summary
 
 
 # ------------------------------------------------------------------------------------------------
@@ -727,6 +817,15 @@ def read_run(backend, run_id):
         raise UserError(f"no run {run_id} in {backend.describe()}: see `python calque.py runs list`")
 
 
+def list_runs(backend):
+    """Every run record in the store, oldest first."""
+    runs = []
+    for folder in backend.store.list("runs/"):
+        with contextlib.suppress(NotFound):
+            runs.append(read_json(backend, folder + "/run.json"))
+    return sorted(runs, key=lambda r: r["created_at"])
+
+
 def read_summaries(backend, run_id):
     return [read_json(backend, k) for k in list_summaries(backend, run_id)]
 
@@ -836,78 +935,93 @@ def supervise(conf, model):
     folder = state_dir(conf, model)
     grace = setting_number(conf, "CALQUE_GRACE")
     slots = {}            # slot -> {"proc", "started", "restarts", "not_before", "log"}
-    restarts_total = 0
+    totals = {"restarts": 0}
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; harmless: `desired` is re-read every tick
-
-    def desired():
-        try:
-            with open(os.path.join(folder, "desired")) as f:
-                return int(f.read().strip() or 0)
-        except (OSError, ValueError):
-            return 0
-
-    def publish():
-        workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
-                    "restarts": v["restarts"], "log": v["log"]} for s, v in sorted(slots.items())]
-        write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
-            {"pid": os.getpid(), "model": model, "desired": want, "restarts": restarts_total,
-             "workers": workers, "updated_at": now_iso()}))
-
-    want = desired()
+    want = read_desired(folder)
     print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
     try:
         while not stopping:
-            want = desired()
+            want = read_desired(folder)
             now = time.time()
-            for s, slot in list(slots.items()):
-                proc = slot["proc"]
-                if proc is not None and proc.poll() is not None:
-                    print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
-                    slot["proc"] = None
-                    if s < want:
-                        lived = now - slot["started"]
-                        slot["restarts"] += 1
-                        restarts_total += 1
-                        backoff = 0.0 if lived > RESTART_RESET_AFTER else min(
-                            RESTART_BACKOFF[0] * 2 ** (slot["restarts"] - 1), RESTART_BACKOFF[1])
-                        slot["not_before"] = now + backoff
-                if s >= want:
-                    if slot["proc"] is None:
-                        del slots[s]
-                    elif not slot.get("stopping"):
-                        slot["stopping"] = True
-                        slot["proc"].send_signal(signal.SIGTERM)
-            for s in range(want):
-                slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0,
-                                            "log": os.path.join(folder, f"worker-{s}.log")})
-                if slot["proc"] is None and now >= slot["not_before"]:
-                    env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()))   # the worker stops if we die
-                    with open(slot["log"], "ab") as log:
-                        slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
-                                                        stdout=log, stderr=log, env=env, cwd=HERE)
-                    slot["started"] = now
-                    print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
-            publish()
+            totals["restarts"] += _reap(slots, want, now)
+            _spawn(conf, model, folder, slots, want, now)
+            workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
+                        "restarts": v["restarts"], "log": v["log"]} for s, v in sorted(slots.items())]
+            write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
+                {"pid": os.getpid(), "model": model, "desired": want, "restarts": totals["restarts"],
+                 "workers": workers, "updated_at": now_iso()}))
             time.sleep(SUPERVISOR_TICK)
     finally:
-        live = [v["proc"] for v in slots.values() if v["proc"] is not None]
-        print(f"supervisor: stopping {len(live)} worker(s)", flush=True)
-        for proc in live:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace + 5
-        for proc in live:
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {grace + 5:.0f}s; killing it", flush=True)
-                proc.kill()
+        _stop_workers([v["proc"] for v in slots.values() if v["proc"] is not None], grace)
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, "supervisor.json"))
         print("supervisor: exit", flush=True)
+
+
+def read_desired(folder):
+    """The worker count `pool create` / `pool scale` last asked for (0 when unreadable)."""
+    try:
+        with open(os.path.join(folder, "desired")) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _reap(slots, want, now):
+    """Notice exited workers: a slot still wanted restarts after its backoff; a slot above `want` is
+    stopped (SIGTERM, once) and dropped when its process is gone. Returns the restarts counted."""
+    restarts = 0
+    for s, slot in list(slots.items()):
+        proc = slot["proc"]
+        if proc is not None and proc.poll() is not None:
+            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
+            slot["proc"] = None
+            if s < want:
+                lived = now - slot["started"]
+                slot["restarts"] += 1
+                restarts += 1
+                backoff = 0.0 if lived > RESTART_RESET_AFTER else min(
+                    RESTART_BACKOFF[0] * 2 ** (slot["restarts"] - 1), RESTART_BACKOFF[1])
+                slot["not_before"] = now + backoff
+        if s >= want:
+            if slot["proc"] is None:
+                del slots[s]
+            elif not slot.get("stopping"):
+                slot["stopping"] = True
+                slot["proc"].send_signal(signal.SIGTERM)
+    return restarts
+
+
+def _spawn(conf, model, folder, slots, want, now):
+    """Start a warmd.py in every wanted slot that has none and whose backoff is over."""
+    for s in range(want):
+        slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0,
+                                    "log": os.path.join(folder, f"worker-{s}.log")})
+        if slot["proc"] is None and now >= slot["not_before"]:
+            env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()))   # the worker stops if we die
+            with open(slot["log"], "ab") as log:
+                slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
+                                                stdout=log, stderr=log, env=env, cwd=HERE)
+            slot["started"] = now
+            print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
+
+
+def _stop_workers(live, grace):
+    """SIGTERM every worker, wait out their grace (+5 s), then SIGKILL the ones still there."""
+    print(f"supervisor: stopping {len(live)} worker(s)", flush=True)
+    for proc in live:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace + 5
+    for proc in live:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {grace + 5:.0f}s; killing it", flush=True)
+            proc.kill()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1081,33 +1195,38 @@ def wait_for_run(backend, run, timeout, progress=True):
     return [done[c] for c in run["claims"] if c in done], len(done) < len(run["claims"])
 
 
-def claim_table(summaries):
-    lines = [f"{'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
+def format_run(run, summaries, timed_out, results_uri):
+    """The lines `submit` and `runs show` print: totals, the claim table, failed claims, where the results are."""
+    failed_items = sum(len(s["failed"]) for s in summaries)
+    lines = [f"run {run['run_id']} ({run['mode']}, model {run['model']}): {len(summaries)}/{len(run['claims'])} claims, "
+             f"{sum(s['ok'] for s in summaries)} items ok, {failed_items} failed",
+             f"  {'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
     for s in summaries:
-        lines.append(f"{s['claim']:<8} {s['worker_id'][:28]:<28} {'yes' if s['warm_hit'] else 'no':<5} "
-                     f"{s['enter_seconds_paid']:>8.3f} {s['ok']:>6} {len(s['failed']):>6} {s['claim_seconds']:>8.3f}  {s['status']}")
+        lines.append(f"  {s['claim']:<8} {s['worker_id'][:28]:<28} {'yes' if s['warm_hit'] else 'no':<5} "
+                     f"{s['enter_seconds_paid']:>8.3f} {s['ok']:>6} {len(s['failed']):>6} {s['claim_seconds']:>8.3f}"
+                     f"  {s['status']}")
+    lines += [f"  claim {s['claim']} failed: {s['error']}" for s in summaries if s.get("error")]
+    lines.append(f"  results: {results_uri}  (python calque.py runs results {run['run_id']})")
+    if timed_out:
+        lines.append(f"  not finished: {len(run['claims']) - len(summaries)} claim(s) still pending; the run goes on — "
+                     f"read it later with `python calque.py runs show {run['run_id']}`")
     return lines
 
 
+def format_runs_list(runs):
+    return [f"{r['run_id']}  {r['mode']:<5} {r['model']:<30} {r['items']:>7} items  {len(r['claims'])} claim(s)  "
+            f"{r['created_at']}" for r in runs]
+
+
 def report_run(backend, run, summaries, timed_out, as_json, out=sys.stdout):
-    """Print the claim table (or JSON); returns the exit code: 0 when every item of every claim succeeded."""
-    failed_items = sum(len(s["failed"]) for s in summaries)
+    """Print the run (format_run, or JSON); returns the exit code: 0 when every item of every claim succeeded."""
     if as_json:
         print(json.dumps({"run": run, "summaries": summaries, "complete": not timed_out}, indent=1), file=out)
     else:
-        print(f"run {run['run_id']} ({run['mode']}, model {run['model']}): {len(summaries)}/{len(run['claims'])} claims, "
-              f"{sum(s['ok'] for s in summaries)} items ok, {failed_items} failed", file=out)
-        for line in claim_table(summaries):
-            print("  " + line, file=out)
-        for s in summaries:
-            if s.get("error"):
-                print(f"  claim {s['claim']} failed: {s['error']}", file=out)
-        results = backend.store.uri(f"runs/{run['run_id']}/results/")
-        print(f"  results: {results}  (python calque.py runs results {run['run_id']})", file=out)
-        if timed_out:
-            print(f"  not finished: {len(run['claims']) - len(summaries)} claim(s) still pending; the run goes on — "
-                  f"read it later with `python calque.py runs show {run['run_id']}`", file=out)
-    return EXIT_OK if not timed_out and failed_items == 0 and all(s["status"] == "ok" for s in summaries) else EXIT_FAILED
+        print("\n".join(format_run(run, summaries, timed_out, backend.store.uri(f"runs/{run['run_id']}/results/"))),
+              file=out)
+    all_ok = all(s["status"] == "ok" and not s["failed"] for s in summaries)
+    return EXIT_OK if not timed_out and all_ok else EXIT_FAILED
 
 
 def cold_run(conf, backend, args, items):
@@ -1183,14 +1302,6 @@ def cold_run(conf, backend, args, items):
 # -----------------------------------------------------------------------------------------------
 RATES_VERSION = 1                                     # rates.json schema this code reads
 LADDER_ITEMS = (10, 100, 1_000, 10_000, 100_000)      # item counts the crossover ladder prices
-REQUEST_KEYS = (
-    "queue_receives",        # ReceiveMessage calls that returned a claim
-    "queue_empty_receives",  # ReceiveMessage calls that returned nothing (long polls that timed out): billed too
-    "queue_other",           # SendMessage, DeleteMessage, ChangeMessageVisibility (heartbeats), ...
-    "store_gets",            # S3 GET (manifests, pool record, handler code, summary existence checks)
-    "store_puts",            # S3 PUT (result parts, summaries, stats)
-    "store_lists",           # S3 LIST (priced as PUT by S3)
-)
 TIE_REL = 1e-9                                        # costs this close count as a tie (float noise)
 # -----------------------------------------------------------------------------------------------
 
@@ -1229,7 +1340,7 @@ _NUMBER_CHECKS = {  # kind: (test, what the message asks for)
 }
 
 
-def _get(rates, keys, file, kind=None):
+def _rates_field(rates, keys, file, kind=None):
     """The value at `keys`, checked: a _NUMBER_CHECKS name, a type (str, int, bool, dict), or None."""
     node = rates
     for i, k in enumerate(keys):
@@ -1248,54 +1359,54 @@ def _get(rates, keys, file, kind=None):
 
 def _check_sourced(rates, keys, file):
     """Every figure says where it came from and when."""
-    _get(rates, keys + ("source",), file, str)
-    _get(rates, keys + ("as_of",), file, str)
+    _rates_field(rates, keys + ("source",), file, str)
+    _rates_field(rates, keys + ("as_of",), file, str)
 
 
 def _check_rates(rates, file):
     if not isinstance(rates, dict):
         raise UserError(f"rates file {file}: top level must be a JSON object")
-    version = _get(rates, ("version",), file, int)
+    version = _rates_field(rates, ("version",), file, int)
     if version != RATES_VERSION:
         raise UserError(f"rates file {file}: version {version} is not supported (this calque reads version {RATES_VERSION})")
-    _get(rates, ("updated",), file, str)
-    instances = _get(rates, ("ec2", "instances"), file, dict)
-    cards = _get(rates, ("serverless", "cards"), file, dict)
+    _rates_field(rates, ("updated",), file, str)
+    instances = _rates_field(rates, ("ec2", "instances"), file, dict)
+    cards = _rates_field(rates, ("serverless", "cards"), file, dict)
     if not instances:
         raise UserError(f"rates file {file}: ec2.instances is empty")
     if not cards:
         raise UserError(f"rates file {file}: serverless.cards is empty")
     for name in instances:
         keys = ("ec2", "instances", name)
-        _get(rates, keys + ("usd_per_hour",), file, "positive")
-        _get(rates, keys + ("gpu",), file, str)
-        gpus = _get(rates, keys + ("gpus",), file, int)
+        _rates_field(rates, keys + ("usd_per_hour",), file, "positive")
+        _rates_field(rates, keys + ("gpu",), file, str)
+        gpus = _rates_field(rates, keys + ("gpus",), file, int)
         if gpus < 1:
             raise UserError(f"rates file {file}: {_field_name(keys + ('gpus',))} must be >= 1, got {gpus}")
-        card = _get(rates, keys + ("serverless_card",), file, str)
+        card = _rates_field(rates, keys + ("serverless_card",), file, str)
         if card not in cards:
             raise UserError(f"rates file {file}: {_field_name(keys + ('serverless_card',))} {card!r} "
                             f"is not in serverless.cards ({', '.join(cards)})")
         _check_sourced(rates, keys, file)
     for name in ("spot_fraction", "savings_plan_fraction"):
-        _get(rates, ("ec2", name, "value"), file, "fraction")
+        _rates_field(rates, ("ec2", name, "value"), file, "fraction")
         _check_sourced(rates, ("ec2", name), file)
     for name in cards:
-        _get(rates, ("serverless", "cards", name, "usd_per_second"), file, "positive")
+        _rates_field(rates, ("serverless", "cards", name, "usd_per_second"), file, "positive")
         _check_sourced(rates, ("serverless", "cards", name), file)
-    _get(rates, ("serverless", "gpu_rate_includes_cpu_memory"), file, bool)
+    _rates_field(rates, ("serverless", "gpu_rate_includes_cpu_memory"), file, bool)
     for name in ("cpu_usd_per_core_second", "memory_usd_per_gib_second"):
-        _get(rates, ("serverless", name, "value"), file, "positive")
+        _rates_field(rates, ("serverless", name, "value"), file, "positive")
         _check_sourced(rates, ("serverless", name), file)
-    _get(rates, ("serverless", "container_per_gpu", "cpu_cores"), file, "nonneg")
-    _get(rates, ("serverless", "container_per_gpu", "memory_gib"), file, "nonneg")
+    _rates_field(rates, ("serverless", "container_per_gpu", "cpu_cores"), file, "nonneg")
+    _rates_field(rates, ("serverless", "container_per_gpu", "memory_gib"), file, "nonneg")
     for name in ("sqs_usd_per_million", "s3_put_usd_per_thousand", "s3_get_usd_per_thousand"):
-        _get(rates, ("requests", name, "value"), file, "positive")
+        _rates_field(rates, ("requests", name, "value"), file, "positive")
         _check_sourced(rates, ("requests", name), file)
-    default_type = _get(rates, ("defaults", "instance_type", "value"), file, str)
+    default_type = _rates_field(rates, ("defaults", "instance_type", "value"), file, str)
     if default_type not in instances:
         raise UserError(f"rates file {file}: defaults.instance_type {default_type!r} is not in ec2.instances")
-    _get(rates, ("defaults", "acquisition_seconds", "value"), file, "nonneg")
+    _rates_field(rates, ("defaults", "acquisition_seconds", "value"), file, "nonneg")
 
 
 def _known(names):
@@ -1740,6 +1851,60 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
     }
 
 
+RATES_FILE = os.path.join(HERE, "rates.json")
+
+
+class Pricing(typing.NamedTuple):
+    """What every cost line is priced with: the rates file, the instance type, its $/s and the label saying so."""
+    rates: dict
+    instance_type: str
+    rate_per_s: float
+    label: str
+
+
+def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False):
+    """The Pricing for a rates file (default the bundled rates.json) and an instance type (default: the
+    file's), on-demand unless spot or savings_plan."""
+    rates = load_rates(rates_file or RATES_FILE)
+    instance_type = instance_type or rates["defaults"]["instance_type"]["value"]
+    rate = instance_rate_per_second(rates, instance_type, spot=spot, savings_plan=savings_plan)
+    return Pricing(rates, instance_type, rate, price_label(rates, instance_type, spot=spot, savings_plan=savings_plan))
+
+
+def run_cost_report(backend, run, summaries, price):
+    """The run's cost, its cold counterfactual and the crossover ladder, with every input's status.
+    E (@enter) is measured: the pool's workers' mean for a pool run, this run's own for a cold one.
+    A (acquisition) for a pool run is the rates file's assumption for a fresh EC2 instance; a cold run
+    is its own counterfactual, so it uses the start-up its workers measured."""
+    rates, instance_type, rate, label = price
+    if run["mode"] == "cold":
+        paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
+        if paid:
+            enter = sum(s["enter_seconds_paid"] for s in paid) / len(paid)
+            acquisition = sum(s["acquisition_seconds"] for s in paid) / len(paid)
+            enter_status = acquisition_status = "measured (this cold run)"
+        else:
+            enter, acquisition, enter_status, acquisition_status = 0.0, 0.0, "unknown (no claim paid one)", "unknown"
+        shards = max(1, len({s["worker_id"] for s in paid}))
+    else:
+        enter = measured_enter_seconds(read_worker_stats(backend, run["model"]))
+        enter_status = "measured (pool workers' mean)" if enter is not None else "unknown (no worker stats; 0 used)"
+        enter, shards = enter or 0.0, 1
+        acquisition = rates["defaults"]["acquisition_seconds"]["value"]
+        acquisition_status = "assumed (rates.json defaults: a fresh EC2 GPU instance)"
+    report = run_cost(summaries, rate, rates, enter, acquisition, enter_status=enter_status,
+                      acquisition_status=acquisition_status, shards=shards,
+                      expected_claims=len(run["claims"]), backend=backend.kind)
+    ladder = None
+    if report["seconds_per_item"] is not None:
+        card, count = serverless_match(rates, instance_type)
+        ladder = crossover_ladder(report["seconds_per_item"], enter, acquisition, rate,
+                                  serverless_rate_per_second(rates, card, count),
+                                  request_usd_per_item=report["request_usd"] / report["items"])
+    status = {"c": "measured", "E": enter_status.split(" ")[0], "A": acquisition_status.split(" ")[0], "q": "measured"}
+    return report, ladder, label, status
+
+
 def _usd(x):
     """Dollars: cents above $100, else 6 significant figures without trailing zeros ($0.000305556)."""
     if x == 0:
@@ -1807,6 +1972,20 @@ def format_ladder(ladder, status):
     return lines
 
 
+def format_cost_table(run_reports, priced_as):
+    """`calque.py cost RUN RUN ...`: one comparison line per (run record, run_cost report)."""
+    width = max(len(run["run_id"]) for run, _ in run_reports)
+    lines = [f"priced as {priced_as}",
+             f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} {'fixed_s':>8} {'drain_s':>8} "
+             f"{'total':>13} {'per 1,000 items':>16}"]
+    for run, report in run_reports:
+        lines.append(f"  {run['run_id']:<{width}} {run['mode']:<5} {report['claims']:>6} {report['warm_hits']:>5} "
+                     f"{report['items']:>7} {report['fixed_seconds']:>8.2f} {report['variable_seconds']:>8.3f} "
+                     f"{_usd(report['total_usd']):>13} {_usd(report['usd_per_1000_items'] or 0):>16}"
+                     + ("  [partial]" if report["partial"] else ""))
+    return lines
+
+
 def format_pool_cost(report, priced_as, model):
     """The lines `calque.py pool cost --model M` prints."""
     if report["workers"] == 0:
@@ -1834,6 +2013,12 @@ def format_pool_cost(report, priced_as, model):
     lines.append(_inputs_line(report["inputs"]))
     lines += [f"  note      {note}" for note in report["notes"]]
     return lines
+
+
+def run_cost_lines(backend, run, summaries, price):
+    report, _, label, _ = run_cost_report(backend, run, summaries, price)
+    return format_run_cost(report, label)
+
 
 
 # ------------------------------------------------------------------------------------------------
@@ -3312,22 +3497,14 @@ def cmd_submit(conf, backend, args):
             return EXIT_OK
     code = report_run(backend, run, summaries, timed_out, args.json)
     if not args.json and summaries:
-        for line in run_cost_lines(backend, run, summaries, args):
+        for line in run_cost_lines(backend, run, summaries, _pricing(args)):
             print("  " + line)
     return code
 
 
 def cmd_runs_list(conf, backend, args):
-    runs = []
-    for folder in backend.store.list("runs/"):
-        with contextlib.suppress(NotFound):
-            runs.append(read_json(backend, folder + "/run.json"))
-    runs.sort(key=lambda r: r["created_at"])
-    if args.json:
-        print(json.dumps(runs, indent=1))
-        return EXIT_OK
-    for r in runs:
-        print(f"{r['run_id']}  {r['mode']:<5} {r['model']:<30} {r['items']:>7} items  {len(r['claims'])} claim(s)  {r['created_at']}")
+    runs = list_runs(backend)
+    print(json.dumps(runs, indent=1) if args.json else "\n".join(format_runs_list(runs)))
     return EXIT_OK
 
 
@@ -3352,65 +3529,15 @@ def cmd_runs_results(conf, backend, args):
     return EXIT_OK
 
 
-RATES_FILE = os.path.join(HERE, "rates.json")
-
-
-def pricing(args):
-    """(rates, instance type, $/s, label) from --rates, --instance-type, --spot/--savings-plan (defaults in rates.json)."""
-    rates = load_rates(args.rates or RATES_FILE)
-    instance_type = args.instance_type or rates["defaults"]["instance_type"]["value"]
-    rate = instance_rate_per_second(rates, instance_type, spot=args.spot, savings_plan=args.savings_plan)
-    return rates, instance_type, rate, price_label(rates, instance_type, spot=args.spot, savings_plan=args.savings_plan)
-
-
-def run_cost_report(backend, run, summaries, args):
-    """The run's cost, its cold counterfactual and the crossover ladder, with every input's status.
-    E (@enter) is measured: the pool's workers' mean for a pool run, this run's own for a cold one.
-    A (acquisition) for a pool run is the rates file's assumption for a fresh EC2 instance; a cold run
-    is its own counterfactual, so it uses the start-up its workers measured."""
-    rates, instance_type, rate, label = pricing(args)
-    if run["mode"] == "cold":
-        paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
-        if paid:
-            enter = sum(s["enter_seconds_paid"] for s in paid) / len(paid)
-            acquisition = sum(s["acquisition_seconds"] for s in paid) / len(paid)
-            enter_status = acquisition_status = "measured (this cold run)"
-        else:
-            enter, acquisition, enter_status, acquisition_status = 0.0, 0.0, "unknown (no claim paid one)", "unknown"
-        shards = max(1, len({s["worker_id"] for s in paid}))
-    else:
-        enter = measured_enter_seconds(read_worker_stats(backend, run["model"]))
-        enter_status = "measured (pool workers' mean)" if enter is not None else "unknown (no worker stats; 0 used)"
-        enter, shards = enter or 0.0, 1
-        acquisition = rates["defaults"]["acquisition_seconds"]["value"]
-        acquisition_status = "assumed (rates.json defaults: a fresh EC2 GPU instance)"
-    report = run_cost(summaries, rate, rates, enter, acquisition, enter_status=enter_status,
-                      acquisition_status=acquisition_status, shards=shards,
-                      expected_claims=len(run["claims"]), backend=backend.kind)
-    ladder = None
-    if report["seconds_per_item"] is not None:
-        card, count = serverless_match(rates, instance_type)
-        ladder = crossover_ladder(report["seconds_per_item"], enter, acquisition, rate,
-                                  serverless_rate_per_second(rates, card, count),
-                                  request_usd_per_item=report["request_usd"] / report["items"])
-    status = {"c": "measured", "E": enter_status.split(" ")[0], "A": acquisition_status.split(" ")[0], "q": "measured"}
-    return report, ladder, label, status
-
-
-def run_cost_lines(backend, run, summaries, args):
-    report, _, label, _ = run_cost_report(backend, run, summaries, args)
-    return format_run_cost(report, label)
-
-
 def cmd_cost(conf, backend, args):
     """One run: its cost lines and the crossover ladder. Several: one comparison line each."""
-    reports = []
+    reports, price = [], _pricing(args)
     for run_id in args.run:
         run = read_run(backend, run_id)
         summaries = read_summaries(backend, run_id)
         if not summaries:
             raise UserError(f"run {run_id} has no finished claim yet ({len(run['claims'])} pending): nothing to price; try again later")
-        reports.append((run, *run_cost_report(backend, run, summaries, args)))
+        reports.append((run, *run_cost_report(backend, run, summaries, price)))
     if args.json:
         print(json.dumps([{"run_id": run["run_id"], "priced_as": label, "cost": report, "ladder": ladder}
                           for run, report, ladder, label, _ in reports], indent=1))
@@ -3421,20 +3548,13 @@ def cmd_cost(conf, backend, args):
         for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
             print("  " + line)
         return EXIT_OK
-    print(f"priced as {reports[0][3]}")
-    width = max(len(run["run_id"]) for run, *_ in reports)
-    print(f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} {'fixed_s':>8} {'drain_s':>8} "
-          f"{'total':>13} {'per 1,000 items':>16}")
-    for run, report, *_ in reports:
-        print(f"  {run['run_id']:<{width}} {run['mode']:<5} {report['claims']:>6} {report['warm_hits']:>5} {report['items']:>7} "
-              f"{report['fixed_seconds']:>8.2f} {report['variable_seconds']:>8.3f} {_usd(report['total_usd']):>13} "
-              f"{_usd(report['usd_per_1000_items'] or 0):>16}" + ("  [partial]" if report["partial"] else ""))
+    print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], reports[0][3])))
     return EXIT_OK
 
 
 def cmd_pool_cost(conf, backend, args):
     load_pool(backend, args.model)
-    rates, _, rate, label = pricing(args)
+    rates, _, rate, label = _pricing(args)
     report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
                        rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
     if args.json:
@@ -3444,8 +3564,14 @@ def cmd_pool_cost(conf, backend, args):
     return EXIT_OK
 
 
+def _pricing(args):
+    """The Pricing the cost options every cost-printing verb takes ask for."""
+    return pricing(args.rates, args.instance_type, args.spot, args.savings_plan)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="calque.py", description="Sticky warm-worker pools for batch model inference.")
+    parser.add_argument("--version", action="version", version=f"calque {VERSION}")
     priced = argparse.ArgumentParser(add_help=False)   # the pricing options every cost-printing verb takes
     priced.add_argument("--instance-type", help="price as this EC2 instance type (default: rates.json defaults)")
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
@@ -3453,7 +3579,8 @@ def build_parser():
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost}")
 
-    pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(dest="pool_verb", required=True)
+    pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
+        dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost}")
     p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
@@ -3474,7 +3601,7 @@ def build_parser():
     ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would change something; change nothing")
     p.set_defaults(func=cmd_pool_create)
     p = pool.add_parser("scale", help="set the number of local workers, or of EC2 instances")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="the pool's model name")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
     size.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
@@ -3482,25 +3609,25 @@ def build_parser():
     p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
     p.set_defaults(func=cmd_pool_scale)
     p = pool.add_parser("status", help="queue depths, live workers, per-worker claims, warm hits, enter_count")
-    p.add_argument("--model", required=True)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--model", required=True, help="the pool's model name")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_pool_status)
     p = pool.add_parser("list", help="the pools in this store")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_pool_list)
     p = pool.add_parser("delete", help="stop local workers, delete the queues and the pool record")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="the pool's model name")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("--force", action="store_true", help="delete even with claims still queued or in flight (they are lost)")
     p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change nothing")
     p.set_defaults(func=cmd_pool_delete)
     p = pool.add_parser("cost", parents=[priced], help="what the pool paid, idle included, against cold starts")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="the pool's model name")
     p.add_argument("--since", metavar="T", help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_pool_cost)
-    p = pool.add_parser("supervise", help=argparse.SUPPRESS)
-    p.add_argument("--model", required=True)
+    p = pool.add_parser("supervise")   # internal: what `pool create` starts detached; no help, so not listed
+    p.add_argument("--model", required=True, help="the pool's model name")
     p.set_defaults(func=cmd_supervise)
 
     p = verbs.add_parser("submit", parents=[priced],
@@ -3520,24 +3647,25 @@ def build_parser():
     cold_ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
     cold_ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
     cold_ec2.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_submit)
 
-    runs = verbs.add_parser("runs", help="read runs: list, show, results").add_subparsers(dest="runs_verb", required=True)
+    runs = verbs.add_parser("runs", help="read runs: list, show, results").add_subparsers(
+        dest="runs_verb", required=True, metavar="{list,show,results}")
     p = runs.add_parser("list", help="every run in the store")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_runs_list)
     p = runs.add_parser("show", help="a run's claims: worker, warm hit, @enter paid, items, seconds")
-    p.add_argument("run")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("run", help="the run id (see `runs list`)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_runs_show)
     p = runs.add_parser("results", help="a run's results as JSONL, in item order")
-    p.add_argument("run")
+    p.add_argument("run", help="the run id (see `runs list`)")
     p.set_defaults(func=cmd_runs_results)
 
     p = verbs.add_parser("cost", parents=[priced], help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_cost)
     return parser
 

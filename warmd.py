@@ -43,9 +43,19 @@ class Interrupted(BaseException):
     """Raised by the signal handler to break out of an idle long poll."""
 
 
-class ColdStop(BaseException):
+class ReleaseNow(BaseException):
     """Raised by a second signal during a claim: release the claim now. BaseException, so that a
     handler's `except Exception` cannot swallow it."""
+
+
+class Claim:
+    """One accepted claim on its way through drain and finish."""
+
+    def __init__(self, message, run_id, claim, items, first, received):
+        self.message, self.run_id, self.claim_id, self.items, self.first = message, run_id, claim, items, first
+        self.received = received                        # time.time() when the claim arrived
+        self.enter_paid = self.acquisition = 0.0        # what a cold worker paid inside this claim
+        self.gpu = None                                 # GpuSampler.stop()'s reading
 
 
 class ClaimReleased(Exception):
@@ -289,7 +299,7 @@ class Worker:
             log.warning("worker %s: second %s: releasing the claim now", self.worker_id, signal.Signals(signum).name)
             self.release_now.set()
             if self.state == "claim":
-                raise ColdStop()
+                raise ReleaseNow()
             return
         self.stop_requested = True
         log.info("worker %s: %s: warm stop (no new claims; %.0fs grace for the running one)",
@@ -310,58 +320,15 @@ class Worker:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         if self.conf.get("CALQUE_SPOT_POLL"):
-            SpotPoller(self.conf["CALQUE_SPOT_POLL"], calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
-                       self.request_stop)
+            SpotPoller(self.conf["CALQUE_SPOT_POLL"],
+                       calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01), self.request_stop)
         reason = "?"
         try:
             self.start()
-            queue = self.queue
             self.write_stats("running")
-            last_stats = time.monotonic()
-            backoff = 0.0
-            while True:
-                if self.stop_requested:
-                    reason = "stop requested"
-                    break
-                if self.supervisor and os.getppid() != self.supervisor:
-                    # the supervisor was killed without stopping us: nobody would stop or count this worker
-                    # any more (pool delete included), so leave rather than run on as an orphan
-                    reason = f"supervisor {self.supervisor} is gone"
-                    break
-                self.state = "polling"
-                try:
-                    time.sleep(backoff)
-                    message = queue.receive(self.poll_wait, should_stop=lambda: self.stop_requested)
-                    backoff = 0.0
-                except Interrupted:
-                    reason = "stop requested while polling"
-                    break
-                except Exception as e:   # the queue is unreachable for a while: stay warm (the model stays loaded), retry
-                    backoff = min(max(backoff * 2, ERROR_BACKOFF[0]), ERROR_BACKOFF[1])
-                    log.warning("worker %s: receive failed (%s: %s); retrying in %.0fs", self.worker_id, type(e).__name__, e, backoff)
-                    continue
-                self.state = "claim" if message is not None else "between"
-                if message is not None:
-                    try:
-                        self.handle(message)
-                    except ColdStop:
-                        queue.change_visibility(message, 0)
-                        reason = "second signal: claim released"
-                        break
-                    except Exception as e:   # a store or queue error outside the handler: the claim is not acked
-                        log.warning("worker %s: claim failed outside the handler (%s: %s); released for redelivery "
-                                    "(the dead-letter queue takes it after max deliveries)", self.worker_id, type(e).__name__, e)
-                        with contextlib.suppress(Exception):
-                            queue.change_visibility(message, 0)
-                    self.state = "between"       # a second signal from here on has no claim to release
-                    self.write_stats("running")
-                    last_stats = time.monotonic()
-                elif self.ephemeral and sum(queue.counts().values()) == 0:
-                    reason = "cold run drained"
-                    break
-                elif time.monotonic() - last_stats > STATS_INTERVAL:
-                    self.write_stats("running")
-                    last_stats = time.monotonic()
+            self.last_stats, self.backoff = time.monotonic(), 0.0
+            while reason == "?":
+                reason = self._loop_once() or "?"
         except Interrupted:
             reason = "stop requested"
         finally:
@@ -373,11 +340,61 @@ class Worker:
             log.info("worker %s: exit (%s) after %d claim(s), %d warm hit(s), enter_count %d",
                      self.worker_id, reason, self.stats["claims"], self.stats["warm_hits"], self.enter_count)
 
-    # ---- one claim ------------------------------------------------------------------------------
+    def _loop_once(self):
+        """One pass: poll, and run the claim it brings. Returns the reason to stop, or None to go on."""
+        if self.stop_requested:
+            return "stop requested"
+        if self.supervisor and os.getppid() != self.supervisor:
+            # the supervisor was killed without stopping us: nobody would stop or count this worker
+            # any more (pool delete included), so leave rather than run on as an orphan
+            return f"supervisor {self.supervisor} is gone"
+        self.state = "polling"
+        try:
+            time.sleep(self.backoff)
+            message = self.queue.receive(self.poll_wait, should_stop=lambda: self.stop_requested)
+            self.backoff = 0.0
+        except Interrupted:
+            return "stop requested while polling"
+        except Exception as e:   # the queue is unreachable for a while: stay warm (the model stays loaded), retry
+            self.backoff = min(max(self.backoff * 2, ERROR_BACKOFF[0]), ERROR_BACKOFF[1])
+            log.warning("worker %s: receive failed (%s: %s); retrying in %.0fs",
+                        self.worker_id, type(e).__name__, e, self.backoff)
+            return None
+        self.state = "claim" if message is not None else "between"
+        if message is not None:
+            try:
+                self.handle(message)
+            except ReleaseNow:
+                self.queue.change_visibility(message, 0)
+                return "second signal: claim released"
+            except Exception as e:   # a store or queue error outside the handler: the claim is not acked
+                log.warning("worker %s: claim failed outside the handler (%s: %s); released for redelivery "
+                            "(the dead-letter queue takes it after max deliveries)", self.worker_id, type(e).__name__, e)
+                with contextlib.suppress(Exception):
+                    self.queue.change_visibility(message, 0)
+            self.state = "between"       # a second signal from here on has no claim to release
+        elif self.ephemeral and sum(self.queue.counts().values()) == 0:
+            return "cold run drained"
+        elif time.monotonic() - self.last_stats <= STATS_INTERVAL:
+            return None
+        self.write_stats("running")
+        self.last_stats = time.monotonic()
+        return None
+
+    # ---- one claim: accept, drain, finish --------------------------------------------------------
 
     def handle(self, message):
-        """Validate, dedupe, fetch the manifest, drain, write results then summary, then ack."""
-        queue, received = self.queue, time.time()
+        """One claim: accept it (validate, dedupe, read the manifest), drain its items, then finish it
+        (results, then summary, then ack)."""
+        claim = self.accept(message)
+        if claim is not None:
+            outcome = self.drain(claim)
+            if outcome is not None:
+                self.finish(claim, outcome)
+
+    def accept(self, message):
+        """The claim to run, or None when it was handled here: dead-lettered, or a duplicate acked."""
+        received = time.time()
         try:
             msg = calque.parse_message(message.body)
         except ValueError as e:
@@ -386,26 +403,28 @@ class Worker:
         match = calque.MANIFEST_KEY.match(key or "")
         if not match:
             return self.dead_letter(message, f"manifest_uri {msg['manifest_uri']!r} is outside this pool's store "
-                                                    f"{self.backend.describe()}: refused", msg)
+                                             f"{self.backend.describe()}: refused", msg)
         run_id, claim = match.groups()
         msg.update(run_id=run_id, claim=claim)    # the key is the authority, not the message's own fields
         if msg["model"] != self.record["model"]:
-            return self.dead_letter(message, f"claim is for model {msg['model']!r}, this pool serves {self.record['model']!r}", msg)
+            return self.dead_letter(message, f"claim is for model {msg['model']!r}, "
+                                             f"this pool serves {self.record['model']!r}", msg)
         if calque.run_slug(run_id) != self.record["slug"]:
-            return self.dead_letter(message, f"run {run_id} is not one of this model's runs ({self.record['slug']}.*): refused", msg)
+            return self.dead_letter(message, f"run {run_id} is not one of this model's runs "
+                                             f"({self.record['slug']}.*): refused", msg)
         # the duplicate check and the manifest read are independent: issue both at once (one store round
         # trip off every claim's critical path; a duplicate wastes one read)
         manifest_read = self.reader.submit(self.backend.store.get, key)
         if self.backend.store.exists(calque.summary_key(run_id, claim)):
             manifest_read.exception()    # let it finish: nothing is left running behind the ack
-            queue.delete(message)
+            self.queue.delete(message)
             log.info("worker %s: claim %s/%s already has a summary (duplicate delivery): acked without recompute",
                      self.worker_id, run_id, claim)
-            return
+            return None
         if message.receive_count > self.record["max_deliveries"]:
             manifest_read.exception()
             return self.dead_letter(message, f"delivered {message.receive_count} times, more than the pool's "
-                                                    f"max deliveries {self.record['max_deliveries']}", msg)
+                                             f"max deliveries {self.record['max_deliveries']}", msg)
         try:
             manifest = json.loads(manifest_read.result())
             items = calque.array_items(self.backend.store, manifest) if "arrays" in manifest else manifest["items"]
@@ -416,64 +435,75 @@ class Worker:
             return self.dead_letter(message, f"claim object {e} does not exist", msg)
         except (ValueError, KeyError, TypeError) as e:
             return self.dead_letter(message, f"manifest {key} is corrupt: {e}", msg)
+        return Claim(message, run_id, claim, items, first, received)
 
-        warm_hit = self.entered_at is not None and self.entered_at <= received
-        enter_paid, acquisition = 0.0, 0.0
-        heartbeat = Heartbeat(queue, message, self.record["visibility_timeout"])
+    def drain(self, claim):
+        """Run the claim's items under a heartbeat (paying @enter first on a cold worker). Returns the
+        outcome for finish(), or None when the claim was given back (grace over, lease lost)."""
+        heartbeat = Heartbeat(self.queue, claim.message, self.record["visibility_timeout"])
         self.gpu.start()
         try:
             if self.entered_at is None:     # a cold worker pays its load inside its first claim
                 self.enter()
-                enter_paid, acquisition = self.enter_seconds, self.acquisition_seconds
-            outcome = self.drain(items, first, heartbeat)
+                claim.enter_paid, claim.acquisition = self.enter_seconds, self.acquisition_seconds
+            outcome = self._drain_batches(claim.items, claim.first, heartbeat)
         except ClaimReleased as e:
             if not heartbeat.lost.is_set():    # ours to give back: visible again at once, for another worker
-                queue.change_visibility(message, 0)
-            log.warning("worker %s: claim %s/%s given back (%s)", self.worker_id, run_id, claim, e)
-            return
+                self.queue.change_visibility(claim.message, 0)
+            log.warning("worker %s: claim %s/%s given back (%s)", self.worker_id, claim.run_id, claim.claim_id, e)
+            return None
         finally:
             heartbeat.stop()
-            gpu = self.gpu.stop()
+            claim.gpu = self.gpu.stop()
+        if heartbeat.lost.is_set():
+            log.warning("worker %s: claim %s/%s lease lost: not writing it", self.worker_id, claim.run_id, claim.claim_id)
+            return None
+        return outcome
+
+    def finish(self, claim, outcome):
+        """Results, then the summary, then the ack: a crash before the ack leaves the claim to be redelivered,
+        and its redelivery finds the summary and acks without recomputing."""
         finished = time.time()
         results, failed, errors, model_seconds, collate_wait = outcome
-        claim_seconds = finished - received
+        warm_hit = self.entered_at is not None and self.entered_at <= claim.received
         notes = []
         if len(errors) < len(failed):
             notes.append(f"errors: only the first {len(errors)} of {len(failed)} messages kept")
-        if not gpu["measured"]:
-            notes.append(f"GPU utilisation not measured: {gpu['reason']}")
+        if not claim.gpu["measured"]:
+            notes.append(f"GPU utilisation not measured: {claim.gpu['reason']}")
         if self.backend.kind == "local":
             notes.append("requests: counted on the local backend, where they cost nothing; priced as if on SQS/S3")
-        summary = {
-            "run_id": run_id, "claim": claim, "model": self.record["model"], "worker_id": self.worker_id,
-            "status": "ok" if not failed else ("failed" if len(failed) == len(items) and items else "partial"),
-            "items": len(items), "ok": len(items) - len(failed), "failed": failed, "errors": errors,
-            "warm_hit": warm_hit, "enter_seconds_paid": round(enter_paid, 6), "enter_count": self.enter_count,
-            "acquisition_seconds": round(acquisition, 6), "receive_count": message.receive_count,
-            "claim_seconds": round(claim_seconds, 6), "model_seconds": round(model_seconds, 6),
-            "collate_wait_seconds": round(collate_wait, 6), "prefetch": bool(self.prefetcher),
-            "occupancy": {"value": round(model_seconds / claim_seconds, 4) if claim_seconds > 0 else None,
-                          "source": "drain-loop", "scope": "claim", "measured": True},
-            "gpu_utilisation": gpu, "mode": "cold" if self.ephemeral else "pool", "backend": self.backend.kind,
-            "started_at": calque.now_iso(received), "finished_at": calque.now_iso(finished), "notes": notes,
-        }
-        if heartbeat.lost.is_set():
-            log.warning("worker %s: claim %s/%s lease lost: not writing it", self.worker_id, run_id, claim)
-            return
-        self.backend.store.put(calque.results_key(run_id, claim), "".join(results))
-        summary["requests"] = self.claim_requests(extra_puts=1, extra_other=1)   # + the summary put and the ack below
-        self.backend.store.put(calque.summary_key(run_id, claim), json.dumps(summary, indent=1))
-        if not queue.delete(message):
-            log.warning("worker %s: claim %s/%s: ack refused (receipt stale); its summary stands", self.worker_id, run_id, claim)
+        self.backend.store.put(calque.results_key(claim.run_id, claim.claim_id), "".join(results))
+        summary = self._summary(claim.message, claim.run_id, claim.claim_id, claim.received, finished,
+                                extra_other=1,   # + the ack below
+                                items=len(claim.items), failed=failed, errors=errors, warm_hit=warm_hit,
+                                enter_seconds_paid=claim.enter_paid, acquisition_seconds=claim.acquisition,
+                                model_seconds=model_seconds, notes=notes,
+                                collate_wait_seconds=round(collate_wait, 6), prefetch=bool(self.prefetcher),
+                                gpu_utilisation=claim.gpu)
+        self.backend.store.put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
+        if not self.queue.delete(claim.message):
+            log.warning("worker %s: claim %s/%s: ack refused (receipt stale); its summary stands",
+                        self.worker_id, claim.run_id, claim.claim_id)
         self.stats["claims"] += 1
         self.stats["warm_hits"] += warm_hit
-        self.stats["items"] += len(items)
+        self.stats["items"] += len(claim.items)
         self.stats["items_failed"] += len(failed)
-        self.busy_seconds += claim_seconds
+        self.busy_seconds += summary["claim_seconds"]
         log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid %.3fs, %.3fs",
-                 self.worker_id, run_id, claim, len(items), len(failed), "yes" if warm_hit else "no", enter_paid, claim_seconds)
+                 self.worker_id, claim.run_id, claim.claim_id, len(claim.items), len(failed), "yes" if warm_hit else "no",
+                 claim.enter_paid, summary["claim_seconds"])
 
-    def drain(self, items, first, heartbeat):
+    def _summary(self, message, run_id, claim, started, finished, extra_other, **fields):
+        """calque.claim_summary with this worker's identity and the requests counted since its last claim
+        (plus the summary's own PUT and `extra_other` queue calls still to come)."""
+        return calque.claim_summary(
+            run_id=run_id, claim=claim, model=self.record["model"], worker_id=self.worker_id,
+            mode="cold" if self.ephemeral else "pool", backend=self.backend.kind,
+            receive_count=message.receive_count, enter_count=self.enter_count, started=started, finished=finished,
+            requests=self.claim_requests(extra_puts=1, extra_other=extra_other), **fields)
+
+    def _drain_batches(self, items, first, heartbeat):
         """Items through collate + batch, batch_size at a time. With the pipeline thread, the next batch is
         collated and the previous one's results serialised while the model runs the current one.
         Returns (result lines, failed indices, errors, model seconds, collate-wait seconds). A batch that
@@ -578,24 +608,17 @@ class Worker:
         """The summary of a claim that was not run, so that a waiting submitter reports it (unless one exists)."""
         key = calque.summary_key(run_id, claim)
         if not self.backend.store.exists(key):
-            now = calque.now_iso()
-            self.backend.store.put(key, json.dumps({
-                "run_id": run_id, "claim": claim, "model": self.record["model"], "worker_id": self.worker_id,
-                "status": "failed", "error": reason, "items": 0, "ok": 0, "failed": [], "errors": {},
-                "warm_hit": False, "enter_seconds_paid": 0.0, "enter_count": self.enter_count, "acquisition_seconds": 0.0,
-                "receive_count": message.receive_count, "claim_seconds": 0.0, "model_seconds": 0.0,
-                "occupancy": {"value": None, "source": "drain-loop", "scope": "claim", "measured": False},
-                "mode": "cold" if self.ephemeral else "pool", "backend": self.backend.kind,
-                "started_at": now, "finished_at": now, "requests": self.claim_requests(extra_puts=1, extra_other=2),
-                "notes": ["dead-lettered: the claim was not run"]}, indent=1))
+            now = time.time()
+            summary = self._summary(message, run_id, claim, now, now, extra_other=2,   # + the DLQ send and the delete
+                                    error=reason, notes=["dead-lettered: the claim was not run"])
+            self.backend.store.put(key, json.dumps(summary, indent=1))
 
     # ---- accounting -----------------------------------------------------------------------------
 
     def claim_requests(self, extra_puts, extra_other):
         """Requests since the previous claim (its idle polls included), plus the writes about to happen."""
         now = Counter(self.backend.requests)
-        delta = {k: now[k] - self.requests_mark[k] for k in ("queue_receives", "queue_empty_receives", "queue_other",
-                                                             "store_gets", "store_puts", "store_lists")}
+        delta = {k: now[k] - self.requests_mark[k] for k in calque.REQUEST_KEYS}
         delta["store_puts"] += extra_puts
         delta["queue_other"] += extra_other
         self.requests_mark = now + Counter({"store_puts": extra_puts, "queue_other": extra_other})

@@ -6,6 +6,7 @@ fastbatch/__init__.py runs this same script on import when the .so is missing or
 fastbatch.c, fastbatch.h or this file, and falls back to the numpy reference if it fails.
 """
 import os
+import re
 import shutil
 import tempfile
 
@@ -15,28 +16,27 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 ffibuilder = FFI()
 
-# Mirrors fastbatch.h. No GIL annotation is needed: in API mode cffi's generated wrapper brackets
-# every C call with Py_BEGIN_ALLOW_THREADS / Py_END_ALLOW_THREADS (cffi docs, since 0.3: "C
-# function calls are now done with the GIL released"; see _cffi_f_fb_gather in the C that
-# ffibuilder.emit_c_code() writes). That is safe because these functions touch only raw
-# pointers, never a Python object. The constants' values ("...") are read from the header at
-# compile time, so they cannot drift.
-ffibuilder.cdef("""
-#define FB_OK ...
-#define FB_ENULL ...
-#define FB_ESIZE ...
-#define FB_EELEM ...
-#define FB_EOVERFLOW ...
-#define FB_EOVERLAP ...
-#define FB_ETHREAD ...
+def header_declarations(path):
+    """fastbatch.h as a cdef: the declarations, without comments, include guard and #include; each
+    constant as `#define NAME ...`, so cffi reads its value from the header at compile time. One
+    source for the C side and the Python side: a change to the header is a change to the binding."""
+    with open(path) as f:
+        text = re.sub(r"/\*.*?\*/", "", f.read(), flags=re.S)
+    lines = []
+    for line in text.splitlines():
+        constant = re.match(r"#define\s+(FB_\w+)\s", line)
+        if constant:
+            lines.append(f"#define {constant.group(1)} ...")
+        elif line.strip() and not line.lstrip().startswith("#"):
+            lines.append(line)
+    return "\n".join(lines)
 
-int fb_gather(char *dst, const char *const *srcs, int64_t n_items, int64_t item_bytes,
-              int n_threads, int64_t thread_min_bytes, int64_t stream_min_bytes);
-int fb_pad_gather(char *dst, const char *const *srcs, const int64_t *lens, int64_t n_items,
-                  int64_t row_len, int elem_size, const void *pad_value,
-                  int n_threads, int64_t thread_min_bytes, int64_t stream_min_bytes);
-const char *fb_strerror(int code);
-""")
+
+# No GIL annotation is needed: in API mode cffi's generated wrapper brackets every C call with
+# Py_BEGIN_ALLOW_THREADS / Py_END_ALLOW_THREADS (cffi docs, since 0.3: "C function calls are now
+# done with the GIL released"; see _cffi_f_fb_gather in the C that ffibuilder.emit_c_code() writes).
+# That is safe because these functions touch only raw pointers, never a Python object.
+ffibuilder.cdef(header_declarations(os.path.join(HERE, "fastbatch.h")))
 
 ffibuilder.set_source(
     "fastbatch._fastbatch_c",

@@ -1,8 +1,8 @@
 /* fastbatch.h — the C half of fastbatch: gather B rows into one contiguous batch with one copy.
  *
  * Every buffer is allocated by the caller (Python: a pinned, reused ring slot or a torch tensor);
- * these functions only read the sources and write the destination. _build.py's cdef mirrors this
- * file line for line, so a change here is a change there.
+ * these functions only read the sources and write the destination. _build.py reads its cffi
+ * declarations from this file, so keep it plain C declarations and #define constants.
  */
 #ifndef FASTBATCH_H
 #define FASTBATCH_H
