@@ -3632,7 +3632,7 @@ def build_parser():
 
     p = verbs.add_parser("submit", parents=[priced],
                          help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
-    p.add_argument("items", help="a JSONL file, one item per line, or - for stdin")
+    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, or a .npy/.npz file of numeric items")
     p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
     p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, or --handler)")
     p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's handler")

@@ -486,7 +486,7 @@ def test_every_aws_call_is_documented(aws, api_calls):
     code.ec2_pool_create(backend, record(backend), args(instance_type="g5.2xlarge"))   # the update paths
     code.ec2_pool_delete(backend, stored, args())
     docs = ""
-    for name in ("docs_aws.md", "README.md"):
+    for name in (os.path.join("docs", "aws.md"), "README.md"):
         path = os.path.join(ROOT, name)
         if os.path.exists(path):
             docs += open(path).read()
