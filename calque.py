@@ -49,6 +49,7 @@ DEFAULTS = {
 }
 ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
+ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
 SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
 ERRORS_KEPT = 100                       # per-item error messages kept in a summary (the count is always exact)
 ERROR_CHARS = 500                       # an error message is cut to this many characters
@@ -75,8 +76,12 @@ def settings():
     merged = dict(DEFAULTS)
     env_file = os.environ.get("CALQUE_ENV", ENV_FILE)
     if os.path.exists(env_file):
-        with open(env_file) as f:
-            for lineno, line in enumerate(f, 1):
+        try:
+            f = open(env_file, "rb")
+        except OSError as e:
+            raise UserError(f"cannot read {env_file} ({e.strerror}) ---> HINT: fix it, or point CALQUE_ENV elsewhere")
+        with f:
+            for lineno, line in text_lines(f, env_file):
                 line = line.strip()
                 if not line or line.startswith("#"):
                     continue
@@ -88,6 +93,16 @@ def settings():
         if key in os.environ:
             merged[key] = os.environ[key]
     return merged
+
+
+def text_lines(stream, where):
+    """(line number, text) for each line of a binary stream; a line that is not UTF-8 is a UserError naming it."""
+    for lineno, raw in enumerate(stream, 1):
+        try:
+            yield lineno, raw.decode()
+        except UnicodeDecodeError as e:
+            raise UserError(f"{where}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line) "
+                            f"---> HINT: save the file as UTF-8")
 
 
 def setting_number(conf, key, kind=float, minimum=None):
@@ -1033,21 +1048,46 @@ def read_items(path):
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
     try:
-        stream = sys.stdin if path == "-" else open(path)
+        stream = sys.stdin.buffer if path == "-" else open(path, "rb")
     except OSError as e:
         raise UserError(f"cannot read items file {path}: {e.strerror}")
     items = []
-    with stream:
-        for lineno, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                items.append(json.loads(line))
-            except ValueError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}): one JSON item per line")
+    with stream:   # every item is read and checked before anything is written: a bad line stages nothing
+        for lineno, line in text_lines(stream, path):
+            if line.strip():
+                items.append(parse_item(line, f"{path}:{lineno}"))
     if not items:
         raise UserError(f"{path} holds no items: give one JSON item per line")
     return items
+
+
+def parse_item(line, where):
+    """One JSON item, or a UserError naming `where`. An item nested deeper than ITEM_DEPTH_MAX is refused here:
+    json.loads stops near 1000 levels, and the manifest that carries an item nests it 3 levels deeper, so
+    a deep item that parsed would fail later, half staged. Counting brackets first keeps the exact depth
+    walk off every ordinary line."""
+    too_deep = UserError(f"{where}: nested deeper than {ITEM_DEPTH_MAX} levels ---> HINT: flatten the item "
+                         f"(calque re-encodes it inside a manifest)")
+    try:
+        item = json.loads(line)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as e:   # a JSONDecodeError, or an integer over Python's 4300 digits
+        raise UserError(f"{where}: not valid JSON ({getattr(e, 'msg', e)}): one JSON item per line") from None
+    if line.count("[") + line.count("{") > ITEM_DEPTH_MAX and json_depth(item) > ITEM_DEPTH_MAX:
+        raise too_deep
+    return item
+
+
+def json_depth(value):
+    """Levels of nested arrays and objects in a parsed JSON value, walked without recursion (it may be deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (list, dict)):
+            deepest = max(deepest, depth)
+            todo += [(child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)]
+    return deepest
 
 
 class ArrayItems:
@@ -1065,15 +1105,12 @@ class ArrayItems:
     @classmethod
     def load(cls, path):
         import numpy as np
-        try:
-            loaded = np.load(path, allow_pickle=False)
-        except OSError as e:
-            raise UserError(f"cannot read items file {path}: {e}")
-        except ValueError as e:   # object arrays need pickle, which we refuse
-            raise UserError(f"{path}: {e}: save plain numeric arrays")
-        arrays = {"input": loaded} if path.endswith(".npy") else {k: loaded[k] for k in loaded.files}
+        arrays = read_arrays(path)
         fields, counts = {}, {}
         for name, values in arrays.items():
+            if not SAFE_ID.match(name):   # it names store keys (runs/RUN/inputs/CLAIM/<name>.values.npy)
+                raise UserError(f"{path}: array name {name!r} cannot name a store key ---> HINT: name it with "
+                                f"letters, digits, '.', '_' or '-'")
             if name.endswith("_offsets") and name[:-len("_offsets")] in arrays:
                 continue
             if values.dtype.hasobject or values.dtype.kind not in "biuf":
@@ -1118,6 +1155,27 @@ class ArrayItems:
                 backend.store.put(key, buf.getvalue())
                 entry[name][role] = key
         return entry
+
+
+def read_arrays(path):
+    """{name: array} of a .npy file ({"input": a}) or a .npz archive (its arrays), read at once. Whatever the
+    file holds, a fault is a UserError naming it: numpy raises OSError, ValueError (object arrays, which need
+    pickle, refused), EOFError (an empty file), BadZipFile or zlib.error (a damaged archive)."""
+    import zipfile
+    import zlib
+    import numpy as np
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.ndarray):
+            return {"input": loaded}
+        with loaded:   # an NpzFile reads each member on access: read them all inside this try
+            return {k: loaded[k] for k in loaded.files}
+    except OSError as e:
+        raise UserError(f"cannot read items file {path}: {e.strerror or e}") from None
+    except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        reason = str(e).split(". ")[0].rstrip(".") or type(e).__name__
+        raise UserError(f"{path}: not a numeric .npy or .npz file ({reason}) ---> HINT: save plain numeric arrays "
+                        f"with numpy.save or numpy.savez (object arrays would need pickle)") from None
 
 
 def npy_view(data):
