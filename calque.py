@@ -67,6 +67,11 @@ class NotFound(Exception):
     """A store key or a queue that does not exist."""
 
 
+class StoreFault(Exception):
+    """The store or the queue failed (unwritable, full, unreachable, replaced) or holds a record that cannot be
+    read: one line naming the key or file and the next step, exit 1."""
+
+
 class LeaseLost(Exception):
     """The claim's receipt is no longer valid: another worker may own the message now."""
 
@@ -401,7 +406,8 @@ class Message:
 class LocalStore:
     """A directory of objects. A write lands in a temporary file that is renamed over the key, so a reader
     sees the old object or the new one, never half of one; files are not fsynced (a power loss may lose the
-    last writes, a process crash loses nothing)."""
+    last writes, a process crash loses nothing). A file system error (read-only, full, permissions) is a
+    StoreFault naming the key."""
 
     def __init__(self, root, requests):
         self.root = os.path.realpath(root)
@@ -422,6 +428,10 @@ class LocalStore:
             return None
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
+    def _fault(self, doing, key, error):
+        return StoreFault(f"store {self.root}: cannot {doing} {key} ({error.strerror or error}) ---> HINT: check that "
+                          f"the folder is writable and has free space, then retry")
+
     def get(self, key):
         self.requests["store_gets"] += 1
         try:
@@ -429,15 +439,44 @@ class LocalStore:
                 return f.read()
         except FileNotFoundError:
             raise NotFound(key)
+        except OSError as e:
+            raise self._fault("read", key, e) from None
 
     def put(self, key, data):
         self.requests["store_puts"] += 1
+        self._publish(key, data, os.replace)
+
+    def put_new(self, key, data):
+        """put, only where the key does not exist yet; True when this call wrote it. Atomic: os.link of the
+        complete temporary file fails on an existing name, so of two racing writers exactly one wins."""
+        self.requests["store_puts"] += 1
+        return self._publish(key, data, _link_new)
+
+    def _publish(self, key, data, place):
+        """Write data to a temporary file beside the key, then return place(tmp, path); the temporary file
+        never outlives the call (a full disk leaves no partial file behind)."""
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data if isinstance(data, bytes) else data.encode())
-        os.replace(tmp, path)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data if isinstance(data, bytes) else data.encode())
+            return place(tmp, path)
+        except OSError as e:
+            failed = e
+        finally:
+            with contextlib.suppress(FileNotFoundError):   # left by os.link, or a partial write
+                os.remove(tmp)
+        with contextlib.suppress(OSError):   # a folder made for this key alone goes too
+            os.rmdir(os.path.dirname(path))
+        raise self._fault("write", key, failed)
+
+    def delete(self, key):
+        """Remove the key, and its folder if that is left empty (on S3 a folder is only a prefix of keys)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._path(key))
+        with contextlib.suppress(OSError):   # not empty: another key lives there
+            os.rmdir(os.path.dirname(self._path(key)))
 
     def exists(self, key):
         self.requests["store_gets"] += 1
@@ -450,11 +489,25 @@ class LocalStore:
             names = os.listdir(self._path(prefix))
         except FileNotFoundError:
             return []
+        except OSError as e:
+            raise self._fault("list", prefix, e) from None
         return sorted(prefix + n for n in names if ".tmp-" not in n)
 
     def delete_prefix(self, prefix):
         import shutil
-        shutil.rmtree(self._path(prefix), ignore_errors=True)
+        shutil.rmtree(self._path(prefix), ignore_errors=True)   # ignores files a concurrent writer removed first
+        if os.path.lexists(self._path(prefix)):                 # but not a folder that stayed: say so
+            raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the folder's permissions, "
+                             f"then retry")
+
+
+def _link_new(tmp, path):
+    """os.link that answers False where `path` exists already."""
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
 
 
 class LocalQueues:
@@ -787,8 +840,22 @@ def open_backend(store=None, check_prefix=""):
 # ------------------------------------------------------------------------------------------------
 # records: pool records, run records, summaries, worker stats (all JSON in the store)
 
-def read_json(backend, key):
-    return json.loads(backend.store.get(key))
+def read_json(backend, key, fix=None):
+    """A JSON record of the store (always an object). One that does not parse, or is not an object, is a
+    StoreFault naming its key (every verb that reads it says so in one line), with `fix` as the next step."""
+    data = backend.store.get(key)
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError) as e:   # ValueError: not JSON, or not UTF-8
+        raise corrupt_record(backend, key, str(e).splitlines()[0] if str(e) else type(e).__name__, fix) from None
+    if not isinstance(value, dict):
+        raise corrupt_record(backend, key, f"a JSON {type(value).__name__}, not an object", fix)
+    return value
+
+
+def corrupt_record(backend, key, why, fix=None):
+    return StoreFault(f"store record {key} is corrupt ({why}) ---> HINT: "
+                      + (fix or f"repair or delete {backend.store.uri(key)}"))
 
 
 def write_json(backend, key, value):
@@ -796,11 +863,15 @@ def write_json(backend, key, value):
 
 
 def load_pool(backend, model):
+    fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its names, "
+           f"then create it again")
     try:
-        record = read_json(backend, pool_key(model))
+        record = read_json(backend, pool_key(model), fix)
     except NotFound:
         raise UserError(f"no pool for model {model!r} in {backend.describe()}: create it with "
                         f"`python calque.py pool create --model {model} --handler file.py:Class` (or see `pool list`)")
+    if not isinstance(record.get("model"), str):
+        raise corrupt_record(backend, pool_key(model), "no model name", fix)
     if record["model"] != model:
         raise UserError(f"model {model!r} shares its queue name with the pool of {record['model']!r}: use that exact name")
     return record
@@ -3481,13 +3552,25 @@ def cmd_pool_list(conf, backend, args):
     return EXIT_OK
 
 
-def cmd_pool_delete(conf, backend, args):
+def pool_record_to_delete(backend, model, force):
+    """The pool record `pool delete` works from. A missing one on an s3:// store may be a half-created EC2
+    pool: {"model"} makes delete find what is there by name and tag. A corrupt one is deleted by the model's
+    names with --force (locally: its queues and store folder; on S3 as a half-created pool), else refused."""
     try:
-        record = load_pool(backend, args.model)
+        return load_pool(backend, model)
+    except StoreFault:
+        if not force:
+            raise
     except UserError:
         if backend.kind != "aws":
             raise
-        record = {"model": args.model}     # a half-created EC2 pool: delete finds what is there by name and tag
+    if backend.kind == "aws":
+        return {"model": model}
+    return {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model)}
+
+
+def cmd_pool_delete(conf, backend, args):
+    record = pool_record_to_delete(backend, args.model, args.force)
     if "queue" in record and not args.force:   # deleting the queue would drop claims nobody has finished
         with contextlib.suppress(NotFound):
             depth = backend.queues.open_queue(record["queue"]).counts()
@@ -3739,6 +3822,13 @@ def main(argv=None):
     except UserError as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except StoreFault as e:
+        print(f"calque: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except sqlite3.Error as e:   # the embedded queue: its file unwritable, full or damaged
+        print(f"calque: error: the local queue in {conf['CALQUE_STORE']} failed ({e}) ---> HINT: check that the "
+              f"folder is writable and has free space, then retry", file=sys.stderr)
+        return EXIT_FAILED
     except NotFound as e:   # something the pool record names is gone (a queue deleted by hand, say)
         print(f"calque: error: {e} not found in {conf['CALQUE_STORE']}: recreate the pool (pool create is idempotent) "
               f"or delete it", file=sys.stderr)
@@ -3746,6 +3836,12 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("calque: interrupted; queued claims stay queued and finish without you (runs show RUN reads them)", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.filename is None:
+            raise   # not the file system: a bug, whose traceback is the report
+        print(f"calque: error: {e.filename}: {e.strerror} ---> HINT: check its permissions and free space, then retry",
+              file=sys.stderr)
+        return EXIT_FAILED
     except Exception as e:
         if type(e).__module__.startswith("botocore"):   # AWS refused or could not be reached: say so in one line
             print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions (README, On AWS) and region",

@@ -66,3 +66,72 @@ def test_bad_input_is_one_line_and_stages_nothing(local_env, tmp_path):
                                   f"---> HINT: save the file as UTF-8")
     nothing_staged(local_env)
 
+
+def test_full_store_is_one_line_and_stages_nothing(local_env, tmp_path):
+    """A store that cannot take a write (a real EFBIG from RLIMIT_FSIZE, as a full disk gives ENOSPC): the
+    queue failing to open, or the first object failing to land, is one line and exit 1, nothing left behind."""
+    create_pool(local_env)
+    store = local_env["CALQUE_STORE"]
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(3)])
+
+    def submit_under_limit():
+        return subprocess.run([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", items, "--timeout", "5"],
+                              env=local_env, cwd=ROOT, capture_output=True, text=True, timeout=60,
+                              preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200)))
+    # nobody has the queue open: SQLite must create its 32 KiB shared-memory file, which the limit refuses
+    assert error_line(submit_under_limit(), 1) == (f"calque: error: the local queue in {store} failed (disk I/O "
+                                                   f"error) ---> HINT: check that the folder is writable and has "
+                                                   f"free space, then retry")
+    queue = backend_for(local_env).queues.open_queue("calque-pool-m")   # held open: the queue now opens
+    assert queue.counts() == {"visible": 0, "in_flight": 0}
+    line = error_line(submit_under_limit(), 1)
+    assert re.fullmatch(rf"calque: error: store {re.escape(store)}: cannot write runs/m\.\d{{8}}-\d{{6}}-[0-9a-f]{{6}}"
+                        rf"/run\.json \(File too large\) ---> HINT: check that the folder is writable and has free "
+                        rf"space, then retry", line), line
+    nothing_staged(local_env)
+    assert not [f for _, _, files in os.walk(os.path.join(store, "runs")) for f in files]   # no partial file
+    assert os.listdir(os.path.join(store, "runs")) == []                                 # nor its folder
+
+
+def test_corrupt_records_are_named_and_a_corrupt_pool_deletes(local_env, tmp_path):
+    """A corrupt summary, run.json or pool.json: every verb that reads it names its key in one line (exit 1),
+    and `pool delete --force` deletes a pool whose record is corrupt by the model's names."""
+    create_pool(local_env)
+    store = local_env["CALQUE_STORE"]
+    run_id = cli(local_env, "submit", "--pool", "m", write_items(tmp_path / "i.jsonl", [{"x": 1}]), "--no-wait").stdout.strip()
+    summary = os.path.join(store, "runs", run_id, "summaries", "c00000.json")
+    os.makedirs(os.path.dirname(summary))
+    with open(summary, "w") as f:
+        f.write('{"claim": "c00000", "items": 1')    # cut short
+    assert error_line(cli(local_env, "runs", "show", run_id), 1) == (
+        f"calque: error: store record runs/{run_id}/summaries/c00000.json is corrupt (Expecting ',' delimiter: "
+        f"line 1 column 31 (char 30)) ---> HINT: repair or delete file://{summary}")
+    os.remove(summary)
+    run_json = os.path.join(store, "runs", run_id, "run.json")
+    kept = open(run_json, "rb").read()
+    with open(run_json, "wb") as f:
+        f.write(b"\x00" * 8)
+    expected = (f"calque: error: store record runs/{run_id}/run.json is corrupt (Expecting value: line 1 column 1 "
+                f"(char 0)) ---> HINT: repair or delete file://{run_json}")
+    assert error_line(cli(local_env, "runs", "show", run_id), 1) == expected
+    assert error_line(cli(local_env, "runs", "list"), 1) == expected
+    with open(run_json, "wb") as f:
+        f.write(kept)
+    with open(os.path.join(store, "pools", "m", "pool.json"), "w") as f:
+        f.write("[]")
+    expected = ("calque: error: store record pools/m/pool.json is corrupt (a JSON list, not an object) ---> HINT: "
+                "`python calque.py pool delete --model m --yes --force` deletes the pool by its names, then create "
+                "it again")
+    for verb in (("pool", "status", "--model", "m"), ("submit", "--pool", "m", str(tmp_path / "i.jsonl")),
+                 ("pool", "delete", "--model", "m", "--yes")):
+        assert error_line(cli(local_env, *verb), 1) == expected
+    assert backend_for(local_env).queues.open_queue("calque-pool-m").counts()["visible"] == 1   # nothing deleted
+    out = cli(local_env, "pool", "delete", "--model", "m", "--yes", "--force")
+    assert out.returncode == 0 and "deleted queue calque-pool-m" in out.stdout, out.stdout + out.stderr
+    import calque
+    for queue in ("calque-pool-m", "calque-dlq-m"):
+        with pytest.raises(calque.NotFound):
+            backend_for(local_env).queues.open_queue(queue)
+    assert os.listdir(os.path.join(store, "pools")) == []
+    assert json.loads(cli(local_env, "runs", "list", "--json").stdout)[0]["run_id"] == run_id   # runs are kept
+
