@@ -49,6 +49,7 @@ DEFAULTS = {
 }
 ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
+QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local queue file is still the one opened
 ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
 SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
 ERRORS_KEPT = 100                       # per-item error messages kept in a summary (the count is always exact)
@@ -535,14 +536,47 @@ class LocalQueues:
         self._local = threading.local()   # one lazy connection per thread: the heartbeat has its own
 
     def db(self):
-        conn = getattr(self._local, "conn", None)
-        if conn is None:    # autocommit; transactions are explicit (BEGIN IMMEDIATE)
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            conn = self._local.conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")   # durable across process crashes, not power loss
-            conn.executescript(self.SCHEMA)
-        return conn
+        """This thread's connection. Every QUEUE_FILE_CHECK seconds (one stat) it checks that the file at the
+        path is still the one it opened: a queue file deleted or replaced under a running process would
+        otherwise be polled forever while new claims go to the new file. Then the connection is dropped with
+        a StoreFault (a worker logs it and retries), and the next call opens the file now at the path."""
+        local = self._local
+        if getattr(local, "conn", None) is not None and time.monotonic() >= local.check_at:
+            local.check_at = time.monotonic() + QUEUE_FILE_CHECK
+            if _file_id(self.path) != local.file_id:
+                local.conn.close()
+                local.conn = None
+                raise StoreFault(f"local queue {self.path} was deleted or replaced under this process: the claims "
+                                 f"it held are gone ---> HINT: recreate the pools (`pool create` is idempotent) and "
+                                 f"submit their runs again")
+        if getattr(local, "conn", None) is None:
+            local.conn, local.file_id = self._open()
+            local.check_at = time.monotonic() + QUEUE_FILE_CHECK
+        return local.conn
+
+    def _open(self):
+        """A new connection and the id of the file it opened. A queue file missing while its -wal and -shm files
+        remain was deleted under processes that still write that log: sharing it would corrupt the new file,
+        so, under a lock (two openers must not remove each other's fresh log), the two are unlinked first; the
+        old processes keep theirs open until their own check drops it."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if os.path.exists(self.path):
+            return self._connect()
+        import fcntl
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(self.path):
+                for side in ("-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self.path + side)
+            return self._connect()
+
+    def _connect(self):
+        conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)   # autocommit; BEGIN IMMEDIATE when needed
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")   # durable across process crashes, not power loss
+        conn.executescript(self.SCHEMA)
+        return conn, _file_id(self.path)
 
     @contextlib.contextmanager
     def transaction(self):
@@ -573,6 +607,15 @@ class LocalQueues:
             db.execute("DELETE FROM queues WHERE name = ?", (name,))
 
 
+def _file_id(path):
+    """(device, inode) of the file at path, None when there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class LocalQueue:
     def __init__(self, queues, name, visibility_timeout):
         self.queues, self.name, self.visibility_timeout = queues, name, visibility_timeout
@@ -587,10 +630,9 @@ class LocalQueue:
         """One message or None after wait_seconds. The wait probes an index every LOCAL_POLL_INTERVAL
         (read-only, no lock) and takes the write lock only when a message is ready."""
         deadline = time.monotonic() + wait_seconds
-        db = self.queues.db()
         while True:
             now = time.time()
-            if db.execute(LocalQueues.SQL_READY, (self.name, now)).fetchone():
+            if self.queues.db().execute(LocalQueues.SQL_READY, (self.name, now)).fetchone():   # db(): file check
                 with self.queues.transaction() as tx:
                     row = tx.execute(LocalQueues.SQL_NEXT, (self.name, now)).fetchone()
                     if row:

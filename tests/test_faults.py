@@ -37,6 +37,24 @@ def nothing_staged(env, queue="calque-pool-m"):
     assert backend_for(env).queues.open_queue(queue).counts() == {"visible": 0, "in_flight": 0}
 
 
+def live_worker(env, model="m", other_than=None):
+    """Wait until the pool's local worker (not `other_than`) is alive and has reported itself running; its pid.
+    Read from the supervisor's status file and the store directly: a CLI call per poll would cost 0.5 s."""
+    import calque
+    backend = backend_for(env)
+    status_file = os.path.join(env["CALQUE_STATE"], "pools", calque.slug(model), "supervisor.json")
+
+    def running():
+        try:
+            with open(status_file) as f:
+                pids = [w["pid"] for w in json.load(f)["workers"] if w["pid"] not in (None, other_than)]
+        except (OSError, ValueError):
+            return None
+        reported = {w["pid"] for w in calque.read_worker_stats(backend, model) if w["state"] == "running"}
+        return next((pid for pid in pids if pid in reported and calque.pid_alive(pid)), None)
+    return wait_for(running, 60, "a live worker reporting running")
+
+
 def test_bad_input_is_one_line_and_stages_nothing(local_env, tmp_path):
     """Items that are not UTF-8, nested too deep (RecursionError at ~990 levels) or not numeric arrays, and a
     pool.env that is not UTF-8: exit 2, one line naming file and line, no run staged, the queue unchanged."""
@@ -134,4 +152,26 @@ def test_corrupt_records_are_named_and_a_corrupt_pool_deletes(local_env, tmp_pat
             backend_for(local_env).queues.open_queue(queue)
     assert os.listdir(os.path.join(store, "pools")) == []
     assert json.loads(cli(local_env, "runs", "list", "--json").stdout)[0]["run_id"] == run_id   # runs are kept
+
+
+def test_queue_file_deleted_under_a_running_worker(local_env, tmp_path):
+    """queue.db deleted under a live worker: a submitter gets one line, the worker logs why and moves to the new
+    file within seconds (no restart, model kept), and once the pool is re-created the same worker serves it."""
+    create_pool(local_env, "m", "--workers", "1")
+    pid = live_worker(local_env)
+    store = local_env["CALQUE_STORE"]
+    os.remove(os.path.join(store, "queue.db"))
+    items = write_items(tmp_path / "items.jsonl", [{"x": 1}, {"x": 2}])
+    assert error_line(cli(local_env, "submit", "--pool", "m", items), 2) == (
+        f"calque: error: queue calque-pool-m not found in {store}: recreate the pool (pool create is idempotent) "
+        f"or delete it")
+    log = tmp_path / "state" / "pools" / "m" / "worker-0.log"
+    wait_for(lambda: f"local queue {store}/queue.db was deleted or replaced under this process" in log.read_text(),
+             20, "the worker to notice the deleted queue file")
+    create_pool(local_env)
+    out = cli(local_env, "submit", "--pool", "m", items, "--json", "--timeout", "60")
+    assert out.returncode == 0, out.stderr
+    assert [s["worker_id"].rsplit("-", 1)[1] for s in json.loads(out.stdout)["summaries"]] == [str(pid)]
+    assert json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)["supervisor"]["restarts"] == 0
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
 
