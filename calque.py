@@ -44,12 +44,14 @@ DEFAULTS = {
     "CALQUE_POLL_WAIT": "20",           # seconds of one long poll (SQS caps it at 20)
     "CALQUE_GRACE": "30",               # seconds a SIGTERM'd worker may spend finishing its claim before releasing it
     "CALQUE_TIMEOUT": "3600",           # seconds submit waits for the summaries
+    "CALQUE_ENDPOINT_RETRY": "60",      # s an S3/SQS call retries a dropped, refused or timed-out connection
     "CALQUE_SPOT_POLL": "",             # spot-interruption metadata address (off when empty; EC2 bootstrap sets it)
     "CALQUE_SPOT_INTERVAL": "5",        # s between two spot-interruption checks (AWS gives a 2-minute notice)
 }
 ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
 QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local queue file is still the one opened
+ENDPOINT_BACKOFF = (0.25, 4.0)          # s: first wait before retrying an unreachable AWS endpoint, doubling to a cap
 ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
 SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
 ERRORS_KEPT = 100                       # per-item error messages kept in a summary (the count is always exact)
@@ -687,12 +689,47 @@ class LocalBackend:
 
 
 def _aws_error_code(error):
-    return getattr(error, "response", {}).get("Error", {}).get("Code", "")
+    return _aws_error_info(error).get("Code", "")
+
+
+def _aws_error_info(error):
+    """The Error part of a botocore error's response; {} for errors that have none (a dropped connection's
+    `response` is None)."""
+    return (getattr(error, "response", None) or {}).get("Error", {})
+
+
+def endpoint_retried(method):
+    """An S3 or SQS call that outlasts an endpoint blip: a dropped, refused or timed-out connection is retried
+    with backoff (ENDPOINT_BACKOFF) for up to the owner's `endpoint_retry` seconds (CALQUE_ENDPOINT_RETRY;
+    botocore's own few retries come first inside each try), then it is a StoreFault in one line. Without it
+    a `submit` waiting on a run died of a 15 s blip while the run itself finished. Hidden cost: an endpoint
+    that is really gone takes that long to report. Only calls that may run twice carry it: a repeated send
+    is a duplicate claim, which its worker acks as one."""
+    import functools
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        import botocore.exceptions
+        deadline = time.monotonic() + self.endpoint_retry
+        delay = ENDPOINT_BACKOFF[0]
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError) as e:
+                if time.monotonic() + delay > deadline:
+                    raise StoreFault(f"AWS endpoint {self.endpoint} unreachable for {self.endpoint_retry:g} s "
+                                     f"({type(e).__name__}) ---> HINT: check the network and AWS_ENDPOINT_URL, "
+                                     f"then retry (a submitted run goes on: `runs show RUN` reads it)") from e
+            time.sleep(delay)
+            delay = min(delay * 2, ENDPOINT_BACKOFF[1])
+    return call
 
 
 class S3Store:
-    def __init__(self, s3, bucket, prefix, requests):
+    def __init__(self, s3, bucket, prefix, requests, endpoint_retry=0.0):
         self.s3, self.bucket, self.prefix, self.requests = s3, bucket, prefix, requests
+        self.endpoint_retry = endpoint_retry
+        self.endpoint = s3.meta.endpoint_url if s3 else None
 
     def _key(self, key):
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -706,6 +743,7 @@ class S3Store:
             return None
         return uri[len(root):]
 
+    @endpoint_retried
     def get(self, key):
         self.requests["store_gets"] += 1
         try:
@@ -713,10 +751,35 @@ class S3Store:
         except self.s3.exceptions.NoSuchKey:
             raise NotFound(key)
 
+    @endpoint_retried
     def put(self, key, data):
         self.requests["store_puts"] += 1
         self.s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data if isinstance(data, bytes) else data.encode())
 
+    @endpoint_retried
+    def put_new(self, key, data):
+        """put, only where the key does not exist yet (a conditional write, If-None-Match: *); True when this
+        call wrote it. S3 answers 412 when the key exists, 409 while a racing conditional write is in flight
+        (then the outcome is not known yet: ask again)."""
+        self.requests["store_puts"] += 1
+        for delay in (0.05, 0.1, 0.2, 0.4, 0.8, None):
+            try:
+                self.s3.put_object(Bucket=self.bucket, Key=self._key(key), IfNoneMatch="*",
+                                   Body=data if isinstance(data, bytes) else data.encode())
+                return True
+            except Exception as e:
+                code = _aws_error_code(e)
+                if code == "PreconditionFailed":
+                    return False
+                if code != "ConditionalRequestConflict" or delay is None:
+                    raise
+                time.sleep(delay)
+
+    @endpoint_retried
+    def delete(self, key):
+        self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    @endpoint_retried
     def exists(self, key):
         self.requests["store_gets"] += 1
         try:
@@ -727,6 +790,7 @@ class S3Store:
                 return False
             raise
 
+    @endpoint_retried
     def list(self, prefix):
         """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list."""
         keys = []
@@ -737,6 +801,7 @@ class S3Store:
         strip = len(self._key(""))
         return sorted(k[strip:] for k in keys)
 
+    @endpoint_retried
     def delete_prefix(self, prefix):
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
             objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
@@ -745,9 +810,11 @@ class S3Store:
 
 
 class SqsQueues:
-    def __init__(self, sqs, requests):
+    def __init__(self, sqs, requests, endpoint_retry=0.0):
         self.sqs, self.requests = sqs, requests
+        self.endpoint_retry, self.endpoint = endpoint_retry, sqs.meta.endpoint_url
 
+    @endpoint_retried
     def create_queue(self, name, visibility_timeout):
         attributes = {"VisibilityTimeout": str(int(visibility_timeout))}
         try:
@@ -759,6 +826,7 @@ class SqsQueues:
             self.sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
         return SqsQueue(self, name, url, visibility_timeout)
 
+    @endpoint_retried
     def open_queue(self, name):
         """Resolve a queue, retrying briefly: a queue just created may take seconds to resolve on SQS."""
         deadline = time.monotonic() + QUEUE_OPEN_RETRY
@@ -777,6 +845,7 @@ class SqsQueues:
         vt = int(self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]["VisibilityTimeout"])
         return SqsQueue(self, name, url, vt)
 
+    @endpoint_retried
     def delete_queue(self, name):
         try:
             self.sqs.delete_queue(QueueUrl=self.sqs.get_queue_url(QueueName=name)["QueueUrl"])
@@ -788,8 +857,9 @@ class SqsQueues:
 class SqsQueue:
     def __init__(self, queues, name, url, visibility_timeout):
         self.queues, self.name, self.url, self.visibility_timeout = queues, name, url, visibility_timeout
-        self.sqs = queues.sqs
+        self.sqs, self.endpoint_retry, self.endpoint = queues.sqs, queues.endpoint_retry, queues.endpoint
 
+    @endpoint_retried
     def send(self, body):
         self.queues.requests["queue_other"] += 1
         self.sqs.send_message(QueueUrl=self.url, MessageBody=body)
@@ -816,6 +886,7 @@ class SqsQueue:
                 raise LeaseLost(f"queue {self.name}: {e}")
             raise
 
+    @endpoint_retried
     def delete(self, message):
         self.queues.requests["queue_other"] += 1
         try:
@@ -826,6 +897,7 @@ class SqsQueue:
                 return False
             raise
 
+    @endpoint_retried
     def counts(self):
         self.queues.requests["queue_other"] += 1
         attrs = self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=[
@@ -838,7 +910,7 @@ class AwsBackend:
     service-specific AWS_ENDPOINT_URL_SQS / _S3) points it at moto_server or LocalStack unchanged."""
     kind = "aws"
 
-    def __init__(self, uri):
+    def __init__(self, uri, endpoint_retry=None):
         import boto3   # imported here so that the embedded backend never loads it
         import botocore.config
         bucket, _, prefix = uri[len("s3://"):].partition("/")
@@ -846,12 +918,17 @@ class AwsBackend:
             raise UserError(f"CALQUE_STORE={uri!r} names no bucket: use s3://bucket/prefix")
         self.uri, self.bucket = uri, bucket
         self.requests = Counter()
+        if endpoint_retry is None:
+            endpoint_retry = setting_number(settings(), "CALQUE_ENDPOINT_RETRY", float, 0)
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        config = botocore.config.Config(region_name=region, retries={"max_attempts": 5, "mode": "standard"},
-                                        connect_timeout=5, read_timeout=30)
+        retries = {"mode": "standard"}
+        if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
+            retries["max_attempts"] = 5
+        config = botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30)
         self.session = boto3.session.Session()
-        self.store = S3Store(self.session.client("s3", config=config), bucket, prefix.strip("/"), self.requests)
-        self.queues = SqsQueues(self.session.client("sqs", config=config), self.requests)
+        self.store = S3Store(self.session.client("s3", config=config), bucket, prefix.strip("/"), self.requests,
+                             endpoint_retry)
+        self.queues = SqsQueues(self.session.client("sqs", config=config), self.requests, endpoint_retry)
 
     def describe(self):
         return self.uri
@@ -3894,7 +3971,7 @@ def main(argv=None):
 
 def aws_error_line(error):
     """'AccessDenied: ... (CreateQueue)' from a botocore error, else its text."""
-    info = getattr(error, "response", {}).get("Error", {})
+    info = _aws_error_info(error)
     if info:
         return f"{info.get('Code')}: {info.get('Message')} ({getattr(error, 'operation_name', '?')})"
     return str(error)

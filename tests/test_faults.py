@@ -175,3 +175,104 @@ def test_queue_file_deleted_under_a_running_worker(local_env, tmp_path):
     assert json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)["supervisor"]["restarts"] == 0
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
 
+
+class DroppingProxy:
+    """A loopback TCP proxy to `target`; while dropping, it resets every connection, open or new (as an
+    endpoint blip does), and counts those it refused."""
+
+    def __init__(self, target_port):
+        self.target, self.dropping, self.refused, self.open = target_port, False, 0, []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def drop(self, on):
+        with self.lock:
+            self.dropping = on
+            if on:
+                for conn in self.open:
+                    self._reset(conn)
+                self.open = []
+
+    @staticmethod
+    def _reset(conn):
+        try:   # linger on, timeout 0: a reset, as a dropped connection gives; shutdown wakes its pump's recv
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            conn.shutdown(socket.SHUT_RDWR)
+            conn.close()
+        except OSError:
+            pass   # its pump closed it already
+
+    def _accept(self):
+        while True:
+            client, _ = self.server.accept()
+            with self.lock:
+                if self.dropping:
+                    self.refused += 1
+                    self._reset(client)
+                    continue
+                upstream = socket.create_connection(("127.0.0.1", self.target))
+                self.open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def test_endpoint_blip_while_submit_waits(aws_env, tmp_path):
+    """SQS/S3 connections reset for a few seconds while `submit` waits (botocore's own retries off): it rides the
+    blip out and reports the run complete; an endpoint that stays away past CALQUE_ENDPOINT_RETRY is one line."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(aws_env, GATE_DIR=str(gate))
+    out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Gate", "--workers", "1")
+    assert out.returncode == 0, out.stderr
+    proxy = DroppingProxy(int(aws_env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1]))
+    via_proxy = dict(env, AWS_ENDPOINT_URL=proxy.url, AWS_MAX_ATTEMPTS="1")
+    items = write_items(tmp_path / "items.jsonl", [{"x": 1}])
+
+    def submit(retry):
+        return subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", items, "--json",
+                                 "--timeout", "60"], env=dict(via_proxy, CALQUE_ENDPOINT_RETRY=retry), cwd=ROOT,
+                                text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def mid_claim():   # the worker holds the claim: the submit is waiting on its summary
+        return wait_for(lambda: list(gate.glob("started-*")), 60, "the worker to start the claim")[0]
+
+    waiting = submit("60")
+    started = mid_claim()
+    proxy.drop(True)
+    began = time.monotonic()
+    (gate / "open").touch()    # the worker, not behind the proxy, finishes the run during the blip
+    wait_for(lambda: proxy.refused >= 3 and time.monotonic() - began >= 3, 30, "a blip of 3 s that refused 3 calls")
+    proxy.drop(False)
+    stdout, stderr = waiting.communicate(timeout=60)
+    assert waiting.returncode == 0 and "Traceback" not in stderr, stderr
+    result = json.loads(stdout)
+    assert result["complete"] and [s["ok"] for s in result["summaries"]] == [1]
+
+    (gate / "open").unlink()
+    started.unlink()
+    given_up = submit("1")
+    mid_claim()
+    proxy.drop(True)           # and it stays away
+    stdout, stderr = given_up.communicate(timeout=60)
+    assert given_up.returncode == 1 and "Traceback" not in stderr, stderr
+    assert re.fullmatch(rf"calque: error: AWS endpoint {re.escape(proxy.url)} unreachable for 1 s "
+                        rf"\((ConnectionClosedError|EndpointConnectionError)\) ---> HINT: check the network and "
+                        rf"AWS_ENDPOINT_URL, then retry \(a submitted run goes on: `runs show RUN` reads it\)",
+                        stderr.strip().splitlines()[-1]), stderr   # a reset on connect or on a pooled connection
+    (gate / "open").touch()
+    assert cli(env, "pool", "delete", "--model", "m", "--yes", "--force").returncode == 0
