@@ -1049,6 +1049,7 @@ RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long resta
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
+SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
 
 
 def state_dir(conf, model):
@@ -1112,12 +1113,16 @@ def start_supervisor(conf, model, workers):
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "pool", "supervise", "--model", model],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env(conf),
                                 start_new_session=True, cwd=HERE)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not read_supervisor(conf, model):
-        if proc.poll() is not None:
+    deadline = time.monotonic() + SUPERVISOR_START_WAIT
+    while time.monotonic() < deadline:
+        status = read_supervisor(conf, model)
+        if status:   # ours, or the one that holds the pool's lock (a `pool create` running beside this one)
+            return status["pid"]
+        if proc.poll() not in (None, 0):   # 0: it found the lock held and left the pool to that supervisor
             raise UserError(f"the pool supervisor exited at once: see {folder}/supervisor.log")
         time.sleep(0.02)
-    return proc.pid
+    raise UserError(f"the pool supervisor did not report within {SUPERVISOR_START_WAIT:g} s: "
+                    f"see {folder}/supervisor.log, then retry")
 
 
 def stop_supervisor(conf, model, timeout):
@@ -1136,8 +1141,15 @@ def stop_supervisor(conf, model, timeout):
 
 
 def supervise(conf, model):
-    """The detached supervisor's loop: keep `desired` warmd.py processes, restart the dead with backoff."""
+    """The detached supervisor's loop: keep `desired` warmd.py processes, restart the dead with backoff.
+    One per pool on a machine: it holds an exclusive lock on the pool's supervisor.lock for its whole life
+    (the kernel drops it when the process dies, however it dies); a second one exits at once, leaving the
+    pool to the first."""
     folder = state_dir(conf, model)
+    lock = hold_supervisor_lock(folder)   # held while this function runs: closed (unlocked) when it returns
+    if lock is None:
+        print(f"supervisor {os.getpid()}: pool {model} already has a supervisor on this machine: exit", flush=True)
+        return
     grace = setting_number(conf, "CALQUE_GRACE")
     slots = {}            # slot -> {"proc", "started", "restarts", "not_before", "log"}
     totals = {"restarts": 0}
@@ -1164,6 +1176,20 @@ def supervise(conf, model):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, "supervisor.json"))
         print("supervisor: exit", flush=True)
+
+
+def hold_supervisor_lock(folder):
+    """The open lock file, locked (keep it open for as long as the lock is to be held), or None when another
+    process holds it."""
+    import fcntl
+    os.makedirs(folder, exist_ok=True)
+    lock = open(os.path.join(folder, "supervisor.lock"), "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
 
 
 def read_desired(folder):

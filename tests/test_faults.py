@@ -55,6 +55,24 @@ def live_worker(env, model="m", other_than=None):
     return wait_for(running, 60, "a live worker reporting running")
 
 
+def processes(state, word):
+    """Pids of live processes whose command line holds `word` and whose CALQUE_STATE is `state`."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat") as f:
+                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
+        except OSError:
+            continue
+        if not zombie and word.encode() in cmdline and f"CALQUE_STATE={state}".encode() in environ:
+            found.append(int(pid))
+    return found
+
+
 def test_bad_input_is_one_line_and_stages_nothing(local_env, tmp_path):
     """Items that are not UTF-8, nested too deep (RecursionError at ~990 levels) or not numeric arrays, and a
     pool.env that is not UTF-8: exit 2, one line naming file and line, no run staged, the queue unchanged."""
@@ -174,6 +192,30 @@ def test_queue_file_deleted_under_a_running_worker(local_env, tmp_path):
     assert [s["worker_id"].rsplit("-", 1)[1] for s in json.loads(out.stdout)["summaries"]] == [str(pid)]
     assert json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)["supervisor"]["restarts"] == 0
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
+def test_one_supervisor_per_pool(local_env, tmp_path):
+    """The same `pool create --workers 1` twice at once leaves one supervisor (both name it); a third started by
+    hand exits at once; `pool delete` then leaves no supervisor and no worker."""
+    state = local_env["CALQUE_STATE"]
+    argv = [PY, os.path.join(ROOT, "calque.py"), "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
+            "--workers", "1"]
+    creates = [subprocess.Popen(argv, env=local_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=60) for p in creates]
+    assert [p.returncode for p in creates] == [0, 0], outs
+    named = {re.search(r"under supervisor pid (\d+)", out).group(1) for out, _ in outs}
+    assert len(named) == 1, outs
+    wait_for(lambda: processes(state, "supervise") == [int(*named)], 20, "exactly the one named supervisor")
+    third = cli(local_env, "pool", "supervise", "--model", "m", timeout=30)
+    assert third.returncode == 0
+    assert "pool m already has a supervisor on this machine: exit" in open(
+        os.path.join(state, "pools", "m", "supervisor.log")).read()
+    assert processes(state, "supervise") == [int(*named)]
+    live_worker(local_env)
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+    wait_for(lambda: not processes(state, "supervise") and not processes(state, "warmd.py"), 20,
+             "no supervisor and no worker")
 
 
 class DroppingProxy:
