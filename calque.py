@@ -996,6 +996,36 @@ def load_pool(backend, model):
     return record
 
 
+def name_key(model):
+    """The claim of a slug: {"model": M}, the model that owns pools/<slug>/ (written once, atomically)."""
+    return f"pools/{slug(model)}/name.json"
+
+
+@contextlib.contextmanager
+def pool_name_claimed(backend, model):
+    """Hold the model's slug (its queue names, its store folder) for a `pool create`. The first model to
+    write pools/<slug>/name.json (a create-if-absent: os.link locally, a conditional PUT on S3) owns the slug;
+    a colliding name (Foo/Bar and foo-bar) is refused, even when the two are created at the same moment.
+    Re-creating the same model is idempotent. A pool made before claims existed is known by its record.
+    A create that fails before its pool record is written gives back the claim it made."""
+    owner = model
+    with contextlib.suppress(NotFound):
+        owner = read_json(backend, pool_key(model)).get("model")
+    created = owner == model and backend.store.put_new(name_key(model), json.dumps({"model": model}))
+    if owner == model and not created:
+        owner = read_json(backend, name_key(model)).get("model")
+    if owner != model:
+        raise UserError(f"model {model!r} shares its queue name {pool_queue_name(model)} with the pool of {owner!r} "
+                        f"---> HINT: use that exact name, or one that differs in more than case or punctuation")
+    try:
+        yield
+    except BaseException:
+        if created and not backend.store.exists(pool_key(model)):
+            with contextlib.suppress(Exception):   # the error being raised is the one to report
+                backend.store.delete(name_key(model))
+        raise
+
+
 def snapshot_handler(backend, handler_spec, key_prefix):
     """Copy the handler file into the store (the code a worker on another machine will run); returns its record."""
     path, cls = parse_handler_spec(handler_spec)
@@ -3576,11 +3606,6 @@ def cmd_pool_create(conf, backend, args):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     queue, dlq = pool_queue_name(args.model), dlq_name(args.model)
-    with contextlib.suppress(NotFound):
-        existing = read_json(backend, pool_key(args.model))
-        if existing["model"] != args.model:
-            raise UserError(f"model {args.model!r} would share queue {queue} with the existing pool of {existing['model']!r}: "
-                            f"pick a name that differs in more than case or punctuation")
     record = {
         "model": args.model, "slug": slug(args.model), "queue": queue, "dlq": dlq,
         "batch_size": args.batch_size or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
@@ -3589,14 +3614,16 @@ def cmd_pool_create(conf, backend, args):
         "created_at": now_iso(), "store": backend.describe(),
     }
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
-        ec2_pool_create(backend, record, args)
+        with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
+            ec2_pool_create(backend, record, args)
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
-    record["handler"] = snapshot_handler(backend, args.handler, f"pools/{record['slug']}/")
-    backend.queues.create_queue(queue, record["visibility_timeout"])
-    backend.queues.create_queue(dlq, record["visibility_timeout"])
-    write_json(backend, pool_key(args.model), record)
+    with pool_name_claimed(backend, args.model):
+        record["handler"] = snapshot_handler(backend, args.handler, f"pools/{record['slug']}/")
+        backend.queues.create_queue(queue, record["visibility_timeout"])
+        backend.queues.create_queue(dlq, record["visibility_timeout"])
+        write_json(backend, pool_key(args.model), record)
     print(f"pool {args.model}: queue {queue}, dead-letter {dlq}, handler {record['handler']['file']}:{record['handler']['class']}, "
           f"batch {record['batch_size']}, visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}")
     if args.workers:

@@ -218,6 +218,31 @@ def test_one_supervisor_per_pool(local_env, tmp_path):
              "no supervisor and no worker")
 
 
+@pytest.mark.parametrize("backend", ["local", "moto_server"])
+def test_colliding_names_created_at_once(backend, request):
+    """Foo/Bar and foo-bar (one slug) created at the same moment: exactly one wins, the other gets one line;
+    the winner's re-create is idempotent."""
+    env = request.getfixturevalue("local_env" if backend == "local" else "aws_env")
+    creates = {model: subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "pool", "create", "--model", model,
+                                        "--handler", f"{HANDLERS}:Echo"], env=env, cwd=ROOT, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE) for model in ("Foo/Bar", "foo-bar")}
+    outs = {model: (p.communicate(timeout=60), p.returncode) for model, p in creates.items()}
+    winners = [model for model, (_, code) in outs.items() if code == 0]
+    assert len(winners) == 1, outs
+    winner, loser = winners[0], ({"Foo/Bar", "foo-bar"} - set(winners)).pop()
+    (_, stderr), code = outs[loser]
+    assert code == 2 and stderr.strip() == (
+        f"calque: error: model {loser!r} shares its queue name calque-pool-foo-bar with the pool of {winner!r} ---> "
+        f"HINT: use that exact name, or one that differs in more than case or punctuation"), stderr
+    backend_ = backend_for(env)
+    assert backend_.store.list("pools/") == ["pools/foo-bar"]
+    import calque
+    assert calque.read_json(backend_, "pools/foo-bar/pool.json")["model"] == winner
+    assert calque.read_json(backend_, "pools/foo-bar/name.json") == {"model": winner}
+    create_pool(env, winner)
+    assert cli(env, "pool", "delete", "--model", winner, "--yes").returncode == 0
+
+
 class DroppingProxy:
     """A loopback TCP proxy to `target`; while dropping, it resets every connection, open or new (as an
     endpoint blip does), and counts those it refused."""
