@@ -1080,6 +1080,8 @@ SUPERVISOR_TICK = 0.2                   # s between two checks of the children a
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
 SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
+WORKER_LOST_AFTER = 120.0               # s of silence after which a "running" worker elsewhere counts as lost
+                                        # (4 of warmd's 30 s stats intervals; it also writes after each claim)
 
 
 def state_dir(conf, model):
@@ -3662,11 +3664,37 @@ def pool_status(conf, backend, model):
     if supervisor:
         for w in supervisor["workers"]:
             local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
-    stats = read_worker_stats(backend, model)
+    stats = mark_lost_workers(read_worker_stats(backend, model))
     return {"model": model, "record": record, "queue": depths["queue"], "dlq": depths["dlq"],
             "ec2": ec2_pool_status(backend, record) if "ec2" in record else None,
             "supervisor": {"pid": supervisor["pid"], "desired": supervisor["desired"], "restarts": supervisor["restarts"]} if supervisor else None,
             "local_workers": local, "workers": stats}
+
+
+def mark_lost_workers(stats, now=None):
+    """The worker stats, a worker that says "running" but is gone marked {"state": "lost", "lost": why}. On this
+    machine a worker is gone when its pid is; elsewhere, when its stats are older than WORKER_LOST_AFTER (it
+    rewrites them every 30 s idle and after each claim, so one busy on a single longer claim shows as lost
+    until that claim ends). Without this a pool whose workers were killed counts them all as running."""
+    import socket
+    now = time.time() if now is None else now
+    host, marked = socket.gethostname(), []
+    for w in stats:
+        if w.get("state") == "running":
+            if w.get("host") == host and isinstance(w.get("pid"), int):
+                why = None if pid_alive(w["pid"]) else f"pid {w['pid']} is gone"
+            else:
+                age = now - datetime.datetime.fromisoformat(w["updated_at"]).timestamp()
+                why = f"no stats for {age:.0f} s" if age > WORKER_LOST_AFTER else None
+            w = dict(w, state="lost", lost=why) if why else w
+        marked.append(w)
+    return marked
+
+
+def worker_counts(workers):
+    """'3 (1 running, 2 lost)': the workers with stats, by state."""
+    states = Counter(w.get("state") for w in workers)
+    return f"{len(workers)} ({states['running']} running, {states['lost']} lost)"
 
 
 def cmd_pool_status(conf, backend, args):
@@ -3687,7 +3715,7 @@ def cmd_pool_status(conf, backend, args):
     else:
         print("  local workers: none on this machine")
     running = [w for w in status["workers"] if w.get("state") == "running"]
-    print(f"  workers with stats: {len(status['workers'])} ({len(running)} running)")
+    print(f"  workers with stats: {worker_counts(status['workers'])}")
     # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
     # and the few most recently stopped, so a pool that restarted many times still prints a short table
     stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])

@@ -243,6 +243,28 @@ def test_colliding_names_created_at_once(backend, request):
     assert cli(env, "pool", "delete", "--model", winner, "--yes").returncode == 0
 
 
+def test_status_counts_lost_workers(local_env, tmp_path):
+    """A SIGKILLed worker (its stats still say running) and a silent worker elsewhere show as lost; only the
+    live one counts as running."""
+    create_pool(local_env, "m", "--workers", "1")
+    killed = live_worker(local_env)
+    os.kill(killed, signal.SIGKILL)
+    live_worker(local_env, other_than=killed)
+    backend = backend_for(local_env)
+    old = time.time() - 600
+    import calque
+    calque.write_json(backend, "pools/m/workers/elsewhere-7.json", {
+        "worker_id": "elsewhere-7", "model": "m", "host": "elsewhere", "pid": 7, "state": "running",
+        "started_at": calque.now_iso(old - 60), "updated_at": calque.now_iso(old), "alive_seconds": 60.0,
+        "busy_seconds": 0.0, "claims": 0, "warm_hits": 0, "enter_count": 1, "enter_seconds": 0.1, "items": 0})
+    out = cli(local_env, "pool", "status", "--model", "m")
+    assert "  workers with stats: 3 (1 running, 2 lost)\n" in out.stdout, out.stdout
+    status = json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)
+    lost = sorted(w["lost"] for w in status["workers"] if w["state"] == "lost")
+    assert lost[0].startswith("no stats for 6") and lost[1] == f"pid {killed} is gone", lost
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
 class DroppingProxy:
     """A loopback TCP proxy to `target`; while dropping, it resets every connection, open or new (as an
     endpoint blip does), and counts those it refused."""
