@@ -44,11 +44,15 @@ DEFAULTS = {
     "CALQUE_POLL_WAIT": "20",           # seconds of one long poll (SQS caps it at 20)
     "CALQUE_GRACE": "30",               # seconds a SIGTERM'd worker may spend finishing its claim before releasing it
     "CALQUE_TIMEOUT": "3600",           # seconds submit waits for the summaries
+    "CALQUE_ENDPOINT_RETRY": "60",      # s an S3/SQS call retries a dropped, refused or timed-out connection
     "CALQUE_SPOT_POLL": "",             # spot-interruption metadata address (off when empty; EC2 bootstrap sets it)
     "CALQUE_SPOT_INTERVAL": "5",        # s between two spot-interruption checks (AWS gives a 2-minute notice)
 }
 ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
+QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local queue file is still the one opened
+ENDPOINT_BACKOFF = (0.25, 4.0)          # s: first wait before retrying an unreachable AWS endpoint, doubling to a cap
+ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
 SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
 ERRORS_KEPT = 100                       # per-item error messages kept in a summary (the count is always exact)
 ERROR_CHARS = 500                       # an error message is cut to this many characters
@@ -66,6 +70,11 @@ class NotFound(Exception):
     """A store key or a queue that does not exist."""
 
 
+class StoreFault(Exception):
+    """The store or the queue failed (unwritable, full, unreachable, replaced) or holds a record that cannot be
+    read: one line naming the key or file and the next step, exit 1."""
+
+
 class LeaseLost(Exception):
     """The claim's receipt is no longer valid: another worker may own the message now."""
 
@@ -75,19 +84,35 @@ def settings():
     merged = dict(DEFAULTS)
     env_file = os.environ.get("CALQUE_ENV", ENV_FILE)
     if os.path.exists(env_file):
-        with open(env_file) as f:
-            for lineno, line in enumerate(f, 1):
-                line = line.strip()
-                if not line or line.startswith("#"):
-                    continue
-                key, sep, value = line.partition("=")
-                if not sep:
-                    raise UserError(f"{env_file}:{lineno}: expected KEY=value, got {line!r}")
-                merged[key.strip()] = value.strip().strip('"').strip("'")
+        try:
+            with open(env_file, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise UserError(f"cannot read {env_file} ({e.strerror}) ---> HINT: fix it, or point CALQUE_ENV elsewhere")
+        for lineno, line in text_lines(data, env_file):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep:
+                raise UserError(f"{env_file}:{lineno}: expected KEY=value, got {line!r}")
+            merged[key.strip()] = value.strip().strip('"').strip("'")
     for key in DEFAULTS:
         if key in os.environ:
             merged[key] = os.environ[key]
     return merged
+
+
+def text_lines(data, where):
+    """(line number, text) of each '\n'-separated line of `data` (bytes), decoded at once (decoding line by line
+    read a 100,000-item file a third slower); bytes that are not UTF-8 are a UserError naming the line."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as e:
+        lineno, column = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
+        raise UserError(f"{where}:{lineno}: not UTF-8 text (byte {column} of the line) ---> HINT: save the file "
+                        f"as UTF-8") from None
+    return enumerate(text.split("\n"), 1)   # not splitlines(): a JSON string may hold U+2028 and the like
 
 
 def setting_number(conf, key, kind=float, minimum=None):
@@ -386,7 +411,8 @@ class Message:
 class LocalStore:
     """A directory of objects. A write lands in a temporary file that is renamed over the key, so a reader
     sees the old object or the new one, never half of one; files are not fsynced (a power loss may lose the
-    last writes, a process crash loses nothing)."""
+    last writes, a process crash loses nothing). A file system error (read-only, full, permissions) is a
+    StoreFault naming the key."""
 
     def __init__(self, root, requests):
         self.root = os.path.realpath(root)
@@ -407,6 +433,10 @@ class LocalStore:
             return None
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
+    def _fault(self, doing, key, error):
+        return StoreFault(f"store {self.root}: cannot {doing} {key} ({error.strerror or error}) ---> HINT: check that "
+                          f"the folder is writable and has free space, then retry")
+
     def get(self, key):
         self.requests["store_gets"] += 1
         try:
@@ -414,15 +444,44 @@ class LocalStore:
                 return f.read()
         except FileNotFoundError:
             raise NotFound(key)
+        except OSError as e:
+            raise self._fault("read", key, e) from None
 
     def put(self, key, data):
         self.requests["store_puts"] += 1
+        self._publish(key, data, os.replace)
+
+    def put_new(self, key, data):
+        """put, only where the key does not exist yet; True when this call wrote it. Atomic: os.link of the
+        complete temporary file fails on an existing name, so of two racing writers exactly one wins."""
+        self.requests["store_puts"] += 1
+        return self._publish(key, data, _link_new)
+
+    def _publish(self, key, data, place):
+        """Write data to a temporary file beside the key, then return place(tmp, path); the temporary file
+        never outlives the call (a full disk leaves no partial file behind)."""
         path = self._path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data if isinstance(data, bytes) else data.encode())
-        os.replace(tmp, path)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data if isinstance(data, bytes) else data.encode())
+            return place(tmp, path)
+        except OSError as e:
+            failed = e
+        finally:
+            with contextlib.suppress(FileNotFoundError):   # left by os.link, or a partial write
+                os.remove(tmp)
+        with contextlib.suppress(OSError):   # a folder made for this key alone goes too
+            os.rmdir(os.path.dirname(path))
+        raise self._fault("write", key, failed)
+
+    def delete(self, key):
+        """Remove the key, and its folder if that is left empty (on S3 a folder is only a prefix of keys)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._path(key))
+        with contextlib.suppress(OSError):   # not empty: another key lives there
+            os.rmdir(os.path.dirname(self._path(key)))
 
     def exists(self, key):
         self.requests["store_gets"] += 1
@@ -435,11 +494,25 @@ class LocalStore:
             names = os.listdir(self._path(prefix))
         except FileNotFoundError:
             return []
+        except OSError as e:
+            raise self._fault("list", prefix, e) from None
         return sorted(prefix + n for n in names if ".tmp-" not in n)
 
     def delete_prefix(self, prefix):
         import shutil
-        shutil.rmtree(self._path(prefix), ignore_errors=True)
+        shutil.rmtree(self._path(prefix), ignore_errors=True)   # ignores files a concurrent writer removed first
+        if os.path.lexists(self._path(prefix)):                 # but not a folder that stayed: say so
+            raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the folder's permissions, "
+                             f"then retry")
+
+
+def _link_new(tmp, path):
+    """os.link that answers False where `path` exists already."""
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
 
 
 class LocalQueues:
@@ -467,14 +540,47 @@ class LocalQueues:
         self._local = threading.local()   # one lazy connection per thread: the heartbeat has its own
 
     def db(self):
-        conn = getattr(self._local, "conn", None)
-        if conn is None:    # autocommit; transactions are explicit (BEGIN IMMEDIATE)
-            os.makedirs(os.path.dirname(self.path), exist_ok=True)
-            conn = self._local.conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")   # durable across process crashes, not power loss
-            conn.executescript(self.SCHEMA)
-        return conn
+        """This thread's connection. Every QUEUE_FILE_CHECK seconds (one stat) it checks that the file at the
+        path is still the one it opened: a queue file deleted or replaced under a running process would
+        otherwise be polled forever while new claims go to the new file. Then the connection is dropped with
+        a StoreFault (a worker logs it and retries), and the next call opens the file now at the path."""
+        local = self._local
+        if getattr(local, "conn", None) is not None and time.monotonic() >= local.check_at:
+            local.check_at = time.monotonic() + QUEUE_FILE_CHECK
+            if _file_id(self.path) != local.file_id:
+                local.conn.close()
+                local.conn = None
+                raise StoreFault(f"local queue {self.path} was deleted or replaced under this process: the claims "
+                                 f"it held are gone ---> HINT: recreate the pools (`pool create` is idempotent) and "
+                                 f"submit their runs again")
+        if getattr(local, "conn", None) is None:
+            local.conn, local.file_id = self._open()
+            local.check_at = time.monotonic() + QUEUE_FILE_CHECK
+        return local.conn
+
+    def _open(self):
+        """A new connection and the id of the file it opened. A queue file missing while its -wal and -shm files
+        remain was deleted under processes that still write that log: sharing it would corrupt the new file,
+        so, under a lock (two openers must not remove each other's fresh log), the two are unlinked first; the
+        old processes keep theirs open until their own check drops it."""
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        if os.path.exists(self.path):
+            return self._connect()
+        import fcntl
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not os.path.exists(self.path):
+                for side in ("-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self.path + side)
+            return self._connect()
+
+    def _connect(self):
+        conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)   # autocommit; BEGIN IMMEDIATE when needed
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")   # durable across process crashes, not power loss
+        conn.executescript(self.SCHEMA)
+        return conn, _file_id(self.path)
 
     @contextlib.contextmanager
     def transaction(self):
@@ -505,6 +611,15 @@ class LocalQueues:
             db.execute("DELETE FROM queues WHERE name = ?", (name,))
 
 
+def _file_id(path):
+    """(device, inode) of the file at path, None when there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class LocalQueue:
     def __init__(self, queues, name, visibility_timeout):
         self.queues, self.name, self.visibility_timeout = queues, name, visibility_timeout
@@ -519,10 +634,9 @@ class LocalQueue:
         """One message or None after wait_seconds. The wait probes an index every LOCAL_POLL_INTERVAL
         (read-only, no lock) and takes the write lock only when a message is ready."""
         deadline = time.monotonic() + wait_seconds
-        db = self.queues.db()
         while True:
             now = time.time()
-            if db.execute(LocalQueues.SQL_READY, (self.name, now)).fetchone():
+            if self.queues.db().execute(LocalQueues.SQL_READY, (self.name, now)).fetchone():   # db(): file check
                 with self.queues.transaction() as tx:
                     row = tx.execute(LocalQueues.SQL_NEXT, (self.name, now)).fetchone()
                     if row:
@@ -577,12 +691,47 @@ class LocalBackend:
 
 
 def _aws_error_code(error):
-    return getattr(error, "response", {}).get("Error", {}).get("Code", "")
+    return _aws_error_info(error).get("Code", "")
+
+
+def _aws_error_info(error):
+    """The Error part of a botocore error's response; {} for errors that have none (a dropped connection's
+    `response` is None)."""
+    return (getattr(error, "response", None) or {}).get("Error", {})
+
+
+def endpoint_retried(method):
+    """An S3 or SQS call that outlasts an endpoint blip: a dropped, refused or timed-out connection is retried
+    with backoff (ENDPOINT_BACKOFF) for up to the owner's `endpoint_retry` seconds (CALQUE_ENDPOINT_RETRY;
+    botocore's own few retries come first inside each try), then it is a StoreFault in one line. Without it
+    a `submit` waiting on a run died of a 15 s blip while the run itself finished. Hidden cost: an endpoint
+    that is really gone takes that long to report. Only calls that may run twice carry it: a repeated send
+    is a duplicate claim, which its worker acks as one."""
+    import functools
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        import botocore.exceptions
+        deadline = time.monotonic() + self.endpoint_retry
+        delay = ENDPOINT_BACKOFF[0]
+        while True:
+            try:
+                return method(self, *args, **kwargs)
+            except (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError) as e:
+                if time.monotonic() + delay > deadline:
+                    raise StoreFault(f"AWS endpoint {self.endpoint} unreachable for {self.endpoint_retry:g} s "
+                                     f"({type(e).__name__}) ---> HINT: check the network and AWS_ENDPOINT_URL, "
+                                     f"then retry (a submitted run goes on: `runs show RUN` reads it)") from e
+            time.sleep(delay)
+            delay = min(delay * 2, ENDPOINT_BACKOFF[1])
+    return call
 
 
 class S3Store:
-    def __init__(self, s3, bucket, prefix, requests):
+    def __init__(self, s3, bucket, prefix, requests, endpoint_retry=0.0):
         self.s3, self.bucket, self.prefix, self.requests = s3, bucket, prefix, requests
+        self.endpoint_retry = endpoint_retry
+        self.endpoint = s3.meta.endpoint_url if s3 else None
 
     def _key(self, key):
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -596,6 +745,7 @@ class S3Store:
             return None
         return uri[len(root):]
 
+    @endpoint_retried
     def get(self, key):
         self.requests["store_gets"] += 1
         try:
@@ -603,10 +753,35 @@ class S3Store:
         except self.s3.exceptions.NoSuchKey:
             raise NotFound(key)
 
+    @endpoint_retried
     def put(self, key, data):
         self.requests["store_puts"] += 1
         self.s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data if isinstance(data, bytes) else data.encode())
 
+    @endpoint_retried
+    def put_new(self, key, data):
+        """put, only where the key does not exist yet (a conditional write, If-None-Match: *); True when this
+        call wrote it. S3 answers 412 when the key exists, 409 while a racing conditional write is in flight
+        (then the outcome is not known yet: ask again)."""
+        self.requests["store_puts"] += 1
+        for delay in (0.05, 0.1, 0.2, 0.4, 0.8, None):
+            try:
+                self.s3.put_object(Bucket=self.bucket, Key=self._key(key), IfNoneMatch="*",
+                                   Body=data if isinstance(data, bytes) else data.encode())
+                return True
+            except Exception as e:
+                code = _aws_error_code(e)
+                if code == "PreconditionFailed":
+                    return False
+                if code != "ConditionalRequestConflict" or delay is None:
+                    raise
+                time.sleep(delay)
+
+    @endpoint_retried
+    def delete(self, key):
+        self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    @endpoint_retried
     def exists(self, key):
         self.requests["store_gets"] += 1
         try:
@@ -617,6 +792,7 @@ class S3Store:
                 return False
             raise
 
+    @endpoint_retried
     def list(self, prefix):
         """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list."""
         keys = []
@@ -627,6 +803,7 @@ class S3Store:
         strip = len(self._key(""))
         return sorted(k[strip:] for k in keys)
 
+    @endpoint_retried
     def delete_prefix(self, prefix):
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
             objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
@@ -635,9 +812,11 @@ class S3Store:
 
 
 class SqsQueues:
-    def __init__(self, sqs, requests):
+    def __init__(self, sqs, requests, endpoint_retry=0.0):
         self.sqs, self.requests = sqs, requests
+        self.endpoint_retry, self.endpoint = endpoint_retry, sqs.meta.endpoint_url
 
+    @endpoint_retried
     def create_queue(self, name, visibility_timeout):
         attributes = {"VisibilityTimeout": str(int(visibility_timeout))}
         try:
@@ -649,6 +828,7 @@ class SqsQueues:
             self.sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
         return SqsQueue(self, name, url, visibility_timeout)
 
+    @endpoint_retried
     def open_queue(self, name):
         """Resolve a queue, retrying briefly: a queue just created may take seconds to resolve on SQS."""
         deadline = time.monotonic() + QUEUE_OPEN_RETRY
@@ -667,6 +847,7 @@ class SqsQueues:
         vt = int(self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]["VisibilityTimeout"])
         return SqsQueue(self, name, url, vt)
 
+    @endpoint_retried
     def delete_queue(self, name):
         try:
             self.sqs.delete_queue(QueueUrl=self.sqs.get_queue_url(QueueName=name)["QueueUrl"])
@@ -678,8 +859,9 @@ class SqsQueues:
 class SqsQueue:
     def __init__(self, queues, name, url, visibility_timeout):
         self.queues, self.name, self.url, self.visibility_timeout = queues, name, url, visibility_timeout
-        self.sqs = queues.sqs
+        self.sqs, self.endpoint_retry, self.endpoint = queues.sqs, queues.endpoint_retry, queues.endpoint
 
+    @endpoint_retried
     def send(self, body):
         self.queues.requests["queue_other"] += 1
         self.sqs.send_message(QueueUrl=self.url, MessageBody=body)
@@ -706,6 +888,7 @@ class SqsQueue:
                 raise LeaseLost(f"queue {self.name}: {e}")
             raise
 
+    @endpoint_retried
     def delete(self, message):
         self.queues.requests["queue_other"] += 1
         try:
@@ -716,6 +899,7 @@ class SqsQueue:
                 return False
             raise
 
+    @endpoint_retried
     def counts(self):
         self.queues.requests["queue_other"] += 1
         attrs = self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=[
@@ -728,7 +912,7 @@ class AwsBackend:
     service-specific AWS_ENDPOINT_URL_SQS / _S3) points it at moto_server or LocalStack unchanged."""
     kind = "aws"
 
-    def __init__(self, uri):
+    def __init__(self, uri, endpoint_retry=None):
         import boto3   # imported here so that the embedded backend never loads it
         import botocore.config
         bucket, _, prefix = uri[len("s3://"):].partition("/")
@@ -736,12 +920,17 @@ class AwsBackend:
             raise UserError(f"CALQUE_STORE={uri!r} names no bucket: use s3://bucket/prefix")
         self.uri, self.bucket = uri, bucket
         self.requests = Counter()
+        if endpoint_retry is None:
+            endpoint_retry = setting_number(settings(), "CALQUE_ENDPOINT_RETRY", float, 0)
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        config = botocore.config.Config(region_name=region, retries={"max_attempts": 5, "mode": "standard"},
-                                        connect_timeout=5, read_timeout=30)
+        retries = {"mode": "standard"}
+        if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
+            retries["max_attempts"] = 5
+        config = botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30)
         self.session = boto3.session.Session()
-        self.store = S3Store(self.session.client("s3", config=config), bucket, prefix.strip("/"), self.requests)
-        self.queues = SqsQueues(self.session.client("sqs", config=config), self.requests)
+        self.store = S3Store(self.session.client("s3", config=config), bucket, prefix.strip("/"), self.requests,
+                             endpoint_retry)
+        self.queues = SqsQueues(self.session.client("sqs", config=config), self.requests, endpoint_retry)
 
     def describe(self):
         return self.uri
@@ -772,8 +961,22 @@ def open_backend(store=None, check_prefix=""):
 # ------------------------------------------------------------------------------------------------
 # records: pool records, run records, summaries, worker stats (all JSON in the store)
 
-def read_json(backend, key):
-    return json.loads(backend.store.get(key))
+def read_json(backend, key, fix=None):
+    """A JSON record of the store (always an object). One that does not parse, or is not an object, is a
+    StoreFault naming its key (every verb that reads it says so in one line), with `fix` as the next step."""
+    data = backend.store.get(key)
+    try:
+        value = json.loads(data)
+    except (ValueError, RecursionError) as e:   # ValueError: not JSON, or not UTF-8
+        raise corrupt_record(backend, key, str(e).splitlines()[0] if str(e) else type(e).__name__, fix) from None
+    if not isinstance(value, dict):
+        raise corrupt_record(backend, key, f"a JSON {type(value).__name__}, not an object", fix)
+    return value
+
+
+def corrupt_record(backend, key, why, fix=None):
+    return StoreFault(f"store record {key} is corrupt ({why}) ---> HINT: "
+                      + (fix or f"repair or delete {backend.store.uri(key)}"))
 
 
 def write_json(backend, key, value):
@@ -781,14 +984,48 @@ def write_json(backend, key, value):
 
 
 def load_pool(backend, model):
+    fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its names, "
+           f"then create it again")
     try:
-        record = read_json(backend, pool_key(model))
+        record = read_json(backend, pool_key(model), fix)
     except NotFound:
         raise UserError(f"no pool for model {model!r} in {backend.describe()}: create it with "
                         f"`python calque.py pool create --model {model} --handler file.py:Class` (or see `pool list`)")
+    if not isinstance(record.get("model"), str):
+        raise corrupt_record(backend, pool_key(model), "no model name", fix)
     if record["model"] != model:
         raise UserError(f"model {model!r} shares its queue name with the pool of {record['model']!r}: use that exact name")
     return record
+
+
+def name_key(model):
+    """The claim of a slug: {"model": M}, the model that owns pools/<slug>/ (written once, atomically)."""
+    return f"pools/{slug(model)}/name.json"
+
+
+@contextlib.contextmanager
+def pool_name_claimed(backend, model):
+    """Hold the model's slug (its queue names, its store folder) for a `pool create`. The first model to
+    write pools/<slug>/name.json (a create-if-absent: os.link locally, a conditional PUT on S3) owns the slug;
+    a colliding name (Foo/Bar and foo-bar) is refused, even when the two are created at the same moment.
+    Re-creating the same model is idempotent. A pool made before claims existed is known by its record.
+    A create that fails before its pool record is written gives back the claim it made."""
+    owner = model
+    with contextlib.suppress(NotFound):
+        owner = read_json(backend, pool_key(model)).get("model")
+    created = owner == model and backend.store.put_new(name_key(model), json.dumps({"model": model}))
+    if owner == model and not created:
+        owner = read_json(backend, name_key(model)).get("model")
+    if owner != model:
+        raise UserError(f"model {model!r} shares its queue name {pool_queue_name(model)} with the pool of {owner!r} "
+                        f"---> HINT: use that exact name, or one that differs in more than case or punctuation")
+    try:
+        yield
+    except BaseException:
+        if created and not backend.store.exists(pool_key(model)):
+            with contextlib.suppress(Exception):   # the error being raised is the one to report
+                backend.store.delete(name_key(model))
+        raise
 
 
 def snapshot_handler(backend, handler_spec, key_prefix):
@@ -844,6 +1081,9 @@ RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long resta
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
+SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
+WORKER_LOST_AFTER = 120.0               # s of silence after which a "running" worker elsewhere counts as lost
+                                        # (4 of warmd's 30 s stats intervals; it also writes after each claim)
 
 
 def state_dir(conf, model):
@@ -907,12 +1147,16 @@ def start_supervisor(conf, model, workers):
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "pool", "supervise", "--model", model],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env(conf),
                                 start_new_session=True, cwd=HERE)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not read_supervisor(conf, model):
-        if proc.poll() is not None:
+    deadline = time.monotonic() + SUPERVISOR_START_WAIT
+    while time.monotonic() < deadline:
+        status = read_supervisor(conf, model)
+        if status:   # ours, or the one that holds the pool's lock (a `pool create` running beside this one)
+            return status["pid"]
+        if proc.poll() not in (None, 0):   # 0: it found the lock held and left the pool to that supervisor
             raise UserError(f"the pool supervisor exited at once: see {folder}/supervisor.log")
         time.sleep(0.02)
-    return proc.pid
+    raise UserError(f"the pool supervisor did not report within {SUPERVISOR_START_WAIT:g} s: "
+                    f"see {folder}/supervisor.log, then retry")
 
 
 def stop_supervisor(conf, model, timeout):
@@ -931,8 +1175,15 @@ def stop_supervisor(conf, model, timeout):
 
 
 def supervise(conf, model):
-    """The detached supervisor's loop: keep `desired` warmd.py processes, restart the dead with backoff."""
+    """The detached supervisor's loop: keep `desired` warmd.py processes, restart the dead with backoff.
+    One per pool on a machine: it holds an exclusive lock on the pool's supervisor.lock for its whole life
+    (the kernel drops it when the process dies, however it dies); a second one exits at once, leaving the
+    pool to the first."""
     folder = state_dir(conf, model)
+    lock = hold_supervisor_lock(folder)   # held while this function runs: closed (unlocked) when it returns
+    if lock is None:
+        print(f"supervisor {os.getpid()}: pool {model} already has a supervisor on this machine: exit", flush=True)
+        return
     grace = setting_number(conf, "CALQUE_GRACE")
     slots = {}            # slot -> {"proc", "started", "restarts", "not_before", "log"}
     totals = {"restarts": 0}
@@ -959,6 +1210,20 @@ def supervise(conf, model):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, "supervisor.json"))
         print("supervisor: exit", flush=True)
+
+
+def hold_supervisor_lock(folder):
+    """The open lock file, locked (keep it open for as long as the lock is to be held), or None when another
+    process holds it."""
+    import fcntl
+    os.makedirs(folder, exist_ok=True)
+    lock = open(os.path.join(folder, "supervisor.lock"), "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
 
 
 def read_desired(folder):
@@ -1033,21 +1298,47 @@ def read_items(path):
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
     try:
-        stream = sys.stdin if path == "-" else open(path)
+        stream = sys.stdin.buffer if path == "-" else open(path, "rb")
+        with stream:
+            data = stream.read()
     except OSError as e:
         raise UserError(f"cannot read items file {path}: {e.strerror}")
-    items = []
-    with stream:
-        for lineno, line in enumerate(stream, 1):
-            if not line.strip():
-                continue
-            try:
-                items.append(json.loads(line))
-            except ValueError as e:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({e.msg}): one JSON item per line")
+    items = []   # every item is read and checked before anything is written: a bad line stages nothing
+    for lineno, line in text_lines(data, path):
+        if line.strip():
+            items.append(parse_item(line, path, lineno))
     if not items:
         raise UserError(f"{path} holds no items: give one JSON item per line")
     return items
+
+
+def parse_item(line, path, lineno):
+    """One JSON item, or a UserError naming path:lineno. An item nested deeper than ITEM_DEPTH_MAX is refused
+    here: json.loads stops near 1000 levels, and the manifest that carries an item nests it 3 levels deeper,
+    so a deep item that parsed would fail later, half staged. Counting brackets first (two C scans) keeps
+    the exact depth walk off every ordinary line."""
+    try:
+        item = json.loads(line)
+        deep = line.count("[") + line.count("{") > ITEM_DEPTH_MAX and json_depth(item) > ITEM_DEPTH_MAX
+    except RecursionError:
+        deep = True
+    except ValueError as e:   # a JSONDecodeError, or an integer over Python's 4300 digits
+        raise UserError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)}): one JSON item per line") from None
+    if deep:
+        raise UserError(f"{path}:{lineno}: nested deeper than {ITEM_DEPTH_MAX} levels ---> HINT: flatten the item "
+                        f"(calque re-encodes it inside a manifest)")
+    return item
+
+
+def json_depth(value):
+    """Levels of nested arrays and objects in a parsed JSON value, walked without recursion (it may be deep)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (list, dict)):
+            deepest = max(deepest, depth)
+            todo += [(child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)]
+    return deepest
 
 
 class ArrayItems:
@@ -1065,15 +1356,12 @@ class ArrayItems:
     @classmethod
     def load(cls, path):
         import numpy as np
-        try:
-            loaded = np.load(path, allow_pickle=False)
-        except OSError as e:
-            raise UserError(f"cannot read items file {path}: {e}")
-        except ValueError as e:   # object arrays need pickle, which we refuse
-            raise UserError(f"{path}: {e}: save plain numeric arrays")
-        arrays = {"input": loaded} if path.endswith(".npy") else {k: loaded[k] for k in loaded.files}
+        arrays = read_arrays(path)
         fields, counts = {}, {}
         for name, values in arrays.items():
+            if not SAFE_ID.match(name):   # it names store keys (runs/RUN/inputs/CLAIM/<name>.values.npy)
+                raise UserError(f"{path}: array name {name!r} cannot name a store key ---> HINT: name it with "
+                                f"letters, digits, '.', '_' or '-'")
             if name.endswith("_offsets") and name[:-len("_offsets")] in arrays:
                 continue
             if values.dtype.hasobject or values.dtype.kind not in "biuf":
@@ -1118,6 +1406,27 @@ class ArrayItems:
                 backend.store.put(key, buf.getvalue())
                 entry[name][role] = key
         return entry
+
+
+def read_arrays(path):
+    """{name: array} of a .npy file ({"input": a}) or a .npz archive (its arrays), read at once. Whatever the
+    file holds, a fault is a UserError naming it: numpy raises OSError, ValueError (object arrays, which need
+    pickle, refused), EOFError (an empty file), BadZipFile or zlib.error (a damaged archive)."""
+    import zipfile
+    import zlib
+    import numpy as np
+    try:
+        loaded = np.load(path, allow_pickle=False)
+        if isinstance(loaded, np.ndarray):
+            return {"input": loaded}
+        with loaded:   # an NpzFile reads each member on access: read them all inside this try
+            return {k: loaded[k] for k in loaded.files}
+    except OSError as e:
+        raise UserError(f"cannot read items file {path}: {e.strerror or e}") from None
+    except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        reason = str(e).split(". ")[0].rstrip(".") or type(e).__name__
+        raise UserError(f"{path}: not a numeric .npy or .npz file ({reason}) ---> HINT: save plain numeric arrays "
+                        f"with numpy.save or numpy.savez (object arrays would need pickle)") from None
 
 
 def npy_view(data):
@@ -3302,11 +3611,6 @@ def cmd_pool_create(conf, backend, args):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     queue, dlq = pool_queue_name(args.model), dlq_name(args.model)
-    with contextlib.suppress(NotFound):
-        existing = read_json(backend, pool_key(args.model))
-        if existing["model"] != args.model:
-            raise UserError(f"model {args.model!r} would share queue {queue} with the existing pool of {existing['model']!r}: "
-                            f"pick a name that differs in more than case or punctuation")
     record = {
         "model": args.model, "slug": slug(args.model), "queue": queue, "dlq": dlq,
         "batch_size": args.batch_size or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
@@ -3315,14 +3619,16 @@ def cmd_pool_create(conf, backend, args):
         "created_at": now_iso(), "store": backend.describe(),
     }
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
-        ec2_pool_create(backend, record, args)
+        with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
+            ec2_pool_create(backend, record, args)
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
-    record["handler"] = snapshot_handler(backend, args.handler, f"pools/{record['slug']}/")
-    backend.queues.create_queue(queue, record["visibility_timeout"])
-    backend.queues.create_queue(dlq, record["visibility_timeout"])
-    write_json(backend, pool_key(args.model), record)
+    with pool_name_claimed(backend, args.model):
+        record["handler"] = snapshot_handler(backend, args.handler, f"pools/{record['slug']}/")
+        backend.queues.create_queue(queue, record["visibility_timeout"])
+        backend.queues.create_queue(dlq, record["visibility_timeout"])
+        write_json(backend, pool_key(args.model), record)
     print(f"pool {args.model}: queue {queue}, dead-letter {dlq}, handler {record['handler']['file']}:{record['handler']['class']}, "
           f"batch {record['batch_size']}, visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}")
     if args.workers:
@@ -3361,11 +3667,37 @@ def pool_status(conf, backend, model):
     if supervisor:
         for w in supervisor["workers"]:
             local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
-    stats = read_worker_stats(backend, model)
+    stats = mark_lost_workers(read_worker_stats(backend, model))
     return {"model": model, "record": record, "queue": depths["queue"], "dlq": depths["dlq"],
             "ec2": ec2_pool_status(backend, record) if "ec2" in record else None,
             "supervisor": {"pid": supervisor["pid"], "desired": supervisor["desired"], "restarts": supervisor["restarts"]} if supervisor else None,
             "local_workers": local, "workers": stats}
+
+
+def mark_lost_workers(stats, now=None):
+    """The worker stats, a worker that says "running" but is gone marked {"state": "lost", "lost": why}. On this
+    machine a worker is gone when its pid is; elsewhere, when its stats are older than WORKER_LOST_AFTER (it
+    rewrites them every 30 s idle and after each claim, so one busy on a single longer claim shows as lost
+    until that claim ends). Without this a pool whose workers were killed counts them all as running."""
+    import socket
+    now = time.time() if now is None else now
+    host, marked = socket.gethostname(), []
+    for w in stats:
+        if w.get("state") == "running":
+            if w.get("host") == host and isinstance(w.get("pid"), int):
+                why = None if pid_alive(w["pid"]) else f"pid {w['pid']} is gone"
+            else:
+                age = now - datetime.datetime.fromisoformat(w["updated_at"]).timestamp()
+                why = f"no stats for {age:.0f} s" if age > WORKER_LOST_AFTER else None
+            w = dict(w, state="lost", lost=why) if why else w
+        marked.append(w)
+    return marked
+
+
+def worker_counts(workers):
+    """'3 (1 running, 2 lost)': the workers with stats, by state."""
+    states = Counter(w.get("state") for w in workers)
+    return f"{len(workers)} ({states['running']} running, {states['lost']} lost)"
 
 
 def cmd_pool_status(conf, backend, args):
@@ -3386,7 +3718,7 @@ def cmd_pool_status(conf, backend, args):
     else:
         print("  local workers: none on this machine")
     running = [w for w in status["workers"] if w.get("state") == "running"]
-    print(f"  workers with stats: {len(status['workers'])} ({len(running)} running)")
+    print(f"  workers with stats: {worker_counts(status['workers'])}")
     # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
     # and the few most recently stopped, so a pool that restarted many times still prints a short table
     stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
@@ -3423,13 +3755,25 @@ def cmd_pool_list(conf, backend, args):
     return EXIT_OK
 
 
-def cmd_pool_delete(conf, backend, args):
+def pool_record_to_delete(backend, model, force):
+    """The pool record `pool delete` works from. A missing one on an s3:// store may be a half-created EC2
+    pool: {"model"} makes delete find what is there by name and tag. A corrupt one is deleted by the model's
+    names with --force (locally: its queues and store folder; on S3 as a half-created pool), else refused."""
     try:
-        record = load_pool(backend, args.model)
+        return load_pool(backend, model)
+    except StoreFault:
+        if not force:
+            raise
     except UserError:
         if backend.kind != "aws":
             raise
-        record = {"model": args.model}     # a half-created EC2 pool: delete finds what is there by name and tag
+    if backend.kind == "aws":
+        return {"model": model}
+    return {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model)}
+
+
+def cmd_pool_delete(conf, backend, args):
+    record = pool_record_to_delete(backend, args.model, args.force)
     if "queue" in record and not args.force:   # deleting the queue would drop claims nobody has finished
         with contextlib.suppress(NotFound):
             depth = backend.queues.open_queue(record["queue"]).counts()
@@ -3681,6 +4025,13 @@ def main(argv=None):
     except UserError as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except StoreFault as e:
+        print(f"calque: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except sqlite3.Error as e:   # the embedded queue: its file unwritable, full or damaged
+        print(f"calque: error: the local queue in {conf['CALQUE_STORE']} failed ({e}) ---> HINT: check that the "
+              f"folder is writable and has free space, then retry", file=sys.stderr)
+        return EXIT_FAILED
     except NotFound as e:   # something the pool record names is gone (a queue deleted by hand, say)
         print(f"calque: error: {e} not found in {conf['CALQUE_STORE']}: recreate the pool (pool create is idempotent) "
               f"or delete it", file=sys.stderr)
@@ -3688,6 +4039,12 @@ def main(argv=None):
     except KeyboardInterrupt:
         print("calque: interrupted; queued claims stay queued and finish without you (runs show RUN reads them)", file=sys.stderr)
         return 130
+    except OSError as e:
+        if e.filename is None:
+            raise   # not the file system: a bug, whose traceback is the report
+        print(f"calque: error: {e.filename}: {e.strerror} ---> HINT: check its permissions and free space, then retry",
+              file=sys.stderr)
+        return EXIT_FAILED
     except Exception as e:
         if type(e).__module__.startswith("botocore"):   # AWS refused or could not be reached: say so in one line
             print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions (README, On AWS) and region",
@@ -3698,7 +4055,7 @@ def main(argv=None):
 
 def aws_error_line(error):
     """'AccessDenied: ... (CreateQueue)' from a botocore error, else its text."""
-    info = getattr(error, "response", {}).get("Error", {})
+    info = _aws_error_info(error)
     if info:
         return f"{info.get('Code')}: {info.get('Message')} ({getattr(error, 'operation_name', '?')})"
     return str(error)
