@@ -486,8 +486,19 @@ class LocalBackend:
             raise UserError(f"store {self.root} cannot be created ({e.strerror}): set CALQUE_STORE to a writable folder")
 
 
+SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # SQS's two codes for "no such queue"
+
+
 def _aws_error_code(error):
     return getattr(error, "response", {}).get("Error", {}).get("Code", "")
+
+
+def aws_client_config(region):
+    """The botocore settings of every AWS client calque makes: standard retries (throttling and transient
+    errors, 5 attempts in all) and timeouts short enough that an unreachable endpoint fails in seconds."""
+    import botocore.config
+    return botocore.config.Config(region_name=region, retries={"max_attempts": 5, "mode": "standard"},
+                                  connect_timeout=5, read_timeout=30)
 
 
 class S3Store:
@@ -568,7 +579,7 @@ class SqsQueues:
                 url = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]
                 break
             except Exception as e:
-                if _aws_error_code(e) not in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"):
+                if _aws_error_code(e) not in SQS_NOT_FOUND:
                     raise
                 if time.monotonic() >= deadline:
                     raise NotFound(f"queue {name}")
@@ -581,7 +592,7 @@ class SqsQueues:
         try:
             self.sqs.delete_queue(QueueUrl=self.sqs.get_queue_url(QueueName=name)["QueueUrl"])
         except Exception as e:
-            if _aws_error_code(e) not in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"):
+            if _aws_error_code(e) not in SQS_NOT_FOUND:
                 raise
 
 
@@ -640,15 +651,13 @@ class AwsBackend:
 
     def __init__(self, uri):
         import boto3   # imported here so that the embedded backend never loads it
-        import botocore.config
         bucket, _, prefix = uri[len("s3://"):].partition("/")
         if not bucket:
             raise UserError(f"CALQUE_STORE={uri!r} names no bucket: use s3://bucket/prefix")
         self.uri, self.bucket = uri, bucket
         self.requests = Counter()
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        config = botocore.config.Config(region_name=region, retries={"max_attempts": 5, "mode": "standard"},
-                                        connect_timeout=5, read_timeout=30)
+        config = aws_client_config(region)
         self.session = boto3.session.Session()
         self.store = S3Store(self.session.client("s3", config=config), bucket, prefix.strip("/"), self.requests)
         self.queues = SqsQueues(self.session.client("sqs", config=config), self.requests)
@@ -1856,7 +1865,6 @@ EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + 
 COLD_BOOT_ALLOWANCE = 30            # min a cold instance may spend booting on top of the submit timeout before it powers off
 ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
-SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")
 
 
 def _digest(text, n):
@@ -1912,10 +1920,7 @@ class AwsCalls:
 
     def client(self, service):
         if service not in self.clients:
-            import botocore.config
-            config = botocore.config.Config(region_name=self.region, retries={"max_attempts": 5, "mode": "standard"},
-                                            connect_timeout=5, read_timeout=30)
-            self.clients[service] = self.session.client(service, config=config)
+            self.clients[service] = self.session.client(service, config=aws_client_config(self.region))
         return self.clients[service]
 
     def call(self, service, operation, **params):
