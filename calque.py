@@ -29,6 +29,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 
 # ------------------------------------------------------------------------------------------------
 # defaults: each one can be set in the environment or in a pool.env file (KEY=value lines);
@@ -1119,42 +1120,48 @@ def report_run(backend, run, summaries, timed_out, as_json, out=sys.stdout):
     return EXIT_OK if not timed_out and failed_items == 0 and all(s["status"] == "ok" for s in summaries) else EXIT_FAILED
 
 
-def cold_run(conf, backend, args, items):
-    """The baseline: a fresh acquisition. Ephemeral warmd.py processes pay @enter, drain this run's own queue, exit."""
-    if args.handler:
-        handler_source = args.handler
+def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
+             progress=True, ec2=None, dry_run=False, yes_spend_money=False):
+    """The baseline: a fresh acquisition. Ephemeral workers pay @enter, drain this run's own queue, exit:
+    warmd.py processes here, or with `ec2` (a ColdLaunch) one-shot EC2 instances. `handler`
+    (path/to/file.py:Class) or else the pool of `model` gives the code; `claim_size` defaults to an even
+    split over the shards. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
+    if handler:
         record = None
     else:
-        record = load_pool(backend, args.model)    # reuse the pool's handler snapshot
-        handler_source = None
-    run_id = new_run_id(args.model)
+        record = load_pool(backend, model)    # reuse the pool's handler snapshot
+    run_id = new_run_id(model)
     queue_name, dlq = run_queue_names(run_id)
     vt = setting_number(conf, "CALQUE_VISIBILITY_TIMEOUT", int, 1)
-    cold = {"model": args.model, "slug": slug(args.model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
-            "batch_size": args.batch_size or (record or {}).get("batch_size") or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
+    cold = {"model": model, "slug": slug(model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
+            "batch_size": batch_size or (record or {}).get("batch_size") or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
             "visibility_timeout": vt, "max_deliveries": setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
             "created_at": now_iso()}
     prefix = f"runs/{run_id}/"
-    if handler_source:
-        cold["handler"] = snapshot_handler(backend, handler_source, prefix)
+    if handler:
+        cold["handler"] = snapshot_handler(backend, handler, prefix)
     else:
         source = backend.store.get(record["handler"]["key"])
         cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
         backend.store.put(cold["handler"]["key"], source)
-    shards = max(1, args.shards)
-    on_ec2 = backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run)
-    if on_ec2 and args.dry_run:      # print the launch it would make; stage nothing
-        ec2_cold_launch(backend, cold, run_id, shards, args)
+    shards = max(1, shards)
+
+    def launch():   # one-shot instances that drain the run's queue and terminate themselves
+        return ec2_cold_launch(backend, cold, run_id, shards, ec2, timeout=timeout, dry_run=dry_run,
+                               yes_spend_money=yes_spend_money)
+
+    if ec2 and dry_run:      # print the launch it would make; stage nothing
+        launch()
         return None, [], False
     queue = backend.queues.create_queue(queue_name, vt)
     backend.queues.create_queue(cold["dlq"], vt)
-    claim_size = args.claim_size or max(1, -(-len(items) // shards))
+    claim_size = claim_size or max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
     run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
     procs, instance_ids = [], []
     try:
-        if on_ec2:   # one-shot instances that drain the run's queue and terminate themselves
-            instance_ids = ec2_cold_launch(backend, cold, run_id, shards, args)
+        if ec2:
+            instance_ids = launch()
         else:        # fresh local processes
             folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run_id)
             os.makedirs(folder, exist_ok=True)
@@ -1164,7 +1171,7 @@ def cold_run(conf, backend, args, items):
                                                   stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
             print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {len(items)} items, {shards} fresh worker(s); "
                   f"logs in {folder}", file=sys.stderr)
-        summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json)
+        summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
     finally:
         # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,
         # which releases its claim, so nothing is left invisible in a queue about to be deleted
@@ -1175,7 +1182,7 @@ def cold_run(conf, backend, args, items):
                 proc.send_signal(signal.SIGTERM)
                 proc.wait()
         if instance_ids:
-            ec2_cold_cleanup(backend, instance_ids, args)
+            ec2_cold_cleanup(backend, instance_ids)
         backend.queues.delete_queue(queue_name)
         backend.queues.delete_queue(cold["dlq"])
     return run, summaries, timed_out
@@ -2286,11 +2293,6 @@ def _user_data_b64(script):
 # ------------------------------------------------------------------------------------------------
 # pre-flight: everything read-only, before anything is created
 
-def _opt(args, name, default=None):
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
 def _instance_type_info(calls, instance_type):
     if not instance_type:
         raise UserError("--instance-type is required for EC2 workers (e.g. g5.xlarge): see rates.json for priced ones")
@@ -2374,21 +2376,43 @@ def _check_key(calls, key_name):
         raise
 
 
-def _pool_options(args):
-    """The pool-create options, checked: instances, instance_type, ami, spot, min_instances, subnet, key_name,
-    scale_to_zero_after (minutes)."""
-    instances = _opt(args, "instances")
+@dataclass(frozen=True)
+class Ec2PoolOptions:
+    """An EC2 pool's fleet as `pool create --instances N` asks for it; ec2_pool_options builds it checked."""
+    instances: int
+    instance_type: str | None           # required: the pre-flight refuses None with an example
+    min_instances: int | None           # the group's floor; None: always `instances` (a fixed-size cohort)
+    ami: str | None                     # None: the current deep-learning GPU AMI (DLAMI_PARAMETERS)
+    spot: bool
+    subnet: str | None                  # subnet ids, comma-separated; None: the default VPC's
+    key_name: str | None                # an EC2 key pair for SSH; None: no SSH
+    scale_to_zero_after: int | None     # idle minutes before the group shrinks to its floor; None: never
+
+
+def ec2_pool_options(instances, instance_type=None, *, min_instances=None, ami=None, spot=False, subnet=None,
+                     key_name=None, scale_to_zero_after=None):
+    """Ec2PoolOptions from the flags' values, checked: 0 or more instances, an idle window CloudWatch can
+    evaluate, a floor between 0 and the instance count (0 unless given when the pool scales to zero)."""
     if instances is None or instances < 0:
         raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
-    stz = _opt(args, "scale_to_zero_after")
-    if stz is not None and not 1 <= stz <= MAX_IDLE_MINUTES:
-        raise UserError(f"--scale-to-zero-after {stz}: minutes between 1 and {MAX_IDLE_MINUTES} (CloudWatch's one-day window)")
-    floor = _opt(args, "min_instances", 0 if stz is not None else None)     # None: always the instance count
-    if floor is not None and not 0 <= floor <= instances:
-        raise UserError(f"--min-instances {floor}: between 0 and --instances {instances}")
-    return {"instances": instances, "min_instances": floor, "instance_type": _opt(args, "instance_type"),
-            "ami": _opt(args, "ami"), "spot": bool(_opt(args, "spot", False)), "subnet": _opt(args, "subnet"),
-            "key_name": _opt(args, "key_name"), "scale_to_zero_after": stz}
+    if scale_to_zero_after is not None and not 1 <= scale_to_zero_after <= MAX_IDLE_MINUTES:
+        raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between 1 and {MAX_IDLE_MINUTES} "
+                        f"(CloudWatch's one-day window)")
+    if min_instances is None and scale_to_zero_after is not None:
+        min_instances = 0
+    if min_instances is not None and not 0 <= min_instances <= instances:
+        raise UserError(f"--min-instances {min_instances}: between 0 and --instances {instances}")
+    return Ec2PoolOptions(instances, instance_type, min_instances, ami, bool(spot), subnet, key_name, scale_to_zero_after)
+
+
+@dataclass(frozen=True)
+class ColdLaunch:
+    """The one-shot EC2 instances of a cold run (`submit --model M` on an s3:// store)."""
+    ami: str | None                     # required: ec2_cold_launch refuses None with where to find one
+    instance_type: str | None
+    spot: bool = False
+    subnet: str | None = None           # subnet ids, comma-separated (the first usable one); None: the default VPC's
+    key_name: str | None = None
 
 
 def _hourly(instance_type, spot, count):
@@ -2401,8 +2425,8 @@ def _hourly(instance_type, spot, count):
         return f"{instance_type} is not priced in rates.json: check its hourly price before you go on"
 
 
-def _refuse_spending(args, what):
-    if not _opt(args, "dry_run", False) and not _opt(args, "yes_spend_money", False):
+def _refuse_spending(what, *, dry_run, yes_spend_money):
+    if not dry_run and not yes_spend_money:
         raise UserError(f"{what} starts paid EC2 instances: add --yes-spend-money (or --dry-run to see every AWS call first)")
 
 
@@ -2626,21 +2650,19 @@ class _Progress:
 # ------------------------------------------------------------------------------------------------
 # the verbs
 
-def ec2_pool_create(backend, record, args, calls=None):
+def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_money=False, calls=None):
     """`pool create --instances N ...` on an s3:// store. `record` is the pool record cmd_pool_create built
-    (model, slug, queue, dlq, batch_size, visibility_timeout, max_deliveries, created_at, store), with or
-    without "handler": without it, the handler named by args.handler is snapshotted here.
-    Reads args: handler, instances, instance_type, ami, spot, min_instances, subnet, key_name,
-    scale_to_zero_after, yes_spend_money, dry_run. Every step checks what exists first, so a re-run
-    finishes an interrupted create; a failure says exactly what is in place and what is not."""
+    (model, slug, queue, dlq, batch_size, visibility_timeout, max_deliveries, created_at, store); `handler`
+    (path/to/file.py:Class) is snapshotted here; `options` (Ec2PoolOptions) say the fleet. Every step checks
+    what exists first, so a re-run finishes an interrupted create; a failure says exactly what is in place
+    and what is not. Returns the record as stored."""
     import hashlib
     model = record["model"]
     _aws_store(backend, "pool create --instances")
     _check_text(model, "model")
-    opts = _pool_options(args)
-    _refuse_spending(args, f"pool create --model {model} --instances {opts['instances']}")
-    dry = bool(_opt(args, "dry_run", False))
-    calls = calls or AwsCalls.for_backend(backend, dry)
+    _refuse_spending(f"pool create --model {model} --instances {options.instances}", dry_run=dry_run,
+                     yes_spend_money=yes_spend_money)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
     names, store, region = ec2_names(model), backend.describe(), calls.region
     existing = None
     with contextlib.suppress(NotFound):
@@ -2651,35 +2673,35 @@ def ec2_pool_create(backend, record, args, calls=None):
 
     # pre-flight: read-only calls; nothing is created if any fails
     ident = calls.identity()
-    itype = _instance_type_info(calls, opts["instance_type"])
-    ami, ami_source = resolve_ami(calls, opts["ami"], itype)
-    subnets = resolve_subnets(calls, opts["subnet"], opts["instance_type"])
-    _check_key(calls, opts["key_name"])
+    itype = _instance_type_info(calls, options.instance_type)
+    ami, ami_source = resolve_ami(calls, options.ami, itype)
+    subnets = resolve_subnets(calls, options.subnet, options.instance_type)
+    _check_key(calls, options.key_name)
     if not itype.get("GpuInfo"):
-        print(f"pool {model}: note: {opts['instance_type']} has no GPU; fine for a CPU handler, not for a GPU model")
+        print(f"pool {model}: note: {options.instance_type} has no GPU; fine for a CPU handler, not for a GPU model")
     blob, kit_sha = kit_archive()
     kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
-    ec2 = {"instances": opts["instances"], "min_instances": opts["min_instances"], "instance_type": opts["instance_type"],
-           "ami": ami, "ami_source": ami_source, "spot": opts["spot"], "subnets": subnets, "key_name": opts["key_name"],
-           "scale_to_zero_after": opts["scale_to_zero_after"], "region": region, "account": ident["account"],
+    ec2 = {"instances": options.instances, "min_instances": options.min_instances, "instance_type": options.instance_type,
+           "ami": ami, "ami_source": ami_source, "spot": options.spot, "subnets": subnets, "key_name": options.key_name,
+           "scale_to_zero_after": options.scale_to_zero_after, "region": region, "account": ident["account"],
            "role": names["role"], "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
-           "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if opts["scale_to_zero_after"] else [],
+           "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if options.scale_to_zero_after else [],
            "kit": {"key": kit_key, "sha256": kit_sha}, "state": "creating", "updated_at": now_iso()}
     tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
             "calque:created-at": (existing or {}).get("ec2", {}).get("created_at") or record.get("created_at") or now_iso(),
             "calque:store": store, "calque:region": region}
     ec2["created_at"] = tags["calque:created-at"]
     owner = (model, store, region)
-    print(f"pool {model}: EC2 cohort of {opts['instances']} x {opts['instance_type']} "
-          f"{'spot' if opts['spot'] else 'on-demand'}, AMI {ami} ({ami_source}), subnets {', '.join(subnets)}")
-    idle = opts["scale_to_zero_after"]
-    print(f"pool {model}: cost {_hourly(opts['instance_type'], opts['spot'], max(opts['instances'], 1))}"
-          + (f"; scales to {opts['min_instances'] or 0} after {idle} idle minute(s)" if idle else ""))
+    print(f"pool {model}: EC2 cohort of {options.instances} x {options.instance_type} "
+          f"{'spot' if options.spot else 'on-demand'}, AMI {ami} ({ami_source}), subnets {', '.join(subnets)}")
+    idle = options.scale_to_zero_after
+    print(f"pool {model}: cost {_hourly(options.instance_type, options.spot, max(options.instances, 1))}"
+          + (f"; scales to {options.min_instances or 0} after {idle} idle minute(s)" if idle else ""))
 
     steps = [f"queues {names['queue']} + {names['dlq']}", "handler, kit and pool record in the store",
              f"IAM role {names['role']}", f"instance profile {names['instance_profile']}",
              f"launch template {names['launch_template']}", f"auto scaling group {names['asg']}",
-             "scale-to-zero alarms" if opts["scale_to_zero_after"] else "no scale-to-zero alarms", "pool record ready"]
+             "scale-to-zero alarms" if options.scale_to_zero_after else "no scale-to-zero alarms", "pool record ready"]
     progress = _Progress(f"pool {model}: create", steps)
     try:
         with progress.step(steps[0]):
@@ -2690,7 +2712,7 @@ def ec2_pool_create(backend, record, args, calls=None):
             full = dict(existing or {}, **record)
             full["created_at"] = (existing or record).get("created_at") or now_iso()
             if "handler" not in record:
-                path, cls = parse_handler_spec(args.handler)
+                path, cls = parse_handler_spec(handler)
                 with open(path, "rb") as f:
                     source = f.read()
                 check_handler_source(source, cls, path)
@@ -2715,13 +2737,13 @@ def ec2_pool_create(backend, record, args, calls=None):
             print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
         with progress.step(steps[4]):
             script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"])
-            data = {"ImageId": ami, "InstanceType": opts["instance_type"], "UserData": _user_data_b64(script),
+            data = {"ImageId": ami, "InstanceType": options.instance_type, "UserData": _user_data_b64(script),
                     "IamInstanceProfile": {"Name": names["instance_profile"]},
                     "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
                     "TagSpecifications": [{"ResourceType": "instance", "Tags": _tags(tags)},
                                           {"ResourceType": "volume", "Tags": _tags(tags)}]}
-            if opts["key_name"]:
-                data["KeyName"] = opts["key_name"]
+            if options.key_name:
+                data["KeyName"] = options.key_name
             state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
             print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} ({len(script)} bytes of user-data)")
         with progress.step(steps[5]):
@@ -2729,10 +2751,10 @@ def ec2_pool_create(backend, record, args, calls=None):
             lo, hi, desired = _asg_sizes(ec2)
             print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} (min {lo}, max {hi}, desired {desired})")
         with progress.step(steps[6]):
-            if opts["scale_to_zero_after"]:
+            if options.scale_to_zero_after:
                 _ensure_scale_to_zero(calls, names, ec2, tags)
-                print(f"pool {model}: alarms {names['alarm_wake']} (work arrives -> {opts['instances']}) and "
-                      f"{names['alarm_idle']} ({opts['scale_to_zero_after']} idle min -> {opts['min_instances'] or 0}) {_said(calls, 'put')}")
+                print(f"pool {model}: alarms {names['alarm_wake']} (work arrives -> {options.instances}) and "
+                      f"{names['alarm_idle']} ({options.scale_to_zero_after} idle min -> {options.min_instances or 0}) {_said(calls, 'put')}")
             elif _remove_scale_to_zero(calls, names):
                 print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
         with progress.step(steps[7]):
@@ -2749,7 +2771,7 @@ def ec2_pool_create(backend, record, args, calls=None):
             raise
         raise UserError(f"pool {model}: create stopped at {progress.current}: {_aws_error_code(e) or type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else ''} (what is in place is listed above)") from e
-    if dry:
+    if dry_run:
         print(f"pool {model}: dry run: nothing was created or changed; the calls above are what --yes-spend-money makes")
     else:
         print(f"pool {model}: ready. Instances boot and bootstrap in ~{EC2_BOOT_ESTIMATE / 60:.0f} min, then load the model; "
@@ -2764,23 +2786,22 @@ def _require_ec2(record):
     return record["ec2"]
 
 
-def ec2_pool_scale(backend, record, instances, args, calls=None):
+def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=False, calls=None):
     """`pool scale --instances N` for an EC2 pool: the ASG's desired (and max) to N; with scale-to-zero the
-    wake policy's target too. Growing needs --yes-spend-money; shrinking does not. Reads args:
-    yes_spend_money, dry_run."""
+    wake policy's target too. Growing needs yes_spend_money (or dry_run); shrinking does not."""
     model = record["model"]
     _aws_store(backend, "pool scale --instances")
     ec2 = dict(_require_ec2(record))
     if instances is None or instances < 0:
         raise UserError(f"--instances {instances}: 0 or more")
-    dry = bool(_opt(args, "dry_run", False))
-    calls = calls or AwsCalls.for_backend(backend, dry)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
     names = ec2_names(model)
     asg = _describe_asg(calls, names["asg"])
     if asg is None:
         raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: re-run `pool create` to finish the pool")
     if instances > asg["DesiredCapacity"]:
-        _refuse_spending(args, f"pool scale --model {model} --instances {instances}")
+        _refuse_spending(f"pool scale --model {model} --instances {instances}", dry_run=dry_run,
+                         yes_spend_money=yes_spend_money)
     ec2["instances"] = instances
     lo, hi, desired = _asg_sizes(ec2)
     calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo, MaxSize=hi,
@@ -2903,18 +2924,17 @@ def _delete_step(model, what, fn):
     return False
 
 
-def ec2_pool_delete(backend, record, args, calls=None):
+def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
     """`pool delete --model M --yes` for an EC2 pool: alarms, ASG (to 0, then force-deleted: its instances
     get SIGTERM and terminate in the background), launch template, instance profile, role, queues, then the
     pool's folder in the store (record last, so a failed delete can be re-run). Names come from the model,
     so `record` may be just {"model": M} for a pool whose record was never written. Only resources tagged
-    calque:managed=true are deleted. Reads args: yes, dry_run. Returns True when every step succeeded."""
+    calque:managed=true are deleted; without yes (or dry_run) nothing is. Returns True when every step succeeded."""
     model = record["model"]
     _aws_store(backend, "pool delete of an EC2 pool")
-    dry = bool(_opt(args, "dry_run", False))
-    if not dry and not _opt(args, "yes", False):
+    if not dry_run and not yes:
         raise UserError(f"pool delete {model}: deletes instances, queues and IAM: refusing without --yes")
-    calls = calls or AwsCalls.for_backend(backend, dry)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
     names = ec2_names(model)
 
     def alarms():
@@ -2997,7 +3017,7 @@ def ec2_pool_delete(backend, record, args, calls=None):
         ok = _delete_step(model, f"store folder pools/{slug(model)}/", store)
     else:
         print(f"pool {model}: record kept (a step failed): fix what is reported above and re-run `pool delete --model {model} --yes`")
-    if dry:
+    if dry_run:
         print(f"pool {model}: dry run: nothing was deleted")
     return ok
 
@@ -3032,28 +3052,26 @@ def ec2_cold_wait_hint(backend, record, calls=None):
 # ------------------------------------------------------------------------------------------------
 # the cold path on AWS: one-shot instances on a run-scoped queue
 
-def ec2_cold_launch(backend, cold_record, run_id, shards, args, calls=None):
-    """Launch `shards` one-shot instances for cold run `run_id`, after the run is staged (cold record at
-    runs/RUN/pool.json, its queue holding the claims). Each bootstraps, runs `warmd.py --run RUN` once,
-    and powers off when its queue is drained (shutdown -> terminate); a dead-man's switch powers it off
-    after the submit timeout + COLD_BOOT_ALLOWANCE minutes whatever happens. All shards or none
-    (MinCount = MaxCount). Reads args: ami (required), instance_type, spot, subnet, key_name,
-    yes_spend_money, dry_run, timeout. Returns the instance ids."""
+def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_run=False, yes_spend_money=False,
+                    calls=None):
+    """Launch `shards` one-shot instances (ColdLaunch `launch`) for cold run `run_id`, after the run is staged
+    (cold record at runs/RUN/pool.json, its queue holding the claims). Each bootstraps, runs `warmd.py --run RUN`
+    once, and powers off when its queue is drained (shutdown -> terminate); a dead-man's switch powers it off
+    after `timeout` (the seconds submit waits) + COLD_BOOT_ALLOWANCE minutes whatever happens. All shards or
+    none (MinCount = MaxCount). Returns the instance ids."""
     _aws_store(backend, "a cold run on EC2")
-    ami = _opt(args, "ami")
-    if not ami:
+    if not launch.ami:
         raise UserError("a cold run on EC2 needs --ami ami-... (an image with an NVIDIA driver; see the README, On AWS)")
     if shards < 1:
         raise UserError(f"--shards {shards}: at least 1")
-    _refuse_spending(args, f"submit (cold, {shards} instance(s))")
-    dry = bool(_opt(args, "dry_run", False))
-    calls = calls or AwsCalls.for_backend(backend, dry)
+    _refuse_spending(f"submit (cold, {shards} instance(s))", dry_run=dry_run, yes_spend_money=yes_spend_money)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
     store, region = backend.describe(), calls.region
     ident = calls.identity()
-    itype = _instance_type_info(calls, _opt(args, "instance_type"))
-    ami, _ = resolve_ami(calls, ami, itype)
-    subnet = resolve_subnets(calls, _opt(args, "subnet"), itype["InstanceType"])[0]
-    _check_key(calls, _opt(args, "key_name"))
+    itype = _instance_type_info(calls, launch.instance_type)
+    ami, _ = resolve_ami(calls, launch.ami, itype)
+    subnet = resolve_subnets(calls, launch.subnet, itype["InstanceType"])[0]
+    _check_key(calls, launch.key_name)
     name = cold_role_name(store, region)
     tags = {"calque:pool-model": cold_record["model"], "calque:role": "cold-worker", "calque:managed": "true",
             "calque:created-at": now_iso(), "calque:store": store, "calque:region": region}
@@ -3066,7 +3084,6 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, args, calls=None):
     kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
     if calls.note("s3", "PutObject", {"uri": backend.store.uri(kit_key), "bytes": len(blob)}):
         backend.store.put(kit_key, blob)
-    timeout = float(_opt(args, "timeout", 0) or setting_number(settings(), "CALQUE_TIMEOUT", float, 0))
     max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
     script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name)
     params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards, "MaxCount": shards,
@@ -3074,9 +3091,9 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, args, calls=None):
               "SubnetId": subnet, "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
               "TagSpecifications": [{"ResourceType": t, "Tags": _tags(dict(tags, **{"calque:run": run_id, "Name": f"calque-cold-{run_id}"}))}
                                     for t in ("instance", "volume")]}
-    if _opt(args, "key_name"):
-        params["KeyName"] = args.key_name
-    if _opt(args, "spot", False):
+    if launch.key_name:
+        params["KeyName"] = launch.key_name
+    if launch.spot:
         params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
             "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
     deadline = time.monotonic() + IAM_RETRY_SECONDS
@@ -3089,20 +3106,20 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, args, calls=None):
                 raise
             calls.sleep(5)
     ids = [i["InstanceId"] for i in answer["Instances"]]
-    if dry:
+    if dry_run:
         print(f"run {run_id}: dry run: no instance was launched")
     print(f"run {run_id}: launched {len(ids)} x {itype['InstanceType']} ({', '.join(ids)}); each boots and bootstraps "
           f"(~{EC2_BOOT_ESTIMATE / 60:.0f} min), drains {cold_record['queue']}, then terminates itself "
-          f"(at the latest after {max_minutes} min); {_hourly(itype['InstanceType'], bool(_opt(args, 'spot', False)), len(ids))}")
+          f"(at the latest after {max_minutes} min); {_hourly(itype['InstanceType'], launch.spot, len(ids))}")
     return ids
 
 
-def ec2_cold_cleanup(backend, instance_ids, args=None, calls=None):
+def ec2_cold_cleanup(backend, instance_ids, calls=None):
     """Terminate a cold run's instances that are still up (submit timed out or was interrupted); the ones
     that already drained have terminated themselves. Returns the ids it terminated."""
     if not instance_ids:
         return []
-    calls = calls or AwsCalls.for_backend(backend, bool(_opt(args, "dry_run", False)))
+    calls = calls or AwsCalls.for_backend(backend)
     live = []
     for res in calls.call("ec2", "DescribeInstances", InstanceIds=list(instance_ids))["Reservations"]:
         live += [i["InstanceId"] for i in res["Instances"] if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
@@ -3135,7 +3152,11 @@ def cmd_pool_create(conf, backend, args):
         "created_at": now_iso(), "store": backend.describe(),
     }
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
-        ec2_pool_create(backend, record, args)
+        options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
+                                   spot=args.spot, subnet=args.subnet, key_name=args.key_name,
+                                   scale_to_zero_after=args.scale_to_zero_after)
+        ec2_pool_create(backend, record, args.handler, options, dry_run=args.dry_run,
+                        yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
@@ -3154,7 +3175,7 @@ def cmd_pool_create(conf, backend, args):
 def cmd_pool_scale(conf, backend, args):
     record = load_pool(backend, args.model)
     if args.instances is not None:
-        ec2_pool_scale(backend, record, args.instances, args)
+        ec2_pool_scale(backend, record, args.instances, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.workers < 0:
         raise UserError(f"--workers {args.workers}: must be 0 or more")
@@ -3260,7 +3281,7 @@ def cmd_pool_delete(conf, backend, args):
         if not args.yes and not args.dry_run:
             raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes (or previewed with --dry-run)")
         stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15)
-        ec2_pool_delete(backend, record, args)
+        ec2_pool_delete(backend, record, yes=args.yes, dry_run=args.dry_run)
         return EXIT_OK
     if not args.yes:
         if not sys.stdin.isatty():
@@ -3312,7 +3333,13 @@ def cmd_submit(conf, backend, args):
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
         if args.no_wait:
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
-        run, summaries, timed_out = cold_run(conf, backend, args, items)
+        ec2 = None   # fresh local processes, unless the flags ask for EC2 instances on an s3:// store
+        if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
+            ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
+        run, summaries, timed_out = cold_run(conf, backend, items, model=args.model, handler=args.handler,
+                                             shards=args.shards, batch_size=args.batch_size, claim_size=args.claim_size,
+                                             timeout=args.timeout, progress=not args.json, ec2=ec2, dry_run=args.dry_run,
+                                             yes_spend_money=args.yes_spend_money)
         if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
             return EXIT_OK
     code = report_run(backend, run, summaries, timed_out, args.json)

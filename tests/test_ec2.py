@@ -53,11 +53,14 @@ def aws(monkeypatch, tmp_path):
         yield argparse.Namespace(backend=calque.open_backend(STORE), ami=ami)
 
 
-def args(**kw):
-    base = dict(model=MODEL, handler=HANDLER, instances=2, instance_type="g5.xlarge", ami=None, spot=False, min_instances=None,
-                subnet=None, key_name=None, scale_to_zero_after=None, yes_spend_money=True, dry_run=False, yes=True, timeout=600.0)
-    base.update(kw)
-    return argparse.Namespace(**base)
+def options(**kw):
+    """The fleet `--instances 2 --instance-type g5.xlarge` asks for, with kw's changes, checked as the CLI does."""
+    return code.ec2_pool_options(**{"instances": 2, "instance_type": "g5.xlarge", **kw})
+
+
+def launch(**kw):
+    """A cold run's one-shot instances: g5.xlarge, with kw's changes."""
+    return code.ColdLaunch(**{"ami": None, "instance_type": "g5.xlarge", **kw})
 
 
 def record(backend, model=MODEL):
@@ -125,7 +128,7 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     """create -> status -> scale -> list -> delete on one pool, and a second delete finds nothing left."""
     backend = aws.backend
     names = code.ec2_names(MODEL)
-    full = code.ec2_pool_create(backend, record(backend), args())
+    full = code.ec2_pool_create(backend, record(backend), HANDLER, options(), yes_spend_money=True)
     assert full["ec2"]["state"] == "ready" and full["ec2"]["ami"] == aws.ami
     stored = calque.read_json(backend, calque.pool_key(MODEL))
     assert stored["ec2"]["state"] == "ready" and stored["handler"]["class"] == "Echo"
@@ -146,25 +149,25 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     assert status["queue"] == {"visible": 0, "in_flight": 0} and status["dlq"] == {"visible": 0, "in_flight": 0}
     assert any("desired 2" in line for line in code.ec2_status_lines(status))
 
-    code.ec2_pool_scale(backend, stored, 3, args())
+    code.ec2_pool_scale(backend, stored, 3, yes_spend_money=True)
     assert asg_of()["DesiredCapacity"] == 3 and calque.read_json(backend, calque.pool_key(MODEL))["ec2"]["instances"] == 3
     with pytest.raises(calque.UserError, match="--yes-spend-money"):
-        code.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 5, args(yes_spend_money=False))
-    code.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 1, args(yes_spend_money=False))
+        code.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 5)
+    code.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 1)
     assert asg_of()["DesiredCapacity"] == 1
 
     listed = code.ec2_pool_list(backend)
     assert [(p["model"], p["record"], p["asg"], p["desired"]) for p in listed] == [(MODEL, True, names["asg"], 1)]
 
     capsys.readouterr()
-    assert code.ec2_pool_delete(backend, stored, args())
+    assert code.ec2_pool_delete(backend, stored, yes=True)
     out = capsys.readouterr().out
     for thing in (f"auto scaling group {names['asg']}: scaled to 0 and deleted", f"launch template {names['launch_template']}: deleted",
                   f"IAM role {names['role']}: deleted", f"queue {names['queue']}: deleted", "store folder pools/"):
         assert thing in out
     assert asg_of() is None and not role_exists(names["role"]) and not queue_exists(names["queue"])
     assert not backend.store.exists(calque.pool_key(MODEL)) and not backend.store.exists(stored["ec2"]["kit"]["key"])
-    assert code.ec2_pool_delete(backend, {"model": MODEL}, args())        # re-runnable: every step "already gone"
+    assert code.ec2_pool_delete(backend, {"model": MODEL}, yes=True)        # re-runnable: every step "already gone"
     assert capsys.readouterr().out.count("not found (already gone)") == 6
 
 
@@ -204,7 +207,7 @@ def test_worker_policy_statement_by_statement(aws):
     for st in policy["Statement"] + cold["Statement"]:
         assert st["Effect"] == "Allow" and "*" not in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(instances=0))
+    code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=0), yes_spend_money=True)
     iam = client("iam")
     names = code.ec2_names(MODEL)
     assert iam.list_role_policies(RoleName=names["role"])["PolicyNames"] == ["calque-worker"]
@@ -224,7 +227,7 @@ def _env_block(script):
 def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
     """bash -n passes on both scripts; they carry the model, store, region, kit digest, Restart=always, the spot
     poller and no credentials; the env file round-trips an awkward model name through bash exactly."""
-    code.ec2_pool_create(aws.backend, record(aws.backend), args())
+    code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     script, _ = launch_template_user_data()
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     cold = code.user_data_cold("20261129-101500-ab12cd", STORE, REGION, "runs/x/kit/k.tar.gz", "f" * 64, 90)
@@ -262,7 +265,7 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     without duplicating anything (same launch-template version, one role)."""
     fail_on(monkeypatch, "CreateAutoScalingGroup")
     with pytest.raises(KeyboardInterrupt):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     err = capsys.readouterr().err
     names = code.ec2_names(MODEL)
     assert f"stopped at auto scaling group {names['asg']} (interrupted)" in err
@@ -271,7 +274,7 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     assert "re-run the same command" in err and "pool delete --model" in err
     assert asg_of() is None and calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "creating"
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args())
+    code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     out = capsys.readouterr().out
     assert f"IAM role {names['role']} found" in out and f"launch template {names['launch_template']} found" in out
     assert f"auto scaling group {names['asg']} created" in out
@@ -280,7 +283,7 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     assert version["VersionNumber"] == 1
     assert calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "ready"
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(instances=3, instance_type="g5.2xlarge"))   # a changed re-run
+    code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, instance_type="g5.2xlarge"), yes_spend_money=True)   # a changed re-run
     _, version = launch_template_user_data()
     assert version["VersionNumber"] == 2 and version["LaunchTemplateData"]["InstanceType"] == "g5.2xlarge"
     assert asg_of()["DesiredCapacity"] == 3
@@ -292,7 +295,7 @@ def test_aws_failure_midway_is_one_line_user_error(aws, monkeypatch, capsys):
     fail_on(monkeypatch, "CreateLaunchTemplate",
             ClientError({"Error": {"Code": "UnauthorizedOperation", "Message": "not allowed"}}, "CreateLaunchTemplate"))
     with pytest.raises(calque.UserError, match=r"create stopped at launch template .*UnauthorizedOperation"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     assert "not done: launch template" in capsys.readouterr().err
 
 
@@ -301,12 +304,12 @@ def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
     rest as already gone; a pool that never got its record is deleted by model name alone."""
     fail_on(monkeypatch, "CreateLaunchTemplate")
     with pytest.raises(KeyboardInterrupt):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     names = code.ec2_names(MODEL)
     assert role_exists(names["role"])
     capsys.readouterr()
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    assert code.ec2_pool_delete(aws.backend, stored, args())
+    assert code.ec2_pool_delete(aws.backend, stored, yes=True)
     out = capsys.readouterr().out
     assert f"auto scaling group {names['asg']}: not found (already gone)" in out
     assert f"launch template {names['launch_template']}: not found (already gone)" in out
@@ -317,16 +320,16 @@ def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
     other = "llama-3-8b"
     fail_on(monkeypatch, "PutRolePolicy")          # queues, store and role made; the role's policy not
     with pytest.raises(KeyboardInterrupt):
-        code.ec2_pool_create(aws.backend, record(aws.backend, other), args(model=other))
+        code.ec2_pool_create(aws.backend, record(aws.backend, other), HANDLER, options(), yes_spend_money=True)
     aws.backend.store.delete_prefix(f"pools/{calque.slug(other)}/")     # and the record lost too
-    assert code.ec2_pool_delete(aws.backend, {"model": other}, args())
+    assert code.ec2_pool_delete(aws.backend, {"model": other}, yes=True)
     assert not role_exists(code.ec2_names(other)["role"]) and not queue_exists(calque.pool_queue_name(other))
 
 
 def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
     """--dry-run prints every mutating call (IAM, EC2, ASG, SQS, S3) and makes only read-only ones; also for
     scale, delete and a cold launch."""
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(dry_run=True, yes_spend_money=False, scale_to_zero_after=10))
+    code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=10), dry_run=True)
     out = capsys.readouterr().out
     for line in ("would call sqs.CreateQueue", "would call s3.PutObject", "would call iam.CreateRole", "would call iam.PutRolePolicy",
                  "would call iam.CreateInstanceProfile", "would call iam.AddRoleToInstanceProfile", "would call ec2.CreateLaunchTemplate",
@@ -339,13 +342,13 @@ def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
     assert not role_exists(code.ec2_names(MODEL)["role"]) and asg_of() is None
     assert not aws.backend.store.exists(calque.pool_key(MODEL))
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args())
+    code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     api_calls.clear()
-    code.ec2_pool_scale(aws.backend, stored, 4, args(dry_run=True, yes_spend_money=False))
-    code.ec2_pool_delete(aws.backend, stored, args(dry_run=True, yes=False))
+    code.ec2_pool_scale(aws.backend, stored, 4, dry_run=True)
+    code.ec2_pool_delete(aws.backend, stored, dry_run=True)
     cold = {"model": MODEL, "queue": "calque-run-r1", "dlq": "calque-rundlq-r1"}
-    ids = code.ec2_cold_launch(aws.backend, cold, "r1", 2, args(dry_run=True, yes_spend_money=False, ami=aws.ami))
+    ids = code.ec2_cold_launch(aws.backend, cold, "r1", 2, launch(ami=aws.ami), timeout=600.0, dry_run=True)
     assert ids == ["i-dry-run-0", "i-dry-run-1"]
     assert all(read_only.match(c) for c in api_calls), [c for c in api_calls if not read_only.match(c)]
     out = capsys.readouterr().out
@@ -357,25 +360,25 @@ def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
 def test_refusals_before_any_call(aws, api_calls, tmp_path):
     """No --yes-spend-money, a local store, no --yes on delete, bad sizes: one-line UserErrors, no AWS call made."""
     with pytest.raises(calque.UserError, match="--yes-spend-money"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(yes_spend_money=False))
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options())
     local = calque.LocalBackend(str(tmp_path / "store"))
     with pytest.raises(calque.UserError, match="s3:// store"):
-        code.ec2_pool_create(local, record(local), args())
+        code.ec2_pool_create(local, record(local), HANDLER, options(), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--yes"):
-        code.ec2_pool_delete(aws.backend, {"model": MODEL}, args(yes=False))
+        code.ec2_pool_delete(aws.backend, {"model": MODEL})
     with pytest.raises(calque.UserError, match="--min-instances"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(min_instances=3))
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(min_instances=3), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--scale-to-zero-after"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(scale_to_zero_after=0))
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=0), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--ami"):
-        code.ec2_cold_launch(aws.backend, {"model": MODEL, "queue": "q"}, "r1", 1, args())
+        code.ec2_cold_launch(aws.backend, {"model": MODEL, "queue": "q"}, "r1", 1, launch(), timeout=600.0, yes_spend_money=True)
     assert api_calls == []
     with pytest.raises(calque.UserError, match="not an instance type"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(instance_type="g5.bogus"))
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instance_type="g5.bogus"), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="no such subnet"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(subnet="subnet-0000000000"))
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(subnet="subnet-0000000000"), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="no such key pair"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(key_name="nope"))
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(key_name="nope"), yes_spend_money=True)
     assert not role_exists(code.ec2_names(MODEL)["role"])
 
 
@@ -383,20 +386,20 @@ def test_ami_parameter_missing_ambiguous_or_wrong(aws, monkeypatch):
     """A missing SSM parameter names itself and --ami; a value that is not one AMI id is refused; a bad --ami too."""
     monkeypatch.setattr(code, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/none"})
     with pytest.raises(calque.UserError, match=r"/calque-test/none does not exist .*--ami"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     client("ssm").put_parameter(Name="/calque-test/two", Value=f"{aws.ami},ami-0123456789abcdef0", Type="StringList")
     monkeypatch.setattr(code, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/two"})
     with pytest.raises(calque.UserError, match="not exactly one AMI id"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="ami-0123456789abcdef0 .* does not exist"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(ami="ami-0123456789abcdef0"))
+        code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(ami="ami-0123456789abcdef0"), yes_spend_money=True)
     assert not role_exists(code.ec2_names(MODEL)["role"])
 
 
 def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
     """--scale-to-zero-after: min 0, wake/idle policies (exactly N / 0) and alarms on the pool queue (idle counts
     in-flight claims too); submit's hint says the pool is cold once it is at 0."""
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(instances=3, scale_to_zero_after=15, spot=True))
+    code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=15, spot=True), yes_spend_money=True)
     names = code.ec2_names(MODEL)
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (0, 3, 3)
@@ -418,13 +421,13 @@ def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
 
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     assert code.ec2_cold_wait_hint(aws.backend, stored) is None          # 3 in service
-    code.ec2_pool_scale(aws.backend, stored, 0, args(yes_spend_money=False))
+    code.ec2_pool_scale(aws.backend, stored, 0)
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     hint = code.ec2_cold_wait_hint(aws.backend, stored)
     assert "is cold (0 instances)" in hint and "wake alarm" in hint and "min" in hint
     assert code.ec2_cold_wait_hint(aws.backend, dict(stored, ec2=None)) is None
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(instances=3))          # re-run without the flag
+    code.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3), yes_spend_money=True)          # re-run without the flag
     assert client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"] == []
     assert "scale-to-zero alarms removed" in capsys.readouterr().out
 
@@ -434,7 +437,7 @@ def test_cold_launch_one_shot_instances(aws):
     terminate-on-shutdown and run tags; cleanup terminates the ones still up."""
     run_id = "20261129-101500-ab12cd"
     cold = {"model": MODEL, "queue": calque.RUN_QUEUE_PREFIX + run_id, "dlq": calque.RUN_DLQ_PREFIX + run_id}
-    ids = code.ec2_cold_launch(aws.backend, cold, run_id, 2, args(ami=aws.ami, timeout=1200.0))
+    ids = code.ec2_cold_launch(aws.backend, cold, run_id, 2, launch(ami=aws.ami), timeout=1200.0, yes_spend_money=True)
     assert len(ids) == 2
     ec2 = client("ec2")
     for iid in ids:
@@ -450,7 +453,7 @@ def test_cold_launch_one_shot_instances(aws):
     assert (json.loads(held) if isinstance(held, str) else held) == code.cold_worker_policy(STORE, REGION, "123456789012")
     assert any(k.startswith(f"runs/{run_id}/kit/") for k in aws.backend.store.list(f"runs/{run_id}/kit/"))
     # a second run reuses the role
-    code.ec2_cold_launch(aws.backend, cold, "20261129-101600-cd34ef", 1, args(ami=aws.ami))
+    code.ec2_cold_launch(aws.backend, cold, "20261129-101600-cd34ef", 1, launch(ami=aws.ami), timeout=600.0, yes_spend_money=True)
     assert [r["RoleName"] for r in client("iam").list_roles()["Roles"] if r["RoleName"].startswith("calque-cold-")] == [role]
     assert sorted(code.ec2_cold_cleanup(aws.backend, ids)) == sorted(ids)
     assert code.ec2_cold_cleanup(aws.backend, ids) == []
@@ -475,16 +478,16 @@ def test_section_never_imports_boto3_at_import():
 def test_every_aws_call_is_documented(aws, api_calls):
     """Every AWS operation the EC2 commands make appears as service:Operation in the README's On AWS section."""
     backend = aws.backend
-    code.ec2_pool_create(backend, record(backend), args(scale_to_zero_after=5))
+    code.ec2_pool_create(backend, record(backend), HANDLER, options(scale_to_zero_after=5), yes_spend_money=True)
     stored = calque.read_json(backend, calque.pool_key(MODEL))
     code.ec2_pool_status(backend, stored)
-    code.ec2_pool_scale(backend, stored, 1, args())
+    code.ec2_pool_scale(backend, stored, 1, yes_spend_money=True)
     code.ec2_pool_list(backend)
     code.ec2_cold_wait_hint(backend, stored)
-    ids = code.ec2_cold_launch(backend, {"model": MODEL, "queue": "calque-run-r9"}, "r9", 1, args(ami=aws.ami))
+    ids = code.ec2_cold_launch(backend, {"model": MODEL, "queue": "calque-run-r9"}, "r9", 1, launch(ami=aws.ami), timeout=600.0, yes_spend_money=True)
     code.ec2_cold_cleanup(backend, ids)
-    code.ec2_pool_create(backend, record(backend), args(instance_type="g5.2xlarge"))   # the update paths
-    code.ec2_pool_delete(backend, stored, args())
+    code.ec2_pool_create(backend, record(backend), HANDLER, options(instance_type="g5.2xlarge"), yes_spend_money=True)   # the update paths
+    code.ec2_pool_delete(backend, stored, yes=True)
     docs = ""
     for name in ("docs_aws.md", "README.md"):
         path = os.path.join(ROOT, name)
