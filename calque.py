@@ -711,6 +711,29 @@ def load_pool(backend, model):
     return record
 
 
+def check_slug_free(backend, model):
+    """The pool record stored under the model's slug, or None. A UserError when that record is another
+    model's: names that differ only in case or punctuation share one slug, hence one queue."""
+    try:
+        existing = read_json(backend, pool_key(model))
+    except NotFound:
+        return None
+    if existing["model"] != model:
+        raise UserError(f"model {model!r} would share queue {pool_queue_name(model)} with the existing pool of "
+                        f"{existing['model']!r}: pick a name that differs in more than case or punctuation")
+    return existing
+
+
+def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries=None):
+    """{batch_size, visibility_timeout, max_deliveries} of a pool or a cold run: each flag's value when given
+    (at least 1), else its CALQUE_* setting."""
+    given = {"batch_size": batch_size, "visibility_timeout": visibility_timeout, "max_deliveries": max_deliveries}
+    for name, value in given.items():
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    return {name: value or setting_number(conf, f"CALQUE_{name.upper()}", int, 1) for name, value in given.items()}
+
+
 def snapshot_handler(backend, handler_spec, key_prefix):
     """Copy the handler file into the store (the code a worker on another machine will run); returns its record."""
     path, cls = parse_handler_spec(handler_spec)
@@ -1132,11 +1155,8 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
         record = load_pool(backend, model)    # reuse the pool's handler snapshot
     run_id = new_run_id(model)
     queue_name, dlq = run_queue_names(run_id)
-    vt = setting_number(conf, "CALQUE_VISIBILITY_TIMEOUT", int, 1)
     cold = {"model": model, "slug": slug(model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
-            "batch_size": batch_size or (record or {}).get("batch_size") or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
-            "visibility_timeout": vt, "max_deliveries": setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
-            "created_at": now_iso()}
+            **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
     prefix = f"runs/{run_id}/"
     if handler:
         cold["handler"] = snapshot_handler(backend, handler, prefix)
@@ -1153,8 +1173,8 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     if ec2 and dry_run:      # print the launch it would make; stage nothing
         launch()
         return None, [], False
-    queue = backend.queues.create_queue(queue_name, vt)
-    backend.queues.create_queue(cold["dlq"], vt)
+    queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
+    backend.queues.create_queue(dlq, cold["visibility_timeout"])
     claim_size = claim_size or max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
     run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
@@ -2664,12 +2684,7 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
                      yes_spend_money=yes_spend_money)
     calls = calls or AwsCalls.for_backend(backend, dry_run)
     names, store, region = ec2_names(model), backend.describe(), calls.region
-    existing = None
-    with contextlib.suppress(NotFound):
-        existing = read_json(backend, pool_key(model))
-    if existing and existing["model"] != model:
-        raise UserError(f"model {model!r} would share queue {names['queue']} with the existing pool of {existing['model']!r}: "
-                        f"pick a name that differs in more than case or punctuation")
+    existing = check_slug_free(backend, model)
 
     # pre-flight: read-only calls; nothing is created if any fails
     ident = calls.identity()
@@ -3133,24 +3148,11 @@ def ec2_cold_cleanup(backend, instance_ids, calls=None):
 # the CLI verbs
 
 def cmd_pool_create(conf, backend, args):
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
-    for name in ("visibility_timeout", "max_deliveries"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    defaults = pool_settings(conf, args.batch_size, args.visibility_timeout, args.max_deliveries)
+    check_slug_free(backend, args.model)
     queue, dlq = pool_queue_name(args.model), dlq_name(args.model)
-    with contextlib.suppress(NotFound):
-        existing = read_json(backend, pool_key(args.model))
-        if existing["model"] != args.model:
-            raise UserError(f"model {args.model!r} would share queue {queue} with the existing pool of {existing['model']!r}: "
-                            f"pick a name that differs in more than case or punctuation")
-    record = {
-        "model": args.model, "slug": slug(args.model), "queue": queue, "dlq": dlq,
-        "batch_size": args.batch_size or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
-        "visibility_timeout": args.visibility_timeout or setting_number(conf, "CALQUE_VISIBILITY_TIMEOUT", int, 1),
-        "max_deliveries": args.max_deliveries or setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
-        "created_at": now_iso(), "store": backend.describe(),
-    }
+    record = {"model": args.model, "slug": slug(args.model), "queue": queue, "dlq": dlq, **defaults,
+              "created_at": now_iso(), "store": backend.describe()}
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
         options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
                                    spot=args.spot, subnet=args.subnet, key_name=args.key_name,
