@@ -734,14 +734,15 @@ def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries
     return {name: value or setting_number(conf, f"CALQUE_{name.upper()}", int, 1) for name, value in given.items()}
 
 
-def snapshot_handler(backend, handler_spec, key_prefix):
-    """Copy the handler file into the store (the code a worker on another machine will run); returns its record."""
+def snapshot_handler(handler_spec, key_prefix, put):
+    """Check the handler file and copy it into the store with put(key, data) (backend.store.put, or an EC2
+    dry run's printer): the code a worker on another machine will run. Returns its record."""
     path, cls = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         source = f.read()
     check_handler_source(source, cls, path)
     key = f"{key_prefix}handler/{os.path.basename(path)}"
-    backend.store.put(key, source)
+    put(key, source)
     import hashlib
     return {"key": key, "file": os.path.basename(path), "class": cls, "sha256": hashlib.sha256(source).hexdigest(),
             "source_path": os.path.abspath(path)}
@@ -1159,7 +1160,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
     prefix = f"runs/{run_id}/"
     if handler:
-        cold["handler"] = snapshot_handler(backend, handler, prefix)
+        cold["handler"] = snapshot_handler(handler, prefix, backend.store.put)
     else:
         source = backend.store.get(record["handler"]["key"])
         cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
@@ -2641,6 +2642,16 @@ def _remove_scale_to_zero(calls, names):
     return removed
 
 
+def _store_put(calls, backend, key, data):
+    """Write one store object; in a dry run, print the PutObject it would be instead (its size: a kit is MBs)."""
+    if calls.note("s3", "PutObject", {"uri": backend.store.uri(key), "bytes": len(data)}):
+        backend.store.put(key, data)
+
+
+def _put_pool_record(calls, backend, record):
+    _store_put(calls, backend, pool_key(record["model"]), json.dumps(record, indent=1))
+
+
 def _said(calls, state):
     """A step's outcome as printed: 'created' in a dry run reads 'would be created'."""
     return f"would be {state}" if calls.dry_run and state not in ("found",) else state
@@ -2676,7 +2687,6 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     (path/to/file.py:Class) is snapshotted here; `options` (Ec2PoolOptions) say the fleet. Every step checks
     what exists first, so a re-run finishes an interrupted create; a failure says exactly what is in place
     and what is not. Returns the record as stored."""
-    import hashlib
     model = record["model"]
     _aws_store(backend, "pool create --instances")
     _check_text(model, "model")
@@ -2726,21 +2736,11 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
         with progress.step(steps[1]):
             full = dict(existing or {}, **record)
             full["created_at"] = (existing or record).get("created_at") or now_iso()
-            if "handler" not in record:
-                path, cls = parse_handler_spec(handler)
-                with open(path, "rb") as f:
-                    source = f.read()
-                check_handler_source(source, cls, path)
-                full["handler"] = {"key": f"pools/{record['slug']}/handler/{os.path.basename(path)}", "file": os.path.basename(path),
-                                   "class": cls, "sha256": hashlib.sha256(source).hexdigest(), "source_path": os.path.abspath(path)}
-                if calls.note("s3", "PutObject", {"uri": backend.store.uri(full["handler"]["key"]), "bytes": len(source)}):
-                    backend.store.put(full["handler"]["key"], source)
-            if calls.note("s3", "PutObject", {"uri": backend.store.uri(kit_key), "bytes": len(blob)}):
-                backend.store.put(kit_key, blob)
+            full["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/",
+                                               lambda key, data: _store_put(calls, backend, key, data))
+            _store_put(calls, backend, kit_key, blob)
             full["ec2"] = ec2
-            text = json.dumps(full, indent=1)
-            if calls.note("s3", "PutObject", {"uri": backend.store.uri(pool_key(model)), "bytes": len(text)}):
-                write_json(backend, pool_key(model), full)
+            _put_pool_record(calls, backend, full)
             print(f"pool {model}: handler {full['handler']['file']}:{full['handler']['class']}, kit {kit_sha[:16]}, "
                   f"record {_said(calls, 'written')}")
         with progress.step(steps[2]):
@@ -2774,9 +2774,7 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
                 print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
         with progress.step(steps[7]):
             full["ec2"] = dict(ec2, state="ready", updated_at=now_iso())
-            text = json.dumps(full, indent=1)
-            if calls.note("s3", "PutObject", {"uri": backend.store.uri(pool_key(model)), "bytes": len(text)}):
-                write_json(backend, pool_key(model), full)
+            _put_pool_record(calls, backend, full)
     except (Exception, KeyboardInterrupt) as e:
         if isinstance(e, UserError) and progress.current is None:
             raise
@@ -2825,8 +2823,7 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
         calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=names["asg"], PolicyName=names["policy_wake"],
                    PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=instances, Cooldown=60)
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
-    if calls.note("s3", "PutObject", {"uri": backend.store.uri(pool_key(model)), "bytes": len(json.dumps(full, indent=1))}):
-        write_json(backend, pool_key(model), full)
+    _put_pool_record(calls, backend, full)
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
           f"(min {lo}, max {hi}); {_hourly(ec2['instance_type'], ec2['spot'], desired) if desired else 'no instance cost at 0'}")
     return full
@@ -3097,8 +3094,7 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dr
     print(f"run {run_id}: cold role {name} {_said(calls, role_state)}, instance profile {_said(calls, profile_state)}")
     blob, kit_sha = kit_archive()
     kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
-    if calls.note("s3", "PutObject", {"uri": backend.store.uri(kit_key), "bytes": len(blob)}):
-        backend.store.put(kit_key, blob)
+    _store_put(calls, backend, kit_key, blob)
     max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
     script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name)
     params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards, "MaxCount": shards,
@@ -3162,7 +3158,7 @@ def cmd_pool_create(conf, backend, args):
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
-    record["handler"] = snapshot_handler(backend, args.handler, f"pools/{record['slug']}/")
+    record["handler"] = snapshot_handler(args.handler, f"pools/{record['slug']}/", backend.store.put)
     backend.queues.create_queue(queue, record["visibility_timeout"])
     backend.queues.create_queue(dlq, record["visibility_timeout"])
     write_json(backend, pool_key(args.model), record)
