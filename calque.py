@@ -2626,13 +2626,22 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
     return "put"
 
 
-def _remove_scale_to_zero(calls, names):
-    """Alarms and policies of a pool that no longer scales to zero; True when something was removed."""
-    alarms = [a["AlarmName"] for a in calls.call("cloudwatch", "DescribeAlarms",
-                                                 AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]]
+def _describe_alarms(calls, names):
+    """The pool's scale-to-zero alarms that exist (DescribeAlarms leaves out the names it does not know)."""
+    return calls.call("cloudwatch", "DescribeAlarms", AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]
+
+
+def _delete_alarms(calls, names):
+    """Delete the pool's scale-to-zero alarms that exist; returns their names."""
+    alarms = [a["AlarmName"] for a in _describe_alarms(calls, names)]
     if alarms:
         calls.call("cloudwatch", "DeleteAlarms", AlarmNames=alarms)
-    removed = bool(alarms)
+    return alarms
+
+
+def _remove_scale_to_zero(calls, names):
+    """Alarms and policies of a pool that no longer scales to zero; True when something was removed."""
+    removed = bool(_delete_alarms(calls, names))
     if _describe_asg(calls, names["asg"]):
         have = {p["PolicyName"] for p in calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
         for policy in (names["policy_wake"], names["policy_idle"]):
@@ -2829,15 +2838,6 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     return full
 
 
-def _queue_depth(calls, name):
-    url = _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
-    if not url:
-        return None
-    a = calls.call("sqs", "GetQueueAttributes", QueueUrl=url, AttributeNames=[
-        "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
-    return {"visible": int(a["ApproximateNumberOfMessages"]), "in_flight": int(a["ApproximateNumberOfMessagesNotVisible"])}
-
-
 def ec2_pool_status(backend, record, calls=None):
     """The EC2 side of `pool status`: the ASG's sizes, its instances by lifecycle state, its last scaling
     activities (where a launch failure shows), the alarms' states, queue/DLQ depths and worker stats."""
@@ -2846,7 +2846,7 @@ def ec2_pool_status(backend, record, calls=None):
     names = ec2_names(model)
     asg = _describe_asg(calls, names["asg"])
     status = {"model": model, "ec2": record.get("ec2"), "asg": None, "instances": {}, "instance_list": [], "activities": [],
-              "alarms": {}, "queue": _queue_depth(calls, names["queue"]), "dlq": _queue_depth(calls, names["dlq"]),
+              "alarms": {}, "queue": queue_depth(backend, names["queue"]), "dlq": queue_depth(backend, names["dlq"]),
               "workers": read_worker_stats(backend, model)}
     if asg:
         status["asg"] = {"name": names["asg"], "min": asg["MinSize"], "max": asg["MaxSize"], "desired": asg["DesiredCapacity"],
@@ -2860,8 +2860,7 @@ def ec2_pool_status(backend, record, calls=None):
             status["activities"].append({"status": a.get("StatusCode"), "description": a.get("Description"),
                                          "reason": (a.get("StatusMessage") or a.get("Cause") or "")[:300],
                                          "start": str(a.get("StartTime", ""))})
-    alarms = calls.call("cloudwatch", "DescribeAlarms", AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]
-    status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in alarms}
+    status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in _describe_alarms(calls, names)}
     return status
 
 
@@ -2950,12 +2949,8 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
     names = ec2_names(model)
 
     def alarms():
-        have = [a["AlarmName"] for a in calls.call("cloudwatch", "DescribeAlarms",
-                                                   AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]]
-        if not have:
-            return "none"
-        calls.call("cloudwatch", "DeleteAlarms", AlarmNames=have)
-        return "deleted " + ", ".join(have)
+        deleted = _delete_alarms(calls, names)
+        return "deleted " + ", ".join(deleted) if deleted else "none"
 
     def asg():
         group = _describe_asg(calls, names["asg"])
@@ -3187,22 +3182,31 @@ def cmd_pool_scale(conf, backend, args):
     return EXIT_OK
 
 
+def queue_depth(backend, name):
+    """{visible, in_flight} of a queue, or None when it does not exist (a half-created or half-deleted pool)."""
+    try:
+        return backend.queues.open_queue(name).counts()
+    except NotFound:
+        return None
+
+
 def pool_status(conf, backend, model):
+    """Everything `pool status` shows, as data: the record, the queue depths, this machine's supervisor and
+    workers, every worker's stats, and for an EC2 pool its fleet (ec2_pool_status)."""
     record = load_pool(backend, model)
-    depths = {}
-    for role in ("queue", "dlq"):
-        try:
-            depths[role] = backend.queues.open_queue(record[role]).counts()
-        except NotFound:
-            depths[role] = None
+    if "ec2" in record:     # the fleet's status reads the queues and the worker stats: not twice
+        ec2 = ec2_pool_status(backend, record)
+        queue, dlq, stats = ec2["queue"], ec2["dlq"], ec2["workers"]
+    else:
+        ec2 = None
+        queue, dlq = queue_depth(backend, record["queue"]), queue_depth(backend, record["dlq"])
+        stats = read_worker_stats(backend, model)
     supervisor = read_supervisor(conf, model)
     local = []
     if supervisor:
         for w in supervisor["workers"]:
             local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
-    stats = read_worker_stats(backend, model)
-    return {"model": model, "record": record, "queue": depths["queue"], "dlq": depths["dlq"],
-            "ec2": ec2_pool_status(backend, record) if "ec2" in record else None,
+    return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
             "supervisor": {"pid": supervisor["pid"], "desired": supervisor["desired"], "restarts": supervisor["restarts"]} if supervisor else None,
             "local_workers": local, "workers": stats}
 
@@ -3270,11 +3274,10 @@ def cmd_pool_delete(conf, backend, args):
             raise
         record = {"model": args.model}     # a half-created EC2 pool: delete finds what is there by name and tag
     if "queue" in record and not args.force:   # deleting the queue would drop claims nobody has finished
-        with contextlib.suppress(NotFound):
-            depth = backend.queues.open_queue(record["queue"]).counts()
-            if depth["visible"] or depth["in_flight"]:
-                raise UserError(f"pool {args.model} still has {depth['visible']} queued and {depth['in_flight']} in-flight "
-                                f"claim(s): wait for them (runs show RUN), or pass --force to delete them with the pool")
+        depth = queue_depth(backend, record["queue"])
+        if depth and (depth["visible"] or depth["in_flight"]):
+            raise UserError(f"pool {args.model} still has {depth['visible']} queued and {depth['in_flight']} in-flight "
+                            f"claim(s): wait for them (runs show RUN), or pass --force to delete them with the pool")
     if "ec2" in record or "queue" not in record:
         if not args.yes and not args.dry_run:
             raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes (or previewed with --dry-run)")
