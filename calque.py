@@ -2028,6 +2028,24 @@ def _exists(fn, *missing_codes):
         raise
 
 
+def _queue_url(calls, name):
+    return _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
+
+
+def _find_role(calls, name):
+    return _exists(lambda: calls.call("iam", "GetRole", RoleName=name)["Role"], "NoSuchEntity")
+
+
+def _find_instance_profile(calls, name):
+    return _exists(lambda: calls.call("iam", "GetInstanceProfile", InstanceProfileName=name)["InstanceProfile"],
+                   "NoSuchEntity")
+
+
+def _find_launch_template(calls, name):
+    return _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates", LaunchTemplateNames=[name])["LaunchTemplates"][0],
+                   "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
+
+
 def _aws_store(backend, what):
     if getattr(backend, "kind", None) != "aws":
         raise UserError(f"{what} needs an s3:// store (CALQUE_STORE={backend.describe()}): EC2 workers read and write "
@@ -2119,6 +2137,16 @@ def cold_worker_policy(store, region, account, partition="aws"):
                                  f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
                           writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*"],
                           listed=[f"{root}runs/*"])
+
+
+# instance metadata (where the instance profile's credentials are): session tokens only, and one network hop,
+# so a container on the instance cannot reach it
+IMDS_V2_ONLY = {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1}
+
+
+def _instance_tag_specs(tags):
+    """The same tags on the instances and on their volumes: both are found, and priced, by the pool's tags."""
+    return [{"ResourceType": kind, "Tags": _tags(tags)} for kind in ("instance", "volume")]
 
 
 EC2_TRUST_POLICY = {"Version": "2012-10-17", "Statement": [
@@ -2456,7 +2484,7 @@ def _refuse_spending(what, *, dry_run, yes_spend_money):
 
 def _ensure_queue(calls, name, visibility_timeout, tags):
     vt = str(int(visibility_timeout))
-    url = _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
+    url = _queue_url(calls, name)
     if url:
         current = calls.call("sqs", "GetQueueAttributes", QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]
         if current.get("VisibilityTimeout") != vt:
@@ -2489,8 +2517,7 @@ def _role_tags(calls, name):
 def _ensure_role(calls, name, policy, tags, owner):
     """Create the role (or check the existing one is ours) and put its one inline policy: always, so a re-run
     also repairs a policy edited by hand."""
-    role = _exists(lambda: calls.call("iam", "GetRole", RoleName=name)["Role"], "NoSuchEntity")
-    if role:
+    if _find_role(calls, name):
         _check_owned("IAM role", name, _role_tags(calls, name), *owner)
         state = "found"
     else:
@@ -2503,7 +2530,7 @@ def _ensure_role(calls, name, policy, tags, owner):
 
 
 def _ensure_instance_profile(calls, name, role, tags):
-    profile = _exists(lambda: calls.call("iam", "GetInstanceProfile", InstanceProfileName=name)["InstanceProfile"], "NoSuchEntity")
+    profile = _find_instance_profile(calls, name)
     state = "found"
     if not profile:
         calls.call("iam", "CreateInstanceProfile", InstanceProfileName=name, Tags=_tags(tags, strict=True))
@@ -2524,8 +2551,7 @@ def _ensure_launch_template(calls, name, data, tags, owner):
     """Create it, or add a version when the wanted data differ from its latest (compared by digest, kept in
     the version description). The ASG launches $Latest, so new instances pick the change up."""
     wanted = "calque " + _digest(json.dumps(data, sort_keys=True), 16)
-    found = _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates", LaunchTemplateNames=[name])["LaunchTemplates"][0],
-                    "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
+    found = _find_launch_template(calls, name)
     if not found:
         calls.call("ec2", "CreateLaunchTemplate", LaunchTemplateName=name, VersionDescription=wanted, LaunchTemplateData=data,
                    TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(tags)}])
@@ -2590,6 +2616,12 @@ def _policy_arn(calls, asg, name, answer):
     return policies[0]["PolicyARN"]
 
 
+def _put_capacity_policy(calls, asg, name, capacity):
+    """A simple-scaling policy that sets the group to exactly `capacity` instances when its alarm fires."""
+    return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=name,
+                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=capacity, Cooldown=60)
+
+
 def _sqs_metric(queue, metric):
     return {"Namespace": "AWS/SQS", "MetricName": metric, "Dimensions": [{"Name": "QueueName", "Value": queue}]}
 
@@ -2599,11 +2631,8 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
     in a minute. Idle: visible + in flight == 0 for the whole window -- in flight counts, so a pool busy on
     long claims with an empty backlog is not scaled in under its workers."""
     asg, minutes = names["asg"], ec2["scale_to_zero_after"]
-    wake = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=names["policy_wake"],
-                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=ec2["instances"], Cooldown=60)
-    idle = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=names["policy_idle"],
-                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=ec2["min_instances"] or 0,
-                      Cooldown=60)
+    wake = _put_capacity_policy(calls, asg, names["policy_wake"], ec2["instances"])
+    idle = _put_capacity_policy(calls, asg, names["policy_idle"], ec2["min_instances"] or 0)
     calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_wake"],
                AlarmDescription=f"calque: wake pool {asg} when a claim waits in {names['queue']}",
                ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_wake"], wake)],
@@ -2763,9 +2792,7 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
             script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"])
             data = {"ImageId": ami, "InstanceType": options.instance_type, "UserData": _user_data_b64(script),
                     "IamInstanceProfile": {"Name": names["instance_profile"]},
-                    "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
-                    "TagSpecifications": [{"ResourceType": "instance", "Tags": _tags(tags)},
-                                          {"ResourceType": "volume", "Tags": _tags(tags)}]}
+                    "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
             if options.key_name:
                 data["KeyName"] = options.key_name
             state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
@@ -2829,8 +2856,7 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo, MaxSize=hi,
                DesiredCapacity=desired)
     if ec2.get("scale_to_zero_after"):
-        calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=names["asg"], PolicyName=names["policy_wake"],
-                   PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=instances, Cooldown=60)
+        _put_capacity_policy(calls, names["asg"], names["policy_wake"], instances)
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
     _put_pool_record(calls, backend, full)
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
@@ -2922,6 +2948,12 @@ def ec2_pool_list(backend, calls=None):
     return sorted(found.values(), key=lambda p: p["model"])
 
 
+def _require_managed(name, tags):
+    """Delete refuses what calque did not create, whatever its name."""
+    if tags.get("calque:managed") != "true":
+        raise UserError(f"{name} is not tagged calque:managed=true; not touching it")
+
+
 def _delete_step(model, what, fn):
     """Run one delete step and report it; a step's failure is reported and the others still run."""
     try:
@@ -2958,25 +2990,21 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
             return "not found (already gone)"
         if group.get("Status"):
             return f"already {group['Status'].lower()}"
-        if _tag_dict(group.get("Tags")).get("calque:managed") != "true":
-            raise UserError(f"{names['asg']} is not tagged calque:managed=true; not touching it")
+        _require_managed(names["asg"], _tag_dict(group.get("Tags")))
         calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0, DesiredCapacity=0)
         calls.call("autoscaling", "DeleteAutoScalingGroup", AutoScalingGroupName=names["asg"], ForceDelete=True)
         return f"scaled to 0 and deleted ({len(group.get('Instances', []))} instance(s) terminating: warmd gets SIGTERM)"
 
     def template():
-        found = _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates", LaunchTemplateNames=[names["launch_template"]])["LaunchTemplates"][0],
-                        "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
+        found = _find_launch_template(calls, names["launch_template"])
         if not found:
             return "not found (already gone)"
-        if _tag_dict(found.get("Tags")).get("calque:managed") != "true":
-            raise UserError(f"{names['launch_template']} is not tagged calque:managed=true; not touching it")
+        _require_managed(names["launch_template"], _tag_dict(found.get("Tags")))
         calls.call("ec2", "DeleteLaunchTemplate", LaunchTemplateName=names["launch_template"])
         return "deleted"
 
     def profile():
-        found = _exists(lambda: calls.call("iam", "GetInstanceProfile", InstanceProfileName=names["instance_profile"])["InstanceProfile"],
-                        "NoSuchEntity")
+        found = _find_instance_profile(calls, names["instance_profile"])
         if not found:
             return "not found (already gone)"
         for role in found.get("Roles", []):
@@ -2985,10 +3013,9 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         return "deleted"
 
     def role():
-        if not _exists(lambda: calls.call("iam", "GetRole", RoleName=names["role"]), "NoSuchEntity"):
+        if not _find_role(calls, names["role"]):
             return "not found (already gone)"
-        if _role_tags(calls, names["role"]).get("calque:managed") != "true":
-            raise UserError(f"{names['role']} is not tagged calque:managed=true; not touching it")
+        _require_managed(names["role"], _role_tags(calls, names["role"]))
         for p in calls.call("iam", "ListRolePolicies", RoleName=names["role"])["PolicyNames"]:
             calls.call("iam", "DeleteRolePolicy", RoleName=names["role"], PolicyName=p)
         for p in calls.call("iam", "ListAttachedRolePolicies", RoleName=names["role"])["AttachedPolicies"]:
@@ -3000,7 +3027,7 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
 
     def queue(name):
         def step():
-            url = _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
+            url = _queue_url(calls, name)
             if not url:
                 return "not found (already gone)"
             calls.call("sqs", "DeleteQueue", QueueUrl=url)
@@ -3094,9 +3121,8 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dr
     script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name)
     params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards, "MaxCount": shards,
               "UserData": script, "IamInstanceProfile": {"Name": name}, "InstanceInitiatedShutdownBehavior": "terminate",
-              "SubnetId": subnet, "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
-              "TagSpecifications": [{"ResourceType": t, "Tags": _tags(dict(tags, **{"calque:run": run_id, "Name": f"calque-cold-{run_id}"}))}
-                                    for t in ("instance", "volume")]}
+              "SubnetId": subnet, "MetadataOptions": IMDS_V2_ONLY,
+              "TagSpecifications": _instance_tag_specs(dict(tags, **{"calque:run": run_id, "Name": f"calque-cold-{run_id}"}))}
     if launch.key_name:
         params["KeyName"] = launch.key_name
     if launch.spot:
