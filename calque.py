@@ -2695,25 +2695,29 @@ def _said(calls, state):
     return f"would be {state}" if calls.dry_run and state not in ("found",) else state
 
 
-class _Progress:
-    """The steps of a create: what is in place, what is not yet, said exactly when one fails."""
+def _error_line(error):
+    """'Code: first line of the message' of an AWS (or any) error, for a one-line report."""
+    text = str(error)
+    return f"{_aws_error_code(error) or type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
-    def __init__(self, subject, steps):
-        self.subject, self.steps, self.done, self.current = subject, steps, [], None
 
-    @contextlib.contextmanager
-    def step(self, name):
-        self.current = name
-        yield
-        self.done.append(name)
-        self.current = None
-
-    def report(self, error, fix):
-        reason = f"{_aws_error_code(error) or type(error).__name__}: {error}" if not isinstance(error, KeyboardInterrupt) else "interrupted"
-        print(f"{self.subject}: stopped at {self.current or 'the start'} ({reason})", file=sys.stderr)
-        print(f"  in place: {', '.join(self.done) or 'nothing'}", file=sys.stderr)
-        print(f"  not done: {', '.join(s for s in self.steps if s not in self.done)}", file=sys.stderr)
-        print(f"  ---> HINT: {fix}", file=sys.stderr)
+def _run_steps(subject, steps, fix):
+    """Run the (title, fn) steps in order. When one fails, say which, what is in place, what is not done
+    and `fix`; then raise a UserError or an interruption as it is, anything else as a UserError naming the step."""
+    done = []
+    for title, fn in steps:
+        try:
+            fn()
+        except (Exception, KeyboardInterrupt) as e:
+            reason = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{_aws_error_code(e) or type(e).__name__}: {e}"
+            print(f"{subject}: stopped at {title} ({reason})", file=sys.stderr)
+            print(f"  in place: {', '.join(done) or 'nothing'}", file=sys.stderr)
+            print(f"  not done: {', '.join(t for t, _ in steps if t not in done)}", file=sys.stderr)
+            print(f"  ---> HINT: {fix}", file=sys.stderr)
+            if isinstance(e, (UserError, KeyboardInterrupt)):
+                raise
+            raise UserError(f"{subject} stopped at {title}: {_error_line(e)} (what is in place is listed above)") from e
+        done.append(title)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2722,9 +2726,9 @@ class _Progress:
 def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_money=False, calls=None):
     """`pool create --instances N ...` on an s3:// store. `record` is the pool record cmd_pool_create built
     (model, slug, queue, dlq, batch_size, visibility_timeout, max_deliveries, created_at, store); `handler`
-    (path/to/file.py:Class) is snapshotted here; `options` (Ec2PoolOptions) say the fleet. Every step checks
-    what exists first, so a re-run finishes an interrupted create; a failure says exactly what is in place
-    and what is not. Returns the record as stored."""
+    (path/to/file.py:Class) is snapshotted here; `options` (Ec2PoolOptions) say the fleet. A read-only
+    pre-flight, then the steps: each checks what exists first, so a re-run finishes an interrupted create,
+    and a failure says exactly what is in place and what is not. Returns the record as stored."""
     model = record["model"]
     _aws_store(backend, "pool create --instances")
     _check_text(model, "model")
@@ -2744,87 +2748,95 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
         print(f"pool {model}: note: {options.instance_type} has no GPU; fine for a CPU handler, not for a GPU model")
     blob, kit_sha = kit_archive()
     kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
-    ec2 = {"instances": options.instances, "min_instances": options.min_instances, "instance_type": options.instance_type,
-           "ami": ami, "ami_source": ami_source, "spot": options.spot, "subnets": subnets, "key_name": options.key_name,
-           "scale_to_zero_after": options.scale_to_zero_after, "region": region, "account": ident["account"],
-           "role": names["role"], "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
+    created_at = (existing or {}).get("ec2", {}).get("created_at") or record.get("created_at") or now_iso()
+    ec2 = {"instances": options.instances, "min_instances": options.min_instances,
+           "instance_type": options.instance_type, "ami": ami, "ami_source": ami_source, "spot": options.spot,
+           "subnets": subnets, "key_name": options.key_name, "scale_to_zero_after": options.scale_to_zero_after,
+           "region": region, "account": ident["account"], "role": names["role"],
+           "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
            "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if options.scale_to_zero_after else [],
-           "kit": {"key": kit_key, "sha256": kit_sha}, "state": "creating", "updated_at": now_iso()}
+           "kit": {"key": kit_key, "sha256": kit_sha}, "state": "creating", "updated_at": now_iso(),
+           "created_at": created_at}
     tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
-            "calque:created-at": (existing or {}).get("ec2", {}).get("created_at") or record.get("created_at") or now_iso(),
-            "calque:store": store, "calque:region": region}
-    ec2["created_at"] = tags["calque:created-at"]
+            "calque:created-at": created_at, "calque:store": store, "calque:region": region}
     owner = (model, store, region)
+    full = dict(existing or {}, **record)     # a re-run keeps what it does not set (the first created_at)
+    full["created_at"] = (existing or record).get("created_at") or now_iso()
     print(f"pool {model}: EC2 cohort of {options.instances} x {options.instance_type} "
           f"{'spot' if options.spot else 'on-demand'}, AMI {ami} ({ami_source}), subnets {', '.join(subnets)}")
     idle = options.scale_to_zero_after
     print(f"pool {model}: cost {_hourly(options.instance_type, options.spot, max(options.instances, 1))}"
           + (f"; scales to {options.min_instances or 0} after {idle} idle minute(s)" if idle else ""))
 
-    steps = [f"queues {names['queue']} + {names['dlq']}", "handler, kit and pool record in the store",
-             f"IAM role {names['role']}", f"instance profile {names['instance_profile']}",
-             f"launch template {names['launch_template']}", f"auto scaling group {names['asg']}",
-             "scale-to-zero alarms" if options.scale_to_zero_after else "no scale-to-zero alarms", "pool record ready"]
-    progress = _Progress(f"pool {model}: create", steps)
-    try:
-        with progress.step(steps[0]):
-            qtags = {k: _strict_tag(tags[k]) for k in ("calque:pool-model", "calque:managed")}
-            for q in (names["queue"], names["dlq"]):
-                print(f"pool {model}: queue {q} {_said(calls, _ensure_queue(calls, q, record['visibility_timeout'], qtags))}")
-        with progress.step(steps[1]):
-            full = dict(existing or {}, **record)
-            full["created_at"] = (existing or record).get("created_at") or now_iso()
-            full["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/",
-                                               lambda key, data: _store_put(calls, backend, key, data))
-            _store_put(calls, backend, kit_key, blob)
-            full["ec2"] = ec2
-            _put_pool_record(calls, backend, full)
-            print(f"pool {model}: handler {full['handler']['file']}:{full['handler']['class']}, kit {kit_sha[:16]}, "
-                  f"record {_said(calls, 'written')}")
-        with progress.step(steps[2]):
-            policy = worker_policy(store, model, region, ident["account"], ident["partition"])
-            state = _ensure_role(calls, names["role"], policy, tags, owner)
-            print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy {_said(calls, 'put')}")
-        with progress.step(steps[3]):
-            state = _ensure_instance_profile(calls, names["instance_profile"], names["role"], tags)
-            print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
-        with progress.step(steps[4]):
-            script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"])
-            data = {"ImageId": ami, "InstanceType": options.instance_type, "UserData": _user_data_b64(script),
-                    "IamInstanceProfile": {"Name": names["instance_profile"]},
-                    "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
-            if options.key_name:
-                data["KeyName"] = options.key_name
-            state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
-            print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} ({len(script)} bytes of user-data)")
-        with progress.step(steps[5]):
-            state = _ensure_asg(calls, names, ec2, tags, owner)
-            lo, hi, desired = _asg_sizes(ec2)
-            print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} (min {lo}, max {hi}, desired {desired})")
-        with progress.step(steps[6]):
-            if options.scale_to_zero_after:
-                _ensure_scale_to_zero(calls, names, ec2, tags)
-                print(f"pool {model}: alarms {names['alarm_wake']} (work arrives -> {options.instances}) and "
-                      f"{names['alarm_idle']} ({options.scale_to_zero_after} idle min -> {options.min_instances or 0}) {_said(calls, 'put')}")
-            elif _remove_scale_to_zero(calls, names):
-                print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
-        with progress.step(steps[7]):
-            full["ec2"] = dict(ec2, state="ready", updated_at=now_iso())
-            _put_pool_record(calls, backend, full)
-    except (Exception, KeyboardInterrupt) as e:
-        if isinstance(e, UserError) and progress.current is None:
-            raise
-        progress.report(e, f"re-run the same command to finish (each step checks what exists first), or "
-                           f"`python calque.py pool delete --model {model} --yes` to remove what is in place")
-        if isinstance(e, (UserError, KeyboardInterrupt)):
-            raise
-        raise UserError(f"pool {model}: create stopped at {progress.current}: {_aws_error_code(e) or type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''} (what is in place is listed above)") from e
+    def queues():
+        queue_tags = {k: _strict_tag(tags[k]) for k in ("calque:pool-model", "calque:managed")}
+        for queue in (names["queue"], names["dlq"]):
+            state = _ensure_queue(calls, queue, record["visibility_timeout"], queue_tags)
+            print(f"pool {model}: queue {queue} {_said(calls, state)}")
+
+    def store_objects():
+        full["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/",
+                                           lambda key, data: _store_put(calls, backend, key, data))
+        _store_put(calls, backend, kit_key, blob)
+        full["ec2"] = ec2
+        _put_pool_record(calls, backend, full)
+        print(f"pool {model}: handler {full['handler']['file']}:{full['handler']['class']}, kit {kit_sha[:16]}, "
+              f"record {_said(calls, 'written')}")
+
+    def role():
+        policy = worker_policy(store, model, region, ident["account"], ident["partition"])
+        state = _ensure_role(calls, names["role"], policy, tags, owner)
+        print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy {_said(calls, 'put')}")
+
+    def instance_profile():
+        state = _ensure_instance_profile(calls, names["instance_profile"], names["role"], tags)
+        print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
+
+    def launch_template():
+        script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"])
+        data = {"ImageId": ami, "InstanceType": options.instance_type, "UserData": _user_data_b64(script),
+                "IamInstanceProfile": {"Name": names["instance_profile"]},
+                "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
+        if options.key_name:
+            data["KeyName"] = options.key_name
+        state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
+        print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} "
+              f"({len(script)} bytes of user-data)")
+
+    def asg():
+        state = _ensure_asg(calls, names, ec2, tags, owner)
+        lo, hi, desired = _asg_sizes(ec2)
+        print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} "
+              f"(min {lo}, max {hi}, desired {desired})")
+
+    def alarms():
+        if idle:
+            _ensure_scale_to_zero(calls, names, ec2, tags)
+            print(f"pool {model}: alarms {names['alarm_wake']} (work arrives -> {options.instances}) and "
+                  f"{names['alarm_idle']} ({idle} idle min -> {options.min_instances or 0}) {_said(calls, 'put')}")
+        elif _remove_scale_to_zero(calls, names):
+            print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
+
+    def ready():
+        full["ec2"] = dict(ec2, state="ready", updated_at=now_iso())
+        _put_pool_record(calls, backend, full)
+
+    _run_steps(f"pool {model}: create", [
+        (f"queues {names['queue']} + {names['dlq']}", queues),
+        ("handler, kit and pool record in the store", store_objects),
+        (f"IAM role {names['role']}", role),
+        (f"instance profile {names['instance_profile']}", instance_profile),
+        (f"launch template {names['launch_template']}", launch_template),
+        (f"auto scaling group {names['asg']}", asg),
+        ("scale-to-zero alarms" if idle else "no scale-to-zero alarms", alarms),
+        ("pool record ready", ready),
+    ], fix=f"re-run the same command to finish (each step checks what exists first), or "
+           f"`python calque.py pool delete --model {model} --yes` to remove what is in place")
     if dry_run:
         print(f"pool {model}: dry run: nothing was created or changed; the calls above are what --yes-spend-money makes")
     else:
-        print(f"pool {model}: ready. Instances boot and bootstrap in ~{EC2_BOOT_ESTIMATE / 60:.0f} min, then load the model; "
-              f"watch with `python calque.py pool status --model {model}`")
+        print(f"pool {model}: ready. Instances boot and bootstrap in ~{EC2_BOOT_ESTIMATE / 60:.0f} min, then load "
+              f"the model; watch with `python calque.py pool status --model {model}`")
     return full
 
 
@@ -2963,7 +2975,7 @@ def _delete_step(model, what, fn):
     except UserError as e:
         print(f"pool {model}: {what}: skipped: {e}")
     except Exception as e:
-        print(f"pool {model}: {what}: FAILED ({_aws_error_code(e) or type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        print(f"pool {model}: {what}: FAILED ({_error_line(e)})")
     return False
 
 
