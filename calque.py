@@ -2902,28 +2902,29 @@ def ec2_pool_status(backend, record, calls=None):
     return status
 
 
-def ec2_status_lines(status):
-    """`pool status` lines for the EC2 part (the lead prints the worker table as for local pools)."""
+def format_ec2_status(status):
+    """ec2_pool_status's answer as lines: the group's sizes and instances, its last scaling activities (where a
+    launch failure shows), the alarms, and a note when instances run but no worker reports yet.
+    format_pool_status prints them among the pool's queue depths and worker table."""
     lines, ec2 = [], status.get("ec2") or {}
     asg = status["asg"]
     if asg is None:
-        lines.append("  auto scaling group: none (re-run `pool create` to finish, or `pool delete` to clean up)")
+        lines.append("auto scaling group: none (re-run `pool create` to finish, or `pool delete` to clean up)")
     else:
         by_state = ", ".join(f"{n} {s}" for s, n in sorted(status["instances"].items())) or "no instances"
-        lines.append(f"  auto scaling group {asg['name']}: desired {asg['desired']} (min {asg['min']}, max {asg['max']})"
+        lines.append(f"auto scaling group {asg['name']}: desired {asg['desired']} (min {asg['min']}, max {asg['max']})"
                      f"{' ' + asg['status'] if asg['status'] else ''}: {by_state}")
-        lines.append(f"  instances: {ec2.get('instance_type', '?')} {'spot' if ec2.get('spot') else 'on-demand'}, AMI {ec2.get('ami', '?')}")
+        lines.append(f"instances: {ec2.get('instance_type', '?')} {'spot' if ec2.get('spot') else 'on-demand'}, "
+                     f"AMI {ec2.get('ami', '?')}")
         for a in status["activities"]:
-            lines.append(f"    {a['start'][:19]} {a['status']}: {a['description']}" + (f" ({a['reason']})" if a["reason"] else ""))
-    q, d = status["queue"], status["dlq"]
-    lines.append(f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  "
-                 f"dead-letter: {d['visible'] if d else '?'}")
+            lines.append(f"  {a['start'][:19]} {a['status']}: {a['description']}"
+                         + (f" ({a['reason']})" if a["reason"] else ""))
     if status["alarms"]:
-        lines.append("  scale to zero: " + ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items())))
+        lines.append("scale to zero: " + ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items())))
     running = [w for w in status["workers"] if w.get("state") == "running"]
     in_service = status["instances"].get("InService", 0)
     if in_service and not running:
-        lines.append(f"  note: {in_service} instance(s) in service but no worker reports running yet: still bootstrapping "
+        lines.append(f"note: {in_service} instance(s) in service but no worker reports running yet: still bootstrapping "
                      f"(~{EC2_BOOT_ESTIMATE / 60:.0f} min), or the bootstrap failed: see the instance's console output")
     return lines
 
@@ -3249,38 +3250,58 @@ def pool_status(conf, backend, model):
             "local_workers": local, "workers": stats}
 
 
-def cmd_pool_status(conf, backend, args):
-    status = pool_status(conf, backend, args.model)
-    if args.json:
-        print(json.dumps(status, indent=1))
-        return EXIT_OK
+def format_pool_status(status, store_description):
+    """pool_status's answer as the lines `pool status` prints: queue depths, the EC2 fleet of an EC2 pool,
+    this machine's workers, and a table of the running workers and the few most recently stopped."""
     q, d = status["queue"], status["dlq"]
-    print(f"pool {args.model}  ({status['record']['queue']} on {backend.describe()})")
-    print(f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  dead-letter: {d['visible'] if d else '?'}")
+    lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
+             f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  "
+             f"dead-letter: {d['visible'] if d else '?'}"]
     if status["ec2"]:
-        for line in ec2_status_lines(status["ec2"]):
-            print("  " + line)
+        lines += ["    " + line for line in format_ec2_status(status["ec2"])]
     sup = status["supervisor"]
     if sup:
         alive = sum(w["alive"] for w in status["local_workers"])
-        print(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, {sup['restarts']} restart(s))")
+        lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, "
+                     f"{sup['restarts']} restart(s))")
     else:
-        print("  local workers: none on this machine")
+        lines.append("  local workers: none on this machine")
     running = [w for w in status["workers"] if w.get("state") == "running"]
-    print(f"  workers with stats: {len(status['workers'])} ({len(running)} running)")
+    lines.append(f"  workers with stats: {len(status['workers'])} ({len(running)} running)")
     # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
     # and the few most recently stopped, so a pool that restarted many times still prints a short table
     stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
     shown = running + stopped[-STOPPED_SHOWN:]
     if shown:
-        print(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} {'items':>7} {'busy%':>6}")
+        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} "
+                     f"{'items':>7} {'busy%':>6}")
         for w in sorted(shown, key=lambda w: w["started_at"]):
             busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
-            print(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} {w['enter_count']:>6} "
-                  f"{w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
+            lines.append(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
+                         f"{w['enter_count']:>6} {w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
     if len(stopped) > STOPPED_SHOWN:
-        print(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
+        lines.append(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
+    return lines
+
+
+def cmd_pool_status(conf, backend, args):
+    status = pool_status(conf, backend, args.model)
+    print(json.dumps(status, indent=1) if args.json else "\n".join(format_pool_status(status, backend.describe())))
     return EXIT_OK
+
+
+def format_pool_list(pools, local_workers, store_description):
+    """The lines `pool list` prints: per pool its queue, its local workers on this machine (local_workers:
+    model -> desired count), its EC2 fleet, and a hint for a fleet whose pool record is gone."""
+    if not pools:
+        return [f"no pools in {store_description}"]
+    lines = []
+    for p in pools:
+        fleet = f"EC2 {p['in_service']}/{p['desired']} in service ({p['asg']})" if p["asg"] else "no EC2 fleet"
+        orphan = "" if p["record"] else "  [no pool record: half-created? `pool delete --model M --yes` cleans it up]"
+        lines.append(f"{p['model']:<40} {pool_queue_name(p['model']):<50} "
+                     f"local workers here: {local_workers.get(p['model'], 0)}; {fleet}{orphan}")
+    return lines
 
 
 def cmd_pool_list(conf, backend, args):
@@ -3294,13 +3315,8 @@ def cmd_pool_list(conf, backend, args):
     if args.json:
         print(json.dumps(pools, indent=1))
         return EXIT_OK
-    if not pools:
-        print(f"no pools in {backend.describe()}")
-    for p in pools:
-        sup = read_supervisor(conf, p["model"])
-        fleet = f"EC2 {p['in_service']}/{p['desired']} in service ({p['asg']})" if p["asg"] else "no EC2 fleet"
-        print(f"{p['model']:<40} {pool_queue_name(p['model']):<50} local workers here: {sup['desired'] if sup else 0}; {fleet}"
-              + ("" if p["record"] else "  [no pool record: half-created? `pool delete --model M --yes` cleans it up]"))
+    local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0) for p in pools}
+    print("\n".join(format_pool_list(pools, local_workers, backend.describe())))
     return EXIT_OK
 
 

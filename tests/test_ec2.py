@@ -147,7 +147,7 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     status = code.ec2_pool_status(backend, stored)
     assert status["asg"]["desired"] == 2 and status["instances"] == {"InService": 2}
     assert status["queue"] == {"visible": 0, "in_flight": 0} and status["dlq"] == {"visible": 0, "in_flight": 0}
-    assert any("desired 2" in line for line in code.ec2_status_lines(status))
+    assert any("desired 2" in line for line in code.format_ec2_status(status))
 
     code.ec2_pool_scale(backend, stored, 3, yes_spend_money=True)
     assert asg_of()["DesiredCapacity"] == 3 and calque.read_json(backend, calque.pool_key(MODEL))["ec2"]["instances"] == 3
