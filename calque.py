@@ -586,8 +586,8 @@ class SqsQueues:
                     raise NotFound(f"queue {name}")
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        vt = int(self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]["VisibilityTimeout"])
-        return SqsQueue(self, name, url, vt)
+        attrs = self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]
+        return SqsQueue(self, name, url, int(attrs["VisibilityTimeout"]))
 
     def delete_queue(self, name):
         try:
@@ -642,7 +642,8 @@ class SqsQueue:
         self.queues.requests["queue_other"] += 1
         attrs = self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=[
             "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
-        return {"visible": int(attrs["ApproximateNumberOfMessages"]), "in_flight": int(attrs["ApproximateNumberOfMessagesNotVisible"])}
+        return {"visible": int(attrs["ApproximateNumberOfMessages"]),
+                "in_flight": int(attrs["ApproximateNumberOfMessagesNotVisible"])}
 
 
 class AwsBackend:
@@ -1886,11 +1887,11 @@ DLAMI_PARAMETERS = {                # SSM public parameters naming the current d
 KIT_FILES = ("calque.py", "warmd.py", "requirements.txt", "rates.json")   # + fastbatch/*.py|.c|.h: what a worker runs
 EC2_STATE_DIR = "/var/lib/calque"    # CALQUE_STATE on an instance (handler cache)
 EC2_SPOT_POLL = "http://169.254.169.254"  # the metadata address the bootstrap enables the spot poller with
-EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # this machine's values go to workers
-IAM_PROPAGATION_WAIT = 10.0         # s after creating an instance profile: EC2 refuses a profile IAM has not propagated yet
+EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # this machine's go to workers
+IAM_PROPAGATION_WAIT = 10.0         # s after creating an instance profile: EC2 refuses one IAM has not propagated
 IAM_RETRY_SECONDS = 90.0            # s RunInstances retries "invalid instance profile" (IAM propagation) before failing
-EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + pip install torch etc. (assumed, not measured)
-COLD_BOOT_ALLOWANCE = 30            # min a cold instance may spend booting on top of the submit timeout before it powers off
+EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + pip install torch etc. (assumed)
+COLD_BOOT_ALLOWANCE = 30            # min a cold instance may boot on top of the submit timeout before it powers off
 ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
 
@@ -1980,20 +1981,23 @@ class AwsCalls:
         ident = self.identity()
         account, partition = ident["account"], ident["partition"]
         if operation == "CreateRole":
-            return {"Role": {"RoleName": params["RoleName"], "Arn": f"arn:{partition}:iam::{account}:role/{params['RoleName']}"}}
+            name = params["RoleName"]
+            return {"Role": {"RoleName": name, "Arn": f"arn:{partition}:iam::{account}:role/{name}"}}
         if operation == "CreateInstanceProfile":
             name = params["InstanceProfileName"]
-            return {"InstanceProfile": {"InstanceProfileName": name, "Arn": f"arn:{partition}:iam::{account}:instance-profile/{name}"}}
+            return {"InstanceProfile": {"InstanceProfileName": name,
+                                        "Arn": f"arn:{partition}:iam::{account}:instance-profile/{name}"}}
         if operation == "CreateLaunchTemplate":
-            return {"LaunchTemplate": {"LaunchTemplateId": "lt-dry-run", "LaunchTemplateName": params["LaunchTemplateName"],
-                                       "LatestVersionNumber": 1}}
+            return {"LaunchTemplate": {"LaunchTemplateId": "lt-dry-run",
+                                       "LaunchTemplateName": params["LaunchTemplateName"], "LatestVersionNumber": 1}}
         if operation == "CreateLaunchTemplateVersion":
             return {"LaunchTemplateVersion": {"VersionNumber": 0}}
         if operation == "CreateQueue":
             return {"QueueUrl": f"https://sqs.{self.region}.amazonaws.com/{account}/{params['QueueName']}"}
         if operation == "PutScalingPolicy":
             return {"PolicyARN": f"arn:{partition}:autoscaling:{self.region}:{account}:scalingPolicy:dry-run:"
-                                 f"autoScalingGroupName/{params['AutoScalingGroupName']}:policyName/{params['PolicyName']}"}
+                                 f"autoScalingGroupName/{params['AutoScalingGroupName']}"
+                                 f":policyName/{params['PolicyName']}"}
         if operation == "RunInstances":
             return {"Instances": [{"InstanceId": f"i-dry-run-{k}"} for k in range(params["MaxCount"])]}
         return {}
@@ -2042,7 +2046,8 @@ def _find_instance_profile(calls, name):
 
 
 def _find_launch_template(calls, name):
-    return _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates", LaunchTemplateNames=[name])["LaunchTemplates"][0],
+    return _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates",
+                                      LaunchTemplateNames=[name])["LaunchTemplates"][0],
                    "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
 
 
@@ -2052,7 +2057,8 @@ def _aws_store(backend, what):
                         f"everything through S3 ---> HINT: export CALQUE_STORE=s3://your-bucket/calque")
     prefix = backend.store.prefix
     if not re.fullmatch(r"[A-Za-z0-9._/-]*", prefix):
-        raise UserError(f"store prefix {prefix!r}: on EC2 use letters, digits and . _ / - only (it goes into IAM policies and shell)")
+        raise UserError(f"store prefix {prefix!r}: on EC2 use letters, digits and . _ / - only "
+                        f"(it goes into IAM policies and shell)")
     return backend.bucket, prefix
 
 
@@ -2104,7 +2110,8 @@ def worker_policy(store, model, region, account, partition="aws"):
                           ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
                           reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
                                  f"{obj}runs/{s}.*/summaries/*"],
-                          writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*", f"{obj}pools/{s}/workers/*"],
+                          writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
+                                  f"{obj}pools/{s}/workers/*"],
                           listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
 
 
@@ -2220,7 +2227,8 @@ install_python() {{   # a bare image: Ubuntu (apt) or Amazon Linux (dnf)
     dnf install -y -q python3.11 python3.11-devel gcc
   fi
 }}
-PY=$(pick_python) || {{ install_python; PY=$(pick_python); }} || {{ echo "calque: no python >= 3.11 on this image" >&2; exit 1; }}
+PY=$(pick_python) || {{ install_python; PY=$(pick_python); }} \
+  || {{ echo "calque: no python >= 3.11 on this image" >&2; exit 1; }}
 "$PY" -m venv "$CALQUE/venv" 2>/dev/null || {{ install_python; rm -rf "$CALQUE/venv"; "$PY" -m venv "$CALQUE/venv"; }}
 
 # the kit snapshot this pool was created with, checked against the digest pinned here
@@ -2228,7 +2236,8 @@ if command -v aws >/dev/null 2>&1; then
   aws s3 cp --only-show-errors --region "$REGION" "s3://$BUCKET/$KIT_KEY" "$CALQUE/kit.tar.gz"
 else
   "$CALQUE/venv/bin/pip" install -q {boto3_pin}
-  "$CALQUE/venv/bin/python" -c 'import sys, boto3; boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' \
+  "$CALQUE/venv/bin/python" -c \
+    'import sys, boto3; boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' \
     "$REGION" "$BUCKET" "$KIT_KEY" "$CALQUE/kit.tar.gz"
 fi
 echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -
@@ -2278,8 +2287,8 @@ echo "calque: {unit} started"
 """
 
 
-def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit, service,
-               preamble="", conf=None):
+def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit,
+               service, preamble="", conf=None):
     import shlex
     conf = conf or settings()
     bucket, _, prefix = store[len("s3://"):].partition("/")
@@ -2292,8 +2301,9 @@ def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit
         _check_text(str(value), key)
     grace = float(conf.get("CALQUE_GRACE", 30))
     script = _BOOTSTRAP.format(
-        title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble, bucket=shlex.quote(bucket),
-        kit_key=shlex.quote(f"{prefix}/{kit_key}" if prefix else kit_key), kit_sha256=kit_sha256,
+        title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble,
+        bucket=shlex.quote(bucket), kit_key=shlex.quote(f"{prefix}/{kit_key}" if prefix else kit_key),
+        kit_sha256=kit_sha256,
         region=shlex.quote(region), state=EC2_STATE_DIR, boto3_pin=shlex.quote(_boto3_pin()),
         env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()), worker_args=worker_args,
         service=service, stop_timeout=int(grace + 30))
@@ -2318,10 +2328,12 @@ def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool'
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
         store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_POOL_MODEL": model},
-        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service="Restart=always\nRestartSec=5", conf=conf)
+        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service="Restart=always\nRestartSec=5",
+        conf=conf)
 
 
-def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, profile="the cold-run instance profile", conf=None):
+def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, profile="the cold-run instance profile",
+                   conf=None):
     """A cold run's one-shot instance: the same bootstrap, then `warmd.py --run RUN` once; when it exits (its
     queue drained, or an error) the machine powers off, which terminates it (InstanceInitiatedShutdownBehavior).
     A bootstrap that fails powers off too, and a dead-man's switch powers off after max_minutes whatever happens."""
@@ -2330,8 +2342,9 @@ def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, prof
                 'shutdown -h now; fi\' EXIT')
     return _bootstrap(
         title=f"cold-run worker for run {run_id}", description="cold-run worker", verb="submit", profile=profile,
-        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_RUN": run_id}, worker_args='--run "$CALQUE_RUN"',
-        unit="calque-cold", service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble, conf=conf)
+        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_RUN": run_id},
+        worker_args='--run "$CALQUE_RUN"', unit="calque-cold",
+        service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble, conf=conf)
 
 
 def _user_data_b64(script):
@@ -2349,7 +2362,8 @@ def _instance_type_info(calls, instance_type):
         return calls.call("ec2", "DescribeInstanceTypes", InstanceTypes=[instance_type])["InstanceTypes"][0]
     except Exception as e:
         if _aws_error_code(e) in ("InvalidInstanceType", "InvalidParameterValue"):
-            raise UserError(f"--instance-type {instance_type}: not an instance type in {calls.region} ---> HINT: e.g. g5.xlarge") from None
+            raise UserError(f"--instance-type {instance_type}: not an instance type in {calls.region} "
+                            f"---> HINT: e.g. g5.xlarge") from None
         raise
 
 
@@ -2369,11 +2383,13 @@ def resolve_ami(calls, ami, instance_type_info):
         except Exception as e:
             if _aws_error_code(e) in ("ParameterNotFound", "ParameterVersionNotFound"):
                 raise UserError(f"no current deep-learning AMI: SSM public parameter {param} does not exist in "
-                                f"{calls.region} ---> HINT: pass --ami ami-... (an image with an NVIDIA driver)") from None
+                                f"{calls.region} ---> HINT: pass --ami ami-... (an image with an NVIDIA driver)"
+                                ) from None
             raise
         found = [v.strip() for v in value.split(",") if v.strip()]
         if len(found) != 1 or not re.fullmatch(r"ami-[0-9a-f]{8,17}", found[0]):
-            raise UserError(f"SSM parameter {param} holds {value!r}, not exactly one AMI id ---> HINT: pass --ami ami-...")
+            raise UserError(f"SSM parameter {param} holds {value!r}, not exactly one AMI id "
+                            f"---> HINT: pass --ami ami-...")
         ami, source = found[0], f"ssm:{param}"
     try:
         images = calls.call("ec2", "DescribeImages", ImageIds=[ami])["Images"]
@@ -2385,7 +2401,8 @@ def resolve_ami(calls, ami, instance_type_info):
     if not images:
         raise UserError(f"AMI {ami} ({source}) does not exist in {calls.region} or is not visible to this account")
     if archs and images[0].get("Architecture") and images[0]["Architecture"] not in archs:
-        raise UserError(f"AMI {ami} is {images[0]['Architecture']}, instance type {itype} runs {', '.join(archs)}: pick a matching --ami")
+        raise UserError(f"AMI {ami} is {images[0]['Architecture']}, instance type {itype} runs {', '.join(archs)}: "
+                        f"pick a matching --ami")
     return ami, source
 
 
@@ -2401,12 +2418,14 @@ def resolve_subnets(calls, subnet_arg, instance_type):
                 raise UserError(f"--subnet {subnet_arg}: no such subnet in {calls.region}") from None
             raise
     else:
-        subnets = calls.call("ec2", "DescribeSubnets", Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
+        subnets = calls.call("ec2", "DescribeSubnets",
+                             Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
         if not subnets:
-            raise UserError(f"no default VPC in {calls.region}: pass --subnet subnet-... (one with a route to the internet: "
-                            f"the bootstrap installs packages)")
-    offered = {o["Location"] for o in calls.call("ec2", "DescribeInstanceTypeOfferings", LocationType="availability-zone",
-                                                  Filters=[{"Name": "instance-type", "Values": [instance_type]}])["InstanceTypeOfferings"]}
+            raise UserError(f"no default VPC in {calls.region}: pass --subnet subnet-... (one with a route to the "
+                            f"internet: the bootstrap installs packages)")
+    offerings = calls.call("ec2", "DescribeInstanceTypeOfferings", LocationType="availability-zone",
+                           Filters=[{"Name": "instance-type", "Values": [instance_type]}])["InstanceTypeOfferings"]
+    offered = {o["Location"] for o in offerings}
     usable = [s["SubnetId"] for s in subnets if s["AvailabilityZone"] in offered]
     if not usable:
         raise UserError(f"instance type {instance_type} is not offered in the zones of subnet(s) "
@@ -2451,7 +2470,8 @@ def ec2_pool_options(instances, instance_type=None, *, min_instances=None, ami=N
         min_instances = 0
     if min_instances is not None and not 0 <= min_instances <= instances:
         raise UserError(f"--min-instances {min_instances}: between 0 and --instances {instances}")
-    return Ec2PoolOptions(instances, instance_type, min_instances, ami, bool(spot), subnet, key_name, scale_to_zero_after)
+    return Ec2PoolOptions(instances, instance_type, min_instances, ami, bool(spot), subnet, key_name,
+                          scale_to_zero_after)
 
 
 @dataclass(frozen=True)
@@ -2469,14 +2489,16 @@ def _hourly(instance_type, spot, count):
     try:
         rates = load_rates(os.path.join(HERE, "rates.json"))
         per_hour = instance_rate_per_second(rates, instance_type, spot=spot) * 3600 * count
-        return f"~${per_hour:.2f}/h while {count} x {instance_type} {'spot' if spot else 'on-demand'} run (rates.json {rates['updated']})"
+        return (f"~${per_hour:.2f}/h while {count} x {instance_type} {'spot' if spot else 'on-demand'} run "
+                f"(rates.json {rates['updated']})")
     except UserError:
         return f"{instance_type} is not priced in rates.json: check its hourly price before you go on"
 
 
 def _refuse_spending(what, *, dry_run, yes_spend_money):
     if not dry_run and not yes_spend_money:
-        raise UserError(f"{what} starts paid EC2 instances: add --yes-spend-money (or --dry-run to see every AWS call first)")
+        raise UserError(f"{what} starts paid EC2 instances: add --yes-spend-money "
+                        f"(or --dry-run to see every AWS call first)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2486,7 +2508,8 @@ def _ensure_queue(calls, name, visibility_timeout, tags):
     vt = str(int(visibility_timeout))
     url = _queue_url(calls, name)
     if url:
-        current = calls.call("sqs", "GetQueueAttributes", QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]
+        current = calls.call("sqs", "GetQueueAttributes", QueueUrl=url,
+                             AttributeNames=["VisibilityTimeout"])["Attributes"]
         if current.get("VisibilityTimeout") != vt:
             calls.call("sqs", "SetQueueAttributes", QueueUrl=url, Attributes={"VisibilityTimeout": vt})
         return "found"
@@ -2494,7 +2517,8 @@ def _ensure_queue(calls, name, visibility_timeout, tags):
         calls.call("sqs", "CreateQueue", QueueName=name, Attributes={"VisibilityTimeout": vt}, tags=tags)
     except Exception as e:
         if _aws_error_code(e) in ("AWS.SimpleQueueService.QueueDeletedRecently", "QueueDeletedRecently"):
-            raise UserError(f"queue {name} was deleted less than 60 s ago and SQS refuses to recreate it yet: wait a minute, re-run") from None
+            raise UserError(f"queue {name} was deleted less than 60 s ago and SQS refuses to recreate it yet: "
+                            f"wait a minute, re-run") from None
         raise
     return "created"
 
@@ -2502,9 +2526,11 @@ def _ensure_queue(calls, name, visibility_timeout, tags):
 def _check_owned(kind, name, tags, model, store, region):
     """A resource with our name must be calque's and this pool's: never adopt or delete someone else's."""
     if tags.get("calque:managed") != "true":
-        raise UserError(f"{kind} {name} exists but is not calque's (no calque:managed=true tag): rename or remove it first")
+        raise UserError(f"{kind} {name} exists but is not calque's (no calque:managed=true tag): "
+                        f"rename or remove it first")
     ours = tuple(_strict_tag(v) if kind.startswith("IAM") else str(v)[:256] for v in (model, store, region))
-    theirs = (tags.get("calque:pool-model", ours[0]), tags.get("calque:store", ours[1]), tags.get("calque:region", ours[2]))
+    keys = ("calque:pool-model", "calque:store", "calque:region")
+    theirs = tuple(tags.get(key, mine) for key, mine in zip(keys, ours))
     if theirs != ours:
         raise UserError(f"{kind} {name} belongs to the pool of {theirs[0]!r} (store {theirs[1]}, region {theirs[2]}): "
                         f"one model has one EC2 pool per account; delete that one first")
@@ -2553,7 +2579,8 @@ def _ensure_launch_template(calls, name, data, tags, owner):
     wanted = "calque " + _digest(json.dumps(data, sort_keys=True), 16)
     found = _find_launch_template(calls, name)
     if not found:
-        calls.call("ec2", "CreateLaunchTemplate", LaunchTemplateName=name, VersionDescription=wanted, LaunchTemplateData=data,
+        calls.call("ec2", "CreateLaunchTemplate", LaunchTemplateName=name, VersionDescription=wanted,
+                   LaunchTemplateData=data,
                    TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(tags)}])
         return "created"
     _check_owned("launch template", name, _tag_dict(found.get("Tags")), *owner)
@@ -2603,7 +2630,8 @@ def _ensure_asg(calls, names, ec2, tags, owner):
         calls.call("autoscaling", "CreateAutoScalingGroup", Tags=asg_tags, **params)
         return "created"
     if asg.get("Status"):    # "Delete in progress"
-        raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): wait for it to go, then re-run")
+        raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): "
+                        f"wait for it to go, then re-run")
     _check_owned("auto scaling group", names["asg"], _tag_dict(asg.get("Tags")), *owner)
     calls.call("autoscaling", "UpdateAutoScalingGroup", **params)
     return "updated"
@@ -2612,14 +2640,15 @@ def _ensure_asg(calls, names, ec2, tags, owner):
 def _policy_arn(calls, asg, name, answer):
     if answer.get("PolicyARN"):
         return answer["PolicyARN"]
-    policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=asg, PolicyNames=[name])["ScalingPolicies"]
-    return policies[0]["PolicyARN"]
+    policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=asg, PolicyNames=[name])
+    return policies["ScalingPolicies"][0]["PolicyARN"]
 
 
 def _put_capacity_policy(calls, asg, name, capacity):
     """A simple-scaling policy that sets the group to exactly `capacity` instances when its alarm fires."""
     return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=name,
-                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=capacity, Cooldown=60)
+                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=capacity,
+                      Cooldown=60)
 
 
 def _sqs_metric(queue, metric):
@@ -2637,13 +2666,16 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
                AlarmDescription=f"calque: wake pool {asg} when a claim waits in {names['queue']}",
                ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_wake"], wake)],
                Statistic="Maximum", Period=ALARM_PERIOD, EvaluationPeriods=1, Threshold=0,
-               ComparisonOperator="GreaterThanThreshold", TreatMissingData="notBreaching", Tags=_tags(tags, strict=True),
+               ComparisonOperator="GreaterThanThreshold", TreatMissingData="notBreaching",
+               Tags=_tags(tags, strict=True),
                **_sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"))
     calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_idle"],
-               AlarmDescription=f"calque: scale pool {asg} to {ec2['min_instances'] or 0} after {minutes} idle minute(s)",
+               AlarmDescription=f"calque: scale pool {asg} to {ec2['min_instances'] or 0} after {minutes} "
+                                f"idle minute(s)",
                ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_idle"], idle)],
                EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
-               ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching", Tags=_tags(tags, strict=True),
+               ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching",
+               Tags=_tags(tags, strict=True),
                Metrics=[{"Id": "visible", "ReturnData": False, "MetricStat": {
                             "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"),
                             "Period": ALARM_PERIOD, "Stat": "Maximum"}},
@@ -2657,7 +2689,8 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
 
 def _describe_alarms(calls, names):
     """The pool's scale-to-zero alarms that exist (DescribeAlarms leaves out the names it does not know)."""
-    return calls.call("cloudwatch", "DescribeAlarms", AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]
+    alarms = calls.call("cloudwatch", "DescribeAlarms", AlarmNames=[names["alarm_wake"], names["alarm_idle"]])
+    return alarms["MetricAlarms"]
 
 
 def _delete_alarms(calls, names):
@@ -2672,7 +2705,8 @@ def _remove_scale_to_zero(calls, names):
     """Alarms and policies of a pool that no longer scales to zero; True when something was removed."""
     removed = bool(_delete_alarms(calls, names))
     if _describe_asg(calls, names["asg"]):
-        have = {p["PolicyName"] for p in calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
+        policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=names["asg"])
+        have = {p["PolicyName"] for p in policies["ScalingPolicies"]}
         for policy in (names["policy_wake"], names["policy_idle"]):
             if policy in have:
                 calls.call("autoscaling", "DeletePolicy", AutoScalingGroupName=names["asg"], PolicyName=policy)
@@ -2709,7 +2743,8 @@ def _run_steps(subject, steps, fix):
         try:
             fn()
         except (Exception, KeyboardInterrupt) as e:
-            reason = "interrupted" if isinstance(e, KeyboardInterrupt) else f"{_aws_error_code(e) or type(e).__name__}: {e}"
+            interrupted = isinstance(e, KeyboardInterrupt)
+            reason = "interrupted" if interrupted else f"{_aws_error_code(e) or type(e).__name__}: {e}"
             print(f"{subject}: stopped at {title} ({reason})", file=sys.stderr)
             print(f"  in place: {', '.join(done) or 'nothing'}", file=sys.stderr)
             print(f"  not done: {', '.join(t for t, _ in steps if t not in done)}", file=sys.stderr)
@@ -2748,13 +2783,14 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
         print(f"pool {model}: note: {options.instance_type} has no GPU; fine for a CPU handler, not for a GPU model")
     blob, kit_sha = kit_archive()
     kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
+    idle = options.scale_to_zero_after
     created_at = (existing or {}).get("ec2", {}).get("created_at") or record.get("created_at") or now_iso()
     ec2 = {"instances": options.instances, "min_instances": options.min_instances,
            "instance_type": options.instance_type, "ami": ami, "ami_source": ami_source, "spot": options.spot,
-           "subnets": subnets, "key_name": options.key_name, "scale_to_zero_after": options.scale_to_zero_after,
+           "subnets": subnets, "key_name": options.key_name, "scale_to_zero_after": idle,
            "region": region, "account": ident["account"], "role": names["role"],
            "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
-           "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if options.scale_to_zero_after else [],
+           "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if idle else [],
            "kit": {"key": kit_key, "sha256": kit_sha}, "state": "creating", "updated_at": now_iso(),
            "created_at": created_at}
     tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
@@ -2764,7 +2800,6 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     full["created_at"] = (existing or record).get("created_at") or now_iso()
     print(f"pool {model}: EC2 cohort of {options.instances} x {options.instance_type} "
           f"{'spot' if options.spot else 'on-demand'}, AMI {ami} ({ami_source}), subnets {', '.join(subnets)}")
-    idle = options.scale_to_zero_after
     print(f"pool {model}: cost {_hourly(options.instance_type, options.spot, max(options.instances, 1))}"
           + (f"; scales to {options.min_instances or 0} after {idle} idle minute(s)" if idle else ""))
 
@@ -2833,7 +2868,8 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     ], fix=f"re-run the same command to finish (each step checks what exists first), or "
            f"`python calque.py pool delete --model {model} --yes` to remove what is in place")
     if dry_run:
-        print(f"pool {model}: dry run: nothing was created or changed; the calls above are what --yes-spend-money makes")
+        print(f"pool {model}: dry run: nothing was created or changed; "
+              f"the calls above are what --yes-spend-money makes")
     else:
         print(f"pool {model}: ready. Instances boot and bootstrap in ~{EC2_BOOT_ESTIMATE / 60:.0f} min, then load "
               f"the model; watch with `python calque.py pool status --model {model}`")
@@ -2859,7 +2895,8 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     names = ec2_names(model)
     asg = _describe_asg(calls, names["asg"])
     if asg is None:
-        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: re-run `pool create` to finish the pool")
+        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: "
+                        f"re-run `pool create` to finish the pool")
     if instances > asg["DesiredCapacity"]:
         _refuse_spending(f"pool scale --model {model} --instances {instances}", dry_run=dry_run,
                          yes_spend_money=yes_spend_money)
@@ -2872,7 +2909,8 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
     _put_pool_record(calls, backend, full)
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
-          f"(min {lo}, max {hi}); {_hourly(ec2['instance_type'], ec2['spot'], desired) if desired else 'no instance cost at 0'}")
+          f"(min {lo}, max {hi}); "
+          f"{_hourly(ec2['instance_type'], ec2['spot'], desired) if desired else 'no instance cost at 0'}")
     return full
 
 
@@ -2883,16 +2921,17 @@ def ec2_pool_status(backend, record, calls=None):
     calls = calls or AwsCalls.for_backend(backend)
     names = ec2_names(model)
     asg = _describe_asg(calls, names["asg"])
-    status = {"model": model, "ec2": record.get("ec2"), "asg": None, "instances": {}, "instance_list": [], "activities": [],
-              "alarms": {}, "queue": queue_depth(backend, names["queue"]), "dlq": queue_depth(backend, names["dlq"]),
-              "workers": read_worker_stats(backend, model)}
+    status = {"model": model, "ec2": record.get("ec2"), "asg": None, "instances": {}, "instance_list": [],
+              "activities": [], "alarms": {}, "queue": queue_depth(backend, names["queue"]),
+              "dlq": queue_depth(backend, names["dlq"]), "workers": read_worker_stats(backend, model)}
     if asg:
-        status["asg"] = {"name": names["asg"], "min": asg["MinSize"], "max": asg["MaxSize"], "desired": asg["DesiredCapacity"],
-                         "status": asg.get("Status")}
+        status["asg"] = {"name": names["asg"], "min": asg["MinSize"], "max": asg["MaxSize"],
+                         "desired": asg["DesiredCapacity"], "status": asg.get("Status")}
         for i in asg.get("Instances", []):
             status["instances"][i["LifecycleState"]] = status["instances"].get(i["LifecycleState"], 0) + 1
-            status["instance_list"].append({"id": i["InstanceId"], "state": i["LifecycleState"], "health": i.get("HealthStatus"),
-                                            "zone": i.get("AvailabilityZone"), "type": i.get("InstanceType")})
+            status["instance_list"].append({"id": i["InstanceId"], "state": i["LifecycleState"],
+                                            "health": i.get("HealthStatus"), "zone": i.get("AvailabilityZone"),
+                                            "type": i.get("InstanceType")})
         for a in calls.call("autoscaling", "DescribeScalingActivities", AutoScalingGroupName=names["asg"],
                             MaxRecords=3).get("Activities", []):
             status["activities"].append({"status": a.get("StatusCode"), "description": a.get("Description"),
@@ -2924,8 +2963,9 @@ def format_ec2_status(status):
     running = [w for w in status["workers"] if w.get("state") == "running"]
     in_service = status["instances"].get("InService", 0)
     if in_service and not running:
-        lines.append(f"note: {in_service} instance(s) in service but no worker reports running yet: still bootstrapping "
-                     f"(~{EC2_BOOT_ESTIMATE / 60:.0f} min), or the bootstrap failed: see the instance's console output")
+        lines.append(f"note: {in_service} instance(s) in service but no worker reports running yet: "
+                     f"still bootstrapping (~{EC2_BOOT_ESTIMATE / 60:.0f} min), or the bootstrap failed: "
+                     f"see the instance's console output")
     return lines
 
 
@@ -2944,7 +2984,8 @@ def ec2_pool_list(backend, calls=None):
                                    "store": backend.describe()}
     token = None
     while True:
-        page = calls.call("autoscaling", "DescribeAutoScalingGroups", Filters=[{"Name": "tag:calque:role", "Values": ["pool-worker"]}],
+        page = calls.call("autoscaling", "DescribeAutoScalingGroups",
+                          Filters=[{"Name": "tag:calque:role", "Values": ["pool-worker"]}],
                           **({"NextToken": token} if token else {}))
         for g in page["AutoScalingGroups"]:
             tags = _tag_dict(g.get("Tags"))
@@ -3004,9 +3045,11 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         if group.get("Status"):
             return f"already {group['Status'].lower()}"
         _require_managed(names["asg"], _tag_dict(group.get("Tags")))
-        calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0, DesiredCapacity=0)
+        calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0,
+                   DesiredCapacity=0)
         calls.call("autoscaling", "DeleteAutoScalingGroup", AutoScalingGroupName=names["asg"], ForceDelete=True)
-        return f"scaled to 0 and deleted ({len(group.get('Instances', []))} instance(s) terminating: warmd gets SIGTERM)"
+        return (f"scaled to 0 and deleted ({len(group.get('Instances', []))} instance(s) terminating: "
+                f"warmd gets SIGTERM)")
 
     def template():
         found = _find_launch_template(calls, names["launch_template"])
@@ -3021,7 +3064,8 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         if not found:
             return "not found (already gone)"
         for role in found.get("Roles", []):
-            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=names["instance_profile"], RoleName=role["RoleName"])
+            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=names["instance_profile"],
+                       RoleName=role["RoleName"])
         calls.call("iam", "DeleteInstanceProfile", InstanceProfileName=names["instance_profile"])
         return "deleted"
 
@@ -3034,7 +3078,8 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         for p in calls.call("iam", "ListAttachedRolePolicies", RoleName=names["role"])["AttachedPolicies"]:
             calls.call("iam", "DetachRolePolicy", RoleName=names["role"], PolicyArn=p["PolicyArn"])
         for p in calls.call("iam", "ListInstanceProfilesForRole", RoleName=names["role"])["InstanceProfiles"]:
-            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=p["InstanceProfileName"], RoleName=names["role"])
+            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=p["InstanceProfileName"],
+                       RoleName=names["role"])
         calls.call("iam", "DeleteRole", RoleName=names["role"])
         return "deleted"
 
@@ -3063,7 +3108,8 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
     if ok:
         ok = _delete_step(model, f"store folder pools/{slug(model)}/", store)
     else:
-        print(f"pool {model}: record kept (a step failed): fix what is reported above and re-run `pool delete --model {model} --yes`")
+        print(f"pool {model}: record kept (a step failed): fix what is reported above and re-run "
+              f"`pool delete --model {model} --yes`")
     if dry_run:
         print(f"pool {model}: dry run: nothing was deleted")
     return ok
@@ -3079,7 +3125,8 @@ def ec2_cold_wait_hint(backend, record, calls=None):
     calls = calls or AwsCalls.for_backend(backend)
     asg = _describe_asg(calls, ec2_names(model)["asg"])
     if asg is None:
-        return f"pool {model} has no auto scaling group: no instance will claim this run ---> HINT: re-run `pool create` for it"
+        return (f"pool {model} has no auto scaling group: no instance will claim this run "
+                f"---> HINT: re-run `pool create` for it")
     states = [i["LifecycleState"] for i in asg.get("Instances", [])]
     if "InService" in states:
         return None
@@ -3088,7 +3135,8 @@ def ec2_cold_wait_hint(backend, record, calls=None):
     boot = f"boot + bootstrap ~{EC2_BOOT_ESTIMATE / 60:.0f} min (assumed)"
     if asg["DesiredCapacity"] == 0:
         if not ec2.get("scale_to_zero_after"):
-            return f"pool {model} is scaled to 0: nothing will claim this run ---> HINT: pool scale --model {model} --instances N"
+            return (f"pool {model} is scaled to 0: nothing will claim this run "
+                    f"---> HINT: pool scale --model {model} --instances N")
         return (f"pool {model} is cold (0 instances): its wake alarm scales it to {ec2['instances']} within ~1-3 min "
                 f"(SQS metrics are per minute), then {boot}, then {load} before the first claim starts")
     pending = sum(s.startswith("Pending") for s in states)
@@ -3108,7 +3156,8 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dr
     none (MinCount = MaxCount). Returns the instance ids."""
     _aws_store(backend, "a cold run on EC2")
     if not launch.ami:
-        raise UserError("a cold run on EC2 needs --ami ami-... (an image with an NVIDIA driver; see the README, On AWS)")
+        raise UserError("a cold run on EC2 needs --ami ami-... "
+                        "(an image with an NVIDIA driver; see the README, On AWS)")
     if shards < 1:
         raise UserError(f"--shards {shards}: at least 1")
     _refuse_spending(f"submit (cold, {shards} instance(s))", dry_run=dry_run, yes_spend_money=yes_spend_money)
@@ -3124,7 +3173,8 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dr
             "calque:created-at": now_iso(), "calque:store": store, "calque:region": region}
     role_tags = dict(tags, **{"calque:pool-model": "cold-runs"})
     role_owner = ("cold-runs", store, region)
-    role_state = _ensure_role(calls, name, cold_worker_policy(store, region, ident["account"], ident["partition"]), role_tags, role_owner)
+    policy = cold_worker_policy(store, region, ident["account"], ident["partition"])
+    role_state = _ensure_role(calls, name, policy, role_tags, role_owner)
     profile_state = _ensure_instance_profile(calls, name, name, role_tags)
     print(f"run {run_id}: cold role {name} {_said(calls, role_state)}, instance profile {_said(calls, profile_state)}")
     blob, kit_sha = kit_archive()
@@ -3133,9 +3183,10 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dr
     max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
     script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name)
     params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards, "MaxCount": shards,
-              "UserData": script, "IamInstanceProfile": {"Name": name}, "InstanceInitiatedShutdownBehavior": "terminate",
-              "SubnetId": subnet, "MetadataOptions": IMDS_V2_ONLY,
-              "TagSpecifications": _instance_tag_specs(dict(tags, **{"calque:run": run_id, "Name": f"calque-cold-{run_id}"}))}
+              "UserData": script, "IamInstanceProfile": {"Name": name},
+              "InstanceInitiatedShutdownBehavior": "terminate", "SubnetId": subnet, "MetadataOptions": IMDS_V2_ONLY,
+              "TagSpecifications": _instance_tag_specs(dict(tags, **{"calque:run": run_id,
+                                                                     "Name": f"calque-cold-{run_id}"}))}
     if launch.key_name:
         params["KeyName"] = launch.key_name
     if launch.spot:
@@ -3147,7 +3198,8 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dr
             answer = calls.call("ec2", "RunInstances", **params)
             break
         except Exception as e:   # a just-made instance profile is refused until IAM has propagated it
-            if not (_aws_error_code(e) == "InvalidParameterValue" and "profile" in str(e).lower()) or time.monotonic() > deadline:
+            propagating = _aws_error_code(e) == "InvalidParameterValue" and "profile" in str(e).lower()
+            if not propagating or time.monotonic() > deadline:
                 raise
             calls.sleep(5)
     ids = [i["InstanceId"] for i in answer["Instances"]]
@@ -3167,7 +3219,8 @@ def ec2_cold_cleanup(backend, instance_ids, calls=None):
     calls = calls or AwsCalls.for_backend(backend)
     live = []
     for res in calls.call("ec2", "DescribeInstances", InstanceIds=list(instance_ids))["Reservations"]:
-        live += [i["InstanceId"] for i in res["Instances"] if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
+        live += [i["InstanceId"] for i in res["Instances"]
+                 if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
     if live:
         calls.call("ec2", "TerminateInstances", InstanceIds=live)
         print(f"cold run: terminated {len(live)} instance(s) still up: {', '.join(live)}", file=sys.stderr)
@@ -3196,11 +3249,13 @@ def cmd_pool_create(conf, backend, args):
     backend.queues.create_queue(queue, record["visibility_timeout"])
     backend.queues.create_queue(dlq, record["visibility_timeout"])
     write_json(backend, pool_key(args.model), record)
-    print(f"pool {args.model}: queue {queue}, dead-letter {dlq}, handler {record['handler']['file']}:{record['handler']['class']}, "
-          f"batch {record['batch_size']}, visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}")
+    print(f"pool {args.model}: queue {queue}, dead-letter {dlq}, "
+          f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
+          f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}")
     if args.workers:
         pid = start_supervisor(conf, args.model, args.workers)
-        print(f"pool {args.model}: {args.workers} local worker(s) under supervisor pid {pid}; logs in {state_dir(conf, args.model)}")
+        print(f"pool {args.model}: {args.workers} local worker(s) under supervisor pid {pid}; "
+              f"logs in {state_dir(conf, args.model)}")
     return EXIT_OK
 
 
@@ -3212,7 +3267,8 @@ def cmd_pool_scale(conf, backend, args):
     if args.workers < 0:
         raise UserError(f"--workers {args.workers}: must be 0 or more")
     if args.workers == 0:
-        write_file_atomic(os.path.join(state_dir(conf, args.model), "desired"), "0") if os.path.isdir(state_dir(conf, args.model)) else None
+        if os.path.isdir(state_dir(conf, args.model)):
+            write_file_atomic(os.path.join(state_dir(conf, args.model), "desired"), "0")
         stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 10)
         print(f"pool {args.model}: scaled to 0 local workers")
         return EXIT_OK
@@ -3246,7 +3302,7 @@ def pool_status(conf, backend, model):
         for w in supervisor["workers"]:
             local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
     return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
-            "supervisor": {"pid": supervisor["pid"], "desired": supervisor["desired"], "restarts": supervisor["restarts"]} if supervisor else None,
+            "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
             "local_workers": local, "workers": stats}
 
 
@@ -3334,19 +3390,22 @@ def cmd_pool_delete(conf, backend, args):
                             f"claim(s): wait for them (runs show RUN), or pass --force to delete them with the pool")
     if "ec2" in record or "queue" not in record:
         if not args.yes and not args.dry_run:
-            raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes (or previewed with --dry-run)")
+            raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes "
+                            f"(or previewed with --dry-run)")
         stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15)
         ec2_pool_delete(backend, record, yes=args.yes, dry_run=args.dry_run)
         return EXIT_OK
     if not args.yes:
         if not sys.stdin.isatty():
             raise UserError(f"pool delete {args.model}: refusing without --yes (no terminal to ask)")
-        answer = input(f"delete pool {args.model}: stop its local workers, delete {record['queue']} and {record['dlq']}? [y/N] ")
+        answer = input(f"delete pool {args.model}: stop its local workers, "
+                       f"delete {record['queue']} and {record['dlq']}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("not deleted")
             return EXIT_FAILED
     if not stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15):
-        raise UserError(f"pool {args.model}: its supervisor did not stop; see {state_dir(conf, args.model)}/supervisor.log, then retry")
+        raise UserError(f"pool {args.model}: its supervisor did not stop; "
+                        f"see {state_dir(conf, args.model)}/supervisor.log, then retry")
     print(f"pool {args.model}: local workers stopped")
     for role in ("queue", "dlq"):
         backend.queues.delete_queue(record[role])
@@ -3375,7 +3434,8 @@ def cmd_submit(conf, backend, args):
             if hint:
                 print(hint, file=sys.stderr)
         queue = backend.queues.open_queue(record["queue"])
-        run = stage_run(backend, record, items, args.claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), queue, "pool")
+        claim_size = args.claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+        run = stage_run(backend, record, items, claim_size, queue, "pool")
         if args.no_wait:
             print(run["run_id"])
             return EXIT_OK
@@ -3391,10 +3451,10 @@ def cmd_submit(conf, backend, args):
         ec2 = None   # fresh local processes, unless the flags ask for EC2 instances on an s3:// store
         if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
             ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
-        run, summaries, timed_out = cold_run(conf, backend, items, model=args.model, handler=args.handler,
-                                             shards=args.shards, batch_size=args.batch_size, claim_size=args.claim_size,
-                                             timeout=args.timeout, progress=not args.json, ec2=ec2, dry_run=args.dry_run,
-                                             yes_spend_money=args.yes_spend_money)
+        run, summaries, timed_out = cold_run(
+            conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
+            batch_size=args.batch_size, claim_size=args.claim_size, timeout=args.timeout, progress=not args.json,
+            ec2=ec2, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
             return EXIT_OK
     code = report_run(backend, run, summaries, timed_out, args.json)
