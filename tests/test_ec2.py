@@ -45,9 +45,11 @@ def aws(monkeypatch, tmp_path):
     with mock_aws():
         boto3.client("s3", region_name=REGION).create_bucket(Bucket=BUCKET)
         ec2 = boto3.client("ec2", region_name=REGION)
-        ami = next(i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"] if i.get("Architecture") == "x86_64")
+        ami = next(i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"]
+                   if i.get("Architecture") == "x86_64")
         boto3.client("ssm", region_name=REGION).put_parameter(Name="/calque-test/dlami", Value=ami, Type="String")
-        monkeypatch.setattr(calque, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/dlami", "arm64": "/calque-test/dlami-arm"})
+        monkeypatch.setattr(calque, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/dlami",
+                                                         "arm64": "/calque-test/dlami-arm"})
         monkeypatch.setattr(calque, "IAM_PROPAGATION_WAIT", 0)
         yield argparse.Namespace(backend=calque.open_backend(STORE), ami=ami)
 
@@ -64,8 +66,9 @@ def launch(**kw):
 
 def record(backend, model=MODEL):
     """The record cmd_pool_create builds before it hands an EC2 pool over (no handler: ec2_pool_create snapshots it)."""
-    return {"model": model, "slug": calque.slug(model), "queue": calque.pool_queue_name(model), "dlq": calque.dlq_name(model),
-            "batch_size": 8, "visibility_timeout": 60, "max_deliveries": 3, "created_at": calque.now_iso(), "store": backend.describe()}
+    return {"model": model, "slug": calque.slug(model), "queue": calque.pool_queue_name(model),
+            "dlq": calque.dlq_name(model), "batch_size": 8, "visibility_timeout": 60, "max_deliveries": 3,
+            "created_at": calque.now_iso(), "store": backend.describe()}
 
 
 def client(service):
@@ -73,7 +76,8 @@ def client(service):
 
 
 def asg_of(model=MODEL):
-    groups = client("autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=[calque.ec2_names(model)["asg"]])["AutoScalingGroups"]
+    groups = client("autoscaling").describe_auto_scaling_groups(
+        AutoScalingGroupNames=[calque.ec2_names(model)["asg"]])["AutoScalingGroups"]
     return groups[0] if groups else None
 
 
@@ -136,7 +140,8 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (2, 2, 2)
     tags = {t["Key"]: t["Value"] for t in group["Tags"]}
-    assert tags["calque:pool-model"] == MODEL and tags["calque:role"] == "pool-worker" and tags["calque:managed"] == "true"
+    assert (tags["calque:pool-model"] == MODEL and tags["calque:role"] == "pool-worker"
+            and tags["calque:managed"] == "true")
     assert re.match(r"\d{4}-\d\d-\d\dT", tags["calque:created-at"])
     assert group["LaunchTemplate"]["LaunchTemplateName"] == names["launch_template"]
     profile = client("iam").get_instance_profile(InstanceProfileName=names["instance_profile"])["InstanceProfile"]
@@ -149,7 +154,8 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     assert any("desired 2" in line for line in calque.format_ec2_status(status))
 
     calque.ec2_pool_scale(backend, stored, 3, yes_spend_money=True)
-    assert asg_of()["DesiredCapacity"] == 3 and calque.read_json(backend, calque.pool_key(MODEL))["ec2"]["instances"] == 3
+    assert (asg_of()["DesiredCapacity"] == 3
+            and calque.read_json(backend, calque.pool_key(MODEL))["ec2"]["instances"] == 3)
     with pytest.raises(calque.UserError, match="--yes-spend-money"):
         calque.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 5)
     calque.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 1)
@@ -161,7 +167,8 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     capsys.readouterr()
     assert calque.ec2_pool_delete(backend, stored, yes=True)
     out = capsys.readouterr().out
-    for thing in (f"auto scaling group {names['asg']}: scaled to 0 and deleted", f"launch template {names['launch_template']}: deleted",
+    for thing in (f"auto scaling group {names['asg']}: scaled to 0 and deleted",
+                  f"launch template {names['launch_template']}: deleted",
                   f"IAM role {names['role']}: deleted", f"queue {names['queue']}: deleted", "store folder pools/"):
         assert thing in out
     assert asg_of() is None and not role_exists(names["role"]) and not queue_exists(names["queue"])
@@ -178,33 +185,39 @@ def test_worker_policy_statement_by_statement(aws):
     s = "qwen-qwen2-5-1-5b-instruct"
     assert policy == {"Version": "2012-10-17", "Statement": [
         {"Sid": "ClaimFromPoolQueue", "Effect": "Allow",
-         "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:ReceiveMessage"],
+         "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
+                    "sqs:ReceiveMessage"],
          "Resource": q + "calque-pool-" + s},
-        {"Sid": "DeadLetterOnly", "Effect": "Allow", "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
+        {"Sid": "DeadLetterOnly", "Effect": "Allow", "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl",
+                                                                "sqs:SendMessage"],
          "Resource": q + "calque-dlq-" + s},
         {"Sid": "ReadPoolAndClaims", "Effect": "Allow", "Action": ["s3:GetObject"],   # only this model's runs
          "Resource": [obj + f"pools/{s}/*", obj + f"runs/{s}.*/manifests/*", obj + f"runs/{s}.*/inputs/*",
                       obj + f"runs/{s}.*/summaries/*"]},
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
          "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"pools/{s}/workers/*"]},
-        {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": "arn:aws:s3:::bkt",
+        {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
+         "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
     ]}
     cold = calque.cold_worker_policy("s3://bkt", "eu-west-1", "111122223333")
     assert [(st["Sid"], st["Action"], st["Resource"]) for st in cold["Statement"]] == [
-        ("ClaimFromRunQueues", ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
-                                "sqs:ReceiveMessage"], q + "calque-run-*"),
+        ("ClaimFromRunQueues", ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes",
+                                "sqs:GetQueueUrl", "sqs:ReceiveMessage"], q + "calque-run-*"),
         ("DeadLetterOnly", ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"], q + "calque-rundlq-*"),
-        ("ReadRunAndClaims", ["s3:GetObject"], ["arn:aws:s3:::bkt/runs/*/pool.json", "arn:aws:s3:::bkt/runs/*/handler/*",
-                                               "arn:aws:s3:::bkt/runs/*/kit/*", "arn:aws:s3:::bkt/runs/*/manifests/*",
-                                               "arn:aws:s3:::bkt/runs/*/inputs/*", "arn:aws:s3:::bkt/runs/*/summaries/*"]),
+        ("ReadRunAndClaims", ["s3:GetObject"], ["arn:aws:s3:::bkt/runs/*/pool.json",
+                                               "arn:aws:s3:::bkt/runs/*/handler/*", "arn:aws:s3:::bkt/runs/*/kit/*",
+                                               "arn:aws:s3:::bkt/runs/*/manifests/*",
+                                               "arn:aws:s3:::bkt/runs/*/inputs/*",
+                                               "arn:aws:s3:::bkt/runs/*/summaries/*"]),
         ("WriteResults", ["s3:PutObject"], ["arn:aws:s3:::bkt/runs/*/results/*", "arn:aws:s3:::bkt/runs/*/summaries/*",
                                             "arn:aws:s3:::bkt/runs/*/workers/*"]),
         ("NotFoundIsNotForbidden", ["s3:ListBucket"], "arn:aws:s3:::bkt")]
     assert cold["Statement"][4]["Condition"] == {"StringLike": {"s3:prefix": ["runs/*"]}}
     # every action is on a named resource, never "*"
     for st in policy["Statement"] + cold["Statement"]:
-        assert st["Effect"] == "Allow" and "*" not in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
+        resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
+        assert st["Effect"] == "Allow" and "*" not in resources
 
     calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=0), yes_spend_money=True)
     iam = client("iam")
@@ -216,7 +229,8 @@ def test_worker_policy_statement_by_statement(aws):
     assert iam.list_attached_role_policies(RoleName=names["role"])["AttachedPolicies"] == []
     trust = iam.get_role(RoleName=names["role"])["Role"]["AssumeRolePolicyDocument"]
     trust = json.loads(trust) if isinstance(trust, str) else trust
-    assert trust["Statement"] == [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]
+    assert trust["Statement"] == [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
+                                   "Action": "sts:AssumeRole"}]
 
 
 def _env_block(script):
@@ -234,7 +248,8 @@ def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
         check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
         assert check.returncode == 0, check.stderr
         for needle in (f"CALQUE_STORE={STORE}", f"AWS_REGION={REGION}", "CALQUE_SPOT_POLL=http://169.254.169.254",
-                       "CALQUE_STATE=/var/lib/calque", "sha256sum -c", "pip\" install -q -r \"$CALQUE/kit/requirements.txt\"",
+                       "CALQUE_STATE=/var/lib/calque", "sha256sum -c",
+                       "pip\" install -q -r \"$CALQUE/kit/requirements.txt\"",
                        "fastbatch/_build.py", "StandardOutput=journal", "User=calque"):
             assert needle in text, needle
         for banned in ("AKIA", "AWS_SECRET", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN", "aws_secret_access_key"):
@@ -248,7 +263,8 @@ def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
     awkward = "it's a \"model\" $HOME `x` ; rm -rf /"
     env = _env_block(calque.user_data_pool(awkward, STORE, REGION, "pools/x/kit/k.tar.gz", "0" * 64))
     (tmp_path / "worker.env").write_text(env + "\n")
-    got = subprocess.run(["bash", "-c", 'set -a; . "$1"; printf %s "$CALQUE_POOL_MODEL"', "_", str(tmp_path / "worker.env")],
+    got = subprocess.run(["bash", "-c", 'set -a; . "$1"; printf %s "$CALQUE_POOL_MODEL"', "_",
+                          str(tmp_path / "worker.env")],
                          capture_output=True, text=True, check=True).stdout
     assert got == awkward
     with pytest.raises(calque.UserError, match="control characters"):
@@ -268,7 +284,8 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     err = capsys.readouterr().err
     names = calque.ec2_names(MODEL)
     assert f"stopped at auto scaling group {names['asg']} (interrupted)" in err
-    assert f"in place: queues {names['queue']} + {names['dlq']}, handler, kit and pool record in the store, IAM role {names['role']}" in err
+    assert (f"in place: queues {names['queue']} + {names['dlq']}, handler, kit and pool record in the store, "
+            f"IAM role {names['role']}") in err
     assert f"not done: auto scaling group {names['asg']}, no scale-to-zero alarms, pool record ready" in err
     assert "re-run the same command" in err and "pool delete --model" in err
     assert asg_of() is None and calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "creating"
@@ -282,7 +299,9 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     assert version["VersionNumber"] == 1
     assert calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "ready"
 
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, instance_type="g5.2xlarge"), yes_spend_money=True)   # a changed re-run
+    # a changed re-run
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, instance_type="g5.2xlarge"),
+                           yes_spend_money=True)
     _, version = launch_template_user_data()
     assert version["VersionNumber"] == 2 and version["LaunchTemplateData"]["InstanceType"] == "g5.2xlarge"
     assert asg_of()["DesiredCapacity"] == 3
@@ -312,7 +331,8 @@ def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"auto scaling group {names['asg']}: not found (already gone)" in out
     assert f"launch template {names['launch_template']}: not found (already gone)" in out
-    assert f"instance profile {names['instance_profile']}: deleted" in out and f"IAM role {names['role']}: deleted" in out
+    assert f"instance profile {names['instance_profile']}: deleted" in out
+    assert f"IAM role {names['role']}: deleted" in out
     assert not role_exists(names["role"]) and not queue_exists(names["queue"]) and not queue_exists(names["dlq"])
     assert not aws.backend.store.exists(calque.pool_key(MODEL))
 
@@ -330,8 +350,9 @@ def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
     scale, delete and a cold launch."""
     calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=10), dry_run=True)
     out = capsys.readouterr().out
-    for line in ("would call sqs.CreateQueue", "would call s3.PutObject", "would call iam.CreateRole", "would call iam.PutRolePolicy",
-                 "would call iam.CreateInstanceProfile", "would call iam.AddRoleToInstanceProfile", "would call ec2.CreateLaunchTemplate",
+    for line in ("would call sqs.CreateQueue", "would call s3.PutObject", "would call iam.CreateRole",
+                 "would call iam.PutRolePolicy", "would call iam.CreateInstanceProfile",
+                 "would call iam.AddRoleToInstanceProfile", "would call ec2.CreateLaunchTemplate",
                  "would call autoscaling.CreateAutoScalingGroup", "would call autoscaling.PutScalingPolicy",
                  "would call cloudwatch.PutMetricAlarm"):
         assert line in out, line
@@ -351,7 +372,8 @@ def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
     assert ids == ["i-dry-run-0", "i-dry-run-1"]
     assert all(read_only.match(c) for c in api_calls), [c for c in api_calls if not read_only.match(c)]
     out = capsys.readouterr().out
-    assert "would call autoscaling.UpdateAutoScalingGroup" in out and "would call autoscaling.DeleteAutoScalingGroup" in out
+    assert "would call autoscaling.UpdateAutoScalingGroup" in out
+    assert "would call autoscaling.DeleteAutoScalingGroup" in out
     assert "would call iam.DeleteRole" in out and "would call ec2.RunInstances" in out
     assert asg_of()["DesiredCapacity"] == 2 and role_exists(calque.ec2_names(MODEL)["role"])
 
@@ -366,18 +388,24 @@ def test_refusals_before_any_call(aws, api_calls, tmp_path):
     with pytest.raises(calque.UserError, match="--yes"):
         calque.ec2_pool_delete(aws.backend, {"model": MODEL})
     with pytest.raises(calque.UserError, match="--min-instances"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(min_instances=3), yes_spend_money=True)
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(min_instances=3),
+                               yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--scale-to-zero-after"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=0), yes_spend_money=True)
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=0),
+                               yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--ami"):
-        calque.ec2_cold_launch(aws.backend, {"model": MODEL, "queue": "q"}, "r1", 1, launch(), timeout=600.0, yes_spend_money=True)
+        calque.ec2_cold_launch(aws.backend, {"model": MODEL, "queue": "q"}, "r1", 1, launch(), timeout=600.0,
+                               yes_spend_money=True)
     assert api_calls == []
     with pytest.raises(calque.UserError, match="not an instance type"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instance_type="g5.bogus"), yes_spend_money=True)
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instance_type="g5.bogus"),
+                               yes_spend_money=True)
     with pytest.raises(calque.UserError, match="no such subnet"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(subnet="subnet-0000000000"), yes_spend_money=True)
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(subnet="subnet-0000000000"),
+                               yes_spend_money=True)
     with pytest.raises(calque.UserError, match="no such key pair"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(key_name="nope"), yes_spend_money=True)
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(key_name="nope"),
+                               yes_spend_money=True)
     assert not role_exists(calque.ec2_names(MODEL)["role"])
 
 
@@ -391,20 +419,24 @@ def test_ami_parameter_missing_ambiguous_or_wrong(aws, monkeypatch):
     with pytest.raises(calque.UserError, match="not exactly one AMI id"):
         calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="ami-0123456789abcdef0 .* does not exist"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(ami="ami-0123456789abcdef0"), yes_spend_money=True)
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(ami="ami-0123456789abcdef0"),
+                               yes_spend_money=True)
     assert not role_exists(calque.ec2_names(MODEL)["role"])
 
 
 def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
     """--scale-to-zero-after: min 0, wake/idle policies (exactly N / 0) and alarms on the pool queue (idle counts
     in-flight claims too); submit's hint says the pool is cold once it is at 0."""
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=15, spot=True), yes_spend_money=True)
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER,
+                           options(instances=3, scale_to_zero_after=15, spot=True), yes_spend_money=True)
     names = calque.ec2_names(MODEL)
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (0, 3, 3)
     assert group["MixedInstancesPolicy"]["InstancesDistribution"]["OnDemandPercentageAboveBaseCapacity"] == 0
-    policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
-    assert (policies["calque-wake"]["AdjustmentType"], policies["calque-wake"]["ScalingAdjustment"]) == ("ExactCapacity", 3)
+    policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
+        AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
+    assert (policies["calque-wake"]["AdjustmentType"],
+            policies["calque-wake"]["ScalingAdjustment"]) == ("ExactCapacity", 3)
     assert policies["calque-idle"]["ScalingAdjustment"] == 0
     alarms = {a["AlarmName"]: a for a in client("cloudwatch").describe_alarms(
         AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]}
@@ -426,8 +458,10 @@ def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
     assert "is cold (0 instances)" in hint and "wake alarm" in hint and "min" in hint
     assert calque.ec2_cold_wait_hint(aws.backend, dict(stored, ec2=None)) is None
 
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3), yes_spend_money=True)          # re-run without the flag
-    assert client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"] == []
+    # re-run without the flag
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3), yes_spend_money=True)
+    alarms = client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])
+    assert alarms["MetricAlarms"] == []
     assert "scale-to-zero alarms removed" in capsys.readouterr().out
 
 
@@ -436,24 +470,29 @@ def test_cold_launch_one_shot_instances(aws):
     terminate-on-shutdown and run tags; cleanup terminates the ones still up."""
     run_id = "20261129-101500-ab12cd"
     cold = {"model": MODEL, "queue": calque.RUN_QUEUE_PREFIX + run_id, "dlq": calque.RUN_DLQ_PREFIX + run_id}
-    ids = calque.ec2_cold_launch(aws.backend, cold, run_id, 2, launch(ami=aws.ami), timeout=1200.0, yes_spend_money=True)
+    ids = calque.ec2_cold_launch(aws.backend, cold, run_id, 2, launch(ami=aws.ami), timeout=1200.0,
+                                 yes_spend_money=True)
     assert len(ids) == 2
     ec2 = client("ec2")
     for iid in ids:
         assert ec2.describe_instance_attribute(InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")[
             "InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
-        user_data = base64.b64decode(ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"]["Value"]).decode()
+        user_data = base64.b64decode(ec2.describe_instance_attribute(
+            InstanceId=iid, Attribute="userData")["UserData"]["Value"]).decode()
         assert f"CALQUE_RUN={run_id}" in user_data and "shutdown -h +50" in user_data
     inst = ec2.describe_instances(InstanceIds=ids)["Reservations"][0]["Instances"][0]
     tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
     assert tags["calque:run"] == run_id and tags["calque:role"] == "cold-worker"
     role = calque.cold_role_name(STORE, REGION)
     held = client("iam").get_role_policy(RoleName=role, PolicyName="calque-worker")["PolicyDocument"]
-    assert (json.loads(held) if isinstance(held, str) else held) == calque.cold_worker_policy(STORE, REGION, "123456789012")
+    held = json.loads(held) if isinstance(held, str) else held
+    assert held == calque.cold_worker_policy(STORE, REGION, "123456789012")
     assert any(k.startswith(f"runs/{run_id}/kit/") for k in aws.backend.store.list(f"runs/{run_id}/kit/"))
     # a second run reuses the role
-    calque.ec2_cold_launch(aws.backend, cold, "20261129-101600-cd34ef", 1, launch(ami=aws.ami), timeout=600.0, yes_spend_money=True)
-    assert [r["RoleName"] for r in client("iam").list_roles()["Roles"] if r["RoleName"].startswith("calque-cold-")] == [role]
+    calque.ec2_cold_launch(aws.backend, cold, "20261129-101600-cd34ef", 1, launch(ami=aws.ami), timeout=600.0,
+                           yes_spend_money=True)
+    roles = [r["RoleName"] for r in client("iam").list_roles()["Roles"]]
+    assert [r for r in roles if r.startswith("calque-cold-")] == [role]
     assert sorted(calque.ec2_cold_cleanup(aws.backend, ids)) == sorted(ids)
     assert calque.ec2_cold_cleanup(aws.backend, ids) == []
 
@@ -483,9 +522,11 @@ def test_every_aws_call_is_documented(aws, api_calls):
     calque.ec2_pool_scale(backend, stored, 1, yes_spend_money=True)
     calque.ec2_pool_list(backend)
     calque.ec2_cold_wait_hint(backend, stored)
-    ids = calque.ec2_cold_launch(backend, {"model": MODEL, "queue": "calque-run-r9"}, "r9", 1, launch(ami=aws.ami), timeout=600.0, yes_spend_money=True)
+    ids = calque.ec2_cold_launch(backend, {"model": MODEL, "queue": "calque-run-r9"}, "r9", 1, launch(ami=aws.ami),
+                                 timeout=600.0, yes_spend_money=True)
     calque.ec2_cold_cleanup(backend, ids)
-    calque.ec2_pool_create(backend, record(backend), HANDLER, options(instance_type="g5.2xlarge"), yes_spend_money=True)   # the update paths
+    # the update paths
+    calque.ec2_pool_create(backend, record(backend), HANDLER, options(instance_type="g5.2xlarge"), yes_spend_money=True)
     calque.ec2_pool_delete(backend, stored, yes=True)
     docs = ""
     for name in ("docs_aws.md", "README.md"):
@@ -500,7 +541,8 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
     """Through `calque.py` itself: dry-run creates nothing; create, status, scale, list, a cold dry-run, delete."""
     monkeypatch.setenv("CALQUE_STORE", STORE)
     monkeypatch.setenv("CALQUE_STATE", str(tmp_path / "state"))
-    create = ["pool", "create", "--model", MODEL, "--handler", HANDLER, "--instances", "2", "--instance-type", "g5.xlarge"]
+    create = ["pool", "create", "--model", MODEL, "--handler", HANDLER, "--instances", "2", "--instance-type",
+              "g5.xlarge"]
     assert calque.main(create) == calque.EXIT_USAGE                       # no --yes-spend-money: refused
     assert "--yes-spend-money" in capsys.readouterr().err
     assert calque.main(create + ["--dry-run"]) == 0
@@ -514,7 +556,8 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
     assert calque.main(["pool", "list"]) == 0
     assert "EC2 1/1 in service" in capsys.readouterr().out
     items = os.path.join(ROOT, "examples", "items.jsonl")
-    assert calque.main(["submit", "--model", MODEL, items, "--instance-type", "g5.xlarge", "--ami", aws.ami, "--dry-run"]) == 0
+    assert calque.main(["submit", "--model", MODEL, items, "--instance-type", "g5.xlarge", "--ami", aws.ami,
+                        "--dry-run"]) == 0
     assert "would call ec2.RunInstances" in capsys.readouterr().out
     assert calque.main(["pool", "delete", "--model", MODEL]) == calque.EXIT_USAGE   # no --yes: refused
     assert calque.main(["pool", "delete", "--model", MODEL, "--yes"]) == 0
