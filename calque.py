@@ -1151,10 +1151,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     warmd.py processes here, or with `ec2` (a ColdLaunch) one-shot EC2 instances. `handler`
     (path/to/file.py:Class) or else the pool of `model` gives the code; `claim_size` defaults to an even
     split over the shards. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
-    if handler:
-        record = None
-    else:
-        record = load_pool(backend, model)    # reuse the pool's handler snapshot
+    record = None if handler else load_pool(backend, model)    # no handler named: reuse the pool's snapshot
     run_id = new_run_id(model)
     queue_name, dlq = run_queue_names(run_id)
     cold = {"model": model, "slug": slug(model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
@@ -1887,7 +1884,7 @@ DLAMI_PARAMETERS = {                # SSM public parameters naming the current d
 KIT_FILES = ("calque.py", "warmd.py", "requirements.txt", "rates.json")   # + fastbatch/*.py|.c|.h: what a worker runs
 EC2_STATE_DIR = "/var/lib/calque"    # CALQUE_STATE on an instance (handler cache)
 EC2_SPOT_POLL = "http://169.254.169.254"  # the metadata address the bootstrap enables the spot poller with
-EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # this machine's go to workers
+EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # workers get this machine's
 IAM_PROPAGATION_WAIT = 10.0         # s after creating an instance profile: EC2 refuses one IAM has not propagated
 IAM_RETRY_SECONDS = 90.0            # s RunInstances retries "invalid instance profile" (IAM propagation) before failing
 EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + pip install torch etc. (assumed)
@@ -2303,8 +2300,7 @@ def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit
     script = _BOOTSTRAP.format(
         title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble,
         bucket=shlex.quote(bucket), kit_key=shlex.quote(f"{prefix}/{kit_key}" if prefix else kit_key),
-        kit_sha256=kit_sha256,
-        region=shlex.quote(region), state=EC2_STATE_DIR, boto3_pin=shlex.quote(_boto3_pin()),
+        kit_sha256=kit_sha256, region=shlex.quote(region), state=EC2_STATE_DIR, boto3_pin=shlex.quote(_boto3_pin()),
         env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()), worker_args=worker_args,
         service=service, stop_timeout=int(grace + 30))
     _refuse_credentials(script)
@@ -2721,6 +2717,7 @@ def _store_put(calls, backend, key, data):
 
 
 def _put_pool_record(calls, backend, record):
+    """Write the pool record (dry run: print it as a PutObject)."""
     _store_put(calls, backend, pool_key(record["model"]), json.dumps(record, indent=1))
 
 
