@@ -30,6 +30,7 @@ import time
 import typing
 import uuid
 from collections import Counter
+from dataclasses import dataclass
 
 # ------------------------------------------------------------------------------------------------
 # defaults: each one can be set in the environment or in a pool.env file (KEY=value lines);
@@ -690,6 +691,9 @@ class LocalBackend:
             raise UserError(f"store {self.root} cannot be created ({e.strerror}): set CALQUE_STORE to a writable folder")
 
 
+SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # SQS's two codes for "no such queue"
+
+
 def _aws_error_code(error):
     return _aws_error_info(error).get("Code", "")
 
@@ -725,6 +729,16 @@ def endpoint_retried(method):
             time.sleep(delay)
             delay = min(delay * 2, ENDPOINT_BACKOFF[1])
     return call
+
+
+def aws_client_config(region):
+    """The botocore settings of every AWS client calque makes: standard retries (throttling and transient
+    errors, 5 attempts in all) and timeouts short enough that an unreachable endpoint fails in seconds."""
+    import botocore.config
+    retries = {"mode": "standard"}
+    if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
+        retries["max_attempts"] = 5
+    return botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30)
 
 
 class S3Store:
@@ -838,21 +852,21 @@ class SqsQueues:
                 url = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]
                 break
             except Exception as e:
-                if _aws_error_code(e) not in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"):
+                if _aws_error_code(e) not in SQS_NOT_FOUND:
                     raise
                 if time.monotonic() >= deadline:
                     raise NotFound(f"queue {name}")
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        vt = int(self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]["VisibilityTimeout"])
-        return SqsQueue(self, name, url, vt)
+        attrs = self.sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]
+        return SqsQueue(self, name, url, int(attrs["VisibilityTimeout"]))
 
     @endpoint_retried
     def delete_queue(self, name):
         try:
             self.sqs.delete_queue(QueueUrl=self.sqs.get_queue_url(QueueName=name)["QueueUrl"])
         except Exception as e:
-            if _aws_error_code(e) not in ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist"):
+            if _aws_error_code(e) not in SQS_NOT_FOUND:
                 raise
 
 
@@ -904,7 +918,8 @@ class SqsQueue:
         self.queues.requests["queue_other"] += 1
         attrs = self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=[
             "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
-        return {"visible": int(attrs["ApproximateNumberOfMessages"]), "in_flight": int(attrs["ApproximateNumberOfMessagesNotVisible"])}
+        return {"visible": int(attrs["ApproximateNumberOfMessages"]),
+                "in_flight": int(attrs["ApproximateNumberOfMessagesNotVisible"])}
 
 
 class AwsBackend:
@@ -914,7 +929,6 @@ class AwsBackend:
 
     def __init__(self, uri, endpoint_retry=None):
         import boto3   # imported here so that the embedded backend never loads it
-        import botocore.config
         bucket, _, prefix = uri[len("s3://"):].partition("/")
         if not bucket:
             raise UserError(f"CALQUE_STORE={uri!r} names no bucket: use s3://bucket/prefix")
@@ -923,10 +937,7 @@ class AwsBackend:
         if endpoint_retry is None:
             endpoint_retry = setting_number(settings(), "CALQUE_ENDPOINT_RETRY", float, 0)
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        retries = {"mode": "standard"}
-        if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
-            retries["max_attempts"] = 5
-        config = botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30)
+        config = aws_client_config(region)
         self.session = boto3.session.Session()
         self.store = S3Store(self.session.client("s3", config=config), bucket, prefix.strip("/"), self.requests,
                              endpoint_retry)
@@ -1028,14 +1039,38 @@ def pool_name_claimed(backend, model):
         raise
 
 
-def snapshot_handler(backend, handler_spec, key_prefix):
-    """Copy the handler file into the store (the code a worker on another machine will run); returns its record."""
+def check_slug_free(backend, model):
+    """The pool record stored under the model's slug, or None. A UserError when that record is another
+    model's: names that differ only in case or punctuation share one slug, hence one queue."""
+    try:
+        existing = read_json(backend, pool_key(model))
+    except NotFound:
+        return None
+    if existing["model"] != model:
+        raise UserError(f"model {model!r} would share queue {pool_queue_name(model)} with the existing pool of "
+                        f"{existing['model']!r}: pick a name that differs in more than case or punctuation")
+    return existing
+
+
+def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries=None):
+    """{batch_size, visibility_timeout, max_deliveries} of a pool or a cold run: each flag's value when given
+    (at least 1), else its CALQUE_* setting."""
+    given = {"batch_size": batch_size, "visibility_timeout": visibility_timeout, "max_deliveries": max_deliveries}
+    for name, value in given.items():
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    return {name: value or setting_number(conf, f"CALQUE_{name.upper()}", int, 1) for name, value in given.items()}
+
+
+def snapshot_handler(handler_spec, key_prefix, put):
+    """Check the handler file and copy it into the store with put(key, data) (backend.store.put, or an EC2
+    dry run's printer): the code a worker on another machine will run. Returns its record."""
     path, cls = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         source = f.read()
     check_handler_source(source, cls, path)
     key = f"{key_prefix}handler/{os.path.basename(path)}"
-    backend.store.put(key, source)
+    put(key, source)
     import hashlib
     return {"key": key, "file": os.path.basename(path), "class": cls, "sha256": hashlib.sha256(source).hexdigest(),
             "source_path": os.path.abspath(path)}
@@ -1538,42 +1573,42 @@ def report_run(backend, run, summaries, timed_out, as_json, out=sys.stdout):
     return EXIT_OK if not timed_out and all_ok else EXIT_FAILED
 
 
-def cold_run(conf, backend, args, items):
-    """The baseline: a fresh acquisition. Ephemeral warmd.py processes pay @enter, drain this run's own queue, exit."""
-    if args.handler:
-        handler_source = args.handler
-        record = None
-    else:
-        record = load_pool(backend, args.model)    # reuse the pool's handler snapshot
-        handler_source = None
-    run_id = new_run_id(args.model)
+def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
+             progress=True, ec2=None, dry_run=False, yes_spend_money=False):
+    """The baseline: a fresh acquisition. Ephemeral workers pay @enter, drain this run's own queue, exit:
+    warmd.py processes here, or with `ec2` (a ColdLaunch) one-shot EC2 instances. `handler`
+    (path/to/file.py:Class) or else the pool of `model` gives the code; `claim_size` defaults to an even
+    split over the shards. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
+    record = None if handler else load_pool(backend, model)    # no handler named: reuse the pool's snapshot
+    run_id = new_run_id(model)
     queue_name, dlq = run_queue_names(run_id)
-    vt = setting_number(conf, "CALQUE_VISIBILITY_TIMEOUT", int, 1)
-    cold = {"model": args.model, "slug": slug(args.model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
-            "batch_size": args.batch_size or (record or {}).get("batch_size") or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
-            "visibility_timeout": vt, "max_deliveries": setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
-            "created_at": now_iso()}
+    cold = {"model": model, "slug": slug(model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
+            **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
     prefix = f"runs/{run_id}/"
-    if handler_source:
-        cold["handler"] = snapshot_handler(backend, handler_source, prefix)
+    if handler:
+        cold["handler"] = snapshot_handler(handler, prefix, backend.store.put)
     else:
         source = backend.store.get(record["handler"]["key"])
         cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
         backend.store.put(cold["handler"]["key"], source)
-    shards = max(1, args.shards)
-    on_ec2 = backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run)
-    if on_ec2 and args.dry_run:      # print the launch it would make; stage nothing
-        ec2_cold_launch(backend, cold, run_id, shards, args)
+    shards = max(1, shards)
+
+    def launch():   # one-shot instances that drain the run's queue and terminate themselves
+        return ec2_cold_launch(backend, cold, run_id, shards, ec2, timeout=timeout, dry_run=dry_run,
+                               yes_spend_money=yes_spend_money)
+
+    if ec2 and dry_run:      # print the launch it would make; stage nothing
+        launch()
         return None, [], False
-    queue = backend.queues.create_queue(queue_name, vt)
-    backend.queues.create_queue(cold["dlq"], vt)
-    claim_size = args.claim_size or max(1, -(-len(items) // shards))
+    queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
+    backend.queues.create_queue(dlq, cold["visibility_timeout"])
+    claim_size = claim_size or max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
     run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
     procs, instance_ids = [], []
     try:
-        if on_ec2:   # one-shot instances that drain the run's queue and terminate themselves
-            instance_ids = ec2_cold_launch(backend, cold, run_id, shards, args)
+        if ec2:
+            instance_ids = launch()
         else:        # fresh local processes
             folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run_id)
             os.makedirs(folder, exist_ok=True)
@@ -1583,7 +1618,7 @@ def cold_run(conf, backend, args, items):
                                                   stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
             print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {len(items)} items, {shards} fresh worker(s); "
                   f"logs in {folder}", file=sys.stderr)
-        summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json)
+        summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
     finally:
         # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,
         # which releases its claim, so nothing is left invisible in a queue about to be deleted
@@ -1594,7 +1629,7 @@ def cold_run(conf, backend, args, items):
                 proc.send_signal(signal.SIGTERM)
                 proc.wait()
         if instance_ids:
-            ec2_cold_cleanup(backend, instance_ids, args)
+            ec2_cold_cleanup(backend, instance_ids)
         backend.queues.delete_queue(queue_name)
         backend.queues.delete_queue(cold["dlq"])
     return run, summaries, timed_out
@@ -2343,14 +2378,13 @@ DLAMI_PARAMETERS = {                # SSM public parameters naming the current d
 KIT_FILES = ("calque.py", "warmd.py", "requirements.txt", "rates.json")   # + fastbatch/*.py|.c|.h: what a worker runs
 EC2_STATE_DIR = "/var/lib/calque"    # CALQUE_STATE on an instance (handler cache)
 EC2_SPOT_POLL = "http://169.254.169.254"  # the metadata address the bootstrap enables the spot poller with
-EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # this machine's values go to workers
-IAM_PROPAGATION_WAIT = 10.0         # s after creating an instance profile: EC2 refuses a profile IAM has not propagated yet
+EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # workers get this machine's
+IAM_PROPAGATION_WAIT = 10.0         # s after creating an instance profile: EC2 refuses one IAM has not propagated
 IAM_RETRY_SECONDS = 90.0            # s RunInstances retries "invalid instance profile" (IAM propagation) before failing
-EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + pip install torch etc. (assumed, not measured)
-COLD_BOOT_ALLOWANCE = 30            # min a cold instance may spend booting on top of the submit timeout before it powers off
+EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + pip install torch etc. (assumed)
+COLD_BOOT_ALLOWANCE = 30            # min a cold instance may boot on top of the submit timeout before it powers off
 ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
-SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")
 
 
 def _digest(text, n):
@@ -2406,10 +2440,7 @@ class AwsCalls:
 
     def client(self, service):
         if service not in self.clients:
-            import botocore.config
-            config = botocore.config.Config(region_name=self.region, retries={"max_attempts": 5, "mode": "standard"},
-                                            connect_timeout=5, read_timeout=30)
-            self.clients[service] = self.session.client(service, config=config)
+            self.clients[service] = self.session.client(service, config=aws_client_config(self.region))
         return self.clients[service]
 
     def call(self, service, operation, **params):
@@ -2441,20 +2472,23 @@ class AwsCalls:
         ident = self.identity()
         account, partition = ident["account"], ident["partition"]
         if operation == "CreateRole":
-            return {"Role": {"RoleName": params["RoleName"], "Arn": f"arn:{partition}:iam::{account}:role/{params['RoleName']}"}}
+            name = params["RoleName"]
+            return {"Role": {"RoleName": name, "Arn": f"arn:{partition}:iam::{account}:role/{name}"}}
         if operation == "CreateInstanceProfile":
             name = params["InstanceProfileName"]
-            return {"InstanceProfile": {"InstanceProfileName": name, "Arn": f"arn:{partition}:iam::{account}:instance-profile/{name}"}}
+            return {"InstanceProfile": {"InstanceProfileName": name,
+                                        "Arn": f"arn:{partition}:iam::{account}:instance-profile/{name}"}}
         if operation == "CreateLaunchTemplate":
-            return {"LaunchTemplate": {"LaunchTemplateId": "lt-dry-run", "LaunchTemplateName": params["LaunchTemplateName"],
-                                       "LatestVersionNumber": 1}}
+            return {"LaunchTemplate": {"LaunchTemplateId": "lt-dry-run",
+                                       "LaunchTemplateName": params["LaunchTemplateName"], "LatestVersionNumber": 1}}
         if operation == "CreateLaunchTemplateVersion":
             return {"LaunchTemplateVersion": {"VersionNumber": 0}}
         if operation == "CreateQueue":
             return {"QueueUrl": f"https://sqs.{self.region}.amazonaws.com/{account}/{params['QueueName']}"}
         if operation == "PutScalingPolicy":
             return {"PolicyARN": f"arn:{partition}:autoscaling:{self.region}:{account}:scalingPolicy:dry-run:"
-                                 f"autoScalingGroupName/{params['AutoScalingGroupName']}:policyName/{params['PolicyName']}"}
+                                 f"autoScalingGroupName/{params['AutoScalingGroupName']}"
+                                 f":policyName/{params['PolicyName']}"}
         if operation == "RunInstances":
             return {"Instances": [{"InstanceId": f"i-dry-run-{k}"} for k in range(params["MaxCount"])]}
         return {}
@@ -2489,13 +2523,33 @@ def _exists(fn, *missing_codes):
         raise
 
 
+def _queue_url(calls, name):
+    return _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
+
+
+def _find_role(calls, name):
+    return _exists(lambda: calls.call("iam", "GetRole", RoleName=name)["Role"], "NoSuchEntity")
+
+
+def _find_instance_profile(calls, name):
+    return _exists(lambda: calls.call("iam", "GetInstanceProfile", InstanceProfileName=name)["InstanceProfile"],
+                   "NoSuchEntity")
+
+
+def _find_launch_template(calls, name):
+    return _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates",
+                                      LaunchTemplateNames=[name])["LaunchTemplates"][0],
+                   "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
+
+
 def _aws_store(backend, what):
     if getattr(backend, "kind", None) != "aws":
         raise UserError(f"{what} needs an s3:// store (CALQUE_STORE={backend.describe()}): EC2 workers read and write "
                         f"everything through S3 ---> HINT: export CALQUE_STORE=s3://your-bucket/calque")
     prefix = backend.store.prefix
     if not re.fullmatch(r"[A-Za-z0-9._/-]*", prefix):
-        raise UserError(f"store prefix {prefix!r}: on EC2 use letters, digits and . _ / - only (it goes into IAM policies and shell)")
+        raise UserError(f"store prefix {prefix!r}: on EC2 use letters, digits and . _ / - only "
+                        f"(it goes into IAM policies and shell)")
     return backend.bucket, prefix
 
 
@@ -2547,7 +2601,8 @@ def worker_policy(store, model, region, account, partition="aws"):
                           ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
                           reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
                                  f"{obj}runs/{s}.*/summaries/*"],
-                          writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*", f"{obj}pools/{s}/workers/*"],
+                          writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
+                                  f"{obj}pools/{s}/workers/*"],
                           listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
 
 
@@ -2580,6 +2635,16 @@ def cold_worker_policy(store, region, account, partition="aws"):
                                  f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
                           writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*"],
                           listed=[f"{root}runs/*"])
+
+
+# instance metadata (where the instance profile's credentials are): session tokens only, and one network hop,
+# so a container on the instance cannot reach it
+IMDS_V2_ONLY = {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1}
+
+
+def _instance_tag_specs(tags):
+    """The same tags on the instances and on their volumes: both are found, and priced, by the pool's tags."""
+    return [{"ResourceType": kind, "Tags": _tags(tags)} for kind in ("instance", "volume")]
 
 
 EC2_TRUST_POLICY = {"Version": "2012-10-17", "Statement": [
@@ -2653,7 +2718,8 @@ install_python() {{   # a bare image: Ubuntu (apt) or Amazon Linux (dnf)
     dnf install -y -q python3.11 python3.11-devel gcc
   fi
 }}
-PY=$(pick_python) || {{ install_python; PY=$(pick_python); }} || {{ echo "calque: no python >= 3.11 on this image" >&2; exit 1; }}
+PY=$(pick_python) || {{ install_python; PY=$(pick_python); }} \
+  || {{ echo "calque: no python >= 3.11 on this image" >&2; exit 1; }}
 "$PY" -m venv "$CALQUE/venv" 2>/dev/null || {{ install_python; rm -rf "$CALQUE/venv"; "$PY" -m venv "$CALQUE/venv"; }}
 
 # the kit snapshot this pool was created with, checked against the digest pinned here
@@ -2661,7 +2727,8 @@ if command -v aws >/dev/null 2>&1; then
   aws s3 cp --only-show-errors --region "$REGION" "s3://$BUCKET/$KIT_KEY" "$CALQUE/kit.tar.gz"
 else
   "$CALQUE/venv/bin/pip" install -q {boto3_pin}
-  "$CALQUE/venv/bin/python" -c 'import sys, boto3; boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' \
+  "$CALQUE/venv/bin/python" -c \
+    'import sys, boto3; boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' \
     "$REGION" "$BUCKET" "$KIT_KEY" "$CALQUE/kit.tar.gz"
 fi
 echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -
@@ -2711,8 +2778,8 @@ echo "calque: {unit} started"
 """
 
 
-def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit, service,
-               preamble="", conf=None):
+def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit,
+               service, preamble="", conf=None):
     import shlex
     conf = conf or settings()
     bucket, _, prefix = store[len("s3://"):].partition("/")
@@ -2725,9 +2792,9 @@ def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit
         _check_text(str(value), key)
     grace = float(conf.get("CALQUE_GRACE", 30))
     script = _BOOTSTRAP.format(
-        title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble, bucket=shlex.quote(bucket),
-        kit_key=shlex.quote(f"{prefix}/{kit_key}" if prefix else kit_key), kit_sha256=kit_sha256,
-        region=shlex.quote(region), state=EC2_STATE_DIR, boto3_pin=shlex.quote(_boto3_pin()),
+        title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble,
+        bucket=shlex.quote(bucket), kit_key=shlex.quote(f"{prefix}/{kit_key}" if prefix else kit_key),
+        kit_sha256=kit_sha256, region=shlex.quote(region), state=EC2_STATE_DIR, boto3_pin=shlex.quote(_boto3_pin()),
         env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()), worker_args=worker_args,
         service=service, stop_timeout=int(grace + 30))
     _refuse_credentials(script)
@@ -2751,10 +2818,12 @@ def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool'
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
         store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_POOL_MODEL": model},
-        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service="Restart=always\nRestartSec=5", conf=conf)
+        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service="Restart=always\nRestartSec=5",
+        conf=conf)
 
 
-def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, profile="the cold-run instance profile", conf=None):
+def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, profile="the cold-run instance profile",
+                   conf=None):
     """A cold run's one-shot instance: the same bootstrap, then `warmd.py --run RUN` once; when it exits (its
     queue drained, or an error) the machine powers off, which terminates it (InstanceInitiatedShutdownBehavior).
     A bootstrap that fails powers off too, and a dead-man's switch powers off after max_minutes whatever happens."""
@@ -2763,8 +2832,9 @@ def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, prof
                 'shutdown -h now; fi\' EXIT')
     return _bootstrap(
         title=f"cold-run worker for run {run_id}", description="cold-run worker", verb="submit", profile=profile,
-        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_RUN": run_id}, worker_args='--run "$CALQUE_RUN"',
-        unit="calque-cold", service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble, conf=conf)
+        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_RUN": run_id},
+        worker_args='--run "$CALQUE_RUN"', unit="calque-cold",
+        service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble, conf=conf)
 
 
 def _user_data_b64(script):
@@ -2775,11 +2845,6 @@ def _user_data_b64(script):
 # ------------------------------------------------------------------------------------------------
 # pre-flight: everything read-only, before anything is created
 
-def _opt(args, name, default=None):
-    value = getattr(args, name, default)
-    return default if value is None else value
-
-
 def _instance_type_info(calls, instance_type):
     if not instance_type:
         raise UserError("--instance-type is required for EC2 workers (e.g. g5.xlarge): see rates.json for priced ones")
@@ -2787,7 +2852,8 @@ def _instance_type_info(calls, instance_type):
         return calls.call("ec2", "DescribeInstanceTypes", InstanceTypes=[instance_type])["InstanceTypes"][0]
     except Exception as e:
         if _aws_error_code(e) in ("InvalidInstanceType", "InvalidParameterValue"):
-            raise UserError(f"--instance-type {instance_type}: not an instance type in {calls.region} ---> HINT: e.g. g5.xlarge") from None
+            raise UserError(f"--instance-type {instance_type}: not an instance type in {calls.region} "
+                            f"---> HINT: e.g. g5.xlarge") from None
         raise
 
 
@@ -2807,11 +2873,13 @@ def resolve_ami(calls, ami, instance_type_info):
         except Exception as e:
             if _aws_error_code(e) in ("ParameterNotFound", "ParameterVersionNotFound"):
                 raise UserError(f"no current deep-learning AMI: SSM public parameter {param} does not exist in "
-                                f"{calls.region} ---> HINT: pass --ami ami-... (an image with an NVIDIA driver)") from None
+                                f"{calls.region} ---> HINT: pass --ami ami-... (an image with an NVIDIA driver)"
+                                ) from None
             raise
         found = [v.strip() for v in value.split(",") if v.strip()]
         if len(found) != 1 or not re.fullmatch(r"ami-[0-9a-f]{8,17}", found[0]):
-            raise UserError(f"SSM parameter {param} holds {value!r}, not exactly one AMI id ---> HINT: pass --ami ami-...")
+            raise UserError(f"SSM parameter {param} holds {value!r}, not exactly one AMI id "
+                            f"---> HINT: pass --ami ami-...")
         ami, source = found[0], f"ssm:{param}"
     try:
         images = calls.call("ec2", "DescribeImages", ImageIds=[ami])["Images"]
@@ -2823,7 +2891,8 @@ def resolve_ami(calls, ami, instance_type_info):
     if not images:
         raise UserError(f"AMI {ami} ({source}) does not exist in {calls.region} or is not visible to this account")
     if archs and images[0].get("Architecture") and images[0]["Architecture"] not in archs:
-        raise UserError(f"AMI {ami} is {images[0]['Architecture']}, instance type {itype} runs {', '.join(archs)}: pick a matching --ami")
+        raise UserError(f"AMI {ami} is {images[0]['Architecture']}, instance type {itype} runs {', '.join(archs)}: "
+                        f"pick a matching --ami")
     return ami, source
 
 
@@ -2839,12 +2908,14 @@ def resolve_subnets(calls, subnet_arg, instance_type):
                 raise UserError(f"--subnet {subnet_arg}: no such subnet in {calls.region}") from None
             raise
     else:
-        subnets = calls.call("ec2", "DescribeSubnets", Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
+        subnets = calls.call("ec2", "DescribeSubnets",
+                             Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
         if not subnets:
-            raise UserError(f"no default VPC in {calls.region}: pass --subnet subnet-... (one with a route to the internet: "
-                            f"the bootstrap installs packages)")
-    offered = {o["Location"] for o in calls.call("ec2", "DescribeInstanceTypeOfferings", LocationType="availability-zone",
-                                                  Filters=[{"Name": "instance-type", "Values": [instance_type]}])["InstanceTypeOfferings"]}
+            raise UserError(f"no default VPC in {calls.region}: pass --subnet subnet-... (one with a route to the "
+                            f"internet: the bootstrap installs packages)")
+    offerings = calls.call("ec2", "DescribeInstanceTypeOfferings", LocationType="availability-zone",
+                           Filters=[{"Name": "instance-type", "Values": [instance_type]}])["InstanceTypeOfferings"]
+    offered = {o["Location"] for o in offerings}
     usable = [s["SubnetId"] for s in subnets if s["AvailabilityZone"] in offered]
     if not usable:
         raise UserError(f"instance type {instance_type} is not offered in the zones of subnet(s) "
@@ -2863,21 +2934,44 @@ def _check_key(calls, key_name):
         raise
 
 
-def _pool_options(args):
-    """The pool-create options, checked: instances, instance_type, ami, spot, min_instances, subnet, key_name,
-    scale_to_zero_after (minutes)."""
-    instances = _opt(args, "instances")
+@dataclass(frozen=True)
+class Ec2PoolOptions:
+    """An EC2 pool's fleet as `pool create --instances N` asks for it; ec2_pool_options builds it checked."""
+    instances: int
+    instance_type: str | None           # required: the pre-flight refuses None with an example
+    min_instances: int | None           # the group's floor; None: always `instances` (a fixed-size cohort)
+    ami: str | None                     # None: the current deep-learning GPU AMI (DLAMI_PARAMETERS)
+    spot: bool
+    subnet: str | None                  # subnet ids, comma-separated; None: the default VPC's
+    key_name: str | None                # an EC2 key pair for SSH; None: no SSH
+    scale_to_zero_after: int | None     # idle minutes before the group shrinks to its floor; None: never
+
+
+def ec2_pool_options(instances, instance_type=None, *, min_instances=None, ami=None, spot=False, subnet=None,
+                     key_name=None, scale_to_zero_after=None):
+    """Ec2PoolOptions from the flags' values, checked: 0 or more instances, an idle window CloudWatch can
+    evaluate, a floor between 0 and the instance count (0 unless given when the pool scales to zero)."""
     if instances is None or instances < 0:
         raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
-    stz = _opt(args, "scale_to_zero_after")
-    if stz is not None and not 1 <= stz <= MAX_IDLE_MINUTES:
-        raise UserError(f"--scale-to-zero-after {stz}: minutes between 1 and {MAX_IDLE_MINUTES} (CloudWatch's one-day window)")
-    floor = _opt(args, "min_instances", 0 if stz is not None else None)     # None: always the instance count
-    if floor is not None and not 0 <= floor <= instances:
-        raise UserError(f"--min-instances {floor}: between 0 and --instances {instances}")
-    return {"instances": instances, "min_instances": floor, "instance_type": _opt(args, "instance_type"),
-            "ami": _opt(args, "ami"), "spot": bool(_opt(args, "spot", False)), "subnet": _opt(args, "subnet"),
-            "key_name": _opt(args, "key_name"), "scale_to_zero_after": stz}
+    if scale_to_zero_after is not None and not 1 <= scale_to_zero_after <= MAX_IDLE_MINUTES:
+        raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between 1 and {MAX_IDLE_MINUTES} "
+                        f"(CloudWatch's one-day window)")
+    if min_instances is None and scale_to_zero_after is not None:
+        min_instances = 0
+    if min_instances is not None and not 0 <= min_instances <= instances:
+        raise UserError(f"--min-instances {min_instances}: between 0 and --instances {instances}")
+    return Ec2PoolOptions(instances, instance_type, min_instances, ami, bool(spot), subnet, key_name,
+                          scale_to_zero_after)
+
+
+@dataclass(frozen=True)
+class ColdLaunch:
+    """The one-shot EC2 instances of a cold run (`submit --model M` on an s3:// store)."""
+    ami: str | None                     # required: ec2_cold_launch refuses None with where to find one
+    instance_type: str | None
+    spot: bool = False
+    subnet: str | None = None           # subnet ids, comma-separated (the first usable one); None: the default VPC's
+    key_name: str | None = None
 
 
 def _hourly(instance_type, spot, count):
@@ -2885,14 +2979,16 @@ def _hourly(instance_type, spot, count):
     try:
         rates = load_rates(os.path.join(HERE, "rates.json"))
         per_hour = instance_rate_per_second(rates, instance_type, spot=spot) * 3600 * count
-        return f"~${per_hour:.2f}/h while {count} x {instance_type} {'spot' if spot else 'on-demand'} run (rates.json {rates['updated']})"
+        return (f"~${per_hour:.2f}/h while {count} x {instance_type} {'spot' if spot else 'on-demand'} run "
+                f"(rates.json {rates['updated']})")
     except UserError:
         return f"{instance_type} is not priced in rates.json: check its hourly price before you go on"
 
 
-def _refuse_spending(args, what):
-    if not _opt(args, "dry_run", False) and not _opt(args, "yes_spend_money", False):
-        raise UserError(f"{what} starts paid EC2 instances: add --yes-spend-money (or --dry-run to see every AWS call first)")
+def _refuse_spending(what, *, dry_run, yes_spend_money):
+    if not dry_run and not yes_spend_money:
+        raise UserError(f"{what} starts paid EC2 instances: add --yes-spend-money "
+                        f"(or --dry-run to see every AWS call first)")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2900,9 +2996,10 @@ def _refuse_spending(args, what):
 
 def _ensure_queue(calls, name, visibility_timeout, tags):
     vt = str(int(visibility_timeout))
-    url = _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
+    url = _queue_url(calls, name)
     if url:
-        current = calls.call("sqs", "GetQueueAttributes", QueueUrl=url, AttributeNames=["VisibilityTimeout"])["Attributes"]
+        current = calls.call("sqs", "GetQueueAttributes", QueueUrl=url,
+                             AttributeNames=["VisibilityTimeout"])["Attributes"]
         if current.get("VisibilityTimeout") != vt:
             calls.call("sqs", "SetQueueAttributes", QueueUrl=url, Attributes={"VisibilityTimeout": vt})
         return "found"
@@ -2910,7 +3007,8 @@ def _ensure_queue(calls, name, visibility_timeout, tags):
         calls.call("sqs", "CreateQueue", QueueName=name, Attributes={"VisibilityTimeout": vt}, tags=tags)
     except Exception as e:
         if _aws_error_code(e) in ("AWS.SimpleQueueService.QueueDeletedRecently", "QueueDeletedRecently"):
-            raise UserError(f"queue {name} was deleted less than 60 s ago and SQS refuses to recreate it yet: wait a minute, re-run") from None
+            raise UserError(f"queue {name} was deleted less than 60 s ago and SQS refuses to recreate it yet: "
+                            f"wait a minute, re-run") from None
         raise
     return "created"
 
@@ -2918,9 +3016,11 @@ def _ensure_queue(calls, name, visibility_timeout, tags):
 def _check_owned(kind, name, tags, model, store, region):
     """A resource with our name must be calque's and this pool's: never adopt or delete someone else's."""
     if tags.get("calque:managed") != "true":
-        raise UserError(f"{kind} {name} exists but is not calque's (no calque:managed=true tag): rename or remove it first")
+        raise UserError(f"{kind} {name} exists but is not calque's (no calque:managed=true tag): "
+                        f"rename or remove it first")
     ours = tuple(_strict_tag(v) if kind.startswith("IAM") else str(v)[:256] for v in (model, store, region))
-    theirs = (tags.get("calque:pool-model", ours[0]), tags.get("calque:store", ours[1]), tags.get("calque:region", ours[2]))
+    keys = ("calque:pool-model", "calque:store", "calque:region")
+    theirs = tuple(tags.get(key, mine) for key, mine in zip(keys, ours))
     if theirs != ours:
         raise UserError(f"{kind} {name} belongs to the pool of {theirs[0]!r} (store {theirs[1]}, region {theirs[2]}): "
                         f"one model has one EC2 pool per account; delete that one first")
@@ -2933,8 +3033,7 @@ def _role_tags(calls, name):
 def _ensure_role(calls, name, policy, tags, owner):
     """Create the role (or check the existing one is ours) and put its one inline policy: always, so a re-run
     also repairs a policy edited by hand."""
-    role = _exists(lambda: calls.call("iam", "GetRole", RoleName=name)["Role"], "NoSuchEntity")
-    if role:
+    if _find_role(calls, name):
         _check_owned("IAM role", name, _role_tags(calls, name), *owner)
         state = "found"
     else:
@@ -2947,7 +3046,7 @@ def _ensure_role(calls, name, policy, tags, owner):
 
 
 def _ensure_instance_profile(calls, name, role, tags):
-    profile = _exists(lambda: calls.call("iam", "GetInstanceProfile", InstanceProfileName=name)["InstanceProfile"], "NoSuchEntity")
+    profile = _find_instance_profile(calls, name)
     state = "found"
     if not profile:
         calls.call("iam", "CreateInstanceProfile", InstanceProfileName=name, Tags=_tags(tags, strict=True))
@@ -2968,10 +3067,10 @@ def _ensure_launch_template(calls, name, data, tags, owner):
     """Create it, or add a version when the wanted data differ from its latest (compared by digest, kept in
     the version description). The ASG launches $Latest, so new instances pick the change up."""
     wanted = "calque " + _digest(json.dumps(data, sort_keys=True), 16)
-    found = _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates", LaunchTemplateNames=[name])["LaunchTemplates"][0],
-                    "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
+    found = _find_launch_template(calls, name)
     if not found:
-        calls.call("ec2", "CreateLaunchTemplate", LaunchTemplateName=name, VersionDescription=wanted, LaunchTemplateData=data,
+        calls.call("ec2", "CreateLaunchTemplate", LaunchTemplateName=name, VersionDescription=wanted,
+                   LaunchTemplateData=data,
                    TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(tags)}])
         return "created"
     _check_owned("launch template", name, _tag_dict(found.get("Tags")), *owner)
@@ -3021,7 +3120,8 @@ def _ensure_asg(calls, names, ec2, tags, owner):
         calls.call("autoscaling", "CreateAutoScalingGroup", Tags=asg_tags, **params)
         return "created"
     if asg.get("Status"):    # "Delete in progress"
-        raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): wait for it to go, then re-run")
+        raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): "
+                        f"wait for it to go, then re-run")
     _check_owned("auto scaling group", names["asg"], _tag_dict(asg.get("Tags")), *owner)
     calls.call("autoscaling", "UpdateAutoScalingGroup", **params)
     return "updated"
@@ -3030,8 +3130,15 @@ def _ensure_asg(calls, names, ec2, tags, owner):
 def _policy_arn(calls, asg, name, answer):
     if answer.get("PolicyARN"):
         return answer["PolicyARN"]
-    policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=asg, PolicyNames=[name])["ScalingPolicies"]
-    return policies[0]["PolicyARN"]
+    policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=asg, PolicyNames=[name])
+    return policies["ScalingPolicies"][0]["PolicyARN"]
+
+
+def _put_capacity_policy(calls, asg, name, capacity):
+    """A simple-scaling policy that sets the group to exactly `capacity` instances when its alarm fires."""
+    return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=name,
+                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=capacity,
+                      Cooldown=60)
 
 
 def _sqs_metric(queue, metric):
@@ -3043,22 +3150,22 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
     in a minute. Idle: visible + in flight == 0 for the whole window -- in flight counts, so a pool busy on
     long claims with an empty backlog is not scaled in under its workers."""
     asg, minutes = names["asg"], ec2["scale_to_zero_after"]
-    wake = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=names["policy_wake"],
-                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=ec2["instances"], Cooldown=60)
-    idle = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=names["policy_idle"],
-                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=ec2["min_instances"] or 0,
-                      Cooldown=60)
+    wake = _put_capacity_policy(calls, asg, names["policy_wake"], ec2["instances"])
+    idle = _put_capacity_policy(calls, asg, names["policy_idle"], ec2["min_instances"] or 0)
     calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_wake"],
                AlarmDescription=f"calque: wake pool {asg} when a claim waits in {names['queue']}",
                ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_wake"], wake)],
                Statistic="Maximum", Period=ALARM_PERIOD, EvaluationPeriods=1, Threshold=0,
-               ComparisonOperator="GreaterThanThreshold", TreatMissingData="notBreaching", Tags=_tags(tags, strict=True),
+               ComparisonOperator="GreaterThanThreshold", TreatMissingData="notBreaching",
+               Tags=_tags(tags, strict=True),
                **_sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"))
     calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_idle"],
-               AlarmDescription=f"calque: scale pool {asg} to {ec2['min_instances'] or 0} after {minutes} idle minute(s)",
+               AlarmDescription=f"calque: scale pool {asg} to {ec2['min_instances'] or 0} after {minutes} "
+                                f"idle minute(s)",
                ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_idle"], idle)],
                EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
-               ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching", Tags=_tags(tags, strict=True),
+               ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching",
+               Tags=_tags(tags, strict=True),
                Metrics=[{"Id": "visible", "ReturnData": False, "MetricStat": {
                             "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"),
                             "Period": ALARM_PERIOD, "Stat": "Maximum"}},
@@ -3070,15 +3177,26 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
     return "put"
 
 
-def _remove_scale_to_zero(calls, names):
-    """Alarms and policies of a pool that no longer scales to zero; True when something was removed."""
-    alarms = [a["AlarmName"] for a in calls.call("cloudwatch", "DescribeAlarms",
-                                                 AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]]
+def _describe_alarms(calls, names):
+    """The pool's scale-to-zero alarms that exist (DescribeAlarms leaves out the names it does not know)."""
+    alarms = calls.call("cloudwatch", "DescribeAlarms", AlarmNames=[names["alarm_wake"], names["alarm_idle"]])
+    return alarms["MetricAlarms"]
+
+
+def _delete_alarms(calls, names):
+    """Delete the pool's scale-to-zero alarms that exist; returns their names."""
+    alarms = [a["AlarmName"] for a in _describe_alarms(calls, names)]
     if alarms:
         calls.call("cloudwatch", "DeleteAlarms", AlarmNames=alarms)
-    removed = bool(alarms)
+    return alarms
+
+
+def _remove_scale_to_zero(calls, names):
+    """Alarms and policies of a pool that no longer scales to zero; True when something was removed."""
+    removed = bool(_delete_alarms(calls, names))
     if _describe_asg(calls, names["asg"]):
-        have = {p["PolicyName"] for p in calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
+        policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=names["asg"])
+        have = {p["PolicyName"] for p in policies["ScalingPolicies"]}
         for policy in (names["policy_wake"], names["policy_idle"]):
             if policy in have:
                 calls.call("autoscaling", "DeletePolicy", AutoScalingGroupName=names["asg"], PolicyName=policy)
@@ -3086,163 +3204,166 @@ def _remove_scale_to_zero(calls, names):
     return removed
 
 
+def _store_put(calls, backend, key, data):
+    """Write one store object; in a dry run, print the PutObject it would be instead (its size: a kit is MBs)."""
+    if calls.note("s3", "PutObject", {"uri": backend.store.uri(key), "bytes": len(data)}):
+        backend.store.put(key, data)
+
+
+def _put_pool_record(calls, backend, record):
+    """Write the pool record (dry run: print it as a PutObject)."""
+    _store_put(calls, backend, pool_key(record["model"]), json.dumps(record, indent=1))
+
+
 def _said(calls, state):
     """A step's outcome as printed: 'created' in a dry run reads 'would be created'."""
     return f"would be {state}" if calls.dry_run and state not in ("found",) else state
 
 
-class _Progress:
-    """The steps of a create: what is in place, what is not yet, said exactly when one fails."""
+def _error_line(error):
+    """'Code: first line of the message' of an AWS (or any) error, for a one-line report."""
+    text = str(error)
+    return f"{_aws_error_code(error) or type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
-    def __init__(self, subject, steps):
-        self.subject, self.steps, self.done, self.current = subject, steps, [], None
 
-    @contextlib.contextmanager
-    def step(self, name):
-        self.current = name
-        yield
-        self.done.append(name)
-        self.current = None
-
-    def report(self, error, fix):
-        reason = f"{_aws_error_code(error) or type(error).__name__}: {error}" if not isinstance(error, KeyboardInterrupt) else "interrupted"
-        print(f"{self.subject}: stopped at {self.current or 'the start'} ({reason})", file=sys.stderr)
-        print(f"  in place: {', '.join(self.done) or 'nothing'}", file=sys.stderr)
-        print(f"  not done: {', '.join(s for s in self.steps if s not in self.done)}", file=sys.stderr)
-        print(f"  ---> HINT: {fix}", file=sys.stderr)
+def _run_steps(subject, steps, fix):
+    """Run the (title, fn) steps in order. When one fails, say which, what is in place, what is not done
+    and `fix`; then raise a UserError or an interruption as it is, anything else as a UserError naming the step."""
+    done = []
+    for title, fn in steps:
+        try:
+            fn()
+        except (Exception, KeyboardInterrupt) as e:
+            interrupted = isinstance(e, KeyboardInterrupt)
+            reason = "interrupted" if interrupted else f"{_aws_error_code(e) or type(e).__name__}: {e}"
+            print(f"{subject}: stopped at {title} ({reason})", file=sys.stderr)
+            print(f"  in place: {', '.join(done) or 'nothing'}", file=sys.stderr)
+            print(f"  not done: {', '.join(t for t, _ in steps if t not in done)}", file=sys.stderr)
+            print(f"  ---> HINT: {fix}", file=sys.stderr)
+            if isinstance(e, (UserError, KeyboardInterrupt)):
+                raise
+            raise UserError(f"{subject} stopped at {title}: {_error_line(e)} (what is in place is listed above)") from e
+        done.append(title)
 
 
 # ------------------------------------------------------------------------------------------------
 # the verbs
 
-def ec2_pool_create(backend, record, args, calls=None):
+def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_money=False, calls=None):
     """`pool create --instances N ...` on an s3:// store. `record` is the pool record cmd_pool_create built
-    (model, slug, queue, dlq, batch_size, visibility_timeout, max_deliveries, created_at, store), with or
-    without "handler": without it, the handler named by args.handler is snapshotted here.
-    Reads args: handler, instances, instance_type, ami, spot, min_instances, subnet, key_name,
-    scale_to_zero_after, yes_spend_money, dry_run. Every step checks what exists first, so a re-run
-    finishes an interrupted create; a failure says exactly what is in place and what is not."""
-    import hashlib
+    (model, slug, queue, dlq, batch_size, visibility_timeout, max_deliveries, created_at, store); `handler`
+    (path/to/file.py:Class) is snapshotted here; `options` (Ec2PoolOptions) say the fleet. A read-only
+    pre-flight, then the steps: each checks what exists first, so a re-run finishes an interrupted create,
+    and a failure says exactly what is in place and what is not. Returns the record as stored."""
     model = record["model"]
     _aws_store(backend, "pool create --instances")
     _check_text(model, "model")
-    opts = _pool_options(args)
-    _refuse_spending(args, f"pool create --model {model} --instances {opts['instances']}")
-    dry = bool(_opt(args, "dry_run", False))
-    calls = calls or AwsCalls.for_backend(backend, dry)
+    _refuse_spending(f"pool create --model {model} --instances {options.instances}", dry_run=dry_run,
+                     yes_spend_money=yes_spend_money)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
     names, store, region = ec2_names(model), backend.describe(), calls.region
-    existing = None
-    with contextlib.suppress(NotFound):
-        existing = read_json(backend, pool_key(model))
-    if existing and existing["model"] != model:
-        raise UserError(f"model {model!r} would share queue {names['queue']} with the existing pool of {existing['model']!r}: "
-                        f"pick a name that differs in more than case or punctuation")
+    existing = check_slug_free(backend, model)
 
     # pre-flight: read-only calls; nothing is created if any fails
     ident = calls.identity()
-    itype = _instance_type_info(calls, opts["instance_type"])
-    ami, ami_source = resolve_ami(calls, opts["ami"], itype)
-    subnets = resolve_subnets(calls, opts["subnet"], opts["instance_type"])
-    _check_key(calls, opts["key_name"])
+    itype = _instance_type_info(calls, options.instance_type)
+    ami, ami_source = resolve_ami(calls, options.ami, itype)
+    subnets = resolve_subnets(calls, options.subnet, options.instance_type)
+    _check_key(calls, options.key_name)
     if not itype.get("GpuInfo"):
-        print(f"pool {model}: note: {opts['instance_type']} has no GPU; fine for a CPU handler, not for a GPU model")
+        print(f"pool {model}: note: {options.instance_type} has no GPU; fine for a CPU handler, not for a GPU model")
     blob, kit_sha = kit_archive()
     kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
-    ec2 = {"instances": opts["instances"], "min_instances": opts["min_instances"], "instance_type": opts["instance_type"],
-           "ami": ami, "ami_source": ami_source, "spot": opts["spot"], "subnets": subnets, "key_name": opts["key_name"],
-           "scale_to_zero_after": opts["scale_to_zero_after"], "region": region, "account": ident["account"],
-           "role": names["role"], "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
-           "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if opts["scale_to_zero_after"] else [],
-           "kit": {"key": kit_key, "sha256": kit_sha}, "state": "creating", "updated_at": now_iso()}
+    idle = options.scale_to_zero_after
+    created_at = (existing or {}).get("ec2", {}).get("created_at") or record.get("created_at") or now_iso()
+    ec2 = {"instances": options.instances, "min_instances": options.min_instances,
+           "instance_type": options.instance_type, "ami": ami, "ami_source": ami_source, "spot": options.spot,
+           "subnets": subnets, "key_name": options.key_name, "scale_to_zero_after": idle,
+           "region": region, "account": ident["account"], "role": names["role"],
+           "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
+           "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if idle else [],
+           "kit": {"key": kit_key, "sha256": kit_sha}, "state": "creating", "updated_at": now_iso(),
+           "created_at": created_at}
     tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
-            "calque:created-at": (existing or {}).get("ec2", {}).get("created_at") or record.get("created_at") or now_iso(),
-            "calque:store": store, "calque:region": region}
-    ec2["created_at"] = tags["calque:created-at"]
+            "calque:created-at": created_at, "calque:store": store, "calque:region": region}
     owner = (model, store, region)
-    print(f"pool {model}: EC2 cohort of {opts['instances']} x {opts['instance_type']} "
-          f"{'spot' if opts['spot'] else 'on-demand'}, AMI {ami} ({ami_source}), subnets {', '.join(subnets)}")
-    idle = opts["scale_to_zero_after"]
-    print(f"pool {model}: cost {_hourly(opts['instance_type'], opts['spot'], max(opts['instances'], 1))}"
-          + (f"; scales to {opts['min_instances'] or 0} after {idle} idle minute(s)" if idle else ""))
+    full = dict(existing or {}, **record)     # a re-run keeps what it does not set (the first created_at)
+    full["created_at"] = (existing or record).get("created_at") or now_iso()
+    print(f"pool {model}: EC2 cohort of {options.instances} x {options.instance_type} "
+          f"{'spot' if options.spot else 'on-demand'}, AMI {ami} ({ami_source}), subnets {', '.join(subnets)}")
+    print(f"pool {model}: cost {_hourly(options.instance_type, options.spot, max(options.instances, 1))}"
+          + (f"; scales to {options.min_instances or 0} after {idle} idle minute(s)" if idle else ""))
 
-    steps = [f"queues {names['queue']} + {names['dlq']}", "handler, kit and pool record in the store",
-             f"IAM role {names['role']}", f"instance profile {names['instance_profile']}",
-             f"launch template {names['launch_template']}", f"auto scaling group {names['asg']}",
-             "scale-to-zero alarms" if opts["scale_to_zero_after"] else "no scale-to-zero alarms", "pool record ready"]
-    progress = _Progress(f"pool {model}: create", steps)
-    try:
-        with progress.step(steps[0]):
-            qtags = {k: _strict_tag(tags[k]) for k in ("calque:pool-model", "calque:managed")}
-            for q in (names["queue"], names["dlq"]):
-                print(f"pool {model}: queue {q} {_said(calls, _ensure_queue(calls, q, record['visibility_timeout'], qtags))}")
-        with progress.step(steps[1]):
-            full = dict(existing or {}, **record)
-            full["created_at"] = (existing or record).get("created_at") or now_iso()
-            if "handler" not in record:
-                path, cls = parse_handler_spec(args.handler)
-                with open(path, "rb") as f:
-                    source = f.read()
-                check_handler_source(source, cls, path)
-                full["handler"] = {"key": f"pools/{record['slug']}/handler/{os.path.basename(path)}", "file": os.path.basename(path),
-                                   "class": cls, "sha256": hashlib.sha256(source).hexdigest(), "source_path": os.path.abspath(path)}
-                if calls.note("s3", "PutObject", {"uri": backend.store.uri(full["handler"]["key"]), "bytes": len(source)}):
-                    backend.store.put(full["handler"]["key"], source)
-            if calls.note("s3", "PutObject", {"uri": backend.store.uri(kit_key), "bytes": len(blob)}):
-                backend.store.put(kit_key, blob)
-            full["ec2"] = ec2
-            text = json.dumps(full, indent=1)
-            if calls.note("s3", "PutObject", {"uri": backend.store.uri(pool_key(model)), "bytes": len(text)}):
-                write_json(backend, pool_key(model), full)
-            print(f"pool {model}: handler {full['handler']['file']}:{full['handler']['class']}, kit {kit_sha[:16]}, "
-                  f"record {_said(calls, 'written')}")
-        with progress.step(steps[2]):
-            policy = worker_policy(store, model, region, ident["account"], ident["partition"])
-            state = _ensure_role(calls, names["role"], policy, tags, owner)
-            print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy {_said(calls, 'put')}")
-        with progress.step(steps[3]):
-            state = _ensure_instance_profile(calls, names["instance_profile"], names["role"], tags)
-            print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
-        with progress.step(steps[4]):
-            script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"])
-            data = {"ImageId": ami, "InstanceType": opts["instance_type"], "UserData": _user_data_b64(script),
-                    "IamInstanceProfile": {"Name": names["instance_profile"]},
-                    "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
-                    "TagSpecifications": [{"ResourceType": "instance", "Tags": _tags(tags)},
-                                          {"ResourceType": "volume", "Tags": _tags(tags)}]}
-            if opts["key_name"]:
-                data["KeyName"] = opts["key_name"]
-            state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
-            print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} ({len(script)} bytes of user-data)")
-        with progress.step(steps[5]):
-            state = _ensure_asg(calls, names, ec2, tags, owner)
-            lo, hi, desired = _asg_sizes(ec2)
-            print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} (min {lo}, max {hi}, desired {desired})")
-        with progress.step(steps[6]):
-            if opts["scale_to_zero_after"]:
-                _ensure_scale_to_zero(calls, names, ec2, tags)
-                print(f"pool {model}: alarms {names['alarm_wake']} (work arrives -> {opts['instances']}) and "
-                      f"{names['alarm_idle']} ({opts['scale_to_zero_after']} idle min -> {opts['min_instances'] or 0}) {_said(calls, 'put')}")
-            elif _remove_scale_to_zero(calls, names):
-                print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
-        with progress.step(steps[7]):
-            full["ec2"] = dict(ec2, state="ready", updated_at=now_iso())
-            text = json.dumps(full, indent=1)
-            if calls.note("s3", "PutObject", {"uri": backend.store.uri(pool_key(model)), "bytes": len(text)}):
-                write_json(backend, pool_key(model), full)
-    except (Exception, KeyboardInterrupt) as e:
-        if isinstance(e, UserError) and progress.current is None:
-            raise
-        progress.report(e, f"re-run the same command to finish (each step checks what exists first), or "
-                           f"`python calque.py pool delete --model {model} --yes` to remove what is in place")
-        if isinstance(e, (UserError, KeyboardInterrupt)):
-            raise
-        raise UserError(f"pool {model}: create stopped at {progress.current}: {_aws_error_code(e) or type(e).__name__}: "
-                        f"{str(e).splitlines()[0] if str(e) else ''} (what is in place is listed above)") from e
-    if dry:
-        print(f"pool {model}: dry run: nothing was created or changed; the calls above are what --yes-spend-money makes")
+    def queues():
+        queue_tags = {k: _strict_tag(tags[k]) for k in ("calque:pool-model", "calque:managed")}
+        for queue in (names["queue"], names["dlq"]):
+            state = _ensure_queue(calls, queue, record["visibility_timeout"], queue_tags)
+            print(f"pool {model}: queue {queue} {_said(calls, state)}")
+
+    def store_objects():
+        full["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/",
+                                           lambda key, data: _store_put(calls, backend, key, data))
+        _store_put(calls, backend, kit_key, blob)
+        full["ec2"] = ec2
+        _put_pool_record(calls, backend, full)
+        print(f"pool {model}: handler {full['handler']['file']}:{full['handler']['class']}, kit {kit_sha[:16]}, "
+              f"record {_said(calls, 'written')}")
+
+    def role():
+        policy = worker_policy(store, model, region, ident["account"], ident["partition"])
+        state = _ensure_role(calls, names["role"], policy, tags, owner)
+        print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy {_said(calls, 'put')}")
+
+    def instance_profile():
+        state = _ensure_instance_profile(calls, names["instance_profile"], names["role"], tags)
+        print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
+
+    def launch_template():
+        script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"])
+        data = {"ImageId": ami, "InstanceType": options.instance_type, "UserData": _user_data_b64(script),
+                "IamInstanceProfile": {"Name": names["instance_profile"]},
+                "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
+        if options.key_name:
+            data["KeyName"] = options.key_name
+        state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
+        print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} "
+              f"({len(script)} bytes of user-data)")
+
+    def asg():
+        state = _ensure_asg(calls, names, ec2, tags, owner)
+        lo, hi, desired = _asg_sizes(ec2)
+        print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} "
+              f"(min {lo}, max {hi}, desired {desired})")
+
+    def alarms():
+        if idle:
+            _ensure_scale_to_zero(calls, names, ec2, tags)
+            print(f"pool {model}: alarms {names['alarm_wake']} (work arrives -> {options.instances}) and "
+                  f"{names['alarm_idle']} ({idle} idle min -> {options.min_instances or 0}) {_said(calls, 'put')}")
+        elif _remove_scale_to_zero(calls, names):
+            print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
+
+    def ready():
+        full["ec2"] = dict(ec2, state="ready", updated_at=now_iso())
+        _put_pool_record(calls, backend, full)
+
+    _run_steps(f"pool {model}: create", [
+        (f"queues {names['queue']} + {names['dlq']}", queues),
+        ("handler, kit and pool record in the store", store_objects),
+        (f"IAM role {names['role']}", role),
+        (f"instance profile {names['instance_profile']}", instance_profile),
+        (f"launch template {names['launch_template']}", launch_template),
+        (f"auto scaling group {names['asg']}", asg),
+        ("scale-to-zero alarms" if idle else "no scale-to-zero alarms", alarms),
+        ("pool record ready", ready),
+    ], fix=f"re-run the same command to finish (each step checks what exists first), or "
+           f"`python calque.py pool delete --model {model} --yes` to remove what is in place")
+    if dry_run:
+        print(f"pool {model}: dry run: nothing was created or changed; "
+              f"the calls above are what --yes-spend-money makes")
     else:
-        print(f"pool {model}: ready. Instances boot and bootstrap in ~{EC2_BOOT_ESTIMATE / 60:.0f} min, then load the model; "
-              f"watch with `python calque.py pool status --model {model}`")
+        print(f"pool {model}: ready. Instances boot and bootstrap in ~{EC2_BOOT_ESTIMATE / 60:.0f} min, then load "
+              f"the model; watch with `python calque.py pool status --model {model}`")
     return full
 
 
@@ -3253,45 +3374,35 @@ def _require_ec2(record):
     return record["ec2"]
 
 
-def ec2_pool_scale(backend, record, instances, args, calls=None):
+def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=False, calls=None):
     """`pool scale --instances N` for an EC2 pool: the ASG's desired (and max) to N; with scale-to-zero the
-    wake policy's target too. Growing needs --yes-spend-money; shrinking does not. Reads args:
-    yes_spend_money, dry_run."""
+    wake policy's target too. Growing needs yes_spend_money (or dry_run); shrinking does not."""
     model = record["model"]
     _aws_store(backend, "pool scale --instances")
     ec2 = dict(_require_ec2(record))
     if instances is None or instances < 0:
         raise UserError(f"--instances {instances}: 0 or more")
-    dry = bool(_opt(args, "dry_run", False))
-    calls = calls or AwsCalls.for_backend(backend, dry)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
     names = ec2_names(model)
     asg = _describe_asg(calls, names["asg"])
     if asg is None:
-        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: re-run `pool create` to finish the pool")
+        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: "
+                        f"re-run `pool create` to finish the pool")
     if instances > asg["DesiredCapacity"]:
-        _refuse_spending(args, f"pool scale --model {model} --instances {instances}")
+        _refuse_spending(f"pool scale --model {model} --instances {instances}", dry_run=dry_run,
+                         yes_spend_money=yes_spend_money)
     ec2["instances"] = instances
     lo, hi, desired = _asg_sizes(ec2)
     calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo, MaxSize=hi,
                DesiredCapacity=desired)
     if ec2.get("scale_to_zero_after"):
-        calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=names["asg"], PolicyName=names["policy_wake"],
-                   PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=instances, Cooldown=60)
+        _put_capacity_policy(calls, names["asg"], names["policy_wake"], instances)
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
-    if calls.note("s3", "PutObject", {"uri": backend.store.uri(pool_key(model)), "bytes": len(json.dumps(full, indent=1))}):
-        write_json(backend, pool_key(model), full)
+    _put_pool_record(calls, backend, full)
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
-          f"(min {lo}, max {hi}); {_hourly(ec2['instance_type'], ec2['spot'], desired) if desired else 'no instance cost at 0'}")
+          f"(min {lo}, max {hi}); "
+          f"{_hourly(ec2['instance_type'], ec2['spot'], desired) if desired else 'no instance cost at 0'}")
     return full
-
-
-def _queue_depth(calls, name):
-    url = _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
-    if not url:
-        return None
-    a = calls.call("sqs", "GetQueueAttributes", QueueUrl=url, AttributeNames=[
-        "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
-    return {"visible": int(a["ApproximateNumberOfMessages"]), "in_flight": int(a["ApproximateNumberOfMessagesNotVisible"])}
 
 
 def ec2_pool_status(backend, record, calls=None):
@@ -3301,49 +3412,51 @@ def ec2_pool_status(backend, record, calls=None):
     calls = calls or AwsCalls.for_backend(backend)
     names = ec2_names(model)
     asg = _describe_asg(calls, names["asg"])
-    status = {"model": model, "ec2": record.get("ec2"), "asg": None, "instances": {}, "instance_list": [], "activities": [],
-              "alarms": {}, "queue": _queue_depth(calls, names["queue"]), "dlq": _queue_depth(calls, names["dlq"]),
-              "workers": read_worker_stats(backend, model)}
+    status = {"model": model, "ec2": record.get("ec2"), "asg": None, "instances": {}, "instance_list": [],
+              "activities": [], "alarms": {}, "queue": queue_depth(backend, names["queue"]),
+              "dlq": queue_depth(backend, names["dlq"]), "workers": read_worker_stats(backend, model)}
     if asg:
-        status["asg"] = {"name": names["asg"], "min": asg["MinSize"], "max": asg["MaxSize"], "desired": asg["DesiredCapacity"],
-                         "status": asg.get("Status")}
+        status["asg"] = {"name": names["asg"], "min": asg["MinSize"], "max": asg["MaxSize"],
+                         "desired": asg["DesiredCapacity"], "status": asg.get("Status")}
         for i in asg.get("Instances", []):
             status["instances"][i["LifecycleState"]] = status["instances"].get(i["LifecycleState"], 0) + 1
-            status["instance_list"].append({"id": i["InstanceId"], "state": i["LifecycleState"], "health": i.get("HealthStatus"),
-                                            "zone": i.get("AvailabilityZone"), "type": i.get("InstanceType")})
+            status["instance_list"].append({"id": i["InstanceId"], "state": i["LifecycleState"],
+                                            "health": i.get("HealthStatus"), "zone": i.get("AvailabilityZone"),
+                                            "type": i.get("InstanceType")})
         for a in calls.call("autoscaling", "DescribeScalingActivities", AutoScalingGroupName=names["asg"],
                             MaxRecords=3).get("Activities", []):
             status["activities"].append({"status": a.get("StatusCode"), "description": a.get("Description"),
                                          "reason": (a.get("StatusMessage") or a.get("Cause") or "")[:300],
                                          "start": str(a.get("StartTime", ""))})
-    alarms = calls.call("cloudwatch", "DescribeAlarms", AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]
-    status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in alarms}
+    status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in _describe_alarms(calls, names)}
     return status
 
 
-def ec2_status_lines(status):
-    """`pool status` lines for the EC2 part (the lead prints the worker table as for local pools)."""
+def format_ec2_status(status):
+    """ec2_pool_status's answer as lines: the group's sizes and instances, its last scaling activities (where a
+    launch failure shows), the alarms, and a note when instances run but no worker reports yet.
+    format_pool_status prints them among the pool's queue depths and worker table."""
     lines, ec2 = [], status.get("ec2") or {}
     asg = status["asg"]
     if asg is None:
-        lines.append("  auto scaling group: none (re-run `pool create` to finish, or `pool delete` to clean up)")
+        lines.append("auto scaling group: none (re-run `pool create` to finish, or `pool delete` to clean up)")
     else:
         by_state = ", ".join(f"{n} {s}" for s, n in sorted(status["instances"].items())) or "no instances"
-        lines.append(f"  auto scaling group {asg['name']}: desired {asg['desired']} (min {asg['min']}, max {asg['max']})"
+        lines.append(f"auto scaling group {asg['name']}: desired {asg['desired']} (min {asg['min']}, max {asg['max']})"
                      f"{' ' + asg['status'] if asg['status'] else ''}: {by_state}")
-        lines.append(f"  instances: {ec2.get('instance_type', '?')} {'spot' if ec2.get('spot') else 'on-demand'}, AMI {ec2.get('ami', '?')}")
+        lines.append(f"instances: {ec2.get('instance_type', '?')} {'spot' if ec2.get('spot') else 'on-demand'}, "
+                     f"AMI {ec2.get('ami', '?')}")
         for a in status["activities"]:
-            lines.append(f"    {a['start'][:19]} {a['status']}: {a['description']}" + (f" ({a['reason']})" if a["reason"] else ""))
-    q, d = status["queue"], status["dlq"]
-    lines.append(f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  "
-                 f"dead-letter: {d['visible'] if d else '?'}")
+            lines.append(f"  {a['start'][:19]} {a['status']}: {a['description']}"
+                         + (f" ({a['reason']})" if a["reason"] else ""))
     if status["alarms"]:
-        lines.append("  scale to zero: " + ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items())))
+        lines.append("scale to zero: " + ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items())))
     running = [w for w in status["workers"] if w.get("state") == "running"]
     in_service = status["instances"].get("InService", 0)
     if in_service and not running:
-        lines.append(f"  note: {in_service} instance(s) in service but no worker reports running yet: still bootstrapping "
-                     f"(~{EC2_BOOT_ESTIMATE / 60:.0f} min), or the bootstrap failed: see the instance's console output")
+        lines.append(f"note: {in_service} instance(s) in service but no worker reports running yet: "
+                     f"still bootstrapping (~{EC2_BOOT_ESTIMATE / 60:.0f} min), or the bootstrap failed: "
+                     f"see the instance's console output")
     return lines
 
 
@@ -3362,7 +3475,8 @@ def ec2_pool_list(backend, calls=None):
                                    "store": backend.describe()}
     token = None
     while True:
-        page = calls.call("autoscaling", "DescribeAutoScalingGroups", Filters=[{"Name": "tag:calque:role", "Values": ["pool-worker"]}],
+        page = calls.call("autoscaling", "DescribeAutoScalingGroups",
+                          Filters=[{"Name": "tag:calque:role", "Values": ["pool-worker"]}],
                           **({"NextToken": token} if token else {}))
         for g in page["AutoScalingGroups"]:
             tags = _tag_dict(g.get("Tags"))
@@ -3379,6 +3493,12 @@ def ec2_pool_list(backend, calls=None):
     return sorted(found.values(), key=lambda p: p["model"])
 
 
+def _require_managed(name, tags):
+    """Delete refuses what calque did not create, whatever its name."""
+    if tags.get("calque:managed") != "true":
+        raise UserError(f"{name} is not tagged calque:managed=true; not touching it")
+
+
 def _delete_step(model, what, fn):
     """Run one delete step and report it; a step's failure is reported and the others still run."""
     try:
@@ -3388,31 +3508,26 @@ def _delete_step(model, what, fn):
     except UserError as e:
         print(f"pool {model}: {what}: skipped: {e}")
     except Exception as e:
-        print(f"pool {model}: {what}: FAILED ({_aws_error_code(e) or type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        print(f"pool {model}: {what}: FAILED ({_error_line(e)})")
     return False
 
 
-def ec2_pool_delete(backend, record, args, calls=None):
+def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
     """`pool delete --model M --yes` for an EC2 pool: alarms, ASG (to 0, then force-deleted: its instances
     get SIGTERM and terminate in the background), launch template, instance profile, role, queues, then the
     pool's folder in the store (record last, so a failed delete can be re-run). Names come from the model,
     so `record` may be just {"model": M} for a pool whose record was never written. Only resources tagged
-    calque:managed=true are deleted. Reads args: yes, dry_run. Returns True when every step succeeded."""
+    calque:managed=true are deleted; without yes (or dry_run) nothing is. Returns True when every step succeeded."""
     model = record["model"]
     _aws_store(backend, "pool delete of an EC2 pool")
-    dry = bool(_opt(args, "dry_run", False))
-    if not dry and not _opt(args, "yes", False):
+    if not dry_run and not yes:
         raise UserError(f"pool delete {model}: deletes instances, queues and IAM: refusing without --yes")
-    calls = calls or AwsCalls.for_backend(backend, dry)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
     names = ec2_names(model)
 
     def alarms():
-        have = [a["AlarmName"] for a in calls.call("cloudwatch", "DescribeAlarms",
-                                                   AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]]
-        if not have:
-            return "none"
-        calls.call("cloudwatch", "DeleteAlarms", AlarmNames=have)
-        return "deleted " + ", ".join(have)
+        deleted = _delete_alarms(calls, names)
+        return "deleted " + ", ".join(deleted) if deleted else "none"
 
     def asg():
         group = _describe_asg(calls, names["asg"])
@@ -3420,49 +3535,48 @@ def ec2_pool_delete(backend, record, args, calls=None):
             return "not found (already gone)"
         if group.get("Status"):
             return f"already {group['Status'].lower()}"
-        if _tag_dict(group.get("Tags")).get("calque:managed") != "true":
-            raise UserError(f"{names['asg']} is not tagged calque:managed=true; not touching it")
-        calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0, DesiredCapacity=0)
+        _require_managed(names["asg"], _tag_dict(group.get("Tags")))
+        calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0,
+                   DesiredCapacity=0)
         calls.call("autoscaling", "DeleteAutoScalingGroup", AutoScalingGroupName=names["asg"], ForceDelete=True)
-        return f"scaled to 0 and deleted ({len(group.get('Instances', []))} instance(s) terminating: warmd gets SIGTERM)"
+        return (f"scaled to 0 and deleted ({len(group.get('Instances', []))} instance(s) terminating: "
+                f"warmd gets SIGTERM)")
 
     def template():
-        found = _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates", LaunchTemplateNames=[names["launch_template"]])["LaunchTemplates"][0],
-                        "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
+        found = _find_launch_template(calls, names["launch_template"])
         if not found:
             return "not found (already gone)"
-        if _tag_dict(found.get("Tags")).get("calque:managed") != "true":
-            raise UserError(f"{names['launch_template']} is not tagged calque:managed=true; not touching it")
+        _require_managed(names["launch_template"], _tag_dict(found.get("Tags")))
         calls.call("ec2", "DeleteLaunchTemplate", LaunchTemplateName=names["launch_template"])
         return "deleted"
 
     def profile():
-        found = _exists(lambda: calls.call("iam", "GetInstanceProfile", InstanceProfileName=names["instance_profile"])["InstanceProfile"],
-                        "NoSuchEntity")
+        found = _find_instance_profile(calls, names["instance_profile"])
         if not found:
             return "not found (already gone)"
         for role in found.get("Roles", []):
-            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=names["instance_profile"], RoleName=role["RoleName"])
+            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=names["instance_profile"],
+                       RoleName=role["RoleName"])
         calls.call("iam", "DeleteInstanceProfile", InstanceProfileName=names["instance_profile"])
         return "deleted"
 
     def role():
-        if not _exists(lambda: calls.call("iam", "GetRole", RoleName=names["role"]), "NoSuchEntity"):
+        if not _find_role(calls, names["role"]):
             return "not found (already gone)"
-        if _role_tags(calls, names["role"]).get("calque:managed") != "true":
-            raise UserError(f"{names['role']} is not tagged calque:managed=true; not touching it")
+        _require_managed(names["role"], _role_tags(calls, names["role"]))
         for p in calls.call("iam", "ListRolePolicies", RoleName=names["role"])["PolicyNames"]:
             calls.call("iam", "DeleteRolePolicy", RoleName=names["role"], PolicyName=p)
         for p in calls.call("iam", "ListAttachedRolePolicies", RoleName=names["role"])["AttachedPolicies"]:
             calls.call("iam", "DetachRolePolicy", RoleName=names["role"], PolicyArn=p["PolicyArn"])
         for p in calls.call("iam", "ListInstanceProfilesForRole", RoleName=names["role"])["InstanceProfiles"]:
-            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=p["InstanceProfileName"], RoleName=names["role"])
+            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=p["InstanceProfileName"],
+                       RoleName=names["role"])
         calls.call("iam", "DeleteRole", RoleName=names["role"])
         return "deleted"
 
     def queue(name):
         def step():
-            url = _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
+            url = _queue_url(calls, name)
             if not url:
                 return "not found (already gone)"
             calls.call("sqs", "DeleteQueue", QueueUrl=url)
@@ -3485,8 +3599,9 @@ def ec2_pool_delete(backend, record, args, calls=None):
     if ok:
         ok = _delete_step(model, f"store folder pools/{slug(model)}/", store)
     else:
-        print(f"pool {model}: record kept (a step failed): fix what is reported above and re-run `pool delete --model {model} --yes`")
-    if dry:
+        print(f"pool {model}: record kept (a step failed): fix what is reported above and re-run "
+              f"`pool delete --model {model} --yes`")
+    if dry_run:
         print(f"pool {model}: dry run: nothing was deleted")
     return ok
 
@@ -3501,7 +3616,8 @@ def ec2_cold_wait_hint(backend, record, calls=None):
     calls = calls or AwsCalls.for_backend(backend)
     asg = _describe_asg(calls, ec2_names(model)["asg"])
     if asg is None:
-        return f"pool {model} has no auto scaling group: no instance will claim this run ---> HINT: re-run `pool create` for it"
+        return (f"pool {model} has no auto scaling group: no instance will claim this run "
+                f"---> HINT: re-run `pool create` for it")
     states = [i["LifecycleState"] for i in asg.get("Instances", [])]
     if "InService" in states:
         return None
@@ -3510,7 +3626,8 @@ def ec2_cold_wait_hint(backend, record, calls=None):
     boot = f"boot + bootstrap ~{EC2_BOOT_ESTIMATE / 60:.0f} min (assumed)"
     if asg["DesiredCapacity"] == 0:
         if not ec2.get("scale_to_zero_after"):
-            return f"pool {model} is scaled to 0: nothing will claim this run ---> HINT: pool scale --model {model} --instances N"
+            return (f"pool {model} is scaled to 0: nothing will claim this run "
+                    f"---> HINT: pool scale --model {model} --instances N")
         return (f"pool {model} is cold (0 instances): its wake alarm scales it to {ec2['instances']} within ~1-3 min "
                 f"(SQS metrics are per minute), then {boot}, then {load} before the first claim starts")
     pending = sum(s.startswith("Pending") for s in states)
@@ -3521,51 +3638,49 @@ def ec2_cold_wait_hint(backend, record, calls=None):
 # ------------------------------------------------------------------------------------------------
 # the cold path on AWS: one-shot instances on a run-scoped queue
 
-def ec2_cold_launch(backend, cold_record, run_id, shards, args, calls=None):
-    """Launch `shards` one-shot instances for cold run `run_id`, after the run is staged (cold record at
-    runs/RUN/pool.json, its queue holding the claims). Each bootstraps, runs `warmd.py --run RUN` once,
-    and powers off when its queue is drained (shutdown -> terminate); a dead-man's switch powers it off
-    after the submit timeout + COLD_BOOT_ALLOWANCE minutes whatever happens. All shards or none
-    (MinCount = MaxCount). Reads args: ami (required), instance_type, spot, subnet, key_name,
-    yes_spend_money, dry_run, timeout. Returns the instance ids."""
+def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_run=False, yes_spend_money=False,
+                    calls=None):
+    """Launch `shards` one-shot instances (ColdLaunch `launch`) for cold run `run_id`, after the run is staged
+    (cold record at runs/RUN/pool.json, its queue holding the claims). Each bootstraps, runs `warmd.py --run RUN`
+    once, and powers off when its queue is drained (shutdown -> terminate); a dead-man's switch powers it off
+    after `timeout` (the seconds submit waits) + COLD_BOOT_ALLOWANCE minutes whatever happens. All shards or
+    none (MinCount = MaxCount). Returns the instance ids."""
     _aws_store(backend, "a cold run on EC2")
-    ami = _opt(args, "ami")
-    if not ami:
-        raise UserError("a cold run on EC2 needs --ami ami-... (an image with an NVIDIA driver; see the README, On AWS)")
+    if not launch.ami:
+        raise UserError("a cold run on EC2 needs --ami ami-... "
+                        "(an image with an NVIDIA driver; see the README, On AWS)")
     if shards < 1:
         raise UserError(f"--shards {shards}: at least 1")
-    _refuse_spending(args, f"submit (cold, {shards} instance(s))")
-    dry = bool(_opt(args, "dry_run", False))
-    calls = calls or AwsCalls.for_backend(backend, dry)
+    _refuse_spending(f"submit (cold, {shards} instance(s))", dry_run=dry_run, yes_spend_money=yes_spend_money)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
     store, region = backend.describe(), calls.region
     ident = calls.identity()
-    itype = _instance_type_info(calls, _opt(args, "instance_type"))
-    ami, _ = resolve_ami(calls, ami, itype)
-    subnet = resolve_subnets(calls, _opt(args, "subnet"), itype["InstanceType"])[0]
-    _check_key(calls, _opt(args, "key_name"))
+    itype = _instance_type_info(calls, launch.instance_type)
+    ami, _ = resolve_ami(calls, launch.ami, itype)
+    subnet = resolve_subnets(calls, launch.subnet, itype["InstanceType"])[0]
+    _check_key(calls, launch.key_name)
     name = cold_role_name(store, region)
     tags = {"calque:pool-model": cold_record["model"], "calque:role": "cold-worker", "calque:managed": "true",
             "calque:created-at": now_iso(), "calque:store": store, "calque:region": region}
     role_tags = dict(tags, **{"calque:pool-model": "cold-runs"})
     role_owner = ("cold-runs", store, region)
-    role_state = _ensure_role(calls, name, cold_worker_policy(store, region, ident["account"], ident["partition"]), role_tags, role_owner)
+    policy = cold_worker_policy(store, region, ident["account"], ident["partition"])
+    role_state = _ensure_role(calls, name, policy, role_tags, role_owner)
     profile_state = _ensure_instance_profile(calls, name, name, role_tags)
     print(f"run {run_id}: cold role {name} {_said(calls, role_state)}, instance profile {_said(calls, profile_state)}")
     blob, kit_sha = kit_archive()
     kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
-    if calls.note("s3", "PutObject", {"uri": backend.store.uri(kit_key), "bytes": len(blob)}):
-        backend.store.put(kit_key, blob)
-    timeout = float(_opt(args, "timeout", 0) or setting_number(settings(), "CALQUE_TIMEOUT", float, 0))
+    _store_put(calls, backend, kit_key, blob)
     max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
     script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name)
     params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards, "MaxCount": shards,
-              "UserData": script, "IamInstanceProfile": {"Name": name}, "InstanceInitiatedShutdownBehavior": "terminate",
-              "SubnetId": subnet, "MetadataOptions": {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1},
-              "TagSpecifications": [{"ResourceType": t, "Tags": _tags(dict(tags, **{"calque:run": run_id, "Name": f"calque-cold-{run_id}"}))}
-                                    for t in ("instance", "volume")]}
-    if _opt(args, "key_name"):
-        params["KeyName"] = args.key_name
-    if _opt(args, "spot", False):
+              "UserData": script, "IamInstanceProfile": {"Name": name},
+              "InstanceInitiatedShutdownBehavior": "terminate", "SubnetId": subnet, "MetadataOptions": IMDS_V2_ONLY,
+              "TagSpecifications": _instance_tag_specs(dict(tags, **{"calque:run": run_id,
+                                                                     "Name": f"calque-cold-{run_id}"}))}
+    if launch.key_name:
+        params["KeyName"] = launch.key_name
+    if launch.spot:
         params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
             "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
     deadline = time.monotonic() + IAM_RETRY_SECONDS
@@ -3574,27 +3689,29 @@ def ec2_cold_launch(backend, cold_record, run_id, shards, args, calls=None):
             answer = calls.call("ec2", "RunInstances", **params)
             break
         except Exception as e:   # a just-made instance profile is refused until IAM has propagated it
-            if not (_aws_error_code(e) == "InvalidParameterValue" and "profile" in str(e).lower()) or time.monotonic() > deadline:
+            propagating = _aws_error_code(e) == "InvalidParameterValue" and "profile" in str(e).lower()
+            if not propagating or time.monotonic() > deadline:
                 raise
             calls.sleep(5)
     ids = [i["InstanceId"] for i in answer["Instances"]]
-    if dry:
+    if dry_run:
         print(f"run {run_id}: dry run: no instance was launched")
     print(f"run {run_id}: launched {len(ids)} x {itype['InstanceType']} ({', '.join(ids)}); each boots and bootstraps "
           f"(~{EC2_BOOT_ESTIMATE / 60:.0f} min), drains {cold_record['queue']}, then terminates itself "
-          f"(at the latest after {max_minutes} min); {_hourly(itype['InstanceType'], bool(_opt(args, 'spot', False)), len(ids))}")
+          f"(at the latest after {max_minutes} min); {_hourly(itype['InstanceType'], launch.spot, len(ids))}")
     return ids
 
 
-def ec2_cold_cleanup(backend, instance_ids, args=None, calls=None):
+def ec2_cold_cleanup(backend, instance_ids, calls=None):
     """Terminate a cold run's instances that are still up (submit timed out or was interrupted); the ones
     that already drained have terminated themselves. Returns the ids it terminated."""
     if not instance_ids:
         return []
-    calls = calls or AwsCalls.for_backend(backend, bool(_opt(args, "dry_run", False)))
+    calls = calls or AwsCalls.for_backend(backend)
     live = []
     for res in calls.call("ec2", "DescribeInstances", InstanceIds=list(instance_ids))["Reservations"]:
-        live += [i["InstanceId"] for i in res["Instances"] if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
+        live += [i["InstanceId"] for i in res["Instances"]
+                 if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
     if live:
         calls.call("ec2", "TerminateInstances", InstanceIds=live)
         print(f"cold run: terminated {len(live)} instance(s) still up: {', '.join(live)}", file=sys.stderr)
@@ -3605,47 +3722,45 @@ def ec2_cold_cleanup(backend, instance_ids, args=None, calls=None):
 # the CLI verbs
 
 def cmd_pool_create(conf, backend, args):
-    if args.batch_size is not None and args.batch_size < 1:
-        raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
-    for name in ("visibility_timeout", "max_deliveries"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    defaults = pool_settings(conf, args.batch_size, args.visibility_timeout, args.max_deliveries)
     queue, dlq = pool_queue_name(args.model), dlq_name(args.model)
-    record = {
-        "model": args.model, "slug": slug(args.model), "queue": queue, "dlq": dlq,
-        "batch_size": args.batch_size or setting_number(conf, "CALQUE_BATCH_SIZE", int, 1),
-        "visibility_timeout": args.visibility_timeout or setting_number(conf, "CALQUE_VISIBILITY_TIMEOUT", int, 1),
-        "max_deliveries": args.max_deliveries or setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
-        "created_at": now_iso(), "store": backend.describe(),
-    }
+    record = {"model": args.model, "slug": slug(args.model), "queue": queue, "dlq": dlq, **defaults,
+              "created_at": now_iso(), "store": backend.describe()}
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
+        options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
+                                   spot=args.spot, subnet=args.subnet, key_name=args.key_name,
+                                   scale_to_zero_after=args.scale_to_zero_after)
         with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
-            ec2_pool_create(backend, record, args)
+            ec2_pool_create(backend, record, args.handler, options, dry_run=args.dry_run,
+                            yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
     with pool_name_claimed(backend, args.model):
-        record["handler"] = snapshot_handler(backend, args.handler, f"pools/{record['slug']}/")
+        record["handler"] = snapshot_handler(args.handler, f"pools/{record['slug']}/", backend.store.put)
         backend.queues.create_queue(queue, record["visibility_timeout"])
         backend.queues.create_queue(dlq, record["visibility_timeout"])
         write_json(backend, pool_key(args.model), record)
-    print(f"pool {args.model}: queue {queue}, dead-letter {dlq}, handler {record['handler']['file']}:{record['handler']['class']}, "
-          f"batch {record['batch_size']}, visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}")
+    print(f"pool {args.model}: queue {queue}, dead-letter {dlq}, "
+          f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
+          f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}")
     if args.workers:
         pid = start_supervisor(conf, args.model, args.workers)
-        print(f"pool {args.model}: {args.workers} local worker(s) under supervisor pid {pid}; logs in {state_dir(conf, args.model)}")
+        print(f"pool {args.model}: {args.workers} local worker(s) under supervisor pid {pid}; "
+              f"logs in {state_dir(conf, args.model)}")
     return EXIT_OK
 
 
 def cmd_pool_scale(conf, backend, args):
     record = load_pool(backend, args.model)
     if args.instances is not None:
-        ec2_pool_scale(backend, record, args.instances, args)
+        ec2_pool_scale(backend, record, args.instances, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.workers < 0:
         raise UserError(f"--workers {args.workers}: must be 0 or more")
     if args.workers == 0:
-        write_file_atomic(os.path.join(state_dir(conf, args.model), "desired"), "0") if os.path.isdir(state_dir(conf, args.model)) else None
+        if os.path.isdir(state_dir(conf, args.model)):
+            write_file_atomic(os.path.join(state_dir(conf, args.model), "desired"), "0")
         stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 10)
         print(f"pool {args.model}: scaled to 0 local workers")
         return EXIT_OK
@@ -3654,23 +3769,33 @@ def cmd_pool_scale(conf, backend, args):
     return EXIT_OK
 
 
+def queue_depth(backend, name):
+    """{visible, in_flight} of a queue, or None when it does not exist (a half-created or half-deleted pool)."""
+    try:
+        return backend.queues.open_queue(name).counts()
+    except NotFound:
+        return None
+
+
 def pool_status(conf, backend, model):
+    """Everything `pool status` shows, as data: the record, the queue depths, this machine's supervisor and
+    workers, every worker's stats, and for an EC2 pool its fleet (ec2_pool_status)."""
     record = load_pool(backend, model)
-    depths = {}
-    for role in ("queue", "dlq"):
-        try:
-            depths[role] = backend.queues.open_queue(record[role]).counts()
-        except NotFound:
-            depths[role] = None
+    if "ec2" in record:     # the fleet's status reads the queues and the worker stats: not twice
+        ec2 = ec2_pool_status(backend, record)
+        queue, dlq, stats = ec2["queue"], ec2["dlq"], ec2["workers"]
+    else:
+        ec2 = None
+        queue, dlq = queue_depth(backend, record["queue"]), queue_depth(backend, record["dlq"])
+        stats = read_worker_stats(backend, model)
     supervisor = read_supervisor(conf, model)
     local = []
     if supervisor:
         for w in supervisor["workers"]:
             local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
-    stats = mark_lost_workers(read_worker_stats(backend, model))
-    return {"model": model, "record": record, "queue": depths["queue"], "dlq": depths["dlq"],
-            "ec2": ec2_pool_status(backend, record) if "ec2" in record else None,
-            "supervisor": {"pid": supervisor["pid"], "desired": supervisor["desired"], "restarts": supervisor["restarts"]} if supervisor else None,
+    stats = mark_lost_workers(stats)
+    return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
+            "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
             "local_workers": local, "workers": stats}
 
 
@@ -3700,38 +3825,58 @@ def worker_counts(workers):
     return f"{len(workers)} ({states['running']} running, {states['lost']} lost)"
 
 
-def cmd_pool_status(conf, backend, args):
-    status = pool_status(conf, backend, args.model)
-    if args.json:
-        print(json.dumps(status, indent=1))
-        return EXIT_OK
+def format_pool_status(status, store_description):
+    """pool_status's answer as the lines `pool status` prints: queue depths, the EC2 fleet of an EC2 pool,
+    this machine's workers, and a table of the running workers and the few most recently stopped."""
     q, d = status["queue"], status["dlq"]
-    print(f"pool {args.model}  ({status['record']['queue']} on {backend.describe()})")
-    print(f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  dead-letter: {d['visible'] if d else '?'}")
+    lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
+             f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  "
+             f"dead-letter: {d['visible'] if d else '?'}"]
     if status["ec2"]:
-        for line in ec2_status_lines(status["ec2"]):
-            print("  " + line)
+        lines += ["    " + line for line in format_ec2_status(status["ec2"])]
     sup = status["supervisor"]
     if sup:
         alive = sum(w["alive"] for w in status["local_workers"])
-        print(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, {sup['restarts']} restart(s))")
+        lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, "
+                     f"{sup['restarts']} restart(s))")
     else:
-        print("  local workers: none on this machine")
+        lines.append("  local workers: none on this machine")
     running = [w for w in status["workers"] if w.get("state") == "running"]
-    print(f"  workers with stats: {worker_counts(status['workers'])}")
+    lines.append(f"  workers with stats: {worker_counts(status['workers'])}")
     # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
     # and the few most recently stopped, so a pool that restarted many times still prints a short table
     stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
     shown = running + stopped[-STOPPED_SHOWN:]
     if shown:
-        print(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} {'items':>7} {'busy%':>6}")
+        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} "
+                     f"{'items':>7} {'busy%':>6}")
         for w in sorted(shown, key=lambda w: w["started_at"]):
             busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
-            print(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} {w['enter_count']:>6} "
-                  f"{w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
+            lines.append(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
+                         f"{w['enter_count']:>6} {w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
     if len(stopped) > STOPPED_SHOWN:
-        print(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
+        lines.append(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
+    return lines
+
+
+def cmd_pool_status(conf, backend, args):
+    status = pool_status(conf, backend, args.model)
+    print(json.dumps(status, indent=1) if args.json else "\n".join(format_pool_status(status, backend.describe())))
     return EXIT_OK
+
+
+def format_pool_list(pools, local_workers, store_description):
+    """The lines `pool list` prints: per pool its queue, its local workers on this machine (local_workers:
+    model -> desired count), its EC2 fleet, and a hint for a fleet whose pool record is gone."""
+    if not pools:
+        return [f"no pools in {store_description}"]
+    lines = []
+    for p in pools:
+        fleet = f"EC2 {p['in_service']}/{p['desired']} in service ({p['asg']})" if p["asg"] else "no EC2 fleet"
+        orphan = "" if p["record"] else "  [no pool record: half-created? `pool delete --model M --yes` cleans it up]"
+        lines.append(f"{p['model']:<40} {pool_queue_name(p['model']):<50} "
+                     f"local workers here: {local_workers.get(p['model'], 0)}; {fleet}{orphan}")
+    return lines
 
 
 def cmd_pool_list(conf, backend, args):
@@ -3745,13 +3890,8 @@ def cmd_pool_list(conf, backend, args):
     if args.json:
         print(json.dumps(pools, indent=1))
         return EXIT_OK
-    if not pools:
-        print(f"no pools in {backend.describe()}")
-    for p in pools:
-        sup = read_supervisor(conf, p["model"])
-        fleet = f"EC2 {p['in_service']}/{p['desired']} in service ({p['asg']})" if p["asg"] else "no EC2 fleet"
-        print(f"{p['model']:<40} {pool_queue_name(p['model']):<50} local workers here: {sup['desired'] if sup else 0}; {fleet}"
-              + ("" if p["record"] else "  [no pool record: half-created? `pool delete --model M --yes` cleans it up]"))
+    local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0) for p in pools}
+    print("\n".join(format_pool_list(pools, local_workers, backend.describe())))
     return EXIT_OK
 
 
@@ -3775,26 +3915,28 @@ def pool_record_to_delete(backend, model, force):
 def cmd_pool_delete(conf, backend, args):
     record = pool_record_to_delete(backend, args.model, args.force)
     if "queue" in record and not args.force:   # deleting the queue would drop claims nobody has finished
-        with contextlib.suppress(NotFound):
-            depth = backend.queues.open_queue(record["queue"]).counts()
-            if depth["visible"] or depth["in_flight"]:
-                raise UserError(f"pool {args.model} still has {depth['visible']} queued and {depth['in_flight']} in-flight "
-                                f"claim(s): wait for them (runs show RUN), or pass --force to delete them with the pool")
+        depth = queue_depth(backend, record["queue"])
+        if depth and (depth["visible"] or depth["in_flight"]):
+            raise UserError(f"pool {args.model} still has {depth['visible']} queued and {depth['in_flight']} in-flight "
+                            f"claim(s): wait for them (runs show RUN), or pass --force to delete them with the pool")
     if "ec2" in record or "queue" not in record:
         if not args.yes and not args.dry_run:
-            raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes (or previewed with --dry-run)")
+            raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes "
+                            f"(or previewed with --dry-run)")
         stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15)
-        ec2_pool_delete(backend, record, args)
+        ec2_pool_delete(backend, record, yes=args.yes, dry_run=args.dry_run)
         return EXIT_OK
     if not args.yes:
         if not sys.stdin.isatty():
             raise UserError(f"pool delete {args.model}: refusing without --yes (no terminal to ask)")
-        answer = input(f"delete pool {args.model}: stop its local workers, delete {record['queue']} and {record['dlq']}? [y/N] ")
+        answer = input(f"delete pool {args.model}: stop its local workers, "
+                       f"delete {record['queue']} and {record['dlq']}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("not deleted")
             return EXIT_FAILED
     if not stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15):
-        raise UserError(f"pool {args.model}: its supervisor did not stop; see {state_dir(conf, args.model)}/supervisor.log, then retry")
+        raise UserError(f"pool {args.model}: its supervisor did not stop; "
+                        f"see {state_dir(conf, args.model)}/supervisor.log, then retry")
     print(f"pool {args.model}: local workers stopped")
     for role in ("queue", "dlq"):
         backend.queues.delete_queue(record[role])
@@ -3823,7 +3965,8 @@ def cmd_submit(conf, backend, args):
             if hint:
                 print(hint, file=sys.stderr)
         queue = backend.queues.open_queue(record["queue"])
-        run = stage_run(backend, record, items, args.claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), queue, "pool")
+        claim_size = args.claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+        run = stage_run(backend, record, items, claim_size, queue, "pool")
         if args.no_wait:
             print(run["run_id"])
             return EXIT_OK
@@ -3836,7 +3979,13 @@ def cmd_submit(conf, backend, args):
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
         if args.no_wait:
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
-        run, summaries, timed_out = cold_run(conf, backend, args, items)
+        ec2 = None   # fresh local processes, unless the flags ask for EC2 instances on an s3:// store
+        if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
+            ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
+        run, summaries, timed_out = cold_run(
+            conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
+            batch_size=args.batch_size, claim_size=args.claim_size, timeout=args.timeout, progress=not args.json,
+            ec2=ec2, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
             return EXIT_OK
     code = report_run(backend, run, summaries, timed_out, args.json)

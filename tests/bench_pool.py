@@ -139,11 +139,10 @@ def warm_vs_cold(store, state):
     t0 = time.perf_counter()
     for k in range(CLAIMS):   # the baseline: a fresh process (imports + @enter) for every claim
         chunk = items[k * ITEMS_PER_CLAIM:(k + 1) * ITEMS_PER_CLAIM]
-        args = calque.build_parser().parse_args(["submit", "--model", "demo", "-", "--batch-size", str(ITEMS_PER_CLAIM),
-                                                "--claim-size", str(ITEMS_PER_CLAIM), "--timeout", "3600", "--json"])
         saved, sys.stderr = sys.stderr, open(os.devnull, "w")
         try:
-            run, summaries, _ = calque.cold_run(conf, backend, args, chunk)
+            run, summaries, _ = calque.cold_run(conf, backend, chunk, model="demo", batch_size=ITEMS_PER_CLAIM,
+                                                claim_size=ITEMS_PER_CLAIM, timeout=3600, progress=False)
         finally:
             sys.stderr = saved
         cold_summaries += summaries

@@ -13,8 +13,7 @@ import botocore.client
 import pytest
 from moto import mock_aws
 
-import calque                       # the backend the commands run on (not the code under test)
-import calque as code             # the code under test
+import calque
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANDLER = os.path.join(ROOT, "tests", "handlers.py") + ":Echo"
@@ -46,24 +45,30 @@ def aws(monkeypatch, tmp_path):
     with mock_aws():
         boto3.client("s3", region_name=REGION).create_bucket(Bucket=BUCKET)
         ec2 = boto3.client("ec2", region_name=REGION)
-        ami = next(i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"] if i.get("Architecture") == "x86_64")
+        ami = next(i["ImageId"] for i in ec2.describe_images(Owners=["amazon"])["Images"]
+                   if i.get("Architecture") == "x86_64")
         boto3.client("ssm", region_name=REGION).put_parameter(Name="/calque-test/dlami", Value=ami, Type="String")
-        monkeypatch.setattr(code, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/dlami", "arm64": "/calque-test/dlami-arm"})
-        monkeypatch.setattr(code, "IAM_PROPAGATION_WAIT", 0)
+        monkeypatch.setattr(calque, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/dlami",
+                                                         "arm64": "/calque-test/dlami-arm"})
+        monkeypatch.setattr(calque, "IAM_PROPAGATION_WAIT", 0)
         yield argparse.Namespace(backend=calque.open_backend(STORE), ami=ami)
 
 
-def args(**kw):
-    base = dict(model=MODEL, handler=HANDLER, instances=2, instance_type="g5.xlarge", ami=None, spot=False, min_instances=None,
-                subnet=None, key_name=None, scale_to_zero_after=None, yes_spend_money=True, dry_run=False, yes=True, timeout=600.0)
-    base.update(kw)
-    return argparse.Namespace(**base)
+def options(**kw):
+    """The fleet `--instances 2 --instance-type g5.xlarge` asks for, with kw's changes, checked as the CLI does."""
+    return calque.ec2_pool_options(**{"instances": 2, "instance_type": "g5.xlarge", **kw})
+
+
+def launch(**kw):
+    """A cold run's one-shot instances: g5.xlarge, with kw's changes."""
+    return calque.ColdLaunch(**{"ami": None, "instance_type": "g5.xlarge", **kw})
 
 
 def record(backend, model=MODEL):
-    """The record cmd_pool_create builds before it hands an EC2 pool over (no handler: the section snapshots it)."""
-    return {"model": model, "slug": calque.slug(model), "queue": calque.pool_queue_name(model), "dlq": calque.dlq_name(model),
-            "batch_size": 8, "visibility_timeout": 60, "max_deliveries": 3, "created_at": calque.now_iso(), "store": backend.describe()}
+    """The record cmd_pool_create builds before it hands an EC2 pool over (no handler: ec2_pool_create snapshots it)."""
+    return {"model": model, "slug": calque.slug(model), "queue": calque.pool_queue_name(model),
+            "dlq": calque.dlq_name(model), "batch_size": 8, "visibility_timeout": 60, "max_deliveries": 3,
+            "created_at": calque.now_iso(), "store": backend.describe()}
 
 
 def client(service):
@@ -71,7 +76,8 @@ def client(service):
 
 
 def asg_of(model=MODEL):
-    groups = client("autoscaling").describe_auto_scaling_groups(AutoScalingGroupNames=[code.ec2_names(model)["asg"]])["AutoScalingGroups"]
+    groups = client("autoscaling").describe_auto_scaling_groups(
+        AutoScalingGroupNames=[calque.ec2_names(model)["asg"]])["AutoScalingGroups"]
     return groups[0] if groups else None
 
 
@@ -88,7 +94,7 @@ def queue_exists(name):
 
 
 def launch_template_user_data(model=MODEL):
-    v = client("ec2").describe_launch_template_versions(LaunchTemplateName=code.ec2_names(model)["launch_template"],
+    v = client("ec2").describe_launch_template_versions(LaunchTemplateName=calque.ec2_names(model)["launch_template"],
                                                         Versions=["$Latest"])["LaunchTemplateVersions"][0]
     return base64.b64decode(v["LaunchTemplateData"]["UserData"]).decode(), v
 
@@ -108,7 +114,7 @@ def api_calls(monkeypatch):
 
 def fail_on(monkeypatch, operation, error=None):
     """Make AwsCalls.call raise at the first `operation` (once), as an interruption or an AWS failure would."""
-    real = code.AwsCalls.call
+    real = calque.AwsCalls.call
     state = {"armed": True}
 
     def call(self, service, op, **params):
@@ -116,7 +122,7 @@ def fail_on(monkeypatch, operation, error=None):
             state["armed"] = False
             raise error or KeyboardInterrupt()
         return real(self, service, op, **params)
-    monkeypatch.setattr(code.AwsCalls, "call", call)
+    monkeypatch.setattr(calque.AwsCalls, "call", call)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -124,8 +130,8 @@ def fail_on(monkeypatch, operation, error=None):
 def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     """create -> status -> scale -> list -> delete on one pool, and a second delete finds nothing left."""
     backend = aws.backend
-    names = code.ec2_names(MODEL)
-    full = code.ec2_pool_create(backend, record(backend), args())
+    names = calque.ec2_names(MODEL)
+    full = calque.ec2_pool_create(backend, record(backend), HANDLER, options(), yes_spend_money=True)
     assert full["ec2"]["state"] == "ready" and full["ec2"]["ami"] == aws.ami
     stored = calque.read_json(backend, calque.pool_key(MODEL))
     assert stored["ec2"]["state"] == "ready" and stored["handler"]["class"] == "Echo"
@@ -134,87 +140,97 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (2, 2, 2)
     tags = {t["Key"]: t["Value"] for t in group["Tags"]}
-    assert tags["calque:pool-model"] == MODEL and tags["calque:role"] == "pool-worker" and tags["calque:managed"] == "true"
+    assert (tags["calque:pool-model"] == MODEL and tags["calque:role"] == "pool-worker"
+            and tags["calque:managed"] == "true")
     assert re.match(r"\d{4}-\d\d-\d\dT", tags["calque:created-at"])
     assert group["LaunchTemplate"]["LaunchTemplateName"] == names["launch_template"]
     profile = client("iam").get_instance_profile(InstanceProfileName=names["instance_profile"])["InstanceProfile"]
     assert [r["RoleName"] for r in profile["Roles"]] == [names["role"]]
     assert queue_exists(names["queue"]) and queue_exists(names["dlq"])
 
-    status = code.ec2_pool_status(backend, stored)
+    status = calque.ec2_pool_status(backend, stored)
     assert status["asg"]["desired"] == 2 and status["instances"] == {"InService": 2}
     assert status["queue"] == {"visible": 0, "in_flight": 0} and status["dlq"] == {"visible": 0, "in_flight": 0}
-    assert any("desired 2" in line for line in code.ec2_status_lines(status))
+    assert any("desired 2" in line for line in calque.format_ec2_status(status))
 
-    code.ec2_pool_scale(backend, stored, 3, args())
-    assert asg_of()["DesiredCapacity"] == 3 and calque.read_json(backend, calque.pool_key(MODEL))["ec2"]["instances"] == 3
+    calque.ec2_pool_scale(backend, stored, 3, yes_spend_money=True)
+    assert (asg_of()["DesiredCapacity"] == 3
+            and calque.read_json(backend, calque.pool_key(MODEL))["ec2"]["instances"] == 3)
     with pytest.raises(calque.UserError, match="--yes-spend-money"):
-        code.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 5, args(yes_spend_money=False))
-    code.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 1, args(yes_spend_money=False))
+        calque.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 5)
+    calque.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 1)
     assert asg_of()["DesiredCapacity"] == 1
 
-    listed = code.ec2_pool_list(backend)
+    listed = calque.ec2_pool_list(backend)
     assert [(p["model"], p["record"], p["asg"], p["desired"]) for p in listed] == [(MODEL, True, names["asg"], 1)]
 
     capsys.readouterr()
-    assert code.ec2_pool_delete(backend, stored, args())
+    assert calque.ec2_pool_delete(backend, stored, yes=True)
     out = capsys.readouterr().out
-    for thing in (f"auto scaling group {names['asg']}: scaled to 0 and deleted", f"launch template {names['launch_template']}: deleted",
+    for thing in (f"auto scaling group {names['asg']}: scaled to 0 and deleted",
+                  f"launch template {names['launch_template']}: deleted",
                   f"IAM role {names['role']}: deleted", f"queue {names['queue']}: deleted", "store folder pools/"):
         assert thing in out
     assert asg_of() is None and not role_exists(names["role"]) and not queue_exists(names["queue"])
     assert not backend.store.exists(calque.pool_key(MODEL)) and not backend.store.exists(stored["ec2"]["kit"]["key"])
-    assert code.ec2_pool_delete(backend, {"model": MODEL}, args())        # re-runnable: every step "already gone"
+    assert calque.ec2_pool_delete(backend, {"model": MODEL}, yes=True)        # re-runnable: every step "already gone"
     assert capsys.readouterr().out.count("not found (already gone)") == 6
 
 
 def test_worker_policy_statement_by_statement(aws):
     """The pool role's policy is exactly these five statements, and it is what IAM holds after create."""
-    policy = code.worker_policy("s3://bkt/calque/root", MODEL, "eu-west-1", "111122223333")
+    policy = calque.worker_policy("s3://bkt/calque/root", MODEL, "eu-west-1", "111122223333")
     q = "arn:aws:sqs:eu-west-1:111122223333:"
     obj = "arn:aws:s3:::bkt/calque/root/"
     s = "qwen-qwen2-5-1-5b-instruct"
     assert policy == {"Version": "2012-10-17", "Statement": [
         {"Sid": "ClaimFromPoolQueue", "Effect": "Allow",
-         "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:ReceiveMessage"],
+         "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
+                    "sqs:ReceiveMessage"],
          "Resource": q + "calque-pool-" + s},
-        {"Sid": "DeadLetterOnly", "Effect": "Allow", "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
+        {"Sid": "DeadLetterOnly", "Effect": "Allow", "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl",
+                                                                "sqs:SendMessage"],
          "Resource": q + "calque-dlq-" + s},
         {"Sid": "ReadPoolAndClaims", "Effect": "Allow", "Action": ["s3:GetObject"],   # only this model's runs
          "Resource": [obj + f"pools/{s}/*", obj + f"runs/{s}.*/manifests/*", obj + f"runs/{s}.*/inputs/*",
                       obj + f"runs/{s}.*/summaries/*"]},
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
          "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"pools/{s}/workers/*"]},
-        {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": "arn:aws:s3:::bkt",
+        {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
+         "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
     ]}
-    cold = code.cold_worker_policy("s3://bkt", "eu-west-1", "111122223333")
+    cold = calque.cold_worker_policy("s3://bkt", "eu-west-1", "111122223333")
     assert [(st["Sid"], st["Action"], st["Resource"]) for st in cold["Statement"]] == [
-        ("ClaimFromRunQueues", ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
-                                "sqs:ReceiveMessage"], q + "calque-run-*"),
+        ("ClaimFromRunQueues", ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes",
+                                "sqs:GetQueueUrl", "sqs:ReceiveMessage"], q + "calque-run-*"),
         ("DeadLetterOnly", ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"], q + "calque-rundlq-*"),
-        ("ReadRunAndClaims", ["s3:GetObject"], ["arn:aws:s3:::bkt/runs/*/pool.json", "arn:aws:s3:::bkt/runs/*/handler/*",
-                                               "arn:aws:s3:::bkt/runs/*/kit/*", "arn:aws:s3:::bkt/runs/*/manifests/*",
-                                               "arn:aws:s3:::bkt/runs/*/inputs/*", "arn:aws:s3:::bkt/runs/*/summaries/*"]),
+        ("ReadRunAndClaims", ["s3:GetObject"], ["arn:aws:s3:::bkt/runs/*/pool.json",
+                                               "arn:aws:s3:::bkt/runs/*/handler/*", "arn:aws:s3:::bkt/runs/*/kit/*",
+                                               "arn:aws:s3:::bkt/runs/*/manifests/*",
+                                               "arn:aws:s3:::bkt/runs/*/inputs/*",
+                                               "arn:aws:s3:::bkt/runs/*/summaries/*"]),
         ("WriteResults", ["s3:PutObject"], ["arn:aws:s3:::bkt/runs/*/results/*", "arn:aws:s3:::bkt/runs/*/summaries/*",
                                             "arn:aws:s3:::bkt/runs/*/workers/*"]),
         ("NotFoundIsNotForbidden", ["s3:ListBucket"], "arn:aws:s3:::bkt")]
     assert cold["Statement"][4]["Condition"] == {"StringLike": {"s3:prefix": ["runs/*"]}}
     # every action is on a named resource, never "*"
     for st in policy["Statement"] + cold["Statement"]:
-        assert st["Effect"] == "Allow" and "*" not in (st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]])
+        resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
+        assert st["Effect"] == "Allow" and "*" not in resources
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(instances=0))
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=0), yes_spend_money=True)
     iam = client("iam")
-    names = code.ec2_names(MODEL)
+    names = calque.ec2_names(MODEL)
     assert iam.list_role_policies(RoleName=names["role"])["PolicyNames"] == ["calque-worker"]
     held = iam.get_role_policy(RoleName=names["role"], PolicyName="calque-worker")["PolicyDocument"]
     held = json.loads(held) if isinstance(held, str) else held
-    assert held == code.worker_policy(STORE, MODEL, REGION, "123456789012")
+    assert held == calque.worker_policy(STORE, MODEL, REGION, "123456789012")
     assert iam.list_attached_role_policies(RoleName=names["role"])["AttachedPolicies"] == []
     trust = iam.get_role(RoleName=names["role"])["Role"]["AssumeRolePolicyDocument"]
     trust = json.loads(trust) if isinstance(trust, str) else trust
-    assert trust["Statement"] == [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]
+    assert trust["Statement"] == [{"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"},
+                                   "Action": "sts:AssumeRole"}]
 
 
 def _env_block(script):
@@ -224,15 +240,16 @@ def _env_block(script):
 def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
     """bash -n passes on both scripts; they carry the model, store, region, kit digest, Restart=always, the spot
     poller and no credentials; the env file round-trips an awkward model name through bash exactly."""
-    code.ec2_pool_create(aws.backend, record(aws.backend), args())
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     script, _ = launch_template_user_data()
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    cold = code.user_data_cold("20261129-101500-ab12cd", STORE, REGION, "runs/x/kit/k.tar.gz", "f" * 64, 90)
+    cold = calque.user_data_cold("20261129-101500-ab12cd", STORE, REGION, "runs/x/kit/k.tar.gz", "f" * 64, 90)
     for text in (script, cold):
         check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
         assert check.returncode == 0, check.stderr
         for needle in (f"CALQUE_STORE={STORE}", f"AWS_REGION={REGION}", "CALQUE_SPOT_POLL=http://169.254.169.254",
-                       "CALQUE_STATE=/var/lib/calque", "sha256sum -c", "pip\" install -q -r \"$CALQUE/kit/requirements.txt\"",
+                       "CALQUE_STATE=/var/lib/calque", "sha256sum -c",
+                       "pip\" install -q -r \"$CALQUE/kit/requirements.txt\"",
                        "fastbatch/_build.py", "StandardOutput=journal", "User=calque"):
             assert needle in text, needle
         for banned in ("AKIA", "AWS_SECRET", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN", "aws_secret_access_key"):
@@ -244,17 +261,18 @@ def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
     assert "Restart=no" in cold and "poweroff" in cold and "shutdown -h +90" in cold
 
     awkward = "it's a \"model\" $HOME `x` ; rm -rf /"
-    env = _env_block(code.user_data_pool(awkward, STORE, REGION, "pools/x/kit/k.tar.gz", "0" * 64))
+    env = _env_block(calque.user_data_pool(awkward, STORE, REGION, "pools/x/kit/k.tar.gz", "0" * 64))
     (tmp_path / "worker.env").write_text(env + "\n")
-    got = subprocess.run(["bash", "-c", 'set -a; . "$1"; printf %s "$CALQUE_POOL_MODEL"', "_", str(tmp_path / "worker.env")],
+    got = subprocess.run(["bash", "-c", 'set -a; . "$1"; printf %s "$CALQUE_POOL_MODEL"', "_",
+                          str(tmp_path / "worker.env")],
                          capture_output=True, text=True, check=True).stdout
     assert got == awkward
     with pytest.raises(calque.UserError, match="control characters"):
-        code.user_data_pool("two\nlines", STORE, REGION, "k", "0" * 64)
+        calque.user_data_pool("two\nlines", STORE, REGION, "k", "0" * 64)
     with pytest.raises(RuntimeError, match="credentials"):
-        code._refuse_credentials("export AWS_SECRET_ACCESS_KEY=x")
+        calque._refuse_credentials("export AWS_SECRET_ACCESS_KEY=x")
     with pytest.raises(RuntimeError, match="credentials"):
-        code._refuse_credentials("key AKIAABCDEFGHIJKLMNOP here")
+        calque._refuse_credentials("key AKIAABCDEFGHIJKLMNOP here")
 
 
 def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
@@ -262,16 +280,17 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     without duplicating anything (same launch-template version, one role)."""
     fail_on(monkeypatch, "CreateAutoScalingGroup")
     with pytest.raises(KeyboardInterrupt):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     err = capsys.readouterr().err
-    names = code.ec2_names(MODEL)
+    names = calque.ec2_names(MODEL)
     assert f"stopped at auto scaling group {names['asg']} (interrupted)" in err
-    assert f"in place: queues {names['queue']} + {names['dlq']}, handler, kit and pool record in the store, IAM role {names['role']}" in err
+    assert (f"in place: queues {names['queue']} + {names['dlq']}, handler, kit and pool record in the store, "
+            f"IAM role {names['role']}") in err
     assert f"not done: auto scaling group {names['asg']}, no scale-to-zero alarms, pool record ready" in err
     assert "re-run the same command" in err and "pool delete --model" in err
     assert asg_of() is None and calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "creating"
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args())
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     out = capsys.readouterr().out
     assert f"IAM role {names['role']} found" in out and f"launch template {names['launch_template']} found" in out
     assert f"auto scaling group {names['asg']} created" in out
@@ -280,7 +299,9 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     assert version["VersionNumber"] == 1
     assert calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "ready"
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(instances=3, instance_type="g5.2xlarge"))   # a changed re-run
+    # a changed re-run
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, instance_type="g5.2xlarge"),
+                           yes_spend_money=True)
     _, version = launch_template_user_data()
     assert version["VersionNumber"] == 2 and version["LaunchTemplateData"]["InstanceType"] == "g5.2xlarge"
     assert asg_of()["DesiredCapacity"] == 3
@@ -292,7 +313,7 @@ def test_aws_failure_midway_is_one_line_user_error(aws, monkeypatch, capsys):
     fail_on(monkeypatch, "CreateLaunchTemplate",
             ClientError({"Error": {"Code": "UnauthorizedOperation", "Message": "not allowed"}}, "CreateLaunchTemplate"))
     with pytest.raises(calque.UserError, match=r"create stopped at launch template .*UnauthorizedOperation"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     assert "not done: launch template" in capsys.readouterr().err
 
 
@@ -301,108 +322,121 @@ def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
     rest as already gone; a pool that never got its record is deleted by model name alone."""
     fail_on(monkeypatch, "CreateLaunchTemplate")
     with pytest.raises(KeyboardInterrupt):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
-    names = code.ec2_names(MODEL)
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    names = calque.ec2_names(MODEL)
     assert role_exists(names["role"])
     capsys.readouterr()
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    assert code.ec2_pool_delete(aws.backend, stored, args())
+    assert calque.ec2_pool_delete(aws.backend, stored, yes=True)
     out = capsys.readouterr().out
     assert f"auto scaling group {names['asg']}: not found (already gone)" in out
     assert f"launch template {names['launch_template']}: not found (already gone)" in out
-    assert f"instance profile {names['instance_profile']}: deleted" in out and f"IAM role {names['role']}: deleted" in out
+    assert f"instance profile {names['instance_profile']}: deleted" in out
+    assert f"IAM role {names['role']}: deleted" in out
     assert not role_exists(names["role"]) and not queue_exists(names["queue"]) and not queue_exists(names["dlq"])
     assert not aws.backend.store.exists(calque.pool_key(MODEL))
 
     other = "llama-3-8b"
     fail_on(monkeypatch, "PutRolePolicy")          # queues, store and role made; the role's policy not
     with pytest.raises(KeyboardInterrupt):
-        code.ec2_pool_create(aws.backend, record(aws.backend, other), args(model=other))
+        calque.ec2_pool_create(aws.backend, record(aws.backend, other), HANDLER, options(), yes_spend_money=True)
     aws.backend.store.delete_prefix(f"pools/{calque.slug(other)}/")     # and the record lost too
-    assert code.ec2_pool_delete(aws.backend, {"model": other}, args())
-    assert not role_exists(code.ec2_names(other)["role"]) and not queue_exists(calque.pool_queue_name(other))
+    assert calque.ec2_pool_delete(aws.backend, {"model": other}, yes=True)
+    assert not role_exists(calque.ec2_names(other)["role"]) and not queue_exists(calque.pool_queue_name(other))
 
 
 def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
     """--dry-run prints every mutating call (IAM, EC2, ASG, SQS, S3) and makes only read-only ones; also for
     scale, delete and a cold launch."""
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(dry_run=True, yes_spend_money=False, scale_to_zero_after=10))
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=10), dry_run=True)
     out = capsys.readouterr().out
-    for line in ("would call sqs.CreateQueue", "would call s3.PutObject", "would call iam.CreateRole", "would call iam.PutRolePolicy",
-                 "would call iam.CreateInstanceProfile", "would call iam.AddRoleToInstanceProfile", "would call ec2.CreateLaunchTemplate",
+    for line in ("would call sqs.CreateQueue", "would call s3.PutObject", "would call iam.CreateRole",
+                 "would call iam.PutRolePolicy", "would call iam.CreateInstanceProfile",
+                 "would call iam.AddRoleToInstanceProfile", "would call ec2.CreateLaunchTemplate",
                  "would call autoscaling.CreateAutoScalingGroup", "would call autoscaling.PutScalingPolicy",
                  "would call cloudwatch.PutMetricAlarm"):
         assert line in out, line
     assert '"sqs:ReceiveMessage"' in out          # the policy is shown in full
     read_only = re.compile(r"^[a-z0-9-]+:(Get|Describe|List|Head)")
     assert api_calls and all(read_only.match(c) for c in api_calls), [c for c in api_calls if not read_only.match(c)]
-    assert not role_exists(code.ec2_names(MODEL)["role"]) and asg_of() is None
+    assert not role_exists(calque.ec2_names(MODEL)["role"]) and asg_of() is None
     assert not aws.backend.store.exists(calque.pool_key(MODEL))
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args())
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     api_calls.clear()
-    code.ec2_pool_scale(aws.backend, stored, 4, args(dry_run=True, yes_spend_money=False))
-    code.ec2_pool_delete(aws.backend, stored, args(dry_run=True, yes=False))
+    calque.ec2_pool_scale(aws.backend, stored, 4, dry_run=True)
+    calque.ec2_pool_delete(aws.backend, stored, dry_run=True)
     cold = {"model": MODEL, "queue": "calque-run-r1", "dlq": "calque-rundlq-r1"}
-    ids = code.ec2_cold_launch(aws.backend, cold, "r1", 2, args(dry_run=True, yes_spend_money=False, ami=aws.ami))
+    ids = calque.ec2_cold_launch(aws.backend, cold, "r1", 2, launch(ami=aws.ami), timeout=600.0, dry_run=True)
     assert ids == ["i-dry-run-0", "i-dry-run-1"]
     assert all(read_only.match(c) for c in api_calls), [c for c in api_calls if not read_only.match(c)]
     out = capsys.readouterr().out
-    assert "would call autoscaling.UpdateAutoScalingGroup" in out and "would call autoscaling.DeleteAutoScalingGroup" in out
+    assert "would call autoscaling.UpdateAutoScalingGroup" in out
+    assert "would call autoscaling.DeleteAutoScalingGroup" in out
     assert "would call iam.DeleteRole" in out and "would call ec2.RunInstances" in out
-    assert asg_of()["DesiredCapacity"] == 2 and role_exists(code.ec2_names(MODEL)["role"])
+    assert asg_of()["DesiredCapacity"] == 2 and role_exists(calque.ec2_names(MODEL)["role"])
 
 
 def test_refusals_before_any_call(aws, api_calls, tmp_path):
     """No --yes-spend-money, a local store, no --yes on delete, bad sizes: one-line UserErrors, no AWS call made."""
     with pytest.raises(calque.UserError, match="--yes-spend-money"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(yes_spend_money=False))
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options())
     local = calque.LocalBackend(str(tmp_path / "store"))
     with pytest.raises(calque.UserError, match="s3:// store"):
-        code.ec2_pool_create(local, record(local), args())
+        calque.ec2_pool_create(local, record(local), HANDLER, options(), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--yes"):
-        code.ec2_pool_delete(aws.backend, {"model": MODEL}, args(yes=False))
+        calque.ec2_pool_delete(aws.backend, {"model": MODEL})
     with pytest.raises(calque.UserError, match="--min-instances"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(min_instances=3))
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(min_instances=3),
+                               yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--scale-to-zero-after"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(scale_to_zero_after=0))
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=0),
+                               yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--ami"):
-        code.ec2_cold_launch(aws.backend, {"model": MODEL, "queue": "q"}, "r1", 1, args())
+        calque.ec2_cold_launch(aws.backend, {"model": MODEL, "queue": "q"}, "r1", 1, launch(), timeout=600.0,
+                               yes_spend_money=True)
     assert api_calls == []
     with pytest.raises(calque.UserError, match="not an instance type"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(instance_type="g5.bogus"))
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instance_type="g5.bogus"),
+                               yes_spend_money=True)
     with pytest.raises(calque.UserError, match="no such subnet"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(subnet="subnet-0000000000"))
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(subnet="subnet-0000000000"),
+                               yes_spend_money=True)
     with pytest.raises(calque.UserError, match="no such key pair"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(key_name="nope"))
-    assert not role_exists(code.ec2_names(MODEL)["role"])
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(key_name="nope"),
+                               yes_spend_money=True)
+    assert not role_exists(calque.ec2_names(MODEL)["role"])
 
 
 def test_ami_parameter_missing_ambiguous_or_wrong(aws, monkeypatch):
     """A missing SSM parameter names itself and --ami; a value that is not one AMI id is refused; a bad --ami too."""
-    monkeypatch.setattr(code, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/none"})
+    monkeypatch.setattr(calque, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/none"})
     with pytest.raises(calque.UserError, match=r"/calque-test/none does not exist .*--ami"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     client("ssm").put_parameter(Name="/calque-test/two", Value=f"{aws.ami},ami-0123456789abcdef0", Type="StringList")
-    monkeypatch.setattr(code, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/two"})
+    monkeypatch.setattr(calque, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/two"})
     with pytest.raises(calque.UserError, match="not exactly one AMI id"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args())
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="ami-0123456789abcdef0 .* does not exist"):
-        code.ec2_pool_create(aws.backend, record(aws.backend), args(ami="ami-0123456789abcdef0"))
-    assert not role_exists(code.ec2_names(MODEL)["role"])
+        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(ami="ami-0123456789abcdef0"),
+                               yes_spend_money=True)
+    assert not role_exists(calque.ec2_names(MODEL)["role"])
 
 
 def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
     """--scale-to-zero-after: min 0, wake/idle policies (exactly N / 0) and alarms on the pool queue (idle counts
     in-flight claims too); submit's hint says the pool is cold once it is at 0."""
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(instances=3, scale_to_zero_after=15, spot=True))
-    names = code.ec2_names(MODEL)
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER,
+                           options(instances=3, scale_to_zero_after=15, spot=True), yes_spend_money=True)
+    names = calque.ec2_names(MODEL)
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (0, 3, 3)
     assert group["MixedInstancesPolicy"]["InstancesDistribution"]["OnDemandPercentageAboveBaseCapacity"] == 0
-    policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
-    assert (policies["calque-wake"]["AdjustmentType"], policies["calque-wake"]["ScalingAdjustment"]) == ("ExactCapacity", 3)
+    policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
+        AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
+    assert (policies["calque-wake"]["AdjustmentType"],
+            policies["calque-wake"]["ScalingAdjustment"]) == ("ExactCapacity", 3)
     assert policies["calque-idle"]["ScalingAdjustment"] == 0
     alarms = {a["AlarmName"]: a for a in client("cloudwatch").describe_alarms(
         AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]}
@@ -417,15 +451,17 @@ def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
         "ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible"}
 
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    assert code.ec2_cold_wait_hint(aws.backend, stored) is None          # 3 in service
-    code.ec2_pool_scale(aws.backend, stored, 0, args(yes_spend_money=False))
+    assert calque.ec2_cold_wait_hint(aws.backend, stored) is None          # 3 in service
+    calque.ec2_pool_scale(aws.backend, stored, 0)
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    hint = code.ec2_cold_wait_hint(aws.backend, stored)
+    hint = calque.ec2_cold_wait_hint(aws.backend, stored)
     assert "is cold (0 instances)" in hint and "wake alarm" in hint and "min" in hint
-    assert code.ec2_cold_wait_hint(aws.backend, dict(stored, ec2=None)) is None
+    assert calque.ec2_cold_wait_hint(aws.backend, dict(stored, ec2=None)) is None
 
-    code.ec2_pool_create(aws.backend, record(aws.backend), args(instances=3))          # re-run without the flag
-    assert client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"] == []
+    # re-run without the flag
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3), yes_spend_money=True)
+    alarms = client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])
+    assert alarms["MetricAlarms"] == []
     assert "scale-to-zero alarms removed" in capsys.readouterr().out
 
 
@@ -434,57 +470,64 @@ def test_cold_launch_one_shot_instances(aws):
     terminate-on-shutdown and run tags; cleanup terminates the ones still up."""
     run_id = "20261129-101500-ab12cd"
     cold = {"model": MODEL, "queue": calque.RUN_QUEUE_PREFIX + run_id, "dlq": calque.RUN_DLQ_PREFIX + run_id}
-    ids = code.ec2_cold_launch(aws.backend, cold, run_id, 2, args(ami=aws.ami, timeout=1200.0))
+    ids = calque.ec2_cold_launch(aws.backend, cold, run_id, 2, launch(ami=aws.ami), timeout=1200.0,
+                                 yes_spend_money=True)
     assert len(ids) == 2
     ec2 = client("ec2")
     for iid in ids:
         assert ec2.describe_instance_attribute(InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")[
             "InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
-        user_data = base64.b64decode(ec2.describe_instance_attribute(InstanceId=iid, Attribute="userData")["UserData"]["Value"]).decode()
+        user_data = base64.b64decode(ec2.describe_instance_attribute(
+            InstanceId=iid, Attribute="userData")["UserData"]["Value"]).decode()
         assert f"CALQUE_RUN={run_id}" in user_data and "shutdown -h +50" in user_data
     inst = ec2.describe_instances(InstanceIds=ids)["Reservations"][0]["Instances"][0]
     tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
     assert tags["calque:run"] == run_id and tags["calque:role"] == "cold-worker"
-    role = code.cold_role_name(STORE, REGION)
+    role = calque.cold_role_name(STORE, REGION)
     held = client("iam").get_role_policy(RoleName=role, PolicyName="calque-worker")["PolicyDocument"]
-    assert (json.loads(held) if isinstance(held, str) else held) == code.cold_worker_policy(STORE, REGION, "123456789012")
+    held = json.loads(held) if isinstance(held, str) else held
+    assert held == calque.cold_worker_policy(STORE, REGION, "123456789012")
     assert any(k.startswith(f"runs/{run_id}/kit/") for k in aws.backend.store.list(f"runs/{run_id}/kit/"))
     # a second run reuses the role
-    code.ec2_cold_launch(aws.backend, cold, "20261129-101600-cd34ef", 1, args(ami=aws.ami))
-    assert [r["RoleName"] for r in client("iam").list_roles()["Roles"] if r["RoleName"].startswith("calque-cold-")] == [role]
-    assert sorted(code.ec2_cold_cleanup(aws.backend, ids)) == sorted(ids)
-    assert code.ec2_cold_cleanup(aws.backend, ids) == []
+    calque.ec2_cold_launch(aws.backend, cold, "20261129-101600-cd34ef", 1, launch(ami=aws.ami), timeout=600.0,
+                           yes_spend_money=True)
+    roles = [r["RoleName"] for r in client("iam").list_roles()["Roles"]]
+    assert [r for r in roles if r.startswith("calque-cold-")] == [role]
+    assert sorted(calque.ec2_cold_cleanup(aws.backend, ids)) == sorted(ids)
+    assert calque.ec2_cold_cleanup(aws.backend, ids) == []
 
 
 def test_names_fit_aws_limits():
     """IAM names stay within 64 characters, and two long models that share a cut prefix get different names."""
     a, b = "m" * 60 + "-one", "m" * 60 + "-two"          # distinct slugs (64 chars) whose role names must be cut
-    na, nb = code.ec2_names(a), code.ec2_names(b)
+    na, nb = calque.ec2_names(a), calque.ec2_names(b)
     assert len(na["role"]) <= 64 and na["role"] != nb["role"] and na["role"] == na["instance_profile"]
-    assert code.ec2_names("llama-3-8b")["role"] == "calque-llama-3-8b"
-    assert len(code.ec2_names("x" * 200)["asg"]) == 80
-    assert len(code.cold_role_name(STORE, REGION)) <= 64
+    assert calque.ec2_names("llama-3-8b")["role"] == "calque-llama-3-8b"
+    assert len(calque.ec2_names("x" * 200)["asg"]) == 80
+    assert len(calque.cold_role_name(STORE, REGION)) <= 64
 
 
-def test_section_never_imports_boto3_at_import():
-    """Importing the section (as calque.py will, for the local backend too) loads no boto3."""
-    probe = "import sys, ec2_section; assert 'boto3' not in sys.modules and 'botocore' not in sys.modules"
-    subprocess.run([sys.executable, "-c", probe.replace("ec2_section", code.__name__)], cwd=ROOT, check=True)
+def test_import_never_loads_boto3():
+    """Importing calque (as the local backend and every handler do) loads neither boto3 nor botocore."""
+    probe = "import sys, calque; assert 'boto3' not in sys.modules and 'botocore' not in sys.modules"
+    subprocess.run([sys.executable, "-c", probe], cwd=ROOT, check=True)
 
 
 def test_every_aws_call_is_documented(aws, api_calls):
     """Every AWS operation the EC2 commands make appears as service:Operation in the README's On AWS section."""
     backend = aws.backend
-    code.ec2_pool_create(backend, record(backend), args(scale_to_zero_after=5))
+    calque.ec2_pool_create(backend, record(backend), HANDLER, options(scale_to_zero_after=5), yes_spend_money=True)
     stored = calque.read_json(backend, calque.pool_key(MODEL))
-    code.ec2_pool_status(backend, stored)
-    code.ec2_pool_scale(backend, stored, 1, args())
-    code.ec2_pool_list(backend)
-    code.ec2_cold_wait_hint(backend, stored)
-    ids = code.ec2_cold_launch(backend, {"model": MODEL, "queue": "calque-run-r9"}, "r9", 1, args(ami=aws.ami))
-    code.ec2_cold_cleanup(backend, ids)
-    code.ec2_pool_create(backend, record(backend), args(instance_type="g5.2xlarge"))   # the update paths
-    code.ec2_pool_delete(backend, stored, args())
+    calque.ec2_pool_status(backend, stored)
+    calque.ec2_pool_scale(backend, stored, 1, yes_spend_money=True)
+    calque.ec2_pool_list(backend)
+    calque.ec2_cold_wait_hint(backend, stored)
+    ids = calque.ec2_cold_launch(backend, {"model": MODEL, "queue": "calque-run-r9"}, "r9", 1, launch(ami=aws.ami),
+                                 timeout=600.0, yes_spend_money=True)
+    calque.ec2_cold_cleanup(backend, ids)
+    # the update paths
+    calque.ec2_pool_create(backend, record(backend), HANDLER, options(instance_type="g5.2xlarge"), yes_spend_money=True)
+    calque.ec2_pool_delete(backend, stored, yes=True)
     docs = ""
     for name in (os.path.join("docs", "aws.md"), "README.md"):
         path = os.path.join(ROOT, name)
@@ -498,7 +541,8 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
     """Through `calque.py` itself: dry-run creates nothing; create, status, scale, list, a cold dry-run, delete."""
     monkeypatch.setenv("CALQUE_STORE", STORE)
     monkeypatch.setenv("CALQUE_STATE", str(tmp_path / "state"))
-    create = ["pool", "create", "--model", MODEL, "--handler", HANDLER, "--instances", "2", "--instance-type", "g5.xlarge"]
+    create = ["pool", "create", "--model", MODEL, "--handler", HANDLER, "--instances", "2", "--instance-type",
+              "g5.xlarge"]
     assert calque.main(create) == calque.EXIT_USAGE                       # no --yes-spend-money: refused
     assert "--yes-spend-money" in capsys.readouterr().err
     assert calque.main(create + ["--dry-run"]) == 0
@@ -512,7 +556,8 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
     assert calque.main(["pool", "list"]) == 0
     assert "EC2 1/1 in service" in capsys.readouterr().out
     items = os.path.join(ROOT, "examples", "items.jsonl")
-    assert calque.main(["submit", "--model", MODEL, items, "--instance-type", "g5.xlarge", "--ami", aws.ami, "--dry-run"]) == 0
+    assert calque.main(["submit", "--model", MODEL, items, "--instance-type", "g5.xlarge", "--ami", aws.ami,
+                        "--dry-run"]) == 0
     assert "would call ec2.RunInstances" in capsys.readouterr().out
     assert calque.main(["pool", "delete", "--model", MODEL]) == calque.EXIT_USAGE   # no --yes: refused
     assert calque.main(["pool", "delete", "--model", MODEL, "--yes"]) == 0
