@@ -232,10 +232,14 @@ def claim_id(index):
     return f"c{index:05d}"
 
 
-def make_message(run_id, model, manifest_uri, claim):
+def make_message(run_id, model, manifest_uri, claim, resume=False):
     # `claim` is an extra field (the contract ignores unknown fields): it lets a worker write a failure
-    # summary even for a claim whose manifest_uri it must refuse.
-    return json.dumps({"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim})
+    # summary even for a claim whose manifest_uri it must refuse. `resume` marks a claim sent again (runs
+    # resume, runs redrive): the worker looks for its result parts even on a first delivery.
+    msg = {"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim}
+    if resume:
+        msg["resume"] = True
+    return json.dumps(msg)
 
 
 def parse_message(body):
@@ -372,7 +376,7 @@ def load_handler(path, cls):
 
 
 # ------------------------------------------------------------------------------------------------
-# backends. A backend is a store (get/put/exists/list/delete_prefix/uri/key_for_uri) plus queues
+# backends. A backend is a store (get/put/exists/list/delete/delete_prefix/uri/key_for_uri) plus queues
 # (create_queue/open_queue/delete_queue; a queue has send/receive/delete/change_visibility/counts).
 # Both count their requests in `requests`, which the cost model prices.
 
@@ -440,6 +444,11 @@ class LocalStore:
     def delete_prefix(self, prefix):
         import shutil
         shutil.rmtree(self._path(prefix), ignore_errors=True)
+
+    def delete(self, key):
+        """Delete one object; one that is not there is no error."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._path(key))
 
 
 class LocalQueues:
@@ -632,6 +641,10 @@ class S3Store:
             objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
             if objects:
                 self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+
+    def delete(self, key):
+        """Delete one object; one that is not there is no error (S3 answers 204 either way)."""
+        self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
 
 
 class SqsQueues:
