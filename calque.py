@@ -3314,6 +3314,8 @@ def cmd_pool_create(conf, backend, args):
     for name in ("visibility_timeout", "max_deliveries"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    if args.batch_timeout is not None and not (math.isfinite(args.batch_timeout) and args.batch_timeout > 0):
+        raise UserError(f"--batch-timeout {args.batch_timeout}: must be a number of seconds above 0")
     queue, dlq = pool_queue_name(args.model), dlq_name(args.model)
     with contextlib.suppress(NotFound):
         existing = read_json(backend, pool_key(args.model))
@@ -3327,6 +3329,8 @@ def cmd_pool_create(conf, backend, args):
         "max_deliveries": args.max_deliveries or setting_number(conf, "CALQUE_MAX_DELIVERIES", int, 1),
         "created_at": now_iso(), "store": backend.describe(),
     }
+    if args.batch_timeout is not None:   # absent: the workers' CALQUE_BATCH_TIMEOUT applies
+        record["batch_timeout"] = args.batch_timeout
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
         ec2_pool_create(backend, record, args)
         return EXIT_OK
@@ -3601,6 +3605,9 @@ def build_parser():
     p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
     p.add_argument("--visibility-timeout", type=int, help="seconds a claim stays invisible; the heartbeat renews it")
     p.add_argument("--max-deliveries", type=int, help="deliveries before a claim goes to the dead-letter queue")
+    p.add_argument("--batch-timeout", type=float, metavar="SECONDS",
+                   help="seconds one handler.batch() call may run before the worker gives up on it "
+                        "(default: the workers' CALQUE_BATCH_TIMEOUT)")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
     ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
     ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
