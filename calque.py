@@ -1251,9 +1251,7 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
             backend.store.put(manifest_key(run_id, claim), dumps(manifest))
         write_json(backend, run_key(run_id), run)
     except BaseException:
-        backend.store.delete(run_key(run_id))
-        for folder in ("manifests", "inputs"):
-            backend.store.delete_prefix(f"runs/{run_id}/{folder}/")
+        backend.store.delete_prefix(f"runs/{run_id}/")   # a cold run's record and handler copy too: no run is left
         raise
     send_claims(backend, run, queue)   # after every manifest is written, so no worker fetches one that is not there yet
     return run
