@@ -30,6 +30,7 @@ import time
 import typing
 import uuid
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 # ------------------------------------------------------------------------------------------------
@@ -55,6 +56,9 @@ QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local qu
 ENDPOINT_BACKOFF = (0.25, 4.0)          # s: first wait before retrying an unreachable AWS endpoint, doubling to a cap
 ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
 SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
+RUN_RECHECK = 1.0                       # s between two looks, while submit waits, at the run record and the DLQ depth
+DLQ_SCAN_WAIT = 1.0                     # s of each receive of a dead-letter scan (an SQS short poll may miss messages)
+STORE_WRITERS = 16                      # parallel store writes when cancel marks many claims (an S3 PUT is ~20 ms)
 ERRORS_KEPT = 100                       # per-item error messages kept in a summary (the count is always exact)
 ERROR_CHARS = 500                       # an error message is cut to this many characters
 QUEUE_OPEN_RETRY = 10.0                 # s to retry opening a queue that does not resolve yet (SQS lag)
@@ -258,10 +262,14 @@ def claim_id(index):
     return f"c{index:05d}"
 
 
-def make_message(run_id, model, manifest_uri, claim):
+def make_message(run_id, model, manifest_uri, claim, resume=False):
     # `claim` is an extra field (the contract ignores unknown fields): it lets a worker write a failure
-    # summary even for a claim whose manifest_uri it must refuse.
-    return json.dumps({"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim})
+    # summary even for a claim whose manifest_uri it must refuse. `resume` marks a claim sent again (runs
+    # resume, runs redrive): the worker looks for its result parts even on a first delivery.
+    msg = {"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim}
+    if resume:
+        msg["resume"] = True
+    return json.dumps(msg)
 
 
 def parse_message(body):
@@ -398,7 +406,7 @@ def load_handler(path, cls):
 
 
 # ------------------------------------------------------------------------------------------------
-# backends. A backend is a store (get/put/exists/list/delete_prefix/uri/key_for_uri) plus queues
+# backends. A backend is a store (get/put/exists/list/delete/delete_prefix/uri/key_for_uri) plus queues
 # (create_queue/open_queue/delete_queue; a queue has send/receive/delete/change_visibility/counts).
 # Both count their requests in `requests`, which the cost model prices.
 
@@ -514,6 +522,11 @@ def _link_new(tmp, path):
         return True
     except FileExistsError:
         return False
+
+    def delete(self, key):
+        """Delete one object; one that is not there is no error."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self._path(key))
 
 
 class LocalQueues:
@@ -824,6 +837,10 @@ class S3Store:
             if objects:
                 self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
 
+    def delete(self, key):
+        """Delete one object; one that is not there is no error (S3 answers 204 either way)."""
+        self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
+
 
 class SqsQueues:
     def __init__(self, sqs, requests, endpoint_retry=0.0):
@@ -1080,22 +1097,49 @@ def list_summaries(backend, run_id):
     return [k for k in backend.store.list(f"runs/{run_id}/summaries/") if k.endswith(".json")]
 
 
+def summary_claims(backend, run_id):
+    """The claims of the run that have a summary (one LIST; no summary is read)."""
+    return {key.rsplit("/", 1)[1][:-len(".json")] for key in list_summaries(backend, run_id)}
+
+
 def read_run(backend, run_id):
     if not SAFE_ID.match(run_id):
         raise UserError(f"run id {run_id!r} is not a run id: see `python calque.py runs list`")
     try:
-        return read_json(backend, run_key(run_id))
+        return _run_defaults(read_json(backend, run_key(run_id)))
     except NotFound:
         raise UserError(f"no run {run_id} in {backend.describe()}: see `python calque.py runs list`")
 
 
-def list_runs(backend):
-    """Every run record in the store, oldest first."""
+def _run_defaults(run):
+    """A run record as read: one written before `sent` was recorded had every claim sent (or its submit crashed)."""
+    run.setdefault("sent", len(run["claims"]))
+    return run
+
+
+def update_run(backend, run, **fields):
+    """Set `fields` in the stored run record, read again first so that what another process wrote meanwhile
+    (a cancel while submit records how far it sent) is kept; `run` is updated to match."""
+    stored = read_json(backend, run_key(run["run_id"]))
+    stored.update(fields)
+    write_json(backend, run_key(run["run_id"]), stored)
+    run.update(stored)
+    return run
+
+
+def list_runs(backend, model=None):
+    """Every run record in the store (only `model`'s, when given: its run ids start with its slug), oldest first."""
     runs = []
     for folder in backend.store.list("runs/"):
-        with contextlib.suppress(NotFound):
-            runs.append(read_json(backend, folder + "/run.json"))
+        if model is None or run_slug(folder.rsplit("/", 1)[1]) == slug(model):
+            with contextlib.suppress(NotFound):
+                runs.append(_run_defaults(read_json(backend, folder + "/run.json")))
     return sorted(runs, key=lambda r: r["created_at"])
+
+
+def claim_items(run, index):
+    """The number of items in the run's claim `index`: claim_size each, the last one the rest."""
+    return min(run["claim_size"], run["items"] - index * run["claim_size"])
 
 
 def read_summaries(backend, run_id):
@@ -1492,68 +1536,355 @@ def array_items(store, manifest):
              for name, (values, offsets) in fields.items()} for i in range(count)]
 
 
+class SubmitInterrupted(BaseException):
+    """SIGINT or SIGTERM while submit (or runs resume) stages or sends claims. A BaseException, as
+    KeyboardInterrupt is: code that catches Exception lets it through."""
+
+    def __init__(self, signum):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def signals_interrupt():
+    """Inside the block SIGINT and SIGTERM raise SubmitInterrupted, once: a second signal is ignored, so that
+    the bookkeeping the first one starts (recording how many claims were sent) is not cut short."""
+    fired = []
+
+    def on_signal(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise SubmitInterrupted(signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM wait until the block is done (blocked for this thread, delivered on leaving it)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
-    """Write the run record and one manifest per claim, then send one message per claim; returns the run record.
-    JSON items travel inside the manifest; numeric items (ArrayItems) beside it as .npy objects."""
+    """Write one manifest per claim, then the run record, then send the claims (send_claims); returns the run
+    record. JSON items travel inside the manifest; numeric items (ArrayItems) beside it as .npy objects.
+    Stopped while staging (a signal, a store fault), it deletes what it staged: no run, nothing queued."""
     run_id = run_id or new_run_id(record["model"])
     bounds = [(i, min(i + claim_size, len(items))) for i in range(0, len(items), claim_size)]
     claims = [claim_id(i) for i in range(len(bounds))]
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": len(items), "claims": claims,
            "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
-           "created_at": now_iso()}
-    write_json(backend, run_key(run_id), run)
-    for claim, (start, stop) in zip(claims, bounds):
-        manifest = {"run_id": run_id, "claim": claim, "model": record["model"], "first_index": start, "count": stop - start}
-        if isinstance(items, ArrayItems):
-            manifest["arrays"] = items.stage(backend, run_id, claim, start, stop)
-        else:
-            manifest["items"] = items[start:stop]
-        backend.store.put(manifest_key(run_id, claim), dumps(manifest))
-    for claim in claims:   # after every manifest is written, so no worker fetches one that is not there yet
-        queue.send(make_message(run_id, record["model"], backend.store.uri(manifest_key(run_id, claim)), claim))
+           "created_at": now_iso(), "sent": 0}
+    try:
+        for claim, (start, stop) in zip(claims, bounds):
+            manifest = {"run_id": run_id, "claim": claim, "model": record["model"], "first_index": start,
+                        "count": stop - start}
+            if isinstance(items, ArrayItems):
+                manifest["arrays"] = items.stage(backend, run_id, claim, start, stop)
+            else:
+                manifest["items"] = items[start:stop]
+            backend.store.put(manifest_key(run_id, claim), dumps(manifest))
+        write_json(backend, run_key(run_id), run)
+    except BaseException:
+        backend.store.delete_prefix(f"runs/{run_id}/")   # a cold run's record and handler copy too: no run is left
+        raise
+    send_claims(backend, run, queue)   # after every manifest is written, so no worker fetches one that is not there yet
     return run
 
 
+def send_claims(backend, run, queue, skip=(), resume=False):
+    """Send the run's claims from run["sent"] on, in run order, but those in `skip` (claims with a summary), and
+    record in the run record how far it got: the claims before `sent` were sent or skipped. Stopped by anything
+    (a signal, between two sends; a queue fault), it records that first; `runs resume` sends the rest. A kill -9
+    records nothing: `sent` stays where it was last written, so runs resume sends some claims a second time.
+    That is safe: a worker acks the copy of a claim already done without running it (one still queued may run
+    twice, writing the same results)."""
+    sent = run["sent"]
+    try:
+        for index in range(run["sent"], len(run["claims"])):
+            claim = run["claims"][index]
+            with signals_deferred():   # a send and its count are one step: no signal falls between them (~2 us)
+                if claim not in skip:
+                    uri = backend.store.uri(manifest_key(run["run_id"], claim))
+                    queue.send(make_message(run["run_id"], run["model"], uri, claim, resume))
+                sent = index + 1
+    finally:
+        update_run(backend, run, sent=sent)
+
+
+def interrupted(backend, run_id, signum):
+    """Say what an interrupted submit or runs resume left, from the run record as stored; returns the exit code
+    (128 + the signal: 130 for SIGINT)."""
+    try:
+        run = _run_defaults(read_json(backend, run_key(run_id)))
+    except NotFound:
+        print(f"calque: interrupted while staging run {run_id}: nothing was queued ---> HINT: submit again",
+              file=sys.stderr)
+    else:
+        total = len(run["claims"])
+        print(f"calque: interrupted: run {run_id}: {run['sent']} of {total} claim(s) queued (they finish without "
+              f"you), {total - run['sent']} not sent ---> HINT: python calque.py runs resume {run_id}", file=sys.stderr)
+    return 128 + signum
+
+
+def run_dlq_name(run):
+    """The dead-letter queue of the run's claims: its pool's, or a cold run's own."""
+    return dlq_name(run["model"]) if run["mode"] == "pool" else run_queue_names(run["run_id"])[1]
+
+
+def receive_all(queue, count):
+    """Up to `count` messages of the queue, received: hidden from other readers until deleted or released. A
+    message that another reader holds meanwhile is not seen."""
+    messages = []
+    while len(messages) < count and (message := queue.receive(DLQ_SCAN_WAIT)) is not None:
+        messages.append(message)
+    return messages
+
+
+def release(queue, messages):
+    """Make received messages visible again at once (a stale receipt is skipped: its message is back already)."""
+    for message in messages:
+        with contextlib.suppress(LeaseLost):
+            queue.change_visibility(message, 0)
+
+
+def dead_letter_of(message):
+    """(run id, claim, reason) of a dead-letter message, or None when its original body names no claim."""
+    try:
+        letter = json.loads(message.body)
+        original = parse_message(letter["body"])
+        return original["run_id"], original["claim"], str(letter.get("reason", "?"))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class DeadLetters:
+    """The claims of one run that its dead-letter queue holds ({claim: reason}), found by a scan that receives
+    every message and releases it. A worker writes a failure summary before the DLQ copy, so the scan matters
+    only when that write failed. It is repeated only when the queue's depth changed or another reader held some
+    of its messages: each scan costs a receive and a release per message in the queue."""
+
+    def __init__(self, backend, run):
+        self.backend, self.run_id, self.name = backend, run["run_id"], run_dlq_name(run)
+        self.queue, self.depth, self.found = None, None, {}
+
+    def claims(self):
+        try:
+            self.queue = self.queue or self.backend.queues.open_queue(self.name)
+        except NotFound:   # deleted (a cold run's, once the run ended; a deleted pool's): it holds nothing
+            return {}
+        counts = self.queue.counts()
+        if counts["visible"] + counts["in_flight"] != self.depth or counts["in_flight"]:
+            self.depth = counts["visible"] + counts["in_flight"]
+            messages = receive_all(self.queue, counts["visible"])
+            release(self.queue, messages)
+            letters = [dead_letter_of(m) for m in messages]
+            self.found = {claim: reason for run_id, claim, reason in filter(None, letters) if run_id == self.run_id}
+        return self.found
+
+
 def wait_for_run(backend, run, timeout, progress=True):
-    """Poll the run's summaries until every claim has one or timeout; returns (summaries, timed_out)."""
+    """Poll the run's summaries until every claim has one, or nothing can run the rest (nothing_left_to_run,
+    checked every RUN_RECHECK s), or timeout; returns (summaries, timed_out), timed_out meaning that some claim
+    has no summary. `run` follows its stored record (a cancel, how far sending got)."""
     from tqdm import tqdm
-    deadline = time.monotonic() + timeout
-    done = {}
+    started = time.monotonic()
+    deadline, recheck = started + timeout, started + RUN_RECHECK
+    done, dead = {}, DeadLetters(backend, run)
     delay = 0.002
     bar = tqdm(total=run["items"], unit="item", file=sys.stderr, disable=not progress, leave=False,
                desc=f"run {run['run_id']}")
     try:
-        while len(done) < len(run["claims"]):
+        while True:
             for key in list_summaries(backend, run["run_id"]):
                 claim = key.rsplit("/", 1)[1][:-5]
                 if claim not in done:
                     done[claim] = read_json(backend, key)
                     bar.update(done[claim]["items"])
                     delay = 0.002
-            if len(done) == len(run["claims"]) or time.monotonic() >= deadline:
+            now = time.monotonic()
+            if len(done) == len(run["claims"]) or now >= deadline:
                 break
-            time.sleep(delay)
+            if now >= recheck:
+                recheck = now + RUN_RECHECK
+                if nothing_left_to_run(backend, run, done, dead):
+                    break
+            time.sleep(min(delay, deadline - now))
             delay = min(delay * 1.25, SUMMARY_POLL_MAX)   # quick at first (idle round trip), gentle on S3 after
     finally:
         bar.close()
     return [done[c] for c in run["claims"] if c in done], len(done) < len(run["claims"])
 
 
-def format_run(run, summaries, timed_out, results_uri):
-    """The lines `submit` and `runs show` print: totals, the claim table, failed claims, where the results are."""
-    failed_items = sum(len(s["failed"]) for s in summaries)
-    lines = [f"run {run['run_id']} ({run['mode']}, model {run['model']}): {len(summaries)}/{len(run['claims'])} claims, "
-             f"{sum(s['ok'] for s in summaries)} items ok, {failed_items} failed",
+def nothing_left_to_run(backend, run, done, dead):
+    """True when no worker can take any claim of the run that has no summary yet (`done` has those that have):
+    the run was cancelled, or each such claim was never sent or is in the dead-letter queue (`dead`, a
+    DeadLetters). Reads the run record again, into `run`."""
+    run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
+    if run.get("cancelled"):
+        return True
+    letters = dead.claims()
+    return all(index >= run["sent"] or claim in letters
+               for index, claim in enumerate(run["claims"]) if claim not in done)
+
+
+def cancel_run(backend, run, reason):
+    """Mark the run cancelled and write a `cancelled` summary for each claim without a summary: a worker that
+    receives such a claim acks it as done without running it, and `runs resume` sends nothing of a cancelled
+    run. A claim that a worker finishes meanwhile keeps its own summary (each is checked just before the
+    write; one finishing after it replaces the cancelled one). When every claim has a summary nothing is
+    written. Returns the claims marked."""
+    have = summary_claims(backend, run["run_id"])
+    if all(claim in have for claim in run["claims"]):
+        return []
+    at = time.time()
+    update_run(backend, run, cancelled={"reason": reason, "at": now_iso(at)})
+
+    def mark(claim):
+        key = summary_key(run["run_id"], claim)
+        if backend.store.exists(key):
+            return False
+        summary = claim_summary(run_id=run["run_id"], claim=claim, model=run["model"], worker_id="submitter",
+                                mode=run["mode"], backend=backend.kind, receive_count=0, enter_count=0, started=at,
+                                finished=at, requests={}, notes=[f"cancelled ({reason}): the claim was not run"])
+        write_json(backend, key, dict(summary, status="cancelled", reason=reason))
+        return True
+
+    missing = [claim for claim in run["claims"] if claim not in have]
+    with ThreadPoolExecutor(STORE_WRITERS) as writers:
+        return [claim for claim, marked in zip(missing, writers.map(mark, missing)) if marked]
+
+
+CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "not queued")
+ITEM_OUTCOME = {"queued or running": "pending", "not queued": "pending", "dead-lettered": "dead_lettered",
+                "cancelled": "cancelled"}   # how run_view counts the items of a claim that did not run
+NOT_RUN = {   # the claims of each state that did not run: what becomes of them, in the words of format_run
+    "queued or running": "still pending; the run goes on",
+    "not queued": "were never sent: nothing will run them",
+    "dead-lettered": "were dead-lettered: nothing will run them",
+    "cancelled": "were cancelled{why}: nothing will run them",
+}
+
+
+def claim_states(backend, run, summaries):
+    """{claim: (state, detail)}, the state one of CLAIM_STATES: done or failed (it ran; failed when every item
+    failed), dead-lettered (a failure summary, or else its copy in the dead-letter queue), cancelled, queued or
+    running (sent, no summary yet), not queued (never sent). The detail is the dead-letter or cancel reason."""
+    by_claim = {s["claim"]: s for s in summaries}
+    cancelled = run.get("cancelled")
+    pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
+    letters = DeadLetters(backend, run).claims() if pending else {}
+    states = {}
+    for index, claim in enumerate(run["claims"]):
+        s = by_claim.get(claim)
+        if s is not None and s["status"] == "cancelled":
+            states[claim] = ("cancelled", s["reason"])
+        elif s is not None and s.get("error"):
+            states[claim] = ("dead-lettered", s["error"])
+        elif s is not None:
+            states[claim] = ("failed" if s["status"] == "failed" else "done", "")
+        elif cancelled:
+            states[claim] = ("cancelled", cancelled["reason"])
+        elif claim in letters:
+            states[claim] = ("dead-lettered", f"{letters[claim]} (its copy in the dead-letter queue; no summary)")
+        else:
+            states[claim] = ("not queued" if index >= run["sent"] else "queued or running", "")
+    return states
+
+
+def run_view(backend, run, summaries):
+    """What a report says about a run: each claim's state and detail (claim_states), the claims per state, the
+    items per outcome (ok + failed + pending + dead_lettered + cancelled = the run's items, always: a claim that
+    did not run counts its size from the run record), and the run queue's depth while claims wait in it."""
+    states = claim_states(backend, run, summaries)
+    by_claim = {s["claim"]: s for s in summaries}
+    items = dict.fromkeys(("ok", "failed", "pending", "dead_lettered", "cancelled"), 0)
+    for index, claim in enumerate(run["claims"]):
+        state = states[claim][0]
+        if state in ("done", "failed"):
+            items["ok"] += by_claim[claim]["ok"]
+            items["failed"] += len(by_claim[claim]["failed"])
+        else:
+            items[ITEM_OUTCOME[state]] += claim_items(run, index)
+    counts = Counter(state for state, _ in states.values())
+    queue = None
+    if counts["queued or running"]:
+        with contextlib.suppress(NotFound):
+            queue = backend.queues.open_queue(run["queue"]).counts()
+    return {"complete": counts["done"] + counts["failed"] == len(run["claims"]),
+            "claims": {claim: {"state": state, "detail": detail} for claim, (state, detail) in states.items()},
+            "claim_counts": {state: counts[state] for state in CLAIM_STATES}, "items": items, "queue": queue}
+
+
+def claim_list(claims):
+    """Claims as short text, consecutive ones as a span: 'c00001, c00003..c00009'."""
+    spans = []
+    for claim in claims:
+        if spans and int(claim[1:]) == int(spans[-1][1][1:]) + 1:
+            spans[-1][1] = claim
+        else:
+            spans.append([claim, claim])
+    return ", ".join(first if first == last else f"{first}..{last}" for first, last in spans)
+
+
+def next_step(run, state):
+    """What the user can do about the run's claims in `state`, one that did not run."""
+    if state == "queued or running":
+        return f"wait, or read it later: python calque.py runs show {run['run_id']}"
+    if state == "cancelled" or run["mode"] == "cold":   # a cold run's queue and workers are gone once it ends
+        return "submit those items again"
+    if state == "not queued":
+        return f"python calque.py runs resume {run['run_id']} (or runs cancel {run['run_id']})"
+    return f"python calque.py runs redrive {run['run_id']}"
+
+
+def format_run(run, summaries, view, results_uri):
+    """The lines `submit` and `runs show` print: the items per outcome (they add up to the run's items), the
+    claims per state, the claim table (claims that did not run: one row per span in one state), why claims
+    were dead-lettered, where the results are, and what becomes of the claims that did not run."""
+    items, counts, queue = view["items"], view["claim_counts"], view["queue"]
+    per_state = [f"{n} {state}" for state, n in counts.items() if n]
+    if queue:
+        per_state = [p + f" ({run['queue']}: {queue['visible']} visible, {queue['in_flight']} in flight)"
+                     if p.endswith("queued or running") else p for p in per_state]
+    lines = [f"run {run['run_id']} ({run['mode']}, model {run['model']}): {items['ok']} items ok, "
+             f"{items['failed']} failed, {items['pending']} pending, {items['dead_lettered']} dead-lettered, "
+             f"{items['cancelled']} cancelled (of {run['items']} items)",
+             "  claims: " + ", ".join(per_state),
              f"  {'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
-    for s in summaries:
-        lines.append(f"  {s['claim']:<8} {s['worker_id'][:28]:<28} {'yes' if s['warm_hit'] else 'no':<5} "
-                     f"{s['enter_seconds_paid']:>8.3f} {s['ok']:>6} {len(s['failed']):>6} {s['claim_seconds']:>8.3f}"
-                     f"  {s['status']}")
-    lines += [f"  claim {s['claim']} failed: {s['error']}" for s in summaries if s.get("error")]
+    by_claim, claims, index = {s["claim"]: s for s in summaries}, run["claims"], 0
+    while index < len(claims):
+        state = view["claims"][claims[index]]["state"]
+        if state in ("done", "failed"):
+            s = by_claim[claims[index]]
+            lines.append(f"  {s['claim']:<8} {s['worker_id'][:28]:<28} {'yes' if s['warm_hit'] else 'no':<5} "
+                         f"{s['enter_seconds_paid']:>8.3f} {s['ok']:>6} {len(s['failed']):>6} "
+                         f"{s['claim_seconds']:>8.3f}  {s['status']}")
+            index += 1
+            continue
+        last = index
+        while last + 1 < len(claims) and view["claims"][claims[last + 1]]["state"] == state:
+            last += 1
+        span = f" (through {claims[last]}: {last - index + 1} claims)" if last > index else ""
+        lines.append(f"  {claims[index]:<8} {'-':<28} {'-':<5} {'-':>8} {'-':>6} {'-':>6} {'-':>8}  {state}{span}")
+        index = last + 1
+    lines += [f"  claim {claim} dead-lettered: {v['detail']}" for claim, v in view["claims"].items()
+              if v["state"] == "dead-lettered"]
     lines.append(f"  results: {results_uri}  (python calque.py runs results {run['run_id']})")
-    if timed_out:
-        lines.append(f"  not finished: {len(run['claims']) - len(summaries)} claim(s) still pending; the run goes on — "
-                     f"read it later with `python calque.py runs show {run['run_id']}`")
+    why = " ({})".format("; ".join(sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})))
+    for state, what in NOT_RUN.items():
+        if counts[state]:
+            lines.append(f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> HINT: "
+                         f"{next_step(run, state)}")
     return lines
 
 
@@ -1562,15 +1893,17 @@ def format_runs_list(runs):
             f"{r['created_at']}" for r in runs]
 
 
-def report_run(backend, run, summaries, timed_out, as_json, out=sys.stdout):
-    """Print the run (format_run, or JSON); returns the exit code: 0 when every item of every claim succeeded."""
+def report_run(backend, run, summaries, as_json, out=sys.stdout):
+    """Print the run (format_run, or JSON with the same view); returns the exit code: 0 when every claim ran and
+    every item of every claim succeeded."""
+    view = run_view(backend, run, summaries)
     if as_json:
-        print(json.dumps({"run": run, "summaries": summaries, "complete": not timed_out}, indent=1), file=out)
+        print(json.dumps({"run": run, "summaries": summaries, **view}, indent=1), file=out)
     else:
-        print("\n".join(format_run(run, summaries, timed_out, backend.store.uri(f"runs/{run['run_id']}/results/"))),
+        print("\n".join(format_run(run, summaries, view, backend.store.uri(f"runs/{run['run_id']}/results/"))),
               file=out)
     all_ok = all(s["status"] == "ok" and not s["failed"] for s in summaries)
-    return EXIT_OK if not timed_out and all_ok else EXIT_FAILED
+    return EXIT_OK if view["complete"] and all_ok else EXIT_FAILED
 
 
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
@@ -1604,9 +1937,9 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
     claim_size = claim_size or max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
-    run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
     procs, instance_ids = [], []
     try:
+        run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
         if ec2:
             instance_ids = launch()
         else:        # fresh local processes
@@ -1632,6 +1965,9 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             ec2_cold_cleanup(backend, instance_ids)
         backend.queues.delete_queue(queue_name)
         backend.queues.delete_queue(cold["dlq"])
+        with contextlib.suppress(NotFound):   # (no run record: stopped while staging, nothing was queued)
+            # the queue is gone: a claim still without a summary will never run, and the run record says so
+            cancel_run(backend, read_json(backend, run_key(run_id)), "the cold run ended before it finished")
     return run, summaries, timed_out
 
 
@@ -3723,9 +4059,13 @@ def ec2_cold_cleanup(backend, instance_ids, calls=None):
 
 def cmd_pool_create(conf, backend, args):
     defaults = pool_settings(conf, args.batch_size, args.visibility_timeout, args.max_deliveries)
+    if args.batch_timeout is not None and not (math.isfinite(args.batch_timeout) and args.batch_timeout > 0):
+        raise UserError(f"--batch-timeout {args.batch_timeout}: must be a number of seconds above 0")
     queue, dlq = pool_queue_name(args.model), dlq_name(args.model)
     record = {"model": args.model, "slug": slug(args.model), "queue": queue, "dlq": dlq, **defaults,
               "created_at": now_iso(), "store": backend.describe()}
+    if args.batch_timeout is not None:   # absent: the workers' CALQUE_BATCH_TIMEOUT applies
+        record["batch_timeout"] = args.batch_timeout
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
         options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
                                    spot=args.spot, subnet=args.subnet, key_name=args.key_name,
@@ -3924,6 +4264,8 @@ def cmd_pool_delete(conf, backend, args):
             raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes "
                             f"(or previewed with --dry-run)")
         stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15)
+        if args.force and not args.dry_run:
+            cancel_pool_runs(backend, args.model)
         ec2_pool_delete(backend, record, yes=args.yes, dry_run=args.dry_run)
         return EXIT_OK
     if not args.yes:
@@ -3938,6 +4280,8 @@ def cmd_pool_delete(conf, backend, args):
         raise UserError(f"pool {args.model}: its supervisor did not stop; "
                         f"see {state_dir(conf, args.model)}/supervisor.log, then retry")
     print(f"pool {args.model}: local workers stopped")
+    if args.force:
+        cancel_pool_runs(backend, args.model)
     for role in ("queue", "dlq"):
         backend.queues.delete_queue(record[role])
         print(f"pool {args.model}: deleted queue {record[role]}")
@@ -3946,12 +4290,31 @@ def cmd_pool_delete(conf, backend, args):
     return EXIT_OK
 
 
+def cancel_pool_runs(backend, model):
+    """pool delete --force: cancel every unfinished run of the pool, reason "pool deleted", so that a submit
+    waiting on one stops and says why; prints each run cancelled."""
+    for run in list_runs(backend, model):
+        if run["model"] == model and run["mode"] == "pool":
+            marked = cancel_run(backend, run, "pool deleted")
+            if marked:
+                print(f"pool {model}: run {run['run_id']} cancelled: {len(marked)} claim(s) without a summary "
+                      f"will not run")
+
+
 def cmd_supervise(conf, backend, args):
     supervise(conf, args.model)
     return EXIT_OK
 
 
+def check_timeout(seconds):
+    """--timeout (or CALQUE_TIMEOUT, which main puts in its place) must be a finite number of seconds, 0 or more."""
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise UserError(f"--timeout {seconds}: not a number of seconds, 0 or more ---> HINT: e.g. --timeout 600 "
+                        f"(CALQUE_TIMEOUT sets the default)")
+
+
 def cmd_submit(conf, backend, args):
+    check_timeout(args.timeout)
     items = read_items(args.items)
     if args.claim_size is not None and args.claim_size < 1:
         raise UserError(f"--claim-size {args.claim_size}: must be at least 1")
@@ -3965,8 +4328,13 @@ def cmd_submit(conf, backend, args):
             if hint:
                 print(hint, file=sys.stderr)
         queue = backend.queues.open_queue(record["queue"])
+        run_id = new_run_id(record["model"])
         claim_size = args.claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
-        run = stage_run(backend, record, items, claim_size, queue, "pool")
+        try:
+            with signals_interrupt():
+                run = stage_run(backend, record, items, claim_size, queue, "pool", run_id)
+        except SubmitInterrupted as e:
+            return interrupted(backend, run_id, e.signum)
         if args.no_wait:
             print(run["run_id"])
             return EXIT_OK
@@ -3982,13 +4350,26 @@ def cmd_submit(conf, backend, args):
         ec2 = None   # fresh local processes, unless the flags ask for EC2 instances on an s3:// store
         if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
             ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
-        run, summaries, timed_out = cold_run(
-            conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
-            batch_size=args.batch_size, claim_size=args.claim_size, timeout=args.timeout, progress=not args.json,
-            ec2=ec2, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
+        try:
+            with signals_interrupt():   # a SIGTERM too ends the run's workers and deletes its queues
+                run, summaries, timed_out = cold_run(
+                    conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
+                    batch_size=args.batch_size, claim_size=args.claim_size, timeout=args.timeout,
+                    progress=not args.json, ec2=ec2, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
+        except SubmitInterrupted as e:
+            print("calque: interrupted: the cold run is cancelled (its workers and queues are gone) ---> HINT: submit "
+                  "again", file=sys.stderr)
+            return 128 + e.signum
         if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
             return EXIT_OK
-    code = report_run(backend, run, summaries, timed_out, args.json)
+    return report_submitted(backend, run, summaries, timed_out, args)
+
+
+def report_submitted(backend, run, summaries, timed_out, args):
+    """The end of submit and runs resume: the run's report and cost lines; returns the exit code."""
+    if timed_out:   # what the store says now: a cancel (pool deleted), claims a cold run's workers finished last
+        run, summaries = read_run(backend, run["run_id"]), read_summaries(backend, run["run_id"])
+    code = report_run(backend, run, summaries, args.json)
     if not args.json and summaries:
         for line in run_cost_lines(backend, run, summaries, _pricing(args)):
             print("  " + line)
@@ -4002,23 +4383,153 @@ def cmd_runs_list(conf, backend, args):
 
 
 def cmd_runs_show(conf, backend, args):
-    run = read_run(backend, args.run)
-    summaries = read_summaries(backend, args.run)
-    return report_run(backend, run, summaries, len(summaries) < len(run["claims"]), args.json)
+    return report_run(backend, read_run(backend, args.run), read_summaries(backend, args.run), args.json)
+
+
+def claim_results(backend, run_id, claim, count):
+    """The claim's result lines, in item order (read_claim_results). A claim run by a calque 0.2 worker has no
+    parts but one results object: it is read instead, and must hold `count` lines too."""
+    try:
+        return read_claim_results(backend.store, run_id, claim, count)
+    except ResultsIncomplete:
+        if backend.store.list(results_prefix(run_id, claim)):
+            raise
+        try:
+            lines = backend.store.get(results_key(run_id, claim)).decode().splitlines(keepends=True)
+        except NotFound:
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part under {results_prefix(run_id, claim)}")
+        if len(lines) != count or not lines[-1].endswith("\n"):
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is truncated "
+                                    f"({len(lines)} of {count} lines)")
+        return lines
 
 
 def cmd_runs_results(conf, backend, args):
-    """Every item's result, in item order, as JSONL on stdout."""
+    """Every item's result, in item order, as JSONL on stdout. A claim without all its results (it did not run,
+    or a part is missing or truncated) is an error line on stderr and exit 1: never a short read that looks whole."""
     run = read_run(backend, args.run)
-    missing = []
-    for claim in run["claims"]:
+    view = run_view(backend, run, read_summaries(backend, args.run))
+    code, not_run = EXIT_OK, {}
+    for index, claim in enumerate(run["claims"]):
+        state = view["claims"][claim]["state"]
+        if state not in ("done", "failed"):
+            not_run.setdefault(state, []).append(claim)
+            continue
         try:
-            sys.stdout.write(backend.store.get(results_key(args.run, claim)).decode())
-        except NotFound:
-            missing.append(claim)
-    if missing:
-        print(f"run {args.run}: no results yet for claim(s) {', '.join(missing)}", file=sys.stderr)
-        return EXIT_FAILED
+            sys.stdout.write("".join(claim_results(backend, args.run, claim, claim_items(run, index))))
+        except ResultsIncomplete as e:
+            print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
+                  file=sys.stderr)
+            code = EXIT_FAILED
+    for state, claims in not_run.items():
+        print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} ({claim_list(claims)}) "
+              f"---> HINT: {next_step(run, state)}", file=sys.stderr)
+    return EXIT_FAILED if not_run else code
+
+
+def cmd_runs_resume(conf, backend, args):
+    """Send the claims an interrupted submit did not send, then wait for the run as submit does (unless --no-wait)."""
+    check_timeout(args.timeout)
+    run = read_run(backend, args.run)
+    if run["mode"] != "pool":
+        raise UserError(f"run {args.run} is a cold run: its workers and queues lived only while its submit waited "
+                        f"---> HINT: submit its items again")
+    if run.get("cancelled"):
+        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to resume ---> HINT: "
+                        f"submit its items again")
+    queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
+    done = summary_claims(backend, args.run)
+    unsent = [claim for claim in run["claims"][run["sent"]:] if claim not in done]
+    try:
+        with signals_interrupt():
+            send_claims(backend, run, queue, skip=done, resume=True)
+    except SubmitInterrupted as e:
+        return interrupted(backend, args.run, e.signum)
+    print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}", file=sys.stderr)
+    if args.no_wait:
+        return EXIT_OK
+    summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json)
+    return report_submitted(backend, run, summaries, timed_out, args)
+
+
+def cmd_runs_cancel(conf, backend, args):
+    """Cancel a run: its claims without a summary will not run (cancel_run)."""
+    run = read_run(backend, args.run)
+    marked = cancel_run(backend, run, "runs cancel")
+    if marked:
+        print(f"run {args.run}: cancelled: {len(marked)} claim(s) without a summary will not run")
+    elif run.get("cancelled"):
+        print(f"run {args.run}: already cancelled ({run['cancelled']['reason']}): nothing left to cancel")
+    else:
+        print(f"run {args.run}: every claim has a summary: nothing to cancel")
+    return EXIT_OK
+
+
+def redrive(backend, record, runs):
+    """Send the dead-lettered claims of `runs` ({run id: run record}, runs of the pool `record`) back to the pool
+    queue, marked resume (the worker skips the items its result parts hold). A claim is dead-lettered when its
+    summary is a failure summary or, without a summary, when its copy is in the DLQ. Its failure summary is
+    deleted first (else a worker would ack the claim as done), then it is sent, then its DLQ copies are deleted;
+    a claim that finished meanwhile only loses its DLQ copies. Idempotent: a second call finds nothing to send.
+    Returns {run id: [claims sent back]}."""
+    queue, dlq = backend.queues.open_queue(record["queue"]), backend.queues.open_queue(record["dlq"])
+    letters = receive_all(dlq, dlq.counts()["visible"])
+    copies, deleted, sent = {}, set(), {}
+    for message in letters:
+        found = dead_letter_of(message)
+        if found and found[0] in runs:
+            copies.setdefault(found[:2], []).append(message)
+    try:
+        for run_id, run in runs.items():
+            summaries = {s["claim"]: s for s in read_summaries(backend, run_id)}
+            for claim in run["claims"]:
+                s = summaries.get(claim)
+                failure = s is not None and s["status"] == "failed" and bool(s.get("error"))
+                if failure or (s is None and (run_id, claim) in copies):
+                    if failure:
+                        backend.store.delete(summary_key(run_id, claim))
+                    queue.send(make_message(run_id, run["model"], backend.store.uri(manifest_key(run_id, claim)), claim,
+                                            resume=True))
+                    sent.setdefault(run_id, []).append(claim)
+                for message in copies.get((run_id, claim), []):
+                    dlq.delete(message)
+                    deleted.add(message.receipt)
+    finally:
+        release(dlq, [m for m in letters if m.receipt not in deleted])
+    return sent
+
+
+def print_redriven(record, sent):
+    for run_id, claims in sent.items():
+        print(f"run {run_id}: {len(claims)} dead-lettered claim(s) sent back to {record['queue']} "
+              f"({claim_list(claims)})")
+
+
+def cmd_runs_redrive(conf, backend, args):
+    """Send a run's dead-lettered claims back to its pool's queue (redrive)."""
+    run = read_run(backend, args.run)
+    if run["mode"] != "pool":
+        raise UserError(f"run {args.run} is a cold run: its queues are gone ---> HINT: submit its items again")
+    if run.get("cancelled"):
+        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to redrive ---> HINT: "
+                        f"submit its items again")
+    record = load_pool(backend, run["model"])
+    sent = redrive(backend, record, {args.run: run})
+    print_redriven(record, sent)
+    if not sent:
+        print(f"run {args.run}: no dead-lettered claim: nothing to redrive")
+    return EXIT_OK
+
+
+def cmd_pool_redrive(conf, backend, args):
+    """Send the dead-lettered claims of every run of the pool (but cancelled ones) back to its queue."""
+    record = load_pool(backend, args.model)
+    runs = {run["run_id"]: run for run in list_runs(backend, args.model)
+            if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
+    sent = redrive(backend, record, runs)
+    print_redriven(record, sent)
+    if not sent:
+        print(f"pool {args.model}: no dead-lettered claim in its {len(runs)} run(s): nothing to redrive")
     return EXIT_OK
 
 
@@ -4073,7 +4584,7 @@ def build_parser():
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
-        dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost}")
+        dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive}")
     p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
@@ -4081,6 +4592,9 @@ def build_parser():
     p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
     p.add_argument("--visibility-timeout", type=int, help="seconds a claim stays invisible; the heartbeat renews it")
     p.add_argument("--max-deliveries", type=int, help="deliveries before a claim goes to the dead-letter queue")
+    p.add_argument("--batch-timeout", type=float, metavar="SECONDS",
+                   help="seconds one handler.batch() call may run before the worker gives up on it "
+                        "(default: the workers' CALQUE_BATCH_TIMEOUT)")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
     ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
     ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
@@ -4122,6 +4636,9 @@ def build_parser():
     p = pool.add_parser("supervise")   # internal: what `pool create` starts detached; no help, so not listed
     p.add_argument("--model", required=True, help="the pool's model name")
     p.set_defaults(func=cmd_supervise)
+    p = pool.add_parser("redrive", help="send the dead-lettered claims of every run of the pool back to its queue")
+    p.add_argument("--model", required=True, help="the pool's model name")
+    p.set_defaults(func=cmd_pool_redrive)
 
     p = verbs.add_parser("submit", parents=[priced],
                          help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
@@ -4143,8 +4660,8 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_submit)
 
-    runs = verbs.add_parser("runs", help="read runs: list, show, results").add_subparsers(
-        dest="runs_verb", required=True, metavar="{list,show,results}")
+    runs = verbs.add_parser("runs", help="read runs (list, show, results); resume, cancel, redrive them")
+    runs = runs.add_subparsers(dest="runs_verb", required=True, metavar="{list,show,results,resume,cancel,redrive}")
     p = runs.add_parser("list", help="every run in the store")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_runs_list)
@@ -4155,6 +4672,18 @@ def build_parser():
     p = runs.add_parser("results", help="a run's results as JSONL, in item order")
     p.add_argument("run", help="the run id (see `runs list`)")
     p.set_defaults(func=cmd_runs_results)
+    p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, then wait")
+    p.add_argument("run", help="the run id (see `runs list`)")
+    p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
+    p.add_argument("--no-wait", action="store_true", help="return once the claims are sent")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_runs_resume)
+    p = runs.add_parser("cancel", help="cancel a run: its claims without a summary will not run")
+    p.add_argument("run", help="the run id (see `runs list`)")
+    p.set_defaults(func=cmd_runs_cancel)
+    p = runs.add_parser("redrive", help="send a run's dead-lettered claims back to its pool's queue")
+    p.add_argument("run", help="the run id (see `runs list`)")
+    p.set_defaults(func=cmd_runs_redrive)
 
     p = verbs.add_parser("cost", parents=[priced], help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")

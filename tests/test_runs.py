@@ -1,0 +1,253 @@
+"""A run's life after submit, with real CLI processes: interrupted and resumed, cancelled, dead-lettered and
+redriven, its pool deleted under a waiting submit; results read from their parts; the one-line refusals."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import calque
+from conftest import HANDLERS, PY, ROOT, backend_for, cli, start_worker, wait_for, write_items
+
+
+def create_pool(env, *extra, handler="Echo"):
+    out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:{handler}", *extra)
+    assert out.returncode == 0, out.stderr
+
+
+def submit_waiting(env, items, *extra):
+    """A `submit --pool m` that waits for its run, as a background process."""
+    return subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", items, *extra], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def only_run(env):
+    runs = json.loads(cli(env, "runs", "list", "--json").stdout)
+    assert len(runs) == 1
+    return runs[0]["run_id"]
+
+
+def said(out, code, stdout=None, stderr=None):
+    """A finished CLI process's exit code and, where given, exactly what it printed."""
+    assert out.returncode == code, (out.stdout, out.stderr)
+    assert stdout is None or out.stdout == stdout, out.stdout
+    assert stderr is None or out.stderr == stderr, out.stderr
+
+
+def stop(proc):
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 0
+
+
+def totals(run_id, ok=0, failed=0, pending=0, dead=0, cancelled=0, mode="pool"):
+    """The first line of a run's report."""
+    return (f"run {run_id} ({mode}, model m): {ok} items ok, {failed} failed, {pending} pending, {dead} dead-lettered, "
+            f"{cancelled} cancelled (of {ok + failed + pending + dead + cancelled} items)")
+
+
+def test_interrupted_submit_then_resume_runs_every_item_once(local_env, tmp_path):
+    """SIGINT once the first claim is queued: exit 130, the line says how many were queued and how to resume;
+    runs show tells queued from never sent; runs resume sends the rest and every item comes back exactly once."""
+    create_pool(local_env)
+    queue = backend_for(local_env).queues.open_queue("calque-pool-m")
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(1000)])
+    proc = submit_waiting(local_env, items, "--claim-size", "1")
+    while not queue.counts()["visible"]:   # ~0.1 ms a send: the signal lands ~20x inside the 1,000 (measured)
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    run_id = only_run(local_env)
+    sent = calque.read_run(backend_for(local_env), run_id)["sent"]
+    queued = queue.counts()
+    assert proc.returncode == 130 and 0 < sent < 1000, (proc.returncode, sent, err)
+    assert queued["visible"] == sent
+    assert err == (f"calque: interrupted: run {run_id}: {sent} of 1000 claim(s) queued (they finish without you), "
+                   f"{1000 - sent} not sent ---> HINT: python calque.py runs resume {run_id}\n")
+    show = cli(local_env, "runs", "show", run_id)
+    lines = show.stdout.splitlines()
+    assert show.returncode == 1
+    assert lines[:2] == [totals(run_id, pending=1000), f"  claims: {sent} queued or running (calque-pool-m: "
+                         f"{queued['visible']} visible, 0 in flight), {1000 - sent} not queued"]
+    assert lines[-2:] == [f"  not finished: {sent} claim(s) still pending; the run goes on ---> HINT: wait, or read "
+                          f"it later: python calque.py runs show {run_id}",
+                          f"  not finished: {1000 - sent} claim(s) were never sent: nothing will run them ---> HINT: "
+                          f"python calque.py runs resume {run_id} (or runs cancel {run_id})"]
+    assert cli(local_env, "pool", "scale", "--model", "m", "--workers", "1").returncode == 0
+    resume = cli(local_env, "runs", "resume", run_id, "--timeout", "120")
+    assert resume.returncode == 0, resume.stderr
+    assert f"run {run_id}: {1000 - sent} claim(s) not sent before now sent to calque-pool-m\n" in resume.stderr
+    assert resume.stdout.splitlines()[:2] == [totals(run_id, ok=1000), "  claims: 1000 done"]
+    results = cli(local_env, "runs", "results", run_id)
+    said(results, 0, stderr="")
+    assert [(r["i"], r["result"]["y"]) for r in map(json.loads, results.stdout.splitlines())] == \
+        [(i, 2 * i) for i in range(1000)]
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0   # nothing left queued
+
+
+def test_cancel_marks_unfinished_claims_and_workers_ack_them_unrun(local_env, tmp_path):
+    """runs cancel while a worker is mid-claim: that claim keeps its real summary, the two others are cancelled
+    and acked unrun; runs show counts 10 ok + 15 cancelled = 25 items, exit 1; resume is refused."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate))
+    create_pool(env, handler="Gate")
+    worker = start_worker(env, "--model", "m")
+    out = cli(env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(25)]),
+              "--claim-size", "10", "--no-wait")
+    run_id = out.stdout.strip()
+    wait_for(lambda: os.listdir(gate), 30, "the worker to start claim c00000")
+    cancel = cli(env, "runs", "cancel", run_id)
+    said(cancel, 0, f"run {run_id}: cancelled: 3 claim(s) without a summary will not run\n")
+    (gate / "open").touch()
+    queue = backend_for(env).queues.open_queue("calque-pool-m")
+    wait_for(lambda: queue.counts() == {"visible": 0, "in_flight": 0}, 30, "the worker to ack every claim")
+    stop(worker)
+    stats = calque.read_worker_stats(backend_for(env), "m")[0]
+    assert (stats["claims"], stats["items"]) == (1, 10)      # c00001 and c00002 acked without running
+    show = cli(env, "runs", "show", run_id)
+    lines = show.stdout.splitlines()
+    assert show.returncode == 1
+    assert lines[:2] == [totals(run_id, ok=10, cancelled=15), "  claims: 1 done, 2 cancelled"]
+    assert lines[4].split() == ["c00001"] + ["-"] * 6 + "cancelled (through c00002: 2 claims)".split()
+    assert lines[-1] == ("  not finished: 2 claim(s) were cancelled (runs cancel): nothing will run them ---> HINT: "
+                         "submit those items again")
+    view = json.loads(cli(env, "runs", "show", run_id, "--json").stdout)
+    assert view["items"] == {"ok": 10, "failed": 0, "pending": 0, "dead_lettered": 0, "cancelled": 15}
+    assert not view["complete"] and view["claim_counts"]["cancelled"] == 2
+    again = cli(env, "runs", "cancel", run_id)
+    said(again, 0, f"run {run_id}: already cancelled (runs cancel): nothing left to cancel\n")
+    said(cli(env, "runs", "resume", run_id), 2, "", f"calque: error: run {run_id} was cancelled (runs cancel): "
+                                                    f"nothing to resume ---> HINT: submit its items again\n")
+
+
+def test_dead_letters_are_reported_then_redriven(aws_env, tmp_path):
+    """On SQS + S3 (moto_server): two claims dead-lettered, one with its failure summary and one whose summary
+    write failed (its DLQ copy is all there is): the waiting submit stops and reports both, runs show too
+    (the DLQ copies stay); pool redrive sends both back marked resume and the run completes; runs redrive
+    then finds nothing."""
+    create_pool(aws_env)
+    backend = backend_for(aws_env)
+    queue, dlq = (backend.queues.open_queue(name) for name in ("calque-pool-m", "calque-dlq-m"))
+    proc = submit_waiting(aws_env, write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(20)]),
+                          "--claim-size", "10", "--timeout", "120")
+    wait_for(lambda: queue.counts()["visible"] == 2, 30, "both claims queued")
+    reason = "delivered 4 times, more than the pool's max deliveries 3"
+    claims = {}
+    for with_summary in (True, False):   # what a worker's dead_letter() leaves, its summary write failing once
+        message = queue.receive(1)
+        msg = json.loads(message.body)
+        claims[with_summary] = msg["claim"]
+        if with_summary:
+            calque.write_json(backend, calque.summary_key(msg["run_id"], msg["claim"]), calque.claim_summary(
+                run_id=msg["run_id"], claim=msg["claim"], model="m", worker_id="gone-1", mode="pool", backend="aws",
+                receive_count=4, enter_count=1, started=0.0, finished=0.0, requests={}, error=reason))
+        dlq.send(json.dumps({"reason": reason, "body": message.body, "receive_count": 4, "worker_id": "gone-1",
+                             "at": calque.now_iso()}))
+        queue.delete(message)
+    summarised, bare = claims[True], claims[False]
+    out, _ = proc.communicate(timeout=120)
+    run_id = msg["run_id"]
+    expected = [f"  claim {summarised} dead-lettered: {reason}",
+                f"  claim {bare} dead-lettered: {reason} (its copy in the dead-letter queue; no summary)"]
+    hint = (f"  not finished: 2 claim(s) were dead-lettered: nothing will run them ---> HINT: python calque.py runs "
+            f"redrive {run_id}")
+    assert proc.returncode == 1
+    lines = out.splitlines()
+    assert lines[:2] == [totals(run_id, dead=20), "  claims: 2 dead-lettered"]
+    assert sorted(expected) == sorted(lines[4:6]) and hint in lines, out
+    show = cli(aws_env, "runs", "show", run_id)
+    assert show.returncode == 1 and show.stdout.splitlines()[0] == totals(run_id, dead=20)
+    assert show.stdout.splitlines()[-1] == hint
+    assert dlq.counts() == {"visible": 2, "in_flight": 0}      # looked at, left in place
+    said(cli(aws_env, "runs", "results", run_id), 1, "", f"calque: error: run {run_id}: no results for 2 claim(s) "
+         f"dead-lettered (c00000..c00001) ---> HINT: python calque.py runs redrive {run_id}\n")
+    said(cli(aws_env, "pool", "redrive", "--model", "m"), 0,
+         f"run {run_id}: 2 dead-lettered claim(s) sent back to calque-pool-m (c00000..c00001)\n")
+    assert dlq.counts() == {"visible": 0, "in_flight": 0}
+    assert not backend.store.exists(calque.summary_key(run_id, summarised))   # else a worker would ack it unrun
+    sent_back = [queue.receive(1) for _ in range(2)]
+    assert sorted((json.loads(m.body)["claim"], json.loads(m.body)["resume"]) for m in sent_back) == \
+        [("c00000", True), ("c00001", True)]
+    for message in sent_back:
+        queue.change_visibility(message, 0)
+    worker = start_worker(aws_env, "--model", "m")
+    wait_for(lambda: len(calque.summary_claims(backend, run_id)) == 2, 60, "the redriven claims' summaries")
+    stop(worker)
+    assert cli(aws_env, "runs", "show", run_id).stdout.splitlines()[:2] == [totals(run_id, ok=20), "  claims: 2 done"]
+    results = cli(aws_env, "runs", "results", run_id)
+    assert [r["i"] for r in map(json.loads, results.stdout.splitlines())] == list(range(20))
+    said(cli(aws_env, "runs", "redrive", run_id), 0, f"run {run_id}: no dead-lettered claim: nothing to redrive\n")
+
+
+def test_pool_delete_force_stops_a_waiting_submit(local_env, tmp_path):
+    """pool delete --force under a waiting submit: the run is cancelled "pool deleted", and submit stops with
+    that reason, exit 1, instead of waiting out its timeout."""
+    create_pool(local_env)
+    queue = backend_for(local_env).queues.open_queue("calque-pool-m")
+    proc = submit_waiting(local_env, write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(5)]),
+                          "--timeout", "600")
+    wait_for(lambda: queue.counts()["visible"] == 1, 30, "the claim queued")
+    run_id = only_run(local_env)
+    delete = cli(local_env, "pool", "delete", "--model", "m", "--yes", "--force")
+    assert delete.returncode == 0, delete.stderr
+    assert f"pool m: run {run_id} cancelled: 1 claim(s) without a summary will not run" in delete.stdout.splitlines()
+    out, _ = proc.communicate(timeout=60)
+    lines = out.splitlines()
+    assert proc.returncode == 1
+    assert lines[:2] == [totals(run_id, cancelled=5), "  claims: 1 cancelled"]
+    assert ("  not finished: 1 claim(s) were cancelled (pool deleted): nothing will run them ---> HINT: submit those "
+            "items again") in lines
+
+
+def test_runs_results_reads_parts_and_refuses_a_truncated_one(local_env, tmp_path):
+    """runs results joins a claim's parts in item order; a truncated or missing part is one error line naming
+    the claim and the part, exit 1, and only whole claims reach stdout."""
+    create_pool(local_env)
+    out = cli(local_env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(12)]),
+              "--claim-size", "6", "--no-wait")
+    run_id = out.stdout.strip()
+    backend = backend_for(local_env)
+
+    def finish(claim, first, parts):
+        """What a worker leaves of a claim of 6 items from `first`: parts {(start, stop): lines}, then the summary."""
+        for (start, stop), count in parts.items():
+            backend.store.put(calque.part_key(run_id, claim, start, stop), "".join(
+                json.dumps({"i": first + k, "ok": True, "result": {"y": 2 * (first + k)}}) + "\n"
+                for k in range(start, start + count)))
+        calque.write_json(backend, calque.summary_key(run_id, claim), calque.claim_summary(
+            run_id=run_id, claim=claim, model="m", worker_id="w-1", mode="pool", backend="local", receive_count=1,
+            enter_count=1, started=0.0, finished=1.0, requests={}, items=6))
+
+    finish("c00000", 0, {(0, 4): 4, (2, 6): 4})           # overlapping parts (a lease lost mid-claim)
+    finish("c00001", 6, {(0, 3): 3, (3, 6): 2})           # the second part lost its last line
+    part = f"runs/{run_id}/results/c00001/0000003-0000006.jsonl"
+    results = cli(local_env, "runs", "results", run_id)
+    said(results, 1, stderr=f"calque: error: run {run_id} claim c00001: part {part} is truncated (2 of 3 lines) "
+                            f"---> HINT: the store lost these results: submit the claim's items again\n")
+    assert [json.loads(line)["i"] for line in results.stdout.splitlines()] == list(range(6))
+    os.remove(os.path.join(local_env["CALQUE_STORE"], part))
+    said(cli(local_env, "runs", "results", run_id), 1, stderr=f"calque: error: run {run_id} claim c00001: no result "
+         f"part holds item offset 3 of 6 ---> HINT: the store lost these results: submit the claim's items again\n")
+    finish("c00001", 6, {(3, 6): 3})
+    results = cli(local_env, "runs", "results", run_id)
+    said(results, 0, stderr="")
+    assert [(r["i"], r["result"]["y"]) for r in map(json.loads, results.stdout.splitlines())] == \
+        [(i, 2 * i) for i in range(12)]
+
+
+def test_timeouts_and_batch_timeouts_that_are_not_numbers_are_refused(local_env, tmp_path):
+    """--timeout nan / inf / -1 (or CALQUE_TIMEOUT=nan): one line, exit 2, nothing staged; pool create
+    --batch-timeout is kept in the pool record, and a bad one is refused the same way."""
+    items = write_items(tmp_path / "items.jsonl", [{"x": 1}])
+    hint = "---> HINT: e.g. --timeout 600 (CALQUE_TIMEOUT sets the default)"
+    for value, shown in (("nan", "nan"), ("inf", "inf"), ("-1", "-1.0")):
+        said(cli(local_env, "submit", "--pool", "m", items, "--timeout", value), 2, "",
+             f"calque: error: --timeout {shown}: not a number of seconds, 0 or more {hint}\n")
+    out = cli(dict(local_env, CALQUE_TIMEOUT="nan"), "runs", "resume", "m.20261129-000000-abcdef")
+    said(out, 2, "", f"calque: error: --timeout nan: not a number of seconds, 0 or more {hint}\n")
+    assert cli(local_env, "runs", "list", "--json").stdout.strip() == "[]"
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--batch-timeout", "nan")
+    said(out, 2, "", "calque: error: --batch-timeout nan: must be a number of seconds above 0\n")
+    create_pool(local_env, "--batch-timeout", "30")
+    assert calque.load_pool(backend_for(local_env), "m")["batch_timeout"] == 30.0
