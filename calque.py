@@ -49,6 +49,7 @@ DEFAULTS = {
     "CALQUE_ENDPOINT_RETRY": "60",      # s an S3/SQS call retries a dropped, refused or timed-out connection
     "CALQUE_SPOT_POLL": "",             # spot-interruption metadata address (off when empty; EC2 bootstrap sets it)
     "CALQUE_SPOT_INTERVAL": "5",        # s between two spot-interruption checks (AWS gives a 2-minute notice)
+    "CALQUE_GPUS": "",                  # GPU indices the supervisor hands its workers (empty: every device NVML sees)
 }
 ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
@@ -61,7 +62,11 @@ DLQ_SCAN_WAIT = 1.0                     # s of each receive of a dead-letter sca
 STORE_WRITERS = 16                      # parallel store writes when cancel marks many claims (an S3 PUT is ~20 ms)
 ERRORS_KEPT = 100                       # per-item error messages kept in a summary (the count is always exact)
 ERROR_CHARS = 500                       # an error message is cut to this many characters
+ERROR_GROUPS_SHOWN = 5                  # distinct item errors a run report prints (--json has every kept one)
+FIRST_ITEMS_SHOWN = 5                   # item indices a run report prints per error
+TRACE_FRAMES = 3                        # last traceback frames a failed item's result line carries
 QUEUE_OPEN_RETRY = 10.0                 # s to retry opening a queue that does not resolve yet (SQS lag)
+DEFAULT_REGION = "us-east-1"            # AWS region when neither the environment nor ~/.aws/config names one
 
 VERSION = "0.2.0"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -80,8 +85,17 @@ class StoreFault(Exception):
     read: one line naming the key or file and the next step, exit 1."""
 
 
+class WorkersFailed(Exception):
+    """A pool's workers cannot run (they die before @enter is done): one line naming the first one's error and
+    its log, exit 1."""
+
+
 class LeaseLost(Exception):
     """The claim's receipt is no longer valid: another worker may own the message now."""
+
+
+OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_BATCH_TIMEOUT")   # CALQUE_* names read elsewhere
+_warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
 def settings():
@@ -95,17 +109,39 @@ def settings():
         except OSError as e:
             raise UserError(f"cannot read {env_file} ({e.strerror}) ---> HINT: fix it, or point CALQUE_ENV elsewhere")
         for lineno, line in text_lines(data, env_file):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            key, sep, value = line.partition("=")
-            if not sep:
-                raise UserError(f"{env_file}:{lineno}: expected KEY=value, got {line!r}")
-            merged[key.strip()] = value.strip().strip('"').strip("'")
+            parsed = env_line(line, f"{env_file}:{lineno}")
+            if parsed:
+                merged[parsed[0]] = parsed[1]
     for key in DEFAULTS:
         if key in os.environ:
             merged[key] = os.environ[key]
     return merged
+
+
+def env_line(line, where):
+    """(key, value) of one pool.env line as a shell reads it: `export KEY=value`, KEY="value # kept", KEY=value
+    # a comment; None for a blank or comment line. An unknown CALQUE_* key is warned about on stderr, once, with
+    the known key it most resembles."""
+    line = line.strip()
+    if not line or line.startswith("#"):
+        return None
+    key, sep, value = re.sub(r"^export\s+", "", line).partition("=")
+    key, value = key.strip(), value.strip()
+    if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+        raise UserError(f"{where}: expected KEY=value, got {line!r}")
+    quoted = re.fullmatch(r"""(["'])(.*)\1(\s+#.*)?""", value)
+    value = quoted[2] if quoted else re.sub(r"(^|\s+)#.*$", "", value)
+    if key.startswith("CALQUE_") and key not in DEFAULTS and key not in OTHER_SETTINGS and key not in _warned:
+        _warned.add(key)
+        print(f"calque: warning: {where}: unknown setting {key}{did_you_mean(key, DEFAULTS)}: ignored", file=sys.stderr)
+    return key, value
+
+
+def did_you_mean(name, known):
+    """' (did you mean X?)' for the known name closest to `name`, or ''."""
+    import difflib
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def text_lines(data, where):
@@ -953,9 +989,10 @@ class AwsBackend:
         self.requests = Counter()
         if endpoint_retry is None:
             endpoint_retry = setting_number(settings(), "CALQUE_ENDPOINT_RETRY", float, 0)
-        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
-        config = aws_client_config(region)
         self.session = boto3.session.Session()
+        # boto3's own resolution: AWS_REGION / AWS_DEFAULT_REGION, then the profile's region in ~/.aws/config
+        self.region = self.session.region_name or DEFAULT_REGION
+        config = aws_client_config(self.region)
         self.store = S3Store(self.session.client("s3", config=config), bucket, prefix.strip("/"), self.requests,
                              endpoint_retry)
         self.queues = SqsQueues(self.session.client("sqs", config=config), self.requests, endpoint_retry)
@@ -981,6 +1018,9 @@ def open_backend(store=None, check_prefix=""):
     """The backend CALQUE_STORE names, checked usable by a LIST under check_prefix (a worker passes its
     own pool's folder, the only one its role may list)."""
     store = store or settings()["CALQUE_STORE"]
+    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", store) and not store.startswith("s3://") or store.startswith("s3/"):
+        raise UserError(f"CALQUE_STORE={store!r} looks like a mistyped URI ---> HINT: s3://bucket/prefix for S3, or a "
+                        f"folder path (./{store} if a folder of that name is meant)")
     backend = AwsBackend(store) if store.startswith("s3://") else LocalBackend(store)
     backend.check(check_prefix)
     return backend
@@ -1011,14 +1051,20 @@ def write_json(backend, key, value):
     backend.store.put(key, json.dumps(value, indent=1, default=to_jsonable))
 
 
-def load_pool(backend, model):
+def load_pool(backend, model, missing=None):
+    """The pool record of `model`. None there: a UserError with the closest pool name and `missing` (the next step
+    for this verb; default: create the pool)."""
     fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its names, "
            f"then create it again")
     try:
         record = read_json(backend, pool_key(model), fix)
     except NotFound:
-        raise UserError(f"no pool for model {model!r} in {backend.describe()}: create it with "
-                        f"`python calque.py pool create --model {model} --handler file.py:Class` (or see `pool list`)")
+        names = [read_json(backend, folder + "/pool.json").get("model") for folder in backend.store.list("pools/")
+                 if backend.store.exists(folder + "/pool.json")]
+        close = did_you_mean(model, [n for n in names if isinstance(n, str)])
+        raise UserError(f"no pool for model {model!r} in {backend.describe()}{close} ---> HINT: " + (
+            missing or f"create it: `python calque.py pool create --model {model} --handler file.py:Class` "
+                       f"(`pool list` lists the pools)")) from None
     if not isinstance(record.get("model"), str):
         raise corrupt_record(backend, pool_key(model), "no model name", fix)
     if record["model"] != model:
@@ -1161,6 +1207,9 @@ SUPERVISOR_TICK = 0.2                   # s between two checks of the children a
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
 SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
+LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts when --workers is not given
+WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter before giving up on them
+EXIT_LOG_TAIL = 16384                   # bytes of a dead worker's log searched for the line that says why it died
 WORKER_LOST_AFTER = 120.0               # s of silence after which a "running" worker elsewhere counts as lost
                                         # (4 of warmd's 30 s stats intervals; it also writes after each claim)
 
@@ -1214,9 +1263,15 @@ def write_file_atomic(path, text):
     os.replace(tmp, path)
 
 
-def start_supervisor(conf, model, workers):
+def start_supervisor(conf, model, workers, gpus_per_worker=None):
+    """Ask this machine's supervisor of the pool for `workers` workers (starting it when there is none); returns
+    its pid. `gpus_per_worker` (None: 1 where CUDA devices exist) is read by a new supervisor, and by a running
+    one at its next tick."""
     folder = state_dir(conf, model)
     os.makedirs(folder, exist_ok=True)
+    if gpus_per_worker is not None and gpus_per_worker < 0:
+        raise UserError(f"--gpus-per-worker {gpus_per_worker}: must be 0 (no GPU) or more")
+    write_file_atomic(os.path.join(folder, "gpus-per-worker"), "" if gpus_per_worker is None else str(gpus_per_worker))
     write_file_atomic(os.path.join(folder, "desired"), str(workers))
     status = read_supervisor(conf, model)
     if status:
@@ -1279,7 +1334,8 @@ def supervise(conf, model):
             totals["restarts"] += _reap(slots, want, now)
             _spawn(conf, model, folder, slots, want, now)
             workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
-                        "restarts": v["restarts"], "log": v["log"]} for s, v in sorted(slots.items())]
+                        "restarts": v["restarts"], "log": v["log"], "warm": _is_warm(v), "gpus": v["gpus"],
+                        "last_exit": v["last_exit"]} for s, v in sorted(slots.items())]
             write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
                 {"pid": os.getpid(), "model": model, "desired": want, "restarts": totals["restarts"],
                  "workers": workers, "updated_at": now_iso()}))
@@ -1314,14 +1370,46 @@ def read_desired(folder):
         return 0
 
 
+def _is_warm(slot):
+    """True once the slot's current process has finished @enter (warmd writes its pid to the ready file)."""
+    if slot["proc"] is None:
+        return False
+    try:
+        with open(slot["ready"]) as f:
+            return f.read().strip() == str(slot["proc"].pid)
+    except OSError:
+        return False
+
+
+def exit_reason(log_path, returncode):
+    """Why a worker died, in one line: the last exception line or `warmd: error:` line of its log, else its exit
+    status (a signal's name when one killed it)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - EXIT_LOG_TAIL))
+            tail = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        tail = []
+    said = re.compile(r"^(warmd: error: .*|[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$")
+    for line in reversed(tail):
+        if said.match(line.strip()):
+            return line.strip()[:ERROR_CHARS]
+    if returncode is not None and returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode} (no error line in its log)"
+
+
 def _reap(slots, want, now):
-    """Notice exited workers: a slot still wanted restarts after its backoff; a slot above `want` is
-    stopped (SIGTERM, once) and dropped when its process is gone. Returns the restarts counted."""
+    """Notice exited workers, keeping why each died (last_exit; warm: whether it had finished @enter): a slot still
+    wanted restarts after its backoff; a slot above `want` is stopped (SIGTERM, once) and dropped when its process
+    is gone. Returns the restarts counted."""
     restarts = 0
     for s, slot in list(slots.items()):
         proc = slot["proc"]
         if proc is not None and proc.poll() is not None:
             print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
+            slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": _is_warm(slot),
+                                 "reason": exit_reason(slot["log"], proc.returncode)}
             slot["proc"] = None
             if s < want:
                 lived = now - slot["started"]
@@ -1340,17 +1428,66 @@ def _reap(slots, want, now):
 
 
 def _spawn(conf, model, folder, slots, want, now):
-    """Start a warmd.py in every wanted slot that has none and whose backoff is over."""
+    """Start a warmd.py in every wanted slot that has none and whose backoff is over, on its own GPU(s)."""
+    devices, per_worker = gpu_plan(conf, folder)
     for s in range(want):
-        slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0,
-                                    "log": os.path.join(folder, f"worker-{s}.log")})
+        slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0, "last_exit": None,
+                                    "log": os.path.join(folder, f"worker-{s}.log"),
+                                    "ready": os.path.join(folder, f"worker-{s}.ready")})
         if slot["proc"] is None and now >= slot["not_before"]:
-            env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()))   # the worker stops if we die
+            slot["gpus"] = worker_gpus(devices, per_worker, s)
+            env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
+                       CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
             with open(slot["log"], "ab") as log:
                 slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=log, env=env, cwd=HERE)
             slot["started"] = now
             print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
+
+
+def gpu_devices(conf):
+    """The GPU indices this machine's workers share: CALQUE_GPUS when set (tests fake a device list with it), else
+    CUDA_VISIBLE_DEVICES when set, else every device NVML counts ([] without NVML or a GPU)."""
+    listed = conf.get("CALQUE_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:   # no nvidia-ml-py, no driver, no device: the workers run on the CPU
+        return []
+
+
+def gpu_plan(conf, folder):
+    """(devices, GPUs per worker) for the pool's workers here: the per-worker count `pool create`/`pool scale`
+    wrote (empty: 1 where devices exist, else 0)."""
+    devices = gpu_devices(conf)
+    try:
+        with open(os.path.join(folder, "gpus-per-worker")) as f:
+            asked = f.read().strip()
+    except OSError:
+        asked = ""
+    return devices, int(asked) if asked else min(1, len(devices))
+
+
+def worker_gpus(devices, per_worker, slot):
+    """The devices of worker `slot`, round-robin: slot s gets the next `per_worker` devices after slot s-1's,
+    wrapping (more workers than devices share them)."""
+    if not devices or not per_worker:
+        return []
+    return [devices[(slot * per_worker + j) % len(devices)] for j in range(per_worker)]
+
+
+def gpu_env(gpus):
+    """The environment that confines a worker to its devices: CUDA_VISIBLE_DEVICES for CUDA, and the first
+    device's index for NVML (which ignores CUDA_VISIBLE_DEVICES) to sample."""
+    if not gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CALQUE_GPU_INDEX": gpus[0]}
 
 
 def _stop_workers(live, grace):
@@ -1434,8 +1571,13 @@ class ArrayItems:
 
     @classmethod
     def load(cls, path):
+        return cls.from_arrays(read_arrays(path), path)
+
+    @classmethod
+    def from_arrays(cls, arrays, path):
+        """From {name: array} (the arrays of a .npz, or the API's numpy input); `path` names them in errors."""
         import numpy as np
-        arrays = read_arrays(path)
+        arrays = {name: np.asarray(values) for name, values in arrays.items()}
         fields, counts = {}, {}
         for name, values in arrays.items():
             if not SAFE_ID.match(name):   # it names store keys (runs/RUN/inputs/CLAIM/<name>.values.npy)
@@ -1692,10 +1834,11 @@ class DeadLetters:
         return self.found
 
 
-def wait_for_run(backend, run, timeout, progress=True):
+def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     """Poll the run's summaries until every claim has one, or nothing can run the rest (nothing_left_to_run,
     checked every RUN_RECHECK s), or timeout; returns (summaries, timed_out), timed_out meaning that some claim
-    has no summary. `run` follows its stored record (a cancel, how far sending got)."""
+    has no summary. `run` follows its stored record (a cancel, how far sending got). stop_if(), called at each
+    of those checks, may raise to stop waiting (the pool's workers all crash)."""
     from tqdm import tqdm
     started = time.monotonic()
     deadline, recheck = started + timeout, started + RUN_RECHECK
@@ -1716,6 +1859,8 @@ def wait_for_run(backend, run, timeout, progress=True):
                 break
             if now >= recheck:
                 recheck = now + RUN_RECHECK
+                if stop_if:
+                    stop_if()
                 if nothing_left_to_run(backend, run, done, dead):
                     break
             time.sleep(min(delay, deadline - now))
@@ -1879,12 +2024,43 @@ def format_run(run, summaries, view, results_uri):
         index = last + 1
     lines += [f"  claim {claim} dead-lettered: {v['detail']}" for claim, v in view["claims"].items()
               if v["state"] == "dead-lettered"]
+    lines += format_item_errors(run, summaries)
     lines.append(f"  results: {results_uri}  (python calque.py runs results {run['run_id']})")
     why = " ({})".format("; ".join(sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})))
     for state, what in NOT_RUN.items():
         if counts[state]:
             lines.append(f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> HINT: "
                          f"{next_step(run, state)}")
+    return lines
+
+
+def item_errors(summaries):
+    """[(message, [item indices])] of the failed items whose messages the summaries kept, grouped by message with
+    its numbers blanked (so "item 3 failed" and "item 7 failed" are one error), the most frequent first."""
+    groups = {}
+    for s in summaries:
+        for index, message in s.get("errors", {}).items():
+            groups.setdefault(re.sub(r"\d+", "#", message), (message, []))[1].append(int(index))
+    return sorted(groups.values(), key=lambda g: (-len(g[1]), min(g[1])))
+
+
+def format_item_errors(run, summaries):
+    """The report's failed items by error: count, first item indices, one message of each group."""
+    failed = sum(len(s["failed"]) for s in summaries)
+    if not failed:
+        return []
+    groups = item_errors(summaries)
+    lines = [f"  failed items by error ({failed} failed):"]
+    for message, indices in groups[:ERROR_GROUPS_SHOWN]:
+        first = ", ".join(map(str, sorted(indices)[:FIRST_ITEMS_SHOWN])) + (
+            ", ..." if len(indices) > FIRST_ITEMS_SHOWN else "")
+        lines.append(f"    {len(indices):>6} x {message}  (items {first})")
+    if len(groups) > ERROR_GROUPS_SHOWN:
+        lines.append(f"    (+{len(groups) - ERROR_GROUPS_SHOWN} more errors: --json lists every kept message)")
+    unkept = failed - sum(len(indices) for _, indices in groups)
+    if unkept:
+        lines.append(f"    (+{unkept} failed items whose messages were not kept: {ERRORS_KEPT} are kept per claim)")
+    lines.append(f"    their tracebacks: python calque.py runs results {run['run_id']} --failed")
     return lines
 
 
@@ -1912,10 +2088,12 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     warmd.py processes here, or with `ec2` (a ColdLaunch) one-shot EC2 instances. `handler`
     (path/to/file.py:Class) or else the pool of `model` gives the code; `claim_size` defaults to an even
     split over the shards. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
-    record = None if handler else load_pool(backend, model)    # no handler named: reuse the pool's snapshot
+    record = None if handler else load_pool(   # no handler named: reuse the pool's snapshot
+        backend, model, f"give the cold run its code: submit --model {model} --handler file.py:Class ITEMS")
     run_id = new_run_id(model)
     queue_name, dlq = run_queue_names(run_id)
     cold = {"model": model, "slug": slug(model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
+            "workdir": os.getcwd(),   # the workers run where submit ran (warmd.enter_workdir)
             **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
     prefix = f"runs/{run_id}/"
     if handler:
@@ -4055,18 +4233,365 @@ def ec2_cold_cleanup(backend, instance_ids, calls=None):
 
 
 # ------------------------------------------------------------------------------------------------
+# the Python API: what a notebook imports, and what the CLI verbs below call.
+#   pool = calque.Pool("demo"); pool.create(handler="my_model.py:MyModel", workers=2)
+#   run = calque.submit(items, pool="demo")            # items: an iterable, a JSONL path, or numpy arrays
+#   for result in run.results(): ...                   # in item order, each claim's as soon as it finishes
+
+def _context(store=None):
+    """(settings, backend) for an API call: the CALQUE_* settings as the CLI reads them; `store` overrides
+    CALQUE_STORE."""
+    conf = settings()
+    if store is not None:
+        conf["CALQUE_STORE"] = store
+    return conf, open_backend(conf["CALQUE_STORE"])
+
+
+def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT):
+    """Wait until `workers` local workers of the pool have finished @enter, with a progress line on stderr when
+    `progress`. A worker that dies before it is warm (an exit after `since`, epoch s) raises WorkersFailed with
+    its error line and log, after the pool's local workers are scaled to 0 (nothing crash-loops behind it)."""
+    folder, started, shown = state_dir(conf, model), time.monotonic(), ""
+    try:
+        while True:
+            status = read_supervisor(conf, model)
+            if status is None:
+                raise WorkersFailed(f"pool {model}: its supervisor exited ---> HINT: see {folder}/supervisor.log")
+            died = [w for w in status["workers"] if (w.get("last_exit") or {}).get("at", 0) >= since
+                    and not w["last_exit"]["warm"]]
+            if died:
+                scale_local(conf, model, 0)
+                raise WorkersFailed(f"pool {model}: {died_line(died[0])}; its local workers are stopped ---> HINT: "
+                                    f"fix the handler (or install what it imports), then create the pool again")
+            warm = sum(bool(w.get("warm")) for w in status["workers"])
+            line = f"pool {model}: {warm} of {workers} local worker(s) warm ({time.monotonic() - started:.0f} s)"
+            if progress and line != shown:
+                print("\r" + line, end="", file=sys.stderr, flush=True)
+                shown = line
+            if warm >= workers:
+                return
+            if time.monotonic() - started > timeout:
+                raise WorkersFailed(f"pool {model}: {warm} of {workers} worker(s) warm after {timeout:g} s (still in "
+                                    f"@enter?); they keep loading ---> HINT: calque pool logs --model {model}")
+            time.sleep(SUPERVISOR_TICK)
+    finally:
+        if shown:
+            print(file=sys.stderr)
+
+
+def died_line(worker):
+    """'worker 0 died before it was warm: <its error line> (log <path>)'."""
+    return (f"worker {worker['slot']} died before it was warm: {worker['last_exit']['reason']} "
+            f"(log {worker['log']})")
+
+
+def crash_looping(conf, model):
+    """The first local worker's death line when every local worker of the pool on this machine keeps dying before
+    it is warm, else None (no supervisor here, or one worker warm or still loading for the first time)."""
+    status = read_supervisor(conf, model)
+    workers = status["workers"] if status else []
+    if workers and all(not w.get("warm") and (w.get("last_exit") or {}).get("warm") is False for w in workers):
+        return died_line(workers[0])
+    return None
+
+
+def pool_liveness(conf, backend, record):
+    """("live" | "starting" | "crashing" | "none", why) for a submit to the pool: live when a worker has finished
+    @enter (a warm local worker, or a running worker's stats on any machine); crashing when every local worker
+    dies before it is warm; starting when local workers are loading or a scaled-to-zero EC2 pool will wake on
+    work; none when nothing will claim the run (no worker here or anywhere, an EC2 group at 0 or with no instance
+    in service)."""
+    model = record["model"]
+    status = read_supervisor(conf, model)
+    local = status["workers"] if status else []
+    if any(w.get("warm") for w in local):
+        return "live", ""
+    if any(w.get("state") == "running" for w in mark_lost_workers(read_worker_stats(backend, model))):
+        return "live", ""
+    crashing = crash_looping(conf, model)
+    if crashing:
+        return "crashing", f"pool {model}: every local worker dies before it is warm: {crashing}"
+    if local:
+        return "starting", f"pool {model}: {len(local)} local worker(s) still loading (@enter); the run waits for them"
+    if "ec2" in record and backend.kind == "aws":
+        hint = ec2_cold_wait_hint(backend, record)
+        if hint is None:
+            return "starting", f"pool {model}: instances in service, no worker running yet (bootstrapping)"
+        asg = _describe_asg(AwsCalls.for_backend(backend), ec2_names(model)["asg"])
+        wakes = asg is not None and not asg["DesiredCapacity"] and record["ec2"].get("scale_to_zero_after")
+        return ("starting" if wakes else "none"), hint
+    return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere)"
+
+
+def scale_local(conf, model, workers, gpus_per_worker=None):
+    """Set the pool's local worker count on this machine; 0 stops its supervisor. Returns the supervisor's pid
+    (None at 0)."""
+    if workers < 0:
+        raise UserError(f"--workers {workers}: must be 0 or more")
+    if workers:
+        return start_supervisor(conf, model, workers, gpus_per_worker)
+    if os.path.isdir(state_dir(conf, model)):
+        write_file_atomic(os.path.join(state_dir(conf, model), "desired"), "0")
+    stop_supervisor(conf, model, setting_number(conf, "CALQUE_GRACE") + 10)
+    return None
+
+
+class Pool:
+    """One model's pool of local workers: create, scale, status, delete. (An EC2 cohort: the CLI's
+    `pool create --instances`.)"""
+
+    def __init__(self, model, *, store=None, context=None):
+        self.model = model
+        self.conf, self.backend = context or _context(store)
+
+    def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
+               max_deliveries=None, batch_timeout=None, gpus_per_worker=None, wait=True, progress=False):
+        """Create (or re-create: idempotent) the pool: queues, handler snapshot, pool record, then `workers`
+        local workers, waited for until warm unless wait=False (WorkersFailed names the first that died).
+        The workers run in the current folder (the record's workdir). Returns the pool record."""
+        defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
+        if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
+            raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
+        record = new_pool_record(self.backend, self.model, defaults, batch_timeout)
+        record["workdir"] = os.getcwd()
+        with pool_name_claimed(self.backend, self.model):
+            record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", self.backend.store.put)
+            self.backend.queues.create_queue(record["queue"], record["visibility_timeout"])
+            self.backend.queues.create_queue(record["dlq"], record["visibility_timeout"])
+            write_json(self.backend, pool_key(self.model), record)
+        if workers:
+            self.scale(workers, gpus_per_worker=gpus_per_worker, wait=wait, progress=progress)
+        return record
+
+    def scale(self, workers, *, gpus_per_worker=None, wait=True, progress=False):
+        """Set the number of local workers on this machine (0 stops them), waiting until the new ones are warm
+        unless wait=False. Returns the supervisor's pid (None at 0)."""
+        load_pool(self.backend, self.model)
+        since = time.time()
+        pid = scale_local(self.conf, self.model, workers, gpus_per_worker)
+        if pid and wait:
+            wait_warm(self.conf, self.model, workers, since, progress)
+        return pid
+
+    def status(self):
+        """pool_status: the record, queue depths, this machine's workers (GPU, last exit), every worker's stats."""
+        return pool_status(self.conf, self.backend, self.model)
+
+    def delete(self, force=False):
+        """Stop the local workers, delete the queues and the pool's store folder (runs are kept). Refused while
+        claims are queued or in flight unless force (then the pool's unfinished runs are cancelled). Returns the
+        runs cancelled {run id: claims}."""
+        record = pool_record_to_delete(self.backend, self.model, force)
+        if not force:   # deleting the queue would drop claims nobody has finished
+            depth = queue_depth(self.backend, record["queue"])
+            if depth and (depth["visible"] or depth["in_flight"]):
+                raise UserError(f"pool {self.model} still has {depth['visible']} queued and {depth['in_flight']} "
+                                f"in-flight claim(s): wait for them (runs show RUN), or pass --force to delete them "
+                                f"with the pool")
+        if not stop_supervisor(self.conf, self.model, setting_number(self.conf, "CALQUE_GRACE") + 15):
+            raise UserError(f"pool {self.model}: its supervisor did not stop; "
+                            f"see {state_dir(self.conf, self.model)}/supervisor.log, then retry")
+        cancelled = cancel_pool_runs(self.backend, self.model) if force else {}
+        for role in ("queue", "dlq"):
+            self.backend.queues.delete_queue(record[role])
+        self.backend.store.delete_prefix(f"pools/{record['slug']}/")
+        return cancelled
+
+
+def new_pool_record(backend, model, defaults, batch_timeout=None):
+    """A pool record before its handler snapshot: names, settings, when and where."""
+    record = {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model),
+              **defaults, "created_at": now_iso(), "store": backend.describe()}
+    if batch_timeout is not None:   # absent: the workers' CALQUE_BATCH_TIMEOUT applies
+        record["batch_timeout"] = batch_timeout
+    return record
+
+
+def as_items(items):
+    """What stage_run takes, from what a user holds: a path (JSONL, .npy, .npz) goes to read_items; a numpy array
+    (item i = {"input": a[i]}) or a dict of arrays (the fields of a .npz) becomes ArrayItems; any other iterable
+    is read into a list of JSON items."""
+    if isinstance(items, (str, os.PathLike)):
+        return read_items(os.fspath(items))
+    if isinstance(items, ArrayItems):
+        return items
+    if hasattr(items, "dtype") and hasattr(items, "shape"):
+        return ArrayItems.from_arrays({"input": items}, "the array")
+    if isinstance(items, dict):
+        return ArrayItems.from_arrays(items, "the arrays")
+    items = list(items)
+    if not items:
+        raise UserError("no items to submit")
+    return items
+
+
+def check_claim_size(claim_size):
+    if claim_size is not None and claim_size < 1:
+        raise UserError(f"--claim-size {claim_size}: must be at least 1")
+
+
+RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own fields: no --id-field may be one
+
+
+def check_id_field(items, field):
+    """Refuse an --id-field that names a result line's own field, or that an item lacks (the first one named)."""
+    if field in RESULT_FIELDS:
+        raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
+    if isinstance(items, ArrayItems):
+        if field not in items.fields:
+            raise UserError(f"--id-field {field!r}: no array of that name (arrays: {', '.join(items.fields)})")
+        return
+    for index, item in enumerate(items):
+        if not isinstance(item, dict) or field not in item:
+            raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: give every item one, "
+                            f"or drop --id-field")
+
+
+def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
+           shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None):
+    """Run `items` against the warm pool of model `pool` and return its Run at once (the claims are queued); or,
+    with `model` instead (and a `handler`, or the model's pool's), as a cold run with `shards` fresh local workers,
+    returned once it ended. A pool with no live worker is a UserError unless wait_for_workers (the claims then wait
+    in its queue); one whose every local worker dies before it is warm is a WorkersFailed. (`run_id`: the CLI's,
+    which it names when a signal stops the staging.)"""
+    conf, backend = context or _context(store)
+    items = as_items(items)
+    if id_field:
+        check_id_field(items, id_field)
+    check_claim_size(claim_size)
+    if not pool:
+        if not model:
+            raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
+        if timeout is None:
+            timeout = setting_number(conf, "CALQUE_TIMEOUT", float, 0)
+        run, _, _ = cold_run(conf, backend, items, model=model, handler=handler, shards=shards, batch_size=batch_size,
+                             claim_size=claim_size, timeout=timeout, progress=progress)
+        return Run(run["run_id"], context=(conf, backend), id_field=id_field)
+    record = load_pool(backend, pool)
+    state, why = pool_liveness(conf, backend, record)
+    if state == "crashing":
+        raise WorkersFailed(f"{why} ---> HINT: calque pool logs --model {pool}; fix the handler, then pool create")
+    if state == "none" and not wait_for_workers:
+        raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: calque pool scale "
+                        f"--model {pool} --workers 1 (or --instances N), or submit --wait-for-workers to queue it anyway")
+    if state != "live":
+        print(f"calque: {why}", file=sys.stderr)
+    queue = backend.queues.open_queue(record["queue"])
+    claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    run = stage_run(backend, record, items, claim_size, queue, "pool", run_id or new_run_id(record["model"]))
+    return Run(run["run_id"], context=(conf, backend), id_field=id_field)
+
+
+class Run:
+    """A submitted run: wait for it, read its status, results and failures, cancel it, price it."""
+
+    def __init__(self, run_id, *, store=None, context=None, id_field=None):
+        self.conf, self.backend = context or _context(store)
+        self.record = read_run(self.backend, run_id)
+        self.run_id = run_id
+        if id_field and not self.record.get("id_field"):
+            update_run(self.backend, self.record, id_field=id_field)
+
+    def __repr__(self):
+        return f"Run({self.run_id!r})"
+
+    def wait(self, timeout=None, progress=False):
+        """Wait until every claim has a summary, nothing can run the rest, or `timeout` s (default CALQUE_TIMEOUT);
+        stops early with WorkersFailed when every local worker of the pool dies before it is warm. Returns True
+        when every claim has a summary."""
+        if timeout is None:
+            timeout = setting_number(self.conf, "CALQUE_TIMEOUT", float, 0)
+        check_timeout(timeout)
+        _, timed_out = wait_for_run(self.backend, self.record, timeout, progress, stop_if=self._crashing)
+        return not timed_out
+
+    def _crashing(self):
+        if self.record["mode"] == "pool":
+            why = crash_looping(self.conf, self.record["model"])
+            if why:
+                raise WorkersFailed(f"run {self.run_id}: pool {self.record['model']}: every local worker dies before "
+                                    f"it is warm: {why}; the run stays queued ---> HINT: fix the handler, pool create "
+                                    f"it again, then runs show {self.run_id}")
+
+    def summaries(self):
+        return read_summaries(self.backend, self.run_id)
+
+    def status(self):
+        """run_view: each claim's state, the claims per state, the items per outcome, the queue's depth."""
+        self.record = read_run(self.backend, self.run_id)
+        return run_view(self.backend, self.record, self.summaries())
+
+    def results(self, failed_only=False, poll=SUMMARY_POLL_MAX):
+        """Every item's result (a dict: i, ok, result or error and trace, and the --id-field), in item order,
+        each claim's as soon as it finishes. A claim that will not run (dead-lettered, cancelled, never sent)
+        raises ResultsIncomplete when the iteration reaches it: never a short read that looks whole."""
+        for lines in follow_results(self.backend, self.record, poll):
+            for line in lines:
+                result = json.loads(line)
+                if not (failed_only and result.get("ok")):
+                    yield result
+
+    def failures(self):
+        """The failed items' results (i, error, trace), in item order, once the run has finished."""
+        self.wait()
+        return list(self.results(failed_only=True))
+
+    def cancel(self):
+        """Cancel the run: its claims without a summary will not run. Returns the claims marked."""
+        return cancel_run(self.backend, self.record, "cancelled from the API")
+
+    def cost(self, instance_type=None, spot=False, savings_plan=False, rates=None):
+        """The run's cost report (run_cost_report: cost, cold counterfactual, crossover ladder) for the claims
+        finished so far."""
+        summaries = self.summaries()
+        if not summaries:
+            raise UserError(f"run {self.run_id} has no finished claim yet: nothing to price")
+        return run_cost_report(self.backend, self.record, summaries,
+                               pricing(rates, instance_type, spot, savings_plan))
+
+
+def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
+    """Each claim's result lines (with the run's id_field copied in), in claim order, as soon as the claim has
+    its summary. A claim that will not run raises ResultsIncomplete naming it and what to do."""
+    id_field, recheck = run.get("id_field"), 0.0
+    for index, claim in enumerate(run["claims"]):
+        while True:
+            if claim in summary_claims(backend, run["run_id"]):
+                s = read_json(backend, summary_key(run["run_id"], claim))
+                state = "cancelled" if s["status"] == "cancelled" else "dead-lettered" if s.get("error") else "done"
+                detail = s.get("reason") or s.get("error") or ""
+                break
+            if time.monotonic() >= recheck:   # claim_states may scan the dead-letter queue: not at every poll
+                recheck = time.monotonic() + RUN_RECHECK
+                run.update(read_run(backend, run["run_id"]))
+                state, detail = claim_states(backend, run, [])[claim]
+                if state != "queued or running":
+                    break
+            time.sleep(poll)
+        if state != "done":
+            raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
+                                    f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
+        lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
+        yield with_ids(backend, run, claim, lines, id_field) if id_field else lines
+
+
+def with_ids(backend, run, claim, lines, field):
+    """The claim's result lines with each item's `field` copied in (read from the claim's manifest)."""
+    manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
+    if "arrays" in manifest:
+        ids = [item[field].tolist() for item in array_items(backend.store, manifest)]
+    else:
+        ids = [item[field] for item in manifest["items"]]
+    return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
+
+
+# ------------------------------------------------------------------------------------------------
 # the CLI verbs
 
 def cmd_pool_create(conf, backend, args):
-    defaults = pool_settings(conf, args.batch_size, args.visibility_timeout, args.max_deliveries)
-    if args.batch_timeout is not None and not (math.isfinite(args.batch_timeout) and args.batch_timeout > 0):
-        raise UserError(f"--batch-timeout {args.batch_timeout}: must be a number of seconds above 0")
-    queue, dlq = pool_queue_name(args.model), dlq_name(args.model)
-    record = {"model": args.model, "slug": slug(args.model), "queue": queue, "dlq": dlq, **defaults,
-              "created_at": now_iso(), "store": backend.describe()}
-    if args.batch_timeout is not None:   # absent: the workers' CALQUE_BATCH_TIMEOUT applies
-        record["batch_timeout"] = args.batch_timeout
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
+        record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
+                                                                    args.max_deliveries), args.batch_timeout)
         options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
                                    spot=args.spot, subnet=args.subnet, key_name=args.key_name,
                                    scale_to_zero_after=args.scale_to_zero_after)
@@ -4076,19 +4601,28 @@ def cmd_pool_create(conf, backend, args):
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
-    with pool_name_claimed(backend, args.model):
-        record["handler"] = snapshot_handler(args.handler, f"pools/{record['slug']}/", backend.store.put)
-        backend.queues.create_queue(queue, record["visibility_timeout"])
-        backend.queues.create_queue(dlq, record["visibility_timeout"])
-        write_json(backend, pool_key(args.model), record)
-    print(f"pool {args.model}: queue {queue}, dead-letter {dlq}, "
+    workers = LOCAL_WORKERS_DEFAULT if args.workers is None else args.workers
+    pool = Pool(args.model, context=(conf, backend))
+    record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
+                         max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout)
+    print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, "
           f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
-          f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}")
-    if args.workers:
-        pid = start_supervisor(conf, args.model, args.workers)
-        print(f"pool {args.model}: {args.workers} local worker(s) under supervisor pid {pid}; "
-              f"logs in {state_dir(conf, args.model)}")
+          f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}; "
+          f"workers run in {record['workdir']}")
+    if args.workers is None:
+        print(f"pool {args.model}: --workers not given: starting {workers} local worker (--workers 0 for none)")
+    if workers:
+        pid = scale_local_verb(conf, pool, workers, args)
+        print(f"pool {args.model}: {workers} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
+              f"pid {pid}; logs: calque pool logs --model {args.model} ({state_dir(conf, args.model)})")
     return EXIT_OK
+
+
+def scale_local_verb(conf, pool, workers, args):
+    """pool create / pool scale: set the local workers, waiting (unless --no-wait) with a progress line on a
+    terminal until they are warm. Returns the supervisor's pid."""
+    return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, wait=not args.no_wait,
+                      progress=sys.stderr.isatty())
 
 
 def cmd_pool_scale(conf, backend, args):
@@ -4096,16 +4630,13 @@ def cmd_pool_scale(conf, backend, args):
     if args.instances is not None:
         ec2_pool_scale(backend, record, args.instances, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
-    if args.workers < 0:
-        raise UserError(f"--workers {args.workers}: must be 0 or more")
     if args.workers == 0:
-        if os.path.isdir(state_dir(conf, args.model)):
-            write_file_atomic(os.path.join(state_dir(conf, args.model), "desired"), "0")
-        stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 10)
+        scale_local(conf, args.model, 0)
         print(f"pool {args.model}: scaled to 0 local workers")
         return EXIT_OK
-    pid = start_supervisor(conf, args.model, args.workers)
-    print(f"pool {args.model}: scaling to {args.workers} local worker(s) (supervisor pid {pid})")
+    pid = scale_local_verb(conf, Pool(args.model, context=(conf, backend)), args.workers, args)
+    print(f"pool {args.model}: {args.workers} local worker(s) {'starting' if args.no_wait else 'warm'} "
+          f"(supervisor pid {pid})")
     return EXIT_OK
 
 
@@ -4179,6 +4710,7 @@ def format_pool_status(status, store_description):
         alive = sum(w["alive"] for w in status["local_workers"])
         lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, "
                      f"{sup['restarts']} restart(s))")
+        lines += [format_local_worker(w) for w in status["local_workers"]]
     else:
         lines.append("  local workers: none on this machine")
     running = [w for w in status["workers"] if w.get("state") == "running"]
@@ -4197,6 +4729,18 @@ def format_pool_status(status, store_description):
     if len(stopped) > STOPPED_SHOWN:
         lines.append(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
     return lines
+
+
+def format_local_worker(w):
+    """One local worker's line in `pool status`: slot, pid, warm or loading, GPUs, restarts, why it last exited."""
+    state = ("warm" if w.get("warm") else "loading") if w["alive"] else "restarting"
+    gpus = f"GPU {','.join(w['gpus'])}" if w.get("gpus") else "no GPU"
+    line = f"    slot {w['slot']}: pid {w['pid'] or '-'} {state}, {gpus}, {w['restarts']} restart(s)"
+    last = w.get("last_exit")
+    if last:
+        line += (f"; last exit {now_iso(last['at'])[11:19]} ({'after' if last['warm'] else 'before'} warm): "
+                 f"{last['reason']}")
+    return line
 
 
 def cmd_pool_status(conf, backend, args):
@@ -4240,7 +4784,7 @@ def pool_record_to_delete(backend, model, force):
     pool: {"model"} makes delete find what is there by name and tag. A corrupt one is deleted by the model's
     names with --force (locally: its queues and store folder; on S3 as a half-created pool), else refused."""
     try:
-        return load_pool(backend, model)
+        return load_pool(backend, model, "nothing to delete (`python calque.py pool list` lists the pools)")
     except StoreFault:
         if not force:
             raise
@@ -4254,18 +4798,13 @@ def pool_record_to_delete(backend, model, force):
 
 def cmd_pool_delete(conf, backend, args):
     record = pool_record_to_delete(backend, args.model, args.force)
-    if "queue" in record and not args.force:   # deleting the queue would drop claims nobody has finished
-        depth = queue_depth(backend, record["queue"])
-        if depth and (depth["visible"] or depth["in_flight"]):
-            raise UserError(f"pool {args.model} still has {depth['visible']} queued and {depth['in_flight']} in-flight "
-                            f"claim(s): wait for them (runs show RUN), or pass --force to delete them with the pool")
     if "ec2" in record or "queue" not in record:
         if not args.yes and not args.dry_run:
             raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes "
                             f"(or previewed with --dry-run)")
         stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15)
         if args.force and not args.dry_run:
-            cancel_pool_runs(backend, args.model)
+            print_cancelled(args.model, cancel_pool_runs(backend, args.model))
         ec2_pool_delete(backend, record, yes=args.yes, dry_run=args.dry_run)
         return EXIT_OK
     if not args.yes:
@@ -4276,29 +4815,63 @@ def cmd_pool_delete(conf, backend, args):
         if answer.strip().lower() not in ("y", "yes"):
             print("not deleted")
             return EXIT_FAILED
-    if not stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15):
-        raise UserError(f"pool {args.model}: its supervisor did not stop; "
-                        f"see {state_dir(conf, args.model)}/supervisor.log, then retry")
+    print_cancelled(args.model, Pool(args.model, context=(conf, backend)).delete(args.force))
     print(f"pool {args.model}: local workers stopped")
-    if args.force:
-        cancel_pool_runs(backend, args.model)
     for role in ("queue", "dlq"):
-        backend.queues.delete_queue(record[role])
         print(f"pool {args.model}: deleted queue {record[role]}")
-    backend.store.delete_prefix(f"pools/{record['slug']}/")
     print(f"pool {args.model}: deleted its record, handler snapshot and worker stats (runs are kept under runs/)")
     return EXIT_OK
 
 
 def cancel_pool_runs(backend, model):
     """pool delete --force: cancel every unfinished run of the pool, reason "pool deleted", so that a submit
-    waiting on one stops and says why; prints each run cancelled."""
+    waiting on one stops and says why. Returns {run id: the claims marked} of each run cancelled."""
+    cancelled = {}
     for run in list_runs(backend, model):
         if run["model"] == model and run["mode"] == "pool":
             marked = cancel_run(backend, run, "pool deleted")
             if marked:
-                print(f"pool {model}: run {run['run_id']} cancelled: {len(marked)} claim(s) without a summary "
-                      f"will not run")
+                cancelled[run["run_id"]] = marked
+    return cancelled
+
+
+def print_cancelled(model, cancelled):
+    for run_id, marked in cancelled.items():
+        print(f"pool {model}: run {run_id} cancelled: {len(marked)} claim(s) without a summary will not run")
+
+
+def cmd_pool_logs(conf, backend, args):
+    """The pool's worker logs on this machine (--worker W: slot W's), each under a '==> path <==' header; with
+    --follow, what they write next, until Ctrl-C. An EC2 pool's logs are on its instances: say where."""
+    record = load_pool(backend, args.model)
+    if "ec2" in record:
+        print(f"pool {args.model} runs on EC2: each instance's worker log is its journal (`journalctl -u calque-warmd` "
+              f"on the instance; the bootstrap's in /var/log/cloud-init-output.log); `pool status --model "
+              f"{args.model}` lists the instances")
+        return EXIT_OK
+    folder = state_dir(conf, args.model)
+    name = "worker-*.log" if args.worker is None else f"worker-{args.worker}.log"
+    import glob
+    paths = sorted(glob.glob(os.path.join(folder, name)), key=lambda p: int(re.findall(r"\d+", p)[-1]))
+    if not paths:
+        raise UserError(f"pool {args.model}: no {name} in {folder}: no local worker ran here"
+                        + (" in that slot" if args.worker is not None else "")
+                        + f" ---> HINT: calque pool scale --model {args.model} --workers 1")
+    offsets = {}
+    for path in paths:
+        with open(path, "rb") as f:
+            print(f"==> {path} <==\n{f.read().decode(errors='replace')}", end="", flush=True)
+            offsets[path] = f.tell()
+    while args.follow:
+        time.sleep(SUPERVISOR_TICK)
+        for path in paths:
+            with open(path, "rb") as f:
+                f.seek(offsets[path])
+                text = f.read()
+                offsets[path] = f.tell()
+            if text:
+                print(f"==> {path} <==\n{text.decode(errors='replace')}", end="", flush=True)
+    return EXIT_OK
 
 
 def cmd_supervise(conf, backend, args):
@@ -4316,37 +4889,35 @@ def check_timeout(seconds):
 def cmd_submit(conf, backend, args):
     check_timeout(args.timeout)
     items = read_items(args.items)
-    if args.claim_size is not None and args.claim_size < 1:
-        raise UserError(f"--claim-size {args.claim_size}: must be at least 1")
+    progress = not args.json and sys.stderr.isatty()
     if args.pool:
         if args.shards > 1:
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
-        record = load_pool(backend, args.pool)
-        if "ec2" in record:
-            hint = ec2_cold_wait_hint(backend, record)
-            if hint:
-                print(hint, file=sys.stderr)
-        queue = backend.queues.open_queue(record["queue"])
-        run_id = new_run_id(record["model"])
-        claim_size = args.claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+        run_id = new_run_id(args.pool)
         try:
             with signals_interrupt():
-                run = stage_run(backend, record, items, claim_size, queue, "pool", run_id)
+                run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
+                             wait_for_workers=args.wait_for_workers or args.no_wait, context=(conf, backend),
+                             run_id=run_id)
         except SubmitInterrupted as e:
             return interrupted(backend, run_id, e.signum)
         if args.no_wait:
-            print(run["run_id"])
+            print(run.run_id)
             return EXIT_OK
-        depth = queue.counts()
-        print(f"run {run['run_id']}: {len(run['claims'])} claim(s) of {len(items)} items sent to {record['queue']} "
-              f"({depth['visible']} visible, {depth['in_flight']} in flight)", file=sys.stderr)
-        summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json)
+        depth = backend.queues.open_queue(run.record["queue"]).counts()
+        print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {len(items)} items sent to "
+              f"{run.record['queue']} ({depth['visible']} visible, {depth['in_flight']} in flight)", file=sys.stderr)
+        timed_out = not run.wait(args.timeout, progress)
+        run, summaries = run.record, run.summaries()
     else:
         if not args.model:
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
         if args.no_wait:
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
+        check_claim_size(args.claim_size)
+        if args.id_field:
+            check_id_field(items, args.id_field)
         ec2 = None   # fresh local processes, unless the flags ask for EC2 instances on an s3:// store
         if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
             ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
@@ -4355,13 +4926,15 @@ def cmd_submit(conf, backend, args):
                 run, summaries, timed_out = cold_run(
                     conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
                     batch_size=args.batch_size, claim_size=args.claim_size, timeout=args.timeout,
-                    progress=not args.json, ec2=ec2, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
+                    progress=progress, ec2=ec2, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         except SubmitInterrupted as e:
             print("calque: interrupted: the cold run is cancelled (its workers and queues are gone) ---> HINT: submit "
                   "again", file=sys.stderr)
             return 128 + e.signum
         if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
             return EXIT_OK
+        if args.id_field:
+            update_run(backend, run, id_field=args.id_field)
     return report_submitted(backend, run, summaries, timed_out, args)
 
 
@@ -4405,9 +4978,19 @@ def claim_results(backend, run_id, claim, count):
 
 
 def cmd_runs_results(conf, backend, args):
-    """Every item's result, in item order, as JSONL on stdout. A claim without all its results (it did not run,
-    or a part is missing or truncated) is an error line on stderr and exit 1: never a short read that looks whole."""
+    """Every item's result (--failed: only the failed ones), in item order, as JSONL on stdout; --follow waits for
+    each claim in turn and prints its results as soon as it finishes. A claim without all its results (it did not
+    run, or a part is missing or truncated) is an error line on stderr and exit 1: never a short read that looks
+    whole."""
     run = read_run(backend, args.run)
+    if args.follow:
+        try:
+            for lines in follow_results(backend, run):
+                write_results(lines, args.failed)
+        except ResultsIncomplete as e:
+            print(f"calque: error: {e}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_OK
     view = run_view(backend, run, read_summaries(backend, args.run))
     code, not_run = EXIT_OK, {}
     for index, claim in enumerate(run["claims"]):
@@ -4416,15 +4999,25 @@ def cmd_runs_results(conf, backend, args):
             not_run.setdefault(state, []).append(claim)
             continue
         try:
-            sys.stdout.write("".join(claim_results(backend, args.run, claim, claim_items(run, index))))
+            lines = claim_results(backend, args.run, claim, claim_items(run, index))
         except ResultsIncomplete as e:
             print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
                   file=sys.stderr)
             code = EXIT_FAILED
+            continue
+        write_results(with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines,
+                      args.failed)
     for state, claims in not_run.items():
         print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} ({claim_list(claims)}) "
               f"---> HINT: {next_step(run, state)}", file=sys.stderr)
     return EXIT_FAILED if not_run else code
+
+
+def write_results(lines, failed_only):
+    """Result lines to stdout, flushed (a follower sees each claim's as it lands); only the failed ones with
+    failed_only."""
+    sys.stdout.write("".join(line for line in lines if not failed_only or not json.loads(line)["ok"]))
+    sys.stdout.flush()
 
 
 def cmd_runs_resume(conf, backend, args):
@@ -4573,6 +5166,13 @@ def _pricing(args):
     return pricing(args.rates, args.instance_type, args.spot, args.savings_plan)
 
 
+def local_options(p):
+    """The options of pool create and pool scale for local workers."""
+    p.add_argument("--no-wait", action="store_true", help="return once the workers are started, before they are warm")
+    p.add_argument("--gpus-per-worker", type=int, metavar="K",
+                   help="CUDA devices per local worker, round-robin (default 1 where CUDA devices exist, else 0)")
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="calque.py", description="Sticky warm-worker pools for batch model inference.")
     parser.add_argument("--version", action="version", version=f"calque {VERSION}")
@@ -4584,11 +5184,13 @@ def build_parser():
     verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
-        dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive}")
+        dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
     p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
-    p.add_argument("--workers", type=int, default=0, help="local warmd.py processes to start under a supervisor (default 0)")
+    p.add_argument("--workers", type=int, help=f"local warmd.py processes to start under a supervisor, waited for "
+                                                f"until warm (default {LOCAL_WORKERS_DEFAULT})")
+    local_options(p)
     p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
     p.add_argument("--visibility-timeout", type=int, help="seconds a claim stays invisible; the heartbeat renews it")
     p.add_argument("--max-deliveries", type=int, help="deliveries before a claim goes to the dead-letter queue")
@@ -4611,6 +5213,7 @@ def build_parser():
     p.add_argument("--model", required=True, help="the pool's model name")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
+    local_options(p)
     size.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
     p.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
     p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
@@ -4633,6 +5236,11 @@ def build_parser():
     p.add_argument("--since", metavar="T", help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_pool_cost)
+    p = pool.add_parser("logs", help="the pool's worker logs on this machine (EC2: where they are)")
+    p.add_argument("--model", required=True, help="the pool's model name")
+    p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
+    p.add_argument("--follow", action="store_true", help="keep printing what the workers write (Ctrl-C stops)")
+    p.set_defaults(func=cmd_pool_logs)
     p = pool.add_parser("supervise")   # internal: what `pool create` starts detached; no help, so not listed
     p.add_argument("--model", required=True, help="the pool's model name")
     p.set_defaults(func=cmd_supervise)
@@ -4651,6 +5259,9 @@ def build_parser():
     p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
     p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
     p.add_argument("--no-wait", action="store_true", help="print the run id and return at once")
+    p.add_argument("--wait-for-workers", action="store_true",
+                   help="queue the run even when the pool has no live worker (else: exit 2 at once)")
+    p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
     cold_ec2 = p.add_argument_group("cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
     cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
     cold_ec2.add_argument("--subnet", help="subnet id (default: the default VPC's)")
@@ -4671,6 +5282,8 @@ def build_parser():
     p.set_defaults(func=cmd_runs_show)
     p = runs.add_parser("results", help="a run's results as JSONL, in item order")
     p.add_argument("run", help="the run id (see `runs list`)")
+    p.add_argument("--failed", action="store_true", help="only the failed items (with their last traceback frames)")
+    p.add_argument("--follow", action="store_true", help="wait for the claims, printing each one's results as it ends")
     p.set_defaults(func=cmd_runs_results)
     p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, then wait")
     p.add_argument("run", help="the run id (see `runs list`)")
@@ -4692,9 +5305,32 @@ def build_parser():
     return parser
 
 
+KIT_PACKAGES = ("numpy", "torch", "tqdm", "boto3")   # what the CLI and the workers it starts import
+
+
+def kit_python(argv, script):
+    """Make sure this interpreter has the kit's packages. One missing, with the kit's .venv there: run the same
+    command under the .venv's Python (os.execv: this process becomes it); else a UserError naming the package and
+    `make setup`. CALQUE_REEXEC marks the re-run, so that a .venv that lacks it too fails instead of looping."""
+    import importlib.util
+    missing = [name for name in KIT_PACKAGES if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    venv = os.path.join(HERE, ".venv", "bin", "python")
+    if os.path.exists(venv) and not os.environ.get("CALQUE_REEXEC"):
+        os.environ["CALQUE_REEXEC"] = "1"
+        os.execv(venv, [venv, script, *argv])
+    raise UserError(f"this Python ({sys.executable}) lacks the package {missing[0]!r} ---> HINT: run `make setup` in "
+                    f"{HERE}, then use {venv} (or `pip install -e {HERE}` into this Python's environment)")
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    conf = {"CALQUE_STORE": "?"}
+    backend = None
     try:
+        if argv is None:   # a command line, not a call: check the interpreter before anything else
+            kit_python(sys.argv[1:], os.path.abspath(__file__))
+        args = build_parser().parse_args(argv)
         conf = settings()
         if getattr(args, "timeout", None) is None and hasattr(args, "timeout"):
             args.timeout = setting_number(conf, "CALQUE_TIMEOUT", float, 0)
@@ -4703,16 +5339,30 @@ def main(argv=None):
     except UserError as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except StoreFault as e:
+    except (StoreFault, WorkersFailed) as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_FAILED
+    except ResultsIncomplete as e:   # Run.results() through a verb: a claim that will not run
+        print(f"calque: error: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    except BrokenPipeError:
+        # the reader went away (`runs results RUN | head`): stop quietly, as a shell tool does; stdout goes to
+        # /dev/null so that the interpreter's own flush at exit does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except sqlite3.Error as e:   # the embedded queue: its file unwritable, full or damaged
         print(f"calque: error: the local queue in {conf['CALQUE_STORE']} failed ({e}) ---> HINT: check that the "
               f"folder is writable and has free space, then retry", file=sys.stderr)
         return EXIT_FAILED
     except NotFound as e:   # something the pool record names is gone (a queue deleted by hand, say)
-        print(f"calque: error: {e} not found in {conf['CALQUE_STORE']}: recreate the pool (pool create is idempotent) "
-              f"or delete it", file=sys.stderr)
+        region = getattr(backend, "region", None)
+        if region:   # the usual cause on AWS: the pool's queues live in another region than the one searched
+            print(f"calque: error: {e} not found in region {region} ({conf['CALQUE_STORE']}) ---> HINT: if the pool "
+                  f"was created in another region, set AWS_REGION (or the profile's region in ~/.aws/config) to it; "
+                  f"else recreate the pool (pool create is idempotent) or delete it", file=sys.stderr)
+        else:
+            print(f"calque: error: {e} not found in {conf['CALQUE_STORE']}: recreate the pool (pool create is "
+                  f"idempotent) or delete it", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("calque: interrupted; queued claims stay queued and finish without you (runs show RUN reads them)", file=sys.stderr)

@@ -135,8 +135,29 @@ def format_outcome(outcome, base):
                 value = f"result is not JSON-serialisable: {e}"
         failed.append(base + i)
         errors[str(base + i)] = value[:calque.ERROR_CHARS]
-        lines.append(calque.dumps({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS]}) + "\n")
+        lines.append(calque.dumps({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS],
+                                   **trace_of(value)}) + "\n")
     return lines, failed, errors
+
+
+class ItemError(str):
+    """A failed item's message ("ValueError: ..."), carrying `trace`: the last frames where it was raised."""
+    trace = ()
+
+
+def item_error(error):
+    """The ItemError of an exception a handler raised for one item: its message, and its last
+    calque.TRACE_FRAMES traceback frames as "file:line in function: code" (the handler's own lines)."""
+    import traceback
+    message = ItemError(f"{type(error).__name__}: {error}")
+    message.trace = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}: {f.line}"
+                     for f in traceback.extract_tb(error.__traceback__)[-calque.TRACE_FRAMES:]]
+    return message
+
+
+def trace_of(error):
+    """{"trace": frames} for a failed item's result line, {} when the error has none (a wrong result count)."""
+    return {"trace": error.trace} if getattr(error, "trace", None) else {}
 
 
 class Heartbeat:
@@ -282,6 +303,7 @@ class Worker:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, h["file"])
         calque.write_file_atomic(path, source.decode())
+        enter_workdir(self.record.get("workdir"), folder)
         self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"])
         self.collator = Collator(collate)
 
@@ -326,6 +348,7 @@ class Worker:
         try:
             self.start()
             self.write_stats("running")
+            announce_warm()
             self.last_stats, self.backoff = time.monotonic(), 0.0
             while reason == "?":
                 reason = self._loop_once() or "?"
@@ -587,7 +610,7 @@ class Worker:
                     got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
                     outcome.append((False, f"handler returned {got} results for 1 item"))
             except Exception as e:
-                outcome.append((False, f"{type(e).__name__}: {e}"))
+                outcome.append((False, item_error(e)))
             model += time.perf_counter() - t0
         return outcome, model, wait
 
@@ -640,11 +663,34 @@ class Worker:
             log.warning("worker %s: stats write failed (%s)", self.worker_id, e)
 
 
+def enter_workdir(workdir, snapshot_folder):
+    """Run the handler where its user works: the folder `pool create` (or a cold submit) ran in, when it exists on
+    this machine, else (an EC2 instance) the handler's snapshot folder. It goes first on sys.path too, so that the
+    handler imports its sibling modules as it would there; relative paths (open("vocab.txt")) resolve there."""
+    folder = workdir if workdir and os.path.isdir(workdir) else snapshot_folder
+    os.chdir(folder)
+    sys.path.insert(0, folder)
+    log.info("worker: working directory %s", folder)
+
+
+def announce_warm():
+    """Tell this machine's supervisor that @enter is done: its ready file gets our pid (pool create waits on it)."""
+    ready = os.environ.get("CALQUE_READY_FILE")
+    if ready:
+        calque.write_file_atomic(ready, str(os.getpid()))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="warmd.py", description="The sticky worker of a calque pool.")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="serve the pool of this model")
     which.add_argument("--run", help="serve one cold run's queue, then exit (started by `calque.py submit` without --pool)")
+    if argv is None:   # a command line: run under the kit's .venv when this Python lacks its packages
+        try:
+            calque.kit_python(sys.argv[1:], os.path.abspath(__file__))
+        except calque.UserError as e:
+            print(f"warmd: error: {e}", file=sys.stderr)
+            return calque.EXIT_USAGE
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
     try:

@@ -573,7 +573,8 @@ def test_cost_of_a_run_in_progress_is_partial(local_env, tmp_path):
     """A run with claims still pending is priced as far as it has gone, and marked partial."""
     import calque
     from conftest import backend_for
-    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo").returncode == 0
+    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
+               "--workers", "0").returncode == 0
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(4)])
     run_id = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "2", "--no-wait").stdout.strip()
     backend = backend_for(local_env)

@@ -25,6 +25,8 @@ def error_line(out, code):
 
 
 def create_pool(env, model="m", *extra):
+    # no local worker unless asked (pool create starts 1 by default)
+    extra = extra if "--workers" in extra else (*extra, "--workers", "0")
     out = cli(env, "pool", "create", "--model", model, "--handler", f"{HANDLERS}:Echo", *extra)
     assert out.returncode == 0, out.stderr
     return out
@@ -118,7 +120,8 @@ def test_full_store_is_one_line_and_stages_nothing(local_env, tmp_path):
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(3)])
 
     def submit_under_limit():
-        return subprocess.run([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", items, "--timeout", "5"],
+        return subprocess.run([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", items, "--timeout", "5",
+                               "--wait-for-workers"],
                               env=local_env, cwd=ROOT, capture_output=True, text=True, timeout=60,
                               preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (200, 200)))
     # nobody has the queue open: SQLite must create its 32 KiB shared-memory file, which the limit refuses
@@ -228,7 +231,8 @@ def test_colliding_names_created_at_once(backend, request):
     the winner's re-create is idempotent."""
     env = request.getfixturevalue("local_env" if backend == "local" else "aws_env")
     models = ("Foo/Bar", "foo-bar")
-    outs = dict(zip(models, at_once(env, *[("pool", "create", "--model", m, "--handler", f"{HANDLERS}:Echo")
+    outs = dict(zip(models, at_once(env, *[("pool", "create", "--model", m, "--handler", f"{HANDLERS}:Echo",
+                                             "--workers", "0")
                                             for m in models])))
     winners = [model for model, (code, _, _) in outs.items() if code == 0]
     assert len(winners) == 1, outs

@@ -10,6 +10,8 @@ from conftest import HANDLERS, backend_for, cli, wait_for, write_items
 
 
 def create_pool(env, model="m", handler="Echo", *extra):
+    # no local worker unless asked (pool create starts 1 by default)
+    extra = extra if "--workers" in extra else (*extra, "--workers", "0")
     out = cli(env, "pool", "create", "--model", model, "--handler", f"{HANDLERS}:{handler}", *extra)
     assert out.returncode == 0, out.stderr
     return out
@@ -125,7 +127,7 @@ def test_submit_times_out_honestly(local_env, tmp_path):
     refuses to drop the queued claim unless --force."""
     create_pool(local_env, "m", "Echo")
     items = write_items(tmp_path / "items.jsonl", [{"x": 3}])
-    out = cli(local_env, "submit", "--pool", "m", items, "--timeout", "0.5")
+    out = cli(local_env, "submit", "--pool", "m", items, "--timeout", "0.5", "--wait-for-workers")
     assert out.returncode == 1
     assert "still pending" in out.stdout and "runs show" in out.stdout
     one_line_error(cli(local_env, "pool", "delete", "--model", "m", "--yes"), "1 queued and 0 in-flight", "--force")
@@ -189,7 +191,8 @@ def test_unreachable_endpoint_is_one_line(aws_env):
 
 def test_aws_refusals_are_one_line(aws_env, tmp_path):
     """A queue deleted behind calque's back: after the brief retry a new queue gets on SQS, one line, exit 2."""
-    assert cli(aws_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo").returncode == 0
+    assert cli(aws_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
+               "--workers", "0").returncode == 0
     backend = backend_for(aws_env)
     backend.queues.delete_queue("calque-pool-m")
     out = cli(aws_env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": 1}]), timeout=60)

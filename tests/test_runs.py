@@ -11,13 +11,16 @@ from conftest import HANDLERS, PY, ROOT, backend_for, cli, start_worker, wait_fo
 
 
 def create_pool(env, *extra, handler="Echo"):
+    # no local worker unless asked (pool create starts 1 by default)
+    extra = extra if "--workers" in extra else (*extra, "--workers", "0")
     out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:{handler}", *extra)
     assert out.returncode == 0, out.stderr
 
 
 def submit_waiting(env, items, *extra):
     """A `submit --pool m` that waits for its run, as a background process."""
-    return subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", items, *extra], env=env,
+    return subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", items, "--wait-for-workers",
+                             *extra], env=env,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

@@ -12,6 +12,8 @@ from conftest import HANDLERS, backend_for, cli, start_worker, wait_for, write_i
 
 
 def make_pool(env, handler, *extra):
+    # no local worker unless asked (pool create starts 1 by default)
+    extra = extra if "--workers" in extra else (*extra, "--workers", "0")
     out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:{handler}", *extra)
     assert out.returncode == 0, out.stderr
     return backend_for(env)
@@ -288,7 +290,8 @@ def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, 
         monkeypatch.setenv(key, local_env[key])
     monkeypatch.setattr(warmd, "ERROR_BACKOFF", (0.01, 0.01))
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(4)])
-    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo").returncode == 0
+    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
+               "--workers", "0").returncode == 0
     backend = backend_for(local_env)
     run = calque.stage_run(backend, calque.load_pool(backend, "m"), calque.read_items(items), 2,
                            backend.queues.open_queue("calque-pool-m"), "cold")
