@@ -4468,6 +4468,7 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
                              claim_size=claim_size, timeout=timeout, progress=progress)
         return Run(run["run_id"], context=(conf, backend), id_field=id_field)
     record = load_pool(backend, pool)
+    queue = backend.queues.open_queue(record["queue"])   # first: a queue not there (another region) says so
     state, why = pool_liveness(conf, backend, record)
     if state == "crashing":
         raise WorkersFailed(f"{why} ---> HINT: calque pool logs --model {pool}; fix the handler, then pool create")
@@ -4476,7 +4477,6 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
                         f"--model {pool} --workers 1 (or --instances N), or submit --wait-for-workers to queue it anyway")
     if state != "live":
         print(f"calque: {why}", file=sys.stderr)
-    queue = backend.queues.open_queue(record["queue"])
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     run = stage_run(backend, record, items, claim_size, queue, "pool", run_id or new_run_id(record["model"]))
     return Run(run["run_id"], context=(conf, backend), id_field=id_field)
