@@ -14,9 +14,10 @@ FASTBATCH_SO := fastbatch/.built
 setup: $(VENV)/.installed $(FASTBATCH_SO)
 
 # the venv is rebuilt when a requirements file changes; torch==2.13.0 comes from the CPU wheel on disk here
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .   # the `calque` and `warmd` commands in $(VENV)/bin
 	touch $@
 
 # fastbatch's C module, rebuilt when its source changes; a failed build is not fatal: the numpy
@@ -39,4 +40,4 @@ gpu-check: setup
 	$(PY) fastbatch/gpu_check.py
 
 clean:
-	rm -rf .calque .calque-state .calque-demo fastbatch/_fastbatch_c.* fastbatch/*.o fastbatch/.build-* $(FASTBATCH_SO)
+	rm -rf .calque .calque-state .calque-demo build calque.egg-info fastbatch/_fastbatch_c.* fastbatch/*.o fastbatch/.build-* $(FASTBATCH_SO)

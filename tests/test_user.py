@@ -151,8 +151,8 @@ def test_region_from_aws_config_and_the_wrong_region(aws_env, tmp_path):
     config.write_text("[default]\nregion = eu-west-3\n")
     env = {k: v for k, v in aws_env.items() if k not in ("AWS_REGION", "AWS_DEFAULT_REGION")}
     env["AWS_CONFIG_FILE"] = str(config)
-    out = subprocess.run([PY, "-c", f"import calque; print(calque.AwsBackend({env['CALQUE_STORE']!r}).region)"],
-                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    code = f"import calque; print(calque.AwsBackend({env['CALQUE_STORE']!r}).region)"
+    out = subprocess.run([PY, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "eu-west-3", out.stderr
     folder = user_folder(tmp_path)
     assert run(aws_env, folder, "pool", "create", "--model", "m", "--handler", "model.py:Model",
@@ -194,3 +194,21 @@ def test_gpus_per_worker_from_a_faked_device_list(local_env, tmp_path):
     assert json.loads(results[0])["result"]["gpus"] in ("0,1", "2,3")
     logs = run(env, folder, "pool", "logs", "--model", "m", "--worker", "1").stdout
     assert logs.startswith("==> ") and "worker-1.log <==" in logs and f"working directory {folder}" in logs
+
+
+def test_pyproject_installs_the_kit_with_requirements_pins(tmp_path):
+    """pyproject.toml builds a wheel holding calque, warmd and fastbatch, the `calque` and `warmd` commands, and
+    exactly requirements.txt's pins (its single source)."""
+    import zipfile
+    out = subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w",
+                          str(tmp_path), ROOT], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    wheel = zipfile.ZipFile(next(tmp_path.glob("calque-*.whl")))
+    names = wheel.namelist()
+    assert {"calque.py", "warmd.py", "fastbatch/__init__.py"} <= set(names)
+    meta = {name.rsplit("/", 1)[1]: wheel.read(name).decode() for name in names if ".dist-info/" in name}
+    assert "calque = calque:main" in meta["entry_points.txt"] and "warmd = warmd:main" in meta["entry_points.txt"]
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pins = [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+    assert [line[len("Requires-Dist: "):] for line in meta["METADATA"].splitlines()
+            if line.startswith("Requires-Dist: ")] == pins
