@@ -5041,7 +5041,7 @@ def cmd_runs_resume(conf, backend, args):
     print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}", file=sys.stderr)
     if args.no_wait:
         return EXIT_OK
-    summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json)
+    summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json and sys.stderr.isatty())
     return report_submitted(backend, run, summaries, timed_out, args)
 
 
