@@ -4475,7 +4475,7 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     if state == "none" and not wait_for_workers:
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: calque pool scale "
                         f"--model {pool} --workers 1 (or --instances N), or submit --wait-for-workers to queue it anyway")
-    if state != "live":
+    if state == "starting":   # (with wait_for_workers, a pool with none is what the caller asked to queue for)
         print(f"calque: {why}", file=sys.stderr)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     run = stage_run(backend, record, items, claim_size, queue, "pool", run_id or new_run_id(record["model"]))
