@@ -545,11 +545,12 @@ class Worker:
         keys = self.backend.store.list(calque.results_prefix(claim.run_id, claim.claim_id))
         for start, stop, key in calque.part_chain(keys, len(claim.items)):
             try:
-                lines = calque.read_part(self.backend.store, key, start, stop)[claim.start - start:]
-            except calque.ResultsIncomplete as e:
-                log.warning("worker %s: %s: recomputing from offset %d", self.worker_id, e, claim.start)
+                lines = [json.loads(line) for line in calque.read_part(self.backend.store, key, start, stop)]
+            except (calque.ResultsIncomplete, ValueError) as e:
+                log.warning("worker %s: part %s unreadable (%s): recomputing from offset %d",
+                            self.worker_id, key, e, claim.start)
                 break
-            for line in map(json.loads, lines):
+            for line in lines[claim.start - start:]:
                 if not line["ok"]:
                     claim.failed.append(line["i"])
                     if len(claim.errors) < calque.ERRORS_KEPT:
@@ -557,8 +558,12 @@ class Worker:
             claim.parts.append([start, stop])
             claim.start = claim.committed = stop
         claim.resumed_failed = len(claim.failed)
-        attempt = calque.attempt_key(claim.run_id, claim.claim_id)
-        record = json.loads(self.backend.store.get(attempt)) if attempt in keys else {}
+        record, attempt = {}, calque.attempt_key(claim.run_id, claim.claim_id)
+        if attempt in keys:
+            try:
+                record = json.loads(self.backend.store.get(attempt))
+            except ValueError as e:     # torn by hand: what it said is lost (a redelivery still runs item by item)
+                log.warning("worker %s: attempt record %s unreadable (%s)", self.worker_id, attempt, e)
         state, previous = record.get("state"), record.get("receive_count", 0)
         # a record at or past this count was written under an earlier message (a redrive restarts the count)
         claim.progress_at = record.get("progress_at", 0) if previous < rc else 0

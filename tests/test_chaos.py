@@ -11,7 +11,7 @@ import threading
 import calque
 from conftest import HANDLERS, FaultProxy, backend_for, cli, pool_pids, wait_for
 
-KILLS = 8          # kill -9s in the chaos test, one of them the supervisor's
+KILLS = 6          # kill -9s in the chaos test, one of them the supervisor's
 
 
 def start_pool(env, *args):
@@ -61,7 +61,7 @@ def test_poison_items_are_quarantined_and_their_claims_complete(any_env, tmp_pat
     """1,000 items with one os._exit(3) item, and two claims with a kill -9 and a segfault item: every other item
     comes back ok, each poison item failed as poison, nothing is dead-lettered."""
     env = dict(any_env, CALQUE_CHECKPOINT_SECONDS="0", CALQUE_CHECKPOINT_BATCHES="4")
-    backend = start_pool(env, "--workers", "3", "--batch-size", "32")
+    backend = start_pool(env, "--workers", "4", "--batch-size", "32")
     big, small = [{"x": i} for i in range(1000)], [{"x": i} for i in range(20)]
     big[900]["die"], small[3]["die"], small[15]["die"] = "exit", "kill", "segv"
     big_run, small_run = submit(backend, big), submit(backend, small, 10)
