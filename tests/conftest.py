@@ -143,8 +143,15 @@ def backend_for(env):
 
 @pytest.fixture(params=["local", "moto_server"])
 def any_env(request):
-    """The environment of local_env, then of aws_env: a test that must hold on both backends."""
-    return request.getfixturevalue("local_env" if request.param == "local" else "aws_env")
+    """The environment of local_env, then of aws_env: a test that must hold on both backends. The endpoint that
+    backend_for sets in this process's environment is put back as it was after the test: a later test's
+    in-process mock_aws must not send its calls to moto_server."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    yield request.getfixturevalue("local_env" if request.param == "local" else "aws_env")
+    if endpoint is None:
+        os.environ.pop("AWS_ENDPOINT_URL", None)
+    else:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
 
 
 def pool_pids(env, model="m"):
