@@ -50,6 +50,9 @@ DEFAULTS = {
     "CALQUE_SPOT_POLL": "",             # spot-interruption metadata address (off when empty; EC2 bootstrap sets it)
     "CALQUE_SPOT_INTERVAL": "5",        # s between two spot-interruption checks (AWS gives a 2-minute notice)
     "CALQUE_GPUS": "",                  # GPU indices the supervisor hands its workers (empty: every device NVML sees)
+    "CALQUE_BATCH_TIMEOUT": "900",      # s one handler call may run before the worker calls it hung (pool default)
+    "CALQUE_CHECKPOINT_SECONDS": "30",  # s of drain between two result parts of a claim (with the next one: both)
+    "CALQUE_CHECKPOINT_BATCHES": "8",   # batches between two result parts of a claim (with the previous one: both)
 }
 ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
@@ -94,7 +97,7 @@ class LeaseLost(Exception):
     """The claim's receipt is no longer valid: another worker may own the message now."""
 
 
-OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_BATCH_TIMEOUT")   # CALQUE_* names read elsewhere
+OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH")   # CALQUE_* names read elsewhere
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
@@ -244,27 +247,46 @@ class ResultsIncomplete(Exception):
     """A claim's result parts do not cover its items: a part is missing or truncated."""
 
 
-def read_claim_results(store, run_id, claim, count):
-    """The claim's `count` result lines in item order, read from its parts. Parts written by two deliveries may
-    overlap (a lease lost mid-claim): at each offset the part reaching furthest is taken. A gap or a part with
-    fewer lines than its name promises raises ResultsIncomplete naming it: never a silent short read."""
-    parts = []
-    for key in store.list(results_prefix(run_id, claim)):
-        m = PART_NAME.match(key.rsplit("/", 1)[1])
-        if m:
-            parts.append((int(m[1]), int(m[2]), key))
-    lines, at = [], 0
+def part_chain(keys, count):
+    """The result parts among a claim's listed `keys` that cover its items from offset 0 on, as (start, stop, key),
+    up to `count` or the first gap. Parts written by two deliveries may overlap (a lease lost mid-claim): at each
+    offset the part reaching furthest is taken."""
+    parts = [(int(m[1]), int(m[2]), key) for key in keys if (m := PART_NAME.match(key.rsplit("/", 1)[1]))]
+    chain, at = [], 0
     while at < count:
         covering = [p for p in parts if p[0] <= at < p[1]]
         if not covering:
-            raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part holds item offset {at} of {count}")
-        start, stop, key = max(covering, key=lambda p: p[1])
-        text = store.get(key).decode()
-        part_lines = text.splitlines(keepends=True)
-        if len(part_lines) != stop - start or not text.endswith("\n"):
-            raise ResultsIncomplete(f"run {run_id} claim {claim}: part {key} is truncated "
-                                    f"({len(part_lines)} of {stop - start} lines)")
-        lines += part_lines[at - start:]
+            break
+        chain.append(max(covering, key=lambda p: p[1]))
+        at = chain[-1][1]
+    return chain
+
+
+def read_part(store, key, start, stop):
+    """One part's stop - start result lines (newline kept), or ResultsIncomplete when it holds fewer or more.
+    Lines are split on "\n" only: JSON escapes every other line break a text splitter would cut at."""
+    text = store.get(key).decode()
+    lines = text.count("\n")
+    if not text.endswith("\n") or lines != stop - start:
+        raise ResultsIncomplete(f"part {key} is truncated ({lines} of {stop - start} lines)")
+    return [line + "\n" for line in text[:-1].split("\n")]
+
+
+def read_claim_results(store, run_id, claim, count, keys=None):
+    """The claim's `count` result lines in item order, read from its parts (`keys`: the claim's folder as listed
+    already, which saves the LIST). A gap or a part with fewer lines than its name promises raises
+    ResultsIncomplete naming it: never a silent short read."""
+    keys = store.list(results_prefix(run_id, claim)) if keys is None else keys
+    chain = part_chain(keys, count)
+    at = chain[-1][1] if chain else 0
+    if at < count:
+        raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part holds item offset {at} of {count}")
+    lines, at = [], 0
+    for start, stop, key in chain:
+        try:
+            lines += read_part(store, key, start, stop)[at - start:]
+        except ResultsIncomplete as e:
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: {e}")
         at = stop
     return lines
 
@@ -350,10 +372,12 @@ REQUEST_KEYS = (
 
 def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_count, enter_count, started, finished,
                   requests, items=0, failed=(), errors=None, warm_hit=False, enter_seconds_paid=0.0,
-                  acquisition_seconds=0.0, model_seconds=None, error=None, notes=(), **measured):
+                  acquisition_seconds=0.0, model_seconds=None, error=None, notes=(), parts=(), resumed=0, **measured):
     """A claim's summary: its completion record, written last (the contract's fields plus calque's own).
     With `error`, the summary of a claim that was not run (dead-lettered); model_seconds None means the
-    drain was not measured. `measured` adds the worker's other measurements (GPU utilisation, ...)."""
+    drain was not measured. `parts`: [start, stop] of every result part that covers the claim (offsets in
+    the claim, earlier deliveries' included); `resumed`: the items taken from earlier deliveries' parts.
+    `measured` adds the worker's other measurements (GPU utilisation, ...)."""
     failed, claim_seconds = list(failed), max(0.0, finished - started)
     if error is None and not failed:
         status = "ok"
@@ -370,7 +394,8 @@ def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_cou
         "claim_seconds": round(claim_seconds, 6), "model_seconds": round(model_seconds or 0.0, 6),
         "occupancy": occupancy, "mode": mode, "backend": backend,
         "started_at": now_iso(started), "finished_at": now_iso(finished),
-        "requests": {k: requests.get(k, 0) for k in REQUEST_KEYS}, "notes": list(notes), **measured,
+        "requests": {k: requests.get(k, 0) for k in REQUEST_KEYS}, "notes": list(notes),
+        "parts": [list(p) for p in parts], "resumed": resumed, **measured,
     }
     if error is not None:
         summary["error"] = error

@@ -5,13 +5,34 @@
     CALQUE_STORE=s3://bucket/prefix python warmd.py --model Qwen/Qwen2.5-1.5B-Instruct
 
 Everything it needs comes from the pool record in the store (handler snapshot, batch size, visibility
-timeout, max deliveries); handler code is never taken from a message. One claim at a time: long poll,
-manifest, drain in batches, results + summary written, then ack. SIGTERM (or a spot interruption notice)
-stops claiming and finishes the running claim within CALQUE_GRACE seconds, else releases it; a second
-SIGTERM/SIGINT releases it at once. Exit 0 on a graceful stop.
+timeout, max deliveries, batch timeout); handler code is never taken from a message. One claim at a time:
+long poll, manifest, drain in batches, result parts, summary, then ack. SIGTERM (or a spot interruption
+notice) stops claiming and finishes the running claim within CALQUE_GRACE seconds, else releases it; a
+second SIGTERM/SIGINT releases it at once. Exit 0 on a graceful stop.
+
+Nothing lost, nothing stuck:
+- Checkpoints: results go to the store in parts (calque.part_key) once CALQUE_CHECKPOINT_SECONDS of drain AND
+  CALQUE_CHECKPOINT_BATCHES batches have passed, and at the end (a short claim: one part, no extra request).
+  A redelivery, or a message with "resume": true, lists the parts and resumes after the prefix they cover.
+- Poison: a redelivery whose last delivery died (the attempt record holds no "released") runs the rest one item
+  at a time, writing the attempt record (calque.attempt_key) before each. A death counts against the item the
+  record names when the record is the previous delivery's and the item is not in a part yet; an item that
+  runs alone and returns is cleared. POISON_DEATHS deaths with no return between quarantine it as poison: a
+  poison item kills every time, while a chaos kill -9 must land on the same item twice in a row to blame it.
+- Dead letters: past max_deliveries, a claim is dead-lettered only when its last max_deliveries deliveries made
+  no progress: no new part, no death pinned on an item, no quarantine. A crashing infrastructure slows a good
+  claim down; deaths that nothing can pin (a crash before any item runs) and store outages past their retries
+  still end in the dead-letter queue.
+- Hung batches: a handler call past batch_timeout commits what is done, marks its items suspect, releases the
+  claim and exits EXIT_HUNG (no thread can stop one stuck in a handler); a lone suspect is then quarantined
+  as timed out, a suspect batch is re-run one item at a time.
+- Faults: store writes are retried (WRITE_RETRY); past that, or on a read or queue fault, the claim is let go
+  for RELEASE_DELAY doubling per delivery (up to the visibility timeout), never at once.
+- Results are strict JSON: NaN, Infinity, a type json cannot take or nesting too deep fails that item alone.
 """
 import argparse
 import contextlib
+import faulthandler
 import hashlib
 import json
 import logging
@@ -35,6 +56,12 @@ ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up 
 PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"   # pipeline thread: collate k+1, serialise k-1 while the model runs k
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
+WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
+RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery up to its timeout
+POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison
+WATCHDOG_TICK = 1.0         # s between two checks of the running handler call (a quarter of batch_timeout if less)
+OVERRUN_COMMIT_WAIT = 1.0   # s the watchdog waits for each finished batch's serialisation before its last commit
+EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout (the supervisor restarts us)
 
 log = logging.getLogger("warmd")
 
@@ -49,13 +76,24 @@ class ReleaseNow(BaseException):
 
 
 class Claim:
-    """One accepted claim on its way through drain and finish."""
+    """One accepted claim on its way through drain and finish. Offsets are positions in the claim; a run
+    index is `first` + offset."""
 
     def __init__(self, message, run_id, claim, items, first, received):
         self.message, self.run_id, self.claim_id, self.items, self.first = message, run_id, claim, items, first
         self.received = received                        # time.time() when the claim arrived
         self.enter_paid = self.acquisition = 0.0        # what a cold worker paid inside this claim
         self.gpu = None                                 # GpuSampler.stop()'s reading
+        self.start = self.committed = 0     # [0, start): earlier deliveries' parts; [start, committed): this one's
+        self.parts, self.failed, self.errors = [], [], {}   # every part [start, stop]; failed run indices; messages
+        self.resumed_failed = 0                         # of `failed`, those taken from earlier parts
+        self.formatted = []             # (stop offset, future of format_outcome) per batch run and not yet in a part
+        self.batches, self.last_commit = 0, 0.0         # batches run since the last part, and when it was written
+        self.model_seconds = self.wait_seconds = 0.0
+        self.record = {"deaths": {}}        # the attempt record (deaths: offset (str) -> deaths while it ran alone)
+        self.quarantined = {}                           # offset (str) -> why it is not run
+        self.single = False                             # one item at a time, each behind the attempt record
+        self.progress_at = 0                            # the delivery (receive count) that last made progress
 
 
 class ClaimReleased(Exception):
@@ -122,21 +160,27 @@ class Collator:
             self.ring.release(prepared.slot)
 
 
+def result_line(value):
+    """One result line, strict JSON (allow_nan=False: NaN and Infinity have no JSON form)."""
+    return json.dumps(value, default=calque.to_jsonable, separators=(",", ":"), allow_nan=False) + "\n"
+
+
 def format_outcome(outcome, base):
     """One batch's [(ok, result or error)] as result lines, failed indices and error messages. A result
-    that is not JSON-serialisable fails its item."""
+    that is not strict JSON fails its item alone: NaN, Infinity, a type json cannot take, nesting too deep
+    to encode (RecursionError)."""
     lines, failed, errors = [], [], {}
     for i, (ok, value) in enumerate(outcome):
         if ok:
             try:
-                lines.append(calque.dumps({"i": base + i, "ok": True, "result": value}) + "\n")
+                lines.append(result_line({"i": base + i, "ok": True, "result": value}))
                 continue
-            except (TypeError, ValueError) as e:
-                value = f"result is not JSON-serialisable: {e}"
+            except Exception as e:
+                value = f"result is not JSON-serialisable: {type(e).__name__}: {e}"
         failed.append(base + i)
         errors[str(base + i)] = value[:calque.ERROR_CHARS]
-        lines.append(calque.dumps({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS],
-                                   **trace_of(value)}) + "\n")
+        lines.append(result_line({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS],
+                                  **trace_of(value)}))
     return lines, failed, errors
 
 
@@ -179,6 +223,34 @@ class Heartbeat:
                 return
             except Exception as e:   # a transient network error: the next beat retries, well inside the timeout
                 log.warning("heartbeat: visibility renewal failed (%s); retrying", e)
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+
+
+class Watchdog:
+    """Times the handler's calls in one claim: a call running past `timeout` s has `on_overrun(offsets)` called
+    from this thread, which does not return (the process exits: no thread can stop one stuck in a handler)."""
+
+    def __init__(self, timeout, on_overrun):
+        self.timeout, self.on_overrun = timeout, on_overrun
+        self.lock, self.done = threading.Lock(), threading.Event()
+        self.running = None                 # (offsets, time.monotonic() at its start) of the call in progress
+        self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self.thread.start()
+
+    def watch(self, offsets):
+        """A handler call on these items starts now (None: the call is over). Waits while an overrun is handled,
+        so that the claim's thread writes nothing beside it."""
+        with self.lock:
+            self.running = None if offsets is None else (offsets, time.monotonic())
+
+    def _run(self):
+        while not self.done.wait(min(WATCHDOG_TICK, self.timeout / 4)):
+            with self.lock:
+                if self.running and time.monotonic() - self.running[1] > self.timeout:
+                    self.on_overrun(self.running[0])
 
     def stop(self):
         self.done.set()
@@ -261,8 +333,15 @@ class Worker:
     def __init__(self, backend, record, stats_key_prefix, conf, ephemeral):
         self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
+        self.stats_prefix = stats_key_prefix
         self.stats_key = f"{stats_key_prefix}{self.worker_id}.json"
         self.grace = calque.setting_number(conf, "CALQUE_GRACE", float, 0)
+        self.batch_timeout = float(record.get("batch_timeout",
+                                              calque.setting_number(conf, "CALQUE_BATCH_TIMEOUT", float, 0.01)))
+        self.checkpoint_seconds = calque.setting_number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
+        self.checkpoint_batches = calque.setting_number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
+        self.heartbeat = self.watchdog = None   # the running claim's
+        self.last_word = None            # how this process ends, when it knows: in its last stats (poison reports)
         self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
         self.state = "starting"          # starting | polling | claim | between | stopping
         self.stop_requested = False
@@ -354,6 +433,9 @@ class Worker:
                 reason = self._loop_once() or "?"
         except Interrupted:
             reason = "stop requested"
+        except SystemExit as e:          # a handler called sys.exit: the poison report of its item will say so
+            reason = self.last_word = f"exit code {e.code} (sys.exit)"
+            raise
         finally:
             self.state = "stopping"
             if self.prefetcher:
@@ -385,17 +467,10 @@ class Worker:
             return None
         self.state = "claim" if message is not None else "between"
         if message is not None:
-            try:
-                self.handle(message)
-            except ReleaseNow:
-                self.queue.change_visibility(message, 0)
-                return "second signal: claim released"
-            except Exception as e:   # a store or queue error outside the handler: the claim is not acked
-                log.warning("worker %s: claim failed outside the handler (%s: %s); released for redelivery "
-                            "(the dead-letter queue takes it after max deliveries)", self.worker_id, type(e).__name__, e)
-                with contextlib.suppress(Exception):
-                    self.queue.change_visibility(message, 0)
+            reason = self.handle(message)
             self.state = "between"       # a second signal from here on has no claim to release
+            if reason:
+                return reason
         elif self.ephemeral and sum(self.queue.counts().values()) == 0:
             return "cold run drained"
         elif time.monotonic() - self.last_stats <= STATS_INTERVAL:
@@ -407,13 +482,35 @@ class Worker:
     # ---- one claim: accept, drain, finish --------------------------------------------------------
 
     def handle(self, message):
-        """One claim: accept it (validate, dedupe, read the manifest), drain its items, then finish it
-        (results, then summary, then ack)."""
-        claim = self.accept(message)
-        if claim is not None:
-            outcome = self.drain(claim)
-            if outcome is not None:
-                self.finish(claim, outcome)
+        """One claim: accept it (validate, dedupe, read the manifest, take over earlier deliveries' work), drain
+        its items into result parts, then finish it (summary, then ack), all under a heartbeat. A claim this
+        worker cannot finish is let go: at once when it stops, after a growing delay on a store or queue fault.
+        Returns the reason to stop the worker, or None."""
+        self.heartbeat = Heartbeat(self.queue, message, self.record["visibility_timeout"])
+        claim = None
+        try:
+            claim = self.accept(message)
+            if claim is not None:
+                self.watchdog = Watchdog(self.batch_timeout, lambda offsets: self.overrun(claim, offsets))
+                self.drain(claim)
+                self.finish(claim)
+        except ReleaseNow:
+            self.let_go(message, claim, 0, "second signal")
+            return "second signal: claim released"
+        except ClaimReleased as e:
+            if self.heartbeat.lost.is_set():
+                log.warning("worker %s: claim %s lease lost: not writing it", self.worker_id,
+                            self._name(message, claim))
+            else:                       # ours to give back: visible again at once, for another worker
+                self.let_go(message, claim, 0, str(e))
+        except Exception as e:          # a store or queue fault outside the handler, past its retries
+            self.let_go(message, claim, self.fault_delay(message), f"{type(e).__name__}: {e}")
+        finally:
+            if self.watchdog:
+                self.watchdog.stop()
+            self.heartbeat.stop()
+            self.watchdog = None
+        return None
 
     def accept(self, message):
         """The claim to run, or None when it was handled here: dead-lettered, or a duplicate acked."""
@@ -444,10 +541,6 @@ class Worker:
             log.info("worker %s: claim %s/%s already has a summary (duplicate delivery): acked without recompute",
                      self.worker_id, run_id, claim)
             return None
-        if message.receive_count > self.record["max_deliveries"]:
-            manifest_read.exception()
-            return self.dead_letter(message, f"delivered {message.receive_count} times, more than the pool's "
-                                             f"max deliveries {self.record['max_deliveries']}", msg)
         try:
             manifest = json.loads(manifest_read.result())
             items = calque.array_items(self.backend.store, manifest) if "arrays" in manifest else manifest["items"]
@@ -458,64 +551,124 @@ class Worker:
             return self.dead_letter(message, f"claim object {e} does not exist", msg)
         except (ValueError, KeyError, TypeError) as e:
             return self.dead_letter(message, f"manifest {key} is corrupt: {e}", msg)
-        return Claim(message, run_id, claim, items, first, received)
+        accepted = Claim(message, run_id, claim, items, first, received)
+        if message.receive_count > 1 or msg.get("resume") is True:   # a first delivery pays no request for this
+            self.take_over(accepted)
+        limit = self.record["max_deliveries"]
+        if message.receive_count > limit and message.receive_count - accepted.progress_at > limit:
+            return self.dead_letter(message, f"delivered {message.receive_count} times, more than the pool's max "
+                                             f"deliveries {limit}, with no progress (no new result part, no death "
+                                             f"pinned on an item, no item quarantined) in the last {limit}", msg)
+        return accepted
+
+    def take_over(self, claim):
+        """What earlier deliveries left: their result parts are kept (resumed, not recomputed; a torn one is
+        redone), and their attempt record says how the last one ended (the rules: the module docstring)."""
+        rc = claim.message.receive_count
+        keys = self.backend.store.list(calque.results_prefix(claim.run_id, claim.claim_id))
+        for start, stop, key in calque.part_chain(keys, len(claim.items)):
+            try:
+                lines = [json.loads(line) for line in calque.read_part(self.backend.store, key, start, stop)]
+            except (calque.ResultsIncomplete, ValueError) as e:
+                log.warning("worker %s: part %s unreadable (%s): recomputing from offset %d",
+                            self.worker_id, key, e, claim.start)
+                break
+            for line in lines[claim.start - start:]:
+                if not line["ok"]:
+                    claim.failed.append(line["i"])
+                    if len(claim.errors) < calque.ERRORS_KEPT:
+                        claim.errors[str(line["i"])] = line["error"]
+            claim.parts.append([start, stop])
+            claim.start = claim.committed = stop
+        claim.resumed_failed = len(claim.failed)
+        record, attempt = {}, calque.attempt_key(claim.run_id, claim.claim_id)
+        if attempt in keys:
+            try:
+                record = json.loads(self.backend.store.get(attempt))
+            except ValueError as e:     # torn by hand: what it said is lost (a redelivery still runs item by item)
+                log.warning("worker %s: attempt record %s unreadable (%s)", self.worker_id, attempt, e)
+        state, previous = record.get("state"), record.get("receive_count", 0)
+        # a record at or past this count was written under an earlier message (a redrive restarts the count)
+        claim.progress_at = record.get("progress_at", 0) if previous < rc else 0
+        if claim.start > record.get("covered", 0):        # a part was written after the record: progress
+            claim.progress_at = max(claim.progress_at, rc - 1)
+        claim.quarantined, deaths = dict(record.get("quarantined", {})), dict(record.get("deaths", {}))
+        ahead = [str(k) for k in record.get("running", []) if k >= claim.start and str(k) not in claim.quarantined]
+        if state == "running" and previous == rc - 1 and ahead:   # the last delivery died running this item alone
+            deaths[ahead[0]] = deaths.get(ahead[0], 0) + 1
+            claim.progress_at = rc                                 # a death pinned on an item: progress too
+            if deaths[ahead[0]] >= POISON_DEATHS:
+                claim.quarantined[ahead[0]] = (f"poison: the worker died running this item "
+                                               f"({deaths[ahead[0]]} deaths; {self.how_it_ended(record)})")
+        elif state == "suspect" and len(ahead) == 1:             # the watchdog saw this item alone overrun
+            claim.quarantined[ahead[0]] = (f"timed out after {record['batch_timeout']:g} s (the pool's "
+                                           f"batch_timeout): the worker was restarted, the item quarantined")
+        if len(claim.quarantined) > len(record.get("quarantined", {})):
+            claim.progress_at = rc
+        claim.record = dict(record, deaths=deaths)
+        claim.single = (bool(record) or rc > 1) and not (state == "released" and previous == rc - 1)
+        log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s", self.worker_id,
+                 claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
+                 ", one item at a time" if claim.single else "", f", deaths at offsets {deaths}" if deaths else "",
+                 f", quarantined {sorted(map(int, claim.quarantined))}" if claim.quarantined else "")
+
+    def how_it_ended(self, record):
+        """How the worker that wrote an attempt record ended: its last stats say, when it could write them."""
+        with contextlib.suppress(Exception):
+            last = json.loads(self.backend.store.get(f"{self.stats_prefix}{record['worker_id']}.json")).get("exit")
+            if last:
+                return last
+        return (f"exit code or signal unknown: worker {record.get('worker_id')} left no word "
+                f"(kill -9, a crash, os._exit)")
 
     def drain(self, claim):
-        """Run the claim's items under a heartbeat (paying @enter first on a cold worker). Returns the
-        outcome for finish(), or None when the claim was given back (grace over, lease lost)."""
-        heartbeat = Heartbeat(self.queue, claim.message, self.record["visibility_timeout"])
+        """Run the claim's items (paying @enter first on a cold worker); raises ClaimReleased when the claim was
+        given back (grace over, lease lost)."""
         self.gpu.start()
         try:
             if self.entered_at is None:     # a cold worker pays its load inside its first claim
                 self.enter()
                 claim.enter_paid, claim.acquisition = self.enter_seconds, self.acquisition_seconds
-            outcome = self._drain_batches(claim.items, claim.first, heartbeat)
-        except ClaimReleased as e:
-            if not heartbeat.lost.is_set():    # ours to give back: visible again at once, for another worker
-                self.queue.change_visibility(claim.message, 0)
-            log.warning("worker %s: claim %s/%s given back (%s)", self.worker_id, claim.run_id, claim.claim_id, e)
-            return None
+            self._drain_batches(claim)
         finally:
-            heartbeat.stop()
             claim.gpu = self.gpu.stop()
-        if heartbeat.lost.is_set():
-            log.warning("worker %s: claim %s/%s lease lost: not writing it", self.worker_id, claim.run_id, claim.claim_id)
-            return None
-        return outcome
+        if self.heartbeat.lost.is_set():
+            raise ClaimReleased("lease lost")
 
-    def finish(self, claim, outcome):
-        """Results, then the summary, then the ack: a crash before the ack leaves the claim to be redelivered,
-        and its redelivery finds the summary and acks without recomputing."""
+    def finish(self, claim):
+        """The summary, then the ack: a crash before the ack leaves the claim to be redelivered, and its
+        redelivery finds the summary and acks without recomputing."""
         finished = time.time()
-        results, failed, errors, model_seconds, collate_wait = outcome
         warm_hit = self.entered_at is not None and self.entered_at <= claim.received
         notes = []
-        if len(errors) < len(failed):
-            notes.append(f"errors: only the first {len(errors)} of {len(failed)} messages kept")
+        if len(claim.errors) < len(claim.failed):
+            notes.append(f"errors: only the first {len(claim.errors)} of {len(claim.failed)} messages kept")
         if not claim.gpu["measured"]:
             notes.append(f"GPU utilisation not measured: {claim.gpu['reason']}")
         if self.backend.kind == "local":
             notes.append("requests: counted on the local backend, where they cost nothing; priced as if on SQS/S3")
-        self.backend.store.put(calque.results_key(claim.run_id, claim.claim_id), "".join(results))
         summary = self._summary(claim.message, claim.run_id, claim.claim_id, claim.received, finished,
                                 extra_other=1,   # + the ack below
-                                items=len(claim.items), failed=failed, errors=errors, warm_hit=warm_hit,
+                                items=len(claim.items), failed=claim.failed, errors=claim.errors, warm_hit=warm_hit,
                                 enter_seconds_paid=claim.enter_paid, acquisition_seconds=claim.acquisition,
-                                model_seconds=model_seconds, notes=notes,
-                                collate_wait_seconds=round(collate_wait, 6), prefetch=bool(self.prefetcher),
-                                gpu_utilisation=claim.gpu)
-        self.backend.store.put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
+                                model_seconds=claim.model_seconds, notes=notes, parts=claim.parts,
+                                resumed=claim.start, collate_wait_seconds=round(claim.wait_seconds, 6),
+                                prefetch=bool(self.prefetcher), gpu_utilisation=claim.gpu)
+        self._put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
+        self.heartbeat.stop()            # no renewal may land after the ack
         if not self.queue.delete(claim.message):
             log.warning("worker %s: claim %s/%s: ack refused (receipt stale); its summary stands",
                         self.worker_id, claim.run_id, claim.claim_id)
+        ran = len(claim.items) - claim.start
         self.stats["claims"] += 1
         self.stats["warm_hits"] += warm_hit
-        self.stats["items"] += len(claim.items)
-        self.stats["items_failed"] += len(failed)
+        self.stats["items"] += ran
+        self.stats["items_failed"] += len(claim.failed) - claim.resumed_failed
         self.busy_seconds += summary["claim_seconds"]
-        log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid %.3fs, %.3fs",
-                 self.worker_id, claim.run_id, claim.claim_id, len(claim.items), len(failed), "yes" if warm_hit else "no",
-                 claim.enter_paid, summary["claim_seconds"])
+        log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid %.3fs, %.3fs%s",
+                 self.worker_id, claim.run_id, claim.claim_id, len(claim.items), len(claim.failed),
+                 "yes" if warm_hit else "no", claim.enter_paid, summary["claim_seconds"],
+                 f", {claim.start} resumed" if claim.start else "")
 
     def _summary(self, message, run_id, claim, started, finished, extra_other, **fields):
         """calque.claim_summary with this worker's identity and the requests counted since its last claim
@@ -526,38 +679,142 @@ class Worker:
             receive_count=message.receive_count, enter_count=self.enter_count, started=started, finished=finished,
             requests=self.claim_requests(extra_puts=1, extra_other=extra_other), **fields)
 
-    def _drain_batches(self, items, first, heartbeat):
-        """Items through collate + batch, batch_size at a time. With the pipeline thread, the next batch is
-        collated and the previous one's results serialised while the model runs the current one.
-        Returns (result lines, failed indices, errors, model seconds, collate-wait seconds). A batch that
-        raises is retried one item at a time, so that only the failing items fail."""
-        size = self.record["batch_size"]
-        batches = [items[i:i + size] for i in range(0, len(items), size)]
-        formatted = []     # futures of (lines, failed, errors), one per batch, in order
-        model_seconds = wait_seconds = 0.0
-        pending = self._prepare(batches[0]) if batches else None
+    def _drain_batches(self, claim):
+        """Items [claim.start, n) through collate + batch: batch_size at a time, or one at a time behind the
+        attempt record (claim.single). With the pipeline thread, the next batch is collated and the previous
+        one's results serialised while the model runs the current one (not item by item: there an item's
+        collation must run after its attempt record, where a crash in it is blamed on the right item).
+        Quarantined items fail unrun. A batch that raises is retried one item at a time, so that only the
+        failing items fail. Results go into a part at each checkpoint and at the end."""
+        n, size = len(claim.items), 1 if claim.single else self.record["batch_size"]
+        units = [range(a, min(a + size, n)) for a in range(claim.start, n, size)]
+        runnable = [[k for k in unit if str(k) not in claim.quarantined] for unit in units]
+        pending = self._prepare(claim, runnable[0]) if units and not claim.single else None
+        claim.last_commit = time.monotonic()
         try:
-            for k, payloads in enumerate(batches):
+            for u, unit in enumerate(units):
                 if self.release_now.is_set():
+                    self.commit(claim)       # what is done stays done
                     raise ClaimReleased("grace period over" if self.stop_requested else "released")
-                if heartbeat.lost.is_set():
+                if self.heartbeat.lost.is_set():
                     raise ClaimReleased("lease lost")
-                current, pending = pending, (self._prepare(batches[k + 1]) if k + 1 < len(batches) else None)
-                outcome, model, wait = self._run_batch(current, payloads)
-                model_seconds += model
-                wait_seconds += wait
-                formatted.append(self._in_pipeline(format_outcome, outcome, first + k * size))
+                if claim.single:
+                    if runnable[u]:
+                        self.write_attempt(claim, "running", runnable[u])
+                    current = self._prepare(claim, runnable[u])
+                else:
+                    current, pending = pending, (self._prepare(claim, runnable[u + 1]) if u + 1 < len(units) else None)
+                outcome = self._run_unit(claim, unit, runnable[u], current)
+                if claim.single:              # it ran alone and the process lived: whatever killed one, not this
+                    for k in runnable[u]:
+                        claim.record["deaths"].pop(str(k), None)
+                formatted = self._in_pipeline(format_outcome, outcome, claim.first + unit.start)
+                claim.formatted.append((unit.stop, formatted))
+                claim.batches += 1
+                if (claim.batches >= self.checkpoint_batches
+                        and time.monotonic() - claim.last_commit >= self.checkpoint_seconds):
+                    self.commit(claim)
         finally:
             if pending is not None:   # a batch gathered ahead of a loop that ended early gives its slot back
                 with contextlib.suppress(Exception):
                     self.collator.release(pending.result())
-        lines, failed, errors = [], [], {}
-        for future in formatted:
-            batch_lines, batch_failed, batch_errors = future.result()
-            lines += batch_lines
-            failed += batch_failed
-            errors.update(list(batch_errors.items())[:calque.ERRORS_KEPT - len(errors)])
-        return lines, failed, errors, model_seconds, wait_seconds
+        self.commit(claim)
+
+    def commit(self, claim, wait=None):
+        """The batches run since the last part, written as one part (with `wait`: only those serialised within
+        `wait` s each, for the watchdog, which must not hang on a pipeline thread stuck in a handler's collate)."""
+        ready = []
+        for stop, future in claim.formatted:
+            try:
+                ready.append((stop, future.result(timeout=wait)))
+            except TimeoutError:
+                break
+        if not ready:
+            return
+        stop = ready[-1][0]
+        self._put(calque.part_key(claim.run_id, claim.claim_id, claim.committed, stop),
+                  "".join(line for _, (lines, _, _) in ready for line in lines))
+        for _, (_, failed, errors) in ready:
+            claim.failed += failed
+            claim.errors.update(list(errors.items())[:calque.ERRORS_KEPT - len(claim.errors)])
+        claim.parts.append([claim.committed, stop])
+        claim.committed, claim.progress_at = stop, claim.message.receive_count
+        del claim.formatted[:len(ready)]
+        claim.batches, claim.last_commit = 0, time.monotonic()
+
+    def write_attempt(self, claim, state, running, retry=True, **fields):
+        """The claim's attempt record: `state` running (`running` runs alone now), suspect (it overran
+        batch_timeout) or released (let go alive); deaths, quarantines and progress carry over."""
+        claim.record = dict(claim.record, state=state, running=list(running), worker_id=self.worker_id,
+                            receive_count=claim.message.receive_count, covered=claim.committed,
+                            progress_at=claim.progress_at, quarantined=claim.quarantined, at=calque.now_iso(), **fields)
+        key, body = calque.attempt_key(claim.run_id, claim.claim_id), json.dumps(claim.record)
+        if retry:
+            self._put(key, body)
+        else:
+            self.backend.store.put(key, body)
+
+    def _put(self, key, data):
+        """A store write for the running claim, retried (WRITE_RETRY) while its lease holds: a short store
+        outage costs a pause, not a delivery. A stop signal ends the waits."""
+        delay, retries = WRITE_RETRY
+        for retry in range(retries + 1):
+            if self.heartbeat.lost.is_set():
+                raise ClaimReleased("lease lost")
+            try:
+                return self.backend.store.put(key, data)
+            except Exception as e:
+                if retry == retries:
+                    raise
+                log.warning("worker %s: store write of %s failed (%s: %s); retrying in %.1fs",
+                            self.worker_id, key, type(e).__name__, e, delay)
+            if self.release_now.wait(delay):
+                raise ClaimReleased("grace period over while retrying a store write")
+            delay *= 2
+
+    def let_go(self, message, claim, delay, why):
+        """Give a claim back alive: its attempt record says so (best effort, one try: the next delivery then
+        neither counts a death nor runs item by item), then it is visible again after `delay` s."""
+        if claim is not None:
+            with contextlib.suppress(Exception):
+                self.write_attempt(claim, "released", [], retry=False)
+        self.heartbeat.stop()            # a renewal after this would hide the claim again
+        try:
+            self.queue.change_visibility(message, delay)
+        except Exception as e:
+            log.warning("worker %s: claim %s not released (%s: %s): visible again when its lease runs out",
+                        self.worker_id, self._name(message, claim), type(e).__name__, e)
+        log.warning("worker %s: claim %s let go (%s); visible again in %.0fs", self.worker_id,
+                    self._name(message, claim), why, delay)
+
+    def fault_delay(self, message):
+        """How long a claim let go on a fault stays invisible: long enough that a store outage does not spend
+        its deliveries in milliseconds, doubling per delivery, at most the visibility timeout."""
+        return min(RELEASE_DELAY * 2 ** (message.receive_count - 1), self.record["visibility_timeout"])
+
+    @staticmethod
+    def _name(message, claim):
+        return f"{claim.run_id}/{claim.claim_id}" if claim else f"(delivery {message.receive_count})"
+
+    def overrun(self, claim, offsets):
+        """The watchdog's call, from its thread, when a handler call on `offsets` ran past batch_timeout: commit
+        what is done, mark the items suspect, release the claim at once and exit EXIT_HUNG for the supervisor
+        to start a fresh worker (the stuck thread cannot be stopped)."""
+        seconds = time.monotonic() - self.watchdog.running[1]
+        log.error("worker %s: claim %s/%s: items %s ran %.1fs, past the batch_timeout of %gs: releasing the claim "
+                  "and exiting %d", self.worker_id, claim.run_id, claim.claim_id,
+                  [claim.first + k for k in offsets], seconds, self.batch_timeout, EXIT_HUNG)
+        try:
+            self.commit(claim, wait=OVERRUN_COMMIT_WAIT)
+            self.write_attempt(claim, "suspect", offsets, batch_timeout=self.batch_timeout)
+        except BaseException as e:      # the exit below must happen whatever the store says
+            log.warning("worker %s: before exiting: %s: %s", self.worker_id, type(e).__name__, e)
+        self.heartbeat.stop()
+        with contextlib.suppress(Exception):
+            self.queue.change_visibility(claim.message, 0)
+        self.last_word = f"exit {EXIT_HUNG}: a handler call ran past the batch_timeout of {self.batch_timeout:g} s"
+        self.write_stats("stopped")
+        os._exit(EXIT_HUNG)
 
     def _in_pipeline(self, fn, *args):
         """A future of fn(*args): on the pipeline thread, or done at once without one."""
@@ -570,11 +827,30 @@ class Worker:
             done.set_exception(e)
         return done
 
-    def _prepare(self, payloads):
-        return self._in_pipeline(self.collator.prepare, payloads)
+    def _prepare(self, claim, offsets):
+        return self._in_pipeline(self.collator.prepare, [claim.items[k] for k in offsets]) if offsets else None
 
-    def _run_batch(self, future, payloads):
-        """[(ok, result or error)] for one batch, its model seconds and the seconds spent waiting for collation."""
+    def _run_unit(self, claim, unit, runnable, prepared):
+        """[(ok, result or error)] for a unit's items: the runnable ones through the handler, the quarantined
+        ones failed with the reason they were quarantined."""
+        ran = {}
+        if runnable:
+            outcome, model, wait = self._run_batch(prepared, [claim.items[k] for k in runnable], runnable)
+            claim.model_seconds += model
+            claim.wait_seconds += wait
+            ran = dict(zip(runnable, outcome))
+        return [ran[k] if k in ran else (False, claim.quarantined[str(k)]) for k in unit]
+
+    def _run_batch(self, future, payloads, offsets):
+        """[(ok, result or error)] for one batch, its model seconds and the seconds spent waiting for collation.
+        The watchdog times the batch call, then each single-item retry on its own."""
+        self.watchdog.watch(offsets)
+        try:
+            return self._call_batch(future, payloads, offsets)
+        finally:
+            self.watchdog.watch(None)
+
+    def _call_batch(self, future, payloads, offsets):
         t0 = time.perf_counter()
         try:
             prepared = future.result()
@@ -596,7 +872,8 @@ class Worker:
             finally:
                 self.collator.release(prepared)
         outcome = []
-        for payload in payloads:
+        for offset, payload in zip(offsets, payloads):
+            self.watchdog.watch([offset])
             t0 = time.perf_counter()
             try:
                 single = self.collator.prepare([payload])
@@ -615,26 +892,34 @@ class Worker:
         return outcome, model, wait
 
     def dead_letter(self, message, reason, msg):
-        """A claim that cannot succeed: failure summary (where the run is known), DLQ copy, then delete."""
+        """A claim that cannot succeed: failure summary (where the run is known), DLQ copy, then delete. The
+        DLQ copy carries run_id, claim and reason, so nothing is lost when the summary cannot be written."""
         run_id, claim = (msg or {}).get("run_id"), (msg or {}).get("claim")
-        if isinstance(run_id, str) and isinstance(claim, str) and calque.SAFE_ID.match(run_id) and calque.SAFE_ID.match(claim):
+        known = all(isinstance(v, str) and calque.SAFE_ID.match(v) for v in (run_id, claim))
+        if known:
             try:    # another model's run may be out of this worker's reach (its IAM role): the DLQ copy still goes
                 self.write_failure_summary(message, run_id, claim, reason)
             except Exception as e:
                 log.warning("worker %s: no failure summary for %s/%s (%s: %s)", self.worker_id, run_id, claim, type(e).__name__, e)
         self.dlq.send(json.dumps({"reason": reason, "body": message.body, "receive_count": message.receive_count,
-                                  "worker_id": self.worker_id, "at": calque.now_iso()}))
+                                  "worker_id": self.worker_id, "at": calque.now_iso(),
+                                  "run_id": run_id if known else None, "claim": claim if known else None}))
         self.queue.delete(message)
         log.warning("worker %s: claim to dead-letter queue %s: %s", self.worker_id, self.record["dlq"], reason)
 
     def write_failure_summary(self, message, run_id, claim, reason):
-        """The summary of a claim that was not run, so that a waiting submitter reports it (unless one exists)."""
+        """The summary of a claim that was not run, so that a waiting submitter reports it (unless one exists);
+        retried like a result write for this model's runs (another model's may be out of this worker's reach)."""
         key = calque.summary_key(run_id, claim)
         if not self.backend.store.exists(key):
             now = time.time()
-            summary = self._summary(message, run_id, claim, now, now, extra_other=2,   # + the DLQ send and the delete
-                                    error=reason, notes=["dead-lettered: the claim was not run"])
-            self.backend.store.put(key, json.dumps(summary, indent=1))
+            summary = json.dumps(self._summary(message, run_id, claim, now, now,
+                                               extra_other=2,   # + the DLQ send and the delete
+                                               error=reason, notes=["dead-lettered: the claim was not run"]), indent=1)
+            if calque.run_slug(run_id) == self.record["slug"]:
+                self._put(key, summary)
+            else:
+                self.backend.store.put(key, summary)
 
     # ---- accounting -----------------------------------------------------------------------------
 
@@ -657,6 +942,8 @@ class Worker:
                  "acquisition_seconds": round(self.acquisition_seconds, 6),
                  "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"], "items": self.stats["items"],
                  "items_failed": self.stats["items_failed"], "requests": dict(self.backend.requests)}
+        if self.last_word:
+            stats["exit"] = self.last_word
         try:
             self.backend.store.put(self.stats_key, json.dumps(stats, indent=1))
         except Exception as e:   # stats are bookkeeping: a failed write must not stop the worker
@@ -693,6 +980,7 @@ def main(argv=None):
             return calque.EXIT_USAGE
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
+    faulthandler.enable()   # a handler that crashes the process (a segfault) leaves its traceback in the worker log
     try:
         conf = calque.settings()
         # check the store under the pool's own folder, the only one a least-privilege worker role may list

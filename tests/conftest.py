@@ -1,11 +1,14 @@
 """Shared fixtures. Every test talks only to 127.0.0.1: dummy AWS credentials, no EC2 metadata, and a
 guard that fails any in-process connection to a non-loopback address."""
+import http.client
+import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -136,3 +139,76 @@ def backend_for(env):
     if env["CALQUE_STORE"].startswith("s3://"):
         os.environ["AWS_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL"]
     return calque.open_backend(env["CALQUE_STORE"])
+
+
+@pytest.fixture(params=["local", "moto_server"])
+def any_env(request):
+    """The environment of local_env, then of aws_env: a test that must hold on both backends. The endpoint that
+    backend_for sets in this process's environment is put back as it was after the test: a later test's
+    in-process mock_aws must not send its calls to moto_server."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
+    yield request.getfixturevalue("local_env" if request.param == "local" else "aws_env")
+    if endpoint is None:
+        os.environ.pop("AWS_ENDPOINT_URL", None)
+    else:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+
+
+def pool_pids(env, model="m"):
+    """The supervisor's pid and its live workers' pids, from its status file (None, [] when there is none)."""
+    try:
+        with open(os.path.join(env["CALQUE_STATE"], "pools", model, "supervisor.json")) as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        return None, []
+    return status["pid"], [w["pid"] for w in status["workers"] if w["pid"]]
+
+
+ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+                 b'<Message>Access Denied</Message><RequestId>fault-proxy</RequestId></Error>')
+
+
+class FaultProxy:
+    """A loopback HTTP proxy in front of moto_server: while `failing` is set it answers every PUT (an S3 object
+    write) with 403 AccessDenied, as S3 does to a role whose write permission is gone; all else passes through."""
+
+    def __init__(self, target):
+        host, port = target.rsplit("/", 1)[1].split(":")
+        proxy, self.failing, self.refused = self, threading.Event(), 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"     # keep-alive, and the 100-continue botocore asks for on a PUT
+
+            def forward(self):
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.command == "PUT" and proxy.failing.is_set():
+                    proxy.refused += 1
+                    status, headers, data = 403, [("Content-Type", "application/xml")], ACCESS_DENIED
+                else:
+                    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                    conn.request(self.command, self.path, body,
+                                 {k: v for k, v in self.headers.items() if k.lower() != "expect"})
+                    reply = conn.getresponse()
+                    status, headers, data = reply.status, reply.getheaders(), reply.read()
+                    conn.close()
+                self.send_response(status)
+                for key, value in headers:
+                    if key.lower() not in ("connection", "transfer-encoding", "content-length", "date", "server"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", dict(headers).get("Content-Length", str(len(data)))
+                                 if self.command == "HEAD" else str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()

@@ -1,5 +1,9 @@
 """Handlers the tests run in real warmd.py processes."""
+import ctypes
+import hashlib
 import os
+import signal
+import threading
 import time
 
 import calque
@@ -40,15 +44,21 @@ class Gate:
 
     @calque.enter
     def load(self):
-        self.dir = os.environ["GATE_DIR"]
+        pass
 
     @calque.batch
     def run(self, items):
-        with open(os.path.join(self.dir, f"started-{os.getpid()}"), "w") as f:
-            f.write(str(len(items)))
-        while not os.path.exists(os.path.join(self.dir, "open")):
-            time.sleep(0.01)
+        hold(items)
         return [{"y": item["x"] * 2, "pid": os.getpid()} for item in items]
+
+
+def hold(items):
+    """Announce the batch in $GATE_DIR/started-<pid>, then wait for $GATE_DIR/open."""
+    gate = os.environ["GATE_DIR"]
+    with open(os.path.join(gate, f"started-{os.getpid()}"), "w") as f:
+        f.write(str(len(items)))
+    while not os.path.exists(os.path.join(gate, "open")):
+        time.sleep(0.01)
 
 
 class Empty:
@@ -110,3 +120,51 @@ class Matmul:
         for _ in range(self.repeats):
             x = (x @ self.weight).tanh()
         return x.sum(dim=1).tolist()
+
+
+class Faulty:
+    """Doubles x, and misbehaves on request, item by item: "die" ends the worker process ("exit": os._exit(3),
+    "kill": SIGKILL to itself, "segv": a read of address 0); "hang" never returns; "nan" returns NaN; "deep": N
+    returns a list nested N deep; "spin": N hashes N times first (real work, for kills to land mid-claim); with
+    $GATE_DIR, "hold" announces the batch as Gate does and waits for $GATE_DIR/open. Appends "x pid" for every
+    item it is called on to $CALLS_FILE when set. Has its own collate, so that a worker the supervisor restarts
+    does not import torch."""
+
+    @calque.enter
+    def load(self):
+        self.calls = os.environ.get("CALLS_FILE")
+
+    @calque.batch
+    def run(self, items):
+        if self.calls:
+            with open(self.calls, "a") as f:     # one append per call: whole lines even beside other workers
+                f.write("".join(f"{item['x']} {os.getpid()}\n" for item in items))
+        if any(item.get("hold") for item in items):
+            hold(items)
+        for item in items:
+            digest = b""
+            for _ in range(item.get("spin", 0)):
+                digest = hashlib.sha256(digest).digest()
+            if item.get("die") == "exit":
+                os._exit(3)
+            if item.get("die") == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if item.get("die") == "segv":
+                ctypes.string_at(0)
+            if item.get("hang"):
+                threading.Event().wait()
+        return [self.result(item) for item in items]
+
+    @staticmethod
+    def result(item):
+        if item.get("nan"):
+            return {"y": float("nan")}
+        if item.get("deep"):
+            nested = []
+            for _ in range(item["deep"]):
+                nested = [nested]
+            return nested
+        return {"y": item["x"] * 2}
+
+    def collate(self, items):
+        return items

@@ -7,6 +7,8 @@ import signal
 import threading
 import time
 
+import pytest
+
 import calque
 from conftest import HANDLERS, backend_for, cli, start_worker, wait_for, write_items
 
@@ -23,6 +25,11 @@ def submit_no_wait(env, tmp_path, items, *extra):
     out = cli(env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", items), "--no-wait", *extra)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+def results(backend, run_id, count, claim="c00000"):
+    """A claim's result lines, parsed, read from its parts."""
+    return [json.loads(line) for line in calque.read_claim_results(backend.store, run_id, claim, count)]
 
 
 def summary(backend, run_id, claim="c00000"):
@@ -80,7 +87,7 @@ def test_kill_9_mid_claim_is_redelivered_to_the_other_worker(local_env, tmp_path
     done = wait_for(lambda: summary(backend, run_id), 30, "the redelivered claim's summary")
     assert done["worker_id"].endswith(f"-{b.pid}") and done["receive_count"] == 2
     assert done["status"] == "ok" and done["ok"] == 6 and done["failed"] == []
-    lines = [json.loads(l) for l in backend.store.get(calque.results_key(run_id, "c00000")).decode().splitlines()]
+    lines = results(backend, run_id, 6)
     assert [l["i"] for l in lines] == list(range(6)) and all(l["result"]["pid"] == b.pid for l in lines)
     assert stop(b) == 0
     a.wait()
@@ -92,13 +99,13 @@ def test_duplicate_delivery_is_acked_without_recompute(local_env, tmp_path):
     w = start_worker(local_env, "--model", "m")
     run_id = submit_no_wait(local_env, tmp_path, [{"x": 1}, {"x": 2}])
     first = wait_for(lambda: summary(backend, run_id), 30, "the summary")
-    results_before = backend.store.get(calque.results_key(run_id, "c00000"))
+    results_before = results(backend, run_id, 2)
     queue = backend.queues.open_queue("calque-pool-m")
     queue.send(calque.make_message(run_id, "m", backend.store.uri(calque.manifest_key(run_id, "c00000")), "c00000"))
     wait_for(lambda: queue.counts() == {"visible": 0, "in_flight": 0}, 30, "the duplicate to be acked")
     assert stop(w) == 0
     assert summary(backend, run_id) == first
-    assert backend.store.get(calque.results_key(run_id, "c00000")) == results_before
+    assert results(backend, run_id, 2) == results_before
     stats = calque.read_worker_stats(backend, "m")[0]
     assert stats["claims"] == 1 and stats["enter_count"] == 1
 
@@ -268,7 +275,7 @@ def test_a_lost_lease_is_not_written(local_env, tmp_path):
     g.open()
     g.logged("lease lost: not writing it", "the worker to drop the claim")
     assert summary(g.backend, g.run_id) is None
-    assert not g.backend.store.exists(calque.results_key(g.run_id, "c00000"))
+    assert g.backend.store.list(calque.results_prefix(g.run_id, "c00000")) == []
     assert g.worker.poll() is None                           # and it stays up for the next claim
     assert stop(g.worker) == 0
 
@@ -283,12 +290,14 @@ def test_second_signal_releases_the_claim_at_once(local_env, tmp_path):
     assert g.queue().counts() == {"visible": 1, "in_flight": 0}
 
 def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, monkeypatch):
-    """A receive that fails and a claim whose result write fails: the worker logs, stays up with its model
-    loaded (enter_count 1), and the failed claim is redelivered and completed."""
+    """A receive that fails and a claim whose result write fails past its retries: the worker logs, stays up
+    with its model loaded (enter_count 1), and the failed claim is redelivered and completed."""
     import warmd
     for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_ENV"):
         monkeypatch.setenv(key, local_env[key])
     monkeypatch.setattr(warmd, "ERROR_BACKOFF", (0.01, 0.01))
+    monkeypatch.setattr(warmd, "WRITE_RETRY", (0.01, 5))
+    monkeypatch.setattr(warmd, "RELEASE_DELAY", 0.01)
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(4)])
     assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
                "--workers", "0").returncode == 0
@@ -297,7 +306,7 @@ def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, 
                            backend.queues.open_queue("calque-pool-m"), "cold")
     record = dict(calque.load_pool(backend, "m"))   # served as a cold run: the worker exits once it is drained
     worker = warmd.Worker(backend, record, "test-workers/", calque.settings(), True)
-    faults = {"receive": 1, "put": 1}
+    faults = {"receive": 1, "put": 1 + warmd.WRITE_RETRY[1]}   # the first write and every retry of it
     real_receive, real_put = calque.LocalQueue.receive, backend.store.put
 
     def flaky_receive(self, *a, **kw):
@@ -318,3 +327,76 @@ def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, 
     assert len(summaries) == 2 and all(s["status"] == "ok" for s in summaries)
     assert worker.enter_count == 1 and faults == {"receive": 0, "put": 0}
     assert sorted(s["receive_count"] for s in summaries) == [1, 2]    # the claim whose write failed came back
+
+
+def test_nan_and_deep_results_fail_only_their_item(local_env, tmp_path):
+    """NaN and a list nested 5,000 deep fail their own item with the reason; the claim's other items are ok, its
+    results are strict JSON, and a short claim writes one part and no LIST."""
+    backend = make_pool(local_env, "Faulty", "--batch-size", "4")
+    w = start_worker(local_env, "--model", "m")
+    run_id = submit_no_wait(local_env, tmp_path, [{"x": 0}, {"x": 1, "nan": True}, {"x": 2, "deep": 5000}, {"x": 3}])
+    s = wait_for(lambda: summary(backend, run_id), 30, "the summary")
+    assert s["status"] == "partial" and s["failed"] == [1, 2] and s["ok"] == 2
+    assert "Out of range float values are not JSON compliant" in s["errors"]["1"]
+    assert "RecursionError" in s["errors"]["2"]
+    text = "".join(calque.read_claim_results(backend.store, run_id, "c00000", 4))
+    strict = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the results"))
+              for line in text.splitlines()]
+    assert [(line["i"], line["ok"]) for line in strict] == [(0, True), (1, False), (2, False), (3, True)]
+    assert s["parts"] == [[0, 4]] and s["resumed"] == 0 and s["requests"]["store_lists"] == 0
+    assert backend.store.list(calque.results_prefix(run_id, "c00000")) == [calque.part_key(run_id, "c00000", 0, 4)]
+    assert stop(w) == 0
+
+
+def test_a_resumed_claim_recomputes_nothing_committed(local_env, tmp_path):
+    """A worker killed mid-claim after some parts: the next one resumes after them (the handler is never called
+    again on an item they hold) and runs the rest one item at a time behind the attempt record."""
+    calls, gate = tmp_path / "calls", tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, CALLS_FILE=str(calls), GATE_DIR=str(gate), CALQUE_CHECKPOINT_SECONDS="0",
+               CALQUE_CHECKPOINT_BATCHES="1")
+    backend = make_pool(env, "Faulty", "--batch-size", "2", "--visibility-timeout", "2")
+    a = start_worker(env, "--model", "m")
+    run_id = submit_no_wait(env, tmp_path, [{"x": i, "hold": i == 12} for i in range(24)])
+    wait_for(lambda: os.listdir(gate), 30, "the worker to hold batch [12, 14)")
+    os.kill(a.pid, signal.SIGKILL)
+    a.wait()
+    (gate / "open").touch()
+    b = start_worker(env, "--model", "m")
+    s = wait_for(lambda: summary(backend, run_id), 30, "the resumed claim's summary")
+    assert s["status"] == "ok" and s["receive_count"] == 2 and s["resumed"] == 12
+    assert s["parts"][:6] == [[k, k + 2] for k in range(0, 12, 2)] and s["parts"][-1][1] == 24
+    by_x = {}
+    for line in calls.read_text().splitlines():
+        x, pid = map(int, line.split())
+        by_x.setdefault(x, []).append(pid)
+    assert all(by_x[x] == [a.pid] for x in range(12))                    # committed: never recomputed
+    assert all(by_x[x] == [a.pid, b.pid] for x in (12, 13))              # the batch A died in
+    assert all(by_x[x] == [b.pid] for x in range(14, 24))
+    assert [line["i"] for line in results(backend, run_id, 24)] == list(range(24))
+    record = json.loads(backend.store.get(calque.attempt_key(run_id, "c00000")))
+    assert record["state"] == "running" and record["running"] == [23] and record["receive_count"] == 2
+    assert stop(b) == 0
+
+
+def test_a_resume_message_takes_the_parts_on_its_first_delivery(local_env, tmp_path):
+    """A message with "resume": true (what a redrive sends) lists the claim's parts even on a first delivery and
+    runs only what they do not hold, in batches (no death to track)."""
+    calls = tmp_path / "calls"
+    env = dict(local_env, CALLS_FILE=str(calls))
+    backend = make_pool(env, "Faulty", "--batch-size", "4")
+    run_id = submit_no_wait(env, tmp_path, [{"x": i} for i in range(6)])
+    queue = backend.queues.open_queue("calque-pool-m")
+    original = queue.receive(1)
+    queue.delete(original)               # as if dead-lettered: a redrive sends it again, marked
+    backend.store.put(calque.part_key(run_id, "c00000", 0, 3),
+                      "".join(json.dumps({"i": i, "ok": True, "result": {"y": 2 * i}}) + "\n" for i in range(3)))
+    queue.send(json.dumps(dict(json.loads(original.body), resume=True)))
+    w = start_worker(env, "--model", "m")
+    s = wait_for(lambda: summary(backend, run_id), 30, "the summary")
+    assert s["status"] == "ok" and s["receive_count"] == 1 and s["resumed"] == 3 and s["parts"] == [[0, 3], [3, 6]]
+    assert s["requests"]["store_lists"] == 1
+    assert sorted(int(line.split()[0]) for line in calls.read_text().splitlines()) == [3, 4, 5]
+    assert not backend.store.exists(calque.attempt_key(run_id, "c00000"))
+    assert [line["result"]["y"] for line in results(backend, run_id, 6)] == [0, 2, 4, 6, 8, 10]
+    assert stop(w) == 0
