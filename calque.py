@@ -2721,6 +2721,10 @@ EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + 
 COLD_BOOT_ALLOWANCE = 30            # min a cold instance may boot on top of the submit timeout before it powers off
 ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
+MIN_IDLE_MINUTES = 2                # the idle alarm's newest minute may be a FILLed 0 (its data late): 1 is no window
+BOOTSTRAP_ATTEMPTS = 5              # tries of each network step of the bootstrap (apt, kit download, pip install)
+BOOTSTRAP_BACKOFF = 10              # s before a network step's second try, doubling after each (10 + 20 + 40 + 80 s)
+BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of instances already replaced that `pool status` reads and lists
 
 
 def _digest(text, n):
@@ -2742,7 +2746,8 @@ def ec2_names(model):
     role = _iam_name("calque-" + s, s)
     return {"queue": pool_queue_name(model), "dlq": dlq_name(model), "role": role, "instance_profile": role,
             "launch_template": base, "asg": base, "alarm_wake": base + "-wake", "alarm_idle": base + "-idle",
-            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "kit_prefix": f"pools/{s}/kit/"}
+            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "kit_prefix": f"pools/{s}/kit/",
+            "report_prefix": f"pools/{s}/instances/"}   # the bootstrap's reports: <started>.<instance id>.json
 
 
 def cold_role_name(store, region):
@@ -2926,20 +2931,28 @@ def worker_policy(store, model, region, account, partition="aws"):
     - S3 read: the pool's own folder (record, handler snapshot, kit), and of its model's runs only
       (runs/<slug>.*, see new_run_id) the manifests, numeric inputs and summaries (HeadObject: is this
       claim already done?);
-    - S3 write: result parts and summaries of its model's runs, and its own worker stats;
+    - S3 write: result parts and summaries of its model's runs, its own worker stats, and the bootstrap's
+      report of how the instance came up (pools/<slug>/instances/);
     - ListBucket limited by s3:prefix to its model's runs and the pool's folder. Not to list: S3
       answers a HeadObject or GetObject for a missing key with 403 instead of 404 unless the caller may
       list that key's prefix (S3 evaluates s3:prefix as the key), and warmd must tell "no summary yet"
-      from "forbidden". The worker never lists anything itself."""
+      from "forbidden". The worker never lists anything itself;
+    - SetInstanceHealth on its own Auto Scaling group only (the ARN names the group): a bootstrap that fails
+      marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
-    return _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
-                          ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
-                          reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
-                                 f"{obj}runs/{s}.*/summaries/*"],
-                          writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
-                                  f"{obj}pools/{s}/workers/*"],
-                          listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
+    policy = _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
+                            ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
+                            reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
+                                   f"{obj}runs/{s}.*/summaries/*"],
+                            writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
+                                    f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*"],
+                            listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
+    policy["Statement"].append({
+        "Sid": "ReplaceOwnInstance", "Effect": "Allow", "Action": ["autoscaling:SetInstanceHealth"],
+        "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/"
+                    f"{ec2_names(model)['asg']}"})
+    return policy
 
 
 def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed):
@@ -3015,12 +3028,13 @@ def kit_archive():
     return blob, hashlib.sha256(blob).hexdigest()
 
 
-def _boto3_pin():
+def _pin(name):
+    """The `name==version` line of requirements.txt (without its comment), or the bare name."""
     with open(os.path.join(HERE, "requirements.txt")) as f:
         for line in f:
-            if line.split("#")[0].strip().startswith("boto3=="):
+            if line.split("#")[0].strip().startswith(name + "=="):
                 return line.split("#")[0].strip()
-    return "boto3"
+    return name
 
 
 _BOOTSTRAP = r"""#!/bin/bash
@@ -3028,54 +3042,157 @@ _BOOTSTRAP = r"""#!/bin/bash
 # Written by `calque.py {verb}`. No credentials here: the instance profile {profile} gives this machine
 # its least-privilege access. Bootstrap output: /var/log/cloud-init-output.log; worker: journalctl -u {unit}
 set -euo pipefail
-{preamble}
 CALQUE=/opt/calque
 BUCKET={bucket}
 KIT_KEY={kit_key}
 KIT_SHA256={kit_sha256}
 REGION={region}
+IMDS={imds}
+REPORT_PREFIX={report_prefix}
+ATTEMPTS={attempts}
+BACKOFF={backoff}
+STARTED=$(date -u +%Y%m%dT%H%M%SZ)
+STAGE=setup
 mkdir -p "$CALQUE/kit" /etc/calque {state}
+
+# try_to TRIES WHAT COMMAND...: COMMAND up to TRIES times, waiting $BACKOFF s before the second try and twice
+# as long before each next one; its stderr is kept in $CALQUE/last-error for the failure report
+try_to() {{
+  local tries=$1 what=$2 wait=$BACKOFF n=1
+  shift 2
+  STAGE=$what
+  until "$@" 2>"$CALQUE/last-error"; do
+    cat "$CALQUE/last-error" >&2
+    if [ "$n" -ge "$tries" ]; then
+      return 1
+    fi
+    echo "calque: $what failed (try $n of $tries): next try in ${{wait}}s" >&2
+    sleep "$wait"
+    n=$((n + 1)) wait=$((wait * 2))
+  done
+  cat "$CALQUE/last-error" >&2    # the warnings of the try that worked
+}}
+retry() {{ try_to "$ATTEMPTS" "$@"; }}   # a network step: a blip must not cost the instance
+once() {{ try_to 1 "$@"; }}
+fail() {{ echo "calque: $1" | tee "$CALQUE/last-error" >&2; exit 1; }}
+
+imds() {{   # imds PATH: an instance metadata value (IMDSv2: a session token first)
+  local token
+  token=$(curl -fsS -X PUT "$IMDS/latest/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300") &&
+    curl -fsS -H "X-aws-ec2-metadata-token: $token" "$IMDS/latest/meta-data/$1"
+}}
+has_cli() {{ command -v aws >/dev/null 2>&1; }}
+py_boto3() {{   # py_boto3 CODE ARGS...: CODE with boto3 imported and ARGS in sys.argv (on an image without the AWS CLI)
+  "$CALQUE/venv/bin/python" -c "import sys, boto3; $1" "${{@:2}}"
+}}
+s3_get() {{   # s3_get KEY FILE
+  if has_cli; then
+    aws s3 cp --only-show-errors --region "$REGION" "s3://$BUCKET/$1" "$2"
+  else
+    py_boto3 'boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' "$REGION" "$BUCKET" "$1" "$2"
+  fi
+}}
+s3_put() {{   # s3_put FILE KEY
+  if has_cli; then
+    aws s3 cp --only-show-errors --region "$REGION" "$1" "s3://$BUCKET/$2"
+  else
+    py_boto3 'boto3.client("s3", region_name=sys.argv[1]).upload_file(*sys.argv[2:])' "$REGION" "$1" "$BUCKET" "$2"
+  fi
+}}
+# report STATE: this instance's bootstrap record in the store (`pool status` reads it): how far it got, why
+# it stopped, which fastbatch and torch builds its worker runs
+report() {{
+  if [ -z "$REPORT_PREFIX" ] || [ -z "${{INSTANCE_ID:-}}" ]; then
+    return 0
+  fi
+  local reason=""
+  if [ "$1" = failed ]; then
+    reason=$(tail -n 5 "$CALQUE/last-error" 2>/dev/null | cut -c1-300)
+  fi
+  "${{PY:-python3}}" -c 'import json, sys; print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' \
+    instance_id "$INSTANCE_ID" state "$1" stage "$STAGE" reason "$reason" started "$STARTED" \
+    at "$(date -u +%Y-%m-%dT%H:%M:%SZ)" fastbatch "${{FASTBATCH:-}}" torch "${{TORCH:-}}" \
+    torch_cuda "${{TORCH_CUDA:-}}" torch_gpu "${{TORCH_GPU:-}}" gpu "${{GPU:-}}" > "$CALQUE/report.json" &&
+    s3_put "$CALQUE/report.json" "$REPORT_PREFIX$STARTED.$INSTANCE_ID.json"
+}}
+{on_failure}
+on_exit() {{
+  local rc=$?
+  if [ "$rc" -eq 0 ]; then
+    return 0
+  fi
+  set +e
+  echo "calque: bootstrap failed at $STAGE (exit $rc)" >&2
+  report failed || echo "calque: could not write the failure report" >&2
+  on_failure
+}}
+trap on_exit EXIT
+{preamble}
+if [ -n "$REPORT_PREFIX" ]; then
+  retry "instance metadata" imds instance-id > "$CALQUE/instance-id"
+  INSTANCE_ID=$(cat "$CALQUE/instance-id")
+fi
+
 # the worker runs as an unprivileged system user (NVIDIA device files are world-usable); its home is the state dir
 id -u calque >/dev/null 2>&1 || useradd --system --home-dir {state} --shell /usr/sbin/nologin calque
 chown calque: {state}
 
-pick_python() {{
-  for c in python3.13 python3.12 python3.11; do
-    if command -v "$c" >/dev/null 2>&1; then command -v "$c"; return 0; fi
+# build tools up front: a venv needs python3-venv on Ubuntu, fastbatch's C module gcc and the Python headers
+if command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  retry "apt-get update" apt-get -o DPkg::Lock::Timeout=600 -o APT::Update::Error-Mode=any update -q
+  retry "apt-get install" apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv python3-dev gcc
+elif command -v dnf >/dev/null 2>&1; then
+  retry "dnf install" dnf install -y -q python3.11 python3.11-devel gcc
+fi
+pick_python() {{   # python3 when it is 3.11 or newer (python3-dev's headers are its own), else a newer one
+  local c
+  for c in python3 python3.13 python3.12 python3.11; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      command -v "$c"
+      return 0
+    fi
   done
   return 1
 }}
-install_python() {{   # a bare image: Ubuntu (apt) or Amazon Linux (dnf)
-  if command -v apt-get >/dev/null 2>&1; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get -o DPkg::Lock::Timeout=600 update -q
-    apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv python3-dev gcc
-  elif command -v dnf >/dev/null 2>&1; then
-    dnf install -y -q python3.11 python3.11-devel gcc
-  fi
-}}
-PY=$(pick_python) || {{ install_python; PY=$(pick_python); }} \
-  || {{ echo "calque: no python >= 3.11 on this image" >&2; exit 1; }}
-"$PY" -m venv "$CALQUE/venv" 2>/dev/null || {{ install_python; rm -rf "$CALQUE/venv"; "$PY" -m venv "$CALQUE/venv"; }}
+STAGE=python
+PY=$(pick_python) || fail "no python >= 3.11 on this image"
+once "venv" "$PY" -m venv "$CALQUE/venv"
+has_cli || retry "pip install boto3" "$CALQUE/venv/bin/pip" install -q --no-cache-dir {boto3_pin}
 
 # the kit snapshot this pool was created with, checked against the digest pinned here
-if command -v aws >/dev/null 2>&1; then
-  aws s3 cp --only-show-errors --region "$REGION" "s3://$BUCKET/$KIT_KEY" "$CALQUE/kit.tar.gz"
+check_kit() {{ echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -; }}
+retry "kit download" s3_get "$KIT_KEY" "$CALQUE/kit.tar.gz"
+once "kit sha256 check" check_kit
+once "kit unpack" tar -xzf "$CALQUE/kit.tar.gz" -C "$CALQUE/kit"
+# pinned requirements; no pip cache: torch's wheel is GBs and would be kept twice
+retry "pip install -r requirements.txt" \
+  "$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt" --no-cache-dir
+
+# fastbatch's C gather, built once here as root (the worker cannot write the kit folder). A failed build is
+# reported, and the worker is told to use the numpy path instead of trying to build it at every start
+STAGE="fastbatch build"
+if (cd "$CALQUE/kit" && "$CALQUE/venv/bin/python" fastbatch/_build.py) 2>"$CALQUE/last-error"; then
+  FASTBATCH=c
 else
-  "$CALQUE/venv/bin/pip" install -q {boto3_pin}
-  "$CALQUE/venv/bin/python" -c \
-    'import sys, boto3; boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' \
-    "$REGION" "$BUCKET" "$KIT_KEY" "$CALQUE/kit.tar.gz"
+  cat "$CALQUE/last-error" >&2
+  FASTBATCH="failed: $(tail -n 1 "$CALQUE/last-error" | cut -c1-300)"
 fi
-echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -
-tar -xzf "$CALQUE/kit.tar.gz" -C "$CALQUE/kit"
-"$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt"
-(cd "$CALQUE/kit" && "$CALQUE/venv/bin/python" fastbatch/_build.py) \
-  || echo "calque: fastbatch C build failed; the numpy reference path will be used"
+# which torch this instance got (PyPI's Linux x86_64 wheel is a CUDA build) and whether it sees the GPU
+STAGE="torch check"
+if ! read -r TORCH TORCH_CUDA TORCH_GPU < <("$CALQUE/venv/bin/python" -c \
+    'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'); then
+  TORCH="import failed" TORCH_CUDA="" TORCH_GPU=""
+fi
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) || GPU=""
+echo "calque: fastbatch $FASTBATCH; torch $TORCH (CUDA $TORCH_CUDA, GPU visible: $TORCH_GPU); GPU ${{GPU:-none}}"
 
 cat > /etc/calque/worker.env <<'CALQUE_ENV_EOF'
 {env}
 CALQUE_ENV_EOF
+if [ "$FASTBATCH" != c ]; then
+  echo "FASTBATCH_REFERENCE=1" >> /etc/calque/worker.env
+fi
 
 cat > "$CALQUE/worker.sh" <<'CALQUE_SH_EOF'
 #!/bin/bash
@@ -3108,18 +3225,41 @@ SyslogIdentifier={unit}
 [Install]
 WantedBy=multi-user.target
 CALQUE_UNIT_EOF
-systemctl daemon-reload
-systemctl enable --now {unit}.service
+once "systemctl daemon-reload" systemctl daemon-reload
+once "worker start" systemctl enable --now {unit}.service
+STAGE=ready
+report ready || echo "calque: could not write the bootstrap report (the worker runs)" >&2
 echo "calque: {unit} started"
 """
 
+# what a pool instance does when its bootstrap fails: out of the group (SetInstanceHealth, allowed on its own group
+# only), so the ASG replaces it instead of billing a broken machine; if that call fails, power off (a stopped
+# instance fails the group's EC2 health check)
+_POOL_ON_FAILURE = r"""on_failure() {
+  if [ -n "${INSTANCE_ID:-}" ] && mark_unhealthy; then
+    echo "calque: $INSTANCE_ID marked unhealthy: its auto scaling group replaces it" >&2
+  else
+    echo "calque: could not mark this instance unhealthy: powering off" >&2
+    shutdown -h now
+  fi
+}
+mark_unhealthy() {
+  if has_cli; then
+    aws autoscaling set-instance-health --region "$REGION" --instance-id "$INSTANCE_ID" --health-status Unhealthy \
+      --no-should-respect-grace-period
+  else
+    py_boto3 'boto3.client("autoscaling", region_name=sys.argv[1]).set_instance_health(
+      InstanceId=sys.argv[2], HealthStatus="Unhealthy", ShouldRespectGracePeriod=False)' "$REGION" "$INSTANCE_ID"
+  fi
+}"""
+
 
 def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit,
-               service, preamble="", conf=None):
+               service, on_failure, report_prefix="", preamble="", conf=None):
     import shlex
     conf = conf or settings()
     bucket, _, prefix = store[len("s3://"):].partition("/")
-    prefix = prefix.strip("/")
+    prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
     lines = {"CALQUE_STORE": store, "CALQUE_STATE": EC2_STATE_DIR, "CALQUE_SPOT_POLL": EC2_SPOT_POLL,
              "AWS_REGION": region, "AWS_DEFAULT_REGION": region, "PYTHONUNBUFFERED": "1"}
     lines.update({k: conf[k] for k in EC2_PASSED_SETTINGS if k in conf})
@@ -3129,10 +3269,12 @@ def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit
     grace = float(conf.get("CALQUE_GRACE", 30))
     script = _BOOTSTRAP.format(
         title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble,
-        bucket=shlex.quote(bucket), kit_key=shlex.quote(f"{prefix}/{kit_key}" if prefix else kit_key),
-        kit_sha256=kit_sha256, region=shlex.quote(region), state=EC2_STATE_DIR, boto3_pin=shlex.quote(_boto3_pin()),
-        env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()), worker_args=worker_args,
-        service=service, stop_timeout=int(grace + 30))
+        bucket=shlex.quote(bucket), kit_key=shlex.quote(prefix + kit_key), kit_sha256=kit_sha256,
+        region=shlex.quote(region), imds=EC2_SPOT_POLL, state=EC2_STATE_DIR,
+        report_prefix=shlex.quote(prefix + report_prefix if report_prefix else ""),
+        attempts=BOOTSTRAP_ATTEMPTS, backoff=BOOTSTRAP_BACKOFF, boto3_pin=shlex.quote(_pin("boto3")),
+        on_failure=on_failure, env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()),
+        worker_args=worker_args, service=service, stop_timeout=int(grace + 30))
     _refuse_credentials(script)
     return script
 
@@ -3147,15 +3289,25 @@ def _refuse_credentials(text):
         raise RuntimeError("refusing to write user-data that contains AWS credentials")
 
 
+# the pool worker's unit restarts a worker that crashed (any non-zero exit, or killed by a signal) but not one
+# that exited 0: warmd exits 0 only after a stop on purpose (SIGTERM, a spot notice), and a restart would load
+# the model again for nothing, every RestartSec, until the instance is reclaimed. Restart=on-failure would also
+# take a death by an uncaught SIGTERM/SIGINT/SIGHUP/SIGPIPE as clean (systemd.service); RestartPreventExitStatus=0
+# on top of Restart=always stops only a worker that said it was done.
+POOL_SERVICE = "Restart=always\nRestartPreventExitStatus=0\nRestartSec=5"
+
+
 def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile", conf=None):
-    """The pool instance's bootstrap: venv + pinned requirements, the kit and handler from the store, then
-    `warmd.py --model M` under systemd (Restart=always, journal logs, spot poller on)."""
+    """The pool instance's bootstrap: build tools, venv + pinned requirements, the kit from the store, fastbatch
+    built once, then `warmd.py --model M` under systemd (POOL_SERVICE, journal logs, spot poller on). Each
+    network step is retried; the outcome (or where it failed, and why) is written to the pool's instances/
+    folder in the store, and a failed bootstrap takes its own instance out of the group so the ASG replaces it."""
     _check_text(model, "model")
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
         store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_POOL_MODEL": model},
-        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service="Restart=always\nRestartSec=5",
-        conf=conf)
+        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service=POOL_SERVICE,
+        report_prefix=ec2_names(model)["report_prefix"], on_failure=_POOL_ON_FAILURE, conf=conf)
 
 
 def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, profile="the cold-run instance profile",
@@ -3163,14 +3315,14 @@ def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, prof
     """A cold run's one-shot instance: the same bootstrap, then `warmd.py --run RUN` once; when it exits (its
     queue drained, or an error) the machine powers off, which terminates it (InstanceInitiatedShutdownBehavior).
     A bootstrap that fails powers off too, and a dead-man's switch powers off after max_minutes whatever happens."""
-    preamble = (f'shutdown -h +{int(max_minutes)} "calque: cold run over its time limit" || true\n'
-                'trap \'rc=$?; if [ "$rc" -ne 0 ]; then echo "calque: bootstrap failed ($rc): powering off"; '
-                'shutdown -h now; fi\' EXIT')
+    preamble = f'shutdown -h +{int(max_minutes)} "calque: cold run over its time limit" || true'
+    on_failure = 'on_failure() {\n  echo "calque: powering off" >&2\n  shutdown -h now\n}'
     return _bootstrap(
         title=f"cold-run worker for run {run_id}", description="cold-run worker", verb="submit", profile=profile,
         store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_RUN": run_id},
         worker_args='--run "$CALQUE_RUN"', unit="calque-cold",
-        service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble, conf=conf)
+        service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble,
+        on_failure=on_failure, conf=conf)
 
 
 def _user_data_b64(script):

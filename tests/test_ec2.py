@@ -178,7 +178,7 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
 
 
 def test_worker_policy_statement_by_statement(aws):
-    """The pool role's policy is exactly these five statements, and it is what IAM holds after create."""
+    """The pool role's policy is exactly these six statements, and it is what IAM holds after create."""
     policy = calque.worker_policy("s3://bkt/calque/root", MODEL, "eu-west-1", "111122223333")
     q = "arn:aws:sqs:eu-west-1:111122223333:"
     obj = "arn:aws:s3:::bkt/calque/root/"
@@ -195,10 +195,14 @@ def test_worker_policy_statement_by_statement(aws):
          "Resource": [obj + f"pools/{s}/*", obj + f"runs/{s}.*/manifests/*", obj + f"runs/{s}.*/inputs/*",
                       obj + f"runs/{s}.*/summaries/*"]},
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
-         "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"pools/{s}/workers/*"]},
+         "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"pools/{s}/workers/*",
+                      obj + f"pools/{s}/instances/*"]},           # + the bootstrap's report
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
+        {"Sid": "ReplaceOwnInstance", "Effect": "Allow", "Action": ["autoscaling:SetInstanceHealth"],   # its group only
+         "Resource": "arn:aws:autoscaling:eu-west-1:111122223333:autoScalingGroup:*:autoScalingGroupName/"
+                     f"calque-pool-{s}"},
     ]}
     cold = calque.cold_worker_policy("s3://bkt", "eu-west-1", "111122223333")
     assert [(st["Sid"], st["Action"], st["Resource"]) for st in cold["Statement"]] == [
