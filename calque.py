@@ -3441,9 +3441,10 @@ def ec2_pool_options(instances, instance_type=None, *, min_instances=None, ami=N
     evaluate, a floor between 0 and the instance count (0 unless given when the pool scales to zero)."""
     if instances is None or instances < 0:
         raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
-    if scale_to_zero_after is not None and not 1 <= scale_to_zero_after <= MAX_IDLE_MINUTES:
-        raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between 1 and {MAX_IDLE_MINUTES} "
-                        f"(CloudWatch's one-day window)")
+    if scale_to_zero_after is not None and not MIN_IDLE_MINUTES <= scale_to_zero_after <= MAX_IDLE_MINUTES:
+        raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between {MIN_IDLE_MINUTES} and "
+                        f"{MAX_IDLE_MINUTES} (CloudWatch's one-day window; a one-minute window would take a minute "
+                        f"whose data is late for an idle one)")
     if min_instances is None and scale_to_zero_after is not None:
         min_instances = 0
     if min_instances is not None and not 0 <= min_instances <= instances:
@@ -3578,9 +3579,15 @@ def _describe_asg(calls, name):
 
 
 def _asg_sizes(ec2):
-    """(min, max, desired) for the record's EC2 settings; min_instances None means a fixed-size cohort."""
-    n, floor = ec2["instances"], ec2["min_instances"]
-    return (n if floor is None else min(floor, n)), n, n
+    """(min, max, desired) for the record's EC2 settings: min_instances None is a fixed-size cohort (N, N, N);
+    a floor K gives (K, N, N); a scale-to-zero pool held by `pool scale --instances H` is (H, N, H), so its
+    idle alarm, which can only set the group's capacity within MinSize..MaxSize, cannot take it below H."""
+    n, floor, held = ec2["instances"], ec2["min_instances"], ec2.get("held")
+    if floor is None:
+        return n, n, n
+    if held:
+        return min(held, n), n, min(held, n)
+    return min(floor, n), n, n
 
 
 def _asg_params(names, ec2):
@@ -3611,8 +3618,12 @@ def _ensure_asg(calls, names, ec2, tags, owner):
         raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): "
                         f"wait for it to go, then re-run")
     _check_owned("auto scaling group", names["asg"], _tag_dict(asg.get("Tags")), *owner)
+    if ec2["scale_to_zero_after"]:
+        # its alarms own the desired count: a re-run that set it to N would be undone by the idle alarm within
+        # a minute (it re-runs its action every minute while in ALARM), killing instances mid-bootstrap
+        del params["DesiredCapacity"]
     calls.call("autoscaling", "UpdateAutoScalingGroup", **params)
-    return "updated"
+    return "updated" if "DesiredCapacity" in params else f"updated; desired {asg['DesiredCapacity']} kept"
 
 
 def _policy_arn(calls, asg, name, answer):
@@ -3635,8 +3646,12 @@ def _sqs_metric(queue, metric):
 
 def _ensure_scale_to_zero(calls, names, ec2, tags):
     """Two simple-scaling policies (exactly N; exactly the floor) and two alarms. Wake: any visible message
-    in a minute. Idle: visible + in flight == 0 for the whole window -- in flight counts, so a pool busy on
-    long claims with an empty backlog is not scaled in under its workers."""
+    in a minute; no data is no work. Idle: visible + in flight == 0 for the whole window -- in flight counts,
+    so a pool busy on long claims with an empty backlog is not scaled in under its workers. Missing data is
+    handled in the metric math: SQS reports in-flight only while messages are in flight, so a minute with a
+    backlog but no in-flight point must not read as "no data" (a sum over a missing point, which the alarm
+    would count as idle while the wake alarm fires); FILL makes each a 0 where it has no point, and a queue
+    that publishes nothing at all (inactive for six hours) is idle too (TreatMissingData)."""
     asg, minutes = names["asg"], ec2["scale_to_zero_after"]
     wake = _put_capacity_policy(calls, asg, names["policy_wake"], ec2["instances"])
     idle = _put_capacity_policy(calls, asg, names["policy_idle"], ec2["min_instances"] or 0)
@@ -3654,12 +3669,14 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
                EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
                ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching",
                Tags=_tags(tags, strict=True),
-               Metrics=[{"Id": "visible", "ReturnData": False, "MetricStat": {
+               Metrics=[{"Id": "visible_raw", "ReturnData": False, "MetricStat": {
                             "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"),
                             "Period": ALARM_PERIOD, "Stat": "Maximum"}},
-                        {"Id": "inflight", "ReturnData": False, "MetricStat": {
+                        {"Id": "inflight_raw", "ReturnData": False, "MetricStat": {
                             "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesNotVisible"),
                             "Period": ALARM_PERIOD, "Stat": "Maximum"}},
+                        {"Id": "visible", "Expression": "FILL(visible_raw, 0)", "ReturnData": False},
+                        {"Id": "inflight", "Expression": "FILL(inflight_raw, 0)", "ReturnData": False},
                         {"Id": "backlog", "Expression": "visible + inflight", "Label": "claims waiting or running",
                          "ReturnData": True}])
     return "put"
@@ -3760,18 +3777,24 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     _check_key(calls, options.key_name)
     if not itype.get("GpuInfo"):
         print(f"pool {model}: note: {options.instance_type} has no GPU; fine for a CPU handler, not for a GPU model")
+    elif "x86_64" not in itype["ProcessorInfo"]["SupportedArchitectures"]:
+        print(f"pool {model}: WARNING: {options.instance_type} is arm64: PyPI's {_pin('torch')} wheel for Linux "
+              f"aarch64 may be a CPU-only build (assumed; check the project's wheel list), and then the model runs on "
+              f"the CPU. Each instance records which torch it got and whether it sees the GPU: `pool status` warns")
     blob, kit_sha = kit_archive()
     kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
     idle = options.scale_to_zero_after
-    created_at = (existing or {}).get("ec2", {}).get("created_at") or record.get("created_at") or now_iso()
+    previous = (existing or {}).get("ec2") or {}
+    created_at = previous.get("created_at") or record.get("created_at") or now_iso()
+    held = previous.get("held") if idle else None    # a re-run keeps a `pool scale` hold (see ec2_pool_scale)
     ec2 = {"instances": options.instances, "min_instances": options.min_instances,
            "instance_type": options.instance_type, "ami": ami, "ami_source": ami_source, "spot": options.spot,
            "subnets": subnets, "key_name": options.key_name, "scale_to_zero_after": idle,
            "region": region, "account": ident["account"], "role": names["role"],
            "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
            "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if idle else [],
-           "kit": {"key": kit_key, "sha256": kit_sha}, "state": "creating", "updated_at": now_iso(),
-           "created_at": created_at}
+           "kit": {"key": kit_key, "sha256": kit_sha}, "held": min(held, options.instances) if held else None,
+           "state": "creating", "updated_at": now_iso(), "created_at": created_at}
     tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
             "calque:created-at": created_at, "calque:store": store, "calque:region": region}
     owner = (model, store, region)
@@ -3821,7 +3844,7 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
         state = _ensure_asg(calls, names, ec2, tags, owner)
         lo, hi, desired = _asg_sizes(ec2)
         print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} "
-              f"(min {lo}, max {hi}, desired {desired})")
+              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'})")
 
     def alarms():
         if idle:
@@ -3863,8 +3886,11 @@ def _require_ec2(record):
 
 
 def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=False, calls=None):
-    """`pool scale --instances N` for an EC2 pool: the ASG's desired (and max) to N; with scale-to-zero the
-    wake policy's target too. Growing needs yes_spend_money (or dry_run); shrinking does not."""
+    """`pool scale --instances N` for an EC2 pool. A fixed cohort: the ASG's min, max and desired to N.
+    A scale-to-zero pool: N > 0 holds it at N (MinSize N, and N is its wake target), because its idle alarm,
+    which CloudWatch re-runs every minute it stays in ALARM, would otherwise undo the scale-up within a minute;
+    N = 0 releases the hold: down to its floor now, up to its wake target on work (`pool status` says which).
+    Growing needs yes_spend_money (or dry_run); shrinking does not."""
     model = record["model"]
     _aws_store(backend, "pool scale --instances")
     ec2 = dict(_require_ec2(record))
@@ -3879,23 +3905,53 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     if instances > asg["DesiredCapacity"]:
         _refuse_spending(f"pool scale --model {model} --instances {instances}", dry_run=dry_run,
                          yes_spend_money=yes_spend_money)
-    ec2["instances"] = instances
+    sleeps = bool(ec2.get("scale_to_zero_after"))
+    if sleeps:
+        ec2.update(held=instances or None, instances=instances or ec2["instances"])
+    else:
+        ec2["instances"] = instances
     lo, hi, desired = _asg_sizes(ec2)
+    desired = desired if instances else lo     # a released hold goes down to the floor now
     calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo, MaxSize=hi,
                DesiredCapacity=desired)
-    if ec2.get("scale_to_zero_after"):
-        _put_capacity_policy(calls, names["asg"], names["policy_wake"], instances)
+    if sleeps:
+        _put_capacity_policy(calls, names["asg"], names["policy_wake"], ec2["instances"])
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
     _put_pool_record(calls, backend, full)
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
           f"(min {lo}, max {hi}); "
           f"{_hourly(ec2['instance_type'], ec2['spot'], desired) if desired else 'no instance cost at 0'}")
+    if sleeps:
+        print(f"pool {model}: " + (f"held at {instances}: the idle alarm cannot scale it in until "
+                                   f"`pool scale --model {model} --instances 0` releases it" if instances else
+                                   f"scale to zero in charge again: wakes to {ec2['instances']} on work"))
     return full
+
+
+def bootstrap_reports(backend, model, instance_ids):
+    """{"current": {instance id: its latest bootstrap report}, "failed": [the failed reports of the current
+    instances, and of the last BOOTSTRAP_FAILURES_SHOWN instances no longer in the group]}, oldest first. A
+    report's key is <started>.<instance id>.json: sorted keys are in launch order, so however many instances
+    the pool ever had, only the current ones and a few more are read."""
+    prefix = ec2_names(model)["report_prefix"]
+    current, gone = {}, []
+    for key in backend.store.list(prefix):
+        if key.endswith(".json"):
+            instance_id = key[len(prefix):-len(".json")].partition(".")[2]
+            if instance_id in instance_ids:
+                current[instance_id] = key      # sorted keys: the latest report wins
+            else:
+                gone.append(key)
+    reports = {i: read_json(backend, key) for i, key in current.items()}
+    earlier = [read_json(backend, key) for key in gone[-BOOTSTRAP_FAILURES_SHOWN:]]
+    failed = [r for r in earlier + list(reports.values()) if r.get("state") == "failed"]
+    return {"current": reports, "failed": sorted(failed, key=lambda r: r.get("started", ""))}
 
 
 def ec2_pool_status(backend, record, calls=None):
     """The EC2 side of `pool status`: the ASG's sizes, its instances by lifecycle state, its last scaling
-    activities (where a launch failure shows), the alarms' states, queue/DLQ depths and worker stats."""
+    activities (where a launch failure shows), the alarms' states, queue/DLQ depths, worker stats and the
+    instances' bootstrap reports (bootstrap_reports)."""
     model = record["model"]
     calls = calls or AwsCalls.for_backend(backend)
     names = ec2_names(model)
@@ -3917,12 +3973,14 @@ def ec2_pool_status(backend, record, calls=None):
                                          "reason": (a.get("StatusMessage") or a.get("Cause") or "")[:300],
                                          "start": str(a.get("StartTime", ""))})
     status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in _describe_alarms(calls, names)}
+    status["bootstrap"] = bootstrap_reports(backend, model, {i["id"] for i in status["instance_list"]})
     return status
 
 
 def format_ec2_status(status):
     """ec2_pool_status's answer as lines: the group's sizes and instances, its last scaling activities (where a
-    launch failure shows), the alarms, and a note when instances run but no worker reports yet.
+    launch failure shows), who sets its size (a `pool scale` hold or the scale-to-zero alarms), the bootstrap
+    reports (format_bootstrap), and a note when instances run but no worker reports yet.
     format_pool_status prints them among the pool's queue depths and worker table."""
     lines, ec2 = [], status.get("ec2") or {}
     asg = status["asg"]
@@ -3937,14 +3995,55 @@ def format_ec2_status(status):
         for a in status["activities"]:
             lines.append(f"  {a['start'][:19]} {a['status']}: {a['description']}"
                          + (f" ({a['reason']})" if a["reason"] else ""))
-    if status["alarms"]:
-        lines.append("scale to zero: " + ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items())))
+    alarms = ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items()))
+    if ec2.get("scale_to_zero_after"):
+        mode = (f"held at {ec2['held']} by `pool scale` (MinSize {ec2['held']}: the idle alarm cannot scale it in; "
+                f"`pool scale --instances 0` releases it)" if ec2.get("held") else
+                f"alarms in charge (wake to {ec2['instances']} on work, {ec2['min_instances'] or 0} after "
+                f"{ec2['scale_to_zero_after']} idle min)")
+        lines.append(f"scale to zero: {mode}" + (f"; {alarms}" if alarms else ""))
+    elif alarms:
+        lines.append(f"scale-to-zero alarms left over: {alarms} (re-run `pool create` to remove them)")
+    lines += format_bootstrap(status.get("bootstrap") or {"current": {}, "failed": []})
     running = [w for w in status["workers"] if w.get("state") == "running"]
     in_service = status["instances"].get("InService", 0)
     if in_service and not running:
         lines.append(f"note: {in_service} instance(s) in service but no worker reports running yet: "
-                     f"still bootstrapping (~{EC2_BOOT_ESTIMATE / 60:.0f} min), or the bootstrap failed: "
-                     f"see the instance's console output")
+                     f"still bootstrapping (~{EC2_BOOT_ESTIMATE / 60:.0f} min), or failed before it could report "
+                     f"(no network, no python): see the instance's console output")
+    return lines
+
+
+def _few(ids, shown=3):
+    return ", ".join(sorted(ids)[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
+
+
+def format_bootstrap(boot):
+    """Lines for bootstrap_reports' answer: the builds the ready instances run (torch, whether it sees the GPU,
+    fastbatch's C path or numpy), a WARNING where fastbatch's build failed or torch does not see the GPU, and
+    the instances whose bootstrap failed (each marked itself unhealthy: the group replaces it)."""
+    lines, builds, warnings = [], Counter(), {}
+    for r in boot["current"].values():
+        if r.get("state") != "ready":
+            continue
+        sees_gpu = r.get("torch_gpu") == "True"
+        builds[f"torch {r.get('torch') or '?'} (CUDA {r.get('torch_cuda') or '?'}, GPU "
+               f"{'visible' if sees_gpu else 'not visible'}), fastbatch {'C' if r.get('fastbatch') == 'c' else 'numpy'}"
+               ] += 1
+        if r.get("fastbatch") != "c":
+            warnings.setdefault(f"fastbatch's C build {r.get('fastbatch') or 'did not run'}: its workers gather "
+                                f"batches with the numpy path (slower)", []).append(r["instance_id"])
+        if r.get("gpu") and not sees_gpu:
+            warnings.setdefault(f"torch {r.get('torch')} does not see the GPU ({r['gpu']}): the model runs on the "
+                                f"CPU", []).append(r["instance_id"])
+    lines += [f"bootstrap: {n} ready with {build}" for build, n in sorted(builds.items())]
+    lines += [f"WARNING ({_few(ids)}): {text}" for text, ids in warnings.items()]
+    if boot["failed"]:
+        lines.append(f"instances that failed to bootstrap (the latest {len(boot['failed'])}; "
+                     f"each is replaced by the group):")
+        for r in boot["failed"]:
+            reason = " | ".join(line for line in (r.get("reason") or "").splitlines() if line.strip())
+            lines.append(f"  {r['instance_id']} (started {r.get('started')}): {r.get('stage')}: {reason[:300]}")
     return lines
 
 
@@ -4117,7 +4216,8 @@ def ec2_cold_wait_hint(backend, record, calls=None):
             return (f"pool {model} is scaled to 0: nothing will claim this run "
                     f"---> HINT: pool scale --model {model} --instances N")
         return (f"pool {model} is cold (0 instances): its wake alarm scales it to {ec2['instances']} within ~1-3 min "
-                f"(SQS metrics are per minute), then {boot}, then {load} before the first claim starts")
+                f"(SQS metrics are per minute; up to 15 min more after 6 idle hours, while SQS resumes them), "
+                f"then {boot}, then {load} before the first claim starts")
     pending = sum(s.startswith("Pending") for s in states)
     return (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in service, {pending} launching): "
             f"{boot} from launch, then {load} before the first claim starts")
