@@ -2924,6 +2924,10 @@ EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + 
 COLD_BOOT_ALLOWANCE = 30            # min a cold instance may boot on top of the submit timeout before it powers off
 ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
+MIN_IDLE_MINUTES = 2                # the idle alarm's newest minute may be a FILLed 0 (its data late): 1 is no window
+BOOTSTRAP_ATTEMPTS = 5              # tries of each network step of the bootstrap (apt, kit download, pip install)
+BOOTSTRAP_BACKOFF = 10              # s before a network step's second try, doubling after each (10 + 20 + 40 + 80 s)
+BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of instances already replaced that `pool status` reads and lists
 
 
 def _digest(text, n):
@@ -2945,7 +2949,8 @@ def ec2_names(model):
     role = _iam_name("calque-" + s, s)
     return {"queue": pool_queue_name(model), "dlq": dlq_name(model), "role": role, "instance_profile": role,
             "launch_template": base, "asg": base, "alarm_wake": base + "-wake", "alarm_idle": base + "-idle",
-            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "kit_prefix": f"pools/{s}/kit/"}
+            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "kit_prefix": f"pools/{s}/kit/",
+            "report_prefix": f"pools/{s}/instances/"}   # the bootstrap's reports: <started>.<instance id>.json
 
 
 def cold_role_name(store, region):
@@ -3129,20 +3134,28 @@ def worker_policy(store, model, region, account, partition="aws"):
     - S3 read: the pool's own folder (record, handler snapshot, kit), and of its model's runs only
       (runs/<slug>.*, see new_run_id) the manifests, numeric inputs and summaries (HeadObject: is this
       claim already done?);
-    - S3 write: result parts and summaries of its model's runs, and its own worker stats;
+    - S3 write: result parts and summaries of its model's runs, its own worker stats, and the bootstrap's
+      report of how the instance came up (pools/<slug>/instances/);
     - ListBucket limited by s3:prefix to its model's runs and the pool's folder. Not to list: S3
       answers a HeadObject or GetObject for a missing key with 403 instead of 404 unless the caller may
       list that key's prefix (S3 evaluates s3:prefix as the key), and warmd must tell "no summary yet"
-      from "forbidden". The worker never lists anything itself."""
+      from "forbidden". The worker never lists anything itself;
+    - SetInstanceHealth on its own Auto Scaling group only (the ARN names the group): a bootstrap that fails
+      marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
-    return _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
-                          ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
-                          reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
-                                 f"{obj}runs/{s}.*/summaries/*"],
-                          writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
-                                  f"{obj}pools/{s}/workers/*"],
-                          listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
+    policy = _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
+                            ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
+                            reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
+                                   f"{obj}runs/{s}.*/summaries/*"],
+                            writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
+                                    f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*"],
+                            listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
+    policy["Statement"].append({
+        "Sid": "ReplaceOwnInstance", "Effect": "Allow", "Action": ["autoscaling:SetInstanceHealth"],
+        "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/"
+                    f"{ec2_names(model)['asg']}"})
+    return policy
 
 
 def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed):
@@ -3218,12 +3231,13 @@ def kit_archive():
     return blob, hashlib.sha256(blob).hexdigest()
 
 
-def _boto3_pin():
+def _pin(name):
+    """The `name==version` line of requirements.txt (without its comment), or the bare name."""
     with open(os.path.join(HERE, "requirements.txt")) as f:
         for line in f:
-            if line.split("#")[0].strip().startswith("boto3=="):
+            if line.split("#")[0].strip().startswith(name + "=="):
                 return line.split("#")[0].strip()
-    return "boto3"
+    return name
 
 
 _BOOTSTRAP = r"""#!/bin/bash
@@ -3231,54 +3245,157 @@ _BOOTSTRAP = r"""#!/bin/bash
 # Written by `calque.py {verb}`. No credentials here: the instance profile {profile} gives this machine
 # its least-privilege access. Bootstrap output: /var/log/cloud-init-output.log; worker: journalctl -u {unit}
 set -euo pipefail
-{preamble}
 CALQUE=/opt/calque
 BUCKET={bucket}
 KIT_KEY={kit_key}
 KIT_SHA256={kit_sha256}
 REGION={region}
+IMDS={imds}
+REPORT_PREFIX={report_prefix}
+ATTEMPTS={attempts}
+BACKOFF={backoff}
+STARTED=$(date -u +%Y%m%dT%H%M%SZ)
+STAGE=setup
 mkdir -p "$CALQUE/kit" /etc/calque {state}
+
+# try_to TRIES WHAT COMMAND...: COMMAND up to TRIES times, waiting $BACKOFF s before the second try and twice
+# as long before each next one; its stderr is kept in $CALQUE/last-error for the failure report
+try_to() {{
+  local tries=$1 what=$2 wait=$BACKOFF n=1
+  shift 2
+  STAGE=$what
+  until "$@" 2>"$CALQUE/last-error"; do
+    cat "$CALQUE/last-error" >&2
+    if [ "$n" -ge "$tries" ]; then
+      return 1
+    fi
+    echo "calque: $what failed (try $n of $tries): next try in ${{wait}}s" >&2
+    sleep "$wait"
+    n=$((n + 1)) wait=$((wait * 2))
+  done
+  cat "$CALQUE/last-error" >&2    # the warnings of the try that worked
+}}
+retry() {{ try_to "$ATTEMPTS" "$@"; }}   # a network step: a blip must not cost the instance
+once() {{ try_to 1 "$@"; }}
+fail() {{ echo "calque: $1" | tee "$CALQUE/last-error" >&2; exit 1; }}
+
+imds() {{   # imds PATH: an instance metadata value (IMDSv2: a session token first)
+  local token
+  token=$(curl -fsS -X PUT "$IMDS/latest/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300") &&
+    curl -fsS -H "X-aws-ec2-metadata-token: $token" "$IMDS/latest/meta-data/$1"
+}}
+has_cli() {{ command -v aws >/dev/null 2>&1; }}
+py_boto3() {{   # py_boto3 CODE ARGS...: CODE with boto3 imported and ARGS in sys.argv (on an image without the AWS CLI)
+  "$CALQUE/venv/bin/python" -c "import sys, boto3; $1" "${{@:2}}"
+}}
+s3_get() {{   # s3_get KEY FILE
+  if has_cli; then
+    aws s3 cp --only-show-errors --region "$REGION" "s3://$BUCKET/$1" "$2"
+  else
+    py_boto3 'boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' "$REGION" "$BUCKET" "$1" "$2"
+  fi
+}}
+s3_put() {{   # s3_put FILE KEY
+  if has_cli; then
+    aws s3 cp --only-show-errors --region "$REGION" "$1" "s3://$BUCKET/$2"
+  else
+    py_boto3 'boto3.client("s3", region_name=sys.argv[1]).upload_file(*sys.argv[2:])' "$REGION" "$1" "$BUCKET" "$2"
+  fi
+}}
+# report STATE: this instance's bootstrap record in the store (`pool status` reads it): how far it got, why
+# it stopped, which fastbatch and torch builds its worker runs
+report() {{
+  if [ -z "$REPORT_PREFIX" ] || [ -z "${{INSTANCE_ID:-}}" ]; then
+    return 0
+  fi
+  local reason=""
+  if [ "$1" = failed ]; then
+    reason=$(tail -n 5 "$CALQUE/last-error" 2>/dev/null | cut -c1-300)
+  fi
+  "${{PY:-python3}}" -c 'import json, sys; print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' \
+    instance_id "$INSTANCE_ID" state "$1" stage "$STAGE" reason "$reason" started "$STARTED" \
+    at "$(date -u +%Y-%m-%dT%H:%M:%SZ)" fastbatch "${{FASTBATCH:-}}" torch "${{TORCH:-}}" \
+    torch_cuda "${{TORCH_CUDA:-}}" torch_gpu "${{TORCH_GPU:-}}" gpu "${{GPU:-}}" > "$CALQUE/report.json" &&
+    s3_put "$CALQUE/report.json" "$REPORT_PREFIX$STARTED.$INSTANCE_ID.json"
+}}
+{on_failure}
+on_exit() {{
+  local rc=$?
+  if [ "$rc" -eq 0 ]; then
+    return 0
+  fi
+  set +e
+  echo "calque: bootstrap failed at $STAGE (exit $rc)" >&2
+  report failed || echo "calque: could not write the failure report" >&2
+  on_failure
+}}
+trap on_exit EXIT
+{preamble}
+if [ -n "$REPORT_PREFIX" ]; then
+  retry "instance metadata" imds instance-id > "$CALQUE/instance-id"
+  INSTANCE_ID=$(cat "$CALQUE/instance-id")
+fi
+
 # the worker runs as an unprivileged system user (NVIDIA device files are world-usable); its home is the state dir
 id -u calque >/dev/null 2>&1 || useradd --system --home-dir {state} --shell /usr/sbin/nologin calque
 chown calque: {state}
 
-pick_python() {{
-  for c in python3.13 python3.12 python3.11; do
-    if command -v "$c" >/dev/null 2>&1; then command -v "$c"; return 0; fi
+# build tools up front: a venv needs python3-venv on Ubuntu, fastbatch's C module gcc and the Python headers
+if command -v apt-get >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  retry "apt-get update" apt-get -o DPkg::Lock::Timeout=600 -o APT::Update::Error-Mode=any update -q
+  retry "apt-get install" apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv python3-dev gcc
+elif command -v dnf >/dev/null 2>&1; then
+  retry "dnf install" dnf install -y -q python3.11 python3.11-devel gcc
+fi
+pick_python() {{   # python3 when it is 3.11 or newer (python3-dev's headers are its own), else a newer one
+  local c
+  for c in python3 python3.13 python3.12 python3.11; do
+    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      command -v "$c"
+      return 0
+    fi
   done
   return 1
 }}
-install_python() {{   # a bare image: Ubuntu (apt) or Amazon Linux (dnf)
-  if command -v apt-get >/dev/null 2>&1; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get -o DPkg::Lock::Timeout=600 update -q
-    apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv python3-dev gcc
-  elif command -v dnf >/dev/null 2>&1; then
-    dnf install -y -q python3.11 python3.11-devel gcc
-  fi
-}}
-PY=$(pick_python) || {{ install_python; PY=$(pick_python); }} \
-  || {{ echo "calque: no python >= 3.11 on this image" >&2; exit 1; }}
-"$PY" -m venv "$CALQUE/venv" 2>/dev/null || {{ install_python; rm -rf "$CALQUE/venv"; "$PY" -m venv "$CALQUE/venv"; }}
+STAGE=python
+PY=$(pick_python) || fail "no python >= 3.11 on this image"
+once "venv" "$PY" -m venv "$CALQUE/venv"
+has_cli || retry "pip install boto3" "$CALQUE/venv/bin/pip" install -q --no-cache-dir {boto3_pin}
 
 # the kit snapshot this pool was created with, checked against the digest pinned here
-if command -v aws >/dev/null 2>&1; then
-  aws s3 cp --only-show-errors --region "$REGION" "s3://$BUCKET/$KIT_KEY" "$CALQUE/kit.tar.gz"
+check_kit() {{ echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -; }}
+retry "kit download" s3_get "$KIT_KEY" "$CALQUE/kit.tar.gz"
+once "kit sha256 check" check_kit
+once "kit unpack" tar -xzf "$CALQUE/kit.tar.gz" -C "$CALQUE/kit"
+# pinned requirements; no pip cache: torch's wheel is GBs and would be kept twice
+retry "pip install -r requirements.txt" \
+  "$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt" --no-cache-dir
+
+# fastbatch's C gather, built once here as root (the worker cannot write the kit folder). A failed build is
+# reported, and the worker is told to use the numpy path instead of trying to build it at every start
+STAGE="fastbatch build"
+if (cd "$CALQUE/kit" && "$CALQUE/venv/bin/python" fastbatch/_build.py) 2>"$CALQUE/last-error"; then
+  FASTBATCH=c
 else
-  "$CALQUE/venv/bin/pip" install -q {boto3_pin}
-  "$CALQUE/venv/bin/python" -c \
-    'import sys, boto3; boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' \
-    "$REGION" "$BUCKET" "$KIT_KEY" "$CALQUE/kit.tar.gz"
+  cat "$CALQUE/last-error" >&2
+  FASTBATCH="failed: $(tail -n 1 "$CALQUE/last-error" | cut -c1-300)"
 fi
-echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -
-tar -xzf "$CALQUE/kit.tar.gz" -C "$CALQUE/kit"
-"$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt"
-(cd "$CALQUE/kit" && "$CALQUE/venv/bin/python" fastbatch/_build.py) \
-  || echo "calque: fastbatch C build failed; the numpy reference path will be used"
+# which torch this instance got (PyPI's Linux x86_64 wheel is a CUDA build) and whether it sees the GPU
+STAGE="torch check"
+if ! read -r TORCH TORCH_CUDA TORCH_GPU < <("$CALQUE/venv/bin/python" -c \
+    'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'); then
+  TORCH="import failed" TORCH_CUDA="" TORCH_GPU=""
+fi
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) || GPU=""
+echo "calque: fastbatch $FASTBATCH; torch $TORCH (CUDA $TORCH_CUDA, GPU visible: $TORCH_GPU); GPU ${{GPU:-none}}"
 
 cat > /etc/calque/worker.env <<'CALQUE_ENV_EOF'
 {env}
 CALQUE_ENV_EOF
+if [ "$FASTBATCH" != c ]; then
+  echo "FASTBATCH_REFERENCE=1" >> /etc/calque/worker.env
+fi
 
 cat > "$CALQUE/worker.sh" <<'CALQUE_SH_EOF'
 #!/bin/bash
@@ -3311,18 +3428,41 @@ SyslogIdentifier={unit}
 [Install]
 WantedBy=multi-user.target
 CALQUE_UNIT_EOF
-systemctl daemon-reload
-systemctl enable --now {unit}.service
+once "systemctl daemon-reload" systemctl daemon-reload
+once "worker start" systemctl enable --now {unit}.service
+STAGE=ready
+report ready || echo "calque: could not write the bootstrap report (the worker runs)" >&2
 echo "calque: {unit} started"
 """
 
+# what a pool instance does when its bootstrap fails: out of the group (SetInstanceHealth, allowed on its own group
+# only), so the ASG replaces it instead of billing a broken machine; if that call fails, power off (a stopped
+# instance fails the group's EC2 health check)
+_POOL_ON_FAILURE = r"""on_failure() {
+  if [ -n "${INSTANCE_ID:-}" ] && mark_unhealthy; then
+    echo "calque: $INSTANCE_ID marked unhealthy: its auto scaling group replaces it" >&2
+  else
+    echo "calque: could not mark this instance unhealthy: powering off" >&2
+    shutdown -h now
+  fi
+}
+mark_unhealthy() {
+  if has_cli; then
+    aws autoscaling set-instance-health --region "$REGION" --instance-id "$INSTANCE_ID" --health-status Unhealthy \
+      --no-should-respect-grace-period
+  else
+    py_boto3 'boto3.client("autoscaling", region_name=sys.argv[1]).set_instance_health(
+      InstanceId=sys.argv[2], HealthStatus="Unhealthy", ShouldRespectGracePeriod=False)' "$REGION" "$INSTANCE_ID"
+  fi
+}"""
+
 
 def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit,
-               service, preamble="", conf=None):
+               service, on_failure, report_prefix="", preamble="", conf=None):
     import shlex
     conf = conf or settings()
     bucket, _, prefix = store[len("s3://"):].partition("/")
-    prefix = prefix.strip("/")
+    prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
     lines = {"CALQUE_STORE": store, "CALQUE_STATE": EC2_STATE_DIR, "CALQUE_SPOT_POLL": EC2_SPOT_POLL,
              "AWS_REGION": region, "AWS_DEFAULT_REGION": region, "PYTHONUNBUFFERED": "1"}
     lines.update({k: conf[k] for k in EC2_PASSED_SETTINGS if k in conf})
@@ -3332,10 +3472,12 @@ def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit
     grace = float(conf.get("CALQUE_GRACE", 30))
     script = _BOOTSTRAP.format(
         title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble,
-        bucket=shlex.quote(bucket), kit_key=shlex.quote(f"{prefix}/{kit_key}" if prefix else kit_key),
-        kit_sha256=kit_sha256, region=shlex.quote(region), state=EC2_STATE_DIR, boto3_pin=shlex.quote(_boto3_pin()),
-        env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()), worker_args=worker_args,
-        service=service, stop_timeout=int(grace + 30))
+        bucket=shlex.quote(bucket), kit_key=shlex.quote(prefix + kit_key), kit_sha256=kit_sha256,
+        region=shlex.quote(region), imds=EC2_SPOT_POLL, state=EC2_STATE_DIR,
+        report_prefix=shlex.quote(prefix + report_prefix if report_prefix else ""),
+        attempts=BOOTSTRAP_ATTEMPTS, backoff=BOOTSTRAP_BACKOFF, boto3_pin=shlex.quote(_pin("boto3")),
+        on_failure=on_failure, env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()),
+        worker_args=worker_args, service=service, stop_timeout=int(grace + 30))
     _refuse_credentials(script)
     return script
 
@@ -3350,15 +3492,25 @@ def _refuse_credentials(text):
         raise RuntimeError("refusing to write user-data that contains AWS credentials")
 
 
+# the pool worker's unit restarts a worker that crashed (any non-zero exit, or killed by a signal) but not one
+# that exited 0: warmd exits 0 only after a stop on purpose (SIGTERM, a spot notice), and a restart would load
+# the model again for nothing, every RestartSec, until the instance is reclaimed. Restart=on-failure would also
+# take a death by an uncaught SIGTERM/SIGINT/SIGHUP/SIGPIPE as clean (systemd.service); RestartPreventExitStatus=0
+# on top of Restart=always stops only a worker that said it was done.
+POOL_SERVICE = "Restart=always\nRestartPreventExitStatus=0\nRestartSec=5"
+
+
 def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile", conf=None):
-    """The pool instance's bootstrap: venv + pinned requirements, the kit and handler from the store, then
-    `warmd.py --model M` under systemd (Restart=always, journal logs, spot poller on)."""
+    """The pool instance's bootstrap: build tools, venv + pinned requirements, the kit from the store, fastbatch
+    built once, then `warmd.py --model M` under systemd (POOL_SERVICE, journal logs, spot poller on). Each
+    network step is retried; the outcome (or where it failed, and why) is written to the pool's instances/
+    folder in the store, and a failed bootstrap takes its own instance out of the group so the ASG replaces it."""
     _check_text(model, "model")
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
         store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_POOL_MODEL": model},
-        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service="Restart=always\nRestartSec=5",
-        conf=conf)
+        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service=POOL_SERVICE,
+        report_prefix=ec2_names(model)["report_prefix"], on_failure=_POOL_ON_FAILURE, conf=conf)
 
 
 def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, profile="the cold-run instance profile",
@@ -3366,14 +3518,14 @@ def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, prof
     """A cold run's one-shot instance: the same bootstrap, then `warmd.py --run RUN` once; when it exits (its
     queue drained, or an error) the machine powers off, which terminates it (InstanceInitiatedShutdownBehavior).
     A bootstrap that fails powers off too, and a dead-man's switch powers off after max_minutes whatever happens."""
-    preamble = (f'shutdown -h +{int(max_minutes)} "calque: cold run over its time limit" || true\n'
-                'trap \'rc=$?; if [ "$rc" -ne 0 ]; then echo "calque: bootstrap failed ($rc): powering off"; '
-                'shutdown -h now; fi\' EXIT')
+    preamble = f'shutdown -h +{int(max_minutes)} "calque: cold run over its time limit" || true'
+    on_failure = 'on_failure() {\n  echo "calque: powering off" >&2\n  shutdown -h now\n}'
     return _bootstrap(
         title=f"cold-run worker for run {run_id}", description="cold-run worker", verb="submit", profile=profile,
         store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_RUN": run_id},
         worker_args='--run "$CALQUE_RUN"', unit="calque-cold",
-        service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble, conf=conf)
+        service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble,
+        on_failure=on_failure, conf=conf)
 
 
 def _user_data_b64(script):
@@ -3492,9 +3644,10 @@ def ec2_pool_options(instances, instance_type=None, *, min_instances=None, ami=N
     evaluate, a floor between 0 and the instance count (0 unless given when the pool scales to zero)."""
     if instances is None or instances < 0:
         raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
-    if scale_to_zero_after is not None and not 1 <= scale_to_zero_after <= MAX_IDLE_MINUTES:
-        raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between 1 and {MAX_IDLE_MINUTES} "
-                        f"(CloudWatch's one-day window)")
+    if scale_to_zero_after is not None and not MIN_IDLE_MINUTES <= scale_to_zero_after <= MAX_IDLE_MINUTES:
+        raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between {MIN_IDLE_MINUTES} and "
+                        f"{MAX_IDLE_MINUTES} (CloudWatch's one-day window; a one-minute window would take a minute "
+                        f"whose data is late for an idle one)")
     if min_instances is None and scale_to_zero_after is not None:
         min_instances = 0
     if min_instances is not None and not 0 <= min_instances <= instances:
@@ -3629,9 +3782,15 @@ def _describe_asg(calls, name):
 
 
 def _asg_sizes(ec2):
-    """(min, max, desired) for the record's EC2 settings; min_instances None means a fixed-size cohort."""
-    n, floor = ec2["instances"], ec2["min_instances"]
-    return (n if floor is None else min(floor, n)), n, n
+    """(min, max, desired) for the record's EC2 settings: min_instances None is a fixed-size cohort (N, N, N);
+    a floor K gives (K, N, N); a scale-to-zero pool held by `pool scale --instances H` is (H, N, H), so its
+    idle alarm, which can only set the group's capacity within MinSize..MaxSize, cannot take it below H."""
+    n, floor, held = ec2["instances"], ec2["min_instances"], ec2.get("held")
+    if floor is None:
+        return n, n, n
+    if held:
+        return min(held, n), n, min(held, n)
+    return min(floor, n), n, n
 
 
 def _asg_params(names, ec2):
@@ -3662,8 +3821,12 @@ def _ensure_asg(calls, names, ec2, tags, owner):
         raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): "
                         f"wait for it to go, then re-run")
     _check_owned("auto scaling group", names["asg"], _tag_dict(asg.get("Tags")), *owner)
+    if ec2["scale_to_zero_after"]:
+        # its alarms own the desired count: a re-run that set it to N would be undone by the idle alarm within
+        # a minute (it re-runs its action every minute while in ALARM), killing instances mid-bootstrap
+        del params["DesiredCapacity"]
     calls.call("autoscaling", "UpdateAutoScalingGroup", **params)
-    return "updated"
+    return "updated" if "DesiredCapacity" in params else f"updated; desired {asg['DesiredCapacity']} kept"
 
 
 def _policy_arn(calls, asg, name, answer):
@@ -3686,8 +3849,12 @@ def _sqs_metric(queue, metric):
 
 def _ensure_scale_to_zero(calls, names, ec2, tags):
     """Two simple-scaling policies (exactly N; exactly the floor) and two alarms. Wake: any visible message
-    in a minute. Idle: visible + in flight == 0 for the whole window -- in flight counts, so a pool busy on
-    long claims with an empty backlog is not scaled in under its workers."""
+    in a minute; no data is no work. Idle: visible + in flight == 0 for the whole window -- in flight counts,
+    so a pool busy on long claims with an empty backlog is not scaled in under its workers. Missing data is
+    handled in the metric math: SQS reports in-flight only while messages are in flight, so a minute with a
+    backlog but no in-flight point must not read as "no data" (a sum over a missing point, which the alarm
+    would count as idle while the wake alarm fires); FILL makes each a 0 where it has no point, and a queue
+    that publishes nothing at all (inactive for six hours) is idle too (TreatMissingData)."""
     asg, minutes = names["asg"], ec2["scale_to_zero_after"]
     wake = _put_capacity_policy(calls, asg, names["policy_wake"], ec2["instances"])
     idle = _put_capacity_policy(calls, asg, names["policy_idle"], ec2["min_instances"] or 0)
@@ -3705,12 +3872,14 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
                EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
                ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching",
                Tags=_tags(tags, strict=True),
-               Metrics=[{"Id": "visible", "ReturnData": False, "MetricStat": {
+               Metrics=[{"Id": "visible_raw", "ReturnData": False, "MetricStat": {
                             "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"),
                             "Period": ALARM_PERIOD, "Stat": "Maximum"}},
-                        {"Id": "inflight", "ReturnData": False, "MetricStat": {
+                        {"Id": "inflight_raw", "ReturnData": False, "MetricStat": {
                             "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesNotVisible"),
                             "Period": ALARM_PERIOD, "Stat": "Maximum"}},
+                        {"Id": "visible", "Expression": "FILL(visible_raw, 0)", "ReturnData": False},
+                        {"Id": "inflight", "Expression": "FILL(inflight_raw, 0)", "ReturnData": False},
                         {"Id": "backlog", "Expression": "visible + inflight", "Label": "claims waiting or running",
                          "ReturnData": True}])
     return "put"
@@ -3811,18 +3980,24 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     _check_key(calls, options.key_name)
     if not itype.get("GpuInfo"):
         print(f"pool {model}: note: {options.instance_type} has no GPU; fine for a CPU handler, not for a GPU model")
+    elif "x86_64" not in itype["ProcessorInfo"]["SupportedArchitectures"]:
+        print(f"pool {model}: WARNING: {options.instance_type} is arm64: PyPI's {_pin('torch')} wheel for Linux "
+              f"aarch64 may be a CPU-only build (assumed; check the project's wheel list), and then the model runs on "
+              f"the CPU. Each instance records which torch it got and whether it sees the GPU: `pool status` warns")
     blob, kit_sha = kit_archive()
     kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
     idle = options.scale_to_zero_after
-    created_at = (existing or {}).get("ec2", {}).get("created_at") or record.get("created_at") or now_iso()
+    previous = (existing or {}).get("ec2") or {}
+    created_at = previous.get("created_at") or record.get("created_at") or now_iso()
+    held = previous.get("held") if idle else None    # a re-run keeps a `pool scale` hold (see ec2_pool_scale)
     ec2 = {"instances": options.instances, "min_instances": options.min_instances,
            "instance_type": options.instance_type, "ami": ami, "ami_source": ami_source, "spot": options.spot,
            "subnets": subnets, "key_name": options.key_name, "scale_to_zero_after": idle,
            "region": region, "account": ident["account"], "role": names["role"],
            "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
            "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if idle else [],
-           "kit": {"key": kit_key, "sha256": kit_sha}, "state": "creating", "updated_at": now_iso(),
-           "created_at": created_at}
+           "kit": {"key": kit_key, "sha256": kit_sha}, "held": min(held, options.instances) if held else None,
+           "state": "creating", "updated_at": now_iso(), "created_at": created_at}
     tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
             "calque:created-at": created_at, "calque:store": store, "calque:region": region}
     owner = (model, store, region)
@@ -3872,7 +4047,7 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
         state = _ensure_asg(calls, names, ec2, tags, owner)
         lo, hi, desired = _asg_sizes(ec2)
         print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} "
-              f"(min {lo}, max {hi}, desired {desired})")
+              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'})")
 
     def alarms():
         if idle:
@@ -3914,8 +4089,11 @@ def _require_ec2(record):
 
 
 def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=False, calls=None):
-    """`pool scale --instances N` for an EC2 pool: the ASG's desired (and max) to N; with scale-to-zero the
-    wake policy's target too. Growing needs yes_spend_money (or dry_run); shrinking does not."""
+    """`pool scale --instances N` for an EC2 pool. A fixed cohort: the ASG's min, max and desired to N.
+    A scale-to-zero pool: N > 0 holds it at N (MinSize N, and N is its wake target), because its idle alarm,
+    which CloudWatch re-runs every minute it stays in ALARM, would otherwise undo the scale-up within a minute;
+    N = 0 releases the hold: down to its floor now, up to its wake target on work (`pool status` says which).
+    Growing needs yes_spend_money (or dry_run); shrinking does not."""
     model = record["model"]
     _aws_store(backend, "pool scale --instances")
     ec2 = dict(_require_ec2(record))
@@ -3930,23 +4108,53 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     if instances > asg["DesiredCapacity"]:
         _refuse_spending(f"pool scale --model {model} --instances {instances}", dry_run=dry_run,
                          yes_spend_money=yes_spend_money)
-    ec2["instances"] = instances
+    sleeps = bool(ec2.get("scale_to_zero_after"))
+    if sleeps:
+        ec2.update(held=instances or None, instances=instances or ec2["instances"])
+    else:
+        ec2["instances"] = instances
     lo, hi, desired = _asg_sizes(ec2)
+    desired = desired if instances else lo     # a released hold goes down to the floor now
     calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo, MaxSize=hi,
                DesiredCapacity=desired)
-    if ec2.get("scale_to_zero_after"):
-        _put_capacity_policy(calls, names["asg"], names["policy_wake"], instances)
+    if sleeps:
+        _put_capacity_policy(calls, names["asg"], names["policy_wake"], ec2["instances"])
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
     _put_pool_record(calls, backend, full)
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
           f"(min {lo}, max {hi}); "
           f"{_hourly(ec2['instance_type'], ec2['spot'], desired) if desired else 'no instance cost at 0'}")
+    if sleeps:
+        print(f"pool {model}: " + (f"held at {instances}: the idle alarm cannot scale it in until "
+                                   f"`pool scale --model {model} --instances 0` releases it" if instances else
+                                   f"scale to zero in charge again: wakes to {ec2['instances']} on work"))
     return full
+
+
+def bootstrap_reports(backend, model, instance_ids):
+    """{"current": {instance id: its latest bootstrap report}, "failed": [the failed reports of the current
+    instances, and of the last BOOTSTRAP_FAILURES_SHOWN instances no longer in the group]}, oldest first. A
+    report's key is <started>.<instance id>.json: sorted keys are in launch order, so however many instances
+    the pool ever had, only the current ones and a few more are read."""
+    prefix = ec2_names(model)["report_prefix"]
+    current, gone = {}, []
+    for key in backend.store.list(prefix):
+        if key.endswith(".json"):
+            instance_id = key[len(prefix):-len(".json")].partition(".")[2]
+            if instance_id in instance_ids:
+                current[instance_id] = key      # sorted keys: the latest report wins
+            else:
+                gone.append(key)
+    reports = {i: read_json(backend, key) for i, key in current.items()}
+    earlier = [read_json(backend, key) for key in gone[-BOOTSTRAP_FAILURES_SHOWN:]]
+    failed = [r for r in earlier + list(reports.values()) if r.get("state") == "failed"]
+    return {"current": reports, "failed": sorted(failed, key=lambda r: r.get("started", ""))}
 
 
 def ec2_pool_status(backend, record, calls=None):
     """The EC2 side of `pool status`: the ASG's sizes, its instances by lifecycle state, its last scaling
-    activities (where a launch failure shows), the alarms' states, queue/DLQ depths and worker stats."""
+    activities (where a launch failure shows), the alarms' states, queue/DLQ depths, worker stats and the
+    instances' bootstrap reports (bootstrap_reports)."""
     model = record["model"]
     calls = calls or AwsCalls.for_backend(backend)
     names = ec2_names(model)
@@ -3968,12 +4176,14 @@ def ec2_pool_status(backend, record, calls=None):
                                          "reason": (a.get("StatusMessage") or a.get("Cause") or "")[:300],
                                          "start": str(a.get("StartTime", ""))})
     status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in _describe_alarms(calls, names)}
+    status["bootstrap"] = bootstrap_reports(backend, model, {i["id"] for i in status["instance_list"]})
     return status
 
 
 def format_ec2_status(status):
     """ec2_pool_status's answer as lines: the group's sizes and instances, its last scaling activities (where a
-    launch failure shows), the alarms, and a note when instances run but no worker reports yet.
+    launch failure shows), who sets its size (a `pool scale` hold or the scale-to-zero alarms), the bootstrap
+    reports (format_bootstrap), and a note when instances run but no worker reports yet.
     format_pool_status prints them among the pool's queue depths and worker table."""
     lines, ec2 = [], status.get("ec2") or {}
     asg = status["asg"]
@@ -3988,14 +4198,55 @@ def format_ec2_status(status):
         for a in status["activities"]:
             lines.append(f"  {a['start'][:19]} {a['status']}: {a['description']}"
                          + (f" ({a['reason']})" if a["reason"] else ""))
-    if status["alarms"]:
-        lines.append("scale to zero: " + ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items())))
+    alarms = ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items()))
+    if ec2.get("scale_to_zero_after"):
+        mode = (f"held at {ec2['held']} by `pool scale` (MinSize {ec2['held']}: the idle alarm cannot scale it in; "
+                f"`pool scale --instances 0` releases it)" if ec2.get("held") else
+                f"alarms in charge (wake to {ec2['instances']} on work, {ec2['min_instances'] or 0} after "
+                f"{ec2['scale_to_zero_after']} idle min)")
+        lines.append(f"scale to zero: {mode}" + (f"; {alarms}" if alarms else ""))
+    elif alarms:
+        lines.append(f"scale-to-zero alarms left over: {alarms} (re-run `pool create` to remove them)")
+    lines += format_bootstrap(status.get("bootstrap") or {"current": {}, "failed": []})
     running = [w for w in status["workers"] if w.get("state") == "running"]
     in_service = status["instances"].get("InService", 0)
     if in_service and not running:
         lines.append(f"note: {in_service} instance(s) in service but no worker reports running yet: "
-                     f"still bootstrapping (~{EC2_BOOT_ESTIMATE / 60:.0f} min), or the bootstrap failed: "
-                     f"see the instance's console output")
+                     f"still bootstrapping (~{EC2_BOOT_ESTIMATE / 60:.0f} min), or failed before it could report "
+                     f"(no network, no python): see the instance's console output")
+    return lines
+
+
+def _few(ids, shown=3):
+    return ", ".join(sorted(ids)[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
+
+
+def format_bootstrap(boot):
+    """Lines for bootstrap_reports' answer: the builds the ready instances run (torch, whether it sees the GPU,
+    fastbatch's C path or numpy), a WARNING where fastbatch's build failed or torch does not see the GPU, and
+    the instances whose bootstrap failed (each marked itself unhealthy: the group replaces it)."""
+    lines, builds, warnings = [], Counter(), {}
+    for r in boot["current"].values():
+        if r.get("state") != "ready":
+            continue
+        sees_gpu = r.get("torch_gpu") == "True"
+        builds[f"torch {r.get('torch') or '?'} (CUDA {r.get('torch_cuda') or '?'}, GPU "
+               f"{'visible' if sees_gpu else 'not visible'}), fastbatch {'C' if r.get('fastbatch') == 'c' else 'numpy'}"
+               ] += 1
+        if r.get("fastbatch") != "c":
+            warnings.setdefault(f"fastbatch's C build {r.get('fastbatch') or 'did not run'}: its workers gather "
+                                f"batches with the numpy path (slower)", []).append(r["instance_id"])
+        if r.get("gpu") and not sees_gpu:
+            warnings.setdefault(f"torch {r.get('torch')} does not see the GPU ({r['gpu']}): the model runs on the "
+                                f"CPU", []).append(r["instance_id"])
+    lines += [f"bootstrap: {n} ready with {build}" for build, n in sorted(builds.items())]
+    lines += [f"WARNING ({_few(ids)}): {text}" for text, ids in warnings.items()]
+    if boot["failed"]:
+        lines.append(f"instances that failed to bootstrap (the latest {len(boot['failed'])}; "
+                     f"each is replaced by the group):")
+        for r in boot["failed"]:
+            reason = " | ".join(line for line in (r.get("reason") or "").splitlines() if line.strip())
+            lines.append(f"  {r['instance_id']} (started {r.get('started')}): {r.get('stage')}: {reason[:300]}")
     return lines
 
 
@@ -4168,7 +4419,8 @@ def ec2_cold_wait_hint(backend, record, calls=None):
             return (f"pool {model} is scaled to 0: nothing will claim this run "
                     f"---> HINT: pool scale --model {model} --instances N")
         return (f"pool {model} is cold (0 instances): its wake alarm scales it to {ec2['instances']} within ~1-3 min "
-                f"(SQS metrics are per minute), then {boot}, then {load} before the first claim starts")
+                f"(SQS metrics are per minute; up to 15 min more after 6 idle hours, while SQS resumes them), "
+                f"then {boot}, then {load} before the first claim starts")
     pending = sum(s.startswith("Pending") for s in states)
     return (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in service, {pending} launching): "
             f"{boot} from launch, then {load} before the first claim starts")

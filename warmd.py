@@ -299,7 +299,8 @@ class SpotPoller:
 
     def __init__(self, base_url, interval, on_notice):
         self.base, self.interval, self.on_notice = base_url.rstrip("/"), interval, on_notice
-        threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
+        if not self._poll():   # the first check before the worker loads anything: a notice already given stops it
+            threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
 
     def _check(self):
         import urllib.error
@@ -316,17 +317,23 @@ class SpotPoller:
                 return None
             raise
 
+    def _poll(self):
+        """One check; True when it found a notice (and called on_notice)."""
+        try:
+            notice = self._check()
+            if notice is not None:
+                log.warning("spot: interruption notice %s; stopping as on SIGTERM", notice)
+                self.on_notice()
+                return True
+        except Exception as e:
+            log.warning("spot: metadata check failed (%s)", e)
+        return False
+
     def _run(self):
         while True:
-            try:
-                notice = self._check()
-                if notice is not None:
-                    log.warning("spot: interruption notice %s; stopping as on SIGTERM", notice)
-                    self.on_notice()
-                    return
-            except Exception as e:
-                log.warning("spot: metadata check failed (%s)", e)
             time.sleep(self.interval)
+            if self._poll():
+                return
 
 
 class Worker:
@@ -365,11 +372,12 @@ class Worker:
 
     def start(self):
         """Everything before the first claim: open the queues, import the handler, and, for a pool
-        worker, run @enter (so no claim waits on a load; a cold worker pays it in its first claim)."""
+        worker, run @enter (so no claim waits on a load; a cold worker pays it in its first claim) unless
+        a stop came first: loading a model only to exit would cost minutes of a GPU for nothing."""
         self.queue = self.backend.queues.open_queue(self.record["queue"])
         self.dlq = self.backend.queues.open_queue(self.record["dlq"])
         self.load_handler()
-        if not self.ephemeral:
+        if not self.ephemeral and not self.stop_requested:   # stopped already (SIGTERM, spot notice): no @enter
             self.enter()
 
     def load_handler(self):

@@ -178,7 +178,7 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
 
 
 def test_worker_policy_statement_by_statement(aws):
-    """The pool role's policy is exactly these five statements, and it is what IAM holds after create."""
+    """The pool role's policy is exactly these six statements, and it is what IAM holds after create."""
     policy = calque.worker_policy("s3://bkt/calque/root", MODEL, "eu-west-1", "111122223333")
     q = "arn:aws:sqs:eu-west-1:111122223333:"
     obj = "arn:aws:s3:::bkt/calque/root/"
@@ -195,10 +195,14 @@ def test_worker_policy_statement_by_statement(aws):
          "Resource": [obj + f"pools/{s}/*", obj + f"runs/{s}.*/manifests/*", obj + f"runs/{s}.*/inputs/*",
                       obj + f"runs/{s}.*/summaries/*"]},
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
-         "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"pools/{s}/workers/*"]},
+         "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"pools/{s}/workers/*",
+                      obj + f"pools/{s}/instances/*"]},           # + the bootstrap's report
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
+        {"Sid": "ReplaceOwnInstance", "Effect": "Allow", "Action": ["autoscaling:SetInstanceHealth"],   # its group only
+         "Resource": "arn:aws:autoscaling:eu-west-1:111122223333:autoScalingGroup:*:autoScalingGroupName/"
+                     f"calque-pool-{s}"},
     ]}
     cold = calque.cold_worker_policy("s3://bkt", "eu-west-1", "111122223333")
     assert [(st["Sid"], st["Action"], st["Resource"]) for st in cold["Statement"]] == [
@@ -463,6 +467,121 @@ def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
     alarms = client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])
     assert alarms["MetricAlarms"] == []
     assert "scale-to-zero alarms removed" in capsys.readouterr().out
+
+
+def _moto_policies_keep_min_and_max(monkeypatch):
+    """moto 5.2.5 lets an ExactCapacity policy set any capacity; AWS keeps a group's desired capacity between its
+    MinSize and MaxSize ("must be greater than or equal to the minimum size of the group and less than or equal to
+    the maximum size", UpdateAutoScalingGroup): clamp the same way. Test-only."""
+    from moto.autoscaling.models import FakeScalingPolicy
+    real = FakeScalingPolicy.execute
+
+    def execute(self):
+        if self.adjustment_type != "ExactCapacity":
+            return real(self)
+        group = self.autoscaling_backend.autoscaling_groups[self.auto_scaling_group_name]
+        self.autoscaling_backend.set_desired_capacity(
+            group.name, max(group.min_size, min(group.max_size, self.scaling_adjustment)))
+    monkeypatch.setattr(FakeScalingPolicy, "execute", execute)
+
+
+def fire(alarm_name):
+    """What CloudWatch does every minute an Auto Scaling alarm stays in ALARM: run its scaling policy."""
+    alarm = client("cloudwatch").describe_alarms(AlarmNames=[alarm_name])["MetricAlarms"][0]
+    arn, = alarm["AlarmActions"]
+    client("autoscaling").execute_policy(AutoScalingGroupName=calque.ec2_names(MODEL)["asg"],
+                                         PolicyName=arn.rsplit("policyName/", 1)[1])
+
+
+def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
+    """On a scale-to-zero pool, `pool scale --instances 3` holds MinSize at 3: its idle alarm, re-run every minute,
+    cannot take the group below 3, and a `pool create` re-run keeps the hold and never sets the desired count;
+    `--instances 0` hands the pool back to its alarms. Missing SQS data is FILLed explicitly."""
+    _moto_policies_keep_min_and_max(monkeypatch)
+    names = calque.ec2_names(MODEL)
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=10),
+                           yes_spend_money=True)
+    idle = client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_idle"]])["MetricAlarms"][0]
+    assert {m["Id"]: m.get("Expression") for m in idle["Metrics"] if "Expression" in m} == {
+        "visible": "FILL(visible_raw, 0)", "inflight": "FILL(inflight_raw, 0)", "backlog": "visible + inflight"}
+    assert idle["TreatMissingData"] == "breaching"
+    fire(names["alarm_idle"])                                    # idle: asleep
+    assert asg_of()["DesiredCapacity"] == 0
+
+    calque.ec2_pool_scale(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)), 3,
+                          yes_spend_money=True)
+    group = asg_of()
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (3, 3, 3)
+    fire(names["alarm_idle"])                                    # a minute later, still in ALARM
+    assert asg_of()["DesiredCapacity"] == 3
+    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    assert stored["ec2"]["held"] == 3
+    status = calque.format_ec2_status(calque.ec2_pool_status(aws.backend, stored))
+    assert any("scale to zero: held at 3 by `pool scale`" in line for line in status), status
+
+    capsys.readouterr()
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=10),
+                           yes_spend_money=True)
+    assert f"auto scaling group {names['asg']} updated; desired 3 kept" in capsys.readouterr().out
+    fire(names["alarm_idle"])
+    assert asg_of()["DesiredCapacity"] == 3 and asg_of()["MinSize"] == 3
+
+    calque.ec2_pool_scale(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)), 0)
+    group = asg_of()
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (0, 3, 0)
+    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    assert stored["ec2"]["held"] is None and stored["ec2"]["instances"] == 3
+    status = calque.format_ec2_status(calque.ec2_pool_status(aws.backend, stored))
+    assert any("scale to zero: alarms in charge (wake to 3 on work" in line for line in status), status
+    fire(names["alarm_wake"])
+    assert asg_of()["DesiredCapacity"] == 3
+    fire(names["alarm_idle"])
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=10),
+                           yes_spend_money=True)                 # a re-run on a sleeping pool does not wake it
+    assert asg_of()["DesiredCapacity"] == 0
+    with pytest.raises(calque.UserError, match="--scale-to-zero-after 1: minutes between 2"):
+        options(scale_to_zero_after=1)
+
+
+def test_status_shows_bootstrap_reports(aws):
+    """pool status reads the instances' bootstrap reports: the builds they run, a WARNING for a failed fastbatch
+    build or a torch blind to the GPU, and the failed bootstraps of instances already replaced."""
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    ready, numpy_cpu = sorted(i["InstanceId"] for i in asg_of()["Instances"])
+    prefix = calque.ec2_names(MODEL)["report_prefix"]
+
+    def report(started, instance_id, **fields):
+        calque.write_json(aws.backend, f"{prefix}{started}.{instance_id}.json",
+                          dict({"instance_id": instance_id, "started": started, "state": "ready", "fastbatch": "c",
+                                "torch": "2.13.0+cu128", "torch_cuda": "12.8", "torch_gpu": "True",
+                                "gpu": "NVIDIA A10G"}, **fields))
+    report("20261129T100000Z", "i-0gone0failed0000", state="failed", stage="pip install -r requirements.txt",
+           reason="ERROR: Could not install packages\nConnection reset by peer")
+    report("20261129T100500Z", "i-0gone0scaledin00")
+    report("20261129T101000Z", ready)
+    report("20261129T101000Z", numpy_cpu, fastbatch="failed: fastbatch.c:1:10: fatal error: Python.h: No such file",
+           torch="2.13.0+cpu", torch_cuda="None", torch_gpu="False")
+    status = calque.ec2_pool_status(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)))
+    assert sorted(status["bootstrap"]["current"]) == sorted([ready, numpy_cpu])
+    assert [r["instance_id"] for r in status["bootstrap"]["failed"]] == ["i-0gone0failed0000"]
+    text = "\n".join(calque.format_ec2_status(status))
+    assert "bootstrap: 1 ready with torch 2.13.0+cu128 (CUDA 12.8, GPU visible), fastbatch C" in text
+    assert (f"WARNING ({numpy_cpu}): fastbatch's C build failed: fastbatch.c:1:10: fatal error: Python.h" in text
+            and "gather batches with the numpy path" in text)
+    assert f"WARNING ({numpy_cpu}): torch 2.13.0+cpu does not see the GPU (NVIDIA A10G)" in text
+    assert ("instances that failed to bootstrap" in text and "i-0gone0failed0000 (started 20261129T100000Z): "
+            "pip install -r requirements.txt: ERROR: Could not install packages | Connection reset by peer" in text)
+    assert "i-0gone0scaledin00" not in text
+
+
+def test_arm64_gpu_type_is_warned_about(aws, capsys):
+    """An arm64 GPU instance type gets a WARNING that the pinned torch may have no CUDA wheel there."""
+    arm = next(i["ImageId"] for i in client("ec2").describe_images(Owners=["amazon"])["Images"]
+               if i.get("Architecture") == "arm64")
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instance_type="g5g.xlarge", ami=arm),
+                           dry_run=True)
+    assert "WARNING: g5g.xlarge is arm64: PyPI's torch==2.13.0 wheel for Linux aarch64 may be a CPU-only build" in (
+        capsys.readouterr().out)
 
 
 def test_cold_launch_one_shot_instances(aws):

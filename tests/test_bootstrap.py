@@ -1,0 +1,268 @@
+"""The EC2 bootstrap as it runs on an instance, here in a sandbox: the rendered user-data, unmodified but for its
+paths (moved under a temporary root), run by bash with PATH stubs for apt-get, curl (the metadata service),
+aws (S3 on a folder, Auto Scaling), pip, systemctl and shutdown that fail a given number of times; the unit it
+writes checked by systemd-analyze; fastbatch built in a Python 3.12-style venv; and a worker that gets a spot
+notice before its first claim. Nothing here leaves the machine: the stubs answer for AWS and the metadata
+service, and the metadata address in the script is replaced by a closed loopback port besides."""
+import http.server
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import calque
+from conftest import ROOT, backend_for, cli, start_worker
+from test_warmd import SpotStub
+
+MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
+STORE = "s3://calque-bootstrap-test/root"
+INSTANCE_ID = "i-0123456789abcdef0"
+REAL_PY = sys.executable
+
+# Every stub logs its name and arguments to $STUB_LOG, then fails its first $FAIL_<name> calls ('-' and '.' in the
+# name as '_'), with a message on stderr, as a flaky network would.
+STUB_HEAD = r"""#!/bin/bash
+name=$(basename "$0")
+echo "$name $*" >> "$STUB_LOG"
+count="$STUB_STATE/$name.count"
+n=$(( $(cat "$count" 2>/dev/null || echo 0) + 1 ))
+echo "$n" > "$count"
+fail="FAIL_${name//[-.]/_}"
+if [ "$n" -le "${!fail:-0}" ]; then echo "$name: simulated failure $n" >&2; exit 1; fi
+"""
+STUBS = {
+    "apt-get": "",
+    "sleep": "",                    # logged, not slept: the backoff is read from the log
+    "systemctl": "",
+    "shutdown": "",
+    "useradd": "",
+    "chown": "",
+    "id": "",
+    "nvidia-smi": 'echo "NVIDIA A10G"\n',
+    "curl": r"""case "$*" in
+  *latest/api/token*) printf token-123 ;;
+  *meta-data/instance-id*) printf %s "$INSTANCE_ID" ;;
+  *) exit 22 ;;
+esac
+""",
+    # s3 cp between s3://bucket/key and $S3_DIR/bucket/key; autoscaling set-instance-health fails when told to
+    "aws": r"""case "$1 $2" in
+  "s3 cp")
+    src=${*: -2:1} dst=${*: -1}
+    src=${src/s3:\/\//$S3_DIR/} dst=${dst/s3:\/\//$S3_DIR/}
+    mkdir -p "$(dirname "$dst")" && cp "$src" "$dst" ;;
+  "autoscaling set-instance-health")
+    [ -z "$HEALTH_FAILS" ] || { echo "AccessDenied" >&2; exit 254; } ;;
+esac
+""",
+    # `python3 -m venv DIR` makes a venv of stubs (pip, python); anything else is the real interpreter
+    "python3": r"""if [ "$1 $2" = "-m venv" ]; then
+  mkdir -p "$3/bin" && cp "$STUB_DIR/pip" "$3/bin/pip" && cp "$STUB_DIR/venv-python" "$3/bin/python"
+  exit 0
+fi
+exec "$REAL_PY" "$@"
+""",
+    "pip": "",
+    "venv-python": r"""case "$*" in
+  fastbatch/_build.py) [ -z "$FASTBATCH_FAILS" ] || { echo "fastbatch.c:1:10: fatal error: Python.h" >&2; exit 1; } ;;
+  *"import torch"*) echo "2.13.0+cu128 12.8 True" ;;
+  *) exec "$REAL_PY" "$@" ;;
+esac
+""",
+}
+
+
+class Sandbox:
+    """A temporary root, the stubs, and the S3 folder holding the pool's kit."""
+
+    def __init__(self, root, script, kit_key, kit):
+        self.root, self.log, self.s3 = root, root / "stub.log", root / "s3"
+        self.stubs, state = root / "stubs", root / "stub-state"
+        for folder in (self.stubs, state, root / "etc/systemd/system"):
+            folder.mkdir(parents=True)
+        for name, body in STUBS.items():
+            (self.stubs / name).write_text(STUB_HEAD + body)
+            (self.stubs / name).chmod(0o755)
+        bucket, _, prefix = STORE[len("s3://"):].partition("/")
+        (self.s3 / bucket / prefix / kit_key).parent.mkdir(parents=True)
+        (self.s3 / bucket / prefix / kit_key).write_bytes(kit)
+        for real, moved in (("/opt/calque", "opt/calque"), ("/etc/calque", "etc/calque"),
+                            ("/etc/systemd/system", "etc/systemd/system"), ("/var/lib/calque", "var/lib/calque")):
+            script = script.replace(real, str(root / moved))
+        self.script = script.replace("http://169.254.169.254", "http://127.0.0.1:9")
+        self.env = dict(os.environ, PATH=f"{self.stubs}:{os.environ['PATH']}", STUB_LOG=str(self.log),
+                        STUB_STATE=str(state), STUB_DIR=str(self.stubs), S3_DIR=str(self.s3), REAL_PY=REAL_PY,
+                        INSTANCE_ID=INSTANCE_ID)
+
+    def run(self, **env):
+        return subprocess.run(["bash", "-s"], input=self.script, env=dict(self.env, **env), capture_output=True,
+                              text=True, timeout=120)
+
+    def calls(self, name):
+        return [line for line in self.log.read_text().splitlines() if line.split(" ", 1)[0] == name]
+
+    def report(self):
+        found = list(self.s3.glob(f"*/root/pools/{calque.slug(MODEL)}/instances/*.{INSTANCE_ID}.json"))
+        assert len(found) == 1, found
+        return json.loads(found[0].read_text())
+
+
+def pool_sandbox(root):
+    blob, sha = calque.kit_archive()
+    kit_key = f"pools/{calque.slug(MODEL)}/kit/{sha[:16]}.tar.gz"
+    return Sandbox(root, calque.user_data_pool(MODEL, STORE, "us-east-1", kit_key, sha), kit_key, blob)
+
+
+def cold_sandbox(root):
+    blob, sha = calque.kit_archive()
+    kit_key = f"runs/r1/kit/{sha[:16]}.tar.gz"
+    return Sandbox(root, calque.user_data_cold("r1", STORE, "us-east-1", kit_key, sha, 90), kit_key, blob)
+
+
+@pytest.fixture(scope="module")
+def bootstrapped(tmp_path_factory):
+    """One pool bootstrap through a flaky network: the metadata service fails once, apt-get twice."""
+    box = pool_sandbox(tmp_path_factory.mktemp("bootstrap"))
+    return box, box.run(FAIL_curl="1", FAIL_apt_get="2")
+
+
+def test_bootstrap_retries_network_steps_and_reports_ready(bootstrapped):
+    """Each network step is retried with a doubling backoff; the worker starts; the store gets a report that says
+    which fastbatch and torch the instance runs; pip never keeps a cache."""
+    box, done = bootstrapped
+    assert done.returncode == 0, done.stderr
+    assert [c.rsplit(" ", 1)[1] if "update" in c else "install" for c in box.calls("apt-get")] == [
+        "-q", "-q", "-q", "install"]                                      # 2 failed updates, 1 good one, install
+    assert box.calls("sleep") == ["sleep 10", "sleep 10", "sleep 20"]      # curl once; apt-get twice, doubling
+    assert "systemctl enable --now calque-warmd.service" in box.calls("systemctl")
+    assert box.calls("shutdown") == [] and not any("set-instance-health" in c for c in box.calls("aws"))
+    assert all("--no-cache-dir" in c for c in box.calls("pip")) and len(box.calls("pip")) == 1
+    report = box.report()
+    assert {k: report[k] for k in ("instance_id", "state", "fastbatch", "torch", "torch_cuda", "torch_gpu", "gpu")} == {
+        "instance_id": INSTANCE_ID, "state": "ready", "fastbatch": "c", "torch": "2.13.0+cu128", "torch_cuda": "12.8",
+        "torch_gpu": "True", "gpu": "NVIDIA A10G"}
+    env = (box.root / "etc/calque/worker.env").read_text()
+    assert f"CALQUE_POOL_MODEL={MODEL}\n" in env and "FASTBATCH_REFERENCE" not in env
+
+
+def test_rendered_unit_passes_systemd_analyze(bootstrapped):
+    """The unit the bootstrap wrote verifies cleanly, and does not restart a worker that exited 0."""
+    box, done = bootstrapped
+    unit = box.root / "etc/systemd/system/calque-warmd.service"
+    text = unit.read_text()
+    assert "Restart=always\nRestartPreventExitStatus=0\n" in text and f"TimeoutStopSec={30 + 30}" in text
+    if not shutil.which("systemd-analyze"):
+        pytest.skip("systemd-analyze is not installed")
+    check = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and check.stderr.strip() == "", check.stderr
+
+
+def test_user_data_passes_shellcheck():
+    """Both bootstraps (pool, cold run) pass bash -n and, where installed, shellcheck."""
+    scripts = [calque.user_data_pool(MODEL, STORE, "us-east-1", "pools/k.tar.gz", "0" * 64),
+               calque.user_data_cold("20261129-101500-ab12cd", STORE, "us-east-1", "runs/k.tar.gz", "0" * 64, 90)]
+    for script in scripts:
+        check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
+        assert check.returncode == 0, check.stderr
+    if not shutil.which("shellcheck"):
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck)")
+    for script in scripts:
+        check = subprocess.run(["shellcheck", "-"], input=script, text=True, capture_output=True, timeout=60)
+        assert check.returncode == 0, check.stdout
+
+
+def test_failed_bootstrap_reports_itself_and_leaves_the_group(tmp_path):
+    """pip failing every try: 5 tries with a doubling backoff, a failure report naming the step and pip's error,
+    then the instance marks itself unhealthy (ignoring the grace period) so its group replaces it; when that call
+    is refused too, it powers off, as a cold-run instance always does. A failed fastbatch build is no failure: it
+    is reported, and the worker is set to the numpy path."""
+    box = pool_sandbox(tmp_path / "a")
+    done = box.run(FAIL_pip="99", FASTBATCH_FAILS="1")
+    assert done.returncode != 0 and "bootstrap failed at pip install -r requirements.txt" in done.stderr
+    assert len(box.calls("pip")) == calque.BOOTSTRAP_ATTEMPTS
+    assert box.calls("sleep") == ["sleep 10", "sleep 20", "sleep 40", "sleep 80"]
+    report = box.report()
+    assert (report["state"], report["stage"]) == ("failed", "pip install -r requirements.txt")
+    assert "pip: simulated failure 5" in report["reason"]
+    assert box.calls("aws")[-1] == ("aws autoscaling set-instance-health --region us-east-1 --instance-id "
+                                    f"{INSTANCE_ID} --health-status Unhealthy --no-should-respect-grace-period")
+    assert box.calls("shutdown") == [] and box.calls("systemctl") == []
+
+    box = pool_sandbox(tmp_path / "b")
+    done = box.run(FAIL_pip="99", HEALTH_FAILS="1")
+    assert done.returncode != 0 and box.calls("shutdown") == ["shutdown -h now"]
+
+    box = cold_sandbox(tmp_path / "c")
+    done = box.run(FAIL_pip="99")
+    assert done.returncode != 0 and box.calls("shutdown")[-1] == "shutdown -h now"
+    assert box.calls("curl") == [] and not any("autoscaling" in c for c in box.calls("aws"))
+
+    box = pool_sandbox(tmp_path / "d")
+    done = box.run(FASTBATCH_FAILS="1")
+    assert done.returncode == 0, done.stderr
+    assert box.report()["fastbatch"] == "failed: fastbatch.c:1:10: fatal error: Python.h"
+    assert "FASTBATCH_REFERENCE=1" in (box.root / "etc/calque/worker.env").read_text()
+
+
+def _requirement(name):
+    """requirements.txt's pinned line for `name` (the test fails when there is none)."""
+    lines = [line.split("#")[0].strip() for line in open(os.path.join(ROOT, "requirements.txt"))]
+    pinned = [line for line in lines if line.startswith(name + "==")]
+    assert pinned, f"requirements.txt pins no {name}"
+    return pinned[0]
+
+
+def test_fastbatch_builds_in_a_python_312_style_venv(tmp_path):
+    """A venv like Python 3.12's (no setuptools, no stdlib distutils): with requirements.txt's cffi alone the
+    C build fails as it does on the DLAMI; with its setuptools line too, it builds."""
+    venv = tmp_path / "venv"
+    subprocess.run([REAL_PY, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next((venv / "lib").glob("python3.*/site-packages"))
+    (site / "_calque_no_distutils.pth").write_text("import sys; sys.modules['distutils'] = None\n")   # 3.12 has none
+    src = tmp_path / "fastbatch"
+    src.mkdir()
+    for name in ("_build.py", "fastbatch.c", "fastbatch.h"):
+        shutil.copy(os.path.join(ROOT, "fastbatch", name), src / name)
+
+    def install(*requirements):
+        subprocess.run([REAL_PY, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                        *requirements], check=True, capture_output=True, timeout=300)
+
+    def build():
+        return subprocess.run([str(venv / "bin" / "python"), str(src / "_build.py")], capture_output=True,
+                              text=True, timeout=300)
+    install(_requirement("cffi"))
+    failed = build()
+    assert failed.returncode != 0 and "This CFFI feature requires" in failed.stderr
+    install(_requirement("setuptools"))
+    built = build()
+    assert built.returncode == 0, built.stderr
+    assert list(src.glob("_fastbatch_c*.so"))
+
+
+def test_spot_notice_before_the_first_claim_skips_enter(local_env, tmp_path):
+    """A worker that finds a spot notice already given when it starts exits 0 without running @enter or
+    claiming, and says so in its stats: with the unit's RestartPreventExitStatus=0 it is not started again."""
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", os.path.join(ROOT, "tests", "handlers.py")
+              + ":Echo")
+    assert out.returncode == 0, out.stderr
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SpotStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    SpotStub.notice = True
+    try:
+        log = tmp_path / "worker.log"
+        with open(log, "w") as f:
+            worker = start_worker(dict(local_env, CALQUE_SPOT_POLL=f"http://127.0.0.1:{server.server_port}",
+                                       CALQUE_SPOT_INTERVAL="0.1"), "--model", "m", log=f)
+            assert worker.wait(60) == 0
+    finally:
+        SpotStub.notice = False
+        server.shutdown()
+    text = log.read_text()
+    assert "interruption notice" in text and "SIGTERM: warm stop" in text and "@enter done" not in text, text
+    stats, = calque.read_worker_stats(backend_for(local_env), "m")
+    assert (stats["state"], stats["enter_count"], stats["claims"]) == ("stopped", 0, 0)
