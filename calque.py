@@ -1,5 +1,5 @@
-"""calque: sticky warm-worker pools for batch model inference. The submitter CLI, and the small shared
-library a handler imports (`import calque`; `@calque.enter`, `@calque.batch`).
+"""calque: sticky warm-worker pools for batch model inference. The submitter CLI, the Python API, and the
+small shared library a handler imports (`import calque`; `@calque.enter`, `@calque.batch`).
 
     python calque.py pool create --model demo --handler examples/demo_model.py:DemoModel --workers 2
     python calque.py submit --pool demo examples/items.jsonl      # claims against the warm pool
@@ -10,32 +10,63 @@ library a handler imports (`import calque`; `@calque.enter`, `@calque.batch`).
     python calque.py pool delete --model demo --yes
 
 CALQUE_STORE picks the backend: a local path (default .calque) is the embedded one (a SQLite queue and a
-directory store); s3://bucket/prefix is SQS + S3 through boto3 (AWS_ENDPOINT_URL honoured).
-The contract every part honours is in README.md ("The contract, as implemented").
+directory store); s3://bucket/prefix is SQS + S3 through boto3 (AWS_ENDPOINT_URL honoured). The contract
+every part honours, as implemented, is docs/contract.md.
+
+The map. Each section uses only the sections above it; read top to bottom.
+     1. settings, errors and paths    DEFAULTS, settings(), UserError and friends
+     2. THE CONTRACT                  names, store keys, message, claim_summary, result parts, the handler API,
+                                      numeric views, AWS error lines: what warmd.py and handler files import
+     3. backends                      LocalStore + LocalQueues (SQLite), S3Store + SqsQueues; open_backend()
+     4. records                       pool and run records, summaries, worker stats in the store
+     5. submit and runs               read items, stage_run, wait_for_run, cancel, redrive, run reports
+     6. local workers                 the detached supervisor that keeps N warmd.py alive (GPUs, exit reasons)
+     7. the cost model                rates.json, per-claim and per-run cost, crossover ladder, pool cost
+     8. the EC2 cohort                IAM, bootstrap, launch template, Auto Scaling, alarms; pool and cold verbs
+     9. across both paths             pool status (local and EC2), cold_run (the baseline)
+    10. the Python API                Pool, submit(), Run: what a notebook uses and the CLI calls
+    11. the CLI                       one cmd_* per verb in the parser's order, build_parser(), main()
 """
 import argparse
+import ast
+import base64
 import contextlib
 import datetime
-import math
+import difflib
+import fcntl
+import functools
+import glob
+import gzip
+import hashlib
+import importlib.util
+import io
 import json
+import math
 import os
 import re
 import secrets
+import shlex
+import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 import typing
 import uuid
+import zipfile
+import zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+
 # ------------------------------------------------------------------------------------------------
-# defaults: each one can be set in the environment or in a pool.env file (KEY=value lines);
-# the environment wins over pool.env, pool.env over these. pool.env.example documents them all.
+# 1. settings, errors and paths: each setting can be in the environment or in a pool.env file (KEY=value
+# lines); the environment wins over pool.env, pool.env over these. pool.env.example documents them all.
 DEFAULTS = {
     "CALQUE_STORE": ".calque",          # local path -> SQLite queue + directory store; s3://bucket/prefix -> SQS + S3
     "CALQUE_STATE": ".calque-state",    # this machine's supervisor pids and worker logs (never in the store)
@@ -70,9 +101,13 @@ FIRST_ITEMS_SHOWN = 5                   # item indices a run report prints per e
 TRACE_FRAMES = 3                        # last traceback frames a failed item's result line carries
 QUEUE_OPEN_RETRY = 10.0                 # s to retry opening a queue that does not resolve yet (SQS lag)
 DEFAULT_REGION = "us-east-1"            # AWS region when neither the environment nor ~/.aws/config names one
-
 VERSION = "0.2.0"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+HERE = os.path.dirname(os.path.abspath(__file__))
+WARMD = os.path.join(HERE, "warmd.py")
+RATES_FILE = os.path.join(HERE, "rates.json")
+OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH")   # CALQUE_* names read elsewhere
+_warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
 class UserError(Exception):
@@ -95,10 +130,6 @@ class WorkersFailed(Exception):
 
 class LeaseLost(Exception):
     """The claim's receipt is no longer valid: another worker may own the message now."""
-
-
-OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH")   # CALQUE_* names read elsewhere
-_warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
 def settings():
@@ -142,7 +173,6 @@ def env_line(line, where):
 
 def did_you_mean(name, known):
     """' (did you mean X?)' for the known name closest to `name`, or ''."""
-    import difflib
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
 
@@ -170,12 +200,20 @@ def setting_number(conf, key, kind=float, minimum=None):
 
 
 def now_iso(t=None):
-    return datetime.datetime.fromtimestamp(time.time() if t is None else t, datetime.timezone.utc).isoformat(timespec="milliseconds")
+    t = time.time() if t is None else t
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def write_file_atomic(path, text):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------------
-# the contract: names, the message, store keys
-
+# 2. THE CONTRACT: names, store keys, the message, the summary, the handler API, numeric views, AWS error
+# helpers. warmd.py and handler files import these; change them with care (docs/contract.md says why).
 POOL_PREFIX, DLQ_PREFIX = "calque-pool-", "calque-dlq-"
 RUN_QUEUE_PREFIX, RUN_DLQ_PREFIX = "calque-run-", "calque-rundlq-"
 QUEUE_NAME_MAX = 80                     # SQS's limit on a queue name
@@ -405,7 +443,6 @@ def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_cou
 # ------------------------------------------------------------------------------------------------
 # the handler API: a class with one @enter method (load, runs once) and one @batch method
 # (a list of item payloads -> a list of results of the same length). collate(self, payloads) is optional.
-
 def enter(fn):
     fn._calque_role = "enter"
     return fn
@@ -427,7 +464,6 @@ def parse_handler_spec(spec):
 
 def check_handler_source(source, cls, where):
     """Check without running it that `source` defines class `cls` with @calque.enter and @calque.batch."""
-    import ast
     try:
         tree = ast.parse(source, filename=where)
     except SyntaxError as e:
@@ -444,12 +480,12 @@ def check_handler_source(source, cls, where):
                     roles.add(name)
     missing = [f"@calque.{r}" for r in ("enter", "batch") if r not in roles]
     if missing:
-        raise UserError(f"handler {where}: class {cls} lacks {' and '.join(missing)}: decorate its load and batch methods")
+        raise UserError(f"handler {where}: class {cls} lacks {' and '.join(missing)}: decorate its load and batch "
+                        "methods")
 
 
 def load_handler(path, cls):
     """Import the handler class from a file and return (instance, enter_method, batch_method, collate or None)."""
-    import importlib.util
     name = "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3])
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -467,10 +503,69 @@ def load_handler(path, cls):
 
 
 # ------------------------------------------------------------------------------------------------
-# backends. A backend is a store (get/put/exists/list/delete/delete_prefix/uri/key_for_uri) plus queues
-# (create_queue/open_queue/delete_queue; a queue has send/receive/delete/change_visibility/counts).
-# Both count their requests in `requests`, which the cost model prices.
+# numeric items as views, and what an AWS error says
+def npy_view(data):
+    """A read-only numpy array over the bytes of a .npy object, without copying them (np.load would).
+    Refuses object dtypes (they would need pickle) and Fortran order."""
+    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    f = io.BytesIO(data)
+    version = np.lib.format.read_magic(f)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read_header(f)
+    if dtype.hasobject or fortran_order:
+        raise ValueError("object or Fortran-ordered array refused")
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(data, dtype=dtype, count=count, offset=f.tell()).reshape(shape)
 
+
+def array_items(store, manifest):
+    """A numeric claim's items: a list of {field: view}, every view into the fetched bytes."""
+    fields, count = {}, manifest["count"]
+    for name, keys in manifest["arrays"].items():
+        values = npy_view(store.get(keys["values"]))
+        offsets = npy_view(store.get(keys["offsets"])) if "offsets" in keys else None
+        if (offsets is not None and len(offsets) != count + 1) or (offsets is None and len(values) != count):
+            raise ValueError(f"field {name!r} does not hold {count} items")
+        fields[name] = (values, offsets)
+    return [{name: values[i] if offsets is None else values[offsets[i]:offsets[i + 1]]
+             for name, (values, offsets) in fields.items()} for i in range(count)]
+
+
+SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # SQS's two codes for "no such queue"
+
+
+def _aws_error_code(error):
+    return _aws_error_info(error).get("Code", "")
+
+
+def _aws_error_info(error):
+    """The Error part of a botocore error's response; {} for errors that have none (a dropped connection's
+    `response` is None)."""
+    return (getattr(error, "response", None) or {}).get("Error", {})
+
+
+def aws_error_line(error):
+    """'AccessDenied: ... (CreateQueue)' from a botocore error, else its text."""
+    info = _aws_error_info(error)
+    if info:
+        return f"{info.get('Code')}: {info.get('Message')} ({getattr(error, 'operation_name', '?')})"
+    return str(error)
+
+
+def aws_client_config(region):
+    """The botocore settings of every AWS client calque makes: standard retries (throttling and transient
+    errors, 5 attempts in all) and timeouts short enough that an unreachable endpoint fails in seconds."""
+    import botocore.config   # lazy: the embedded backend never loads boto3/botocore
+    retries = {"mode": "standard"}
+    if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
+        retries["max_attempts"] = 5
+    return botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30)
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. backends. A backend is a store (get/put/put_new/exists/list/delete/delete_prefix/uri/key_for_uri) plus
+# queues (create_queue/open_queue/delete_queue; a queue has send/receive/delete/change_visibility/counts).
+# Both count their requests in `requests`, which the cost model prices.
 class Message:
     __slots__ = ("body", "receipt", "receive_count")
 
@@ -569,7 +664,6 @@ class LocalStore:
         return sorted(prefix + n for n in names if ".tmp-" not in n)
 
     def delete_prefix(self, prefix):
-        import shutil
         shutil.rmtree(self._path(prefix), ignore_errors=True)   # ignores files a concurrent writer removed first
         if os.path.lexists(self._path(prefix)):                 # but not a folder that stayed: say so
             raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the folder's permissions, "
@@ -596,14 +690,16 @@ class LocalQueues:
     for the few microseconds of its UPDATE, so two workers never receive the same message."""
 
     SCHEMA = """
-    CREATE TABLE IF NOT EXISTS queues (name TEXT PRIMARY KEY, visibility_timeout REAL NOT NULL, created_at REAL NOT NULL);
+    CREATE TABLE IF NOT EXISTS queues (
+        name TEXT PRIMARY KEY, visibility_timeout REAL NOT NULL, created_at REAL NOT NULL);
     CREATE TABLE IF NOT EXISTS messages (
         id INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT NOT NULL, body TEXT NOT NULL,
         visible_at REAL NOT NULL, receive_count INTEGER NOT NULL DEFAULT 0, receipt TEXT, sent_at REAL NOT NULL);
     CREATE INDEX IF NOT EXISTS messages_ready ON messages (queue, visible_at);
     """
     SQL_READY = "SELECT 1 FROM messages WHERE queue = ? AND visible_at <= ? LIMIT 1"
-    SQL_NEXT = "SELECT id, body, receive_count FROM messages WHERE queue = ? AND visible_at <= ? ORDER BY visible_at, id LIMIT 1"
+    SQL_NEXT = ("SELECT id, body, receive_count FROM messages WHERE queue = ? AND visible_at <= ? "
+                "ORDER BY visible_at, id LIMIT 1")
     SQL_TAKE = "UPDATE messages SET visible_at = ?, receive_count = receive_count + 1, receipt = ? WHERE id = ?"
     SQL_VISIBILITY = "UPDATE messages SET visible_at = ? WHERE id = ? AND receipt = ?"
     SQL_DELETE = "DELETE FROM messages WHERE id = ? AND receipt = ?"
@@ -641,7 +737,6 @@ class LocalQueues:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if os.path.exists(self.path):
             return self._connect()
-        import fcntl
         with open(self.path + ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not os.path.exists(self.path):
@@ -670,7 +765,8 @@ class LocalQueues:
 
     def create_queue(self, name, visibility_timeout):
         with self.transaction() as db:
-            db.execute("INSERT INTO queues VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET visibility_timeout = excluded.visibility_timeout",
+            db.execute("INSERT INTO queues VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET visibility_timeout = "
+                       "excluded.visibility_timeout",
                        (name, visibility_timeout, time.time()))
         return LocalQueue(self, name, visibility_timeout)
 
@@ -737,7 +833,8 @@ class LocalQueue:
         """Ack. False when the receipt went stale (the message was redelivered to another worker)."""
         self.queues.requests["queue_other"] += 1
         with self.queues.transaction() as db:
-            return db.execute(LocalQueues.SQL_DELETE, (int(message.receipt.split(":")[0]), message.receipt)).rowcount == 1
+            deleted = db.execute(LocalQueues.SQL_DELETE, (int(message.receipt.split(":")[0]), message.receipt))
+            return deleted.rowcount == 1
 
     def counts(self):
         self.queues.requests["queue_other"] += 1
@@ -762,20 +859,8 @@ class LocalBackend:
         try:
             os.makedirs(self.root, exist_ok=True)
         except OSError as e:
-            raise UserError(f"store {self.root} cannot be created ({e.strerror}): set CALQUE_STORE to a writable folder")
-
-
-SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # SQS's two codes for "no such queue"
-
-
-def _aws_error_code(error):
-    return _aws_error_info(error).get("Code", "")
-
-
-def _aws_error_info(error):
-    """The Error part of a botocore error's response; {} for errors that have none (a dropped connection's
-    `response` is None)."""
-    return (getattr(error, "response", None) or {}).get("Error", {})
+            raise UserError(f"store {self.root} cannot be created ({e.strerror}): "
+                            f"set CALQUE_STORE to a writable folder")
 
 
 def endpoint_retried(method):
@@ -785,11 +870,10 @@ def endpoint_retried(method):
     a `submit` waiting on a run died of a 15 s blip while the run itself finished. Hidden cost: an endpoint
     that is really gone takes that long to report. Only calls that may run twice carry it: a repeated send
     is a duplicate claim, which its worker acks as one."""
-    import functools
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        import botocore.exceptions
+        import botocore.exceptions   # lazy: the embedded backend never loads boto3/botocore
         deadline = time.monotonic() + self.endpoint_retry
         delay = ENDPOINT_BACKOFF[0]
         while True:
@@ -803,16 +887,6 @@ def endpoint_retried(method):
             time.sleep(delay)
             delay = min(delay * 2, ENDPOINT_BACKOFF[1])
     return call
-
-
-def aws_client_config(region):
-    """The botocore settings of every AWS client calque makes: standard retries (throttling and transient
-    errors, 5 attempts in all) and timeouts short enough that an unreachable endpoint fails in seconds."""
-    import botocore.config
-    retries = {"mode": "standard"}
-    if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
-        retries["max_attempts"] = 5
-    return botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30)
 
 
 class S3Store:
@@ -844,7 +918,8 @@ class S3Store:
     @endpoint_retried
     def put(self, key, data):
         self.requests["store_puts"] += 1
-        self.s3.put_object(Bucket=self.bucket, Key=self._key(key), Body=data if isinstance(data, bytes) else data.encode())
+        self.s3.put_object(Bucket=self.bucket, Key=self._key(key),
+                           Body=data if isinstance(data, bytes) else data.encode())
 
     @endpoint_retried
     def put_new(self, key, data):
@@ -884,7 +959,9 @@ class S3Store:
     def list(self, prefix):
         """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list."""
         keys = []
-        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix), Delimiter="/"):
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix),
+                                                                  Delimiter="/")
+        for page in pages:
             self.requests["store_lists"] += 1
             keys += [o["Key"] for o in page.get("Contents", [])]
             keys += [p["Prefix"].rstrip("/") for p in page.get("CommonPrefixes", [])]
@@ -961,7 +1038,8 @@ class SqsQueue:
     def receive(self, wait_seconds, should_stop=lambda: False):
         # should_stop is not consulted inside the long poll: warmd's SIGTERM handler interrupts it instead.
         reply = self.sqs.receive_message(QueueUrl=self.url, MaxNumberOfMessages=1,
-                                         WaitTimeSeconds=math.ceil(min(wait_seconds, 20)),   # whole seconds; 0 = short poll
+                                         # whole seconds; 0 = short poll
+                                         WaitTimeSeconds=math.ceil(min(wait_seconds, 20)),
                                          MessageSystemAttributeNames=["ApproximateReceiveCount"])
         messages = reply.get("Messages", [])
         if not messages:
@@ -974,7 +1052,8 @@ class SqsQueue:
     def change_visibility(self, message, seconds):
         self.queues.requests["queue_other"] += 1
         try:
-            self.sqs.change_message_visibility(QueueUrl=self.url, ReceiptHandle=message.receipt, VisibilityTimeout=int(seconds))
+            self.sqs.change_message_visibility(QueueUrl=self.url, ReceiptHandle=message.receipt,
+                                               VisibilityTimeout=int(seconds))
         except Exception as e:
             if _aws_error_code(e) in ("ReceiptHandleIsInvalid", "InvalidParameterValue", "MessageNotInflight"):
                 raise LeaseLost(f"queue {self.name}: {e}")
@@ -1026,17 +1105,20 @@ class AwsBackend:
         return self.uri
 
     def check(self, prefix=""):
-        import botocore.exceptions
+        import botocore.exceptions   # lazy: the embedded backend never loads boto3/botocore
         try:   # a LIST, not HeadBucket: a worker's role may list only under its own prefixes (it passes one)
             self.store.s3.list_objects_v2(Bucket=self.bucket, Prefix=self.store._key(prefix), MaxKeys=1)
         except botocore.exceptions.NoCredentialsError:
-            raise UserError("no AWS credentials found: configure them (aws configure, or AWS_ACCESS_KEY_ID) or use a local CALQUE_STORE")
+            raise UserError("no AWS credentials found: configure them (aws configure, or AWS_ACCESS_KEY_ID) or use a "
+                            "local CALQUE_STORE")
         except botocore.exceptions.EndpointConnectionError as e:
             raise UserError(f"cannot reach the S3 endpoint ({e}): check AWS_ENDPOINT_URL and the network")
         except botocore.exceptions.ClientError as e:
             if _aws_error_code(e) in ("404", "NoSuchBucket", "NotFound"):
-                raise UserError(f"bucket {self.bucket} does not exist: create it (aws s3 mb s3://{self.bucket}) or fix CALQUE_STORE")
-            raise UserError(f"bucket {self.bucket} is not usable ({_aws_error_code(e)}): check your credentials' S3 permissions")
+                raise UserError(f"bucket {self.bucket} does not exist: create it (aws s3 mb s3://{self.bucket}) or fix "
+                                "CALQUE_STORE")
+            raise UserError(f"bucket {self.bucket} is not usable ({_aws_error_code(e)}): check your credentials' S3 "
+                            "permissions")
 
 
 def open_backend(store=None, check_prefix=""):
@@ -1052,8 +1134,7 @@ def open_backend(store=None, check_prefix=""):
 
 
 # ------------------------------------------------------------------------------------------------
-# records: pool records, run records, summaries, worker stats (all JSON in the store)
-
+# 4. records: pool records, run records, summaries, worker stats (all JSON in the store)
 def read_json(backend, key, fix=None):
     """A JSON record of the store (always an object). One that does not parse, or is not an object, is a
     StoreFault naming its key (every verb that reads it says so in one line), with `fix` as the next step."""
@@ -1093,7 +1174,8 @@ def load_pool(backend, model, missing=None):
     if not isinstance(record.get("model"), str):
         raise corrupt_record(backend, pool_key(model), "no model name", fix)
     if record["model"] != model:
-        raise UserError(f"model {model!r} shares its queue name with the pool of {record['model']!r}: use that exact name")
+        raise UserError(f"model {model!r} shares its queue name with the pool of {record['model']!r}: use that exact "
+                        "name")
     return record
 
 
@@ -1159,7 +1241,6 @@ def snapshot_handler(handler_spec, key_prefix, put):
     check_handler_source(source, cls, path)
     key = f"{key_prefix}handler/{os.path.basename(path)}"
     put(key, source)
-    import hashlib
     return {"key": key, "file": os.path.basename(path), "class": cls, "sha256": hashlib.sha256(source).hexdigest(),
             "source_path": os.path.abspath(path)}
 
@@ -1221,318 +1302,16 @@ def read_worker_stats(backend, model):
     return [read_json(backend, k) for k in backend.store.list(worker_stats_prefix(model)) if k.endswith(".json")]
 
 
-# ------------------------------------------------------------------------------------------------
-# local workers: a detached supervisor per pool keeps N warmd.py processes alive on this machine
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-WARMD = os.path.join(HERE, "warmd.py")
-RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay, doubling up to this cap
-RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long restarts without backoff
-SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
-COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
-STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
-SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
-LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts when --workers is not given
-WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter before giving up on them
-EXIT_LOG_TAIL = 16384                   # bytes of a dead worker's log searched for the line that says why it died
-WORKER_LOST_AFTER = 120.0               # s of silence after which a "running" worker elsewhere counts as lost
-                                        # (4 of warmd's 30 s stats intervals; it also writes after each claim)
-
-
-def state_dir(conf, model):
-    return os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "pools", slug(model))
-
-
-def child_env(conf):
-    """The environment for a process we start: every setting as resolved here (pool.env included: the
-    child runs in the kit's folder, not ours), with absolute store and state paths."""
-    env = dict(os.environ, **{key: conf[key] for key in DEFAULTS})
-    store = conf["CALQUE_STORE"]
-    env["CALQUE_STORE"] = store if store.startswith("s3://") else os.path.abspath(store)
-    env["CALQUE_STATE"] = os.path.abspath(conf["CALQUE_STATE"])
-    env["CALQUE_SPAWNED_AT"] = repr(time.time())
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    return env
-
-
-def pid_alive(pid):
+def queue_depth(backend, name):
+    """{visible, in_flight} of a queue, or None when it does not exist (a half-created or half-deleted pool)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child of ours still answers kill(0); /proc tells
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def read_supervisor(conf, model):
-    """The supervisor's status file, or None when no live supervisor runs this pool on this machine."""
-    path = os.path.join(state_dir(conf, model), "supervisor.json")
-    try:
-        with open(path) as f:
-            status = json.load(f)
-    except (OSError, ValueError):
+        return backend.queues.open_queue(name).counts()
+    except NotFound:
         return None
-    return status if pid_alive(status["pid"]) else None
-
-
-def write_file_atomic(path, text):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-def start_supervisor(conf, model, workers, gpus_per_worker=None):
-    """Ask this machine's supervisor of the pool for `workers` workers (starting it when there is none); returns
-    its pid. `gpus_per_worker` (None: 1 where CUDA devices exist) is read by a new supervisor, and by a running
-    one at its next tick."""
-    folder = state_dir(conf, model)
-    os.makedirs(folder, exist_ok=True)
-    if gpus_per_worker is not None and gpus_per_worker < 0:
-        raise UserError(f"--gpus-per-worker {gpus_per_worker}: must be 0 (no GPU) or more")
-    write_file_atomic(os.path.join(folder, "gpus-per-worker"), "" if gpus_per_worker is None else str(gpus_per_worker))
-    write_file_atomic(os.path.join(folder, "desired"), str(workers))
-    status = read_supervisor(conf, model)
-    if status:
-        os.kill(status["pid"], signal.SIGHUP)   # already running: it re-reads `desired`
-        return status["pid"]
-    with open(os.path.join(folder, "supervisor.log"), "ab") as log:
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "pool", "supervise", "--model", model],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env(conf),
-                                start_new_session=True, cwd=HERE)
-    deadline = time.monotonic() + SUPERVISOR_START_WAIT
-    while time.monotonic() < deadline:
-        status = read_supervisor(conf, model)
-        if status:   # ours, or the one that holds the pool's lock (a `pool create` running beside this one)
-            return status["pid"]
-        if proc.poll() not in (None, 0):   # 0: it found the lock held and left the pool to that supervisor
-            raise UserError(f"the pool supervisor exited at once: see {folder}/supervisor.log")
-        time.sleep(0.02)
-    raise UserError(f"the pool supervisor did not report within {SUPERVISOR_START_WAIT:g} s: "
-                    f"see {folder}/supervisor.log, then retry")
-
-
-def stop_supervisor(conf, model, timeout):
-    """SIGTERM the supervisor (it stops its workers gracefully) and wait; True when it is gone."""
-    status = read_supervisor(conf, model)
-    if not status:
-        return True
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(status["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(status["pid"]):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def supervise(conf, model):
-    """The detached supervisor's loop: keep `desired` warmd.py processes, restart the dead with backoff.
-    One per pool on a machine: it holds an exclusive lock on the pool's supervisor.lock for its whole life
-    (the kernel drops it when the process dies, however it dies); a second one exits at once, leaving the
-    pool to the first."""
-    folder = state_dir(conf, model)
-    lock = hold_supervisor_lock(folder)   # held while this function runs: closed (unlocked) when it returns
-    if lock is None:
-        print(f"supervisor {os.getpid()}: pool {model} already has a supervisor on this machine: exit", flush=True)
-        return
-    grace = setting_number(conf, "CALQUE_GRACE")
-    slots = {}            # slot -> {"proc", "started", "restarts", "not_before", "log"}
-    totals = {"restarts": 0}
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; harmless: `desired` is re-read every tick
-    want = read_desired(folder)
-    print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
-    try:
-        while not stopping:
-            want = read_desired(folder)
-            now = time.time()
-            totals["restarts"] += _reap(slots, want, now)
-            _spawn(conf, model, folder, slots, want, now)
-            workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
-                        "restarts": v["restarts"], "log": v["log"], "warm": _is_warm(v), "gpus": v["gpus"],
-                        "last_exit": v["last_exit"]} for s, v in sorted(slots.items())]
-            write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
-                {"pid": os.getpid(), "model": model, "desired": want, "restarts": totals["restarts"],
-                 "workers": workers, "updated_at": now_iso()}))
-            time.sleep(SUPERVISOR_TICK)
-    finally:
-        _stop_workers([v["proc"] for v in slots.values() if v["proc"] is not None], grace)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(folder, "supervisor.json"))
-        print("supervisor: exit", flush=True)
-
-
-def hold_supervisor_lock(folder):
-    """The open lock file, locked (keep it open for as long as the lock is to be held), or None when another
-    process holds it."""
-    import fcntl
-    os.makedirs(folder, exist_ok=True)
-    lock = open(os.path.join(folder, "supervisor.lock"), "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        return None
-    return lock
-
-
-def read_desired(folder):
-    """The worker count `pool create` / `pool scale` last asked for (0 when unreadable)."""
-    try:
-        with open(os.path.join(folder, "desired")) as f:
-            return int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def _is_warm(slot):
-    """True once the slot's current process has finished @enter (warmd writes its pid to the ready file)."""
-    if slot["proc"] is None:
-        return False
-    try:
-        with open(slot["ready"]) as f:
-            return f.read().strip() == str(slot["proc"].pid)
-    except OSError:
-        return False
-
-
-def exit_reason(log_path, returncode):
-    """Why a worker died, in one line: the last exception line or `warmd: error:` line of its log, else its exit
-    status (a signal's name when one killed it)."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(log_path) - EXIT_LOG_TAIL))
-            tail = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        tail = []
-    said = re.compile(r"^(warmd: error: .*|[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$")
-    for line in reversed(tail):
-        if said.match(line.strip()):
-            return line.strip()[:ERROR_CHARS]
-    if returncode is not None and returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
-    return f"exit status {returncode} (no error line in its log)"
-
-
-def _reap(slots, want, now):
-    """Notice exited workers, keeping why each died (last_exit; warm: whether it had finished @enter): a slot still
-    wanted restarts after its backoff; a slot above `want` is stopped (SIGTERM, once) and dropped when its process
-    is gone. Returns the restarts counted."""
-    restarts = 0
-    for s, slot in list(slots.items()):
-        proc = slot["proc"]
-        if proc is not None and proc.poll() is not None:
-            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
-            slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": _is_warm(slot),
-                                 "reason": exit_reason(slot["log"], proc.returncode)}
-            slot["proc"] = None
-            if s < want:
-                lived = now - slot["started"]
-                slot["restarts"] += 1
-                restarts += 1
-                backoff = 0.0 if lived > RESTART_RESET_AFTER else min(
-                    RESTART_BACKOFF[0] * 2 ** (slot["restarts"] - 1), RESTART_BACKOFF[1])
-                slot["not_before"] = now + backoff
-        if s >= want:
-            if slot["proc"] is None:
-                del slots[s]
-            elif not slot.get("stopping"):
-                slot["stopping"] = True
-                slot["proc"].send_signal(signal.SIGTERM)
-    return restarts
-
-
-def _spawn(conf, model, folder, slots, want, now):
-    """Start a warmd.py in every wanted slot that has none and whose backoff is over, on its own GPU(s)."""
-    devices, per_worker = gpu_plan(conf, folder)
-    for s in range(want):
-        slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0, "last_exit": None,
-                                    "log": os.path.join(folder, f"worker-{s}.log"),
-                                    "ready": os.path.join(folder, f"worker-{s}.ready")})
-        if slot["proc"] is None and now >= slot["not_before"]:
-            slot["gpus"] = worker_gpus(devices, per_worker, s)
-            env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
-                       CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
-            with open(slot["log"], "ab") as log:
-                slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
-                                                stdout=log, stderr=log, env=env, cwd=HERE)
-            slot["started"] = now
-            print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
-
-
-def gpu_devices(conf):
-    """The GPU indices this machine's workers share: CALQUE_GPUS when set (tests fake a device list with it), else
-    CUDA_VISIBLE_DEVICES when set, else every device NVML counts ([] without NVML or a GPU)."""
-    listed = conf.get("CALQUE_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
-        return [d.strip() for d in listed.split(",") if d.strip()]
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:   # no nvidia-ml-py, no driver, no device: the workers run on the CPU
-        return []
-
-
-def gpu_plan(conf, folder):
-    """(devices, GPUs per worker) for the pool's workers here: the per-worker count `pool create`/`pool scale`
-    wrote (empty: 1 where devices exist, else 0)."""
-    devices = gpu_devices(conf)
-    try:
-        with open(os.path.join(folder, "gpus-per-worker")) as f:
-            asked = f.read().strip()
-    except OSError:
-        asked = ""
-    return devices, int(asked) if asked else min(1, len(devices))
-
-
-def worker_gpus(devices, per_worker, slot):
-    """The devices of worker `slot`, round-robin: slot s gets the next `per_worker` devices after slot s-1's,
-    wrapping (more workers than devices share them)."""
-    if not devices or not per_worker:
-        return []
-    return [devices[(slot * per_worker + j) % len(devices)] for j in range(per_worker)]
-
-
-def gpu_env(gpus):
-    """The environment that confines a worker to its devices: CUDA_VISIBLE_DEVICES for CUDA, and the first
-    device's index for NVML (which ignores CUDA_VISIBLE_DEVICES) to sample."""
-    if not gpus:
-        return {}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CALQUE_GPU_INDEX": gpus[0]}
-
-
-def _stop_workers(live, grace):
-    """SIGTERM every worker, wait out their grace (+5 s), then SIGKILL the ones still there."""
-    print(f"supervisor: stopping {len(live)} worker(s)", flush=True)
-    for proc in live:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace + 5
-    for proc in live:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {grace + 5:.0f}s; killing it", flush=True)
-            proc.kill()
 
 
 # ------------------------------------------------------------------------------------------------
-# submit: stage manifests, send claims, wait on summaries
-
+# 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
 def read_items(path):
     """Items from a JSONL file (or '-' for stdin): one JSON value per line; blank lines are skipped.
     A .npy or .npz file is numeric input instead (see ArrayItems)."""
@@ -1601,7 +1380,7 @@ class ArrayItems:
     @classmethod
     def from_arrays(cls, arrays, path):
         """From {name: array} (the arrays of a .npz, or the API's numpy input); `path` names them in errors."""
-        import numpy as np
+        import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
         arrays = {name: np.asarray(values) for name, values in arrays.items()}
         fields, counts = {}, {}
         for name, values in arrays.items():
@@ -1633,8 +1412,7 @@ class ArrayItems:
 
     def stage(self, backend, run_id, claim, start, stop):
         """Write this claim's slice of every field as .npy objects; returns the manifest's `arrays` entry."""
-        import io
-        import numpy as np
+        import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
         entry = {}
         for name, (values, offsets) in self.fields.items():
             if offsets is None:
@@ -1658,9 +1436,7 @@ def read_arrays(path):
     """{name: array} of a .npy file ({"input": a}) or a .npz archive (its arrays), read at once. Whatever the
     file holds, a fault is a UserError naming it: numpy raises OSError, ValueError (object arrays, which need
     pickle, refused), EOFError (an empty file), BadZipFile or zlib.error (a damaged archive)."""
-    import zipfile
-    import zlib
-    import numpy as np
+    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     try:
         loaded = np.load(path, allow_pickle=False)
         if isinstance(loaded, np.ndarray):
@@ -1673,34 +1449,6 @@ def read_arrays(path):
         reason = str(e).split(". ")[0].rstrip(".") or type(e).__name__
         raise UserError(f"{path}: not a numeric .npy or .npz file ({reason}) ---> HINT: save plain numeric arrays "
                         f"with numpy.save or numpy.savez (object arrays would need pickle)") from None
-
-
-def npy_view(data):
-    """A read-only numpy array over the bytes of a .npy object, without copying them (np.load would).
-    Refuses object dtypes (they would need pickle) and Fortran order."""
-    import io
-    import numpy as np
-    f = io.BytesIO(data)
-    version = np.lib.format.read_magic(f)
-    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-    shape, fortran_order, dtype = read_header(f)
-    if dtype.hasobject or fortran_order:
-        raise ValueError("object or Fortran-ordered array refused")
-    count = int(np.prod(shape, dtype=np.int64))
-    return np.frombuffer(data, dtype=dtype, count=count, offset=f.tell()).reshape(shape)
-
-
-def array_items(store, manifest):
-    """A numeric claim's items: a list of {field: view}, every view into the fetched bytes."""
-    fields, count = {}, manifest["count"]
-    for name, keys in manifest["arrays"].items():
-        values = npy_view(store.get(keys["values"]))
-        offsets = npy_view(store.get(keys["offsets"])) if "offsets" in keys else None
-        if (offsets is not None and len(offsets) != count + 1) or (offsets is None and len(values) != count):
-            raise ValueError(f"field {name!r} does not hold {count} items")
-        fields[name] = (values, offsets)
-    return [{name: values[i] if offsets is None else values[offsets[i]:offsets[i + 1]]
-             for name, (values, offsets) in fields.items()} for i in range(count)]
 
 
 class SubmitInterrupted(BaseException):
@@ -1739,6 +1487,13 @@ def signals_deferred():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def check_timeout(seconds):
+    """--timeout (or CALQUE_TIMEOUT, which main puts in its place) must be a finite number of seconds, 0 or more."""
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise UserError(f"--timeout {seconds}: not a number of seconds, 0 or more ---> HINT: e.g. --timeout 600 "
+                        f"(CALQUE_TIMEOUT sets the default)")
 
 
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
@@ -1864,7 +1619,7 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     checked every RUN_RECHECK s), or timeout; returns (summaries, timed_out), timed_out meaning that some claim
     has no summary. `run` follows its stored record (a cancel, how far sending got). stop_if(), called at each
     of those checks, may raise to stop waiting (the pool's workers all crash)."""
-    from tqdm import tqdm
+    from tqdm import tqdm   # lazy: only a waiting submit draws a progress bar
     started = time.monotonic()
     deadline, recheck = started + timeout, started + RUN_RECHECK
     done, dead = {}, DeadLetters(backend, run)
@@ -1932,6 +1687,70 @@ def cancel_run(backend, run, reason):
     missing = [claim for claim in run["claims"] if claim not in have]
     with ThreadPoolExecutor(STORE_WRITERS) as writers:
         return [claim for claim, marked in zip(missing, writers.map(mark, missing)) if marked]
+
+
+def cancel_pool_runs(backend, model):
+    """pool delete --force: cancel every unfinished run of the pool, reason "pool deleted", so that a submit
+    waiting on one stops and says why. Returns {run id: the claims marked} of each run cancelled."""
+    cancelled = {}
+    for run in list_runs(backend, model):
+        if run["model"] == model and run["mode"] == "pool":
+            marked = cancel_run(backend, run, "pool deleted")
+            if marked:
+                cancelled[run["run_id"]] = marked
+    return cancelled
+
+
+def redrive(backend, record, runs):
+    """Send the dead-lettered claims of `runs` ({run id: run record}, runs of the pool `record`) back to the pool
+    queue, marked resume (the worker skips the items its result parts hold). A claim is dead-lettered when its
+    summary is a failure summary or, without a summary, when its copy is in the DLQ. Its failure summary is
+    deleted first (else a worker would ack the claim as done), then it is sent, then its DLQ copies are deleted;
+    a claim that finished meanwhile only loses its DLQ copies. Idempotent: a second call finds nothing to send.
+    Returns {run id: [claims sent back]}."""
+    queue, dlq = backend.queues.open_queue(record["queue"]), backend.queues.open_queue(record["dlq"])
+    letters = receive_all(dlq, dlq.counts()["visible"])
+    copies, deleted, sent = {}, set(), {}
+    for message in letters:
+        found = dead_letter_of(message)
+        if found and found[0] in runs:
+            copies.setdefault(found[:2], []).append(message)
+    try:
+        for run_id, run in runs.items():
+            summaries = {s["claim"]: s for s in read_summaries(backend, run_id)}
+            for claim in run["claims"]:
+                s = summaries.get(claim)
+                failure = s is not None and s["status"] == "failed" and bool(s.get("error"))
+                if failure or (s is None and (run_id, claim) in copies):
+                    if failure:
+                        backend.store.delete(summary_key(run_id, claim))
+                    queue.send(make_message(run_id, run["model"], backend.store.uri(manifest_key(run_id, claim)), claim,
+                                            resume=True))
+                    sent.setdefault(run_id, []).append(claim)
+                for message in copies.get((run_id, claim), []):
+                    dlq.delete(message)
+                    deleted.add(message.receipt)
+    finally:
+        release(dlq, [m for m in letters if m.receipt not in deleted])
+    return sent
+
+
+def claim_results(backend, run_id, claim, count):
+    """The claim's result lines, in item order (read_claim_results). A claim run by a calque 0.2 worker has no
+    parts but one results object: it is read instead, and must hold `count` lines too."""
+    try:
+        return read_claim_results(backend.store, run_id, claim, count)
+    except ResultsIncomplete:
+        if backend.store.list(results_prefix(run_id, claim)):
+            raise
+        try:
+            lines = backend.store.get(results_key(run_id, claim)).decode().splitlines(keepends=True)
+        except NotFound:
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part under {results_prefix(run_id, claim)}")
+        if len(lines) != count or not lines[-1].endswith("\n"):
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is truncated "
+                                    f"({len(lines)} of {count} lines)")
+        return lines
 
 
 CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "not queued")
@@ -2107,86 +1926,316 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
     return EXIT_OK if view["complete"] and all_ok else EXIT_FAILED
 
 
-def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
-             progress=True, ec2=None, dry_run=False, yes_spend_money=False):
-    """The baseline: a fresh acquisition. Ephemeral workers pay @enter, drain this run's own queue, exit:
-    warmd.py processes here, or with `ec2` (a ColdLaunch) one-shot EC2 instances. `handler`
-    (path/to/file.py:Class) or else the pool of `model` gives the code; `claim_size` defaults to an even
-    split over the shards. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
-    record = None if handler else load_pool(   # no handler named: reuse the pool's snapshot
-        backend, model, f"give the cold run its code: submit --model {model} --handler file.py:Class ITEMS")
-    run_id = new_run_id(model)
-    queue_name, dlq = run_queue_names(run_id)
-    cold = {"model": model, "slug": slug(model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
-            "workdir": os.getcwd(),   # the workers run where submit ran (warmd.enter_workdir)
-            **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
-    prefix = f"runs/{run_id}/"
-    if handler:
-        cold["handler"] = snapshot_handler(handler, prefix, backend.store.put)
-    else:
-        source = backend.store.get(record["handler"]["key"])
-        cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
-        backend.store.put(cold["handler"]["key"], source)
-    shards = max(1, shards)
+# ------------------------------------------------------------------------------------------------
+# 6. local workers: a detached supervisor per pool keeps N warmd.py processes alive on this machine
+RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay, doubling up to this cap
+RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long restarts without backoff
+SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
+COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
+STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
+SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
+LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts when --workers is not given
+WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter before giving up on them
+EXIT_LOG_TAIL = 16384                   # bytes of a dead worker's log searched for the line that says why it died
+WORKER_LOST_AFTER = 120.0               # s of silence after which a "running" worker elsewhere counts as lost
+                                        # (4 of warmd's 30 s stats intervals; it also writes after each claim)
 
-    def launch():   # one-shot instances that drain the run's queue and terminate themselves
-        return ec2_cold_launch(backend, cold, run_id, shards, ec2, timeout=timeout, dry_run=dry_run,
-                               yes_spend_money=yes_spend_money)
 
-    if ec2 and dry_run:      # print the launch it would make; stage nothing
-        launch()
-        return None, [], False
-    queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
-    backend.queues.create_queue(dlq, cold["visibility_timeout"])
-    claim_size = claim_size or max(1, -(-len(items) // shards))
-    write_json(backend, cold_record_key(run_id), cold)
-    procs, instance_ids = [], []
+def state_dir(conf, model):
+    return os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "pools", slug(model))
+
+
+def child_env(conf):
+    """The environment for a process we start: every setting as resolved here (pool.env included: the
+    child runs in the kit's folder, not ours), with absolute store and state paths."""
+    env = dict(os.environ, **{key: conf[key] for key in DEFAULTS})
+    store = conf["CALQUE_STORE"]
+    env["CALQUE_STORE"] = store if store.startswith("s3://") else os.path.abspath(store)
+    env["CALQUE_STATE"] = os.path.abspath(conf["CALQUE_STATE"])
+    env["CALQUE_SPAWNED_AT"] = repr(time.time())
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def pid_alive(pid):
     try:
-        run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
-        if ec2:
-            instance_ids = launch()
-        else:        # fresh local processes
-            folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run_id)
-            os.makedirs(folder, exist_ok=True)
-            for shard in range(shards):
-                with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
-                    procs.append(subprocess.Popen([sys.executable, WARMD, "--run", run_id], stdin=subprocess.DEVNULL,
-                                                  stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
-            print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {len(items)} items, {shards} fresh worker(s); "
-                  f"logs in {folder}", file=sys.stderr)
-        summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours still answers kill(0); /proc tells
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def read_supervisor(conf, model):
+    """The supervisor's status file, or None when no live supervisor runs this pool on this machine."""
+    path = os.path.join(state_dir(conf, model), "supervisor.json")
+    try:
+        with open(path) as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return status if pid_alive(status["pid"]) else None
+
+
+def start_supervisor(conf, model, workers, gpus_per_worker=None):
+    """Ask this machine's supervisor of the pool for `workers` workers (starting it when there is none); returns
+    its pid. `gpus_per_worker` (None: 1 where CUDA devices exist) is read by a new supervisor, and by a running
+    one at its next tick."""
+    folder = state_dir(conf, model)
+    os.makedirs(folder, exist_ok=True)
+    if gpus_per_worker is not None and gpus_per_worker < 0:
+        raise UserError(f"--gpus-per-worker {gpus_per_worker}: must be 0 (no GPU) or more")
+    write_file_atomic(os.path.join(folder, "gpus-per-worker"), "" if gpus_per_worker is None else str(gpus_per_worker))
+    write_file_atomic(os.path.join(folder, "desired"), str(workers))
+    status = read_supervisor(conf, model)
+    if status:
+        os.kill(status["pid"], signal.SIGHUP)   # already running: it re-reads `desired`
+        return status["pid"]
+    with open(os.path.join(folder, "supervisor.log"), "ab") as log:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "pool", "supervise", "--model", model],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env(conf),
+                                start_new_session=True, cwd=HERE)
+    deadline = time.monotonic() + SUPERVISOR_START_WAIT
+    while time.monotonic() < deadline:
+        status = read_supervisor(conf, model)
+        if status:   # ours, or the one that holds the pool's lock (a `pool create` running beside this one)
+            return status["pid"]
+        if proc.poll() not in (None, 0):   # 0: it found the lock held and left the pool to that supervisor
+            raise UserError(f"the pool supervisor exited at once: see {folder}/supervisor.log")
+        time.sleep(0.02)
+    raise UserError(f"the pool supervisor did not report within {SUPERVISOR_START_WAIT:g} s: "
+                    f"see {folder}/supervisor.log, then retry")
+
+
+def stop_supervisor(conf, model, timeout):
+    """SIGTERM the supervisor (it stops its workers gracefully) and wait; True when it is gone."""
+    status = read_supervisor(conf, model)
+    if not status:
+        return True
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(status["pid"], signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(status["pid"]):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def supervise(conf, model):
+    """The detached supervisor's loop: keep `desired` warmd.py processes, restart the dead with backoff.
+    One per pool on a machine: it holds an exclusive lock on the pool's supervisor.lock for its whole life
+    (the kernel drops it when the process dies, however it dies); a second one exits at once, leaving the
+    pool to the first."""
+    folder = state_dir(conf, model)
+    lock = hold_supervisor_lock(folder)   # held while this function runs: closed (unlocked) when it returns
+    if lock is None:
+        print(f"supervisor {os.getpid()}: pool {model} already has a supervisor on this machine: exit", flush=True)
+        return
+    grace = setting_number(conf, "CALQUE_GRACE")
+    slots = {}            # slot -> {"proc", "started", "restarts", "not_before", "log"}
+    totals = {"restarts": 0}
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; harmless: `desired` is re-read every tick
+    want = read_desired(folder)
+    print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
+    try:
+        while not stopping:
+            want = read_desired(folder)
+            now = time.time()
+            totals["restarts"] += _reap(slots, want, now)
+            _spawn(conf, model, folder, slots, want, now)
+            workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
+                        "restarts": v["restarts"], "log": v["log"], "warm": _is_warm(v), "gpus": v["gpus"],
+                        "last_exit": v["last_exit"]} for s, v in sorted(slots.items())]
+            write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
+                {"pid": os.getpid(), "model": model, "desired": want, "restarts": totals["restarts"],
+                 "workers": workers, "updated_at": now_iso()}))
+            time.sleep(SUPERVISOR_TICK)
     finally:
-        # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,
-        # which releases its claim, so nothing is left invisible in a queue about to be deleted
-        for proc in procs:
-            try:
-                proc.wait(COLD_EXIT_WAIT)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait()
-        if instance_ids:
-            ec2_cold_cleanup(backend, instance_ids)
-        backend.queues.delete_queue(queue_name)
-        backend.queues.delete_queue(cold["dlq"])
-        with contextlib.suppress(NotFound):   # (no run record: stopped while staging, nothing was queued)
-            # the queue is gone: a claim still without a summary will never run, and the run record says so
-            cancel_run(backend, read_json(backend, run_key(run_id)), "the cold run ended before it finished")
-    return run, summaries, timed_out
+        _stop_workers([v["proc"] for v in slots.values() if v["proc"] is not None], grace)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, "supervisor.json"))
+        print("supervisor: exit", flush=True)
+
+
+def hold_supervisor_lock(folder):
+    """The open lock file, locked (keep it open for as long as the lock is to be held), or None when another
+    process holds it."""
+    os.makedirs(folder, exist_ok=True)
+    lock = open(os.path.join(folder, "supervisor.lock"), "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        return None
+    return lock
+
+
+def read_desired(folder):
+    """The worker count `pool create` / `pool scale` last asked for (0 when unreadable)."""
+    try:
+        with open(os.path.join(folder, "desired")) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _is_warm(slot):
+    """True once the slot's current process has finished @enter (warmd writes its pid to the ready file)."""
+    if slot["proc"] is None:
+        return False
+    try:
+        with open(slot["ready"]) as f:
+            return f.read().strip() == str(slot["proc"].pid)
+    except OSError:
+        return False
+
+
+def exit_reason(log_path, returncode):
+    """Why a worker died, in one line: the last exception line or `warmd: error:` line of its log, else its exit
+    status (a signal's name when one killed it)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - EXIT_LOG_TAIL))
+            tail = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        tail = []
+    said = re.compile(r"^(warmd: error: .*|[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$")
+    for line in reversed(tail):
+        if said.match(line.strip()):
+            return line.strip()[:ERROR_CHARS]
+    if returncode is not None and returncode < 0:
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit status {returncode} (no error line in its log)"
+
+
+def _reap(slots, want, now):
+    """Notice exited workers, keeping why each died (last_exit; warm: whether it had finished @enter): a slot still
+    wanted restarts after its backoff; a slot above `want` is stopped (SIGTERM, once) and dropped when its process
+    is gone. Returns the restarts counted."""
+    restarts = 0
+    for s, slot in list(slots.items()):
+        proc = slot["proc"]
+        if proc is not None and proc.poll() is not None:
+            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
+            slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": _is_warm(slot),
+                                 "reason": exit_reason(slot["log"], proc.returncode)}
+            slot["proc"] = None
+            if s < want:
+                lived = now - slot["started"]
+                slot["restarts"] += 1
+                restarts += 1
+                backoff = 0.0 if lived > RESTART_RESET_AFTER else min(
+                    RESTART_BACKOFF[0] * 2 ** (slot["restarts"] - 1), RESTART_BACKOFF[1])
+                slot["not_before"] = now + backoff
+        if s >= want:
+            if slot["proc"] is None:
+                del slots[s]
+            elif not slot.get("stopping"):
+                slot["stopping"] = True
+                slot["proc"].send_signal(signal.SIGTERM)
+    return restarts
+
+
+def _spawn(conf, model, folder, slots, want, now):
+    """Start a warmd.py in every wanted slot that has none and whose backoff is over, on its own GPU(s)."""
+    devices, per_worker = gpu_plan(conf, folder)
+    for s in range(want):
+        slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0, "last_exit": None,
+                                    "log": os.path.join(folder, f"worker-{s}.log"),
+                                    "ready": os.path.join(folder, f"worker-{s}.ready")})
+        if slot["proc"] is None and now >= slot["not_before"]:
+            slot["gpus"] = worker_gpus(devices, per_worker, s)
+            env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
+                       CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
+            with open(slot["log"], "ab") as log:
+                slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
+                                                stdout=log, stderr=log, env=env, cwd=HERE)
+            slot["started"] = now
+            print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
+
+
+def gpu_devices(conf):
+    """The GPU indices this machine's workers share: CALQUE_GPUS when set (tests fake a device list with it), else
+    CUDA_VISIBLE_DEVICES when set, else every device NVML counts ([] without NVML or a GPU)."""
+    listed = conf.get("CALQUE_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    try:
+        import pynvml   # lazy: NVML only where a GPU may be
+        pynvml.nvmlInit()
+        try:
+            return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:   # no nvidia-ml-py, no driver, no device: the workers run on the CPU
+        return []
+
+
+def gpu_plan(conf, folder):
+    """(devices, GPUs per worker) for the pool's workers here: the per-worker count `pool create`/`pool scale`
+    wrote (empty: 1 where devices exist, else 0)."""
+    devices = gpu_devices(conf)
+    try:
+        with open(os.path.join(folder, "gpus-per-worker")) as f:
+            asked = f.read().strip()
+    except OSError:
+        asked = ""
+    return devices, int(asked) if asked else min(1, len(devices))
+
+
+def worker_gpus(devices, per_worker, slot):
+    """The devices of worker `slot`, round-robin: slot s gets the next `per_worker` devices after slot s-1's,
+    wrapping (more workers than devices share them)."""
+    if not devices or not per_worker:
+        return []
+    return [devices[(slot * per_worker + j) % len(devices)] for j in range(per_worker)]
+
+
+def gpu_env(gpus):
+    """The environment that confines a worker to its devices: CUDA_VISIBLE_DEVICES for CUDA, and the first
+    device's index for NVML (which ignores CUDA_VISIBLE_DEVICES) to sample."""
+    if not gpus:
+        return {}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CALQUE_GPU_INDEX": gpus[0]}
+
+
+def _stop_workers(live, grace):
+    """SIGTERM every worker, wait out their grace (+5 s), then SIGKILL the ones still there."""
+    print(f"supervisor: stopping {len(live)} worker(s)", flush=True)
+    for proc in live:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace + 5
+    for proc in live:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {grace + 5:.0f}s; killing it", flush=True)
+            proc.kill()
 
 
 # ------------------------------------------------------------------------------------------------
-# the cost model
+# 7. the cost model
 # Where the money goes. A worker on an instance of rate r ($/s) pays, per claim:
 #   fixed    = @enter paid during the claim + acquisition (cold runs only: billed boot before @enter)
 #   variable = the drain: claim_seconds - @enter paid during it
 # plus the queue and store requests the worker counted. A warm pool's point is that `fixed` is
 # paid once per worker, not once per batch; the cold counterfactual prices the same run as a
 # fresh acquisition so the two can be compared. Rates come from rates.json (source + date each).
-# -----------------------------------------------------------------------------------------------
+# The formulas, once: docs/cost.md.
 RATES_VERSION = 1                                     # rates.json schema this code reads
 LADDER_ITEMS = (10, 100, 1_000, 10_000, 100_000)      # item counts the crossover ladder prices
 TIE_REL = 1e-9                                        # costs this close count as a tie (float noise)
-# -----------------------------------------------------------------------------------------------
 
 
 def load_rates(path):
@@ -2251,7 +2300,8 @@ def _check_rates(rates, file):
         raise UserError(f"rates file {file}: top level must be a JSON object")
     version = _rates_field(rates, ("version",), file, int)
     if version != RATES_VERSION:
-        raise UserError(f"rates file {file}: version {version} is not supported (this calque reads version {RATES_VERSION})")
+        raise UserError(f"rates file {file}: version {version} is not supported (this calque reads version "
+                        f"{RATES_VERSION})")
     _rates_field(rates, ("updated",), file, str)
     instances = _rates_field(rates, ("ec2", "instances"), file, dict)
     cards = _rates_field(rates, ("serverless", "cards"), file, dict)
@@ -2734,9 +2784,6 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
     }
 
 
-RATES_FILE = os.path.join(HERE, "rates.json")
-
-
 class Pricing(typing.NamedTuple):
     """What every cost line is priced with: the rates file, the instance type, its $/s and the label saying so."""
     rates: dict
@@ -2816,10 +2863,12 @@ def format_run_cost(report, priced_as):
         f"  variable  {report['variable_seconds']:.1f} s (drain)  {_usd(report['variable_usd'])}",
         f"  requests  {n['queue_receives'] + n['queue_empty_receives'] + n['queue_other']:,} queue "
         f"({n['queue_empty_receives']:,} empty receives), {n['store_gets']:,} gets, "
-        f"{n['store_puts'] + n['store_lists']:,} puts/lists  {_usd(report['request_usd'])} ({report['requests_basis']})",
+        f"{n['store_puts'] + n['store_lists']:,} puts/lists  "
+        f"{_usd(report['request_usd'])} ({report['requests_basis']})",
         f"  total     {_usd(report['total_usd'])} for {report['items']:,} items ({report['claims']} claims, "
         f"{report['warm_hits']} warm hits)" + (f" = {_usd(per_1000)} per 1,000 items" if per_1000 is not None else ""),
-        f"  cold      {_usd(cold['usd'])} as a fresh acquisition: {cold['shards']} x ({cold['acquisition_seconds']:.0f} s "
+        f"  cold      {_usd(cold['usd'])} as a fresh acquisition: {cold['shards']} x "
+        f"({cold['acquisition_seconds']:.0f} s "
         f"acquisition + {cold['enter_seconds']:.1f} s @enter) + {cold['variable_seconds']:.1f} s drain",
     ]
     if report["saving_fraction"] is not None:
@@ -2881,15 +2930,18 @@ def format_pool_cost(report, priced_as, model):
         f"{_usd(report['usd'])} (requests {_usd(report['request_usd'])})",
         f"  busy      {report['busy_fraction']:.1%} ({report['drain_seconds']:,.0f} s drain + "
         f"{report['enter_seconds']:,.0f} s @enter x{report['enter_count']}; {report['idle_seconds']:,.0f} s idle)",
-        f"  traffic   {report['claims']:,.0f} claims, {report['warm_hits']:,.0f} warm hits, {report['items']:,.0f} items",
+        f"  traffic   {report['claims']:,.0f} claims, {report['warm_hits']:,.0f} warm hits, {report['items']:,.0f} "
+        "items",
     ]
     if per_1000 is not None:
         lines.append(f"  per 1,000 {_usd(per_1000)} with idle, {_usd(drain_1000)} drain only")
-    lines.append(f"  cold      {_usd(cold['usd'])} for {cold['starts']:,.0f} cold starts x ({cold['acquisition_seconds']:.0f} s "
+    lines.append(f"  cold      {_usd(cold['usd'])} for {cold['starts']:,.0f} cold starts x "
+                 f"({cold['acquisition_seconds']:.0f} s "
                  f"acquisition + {cold['enter_seconds']:.1f} s @enter) + the same drain: "
                  + ("warm is cheaper" if report["warm_beats_cold"] else "COLD would have been cheaper"))
     per_claim = report["idle_budget_per_claim_seconds"]
-    lines.append(f"  idle      budget {report['idle_budget_seconds']:,.0f} instance-s, used {report['idle_seconds']:,.0f}, "
+    lines.append(f"  idle      budget {report['idle_budget_seconds']:,.0f} instance-s, used "
+                 f"{report['idle_seconds']:,.0f}, "
                  f"headroom {report['idle_headroom_seconds']:,.0f}"
                  + (f"; between claims the pool may idle {per_claim:,.0f} s, it idled "
                     f"{report['idle_per_claim_seconds']:,.0f} s" if per_claim is not None else ""))
@@ -2903,9 +2955,8 @@ def run_cost_lines(backend, run, summaries, price):
     return format_run_cost(report, label)
 
 
-
 # ------------------------------------------------------------------------------------------------
-# the EC2 cohort: where one machine is not enough, a pool is its SQS queue plus an Auto Scaling group of
+# 8. the EC2 cohort: where one machine is not enough, a pool is its SQS queue plus an Auto Scaling group of
 # instances, each running `warmd.py --model M` under systemd. AWS's own engines do the fleet work: the ASG
 # keeps the cohort at size and replaces dead instances, SQS redelivers a dead worker's claim, S3 holds the
 # rest. Every AWS call below goes through AwsCalls.call, so --dry-run prints each mutating call instead.
@@ -2931,7 +2982,6 @@ BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of instances already rep
 
 
 def _digest(text, n):
-    import hashlib
     return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
@@ -2960,7 +3010,6 @@ def cold_role_name(store, region):
 
 # ------------------------------------------------------------------------------------------------
 # the call layer
-
 class AwsCalls:
     """The one door every EC2-cohort AWS call goes through: `call(service, operation, **params)`.
     A mutating call (anything but Get*/Describe*/List*/Head*) in dry-run mode is printed as
@@ -2993,7 +3042,7 @@ class AwsCalls:
             print(f"would call {service}.{operation} {_show_params(params)}")
             return self._fake(service, operation, params)
         self.log.append((service, operation, True))
-        import botocore
+        import botocore   # lazy: the embedded backend never loads boto3/botocore
         return getattr(self.client(service), botocore.xform_name(operation))(**params)
 
     def note(self, service, operation, shown):
@@ -3118,7 +3167,6 @@ def _tag_dict(tags):
 
 # ------------------------------------------------------------------------------------------------
 # least privilege: the instance role's policy
-
 def _s3_parts(store, partition):
     bucket, _, prefix = store[len("s3://"):].partition("/")
     prefix = prefix.strip("/")
@@ -3205,15 +3253,9 @@ EC2_TRUST_POLICY = {"Version": "2012-10-17", "Statement": [
 
 # ------------------------------------------------------------------------------------------------
 # the kit and the bootstrap (user-data). No credentials anywhere: workers use their instance profile.
-
 def kit_archive():
     """(bytes, sha256) of a reproducible tar.gz of what a worker runs: the same files give the same digest,
     so a re-run `pool create` finds its launch template unchanged."""
-    import glob
-    import gzip
-    import hashlib
-    import io
-    import tarfile
     names = list(KIT_FILES) + sorted(os.path.relpath(p, HERE) for ext in ("py", "c", "h")
                                      for p in glob.glob(os.path.join(HERE, "fastbatch", f"*.{ext}")))
     raw = io.BytesIO()
@@ -3435,6 +3477,7 @@ report ready || echo "calque: could not write the bootstrap report (the worker r
 echo "calque: {unit} started"
 """
 
+
 # what a pool instance does when its bootstrap fails: out of the group (SetInstanceHealth, allowed on its own group
 # only), so the ASG replaces it instead of billing a broken machine; if that call fails, power off (a stopped
 # instance fails the group's EC2 health check)
@@ -3459,7 +3502,6 @@ mark_unhealthy() {
 
 def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit,
                service, on_failure, report_prefix="", preamble="", conf=None):
-    import shlex
     conf = conf or settings()
     bucket, _, prefix = store[len("s3://"):].partition("/")
     prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -3529,13 +3571,11 @@ def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, prof
 
 
 def _user_data_b64(script):
-    import base64
     return base64.b64encode(script.encode()).decode()
 
 
 # ------------------------------------------------------------------------------------------------
 # pre-flight: everything read-only, before anything is created
-
 def _instance_type_info(calls, instance_type):
     if not instance_type:
         raise UserError("--instance-type is required for EC2 workers (e.g. g5.xlarge): see rates.json for priced ones")
@@ -3685,7 +3725,6 @@ def _refuse_spending(what, *, dry_run, yes_spend_money):
 
 # ------------------------------------------------------------------------------------------------
 # idempotent steps: each checks what exists, then creates or updates
-
 def _ensure_queue(calls, name, visibility_timeout, tags):
     vt = str(int(visibility_timeout))
     url = _queue_url(calls, name)
@@ -3955,8 +3994,7 @@ def _run_steps(subject, steps, fix):
 
 
 # ------------------------------------------------------------------------------------------------
-# the verbs
-
+# the EC2 pool verbs
 def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_money=False, calls=None):
     """`pool create --instances N ...` on an s3:// store. `record` is the pool record cmd_pool_create built
     (model, slug, queue, dlq, batch_size, visibility_timeout, max_deliveries, created_at, store); `handler`
@@ -4428,7 +4466,6 @@ def ec2_cold_wait_hint(backend, record, calls=None):
 
 # ------------------------------------------------------------------------------------------------
 # the cold path on AWS: one-shot instances on a run-scoped queue
-
 def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_run=False, yes_spend_money=False,
                     calls=None):
     """Launch `shards` one-shot instances (ColdLaunch `launch`) for cold run `run_id`, after the run is staged
@@ -4510,11 +4547,204 @@ def ec2_cold_cleanup(backend, instance_ids, calls=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# the Python API: what a notebook imports, and what the CLI verbs below call.
+# 9. pools and cold runs across both paths: status of local and EC2 pools, the cold baseline
+def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
+             progress=True, ec2=None, dry_run=False, yes_spend_money=False):
+    """The baseline: a fresh acquisition. Ephemeral workers pay @enter, drain this run's own queue, exit:
+    warmd.py processes here, or with `ec2` (a ColdLaunch) one-shot EC2 instances. `handler`
+    (path/to/file.py:Class) or else the pool of `model` gives the code; `claim_size` defaults to an even
+    split over the shards. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
+    record = None if handler else load_pool(   # no handler named: reuse the pool's snapshot
+        backend, model, f"give the cold run its code: submit --model {model} --handler file.py:Class ITEMS")
+    run_id = new_run_id(model)
+    queue_name, dlq = run_queue_names(run_id)
+    cold = {"model": model, "slug": slug(model), "queue": queue_name, "dlq": dlq, "ephemeral": True,
+            "workdir": os.getcwd(),   # the workers run where submit ran (warmd.enter_workdir)
+            **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
+    prefix = f"runs/{run_id}/"
+    if handler:
+        cold["handler"] = snapshot_handler(handler, prefix, backend.store.put)
+    else:
+        source = backend.store.get(record["handler"]["key"])
+        cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
+        backend.store.put(cold["handler"]["key"], source)
+    shards = max(1, shards)
+
+    def launch():   # one-shot instances that drain the run's queue and terminate themselves
+        return ec2_cold_launch(backend, cold, run_id, shards, ec2, timeout=timeout, dry_run=dry_run,
+                               yes_spend_money=yes_spend_money)
+
+    if ec2 and dry_run:      # print the launch it would make; stage nothing
+        launch()
+        return None, [], False
+    queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
+    backend.queues.create_queue(dlq, cold["visibility_timeout"])
+    claim_size = claim_size or max(1, -(-len(items) // shards))
+    write_json(backend, cold_record_key(run_id), cold)
+    procs, instance_ids = [], []
+    try:
+        run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
+        if ec2:
+            instance_ids = launch()
+        else:        # fresh local processes
+            folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run_id)
+            os.makedirs(folder, exist_ok=True)
+            for shard in range(shards):
+                with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
+                    procs.append(subprocess.Popen([sys.executable, WARMD, "--run", run_id], stdin=subprocess.DEVNULL,
+                                                  stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
+            print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {len(items)} items, {shards} fresh worker(s); "
+                  f"logs in {folder}", file=sys.stderr)
+        summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
+    finally:
+        # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,
+        # which releases its claim, so nothing is left invisible in a queue about to be deleted
+        for proc in procs:
+            try:
+                proc.wait(COLD_EXIT_WAIT)
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait()
+        if instance_ids:
+            ec2_cold_cleanup(backend, instance_ids)
+        backend.queues.delete_queue(queue_name)
+        backend.queues.delete_queue(cold["dlq"])
+        with contextlib.suppress(NotFound):   # (no run record: stopped while staging, nothing was queued)
+            # the queue is gone: a claim still without a summary will never run, and the run record says so
+            cancel_run(backend, read_json(backend, run_key(run_id)), "the cold run ended before it finished")
+    return run, summaries, timed_out
+
+
+def pool_status(conf, backend, model):
+    """Everything `pool status` shows, as data: the record, the queue depths, this machine's supervisor and
+    workers, every worker's stats, and for an EC2 pool its fleet (ec2_pool_status)."""
+    record = load_pool(backend, model)
+    if "ec2" in record:     # the fleet's status reads the queues and the worker stats: not twice
+        ec2 = ec2_pool_status(backend, record)
+        queue, dlq, stats = ec2["queue"], ec2["dlq"], ec2["workers"]
+    else:
+        ec2 = None
+        queue, dlq = queue_depth(backend, record["queue"]), queue_depth(backend, record["dlq"])
+        stats = read_worker_stats(backend, model)
+    supervisor = read_supervisor(conf, model)
+    local = []
+    if supervisor:
+        for w in supervisor["workers"]:
+            local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
+    stats = mark_lost_workers(stats)
+    return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
+            "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
+            "local_workers": local, "workers": stats}
+
+
+def mark_lost_workers(stats, now=None):
+    """The worker stats, a worker that says "running" but is gone marked {"state": "lost", "lost": why}. On this
+    machine a worker is gone when its pid is; elsewhere, when its stats are older than WORKER_LOST_AFTER (it
+    rewrites them every 30 s idle and after each claim, so one busy on a single longer claim shows as lost
+    until that claim ends). Without this a pool whose workers were killed counts them all as running."""
+    now = time.time() if now is None else now
+    host, marked = socket.gethostname(), []
+    for w in stats:
+        if w.get("state") == "running":
+            if w.get("host") == host and isinstance(w.get("pid"), int):
+                why = None if pid_alive(w["pid"]) else f"pid {w['pid']} is gone"
+            else:
+                age = now - datetime.datetime.fromisoformat(w["updated_at"]).timestamp()
+                why = f"no stats for {age:.0f} s" if age > WORKER_LOST_AFTER else None
+            w = dict(w, state="lost", lost=why) if why else w
+        marked.append(w)
+    return marked
+
+
+def worker_counts(workers):
+    """'3 (1 running, 2 lost)': the workers with stats, by state."""
+    states = Counter(w.get("state") for w in workers)
+    return f"{len(workers)} ({states['running']} running, {states['lost']} lost)"
+
+
+def format_pool_status(status, store_description):
+    """pool_status's answer as the lines `pool status` prints: queue depths, the EC2 fleet of an EC2 pool,
+    this machine's workers, and a table of the running workers and the few most recently stopped."""
+    q, d = status["queue"], status["dlq"]
+    lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
+             f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  "
+             f"dead-letter: {d['visible'] if d else '?'}"]
+    if status["ec2"]:
+        lines += ["    " + line for line in format_ec2_status(status["ec2"])]
+    sup = status["supervisor"]
+    if sup:
+        alive = sum(w["alive"] for w in status["local_workers"])
+        lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, "
+                     f"{sup['restarts']} restart(s))")
+        lines += [format_local_worker(w) for w in status["local_workers"]]
+    else:
+        lines.append("  local workers: none on this machine")
+    running = [w for w in status["workers"] if w.get("state") == "running"]
+    lines.append(f"  workers with stats: {worker_counts(status['workers'])}")
+    # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
+    # and the few most recently stopped, so a pool that restarted many times still prints a short table
+    stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
+    shown = running + stopped[-STOPPED_SHOWN:]
+    if shown:
+        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} "
+                     f"{'items':>7} {'busy%':>6}")
+        for w in sorted(shown, key=lambda w: w["started_at"]):
+            busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
+            lines.append(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
+                         f"{w['enter_count']:>6} {w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
+    if len(stopped) > STOPPED_SHOWN:
+        lines.append(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
+    return lines
+
+
+def format_local_worker(w):
+    """One local worker's line in `pool status`: slot, pid, warm or loading, GPUs, restarts, why it last exited."""
+    state = ("warm" if w.get("warm") else "loading") if w["alive"] else "restarting"
+    gpus = f"GPU {','.join(w['gpus'])}" if w.get("gpus") else "no GPU"
+    line = f"    slot {w['slot']}: pid {w['pid'] or '-'} {state}, {gpus}, {w['restarts']} restart(s)"
+    last = w.get("last_exit")
+    if last:
+        line += (f"; last exit {now_iso(last['at'])[11:19]} ({'after' if last['warm'] else 'before'} warm): "
+                 f"{last['reason']}")
+    return line
+
+
+def format_pool_list(pools, local_workers, store_description):
+    """The lines `pool list` prints: per pool its queue, its local workers on this machine (local_workers:
+    model -> desired count), its EC2 fleet, and a hint for a fleet whose pool record is gone."""
+    if not pools:
+        return [f"no pools in {store_description}"]
+    lines = []
+    for p in pools:
+        fleet = f"EC2 {p['in_service']}/{p['desired']} in service ({p['asg']})" if p["asg"] else "no EC2 fleet"
+        orphan = "" if p["record"] else "  [no pool record: half-created? `pool delete --model M --yes` cleans it up]"
+        lines.append(f"{p['model']:<40} {pool_queue_name(p['model']):<50} "
+                     f"local workers here: {local_workers.get(p['model'], 0)}; {fleet}{orphan}")
+    return lines
+
+
+def pool_record_to_delete(backend, model, force):
+    """The pool record `pool delete` works from. A missing one on an s3:// store may be a half-created EC2
+    pool: {"model"} makes delete find what is there by name and tag. A corrupt one is deleted by the model's
+    names with --force (locally: its queues and store folder; on S3 as a half-created pool), else refused."""
+    try:
+        return load_pool(backend, model, "nothing to delete (`python calque.py pool list` lists the pools)")
+    except StoreFault:
+        if not force:
+            raise
+    except UserError:
+        if backend.kind != "aws":
+            raise
+    if backend.kind == "aws":
+        return {"model": model}
+    return {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model)}
+
+
+# ------------------------------------------------------------------------------------------------
+# 10. the Python API: what a notebook imports, and what the CLI verbs below call.
 #   pool = calque.Pool("demo"); pool.create(handler="my_model.py:MyModel", workers=2)
 #   run = calque.submit(items, pool="demo")            # items: an iterable, a JSONL path, or numpy arrays
 #   for result in run.results(): ...                   # in item order, each claim's as soon as it finishes
-
 def _context(store=None):
     """(settings, backend) for an API call: the CALQUE_* settings as the CLI reads them; `store` overrides
     CALQUE_STORE."""
@@ -4751,7 +4981,8 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
         raise WorkersFailed(f"{why} ---> HINT: calque pool logs --model {pool}; fix the handler, then pool create")
     if state == "none" and not wait_for_workers:
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: calque pool scale "
-                        f"--model {pool} --workers 1 (or --instances N), or submit --wait-for-workers to queue it anyway")
+                        f"--model {pool} --workers 1 (or --instances N), or submit --wait-for-workers to queue it "
+                        "anyway")
     if state == "starting":   # (with wait_for_workers, a pool with none is what the caller asked to queue for)
         print(f"calque: {why}", file=sys.stderr)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
@@ -4863,7 +5094,47 @@ def with_ids(backend, run, claim, lines, field):
 
 
 # ------------------------------------------------------------------------------------------------
-# the CLI verbs
+# 11. the CLI: printing helpers, then one cmd_* per verb in the parser's order, build_parser, main
+def _pricing(args):
+    """The Pricing the cost options every cost-printing verb takes ask for."""
+    return pricing(args.rates, args.instance_type, args.spot, args.savings_plan)
+
+
+def local_options(p):
+    """The options of pool create and pool scale for local workers."""
+    p.add_argument("--no-wait", action="store_true", help="return once the workers are started, before they are warm")
+    p.add_argument("--gpus-per-worker", type=int, metavar="K",
+                   help="CUDA devices per local worker, round-robin (default 1 where CUDA devices exist, else 0)")
+
+
+def print_cancelled(model, cancelled):
+    for run_id, marked in cancelled.items():
+        print(f"pool {model}: run {run_id} cancelled: {len(marked)} claim(s) without a summary will not run")
+
+
+def print_redriven(record, sent):
+    for run_id, claims in sent.items():
+        print(f"run {run_id}: {len(claims)} dead-lettered claim(s) sent back to {record['queue']} "
+              f"({claim_list(claims)})")
+
+
+def report_submitted(backend, run, summaries, timed_out, args):
+    """The end of submit and runs resume: the run's report and cost lines; returns the exit code."""
+    if timed_out:   # what the store says now: a cancel (pool deleted), claims a cold run's workers finished last
+        run, summaries = read_run(backend, run["run_id"]), read_summaries(backend, run["run_id"])
+    code = report_run(backend, run, summaries, args.json)
+    if not args.json and summaries:
+        for line in run_cost_lines(backend, run, summaries, _pricing(args)):
+            print("  " + line)
+    return code
+
+
+def write_results(lines, failed_only):
+    """Result lines to stdout, flushed (a follower sees each claim's as it lands); only the failed ones with
+    failed_only."""
+    sys.stdout.write("".join(line for line in lines if not failed_only or not json.loads(line)["ok"]))
+    sys.stdout.flush()
+
 
 def cmd_pool_create(conf, backend, args):
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
@@ -4917,127 +5188,10 @@ def cmd_pool_scale(conf, backend, args):
     return EXIT_OK
 
 
-def queue_depth(backend, name):
-    """{visible, in_flight} of a queue, or None when it does not exist (a half-created or half-deleted pool)."""
-    try:
-        return backend.queues.open_queue(name).counts()
-    except NotFound:
-        return None
-
-
-def pool_status(conf, backend, model):
-    """Everything `pool status` shows, as data: the record, the queue depths, this machine's supervisor and
-    workers, every worker's stats, and for an EC2 pool its fleet (ec2_pool_status)."""
-    record = load_pool(backend, model)
-    if "ec2" in record:     # the fleet's status reads the queues and the worker stats: not twice
-        ec2 = ec2_pool_status(backend, record)
-        queue, dlq, stats = ec2["queue"], ec2["dlq"], ec2["workers"]
-    else:
-        ec2 = None
-        queue, dlq = queue_depth(backend, record["queue"]), queue_depth(backend, record["dlq"])
-        stats = read_worker_stats(backend, model)
-    supervisor = read_supervisor(conf, model)
-    local = []
-    if supervisor:
-        for w in supervisor["workers"]:
-            local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
-    stats = mark_lost_workers(stats)
-    return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
-            "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
-            "local_workers": local, "workers": stats}
-
-
-def mark_lost_workers(stats, now=None):
-    """The worker stats, a worker that says "running" but is gone marked {"state": "lost", "lost": why}. On this
-    machine a worker is gone when its pid is; elsewhere, when its stats are older than WORKER_LOST_AFTER (it
-    rewrites them every 30 s idle and after each claim, so one busy on a single longer claim shows as lost
-    until that claim ends). Without this a pool whose workers were killed counts them all as running."""
-    import socket
-    now = time.time() if now is None else now
-    host, marked = socket.gethostname(), []
-    for w in stats:
-        if w.get("state") == "running":
-            if w.get("host") == host and isinstance(w.get("pid"), int):
-                why = None if pid_alive(w["pid"]) else f"pid {w['pid']} is gone"
-            else:
-                age = now - datetime.datetime.fromisoformat(w["updated_at"]).timestamp()
-                why = f"no stats for {age:.0f} s" if age > WORKER_LOST_AFTER else None
-            w = dict(w, state="lost", lost=why) if why else w
-        marked.append(w)
-    return marked
-
-
-def worker_counts(workers):
-    """'3 (1 running, 2 lost)': the workers with stats, by state."""
-    states = Counter(w.get("state") for w in workers)
-    return f"{len(workers)} ({states['running']} running, {states['lost']} lost)"
-
-
-def format_pool_status(status, store_description):
-    """pool_status's answer as the lines `pool status` prints: queue depths, the EC2 fleet of an EC2 pool,
-    this machine's workers, and a table of the running workers and the few most recently stopped."""
-    q, d = status["queue"], status["dlq"]
-    lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
-             f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  "
-             f"dead-letter: {d['visible'] if d else '?'}"]
-    if status["ec2"]:
-        lines += ["    " + line for line in format_ec2_status(status["ec2"])]
-    sup = status["supervisor"]
-    if sup:
-        alive = sum(w["alive"] for w in status["local_workers"])
-        lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, "
-                     f"{sup['restarts']} restart(s))")
-        lines += [format_local_worker(w) for w in status["local_workers"]]
-    else:
-        lines.append("  local workers: none on this machine")
-    running = [w for w in status["workers"] if w.get("state") == "running"]
-    lines.append(f"  workers with stats: {worker_counts(status['workers'])}")
-    # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
-    # and the few most recently stopped, so a pool that restarted many times still prints a short table
-    stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
-    shown = running + stopped[-STOPPED_SHOWN:]
-    if shown:
-        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} "
-                     f"{'items':>7} {'busy%':>6}")
-        for w in sorted(shown, key=lambda w: w["started_at"]):
-            busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
-            lines.append(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
-                         f"{w['enter_count']:>6} {w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
-    if len(stopped) > STOPPED_SHOWN:
-        lines.append(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
-    return lines
-
-
-def format_local_worker(w):
-    """One local worker's line in `pool status`: slot, pid, warm or loading, GPUs, restarts, why it last exited."""
-    state = ("warm" if w.get("warm") else "loading") if w["alive"] else "restarting"
-    gpus = f"GPU {','.join(w['gpus'])}" if w.get("gpus") else "no GPU"
-    line = f"    slot {w['slot']}: pid {w['pid'] or '-'} {state}, {gpus}, {w['restarts']} restart(s)"
-    last = w.get("last_exit")
-    if last:
-        line += (f"; last exit {now_iso(last['at'])[11:19]} ({'after' if last['warm'] else 'before'} warm): "
-                 f"{last['reason']}")
-    return line
-
-
 def cmd_pool_status(conf, backend, args):
     status = pool_status(conf, backend, args.model)
     print(json.dumps(status, indent=1) if args.json else "\n".join(format_pool_status(status, backend.describe())))
     return EXIT_OK
-
-
-def format_pool_list(pools, local_workers, store_description):
-    """The lines `pool list` prints: per pool its queue, its local workers on this machine (local_workers:
-    model -> desired count), its EC2 fleet, and a hint for a fleet whose pool record is gone."""
-    if not pools:
-        return [f"no pools in {store_description}"]
-    lines = []
-    for p in pools:
-        fleet = f"EC2 {p['in_service']}/{p['desired']} in service ({p['asg']})" if p["asg"] else "no EC2 fleet"
-        orphan = "" if p["record"] else "  [no pool record: half-created? `pool delete --model M --yes` cleans it up]"
-        lines.append(f"{p['model']:<40} {pool_queue_name(p['model']):<50} "
-                     f"local workers here: {local_workers.get(p['model'], 0)}; {fleet}{orphan}")
-    return lines
 
 
 def cmd_pool_list(conf, backend, args):
@@ -5054,23 +5208,6 @@ def cmd_pool_list(conf, backend, args):
     local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0) for p in pools}
     print("\n".join(format_pool_list(pools, local_workers, backend.describe())))
     return EXIT_OK
-
-
-def pool_record_to_delete(backend, model, force):
-    """The pool record `pool delete` works from. A missing one on an s3:// store may be a half-created EC2
-    pool: {"model"} makes delete find what is there by name and tag. A corrupt one is deleted by the model's
-    names with --force (locally: its queues and store folder; on S3 as a half-created pool), else refused."""
-    try:
-        return load_pool(backend, model, "nothing to delete (`python calque.py pool list` lists the pools)")
-    except StoreFault:
-        if not force:
-            raise
-    except UserError:
-        if backend.kind != "aws":
-            raise
-    if backend.kind == "aws":
-        return {"model": model}
-    return {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model)}
 
 
 def cmd_pool_delete(conf, backend, args):
@@ -5100,21 +5237,28 @@ def cmd_pool_delete(conf, backend, args):
     return EXIT_OK
 
 
-def cancel_pool_runs(backend, model):
-    """pool delete --force: cancel every unfinished run of the pool, reason "pool deleted", so that a submit
-    waiting on one stops and says why. Returns {run id: the claims marked} of each run cancelled."""
-    cancelled = {}
-    for run in list_runs(backend, model):
-        if run["model"] == model and run["mode"] == "pool":
-            marked = cancel_run(backend, run, "pool deleted")
-            if marked:
-                cancelled[run["run_id"]] = marked
-    return cancelled
+def cmd_pool_cost(conf, backend, args):
+    load_pool(backend, args.model)
+    rates, _, rate, label = _pricing(args)
+    report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
+                       rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
+    if args.json:
+        print(json.dumps({"model": args.model, "priced_as": label, "cost": report}, indent=1))
+    else:
+        print("\n".join(format_pool_cost(report, label, args.model)))
+    return EXIT_OK
 
 
-def print_cancelled(model, cancelled):
-    for run_id, marked in cancelled.items():
-        print(f"pool {model}: run {run_id} cancelled: {len(marked)} claim(s) without a summary will not run")
+def cmd_pool_redrive(conf, backend, args):
+    """Send the dead-lettered claims of every run of the pool (but cancelled ones) back to its queue."""
+    record = load_pool(backend, args.model)
+    runs = {run["run_id"]: run for run in list_runs(backend, args.model)
+            if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
+    sent = redrive(backend, record, runs)
+    print_redriven(record, sent)
+    if not sent:
+        print(f"pool {args.model}: no dead-lettered claim in its {len(runs)} run(s): nothing to redrive")
+    return EXIT_OK
 
 
 def cmd_pool_logs(conf, backend, args):
@@ -5128,7 +5272,6 @@ def cmd_pool_logs(conf, backend, args):
         return EXIT_OK
     folder = state_dir(conf, args.model)
     name = "worker-*.log" if args.worker is None else f"worker-{args.worker}.log"
-    import glob
     paths = sorted(glob.glob(os.path.join(folder, name)), key=lambda p: int(re.findall(r"\d+", p)[-1]))
     if not paths:
         raise UserError(f"pool {args.model}: no {name} in {folder}: no local worker ran here"
@@ -5154,13 +5297,6 @@ def cmd_pool_logs(conf, backend, args):
 def cmd_supervise(conf, backend, args):
     supervise(conf, args.model)
     return EXIT_OK
-
-
-def check_timeout(seconds):
-    """--timeout (or CALQUE_TIMEOUT, which main puts in its place) must be a finite number of seconds, 0 or more."""
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise UserError(f"--timeout {seconds}: not a number of seconds, 0 or more ---> HINT: e.g. --timeout 600 "
-                        f"(CALQUE_TIMEOUT sets the default)")
 
 
 def cmd_submit(conf, backend, args):
@@ -5215,17 +5351,6 @@ def cmd_submit(conf, backend, args):
     return report_submitted(backend, run, summaries, timed_out, args)
 
 
-def report_submitted(backend, run, summaries, timed_out, args):
-    """The end of submit and runs resume: the run's report and cost lines; returns the exit code."""
-    if timed_out:   # what the store says now: a cancel (pool deleted), claims a cold run's workers finished last
-        run, summaries = read_run(backend, run["run_id"]), read_summaries(backend, run["run_id"])
-    code = report_run(backend, run, summaries, args.json)
-    if not args.json and summaries:
-        for line in run_cost_lines(backend, run, summaries, _pricing(args)):
-            print("  " + line)
-    return code
-
-
 def cmd_runs_list(conf, backend, args):
     runs = list_runs(backend)
     print(json.dumps(runs, indent=1) if args.json else "\n".join(format_runs_list(runs)))
@@ -5234,24 +5359,6 @@ def cmd_runs_list(conf, backend, args):
 
 def cmd_runs_show(conf, backend, args):
     return report_run(backend, read_run(backend, args.run), read_summaries(backend, args.run), args.json)
-
-
-def claim_results(backend, run_id, claim, count):
-    """The claim's result lines, in item order (read_claim_results). A claim run by a calque 0.2 worker has no
-    parts but one results object: it is read instead, and must hold `count` lines too."""
-    try:
-        return read_claim_results(backend.store, run_id, claim, count)
-    except ResultsIncomplete:
-        if backend.store.list(results_prefix(run_id, claim)):
-            raise
-        try:
-            lines = backend.store.get(results_key(run_id, claim)).decode().splitlines(keepends=True)
-        except NotFound:
-            raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part under {results_prefix(run_id, claim)}")
-        if len(lines) != count or not lines[-1].endswith("\n"):
-            raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is truncated "
-                                    f"({len(lines)} of {count} lines)")
-        return lines
 
 
 def cmd_runs_results(conf, backend, args):
@@ -5288,13 +5395,6 @@ def cmd_runs_results(conf, backend, args):
         print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} ({claim_list(claims)}) "
               f"---> HINT: {next_step(run, state)}", file=sys.stderr)
     return EXIT_FAILED if not_run else code
-
-
-def write_results(lines, failed_only):
-    """Result lines to stdout, flushed (a follower sees each claim's as it lands); only the failed ones with
-    failed_only."""
-    sys.stdout.write("".join(line for line in lines if not failed_only or not json.loads(line)["ok"]))
-    sys.stdout.flush()
 
 
 def cmd_runs_resume(conf, backend, args):
@@ -5335,46 +5435,6 @@ def cmd_runs_cancel(conf, backend, args):
     return EXIT_OK
 
 
-def redrive(backend, record, runs):
-    """Send the dead-lettered claims of `runs` ({run id: run record}, runs of the pool `record`) back to the pool
-    queue, marked resume (the worker skips the items its result parts hold). A claim is dead-lettered when its
-    summary is a failure summary or, without a summary, when its copy is in the DLQ. Its failure summary is
-    deleted first (else a worker would ack the claim as done), then it is sent, then its DLQ copies are deleted;
-    a claim that finished meanwhile only loses its DLQ copies. Idempotent: a second call finds nothing to send.
-    Returns {run id: [claims sent back]}."""
-    queue, dlq = backend.queues.open_queue(record["queue"]), backend.queues.open_queue(record["dlq"])
-    letters = receive_all(dlq, dlq.counts()["visible"])
-    copies, deleted, sent = {}, set(), {}
-    for message in letters:
-        found = dead_letter_of(message)
-        if found and found[0] in runs:
-            copies.setdefault(found[:2], []).append(message)
-    try:
-        for run_id, run in runs.items():
-            summaries = {s["claim"]: s for s in read_summaries(backend, run_id)}
-            for claim in run["claims"]:
-                s = summaries.get(claim)
-                failure = s is not None and s["status"] == "failed" and bool(s.get("error"))
-                if failure or (s is None and (run_id, claim) in copies):
-                    if failure:
-                        backend.store.delete(summary_key(run_id, claim))
-                    queue.send(make_message(run_id, run["model"], backend.store.uri(manifest_key(run_id, claim)), claim,
-                                            resume=True))
-                    sent.setdefault(run_id, []).append(claim)
-                for message in copies.get((run_id, claim), []):
-                    dlq.delete(message)
-                    deleted.add(message.receipt)
-    finally:
-        release(dlq, [m for m in letters if m.receipt not in deleted])
-    return sent
-
-
-def print_redriven(record, sent):
-    for run_id, claims in sent.items():
-        print(f"run {run_id}: {len(claims)} dead-lettered claim(s) sent back to {record['queue']} "
-              f"({claim_list(claims)})")
-
-
 def cmd_runs_redrive(conf, backend, args):
     """Send a run's dead-lettered claims back to its pool's queue (redrive)."""
     run = read_run(backend, args.run)
@@ -5391,18 +5451,6 @@ def cmd_runs_redrive(conf, backend, args):
     return EXIT_OK
 
 
-def cmd_pool_redrive(conf, backend, args):
-    """Send the dead-lettered claims of every run of the pool (but cancelled ones) back to its queue."""
-    record = load_pool(backend, args.model)
-    runs = {run["run_id"]: run for run in list_runs(backend, args.model)
-            if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
-    sent = redrive(backend, record, runs)
-    print_redriven(record, sent)
-    if not sent:
-        print(f"pool {args.model}: no dead-lettered claim in its {len(runs)} run(s): nothing to redrive")
-    return EXIT_OK
-
-
 def cmd_cost(conf, backend, args):
     """One run: its cost lines and the crossover ladder. Several: one comparison line each."""
     reports, price = [], _pricing(args)
@@ -5410,7 +5458,8 @@ def cmd_cost(conf, backend, args):
         run = read_run(backend, run_id)
         summaries = read_summaries(backend, run_id)
         if not summaries:
-            raise UserError(f"run {run_id} has no finished claim yet ({len(run['claims'])} pending): nothing to price; try again later")
+            raise UserError(f"run {run_id} has no finished claim yet ({len(run['claims'])} pending): nothing to price; "
+                            "try again later")
         reports.append((run, *run_cost_report(backend, run, summaries, price)))
     if args.json:
         print(json.dumps([{"run_id": run["run_id"], "priced_as": label, "cost": report, "ladder": ladder}
@@ -5426,32 +5475,9 @@ def cmd_cost(conf, backend, args):
     return EXIT_OK
 
 
-def cmd_pool_cost(conf, backend, args):
-    load_pool(backend, args.model)
-    rates, _, rate, label = _pricing(args)
-    report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
-                       rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
-    if args.json:
-        print(json.dumps({"model": args.model, "priced_as": label, "cost": report}, indent=1))
-    else:
-        print("\n".join(format_pool_cost(report, label, args.model)))
-    return EXIT_OK
-
-
-def _pricing(args):
-    """The Pricing the cost options every cost-printing verb takes ask for."""
-    return pricing(args.rates, args.instance_type, args.spot, args.savings_plan)
-
-
-def local_options(p):
-    """The options of pool create and pool scale for local workers."""
-    p.add_argument("--no-wait", action="store_true", help="return once the workers are started, before they are warm")
-    p.add_argument("--gpus-per-worker", type=int, metavar="K",
-                   help="CUDA devices per local worker, round-robin (default 1 where CUDA devices exist, else 0)")
-
-
 def build_parser():
-    parser = argparse.ArgumentParser(prog="calque.py", description="Sticky warm-worker pools for batch model inference.")
+    parser = argparse.ArgumentParser(prog="calque.py",
+                                     description="Sticky warm-worker pools for batch model inference.")
     parser.add_argument("--version", action="version", version=f"calque {VERSION}")
     priced = argparse.ArgumentParser(add_help=False)   # the pricing options every cost-printing verb takes
     priced.add_argument("--instance-type", help="price as this EC2 instance type (default: rates.json defaults)")
@@ -5462,7 +5488,8 @@ def build_parser():
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
-    p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, handler snapshot, local workers")
+    p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, handler snapshot, local "
+                                       "workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
     p.add_argument("--workers", type=int, help=f"local warmd.py processes to start under a supervisor, waited for "
@@ -5478,13 +5505,17 @@ def build_parser():
     ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
     ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
     ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its public SSM parameter)")
-    ec2.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be interrupted at 2 minutes' notice")
-    ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: --instances; 0 with --scale-to-zero-after)")
+    ec2.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be interrupted at 2 minutes' "
+                                                         "notice")
+    ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: --instances; 0 with "
+                                                       "--scale-to-zero-after)")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
     ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
-    ec2.add_argument("--scale-to-zero-after", type=int, metavar="MINUTES", help="scale to 0 after this many idle minutes; wake on work")
+    ec2.add_argument("--scale-to-zero-after", type=int, metavar="MINUTES", help="scale to 0 after this many idle "
+                                                                                "minutes; wake on work")
     ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
-    ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would change something; change nothing")
+    ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would change something; change "
+                                                            "nothing")
     p.set_defaults(func=cmd_pool_create)
     p = pool.add_parser("scale", help="set the number of local workers, or of EC2 instances")
     p.add_argument("--model", required=True, help="the pool's model name")
@@ -5505,7 +5536,8 @@ def build_parser():
     p = pool.add_parser("delete", help="stop local workers, delete the queues and the pool record")
     p.add_argument("--model", required=True, help="the pool's model name")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p.add_argument("--force", action="store_true", help="delete even with claims still queued or in flight (they are lost)")
+    p.add_argument("--force", action="store_true", help="delete even with claims still queued or in flight (they are "
+                                                        "lost)")
     p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change nothing")
     p.set_defaults(func=cmd_pool_delete)
     p = pool.add_parser("cost", parents=[priced], help="what the pool paid, idle included, against cold starts")
@@ -5513,9 +5545,6 @@ def build_parser():
     p.add_argument("--since", metavar="T", help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_pool_cost)
-    p = pool.add_parser("supervise")   # internal: what `pool create` starts detached; no help, so not listed
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.set_defaults(func=cmd_supervise)
     p = pool.add_parser("redrive", help="send the dead-lettered claims of every run of the pool back to its queue")
     p.add_argument("--model", required=True, help="the pool's model name")
     p.set_defaults(func=cmd_pool_redrive)
@@ -5524,10 +5553,14 @@ def build_parser():
     p.add_argument("--follow", action="store_true", help="keep printing what the workers write (Ctrl-C stops)")
     p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
     p.set_defaults(func=cmd_pool_logs)
+    p = pool.add_parser("supervise")   # internal: what `pool create` starts detached; no help, so not listed
+    p.add_argument("--model", required=True, help="the pool's model name")
+    p.set_defaults(func=cmd_supervise)
 
     p = verbs.add_parser("submit", parents=[priced],
                          help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
-    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, or a .npy/.npz file of numeric items")
+    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, or a .npy/.npz file of numeric "
+                                 "items")
     p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
     p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, or --handler)")
     p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's handler")
@@ -5539,7 +5572,8 @@ def build_parser():
     p.add_argument("--wait-for-workers", action="store_true",
                    help="queue the run even when the pool has no live worker (else: exit 2 at once)")
     p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
-    cold_ec2 = p.add_argument_group("cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
+    cold_ec2 = p.add_argument_group(
+        "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
     cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
     cold_ec2.add_argument("--subnet", help="subnet id (default: the default VPC's)")
     cold_ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
@@ -5575,7 +5609,8 @@ def build_parser():
     p.add_argument("run", help="the run id (see `runs list`)")
     p.set_defaults(func=cmd_runs_redrive)
 
-    p = verbs.add_parser("cost", parents=[priced], help="a run's cost, its cold counterfactual and the crossover ladder")
+    p = verbs.add_parser("cost", parents=[priced],
+                         help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_cost)
@@ -5589,7 +5624,6 @@ def kit_python(argv, script):
     """Make sure this interpreter has the kit's packages. One missing, with the kit's .venv there: run the same
     command under the .venv's Python (os.execv: this process becomes it); else a UserError naming the package and
     `make setup`. CALQUE_REEXEC marks the re-run, so that a .venv that lacks it too fails instead of looping."""
-    import importlib.util
     missing = [name for name in KIT_PACKAGES if importlib.util.find_spec(name) is None]
     if not missing:
         return
@@ -5642,7 +5676,8 @@ def main(argv=None):
                   f"idempotent) or delete it", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("calque: interrupted; queued claims stay queued and finish without you (runs show RUN reads them)", file=sys.stderr)
+        print("calque: interrupted; queued claims stay queued and finish without you (runs show RUN reads them)",
+              file=sys.stderr)
         return 130
     except OSError as e:
         if e.filename is None:
@@ -5652,18 +5687,11 @@ def main(argv=None):
         return EXIT_FAILED
     except Exception as e:
         if type(e).__module__.startswith("botocore"):   # AWS refused or could not be reached: say so in one line
-            print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions (README, On AWS) and region",
+            print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions (docs/aws.md) "
+                  f"and region",
                   file=sys.stderr)
             return EXIT_FAILED
         raise   # anything else is a bug: the traceback is the report
-
-
-def aws_error_line(error):
-    """'AccessDenied: ... (CreateQueue)' from a botocore error, else its text."""
-    info = _aws_error_info(error)
-    if info:
-        return f"{info.get('Code')}: {info.get('Message')} ({getattr(error, 'operation_name', '?')})"
-    return str(error)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ import socket
 import sys
 import threading
 import time
+import traceback
+import urllib.error
+import urllib.request
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -53,7 +56,8 @@ STATS_INTERVAL = 30.0       # s between two worker-stats writes while idle (pool
 COLD_POLL_WAIT = 0.2        # s of one long poll for a cold run's worker, which exits once its queue is empty (SQS: 1)
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
 ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up to this cap
-PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"   # pipeline thread: collate k+1, serialise k-1 while the model runs k
+# pipeline thread: collate batch k+1 and serialise k-1 while the model runs k (CALQUE_PREFETCH=0 turns it off)
+PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
 WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
@@ -192,7 +196,6 @@ class ItemError(str):
 def item_error(error):
     """The ItemError of an exception a handler raised for one item: its message, and its last
     calque.TRACE_FRAMES traceback frames as "file:line in function: code" (the handler's own lines)."""
-    import traceback
     message = ItemError(f"{type(error).__name__}: {error}")
     message.trace = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}: {f.line}"
                      for f in traceback.extract_tb(error.__traceback__)[-calque.TRACE_FRAMES:]]
@@ -263,7 +266,7 @@ class GpuSampler:
     def __init__(self):
         self.nvml, self.reason = None, "no NVML (nvidia-ml-py not installed)"
         try:
-            import pynvml
+            import pynvml   # lazy: NVML only where a GPU may be
             pynvml.nvmlInit()
             self.handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CALQUE_GPU_INDEX", "0")))
             self.nvml = pynvml
@@ -303,8 +306,6 @@ class SpotPoller:
             threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
 
     def _check(self):
-        import urllib.error
-        import urllib.request
         token_req = urllib.request.Request(self.base + "/latest/api/token", method="PUT",
                                            headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
         token = urllib.request.urlopen(token_req, timeout=2).read().decode()
@@ -366,7 +367,8 @@ class Worker:
         self.supervisor = int(os.environ.get("CALQUE_SUPERVISOR_PID", "0"))   # set when a pool supervisor started us
         self.gpu = GpuSampler()
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
-        self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")   # the manifest read beside the duplicate check
+        # the manifest read beside the duplicate check
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -385,7 +387,8 @@ class Worker:
         h = self.record["handler"]
         source = self.backend.store.get(h["key"])
         if hashlib.sha256(source).hexdigest() != h["sha256"]:
-            raise calque.UserError(f"handler snapshot {h['key']} does not match the pool record's sha256: recreate the pool")
+            raise calque.UserError(f"handler snapshot {h['key']} does not match the pool record's sha256: recreate the "
+                                   "pool")
         folder = os.path.join(os.path.abspath(self.conf["CALQUE_STATE"]), "handlers", h["sha256"][:16])
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, h["file"])
@@ -401,7 +404,8 @@ class Worker:
         self.enter_seconds = time.perf_counter() - t0
         self.enter_count += 1
         self.entered_at = time.time()
-        log.info("worker %s: @enter done in %.3fs (acquisition %.3fs)", self.worker_id, self.enter_seconds, self.acquisition_seconds)
+        log.info("worker %s: @enter done in %.3fs (acquisition %.3fs)", self.worker_id, self.enter_seconds,
+                 self.acquisition_seconds)
 
     def on_signal(self, signum, frame):
         if self.stop_requested:
@@ -874,7 +878,8 @@ class Worker:
                 if isinstance(outputs, (list, tuple)) and len(outputs) == len(payloads):
                     return [(True, o) for o in outputs], model, wait
                 got = f"{len(outputs)} results" if isinstance(outputs, (list, tuple)) else type(outputs).__name__
-                return [(False, f"handler returned {got} for a batch of {len(payloads)} items")] * len(payloads), model, wait
+                wrong = (False, f"handler returned {got} for a batch of {len(payloads)} items")
+                return [wrong] * len(payloads), model, wait
             except Exception:
                 model = time.perf_counter() - t0
             finally:
@@ -908,7 +913,8 @@ class Worker:
             try:    # another model's run may be out of this worker's reach (its IAM role): the DLQ copy still goes
                 self.write_failure_summary(message, run_id, claim, reason)
             except Exception as e:
-                log.warning("worker %s: no failure summary for %s/%s (%s: %s)", self.worker_id, run_id, claim, type(e).__name__, e)
+                log.warning("worker %s: no failure summary for %s/%s (%s: %s)", self.worker_id, run_id, claim,
+                            type(e).__name__, e)
         self.dlq.send(json.dumps({"reason": reason, "body": message.body, "receive_count": message.receive_count,
                                   "worker_id": self.worker_id, "at": calque.now_iso(),
                                   "run_id": run_id if known else None, "claim": claim if known else None}))
@@ -942,7 +948,8 @@ class Worker:
 
     def write_stats(self, state):
         now = time.time()
-        stats = {"worker_id": self.worker_id, "model": self.record["model"], "host": socket.gethostname(), "pid": os.getpid(),
+        stats = {"worker_id": self.worker_id, "model": self.record["model"], "host": socket.gethostname(),
+                 "pid": os.getpid(),
                  "mode": "cold" if self.ephemeral else "pool", "state": state, "backend": self.backend.kind,
                  "started_at": calque.now_iso(self.started), "updated_at": calque.now_iso(now),
                  "alive_seconds": round(now - self.started, 3), "busy_seconds": round(self.busy_seconds, 3),
@@ -979,7 +986,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="warmd.py", description="The sticky worker of a calque pool.")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="serve the pool of this model")
-    which.add_argument("--run", help="serve one cold run's queue, then exit (started by `calque.py submit` without --pool)")
+    which.add_argument("--run", help="serve one cold run's queue, then exit (started by `calque.py submit` without "
+                                     "--pool)")
     if argv is None:   # a command line: run under the kit's .venv when this Python lacks its packages
         try:
             calque.kit_python(sys.argv[1:], os.path.abspath(__file__))
@@ -992,8 +1000,8 @@ def main(argv=None):
     try:
         conf = calque.settings()
         # check the store under the pool's own folder, the only one a least-privilege worker role may list
-        backend = calque.open_backend(conf["CALQUE_STORE"], check_prefix=f"pools/{calque.slug(args.model)}/" if args.model
-                                      else f"runs/{args.run}/")
+        own_folder = f"pools/{calque.slug(args.model)}/" if args.model else f"runs/{args.run}/"
+        backend = calque.open_backend(conf["CALQUE_STORE"], check_prefix=own_folder)
         if args.model:
             record = calque.load_pool(backend, args.model)
             worker = Worker(backend, record, calque.worker_stats_prefix(args.model), conf, False)
@@ -1005,7 +1013,8 @@ def main(argv=None):
         print(f"warmd: error: {e}", file=sys.stderr)
         return calque.EXIT_USAGE
     except calque.NotFound as e:
-        print(f"warmd: error: {e} not found in the store: check CALQUE_STORE and the pool (`calque.py pool list`)", file=sys.stderr)
+        print(f"warmd: error: {e} not found in the store: check CALQUE_STORE and the pool (`calque.py pool list`)",
+              file=sys.stderr)
         return calque.EXIT_USAGE
     except Exception as e:
         if type(e).__module__.startswith("botocore"):   # at start-up: credentials, permissions, endpoint
