@@ -4681,6 +4681,10 @@ def format_pool_status(status, store_description):
         lines.append("  local workers: none on this machine")
     running = [w for w in status["workers"] if w.get("state") == "running"]
     lines.append(f"  workers with stats: {worker_counts(status['workers'])}")
+    fallback = [w for w in running if w.get("fastbatch") == "reference"]
+    if fallback:   # never silently numpy on a GPU pool: the C build failed, or FASTBATCH_REFERENCE=1 asked for it
+        lines.append(f"  note: {len(fallback)} running worker(s) collate with fastbatch's numpy fallback, not its C "
+                     f"build: see their logs (`pool logs`) or the instance's bootstrap report")
     # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
     # and the few most recently stopped, so a pool that restarted many times still prints a short table
     stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])

@@ -956,7 +956,10 @@ class Worker:
                  "enter_seconds": round(self.enter_seconds, 6), "enter_count": self.enter_count,
                  "acquisition_seconds": round(self.acquisition_seconds, 6),
                  "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"], "items": self.stats["items"],
-                 "items_failed": self.stats["items_failed"], "requests": dict(self.backend.requests)}
+                 "items_failed": self.stats["items_failed"], "requests": dict(self.backend.requests),
+                 # "c", "reference" (the numpy fallback: a failed C build, or FASTBATCH_REFERENCE=1), or None when
+                 # this handler's batches never needed fastbatch: a GPU pool on the fallback says so here
+                 "fastbatch": getattr(sys.modules.get("fastbatch"), "BACKEND", None)}
         if self.last_word:
             stats["exit"] = self.last_word
         try:

@@ -225,3 +225,17 @@ def test_workers_leave_when_their_supervisor_is_killed(local_env, tmp_path):
                              for p in pids), 30, "the orphaned workers to exit")
     logs = "".join(p.read_text() for p in (tmp_path / "state" / "pools" / "m").glob("worker-*.log"))
     assert logs.count("is gone") == 2
+
+
+def test_status_names_the_fastbatch_fallback(local_env, tmp_path):
+    """A worker collating with fastbatch's numpy fallback (here FASTBATCH_REFERENCE=1) says so in its stats and
+    `pool status` notes it: never silently numpy on a GPU pool."""
+    env = dict(local_env, FASTBATCH_REFERENCE="1")
+    create_pool(env, "m", "RowSum", "--workers", "1")
+    items = write_items(tmp_path / "items.jsonl", [{"x": [i, i]} for i in range(4)])
+    assert cli(env, "submit", "--pool", "m", items).returncode == 0
+    status = json.loads(cli(env, "pool", "status", "--model", "m", "--json").stdout)
+    assert [w["fastbatch"] for w in status["workers"] if w["state"] == "running"] == ["reference"]
+    out = cli(env, "pool", "status", "--model", "m")
+    assert "collate with fastbatch's numpy fallback" in out.stdout
+    assert cli(env, "pool", "delete", "--model", "m", "--yes").returncode == 0
