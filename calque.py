@@ -4562,19 +4562,20 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             "workdir": os.getcwd(),   # the workers run where submit ran (warmd.enter_workdir)
             **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
     prefix = f"runs/{run_id}/"
-    if handler:
-        cold["handler"] = snapshot_handler(handler, prefix, backend.store.put)
+    stage = not (ec2 and dry_run)    # an EC2 dry run prints the launch it would make and writes nothing
+    if handler:                      # (the handler file is still checked)
+        cold["handler"] = snapshot_handler(handler, prefix, backend.store.put if stage else lambda key, data: None)
     else:
-        source = backend.store.get(record["handler"]["key"])
         cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
-        backend.store.put(cold["handler"]["key"], source)
+        if stage:
+            backend.store.put(cold["handler"]["key"], backend.store.get(record["handler"]["key"]))
     shards = max(1, shards)
 
     def launch():   # one-shot instances that drain the run's queue and terminate themselves
         return ec2_cold_launch(backend, cold, run_id, shards, ec2, timeout=timeout, dry_run=dry_run,
                                yes_spend_money=yes_spend_money)
 
-    if ec2 and dry_run:      # print the launch it would make; stage nothing
+    if not stage:
         launch()
         return None, [], False
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])

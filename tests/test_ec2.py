@@ -678,6 +678,7 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
     assert calque.main(["submit", "--model", MODEL, items, "--instance-type", "g5.xlarge", "--ami", aws.ami,
                         "--dry-run"]) == 0
     assert "would call ec2.RunInstances" in capsys.readouterr().out
+    assert not [k for k in aws.backend.store.list("runs/")], "a cold dry run writes nothing to the store"
     assert calque.main(["pool", "delete", "--model", MODEL]) == calque.EXIT_USAGE   # no --yes: refused
     assert calque.main(["pool", "delete", "--model", MODEL, "--yes"]) == 0
     assert asg_of() is None and not queue_exists(calque.pool_queue_name(MODEL))
