@@ -248,7 +248,7 @@ def test_spot_notice_before_the_first_claim_skips_enter(local_env, tmp_path):
     """A worker that finds a spot notice already given when it starts exits 0 without running @enter or
     claiming, and says so in its stats: with the unit's RestartPreventExitStatus=0 it is not started again."""
     out = cli(local_env, "pool", "create", "--model", "m", "--handler", os.path.join(ROOT, "tests", "handlers.py")
-              + ":Echo")
+              + ":Echo", "--workers", "0")   # the one worker is the one started below
     assert out.returncode == 0, out.stderr
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SpotStub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
