@@ -16,6 +16,7 @@ The contract every part honours is in README.md ("The contract, as implemented")
 import argparse
 import contextlib
 import datetime
+import inspect
 import math
 import json
 import os
@@ -392,9 +393,11 @@ def batch(fn):
 
 
 def parse_handler_spec(spec):
+    """(path, name): name is ClassName, or for a Modal app Cls.method or a function's name."""
     path, sep, cls = spec.rpartition(":")
-    if not sep or not path or not cls.isidentifier():
-        raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName")
+    if not sep or not path or not all(part.isidentifier() for part in cls.split(".")) or cls.count(".") > 1:
+        raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName (a Modal app: Cls, Cls.method "
+                        f"or function)")
     if not os.path.isfile(path):
         raise UserError(f"--handler {spec!r}: file {path} not found")
     return path, cls
@@ -407,6 +410,8 @@ def check_handler_source(source, cls, where):
         tree = ast.parse(source, filename=where)
     except SyntaxError as e:
         raise UserError(f"handler {where}: syntax error on line {e.lineno}: {e.msg}")
+    if imports_modal(tree):
+        return check_modal_source(tree, cls, where)
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     if cls not in classes:
         raise UserError(f"handler {where}: no class {cls} (classes found: {', '.join(classes) or 'none'})")
@@ -422,14 +427,23 @@ def check_handler_source(source, cls, where):
         raise UserError(f"handler {where}: class {cls} lacks {' and '.join(missing)}: decorate its load and batch methods")
 
 
-def load_handler(path, cls):
-    """Import the handler class from a file and return (instance, enter_method, batch_method, collate or None)."""
+def import_file(path, name):
     import importlib.util
-    name = "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3])
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def load_handler(path, cls, modal=None):
+    """Import the handler class from a file and return (instance, enter_method, batch_method, collate or None).
+    A Modal app file gives a ModalHandler (`modal`: the pool record's modal options)."""
+    with open(path, "rb") as f:
+        if imports_modal(f.read()):
+            handler = ModalHandler(*import_modal_app(path, cls), modal or {})
+            return handler, handler.enter, handler.batch, handler.collate
+    module = import_file(path, "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
     obj = getattr(module, cls)()
     methods = {}
     for attr in dir(type(obj)):
@@ -439,6 +453,196 @@ def load_handler(path, cls):
     if "enter" not in methods or "batch" not in methods:
         raise UserError(f"handler {path}:{cls} lacks @calque.enter or @calque.batch")
     return obj, methods["enter"], methods["batch"], getattr(obj, "collate", None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
+# ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
+MODAL_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modal_shim", "modal.py")
+MODAL_LIFECYCLE = ("enter", "exit")   # @modal roles that are not item calls
+
+
+def imports_modal(source):
+    """Whether a handler's source (bytes, or its parsed tree) imports modal: then it is a Modal app file."""
+    import ast
+    tree = source if isinstance(source, ast.AST) else ast.parse(source)
+    return any(isinstance(node, ast.Import) and any(a.name.split(".")[0] == "modal" for a in node.names)
+               or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "modal"
+               for node in ast.walk(tree))
+
+
+def check_modal_source(tree, name, where):
+    """Check without running it that a Modal app file defines `name` (Cls, Cls.method or function) at top level."""
+    import ast
+    top, _, method = name.partition(".")
+    defined = {node.name: node for node in tree.body
+               if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+    if top not in defined:
+        raise UserError(f"handler {where}: no class or function {top} (found: {', '.join(defined) or 'none'})")
+    if method and not any(getattr(n, "name", None) == method for n in getattr(defined[top], "body", [])):
+        raise UserError(f"handler {where}: class {top} has no method {method}")
+
+
+def load_modal_shim():
+    """The stand-in `modal`, put in sys.modules (the real one, if installed, is shadowed: see modal_shim/modal.py)."""
+    shim = sys.modules.get("modal")
+    if getattr(shim, "__file__", None) != MODAL_SHIM:
+        shim = import_file(MODAL_SHIM, "modal")
+    return shim
+
+
+def import_modal_app(path, name):
+    """(shim, registered object, method name or None) of `name` in a Modal app file, imported for real. A construct
+    the stand-in refuses is a UserError naming it."""
+    shim = load_modal_shim()
+    try:
+        module = import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
+    except shim.Unsupported as e:
+        raise UserError(f"{path}: {e}")
+    top, _, method = name.partition(".")
+    target = getattr(module, top, None)
+    if isinstance(target, shim.Function):
+        return shim, target, None
+    if not isinstance(target, shim.Cls):
+        raise UserError(f"{path}:{name}: {top} is not an @app.cls class or an @app.function function")
+    methods = target.methods()
+    if method and method not in methods:
+        raise UserError(f"{path}:{name}: {top}.{method} is not a @modal.method or @modal.batched method "
+                        f"(those: {', '.join(methods) or 'none'})")
+    if not method and len(methods) != 1:
+        raise UserError(f"{path}:{name}: class {top} has {len(methods)} methods ({', '.join(methods) or 'none'}) "
+                        f"---> HINT: name one: --handler {path}:{top}.METHOD")
+    return shim, target, method or next(iter(methods))
+
+
+def read_env_file(path, where):
+    """KEY=value lines of a --secret file, as pool.env's; a file not on this machine (an EC2 worker) gives none:
+    there the variables come from the pool's environment."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path, "rb") as f:
+        return dict(filter(None, (env_line(line, f"{where}:{n}") for n, line in text_lines(f.read(), path))))
+
+
+def modal_param(user_cls, key, value):
+    """A --param value (text) as the type the modal.parameter() field is annotated with."""
+    kind = typing.get_type_hints(user_cls).get(key, str)
+    if not isinstance(value, str) or kind is str:
+        return value
+    if kind is bool:
+        return value.lower() in ("1", "true", "yes")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise UserError(f"--param {key}={value}: {user_cls.__name__}.{key} is a {kind.__name__}")
+
+
+class ModalHandler:
+    """A Modal @app.cls method or @app.function as a calque handler. enter() runs the @modal.enter hooks (snap=True
+    first) and __enter__ once; batch(payloads) makes one call per item (@modal.method; a list item is splatted for a
+    method of several parameters, as .starmap does) or one per max_batch_size items (@modal.batched), up to
+    @modal.concurrent(max_inputs) item calls at once; calque_exit() runs @modal.exit hooks and __exit__."""
+
+    def __init__(self, shim, target, method, options):
+        self.shim, self.target, self.method, self.options = shim, target, method, options
+        self.instance, self.replay = None, {}
+        self.raw = target.user_cls if method else target.raw_f
+
+    def collate(self, payloads):
+        return list(payloads)   # items reach the method as JSON values: no array gathering
+
+    def _hooks(self, kind):
+        hooks = [v for v in vars(self.raw).values() if getattr(v, "_modal_role", {}).get("kind") == kind]
+        return sorted(hooks, key=lambda fn: not fn._modal_role.get("snap"))
+
+    def enter(self):
+        for name, path in self.options.get("secrets", {}).items():
+            for key, value in read_env_file(path, f"--secret {name}").items():
+                os.environ.setdefault(key, value)
+        if not self.method:
+            self.fn = self.raw
+            return
+        self.instance = self.raw()
+        for key, default in self.target.parameters().items():
+            value = self.options.get("params", {}).get(key, default)
+            if value is inspect.Parameter.empty:
+                raise UserError(f"{self.raw.__name__}.{key} is a modal.parameter() without a default: "
+                                f"pool create --param {key}=VALUE")
+            setattr(self.instance, key, modal_param(self.raw, key, value))
+        for hook in self._hooks("enter"):
+            hook(self.instance)
+        if hasattr(self.instance, "__enter__"):
+            self.instance.__enter__()
+        self.fn = getattr(self.instance, self.method)
+
+    def calque_exit(self):
+        """On a graceful stop, once the last claim is done."""
+        if self.instance is None:
+            return
+        for hook in self._hooks("exit"):
+            hook(self.instance)
+        if hasattr(self.instance, "__exit__"):
+            self.instance.__exit__(None, None, None)
+
+    def batch(self, payloads):
+        role = getattr(self.fn, "_modal_role", {})
+        if role.get("kind") == "batched":
+            size, out = role["max_batch_size"], []
+            for k in range(0, len(payloads), size):
+                out += self._call(payloads[k:k + size] if self._params() == 1 else zip(*payloads[k:k + size]))
+            return out
+        if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item of a failed batch
+            ok, value = self.replay.pop(id(payloads[0]))
+            if ok:
+                return [value]
+            raise value
+        outcomes = self._each(payloads)
+        if all(ok for ok, _ in outcomes):
+            return [value for _, value in outcomes]
+        # warmd retries a failed batch item by item: replay each item's outcome rather than call it twice
+        self.replay = {id(p): outcome for p, outcome in zip(payloads, outcomes)}
+        raise next(value for ok, value in outcomes if not ok)
+
+    def _params(self):
+        return len([p for p in inspect.signature(self.fn).parameters.values() if p.default is p.empty])
+
+    def _call(self, args):
+        out = self.fn(*args)
+        return list(out) if hasattr(out, "__next__") else out
+
+    def _each(self, payloads):
+        """[(ok, result or exception)] per item, max_inputs at once."""
+        splat = self._params() > 1
+        args = [item if splat and isinstance(item, list) else [item] for item in payloads]
+        limit = getattr(self.raw, "_modal_concurrent", 1)
+        if inspect.iscoroutinefunction(self.fn) or inspect.isasyncgenfunction(self.fn):
+            import asyncio
+            return asyncio.run(self._each_async(args, limit))
+
+        def one(a):
+            try:
+                return True, self._call(a)
+            except Exception as e:
+                return False, e
+        if limit <= 1:
+            return [one(a) for a in args]
+        with ThreadPoolExecutor(min(limit, len(args))) as pool:
+            return list(pool.map(one, args))
+
+    async def _each_async(self, args, limit):
+        import asyncio
+        gate = asyncio.Semaphore(limit)
+
+        async def one(a):
+            async with gate:
+                try:
+                    out = self.fn(*a)
+                    if hasattr(out, "__anext__"):
+                        return True, [x async for x in out]
+                    return True, await out
+                except Exception as e:
+                    return False, e
+        return await asyncio.gather(*(one(a) for a in args))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2889,7 +3093,8 @@ DLAMI_PARAMETERS = {                # SSM public parameters naming the current d
     "x86_64": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
     "arm64": "/aws/service/deeplearning/ami/arm64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
 }
-KIT_FILES = ("calque.py", "warmd.py", "requirements.txt", "rates.json")   # + fastbatch/*.py|.c|.h: what a worker runs
+# what a worker runs (+ fastbatch/*.py|.c|.h)
+KIT_FILES = ("calque.py", "warmd.py", "requirements.txt", "rates.json", "modal_shim/modal.py")
 EC2_STATE_DIR = "/var/lib/calque"    # CALQUE_STATE on an instance (handler cache)
 EC2_SPOT_POLL = "http://169.254.169.254"  # the metadata address the bootstrap enables the spot poller with
 EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # workers get this machine's
@@ -4345,15 +4550,18 @@ class Pool:
         self.conf, self.backend = context or _context(store)
 
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
-               max_deliveries=None, batch_timeout=None, gpus_per_worker=None, wait=True, progress=False):
+               max_deliveries=None, batch_timeout=None, gpus_per_worker=None, wait=True, progress=False, modal=None):
         """Create (or re-create: idempotent) the pool: queues, handler snapshot, pool record, then `workers`
         local workers, waited for until warm unless wait=False (WorkersFailed names the first that died).
-        The workers run in the current folder (the record's workdir). Returns the pool record."""
+        The workers run in the current folder (the record's workdir). `modal`: a Modal handler's {"params": {key:
+        value}, "secrets": {name: env file}} (modal_options). Returns the pool record."""
         defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
         record = new_pool_record(self.backend, self.model, defaults, batch_timeout)
         record["workdir"] = os.getcwd()
+        if modal:
+            record["modal"] = modal
         with pool_name_claimed(self.backend, self.model):
             record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", self.backend.store.put)
             self.backend.queues.create_queue(record["queue"], record["visibility_timeout"])
