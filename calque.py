@@ -534,7 +534,115 @@ def modal_param(user_cls, key, value):
     try:
         return kind(value)
     except (TypeError, ValueError):
-        raise UserError(f"--param {key}={value}: {user_cls.__name__}.{key} is a {kind.__name__}")
+        raise UserError(f"--param {key}={value}: {user_cls.__name__}.{key} is annotated {kind.__name__}")
+
+
+def mount_volume(mount, folder):
+    """Make the app's volume mount path (/data) show `folder`: a symbolic link where nothing is yet."""
+    if os.path.lexists(mount):
+        if not (os.path.exists(mount) and os.path.samefile(mount, folder)):
+            raise UserError(f"volume mount {mount} exists and is not {folder} ---> HINT: move it, or name it with "
+                            f"--volume NAME={mount}")
+        return
+    try:
+        os.makedirs(os.path.dirname(mount), exist_ok=True)
+        os.symlink(folder, mount)
+    except OSError as e:
+        raise UserError(f"volume mount {mount}: cannot link it to {folder} ({e.strerror}) ---> HINT: "
+                        f"sudo ln -s {folder} {mount} on the worker machine")
+
+
+def key_values(pairs, flag):
+    """{key: value} of repeated `--flag KEY=VALUE` options."""
+    out = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"{flag} {pair!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+def modal_gpu(gpu):
+    """(card, count) of an @app.cls / @app.function gpu= value ("H100:8", "a10g", a list of fallbacks: the first)."""
+    if isinstance(gpu, (list, tuple)):
+        gpu = gpu[0] if gpu else None
+    if not isinstance(gpu, str):
+        return None, 0
+    card, _, count = gpu.upper().rstrip("!").partition(":")
+    return MODAL_GPU_ALIASES.get(card, card), int(count or 1)
+
+
+MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
+
+
+def suggest_instance(rates, card, count):
+    """The cheapest instance type in rates.json (ec2.instances: gpu, gpus, price, each with its source) with at
+    least `count` GPUs of `card`, or None."""
+    fits = [(i["usd_per_hour"], name) for name, i in rates["ec2"]["instances"].items()
+            if i["serverless_card"] == card and i["gpus"] >= count]
+    return min(fits)[1] if fits else None
+
+
+def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None):
+    """What a Modal handler's pool needs from its app file, imported here for real: (the pool record's "modal"
+    {params, secrets, volumes, declared}, {max_deliveries, batch_timeout, instance_type} the app's retries=,
+    timeout= and gpu= suggest, note lines to print). (None, {}, []) for a calque handler."""
+    path, name = parse_handler_spec(handler_spec)
+    with open(path, "rb") as f:
+        if not imports_modal(f.read()):
+            if params or secrets or volumes:
+                raise UserError(f"--param, --secret and --volume apply to a Modal app handler; {path} imports no modal")
+            return None, {}, []
+    _, target, method = import_modal_app(path, name)
+    options, notes, suggested = target.options, [], {}
+    given = key_values(params, "--param")
+    declared = target.parameters() if method else {}
+    for key, value in given.items():
+        if key not in declared:
+            raise UserError(f"--param {key}: {target.__name__} has no modal.parameter() {key} "
+                            f"(it has: {', '.join(declared) or 'none'})")
+        modal_param(target.user_cls, key, value)
+    missing = [k for k, default in declared.items() if default is inspect.Parameter.empty and k not in given]
+    if missing:
+        raise UserError(f"{target.__name__}.{missing[0]} is a modal.parameter() without a default ---> HINT: "
+                        f"pool create --param {missing[0]}=VALUE")
+    secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
+    for secret in options["secrets"]:
+        if secret.name and secret.name not in secret_files:
+            notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables must be in the "
+                         f"workers' environment (pool.env)")
+    folders = key_values(volumes, "--volume")
+    for name, folder in folders.items():
+        if "://" in folder:
+            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> HINT: copy the prefix "
+                            f"to a folder the workers see (aws s3 sync), and name that")
+        folders[name] = os.path.abspath(folder)
+    mounts = {mount: vol.name for mount, vol in options["volumes"].items()}
+    for mount, vol in mounts.items():
+        if vol not in folders:
+            raise UserError(f"volume {vol} (mounted at {mount}) has no folder ---> HINT: pool create "
+                            f"--volume {vol}=PATH (a local folder the workers see at {mount})")
+    card, count = modal_gpu(options.get("gpu"))
+    if count > (gpus_per_worker or 1):
+        raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives each worker "
+                        f"{gpus_per_worker or 1} ---> HINT: --gpus-per-worker {count}")
+    if card:
+        suggested["instance_type"] = suggest_instance(load_rates(RATES_FILE), card, count)
+        notes.append(f"gpu={options['gpu']!r}: EC2 instance type for --instances: "
+                     f"{suggested['instance_type'] or 'none in rates.json'}")
+    retries = options.get("retries")
+    if retries is not None:
+        suggested["max_deliveries"] = 1 + (retries if isinstance(retries, int) else retries.max_retries)
+    if options.get("timeout"):
+        per_batch = 1 if target.methods().get(method, {}).get("kind") == "batched" or not method else batch_size
+        suggested["batch_timeout"] = float(options["timeout"]) * (per_batch or 1)
+    if options.get("image") is not None:
+        notes.append(f"image= declared ({' + '.join(options['image'].steps)}): not built; the workers run in this "
+                     f"machine's environment (the kit's .venv on EC2)")
+    record = {"params": given, "secrets": secret_files, "volumes": {m: folders[v] for m, v in mounts.items()},
+              "declared": {"gpu": options.get("gpu"), "image": options["image"].steps if options.get("image") else None}}
+    return record, suggested, notes
 
 
 class ModalHandler:
@@ -559,6 +667,11 @@ class ModalHandler:
         for name, path in self.options.get("secrets", {}).items():
             for key, value in read_env_file(path, f"--secret {name}").items():
                 os.environ.setdefault(key, value)
+        for secret in self.target.options["secrets"]:   # modal.Secret.from_dict: its values are in the source
+            for key, value in secret.values.items():
+                os.environ.setdefault(key, value)
+        for mount, folder in self.options.get("volumes", {}).items():
+            mount_volume(mount, folder)
         if not self.method:
             self.fn = self.raw
             return
@@ -4797,9 +4910,19 @@ def with_ids(backend, run, claim, lines, field):
 # the CLI verbs
 
 def cmd_pool_create(conf, backend, args):
+    batch_size = pool_settings(conf, args.batch_size)["batch_size"]
+    modal, suggested, notes = modal_options(args.handler, args.param, args.secret, args.volume, args.gpus_per_worker,
+                                            batch_size)
+    for note in notes:
+        print(f"pool {args.model}: {note}")
+    args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")        # the app's retries=
+    args.batch_timeout = args.batch_timeout or suggested.get("batch_timeout")           # the app's timeout=
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
         record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
                                                                     args.max_deliveries), args.batch_timeout)
+        if modal:
+            record["modal"] = modal
+        args.instance_type = args.instance_type or suggested.get("instance_type")       # the app's gpu=
         options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
                                    spot=args.spot, subnet=args.subnet, key_name=args.key_name,
                                    scale_to_zero_after=args.scale_to_zero_after)
@@ -4812,7 +4935,7 @@ def cmd_pool_create(conf, backend, args):
     workers = LOCAL_WORKERS_DEFAULT if args.workers is None else args.workers
     pool = Pool(args.model, context=(conf, backend))
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
-                         max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout)
+                         max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal)
     print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, "
           f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
           f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}; "
@@ -5405,6 +5528,12 @@ def build_parser():
     p.add_argument("--batch-timeout", type=float, metavar="SECONDS",
                    help="seconds one handler.batch() call may run before the worker gives up on it "
                         "(default: the workers' CALQUE_BATCH_TIMEOUT)")
+    modal_flags = p.add_argument_group("a Modal app handler (docs/modal.md)")
+    modal_flags.add_argument("--param", action="append", metavar="KEY=VALUE", help="a modal.parameter() of the class")
+    modal_flags.add_argument("--secret", action="append", metavar="NAME=FILE",
+                             help="the KEY=value file modal.Secret.from_name(NAME) reads")
+    modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
+                             help="the folder modal.Volume.from_name(NAME) is, linked at its mount path")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
     ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
     ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
