@@ -491,14 +491,19 @@ def load_modal_shim():
     return shim
 
 
+def import_modal_file(path):
+    """(shim, module) of a Modal app file imported for real under the stand-in; a refused construct is a UserError."""
+    shim = load_modal_shim()
+    try:
+        return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
+    except shim.Unsupported as e:
+        raise UserError(f"{path}: {e}")
+
+
 def import_modal_app(path, name):
     """(shim, registered object, method name or None) of `name` in a Modal app file, imported for real. A construct
     the stand-in refuses is a UserError naming it."""
-    shim = load_modal_shim()
-    try:
-        module = import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
-    except shim.Unsupported as e:
-        raise UserError(f"{path}: {e}")
+    shim, module = import_modal_file(path)
     top, _, method = name.partition(".")
     target = getattr(module, top, None)
     if isinstance(target, shim.Function):
@@ -5457,6 +5462,111 @@ def cmd_pool_redrive(conf, backend, args):
     return EXIT_OK
 
 
+class ModalRun:
+    """Where `calque modal run` sends the entrypoint's calls: the shim's runner(target, params, items) submits the
+    items to the pool serving that target and returns Run.results(). --pool M serves the target its handler names
+    (with the same parameters); any other target gets an ephemeral pool, created at its first call, deleted by
+    close() as a Modal ephemeral app is."""
+
+    def __init__(self, context, path, pool, workers):
+        self.context, self.path, self.workers = context, path, workers
+        self.pools, self.created = {}, []
+        if pool:
+            record = load_pool(context[1], pool)
+            self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
+
+    @staticmethod
+    def _key(params):
+        return json.dumps({k: str(v) for k, v in params.items()}, sort_keys=True)
+
+    def __call__(self, target, params, items):
+        key = (target, self._key(params))
+        if key not in self.pools:
+            self.pools[key] = self._ephemeral(target, params)
+        return submit(items, pool=self.pools[key], context=self.context).results()
+
+    def _ephemeral(self, target, params):
+        spec = f"{self.path}:{target}"
+        conf = self.context[0]
+        batch_size = pool_settings(conf)["batch_size"]
+        modal, suggested, _ = modal_options(spec, [f"{k}={v}" for k, v in params.items()], batch_size=batch_size)
+        model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
+        print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
+        self.created.append(model)
+        Pool(model, context=self.context).create(spec, self.workers, modal=modal,
+                                                 max_deliveries=suggested.get("max_deliveries"),
+                                                 batch_timeout=suggested.get("batch_timeout"))
+        return model
+
+    def close(self):
+        for model in self.created:
+            with contextlib.suppress(NotFound):
+                Pool(model, context=self.context).delete(force=True)
+
+
+MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types parsed from the command line, as Modal's CLI
+
+
+def entrypoint_parser(fn, prog):
+    """Modal's CLI for a local entrypoint: one --name option per parameter (dashes for underscores), typed by its
+    annotation, required without a default; a bool is --name/--no-name."""
+    parser = argparse.ArgumentParser(prog=prog)
+    hints = typing.get_type_hints(fn)
+    for name, param in inspect.signature(fn).parameters.items():
+        kind, flag = hints.get(name, str), f"--{name.replace('_', '-')}"
+        required = param.default is param.empty
+        default = None if required else param.default
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
+                                required=required)
+        elif kind in MODAL_ARG_TYPES:
+            parser.add_argument(flag, dest=name, type=kind, default=default, required=required)
+        else:
+            raise UserError(f"entrypoint {fn.__name__}: parameter {name} is a {kind}: Modal's CLI and calque's take "
+                            f"int, float, str and bool")
+    return parser
+
+
+def cmd_modal_run(conf, backend, args):
+    own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py, as in the usage line
+    own.add_argument("--pool", default=args.pool)
+    own.add_argument("--workers", type=int, default=args.workers)
+    mine, args.args = own.parse_known_args(args.args)
+    args.pool, args.workers = mine.pool, mine.workers
+    path, _, name = args.app.partition("::")
+    if not os.path.isfile(path):
+        raise UserError(f"modal run {args.app}: file {path} not found")
+    if args.workers < 1:
+        raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
+    shim, module = import_modal_file(path)
+    entrypoints = {k: v for app in vars(module).values() if isinstance(app, shim.App) for k, v in app.entrypoints.items()}
+    if not name and len(entrypoints) != 1:
+        raise UserError(f"{path} has {len(entrypoints)} local entrypoints ({', '.join(entrypoints) or 'none'}) "
+                        f"---> HINT: name one: modal run {path}::NAME")
+    name = name or next(iter(entrypoints))
+    if name not in entrypoints:
+        raise UserError(f"{path} has no @app.local_entrypoint() {name} (it has: {', '.join(entrypoints) or 'none'})")
+    fn = entrypoints[name]
+    kwargs = vars(entrypoint_parser(fn, f"calque modal run {args.app}").parse_args(args.args))
+    shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers)
+    try:
+        out = fn(**kwargs)
+        if inspect.iscoroutine(out):
+            import asyncio
+            asyncio.run(out)
+    except shim.RemoteError as e:
+        raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {e} ---> HINT: map(..., "
+                                    f"return_exceptions=True) to go on past failed items")
+    finally:
+        shim.runner = None
+        runner.close()
+    return EXIT_OK
+
+
+class ModalEntrypointFailed(Exception):
+    """A remote call of `calque modal run`'s entrypoint failed: one line, exit 1."""
+
+
 def cmd_cost(conf, backend, args):
     """One run: its cost lines and the crossover ladder. Several: one comparison line each."""
     reports, price = [], _pricing(args)
@@ -5512,7 +5622,7 @@ def build_parser():
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
     priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost,modal}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
@@ -5639,6 +5749,15 @@ def build_parser():
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_cost)
+
+    modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools").add_subparsers(
+        dest="modal_verb", required=True, metavar="{run}")
+    p = modal.add_parser("run", help="run the app's @app.local_entrypoint() here; its .map/.remote/.spawn go to pools")
+    p.add_argument("app", help="app.py or app.py::entrypoint")
+    p.add_argument("--pool", help="a pool serving one of the app's targets (default: an ephemeral pool per target)")
+    p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT, help="local workers of each ephemeral pool")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the entrypoint's own options (--name value)")
+    p.set_defaults(func=cmd_modal_run)
     return parser
 
 
@@ -5676,7 +5795,7 @@ def main(argv=None):
     except UserError as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (StoreFault, WorkersFailed) as e:
+    except (StoreFault, WorkersFailed, ModalEntrypointFailed) as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except ResultsIncomplete as e:   # Run.results() through a verb: a claim that will not run
