@@ -707,7 +707,8 @@ class ModalHandler:
         if role.get("kind") == "batched":
             size, out = role["max_batch_size"], []
             for k in range(0, len(payloads), size):
-                out += self._call(payloads[k:k + size] if self._params() == 1 else zip(*payloads[k:k + size]))
+                chunk = payloads[k:k + size]   # several parameters: one list per parameter, as Modal passes them
+                out += self._call([chunk] if self._params() == 1 else [list(c) for c in zip(*chunk)])
             return out
         if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item of a failed batch
             ok, value = self.replay.pop(id(payloads[0]))
