@@ -498,6 +498,11 @@ def import_modal_file(path):
         return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
     except shim.Unsupported as e:
         raise UserError(f"{path}: {e}")
+    except ImportError as e:
+        if not (e.name or "").startswith("modal."):
+            raise
+        raise UserError(f"{path}: import {e.name} is not supported on a calque pool (the stand-in modal is one "
+                        f"module) ---> HINT: import modal and use modal.X, or catch the stand-in's RemoteError")
 
 
 def import_modal_app(path, name):
@@ -646,7 +651,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         notes.append(f"image= declared ({' + '.join(options['image'].steps)}): not built; the workers run in this "
                      f"machine's environment (the kit's .venv on EC2)")
     record = {"params": given, "secrets": secret_files, "volumes": {m: folders[v] for m, v in mounts.items()},
-              "declared": {"gpu": options.get("gpu"), "image": options["image"].steps if options.get("image") else None}}
+              "declared": {"gpu": options.get("gpu"),
+                           "image": options["image"].steps if options.get("image") else None}}
     return record, suggested, notes
 
 
@@ -5490,9 +5496,11 @@ class ModalRun:
         spec = f"{self.path}:{target}"
         conf = self.context[0]
         batch_size = pool_settings(conf)["batch_size"]
-        modal, suggested, _ = modal_options(spec, [f"{k}={v}" for k, v in params.items()], batch_size=batch_size)
+        modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], batch_size=batch_size)
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
         print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
+        for note in notes:
+            print(f"calque: {target}: {note}", file=sys.stderr)
         self.created.append(model)
         Pool(model, context=self.context).create(spec, self.workers, modal=modal,
                                                  max_deliveries=suggested.get("max_deliveries"),
@@ -5540,7 +5548,8 @@ def cmd_modal_run(conf, backend, args):
     if args.workers < 1:
         raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
     shim, module = import_modal_file(path)
-    entrypoints = {k: v for app in vars(module).values() if isinstance(app, shim.App) for k, v in app.entrypoints.items()}
+    entrypoints = {k: v for app in vars(module).values() if isinstance(app, shim.App)
+                   for k, v in app.entrypoints.items()}
     if not name and len(entrypoints) != 1:
         raise UserError(f"{path} has {len(entrypoints)} local entrypoints ({', '.join(entrypoints) or 'none'}) "
                         f"---> HINT: name one: modal run {path}::NAME")

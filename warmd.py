@@ -304,7 +304,8 @@ class Worker:
         path = os.path.join(folder, h["file"])
         calque.write_file_atomic(path, source.decode())
         enter_workdir(self.record.get("workdir"), folder)
-        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"], self.record.get("modal"))
+        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"],
+                                                                                 self.record.get("modal"))
         self.collator = Collator(collate)
 
     def enter(self):

@@ -97,8 +97,8 @@ class Image:
         return classmethod(lambda c, *args, **kwargs: cls([name]))
 
 
-for _base in ("debian_slim", "micromamba", "from_registry", "from_dockerfile", "from_aws_ecr", "from_gcp_artifact_registry",
-              "from_id"):
+for _base in ("debian_slim", "micromamba", "from_registry", "from_dockerfile", "from_aws_ecr",
+              "from_gcp_artifact_registry", "from_id"):
     setattr(Image, _base, Image._base(_base))
 
 
@@ -153,34 +153,25 @@ class App:
         self.name, self.image, self.secrets, self.volumes = name, image, list(secrets), dict(volumes or {})
         self.registered, self.entrypoints = {}, {}
 
-    def _options(self, where, options):
-        _check_options(where, options)
+    def _register(self, where, kind, options):
+        """The decorator of @app.cls / @app.function: options checked and merged with the app's, the object made."""
         if "schedule" in options:
-            _unsupported("schedule=", "run the entrypoint from cron: calque modal run app.py")
+            _unsupported(f"{where}(schedule=...)", "run the entrypoint from cron: calque modal run app.py")
+        _check_options(where, options)
         merged = {"image": self.image, **options}
         merged["secrets"] = self.secrets + list(options.get("secrets", ()))
         merged["volumes"] = {**self.volumes, **options.get("volumes", {})}
-        return merged
+
+        def wrap(obj):
+            self.registered[obj.__name__] = kind(self, obj, merged)
+            return self.registered[obj.__name__]
+        return wrap
 
     def cls(self, **options):
-        options = self._options("@app.cls", options)
-
-        def wrap(user_cls):
-            registered = Cls(self, user_cls, options)
-            self.registered[user_cls.__name__] = registered
-            return registered
-        return wrap
+        return self._register("@app.cls", Cls, options)
 
     def function(self, **options):
-        if "schedule" in options:
-            _unsupported("@app.function(schedule=...)", "run the entrypoint from cron: calque modal run app.py")
-        options = self._options("@app.function", options)
-
-        def wrap(fn):
-            registered = Function(self, fn, options)
-            self.registered[fn.__name__] = registered
-            return registered
-        return wrap
+        return self._register("@app.function", Function, options)
 
     def local_entrypoint(self, _warn_parentheses_missing=None, *, name=None):
         def wrap(fn):
@@ -339,6 +330,7 @@ _REFUSED = {
     "fastapi_endpoint": "serve web endpoints on Modal or your own server: a calque pool serves batch claims",
     "web_server": "serve web endpoints on Modal or your own server: a calque pool serves batch claims",
     "Stub": "rename modal.Stub to modal.App (Modal did in 0.64)",
+    "gpu": "write gpu=\"A100:2\" (a string), as Modal 1.0 does",
 }
 
 
