@@ -441,7 +441,8 @@ def load_handler(path, cls, modal=None):
     A Modal app file gives a ModalHandler (`modal`: the pool record's modal options)."""
     with open(path, "rb") as f:
         if imports_modal(f.read()):
-            handler = ModalHandler(*import_modal_app(path, cls), modal or {})
+            _, target, method = import_modal_app(path, cls)
+            handler = ModalHandler(target, method, modal or {})
             return handler, handler.enter, handler.batch, handler.collate
     module = import_file(path, "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
     obj = getattr(module, cls)()
@@ -459,7 +460,7 @@ def load_handler(path, cls, modal=None):
 # Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
 # ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
 MODAL_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modal_shim", "modal.py")
-MODAL_LIFECYCLE = ("enter", "exit")   # @modal roles that are not item calls
+MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
 
 
 def imports_modal(source):
@@ -583,9 +584,6 @@ def modal_gpu(gpu):
     return MODAL_GPU_ALIASES.get(card, card), int(count or 1)
 
 
-MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
-
-
 def suggest_instance(rates, card, count):
     """The cheapest instance type in rates.json (ec2.instances: gpu, gpus, price, each with its source) with at
     least `count` GPUs of `card`, or None."""
@@ -662,8 +660,8 @@ class ModalHandler:
     method of several parameters, as .starmap does) or one per max_batch_size items (@modal.batched), up to
     @modal.concurrent(max_inputs) item calls at once; calque_exit() runs @modal.exit hooks and __exit__."""
 
-    def __init__(self, shim, target, method, options):
-        self.shim, self.target, self.method, self.options = shim, target, method, options
+    def __init__(self, target, method, options):
+        self.target, self.method, self.options = target, method, options
         self.instance, self.replay = None, {}
         self.raw = target.user_cls if method else target.raw_f
 

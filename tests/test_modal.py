@@ -3,11 +3,10 @@
 refusals; and the stand-in loaded even where a real `modal` package is importable."""
 import json
 import os
-import sys
 
 import pytest
 
-from conftest import ROOT, backend_for, cli, wait_for, write_items
+from conftest import ROOT, cli, wait_for, write_items
 
 APP = '''
 import json
