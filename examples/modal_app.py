@@ -1,5 +1,6 @@
-"""A Modal-shaped app over the demo model: the file runs unedited on Modal (`modal run examples/modal_app.py`)
-and on calque pools (run from the repository root, where `examples.demo_model` imports):
+"""A Modal-shaped app over the demo model, written as for Modal (on Modal itself its image would also need the
+examples folder and calque, which demo_model imports). On calque pools, from the repository root, where
+`examples.demo_model` imports:
 
     python calque.py modal run examples/modal_app.py --count 20            # ephemeral local pools, deleted after
     python calque.py pool create --model demo-modal --handler examples/modal_app.py:Classifier.classify --workers 2
