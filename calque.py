@@ -15,20 +15,22 @@ every part honours, as implemented, is docs/contract.md.
 
 The map. Each section uses only the sections above it; read top to bottom.
      1. settings, errors and paths    DEFAULTS, settings(), UserError and friends
-     2. THE CONTRACT                  names, store keys, message, claim_summary, result parts, the handler API,
-                                      numeric views, AWS error lines: what warmd.py and handler files import
+     2. THE CONTRACT                  names, store keys, message, claim_summary, result parts, the handler API
+                                      (Modal app files too), numeric views, AWS error lines: what warmd.py and
+                                      handler files import
      3. backends                      LocalStore + LocalQueues (SQLite), S3Store + SqsQueues; open_backend()
      4. records                       pool and run records, summaries, worker stats in the store
      5. submit and runs               read items, stage_run, wait_for_run, cancel, redrive, run reports
      6. local workers                 the detached supervisor that keeps N warmd.py alive (GPUs, exit reasons)
      7. the cost model                rates.json, per-claim and per-run cost, crossover ladder, pool cost
      8. the EC2 cohort                IAM, bootstrap, launch template, Auto Scaling, alarms; pool and cold verbs
-     9. across both paths             pool status (local and EC2), cold_run (the baseline)
+     9. across both paths             a Modal app's pool options, cold_run (the baseline), pool status
     10. the Python API                Pool, submit(), Run: what a notebook uses and the CLI calls
     11. the CLI                       one cmd_* per verb in the parser's order, build_parser(), main()
 """
 import argparse
 import ast
+import asyncio
 import base64
 import contextlib
 import datetime
@@ -39,6 +41,7 @@ import glob
 import gzip
 import hashlib
 import importlib.util
+import inspect
 import io
 import json
 import math
@@ -454,9 +457,11 @@ def batch(fn):
 
 
 def parse_handler_spec(spec):
+    """(path, name): name is ClassName, or for a Modal app Cls.method or a function's name."""
     path, sep, cls = spec.rpartition(":")
-    if not sep or not path or not cls.isidentifier():
-        raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName")
+    if not sep or not path or not all(part.isidentifier() for part in cls.split(".")) or cls.count(".") > 1:
+        raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName (a Modal app: Cls, Cls.method "
+                        f"or function)")
     if not os.path.isfile(path):
         raise UserError(f"--handler {spec!r}: file {path} not found")
     return path, cls
@@ -468,6 +473,8 @@ def check_handler_source(source, cls, where):
         tree = ast.parse(source, filename=where)
     except SyntaxError as e:
         raise UserError(f"handler {where}: syntax error on line {e.lineno}: {e.msg}")
+    if imports_modal(tree):
+        return check_modal_source(tree, cls, where)
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     if cls not in classes:
         raise UserError(f"handler {where}: no class {cls} (classes found: {', '.join(classes) or 'none'})")
@@ -484,13 +491,23 @@ def check_handler_source(source, cls, where):
                         "methods")
 
 
-def load_handler(path, cls):
-    """Import the handler class from a file and return (instance, enter_method, batch_method, collate or None)."""
-    name = "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3])
+def import_file(path, name):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def load_handler(path, cls, modal=None):
+    """Import the handler class from a file and return (instance, enter_method, batch_method, collate or None).
+    A Modal app file gives a ModalHandler (`modal`: the pool record's modal options)."""
+    with open(path, "rb") as f:
+        if imports_modal(f.read()):
+            _, target, method = import_modal_app(path, cls)
+            handler = ModalHandler(target, method, modal or {})
+            return handler, handler.enter, handler.batch, handler.collate
+    module = import_file(path, "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
     obj = getattr(module, cls)()
     methods = {}
     for attr in dir(type(obj)):
@@ -500,6 +517,234 @@ def load_handler(path, cls):
     if "enter" not in methods or "batch" not in methods:
         raise UserError(f"handler {path}:{cls} lacks @calque.enter or @calque.batch")
     return obj, methods["enter"], methods["batch"], getattr(obj, "collate", None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
+# ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
+MODAL_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modal_shim", "modal.py")
+MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
+
+
+def imports_modal(source):
+    """Whether a handler's source (bytes, or its parsed tree) imports modal: then it is a Modal app file."""
+    tree = source if isinstance(source, ast.AST) else ast.parse(source)
+    return any(isinstance(node, ast.Import) and any(a.name.split(".")[0] == "modal" for a in node.names)
+               or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "modal"
+               for node in ast.walk(tree))
+
+
+def check_modal_source(tree, name, where):
+    """Check without running it that a Modal app file defines `name` (Cls, Cls.method or function) at top level."""
+    top, _, method = name.partition(".")
+    defined = {node.name: node for node in tree.body
+               if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
+    if top not in defined:
+        raise UserError(f"handler {where}: no class or function {top} (found: {', '.join(defined) or 'none'})")
+    if method and not any(getattr(n, "name", None) == method for n in getattr(defined[top], "body", [])):
+        raise UserError(f"handler {where}: class {top} has no method {method}")
+
+
+def load_modal_shim():
+    """The stand-in `modal`, put in sys.modules (the real one, if installed, is shadowed: see modal_shim/modal.py)."""
+    shim = sys.modules.get("modal")
+    if getattr(shim, "__file__", None) != MODAL_SHIM:
+        shim = import_file(MODAL_SHIM, "modal")
+    return shim
+
+
+def import_modal_file(path):
+    """(shim, module) of a Modal app file imported for real under the stand-in; a refused construct is a UserError."""
+    shim = load_modal_shim()
+    try:
+        return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
+    except shim.Unsupported as e:
+        raise UserError(f"{path}: {e}")
+    except ImportError as e:
+        if not (e.name or "").startswith("modal."):
+            raise
+        raise UserError(f"{path}: import {e.name} is not supported on a calque pool (the stand-in modal is one "
+                        f"module) ---> HINT: import modal and use modal.X, or catch the stand-in's RemoteError")
+
+
+def import_modal_app(path, name):
+    """(shim, registered object, method name or None) of `name` in a Modal app file, imported for real. A construct
+    the stand-in refuses is a UserError naming it."""
+    shim, module = import_modal_file(path)
+    top, _, method = name.partition(".")
+    target = getattr(module, top, None)
+    if isinstance(target, shim.Function):
+        return shim, target, None
+    if not isinstance(target, shim.Cls):
+        raise UserError(f"{path}:{name}: {top} is not an @app.cls class or an @app.function function")
+    methods = target.methods()
+    if method and method not in methods:
+        raise UserError(f"{path}:{name}: {top}.{method} is not a @modal.method or @modal.batched method "
+                        f"(those: {', '.join(methods) or 'none'})")
+    if not method and len(methods) != 1:
+        raise UserError(f"{path}:{name}: class {top} has {len(methods)} methods ({', '.join(methods) or 'none'}) "
+                        f"---> HINT: name one: --handler {path}:{top}.METHOD")
+    return shim, target, method or next(iter(methods))
+
+
+def read_env_file(path, where):
+    """KEY=value lines of a --secret file, as pool.env's; a file not on this machine (an EC2 worker) gives none:
+    there the variables come from the pool's environment."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path, "rb") as f:
+        return dict(filter(None, (env_line(line, f"{where}:{n}") for n, line in text_lines(f.read(), path))))
+
+
+def modal_param(user_cls, key, value):
+    """A --param value (text) as the type the modal.parameter() field is annotated with."""
+    kind = typing.get_type_hints(user_cls).get(key, str)
+    if not isinstance(value, str) or kind is str:
+        return value
+    if kind is bool:
+        return value.lower() in ("1", "true", "yes")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise UserError(f"--param {key}={value}: {user_cls.__name__}.{key} is annotated {kind.__name__}")
+
+
+def mount_volume(mount, folder):
+    """Make the app's volume mount path (/data) show `folder`: a symbolic link where nothing is yet."""
+    if os.path.lexists(mount):
+        if not (os.path.exists(mount) and os.path.samefile(mount, folder)):
+            raise UserError(f"volume mount {mount} exists and is not {folder} ---> HINT: move it, or name it with "
+                            f"--volume NAME={mount}")
+        return
+    try:
+        os.makedirs(os.path.dirname(mount), exist_ok=True)
+        os.symlink(folder, mount)
+    except OSError as e:
+        raise UserError(f"volume mount {mount}: cannot link it to {folder} ({e.strerror}) ---> HINT: "
+                        f"sudo ln -s {folder} {mount} on the worker machine")
+
+
+def key_values(pairs, flag):
+    """{key: value} of repeated `--flag KEY=VALUE` options."""
+    out = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"{flag} {pair!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
+
+
+class ModalHandler:
+    """A Modal @app.cls method or @app.function as a calque handler. enter() runs the @modal.enter hooks (snap=True
+    first) and __enter__ once; batch(payloads) makes one call per item (@modal.method; a list item is splatted for a
+    method of several parameters, as .starmap does) or one per max_batch_size items (@modal.batched), up to
+    @modal.concurrent(max_inputs) item calls at once; calque_exit() runs @modal.exit hooks and __exit__."""
+
+    def __init__(self, target, method, options):
+        self.target, self.method, self.options = target, method, options
+        self.instance, self.replay = None, {}
+        self.raw = target.user_cls if method else target.raw_f
+
+    def collate(self, payloads):
+        return list(payloads)   # items reach the method as JSON values: no array gathering
+
+    def _hooks(self, kind):
+        hooks = [v for v in vars(self.raw).values() if getattr(v, "_modal_role", {}).get("kind") == kind]
+        return sorted(hooks, key=lambda fn: not fn._modal_role.get("snap"))
+
+    def enter(self):
+        for name, path in self.options.get("secrets", {}).items():
+            for key, value in read_env_file(path, f"--secret {name}").items():
+                os.environ.setdefault(key, value)
+        for secret in self.target.options["secrets"]:   # modal.Secret.from_dict: its values are in the source
+            for key, value in secret.values.items():
+                os.environ.setdefault(key, value)
+        for mount, folder in self.options.get("volumes", {}).items():
+            mount_volume(mount, folder)
+        if not self.method:
+            self.fn = self.raw
+            return
+        self.instance = self.raw()
+        for key, default in self.target.parameters().items():
+            value = self.options.get("params", {}).get(key, default)
+            if value is inspect.Parameter.empty:
+                raise UserError(f"{self.raw.__name__}.{key} is a modal.parameter() without a default: "
+                                f"pool create --param {key}=VALUE")
+            setattr(self.instance, key, modal_param(self.raw, key, value))
+        for hook in self._hooks("enter"):
+            hook(self.instance)
+        if hasattr(self.instance, "__enter__"):
+            self.instance.__enter__()
+        self.fn = getattr(self.instance, self.method)
+
+    def calque_exit(self):
+        """On a graceful stop, once the last claim is done."""
+        if self.instance is None:
+            return
+        for hook in self._hooks("exit"):
+            hook(self.instance)
+        if hasattr(self.instance, "__exit__"):
+            self.instance.__exit__(None, None, None)
+
+    def batch(self, payloads):
+        role = getattr(self.fn, "_modal_role", {})
+        if role.get("kind") == "batched":
+            size, out = role["max_batch_size"], []
+            for k in range(0, len(payloads), size):
+                chunk = payloads[k:k + size]   # several parameters: one list per parameter, as Modal passes them
+                out += self._call([chunk] if self._params() == 1 else [list(c) for c in zip(*chunk)])
+            return out
+        if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item of a failed batch
+            ok, value = self.replay.pop(id(payloads[0]))
+            if ok:
+                return [value]
+            raise value
+        outcomes = self._each(payloads)
+        if all(ok for ok, _ in outcomes):
+            return [value for _, value in outcomes]
+        # warmd retries a failed batch item by item: replay each item's outcome rather than call it twice
+        self.replay = {id(p): outcome for p, outcome in zip(payloads, outcomes)}
+        raise next(value for ok, value in outcomes if not ok)
+
+    def _params(self):
+        return len([p for p in inspect.signature(self.fn).parameters.values() if p.default is p.empty])
+
+    def _call(self, args):
+        out = self.fn(*args)
+        return list(out) if hasattr(out, "__next__") else out
+
+    def _each(self, payloads):
+        """[(ok, result or exception)] per item, max_inputs at once."""
+        splat = self._params() > 1
+        args = [item if splat and isinstance(item, list) else [item] for item in payloads]
+        limit = getattr(self.raw, "_modal_concurrent", 1)
+        if inspect.iscoroutinefunction(self.fn) or inspect.isasyncgenfunction(self.fn):
+            return asyncio.run(self._each_async(args, limit))
+
+        def one(a):
+            try:
+                return True, self._call(a)
+            except Exception as e:
+                return False, e
+        if limit <= 1:
+            return [one(a) for a in args]
+        with ThreadPoolExecutor(min(limit, len(args))) as pool:
+            return list(pool.map(one, args))
+
+    async def _each_async(self, args, limit):
+        gate = asyncio.Semaphore(limit)
+
+        async def one(a):
+            async with gate:
+                try:
+                    out = self.fn(*a)
+                    if hasattr(out, "__anext__"):
+                        return True, [x async for x in out]
+                    return True, await out
+                except Exception as e:
+                    return False, e
+        return await asyncio.gather(*(one(a) for a in args))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2965,7 +3210,8 @@ DLAMI_PARAMETERS = {                # SSM public parameters naming the current d
     "x86_64": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
     "arm64": "/aws/service/deeplearning/ami/arm64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
 }
-KIT_FILES = ("calque.py", "warmd.py", "requirements.txt", "rates.json")   # + fastbatch/*.py|.c|.h: what a worker runs
+# what a worker runs (+ fastbatch/*.py|.c|.h)
+KIT_FILES = ("calque.py", "warmd.py", "requirements.txt", "rates.json", "modal_shim/modal.py")
 EC2_STATE_DIR = "/var/lib/calque"    # CALQUE_STATE on an instance (handler cache)
 EC2_SPOT_POLL = "http://169.254.169.254"  # the metadata address the bootstrap enables the spot poller with
 EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # workers get this machine's
@@ -4547,7 +4793,88 @@ def ec2_cold_cleanup(backend, instance_ids, calls=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 9. pools and cold runs across both paths: status of local and EC2 pools, the cold baseline
+# 9. across both paths: a Modal app's pool options (gpu= priced from rates.json), the cold baseline, and the
+# status of local and EC2 pools
+def modal_gpu(gpu):
+    """(card, count) of an @app.cls / @app.function gpu= value ("H100:8", "a10g", a list of fallbacks: the first)."""
+    if isinstance(gpu, (list, tuple)):
+        gpu = gpu[0] if gpu else None
+    if not isinstance(gpu, str):
+        return None, 0
+    card, _, count = gpu.upper().rstrip("!").partition(":")
+    return MODAL_GPU_ALIASES.get(card, card), int(count or 1)
+
+
+def suggest_instance(rates, card, count):
+    """The cheapest instance type in rates.json (ec2.instances: gpu, gpus, price, each with its source) with at
+    least `count` GPUs of `card`, or None."""
+    fits = [(i["usd_per_hour"], name) for name, i in rates["ec2"]["instances"].items()
+            if i["serverless_card"] == card and i["gpus"] >= count]
+    return min(fits)[1] if fits else None
+
+
+def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None):
+    """What a Modal handler's pool needs from its app file, imported here for real: (the pool record's "modal"
+    {params, secrets, volumes, declared}, {max_deliveries, batch_timeout, instance_type} the app's retries=,
+    timeout= and gpu= suggest, note lines to print). (None, {}, []) for a calque handler."""
+    path, name = parse_handler_spec(handler_spec)
+    with open(path, "rb") as f:
+        if not imports_modal(f.read()):
+            if params or secrets or volumes:
+                raise UserError(f"--param, --secret and --volume apply to a Modal app handler; {path} imports no modal")
+            return None, {}, []
+    _, target, method = import_modal_app(path, name)
+    options, notes, suggested = target.options, [], {}
+    given = key_values(params, "--param")
+    declared = target.parameters() if method else {}
+    for key, value in given.items():
+        if key not in declared:
+            raise UserError(f"--param {key}: {target.__name__} has no modal.parameter() {key} "
+                            f"(it has: {', '.join(declared) or 'none'})")
+        modal_param(target.user_cls, key, value)
+    missing = [k for k, default in declared.items() if default is inspect.Parameter.empty and k not in given]
+    if missing:
+        raise UserError(f"{target.__name__}.{missing[0]} is a modal.parameter() without a default ---> HINT: "
+                        f"pool create --param {missing[0]}=VALUE")
+    secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
+    for secret in options["secrets"]:
+        if secret.name and secret.name not in secret_files:
+            notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables must be in the "
+                         f"workers' environment (pool.env)")
+    folders = key_values(volumes, "--volume")
+    for name, folder in folders.items():
+        if "://" in folder:
+            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> HINT: copy the prefix "
+                            f"to a folder the workers see (aws s3 sync), and name that")
+        folders[name] = os.path.abspath(folder)
+    mounts = {mount: vol.name for mount, vol in options["volumes"].items()}
+    for mount, vol in mounts.items():
+        if vol not in folders:
+            raise UserError(f"volume {vol} (mounted at {mount}) has no folder ---> HINT: pool create "
+                            f"--volume {vol}=PATH (a local folder the workers see at {mount})")
+    card, count = modal_gpu(options.get("gpu"))
+    if count > (gpus_per_worker or 1):
+        raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives each worker "
+                        f"{gpus_per_worker or 1} ---> HINT: --gpus-per-worker {count}")
+    if card:
+        suggested["instance_type"] = suggest_instance(load_rates(RATES_FILE), card, count)
+        notes.append(f"gpu={options['gpu']!r}: EC2 instance type for --instances: "
+                     f"{suggested['instance_type'] or 'none in rates.json'}")
+    retries = options.get("retries")
+    if retries is not None:
+        suggested["max_deliveries"] = 1 + (retries if isinstance(retries, int) else retries.max_retries)
+    if options.get("timeout"):
+        per_batch = 1 if target.methods().get(method, {}).get("kind") == "batched" or not method else batch_size
+        suggested["batch_timeout"] = float(options["timeout"]) * (per_batch or 1)
+    if options.get("image") is not None:
+        notes.append(f"image= declared ({' + '.join(options['image'].steps)}): not built; the workers run in this "
+                     f"machine's environment (the kit's .venv on EC2)")
+    record = {"params": given, "secrets": secret_files, "volumes": {m: folders[v] for m, v in mounts.items()},
+              "declared": {"gpu": options.get("gpu"),
+                           "image": options["image"].steps if options.get("image") else None}}
+    return record, suggested, notes
+
+
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
              progress=True, ec2=None, dry_run=False, yes_spend_money=False):
     """The baseline: a fresh acquisition. Ephemeral workers pay @enter, drain this run's own queue, exit:
@@ -4857,15 +5184,18 @@ class Pool:
         self.conf, self.backend = context or _context(store)
 
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
-               max_deliveries=None, batch_timeout=None, gpus_per_worker=None, wait=True, progress=False):
+               max_deliveries=None, batch_timeout=None, gpus_per_worker=None, wait=True, progress=False, modal=None):
         """Create (or re-create: idempotent) the pool: queues, handler snapshot, pool record, then `workers`
         local workers, waited for until warm unless wait=False (WorkersFailed names the first that died).
-        The workers run in the current folder (the record's workdir). Returns the pool record."""
+        The workers run in the current folder (the record's workdir). `modal`: a Modal handler's {"params": {key:
+        value}, "secrets": {name: env file}} (modal_options). Returns the pool record."""
         defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
         record = new_pool_record(self.backend, self.model, defaults, batch_timeout)
         record["workdir"] = os.getcwd()
+        if modal:
+            record["modal"] = modal
         with pool_name_claimed(self.backend, self.model):
             record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", self.backend.store.put)
             self.backend.queues.create_queue(record["queue"], record["visibility_timeout"])
@@ -5142,9 +5472,19 @@ def write_results(lines, failed_only):
 
 
 def cmd_pool_create(conf, backend, args):
+    batch_size = pool_settings(conf, args.batch_size)["batch_size"]
+    modal, suggested, notes = modal_options(args.handler, args.param, args.secret, args.volume, args.gpus_per_worker,
+                                            batch_size)
+    for note in notes:
+        print(f"pool {args.model}: {note}")
+    args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")        # the app's retries=
+    args.batch_timeout = args.batch_timeout or suggested.get("batch_timeout")           # the app's timeout=
     if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
         record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
                                                                     args.max_deliveries), args.batch_timeout)
+        if modal:
+            record["modal"] = modal
+        args.instance_type = args.instance_type or suggested.get("instance_type")       # the app's gpu=
         options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
                                    spot=args.spot, subnet=args.subnet, key_name=args.key_name,
                                    scale_to_zero_after=args.scale_to_zero_after)
@@ -5157,7 +5497,7 @@ def cmd_pool_create(conf, backend, args):
     workers = LOCAL_WORKERS_DEFAULT if args.workers is None else args.workers
     pool = Pool(args.model, context=(conf, backend))
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
-                         max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout)
+                         max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal)
     print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, "
           f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
           f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}; "
@@ -5480,6 +5820,113 @@ def cmd_cost(conf, backend, args):
     return EXIT_OK
 
 
+class ModalEntrypointFailed(Exception):
+    """A remote call of `calque modal run`'s entrypoint failed: one line, exit 1."""
+
+
+class ModalRun:
+    """Where `calque modal run` sends the entrypoint's calls: the shim's runner(target, params, items) submits the
+    items to the pool serving that target and returns Run.results(). --pool M serves the target its handler names
+    (with the same parameters); any other target gets an ephemeral pool, created at its first call, deleted by
+    close() as a Modal ephemeral app is."""
+
+    def __init__(self, context, path, pool, workers):
+        self.context, self.path, self.workers = context, path, workers
+        self.pools, self.created = {}, []
+        if pool:
+            record = load_pool(context[1], pool)
+            self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
+
+    @staticmethod
+    def _key(params):
+        return json.dumps({k: str(v) for k, v in params.items()}, sort_keys=True)
+
+    def __call__(self, target, params, items):
+        key = (target, self._key(params))
+        if key not in self.pools:
+            self.pools[key] = self._ephemeral(target, params)
+        return submit(items, pool=self.pools[key], context=self.context).results()
+
+    def _ephemeral(self, target, params):
+        spec = f"{self.path}:{target}"
+        conf = self.context[0]
+        batch_size = pool_settings(conf)["batch_size"]
+        modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], batch_size=batch_size)
+        model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
+        print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
+        for note in notes:
+            print(f"calque: {target}: {note}", file=sys.stderr)
+        self.created.append(model)
+        Pool(model, context=self.context).create(spec, self.workers, modal=modal,
+                                                 max_deliveries=suggested.get("max_deliveries"),
+                                                 batch_timeout=suggested.get("batch_timeout"))
+        return model
+
+    def close(self):
+        for model in self.created:
+            with contextlib.suppress(NotFound):
+                Pool(model, context=self.context).delete(force=True)
+
+
+MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types parsed from the command line, as Modal's CLI
+
+
+def entrypoint_parser(fn, prog):
+    """Modal's CLI for a local entrypoint: one --name option per parameter (dashes for underscores), typed by its
+    annotation, required without a default; a bool is --name/--no-name."""
+    parser = argparse.ArgumentParser(prog=prog)
+    hints = typing.get_type_hints(fn)
+    for name, param in inspect.signature(fn).parameters.items():
+        kind, flag = hints.get(name, str), f"--{name.replace('_', '-')}"
+        required = param.default is param.empty
+        default = None if required else param.default
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=default,
+                                required=required)
+        elif kind in MODAL_ARG_TYPES:
+            parser.add_argument(flag, dest=name, type=kind, default=default, required=required)
+        else:
+            raise UserError(f"entrypoint {fn.__name__}: parameter {name} is a {kind}: Modal's CLI and calque's take "
+                            f"int, float, str and bool")
+    return parser
+
+
+def cmd_modal_run(conf, backend, args):
+    own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py, as in the usage line
+    own.add_argument("--pool", default=args.pool)
+    own.add_argument("--workers", type=int, default=args.workers)
+    mine, args.args = own.parse_known_args(args.args)
+    args.pool, args.workers = mine.pool, mine.workers
+    path, _, name = args.app.partition("::")
+    if not os.path.isfile(path):
+        raise UserError(f"modal run {args.app}: file {path} not found")
+    if args.workers < 1:
+        raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
+    shim, module = import_modal_file(path)
+    entrypoints = {k: v for app in vars(module).values() if isinstance(app, shim.App)
+                   for k, v in app.entrypoints.items()}
+    if not name and len(entrypoints) != 1:
+        raise UserError(f"{path} has {len(entrypoints)} local entrypoints ({', '.join(entrypoints) or 'none'}) "
+                        f"---> HINT: name one: modal run {path}::NAME")
+    name = name or next(iter(entrypoints))
+    if name not in entrypoints:
+        raise UserError(f"{path} has no @app.local_entrypoint() {name} (it has: {', '.join(entrypoints) or 'none'})")
+    fn = entrypoints[name]
+    kwargs = vars(entrypoint_parser(fn, f"calque modal run {args.app}").parse_args(args.args))
+    shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers)
+    try:
+        out = fn(**kwargs)
+        if inspect.iscoroutine(out):
+            asyncio.run(out)
+    except shim.RemoteError as e:
+        raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {e} ---> HINT: map(..., "
+                                    f"return_exceptions=True) to go on past failed items")
+    finally:
+        shim.runner = None
+        runner.close()
+    return EXIT_OK
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="calque.py",
                                      description="Sticky warm-worker pools for batch model inference.")
@@ -5489,7 +5936,7 @@ def build_parser():
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
     priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost,modal}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
@@ -5506,6 +5953,12 @@ def build_parser():
     p.add_argument("--batch-timeout", type=float, metavar="SECONDS",
                    help="seconds one handler.batch() call may run before the worker gives up on it "
                         "(default: the workers' CALQUE_BATCH_TIMEOUT)")
+    modal_flags = p.add_argument_group("a Modal app handler (docs/modal.md)")
+    modal_flags.add_argument("--param", action="append", metavar="KEY=VALUE", help="a modal.parameter() of the class")
+    modal_flags.add_argument("--secret", action="append", metavar="NAME=FILE",
+                             help="the KEY=value file modal.Secret.from_name(NAME) reads")
+    modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
+                             help="the folder modal.Volume.from_name(NAME) is, linked at its mount path")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
     ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
     ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
@@ -5619,6 +6072,15 @@ def build_parser():
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_cost)
+
+    modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools").add_subparsers(
+        dest="modal_verb", required=True, metavar="{run}")
+    p = modal.add_parser("run", help="run the app's @app.local_entrypoint() here; its .map/.remote/.spawn go to pools")
+    p.add_argument("app", help="app.py or app.py::entrypoint")
+    p.add_argument("--pool", help="a pool serving one of the app's targets (default: an ephemeral pool per target)")
+    p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT, help="local workers of each ephemeral pool")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the entrypoint's own options (--name value)")
+    p.set_defaults(func=cmd_modal_run)
     return parser
 
 
@@ -5655,7 +6117,7 @@ def main(argv=None):
     except UserError as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (StoreFault, WorkersFailed) as e:
+    except (StoreFault, WorkersFailed, ModalEntrypointFailed) as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except ResultsIncomplete as e:   # Run.results() through a verb: a claim that will not run

@@ -394,7 +394,8 @@ class Worker:
         path = os.path.join(folder, h["file"])
         calque.write_file_atomic(path, source.decode())
         enter_workdir(self.record.get("workdir"), folder)
-        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"])
+        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"],
+                                                                                 self.record.get("modal"))
         self.collator = Collator(collate)
 
     def enter(self):
@@ -406,6 +407,16 @@ class Worker:
         self.entered_at = time.time()
         log.info("worker %s: @enter done in %.3fs (acquisition %.3fs)", self.worker_id, self.enter_seconds,
                  self.acquisition_seconds)
+
+    def run_exit_hooks(self):
+        """A Modal handler's @modal.exit / __exit__, once the last claim is done (within the grace period of a
+        SIGTERM): a failing hook is logged, the worker still stops cleanly."""
+        hooks = getattr(self.handler, "calque_exit", None) if self.entered_at is not None else None
+        if hooks:
+            try:
+                hooks()
+            except Exception as e:
+                log.warning("worker %s: @modal.exit failed (%s: %s)", self.worker_id, type(e).__name__, e)
 
     def on_signal(self, signum, frame):
         if self.stop_requested:
@@ -453,6 +464,7 @@ class Worker:
             if self.prefetcher:
                 self.prefetcher.shutdown(wait=False, cancel_futures=True)
             self.reader.shutdown(wait=False, cancel_futures=True)
+            self.run_exit_hooks()
             self.write_stats("stopped")
             log.info("worker %s: exit (%s) after %d claim(s), %d warm hit(s), enter_count %d",
                      self.worker_id, reason, self.stats["claims"], self.stats["warm_hits"], self.enter_count)

@@ -1,0 +1,228 @@
+"""Unmodified Modal app files on calque pools: as a pool handler (real warmd.py processes) and under
+`calque modal run`, on the embedded backend and on moto_server; lifecycle hooks on SIGTERM; the stand-in's
+refusals; and the stand-in loaded even where a real `modal` package is importable."""
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, cli, wait_for, write_items
+
+APP = '''
+import json
+import os
+import modal
+
+app = modal.App("shaped")
+LOG = {log!r}
+OFFSET = 100   # a module-level constant the methods read
+
+
+def shift(x):
+    return x + OFFSET
+
+
+@app.cls(gpu="A10G", retries=1)
+class Batcher:
+    scale: int = modal.parameter(default=1)
+
+    @modal.enter()
+    def load(self):
+        with open(LOG, "a") as f:
+            f.write(f"enter {{os.getpid()}}\\n")
+        self.pid = os.getpid()
+
+    @modal.method()
+    def double(self, x):
+        if x % 7 == 3:
+            raise ValueError(f"item {{x}} is unlucky")
+        return {{"y": shift(x) * 2 * self.scale}}
+
+    @modal.method()
+    def add(self, a, b):
+        return a + b
+
+    @modal.batched(max_batch_size=4, wait_ms=10)
+    def sizes(self, xs):
+        return [len(xs)] * len(xs)
+
+
+@app.function()
+def square(x):
+    return x * x
+
+
+@app.local_entrypoint()
+def main(count: int = 3, strict: bool = False):
+    out = {{"double": [r if not isinstance(r, Exception) else "error: " + str(r)
+                       for r in Batcher().double.map(range(count), return_exceptions=not strict)],
+           "add": list(Batcher().add.starmap([(1, 2), (3, 4)])),
+           "square": list(square.map(range(count), order_outputs=False)),
+           "remote": square.remote(5), "spawn": square.spawn(6).get()}}
+    print(json.dumps(out))
+'''
+
+LIFECYCLE = '''
+import modal
+
+app = modal.App("life")
+LOG = {log!r}
+
+
+def note(line):
+    with open(LOG, "a") as f:
+        f.write(line + "\\n")
+
+
+@app.cls()
+class Old:
+    def __enter__(self):
+        note("__enter__")
+
+    def __exit__(self, *exc):
+        note("__exit__")
+
+    @modal.exit()
+    def bye(self):
+        note("exit")
+
+    @modal.method()
+    def echo(self, x):
+        return x
+'''
+
+
+def write_app(tmp_path, template=APP, name="app.py"):
+    log = tmp_path / "events.log"
+    path = tmp_path / name
+    path.write_text(template.format(log=str(log)))
+    return str(path), log
+
+
+def direct_results(path, items):
+    """What calling the class directly gives: the same file under the stand-in, in this process."""
+    import calque
+    handler, enter, batch, collate = calque.load_handler(path, "Batcher.double")
+    enter()
+    out = []
+    for x in items:
+        try:
+            out.append({"ok": True, "result": batch([x])[0]})
+        except ValueError as e:
+            out.append({"ok": False, "error": f"ValueError: {e}"})
+    return out
+
+
+@pytest.mark.parametrize("backend", ["local", "aws"])
+def test_modal_app_as_pool_and_under_modal_run(backend, request, tmp_path):
+    """@app.cls + @modal.enter + @modal.method as a pool handler: results equal to direct calls, failing items
+    isolated, @enter once per worker; then modal run with --pool, ephemeral pools, starmap, remote, spawn."""
+    env = request.getfixturevalue(f"{backend}_env")
+    path, log = write_app(tmp_path)
+    out = cli(env, "pool", "create", "--model", "shaped", "--handler", f"{path}:Batcher.double", "--workers", "2",
+              "--batch-size", "4")
+    assert out.returncode == 0, out.stderr
+    assert "g5.xlarge" in out.stdout and "max deliveries 2" in out.stdout   # gpu= and retries= read from the app
+    items = list(range(20))
+    run = cli(env, "submit", "--pool", "shaped", write_items(tmp_path / "items.jsonl", items), "--claim-size", "5",
+              "--json")
+    assert run.returncode == 1, run.stderr   # some items fail: a failed run
+    run_id = json.loads(run.stdout)["run"]["run_id"]
+    got = [json.loads(line) for line in cli(env, "runs", "results", run_id).stdout.splitlines()]
+    assert [{k: r[k] for k in ("ok", "result", "error") if k in r} for r in got] == direct_results(path, items)
+    pids = [line.split()[1] for line in log.read_text().splitlines()]
+    assert len(pids) == 3 and len(set(pids)) == 3   # one @enter per worker (2), and the direct call's
+
+    out = cli(env, "modal", "run", path, "--pool", "shaped", "--count", "5")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result == {"double": [{"y": 200}, {"y": 202}, {"y": 204}, "error: ValueError: item 3 is unlucky",
+                                 {"y": 208}], "add": [3, 7], "square": [0, 1, 4, 9, 16], "remote": 25, "spawn": 36}
+    assert out.stderr.count("ephemeral pool") == 2   # Batcher.add and square; Batcher.double went to --pool shaped
+    pools = cli(env, "pool", "list").stdout
+    assert "shaped" in pools and "modal-app" not in pools   # the ephemeral pools are gone
+    strict = cli(env, "modal", "run", f"{path}::main", "--pool", "shaped", "--count", "5", "--strict")
+    assert strict.returncode == 1 and strict.stderr.strip().splitlines()[-1].startswith(
+        "calque: error: entrypoint main: an item failed: ValueError: item 3 is unlucky")
+    assert cli(env, "pool", "delete", "--model", "shaped", "--yes").returncode == 0
+
+
+def test_enter_and_exit_hooks_on_sigterm(local_env, tmp_path):
+    """__enter__ runs once before the first claim; @modal.exit and __exit__ run when scale-down SIGTERMs the worker."""
+    path, log = write_app(tmp_path, LIFECYCLE)
+    assert cli(local_env, "pool", "create", "--model", "life", "--handler", f"{path}:Old",
+               "--workers", "1").returncode == 0
+    assert log.read_text().split() == ["__enter__"]
+    assert cli(local_env, "pool", "scale", "--model", "life", "--workers", "0").returncode == 0
+    wait_for(lambda: log.read_text().split() == ["__enter__", "exit", "__exit__"], 20, "the exit hooks")
+
+
+def test_batched_concurrent_async_generator_in_process(tmp_path):
+    """@modal.batched splits a batch at max_batch_size; @modal.concurrent async and generator methods give one
+    result per item; a method that raises fails only its items."""
+    import calque
+    app = tmp_path / "kinds.py"
+    app.write_text('''
+import asyncio
+import modal
+
+app = modal.App()
+
+
+@app.cls()
+@modal.concurrent(max_inputs=8)
+class Kinds:
+    @modal.method()
+    async def slow(self, x):
+        await asyncio.sleep(0)
+        return -x
+
+    @modal.method(is_generator=True)
+    def count(self, n):
+        yield from range(n)
+
+
+@app.function()
+@modal.concurrent(max_inputs=3)
+def threaded(x):
+    if x < 0:
+        raise KeyError(x)
+    return x + 1
+''')
+    path, log = write_app(tmp_path)
+    _, enter, batch, _ = calque.load_handler(path, "Batcher.sizes")
+    enter()
+    assert batch(list(range(10))) == [4] * 8 + [2] * 2
+    _, enter, batch, _ = calque.load_handler(str(app), "Kinds.slow")
+    enter()
+    assert batch([1, 2, 3]) == [-1, -2, -3]
+    _, enter, batch, _ = calque.load_handler(str(app), "Kinds.count")
+    enter()
+    assert batch([2, 0]) == [[0, 1], []]
+    _, enter, batch, _ = calque.load_handler(str(app), "threaded")
+    enter()
+    items = [1, -1, 2]
+    with pytest.raises(KeyError):
+        batch(items)
+    assert batch([items[0]]) == [2] and batch([items[2]]) == [3]   # warmd's one-by-one retry: replayed, not re-run
+    with pytest.raises(KeyError):
+        batch([items[1]])
+
+
+def test_unsupported_construct_and_a_real_modal_installed(local_env, tmp_path):
+    """modal.Dict is refused at import in one line naming it; a `modal` package on the path is shadowed by the
+    stand-in (the file still loads and runs)."""
+    bad = tmp_path / "bad.py"
+    bad.write_text('import modal\napp = modal.App()\ncache = modal.Dict.from_name("c")\n\n\n'
+                   '@app.function()\ndef f(x):\n    return x\n')
+    out = cli(local_env, "pool", "create", "--model", "bad", "--handler", f"{bad}:f", "--workers", "0")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1
+    assert "modal.Dict is not supported on a calque pool ---> HINT:" in out.stderr
+    real = tmp_path / "site" / "modal"
+    real.mkdir(parents=True)
+    (real / "__init__.py").write_text('raise RuntimeError("the real modal was imported")\n')
+    path, _ = write_app(tmp_path)
+    env = dict(local_env, PYTHONPATH=f"{tmp_path / 'site'}{os.pathsep}{ROOT}")
+    out = cli(env, "modal", "run", path, "--count", "2")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["double"] == [{"y": 200}, {"y": 202}]
