@@ -710,17 +710,17 @@ class ModalHandler:
     def _params(self):
         return len([p for p in inspect.signature(self.fn).parameters.values() if p.default is p.empty])
 
-    def _call(self, args):
-        out = self.fn(*args)
+    def _call(self, item_args):
+        out = self.fn(*item_args)
         return list(out) if hasattr(out, "__next__") else out
 
     def _each(self, payloads):
         """[(ok, result or exception)] per item, max_inputs at once."""
         splat = self._params() > 1
-        args = [item if splat and isinstance(item, list) else [item] for item in payloads]
+        calls = [item if splat and isinstance(item, list) else [item] for item in payloads]
         limit = getattr(self.raw, "_modal_concurrent", 1)
         if inspect.iscoroutinefunction(self.fn) or inspect.isasyncgenfunction(self.fn):
-            return asyncio.run(self._each_async(args, limit))
+            return asyncio.run(self._each_async(calls, limit))
 
         def one(a):
             try:
@@ -728,11 +728,11 @@ class ModalHandler:
             except Exception as e:
                 return False, e
         if limit <= 1:
-            return [one(a) for a in args]
-        with ThreadPoolExecutor(min(limit, len(args))) as pool:
-            return list(pool.map(one, args))
+            return [one(a) for a in calls]
+        with ThreadPoolExecutor(min(limit, len(calls))) as pool:
+            return list(pool.map(one, calls))
 
-    async def _each_async(self, args, limit):
+    async def _each_async(self, calls, limit):
         gate = asyncio.Semaphore(limit)
 
         async def one(a):
@@ -744,7 +744,7 @@ class ModalHandler:
                     return True, await out
                 except Exception as e:
                     return False, e
-        return await asyncio.gather(*(one(a) for a in args))
+        return await asyncio.gather(*(one(a) for a in calls))
 
 
 # ------------------------------------------------------------------------------------------------
