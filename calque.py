@@ -4640,8 +4640,9 @@ def pool_status(conf, backend, model):
 def mark_lost_workers(stats, now=None):
     """The worker stats, a worker that says "running" but is gone marked {"state": "lost", "lost": why}. On this
     machine a worker is gone when its pid is; elsewhere, when its stats are older than WORKER_LOST_AFTER (it
-    rewrites them every 30 s idle and after each claim, so one busy on a single longer claim shows as lost
-    until that claim ends). Without this a pool whose workers were killed counts them all as running."""
+    rewrites them between claims every 30 s, busy or idle, and once when it runs out of claims, so one busy on a
+    single claim longer than 90 s may show as lost until that claim ends). Without this a pool whose workers were
+    killed counts them all as running."""
     now = time.time() if now is None else now
     host, marked = socket.gethostname(), []
     for w in stats:
