@@ -90,6 +90,7 @@ LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the loca
 QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local queue file is still the one opened
 ENDPOINT_BACKOFF = (0.25, 4.0)          # s: first wait before retrying an unreachable AWS endpoint, doubling to a cap
 ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
+SUMMARY_POLL_MIN = 0.002                # s, the first gap between two summary checks (an idle pool's round trip)
 SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
 RUN_RECHECK = 1.0                       # s between two looks, while submit waits, at the run record and the DLQ depth
 DLQ_SCAN_WAIT = 1.0                     # s of each receive of a dead-letter scan (an SQS short poll may miss messages)
@@ -582,6 +583,7 @@ class LocalStore:
     def __init__(self, root, requests):
         self.root = os.path.realpath(root)
         self.requests = requests
+        self.keys_listed = 0   # keys every list() returned (the bench's measure of a waiting submit's work)
 
     def _path(self, key):
         return os.path.join(self.root, key)
@@ -652,8 +654,10 @@ class LocalStore:
         self.requests["store_gets"] += 1
         return os.path.exists(self._path(key))
 
-    def list(self, prefix):
-        """Keys under a prefix that ends in '/', one level deep (enough for every layout here)."""
+    def list(self, prefix, start_after=None):
+        """Keys under a prefix that ends in '/', one level deep (enough for every layout here), in order; with
+        `start_after`, only the keys that sort after it (as S3's StartAfter). Hidden cost: the folder is still
+        read whole (one listdir, ~1 us a name); what is skipped is the caller's work on the keys."""
         self.requests["store_lists"] += 1
         try:
             names = os.listdir(self._path(prefix))
@@ -661,7 +665,11 @@ class LocalStore:
             return []
         except OSError as e:
             raise self._fault("list", prefix, e) from None
-        return sorted(prefix + n for n in names if ".tmp-" not in n)
+        keys = sorted(prefix + n for n in names if ".tmp-" not in n)
+        if start_after is not None:
+            keys = [k for k in keys if k > start_after]
+        self.keys_listed += len(keys)
+        return keys
 
     def delete_prefix(self, prefix):
         shutil.rmtree(self._path(prefix), ignore_errors=True)   # ignores files a concurrent writer removed first
@@ -893,6 +901,7 @@ class S3Store:
     def __init__(self, s3, bucket, prefix, requests, endpoint_retry=0.0):
         self.s3, self.bucket, self.prefix, self.requests = s3, bucket, prefix, requests
         self.endpoint_retry = endpoint_retry
+        self.keys_listed = 0   # keys every list() returned (the bench's measure of a waiting submit's work)
         self.endpoint = s3.meta.endpoint_url if s3 else None
 
     def _key(self, key):
@@ -956,16 +965,19 @@ class S3Store:
             raise
 
     @endpoint_retried
-    def list(self, prefix):
-        """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list."""
+    def list(self, prefix, start_after=None):
+        """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list; with
+        `start_after`, only those after it (ListObjectsV2's StartAfter: S3 skips the rest, one page per 1000)."""
         keys = []
+        more = {"StartAfter": self._key(start_after)} if start_after is not None else {}
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix),
-                                                                  Delimiter="/")
+                                                                  Delimiter="/", **more)
         for page in pages:
             self.requests["store_lists"] += 1
             keys += [o["Key"] for o in page.get("Contents", [])]
             keys += [p["Prefix"].rstrip("/") for p in page.get("CommonPrefixes", [])]
         strip = len(self._key(""))
+        self.keys_listed += len(keys)
         return sorted(k[strip:] for k in keys)
 
     @endpoint_retried
@@ -1245,8 +1257,10 @@ def snapshot_handler(handler_spec, key_prefix, put):
             "source_path": os.path.abspath(path)}
 
 
-def list_summaries(backend, run_id):
-    return [k for k in backend.store.list(f"runs/{run_id}/summaries/") if k.endswith(".json")]
+def list_summaries(backend, run_id, after_claim=None):
+    """The run's summary keys, in key order; with `after_claim`, only those whose key sorts after that claim's."""
+    start_after = summary_key(run_id, after_claim) if after_claim is not None else None
+    return [k for k in backend.store.list(f"runs/{run_id}/summaries/", start_after) if k.endswith(".json")]
 
 
 def summary_claims(backend, run_id):
@@ -1618,22 +1632,30 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     """Poll the run's summaries until every claim has one, or nothing can run the rest (nothing_left_to_run,
     checked every RUN_RECHECK s), or timeout; returns (summaries, timed_out), timed_out meaning that some claim
     has no summary. `run` follows its stored record (a cancel, how far sending got). stop_if(), called at each
-    of those checks, may raise to stop waiting (the pool's workers all crash)."""
+    of those checks, may raise to stop waiting (the pool's workers all crash).
+
+    O(claims) in all: each LIST starts after the summary key of the last claim, in key order, below which every
+    claim is done (S3's StartAfter), so a summary is listed about once, not once per poll. The delay between
+    two polls grows from SUMMARY_POLL_MIN to SUMMARY_POLL_MAX and is not reset by a new summary: resetting it
+    made a run of C claims cost O(C) polls of O(C) keys each. Hidden cost: while one claim lags (a slow item, a
+    redelivery), each poll lists again the summaries past it, at most 2 a second until it ends."""
     from tqdm import tqdm   # lazy: only a waiting submit draws a progress bar
     started = time.monotonic()
     deadline, recheck = started + timeout, started + RUN_RECHECK
     done, dead = {}, DeadLetters(backend, run)
-    delay = 0.002
+    in_key_order, below = sorted(run["claims"], key=lambda c: summary_key(run["run_id"], c)), 0
+    delay = SUMMARY_POLL_MIN
     bar = tqdm(total=run["items"], unit="item", file=sys.stderr, disable=not progress, leave=False,
                desc=f"run {run['run_id']}")
     try:
         while True:
-            for key in list_summaries(backend, run["run_id"]):
+            while below < len(in_key_order) and in_key_order[below] in done:
+                below += 1
+            for key in list_summaries(backend, run["run_id"], in_key_order[below - 1] if below else None):
                 claim = key.rsplit("/", 1)[1][:-5]
                 if claim not in done:
                     done[claim] = read_json(backend, key)
                     bar.update(done[claim]["items"])
-                    delay = 0.002
             now = time.monotonic()
             if len(done) == len(run["claims"]) or now >= deadline:
                 break
