@@ -96,7 +96,7 @@ SUMMARY_POLL_MIN = 0.002                # s, the first gap between two summary c
 SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
 RUN_RECHECK = 1.0                       # s between two looks, while submit waits, at the run record and the DLQ depth
 DLQ_SCAN_WAIT = 1.0                     # s of each receive of a dead-letter scan (an SQS short poll may miss messages)
-STORE_WRITERS = 16                      # parallel store writes: staging manifests, cancel marking claims (see stage_run)
+STORE_WRITERS = 16                      # parallel store writes: staging manifests, cancel marking claims (stage_run)
 SEND_BATCH = 10                         # claims per queue send (SQS's SendMessageBatch takes at most 10)
 STAGE_AHEAD = 4                         # manifests staged but not sent yet, per store writer (bounds submit's memory)
 READ_BLOCK = 1 << 22                    # bytes of a JSONL items file read at once (4 MiB)
@@ -4743,8 +4743,8 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
                 with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
                     procs.append(subprocess.Popen([sys.executable, WARMD, "--run", run_id], stdin=subprocess.DEVNULL,
                                                   stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
-            print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {run['items']} items, {shards} fresh worker(s); "
-                  f"logs in {folder}", file=sys.stderr)
+            print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {run['items']} items, "
+                  f"{shards} fresh worker(s); logs in {folder}", file=sys.stderr)
         summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
     finally:
         # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,

@@ -36,7 +36,7 @@ BATCH = 64                       # items per handler call
 WORKERS = 2                      # warm workers (this machine has 2 cores)
 MOTO_ITEMS, MOTO_CLAIM = int(os.environ.get("BENCH_MOTO_ITEMS", "100000")), 100   # moto staging: 1,000 claims
 MOTO_E2E_ITEMS = int(os.environ.get("BENCH_MOTO_E2E_ITEMS", "20000"))            # moto end to end: 200 claims
-MODEL_ONLY_ITEMS = int(os.environ.get("BENCH_MODEL_ONLY_ITEMS", "100000"))   # items per model-only process (timed: predict)
+MODEL_ONLY_ITEMS = int(os.environ.get("BENCH_MODEL_ONLY_ITEMS", "100000"))   # items per model-only process
 DEMO = os.path.join(ROOT, "examples", "demo_model.py")
 WORDS = "batch cost heartbeat pool worker ring manifest claim tensor result drain load cold queue copy".split()
 # runs calque.py's main() and, at exit, writes what the submitter's stores listed and requested to $BENCH_OUT
@@ -153,7 +153,8 @@ def local_run(tmp, path, n, model_rate):
         summaries, claims = report["summaries"], len(report["run"]["claims"])
         first = min(at(s["started_at"]) for s in summaries) - t0
         steady = steady_rate(summaries)
-        print(f"   {n:>9,} items  {claims:>6} claims  end to end {n / wall:9,.0f} items/s ({n / wall / model_rate:4.2f}x "
+        print(f"   {n:>9,} items  {claims:>6} claims  end to end {n / wall:9,.0f} items/s "
+              f"({n / wall / model_rate:4.2f}x "
               f"model-only)  steady {'-' if steady is None else f'{steady:9,.0f}'} items/s "
               f"({'-' if steady is None else f'{steady / model_rate:4.2f}x'})  first claim {first:5.2f} s  "
               f"submit RSS {rss:6.0f} MiB  CPU {cpu:6.2f} s ({cpu / max(workers_cpu, 1e-9):.0%} of workers' "
@@ -203,8 +204,9 @@ def moto_runs(tmp, path_stage, path_e2e):
             worker_req = sum(sum(s["requests"].values()) for s in summaries)
             sub_req = sum(counts["requests"].values())
             print(f"   end to end {MOTO_E2E_ITEMS:,} items as {len(summaries)} claims, {WORKERS} workers: "
-                  f"{MOTO_E2E_ITEMS / wall:7,.0f} items/s, {(worker_req + sub_req) / len(summaries):.2f} requests/claim "
-                  f"(workers {worker_req / len(summaries):.2f} incl. idle polls, submitter {sub_req / len(summaries):.2f}), "
+                  f"{MOTO_E2E_ITEMS / wall:7,.0f} items/s, {(worker_req + sub_req) / len(summaries):.2f} "
+                  f"requests/claim (workers {worker_req / len(summaries):.2f} incl. idle polls, submitter "
+                  f"{sub_req / len(summaries):.2f}), "
                   f"keys listed/claim {counts['keys_listed'] / len(summaries):.2f}, submitter CPU {cpu:.1f} s = "
                   f"{cpu / max(workers_cpu, 1e-9):.0%} of the workers' {workers_cpu:.1f} s")
         finally:

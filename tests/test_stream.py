@@ -13,10 +13,18 @@ def create_pool(env):
     assert out.returncode == 0, out.stderr
 
 
-def submit_from_pipe(env, *extra):
-    return subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", "-", "--no-wait",
-                             "--claim-size", "2", *extra], env=env, cwd=ROOT, stdin=subprocess.PIPE,
+def submit_from_pipe(env, first_items):
+    """A `submit --pool m - --no-wait` of claims of 2, fed `first_items` on a pipe left open once the first claim
+    is queued; with the pool's queue."""
+    create_pool(env)
+    queue = backend_for(env).queues.open_queue("calque-pool-m")
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", "-", "--no-wait",
+                             "--claim-size", "2"], env=env, cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdin.write(lines(first_items))
+    proc.stdin.flush()
+    wait_for(lambda: queue.counts()["visible"] >= 1, 30, "a claim queued while the input is still open")
+    return proc, queue
 
 
 def lines(items):
@@ -26,12 +34,7 @@ def lines(items):
 def test_stdin_claims_are_sent_before_the_input_ends(local_env):
     """From a pipe still open, the first claims are queued and their run record says `staged: false`; once the
     input ends the record lists every claim, its items and `sent`, and every claim is in the queue."""
-    create_pool(local_env)
-    queue = backend_for(local_env).queues.open_queue("calque-pool-m")
-    proc = submit_from_pipe(local_env)
-    proc.stdin.write(lines({"x": i} for i in range(5)))
-    proc.stdin.flush()
-    wait_for(lambda: queue.counts()["visible"] >= 1, 30, "a claim queued while the input is still open")
+    proc, queue = submit_from_pipe(local_env, ({"x": i} for i in range(5)))
     run, = calque.list_runs(backend_for(local_env))
     assert run["staged"] is False and proc.poll() is None
     proc.stdin.write(lines({"x": i} for i in range(5, 9)))
@@ -45,12 +48,7 @@ def test_stdin_claims_are_sent_before_the_input_ends(local_env):
 def test_a_bad_line_after_the_first_claims_keeps_them(local_env):
     """A bad line read after claims were queued: exit 2, one line naming the line and the claims the run keeps;
     the run record holds exactly those claims and items."""
-    create_pool(local_env)
-    queue = backend_for(local_env).queues.open_queue("calque-pool-m")
-    proc = submit_from_pipe(local_env)
-    proc.stdin.write(lines({"x": i} for i in range(4)))
-    proc.stdin.flush()
-    wait_for(lambda: queue.counts()["visible"] >= 1, 30, "a claim queued")
+    proc, queue = submit_from_pipe(local_env, ({"x": i} for i in range(4)))
     out, err = proc.communicate(b'{"x": \n', timeout=60)
     run, = calque.list_runs(backend_for(local_env))
     kept = queue.counts()["visible"]
