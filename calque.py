@@ -99,7 +99,9 @@ DLQ_SCAN_WAIT = 1.0                     # s of each receive of a dead-letter sca
 STORE_WRITERS = 16                      # parallel store writes: staging manifests, cancel marking claims (stage_run)
 SEND_BATCH = 10                         # claims per queue send (SQS's SendMessageBatch takes at most 10)
 STAGE_AHEAD = 4                         # manifests staged but not sent yet, per store writer (bounds submit's memory)
-READ_BLOCK = 1 << 22                    # bytes of a JSONL items file read at once (4 MiB)
+READ_BLOCK = 1 << 22                    # bytes of a JSONL items file read at once (4 MiB), at most
+READ_FIRST = 1 << 16                    # bytes of its first read (64 KiB), doubling up to READ_BLOCK: the first
+                                        # claim waits on ~1k items parsed, not 40k (0.1-0.3 s here)
 ERRORS_KEPT = 100                       # per-item error messages kept in a summary (the count is always exact)
 ERROR_CHARS = 500                       # an error message is cut to this many characters
 ERROR_GROUPS_SHOWN = 5                  # distinct item errors a run report prints (--json has every kept one)
@@ -1368,14 +1370,15 @@ def read_items(path):
 
 
 def jsonl_blocks(stream, path):
-    """The items of a JSONL stream, a list per block of up to READ_BLOCK bytes, each block cut after its last
-    newline and decoded at once. A bad line is a UserError naming path:line when the stream reaches it
+    """The items of a JSONL stream, a list per block (READ_FIRST bytes, doubling up to READ_BLOCK), each block cut
+    after its last newline and decoded at once. A bad line is a UserError naming path:line when the stream reaches it
     (stage_run says what was queued before it); so is a stream without a single item."""
-    lineno, rest, count = 1, b"", 0
+    lineno, rest, count, size = 1, b"", 0, READ_FIRST
     with stream:
         while True:
             try:
-                block = stream.read1(READ_BLOCK)   # what is there, up to a block: a pipe's lines as they come
+                block = stream.read1(size)   # what is there, up to a block: a pipe's lines as they come
+                size = min(2 * size, READ_BLOCK)
             except OSError as e:
                 raise UserError(f"cannot read items file {path}: {e.strerror}") from None
             data = rest + block
