@@ -34,6 +34,7 @@ test: setup
 bench: setup
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_pool.py
 	$(PY) tests/bench_fastbatch.py
+	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_scale.py
 
 # needs a CUDA machine: builds fastbatch, runs its tests, measures pinned vs pageable host-to-device GB/s
 gpu-check: setup

@@ -32,6 +32,7 @@ import argparse
 import ast
 import asyncio
 import base64
+import collections
 import contextlib
 import datetime
 import difflib
@@ -43,6 +44,7 @@ import hashlib
 import importlib.util
 import inspect
 import io
+import itertools
 import json
 import math
 import os
@@ -93,10 +95,16 @@ LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the loca
 QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local queue file is still the one opened
 ENDPOINT_BACKOFF = (0.25, 4.0)          # s: first wait before retrying an unreachable AWS endpoint, doubling to a cap
 ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
+SUMMARY_POLL_MIN = 0.002                # s, the first gap between two summary checks (an idle pool's round trip)
 SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
 RUN_RECHECK = 1.0                       # s between two looks, while submit waits, at the run record and the DLQ depth
 DLQ_SCAN_WAIT = 1.0                     # s of each receive of a dead-letter scan (an SQS short poll may miss messages)
-STORE_WRITERS = 16                      # parallel store writes when cancel marks many claims (an S3 PUT is ~20 ms)
+STORE_WRITERS = 16                      # parallel store writes: staging manifests, cancel marking claims (stage_run)
+SEND_BATCH = 10                         # claims per queue send (SQS's SendMessageBatch takes at most 10)
+STAGE_AHEAD = 4                         # manifests staged but not sent yet, per store writer (bounds submit's memory)
+READ_BLOCK = 1 << 22                    # bytes of a JSONL items file read at once (4 MiB), at most
+READ_FIRST = 1 << 16                    # bytes of its first read (64 KiB), doubling up to READ_BLOCK: the first
+                                        # claim waits on ~1k items parsed, not 40k (0.1-0.3 s here)
 ERRORS_KEPT = 100                       # per-item error messages kept in a summary (the count is always exact)
 ERROR_CHARS = 500                       # an error message is cut to this many characters
 ERROR_GROUPS_SHOWN = 5                  # distinct item errors a run report prints (--json has every kept one)
@@ -180,16 +188,17 @@ def did_you_mean(name, known):
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def text_lines(data, where):
+def text_lines(data, where, first=1):
     """(line number, text) of each '\n'-separated line of `data` (bytes), decoded at once (decoding line by line
-    read a 100,000-item file a third slower); bytes that are not UTF-8 are a UserError naming the line."""
+    read a 100,000-item file a third slower); bytes that are not UTF-8 are a UserError naming the line. `first`:
+    the number of data's first line (a block of a longer file)."""
     try:
         text = data.decode()
     except UnicodeDecodeError as e:
-        lineno, column = data.count(b"\n", 0, e.start) + 1, e.start - data.rfind(b"\n", 0, e.start)
+        lineno, column = data.count(b"\n", 0, e.start) + first, e.start - data.rfind(b"\n", 0, e.start)
         raise UserError(f"{where}:{lineno}: not UTF-8 text (byte {column} of the line) ---> HINT: save the file "
                         f"as UTF-8") from None
-    return enumerate(text.split("\n"), 1)   # not splitlines(): a JSON string may hold U+2028 and the like
+    return enumerate(text.split("\n"), first)   # not splitlines(): a JSON string may hold U+2028 and the like
 
 
 def setting_number(conf, key, kind=float, minimum=None):
@@ -827,6 +836,7 @@ class LocalStore:
     def __init__(self, root, requests):
         self.root = os.path.realpath(root)
         self.requests = requests
+        self.keys_listed = 0   # keys every list() returned (the bench's measure of a waiting submit's work)
 
     def _path(self, key):
         return os.path.join(self.root, key)
@@ -897,8 +907,10 @@ class LocalStore:
         self.requests["store_gets"] += 1
         return os.path.exists(self._path(key))
 
-    def list(self, prefix):
-        """Keys under a prefix that ends in '/', one level deep (enough for every layout here)."""
+    def list(self, prefix, start_after=None):
+        """Keys under a prefix that ends in '/', one level deep (enough for every layout here), in order; with
+        `start_after`, only the keys that sort after it (as S3's StartAfter). Hidden cost: the folder is still
+        read whole (one listdir, ~1 us a name); what is skipped is the caller's work on the keys."""
         self.requests["store_lists"] += 1
         try:
             names = os.listdir(self._path(prefix))
@@ -906,7 +918,11 @@ class LocalStore:
             return []
         except OSError as e:
             raise self._fault("list", prefix, e) from None
-        return sorted(prefix + n for n in names if ".tmp-" not in n)
+        keys = sorted(prefix + n for n in names if ".tmp-" not in n)
+        if start_after is not None:
+            keys = [k for k in keys if k > start_after]
+        self.keys_listed += len(keys)
+        return keys
 
     def delete_prefix(self, prefix):
         shutil.rmtree(self._path(prefix), ignore_errors=True)   # ignores files a concurrent writer removed first
@@ -1046,6 +1062,14 @@ class LocalQueue:
             db.execute("INSERT INTO messages (queue, body, visible_at, sent_at) VALUES (?, ?, ?, ?)",
                        (self.name, body, 0.0, time.time()))
 
+    def send_batch(self, bodies):
+        """Send up to SEND_BATCH messages in one transaction (one request, as SQS's SendMessageBatch)."""
+        self.queues.requests["queue_other"] += 1
+        now = time.time()
+        with self.queues.transaction() as db:
+            db.executemany("INSERT INTO messages (queue, body, visible_at, sent_at) VALUES (?, ?, ?, ?)",
+                           [(self.name, body, 0.0, now) for body in bodies])
+
     def receive(self, wait_seconds, should_stop=lambda: False):
         """One message or None after wait_seconds. The wait probes an index every LOCAL_POLL_INTERVAL
         (read-only, no lock) and takes the write lock only when a message is ready."""
@@ -1138,6 +1162,7 @@ class S3Store:
     def __init__(self, s3, bucket, prefix, requests, endpoint_retry=0.0):
         self.s3, self.bucket, self.prefix, self.requests = s3, bucket, prefix, requests
         self.endpoint_retry = endpoint_retry
+        self.keys_listed = 0   # keys every list() returned (the bench's measure of a waiting submit's work)
         self.endpoint = s3.meta.endpoint_url if s3 else None
 
     def _key(self, key):
@@ -1201,16 +1226,19 @@ class S3Store:
             raise
 
     @endpoint_retried
-    def list(self, prefix):
-        """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list."""
+    def list(self, prefix, start_after=None):
+        """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list; with
+        `start_after`, only those after it (ListObjectsV2's StartAfter: S3 skips the rest, one page per 1000)."""
         keys = []
+        more = {"StartAfter": self._key(start_after)} if start_after is not None else {}
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix),
-                                                                  Delimiter="/")
+                                                                  Delimiter="/", **more)
         for page in pages:
             self.requests["store_lists"] += 1
             keys += [o["Key"] for o in page.get("Contents", [])]
             keys += [p["Prefix"].rstrip("/") for p in page.get("CommonPrefixes", [])]
         strip = len(self._key(""))
+        self.keys_listed += len(keys)
         return sorted(k[strip:] for k in keys)
 
     @endpoint_retried
@@ -1279,6 +1307,16 @@ class SqsQueue:
     def send(self, body):
         self.queues.requests["queue_other"] += 1
         self.sqs.send_message(QueueUrl=self.url, MessageBody=body)
+
+    @endpoint_retried
+    def send_batch(self, bodies):
+        """Send up to SEND_BATCH messages in one SendMessageBatch request; an entry SQS refuses (throttled, say)
+        is sent again alone (a repeat after a dropped connection is a duplicate claim, acked as one)."""
+        self.queues.requests["queue_other"] += 1
+        reply = self.sqs.send_message_batch(QueueUrl=self.url, Entries=[
+            {"Id": str(n), "MessageBody": body} for n, body in enumerate(bodies)])
+        for failed in reply.get("Failed", []):
+            self.send(bodies[int(failed["Id"])])
 
     def receive(self, wait_seconds, should_stop=lambda: False):
         # should_stop is not consulted inside the long poll: warmd's SIGTERM handler interrupts it instead.
@@ -1490,8 +1528,10 @@ def snapshot_handler(handler_spec, key_prefix, put):
             "source_path": os.path.abspath(path)}
 
 
-def list_summaries(backend, run_id):
-    return [k for k in backend.store.list(f"runs/{run_id}/summaries/") if k.endswith(".json")]
+def list_summaries(backend, run_id, after_claim=None):
+    """The run's summary keys, in key order; with `after_claim`, only those whose key sorts after that claim's."""
+    start_after = summary_key(run_id, after_claim) if after_claim is not None else None
+    return [k for k in backend.store.list(f"runs/{run_id}/summaries/", start_after) if k.endswith(".json")]
 
 
 def summary_claims(backend, run_id):
@@ -1509,8 +1549,10 @@ def read_run(backend, run_id):
 
 
 def _run_defaults(run):
-    """A run record as read: one written before `sent` was recorded had every claim sent (or its submit crashed)."""
+    """A run record as read: one written before `sent` was recorded had every claim sent (or its submit crashed);
+    one written before `staged` was recorded was staged whole before its record."""
     run.setdefault("sent", len(run["claims"]))
+    run.setdefault("staged", True)
     return run
 
 
@@ -1558,23 +1600,45 @@ def queue_depth(backend, name):
 # ------------------------------------------------------------------------------------------------
 # 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
 def read_items(path):
-    """Items from a JSONL file (or '-' for stdin): one JSON value per line; blank lines are skipped.
-    A .npy or .npz file is numeric input instead (see ArrayItems)."""
+    """Items from a JSONL file (or '-' for stdin): one JSON value per line; blank lines are skipped. A stream,
+    read as it is staged (memory does not grow with the file); its first block is read and checked at once, so
+    that a bad line there (the usual typo), or a file without items, is refused before anything else is looked
+    at. A .npy or .npz file is numeric input instead (see ArrayItems)."""
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
     try:
         stream = sys.stdin.buffer if path == "-" else open(path, "rb")
-        with stream:
-            data = stream.read()
     except OSError as e:
         raise UserError(f"cannot read items file {path}: {e.strerror}")
-    items = []   # every item is read and checked before anything is written: a bad line stages nothing
-    for lineno, line in text_lines(data, path):
-        if line.strip():
-            items.append(parse_item(line, path, lineno))
-    if not items:
+    blocks = jsonl_blocks(stream, path)
+    return itertools.chain(next(blocks), itertools.chain.from_iterable(blocks))
+
+
+def jsonl_blocks(stream, path):
+    """The items of a JSONL stream, a list per block (READ_FIRST bytes, doubling up to READ_BLOCK), each block cut
+    after its last newline and decoded at once. A bad line is a UserError naming path:line when the stream reaches it
+    (stage_run says what was queued before it); so is a stream without a single item."""
+    lineno, rest, count, size = 1, b"", 0, READ_FIRST
+    with stream:
+        while True:
+            try:
+                block = stream.read1(size)   # what is there, up to a block: a pipe's lines as they come
+                size = min(2 * size, READ_BLOCK)
+            except OSError as e:
+                raise UserError(f"cannot read items file {path}: {e.strerror}") from None
+            data = rest + block
+            if block:
+                cut = data.rfind(b"\n") + 1
+                data, rest = data[:cut], data[cut:]
+            items = [parse_item(line, path, n) for n, line in text_lines(data, path, lineno) if line.strip()]
+            lineno += data.count(b"\n")
+            if items:
+                count += len(items)
+                yield items
+            if not block:
+                break
+    if not count:
         raise UserError(f"{path} holds no items: give one JSON item per line")
-    return items
 
 
 def parse_item(line, path, lineno):
@@ -1621,6 +1685,10 @@ class ArrayItems:
     @classmethod
     def load(cls, path):
         return cls.from_arrays(read_arrays(path), path)
+
+    def chunks(self, size):
+        """(start, stop, None) of each claim of `size` items: the arrays are sliced as each claim is staged."""
+        return ((start, min(start + size, self.count), None) for start in range(0, self.count, size))
 
     @classmethod
     def from_arrays(cls, arrays, path):
@@ -1683,7 +1751,8 @@ def read_arrays(path):
     pickle, refused), EOFError (an empty file), BadZipFile or zlib.error (a damaged archive)."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     try:
-        loaded = np.load(path, allow_pickle=False)
+        # a .npy is mapped, not read: each claim's slice is paged in as it is staged (an .npz member is read whole)
+        loaded = np.load(path, mmap_mode="r", allow_pickle=False)
         if isinstance(loaded, np.ndarray):
             return {"input": loaded}
         with loaded:   # an NpzFile reads each member on access: read them all inside this try
@@ -1741,51 +1810,125 @@ def check_timeout(seconds):
                         f"(CALQUE_TIMEOUT sets the default)")
 
 
+def claim_chunks(items, size):
+    """(start, stop, items or None) of each claim of `size` items: ArrayItems are sliced when staged, a list is cut
+    into slices, any other iterable (a JSONL stream, a generator) is read one claim at a time."""
+    if isinstance(items, ArrayItems):
+        yield from items.chunks(size)
+        return
+    it, start = iter(items), 0
+    while chunk := list(itertools.islice(it, size)):
+        yield start, start + len(chunk), chunk
+        start += len(chunk)
+
+
+def stage_claim(backend, run, items, claim, start, stop, chunk):
+    """Write one claim's manifest (JSON items inside it; numeric items beside it as .npy objects)."""
+    manifest = {"run_id": run["run_id"], "claim": claim, "model": run["model"], "first_index": start,
+                "count": stop - start}
+    if chunk is None:
+        manifest["arrays"] = items.stage(backend, run["run_id"], claim, start, stop)
+    else:
+        manifest["items"] = chunk
+    backend.store.put(manifest_key(run["run_id"], claim), dumps(manifest))
+
+
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
-    """Write one manifest per claim, then the run record, then send the claims (send_claims); returns the run
-    record. JSON items travel inside the manifest; numeric items (ArrayItems) beside it as .npy objects.
-    Stopped while staging (a signal, a store fault), it deletes what it staged: no run, nothing queued."""
+    """Stage the items as a stream and send each claim once its manifest has landed; returns the run record.
+
+    The run record comes first (`staged: false`; the claims listed when the item count is known, else as they
+    are cut), then the claims are cut from the items as they are read (claim_chunks), their manifests PUT on
+    STORE_WRITERS threads (an S3 PUT waits ~20 ms on the network: 16 in flight keep up with one process
+    encoding manifests; more would only queue for the GIL on boto3's signing), and the claims whose manifests
+    landed are sent in run order, SEND_BATCH to a request. The first claim is sent as soon as its manifest
+    lands; at most STORE_WRITERS * STAGE_AHEAD manifests wait unsent, so memory stays bounded whatever the run
+    size. The record is completed at the end (`staged: true`, the claims, items and `sent`).
+
+    SIGINT or SIGTERM stops the sending, not the staging: every claim is staged so that `runs resume` can send
+    the rest, then the signal is raised (SubmitInterrupted). Hidden cost: on a large stream that takes as long
+    as staging the rest; stdin is read to its end. Anything else that stops it (a bad line, a store fault)
+    before a claim was sent deletes what it staged (no run); after, the run keeps the claims sent, and the
+    error says so."""
     run_id = run_id or new_run_id(record["model"])
-    bounds = [(i, min(i + claim_size, len(items))) for i in range(0, len(items), claim_size)]
-    claims = [claim_id(i) for i in range(len(bounds))]
-    run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": len(items), "claims": claims,
+    known = len(items) if isinstance(items, (ArrayItems, list)) else None
+    run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
+           "claims": [claim_id(i) for i in range(-(-known // claim_size))] if known else [],
            "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
-           "created_at": now_iso(), "sent": 0}
-    try:
-        for claim, (start, stop) in zip(claims, bounds):
-            manifest = {"run_id": run_id, "claim": claim, "model": record["model"], "first_index": start,
-                        "count": stop - start}
-            if isinstance(items, ArrayItems):
-                manifest["arrays"] = items.stage(backend, run_id, claim, start, stop)
-            else:
-                manifest["items"] = items[start:stop]
-            backend.store.put(manifest_key(run_id, claim), dumps(manifest))
-        write_json(backend, run_key(run_id), run)
-    except BaseException:
-        backend.store.delete_prefix(f"runs/{run_id}/")   # a cold run's record and handler copy too: no run is left
-        raise
-    send_claims(backend, run, queue)   # after every manifest is written, so no worker fetches one that is not there yet
+           "created_at": now_iso(), "sent": 0, "staged": False}
+    landed, pending, count, sending = [], collections.deque(), 0, True
+    # signals wait until the end (checked between two claims with sigpending): a claim is never half cut
+    with signals_deferred():
+        try:
+            write_json(backend, run_key(run_id), run)
+            with ThreadPoolExecutor(STORE_WRITERS) as writers:
+                for index, (start, stop, chunk) in enumerate(claim_chunks(items, claim_size)):
+                    claim, count = claim_id(index), stop
+                    if known is None:
+                        run["claims"].append(claim)
+                    pending.append((claim, writers.submit(stage_claim, backend, run, items, claim, start, stop,
+                                                          chunk)))
+                    sending = sending and not {signal.SIGINT, signal.SIGTERM} & signal.sigpending()
+                    first = sending and run["sent"] == 0 and not landed
+                    _send_landed(backend, run, queue, pending, landed, sending,
+                                 wait=first or len(pending) >= STORE_WRITERS * STAGE_AHEAD, flush=first)
+                if not count:
+                    raise UserError("no items to submit")
+                while pending or landed:
+                    _send_landed(backend, run, queue, pending, landed, sending, wait=True, flush=True)
+            update_run(backend, run, claims=run["claims"], items=count, sent=run["sent"], staged=True)
+        except BaseException as e:
+            if not run["sent"]:
+                backend.store.delete_prefix(f"runs/{run_id}/")   # a cold run's record and handler copy too: no run
+                raise
+            kept = min(run["sent"] * claim_size, count)
+            update_run(backend, run, claims=run["claims"][:run["sent"]], items=kept, sent=run["sent"], staged=True)
+            if isinstance(e, (UserError, StoreFault)):
+                raise type(e)(f"run {run_id} stopped after queueing {run['sent']} claim(s) (items 0 to {kept - 1}; "
+                              f"the run keeps them): {e}") from None
+            raise
     return run
 
 
+def _send_landed(backend, run, queue, pending, landed, sending, wait, flush):
+    """Move the claims at the head of `pending` whose manifests landed to `landed` (waiting for the head one when
+    `wait`; a failed write raises here), then send `landed` in run order, SEND_BATCH a request: only full batches
+    unless `flush`. Not `sending` (a signal came), nothing is sent: the claims are only staged."""
+    while pending and (wait or pending[0][1].done()):
+        claim, future = pending.popleft()
+        future.result()
+        landed.append(claim)
+        wait = False
+    while sending and landed and (len(landed) >= SEND_BATCH or flush):
+        batch, landed[:SEND_BATCH] = landed[:SEND_BATCH], []
+        send_batch(backend, run, queue, batch)
+        run["sent"] += len(batch)
+    if not sending:
+        landed.clear()
+
+
+def send_batch(backend, run, queue, claims, resume=False):
+    """One queue request (SendMessageBatch on SQS) for these claims of the run."""
+    queue.send_batch([make_message(run["run_id"], run["model"], backend.store.uri(manifest_key(run["run_id"], claim)),
+                                   claim, resume) for claim in claims])
+
+
 def send_claims(backend, run, queue, skip=(), resume=False):
-    """Send the run's claims from run["sent"] on, in run order, but those in `skip` (claims with a summary), and
-    record in the run record how far it got: the claims before `sent` were sent or skipped. Stopped by anything
-    (a signal, between two sends; a queue fault), it records that first; `runs resume` sends the rest. A kill -9
-    records nothing: `sent` stays where it was last written, so runs resume sends some claims a second time.
-    That is safe: a worker acks the copy of a claim already done without running it (one still queued may run
-    twice, writing the same results)."""
-    sent = run["sent"]
+    """Send the run's claims from run["sent"] on, in run order, SEND_BATCH to a request, but those in `skip` (claims
+    with a summary), and record in the run record how far it got: the claims before `sent` were sent or skipped.
+    Stopped by anything (a signal, between two batches; a queue fault), it records that first; `runs resume` sends
+    the rest. A kill -9 records nothing: `sent` stays where it was last written, so runs resume sends some claims
+    a second time. That is safe: a worker acks the copy of a claim already done without running it (one still
+    queued may run twice, writing the same results)."""
     try:
-        for index in range(run["sent"], len(run["claims"])):
-            claim = run["claims"][index]
-            with signals_deferred():   # a send and its count are one step: no signal falls between them (~2 us)
-                if claim not in skip:
-                    uri = backend.store.uri(manifest_key(run["run_id"], claim))
-                    queue.send(make_message(run["run_id"], run["model"], uri, claim, resume))
-                sent = index + 1
+        while run["sent"] < len(run["claims"]):
+            with signals_deferred():   # a send and its count are one step: no signal falls between them
+                batch = run["claims"][run["sent"]:run["sent"] + SEND_BATCH]
+                todo = [claim for claim in batch if claim not in skip]
+                if todo:
+                    send_batch(backend, run, queue, todo, resume)
+                run["sent"] += len(batch)
     finally:
-        update_run(backend, run, sent=sent)
+        update_run(backend, run, sent=run["sent"])
 
 
 def interrupted(backend, run_id, signum):
@@ -1863,22 +2006,30 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     """Poll the run's summaries until every claim has one, or nothing can run the rest (nothing_left_to_run,
     checked every RUN_RECHECK s), or timeout; returns (summaries, timed_out), timed_out meaning that some claim
     has no summary. `run` follows its stored record (a cancel, how far sending got). stop_if(), called at each
-    of those checks, may raise to stop waiting (the pool's workers all crash)."""
+    of those checks, may raise to stop waiting (the pool's workers all crash).
+
+    O(claims) in all: each LIST starts after the summary key of the last claim, in key order, below which every
+    claim is done (S3's StartAfter), so a summary is listed about once, not once per poll. The delay between
+    two polls grows from SUMMARY_POLL_MIN to SUMMARY_POLL_MAX and is not reset by a new summary: resetting it
+    made a run of C claims cost O(C) polls of O(C) keys each. Hidden cost: while one claim lags (a slow item, a
+    redelivery), each poll lists again the summaries past it, at most 2 a second until it ends."""
     from tqdm import tqdm   # lazy: only a waiting submit draws a progress bar
     started = time.monotonic()
     deadline, recheck = started + timeout, started + RUN_RECHECK
     done, dead = {}, DeadLetters(backend, run)
-    delay = 0.002
+    in_key_order, below = sorted(run["claims"], key=lambda c: summary_key(run["run_id"], c)), 0
+    delay = SUMMARY_POLL_MIN
     bar = tqdm(total=run["items"], unit="item", file=sys.stderr, disable=not progress, leave=False,
                desc=f"run {run['run_id']}")
     try:
         while True:
-            for key in list_summaries(backend, run["run_id"]):
+            while below < len(in_key_order) and in_key_order[below] in done:
+                below += 1
+            for key in list_summaries(backend, run["run_id"], in_key_order[below - 1] if below else None):
                 claim = key.rsplit("/", 1)[1][:-5]
                 if claim not in done:
                     done[claim] = read_json(backend, key)
                     bar.update(done[claim]["items"])
-                    delay = 0.002
             now = time.monotonic()
             if len(done) == len(run["claims"]) or now >= deadline:
                 break
@@ -4907,7 +5058,9 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
         return None, [], False
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
-    claim_size = claim_size or max(1, -(-len(items) // shards))
+    if not claim_size:   # one claim per shard: the items are counted first (a stream is read into a list)
+        items = items if isinstance(items, (ArrayItems, list)) else list(items)
+        claim_size = max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
     procs, instance_ids = [], []
     try:
@@ -4921,8 +5074,8 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
                 with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
                     procs.append(subprocess.Popen([sys.executable, WARMD, "--run", run_id], stdin=subprocess.DEVNULL,
                                                   stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
-            print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {len(items)} items, {shards} fresh worker(s); "
-                  f"logs in {folder}", file=sys.stderr)
+            print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {run['items']} items, "
+                  f"{shards} fresh worker(s); logs in {folder}", file=sys.stderr)
         summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
     finally:
         # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,
@@ -4968,8 +5121,9 @@ def pool_status(conf, backend, model):
 def mark_lost_workers(stats, now=None):
     """The worker stats, a worker that says "running" but is gone marked {"state": "lost", "lost": why}. On this
     machine a worker is gone when its pid is; elsewhere, when its stats are older than WORKER_LOST_AFTER (it
-    rewrites them every 30 s idle and after each claim, so one busy on a single longer claim shows as lost
-    until that claim ends). Without this a pool whose workers were killed counts them all as running."""
+    rewrites them between claims every 30 s, busy or idle, and once when it runs out of claims, so one busy on a
+    single claim longer than 90 s may show as lost until that claim ends). Without this a pool whose workers were
+    killed counts them all as running."""
     now = time.time() if now is None else now
     host, marked = socket.gethostname(), []
     for w in stats:
@@ -5251,8 +5405,8 @@ def new_pool_record(backend, model, defaults, batch_timeout=None):
 
 def as_items(items):
     """What stage_run takes, from what a user holds: a path (JSONL, .npy, .npz) goes to read_items; a numpy array
-    (item i = {"input": a[i]}) or a dict of arrays (the fields of a .npz) becomes ArrayItems; any other iterable
-    is read into a list of JSON items."""
+    (item i = {"input": a[i]}) or a dict of arrays (the fields of a .npz) becomes ArrayItems; a list stays one (its
+    count is known at once); any other iterable of JSON items is staged as it yields them, one claim at a time."""
     if isinstance(items, (str, os.PathLike)):
         return read_items(os.fspath(items))
     if isinstance(items, ArrayItems):
@@ -5261,8 +5415,7 @@ def as_items(items):
         return ArrayItems.from_arrays({"input": items}, "the array")
     if isinstance(items, dict):
         return ArrayItems.from_arrays(items, "the arrays")
-    items = list(items)
-    if not items:
+    if isinstance(items, list) and not items:
         raise UserError("no items to submit")
     return items
 
@@ -5276,17 +5429,23 @@ RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own 
 
 
 def check_id_field(items, field):
-    """Refuse an --id-field that names a result line's own field, or that an item lacks (the first one named)."""
+    """Refuse an --id-field that names a result line's own field, or that an item lacks (the first one named).
+    Returns the items to stage: a list is checked at once, a stream as it is read (the items checked so far)."""
     if field in RESULT_FIELDS:
         raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
     if isinstance(items, ArrayItems):
         if field not in items.fields:
             raise UserError(f"--id-field {field!r}: no array of that name (arrays: {', '.join(items.fields)})")
-        return
-    for index, item in enumerate(items):
-        if not isinstance(item, dict) or field not in item:
-            raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: give every item one, "
-                            f"or drop --id-field")
+        return items
+    checked = map(_has_id_field, itertools.repeat(field), itertools.count(), items)
+    return list(checked) if isinstance(items, list) else checked
+
+
+def _has_id_field(field, index, item):
+    if not isinstance(item, dict) or field not in item:
+        raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: give every item one, "
+                        f"or drop --id-field")
+    return item
 
 
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
@@ -5299,7 +5458,7 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     conf, backend = context or _context(store)
     items = as_items(items)
     if id_field:
-        check_id_field(items, id_field)
+        items = check_id_field(items, id_field)
     check_claim_size(claim_size)
     if not pool:
         if not model:
@@ -5664,7 +5823,7 @@ def cmd_submit(conf, backend, args):
             print(run.run_id)
             return EXIT_OK
         depth = backend.queues.open_queue(run.record["queue"]).counts()
-        print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {len(items)} items sent to "
+        print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} items sent to "
               f"{run.record['queue']} ({depth['visible']} visible, {depth['in_flight']} in flight)", file=sys.stderr)
         timed_out = not run.wait(args.timeout, progress)
         run, summaries = run.record, run.summaries()
@@ -5675,7 +5834,7 @@ def cmd_submit(conf, backend, args):
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
         check_claim_size(args.claim_size)
         if args.id_field:
-            check_id_field(items, args.id_field)
+            items = check_id_field(items, args.id_field)
         ec2 = None   # fresh local processes, unless the flags ask for EC2 instances on an s3:// store
         if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
             ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
@@ -5752,6 +5911,10 @@ def cmd_runs_resume(conf, backend, args):
     if run.get("cancelled"):
         raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to resume ---> HINT: "
                         f"submit its items again")
+    if not run["staged"]:   # its submit was killed (-9) while staging: past `sent`, a claim's manifest may be missing
+        raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were queued, the rest may "
+                        f"have no manifest ---> HINT: runs cancel {args.run}, then submit the items from "
+                        f"{run['sent'] * run['claim_size']} on again")
     queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
     done = summary_claims(backend, args.run)
     unsent = [claim for claim in run["claims"][run["sent"]:] if claim not in done]

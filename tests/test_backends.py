@@ -34,6 +34,47 @@ def test_store_round_trip(backend):
     assert backend.store.list("runs/r/summaries/") == []
 
 
+def test_list_start_after(backend):
+    """list(prefix, start_after) returns only the keys after it, in order, and counts the keys it returned."""
+    for claim in ("c00000", "c00001", "c00002", "c00010"):
+        backend.store.put(f"runs/r/summaries/{claim}.json", b"{}")
+    listed = backend.store.keys_listed
+    assert backend.store.list("runs/r/summaries/", "runs/r/summaries/c00001.json") == [
+        "runs/r/summaries/c00002.json", "runs/r/summaries/c00010.json"]
+    assert backend.store.list("runs/r/summaries/", "runs/r/summaries/c00010.json") == []
+    assert backend.store.keys_listed == listed + 2
+
+
+def test_waiting_lists_each_summary_about_once(backend):
+    """wait_for_run lists past the claims already done: a run of C claims finishing two at a time, the second
+    of each pair first (two workers), costs at most 3 C keys listed even when it polls after every summary."""
+    import threading
+    claims = [calque.claim_id(i) for i in range(24)]   # polls come ever slower: 24 take ~2 s in all
+    run = {"run_id": "m.r", "model": "m", "mode": "pool", "items": 24, "claims": claims, "claim_size": 1,
+           "queue": "calque-pool-m", "sent": 24}
+    calque.write_json(backend, calque.run_key("m.r"), run)
+
+    def finish():
+        for pair in range(0, len(claims), 2):
+            for claim in (claims[pair + 1], claims[pair]):
+                polls = backend.requests["store_lists"]
+                summary = calque.claim_summary(run_id="m.r", claim=claim, model="m", worker_id="w", mode="pool",
+                                               backend=backend.kind, receive_count=1, enter_count=1, started=0.0,
+                                               finished=0.0, requests={}, items=1)
+                calque.write_json(backend, calque.summary_key("m.r", claim), summary)
+                deadline = time.monotonic() + 10
+                while backend.requests["store_lists"] == polls and time.monotonic() < deadline:
+                    time.sleep(0.001)   # until the waiter has listed again: one poll per summary, the worst case
+
+    writer = threading.Thread(target=finish)
+    listed = backend.store.keys_listed
+    writer.start()
+    summaries, timed_out = calque.wait_for_run(backend, run, 60, progress=False)
+    writer.join()
+    assert not timed_out and [s["claim"] for s in summaries] == claims
+    assert backend.store.keys_listed - listed <= 3 * len(claims)
+
+
 def test_uri_round_trip(backend):
     """A key's URI maps back to the key."""
     key = "runs/r1/manifests/c00000.json"

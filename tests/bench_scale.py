@@ -1,0 +1,239 @@
+"""make bench, part 3: runs at scale, what calque's own code costs around the model.
+
+    .venv/bin/python tests/bench_scale.py                          # 10k, 100k, 1M items, then moto_server
+    BENCH_SCALE_SIZES=10000,100000 BENCH_STREAM_ITEMS=10000000 .venv/bin/python tests/bench_scale.py
+
+1. local backend, demo model (examples/demo_model.py), 2 warm workers, batch 64, claims of 1000: for each run
+   size, a real `calque.py submit --pool` process: end to end and steady-state items/s against the two-process
+   model-only rate measured in the same run, time from submit start to the first claim received, the submit
+   process's peak RSS and CPU (getrusage of the child), keys it listed per claim, and the workers' CPU;
+2. staging alone (`submit --no-wait` to a pool with no worker) of a generated stream on stdin
+   (BENCH_STREAM_ITEMS, items never kept in a file): items/s and peak RSS;
+3. moto_server: staging 100k items as 1,000 claims of 100 (items/s, the submitter's requests per claim), and
+   an end-to-end run with 2 workers (requests per claim, submitter and workers together).
+The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+os.environ.update(AWS_EC2_METADATA_DISABLED="true", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                  AWS_DEFAULT_REGION="us-east-1")
+import calque  # noqa: E402
+from bench_pool import start_moto  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------
+SIZES = [int(n) for n in os.environ.get("BENCH_SCALE_SIZES", "10000,100000,1000000").split(",")]   # local run sizes
+STREAM_ITEMS = int(os.environ.get("BENCH_STREAM_ITEMS", "2000000"))   # items of the generated stdin stream
+CLAIM = 1000                     # items per claim of the local runs
+BATCH = 64                       # items per handler call
+WORKERS = 2                      # warm workers (this machine has 2 cores)
+MOTO_ITEMS, MOTO_CLAIM = int(os.environ.get("BENCH_MOTO_ITEMS", "100000")), 100   # moto staging: 1,000 claims
+MOTO_E2E_ITEMS = int(os.environ.get("BENCH_MOTO_E2E_ITEMS", "20000"))            # moto end to end: 200 claims
+MODEL_ONLY_ITEMS = int(os.environ.get("BENCH_MODEL_ONLY_ITEMS", "100000"))   # items per model-only process
+DEMO = os.path.join(ROOT, "examples", "demo_model.py")
+WORDS = "batch cost heartbeat pool worker ring manifest claim tensor result drain load cold queue copy".split()
+# runs calque.py's main() and, at exit, writes what the submitter's stores listed and requested to $BENCH_OUT
+SUBMITTER = """
+import atexit, json, os, sys
+sys.path.insert(0, {root!r})
+import calque
+opened = []
+open_backend = calque.open_backend
+calque.open_backend = lambda *a, **k: opened.append(open_backend(*a, **k)) or opened[-1]
+atexit.register(lambda: json.dump({{"keys_listed": sum(b.store.keys_listed for b in opened),
+    "requests": sum((b.requests for b in opened), calque.Counter())}}, open(os.environ["BENCH_OUT"], "w")))
+sys.argv = ["calque.py"] + sys.argv[1:]
+sys.exit(calque.main())
+""".format(root=ROOT)
+
+
+def item(i):
+    """A JSON item of ~100 bytes, deterministic."""
+    return {"id": i, "text": " ".join(WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(8 + i % 5))}
+
+
+def write_items(path, n):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps(item(i)) + "\n")
+    return path
+
+
+def model_only_rate(path):
+    """Items/s of WORKERS processes each running DemoModel.predict over MODEL_ONLY_ITEMS parsed items, side by side."""
+    code = ("import json, sys, time; sys.path.insert(0, {root!r}); sys.path.insert(0, {ex!r}); "
+            "from demo_model import DemoModel; m = DemoModel(); m.load(); "
+            "items = [json.loads(l) for l in open(sys.argv[1])][:{n}]; t = time.perf_counter(); "
+            "[m.predict(items[i:i + {b}]) for i in range(0, len(items), {b})]; print(time.perf_counter() - t)"
+            ).format(root=ROOT, ex=os.path.dirname(DEMO), n=MODEL_ONLY_ITEMS, b=BATCH)
+    procs = [subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True, env=os.environ)
+             for _ in range(WORKERS)]
+    seconds = [float(p.communicate()[0]) for p in procs]
+    return WORKERS * MODEL_ONLY_ITEMS / max(seconds)
+
+
+def run_submitter(args, env, stdin=None):
+    """Run calque.py with args as a child; returns (wall s, stdout, peak RSS MiB, CPU s, its store counts, start)."""
+    out = os.path.join(env["CALQUE_STATE"], "submitter.json")
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        t0, started = time.perf_counter(), time.time()
+        proc = subprocess.Popen([sys.executable, "-c", SUBMITTER, *args], env=dict(env, BENCH_OUT=out), cwd=ROOT,
+                                stdin=stdin or subprocess.DEVNULL, stdout=stdout, stderr=stderr)
+        _, status, usage = os.wait4(proc.pid, 0)   # not proc.wait(): its rusage is what is measured
+        wall = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0), stderr.seek(0)
+        assert proc.returncode == 0, stderr.read().decode()[-2000:]
+        text = stdout.read().decode()
+    with open(out) as f:
+        counts = json.load(f)
+    return wall, text, usage.ru_maxrss / 1024, usage.ru_utime + usage.ru_stime, counts, started
+
+
+def cli(env, *args):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "calque.py"), *args], env=env, cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def process_cpu(pids):
+    """CPU seconds (user + system) of these live processes, from /proc."""
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def pool(env, workers):
+    """A demo pool with `workers` warm local workers; their pids."""
+    cli(env, "pool", "create", "--model", "demo", "--handler", f"{DEMO}:DemoModel", "--workers", str(workers),
+        "--batch-size", str(BATCH))
+    backend = calque.open_backend(env["CALQUE_STORE"])
+    deadline = time.monotonic() + 120
+    while len(calque.read_worker_stats(backend, "demo")) < workers:
+        assert time.monotonic() < deadline, "workers did not get warm"
+        time.sleep(0.1)
+    return backend, [w["pid"] for w in calque.read_worker_stats(backend, "demo")]
+
+
+def at(iso):
+    return calque._parse_time(iso, "time").timestamp()
+
+
+def steady_rate(summaries):
+    """Items/s between the 10th and the 90th percentile of claim finish times (start-up and tail left out)."""
+    ends = sorted((at(s["finished_at"]), s["items"]) for s in summaries)
+    lo, hi = len(ends) // 10, len(ends) * 9 // 10
+    if hi - lo < 2:
+        return None
+    return sum(n for _, n in ends[lo + 1:hi + 1]) / (ends[hi][0] - ends[lo][0])
+
+
+def local_run(tmp, path, n, model_rate):
+    env = dict(os.environ, CALQUE_STORE=os.path.join(tmp, f"local-{n}", "store"),
+               CALQUE_STATE=os.path.join(tmp, f"local-{n}", "state"), CALQUE_POLL_WAIT="1")
+    os.makedirs(env["CALQUE_STATE"], exist_ok=True)
+    backend, pids = pool(env, WORKERS)
+    try:
+        cpu0 = process_cpu(pids)
+        wall, stdout, rss, cpu, counts, t0 = run_submitter(
+            ["submit", "--pool", "demo", path, "--claim-size", str(CLAIM), "--json"], env)
+        workers_cpu = process_cpu(pids) - cpu0
+        report = json.loads(stdout)
+        summaries, claims = report["summaries"], len(report["run"]["claims"])
+        first = min(at(s["started_at"]) for s in summaries) - t0
+        steady = steady_rate(summaries)
+        print(f"   {n:>9,} items  {claims:>6} claims  end to end {n / wall:9,.0f} items/s "
+              f"({n / wall / model_rate:4.2f}x "
+              f"model-only)  steady {'-' if steady is None else f'{steady:9,.0f}'} items/s "
+              f"({'-' if steady is None else f'{steady / model_rate:4.2f}x'})  first claim {first:5.2f} s  "
+              f"submit RSS {rss:6.0f} MiB  CPU {cpu:6.2f} s ({cpu / max(workers_cpu, 1e-9):.0%} of workers' "
+              f"{workers_cpu:.1f} s)  keys listed/claim {counts['keys_listed'] / claims:4.2f}")
+    finally:
+        cli(env, "pool", "delete", "--model", "demo", "--yes")
+
+
+def staging_stream(tmp, n):
+    """submit --no-wait of a generated stdin stream to a pool with no worker: items/s and peak RSS."""
+    env = dict(os.environ, CALQUE_STORE=os.path.join(tmp, "stream", "store"),
+               CALQUE_STATE=os.path.join(tmp, "stream", "state"))
+    os.makedirs(env["CALQUE_STATE"], exist_ok=True)
+    cli(env, "pool", "create", "--model", "demo", "--handler", f"{DEMO}:DemoModel", "--workers", "0")
+    gen = subprocess.Popen([sys.executable, "-c", "import json, sys; sys.path.insert(0, {!r}); "
+                            "from bench_scale import item; w = sys.stdout.write; "
+                            "[w(json.dumps(item(i)) + '\\n') for i in range({})]".format(os.path.dirname(__file__), n)],
+                           stdout=subprocess.PIPE)
+    wall, _, rss, cpu, counts, _ = run_submitter(["submit", "--pool", "demo", "-", "--claim-size", str(CLAIM),
+                                                  "--no-wait"], env, stdin=gen.stdout)
+    gen.wait()
+    print(f"   {n:>9,} items from a generated stdin stream: staged and queued at {n / wall:9,.0f} items/s, "
+          f"submit peak RSS {rss:6.0f} MiB, CPU {cpu:.1f} s")
+
+
+def moto_runs(tmp, path_stage, path_e2e):
+    moto = start_moto()
+    try:
+        env = dict(os.environ, CALQUE_STORE="s3://bench/scale", CALQUE_STATE=os.path.join(tmp, "moto", "state"))
+        os.makedirs(env["CALQUE_STATE"], exist_ok=True)
+        cli(env, "pool", "create", "--model", "demo", "--handler", f"{DEMO}:DemoModel", "--workers", "0",
+            "--batch-size", str(BATCH))
+        wall, _, rss, cpu, counts, _ = run_submitter(["submit", "--pool", "demo", path_stage, "--claim-size",
+                                                      str(MOTO_CLAIM), "--no-wait"], env)
+        claims = -(-MOTO_ITEMS // MOTO_CLAIM)
+        req = sum(counts["requests"].values())
+        print(f"   staging {MOTO_ITEMS:,} items as {claims} claims: {MOTO_ITEMS / wall:8,.0f} items/s, submitter "
+              f"{req / claims:.2f} requests/claim ({dict(counts['requests'])})")
+        cli(env, "pool", "delete", "--model", "demo", "--yes", "--force")
+        backend, pids = pool(env, WORKERS)
+        try:
+            cpu0 = process_cpu(pids)
+            wall, stdout, rss, cpu, counts, _ = run_submitter(["submit", "--pool", "demo", path_e2e, "--claim-size",
+                                                               str(MOTO_CLAIM), "--json"], env)
+            workers_cpu = process_cpu(pids) - cpu0
+            summaries = json.loads(stdout)["summaries"]
+            worker_req = sum(sum(s["requests"].values()) for s in summaries)
+            sub_req = sum(counts["requests"].values())
+            print(f"   end to end {MOTO_E2E_ITEMS:,} items as {len(summaries)} claims, {WORKERS} workers: "
+                  f"{MOTO_E2E_ITEMS / wall:7,.0f} items/s, {(worker_req + sub_req) / len(summaries):.2f} "
+                  f"requests/claim (workers {worker_req / len(summaries):.2f} incl. idle polls, submitter "
+                  f"{sub_req / len(summaries):.2f}), "
+                  f"keys listed/claim {counts['keys_listed'] / len(summaries):.2f}, submitter CPU {cpu:.1f} s = "
+                  f"{cpu / max(workers_cpu, 1e-9):.0%} of the workers' {workers_cpu:.1f} s")
+        finally:
+            cli(env, "pool", "delete", "--model", "demo", "--yes", "--force")
+    finally:
+        moto.terminate()
+        moto.wait()
+
+
+def main():
+    tmp = tempfile.mkdtemp(prefix="calque-bench-scale-")
+    os.environ["DEMO_CACHE"] = os.path.join(tmp, "demo-weights")
+    print(f"calque bench, scale  ({os.cpu_count()} cores, python {sys.version.split()[0]}); demo model, batch {BATCH}, "
+          f"{WORKERS} workers")
+    paths = {n: write_items(os.path.join(tmp, f"items-{n}.jsonl"), n) for n in sorted(set(SIZES + [MODEL_ONLY_ITEMS]))}
+    model_rate = model_only_rate(paths[MODEL_ONLY_ITEMS])
+    print(f"\n1. local backend, claims of {CLAIM}; model-only ({WORKERS} processes, predict alone): "
+          f"{model_rate:,.0f} items/s")
+    for n in SIZES:
+        local_run(tmp, paths[n], n, model_rate)
+    print("\n2. staging alone, local backend, claims of 1000, no worker")
+    staging_stream(tmp, STREAM_ITEMS)
+    print(f"\n3. moto_server, claims of {MOTO_CLAIM}")
+    stage = paths.get(MOTO_ITEMS) or write_items(os.path.join(tmp, f"items-{MOTO_ITEMS}.jsonl"), MOTO_ITEMS)
+    e2e = paths.get(MOTO_E2E_ITEMS) or write_items(os.path.join(tmp, f"items-{MOTO_E2E_ITEMS}.jsonl"), MOTO_E2E_ITEMS)
+    moto_runs(tmp, stage, e2e)
+
+
+if __name__ == "__main__":
+    main()
