@@ -590,7 +590,7 @@ def test_concurrent_imports_build_once_and_env_forces_reference(tmp_path):
     """Two processes importing a copy with no .so both get the C path; FASTBATCH_REFERENCE=1 forces numpy."""
     copy_package(tmp_path, with_so=False)
     code = "import fastbatch, numpy as np; print(fastbatch.BACKEND, fastbatch.stack([np.ones(2)] * 2).sum().item())"
-    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     env.pop("FASTBATCH_REFERENCE", None)
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=e, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
