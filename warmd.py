@@ -119,6 +119,7 @@ BY_HANDLER = "handler"      # the handler's own collate(payloads), on the pipeli
 NUMERIC = "numeric"         # fastbatch plans each batch: dicts of arrays are gathered, any other batch passes through
 AS_LIST = "list"            # no item can collate: every batch passes through as the list, on the model's thread
 NOT_NUMERIC = (str, bytes, dict, type(None), complex)   # a payload value of these types never collates
+JSON_SCALARS = {str, int, float, bool, type(None), dict}  # value types of JSON items that hold no array
 
 
 def may_collate(item):
@@ -162,10 +163,15 @@ class Collator:
         mixes kinds is NUMERIC, and fastbatch still plans each of its batches: a batch of dicts of arrays is
         gathered, a batch holding any other item passes through as the list, exactly as if every claim were
         planned batch by batch. What the decision saves is the planning of claims none of whose items can
-        collate: a text claim costs one type scan (each item refused at its first string), not a numeric plan
-        of every batch (two numpy conversions an item)."""
+        collate: a claim of JSON items without lists costs one set of its values' types (~0.1 us an item), not
+        a numeric plan of every batch (two numpy conversions an item)."""
         if self.handler_collate is not None:
             return BY_HANDLER
+        try:   # the common case first: no value in the claim is a list (one set of types, ~0.1 us an item)
+            if {type(value) for item in items for value in item.values()} <= JSON_SCALARS:
+                return AS_LIST
+        except AttributeError:   # an item that is not a dict: the scan below decides
+            pass
         if not any(map(may_collate, items)):
             return AS_LIST
         if self.ring is None:
@@ -956,6 +962,8 @@ class Worker:
             outcome, model, wait = self._run_batch(prepared, [claim.items[k] for k in runnable], runnable, claim.kind)
             claim.model_seconds += model
             claim.wait_seconds += wait
+            if len(runnable) == len(unit):   # nothing quarantined: the outcome is the unit's, in order
+                return outcome
             ran = dict(zip(runnable, outcome))
         return [ran[k] if k in ran else (False, claim.quarantined[str(k)]) for k in unit]
 

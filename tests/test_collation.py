@@ -39,12 +39,14 @@ def kinds_pool(env, tmp_path):
     return backend_for(env), start_worker(env, "--model", "m")
 
 
-def run_claim(env, backend, tmp_path, items):
-    """Submit one claim of these items and wait for it; its result lines."""
+def run_claim(env, backend, tmp_path, items, pipelined):
+    """Submit one claim of these items and wait for it; its result lines. Its summary says whether its batches were
+    prepared on the pipeline thread (only in a claim that may collate)."""
     out = cli(env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", items), "--no-wait")
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.strip()
     wait_for(lambda: backend.store.exists(calque.summary_key(run_id, "c00000")), 60, "the claim's summary")
+    assert calque.read_json(backend, calque.summary_key(run_id, "c00000"))["prefetch"] is pipelined
     return [json.loads(line) for line in calque.read_claim_results(backend.store, run_id, "c00000", len(items))]
 
 
@@ -52,11 +54,12 @@ def test_a_plain_python_worker_never_imports_torch(local_env, tmp_path):
     """A worker whose claims are text items runs them, goes idle, and has still not imported torch or fastbatch."""
     backend, worker = kinds_pool(local_env, tmp_path)
     text = [{"x": f"word {i}"} for i in range(6)]
-    assert [r["result"]["got"] for r in run_claim(local_env, backend, tmp_path, text)] == ["list"] * 6
+    assert [r["result"]["got"] for r in run_claim(local_env, backend, tmp_path, text, False)] == ["list"] * 6
     idle = wait_for(lambda: [w for w in calque.read_worker_stats(backend, "m") if w["claims"] == 1], 30,
                     "the worker's stats once it is idle")
     assert idle[0]["fastbatch"] is None
-    assert [r["result"] for r in run_claim(local_env, backend, tmp_path, text)] == [{"got": "list", "torch": False}] * 6
+    assert [r["result"] for r in run_claim(local_env, backend, tmp_path, text, False)] == \
+        [{"got": "list", "torch": False}] * 6
     worker.terminate()
     assert worker.wait(30) == 0
 
@@ -67,8 +70,9 @@ def test_a_claim_mixing_kinds_collates_batch_by_batch(local_env, tmp_path):
     backend, worker = kinds_pool(local_env, tmp_path)
     numeric, text = {"x": [1.0, 2.0]}, {"x": "a"}
     items = [text] * 4 + [numeric] * 4 + [numeric, text, numeric, numeric] + [numeric] * 4 + [text] * 2
-    got = [r["result"]["got"] for r in run_claim(local_env, backend, tmp_path, items)]
+    got = [r["result"]["got"] for r in run_claim(local_env, backend, tmp_path, items, True)]
     assert got == ["list"] * 4 + ["tensors"] * 4 + ["list"] * 4 + ["tensors"] * 4 + ["list"] * 2
-    assert [r["result"] for r in run_claim(local_env, backend, tmp_path, [text])] == [{"got": "list", "torch": True}]
+    assert [r["result"] for r in run_claim(local_env, backend, tmp_path, [text], False)] == \
+        [{"got": "list", "torch": True}]
     worker.terminate()
     assert worker.wait(30) == 0
