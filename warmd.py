@@ -57,7 +57,7 @@ STATS_IDLE_WAIT = 0.2       # s of the first poll after a claim; an empty one wr
 COLD_POLL_WAIT = 0.2        # s of one long poll for a cold run's worker, which exits once its queue is empty (SQS: 1)
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
 ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up to this cap
-# pipeline thread: collate batch k+1 and serialise k-1 while the model runs k (CALQUE_PREFETCH=0 turns it off)
+# pipeline thread: gather batch k+1 while the model runs k, in claims that collate (CALQUE_PREFETCH=0 turns it off)
 PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
@@ -93,6 +93,7 @@ class Claim:
         self.parts, self.failed, self.errors = [], [], {}   # every part [start, stop]; failed run indices; messages
         self.resumed_failed = 0                         # of `failed`, those taken from earlier parts
         self.formatted = []             # (stop offset, future of format_outcome) per batch run and not yet in a part
+        self.kind = None                # how its batches are prepared: Collator.claim_kind, once, as its drain starts
         self.batches, self.last_commit = 0, 0.0         # batches run since the last part, and when it was written
         self.model_seconds = self.wait_seconds = 0.0
         self.record = {"deaths": {}}        # the attempt record (deaths: offset (str) -> deaths while it ran alone)
@@ -113,26 +114,75 @@ class Prepared:
         self.inputs, self.slot, self.event = inputs, slot, event
 
 
+# How a claim's batches are prepared, decided once per claim by Collator.claim_kind
+BY_HANDLER = "handler"      # the handler's own collate(payloads), on the pipeline thread
+NUMERIC = "numeric"         # fastbatch plans each batch: dicts of arrays are gathered, any other batch passes through
+AS_LIST = "list"            # no item can collate: every batch passes through as the list, on the model's thread
+NOT_NUMERIC = (str, bytes, dict, type(None), complex)   # a payload value of these types never collates
+JSON_SCALARS = {str, int, float, bool, type(None), dict}  # value types of JSON items that hold no array
+
+
+def may_collate(item):
+    """False when fastbatch would pass any batch holding this item through as a list (it is not a dict of numbers
+    and arrays with at least one array or list); True when a batch of such items may collate. Type checks only:
+    nothing is imported to answer, and a text item is refused at its first string value."""
+    if type(item) is not dict:
+        return False
+    array = False
+    for value in item.values():
+        if isinstance(value, NOT_NUMERIC):
+            return False
+        array = array or isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0
+    return array
+
+
 class Collator:
     """What a handler's batch call receives: its own collate(payloads) when it has one; otherwise numeric
     payloads (dicts of arrays/lists) are gathered by fastbatch in one copy into a ring of reused host
     buffers (pinned with CUDA), and with CUDA copied to the GPU on a side stream, non_blocking, so the
-    copy of batch k+1 overlaps the model running batch k. Anything else passes through as the list."""
+    copy of batch k+1 overlaps the model running batch k. Anything else passes through as the list.
+    fastbatch and torch (~2 s and ~150 MiB) are imported by the first claim that may collate, or at load
+    when the handler brought torch in anyway: a plain-Python handler's worker never holds them."""
 
     def __init__(self, handler_collate):
         self.handler_collate = handler_collate
-        if handler_collate is None:
-            import fastbatch   # brings torch (~2 s): a start-up cost, paid at load and not inside a claim
-            import torch
-            self.torch, self.ring = torch, fastbatch.PinnedRing(RING_SLOTS)
-            self.cuda = torch.cuda.is_available()
-            self.stream = torch.cuda.Stream() if self.cuda else None
+        self.ring = None
+        if handler_collate is None and "torch" in sys.modules:   # cheap now: keeps the import out of a claim
+            self._load()
 
-    def prepare(self, payloads):
-        """Runs on the prefetch thread."""
+    def _load(self):
+        import fastbatch
+        import torch
+        self.torch, self.ring = torch, fastbatch.PinnedRing(RING_SLOTS)
+        self.cuda = torch.cuda.is_available()
+        self.stream = torch.cuda.Stream() if self.cuda else None
+
+    def claim_kind(self, items):
+        """How this claim's batches are prepared, decided once for the claim (not per batch): BY_HANDLER with a
+        collate of its own; NUMERIC when some item may collate (may_collate), AS_LIST when none can. A claim that
+        mixes kinds is NUMERIC, and fastbatch still plans each of its batches: a batch of dicts of arrays is
+        gathered, a batch holding any other item passes through as the list, exactly as if every claim were
+        planned batch by batch. What the decision saves is the planning of claims none of whose items can
+        collate: a claim of JSON items without lists costs one set of its values' types (~0.1 us an item), not
+        a numeric plan of every batch (two numpy conversions an item)."""
         if self.handler_collate is not None:
+            return BY_HANDLER
+        try:   # the common case first: no value in the claim is a list (one set of types, ~0.1 us an item)
+            if {type(value) for item in items for value in item.values()} <= JSON_SCALARS:
+                return AS_LIST
+        except AttributeError:   # an item that is not a dict: the scan below decides
+            pass
+        if not any(map(may_collate, items)):
+            return AS_LIST
+        if self.ring is None:
+            self._load()
+        return NUMERIC
+
+    def prepare(self, payloads, kind):
+        """One batch of a claim of this kind; on the pipeline thread unless the kind is AS_LIST."""
+        if kind == BY_HANDLER:
             return Prepared(self.handler_collate(payloads))
-        collated = self.ring.collate(payloads, timeout=RING_WAIT)
+        collated = self.ring.collate(payloads, timeout=RING_WAIT) if kind == NUMERIC else None
         if collated is None:
             return Prepared(payloads)
         slot, batch = collated
@@ -170,23 +220,39 @@ def result_line(value):
     return json.dumps(value, default=calque.to_jsonable, separators=(",", ":"), allow_nan=False) + "\n"
 
 
+def result_encoder():
+    """value -> its strict JSON text, as result_line writes it, from an encoder made once: json.dumps with options
+    makes a JSONEncoder (and, inside, a C encoder) per call, half of a small result's cost. Made without the
+    circular check, which needs a fresh table per call: a circular result fails its item with RecursionError,
+    as nesting too deep does."""
+    make = json.encoder.c_make_encoder      # None where the C accelerator is missing (the pure-Python encoder)
+    if make is None:
+        return json.JSONEncoder(default=calque.to_jsonable, separators=(",", ":"), allow_nan=False,
+                                check_circular=False).encode
+    encode = make(None, calque.to_jsonable, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, False)
+    return lambda value: "".join(encode(value, 0))
+
+
+encode_result = result_encoder()
+
+
 def format_outcome(outcome, base):
-    """One batch's [(ok, result or error)] as result lines, failed indices and error messages. A result
-    that is not strict JSON fails its item alone: NaN, Infinity, a type json cannot take, nesting too deep
-    to encode (RecursionError)."""
+    """One batch's [(ok, result or error)] as its result lines (one string, in a list), failed indices and error
+    messages, in one pass: each result encoded once into the line's fixed frame (no dict and no encoder per line),
+    the lines joined once. A result that is not strict JSON fails its item alone: NaN, Infinity, a type json
+    cannot take, nesting too deep to encode (RecursionError)."""
     lines, failed, errors = [], [], {}
-    for i, (ok, value) in enumerate(outcome):
+    for i, (ok, value) in enumerate(outcome, base):
         if ok:
             try:
-                lines.append(result_line({"i": base + i, "ok": True, "result": value}))
+                lines.append(f'{{"i":{i},"ok":true,"result":{encode_result(value)}}}\n')
                 continue
             except Exception as e:
                 value = f"result is not JSON-serialisable: {type(e).__name__}: {e}"
-        failed.append(base + i)
-        errors[str(base + i)] = value[:calque.ERROR_CHARS]
-        lines.append(result_line({"i": base + i, "ok": False, "error": value[:calque.ERROR_CHARS],
-                                  **trace_of(value)}))
-    return lines, failed, errors
+        failed.append(i)
+        errors[str(i)] = value[:calque.ERROR_CHARS]
+        lines.append(result_line({"i": i, "ok": False, "error": value[:calque.ERROR_CHARS], **trace_of(value)}))
+    return ["".join(lines)], failed, errors
 
 
 class ItemError(str):
@@ -370,6 +436,9 @@ class Worker:
         self.supervisor = int(os.environ.get("CALQUE_SUPERVISOR_PID", "0"))   # set when a pool supervisor started us
         self.gpu = GpuSampler()
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
+        # the pipeline thread's CPU clock: what it ran during a handler call is taken out of the model's time
+        self.pipeline_clock = (time.pthread_getcpuclockid(self.prefetcher.submit(threading.get_ident).result())
+                               if self.prefetcher and hasattr(time, "pthread_getcpuclockid") else None)
         # the manifest read beside the duplicate check
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")
 
@@ -683,7 +752,7 @@ class Worker:
                                 enter_seconds_paid=claim.enter_paid, acquisition_seconds=claim.acquisition,
                                 model_seconds=claim.model_seconds, notes=notes, parts=claim.parts,
                                 resumed=claim.start, collate_wait_seconds=round(claim.wait_seconds, 6),
-                                prefetch=bool(self.prefetcher), gpu_utilisation=claim.gpu)
+                                prefetch=self.pipelined(claim), gpu_utilisation=claim.gpu)
         self._put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
         self.heartbeat.stop()            # no renewal may land after the ack
         if not self.queue.delete(claim.message):
@@ -711,12 +780,15 @@ class Worker:
 
     def _drain_batches(self, claim):
         """Items [claim.start, n) through collate + batch: batch_size at a time, or one at a time behind the
-        attempt record (claim.single). With the pipeline thread, the next batch is collated and the previous
-        one's results serialised while the model runs the current one (not item by item: there an item's
-        collation must run after its attempt record, where a crash in it is blamed on the right item).
-        Quarantined items fail unrun. A batch that raises is retried one item at a time, so that only the
-        failing items fail. Results go into a part at each checkpoint and at the end."""
+        attempt record (claim.single). How batches are prepared is decided once, for the claim (claim_kind);
+        where the pipeline thread serves it (pipelined), the next batch is gathered while the model runs the
+        current one (not item by item: there an item's collation must run after its attempt record, where a crash
+        in it is blamed on the right item). Results are serialised on this thread, after each call: GIL-bound
+        work that would only slow a model beside it. Quarantined items fail unrun. A batch that raises is
+        retried one item at a time, so that only the failing items fail. Results go into a part at each
+        checkpoint and at the end."""
         n, size = len(claim.items), 1 if claim.single else self.record["batch_size"]
+        claim.kind = self.collator.claim_kind(claim.items)
         units = [range(a, min(a + size, n)) for a in range(claim.start, n, size)]
         runnable = [[k for k in unit if str(k) not in claim.quarantined] for unit in units]
         pending = self._prepare(claim, runnable[0]) if units and not claim.single else None
@@ -738,7 +810,7 @@ class Worker:
                 if claim.single:              # it ran alone and the process lived: whatever killed one, not this
                     for k in runnable[u]:
                         claim.record["deaths"].pop(str(k), None)
-                formatted = self._in_pipeline(format_outcome, outcome, claim.first + unit.start)
+                formatted = self._done(format_outcome, outcome, claim.first + unit.start)   # GIL-bound: no thread
                 claim.formatted.append((unit.stop, formatted))
                 claim.batches += 1
                 if (claim.batches >= self.checkpoint_batches
@@ -846,10 +918,17 @@ class Worker:
         self.write_stats("stopped")
         os._exit(EXIT_HUNG)
 
-    def _in_pipeline(self, fn, *args):
-        """A future of fn(*args): on the pipeline thread, or done at once without one."""
-        if self.prefetcher:
-            return self.prefetcher.submit(fn, *args)
+    def pipelined(self, claim):
+        """Whether this claim's batches are prepared on the pipeline thread, while the model runs the one before:
+        only where that can run beside the model (a numeric gather: a copy with the GIL released; the handler's
+        own collate, often tokenizers or torch that release it too). Not for batches that pass through as lists:
+        there, on two cores, it gained nothing end to end (0.95-1.02x) and its GIL-bound Python slowed the model's
+        thread (model_seconds 1.44-1.52x what the model took)."""
+        return self.prefetcher is not None and claim.kind != AS_LIST
+
+    @staticmethod
+    def _done(fn, *args):
+        """A future of fn(*args), run here and now."""
         done = Future()
         try:
             done.set_result(fn(*args))
@@ -858,29 +937,46 @@ class Worker:
         return done
 
     def _prepare(self, claim, offsets):
-        return self._in_pipeline(self.collator.prepare, [claim.items[k] for k in offsets]) if offsets else None
+        """A future of the batch of these offsets, prepared as the claim's kind says."""
+        if not offsets:
+            return None
+        payloads = [claim.items[k] for k in offsets]
+        if self.pipelined(claim):
+            return self.prefetcher.submit(self.collator.prepare, payloads, claim.kind)
+        return self._done(self.collator.prepare, payloads, claim.kind)
+
+    def model_clock(self):
+        """Seconds on the model's clock: wall time less the pipeline thread's CPU time. The difference of two
+        readings around a handler call is the call's wall time less what the pipeline thread ran meanwhile, so a
+        call slowed by waiting for the GIL that thread held is not counted as the model's. Hidden cost: a GIL-free
+        copy on that thread is taken out too, so with large numeric batches and a model that releases the GIL,
+        model_seconds errs low, never high. Without the pipeline thread it is the call's wall time."""
+        pipeline = time.clock_gettime(self.pipeline_clock) if self.pipeline_clock is not None else 0.0
+        return time.perf_counter() - pipeline
 
     def _run_unit(self, claim, unit, runnable, prepared):
         """[(ok, result or error)] for a unit's items: the runnable ones through the handler, the quarantined
         ones failed with the reason they were quarantined."""
         ran = {}
         if runnable:
-            outcome, model, wait = self._run_batch(prepared, [claim.items[k] for k in runnable], runnable)
+            outcome, model, wait = self._run_batch(prepared, [claim.items[k] for k in runnable], runnable, claim.kind)
             claim.model_seconds += model
             claim.wait_seconds += wait
+            if len(runnable) == len(unit):   # nothing quarantined: the outcome is the unit's, in order
+                return outcome
             ran = dict(zip(runnable, outcome))
         return [ran[k] if k in ran else (False, claim.quarantined[str(k)]) for k in unit]
 
-    def _run_batch(self, future, payloads, offsets):
-        """[(ok, result or error)] for one batch, its model seconds and the seconds spent waiting for collation.
-        The watchdog times the batch call, then each single-item retry on its own."""
+    def _run_batch(self, future, payloads, offsets, kind):
+        """[(ok, result or error)] for one batch, its model seconds (model_clock) and the seconds spent waiting for
+        collation. The watchdog times the batch call, then each single-item retry on its own."""
         self.watchdog.watch(offsets)
         try:
-            return self._call_batch(future, payloads, offsets)
+            return self._call_batch(future, payloads, offsets, kind)
         finally:
             self.watchdog.watch(None)
 
-    def _call_batch(self, future, payloads, offsets):
+    def _call_batch(self, future, payloads, offsets, kind):
         t0 = time.perf_counter()
         try:
             prepared = future.result()
@@ -889,25 +985,25 @@ class Worker:
         wait = time.perf_counter() - t0
         model = 0.0
         if prepared is not None:
-            t0 = time.perf_counter()
+            t0 = self.model_clock()
             try:
                 outputs = self.batch_fn(self.collator.inputs(prepared))
-                model = time.perf_counter() - t0
+                model = self.model_clock() - t0
                 if isinstance(outputs, (list, tuple)) and len(outputs) == len(payloads):
                     return [(True, o) for o in outputs], model, wait
                 got = f"{len(outputs)} results" if isinstance(outputs, (list, tuple)) else type(outputs).__name__
                 wrong = (False, f"handler returned {got} for a batch of {len(payloads)} items")
                 return [wrong] * len(payloads), model, wait
             except Exception:
-                model = time.perf_counter() - t0
+                model = self.model_clock() - t0
             finally:
                 self.collator.release(prepared)
         outcome = []
         for offset, payload in zip(offsets, payloads):
             self.watchdog.watch([offset])
-            t0 = time.perf_counter()
+            t0 = self.model_clock()
             try:
-                single = self.collator.prepare([payload])
+                single = self.collator.prepare([payload], kind)
                 try:
                     out = self.batch_fn(self.collator.inputs(single))
                 finally:
@@ -919,7 +1015,7 @@ class Worker:
                     outcome.append((False, f"handler returned {got} results for 1 item"))
             except Exception as e:
                 outcome.append((False, item_error(e)))
-            model += time.perf_counter() - t0
+            model += self.model_clock() - t0
         return outcome, model, wait
 
     def dead_letter(self, message, reason, msg):

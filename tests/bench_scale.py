@@ -5,12 +5,17 @@
 
 1. local backend, demo model (examples/demo_model.py), 2 warm workers, batch 64, claims of 1000: for each run
    size, a real `calque.py submit --pool` process: end to end and steady-state items/s against the two-process
-   model-only rate measured in the same run, time from submit start to the first claim received, the submit
-   process's peak RSS and CPU (getrusage of the child), keys it listed per claim, and the workers' CPU;
+   model-only rate measured just before and just after that run (their mean: the shared machine's load drifts
+   within minutes), time from submit start to the first claim received, the submit process's peak RSS and CPU
+   (getrusage of the child), keys it listed per claim, and the workers' CPU; the summaries' model_seconds against
+   the model-only time for as many items (1.00: the model's own time, more: the worker's other work or GIL waits
+   counted as the model's); and the CPU an item of model-only against the workers' (the share of the workers' CPU
+   that is the model's: unlike the rates, it does not move with what else the machine runs);
 2. staging alone (`submit --no-wait` to a pool with no worker) of a generated stream on stdin
    (BENCH_STREAM_ITEMS, items never kept in a file): items/s and peak RSS;
 3. moto_server: staging 100k items as 1,000 claims of 100 (items/s, the submitter's requests per claim), and
-   an end-to-end run with 2 workers (requests per claim, submitter and workers together).
+   an end-to-end run with 2 workers (requests per claim, submitter and workers together);
+4. the resident memory of an idle worker whose handler is plain Python (tests/handlers.py:Empty), after a claim.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
 import json
@@ -38,6 +43,7 @@ MOTO_ITEMS, MOTO_CLAIM = int(os.environ.get("BENCH_MOTO_ITEMS", "100000")), 100 
 MOTO_E2E_ITEMS = int(os.environ.get("BENCH_MOTO_E2E_ITEMS", "20000"))            # moto end to end: 200 claims
 MODEL_ONLY_ITEMS = int(os.environ.get("BENCH_MODEL_ONLY_ITEMS", "100000"))   # items per model-only process
 DEMO = os.path.join(ROOT, "examples", "demo_model.py")
+PLAIN = os.path.join(ROOT, "tests", "handlers.py") + ":Empty"   # a plain-Python handler: no torch, no numpy
 WORDS = "batch cost heartbeat pool worker ring manifest claim tensor result drain load cold queue copy".split()
 # runs calque.py's main() and, at exit, writes what the submitter's stores listed and requested to $BENCH_OUT
 SUBMITTER = """
@@ -67,16 +73,19 @@ def write_items(path, n):
 
 
 def model_only_rate(path):
-    """Items/s of WORKERS processes each running DemoModel.predict over MODEL_ONLY_ITEMS parsed items, side by side."""
+    """(items/s, CPU s an item) of WORKERS processes each running DemoModel.predict over MODEL_ONLY_ITEMS parsed
+    items, side by side."""
     code = ("import json, sys, time; sys.path.insert(0, {root!r}); sys.path.insert(0, {ex!r}); "
             "from demo_model import DemoModel; m = DemoModel(); m.load(); "
-            "items = [json.loads(l) for l in open(sys.argv[1])][:{n}]; t = time.perf_counter(); "
-            "[m.predict(items[i:i + {b}]) for i in range(0, len(items), {b})]; print(time.perf_counter() - t)"
+            "items = [json.loads(l) for l in open(sys.argv[1])][:{n}]; "
+            "t, c = time.perf_counter(), time.process_time(); "
+            "[m.predict(items[i:i + {b}]) for i in range(0, len(items), {b})]; "
+            "print(time.perf_counter() - t, time.process_time() - c)"
             ).format(root=ROOT, ex=os.path.dirname(DEMO), n=MODEL_ONLY_ITEMS, b=BATCH)
     procs = [subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True, env=os.environ)
              for _ in range(WORKERS)]
-    seconds = [float(p.communicate()[0]) for p in procs]
-    return WORKERS * MODEL_ONLY_ITEMS / max(seconds)
+    seconds, cpu = zip(*[map(float, p.communicate()[0].split()) for p in procs])
+    return WORKERS * MODEL_ONLY_ITEMS / max(seconds), sum(cpu) / (WORKERS * MODEL_ONLY_ITEMS)
 
 
 def run_submitter(args, env, stdin=None):
@@ -114,9 +123,9 @@ def process_cpu(pids):
     return total
 
 
-def pool(env, workers):
-    """A demo pool with `workers` warm local workers; their pids."""
-    cli(env, "pool", "create", "--model", "demo", "--handler", f"{DEMO}:DemoModel", "--workers", str(workers),
+def pool(env, workers, handler=f"{DEMO}:DemoModel"):
+    """A demo pool (or one of `handler`) with `workers` warm local workers; their pids."""
+    cli(env, "pool", "create", "--model", "demo", "--handler", handler, "--workers", str(workers),
         "--batch-size", str(BATCH))
     backend = calque.open_backend(env["CALQUE_STORE"])
     deadline = time.monotonic() + 120
@@ -139,26 +148,33 @@ def steady_rate(summaries):
     return sum(n for _, n in ends[lo + 1:hi + 1]) / (ends[hi][0] - ends[lo][0])
 
 
-def local_run(tmp, path, n, model_rate):
+def local_run(tmp, path, n, model_path):
     env = dict(os.environ, CALQUE_STORE=os.path.join(tmp, f"local-{n}", "store"),
                CALQUE_STATE=os.path.join(tmp, f"local-{n}", "state"), CALQUE_POLL_WAIT="1")
     os.makedirs(env["CALQUE_STATE"], exist_ok=True)
     backend, pids = pool(env, WORKERS)
     try:
+        before, model_cpu = model_only_rate(model_path)
         cpu0 = process_cpu(pids)
         wall, stdout, rss, cpu, counts, t0 = run_submitter(
             ["submit", "--pool", "demo", path, "--claim-size", str(CLAIM), "--json"], env)
         workers_cpu = process_cpu(pids) - cpu0
+        after, model_cpu_after = model_only_rate(model_path)
+        model_rate = (before + after) / 2
         report = json.loads(stdout)
         summaries, claims = report["summaries"], len(report["run"]["claims"])
         first = min(at(s["started_at"]) for s in summaries) - t0
         steady = steady_rate(summaries)
-        print(f"   {n:>9,} items  {claims:>6} claims  end to end {n / wall:9,.0f} items/s "
-              f"({n / wall / model_rate:4.2f}x "
-              f"model-only)  steady {'-' if steady is None else f'{steady:9,.0f}'} items/s "
+        model_seconds = sum(s["model_seconds"] for s in summaries) / (WORKERS * n / model_rate)
+        print(f"   {n:>9,} items  {claims:>6} claims  model-only {before:,.0f} / {after:,.0f} items/s  "
+              f"end to end {n / wall:9,.0f} items/s ({n / wall / model_rate:4.2f}x model-only)  "
+              f"steady {'-' if steady is None else f'{steady:9,.0f}'} items/s "
               f"({'-' if steady is None else f'{steady / model_rate:4.2f}x'})  first claim {first:5.2f} s  "
               f"submit RSS {rss:6.0f} MiB  CPU {cpu:6.2f} s ({cpu / max(workers_cpu, 1e-9):.0%} of workers' "
-              f"{workers_cpu:.1f} s)  keys listed/claim {counts['keys_listed'] / claims:4.2f}")
+              f"{workers_cpu:.1f} s)  keys listed/claim {counts['keys_listed'] / claims:4.2f}  "
+              f"model_seconds {model_seconds:4.2f}x model-only's  CPU an item: model-only "
+              f"{(model_cpu + model_cpu_after) * 5e5:.1f} us, workers {workers_cpu / n * 1e6:.1f} us "
+              f"({(model_cpu + model_cpu_after) / 2 / (workers_cpu / n):.2f}x)")
     finally:
         cli(env, "pool", "delete", "--model", "demo", "--yes")
 
@@ -216,23 +232,42 @@ def moto_runs(tmp, path_stage, path_e2e):
         moto.wait()
 
 
+def idle_rss(tmp):
+    """Resident MiB of a warm worker with a plain-Python handler, idle after one claim of JSON items."""
+    env = dict(os.environ, CALQUE_STORE=os.path.join(tmp, "idle", "store"),
+               CALQUE_STATE=os.path.join(tmp, "idle", "state"), CALQUE_POLL_WAIT="1")
+    os.makedirs(env["CALQUE_STATE"], exist_ok=True)
+    backend, (pid,) = pool(env, 1, PLAIN)
+    try:
+        run_submitter(["submit", "--pool", "demo", write_items(os.path.join(tmp, "idle", "items.jsonl"), 1000)], env)
+        deadline = time.monotonic() + 60
+        while calque.read_worker_stats(backend, "demo")[0]["claims"] < 1:   # its stats are written once it is idle
+            assert time.monotonic() < deadline, "the worker's stats did not show the claim"
+            time.sleep(0.1)
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        print(f"   idle worker, plain-Python handler (tests/handlers.py:Empty), after a claim: {rss:.0f} MiB resident")
+    finally:
+        cli(env, "pool", "delete", "--model", "demo", "--yes")
+
+
 def main():
     tmp = tempfile.mkdtemp(prefix="calque-bench-scale-")
     os.environ["DEMO_CACHE"] = os.path.join(tmp, "demo-weights")
     print(f"calque bench, scale  ({os.cpu_count()} cores, python {sys.version.split()[0]}); demo model, batch {BATCH}, "
           f"{WORKERS} workers")
     paths = {n: write_items(os.path.join(tmp, f"items-{n}.jsonl"), n) for n in sorted(set(SIZES + [MODEL_ONLY_ITEMS]))}
-    model_rate = model_only_rate(paths[MODEL_ONLY_ITEMS])
-    print(f"\n1. local backend, claims of {CLAIM}; model-only ({WORKERS} processes, predict alone): "
-          f"{model_rate:,.0f} items/s")
+    print(f"\n1. local backend, claims of {CLAIM}; model-only: {WORKERS} processes, predict alone, before / after")
     for n in SIZES:
-        local_run(tmp, paths[n], n, model_rate)
+        local_run(tmp, paths[n], n, paths[MODEL_ONLY_ITEMS])
     print("\n2. staging alone, local backend, claims of 1000, no worker")
     staging_stream(tmp, STREAM_ITEMS)
     print(f"\n3. moto_server, claims of {MOTO_CLAIM}")
     stage = paths.get(MOTO_ITEMS) or write_items(os.path.join(tmp, f"items-{MOTO_ITEMS}.jsonl"), MOTO_ITEMS)
     e2e = paths.get(MOTO_E2E_ITEMS) or write_items(os.path.join(tmp, f"items-{MOTO_E2E_ITEMS}.jsonl"), MOTO_E2E_ITEMS)
     moto_runs(tmp, stage, e2e)
+    print("\n4. memory")
+    idle_rss(tmp)
 
 
 if __name__ == "__main__":
