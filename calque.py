@@ -1392,7 +1392,7 @@ class AwsBackend:
     @staticmethod
     def data_session(boto3):
         """The session of the store's and the queues' clients, which leave the timestamps of S3's and SQS's answers
-        as text: calque reads none of them, and botocore parses each one with dateutil, ~10 % of a GET's CPU and
+        as text: calque reads none of them, and botocore parses each one with dateutil, 5-10 % of a GET's CPU and
         most of a LIST's (S3 answers a LastModified per key). `session` (EC2, IAM...) parses them as usual."""
         import botocore.session   # lazy: the embedded backend never loads boto3/botocore
         core = botocore.session.get_session()

@@ -12,7 +12,8 @@ One moto_server (bench/peers/moto_counted.py: it counts every request it serves,
    process timed whole the same way, run by PEERS_PY (the .venv-peers interpreter).
 Each prints items/s (items over the submitting process's wall), requests per claim or task (everything the
 server served while the submitter or client ran: workers' polls included), and the submitter's or client's CPU
-against its workers'. Then the ratio calque / Celery. With BENCH_PEER_DELAY_MS, both talk to the server through
+against its workers'. Then the ratio calque / Celery, for each of BENCH_PEER_ROUNDS pairs (2; the order swapped
+in each). With BENCH_PEER_DELAY_MS, both talk to the server through
 bench/latency_proxy.py (`--upstream URL --delay-ms N --port P`), which must exist.
 """
 import json
@@ -36,6 +37,7 @@ ITEMS = int(os.environ.get("BENCH_PEER_ITEMS", "100000"))         # items of eac
 CLAIM = 100                                                        # items per claim (calque) and per task (Celery)
 PEERS_PY = os.environ.get("PEERS_PY", os.path.join(ROOT, ".venv-peers", "bin", "python"))   # Celery's interpreter
 DELAY_MS = int(os.environ.get("BENCH_PEER_DELAY_MS", "0"))       # ms the latency proxy adds a request (0: none)
+ROUNDS = int(os.environ.get("BENCH_PEER_ROUNDS", "2"))           # calque-Celery pairs, the order swapped each round
 START_WAIT = 30                                                    # s a server may take to accept connections
 
 
@@ -124,13 +126,20 @@ def main():
         print(f"calque bench, peers  ({os.cpu_count()} cores); demo model, {ITEMS:,} items of ~100 B as "
               f"{-(-ITEMS // CLAIM):,} claims / tasks of {CLAIM}, {bench_scale.WORKERS} workers each, one "
               f"moto_server{f' behind a {DELAY_MS} ms latency proxy' if DELAY_MS else ''}")
-        env = dict(os.environ, CALQUE_STORE="s3://bench/peers", CALQUE_STATE=os.path.join(tmp, "calque-state"))
-        os.makedirs(env["CALQUE_STATE"])
-        calque = bench_scale.end_to_end(env, path, CLAIM, counts)
-        print(line("calque", calque, "claim", "submitter"), flush=True)
-        celery = celery_run(endpoint, path, counts)
-        print(line("Celery", celery, "task", "client"))
-        print(f"   calque / Celery: {calque['items_per_s'] / celery['items_per_s']:.2f}x items/s")
+        for round_ in range(ROUNDS):   # calque first, then Celery first: a neighbour's load falls on both alike
+            env = dict(os.environ, CALQUE_STORE=f"s3://bench/peers{round_}",
+                       CALQUE_STATE=os.path.join(tmp, f"calque-state-{round_}"))
+            os.makedirs(env["CALQUE_STATE"])
+            runs = {}
+            for name in (("calque", "Celery") if round_ % 2 == 0 else ("Celery", "calque")):
+                if name == "calque":
+                    runs[name] = bench_scale.end_to_end(env, path, CLAIM, counts)
+                    print(line("calque", runs[name], "claim", "submitter"), flush=True)
+                else:
+                    runs[name] = celery_run(endpoint, path, counts)
+                    print(line("Celery", runs[name], "task", "client"), flush=True)
+            ratio = runs["calque"]["items_per_s"] / runs["Celery"]["items_per_s"]
+            print(f"   round {round_ + 1}: calque / Celery {ratio:.2f}x items/s", flush=True)
     finally:
         for server in reversed(servers):
             server.terminate()
