@@ -6,10 +6,13 @@ PYTHON ?= python3
 VENV ?= .venv
 # extra pytest flags, e.g. PYTEST_ARGS="-k slug -x"
 PYTEST_ARGS ?=
+# Celery's venv for `make bench-peers` (bench/peers/requirements.txt), layered on $(VENV)
+PEERS_VENV ?= .venv-peers
 PY := $(VENV)/bin/python
+PEERS_PY := $(PEERS_VENV)/bin/python
 FASTBATCH_SO := fastbatch/.built
 
-.PHONY: setup demo test bench gpu-check clean
+.PHONY: setup demo test bench bench-peers gpu-check clean
 
 setup: $(VENV)/.installed $(FASTBATCH_SO)
 
@@ -36,9 +39,21 @@ bench: setup
 	$(PY) tests/bench_fastbatch.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_scale.py
 
+# calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py.
+# Celery goes in its own venv, which sees $(VENV)'s packages after its own (a .pth file): the demo model's torch
+$(PEERS_VENV)/.installed: bench/peers/requirements.txt $(VENV)/.installed
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install -q -r bench/peers/requirements.txt
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(PEERS_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/calque-venv.pth"
+	touch $@
+
+bench-peers: setup $(PEERS_VENV)/.installed
+	AWS_EC2_METADATA_DISABLED=true PEERS_PY=$(PEERS_PY) $(PY) bench/peers/compare.py
+
 # needs a CUDA machine: builds fastbatch, runs its tests, measures pinned vs pageable host-to-device GB/s
 gpu-check: setup
 	$(PY) fastbatch/gpu_check.py
 
 clean:
-	rm -rf .calque .calque-state .calque-demo build calque.egg-info fastbatch/_fastbatch_c.* fastbatch/*.o fastbatch/.build-* $(FASTBATCH_SO)
+	rm -rf .calque .calque-state .calque-demo $(PEERS_VENV) build calque.egg-info fastbatch/_fastbatch_c.* fastbatch/*.o fastbatch/.build-* $(FASTBATCH_SO)

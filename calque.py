@@ -96,8 +96,12 @@ QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local qu
 ENDPOINT_BACKOFF = (0.25, 4.0)          # s: first wait before retrying an unreachable AWS endpoint, doubling to a cap
 ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
 SUMMARY_POLL_MIN = 0.002                # s, the first gap between two summary checks (an idle pool's round trip)
-SUMMARY_POLL_MAX = 0.5                  # s, the longest gap between two summary checks while submit waits
-RUN_RECHECK = 1.0                       # s between two looks, while submit waits, at the run record and the DLQ depth
+SUMMARY_POLL_MAX = 0.5                  # s between two checks for a claim's summary while results are followed
+SUMMARY_POLL_FLOOR = 0.1                # s, the shortest gap once summaries land (a LIST finds several, not one)
+SUMMARY_WAIT_MAX = 1.0                  # s, the longest gap between two summary LISTs of a waiting submit
+SUMMARY_BATCH = 10                      # summaries a LIST should find at the rate they land (sets the gap)
+RUN_RECHECK = 1.0                       # s without a new summary before submit looks at the run record and DLQ depth
+RUN_RECHECK_MAX = 4.0                   # s, the longest gap between two such looks while the run stays stalled
 DLQ_SCAN_WAIT = 1.0                     # s of each receive of a dead-letter scan (an SQS short poll may miss messages)
 STORE_WRITERS = 16                      # parallel store writes: staging manifests, cancel marking claims (stage_run)
 SEND_BATCH = 10                         # claims per queue send (SQS's SendMessageBatch takes at most 10)
@@ -1380,9 +1384,20 @@ class AwsBackend:
         # boto3's own resolution: AWS_REGION / AWS_DEFAULT_REGION, then the profile's region in ~/.aws/config
         self.region = self.session.region_name or DEFAULT_REGION
         config = aws_client_config(self.region)
-        self.store = S3Store(self.session.client("s3", config=config), bucket, prefix.strip("/"), self.requests,
+        data = self.data_session(boto3)
+        self.store = S3Store(data.client("s3", config=config), bucket, prefix.strip("/"), self.requests,
                              endpoint_retry)
-        self.queues = SqsQueues(self.session.client("sqs", config=config), self.requests, endpoint_retry)
+        self.queues = SqsQueues(data.client("sqs", config=config), self.requests, endpoint_retry)
+
+    @staticmethod
+    def data_session(boto3):
+        """The session of the store's and the queues' clients, which leave the timestamps of S3's and SQS's answers
+        as text: calque reads none of them, and botocore parses each one with dateutil, 5-10 % of a GET's CPU and
+        most of a LIST's (S3 answers a LastModified per key). `session` (EC2, IAM...) parses them as usual."""
+        import botocore.session   # lazy: the embedded backend never loads boto3/botocore
+        core = botocore.session.get_session()
+        core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=lambda text: text)
+        return boto3.session.Session(botocore_session=core)
 
     def describe(self):
         return self.uri
@@ -2003,19 +2018,28 @@ class DeadLetters:
 
 
 def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
-    """Poll the run's summaries until every claim has one, or nothing can run the rest (nothing_left_to_run,
-    checked every RUN_RECHECK s), or timeout; returns (summaries, timed_out), timed_out meaning that some claim
-    has no summary. `run` follows its stored record (a cancel, how far sending got). stop_if(), called at each
-    of those checks, may raise to stop waiting (the pool's workers all crash).
+    """Poll the run's summaries until every claim has one, or nothing can run the rest (nothing_left_to_run), or
+    timeout; returns (summaries, timed_out), timed_out meaning that some claim has no summary. Each summary is
+    read once: it is the claim's completion record, and the report is made of what this returns. `run` follows
+    its stored record (a cancel, how far sending got). stop_if(), called at each look at the run record, may
+    raise to stop waiting (the pool's workers all crash).
 
     O(claims) in all: each LIST starts after the summary key of the last claim, in key order, below which every
-    claim is done (S3's StartAfter), so a summary is listed about once, not once per poll. The delay between
-    two polls grows from SUMMARY_POLL_MIN to SUMMARY_POLL_MAX and is not reset by a new summary: resetting it
-    made a run of C claims cost O(C) polls of O(C) keys each. Hidden cost: while one claim lags (a slow item, a
-    redelivery), each poll lists again the summaries past it, at most 2 a second until it ends."""
+    claim is done (S3's StartAfter), so a summary is listed about once, not once per poll. The gap between two
+    LISTs grows from SUMMARY_POLL_MIN by half after each LIST that finds nothing new, up to SUMMARY_WAIT_MAX;
+    after one that finds some, it is what SUMMARY_BATCH more take at the rate they have landed since the wait
+    began (fewer near the end: the remaining claims), within SUMMARY_POLL_FLOOR..SUMMARY_WAIT_MAX. Resetting it
+    to the minimum on each new summary made a LIST per summary. Hidden cost: the last summary is seen up to
+    SUMMARY_WAIT_MAX late; while one claim lags, each LIST lists again the summaries past it.
+
+    The run record and the dead-letter queue (run_recheck) matter only when the run stalls: a cancel writes
+    summaries, and a worker writes a dead-lettered claim's failure summary before its DLQ copy. So they are
+    looked at once no summary has landed for RUN_RECHECK s, then at gaps doubling up to RUN_RECHECK_MAX while the
+    run stays stalled: a run that never sees a claim end (a dead letter without a summary, claims never sent)
+    ends within about RUN_RECHECK_MAX s of its last summary, and a steady run makes no such request at all."""
     from tqdm import tqdm   # lazy: only a waiting submit draws a progress bar
     started = time.monotonic()
-    deadline, recheck = started + timeout, started + RUN_RECHECK
+    deadline, progressed, recheck = started + timeout, started, run_recheck(started, started)
     done, dead = {}, DeadLetters(backend, run)
     in_key_order, below = sorted(run["claims"], key=lambda c: summary_key(run["run_id"], c)), 0
     delay = SUMMARY_POLL_MIN
@@ -2025,25 +2049,39 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
         while True:
             while below < len(in_key_order) and in_key_order[below] in done:
                 below += 1
+            found = 0
             for key in list_summaries(backend, run["run_id"], in_key_order[below - 1] if below else None):
                 claim = key.rsplit("/", 1)[1][:-5]
                 if claim not in done:
                     done[claim] = read_json(backend, key)
                     bar.update(done[claim]["items"])
+                    found += 1
             now = time.monotonic()
             if len(done) == len(run["claims"]) or now >= deadline:
                 break
+            if found:
+                progressed, recheck = now, run_recheck(now, now)
+                rate = len(done) / max(now - started, SUMMARY_POLL_MIN)   # claims a second, since the wait began
+                expected = min(SUMMARY_BATCH, len(run["claims"]) - len(done))
+                delay = min(max(expected / rate, SUMMARY_POLL_FLOOR), SUMMARY_WAIT_MAX)
+            else:
+                delay = min(delay * 1.5, SUMMARY_WAIT_MAX)   # quick at first (idle round trip), gentle on S3 after
             if now >= recheck:
-                recheck = now + RUN_RECHECK
+                recheck = run_recheck(progressed, now)
                 if stop_if:
                     stop_if()
                 if nothing_left_to_run(backend, run, done, dead):
                     break
             time.sleep(min(delay, deadline - now))
-            delay = min(delay * 1.25, SUMMARY_POLL_MAX)   # quick at first (idle round trip), gentle on S3 after
     finally:
         bar.close()
     return [done[c] for c in run["claims"] if c in done], len(done) < len(run["claims"])
+
+
+def run_recheck(progressed, now):
+    """When wait_for_run next looks at the run record and the DLQ: RUN_RECHECK s after the last new summary
+    (`progressed`), then at gaps that double with the time stalled (now - progressed), up to RUN_RECHECK_MAX."""
+    return max(progressed + RUN_RECHECK, now + min(max(now - progressed, RUN_RECHECK), RUN_RECHECK_MAX))
 
 
 def nothing_left_to_run(backend, run, done, dead):
@@ -5491,6 +5529,7 @@ class Run:
         self.conf, self.backend = context or _context(store)
         self.record = read_run(self.backend, run_id)
         self.run_id = run_id
+        self.waited = []   # the summaries the last wait() read
         if id_field and not self.record.get("id_field"):
             update_run(self.backend, self.record, id_field=id_field)
 
@@ -5500,11 +5539,12 @@ class Run:
     def wait(self, timeout=None, progress=False):
         """Wait until every claim has a summary, nothing can run the rest, or `timeout` s (default CALQUE_TIMEOUT);
         stops early with WorkersFailed when every local worker of the pool dies before it is warm. Returns True
-        when every claim has a summary."""
+        when every claim has a summary. `waited` keeps the summaries the wait read (each once): what a report of
+        this wait prints, without reading them all again."""
         if timeout is None:
             timeout = setting_number(self.conf, "CALQUE_TIMEOUT", float, 0)
         check_timeout(timeout)
-        _, timed_out = wait_for_run(self.backend, self.record, timeout, progress, stop_if=self._crashing)
+        self.waited, timed_out = wait_for_run(self.backend, self.record, timeout, progress, stop_if=self._crashing)
         return not timed_out
 
     def _crashing(self):
@@ -5826,7 +5866,7 @@ def cmd_submit(conf, backend, args):
         print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} items sent to "
               f"{run.record['queue']} ({depth['visible']} visible, {depth['in_flight']} in flight)", file=sys.stderr)
         timed_out = not run.wait(args.timeout, progress)
-        run, summaries = run.record, run.summaries()
+        run, summaries = run.record, run.waited
     else:
         if not args.model:
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")

@@ -45,16 +45,28 @@ MODEL_ONLY_ITEMS = int(os.environ.get("BENCH_MODEL_ONLY_ITEMS", "100000"))   # i
 DEMO = os.path.join(ROOT, "examples", "demo_model.py")
 PLAIN = os.path.join(ROOT, "tests", "handlers.py") + ":Empty"   # a plain-Python handler: no torch, no numpy
 WORDS = "batch cost heartbeat pool worker ring manifest claim tensor result drain load cold queue copy".split()
-# runs calque.py's main() and, at exit, writes what the submitter's stores listed and requested to $BENCH_OUT
+# runs calque.py's main() and, at exit, writes what the submitter's stores listed and requested to $BENCH_OUT;
+# on SQS + S3 also each AWS operation it called (a boto3 before-call hook on its clients: S3 ListObjectsV2 pages,
+# SQS GetQueueAttributes...), which the backends' coarse counts lump together
 SUBMITTER = """
 import atexit, json, os, sys
 sys.path.insert(0, {root!r})
 import calque
-opened = []
+opened, operations = [], calque.Counter()
 open_backend = calque.open_backend
-calque.open_backend = lambda *a, **k: opened.append(open_backend(*a, **k)) or opened[-1]
+
+def opening(*args, **kwargs):
+    backend = open_backend(*args, **kwargs)
+    for client in (getattr(backend.store, "s3", None), getattr(backend.queues, "sqs", None)):
+        if client is not None:
+            client.meta.events.register("before-call", lambda model, **_: operations.update([model.name]))
+    opened.append(backend)
+    return backend
+
+calque.open_backend = opening
 atexit.register(lambda: json.dump({{"keys_listed": sum(b.store.keys_listed for b in opened),
-    "requests": sum((b.requests for b in opened), calque.Counter())}}, open(os.environ["BENCH_OUT"], "w")))
+    "requests": sum((b.requests for b in opened), calque.Counter()), "operations": operations}},
+    open(os.environ["BENCH_OUT"], "w")))
 sys.argv = ["calque.py"] + sys.argv[1:]
 sys.exit(calque.main())
 """.format(root=ROOT)
@@ -210,23 +222,13 @@ def moto_runs(tmp, path_stage, path_e2e):
         print(f"   staging {MOTO_ITEMS:,} items as {claims} claims: {MOTO_ITEMS / wall:8,.0f} items/s, submitter "
               f"{req / claims:.2f} requests/claim ({dict(counts['requests'])})")
         cli(env, "pool", "delete", "--model", "demo", "--yes", "--force")
-        backend, pids = pool(env, WORKERS)
-        try:
-            cpu0 = process_cpu(pids)
-            wall, stdout, rss, cpu, counts, _ = run_submitter(["submit", "--pool", "demo", path_e2e, "--claim-size",
-                                                               str(MOTO_CLAIM), "--json"], env)
-            workers_cpu = process_cpu(pids) - cpu0
-            summaries = json.loads(stdout)["summaries"]
-            worker_req = sum(sum(s["requests"].values()) for s in summaries)
-            sub_req = sum(counts["requests"].values())
-            print(f"   end to end {MOTO_E2E_ITEMS:,} items as {len(summaries)} claims, {WORKERS} workers: "
-                  f"{MOTO_E2E_ITEMS / wall:7,.0f} items/s, {(worker_req + sub_req) / len(summaries):.2f} "
-                  f"requests/claim (workers {worker_req / len(summaries):.2f} incl. idle polls, submitter "
-                  f"{sub_req / len(summaries):.2f}), "
-                  f"keys listed/claim {counts['keys_listed'] / len(summaries):.2f}, submitter CPU {cpu:.1f} s = "
-                  f"{cpu / max(workers_cpu, 1e-9):.0%} of the workers' {workers_cpu:.1f} s")
-        finally:
-            cli(env, "pool", "delete", "--model", "demo", "--yes", "--force")
+        e2e = end_to_end(env, path_e2e, MOTO_CLAIM)
+        print(f"   end to end {MOTO_E2E_ITEMS:,} items as {e2e['claims']} claims, {WORKERS} workers: "
+              f"{e2e['items_per_s']:7,.0f} items/s, {e2e['requests_per_claim']:.2f} requests/claim (workers "
+              f"{e2e['worker_requests_per_claim']:.2f} incl. idle polls, submitter "
+              f"{e2e['submitter_requests_per_claim']:.2f}: {per_claim(e2e['submitter_operations'], e2e['claims'])}), "
+              f"keys listed/claim {e2e['keys_listed_per_claim']:.2f}, submitter CPU {e2e['submitter_cpu']:.1f} s = "
+              f"{e2e['submitter_cpu'] / max(e2e['workers_cpu'], 1e-9):.0%} of the workers' {e2e['workers_cpu']:.1f} s")
     finally:
         moto.terminate()
         moto.wait()
@@ -249,6 +251,37 @@ def idle_rss(tmp):
         print(f"   idle worker, plain-Python handler (tests/handlers.py:Empty), after a claim: {rss:.0f} MiB resident")
     finally:
         cli(env, "pool", "delete", "--model", "demo", "--yes")
+
+
+def end_to_end(env, path, claim, server_counts=lambda: {}):
+    """`submit --pool` of the items at `path` in claims of `claim` to a fresh demo pool of WORKERS warm workers on
+    env's store, deleted after: {items, claims, wall, items_per_s, requests a claim (all, workers', submitter's),
+    the submitter's AWS operations, keys listed a claim, submitter and workers CPU s, and `server`: what
+    server_counts() ({operation: requests}, a counting server's) grew by while submit ran}."""
+    backend, pids = pool(env, WORKERS)
+    try:
+        cpu0, served = process_cpu(pids), server_counts()
+        wall, stdout, _, cpu, counts, _ = run_submitter(["submit", "--pool", "demo", path, "--claim-size", str(claim),
+                                                         "--json"], env)
+        workers_cpu = process_cpu(pids) - cpu0
+        served = {op: n - served.get(op, 0) for op, n in server_counts().items() if n > served.get(op, 0)}
+    finally:
+        cli(env, "pool", "delete", "--model", "demo", "--yes", "--force")
+    report = json.loads(stdout)
+    summaries, claims = report["summaries"], len(report["summaries"])
+    worker_req = sum(sum(s["requests"].values()) for s in summaries)
+    sub_req = sum(counts["requests"].values())
+    return {"items": report["run"]["items"], "claims": claims, "wall": wall,
+            "items_per_s": report["run"]["items"] / wall, "requests_per_claim": (worker_req + sub_req) / claims,
+            "worker_requests_per_claim": worker_req / claims, "submitter_requests_per_claim": sub_req / claims,
+            "submitter_operations": counts.get("operations", {}),
+            "keys_listed_per_claim": counts["keys_listed"] / claims, "submitter_cpu": cpu, "workers_cpu": workers_cpu,
+            "server": served}
+
+
+def per_claim(operations, claims):
+    """'PutObject 1.00, GetObject 1.00, ...' : each operation's calls a claim, the most frequent first."""
+    return ", ".join(f"{name} {n / claims:.2f}" for name, n in sorted(operations.items(), key=lambda kv: -kv[1]))
 
 
 def main():

@@ -170,16 +170,18 @@ ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDeni
 
 class FaultProxy:
     """A loopback HTTP proxy in front of moto_server: while `failing` is set it answers every PUT (an S3 object
-    write) with 403 AccessDenied, as S3 does to a role whose write permission is gone; all else passes through."""
+    write) with 403 AccessDenied, as S3 does to a role whose write permission is gone; all else passes through.
+    `seen` lists each request's (method, path) as it came."""
 
     def __init__(self, target):
         host, port = target.rsplit("/", 1)[1].split(":")
-        proxy, self.failing, self.refused = self, threading.Event(), 0
+        proxy, self.failing, self.refused, self.seen = self, threading.Event(), 0, []
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"     # keep-alive, and the 100-continue botocore asks for on a PUT
 
             def forward(self):
+                proxy.seen.append((self.command, self.path))
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.command == "PUT" and proxy.failing.is_set():
                     proxy.refused += 1

@@ -45,11 +45,13 @@ def test_list_start_after(backend):
     assert backend.store.keys_listed == listed + 2
 
 
-def test_waiting_lists_each_summary_about_once(backend):
+def test_waiting_lists_each_summary_about_once(backend, monkeypatch):
     """wait_for_run lists past the claims already done: a run of C claims finishing two at a time, the second
     of each pair first (two workers), costs at most 3 C keys listed even when it polls after every summary."""
     import threading
-    claims = [calque.claim_id(i) for i in range(24)]   # polls come ever slower: 24 take ~2 s in all
+    monkeypatch.setattr(calque, "SUMMARY_POLL_FLOOR", 0.002)   # a poll per summary (the worst case) stays quick:
+    monkeypatch.setattr(calque, "SUMMARY_WAIT_MAX", 0.1)       # the gaps it would grow to are not what is tested
+    claims = [calque.claim_id(i) for i in range(24)]
     run = {"run_id": "m.r", "model": "m", "mode": "pool", "items": 24, "claims": claims, "claim_size": 1,
            "queue": "calque-pool-m", "sent": 24}
     calque.write_json(backend, calque.run_key("m.r"), run)
@@ -73,6 +75,94 @@ def test_waiting_lists_each_summary_about_once(backend):
     writer.join()
     assert not timed_out and [s["claim"] for s in summaries] == claims
     assert backend.store.keys_listed - listed <= 3 * len(claims)
+
+
+def waited_run(backend, claims, done):
+    """A pool run of `claims` one-item claims, all sent, with its pool's DLQ, and summaries for the first `done`."""
+    run = {"run_id": "m.r", "model": "m", "mode": "pool", "items": claims, "claim_size": 1,
+           "claims": [calque.claim_id(i) for i in range(claims)], "queue": "calque-pool-m", "sent": claims}
+    calque.write_json(backend, calque.run_key("m.r"), run)
+    backend.queues.create_queue(calque.dlq_name("m"), 30)
+    for claim in run["claims"][:done]:
+        write_summary(backend, claim)
+    return run
+
+
+def write_summary(backend, claim):
+    summary = calque.claim_summary(run_id="m.r", claim=claim, model="m", worker_id="w", mode="pool",
+                                   backend=backend.kind, receive_count=1, enter_count=1, started=0.0, finished=0.0,
+                                   requests={}, items=1)
+    calque.write_json(backend, calque.summary_key("m.r", claim), summary)
+
+
+def counting_gets(backend, monkeypatch):
+    """Wrap backend.store.get: returns the Counter of keys read, and the monotonic times the run record was read."""
+    from collections import Counter
+    reads, run_reads, get = Counter(), [], backend.store.get
+
+    def counted(key):
+        reads[key] += 1
+        if key == calque.run_key("m.r"):
+            run_reads.append(time.monotonic())
+        return get(key)
+
+    monkeypatch.setattr(backend.store, "get", counted)
+    return reads, run_reads
+
+
+def test_a_steady_wait_reads_each_summary_once_and_no_run_record(backend, monkeypatch):
+    """While summaries keep landing, wait_for_run reads each one exactly once, and neither the run record nor the
+    DLQ: those looks are for a stalled run."""
+    import threading
+    monkeypatch.setattr(calque, "SUMMARY_WAIT_MAX", 0.05)   # a LIST per summary at worst: never a 1 s stall here
+    run = waited_run(backend, 20, 0)
+    reads, _ = counting_gets(backend, monkeypatch)
+
+    def finish():   # one summary each time the waiter has listed again (two workers finishing claims)
+        for claim in run["claims"]:
+            polls = backend.requests["store_lists"]
+            write_summary(backend, claim)
+            deadline = time.monotonic() + 10
+            while backend.requests["store_lists"] == polls and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    writer = threading.Thread(target=finish)
+    writer.start()
+    queue_calls = backend.requests["queue_other"]
+    summaries, timed_out = calque.wait_for_run(backend, run, 60, progress=False)
+    writer.join()
+    assert not timed_out and [s["claim"] for s in summaries] == run["claims"]
+    assert reads == {calque.summary_key("m.r", claim): 1 for claim in run["claims"]}
+    assert backend.requests["queue_other"] == queue_calls
+
+
+def test_a_stalled_wait_looks_at_the_run_record_ever_less_often_and_sees_a_cancel(backend, monkeypatch):
+    """A run whose last claim never ends: the run record is read after RUN_RECHECK without a summary, then at
+    gaps that double up to RUN_RECHECK_MAX (not every RUN_RECHECK); a cancel that wrote no summary (its writes
+    failed) is seen at the next look, and the wait ends with the record's cancel in `run`."""
+    import threading
+    monkeypatch.setattr(calque, "RUN_RECHECK", 0.05)
+    monkeypatch.setattr(calque, "RUN_RECHECK_MAX", 0.2)
+    monkeypatch.setattr(calque, "SUMMARY_WAIT_MAX", 0.01)   # the looks come on time, not at the next slow LIST
+    run = waited_run(backend, 2, 1)
+    _, run_reads = counting_gets(backend, monkeypatch)
+
+    def cancel():   # after the waiter's 6th look: gaps 0.05, 0.1, 0.2, 0.2... s
+        wait_for = time.monotonic() + 30
+        while len(run_reads) < 6 and time.monotonic() < wait_for:
+            time.sleep(0.005)
+        stored = calque.read_json(backend, calque.run_key("m.r"))
+        calque.write_json(backend, calque.run_key("m.r"), dict(stored, cancelled={"reason": "test", "at": "now"}))
+
+    canceller = threading.Thread(target=cancel)
+    canceller.start()
+    started = time.monotonic()
+    summaries, timed_out = calque.wait_for_run(backend, run, 60, progress=False)
+    stalled = time.monotonic() - started
+    canceller.join()
+    assert timed_out and [s["claim"] for s in summaries] == ["c00000"] and run["cancelled"]["reason"] == "test"
+    reads = len(run_reads) - 1   # the canceller's own read (the waiter's 6th may have seen its write)
+    assert 6 <= reads <= 4 + stalled / 0.2   # a look every RUN_RECHECK would be stalled / 0.05 of them
 
 
 def test_uri_round_trip(backend):

@@ -5,9 +5,10 @@ import os
 import signal
 import subprocess
 import time
+from collections import Counter
 
 import calque
-from conftest import HANDLERS, PY, ROOT, backend_for, cli, start_worker, wait_for, write_items
+from conftest import HANDLERS, PY, ROOT, FaultProxy, backend_for, cli, start_worker, wait_for, write_items
 
 
 def create_pool(env, *extra, handler="Echo"):
@@ -254,3 +255,22 @@ def test_timeouts_and_batch_timeouts_that_are_not_numbers_are_refused(local_env,
     said(out, 2, "", "calque: error: --batch-timeout nan: must be a number of seconds above 0\n")
     create_pool(local_env, "--batch-timeout", "30")
     assert calque.load_pool(backend_for(local_env), "m")["batch_timeout"] == 30.0
+
+
+def test_a_waiting_submit_reads_each_summary_once(aws_env, tmp_path):
+    """On SQS + S3 (moto_server), through a loopback proxy that sees the submitter's requests: it GETs each
+    claim's summary once (its report is made of what its wait read), and the report adds up."""
+    proxy = FaultProxy(aws_env["AWS_ENDPOINT_URL"])
+    try:
+        create_pool(aws_env)
+        start_worker(aws_env, "--model", "m")   # straight to moto_server: only the submitter's requests are seen
+        out = cli(dict(aws_env, AWS_ENDPOINT_URL=proxy.url), "submit", "--pool", "m", "--wait-for-workers",
+                  write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(12)]), "--claim-size", "3", "--json")
+    finally:
+        proxy.close()
+    said(out, 0)
+    report = json.loads(out.stdout)
+    assert report["items"] == {"ok": 12, "failed": 0, "pending": 0, "dead_lettered": 0, "cancelled": 0}
+    assert [s["claim"] for s in report["summaries"]] == report["run"]["claims"] == [f"c0000{i}" for i in range(4)]
+    gets = Counter(path.rsplit("/", 1)[1] for method, path in proxy.seen if method == "GET" and "/summaries/" in path)
+    assert gets == {f"c0000{i}.json": 1 for i in range(4)}
