@@ -6,6 +6,9 @@ PYTHON ?= python3
 VENV ?= .venv
 # extra pytest flags, e.g. PYTEST_ARGS="-k slug -x"
 PYTEST_ARGS ?=
+# pytest-xdist processes `make test` runs the suite in: its tests mostly wait on real workers, polls and timeouts,
+# so two overlap well on two cores; 0 runs it in this process, in file order
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 FASTBATCH_SO := fastbatch/.built
 
@@ -29,7 +32,7 @@ demo: setup
 	PY=$(PY) bash examples/demo.sh
 
 test: setup
-	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q $(PYTEST_ARGS) tests
+	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS) tests
 
 bench: setup
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_pool.py
