@@ -8,6 +8,9 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 # Celery's venv for `make bench-peers` (bench/peers/requirements.txt), layered on $(VENV)
 PEERS_VENV ?= .venv-peers
+# pytest-xdist processes `make test` runs the suite in: its tests mostly wait on real workers, polls and timeouts,
+# so two overlap well on two cores; 0 runs it in this process, in file order
+TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PEERS_PY := $(PEERS_VENV)/bin/python
 FASTBATCH_SO := fastbatch/.built
@@ -32,7 +35,7 @@ demo: setup
 	PY=$(PY) bash examples/demo.sh
 
 test: setup
-	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q $(PYTEST_ARGS) tests
+	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS) tests
 
 bench: setup
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_pool.py

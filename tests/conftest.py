@@ -74,14 +74,20 @@ def moto_endpoint():
 
 @pytest.fixture
 def aws_env(tmp_path, moto_endpoint):
-    """Environment for a subprocess on SQS + S3 served by moto_server, with a fresh bucket."""
+    """Environment for a subprocess on SQS + S3 served by moto_server, with a fresh bucket. The endpoint that
+    backend_for sets in this process's environment is put back as it was after the test: a later test's
+    in-process mock_aws must not send its calls to moto_server, whatever order the tests run in."""
     import boto3
+    endpoint = os.environ.get("AWS_ENDPOINT_URL")
     bucket = f"calque-test-{os.urandom(4).hex()}"
     boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
-    env = dict(os.environ, AWS_ENDPOINT_URL=moto_endpoint, CALQUE_STORE=f"s3://{bucket}/root",
+    yield dict(os.environ, AWS_ENDPOINT_URL=moto_endpoint, CALQUE_STORE=f"s3://{bucket}/root",
                CALQUE_STATE=str(tmp_path / "state"), CALQUE_POLL_WAIT="1", CALQUE_GRACE="5", PYTHONUNBUFFERED="1",
                CALQUE_ENV=str(tmp_path / "none.env"))
-    return env
+    if endpoint is None:
+        os.environ.pop("AWS_ENDPOINT_URL", None)
+    else:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
 
 
 def cli(env, *args, stdin=None, timeout=120):
@@ -143,15 +149,8 @@ def backend_for(env):
 
 @pytest.fixture(params=["local", "moto_server"])
 def any_env(request):
-    """The environment of local_env, then of aws_env: a test that must hold on both backends. The endpoint that
-    backend_for sets in this process's environment is put back as it was after the test: a later test's
-    in-process mock_aws must not send its calls to moto_server."""
-    endpoint = os.environ.get("AWS_ENDPOINT_URL")
-    yield request.getfixturevalue("local_env" if request.param == "local" else "aws_env")
-    if endpoint is None:
-        os.environ.pop("AWS_ENDPOINT_URL", None)
-    else:
-        os.environ["AWS_ENDPOINT_URL"] = endpoint
+    """The environment of local_env, then of aws_env: a test that must hold on both backends."""
+    return request.getfixturevalue("local_env" if request.param == "local" else "aws_env")
 
 
 def pool_pids(env, model="m"):

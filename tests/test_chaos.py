@@ -106,7 +106,7 @@ def test_a_store_refusing_writes_costs_a_pause_not_a_delivery(any_env, tmp_path)
     or dead-lettered, every item is written exactly once."""
     proxy = FaultProxy(any_env["AWS_ENDPOINT_URL"]) if any_env["CALQUE_STORE"].startswith("s3://") else None
     env = dict(any_env, AWS_ENDPOINT_URL=proxy.url) if proxy else any_env
-    backend = start_pool(env, "--batch-size", "2")
+    backend = start_pool(env, "--batch-size", "2", "--workers", "0")   # none may write before the store refuses
     run_id = submit(backend, [{"x": i} for i in range(20)], 5)
     blocked = [os.path.join(env["CALQUE_STORE"], "runs", run_id, folder) for folder in ("results", "summaries")]
     if proxy:

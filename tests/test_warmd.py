@@ -267,10 +267,14 @@ def test_heartbeat_keeps_a_long_claim(local_env, tmp_path):
 
 def test_a_lost_lease_is_not_written(local_env, tmp_path):
     """When another receiver takes the claim (its lease lapsed), the first worker writes nothing for it."""
-    g = Gated(local_env, tmp_path, pool_args=("--visibility-timeout", "30"))
-    g.backend.queues.db().execute("UPDATE messages SET visible_at = 0")   # the lease lapses (as if the heartbeat had stalled)
-    thief = g.queue().receive(1)
-    assert thief is not None and thief.receive_count == 2
+    g = Gated(local_env, tmp_path, pool_args=("--visibility-timeout", "3"))   # a heartbeat each second
+
+    def steal():   # the lease lapses (as if the heartbeat had stalled); again if a renewal landed in between
+        g.backend.queues.db().execute("UPDATE messages SET visible_at = 0")
+        return g.queue().receive(0)
+    thief = wait_for(steal, 30, "another receiver to take the claim")
+    g.queue().change_visibility(thief, 600)                  # the thief's own heartbeat: the claim stays its
+    assert thief.receive_count == 2
     g.logged("lease lost", "the heartbeat to notice")
     g.open()
     g.logged("lease lost: not writing it", "the worker to drop the claim")
