@@ -9,16 +9,7 @@ import time
 import calque
 
 
-class NoTorch:
-    """A pass-through collate: workers of a handler with its own collate never import fastbatch, so never torch
-    (~2 s of CPU per worker start, most of what a test's worker costs). Items still reach the handler as the list
-    of dicts the default collation passes them on as; test_api and test_user cover that default path."""
-
-    def collate(self, items):
-        return items
-
-
-class Echo(NoTorch):
+class Echo:
     """Doubles x; an item with "fail" raises, so only that item fails; counts @enter calls in a file."""
 
     @calque.enter
@@ -35,7 +26,7 @@ class Echo(NoTorch):
         return out
 
 
-class WrongCount(NoTorch):
+class WrongCount:
     """Returns one result too few for every batch."""
 
     @calque.enter
@@ -47,7 +38,7 @@ class WrongCount(NoTorch):
         return [{"y": 1}] * (len(items) - 1)
 
 
-class Gate(NoTorch):
+class Gate:
     """Announces each batch in $GATE_DIR/started-<pid>, then holds it until $GATE_DIR/open exists:
     lets a test act on a worker that is provably mid-claim."""
 
