@@ -291,6 +291,7 @@ class Ahead:
 
     def __init__(self, worker):
         self.worker, self.taken, self.lock = worker, threading.Event(), threading.Lock()
+        self.idle = Counter()           # an empty probe's requests: the next claim's, as the worker's idle polls
         self.future = worker.ahead_thread.submit(self._fetch)
 
     def _fetch(self):
@@ -304,7 +305,7 @@ class Ahead:
             log.warning("worker %s: receive ahead failed (%s: %s)", worker.worker_id, type(e).__name__, e)
             message = None
         if message is None:
-            worker.backend.requests.loose.update(counts)
+            self.idle = counts
             return None
         claim = worker.open_claim(message, counts)
         if claim is None or self._held():
@@ -605,10 +606,11 @@ class Worker:
             # any more (pool delete included), so leave rather than run on as an orphan
             return f"supervisor {self.supervisor} is gone"
         self.state = "between"
-        claim, idle = self.ahead and self.ahead.take(), False
+        ahead, idle = self.ahead, False
+        claim = ahead and ahead.take()
         self.ahead = None
         if claim is None:
-            counts = Counter()
+            counts = Counter(ahead.idle if ahead else ())
             try:
                 self.state = "polling"           # a signal cuts the backoff and the poll short
                 time.sleep(self.backoff)
@@ -635,10 +637,10 @@ class Worker:
             else:
                 claim = self.open_claim(message, counts)
         if claim is not None:
-            self.state = "claim"         # a signal from here on sees the claim (grace timer, release)
-            if self.stop_requested:
+            if self.stop_requested:      # told to stop while it was received: it never starts
                 self.give_back(claim, "the worker stops")
                 return "stop requested"
+            self.state = "claim"         # a signal from here on sees the claim (grace timer, release)
             reason = self.run_claim(claim, PIPELINE)
             self.state = "between"       # a second signal from here on has no claim to release
             if reason:
@@ -778,6 +780,8 @@ class Worker:
         of the first two (the watchdog's exit must not hang on them)."""
         with contextlib.suppress(TimeoutError):
             claim = self.ahead and self.ahead.take(wait)
+            if self.ahead:
+                self.backend.requests.loose.update(self.ahead.idle)
             self.ahead = None
             if claim is not None:
                 self.give_back(claim, "the worker stops")
