@@ -15,10 +15,12 @@
    stats they write as they stop, exact, since a summary counts its ack as one request where a batch is one);
 4. moto_server behind bench/latency_proxy.py adding BENCH_LATENCY_MS (15) per request, as real SQS and S3 calls
    cost in a region: BENCH_LATENCY_ITEMS (20k) items as claims of 100 through 2 workers of the Timeline handler
-   (next to no model time, so that the requests show), claim pipelining off (CALQUE_PIPELINE=0) then on, twice:
+   (next to no model time, so that the requests show; then 50 ms a batch, a model on an accelerator, whose host
+   thread waits: BENCH_LATENCY_MODEL_MS), claim pipelining off (CALQUE_PIPELINE=0) then on, twice each:
    items/s, requests per claim, and the per-claim gap in the model's timeline (per worker, from the end of a
    claim's last handler call to the start of the next claim's first, timestamps taken in the handler), in ms and
-   in request latencies (the median of 20 requests through the proxy).
+   in request latencies (the median of requests through the proxy sampled every 0.25 s during that run: on 2
+   shared cores moto_server's own time under load, not the 15 ms, can set it).
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
 import json
@@ -27,8 +29,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -52,7 +56,9 @@ MOTO_E2E_ITEMS = int(os.environ.get("BENCH_MOTO_E2E_ITEMS", "20000"))           
 MODEL_ONLY_ITEMS = int(os.environ.get("BENCH_MODEL_ONLY_ITEMS", "100000"))   # items per model-only process
 LATENCY_MS = float(os.environ.get("BENCH_LATENCY_MS", "15"))                  # ms the proxy adds per request
 LATENCY_ITEMS = int(os.environ.get("BENCH_LATENCY_ITEMS", "20000"))          # items per latency run (claims of 100)
-LATENCY_ROUNDS = 2               # latency runs: pipelining off then on, this many times
+LATENCY_ROUNDS = 2               # latency runs: pipelining off then on, this many times, per model time
+LATENCY_MODEL_MS = [float(ms) for ms in os.environ.get("BENCH_LATENCY_MODEL_MS", "0,50").split(",")]   # per batch
+LATENCY_SAMPLE = 0.25            # s between two requests that sample the request latency during a latency run
 SECTIONS = ("local", "stream", "moto", "latency")
 TIMELINE = os.path.join(ROOT, "tests", "handlers.py") + ":Timeline"
 DEMO = os.path.join(ROOT, "examples", "demo_model.py")
@@ -266,23 +272,26 @@ def claim_gaps(timeline):
     return gaps
 
 
-def request_latency(url):
-    """Median seconds of one S3 request (a one-key LIST) through the proxy: what one request latency is here."""
+def request_latency(url, until=None):
+    """Median seconds of one S3 request (a one-key LIST) through the proxy: what one request latency is here. With
+    `until` (an Event), one request every LATENCY_SAMPLE s until it is set (the latency under the run's load),
+    else 20 back to back."""
     import boto3
     s3 = boto3.client("s3", endpoint_url=url)
     times = []
-    for _ in range(20):
+    while len(times) < 20 if until is None else not until.wait(LATENCY_SAMPLE):
         t0 = time.perf_counter()
         s3.list_objects_v2(Bucket="bench", MaxKeys=1)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
-def latency_run(tmp, path, url, pipeline, n):
+def latency_run(tmp, path, url, pipeline, model_ms, n):
     """One run of LATENCY_ITEMS Timeline items through 2 fresh workers behind the proxy: (items/s, requests per
-    claim, the per-claim gaps in the model's timeline)."""
-    name = f"latency-{n}-{pipeline}"
+    claim, the per-claim gaps in the model's timeline, the median request latency during the run)."""
+    name = f"latency-{model_ms:g}-{n}-{pipeline}"
     env = dict(os.environ, AWS_ENDPOINT_URL=url, CALQUE_STORE=f"s3://bench/{name}", CALQUE_PIPELINE=pipeline,
+               TIMELINE_MODEL_MS=str(model_ms),
                CALQUE_STATE=os.path.join(tmp, name, "state"), CALQUE_POLL_WAIT="1",
                TIMELINE_FILE=os.path.join(tmp, name, "timeline"))
     os.makedirs(env["CALQUE_STATE"], exist_ok=True)
@@ -290,12 +299,15 @@ def latency_run(tmp, path, url, pipeline, n):
         "--batch-size", str(BATCH))
     backend = calque.open_backend(env["CALQUE_STORE"])
     try:
-        before = worker_requests(backend, "timeline")
-        wall, stdout, _, _, counts, _ = run_submitter(["submit", "--pool", "timeline", path, "--claim-size",
-                                                       str(MOTO_CLAIM), "--json"], env)
+        before, done = worker_requests(backend, "timeline"), threading.Event()
+        with ThreadPoolExecutor(1) as sampler:
+            latency = sampler.submit(request_latency, url, done)
+            wall, stdout, _, _, counts, _ = run_submitter(["submit", "--pool", "timeline", path, "--claim-size",
+                                                           str(MOTO_CLAIM), "--json"], env)
+            done.set()
         claims = len(json.loads(stdout)["summaries"])
         requests = requests_until_stopped(env, backend, "timeline", before) + sum(counts["requests"].values())
-        return LATENCY_ITEMS / wall, requests / claims, claim_gaps(env["TIMELINE_FILE"])
+        return LATENCY_ITEMS / wall, requests / claims, claim_gaps(env["TIMELINE_FILE"]), latency.result()
     finally:
         cli(env, "pool", "delete", "--model", "timeline", "--yes", "--force")
 
@@ -304,15 +316,17 @@ def latency_runs(tmp, path):
     moto = start_moto()
     url, stop = start_proxy(os.environ["AWS_ENDPOINT_URL"], LATENCY_MS)
     try:
-        latency = request_latency(url)
-        print(f"   one request through the proxy: {latency * 1e3:.1f} ms median (+{LATENCY_MS:g} ms injected)")
-        for n in range(LATENCY_ROUNDS):
+        print(f"   one request through the proxy, idle: {request_latency(url) * 1e3:.1f} ms median "
+              f"(+{LATENCY_MS:g} ms injected)")
+        for model_ms, n in ((ms, n) for ms in LATENCY_MODEL_MS for n in range(LATENCY_ROUNDS)):
             for pipeline in ("0", "1"):
-                rate, per_claim, gaps = latency_run(tmp, path, url, pipeline, n)
+                rate, per_claim, gaps, latency = latency_run(tmp, path, url, pipeline, model_ms, n)
                 gap, p90 = statistics.median(gaps), statistics.quantiles(gaps, n=10)[8]
-                print(f"   pipelining {'on ' if pipeline == '1' else 'off'}  {rate:7,.0f} items/s  "
-                      f"{per_claim:5.2f} requests/claim  gap between claims: median {gap * 1e3:6.1f} ms = "
-                      f"{gap / latency:4.2f} request latencies, p90 {p90 * 1e3:6.1f} ms ({len(gaps)} gaps)")
+                print(f"   model {model_ms:g} ms/batch, pipelining {'on ' if pipeline == '1' else 'off'}  "
+                      f"{rate:7,.0f} items/s  "
+                      f"{per_claim:5.2f} requests/claim  gap between claims: median {gap * 1e3:6.1f} ms "
+                      f"(p90 {p90 * 1e3:6.1f}, {len(gaps)} gaps) = {gap / latency:4.2f} request latencies of "
+                      f"{latency * 1e3:.1f} ms (the median during the run)")
     finally:
         stop()
         moto.terminate()
