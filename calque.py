@@ -117,8 +117,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMD = os.path.join(HERE, "warmd.py")
 RATES_FILE = os.path.join(HERE, "rates.json")
-OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_PIPELINE", "CALQUE_AHEAD_HOLD",   # CALQUE_* names
-                  "CALQUE_ACK_WAIT")                                                        # read elsewhere
+OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_PIPELINE", "CALQUE_AHEAD",        # CALQUE_* names
+                  "CALQUE_AHEAD_HOLD", "CALQUE_ACK_WAIT")                                   # read elsewhere
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 

@@ -7,8 +7,9 @@
 Everything it needs comes from the pool record in the store (handler snapshot, batch size, visibility
 timeout, max deliveries, batch timeout); handler code is never taken from a message. Per claim: long poll,
 manifest, drain in batches, result parts, summary, then ack. Claims are pipelined (CALQUE_PIPELINE=0 turns it
-off): while the last batch of claim k runs, claim k+1 is received and accepted (duplicate check, manifest) on
-the `ahead` thread, and k's last part, summary and ack go out on the `finisher` thread while k+1 drains. Acks
+off): k's summary and ack go out on the `finisher` thread while k+1 is received and drains, and with
+CALQUE_AHEAD=1, while the last batch of claim k runs, claim k+1 is received and accepted (duplicate check,
+manifest) on the `ahead` thread. Acks
 go ACK_BATCH to a request, within ACK_WAIT s, and at once when the queue runs empty.
 SIGTERM (or a spot interruption notice) stops claiming, gives a claim received ahead back at once, and finishes
 the running claim within CALQUE_GRACE seconds, else releases it; a second SIGTERM/SIGINT releases it at once.
@@ -35,9 +36,12 @@ Nothing lost, nothing stuck:
 - Results are strict JSON: NaN, Infinity, a type json cannot take or nesting too deep fails that item alone.
 - A claim ahead: at most one, received only as the running claim's last batch starts, only when the finisher
   is done with the claim before (two claims held at most) and the latest handler call took under AHEAD_HOLD/2 s;
-  given back (visibility 0) when it has not started AHEAD_HOLD s after it was accepted, or at once on SIGTERM,
-  so that it is not kept from an idle worker of the pool; a delivery given back unstarted is not held against
-  max_deliveries. kill -9 loses nothing: a claim held ahead comes back after its visibility timeout like any other.
+  given back (visibility 0) when it has not started AHEAD_HOLD s after it was accepted (a clock that stands
+  still while a store write is retried), or at once on SIGTERM, so that it is not kept from an idle worker of
+  the pool; a delivery given back unstarted is not held against max_deliveries. kill -9 loses nothing: a claim
+  held ahead comes back after its visibility timeout like any other.
+- The claim's last result part is written on the worker's own thread, its summary and ack on the finisher: a
+  worker whose writes the store refuses takes no further claim while it retries, so another worker takes it.
 """
 import argparse
 import contextlib
@@ -72,6 +76,9 @@ RING_SLOTS = 3              # host buffers: the batch in the model, the one bein
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
 # claim pipelining: the next claim received beside the last batch, the last one's writes off the model's path
 PIPELINE = os.environ.get("CALQUE_PIPELINE", "1") != "0"
+# opt-in: a claim received beside the last batch, before the last one's results are written, is held through a
+# store outage that follows (its worker retrying) or given back as a second delivery; off, outages cost a pause
+AHEAD = os.environ.get("CALQUE_AHEAD", "0") == "1"
 AHEAD_HOLD = float(os.environ.get("CALQUE_AHEAD_HOLD", "2"))   # s a claim received ahead waits to start, at most
 AHEAD_TICK = 0.05           # s between two looks, while a claim is held ahead, at whether the worker stops
 ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes at most 10)
@@ -318,9 +325,13 @@ class Ahead:
         return None
 
     def _held(self):
-        """Wait for the worker to take the claim: True when it did, False past AHEAD_HOLD or once it stops."""
+        """Wait for the worker to take the claim: True when it did, False past AHEAD_HOLD or once it stops. The
+        clock stands still while the worker retries a store write: a claim given back then would be a second
+        delivery that a store outage caused, and another worker would meet the same outage."""
         deadline = time.monotonic() + AHEAD_HOLD
         while not self.taken.wait(AHEAD_TICK):
+            if self.worker.retrying.is_set():
+                deadline = time.monotonic() + AHEAD_HOLD
             if self.worker.stop_requested or time.monotonic() >= deadline:
                 return False
         return True
@@ -470,6 +481,7 @@ class Worker:
         self.state = "starting"          # starting | polling | claim | between | stopping
         self.stop_requested = False
         self.release_now = threading.Event()
+        self.retrying = threading.Event()   # a store write of a claim is failing and being retried
         self.started = time.time()
         spawned = os.environ.get("CALQUE_SPAWNED_AT")
         self.spawned_at = float(spawned) if spawned else self.started
@@ -703,10 +715,13 @@ class Worker:
         return claim
 
     def run_claim(self, claim, pipelined):
-        """Drain an accepted claim on this thread, then finish it: on the finisher thread when `pipelined` (the
-        next claim, received during this one's last batch, drains while this one's writes go out; at most one
-        claim finishes behind the one that drains), else here. Returns the reason to stop the worker, or None."""
-        on_call = (lambda offsets: self.reach_ahead(claim, offsets)) if pipelined else None
+        """Drain an accepted claim on this thread (its last result part too), then finish it: on the finisher
+        thread when `pipelined` (the next claim is received and drains while this one's summary and ack go out;
+        at most one claim finishes behind the one that drains), else here. The last part is written here, not
+        on the finisher: a worker whose writes the store refuses takes no further claim while it retries them,
+        so another worker of the pool takes it (a pause, not a second delivery). Returns the reason to stop the
+        worker, or None."""
+        on_call = (lambda offsets: self.reach_ahead(claim, offsets)) if pipelined and AHEAD else None
         self.watchdog = Watchdog(self.batch_timeout, lambda offsets: self.overrun(claim, offsets), on_call)
         with self.serving(claim.heartbeat, claim.requests):
             try:
@@ -740,11 +755,10 @@ class Worker:
             self.ahead = Ahead(self)
 
     def finish_claim(self, claim):
-        """The claim's last result part, its summary, then its ack (queued with others' in Acks). Returns the
-        reason to stop the worker, or None."""
+        """The claim's summary, then its ack (queued with others' in Acks). Returns the reason to stop the worker,
+        or None."""
         with self.serving(claim.heartbeat, claim.requests):
             try:
-                self.commit(claim, last=True)
                 self.finish(claim)
             except (ReleaseNow, Exception) as e:
                 return self.end_early(claim.message, claim, e)
@@ -997,12 +1011,9 @@ class Worker:
                     self.collator.release(pending.result())
         self.commit(claim)
 
-    def commit(self, claim, wait=None, last=False):
+    def commit(self, claim, wait=None):
         """The batches run since the last part, written as one part (with `wait`: only those serialised within
-        `wait` s each, for the watchdog, which must not hang on a pipeline thread stuck in a handler's collate).
-        The part that completes the claim is left to finish_claim's call (`last`), off the model's path."""
-        if not last and wait is None and claim.formatted and claim.formatted[-1][0] == len(claim.items):
-            return
+        `wait` s each, for the watchdog, which must not hang on a pipeline thread stuck in a handler's collate)."""
         ready = []
         for stop, future in claim.formatted:
             try:
@@ -1038,19 +1049,23 @@ class Worker:
         """A store write for the running claim, retried (WRITE_RETRY) while its lease holds: a short store
         outage costs a pause, not a delivery. A stop signal ends the waits."""
         delay, retries = WRITE_RETRY
-        for retry in range(retries + 1):
-            if self.heartbeat.lost.is_set():
-                raise ClaimReleased("lease lost")
-            try:
-                return self.backend.store.put(key, data)
-            except Exception as e:
-                if retry == retries:
-                    raise
-                log.warning("worker %s: store write of %s failed (%s: %s); retrying in %.1fs",
-                            self.worker_id, key, type(e).__name__, e, delay)
-            if self.release_now.wait(delay):
-                raise ClaimReleased("grace period over while retrying a store write")
-            delay *= 2
+        try:
+            for retry in range(retries + 1):
+                if self.heartbeat.lost.is_set():
+                    raise ClaimReleased("lease lost")
+                try:
+                    return self.backend.store.put(key, data)
+                except Exception as e:
+                    if retry == retries:
+                        raise
+                    self.retrying.set()
+                    log.warning("worker %s: store write of %s failed (%s: %s); retrying in %.1fs",
+                                self.worker_id, key, type(e).__name__, e, delay)
+                if self.release_now.wait(delay):
+                    raise ClaimReleased("grace period over while retrying a store write")
+                delay *= 2
+        finally:
+            self.retrying.clear()
 
     def let_go(self, message, claim, delay, why):
         """Give a claim back alive: its attempt record says so (best effort, one try: the next delivery then

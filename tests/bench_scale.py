@@ -16,7 +16,8 @@
 4. moto_server behind bench/latency_proxy.py adding BENCH_LATENCY_MS (15) per request, as real SQS and S3 calls
    cost in a region: BENCH_LATENCY_ITEMS (20k) items as claims of 100 through 2 workers of the Timeline handler
    (next to no model time, so that the requests show; then 50 ms a batch, a model on an accelerator, whose host
-   thread waits: BENCH_LATENCY_MODEL_MS), claim pipelining off (CALQUE_PIPELINE=0) then on, twice each:
+   thread waits: BENCH_LATENCY_MODEL_MS), claim pipelining off (CALQUE_PIPELINE=0) then on (with
+   CALQUE_AHEAD=1), twice each:
    items/s, requests per claim, and the per-claim gap in the model's timeline (per worker, from the end of a
    claim's last handler call to the start of the next claim's first, timestamps taken in the handler), in ms and
    in request latencies (the median of requests through the proxy sampled every 0.25 s during that run: on 2
@@ -291,6 +292,7 @@ def latency_run(tmp, path, url, pipeline, model_ms, n):
     claim, the per-claim gaps in the model's timeline, the median request latency during the run)."""
     name = f"latency-{model_ms:g}-{n}-{pipeline}"
     env = dict(os.environ, AWS_ENDPOINT_URL=url, CALQUE_STORE=f"s3://bench/{name}", CALQUE_PIPELINE=pipeline,
+               CALQUE_AHEAD=pipeline,
                TIMELINE_MODEL_MS=str(model_ms),
                CALQUE_STATE=os.path.join(tmp, name, "state"), CALQUE_POLL_WAIT="1",
                TIMELINE_FILE=os.path.join(tmp, name, "timeline"))

@@ -52,7 +52,7 @@ class Ahead:
     def __init__(self, env, tmp_path, *pool_args, **settings):
         self.gate, self.calls, self.log = tmp_path / "gate", tmp_path / "calls", tmp_path / "worker.log"
         self.gate.mkdir()
-        self.env = dict(env, GATE_DIR=str(self.gate), CALLS_FILE=str(self.calls), **settings)
+        self.env = dict(env, GATE_DIR=str(self.gate), CALLS_FILE=str(self.calls), CALQUE_AHEAD="1", **settings)
         self.backend = make_pool(self.env, *pool_args)
         with open(self.log, "w") as f:
             self.worker = start_worker(self.env, "--model", "m", log=f)
