@@ -121,7 +121,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMD = os.path.join(HERE, "warmd.py")
 RATES_FILE = os.path.join(HERE, "rates.json")
-OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH")   # CALQUE_* names read elsewhere
+OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_PIPELINE", "CALQUE_AHEAD",        # CALQUE_* names
+                  "CALQUE_AHEAD_HOLD", "CALQUE_ACK_WAIT")                                   # read elsewhere
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
@@ -790,6 +791,7 @@ def array_items(store, manifest):
 
 
 SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # SQS's two codes for "no such queue"
+STALE_RECEIPT = ("ReceiptHandleIsInvalid", "InvalidParameterValue")   # SQS refusing an ack: the receipt went stale
 
 
 def _aws_error_code(error):
@@ -829,6 +831,51 @@ class Message:
 
     def __init__(self, body, receipt, receive_count):
         self.body, self.receipt, self.receive_count = body, receipt, receive_count
+
+
+class Requests(Counter):
+    """A backend's request counts (REQUEST_KEYS). A thread may tally its own apart as well: inside
+    `with requests.tally(counter)` each request it makes also counts in `counter`, outside one in `loose`.
+    warmd tallies each claim's requests so, since its claims overlap (one drains while the previous one's
+    writes go out and the next one is received); its loose ones (idle polls, stats) go to its next summary."""
+
+    def __init__(self, *args, **kwargs):
+        self.loose, self._thread = Counter(), threading.local()
+        super().__init__(*args, **kwargs)
+
+    def __setitem__(self, key, value):
+        tally = getattr(self._thread, "tally", self.loose)
+        tally[key] += value - self.get(key, 0)
+        super().__setitem__(key, value)
+
+    @contextlib.contextmanager
+    def tally(self, counter):
+        """This thread's requests also count in `counter` (None: in no tally: a summary counted them ahead)."""
+        saved = getattr(self._thread, "tally", self.loose)
+        self._thread.tally = Counter() if counter is None else counter
+        try:
+            yield
+        finally:
+            self._thread.tally = saved
+
+    def carried(self, fn):
+        """fn, to be run on another thread with this thread's tally (a request made there for the same claim)."""
+        tally = getattr(self._thread, "tally", self.loose)
+
+        def run(*args):
+            with self.tally(tally):
+                return fn(*args)
+        return run
+
+    def take(self):
+        """This thread's tally plus the loose requests, both emptied; until its tally block ends, what the
+        thread requests next counts in no tally (a summary taken now counts its own last writes ahead)."""
+        mine = getattr(self._thread, "tally", None)
+        taken, self.loose = self.loose, Counter()
+        if mine is not None:
+            taken = taken + mine
+            self._thread.tally = Counter()
+        return taken
 
 
 class LocalStore:
@@ -1104,10 +1151,15 @@ class LocalQueue:
 
     def delete(self, message):
         """Ack. False when the receipt went stale (the message was redelivered to another worker)."""
+        return not self.delete_batch([message])
+
+    def delete_batch(self, messages):
+        """Ack up to SEND_BATCH messages in one transaction (one request, as SQS's DeleteMessageBatch); the
+        messages whose receipt went stale."""
         self.queues.requests["queue_other"] += 1
         with self.queues.transaction() as db:
-            deleted = db.execute(LocalQueues.SQL_DELETE, (int(message.receipt.split(":")[0]), message.receipt))
-            return deleted.rowcount == 1
+            return [m for m in messages
+                    if db.execute(LocalQueues.SQL_DELETE, (int(m.receipt.split(":")[0]), m.receipt)).rowcount != 1]
 
     def counts(self):
         self.queues.requests["queue_other"] += 1
@@ -1120,7 +1172,7 @@ class LocalBackend:
     kind = "local"
 
     def __init__(self, root):
-        self.requests = Counter()
+        self.requests = Requests()
         self.root = os.path.abspath(root)
         self.store = LocalStore(self.root, self.requests)
         self.queues = LocalQueues(os.path.join(self.root, "queue.db"), self.requests)
@@ -1353,9 +1405,19 @@ class SqsQueue:
             self.sqs.delete_message(QueueUrl=self.url, ReceiptHandle=message.receipt)
             return True
         except Exception as e:
-            if _aws_error_code(e) in ("ReceiptHandleIsInvalid", "InvalidParameterValue"):
+            if _aws_error_code(e) in STALE_RECEIPT:
                 return False
             raise
+
+    @endpoint_retried
+    def delete_batch(self, messages):
+        """Ack up to SEND_BATCH messages in one DeleteMessageBatch request; the messages whose receipt went stale.
+        An entry SQS fails for another reason is acked again alone."""
+        self.queues.requests["queue_other"] += 1
+        reply = self.sqs.delete_message_batch(QueueUrl=self.url, Entries=[
+            {"Id": str(n), "ReceiptHandle": m.receipt} for n, m in enumerate(messages)])
+        failed = [(messages[int(f["Id"])], f.get("Code")) for f in reply.get("Failed", [])]
+        return [m for m, code in failed if code in STALE_RECEIPT or not self.delete(m)]
 
     @endpoint_retried
     def counts(self):
@@ -1377,7 +1439,7 @@ class AwsBackend:
         if not bucket:
             raise UserError(f"CALQUE_STORE={uri!r} names no bucket: use s3://bucket/prefix")
         self.uri, self.bucket = uri, bucket
-        self.requests = Counter()
+        self.requests = Requests()
         if endpoint_retry is None:
             endpoint_retry = setting_number(settings(), "CALQUE_ENDPOINT_RETRY", float, 0)
         self.session = boto3.session.Session()

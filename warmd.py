@@ -5,10 +5,15 @@
     CALQUE_STORE=s3://bucket/prefix python warmd.py --model Qwen/Qwen2.5-1.5B-Instruct
 
 Everything it needs comes from the pool record in the store (handler snapshot, batch size, visibility
-timeout, max deliveries, batch timeout); handler code is never taken from a message. One claim at a time:
-long poll, manifest, drain in batches, result parts, summary, then ack. SIGTERM (or a spot interruption
-notice) stops claiming and finishes the running claim within CALQUE_GRACE seconds, else releases it; a
-second SIGTERM/SIGINT releases it at once. Exit 0 on a graceful stop.
+timeout, max deliveries, batch timeout); handler code is never taken from a message. Per claim: long poll,
+manifest, drain in batches, result parts, summary, then ack. Claims are pipelined (CALQUE_PIPELINE=0 turns it
+off): k's summary and ack go out on the `finisher` thread while k+1 is received and drains, and with
+CALQUE_AHEAD=1, while the last batch of claim k runs, claim k+1 is received and accepted (duplicate check,
+manifest) on the `ahead` thread. Acks
+go ACK_BATCH to a request, within ACK_WAIT s, and at once when the queue runs empty.
+SIGTERM (or a spot interruption notice) stops claiming, gives a claim received ahead back at once, and finishes
+the running claim within CALQUE_GRACE seconds, else releases it; a second SIGTERM/SIGINT releases it at once.
+Exit 0 on a graceful stop.
 
 Nothing lost, nothing stuck:
 - Checkpoints: results go to the store in parts (calque.part_key) once CALQUE_CHECKPOINT_SECONDS of drain AND
@@ -29,6 +34,14 @@ Nothing lost, nothing stuck:
 - Faults: store writes are retried (WRITE_RETRY); past that, or on a read or queue fault, the claim is let go
   for RELEASE_DELAY doubling per delivery (up to the visibility timeout), never at once.
 - Results are strict JSON: NaN, Infinity, a type json cannot take or nesting too deep fails that item alone.
+- A claim ahead: at most one, received only as the running claim's last batch starts, only when the finisher
+  is done with the claim before (two claims held at most) and the latest handler call took under AHEAD_HOLD/2 s;
+  given back (visibility 0) when it has not started AHEAD_HOLD s after it was accepted (a clock that stands
+  still while a store write is retried), or at once on SIGTERM, so that it is not kept from an idle worker of
+  the pool; a delivery given back unstarted is not held against max_deliveries. kill -9 loses nothing: a claim
+  held ahead comes back after its visibility timeout like any other.
+- The claim's last result part is written on the worker's own thread, its summary and ack on the finisher: a
+  worker whose writes the store refuses takes no further claim while it retries, so another worker takes it.
 """
 import argparse
 import contextlib
@@ -61,6 +74,15 @@ ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up 
 PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
+# claim pipelining: the next claim received beside the last batch, the last one's writes off the model's path
+PIPELINE = os.environ.get("CALQUE_PIPELINE", "1") != "0"
+# opt-in: a claim received beside the last batch, before the last one's results are written, is held through a
+# store outage that follows (its worker retrying) or given back as a second delivery; off, outages cost a pause
+AHEAD = os.environ.get("CALQUE_AHEAD", "0") == "1"
+AHEAD_HOLD = float(os.environ.get("CALQUE_AHEAD_HOLD", "2"))   # s a claim received ahead waits to start, at most
+AHEAD_TICK = 0.05           # s between two looks, while a claim is held ahead, at whether the worker stops
+ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes at most 10)
+ACK_WAIT = float(os.environ.get("CALQUE_ACK_WAIT", "1"))   # s an ack waits for others, at most (and <= visibility/4)
 WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
 RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery up to its timeout
 POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison
@@ -100,6 +122,8 @@ class Claim:
         self.quarantined = {}                           # offset (str) -> why it is not run
         self.single = False                             # one item at a time, each behind the attempt record
         self.progress_at = 0                            # the delivery (receive count) that last made progress
+        self.heartbeat = None                           # its lease's Heartbeat (open_claim sets it)
+        self.requests = Counter()                       # requests made for it, for its summary (Requests.tally)
 
 
 class ClaimReleased(Exception):
@@ -301,10 +325,11 @@ class Heartbeat:
 
 class Watchdog:
     """Times the handler's calls in one claim: a call running past `timeout` s has `on_overrun(offsets)` called
-    from this thread, which does not return (the process exits: no thread can stop one stuck in a handler)."""
+    from this thread, which does not return (the process exits: no thread can stop one stuck in a handler).
+    `on_call`, when given, is called on the claim's thread as each call starts (with its offsets) and ends (None)."""
 
-    def __init__(self, timeout, on_overrun):
-        self.timeout, self.on_overrun = timeout, on_overrun
+    def __init__(self, timeout, on_overrun, on_call=None):
+        self.timeout, self.on_overrun, self.on_call = timeout, on_overrun, on_call
         self.lock, self.done = threading.Lock(), threading.Event()
         self.running = None                 # (offsets, time.monotonic() at its start) of the call in progress
         self.thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
@@ -313,6 +338,8 @@ class Watchdog:
     def watch(self, offsets):
         """A handler call on these items starts now (None: the call is over). Waits while an overrun is handled,
         so that the claim's thread writes nothing beside it."""
+        if self.on_call:
+            self.on_call(offsets)
         with self.lock:
             self.running = None if offsets is None else (offsets, time.monotonic())
 
@@ -325,6 +352,104 @@ class Watchdog:
     def stop(self):
         self.done.set()
         self.thread.join()
+
+
+class Ahead:
+    """The next claim, received beside the running claim's last batch on the worker's `ahead` thread: a probe of
+    the queue (no wait: an empty queue costs one receive, and the worker's own poll follows), then open_claim
+    (heartbeat, duplicate check, manifest). Bound: a claim not taken within AHEAD_HOLD s of its accept, or held
+    when the worker is told to stop, is given back (visibility 0), so that it is not kept from an idle worker of
+    the pool. Hidden cost of a give-back: its attempt record (a PUT), and its next delivery lists its parts (a
+    LIST and a GET more)."""
+
+    def __init__(self, worker):
+        self.worker, self.taken, self.lock = worker, threading.Event(), threading.Lock()
+        self.idle = Counter()           # an empty probe's requests: the next claim's, as the worker's idle polls
+        self.future = worker.ahead_thread.submit(self._fetch)
+
+    def _fetch(self):
+        worker, counts = self.worker, Counter()
+        if worker.stop_requested:
+            return None
+        try:
+            with worker.backend.requests.tally(counts):
+                message = worker.queue.receive(0)    # a probe: a claim waiting now, or none (never a wait)
+        except Exception as e:   # the worker's own poll comes next, and retries with backoff
+            log.warning("worker %s: receive ahead failed (%s: %s)", worker.worker_id, type(e).__name__, e)
+            message = None
+        if message is None:
+            self.idle = counts
+            return None
+        claim = worker.open_claim(message, counts)
+        if claim is None or self._held():
+            return claim
+        with self.lock:      # taken between the wait's end and here: the worker has it
+            if self.taken.is_set():
+                return claim
+        worker.give_back(claim, "the worker stops" if worker.stop_requested else
+                         f"held ahead {AHEAD_HOLD:g} s without starting")
+        return None
+
+    def _held(self):
+        """Wait for the worker to take the claim: True when it did, False past AHEAD_HOLD or once it stops. The
+        clock stands still while the worker retries a store write: a claim given back then would be a second
+        delivery that a store outage caused, and another worker would meet the same outage."""
+        deadline = time.monotonic() + AHEAD_HOLD
+        while not self.taken.wait(AHEAD_TICK):
+            if self.worker.retrying.is_set():
+                deadline = time.monotonic() + AHEAD_HOLD
+            if self.worker.stop_requested or time.monotonic() >= deadline:
+                return False
+        return True
+
+    def take(self, timeout=None):
+        """The claim once received and accepted (waiting for both), or None: nothing came, it was handled in
+        accept (dead letter, duplicate), or given back past the hold."""
+        with self.lock:
+            self.taken.set()
+        return self.future.result(timeout)
+
+
+class Acks:
+    """Acks of finished claims, sent ACK_BATCH to a request (SQS DeleteMessageBatch, one transaction locally),
+    `wait` s after the first one at most. Safe: a claim's ack is queued only once its summary is written, so a
+    crash that loses queued acks leaves those claims to be redelivered, and each redelivery finds its summary in
+    the duplicate check and is acked without recompute. Hidden cost: a finished claim stays in flight up to
+    `wait` s longer, and such a crash costs a receive, a HEAD, a GET and an ack per lost ack."""
+
+    def __init__(self, queue, requests, wait):
+        self.queue, self.requests, self.wait = queue, requests, wait
+        self.lock, self.waiting, self.timer = threading.Lock(), [], None
+
+    def add(self, message, name):
+        with self.lock:
+            self.waiting.append((message, name))
+            if len(self.waiting) < ACK_BATCH:
+                if self.timer is None:
+                    self.timer = threading.Timer(self.wait, self.flush)
+                    self.timer.daemon = True
+                    self.timer.start()
+                return
+        self.flush()
+
+    def flush(self):
+        with self.lock:
+            waiting, self.waiting = self.waiting, []
+            if self.timer:
+                self.timer.cancel()
+                self.timer = None
+        if not waiting:
+            return
+        try:
+            with self.requests.tally(None):     # each summary counted its own ack
+                refused = self.queue.delete_batch([m for m, _ in waiting])
+        except Exception as e:
+            log.warning("acks of %s not sent (%s: %s): they come back and are acked as duplicates",
+                        ", ".join(name for _, name in waiting), type(e).__name__, e)
+            return
+        for message, name in waiting:
+            if message in refused:
+                log.warning("claim %s: ack refused (receipt stale); its summary stands", name)
 
 
 class GpuSampler:
@@ -415,12 +540,14 @@ class Worker:
                                               calque.setting_number(conf, "CALQUE_BATCH_TIMEOUT", float, 0.01)))
         self.checkpoint_seconds = calque.setting_number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
         self.checkpoint_batches = calque.setting_number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
-        self.heartbeat = self.watchdog = None   # the running claim's
+        self._serving = threading.local()       # per thread: the heartbeat of the claim it works for
+        self.watchdog = None                    # the draining claim's
         self.last_word = None            # how this process ends, when it knows: in its last stats (poison reports)
         self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
         self.state = "starting"          # starting | polling | claim | between | stopping
         self.stop_requested = False
         self.release_now = threading.Event()
+        self.retrying = threading.Event()   # a store write of a claim is failing and being retried
         self.started = time.time()
         spawned = os.environ.get("CALQUE_SPAWNED_AT")
         self.spawned_at = float(spawned) if spawned else self.started
@@ -432,7 +559,6 @@ class Worker:
         self.busy_seconds = 0.0
         self.last_stats = 0.0            # monotonic time of the last stats write
         self.stats_behind = False        # a claim ended since then: the stats miss it
-        self.requests_mark = Counter()
         self.supervisor = int(os.environ.get("CALQUE_SUPERVISOR_PID", "0"))   # set when a pool supervisor started us
         self.gpu = GpuSampler()
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
@@ -441,6 +567,13 @@ class Worker:
                                if self.prefetcher and hasattr(time, "pthread_getcpuclockid") else None)
         # the manifest read beside the duplicate check
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")
+        # claim pipelining: the next claim's receive and accept, and the last one's writes, each on a thread
+        self.ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ahead")
+        self.finisher = ThreadPoolExecutor(1, thread_name_prefix="finisher")
+        self.ahead = None                # Ahead: the claim being received beside the last batch
+        self.call_started, self.call_seconds = 0.0, float("inf")   # the latest handler call's (unknown: none yet)
+        self.finishing = None            # future of the claim the finisher writes
+        self.acks = None                 # Acks, once the queue is open
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -450,6 +583,7 @@ class Worker:
         a stop came first: loading a model only to exit would cost minutes of a GPU for nothing."""
         self.queue = self.backend.queues.open_queue(self.record["queue"])
         self.dlq = self.backend.queues.open_queue(self.record["dlq"])
+        self.acks = Acks(self.queue, self.backend.requests, min(ACK_WAIT, self.record["visibility_timeout"] / 4))
         self.load_handler()
         if not self.ephemeral and not self.stop_requested:   # stopped already (SIGTERM, spot notice): no @enter
             self.enter()
@@ -533,83 +667,212 @@ class Worker:
             raise
         finally:
             self.state = "stopping"
+            self.settle()
             if self.prefetcher:
                 self.prefetcher.shutdown(wait=False, cancel_futures=True)
-            self.reader.shutdown(wait=False, cancel_futures=True)
+            for pool in (self.reader, self.ahead_thread, self.finisher):
+                pool.shutdown(wait=False, cancel_futures=True)
             self.run_exit_hooks()
             self.write_stats("stopped")
             log.info("worker %s: exit (%s) after %d claim(s), %d warm hit(s), enter_count %d",
                      self.worker_id, reason, self.stats["claims"], self.stats["warm_hits"], self.enter_count)
 
     def _loop_once(self):
-        """One pass: poll, and run the claim it brings. Returns the reason to stop, or None to go on."""
+        """One pass: the claim received ahead, else a poll, and run the claim. Returns the reason to stop, or None
+        to go on."""
         if self.stop_requested:
             return "stop requested"
         if self.supervisor and os.getppid() != self.supervisor:
             # the supervisor was killed without stopping us: nobody would stop or count this worker
             # any more (pool delete included), so leave rather than run on as an orphan
             return f"supervisor {self.supervisor} is gone"
-        self.state = "polling"
-        try:
-            time.sleep(self.backoff)
-            wait = min(self.poll_wait, STATS_IDLE_WAIT) if self.stats_behind else self.poll_wait
-            message = self.queue.receive(wait, should_stop=lambda: self.stop_requested)
-            self.backoff = 0.0
-        except Interrupted:
-            return "stop requested while polling"
-        except Exception as e:   # the queue is unreachable for a while: stay warm (the model stays loaded), retry
-            self.backoff = min(max(self.backoff * 2, ERROR_BACKOFF[0]), ERROR_BACKOFF[1])
-            log.warning("worker %s: receive failed (%s: %s); retrying in %.0fs",
-                        self.worker_id, type(e).__name__, e, self.backoff)
-            return None
-        self.state = "claim" if message is not None else "between"
-        if message is not None:
-            reason = self.handle(message)
+        self.state = "between"
+        ahead, idle = self.ahead, False
+        claim = ahead and ahead.take()
+        self.ahead = None
+        if claim is None:
+            counts = Counter(ahead.idle if ahead else ())
+            try:
+                self.state = "polling"           # a signal cuts the backoff and the poll short
+                time.sleep(self.backoff)
+                self.state = "between"
+                with self.backend.requests.tally(counts):
+                    message = self.queue.receive(0)   # a probe: a busy queue answers at once
+                if message is None:     # it looks empty: the last claim's writes and the acks go out before a wait
+                    self.settle()       # (one empty receive more each time the worker runs out of claims)
+                    self.state = "polling"
+                    wait = min(self.poll_wait, STATS_IDLE_WAIT) if self.stats_behind else self.poll_wait
+                    with self.backend.requests.tally(counts):
+                        message = self.queue.receive(wait, should_stop=lambda: self.stop_requested)
+                self.backoff = 0.0
+            except Interrupted:
+                return "stop requested while polling"
+            except Exception as e:   # the queue is unreachable for a while: stay warm (the model stays loaded), retry
+                self.backoff = min(max(self.backoff * 2, ERROR_BACKOFF[0]), ERROR_BACKOFF[1])
+                log.warning("worker %s: receive failed (%s: %s); retrying in %.0fs",
+                            self.worker_id, type(e).__name__, e, self.backoff)
+                return None
+            self.state, idle = "between", message is None
+            if idle:
+                self.backend.requests.loose.update(counts)
+            else:
+                claim = self.open_claim(message, counts)
+        if claim is not None:
+            if self.stop_requested:      # told to stop while it was received: it never starts
+                self.give_back(claim, "the worker stops")
+                return "stop requested"
+            self.state = "claim"         # a signal from here on sees the claim (grace timer, release)
+            reason = self.run_claim(claim, PIPELINE)
             self.state = "between"       # a second signal from here on has no claim to release
             if reason:
                 return reason
             self.stats_behind = True
-        elif self.ephemeral and sum(self.queue.counts().values()) == 0:
+        elif idle and self.ephemeral and sum(self.queue.counts().values()) == 0:
             return "cold run drained"
         # Stats on a timer, not after every claim (a PUT per claim, 1 in 10 of its requests on SQS + S3), and once
         # when the worker runs out of claims, so that an idle pool's stats are whole. Hidden cost: a live pool's
         # totals lag by up to STATS_INTERVAL while it is busy; the stats written at exit carry them all.
-        if (message is None and self.stats_behind) or time.monotonic() - self.last_stats > STATS_INTERVAL:
+        if (idle and self.stats_behind) or time.monotonic() - self.last_stats > STATS_INTERVAL:
             self.write_stats("running")
         return None
 
     # ---- one claim: accept, drain, finish --------------------------------------------------------
 
     def handle(self, message):
-        """One claim: accept it (validate, dedupe, read the manifest, take over earlier deliveries' work), drain
-        its items into result parts, then finish it (summary, then ack), all under a heartbeat. A claim this
-        worker cannot finish is let go: at once when it stops, after a growing delay on a store or queue fault.
-        Returns the reason to stop the worker, or None."""
-        self.heartbeat = Heartbeat(self.queue, message, self.record["visibility_timeout"])
-        claim = None
+        """One claim, start to end, on this thread, with no claim ahead and its ack sent before it returns (the
+        loop runs claims through open_claim and run_claim; the bench and in-process tests call this). Returns the
+        reason to stop the worker, or None."""
+        claim = self.open_claim(message, Counter())
+        reason = self.run_claim(claim, pipelined=False) if claim is not None else None
+        self.acks.flush()
+        return reason
+
+    @property
+    def heartbeat(self):
+        """The heartbeat of the claim this thread works for: the drain loop's, the finisher's, the ahead
+        thread's. Store writes for a claim stop when its lease is lost (_put)."""
+        return getattr(self._serving, "heartbeat", None)
+
+    @contextlib.contextmanager
+    def serving(self, heartbeat, requests):
+        """This thread works for one claim: its writes check that claim's lease, its requests count in `requests`
+        (the claim's summary's)."""
+        saved, self._serving.heartbeat = self.heartbeat, heartbeat
         try:
-            claim = self.accept(message)
-            if claim is not None:
-                self.watchdog = Watchdog(self.batch_timeout, lambda offsets: self.overrun(claim, offsets))
+            with self.backend.requests.tally(requests):
+                yield
+        finally:
+            self._serving.heartbeat = saved
+
+    def open_claim(self, message, requests):
+        """Accept a received message under a new heartbeat (validate, dedupe, read the manifest, take over earlier
+        deliveries' work): the Claim to run, or None when it was handled here (dead-lettered, a duplicate acked,
+        let go on a fault). `requests`: those made for it so far (its receive)."""
+        heartbeat = Heartbeat(self.queue, message, self.record["visibility_timeout"])
+        claim = None
+        with self.serving(heartbeat, requests):
+            try:
+                claim = self.accept(message)
+            except Exception as e:
+                self.end_early(message, None, e)
+                return None
+        if claim is None:
+            heartbeat.stop()
+            self.backend.requests.loose.update(requests)   # a duplicate's requests: the next summary's
+            return None
+        claim.heartbeat, claim.requests = heartbeat, requests
+        return claim
+
+    def run_claim(self, claim, pipelined):
+        """Drain an accepted claim on this thread (its last result part too), then finish it: on the finisher
+        thread when `pipelined` (the next claim is received and drains while this one's summary and ack go out;
+        at most one claim finishes behind the one that drains), else here. The last part is written here, not
+        on the finisher: a worker whose writes the store refuses takes no further claim while it retries them,
+        so another worker of the pool takes it (a pause, not a second delivery). Returns the reason to stop the
+        worker, or None."""
+        on_call = (lambda offsets: self.reach_ahead(claim, offsets)) if pipelined and AHEAD else None
+        self.watchdog = Watchdog(self.batch_timeout, lambda offsets: self.overrun(claim, offsets), on_call)
+        with self.serving(claim.heartbeat, claim.requests):
+            try:
                 self.drain(claim)
+                if self.finishing is not None:
+                    self.finishing.result()
+            except (ReleaseNow, Exception) as e:
+                return self.end_early(claim.message, claim, e)
+            finally:
+                self.watchdog.stop()
+                self.watchdog = None
+        if not pipelined:
+            return self.finish_claim(claim)
+        self.finishing = self.finisher.submit(self.finish_claim, claim)
+        return None
+
+    def reach_ahead(self, claim, offsets):
+        """As each handler call of a pipelined claim starts (offsets) and ends (None): the call that runs the
+        claim's last item starts the receive of the next claim beside it (the contract: at most one ahead, and only
+        during the last batch), unless the finisher still writes the claim before (a worker holds two claims at
+        most: a store outage does not gather more), or the latest call took over half of AHEAD_HOLD (a claim
+        received beside a batch that long would be given back before it starts; beside it, the requests saved are
+        a small part of the claim)."""
+        now = time.monotonic()
+        if offsets is None:
+            self.call_seconds = now - self.call_started
+            return
+        self.call_started = now
+        if (self.ahead is None and not self.stop_requested and len(claim.items) - 1 in offsets
+                and (self.finishing is None or self.finishing.done()) and self.call_seconds <= AHEAD_HOLD / 2):
+            self.ahead = Ahead(self)
+
+    def finish_claim(self, claim):
+        """The claim's summary, then its ack (queued with others' in Acks). Returns the reason to stop the worker,
+        or None."""
+        with self.serving(claim.heartbeat, claim.requests):
+            try:
                 self.finish(claim)
-        except ReleaseNow:
+            except (ReleaseNow, Exception) as e:
+                return self.end_early(claim.message, claim, e)
+        return None
+
+    def end_early(self, message, claim, error):
+        """A claim this thread cannot finish: let go at once when the worker stops (second signal, grace over),
+        after a growing delay on a store or queue fault outside the handler, not written when its lease is lost.
+        Returns the reason to stop the worker, or None."""
+        if isinstance(error, ReleaseNow):
             self.let_go(message, claim, 0, "second signal")
             return "second signal: claim released"
-        except ClaimReleased as e:
-            if self.heartbeat.lost.is_set():
-                log.warning("worker %s: claim %s lease lost: not writing it", self.worker_id,
-                            self._name(message, claim))
-            else:                       # ours to give back: visible again at once, for another worker
-                self.let_go(message, claim, 0, str(e))
-        except Exception as e:          # a store or queue fault outside the handler, past its retries
-            self.let_go(message, claim, self.fault_delay(message), f"{type(e).__name__}: {e}")
-        finally:
-            if self.watchdog:
-                self.watchdog.stop()
+        if not isinstance(error, ClaimReleased):
+            self.let_go(message, claim, self.fault_delay(message), f"{type(error).__name__}: {error}")
+        elif self.heartbeat.lost.is_set():
             self.heartbeat.stop()
-            self.watchdog = None
+            log.warning("worker %s: claim %s lease lost: not writing it", self.worker_id, self._name(message, claim))
+        else:                           # ours to give back: visible again at once, for another worker
+            self.let_go(message, claim, 0, str(error))
         return None
+
+    def give_back(self, claim, why):
+        """Let go of an accepted claim that never started: visible again at once, and this delivery is not held
+        against max_deliveries (it made no attempt)."""
+        claim.progress_at = claim.message.receive_count
+        with self.serving(claim.heartbeat, claim.requests):
+            self.let_go(claim.message, claim, 0, why)
+        self.backend.requests.loose.update(claim.requests)
+
+    def settle(self, wait=None):
+        """Nothing left behind the claim that drains, before the worker idles or stops: the claim received ahead
+        given back, the finisher's claim written, the queued acks sent. `wait`: at most that many seconds on each
+        of the first two (the watchdog's exit must not hang on them)."""
+        with contextlib.suppress(TimeoutError):
+            claim = self.ahead and self.ahead.take(wait)
+            if self.ahead:
+                self.backend.requests.loose.update(self.ahead.idle)
+            self.ahead = None
+            if claim is not None:
+                self.give_back(claim, "the worker stops")
+        with contextlib.suppress(TimeoutError):
+            if self.finishing is not None:
+                self.finishing.result(wait)
+        if self.acks:
+            self.acks.flush()
 
     def accept(self, message):
         """The claim to run, or None when it was handled here: dead-lettered, or a duplicate acked."""
@@ -633,7 +896,7 @@ class Worker:
                                              f"({self.record['slug']}.*): refused", msg)
         # the duplicate check and the manifest read are independent: issue both at once (one store round
         # trip off every claim's critical path; a duplicate wastes one read)
-        manifest_read = self.reader.submit(self.backend.store.get, key)
+        manifest_read = self.reader.submit(self.backend.requests.carried(self.backend.store.get), key)
         if self.backend.store.exists(calque.summary_key(run_id, claim)):
             manifest_read.exception()    # let it finish: nothing is left running behind the ack
             self.queue.delete(message)
@@ -735,8 +998,8 @@ class Worker:
             raise ClaimReleased("lease lost")
 
     def finish(self, claim):
-        """The summary, then the ack: a crash before the ack leaves the claim to be redelivered, and its
-        redelivery finds the summary and acks without recomputing."""
+        """The summary, then the ack (queued: Acks): a crash before the ack leaves the claim to be redelivered, and
+        its redelivery finds the summary and acks without recomputing."""
         finished = time.time()
         warm_hit = self.entered_at is not None and self.entered_at <= claim.received
         notes = []
@@ -747,7 +1010,7 @@ class Worker:
         if self.backend.kind == "local":
             notes.append("requests: counted on the local backend, where they cost nothing; priced as if on SQS/S3")
         summary = self._summary(claim.message, claim.run_id, claim.claim_id, claim.received, finished,
-                                extra_other=1,   # + the ack below
+                                extra_other=1,   # + the ack below, counted as if it went alone
                                 items=len(claim.items), failed=claim.failed, errors=claim.errors, warm_hit=warm_hit,
                                 enter_seconds_paid=claim.enter_paid, acquisition_seconds=claim.acquisition,
                                 model_seconds=claim.model_seconds, notes=notes, parts=claim.parts,
@@ -755,9 +1018,7 @@ class Worker:
                                 prefetch=self.pipelined(claim), gpu_utilisation=claim.gpu)
         self._put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
         self.heartbeat.stop()            # no renewal may land after the ack
-        if not self.queue.delete(claim.message):
-            log.warning("worker %s: claim %s/%s: ack refused (receipt stale); its summary stands",
-                        self.worker_id, claim.run_id, claim.claim_id)
+        self.acks.add(claim.message, f"{claim.run_id}/{claim.claim_id}")
         ran = len(claim.items) - claim.start
         self.stats["claims"] += 1
         self.stats["warm_hits"] += warm_hit
@@ -860,19 +1121,23 @@ class Worker:
         """A store write for the running claim, retried (WRITE_RETRY) while its lease holds: a short store
         outage costs a pause, not a delivery. A stop signal ends the waits."""
         delay, retries = WRITE_RETRY
-        for retry in range(retries + 1):
-            if self.heartbeat.lost.is_set():
-                raise ClaimReleased("lease lost")
-            try:
-                return self.backend.store.put(key, data)
-            except Exception as e:
-                if retry == retries:
-                    raise
-                log.warning("worker %s: store write of %s failed (%s: %s); retrying in %.1fs",
-                            self.worker_id, key, type(e).__name__, e, delay)
-            if self.release_now.wait(delay):
-                raise ClaimReleased("grace period over while retrying a store write")
-            delay *= 2
+        try:
+            for retry in range(retries + 1):
+                if self.heartbeat.lost.is_set():
+                    raise ClaimReleased("lease lost")
+                try:
+                    return self.backend.store.put(key, data)
+                except Exception as e:
+                    if retry == retries:
+                        raise
+                    self.retrying.set()
+                    log.warning("worker %s: store write of %s failed (%s: %s); retrying in %.1fs",
+                                self.worker_id, key, type(e).__name__, e, delay)
+                if self.release_now.wait(delay):
+                    raise ClaimReleased("grace period over while retrying a store write")
+                delay *= 2
+        finally:
+            self.retrying.clear()
 
     def let_go(self, message, claim, delay, why):
         """Give a claim back alive: its attempt record says so (best effort, one try: the next delivery then
@@ -906,14 +1171,17 @@ class Worker:
         log.error("worker %s: claim %s/%s: items %s ran %.1fs, past the batch_timeout of %gs: releasing the claim "
                   "and exiting %d", self.worker_id, claim.run_id, claim.claim_id,
                   [claim.first + k for k in offsets], seconds, self.batch_timeout, EXIT_HUNG)
-        try:
-            self.commit(claim, wait=OVERRUN_COMMIT_WAIT)
-            self.write_attempt(claim, "suspect", offsets, batch_timeout=self.batch_timeout)
-        except BaseException as e:      # the exit below must happen whatever the store says
-            log.warning("worker %s: before exiting: %s: %s", self.worker_id, type(e).__name__, e)
-        self.heartbeat.stop()
+        with self.serving(claim.heartbeat, claim.requests):
+            try:
+                self.commit(claim, wait=OVERRUN_COMMIT_WAIT)
+                self.write_attempt(claim, "suspect", offsets, batch_timeout=self.batch_timeout)
+            except BaseException as e:      # the exit below must happen whatever the store says
+                log.warning("worker %s: before exiting: %s: %s", self.worker_id, type(e).__name__, e)
+        claim.heartbeat.stop()
         with contextlib.suppress(Exception):
             self.queue.change_visibility(claim.message, 0)
+        with contextlib.suppress(Exception):
+            self.settle(wait=OVERRUN_COMMIT_WAIT)
         self.last_word = f"exit {EXIT_HUNG}: a handler call ran past the batch_timeout of {self.batch_timeout:g} s"
         self.write_stats("stopped")
         os._exit(EXIT_HUNG)
@@ -1052,13 +1320,14 @@ class Worker:
     # ---- accounting -----------------------------------------------------------------------------
 
     def claim_requests(self, extra_puts, extra_other):
-        """Requests since the previous claim (its idle polls included), plus the writes about to happen."""
-        now = Counter(self.backend.requests)
-        delta = {k: now[k] - self.requests_mark[k] for k in calque.REQUEST_KEYS}
+        """The requests this thread made for the claim (its receive, accept, parts and heartbeats drained on it)
+        and the worker's loose ones since the previous summary (idle polls, stats, start-up), plus the writes about
+        to happen, which this thread's tally then leaves out. Claims overlap, so a claim's own requests are
+        tallied apart (calque.Requests); the worker stats hold the exact totals."""
+        delta = self.backend.requests.take()
         delta["store_puts"] += extra_puts
         delta["queue_other"] += extra_other
-        self.requests_mark = now + Counter({"store_puts": extra_puts, "queue_other": extra_other})
-        return delta
+        return {k: delta[k] for k in calque.REQUEST_KEYS}
 
     def write_stats(self, state):
         now = time.time()

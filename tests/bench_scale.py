@@ -1,7 +1,8 @@
 """make bench, part 3: runs at scale, what calque's own code costs around the model.
 
-    .venv/bin/python tests/bench_scale.py                          # 10k, 100k, 1M items, then moto_server
+    .venv/bin/python tests/bench_scale.py                          # every section: 10k, 100k, 1M items, ...
     BENCH_SCALE_SIZES=10000,100000 BENCH_STREAM_ITEMS=10000000 .venv/bin/python tests/bench_scale.py
+    .venv/bin/python tests/bench_scale.py latency                  # only section 4 (any of local stream moto latency memory)
 
 1. local backend, demo model (examples/demo_model.py), 2 warm workers, batch 64, claims of 1000: for each run
    size, a real `calque.py submit --pool` process: end to end and steady-state items/s against the two-process
@@ -14,16 +15,30 @@
 2. staging alone (`submit --no-wait` to a pool with no worker) of a generated stream on stdin
    (BENCH_STREAM_ITEMS, items never kept in a file): items/s and peak RSS;
 3. moto_server: staging 100k items as 1,000 claims of 100 (items/s, the submitter's requests per claim), and
-   an end-to-end run with 2 workers (requests per claim, submitter and workers together);
-4. the resident memory of an idle worker whose handler is plain Python (tests/handlers.py:Empty), after a claim.
+   an end-to-end run with 2 workers (requests per claim, submitter and workers together: the workers' from the
+   stats they write as they stop, exact, since a summary counts its ack as one request where a batch is one);
+4. moto_server behind bench/latency_proxy.py adding BENCH_LATENCY_MS (15) per request, as real SQS and S3 calls
+   cost in a region: BENCH_LATENCY_ITEMS (20k) items as claims of 100 through 2 workers of the Timeline handler
+   (next to no model time, so that the requests show; then 50 ms a batch, a model on an accelerator, whose host
+   thread waits: BENCH_LATENCY_MODEL_MS), claim pipelining off (CALQUE_PIPELINE=0) then on (with
+   CALQUE_AHEAD=1), twice each:
+   items/s, requests per claim, and the per-claim gap in the model's timeline (per worker, from the end of a
+   claim's last handler call to the start of the next claim's first, timestamps taken in the handler), in ms and
+   in request latencies (the median of requests through the proxy sampled every 0.25 s during that run: on 2
+   shared cores moto_server's own time under load, not the 15 ms, can set it).
+5. the resident memory of an idle worker whose handler is plain Python (tests/handlers.py:Empty), after a claim.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -32,6 +47,9 @@ os.environ.update(AWS_EC2_METADATA_DISABLED="true", AWS_ACCESS_KEY_ID="testing",
                   AWS_DEFAULT_REGION="us-east-1")
 import calque  # noqa: E402
 from bench_pool import start_moto  # noqa: E402
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from latency_proxy import start_proxy  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 SIZES = [int(n) for n in os.environ.get("BENCH_SCALE_SIZES", "10000,100000,1000000").split(",")]   # local run sizes
@@ -42,6 +60,13 @@ WORKERS = 2                      # warm workers (this machine has 2 cores)
 MOTO_ITEMS, MOTO_CLAIM = int(os.environ.get("BENCH_MOTO_ITEMS", "100000")), 100   # moto staging: 1,000 claims
 MOTO_E2E_ITEMS = int(os.environ.get("BENCH_MOTO_E2E_ITEMS", "20000"))            # moto end to end: 200 claims
 MODEL_ONLY_ITEMS = int(os.environ.get("BENCH_MODEL_ONLY_ITEMS", "100000"))   # items per model-only process
+LATENCY_MS = float(os.environ.get("BENCH_LATENCY_MS", "15"))                  # ms the proxy adds per request
+LATENCY_ITEMS = int(os.environ.get("BENCH_LATENCY_ITEMS", "20000"))          # items per latency run (claims of 100)
+LATENCY_ROUNDS = 2               # latency runs: pipelining off then on, this many times, per model time
+LATENCY_MODEL_MS = [float(ms) for ms in os.environ.get("BENCH_LATENCY_MODEL_MS", "0,50").split(",")]   # per batch
+LATENCY_SAMPLE = 0.25            # s between two requests that sample the request latency during a latency run
+SECTIONS = ("local", "stream", "moto", "latency", "memory")
+TIMELINE = os.path.join(ROOT, "tests", "handlers.py") + ":Timeline"
 DEMO = os.path.join(ROOT, "examples", "demo_model.py")
 PLAIN = os.path.join(ROOT, "tests", "handlers.py") + ":Empty"   # a plain-Python handler: no torch, no numpy
 WORDS = "batch cost heartbeat pool worker ring manifest claim tensor result drain load cold queue copy".split()
@@ -145,6 +170,23 @@ def pool(env, workers, handler=f"{DEMO}:DemoModel"):
         assert time.monotonic() < deadline, "workers did not get warm"
         time.sleep(0.1)
     return backend, [w["pid"] for w in calque.read_worker_stats(backend, "demo")]
+
+
+def worker_requests(backend, model):
+    """{worker id: its request counts} from the pool's worker stats."""
+    return {s["worker_id"]: Counter(s["requests"]) for s in calque.read_worker_stats(backend, model)}
+
+
+def requests_until_stopped(env, backend, model, before):
+    """The requests the pool's workers made since `before` (worker_requests), read from the stats each writes as it
+    stops (pool scale --workers 0): exact, where summaries count each ack as one request. A few idle polls (one
+    per worker per CALQUE_POLL_WAIT) are in it."""
+    cli(env, "pool", "scale", "--model", model, "--workers", "0")
+    total = Counter()
+    for worker, counts in worker_requests(backend, model).items():
+        total.update(counts)
+        total.subtract(before.get(worker, Counter()))
+    return sum(total.values())
 
 
 def at(iso):
@@ -260,16 +302,16 @@ def end_to_end(env, path, claim, server_counts=lambda: {}):
     server_counts() ({operation: requests}, a counting server's) grew by while submit ran}."""
     backend, pids = pool(env, WORKERS)
     try:
-        cpu0, served = process_cpu(pids), server_counts()
+        cpu0, served, before = process_cpu(pids), server_counts(), worker_requests(backend, "demo")
         wall, stdout, _, cpu, counts, _ = run_submitter(["submit", "--pool", "demo", path, "--claim-size", str(claim),
                                                          "--json"], env)
         workers_cpu = process_cpu(pids) - cpu0
         served = {op: n - served.get(op, 0) for op, n in server_counts().items() if n > served.get(op, 0)}
+        worker_req = requests_until_stopped(env, backend, "demo", before)
     finally:
         cli(env, "pool", "delete", "--model", "demo", "--yes", "--force")
     report = json.loads(stdout)
-    summaries, claims = report["summaries"], len(report["summaries"])
-    worker_req = sum(sum(s["requests"].values()) for s in summaries)
+    claims = len(report["summaries"])
     sub_req = sum(counts["requests"].values())
     return {"items": report["run"]["items"], "claims": claims, "wall": wall,
             "items_per_s": report["run"]["items"] / wall, "requests_per_claim": (worker_req + sub_req) / claims,
@@ -284,23 +326,115 @@ def per_claim(operations, claims):
     return ", ".join(f"{name} {n / claims:.2f}" for name, n in sorted(operations.items(), key=lambda kv: -kv[1]))
 
 
+def claim_gaps(timeline):
+    """Per worker, the seconds from the end of a claim's last handler call to the start of the next claim's first,
+    from the Timeline handler's lines ("pid start end first-id count"; claims of MOTO_CLAIM items)."""
+    calls = {}
+    with open(timeline) as f:
+        for line in f:
+            pid, start, end, first, _ = line.split()
+            calls.setdefault(pid, []).append((float(start), float(end), int(first) // MOTO_CLAIM))
+    gaps = []
+    for seq in calls.values():
+        seq.sort()
+        gaps += [b[0] - a[1] for a, b in zip(seq, seq[1:]) if b[2] != a[2]]
+    return gaps
+
+
+def request_latency(url, until=None):
+    """Median seconds of one S3 request (a one-key LIST) through the proxy: what one request latency is here. With
+    `until` (an Event), one request every LATENCY_SAMPLE s until it is set (the latency under the run's load),
+    else 20 back to back."""
+    import boto3
+    s3 = boto3.client("s3", endpoint_url=url)
+    times = []
+    while len(times) < 20 if until is None else not until.wait(LATENCY_SAMPLE):
+        t0 = time.perf_counter()
+        s3.list_objects_v2(Bucket="bench", MaxKeys=1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def latency_run(tmp, path, url, pipeline, model_ms, n):
+    """One run of LATENCY_ITEMS Timeline items through 2 fresh workers behind the proxy: (items/s, requests per
+    claim, the per-claim gaps in the model's timeline, the median request latency during the run)."""
+    name = f"latency-{model_ms:g}-{n}-{pipeline}"
+    env = dict(os.environ, AWS_ENDPOINT_URL=url, CALQUE_STORE=f"s3://bench/{name}", CALQUE_PIPELINE=pipeline,
+               CALQUE_AHEAD=pipeline,
+               TIMELINE_MODEL_MS=str(model_ms),
+               CALQUE_STATE=os.path.join(tmp, name, "state"), CALQUE_POLL_WAIT="1",
+               TIMELINE_FILE=os.path.join(tmp, name, "timeline"))
+    os.makedirs(env["CALQUE_STATE"], exist_ok=True)
+    cli(env, "pool", "create", "--model", "timeline", "--handler", TIMELINE, "--workers", str(WORKERS),
+        "--batch-size", str(BATCH))
+    backend = calque.open_backend(env["CALQUE_STORE"])
+    try:
+        before, done = worker_requests(backend, "timeline"), threading.Event()
+        with ThreadPoolExecutor(1) as sampler:
+            latency = sampler.submit(request_latency, url, done)
+            wall, stdout, _, _, counts, _ = run_submitter(["submit", "--pool", "timeline", path, "--claim-size",
+                                                           str(MOTO_CLAIM), "--json"], env)
+            done.set()
+        claims = len(json.loads(stdout)["summaries"])
+        requests = requests_until_stopped(env, backend, "timeline", before) + sum(counts["requests"].values())
+        return LATENCY_ITEMS / wall, requests / claims, claim_gaps(env["TIMELINE_FILE"]), latency.result()
+    finally:
+        cli(env, "pool", "delete", "--model", "timeline", "--yes", "--force")
+
+
+def latency_runs(tmp, path):
+    moto = start_moto()
+    url, stop = start_proxy(os.environ["AWS_ENDPOINT_URL"], LATENCY_MS)
+    try:
+        print(f"   one request through the proxy, idle: {request_latency(url) * 1e3:.1f} ms median "
+              f"(+{LATENCY_MS:g} ms injected)")
+        for model_ms, n in ((ms, n) for ms in LATENCY_MODEL_MS for n in range(LATENCY_ROUNDS)):
+            for pipeline in ("0", "1"):
+                rate, per_claim, gaps, latency = latency_run(tmp, path, url, pipeline, model_ms, n)
+                gap, p90 = statistics.median(gaps), statistics.quantiles(gaps, n=10)[8]
+                print(f"   model {model_ms:g} ms/batch, pipelining {'on ' if pipeline == '1' else 'off'}  "
+                      f"{rate:7,.0f} items/s  "
+                      f"{per_claim:5.2f} requests/claim  gap between claims: median {gap * 1e3:6.1f} ms "
+                      f"(p90 {p90 * 1e3:6.1f}, {len(gaps)} gaps) = {gap / latency:4.2f} request latencies of "
+                      f"{latency * 1e3:.1f} ms (the median during the run)")
+    finally:
+        stop()
+        moto.terminate()
+        moto.wait()
+
+
 def main():
+    sections = sys.argv[1:] or SECTIONS
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        sys.exit(f"bench_scale: error: no section {', '.join(sorted(unknown))} ---> HINT: pick from "
+                 f"{' '.join(SECTIONS)}")
     tmp = tempfile.mkdtemp(prefix="calque-bench-scale-")
     os.environ["DEMO_CACHE"] = os.path.join(tmp, "demo-weights")
     print(f"calque bench, scale  ({os.cpu_count()} cores, python {sys.version.split()[0]}); demo model, batch {BATCH}, "
           f"{WORKERS} workers")
-    paths = {n: write_items(os.path.join(tmp, f"items-{n}.jsonl"), n) for n in sorted(set(SIZES + [MODEL_ONLY_ITEMS]))}
-    print(f"\n1. local backend, claims of {CLAIM}; model-only: {WORKERS} processes, predict alone, before / after")
-    for n in SIZES:
-        local_run(tmp, paths[n], n, paths[MODEL_ONLY_ITEMS])
-    print("\n2. staging alone, local backend, claims of 1000, no worker")
-    staging_stream(tmp, STREAM_ITEMS)
-    print(f"\n3. moto_server, claims of {MOTO_CLAIM}")
-    stage = paths.get(MOTO_ITEMS) or write_items(os.path.join(tmp, f"items-{MOTO_ITEMS}.jsonl"), MOTO_ITEMS)
-    e2e = paths.get(MOTO_E2E_ITEMS) or write_items(os.path.join(tmp, f"items-{MOTO_E2E_ITEMS}.jsonl"), MOTO_E2E_ITEMS)
-    moto_runs(tmp, stage, e2e)
-    print("\n4. memory")
-    idle_rss(tmp)
+    paths = {}
+    if "local" in sections:
+        paths = {n: write_items(os.path.join(tmp, f"items-{n}.jsonl"), n)
+                 for n in sorted(set(SIZES + [MODEL_ONLY_ITEMS]))}
+        print(f"\n1. local backend, claims of {CLAIM}; model-only: {WORKERS} processes, predict alone, before / after")
+        for n in SIZES:
+            local_run(tmp, paths[n], n, paths[MODEL_ONLY_ITEMS])
+    if "stream" in sections:
+        print("\n2. staging alone, local backend, claims of 1000, no worker")
+        staging_stream(tmp, STREAM_ITEMS)
+    for n in (MOTO_ITEMS, MOTO_E2E_ITEMS, LATENCY_ITEMS):
+        paths[n] = paths.get(n) or write_items(os.path.join(tmp, f"items-{n}.jsonl"), n)
+    if "moto" in sections:
+        print(f"\n3. moto_server, claims of {MOTO_CLAIM}")
+        moto_runs(tmp, paths[MOTO_ITEMS], paths[MOTO_E2E_ITEMS])
+    if "latency" in sections:
+        print(f"\n4. moto_server behind a proxy adding {LATENCY_MS:g} ms per request: {LATENCY_ITEMS:,} items as "
+              f"claims of {MOTO_CLAIM}, {WORKERS} workers of the Timeline handler, batch {BATCH}")
+        latency_runs(tmp, paths[LATENCY_ITEMS])
+    if "memory" in sections:
+        print("\n5. memory")
+        idle_rss(tmp)
 
 
 if __name__ == "__main__":

@@ -168,3 +168,27 @@ class Faulty:
 
     def collate(self, items):
         return items
+
+
+class Timeline:
+    """Counts each item's words (a model that costs next to nothing, so that the requests around it show), then
+    waits $TIMELINE_MODEL_MS ms (0 by default: a model on an accelerator, whose host thread waits), and appends
+    "pid start end first-id count" (time.time() around the call) per call to $TIMELINE_FILE: the model's timeline,
+    which the latency bench reads the gaps between claims from."""
+
+    @calque.enter
+    def load(self):
+        self.timeline = os.environ["TIMELINE_FILE"]
+        self.wait = float(os.environ.get("TIMELINE_MODEL_MS", "0")) / 1000
+
+    @calque.batch
+    def run(self, items):
+        start = time.time()
+        out = [len(item["text"].split()) for item in items]
+        time.sleep(self.wait)
+        with open(self.timeline, "a") as f:     # one append per call: whole lines beside the other worker
+            f.write(f"{os.getpid()} {start:.6f} {time.time():.6f} {items[0]['id']} {len(items)}\n")
+        return out
+
+    def collate(self, items):
+        return items
