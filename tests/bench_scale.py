@@ -2,7 +2,7 @@
 
     .venv/bin/python tests/bench_scale.py                          # every section: 10k, 100k, 1M items, ...
     BENCH_SCALE_SIZES=10000,100000 BENCH_STREAM_ITEMS=10000000 .venv/bin/python tests/bench_scale.py
-    .venv/bin/python tests/bench_scale.py latency                  # only section 4 (any of local stream moto latency memory)
+    .venv/bin/python tests/bench_scale.py latency                  # only section 4 (any of local stream moto latency memory prestaged)
 
 1. local backend, demo model (examples/demo_model.py), 2 warm workers, batch 64, claims of 1000: for each run
    size, a real `calque.py submit --pool` process: end to end and steady-state items/s against the two-process
@@ -26,7 +26,10 @@
    claim's last handler call to the start of the next claim's first, timestamps taken in the handler), in ms and
    in request latencies (the median of requests through the proxy sampled every 0.25 s during that run: on 2
    shared cores moto_server's own time under load, not the 15 ms, can set it).
-5. the resident memory of an idle worker whose handler is plain Python (tests/handlers.py:Empty), after a claim.
+5. the resident memory of an idle worker whose handler is plain Python (tests/handlers.py:Empty), after a claim;
+6. the largest local run size again, staged first (`submit --no-wait`) and then drained by WORKERS workers, so
+   that the submitter is idle: items/s against model-only, and where a claim's time goes (model, the rest, the
+   gap to the next claim), with the workers' CPU against their wall.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
 import json
@@ -65,7 +68,7 @@ LATENCY_ITEMS = int(os.environ.get("BENCH_LATENCY_ITEMS", "20000"))          # i
 LATENCY_ROUNDS = 2               # latency runs: pipelining off then on, this many times, per model time
 LATENCY_MODEL_MS = [float(ms) for ms in os.environ.get("BENCH_LATENCY_MODEL_MS", "0,50").split(",")]   # per batch
 LATENCY_SAMPLE = 0.25            # s between two requests that sample the request latency during a latency run
-SECTIONS = ("local", "stream", "moto", "latency", "memory")
+SECTIONS = ("local", "stream", "moto", "latency", "memory", "prestaged")
 TIMELINE = os.path.join(ROOT, "tests", "handlers.py") + ":Timeline"
 DEMO = os.path.join(ROOT, "examples", "demo_model.py")
 PLAIN = os.path.join(ROOT, "tests", "handlers.py") + ":Empty"   # a plain-Python handler: no torch, no numpy
@@ -403,6 +406,46 @@ def latency_runs(tmp, path):
         moto.wait()
 
 
+def prestaged_run(tmp, path, n, model_path):
+    """The largest local run again with the submitter out of the way: staged (`submit --no-wait`) to a pool of no
+    worker, then `pool scale --workers WORKERS`, timed to the last summary. Per claim, from the summaries: its time,
+    the model's, the rest inside the claim, and the gap to the worker's next claim; and the workers' CPU against
+    their wall since warm (near 1: the time around the model is their CPU, not waiting)."""
+    env = dict(os.environ, CALQUE_STORE=os.path.join(tmp, "prestaged", "store"),
+               CALQUE_STATE=os.path.join(tmp, "prestaged", "state"), CALQUE_POLL_WAIT="1")
+    os.makedirs(env["CALQUE_STATE"], exist_ok=True)
+    backend, _ = pool(env, 0)
+    try:
+        before, _ = model_only_rate(model_path)
+        run_submitter(["submit", "--pool", "demo", path, "--claim-size", str(CLAIM), "--no-wait"], env)
+        (run_id,) = os.listdir(os.path.join(env["CALQUE_STORE"], "runs"))
+        t0 = time.monotonic()
+        cli(env, "pool", "scale", "--model", "demo", "--workers", str(WORKERS))
+        while len(calque.read_worker_stats(backend, "demo")) < WORKERS:   # each writes its stats once warm
+            time.sleep(0.05)
+        pids = [w["pid"] for w in calque.read_worker_stats(backend, "demo")]
+        cpu0, warm = process_cpu(pids), time.monotonic()
+        while len(calque.read_summaries(backend, run_id)) < -(-n // CLAIM):
+            time.sleep(0.1)
+        wall, workers_cpu, busy = time.monotonic() - t0, process_cpu(pids) - cpu0, time.monotonic() - warm
+        after, _ = model_only_rate(model_path)
+        summaries = calque.read_summaries(backend, run_id)
+    finally:
+        cli(env, "pool", "delete", "--model", "demo", "--yes", "--force")
+    model_rate = (before + after) / 2
+    claims = {}
+    for s in summaries:
+        claims.setdefault(s["worker_id"], []).append((at(s["started_at"]), at(s["finished_at"])))
+    gaps = [b[0] - a[1] for seq in claims.values() for a, b in zip(sorted(seq), sorted(seq)[1:])]
+    claim_ms = statistics.mean(s["claim_seconds"] for s in summaries) * 1e3
+    model_ms = statistics.mean(s["model_seconds"] for s in summaries) * 1e3
+    print(f"   {n:>11,} items pre-staged, then {WORKERS} workers: {n / wall:9,.0f} items/s from `pool scale` "
+          f"({n / wall / model_rate:.2f}x model-only {model_rate:,.0f}), steady {steady_rate(summaries):9,.0f} "
+          f"({steady_rate(summaries) / model_rate:.2f}x); a claim {claim_ms:.1f} ms: model {model_ms:.1f}, the rest "
+          f"{claim_ms - model_ms:.1f}, then {statistics.median(gaps) * 1e3:.1f} ms to the next; workers' CPU "
+          f"{workers_cpu:.1f} s in {busy:.1f} s of wall since warm ({workers_cpu / busy / WORKERS:.2f} of each core)")
+
+
 def main():
     sections = sys.argv[1:] or SECTIONS
     unknown = set(sections) - set(SECTIONS)
@@ -435,6 +478,11 @@ def main():
     if "memory" in sections:
         print("\n5. memory")
         idle_rss(tmp)
+    if "prestaged" in sections:
+        print(f"\n6. local backend, the largest run size staged first, so that the submitter is idle while workers run")
+        paths = {n: paths.get(n) or write_items(os.path.join(tmp, f"items-{n}.jsonl"), n)
+                 for n in {max(SIZES), MODEL_ONLY_ITEMS}}
+        prestaged_run(tmp, paths[max(SIZES)], max(SIZES), paths[MODEL_ONLY_ITEMS])
 
 
 if __name__ == "__main__":
