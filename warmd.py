@@ -239,16 +239,11 @@ class Collator:
             self.ring.release(prepared.slot)
 
 
-def result_line(value):
-    """One result line, strict JSON (allow_nan=False: NaN and Infinity have no JSON form)."""
-    return json.dumps(value, default=calque.to_jsonable, separators=(",", ":"), allow_nan=False) + "\n"
-
-
 def result_encoder():
-    """value -> its strict JSON text, as result_line writes it, from an encoder made once: json.dumps with options
-    makes a JSONEncoder (and, inside, a C encoder) per call, half of a small result's cost. Made without the
-    circular check, which needs a fresh table per call: a circular result fails its item with RecursionError,
-    as nesting too deep does."""
+    """value -> its strict JSON text, compact (allow_nan=False: NaN and Infinity have no JSON form; numpy and torch
+    values through calque.to_jsonable), from an encoder made once: json.dumps with options makes a JSONEncoder
+    (and, inside, a C encoder) per call, half of a small result's cost. Made without the circular check, which
+    needs a fresh table per call: a circular result fails its item with RecursionError, as nesting too deep does."""
     make = json.encoder.c_make_encoder      # None where the C accelerator is missing (the pure-Python encoder)
     if make is None:
         return json.JSONEncoder(default=calque.to_jsonable, separators=(",", ":"), allow_nan=False,
@@ -275,7 +270,8 @@ def format_outcome(outcome, base):
                 value = f"result is not JSON-serialisable: {type(e).__name__}: {e}"
         failed.append(i)
         errors[str(i)] = value[:calque.ERROR_CHARS]
-        lines.append(result_line({"i": i, "ok": False, "error": value[:calque.ERROR_CHARS], **trace_of(value)}))
+        error_line = {"i": i, "ok": False, "error": value[:calque.ERROR_CHARS], **trace_of(value)}
+        lines.append(encode_result(error_line) + "\n")
     return ["".join(lines)], failed, errors
 
 
