@@ -2,7 +2,8 @@
 
     .venv/bin/python tests/bench_scale.py                          # every section: 10k, 100k, 1M items, ...
     BENCH_SCALE_SIZES=10000,100000 BENCH_STREAM_ITEMS=10000000 .venv/bin/python tests/bench_scale.py
-    .venv/bin/python tests/bench_scale.py latency                  # only section 4 (any of local stream moto latency memory prestaged)
+    .venv/bin/python tests/bench_scale.py latency                  # only section 4
+    # sections: local stream moto latency memory prestaged (all when none is named)
 
 1. local backend, demo model (examples/demo_model.py), 2 warm workers, batch 64, claims of 1000: for each run
    size, a real `calque.py submit --pool` process: end to end and steady-state items/s against the two-process
