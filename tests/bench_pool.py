@@ -63,7 +63,8 @@ def make_pool(store, state, handler, model="bench", batch_size=64):
     conf = calque.settings()
     backend = calque.open_backend(store)
     args = calque.build_parser().parse_args(["pool", "create", "--model", model, "--handler", handler,
-                                            "--batch-size", str(batch_size), "--visibility-timeout", "60"])
+                                            "--batch-size", str(batch_size), "--visibility-timeout", "60",
+                                            "--workers", "0"])   # the bench's own in-process worker serves it alone
     with open(os.devnull, "w") as quiet:
         saved, sys.stdout = sys.stdout, quiet
         try:
