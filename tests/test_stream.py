@@ -4,6 +4,8 @@ import json
 import os
 import subprocess
 
+import pytest
+
 import calque
 from conftest import HANDLERS, PY, ROOT, backend_for, cli, wait_for
 
@@ -43,6 +45,23 @@ def test_stdin_claims_are_sent_before_the_input_ends(local_env):
     run = calque.read_run(backend_for(local_env), out.decode().strip())
     assert (run["staged"], run["items"], run["sent"], run["claims"]) == (True, 9, 5, [f"c0000{i}" for i in range(5)])
     assert queue.counts() == {"visible": 5, "in_flight": 0}
+
+
+def outcome(read, text):
+    """("value", repr of what read(text) returned) or ("error", its exception's type and message)."""
+    try:
+        return "value", repr(read(text))    # repr: NaN is not equal to itself
+    except ValueError as e:
+        return "error", type(e).__name__, str(e)
+
+
+@pytest.mark.parametrize("text", ['{"a": 1, "b": [1.5, "x"]}', ' {"a": 1} ', '{"a": 1}\r', "\t[1]", '"s\u2028t"',
+                                  "NaN", "-Infinity", "1e400", "1" * 30, "1 2", '{"a": 1}}', '[1],[2]', "", " ",
+                                  '{"a": ', "nul", '"\\ud800"', "1" * 5000, '"\\x"', "[" * 50 + "]" * 50])
+def test_json_line_reads_a_line_exactly_as_json_loads(text):
+    """The staging fast path parses what json.loads parses, to the same value, and refuses what it refuses with
+    the same error (the message `submit` prints for a bad line)."""
+    assert outcome(calque.json_line, text) == outcome(json.loads, text)
 
 
 def test_a_bad_line_after_the_first_claims_keeps_them(local_env):
