@@ -6,7 +6,7 @@
 
 What runs, and what it stands for on calque's side:
 - broker: kombu's SQS transport at --endpoint (moto_server, or the latency proxy in front of it), queue
-  peer-calque-peer; long polls of 20 s (calque's CALQUE_POLL_WAIT), no extra wait between polls;
+  peer-$PEER_QUEUE (peer-calque-peer); long polls of 20 s (calque's CALQUE_POLL_WAIT), no extra wait between polls;
 - task_acks_late and worker_prefetch_multiplier 1: a worker holds one message at a time and deletes it only after
   its task ran and its result was stored (calque: results, summary, then the ack);
 - result backend: Celery's own S3 backend (s3_endpoint_url = --endpoint), bucket --bucket: one PUT per task,
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 # ------------------------------------------------------------------------------------------------
 ENDPOINT = os.environ.get("PEER_ENDPOINT", "http://127.0.0.1:5000")   # moto_server, or a proxy in front of it
 BUCKET = os.environ.get("PEER_BUCKET", "peers")    # the S3 result backend's bucket (compare.py creates it)
-QUEUE = "calque-peer"                               # the task queue (SQS name: peer-calque-peer)
+QUEUE = os.environ.get("PEER_QUEUE", "calque-peer")   # the task queue (SQS name: peer-QUEUE); one a run
 POLL_WAIT = 20                                      # s of one SQS long poll (calque's CALQUE_POLL_WAIT)
 VISIBILITY = 60                                     # s a received task stays invisible (calque's default)
 READY_WAIT = 120                                    # s the workers may take to load the model and start polling

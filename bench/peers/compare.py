@@ -77,17 +77,20 @@ def timed(args, env):
         return wall, usage.ru_utime + usage.ru_stime, out.read().decode()
 
 
-def celery_run(endpoint, path, counts):
-    """The Celery side: 2 warm workers, then the timed client; its figures as end_to_end's are."""
-    peer = os.path.join(HERE, "celery_peer.py")
+def celery_run(endpoint, path, counts, queue):
+    """The Celery side: 2 warm workers, then the timed client; its figures as end_to_end's are. A queue of its own
+    each run: a stopped worker's long poll lives on in moto_server for up to 20 s, and a task sent to its queue
+    then goes to that dead poll and stays invisible for the visibility timeout (60 s): a Celery run right after
+    another took 65-71 s instead of 11-18 before each had its own queue."""
+    peer, env = os.path.join(HERE, "celery_peer.py"), dict(os.environ, PEER_QUEUE=queue)
     workers = subprocess.Popen([PEERS_PY, peer, "workers", "--endpoint", endpoint, "--workers",
-                                str(bench_scale.WORKERS)], env=os.environ, stdin=subprocess.PIPE,
+                                str(bench_scale.WORKERS)], env=env, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
     try:
         pids = json.loads(workers.stdout.readline())["pids"]
         cpu0, served = bench_scale.process_cpu(pids), counts()
         wall, cpu, stdout = timed([PEERS_PY, peer, "client", "--endpoint", endpoint, "--items", path, "--task-size",
-                                   str(CLAIM)], os.environ)
+                                   str(CLAIM)], env)
         workers_cpu = bench_scale.process_cpu(pids) - cpu0
         served = {op: n - served.get(op, 0) for op, n in counts().items() if n > served.get(op, 0)}
     finally:
@@ -136,7 +139,7 @@ def main():
                     runs[name] = bench_scale.end_to_end(env, path, CLAIM, counts)
                     print(line("calque", runs[name], "claim", "submitter"), flush=True)
                 else:
-                    runs[name] = celery_run(endpoint, path, counts)
+                    runs[name] = celery_run(endpoint, path, counts, f"calque-peer-{round_}")
                     print(line("Celery", runs[name], "task", "client"), flush=True)
             ratio = runs["calque"]["items_per_s"] / runs["Celery"]["items_per_s"]
             print(f"   round {round_ + 1}: calque / Celery {ratio:.2f}x items/s", flush=True)
