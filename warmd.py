@@ -7,9 +7,9 @@
 Everything it needs comes from the pool record in the store (handler snapshot, batch size, visibility
 timeout, max deliveries, batch timeout); handler code is never taken from a message. Per claim: long poll,
 manifest, drain in batches, result parts, summary, then ack. Claims are pipelined (CALQUE_PIPELINE=0 turns it
-off): k's summary and ack go out on the `finisher` thread while k+1 is received and drains, and with
-CALQUE_AHEAD=1, while the last batch of claim k runs, claim k+1 is received and accepted (duplicate check,
-manifest) on the `ahead` thread. Acks
+off): k's summary and ack go out on the `finisher` thread while k+1 is received and drains, and on S3 + SQS
+(CALQUE_AHEAD=1 or 0 decides on any backend), while the last batch of claim k runs, claim k+1 is received and
+accepted (duplicate check, manifest) on the `ahead` thread. Acks
 go ACK_BATCH to a request, within ACK_WAIT s, and at once when the queue runs empty.
 SIGTERM (or a spot interruption notice) stops claiming, gives a claim received ahead back at once, and finishes
 the running claim within CALQUE_GRACE seconds, else releases it; a second SIGTERM/SIGINT releases it at once.
@@ -76,9 +76,11 @@ RING_SLOTS = 3              # host buffers: the batch in the model, the one bein
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
 # claim pipelining: the next claim received beside the last batch, the last one's writes off the model's path
 PIPELINE = os.environ.get("CALQUE_PIPELINE", "1") != "0"
-# opt-in: a claim received beside the last batch, before the last one's results are written, is held through a
-# store outage that follows (its worker retrying) or given back as a second delivery; off, outages cost a pause
-AHEAD = os.environ.get("CALQUE_AHEAD", "0") == "1"
+# the next claim received beside the last batch: CALQUE_AHEAD=1 or 0; unset, on where a request crosses a network
+# (S3 + SQS: behind 15 ms a request it took the gap between claims from ~2 request latencies to ~0.9) and off on the
+# local backend (a receive there costs ~0.1 ms, less than handing it to a thread). Hidden cost: a claim received
+# just before a store outage is held through this worker's write retries (WRITE_RETRY) instead of going elsewhere
+AHEAD = os.environ.get("CALQUE_AHEAD", "")
 AHEAD_HOLD = float(os.environ.get("CALQUE_AHEAD_HOLD", "2"))   # s a claim received ahead waits to start, at most
 AHEAD_TICK = 0.05           # s between two looks, while a claim is held ahead, at whether the worker stops
 ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes at most 10)
@@ -610,6 +612,7 @@ class Worker:
         # claim pipelining: the next claim's receive and accept, and the last one's writes, each on a thread
         self.ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="finisher")
+        self.receives_ahead = AHEAD == "1" if AHEAD else backend.kind != "local"   # see AHEAD
         self.ahead = None                # Ahead: the claim being received beside the last batch
         self.call_started, self.call_seconds = 0.0, float("inf")   # the latest handler call's (unknown: none yet)
         self.finishing = None            # future of the claim the finisher writes
@@ -832,7 +835,7 @@ class Worker:
         on the finisher: a worker whose writes the store refuses takes no further claim while it retries them,
         so another worker of the pool takes it (a pause, not a second delivery). Returns the reason to stop the
         worker, or None."""
-        on_call = (lambda offsets: self.reach_ahead(claim, offsets)) if pipelined and AHEAD else None
+        on_call = (lambda offsets: self.reach_ahead(claim, offsets)) if pipelined and self.receives_ahead else None
         self.watchdog.arm(lambda offsets: self.overrun(claim, offsets), on_call)
         with self.serving(claim.heartbeat, claim.requests):
             try:

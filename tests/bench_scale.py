@@ -21,8 +21,8 @@
 4. moto_server behind bench/latency_proxy.py adding BENCH_LATENCY_MS (15) per request, as real SQS and S3 calls
    cost in a region: BENCH_LATENCY_ITEMS (20k) items as claims of 100 through 2 workers of the Timeline handler
    (next to no model time, so that the requests show; then 50 ms a batch, a model on an accelerator, whose host
-   thread waits: BENCH_LATENCY_MODEL_MS), claim pipelining off (CALQUE_PIPELINE=0), as it ships (the finisher),
-   and with the next claim received ahead (CALQUE_AHEAD=1), twice each:
+   thread waits: BENCH_LATENCY_MODEL_MS), claim pipelining off (CALQUE_PIPELINE=0), the finisher only
+   (CALQUE_AHEAD=0), and as it ships on S3 + SQS, the next claim received ahead too, twice each:
    items/s, requests per claim, and the per-claim gap in the model's timeline (per worker, from the end of a
    claim's last handler call to the start of the next claim's first, timestamps taken in the handler), in ms and
    in request latencies (the median of requests through the proxy sampled every 0.25 s during that run: on 2
@@ -69,7 +69,7 @@ LATENCY_ITEMS = int(os.environ.get("BENCH_LATENCY_ITEMS", "20000"))          # i
 LATENCY_ROUNDS = 2               # latency runs: pipelining off then on, this many times, per model time
 LATENCY_MODEL_MS = [float(ms) for ms in os.environ.get("BENCH_LATENCY_MODEL_MS", "0,50").split(",")]   # per batch
 LATENCY_SAMPLE = 0.25            # s between two requests that sample the request latency during a latency run
-LATENCY_MODES = {"off": ("0", "0"), "default": ("1", "0"), "ahead": ("1", "1")}   # CALQUE_PIPELINE, _AHEAD
+LATENCY_MODES = {"off": ("0", "0"), "finisher": ("1", "0"), "ahead": ("1", "1")}   # CALQUE_PIPELINE, _AHEAD
 SECTIONS = ("local", "stream", "moto", "latency", "memory", "prestaged")
 TIMELINE = os.path.join(ROOT, "tests", "handlers.py") + ":Timeline"
 DEMO = os.path.join(ROOT, "examples", "demo_model.py")
@@ -399,7 +399,7 @@ def latency_runs(tmp, path):
             for mode in LATENCY_MODES:
                 rate, per_claim, gaps, latency = latency_run(tmp, path, url, mode, model_ms, n)
                 gap, p90 = statistics.median(gaps), statistics.quantiles(gaps, n=10)[8]
-                print(f"   model {model_ms:g} ms/batch, pipelining {mode:<7}  "
+                print(f"   model {model_ms:g} ms/batch, pipelining {mode:<8}  "
                       f"{rate:7,.0f} items/s  "
                       f"{per_claim:5.2f} requests/claim  gap between claims: median {gap * 1e3:6.1f} ms "
                       f"(p90 {p90 * 1e3:6.1f}, {len(gaps)} gaps) = {gap / latency:4.2f} request latencies of "
