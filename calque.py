@@ -2477,10 +2477,13 @@ def pid_alive(pid):
         return False
     except PermissionError:
         return True
-    # a zombie child of ours still answers kill(0); /proc tells
+    # a zombie still answers kill(0); /proc tells, and a process reaped since kill(0) has no /proc entry left (a
+    # dead supervisor read as alive in that window once sent `pool scale` after it: its status file outlives it)
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
     except OSError:
         return True
 
@@ -2508,8 +2511,9 @@ def start_supervisor(conf, model, workers, gpus_per_worker=None):
     write_file_atomic(os.path.join(folder, "desired"), str(workers))
     status = read_supervisor(conf, model)
     if status:
-        os.kill(status["pid"], signal.SIGHUP)   # already running: it re-reads `desired`
-        return status["pid"]
+        with contextlib.suppress(ProcessLookupError):   # gone since the read: a new one is started below
+            os.kill(status["pid"], signal.SIGHUP)   # already running: it re-reads `desired`
+            return status["pid"]
     with open(os.path.join(folder, "supervisor.log"), "ab") as log:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "pool", "supervise", "--model", model],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env(conf),
@@ -2517,9 +2521,12 @@ def start_supervisor(conf, model, workers, gpus_per_worker=None):
     deadline = time.monotonic() + SUPERVISOR_START_WAIT
     while time.monotonic() < deadline:
         status = read_supervisor(conf, model)
-        if status:   # ours, or the one that holds the pool's lock (a `pool create` running beside this one)
+        lock_held = proc.poll() == 0   # ours found the lock held and left the pool to that supervisor
+        # ours, or the one that holds the pool's lock (a `pool create` running beside this one); never a dead
+        # supervisor's status file, which outlives it
+        if status and (status["pid"] == proc.pid or lock_held):
             return status["pid"]
-        if proc.poll() not in (None, 0):   # 0: it found the lock held and left the pool to that supervisor
+        if proc.poll() not in (None, 0):
             raise UserError(f"the pool supervisor exited at once: see {folder}/supervisor.log")
         time.sleep(0.02)
     raise UserError(f"the pool supervisor did not report within {SUPERVISOR_START_WAIT:g} s: "
