@@ -2520,13 +2520,12 @@ def start_supervisor(conf, model, workers, gpus_per_worker=None):
                                 start_new_session=True, cwd=HERE)
     deadline = time.monotonic() + SUPERVISOR_START_WAIT
     while time.monotonic() < deadline:
-        status = read_supervisor(conf, model)
-        lock_held = proc.poll() == 0   # ours found the lock held and left the pool to that supervisor
+        status, exited = read_supervisor(conf, model), proc.poll()   # exited 0: ours found the lock held
         # ours, or the one that holds the pool's lock (a `pool create` running beside this one); never a dead
         # supervisor's status file, which outlives it
-        if status and (status["pid"] == proc.pid or lock_held):
+        if status and (status["pid"] == proc.pid or exited == 0):
             return status["pid"]
-        if proc.poll() not in (None, 0):
+        if exited not in (None, 0):
             raise UserError(f"the pool supervisor exited at once: see {folder}/supervisor.log")
         time.sleep(0.02)
     raise UserError(f"the pool supervisor did not report within {SUPERVISOR_START_WAIT:g} s: "

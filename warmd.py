@@ -607,12 +607,15 @@ class Worker:
         # the pipeline thread's CPU clock: what it ran during a handler call is taken out of the model's time
         self.pipeline_clock = (time.pthread_getcpuclockid(self.prefetcher.submit(threading.get_ident).result())
                                if self.prefetcher and hasattr(time, "pthread_getcpuclockid") else None)
-        # the manifest read beside the duplicate check (S3; a local read is done on the claim's thread)
+        # the manifest read beside the duplicate check (over a network; see self.network)
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")
         # claim pipelining: the next claim's receive and accept, and the last one's writes, each on a thread
         self.ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="finisher")
-        self.receives_ahead = AHEAD == "1" if AHEAD else backend.kind != "local"   # see AHEAD
+        # requests cross a network (S3 + SQS): overlapping them with other work pays; a local one costs less than
+        # handing it to a thread (the manifest read, the receive ahead)
+        self.network = backend.kind != "local"
+        self.receives_ahead = AHEAD == "1" if AHEAD else self.network   # see AHEAD
         self.ahead = None                # Ahead: the claim being received beside the last batch
         self.call_started, self.call_seconds = 0.0, float("inf")   # the latest handler call's (unknown: none yet)
         self.finishing = None            # future of the claim the finisher writes
@@ -938,11 +941,13 @@ class Worker:
         if calque.run_slug(run_id) != self.record["slug"]:
             return self.dead_letter(message, f"run {run_id} is not one of this model's runs "
                                              f"({self.record['slug']}.*): refused", msg)
-        # the duplicate check and the manifest read are independent: on S3 issue both at once (one store round
-        # trip off every claim's critical path; a duplicate wastes one read). A local read (a file, ~30 us) is
-        # done here: handing it to the reader thread cost a 1,000-item claim 0.3-0.5 ms more
-        read = self.backend.requests.carried(self.backend.store.get)
-        manifest_read = self._done(read, key) if self.backend.kind == "local" else self.reader.submit(read, key)
+        # the duplicate check and the manifest read are independent: over a network issue both at once (one store
+        # round trip off every claim's critical path; a duplicate wastes one read). A local read (a file, ~30 us)
+        # is done here: handing it to the reader thread cost a 1,000-item claim 0.3-0.5 ms more
+        if self.network:
+            manifest_read = self.reader.submit(self.backend.requests.carried(self.backend.store.get), key)
+        else:
+            manifest_read = self._done(self.backend.store.get, key)
         if self.backend.store.exists(calque.summary_key(run_id, claim)):
             manifest_read.exception()    # let it finish: nothing is left running behind the ack
             self.queue.delete(message)
