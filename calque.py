@@ -5947,10 +5947,16 @@ def cmd_submit(conf, backend, args):
         if args.no_wait:
             print(run.run_id)
             return EXIT_OK
-        depth = backend.queues.open_queue(run.record["queue"]).counts()
-        print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} items sent to "
-              f"{run.record['queue']} ({depth['visible']} visible, {depth['in_flight']} in flight)", file=sys.stderr)
-        timed_out = not run.wait(args.timeout, progress)
+        try:   # every claim is queued from here on: an interrupt leaves the run to go on without this process
+            depth = backend.queues.open_queue(run.record["queue"]).counts()
+            print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} items sent to "
+                  f"{run.record['queue']} ({depth['visible']} visible, {depth['in_flight']} in flight)",
+                  file=sys.stderr, flush=True)
+            timed_out = not run.wait(args.timeout, progress)
+        except KeyboardInterrupt:
+            print(f"calque: interrupted while waiting: run {run.run_id}: its claims are queued and finish without "
+                  f"you ---> HINT: python calque.py runs show {run.run_id}", file=sys.stderr)
+            return 128 + signal.SIGINT
         run, summaries = run.record, run.waited
     else:
         if not args.model:

@@ -89,6 +89,23 @@ def test_interrupted_submit_then_resume_runs_every_item_once(local_env, tmp_path
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0   # nothing left queued
 
 
+def test_interrupted_while_waiting_names_the_run_and_loses_nothing(local_env, tmp_path):
+    """SIGINT once every claim is queued and submit waits (a pool of no worker): exit 130, one line naming the run
+    and how to follow it; the claims stay queued."""
+    create_pool(local_env)
+    queue = backend_for(local_env).queues.open_queue("calque-pool-m")
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(6)])
+    proc = submit_waiting(local_env, items, "--claim-size", "2")
+    assert " claim(s) of 6 items sent to " in proc.stderr.readline()   # every claim queued: submit waits now
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    run_id = only_run(local_env)
+    assert proc.returncode == 130, (proc.returncode, err)
+    assert err.splitlines()[-1] == (f"calque: interrupted while waiting: run {run_id}: its claims are queued and "
+                                    f"finish without you ---> HINT: python calque.py runs show {run_id}")
+    assert queue.counts() == {"visible": 3, "in_flight": 0}
+
+
 def test_cancel_marks_unfinished_claims_and_workers_ack_them_unrun(local_env, tmp_path):
     """runs cancel while a worker is mid-claim: that claim keeps its real summary, the two others are cancelled
     and acked unrun; runs show counts 10 ok + 15 cancelled = 25 items, exit 1; resume is refused."""
