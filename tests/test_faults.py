@@ -90,9 +90,9 @@ def test_bad_input_is_one_line_and_stages_nothing(local_env, tmp_path):
         "latin1.jsonl": (b'{"x": 1}\n{"x": "caf\xe9"}\n', "{p}:2: not UTF-8 text (byte 11 of the line) "
                                                           "---> HINT: save the file as UTF-8"),
         "deep.jsonl": (b'{"x": 1}\n' + b"[" * 990 + b"]" * 990 + b"\n", "{p}:2: nested deeper than 512 levels "
-                       "---> HINT: flatten the item (calque re-encodes it inside a manifest)"),
+                       "---> HINT: flatten the item (calque nests it inside a manifest)"),
         "deeper.jsonl": (b"[" * 5000 + b"]" * 5000 + b"\n", "{p}:1: nested deeper than 512 levels "
-                         "---> HINT: flatten the item (calque re-encodes it inside a manifest)"),
+                         "---> HINT: flatten the item (calque nests it inside a manifest)"),
         "empty.npy": (b"", "{p}: not a numeric .npy or .npz file (No data left in file) ---> HINT: save plain "
                       "numeric arrays with numpy.save or numpy.savez (object arrays would need pickle)"),
         "broken.npz": (b"PK\x03\x04broken", "{p}: not a numeric .npy or .npz file (File is not a zip file) "

@@ -88,3 +88,35 @@ def test_send_batch_on_both_backends(any_env):
     bodies = [queue.receive(1).body for _ in range(calque.SEND_BATCH)]
     assert sorted(bodies) == sorted(f"m{i}" for i in range(calque.SEND_BATCH))
     assert backend.kind == "aws" or bodies == [f"m{i}" for i in range(calque.SEND_BATCH)]
+
+
+AWKWARD_LINES = ['{"a": 1, "b": [1.5, "x"]}\r', '  {"a": 1}  ', '\t[1, {"k": null}]', '"s\u2028t"', "NaN",
+                 "-Infinity", "1e400", "1" * 40, '{"a": 1, "a": 2}', '"caf\u00e9 \\u00e9 \\ud83d\\ude00"',
+                 '{"t": "quote \\" backslash \\\\ comma , brackets ]}"}', "[" * 60 + "]" * 60, "true", "null", "-0.0"]
+
+
+def test_jsonl_lines_reach_the_worker_as_json_loads_reads_them(local_env, tmp_path):
+    """A JSONL file's lines are staged as written (not decoded and encoded again): every manifest is JSON, and the
+    items a worker decodes from it are, in order, what json.loads reads from each line."""
+    create_pool(local_env)
+    path = tmp_path / "awkward.jsonl"
+    path.write_bytes("\n".join(AWKWARD_LINES + [""]).encode())
+    out = cli(local_env, "submit", "--pool", "m", str(path), "--no-wait", "--claim-size", "4")
+    assert out.returncode == 0, out.stderr
+    backend = backend_for(local_env)
+    run = calque.read_run(backend, out.stdout.strip())
+    staged = []
+    for claim in run["claims"]:
+        manifest = json.loads(backend.store.get(calque.manifest_key(run["run_id"], claim)))
+        assert manifest["first_index"] == len(staged) and manifest["count"] == len(manifest["items"])
+        staged += manifest["items"]
+    assert repr(staged) == repr([json.loads(line) for line in AWKWARD_LINES])   # repr: NaN is not equal to itself
+
+
+def test_id_field_is_checked_on_jsonl_lines(local_env, tmp_path):
+    """--id-field reads the staged lines again to check them: a line without the field is refused, naming it."""
+    create_pool(local_env)
+    path = tmp_path / "ids.jsonl"
+    path.write_text('{"id": "a", "x": 1}\n{"x": 2}\n')
+    out = cli(local_env, "submit", "--pool", "m", str(path), "--no-wait", "--id-field", "id")
+    assert out.returncode == 2 and "--id-field 'id': item 1 has no such field" in out.stderr, out.stderr
