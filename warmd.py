@@ -47,12 +47,14 @@ import argparse
 import contextlib
 import faulthandler
 import hashlib
+import importlib.util
 import json
 import logging
 import os
 import signal
 import socket
 import sys
+import sysconfig
 import threading
 import time
 import traceback
@@ -257,11 +259,57 @@ def result_encoder():
 encode_result = result_encoder()
 
 
+def load_framer():
+    """(ffi, lib) of fastbatch's compiled module, loaded from its file: `import fastbatch` would import
+    torch (~2 s, ~150 MiB) into a worker whose handler may never need it. (None, None) where it is not built
+    (`make setup` builds it; a worker then frames every line in Python, as format_each)."""
+    path = os.path.join(calque.HERE, "fastbatch", "_fastbatch_c" + sysconfig.get_config_var("EXT_SUFFIX"))
+    spec = importlib.util.spec_from_file_location("fastbatch._fastbatch_c", path)
+    try:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.ffi, module.lib
+    except (ImportError, OSError, AttributeError) as e:
+        log.info("result lines framed in Python: fastbatch's C module is not there (%s)", e)
+        return None, None
+
+
+ffi, framer = load_framer()
+
+
 def format_outcome(outcome, base):
     """One batch's [(ok, result or error)] as its result lines (one string, in a list), failed indices and error
-    messages, in one pass: each result encoded once into the line's fixed frame (no dict and no encoder per line),
-    the lines joined once. A result that is not strict JSON fails its item alone: NaN, Infinity, a type json
-    cannot take, nesting too deep to encode (RecursionError)."""
+    messages. A batch whose every item succeeded is encoded in one call and framed in C (frame_lines: 0.9 us an
+    item of the demo model's results against 1.5 one by one); any other batch, or one whose results do not all
+    encode, goes through format_each, where each item fails or succeeds alone."""
+    if framer is not None and all(ok for ok, _ in outcome):
+        lines = frame_lines([value for _, value in outcome], base)
+        if lines is not None:
+            return [lines], [], {}
+    return format_each(outcome, base)
+
+
+def frame_lines(values, base):
+    """The result lines of items base, base + 1, ... with these values, from one encoding of the list, or None
+    when the list does not encode (a NaN, a type json cannot take: format_each fails those items alone). The same
+    text as format_each's, line for line (tests/test_warmd.py compares them)."""
+    try:
+        text = encode_result(values).encode()
+    except Exception:
+        return None
+    cap = len(text) + len(values) * framer.FB_LINE_FRAME
+    out = ffi.new("char[]", cap)
+    written = framer.fb_frame_lines(text, len(text), base, len(values), out, cap)
+    if written < 0:   # the encoder wrote what the framer cannot cut: never seen; the lines one by one are right
+        log.warning("fb_frame_lines returned %d; framing this batch in Python", written)
+        return None
+    return ffi.unpack(out, written).decode()
+
+
+def format_each(outcome, base):
+    """format_outcome one item at a time: each result encoded once into the line's fixed frame (no dict and no
+    encoder per line), the lines joined once. A result that is not strict JSON fails its item alone: NaN,
+    Infinity, a type json cannot take, nesting too deep to encode (RecursionError)."""
     lines, failed, errors = [], [], {}
     for i, (ok, value) in enumerate(outcome, base):
         if ok:

@@ -4,6 +4,7 @@
     .venv/bin/python -m pytest -q -s tests/test_fastbatch.py     # also print every max difference
 """
 import array
+import json
 import importlib.util
 import os
 import queue
@@ -598,3 +599,68 @@ def test_concurrent_imports_build_once_and_env_forces_reference(tmp_path):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [o.strip() for o, _ in outs] == ["c 4.0", "c 4.0", "reference 4.0"], outs
     assert all("unavailable" not in err for _, err in outs), outs
+
+
+# --- warmd's result lines: fb_frame_lines against format_each ------------------------------------------------
+
+import warmd  # noqa: E402
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
+    max_leaves=12)
+AWKWARD_RESULTS = [{"a": 1}, [1, 2, {"b": 'x"],}[{'}], 'str \\ " , ] } [ {', "caf\u00e9 \u2028 \U0001F600 \x00 \x1f",
+                   None, True, False, -5, 10 ** 40, 1.5e-300, {}, [], "", [[[]]], {"": {"": ""}},
+                   np.float32(1.5), np.int64(-3), np.arange(3), torch.tensor([0.25, 1.0])]
+
+
+def test_result_lines_framed_in_c_are_format_each_s():
+    """warmd's C framing is loaded and writes exactly format_each's lines: awkward strings (quotes, backslashes,
+    brackets and commas inside them, non-ASCII, control characters), nesting, empties, numpy and torch values;
+    any index up to int64's."""
+    outcome = [(True, value) for value in AWKWARD_RESULTS]
+    assert warmd.framer is not None, "fastbatch's C module did not load in warmd (test_c_module_is_built says why)"
+    for base in (0, 7, 2 ** 63 - len(outcome)):
+        framed = warmd.frame_lines(AWKWARD_RESULTS, base)
+        assert framed is not None and [framed] == warmd.format_each(outcome, base)[0]
+        assert warmd.format_outcome(outcome, base) == warmd.format_each(outcome, base)
+
+
+@given(st.lists(JSON_VALUES, min_size=1, max_size=20), st.integers(0, 2 ** 40))
+@settings(max_examples=300, deadline=None)
+def test_fuzz_result_lines(values, base):
+    if warmd.framer is None:
+        pytest.skip("C module not built")
+    assert [warmd.frame_lines(values, base)] == warmd.format_each([(True, v) for v in values], base)[0]
+
+
+def test_a_batch_with_a_failure_or_a_nan_is_framed_item_by_item():
+    """A failed item, or a result that is not strict JSON, sends the batch through format_each: the others keep
+    their lines, only that item fails."""
+    for outcome in ([(True, 1), (False, "ValueError: bad"), (True, 2)], [(True, 1), (True, float("nan")), (True, 2)]):
+        lines, failed, errors = warmd.format_outcome(outcome, 10)
+        assert (lines, failed, errors) == warmd.format_each(outcome, 10) and failed == [11]
+        assert [json.loads(line)["ok"] for line in lines[0].splitlines()] == [True, False, True]
+
+
+@pytest.mark.parametrize("text, count, error", [
+    (b"[1,2]", 3, "FB_EFRAME"), (b"[1,2]", 1, "FB_EFRAME"), (b"[1,]", 2, "FB_EFRAME"), (b'["a,b]', 1, "FB_EFRAME"),
+    (b"[[1]", 1, "FB_EFRAME"), (b"1,2", 2, "FB_EFRAME"), (b"[]", 1, "FB_EFRAME"), (b'["\\"]', 1, "FB_EFRAME"),
+    (b"[1]", -1, "FB_ESIZE")])
+def test_frame_lines_refuses_what_is_not_an_array_of_count(text, count, error):
+    """What the C framer cannot cut is refused with a code (warmd then frames that batch in Python), never
+    misread; an output buffer too small is refused before a byte past it is written."""
+    out = warmd.ffi.new("char[]", 4096)
+    assert warmd.framer.fb_frame_lines(text, len(text), 0, count, out, 4096) == getattr(warmd.framer, error)
+    assert warmd.framer.fb_frame_lines(b"[1,2]", 5, 0, 2, out, 47) == warmd.framer.FB_ESIZE
+    assert warmd.framer.fb_frame_lines(b"[]", 2, 0, 0, out, 0) == 0
+
+
+def test_a_worker_without_the_c_module_frames_lines_in_python(tmp_path, monkeypatch):
+    """No built module (a failed build): the loader says so and gives nothing; format_outcome then frames every
+    batch in Python."""
+    monkeypatch.setattr(warmd.calque, "HERE", str(tmp_path))
+    assert warmd.load_framer() == (None, None)
+    monkeypatch.setattr(warmd, "framer", None)
+    outcome = [(True, {"x": i}) for i in range(3)]
+    assert warmd.format_outcome(outcome, 0) == warmd.format_each(outcome, 0)
