@@ -4808,7 +4808,7 @@ def format_bootstrap(boot):
                ] += 1
         if r.get("fastbatch") != "c":
             warnings.setdefault(f"fastbatch's C build {r.get('fastbatch') or 'did not run'}: its workers gather "
-                                f"batches with the numpy path (slower)", []).append(r["instance_id"])
+                                f"batches with the numpy path and frame result lines in Python (slower)", []).append(r["instance_id"])
         if r.get("gpu") and not sees_gpu:
             warnings.setdefault(f"torch {r.get('torch')} does not see the GPU ({r['gpu']}): the model runs on the "
                                 f"CPU", []).append(r["instance_id"])
