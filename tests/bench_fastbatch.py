@@ -1,4 +1,5 @@
-"""fastbatch benchmark: one-copy gather into a reused buffer vs the usual ways, against memcpy.
+"""fastbatch benchmark: one-copy gather into a reused buffer vs the usual ways, against memcpy; and the worker's
+result lines, framed in C (fb_frame_lines) vs one by one in Python (warmd.format_each).
 
     .venv/bin/python tests/bench_fastbatch.py          # `make bench`; ~30 s, ~3 GB of RAM
     FASTBATCH_REFERENCE=1 .venv/bin/python tests/bench_fastbatch.py   # the numpy fallback instead
@@ -22,6 +23,7 @@ from torch.utils.data import default_collate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fastbatch  # noqa: E402
+import warmd  # noqa: E402
 
 # -----------------------------------------------------------------------------
 B = 256                        # items per batch
@@ -29,6 +31,8 @@ ITEM_BYTES = 2 << 20           # stack: 2 MiB of float32 per item (a 512 MiB bat
 TOKENS = (16, 2048)            # pad: int64 sequence lengths, uniform in this range
 REPEATS_STACK = 9              # rounds; one round calls each stack method once (~1 s a round)
 REPEATS_PAD = 100              # pad batches are ~4 MiB (~0.2 ms a call), so many more rounds
+LINES_BATCH = 64               # result lines: items per batch (the scale bench's batch size)
+REPEATS_LINES = 2000           # result-line rounds (~0.1 ms a call)
 GOAL_VS_TORCH = 4.0            # x torch.stack into a fresh tensor
 GOAL_VS_MEMCPY = 0.85          # of the same run's 2-thread memcpy bandwidth
 # -----------------------------------------------------------------------------
@@ -137,6 +141,22 @@ def bench_pad(pool):
 
 
 DEFAULT_THREADS = fastbatch.THREADS
+def bench_result_lines():
+    """The worker's result lines for one batch of the demo model's results ({"label": int, "score": float}):
+    µs an item, C framing against format_each, interleaved."""
+    rng = np.random.default_rng(0)
+    outcome = [(True, {"label": int(rng.integers(4)), "score": round(float(rng.random()), 6)})
+               for _ in range(LINES_BATCH)]
+    assert warmd.format_outcome(outcome, 0) == warmd.format_each(outcome, 0)
+    rows = median_seconds([("format_each (Python, one encode an item)", lambda: warmd.format_each(outcome, 0)),
+                           ("format_outcome (one encode, C framing)", lambda: warmd.format_outcome(outcome, 0))],
+                          REPEATS_LINES)
+    print(f"\nresult lines, {LINES_BATCH} demo-model results a batch"
+          f"{'' if warmd.framer else ' (C module not loaded: both rows are format_each)'}")
+    for name, seconds in rows:
+        print(f"{name:44s} {seconds / LINES_BATCH * 1e6:7.2f} us an item {rows[0][1] / seconds:8.2f}x")
+
+
 FB_STACK = f"fastbatch.stack -> ring slot, {DEFAULT_THREADS} threads"  # the defaults: 512 MiB > THREAD_MIN_BYTES
 FB_PAD = "fastbatch.pad -> ring slot, defaults"  # 4 MiB < THREAD_MIN_BYTES: one thread
 
@@ -149,6 +169,7 @@ def main():
         s = bench_stack(pool)
         p = bench_pad(pool)
     fastbatch.THREADS = DEFAULT_THREADS
+    bench_result_lines()
     vs_torch = s[FB_STACK] / s["torch.stack, fresh tensor"]
     vs_memcpy = s[FB_STACK] / s["memcpy np.copyto, 2 threads"]
     print(f"\ngoal >= {GOAL_VS_TORCH:.0f}x torch.stack-fresh: {'met' if vs_torch >= GOAL_VS_TORCH else 'MISSED'} ({vs_torch:.2f}x)")
