@@ -1696,10 +1696,9 @@ def queue_depth(backend, name):
 # 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
 def read_items(path):
     """Items from a JSONL file (or '-' for stdin): one JSON value per line, each a JsonText (the line, checked);
-    blank lines are skipped. A stream,
-    read as it is staged (memory does not grow with the file); its first block is read and checked at once, so
-    that a bad line there (the usual typo), or a file without items, is refused before anything else is looked
-    at. A .npy or .npz file is numeric input instead (see ArrayItems)."""
+    blank lines are skipped. A stream, read as it is staged (memory does not grow with the file); its first block
+    is read and checked at once, so that a bad line there (the usual typo), or a file without items, is refused
+    before anything else is looked at. A .npy or .npz file is numeric input instead (see ArrayItems)."""
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
     try:
@@ -4808,7 +4807,8 @@ def format_bootstrap(boot):
                ] += 1
         if r.get("fastbatch") != "c":
             warnings.setdefault(f"fastbatch's C build {r.get('fastbatch') or 'did not run'}: its workers gather "
-                                f"batches with the numpy path and frame result lines in Python (slower)", []).append(r["instance_id"])
+                                f"batches with the numpy path and frame result lines in Python (slower)",
+                                []).append(r["instance_id"])
         if r.get("gpu") and not sees_gpu:
             warnings.setdefault(f"torch {r.get('torch')} does not see the GPU ({r['gpu']}): the model runs on the "
                                 f"CPU", []).append(r["instance_id"])

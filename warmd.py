@@ -292,8 +292,9 @@ def load_framer():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module.ffi, module.lib
-    except (ImportError, OSError, AttributeError) as e:
-        log.info("result lines framed in Python: fastbatch's C module is not there (%s)", e)
+    except (ImportError, OSError, AttributeError) as e:   # at import, before logging is set up: WARNING shows
+        log.warning("warmd: fastbatch's C module is not built (%s): result lines are framed in Python, more slowly "
+                    "---> HINT: make setup", e)
         return None, None
 
 
@@ -315,7 +316,7 @@ def format_outcome(outcome, base):
 def frame_lines(values, base):
     """The result lines of items base, base + 1, ... with these values, from one encoding of the list, or None
     when the list does not encode (a NaN, a type json cannot take: format_each fails those items alone). The same
-    text as format_each's, line for line (tests/test_warmd.py compares them)."""
+    text as format_each's, line for line (tests/test_fastbatch.py compares them)."""
     try:
         text = encode_result(values).encode()
     except Exception:
@@ -1316,7 +1317,6 @@ class Worker:
         there, on two cores, it gained nothing end to end (0.95-1.02x) and its GIL-bound Python slowed the model's
         thread (model_seconds 1.44-1.52x what the model took)."""
         return self.prefetcher is not None and claim.kind != AS_LIST
-
 
     def _prepare(self, claim, offsets):
         """A future of the batch of these offsets, prepared as the claim's kind says."""
