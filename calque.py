@@ -6454,8 +6454,10 @@ def main(argv=None):
                   f"idempotent) or delete it", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("calque: interrupted; queued claims stay queued and finish without you (runs show RUN reads them)",
-              file=sys.stderr)
+        # the steps that leave work behind say what they left (staging, waiting, a cold run); this is any other
+        # moment: before a run was staged, or a pool verb (each safe to run again)
+        print("calque: interrupted ---> HINT: run the command again; `python calque.py runs list` shows the runs "
+              "already queued", file=sys.stderr)
         return 130
     except OSError as e:
         if e.filename is None:

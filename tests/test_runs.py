@@ -291,3 +291,16 @@ def test_a_waiting_submit_reads_each_summary_once(aws_env, tmp_path):
     assert [s["claim"] for s in report["summaries"]] == report["run"]["claims"] == [f"c0000{i}" for i in range(4)]
     gets = Counter(path.rsplit("/", 1)[1] for method, path in proxy.seen if method == "GET" and "/summaries/" in path)
     assert gets == {f"c0000{i}.json": 1 for i in range(4)}
+
+
+def test_interrupted_elsewhere_says_what_to_do_without_claiming_a_run(local_env, monkeypatch, capsys):
+    """Ctrl-C outside the steps that say what they left (before a run is staged, in a pool verb): exit 130 and one
+    line that claims no run, pointing at `runs list`."""
+    monkeypatch.setattr(os, "environ", dict(local_env))
+
+    def interrupted(store):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(calque, "open_backend", interrupted)
+    assert calque.main(["pool", "list"]) == 130
+    assert capsys.readouterr().err == ("calque: interrupted ---> HINT: run the command again; `python calque.py runs "
+                                       "list` shows the runs already queued\n")
