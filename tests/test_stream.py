@@ -95,15 +95,15 @@ AWKWARD_LINES = ['{"a": 1, "b": [1.5, "x"]}\r', '  {"a": 1}  ', '\t[1, {"k": nul
                  '{"t": "quote \\" backslash \\\\ comma , brackets ]}"}', "[" * 60 + "]" * 60, "true", "null", "-0.0"]
 
 
-def test_jsonl_lines_reach_the_worker_as_json_loads_reads_them(local_env, tmp_path):
-    """A JSONL file's lines are staged as written (not decoded and encoded again): every manifest is JSON, and the
-    items a worker decodes from it are, in order, what json.loads reads from each line."""
-    create_pool(local_env)
+def test_jsonl_lines_reach_the_worker_as_json_loads_reads_them(any_env, tmp_path):
+    """A JSONL file's lines are staged as written (not decoded and encoded again): on both backends every manifest
+    is JSON, and the items a worker decodes from it are, in order, what json.loads reads from each line."""
+    create_pool(any_env)
     path = tmp_path / "awkward.jsonl"
     path.write_bytes("\n".join(AWKWARD_LINES + [""]).encode())
-    out = cli(local_env, "submit", "--pool", "m", str(path), "--no-wait", "--claim-size", "4")
+    out = cli(any_env, "submit", "--pool", "m", str(path), "--no-wait", "--claim-size", "4")
     assert out.returncode == 0, out.stderr
-    backend = backend_for(local_env)
+    backend = backend_for(any_env)
     run = calque.read_run(backend, out.stdout.strip())
     staged = []
     for claim in run["claims"]:
