@@ -1704,9 +1704,16 @@ def read_items(path):
     try:
         stream = sys.stdin.buffer if path == "-" else open(path, "rb")
     except OSError as e:
-        raise UserError(f"cannot read items file {path}: {e.strerror}")
+        raise unreadable_items(path, e) from None
     blocks = jsonl_blocks(stream, path)
     return itertools.chain(next(blocks), itertools.chain.from_iterable(blocks))
+
+
+def unreadable_items(path, error):
+    """The UserError for an items file that cannot be opened (missing, a folder, no permission)."""
+    where = "" if os.path.isabs(path) else f", relative to {os.getcwd()}"
+    return UserError(f"cannot read items file {path}: {error.strerror or error} ---> HINT: give the path of a JSONL, "
+                     f".npy or .npz file (or - for stdin){where}")
 
 
 def jsonl_blocks(stream, path):
@@ -1862,7 +1869,7 @@ def read_arrays(path):
         with loaded:   # an NpzFile reads each member on access: read them all inside this try
             return {k: loaded[k] for k in loaded.files}
     except OSError as e:
-        raise UserError(f"cannot read items file {path}: {e.strerror or e}") from None
+        raise unreadable_items(path, e) from None
     except (ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
         reason = str(e).split(". ")[0].rstrip(".") or type(e).__name__
         raise UserError(f"{path}: not a numeric .npy or .npz file ({reason}) ---> HINT: save plain numeric arrays "

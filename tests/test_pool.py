@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from conftest import HANDLERS, backend_for, cli, wait_for, write_items
+from conftest import HANDLERS, ROOT, backend_for, cli, wait_for, write_items
 
 
 def create_pool(env, model="m", handler="Echo", *extra):
@@ -163,7 +163,10 @@ def test_bad_input_gets_one_line_errors(local_env, tmp_path):
     one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", str(empty)), "no items")
     one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", items, "--shards", "2"), "--shards")
     one_line_error(cli(local_env, "runs", "show", "20990101-000000-abcdef"), "no run")
-    one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", str(tmp_path / "none.jsonl")), "cannot read items")
+    one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", str(tmp_path / "none.jsonl")), "cannot read items",
+                   "HINT: give the path of a JSONL, .npy or .npz file")
+    one_line_error(cli(local_env, "submit", "--pool", "Foo/Bar", "none.npy"), "cannot read items file none.npy",
+                   f"(or - for stdin), relative to {ROOT}")
     backend = backend_for(local_env)
     assert backend.queues.open_queue("calque-pool-foo-bar").counts() == {"visible": 0, "in_flight": 0}
     assert [k for k in backend.store.list("pools/")] == ["pools/foo-bar"]
