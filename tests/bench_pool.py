@@ -39,11 +39,14 @@ OVERLAP_BATCH = 64                                                  # items per 
 HANDLERS = os.path.join(ROOT, "tests", "handlers.py")
 
 
-def start_moto():
+def start_moto(stock_clock=False):
+    """moto_server on a free loopback port (bench/peers/moto_counted.py: its SQS reads the clock cheaply, unless
+    stock_clock; that file says why), with a bucket "bench"; AWS_ENDPOINT_URL points at it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+    server = os.path.join(ROOT, "bench", "peers", "moto_counted.py")
+    proc = subprocess.Popen([sys.executable, server, "--port", str(port), *(["--stock-clock"] if stock_clock else [])],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(300):
         try:

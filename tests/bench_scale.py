@@ -15,8 +15,12 @@
    that is the model's: unlike the rates, it does not move with what else the machine runs);
 2. staging alone (`submit --no-wait` to a pool with no worker) of a generated stream on stdin
    (BENCH_STREAM_ITEMS, items never kept in a file): items/s and peak RSS;
-3. moto_server: staging 100k items as 1,000 claims of 100 (items/s, the submitter's requests per claim), and
-   an end-to-end run with 2 workers (requests per claim, submitter and workers together: the workers' from the
+3. moto_server (bench/peers/moto_counted.py, whose SQS reads the clock cheaply; that file says why): staging
+   100k items as 1,000 claims of 100 (`submit --no-wait`, no worker) as shipped against one request at a time
+   (the staging before it was parallel, emulated: one store writer and one message a send, so at most a PUT and
+   a send in flight), on moto_server with its stock clock, with the cheap clock, and behind bench/latency_proxy.py
+   adding BENCH_LATENCY_MS per request: items/s, the ratio, the submitter's requests per claim; and an
+   end-to-end run with 2 workers (requests per claim, submitter and workers together: the workers' from the
    stats they write as they stop, exact, since a summary counts its ack as one request where a batch is one);
 4. moto_server behind bench/latency_proxy.py adding BENCH_LATENCY_MS (15) per request, as real SQS and S3 calls
    cost in a region: BENCH_LATENCY_ITEMS (20k) items as claims of 100 through 2 workers of the Timeline handler
@@ -77,23 +81,32 @@ PLAIN = os.path.join(ROOT, "tests", "handlers.py") + ":Empty"   # a plain-Python
 WORDS = "batch cost heartbeat pool worker ring manifest claim tensor result drain load cold queue copy".split()
 # runs calque.py's main() and, at exit, writes what the submitter's stores listed and requested to $BENCH_OUT;
 # on SQS + S3 also each AWS operation it called (a boto3 before-call hook on its clients: S3 ListObjectsV2 pages,
-# SQS GetQueueAttributes...), which the backends' coarse counts lump together
+# SQS GetQueueAttributes...), which the backends' coarse counts lump together. With $BENCH_SERIAL it stages as
+# calque did before staging was parallel: one store writer, one message a send, one AWS request in flight.
 SUBMITTER = """
-import atexit, json, os, sys
+import atexit, json, os, sys, threading
 sys.path.insert(0, {root!r})
 import calque
 opened, operations = [], calque.Counter()
 open_backend = calque.open_backend
+serial = os.environ.get("BENCH_SERIAL")
+in_flight = threading.Lock()
 
 def opening(*args, **kwargs):
     backend = open_backend(*args, **kwargs)
     for client in (getattr(backend.store, "s3", None), getattr(backend.queues, "sqs", None)):
         if client is not None:
             client.meta.events.register("before-call", lambda model, **_: operations.update([model.name]))
+            if serial:   # (a before-call hook that returns a value would stand for the call's answer: None)
+                client.meta.events.register("before-call", lambda **_: None if in_flight.acquire() else None)
+                client.meta.events.register("after-call", lambda **_: in_flight.release())
+                client.meta.events.register("after-call-error", lambda **_: in_flight.release())
     opened.append(backend)
     return backend
 
 calque.open_backend = opening
+if serial:
+    calque.STORE_WRITERS = calque.SEND_BATCH = 1
 atexit.register(lambda: json.dump({{"keys_listed": sum(b.store.keys_listed for b in opened),
     "requests": sum((b.requests for b in opened), calque.Counter()), "operations": operations}},
     open(os.environ["BENCH_OUT"], "w")))
@@ -255,20 +268,47 @@ def staging_stream(tmp, n):
           f"submit peak RSS {rss:6.0f} MiB, CPU {cpu:.1f} s")
 
 
+def staging(tmp, path, name, endpoint, serial):
+    """`submit --no-wait` of the items at `path` in claims of MOTO_CLAIM to a fresh pool (its own queue) with no
+    worker, through `endpoint`, one request at a time if `serial`: (items/s, the submitter's requests a claim)."""
+    env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, CALQUE_STORE=f"s3://bench/{name}",
+               CALQUE_STATE=os.path.join(tmp, name, "state"), **({"BENCH_SERIAL": "1"} if serial else {}))
+    os.makedirs(env["CALQUE_STATE"], exist_ok=True)
+    cli(env, "pool", "create", "--model", name, "--handler", f"{DEMO}:DemoModel", "--workers", "0")
+    try:
+        wall, _, _, _, counts, _ = run_submitter(["submit", "--pool", name, path, "--claim-size", str(MOTO_CLAIM),
+                                                  "--no-wait"], env)
+    finally:
+        cli(env, "pool", "delete", "--model", name, "--yes", "--force")
+    return MOTO_ITEMS / wall, sum(counts["requests"].values()) / -(-MOTO_ITEMS // MOTO_CLAIM)
+
+
+def staging_runs(tmp, path):
+    """Staging one request at a time against as shipped, side by side, on each server: moto_server with its stock
+    clock, with the cheap one, and the cheap one behind the latency proxy."""
+    servers = (("stock clock", True, 0), ("cheap clock", False, 0),
+               (f"cheap clock + {LATENCY_MS:g} ms a request", False, LATENCY_MS))
+    for i, (label, stock_clock, latency) in enumerate(servers):
+        moto = start_moto(stock_clock)
+        endpoint, stop = start_proxy(os.environ["AWS_ENDPOINT_URL"], latency) if latency else \
+            (os.environ["AWS_ENDPOINT_URL"], lambda: None)
+        try:
+            serial, _ = staging(tmp, path, f"stage{i}-serial", endpoint, serial=True)
+            shipped, per_claim = staging(tmp, path, f"stage{i}-shipped", endpoint, serial=False)
+        finally:
+            stop()
+            moto.terminate()
+            moto.wait()
+        print(f"   staging {MOTO_ITEMS:,} items, {label + ':':<30} one request at a time {serial:8,.0f} items/s, "
+              f"as shipped {shipped:8,.0f} ({shipped / serial:4.1f}x; {per_claim:.2f} requests/claim)")
+
+
 def moto_runs(tmp, path_stage, path_e2e):
+    staging_runs(tmp, path_stage)
     moto = start_moto()
     try:
         env = dict(os.environ, CALQUE_STORE="s3://bench/scale", CALQUE_STATE=os.path.join(tmp, "moto", "state"))
         os.makedirs(env["CALQUE_STATE"], exist_ok=True)
-        cli(env, "pool", "create", "--model", "demo", "--handler", f"{DEMO}:DemoModel", "--workers", "0",
-            "--batch-size", str(BATCH))
-        wall, _, rss, cpu, counts, _ = run_submitter(["submit", "--pool", "demo", path_stage, "--claim-size",
-                                                      str(MOTO_CLAIM), "--no-wait"], env)
-        claims = -(-MOTO_ITEMS // MOTO_CLAIM)
-        req = sum(counts["requests"].values())
-        print(f"   staging {MOTO_ITEMS:,} items as {claims} claims: {MOTO_ITEMS / wall:8,.0f} items/s, submitter "
-              f"{req / claims:.2f} requests/claim ({dict(counts['requests'])})")
-        cli(env, "pool", "delete", "--model", "demo", "--yes", "--force")
         e2e = end_to_end(env, path_e2e, MOTO_CLAIM)
         print(f"   end to end {MOTO_E2E_ITEMS:,} items as {e2e['claims']} claims, {WORKERS} workers: "
               f"{e2e['items_per_s']:7,.0f} items/s, {e2e['requests_per_claim']:.2f} requests/claim (workers "

@@ -1,5 +1,6 @@
 """Shared fixtures. Every test talks only to 127.0.0.1: dummy AWS credentials, no EC2 metadata, and a
 guard that fails any in-process connection to a non-loopback address."""
+import contextlib
 import http.client
 import http.server
 import json
@@ -51,12 +52,12 @@ def local_env(tmp_path):
     return env
 
 
-@pytest.fixture(scope="session")
-def moto_endpoint():
-    """A moto_server on 127.0.0.1 for multi-process AWS tests."""
+@contextlib.contextmanager
+def serving(command):
+    """The server that `command(port)` (an argv) starts on a free loopback port: its URL once it accepts
+    connections; stopped after."""
     port = free_port()
-    proc = subprocess.Popen([os.path.join(os.path.dirname(PY), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(command(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -66,10 +67,20 @@ def moto_endpoint():
             time.sleep(0.05)
     else:
         proc.kill()
-        raise RuntimeError("moto_server did not start")
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(10)
+        raise RuntimeError(f"{command(port)[:2]} did not start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """A moto_server on 127.0.0.1 for multi-process AWS tests."""
+    with serving(lambda port: [os.path.join(os.path.dirname(PY), "moto_server"), "-H", "127.0.0.1",
+                               "-p", str(port)]) as url:
+        yield url
 
 
 @pytest.fixture

@@ -1,15 +1,18 @@
 """Claim pipelining and batched acks in real warmd.py processes: a claim received ahead (beside the running claim's
 last batch) under kill -9 and SIGTERM, the bound that gives it back to an idle worker, a worker killed
-between a claim's summary and its batched ack, and the latency proxy the bench puts in front of moto_server."""
+between a claim's summary and its batched ack, and the servers the bench runs: the latency proxy it puts in front of
+moto_server, and its moto_server whose SQS reads the clock cheaply."""
 import json
 import os
 import signal
 import sys
+import time
+import urllib.request
 
 import boto3
 
 import calque
-from conftest import HANDLERS, ROOT, backend_for, cli, start_worker, wait_for, write_items
+from conftest import HANDLERS, PY, ROOT, backend_for, cli, serving, start_worker, wait_for, write_items
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from latency_proxy import start_proxy  # noqa: E402
@@ -176,3 +179,36 @@ def test_latency_proxy_forwards_s3_and_sqs(moto_endpoint):
         assert [e["Id"] for e in reply["Successful"]] == ["0"]
     finally:
         stop()
+
+
+def test_bench_moto_server_keeps_sqs_timing():
+    """bench/peers/moto_counted.py's cheap clock reads the time moto's own clock reads, and moto's SQS keeps its
+    timing with it: a received message stays invisible for its visibility timeout, a delayed one is held for its
+    delay, and the queue's counts say so; the server counts what it served."""
+    import moto.core.utils
+    assert abs(moto.core.utils.unix_time() - time.time()) < 0.01
+    server = os.path.join(ROOT, "bench", "peers", "moto_counted.py")
+    with serving(lambda port: [PY, server, "--port", str(port)]) as url:
+        sqs = boto3.client("sqs", endpoint_url=url)
+        queue = sqs.create_queue(QueueName="clock")["QueueUrl"]
+
+        def counts():
+            names = ["ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible",
+                     "ApproximateNumberOfMessagesDelayed"]
+            got = sqs.get_queue_attributes(QueueUrl=queue, AttributeNames=names)["Attributes"]
+            return [int(got[name]) for name in names]
+
+        sqs.send_message(QueueUrl=queue, MessageBody="now")
+        sqs.send_message(QueueUrl=queue, MessageBody="later", DelaySeconds=2)
+        assert counts() == [1, 0, 1]
+        (got,) = sqs.receive_message(QueueUrl=queue, VisibilityTimeout=1)["Messages"]
+        assert got["Body"] == "now"
+        assert counts() == [0, 1, 1]
+        assert "Messages" not in sqs.receive_message(QueueUrl=queue)   # one in flight, one delayed
+        wait_for(lambda: counts()[0] == 1, 5, "the received message visible again after its timeout")
+        wait_for(lambda: counts() == [2, 0, 0], 5, "the delayed message visible after its delay")
+        assert sorted(m["Body"] for m in sqs.receive_message(QueueUrl=queue, MaxNumberOfMessages=10)["Messages"]) \
+            == ["later", "now"]
+        with urllib.request.urlopen(url + "/_bench/counts") as reply:
+            served = json.load(reply)
+        assert served["SQS SendMessage"] == 2 and served["SQS ReceiveMessage"] == 3
