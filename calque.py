@@ -35,6 +35,7 @@ import collections
 import contextlib
 import datetime
 import difflib
+import enum
 import fcntl
 import functools
 import glob
@@ -335,7 +336,8 @@ def part_chain(keys, count):
 
 def read_part(store, key, start, stop):
     """One part's stop - start result lines (newline kept), or ResultsIncomplete when it holds fewer or more.
-    Lines are split on "\n" only: JSON escapes every other line break a text splitter would cut at."""
+    Lines are split on "\n" only: a result's text may hold U+2028 and the like as they are (warmd writes results
+    with orjson, which escapes only what JSON must), which str.splitlines() would cut at."""
     text = store.get(key).decode()
     lines = text.count("\n")
     if not text.endswith("\n") or lines != stop - start:
@@ -416,13 +418,18 @@ def parse_message(body):
 
 
 def to_jsonable(value):
-    """json.dumps default=: numpy and torch values become plain numbers and lists."""
+    """json.dumps default=: numpy and torch values become plain numbers and lists; an enum member its value and a
+    UUID its text, as orjson writes them (warmd encodes results with either, and both must take the same values)."""
     if hasattr(value, "tolist"):        # numpy arrays and scalars, torch tensors (CPU or not)
         if hasattr(value, "detach"):
             value = value.detach().cpu()
         return value.tolist()
     if isinstance(value, (set, tuple)):
         return list(value)
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, uuid.UUID):
+        return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
 
 
@@ -6402,7 +6409,7 @@ def build_parser():
     return parser
 
 
-KIT_PACKAGES = ("numpy", "torch", "tqdm", "boto3")   # what the CLI and the workers it starts import
+KIT_PACKAGES = ("numpy", "torch", "tqdm", "boto3", "orjson")   # what the CLI and the workers it starts import
 
 
 def kit_python(argv, script):

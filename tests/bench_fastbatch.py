@@ -143,13 +143,18 @@ def bench_pad(pool):
 DEFAULT_THREADS = fastbatch.THREADS
 def bench_result_lines():
     """The worker's result lines for one batch of the demo model's results ({"label": int, "score": float}):
-    µs an item, C framing against format_each, interleaved."""
+    µs an item, interleaved: json's encoder an item at a time (what format_each did before orjson), format_each
+    (orjson an item at a time), format_outcome (orjson once for the batch, C framing)."""
     rng = np.random.default_rng(0)
     outcome = [(True, {"label": int(rng.integers(4)), "score": round(float(rng.random()), 6)})
                for _ in range(LINES_BATCH)]
     assert warmd.format_outcome(outcome, 0) == warmd.format_each(outcome, 0)
-    rows = median_seconds([("format_each (Python, one encode an item)", lambda: warmd.format_each(outcome, 0)),
-                           ("format_outcome (one encode, C framing)", lambda: warmd.format_outcome(outcome, 0))],
+
+    def json_each():
+        return "".join(f'{{"i":{i},"ok":true,"result":{warmd.encode_result(v)}}}\n' for i, (_, v) in enumerate(outcome))
+    rows = median_seconds([("json's encoder, one item at a time", json_each),
+                           ("format_each (orjson, one item at a time)", lambda: warmd.format_each(outcome, 0)),
+                           ("format_outcome (orjson once, C framing)", lambda: warmd.format_outcome(outcome, 0))],
                           REPEATS_LINES)
     print(f"\nresult lines, {LINES_BATCH} demo-model results a batch"
           f"{'' if warmd.framer else ' (C module not loaded: both rows are format_each)'}")

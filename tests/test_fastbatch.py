@@ -4,6 +4,9 @@
     .venv/bin/python -m pytest -q -s tests/test_fastbatch.py     # also print every max difference
 """
 import array
+import dataclasses
+import datetime
+import enum
 import json
 import importlib.util
 import os
@@ -14,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import numpy as np
 import pytest
@@ -609,15 +613,38 @@ JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=4),
     max_leaves=12)
+class Colour(enum.Enum):
+    RED = "red"
+
+
 AWKWARD_RESULTS = [{"a": 1}, [1, 2, {"b": 'x"],}[{'}], 'str \\ " , ] } [ {', "caf\u00e9 \u2028 \U0001F600 \x00 \x1f",
-                   None, True, False, -5, 10 ** 40, 1.5e-300, {}, [], "", [[[]]], {"": {"": ""}},
-                   np.float32(1.5), np.int64(-3), np.arange(3), torch.tensor([0.25, 1.0])]
+                   True, False, -5, 2 ** 63, 1.5e-300, 1e-07, 1e16, -0.0, {}, [], "", [[[]]], {"": {"": ""}},
+                   np.float32(1.5), np.float64(0.1), np.int64(-3), np.arange(3), torch.tensor([0.25, 1.0]),
+                   Colour.RED, uuid.UUID(int=7), (1, "t"), {3}]
+# what orjson does not write as json's encoder would, so format_each takes them item by item: a None (a NaN is
+# null in orjson's text too), an integer beyond 64 bits, a key that is not a string, nesting past orjson's 254,
+# a lone surrogate
+def nested(levels):
+    value = []
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
+JSON_ONLY_RESULTS = [None, {"a": [1, None]}, 10 ** 40, -2 ** 63 - 1, {1: "x"}, {True: 1}, nested(300), "\ud800"]
+
+
+def lines_of(values, base=0):
+    """format_each's result lines of these values: [(i, the result parsed back)]."""
+    (text,), failed, _ = warmd.format_each([(True, v) for v in values], base)
+    assert failed == [] and text.endswith("\n")
+    return [(line["i"], line["result"]) for line in map(json.loads, text[:-1].split("\n"))]   # U+2028 is no line end
 
 
 def test_result_lines_framed_in_c_are_format_each_s():
-    """warmd's C framing is loaded and writes exactly format_each's lines: awkward strings (quotes, backslashes,
-    brackets and commas inside them, non-ASCII, control characters), nesting, empties, numpy and torch values;
-    any index up to int64's."""
+    """warmd's C framing is loaded and writes exactly format_each's lines (one orjson encoding of the batch, cut in
+    C): awkward strings (quotes, backslashes, brackets and commas inside them, non-ASCII, control characters),
+    nesting, empties, floats, numpy and torch values, enums, UUIDs, tuples, sets; any index up to int64's."""
     outcome = [(True, value) for value in AWKWARD_RESULTS]
     assert warmd.framer is not None, "fastbatch's C module did not load in warmd (test_c_module_is_built says why)"
     for base in (0, 7, 2 ** 63 - len(outcome)):
@@ -626,12 +653,43 @@ def test_result_lines_framed_in_c_are_format_each_s():
         assert warmd.format_outcome(outcome, base) == warmd.format_each(outcome, base)
 
 
+def test_orjson_and_json_write_the_same_values():
+    """Each result reads back as json's encoder writes it, whichever encoder wrote its line: orjson for the awkward
+    values, json's for what orjson would not write alike (a None, big integers, keys that are not strings, deep
+    nesting), which the batch path leaves to format_each."""
+    reference = [json.loads(warmd.encode_result(v)) for v in AWKWARD_RESULTS + JSON_ONLY_RESULTS]
+    assert [value for _, value in lines_of(AWKWARD_RESULTS + JSON_ONLY_RESULTS, 5)] == reference
+    assert all(warmd.encode_fast(v) is not None for v in AWKWARD_RESULTS)
+    for value in JSON_ONLY_RESULTS:
+        assert warmd.encode_fast(value) is None and warmd.frame_lines([1, value], 0) is None
+    assert lines_of([{1: "x"}]) == [(0, {"1": "x"})]
+
+
+def test_results_neither_encoder_takes_fail_their_item():
+    """NaN, Infinity, a dataclass, a datetime, bytes: the item fails with json's message, in a batch alone or
+    beside others, and the others keep their lines."""
+    @dataclasses.dataclass
+    class Point:
+        x: int
+    for bad in (float("nan"), {"x": [float("-inf")]}, np.float32("nan"), Point(1), datetime.datetime(2026, 1, 1),
+                b"raw"):
+        lines, failed, errors = warmd.format_outcome([(True, 1), (True, bad), (True, None)], 0)
+        assert failed == [1] and "not JSON-serialisable" in errors["1"], (bad, errors)
+        assert [json.loads(line)["ok"] for line in lines[0].splitlines()] == [True, False, True]
+
+
 @given(st.lists(JSON_VALUES, min_size=1, max_size=20), st.integers(0, 2 ** 40))
 @settings(max_examples=300, deadline=None)
 def test_fuzz_result_lines(values, base):
+    """The framed lines are format_each's where orjson takes the batch; format_each's read back as the values."""
     if warmd.framer is None:
         pytest.skip("C module not built")
-    assert [warmd.frame_lines(values, base)] == warmd.format_each([(True, v) for v in values], base)[0]
+    framed = warmd.frame_lines(values, base)
+    if framed is not None:
+        assert [framed] == warmd.format_each([(True, v) for v in values], base)[0]
+    else:
+        assert warmd.encode_fast(values) is None
+    assert lines_of(values, base) == list(enumerate(values, base))
 
 
 def test_a_batch_with_a_failure_or_a_nan_is_framed_item_by_item():
