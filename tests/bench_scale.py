@@ -270,17 +270,18 @@ def staging_stream(tmp, n):
 
 def staging(tmp, path, name, endpoint, serial):
     """`submit --no-wait` of the items at `path` in claims of MOTO_CLAIM to a fresh pool (its own queue) with no
-    worker, through `endpoint`, one request at a time if `serial`: (items/s, the submitter's requests a claim)."""
+    worker, through `endpoint`, one request at a time if `serial`: (items/s, the submitter's requests a claim, its
+    CPU s)."""
     env = dict(os.environ, AWS_ENDPOINT_URL=endpoint, CALQUE_STORE=f"s3://bench/{name}",
                CALQUE_STATE=os.path.join(tmp, name, "state"), **({"BENCH_SERIAL": "1"} if serial else {}))
     os.makedirs(env["CALQUE_STATE"], exist_ok=True)
     cli(env, "pool", "create", "--model", name, "--handler", f"{DEMO}:DemoModel", "--workers", "0")
     try:
-        wall, _, _, _, counts, _ = run_submitter(["submit", "--pool", name, path, "--claim-size", str(MOTO_CLAIM),
-                                                  "--no-wait"], env)
+        wall, _, _, cpu, counts, _ = run_submitter(["submit", "--pool", name, path, "--claim-size", str(MOTO_CLAIM),
+                                                    "--no-wait"], env)
     finally:
         cli(env, "pool", "delete", "--model", name, "--yes", "--force")
-    return MOTO_ITEMS / wall, sum(counts["requests"].values()) / -(-MOTO_ITEMS // MOTO_CLAIM)
+    return MOTO_ITEMS / wall, sum(counts["requests"].values()) / -(-MOTO_ITEMS // MOTO_CLAIM), cpu
 
 
 def staging_runs(tmp, path):
@@ -293,14 +294,15 @@ def staging_runs(tmp, path):
         endpoint, stop = start_proxy(os.environ["AWS_ENDPOINT_URL"], latency) if latency else \
             (os.environ["AWS_ENDPOINT_URL"], lambda: None)
         try:
-            serial, _ = staging(tmp, path, f"stage{i}-serial", endpoint, serial=True)
-            shipped, per_claim = staging(tmp, path, f"stage{i}-shipped", endpoint, serial=False)
+            serial, _, _ = staging(tmp, path, f"stage{i}-serial", endpoint, serial=True)
+            shipped, per_claim, cpu = staging(tmp, path, f"stage{i}-shipped", endpoint, serial=False)
         finally:
             stop()
             moto.terminate()
             moto.wait()
         print(f"   staging {MOTO_ITEMS:,} items, {label + ':':<30} one request at a time {serial:8,.0f} items/s, "
-              f"as shipped {shipped:8,.0f} ({shipped / serial:4.1f}x; {per_claim:.2f} requests/claim)")
+              f"as shipped {shipped:8,.0f} ({shipped / serial:4.1f}x; {per_claim:.2f} requests/claim, submitter CPU "
+              f"{cpu:.1f} s)")
 
 
 def moto_runs(tmp, path_stage, path_e2e):
