@@ -287,21 +287,22 @@ def result_encoder():
 encode_result = result_encoder()
 
 
+# orjson writes dataclasses and datetimes itself; passed through to calque.to_jsonable, they are refused as json's
+# encoder refuses them, so a result fails or succeeds alike whichever encoder writes it
+ORJSON_AS_JSON = orjson and orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
+
+
 def encode_fast(value):
     """value's result JSON as bytes, by orjson (~6x json's encoder on the demo model's results; it writes non-ASCII
     as UTF-8, not as escapes, and floats in their shortest form: 1e-7, not 1e-07), or None where orjson's text would
     not do: a null in it (None, or a NaN or an Infinity, which orjson writes as null where json refuses them), or a
-    value orjson refuses (an integer beyond 64 bits, a key that is not a string, nesting past 254 levels). Dataclasses
-    and datetimes go to calque.to_jsonable, which refuses them as json's encoder does."""
+    value orjson refuses (an integer beyond 64 bits, a key that is not a string, nesting past 254 levels, a lone
+    surrogate)."""
     try:
         text = orjson.dumps(value, default=calque.to_jsonable, option=ORJSON_AS_JSON)
     except orjson.JSONEncodeError:
         return None
     return None if b"null" in text else text
-
-
-ORJSON_AS_JSON = orjson and orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
-
 
 
 def load_framer():
@@ -326,8 +327,8 @@ ffi, framer = load_framer()
 def format_outcome(outcome, base):
     """One batch's [(ok, result or error)] as its result lines (one string, in a list), failed indices and error
     messages. A batch whose every item succeeded is encoded in one call (encode_fast's orjson) and framed in C
-    (frame_lines: 0.15 us an item of the demo model's results against 0.4 one by one); any other batch, or one
-    that orjson alone cannot encode, goes through format_each, where each item fails or succeeds alone."""
+    (frame_lines: 3-4x format_each on the demo model's results, `make bench`); any other batch, or one that orjson
+    alone cannot encode, goes through format_each, where each item fails or succeeds alone."""
     if framer is not None and all(ok for ok, _ in outcome):
         lines = frame_lines([value for _, value in outcome], base)
         if lines is not None:
