@@ -1762,11 +1762,12 @@ def checked_line(line, path, lineno):
     """The JsonText of one JSONL line, or a UserError naming path:lineno: parsed here, so that a bad line is refused
     by `submit` and not by the worker that meets it (a dead-lettered claim); the parsed value is not kept. An item
     nested deeper than ITEM_DEPTH_MAX is refused too: json.loads stops near 1000 levels, and the manifest that
-    carries an item nests it deeper, so a deep item that parsed would fail later, half staged. Counting brackets
-    first (two C scans) keeps the exact depth walk off every ordinary line."""
+    carries an item nests it deeper, so a deep item that parsed would fail later, half staged. The line's length,
+    then its brackets counted (two C scans), keep the exact depth walk off every ordinary line."""
     try:
         item = json_line(line)
-        deep = line.count("[") + line.count("{") > ITEM_DEPTH_MAX and json_depth(item) > ITEM_DEPTH_MAX
+        deep = (len(line) > ITEM_DEPTH_MAX and line.count("[") + line.count("{") > ITEM_DEPTH_MAX
+                and json_depth(item) > ITEM_DEPTH_MAX)
     except RecursionError:
         deep = True
     except ValueError as e:   # a JSONDecodeError, or an integer over Python's 4300 digits
