@@ -57,11 +57,15 @@ def outcome(read, text):
 
 @pytest.mark.parametrize("text", ['{"a": 1, "b": [1.5, "x"]}', ' {"a": 1} ', '{"a": 1}\r', "\t[1]", '"s\u2028t"',
                                   "NaN", "-Infinity", "1e400", "1" * 30, "1 2", '{"a": 1}}', '[1],[2]', "", " ",
-                                  '{"a": ', "nul", '"\\ud800"', "1" * 5000, '"\\x"', "[" * 50 + "]" * 50])
+                                  '{"a": ', "nul", '"\\ud800"', "1" * 5000, '"\\x"', "[" * 50 + "]" * 50, '"a\tb"',
+                                  "[1,]", "01", "1.", '"\\u0000"', "\ufeff{}", "[1] x", "-", '{"a" : 1}'])
 def test_json_line_reads_a_line_exactly_as_json_loads(text):
     """The staging fast path parses what json.loads parses, to the same value, and refuses what it refuses with
-    the same error (the message `submit` prints for a bad line)."""
+    the same error (the message `submit` prints for a bad line); the line check (orjson first) takes and refuses
+    the same lines, with the same error."""
     assert outcome(calque.json_line, text) == outcome(json.loads, text)
+    assert outcome(calque.checked_json, text)[0::2] == outcome(json.loads, text)[0::2]   # a value, or the same error
+    assert calque.orjson is not None
 
 
 def test_a_bad_line_after_the_first_claims_keeps_them(local_env):
