@@ -621,9 +621,6 @@ AWKWARD_RESULTS = [{"a": 1}, [1, 2, {"b": 'x"],}[{'}], 'str \\ " , ] } [ {', "ca
                    True, False, -5, 2 ** 63, 1.5e-300, 1e-07, 1e16, -0.0, {}, [], "", [[[]]], {"": {"": ""}},
                    np.float32(1.5), np.float64(0.1), np.int64(-3), np.arange(3), torch.tensor([0.25, 1.0]),
                    Colour.RED, uuid.UUID(int=7), (1, "t"), {3}]
-# what orjson does not write as json's encoder would, so format_each takes them item by item: a None (a NaN is
-# null in orjson's text too), an integer beyond 64 bits, a key that is not a string, nesting past orjson's 254,
-# a lone surrogate
 def nested(levels):
     value = []
     for _ in range(levels - 1):
@@ -631,6 +628,9 @@ def nested(levels):
     return value
 
 
+# what orjson does not write as json's encoder would, so format_each takes them item by item: a None (a NaN is
+# null in orjson's text too), an integer beyond 64 bits, a key that is not a string, nesting past orjson's 254,
+# a lone surrogate
 JSON_ONLY_RESULTS = [None, {"a": [1, None]}, 10 ** 40, -2 ** 63 - 1, {1: "x"}, {True: 1}, nested(300), "\ud800"]
 
 
@@ -666,8 +666,8 @@ def test_orjson_and_json_write_the_same_values():
 
 
 def test_results_neither_encoder_takes_fail_their_item():
-    """NaN, Infinity, a dataclass, a datetime, bytes: the item fails with json's message, in a batch alone or
-    beside others, and the others keep their lines."""
+    """NaN, Infinity, a dataclass, a datetime, bytes: the item fails with json's message, and the items beside it
+    (one of them a None) keep their lines."""
     @dataclasses.dataclass
     class Point:
         x: int
