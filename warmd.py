@@ -64,12 +64,9 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-try:
-    import orjson   # a claim's result lines, ~6x as fast as json's C encoder
-except ImportError:   # only until main() runs this under the kit's .venv, which has it (calque.KIT_PACKAGES)
-    orjson = None
-
 import calque
+from calque import orjson   # a claim's result lines, ~6x json's encoder (None only until main() re-runs this under
+                            # the kit's .venv, which has it: calque.KIT_PACKAGES)
 
 # ------------------------------------------------------------------------------------------------
 # defaults (the pool record and CALQUE_* settings override the per-pool ones)
