@@ -320,13 +320,14 @@ def results_prefix(run_id, claim):
     return f"runs/{run_id}/results/{claim}/"
 
 
-def part_key(run_id, claim, start, stop):
-    """One result part: the result lines of the claim's items [start, stop) (offsets within the claim), in
-    order, one JSON object per line. Zero-padded, so that the keys sort in item order."""
-    return f"{results_prefix(run_id, claim)}{start:07d}-{stop:07d}.jsonl"
+def part_key(run_id, claim, start, stop, suffix=".jsonl"):
+    """One result part: the results of the claim's items [start, stop) (offsets within the claim), in order:
+    .jsonl, one JSON object per line, or .npz where any result holds arrays (encode_part). Zero-padded, so
+    that the keys sort in item order."""
+    return f"{results_prefix(run_id, claim)}{start:07d}-{stop:07d}{suffix}"
 
 
-PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.jsonl$")
+PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.(jsonl|npz)$")
 
 
 def attempt_key(run_id, claim):
@@ -353,34 +354,231 @@ def part_chain(keys, count):
     return chain
 
 
+# Typed results: a numeric numpy array or torch tensor, as an item's result or as a value of its result dict, is
+# stored in binary in its dtype (docs/contract.md#typed-result-parts); numpy is imported only where one is met.
+NUMERIC_KINDS = "biuf"                  # numpy dtype kinds stored in binary; any other array is written as JSON lists
+PART_FORMAT = 1                         # index.json's "format" in an .npz part
+
+
+def host_array(value):
+    """(numpy array, dtype name) of a numeric numpy array or torch tensor, moved to the host with .cpu(); None for
+    any other value. bfloat16, which numpy lacks, is its raw bits as uint16, named "bfloat16"."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):      # a torch tensor, on any device
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            return value.view(sys.modules["torch"].int16).numpy().view("<u2"), "bfloat16"
+        value = value.numpy()
+    np = sys.modules.get("numpy")       # nothing imported numpy yet: the value is no array
+    if np is None or not isinstance(value, np.ndarray) or value.dtype.kind not in NUMERIC_KINDS:
+        return None
+    return value, value.dtype.name
+
+
+def batch_rows(outputs, count):
+    """A handler's return for a batch of `count` items as their results: a list or tuple as it is; an array or a
+    tensor (moved to the host once) split along its first dimension; a dict of arrays, tensors and lists split per
+    key, each item's result a dict. ValueError, naming both lengths, when the first dimension is not `count`."""
+    if isinstance(outputs, (list, tuple)):
+        if len(outputs) != count:
+            raise ValueError(f"handler returned {len(outputs)} results for a batch of {count} items")
+        return list(outputs)
+    columns = dict(outputs) if isinstance(outputs, dict) else {None: outputs}
+    for key, column in columns.items():
+        if hasattr(column, "detach") and hasattr(column, "cpu"):
+            columns[key] = column = column.detach().cpu()
+        shape = getattr(column, "shape", None) or ((len(column),) if isinstance(column, (list, tuple)) else ())
+        what = "" if key is None else f" for {key!r}"
+        if not shape:
+            raise ValueError(f"handler returned {type(column).__name__}{what} for a batch of {count} items "
+                             f"(a list, an array or a dict of them, one row an item)")
+        if shape[0] != count:
+            raise ValueError(f"handler returned {shape[0]} rows{what} for a batch of {count} items")
+    rows = [{key: column[j, ...] if hasattr(column, "shape") else column[j] for key, column in columns.items()}
+            for j in range(count)]
+    return [row[None] for row in rows] if None in columns else rows
+
+
+def typed_cells(value):
+    """(the result with each typed value replaced by None, [(field, array, dtype)]) for a result that is an array or
+    a dict holding arrays at its top level (field None: the result itself); None for any other result."""
+    if isinstance(value, dict):
+        cells = [(key, *typed) for key, v in value.items() if (typed := host_array(v)) is not None]
+        return ({k: None if k in {c[0] for c in cells} else v for k, v in value.items()}, cells) if cells else None
+    typed = host_array(value)
+    return (None, [(None, *typed)]) if typed is not None else None
+
+
+class TypedLines(str):
+    """Result lines in which each typed value is null, carrying `cells`: (offset in the lines, field, array, dtype)."""
+    cells = ()
+
+
+def _row_ranges(rows):
+    """[[start, stop], ...] of sorted row offsets: an index.json's compact form of which items a block holds."""
+    ranges = []
+    for row in rows:
+        if ranges and ranges[-1][1] == row:
+            ranges[-1][1] += 1
+        else:
+            ranges.append([row, row + 1])
+    return ranges
+
+
+def _npy(array):
+    import numpy as np
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def encode_part(chunks):
+    """(suffix, data) of a result part made of these chunks of result lines, in order: .jsonl, their text joined,
+    when none carries typed cells (the bytes a JSON-only claim always had); else .npz, a zip (stored, not
+    compressed) of results.jsonl (the lines, typed values null), index.json (the blocks) and one b<k>.npy a block:
+    the arrays of one field and dtype stacked, or, where their shapes differ, flat one after the other with
+    b<k>.shapes.npy."""
+    text, groups, at = "".join(chunks), {}, 0
+    for chunk in chunks:
+        for offset, field, array, dtype in getattr(chunk, "cells", ()):
+            groups.setdefault((field, dtype, array.ndim), []).append((at + offset, array))
+        at += chunk.count("\n")
+    if not groups:
+        return ".jsonl", text
+    import numpy as np
+    buf, blocks = io.BytesIO(), []
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("results.jsonl", text)
+        for k, ((field, dtype, _), cells) in enumerate(groups.items()):
+            arrays = [array for _, array in cells]
+            uniform = all(a.shape == arrays[0].shape for a in arrays)
+            blocks.append({"field": field, "dtype": dtype, "shape": list(arrays[0].shape) if uniform else None,
+                           "rows": _row_ranges([row for row, _ in cells])})
+            z.writestr(f"b{k}.npy", _npy(np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])))
+            if not uniform:
+                z.writestr(f"b{k}.shapes.npy", _npy(np.array([a.shape for a in arrays], dtype=np.int64)))
+        z.writestr("index.json", json.dumps({"format": PART_FORMAT, "items": at, "blocks": blocks}))
+    return ".npz", buf.getvalue()
+
+
+class Block(typing.NamedTuple):
+    """A typed block of a part as read: `rows` (numpy offsets in the part) hold `field` in `dtype`; `values` their
+    arrays stacked, or (`shapes` not None) flat one after the other, each row of shapes[j]. bfloat16 values are their
+    raw uint16 bits (widen() reads them as float32, exactly)."""
+    field: typing.Optional[str]
+    dtype: str
+    rows: typing.Any
+    values: typing.Any
+    shapes: typing.Any = None
+
+    def widen(self):
+        """The values in a numpy dtype: bfloat16 bits as the float32 numbers they are (bfloat16 is float32's top
+        half, so nothing is rounded); any other dtype as stored."""
+        import numpy as np
+        if self.dtype != "bfloat16":
+            return self.values
+        return (self.values.astype(np.uint32) << 16).view(np.float32)
+
+    def arrays(self):
+        """Each row's array, in rows' order (widened)."""
+        values = self.widen()
+        if self.shapes is None:
+            return list(values)
+        ends = self.shapes.prod(axis=1).cumsum()
+        return [values[end - size:end].reshape(shape) for end, size, shape in
+                zip(ends, self.shapes.prod(axis=1), self.shapes)]
+
+    def since(self, skip):
+        """The block less its rows before offset `skip`, the rest renumbered from 0."""
+        keep = self.rows >= skip
+        if self.shapes is None:
+            return self._replace(rows=self.rows[keep] - skip, values=self.values[keep])
+        import numpy as np
+        ends = self.shapes.prod(axis=1).cumsum()
+        flat = np.concatenate([self.values[end - size:end] for end, size, k in
+                               zip(ends, self.shapes.prod(axis=1), keep) if k] or [self.values[:0]])
+        return self._replace(rows=self.rows[keep] - skip, values=flat, shapes=self.shapes[keep])
+
+
+class Part(typing.NamedTuple):
+    """A result part as read: its result lines (newline kept; a typed value is null in its line) and its blocks."""
+    lines: list
+    blocks: list
+
+    def since(self, skip):
+        return Part(self.lines[skip:], [b.since(skip) for b in self.blocks]) if skip else self
+
+
+def decode_npz_part(data):
+    """(result lines text, [Block]) of an .npz part's bytes; ValueError (zipfile's, numpy's) for a torn one."""
+    import numpy as np
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        index = json.loads(z.read("index.json"))
+        if index.get("format") != PART_FORMAT:
+            raise ValueError(f"part format {index.get('format')!r}, not {PART_FORMAT}: written by another calque")
+        blocks = []
+        for k, b in enumerate(index["blocks"]):
+            read = lambda name: np.lib.format.read_array(io.BytesIO(z.read(name)), allow_pickle=False)
+            rows = np.concatenate([np.arange(a, s) for a, s in b["rows"]])
+            blocks.append(Block(b["field"], b["dtype"], rows, read(f"b{k}.npy"),
+                                None if b["shape"] is not None else read(f"b{k}.shapes.npy")))
+        return z.read("results.jsonl").decode(), blocks
+
+
 def read_part(store, key, start, stop):
-    """One part's stop - start result lines (newline kept), or ResultsIncomplete when it holds fewer or more.
-    Lines are split on "\n" only: a result's text may hold U+2028 and the like as they are (warmd writes results
-    with orjson, which escapes only what JSON must), which str.splitlines() would cut at."""
-    text = store.get(key).decode()
+    """One part (a Part of its stop - start result lines, newline kept), or ResultsIncomplete when it holds fewer or
+    more, or cannot be read. Lines are split on "\n" only: a result's text may hold U+2028 and the like as they are
+    (warmd writes results with orjson, which escapes only what JSON must), which str.splitlines() would cut at."""
+    data, blocks = store.get(key), []
+    if key.endswith(".npz"):
+        try:
+            data, blocks = decode_npz_part(data)
+        except (ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+            raise ResultsIncomplete(f"part {key} is unreadable ({type(e).__name__}: {e})")
+    text = data if isinstance(data, str) else data.decode()
     lines = text.count("\n")
     if not text.endswith("\n") or lines != stop - start:
         raise ResultsIncomplete(f"part {key} is truncated ({lines} of {stop - start} lines)")
-    return [line + "\n" for line in text[:-1].split("\n")]
+    return Part([line + "\n" for line in text[:-1].split("\n")], blocks)
 
 
-def read_claim_results(store, run_id, claim, count, keys=None):
-    """The claim's `count` result lines in item order, read from its parts (`keys`: the claim's folder as listed
-    already, which saves the LIST). A gap or a part with fewer lines than its name promises raises
-    ResultsIncomplete naming it: never a silent short read."""
+def read_claim_parts(store, run_id, claim, count, keys=None):
+    """The claim's parts that hold its `count` results in item order, each cut to the items not in the one before
+    (`keys`: the claim's folder as listed already, which saves the LIST). A gap or a part with fewer lines than its
+    name promises raises ResultsIncomplete naming it: never a silent short read."""
     keys = store.list(results_prefix(run_id, claim)) if keys is None else keys
     chain = part_chain(keys, count)
     at = chain[-1][1] if chain else 0
     if at < count:
         raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part holds item offset {at} of {count}")
-    lines, at = [], 0
+    parts, at = [], 0
     for start, stop, key in chain:
         try:
-            lines += read_part(store, key, start, stop)[at - start:]
+            parts.append(read_part(store, key, start, stop).since(at - start))
         except ResultsIncomplete as e:
             raise ResultsIncomplete(f"run {run_id} claim {claim}: {e}")
         at = stop
-    return lines
+    return parts
+
+
+def result_lines(part):
+    """The part's result lines as JSONL prints them: typed values written in as lists (floats in their dtype's
+    shortest form; NaN and infinities as null, as strict JSON has them)."""
+    if not part.blocks:
+        return part.lines
+    lines = [orjson.loads(line) for line in part.lines]
+    for block in part.blocks:
+        for row, array in zip(block.rows.tolist(), block.arrays()):
+            if block.field is None:
+                lines[row]["result"] = array
+            else:
+                lines[row]["result"][block.field] = array
+    option = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+    return [orjson.dumps(line, default=to_jsonable, option=option).decode() for line in lines]
+
+
+def read_claim_results(store, run_id, claim, count, keys=None):
+    """The claim's `count` result lines in item order, as JSONL prints them (read_claim_parts, result_lines)."""
+    return [line for part in read_claim_parts(store, run_id, claim, count, keys) for line in result_lines(part)]
 
 
 def summary_key(run_id, claim):
