@@ -2494,11 +2494,11 @@ def redrive(backend, record, runs):
     return sent
 
 
-def claim_results(backend, run_id, claim, count):
-    """The claim's result lines, in item order (read_claim_results). A claim run by a calque 0.2 worker has no
+def claim_parts(backend, run_id, claim, count):
+    """The claim's result parts, in item order (read_claim_parts). A claim run by a calque 0.2 worker has no
     parts but one results object: it is read instead, and must hold `count` lines too."""
     try:
-        return read_claim_results(backend.store, run_id, claim, count)
+        return read_claim_parts(backend.store, run_id, claim, count)
     except ResultsIncomplete:
         if backend.store.list(results_prefix(run_id, claim)):
             raise
@@ -2509,7 +2509,173 @@ def claim_results(backend, run_id, claim, count):
         if len(lines) != count or not lines[-1].endswith("\n"):
             raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is truncated "
                                     f"({len(lines)} of {count} lines)")
-        return lines
+        return [Part(lines, [])]
+
+
+def claim_results(backend, run_id, claim, count):
+    """The claim's result lines, in item order, as JSONL prints them."""
+    return [line for part in claim_parts(backend, run_id, claim, count) for line in result_lines(part)]
+
+
+def claim_ids(backend, run, claim, field):
+    """The `field` of each of the claim's items, read from its manifest."""
+    manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
+    if "arrays" in manifest:
+        return [item[field].tolist() for item in array_items(backend.store, manifest)]
+    return [item[field] for item in manifest["items"]]
+
+
+def claim_column(parts, field):
+    """(offsets, values) of the claim's items whose result holds `field` (None: the result itself), in item order:
+    typed blocks' arrays stacked (bfloat16 widened to float32), else the JSON values as numpy.array makes them.
+    ValueError where their shapes differ."""
+    import numpy as np
+    blocks, lines, at = [], [], 0
+    for part in parts:
+        blocks += [b._replace(rows=b.rows + at) for b in part.blocks if b.field == field]
+        lines += part.lines
+        at += len(part.lines)
+    if blocks:
+        if any(b.shapes is not None for b in blocks) or len({b.values.shape[1:] for b in blocks}) > 1:
+            raise ValueError("its arrays differ in shape from item to item")
+        rows, values = np.concatenate([b.rows for b in blocks]), np.concatenate([b.widen() for b in blocks])
+        order = np.argsort(rows, kind="stable") if len(blocks) > 1 else slice(None)
+        return rows[order], values[order]
+    rows, values = [], []
+    for k, line in enumerate(map(orjson.loads, lines)):
+        value = line.get("result")
+        value = value if field is None else value.get(field) if isinstance(value, dict) else None
+        if line["ok"] and value is not None:
+            rows.append(k)
+            values.append(value)
+    values = np.array(values)
+    if values.dtype.kind not in NUMERIC_KINDS:
+        raise ValueError(f"its values are not numbers (numpy makes {values.dtype} of them)")
+    return np.array(rows, dtype=np.int64), values
+
+
+def typed_fields(parts):
+    return list(dict.fromkeys(b.field for part in parts for b in part.blocks))
+
+
+def run_array(backend, run, claims, field=None, fill=None):
+    """One array of `field` (None: the result itself, or a dict's only array) over the items of `claims` ((index,
+    claim) pairs, done), row k the k-th item's. A failed item's row (or one without the field) is `fill`: by default
+    NaN where the values are floats; for other dtypes a UserError unless fill is given."""
+    import numpy as np
+    pieces, missing = [], 0
+    for index, claim in claims:
+        parts = claim_parts(backend, run["run_id"], claim, claim_items(run, index))
+        if field is None and not pieces:
+            names = [f for f in typed_fields(parts) if f is not None]
+            if len(names) > 1 and None not in typed_fields(parts):
+                raise UserError(f"run {run['run_id']}: results hold several arrays ({', '.join(names)}) "
+                                f"---> HINT: name one: to_numpy({names[0]!r}), or runs results --field {names[0]}")
+            field = names[0] if names and None not in typed_fields(parts) else None
+        try:
+            rows, values = claim_column(parts, field)
+        except ValueError as e:
+            raise UserError(f"run {run['run_id']} claim {claim}: {field or 'the result'} cannot stack into one array "
+                            f"({e}) ---> HINT: read it with to_arrow() or runs results --format parquet")
+        pieces.append((claim_items(run, index), rows, values))
+        missing += claim_items(run, index) - len(rows)
+    shape, dtype = next(((v.shape[1:], v.dtype) for _, _, v in pieces if len(v)), ((), np.dtype("float64")))
+    if missing and fill is None and dtype.kind != "f":
+        raise UserError(f"run {run['run_id']}: {missing} items have no {field or 'result'} (failed, or none in "
+                        f"their result) and "
+                        f"{dtype} has no NaN for their rows ---> HINT: pass fill= (runs results --fill), or read "
+                        f"the ok column with to_arrow()")
+    blank = fill if fill is not None else np.nan if dtype.kind == "f" else 0    # 0: no row is left blank
+    out = np.full((sum(n for n, _, _ in pieces), *shape), blank, dtype=dtype)
+    at = 0
+    for count, rows, values in pieces:
+        if not len(values):
+            at += count
+            continue
+        if values.shape[1:] != shape:
+            raise UserError(f"run {run['run_id']}: {field or 'the result'} is {values.shape[1:]} in some claims, "
+                            f"{shape} in others ---> HINT: read it with to_arrow()")
+        out[at + rows] = values
+        at += count
+    return out
+
+
+def _arrow_column(pa, values):
+    """A pyarrow array of stacked numpy values: one fixed-size list level per dimension after the first."""
+    column = pa.array(values.reshape(-1))
+    for size in reversed(values.shape[1:]):
+        column = pa.FixedSizeListArray.from_arrays(column, size)
+    return column
+
+
+def claim_batch(backend, run, index, claim):
+    """The claim's results as a pyarrow.RecordBatch in item order: i, ok, error, the run's id field, then the result:
+    one column a key where every result is a dict (a key that clashes gets "result." before it), else `result`.
+    Typed arrays become fixed-size lists in their dtype (bfloat16: float32); JSON values as pyarrow infers them, or
+    their JSON text where it cannot."""
+    import pyarrow as pa
+    parts = claim_parts(backend, run["run_id"], claim, claim_items(run, index))
+    lines = [orjson.loads(line) for part in parts for line in part.lines]
+    columns = {"i": pa.array([line["i"] for line in lines], pa.int64()), "ok": pa.array([line["ok"] for line in lines]),
+               "error": pa.array([line.get("error") for line in lines], pa.string())}
+    if run.get("id_field"):
+        columns[run["id_field"]] = pa.array(claim_ids(backend, run, claim, run["id_field"]))
+    typed, results = typed_fields(parts), [line.get("result") for line in lines if line["ok"]]
+    keyed = results and None not in typed and all(isinstance(r, dict) for r in results)
+    for field in dict.fromkeys(k for r in results for k in r) if keyed else [None] if results else []:
+        name = "result" if field is None else field if field not in columns else f"result.{field}"
+        values = [line.get("result") if field is None else (line.get("result") or {}).get(field) for line in lines]
+        if field in typed:
+            try:
+                rows, stacked = claim_column(parts, field)
+                if all(values[k] is None for k in set(range(len(lines))) - set(rows.tolist())):
+                    where = pa.array(take_positions(len(lines), rows), pa.int64())
+                    columns[name] = _arrow_column(pa, stacked).take(where)
+                    continue
+            except ValueError:
+                pass
+            for row, array in zip(*claim_column_rows(parts, field)):
+                values[row] = array.tolist()
+        try:
+            columns[name] = pa.array(values)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            columns[name] = pa.array([None if v is None else dumps(v) for v in values], pa.string())
+    return pa.record_batch(columns)
+
+
+def take_positions(count, rows):
+    """For each of `count` offsets, its position among `rows` (sorted offsets), or None: a take() with nulls."""
+    positions = [None] * count
+    for position, row in enumerate(rows.tolist()):
+        positions[row] = position
+    return positions
+
+
+def claim_column_rows(parts, field):
+    """(offsets, arrays) of the claim's typed values of `field`, one array a row, whatever their shapes."""
+    rows, arrays, at = [], [], 0
+    for part in parts:
+        for block in part.blocks:
+            if block.field == field:
+                rows += (block.rows + at).tolist()
+                arrays += block.arrays()
+        at += len(part.lines)
+    return rows, arrays
+
+
+def run_table(batches):
+    """One pyarrow.Table of claim batches, their columns unified (a claim whose items all failed has no result
+    columns; a field one claim lacks is null there)."""
+    import pyarrow as pa
+    tables = [pa.Table.from_batches([b]) for b in batches]
+    if not tables:
+        return pa.table({"i": pa.array([], pa.int64()), "ok": pa.array([], pa.bool_()),
+                         "error": pa.array([], pa.string())})
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise UserError(f"the claims' results do not fit one table ({e}) ---> HINT: read them claim by claim "
+                        f"(Run.iter_batches()), or as JSONL")
 
 
 CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "not queued")
@@ -5906,6 +6072,29 @@ class Run:
                 if not (failed_only and result.get("ok")):
                     yield result
 
+    def iter_batches(self, poll=SUMMARY_POLL_MAX):
+        """Each claim's results as a pyarrow.RecordBatch (claim_batch: i, ok, error, the id field, the result
+        columns), in item order, as each claim finishes: a run larger than memory, one claim at a time."""
+        for index, claim in follow_claims(self.backend, self.record, poll):
+            yield claim_batch(self.backend, self.record, index, claim)
+
+    def to_arrow(self):
+        """Every item's result as one pyarrow.Table in item order (iter_batches, columns unified)."""
+        return run_table(self.iter_batches())
+
+    def to_numpy(self, field=None, fill=None):
+        """`field` of every item's result (None: the result itself, or its dict's only array) stacked in one numpy
+        array, row k item k's; a failed item's row is `fill` (default NaN where the dtype is a float; for any other
+        dtype a failed item is a UserError unless fill is given). bfloat16 comes back as float32, exactly."""
+        return run_array(self.backend, self.record, follow_claims(self.backend, self.record), field, fill)
+
+    def to_pandas(self):
+        """to_arrow() as a pandas DataFrame (pandas must be installed): an array column holds numpy arrays."""
+        if importlib.util.find_spec("pandas") is None:
+            raise UserError("to_pandas() needs pandas, which is not installed ---> HINT: pip install pandas, or use "
+                            "to_arrow()")
+        return self.to_arrow().to_pandas()
+
     def failures(self):
         """The failed items' results (i, error, trace), in item order, once the run has finished."""
         self.wait()
@@ -5927,8 +6116,16 @@ class Run:
 
 def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
     """Each claim's result lines (with the run's id_field copied in), in claim order, as soon as the claim has
-    its summary. A claim that will not run raises ResultsIncomplete naming it and what to do."""
-    id_field, recheck = run.get("id_field"), 0.0
+    its summary (follow_claims)."""
+    for index, claim in follow_claims(backend, run, poll):
+        lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
+        yield with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines
+
+
+def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
+    """Each claim (index, claim), in claim order, as soon as it has its summary. A claim that will not run raises
+    ResultsIncomplete naming it and what to do."""
+    recheck = 0.0
     for index, claim in enumerate(run["claims"]):
         while True:
             if claim in summary_claims(backend, run["run_id"]):
@@ -5946,17 +6143,12 @@ def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
         if state != "done":
             raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
                                     f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
-        lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
-        yield with_ids(backend, run, claim, lines, id_field) if id_field else lines
+        yield index, claim
 
 
 def with_ids(backend, run, claim, lines, field):
     """The claim's result lines with each item's `field` copied in (read from the claim's manifest)."""
-    manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
-    if "arrays" in manifest:
-        ids = [item[field].tolist() for item in array_items(backend.store, manifest)]
-    else:
-        ids = [item[field] for item in manifest["items"]]
+    ids = claim_ids(backend, run, claim, field)
     return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
 
 
@@ -6001,6 +6193,43 @@ def write_results(lines, failed_only):
     failed_only."""
     sys.stdout.write("".join(line for line in lines if not failed_only or not json.loads(line)["ok"]))
     sys.stdout.flush()
+
+
+def write_binary_results(backend, run, claims, args):
+    """The results of `claims` as one Parquet table or .npy array, to --output or stdout; EXIT_FAILED when a part
+    of a claim cannot be read (named on stderr), its items left out."""
+    def readable():
+        nonlocal code
+        for index, claim in claims:
+            try:
+                claim_parts(backend, run["run_id"], claim, claim_items(run, index))
+                yield index, claim
+            except ResultsIncomplete as e:
+                print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
+                      file=sys.stderr)
+                code = EXIT_FAILED
+    code, out = EXIT_OK, sys.stdout.buffer if args.output is None else args.output
+    if args.format == "npy":
+        import numpy as np
+        array = run_array(backend, run, readable(), args.field, args.fill)
+        with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
+            np.save(f, array, allow_pickle=False)
+        return code
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    table = run_table(claim_batch(backend, run, index, claim) for index, claim in readable())
+    if args.failed:
+        table = table.filter(pc.invert(table["ok"]))
+    with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
+        pq.write_table(table, f)
+    return code
+
+
+def open_output(path):
+    try:
+        return open(path, "wb")
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror}) ---> HINT: pick a path in a folder you can write to")
 
 
 def cmd_pool_create(conf, backend, args):
@@ -6245,10 +6474,19 @@ def cmd_runs_show(conf, backend, args):
 
 
 def cmd_runs_results(conf, backend, args):
-    """Every item's result (--failed: only the failed ones), in item order, as JSONL on stdout; --follow waits for
-    each claim in turn and prints its results as soon as it finishes. A claim without all its results (it did not
-    run, or a part is missing or truncated) is an error line on stderr and exit 1: never a short read that looks
-    whole."""
+    """Every item's result (--failed: only the failed ones), in item order, as JSONL on stdout (--format parquet or
+    npy: one file, to --output or a stdout that is not a terminal); --follow waits for each claim in turn and prints
+    its results as soon as it finishes. A claim without all its results (it did not run, or a part is missing or
+    truncated) is an error line on stderr and exit 1: never a short read that looks whole."""
+    binary = args.format != "jsonl"
+    if binary and args.follow:
+        raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
+                        f"---> HINT: drop --follow (runs show {args.run} says when the run is done)")
+    if args.format == "npy" and args.failed:
+        raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: --format jsonl "
+                        "or parquet")
+    if binary and args.output is None and sys.stdout.isatty():
+        raise UserError(f"--format {args.format} writes binary: not to a terminal ---> HINT: --output PATH")
     run = read_run(backend, args.run)
     if args.follow:
         try:
@@ -6259,21 +6497,26 @@ def cmd_runs_results(conf, backend, args):
             return EXIT_FAILED
         return EXIT_OK
     view = run_view(backend, run, read_summaries(backend, args.run))
-    code, not_run = EXIT_OK, {}
+    code, not_run, done = EXIT_OK, {}, []
     for index, claim in enumerate(run["claims"]):
         state = view["claims"][claim]["state"]
         if state not in ("done", "failed"):
             not_run.setdefault(state, []).append(claim)
             continue
         try:
-            lines = claim_results(backend, args.run, claim, claim_items(run, index))
+            lines = claim_results(backend, args.run, claim, claim_items(run, index)) if not binary else None
         except ResultsIncomplete as e:
             print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
                   file=sys.stderr)
             code = EXIT_FAILED
             continue
-        write_results(with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines,
-                      args.failed)
+        if binary:
+            done.append((index, claim))
+        else:
+            write_results(with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines,
+                          args.failed)
+    if binary:
+        code = max(code, write_binary_results(backend, run, done, args))
     for state, claims in not_run.items():
         print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} ({claim_list(claims)}) "
               f"---> HINT: {next_step(run, state)}", file=sys.stderr)
@@ -6592,10 +6835,16 @@ def build_parser():
     p.add_argument("run", help="the run id (see `runs list`)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_runs_show)
-    p = runs.add_parser("results", help="a run's results as JSONL, in item order")
+    p = runs.add_parser("results", help="a run's results in item order: JSONL, Parquet or .npy")
     p.add_argument("run", help="the run id (see `runs list`)")
     p.add_argument("--failed", action="store_true", help="only the failed items (with their last traceback frames)")
     p.add_argument("--follow", action="store_true", help="wait for the claims, printing each one's results as it ends")
+    p.add_argument("--format", choices=("jsonl", "parquet", "npy"), default="jsonl",
+                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result columns) or npy "
+                        "(one result array, stacked)")
+    p.add_argument("--output", metavar="PATH", help="write the results there (default: stdout)")
+    p.add_argument("--field", help="npy: the result's key to stack (default: the result, or its only array)")
+    p.add_argument("--fill", type=float, help="npy: the row of a failed item (default NaN, for a float dtype)")
     p.set_defaults(func=cmd_runs_results)
     p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, then wait")
     p.add_argument("run", help="the run id (see `runs list`)")
