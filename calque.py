@@ -55,6 +55,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import tarfile
@@ -509,18 +510,25 @@ class Part(typing.NamedTuple):
 
 
 def decode_npz_part(data):
-    """(result lines text, [Block]) of an .npz part's bytes; ValueError (zipfile's, numpy's) for a torn one."""
+    """(result lines text, [Block]) of an .npz part's bytes, each block's values a view of them (members are stored,
+    not compressed); ValueError (zipfile's, numpy's) for a torn one."""
     import numpy as np
     with zipfile.ZipFile(io.BytesIO(data)) as z:
+        def member(name):
+            info = z.getinfo(name)
+            name_size, extra_size = struct.unpack_from("<HH", data, info.header_offset + 26)
+            start = info.header_offset + 30 + name_size + extra_size
+            if info.compress_type != zipfile.ZIP_STORED or start + info.file_size > len(data):
+                raise ValueError(f"member {name} is compressed or cut short")
+            return memoryview(data)[start:start + info.file_size]
         index = json.loads(z.read("index.json"))
         if index.get("format") != PART_FORMAT:
             raise ValueError(f"part format {index.get('format')!r}, not {PART_FORMAT}: written by another calque")
         blocks = []
         for k, b in enumerate(index["blocks"]):
-            read = lambda name: np.lib.format.read_array(io.BytesIO(z.read(name)), allow_pickle=False)
             rows = np.concatenate([np.arange(a, s) for a, s in b["rows"]])
-            blocks.append(Block(b["field"], b["dtype"], rows, read(f"b{k}.npy"),
-                                None if b["shape"] is not None else read(f"b{k}.shapes.npy")))
+            blocks.append(Block(b["field"], b["dtype"], rows, npy_view(member(f"b{k}.npy")),
+                                None if b["shape"] is not None else npy_view(member(f"b{k}.shapes.npy"))))
         return z.read("results.jsonl").decode(), blocks
 
 
@@ -1005,11 +1013,14 @@ class ModalHandler:
 
 # ------------------------------------------------------------------------------------------------
 # numeric items as views, and what an AWS error says
+NPY_HEADER_MAX = 10 + 65535   # bytes of a version 1.0 .npy header at most (numpy writes 1.0 for any plain dtype)
+
+
 def npy_view(data):
     """A read-only numpy array over the bytes of a .npy object, without copying them (np.load would).
     Refuses object dtypes (they would need pickle) and Fortran order."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
-    f = io.BytesIO(data)
+    f = io.BytesIO(bytes(data[:NPY_HEADER_MAX]))   # the header alone: the values are not copied
     version = np.lib.format.read_magic(f)
     read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
     shape, fortran_order, dtype = read_header(f)
@@ -2538,8 +2549,10 @@ def claim_column(parts, field):
     if blocks:
         if any(b.shapes is not None for b in blocks) or len({b.values.shape[1:] for b in blocks}) > 1:
             raise ValueError("its arrays differ in shape from item to item")
+        if len(blocks) == 1:
+            return blocks[0].rows, blocks[0].widen()
         rows, values = np.concatenate([b.rows for b in blocks]), np.concatenate([b.widen() for b in blocks])
-        order = np.argsort(rows, kind="stable") if len(blocks) > 1 else slice(None)
+        order = np.argsort(rows, kind="stable")
         return rows[order], values[order]
     rows, values = [], []
     for k, line in enumerate(map(orjson.loads, lines)):
@@ -2558,14 +2571,19 @@ def typed_fields(parts):
     return list(dict.fromkeys(b.field for part in parts for b in part.blocks))
 
 
-def run_array(backend, run, claims, field=None, fill=None):
+def with_parts(backend, run, claims):
+    """(index, claim, its parts) for each (index, claim) of `claims`."""
+    for index, claim in claims:
+        yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
+
+
+def run_array(run, claims, field=None, fill=None):
     """One array of `field` (None: the result itself, or a dict's only array) over the items of `claims` ((index,
-    claim) pairs, done), row k the k-th item's. A failed item's row (or one without the field) is `fill`: by default
+    claim, parts) of claims done), row k the k-th item's. A failed item's row (or one without the field) is `fill`: by default
     NaN where the values are floats; for other dtypes a UserError unless fill is given."""
     import numpy as np
     pieces, missing = [], 0
-    for index, claim in claims:
-        parts = claim_parts(backend, run["run_id"], claim, claim_items(run, index))
+    for index, claim, parts in claims:
         if field is None and not pieces:
             names = [f for f in typed_fields(parts) if f is not None]
             if len(names) > 1 and None not in typed_fields(parts):
@@ -2585,17 +2603,17 @@ def run_array(backend, run, claims, field=None, fill=None):
                         f"their result) and "
                         f"{dtype} has no NaN for their rows ---> HINT: pass fill= (runs results --fill), or read "
                         f"the ok column with to_arrow()")
-    blank = fill if fill is not None else np.nan if dtype.kind == "f" else 0    # 0: no row is left blank
-    out = np.full((sum(n for n, _, _ in pieces), *shape), blank, dtype=dtype)
-    at = 0
+    out, at = np.empty((sum(n for n, _, _ in pieces), *shape), dtype=dtype), 0
     for count, rows, values in pieces:
-        if not len(values):
-            at += count
-            continue
-        if values.shape[1:] != shape:
+        if len(values) and values.shape[1:] != shape:
             raise UserError(f"run {run['run_id']}: {field or 'the result'} is {values.shape[1:]} in some claims, "
                             f"{shape} in others ---> HINT: read it with to_arrow()")
-        out[at + rows] = values
+        if len(rows) == count:          # every item has it: rows are 0..count-1 in order
+            out[at:at + count] = values
+        else:
+            out[at:at + count] = fill if fill is not None else np.nan if dtype.kind == "f" else 0
+            if len(rows):
+                out[at + rows] = values
         at += count
     return out
 
@@ -2608,47 +2626,45 @@ def _arrow_column(pa, values):
     return column
 
 
-def claim_batch(backend, run, index, claim):
+def claim_batch(backend, run, claim, parts):
     """The claim's results as a pyarrow.RecordBatch in item order: i, ok, error, the run's id field, then the result:
     one column a key where every result is a dict (a key that clashes gets "result." before it), else `result`.
     Typed arrays become fixed-size lists in their dtype (bfloat16: float32); JSON values as pyarrow infers them, or
     their JSON text where it cannot."""
+    import numpy as np
     import pyarrow as pa
-    parts = claim_parts(backend, run["run_id"], claim, claim_items(run, index))
-    lines = [orjson.loads(line) for part in parts for line in part.lines]
+    lines = orjson.loads("[" + ",".join(line[:-1] for part in parts for line in part.lines) + "]")   # one parse
+    count = len(lines)
     columns = {"i": pa.array([line["i"] for line in lines], pa.int64()), "ok": pa.array([line["ok"] for line in lines]),
                "error": pa.array([line.get("error") for line in lines], pa.string())}
     if run.get("id_field"):
         columns[run["id_field"]] = pa.array(claim_ids(backend, run, claim, run["id_field"]))
-    typed, results = typed_fields(parts), [line.get("result") for line in lines if line["ok"]]
+    typed, results = typed_fields(parts), [line["result"] for line in lines if line["ok"]]
     keyed = results and None not in typed and all(isinstance(r, dict) for r in results)
     for field in dict.fromkeys(k for r in results for k in r) if keyed else [None] if results else []:
         name = "result" if field is None else field if field not in columns else f"result.{field}"
-        values = [line.get("result") if field is None else (line.get("result") or {}).get(field) for line in lines]
+        value = (lambda line: line.get("result")) if field is None else lambda line: (line.get("result") or {}).get(field)
         if field in typed:
             try:
                 rows, stacked = claim_column(parts, field)
-                if all(values[k] is None for k in set(range(len(lines))) - set(rows.tolist())):
-                    where = pa.array(take_positions(len(lines), rows), pa.int64())
-                    columns[name] = _arrow_column(pa, stacked).take(where)
-                    continue
-            except ValueError:
-                pass
-            for row, array in zip(*claim_column_rows(parts, field)):
-                values[row] = array.tolist()
+            except ValueError:      # shapes that differ: one list a row, below
+                rows = None
+            if rows is not None and (len(rows) == count or not any(
+                    value(lines[k]) is not None for k in set(range(count)) - set(rows.tolist()))):
+                columns[name] = _arrow_column(pa, stacked)
+                if len(rows) < count:   # the items without it (failed) are nulls
+                    where = np.full(count, -1)
+                    where[rows] = np.arange(len(rows))
+                    columns[name] = columns[name].take(pa.array(where, mask=where < 0))
+                continue
+        values = [value(line) for line in lines]
+        for row, array in zip(*claim_column_rows(parts, field)):
+            values[row] = array.tolist()
         try:
             columns[name] = pa.array(values)
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
             columns[name] = pa.array([None if v is None else dumps(v) for v in values], pa.string())
     return pa.record_batch(columns)
-
-
-def take_positions(count, rows):
-    """For each of `count` offsets, its position among `rows` (sorted offsets), or None: a take() with nulls."""
-    positions = [None] * count
-    for position, row in enumerate(rows.tolist()):
-        positions[row] = position
-    return positions
 
 
 def claim_column_rows(parts, field):
@@ -6075,8 +6091,8 @@ class Run:
     def iter_batches(self, poll=SUMMARY_POLL_MAX):
         """Each claim's results as a pyarrow.RecordBatch (claim_batch: i, ok, error, the id field, the result
         columns), in item order, as each claim finishes: a run larger than memory, one claim at a time."""
-        for index, claim in follow_claims(self.backend, self.record, poll):
-            yield claim_batch(self.backend, self.record, index, claim)
+        for _, claim, parts in with_parts(self.backend, self.record, follow_claims(self.backend, self.record, poll)):
+            yield claim_batch(self.backend, self.record, claim, parts)
 
     def to_arrow(self):
         """Every item's result as one pyarrow.Table in item order (iter_batches, columns unified)."""
@@ -6086,7 +6102,8 @@ class Run:
         """`field` of every item's result (None: the result itself, or its dict's only array) stacked in one numpy
         array, row k item k's; a failed item's row is `fill` (default NaN where the dtype is a float; for any other
         dtype a failed item is a UserError unless fill is given). bfloat16 comes back as float32, exactly."""
-        return run_array(self.backend, self.record, follow_claims(self.backend, self.record), field, fill)
+        return run_array(self.record, with_parts(self.backend, self.record, follow_claims(self.backend, self.record)),
+                         field, fill)
 
     def to_pandas(self):
         """to_arrow() as a pandas DataFrame (pandas must be installed): an array column holds numpy arrays."""
@@ -6202,8 +6219,7 @@ def write_binary_results(backend, run, claims, args):
         nonlocal code
         for index, claim in claims:
             try:
-                claim_parts(backend, run["run_id"], claim, claim_items(run, index))
-                yield index, claim
+                yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
             except ResultsIncomplete as e:
                 print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
                       file=sys.stderr)
@@ -6211,14 +6227,14 @@ def write_binary_results(backend, run, claims, args):
     code, out = EXIT_OK, sys.stdout.buffer if args.output is None else args.output
     if args.format == "npy":
         import numpy as np
-        array = run_array(backend, run, readable(), args.field, args.fill)
+        array = run_array(run, readable(), args.field, args.fill)
         with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
             np.save(f, array, allow_pickle=False)
         return code
-    import pyarrow.compute as pc
     import pyarrow.parquet as pq
-    table = run_table(claim_batch(backend, run, index, claim) for index, claim in readable())
+    table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
     if args.failed:
+        import pyarrow.compute as pc
         table = table.filter(pc.invert(table["ok"]))
     with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
         pq.write_table(table, f)

@@ -246,3 +246,18 @@ class FakeCuda:
 
     def numpy(self):
         raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first")
+
+
+class Embeddings:
+    """The batch's [B, 256] float32 embeddings (seeded by the first item's x), as one array, the way a Hugging Face
+    snippet returns them; with EMBED_AS=json, as lists of floats (what calque stored before typed results)."""
+
+    @calque.enter
+    def load(self):
+        import numpy as np
+        self.np, self.as_json = np, os.environ.get("EMBED_AS") == "json"
+
+    @calque.batch
+    def run(self, items):
+        rows = self.np.random.default_rng(items[0]["x"]).standard_normal((len(items), 256), self.np.float32)
+        return rows.tolist() if self.as_json else rows
