@@ -404,7 +404,8 @@ def typed_cells(value):
     a dict holding arrays at its top level (field None: the result itself); None for any other result."""
     if isinstance(value, dict):
         cells = [(key, *typed) for key, v in value.items() if (typed := host_array(v)) is not None]
-        return ({k: None if k in {c[0] for c in cells} else v for k, v in value.items()}, cells) if cells else None
+        typed_keys = {key for key, _, _ in cells}
+        return ({k: None if k in typed_keys else v for k, v in value.items()}, cells) if cells else None
     typed = host_array(value)
     return (None, [(None, *typed)]) if typed is not None else None
 
@@ -2568,6 +2569,7 @@ def claim_column(parts, field):
 
 
 def typed_fields(parts):
+    """The fields the parts' typed blocks hold (None: the result itself), in the order first met."""
     return list(dict.fromkeys(b.field for part in parts for b in part.blocks))
 
 
@@ -6498,6 +6500,9 @@ def cmd_runs_results(conf, backend, args):
     if binary and args.follow:
         raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
                         f"---> HINT: drop --follow (runs show {args.run} says when the run is done)")
+    if args.format != "npy" and (args.field or args.fill is not None):
+        raise UserError(f"--field and --fill choose the array of --format npy, not of {args.format} ---> HINT: "
+                        f"add --format npy, or drop them")
     if args.format == "npy" and args.failed:
         raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: --format jsonl "
                         "or parquet")
