@@ -2564,7 +2564,7 @@ def claim_column(parts, field):
             values.append(value)
     values = np.array(values)
     if values.dtype.kind not in NUMERIC_KINDS:
-        raise ValueError(f"its values are not numbers (numpy makes {values.dtype} of them)")
+        raise ValueError(f"its values are not numbers: numpy makes {values.dtype} of them")
     return np.array(rows, dtype=np.int64), values
 
 
@@ -6215,8 +6215,9 @@ def write_results(lines, failed_only):
 
 
 def write_binary_results(backend, run, claims, args):
-    """The results of `claims` as one Parquet table or .npy array, to --output or stdout; EXIT_FAILED when a part
-    of a claim cannot be read (named on stderr), its items left out."""
+    """The results of `claims` as one Parquet table or .npy array, to --output (opened first: a path that cannot be
+    written is refused before anything is read; removed again when the results cannot be written) or stdout;
+    EXIT_FAILED when a part of a claim cannot be read (named on stderr), its items left out."""
     def readable():
         nonlocal code
         for index, claim in claims:
@@ -6226,21 +6227,24 @@ def write_binary_results(backend, run, claims, args):
                 print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
                       file=sys.stderr)
                 code = EXIT_FAILED
-    code, out = EXIT_OK, sys.stdout.buffer if args.output is None else args.output
-    if args.format == "npy":
-        import numpy as np
-        array = run_array(run, readable(), args.field, args.fill)
-        with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
-            np.save(f, array, allow_pickle=False)
-        return code
-    import pyarrow.parquet as pq
-    table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
-    if args.failed:
-        import pyarrow.compute as pc
-        table = table.filter(pc.invert(table["ok"]))
-    with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
-        pq.write_table(table, f)
-    return code
+    code = EXIT_OK
+    with contextlib.nullcontext(sys.stdout.buffer) if args.output is None else open_output(args.output) as out:
+        try:
+            if args.format == "npy":
+                import numpy as np
+                np.save(out, run_array(run, readable(), args.field, args.fill), allow_pickle=False)
+                return code
+            import pyarrow.parquet as pq
+            table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
+            if args.failed:
+                import pyarrow.compute as pc
+                table = table.filter(pc.invert(table["ok"]))
+            pq.write_table(table, out)
+            return code
+        except BaseException:
+            if args.output is not None:
+                os.unlink(args.output)
+            raise
 
 
 def open_output(path):
