@@ -2580,9 +2580,10 @@ def with_parts(backend, run, claims):
 
 
 def run_array(run, claims, field=None, fill=None):
-    """One array of `field` (None: the result itself, or a dict's only array) over the items of `claims` ((index,
-    claim, parts) of claims done), row k the k-th item's. A failed item's row (or one without the field) is `fill`: by default
-    NaN where the values are floats; for other dtypes a UserError unless fill is given."""
+    """One array of `field` (None: the result itself, or a dict's only array) over the items of `claims`
+    ((index, claim, parts) of claims done), row k the k-th item's. A failed item's row (or one without the
+    field) is `fill`: by default NaN where the values are floats; for other dtypes a UserError unless fill
+    is given."""
     import numpy as np
     pieces, missing = [], 0
     for index, claim, parts in claims:
@@ -2602,9 +2603,8 @@ def run_array(run, claims, field=None, fill=None):
     shape, dtype = next(((v.shape[1:], v.dtype) for _, _, v in pieces if len(v)), ((), np.dtype("float64")))
     if missing and fill is None and dtype.kind != "f":
         raise UserError(f"run {run['run_id']}: {missing} items have no {field or 'result'} (failed, or none in "
-                        f"their result) and "
-                        f"{dtype} has no NaN for their rows ---> HINT: pass fill= (runs results --fill), or read "
-                        f"the ok column with to_arrow()")
+                        f"their result) and {dtype} has no NaN for their rows ---> HINT: pass fill= (runs results "
+                        f"--fill), or read the ok column with to_arrow()")
     out, at = np.empty((sum(n for n, _, _ in pieces), *shape), dtype=dtype), 0
     for count, rows, values in pieces:
         if len(values) and values.shape[1:] != shape:
@@ -2645,7 +2645,9 @@ def claim_batch(backend, run, claim, parts):
     keyed = results and None not in typed and all(isinstance(r, dict) for r in results)
     for field in dict.fromkeys(k for r in results for k in r) if keyed else [None] if results else []:
         name = "result" if field is None else field if field not in columns else f"result.{field}"
-        value = (lambda line: line.get("result")) if field is None else lambda line: (line.get("result") or {}).get(field)
+        def value(line, field=field):
+            result = line.get("result")
+            return result if field is None else (result or {}).get(field)
         if field in typed:
             try:
                 rows, stacked = claim_column(parts, field)

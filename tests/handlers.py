@@ -223,7 +223,7 @@ class Typed:
             return {"embedding": rows.numpy(), "label": x.long() * 3, "name": [f"n{item['x']}" for item in items]}
         if shape == "cuda":
             return FakeCuda(rows)
-        bits = torch.tensor([[item["x"] * 7919 % 65536 - 32768, -1 - item["x"]] for item in items])  # NaN/inf too
+        bits = torch.tensor([[item["x"] * 7919 % 65536 - 32768, -1 - item["x"]] for item in items])  # NaNs too
         if shape == "i64":
             return list(bits * 2 ** 40)
         return list(bits.to(torch.int16).view(torch.bfloat16 if shape == "bf16" else torch.float16))

@@ -136,7 +136,8 @@ def test_typed_results_read_back_exactly_in_every_format(any_env, tmp_path):
 
     assert floats.to_numpy().tobytes() == rows(range(16)).tobytes()
     assert typed["bf16"].to_numpy().dtype == np.float32
-    assert (typed["bf16"].to_numpy().view(np.uint32) >> 16).astype(np.int64).tolist() == (bits(range(9)) % 65536).tolist()
+    top = (typed["bf16"].to_numpy().view(np.uint32) >> 16).astype(np.int64)    # the bfloat16 bits, widened
+    assert top.tolist() == (bits(range(9)) % 65536).tolist()
     assert not (typed["bf16"].to_numpy().view(np.uint32) & 0xFFFF).any()
     assert typed["f16"].to_numpy().dtype == np.float16
     assert typed["f16"].to_numpy().view(np.int16).tolist() == bits(range(9)).astype(np.int16).tolist()
