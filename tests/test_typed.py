@@ -142,12 +142,11 @@ def test_typed_results_read_back_exactly_in_every_format(any_env, tmp_path, monk
     assert open(env["CPU_CALLS"]).read() == "cpu\n" * 2          # the fake device's two batches, once each
 
     assert floats.to_numpy().tobytes() == rows(range(16)).tobytes()
-    assert typed["bf16"].to_numpy().dtype == np.float32
-    top = (typed["bf16"].to_numpy().view(np.uint32) >> 16).astype(np.int64)    # the bfloat16 bits, widened
-    assert top.tolist() == (bits(range(9)) % 65536).tolist()
-    assert not (typed["bf16"].to_numpy().view(np.uint32) & 0xFFFF).any()
-    assert typed["f16"].to_numpy().dtype == np.float16
-    assert typed["f16"].to_numpy().view(np.int16).tolist() == bits(range(9)).astype(np.int16).tolist()
+    bf16, f16 = typed["bf16"].to_numpy(), typed["f16"].to_numpy()
+    top = (bf16.view(np.uint32) >> 16).astype(np.int64)    # widened to float32: the bfloat16 bits on top, 0 below
+    assert bf16.dtype == np.float32 and top.tolist() == (bits(range(9)) % 65536).tolist()
+    assert not (bf16.view(np.uint32) & 0xFFFF).any()
+    assert f16.dtype == np.float16 and f16.view(np.int16).tolist() == bits(range(9)).astype(np.int16).tolist()
     assert typed["i64"].to_numpy().tolist() == (bits(range(9)) * 2 ** 40).tolist()
 
     embedding = mixed.to_numpy("embedding")
@@ -182,7 +181,7 @@ def test_typed_results_read_back_exactly_in_every_format(any_env, tmp_path, monk
     assert out.returncode == 0 and out.stdout == "" and pq.read_table(path).equals(table), out.stderr
     npy = subprocess.run([PY, os.path.join(ROOT, "calque.py"), "runs", "results", typed["f16"].run_id, "--format",
                           "npy"], env=env, capture_output=True, timeout=60)
-    assert npy.returncode == 0 and np.load(io.BytesIO(npy.stdout)).tobytes() == typed["f16"].to_numpy().tobytes()
+    assert npy.returncode == 0 and np.load(io.BytesIO(npy.stdout)).tobytes() == f16.tobytes()
     for var in ("CALQUE_STORE", "CALQUE_ENV"):                # the refusals, in process: the same main()
         monkeypatch.setenv(var, env[var])
     for args, said in [(("--format", "npy", "--field", "label", "--output", str(path)), "---> HINT: pass fill="),
