@@ -2585,14 +2585,14 @@ def run_array(run, claims, field=None, fill=None):
     field) is `fill`: by default NaN where the values are floats; for other dtypes a UserError unless fill
     is given."""
     import numpy as np
-    pieces, missing = [], 0
+    pieces, missing, choose = [], 0, field is None
     for index, claim, parts in claims:
-        if field is None and not pieces:
-            names = [f for f in typed_fields(parts) if f is not None]
-            if len(names) > 1 and None not in typed_fields(parts):
+        if choose and typed_fields(parts):      # the first claim with arrays says which (one whose items all
+            choose, names = False, typed_fields(parts)                     # failed has none)
+            if len(names) > 1 and None not in names:
                 raise UserError(f"run {run['run_id']}: results hold several arrays ({', '.join(names)}) "
                                 f"---> HINT: name one: to_numpy({names[0]!r}), or runs results --field {names[0]}")
-            field = names[0] if names and None not in typed_fields(parts) else None
+            field = None if None in names else names[0]
         try:
             rows, values = claim_column(parts, field)
         except ValueError as e:

@@ -225,3 +225,18 @@ def test_kill_9_mid_claim_with_binary_parts_loses_and_repeats_nothing(any_env, t
     assert [line["i"] for line in run.results()] == list(range(8))
     b.send_signal(signal.SIGTERM)
     assert b.wait(30) == 0
+
+
+def test_to_numpy_takes_its_field_from_the_first_claim_with_arrays():
+    """A run whose first claim failed whole (no arrays in it): its rows are NaN, the next claim's arrays say what
+    the result is; several arrays and no field named is a UserError naming them."""
+    run = {"run_id": "m.r", "claim_size": 2, "items": 4}
+    failed = calque.Part(['{"i":0,"ok":false,"error":"x"}\n', '{"i":1,"ok":false,"error":"x"}\n'], [])
+    lines = ['{"i":2,"ok":true,"result":{"e":null,"n":null}}\n', '{"i":3,"ok":true,"result":{"e":null,"n":null}}\n']
+    e = calque.Block("e", "float32", np.arange(2), np.ones((2, 3), np.float32))
+    n = calque.Block("n", "int64", np.arange(2), np.arange(2))
+    typed = calque.Part(lines, [e])
+    out = calque.run_array(run, [(0, "c00000", [failed]), (1, "c00001", [typed])])
+    assert out.dtype == np.float32 and np.isnan(out[:2]).all() and (out[2:] == 1).all()
+    with pytest.raises(calque.UserError, match=r"several arrays \(e, n\)"):
+        calque.run_array(run, [(0, "c00000", [failed]), (1, "c00001", [typed._replace(blocks=[e, n])])])
