@@ -6147,17 +6147,23 @@ def cmd_runs_redrive(conf, backend, args):
     return EXIT_OK
 
 
+def dashboard_module():
+    """dashboard.py, loaded only by the verbs that make pages; it imports this module as `calque`, which is
+    __main__ when calque.py runs as a script: one module, so that its exceptions are the ones raised here."""
+    sys.modules.setdefault("calque", sys.modules[__name__])
+    import dashboard
+    return dashboard
+
+
 def cmd_runs_report(conf, backend, args):
-    import dashboard   # lazy: the pages' code is loaded only by the verbs that make pages
-    view = dashboard.write_report(conf, backend, read_run(backend, args.run)["run_id"], args.html, _pricing(args))
+    view = dashboard_module().write_report(conf, backend, read_run(backend, args.run)["run_id"], args.html, _pricing(args))
     print(f"run {args.run}: report written to {args.html} ({view['items']['ok']} items ok, "
           f"{view['items']['failed']} failed, {view['items']['pending']} pending)")
     return EXIT_OK
 
 
 def cmd_dashboard(conf, backend, args):
-    import dashboard
-    dashboard.serve(conf, backend, args.host, args.port, args.token, _pricing(args))
+    dashboard_module().serve(conf, backend, args.host, args.port, args.token, _pricing(args))
     return EXIT_OK
 
 
