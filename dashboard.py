@@ -457,7 +457,7 @@ header .where{color:#a8a29e;font-size:12px}
 #live{margin-left:auto;font-size:12px;color:#a8a29e}main{padding:16px 24px;max-width:1280px}
 h1{font-size:20px;margin:4px 0 12px}h2{font-size:15px;margin:0 0 8px}
 section{background:#fff;border:1px solid var(--line);border-radius:8px;padding:14px 16px;
-margin:0 0 14px}
+margin:0 0 14px;overflow-x:auto}
 .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(440px,1fr));gap:0 14px}
 table{border-collapse:collapse;width:100%}th,td{text-align:left;padding:4px 8px;white-space:nowrap;
 border-bottom:1px solid var(--line)}th{color:var(--mute);font-weight:500;font-size:12px}
@@ -501,7 +501,12 @@ SCRIPT = """(() => {
 
 
 def usd(x):
-    return "-" if x is None else calque._usd(x)
+    """Dollars to 3 significant figures ($0.0000634, $1.25, $1,234), as a table has room for."""
+    if x is None:
+        return "-"
+    if abs(x) >= 100 or x == 0:
+        return calque._usd(x)
+    return f"${x:.{max(2, 2 - math.floor(math.log10(abs(x))))}f}".replace("$-", "-$")
 
 
 def secs(s):
@@ -726,13 +731,16 @@ def run_body(v):
              "</section>"]
     c = v["cost"]
     if c:
+        cold = v["mode"] == "cold"   # its own cold counterfactual: set against a warm pool instead
         bars = [("so far", c["so_far_usd"], COLOURS["claim"]),
+                ("on a warm pool", c["warm_usd"], COLOURS["enter"]) if cold else
                 ("cold counterfactual", c["cold_usd"], LADDER_LINES["cold"]),
                 ("serverless", c["serverless_usd"], LADDER_LINES["serverless"])]
+        saving = ("a cold run is its own cold counterfactual" if cold else
+                  f"against a cold acquisition it saves {usd(c['saving_usd'])}")
         parts.append(f"<section><h2>cost{' so far' if c['partial'] else ''}</h2>"
                      f"{cost_bars(bars)}<p class=mute>{c['items']:,} items priced as "
-                     f"{esc(c['priced_as'])}; against a cold acquisition it saves "
-                     f"{usd(c['saving_usd'])}</p></section>")
+                     f"{esc(c['priced_as'])}; {saving}</p></section>")
         if c["ladder"]:
             parts.append(f"<section><h2>crossover ladder</h2>{svg_ladder(c['ladder'], c['items'])}"
                          "</section>")
@@ -773,7 +781,7 @@ def workers_section(workers):
     rows = []
     for w in workers:
         util = (percent(w["gpu_utilisation"]) if w["gpu_utilisation"] is not None else
-                f"<span title='{esc(w['gpu_note'] or '')}'>not measured</span>")
+                f"<span title='{esc(w['gpu_note'] or '')}'>n/a</span>")
         lost = f" <span class=mute>{esc(w['lost'])}</span>" if w["lost"] else ""
         state = "ok" if w["state"] == "running" else "bad"
         restarts = "-" if w["restarts"] is None else w["restarts"]
@@ -789,19 +797,26 @@ def workers_section(workers):
 
 
 def pool_cost_section(v):
-    rows = "".join(f"<tr><td>{link('runs', r['run_id'])} <span class=mute>{esc(r['mode'])}</span>"
-                   f"</td><td style='width:40%'>{cost_pair(r)}</td><td class=n>"
+    rows = "".join(f"<tr><td>{link('runs', r['run_id'])}"
+                   f"{' <span class=pill>cold</span>' * (r['mode'] == 'cold')}"
+                   f"</td><td style='width:30%'>{cost_pair(r)}</td><td class=n>"
                    f"{usd(r['cost_usd'])}</td><td class=n>{usd(r['cold_usd'])}</td></tr>"
                    for r in v["runs"] if r["cost_usd"])
+    warm = [r for r in v["runs"] if r["cost_usd"] and r["cold_usd"]]
+    paid, cold = sum(r["cost_usd"] for r in warm), sum(r["cold_usd"] for r in warm)
+    total = (f"<p>these {len(warm)} warm runs paid <b>{usd(paid)}</b>; cold, each paying a fresh "
+             f"acquisition and @enter, they would have cost <b>{usd(cold)}</b> "
+             f"({cold / paid:,.0f}x)</p>" if warm else "")
     pc = v["pool_cost"]
     paid = (f"<p class=mute>the pool paid {usd(pc['usd'])} in all, idle included, over "
             f"{pc['workers']} workers; {pc['cold']['starts']:,.0f} cold starts would have cost "
             f"{usd(pc['cold']['usd'])}</p>" if pc and pc["workers"] else "")
     keys = (f"<span class=key style='background:{COLOURS['claim']}'></span>paid "
             f"<span class=key style='background:{LADDER_LINES['cold']}'></span>cold counterfactual")
-    table = (f"<table><tr><th>run</th><th>{keys}</th><th class=n>paid</th><th class=n>cold</th>"
-             f"</tr>{rows}</table>" if rows else "<p class=mute>no run priced yet</p>")
-    return (f"<section><h2>cost: the warm pool against cold</h2>{table}{paid}<p class=mute>"
+    table = ("<table><tr><th>run</th><th></th><th class=n>paid</th><th class=n>cold</th>"
+             f"</tr>{rows}</table><p class=mute>{keys}</p>" if rows else
+             "<p class=mute>no run priced yet</p>")
+    return (f"<section><h2>cost: the warm pool against cold</h2>{table}{total}{paid}<p class=mute>"
             f"priced as {esc(v['priced_as'])}; a cold run's line is what it paid</p></section>")
 
 
