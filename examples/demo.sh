@@ -20,4 +20,4 @@ $PY calque.py cost $($PY calque.py runs list --json | $PY -c 'import json, sys; 
 echo; $PY calque.py pool cost --model demo
 echo; $PY calque.py pool scale --model demo --workers 0
 trap - EXIT
-echo; echo "see it drawn: CALQUE_STORE=.calque-demo $PY calque.py dashboard   (then open http://127.0.0.1:8265/)"
+echo; echo "see it drawn: CALQUE_STORE=.calque-demo $(dirname "$PY")/calque dashboard   (then open http://127.0.0.1:8265/)"
