@@ -196,7 +196,8 @@ class Timeline:
 
 class Spin:
     """Hashes each item's "spin" times (real work that paces a drain); an item with "error" raises ValueError
-    with that text, so that only that item fails (the dashboard's test puts HTML in it)."""
+    with that text, so that only that item fails (the dashboard's test puts HTML in it); a batch with a "hold"
+    item waits for $GATE_DIR/open as Gate does."""
 
     @calque.enter
     def load(self):
@@ -204,6 +205,8 @@ class Spin:
 
     @calque.batch
     def run(self, items):
+        if any(item.get("hold") for item in items):
+            hold(items)
         out = []
         for item in items:
             digest = b""

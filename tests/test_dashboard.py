@@ -137,8 +137,12 @@ def test_browser_sees_a_run_drain(local_env, tmp_path, serve_dashboard):
     binary, why = chromium_path()
     if binary is None:
         pytest.skip(f"no headless Chromium: {why}")
-    items = html_pool(local_env, tmp_path, 2, [dict({"x": i, "spin": 24000}, **({"error": ERROR} if i % 40 == 7
-                                                                               else {})) for i in range(320)])
+    gate = tmp_path / "gate"   # one claim waits for it: the run is still draining when the page first loads
+    gate.mkdir()
+    local_env["GATE_DIR"] = str(gate)
+    items = html_pool(local_env, tmp_path, 2, [dict({"x": i, "spin": 3000}, **({"error": ERROR} if i % 40 == 7
+                                                                              else {}), hold=i == 100)
+                                               for i in range(160)])
     done = cli(local_env, "submit", "--pool", MODEL, items, "--claim-size", "8", "--no-wait")
     run_id = done.stdout.strip()
     base, shots = serve_dashboard(), tmp_path / "screenshots"
@@ -148,16 +152,17 @@ def test_browser_sees_a_run_drain(local_env, tmp_path, serve_dashboard):
         browser.open(f"{base}/runs/{run_id}")
         browser.value("window.stayed = true")   # gone if the page reloads
         first = float(browser.value("document.getElementById('progress').dataset.done"))
-        assert first < 1, "the run ended before the page could watch it: pace it slower"
-        browser.wait(f"Number(document.getElementById('progress').dataset.done) > {first} && "
+        assert first < 1
+        browser.wait("Number(document.getElementById('progress').dataset.done) >= 0.9 && "
                      "Number(document.getElementById('main').dataset.updates) > 0")
         browser.screenshot(shots / "run-draining.png")
-        browser.wait("document.getElementById('progress').dataset.done === '1.000000'", timeout=120)
+        (gate / "open").touch()
+        browser.wait("document.getElementById('progress').dataset.done === '1.000000'")
         browser.screenshot(shots / "run.png")
         assert browser.value("window.stayed") is True
         rows = browser.value("[...document.querySelectorAll('#timeline g.worker')].map(g => [g.dataset.enters, "
                              "Number(g.dataset.claims)])")
-        assert len(rows) == 2 and all(enters == "1" and claims >= 2 for enters, claims in rows), rows
+        assert len(rows) == 2 and all(enters == "1" and claims >= 1 for enters, claims in rows), rows
         failures = browser.value("document.getElementById('failures').textContent")
         assert ERROR in failures and browser.value("document.querySelectorAll('#failures img, #failures b')"
                                                    ".length") == 0
@@ -168,6 +173,20 @@ def test_browser_sees_a_run_drain(local_env, tmp_path, serve_dashboard):
         browser.screenshot(shots / "home.png")
         assert browser.problems == []
     finally:
+        (gate / "open").touch()
         browser.close()
     if os.environ.get("CALQUE_SCREENSHOTS"):   # where to keep them (docs/dashboard.png is one)
         shutil.copytree(shots, os.environ["CALQUE_SCREENSHOTS"], dirs_exist_ok=True)
+
+
+def test_api_on_an_s3_store(aws_env, tmp_path, serve_dashboard):
+    """On SQS + S3 (moto_server) the dashboard reads the same pool, run and figures."""
+    items = html_pool(aws_env, tmp_path, 1, [{"x": i} for i in range(30)])
+    done = cli(aws_env, "submit", "--pool", MODEL, items, "--claim-size", "10", "--json")
+    run_id = json.loads(done.stdout)["run"]["run_id"]
+    base = serve_dashboard(env=aws_env)
+    run = json.loads(get(f"{base}/api/runs/{run_id}")[2])
+    assert run["items"]["ok"] == 30 and run["complete"] and run["timeline"]["rows"][0]["claims"] == 3
+    pool = json.loads(get(f"{base}/api/pools/{urllib.parse.quote(MODEL, safe='')}")[2])
+    assert pool["queue"] == {"visible": 0, "in_flight": 0} and pool["workers_running"] == 1
+    assert html.escape(MODEL) in get(f"{base}/runs/{run_id}")[2]
