@@ -109,19 +109,40 @@ class Dashboard:
         self.conf, self.backend, self.price = conf, backend, price
         self.lock = threading.RLock()
         self.runs, self.records, self.done_counts, self.pools = {}, {}, {}, {}
+        self.fresh = None   # during a request: what it has read already ("runs/", run ids)
+
+    @contextlib.contextmanager
+    def request(self):
+        """One page or API answer: each run and the runs list read at most once in it."""
+        with self.lock:
+            self.fresh = set()
+            try:
+                yield
+            finally:
+                self.fresh = None
+
+    def once(self, what):
+        """True the first time `what` is asked for in this request (always, outside one)."""
+        if self.fresh is None:
+            return True
+        if what in self.fresh:
+            return False
+        self.fresh.add(what)
+        return True
 
     # -- reading
     def run_cache(self, run_id):
         cache, new = self.runs.get(run_id), run_id not in self.runs
         if new:
             cache = self.runs[run_id] = RunCache(calque.read_run(self.backend, run_id))
-        cache.refresh(self.backend, reread=not new)
+        if self.once(run_id):
+            cache.refresh(self.backend, reread=not new)
         self.records[run_id] = cache.run
         return cache
 
     def run_records(self):
         """Every run record, newest first: one LIST of runs/, a GET for each run not seen before."""
-        for folder in self.backend.store.list("runs/"):
+        for folder in self.backend.store.list("runs/") if self.once("runs/") else ():
             run_id = folder.rsplit("/", 1)[1]
             if run_id not in self.records and calque.SAFE_ID.match(run_id):
                 with contextlib.suppress(calque.UserError):   # no record yet: still being staged
@@ -131,10 +152,11 @@ class Dashboard:
     def done_claims(self, run):
         """The run's claims with a summary: from its cache, else a LIST (kept once all are done)."""
         if run["run_id"] in self.runs:
-            return len(self.runs[run["run_id"]].summaries)
+            return len(self.run_cache(run["run_id"]).summaries)
         if run["run_id"] not in self.done_counts:
+            run.update(calque.read_run(self.backend, run["run_id"]))   # how far staging got
             count = len(calque.summary_claims(self.backend, run["run_id"]))
-            if count < len(run["claims"]):
+            if count < len(run["claims"]) or not run["staged"]:
                 return count
             self.done_counts[run["run_id"]] = count
         return self.done_counts[run["run_id"]]
@@ -918,7 +940,8 @@ def handler_class(board, token):
                                                       "loopback")
             status = 200
             try:
-                kind, body = route(board, url.path, query)
+                with board.request():
+                    kind, body = route(board, url.path, query)
             except NotThere as err:
                 status, kind, body = 404, "text/plain; charset=utf-8", f"calque dashboard: {err}"
             except (calque.StoreFault, calque.NotFound, OSError) as err:
@@ -967,12 +990,16 @@ def serve(conf, backend, host, port, token, price):
         raise calque.UserError(f"--host {host} lets other machines read the store: give --token "
                                f"too ---> HINT: calque dashboard --host {host} --token "
                                f"{secrets.token_urlsafe(16)}")
+    if not 0 <= port <= 65535:
+        raise calque.UserError(f"--port {port}: a port is 0 to 65535 (0: any free one)")
     try:
         server = http.server.ThreadingHTTPServer((host, port), handler_class(Dashboard(
             conf, backend, price), token))
     except OSError as err:
-        raise calque.UserError(f"cannot listen on {host}:{port} ({err.strerror}) ---> HINT: pick "
-                               "another --port") from None
+        fix = ("--host: an address of this machine" if isinstance(err, socket.gaierror) else
+               "another --port (0: any free one)")
+        why = f"cannot listen on {host}:{port} ({err.strerror})"
+        raise calque.UserError(f"{why} ---> HINT: {fix}") from None
     shown = f"[{host}]" if ":" in host else host
     print(f"calque dashboard on http://{shown}:{server.server_address[1]}/"
           + (f"?token={token}" if token else "") + f"  ({backend.describe()}; Ctrl-C stops)",
@@ -987,6 +1014,10 @@ def serve(conf, backend, host, port, token, price):
 def write_report(conf, backend, run_id, path, price):
     """The run page as one self-contained HTML file: inline CSS and SVG, no script, nothing fetched.
     Returns the run's view."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise calque.UserError(f"--html {path}: no folder {folder} ---> HINT: create it, or write "
+                               "the report elsewhere")
     view = Dashboard(conf, backend, price).run_view(run_id)
     page = document(f"run {run_id}", main_part(run_body(view), False), backend.describe(),
                     script=False)
