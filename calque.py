@@ -2332,8 +2332,8 @@ def claim_states(backend, run, summaries, dead_letters=True):
     Without dead_letters the DLQ is not scanned (the dashboard: a scan receives its messages)."""
     by_claim = {s["claim"]: s for s in summaries}
     cancelled = run.get("cancelled")
-    pending = dead_letters and not cancelled and any(claim not in by_claim for claim in run["claims"])
-    letters = DeadLetters(backend, run).claims() if pending else {}
+    pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
+    letters = DeadLetters(backend, run).claims() if pending and dead_letters else {}
     states = {}
     for index, claim in enumerate(run["claims"]):
         s = by_claim.get(claim)
@@ -6148,15 +6148,16 @@ def cmd_runs_redrive(conf, backend, args):
 
 
 def dashboard_module():
-    """dashboard.py, loaded only by the verbs that make pages; it imports this module as `calque`, which is
-    __main__ when calque.py runs as a script: one module, so that its exceptions are the ones raised here."""
+    """dashboard.py, loaded only by the verbs that make pages. It imports this module as `calque`,
+    which is __main__ when calque.py runs as a script: one module, so its exceptions are these."""
     sys.modules.setdefault("calque", sys.modules[__name__])
     import dashboard
     return dashboard
 
 
 def cmd_runs_report(conf, backend, args):
-    view = dashboard_module().write_report(conf, backend, read_run(backend, args.run)["run_id"], args.html, _pricing(args))
+    run_id = read_run(backend, args.run)["run_id"]
+    view = dashboard_module().write_report(conf, backend, run_id, args.html, _pricing(args))
     print(f"run {args.run}: report written to {args.html} ({view['items']['ok']} items ok, "
           f"{view['items']['failed']} failed, {view['items']['pending']} pending)")
     return EXIT_OK
@@ -6438,9 +6439,9 @@ def build_parser():
     p = runs.add_parser("redrive", help="send a run's dead-lettered claims back to its pool's queue")
     p.add_argument("run", help="the run id (see `runs list`)")
     p.set_defaults(func=cmd_runs_redrive)
-    p = runs.add_parser("report", parents=[priced], help="a run's dashboard page as one self-contained HTML file")
+    p = runs.add_parser("report", parents=[priced], help="a run's page as one self-contained HTML file")
     p.add_argument("run", help="the run id (see `runs list`)")
-    p.add_argument("--html", required=True, metavar="FILE", help="the file to write (inline SVG and CSS, no script)")
+    p.add_argument("--html", required=True, metavar="FILE", help="the file to write (no script)")
     p.set_defaults(func=cmd_runs_report)
 
     p = verbs.add_parser("cost", parents=[priced],
@@ -6449,10 +6450,10 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_cost)
 
-    p = verbs.add_parser("dashboard", parents=[priced], help="a read-only live web page of pools, runs and workers")
-    p.add_argument("--port", type=int, default=8265, help="the port to listen on (default 8265; 0: any free one)")
-    p.add_argument("--host", default="127.0.0.1", help="the address to bind (default loopback; another needs --token)")
-    p.add_argument("--token", help="a secret every request must carry (?token= once, then a cookie; or a Bearer header)")
+    p = verbs.add_parser("dashboard", parents=[priced], help="a read-only live web page of the store")
+    p.add_argument("--port", type=int, default=8265, help="default 8265; 0: any free port")
+    p.add_argument("--host", default="127.0.0.1", help="default loopback; another needs --token")
+    p.add_argument("--token", help="a secret every request must carry (?token= once, or Bearer)")
     p.set_defaults(func=cmd_dashboard)
 
     modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools").add_subparsers(
