@@ -26,7 +26,7 @@ def chromium_path():
         return None, "no `chromium` on PATH, and no root apt-get to install Debian's chromium package"
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
         if done.returncode:
             return None, f"`{' '.join(command)}` failed: {(done.stderr or done.stdout).strip()[-300:]}"
     return shutil.which("chromium"), None
