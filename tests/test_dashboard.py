@@ -17,6 +17,8 @@ import dashboard
 from bench_dashboard import finish_claims, synth_run
 from cdp import Browser, chromium_path
 from conftest import HANDLERS, PY, ROOT, cli, write_items
+from test_ec2 import HANDLER as EC2_HANDLER, MODEL as EC2_MODEL, aws, options as ec2_options  # noqa: F401
+from test_ec2 import record as ec2_record
 
 MODEL = "<script>alert(1)</script>"                       # a pool name that is HTML
 ERROR = '<img src=x onerror=alert(2)><b>bold</b> & "q"'   # an item error that is HTML
@@ -179,14 +181,22 @@ def test_browser_sees_a_run_drain(local_env, tmp_path, serve_dashboard):
         shutil.copytree(shots, os.environ["CALQUE_SCREENSHOTS"], dirs_exist_ok=True)
 
 
-def test_api_on_an_s3_store(aws_env, tmp_path, serve_dashboard):
-    """On SQS + S3 (moto_server) the dashboard reads the same pool, run and figures."""
-    items = html_pool(aws_env, tmp_path, 1, [{"x": i} for i in range(30)])
-    done = cli(aws_env, "submit", "--pool", MODEL, items, "--claim-size", "10", "--json")
-    run_id = json.loads(done.stdout)["run"]["run_id"]
-    base = serve_dashboard(env=aws_env)
-    run = json.loads(get(f"{base}/api/runs/{run_id}")[2])
-    assert run["items"]["ok"] == 30 and run["complete"] and run["timeline"]["rows"][0]["claims"] == 3
-    pool = json.loads(get(f"{base}/api/pools/{urllib.parse.quote(MODEL, safe='')}")[2])
-    assert pool["queue"] == {"visible": 0, "in_flight": 0} and pool["workers_running"] == 1
-    assert html.escape(MODEL) in get(f"{base}/runs/{run_id}")[2]
+def test_ec2_pool_and_a_run_on_s3(aws, tmp_path):
+    """An EC2 pool on an s3:// store (mocked AWS, in process): its page reads the fleet through pool_status and
+    the pools table marks it EC2; a run's summaries are read from S3 (16 GETs at a time) and add up, and a
+    run page says where an EC2 worker's log is."""
+    backend = aws.backend
+    calque.ec2_pool_create(backend, ec2_record(backend), EC2_HANDLER, ec2_options(), yes_spend_money=True)
+    board = dashboard.Dashboard({"CALQUE_STATE": str(tmp_path / "state")}, backend, calque.pricing())
+    view = board.pool_view(EC2_MODEL)
+    assert view["ec2"] and view["queue"] == {"visible": 0, "in_flight": 0} and view["workers"] == []
+    kind, page = dashboard.route(board, f"/pools/{urllib.parse.quote(EC2_MODEL, safe='')}", {})
+    assert kind.startswith("text/html") and html.escape(EC2_MODEL) in page
+    assert "EC2</span>" in dashboard.route(board, "/pools", {})[1]
+    run = synth_run(backend, 40, model=EC2_MODEL)
+    finish_claims(backend, run, 0, 25)
+    view = board.run_view(run["run_id"])
+    assert view["items"]["ok"] + view["items"]["failed"] == 250 and view["items"]["pending"] == 150
+    assert len(view["timeline"]["rows"]) == 8 and "journalctl" in view["logs"][""][0]
+    finish_claims(backend, run, 25, 40)
+    assert board.run_view(run["run_id"])["complete"]
