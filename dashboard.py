@@ -496,9 +496,13 @@ svg text{font:11px system-ui,sans-serif;fill:#57534e}
 """
 SCRIPT = """(() => {
   const live = document.getElementById("live");
-  let main = document.getElementById("main"), last = null;
+  let main = document.getElementById("main"), last = null, busy = false;
+  async function poll() {
+    if (busy || document.hidden || main.dataset.live !== "1") return;
+    busy = true;
+    try { await tick(); } finally { busy = false; }
+  }
   async function tick() {
-    if (document.hidden || main.dataset.live !== "1") return;
     const url = new URL(location.href);
     url.searchParams.set("part", "main");
     try {
@@ -518,7 +522,7 @@ SCRIPT = """(() => {
     } catch (err) { live.textContent = "dashboard unreachable; retrying"; }
   }
   live.textContent = main.dataset.live === "1" ? "live" : "";
-  setInterval(tick, %d);
+  setInterval(poll, %d);
 })();"""
 
 
@@ -563,12 +567,13 @@ def document(title, main, where, script=True):
     """A whole page: served, with the polling script (allowed by its nonce in the CSP); a report
     file, with no script at all."""
     nonce = secrets.token_urlsafe(12)
-    csp = "default-src 'none'; style-src 'unsafe-inline'; " + (
+    csp = "default-src 'none'; style-src 'unsafe-inline'; img-src data:; " + (
         f"script-src 'nonce-{nonce}'; connect-src 'self'" if script else "script-src 'none'")
     js = f'<script nonce="{nonce}">{SCRIPT % REFRESH_MS}</script>' if script else ""
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
             f'<meta name="viewport" content="width=device-width,initial-scale=1">'
+            f'<link rel="icon" href="data:,">'
             f'<title>{esc(title)}</title><style>{CSS}</style></head><body><header>'
             f'<a href="/">calque</a><span class="where">{esc(where)}</span><span id="live"></span>'
             f'</header>{main}{js}</body></html>')
