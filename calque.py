@@ -569,20 +569,29 @@ def read_claim_parts(store, run_id, claim, count, keys=None):
     return parts
 
 
+def block_texts(block):
+    """Each row of a block as JSON text (floats in their dtype's shortest form; NaN and infinities as null, as strict
+    JSON has them): a block of 1-D rows in one encoding, cut at its "],[" (numbers hold none)."""
+    values, option = block.widen(), orjson.OPT_SERIALIZE_NUMPY
+    if block.shapes is None and values.ndim == 2 and len(values) and values.flags.c_contiguous:
+        return [f"[{row}]" for row in orjson.dumps(values, option=option).decode()[2:-2].split("],[")]
+    return [orjson.dumps(array, default=to_jsonable, option=option).decode() for array in block.arrays()]
+
+
 def result_lines(part):
-    """The part's result lines as JSONL prints them: typed values written in as lists (floats in their dtype's
-    shortest form; NaN and infinities as null, as strict JSON has them)."""
+    """The part's result lines as JSONL prints them: typed values written in as lists (block_texts)."""
     if not part.blocks:
         return part.lines
-    lines = [orjson.loads(line) for line in part.lines]
+    lines, parsed = list(part.lines), {}
     for block in part.blocks:
-        for row, array in zip(block.rows.tolist(), block.arrays()):
-            if block.field is None:
-                lines[row]["result"] = array
+        for row, text in zip(block.rows.tolist(), block_texts(block)):
+            if block.field is None and lines[row].endswith('"result":null}\n'):   # the result itself: spliced in
+                lines[row] = f"{lines[row][:-6]}{text}}}\n"
             else:
-                lines[row]["result"][block.field] = array
-    option = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
-    return [orjson.dumps(line, default=to_jsonable, option=option).decode() for line in lines]
+                parsed.setdefault(row, orjson.loads(lines[row]))["result"][block.field] = orjson.Fragment(text)
+    for row, line in parsed.items():
+        lines[row] = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE).decode()
+    return lines
 
 
 def read_claim_results(store, run_id, claim, count, keys=None):
