@@ -372,7 +372,11 @@ def host_array(value):
     np = sys.modules.get("numpy")       # nothing imported numpy yet: the value is no array
     if np is None or not isinstance(value, np.ndarray) or value.dtype.kind not in NUMERIC_KINDS:
         return None
-    return value, value.dtype.name
+    name = _dtype_names.get(value.dtype)
+    return value, name or _dtype_names.setdefault(value.dtype, value.dtype.name)
+
+
+_dtype_names = {}   # numpy dtype -> its name: dtype.name is Python code, a few us a call, once an item
 
 
 def batch_rows(outputs, count):
