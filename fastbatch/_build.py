@@ -45,11 +45,11 @@ def header_declarations(path):
     return "\n".join(lines)
 
 
-def ffibuilder(cwd=None):
-    """The FFI to compile (setup.py's cffi_modules calls it), its paths relative to the folder the compiler runs in
-    (setuptools refuses absolute ones): the project's for setuptools, the tmpdir for ffi.compile. A function, so
-    that fastbatch/__init__.py can read sources_digest here without parsing the header (~0.3 s)."""
-    here = os.path.relpath(HERE, cwd)
+def ffibuilder(here=None):
+    """The FFI to compile, its sources named as in `here` (default: relative to the current folder, as setup.py's
+    cffi_modules needs: setuptools refuses absolute paths). A function, so that fastbatch/__init__.py can read
+    sources_digest here without parsing the header (~0.3 s)."""
+    here = here or os.path.relpath(HERE)
     ffi = FFI()
     # No GIL annotation is needed: in API mode cffi's generated wrapper brackets every C call with
     # Py_BEGIN_ALLOW_THREADS / Py_END_ALLOW_THREADS (cffi docs, since 0.3: "C function calls are now
@@ -76,7 +76,7 @@ if __name__ == "__main__":
     # process that already mapped the old .so keeps its (unlinked) copy.
     tmp = tempfile.mkdtemp(prefix=".build-", dir=HERE)
     try:
-        so = ffibuilder(cwd=tmp).compile(tmpdir=tmp, verbose=False)
+        so = ffibuilder(HERE).compile(tmpdir=tmp, verbose=False)
         os.replace(so, os.path.join(HERE, os.path.basename(so)))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
