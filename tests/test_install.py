@@ -1,0 +1,163 @@
+"""`pip install` as a user does it: calque's sdist (the one an EC2 worker gets, packed from the checkout) built into
+a wheel by pip in its own isolated build environment, installed into a fresh venv, then run from a folder of the
+user's own, away from the checkout. The fresh venv sees this suite's venv's packages after its own (a .pth file,
+as the Makefile's peers venv does) instead of installing torch & co. again (~2 minutes here): what calque ships is
+installed for real (its files, commands, compiled module, package data), and `pip check` holds the pins it
+declares against the packages it runs with."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+import zipfile
+
+import pytest
+
+import calque
+from conftest import PY, ROOT
+
+HANDLER = '''import calque
+
+
+class RowSum:
+    @calque.enter
+    def load(self):
+        self.scale = 2
+
+    @calque.batch
+    def run(self, batch):   # fastbatch's collated dict of tensors: {"x": [B, 3]}
+        return [{"sum": float(row.sum()) * self.scale} for row in batch["x"]]
+'''
+ITEMS = [{"x": [i, i + 1, i + 2]} for i in range(40)]
+
+
+def venv_with(tmp, wheel):
+    """A fresh venv with `wheel` installed by pip, seeing this venv's packages after its own; its python."""
+    venv = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip()
+    pip(venv, "install", "-q", "--no-deps", str(wheel))   # first: this venv has a calque too (make setup's)
+    with open(os.path.join(site, "calque-test-deps.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    return venv / "bin" / "python"
+
+
+def pip(venv, *args):
+    """pip on the venv's python, nothing of the checkout on its path (its calque.egg-info would pass for calque)."""
+    return subprocess.run([PY, "-m", "pip", "--python", str(venv / "bin" / "python"), *args], check=True,
+                          capture_output=True, text=True, timeout=300, env=without_checkout())
+
+
+def without_checkout():
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def build_wheel(tmp, env=None):
+    """The wheel pip builds, in an isolated build environment, from the checkout's EC2 kit (an sdist)."""
+    kit = tmp / "calque-kit.tar.gz"
+    kit.write_bytes(calque.kit_archive()[0])
+    subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(kit)], check=True,
+                   capture_output=True, text=True, timeout=300, env=env or without_checkout())
+    return next((tmp / "dist").glob("calque-*.whl"))
+
+
+def user_env(tmp, **extra):
+    """The user's environment: no PYTHONPATH (nothing of the checkout), a fresh store and state."""
+    return {**without_checkout(), "CALQUE_STORE": str(tmp / "store"), "CALQUE_STATE": str(tmp / "state"),
+            "CALQUE_POLL_WAIT": "1", "CALQUE_ENV": str(tmp / "none.env"), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def user_folder(tmp):
+    folder = tmp / "work"
+    folder.mkdir()
+    (folder / "model.py").write_text(HANDLER)
+    (folder / "items.jsonl").write_text("".join(json.dumps(i) + "\n" for i in ITEMS))
+    return folder
+
+
+def calque_cmd(python, env, folder, *args):
+    out = subprocess.run([str(python.parent / "calque"), *args], env=env, cwd=folder, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, (args, out.stdout, out.stderr)
+    return out.stdout
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("install")
+    return venv_with(tmp, build_wheel(tmp))
+
+
+def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(installed, tmp_path):
+    """From the user's folder with nothing of the checkout on the path: calque, warmd, fastbatch and calque_data
+    load from the venv, fastbatch on its C module as the wheel built it (not rebuilt at import); pool create,
+    submit, runs results and cost work, the worker gathers in C, `--version` is the package's, pip check holds."""
+    env, folder = user_env(tmp_path), user_folder(tmp_path)
+    where = subprocess.run([str(installed), "-c", "import calque, warmd, fastbatch, calque_data, os; "
+                            "print(fastbatch.BACKEND, *(m.__file__ for m in (calque, warmd, fastbatch, calque_data)), "
+                            "os.path.exists(os.path.join(os.path.dirname(fastbatch.__file__), '.build.lock')))"],
+                           env=env, cwd=folder, capture_output=True, text=True, timeout=120)
+    assert where.returncode == 0, where.stderr
+    backend, *files, lock = where.stdout.split()
+    assert backend == "c" and lock == "False", where.stderr
+    assert all(f.startswith(str(installed.parent.parent)) for f in files), files
+    version = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["version"]
+    assert calque_cmd(installed, env, folder, "--version").strip() == f"calque {version}"
+    calque_cmd(installed, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum",
+               "--workers", "1")
+    try:
+        run = json.loads(calque_cmd(installed, env, folder, "submit", "--pool", "m", "items.jsonl", "--json"))
+        run_id = run["run"]["run_id"]
+        results = [json.loads(line) for line in calque_cmd(installed, env, folder, "runs", "results",
+                                                           run_id).splitlines()]
+        assert [r["result"]["sum"] for r in results] == [2.0 * sum(i["x"]) for i in ITEMS]
+        assert "$" in calque_cmd(installed, env, folder, "cost", run_id)          # priced from the wheel's rates
+        status = json.loads(calque_cmd(installed, env, folder, "pool", "status", "--model", "m", "--json"))
+        assert [w["fastbatch"] for w in status["workers"]] == ["c"]
+    finally:
+        calque_cmd(installed, env, folder, "pool", "delete", "--model", "m", "--yes")
+    pip(installed.parent.parent, "check")
+
+
+def test_the_install_packs_the_kit_a_checkout_packs_and_dry_runs_ec2(installed, tmp_path, moto_endpoint):
+    """`pool create --instances 1 --dry-run` from the install, on moto_server: every call printed, nothing
+    created, and the kit it would upload is the checkout's, byte for byte (its digest)."""
+    import boto3
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint)
+    s3.create_bucket(Bucket="calque-install")
+    ami = boto3.client("ec2", endpoint_url=moto_endpoint).describe_images(
+        Filters=[{"Name": "architecture", "Values": ["x86_64"]}])["Images"][0]["ImageId"]
+    env = user_env(tmp_path, CALQUE_STORE="s3://calque-install/root", AWS_ENDPOINT_URL=moto_endpoint)
+    folder = user_folder(tmp_path)
+    out = calque_cmd(installed, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum",
+                     "--instances", "1", "--instance-type", "g5.xlarge", "--ami", ami, "--dry-run")
+    assert f"kit {calque.kit_archive()[1][:16]}" in out and "would call autoscaling.CreateAutoScalingGroup" in out
+    assert s3.list_objects_v2(Bucket="calque-install").get("KeyCount") == 0
+
+
+def test_without_a_compiler_the_install_succeeds_on_the_numpy_path(tmp_path):
+    """No working compiler (CC fails) at build and at run time: the wheel still builds, without the C module; it
+    installs; its worker gathers on numpy and `pool status` says so."""
+    env = user_env(tmp_path, CC="/bin/false")
+    wheel = build_wheel(tmp_path, env=env)
+    assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")]
+    python = venv_with(tmp_path, wheel)
+    folder = user_folder(tmp_path)
+    calque_cmd(python, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum", "--workers", "1")
+    try:
+        calque_cmd(python, env, folder, "submit", "--pool", "m", "items.jsonl")
+        status = calque_cmd(python, env, folder, "pool", "status", "--model", "m")
+        assert "1 running worker(s) collate with fastbatch's numpy fallback" in status, status
+    finally:
+        calque_cmd(python, env, folder, "pool", "delete", "--model", "m", "--yes")
+
+
+def test_the_build_pins_are_requirements_pins():
+    """pyproject.toml's build requirements (setuptools, cffi) are requirements.txt's pinned lines."""
+    with open(os.path.join(ROOT, "requirements.txt")) as f:
+        pins = {line.split("#")[0].strip() for line in f}
+    requires = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["build-system"]["requires"]
+    assert set(requires) <= pins, requires
