@@ -55,12 +55,13 @@ def without_checkout():
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
-def build_wheel(tmp, env=None):
-    """The wheel pip builds, in an isolated build environment, from the checkout's EC2 kit (an sdist)."""
+def build_wheel(tmp, env=None, *isolation):
+    """The wheel pip builds, in an isolated build environment unless told --no-build-isolation, from the
+    checkout's EC2 kit (an sdist)."""
     kit = tmp / "calque-kit.tar.gz"
     kit.write_bytes(calque.kit_archive()[0])
-    subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp / "dist"), str(kit)], check=True,
-                   capture_output=True, text=True, timeout=300, env=env or without_checkout())
+    subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(tmp / "dist"), str(kit)],
+                   check=True, capture_output=True, text=True, timeout=300, env=env or without_checkout())
     return next((tmp / "dist").glob("calque-*.whl"))
 
 
@@ -85,54 +86,44 @@ def calque_cmd(python, env, folder, *args):
     return out.stdout
 
 
-@pytest.fixture(scope="module")
-def installed(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("install")
-    return venv_with(tmp, build_wheel(tmp))
-
-
-def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(installed, tmp_path):
-    """From the user's folder with nothing of the checkout on the path: calque, warmd, fastbatch and calque_data
-    load from the venv, fastbatch on its C module as the wheel built it (not rebuilt at import); pool create,
-    submit, runs results and cost work, the worker gathers in C, `--version` is the package's, pip check holds."""
+def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, moto_endpoint):
+    """From the user's folder, nothing of the checkout on the path: calque, warmd, fastbatch and calque_data load
+    from the venv, fastbatch on the C module the wheel holds (not rebuilt at import); pool create, submit, runs
+    results and cost work, the worker gathers in C, `--version` is the package's, pip check holds; and
+    `pool create --instances 1 --dry-run` on moto_server creates nothing and would upload the checkout's kit."""
+    python = venv_with(tmp_path, build_wheel(tmp_path))
     env, folder = user_env(tmp_path), user_folder(tmp_path)
-    where = subprocess.run([str(installed), "-c", "import calque, warmd, fastbatch, calque_data, os; "
+    where = subprocess.run([str(python), "-c", "import calque, warmd, fastbatch, calque_data, os; "
                             "print(fastbatch.BACKEND, *(m.__file__ for m in (calque, warmd, fastbatch, calque_data)), "
                             "os.path.exists(os.path.join(os.path.dirname(fastbatch.__file__), '.build.lock')))"],
                            env=env, cwd=folder, capture_output=True, text=True, timeout=120)
     assert where.returncode == 0, where.stderr
     backend, *files, lock = where.stdout.split()
     assert backend == "c" and lock == "False", where.stderr
-    assert all(f.startswith(str(installed.parent.parent)) for f in files), files
+    assert all(f.startswith(str(tmp_path / "venv")) for f in files), files
     version = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["version"]
-    assert calque_cmd(installed, env, folder, "--version").strip() == f"calque {version}"
-    calque_cmd(installed, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum",
-               "--workers", "1")
+    assert calque_cmd(python, env, folder, "--version").strip() == f"calque {version}"
+    calque_cmd(python, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum", "--workers", "1")
     try:
-        run = json.loads(calque_cmd(installed, env, folder, "submit", "--pool", "m", "items.jsonl", "--json"))
-        run_id = run["run"]["run_id"]
-        results = [json.loads(line) for line in calque_cmd(installed, env, folder, "runs", "results",
+        run_id = json.loads(calque_cmd(python, env, folder, "submit", "--pool", "m", "items.jsonl", "--json"))[
+            "run"]["run_id"]
+        results = [json.loads(line) for line in calque_cmd(python, env, folder, "runs", "results",
                                                            run_id).splitlines()]
         assert [r["result"]["sum"] for r in results] == [2.0 * sum(i["x"]) for i in ITEMS]
-        assert "$" in calque_cmd(installed, env, folder, "cost", run_id)          # priced from the wheel's rates
-        status = json.loads(calque_cmd(installed, env, folder, "pool", "status", "--model", "m", "--json"))
+        assert "$" in calque_cmd(python, env, folder, "cost", run_id)          # priced from the wheel's rates.json
+        status = json.loads(calque_cmd(python, env, folder, "pool", "status", "--model", "m", "--json"))
         assert [w["fastbatch"] for w in status["workers"]] == ["c"]
     finally:
-        calque_cmd(installed, env, folder, "pool", "delete", "--model", "m", "--yes")
-    pip(installed.parent.parent, "check")
+        calque_cmd(python, env, folder, "pool", "delete", "--model", "m", "--yes")
+    pip(tmp_path / "venv", "check")
 
-
-def test_the_install_packs_the_kit_a_checkout_packs_and_dry_runs_ec2(installed, tmp_path, moto_endpoint):
-    """`pool create --instances 1 --dry-run` from the install, on moto_server: every call printed, nothing
-    created, and the kit it would upload is the checkout's, byte for byte (its digest)."""
     import boto3
     s3 = boto3.client("s3", endpoint_url=moto_endpoint)
     s3.create_bucket(Bucket="calque-install")
     ami = boto3.client("ec2", endpoint_url=moto_endpoint).describe_images(
         Filters=[{"Name": "architecture", "Values": ["x86_64"]}])["Images"][0]["ImageId"]
-    env = user_env(tmp_path, CALQUE_STORE="s3://calque-install/root", AWS_ENDPOINT_URL=moto_endpoint)
-    folder = user_folder(tmp_path)
-    out = calque_cmd(installed, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum",
+    env = dict(env, CALQUE_STORE="s3://calque-install/root", AWS_ENDPOINT_URL=moto_endpoint)
+    out = calque_cmd(python, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum",
                      "--instances", "1", "--instance-type", "g5.xlarge", "--ami", ami, "--dry-run")
     assert f"kit {calque.kit_archive()[1][:16]}" in out and "would call autoscaling.CreateAutoScalingGroup" in out
     assert s3.list_objects_v2(Bucket="calque-install").get("KeyCount") == 0
@@ -142,7 +133,7 @@ def test_without_a_compiler_the_install_succeeds_on_the_numpy_path(tmp_path):
     """No working compiler (CC fails) at build and at run time: the wheel still builds, without the C module; it
     installs; its worker gathers on numpy and `pool status` says so."""
     env = user_env(tmp_path, CC="/bin/false")
-    wheel = build_wheel(tmp_path, env=env)
+    wheel = build_wheel(tmp_path, env, "--no-build-isolation")   # the isolated build is the test above's
     assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")]
     python = venv_with(tmp_path, wheel)
     folder = user_folder(tmp_path)
