@@ -307,10 +307,10 @@ def load_framer(folder=None):
     `import fastbatch` would import torch, ~2 s and ~150 MiB, into a worker whose handler may never need it).
     (None, None) where it is not built (pip install or `make setup` builds it; a worker then frames every line
     in Python, as format_each)."""
-    folder = folder or importlib.util.find_spec("fastbatch").submodule_search_locations[0]
-    path = os.path.join(folder, "_fastbatch_c" + sysconfig.get_config_var("EXT_SUFFIX"))
-    spec = importlib.util.spec_from_file_location("fastbatch._fastbatch_c", path)
     try:
+        folder = folder or importlib.util.find_spec("fastbatch").submodule_search_locations[0]
+        path = os.path.join(folder, "_fastbatch_c" + sysconfig.get_config_var("EXT_SUFFIX"))
+        spec = importlib.util.spec_from_file_location("fastbatch._fastbatch_c", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module.ffi, module.lib

@@ -3,7 +3,7 @@ buffers (pinned when CUDA is present). The copy is C (fastbatch.c via cffi, GIL 
 pthreads above THREAD_MIN_BYTES); fastbatch/reference.py is the same thing in numpy, used when
 the C module cannot be built.
 
-    .venv/bin/python fastbatch/_build.py                     # build the C module (make setup)
+    .venv/bin/python fastbatch/_build.py                     # the C module by hand (pip install builds it)
     .venv/bin/python -m pytest -q tests/test_fastbatch.py    # C and numpy paths vs numpy
     .venv/bin/python tests/bench_fastbatch.py                # GB/s vs torch.stack, np.stack, memcpy
     FASTBATCH_REFERENCE=1 FASTBATCH_THREADS=2 ...            # force the numpy path / copy threads
