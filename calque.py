@@ -2827,9 +2827,10 @@ LADDER_ITEMS = (10, 100, 1_000, 10_000, 100_000)      # item counts the crossove
 TIE_REL = 1e-9                                        # costs this close count as a tie (float noise)
 
 
-def load_rates(path):
-    """Read and validate a rates file; every failure is a UserError naming the file and the field."""
-    path = str(path)
+def load_rates(path=None):
+    """Read and validate a rates file (default: the rates.json calque ships, in calque_data); every failure is a
+    UserError naming the file and the field."""
+    path = str(path or package_file("calque_data", "rates.json"))
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -3384,7 +3385,7 @@ class Pricing(typing.NamedTuple):
 def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False):
     """The Pricing for a rates file (default the bundled rates.json) and an instance type (default: the
     file's), on-demand unless spot or savings_plan."""
-    rates = load_rates(rates_file or package_file("calque_data", "rates.json"))
+    rates = load_rates(rates_file)
     instance_type = instance_type or rates["defaults"]["instance_type"]["value"]
     rate = instance_rate_per_second(rates, instance_type, spot=spot, savings_plan=savings_plan)
     return Pricing(rates, instance_type, rate, price_label(rates, instance_type, spot=spot, savings_plan=savings_plan))
@@ -4316,7 +4317,7 @@ class ColdLaunch:
 def _hourly(instance_type, spot, count):
     """'~$2.01/h for 2 x g5.xlarge on-demand (rates.json)', or a line saying the type is not priced there."""
     try:
-        rates = load_rates(package_file("calque_data", "rates.json"))
+        rates = load_rates()
         per_hour = instance_rate_per_second(rates, instance_type, spot=spot) * 3600 * count
         return (f"~${per_hour:.2f}/h while {count} x {instance_type} {'spot' if spot else 'on-demand'} run "
                 f"(rates.json {rates['updated']})")
@@ -5219,8 +5220,7 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives each worker "
                         f"{gpus_per_worker or 1} ---> HINT: --gpus-per-worker {count}")
     if card:
-        rates = load_rates(package_file("calque_data", "rates.json"))
-        suggested["instance_type"] = suggest_instance(rates, card, count)
+        suggested["instance_type"] = suggest_instance(load_rates(), card, count)
         notes.append(f"gpu={options['gpu']!r}: EC2 instance type for --instances: "
                      f"{suggested['instance_type'] or 'none in rates.json'}")
     retries = options.get("retries")
