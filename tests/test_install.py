@@ -6,14 +6,11 @@ installed for real (its files, commands, compiled module, package data), and `pi
 declares against the packages it runs with."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import sysconfig
 import tomllib
 import zipfile
-
-import pytest
 
 import calque
 from conftest import PY, ROOT
@@ -71,6 +68,11 @@ def user_env(tmp, **extra):
             "CALQUE_POLL_WAIT": "1", "CALQUE_ENV": str(tmp / "none.env"), "PYTHONUNBUFFERED": "1", **extra}
 
 
+def pyproject():
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
 def user_folder(tmp):
     folder = tmp / "work"
     folder.mkdir()
@@ -99,7 +101,7 @@ def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, 
     assert where.returncode == 0, where.stderr
     files = where.stdout.split()
     assert len(files) == 4 and all(f.startswith(str(tmp_path / "venv")) for f in files), files
-    version = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["project"]["version"]
+    version = pyproject()["project"]["version"]
     assert calque_cmd(python, env, folder, "--version").strip() == f"calque {version}"
     calque_cmd(python, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum", "--workers", "1")
     try:
@@ -149,5 +151,5 @@ def test_the_build_pins_are_requirements_pins():
     """pyproject.toml's build requirements (setuptools, cffi) are requirements.txt's pinned lines."""
     with open(os.path.join(ROOT, "requirements.txt")) as f:
         pins = {line.split("#")[0].strip() for line in f}
-    requires = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))["build-system"]["requires"]
+    requires = pyproject()["build-system"]["requires"]
     assert set(requires) <= pins, requires
