@@ -95,12 +95,13 @@ def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, 
     `pool create --instances 1 --dry-run` on moto_server creates nothing and would upload the checkout's kit."""
     python = venv_with(tmp_path, build_wheel(tmp_path))
     env, folder = user_env(tmp_path), user_folder(tmp_path)
-    where = subprocess.run([str(python), "-c", "import calque, warmd, calque_data, importlib.util as u; print("
-                            "calque.__file__, warmd.__file__, calque_data.__file__, u.find_spec('fastbatch').origin)"],
+    where = subprocess.run([str(python), "-c", "import calque, warmd, calque_data, importlib.metadata as m, "
+                            "importlib.util as u; print(calque.__file__, warmd.__file__, calque_data.__file__, "
+                            "u.find_spec('fastbatch').origin, m.files('calque')[0].locate())"],
                            env=env, cwd=folder, capture_output=True, text=True, timeout=120)
     assert where.returncode == 0, where.stderr
-    files = where.stdout.split()
-    assert len(files) == 4 and all(f.startswith(str(tmp_path / "venv")) for f in files), files
+    files = where.stdout.split()   # the modules, and the metadata `--version` reads
+    assert len(files) == 5 and all(f.startswith(str(tmp_path / "venv")) for f in files), files
     version = pyproject()["project"]["version"]
     assert calque_cmd(python, env, folder, "--version").strip() == f"calque {version}"
     calque_cmd(python, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum", "--workers", "1")
