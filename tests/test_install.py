@@ -91,7 +91,7 @@ def calque_cmd(python, env, folder, *args):
 def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, moto_endpoint):
     """From the user's folder, nothing of the checkout on the path: calque, warmd, fastbatch and calque_data load
     from the venv, fastbatch on the C module the wheel holds (not rebuilt at import); pool create, submit, runs
-    results and cost work, the worker gathers in C, `--version` is the package's, pip check holds; and
+    results, cost and runs report work, the worker gathers in C, `--version` is the package's, pip check holds; and
     `pool create --instances 1 --dry-run` on moto_server creates nothing and would upload the checkout's kit."""
     python = venv_with(tmp_path, build_wheel(tmp_path))
     env, folder = user_env(tmp_path), user_folder(tmp_path)
@@ -112,6 +112,8 @@ def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, 
                                                            run_id).splitlines()]
         assert [r["result"]["sum"] for r in results] == [2.0 * sum(i["x"]) for i in ITEMS]
         assert "$" in calque_cmd(python, env, folder, "cost", run_id)          # priced from the wheel's rates.json
+        calque_cmd(python, env, folder, "runs", "report", run_id, "--html", "report.html")   # dashboard.py's
+        assert run_id in (folder / "report.html").read_text()
         status = json.loads(calque_cmd(python, env, folder, "pool", "status", "--model", "m", "--json"))
         assert [w["fastbatch"] for w in status["workers"]] == ["c"]
     finally:
