@@ -741,9 +741,11 @@ class Worker:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, h["file"])
         calque.write_file_atomic(path, source.decode())
+        if "include" in h:   # the modules and data files it needs beside it (pool create --include, add_local_*)
+            calque.unpack_include(self.backend.store, h["include"], folder)
         enter_workdir(self.record.get("workdir"), folder)
-        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"],
-                                                                                 self.record.get("modal"))
+        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(
+            path, h["class"], self.record.get("modal"), container=True)
         self.collator = Collator(collate)
 
     def enter(self):
