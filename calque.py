@@ -5385,6 +5385,8 @@ def image_plan(image, app_path):
             plan["env"].update({k: str(v) for a in args for k, v in a.items()})
         elif name in ("add_local_file", "add_local_dir"):
             local, remote = str(args[0]), str(args[1] if len(args) > 1 else kwargs["remote_path"])
+            beside_app = os.path.join(os.path.dirname(os.path.abspath(app_path)), local)
+            local = local if os.path.exists(local) or not os.path.exists(beside_app) else beside_app
             plan["files"].append([os.path.abspath(local), modal_remote_place(remote, local)])
         elif name == "add_local_python_source":
             plan["files"] += [[python_source(module, app_path), module.split(".")[0] + (
@@ -6219,6 +6221,7 @@ def cmd_submit(conf, backend, args):
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
         run_id = new_run_id(args.pool)
+        output = WorkerOutput(conf, {args.pool: args.pool}) if args.follow_logs and not args.no_wait else None
         try:
             with signals_interrupt():
                 run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
@@ -6239,6 +6242,9 @@ def cmd_submit(conf, backend, args):
             print(f"calque: interrupted while waiting: run {run.run_id}: its claims are queued and finish without "
                   f"you ---> HINT: python calque.py runs show {run.run_id}", file=sys.stderr)
             return 128 + signal.SIGINT
+        finally:
+            if output:
+                output.stop()
         run, summaries = run.record, run.waited
     else:
         if not args.model:
@@ -6660,6 +6666,8 @@ def build_parser():
     p.add_argument("--wait-for-workers", action="store_true",
                    help="queue the run even when the pool has no live worker (else: exit 2 at once)")
     p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
+    p.add_argument("--follow-logs", action="store_true",
+                   help="print what the pool's local workers print while the run goes (stderr, each line prefixed)")
     cold_ec2 = p.add_argument_group(
         "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
     cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")

@@ -54,7 +54,7 @@ def square(x):
 
 @app.local_entrypoint()
 def main(count: int = 3, strict: bool = False):
-    out = {{"double": [r if not isinstance(r, Exception) else "error: " + str(r)
+    out = {{"double": [r if not isinstance(r, ValueError) else f"error: {{type(r).__name__}}: {{r}}"
                        for r in Batcher().double.map(range(count), return_exceptions=not strict)],
            "add": list(Batcher().add.starmap([(1, 2), (3, 4)])),
            "square": list(square.map(range(count), order_outputs=False)),
@@ -226,3 +226,90 @@ def test_unsupported_construct_and_a_real_modal_installed(local_env, tmp_path):
     out = cli(env, "modal", "run", path, "--count", "2")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["double"] == [{"y": 200}, {"y": 202}]
+
+
+IDIOMS = '''
+import os
+import sys
+import modal
+
+image = (modal.Image.debian_slim(python_version="3.11").apt_install("libgomp1").pip_install("numpy")
+         .env({{"GREETING": "hello"}}).add_local_python_source("shapes")
+         .add_local_file("table.txt", "/root/table.txt"))
+app = modal.App("idioms", image=image)
+
+with image.imports():   # Modal's way to import what only the image has
+    import shapes
+
+
+@app.function()
+def work(x: int = 2, y: int = 3):
+    print(f"work {{x}} {{y}}")
+    print("to stderr", file=sys.stderr)
+    if x < 0:
+        raise ValueError(f"negative {{x}}")
+    with open("table.txt") as f:   # add_local_file(..., "/root/table.txt"): beside the app, as in Modal's /root
+        rows = f.read().split()
+    return {{"area": shapes.area(x, y), "env": os.environ["GREETING"], "rows": rows}}
+
+
+@app.function()
+def count(n):
+    yield from range(n)
+
+
+@app.function()
+@modal.batched(max_batch_size=4, wait_ms=10)
+async def doubles(xs: list[int]) -> list[int]:
+    return [2 * x for x in xs]
+
+
+@app.function()
+@modal.fastapi_endpoint(method="POST")
+def web(item: dict):   # a web endpoint beside the batch functions: the file still imports and runs
+    return item
+
+
+@app.local_entrypoint()
+async def main():
+    import json
+    call = work.spawn(4, y=5)
+    out = {{"noargs": work.remote(), "kwargs": await work.remote.aio(x=3, y=1),
+            "aio_map": [r["area"] async for r in work.map.aio([1, 2])],
+            "gen": list(count.remote_gen(3)), "gen_aio": [i async for i in count.remote_gen.aio(2)],
+            "batched": [d async for d in doubles.map.aio(range(6))],
+            "gather": modal.FunctionCall.gather(call, modal.FunctionCall.from_id(call.object_id)),
+            "id": call.object_id.startswith("fc-")}}
+    try:
+        work.remote(-1)
+    except ValueError as e:   # the original type, as Modal re-raises it
+        out["raised"] = str(e)
+    print(json.dumps(out))
+'''
+
+
+def write_idioms(tmp_path):
+    (tmp_path / "shapes.py").write_text("def area(x, y):\n    return x * y\n")
+    (tmp_path / "table.txt").write_text("a b\n")
+    path = tmp_path / "idioms.py"
+    path.write_text(IDIOMS.format())
+    return str(path)
+
+
+@pytest.mark.parametrize("backend", ["local", "aws"])
+def test_modal_idioms_under_modal_run(backend, request, tmp_path):
+    """Modal's own call forms under `modal run`: no-argument and keyword calls, .remote.aio / .map.aio, remote_gen
+    (and .aio), an async @modal.batched, spawn + FunctionCall.gather / from_id, the original exception type; the
+    image's env, add_local_python_source and add_local_file reach the workers; a web endpoint beside them is
+    kept; what the functions print reaches our stderr, prefixed with the worker, while they run."""
+    env = request.getfixturevalue(f"{backend}_env")
+    path = write_idioms(tmp_path)
+    out = cli(env, "modal", "run", path, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    row = {"env": "hello", "rows": ["a", "b"]}
+    assert json.loads(out.stdout) == {
+        "noargs": dict(row, area=6), "kwargs": dict(row, area=3), "aio_map": [3, 6], "gen": [0, 1, 2],
+        "gen_aio": [0, 1], "batched": [0, 2, 4, 6, 8, 10], "gather": [dict(row, area=20)] * 2, "id": True,
+        "raised": "negative -1"}
+    assert "[work w0] work 3 1" in out.stderr and "[work w0] to stderr" in out.stderr
+    assert "Traceback" not in out.stderr and "modal-idioms" not in cli(env, "pool", "list").stdout
