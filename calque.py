@@ -624,6 +624,9 @@ def import_modal_file(path, container=False):
     UserError naming the file and line: a refused construct, a module this Python lacks, any exception."""
     shim = load_modal_shim()
     shim.container = container
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:   # its sibling modules import, as `python app.py` / `modal run app.py` find them
+        sys.path.insert(0, folder)
     try:
         return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
     except Exception as e:

@@ -3,10 +3,13 @@
 refusals; and the stand-in loaded even where a real `modal` package is importable."""
 import json
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 
-from conftest import ROOT, cli, wait_for, write_items
+from conftest import PY, ROOT, cli, wait_for, write_items
 
 APP = '''
 import json
@@ -313,3 +316,86 @@ def test_modal_idioms_under_modal_run(backend, request, tmp_path):
         "raised": "negative -1"}
     assert "[work w0] work 3 1" in out.stderr and "[work w0] to stderr" in out.stderr
     assert "Traceback" not in out.stderr and "modal-idioms" not in cli(env, "pool", "list").stdout
+
+
+TAGGER = '''
+import calque
+import helper
+
+
+class Tagger:
+    @calque.enter
+    def load(self):
+        with open("data/words.txt") as f:   # relative to the handler's folder, as on the machine it came from
+            self.words = f.read().split()
+
+    @calque.batch
+    def run(self, items):
+        return [helper.tag(self.words, x) for x in items]
+'''
+
+MODAL_TAGGER = '''
+import modal
+import helper
+
+app = modal.App(image=modal.Image.debian_slim().add_local_python_source("helper").add_local_dir("data", "/root/data"))
+
+
+@app.function()
+def tag(x):
+    with open("data/words.txt") as f:
+        return helper.tag(f.read().split(), x)
+'''
+
+
+def test_multi_file_app_on_a_worker_with_only_the_store(aws_env, tmp_path):
+    """A handler importing a sibling module and reading a data file, snapshotted with --include (a native handler)
+    or add_local_python_source / add_local_dir (a Modal app), runs on a worker started in an empty folder once the
+    folder it came from is gone, as on an EC2 instance: the files come from the store, checked by sha256."""
+    folder = tmp_path / "project"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "words.txt").write_text("zero one two\n")
+    (folder / "helper.py").write_text("def tag(words, x):\n    return f'{x}:{words[x]}'\n")
+    (folder / "tagger.py").write_text(TAGGER)
+    (folder / "modal_tagger.py").write_text(MODAL_TAGGER)
+    for model, handler, extra in (("native", "tagger.py:Tagger", ["--include", "helper.py", "--include", "data"]),
+                                  ("modalapp", "modal_tagger.py:tag", [])):
+        out = cli(aws_env, "pool", "create", "--model", model, "--handler", handler, "--workers", "0", *extra,
+                  cwd=str(folder))
+        assert out.returncode == 0, out.stderr
+    folder.rename(tmp_path / "gone")   # the record's workdir no longer exists on this machine
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for model in ("native", "modalapp"):
+        worker = subprocess.Popen([PY, os.path.join(ROOT, "warmd.py"), "--model", model], env=aws_env, cwd=empty,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            run = cli(aws_env, "submit", "--pool", model, "--wait-for-workers", "--json",
+                      write_items(tmp_path / "items.jsonl", [2, 0, 1]))
+            assert run.returncode == 0, run.stderr
+            run_id = json.loads(run.stdout)["run"]["run_id"]
+            results = [json.loads(line)["result"] for line in cli(aws_env, "runs", "results", run_id).stdout.split()]
+            assert results == ["2:two", "0:zero", "1:one"]
+        finally:
+            worker.terminate()
+            worker.wait(30)
+    assert os.listdir(empty) == []
+
+
+def test_include_refusals(local_env, tmp_path, monkeypatch):
+    """An include over INCLUDE_MAX_BYTES, or one that does not exist, is refused in one line before anything is
+    written; the snapshot of the same files is byte-identical (a re-created pool keeps its digest)."""
+    import calque
+    (tmp_path / "h.py").write_text(TAGGER)
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(calque.INCLUDE_MAX_BYTES + 1)
+    for include, words in (("big.bin", "MiB a pool snapshots"), ("nope.txt", "not found")):
+        out = cli(local_env, "pool", "create", "--model", "m", "--handler", "h.py:Tagger", "--workers", "0",
+                  "--include", include, cwd=str(tmp_path))
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
+    assert "m" not in cli(local_env, "pool", "list", "--json").stdout
+    (tmp_path / "small.txt").write_text("x")
+    first = calque.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]])
+    os.utime(tmp_path / "small.txt", (1, 1))
+    assert calque.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]]) == first
