@@ -335,6 +335,9 @@ class Handle:
             setattr(self, name, _CallForm(getattr(self, "_" + name), name in ("remote_gen", "map", "starmap")))
 
     def _results(self, items):
+        if runner is None and container:
+            _unsupported(f"{self.target}.remote/.map/.spawn from a worker (one function calling another)",
+                         "make the calls from the app's local entrypoint")
         if runner is None:
             _unsupported(f"{self.target}.remote/.map outside `calque modal run`",
                          "call it from the app's local entrypoint, run with calque modal run app.py")

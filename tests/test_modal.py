@@ -399,3 +399,107 @@ def test_include_refusals(local_env, tmp_path, monkeypatch):
     first = calque.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]])
     os.utime(tmp_path / "small.txt", (1, 1))
     assert calque.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]]) == first
+
+
+SLEEPY = '''
+import time
+import modal
+
+app = modal.App()
+
+
+@app.function()
+def greet(name: str = "you", times: int = 1):
+    for _ in range(times):
+        print(f"hi {{name}}")
+
+
+@app.function()
+def nap(x):
+    time.sleep(60)
+'''
+
+
+def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
+    """`modal run app.py::fn --opt v` calls the function once with its options, as Modal's CLI (its print on our
+    stderr); a file of several functions and no entrypoint names them in one line; SIGTERM of `modal run` deletes
+    its ephemeral pool and stops its workers."""
+    path = tmp_path / "sleepy.py"
+    path.write_text(SLEEPY.format())
+    out = cli(local_env, "modal", "run", f"{path}::greet", "--name", "calque", "--times", "2")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("[greet w0] hi calque") == 2
+    out = cli(local_env, "modal", "run", str(path))
+    assert out.returncode == 2 and "0 local entrypoints and 2 functions (greet, nap)" in out.stderr
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "modal", "run", f"{path}::nap", "--x", "1"],
+                            env=local_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: "modal-sleepy-nap" in cli(local_env, "runs", "list").stdout, 60, "the run of the nap")
+    model = json.loads(cli(local_env, "pool", "list", "--json").stdout)[0]["model"]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    assert "modal-sleepy" not in cli(local_env, "pool", "list").stdout
+
+    def running():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found += [pid] if model.encode() in f.read() else []
+            except OSError:
+                pass
+        return found
+    wait_for(lambda: not running(), 30, "the pool's supervisor and worker to exit")
+
+
+def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
+    """A syntax error, a top-level import this Python lacks, an image pip package not installed, a web endpoint as
+    the target, an exception in the entrypoint: each one line naming the file (and line) and the next step."""
+    cases = {
+        "syntax.py": ("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x +\n",
+                      "f", "syntax error on line 5"),
+        "missing.py": ("import modal\nimport no_such_module_xyz\napp = modal.App()\n@app.function()\ndef f(x):\n"
+                       "    return x\n", "f", "missing.py:2: module 'no_such_module_xyz' is not installed"),
+        "image.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim().pip_install('no-such-dist==1.0'))"
+                     "\n@app.function()\ndef f(x):\n    return x\n", "f", "-m pip install no-such-dist==1.0"),
+        "web.py": ("import modal\napp = modal.App()\n@app.function()\n@modal.asgi_app()\ndef f():\n    return None\n",
+                   "f", "f is a @modal.asgi_app web endpoint"),
+    }
+    for name, (source, target, words) in cases.items():
+        (tmp_path / name).write_text(source)
+        out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{tmp_path / name}:{target}",
+                  "--workers", "0")
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, (name, out.stderr)
+    (tmp_path / "entry.py").write_text("import modal\napp = modal.App()\n@app.local_entrypoint()\ndef main():\n"
+                                       "    {}['key']\n")
+    out = cli(local_env, "modal", "run", str(tmp_path / "entry.py"))
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert "entrypoint main failed: " in out.stderr and "entry.py:5: KeyError: 'key'" in out.stderr
+
+
+def test_image_imports_and_bootstrap(tmp_path):
+    """`with image.imports():` skips a missing module outside a worker, as Modal does locally, and raises it in a
+    worker; an EC2 pool's bootstrap installs the image's apt and pip packages as written."""
+    import calque
+    app = tmp_path / "imports.py"
+    app.write_text("import modal\nimage = modal.Image.debian_slim()\napp = modal.App(image=image)\n"
+                   "with image.imports():\n    import no_such_module_xyz\n@app.function()\ndef f(x):\n    return x\n")
+    calque.import_modal_app(str(app), "f")
+    with pytest.raises(calque.UserError, match="imports.py:5: module 'no_such_module_xyz' is not installed"):
+        calque.import_modal_app(str(app), "f", container=True)
+    script = calque.user_data_pool("m", "s3://b/p", "us-east-1", "kit.tgz", "0" * 64,
+                                   image={"apt": ["libgomp1"], "pip": ["scikit-learn~=1.5.0", "numpy"]})
+    assert "apt-get -o DPkg::Lock::Timeout=600 install -y -q libgomp1" in script
+    assert "install -q --no-cache-dir 'scikit-learn~=1.5.0' numpy" in script
+
+
+def test_submit_follow_logs(local_env, tmp_path):
+    """submit --follow-logs on a native pool: what the handler prints reaches submit's stderr, prefixed."""
+    (tmp_path / "loud.py").write_text("import calque\n\n\nclass Loud:\n    @calque.enter\n    def load(self):\n"
+                                      "        pass\n\n    @calque.batch\n    def run(self, items):\n"
+                                      "        print('batch of', len(items))\n        return items\n")
+    assert cli(local_env, "pool", "create", "--model", "loud", "--handler", f"{tmp_path / 'loud.py'}:Loud",
+               "--workers", "1").returncode == 0
+    out = cli(local_env, "submit", "--pool", "loud", "--follow-logs", write_items(tmp_path / "i.jsonl", [1, 2, 3]))
+    assert out.returncode == 0, out.stderr
+    assert "[loud w0] batch of 3" in out.stderr
+    assert cli(local_env, "pool", "delete", "--model", "loud", "--yes").returncode == 0
