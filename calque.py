@@ -630,10 +630,10 @@ def import_modal_file(path, container=False):
     try:
         return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
     except Exception as e:
-        raise UserError(user_code_error(path, e))
+        raise UserError(user_code_error(path, e, container))
 
 
-def user_code_error(path, e):
+def user_code_error(path, e, container=False):
     """One line for an exception raised by a user's file: where (file:line, its innermost frame there) and what."""
     lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
              if os.path.abspath(f.filename) == os.path.abspath(path)]
@@ -645,8 +645,8 @@ def user_code_error(path, e):
                 f"---> HINT: import modal and use modal.X")
     if isinstance(e, ModuleNotFoundError):
         return (f"{where}: module {e.name!r} is not installed in this Python ({sys.executable}) ---> HINT: "
-                f"{sys.executable} -m pip install PACKAGE (the one that provides {e.name}), or import it inside "
-                f"`with image.imports():`")
+                f"{sys.executable} -m pip install PACKAGE (the one that provides {e.name})"
+                + ("" if container else ", or import it inside `with image.imports():`"))
     return f"{where}: {type(e).__name__}: {e}"
 
 

@@ -15,7 +15,9 @@ import builtins
 import contextlib
 import functools
 import inspect
+import threading
 import uuid
+from concurrent.futures import Future   # its TimeoutError is the builtin one (3.11)
 
 runner = None      # set by `calque modal run`: call(target, params, items) -> an iterator of result dicts
 container = False  # True in a worker: Image.imports() blocks import for real there
@@ -392,17 +394,27 @@ class FunctionCall:
     _spawned = {}
 
     def __init__(self, results):
-        self._results, self._outcome = iter(results), None
+        self._outcome = Future()   # filled by a thread that waits for the call's result
+
+        def wait():
+            try:
+                self._outcome.set_result(next(iter(results)))
+            except Exception as e:   # the run cannot finish (ResultsIncomplete...): get() raises it
+                self._outcome.set_exception(e)
+        threading.Thread(target=wait, daemon=True).start()
         self.object_id = f"fc-{uuid.uuid4().hex}"
         FunctionCall._spawned[self.object_id] = self
         self.get = _CallForm(self._get, False)
 
     def _get(self, timeout=None):
-        if self._outcome is None:
-            self._outcome = next(self._results)
-        if not self._outcome["ok"]:
-            raise _remote_exception(self._outcome)
-        return self._outcome["result"]
+        """The call's value; TimeoutError when it is not done within `timeout` s (0: done already), as Modal's."""
+        try:
+            outcome = self._outcome.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"call {self.object_id} not done within {timeout} s") from None
+        if not outcome["ok"]:
+            raise _remote_exception(outcome)
+        return outcome["result"]
 
     @classmethod
     def from_id(cls, function_call_id):

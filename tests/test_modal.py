@@ -299,13 +299,13 @@ def write_idioms(tmp_path):
     return str(path)
 
 
-@pytest.mark.parametrize("backend", ["local", "aws"])
-def test_modal_idioms_under_modal_run(backend, request, tmp_path):
+def test_modal_idioms_under_modal_run(local_env, tmp_path):
     """Modal's own call forms under `modal run`: no-argument and keyword calls, .remote.aio / .map.aio, remote_gen
     (and .aio), an async @modal.batched, spawn + FunctionCall.gather / from_id, the original exception type; the
     image's env, add_local_python_source and add_local_file reach the workers; a web endpoint beside them is
-    kept; what the functions print reaches our stderr, prefixed with the worker, while they run."""
-    env = request.getfixturevalue(f"{backend}_env")
+    kept; what the functions print reaches our stderr, prefixed with the worker, while they run. (The calls are
+    the shim's and submit's, the same on both backends; the include's S3 path is the next test's.)"""
+    env = local_env
     path = write_idioms(tmp_path)
     out = cli(env, "modal", "run", path, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -503,3 +503,29 @@ def test_submit_follow_logs(local_env, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "[loud w0] batch of 3" in out.stderr
     assert cli(local_env, "pool", "delete", "--model", "loud", "--yes").returncode == 0
+
+
+def test_function_call_get_timeout_and_gather(tmp_path):
+    """FunctionCall.get(timeout=0) of a call not done raises TimeoutError, as Modal's; once its result lands,
+    get() and gather() give it, and a failed call raises its original builtin type."""
+    import threading
+    import calque
+    app = tmp_path / "calls.py"
+    app.write_text("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x\n")
+    shim, target, _ = calque.import_modal_app(str(app), "f")
+    landed, outcomes = threading.Event(), iter([{"ok": True, "result": 7}, {"ok": False, "error": "KeyError: 3"}])
+
+    def results(target, params, items):
+        landed.wait()
+        yield next(outcomes)
+    shim.runner = results
+    try:
+        call = target.spawn(1)
+        with pytest.raises(TimeoutError):
+            call.get(timeout=0)
+        landed.set()
+        assert call.get() == 7 and shim.FunctionCall.gather(shim.FunctionCall.from_id(call.object_id)) == [7]
+        with pytest.raises(KeyError):
+            target.spawn(2).get()
+    finally:
+        shim.runner = None
