@@ -5359,8 +5359,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         suggested["batch_timeout"] = float(options["timeout"]) * (per_batch or 1)
     image = image_plan(options.get("image"), path)
     if image["steps"]:
-        notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; its env and files go to "
-                     f"the workers; pip packages are " + ("checked here" if workers_here else "installed at boot"))
+        notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; the workers run in "
+                     + ("this Python" if workers_here else "the kit's venv, its pip and apt packages installed at boot"))
     if workers_here:
         missing = [req for req in image["pip"] if not distribution_installed(req)]
         if missing:

@@ -277,6 +277,7 @@ def web(item: dict):   # a web endpoint beside the batch functions: the file sti
 async def main():
     import json
     call = work.spawn(4, y=5)
+    work.spawn_map([7], kwargs={{"y": 1}})   # fire and forget: modal run waits for it before it cleans up
     out = {{"noargs": work.remote(), "kwargs": await work.remote.aio(x=3, y=1),
             "aio_map": [r["area"] async for r in work.map.aio([1, 2])],
             "gen": list(count.remote_gen(3)), "gen_aio": [i async for i in count.remote_gen.aio(2)],
@@ -301,7 +302,8 @@ def write_idioms(tmp_path):
 
 def test_modal_idioms_under_modal_run(local_env, tmp_path):
     """Modal's own call forms under `modal run`: no-argument and keyword calls, .remote.aio / .map.aio, remote_gen
-    (and .aio), an async @modal.batched, spawn + FunctionCall.gather / from_id, the original exception type; the
+    (and .aio), an async @modal.batched, spawn + FunctionCall.gather / from_id, spawn_map, the original exception
+    type; the
     image's env, add_local_python_source and add_local_file reach the workers; a web endpoint beside them is
     kept; what the functions print reaches our stderr, prefixed with the worker, while they run. (The calls are
     the shim's and submit's, the same on both backends; the include's S3 path is the next test's.)"""
@@ -315,6 +317,7 @@ def test_modal_idioms_under_modal_run(local_env, tmp_path):
         "gen_aio": [0, 1], "batched": [0, 2, 4, 6, 8, 10], "gather": [dict(row, area=20)] * 2, "id": True,
         "raised": "negative -1"}
     assert "[work w0] work 3 1" in out.stderr and "[work w0] to stderr" in out.stderr
+    assert "[work w0] work 7 1" in out.stderr   # the spawn_map call ran
     assert "Traceback" not in out.stderr and "modal-idioms" not in cli(env, "pool", "list").stdout
 
 
@@ -431,6 +434,7 @@ def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
     assert out.stderr.count("[greet w0] hi calque") == 2
     out = cli(local_env, "modal", "run", str(path))
     assert out.returncode == 2 and "0 local entrypoints and 2 functions (greet, nap)" in out.stderr
+    local_env = dict(local_env, CALQUE_GRACE="1")   # the napping worker is stopped without a 5 s wait
     proc = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "modal", "run", f"{path}::nap", "--x", "1"],
                             env=local_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: "modal-sleepy-nap" in cli(local_env, "runs", "list").stdout, 60, "the run of the nap")
