@@ -1720,9 +1720,9 @@ def include_snapshot(include):
                         f"in a folder the workers see (--volume) or in the store, and read it in @enter")
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:
-        for rel in sorted(members):
-            info = tar.gettarinfo(members[rel], rel)
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "", ""
+        for rel in sorted(members):   # a link is stored as what it points to; times and owners left out
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode = os.path.getsize(members[rel]), os.stat(members[rel]).st_mode & 0o755
             with open(members[rel], "rb") as f:
                 tar.addfile(info, f)
     return gzip.compress(raw.getvalue(), mtime=0), len(members)
@@ -1740,12 +1740,20 @@ def include_paths(paths, handler_spec):
 
 
 def unpack_include(store, include, folder):
-    """The snapshot of include_snapshot, checked against the record's sha256, unpacked into the handler's folder."""
+    """The snapshot of include_snapshot, checked against the record's sha256, unpacked as `folder` unless it is
+    there: into a new folder renamed in place, so that a worker starting beside never sees half of it."""
+    if os.path.isdir(folder):
+        return
     blob = store.get(include["key"])
     if hashlib.sha256(blob).hexdigest() != include["sha256"]:
         raise UserError(f"include snapshot {include['key']} does not match the pool record's sha256: recreate the pool")
+    fresh = f"{folder}.tmp-{os.getpid()}"
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
-        tar.extractall(folder, filter="data")
+        tar.extractall(fresh, filter="data")
+    try:
+        os.rename(fresh, folder)
+    except OSError:   # another worker's came first: the same files
+        shutil.rmtree(fresh, ignore_errors=True)
 
 
 def list_summaries(backend, run_id, after_claim=None):
