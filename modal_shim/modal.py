@@ -186,13 +186,17 @@ class App:
             return self.registered[obj.__name__]
         return wrap
 
-    def cls(self, **options):
+    def cls(self, _warn_parentheses_missing=None, **options):
+        _parentheses(_warn_parentheses_missing, "@app.cls")
         return self._register("@app.cls", Cls, options)
 
-    def function(self, **options):
+    def function(self, _warn_parentheses_missing=None, **options):
+        _parentheses(_warn_parentheses_missing, "@app.function")
         return self._register("@app.function", Function, options)
 
     def local_entrypoint(self, _warn_parentheses_missing=None, *, name=None):
+        _parentheses(_warn_parentheses_missing, "@app.local_entrypoint")
+
         def wrap(fn):
             self.entrypoints[name or fn.__name__] = fn
             return fn
@@ -204,6 +208,11 @@ class App:
 
     def run(self, *args, **kwargs):
         _unsupported("app.run()", "run it as calque modal run app.py (the entrypoint runs locally, calls go to a pool)")
+
+
+def _parentheses(given, decorator):
+    if given is not None:   # Modal refuses it too (InvalidError)
+        raise Unsupported(f"{decorator} without parentheses ---> HINT: write {decorator}()")
 
 
 class Cls:

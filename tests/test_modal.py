@@ -456,8 +456,9 @@ def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
 
 
 def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
-    """A syntax error, a top-level import this Python lacks, an image pip package not installed, a web endpoint as
-    the target, an exception in the entrypoint: each one line naming the file (and line) and the next step."""
+    """A syntax error, a top-level import this Python lacks, an image pip package not installed, a decorator without
+    its parentheses, a web endpoint as the target, an exception in the entrypoint: each one line naming the file
+    (and line) and the next step."""
     cases = {
         "syntax.py": ("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x +\n",
                       "f", "syntax error on line 5"),
@@ -465,6 +466,8 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                        "    return x\n", "f", "missing.py:2: module 'no_such_module_xyz' is not installed"),
         "image.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim().pip_install('no-such-dist==1.0'))"
                      "\n@app.function()\ndef f(x):\n    return x\n", "f", "-m pip install no-such-dist==1.0"),
+        "bare.py": ("import modal\napp = modal.App()\n@app.function\ndef f(x):\n    return x\n", "f",
+                    "bare.py:3: @app.function without parentheses ---> HINT: write @app.function()"),
         "web.py": ("import modal\napp = modal.App()\n@app.function()\n@modal.asgi_app()\ndef f():\n    return None\n",
                    "f", "f is a @modal.asgi_app web endpoint"),
     }
