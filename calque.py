@@ -560,7 +560,7 @@ def load_handler(path, cls, modal=None, container=False):
     where `with image.imports():` blocks import for real)."""
     with open(path, "rb") as f:
         if imports_modal(f.read(), path):
-            os.environ.update((modal or {}).get("env", {}))   # the image's env(), before the app's own code reads it
+            os.environ.update((modal or {}).get("image", {}).get("env", {}))   # before the app's code reads it
             _, target, method = import_modal_app(path, cls, container)
             handler = ModalHandler(target, method, modal or {})
             return handler, handler.enter, handler.batch, handler.collate
@@ -2641,8 +2641,8 @@ class WorkerOutput:
         for folder, label in list(self.folders.items()):
             for path in glob.glob(os.path.join(folder, "worker-*.log")):
                 with contextlib.suppress(OSError), open(path, "rb") as f:
-                    f.seek(0, os.SEEK_END) if skip else f.seek(self.offsets.get(path, 0))
-                    text = self.partial.pop(path, b"") + (b"" if skip else f.read())
+                    f.seek(*((0, os.SEEK_END) if skip else (self.offsets.get(path, 0),)))
+                    text = self.partial.pop(path, b"") + f.read()
                     self.offsets[path] = f.tell()
                 lines = text.split(b"\n")
                 if lines[-1]:
@@ -5313,7 +5313,7 @@ def suggest_instance(rates, card, count):
 def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None,
                   workers_here=True):
     """What a Modal handler's pool needs from its app file, imported here for real: (the pool record's "modal"
-    {params, secrets, volumes, env, image, declared}, {max_deliveries, batch_timeout, instance_type} the app's
+    {params, secrets, volumes, image, declared}, {max_deliveries, batch_timeout, instance_type} the app's
     retries=, timeout= and gpu= suggest, note lines to print). (None, {}, []) for a calque handler. With
     `workers_here` (local workers), the image's pip packages must be installed in this Python."""
     path, name = parse_handler_spec(handler_spec)
@@ -5376,7 +5376,7 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
                             f"Python ({sys.executable}) ---> HINT: {sys.executable} -m pip install "
                             f"{' '.join(shlex.quote(m) for m in missing)}")
     record = {"params": given, "secrets": secret_files, "volumes": {m: folders[v] for m, v in mounts.items()},
-              "env": image["env"], "image": image, "declared": {"gpu": options.get("gpu")}}
+              "image": image, "declared": {"gpu": options.get("gpu")}}
     return record, suggested, notes
 
 
@@ -5400,8 +5400,8 @@ def image_plan(image, app_path):
             local = local if os.path.exists(local) or not os.path.exists(beside_app) else beside_app
             plan["files"].append([os.path.abspath(local), modal_remote_place(remote, local)])
         elif name == "add_local_python_source":
-            plan["files"] += [[python_source(module, app_path), module.split(".")[0] + (
-                "" if os.path.isdir(python_source(module, app_path)) else ".py")] for module in flat]
+            for source in (python_source(module, app_path) for module in flat):
+                plan["files"].append([source, os.path.basename(source)])
     return plan
 
 
@@ -6426,11 +6426,10 @@ class ModalRun:
     def __init__(self, context, path, pool, workers):
         self.context, self.path, self.workers = context, path, workers
         self.pools, self.created, self.runs, self.lock = {}, [], [], threading.Lock()
-        self.output = WorkerOutput(context[0], {})
-        if pool:
-            record = load_pool(context[1], pool)
+        record = load_pool(context[1], pool) if pool else None
+        if record:
             self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
-            self.output.add(context[0], pool, record["handler"]["class"])
+        self.output = WorkerOutput(context[0], {pool: record["handler"]["class"]} if record else {})
 
     @staticmethod
     def _key(params):
