@@ -5346,11 +5346,16 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
             raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> HINT: copy the prefix "
                             f"to a folder the workers see (aws s3 sync), and name that")
         folders[name] = os.path.abspath(folder)
+    for mount, vol in options["volumes"].items():
+        if vol.name in folders:
+            continue
+        if not (vol.create_if_missing and workers_here):
+            raise UserError(f"volume {vol.name} (mounted at {mount}) has no folder ---> HINT: --volume "
+                            f"{vol.name}=PATH (pool create or modal run: a local folder the workers see at {mount})")
+        folders[vol.name] = os.path.join(os.path.abspath(settings()["CALQUE_STATE"]), "volumes", slug(vol.name))
+        os.makedirs(folders[vol.name], exist_ok=True)   # as Modal creates it
+        notes.append(f"volume {vol.name}: create_if_missing: the folder {folders[vol.name]}, at {mount} in workers")
     mounts = {mount: vol.name for mount, vol in options["volumes"].items()}
-    for mount, vol in mounts.items():
-        if vol not in folders:
-            raise UserError(f"volume {vol} (mounted at {mount}) has no folder ---> HINT: pool create "
-                            f"--volume {vol}=PATH (a local folder the workers see at {mount})")
     card, count = modal_gpu(options.get("gpu"))
     if count > (gpus_per_worker or 1):
         raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives each worker "
@@ -6423,8 +6428,8 @@ class ModalRun:
     (with the same parameters); any other target gets an ephemeral pool, created at its first call, deleted by
     close() as a Modal ephemeral app is. What the workers print reaches our stderr as they print it."""
 
-    def __init__(self, context, path, pool, workers):
-        self.context, self.path, self.workers = context, path, workers
+    def __init__(self, context, path, pool, workers, volumes=(), secrets=()):
+        self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
         self.pools, self.created, self.runs, self.lock = {}, [], [], threading.Lock()
         record = load_pool(context[1], pool) if pool else None
         if record:
@@ -6448,7 +6453,8 @@ class ModalRun:
         spec = f"{self.path}:{target}"
         conf = self.context[0]
         batch_size = pool_settings(conf)["batch_size"]
-        modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], batch_size=batch_size)
+        modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
+                                                self.volumes, batch_size=batch_size)
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
         print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
         for note in notes:
@@ -6504,8 +6510,10 @@ def cmd_modal_run(conf, backend, args):
     own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py, as in the usage line
     own.add_argument("--pool", default=args.pool)
     own.add_argument("--workers", type=int, default=args.workers)
+    for flag in ("--volume", "--secret"):
+        own.add_argument(flag, action="append", default=getattr(args, flag[2:]))
     mine, args.args = own.parse_known_args(args.args)
-    args.pool, args.workers = mine.pool, mine.workers
+    args.pool, args.workers, args.volume, args.secret = mine.pool, mine.workers, mine.volume, mine.secret
     path, _, name = args.app.partition("::")
     if not os.path.isfile(path):
         raise UserError(f"modal run {args.app}: file {path} not found")
@@ -6514,7 +6522,7 @@ def cmd_modal_run(conf, backend, args):
     shim, module = import_modal_file(path)
     fn, name = modal_run_target(shim, module, path, name)
     kwargs = vars(entrypoint_parser(fn, f"calque modal run {args.app}").parse_args(args.args))
-    shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers)
+    shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume, args.secret)
     done = False
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # finally: cleans up
     try:
@@ -6727,6 +6735,8 @@ def build_parser():
     p.add_argument("app", help="app.py or app.py::entrypoint")
     p.add_argument("--pool", help="a pool serving one of the app's targets (default: an ephemeral pool per target)")
     p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT, help="local workers of each ephemeral pool")
+    p.add_argument("--volume", action="append", metavar="NAME=PATH", help="as pool create's, for the ephemeral pools")
+    p.add_argument("--secret", action="append", metavar="NAME=FILE", help="as pool create's, for the ephemeral pools")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the entrypoint's own options (--name value)")
     p.set_defaults(func=cmd_modal_run)
     return parser

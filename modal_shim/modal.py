@@ -74,12 +74,12 @@ class Secret:
 
 
 class Volume:
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, name, create_if_missing=False):
+        self.name, self.create_if_missing = name, create_if_missing
 
     @classmethod
-    def from_name(cls, name, **_):
-        return cls(name)
+    def from_name(cls, name, create_if_missing=False, **_):
+        return cls(name, create_if_missing)
 
     def commit(self):
         """A local folder or a mounted prefix has nothing to commit."""

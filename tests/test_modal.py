@@ -411,10 +411,12 @@ import modal
 app = modal.App()
 
 
-@app.function()
+@app.function(volumes={{{mount!r}: modal.Volume.from_name("notes", create_if_missing=True)}})
 def greet(name: str = "you", times: int = 1):
     for _ in range(times):
         print(f"hi {{name}}")
+    with open({mount!r} + "/greeted.txt", "a") as f:
+        f.write(name)
 
 
 @app.function()
@@ -425,13 +427,19 @@ def nap(x):
 
 def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
     """`modal run app.py::fn --opt v` calls the function once with its options, as Modal's CLI (its print on our
-    stderr); a file of several functions and no entrypoint names them in one line; SIGTERM of `modal run` deletes
-    its ephemeral pool and stops its workers."""
+    stderr); its create_if_missing volume is a new folder, or the one --volume names; a file of several functions
+    and no entrypoint names them in one line; SIGTERM of `modal run` deletes its ephemeral pool and stops its
+    workers."""
     path = tmp_path / "sleepy.py"
-    path.write_text(SLEEPY.format())
+    path.write_text(SLEEPY.format(mount=str(tmp_path / "mnt")))
     out = cli(local_env, "modal", "run", f"{path}::greet", "--name", "calque", "--times", "2")
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("[greet w0] hi calque") == 2
+    assert (tmp_path / "state" / "volumes" / "notes" / "greeted.txt").read_text() == "calque"
+    (tmp_path / "mine").mkdir()
+    os.remove(tmp_path / "mnt")   # the link the first run's worker made
+    out = cli(local_env, "modal", "run", f"{path}::greet", "--volume", f"notes={tmp_path / 'mine'}")
+    assert out.returncode == 0 and (tmp_path / "mine" / "greeted.txt").read_text() == "you", out.stderr
     out = cli(local_env, "modal", "run", str(path))
     assert out.returncode == 2 and "0 local entrypoints and 2 functions (greet, nap)" in out.stderr
     local_env = dict(local_env, CALQUE_GRACE="1")   # the napping worker is stopped without a 5 s wait
