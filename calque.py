@@ -5335,27 +5335,22 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     if missing:
         raise UserError(f"{target.__name__}.{missing[0]} is a modal.parameter() without a default ---> HINT: "
                         f"pool create --param {missing[0]}=VALUE")
+    image = image_plan(options.get("image"), path)
+    if image["steps"]:
+        notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; the workers run in "
+                     + ("this Python" if workers_here else "the kit's venv, its pip and apt packages installed at boot"))
+    if workers_here:
+        missing = [req for req in image["pip"] if not distribution_installed(req)]
+        if missing:
+            raise UserError(f"{path}: the image's pip_install {', '.join(missing)}: not installed in the workers' "
+                            f"Python ({sys.executable}) ---> HINT: {sys.executable} -m pip install "
+                            f"{' '.join(shlex.quote(m) for m in missing)}")
     secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
     for secret in options["secrets"]:
         if secret.name and secret.name not in secret_files:
             notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables must be in the "
                          f"workers' environment (pool.env)")
-    folders = key_values(volumes, "--volume")
-    for name, folder in folders.items():
-        if "://" in folder:
-            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> HINT: copy the prefix "
-                            f"to a folder the workers see (aws s3 sync), and name that")
-        folders[name] = os.path.abspath(folder)
-    for mount, vol in options["volumes"].items():
-        if vol.name in folders:
-            continue
-        if not (vol.create_if_missing and workers_here):
-            raise UserError(f"volume {vol.name} (mounted at {mount}) has no folder ---> HINT: --volume "
-                            f"{vol.name}=PATH (pool create or modal run: a local folder the workers see at {mount})")
-        folders[vol.name] = os.path.join(os.path.abspath(settings()["CALQUE_STATE"]), "volumes", slug(vol.name))
-        os.makedirs(folders[vol.name], exist_ok=True)   # as Modal creates it
-        notes.append(f"volume {vol.name}: create_if_missing: the folder {folders[vol.name]}, at {mount} in workers")
-    mounts = {mount: vol.name for mount, vol in options["volumes"].items()}
+    mounts = modal_volumes(options["volumes"], volumes, workers_here, notes)
     card, count = modal_gpu(options.get("gpu"))
     if count > (gpus_per_worker or 1):
         raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives each worker "
@@ -5370,19 +5365,29 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     if options.get("timeout"):
         per_batch = 1 if target.methods().get(method, {}).get("kind") == "batched" or not method else batch_size
         suggested["batch_timeout"] = float(options["timeout"]) * (per_batch or 1)
-    image = image_plan(options.get("image"), path)
-    if image["steps"]:
-        notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; the workers run in "
-                     + ("this Python" if workers_here else "the kit's venv, its pip and apt packages installed at boot"))
-    if workers_here:
-        missing = [req for req in image["pip"] if not distribution_installed(req)]
-        if missing:
-            raise UserError(f"{path}: the image's pip_install {', '.join(missing)}: not installed in the workers' "
-                            f"Python ({sys.executable}) ---> HINT: {sys.executable} -m pip install "
-                            f"{' '.join(shlex.quote(m) for m in missing)}")
-    record = {"params": given, "secrets": secret_files, "volumes": {m: folders[v] for m, v in mounts.items()},
-              "image": image, "declared": {"gpu": options.get("gpu")}}
+    record = {"params": given, "secrets": secret_files, "volumes": mounts, "image": image, "declared": {"gpu": options.get("gpu")}}
     return record, suggested, notes
+
+
+def modal_volumes(declared, volumes, workers_here, notes):
+    """{mount path: folder} of the app's volumes: each the folder --volume NAME=PATH names; else, for a
+    create_if_missing volume of local workers, a new folder in CALQUE_STATE/volumes, as Modal creates it."""
+    folders = key_values(volumes, "--volume")
+    for name, folder in folders.items():
+        if "://" in folder:
+            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> HINT: copy the prefix "
+                            f"to a folder the workers see (aws s3 sync), and name that")
+        folders[name] = os.path.abspath(folder)
+    for mount, vol in declared.items():
+        if vol.name in folders:
+            continue
+        if not (vol.create_if_missing and workers_here):
+            raise UserError(f"volume {vol.name} (mounted at {mount}) has no folder ---> HINT: --volume "
+                            f"{vol.name}=PATH (pool create or modal run: a local folder the workers see at {mount})")
+        folders[vol.name] = os.path.join(os.path.abspath(settings()["CALQUE_STATE"]), "volumes", slug(vol.name))
+        os.makedirs(folders[vol.name], exist_ok=True)
+        notes.append(f"volume {vol.name}: create_if_missing: the folder {folders[vol.name]}, at {mount} in workers")
+    return {mount: folders[vol.name] for mount, vol in declared.items()}
 
 
 def image_plan(image, app_path):
