@@ -5337,8 +5337,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
                         f"pool create --param {missing[0]}=VALUE")
     image = image_plan(options.get("image"), path)
     if image["steps"]:
-        notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; the workers run in "
-                     + ("this Python" if workers_here else "the kit's venv, its pip and apt packages installed at boot"))
+        where = "this Python" if workers_here else "the kit's venv, its pip and apt packages installed at boot"
+        notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; the workers run in {where}")
     if workers_here:
         missing = [req for req in image["pip"] if not distribution_installed(req)]
         if missing:
@@ -5365,7 +5365,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     if options.get("timeout"):
         per_batch = 1 if target.methods().get(method, {}).get("kind") == "batched" or not method else batch_size
         suggested["batch_timeout"] = float(options["timeout"]) * (per_batch or 1)
-    record = {"params": given, "secrets": secret_files, "volumes": mounts, "image": image, "declared": {"gpu": options.get("gpu")}}
+    record = {"params": given, "secrets": secret_files, "volumes": mounts, "image": image,
+              "declared": {"gpu": options.get("gpu")}}
     return record, suggested, notes
 
 
@@ -6580,7 +6581,8 @@ def modal_run_target(shim, module, path, name):
     fn = getattr(functions[name].user_cls, method) if method else functions[name].raw_f
     call = functools.wraps(fn)(lambda **kwargs: handle.remote(**kwargs))
     if method:   # the options are the method's own parameters, without self
-        call.__signature__ = inspect.signature(fn).replace(parameters=list(inspect.signature(fn).parameters.values())[1:])
+        signature = inspect.signature(fn)
+        call.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
     return call, name
 
 
