@@ -6451,7 +6451,10 @@ class ModalRun:
         with self.lock:   # .aio calls come from threads: one pool per target, one submit at a time
             if key not in self.pools:
                 self.pools[key] = self._ephemeral(target, params)
-            run = submit(items, pool=self.pools[key], context=self.context)
+            try:
+                run = submit(items, pool=self.pools[key], context=self.context)
+            except TypeError as e:   # json_default's: an argument that is no JSON value
+                raise TypeError(f"{target}'s arguments travel as JSON values (Modal pickles them): {e}") from None
             self.runs.append(run)
         return run.results()
 
@@ -6479,7 +6482,8 @@ class ModalRun:
             if wait:
                 for run in self.runs:
                     run.wait()
-        finally:
+        finally:   # a second SIGTERM waits for the pools' deletion (modal run puts its handler back after)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.output.stop()
             for model in self.created:
                 with contextlib.suppress(NotFound):
