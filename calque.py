@@ -647,7 +647,12 @@ def user_code_error(path, e, container=False):
         return (f"{where}: module {e.name!r} is not installed in this Python ({sys.executable}) ---> HINT: "
                 f"{sys.executable} -m pip install PACKAGE (the one that provides {e.name})"
                 + ("" if container else ", or import it inside `with image.imports():`"))
-    return f"{where}: {type(e).__name__}: {e}"
+    return f"{where}: {type(e).__name__}: {one_line(e)}"
+
+
+def one_line(message):
+    """An exception's text on one line (a library's message may hold several)."""
+    return " ".join(str(message).split())
 
 
 def import_modal_app(path, name, container=False):
@@ -6543,8 +6548,8 @@ def cmd_modal_run(conf, backend, args):
         done = True
     except shim.RemoteError as e:
         where = f" (at {e.where})" if getattr(e, "where", None) else ""
-        raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {type(e).__name__}: {e}{where} ---> HINT: "
-                                    f"map(..., return_exceptions=True) to go on past failed items")
+        raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {type(e).__name__}: {one_line(e)}{where} "
+                                    f"---> HINT: map(..., return_exceptions=True) to go on past failed items")
     except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
         raise
     except Exception as e:   # the entrypoint's own code failed: where, in one line

@@ -490,10 +490,10 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                   "--workers", "0")
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, (name, out.stderr)
     (tmp_path / "entry.py").write_text("import modal\napp = modal.App()\n@app.local_entrypoint()\ndef main():\n"
-                                       "    {}['key']\n")
+                                       "    raise RuntimeError('first\\nsecond')\n")
     out = cli(local_env, "modal", "run", str(tmp_path / "entry.py"))
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
-    assert "entrypoint main failed: " in out.stderr and "entry.py:5: KeyError: 'key'" in out.stderr
+    assert "entrypoint main failed: " in out.stderr and "entry.py:5: RuntimeError: first second" in out.stderr
 
 
 def test_image_imports_and_bootstrap(tmp_path):
