@@ -93,6 +93,8 @@ ACK_WAIT = float(os.environ.get("CALQUE_ACK_WAIT", "1"))   # s an ack waits for 
 WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
 RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery up to its timeout
 POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison
+CHURN_COMMIT_SHARE = 0.1    # a claim run item by item after a death commits a part every this share of the dead
+                            # delivery's life (every item when it is unknown), at least as often as a checkpoint
 WATCHDOG_TICK = 1.0         # s between two checks of the running handler call (a quarter of batch_timeout if less)
 OVERRUN_COMMIT_WAIT = 1.0   # s the watchdog waits for each finished batch's serialisation before its last commit
 EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout (the supervisor restarts us)
@@ -128,6 +130,7 @@ class Claim:
         self.record = {"deaths": {}}        # the attempt record (deaths: offset (str) -> deaths while it ran alone)
         self.quarantined = {}                           # offset (str) -> why it is not run
         self.single = False                             # one item at a time, each behind the attempt record
+        self.commit_every = 0.0                         # s between two parts when single (take_over sets it)
         self.progress_at = 0                            # the delivery (receive count) that last made progress
         self.heartbeat = None                           # its lease's Heartbeat (open_claim sets it)
         self.requests = Counter()                       # requests made for it, for its summary (Requests.tally)
@@ -678,6 +681,7 @@ class Worker:
         self.checkpoint_batches = calque.setting_number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
         self._serving = threading.local()       # per thread: the heartbeat of the claim it works for
         self.watchdog = None                    # Watchdog, armed for the draining claim (start() makes it)
+        self.progressed = False          # a result part or a summary written (announce)
         self.last_word = None            # how this process ends, when it knows: in its last stats (poison reports)
         self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
         self.state = "starting"          # starting | polling | claim | between | stopping
@@ -798,7 +802,7 @@ class Worker:
         try:
             self.start()
             self.write_stats("running")
-            announce_warm()
+            announce()
             self.backoff = 0.0
             while reason == "?":
                 reason = self._loop_once() or "?"
@@ -1114,6 +1118,8 @@ class Worker:
             claim.progress_at = rc
         claim.record = dict(record, deaths=deaths)
         claim.single = (bool(record) or rc > 1) and not (state == "released" and previous == rc - 1)
+        life = record.get("alive", 0.0) if previous == rc - 1 else 0.0     # how long the dead delivery lived, at least
+        claim.commit_every = min(self.checkpoint_seconds, CHURN_COMMIT_SHARE * life)
         log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s", self.worker_id,
                  claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
                  ", one item at a time" if claim.single else "", f", deaths at offsets {deaths}" if deaths else "",
@@ -1162,6 +1168,7 @@ class Worker:
                                 resumed=claim.start, collate_wait_seconds=round(claim.wait_seconds, 6),
                                 prefetch=self.pipelined(claim), gpu_utilisation=claim.gpu)
         self._put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
+        self.made_progress()
         self.heartbeat.stop()            # no renewal may land after the ack
         self.acks.add(claim.message, f"{claim.run_id}/{claim.claim_id}")
         ran = len(claim.items) - claim.start
@@ -1220,8 +1227,9 @@ class Worker:
                 formatted = Done(format_outcome, outcome, claim.first + unit.start)   # GIL-bound: no thread
                 claim.formatted.append((unit.stop, formatted))
                 claim.batches += 1
-                if (claim.batches >= self.checkpoint_batches
-                        and time.monotonic() - claim.last_commit >= self.checkpoint_seconds):
+                since = time.monotonic() - claim.last_commit
+                if (since >= claim.commit_every if claim.single else
+                        claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds):
                     self.commit(claim)
         finally:
             if pending is not None:   # a batch gathered ahead of a loop that ended early gives its slot back
@@ -1248,15 +1256,23 @@ class Worker:
             claim.errors.update(list(errors.items())[:calque.ERRORS_KEPT - len(claim.errors)])
         claim.parts.append([claim.committed, stop])
         claim.committed, claim.progress_at = stop, claim.message.receive_count
+        self.made_progress()
         del claim.formatted[:len(ready)]
         claim.batches, claim.last_commit = 0, time.monotonic()
+
+    def made_progress(self):
+        """A result part or a summary is written: the supervisor hears of this process's first (announce)."""
+        if not self.progressed:
+            self.progressed = True
+            announce("progress")
 
     def write_attempt(self, claim, state, running, retry=True, **fields):
         """The claim's attempt record: `state` running (`running` runs alone now), suspect (it overran
         batch_timeout) or released (let go alive); deaths, quarantines and progress carry over."""
         claim.record = dict(claim.record, state=state, running=list(running), worker_id=self.worker_id,
                             receive_count=claim.message.receive_count, covered=claim.committed,
-                            progress_at=claim.progress_at, quarantined=claim.quarantined, at=calque.now_iso(), **fields)
+                            progress_at=claim.progress_at, quarantined=claim.quarantined, at=calque.now_iso(),
+                            alive=round(time.time() - claim.received, 3), **fields)
         key, body = calque.attempt_key(claim.run_id, claim.claim_id), json.dumps(claim.record)
         if retry:
             self._put(key, body)
@@ -1498,11 +1514,13 @@ def enter_workdir(workdir, snapshot_folder):
     log.info("worker: working directory %s", folder)
 
 
-def announce_warm():
-    """Tell this machine's supervisor that @enter is done: its ready file gets our pid (pool create waits on it)."""
+def announce(*words):
+    """Tell this machine's supervisor how far this worker got: its ready file gets our pid once @enter is done (pool
+    create waits on it), then "progress" once a result part or a summary is written (a death after that is not a
+    crash loop: calque.restart_delay)."""
     ready = os.environ.get("CALQUE_READY_FILE")
     if ready:
-        calque.write_file_atomic(ready, str(os.getpid()))
+        calque.write_file_atomic(ready, " ".join((str(os.getpid()), *words)))
 
 
 def main(argv=None):
