@@ -2674,15 +2674,18 @@ def _is_warm(slot):
     return bool(_readiness(slot))
 
 
-def restart_delay(warm, progress, lived, failures):
+def restart_delay(warm, progress, lived, failures, code):
     """(s before a dead worker's slot starts again, how it counts), from the exit's facts. A worker that was warm
     and made progress (a result part, a finished claim, or RESTART_RESET_AFTER s of life) was killed, not caught
-    in a crash loop, whatever killed it: at once. One that died before warm or without progress is the
-    `failures`-th such exit in a row: RESTART_BACKOFF[0] s, doubling to RESTART_BACKOFF[1]."""
+    in a crash loop, whatever killed it: at once. One that died before warm or without progress waits: a SIGKILL
+    (from outside: churn, an operator, the OOM killer) RESTART_BACKOFF[0] s; an exit of its own (a status, a
+    crash) as the `failures`-th such exit in a row, RESTART_BACKOFF[0] s doubling to RESTART_BACKOFF[1]."""
     if warm and (progress or lived > RESTART_RESET_AFTER):
         return 0.0, "killed after progress"
-    return (min(RESTART_BACKOFF[0] * 2 ** (failures - 1), RESTART_BACKOFF[1]),
-            "died without progress" if warm else "died before warm")
+    kind = "died without progress" if warm else "died before warm"
+    if code == -signal.SIGKILL:
+        return RESTART_BACKOFF[0], kind
+    return min(RESTART_BACKOFF[0] * 2 ** (failures - 1), RESTART_BACKOFF[1]), kind
 
 
 def exit_reason(log_path, returncode):
@@ -2711,15 +2714,17 @@ def _reap(slots, want, now):
     for s, slot in list(slots.items()):
         proc = slot["proc"]
         if proc is not None and proc.poll() is not None:
-            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
             said = _readiness(slot)
             progress = "progress" in said
             slot["failures"] = 0 if progress else slot.get("failures", 0) + 1
-            delay, kind = restart_delay(bool(said), progress, now - slot["started"], slot["failures"])
+            lived = now - slot["started"]
+            delay, kind = restart_delay(bool(said), progress, lived, slot["failures"], proc.returncode)
             slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": bool(said),
-                                 "progress": progress, "kind": kind, "restart_delay": delay,
+                                 "progress": progress, "lived": round(lived, 3), "kind": kind, "restart_delay": delay,
                                  "reason": exit_reason(slot["log"], proc.returncode)}
             slot["proc"] = None
+            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode} ({kind}; restart "
+                  f"{f'in {delay:g} s' if delay else 'at once'})", flush=True)
             if s < want:
                 slot["restarts"] += 1
                 restarts += 1
@@ -2744,6 +2749,8 @@ def _spawn(conf, model, folder, slots, want, now):
             slot["gpus"] = worker_gpus(devices, per_worker, s)
             env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
+            if slot["last_exit"] and slot["last_exit"]["code"]:   # a death: the new worker commits parts the more
+                env["CALQUE_PREVIOUS_LIFE"] = str(slot["last_exit"]["lived"])   # often, the shorter it lived
             with open(slot["log"], "ab") as log:
                 slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=log, env=env, cwd=HERE)

@@ -92,9 +92,9 @@ ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes a
 ACK_WAIT = float(os.environ.get("CALQUE_ACK_WAIT", "1"))   # s an ack waits for others, at most (and <= visibility/4)
 WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
 RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery up to its timeout
-POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison
-CHURN_COMMIT_SHARE = 0.1    # a claim run item by item after a death commits a part every this share of the dead
-                            # delivery's life (every item when it is unknown), at least as often as a checkpoint
+POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison (+1 under churn)
+CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then ran and returned) marks the pool as churning
+CHURN_COMMIT_SHARE = 0.1    # under churn, a part every this share of the shortest worker life seen (commit_interval)
 WATCHDOG_TICK = 1.0         # s between two checks of the running handler call (a quarter of batch_timeout if less)
 OVERRUN_COMMIT_WAIT = 1.0   # s the watchdog waits for each finished batch's serialisation before its last commit
 EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout (the supervisor restarts us)
@@ -130,7 +130,7 @@ class Claim:
         self.record = {"deaths": {}}        # the attempt record (deaths: offset (str) -> deaths while it ran alone)
         self.quarantined = {}                           # offset (str) -> why it is not run
         self.single = False                             # one item at a time, each behind the attempt record
-        self.commit_every = 0.0                         # s between two parts when single (take_over sets it)
+        self.life = None                                # s its dead delivery lived, at least (0: unknown)
         self.progress_at = 0                            # the delivery (receive count) that last made progress
         self.heartbeat = None                           # its lease's Heartbeat (open_claim sets it)
         self.requests = Counter()                       # requests made for it, for its summary (Requests.tally)
@@ -682,6 +682,8 @@ class Worker:
         self._serving = threading.local()       # per thread: the heartbeat of the claim it works for
         self.watchdog = None                    # Watchdog, armed for the draining claim (start() makes it)
         self.progressed = False          # a result part or a summary written (announce)
+        previous = os.environ.get("CALQUE_PREVIOUS_LIFE")   # s this slot's last worker lived, when it died
+        self.seen_life = float(previous) if previous else None   # the shortest worker life seen (commit_interval)
         self.last_word = None            # how this process ends, when it knows: in its last stats (poison reports)
         self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
         self.state = "starting"          # starting | polling | claim | between | stopping
@@ -1105,10 +1107,11 @@ class Worker:
             claim.progress_at = max(claim.progress_at, rc - 1)
         claim.quarantined, deaths = dict(record.get("quarantined", {})), dict(record.get("deaths", {}))
         ahead = [str(k) for k in record.get("running", []) if k >= claim.start and str(k) not in claim.quarantined]
+        if state == "running" and ahead and 0 < previous < rc:   # a delivery died running this item alone: progress
+            claim.progress_at = max(claim.progress_at, previous + 1)   # (seen by the next one, or a later one if it died)
         if state == "running" and previous == rc - 1 and ahead:   # the last delivery died running this item alone
             deaths[ahead[0]] = deaths.get(ahead[0], 0) + 1
-            claim.progress_at = rc                                 # a death pinned on an item: progress too
-            if deaths[ahead[0]] >= POISON_DEATHS:
+            if deaths[ahead[0]] >= POISON_DEATHS + self.churning():
                 claim.quarantined[ahead[0]] = (f"poison: the worker died running this item "
                                                f"({deaths[ahead[0]]} deaths; {self.how_it_ended(record)})")
         elif state == "suspect" and len(ahead) == 1:             # the watchdog saw this item alone overrun
@@ -1118,12 +1121,28 @@ class Worker:
             claim.progress_at = rc
         claim.record = dict(record, deaths=deaths)
         claim.single = (bool(record) or rc > 1) and not (state == "released" and previous == rc - 1)
-        life = record.get("alive", 0.0) if previous == rc - 1 else 0.0     # how long the dead delivery lived, at least
-        claim.commit_every = min(self.checkpoint_seconds, CHURN_COMMIT_SHARE * life)
+        if claim.single:    # its last delivery died: how long it lived, at least (its last record's age)
+            claim.life = record.get("alive", 0.0) if previous == rc - 1 else 0.0
+            self.seen_life = min(claim.life, self.seen_life if self.seen_life is not None else claim.life)
         log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s", self.worker_id,
                  claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
                  ", one item at a time" if claim.single else "", f", deaths at offsets {deaths}" if deaths else "",
                  f", quarantined {sorted(map(int, claim.quarantined))}" if claim.quarantined else "")
+
+    def mark_churn(self):
+        """An item with a death pinned on it ran alone and returned: it did not cause that death, so this pool's
+        workers die of something else. The marker (its key says when) makes churning() true for CHURN_MEMORY s.
+        Best effort: a lost marker only leaves the bar where it was."""
+        with contextlib.suppress(Exception):
+            self.backend.store.put(f"{self.stats_prefix}churn-{time.time():012.1f}-{self.worker_id}", b"")
+
+    def churning(self):
+        """Whether an innocent death was marked in this pool (mark_churn) within CHURN_MEMORY s: then a death while
+        an item ran alone may be a coincidence, and poison needs one death more. One LIST, only when an item reaches
+        POISON_DEATHS."""
+        marks = f"{self.stats_prefix}churn-"
+        since = f"{marks}{time.time() - CHURN_MEMORY:012.1f}"
+        return any(key.startswith(marks) for key in self.backend.store.list(self.stats_prefix, start_after=since))
 
     def how_it_ended(self, record):
         """How the worker that wrote an attempt record ended: its last stats say, when it could write them."""
@@ -1206,7 +1225,7 @@ class Worker:
         runnable = ([[k for k in unit if str(k) not in claim.quarantined] for unit in units] if claim.quarantined
                     else units)   # nothing quarantined (nearly always): no str(k) per item
         pending = self._prepare(claim, runnable[0]) if units and not claim.single else None
-        claim.last_commit = time.monotonic()
+        claim.last_commit, every = time.monotonic(), self.commit_interval(claim)
         try:
             for u, unit in enumerate(units):
                 if self.release_now.is_set():
@@ -1222,13 +1241,13 @@ class Worker:
                     current, pending = pending, (self._prepare(claim, runnable[u + 1]) if u + 1 < len(units) else None)
                 outcome = self._run_unit(claim, unit, runnable[u], current)
                 if claim.single:              # it ran alone and the process lived: whatever killed one, not this
-                    for k in runnable[u]:
-                        claim.record["deaths"].pop(str(k), None)
+                    if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
+                        self.mark_churn()
                 formatted = Done(format_outcome, outcome, claim.first + unit.start)   # GIL-bound: no thread
                 claim.formatted.append((unit.stop, formatted))
                 claim.batches += 1
                 since = time.monotonic() - claim.last_commit
-                if (since >= claim.commit_every if claim.single else
+                if (since >= every if every is not None else
                         claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds):
                     self.commit(claim)
         finally:
@@ -1236,6 +1255,16 @@ class Worker:
                 with contextlib.suppress(Exception):
                     self.collator.release(pending.result())
         self.commit(claim)
+
+    def commit_interval(self, claim):
+        """s between two result parts under churn, or None where neither this claim nor this worker has seen a
+        death: the checkpoint rule alone, so a claim never killed pays nothing. Under churn, CHURN_COMMIT_SHARE of
+        the shortest life seen (of this claim's dead delivery, of this slot's last worker) or of this worker's own
+        age, whichever is longer (a worker that outlives the churn commits less often); at most the checkpoint."""
+        lives = [life for life in (claim.life, self.seen_life) if life is not None]
+        if not lives:
+            return None
+        return min(self.checkpoint_seconds, CHURN_COMMIT_SHARE * max(min(lives), time.time() - self.started))
 
     def commit(self, claim, wait=None):
         """The batches run since the last part, written as one part (with `wait`: only those serialised within
