@@ -5,11 +5,13 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -99,8 +101,10 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
     with open(calls) as f:
         computations = sum(1 for _ in f)
     dead = backend.queues.open_queue(calque.dlq_name(MODEL)).counts()["visible"]
+    with open(os.path.join(env["CALQUE_STATE"], "pools", MODEL, "supervisor.log")) as f:
+        restarts = Counter(re.findall(r"exited with -?\d+ \(([a-z ]+);", f.read()))
     cli(env, "pool", "delete", "--model", MODEL, "--yes", "--force")
     items = sum(n for _, n, _ in staged.values())
     return {"runs": runs, "runs_done": len(done), "items": items, "ok": ok, "wrong": wrong, "failed": failed,
-            "lost": lost, "dead_letters": dead, "kills": len(kills), "seconds": round(seconds, 2),
+            "lost": lost, "dead_letters": dead, "kills": len(kills), "restarts": dict(restarts), "seconds": round(seconds, 2),
             "computations": computations, "repeated": round((computations - items) / items, 4), "errors": errors[:5]}
