@@ -37,22 +37,25 @@ def workers(env):
         return []
 
 
-def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=40000, timeout=600.0, env=None):
+def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=40000, timeout=600.0, poison=()):
     """Stage `runs` runs (sizes and claim sizes drawn from the ranges) on a fresh 3-worker pool, kill -9 a random
-    worker every uniform(*kill_every) s (None: never) until every claim has a summary; the figures."""
+    worker every uniform(*kill_every) s (None: never) until every claim has a summary; the figures. `poison`: kinds
+    of Faulty's "die" (exit, kill, segv) given to as many items of the first run, which must fail as poison."""
     rng = random.Random(seed)
     calls = os.path.join(folder, "calls")
-    env = dict(env or os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
+    env = dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
                CALQUE_POLL_WAIT="1", CALQUE_GRACE="5", CALQUE_ENV=os.path.join(folder, "none.env"), CALLS_FILE=calls)
     cli(env, "pool", "create", "--model", MODEL, "--handler", HANDLER, "--workers", "3", "--batch-size", "4",
         "--visibility-timeout", "2")
     backend = calque.open_backend(env["CALQUE_STORE"])
     record, queue = calque.load_pool(backend, MODEL), backend.queues.open_queue(calque.pool_queue_name(MODEL))
-    t0, staged, x = time.monotonic(), {}, 0
-    for _ in range(runs):
+    t0, staged, x, bad = time.monotonic(), {}, 0, {}
+    for r in range(runs):
         n = rng.randint(*sizes)
-        run = calque.stage_run(backend, record, [{"x": x + i, "spin": spin} for i in range(n)],
-                               rng.randint(*claims), queue, "pool")
+        items = [{"x": x + i, "spin": spin} for i in range(n)]
+        for i, kind in zip(rng.sample(range(n), len(poison)) if r == 0 else (), poison):
+            items[i]["die"], bad[x + i] = kind, None
+        run = calque.stage_run(backend, record, items, rng.randint(*claims), queue, "pool")
         staged[run["run_id"]] = (x, n, len(run["claims"]))
         x += n
     stop, kills = threading.Event(), []
@@ -86,11 +89,13 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
             for s in calque.read_summaries(backend, run_id):
                 for line in calque.read_claim_results(backend.store, run_id, s["claim"], s["items"]):
                     line = json.loads(line)
-                    got[line["i"]] = line
+                    got[line["i"]] = dict(line, deliveries=s["receive_count"])
         for i in range(n):
             line = got.get(i)
             if line is None:
                 lost += 1
+            elif first + i in bad:      # a poison item: how many deliveries its claim took, when it was quarantined
+                bad[first + i] = line["deliveries"] if line.get("error", "").startswith("poison:") else "not"
             elif not line["ok"]:
                 failed += 1
                 errors.append(line["error"])
@@ -104,7 +109,8 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
     with open(os.path.join(env["CALQUE_STATE"], "pools", MODEL, "supervisor.log")) as f:
         restarts = Counter(re.findall(r"exited with -?\d+ \(([a-z ]+);", f.read()))
     cli(env, "pool", "delete", "--model", MODEL, "--yes", "--force")
-    items = sum(n for _, n, _ in staged.values())
+    items = sum(n for _, n, _ in staged.values()) - len(bad)
     return {"runs": runs, "runs_done": len(done), "items": items, "ok": ok, "wrong": wrong, "failed": failed,
             "lost": lost, "dead_letters": dead, "kills": len(kills), "restarts": dict(restarts), "seconds": round(seconds, 2),
-            "computations": computations, "repeated": round((computations - items) / items, 4), "errors": errors[:5]}
+            "computations": computations, "repeated": round((computations - items - len(bad)) / items, 4),
+            "poison_deliveries": sorted(bad.values(), key=str), "errors": errors[:5]}
