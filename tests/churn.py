@@ -106,11 +106,13 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
     with open(calls) as f:
         computations = sum(1 for _ in f)
     dead = backend.queues.open_queue(calque.dlq_name(MODEL)).counts()["visible"]
+    # deaths pinned on a good item that then ran and returned (warmd's churn markers): the false quarantines' odds
+    innocent = sum("/churn-" in key for key in backend.store.list(calque.worker_stats_prefix(MODEL)))
     with open(os.path.join(env["CALQUE_STATE"], "pools", MODEL, "supervisor.log")) as f:
         restarts = Counter(re.findall(r"exited with -?\d+ \(([a-z ]+);", f.read()))
     cli(env, "pool", "delete", "--model", MODEL, "--yes", "--force")
     items = sum(n for _, n, _ in staged.values()) - len(bad)
     return {"runs": runs, "runs_done": len(done), "items": items, "ok": ok, "wrong": wrong, "failed": failed,
-            "lost": lost, "dead_letters": dead, "kills": len(kills), "restarts": dict(restarts), "seconds": round(seconds, 2),
+            "lost": lost, "dead_letters": dead, "kills": len(kills), "restarts": dict(restarts), "innocent": innocent, "seconds": round(seconds, 2),
             "computations": computations, "repeated": round((computations - items - len(bad)) / items, 4),
             "poison_deliveries": sorted(bad.values(), key=str), "errors": errors[:5]}
