@@ -18,12 +18,14 @@ Exit 0 on a graceful stop.
 Nothing lost, nothing stuck:
 - Checkpoints: results go to the store in parts (calque.part_key) once CALQUE_CHECKPOINT_SECONDS of drain AND
   CALQUE_CHECKPOINT_BATCHES batches have passed, and at the end (a short claim: one part, no extra request).
+  Under churn (a worker that saw a death) every CHURN_COMMIT_SHARE of the shortest life seen (commit_interval).
   A redelivery, or a message with "resume": true, lists the parts and resumes after the prefix they cover.
 - Poison: a redelivery whose last delivery died (the attempt record holds no "released") runs the rest one item
   at a time, writing the attempt record (calque.attempt_key) before each. A death counts against the item the
   record names when the record is the previous delivery's and the item is not in a part yet; an item that
   runs alone and returns is cleared. POISON_DEATHS deaths with no return between quarantine it as poison: a
-  poison item kills every time, while a chaos kill -9 must land on the same item twice in a row to blame it.
+  poison item kills every time, while a chaos kill -9 must land on the same item twice in a row to blame it. One
+  death more once the pool is seen churning (an item cleared after a death: mark_churn, churning).
 - Dead letters: past max_deliveries, a claim is dead-lettered only when its last max_deliveries deliveries made
   no progress: no new part, no death pinned on an item, no quarantine. A crashing infrastructure slows a good
   claim down; deaths that nothing can pin (a crash before any item runs) and store outages past their retries
@@ -1107,8 +1109,8 @@ class Worker:
             claim.progress_at = max(claim.progress_at, rc - 1)
         claim.quarantined, deaths = dict(record.get("quarantined", {})), dict(record.get("deaths", {}))
         ahead = [str(k) for k in record.get("running", []) if k >= claim.start and str(k) not in claim.quarantined]
-        if state == "running" and ahead and 0 < previous < rc:   # a delivery died running this item alone: progress
-            claim.progress_at = max(claim.progress_at, previous + 1)   # (seen by the next one, or a later one if it died)
+        if state == "running" and ahead and 0 < previous < rc:   # a delivery died running this item alone: progress,
+            claim.progress_at = max(claim.progress_at, previous + 1)   # even if the one after it died before it saw it
         if state == "running" and previous == rc - 1 and ahead:   # the last delivery died running this item alone
             deaths[ahead[0]] = deaths.get(ahead[0], 0) + 1
             if deaths[ahead[0]] >= POISON_DEATHS + self.churning():

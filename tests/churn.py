@@ -113,6 +113,7 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
     cli(env, "pool", "delete", "--model", MODEL, "--yes", "--force")
     items = sum(n for _, n, _ in staged.values()) - len(bad)
     return {"runs": runs, "runs_done": len(done), "items": items, "ok": ok, "wrong": wrong, "failed": failed,
-            "lost": lost, "dead_letters": dead, "kills": len(kills), "restarts": dict(restarts), "innocent": innocent, "seconds": round(seconds, 2),
+            "lost": lost, "dead_letters": dead, "kills": len(kills), "restarts": dict(restarts), "innocent": innocent,
+            "seconds": round(seconds, 2),
             "computations": computations, "repeated": round((computations - items - len(bad)) / items, 4),
             "poison_deliveries": sorted(bad.values(), key=str), "errors": errors[:5]}
