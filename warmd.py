@@ -18,7 +18,7 @@ Exit 0 on a graceful stop.
 Nothing lost, nothing stuck:
 - Checkpoints: results go to the store in parts (calque.part_key) once CALQUE_CHECKPOINT_SECONDS of drain AND
   CALQUE_CHECKPOINT_BATCHES batches have passed, and at the end (a short claim: one part, no extra request).
-  Under churn (a worker that saw a death) every CHURN_COMMIT_SHARE of the shortest life seen (commit_interval).
+  Under churn (a worker that saw a death) every CHURN_COMMIT_SHARE of the life seen (commit_interval).
   A redelivery, or a message with "resume": true, lists the parts and resumes after the prefix they cover.
 - Poison: a redelivery whose last delivery died (the attempt record holds no "released") runs the rest one item
   at a time, writing the attempt record (calque.attempt_key) before each. A death counts against the item the
@@ -96,7 +96,7 @@ WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), d
 RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery up to its timeout
 POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison (+1 under churn)
 CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then ran and returned) marks the pool as churning
-CHURN_COMMIT_SHARE = 0.1    # under churn, a part every this share of the shortest worker life seen (commit_interval)
+CHURN_COMMIT_SHARE = 0.1    # under churn, a part every this share of a worker's life seen (commit_interval)
 WATCHDOG_TICK = 1.0         # s between two checks of the running handler call (a quarter of batch_timeout if less)
 OVERRUN_COMMIT_WAIT = 1.0   # s the watchdog waits for each finished batch's serialisation before its last commit
 EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout (the supervisor restarts us)
@@ -685,7 +685,8 @@ class Worker:
         self.watchdog = None                    # Watchdog, armed for the draining claim (start() makes it)
         self.progressed = False          # a result part or a summary written (announce)
         previous = os.environ.get("CALQUE_PREVIOUS_LIFE")   # s this slot's last worker lived, when it died
-        self.seen_life = float(previous) if previous else None   # the shortest worker life seen (commit_interval)
+        self.seen_life = float(previous) if previous else None   # the latest death's life seen (commit_interval)
+        self.seen_at = time.time()                       # when it was seen
         self.last_word = None            # how this process ends, when it knows: in its last stats (poison reports)
         self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
         self.state = "starting"          # starting | polling | claim | between | stopping
@@ -1125,7 +1126,9 @@ class Worker:
         claim.single = (bool(record) or rc > 1) and not (state == "released" and previous == rc - 1)
         if claim.single:    # its last delivery died: how long it lived, at least (its last record's age)
             claim.life = record.get("alive", 0.0) if previous == rc - 1 else 0.0
-            self.seen_life = min(claim.life, self.seen_life if self.seen_life is not None else claim.life)
+            if claim.life or self.seen_life is None:   # a life known, or the first death seen
+                self.seen_life = claim.life
+            self.seen_at = time.time()
         log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s", self.worker_id,
                  claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
                  ", one item at a time" if claim.single else "", f", deaths at offsets {deaths}" if deaths else "",
@@ -1259,14 +1262,14 @@ class Worker:
         self.commit(claim)
 
     def commit_interval(self, claim):
-        """s between two result parts under churn, or None where neither this claim nor this worker has seen a
-        death: the checkpoint rule alone, so a claim never killed pays nothing. Under churn, CHURN_COMMIT_SHARE of
-        the shortest life seen (of this claim's dead delivery, of this slot's last worker) or of this worker's own
-        age, whichever is longer (a worker that outlives the churn commits less often); at most the checkpoint."""
-        lives = [life for life in (claim.life, self.seen_life) if life is not None]
-        if not lives:
+        """s between two result parts under churn, or None where neither this claim's last delivery died nor this
+        worker saw a death within CHURN_MEMORY s: the checkpoint rule alone, so a pool never killed pays nothing.
+        Under churn, CHURN_COMMIT_SHARE of the dead delivery's life (0, a part every item, when unknown) or of the
+        latest life this worker saw (its slot's last worker's, a claim's it took over), at most the checkpoint."""
+        if claim.life is None and (self.seen_life is None or time.time() - self.seen_at > CHURN_MEMORY):
             return None
-        return min(self.checkpoint_seconds, CHURN_COMMIT_SHARE * max(min(lives), time.time() - self.started))
+        life = claim.life or (self.seen_life or 0.0)
+        return min(self.checkpoint_seconds, CHURN_COMMIT_SHARE * life)
 
     def commit(self, claim, wait=None):
         """The batches run since the last part, written as one part (with `wait`: only those serialised within
