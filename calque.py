@@ -2704,7 +2704,7 @@ def restart_delay(warm, progress, lived, failures, code):
     (from outside: churn, an operator, the OOM killer) RESTART_BACKOFF[0] s; an exit of its own (a status, a
     crash) as the `failures`-th such exit in a row, RESTART_BACKOFF[0] s doubling to RESTART_BACKOFF[1]."""
     if warm and (progress or lived > RESTART_RESET_AFTER):
-        return 0.0, "killed after progress"
+        return 0.0, "died after progress"
     kind = "died without progress" if warm else "died before warm"
     if code == -signal.SIGKILL:
         return RESTART_BACKOFF[0], kind

@@ -67,9 +67,9 @@ def test_restart_delay_knows_a_crash_loop_from_a_killed_worker():
     doubling to 30 s for a worker that keeps exiting by itself before warm or without progress."""
     import calque
     kill, segv = -signal.SIGKILL, -signal.SIGSEGV
-    assert calque.restart_delay(True, True, 0.5, 0, kill) == (0.0, "killed after progress")
-    assert calque.restart_delay(True, True, 0.5, 0, segv) == (0.0, "killed after progress")
-    assert calque.restart_delay(True, False, 61.0, 3, 1) == (0.0, "killed after progress")
+    assert calque.restart_delay(True, True, 0.5, 0, kill) == (0.0, "died after progress")
+    assert calque.restart_delay(True, True, 0.5, 0, segv) == (0.0, "died after progress")
+    assert calque.restart_delay(True, False, 61.0, 3, 1) == (0.0, "died after progress")
     assert calque.restart_delay(True, False, 0.5, 5, kill) == (1.0, "died without progress")
     assert calque.restart_delay(False, False, 0.5, 5, kill) == (1.0, "died before warm")
     assert [calque.restart_delay(False, False, 61.0, n, 2)[0] for n in (1, 2, 3, 6, 9)] == [1, 2, 4, 30, 30]
@@ -96,7 +96,7 @@ def test_supervisor_restarts_a_dead_worker(local_env, tmp_path):
     killed_and_restarted(1, "(died without progress, restart after 1 s): killed by SIGKILL")
     out = cli(local_env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": 1}]))
     assert out.returncode == 0, out.stderr
-    killed_and_restarted(2, "(killed after progress, restarted at once): killed by SIGKILL")
+    killed_and_restarted(2, "(died after progress, restarted at once): killed by SIGKILL")
     out = cli(local_env, "pool", "scale", "--model", "m", "--workers", "2")
     assert out.returncode == 0, out.stderr
     wait_for(lambda: sum(w["alive"] for w in json.loads(cli(local_env, "pool", "status", "--model", "m", "--json")
