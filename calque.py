@@ -19,7 +19,8 @@ The map. Each section uses only the sections above it; read top to bottom.
                                       (Modal app files too), numeric views, AWS error lines: what warmd.py and
                                       handler files import
      3. backends                      LocalStore + LocalQueues (SQLite), S3Store + SqsQueues; open_backend()
-     4. records                       pool and run records, summaries, worker stats in the store
+     4. records                       pool and run records, summaries, worker stats in the store; the
+                                      scaling decision both paths follow (desired_count)
      5. submit and runs               read items, stage_run, wait_for_run, cancel, redrive, run reports
      6. local workers                 the detached supervisor that keeps N warmd.py alive (GPUs, exit reasons)
      7. the cost model                rates.json, per-claim and per-run cost, crossover ladder, pool cost
@@ -94,6 +95,7 @@ DEFAULTS = {
     "CALQUE_BATCH_TIMEOUT": "900",      # s one handler call may run before the worker calls it hung (pool default)
     "CALQUE_CHECKPOINT_SECONDS": "30",  # s of drain between two result parts of a claim (with the next one: both)
     "CALQUE_CHECKPOINT_BATCHES": "8",   # batches between two result parts of a claim (with the previous one: both)
+    "CALQUE_TARGET_DRAIN": "60",        # s a pool that sizes itself aims to drain its backlog in
 }
 ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
@@ -127,7 +129,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 WARMD = os.path.join(HERE, "warmd.py")
 RATES_FILE = os.path.join(HERE, "rates.json")
 OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_PIPELINE", "CALQUE_AHEAD",        # CALQUE_* names
-                  "CALQUE_AHEAD_HOLD", "CALQUE_ACK_WAIT")                                   # read elsewhere
+                  "CALQUE_AHEAD_HOLD", "CALQUE_ACK_WAIT", "CALQUE_ASG", "CALQUE_INSTANCE_ID")  # read elsewhere
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
@@ -1717,6 +1719,86 @@ def queue_depth(backend, name):
     except NotFound:
         return None
 
+# ---- the scaling decision both paths follow (local supervisor, EC2 step policy) and what it is fed
+SCALE_MEASURED_CLAIMS = 50              # latest claim summaries the measured seconds per claim / item come from
+SCALE_IDLE_MINUTES = 5.0                # idle window of a pool given a floor below its ceiling but no window
+
+
+class Scale(typing.NamedTuple):
+    """The decision's inputs and output, logged together: a desired count between lo and hi."""
+    visible: int
+    in_flight: int
+    current: int
+    seconds_per_claim: float | None     # measured (recent summaries); None: not measured yet
+    target_drain: float                 # s the backlog should take to drain
+    lo: int
+    hi: int
+    idle_window: float                  # s of surplus before the pool shrinks
+    surplus_since: float | None         # when the pool first had more workers than the backlog needs
+    now: float
+    desired: int = 0
+
+    def line(self):
+        spc = "unmeasured" if self.seconds_per_claim is None else f"{self.seconds_per_claim:.3g} s/claim"
+        return (f"scale: backlog {self.visible}+{self.in_flight} in flight, {spc}, drain target "
+                f"{self.target_drain:g} s, bounds {self.lo}..{self.hi}: {self.current} -> {self.desired}")
+
+
+def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
+                  surplus_since, now):
+    """How many workers (instances) a pool should have: enough to drain the backlog (visible + in flight) in
+    `target_drain` s at the measured seconds per claim (one a claim while unmeasured), at least one while any
+    claim waits, within lo..hi. Growing is immediate; shrinking waits until the surplus has lasted `idle_window`
+    s (no flapping; an idle pool goes to lo after its window). Pure: the caller keeps `surplus_since` from the
+    returned Scale (its surplus_since field) and passes it back."""
+    backlog = visible + in_flight
+    need = backlog if seconds_per_claim is None else math.ceil(backlog * seconds_per_claim / target_drain)
+    need = max(lo, min(hi, max(need, min(backlog, 1))))
+    since = None if need >= current else (now if surplus_since is None else surplus_since)
+    desired = current if since is not None and now - since < idle_window else need
+    return Scale(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
+                 since if desired == current else None, now, desired)
+
+
+def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
+    """The pool's latest `limit` summaries of claims that ran (newest runs first; dead-lettered ones left out)."""
+    found = []
+    for run in reversed(list_runs(backend, model)):
+        if run["mode"] == "pool":
+            found += [s for s in read_summaries(backend, run["run_id"]) if not s.get("error") and s.get("items")]
+        if len(found) >= limit:
+            break
+    return found[:limit]
+
+
+def measured_seconds(summaries):
+    """(seconds per claim, seconds per item) of the drain in these summaries (@enter paid during a claim left
+    out: a warm worker does not pay it), or (None, None) without any."""
+    seconds = sum(max(0.0, s["claim_seconds"] - s.get("enter_seconds_paid", 0.0)) for s in summaries)
+    items = sum(s["items"] for s in summaries)
+    return (seconds / len(summaries), seconds / items) if items else (None, None)
+
+
+def pool_bounds(count, lo, hi, idle_minutes, noun):
+    """(lo, hi, idle window in s or None) from `--{noun} N`, `--min-{noun} A`, `--max-{noun} B` and
+    `--scale-to-zero-after MINUTES`: N alone is A = B = N (a fixed count); an idle window or a ceiling without
+    a floor floors at 0; a floor below the ceiling without a window gets SCALE_IDLE_MINUTES."""
+    if count is not None and hi is not None and count != hi:
+        raise UserError(f"--{noun} {count} and --max-{noun} {hi}: give one of them (--{noun} N is "
+                        f"--min-{noun} N --max-{noun} N)")
+    hi = count if hi is None else hi
+    if hi is None or hi < 0 or (lo is not None and not 0 <= lo <= hi):
+        raise UserError(f"--min-{noun} {lo} --max-{noun} {hi}: give 0 <= min <= max ---> HINT: e.g. "
+                        f"--min-{noun} 0 --max-{noun} 4")
+    if idle_minutes is not None and not (math.isfinite(idle_minutes) and idle_minutes > 0):
+        raise UserError(f"--scale-to-zero-after {idle_minutes}: minutes above 0 (fractions allowed)")
+    if lo is None:
+        lo = 0 if idle_minutes is not None or count is None else hi
+    if lo == hi and idle_minutes is None:
+        return lo, hi, None
+    return lo, hi, 60.0 * (SCALE_IDLE_MINUTES if idle_minutes is None else idle_minutes)
+
+
 
 # ------------------------------------------------------------------------------------------------
 # 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
@@ -2492,6 +2574,8 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
 RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay, doubling up to this cap
 RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long restarts without backoff
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
+SCALE_INTERVAL = 0.5                    # s between two looks at the queue of a pool that sizes itself
+SCALE_MEASURE_EVERY = 10.0              # s between two reads of its recent summaries (seconds per claim)
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
 SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
@@ -2612,12 +2696,12 @@ def supervise(conf, model):
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; harmless: `desired` is re-read every tick
-    want = read_desired(folder)
+    want, scaler = read_desired(folder), LocalScaler(conf, model, folder)
     print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
     try:
         while not stopping:
-            want = read_desired(folder)
             now = time.time()
+            want = scaler.want(want, now)
             totals["restarts"] += _reap(slots, want, now)
             _spawn(conf, model, folder, slots, want, now)
             workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
@@ -2656,6 +2740,53 @@ def read_desired(folder):
         return 0
 
 
+class LocalScaler:
+    """The supervisor's sizing of a pool that scales itself (scaling.json in its state folder: lo, hi,
+    idle_window, target_drain): every SCALE_INTERVAL s, desired_count on the queue's depth and the seconds per
+    claim of the pool's recent summaries (re-read every SCALE_MEASURE_EVERY s); each change is logged with its
+    inputs. Without scaling.json, the count `pool create` / `pool scale` wrote."""
+
+    def __init__(self, conf, model, folder):
+        self.conf, self.model, self.folder = conf, model, folder
+        self.backend = self.queue = self.spc = self.since = None
+        self.checked = self.measured = -math.inf
+
+    def want(self, current, now):
+        bounds = read_scaling(self.folder)
+        if bounds is None:
+            self.since = None
+            return read_desired(self.folder)
+        if now - self.checked < SCALE_INTERVAL:
+            return current
+        self.checked = now
+        try:
+            if self.backend is None:
+                self.backend = open_backend(self.conf["CALQUE_STORE"])
+                self.queue = self.backend.queues.open_queue(load_pool(self.backend, self.model)["queue"])
+            if now - self.measured > SCALE_MEASURE_EVERY:
+                self.spc, self.measured = measured_seconds(recent_summaries(self.backend, self.model))[0], now
+            depth = self.queue.counts()
+        except (NotFound, StoreFault, UserError, OSError, sqlite3.Error) as e:
+            print(f"supervisor: scale: cannot read the queue ({e}); keeping {current} worker(s)", flush=True)
+            self.backend = None
+            return current
+        scale = desired_count(depth["visible"], depth["in_flight"], current, self.spc, bounds["target_drain"],
+                              bounds["lo"], bounds["hi"], bounds["idle_window"], self.since, now)
+        self.since = scale.surplus_since
+        if scale.desired != current:
+            print(f"supervisor: {scale.line()}", flush=True)
+        return scale.desired
+
+
+def read_scaling(folder):
+    """The bounds of a pool that sizes itself (scaling.json), or None for a fixed count."""
+    try:
+        with open(os.path.join(folder, "scaling.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def _is_warm(slot):
     """True once the slot's current process has finished @enter (warmd writes its pid to the ready file)."""
     if slot["proc"] is None:
@@ -2687,8 +2818,8 @@ def exit_reason(log_path, returncode):
 
 def _reap(slots, want, now):
     """Notice exited workers, keeping why each died (last_exit; warm: whether it had finished @enter): a slot still
-    wanted restarts after its backoff; a slot above `want` is stopped (SIGTERM, once) and dropped when its process
-    is gone. Returns the restarts counted."""
+    wanted restarts after its backoff; a slot above `want` is stopped (SIGUSR1, once: it finishes its claim, so
+    scaling in costs no redelivery) and dropped when its process is gone. Returns the restarts counted."""
     restarts = 0
     for s, slot in list(slots.items()):
         proc = slot["proc"]
@@ -2709,7 +2840,7 @@ def _reap(slots, want, now):
                 del slots[s]
             elif not slot.get("stopping"):
                 slot["stopping"] = True
-                slot["proc"].send_signal(signal.SIGTERM)
+                slot["proc"].send_signal(signal.SIGUSR1)   # scale-in: finish the claim, however long, then exit
     return restarts
 
 
@@ -3544,6 +3675,7 @@ COLD_BOOT_ALLOWANCE = 30            # min a cold instance may boot on top of the
 ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
 MIN_IDLE_MINUTES = 2                # the idle alarm's newest minute may be a FILLed 0 (its data late): 1 is no window
+STEP_ADJUSTMENTS_MAX = 20           # steps of one step-scaling policy (Auto Scaling's limit)
 BOOTSTRAP_ATTEMPTS = 5              # tries of each network step of the bootstrap (apt, kit download, pip install)
 BOOTSTRAP_BACKOFF = 10              # s before a network step's second try, doubling after each (10 + 20 + 40 + 80 s)
 BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of instances already replaced that `pool status` reads and lists
@@ -3757,7 +3889,8 @@ def worker_policy(store, model, region, account, partition="aws"):
       list that key's prefix (S3 evaluates s3:prefix as the key), and warmd must tell "no summary yet"
       from "forbidden". The worker never lists anything itself;
     - SetInstanceHealth on its own Auto Scaling group only (the ARN names the group): a bootstrap that fails
-      marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service."""
+      marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service;
+      SetInstanceProtection there too: warmd protects its instance from scale-in while it holds a claim."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
     policy = _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
@@ -3768,7 +3901,8 @@ def worker_policy(store, model, region, account, partition="aws"):
                                     f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*"],
                             listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
     policy["Statement"].append({
-        "Sid": "ReplaceOwnInstance", "Effect": "Allow", "Action": ["autoscaling:SetInstanceHealth"],
+        "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
+        "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
         "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/"
                     f"{ec2_names(model)['asg']}"})
     return policy
@@ -4003,6 +4137,9 @@ echo "calque: fastbatch $FASTBATCH; torch $TORCH (CUDA $TORCH_CUDA, GPU visible:
 cat > /etc/calque/worker.env <<'CALQUE_ENV_EOF'
 {env}
 CALQUE_ENV_EOF
+if [ -n "${{INSTANCE_ID:-}}" ]; then   # warmd protects this instance from scale-in while it holds a claim
+  echo "CALQUE_INSTANCE_ID=$INSTANCE_ID" >> /etc/calque/worker.env
+fi
 if [ "$FASTBATCH" != c ]; then
   echo "FASTBATCH_REFERENCE=1" >> /etc/calque/worker.env
 fi
@@ -4118,7 +4255,8 @@ def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool'
     _check_text(model, "model")
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
-        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_POOL_MODEL": model},
+        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
+        env={"CALQUE_POOL_MODEL": model, "CALQUE_ASG": ec2_names(model)["asg"]},
         worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service=POOL_SERVICE,
         report_prefix=ec2_names(model)["report_prefix"], on_failure=_POOL_ON_FAILURE, conf=conf)
 
@@ -4247,21 +4385,22 @@ class Ec2PoolOptions:
 
 
 def ec2_pool_options(instances, instance_type=None, *, min_instances=None, ami=None, spot=False, subnet=None,
-                     key_name=None, scale_to_zero_after=None):
-    """Ec2PoolOptions from the flags' values, checked: 0 or more instances, an idle window CloudWatch can
-    evaluate, a floor between 0 and the instance count (0 unless given when the pool scales to zero)."""
-    if instances is None or instances < 0:
+                     key_name=None, scale_to_zero_after=None, max_instances=None):
+    """Ec2PoolOptions from the flags' values, checked (pool_bounds): --instances N is a fixed cohort; a floor
+    below the ceiling or an idle window makes a group that sizes itself, its window in whole minutes (SQS
+    publishes once a minute) that CloudWatch can evaluate."""
+    if instances is max_instances is None or (instances or 0) < 0:
         raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
-    if scale_to_zero_after is not None and not MIN_IDLE_MINUTES <= scale_to_zero_after <= MAX_IDLE_MINUTES:
+    if min_instances is not None and not 0 <= min_instances <= (max_instances or instances):
+        raise UserError(f"--min-instances {min_instances}: between 0 and --instances {max_instances or instances}")
+    lo, hi, idle = pool_bounds(instances, min_instances, max_instances, scale_to_zero_after, "instances")
+    minutes = math.ceil(idle / 60 - 1e-9) if idle is not None else None
+    if minutes is not None and not MIN_IDLE_MINUTES <= minutes <= MAX_IDLE_MINUTES:
         raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between {MIN_IDLE_MINUTES} and "
                         f"{MAX_IDLE_MINUTES} (CloudWatch's one-day window; a one-minute window would take a minute "
                         f"whose data is late for an idle one)")
-    if min_instances is None and scale_to_zero_after is not None:
-        min_instances = 0
-    if min_instances is not None and not 0 <= min_instances <= instances:
-        raise UserError(f"--min-instances {min_instances}: between 0 and --instances {instances}")
-    return Ec2PoolOptions(instances, instance_type, min_instances, ami, bool(spot), subnet, key_name,
-                          scale_to_zero_after)
+    return Ec2PoolOptions(hi, instance_type, None if minutes is None else lo, ami, bool(spot), subnet, key_name,
+                          minutes)
 
 
 @dataclass(frozen=True)
@@ -4450,45 +4589,82 @@ def _put_capacity_policy(calls, asg, name, capacity):
                       Cooldown=60)
 
 
+def backlog_steps(lo, hi, seconds_per_claim, target_drain):
+    """[(backlog, capacity)]: from each backlog (visible + in flight) on, the capacity desired_count gives a
+    growing group (at most STEP_ADJUSTMENTS_MAX steps, the last one `hi`): the backlog policy's steps."""
+    def need(backlog):
+        return desired_count(backlog, 0, 0, seconds_per_claim, target_drain, lo, hi, 0.0, None, 0.0).desired
+    per = 1.0 if seconds_per_claim is None else target_drain / seconds_per_claim   # backlog one instance drains
+    first = max(need(1), 1)
+    counts = range(first, hi + 1)
+    if len(counts) > STEP_ADJUSTMENTS_MAX:
+        counts = sorted({first + round(i * (hi - first) / (STEP_ADJUSTMENTS_MAX - 1))
+                         for i in range(STEP_ADJUSTMENTS_MAX)})
+    steps = {1 if k == first else math.floor((k - 1) * per) + 1: k for k in counts}
+    return sorted((b, need(b)) for b in steps)
+
+
+def ec2_scaling(backend, model, lo, hi):
+    """The record's `scaling` of a group that sizes itself: seconds per claim measured from the pool's recent
+    summaries (None before any), the drain target, and the backlog policy's steps."""
+    spc = measured_seconds(recent_summaries(backend, model))[0]
+    drain = setting_number(settings(), "CALQUE_TARGET_DRAIN", float, 0.001)
+    return {"seconds_per_claim": spc, "target_drain": drain, "steps": backlog_steps(lo, hi, spc, drain)}
+
+
+def _put_backlog_policy(calls, names, ec2):
+    """The step policy the wake alarm runs every minute it is in ALARM (any claim visible or in flight): the
+    group to exactly backlog_steps' capacity for the backlog (scale-in protection keeps busy instances)."""
+    steps = ec2["scaling"]["steps"]
+    adjustments = [{"MetricIntervalLowerBound": 0.0 if i == 0 else b - 0.5, "ScalingAdjustment": k}
+                   | ({"MetricIntervalUpperBound": steps[i + 1][0] - 0.5} if i + 1 < len(steps) else {})
+                   for i, (b, k) in enumerate(steps)]
+    return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=names["asg"],
+                      PolicyName=names["policy_wake"], PolicyType="StepScaling", AdjustmentType="ExactCapacity",
+                      MetricAggregationType="Maximum", StepAdjustments=adjustments)
+
+
+def _backlog_metrics(queue):
+    """Metric math: visible + in flight, each FILLed with 0 where SQS published no point (in flight is
+    published only while messages are in flight)."""
+    return [{"Id": "visible_raw", "ReturnData": False, "MetricStat": {
+                "Metric": _sqs_metric(queue, "ApproximateNumberOfMessagesVisible"), "Period": ALARM_PERIOD,
+                "Stat": "Maximum"}},
+            {"Id": "inflight_raw", "ReturnData": False, "MetricStat": {
+                "Metric": _sqs_metric(queue, "ApproximateNumberOfMessagesNotVisible"), "Period": ALARM_PERIOD,
+                "Stat": "Maximum"}},
+            {"Id": "visible", "Expression": "FILL(visible_raw, 0)", "ReturnData": False},
+            {"Id": "inflight", "Expression": "FILL(inflight_raw, 0)", "ReturnData": False},
+            {"Id": "backlog", "Expression": "visible + inflight", "Label": "claims waiting or running",
+             "ReturnData": True}]
+
+
 def _sqs_metric(queue, metric):
     return {"Namespace": "AWS/SQS", "MetricName": metric, "Dimensions": [{"Name": "QueueName", "Value": queue}]}
 
 
 def _ensure_scale_to_zero(calls, names, ec2, tags):
-    """Two simple-scaling policies (exactly N; exactly the floor) and two alarms. Wake: any visible message
-    in a minute; no data is no work. Idle: visible + in flight == 0 for the whole window -- in flight counts,
-    so a pool busy on long claims with an empty backlog is not scaled in under its workers. Missing data is
-    handled in the metric math: SQS reports in-flight only while messages are in flight, so a minute with a
-    backlog but no in-flight point must not read as "no data" (a sum over a missing point, which the alarm
-    would count as idle while the wake alarm fires); FILL makes each a 0 where it has no point, and a queue
-    that publishes nothing at all (inactive for six hours) is idle too (TreatMissingData)."""
+    """The backlog step policy on the wake alarm (any claim visible or in flight in a minute: the group to
+    desired_count's capacity for that backlog, re-run every minute the alarm stays in ALARM), and a
+    simple-scaling policy (exactly the floor) on the idle alarm (visible + in flight == 0 for the whole
+    window). Both alarms read the same metric math (_backlog_metrics): a minute with a backlog but no in-flight
+    point must not read as "no data"; a queue that publishes nothing at all (inactive for six hours) is idle
+    (TreatMissingData)."""
     asg, minutes = names["asg"], ec2["scale_to_zero_after"]
-    wake = _put_capacity_policy(calls, asg, names["policy_wake"], ec2["instances"])
+    wake = _put_backlog_policy(calls, names, ec2)
     idle = _put_capacity_policy(calls, asg, names["policy_idle"], ec2["min_instances"] or 0)
     calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_wake"],
-               AlarmDescription=f"calque: wake pool {asg} when a claim waits in {names['queue']}",
+               AlarmDescription=f"calque: size pool {asg} to its backlog in {names['queue']}",
                ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_wake"], wake)],
-               Statistic="Maximum", Period=ALARM_PERIOD, EvaluationPeriods=1, Threshold=0,
-               ComparisonOperator="GreaterThanThreshold", TreatMissingData="notBreaching",
-               Tags=_tags(tags, strict=True),
-               **_sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"))
+               EvaluationPeriods=1, Threshold=0, ComparisonOperator="GreaterThanThreshold",
+               TreatMissingData="notBreaching", Tags=_tags(tags, strict=True), Metrics=_backlog_metrics(names["queue"]))
     calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_idle"],
                AlarmDescription=f"calque: scale pool {asg} to {ec2['min_instances'] or 0} after {minutes} "
                                 f"idle minute(s)",
                ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_idle"], idle)],
                EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
                ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching",
-               Tags=_tags(tags, strict=True),
-               Metrics=[{"Id": "visible_raw", "ReturnData": False, "MetricStat": {
-                            "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"),
-                            "Period": ALARM_PERIOD, "Stat": "Maximum"}},
-                        {"Id": "inflight_raw", "ReturnData": False, "MetricStat": {
-                            "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesNotVisible"),
-                            "Period": ALARM_PERIOD, "Stat": "Maximum"}},
-                        {"Id": "visible", "Expression": "FILL(visible_raw, 0)", "ReturnData": False},
-                        {"Id": "inflight", "Expression": "FILL(inflight_raw, 0)", "ReturnData": False},
-                        {"Id": "backlog", "Expression": "visible + inflight", "Label": "claims waiting or running",
-                         "ReturnData": True}])
+               Tags=_tags(tags, strict=True), Metrics=_backlog_metrics(names["queue"]))
     return "put"
 
 
@@ -4603,6 +4779,7 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
            "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
            "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if idle else [],
            "kit": {"key": kit_key, "sha256": kit_sha}, "held": min(held, options.instances) if held else None,
+           "scaling": ec2_scaling(backend, model, options.min_instances, options.instances) if idle else None,
            "state": "creating", "updated_at": now_iso(), "created_at": created_at}
     tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
             "calque:created-at": created_at, "calque:store": store, "calque:region": region}
@@ -4658,8 +4835,12 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     def alarms():
         if idle:
             _ensure_scale_to_zero(calls, names, ec2, tags)
-            print(f"pool {model}: alarms {names['alarm_wake']} (work arrives -> {options.instances}) and "
-                  f"{names['alarm_idle']} ({idle} idle min -> {options.min_instances or 0}) {_said(calls, 'put')}")
+            steps = ", ".join(f"{b}+ -> {k}" for b, k in ec2["scaling"]["steps"])
+            spc = ec2["scaling"]["seconds_per_claim"]
+            print(f"pool {model}: alarms {names['alarm_wake']} (backlog -> instances: {steps}; "
+                  f"{'unmeasured: one a claim' if spc is None else f'{spc:.3g} s a claim'}, drain target "
+                  f"{ec2['scaling']['target_drain']:g} s) and {names['alarm_idle']} ({idle} idle min -> "
+                  f"{options.min_instances or 0}) {_said(calls, 'put')}")
         elif _remove_scale_to_zero(calls, names):
             print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
 
@@ -4724,7 +4905,8 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo, MaxSize=hi,
                DesiredCapacity=desired)
     if sleeps:
-        _put_capacity_policy(calls, names["asg"], names["policy_wake"], ec2["instances"])
+        ec2["scaling"] = ec2_scaling(backend, model, lo, ec2["instances"])
+        _put_backlog_policy(calls, names, ec2)
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
     _put_pool_record(calls, backend, full)
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
@@ -4733,7 +4915,7 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     if sleeps:
         print(f"pool {model}: " + (f"held at {instances}: the idle alarm cannot scale it in until "
                                    f"`pool scale --model {model} --instances 0` releases it" if instances else
-                                   f"scale to zero in charge again: wakes to {ec2['instances']} on work"))
+                                   f"the backlog and idle alarms in charge again: up to {ec2['instances']} on its backlog"))
     return full
 
 
@@ -4808,7 +4990,7 @@ def format_ec2_status(status):
     if ec2.get("scale_to_zero_after"):
         mode = (f"held at {ec2['held']} by `pool scale` (MinSize {ec2['held']}: the idle alarm cannot scale it in; "
                 f"`pool scale --instances 0` releases it)" if ec2.get("held") else
-                f"alarms in charge (wake to {ec2['instances']} on work, {ec2['min_instances'] or 0} after "
+                f"alarms in charge (backlog steps up to {ec2['instances']}, {ec2['min_instances'] or 0} after "
                 f"{ec2['scale_to_zero_after']} idle min)")
         lines.append(f"scale to zero: {mode}" + (f"; {alarms}" if alarms else ""))
     elif alarms:
@@ -5025,7 +5207,7 @@ def ec2_cold_wait_hint(backend, record, calls=None):
         if not ec2.get("scale_to_zero_after"):
             return (f"pool {model} is scaled to 0: nothing will claim this run "
                     f"---> HINT: pool scale --model {model} --instances N")
-        return (f"pool {model} is cold (0 instances): its wake alarm scales it to {ec2['instances']} within ~1-3 min "
+        return (f"pool {model} is cold (0 instances): its wake alarm sizes it to the backlog (up to {ec2['instances']}) in ~1-3 min "
                 f"(SQS metrics are per minute; up to 15 min more after 6 idle hours, while SQS resumes them), "
                 f"then {boot}, then {load} before the first claim starts")
     pending = sum(s.startswith("Pending") for s in states)
@@ -5488,12 +5670,22 @@ def pool_liveness(conf, backend, record):
     return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere)"
 
 
-def scale_local(conf, model, workers, gpus_per_worker=None):
-    """Set the pool's local worker count on this machine; 0 stops its supervisor. Returns the supervisor's pid
-    (None at 0)."""
+def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None):
+    """Set the pool's local worker count on this machine; 0 stops its supervisor. `bounds` (lo, hi, idle
+    window s): the supervisor sizes the pool itself between lo and hi (desired_count), from `workers` (= lo)
+    on, and stays up at 0. Returns the supervisor's pid (None at 0)."""
     if workers < 0:
         raise UserError(f"--workers {workers}: must be 0 or more")
-    if workers:
+    folder = state_dir(conf, model)
+    if bounds:
+        os.makedirs(folder, exist_ok=True)
+        write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(
+            {"lo": bounds[0], "hi": bounds[1], "idle_window": bounds[2],
+             "target_drain": setting_number(conf, "CALQUE_TARGET_DRAIN", float, 0.001)}))
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, "scaling.json"))
+    if workers or bounds:
         return start_supervisor(conf, model, workers, gpus_per_worker)
     if os.path.isdir(state_dir(conf, model)):
         write_file_atomic(os.path.join(state_dir(conf, model), "desired"), "0")
@@ -5531,13 +5723,14 @@ class Pool:
             self.scale(workers, gpus_per_worker=gpus_per_worker, wait=wait, progress=progress)
         return record
 
-    def scale(self, workers, *, gpus_per_worker=None, wait=True, progress=False):
+    def scale(self, workers, *, gpus_per_worker=None, wait=True, progress=False, bounds=None):
         """Set the number of local workers on this machine (0 stops them), waiting until the new ones are warm
-        unless wait=False. Returns the supervisor's pid (None at 0)."""
+        unless wait=False. `bounds` (lo, hi, idle window s; pool_bounds): the pool sizes itself between lo and
+        hi on its backlog, from `workers` on. Returns the supervisor's pid (None at 0)."""
         load_pool(self.backend, self.model)
         since = time.time()
-        pid = scale_local(self.conf, self.model, workers, gpus_per_worker)
-        if pid and wait:
+        pid = scale_local(self.conf, self.model, workers, gpus_per_worker, bounds)
+        if pid and wait and workers:
             wait_warm(self.conf, self.model, workers, since, progress)
         return pid
 
@@ -5813,7 +6006,7 @@ def cmd_pool_create(conf, backend, args):
         print(f"pool {args.model}: {note}")
     args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")        # the app's retries=
     args.batch_timeout = args.batch_timeout or suggested.get("batch_timeout")           # the app's timeout=
-    if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
+    if args.instances is not None or args.max_instances is not None:   # an EC2 cohort: each step idempotent
         record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
                                                                     args.max_deliveries), args.batch_timeout)
         if modal:
@@ -5821,14 +6014,17 @@ def cmd_pool_create(conf, backend, args):
         args.instance_type = args.instance_type or suggested.get("instance_type")       # the app's gpu=
         options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
                                    spot=args.spot, subnet=args.subnet, key_name=args.key_name,
-                                   scale_to_zero_after=args.scale_to_zero_after)
+                                   scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances)
         with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
             ec2_pool_create(backend, record, args.handler, options, dry_run=args.dry_run,
                             yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
-    workers = LOCAL_WORKERS_DEFAULT if args.workers is None else args.workers
+    count = args.workers
+    if count is None and args.max_workers is None:
+        count = LOCAL_WORKERS_DEFAULT if args.min_workers is None else args.min_workers
+    lo, hi, idle = pool_bounds(count, args.min_workers, args.max_workers, args.scale_to_zero_after, "workers")
     pool = Pool(args.model, context=(conf, backend))
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal)
@@ -5836,20 +6032,25 @@ def cmd_pool_create(conf, backend, args):
           f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
           f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}; "
           f"workers run in {record['workdir']}")
-    if args.workers is None:
-        print(f"pool {args.model}: --workers not given: starting {workers} local worker (--workers 0 for none)")
-    if workers:
-        pid = scale_local_verb(conf, pool, workers, args)
-        print(f"pool {args.model}: {workers} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
+    if args.workers is args.max_workers is args.min_workers is None and idle is None:
+        print(f"pool {args.model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
+    if idle is not None:
+        pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle))
+        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s) on its backlog (drain target "
+              f"{conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} min -> {lo}), supervisor pid {pid}; logs: "
+              f"calque pool logs --model {args.model}")
+    elif lo:
+        pid = scale_local_verb(conf, pool, lo, args)
+        print(f"pool {args.model}: {lo} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
               f"pid {pid}; logs: calque pool logs --model {args.model} ({state_dir(conf, args.model)})")
     return EXIT_OK
 
 
-def scale_local_verb(conf, pool, workers, args):
+def scale_local_verb(conf, pool, workers, args, bounds=None):
     """pool create / pool scale: set the local workers, waiting (unless --no-wait) with a progress line on a
     terminal until they are warm. Returns the supervisor's pid."""
     return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, wait=not args.no_wait,
-                      progress=sys.stderr.isatty())
+                      progress=sys.stderr.isatty(), bounds=bounds)
 
 
 def cmd_pool_scale(conf, backend, args):
@@ -6291,6 +6492,11 @@ def build_parser():
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
     p.add_argument("--workers", type=int, help=f"local warmd.py processes to start under a supervisor, waited for "
                                                 f"until warm (default {LOCAL_WORKERS_DEFAULT})")
+    p.add_argument("--min-workers", type=int, metavar="A", help="floor of a pool that sizes itself on its backlog")
+    p.add_argument("--max-workers", type=int, metavar="B", help="its ceiling (with no floor given: floor 0)")
+    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
+                   help=f"idle window (fractions allowed) before the pool shrinks to its floor (0 unless given); "
+                        f"default {SCALE_IDLE_MINUTES:g} with a floor below the ceiling")
     local_options(p)
     p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
     p.add_argument("--visibility-timeout", type=int, help="seconds a claim stays invisible; the heartbeat renews it")
@@ -6311,11 +6517,10 @@ def build_parser():
     ec2.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be interrupted at 2 minutes' "
                                                          "notice")
     ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: --instances; 0 with "
-                                                       "--scale-to-zero-after)")
+                                                       "--scale-to-zero-after or --max-instances)")
+    ec2.add_argument("--max-instances", type=int, help="ceiling of a group that sizes itself on its backlog")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
     ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
-    ec2.add_argument("--scale-to-zero-after", type=int, metavar="MINUTES", help="scale to 0 after this many idle "
-                                                                                "minutes; wake on work")
     ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
     ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would change something; change "
                                                             "nothing")

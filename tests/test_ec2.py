@@ -206,7 +206,8 @@ def test_worker_policy_statement_by_statement(aws):
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
-        {"Sid": "ReplaceOwnInstance", "Effect": "Allow", "Action": ["autoscaling:SetInstanceHealth"],   # its group only
+        {"Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",                           # its group only
+             "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
          "Resource": "arn:aws:autoscaling:eu-west-1:111122223333:autoScalingGroup:*:autoScalingGroupName/"
                      f"calque-pool-{s}"},
     ]}
@@ -445,15 +446,19 @@ def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
     assert group["MixedInstancesPolicy"]["InstancesDistribution"]["OnDemandPercentageAboveBaseCapacity"] == 0
     policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
         AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
-    assert (policies["calque-wake"]["AdjustmentType"],
-            policies["calque-wake"]["ScalingAdjustment"]) == ("ExactCapacity", 3)
+    wake_policy = policies["calque-wake"]       # unmeasured: one instance a claim, up to 3
+    assert (wake_policy["PolicyType"], wake_policy["AdjustmentType"]) == ("StepScaling", "ExactCapacity")
+    assert [(a["MetricIntervalLowerBound"], a.get("MetricIntervalUpperBound"), a["ScalingAdjustment"])
+            for a in wake_policy["StepAdjustments"]] == [(0.0, 1.5, 1), (1.5, 2.5, 2), (2.5, None, 3)]
     assert policies["calque-idle"]["ScalingAdjustment"] == 0
     alarms = {a["AlarmName"]: a for a in client("cloudwatch").describe_alarms(
         AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]}
     wake, idle = alarms[names["alarm_wake"]], alarms[names["alarm_idle"]]
-    assert (wake["Namespace"], wake["MetricName"], wake["ComparisonOperator"], wake["Threshold"]) == (
-        "AWS/SQS", "ApproximateNumberOfMessagesVisible", "GreaterThanThreshold", 0)
-    assert wake["Dimensions"] == [{"Name": "QueueName", "Value": names["queue"]}]
+    assert (wake["ComparisonOperator"], wake["Threshold"], wake["EvaluationPeriods"]) == (
+        "GreaterThanThreshold", 0, 1)
+    assert wake["Metrics"] == idle["Metrics"]       # both on visible + in flight
+    assert {m["MetricStat"]["Metric"]["Dimensions"][0]["Value"] for m in wake["Metrics"] if "MetricStat" in m} == {
+        names["queue"]}
     assert wake["AlarmActions"] == [policies["calque-wake"]["PolicyARN"]]
     assert idle["EvaluationPeriods"] == 15 and idle["AlarmActions"] == [policies["calque-idle"]["PolicyARN"]]
     assert {m["Id"]: m.get("Expression") for m in idle["Metrics"]}["backlog"] == "visible + inflight"
@@ -491,12 +496,22 @@ def _moto_policies_keep_min_and_max(monkeypatch):
     monkeypatch.setattr(FakeScalingPolicy, "execute", execute)
 
 
-def fire(alarm_name):
-    """What CloudWatch does every minute an Auto Scaling alarm stays in ALARM: run its scaling policy."""
+def fire(alarm_name, backlog=1):
+    """What CloudWatch does every minute an Auto Scaling alarm stays in ALARM: run its scaling policy; a step
+    policy (moto does not pick steps) sets the capacity of the step `backlog` falls in, within MinSize..MaxSize as
+    AWS does (a scale-in terminates unprotected instances only, in moto as in AWS)."""
     alarm = client("cloudwatch").describe_alarms(AlarmNames=[alarm_name])["MetricAlarms"][0]
     arn, = alarm["AlarmActions"]
-    client("autoscaling").execute_policy(AutoScalingGroupName=calque.ec2_names(MODEL)["asg"],
-                                         PolicyName=arn.rsplit("policyName/", 1)[1])
+    asg, name = calque.ec2_names(MODEL)["asg"], arn.rsplit("policyName/", 1)[1]
+    policy, = client("autoscaling").describe_policies(AutoScalingGroupName=asg, PolicyNames=[name])["ScalingPolicies"]
+    if policy["PolicyType"] != "StepScaling":
+        client("autoscaling").execute_policy(AutoScalingGroupName=asg, PolicyName=name)
+        return
+    step, = [a for a in policy["StepAdjustments"] if a["MetricIntervalLowerBound"] <= backlog - alarm["Threshold"]
+             < a.get("MetricIntervalUpperBound", float("inf"))]
+    group = asg_of()
+    client("autoscaling").set_desired_capacity(AutoScalingGroupName=asg, DesiredCapacity=max(
+        group["MinSize"], min(group["MaxSize"], step["ScalingAdjustment"])))
 
 
 def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
@@ -538,8 +553,10 @@ def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     assert stored["ec2"]["held"] is None and stored["ec2"]["instances"] == 3
     status = calque.format_ec2_status(calque.ec2_pool_status(aws.backend, stored))
-    assert any("scale to zero: alarms in charge (wake to 3 on work" in line for line in status), status
-    fire(names["alarm_wake"])
+    assert any("scale to zero: alarms in charge (backlog steps up to 3" in line for line in status), status
+    fire(names["alarm_wake"], backlog=1)
+    assert asg_of()["DesiredCapacity"] == 1
+    fire(names["alarm_wake"], backlog=7)
     assert asg_of()["DesiredCapacity"] == 3
     fire(names["alarm_idle"])
     calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=10),
