@@ -25,7 +25,8 @@ The map. Each section uses only the sections above it; read top to bottom.
      6. local workers                 the detached supervisor that keeps N warmd.py alive (GPUs, exit reasons)
      7. the cost model                rates.json, per-claim and per-run cost, crossover ladder, pool cost
      8. the EC2 cohort                IAM, bootstrap, launch template, Auto Scaling, alarms; pool and cold verbs
-     9. across both paths             a Modal app's pool options, cold_run (the baseline), pool status
+     9. across both paths             a Modal app's pool options, cold_run (the baseline), pool status, the
+                                      planner (make_plan: wall time and cost for 1..B workers)
     10. the Python API                Pool, submit(), Run: what a notebook uses and the CLI calls
     11. the CLI                       one cmd_* per verb in the parser's order, build_parser(), main()
 """
@@ -42,6 +43,7 @@ import functools
 import glob
 import gzip
 import hashlib
+import heapq
 import importlib.util
 import inspect
 import io
@@ -2770,8 +2772,12 @@ class LocalScaler:
             print(f"supervisor: scale: cannot read the queue ({e}); keeping {current} worker(s)", flush=True)
             self.backend = None
             return current
+        backlog = depth["visible"] + depth["in_flight"]
+        if bounds.get("boost") and not backlog:   # a planned run's count (submit --deadline) holds while it lasts
+            write_file_atomic(os.path.join(self.folder, "scaling.json"), json.dumps(dict(bounds, boost=0)))
+        lo = min(bounds["hi"], max(bounds["lo"], bounds.get("boost", 0) if backlog else 0))
         scale = desired_count(depth["visible"], depth["in_flight"], current, self.spc, bounds["target_drain"],
-                              bounds["lo"], bounds["hi"], bounds["idle_window"], self.since, now)
+                              lo, bounds["hi"], bounds["idle_window"], self.since, now)
         self.since = scale.surplus_since
         if scale.desired != current:
             print(f"supervisor: {scale.line()}", flush=True)
@@ -5580,6 +5586,121 @@ def pool_record_to_delete(backend, model, force):
     return {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model)}
 
 
+
+# ---- the planner: a run's wall time and cost for 1..B workers before it starts, and against what it did
+PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
+PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text):
+    """Seconds of '90', '90s', '20m', '2h', '1.5d'."""
+    found = PLAN_DURATION.match(str(text))
+    if not found or float(found[1]) <= 0:
+        raise UserError(f"--deadline {text!r}: a duration such as 45m, 2h or 90s")
+    return float(found[1]) * PLAN_UNITS[found[2]]
+
+
+def plan_seconds(claim_seconds, starts):
+    """The wall time of claims (seconds each, in queue order) on workers free from `starts` (s from now): each
+    claim to the worker free first, as a pool's workers pull from its queue."""
+    free = sorted(starts)
+    for seconds in claim_seconds:
+        heapq.heapreplace(free, free[0] + seconds)
+    return max(free) if claim_seconds else 0.0
+
+
+def pool_ceiling(conf, backend, record):
+    """(A, B, noun, running): the pool's floor and ceiling of workers (or instances; a fixed pool: A = B), and
+    how many are running already (their stats)."""
+    warm = sum(w.get("state") == "running" for w in mark_lost_workers(read_worker_stats(backend, record["model"])))
+    if record.get("ec2"):
+        ec2 = record["ec2"]
+        hi = max(1, ec2["instances"])
+        return min(hi, ec2["min_instances"] if ec2.get("min_instances") is not None else hi), hi, "instances", warm
+    folder = state_dir(conf, record["model"])
+    bounds = read_scaling(folder)
+    if bounds:
+        return bounds["lo"], max(1, bounds["hi"]), "workers", warm
+    return max(1, read_desired(folder)), max(1, read_desired(folder)), "workers", warm
+
+
+def make_plan(backend, conf, record, items, claim_size, price, summaries):
+    """The plan of `items` items in claims of `claim_size` on the pool: per-item seconds measured from
+    `summaries` (recent_summaries), start-up of a worker not yet running (measured @enter and acquisition; an
+    EC2 instance adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time (plan_seconds) and cost
+    (count x wall x rate, on-demand and spot), beside the cold counterfactual (every worker a fresh
+    acquisition paying A + E) and the serverless price of the same drain."""
+    rates, itype = price.rates, price.instance_type
+    rate, spot_rate = (instance_rate_per_second(rates, itype, spot=spot) for spot in (False, True))
+    _, per_item = measured_seconds(summaries)
+    stats = read_worker_stats(backend, record["model"])
+    enter = measured_enter_seconds(stats) or 0.0
+    paid = [w["acquisition_seconds"] for w in stats if w.get("acquisition_seconds")]
+    acquisition = sum(paid) / len(paid) if paid else 0.0
+    _, ceiling, noun, warm = pool_ceiling(conf, backend, record)
+    start = enter + (EC2_BOOT_ESTIMATE if noun == "instances" else acquisition)
+    sizes = [claim_size] * (items // claim_size) + ([items % claim_size] if items % claim_size else [])
+    claims = [n * per_item for n in sizes]
+    options = []
+    for n in range(1, ceiling + 1):
+        seconds = plan_seconds(claims, [0.0] * min(n, warm) + [start] * (n - min(n, warm)))
+        options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
+                        "spot_cost_usd": n * seconds * spot_rate, "starting": n - min(n, warm)})
+    drain = sum(claims)
+    card, count = serverless_match(rates, itype)
+    cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
+    return {"model": record["model"], "items": items, "claims": len(claims), "claim_size": claim_size,
+            "seconds_per_item": per_item, "measured_claims": len(summaries), "enter_seconds": enter,
+            "start_seconds": start, "running": warm, "noun": noun, "instance_type": itype, "options": options,
+            "cold": {noun: ceiling, "seconds": plan_seconds(claims, [cold_acquisition + enter] * ceiling),
+                     "cost_usd": (ceiling * (cold_acquisition + enter) + drain) * rate},
+            "serverless": {"card": f"{count}x {card}", "seconds": plan_seconds(claims, [enter] * ceiling),
+                           "cost_usd": (drain + ceiling * enter) * serverless_rate_per_second(rates, card, count)}}
+
+
+def pick_option(plan, deadline=None, budget=None):
+    """The option of the fewest workers that meets the deadline (s) and the budget ($), or None."""
+    for option in plan["options"]:
+        if (deadline is None or option["seconds"] <= deadline) and (budget is None or option["cost_usd"] <= budget):
+            return option
+    return None
+
+
+def format_plan(plan):
+    noun = plan["noun"]
+    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of {plan['claim_size']} on pool "
+             f"{plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured over "
+             f"{plan['measured_claims']} recent claim(s)); {plan['running']} {noun} running, a new one starts in "
+             f"{plan['start_seconds']:.3g} s; {plan['instance_type']}",
+             f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
+    for o in plan["options"]:
+        lines.append(f"  {o[noun]:>9}  {_duration(o['seconds']):>10}  {_usd(o['cost_usd']):>10}  "
+                     f"{_usd(o['spot_cost_usd']):>10}")
+    cold, serverless = plan["cold"], plan["serverless"]
+    lines.append(f"  cold start ({cold[noun]} fresh {noun}, each paying acquisition + @enter): "
+                 f"{_duration(cold['seconds'])}, {_usd(cold['cost_usd'])}")
+    lines.append(f"  serverless ({serverless['card']} per container, {cold[noun]} containers): "
+                 f"{_duration(serverless['seconds'])}, {_usd(serverless['cost_usd'])}")
+    return lines
+
+
+def _duration(seconds):
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
+
+
+def plan_against_actual(run, summaries):
+    """'predicted X on N workers, actual Y (+d %)' for a run submitted with a plan, once every claim has a
+    summary; None otherwise."""
+    plan = run.get("plan")
+    if not plan or len(summaries) < len(run["claims"]) or not summaries:
+        return None
+    ended = max(_parse_time(s["finished_at"], "finished_at") for s in summaries)
+    actual = (ended - _parse_time(run["created_at"], "created_at")).total_seconds()
+    return (f"plan: predicted {_duration(plan['seconds'])} and {_usd(plan['cost_usd'])} on {plan['count']} "
+            f"{plan['noun']}; actual {_duration(actual)} ({(actual - plan['seconds']) / plan['seconds']:+.0%})")
+
+
 # ------------------------------------------------------------------------------------------------
 # 10. the Python API: what a notebook imports, and what the CLI verbs below call.
 #   pool = calque.Pool("demo"); pool.create(handler="my_model.py:MyModel", workers=2)
@@ -5660,6 +5781,8 @@ def pool_liveness(conf, backend, record):
         return "crashing", f"pool {model}: every local worker dies before it is warm: {crashing}"
     if local:
         return "starting", f"pool {model}: {len(local)} local worker(s) still loading (@enter); the run waits for them"
+    if status and read_scaling(state_dir(conf, model)):
+        return "starting", f"pool {model} sizes itself: its supervisor starts workers for the run"
     if "ec2" in record and backend.kind == "aws":
         hint = ec2_cold_wait_hint(backend, record)
         if hint is None:
@@ -5998,6 +6121,81 @@ def write_results(lines, failed_only):
     sys.stdout.flush()
 
 
+def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
+    """(plan, sample run id or None): make_plan of `items` (a list, or a stream counted here) on the pool. A pool
+    with no measured claim runs one sample claim of the first items first, says so, and plans from it."""
+    record = load_pool(backend, model)
+    claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    check_claim_size(claim_size)
+    first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
+    count = len(items) if first is None else len(first) + sum(1 for _ in items)
+    summaries, sample = recent_summaries(backend, model), None
+    if not summaries:
+        first = first if first is not None else items[:claim_size]
+        run = submit(first, model, claim_size=claim_size, wait_for_workers=True, context=(conf, backend))
+        print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} item(s) first "
+              f"(run {run.run_id}) to measure it", file=sys.stderr)
+        if not run.wait():
+            raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within CALQUE_TIMEOUT "
+                            f"---> HINT: calque runs show {run.run_id}")
+        summaries, sample = recent_summaries(backend, model), run.run_id
+    return make_plan(backend, conf, record, count, claim_size, price, summaries), sample
+
+
+def planned_count(conf, backend, record, plan, args):
+    """The option a submit runs at: the fewest workers that meet --deadline / --budget (an error naming the
+    fastest and the cheapest when none does), else what the pool's own sizing gives for this backlog."""
+    if args.deadline is not None or args.budget is not None:
+        deadline = parse_duration(args.deadline) if args.deadline is not None else None
+        option = pick_option(plan, deadline, args.budget)
+        if option is None:
+            fastest, cheapest = plan["options"][-1], min(plan["options"], key=lambda o: o["cost_usd"])
+            raise UserError(f"no count of 1..{len(plan['options'])} {plan['noun']} meets "
+                            f"{'--deadline ' + args.deadline if deadline else ''}"
+                            f"{' --budget ' + str(args.budget) if args.budget is not None else ''}: the fastest "
+                            f"takes {_duration(fastest['seconds'])}, the cheapest costs {_usd(cheapest['cost_usd'])} "
+                            f"---> HINT: loosen it, or raise the pool's ceiling")
+        return option
+    lo, hi, _, _ = pool_ceiling(conf, backend, record)
+    spc = plan["seconds_per_item"] * plan["claim_size"]
+    want = desired_count(plan["claims"], 0, 0, spc, setting_number(conf, "CALQUE_TARGET_DRAIN", float, 0.001), lo,
+                         hi, 0.0, None, 0.0).desired
+    return plan["options"][max(1, want) - 1]
+
+
+def confirm(question, yes):
+    """True when --yes, or a terminal's user answers y; stdin that is not a terminal cannot answer: refused."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise UserError("submit --plan asks before it spends, and stdin is not a terminal ---> HINT: add --yes to "
+                        "run at the plan printed above")
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+
+
+def apply_count(conf, backend, record, option, args):
+    """Give the run its planned count: a local pool that sizes itself keeps at least that many workers while its
+    backlog lasts (its ceiling still holds); an EC2 group's desired capacity is raised to it (--yes-spend-money)."""
+    noun = "instances" if record.get("ec2") else "workers"
+    count = option[noun]
+    if noun == "instances":
+        names = ec2_names(record["model"])
+        calls = AwsCalls.for_backend(backend)
+        asg = _describe_asg(calls, names["asg"])
+        if asg and asg["DesiredCapacity"] < count:
+            _refuse_spending(f"submit --pool {record['model']} at {count} instances", dry_run=False,
+                             yes_spend_money=args.yes_spend_money)
+            calls.call("autoscaling", "SetDesiredCapacity", AutoScalingGroupName=names["asg"], DesiredCapacity=count)
+    else:
+        folder = state_dir(conf, record["model"])
+        bounds = read_scaling(folder)
+        if bounds:
+            write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, boost=count)))
+    print(f"submit: running at {count} {noun} (predicted {_duration(option['seconds'])}, "
+          f"{_usd(option['cost_usd'])} on-demand)", file=sys.stderr)
+    return {"count": count, "noun": noun, "seconds": option["seconds"], "cost_usd": option["cost_usd"]}
+
+
 def cmd_pool_create(conf, backend, args):
     batch_size = pool_settings(conf, args.batch_size)["batch_size"]
     modal, suggested, notes = modal_options(args.handler, args.param, args.secret, args.volume, args.gpus_per_worker,
@@ -6187,6 +6385,18 @@ def cmd_submit(conf, backend, args):
         if args.shards > 1:
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
+        planned = None
+        if args.plan or args.deadline is not None or args.budget is not None:
+            items = items if hasattr(items, "__len__") else list(items)
+            plan, _ = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
+            print("\n".join(format_plan(plan)), file=sys.stderr)
+            record = load_pool(backend, args.pool)
+            option = planned_count(conf, backend, record, plan, args)
+            if args.plan and not confirm(f"run {plan['items']:,} items at {option[plan['noun']]} {plan['noun']}, "
+                                         f"{_usd(option['cost_usd'])} predicted?", args.yes):
+                print("submit: not run", file=sys.stderr)
+                return EXIT_FAILED
+            planned = apply_count(conf, backend, record, option, args)
         run_id = new_run_id(args.pool)
         try:
             with signals_interrupt():
@@ -6195,6 +6405,8 @@ def cmd_submit(conf, backend, args):
                              run_id=run_id)
         except SubmitInterrupted as e:
             return interrupted(backend, run_id, e.signum)
+        if planned:
+            update_run(backend, run.record, plan=planned)
         if args.no_wait:
             print(run.run_id)
             return EXIT_OK
@@ -6237,6 +6449,11 @@ def cmd_submit(conf, backend, args):
     return report_submitted(backend, run, summaries, timed_out, args)
 
 
+def cmd_plan(conf, backend, args):
+    plan, _ = plan_run(conf, backend, args.pool, read_items(args.items), args.claim_size, _pricing(args))
+    print(json.dumps(plan, indent=1) if args.json else "\n".join(format_plan(plan)))
+    return EXIT_OK
+
 def cmd_runs_list(conf, backend, args):
     runs = list_runs(backend)
     print(json.dumps(runs, indent=1) if args.json else "\n".join(format_runs_list(runs)))
@@ -6244,7 +6461,12 @@ def cmd_runs_list(conf, backend, args):
 
 
 def cmd_runs_show(conf, backend, args):
-    return report_run(backend, read_run(backend, args.run), read_summaries(backend, args.run), args.json)
+    run, summaries = read_run(backend, args.run), read_summaries(backend, args.run)
+    code = report_run(backend, run, summaries, args.json)
+    if not args.json and plan_against_actual(run, summaries):
+        print(plan_against_actual(run, summaries))
+    return code
+
 
 
 def cmd_runs_results(conf, backend, args):
@@ -6360,6 +6582,9 @@ def cmd_cost(conf, backend, args):
         print(f"run {run['run_id']} ({run['mode']}, model {run['model']})")
         for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
             print("  " + line)
+        if plan_against_actual(run, summaries):
+            print(f"  {plan_against_actual(run, summaries)}; its claims cost {_usd(report['total_usd'])} "
+                  f"(the plan prices every {run['plan']['noun'][:-1]} for the whole wall time)")
         return EXIT_OK
     print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], reports[0][3])))
     return EXIT_OK
@@ -6482,7 +6707,7 @@ def build_parser():
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
     priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost,modal}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,plan,runs,cost,modal}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
@@ -6580,6 +6805,13 @@ def build_parser():
     p.add_argument("--wait-for-workers", action="store_true",
                    help="queue the run even when the pool has no live worker (else: exit 2 at once)")
     p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
+    planned = p.add_argument_group("a planned pool run (calque plan)")
+    planned.add_argument("--plan", action="store_true", help="print the plan and ask before running it")
+    planned.add_argument("--yes", action="store_true", help="run at the plan without asking")
+    planned.add_argument("--deadline", metavar="DURATION", help="run at the fewest workers that finish within it "
+                                                                "(45m, 2h)")
+    planned.add_argument("--budget", type=float, metavar="USD", help="run at the fewest workers that cost at most "
+                                                                     "this")
     cold_ec2 = p.add_argument_group(
         "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
     cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
@@ -6589,6 +6821,14 @@ def build_parser():
     cold_ec2.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_submit)
+
+    p = verbs.add_parser("plan", parents=[priced], help="a pool run's wall time and cost for 1..B workers, before "
+                                                       "it starts")
+    p.add_argument("items", help="the JSONL (or .npy/.npz) file submit would take")
+    p.add_argument("--pool", metavar="M", required=True, help="the pool of model M")
+    p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_plan)
 
     runs = verbs.add_parser("runs", help="read runs (list, show, results); resume, cancel, redrive them")
     runs = runs.add_subparsers(dest="runs_verb", required=True, metavar="{list,show,results,resume,cancel,redrive}")
