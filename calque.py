@@ -1749,13 +1749,14 @@ class Scale(typing.NamedTuple):
 def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
                   surplus_since, now):
     """How many workers (instances) a pool should have: enough to drain the backlog (visible + in flight) in
-    `target_drain` s at the measured seconds per claim (one a claim while unmeasured), at least one while any
-    claim waits, within lo..hi. Growing is immediate; shrinking waits until the surplus has lasted `idle_window`
-    s (no flapping; an idle pool goes to lo after its window). Pure: the caller keeps `surplus_since` from the
-    returned Scale (its surplus_since field) and passes it back."""
+    `target_drain` s at the measured seconds per claim (one a claim while unmeasured), never fewer than the
+    claims in flight (a busy worker is not surplus), never more than the claims, within lo..hi. Growing is immediate; shrinking waits until
+    the surplus has lasted `idle_window` s (no flapping; an idle pool goes to lo after its window). Pure: the
+    caller keeps `surplus_since` from the returned Scale and passes it back."""
     backlog = visible + in_flight
-    need = backlog if seconds_per_claim is None else math.ceil(backlog * seconds_per_claim / target_drain)
-    need = max(lo, min(hi, max(need, min(backlog, 1))))
+    need = backlog if seconds_per_claim is None else min(backlog, math.ceil(backlog * seconds_per_claim /
+                                                                              target_drain))
+    need = max(lo, min(hi, max(need, in_flight, min(backlog, 1))))
     since = None if need >= current else (now if surplus_since is None else surplus_since)
     desired = current if since is not None and now - since < idle_window else need
     return Scale(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
@@ -4606,7 +4607,7 @@ def backlog_steps(lo, hi, seconds_per_claim, target_drain):
     if len(counts) > STEP_ADJUSTMENTS_MAX:
         counts = sorted({first + round(i * (hi - first) / (STEP_ADJUSTMENTS_MAX - 1))
                          for i in range(STEP_ADJUSTMENTS_MAX)})
-    steps = {1 if k == first else math.floor((k - 1) * per) + 1: k for k in counts}
+    steps = {1 if k == first else max(k, math.floor((k - 1) * per) + 1): k for k in counts}   # k claims, k instances
     return sorted((b, need(b)) for b in steps)
 
 
@@ -5603,10 +5604,11 @@ def parse_duration(text):
 def plan_seconds(claim_seconds, starts):
     """The wall time of claims (seconds each, in queue order) on workers free from `starts` (s from now): each
     claim to the worker free first, as a pool's workers pull from its queue."""
-    free = sorted(starts)
+    free, end = sorted(starts), 0.0
     for seconds in claim_seconds:
+        end = max(end, free[0] + seconds)
         heapq.heapreplace(free, free[0] + seconds)
-    return max(free) if claim_seconds else 0.0
+    return end
 
 
 def pool_ceiling(conf, backend, record):
