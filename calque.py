@@ -5113,7 +5113,8 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
 
     def alarms():
         deleted = _delete_alarms(calls, names)
-        return "deleted " + ", ".join(deleted) if deleted else "none"
+        _remove_scale_to_zero(calls, names)    # its policies too (AWS drops them with the group; moto does not)
+        return "deleted " + ", ".join(deleted) + " and their policies" if deleted else "none"
 
     def asg():
         group = _describe_asg(calls, names["asg"])

@@ -704,3 +704,50 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
     assert calque.main(["pool", "delete", "--model", MODEL]) == calque.EXIT_USAGE   # no --yes: refused
     assert calque.main(["pool", "delete", "--model", MODEL, "--yes"]) == 0
     assert asg_of() is None and not queue_exists(calque.pool_queue_name(MODEL))
+
+
+def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys):
+    """--min-instances 0 --max-instances 3: a backlog step policy on the wake alarm (steps from desired_count, a
+    measured seconds per claim once summaries exist) and the idle policy; the user-data tells warmd its group and
+    instance; an instance protected while it holds a claim (ScaleInProtection, as warmd calls it) survives a
+    scale-in that takes the idle ones, so scaling in costs no redelivery; pool delete removes alarms and policies."""
+    import warmd
+    _moto_policies_keep_min_and_max(monkeypatch)
+    names = calque.ec2_names(MODEL)
+    calque.write_json(aws.backend, calque.run_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa"), {
+        "run_id": f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "model": MODEL, "mode": "pool", "claims": ["c00000"],
+        "items": 10, "claim_size": 10, "created_at": "2026-12-01T10:00:00+00:00", "sent": 1, "staged": True})
+    calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "c00000"),
+                      {"claim": "c00000", "items": 10, "claim_seconds": 30.0, "enter_seconds_paid": 0.0})
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER,
+                           options(instances=None, min_instances=0, max_instances=3), yes_spend_money=True)
+    out = capsys.readouterr().out
+    assert "backlog -> instances: 1+ -> 1, 3+ -> 2, 5+ -> 3; 30 s a claim, drain target 60 s" in out, out
+    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    assert stored["ec2"]["scale_to_zero_after"] == 5 and stored["ec2"]["scaling"]["steps"] == [[1, 1], [3, 2], [5, 3]]
+    script, _ = launch_template_user_data()
+    assert f"CALQUE_ASG={names['asg']}" in script and 'echo "CALQUE_INSTANCE_ID=$INSTANCE_ID"' in script
+    alarms = {a["AlarmName"]: a for a in client("cloudwatch").describe_alarms(
+        AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]}
+    assert set(alarms) == {names["alarm_wake"], names["alarm_idle"]} and alarms[names["alarm_idle"]][
+        "EvaluationPeriods"] == 5
+
+    fire(names["alarm_wake"], backlog=6)                      # a burst: to the ceiling
+    assert asg_of()["DesiredCapacity"] == 3
+    busy = sorted(i["InstanceId"] for i in asg_of()["Instances"])[0]
+    protection = warmd.ScaleInProtection(names["asg"], busy, client("autoscaling"))
+    protection.hold(True)                                     # its worker received a claim
+    fire(names["alarm_wake"], backlog=1)                      # the backlog drains: down to 1
+    group = asg_of()
+    assert [i["InstanceId"] for i in group["Instances"]] == [busy] and group["Instances"][0]["ProtectedFromScaleIn"]
+    fire(names["alarm_idle"])                                 # idle window over: to 0, but the claim is held
+    assert [i["InstanceId"] for i in asg_of()["Instances"]] == [busy]
+    protection.hold(False)                                    # its poll found nothing
+    fire(names["alarm_idle"])
+    assert asg_of()["Instances"] == []
+
+    assert calque.ec2_pool_delete(aws.backend, stored, yes=True)
+    assert client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])[
+        "MetricAlarms"] == []
+    assert asg_of() is None or asg_of().get("Status")
+    assert client("autoscaling").describe_policies(AutoScalingGroupName=names["asg"])["ScalingPolicies"] == []
