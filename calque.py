@@ -1209,6 +1209,11 @@ class LocalQueue:
             return [m for m in messages
                     if db.execute(LocalQueues.SQL_DELETE, (int(m.receipt.split(":")[0]), m.receipt)).rowcount != 1]
 
+    def created_at(self):
+        """Epoch s the queue was created (a queue created after a run was sent lost that run's claims)."""
+        self.queues.requests["queue_other"] += 1
+        return self.queues.db().execute("SELECT created_at FROM queues WHERE name = ?", (self.name,)).fetchone()[0]
+
     def counts(self):
         self.queues.requests["queue_other"] += 1
         now = time.time()
@@ -1468,6 +1473,12 @@ class SqsQueue:
         return [m for m, code in failed if code in STALE_RECEIPT or not self.delete(m)]
 
     @endpoint_retried
+    @endpoint_retried
+    def created_at(self):
+        self.queues.requests["queue_other"] += 1
+        return float(self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=["CreatedTimestamp"])[
+            "Attributes"]["CreatedTimestamp"])
+
     def counts(self):
         self.queues.requests["queue_other"] += 1
         attrs = self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=[
@@ -2303,9 +2314,15 @@ def nothing_left_to_run(backend, run, done, dead):
     run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
     if run.get("cancelled"):
         return True
-    letters = dead.claims()
-    return all(index >= run["sent"] or claim in letters
-               for index, claim in enumerate(run["claims"]) if claim not in done)
+    try:
+        letters = dead.claims()
+    except StoreFault:
+        if backend.kind != "local":
+            raise
+        letters = dead.claims()   # the local queue file was replaced under this process: reopened now
+    waiting = [claim for index, claim in enumerate(run["claims"])
+               if claim not in done and index < run["sent"] and claim not in letters]
+    return not waiting or run["mode"] == "pool" and len(claims_in_no_queue(backend, run, waiting)) == len(waiting)
 
 
 def cancel_run(backend, run, reason):
@@ -2399,11 +2416,12 @@ def claim_results(backend, run_id, claim, count):
         return lines
 
 
-CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "not queued")
-ITEM_OUTCOME = {"queued or running": "pending", "not queued": "pending", "dead-lettered": "dead_lettered",
-                "cancelled": "cancelled"}   # how run_view counts the items of a claim that did not run
+CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "in no queue", "not queued")
+ITEM_OUTCOME = {"queued or running": "pending", "in no queue": "pending", "not queued": "pending",
+                "dead-lettered": "dead_lettered", "cancelled": "cancelled"}   # a claim that did not run, in run_view
 NOT_RUN = {   # the claims of each state that did not run: what becomes of them, in the words of format_run
     "queued or running": "still pending; the run goes on",
+    "in no queue": "were lost by the pool's queue (removed, recreated or purged): nothing will run them",
     "not queued": "were never sent: nothing will run them",
     "dead-lettered": "were dead-lettered: nothing will run them",
     "cancelled": "were cancelled{why}: nothing will run them",
@@ -2433,7 +2451,26 @@ def claim_states(backend, run, summaries):
             states[claim] = ("dead-lettered", f"{letters[claim]} (its copy in the dead-letter queue; no summary)")
         else:
             states[claim] = ("not queued" if index >= run["sent"] else "queued or running", "")
+    waiting = [claim for claim, (state, _) in states.items() if state == "queued or running"]
+    for claim in claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" else ():
+        states[claim] = ("in no queue", "")
     return states
+
+
+def claims_in_no_queue(backend, run, waiting):
+    """The claims of `waiting` (sent, no summary, not dead-lettered) that no queue holds any more: the pool's
+    queue is gone, was created after the run, or holds nothing at all while they wait (purged). A claim that a
+    worker runs is in flight, and one finished has a summary (read again here: it may have landed since)."""
+    try:
+        queue = backend.queues.open_queue(run["queue"])
+        depth = queue.counts()
+        created = datetime.datetime.fromtimestamp(queue.created_at(), datetime.timezone.utc)
+        if depth["visible"] + depth["in_flight"] and created <= _parse_time(run["created_at"], "created_at"):
+            return []
+    except NotFound:
+        pass
+    done = summary_claims(backend, run["run_id"])
+    return [claim for claim in waiting if claim not in done]
 
 
 def run_view(backend, run, summaries):
@@ -2479,6 +2516,9 @@ def next_step(run, state):
         return "submit those items again"
     if state == "not queued":
         return f"python calque.py runs resume {run['run_id']} (or runs cancel {run['run_id']})"
+    if state == "in no queue":
+        return (f"python calque.py runs resume {run['run_id']} re-sends them (first `pool create` again if the "
+                f"pool is gone)")
     return f"python calque.py runs redrive {run['run_id']}"
 
 
@@ -6509,7 +6549,8 @@ def cmd_runs_results(conf, backend, args):
 
 
 def cmd_runs_resume(conf, backend, args):
-    """Send the claims an interrupted submit did not send, then wait for the run as submit does (unless --no-wait)."""
+    """Send the claims an interrupted submit did not send, and again those the pool's queue lost (claims in no
+    queue), then wait for the run as submit does (unless --no-wait)."""
     check_timeout(args.timeout)
     run = read_run(backend, args.run)
     if run["mode"] != "pool":
@@ -6522,15 +6563,24 @@ def cmd_runs_resume(conf, backend, args):
         raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were queued, the rest may "
                         f"have no manifest ---> HINT: runs cancel {args.run}, then submit the items from "
                         f"{run['sent'] * run['claim_size']} on again")
-    queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
+    try:
+        queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
+    except NotFound:
+        raise UserError(f"run {args.run}: pool {run['model']}'s queue is gone ---> HINT: pool create --model "
+                        f"{run['model']} ... again (it is idempotent), then runs resume {args.run}") from None
     done = summary_claims(backend, args.run)
     unsent = [claim for claim in run["claims"][run["sent"]:] if claim not in done]
+    lost = [claim for claim, (state, _) in claim_states(backend, run, read_summaries(backend, args.run)).items()
+            if state == "in no queue"]
     try:
         with signals_interrupt():
+            for start in range(0, len(lost), SEND_BATCH):   # a copy still queued somewhere is acked as a duplicate
+                send_batch(backend, run, queue, lost[start:start + SEND_BATCH], resume=True)
             send_claims(backend, run, queue, skip=done, resume=True)
     except SubmitInterrupted as e:
         return interrupted(backend, args.run, e.signum)
-    print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}", file=sys.stderr)
+    print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
+          + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""), file=sys.stderr)
     if args.no_wait:
         return EXIT_OK
     summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json and sys.stderr.isatty())
@@ -6847,7 +6897,8 @@ def build_parser():
     p.add_argument("--failed", action="store_true", help="only the failed items (with their last traceback frames)")
     p.add_argument("--follow", action="store_true", help="wait for the claims, printing each one's results as it ends")
     p.set_defaults(func=cmd_runs_results)
-    p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, then wait")
+    p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, and those in "
+                                                        "no queue, then wait")
     p.add_argument("run", help="the run id (see `runs list`)")
     p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
     p.add_argument("--no-wait", action="store_true", help="return once the claims are sent")

@@ -5,9 +5,10 @@ moto (created by pool create, removed by pool delete)."""
 import json
 import os
 import re
+import subprocess
 import time
 
-from conftest import HANDLERS, backend_for, cli, wait_for, write_items
+from conftest import HANDLERS, PY, ROOT, backend_for, cli, wait_for, write_items
 
 
 def status(env, model="m"):
@@ -60,3 +61,41 @@ def test_scale_in_while_every_worker_holds_a_claim_redelivers_nothing(local_env,
     assert sorted(s["receive_count"] for s in summaries) == [1, 1]
     wait_for(lambda: alive(env) == 1, 20, "the scaled-in worker to exit")
     assert "exited with 0" in open(os.path.join(env["CALQUE_STATE"], "pools", "m", "supervisor.log")).read()
+
+
+def test_claims_a_lost_queue_dropped_are_named_and_resumed(local_env, tmp_path):
+    """The local queue file removed under a queued run: runs show names its claims in no queue (also once the
+    pool is created again: that queue is newer than the run), and runs resume sends them again; each runs once."""
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "0")
+    assert out.returncode == 0, out.stderr
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(6)])
+    run_id = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "2", "--no-wait",
+                 "--wait-for-workers").stdout.strip()
+    (tmp_path / "store" / "queue.db").unlink()
+    out = cli(local_env, "runs", "show", run_id)
+    assert "3 in no queue" in out.stdout and f"runs resume {run_id} re-sends them" in out.stdout, out.stdout
+    assert "pool create" in cli(local_env, "runs", "resume", run_id, "--no-wait").stderr
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "1")
+    assert out.returncode == 0, out.stderr
+    assert "3 in no queue" in cli(local_env, "runs", "show", run_id).stdout
+    out = cli(local_env, "runs", "resume", run_id, "--json")
+    assert out.returncode == 0, out.stderr
+    assert "3 claim(s) in no queue sent again (c00000..c00002)" in out.stderr
+    summaries = json.loads(out.stdout)["summaries"]
+    assert len(summaries) == 3 and all(s["status"] == "ok" and s["receive_count"] == 1 for s in summaries)
+
+
+def test_a_waiting_submit_ends_when_its_queue_is_lost(local_env, tmp_path):
+    """The queue file removed while submit waits on its run: the wait ends (not at its timeout) naming the
+    claims in no queue and runs resume."""
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "0")
+    assert out.returncode == 0, out.stderr
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(4)])
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", items, "--claim-size",
+                             "2", "--wait-for-workers", "--timeout", "600"], env=local_env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: list((tmp_path / "store" / "runs").glob("*/manifests")), 20, "the run to be staged")
+    time.sleep(0.5)
+    (tmp_path / "store" / "queue.db").unlink()
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "2 in no queue" in stdout and "runs resume" in stdout, (stdout, stderr)
