@@ -1,0 +1,122 @@
+"""make bench, part 4: pools that size themselves, and the planner against what a run does.
+
+    .venv/bin/python tests/bench_autoscale.py            # BENCH_AUTOSCALE_PAIRS (2) pairs of each
+1. a burst of 40 claims (demo model, 200 items of 300 words a claim) on a fixed 2-worker pool against a pool of
+   --min-workers 0 --max-workers 2: seconds from `pool create` to the run's last summary, start-up and @enter
+   included in both, in alternating pairs; the ratio fixed / sized (>= 0.95 is the goal), and the seconds from
+   the last summary until the sized pool is back at 0 workers, against its idle window (--scale-to-zero-after
+   0.25: 15 s);
+2. the planner: on a 2-worker pool measured by a first run, `submit --plan --yes` of BENCH_PLAN_ITEMS (16,000)
+   items: its predicted wall time against the run's actual (created_at to the last summary), for 2 workers and
+   then 1 (`pool scale`), on the demo model and on examples/embed_model.py when it exists.
+The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+PAIRS = int(os.environ.get("BENCH_AUTOSCALE_PAIRS", "2"))
+PLAN_ITEMS = int(os.environ.get("BENCH_PLAN_ITEMS", "16000"))
+IDLE_MINUTES = 0.25
+WORDS = " ".join(f"word{i}" for i in range(300))
+MODELS = [("demo", "examples/demo_model.py:DemoModel", lambda i: {"text": f"{i} {WORDS}"})]
+if os.path.exists(os.path.join(ROOT, "examples", "embed_model.py")):
+    MODELS.append(("embed", "examples/embed_model.py:EmbedModel", lambda i: {"text": f"{i} {WORDS[:400]}"}))
+
+
+def cli(env, *args, check=True):
+    out = subprocess.run([PY, os.path.join(ROOT, "calque.py"), *args], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=1800)
+    if check and out.returncode != 0:
+        raise SystemExit(f"calque {' '.join(args)} failed: {out.stderr[-2000:]}")
+    return out
+
+
+def fresh_env(folder):
+    return dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
+                CALQUE_ENV=os.path.join(folder, "none.env"), CALQUE_POLL_WAIT="1", DEMO_THREADS="1",
+                DEMO_CACHE=os.path.join(tempfile.gettempdir(), "calque-bench-demo-weights"))
+
+
+def items_file(folder, count, make):
+    path = os.path.join(folder, f"items-{count}.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(make(i)) + "\n" for i in range(count))
+    return path
+
+
+def finished(env, run_id):
+    """(s from the run's created_at to its last summary, the summaries)."""
+    import calque
+    show = json.loads(cli(env, "runs", "show", run_id, "--json").stdout)
+    ended = max(calque._parse_time(s["finished_at"], "f") for s in show["summaries"])
+    return (ended - calque._parse_time(show["run"]["created_at"], "c")).total_seconds(), show["summaries"]
+
+
+def burst(sized):
+    """Seconds from pool create to the last summary of 40 claims; for the sized pool also the seconds from then
+    until it is back at 0 workers."""
+    with tempfile.TemporaryDirectory() as folder:
+        env = fresh_env(folder)
+        items = items_file(folder, 40 * 200, MODELS[0][2])
+        flags = ["--min-workers", "0", "--max-workers", "2", "--scale-to-zero-after", str(IDLE_MINUTES)] if sized \
+            else ["--workers", "2"]
+        started = time.time()
+        cli(env, "pool", "create", "--model", "m", "--handler", MODELS[0][1], *flags)
+        run = json.loads(cli(env, "submit", "--pool", "m", items, "--claim-size", "200", "--json").stdout)
+        import calque
+        last = max(calque._parse_time(s["finished_at"], "f") for s in run["summaries"]).timestamp()
+        assert all(s["receive_count"] == 1 for s in run["summaries"]) and len(run["summaries"]) == 40
+        back = None
+        if sized:
+            while any(w["alive"] for w in json.loads(cli(env, "pool", "status", "--model", "m", "--json").stdout)
+                      ["local_workers"]):
+                time.sleep(0.2)
+            back = time.time() - last
+        cli(env, "pool", "delete", "--model", "m", "--yes")
+        return last - started, back
+
+
+def planner(name, handler, make):
+    with tempfile.TemporaryDirectory() as folder:
+        env = fresh_env(folder)
+        cli(env, "pool", "create", "--model", name, "--handler", handler, "--workers", "2")
+        cli(env, "submit", "--pool", name, items_file(folder, 4000, make), "--claim-size", "500")   # measured
+        rows = []
+        for workers in (2, 1):
+            if workers == 1:
+                cli(env, "pool", "scale", "--model", name, "--workers", "1")
+            out = cli(env, "submit", "--pool", name, items_file(folder, PLAN_ITEMS, make), "--claim-size", "500",
+                      "--plan", "--yes", "--json")
+            run = json.loads(out.stdout)["run"]
+            actual, _ = finished(env, run["run_id"])
+            predicted = run["plan"]["seconds"]
+            rows.append((workers, predicted, actual))
+            print(f"  {name:<6} {workers} worker(s): predicted {predicted:6.2f} s, actual {actual:6.2f} s "
+                  f"({(predicted - actual) / actual:+.1%})", flush=True)
+        cli(env, "pool", "delete", "--model", name, "--yes")
+        return rows
+
+
+def main():
+    print(f"1. a burst of 40 claims: fixed 2 workers against --min-workers 0 --max-workers 2 ({PAIRS} pairs)")
+    for pair in range(PAIRS):
+        order = (False, True) if pair % 2 == 0 else (True, False)
+        result = {sized: burst(sized) for sized in order}
+        (fixed, _), (sized, back) = result[False], result[True]
+        print(f"  pair {pair + 1}: fixed {fixed:6.2f} s, sized {sized:6.2f} s: {fixed / sized:.2f}x; back at 0 "
+              f"workers {back:.1f} s after the last claim (idle window {IDLE_MINUTES * 60:.0f} s)", flush=True)
+    print(f"2. the planner: predicted against actual wall time, {PLAN_ITEMS:,} items in claims of 500")
+    for name, handler, make in MODELS:
+        planner(name, handler, make)
+    if len(MODELS) == 1:
+        print("  (examples/embed_model.py is not in this tree: not measured)")
+
+
+if __name__ == "__main__":
+    main()
