@@ -5741,7 +5741,7 @@ def plan_against_actual(run, summaries):
     ended = max(_parse_time(s["finished_at"], "finished_at") for s in summaries)
     actual = (ended - _parse_time(run["created_at"], "created_at")).total_seconds()
     return (f"plan: predicted {_duration(plan['seconds'])} and {_usd(plan['cost_usd'])} on {plan['count']} "
-            f"{plan['noun']}; actual {_duration(actual)} ({(actual - plan['seconds']) / plan['seconds']:+.0%})")
+            f"{plan['noun'] if plan['count'] != 1 else plan['noun'][:-1]}; actual {_duration(actual)} ({(actual - plan['seconds']) / plan['seconds']:+.0%})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -6234,7 +6234,7 @@ def apply_count(conf, backend, record, option, args):
         bounds = read_scaling(folder)
         if bounds:
             write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, boost=count)))
-    print(f"submit: running at {count} {noun} (predicted {_duration(option['seconds'])}, "
+    print(f"submit: running at {count} {noun if count != 1 else noun[:-1]} (predicted {_duration(option['seconds'])}, "
           f"{_usd(option['cost_usd'])} on-demand)", file=sys.stderr)
     return {"count": count, "noun": noun, "seconds": option["seconds"], "cost_usd": option["cost_usd"]}
 

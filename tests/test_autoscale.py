@@ -94,8 +94,37 @@ def test_a_waiting_submit_ends_when_its_queue_is_lost(local_env, tmp_path):
     proc = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "m", items, "--claim-size",
                              "2", "--wait-for-workers", "--timeout", "600"], env=local_env, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: list((tmp_path / "store" / "runs").glob("*/manifests")), 20, "the run to be staged")
-    time.sleep(0.5)
+    queue = backend_for(local_env).queues.open_queue("calque-pool-m")
+    wait_for(lambda: queue.counts()["visible"] == 2, 60, "the run's claims to be queued")
     (tmp_path / "store" / "queue.db").unlink()
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "2 in no queue" in stdout and "runs resume" in stdout, (stdout, stderr)
+
+
+def test_plan_and_planned_submits(local_env, tmp_path):
+    """plan on a pool with no measured claim runs a sample claim first and says so; --json has the options per
+    worker count; submit --plan without a terminal refuses unless --yes; --deadline picks the fewest workers
+    that meet it, and runs show / cost print predicted against actual."""
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--min-workers", "1",
+              "--max-workers", "2")
+    assert out.returncode == 0, out.stderr
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(40)])
+    out = cli(local_env, "plan", "--pool", "m", items, "--claim-size", "4")
+    assert out.returncode == 0, out.stderr
+    assert "no measured claim yet: ran one sample claim of 4 item(s) first" in out.stderr
+    assert "40 items in 10 claim(s) of 4" in out.stdout and "cold start" in out.stdout and "serverless" in out.stdout
+    plan = json.loads(cli(local_env, "plan", "--pool", "m", items, "--claim-size", "4", "--json").stdout)
+    assert [o["workers"] for o in plan["options"]] == [1, 2] and plan["measured_claims"] == 1
+    assert all(o["seconds"] > 0 and o["cost_usd"] > o["spot_cost_usd"] > 0 for o in plan["options"])
+    out = cli(local_env, "submit", "--pool", "m", items, "--plan", stdin="")
+    assert out.returncode == 2 and "stdin is not a terminal ---> HINT: add --yes" in out.stderr
+    assert len(json.loads(cli(local_env, "runs", "list", "--json").stdout)) == 1     # the sample only: nothing ran
+    out = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "4", "--deadline", "0.000001s")
+    assert out.returncode == 2 and "no count of 1..2 workers meets --deadline" in out.stderr
+    out = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "4", "--deadline", "1h", "--json")
+    assert out.returncode == 0, out.stderr
+    run = json.loads(out.stdout)["run"]
+    assert "submit: running at 1 worker (predicted" in out.stderr and run["plan"]["count"] == 1
+    assert re.search(r"plan: predicted .* on 1 worker; actual [\d.]+ s \([+-]\d+%\)",
+                     cli(local_env, "runs", "show", run["run_id"]).stdout)
+    assert "plan: predicted" in cli(local_env, "cost", run["run_id"]).stdout
