@@ -1761,9 +1761,9 @@ def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, 
                   surplus_since, now):
     """How many workers (instances) a pool should have: enough to drain the backlog (visible + in flight) in
     `target_drain` s at the measured seconds per claim (one a claim while unmeasured), never fewer than the
-    claims in flight (a busy worker is not surplus), never more than the claims, within lo..hi. Growing is immediate; shrinking waits until
-    the surplus has lasted `idle_window` s (no flapping; an idle pool goes to lo after its window). Pure: the
-    caller keeps `surplus_since` from the returned Scale and passes it back."""
+    claims in flight (a busy worker is not surplus), never more than the claims, within lo..hi. Growing is
+    immediate; shrinking waits until the surplus has lasted `idle_window` s (no flapping; an idle pool goes to
+    lo after its window). Pure: the caller keeps `surplus_since` from the returned Scale and passes it back."""
     backlog = visible + in_flight
     need = backlog if seconds_per_claim is None else min(backlog, math.ceil(backlog * seconds_per_claim /
                                                                               target_drain))
@@ -1775,11 +1775,13 @@ def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, 
 
 
 def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
-    """The pool's latest `limit` summaries of claims that ran (newest runs first; dead-lettered ones left out)."""
+    """The pool's latest `limit` summaries of claims that ran on its workers (newest runs first, by run id: it
+    starts with the time; cold and dead-lettered claims left out). No run record is read."""
     found = []
-    for run in reversed(list_runs(backend, model)):
-        if run["mode"] == "pool":
-            found += [s for s in read_summaries(backend, run["run_id"]) if not s.get("error") and s.get("items")]
+    for run_id in sorted((f.rsplit("/", 1)[1] for f in backend.store.list("runs/")), reverse=True):
+        if run_slug(run_id) == slug(model):
+            found += [s for s in read_summaries(backend, run_id)
+                      if s.get("mode") == "pool" and not s.get("error") and s.get("items")]
         if len(found) >= limit:
             break
     return found[:limit]
@@ -2791,7 +2793,7 @@ class LocalScaler:
 
     def __init__(self, conf, model, folder):
         self.conf, self.model, self.folder = conf, model, folder
-        self.backend = self.queue = self.spc = self.since = None
+        self.backend = self.queue = self.spc = self.since = self.error = None
         self.checked = self.measured = -math.inf
 
     def want(self, current, now):
@@ -2810,9 +2812,11 @@ class LocalScaler:
                 self.spc, self.measured = measured_seconds(recent_summaries(self.backend, self.model))[0], now
             depth = self.queue.counts()
         except (NotFound, StoreFault, UserError, OSError, sqlite3.Error) as e:
-            print(f"supervisor: scale: cannot read the queue ({e}); keeping {current} worker(s)", flush=True)
-            self.backend = None
+            if str(e) != self.error:     # once per distinct error, not every SCALE_INTERVAL
+                print(f"supervisor: scale: cannot read the queue ({e}); keeping {current} worker(s)", flush=True)
+            self.backend, self.error = None, str(e)
             return current
+        self.error = None
         backlog = depth["visible"] + depth["in_flight"]
         if bounds.get("boost") and not backlog:   # a planned run's count (submit --deadline) holds while it lasts
             write_file_atomic(os.path.join(self.folder, "scaling.json"), json.dumps(dict(bounds, boost=0)))
@@ -4962,7 +4966,8 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     if sleeps:
         print(f"pool {model}: " + (f"held at {instances}: the idle alarm cannot scale it in until "
                                    f"`pool scale --model {model} --instances 0` releases it" if instances else
-                                   f"the backlog and idle alarms in charge again: up to {ec2['instances']} on its backlog"))
+                                   f"the backlog and idle alarms in charge again: up to {ec2['instances']} on "
+                                   f"its backlog"))
     return full
 
 
@@ -5255,7 +5260,8 @@ def ec2_cold_wait_hint(backend, record, calls=None):
         if not ec2.get("scale_to_zero_after"):
             return (f"pool {model} is scaled to 0: nothing will claim this run "
                     f"---> HINT: pool scale --model {model} --instances N")
-        return (f"pool {model} is cold (0 instances): its wake alarm sizes it to the backlog (up to {ec2['instances']}) in ~1-3 min "
+        return (f"pool {model} is cold (0 instances): its wake alarm sizes it to the backlog (up to "
+                f"{ec2['instances']}) in ~1-3 min "
                 f"(SQS metrics are per minute; up to 15 min more after 6 idle hours, while SQS resumes them), "
                 f"then {boot}, then {load} before the first claim starts")
     pending = sum(s.startswith("Pending") for s in states)
@@ -5741,7 +5747,8 @@ def plan_against_actual(run, summaries):
     ended = max(_parse_time(s["finished_at"], "finished_at") for s in summaries)
     actual = (ended - _parse_time(run["created_at"], "created_at")).total_seconds()
     return (f"plan: predicted {_duration(plan['seconds'])} and {_usd(plan['cost_usd'])} on {plan['count']} "
-            f"{plan['noun'] if plan['count'] != 1 else plan['noun'][:-1]}; actual {_duration(actual)} ({(actual - plan['seconds']) / plan['seconds']:+.0%})")
+            f"{plan['noun'] if plan['count'] != 1 else plan['noun'][:-1]}; actual {_duration(actual)} "
+            f"({(actual - plan['seconds']) / plan['seconds']:+.0%})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -6218,7 +6225,8 @@ def confirm(question, yes):
 
 def apply_count(conf, backend, record, option, args):
     """Give the run its planned count: a local pool that sizes itself keeps at least that many workers while its
-    backlog lasts (its ceiling still holds); an EC2 group's desired capacity is raised to it (--yes-spend-money)."""
+    backlog lasts (its ceiling still holds); an EC2 group's desired capacity is raised to it (cmd_submit checked
+    --yes-spend-money)."""
     noun = "instances" if record.get("ec2") else "workers"
     count = option[noun]
     if noun == "instances":
@@ -6226,8 +6234,6 @@ def apply_count(conf, backend, record, option, args):
         calls = AwsCalls.for_backend(backend)
         asg = _describe_asg(calls, names["asg"])
         if asg and asg["DesiredCapacity"] < count:
-            _refuse_spending(f"submit --pool {record['model']} at {count} instances", dry_run=False,
-                             yes_spend_money=args.yes_spend_money)
             calls.call("autoscaling", "SetDesiredCapacity", AutoScalingGroupName=names["asg"], DesiredCapacity=count)
     else:
         folder = state_dir(conf, record["model"])
@@ -6428,8 +6434,8 @@ def cmd_submit(conf, backend, args):
         if args.shards > 1:
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
-        planned = None
-        if args.plan or args.deadline is not None or args.budget is not None:
+        planned = args.plan or args.deadline is not None or args.budget is not None
+        if planned:
             items = items if hasattr(items, "__len__") else list(items)
             plan, _ = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
             print("\n".join(format_plan(plan)), file=sys.stderr)
@@ -6439,7 +6445,9 @@ def cmd_submit(conf, backend, args):
                                          f"{_usd(option['cost_usd'])} predicted?", args.yes):
                 print("submit: not run", file=sys.stderr)
                 return EXIT_FAILED
-            planned = apply_count(conf, backend, record, option, args)
+            if record.get("ec2"):     # before anything is queued: the group's capacity is raised for the run
+                _refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
+                                 yes_spend_money=args.yes_spend_money)
         run_id = new_run_id(args.pool)
         try:
             with signals_interrupt():
@@ -6448,8 +6456,8 @@ def cmd_submit(conf, backend, args):
                              run_id=run_id)
         except SubmitInterrupted as e:
             return interrupted(backend, run_id, e.signum)
-        if planned:
-            update_run(backend, run.record, plan=planned)
+        if planned:   # once its claims are queued: a local pool's boost lasts while they wait (LocalScaler)
+            update_run(backend, run.record, plan=apply_count(conf, backend, record, option, args))
         if args.no_wait:
             print(run.run_id)
             return EXIT_OK
@@ -6467,6 +6475,8 @@ def cmd_submit(conf, backend, args):
     else:
         if not args.model:
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
+        if args.plan or args.deadline is not None or args.budget is not None:
+            raise UserError("--plan, --deadline and --budget plan a pool run ---> HINT: submit --pool M")
         if args.no_wait:
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
         check_claim_size(args.claim_size)

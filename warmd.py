@@ -13,7 +13,9 @@ accepted (duplicate check, manifest) on the `ahead` thread. Acks
 go ACK_BATCH to a request, within ACK_WAIT s, and at once when the queue runs empty.
 SIGTERM (or a spot interruption notice) stops claiming, gives a claim received ahead back at once, and finishes
 the running claim within CALQUE_GRACE seconds, else releases it; a second SIGTERM/SIGINT releases it at once.
-Exit 0 on a graceful stop.
+SIGUSR1 (the supervisor scaling in) stops claiming too, but lets the running claim finish however long it takes.
+On an EC2 pool instance the worker protects its instance from scale-in while it holds a claim. Exit 0 on a
+graceful stop.
 
 Nothing lost, nothing stuck:
 - Checkpoints: results go to the store in parts (calque.part_key) once CALQUE_CHECKPOINT_SECONDS of drain AND

@@ -718,7 +718,8 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
         "run_id": f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "model": MODEL, "mode": "pool", "claims": ["c00000"],
         "items": 10, "claim_size": 10, "created_at": "2026-12-01T10:00:00+00:00", "sent": 1, "staged": True})
     calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "c00000"),
-                      {"claim": "c00000", "items": 10, "claim_seconds": 30.0, "enter_seconds_paid": 0.0})
+                      {"claim": "c00000", "items": 10, "claim_seconds": 30.0, "enter_seconds_paid": 0.0,
+                       "mode": "pool"})
     calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER,
                            options(instances=None, min_instances=0, max_instances=3), yes_spend_money=True)
     out = capsys.readouterr().out
