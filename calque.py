@@ -58,6 +58,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -5636,6 +5637,8 @@ def pool_record_to_delete(backend, model, force):
 
 
 # ---- the planner: a run's wall time and cost for 1..B workers before it starts, and against what it did
+PLAN_GAP_MAX = 2.0                      # s between two claims of a worker above which it idled (not overhead)
+PLAN_RUNS_READ = 5                      # run records the planner reads for the time to a run's first claim
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -5673,6 +5676,23 @@ def pool_ceiling(conf, backend, record):
     return max(1, read_desired(folder)), max(1, read_desired(folder)), "workers", warm
 
 
+def claim_overheads(backend, summaries):
+    """(s between two claims of one worker, s from a run's creation to its first claim starting): the time a
+    run takes beyond its claims, measured from these summaries (gaps over PLAN_GAP_MAX s are idle time, not
+    overhead) and their runs' records (PLAN_RUNS_READ of them at most); 0.0 for what they cannot show."""
+    by_worker, gaps, first = {}, [], {}
+    for summary in summaries:
+        started = _parse_time(summary["started_at"], "started_at")
+        by_worker.setdefault(summary["worker_id"], []).append((started, _parse_time(summary["finished_at"], "f")))
+        first[summary["run_id"]] = min(first.get(summary["run_id"], started), started)
+    for spans in by_worker.values():
+        spans.sort()
+        gaps += [g for g in ((b[0] - a[1]).total_seconds() for a, b in zip(spans, spans[1:])) if 0 <= g <= PLAN_GAP_MAX]
+    latencies = [(started - _parse_time(read_run(backend, run_id)["created_at"], "created_at")).total_seconds()
+                 for run_id, started in list(first.items())[:PLAN_RUNS_READ]]
+    return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: a warm pool's
+
+
 def make_plan(backend, conf, record, items, claim_size, price, summaries):
     """The plan of `items` items in claims of `claim_size` on the pool: per-item seconds measured from
     `summaries` (recent_summaries), start-up of a worker not yet running (measured @enter and acquisition; an
@@ -5688,11 +5708,12 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
     acquisition = sum(paid) / len(paid) if paid else 0.0
     _, ceiling, noun, warm = pool_ceiling(conf, backend, record)
     start = enter + (EC2_BOOT_ESTIMATE if noun == "instances" else acquisition)
+    gap, latency = claim_overheads(backend, summaries)
     sizes = [claim_size] * (items // claim_size) + ([items % claim_size] if items % claim_size else [])
-    claims = [n * per_item for n in sizes]
+    claims = [n * per_item + gap for n in sizes]
     options = []
     for n in range(1, ceiling + 1):
-        seconds = plan_seconds(claims, [0.0] * min(n, warm) + [start] * (n - min(n, warm)))
+        seconds = plan_seconds(claims, [latency] * min(n, warm) + [max(latency, start)] * (n - min(n, warm)))
         options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
                         "spot_cost_usd": n * seconds * spot_rate, "starting": n - min(n, warm)})
     drain = sum(claims)
@@ -5700,6 +5721,7 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
     cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
     return {"model": record["model"], "items": items, "claims": len(claims), "claim_size": claim_size,
             "seconds_per_item": per_item, "measured_claims": len(summaries), "enter_seconds": enter,
+            "claim_gap_seconds": gap, "first_claim_seconds": latency,
             "start_seconds": start, "running": warm, "noun": noun, "instance_type": itype, "options": options,
             "cold": {noun: ceiling, "seconds": plan_seconds(claims, [cold_acquisition + enter] * ceiling),
                      "cost_usd": (ceiling * (cold_acquisition + enter) + drain) * rate},
@@ -5719,7 +5741,8 @@ def format_plan(plan):
     noun = plan["noun"]
     lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of {plan['claim_size']} on pool "
              f"{plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured over "
-             f"{plan['measured_claims']} recent claim(s)); {plan['running']} {noun} running, a new one starts in "
+             f"{plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s between claims, first claim "
+             f"after {plan['first_claim_seconds']:.3g} s; {plan['running']} {noun} running, a new one starts in "
              f"{plan['start_seconds']:.3g} s; {plan['instance_type']}",
              f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
     for o in plan["options"]:

@@ -1,13 +1,14 @@
 """make bench, part 4: pools that size themselves, and the planner against what a run does.
 
     .venv/bin/python tests/bench_autoscale.py            # BENCH_AUTOSCALE_PAIRS (2) pairs of each
-1. a burst of 40 claims (demo model, 200 items of 300 words a claim) on a fixed 2-worker pool against a pool of
+1. a burst of 40 claims (tests/handlers.py:Matmul, 100 rows of 1024 a claim, 40 products of 1024 x 1024 a
+   batch: about a second a claim here) on a fixed 2-worker pool against a pool of
    --min-workers 0 --max-workers 2: seconds from `pool create` to the run's last summary, start-up and @enter
    included in both, in alternating pairs; the ratio fixed / sized (>= 0.95 is the goal), and the seconds from
    the last summary until the sized pool's supervisor scales to 0 and until its last worker has exited,
    against its idle window (--scale-to-zero-after 0.25: 15 s);
-2. the planner: on a 2-worker pool measured by a first run, `submit --plan --yes` of BENCH_PLAN_ITEMS (16,000)
-   items: its predicted wall time against the run's actual (created_at to the last summary), for 2 workers and
+2. the planner: on a 2-worker pool measured by a first run (8,000 items), `submit --plan --yes` of
+   BENCH_PLAN_ITEMS (24,000) items of 300 words, in claims of 500: its predicted wall time against the run's actual (created_at to the last summary), for 2 workers and
    then 1 (`pool scale`), on the demo model and on examples/embed_model.py when it exists.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
@@ -21,7 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 PAIRS = int(os.environ.get("BENCH_AUTOSCALE_PAIRS", "2"))
-PLAN_ITEMS = int(os.environ.get("BENCH_PLAN_ITEMS", "16000"))
+PLAN_ITEMS = int(os.environ.get("BENCH_PLAN_ITEMS", "24000"))
 IDLE_MINUTES = 0.25
 WORDS = " ".join(f"word{i}" for i in range(300))
 MODELS = [("demo", "examples/demo_model.py:DemoModel", lambda i: {"text": f"{i} {WORDS}"})]
@@ -60,15 +61,17 @@ def finished(env, run_id):
 
 def burst(sized):
     """Seconds from pool create to the last summary of 40 claims; for the sized pool also the seconds from then
-    until it is back at 0 workers."""
+    until it scales to 0 and until its last worker is gone."""
+    import numpy
     with tempfile.TemporaryDirectory() as folder:
-        env = fresh_env(folder)
-        items = items_file(folder, 40 * 200, MODELS[0][2])
+        env = dict(fresh_env(folder), MATMUL_REPEATS="40")
+        items = os.path.join(folder, "rows.npy")
+        numpy.save(items, numpy.random.default_rng(0).random((4000, 1024), dtype=numpy.float32))
         flags = ["--min-workers", "0", "--max-workers", "2", "--scale-to-zero-after", str(IDLE_MINUTES)] if sized \
             else ["--workers", "2"]
         started = time.time()
-        cli(env, "pool", "create", "--model", "m", "--handler", MODELS[0][1], *flags)
-        run = json.loads(cli(env, "submit", "--pool", "m", items, "--claim-size", "200", "--json").stdout)
+        cli(env, "pool", "create", "--model", "m", "--handler", "tests/handlers.py:Matmul", *flags)
+        run = json.loads(cli(env, "submit", "--pool", "m", items, "--claim-size", "100", "--json").stdout)
         import calque
         last = max(calque._parse_time(s["finished_at"], "f") for s in run["summaries"]).timestamp()
         assert all(s["receive_count"] == 1 for s in run["summaries"]) and len(run["summaries"]) == 40
@@ -92,7 +95,7 @@ def planner(name, handler, make):
     with tempfile.TemporaryDirectory() as folder:
         env = fresh_env(folder)
         cli(env, "pool", "create", "--model", name, "--handler", handler, "--workers", "2")
-        cli(env, "submit", "--pool", name, items_file(folder, 4000, make), "--claim-size", "500")   # measured
+        cli(env, "submit", "--pool", name, items_file(folder, 8000, make), "--claim-size", "500")   # measured
         rows = []
         for workers in (2, 1):
             if workers == 1:
