@@ -2880,6 +2880,8 @@ def _reap(slots, want, now):
             slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": _is_warm(slot),
                                  "reason": exit_reason(slot["log"], proc.returncode)}
             slot["proc"] = None
+            for lease in slot.pop("leases", ()):   # its GPUs are free for any pool on this machine
+                lease.close()
             if s < want:
                 lived = now - slot["started"]
                 slot["restarts"] += 1
@@ -2899,12 +2901,16 @@ def _reap(slots, want, now):
 def _spawn(conf, model, folder, slots, want, now):
     """Start a warmd.py in every wanted slot that has none and whose backoff is over, on its own GPU(s)."""
     devices, per_worker = gpu_plan(conf, folder)
+    sizing = read_scaling(folder) is not None
     for s in range(want):
         slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0, "last_exit": None,
                                     "log": os.path.join(folder, f"worker-{s}.log"),
                                     "ready": os.path.join(folder, f"worker-{s}.ready")})
         if slot["proc"] is None and now >= slot["not_before"]:
-            slot["gpus"] = worker_gpus(devices, per_worker, s)
+            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, sizing)
+            if slot["gpus"] is None:    # every device is another worker's: this slot waits for one
+                slot["gpus"] = []
+                continue
             env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
             with open(slot["log"], "ab") as log:
@@ -2949,6 +2955,37 @@ def worker_gpus(devices, per_worker, slot):
     if not devices or not per_worker:
         return []
     return [devices[(slot * per_worker + j) % len(devices)] for j in range(per_worker)]
+
+
+def lease_gpus(conf, devices, per_worker, slot, sizing):
+    """(devices, leases) for worker `slot`: its round-robin devices (worker_gpus), each leased where free (an
+    flock on CALQUE_STATE/gpus/<device>.lock, held open while the worker lives; the kernel drops it if the
+    supervisor dies). A fixed pool shares a device another worker holds, as before; a pool that sizes itself
+    takes free devices only (its own first), else (None, []): the slot waits, so the GPUs of a machine go to
+    the pools that have work."""
+    wanted = worker_gpus(devices, per_worker, slot)
+    if not wanted:
+        return [], []
+    folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "gpus")
+    os.makedirs(folder, exist_ok=True)
+    got, leases = [], []
+    for device in wanted + [d for d in devices if d not in wanted] if sizing else wanted:
+        if len(got) == per_worker:
+            break
+        lease = open(os.path.join(folder, f"{device}.lock"), "a")
+        try:
+            fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            got.append(device)
+            leases.append(lease)
+        except BlockingIOError:
+            lease.close()
+            if not sizing:
+                got.append(device)
+    if len(got) < per_worker:
+        for lease in leases:
+            lease.close()
+        return None, []
+    return got, leases
 
 
 def gpu_env(gpus):

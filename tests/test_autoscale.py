@@ -128,3 +128,28 @@ def test_plan_and_planned_submits(local_env, tmp_path):
     assert re.search(r"plan: predicted .* on 1 worker; actual [\d.]+ s \([+-]\d+%\)",
                      cli(local_env, "runs", "show", run["run_id"]).stdout)
     assert "plan: predicted" in cli(local_env, "cost", run["run_id"]).stdout
+
+
+def test_gpus_go_to_the_pool_with_work(local_env, tmp_path):
+    """Two faked GPUs on one machine: a fixed pool's worker holds GPU 0, so a pool that sizes itself to 2 runs one
+    worker, on GPU 1, and starts its second on GPU 0 once the fixed pool lets it go."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GPUS="0,1")
+
+    def workers(model):
+        with open(os.path.join(env["CALQUE_STATE"], "pools", model, "supervisor.json")) as f:
+            return [w["gpus"] for w in json.load(f)["workers"] if w["pid"]]
+    assert cli(env, "pool", "create", "--model", "a", "--handler", f"{HANDLERS}:Gate", "--workers", "1").returncode == 0
+    assert workers("a") == [["0"]]
+    out = cli(env, "pool", "create", "--model", "b", "--handler", f"{HANDLERS}:Gate", "--max-workers", "2")
+    assert out.returncode == 0, out.stderr
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(4)])
+    run_id = cli(env, "submit", "--pool", "b", items, "--claim-size", "1", "--no-wait").stdout.strip()
+    wait_for(lambda: workers("b") == [["1"]], 30, "pool b's first worker, on the free GPU")
+    time.sleep(1.0)                                     # a second look: its other slot still waits
+    assert workers("b") == [["1"]]
+    assert cli(env, "pool", "scale", "--model", "a", "--workers", "0").returncode == 0
+    wait_for(lambda: sorted(workers("b")) == [["0"], ["1"]], 30, "pool b's second worker, on the freed GPU")
+    (gate / "open").touch()
+    wait_for(lambda: json.loads(cli(env, "runs", "show", run_id, "--json").stdout)["complete"], 30, "the run")
