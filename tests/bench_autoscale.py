@@ -7,7 +7,8 @@
    included in both, in alternating pairs; the ratio fixed / sized (>= 0.95 is the goal), and the seconds from
    the last summary until the sized pool's supervisor scales to 0 and until its last worker has exited,
    against its idle window (--scale-to-zero-after 0.25: 15 s);
-2. the planner: on a 2-worker pool measured by a first run (8,000 items), `submit --plan --yes` of
+2. the planner: on a pool of 2 workers, then 1, each measured by a run of 8,000 items at that count (on 2
+   shared cores a claim's time depends on how many workers run beside it), `submit --plan --yes` of
    BENCH_PLAN_ITEMS (24,000) items of 300 words, in claims of 500: its predicted wall time against the run's actual (created_at to the last summary), for 2 workers and
    then 1 (`pool scale`), on the demo model and on examples/embed_model.py when it exists.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
@@ -95,11 +96,10 @@ def planner(name, handler, make):
     with tempfile.TemporaryDirectory() as folder:
         env = fresh_env(folder)
         cli(env, "pool", "create", "--model", name, "--handler", handler, "--workers", "2")
-        cli(env, "submit", "--pool", name, items_file(folder, 8000, make), "--claim-size", "500")   # measured
         rows = []
         for workers in (2, 1):
-            if workers == 1:
-                cli(env, "pool", "scale", "--model", name, "--workers", "1")
+            cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
+            cli(env, "submit", "--pool", name, items_file(folder, 8000, make), "--claim-size", "500")   # measured
             out = cli(env, "submit", "--pool", name, items_file(folder, PLAN_ITEMS, make), "--claim-size", "500",
                       "--plan", "--yes", "--json")
             run = json.loads(out.stdout)["run"]
