@@ -5561,6 +5561,7 @@ def pool_status(conf, backend, model):
     stats = mark_lost_workers(stats)
     return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
             "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
+            "scaling": read_scaling(state_dir(conf, model)) if supervisor else None,
             "local_workers": local, "workers": stats}
 
 
@@ -5604,6 +5605,10 @@ def format_pool_status(status, store_description):
         alive = sum(w["alive"] for w in status["local_workers"])
         lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, "
                      f"{sup['restarts']} restart(s))")
+        if status["scaling"]:
+            b = status["scaling"]
+            lines.append(f"  sizes itself: {b['lo']}..{b['hi']} workers on its backlog (drain target "
+                         f"{b['target_drain']:g} s; after {b['idle_window'] / 60:g} idle min -> {b['lo']})")
         lines += [format_local_worker(w) for w in status["local_workers"]]
     else:
         lines.append("  local workers: none on this machine")

@@ -24,6 +24,8 @@ def test_local_pool_wakes_on_work_and_idles_back_to_zero(local_env, tmp_path):
               "--max-workers", "2", "--scale-to-zero-after", "0.05")
     assert out.returncode == 0, out.stderr
     assert "sizes itself between 0 and 2" in out.stdout and alive(local_env) == 0
+    assert "sizes itself: 0..2 workers on its backlog (drain target 60 s; after 0.05 idle min -> 0)" in cli(
+        local_env, "pool", "status", "--model", "m").stdout
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(20)])
     out = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "2", "--json")
     assert out.returncode == 0, out.stderr
