@@ -6247,7 +6247,7 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
     summaries, sample = recent_summaries(backend, model), None
     if not summaries:
         first = first if first is not None else items[:claim_size]
-        run = submit(first, model, claim_size=claim_size, wait_for_workers=True, context=(conf, backend))
+        run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # a pool nothing serves: refused
         print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} item(s) first "
               f"(run {run.run_id}) to measure it", file=sys.stderr)
         if not run.wait():

@@ -733,6 +733,11 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     assert set(alarms) == {names["alarm_wake"], names["alarm_idle"]} and alarms[names["alarm_idle"]][
         "EvaluationPeriods"] == 5
 
+    fire(names["alarm_idle"])                                 # created at its ceiling; idle: to 0
+    planned = calque.apply_count({}, aws.backend, stored, {"instances": 2, "seconds": 60.0, "cost_usd": 0.1},
+                                 argparse.Namespace())        # submit --deadline's pick, for the run
+    assert asg_of()["DesiredCapacity"] == 2 and planned == {"count": 2, "noun": "instances", "seconds": 60.0,
+                                                            "cost_usd": 0.1}
     fire(names["alarm_wake"], backlog=6)                      # a burst: to the ceiling
     assert asg_of()["DesiredCapacity"] == 3
     busy = sorted(i["InstanceId"] for i in asg_of()["Instances"])[0]
