@@ -7,8 +7,9 @@
    included in both, in alternating pairs; the ratio fixed / sized (>= 0.95 is the goal), and the seconds from
    the last summary until the sized pool's supervisor scales to 0 and until its last worker has exited,
    against its idle window (--scale-to-zero-after 0.25: 15 s);
-2. the planner: on a pool of 2 workers, then 1, each measured by a run of 8,000 items at that count (on 2
-   shared cores a claim's time depends on how many workers run beside it), `submit --plan --yes` of
+2. the planner: on a pool of 2 workers, then 1, each measured by a run of 50 claims at that count (the
+   planner reads the last 50; on 2 shared cores a claim's time depends on how many workers run beside it),
+   `submit --plan --yes` of
    BENCH_PLAN_ITEMS (24,000) items of 300 words, in claims of 500: its predicted wall time against the run's actual (created_at to the last summary), for 2 workers and
    then 1 (`pool scale`), on the demo model and on examples/embed_model.py when it exists.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
@@ -75,6 +76,7 @@ def burst(sized):
         run = json.loads(cli(env, "submit", "--pool", "m", items, "--claim-size", "100", "--json").stdout)
         import calque
         last = max(calque._parse_time(s["finished_at"], "f") for s in run["summaries"]).timestamp()
+        first = min(calque._parse_time(s["started_at"], "s") for s in run["summaries"]).timestamp()
         assert all(s["receive_count"] == 1 for s in run["summaries"]) and len(run["summaries"]) == 40
         back = None
         if sized:   # the supervisor's status file: its count, and the workers still alive
@@ -89,7 +91,7 @@ def burst(sized):
                     break
                 time.sleep(0.05)
         cli(env, "pool", "delete", "--model", "m", "--yes")
-        return last - started, back
+        return last - started, back, first - started
 
 
 def planner(name, handler, make):
@@ -99,7 +101,7 @@ def planner(name, handler, make):
         rows = []
         for workers in (2, 1):
             cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
-            cli(env, "submit", "--pool", name, items_file(folder, 8000, make), "--claim-size", "500")   # measured
+            cli(env, "submit", "--pool", name, items_file(folder, 25_000, make), "--claim-size", "500")  # 50 claims
             out = cli(env, "submit", "--pool", name, items_file(folder, PLAN_ITEMS, make), "--claim-size", "500",
                       "--plan", "--yes", "--json")
             run = json.loads(out.stdout)["run"]
@@ -117,10 +119,11 @@ def main():
     for pair in range(PAIRS):
         order = (False, True) if pair % 2 == 0 else (True, False)
         result = {sized: burst(sized) for sized in order}
-        (fixed, _), (sized, back) = result[False], result[True]
-        print(f"  pair {pair + 1}: fixed {fixed:6.2f} s, sized {sized:6.2f} s: {fixed / sized:.2f}x; after the last "
-              f"claim: scaled to 0 at {back[0]:.1f} s, every worker gone at {back[1]:.1f} s (idle window "
-              f"{IDLE_MINUTES * 60:.0f} s)", flush=True)
+        (fixed, _, fixed_first), (sized, back, sized_first) = result[False], result[True]
+        print(f"  pair {pair + 1} ({'fixed' if pair % 2 == 0 else 'sized'} first): fixed {fixed:6.2f} s (first claim "
+              f"at {fixed_first:.1f} s), sized {sized:6.2f} s (at {sized_first:.1f} s): {fixed / sized:.2f}x; after "
+              f"the last claim: scaled to 0 at {back[0]:.1f} s, every worker gone at {back[1]:.1f} s (idle window "
+              f"{IDLE_MINUTES * 60:.0f} s); load {os.getloadavg()[0]:.1f}", flush=True)
     print(f"2. the planner: predicted against actual wall time, {PLAN_ITEMS:,} items in claims of 500")
     for name, handler, make in MODELS:
         planner(name, handler, make)

@@ -40,10 +40,10 @@ def test_local_pool_wakes_on_work_and_idles_back_to_zero(local_env, tmp_path):
 
 def test_scale_in_while_every_worker_holds_a_claim_redelivers_nothing(local_env, tmp_path):
     """Both workers are held mid-claim by the Gate handler; `pool scale --workers 1` asks one to go. It keeps its
-    claim past the grace (CALQUE_GRACE=5 here: SIGTERM's timer would release it), finishes it, then exits 0."""
+    claim past the grace (CALQUE_GRACE=2 here: SIGTERM's timer would release it), finishes it, then exits 0."""
     gate = tmp_path / "gate"
     gate.mkdir()
-    env = dict(local_env, GATE_DIR=str(gate))
+    env = dict(local_env, GATE_DIR=str(gate), CALQUE_GRACE="2")
     out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Gate", "--workers", "2")
     assert out.returncode == 0, out.stderr
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(2)])
@@ -53,7 +53,7 @@ def test_scale_in_while_every_worker_holds_a_claim_redelivers_nothing(local_env,
     assert out.returncode == 0, out.stderr
     log = os.path.join(env["CALQUE_STATE"], "pools", "m", "worker-1.log")
     wait_for(lambda: "scale-in: no new claims" in open(log).read(), 10, "the scale-in signal")
-    time.sleep(6.5)                     # waiting on purpose: past CALQUE_GRACE, no claim was released
+    time.sleep(3.0)                     # waiting on purpose: past CALQUE_GRACE, no claim was released
     backend = backend_for(env)
     assert backend.queues.open_queue("calque-pool-m").counts() == {"visible": 0, "in_flight": 2}
     (gate / "open").touch()
