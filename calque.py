@@ -1474,12 +1474,12 @@ class SqsQueue:
         return [m for m, code in failed if code in STALE_RECEIPT or not self.delete(m)]
 
     @endpoint_retried
-    @endpoint_retried
     def created_at(self):
         self.queues.requests["queue_other"] += 1
         return float(self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=["CreatedTimestamp"])[
             "Attributes"]["CreatedTimestamp"])
 
+    @endpoint_retried
     def counts(self):
         self.queues.requests["queue_other"] += 1
         attrs = self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=[
