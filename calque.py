@@ -2431,14 +2431,16 @@ NOT_RUN = {   # the claims of each state that did not run: what becomes of them,
 }
 
 
-def claim_states(backend, run, summaries):
+def claim_states(backend, run, summaries, dead_letters=True):
     """{claim: (state, detail)}, the state one of CLAIM_STATES: done or failed (it ran; failed when every item
     failed), dead-lettered (a failure summary, or else its copy in the dead-letter queue), cancelled, queued or
-    running (sent, no summary yet), not queued (never sent). The detail is the dead-letter or cancel reason."""
+    running (sent, no summary yet), in no queue (sent, but its queue lost it: claims_in_no_queue), not queued
+    (never sent). The detail is the dead-letter or cancel reason. Without dead_letters the DLQ is not scanned
+    nor the queue looked at (the dashboard: a scan receives its messages)."""
     by_claim = {s["claim"]: s for s in summaries}
     cancelled = run.get("cancelled")
     pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
-    letters = DeadLetters(backend, run).claims() if pending else {}
+    letters = DeadLetters(backend, run).claims() if pending and dead_letters else {}
     states = {}
     for index, claim in enumerate(run["claims"]):
         s = by_claim.get(claim)
@@ -2455,7 +2457,8 @@ def claim_states(backend, run, summaries):
         else:
             states[claim] = ("not queued" if index >= run["sent"] else "queued or running", "")
     waiting = [claim for claim, (state, _) in states.items() if state == "queued or running"]
-    for claim in claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" else ():
+    for claim in claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" and dead_letters \
+            else ():   # (the dashboard's view, without the DLQ scan, makes no queue request either)
         states[claim] = ("in no queue", "")
     return states
 
@@ -2476,11 +2479,11 @@ def claims_in_no_queue(backend, run, waiting):
     return [claim for claim in waiting if claim not in done]
 
 
-def run_view(backend, run, summaries):
+def run_view(backend, run, summaries, dead_letters=True):
     """What a report says about a run: each claim's state and detail (claim_states), the claims per state, the
     items per outcome (ok + failed + pending + dead_lettered + cancelled = the run's items, always: a claim that
     did not run counts its size from the run record), and the run queue's depth while claims wait in it."""
-    states = claim_states(backend, run, summaries)
+    states = claim_states(backend, run, summaries, dead_letters)
     by_claim = {s["claim"]: s for s in summaries}
     items = dict.fromkeys(("ok", "failed", "pending", "dead_lettered", "cancelled"), 0)
     for index, claim in enumerate(run["claims"]):
@@ -5542,6 +5545,15 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     return run, summaries, timed_out
 
 
+def list_pools(backend):
+    """The models of the pools whose records are in the store."""
+    models = []
+    for folder in backend.store.list("pools/"):
+        with contextlib.suppress(NotFound):
+            models.append(read_json(backend, folder + "/pool.json")["model"])
+    return models
+
+
 def pool_status(conf, backend, model):
     """Everything `pool status` shows, as data: the record, the queue depths, this machine's supervisor and
     workers, every worker's stats, and for an EC2 pool its fleet (ec2_pool_status)."""
@@ -6390,10 +6402,7 @@ def cmd_pool_list(conf, backend, args):
     if backend.kind == "aws":   # records in the store, plus fleets found only by their tags (a half-created pool)
         pools = ec2_pool_list(backend)
     else:
-        pools = []
-        for folder in backend.store.list("pools/"):
-            with contextlib.suppress(NotFound):
-                pools.append({"model": read_json(backend, folder + "/pool.json")["model"], "record": True, "asg": None})
+        pools = [{"model": model, "record": True, "asg": None} for model in list_pools(backend)]
     if args.json:
         print(json.dumps(pools, indent=1))
         return EXIT_OK
@@ -6691,6 +6700,27 @@ def cmd_runs_redrive(conf, backend, args):
     return EXIT_OK
 
 
+def dashboard_module():
+    """dashboard.py, loaded only by the verbs that make pages. It imports this module as `calque`,
+    which is __main__ when calque.py runs as a script: one module, so its exceptions are these."""
+    sys.modules.setdefault("calque", sys.modules[__name__])
+    import dashboard
+    return dashboard
+
+
+def cmd_runs_report(conf, backend, args):
+    run_id = read_run(backend, args.run)["run_id"]
+    view = dashboard_module().write_report(conf, backend, run_id, args.html, _pricing(args))
+    print(f"run {args.run}: report written to {args.html} ({view['items']['ok']} items ok, "
+          f"{view['items']['failed']} failed, {view['items']['pending']} pending)")
+    return EXIT_OK
+
+
+def cmd_dashboard(conf, backend, args):
+    dashboard_module().serve(conf, backend, args.host, args.port, args.token, _pricing(args))
+    return EXIT_OK
+
+
 def cmd_cost(conf, backend, args):
     """One run: its cost lines and the crossover ladder. Several: one comparison line each."""
     reports, price = [], _pricing(args)
@@ -6835,7 +6865,7 @@ def build_parser():
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
     priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,plan,runs,cost,modal}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
@@ -6959,7 +6989,7 @@ def build_parser():
     p.set_defaults(func=cmd_plan)
 
     runs = verbs.add_parser("runs", help="read runs (list, show, results); resume, cancel, redrive them")
-    runs = runs.add_subparsers(dest="runs_verb", required=True, metavar="{list,show,results,resume,cancel,redrive}")
+    runs = runs.add_subparsers(dest="runs_verb", required=True, metavar="{list,show,results,resume,cancel,redrive,report}")
     p = runs.add_parser("list", help="every run in the store")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_runs_list)
@@ -6985,12 +7015,22 @@ def build_parser():
     p = runs.add_parser("redrive", help="send a run's dead-lettered claims back to its pool's queue")
     p.add_argument("run", help="the run id (see `runs list`)")
     p.set_defaults(func=cmd_runs_redrive)
+    p = runs.add_parser("report", parents=[priced], help="a run's page as one self-contained HTML file")
+    p.add_argument("run", help="the run id (see `runs list`)")
+    p.add_argument("--html", required=True, metavar="FILE", help="the file to write (no script)")
+    p.set_defaults(func=cmd_runs_report)
 
     p = verbs.add_parser("cost", parents=[priced],
                          help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_cost)
+
+    p = verbs.add_parser("dashboard", parents=[priced], help="a read-only live web page of the store")
+    p.add_argument("--port", type=int, default=8265, help="default 8265; 0: any free port")
+    p.add_argument("--host", default="127.0.0.1", help="default loopback; another needs --token")
+    p.add_argument("--token", help="a secret every request must carry (?token= once, or Bearer)")
+    p.set_defaults(func=cmd_dashboard)
 
     modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools").add_subparsers(
         dest="modal_verb", required=True, metavar="{run}")

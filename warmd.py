@@ -1519,6 +1519,7 @@ class Worker:
                  "started_at": calque.now_iso(self.started), "updated_at": calque.now_iso(now),
                  "alive_seconds": round(now - self.started, 3), "busy_seconds": round(self.busy_seconds, 3),
                  "enter_seconds": round(self.enter_seconds, 6), "enter_count": self.enter_count,
+                 "entered_at": calque.now_iso(self.entered_at) if self.entered_at else None,   # @enter's end
                  "acquisition_seconds": round(self.acquisition_seconds, 6),
                  "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"], "items": self.stats["items"],
                  "items_failed": self.stats["items_failed"], "requests": dict(self.backend.requests),
