@@ -1211,9 +1211,11 @@ class LocalQueue:
                     if db.execute(LocalQueues.SQL_DELETE, (int(m.receipt.split(":")[0]), m.receipt)).rowcount != 1]
 
     def created_at(self):
-        """Epoch s the queue was created (a queue created after a run was sent lost that run's claims)."""
+        """Epoch s the queue was created (a queue created after a run was sent lost that run's
+        claims)."""
         self.queues.requests["queue_other"] += 1
-        return self.queues.db().execute("SELECT created_at FROM queues WHERE name = ?", (self.name,)).fetchone()[0]
+        row = self.queues.db().execute("SELECT created_at FROM queues WHERE name = ?", (self.name,)).fetchone()
+        return row[0]
 
     def counts(self):
         self.queues.requests["queue_other"] += 1
@@ -1734,8 +1736,8 @@ def queue_depth(backend, name):
         return None
 
 # ---- the scaling decision both paths follow (local supervisor, EC2 step policy) and what it is fed
-SCALE_MEASURED_CLAIMS = 50              # latest claim summaries the measured seconds per claim / item come from
-SCALE_IDLE_MINUTES = 5.0                # idle window of a pool given a floor below its ceiling but no window
+SCALE_MEASURED_CLAIMS = 50              # latest claim summaries seconds per claim / item are measured on
+SCALE_IDLE_MINUTES = 5.0                # idle window of a pool with a floor below its ceiling, none given
 
 
 class Scale(typing.NamedTuple):
@@ -1760,11 +1762,12 @@ class Scale(typing.NamedTuple):
 
 def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
                   surplus_since, now):
-    """How many workers (instances) a pool should have: enough to drain the backlog (visible + in flight) in
-    `target_drain` s at the measured seconds per claim (one a claim while unmeasured), never fewer than the
-    claims in flight (a busy worker is not surplus), never more than the claims, within lo..hi. Growing is
-    immediate; shrinking waits until the surplus has lasted `idle_window` s (no flapping; an idle pool goes to
-    lo after its window). Pure: the caller keeps `surplus_since` from the returned Scale and passes it back."""
+    """How many workers (instances) a pool should have: enough to drain the backlog (visible + in
+    flight) in `target_drain` s at the measured seconds per claim (one a claim while unmeasured),
+    never fewer than the claims in flight (a busy worker is not surplus), never more than the
+    claims, within lo..hi. Growing is immediate; shrinking waits until the surplus has lasted
+    `idle_window` s (no flapping; an idle pool goes to lo after its window). Pure: the caller keeps
+    `surplus_since` from the returned Scale and passes it back."""
     backlog = visible + in_flight
     need = backlog if seconds_per_claim is None else min(backlog, math.ceil(backlog * seconds_per_claim /
                                                                               target_drain))
@@ -1776,8 +1779,9 @@ def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, 
 
 
 def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
-    """The pool's latest `limit` summaries of claims that ran on its workers (newest runs first, by run id: it
-    starts with the time; cold and dead-lettered claims left out). No run record is read."""
+    """The pool's latest `limit` summaries of claims that ran on its workers (newest runs first, by
+    run id: it starts with the time; cold and dead-lettered claims left out). No run record is
+    read."""
     found = []
     for run_id in sorted((f.rsplit("/", 1)[1] for f in backend.store.list("runs/")), reverse=True):
         if run_slug(run_id) == slug(model):
@@ -1789,8 +1793,8 @@ def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
 
 
 def measured_seconds(summaries):
-    """(seconds per claim, seconds per item) of the drain in these summaries (@enter paid during a claim left
-    out: a warm worker does not pay it), or (None, None) without any."""
+    """(seconds per claim, seconds per item) of the drain in these summaries (@enter paid during a
+    claim left out: a warm worker does not pay it), or (None, None) without any."""
     seconds = sum(max(0.0, s["claim_seconds"] - s.get("enter_seconds_paid", 0.0)) for s in summaries)
     items = sum(s["items"] for s in summaries)
     return (seconds / len(summaries), seconds / items) if items else (None, None)
@@ -1798,8 +1802,9 @@ def measured_seconds(summaries):
 
 def pool_bounds(count, lo, hi, idle_minutes, noun):
     """(lo, hi, idle window in s or None) from `--{noun} N`, `--min-{noun} A`, `--max-{noun} B` and
-    `--scale-to-zero-after MINUTES`: N alone is A = B = N (a fixed count); an idle window or a ceiling without
-    a floor floors at 0; a floor below the ceiling without a window gets SCALE_IDLE_MINUTES."""
+    `--scale-to-zero-after MINUTES`: N alone is A = B = N (a fixed count); an idle window or a
+    ceiling without a floor floors at 0; a floor below the ceiling without a window gets
+    SCALE_IDLE_MINUTES."""
     if count is not None and hi is not None and count != hi:
         raise UserError(f"--{noun} {count} and --max-{noun} {hi}: give one of them (--{noun} N is "
                         f"--min-{noun} N --max-{noun} N)")
@@ -2325,7 +2330,8 @@ def nothing_left_to_run(backend, run, done, dead):
         letters = dead.claims()   # the local queue file was replaced under this process: reopened now
     waiting = [claim for index, claim in enumerate(run["claims"])
                if claim not in done and index < run["sent"] and claim not in letters]
-    return not waiting or run["mode"] == "pool" and len(claims_in_no_queue(backend, run, waiting)) == len(waiting)
+    lost = claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" else []
+    return len(lost) == len(waiting)
 
 
 def cancel_run(backend, run, reason):
@@ -2419,9 +2425,10 @@ def claim_results(backend, run_id, claim, count):
         return lines
 
 
-CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "in no queue", "not queued")
+CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "in no queue",
+                "not queued")
 ITEM_OUTCOME = {"queued or running": "pending", "in no queue": "pending", "not queued": "pending",
-                "dead-lettered": "dead_lettered", "cancelled": "cancelled"}   # a claim that did not run, in run_view
+                "dead-lettered": "dead_lettered", "cancelled": "cancelled"}   # a claim that did not run
 NOT_RUN = {   # the claims of each state that did not run: what becomes of them, in the words of format_run
     "queued or running": "still pending; the run goes on",
     "in no queue": "were lost by the pool's queue (removed, recreated or purged): nothing will run them",
@@ -2457,16 +2464,17 @@ def claim_states(backend, run, summaries, dead_letters=True):
         else:
             states[claim] = ("not queued" if index >= run["sent"] else "queued or running", "")
     waiting = [claim for claim, (state, _) in states.items() if state == "queued or running"]
-    for claim in claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" and dead_letters \
-            else ():   # (the dashboard's view, without the DLQ scan, makes no queue request either)
-        states[claim] = ("in no queue", "")
+    if waiting and run["mode"] == "pool" and dead_letters:   # (the dashboard's view looks at no queue)
+        for claim in claims_in_no_queue(backend, run, waiting):
+            states[claim] = ("in no queue", "")
     return states
 
 
 def claims_in_no_queue(backend, run, waiting):
-    """The claims of `waiting` (sent, no summary, not dead-lettered) that no queue holds any more: the pool's
-    queue is gone, was created after the run, or holds nothing at all while they wait (purged). A claim that a
-    worker runs is in flight, and one finished has a summary (read again here: it may have landed since)."""
+    """The claims of `waiting` (sent, no summary, not dead-lettered) that no queue holds any more:
+    the pool's queue is gone, was created after the run, or holds nothing at all while they wait
+    (purged). A claim that a worker runs is in flight, and one finished has a summary (read again
+    here: it may have landed since)."""
     try:
         queue = backend.queues.open_queue(run["queue"])
         depth = queue.counts()
@@ -2790,10 +2798,11 @@ def read_desired(folder):
 
 
 class LocalScaler:
-    """The supervisor's sizing of a pool that scales itself (scaling.json in its state folder: lo, hi,
-    idle_window, target_drain): every SCALE_INTERVAL s, desired_count on the queue's depth and the seconds per
-    claim of the pool's recent summaries (re-read every SCALE_MEASURE_EVERY s); each change is logged with its
-    inputs. Without scaling.json, the count `pool create` / `pool scale` wrote."""
+    """The supervisor's sizing of a pool that scales itself (scaling.json in its state folder: lo,
+    hi, idle_window, target_drain): every SCALE_INTERVAL s, desired_count on the queue's depth and
+    the seconds per claim of the pool's recent summaries (re-read every SCALE_MEASURE_EVERY s); each
+    change is logged with its inputs. Without scaling.json, the count `pool create` / `pool scale`
+    wrote."""
 
     def __init__(self, conf, model, folder):
         self.conf, self.model, self.folder = conf, model, folder
@@ -2822,7 +2831,7 @@ class LocalScaler:
             return current
         self.error = None
         backlog = depth["visible"] + depth["in_flight"]
-        if bounds.get("boost") and not backlog:   # a planned run's count (submit --deadline) holds while it lasts
+        if bounds.get("boost") and not backlog:   # a planned run's count holds while its claims wait
             write_file_atomic(os.path.join(self.folder, "scaling.json"), json.dumps(dict(bounds, boost=0)))
         lo = min(bounds["hi"], max(bounds["lo"], bounds.get("boost", 0) if backlog else 0))
         scale = desired_count(depth["visible"], depth["in_flight"], current, self.spc, bounds["target_drain"],
@@ -2897,7 +2906,7 @@ def _reap(slots, want, now):
                 del slots[s]
             elif not slot.get("stopping"):
                 slot["stopping"] = True
-                slot["proc"].send_signal(signal.SIGUSR1)   # scale-in: finish the claim, however long, then exit
+                slot["proc"].send_signal(signal.SIGUSR1)   # scale-in: finish the claim, then exit
     return restarts
 
 
@@ -2961,11 +2970,11 @@ def worker_gpus(devices, per_worker, slot):
 
 
 def lease_gpus(conf, devices, per_worker, slot, sizing):
-    """(devices, leases) for worker `slot`: its round-robin devices (worker_gpus), each leased where free (an
-    flock on CALQUE_STATE/gpus/<device>.lock, held open while the worker lives; the kernel drops it if the
-    supervisor dies). A fixed pool shares a device another worker holds, as before; a pool that sizes itself
-    takes free devices only (its own first), else (None, []): the slot waits, so the GPUs of a machine go to
-    the pools that have work."""
+    """(devices, leases) for worker `slot`: its round-robin devices (worker_gpus), each leased where
+    free (an flock on CALQUE_STATE/gpus/<device>.lock, held open while the worker lives; the kernel
+    drops it if the supervisor dies). A fixed pool shares a device another worker holds, as before;
+    a pool that sizes itself takes free devices only (its own first), else (None, []): the slot
+    waits, so the GPUs of a machine go to the pools that have work."""
     wanted = worker_gpus(devices, per_worker, slot)
     if not wanted:
         return [], []
@@ -4478,9 +4487,9 @@ class Ec2PoolOptions:
 
 def ec2_pool_options(instances, instance_type=None, *, min_instances=None, ami=None, spot=False, subnet=None,
                      key_name=None, scale_to_zero_after=None, max_instances=None):
-    """Ec2PoolOptions from the flags' values, checked (pool_bounds): --instances N is a fixed cohort; a floor
-    below the ceiling or an idle window makes a group that sizes itself, its window in whole minutes (SQS
-    publishes once a minute) that CloudWatch can evaluate."""
+    """Ec2PoolOptions from the flags' values, checked (pool_bounds): --instances N is a fixed
+    cohort; a floor below the ceiling or an idle window makes a group that sizes itself, its window
+    in whole minutes (SQS publishes once a minute) that CloudWatch can evaluate."""
     if instances is max_instances is None or (instances or 0) < 0:
         raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
     if min_instances is not None and not 0 <= min_instances <= (max_instances or instances):
@@ -4682,31 +4691,34 @@ def _put_capacity_policy(calls, asg, name, capacity):
 
 
 def backlog_steps(lo, hi, seconds_per_claim, target_drain):
-    """[(backlog, capacity)]: from each backlog (visible + in flight) on, the capacity desired_count gives a
-    growing group (at most STEP_ADJUSTMENTS_MAX steps, the last one `hi`): the backlog policy's steps."""
+    """[(backlog, capacity)]: from each backlog (visible + in flight) on, the capacity desired_count
+    gives a growing group (at most STEP_ADJUSTMENTS_MAX steps, the last one `hi`): the backlog
+    policy's steps."""
     def need(backlog):
         return desired_count(backlog, 0, 0, seconds_per_claim, target_drain, lo, hi, 0.0, None, 0.0).desired
-    per = 1.0 if seconds_per_claim is None else target_drain / seconds_per_claim   # backlog one instance drains
+    per = 1.0 if seconds_per_claim is None else target_drain / seconds_per_claim   # claims one drains
     first = max(need(1), 1)
     counts = range(first, hi + 1)
     if len(counts) > STEP_ADJUSTMENTS_MAX:
         counts = sorted({first + round(i * (hi - first) / (STEP_ADJUSTMENTS_MAX - 1))
                          for i in range(STEP_ADJUSTMENTS_MAX)})
-    steps = {1 if k == first else max(k, math.floor((k - 1) * per) + 1): k for k in counts}   # k claims, k instances
+    steps = {1 if k == first else max(k, math.floor((k - 1) * per) + 1): k   # k instances: k claims at least
+             for k in counts}
     return sorted((b, need(b)) for b in steps)
 
 
 def ec2_scaling(backend, model, lo, hi):
-    """The record's `scaling` of a group that sizes itself: seconds per claim measured from the pool's recent
-    summaries (None before any), the drain target, and the backlog policy's steps."""
+    """The record's `scaling` of a group that sizes itself: seconds per claim measured from the
+    pool's recent summaries (None before any), the drain target, and the backlog policy's steps."""
     spc = measured_seconds(recent_summaries(backend, model))[0]
     drain = setting_number(settings(), "CALQUE_TARGET_DRAIN", float, 0.001)
     return {"seconds_per_claim": spc, "target_drain": drain, "steps": backlog_steps(lo, hi, spc, drain)}
 
 
 def _put_backlog_policy(calls, names, ec2):
-    """The step policy the wake alarm runs every minute it is in ALARM (any claim visible or in flight): the
-    group to exactly backlog_steps' capacity for the backlog (scale-in protection keeps busy instances)."""
+    """The step policy the wake alarm runs every minute it is in ALARM (any claim visible or in
+    flight): the group to exactly backlog_steps' capacity for the backlog (scale-in protection keeps
+    busy instances)."""
     steps = ec2["scaling"]["steps"]
     adjustments = [{"MetricIntervalLowerBound": 0.0 if i == 0 else b - 0.5, "ScalingAdjustment": k}
                    | ({"MetricIntervalUpperBound": steps[i + 1][0] - 0.5} if i + 1 < len(steps) else {})
@@ -4717,8 +4729,8 @@ def _put_backlog_policy(calls, names, ec2):
 
 
 def _backlog_metrics(queue):
-    """Metric math: visible + in flight, each FILLed with 0 where SQS published no point (in flight is
-    published only while messages are in flight)."""
+    """Metric math: visible + in flight, each FILLed with 0 where SQS published no point (in flight
+    is published only while messages are in flight)."""
     return [{"Id": "visible_raw", "ReturnData": False, "MetricStat": {
                 "Metric": _sqs_metric(queue, "ApproximateNumberOfMessagesVisible"), "Period": ALARM_PERIOD,
                 "Stat": "Maximum"}},
@@ -4736,12 +4748,12 @@ def _sqs_metric(queue, metric):
 
 
 def _ensure_scale_to_zero(calls, names, ec2, tags):
-    """The backlog step policy on the wake alarm (any claim visible or in flight in a minute: the group to
-    desired_count's capacity for that backlog, re-run every minute the alarm stays in ALARM), and a
-    simple-scaling policy (exactly the floor) on the idle alarm (visible + in flight == 0 for the whole
-    window). Both alarms read the same metric math (_backlog_metrics): a minute with a backlog but no in-flight
-    point must not read as "no data"; a queue that publishes nothing at all (inactive for six hours) is idle
-    (TreatMissingData)."""
+    """The backlog step policy on the wake alarm (any claim visible or in flight in a minute: the
+    group to desired_count's capacity for that backlog, re-run every minute the alarm stays in
+    ALARM), and a simple-scaling policy (exactly the floor) on the idle alarm (visible + in flight
+    == 0 for the whole window). Both alarms read the same metric math (_backlog_metrics): a minute
+    with a backlog but no in-flight point must not read as "no data"; a queue that publishes nothing
+    at all (inactive for six hours) is idle (TreatMissingData)."""
     asg, minutes = names["asg"], ec2["scale_to_zero_after"]
     wake = _put_backlog_policy(calls, names, ec2)
     idle = _put_capacity_policy(calls, asg, names["policy_idle"], ec2["min_instances"] or 0)
@@ -5199,7 +5211,7 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
 
     def alarms():
         deleted = _delete_alarms(calls, names)
-        _remove_scale_to_zero(calls, names)    # its policies too (AWS drops them with the group; moto does not)
+        _remove_scale_to_zero(calls, names)    # the policies too (AWS drops them with the group; moto not)
         return "deleted " + ", ".join(deleted) + " and their policies" if deleted else "none"
 
     def asg():
@@ -5691,7 +5703,7 @@ def pool_record_to_delete(backend, model, force):
 
 
 # ---- the planner: a run's wall time and cost for 1..B workers before it starts, and against what it did
-PLAN_GAP_MAX = 2.0                      # s between two claims of a worker above which it idled (not overhead)
+PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
 PLAN_RUNS_READ = 5                      # run records the planner reads for the time to a run's first claim
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -5706,8 +5718,8 @@ def parse_duration(text):
 
 
 def plan_seconds(claim_seconds, starts):
-    """The wall time of claims (seconds each, in queue order) on workers free from `starts` (s from now): each
-    claim to the worker free first, as a pool's workers pull from its queue."""
+    """The wall time of claims (seconds each, in queue order) on workers free from `starts` (s from
+    now): each claim to the worker free first, as a pool's workers pull from its queue."""
     free, end = sorted(starts), 0.0
     for seconds in claim_seconds:
         end = max(end, free[0] + seconds)
@@ -5716,8 +5728,8 @@ def plan_seconds(claim_seconds, starts):
 
 
 def pool_ceiling(conf, backend, record):
-    """(A, B, noun, running): the pool's floor and ceiling of workers (or instances; a fixed pool: A = B), and
-    how many are running already (their stats)."""
+    """(A, B, noun, running): the pool's floor and ceiling of workers (or instances; a fixed pool: A
+    = B), and how many are running already (their stats)."""
     warm = sum(w.get("state") == "running" for w in mark_lost_workers(read_worker_stats(backend, record["model"])))
     if record.get("ec2"):
         ec2 = record["ec2"]
@@ -5731,9 +5743,10 @@ def pool_ceiling(conf, backend, record):
 
 
 def claim_overheads(backend, summaries):
-    """(s between two claims of one worker, s from a run's creation to its first claim starting): the time a
-    run takes beyond its claims, measured from these summaries (gaps over PLAN_GAP_MAX s are idle time, not
-    overhead) and their runs' records (PLAN_RUNS_READ of them at most); 0.0 for what they cannot show."""
+    """(s between two claims of one worker, s from a run's creation to its first claim starting):
+    the time a run takes beyond its claims, measured from these summaries (gaps over PLAN_GAP_MAX s
+    are idle time, not overhead) and their runs' records (PLAN_RUNS_READ of them at most); 0.0 for
+    what they cannot show."""
     by_worker, gaps, first = {}, [], {}
     for summary in summaries:
         started = _parse_time(summary["started_at"], "started_at")
@@ -5741,18 +5754,20 @@ def claim_overheads(backend, summaries):
         first[summary["run_id"]] = min(first.get(summary["run_id"], started), started)
     for spans in by_worker.values():
         spans.sort()
-        gaps += [g for g in ((b[0] - a[1]).total_seconds() for a, b in zip(spans, spans[1:])) if 0 <= g <= PLAN_GAP_MAX]
+        between = ((b[0] - a[1]).total_seconds() for a, b in zip(spans, spans[1:]))
+        gaps += [g for g in between if 0 <= g <= PLAN_GAP_MAX]
     latencies = [(started - _parse_time(read_run(backend, run_id)["created_at"], "created_at")).total_seconds()
                  for run_id, started in list(first.items())[:PLAN_RUNS_READ]]
     return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: a warm pool's
 
 
 def make_plan(backend, conf, record, items, claim_size, price, summaries):
-    """The plan of `items` items in claims of `claim_size` on the pool: per-item seconds measured from
-    `summaries` (recent_summaries), start-up of a worker not yet running (measured @enter and acquisition; an
-    EC2 instance adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time (plan_seconds) and cost
-    (count x wall x rate, on-demand and spot), beside the cold counterfactual (every worker a fresh
-    acquisition paying A + E) and the serverless price of the same drain."""
+    """The plan of `items` items in claims of `claim_size` on the pool: per-item seconds measured
+    from `summaries` (recent_summaries), start-up of a worker not yet running (measured @enter and
+    acquisition; an EC2 instance adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time
+    (plan_seconds) and cost (count x wall x rate, on-demand and spot), beside the cold
+    counterfactual (every worker a fresh acquisition paying A + E) and the serverless price of the
+    same drain."""
     rates, itype = price.rates, price.instance_type
     rate, spot_rate = (instance_rate_per_second(rates, itype, spot=spot) for spot in (False, True))
     _, per_item = measured_seconds(summaries)
@@ -5816,8 +5831,8 @@ def _duration(seconds):
 
 
 def plan_against_actual(run, summaries):
-    """'predicted X on N workers, actual Y (+d %)' for a run submitted with a plan, once every claim has a
-    summary; None otherwise."""
+    """'predicted X on N workers, actual Y (+d %)' for a run submitted with a plan, once every claim
+    has a summary; None otherwise."""
     plan = run.get("plan")
     if not plan or len(summaries) < len(run["claims"]) or not summaries:
         return None
@@ -5921,9 +5936,9 @@ def pool_liveness(conf, backend, record):
 
 
 def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None):
-    """Set the pool's local worker count on this machine; 0 stops its supervisor. `bounds` (lo, hi, idle
-    window s): the supervisor sizes the pool itself between lo and hi (desired_count), from `workers` (= lo)
-    on, and stays up at 0. Returns the supervisor's pid (None at 0)."""
+    """Set the pool's local worker count on this machine; 0 stops its supervisor. `bounds` (lo, hi,
+    idle window s): the supervisor sizes the pool itself between lo and hi (desired_count), from
+    `workers` (= lo) on, and stays up at 0. Returns the supervisor's pid (None at 0)."""
     if workers < 0:
         raise UserError(f"--workers {workers}: must be 0 or more")
     folder = state_dir(conf, model)
@@ -6249,8 +6264,9 @@ def write_results(lines, failed_only):
 
 
 def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
-    """(plan, sample run id or None): make_plan of `items` (a list, or a stream counted here) on the pool. A pool
-    with no measured claim runs one sample claim of the first items first, says so, and plans from it."""
+    """(plan, sample run id or None): make_plan of `items` (a list, or a stream counted here) on the
+    pool. A pool with no measured claim runs one sample claim of the first items first, says so, and
+    plans from it."""
     record = load_pool(backend, model)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     check_claim_size(claim_size)
@@ -6259,7 +6275,7 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
     summaries, sample = recent_summaries(backend, model), None
     if not summaries:
         first = first if first is not None else items[:claim_size]
-        run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # a pool nothing serves: refused
+        run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # nothing serves it: refused
         print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} item(s) first "
               f"(run {run.run_id}) to measure it", file=sys.stderr)
         if not run.wait():
@@ -6270,8 +6286,9 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
 
 
 def planned_count(conf, backend, record, plan, args):
-    """The option a submit runs at: the fewest workers that meet --deadline / --budget (an error naming the
-    fastest and the cheapest when none does), else what the pool's own sizing gives for this backlog."""
+    """The option a submit runs at: the fewest workers that meet --deadline / --budget (an error
+    naming the fastest and the cheapest when none does), else what the pool's own sizing gives for
+    this backlog."""
     if args.deadline is not None or args.budget is not None:
         deadline = parse_duration(args.deadline) if args.deadline is not None else None
         option = pick_option(plan, deadline, args.budget)
@@ -6291,7 +6308,8 @@ def planned_count(conf, backend, record, plan, args):
 
 
 def confirm(question, yes):
-    """True when --yes, or a terminal's user answers y; stdin that is not a terminal cannot answer: refused."""
+    """True when --yes, or a terminal's user answers y; stdin that is not a terminal cannot answer:
+    refused."""
     if yes:
         return True
     if not sys.stdin.isatty():
@@ -6301,9 +6319,9 @@ def confirm(question, yes):
 
 
 def apply_count(conf, backend, record, option, args):
-    """Give the run its planned count: a local pool that sizes itself keeps at least that many workers while its
-    backlog lasts (its ceiling still holds); an EC2 group's desired capacity is raised to it (cmd_submit checked
-    --yes-spend-money)."""
+    """Give the run its planned count: a local pool that sizes itself keeps at least that many
+    workers while its backlog lasts (its ceiling still holds); an EC2 group's desired capacity is
+    raised to it (cmd_submit checked --yes-spend-money)."""
     noun = "instances" if record.get("ec2") else "workers"
     count = option[noun]
     if noun == "instances":
@@ -6519,7 +6537,7 @@ def cmd_submit(conf, backend, args):
                                          f"{_usd(option['cost_usd'])} predicted?", args.yes):
                 print("submit: not run", file=sys.stderr)
                 return EXIT_FAILED
-            if record.get("ec2"):     # before anything is queued: the group's capacity is raised for the run
+            if record.get("ec2"):     # before anything is queued: the group grows for the run
                 _refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
                                  yes_spend_money=args.yes_spend_money)
         run_id = new_run_id(args.pool)
@@ -6633,8 +6651,8 @@ def cmd_runs_results(conf, backend, args):
 
 
 def cmd_runs_resume(conf, backend, args):
-    """Send the claims an interrupted submit did not send, and again those the pool's queue lost (claims in no
-    queue), then wait for the run as submit does (unless --no-wait)."""
+    """Send the claims an interrupted submit did not send, and again those the pool's queue lost
+    (claims in no queue), then wait for the run as submit does (unless --no-wait)."""
     check_timeout(args.timeout)
     run = read_run(backend, args.run)
     if run["mode"] != "pool":
@@ -6658,7 +6676,7 @@ def cmd_runs_resume(conf, backend, args):
             if state == "in no queue"]
     try:
         with signals_interrupt():
-            for start in range(0, len(lost), SEND_BATCH):   # a copy still queued somewhere is acked as a duplicate
+            for start in range(0, len(lost), SEND_BATCH):   # a copy still queued is acked as a duplicate
                 send_batch(backend, run, queue, lost[start:start + SEND_BATCH], resume=True)
             send_claims(backend, run, queue, skip=done, resume=True)
     except SubmitInterrupted as e:
@@ -6865,7 +6883,8 @@ def build_parser():
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
     priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
+    verbs = parser.add_subparsers(dest="verb", required=True,
+                                  metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
