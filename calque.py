@@ -1806,14 +1806,15 @@ def pool_bounds(count, lo, hi, idle_minutes, noun):
     ceiling without a floor floors at 0; a floor below the ceiling without a window gets
     SCALE_IDLE_MINUTES."""
     if count is not None and hi is not None and count != hi:
-        raise UserError(f"--{noun} {count} and --max-{noun} {hi}: give one of them (--{noun} N is "
-                        f"--min-{noun} N --max-{noun} N)")
+        raise UserError(f"--{noun} {count} and --max-{noun} {hi}: two ceilings ---> HINT: --{noun} N alone "
+                        f"(a fixed N), or --min-{noun} A --max-{noun} B")
     hi = count if hi is None else hi
     if hi is None or hi < 0 or (lo is not None and not 0 <= lo <= hi):
         raise UserError(f"--min-{noun} {lo} --max-{noun} {hi}: give 0 <= min <= max ---> HINT: e.g. "
                         f"--min-{noun} 0 --max-{noun} 4")
     if idle_minutes is not None and not (math.isfinite(idle_minutes) and idle_minutes > 0):
-        raise UserError(f"--scale-to-zero-after {idle_minutes}: minutes above 0 (fractions allowed)")
+        raise UserError(f"--scale-to-zero-after {idle_minutes}: not a number of minutes above 0 ---> HINT: e.g. "
+                        f"--scale-to-zero-after 10 (fractions allowed: 0.5)")
     if lo is None:
         lo = 0 if idle_minutes is not None or count is None else hi
     if lo == hi and idle_minutes is None:

@@ -41,7 +41,7 @@ def test_pool_bounds_from_the_flags():
     assert calque.pool_bounds(None, None, 4, None, "workers") == (0, 4, 300.0)          # ceiling alone: floor 0
     assert calque.pool_bounds(2, None, None, 10, "workers") == (0, 2, 600.0)            # --workers N + a window
     for bad in ((None, 3, 2, None), (2, None, 3, None), (None, 0, 2, 0), (None, 0, 2, float("nan"))):
-        with pytest.raises(calque.UserError, match="---> HINT|give one|minutes above 0"):
+        with pytest.raises(calque.UserError, match="---> HINT"):
             calque.pool_bounds(*bad, "workers")
 
 
