@@ -5771,11 +5771,13 @@ def plan_seconds(claim_seconds, starts):
 def pool_ceiling(conf, backend, record):
     """(A, B, noun, running): the pool's floor and ceiling of workers (or instances; a fixed pool: A
     = B), and how many are running already (their stats)."""
-    warm = sum(w.get("state") == "running" for w in mark_lost_workers(read_worker_stats(backend, record["model"])))
+    stats = mark_lost_workers(read_worker_stats(backend, record["model"]))
+    warm = sum(w.get("state") == "running" for w in stats)
     if record.get("ec2"):
         ec2 = record["ec2"]
         hi = max(1, ec2["instances"])
-        return min(hi, ec2["min_instances"] if ec2.get("min_instances") is not None else hi), hi, "instances", warm
+        lo = hi if ec2.get("min_instances") is None else min(hi, ec2["min_instances"])
+        return lo, hi, "instances", warm
     folder = state_dir(conf, record["model"])
     bounds = read_scaling(folder)
     if bounds:
@@ -5791,14 +5793,15 @@ def claim_overheads(backend, summaries):
     by_worker, gaps, first = {}, [], {}
     for summary in summaries:
         started = _parse_time(summary["started_at"], "started_at")
-        by_worker.setdefault(summary["worker_id"], []).append((started, _parse_time(summary["finished_at"], "f")))
+        finished = _parse_time(summary["finished_at"], "finished_at")
+        by_worker.setdefault(summary["worker_id"], []).append((started, finished))
         first[summary["run_id"]] = min(first.get(summary["run_id"], started), started)
     for spans in by_worker.values():
         spans.sort()
         between = ((b[0] - a[1]).total_seconds() for a, b in zip(spans, spans[1:]))
         gaps += [g for g in between if 0 <= g <= PLAN_GAP_MAX]
-    latencies = [(started - _parse_time(read_run(backend, run_id)["created_at"], "created_at")).total_seconds()
-                 for run_id, started in list(first.items())[:PLAN_RUNS_READ]]
+    latencies = [(started - _parse_time(read_run(backend, run_id)["created_at"], "created_at"))
+                 .total_seconds() for run_id, started in list(first.items())[:PLAN_RUNS_READ]]
     return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: a warm pool's
 
 
@@ -5823,26 +5826,30 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
     claims = [n * per_item + gap for n in sizes]
     options = []
     for n in range(1, ceiling + 1):
-        seconds = plan_seconds(claims, [latency] * min(n, warm) + [max(latency, start)] * (n - min(n, warm)))
+        running = min(n, warm)
+        seconds = plan_seconds(claims, [latency] * running + [max(latency, start)] * (n - running))
         options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
-                        "spot_cost_usd": n * seconds * spot_rate, "starting": n - min(n, warm)})
+                        "spot_cost_usd": n * seconds * spot_rate, "starting": n - running})
     drain = sum(claims)
     card, count = serverless_match(rates, itype)
     cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
     return {"model": record["model"], "items": items, "claims": len(claims), "claim_size": claim_size,
             "seconds_per_item": per_item, "measured_claims": len(summaries), "enter_seconds": enter,
             "claim_gap_seconds": gap, "first_claim_seconds": latency,
-            "start_seconds": start, "running": warm, "noun": noun, "instance_type": itype, "options": options,
+            "start_seconds": start, "running": warm, "noun": noun, "instance_type": itype,
+            "options": options,
             "cold": {noun: ceiling, "seconds": plan_seconds(claims, [cold_acquisition + enter] * ceiling),
                      "cost_usd": (ceiling * (cold_acquisition + enter) + drain) * rate},
             "serverless": {"card": f"{count}x {card}", "seconds": plan_seconds(claims, [enter] * ceiling),
-                           "cost_usd": (drain + ceiling * enter) * serverless_rate_per_second(rates, card, count)}}
+                           "cost_usd": (drain + ceiling * enter)
+                           * serverless_rate_per_second(rates, card, count)}}
 
 
 def pick_option(plan, deadline=None, budget=None):
     """The option of the fewest workers that meets the deadline (s) and the budget ($), or None."""
     for option in plan["options"]:
-        if (deadline is None or option["seconds"] <= deadline) and (budget is None or option["cost_usd"] <= budget):
+        if ((deadline is None or option["seconds"] <= deadline)
+                and (budget is None or option["cost_usd"] <= budget)):
             return option
     return None
 
@@ -5851,8 +5858,9 @@ def format_plan(plan):
     noun = plan["noun"]
     lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of {plan['claim_size']} on pool "
              f"{plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured over "
-             f"{plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s between claims, first claim "
-             f"after {plan['first_claim_seconds']:.3g} s; {plan['running']} {noun} running, a new one starts in "
+             f"{plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s between "
+             f"claims, first claim after {plan['first_claim_seconds']:.3g} s; {plan['running']} {noun} "
+             f"running, a new one starts in "
              f"{plan['start_seconds']:.3g} s; {plan['instance_type']}",
              f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
     for o in plan["options"]:
