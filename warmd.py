@@ -773,12 +773,15 @@ class Worker:
             raise calque.UserError(f"handler snapshot {h['key']} does not match the pool record's sha256: recreate the "
                                    "pool")
         folder = os.path.join(os.path.abspath(self.conf["CALQUE_STATE"]), "handlers", h["sha256"][:16])
+        if "include" in h:   # the modules and data files it needs beside it (pool create --include, add_local_*)
+            folder += "-" + h["include"]["sha256"][:16]
+            calque.unpack_include(self.backend.store, h["include"], folder)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, h["file"])
         calque.write_file_atomic(path, source.decode())
         enter_workdir(self.record.get("workdir"), folder)
-        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"],
-                                                                                 self.record.get("modal"))
+        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(
+            path, h["class"], self.record.get("modal"), container=True)
         self.collator = Collator(collate)
 
     def enter(self):
