@@ -46,6 +46,7 @@ bench: setup
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_scale.py
 	$(PY) tests/bench_autoscale.py
 	$(PY) tests/bench_dashboard.py
+	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_churn.py
 
 # calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py.
 # Celery goes in its own venv, which sees $(VENV)'s packages after its own (a .pth file): the demo model's torch

@@ -2763,8 +2763,8 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
 
 # ------------------------------------------------------------------------------------------------
 # 6. local workers: a detached supervisor per pool keeps N warmd.py processes alive on this machine
-RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay, doubling up to this cap
-RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long restarts without backoff
+RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay after an exit without progress, doubling to this cap
+RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long made progress, whatever it did
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
 SCALE_INTERVAL = 0.5                    # s between two looks at the queue of a pool that sizes itself
 SCALE_MEASURE_EVERY = 10.0              # s between two reads of its recent summaries (seconds per claim)
@@ -3032,15 +3032,36 @@ def read_scaling(folder):
         return None
 
 
-def _is_warm(slot):
-    """True once the slot's current process has finished @enter (warmd writes its pid to the ready file)."""
+def _readiness(slot):
+    """What the slot's current process said in its ready file: [] (nothing yet), ["warm"] once @enter is done
+    (warmd writes its pid), ["warm", "progress"] once it committed a result part or finished a claim."""
     if slot["proc"] is None:
-        return False
+        return []
     try:
         with open(slot["ready"]) as f:
-            return f.read().strip() == str(slot["proc"].pid)
+            words = f.read().split()
     except OSError:
-        return False
+        return []
+    return ["warm", *words[1:]] if words[:1] == [str(slot["proc"].pid)] else []
+
+
+def _is_warm(slot):
+    """True once the slot's current process has finished @enter."""
+    return bool(_readiness(slot))
+
+
+def restart_delay(warm, progress, lived, failures, code):
+    """(s before a dead worker's slot starts again, how it counts), from the exit's facts. A worker that was warm
+    and made progress (a result part, a finished claim, or RESTART_RESET_AFTER s of life) was killed, not caught
+    in a crash loop, whatever killed it: at once. One that died before warm or without progress waits: a SIGKILL
+    (from outside: churn, an operator, the OOM killer) RESTART_BACKOFF[0] s; an exit of its own (a status, a
+    crash) as the `failures`-th such exit in a row, RESTART_BACKOFF[0] s doubling to RESTART_BACKOFF[1]."""
+    if warm and (progress or lived > RESTART_RESET_AFTER):
+        return 0.0, "died after progress"
+    kind = "died without progress" if warm else "died before warm"
+    if code == -signal.SIGKILL:
+        return RESTART_BACKOFF[0], kind
+    return min(RESTART_BACKOFF[0] * 2 ** (failures - 1), RESTART_BACKOFF[1]), kind
 
 
 def exit_reason(log_path, returncode):
@@ -3069,19 +3090,23 @@ def _reap(slots, want, now):
     for s, slot in list(slots.items()):
         proc = slot["proc"]
         if proc is not None and proc.poll() is not None:
-            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
-            slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": _is_warm(slot),
+            said = _readiness(slot)
+            progress = "progress" in said
+            slot["failures"] = 0 if progress else slot.get("failures", 0) + 1
+            lived = now - slot["started"]
+            delay, kind = restart_delay(bool(said), progress, lived, slot["failures"], proc.returncode)
+            slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": bool(said),
+                                 "progress": progress, "lived": round(lived, 3), "kind": kind, "restart_delay": delay,
                                  "reason": exit_reason(slot["log"], proc.returncode)}
             slot["proc"] = None
             for lease in slot.pop("leases", ()):   # its GPUs are free for any pool on this machine
                 lease.close()
+            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode} ({kind}; restart "
+                  f"{f'in {delay:g} s' if delay else 'at once'})", flush=True)
             if s < want:
-                lived = now - slot["started"]
                 slot["restarts"] += 1
                 restarts += 1
-                backoff = 0.0 if lived > RESTART_RESET_AFTER else min(
-                    RESTART_BACKOFF[0] * 2 ** (slot["restarts"] - 1), RESTART_BACKOFF[1])
-                slot["not_before"] = now + backoff
+                slot["not_before"] = now + delay
         if s >= want:
             if slot["proc"] is None:
                 del slots[s]
@@ -3106,6 +3131,8 @@ def _spawn(conf, model, folder, slots, want, now):
                 continue
             env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
+            if slot["last_exit"] and slot["last_exit"]["code"]:   # a death: the new worker commits parts the more
+                env["CALQUE_PREVIOUS_LIFE"] = str(slot["last_exit"]["lived"])   # often, the shorter it lived
             with open(slot["log"], "ab") as log:
                 slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=log, env=env, cwd=HERE)
@@ -5962,8 +5989,9 @@ def format_local_worker(w):
     line = f"    slot {w['slot']}: pid {w['pid'] or '-'} {state}, {gpus}, {w['restarts']} restart(s)"
     last = w.get("last_exit")
     if last:
-        line += (f"; last exit {now_iso(last['at'])[11:19]} ({'after' if last['warm'] else 'before'} warm): "
-                 f"{last['reason']}")
+        kind = last.get("kind") or f"{'after' if last['warm'] else 'before'} warm"
+        restart = "restarted at once" if not last.get("restart_delay") else f"restart after {last['restart_delay']:g} s"
+        line += f"; last exit {now_iso(last['at'])[11:19]} ({kind}, {restart}): {last['reason']}"
     return line
 
 
