@@ -45,6 +45,7 @@ bench: setup
 	$(PY) tests/bench_fastbatch.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_scale.py
 	$(PY) tests/bench_results.py
+	$(PY) tests/bench_autoscale.py
 	$(PY) tests/bench_dashboard.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_churn.py
 

@@ -19,12 +19,14 @@ The map. Each section uses only the sections above it; read top to bottom.
                                       (Modal app files too), numeric views, AWS error lines: what warmd.py and
                                       handler files import
      3. backends                      LocalStore + LocalQueues (SQLite), S3Store + SqsQueues; open_backend()
-     4. records                       pool and run records, summaries, worker stats in the store
+     4. records                       pool and run records, summaries, worker stats in the store; the
+                                      scaling decision both paths follow (desired_count)
      5. submit and runs               read items, stage_run, wait_for_run, cancel, redrive, run reports
      6. local workers                 the detached supervisor that keeps N warmd.py alive (GPUs, exit reasons)
      7. the cost model                rates.json, per-claim and per-run cost, crossover ladder, pool cost
      8. the EC2 cohort                IAM, bootstrap, launch template, Auto Scaling, alarms; pool and cold verbs
-     9. across both paths             a Modal app's pool options, cold_run (the baseline), pool status
+     9. across both paths             a Modal app's pool options, cold_run (the baseline), pool status, the
+                                      planner (make_plan: wall time and cost for 1..B workers)
     10. the Python API                Pool, submit(), Run: what a notebook uses and the CLI calls
     11. the CLI                       one cmd_* per verb in the parser's order, build_parser(), main()
 """
@@ -41,6 +43,7 @@ import functools
 import glob
 import gzip
 import hashlib
+import heapq
 import importlib.util
 import inspect
 import io
@@ -55,6 +58,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import statistics
 import struct
 import subprocess
 import sys
@@ -96,6 +100,7 @@ DEFAULTS = {
     "CALQUE_BATCH_TIMEOUT": "900",      # s one handler call may run before the worker calls it hung (pool default)
     "CALQUE_CHECKPOINT_SECONDS": "30",  # s of drain between two result parts of a claim (with the next one: both)
     "CALQUE_CHECKPOINT_BATCHES": "8",   # batches between two result parts of a claim (with the previous one: both)
+    "CALQUE_TARGET_DRAIN": "60",        # s a pool that sizes itself aims to drain its backlog in
 }
 ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
@@ -128,7 +133,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMD = os.path.join(HERE, "warmd.py")
 OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_PIPELINE", "CALQUE_AHEAD",        # CALQUE_* names
-                  "CALQUE_AHEAD_HOLD", "CALQUE_ACK_WAIT")                                   # read elsewhere
+                  "CALQUE_AHEAD_HOLD", "CALQUE_ACK_WAIT", "CALQUE_ASG", "CALQUE_INSTANCE_ID")  # read elsewhere
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
@@ -1494,6 +1499,13 @@ class LocalQueue:
             return [m for m in messages
                     if db.execute(LocalQueues.SQL_DELETE, (int(m.receipt.split(":")[0]), m.receipt)).rowcount != 1]
 
+    def created_at(self):
+        """Epoch s the queue was created (a queue created after a run was sent lost that run's
+        claims)."""
+        self.queues.requests["queue_other"] += 1
+        row = self.queues.db().execute("SELECT created_at FROM queues WHERE name = ?", (self.name,)).fetchone()
+        return row[0]
+
     def counts(self):
         self.queues.requests["queue_other"] += 1
         now = time.time()
@@ -1751,6 +1763,12 @@ class SqsQueue:
             {"Id": str(n), "ReceiptHandle": m.receipt} for n, m in enumerate(messages)])
         failed = [(messages[int(f["Id"])], f.get("Code")) for f in reply.get("Failed", [])]
         return [m for m, code in failed if code in STALE_RECEIPT or not self.delete(m)]
+
+    @endpoint_retried
+    def created_at(self):
+        self.queues.requests["queue_other"] += 1
+        return float(self.sqs.get_queue_attributes(QueueUrl=self.url, AttributeNames=["CreatedTimestamp"])[
+            "Attributes"]["CreatedTimestamp"])
 
     @endpoint_retried
     def counts(self):
@@ -2073,6 +2091,93 @@ def queue_depth(backend, name):
         return backend.queues.open_queue(name).counts()
     except NotFound:
         return None
+
+# ---- the scaling decision both paths follow (local supervisor, EC2 step policy) and what it is fed
+SCALE_MEASURED_CLAIMS = 50              # latest claim summaries seconds per claim / item are measured on
+SCALE_IDLE_MINUTES = 5.0                # idle window of a pool with a floor below its ceiling, none given
+
+
+class Scale(typing.NamedTuple):
+    """The decision's inputs and output, logged together: a desired count between lo and hi."""
+    visible: int
+    in_flight: int
+    current: int
+    seconds_per_claim: float | None     # measured (recent summaries); None: not measured yet
+    target_drain: float                 # s the backlog should take to drain
+    lo: int
+    hi: int
+    idle_window: float                  # s of surplus before the pool shrinks
+    surplus_since: float | None         # when the pool first had more workers than the backlog needs
+    now: float
+    desired: int = 0
+
+    def line(self):
+        spc = "unmeasured" if self.seconds_per_claim is None else f"{self.seconds_per_claim:.3g} s/claim"
+        return (f"scale: backlog {self.visible}+{self.in_flight} in flight, {spc}, drain target "
+                f"{self.target_drain:g} s, bounds {self.lo}..{self.hi}: {self.current} -> {self.desired}")
+
+
+def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
+                  surplus_since, now):
+    """How many workers (instances) a pool should have: enough to drain the backlog (visible + in
+    flight) in `target_drain` s at the measured seconds per claim (one a claim while unmeasured),
+    never fewer than the claims in flight (a busy worker is not surplus), never more than the
+    claims, within lo..hi. Growing is immediate; shrinking waits until the surplus has lasted
+    `idle_window` s (no flapping; an idle pool goes to lo after its window). Pure: the caller keeps
+    `surplus_since` from the returned Scale and passes it back."""
+    backlog = visible + in_flight
+    need = backlog if seconds_per_claim is None else min(backlog, math.ceil(backlog * seconds_per_claim /
+                                                                              target_drain))
+    need = max(lo, min(hi, max(need, in_flight, min(backlog, 1))))
+    since = None if need >= current else (now if surplus_since is None else surplus_since)
+    desired = current if since is not None and now - since < idle_window else need
+    return Scale(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
+                 since if desired == current else None, now, desired)
+
+
+def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
+    """The pool's latest `limit` summaries of claims that ran on its workers (newest runs first, by
+    run id: it starts with the time; cold and dead-lettered claims left out). No run record is
+    read."""
+    found = []
+    for run_id in sorted((f.rsplit("/", 1)[1] for f in backend.store.list("runs/")), reverse=True):
+        if run_slug(run_id) == slug(model):
+            found += [s for s in read_summaries(backend, run_id)
+                      if s.get("mode") == "pool" and not s.get("error") and s.get("items")]
+        if len(found) >= limit:
+            break
+    return found[:limit]
+
+
+def measured_seconds(summaries):
+    """(seconds per claim, seconds per item) of the drain in these summaries (@enter paid during a
+    claim left out: a warm worker does not pay it), or (None, None) without any."""
+    seconds = sum(max(0.0, s["claim_seconds"] - s.get("enter_seconds_paid", 0.0)) for s in summaries)
+    items = sum(s["items"] for s in summaries)
+    return (seconds / len(summaries), seconds / items) if items else (None, None)
+
+
+def pool_bounds(count, lo, hi, idle_minutes, noun):
+    """(lo, hi, idle window in s or None) from `--{noun} N`, `--min-{noun} A`, `--max-{noun} B` and
+    `--scale-to-zero-after MINUTES`: N alone is A = B = N (a fixed count); an idle window or a
+    ceiling without a floor floors at 0; a floor below the ceiling without a window gets
+    SCALE_IDLE_MINUTES."""
+    if count is not None and hi is not None and count != hi:
+        raise UserError(f"--{noun} {count} and --max-{noun} {hi}: two ceilings ---> HINT: --{noun} N alone "
+                        f"(a fixed N), or --min-{noun} A --max-{noun} B")
+    hi = count if hi is None else hi
+    if hi is None or hi < 0 or (lo is not None and not 0 <= lo <= hi):
+        raise UserError(f"--min-{noun} {lo} --max-{noun} {hi}: give 0 <= min <= max ---> HINT: e.g. "
+                        f"--min-{noun} 0 --max-{noun} 4")
+    if idle_minutes is not None and not (math.isfinite(idle_minutes) and idle_minutes > 0):
+        raise UserError(f"--scale-to-zero-after {idle_minutes}: not a number of minutes above 0 ---> HINT: e.g. "
+                        f"--scale-to-zero-after 10 (fractions allowed: 0.5)")
+    if lo is None:
+        lo = 0 if idle_minutes is not None or count is None else hi
+    if lo == hi and idle_minutes is None:
+        return lo, hi, None
+    return lo, hi, 60.0 * (SCALE_IDLE_MINUTES if idle_minutes is None else idle_minutes)
+
 
 
 # ------------------------------------------------------------------------------------------------
@@ -2575,9 +2680,16 @@ def nothing_left_to_run(backend, run, done, dead):
     run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
     if run.get("cancelled"):
         return True
-    letters = dead.claims()
-    return all(index >= run["sent"] or claim in letters
-               for index, claim in enumerate(run["claims"]) if claim not in done)
+    try:
+        letters = dead.claims()
+    except StoreFault:
+        if backend.kind != "local":
+            raise
+        letters = dead.claims()   # the local queue file was replaced under this process: reopened now
+    waiting = [claim for index, claim in enumerate(run["claims"])
+               if claim not in done and index < run["sent"] and claim not in letters]
+    lost = claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" else []
+    return len(lost) == len(waiting)
 
 
 def cancel_run(backend, run, reason):
@@ -2845,11 +2957,13 @@ def run_table(batches):
                         f"(Run.iter_batches()), or as JSONL")
 
 
-CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "not queued")
-ITEM_OUTCOME = {"queued or running": "pending", "not queued": "pending", "dead-lettered": "dead_lettered",
-                "cancelled": "cancelled"}   # how run_view counts the items of a claim that did not run
+CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "in no queue",
+                "not queued")
+ITEM_OUTCOME = {"queued or running": "pending", "in no queue": "pending", "not queued": "pending",
+                "dead-lettered": "dead_lettered", "cancelled": "cancelled"}   # a claim that did not run
 NOT_RUN = {   # the claims of each state that did not run: what becomes of them, in the words of format_run
     "queued or running": "still pending; the run goes on",
+    "in no queue": "were lost by the pool's queue (removed, recreated or purged): nothing will run them",
     "not queued": "were never sent: nothing will run them",
     "dead-lettered": "were dead-lettered: nothing will run them",
     "cancelled": "were cancelled{why}: nothing will run them",
@@ -2859,8 +2973,9 @@ NOT_RUN = {   # the claims of each state that did not run: what becomes of them,
 def claim_states(backend, run, summaries, dead_letters=True):
     """{claim: (state, detail)}, the state one of CLAIM_STATES: done or failed (it ran; failed when every item
     failed), dead-lettered (a failure summary, or else its copy in the dead-letter queue), cancelled, queued or
-    running (sent, no summary yet), not queued (never sent). The detail is the dead-letter or cancel reason.
-    Without dead_letters the DLQ is not scanned (the dashboard: a scan receives its messages)."""
+    running (sent, no summary yet), in no queue (sent, but its queue lost it: claims_in_no_queue), not queued
+    (never sent). The detail is the dead-letter or cancel reason. Without dead_letters the DLQ is not scanned
+    nor the queue looked at (the dashboard: a scan receives its messages)."""
     by_claim = {s["claim"]: s for s in summaries}
     cancelled = run.get("cancelled")
     pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
@@ -2880,7 +2995,28 @@ def claim_states(backend, run, summaries, dead_letters=True):
             states[claim] = ("dead-lettered", f"{letters[claim]} (its copy in the dead-letter queue; no summary)")
         else:
             states[claim] = ("not queued" if index >= run["sent"] else "queued or running", "")
+    waiting = [claim for claim, (state, _) in states.items() if state == "queued or running"]
+    if waiting and run["mode"] == "pool" and dead_letters:   # (the dashboard's view looks at no queue)
+        for claim in claims_in_no_queue(backend, run, waiting):
+            states[claim] = ("in no queue", "")
     return states
+
+
+def claims_in_no_queue(backend, run, waiting):
+    """The claims of `waiting` (sent, no summary, not dead-lettered) that no queue holds any more:
+    the pool's queue is gone, was created after the run, or holds nothing at all while they wait
+    (purged). A claim that a worker runs is in flight, and one finished has a summary (read again
+    here: it may have landed since)."""
+    try:
+        queue = backend.queues.open_queue(run["queue"])
+        depth = queue.counts()
+        created = datetime.datetime.fromtimestamp(queue.created_at(), datetime.timezone.utc)
+        if depth["visible"] + depth["in_flight"] and created <= _parse_time(run["created_at"], "created_at"):
+            return []
+    except NotFound:
+        pass
+    done = summary_claims(backend, run["run_id"])
+    return [claim for claim in waiting if claim not in done]
 
 
 def run_view(backend, run, summaries, dead_letters=True):
@@ -2926,6 +3062,9 @@ def next_step(run, state):
         return "submit those items again"
     if state == "not queued":
         return f"python calque.py runs resume {run['run_id']} (or runs cancel {run['run_id']})"
+    if state == "in no queue":
+        return (f"python calque.py runs resume {run['run_id']} re-sends them (first `pool create` again if the "
+                f"pool is gone)")
     return f"python calque.py runs redrive {run['run_id']}"
 
 
@@ -3024,6 +3163,8 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
 RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay after an exit without progress, doubling to this cap
 RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long made progress, whatever it did
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
+SCALE_INTERVAL = 0.5                    # s between two looks at the queue of a pool that sizes itself
+SCALE_MEASURE_EVERY = 10.0              # s between two reads of its recent summaries (seconds per claim)
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
 SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
@@ -3190,12 +3331,12 @@ def supervise(conf, model):
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; harmless: `desired` is re-read every tick
-    want = read_desired(folder)
+    want, scaler = read_desired(folder), LocalScaler(conf, model, folder)
     print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
     try:
         while not stopping:
-            want = read_desired(folder)
             now = time.time()
+            want = scaler.want(want, now)
             totals["restarts"] += _reap(slots, want, now)
             _spawn(conf, model, folder, slots, want, now)
             workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
@@ -3232,6 +3373,60 @@ def read_desired(folder):
             return int(f.read().strip() or 0)
     except (OSError, ValueError):
         return 0
+
+
+class LocalScaler:
+    """The supervisor's sizing of a pool that scales itself (scaling.json in its state folder: lo,
+    hi, idle_window, target_drain): every SCALE_INTERVAL s, desired_count on the queue's depth and
+    the seconds per claim of the pool's recent summaries (re-read every SCALE_MEASURE_EVERY s); each
+    change is logged with its inputs. Without scaling.json, the count `pool create` / `pool scale`
+    wrote."""
+
+    def __init__(self, conf, model, folder):
+        self.conf, self.model, self.folder = conf, model, folder
+        self.backend = self.queue = self.spc = self.since = self.error = None
+        self.checked = self.measured = -math.inf
+
+    def want(self, current, now):
+        bounds = read_scaling(self.folder)
+        if bounds is None:
+            self.since = None
+            return read_desired(self.folder)
+        if now - self.checked < SCALE_INTERVAL:
+            return current
+        self.checked = now
+        try:
+            if self.backend is None:
+                self.backend = open_backend(self.conf["CALQUE_STORE"])
+                self.queue = self.backend.queues.open_queue(load_pool(self.backend, self.model)["queue"])
+            if now - self.measured > SCALE_MEASURE_EVERY:
+                self.spc, self.measured = measured_seconds(recent_summaries(self.backend, self.model))[0], now
+            depth = self.queue.counts()
+        except (NotFound, StoreFault, UserError, OSError, sqlite3.Error) as e:
+            if str(e) != self.error:     # once per distinct error, not every SCALE_INTERVAL
+                print(f"supervisor: scale: cannot read the queue ({e}); keeping {current} worker(s)", flush=True)
+            self.backend, self.error = None, str(e)
+            return current
+        self.error = None
+        backlog = depth["visible"] + depth["in_flight"]
+        if bounds.get("boost") and not backlog:   # a planned run's count holds while its claims wait
+            write_file_atomic(os.path.join(self.folder, "scaling.json"), json.dumps(dict(bounds, boost=0)))
+        lo = min(bounds["hi"], max(bounds["lo"], bounds.get("boost", 0) if backlog else 0))
+        scale = desired_count(depth["visible"], depth["in_flight"], current, self.spc, bounds["target_drain"],
+                              lo, bounds["hi"], bounds["idle_window"], self.since, now)
+        self.since = scale.surplus_since
+        if scale.desired != current:
+            print(f"supervisor: {scale.line()}", flush=True)
+        return scale.desired
+
+
+def read_scaling(folder):
+    """The bounds of a pool that sizes itself (scaling.json), or None for a fixed count."""
+    try:
+        with open(os.path.join(folder, "scaling.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _readiness(slot):
@@ -3286,8 +3481,8 @@ def exit_reason(log_path, returncode):
 
 def _reap(slots, want, now):
     """Notice exited workers, keeping why each died (last_exit; warm: whether it had finished @enter): a slot still
-    wanted restarts after its backoff; a slot above `want` is stopped (SIGTERM, once) and dropped when its process
-    is gone. Returns the restarts counted."""
+    wanted restarts after its backoff; a slot above `want` is stopped (SIGUSR1, once: it finishes its claim, so
+    scaling in costs no redelivery) and dropped when its process is gone. Returns the restarts counted."""
     restarts = 0
     for s, slot in list(slots.items()):
         proc = slot["proc"]
@@ -3301,6 +3496,8 @@ def _reap(slots, want, now):
                                  "progress": progress, "lived": round(lived, 3), "kind": kind, "restart_delay": delay,
                                  "reason": exit_reason(slot["log"], proc.returncode)}
             slot["proc"] = None
+            for lease in slot.pop("leases", ()):   # its GPUs are free for any pool on this machine
+                lease.close()
             print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode} ({kind}; restart "
                   f"{f'in {delay:g} s' if delay else 'at once'})", flush=True)
             if s < want:
@@ -3312,19 +3509,23 @@ def _reap(slots, want, now):
                 del slots[s]
             elif not slot.get("stopping"):
                 slot["stopping"] = True
-                slot["proc"].send_signal(signal.SIGTERM)
+                slot["proc"].send_signal(signal.SIGUSR1)   # scale-in: finish the claim, then exit
     return restarts
 
 
 def _spawn(conf, model, folder, slots, want, now):
     """Start a warmd.py in every wanted slot that has none and whose backoff is over, on its own GPU(s)."""
     devices, per_worker = gpu_plan(conf, folder)
+    sizing = read_scaling(folder) is not None
     for s in range(want):
         slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0, "last_exit": None,
                                     "log": os.path.join(folder, f"worker-{s}.log"),
                                     "ready": os.path.join(folder, f"worker-{s}.ready")})
         if slot["proc"] is None and now >= slot["not_before"]:
-            slot["gpus"] = worker_gpus(devices, per_worker, s)
+            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, sizing)
+            if slot["gpus"] is None:    # every device is another worker's: this slot waits for one
+                slot["gpus"] = []
+                continue
             env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
             if slot["last_exit"] and slot["last_exit"]["code"]:   # a death: the new worker commits parts the more
@@ -3371,6 +3572,37 @@ def worker_gpus(devices, per_worker, slot):
     if not devices or not per_worker:
         return []
     return [devices[(slot * per_worker + j) % len(devices)] for j in range(per_worker)]
+
+
+def lease_gpus(conf, devices, per_worker, slot, sizing):
+    """(devices, leases) for worker `slot`: its round-robin devices (worker_gpus), each leased where
+    free (an flock on CALQUE_STATE/gpus/<device>.lock, held open while the worker lives; the kernel
+    drops it if the supervisor dies). A fixed pool shares a device another worker holds, as before;
+    a pool that sizes itself takes free devices only (its own first), else (None, []): the slot
+    waits, so the GPUs of a machine go to the pools that have work."""
+    wanted = worker_gpus(devices, per_worker, slot)
+    if not wanted:
+        return [], []
+    folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "gpus")
+    os.makedirs(folder, exist_ok=True)
+    got, leases = [], []
+    for device in wanted + [d for d in devices if d not in wanted] if sizing else wanted:
+        if len(got) == per_worker:
+            break
+        lease = open(os.path.join(folder, f"{device}.lock"), "a")
+        try:
+            fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            got.append(device)
+            leases.append(lease)
+        except BlockingIOError:
+            lease.close()
+            if not sizing:
+                got.append(device)
+    if len(got) < per_worker:
+        for lease in leases:
+            lease.close()
+        return None, []
+    return got, leases
 
 
 def gpu_env(gpus):
@@ -4148,6 +4380,7 @@ COLD_BOOT_ALLOWANCE = 30            # min a cold instance may boot on top of the
 ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
 MIN_IDLE_MINUTES = 2                # the idle alarm's newest minute may be a FILLed 0 (its data late): 1 is no window
+STEP_ADJUSTMENTS_MAX = 20           # steps of one step-scaling policy (Auto Scaling's limit)
 BOOTSTRAP_ATTEMPTS = 5              # tries of each network step of the bootstrap (apt, kit download, pip install)
 BOOTSTRAP_BACKOFF = 10              # s before a network step's second try, doubling after each (10 + 20 + 40 + 80 s)
 BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of instances already replaced that `pool status` reads and lists
@@ -4361,7 +4594,8 @@ def worker_policy(store, model, region, account, partition="aws"):
       list that key's prefix (S3 evaluates s3:prefix as the key), and warmd must tell "no summary yet"
       from "forbidden". The worker never lists anything itself;
     - SetInstanceHealth on its own Auto Scaling group only (the ARN names the group): a bootstrap that fails
-      marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service."""
+      marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service;
+      SetInstanceProtection there too: warmd protects its instance from scale-in while it holds a claim."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
     policy = _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
@@ -4372,7 +4606,8 @@ def worker_policy(store, model, region, account, partition="aws"):
                                     f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*"],
                             listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
     policy["Statement"].append({
-        "Sid": "ReplaceOwnInstance", "Effect": "Allow", "Action": ["autoscaling:SetInstanceHealth"],
+        "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
+        "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
         "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/"
                     f"{ec2_names(model)['asg']}"})
     return policy
@@ -4626,6 +4861,9 @@ echo "calque: fastbatch $FASTBATCH; torch $TORCH (CUDA $TORCH_CUDA, GPU visible:
 cat > /etc/calque/worker.env <<'CALQUE_ENV_EOF'
 {env}
 CALQUE_ENV_EOF
+if [ -n "${{INSTANCE_ID:-}}" ]; then   # warmd protects this instance from scale-in while it holds a claim
+  echo "CALQUE_INSTANCE_ID=$INSTANCE_ID" >> /etc/calque/worker.env
+fi
 if [ "$FASTBATCH" != c ]; then
   echo "FASTBATCH_REFERENCE=1" >> /etc/calque/worker.env
 fi
@@ -4744,7 +4982,8 @@ def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool'
     _check_text(model, "model")
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
-        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_POOL_MODEL": model},
+        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
+        env={"CALQUE_POOL_MODEL": model, "CALQUE_ASG": ec2_names(model)["asg"]},
         worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service=POOL_SERVICE,
         report_prefix=ec2_names(model)["report_prefix"], on_failure=_POOL_ON_FAILURE, conf=conf,
         image_install=image_install(image))
@@ -4888,21 +5127,22 @@ class Ec2PoolOptions:
 
 
 def ec2_pool_options(instances, instance_type=None, *, min_instances=None, ami=None, spot=False, subnet=None,
-                     key_name=None, scale_to_zero_after=None):
-    """Ec2PoolOptions from the flags' values, checked: 0 or more instances, an idle window CloudWatch can
-    evaluate, a floor between 0 and the instance count (0 unless given when the pool scales to zero)."""
-    if instances is None or instances < 0:
+                     key_name=None, scale_to_zero_after=None, max_instances=None):
+    """Ec2PoolOptions from the flags' values, checked (pool_bounds): --instances N is a fixed
+    cohort; a floor below the ceiling or an idle window makes a group that sizes itself, its window
+    in whole minutes (SQS publishes once a minute) that CloudWatch can evaluate."""
+    if instances is max_instances is None or (instances or 0) < 0:
         raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
-    if scale_to_zero_after is not None and not MIN_IDLE_MINUTES <= scale_to_zero_after <= MAX_IDLE_MINUTES:
+    if min_instances is not None and not 0 <= min_instances <= (max_instances or instances):
+        raise UserError(f"--min-instances {min_instances}: between 0 and --instances {max_instances or instances}")
+    lo, hi, idle = pool_bounds(instances, min_instances, max_instances, scale_to_zero_after, "instances")
+    minutes = math.ceil(idle / 60 - 1e-9) if idle is not None else None
+    if minutes is not None and not MIN_IDLE_MINUTES <= minutes <= MAX_IDLE_MINUTES:
         raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between {MIN_IDLE_MINUTES} and "
                         f"{MAX_IDLE_MINUTES} (CloudWatch's one-day window; a one-minute window would take a minute "
                         f"whose data is late for an idle one)")
-    if min_instances is None and scale_to_zero_after is not None:
-        min_instances = 0
-    if min_instances is not None and not 0 <= min_instances <= instances:
-        raise UserError(f"--min-instances {min_instances}: between 0 and --instances {instances}")
-    return Ec2PoolOptions(instances, instance_type, min_instances, ami, bool(spot), subnet, key_name,
-                          scale_to_zero_after)
+    return Ec2PoolOptions(hi, instance_type, None if minutes is None else lo, ami, bool(spot), subnet, key_name,
+                          minutes)
 
 
 @dataclass(frozen=True)
@@ -5091,45 +5331,85 @@ def _put_capacity_policy(calls, asg, name, capacity):
                       Cooldown=60)
 
 
+def backlog_steps(lo, hi, seconds_per_claim, target_drain):
+    """[(backlog, capacity)]: from each backlog (visible + in flight) on, the capacity desired_count
+    gives a growing group (at most STEP_ADJUSTMENTS_MAX steps, the last one `hi`): the backlog
+    policy's steps."""
+    def need(backlog):
+        return desired_count(backlog, 0, 0, seconds_per_claim, target_drain, lo, hi, 0.0, None, 0.0).desired
+    per = 1.0 if seconds_per_claim is None else target_drain / seconds_per_claim   # claims one drains
+    first = max(need(1), 1)
+    counts = range(first, hi + 1)
+    if len(counts) > STEP_ADJUSTMENTS_MAX:
+        counts = sorted({first + round(i * (hi - first) / (STEP_ADJUSTMENTS_MAX - 1))
+                         for i in range(STEP_ADJUSTMENTS_MAX)})
+    steps = {1 if k == first else max(k, math.floor((k - 1) * per) + 1): k   # k instances: k claims at least
+             for k in counts}
+    return sorted((b, need(b)) for b in steps)
+
+
+def ec2_scaling(backend, model, lo, hi):
+    """The record's `scaling` of a group that sizes itself: seconds per claim measured from the
+    pool's recent summaries (None before any), the drain target, and the backlog policy's steps."""
+    spc = measured_seconds(recent_summaries(backend, model))[0]
+    drain = setting_number(settings(), "CALQUE_TARGET_DRAIN", float, 0.001)
+    return {"seconds_per_claim": spc, "target_drain": drain, "steps": backlog_steps(lo, hi, spc, drain)}
+
+
+def _put_backlog_policy(calls, names, ec2):
+    """The step policy the wake alarm runs every minute it is in ALARM (any claim visible or in
+    flight): the group to exactly backlog_steps' capacity for the backlog (scale-in protection keeps
+    busy instances)."""
+    steps = ec2["scaling"]["steps"]
+    adjustments = [{"MetricIntervalLowerBound": 0.0 if i == 0 else b - 0.5, "ScalingAdjustment": k}
+                   | ({"MetricIntervalUpperBound": steps[i + 1][0] - 0.5} if i + 1 < len(steps) else {})
+                   for i, (b, k) in enumerate(steps)]
+    return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=names["asg"],
+                      PolicyName=names["policy_wake"], PolicyType="StepScaling", AdjustmentType="ExactCapacity",
+                      MetricAggregationType="Maximum", StepAdjustments=adjustments)
+
+
+def _backlog_metrics(queue):
+    """Metric math: visible + in flight, each FILLed with 0 where SQS published no point (in flight
+    is published only while messages are in flight)."""
+    return [{"Id": "visible_raw", "ReturnData": False, "MetricStat": {
+                "Metric": _sqs_metric(queue, "ApproximateNumberOfMessagesVisible"), "Period": ALARM_PERIOD,
+                "Stat": "Maximum"}},
+            {"Id": "inflight_raw", "ReturnData": False, "MetricStat": {
+                "Metric": _sqs_metric(queue, "ApproximateNumberOfMessagesNotVisible"), "Period": ALARM_PERIOD,
+                "Stat": "Maximum"}},
+            {"Id": "visible", "Expression": "FILL(visible_raw, 0)", "ReturnData": False},
+            {"Id": "inflight", "Expression": "FILL(inflight_raw, 0)", "ReturnData": False},
+            {"Id": "backlog", "Expression": "visible + inflight", "Label": "claims waiting or running",
+             "ReturnData": True}]
+
+
 def _sqs_metric(queue, metric):
     return {"Namespace": "AWS/SQS", "MetricName": metric, "Dimensions": [{"Name": "QueueName", "Value": queue}]}
 
 
 def _ensure_scale_to_zero(calls, names, ec2, tags):
-    """Two simple-scaling policies (exactly N; exactly the floor) and two alarms. Wake: any visible message
-    in a minute; no data is no work. Idle: visible + in flight == 0 for the whole window -- in flight counts,
-    so a pool busy on long claims with an empty backlog is not scaled in under its workers. Missing data is
-    handled in the metric math: SQS reports in-flight only while messages are in flight, so a minute with a
-    backlog but no in-flight point must not read as "no data" (a sum over a missing point, which the alarm
-    would count as idle while the wake alarm fires); FILL makes each a 0 where it has no point, and a queue
-    that publishes nothing at all (inactive for six hours) is idle too (TreatMissingData)."""
+    """The backlog step policy on the wake alarm (any claim visible or in flight in a minute: the
+    group to desired_count's capacity for that backlog, re-run every minute the alarm stays in
+    ALARM), and a simple-scaling policy (exactly the floor) on the idle alarm (visible + in flight
+    == 0 for the whole window). Both alarms read the same metric math (_backlog_metrics): a minute
+    with a backlog but no in-flight point must not read as "no data"; a queue that publishes nothing
+    at all (inactive for six hours) is idle (TreatMissingData)."""
     asg, minutes = names["asg"], ec2["scale_to_zero_after"]
-    wake = _put_capacity_policy(calls, asg, names["policy_wake"], ec2["instances"])
+    wake = _put_backlog_policy(calls, names, ec2)
     idle = _put_capacity_policy(calls, asg, names["policy_idle"], ec2["min_instances"] or 0)
     calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_wake"],
-               AlarmDescription=f"calque: wake pool {asg} when a claim waits in {names['queue']}",
+               AlarmDescription=f"calque: size pool {asg} to its backlog in {names['queue']}",
                ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_wake"], wake)],
-               Statistic="Maximum", Period=ALARM_PERIOD, EvaluationPeriods=1, Threshold=0,
-               ComparisonOperator="GreaterThanThreshold", TreatMissingData="notBreaching",
-               Tags=_tags(tags, strict=True),
-               **_sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"))
+               EvaluationPeriods=1, Threshold=0, ComparisonOperator="GreaterThanThreshold",
+               TreatMissingData="notBreaching", Tags=_tags(tags, strict=True), Metrics=_backlog_metrics(names["queue"]))
     calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_idle"],
                AlarmDescription=f"calque: scale pool {asg} to {ec2['min_instances'] or 0} after {minutes} "
                                 f"idle minute(s)",
                ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_idle"], idle)],
                EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
                ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching",
-               Tags=_tags(tags, strict=True),
-               Metrics=[{"Id": "visible_raw", "ReturnData": False, "MetricStat": {
-                            "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesVisible"),
-                            "Period": ALARM_PERIOD, "Stat": "Maximum"}},
-                        {"Id": "inflight_raw", "ReturnData": False, "MetricStat": {
-                            "Metric": _sqs_metric(names["queue"], "ApproximateNumberOfMessagesNotVisible"),
-                            "Period": ALARM_PERIOD, "Stat": "Maximum"}},
-                        {"Id": "visible", "Expression": "FILL(visible_raw, 0)", "ReturnData": False},
-                        {"Id": "inflight", "Expression": "FILL(inflight_raw, 0)", "ReturnData": False},
-                        {"Id": "backlog", "Expression": "visible + inflight", "Label": "claims waiting or running",
-                         "ReturnData": True}])
+               Tags=_tags(tags, strict=True), Metrics=_backlog_metrics(names["queue"]))
     return "put"
 
 
@@ -5245,6 +5525,7 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
            "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
            "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if idle else [],
            "kit": {"key": kit_key, "sha256": kit_sha}, "held": min(held, options.instances) if held else None,
+           "scaling": ec2_scaling(backend, model, options.min_instances, options.instances) if idle else None,
            "state": "creating", "updated_at": now_iso(), "created_at": created_at}
     tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
             "calque:created-at": created_at, "calque:store": store, "calque:region": region}
@@ -5302,8 +5583,12 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     def alarms():
         if idle:
             _ensure_scale_to_zero(calls, names, ec2, tags)
-            print(f"pool {model}: alarms {names['alarm_wake']} (work arrives -> {options.instances}) and "
-                  f"{names['alarm_idle']} ({idle} idle min -> {options.min_instances or 0}) {_said(calls, 'put')}")
+            steps = ", ".join(f"{b}+ -> {k}" for b, k in ec2["scaling"]["steps"])
+            spc = ec2["scaling"]["seconds_per_claim"]
+            print(f"pool {model}: alarms {names['alarm_wake']} (backlog -> instances: {steps}; "
+                  f"{'unmeasured: one a claim' if spc is None else f'{spc:.3g} s a claim'}, drain target "
+                  f"{ec2['scaling']['target_drain']:g} s) and {names['alarm_idle']} ({idle} idle min -> "
+                  f"{options.min_instances or 0}) {_said(calls, 'put')}")
         elif _remove_scale_to_zero(calls, names):
             print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
 
@@ -5368,7 +5653,8 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo, MaxSize=hi,
                DesiredCapacity=desired)
     if sleeps:
-        _put_capacity_policy(calls, names["asg"], names["policy_wake"], ec2["instances"])
+        ec2["scaling"] = ec2_scaling(backend, model, lo, ec2["instances"])
+        _put_backlog_policy(calls, names, ec2)
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
     _put_pool_record(calls, backend, full)
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
@@ -5377,7 +5663,8 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
     if sleeps:
         print(f"pool {model}: " + (f"held at {instances}: the idle alarm cannot scale it in until "
                                    f"`pool scale --model {model} --instances 0` releases it" if instances else
-                                   f"scale to zero in charge again: wakes to {ec2['instances']} on work"))
+                                   f"the backlog and idle alarms in charge again: up to {ec2['instances']} on "
+                                   f"its backlog"))
     return full
 
 
@@ -5452,7 +5739,7 @@ def format_ec2_status(status):
     if ec2.get("scale_to_zero_after"):
         mode = (f"held at {ec2['held']} by `pool scale` (MinSize {ec2['held']}: the idle alarm cannot scale it in; "
                 f"`pool scale --instances 0` releases it)" if ec2.get("held") else
-                f"alarms in charge (wake to {ec2['instances']} on work, {ec2['min_instances'] or 0} after "
+                f"alarms in charge (backlog steps up to {ec2['instances']}, {ec2['min_instances'] or 0} after "
                 f"{ec2['scale_to_zero_after']} idle min)")
         lines.append(f"scale to zero: {mode}" + (f"; {alarms}" if alarms else ""))
     elif alarms:
@@ -5568,7 +5855,8 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
 
     def alarms():
         deleted = _delete_alarms(calls, names)
-        return "deleted " + ", ".join(deleted) if deleted else "none"
+        _remove_scale_to_zero(calls, names)    # the policies too (AWS drops them with the group; moto not)
+        return "deleted " + ", ".join(deleted) + " and their policies" if deleted else "none"
 
     def asg():
         group = _describe_asg(calls, names["asg"])
@@ -5669,7 +5957,8 @@ def ec2_cold_wait_hint(backend, record, calls=None):
         if not ec2.get("scale_to_zero_after"):
             return (f"pool {model} is scaled to 0: nothing will claim this run "
                     f"---> HINT: pool scale --model {model} --instances N")
-        return (f"pool {model} is cold (0 instances): its wake alarm scales it to {ec2['instances']} within ~1-3 min "
+        return (f"pool {model} is cold (0 instances): its wake alarm sizes it to the backlog (up to "
+                f"{ec2['instances']}) in ~1-3 min "
                 f"(SQS metrics are per minute; up to 15 min more after 6 idle hours, while SQS resumes them), "
                 f"then {boot}, then {load} before the first claim starts")
     pending = sum(s.startswith("Pending") for s in states)
@@ -6017,6 +6306,7 @@ def pool_status(conf, backend, model):
     stats = mark_lost_workers(stats)
     return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
             "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
+            "scaling": read_scaling(state_dir(conf, model)) if supervisor else None,
             "local_workers": local, "workers": stats}
 
 
@@ -6060,6 +6350,10 @@ def format_pool_status(status, store_description):
         alive = sum(w["alive"] for w in status["local_workers"])
         lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, "
                      f"{sup['restarts']} restart(s))")
+        if status["scaling"]:
+            b = status["scaling"]
+            lines.append(f"  sizes itself: {b['lo']}..{b['hi']} workers on its backlog (drain target "
+                         f"{b['target_drain']:g} s; after {b['idle_window'] / 60:g} idle min -> {b['lo']})")
         lines += [format_local_worker(w) for w in status["local_workers"]]
     else:
         lines.append("  local workers: none on this machine")
@@ -6127,6 +6421,156 @@ def pool_record_to_delete(backend, model, force):
     if backend.kind == "aws":
         return {"model": model}
     return {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model)}
+
+
+
+# ---- the planner: a run's wall time and cost for 1..B workers before it starts, and against what it did
+PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
+PLAN_RUNS_READ = 5                      # run records the planner reads for the time to a run's first claim
+PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
+PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text):
+    """Seconds of '90', '90s', '20m', '2h', '1.5d'."""
+    found = PLAN_DURATION.match(str(text))
+    if not found or float(found[1]) <= 0:
+        raise UserError(f"--deadline {text!r}: a duration such as 45m, 2h or 90s")
+    return float(found[1]) * PLAN_UNITS[found[2]]
+
+
+def plan_seconds(claim_seconds, starts):
+    """The wall time of claims (seconds each, in queue order) on workers free from `starts` (s from
+    now): each claim to the worker free first, as a pool's workers pull from its queue."""
+    free, end = sorted(starts), 0.0
+    for seconds in claim_seconds:
+        end = max(end, free[0] + seconds)
+        heapq.heapreplace(free, free[0] + seconds)
+    return end
+
+
+def pool_ceiling(conf, backend, record):
+    """(A, B, noun, running): the pool's floor and ceiling of workers (or instances; a fixed pool: A
+    = B), and how many are running already (their stats)."""
+    stats = mark_lost_workers(read_worker_stats(backend, record["model"]))
+    warm = sum(w.get("state") == "running" for w in stats)
+    if record.get("ec2"):
+        ec2 = record["ec2"]
+        hi = max(1, ec2["instances"])
+        lo = hi if ec2.get("min_instances") is None else min(hi, ec2["min_instances"])
+        return lo, hi, "instances", warm
+    folder = state_dir(conf, record["model"])
+    bounds = read_scaling(folder)
+    if bounds:
+        return bounds["lo"], max(1, bounds["hi"]), "workers", warm
+    return max(1, read_desired(folder)), max(1, read_desired(folder)), "workers", warm
+
+
+def claim_overheads(backend, summaries):
+    """(s between two claims of one worker, s from a run's creation to its first claim starting):
+    the time a run takes beyond its claims, measured from these summaries (gaps over PLAN_GAP_MAX s
+    are idle time, not overhead) and their runs' records (PLAN_RUNS_READ of them at most); 0.0 for
+    what they cannot show."""
+    by_worker, gaps, first = {}, [], {}
+    for summary in summaries:
+        started = _parse_time(summary["started_at"], "started_at")
+        finished = _parse_time(summary["finished_at"], "finished_at")
+        by_worker.setdefault(summary["worker_id"], []).append((started, finished))
+        first[summary["run_id"]] = min(first.get(summary["run_id"], started), started)
+    for spans in by_worker.values():
+        spans.sort()
+        between = ((b[0] - a[1]).total_seconds() for a, b in zip(spans, spans[1:]))
+        gaps += [g for g in between if 0 <= g <= PLAN_GAP_MAX]
+    latencies = [(started - _parse_time(read_run(backend, run_id)["created_at"], "created_at"))
+                 .total_seconds() for run_id, started in list(first.items())[:PLAN_RUNS_READ]]
+    return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: a warm pool's
+
+
+def make_plan(backend, conf, record, items, claim_size, price, summaries):
+    """The plan of `items` items in claims of `claim_size` on the pool: per-item seconds measured
+    from `summaries` (recent_summaries), start-up of a worker not yet running (measured @enter and
+    acquisition; an EC2 instance adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time
+    (plan_seconds) and cost (count x wall x rate, on-demand and spot), beside the cold
+    counterfactual (every worker a fresh acquisition paying A + E) and the serverless price of the
+    same drain."""
+    rates, itype = price.rates, price.instance_type
+    rate, spot_rate = (instance_rate_per_second(rates, itype, spot=spot) for spot in (False, True))
+    _, per_item = measured_seconds(summaries)
+    stats = read_worker_stats(backend, record["model"])
+    enter = measured_enter_seconds(stats) or 0.0
+    paid = [w["acquisition_seconds"] for w in stats if w.get("acquisition_seconds")]
+    acquisition = sum(paid) / len(paid) if paid else 0.0
+    _, ceiling, noun, warm = pool_ceiling(conf, backend, record)
+    start = enter + (EC2_BOOT_ESTIMATE if noun == "instances" else acquisition)
+    gap, latency = claim_overheads(backend, summaries)
+    sizes = [claim_size] * (items // claim_size) + ([items % claim_size] if items % claim_size else [])
+    claims = [n * per_item + gap for n in sizes]
+    options = []
+    for n in range(1, ceiling + 1):
+        running = min(n, warm)
+        seconds = plan_seconds(claims, [latency] * running + [max(latency, start)] * (n - running))
+        options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
+                        "spot_cost_usd": n * seconds * spot_rate, "starting": n - running})
+    drain = sum(claims)
+    card, count = serverless_match(rates, itype)
+    cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
+    return {"model": record["model"], "items": items, "claims": len(claims), "claim_size": claim_size,
+            "seconds_per_item": per_item, "measured_claims": len(summaries), "enter_seconds": enter,
+            "claim_gap_seconds": gap, "first_claim_seconds": latency,
+            "start_seconds": start, "running": warm, "noun": noun, "instance_type": itype,
+            "options": options,
+            "cold": {noun: ceiling, "seconds": plan_seconds(claims, [cold_acquisition + enter] * ceiling),
+                     "cost_usd": (ceiling * (cold_acquisition + enter) + drain) * rate},
+            "serverless": {"card": f"{count}x {card}", "seconds": plan_seconds(claims, [enter] * ceiling),
+                           "cost_usd": (drain + ceiling * enter)
+                           * serverless_rate_per_second(rates, card, count)}}
+
+
+def pick_option(plan, deadline=None, budget=None):
+    """The option of the fewest workers that meets the deadline (s) and the budget ($), or None."""
+    for option in plan["options"]:
+        if ((deadline is None or option["seconds"] <= deadline)
+                and (budget is None or option["cost_usd"] <= budget)):
+            return option
+    return None
+
+
+def format_plan(plan):
+    noun = plan["noun"]
+    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of {plan['claim_size']} on pool "
+             f"{plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured over "
+             f"{plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s between "
+             f"claims, first claim after {plan['first_claim_seconds']:.3g} s; {plan['running']} {noun} "
+             f"running, a new one starts in "
+             f"{plan['start_seconds']:.3g} s; {plan['instance_type']}",
+             f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
+    for o in plan["options"]:
+        lines.append(f"  {o[noun]:>9}  {_duration(o['seconds']):>10}  {_usd(o['cost_usd']):>10}  "
+                     f"{_usd(o['spot_cost_usd']):>10}")
+    cold, serverless = plan["cold"], plan["serverless"]
+    lines.append(f"  cold start ({cold[noun]} fresh {noun}, each paying acquisition + @enter): "
+                 f"{_duration(cold['seconds'])}, {_usd(cold['cost_usd'])}")
+    lines.append(f"  serverless ({serverless['card']} per container, {cold[noun]} containers): "
+                 f"{_duration(serverless['seconds'])}, {_usd(serverless['cost_usd'])}")
+    return lines
+
+
+def _duration(seconds):
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else \
+        f"{seconds / 3600:.1f} h"
+
+
+def plan_against_actual(run, summaries):
+    """'predicted X on N workers, actual Y (+d %)' for a run submitted with a plan, once every claim
+    has a summary; None otherwise."""
+    plan = run.get("plan")
+    if not plan or len(summaries) < len(run["claims"]) or not summaries:
+        return None
+    ended = max(_parse_time(s["finished_at"], "finished_at") for s in summaries)
+    actual = (ended - _parse_time(run["created_at"], "created_at")).total_seconds()
+    return (f"plan: predicted {_duration(plan['seconds'])} and {_usd(plan['cost_usd'])} on {plan['count']} "
+            f"{plan['noun'] if plan['count'] != 1 else plan['noun'][:-1]}; actual {_duration(actual)} "
+            f"({(actual - plan['seconds']) / plan['seconds']:+.0%})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -6209,6 +6653,8 @@ def pool_liveness(conf, backend, record):
         return "crashing", f"pool {model}: every local worker dies before it is warm: {crashing}"
     if local:
         return "starting", f"pool {model}: {len(local)} local worker(s) still loading (@enter); the run waits for them"
+    if status and read_scaling(state_dir(conf, model)):
+        return "starting", f"pool {model} sizes itself: its supervisor starts workers for the run"
     if "ec2" in record and backend.kind == "aws":
         hint = ec2_cold_wait_hint(backend, record)
         if hint is None:
@@ -6219,12 +6665,22 @@ def pool_liveness(conf, backend, record):
     return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere)"
 
 
-def scale_local(conf, model, workers, gpus_per_worker=None):
-    """Set the pool's local worker count on this machine; 0 stops its supervisor. Returns the supervisor's pid
-    (None at 0)."""
+def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None):
+    """Set the pool's local worker count on this machine; 0 stops its supervisor. `bounds` (lo, hi,
+    idle window s): the supervisor sizes the pool itself between lo and hi (desired_count), from
+    `workers` (= lo) on, and stays up at 0. Returns the supervisor's pid (None at 0)."""
     if workers < 0:
         raise UserError(f"--workers {workers}: must be 0 or more")
-    if workers:
+    folder = state_dir(conf, model)
+    if bounds:
+        os.makedirs(folder, exist_ok=True)
+        write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(
+            {"lo": bounds[0], "hi": bounds[1], "idle_window": bounds[2],
+             "target_drain": setting_number(conf, "CALQUE_TARGET_DRAIN", float, 0.001)}))
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, "scaling.json"))
+    if workers or bounds:
         return start_supervisor(conf, model, workers, gpus_per_worker)
     if os.path.isdir(state_dir(conf, model)):
         write_file_atomic(os.path.join(state_dir(conf, model), "desired"), "0")
@@ -6265,13 +6721,14 @@ class Pool:
             self.scale(workers, gpus_per_worker=gpus_per_worker, wait=wait, progress=progress)
         return record
 
-    def scale(self, workers, *, gpus_per_worker=None, wait=True, progress=False):
+    def scale(self, workers, *, gpus_per_worker=None, wait=True, progress=False, bounds=None):
         """Set the number of local workers on this machine (0 stops them), waiting until the new ones are warm
-        unless wait=False. Returns the supervisor's pid (None at 0)."""
+        unless wait=False. `bounds` (lo, hi, idle window s; pool_bounds): the pool sizes itself between lo and
+        hi on its backlog, from `workers` on. Returns the supervisor's pid (None at 0)."""
         load_pool(self.backend, self.model)
         since = time.time()
-        pid = scale_local(self.conf, self.model, workers, gpus_per_worker)
-        if pid and wait:
+        pid = scale_local(self.conf, self.model, workers, gpus_per_worker, bounds)
+        if pid and wait and workers:
             wait_warm(self.conf, self.model, workers, since, progress)
         return pid
 
@@ -6606,6 +7063,83 @@ def open_output(path):
         raise UserError(f"cannot write {path} ({e.strerror}) ---> HINT: pick a path in a folder you can write to")
 
 
+def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
+    """(plan, sample run id or None): make_plan of `items` (a list, or a stream counted here) on the
+    pool. A pool with no measured claim runs one sample claim of the first items first, says so, and
+    plans from it."""
+    record = load_pool(backend, model)
+    claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    check_claim_size(claim_size)
+    first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
+    count = len(items) if first is None else len(first) + sum(1 for _ in items)
+    summaries, sample = recent_summaries(backend, model), None
+    if not summaries:
+        first = first if first is not None else items[:claim_size]
+        run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # nothing serves it: refused
+        print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} item(s) first "
+              f"(run {run.run_id}) to measure it", file=sys.stderr)
+        if not run.wait():
+            raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within CALQUE_TIMEOUT "
+                            f"---> HINT: calque runs show {run.run_id}")
+        summaries, sample = recent_summaries(backend, model), run.run_id
+    return make_plan(backend, conf, record, count, claim_size, price, summaries), sample
+
+
+def planned_count(conf, backend, record, plan, args):
+    """The option a submit runs at: the fewest workers that meet --deadline / --budget (an error
+    naming the fastest and the cheapest when none does), else what the pool's own sizing gives for
+    this backlog."""
+    if args.deadline is not None or args.budget is not None:
+        deadline = parse_duration(args.deadline) if args.deadline is not None else None
+        option = pick_option(plan, deadline, args.budget)
+        if option is None:
+            fastest, cheapest = plan["options"][-1], min(plan["options"], key=lambda o: o["cost_usd"])
+            raise UserError(f"no count of 1..{len(plan['options'])} {plan['noun']} meets "
+                            f"{'--deadline ' + args.deadline if deadline else ''}"
+                            f"{' --budget ' + str(args.budget) if args.budget is not None else ''}: the fastest "
+                            f"takes {_duration(fastest['seconds'])}, the cheapest costs {_usd(cheapest['cost_usd'])} "
+                            f"---> HINT: loosen it, or raise the pool's ceiling")
+        return option
+    lo, hi, _, _ = pool_ceiling(conf, backend, record)
+    spc = plan["seconds_per_item"] * plan["claim_size"]
+    want = desired_count(plan["claims"], 0, 0, spc, setting_number(conf, "CALQUE_TARGET_DRAIN", float, 0.001), lo,
+                         hi, 0.0, None, 0.0).desired
+    return plan["options"][max(1, want) - 1]
+
+
+def confirm(question, yes):
+    """True when --yes, or a terminal's user answers y; stdin that is not a terminal cannot answer:
+    refused."""
+    if yes:
+        return True
+    if not sys.stdin.isatty():
+        raise UserError("submit --plan asks before it spends, and stdin is not a terminal ---> HINT: add --yes to "
+                        "run at the plan printed above")
+    return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
+
+
+def apply_count(conf, backend, record, option, args):
+    """Give the run its planned count: a local pool that sizes itself keeps at least that many
+    workers while its backlog lasts (its ceiling still holds); an EC2 group's desired capacity is
+    raised to it (cmd_submit checked --yes-spend-money)."""
+    noun = "instances" if record.get("ec2") else "workers"
+    count = option[noun]
+    if noun == "instances":
+        names = ec2_names(record["model"])
+        calls = AwsCalls.for_backend(backend)
+        asg = _describe_asg(calls, names["asg"])
+        if asg and asg["DesiredCapacity"] < count:
+            calls.call("autoscaling", "SetDesiredCapacity", AutoScalingGroupName=names["asg"], DesiredCapacity=count)
+    else:
+        folder = state_dir(conf, record["model"])
+        bounds = read_scaling(folder)
+        if bounds:
+            write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, boost=count)))
+    print(f"submit: running at {count} {noun if count != 1 else noun[:-1]} (predicted {_duration(option['seconds'])}, "
+          f"{_usd(option['cost_usd'])} on-demand)", file=sys.stderr)
+    return {"count": count, "noun": noun, "seconds": option["seconds"], "cost_usd": option["cost_usd"]}
+
+
 def cmd_pool_create(conf, backend, args):
     batch_size = pool_settings(conf, args.batch_size)["batch_size"]
     modal, suggested, notes = modal_options(args.handler, args.param, args.secret, args.volume, args.gpus_per_worker,
@@ -6615,7 +7149,7 @@ def cmd_pool_create(conf, backend, args):
         print(f"pool {args.model}: {note}")
     args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")        # the app's retries=
     args.batch_timeout = args.batch_timeout or suggested.get("batch_timeout")           # the app's timeout=
-    if args.instances is not None:   # an EC2 cohort: queues, snapshot, record and fleet, each step idempotent
+    if args.instances is not None or args.max_instances is not None:   # an EC2 cohort: each step idempotent
         record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
                                                                     args.max_deliveries), args.batch_timeout)
         if modal:
@@ -6623,14 +7157,17 @@ def cmd_pool_create(conf, backend, args):
         args.instance_type = args.instance_type or suggested.get("instance_type")       # the app's gpu=
         options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
                                    spot=args.spot, subnet=args.subnet, key_name=args.key_name,
-                                   scale_to_zero_after=args.scale_to_zero_after)
+                                   scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances)
         with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
             ec2_pool_create(backend, record, args.handler, options, dry_run=args.dry_run, include=include,
                             yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
-    workers = LOCAL_WORKERS_DEFAULT if args.workers is None else args.workers
+    count = args.workers
+    if count is None and args.max_workers is None:
+        count = LOCAL_WORKERS_DEFAULT if args.min_workers is None else args.min_workers
+    lo, hi, idle = pool_bounds(count, args.min_workers, args.max_workers, args.scale_to_zero_after, "workers")
     pool = Pool(args.model, context=(conf, backend))
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal,
@@ -6639,20 +7176,25 @@ def cmd_pool_create(conf, backend, args):
           f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
           f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}; "
           f"workers run in {record['workdir']}")
-    if args.workers is None:
-        print(f"pool {args.model}: --workers not given: starting {workers} local worker (--workers 0 for none)")
-    if workers:
-        pid = scale_local_verb(conf, pool, workers, args)
-        print(f"pool {args.model}: {workers} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
+    if args.workers is args.max_workers is args.min_workers is None and idle is None:
+        print(f"pool {args.model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
+    if idle is not None:
+        pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle))
+        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s) on its backlog (drain target "
+              f"{conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} min -> {lo}), supervisor pid {pid}; logs: "
+              f"calque pool logs --model {args.model}")
+    elif lo:
+        pid = scale_local_verb(conf, pool, lo, args)
+        print(f"pool {args.model}: {lo} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
               f"pid {pid}; logs: calque pool logs --model {args.model} ({state_dir(conf, args.model)})")
     return EXIT_OK
 
 
-def scale_local_verb(conf, pool, workers, args):
+def scale_local_verb(conf, pool, workers, args, bounds=None):
     """pool create / pool scale: set the local workers, waiting (unless --no-wait) with a progress line on a
     terminal until they are warm. Returns the supervisor's pid."""
     return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, wait=not args.no_wait,
-                      progress=sys.stderr.isatty())
+                      progress=sys.stderr.isatty(), bounds=bounds)
 
 
 def cmd_pool_scale(conf, backend, args):
@@ -6786,6 +7328,20 @@ def cmd_submit(conf, backend, args):
         if args.shards > 1:
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
+        planned = args.plan or args.deadline is not None or args.budget is not None
+        if planned:
+            items = items if hasattr(items, "__len__") else list(items)
+            plan, _ = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
+            print("\n".join(format_plan(plan)), file=sys.stderr)
+            record = load_pool(backend, args.pool)
+            option = planned_count(conf, backend, record, plan, args)
+            if args.plan and not confirm(f"run {plan['items']:,} items at {option[plan['noun']]} {plan['noun']}, "
+                                         f"{_usd(option['cost_usd'])} predicted?", args.yes):
+                print("submit: not run", file=sys.stderr)
+                return EXIT_FAILED
+            if record.get("ec2"):     # before anything is queued: the group grows for the run
+                _refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
+                                 yes_spend_money=args.yes_spend_money)
         run_id = new_run_id(args.pool)
         output = WorkerOutput(conf, {args.pool: args.pool}) if args.follow_logs and not args.no_wait else None
         try:
@@ -6795,6 +7351,8 @@ def cmd_submit(conf, backend, args):
                              run_id=run_id)
         except SubmitInterrupted as e:
             return interrupted(backend, run_id, e.signum)
+        if planned:   # once its claims are queued: a local pool's boost lasts while they wait (LocalScaler)
+            update_run(backend, run.record, plan=apply_count(conf, backend, record, option, args))
         if args.no_wait:
             print(run.run_id)
             return EXIT_OK
@@ -6815,6 +7373,8 @@ def cmd_submit(conf, backend, args):
     else:
         if not args.model:
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
+        if args.plan or args.deadline is not None or args.budget is not None:
+            raise UserError("--plan, --deadline and --budget plan a pool run ---> HINT: submit --pool M")
         if args.no_wait:
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
         check_claim_size(args.claim_size)
@@ -6840,6 +7400,11 @@ def cmd_submit(conf, backend, args):
     return report_submitted(backend, run, summaries, timed_out, args)
 
 
+def cmd_plan(conf, backend, args):
+    plan, _ = plan_run(conf, backend, args.pool, read_items(args.items), args.claim_size, _pricing(args))
+    print(json.dumps(plan, indent=1) if args.json else "\n".join(format_plan(plan)))
+    return EXIT_OK
+
 def cmd_runs_list(conf, backend, args):
     runs = list_runs(backend)
     print(json.dumps(runs, indent=1) if args.json else "\n".join(format_runs_list(runs)))
@@ -6847,7 +7412,12 @@ def cmd_runs_list(conf, backend, args):
 
 
 def cmd_runs_show(conf, backend, args):
-    return report_run(backend, read_run(backend, args.run), read_summaries(backend, args.run), args.json)
+    run, summaries = read_run(backend, args.run), read_summaries(backend, args.run)
+    code = report_run(backend, run, summaries, args.json)
+    if not args.json and plan_against_actual(run, summaries):
+        print(plan_against_actual(run, summaries))
+    return code
+
 
 
 def cmd_runs_results(conf, backend, args):
@@ -6904,7 +7474,8 @@ def cmd_runs_results(conf, backend, args):
 
 
 def cmd_runs_resume(conf, backend, args):
-    """Send the claims an interrupted submit did not send, then wait for the run as submit does (unless --no-wait)."""
+    """Send the claims an interrupted submit did not send, and again those the pool's queue lost
+    (claims in no queue), then wait for the run as submit does (unless --no-wait)."""
     check_timeout(args.timeout)
     run = read_run(backend, args.run)
     if run["mode"] != "pool":
@@ -6917,15 +7488,24 @@ def cmd_runs_resume(conf, backend, args):
         raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were queued, the rest may "
                         f"have no manifest ---> HINT: runs cancel {args.run}, then submit the items from "
                         f"{run['sent'] * run['claim_size']} on again")
-    queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
+    try:
+        queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
+    except NotFound:
+        raise UserError(f"run {args.run}: pool {run['model']}'s queue is gone ---> HINT: pool create --model "
+                        f"{run['model']} ... again (it is idempotent), then runs resume {args.run}") from None
     done = summary_claims(backend, args.run)
     unsent = [claim for claim in run["claims"][run["sent"]:] if claim not in done]
+    lost = [claim for claim, (state, _) in claim_states(backend, run, read_summaries(backend, args.run)).items()
+            if state == "in no queue"]
     try:
         with signals_interrupt():
+            for start in range(0, len(lost), SEND_BATCH):   # a copy still queued is acked as a duplicate
+                send_batch(backend, run, queue, lost[start:start + SEND_BATCH], resume=True)
             send_claims(backend, run, queue, skip=done, resume=True)
     except SubmitInterrupted as e:
         return interrupted(backend, args.run, e.signum)
-    print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}", file=sys.stderr)
+    print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
+          + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""), file=sys.stderr)
     if args.no_wait:
         return EXIT_OK
     summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json and sys.stderr.isatty())
@@ -7001,6 +7581,9 @@ def cmd_cost(conf, backend, args):
         print(f"run {run['run_id']} ({run['mode']}, model {run['model']})")
         for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
             print("  " + line)
+        if plan_against_actual(run, summaries):
+            print(f"  {plan_against_actual(run, summaries)}; its claims cost {_usd(report['total_usd'])} "
+                  f"(the plan prices every {run['plan']['noun'][:-1]} for the whole wall time)")
         return EXIT_OK
     print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], reports[0][3])))
     return EXIT_OK
@@ -7192,7 +7775,8 @@ def build_parser():
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
     priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost,dashboard,modal}")
+    verbs = parser.add_subparsers(dest="verb", required=True,
+                                  metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
@@ -7202,6 +7786,11 @@ def build_parser():
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
     p.add_argument("--workers", type=int, help=f"local warmd.py processes to start under a supervisor, waited for "
                                                 f"until warm (default {LOCAL_WORKERS_DEFAULT})")
+    p.add_argument("--min-workers", type=int, metavar="A", help="floor of a pool that sizes itself on its backlog")
+    p.add_argument("--max-workers", type=int, metavar="B", help="its ceiling (with no floor given: floor 0)")
+    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
+                   help=f"idle window (fractions allowed) before the pool shrinks to its floor (0 unless given); "
+                        f"default {SCALE_IDLE_MINUTES:g} with a floor below the ceiling")
     local_options(p)
     p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
     p.add_argument("--include", action="append", metavar="PATH",
@@ -7224,11 +7813,10 @@ def build_parser():
     ec2.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be interrupted at 2 minutes' "
                                                          "notice")
     ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: --instances; 0 with "
-                                                       "--scale-to-zero-after)")
+                                                       "--scale-to-zero-after or --max-instances)")
+    ec2.add_argument("--max-instances", type=int, help="ceiling of a group that sizes itself on its backlog")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
     ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
-    ec2.add_argument("--scale-to-zero-after", type=int, metavar="MINUTES", help="scale to 0 after this many idle "
-                                                                                "minutes; wake on work")
     ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
     ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would change something; change "
                                                             "nothing")
@@ -7290,6 +7878,13 @@ def build_parser():
     p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
     p.add_argument("--follow-logs", action="store_true",
                    help="print what the pool's local workers print while the run goes (stderr, each line prefixed)")
+    planned = p.add_argument_group("a planned pool run (calque plan)")
+    planned.add_argument("--plan", action="store_true", help="print the plan and ask before running it")
+    planned.add_argument("--yes", action="store_true", help="run at the plan without asking")
+    planned.add_argument("--deadline", metavar="DURATION", help="run at the fewest workers that finish within it "
+                                                                "(45m, 2h)")
+    planned.add_argument("--budget", type=float, metavar="USD", help="run at the fewest workers that cost at most "
+                                                                     "this")
     cold_ec2 = p.add_argument_group(
         "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
     cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
@@ -7299,6 +7894,14 @@ def build_parser():
     cold_ec2.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_submit)
+
+    p = verbs.add_parser("plan", parents=[priced], help="a pool run's wall time and cost for 1..B workers, before "
+                                                       "it starts")
+    p.add_argument("items", help="the JSONL (or .npy/.npz) file submit would take")
+    p.add_argument("--pool", metavar="M", required=True, help="the pool of model M")
+    p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=cmd_plan)
 
     runs = verbs.add_parser("runs", help="read runs (list, show, results); resume, cancel, redrive them")
     runs = runs.add_subparsers(dest="runs_verb", required=True, metavar="{list,show,results,resume,cancel,redrive,report}")
@@ -7320,7 +7923,8 @@ def build_parser():
     p.add_argument("--field", help="npy: the result's key to stack (default: the result, or its only array)")
     p.add_argument("--fill", type=float, help="npy: the row of a failed item (default NaN, for a float dtype)")
     p.set_defaults(func=cmd_runs_results)
-    p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, then wait")
+    p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, and those in "
+                                                        "no queue, then wait")
     p.add_argument("run", help="the run id (see `runs list`)")
     p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
     p.add_argument("--no-wait", action="store_true", help="return once the claims are sent")

@@ -13,7 +13,9 @@ accepted (duplicate check, manifest) on the `ahead` thread. Acks
 go ACK_BATCH to a request, within ACK_WAIT s, and at once when the queue runs empty.
 SIGTERM (or a spot interruption notice) stops claiming, gives a claim received ahead back at once, and finishes
 the running claim within CALQUE_GRACE seconds, else releases it; a second SIGTERM/SIGINT releases it at once.
-Exit 0 on a graceful stop.
+SIGUSR1 (the supervisor scaling in) stops claiming too, but lets the running claim finish however long it takes.
+On an EC2 pool instance the worker protects its instance from scale-in while it holds a claim. Exit 0 on a
+graceful stop.
 
 Nothing lost, nothing stuck:
 - Checkpoints: results go to the store in parts (calque.part_key) once CALQUE_CHECKPOINT_SECONDS of drain AND
@@ -691,6 +693,35 @@ class SpotPoller:
                 return
 
 
+class ScaleInProtection:
+    """An EC2 pool instance (its bootstrap sets CALQUE_ASG and CALQUE_INSTANCE_ID) protected from scale-in while
+    its worker holds a claim and unprotected once a poll finds nothing, so a shrinking group terminates only idle
+    instances: scaling in costs no redelivery. One SetInstanceProtection call per change, not per claim; a
+    failed call is logged and tried again at the next poll."""
+
+    def __init__(self, asg, instance_id, client):
+        self.asg, self.instance_id, self.client = asg, instance_id, client
+        self.protected = None    # unknown: a restarted worker's instance may still be protected by the one before
+
+    @classmethod
+    def from_env(cls):
+        asg, instance_id = os.environ.get("CALQUE_ASG"), os.environ.get("CALQUE_INSTANCE_ID")
+        if not (asg and instance_id):
+            return None
+        import boto3   # lazy: only an EC2 pool instance needs it
+        region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
+        return cls(asg, instance_id, boto3.client("autoscaling", config=calque.aws_client_config(region)))
+
+    def hold(self, busy):
+        if busy != self.protected:
+            try:
+                self.client.set_instance_protection(AutoScalingGroupName=self.asg, InstanceIds=[self.instance_id],
+                                                    ProtectedFromScaleIn=busy)
+                self.protected = busy
+            except Exception as e:
+                log.warning("scale-in protection %s failed (%s: %s)", "on" if busy else "off", type(e).__name__, e)
+
+
 class Worker:
     def __init__(self, backend, record, stats_key_prefix, conf, ephemeral):
         self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
@@ -712,6 +743,7 @@ class Worker:
         self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
         self.state = "starting"          # starting | polling | claim | between | stopping
         self.stop_requested = False
+        self.scaling_in = False          # the stop is a scale-in (SIGUSR1): a claim already received still runs
         self.release_now = threading.Event()
         self.retrying = threading.Event()   # a store write of a claim is failing and being retried
         self.started = time.time()
@@ -727,6 +759,7 @@ class Worker:
         self.stats_behind = False        # a claim ended since then: the stats miss it
         self.supervisor = int(os.environ.get("CALQUE_SUPERVISOR_PID", "0"))   # set when a pool supervisor started us
         self.gpu = GpuSampler()
+        self.protection = None if ephemeral else ScaleInProtection.from_env()
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
         # the pipeline thread's CPU clock: what it ran during a handler call is taken out of the model's time
         self.pipeline_clock = (time.pthread_getcpuclockid(self.prefetcher.submit(threading.get_ident).result())
@@ -816,6 +849,15 @@ class Worker:
         elif self.state == "polling":
             raise Interrupted()
 
+    def on_scale_in(self, signum, frame):
+        """SIGUSR1, the supervisor scaling in: no new claim; the running one finishes however long it takes (no
+        grace timer), so scaling in never costs a redelivery. A SIGTERM after it is a second signal."""
+        if not self.stop_requested:
+            self.stop_requested = self.scaling_in = True
+            log.info("worker %s: scale-in: no new claims; the running one finishes", self.worker_id)
+            if self.state == "polling":
+                raise Interrupted()
+
     def request_stop(self):
         """The spot poller's notice: the same warm stop as SIGTERM."""
         os.kill(os.getpid(), signal.SIGTERM)
@@ -824,6 +866,7 @@ class Worker:
         """The loop: claim, drain, write, ack; a logged reason for every exit."""
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
+        signal.signal(signal.SIGUSR1, self.on_scale_in)
         if self.conf.get("CALQUE_SPOT_POLL"):
             SpotPoller(self.conf["CALQUE_SPOT_POLL"],
                        calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01), self.request_stop)
@@ -888,12 +931,14 @@ class Worker:
                             self.worker_id, type(e).__name__, e, self.backoff)
                 return None
             self.state, idle = "between", message is None
+            if self.protection:
+                self.protection.hold(not idle)
             if idle:
                 self.backend.requests.loose.update(counts)
             else:
                 claim = self.open_claim(message, counts)
         if claim is not None:
-            if self.stop_requested:      # told to stop while it was received: it never starts
+            if self.stop_requested and not self.scaling_in:   # told to stop while it was received: it never starts
                 self.give_back(claim, "the worker stops")
                 return "stop requested"
             self.state = "claim"         # a signal from here on sees the claim (grace timer, release)

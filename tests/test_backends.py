@@ -78,11 +78,16 @@ def test_waiting_lists_each_summary_about_once(backend, monkeypatch):
 
 
 def waited_run(backend, claims, done):
-    """A pool run of `claims` one-item claims, all sent, with its pool's DLQ, and summaries for the first `done`."""
+    """A pool run of `claims` one-item claims, all sent (the pool queue holds those without a summary), with its
+    pool's DLQ, and summaries for the first `done`."""
+    queue = backend.queues.create_queue("calque-pool-m", 30)     # the pool's, older than the run
     run = {"run_id": "m.r", "model": "m", "mode": "pool", "items": claims, "claim_size": 1,
-           "claims": [calque.claim_id(i) for i in range(claims)], "queue": "calque-pool-m", "sent": claims}
+           "claims": [calque.claim_id(i) for i in range(claims)], "queue": "calque-pool-m", "sent": claims,
+           "created_at": calque.now_iso(time.time() + 1)}   # a run's time is cut to the ms: not in the queue's
     calque.write_json(backend, calque.run_key("m.r"), run)
     backend.queues.create_queue(calque.dlq_name("m"), 30)
+    for claim in run["claims"][done:]:
+        queue.send(calque.make_message("m.r", "m", backend.store.uri(calque.manifest_key("m.r", claim)), claim))
     for claim in run["claims"][:done]:
         write_summary(backend, claim)
     return run

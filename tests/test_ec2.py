@@ -207,7 +207,8 @@ def test_worker_policy_statement_by_statement(aws):
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
-        {"Sid": "ReplaceOwnInstance", "Effect": "Allow", "Action": ["autoscaling:SetInstanceHealth"],   # its group only
+        {"Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",                           # its group only
+             "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
          "Resource": "arn:aws:autoscaling:eu-west-1:111122223333:autoScalingGroup:*:autoScalingGroupName/"
                      f"calque-pool-{s}"},
     ]}
@@ -447,15 +448,19 @@ def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
     assert group["MixedInstancesPolicy"]["InstancesDistribution"]["OnDemandPercentageAboveBaseCapacity"] == 0
     policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
         AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
-    assert (policies["calque-wake"]["AdjustmentType"],
-            policies["calque-wake"]["ScalingAdjustment"]) == ("ExactCapacity", 3)
+    wake_policy = policies["calque-wake"]       # unmeasured: one instance a claim, up to 3
+    assert (wake_policy["PolicyType"], wake_policy["AdjustmentType"]) == ("StepScaling", "ExactCapacity")
+    assert [(a["MetricIntervalLowerBound"], a.get("MetricIntervalUpperBound"), a["ScalingAdjustment"])
+            for a in wake_policy["StepAdjustments"]] == [(0.0, 1.5, 1), (1.5, 2.5, 2), (2.5, None, 3)]
     assert policies["calque-idle"]["ScalingAdjustment"] == 0
     alarms = {a["AlarmName"]: a for a in client("cloudwatch").describe_alarms(
         AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]}
     wake, idle = alarms[names["alarm_wake"]], alarms[names["alarm_idle"]]
-    assert (wake["Namespace"], wake["MetricName"], wake["ComparisonOperator"], wake["Threshold"]) == (
-        "AWS/SQS", "ApproximateNumberOfMessagesVisible", "GreaterThanThreshold", 0)
-    assert wake["Dimensions"] == [{"Name": "QueueName", "Value": names["queue"]}]
+    assert (wake["ComparisonOperator"], wake["Threshold"], wake["EvaluationPeriods"]) == (
+        "GreaterThanThreshold", 0, 1)
+    assert wake["Metrics"] == idle["Metrics"]       # both on visible + in flight
+    assert {m["MetricStat"]["Metric"]["Dimensions"][0]["Value"] for m in wake["Metrics"] if "MetricStat" in m} == {
+        names["queue"]}
     assert wake["AlarmActions"] == [policies["calque-wake"]["PolicyARN"]]
     assert idle["EvaluationPeriods"] == 15 and idle["AlarmActions"] == [policies["calque-idle"]["PolicyARN"]]
     assert {m["Id"]: m.get("Expression") for m in idle["Metrics"]}["backlog"] == "visible + inflight"
@@ -493,12 +498,22 @@ def _moto_policies_keep_min_and_max(monkeypatch):
     monkeypatch.setattr(FakeScalingPolicy, "execute", execute)
 
 
-def fire(alarm_name):
-    """What CloudWatch does every minute an Auto Scaling alarm stays in ALARM: run its scaling policy."""
+def fire(alarm_name, backlog=1):
+    """What CloudWatch does every minute an Auto Scaling alarm stays in ALARM: run its scaling policy; a step
+    policy (moto does not pick steps) sets the capacity of the step `backlog` falls in, within MinSize..MaxSize as
+    AWS does (a scale-in terminates unprotected instances only, in moto as in AWS)."""
     alarm = client("cloudwatch").describe_alarms(AlarmNames=[alarm_name])["MetricAlarms"][0]
     arn, = alarm["AlarmActions"]
-    client("autoscaling").execute_policy(AutoScalingGroupName=calque.ec2_names(MODEL)["asg"],
-                                         PolicyName=arn.rsplit("policyName/", 1)[1])
+    asg, name = calque.ec2_names(MODEL)["asg"], arn.rsplit("policyName/", 1)[1]
+    policy, = client("autoscaling").describe_policies(AutoScalingGroupName=asg, PolicyNames=[name])["ScalingPolicies"]
+    if policy["PolicyType"] != "StepScaling":
+        client("autoscaling").execute_policy(AutoScalingGroupName=asg, PolicyName=name)
+        return
+    step, = [a for a in policy["StepAdjustments"] if a["MetricIntervalLowerBound"] <= backlog - alarm["Threshold"]
+             < a.get("MetricIntervalUpperBound", float("inf"))]
+    group = asg_of()
+    client("autoscaling").set_desired_capacity(AutoScalingGroupName=asg, DesiredCapacity=max(
+        group["MinSize"], min(group["MaxSize"], step["ScalingAdjustment"])))
 
 
 def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
@@ -540,8 +555,10 @@ def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     assert stored["ec2"]["held"] is None and stored["ec2"]["instances"] == 3
     status = calque.format_ec2_status(calque.ec2_pool_status(aws.backend, stored))
-    assert any("scale to zero: alarms in charge (wake to 3 on work" in line for line in status), status
-    fire(names["alarm_wake"])
+    assert any("scale to zero: alarms in charge (backlog steps up to 3" in line for line in status), status
+    fire(names["alarm_wake"], backlog=1)
+    assert asg_of()["DesiredCapacity"] == 1
+    fire(names["alarm_wake"], backlog=7)
     assert asg_of()["DesiredCapacity"] == 3
     fire(names["alarm_idle"])
     calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=10),
@@ -689,6 +706,59 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
     assert calque.main(["pool", "delete", "--model", MODEL]) == calque.EXIT_USAGE   # no --yes: refused
     assert calque.main(["pool", "delete", "--model", MODEL, "--yes"]) == 0
     assert asg_of() is None and not queue_exists(calque.pool_queue_name(MODEL))
+
+
+def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys):
+    """--min-instances 0 --max-instances 3: a backlog step policy on the wake alarm (steps from desired_count, a
+    measured seconds per claim once summaries exist) and the idle policy; the user-data tells warmd its group and
+    instance; an instance protected while it holds a claim (ScaleInProtection, as warmd calls it) survives a
+    scale-in that takes the idle ones, so scaling in costs no redelivery; pool delete removes alarms and policies."""
+    import warmd
+    _moto_policies_keep_min_and_max(monkeypatch)
+    names = calque.ec2_names(MODEL)
+    calque.write_json(aws.backend, calque.run_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa"), {
+        "run_id": f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "model": MODEL, "mode": "pool", "claims": ["c00000"],
+        "items": 10, "claim_size": 10, "created_at": "2026-12-01T10:00:00+00:00", "sent": 1, "staged": True})
+    calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "c00000"),
+                      {"claim": "c00000", "items": 10, "claim_seconds": 30.0, "enter_seconds_paid": 0.0,
+                       "mode": "pool"})
+    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER,
+                           options(instances=None, min_instances=0, max_instances=3), yes_spend_money=True)
+    out = capsys.readouterr().out
+    assert "backlog -> instances: 1+ -> 1, 3+ -> 2, 5+ -> 3; 30 s a claim, drain target 60 s" in out, out
+    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    assert stored["ec2"]["scale_to_zero_after"] == 5 and stored["ec2"]["scaling"]["steps"] == [[1, 1], [3, 2], [5, 3]]
+    script, _ = launch_template_user_data()
+    assert f"CALQUE_ASG={names['asg']}" in script and 'echo "CALQUE_INSTANCE_ID=$INSTANCE_ID"' in script
+    alarms = {a["AlarmName"]: a for a in client("cloudwatch").describe_alarms(
+        AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]}
+    assert set(alarms) == {names["alarm_wake"], names["alarm_idle"]} and alarms[names["alarm_idle"]][
+        "EvaluationPeriods"] == 5
+
+    fire(names["alarm_idle"])                                 # created at its ceiling; idle: to 0
+    planned = calque.apply_count({}, aws.backend, stored, {"instances": 2, "seconds": 60.0, "cost_usd": 0.1},
+                                 argparse.Namespace())        # submit --deadline's pick, for the run
+    assert asg_of()["DesiredCapacity"] == 2 and planned == {"count": 2, "noun": "instances", "seconds": 60.0,
+                                                            "cost_usd": 0.1}
+    fire(names["alarm_wake"], backlog=6)                      # a burst: to the ceiling
+    assert asg_of()["DesiredCapacity"] == 3
+    busy = sorted(i["InstanceId"] for i in asg_of()["Instances"])[0]
+    protection = warmd.ScaleInProtection(names["asg"], busy, client("autoscaling"))
+    protection.hold(True)                                     # its worker received a claim
+    fire(names["alarm_wake"], backlog=1)                      # the backlog drains: down to 1
+    group = asg_of()
+    assert [i["InstanceId"] for i in group["Instances"]] == [busy] and group["Instances"][0]["ProtectedFromScaleIn"]
+    fire(names["alarm_idle"])                                 # idle window over: to 0, but the claim is held
+    assert [i["InstanceId"] for i in asg_of()["Instances"]] == [busy]
+    protection.hold(False)                                    # its poll found nothing
+    fire(names["alarm_idle"])
+    assert asg_of()["Instances"] == []
+
+    assert calque.ec2_pool_delete(aws.backend, stored, yes=True)
+    assert client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])[
+        "MetricAlarms"] == []
+    assert asg_of() is None or asg_of().get("Status")
+    assert client("autoscaling").describe_policies(AutoScalingGroupName=names["asg"])["ScalingPolicies"] == []
 
 
 def test_modal_image_on_an_ec2_pool(aws, tmp_path, monkeypatch):

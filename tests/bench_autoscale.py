@@ -1,0 +1,135 @@
+"""make bench, part 4: pools that size themselves, and the planner against what a run does.
+
+    .venv/bin/python tests/bench_autoscale.py            # BENCH_AUTOSCALE_PAIRS (2) pairs of each
+1. a burst of 40 claims (tests/handlers.py:Matmul, 100 rows of 1024 a claim, 40 products of 1024 x 1024 a
+   batch: about a second a claim here) on a fixed 2-worker pool against a pool of
+   --min-workers 0 --max-workers 2: seconds from `pool create` to the run's last summary, start-up and @enter
+   included in both, in alternating pairs; the ratio fixed / sized (>= 0.95 is the goal), and the seconds from
+   the last summary until the sized pool's supervisor scales to 0 and until its last worker has exited,
+   against its idle window (--scale-to-zero-after 0.25: 15 s);
+2. the planner: on a pool of 2 workers, then 1, each measured by a run of 50 claims at that count (the
+   planner reads the last 50; on 2 shared cores a claim's time depends on how many workers run beside it),
+   `submit --plan --yes` of
+   BENCH_PLAN_ITEMS (24,000) items of 300 words, in claims of 500: its predicted wall time against the run's actual (created_at to the last summary), for 2 workers and
+   then 1 (`pool scale`), on the demo model and on examples/embed_model.py when it exists.
+The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+PAIRS = int(os.environ.get("BENCH_AUTOSCALE_PAIRS", "2"))
+PLAN_ITEMS = int(os.environ.get("BENCH_PLAN_ITEMS", "24000"))
+IDLE_MINUTES = 0.25
+WORDS = " ".join(f"word{i}" for i in range(300))
+MODELS = [("demo", "examples/demo_model.py:DemoModel", lambda i: {"text": f"{i} {WORDS}"})]
+if os.path.exists(os.path.join(ROOT, "examples", "embed_model.py")):
+    MODELS.append(("embed", "examples/embed_model.py:EmbedModel", lambda i: {"text": f"{i} {WORDS[:400]}"}))
+
+
+def cli(env, *args, check=True):
+    out = subprocess.run([PY, os.path.join(ROOT, "calque.py"), *args], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=1800)
+    if check and out.returncode != 0:
+        raise SystemExit(f"calque {' '.join(args)} failed: {out.stderr[-2000:]}")
+    return out
+
+
+def fresh_env(folder):
+    return dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
+                CALQUE_ENV=os.path.join(folder, "none.env"), CALQUE_POLL_WAIT="1", DEMO_THREADS="1",
+                DEMO_CACHE=os.path.join(tempfile.gettempdir(), "calque-bench-demo-weights"))
+
+
+def items_file(folder, count, make):
+    path = os.path.join(folder, f"items-{count}.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(make(i)) + "\n" for i in range(count))
+    return path
+
+
+def finished(env, run_id):
+    """(s from the run's created_at to its last summary, the summaries)."""
+    import calque
+    show = json.loads(cli(env, "runs", "show", run_id, "--json").stdout)
+    ended = max(calque._parse_time(s["finished_at"], "f") for s in show["summaries"])
+    return (ended - calque._parse_time(show["run"]["created_at"], "c")).total_seconds(), show["summaries"]
+
+
+def burst(sized):
+    """Seconds from pool create to the last summary of 40 claims; for the sized pool also the seconds from then
+    until it scales to 0 and until its last worker is gone."""
+    import numpy
+    with tempfile.TemporaryDirectory() as folder:
+        env = dict(fresh_env(folder), MATMUL_REPEATS="40")
+        items = os.path.join(folder, "rows.npy")
+        numpy.save(items, numpy.random.default_rng(0).random((4000, 1024), dtype=numpy.float32))
+        flags = ["--min-workers", "0", "--max-workers", "2", "--scale-to-zero-after", str(IDLE_MINUTES)] if sized \
+            else ["--workers", "2"]
+        started = time.time()
+        cli(env, "pool", "create", "--model", "m", "--handler", "tests/handlers.py:Matmul", *flags)
+        run = json.loads(cli(env, "submit", "--pool", "m", items, "--claim-size", "100", "--json").stdout)
+        import calque
+        last = max(calque._parse_time(s["finished_at"], "f") for s in run["summaries"]).timestamp()
+        first = min(calque._parse_time(s["started_at"], "s") for s in run["summaries"]).timestamp()
+        assert all(s["receive_count"] == 1 for s in run["summaries"]) and len(run["summaries"]) == 40
+        back = None
+        if sized:   # the supervisor's status file: its count, and the workers still alive
+            decided = None
+            while True:
+                with open(os.path.join(env["CALQUE_STATE"], "pools", "m", "supervisor.json")) as f:
+                    status = json.load(f)
+                if status["desired"] == 0 and decided is None:
+                    decided = time.time() - last
+                if decided is not None and not any(w["pid"] for w in status["workers"]):
+                    back = (decided, time.time() - last)
+                    break
+                time.sleep(0.05)
+        cli(env, "pool", "delete", "--model", "m", "--yes")
+        return last - started, back, first - started
+
+
+def planner(name, handler, make):
+    with tempfile.TemporaryDirectory() as folder:
+        env = fresh_env(folder)
+        cli(env, "pool", "create", "--model", name, "--handler", handler, "--workers", "2")
+        rows = []
+        for workers in (2, 1):
+            cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
+            cli(env, "submit", "--pool", name, items_file(folder, 25_000, make), "--claim-size", "500")  # 50 claims
+            out = cli(env, "submit", "--pool", name, items_file(folder, PLAN_ITEMS, make), "--claim-size", "500",
+                      "--plan", "--yes", "--json")
+            run = json.loads(out.stdout)["run"]
+            actual, _ = finished(env, run["run_id"])
+            predicted = run["plan"]["seconds"]
+            rows.append((workers, predicted, actual))
+            print(f"  {name:<6} {workers} worker(s): predicted {predicted:6.2f} s, actual {actual:6.2f} s "
+                  f"({(predicted - actual) / actual:+.1%})", flush=True)
+        cli(env, "pool", "delete", "--model", name, "--yes")
+        return rows
+
+
+def main():
+    print(f"1. a burst of 40 claims: fixed 2 workers against --min-workers 0 --max-workers 2 ({PAIRS} pairs)")
+    for pair in range(PAIRS):
+        order = (False, True) if pair % 2 == 0 else (True, False)
+        result = {sized: burst(sized) for sized in order}
+        (fixed, _, fixed_first), (sized, back, sized_first) = result[False], result[True]
+        print(f"  pair {pair + 1} ({'fixed' if pair % 2 == 0 else 'sized'} first): fixed {fixed:6.2f} s (first claim "
+              f"at {fixed_first:.1f} s), sized {sized:6.2f} s (at {sized_first:.1f} s): {fixed / sized:.2f}x; after "
+              f"the last claim: scaled to 0 at {back[0]:.1f} s, every worker gone at {back[1]:.1f} s (idle window "
+              f"{IDLE_MINUTES * 60:.0f} s); load {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"2. the planner: predicted against actual wall time, {PLAN_ITEMS:,} items in claims of 500")
+    for name, handler, make in MODELS:
+        planner(name, handler, make)
+    if len(MODELS) == 1:
+        print("  (examples/embed_model.py is not in this tree: not measured)")
+
+
+if __name__ == "__main__":
+    main()
