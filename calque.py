@@ -822,16 +822,24 @@ def npy_view(data):
 
 
 def array_items(store, manifest):
-    """A numeric claim's items: a list of {field: view}, every view into the fetched bytes."""
+    """A numeric claim's items: a list of {field: view}, every view into the fetched bytes, merged into the
+    manifest's JSON `items` when it has both (a table's text and numeric columns); None where `valid` is False."""
     fields, count = {}, manifest["count"]
     for name, keys in manifest["arrays"].items():
-        values = npy_view(store.get(keys["values"]))
-        offsets = npy_view(store.get(keys["offsets"])) if "offsets" in keys else None
-        if (offsets is not None and len(offsets) != count + 1) or (offsets is None and len(values) != count):
+        values, offsets, valid = (npy_view(store.get(keys[role])) if role in keys else None
+                                  for role in ("values", "offsets", "valid"))
+        if (offsets is not None and len(offsets) != count + 1) or (offsets is None and len(values) != count) \
+                or (valid is not None and len(valid) != count):
             raise ValueError(f"field {name!r} does not hold {count} items")
-        fields[name] = (values, offsets)
-    return [{name: values[i] if offsets is None else values[offsets[i]:offsets[i + 1]]
-             for name, (values, offsets) in fields.items()} for i in range(count)]
+        fields[name] = (values, offsets, valid)
+    items = manifest.get("items") or [{} for _ in range(count)]
+    if len(items) != count:
+        raise ValueError(f"'items' does not hold {count} items")
+    for name, (values, offsets, valid) in fields.items():
+        for i, item in enumerate(items):
+            item[name] = (None if valid is not None and not valid[i] else
+                          values[i] if offsets is None else values[offsets[i]:offsets[i + 1]])
+    return items
 
 
 SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # SQS's two codes for "no such queue"
@@ -1720,13 +1728,18 @@ def queue_depth(backend, name):
 
 # ------------------------------------------------------------------------------------------------
 # 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
-def read_items(path):
+def read_items(path, columns=None):
     """Items from a JSONL file (or '-' for stdin): one JSON value per line, each a JsonText (the line, checked);
     blank lines are skipped. A stream, read as it is staged (memory does not grow with the file); its first block
     is read and checked at once, so that a bad line there (the usual typo), or a file without items, is refused
-    before anything else is looked at. A .npy or .npz file is numeric input instead (see ArrayItems)."""
+    before anything else is looked at. A .npy or .npz file is numeric input instead (see ArrayItems); a Parquet
+    or Arrow file, a folder or a glob of them, a table (see TableItems), of which `columns` are read."""
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
+    if path.endswith(TABLE_SUFFIXES) or glob.has_magic(path) or os.path.isdir(path):
+        return TableItems.open(path, columns)
+    if columns:
+        raise UserError(f"--columns applies to Parquet or Arrow input, not {path}")
     try:
         stream = sys.stdin.buffer if path == "-" else open(path, "rb")
     except OSError as e:
@@ -1835,9 +1848,6 @@ class ArrayItems:
         arrays = {name: np.asarray(values) for name, values in arrays.items()}
         fields, counts = {}, {}
         for name, values in arrays.items():
-            if not SAFE_ID.match(name):   # it names store keys (runs/RUN/inputs/CLAIM/<name>.values.npy)
-                raise UserError(f"{path}: array name {name!r} cannot name a store key ---> HINT: name it with "
-                                f"letters, digits, '.', '_' or '-'")
             if name.endswith("_offsets") and name[:-len("_offsets")] in arrays:
                 continue
             if values.dtype.hasobject or values.dtype.kind not in "biuf":
@@ -1863,24 +1873,31 @@ class ArrayItems:
 
     def stage(self, backend, run_id, claim, start, stop):
         """Write this claim's slice of every field as .npy objects; returns the manifest's `arrays` entry."""
-        import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
-        entry = {}
+        fields = {}
         for name, (values, offsets) in self.fields.items():
             if offsets is None:
-                part, part_offsets = values[start:stop], None
+                fields[name] = {"values": values[start:stop]}
             else:
-                part = values[offsets[start]:offsets[stop]]
-                part_offsets = offsets[start:stop + 1] - offsets[start]
-            entry[name] = {}
-            for role, array in (("values", part), ("offsets", part_offsets)):
-                if array is None:
-                    continue
-                buf = io.BytesIO()
-                np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-                key = f"runs/{run_id}/inputs/{claim}/{name}.{role}.npy"
-                backend.store.put(key, buf.getvalue())
-                entry[name][role] = key
-        return entry
+                fields[name] = {"values": values[offsets[start]:offsets[stop]],
+                                "offsets": offsets[start:stop + 1] - offsets[start]}
+        return stage_arrays(backend, run_id, claim, fields)
+
+
+def stage_arrays(backend, run_id, claim, fields):
+    """Write each field's arrays ({role: array}: values, offsets, valid) as .npy objects under the claim's inputs;
+    returns the manifest's `arrays` entry ({field: {role: key}}). Keys are numbered, not named after the field
+    (a Parquet column's name need not be a safe key)."""
+    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    entry = {}
+    for number, (name, roles) in enumerate(fields.items()):
+        entry[name] = {}
+        for role, array in roles.items():
+            buf = io.BytesIO()
+            np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+            key = f"runs/{run_id}/inputs/{claim}/{number}.{role}.npy"
+            backend.store.put(key, buf.getvalue())
+            entry[name][role] = key
+    return entry
 
 
 def read_arrays(path):
@@ -1901,6 +1918,204 @@ def read_arrays(path):
         reason = str(e).split(". ")[0].rstrip(".") or type(e).__name__
         raise UserError(f"{path}: not a numeric .npy or .npz file ({reason}) ---> HINT: save plain numeric arrays "
                         f"with numpy.save or numpy.savez (object arrays would need pickle)") from None
+
+
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")   # submit reads these (and a folder or glob of .parquet) as tables
+
+
+class TableItems:
+    """Items from Arrow tables, one item a row ({column: value}): a Parquet file, a folder or glob of them, an
+    Arrow IPC (.arrow/.feather) file, or the API's pyarrow.Table, pandas DataFrame or datasets.Dataset. Read as a
+    stream of record batches of a claim's rows (Parquet page by page), so memory does not grow with the input. A numeric column (ints, floats, bools, or lists of them) is staged as .npy per claim, as .npz input
+    is, and reaches the worker as numpy values without JSON; a null in it is None (a `valid` mask), a null inside
+    a list is refused when met. Any other column (text, structs, lists of text) goes as JSON in the manifest,
+    null as None; dates and times as ISO text; a type JSON cannot hold (binary, decimal) is refused up front."""
+
+    def __init__(self, schema, count, batches, source):
+        import pyarrow as pa   # lazy: only table input needs pyarrow
+        self.count, self.batches, self.source = count, batches, source
+        self.numeric, self.json = [], []
+        for field in schema:
+            kind = _column_kind(pa, field.type)
+            if kind is None:
+                raise UserError(f"{source}: column {field.name!r} is {field.type}, which has no JSON form ---> HINT: "
+                                f"leave it out with --columns, or cast it (to string) before submitting")
+            (self.numeric if kind == "numeric" else self.json).append(field.name)
+        if not count:
+            raise UserError(f"{source} holds no items")
+
+    def __len__(self):
+        return self.count
+
+    @classmethod
+    def open(cls, source, columns=None, where=None):
+        """From a path (see TABLE_SUFFIXES; a folder; a glob) or a table-like object, reading only `columns`."""
+        import pyarrow as pa   # lazy: only table input needs pyarrow
+        where = where or (source if isinstance(source, str) else type(source).__name__)
+        if isinstance(source, str):
+            return cls._open_path(source, columns, where)
+        module = type(source).__module__.split(".")[0]
+        if module == "pandas":
+            source = pa.Table.from_pandas(source, preserve_index=False)
+        elif module == "datasets":   # a Hugging Face Dataset: its Arrow rows, through its own iterator
+            schema = _select(source.features.arrow_schema, columns, where)
+            arrow = source.with_format("arrow")
+            return cls(schema, len(source), lambda rows: itertools.chain.from_iterable(
+                t.select(schema.names).to_batches() for t in arrow.iter(batch_size=rows)), where)
+        table = pa.table(source)   # a Table as it is; a RecordBatch
+        schema = _select(table.schema, columns, where)
+        table = table.select(schema.names)
+        return cls(schema, table.num_rows, lambda rows: iter(table.to_batches(rows)), where)
+
+    @classmethod
+    def _open_path(cls, path, columns, where):
+        import pyarrow as pa   # lazy: only table input needs pyarrow
+        import pyarrow.parquet as pq
+        if path.endswith((".arrow", ".feather")):
+            try:
+                reader = pa.ipc.open_file(pa.memory_map(path))   # mapped: batches are paged in as they are staged
+            except (OSError, pa.ArrowInvalid) as e:
+                raise UserError(f"{path}: not an Arrow IPC file ({e}) ---> HINT: write it with "
+                                f"pyarrow.feather.write_feather or pyarrow.ipc.new_file") from None
+            schema = _select(reader.schema, columns, where)
+            count = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+            return cls(schema, count, lambda rows: (reader.get_batch(i).select(schema.names)
+                                                    for i in range(reader.num_record_batches)), where)
+        files = sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True) if os.path.isdir(path)
+                       else glob.glob(path, recursive=True) if glob.has_magic(path) else [path])
+        if not files:
+            raise UserError(f"{path}: no .parquet file there ---> HINT: give a Parquet file, a folder of them or a "
+                            f"quoted glob such as 'data/*.parquet'")
+        opened = []
+        for file in files:
+            try:
+                # page by page through a 1 MiB buffer, not a whole column chunk (a row group) at once
+                opened.append(pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20))
+            except FileNotFoundError as e:
+                raise unreadable_items(file, e) from None
+            except (OSError, pa.ArrowInvalid) as e:
+                raise UserError(f"{file}: not a Parquet file ({e})") from None
+        schema = _select(opened[0].schema_arrow, columns, where)
+        for file, f in zip(files, opened):
+            theirs = f.schema_arrow
+            if any(name not in theirs.names or theirs.field(name).type != schema.field(name).type
+                   for name in schema.names):
+                raise UserError(f"{file}: its columns differ from {files[0]}'s ---> HINT: give files of one schema, "
+                                f"or pick shared columns with --columns")
+        return cls(schema, sum(f.metadata.num_rows for f in opened), lambda rows: (
+            b for f in opened for b in f.iter_batches(rows, columns=schema.names, use_threads=False)), where)
+
+    def chunks(self, size):
+        """(start, stop, table) of each claim of `size` rows, cut from the batches as they are read."""
+        import pyarrow as pa   # lazy: only table input needs pyarrow
+        held, rows, start = [], 0, 0
+        for batch in itertools.chain(self.batches(size), [None]):
+            if batch is not None:
+                held.append(batch)
+                rows += batch.num_rows
+            while rows >= size or (batch is None and rows):
+                table = pa.Table.from_batches(held)
+                take = min(size, rows)
+                yield start, start + take, table.slice(0, take)
+                held, rows, start = table.slice(take).to_batches(), rows - take, start + take
+
+    def stage(self, backend, run_id, claim, start, table):
+        """A claim's manifest fields: its JSON columns as `items`, its numeric ones as `arrays` (.npy objects)."""
+        fields = {name: _numeric_column(table.column(name).combine_chunks(), name, start, self.source)
+                  for name in self.numeric}
+        staged = {"arrays": stage_arrays(backend, run_id, claim, fields)} if fields else {}
+        if self.json:
+            columns = [_json_column(table.column(name)) for name in self.json]
+            staged["items"] = [dict(zip(self.json, row)) for row in zip(*columns)]
+        return staged
+
+
+def _select(schema, columns, where):
+    """The schema of the `columns` asked for (all when None); an unknown one is a UserError naming the known."""
+    if not columns:
+        return schema
+    for name in columns:
+        if name not in schema.names:
+            raise UserError(f"{where}: no column {name!r}{did_you_mean(name, schema.names)} ---> HINT: its "
+                            f"columns: {', '.join(schema.names)}")
+    import pyarrow as pa   # lazy: only table input needs pyarrow
+    return pa.schema([schema.field(name) for name in columns])
+
+
+def _column_kind(pa, t):
+    """"numeric" (staged as .npy), "json" (in the manifest) or None (no JSON form) for an Arrow type."""
+    types = pa.types
+    plain = lambda t: types.is_integer(t) or types.is_floating(t) or types.is_boolean(t)   # noqa: E731
+    if plain(t) or ((types.is_list(t) or types.is_large_list(t) or types.is_fixed_size_list(t))
+                    and plain(t.value_type)):
+        return "numeric"
+    if types.is_temporal(t):
+        return "json"
+    return "json" if _json_type(pa, t) else None
+
+
+def _json_type(pa, t):
+    types = pa.types
+    if types.is_integer(t) or types.is_floating(t) or types.is_boolean(t) or types.is_null(t) \
+            or types.is_string(t) or types.is_large_string(t):
+        return True
+    if types.is_dictionary(t):
+        return _json_type(pa, t.value_type)
+    if types.is_list(t) or types.is_large_list(t) or types.is_fixed_size_list(t):
+        return _json_type(pa, t.value_type)
+    if types.is_struct(t):
+        return all(_json_type(pa, t.field(i).type) for i in range(t.num_fields))
+    return False
+
+
+def _json_column(column):
+    """A column's values as Python values for JSON (dates and times as ISO text)."""
+    import pyarrow as pa   # lazy: only table input needs pyarrow
+    if pa.types.is_temporal(column.type):
+        return [None if v is None else v.isoformat() for v in column.to_pylist()]
+    return column.to_pylist()
+
+
+def _numeric_column(array, name, start, source):
+    """A numeric column of one claim as {role: numpy array}: values (2-D for a fixed-size list), offsets for a
+    list, valid where a row is null (its values are zeros). A null inside a list is a UserError naming the row."""
+    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    import pyarrow as pa
+    roles = {}
+    if array.null_count:
+        roles["valid"] = _to_numpy(array.is_valid())
+    if pa.types.is_fixed_size_list(array.type) or pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+        if array.null_count:
+            array = array.fill_null(pa.scalar([0] * array.type.list_size if pa.types.is_fixed_size_list(array.type)
+                                              else [], array.type))
+        values = array.flatten()
+        if values.null_count:
+            lengths = np.cumsum(array.value_lengths().to_numpy())
+            row = int(np.searchsorted(lengths, np.flatnonzero(_to_numpy(values.is_null()))[0], side="right"))
+            raise UserError(f"{source}: row {start + row}, column {name!r}: a null inside a list of numbers ---> "
+                            f"HINT: fill it (pyarrow.compute.fill_null) or leave the column out with --columns")
+        values = _to_numpy(values)
+        if pa.types.is_fixed_size_list(array.type):
+            roles["values"] = values.reshape(len(array), array.type.list_size)
+        else:
+            offsets = array.offsets.to_numpy()
+            roles["values"], roles["offsets"] = values, (offsets - offsets[0]).astype(np.int64)
+    else:
+        roles["values"] = _to_numpy(array.fill_null(False if pa.types.is_boolean(array.type) else 0)
+                                    if array.null_count else array)
+    return roles
+
+
+def _to_numpy(array):
+    """A numeric Arrow array without nulls as a numpy view of its buffer (pyarrow's to_numpy imports pandas:
+    0.1 s and 90 MiB); bools, which Arrow packs in bits, through uint8."""
+    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    import pyarrow as pa
+    if pa.types.is_boolean(array.type):
+        return _to_numpy(array.cast(pa.uint8())).view(bool)
+    dtype = np.dtype({"halffloat": "float16", "float": "float32", "double": "float64"}.get(str(array.type),
+                                                                                          str(array.type)))
+    return np.frombuffer(array.buffers()[1], dtype, len(array), array.offset * dtype.itemsize)
 
 
 class SubmitInterrupted(BaseException):
@@ -1951,7 +2166,7 @@ def check_timeout(seconds):
 def claim_chunks(items, size):
     """(start, stop, items or None) of each claim of `size` items: ArrayItems are sliced when staged, a list is cut
     into slices, any other iterable (a JSONL stream, a generator) is read one claim at a time."""
-    if isinstance(items, ArrayItems):
+    if isinstance(items, (ArrayItems, TableItems)):
         yield from items.chunks(size)
         return
     it, start = iter(items), 0
@@ -1966,6 +2181,8 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
                 "count": stop - start}
     if chunk is None:
         manifest["arrays"] = items.stage(backend, run["run_id"], claim, start, stop)
+    elif isinstance(items, TableItems):
+        manifest.update(items.stage(backend, run["run_id"], claim, start, chunk))
     elif all(type(item) is JsonText for item in chunk):   # a JSONL file's checked lines: joined, not re-encoded
         body = dumps(manifest)
         backend.store.put(manifest_key(run["run_id"], claim), f'{body[:-1]},"items":[{",".join(chunk)}]}}')
@@ -1992,7 +2209,7 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     before a claim was sent deletes what it staged (no run); after, the run keeps the claims sent, and the
     error says so."""
     run_id = run_id or new_run_id(record["model"])
-    known = len(items) if isinstance(items, (ArrayItems, list)) else None
+    known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
            "claims": [claim_id(i) for i in range(-(-known // claim_size))] if known else [],
            "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
@@ -5575,13 +5792,18 @@ def new_pool_record(backend, model, defaults, batch_timeout=None):
     return record
 
 
-def as_items(items):
-    """What stage_run takes, from what a user holds: a path (JSONL, .npy, .npz) goes to read_items; a numpy array
-    (item i = {"input": a[i]}) or a dict of arrays (the fields of a .npz) becomes ArrayItems; a list stays one (its
-    count is known at once); any other iterable of JSON items is staged as it yields them, one claim at a time."""
+def as_items(items, columns=None):
+    """What stage_run takes, from what a user holds: a path (JSONL, .npy, .npz, Parquet, Arrow) goes to read_items;
+    a pyarrow Table, pandas DataFrame or datasets.Dataset becomes TableItems (one item a row, of `columns`); a numpy
+    array (item i = {"input": a[i]}) or a dict of arrays (the fields of a .npz) becomes ArrayItems; a list stays one
+    (its count is known at once); any other iterable of JSON items is staged as it yields them, a claim at a time."""
     if isinstance(items, (str, os.PathLike)):
-        return read_items(os.fspath(items))
-    if isinstance(items, ArrayItems):
+        return read_items(os.fspath(items), columns)
+    if type(items).__module__.split(".")[0] in ("pyarrow", "pandas", "datasets"):
+        return TableItems.open(items, columns)
+    if columns:
+        raise UserError("columns= applies to a path of Parquet or Arrow input, or a table")
+    if isinstance(items, (ArrayItems, TableItems)):
         return items
     if hasattr(items, "dtype") and hasattr(items, "shape"):
         return ArrayItems.from_arrays({"input": items}, "the array")
@@ -5605,9 +5827,11 @@ def check_id_field(items, field):
     Returns the items to stage: a list is checked at once, a stream as it is read (the items checked so far)."""
     if field in RESULT_FIELDS:
         raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
-    if isinstance(items, ArrayItems):
-        if field not in items.fields:
-            raise UserError(f"--id-field {field!r}: no array of that name (arrays: {', '.join(items.fields)})")
+    if isinstance(items, (ArrayItems, TableItems)):
+        names = list(items.fields) if isinstance(items, ArrayItems) else items.numeric + items.json
+        if field not in names:
+            raise UserError(f"--id-field {field!r}: no {'array' if isinstance(items, ArrayItems) else 'column'} of "
+                            f"that name ({', '.join(names)})")
         return items
     checked = map(_has_id_field, itertools.repeat(field), itertools.count(), items)
     return list(checked) if isinstance(items, list) else checked
@@ -5622,14 +5846,15 @@ def _has_id_field(field, index, item):
 
 
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
-           shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None):
+           shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None,
+           columns=None):
     """Run `items` against the warm pool of model `pool` and return its Run at once (the claims are queued); or,
     with `model` instead (and a `handler`, or the model's pool's), as a cold run with `shards` fresh local workers,
     returned once it ended. A pool with no live worker is a UserError unless wait_for_workers (the claims then wait
     in its queue); one whose every local worker dies before it is warm is a WorkersFailed. (`run_id`: the CLI's,
-    which it names when a signal stops the staging.)"""
+    which it names when a signal stops the staging.) `columns`: the columns of a table input read as items."""
     conf, backend = context or _context(store)
-    items = as_items(items)
+    items = as_items(items, columns)
     if id_field:
         items = check_id_field(items, id_field)
     check_claim_size(claim_size)
@@ -5755,10 +5980,8 @@ def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
 def with_ids(backend, run, claim, lines, field):
     """The claim's result lines with each item's `field` copied in (read from the claim's manifest)."""
     manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
-    if "arrays" in manifest:
-        ids = [item[field].tolist() for item in array_items(backend.store, manifest)]
-    else:
-        ids = [item[field] for item in manifest["items"]]
+    ids = [item[field] for item in (array_items(backend.store, manifest) if "arrays" in manifest
+                                    else manifest["items"])]
     return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
 
 
@@ -5980,7 +6203,7 @@ def cmd_supervise(conf, backend, args):
 
 def cmd_submit(conf, backend, args):
     check_timeout(args.timeout)
-    items = read_items(args.items)
+    items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
     progress = not args.json and sys.stderr.isatty()
     if args.pool:
         if args.shards > 1:
@@ -6362,8 +6585,9 @@ def build_parser():
 
     p = verbs.add_parser("submit", parents=[priced],
                          help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
-    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, or a .npy/.npz file of numeric "
-                                 "items")
+    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz file of numeric "
+                                 "items, or a Parquet/.arrow/.feather file, folder or quoted glob (one item a row)")
+    p.add_argument("--columns", metavar="A,B", help="Parquet/Arrow input: read only these columns")
     p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
     p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, or --handler)")
     p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's handler")

@@ -192,3 +192,15 @@ class Timeline:
 
     def collate(self, items):
         return items
+
+
+class Types:
+    """Says what the worker received: per field, its Python type's name and the value as JSON."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, items):
+        return [{k: [type(v).__name__, v] for k, v in item.items()} for item in items]
