@@ -2764,15 +2764,18 @@ def read_supervisor(conf, model):
     return status if pid_alive(status["pid"]) else None
 
 
-def start_supervisor(conf, model, workers, gpus_per_worker=None):
+def start_supervisor(conf, model, workers, gpus_per_worker=None, threads_per_worker=None):
     """Ask this machine's supervisor of the pool for `workers` workers (starting it when there is none); returns
-    its pid. `gpus_per_worker` (None: 1 where CUDA devices exist) is read by a new supervisor, and by a running
-    one at its next tick."""
+    its pid. `gpus_per_worker` (None: 1 where CUDA devices exist) and `threads_per_worker` (None: thread_env's
+    share) are read by a new supervisor, and by a running one for the workers it starts next."""
     folder = state_dir(conf, model)
     os.makedirs(folder, exist_ok=True)
     if gpus_per_worker is not None and gpus_per_worker < 0:
         raise UserError(f"--gpus-per-worker {gpus_per_worker}: must be 0 (no GPU) or more")
+    if threads_per_worker is not None and threads_per_worker < 1:
+        raise UserError(f"--threads-per-worker {threads_per_worker}: must be 1 or more")
     write_file_atomic(os.path.join(folder, "gpus-per-worker"), "" if gpus_per_worker is None else str(gpus_per_worker))
+    write_file_atomic(os.path.join(folder, "threads-per-worker"), str(threads_per_worker or ""))
     write_file_atomic(os.path.join(folder, "desired"), str(workers))
     status = read_supervisor(conf, model)
     if status:
@@ -2839,6 +2842,7 @@ def supervise(conf, model):
             _spawn(conf, model, folder, slots, want, now)
             workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
                         "restarts": v["restarts"], "log": v["log"], "warm": _is_warm(v), "gpus": v["gpus"],
+                        "threads": v.get("threads"),
                         "last_exit": v["last_exit"]} for s, v in sorted(slots.items())]
             write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
                 {"pid": os.getpid(), "model": model, "desired": want, "restarts": totals["restarts"],
@@ -2941,11 +2945,35 @@ def _spawn(conf, model, folder, slots, want, now):
             slot["gpus"] = worker_gpus(devices, per_worker, s)
             env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
+            env.update(thread_env(folder, want, slot["gpus"], env))
+            slot["threads"] = env.get("OMP_NUM_THREADS")
             with open(slot["log"], "ab") as log:
                 slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=log, env=env, cwd=HERE)
             slot["started"] = now
             print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
+# the thread pools a CPU worker's libraries size from these: torch and OpenMP, MKL, numpy's OpenBLAS, the Rust
+# tokenizers' rayon; unset, each takes every core, and N workers on a machine fight over them
+
+
+def thread_env(folder, want, gpus, env):
+    """The thread settings of a worker started now: `pool create --threads-per-worker N` sets THREAD_VARS to N;
+    else a CPU worker gets its share of this machine's cores (cores / workers, at least 1) in each of them the
+    user's environment does not set already; a GPU worker keeps its libraries' defaults."""
+    try:
+        with open(os.path.join(folder, "threads-per-worker")) as f:
+            asked = f.read().strip()
+    except OSError:
+        asked = ""
+    if asked:
+        return dict.fromkeys(THREAD_VARS, asked)
+    if gpus:
+        return {}
+    share = str(max(1, len(os.sched_getaffinity(0)) // max(1, want)))
+    return {var: env.get(var) or share for var in THREAD_VARS}
 
 
 def gpu_devices(conf):
@@ -5576,7 +5604,8 @@ def format_local_worker(w):
     """One local worker's line in `pool status`: slot, pid, warm or loading, GPUs, restarts, why it last exited."""
     state = ("warm" if w.get("warm") else "loading") if w["alive"] else "restarting"
     gpus = f"GPU {','.join(w['gpus'])}" if w.get("gpus") else "no GPU"
-    line = f"    slot {w['slot']}: pid {w['pid'] or '-'} {state}, {gpus}, {w['restarts']} restart(s)"
+    threads = f"{w['threads']} thread(s)" if w.get("threads") else "threads: its libraries' default"
+    line = f"    slot {w['slot']}: pid {w['pid'] or '-'} {state}, {gpus}, {threads}, {w['restarts']} restart(s)"
     last = w.get("last_exit")
     if last:
         line += (f"; last exit {now_iso(last['at'])[11:19]} ({'after' if last['warm'] else 'before'} warm): "
@@ -5705,13 +5734,13 @@ def pool_liveness(conf, backend, record):
     return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere)"
 
 
-def scale_local(conf, model, workers, gpus_per_worker=None):
+def scale_local(conf, model, workers, gpus_per_worker=None, threads_per_worker=None):
     """Set the pool's local worker count on this machine; 0 stops its supervisor. Returns the supervisor's pid
     (None at 0)."""
     if workers < 0:
         raise UserError(f"--workers {workers}: must be 0 or more")
     if workers:
-        return start_supervisor(conf, model, workers, gpus_per_worker)
+        return start_supervisor(conf, model, workers, gpus_per_worker, threads_per_worker)
     if os.path.isdir(state_dir(conf, model)):
         write_file_atomic(os.path.join(state_dir(conf, model), "desired"), "0")
     stop_supervisor(conf, model, setting_number(conf, "CALQUE_GRACE") + 10)
@@ -5727,7 +5756,8 @@ class Pool:
         self.conf, self.backend = context or _context(store)
 
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
-               max_deliveries=None, batch_timeout=None, gpus_per_worker=None, wait=True, progress=False, modal=None):
+               max_deliveries=None, batch_timeout=None, gpus_per_worker=None, threads_per_worker=None, wait=True,
+               progress=False, modal=None):
         """Create (or re-create: idempotent) the pool: queues, handler snapshot, pool record, then `workers`
         local workers, waited for until warm unless wait=False (WorkersFailed names the first that died).
         The workers run in the current folder (the record's workdir). `modal`: a Modal handler's {"params": {key:
@@ -5745,15 +5775,16 @@ class Pool:
             self.backend.queues.create_queue(record["dlq"], record["visibility_timeout"])
             write_json(self.backend, pool_key(self.model), record)
         if workers:
-            self.scale(workers, gpus_per_worker=gpus_per_worker, wait=wait, progress=progress)
+            self.scale(workers, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker, wait=wait,
+                       progress=progress)
         return record
 
-    def scale(self, workers, *, gpus_per_worker=None, wait=True, progress=False):
+    def scale(self, workers, *, gpus_per_worker=None, threads_per_worker=None, wait=True, progress=False):
         """Set the number of local workers on this machine (0 stops them), waiting until the new ones are warm
         unless wait=False. Returns the supervisor's pid (None at 0)."""
         load_pool(self.backend, self.model)
         since = time.time()
-        pid = scale_local(self.conf, self.model, workers, gpus_per_worker)
+        pid = scale_local(self.conf, self.model, workers, gpus_per_worker, threads_per_worker)
         if pid and wait:
             wait_warm(self.conf, self.model, workers, since, progress)
         return pid
@@ -5997,6 +6028,9 @@ def local_options(p):
     p.add_argument("--no-wait", action="store_true", help="return once the workers are started, before they are warm")
     p.add_argument("--gpus-per-worker", type=int, metavar="K",
                    help="CUDA devices per local worker, round-robin (default 1 where CUDA devices exist, else 0)")
+    p.add_argument("--threads-per-worker", type=int, metavar="N",
+                   help="torch/OpenMP/MKL threads per local worker (default: a CPU worker's share of the cores, "
+                        "cores / workers, unless OMP_NUM_THREADS etc. are set; a GPU worker: its libraries' default)")
 
 
 def print_cancelled(model, cancelled):
@@ -6071,7 +6105,8 @@ def cmd_pool_create(conf, backend, args):
 def scale_local_verb(conf, pool, workers, args):
     """pool create / pool scale: set the local workers, waiting (unless --no-wait) with a progress line on a
     terminal until they are warm. Returns the supervisor's pid."""
-    return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, wait=not args.no_wait,
+    return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, threads_per_worker=args.threads_per_worker,
+                      wait=not args.no_wait,
                       progress=sys.stderr.isatty())
 
 

@@ -204,3 +204,15 @@ class Types:
     @calque.batch
     def run(self, items):
         return [{k: [type(v).__name__, v] for k, v in item.items()} for item in items]
+
+
+class Threads:
+    """Says the thread settings its worker was started with, and torch's thread count where torch is imported."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, items):
+        return [{var: os.environ.get(var) for var in calque.THREAD_VARS} for _ in items]
