@@ -1028,10 +1028,13 @@ class LocalStore:
         return keys
 
     def delete_prefix(self, prefix):
+        """Delete every key under the prefix; returns (objects, bytes) deleted."""
+        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self._path(prefix)) for f in files]
         shutil.rmtree(self._path(prefix), ignore_errors=True)   # ignores files a concurrent writer removed first
         if os.path.lexists(self._path(prefix)):                 # but not a folder that stayed: say so
             raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the folder's permissions, "
                              f"then retry")
+        return len(sizes), sum(sizes)
 
 
 def _link_new(tmp, path):
@@ -1351,10 +1354,18 @@ class S3Store:
 
     @endpoint_retried
     def delete_prefix(self, prefix):
+        """Delete every key under the prefix, a DeleteObjects request per listed page (1000 keys); returns
+        (objects, bytes) deleted."""
+        count = size = 0
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
-            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            self.requests["store_lists"] += 1
+            objects = page.get("Contents", [])
             if objects:
-                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": o["Key"]} for o in objects],
+                                                                   "Quiet": True})
+                self.requests["store_puts"] += 1
+                count, size = count + len(objects), size + sum(o["Size"] for o in objects)
+        return count, size
 
     def delete(self, key):
         """Delete one object; one that is not there is no error (S3 answers 204 either way)."""
@@ -2477,6 +2488,48 @@ def cancel_pool_runs(backend, model):
             if marked:
                 cancelled[run["run_id"]] = marked
     return cancelled
+
+
+def live_claims(backend, run):
+    """The run's claims queued or running (sent, no summary, not cancelled): what deleting it would strand."""
+    states = claim_states(backend, run, read_summaries(backend, run["run_id"]))
+    return [claim for claim, (state, _) in states.items() if state == "queued or running"]
+
+
+def check_deletable(backend, run):
+    """Refuse to delete a run with claims queued or running: a worker that receives one of them later finds no
+    manifest and dead-letters it (what --force accepts)."""
+    live = live_claims(backend, run)
+    if live:
+        raise UserError(f"run {run['run_id']} has {len(live)} claim(s) queued or running: deleting it would strand "
+                        f"them ---> HINT: wait (runs show {run['run_id']}), runs cancel it, or pass --force")
+
+
+def delete_run(conf, backend, run):
+    """Delete a run's objects from the store (and its cold workers' logs on this machine); returns (objects,
+    bytes)."""
+    freed = backend.store.delete_prefix(f"runs/{run['run_id']}/")
+    shutil.rmtree(os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run["run_id"]), ignore_errors=True)
+    return freed
+
+
+def parse_age(text):
+    """Seconds of an age such as 7d, 12h, 30m, 90s or 2w."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw])", text.strip())
+    if not match:
+        raise UserError(f"--older-than {text!r}: not an age ---> HINT: a number and a unit: 90s, 30m, 12h, 7d, 2w")
+    return float(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
+
+
+def runs_to_prune(backend, older_than, keep=0, model=None):
+    """The runs created more than `older_than` seconds ago (only `model`'s when given), but each model's `keep`
+    newest runs, oldest first."""
+    runs = list_runs(backend, model)
+    kept = {r["run_id"] for m in {r["model"] for r in runs}
+            for r in [r for r in runs if r["model"] == m][::-1][:keep]}
+    cutoff = time.time() - older_than
+    return [r for r in runs if r["run_id"] not in kept and
+            datetime.datetime.fromisoformat(r["created_at"]).timestamp() < cutoff]
 
 
 def redrive(backend, record, runs):
@@ -5229,7 +5282,8 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         prefix = f"pools/{slug(model)}/"
         if calls.note("s3", "DeleteObjects", {"uri": backend.store.uri(prefix), "what": "every key under it"}):
             backend.store.delete_prefix(prefix)
-        return "deleted (record, handler, kit, worker stats; runs are kept under runs/)"
+        return (f"deleted (record, handler, kit, worker stats); its runs remain ---> HINT: calque runs prune "
+                f"--model {model} --older-than 0s deletes them")
 
     ok = all([_delete_step(model, "alarms", alarms),
               _delete_step(model, f"auto scaling group {names['asg']}", asg),
@@ -6170,7 +6224,8 @@ def cmd_pool_delete(conf, backend, args):
     print(f"pool {args.model}: local workers stopped")
     for role in ("queue", "dlq"):
         print(f"pool {args.model}: deleted queue {record[role]}")
-    print(f"pool {args.model}: deleted its record, handler snapshot and worker stats (runs are kept under runs/)")
+    print(f"pool {args.model}: deleted its record, handler snapshot and worker stats; its runs remain in the store "
+          f"---> HINT: calque runs prune --model {args.model} --older-than 0s (or runs delete RUN) deletes them")
     return EXIT_OK
 
 
@@ -6380,6 +6435,48 @@ def cmd_runs_cancel(conf, backend, args):
     else:
         print(f"run {args.run}: every claim has a summary: nothing to cancel")
     return EXIT_OK
+
+
+def size_text(size):
+    """Bytes in the largest unit that leaves at least 1 of it: 512 B, 13.4 KiB, 1.1 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:,} B" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1024
+
+
+def cmd_runs_delete(conf, backend, args):
+    """Delete runs from the store: every one is checked before the first is deleted."""
+    runs = [read_run(backend, run_id) for run_id in args.run]
+    for run in runs if not args.force else ():
+        check_deletable(backend, run)
+    return print_freed(conf, backend, runs)
+
+
+def print_freed(conf, backend, runs):
+    """Delete the runs, a line each, then the total freed."""
+    total = [0, 0]
+    for run in runs:
+        objects, size = delete_run(conf, backend, run)
+        total = [total[0] + objects, total[1] + size]
+        print(f"run {run['run_id']}: deleted ({objects} object(s), {size_text(size)})")
+    print(f"freed {size_text(total[1])} in {total[0]} object(s) of {len(runs)} run(s)")
+    return EXIT_OK
+
+
+def cmd_runs_prune(conf, backend, args):
+    """Delete the runs older than --older-than but each model's --keep newest; a live run is skipped (named)."""
+    if args.keep < 0:
+        raise UserError(f"--keep {args.keep}: must be 0 or more")
+    runs = []
+    for run in runs_to_prune(backend, parse_age(args.older_than), args.keep, args.model):
+        live = [] if args.force else live_claims(backend, run)
+        if live:
+            print(f"run {run['run_id']}: kept: {len(live)} claim(s) queued or running ---> HINT: --force deletes "
+                  f"it anyway")
+        else:
+            runs.append(run)
+    return print_freed(conf, backend, runs)
 
 
 def cmd_runs_redrive(conf, backend, args):
@@ -6644,8 +6741,8 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_submit)
 
-    runs = verbs.add_parser("runs", help="read runs (list, show, results); resume, cancel, redrive them")
-    runs = runs.add_subparsers(dest="runs_verb", required=True, metavar="{list,show,results,resume,cancel,redrive}")
+    runs = verbs.add_parser("runs", help="read runs (list, show, results); resume, cancel, redrive, delete, prune")
+    runs = runs.add_subparsers(dest="runs_verb", required=True, metavar="{list,show,results,resume,cancel,redrive,delete,prune}")
     p = runs.add_parser("list", help="every run in the store")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_runs_list)
@@ -6670,6 +6767,16 @@ def build_parser():
     p = runs.add_parser("redrive", help="send a run's dead-lettered claims back to its pool's queue")
     p.add_argument("run", help="the run id (see `runs list`)")
     p.set_defaults(func=cmd_runs_redrive)
+    p = runs.add_parser("delete", help="delete runs from the store (inputs, results, summaries), saying what it freed")
+    p.add_argument("run", nargs="+", help="run ids (see `runs list`)")
+    p.add_argument("--force", action="store_true", help="also a run with claims queued or running")
+    p.set_defaults(func=cmd_runs_delete)
+    p = runs.add_parser("prune", help="delete the runs older than an age, but the newest --keep of each model")
+    p.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 7d, 12h, 30m")
+    p.add_argument("--keep", type=int, default=0, metavar="N", help="keep each model's N newest runs (default 0)")
+    p.add_argument("--model", help="only this model's runs")
+    p.add_argument("--force", action="store_true", help="also runs with claims queued or running")
+    p.set_defaults(func=cmd_runs_prune)
 
     p = verbs.add_parser("cost", parents=[priced],
                          help="a run's cost, its cold counterfactual and the crossover ladder")
