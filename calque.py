@@ -3177,15 +3177,19 @@ def _check_rates(rates, file):
     for name in instances:
         keys = ("ec2", "instances", name)
         _rates_field(rates, keys + ("usd_per_hour",), file, "positive")
-        _rates_field(rates, keys + ("gpu",), file, str)
         gpus = _rates_field(rates, keys + ("gpus",), file, int)
-        if gpus < 1:
-            raise UserError(f"rates file {file}: {_field_name(keys + ('gpus',))} must be >= 1, got {gpus}")
+        if gpus < 0:
+            raise UserError(f"rates file {file}: {_field_name(keys + ('gpus',))} must be >= 0, got {gpus}")
+        _check_sourced(rates, keys, file)
+        if not gpus:   # a CPU instance: its serverless stand-in is a container of its cores and memory
+            _rates_field(rates, keys + ("vcpus",), file, "positive")
+            _rates_field(rates, keys + ("memory_gib",), file, "positive")
+            continue
+        _rates_field(rates, keys + ("gpu",), file, str)
         card = _rates_field(rates, keys + ("serverless_card",), file, str)
         if card not in cards:
             raise UserError(f"rates file {file}: {_field_name(keys + ('serverless_card',))} {card!r} "
                             f"is not in serverless.cards ({', '.join(cards)})")
-        _check_sourced(rates, keys, file)
     for name in ("spot_fraction", "savings_plan_fraction"):
         _rates_field(rates, ("ec2", name, "value"), file, "fraction")
         _check_sourced(rates, ("ec2", name), file)
@@ -3201,9 +3205,11 @@ def _check_rates(rates, file):
     for name in ("sqs_usd_per_million", "s3_put_usd_per_thousand", "s3_get_usd_per_thousand"):
         _rates_field(rates, ("requests", name, "value"), file, "positive")
         _check_sourced(rates, ("requests", name), file)
-    default_type = _rates_field(rates, ("defaults", "instance_type", "value"), file, str)
-    if default_type not in instances:
-        raise UserError(f"rates file {file}: defaults.instance_type {default_type!r} is not in ec2.instances")
+    for name in ("instance_type", "cpu_instance_type") if "cpu_instance_type" in rates.get("defaults", {}) else (
+            "instance_type",):
+        default_type = _rates_field(rates, ("defaults", name, "value"), file, str)
+        if default_type not in instances:
+            raise UserError(f"rates file {file}: defaults.{name} {default_type!r} is not in ec2.instances")
     _rates_field(rates, ("defaults", "acquisition_seconds", "value"), file, "nonneg")
 
 
@@ -3244,10 +3250,22 @@ def serverless_rate_per_second(rates, card, count=1):
 
 
 def serverless_match(rates, instance_type):
-    """(card, count): the serverless GPUs that stand in for this instance's GPUs in the ladder."""
+    """(card, count): the serverless GPUs that stand in for this instance's GPUs in the ladder ((None, 0): a CPU
+    instance)."""
     instance_rate_per_second(rates, instance_type)  # same unknown-type error
     inst = rates["ec2"]["instances"][instance_type]
-    return inst["serverless_card"], inst["gpus"]
+    return inst.get("serverless_card"), inst["gpus"]
+
+
+def serverless_stand_in(rates, instance_type):
+    """$/s of the serverless container standing in for this instance: its GPUs (serverless_match), or for a CPU
+    instance its vCPUs (two a serverless physical core) and memory."""
+    card, count = serverless_match(rates, instance_type)
+    if count:
+        return serverless_rate_per_second(rates, card, count)
+    inst, per = rates["ec2"]["instances"][instance_type], rates["serverless"]
+    return (inst["vcpus"] / 2 * per["cpu_usd_per_core_second"]["value"]
+            + inst["memory_gib"] * per["memory_usd_per_gib_second"]["value"])
 
 
 def price_label(rates, instance_type, spot=False, savings_plan=False):
@@ -3255,7 +3273,8 @@ def price_label(rates, instance_type, spot=False, savings_plan=False):
     per_hour = instance_rate_per_second(rates, instance_type, spot, savings_plan) * 3600
     inst = rates["ec2"]["instances"][instance_type]
     option = "spot" if spot else "savings plan" if savings_plan else "on-demand"
-    return (f"{instance_type} ({inst['gpus']}x {inst['gpu']}) {option} {_usd(per_hour)}/h, "
+    shape = f"{inst['gpus']}x {inst['gpu']}" if inst["gpus"] else f"{inst['vcpus']} vCPU, no GPU"
+    return (f"{instance_type} ({shape}) {option} {_usd(per_hour)}/h, "
             f"{rates.get('_file', 'rates')} {rates['updated']}")
 
 
@@ -3371,6 +3390,7 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
     total = sum(c["total_usd"] for c in claims)
     cold_seconds = shards * (acquisition_seconds + enter_seconds) + variable
     cold_usd = cold_seconds * rate_per_s + request_usd
+    saving = cold_usd - total if abs(cold_usd - total) >= 1e-8 else 0.0   # less is float noise: a cold run's own
     notes = []
     partial = expected_claims is not None and len(summaries) < expected_claims
     if partial:
@@ -3411,8 +3431,8 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
             "instance_seconds": cold_seconds,
             "usd": cold_usd,
         },
-        "saving_usd": cold_usd - total,
-        "saving_fraction": (cold_usd - total) / cold_usd if cold_usd > 0 else None,
+        "saving_usd": saving,
+        "saving_fraction": saving / cold_usd if cold_usd > 0 else None,
         "inputs": {
             "instance rate": "published (rates file)",
             "claim seconds": "measured",
@@ -3650,28 +3670,55 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
 
 
 class Pricing(typing.NamedTuple):
-    """What every cost line is priced with: the rates file, the instance type, its $/s and the label saying so."""
+    """What every cost line is priced with: the rates file, the instance type, its $/s and the label saying so;
+    the purchase option, and whether the user named the type (else a run that used no GPU is priced as a CPU
+    instance: for_run)."""
     rates: dict
     instance_type: str
     rate_per_s: float
     label: str
+    spot: bool = False
+    savings_plan: bool = False
+    chosen: bool = True
 
 
-def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False):
+def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False, rates=None):
     """The Pricing for a rates file (default the bundled rates.json) and an instance type (default: the
     file's), on-demand unless spot or savings_plan."""
-    rates = load_rates(rates_file or RATES_FILE)
-    instance_type = instance_type or rates["defaults"]["instance_type"]["value"]
+    rates = rates or load_rates(rates_file or RATES_FILE)
+    chosen, instance_type = instance_type is not None, instance_type or rates["defaults"]["instance_type"]["value"]
     rate = instance_rate_per_second(rates, instance_type, spot=spot, savings_plan=savings_plan)
-    return Pricing(rates, instance_type, rate, price_label(rates, instance_type, spot=spot, savings_plan=savings_plan))
+    return Pricing(rates, instance_type, rate, price_label(rates, instance_type, spot=spot, savings_plan=savings_plan),
+                   spot, savings_plan, chosen)
+
+
+def used_no_gpu(summaries):
+    """True when every claim's worker said it saw no GPU (NVML absent or without a device)."""
+    return bool(summaries) and all((s.get("gpu_utilisation") or {}).get("reason", "").startswith("no ")
+                                   for s in summaries)
+
+
+def for_run(price, summaries):
+    """The Pricing of a run: a default-priced run whose workers saw no GPU is priced as the rates file's CPU
+    instance (defaults.cpu_instance_type), or, without one, its label says that a GPU price was assumed."""
+    if price.chosen or not used_no_gpu(summaries):
+        return price
+    cpu = price.rates["defaults"].get("cpu_instance_type", {}).get("value")
+    if cpu is None:
+        return price._replace(label=f"{price.label}; a GPU price assumed for a run that used no GPU (the rates "
+                                    f"file names no defaults.cpu_instance_type)")
+    priced = pricing(instance_type=cpu, spot=price.spot, savings_plan=price.savings_plan, rates=price.rates)
+    return priced._replace(label=f"{priced.label}: no worker of this run saw a GPU (--instance-type prices another)",
+                           chosen=False)
 
 
 def run_cost_report(backend, run, summaries, price):
     """The run's cost, its cold counterfactual and the crossover ladder, with every input's status.
     E (@enter) is measured: the pool's workers' mean for a pool run, this run's own for a cold one.
     A (acquisition) for a pool run is the rates file's assumption for a fresh EC2 instance; a cold run
-    is its own counterfactual, so it uses the start-up its workers measured."""
-    rates, instance_type, rate, label = price
+    is its own counterfactual, so it uses the start-up its workers measured. A run that used no GPU is priced
+    as a CPU instance unless the user named one (for_run)."""
+    rates, instance_type, rate, label = for_run(price, summaries)[:4]
     if run["mode"] == "cold":
         paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
         if paid:
@@ -3692,17 +3739,17 @@ def run_cost_report(backend, run, summaries, price):
                       expected_claims=len(run["claims"]), backend=backend.kind)
     ladder = None
     if report["seconds_per_item"] is not None:
-        card, count = serverless_match(rates, instance_type)
         ladder = crossover_ladder(report["seconds_per_item"], enter, acquisition, rate,
-                                  serverless_rate_per_second(rates, card, count),
+                                  serverless_stand_in(rates, instance_type),
                                   request_usd_per_item=report["request_usd"] / report["items"])
     status = {"c": "measured", "E": enter_status.split(" ")[0], "A": acquisition_status.split(" ")[0], "q": "measured"}
     return report, ladder, label, status
 
 
 def _usd(x):
-    """Dollars: cents above $100, else 6 significant figures without trailing zeros ($0.000305556)."""
-    if x == 0:
+    """Dollars: cents above $100, else 6 significant figures without trailing zeros ($0.000305556); below a
+    millionth of a cent, $0 (floating-point noise such as a difference of two equal sums)."""
+    if abs(x) < 1e-8:
         return "$0"
     sign, x = ("-" if x < 0 else ""), abs(x)
     if x >= 100:
@@ -6231,7 +6278,7 @@ def cmd_pool_delete(conf, backend, args):
 
 def cmd_pool_cost(conf, backend, args):
     load_pool(backend, args.model)
-    rates, _, rate, label = _pricing(args)
+    rates, _, rate, label = _pricing(args)[:4]
     report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
                        rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
     if args.json:
@@ -6515,7 +6562,8 @@ def cmd_cost(conf, backend, args):
         for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
             print("  " + line)
         return EXIT_OK
-    print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], reports[0][3])))
+    labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind (GPU or none)
+    print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], "; ".join(labels))))
     return EXIT_OK
 
 
