@@ -55,6 +55,7 @@ import shutil
 import signal
 import socket
 import sqlite3
+import struct
 import subprocess
 import sys
 import tarfile
@@ -320,13 +321,14 @@ def results_prefix(run_id, claim):
     return f"runs/{run_id}/results/{claim}/"
 
 
-def part_key(run_id, claim, start, stop):
-    """One result part: the result lines of the claim's items [start, stop) (offsets within the claim), in
-    order, one JSON object per line. Zero-padded, so that the keys sort in item order."""
-    return f"{results_prefix(run_id, claim)}{start:07d}-{stop:07d}.jsonl"
+def part_key(run_id, claim, start, stop, suffix=".jsonl"):
+    """One result part: the results of the claim's items [start, stop) (offsets within the claim), in order:
+    .jsonl, one JSON object per line, or .npz where any result holds arrays (encode_part). Zero-padded, so
+    that the keys sort in item order."""
+    return f"{results_prefix(run_id, claim)}{start:07d}-{stop:07d}{suffix}"
 
 
-PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.jsonl$")
+PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.(jsonl|npz)$")
 
 
 def attempt_key(run_id, claim):
@@ -353,34 +355,238 @@ def part_chain(keys, count):
     return chain
 
 
+# Typed results: a numeric numpy array or torch tensor, as an item's result or as a value of its result dict, is
+# stored in binary in its dtype (docs/contract.md#typed-result-parts); numpy is imported only where one is met.
+NUMERIC_KINDS = "biuf"                  # numpy dtype kinds stored in binary; any other array is written as JSON lists
+PART_FORMAT = 1                         # index.json's "format" in an .npz part
+
+
+def host_array(value):
+    """(numpy array, dtype name) of a numeric numpy array or torch tensor, moved to the host with .cpu(); None for
+    any other value. bfloat16, which numpy lacks, is its raw bits as uint16, named "bfloat16"."""
+    if hasattr(value, "detach") and hasattr(value, "cpu"):      # a torch tensor, on any device
+        value = value.detach().cpu()
+        if str(value.dtype) == "torch.bfloat16":
+            return value.view(sys.modules["torch"].int16).numpy().view("<u2"), "bfloat16"
+        value = value.numpy()
+    np = sys.modules.get("numpy")       # nothing imported numpy yet: the value is no array
+    if np is None or not isinstance(value, np.ndarray) or value.dtype.kind not in NUMERIC_KINDS:
+        return None
+    return value, value.dtype.name
+
+
+def batch_rows(outputs, count):
+    """A handler's return for a batch of `count` items as their results: a list or tuple as it is; an array or a
+    tensor (moved to the host once) split along its first dimension; a dict of arrays, tensors and lists split per
+    key, each item's result a dict. ValueError, naming both lengths, when the first dimension is not `count`."""
+    if isinstance(outputs, (list, tuple)):
+        if len(outputs) != count:
+            raise ValueError(f"handler returned {len(outputs)} results for a batch of {count} items")
+        return list(outputs)
+    columns = dict(outputs) if isinstance(outputs, dict) else {None: outputs}
+    for key, column in columns.items():
+        if hasattr(column, "detach") and hasattr(column, "cpu"):
+            columns[key] = column = column.detach().cpu()
+        shape = getattr(column, "shape", None) or ((len(column),) if isinstance(column, (list, tuple)) else ())
+        what = "" if key is None else f" for {key!r}"
+        if not shape:
+            raise ValueError(f"handler returned {type(column).__name__}{what} for a batch of {count} items "
+                             f"(a list, an array or a dict of them, one row an item)")
+        if shape[0] != count:
+            raise ValueError(f"handler returned {shape[0]} rows{what} for a batch of {count} items")
+    rows = [{key: column[j, ...] if hasattr(column, "shape") else column[j] for key, column in columns.items()}
+            for j in range(count)]
+    return [row[None] for row in rows] if None in columns else rows
+
+
+def typed_cells(value):
+    """(the result with each typed value replaced by None, [(field, array, dtype)]) for a result that is an array or
+    a dict holding arrays at its top level (field None: the result itself); None for any other result."""
+    if isinstance(value, dict):
+        cells = [(key, *typed) for key, v in value.items() if (typed := host_array(v)) is not None]
+        return ({k: None if k in {c[0] for c in cells} else v for k, v in value.items()}, cells) if cells else None
+    typed = host_array(value)
+    return (None, [(None, *typed)]) if typed is not None else None
+
+
+class TypedLines(str):
+    """Result lines in which each typed value is null, carrying `cells`: (offset in the lines, field, array, dtype)."""
+    cells = ()
+
+
+def _row_ranges(rows):
+    """[[start, stop], ...] of sorted row offsets: an index.json's compact form of which items a block holds."""
+    ranges = []
+    for row in rows:
+        if ranges and ranges[-1][1] == row:
+            ranges[-1][1] += 1
+        else:
+            ranges.append([row, row + 1])
+    return ranges
+
+
+def _npy(array):
+    import numpy as np
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
+    return buf.getvalue()
+
+
+def encode_part(chunks):
+    """(suffix, data) of a result part made of these chunks of result lines, in order: .jsonl, their text joined,
+    when none carries typed cells (the bytes a JSON-only claim always had); else .npz, a zip (stored, not
+    compressed) of results.jsonl (the lines, typed values null), index.json (the blocks) and one b<k>.npy a block:
+    the arrays of one field and dtype stacked, or, where their shapes differ, flat one after the other with
+    b<k>.shapes.npy."""
+    text, groups, at = "".join(chunks), {}, 0
+    for chunk in chunks:
+        for offset, field, array, dtype in getattr(chunk, "cells", ()):
+            groups.setdefault((field, dtype, array.ndim), []).append((at + offset, array))
+        at += chunk.count("\n")
+    if not groups:
+        return ".jsonl", text
+    import numpy as np
+    buf, blocks = io.BytesIO(), []
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("results.jsonl", text)
+        for k, ((field, dtype, _), cells) in enumerate(groups.items()):
+            arrays = [array for _, array in cells]
+            uniform = all(a.shape == arrays[0].shape for a in arrays)
+            blocks.append({"field": field, "dtype": dtype, "shape": list(arrays[0].shape) if uniform else None,
+                           "rows": _row_ranges([row for row, _ in cells])})
+            z.writestr(f"b{k}.npy", _npy(np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])))
+            if not uniform:
+                z.writestr(f"b{k}.shapes.npy", _npy(np.array([a.shape for a in arrays], dtype=np.int64)))
+        z.writestr("index.json", json.dumps({"format": PART_FORMAT, "items": at, "blocks": blocks}))
+    return ".npz", buf.getvalue()
+
+
+class Block(typing.NamedTuple):
+    """A typed block of a part as read: `rows` (numpy offsets in the part) hold `field` in `dtype`; `values` their
+    arrays stacked, or (`shapes` not None) flat one after the other, each row of shapes[j]. bfloat16 values are their
+    raw uint16 bits (widen() reads them as float32, exactly)."""
+    field: typing.Optional[str]
+    dtype: str
+    rows: typing.Any
+    values: typing.Any
+    shapes: typing.Any = None
+
+    def widen(self):
+        """The values in a numpy dtype: bfloat16 bits as the float32 numbers they are (bfloat16 is float32's top
+        half, so nothing is rounded); any other dtype as stored."""
+        import numpy as np
+        if self.dtype != "bfloat16":
+            return self.values
+        return (self.values.astype(np.uint32) << 16).view(np.float32)
+
+    def arrays(self):
+        """Each row's array, in rows' order (widened)."""
+        values = self.widen()
+        if self.shapes is None:
+            return list(values)
+        ends = self.shapes.prod(axis=1).cumsum()
+        return [values[end - size:end].reshape(shape) for end, size, shape in
+                zip(ends, self.shapes.prod(axis=1), self.shapes)]
+
+    def since(self, skip):
+        """The block less its rows before offset `skip`, the rest renumbered from 0."""
+        keep = self.rows >= skip
+        if self.shapes is None:
+            return self._replace(rows=self.rows[keep] - skip, values=self.values[keep])
+        import numpy as np
+        ends = self.shapes.prod(axis=1).cumsum()
+        flat = np.concatenate([self.values[end - size:end] for end, size, k in
+                               zip(ends, self.shapes.prod(axis=1), keep) if k] or [self.values[:0]])
+        return self._replace(rows=self.rows[keep] - skip, values=flat, shapes=self.shapes[keep])
+
+
+class Part(typing.NamedTuple):
+    """A result part as read: its result lines (newline kept; a typed value is null in its line) and its blocks."""
+    lines: list
+    blocks: list
+
+    def since(self, skip):
+        return Part(self.lines[skip:], [b.since(skip) for b in self.blocks]) if skip else self
+
+
+def decode_npz_part(data):
+    """(result lines text, [Block]) of an .npz part's bytes, each block's values a view of them (members are stored,
+    not compressed); ValueError (zipfile's, numpy's) for a torn one."""
+    import numpy as np
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        def member(name):
+            info = z.getinfo(name)
+            name_size, extra_size = struct.unpack_from("<HH", data, info.header_offset + 26)
+            start = info.header_offset + 30 + name_size + extra_size
+            if info.compress_type != zipfile.ZIP_STORED or start + info.file_size > len(data):
+                raise ValueError(f"member {name} is compressed or cut short")
+            return memoryview(data)[start:start + info.file_size]
+        index = json.loads(z.read("index.json"))
+        if index.get("format") != PART_FORMAT:
+            raise ValueError(f"part format {index.get('format')!r}, not {PART_FORMAT}: written by another calque")
+        blocks = []
+        for k, b in enumerate(index["blocks"]):
+            rows = np.concatenate([np.arange(a, s) for a, s in b["rows"]])
+            blocks.append(Block(b["field"], b["dtype"], rows, npy_view(member(f"b{k}.npy")),
+                                None if b["shape"] is not None else npy_view(member(f"b{k}.shapes.npy"))))
+        return z.read("results.jsonl").decode(), blocks
+
+
 def read_part(store, key, start, stop):
-    """One part's stop - start result lines (newline kept), or ResultsIncomplete when it holds fewer or more.
-    Lines are split on "\n" only: a result's text may hold U+2028 and the like as they are (warmd writes results
-    with orjson, which escapes only what JSON must), which str.splitlines() would cut at."""
-    text = store.get(key).decode()
+    """One part (a Part of its stop - start result lines, newline kept), or ResultsIncomplete when it holds fewer or
+    more, or cannot be read. Lines are split on "\n" only: a result's text may hold U+2028 and the like as they are
+    (warmd writes results with orjson, which escapes only what JSON must), which str.splitlines() would cut at."""
+    data, blocks = store.get(key), []
+    if key.endswith(".npz"):
+        try:
+            data, blocks = decode_npz_part(data)
+        except (ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+            raise ResultsIncomplete(f"part {key} is unreadable ({type(e).__name__}: {e})")
+    text = data if isinstance(data, str) else data.decode()
     lines = text.count("\n")
     if not text.endswith("\n") or lines != stop - start:
         raise ResultsIncomplete(f"part {key} is truncated ({lines} of {stop - start} lines)")
-    return [line + "\n" for line in text[:-1].split("\n")]
+    return Part([line + "\n" for line in text[:-1].split("\n")], blocks)
 
 
-def read_claim_results(store, run_id, claim, count, keys=None):
-    """The claim's `count` result lines in item order, read from its parts (`keys`: the claim's folder as listed
-    already, which saves the LIST). A gap or a part with fewer lines than its name promises raises
-    ResultsIncomplete naming it: never a silent short read."""
+def read_claim_parts(store, run_id, claim, count, keys=None):
+    """The claim's parts that hold its `count` results in item order, each cut to the items not in the one before
+    (`keys`: the claim's folder as listed already, which saves the LIST). A gap or a part with fewer lines than its
+    name promises raises ResultsIncomplete naming it: never a silent short read."""
     keys = store.list(results_prefix(run_id, claim)) if keys is None else keys
     chain = part_chain(keys, count)
     at = chain[-1][1] if chain else 0
     if at < count:
         raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part holds item offset {at} of {count}")
-    lines, at = [], 0
+    parts, at = [], 0
     for start, stop, key in chain:
         try:
-            lines += read_part(store, key, start, stop)[at - start:]
+            parts.append(read_part(store, key, start, stop).since(at - start))
         except ResultsIncomplete as e:
             raise ResultsIncomplete(f"run {run_id} claim {claim}: {e}")
         at = stop
-    return lines
+    return parts
+
+
+def result_lines(part):
+    """The part's result lines as JSONL prints them: typed values written in as lists (floats in their dtype's
+    shortest form; NaN and infinities as null, as strict JSON has them)."""
+    if not part.blocks:
+        return part.lines
+    lines = [orjson.loads(line) for line in part.lines]
+    for block in part.blocks:
+        for row, array in zip(block.rows.tolist(), block.arrays()):
+            if block.field is None:
+                lines[row]["result"] = array
+            else:
+                lines[row]["result"][block.field] = array
+    option = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
+    return [orjson.dumps(line, default=to_jsonable, option=option).decode() for line in lines]
+
+
+def read_claim_results(store, run_id, claim, count, keys=None):
+    """The claim's `count` result lines in item order, as JSONL prints them (read_claim_parts, result_lines)."""
+    return [line for part in read_claim_parts(store, run_id, claim, count, keys) for line in result_lines(part)]
 
 
 def summary_key(run_id, claim):
@@ -807,11 +1013,14 @@ class ModalHandler:
 
 # ------------------------------------------------------------------------------------------------
 # numeric items as views, and what an AWS error says
+NPY_HEADER_MAX = 10 + 65535   # bytes of a version 1.0 .npy header at most (numpy writes 1.0 for any plain dtype)
+
+
 def npy_view(data):
     """A read-only numpy array over the bytes of a .npy object, without copying them (np.load would).
     Refuses object dtypes (they would need pickle) and Fortran order."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
-    f = io.BytesIO(data)
+    f = io.BytesIO(bytes(data[:NPY_HEADER_MAX]))   # the header alone: the values are not copied
     version = np.lib.format.read_magic(f)
     read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
     shape, fortran_order, dtype = read_header(f)
@@ -2566,11 +2775,11 @@ def redrive(backend, record, runs):
     return sent
 
 
-def claim_results(backend, run_id, claim, count):
-    """The claim's result lines, in item order (read_claim_results). A claim run by a calque 0.2 worker has no
+def claim_parts(backend, run_id, claim, count):
+    """The claim's result parts, in item order (read_claim_parts). A claim run by a calque 0.2 worker has no
     parts but one results object: it is read instead, and must hold `count` lines too."""
     try:
-        return read_claim_results(backend.store, run_id, claim, count)
+        return read_claim_parts(backend.store, run_id, claim, count)
     except ResultsIncomplete:
         if backend.store.list(results_prefix(run_id, claim)):
             raise
@@ -2581,7 +2790,179 @@ def claim_results(backend, run_id, claim, count):
         if len(lines) != count or not lines[-1].endswith("\n"):
             raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is truncated "
                                     f"({len(lines)} of {count} lines)")
-        return lines
+        return [Part(lines, [])]
+
+
+def claim_results(backend, run_id, claim, count):
+    """The claim's result lines, in item order, as JSONL prints them."""
+    return [line for part in claim_parts(backend, run_id, claim, count) for line in result_lines(part)]
+
+
+def claim_ids(backend, run, claim, field):
+    """The `field` of each of the claim's items, read from its manifest."""
+    manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
+    if "arrays" in manifest:   # numpy values as plain ones; a table's null or JSON column as it is
+        return [getattr(item[field], "tolist", lambda v=item[field]: v)() for item in
+                array_items(backend.store, manifest)]
+    return [item[field] for item in manifest["items"]]
+
+
+def claim_column(parts, field):
+    """(offsets, values) of the claim's items whose result holds `field` (None: the result itself), in item order:
+    typed blocks' arrays stacked (bfloat16 widened to float32), else the JSON values as numpy.array makes them.
+    ValueError where their shapes differ."""
+    import numpy as np
+    blocks, lines, at = [], [], 0
+    for part in parts:
+        blocks += [b._replace(rows=b.rows + at) for b in part.blocks if b.field == field]
+        lines += part.lines
+        at += len(part.lines)
+    if blocks:
+        if any(b.shapes is not None for b in blocks) or len({b.values.shape[1:] for b in blocks}) > 1:
+            raise ValueError("its arrays differ in shape from item to item")
+        if len(blocks) == 1:
+            return blocks[0].rows, blocks[0].widen()
+        rows, values = np.concatenate([b.rows for b in blocks]), np.concatenate([b.widen() for b in blocks])
+        order = np.argsort(rows, kind="stable")
+        return rows[order], values[order]
+    rows, values = [], []
+    for k, line in enumerate(map(orjson.loads, lines)):
+        value = line.get("result")
+        value = value if field is None else value.get(field) if isinstance(value, dict) else None
+        if line["ok"] and value is not None:
+            rows.append(k)
+            values.append(value)
+    values = np.array(values)
+    if values.dtype.kind not in NUMERIC_KINDS:
+        raise ValueError(f"its values are not numbers (numpy makes {values.dtype} of them)")
+    return np.array(rows, dtype=np.int64), values
+
+
+def typed_fields(parts):
+    return list(dict.fromkeys(b.field for part in parts for b in part.blocks))
+
+
+def with_parts(backend, run, claims):
+    """(index, claim, its parts) for each (index, claim) of `claims`."""
+    for index, claim in claims:
+        yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
+
+
+def run_array(run, claims, field=None, fill=None):
+    """One array of `field` (None: the result itself, or a dict's only array) over the items of `claims` ((index,
+    claim, parts) of claims done), row k the k-th item's. A failed item's row (or one without the field) is `fill`: by default
+    NaN where the values are floats; for other dtypes a UserError unless fill is given."""
+    import numpy as np
+    pieces, missing = [], 0
+    for index, claim, parts in claims:
+        if field is None and not pieces:
+            names = [f for f in typed_fields(parts) if f is not None]
+            if len(names) > 1 and None not in typed_fields(parts):
+                raise UserError(f"run {run['run_id']}: results hold several arrays ({', '.join(names)}) "
+                                f"---> HINT: name one: to_numpy({names[0]!r}), or runs results --field {names[0]}")
+            field = names[0] if names and None not in typed_fields(parts) else None
+        try:
+            rows, values = claim_column(parts, field)
+        except ValueError as e:
+            raise UserError(f"run {run['run_id']} claim {claim}: {field or 'the result'} cannot stack into one array "
+                            f"({e}) ---> HINT: read it with to_arrow() or runs results --format parquet")
+        pieces.append((claim_items(run, index), rows, values))
+        missing += claim_items(run, index) - len(rows)
+    shape, dtype = next(((v.shape[1:], v.dtype) for _, _, v in pieces if len(v)), ((), np.dtype("float64")))
+    if missing and fill is None and dtype.kind != "f":
+        raise UserError(f"run {run['run_id']}: {missing} items have no {field or 'result'} (failed, or none in "
+                        f"their result) and "
+                        f"{dtype} has no NaN for their rows ---> HINT: pass fill= (runs results --fill), or read "
+                        f"the ok column with to_arrow()")
+    out, at = np.empty((sum(n for n, _, _ in pieces), *shape), dtype=dtype), 0
+    for count, rows, values in pieces:
+        if len(values) and values.shape[1:] != shape:
+            raise UserError(f"run {run['run_id']}: {field or 'the result'} is {values.shape[1:]} in some claims, "
+                            f"{shape} in others ---> HINT: read it with to_arrow()")
+        if len(rows) == count:          # every item has it: rows are 0..count-1 in order
+            out[at:at + count] = values
+        else:
+            out[at:at + count] = fill if fill is not None else np.nan if dtype.kind == "f" else 0
+            if len(rows):
+                out[at + rows] = values
+        at += count
+    return out
+
+
+def _arrow_column(pa, values):
+    """A pyarrow array of stacked numpy values: one fixed-size list level per dimension after the first."""
+    column = pa.array(values.reshape(-1))
+    for size in reversed(values.shape[1:]):
+        column = pa.FixedSizeListArray.from_arrays(column, size)
+    return column
+
+
+def claim_batch(backend, run, claim, parts):
+    """The claim's results as a pyarrow.RecordBatch in item order: i, ok, error, the run's id field, then the result:
+    one column a key where every result is a dict (a key that clashes gets "result." before it), else `result`.
+    Typed arrays become fixed-size lists in their dtype (bfloat16: float32); JSON values as pyarrow infers them, or
+    their JSON text where it cannot."""
+    import numpy as np
+    import pyarrow as pa
+    lines = orjson.loads("[" + ",".join(line[:-1] for part in parts for line in part.lines) + "]")   # one parse
+    count = len(lines)
+    columns = {"i": pa.array([line["i"] for line in lines], pa.int64()), "ok": pa.array([line["ok"] for line in lines]),
+               "error": pa.array([line.get("error") for line in lines], pa.string())}
+    if run.get("id_field"):
+        columns[run["id_field"]] = pa.array(claim_ids(backend, run, claim, run["id_field"]))
+    typed, results = typed_fields(parts), [line["result"] for line in lines if line["ok"]]
+    keyed = results and None not in typed and all(isinstance(r, dict) for r in results)
+    for field in dict.fromkeys(k for r in results for k in r) if keyed else [None] if results else []:
+        name = "result" if field is None else field if field not in columns else f"result.{field}"
+        value = (lambda line: line.get("result")) if field is None else lambda line: (line.get("result") or {}).get(field)
+        if field in typed:
+            try:
+                rows, stacked = claim_column(parts, field)
+            except ValueError:      # shapes that differ: one list a row, below
+                rows = None
+            if rows is not None and (len(rows) == count or not any(
+                    value(lines[k]) is not None for k in set(range(count)) - set(rows.tolist()))):
+                columns[name] = _arrow_column(pa, stacked)
+                if len(rows) < count:   # the items without it (failed) are nulls
+                    where = np.full(count, -1)
+                    where[rows] = np.arange(len(rows))
+                    columns[name] = columns[name].take(pa.array(where, mask=where < 0))
+                continue
+        values = [value(line) for line in lines]
+        for row, array in zip(*claim_column_rows(parts, field)):
+            values[row] = array.tolist()
+        try:
+            columns[name] = pa.array(values)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            columns[name] = pa.array([None if v is None else dumps(v) for v in values], pa.string())
+    return pa.record_batch(columns)
+
+
+def claim_column_rows(parts, field):
+    """(offsets, arrays) of the claim's typed values of `field`, one array a row, whatever their shapes."""
+    rows, arrays, at = [], [], 0
+    for part in parts:
+        for block in part.blocks:
+            if block.field == field:
+                rows += (block.rows + at).tolist()
+                arrays += block.arrays()
+        at += len(part.lines)
+    return rows, arrays
+
+
+def run_table(batches):
+    """One pyarrow.Table of claim batches, their columns unified (a claim whose items all failed has no result
+    columns; a field one claim lacks is null there)."""
+    import pyarrow as pa
+    tables = [pa.Table.from_batches([b]) for b in batches]
+    if not tables:
+        return pa.table({"i": pa.array([], pa.int64()), "ok": pa.array([], pa.bool_()),
+                         "error": pa.array([], pa.string())})
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+        raise UserError(f"the claims' results do not fit one table ({e}) ---> HINT: read them claim by claim "
+                        f"(Run.iter_batches()), or as JSONL")
 
 
 CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "not queued")
@@ -6065,6 +6446,30 @@ class Run:
                 if not (failed_only and result.get("ok")):
                     yield result
 
+    def iter_batches(self, poll=SUMMARY_POLL_MAX):
+        """Each claim's results as a pyarrow.RecordBatch (claim_batch: i, ok, error, the id field, the result
+        columns), in item order, as each claim finishes: a run larger than memory, one claim at a time."""
+        for _, claim, parts in with_parts(self.backend, self.record, follow_claims(self.backend, self.record, poll)):
+            yield claim_batch(self.backend, self.record, claim, parts)
+
+    def to_arrow(self):
+        """Every item's result as one pyarrow.Table in item order (iter_batches, columns unified)."""
+        return run_table(self.iter_batches())
+
+    def to_numpy(self, field=None, fill=None):
+        """`field` of every item's result (None: the result itself, or its dict's only array) stacked in one numpy
+        array, row k item k's; a failed item's row is `fill` (default NaN where the dtype is a float; for any other
+        dtype a failed item is a UserError unless fill is given). bfloat16 comes back as float32, exactly."""
+        return run_array(self.record, with_parts(self.backend, self.record, follow_claims(self.backend, self.record)),
+                         field, fill)
+
+    def to_pandas(self):
+        """to_arrow() as a pandas DataFrame (pandas must be installed): an array column holds numpy arrays."""
+        if importlib.util.find_spec("pandas") is None:
+            raise UserError("to_pandas() needs pandas, which is not installed ---> HINT: pip install pandas, or use "
+                            "to_arrow()")
+        return self.to_arrow().to_pandas()
+
     def failures(self):
         """The failed items' results (i, error, trace), in item order, once the run has finished."""
         self.wait()
@@ -6086,8 +6491,16 @@ class Run:
 
 def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
     """Each claim's result lines (with the run's id_field copied in), in claim order, as soon as the claim has
-    its summary. A claim that will not run raises ResultsIncomplete naming it and what to do."""
-    id_field, recheck = run.get("id_field"), 0.0
+    its summary (follow_claims)."""
+    for index, claim in follow_claims(backend, run, poll):
+        lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
+        yield with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines
+
+
+def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
+    """Each claim (index, claim), in claim order, as soon as it has its summary. A claim that will not run raises
+    ResultsIncomplete naming it and what to do."""
+    recheck = 0.0
     for index, claim in enumerate(run["claims"]):
         while True:
             if claim in summary_claims(backend, run["run_id"]):
@@ -6105,15 +6518,12 @@ def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
         if state != "done":
             raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
                                     f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
-        lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
-        yield with_ids(backend, run, claim, lines, id_field) if id_field else lines
+        yield index, claim
 
 
 def with_ids(backend, run, claim, lines, field):
     """The claim's result lines with each item's `field` copied in (read from the claim's manifest)."""
-    manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
-    ids = [item[field] for item in (array_items(backend.store, manifest) if "arrays" in manifest
-                                    else manifest["items"])]
+    ids = claim_ids(backend, run, claim, field)
     return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
 
 
@@ -6161,6 +6571,42 @@ def write_results(lines, failed_only):
     failed_only."""
     sys.stdout.write("".join(line for line in lines if not failed_only or not json.loads(line)["ok"]))
     sys.stdout.flush()
+
+
+def write_binary_results(backend, run, claims, args):
+    """The results of `claims` as one Parquet table or .npy array, to --output or stdout; EXIT_FAILED when a part
+    of a claim cannot be read (named on stderr), its items left out."""
+    def readable():
+        nonlocal code
+        for index, claim in claims:
+            try:
+                yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
+            except ResultsIncomplete as e:
+                print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
+                      file=sys.stderr)
+                code = EXIT_FAILED
+    code, out = EXIT_OK, sys.stdout.buffer if args.output is None else args.output
+    if args.format == "npy":
+        import numpy as np
+        array = run_array(run, readable(), args.field, args.fill)
+        with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
+            np.save(f, array, allow_pickle=False)
+        return code
+    import pyarrow.parquet as pq
+    table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
+    if args.failed:
+        import pyarrow.compute as pc
+        table = table.filter(pc.invert(table["ok"]))
+    with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
+        pq.write_table(table, f)
+    return code
+
+
+def open_output(path):
+    try:
+        return open(path, "wb")
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror}) ---> HINT: pick a path in a folder you can write to")
 
 
 def cmd_pool_create(conf, backend, args):
@@ -6407,10 +6853,19 @@ def cmd_runs_show(conf, backend, args):
 
 
 def cmd_runs_results(conf, backend, args):
-    """Every item's result (--failed: only the failed ones), in item order, as JSONL on stdout; --follow waits for
-    each claim in turn and prints its results as soon as it finishes. A claim without all its results (it did not
-    run, or a part is missing or truncated) is an error line on stderr and exit 1: never a short read that looks
-    whole."""
+    """Every item's result (--failed: only the failed ones), in item order, as JSONL on stdout (--format parquet or
+    npy: one file, to --output or a stdout that is not a terminal); --follow waits for each claim in turn and prints
+    its results as soon as it finishes. A claim without all its results (it did not run, or a part is missing or
+    truncated) is an error line on stderr and exit 1: never a short read that looks whole."""
+    binary = args.format != "jsonl"
+    if binary and args.follow:
+        raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
+                        f"---> HINT: drop --follow (runs show {args.run} says when the run is done)")
+    if args.format == "npy" and args.failed:
+        raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: --format jsonl "
+                        "or parquet")
+    if binary and args.output is None and sys.stdout.isatty():
+        raise UserError(f"--format {args.format} writes binary: not to a terminal ---> HINT: --output PATH")
     run = read_run(backend, args.run)
     if args.follow:
         try:
@@ -6421,21 +6876,26 @@ def cmd_runs_results(conf, backend, args):
             return EXIT_FAILED
         return EXIT_OK
     view = run_view(backend, run, read_summaries(backend, args.run))
-    code, not_run = EXIT_OK, {}
+    code, not_run, done = EXIT_OK, {}, []
     for index, claim in enumerate(run["claims"]):
         state = view["claims"][claim]["state"]
         if state not in ("done", "failed"):
             not_run.setdefault(state, []).append(claim)
             continue
         try:
-            lines = claim_results(backend, args.run, claim, claim_items(run, index))
+            lines = claim_results(backend, args.run, claim, claim_items(run, index)) if not binary else None
         except ResultsIncomplete as e:
             print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
                   file=sys.stderr)
             code = EXIT_FAILED
             continue
-        write_results(with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines,
-                      args.failed)
+        if binary:
+            done.append((index, claim))
+        else:
+            write_results(with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines,
+                          args.failed)
+    if binary:
+        code = max(code, write_binary_results(backend, run, done, args))
     for state, claims in not_run.items():
         print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} ({claim_list(claims)}) "
               f"---> HINT: {next_step(run, state)}", file=sys.stderr)
@@ -6798,10 +7258,16 @@ def build_parser():
     p.add_argument("run", help="the run id (see `runs list`)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_runs_show)
-    p = runs.add_parser("results", help="a run's results as JSONL, in item order")
+    p = runs.add_parser("results", help="a run's results in item order: JSONL, Parquet or .npy")
     p.add_argument("run", help="the run id (see `runs list`)")
     p.add_argument("--failed", action="store_true", help="only the failed items (with their last traceback frames)")
     p.add_argument("--follow", action="store_true", help="wait for the claims, printing each one's results as it ends")
+    p.add_argument("--format", choices=("jsonl", "parquet", "npy"), default="jsonl",
+                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result columns) or npy "
+                        "(one result array, stacked)")
+    p.add_argument("--output", metavar="PATH", help="write the results there (default: stdout)")
+    p.add_argument("--field", help="npy: the result's key to stack (default: the result, or its only array)")
+    p.add_argument("--fill", type=float, help="npy: the row of a failed item (default NaN, for a float dtype)")
     p.set_defaults(func=cmd_runs_results)
     p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, then wait")
     p.add_argument("run", help="the run id (see `runs list`)")

@@ -33,7 +33,9 @@ Nothing lost, nothing stuck:
   as timed out, a suspect batch is re-run one item at a time.
 - Faults: store writes are retried (WRITE_RETRY); past that, or on a read or queue fault, the claim is let go
   for RELEASE_DELAY doubling per delivery (up to the visibility timeout), never at once.
-- Results are strict JSON: NaN, Infinity, a type json cannot take or nesting too deep fails that item alone.
+- Results are strict JSON: NaN, Infinity, a type json cannot take or nesting too deep fails that item alone. A
+  numeric array or tensor (the result, or a value of its dict) is kept in binary: the part is then an .npz
+  (calque.encode_part).
 - A claim ahead: at most one, received only as the running claim's last batch starts, only when the finisher
   is done with the claim before (two claims held at most) and the latest handler call took under AHEAD_HOLD/2 s;
   given back (visibility 0) when it has not started AHEAD_HOLD s after it was accepted (a clock that stands
@@ -289,14 +291,23 @@ encode_result = result_encoder()
 ORJSON_AS_JSON = orjson and orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTHROUGH_DATETIME
 
 
-def encode_fast(value):
+def refuse_arrays(value):
+    """orjson's default= for a batch encoded whole: an array or a tensor is refused, so that the batch goes item by
+    item (format_each), where a typed result is kept in binary; any other value as calque.to_jsonable has it."""
+    np = sys.modules.get("numpy")
+    if hasattr(value, "detach") or (np is not None and isinstance(value, np.ndarray)):
+        raise TypeError("an array: typed")
+    return calque.to_jsonable(value)
+
+
+def encode_fast(value, default=calque.to_jsonable):
     """value's result JSON as bytes, by orjson (~6x json's encoder on the demo model's results; it writes non-ASCII
     as UTF-8, not as escapes, and floats in their shortest form: 1e-7, not 1e-07), or None where orjson's text would
     not do: a null in it (None, or a NaN or an Infinity, which orjson writes as null where json refuses them), or a
     value orjson refuses (an integer beyond 64 bits, a key that is not a string, nesting past 254 levels, a lone
     surrogate)."""
     try:
-        text = orjson.dumps(value, default=calque.to_jsonable, option=ORJSON_AS_JSON)
+        text = orjson.dumps(value, default=default, option=ORJSON_AS_JSON)
     except orjson.JSONEncodeError:
         return None
     return None if b"null" in text else text
@@ -337,7 +348,7 @@ def frame_lines(values, base):
     """The result lines of items base, base + 1, ... with these values, from one encoding of the list, or None
     when encode_fast does not take the list (format_each then encodes item by item, and fails those that are not
     strict JSON alone). The same text as format_each's, line for line (tests/test_fastbatch.py compares them)."""
-    text = encode_fast(values)
+    text = encode_fast(values, refuse_arrays)
     if text is None:
         return None
     cap = len(text) + len(values) * framer.FB_LINE_FRAME
@@ -352,15 +363,19 @@ def frame_lines(values, base):
 def format_each(outcome, base):
     """format_outcome one item at a time: each result encoded once into the line's fixed frame (no dict and no
     encoder per line), by encode_fast, else by json's encoder (encode_result), the lines joined once. A result that
-    is not strict JSON fails its item alone: NaN, Infinity, a type json cannot take, nesting too deep to encode
-    (RecursionError)."""
-    lines, failed, errors = [], [], {}
+    is an array, or a dict with arrays (calque.typed_cells), has them null in its line and kept in the lines' cells,
+    in binary. A result that is not strict JSON fails its item alone: NaN, Infinity, a type json cannot take,
+    nesting too deep to encode (RecursionError)."""
+    lines, failed, errors, cells = [], [], {}, []
     for i, (ok, value) in enumerate(outcome, base):
         if ok:
             try:
+                typed = calque.typed_cells(value)
+                value = value if typed is None else typed[0]
                 fast = encode_fast(value)
                 text = encode_result(value) if fast is None else fast.decode()
                 lines.append(f'{{"i":{i},"ok":true,"result":{text}}}\n')
+                cells += [(i - base, *cell) for cell in typed[1]] if typed else []
                 continue
             except Exception as e:
                 value = f"result is not JSON-serialisable: {type(e).__name__}: {e}"
@@ -368,7 +383,11 @@ def format_each(outcome, base):
         errors[str(i)] = value[:calque.ERROR_CHARS]
         error_line = {"i": i, "ok": False, "error": value[:calque.ERROR_CHARS], **trace_of(value)}
         lines.append(encode_result(error_line) + "\n")
-    return ["".join(lines)], failed, errors
+    text = "".join(lines)
+    if cells:
+        text = calque.TypedLines(text)
+        text.cells = cells
+    return [text], failed, errors
 
 
 class ItemError(str):
@@ -1075,7 +1094,7 @@ class Worker:
         keys = self.backend.store.list(calque.results_prefix(claim.run_id, claim.claim_id))
         for start, stop, key in calque.part_chain(keys, len(claim.items)):
             try:
-                lines = [json.loads(line) for line in calque.read_part(self.backend.store, key, start, stop)]
+                lines = [json.loads(line) for line in calque.read_part(self.backend.store, key, start, stop).lines]
             except (calque.ResultsIncomplete, ValueError) as e:
                 log.warning("worker %s: part %s unreadable (%s): recomputing from offset %d",
                             self.worker_id, key, e, claim.start)
@@ -1241,8 +1260,8 @@ class Worker:
         if not ready:
             return
         stop = ready[-1][0]
-        self._put(calque.part_key(claim.run_id, claim.claim_id, claim.committed, stop),
-                  "".join(line for _, (lines, _, _) in ready for line in lines))
+        suffix, data = calque.encode_part([chunk for _, (chunks, _, _) in ready for chunk in chunks])
+        self._put(calque.part_key(claim.run_id, claim.claim_id, claim.committed, stop, suffix), data)
         for _, (_, failed, errors) in ready:
             claim.failed += failed
             claim.errors.update(list(errors.items())[:calque.ERRORS_KEPT - len(claim.errors)])
@@ -1393,11 +1412,10 @@ class Worker:
             try:
                 outputs = self.batch_fn(self.collator.inputs(prepared))
                 model = self.model_clock() - t0
-                if isinstance(outputs, (list, tuple)) and len(outputs) == len(payloads):
-                    return [(True, o) for o in outputs], model, wait
-                got = f"{len(outputs)} results" if isinstance(outputs, (list, tuple)) else type(outputs).__name__
-                wrong = (False, f"handler returned {got} for a batch of {len(payloads)} items")
-                return [wrong] * len(payloads), model, wait
+                try:
+                    return [(True, o) for o in calque.batch_rows(outputs, len(payloads))], model, wait
+                except ValueError as e:     # the wrong count or shape: every item fails with why, none is retried
+                    return [(False, str(e))] * len(payloads), model, wait
             except Exception:
                 model = self.model_clock() - t0
             finally:
@@ -1412,11 +1430,10 @@ class Worker:
                     out = self.batch_fn(self.collator.inputs(single))
                 finally:
                     self.collator.release(single)
-                if isinstance(out, (list, tuple)) and len(out) == 1:
-                    outcome.append((True, out[0]))
-                else:
-                    got = len(out) if isinstance(out, (list, tuple)) else type(out).__name__
-                    outcome.append((False, f"handler returned {got} results for 1 item"))
+                try:
+                    outcome.append((True, calque.batch_rows(out, 1)[0]))
+                except ValueError as e:
+                    outcome.append((False, str(e)))
             except Exception as e:
                 outcome.append((False, item_error(e)))
             model += self.model_clock() - t0
