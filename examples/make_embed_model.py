@@ -41,8 +41,8 @@ def build(folder, vocab_size=8000, seed=0):
     tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
     tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tokenizer.decoder = decoders.WordPiece()
-    tokenizer.train_from_iterator(texts(20000, seed=seed + 100),
-                                  trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIAL))
+    tokenizer.train_from_iterator(texts(4000, seed=seed + 100), trainers.WordPieceTrainer(   # rare words: pieces
+        vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False))
     cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
