@@ -5,9 +5,9 @@
 
 The same BENCH_EMBED_ITEMS texts in a Parquet file: calque with 2 local workers on default settings (a warm pool,
 `submit`, then `runs results --format npy`), and Ray Data with 2 actors (bench/peers/ray_peer.py: read_parquet ->
-map_batches -> write_parquet, timed from the read to the last file; ray.init and the actors' start before it are
-not counted, as the pool's warm-up is not); items/s, the ratio, and the bytes each stored per item. One pair per
-BENCH_PEER_ROUNDS (1), the order swapped in each.
+map_batches -> write_parquet, timed from the read to the last file written, after ray.init). Ray Data starts its
+actors, and so loads the model, inside each job: that is in its time, as the pool's warm-up is not in calque's.
+Items/s, the ratio, and the bytes each stored per item. BENCH_PEER_ROUNDS pairs (1), the order swapped in each.
 """
 import os
 import subprocess

@@ -4,13 +4,17 @@
     ray_peer.py TEXTS.parquet OUT_FOLDER     # prints: seconds from the read to the last file written, rows
 
 The callable class is examples/embed_model.py's handler, called as a plain object: the same model, tokenizer and
-batches of 32 as calque's workers. Ray's read and write tasks are given num_cpus=0: on 2 CPUs the 2 actors hold
-both, and a task that waits for a CPU never runs (the job hangs)."""
+batches of 32 as calque's workers. Each actor asks for ACTOR_CPUS of the machine's CPUs (Ray sizes its torch
+threads from that: 1): with a whole CPU each, on 2 CPUs the 2 actors hold both, and Ray Data's list-files, read
+and write tasks (1 CPU each) wait forever, the job hung with no error (Ray 2.60; num_cpus=0 on the read and the
+write is not enough: the listing task takes its CPU regardless)."""
 import os
 import sys
 import time   # (PYTHONPATH holds examples/ and the checkout: Ray's worker processes import the handler too)
 
 import ray
+
+ACTOR_CPUS = 0.5
 
 
 class Embedder:
@@ -27,8 +31,8 @@ class Embedder:
 def main(texts, out):
     ray.init(num_cpus=len(os.sched_getaffinity(0)), include_dashboard=False, log_to_driver=False)
     t0 = time.perf_counter()
-    ds = ray.data.read_parquet(texts, ray_remote_args={"num_cpus": 0})
-    ds.map_batches(Embedder, batch_size=32, concurrency=2).write_parquet(out, ray_remote_args={"num_cpus": 0})
+    ds = ray.data.read_parquet(texts)
+    ds.map_batches(Embedder, batch_size=32, concurrency=2, num_cpus=ACTOR_CPUS).write_parquet(out)
     seconds = time.perf_counter() - t0
     print(seconds, ray.data.read_parquet(out).count())
     ray.shutdown()
