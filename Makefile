@@ -24,16 +24,19 @@ FASTBATCH_SO := fastbatch/.built
 setup: $(VENV)/.installed $(FASTBATCH_SO)
 
 # the venv is rebuilt when a requirements file changes; torch==2.13.0 comes from the CPU wheel on disk here
-$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .   # the `calque` and `warmd` commands in $(VENV)/bin
 	touch $@
 
-# fastbatch's C module, rebuilt when its source changes; a failed build is not fatal: the numpy
-# reference path takes over, and fastbatch says so in one line when imported
-$(FASTBATCH_SO): $(VENV)/.installed fastbatch/fastbatch.c fastbatch/fastbatch.h fastbatch/_build.py
-	$(PY) fastbatch/_build.py && touch $@ || echo "fastbatch: C build failed; the numpy reference path will be used ---> HINT: check gcc and python3-dev"
+# calque itself, installed as `pip install .` installs it but editable (the checkout's files): the `calque` and
+# `warmd` commands in $(VENV)/bin, and fastbatch's C module compiled in place by setup.py's cffi_modules; again when
+# its build or sources change. A failed compile is not fatal: the numpy reference path takes over, and fastbatch
+# says so in one line when imported
+$(FASTBATCH_SO): $(VENV)/.installed pyproject.toml setup.py fastbatch/fastbatch.c fastbatch/fastbatch.h fastbatch/_build.py
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	ls fastbatch/_fastbatch_c.*.so >/dev/null 2>&1 || echo "fastbatch: C build failed; the numpy reference path will be used ---> HINT: check gcc and python3-dev"
+	touch $@
 
 demo: setup
 	PY=$(PY) bash examples/demo.sh
@@ -50,6 +53,7 @@ bench: setup $(EMBED)
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_pool.py
 	$(PY) tests/bench_fastbatch.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_scale.py
+	$(PY) tests/bench_dashboard.py
 	$(PY) tests/bench_embed.py
 
 # calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py;

@@ -123,14 +123,37 @@ FIRST_ITEMS_SHOWN = 5                   # item indices a run report prints per e
 TRACE_FRAMES = 3                        # last traceback frames a failed item's result line carries
 QUEUE_OPEN_RETRY = 10.0                 # s to retry opening a queue that does not resolve yet (SQS lag)
 DEFAULT_REGION = "us-east-1"            # AWS region when neither the environment nor ~/.aws/config names one
-VERSION = "0.2.0"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMD = os.path.join(HERE, "warmd.py")
-RATES_FILE = os.path.join(HERE, "rates.json")
 OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_PIPELINE", "CALQUE_AHEAD",        # CALQUE_* names
                   "CALQUE_AHEAD_HOLD", "CALQUE_ACK_WAIT")                                   # read elsewhere
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
+
+
+# importlib.resources, importlib.metadata and tomllib are imported where used: ~45 ms together, which most
+# commands, and every worker, never need
+def package_file(package, name):
+    """A file calque reads at run time (calque_data's rates.json, modal_shim's modal.py, ...), found through its
+    package: the same call wherever calque runs from, a checkout or an install."""
+    import importlib.resources
+    return str(importlib.resources.files(package) / name)
+
+
+def pyproject():
+    """calque's pyproject.toml, as its package holds it (calque_data/sdist): what it is built and packed from."""
+    import tomllib
+    with open(package_file("calque_data", "sdist/pyproject.toml"), "rb") as f:
+        return tomllib.load(f)
+
+
+def calque_version():
+    """This calque's version: its package metadata, or, in a checkout never installed, its pyproject.toml's."""
+    import importlib.metadata
+    try:
+        return importlib.metadata.version("calque")
+    except importlib.metadata.PackageNotFoundError:
+        return pyproject()["project"]["version"]
 
 
 class UserError(Exception):
@@ -785,7 +808,6 @@ def load_handler(path, cls, modal=None):
 # ------------------------------------------------------------------------------------------------
 # Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
 # ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
-MODAL_SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "modal_shim", "modal.py")
 MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
 
 
@@ -810,9 +832,9 @@ def check_modal_source(tree, name, where):
 
 def load_modal_shim():
     """The stand-in `modal`, put in sys.modules (the real one, if installed, is shadowed: see modal_shim/modal.py)."""
-    shim = sys.modules.get("modal")
-    if getattr(shim, "__file__", None) != MODAL_SHIM:
-        shim = import_file(MODAL_SHIM, "modal")
+    shim, path = sys.modules.get("modal"), package_file("modal_shim", "modal.py")
+    if getattr(shim, "__file__", None) != path:
+        shim = import_file(path, "modal")
     return shim
 
 
@@ -2977,14 +2999,15 @@ NOT_RUN = {   # the claims of each state that did not run: what becomes of them,
 }
 
 
-def claim_states(backend, run, summaries):
+def claim_states(backend, run, summaries, dead_letters=True):
     """{claim: (state, detail)}, the state one of CLAIM_STATES: done or failed (it ran; failed when every item
     failed), dead-lettered (a failure summary, or else its copy in the dead-letter queue), cancelled, queued or
-    running (sent, no summary yet), not queued (never sent). The detail is the dead-letter or cancel reason."""
+    running (sent, no summary yet), not queued (never sent). The detail is the dead-letter or cancel reason.
+    Without dead_letters the DLQ is not scanned (the dashboard: a scan receives its messages)."""
     by_claim = {s["claim"]: s for s in summaries}
     cancelled = run.get("cancelled")
     pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
-    letters = DeadLetters(backend, run).claims() if pending else {}
+    letters = DeadLetters(backend, run).claims() if pending and dead_letters else {}
     states = {}
     for index, claim in enumerate(run["claims"]):
         s = by_claim.get(claim)
@@ -3003,11 +3026,11 @@ def claim_states(backend, run, summaries):
     return states
 
 
-def run_view(backend, run, summaries):
+def run_view(backend, run, summaries, dead_letters=True):
     """What a report says about a run: each claim's state and detail (claim_states), the claims per state, the
     items per outcome (ok + failed + pending + dead_lettered + cancelled = the run's items, always: a claim that
     did not run counts its size from the run record), and the run queue's depth while claims wait in it."""
-    states = claim_states(backend, run, summaries)
+    states = claim_states(backend, run, summaries, dead_letters)
     by_claim = {s["claim"]: s for s in summaries}
     items = dict.fromkeys(("ok", "failed", "pending", "dead_lettered", "cancelled"), 0)
     for index, claim in enumerate(run["claims"]):
@@ -3485,9 +3508,10 @@ LADDER_ITEMS = (10, 100, 1_000, 10_000, 100_000)      # item counts the crossove
 TIE_REL = 1e-9                                        # costs this close count as a tie (float noise)
 
 
-def load_rates(path):
-    """Read and validate a rates file; every failure is a UserError naming the file and the field."""
-    path = str(path)
+def load_rates(path=None):
+    """Read and validate a rates file (default: the rates.json calque ships, in calque_data); every failure is a
+    UserError naming the file and the field."""
+    path = str(path or package_file("calque_data", "rates.json"))
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -4067,7 +4091,7 @@ class Pricing(typing.NamedTuple):
 def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False, rates=None):
     """The Pricing for a rates file (default the bundled rates.json) and an instance type (default: the
     file's), on-demand unless spot or savings_plan."""
-    rates = rates or load_rates(rates_file or RATES_FILE)
+    rates = rates or load_rates(rates_file)
     chosen, instance_type = instance_type is not None, instance_type or rates["defaults"]["instance_type"]["value"]
     rate = instance_rate_per_second(rates, instance_type, spot=spot, savings_plan=savings_plan)
     return Pricing(rates, instance_type, rate, price_label(rates, instance_type, spot=spot, savings_plan=savings_plan),
@@ -4259,8 +4283,6 @@ DLAMI_PARAMETERS = {                # SSM public parameters naming the current d
     "x86_64": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
     "arm64": "/aws/service/deeplearning/ami/arm64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
 }
-# what a worker runs (+ fastbatch/*.py|.c|.h)
-KIT_FILES = ("calque.py", "warmd.py", "requirements.txt", "rates.json", "modal_shim/modal.py")
 EC2_STATE_DIR = "/var/lib/calque"    # CALQUE_STATE on an instance (handler cache)
 EC2_SPOT_POLL = "http://169.254.169.254"  # the metadata address the bootstrap enables the spot poller with
 EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # workers get this machine's
@@ -4549,18 +4571,32 @@ EC2_TRUST_POLICY = {"Version": "2012-10-17", "Statement": [
 # ------------------------------------------------------------------------------------------------
 # the kit and the bootstrap (user-data). No credentials anywhere: workers use their instance profile.
 def kit_archive():
-    """(bytes, sha256) of a reproducible tar.gz of what a worker runs: the same files give the same digest,
-    so a re-run `pool create` finds its launch template unchanged."""
-    names = list(KIT_FILES) + sorted(os.path.relpath(p, HERE) for ext in ("py", "c", "h")
-                                     for p in glob.glob(os.path.join(HERE, "fastbatch", f"*.{ext}")))
+    """(bytes, sha256) of what an EC2 worker installs: an sdist of this calque, packed from the files it runs
+    (pyproject.toml's modules, packages and package data, found through their packages, and calque_data/sdist's
+    build files at the root), so that a checkout and an install of one calque pack the same bytes. Reproducible:
+    the same files give the same digest, so a re-run `pool create` finds its launch template unchanged."""
+    config = pyproject()
+    setup, top = config["tool"]["setuptools"], f"calque-{config['project']['version']}"
+    sdist = package_file("calque_data", "sdist")
+    files = {name: os.path.join(sdist, name) for name in os.listdir(sdist)}
+    files.update({f"{m}.py": os.path.join(HERE, f"{m}.py") for m in setup["py-modules"]})
+    for package in setup["packages"]:
+        folder = package_file(package, "")
+        for pattern in ["*.py", *setup["package-data"].get(package, [])]:
+            files.update({os.path.relpath(p, os.path.dirname(folder)): p
+                          for p in glob.glob(os.path.join(folder, pattern))})
+    contents = {}
+    for name, path in files.items():
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                contents[name] = f.read()
+    contents["PKG-INFO"] = f"Metadata-Version: 2.1\nName: calque\nVersion: {top.split('-', 1)[1]}\n".encode()
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(set(names)):
-            with open(os.path.join(HERE, name), "rb") as f:
-                data = f.read()
-            info = tarfile.TarInfo(name)
-            info.size, info.mode, info.mtime = len(data), 0o644, 0
-            tar.addfile(info, io.BytesIO(data))
+        for name in sorted(contents):
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size, info.mode, info.mtime = len(contents[name]), 0o644, 0
+            tar.addfile(info, io.BytesIO(contents[name]))
     packed = io.BytesIO()
     with gzip.GzipFile(fileobj=packed, mode="wb", mtime=0) as gz:
         gz.write(raw.getvalue())
@@ -4570,7 +4606,7 @@ def kit_archive():
 
 def _pin(name):
     """The `name==version` line of requirements.txt (without its comment), or the bare name."""
-    with open(os.path.join(HERE, "requirements.txt")) as f:
+    with open(package_file("calque_data", "sdist/requirements.txt")) as f:
         for line in f:
             if line.split("#")[0].strip().startswith(name + "=="):
                 return line.split("#")[0].strip()
@@ -4700,22 +4736,26 @@ PY=$(pick_python) || fail "no python >= 3.11 on this image"
 once "venv" "$PY" -m venv "$CALQUE/venv"
 has_cli || retry "pip install boto3" "$CALQUE/venv/bin/pip" install -q --no-cache-dir {boto3_pin}
 
-# the kit snapshot this pool was created with, checked against the digest pinned here
+# the kit this pool was created with: an sdist of the operator's calque, checked against the digest pinned here
 check_kit() {{ echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -; }}
 retry "kit download" s3_get "$KIT_KEY" "$CALQUE/kit.tar.gz"
 once "kit sha256 check" check_kit
-once "kit unpack" tar -xzf "$CALQUE/kit.tar.gz" -C "$CALQUE/kit"
-# pinned requirements; no pip cache: torch's wheel is GBs and would be kept twice
+once "kit unpack" tar -xzf "$CALQUE/kit.tar.gz" -C "$CALQUE/kit" --strip-components=1
+# its pinned requirements; no pip cache: torch's wheel is GBs and would be kept twice
 retry "pip install -r requirements.txt" \
   "$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt" --no-cache-dir
+# then calque itself from the same sdist, as root: its build compiles fastbatch's C module (a failed compile
+# still installs), with the build tools just pinned, so nothing more is downloaded
+once "pip install calque" "$CALQUE/venv/bin/pip" install -q --no-deps --no-build-isolation --no-cache-dir \
+  "$CALQUE/kit.tar.gz"
 
-# fastbatch's C gather, built once here as root (the worker cannot write the kit folder). A failed build is
-# reported, and the worker is told to use the numpy path instead of trying to build it at every start
-STAGE="fastbatch build"
-if (cd "$CALQUE/kit" && "$CALQUE/venv/bin/python" fastbatch/_build.py) 2>"$CALQUE/last-error"; then
-  FASTBATCH=c
-else
-  cat "$CALQUE/last-error" >&2
+# which fastbatch path the worker gets: a module the install did not build is reported (the import says why),
+# and the worker is told to use the numpy path instead of trying to build it at every start
+STAGE="fastbatch check"
+FASTBATCH=$(cd / && "$CALQUE/venv/bin/python" -c 'import fastbatch; print(fastbatch.BACKEND)' \
+  2>"$CALQUE/last-error") || FASTBATCH=""
+cat "$CALQUE/last-error" >&2
+if [ "$FASTBATCH" != c ]; then
   FASTBATCH="failed: $(tail -n 1 "$CALQUE/last-error" | cut -c1-300)"
 fi
 # which torch this instance got (PyPI's Linux x86_64 wheel is a CUDA build) and whether it sees the GPU
@@ -4739,7 +4779,7 @@ cat > "$CALQUE/worker.sh" <<'CALQUE_SH_EOF'
 set -a
 . /etc/calque/worker.env
 set +a
-exec /opt/calque/venv/bin/python /opt/calque/kit/warmd.py {worker_args}
+exec /opt/calque/venv/bin/warmd {worker_args}
 CALQUE_SH_EOF
 chmod 755 "$CALQUE/worker.sh"
 
@@ -4753,7 +4793,7 @@ StartLimitIntervalSec=0
 [Service]
 Type=simple
 User=calque
-WorkingDirectory=/opt/calque/kit
+WorkingDirectory={state}
 ExecStart=/opt/calque/worker.sh
 {service}
 KillSignal=SIGTERM
@@ -4838,10 +4878,11 @@ POOL_SERVICE = "Restart=always\nRestartPreventExitStatus=0\nRestartSec=5"
 
 
 def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile", conf=None):
-    """The pool instance's bootstrap: build tools, venv + pinned requirements, the kit from the store, fastbatch
-    built once, then `warmd.py --model M` under systemd (POOL_SERVICE, journal logs, spot poller on). Each
-    network step is retried; the outcome (or where it failed, and why) is written to the pool's instances/
-    folder in the store, and a failed bootstrap takes its own instance out of the group so the ASG replaces it."""
+    """The pool instance's bootstrap: build tools, a venv, the kit from the store (the operator's calque as an
+    sdist: its pinned requirements, then calque, fastbatch compiled), then `warmd --model M` under systemd
+    (POOL_SERVICE, journal logs, spot poller on). Each network step is retried; the outcome (or where it failed,
+    and why) is written to the pool's instances/ folder in the store, and a failed bootstrap takes its own
+    instance out of the group so the ASG replaces it."""
     _check_text(model, "model")
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
@@ -5004,7 +5045,7 @@ class ColdLaunch:
 def _hourly(instance_type, spot, count):
     """'~$2.01/h for 2 x g5.xlarge on-demand (rates.json)', or a line saying the type is not priced there."""
     try:
-        rates = load_rates(os.path.join(HERE, "rates.json"))
+        rates = load_rates()
         per_hour = instance_rate_per_second(rates, instance_type, spot=spot) * 3600 * count
         return (f"~${per_hour:.2f}/h while {count} x {instance_type} {'spot' if spot else 'on-demand'} run "
                 f"(rates.json {rates['updated']})")
@@ -5908,7 +5949,7 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives each worker "
                         f"{gpus_per_worker or 1} ---> HINT: --gpus-per-worker {count}")
     if card:
-        suggested["instance_type"] = suggest_instance(load_rates(RATES_FILE), card, count)
+        suggested["instance_type"] = suggest_instance(load_rates(), card, count)
         notes.append(f"gpu={options['gpu']!r}: EC2 instance type for --instances: "
                      f"{suggested['instance_type'] or 'none in rates.json'}")
     retries = options.get("retries")
@@ -5994,6 +6035,15 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             # the queue is gone: a claim still without a summary will never run, and the run record says so
             cancel_run(backend, read_json(backend, run_key(run_id)), "the cold run ended before it finished")
     return run, summaries, timed_out
+
+
+def list_pools(backend):
+    """The models of the pools whose records are in the store."""
+    models = []
+    for folder in backend.store.list("pools/"):
+        with contextlib.suppress(NotFound):
+            models.append(read_json(backend, folder + "/pool.json")["model"])
+    return models
 
 
 def pool_status(conf, backend, model):
@@ -6683,10 +6733,7 @@ def cmd_pool_list(conf, backend, args):
     if backend.kind == "aws":   # records in the store, plus fleets found only by their tags (a half-created pool)
         pools = ec2_pool_list(backend)
     else:
-        pools = []
-        for folder in backend.store.list("pools/"):
-            with contextlib.suppress(NotFound):
-                pools.append({"model": read_json(backend, folder + "/pool.json")["model"], "record": True, "asg": None})
+        pools = [{"model": model, "record": True, "asg": None} for model in list_pools(backend)]
     if args.json:
         print(json.dumps(pools, indent=1))
         return EXIT_OK
@@ -7012,6 +7059,27 @@ def cmd_runs_redrive(conf, backend, args):
     return EXIT_OK
 
 
+def dashboard_module():
+    """dashboard.py, loaded only by the verbs that make pages. It imports this module as `calque`,
+    which is __main__ when calque.py runs as a script: one module, so its exceptions are these."""
+    sys.modules.setdefault("calque", sys.modules[__name__])
+    import dashboard
+    return dashboard
+
+
+def cmd_runs_report(conf, backend, args):
+    run_id = read_run(backend, args.run)["run_id"]
+    view = dashboard_module().write_report(conf, backend, run_id, args.html, _pricing(args))
+    print(f"run {args.run}: report written to {args.html} ({view['items']['ok']} items ok, "
+          f"{view['items']['failed']} failed, {view['items']['pending']} pending)")
+    return EXIT_OK
+
+
+def cmd_dashboard(conf, backend, args):
+    dashboard_module().serve(conf, backend, args.host, args.port, args.token, _pricing(args))
+    return EXIT_OK
+
+
 def cmd_cost(conf, backend, args):
     """One run: its cost lines and the crossover ladder. Several: one comparison line each."""
     reports, price = [], _pricing(args)
@@ -7145,16 +7213,27 @@ def cmd_modal_run(conf, backend, args):
     return EXIT_OK
 
 
+class VersionAction(argparse.Action):
+    """--version, read only when asked: importlib.metadata takes ~50 ms to import, on every command otherwise."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, help="print calque's version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"calque {calque_version()}")
+        parser.exit()
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="calque.py",
                                      description="Sticky warm-worker pools for batch model inference.")
-    parser.add_argument("--version", action="version", version=f"calque {VERSION}")
+    parser.add_argument("--version", action=VersionAction)
     priced = argparse.ArgumentParser(add_help=False)   # the pricing options every cost-printing verb takes
     priced.add_argument("--instance-type", help="price as this EC2 instance type (default: rates.json defaults)")
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
     priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
-    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost,modal}")
+    verbs = parser.add_subparsers(dest="verb", required=True, metavar="{pool,submit,runs,cost,dashboard,modal}")
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
@@ -7259,8 +7338,10 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_submit)
 
-    runs = verbs.add_parser("runs", help="read runs (list, show, results); resume, cancel, redrive, delete, prune")
-    runs = runs.add_subparsers(dest="runs_verb", required=True, metavar="{list,show,results,resume,cancel,redrive,delete,prune}")
+    runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, redrive, delete, "
+                                          "prune them")
+    runs = runs.add_subparsers(dest="runs_verb", required=True,
+                               metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
     p = runs.add_parser("list", help="every run in the store")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_runs_list)
@@ -7291,6 +7372,10 @@ def build_parser():
     p = runs.add_parser("redrive", help="send a run's dead-lettered claims back to its pool's queue")
     p.add_argument("run", help="the run id (see `runs list`)")
     p.set_defaults(func=cmd_runs_redrive)
+    p = runs.add_parser("report", parents=[priced], help="a run's page as one self-contained HTML file")
+    p.add_argument("run", help="the run id (see `runs list`)")
+    p.add_argument("--html", required=True, metavar="FILE", help="the file to write (no script)")
+    p.set_defaults(func=cmd_runs_report)
     p = runs.add_parser("delete", help="delete runs from the store (inputs, results, summaries), saying what it freed")
     p.add_argument("run", nargs="+", help="run ids (see `runs list`)")
     p.add_argument("--force", action="store_true", help="also a run with claims queued or running")
@@ -7307,6 +7392,12 @@ def build_parser():
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_cost)
+
+    p = verbs.add_parser("dashboard", parents=[priced], help="a read-only live web page of the store")
+    p.add_argument("--port", type=int, default=8265, help="default 8265; 0: any free port")
+    p.add_argument("--host", default="127.0.0.1", help="default loopback; another needs --token")
+    p.add_argument("--token", help="a secret every request must carry (?token= once, or Bearer)")
+    p.set_defaults(func=cmd_dashboard)
 
     modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools").add_subparsers(
         dest="modal_verb", required=True, metavar="{run}")

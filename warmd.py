@@ -313,19 +313,21 @@ def encode_fast(value, default=calque.to_jsonable):
     return None if b"null" in text else text
 
 
-def load_framer():
-    """(ffi, lib) of fastbatch's compiled module, loaded from its file: `import fastbatch` would import
-    torch (~2 s, ~150 MiB) into a worker whose handler may never need it. (None, None) where it is not built
-    (`make setup` builds it; a worker then frames every line in Python, as format_each)."""
-    path = os.path.join(calque.HERE, "fastbatch", "_fastbatch_c" + sysconfig.get_config_var("EXT_SUFFIX"))
-    spec = importlib.util.spec_from_file_location("fastbatch._fastbatch_c", path)
+def load_framer(folder=None):
+    """(ffi, lib) of fastbatch's compiled module, loaded from its file in fastbatch's folder (found, not imported:
+    `import fastbatch` would import torch, ~2 s and ~150 MiB, into a worker whose handler may never need it).
+    (None, None) where it is not built (pip install or `make setup` builds it; a worker then frames every line
+    in Python, as format_each)."""
     try:
+        folder = folder or importlib.util.find_spec("fastbatch").submodule_search_locations[0]
+        path = os.path.join(folder, "_fastbatch_c" + sysconfig.get_config_var("EXT_SUFFIX"))
+        spec = importlib.util.spec_from_file_location("fastbatch._fastbatch_c", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module.ffi, module.lib
     except (ImportError, OSError, AttributeError) as e:   # at import, before logging is set up: WARNING shows
         log.warning("warmd: fastbatch's C module is not built (%s): result lines are framed in Python, more slowly "
-                    "---> HINT: make setup", e)
+                    "---> HINT: install calque where gcc and the Python headers are (pip install, make setup)", e)
         return None, None
 
 
@@ -1491,6 +1493,7 @@ class Worker:
                  "started_at": calque.now_iso(self.started), "updated_at": calque.now_iso(now),
                  "alive_seconds": round(now - self.started, 3), "busy_seconds": round(self.busy_seconds, 3),
                  "enter_seconds": round(self.enter_seconds, 6), "enter_count": self.enter_count,
+                 "entered_at": calque.now_iso(self.entered_at) if self.entered_at else None,   # @enter's end
                  "acquisition_seconds": round(self.acquisition_seconds, 6),
                  "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"], "items": self.stats["items"],
                  "items_failed": self.stats["items_failed"], "requests": dict(self.backend.requests),

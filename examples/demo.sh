@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # make demo: a local pool of the demo model with 2 warm workers, 3 runs against it, one cold run as the
-# baseline, the pool's status and the runs' costs side by side, then the pool deleted (also on failure).
+# baseline, the pool's status and the runs' costs side by side, then its workers stopped: the store stays for
+# `calque dashboard` to draw (the pool is deleted on failure, and by the next `make demo`).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 export CALQUE_STORE=.calque-demo CALQUE_STATE=.calque-demo/state
@@ -17,4 +18,6 @@ echo; $PY calque.py pool status --model demo
 echo; echo "what each run cost (warm pool runs against the cold baseline):"
 $PY calque.py cost $($PY calque.py runs list --json | $PY -c 'import json, sys; print(" ".join(r["run_id"] for r in json.load(sys.stdin)))')
 echo; $PY calque.py pool cost --model demo
-echo; $PY calque.py pool delete --model demo --yes
+echo; $PY calque.py pool scale --model demo --workers 0
+trap - EXIT
+echo; echo "see it drawn: CALQUE_STORE=.calque-demo $(dirname "$PY")/calque dashboard   (then open http://127.0.0.1:8265/)"

@@ -3,7 +3,7 @@ buffers (pinned when CUDA is present). The copy is C (fastbatch.c via cffi, GIL 
 pthreads above THREAD_MIN_BYTES); fastbatch/reference.py is the same thing in numpy, used when
 the C module cannot be built.
 
-    .venv/bin/python fastbatch/_build.py                     # build the C module (make setup)
+    .venv/bin/python fastbatch/_build.py                     # the C module by hand (pip install builds it)
     .venv/bin/python -m pytest -q tests/test_fastbatch.py    # C and numpy paths vs numpy
     .venv/bin/python tests/bench_fastbatch.py                # GB/s vs torch.stack, np.stack, memcpy
     FASTBATCH_REFERENCE=1 FASTBATCH_THREADS=2 ...            # force the numpy path / copy threads
@@ -32,7 +32,7 @@ import threading
 import numpy as np
 import torch
 
-from . import reference
+from . import _build, reference
 
 # -----------------------------------------------------------------------------
 # defaults: the env vars are read once at import; callers and tests may assign the globals
@@ -50,7 +50,6 @@ log = logging.getLogger("fastbatch")
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _SO = os.path.join(_HERE, "_fastbatch_c" + sysconfig.get_config_var("EXT_SUFFIX"))
-_BUILT_FROM = ("fastbatch.c", "fastbatch.h", "_build.py")
 
 # The dtypes both paths gather: numpy's and torch's names for the same bytes. torch-only dtypes
 # (bfloat16) and complex are refused with a TypeError rather than converted.
@@ -67,13 +66,12 @@ class FastbatchError(RuntimeError):
 
 
 def _stale():
-    """Why the C module must be (re)built ('' when it is newer than everything it is built from)."""
+    """Why the C module must be (re)built ('' when it was built from the sources beside it)."""
     if not os.path.exists(_SO):
         return "missing"
-    built = os.path.getmtime(_SO)
-    for name in _BUILT_FROM:
-        if os.path.getmtime(os.path.join(_HERE, name)) > built:
-            return f"older than {name}"
+    with open(_SO, "rb") as f:
+        if _build.DIGEST_MARK + _build.sources_digest().encode() not in f.read():
+            return "built from other sources"
     return ""
 
 

@@ -194,6 +194,33 @@ class Timeline:
         return items
 
 
+class Spin:
+    """Hashes each item's "spin" times (real work that paces a drain); an item with "error" raises ValueError
+    with that text, so that only that item fails (the dashboard's test puts HTML in it); a batch with a "hold"
+    item waits for $GATE_DIR/open as Gate does."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, items):
+        if any(item.get("hold") for item in items):
+            hold(items)
+        out = []
+        for item in items:
+            digest = b""
+            for _ in range(item.get("spin", 0)):
+                digest = hashlib.sha256(digest).digest()
+            if "error" in item:
+                raise ValueError(item["error"])
+            out.append({"y": item["x"] * 2})
+        return out
+
+    def collate(self, items):
+        return items
+
+
 class Types:
     """Says what the worker received: per field, its Python type's name and the value as JSON."""
 

@@ -260,14 +260,15 @@ def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
         for needle in (f"CALQUE_STORE={STORE}", f"AWS_REGION={REGION}", "CALQUE_SPOT_POLL=http://169.254.169.254",
                        "CALQUE_STATE=/var/lib/calque", "sha256sum -c",
                        "pip\" install -q -r \"$CALQUE/kit/requirements.txt\"",
-                       "fastbatch/_build.py", "StandardOutput=journal", "User=calque"):
+                       "--no-build-isolation --no-cache-dir \\\n  \"$CALQUE/kit.tar.gz\"", "import fastbatch",
+                       "StandardOutput=journal", "User=calque"):
             assert needle in text, needle
         for banned in ("AKIA", "AWS_SECRET", "AWS_ACCESS_KEY_ID", "AWS_SESSION_TOKEN", "aws_secret_access_key"):
             assert banned not in text
-    assert f"CALQUE_POOL_MODEL={MODEL}" in script and 'warmd.py --model "$CALQUE_POOL_MODEL"' in script
+    assert f"CALQUE_POOL_MODEL={MODEL}" in script and 'bin/warmd --model "$CALQUE_POOL_MODEL"' in script
     assert "Restart=always" in script and "systemctl enable --now calque-warmd.service" in script
     assert stored["ec2"]["kit"]["sha256"] in script and f"root/{stored['ec2']['kit']['key']}" in script
-    assert "CALQUE_RUN=20261129-101500-ab12cd" in cold and 'warmd.py --run "$CALQUE_RUN"' in cold
+    assert "CALQUE_RUN=20261129-101500-ab12cd" in cold and 'bin/warmd --run "$CALQUE_RUN"' in cold
     assert "Restart=no" in cold and "poweroff" in cold and "shutdown -h +90" in cold
 
     awkward = "it's a \"model\" $HOME `x` ; rm -rf /"

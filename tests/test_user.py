@@ -197,15 +197,21 @@ def test_gpus_per_worker_from_a_faked_device_list(local_env, tmp_path):
 
 
 def test_pyproject_installs_the_kit_with_requirements_pins(tmp_path):
-    """pyproject.toml builds a wheel holding calque, warmd, fastbatch and modal_shim, the `calque` and `warmd`
-    commands, and exactly requirements.txt's pins (its single source)."""
+    """`pip wheel` of the checkout holds calque, warmd, fastbatch with its sources and compiled module, modal_shim,
+    calque_data's files (copies of the checkout's), the `calque` and `warmd` commands, and exactly
+    requirements.txt's pins (its single source)."""
     import zipfile
     out = subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "--no-index", "-w",
                           str(tmp_path), ROOT], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     wheel = zipfile.ZipFile(next(tmp_path.glob("calque-*.whl")))
     names = wheel.namelist()
-    assert {"calque.py", "warmd.py", "fastbatch/__init__.py", "modal_shim/modal.py"} <= set(names)
+    assert {"calque.py", "warmd.py", "fastbatch/__init__.py", "fastbatch/fastbatch.c", "fastbatch/fastbatch.h",
+            "modal_shim/modal.py", "calque_data/sdist/setup.py"} <= set(names)
+    assert [n for n in names if n.startswith("fastbatch/_fastbatch_c.") and n.endswith(".so")]
+    for name in ("rates.json", "sdist/pyproject.toml", "sdist/requirements.txt"):
+        with open(os.path.join(ROOT, name.rsplit("/", 1)[-1]), "rb") as f:
+            assert wheel.read(f"calque_data/{name}") == f.read(), name
     meta = {name.rsplit("/", 1)[1]: wheel.read(name).decode() for name in names if ".dist-info/" in name}
     assert "calque = calque:main" in meta["entry_points.txt"] and "warmd = warmd:main" in meta["entry_points.txt"]
     with open(os.path.join(ROOT, "requirements.txt")) as f:
