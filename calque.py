@@ -2169,10 +2169,11 @@ TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")   # submit reads these (and 
 class TableItems:
     """Items from Arrow tables, one item a row ({column: value}): a Parquet file, a folder or glob of them, an
     Arrow IPC (.arrow/.feather) file, or the API's pyarrow.Table, pandas DataFrame or datasets.Dataset. Read as a
-    stream of record batches of a claim's rows (Parquet page by page), so memory does not grow with the input. A numeric column (ints, floats, bools, or lists of them) is staged as .npy per claim, as .npz input
-    is, and reaches the worker as numpy values without JSON; a null in it is None (a `valid` mask), a null inside
-    a list is refused when met. Any other column (text, structs, lists of text) goes as JSON in the manifest,
-    null as None; dates and times as ISO text; a type JSON cannot hold (binary, decimal) is refused up front."""
+    stream of record batches of a claim's rows (Parquet page by page), so memory does not grow with the input. A
+    numeric column (ints, floats, bools, or lists of them) is staged as .npy per claim, as .npz input is, and
+    reaches the worker as numpy values without JSON; a null in it is None (a `valid` mask), a null inside a list
+    is refused when met. Any other column (text, structs, lists of text) goes as JSON in the manifest, null as
+    None; dates and times as ISO text; a type JSON cannot hold (binary, decimal) is refused up front."""
 
     def __init__(self, schema, count, batches, source):
         import pyarrow as pa   # lazy: only table input needs pyarrow
@@ -2285,30 +2286,29 @@ def _select(schema, columns, where):
     return pa.schema([schema.field(name) for name in columns])
 
 
+def _is_number(pa, t):
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _is_list(pa, t):
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
 def _column_kind(pa, t):
     """"numeric" (staged as .npy), "json" (in the manifest) or None (no JSON form) for an Arrow type."""
-    types = pa.types
-    plain = lambda t: types.is_integer(t) or types.is_floating(t) or types.is_boolean(t)   # noqa: E731
-    if plain(t) or ((types.is_list(t) or types.is_large_list(t) or types.is_fixed_size_list(t))
-                    and plain(t.value_type)):
+    if _is_number(pa, t) or (_is_list(pa, t) and _is_number(pa, t.value_type)):
         return "numeric"
-    if types.is_temporal(t):
-        return "json"
-    return "json" if _json_type(pa, t) else None
+    return "json" if pa.types.is_temporal(t) or _json_type(pa, t) else None
 
 
 def _json_type(pa, t):
-    types = pa.types
-    if types.is_integer(t) or types.is_floating(t) or types.is_boolean(t) or types.is_null(t) \
-            or types.is_string(t) or types.is_large_string(t):
+    """True for a type whose values to_pylist makes JSON values: numbers, text, nulls, and lists, structs or
+    dictionaries of them."""
+    if _is_number(pa, t) or pa.types.is_null(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
         return True
-    if types.is_dictionary(t):
+    if pa.types.is_dictionary(t) or _is_list(pa, t):
         return _json_type(pa, t.value_type)
-    if types.is_list(t) or types.is_large_list(t) or types.is_fixed_size_list(t):
-        return _json_type(pa, t.value_type)
-    if types.is_struct(t):
-        return all(_json_type(pa, t.field(i).type) for i in range(t.num_fields))
-    return False
+    return pa.types.is_struct(t) and all(_json_type(pa, t.field(i).type) for i in range(t.num_fields))
 
 
 def _json_column(column):
@@ -2327,7 +2327,7 @@ def _numeric_column(array, name, start, source):
     roles = {}
     if array.null_count:
         roles["valid"] = _to_numpy(array.is_valid())
-    if pa.types.is_fixed_size_list(array.type) or pa.types.is_list(array.type) or pa.types.is_large_list(array.type):
+    if _is_list(pa, array.type):
         if array.null_count:
             array = array.fill_null(pa.scalar([0] * array.type.list_size if pa.types.is_fixed_size_list(array.type)
                                               else [], array.type))
