@@ -53,6 +53,7 @@ bench: setup $(EMBED)
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_pool.py
 	$(PY) tests/bench_fastbatch.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_scale.py
+	$(PY) tests/bench_results.py
 	$(PY) tests/bench_dashboard.py
 	$(PY) tests/bench_embed.py
 

@@ -396,7 +396,11 @@ def host_array(value):
     np = sys.modules.get("numpy")       # nothing imported numpy yet: the value is no array
     if np is None or not isinstance(value, np.ndarray) or value.dtype.kind not in NUMERIC_KINDS:
         return None
-    return value, value.dtype.name
+    name = _dtype_names.get(value.dtype)
+    return value, name or _dtype_names.setdefault(value.dtype, value.dtype.name)
+
+
+_dtype_names = {}   # numpy dtype -> its name: dtype.name is Python code, a few us a call, once an item
 
 
 def batch_rows(outputs, count):
@@ -428,7 +432,8 @@ def typed_cells(value):
     a dict holding arrays at its top level (field None: the result itself); None for any other result."""
     if isinstance(value, dict):
         cells = [(key, *typed) for key, v in value.items() if (typed := host_array(v)) is not None]
-        return ({k: None if k in {c[0] for c in cells} else v for k, v in value.items()}, cells) if cells else None
+        typed_keys = {key for key, _, _ in cells}
+        return ({k: None if k in typed_keys else v for k, v in value.items()}, cells) if cells else None
     typed = host_array(value)
     return (None, [(None, *typed)]) if typed is not None else None
 
@@ -592,20 +597,29 @@ def read_claim_parts(store, run_id, claim, count, keys=None):
     return parts
 
 
+def block_texts(block):
+    """Each row of a block as JSON text (floats in their dtype's shortest form; NaN and infinities as null, as strict
+    JSON has them): a block of 1-D rows in one encoding, cut at its "],[" (numbers hold none)."""
+    values, option = block.widen(), orjson.OPT_SERIALIZE_NUMPY
+    if block.shapes is None and values.ndim == 2 and len(values) and values.flags.c_contiguous:
+        return [f"[{row}]" for row in orjson.dumps(values, option=option).decode()[2:-2].split("],[")]
+    return [orjson.dumps(array, default=to_jsonable, option=option).decode() for array in block.arrays()]
+
+
 def result_lines(part):
-    """The part's result lines as JSONL prints them: typed values written in as lists (floats in their dtype's
-    shortest form; NaN and infinities as null, as strict JSON has them)."""
+    """The part's result lines as JSONL prints them: typed values written in as lists (block_texts)."""
     if not part.blocks:
         return part.lines
-    lines = [orjson.loads(line) for line in part.lines]
+    lines, parsed = list(part.lines), {}
     for block in part.blocks:
-        for row, array in zip(block.rows.tolist(), block.arrays()):
-            if block.field is None:
-                lines[row]["result"] = array
+        for row, text in zip(block.rows.tolist(), block_texts(block)):
+            if block.field is None and lines[row].endswith('"result":null}\n'):   # the result itself: spliced in
+                lines[row] = f"{lines[row][:-6]}{text}}}\n"
             else:
-                lines[row]["result"][block.field] = array
-    option = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE
-    return [orjson.dumps(line, default=to_jsonable, option=option).decode() for line in lines]
+                parsed.setdefault(row, orjson.loads(lines[row]))["result"][block.field] = orjson.Fragment(text)
+    for row, line in parsed.items():
+        lines[row] = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE).decode()
+    return lines
 
 
 def read_claim_results(store, run_id, claim, count, keys=None):
@@ -2857,11 +2871,12 @@ def claim_column(parts, field):
             values.append(value)
     values = np.array(values)
     if values.dtype.kind not in NUMERIC_KINDS:
-        raise ValueError(f"its values are not numbers (numpy makes {values.dtype} of them)")
+        raise ValueError(f"its values are not numbers: numpy makes {values.dtype} of them")
     return np.array(rows, dtype=np.int64), values
 
 
 def typed_fields(parts):
+    """The fields the parts' typed blocks hold (None: the result itself), in the order first met."""
     return list(dict.fromkeys(b.field for part in parts for b in part.blocks))
 
 
@@ -2872,18 +2887,19 @@ def with_parts(backend, run, claims):
 
 
 def run_array(run, claims, field=None, fill=None):
-    """One array of `field` (None: the result itself, or a dict's only array) over the items of `claims` ((index,
-    claim, parts) of claims done), row k the k-th item's. A failed item's row (or one without the field) is `fill`: by default
-    NaN where the values are floats; for other dtypes a UserError unless fill is given."""
+    """One array of `field` (None: the result itself, or a dict's only array) over the items of `claims`
+    ((index, claim, parts) of claims done), row k the k-th item's. A failed item's row (or one without the
+    field) is `fill`: by default NaN where the values are floats; for other dtypes a UserError unless fill
+    is given."""
     import numpy as np
-    pieces, missing = [], 0
+    pieces, missing, choose = [], 0, field is None
     for index, claim, parts in claims:
-        if field is None and not pieces:
-            names = [f for f in typed_fields(parts) if f is not None]
-            if len(names) > 1 and None not in typed_fields(parts):
+        if choose and typed_fields(parts):      # the first claim with arrays says which (one whose items all
+            choose, names = False, typed_fields(parts)                     # failed has none)
+            if len(names) > 1 and None not in names:
                 raise UserError(f"run {run['run_id']}: results hold several arrays ({', '.join(names)}) "
                                 f"---> HINT: name one: to_numpy({names[0]!r}), or runs results --field {names[0]}")
-            field = names[0] if names and None not in typed_fields(parts) else None
+            field = None if None in names else names[0]
         try:
             rows, values = claim_column(parts, field)
         except ValueError as e:
@@ -2894,9 +2910,8 @@ def run_array(run, claims, field=None, fill=None):
     shape, dtype = next(((v.shape[1:], v.dtype) for _, _, v in pieces if len(v)), ((), np.dtype("float64")))
     if missing and fill is None and dtype.kind != "f":
         raise UserError(f"run {run['run_id']}: {missing} items have no {field or 'result'} (failed, or none in "
-                        f"their result) and "
-                        f"{dtype} has no NaN for their rows ---> HINT: pass fill= (runs results --fill), or read "
-                        f"the ok column with to_arrow()")
+                        f"their result) and {dtype} has no NaN for their rows ---> HINT: pass fill= (runs results "
+                        f"--fill), or read the ok column with to_arrow()")
     out, at = np.empty((sum(n for n, _, _ in pieces), *shape), dtype=dtype), 0
     for count, rows, values in pieces:
         if len(values) and values.shape[1:] != shape:
@@ -2937,7 +2952,9 @@ def claim_batch(backend, run, claim, parts):
     keyed = results and None not in typed and all(isinstance(r, dict) for r in results)
     for field in dict.fromkeys(k for r in results for k in r) if keyed else [None] if results else []:
         name = "result" if field is None else field if field not in columns else f"result.{field}"
-        value = (lambda line: line.get("result")) if field is None else lambda line: (line.get("result") or {}).get(field)
+        def value(line, field=field):
+            result = line.get("result")
+            return result if field is None else (result or {}).get(field)
         if field in typed:
             try:
                 rows, stacked = claim_column(parts, field)
@@ -6625,8 +6642,9 @@ def write_results(lines, failed_only):
 
 
 def write_binary_results(backend, run, claims, args):
-    """The results of `claims` as one Parquet table or .npy array, to --output or stdout; EXIT_FAILED when a part
-    of a claim cannot be read (named on stderr), its items left out."""
+    """The results of `claims` as one Parquet table or .npy array, to --output (opened first: a path that cannot be
+    written is refused before anything is read; removed again when the results cannot be written) or stdout;
+    EXIT_FAILED when a part of a claim cannot be read (named on stderr), its items left out."""
     def readable():
         nonlocal code
         for index, claim in claims:
@@ -6636,21 +6654,24 @@ def write_binary_results(backend, run, claims, args):
                 print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
                       file=sys.stderr)
                 code = EXIT_FAILED
-    code, out = EXIT_OK, sys.stdout.buffer if args.output is None else args.output
-    if args.format == "npy":
-        import numpy as np
-        array = run_array(run, readable(), args.field, args.fill)
-        with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
-            np.save(f, array, allow_pickle=False)
-        return code
-    import pyarrow.parquet as pq
-    table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
-    if args.failed:
-        import pyarrow.compute as pc
-        table = table.filter(pc.invert(table["ok"]))
-    with contextlib.nullcontext(out) if args.output is None else open_output(out) as f:
-        pq.write_table(table, f)
-    return code
+    code = EXIT_OK
+    with contextlib.nullcontext(sys.stdout.buffer) if args.output is None else open_output(args.output) as out:
+        try:
+            if args.format == "npy":
+                import numpy as np
+                np.save(out, run_array(run, readable(), args.field, args.fill), allow_pickle=False)
+                return code
+            import pyarrow.parquet as pq
+            table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
+            if args.failed:
+                import pyarrow.compute as pc
+                table = table.filter(pc.invert(table["ok"]))
+            pq.write_table(table, out)
+            return code
+        except BaseException:
+            if args.output is not None:
+                os.unlink(args.output)
+            raise
 
 
 def open_output(path):
@@ -6918,6 +6939,9 @@ def cmd_runs_results(conf, backend, args):
     if binary and args.follow:
         raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
                         f"---> HINT: drop --follow (runs show {args.run} says when the run is done)")
+    if args.format != "npy" and (args.field or args.fill is not None):
+        raise UserError(f"--field and --fill choose the array of --format npy, not of {args.format} ---> HINT: "
+                        f"add --format npy, or drop them")
     if args.format == "npy" and args.failed:
         raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: --format jsonl "
                         "or parquet")

@@ -374,7 +374,7 @@ def format_each(outcome, base):
             try:
                 typed = calque.typed_cells(value)
                 value = value if typed is None else typed[0]
-                fast = encode_fast(value)
+                fast = b"null" if typed and value is None else encode_fast(value)   # an array result: null
                 text = encode_result(value) if fast is None else fast.decode()
                 lines.append(f'{{"i":{i},"ok":true,"result":{text}}}\n')
                 cells += [(i - base, *cell) for cell in typed[1]] if typed else []

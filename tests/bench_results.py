@@ -1,7 +1,7 @@
 """make bench, part 4: typed results. The same 50,000 embeddings of 256 float32 stored by calque as binary (a
 handler returning the batch's [B, 256] array) and as JSON lists (the same values returned as lists, what calque
 stored before typed results): bytes stored per item against the raw 1,024, and the time to read them back,
-side by side, per format.
+side by side, per format. First, what a worker spends writing one claim's part either way (in process).
 
     .venv/bin/python tests/bench_results.py            # BENCH_RESULT_ITEMS=50000 by default
 """
@@ -17,9 +17,18 @@ sys.path.insert(0, ROOT)
 import calque  # noqa: E402
 
 ITEMS = int(os.environ.get("BENCH_RESULT_ITEMS", "50000"))   # embeddings per run
-TRIALS = int(os.environ.get("BENCH_RESULT_TRIALS", "3"))     # reads timed per format (the median is printed)
+TRIALS = int(os.environ.get("BENCH_RESULT_TRIALS", "3"))     # times each is measured (the median is printed)
 HANDLER = os.path.join(ROOT, "tests", "handlers.py") + ":Embeddings"
 RAW = 256 * 4                                                # bytes of one float32 embedding
+
+
+def hide_pandas(tmp, env):
+    """env with pandas unimportable, as in a runtime install (requirements.txt has no pandas): pyarrow imports pandas
+    where it is installed, at its first conversion, which a command then pays."""
+    os.makedirs(os.path.join(tmp, "nopandas", "pandas"), exist_ok=True)
+    with open(os.path.join(tmp, "nopandas", "pandas", "__init__.py"), "w") as f:
+        f.write('raise ImportError("hidden by bench_results.py")\n')
+    return dict(env, PYTHONPATH=os.path.join(tmp, "nopandas") + os.pathsep + env["PYTHONPATH"])
 
 
 def cli(env, *args, out=subprocess.DEVNULL):
@@ -62,7 +71,27 @@ def one_run(tmp, kind):
     return env, run
 
 
+def write_cost(claim=1000, batch=32):
+    """Median ms a worker spends turning one claim's handler returns into its part's bytes (warmd.format_outcome
+    per batch, calque.encode_part at the commit): the batch's [B, 256] array, against the same rows as lists."""
+    import numpy as np
+    import warmd
+    rows = np.random.default_rng(0).standard_normal((claim, 256), np.float32)
+    ways = {"binary (.npz)": [rows[b:b + batch] for b in range(0, claim, batch)],    # what the handlers return
+            "json (.jsonl)": [rows[b:b + batch].tolist() for b in range(0, claim, batch)]}
+    for name, returns in ways.items():
+        def one_claim():
+            chunks = []
+            for k, returned in enumerate(returns):
+                outcome = [(True, r) for r in calque.batch_rows(returned, len(returned))]
+                chunks += warmd.format_outcome(outcome, k * batch)[0]
+            return calque.encode_part(chunks)
+        print(f"  write one claim of {claim} x 256 float32, {name}: {timed(one_claim) * 1000:.1f} ms "
+              f"({len(one_claim()[1]) / claim:,.0f} bytes an item)")
+
+
 def main():
+    write_cost()
     with tempfile.TemporaryDirectory() as tmp:
         binary_env, binary = one_run(tmp, "binary")
         json_env, as_json = one_run(tmp, "json")
@@ -76,8 +105,11 @@ def main():
             rows.append((name, size, {
                 "Run.to_numpy()": timed(run.to_numpy),
                 "Run.results() -> numpy": timed(lambda: np.array([r["result"] for r in run.results()], np.float32)),
-                "runs results --format parquet": timed(lambda: cli(env, "runs", "results", run.run_id, "--format",
-                                                                   "parquet", "--output", out + ".parquet")),
+                "runs results --format parquet": timed(lambda: cli(hide_pandas(tmp, env), "runs", "results",
+                                                                   run.run_id, "--format", "parquet", "--output",
+                                                                   out + ".parquet")),
+                "the same, pandas installed": timed(lambda: cli(env, "runs", "results", run.run_id, "--format",
+                                                                "parquet", "--output", out + ".parquet")),
                 "runs results --format npy": timed(lambda: cli(env, "runs", "results", run.run_id, "--format", "npy",
                                                                "--output", out + ".npy")),
                 "runs results (JSONL)": timed(lambda: cli(env, "runs", "results", run.run_id)),

@@ -194,6 +194,71 @@ class Timeline:
         return items
 
 
+class Typed:
+    """Typed results, as each item's "shape" asks: "batch" (the batch's [B, 4] float32 array), "dict" ({"embedding":
+    [B, 4], "label": [B] int64, "name": strings}), "short" (one row too few), "cuda" (the batch's torch tensor on a
+    fake device: only .cpu() reaches its values), "bf16" (torch), "f16", "i64" (one array an item, bit patterns
+    chosen by x). An item with "fail" raises, failing alone; one with "hold" waits at the gate (hold). A whole batch
+    takes the first item's shape. torch is imported only for the shapes that need it."""
+
+    @calque.enter
+    def load(self):
+        import numpy
+        self.np = numpy
+
+    @calque.batch
+    def run(self, items):
+        np, shape = self.np, items[0]["shape"]
+        if any(item.get("hold") for item in items):
+            hold(items)
+        if any(item.get("fail") for item in items):
+            raise ValueError("an item asked to fail")
+        x = np.array([item["x"] for item in items])
+        rows = x[:, None].astype(np.float32) + np.arange(4, dtype=np.float32) / 8          # [B, 4] float32
+        bits = np.stack([x * 7919 % 65536 - 32768, -1 - x], axis=1).astype(np.int16)      # NaNs among them
+        if shape in ("cuda", "bf16"):
+            import torch
+            return FakeCuda(torch.from_numpy(rows)) if shape == "cuda" else list(torch.from_numpy(bits).view(
+                torch.bfloat16))
+        return {"batch": rows, "short": rows[1:], "f16": list(bits.view(np.float16)),
+                "i64": list(bits.astype(np.int64) * 2 ** 40),
+                "dict": {"embedding": rows, "label": x * 3, "name": [f"n{v}" for v in x]}}[shape]
+
+
+class FakeCuda:
+    """A tensor on a device the host cannot read: .numpy() refuses, as torch does for a CUDA tensor; .cpu() gives
+    the values (and is counted in the file $CPU_CALLS)."""
+
+    def __init__(self, tensor):
+        self.tensor, self.shape = tensor, tensor.shape
+
+    def detach(self):
+        return self
+
+    def cpu(self):
+        with open(os.environ["CPU_CALLS"], "a") as f:
+            f.write("cpu\n")
+        return self.tensor
+
+    def numpy(self):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first")
+
+
+class Embeddings:
+    """The batch's [B, 256] float32 embeddings (seeded by the first item's x), as one array, the way a Hugging Face
+    snippet returns them; with EMBED_AS=json, as lists of floats (what calque stored before typed results)."""
+
+    @calque.enter
+    def load(self):
+        import numpy as np
+        self.np, self.as_json = np, os.environ.get("EMBED_AS") == "json"
+
+    @calque.batch
+    def run(self, items):
+        rows = self.np.random.default_rng(items[0]["x"]).standard_normal((len(items), 256), self.np.float32)
+        return rows.tolist() if self.as_json else rows
+
+
 class Spin:
     """Hashes each item's "spin" times (real work that paces a drain); an item with "error" raises ValueError
     with that text, so that only that item fails (the dashboard's test puts HTML in it); a batch with a "hold"
@@ -243,72 +308,3 @@ class Threads:
     @calque.batch
     def run(self, items):
         return [{var: os.environ.get(var) for var in calque.THREAD_VARS} for _ in items]
-
-
-class Typed:
-    """Typed results, as each item's "shape" asks: "batch" (the batch's [B, 4] float32 tensor), "dict" ({"embedding":
-    [B, 4] numpy, "label": [B] int64 tensor, "name": strings}), "short" (one row too few), "cuda" (a tensor on a
-    fake device: only .cpu() reaches its values), "bf16", "f16", "i64" (one array an item, bit patterns chosen by x).
-    An item with "fail" raises, failing alone; one with "hold" waits at the gate (hold). A whole batch takes the first
-    item's shape."""
-
-    @calque.enter
-    def load(self):
-        import torch
-        self.torch = torch
-
-    @calque.batch
-    def run(self, items):
-        torch, shape = self.torch, items[0]["shape"]
-        if any(item.get("hold") for item in items):
-            hold(items)
-        if any(item.get("fail") for item in items):
-            raise ValueError("an item asked to fail")
-        x = torch.tensor([float(item["x"]) for item in items])
-        rows = x[:, None] + torch.arange(4) / 8                                      # [B, 4] float32
-        if shape == "batch":
-            return rows
-        if shape == "short":
-            return rows[1:]
-        if shape == "dict":
-            return {"embedding": rows.numpy(), "label": x.long() * 3, "name": [f"n{item['x']}" for item in items]}
-        if shape == "cuda":
-            return FakeCuda(rows)
-        bits = torch.tensor([[item["x"] * 7919 % 65536 - 32768, -1 - item["x"]] for item in items])  # NaN/inf too
-        if shape == "i64":
-            return list(bits * 2 ** 40)
-        return list(bits.to(torch.int16).view(torch.bfloat16 if shape == "bf16" else torch.float16))
-
-
-class FakeCuda:
-    """A tensor on a device the host cannot read: .numpy() refuses, as torch does for a CUDA tensor; .cpu() gives
-    the values (and is counted in the file $CPU_CALLS)."""
-
-    def __init__(self, tensor):
-        self.tensor, self.shape = tensor, tensor.shape
-
-    def detach(self):
-        return self
-
-    def cpu(self):
-        with open(os.environ["CPU_CALLS"], "a") as f:
-            f.write("cpu\n")
-        return self.tensor
-
-    def numpy(self):
-        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first")
-
-
-class Embeddings:
-    """The batch's [B, 256] float32 embeddings (seeded by the first item's x), as one array, the way a Hugging Face
-    snippet returns them; with EMBED_AS=json, as lists of floats (what calque stored before typed results)."""
-
-    @calque.enter
-    def load(self):
-        import numpy as np
-        self.np, self.as_json = np, os.environ.get("EMBED_AS") == "json"
-
-    @calque.batch
-    def run(self, items):
-        rows = self.np.random.default_rng(items[0]["x"]).standard_normal((len(items), 256), self.np.float32)
-        return rows.tolist() if self.as_json else rows

@@ -73,6 +73,12 @@ def test_parts_round_trip_every_dtype_bit_exact_and_json_parts_stay_text():
     assert np.array(line["result"]["e"][1:], np.float32).tobytes() == widened.tobytes()
     assert json.loads(calque.result_lines(part)[0])["result"] == [1.5, None, None]   # strict JSON: NaN, inf null
     assert json.loads(calque.result_lines(part)[2])["result"] == {"e": [None, -0.0], "x": "ride"}
+    # a second delivery's part that overlaps the first one's is read from the offset the first one reached
+    trimmed = part.since(2)
+    assert len(trimmed.lines) == 5 and json.loads(trimmed.lines[0])["i"] == 2
+    kept = {(b.field, b.dtype): (b.rows.tolist(), [a.tolist() for a in b.arrays()]) for b in trimmed.blocks}
+    assert kept[("e", "bfloat16")][0] == [0] and len(kept[("e", "bfloat16")][1][0]) == 2     # ragged: row 2's two
+    assert kept[(None, "float64")] == ([2], [[0.0, 1.0, 2.0]]) and kept[("n", "int64")] == ([], [])
     with pytest.raises(calque.ResultsIncomplete, match="is unreadable"):
         calque.read_part(Store({"k.npz": data[:-40]}), "k.npz", 0, 7)
 
@@ -117,10 +123,11 @@ def run_of(env, backend, batch, claim_size=8):
     return calque.submit(batch, pool="m", claim_size=claim_size, wait_for_workers=True, context=(conf, backend))
 
 
-def test_typed_results_read_back_exactly_in_every_format(any_env, tmp_path):
-    """One warm worker, batch size 4. Batch-shaped tensors, a fake CUDA tensor (.cpu() once a batch), dicts of
-    arrays with a failing item (the rest of its batch stays ok), a wrong-length return, bfloat16/float16/int64 one
-    array an item: JSONL, Parquet, .npy, to_numpy, to_arrow, to_pandas and the per-claim batches agree, bit-exact."""
+def test_typed_results_read_back_exactly_in_every_format(any_env, tmp_path, monkeypatch, capsys):
+    """One warm worker, batch size 4. Batch-shaped arrays, a torch tensor on a fake CUDA device (.cpu() once a
+    batch), dicts of arrays with a failing item (the rest of its batch stays ok), a wrong-length return,
+    bfloat16/float16/int64 one array an item: JSONL, Parquet, .npy, to_numpy, to_arrow, to_pandas and the per-claim
+    batches agree, bit-exact; the CLI's refusals are one line each."""
     env = dict(any_env, CPU_CALLS=str(tmp_path / "cpu"))
     out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Typed", "--batch-size", "4",
               "--workers", "0")
@@ -135,11 +142,11 @@ def test_typed_results_read_back_exactly_in_every_format(any_env, tmp_path):
     assert open(env["CPU_CALLS"]).read() == "cpu\n" * 2          # the fake device's two batches, once each
 
     assert floats.to_numpy().tobytes() == rows(range(16)).tobytes()
-    assert typed["bf16"].to_numpy().dtype == np.float32
-    assert (typed["bf16"].to_numpy().view(np.uint32) >> 16).astype(np.int64).tolist() == (bits(range(9)) % 65536).tolist()
-    assert not (typed["bf16"].to_numpy().view(np.uint32) & 0xFFFF).any()
-    assert typed["f16"].to_numpy().dtype == np.float16
-    assert typed["f16"].to_numpy().view(np.int16).tolist() == bits(range(9)).astype(np.int16).tolist()
+    bf16, f16 = typed["bf16"].to_numpy(), typed["f16"].to_numpy()
+    top = (bf16.view(np.uint32) >> 16).astype(np.int64)    # widened to float32: the bfloat16 bits on top, 0 below
+    assert bf16.dtype == np.float32 and top.tolist() == (bits(range(9)) % 65536).tolist()
+    assert not (bf16.view(np.uint32) & 0xFFFF).any()
+    assert f16.dtype == np.float16 and f16.view(np.int16).tolist() == bits(range(9)).astype(np.int16).tolist()
     assert typed["i64"].to_numpy().tolist() == (bits(range(9)) * 2 ** 40).tolist()
 
     embedding = mixed.to_numpy("embedding")
@@ -172,21 +179,27 @@ def test_typed_results_read_back_exactly_in_every_format(any_env, tmp_path):
     path = tmp_path / "mixed.parquet"
     out = cli(env, "runs", "results", mixed.run_id, "--format", "parquet", "--output", str(path))
     assert out.returncode == 0 and out.stdout == "" and pq.read_table(path).equals(table), out.stderr
-    failed = cli(env, "runs", "results", mixed.run_id, "--format", "parquet", "--failed", "--output", str(path))
-    assert failed.returncode == 0 and pq.read_table(path)["i"].to_pylist() == [2, 8, 9, 10, 11]
     npy = subprocess.run([PY, os.path.join(ROOT, "calque.py"), "runs", "results", typed["f16"].run_id, "--format",
                           "npy"], env=env, capture_output=True, timeout=60)
-    assert npy.returncode == 0 and np.load(io.BytesIO(npy.stdout)).tobytes() == typed["f16"].to_numpy().tobytes()
-    out = cli(env, "runs", "results", mixed.run_id, "--format", "npy", "--field", "label", "--output", str(path))
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "---> HINT: pass fill=" in out.stderr
-    out = cli(env, "runs", "results", mixed.run_id, "--format", "npy", "--follow")
-    assert out.returncode == 2 and "--follow prints JSONL" in out.stderr
+    assert npy.returncode == 0 and np.load(io.BytesIO(npy.stdout)).tobytes() == f16.tobytes()
+    for var in ("CALQUE_STORE", "CALQUE_ENV"):                # the refusals, in process: the same main()
+        monkeypatch.setenv(var, env[var])
+    for args, said in [(("--format", "npy", "--field", "label", "--output", str(path)), "---> HINT: pass fill="),
+                       (("--format", "npy", "--follow"), "--follow prints JSONL"),
+                       (("--field", "label"), "--field and --fill choose the array of --format npy"),
+                       (("--format", "parquet", "--output", str(tmp_path / "no" / "x")), "cannot write")]:
+        assert calque.main(["runs", "results", mixed.run_id, *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err, (args, err)
+    assert not os.path.exists(path)                         # refused after it was opened: removed
+    assert calque.main(["runs", "results", mixed.run_id, "--format", "parquet", "--failed", "--output", str(path)]) == 0
+    assert pq.read_table(path)["i"].to_pylist() == [2, 8, 9, 10, 11]
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(30) == 0
 
 
 def test_kill_9_mid_claim_with_binary_parts_loses_and_repeats_nothing(any_env, tmp_path):
-    """A worker killed while it holds batch [6, 8) of a claim checkpointed each batch: the next worker resumes
+    """A worker killed while it holds batch [4, 6) of a claim checkpointed each batch: the next worker resumes
     after the .npz parts written (never computing those items again) and every item reads back once, exactly."""
     gate = tmp_path / "gate"
     gate.mkdir()
@@ -196,19 +209,34 @@ def test_kill_9_mid_claim_with_binary_parts_loses_and_repeats_nothing(any_env, t
     assert out.returncode == 0, out.stderr
     backend = backend_for(env)
     a = start_worker(env, "--model", "m")
-    run = run_of(env, backend, items("batch", range(12), hold=[6]), claim_size=12)
-    wait_for(lambda: os.listdir(gate), 60, "the worker to hold batch [6, 8)")
+    run = run_of(env, backend, items("batch", range(8), hold=[4]), claim_size=8)
+    wait_for(lambda: os.listdir(gate), 60, "the worker to hold batch [4, 6)")
     os.kill(a.pid, signal.SIGKILL)
     a.wait()
     (gate / "open").touch()
     b = start_worker(env, "--model", "m")
     assert run.wait(timeout=60)
     s = run.summaries()[0]
-    assert s["status"] == "ok" and s["receive_count"] == 2 and s["resumed"] == 6
-    assert s["parts"][:3] == [[0, 2], [2, 4], [4, 6]] and s["parts"][-1][1] == 12
+    assert s["status"] == "ok" and s["receive_count"] == 2 and s["resumed"] == 4
+    assert s["parts"][:2] == [[0, 2], [2, 4]] and s["parts"][-1][1] == 8
     keys = backend.store.list(calque.results_prefix(run.run_id, "c00000"))
     assert all(key.endswith(".npz") for key in keys if calque.PART_NAME.match(key.rsplit("/", 1)[1]))
-    assert run.to_numpy().tobytes() == rows(range(12)).tobytes()
-    assert [line["i"] for line in run.results()] == list(range(12))
+    assert run.to_numpy().tobytes() == rows(range(8)).tobytes()
+    assert [line["i"] for line in run.results()] == list(range(8))
     b.send_signal(signal.SIGTERM)
     assert b.wait(30) == 0
+
+
+def test_to_numpy_takes_its_field_from_the_first_claim_with_arrays():
+    """A run whose first claim failed whole (no arrays in it): its rows are NaN, the next claim's arrays say what
+    the result is; several arrays and no field named is a UserError naming them."""
+    run = {"run_id": "m.r", "claim_size": 2, "items": 4}
+    failed = calque.Part(['{"i":0,"ok":false,"error":"x"}\n', '{"i":1,"ok":false,"error":"x"}\n'], [])
+    lines = ['{"i":2,"ok":true,"result":{"e":null,"n":null}}\n', '{"i":3,"ok":true,"result":{"e":null,"n":null}}\n']
+    e = calque.Block("e", "float32", np.arange(2), np.ones((2, 3), np.float32))
+    n = calque.Block("n", "int64", np.arange(2), np.arange(2))
+    typed = calque.Part(lines, [e])
+    out = calque.run_array(run, [(0, "c00000", [failed]), (1, "c00001", [typed])])
+    assert out.dtype == np.float32 and np.isnan(out[:2]).all() and (out[2:] == 1).all()
+    with pytest.raises(calque.UserError, match=r"several arrays \(e, n\)"):
+        calque.run_array(run, [(0, "c00000", [failed]), (1, "c00001", [typed._replace(blocks=[e, n])])])
