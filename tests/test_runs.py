@@ -321,6 +321,7 @@ def test_delete_and_prune_runs(any_env, tmp_path):
     live = cli(env, "submit", "--pool", "m", items, "--no-wait", "--claim-size", "2").stdout.strip()
     backend = backend_for(env)
     assert backend.store.list(f"runs/{cold[0]}/")
+    assert cli(env, "runs", "prune", "--older-than", "7d").stdout == "freed 0 B in 0 object(s) of 0 run(s)\n"
     out = cli(env, "runs", "prune", "--older-than", "0s", "--keep", "1", "--model", "c")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"run {cold[0]}: deleted (") and cold[1] not in out.stdout and live not in out.stdout
