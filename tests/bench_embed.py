@@ -28,11 +28,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # ------------------------------------------------------------------------------------------------
-EMBED_ITEMS = int(os.environ.get("BENCH_EMBED_ITEMS", "5000"))          # texts of the embedding job
+EMBED_ITEMS = int(os.environ.get("BENCH_EMBED_ITEMS", "2000"))          # texts of the embedding job (~2 min a run)
 PARQUET_ROWS = int(os.environ.get("BENCH_PARQUET_ROWS", "1000000"))     # rows of the staging section's file
 UNIQUE_TEXTS = 100_000            # distinct texts in that file (repeated to its size: generating is slow)
 BATCH = 32                        # items per handler call, in the loop and the pools (calque's default)
-CLAIM = 250                       # items per claim of the embedding runs (20 claims of 5,000: both workers busy)
+CLAIM = 250                       # items per claim of the embedding runs (8 claims of 2,000: both workers busy)
 RAW_ROW = 256 * 4                 # bytes of one embedding as float32
 SECTIONS = ("embed", "parquet")
 HANDLER = os.path.join(ROOT, "examples", "embed_model.py") + ":EmbedModel"
