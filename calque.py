@@ -5918,7 +5918,7 @@ def suggest_instance(rates, card, count):
     """The cheapest instance type in rates.json (ec2.instances: gpu, gpus, price, each with its source) with at
     least `count` GPUs of `card`, or None."""
     fits = [(i["usd_per_hour"], name) for name, i in rates["ec2"]["instances"].items()
-            if i["serverless_card"] == card and i["gpus"] >= count]
+            if i.get("serverless_card") == card and i["gpus"] >= count]
     return min(fits)[1] if fits else None
 
 
