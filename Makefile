@@ -55,6 +55,7 @@ bench: setup $(EMBED)
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_scale.py
 	$(PY) tests/bench_results.py
 	$(PY) tests/bench_dashboard.py
+	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_churn.py
 	$(PY) tests/bench_embed.py
 
 # calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py;

@@ -62,6 +62,7 @@ import sys
 import tarfile
 import threading
 import time
+import traceback
 import typing
 import uuid
 import zipfile
@@ -101,6 +102,7 @@ ENV_FILE = "pool.env"                   # read from the current directory, or fr
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
 QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local queue file is still the one opened
 ENDPOINT_BACKOFF = (0.25, 4.0)          # s: first wait before retrying an unreachable AWS endpoint, doubling to a cap
+INCLUDE_MAX_BYTES = 64 << 20           # bytes of files a pool snapshots beside its handler (--include, add_local_*)
 ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
 SUMMARY_POLL_MIN = 0.002                # s, the first gap between two summary checks (an idle pool's round trip)
 SUMMARY_POLL_MAX = 0.5                  # s between two checks for a claim's summary while results are followed
@@ -769,10 +771,7 @@ def parse_handler_spec(spec):
 
 def check_handler_source(source, cls, where):
     """Check without running it that `source` defines class `cls` with @calque.enter and @calque.batch."""
-    try:
-        tree = ast.parse(source, filename=where)
-    except SyntaxError as e:
-        raise UserError(f"handler {where}: syntax error on line {e.lineno}: {e.msg}")
+    tree = parse_source(source, where)
     if imports_modal(tree):
         return check_modal_source(tree, cls, where)
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
@@ -799,12 +798,14 @@ def import_file(path, name):
     return module
 
 
-def load_handler(path, cls, modal=None):
+def load_handler(path, cls, modal=None, container=False):
     """Import the handler class from a file and return (instance, enter_method, batch_method, collate or None).
-    A Modal app file gives a ModalHandler (`modal`: the pool record's modal options)."""
+    A Modal app file gives a ModalHandler (`modal`: the pool record's modal options; `container`: in a worker,
+    where `with image.imports():` blocks import for real)."""
     with open(path, "rb") as f:
-        if imports_modal(f.read()):
-            _, target, method = import_modal_app(path, cls)
+        if imports_modal(f.read(), path):
+            os.environ.update((modal or {}).get("image", {}).get("env", {}))   # before the app's code reads it
+            _, target, method = import_modal_app(path, cls, container)
             handler = ModalHandler(target, method, modal or {})
             return handler, handler.enter, handler.batch, handler.collate
     module = import_file(path, "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
@@ -822,12 +823,21 @@ def load_handler(path, cls, modal=None):
 # ------------------------------------------------------------------------------------------------
 # Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
 # ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
+MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs]} (modal_shim's CALL_KEY)
 MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
 
 
-def imports_modal(source):
+def parse_source(source, where):
+    try:
+        return ast.parse(source, filename=where)
+    except (SyntaxError, ValueError) as e:   # ValueError: a NUL byte
+        raise UserError(f"handler {where}: syntax error on line {getattr(e, 'lineno', '?')}: "
+                        f"{getattr(e, 'msg', e)} ---> HINT: python -m py_compile {where}")
+
+
+def imports_modal(source, where="handler"):
     """Whether a handler's source (bytes, or its parsed tree) imports modal: then it is a Modal app file."""
-    tree = source if isinstance(source, ast.AST) else ast.parse(source)
+    tree = source if isinstance(source, ast.AST) else parse_source(source, where)
     return any(isinstance(node, ast.Import) and any(a.name.split(".")[0] == "modal" for a in node.names)
                or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "modal"
                for node in ast.walk(tree))
@@ -852,27 +862,53 @@ def load_modal_shim():
     return shim
 
 
-def import_modal_file(path):
-    """(shim, module) of a Modal app file imported for real under the stand-in; a refused construct is a UserError."""
+def import_modal_file(path, container=False):
+    """(shim, module) of a Modal app file imported for real under the stand-in. Whatever stops the import is one
+    UserError naming the file and line: a refused construct, a module this Python lacks, any exception."""
     shim = load_modal_shim()
+    shim.container = container
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in sys.path:   # its sibling modules import, as `python app.py` / `modal run app.py` find them
+        sys.path.insert(0, folder)
     try:
         return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
-    except shim.Unsupported as e:
-        raise UserError(f"{path}: {e}")
-    except ImportError as e:
-        if not (e.name or "").startswith("modal."):
-            raise
-        raise UserError(f"{path}: import {e.name} is not supported on a calque pool (the stand-in modal is one "
-                        f"module) ---> HINT: import modal and use modal.X, or catch the stand-in's RemoteError")
+    except Exception as e:
+        raise UserError(user_code_error(path, e, container))
 
 
-def import_modal_app(path, name):
+def user_code_error(path, e, container=False):
+    """One line for an exception raised by a user's file: where (file:line, its innermost frame there) and what."""
+    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+             if os.path.abspath(f.filename) == os.path.abspath(path)]
+    where = f"{path}:{e.lineno if isinstance(e, SyntaxError) else (lines or ['?'])[-1]}"
+    if type(e).__name__ == "Unsupported":
+        return f"{where}: {e}"
+    if isinstance(e, ImportError) and (e.name or "").startswith("modal."):
+        return (f"{where}: import {e.name} is not supported on a calque pool (the stand-in modal is one module) "
+                f"---> HINT: import modal and use modal.X")
+    if isinstance(e, ModuleNotFoundError):
+        return (f"{where}: module {e.name!r} is not installed in this Python ({sys.executable}) ---> HINT: "
+                f"{sys.executable} -m pip install PACKAGE (the one that provides {e.name})"
+                + ("" if container else ", or import it inside `with image.imports():`"))
+    return f"{where}: {type(e).__name__}: {one_line(e)}"
+
+
+def one_line(message):
+    """An exception's text on one line (a library's message may hold several)."""
+    return " ".join(str(message).split())
+
+
+def import_modal_app(path, name, container=False):
     """(shim, registered object, method name or None) of `name` in a Modal app file, imported for real. A construct
     the stand-in refuses is a UserError naming it."""
-    shim, module = import_modal_file(path)
+    shim, module = import_modal_file(path, container)
     top, _, method = name.partition(".")
     target = getattr(module, top, None)
     if isinstance(target, shim.Function):
+        web = getattr(target.raw_f, "_modal_role", {}).get("web")
+        if web:
+            raise UserError(f"{path}:{name}: {top} is a @modal.{web} web endpoint: a calque pool serves batch "
+                            f"claims, not HTTP ---> HINT: name a plain @app.function or @modal.method")
         return shim, target, None
     if not isinstance(target, shim.Cls):
         raise UserError(f"{path}:{name}: {top} is not an @app.cls class or an @app.function function")
@@ -990,9 +1026,9 @@ class ModalHandler:
         role = getattr(self.fn, "_modal_role", {})
         if role.get("kind") == "batched":
             size, out = role["max_batch_size"], []
-            for k in range(0, len(payloads), size):
-                chunk = payloads[k:k + size]   # several parameters: one list per parameter, as Modal passes them
-                out += self._call([chunk] if self._params() == 1 else [list(c) for c in zip(*chunk)])
+            for k in range(0, len(payloads), size):   # several parameters: one list per parameter, as Modal's
+                columns = zip(*(self._args(item)[0] for item in payloads[k:k + size]))
+                out += self._call([list(c) for c in columns], {})
             return out
         if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item of a failed batch
             ok, value = self.replay.pop(id(payloads[0]))
@@ -1006,29 +1042,37 @@ class ModalHandler:
         self.replay = {id(p): outcome for p, outcome in zip(payloads, outcomes)}
         raise next(value for ok, value in outcomes if not ok)
 
-    def _params(self):
-        return len([p for p in inspect.signature(self.fn).parameters.values() if p.default is p.empty])
+    def _args(self, item):
+        """(args, kwargs) of an item: a `modal run` call's own ({"__modal_call__": [args, kwargs]}); else the item
+        (a JSON list splatted for a function of several parameters, as .starmap)."""
+        if isinstance(item, dict) and len(item) == 1 and MODAL_CALL_KEY in item:
+            args, kwargs = item[MODAL_CALL_KEY]
+            return args, kwargs
+        required = [p for p in inspect.signature(self.fn).parameters.values() if p.default is p.empty]
+        return (item if len(required) > 1 and isinstance(item, list) else [item]), {}
 
-    def _call(self, item_args):
-        out = self.fn(*item_args)
+    def _call(self, args, kwargs):
+        out = self.fn(*args, **kwargs)
+        if inspect.iscoroutine(out):   # an async @modal.batched
+            import asyncio
+            out = asyncio.run(out)
         return list(out) if hasattr(out, "__next__") else out
 
     def _each(self, payloads):
         """[(ok, result or exception)] per item, max_inputs at once."""
-        splat = self._params() > 1
-        calls = [item if splat and isinstance(item, list) else [item] for item in payloads]
+        calls = [self._args(item) for item in payloads]
         limit = getattr(self.raw, "_modal_concurrent", 1)
         if inspect.iscoroutinefunction(self.fn) or inspect.isasyncgenfunction(self.fn):
             import asyncio   # here, not at the top: with ssl, its import cost every command and worker ~50 ms
             return asyncio.run(self._each_async(calls, limit))
 
-        def one(a):
+        def one(call):
             try:
-                return True, self._call(a)
+                return True, self._call(*call)
             except Exception as e:
                 return False, e
         if limit <= 1:
-            return [one(a) for a in calls]
+            return [one(c) for c in calls]
         with ThreadPoolExecutor(min(limit, len(calls))) as pool:
             return list(pool.map(one, calls))
 
@@ -1036,16 +1080,16 @@ class ModalHandler:
         import asyncio
         gate = asyncio.Semaphore(limit)
 
-        async def one(a):
+        async def one(call):
             async with gate:
                 try:
-                    out = self.fn(*a)
+                    out = self.fn(*call[0], **call[1])
                     if hasattr(out, "__anext__"):
                         return True, [x async for x in out]
                     return True, await out
                 except Exception as e:
                     return False, e
-        return await asyncio.gather(*(one(a) for a in calls))
+        return await asyncio.gather(*(one(c) for c in calls))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1901,17 +1945,85 @@ def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries
     return {name: value or setting_number(conf, f"CALQUE_{name.upper()}", int, 1) for name, value in given.items()}
 
 
-def snapshot_handler(handler_spec, key_prefix, put):
+def snapshot_handler(handler_spec, key_prefix, put, include=()):
     """Check the handler file and copy it into the store with put(key, data) (backend.store.put, or an EC2
-    dry run's printer): the code a worker on another machine will run. Returns its record."""
+    dry run's printer): the code a worker on another machine will run. `include`: [local path, path in the
+    handler's folder] of the files it needs beside it, put as one tar.gz (include_snapshot). Returns its record."""
     path, cls = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         source = f.read()
     check_handler_source(source, cls, path)
     key = f"{key_prefix}handler/{os.path.basename(path)}"
     put(key, source)
-    return {"key": key, "file": os.path.basename(path), "class": cls, "sha256": hashlib.sha256(source).hexdigest(),
-            "source_path": os.path.abspath(path)}
+    record = {"key": key, "file": os.path.basename(path), "class": cls, "sha256": hashlib.sha256(source).hexdigest(),
+              "source_path": os.path.abspath(path)}
+    if include:
+        blob, files = include_snapshot(include)
+        record["include"] = {"key": f"{key_prefix}handler/include.tar.gz", "sha256": hashlib.sha256(blob).hexdigest(),
+                             "bytes": len(blob), "files": files}
+        put(record["include"]["key"], blob)
+    return record
+
+
+def include_snapshot(include):
+    """(tar.gz bytes, file count) of [local path, relative path] pairs (a folder: its files, caches left out),
+    byte-identical for the same files, so that re-creating a pool keeps its digest. Over INCLUDE_MAX_BYTES: refused."""
+    members = {}
+    for local, rel in include:
+        if not os.path.exists(local):
+            raise UserError(f"include {local}: not found ---> HINT: name a file or folder that exists here")
+        rel = os.path.normpath(rel)
+        if rel.startswith("..") or os.path.isabs(rel):
+            raise UserError(f"include {local}: its place {rel} is outside the handler's folder")
+        if os.path.isdir(local):
+            for root, dirs, names in os.walk(local):
+                dirs[:] = sorted(d for d in dirs if d not in ("__pycache__", ".git"))
+                for name in names:
+                    full = os.path.join(root, name)
+                    members[os.path.normpath(os.path.join(rel, os.path.relpath(full, local)))] = full
+        else:
+            members[rel] = local
+    total = sum(os.path.getsize(p) for p in members.values())
+    if total > INCLUDE_MAX_BYTES:
+        raise UserError(f"include: {len(members)} files of {total / 2**20:.1f} MiB, over the "
+                        f"{INCLUDE_MAX_BYTES >> 20} MiB a pool snapshots with its handler ---> HINT: put large data "
+                        f"in a folder the workers see (--volume) or in the store, and read it in @enter")
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for rel in sorted(members):   # a link is stored as what it points to; times and owners left out
+            info = tarfile.TarInfo(rel)
+            info.size, info.mode = os.path.getsize(members[rel]), os.stat(members[rel]).st_mode & 0o755
+            with open(members[rel], "rb") as f:
+                tar.addfile(info, f)
+    return gzip.compress(raw.getvalue(), mtime=0), len(members)
+
+
+def include_paths(paths, handler_spec):
+    """--include PATH options as [local, relative path]: its place relative to the handler's folder (its name
+    when it is elsewhere), as the handler sees it on its own machine."""
+    folder = os.path.dirname(os.path.abspath(parse_handler_spec(handler_spec)[0]))
+    out = []
+    for path in paths or ():
+        rel = os.path.relpath(os.path.abspath(path), folder)
+        out.append([os.path.abspath(path), os.path.basename(path.rstrip("/")) if rel.startswith("..") else rel])
+    return out
+
+
+def unpack_include(store, include, folder):
+    """The snapshot of include_snapshot, checked against the record's sha256, unpacked as `folder` unless it is
+    there: into a new folder renamed in place, so that a worker starting beside never sees half of it."""
+    if os.path.isdir(folder):
+        return
+    blob = store.get(include["key"])
+    if hashlib.sha256(blob).hexdigest() != include["sha256"]:
+        raise UserError(f"include snapshot {include['key']} does not match the pool record's sha256: recreate the pool")
+    fresh = f"{folder}.tmp-{os.getpid()}"
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
+        tar.extractall(fresh, filter="data")
+    try:
+        os.rename(fresh, folder)
+    except OSError:   # another worker's came first: the same files
+        shutil.rmtree(fresh, ignore_errors=True)
 
 
 def list_summaries(backend, run_id, after_claim=None):
@@ -3181,8 +3293,8 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
 
 # ------------------------------------------------------------------------------------------------
 # 6. local workers: a detached supervisor per pool keeps N warmd.py processes alive on this machine
-RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay, doubling up to this cap
-RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long restarts without backoff
+RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay after an exit without progress, doubling to this cap
+RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long made progress, whatever it did
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
@@ -3196,6 +3308,52 @@ WORKER_LOST_AFTER = 120.0               # s of silence after which a "running" w
 
 def state_dir(conf, model):
     return os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "pools", slug(model))
+
+
+WORKER_LOG_LINE = re.compile(rb"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} warmd |warmd: )")   # warmd's own lines
+
+
+class WorkerOutput:
+    """What the handler code of a pool's local workers prints (stdout and stderr, in their logs), each line on
+    our stderr as it is written, prefixed with the pool's label and the worker slot; warmd's own log lines are
+    left out. A thread follows the logs from their current ends (new workers' logs from their start) until
+    stop(), which prints what is left."""
+
+    def __init__(self, conf, labels):
+        self.folders = {state_dir(conf, model): label for model, label in labels.items()}
+        self.offsets, self.partial = {}, {}
+        self.stopped = threading.Event()
+        self._poll(skip=True)
+        self.thread = threading.Thread(target=self._run, name="worker-output", daemon=True)
+        self.thread.start()
+
+    def add(self, conf, model, label):
+        self.folders[state_dir(conf, model)] = label
+
+    def _run(self):
+        while not self.stopped.wait(SUPERVISOR_TICK):
+            self._poll()
+
+    def _poll(self, skip=False):
+        for folder, label in list(self.folders.items()):
+            for path in glob.glob(os.path.join(folder, "worker-*.log")):
+                with contextlib.suppress(OSError), open(path, "rb") as f:
+                    f.seek(*((0, os.SEEK_END) if skip else (self.offsets.get(path, 0),)))
+                    text = self.partial.pop(path, b"") + f.read()
+                    self.offsets[path] = f.tell()
+                lines = text.split(b"\n")
+                if lines[-1]:
+                    self.partial[path] = lines[-1]
+                slot = re.findall(r"\d+", os.path.basename(path))[-1]
+                for line in lines[:-1]:
+                    if not WORKER_LOG_LINE.match(line):
+                        shown = line.rsplit(b"\r", 1)[-1].decode(errors="replace")   # a progress bar: its last state
+                        print(f"[{label} w{slot}] {shown}", file=sys.stderr, flush=True)
+
+    def stop(self):
+        self.stopped.set()
+        self.thread.join()
+        self._poll()
 
 
 def child_env(conf):
@@ -3352,15 +3510,36 @@ def read_desired(folder):
         return 0
 
 
-def _is_warm(slot):
-    """True once the slot's current process has finished @enter (warmd writes its pid to the ready file)."""
+def _readiness(slot):
+    """What the slot's current process said in its ready file: [] (nothing yet), ["warm"] once @enter is done
+    (warmd writes its pid), ["warm", "progress"] once it committed a result part or finished a claim."""
     if slot["proc"] is None:
-        return False
+        return []
     try:
         with open(slot["ready"]) as f:
-            return f.read().strip() == str(slot["proc"].pid)
+            words = f.read().split()
     except OSError:
-        return False
+        return []
+    return ["warm", *words[1:]] if words[:1] == [str(slot["proc"].pid)] else []
+
+
+def _is_warm(slot):
+    """True once the slot's current process has finished @enter."""
+    return bool(_readiness(slot))
+
+
+def restart_delay(warm, progress, lived, failures, code):
+    """(s before a dead worker's slot starts again, how it counts), from the exit's facts. A worker that was warm
+    and made progress (a result part, a finished claim, or RESTART_RESET_AFTER s of life) was killed, not caught
+    in a crash loop, whatever killed it: at once. One that died before warm or without progress waits: a SIGKILL
+    (from outside: churn, an operator, the OOM killer) RESTART_BACKOFF[0] s; an exit of its own (a status, a
+    crash) as the `failures`-th such exit in a row, RESTART_BACKOFF[0] s doubling to RESTART_BACKOFF[1]."""
+    if warm and (progress or lived > RESTART_RESET_AFTER):
+        return 0.0, "died after progress"
+    kind = "died without progress" if warm else "died before warm"
+    if code == -signal.SIGKILL:
+        return RESTART_BACKOFF[0], kind
+    return min(RESTART_BACKOFF[0] * 2 ** (failures - 1), RESTART_BACKOFF[1]), kind
 
 
 def exit_reason(log_path, returncode):
@@ -3389,17 +3568,21 @@ def _reap(slots, want, now):
     for s, slot in list(slots.items()):
         proc = slot["proc"]
         if proc is not None and proc.poll() is not None:
-            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode}", flush=True)
-            slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": _is_warm(slot),
+            said = _readiness(slot)
+            progress = "progress" in said
+            slot["failures"] = 0 if progress else slot.get("failures", 0) + 1
+            lived = now - slot["started"]
+            delay, kind = restart_delay(bool(said), progress, lived, slot["failures"], proc.returncode)
+            slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": bool(said),
+                                 "progress": progress, "lived": round(lived, 3), "kind": kind, "restart_delay": delay,
                                  "reason": exit_reason(slot["log"], proc.returncode)}
             slot["proc"] = None
+            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode} ({kind}; restart "
+                  f"{f'in {delay:g} s' if delay else 'at once'})", flush=True)
             if s < want:
-                lived = now - slot["started"]
                 slot["restarts"] += 1
                 restarts += 1
-                backoff = 0.0 if lived > RESTART_RESET_AFTER else min(
-                    RESTART_BACKOFF[0] * 2 ** (slot["restarts"] - 1), RESTART_BACKOFF[1])
-                slot["not_before"] = now + backoff
+                slot["not_before"] = now + delay
         if s >= want:
             if slot["proc"] is None:
                 del slots[s]
@@ -3422,6 +3605,8 @@ def _spawn(conf, model, folder, slots, want, now):
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
             env.update(thread_env(folder, want, slot["gpus"], env))
             slot["threads"] = env.get("OMP_NUM_THREADS")
+            if slot["last_exit"] and slot["last_exit"]["code"]:   # a death: the new worker commits parts the more
+                env["CALQUE_PREVIOUS_LIFE"] = str(slot["last_exit"]["lived"])   # often, the shorter it lived
             with open(slot["log"], "ab") as log:
                 slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
                                                 stdout=log, stderr=log, env=env, cwd=HERE)
@@ -4765,6 +4950,7 @@ retry "pip install -r requirements.txt" \
 # still installs), with the build tools just pinned, so nothing more is downloaded
 once "pip install calque" "$CALQUE/venv/bin/pip" install -q --no-deps --no-build-isolation --no-cache-dir \
   "$CALQUE/kit.tar.gz"
+{image_install}
 
 # which fastbatch path the worker gets: a module the install did not build is reported (the import says why),
 # and the worker is told to use the numpy path instead of trying to build it at every start
@@ -4853,7 +5039,7 @@ mark_unhealthy() {
 
 
 def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit,
-               service, on_failure, report_prefix="", preamble="", conf=None):
+               service, on_failure, report_prefix="", preamble="", conf=None, image_install=""):
     conf = conf or settings()
     bucket, _, prefix = store[len("s3://"):].partition("/")
     prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
@@ -4866,6 +5052,7 @@ def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit
     grace = float(conf.get("CALQUE_GRACE", 30))
     script = _BOOTSTRAP.format(
         title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble,
+        image_install=image_install,
         bucket=shlex.quote(bucket), kit_key=shlex.quote(prefix + kit_key), kit_sha256=kit_sha256,
         region=shlex.quote(region), imds=EC2_SPOT_POLL, state=EC2_STATE_DIR,
         report_prefix=shlex.quote(prefix + report_prefix if report_prefix else ""),
@@ -4894,18 +5081,34 @@ def _refuse_credentials(text):
 POOL_SERVICE = "Restart=always\nRestartPreventExitStatus=0\nRestartSec=5"
 
 
-def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile", conf=None):
+def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile", conf=None,
+                   image=None):
     """The pool instance's bootstrap: build tools, a venv, the kit from the store (the operator's calque as an
-    sdist: its pinned requirements, then calque, fastbatch compiled), then `warmd --model M` under systemd
-    (POOL_SERVICE, journal logs, spot poller on). Each network step is retried; the outcome (or where it failed,
-    and why) is written to the pool's instances/ folder in the store, and a failed bootstrap takes its own
-    instance out of the group so the ASG replaces it."""
+    sdist: its pinned requirements, then calque, fastbatch compiled), a Modal app's image packages (`image`),
+    then `warmd --model M` under systemd (POOL_SERVICE, journal logs, spot poller on). Each network step is
+    retried; the outcome (or where it failed, and why) is written to the pool's instances/ folder in the store,
+    and a failed bootstrap takes its own instance out of the group so the ASG replaces it."""
     _check_text(model, "model")
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
         store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_POOL_MODEL": model},
         worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service=POOL_SERVICE,
-        report_prefix=ec2_names(model)["report_prefix"], on_failure=_POOL_ON_FAILURE, conf=conf)
+        report_prefix=ec2_names(model)["report_prefix"], on_failure=_POOL_ON_FAILURE, conf=conf,
+        image_install=image_install(image))
+
+
+def image_install(image):
+    """The bootstrap lines that build a Modal app's image on the instance, as Modal would: its apt_install and
+    pip_install packages, pinned as written, into the venv calque is installed in."""
+    lines = []
+    for kind, command in (("apt", "apt-get -o DPkg::Lock::Timeout=600 install -y -q"),
+                          ("pip", '"$CALQUE/venv/bin/pip" install -q --no-cache-dir')):
+        packages = (image or {}).get(kind, [])
+        for package in packages:
+            _check_text(package, f"image {kind} package")
+        if packages:
+            lines.append(f'retry "image {kind} install" {command} {" ".join(shlex.quote(p) for p in packages)}')
+    return "\n".join(lines)
 
 
 def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, profile="the cold-run instance profile",
@@ -5348,7 +5551,8 @@ def _run_steps(subject, steps, fix):
 
 # ------------------------------------------------------------------------------------------------
 # the EC2 pool verbs
-def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_money=False, calls=None):
+def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_money=False, calls=None,
+                    include=()):
     """`pool create --instances N ...` on an s3:// store. `record` is the pool record cmd_pool_create built
     (model, slug, queue, dlq, batch_size, visibility_timeout, max_deliveries, created_at, store); `handler`
     (path/to/file.py:Class) is snapshotted here; `options` (Ec2PoolOptions) say the fleet. A read-only
@@ -5407,7 +5611,8 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
 
     def store_objects():
         full["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/",
-                                           lambda key, data: _store_put(calls, backend, key, data))
+                                           lambda key, data: _store_put(calls, backend, key, data),
+                                           list(include) + record.get("modal", {}).get("image", {}).get("files", []))
         _store_put(calls, backend, kit_key, blob)
         full["ec2"] = ec2
         _put_pool_record(calls, backend, full)
@@ -5424,7 +5629,8 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
         print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
 
     def launch_template():
-        script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"])
+        script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"],
+                                image=record.get("modal", {}).get("image"))
         data = {"ImageId": ami, "InstanceType": options.instance_type, "UserData": _user_data_b64(script),
                 "IamInstanceProfile": {"Name": names["instance_profile"]},
                 "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
@@ -5922,13 +6128,15 @@ def suggest_instance(rates, card, count):
     return min(fits)[1] if fits else None
 
 
-def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None):
+def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None,
+                  workers_here=True):
     """What a Modal handler's pool needs from its app file, imported here for real: (the pool record's "modal"
-    {params, secrets, volumes, declared}, {max_deliveries, batch_timeout, instance_type} the app's retries=,
-    timeout= and gpu= suggest, note lines to print). (None, {}, []) for a calque handler."""
+    {params, secrets, volumes, image, declared}, {max_deliveries, batch_timeout, instance_type} the app's
+    retries=, timeout= and gpu= suggest, note lines to print). (None, {}, []) for a calque handler. With
+    `workers_here` (local workers), the image's pip packages must be installed in this Python."""
     path, name = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
-        if not imports_modal(f.read()):
+        if not imports_modal(f.read(), path):
             if params or secrets or volumes:
                 raise UserError(f"--param, --secret and --volume apply to a Modal app handler; {path} imports no modal")
             return None, {}, []
@@ -5945,22 +6153,22 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     if missing:
         raise UserError(f"{target.__name__}.{missing[0]} is a modal.parameter() without a default ---> HINT: "
                         f"pool create --param {missing[0]}=VALUE")
+    image = image_plan(options.get("image"), path)
+    if image["steps"]:
+        where = "this Python" if workers_here else "the instance's venv, the image's packages installed at boot"
+        notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; the workers run in {where}")
+    if workers_here:
+        missing = [req for req in image["pip"] if not distribution_installed(req)]
+        if missing:
+            raise UserError(f"{path}: the image's pip_install {', '.join(missing)}: not installed in the workers' "
+                            f"Python ({sys.executable}) ---> HINT: {sys.executable} -m pip install "
+                            f"{' '.join(shlex.quote(m) for m in missing)}")
     secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
     for secret in options["secrets"]:
         if secret.name and secret.name not in secret_files:
             notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables must be in the "
                          f"workers' environment (pool.env)")
-    folders = key_values(volumes, "--volume")
-    for name, folder in folders.items():
-        if "://" in folder:
-            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> HINT: copy the prefix "
-                            f"to a folder the workers see (aws s3 sync), and name that")
-        folders[name] = os.path.abspath(folder)
-    mounts = {mount: vol.name for mount, vol in options["volumes"].items()}
-    for mount, vol in mounts.items():
-        if vol not in folders:
-            raise UserError(f"volume {vol} (mounted at {mount}) has no folder ---> HINT: pool create "
-                            f"--volume {vol}=PATH (a local folder the workers see at {mount})")
+    mounts = modal_volumes(options["volumes"], volumes, workers_here, notes)
     card, count = modal_gpu(options.get("gpu"))
     if count > (gpus_per_worker or 1):
         raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives each worker "
@@ -5975,13 +6183,83 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     if options.get("timeout"):
         per_batch = 1 if target.methods().get(method, {}).get("kind") == "batched" or not method else batch_size
         suggested["batch_timeout"] = float(options["timeout"]) * (per_batch or 1)
-    if options.get("image") is not None:
-        notes.append(f"image= declared ({' + '.join(options['image'].steps)}): not built; the workers run in this "
-                     f"machine's environment (the kit's .venv on EC2)")
-    record = {"params": given, "secrets": secret_files, "volumes": {m: folders[v] for m, v in mounts.items()},
-              "declared": {"gpu": options.get("gpu"),
-                           "image": options["image"].steps if options.get("image") else None}}
+    record = {"params": given, "secrets": secret_files, "volumes": mounts, "image": image,
+              "declared": {"gpu": options.get("gpu")}}
     return record, suggested, notes
+
+
+def modal_volumes(declared, volumes, workers_here, notes):
+    """{mount path: folder} of the app's volumes: each the folder --volume NAME=PATH names; else, for a
+    create_if_missing volume of local workers, a new folder in CALQUE_STATE/volumes, as Modal creates it."""
+    folders = key_values(volumes, "--volume")
+    for name, folder in folders.items():
+        if "://" in folder:
+            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> HINT: copy the prefix "
+                            f"to a folder the workers see (aws s3 sync), and name that")
+        folders[name] = os.path.abspath(folder)
+    for mount, vol in declared.items():
+        if vol.name in folders:
+            continue
+        if not (vol.create_if_missing and workers_here):
+            raise UserError(f"volume {vol.name} (mounted at {mount}) has no folder ---> HINT: --volume "
+                            f"{vol.name}=PATH (pool create or modal run: a local folder the workers see at {mount})")
+        folders[vol.name] = os.path.join(os.path.abspath(settings()["CALQUE_STATE"]), "volumes", slug(vol.name))
+        os.makedirs(folders[vol.name], exist_ok=True)
+        notes.append(f"volume {vol.name}: create_if_missing: the folder {folders[vol.name]}, at {mount} in workers")
+    return {mount: folders[vol.name] for mount, vol in declared.items()}
+
+
+def image_plan(image, app_path):
+    """What an Image chain asks of the workers: {steps (as written, JSON), pip (requirements as written), apt,
+    env, files ([local path, place in the handler's folder] of add_local_*; Modal's /root is that folder)}."""
+    plan = {"steps": [], "pip": [], "apt": [], "env": {}, "files": []}
+    for name, args, kwargs in (image.steps if image is not None else ()):
+        plan["steps"].append([name, [a if isinstance(a, (str, int, float, list, dict)) else str(a) for a in args],
+                              {k: v for k, v in kwargs.items() if isinstance(v, (str, int, float, bool))}])
+        flat = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
+        if name in ("pip_install", "uv_pip_install"):
+            plan["pip"] += [str(x) for x in flat]
+        elif name == "apt_install":
+            plan["apt"] += [str(x) for x in flat]
+        elif name == "env":
+            plan["env"].update({k: str(v) for a in args for k, v in a.items()})
+        elif name in ("add_local_file", "add_local_dir"):
+            local, remote = str(args[0]), str(args[1] if len(args) > 1 else kwargs["remote_path"])
+            beside_app = os.path.join(os.path.dirname(os.path.abspath(app_path)), local)
+            local = local if os.path.exists(local) or not os.path.exists(beside_app) else beside_app
+            plan["files"].append([os.path.abspath(local), modal_remote_place(remote, local)])
+        elif name == "add_local_python_source":
+            for source in (python_source(module, app_path) for module in flat):
+                plan["files"].append([source, os.path.basename(source)])
+    return plan
+
+
+def modal_remote_place(remote, local):
+    """A Modal container path as a place in the handler's folder: /root/x is x (Modal's working directory);
+    any other absolute path loses its leading slash; a path ending in / takes the local file's name."""
+    place = remote[len("/root/"):] if remote.startswith("/root/") else remote.lstrip("/")
+    return os.path.join(place, os.path.basename(local)) if remote.endswith("/") else place
+
+
+def python_source(module, app_path):
+    """The file or package folder of module `module`, found as the app file's own imports find it."""
+    top = module.split(".")[0]
+    for folder in (os.path.dirname(os.path.abspath(app_path)), os.getcwd(), *sys.path):
+        for candidate in (os.path.join(folder, top), os.path.join(folder, top + ".py")):
+            if os.path.exists(candidate):
+                return candidate
+    raise UserError(f"{app_path}: add_local_python_source({module!r}): no module {top} beside the app or on sys.path")
+
+
+def distribution_installed(requirement):
+    """Whether the distribution a pip requirement names ("scikit-learn~=1.5.0", "transformers[torch]") is
+    installed in this Python."""
+    import importlib.metadata
+    name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement.strip())
+    try:
+        return bool(name) and importlib.metadata.distribution(name[0]) is not None
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
@@ -6003,8 +6281,13 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
         cold["handler"] = snapshot_handler(handler, prefix, backend.store.put if stage else lambda key, data: None)
     else:
         cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
+        if "include" in record["handler"]:
+            cold["handler"]["include"] = dict(record["handler"]["include"], key=f"{prefix}handler/include.tar.gz")
         if stage:
             backend.store.put(cold["handler"]["key"], backend.store.get(record["handler"]["key"]))
+            if "include" in cold["handler"]:
+                backend.store.put(cold["handler"]["include"]["key"],
+                                  backend.store.get(record["handler"]["include"]["key"]))
     shards = max(1, shards)
 
     def launch():   # one-shot instances that drain the run's queue and terminate themselves
@@ -6158,8 +6441,9 @@ def format_local_worker(w):
     line = f"    slot {w['slot']}: pid {w['pid'] or '-'} {state}, {gpus}, {threads}, {w['restarts']} restart(s)"
     last = w.get("last_exit")
     if last:
-        line += (f"; last exit {now_iso(last['at'])[11:19]} ({'after' if last['warm'] else 'before'} warm): "
-                 f"{last['reason']}")
+        kind = last.get("kind") or f"{'after' if last['warm'] else 'before'} warm"
+        restart = "restarted at once" if not last.get("restart_delay") else f"restart after {last['restart_delay']:g} s"
+        line += f"; last exit {now_iso(last['at'])[11:19]} ({kind}, {restart}): {last['reason']}"
     return line
 
 
@@ -6307,11 +6591,12 @@ class Pool:
 
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
                max_deliveries=None, batch_timeout=None, gpus_per_worker=None, threads_per_worker=None, wait=True,
-               progress=False, modal=None):
+               progress=False, modal=None, include=()):
         """Create (or re-create: idempotent) the pool: queues, handler snapshot, pool record, then `workers`
         local workers, waited for until warm unless wait=False (WorkersFailed names the first that died).
         The workers run in the current folder (the record's workdir). `modal`: a Modal handler's {"params": {key:
-        value}, "secrets": {name: env file}} (modal_options). Returns the pool record."""
+        value}, "secrets": {name: env file}} (modal_options). `include`: files snapshotted beside the handler
+        ([local, relative path]; a Modal image's add_local_* are added). Returns the pool record."""
         defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
@@ -6320,7 +6605,8 @@ class Pool:
         if modal:
             record["modal"] = modal
         with pool_name_claimed(self.backend, self.model):
-            record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", self.backend.store.put)
+            record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", self.backend.store.put,
+                                                 list(include) + (modal or {}).get("image", {}).get("files", []))
             self.backend.queues.create_queue(record["queue"], record["visibility_timeout"])
             self.backend.queues.create_queue(record["dlq"], record["visibility_timeout"])
             write_json(self.backend, pool_key(self.model), record)
@@ -6684,7 +6970,8 @@ def open_output(path):
 def cmd_pool_create(conf, backend, args):
     batch_size = pool_settings(conf, args.batch_size)["batch_size"]
     modal, suggested, notes = modal_options(args.handler, args.param, args.secret, args.volume, args.gpus_per_worker,
-                                            batch_size)
+                                            batch_size, workers_here=args.instances is None)
+    include = include_paths(args.include, args.handler)
     for note in notes:
         print(f"pool {args.model}: {note}")
     args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")        # the app's retries=
@@ -6699,7 +6986,7 @@ def cmd_pool_create(conf, backend, args):
                                    spot=args.spot, subnet=args.subnet, key_name=args.key_name,
                                    scale_to_zero_after=args.scale_to_zero_after)
         with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
-            ec2_pool_create(backend, record, args.handler, options, dry_run=args.dry_run,
+            ec2_pool_create(backend, record, args.handler, options, dry_run=args.dry_run, include=include,
                             yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.dry_run:
@@ -6707,7 +6994,8 @@ def cmd_pool_create(conf, backend, args):
     workers = LOCAL_WORKERS_DEFAULT if args.workers is None else args.workers
     pool = Pool(args.model, context=(conf, backend))
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
-                         max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal)
+                         max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal,
+                         include=include)
     print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, "
           f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
           f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}; "
@@ -6864,6 +7152,7 @@ def cmd_submit(conf, backend, args):
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
         run_id = new_run_id(args.pool)
+        output = WorkerOutput(conf, {args.pool: args.pool}) if args.follow_logs and not args.no_wait else None
         try:
             with signals_interrupt():
                 run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
@@ -6884,6 +7173,9 @@ def cmd_submit(conf, backend, args):
             print(f"calque: interrupted while waiting: run {run.run_id}: its claims are queued and finish without "
                   f"you ---> HINT: python calque.py runs show {run.run_id}", file=sys.stderr)
             return 128 + signal.SIGINT
+        finally:
+            if output:
+                output.stop()
         run, summaries = run.record, run.waited
     else:
         if not args.model:
@@ -7137,14 +7429,15 @@ class ModalRun:
     """Where `calque modal run` sends the entrypoint's calls: the shim's runner(target, params, items) submits the
     items to the pool serving that target and returns Run.results(). --pool M serves the target its handler names
     (with the same parameters); any other target gets an ephemeral pool, created at its first call, deleted by
-    close() as a Modal ephemeral app is."""
+    close() as a Modal ephemeral app is. What the workers print reaches our stderr as they print it."""
 
-    def __init__(self, context, path, pool, workers):
-        self.context, self.path, self.workers = context, path, workers
-        self.pools, self.created = {}, []
-        if pool:
-            record = load_pool(context[1], pool)
+    def __init__(self, context, path, pool, workers, volumes=(), secrets=()):
+        self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
+        self.pools, self.created, self.runs, self.lock = {}, [], [], threading.Lock()
+        record = load_pool(context[1], pool) if pool else None
+        if record:
             self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
+        self.output = WorkerOutput(context[0], {pool: record["handler"]["class"]} if record else {})
 
     @staticmethod
     def _key(params):
@@ -7152,29 +7445,46 @@ class ModalRun:
 
     def __call__(self, target, params, items):
         key = (target, self._key(params))
-        if key not in self.pools:
-            self.pools[key] = self._ephemeral(target, params)
-        return submit(items, pool=self.pools[key], context=self.context).results()
+        with self.lock:   # .aio calls come from threads: one pool per target, one submit at a time
+            if key not in self.pools:
+                self.pools[key] = self._ephemeral(target, params)
+            try:
+                run = submit(items, pool=self.pools[key], context=self.context)
+            except TypeError as e:   # json_default's: an argument that is no JSON value
+                raise TypeError(f"{target}'s arguments travel as JSON values (Modal pickles them): {e}") from None
+            self.runs.append(run)
+        return run.results()
 
     def _ephemeral(self, target, params):
         spec = f"{self.path}:{target}"
         conf = self.context[0]
         batch_size = pool_settings(conf)["batch_size"]
-        modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], batch_size=batch_size)
+        modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
+                                                self.volumes, batch_size=batch_size)
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
         print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
         for note in notes:
             print(f"calque: {target}: {note}", file=sys.stderr)
         self.created.append(model)
+        self.output.add(conf, model, target)
         Pool(model, context=self.context).create(spec, self.workers, modal=modal,
                                                  max_deliveries=suggested.get("max_deliveries"),
                                                  batch_timeout=suggested.get("batch_timeout"))
         return model
 
-    def close(self):
-        for model in self.created:
-            with contextlib.suppress(NotFound):
-                Pool(model, context=self.context).delete(force=True)
+    def close(self, wait):
+        """Delete the ephemeral pools; with `wait` (the entrypoint returned), once every call it made is done:
+        .spawn / .spawn_map calls nobody waited for still run, rather than being lost."""
+        try:
+            if wait:
+                for run in self.runs:
+                    run.wait()
+        finally:   # a second SIGTERM waits for the pools' deletion (modal run puts its handler back after)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            self.output.stop()
+            for model in self.created:
+                with contextlib.suppress(NotFound):
+                    Pool(model, context=self.context).delete(force=True)
 
 
 MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types parsed from the command line, as Modal's CLI
@@ -7187,6 +7497,9 @@ def entrypoint_parser(fn, prog):
     hints = typing.get_type_hints(fn)
     for name, param in inspect.signature(fn).parameters.items():
         kind, flag = hints.get(name, str), f"--{name.replace('_', '-')}"
+        optional = [k for k in typing.get_args(kind) if k is not type(None)]
+        if len(optional) == 1 and type(None) in typing.get_args(kind):   # `str | None`: a str, None when not given
+            kind = optional[0]
         required = param.default is param.empty
         default = None if required else param.default
         if kind is bool:
@@ -7204,37 +7517,74 @@ def cmd_modal_run(conf, backend, args):
     own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py, as in the usage line
     own.add_argument("--pool", default=args.pool)
     own.add_argument("--workers", type=int, default=args.workers)
+    for flag in ("--volume", "--secret"):
+        own.add_argument(flag, action="append", default=getattr(args, flag[2:]))
     mine, args.args = own.parse_known_args(args.args)
-    args.pool, args.workers = mine.pool, mine.workers
+    args.pool, args.workers, args.volume, args.secret = mine.pool, mine.workers, mine.volume, mine.secret
     path, _, name = args.app.partition("::")
     if not os.path.isfile(path):
         raise UserError(f"modal run {args.app}: file {path} not found")
     if args.workers < 1:
         raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
     shim, module = import_modal_file(path)
-    entrypoints = {k: v for app in vars(module).values() if isinstance(app, shim.App)
-                   for k, v in app.entrypoints.items()}
-    if not name and len(entrypoints) != 1:
-        raise UserError(f"{path} has {len(entrypoints)} local entrypoints ({', '.join(entrypoints) or 'none'}) "
-                        f"---> HINT: name one: modal run {path}::NAME")
-    name = name or next(iter(entrypoints))
-    if name not in entrypoints:
-        raise UserError(f"{path} has no @app.local_entrypoint() {name} (it has: {', '.join(entrypoints) or 'none'})")
-    fn = entrypoints[name]
+    fn, name = modal_run_target(shim, module, path, name)
     kwargs = vars(entrypoint_parser(fn, f"calque modal run {args.app}").parse_args(args.args))
-    shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers)
+    shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume, args.secret)
+    done = False
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # finally: cleans up
     try:
         out = fn(**kwargs)
         if inspect.iscoroutine(out):
             import asyncio
             asyncio.run(out)
+        done = True
     except shim.RemoteError as e:
-        raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {e} ---> HINT: map(..., "
-                                    f"return_exceptions=True) to go on past failed items")
+        where = f" (at {e.where})" if getattr(e, "where", None) else ""
+        raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {type(e).__name__}: {one_line(e)}{where} "
+                                    f"---> HINT: map(..., return_exceptions=True) to go on past failed items")
+    except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
+        raise
+    except Exception as e:   # the entrypoint's own code failed: where, in one line
+        raise ModalEntrypointFailed(f"entrypoint {name} failed: {user_code_error(path, e)}")
     finally:
         shim.runner = None
-        runner.close()
+        try:
+            runner.close(wait=done)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return EXIT_OK
+
+
+def modal_run_target(shim, module, path, name):
+    """(callable, name) `modal run app.py[::name]` runs: a local entrypoint; else, as Modal's CLI, an
+    @app.function or Cls.method called once with its parameters as options (the file's only one when unnamed)."""
+    entrypoints, functions = {}, {}
+    for app in [v for v in vars(module).values() if isinstance(v, shim.App)]:
+        entrypoints.update(app.entrypoints)
+        for key, obj in app.registered.items():
+            if isinstance(obj, shim.Function) and not getattr(obj.raw_f, "_modal_role", {}).get("web"):
+                functions[key] = obj
+            elif isinstance(obj, shim.Cls):
+                functions.update({f"{key}.{m}": obj for m in obj.methods()})
+    if not name:
+        found = entrypoints or functions
+        if len(found) != 1:
+            raise UserError(f"{path} has {len(entrypoints)} local entrypoints and {len(functions)} functions "
+                            f"({', '.join(found) or 'none'}) ---> HINT: name one: modal run {path}::NAME")
+        name = next(iter(found))
+    if name in entrypoints:
+        return entrypoints[name], name
+    if name not in functions:
+        raise UserError(f"{path} has no @app.local_entrypoint() or function {name} "
+                        f"(it has: {', '.join([*entrypoints, *functions]) or 'none'})")
+    top, _, method = name.partition(".")
+    handle = getattr(functions[name](), method) if method else functions[name]
+    fn = getattr(functions[name].user_cls, method) if method else functions[name].raw_f
+    call = functools.wraps(fn)(lambda **kwargs: handle.remote(**kwargs))
+    if method:   # the options are the method's own parameters, without self
+        signature = inspect.signature(fn)
+        call.__signature__ = signature.replace(parameters=list(signature.parameters.values())[1:])
+    return call, name
 
 
 class VersionAction(argparse.Action):
@@ -7269,6 +7619,8 @@ def build_parser():
                                                 f"until warm (default {LOCAL_WORKERS_DEFAULT})")
     local_options(p)
     p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
+    p.add_argument("--include", action="append", metavar="PATH",
+                   help="a file or folder the handler needs beside it, snapshotted with it (modules, data)")
     p.add_argument("--visibility-timeout", type=int, help="seconds a claim stays invisible; the heartbeat renews it")
     p.add_argument("--max-deliveries", type=int, help="deliveries before a claim goes to the dead-letter queue")
     p.add_argument("--batch-timeout", type=float, metavar="SECONDS",
@@ -7352,6 +7704,8 @@ def build_parser():
     p.add_argument("--wait-for-workers", action="store_true",
                    help="queue the run even when the pool has no live worker (else: exit 2 at once)")
     p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
+    p.add_argument("--follow-logs", action="store_true",
+                   help="print what the pool's local workers print while the run goes (stderr, each line prefixed)")
     cold_ec2 = p.add_argument_group(
         "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
     cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
@@ -7429,6 +7783,8 @@ def build_parser():
     p.add_argument("app", help="app.py or app.py::entrypoint")
     p.add_argument("--pool", help="a pool serving one of the app's targets (default: an ephemeral pool per target)")
     p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT, help="local workers of each ephemeral pool")
+    p.add_argument("--volume", action="append", metavar="NAME=PATH", help="as pool create's, for the ephemeral pools")
+    p.add_argument("--secret", action="append", metavar="NAME=FILE", help="as pool create's, for the ephemeral pools")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the entrypoint's own options (--name value)")
     p.set_defaults(func=cmd_modal_run)
     return parser

@@ -18,12 +18,14 @@ Exit 0 on a graceful stop.
 Nothing lost, nothing stuck:
 - Checkpoints: results go to the store in parts (calque.part_key) once CALQUE_CHECKPOINT_SECONDS of drain AND
   CALQUE_CHECKPOINT_BATCHES batches have passed, and at the end (a short claim: one part, no extra request).
+  Under churn (a worker that saw a death) every CHURN_COMMIT_SHARE of the life seen (commit_interval).
   A redelivery, or a message with "resume": true, lists the parts and resumes after the prefix they cover.
 - Poison: a redelivery whose last delivery died (the attempt record holds no "released") runs the rest one item
   at a time, writing the attempt record (calque.attempt_key) before each. A death counts against the item the
   record names when the record is the previous delivery's and the item is not in a part yet; an item that
   runs alone and returns is cleared. POISON_DEATHS deaths with no return between quarantine it as poison: a
-  poison item kills every time, while a chaos kill -9 must land on the same item twice in a row to blame it.
+  poison item kills every time, while a chaos kill -9 must land on the same item twice in a row to blame it. One
+  death more once the pool is seen churning (an item cleared after a death: mark_churn, churning).
 - Dead letters: past max_deliveries, a claim is dead-lettered only when its last max_deliveries deliveries made
   no progress: no new part, no death pinned on an item, no quarantine. A crashing infrastructure slows a good
   claim down; deaths that nothing can pin (a crash before any item runs) and store outages past their retries
@@ -94,7 +96,9 @@ ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes a
 ACK_WAIT = float(os.environ.get("CALQUE_ACK_WAIT", "1"))   # s an ack waits for others, at most (and <= visibility/4)
 WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
 RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery up to its timeout
-POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison
+POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison (+1 under churn)
+CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then ran and returned) marks the pool as churning
+CHURN_COMMIT_SHARE = 0.1    # under churn, a part every this share of a worker's life seen (commit_interval)
 WATCHDOG_TICK = 1.0         # s between two checks of the running handler call (a quarter of batch_timeout if less)
 OVERRUN_COMMIT_WAIT = 1.0   # s the watchdog waits for each finished batch's serialisation before its last commit
 EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout (the supervisor restarts us)
@@ -130,6 +134,7 @@ class Claim:
         self.record = {"deaths": {}}        # the attempt record (deaths: offset (str) -> deaths while it ran alone)
         self.quarantined = {}                           # offset (str) -> why it is not run
         self.single = False                             # one item at a time, each behind the attempt record
+        self.life = None                                # s its dead delivery lived, at least (0: unknown)
         self.progress_at = 0                            # the delivery (receive count) that last made progress
         self.heartbeat = None                           # its lease's Heartbeat (open_claim sets it)
         self.requests = Counter()                       # requests made for it, for its summary (Requests.tally)
@@ -699,6 +704,10 @@ class Worker:
         self.checkpoint_batches = calque.setting_number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
         self._serving = threading.local()       # per thread: the heartbeat of the claim it works for
         self.watchdog = None                    # Watchdog, armed for the draining claim (start() makes it)
+        self.progressed = False          # a result part or a summary written (announce)
+        previous = os.environ.get("CALQUE_PREVIOUS_LIFE")   # s this slot's last worker lived, when it died
+        self.seen_life = float(previous) if previous else None   # the latest death's life seen (commit_interval)
+        self.seen_at = time.time()                       # when it was seen
         self.last_word = None            # how this process ends, when it knows: in its last stats (poison reports)
         self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
         self.state = "starting"          # starting | polling | claim | between | stopping
@@ -759,12 +768,15 @@ class Worker:
             raise calque.UserError(f"handler snapshot {h['key']} does not match the pool record's sha256: recreate the "
                                    "pool")
         folder = os.path.join(os.path.abspath(self.conf["CALQUE_STATE"]), "handlers", h["sha256"][:16])
+        if "include" in h:   # the modules and data files it needs beside it (pool create --include, add_local_*)
+            folder += "-" + h["include"]["sha256"][:16]
+            calque.unpack_include(self.backend.store, h["include"], folder)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, h["file"])
         calque.write_file_atomic(path, source.decode())
         enter_workdir(self.record.get("workdir"), folder)
-        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(path, h["class"],
-                                                                                 self.record.get("modal"))
+        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(
+            path, h["class"], self.record.get("modal"), container=True)
         self.collator = Collator(collate)
 
     def enter(self):
@@ -819,7 +831,7 @@ class Worker:
         try:
             self.start()
             self.write_stats("running")
-            announce_warm()
+            announce()
             self.backoff = 0.0
             while reason == "?":
                 reason = self._loop_once() or "?"
@@ -1122,10 +1134,11 @@ class Worker:
             claim.progress_at = max(claim.progress_at, rc - 1)
         claim.quarantined, deaths = dict(record.get("quarantined", {})), dict(record.get("deaths", {}))
         ahead = [str(k) for k in record.get("running", []) if k >= claim.start and str(k) not in claim.quarantined]
+        if state == "running" and ahead and 0 < previous < rc:   # a delivery died running this item alone: progress,
+            claim.progress_at = max(claim.progress_at, previous + 1)   # even if the one after it died before it saw it
         if state == "running" and previous == rc - 1 and ahead:   # the last delivery died running this item alone
             deaths[ahead[0]] = deaths.get(ahead[0], 0) + 1
-            claim.progress_at = rc                                 # a death pinned on an item: progress too
-            if deaths[ahead[0]] >= POISON_DEATHS:
+            if deaths[ahead[0]] >= POISON_DEATHS + self.churning():
                 claim.quarantined[ahead[0]] = (f"poison: the worker died running this item "
                                                f"({deaths[ahead[0]]} deaths; {self.how_it_ended(record)})")
         elif state == "suspect" and len(ahead) == 1:             # the watchdog saw this item alone overrun
@@ -1135,10 +1148,30 @@ class Worker:
             claim.progress_at = rc
         claim.record = dict(record, deaths=deaths)
         claim.single = (bool(record) or rc > 1) and not (state == "released" and previous == rc - 1)
+        if claim.single:    # its last delivery died: how long it lived, at least (its last record's age)
+            claim.life = record.get("alive", 0.0) if previous == rc - 1 else 0.0
+            if claim.life or self.seen_life is None:   # a life known, or the first death seen
+                self.seen_life = claim.life
+            self.seen_at = time.time()
         log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s", self.worker_id,
                  claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
                  ", one item at a time" if claim.single else "", f", deaths at offsets {deaths}" if deaths else "",
                  f", quarantined {sorted(map(int, claim.quarantined))}" if claim.quarantined else "")
+
+    def mark_churn(self):
+        """An item with a death pinned on it ran alone and returned: it did not cause that death, so this pool's
+        workers die of something else. The marker (its key says when) makes churning() true for CHURN_MEMORY s.
+        Best effort: a lost marker only leaves the bar where it was."""
+        with contextlib.suppress(Exception):
+            self.backend.store.put(f"{self.stats_prefix}churn-{time.time():012.1f}-{self.worker_id}", b"")
+
+    def churning(self):
+        """Whether an innocent death was marked in this pool (mark_churn) within CHURN_MEMORY s: then a death while
+        an item ran alone may be a coincidence, and poison needs one death more. One LIST, only when an item reaches
+        POISON_DEATHS."""
+        marks = f"{self.stats_prefix}churn-"
+        since = f"{marks}{time.time() - CHURN_MEMORY:012.1f}"
+        return any(key.startswith(marks) for key in self.backend.store.list(self.stats_prefix, start_after=since))
 
     def how_it_ended(self, record):
         """How the worker that wrote an attempt record ended: its last stats say, when it could write them."""
@@ -1183,6 +1216,7 @@ class Worker:
                                 resumed=claim.start, collate_wait_seconds=round(claim.wait_seconds, 6),
                                 prefetch=self.pipelined(claim), gpu_utilisation=claim.gpu)
         self._put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
+        self.made_progress()
         self.heartbeat.stop()            # no renewal may land after the ack
         self.acks.add(claim.message, f"{claim.run_id}/{claim.claim_id}")
         ran = len(claim.items) - claim.start
@@ -1220,7 +1254,7 @@ class Worker:
         runnable = ([[k for k in unit if str(k) not in claim.quarantined] for unit in units] if claim.quarantined
                     else units)   # nothing quarantined (nearly always): no str(k) per item
         pending = self._prepare(claim, runnable[0]) if units and not claim.single else None
-        claim.last_commit = time.monotonic()
+        claim.last_commit, every = time.monotonic(), self.commit_interval(claim)
         try:
             for u, unit in enumerate(units):
                 if self.release_now.is_set():
@@ -1236,19 +1270,30 @@ class Worker:
                     current, pending = pending, (self._prepare(claim, runnable[u + 1]) if u + 1 < len(units) else None)
                 outcome = self._run_unit(claim, unit, runnable[u], current)
                 if claim.single:              # it ran alone and the process lived: whatever killed one, not this
-                    for k in runnable[u]:
-                        claim.record["deaths"].pop(str(k), None)
+                    if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
+                        self.mark_churn()
                 formatted = Done(format_outcome, outcome, claim.first + unit.start)   # GIL-bound: no thread
                 claim.formatted.append((unit.stop, formatted))
                 claim.batches += 1
-                if (claim.batches >= self.checkpoint_batches
-                        and time.monotonic() - claim.last_commit >= self.checkpoint_seconds):
+                since = time.monotonic() - claim.last_commit
+                if (since >= every if every is not None else
+                        claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds):
                     self.commit(claim)
         finally:
             if pending is not None:   # a batch gathered ahead of a loop that ended early gives its slot back
                 with contextlib.suppress(Exception):
                     self.collator.release(pending.result())
         self.commit(claim)
+
+    def commit_interval(self, claim):
+        """s between two result parts under churn, or None where neither this claim's last delivery died nor this
+        worker saw a death within CHURN_MEMORY s: the checkpoint rule alone, so a pool never killed pays nothing.
+        Under churn, CHURN_COMMIT_SHARE of the dead delivery's life (0, a part every item, when unknown) or of the
+        latest life this worker saw (its slot's last worker's, a claim's it took over), at most the checkpoint."""
+        if claim.life is None and (self.seen_life is None or time.time() - self.seen_at > CHURN_MEMORY):
+            return None
+        life = claim.life or (self.seen_life or 0.0)
+        return min(self.checkpoint_seconds, CHURN_COMMIT_SHARE * life)
 
     def commit(self, claim, wait=None):
         """The batches run since the last part, written as one part (with `wait`: only those serialised within
@@ -1269,15 +1314,23 @@ class Worker:
             claim.errors.update(list(errors.items())[:calque.ERRORS_KEPT - len(claim.errors)])
         claim.parts.append([claim.committed, stop])
         claim.committed, claim.progress_at = stop, claim.message.receive_count
+        self.made_progress()
         del claim.formatted[:len(ready)]
         claim.batches, claim.last_commit = 0, time.monotonic()
+
+    def made_progress(self):
+        """A result part or a summary is written: the supervisor hears of this process's first (announce)."""
+        if not self.progressed:
+            self.progressed = True
+            announce("progress")
 
     def write_attempt(self, claim, state, running, retry=True, **fields):
         """The claim's attempt record: `state` running (`running` runs alone now), suspect (it overran
         batch_timeout) or released (let go alive); deaths, quarantines and progress carry over."""
         claim.record = dict(claim.record, state=state, running=list(running), worker_id=self.worker_id,
                             receive_count=claim.message.receive_count, covered=claim.committed,
-                            progress_at=claim.progress_at, quarantined=claim.quarantined, at=calque.now_iso(), **fields)
+                            progress_at=claim.progress_at, quarantined=claim.quarantined, at=calque.now_iso(),
+                            alive=round(time.time() - claim.received, 3), **fields)
         key, body = calque.attempt_key(claim.run_id, claim.claim_id), json.dumps(claim.record)
         if retry:
             self._put(key, body)
@@ -1518,11 +1571,13 @@ def enter_workdir(workdir, snapshot_folder):
     log.info("worker: working directory %s", folder)
 
 
-def announce_warm():
-    """Tell this machine's supervisor that @enter is done: its ready file gets our pid (pool create waits on it)."""
+def announce(*words):
+    """Tell this machine's supervisor how far this worker got: its ready file gets our pid once @enter is done (pool
+    create waits on it), then "progress" once a result part or a summary is written (a death after that is not a
+    crash loop: calque.restart_delay)."""
     ready = os.environ.get("CALQUE_READY_FILE")
     if ready:
-        calque.write_file_atomic(ready, str(os.getpid()))
+        calque.write_file_atomic(ready, " ".join((str(os.getpid()), *words)))
 
 
 def main(argv=None):

@@ -10,10 +10,17 @@ on a worker; calque's `modal run` routes .map / .remote / .spawn to a pool throu
 A construct it does not implement raises Unsupported at import, naming it and what to do: never a no-op.
 docs/modal.md has the compatibility table.
 """
+import asyncio
+import builtins
+import contextlib
 import functools
 import inspect
+import threading
+import uuid
+from concurrent.futures import Future   # its TimeoutError is the builtin one (3.11)
 
-runner = None   # set by `calque modal run`: call(target, params, items) -> an iterator of result dicts
+runner = None      # set by `calque modal run`: call(target, params, items) -> an iterator of result dicts
+container = False  # True in a worker: Image.imports() blocks import for real there
 
 
 class Unsupported(Exception):
@@ -67,12 +74,12 @@ class Secret:
 
 
 class Volume:
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, name, create_if_missing=False):
+        self.name, self.create_if_missing = name, create_if_missing
 
     @classmethod
-    def from_name(cls, name, **_):
-        return cls(name)
+    def from_name(cls, name, create_if_missing=False, **_):
+        return cls(name, create_if_missing)
 
     def commit(self):
         """A local folder or a mounted prefix has nothing to commit."""
@@ -82,7 +89,9 @@ class Volume:
 
 
 class Image:
-    """Recorded and reported, never built: on a calque pool the worker's environment is yours."""
+    """Recorded, never built: on a calque pool the worker's environment is yours. `steps` is the builder chain as
+    written ([name, args, kwargs] each); `pool create` checks its pip packages, snapshots its add_local_* files into
+    the store and passes its env to the workers (calque.image_plan)."""
 
     def __init__(self, steps=()):
         self.steps = list(steps)
@@ -90,11 +99,21 @@ class Image:
     def __getattr__(self, step):
         if step.startswith("_"):
             raise AttributeError(step)
-        return lambda *args, **kwargs: Image(self.steps + [step])
+        return lambda *args, **kwargs: Image(self.steps + [[step, list(args), kwargs]])
 
     @classmethod
     def _base(cls, name):
-        return classmethod(lambda c, *args, **kwargs: cls([name]))
+        return classmethod(lambda c, *args, **kwargs: cls([[name, list(args), kwargs]]))
+
+    @contextlib.contextmanager
+    def imports(self):
+        """Modal runs the block in the image's containers and ignores its ImportError elsewhere: here, a worker
+        (container=True) imports for real; `modal run` and `pool create` skip a missing module, as Modal does."""
+        try:
+            yield
+        except ImportError:
+            if container:
+                raise
 
 
 for _base in ("debian_slim", "micromamba", "from_registry", "from_dockerfile", "from_aws_ecr",
@@ -167,13 +186,17 @@ class App:
             return self.registered[obj.__name__]
         return wrap
 
-    def cls(self, **options):
+    def cls(self, _warn_parentheses_missing=None, **options):
+        _parentheses(_warn_parentheses_missing, "@app.cls")
         return self._register("@app.cls", Cls, options)
 
-    def function(self, **options):
+    def function(self, _warn_parentheses_missing=None, **options):
+        _parentheses(_warn_parentheses_missing, "@app.function")
         return self._register("@app.function", Function, options)
 
     def local_entrypoint(self, _warn_parentheses_missing=None, *, name=None):
+        _parentheses(_warn_parentheses_missing, "@app.local_entrypoint")
+
         def wrap(fn):
             self.entrypoints[name or fn.__name__] = fn
             return fn
@@ -185,6 +208,11 @@ class App:
 
     def run(self, *args, **kwargs):
         _unsupported("app.run()", "run it as calque modal run app.py (the entrypoint runs locally, calls go to a pool)")
+
+
+def _parentheses(given, decorator):
+    if given is not None:   # Modal refuses it too (InvalidError)
+        raise Unsupported(f"{decorator} without parentheses ---> HINT: write {decorator}()")
 
 
 class Cls:
@@ -210,7 +238,13 @@ class Cls:
         return Obj(self, params)
 
     def with_options(self, **options):
-        _unsupported(f"{self.__name__}.with_options", "pass the options to @app.cls, or create another pool")
+        """Modal scales the variant apart; here its calls go to the same pool (options checked, recorded)."""
+        _check_options(f"{self.__name__}.with_options", options)
+        return self
+
+    @classmethod
+    def from_name(cls, app_name, name, **_):
+        _unsupported("modal.Cls.from_name (a deployed app)", "import the app file and call its class")
 
     def __getattr__(self, name):   # Modal 1.0 style: Cls.method without parameters
         if name in vars(self).get("user_cls", object).__dict__:
@@ -243,19 +277,64 @@ class Function:
         functools.update_wrapper(self, fn)
 
     def __getattr__(self, name):
-        if name in ("remote", "map", "starmap", "for_each", "spawn", "local"):
+        if name in CALL_FORMS + ("local",):
             return getattr(vars(self)["_handle"], name)
         raise AttributeError(name)
 
     def __call__(self, *args, **kwargs):
         return self.raw_f(*args, **kwargs)
 
+    def with_options(self, **options):
+        """Modal scales the variant apart; here its calls go to the same pool (options checked, recorded)."""
+        _check_options(f"{self.__name__}.with_options", options)
+        return self
 
-def _as_item(args, kwargs, where):
-    """A call's arguments as one JSON item: the one argument, or the list of several (splatted on the worker)."""
-    if kwargs:
-        raise TypeError(f"{where}: keyword arguments do not travel to a calque pool: pass them positionally")
-    return args[0] if len(args) == 1 else list(args)
+    @classmethod
+    def from_name(cls, app_name, name, **_):
+        _unsupported("modal.Function.from_name (a deployed app)", "import the app file and call its function")
+
+
+def _call_item(args, kwargs):
+    """A call as one JSON item the worker unpacks into fn(*args, **kwargs) (calque.ModalHandler)."""
+    return {CALL_KEY: [list(args), dict(kwargs)]}
+
+
+CALL_KEY = "__modal_call__"
+CALL_FORMS = ("remote", "remote_gen", "map", "starmap", "for_each", "spawn", "spawn_map")
+
+
+async def _async_iter(results):
+    done, results = object(), iter(results)
+    while (value := await asyncio.to_thread(next, results, done)) is not done:
+        yield value
+
+
+class _CallForm:
+    """One of .remote / .map / ... with its .aio twin: Modal's async interface, run on a thread."""
+
+    def __init__(self, fn, iterates):
+        self.fn, self.iterates = fn, iterates
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def aio(self, *args, **kwargs):
+        if self.iterates:
+            return _async_iter(self.fn(*args, **kwargs))
+        return asyncio.to_thread(self.fn, *args, **kwargs)
+
+
+def _remote_exception(result):
+    """A failed item's error as Modal raises it: the original builtin type (ValueError("custom error")), which is
+    also a RemoteError; any other type as RemoteError("Type: message"). `where`: its innermost frame."""
+    name, _, message = result["error"].partition(": ")
+    base = getattr(builtins, name, None)
+    error = RemoteError(result["error"])
+    if isinstance(base, type) and issubclass(base, Exception):
+        with contextlib.suppress(TypeError):
+            error = type(name, (base, RemoteError), {"__module__": "builtins"})(message)
+    error.where = (result.get("trace") or [""])[-1].partition(": ")[0]
+    return error
 
 
 class Handle:
@@ -263,31 +342,46 @@ class Handle:
 
     def __init__(self, target, params, fn, instance):
         self.target, self.params, self.fn, self.instance = target, params, fn, instance
+        for name in CALL_FORMS:
+            setattr(self, name, _CallForm(getattr(self, "_" + name), name in ("remote_gen", "map", "starmap")))
 
     def _results(self, items):
+        if runner is None and container:
+            _unsupported(f"{self.target}.remote/.map/.spawn from a worker (one function calling another)",
+                         "make the calls from the app's local entrypoint")
         if runner is None:
             _unsupported(f"{self.target}.remote/.map outside `calque modal run`",
                          "call it from the app's local entrypoint, run with calque modal run app.py")
+        if getattr(self.fn, "_modal_role", {}).get("kind") == "web":
+            _unsupported(f"calling web endpoint {self.target}", "call a plain @app.function or @modal.method")
         return runner(self.target, self.params, items)
 
-    def map(self, *iterables, order_outputs=True, return_exceptions=False, wrap_returned_exceptions=True):
+    def _map(self, *iterables, kwargs=None, order_outputs=True, return_exceptions=False,
+             wrap_returned_exceptions=True):
         """Results in input order as claims finish (order_outputs=False accepted: input order is one of the
-        orders it allows). The first failed item raises RemoteError unless return_exceptions."""
-        items = [x[0] if len(iterables) == 1 else list(x) for x in zip(*iterables)]
-        return self._values(items, return_exceptions)
+        orders it allows). The first failed item raises unless return_exceptions."""
+        return self._values([_call_item(x, kwargs or {}) for x in zip(*iterables)], return_exceptions)
 
-    def starmap(self, iterable, order_outputs=True, return_exceptions=False, kwargs=None):
-        return self._values([list(args) for args in iterable], return_exceptions)
+    def _starmap(self, iterable, kwargs=None, order_outputs=True, return_exceptions=False, **_):
+        return self._values([_call_item(args, kwargs or {}) for args in iterable], return_exceptions)
 
-    def for_each(self, *iterables, ignore_exceptions=False):
-        for _ in self.map(*iterables, return_exceptions=ignore_exceptions):
+    def _for_each(self, *iterables, kwargs=None, ignore_exceptions=False):
+        for _ in self._map(*iterables, kwargs=kwargs, return_exceptions=ignore_exceptions):
             pass
 
-    def remote(self, *args, **kwargs):
-        return next(iter(self._values([_as_item(args, kwargs, self.target)], False)))
+    def _remote(self, *args, **kwargs):
+        return next(iter(self._values([_call_item(args, kwargs)], False)))
 
-    def spawn(self, *args, **kwargs):
-        return FunctionCall(self._results([_as_item(args, kwargs, self.target)]))
+    def _remote_gen(self, *args, **kwargs):
+        """A generator's items, once its call is done (a worker returns them as one list)."""
+        yield from self._remote(*args, **kwargs)
+
+    def _spawn(self, *args, **kwargs):
+        return FunctionCall(self._results([_call_item(args, kwargs)]))
+
+    def _spawn_map(self, *iterables, kwargs=None):
+        """Fire and forget, as Modal's: `modal run` waits for these calls before it deletes the pool."""
+        self._results([_call_item(x, kwargs or {}) for x in zip(*iterables)])
 
     def local(self, *args, **kwargs):
         if self.instance is None:
@@ -299,20 +393,67 @@ class Handle:
             if result["ok"]:
                 yield result["result"]
             elif return_exceptions:
-                yield RemoteError(result["error"])
+                yield _remote_exception(result)
             else:
-                raise RemoteError(result["error"])
+                raise _remote_exception(result)
 
 
 class FunctionCall:
-    def __init__(self, results):
-        self._results = results
+    """A spawned call: .get(), .object_id, FunctionCall.from_id (calls of this `modal run`), .gather."""
+    _spawned = {}
 
-    def get(self, timeout=None):
-        result = next(iter(self._results))
-        if not result["ok"]:
-            raise RemoteError(result["error"])
-        return result["result"]
+    def __init__(self, results):
+        self._outcome = Future()   # filled by a thread that waits for the call's result
+
+        def wait():
+            try:
+                self._outcome.set_result(next(iter(results)))
+            except Exception as e:   # the run cannot finish (ResultsIncomplete...): get() raises it
+                self._outcome.set_exception(e)
+        threading.Thread(target=wait, daemon=True).start()
+        self.object_id = f"fc-{uuid.uuid4().hex}"
+        FunctionCall._spawned[self.object_id] = self
+        self.get = _CallForm(self._get, False)
+
+    def _get(self, timeout=None):
+        """The call's value; TimeoutError when it is not done within `timeout` s (0: done already), as Modal's."""
+        try:
+            outcome = self._outcome.result(timeout)
+        except TimeoutError:
+            raise TimeoutError(f"call {self.object_id} not done within {timeout} s") from None
+        if not outcome["ok"]:
+            raise _remote_exception(outcome)
+        return outcome["result"]
+
+    @classmethod
+    def from_id(cls, function_call_id):
+        if function_call_id not in cls._spawned:
+            _unsupported(f"FunctionCall.from_id({function_call_id!r}) of another process",
+                         "keep the FunctionCall of .spawn() in the entrypoint that made it")
+        return cls._spawned[function_call_id]
+
+    @staticmethod
+    def gather(*calls):
+        """Every call's value, in order; the first failed call raises, as Modal's."""
+        return [call.get() for call in calls]
+
+
+def is_local():
+    return not container
+
+
+def enable_output(*args, **kwargs):
+    """calque prints its pools and the workers' output already."""
+    return contextlib.nullcontext()
+
+
+def _web(decorator):
+    """A web endpoint is kept, marked: the file imports; serving it or calling it is refused (calque.py)."""
+    return lambda *args, **kwargs: lambda fn: _role(fn, kind="web", web=decorator)
+
+
+for _decorator in ("asgi_app", "wsgi_app", "web_endpoint", "fastapi_endpoint", "web_server"):
+    globals()[_decorator] = _web(_decorator)
 
 
 # ---- everything else: refused by name -------------------------------------------------------------------------
@@ -324,11 +465,6 @@ _REFUSED = {
     "CloudBucketMount": "use modal.Volume.from_name(N) with pool create --volume N=s3://bucket/prefix",
     "Cron": "run the entrypoint from cron: calque modal run app.py",
     "Period": "run the entrypoint from cron: calque modal run app.py",
-    "asgi_app": "serve web endpoints on Modal or your own server: a calque pool serves batch claims",
-    "wsgi_app": "serve web endpoints on Modal or your own server: a calque pool serves batch claims",
-    "web_endpoint": "serve web endpoints on Modal or your own server: a calque pool serves batch claims",
-    "fastapi_endpoint": "serve web endpoints on Modal or your own server: a calque pool serves batch claims",
-    "web_server": "serve web endpoints on Modal or your own server: a calque pool serves batch claims",
     "Stub": "rename modal.Stub to modal.App (Modal did in 0.64)",
     "gpu": "write gpu=\"A100:2\" (a string), as Modal 1.0 does",
 }

@@ -101,9 +101,9 @@ def aws_env(tmp_path, moto_endpoint):
         os.environ["AWS_ENDPOINT_URL"] = endpoint
 
 
-def cli(env, *args, stdin=None, timeout=120):
-    """Run `python calque.py ARGS` as a real process."""
-    return subprocess.run([PY, os.path.join(ROOT, "calque.py"), *args], env=env, cwd=ROOT, input=stdin,
+def cli(env, *args, stdin=None, timeout=120, cwd=ROOT):
+    """Run `python calque.py ARGS` as a real process (in the checkout, or `cwd`)."""
+    return subprocess.run([PY, os.path.join(ROOT, "calque.py"), *args], env=env, cwd=cwd, input=stdin,
                           capture_output=True, text=True, timeout=timeout)
 
 

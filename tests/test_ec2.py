@@ -2,6 +2,7 @@
 in-process mock_aws: never a real AWS endpoint, never the metadata address (conftest's socket guard)."""
 import argparse
 import base64
+import hashlib
 import json
 import os
 import re
@@ -688,3 +689,23 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
     assert calque.main(["pool", "delete", "--model", MODEL]) == calque.EXIT_USAGE   # no --yes: refused
     assert calque.main(["pool", "delete", "--model", MODEL, "--yes"]) == 0
     assert asg_of() is None and not queue_exists(calque.pool_queue_name(MODEL))
+
+
+def test_modal_image_on_an_ec2_pool(aws, tmp_path, monkeypatch):
+    """A Modal app's image on an EC2 pool: its pip and apt packages installed by the bootstrap as written (not
+    checked on this machine), its add_local_file snapshotted into the store with its sha256 in the pool record."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "vocab.txt").write_text("a b c\n")
+    (tmp_path / "app.py").write_text(
+        "import modal\nimage = modal.Image.debian_slim().apt_install('libsndfile1')"
+        ".pip_install('no-such-dist==1.2', 'other>=2').add_local_file('vocab.txt', '/root/vocab.txt')\n"
+        "app = modal.App(image=image)\n@app.function()\ndef f(x):\n    return x\n")
+    modal, _, _ = calque.modal_options("app.py:f", workers_here=False)
+    calque.ec2_pool_create(aws.backend, dict(record(aws.backend), modal=modal), "app.py:f", options(),
+                           yes_spend_money=True)
+    script, _ = launch_template_user_data()
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    assert "install -q --no-cache-dir no-such-dist==1.2 'other>=2'" in script and "install -y -q libsndfile1" in script
+    include = calque.read_json(aws.backend, calque.pool_key(MODEL))["handler"]["include"]
+    assert include["files"] == 1
+    assert hashlib.sha256(aws.backend.store.get(include["key"])).hexdigest() == include["sha256"]

@@ -3,10 +3,13 @@
 refusals; and the stand-in loaded even where a real `modal` package is importable."""
 import json
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 
-from conftest import ROOT, cli, wait_for, write_items
+from conftest import PY, ROOT, cli, wait_for, write_items
 
 APP = '''
 import json
@@ -54,7 +57,7 @@ def square(x):
 
 @app.local_entrypoint()
 def main(count: int = 3, strict: bool = False):
-    out = {{"double": [r if not isinstance(r, Exception) else "error: " + str(r)
+    out = {{"double": [r if not isinstance(r, ValueError) else f"error: {{type(r).__name__}}: {{r}}"
                        for r in Batcher().double.map(range(count), return_exceptions=not strict)],
            "add": list(Batcher().add.starmap([(1, 2), (3, 4)])),
            "square": list(square.map(range(count), order_outputs=False)),
@@ -226,3 +229,323 @@ def test_unsupported_construct_and_a_real_modal_installed(local_env, tmp_path):
     out = cli(env, "modal", "run", path, "--count", "2")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["double"] == [{"y": 200}, {"y": 202}]
+
+
+IDIOMS = '''
+import os
+import sys
+import modal
+
+image = (modal.Image.debian_slim(python_version="3.11").apt_install("libgomp1").pip_install("numpy")
+         .env({{"GREETING": "hello"}}).add_local_python_source("shapes")
+         .add_local_file("table.txt", "/root/table.txt"))
+app = modal.App("idioms", image=image)
+
+with image.imports():   # Modal's way to import what only the image has
+    import shapes
+
+
+@app.function()
+def work(x: int = 2, y: int = 3):
+    print(f"work {{x}} {{y}}")
+    print("to stderr", file=sys.stderr)
+    if x < 0:
+        raise ValueError(f"negative {{x}}")
+    with open("table.txt") as f:   # add_local_file(..., "/root/table.txt"): beside the app, as in Modal's /root
+        rows = f.read().split()
+    return {{"area": shapes.area(x, y), "env": os.environ["GREETING"], "rows": rows}}
+
+
+@app.function()
+def count(n):
+    yield from range(n)
+
+
+@app.function()
+@modal.batched(max_batch_size=4, wait_ms=10)
+async def doubles(xs: list[int]) -> list[int]:
+    return [2 * x for x in xs]
+
+
+@app.function()
+@modal.fastapi_endpoint(method="POST")
+def web(item: dict):   # a web endpoint beside the batch functions: the file still imports and runs
+    return item
+
+
+@app.local_entrypoint()
+async def main():
+    import json
+    call = work.spawn(4, y=5)
+    work.spawn_map([7], kwargs={{"y": 1}})   # fire and forget: modal run waits for it before it cleans up
+    out = {{"noargs": work.remote(), "kwargs": await work.remote.aio(x=3, y=1),
+            "aio_map": [r["area"] async for r in work.map.aio([1, 2])],
+            "gen": list(count.remote_gen(3)), "gen_aio": [i async for i in count.remote_gen.aio(2)],
+            "batched": [d async for d in doubles.map.aio(range(6))],
+            "gather": modal.FunctionCall.gather(call, modal.FunctionCall.from_id(call.object_id)),
+            "id": call.object_id.startswith("fc-")}}
+    try:
+        work.remote(-1)
+    except ValueError as e:   # the original type, as Modal re-raises it
+        out["raised"] = str(e)
+    try:
+        work.remote(b"bytes")
+    except TypeError as e:   # arguments are JSON values
+        out["not_json"] = str(e)
+    print(json.dumps(out))
+'''
+
+
+def write_idioms(tmp_path):
+    (tmp_path / "shapes.py").write_text("def area(x, y):\n    return x * y\n")
+    (tmp_path / "table.txt").write_text("a b\n")
+    path = tmp_path / "idioms.py"
+    path.write_text(IDIOMS.format())
+    return str(path)
+
+
+def test_modal_idioms_under_modal_run(local_env, tmp_path):
+    """Modal's own call forms under `modal run`: no-argument and keyword calls, .remote.aio / .map.aio, remote_gen
+    (and .aio), an async @modal.batched, spawn + FunctionCall.gather / from_id, spawn_map, the original exception
+    type; the
+    image's env, add_local_python_source and add_local_file reach the workers; a web endpoint beside them is
+    kept; what the functions print reaches our stderr, prefixed with the worker, while they run. (The calls are
+    the shim's and submit's, the same on both backends; the include's S3 path is the next test's.)"""
+    env = local_env
+    path = write_idioms(tmp_path)
+    out = cli(env, "modal", "run", path, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    row = {"env": "hello", "rows": ["a", "b"]}
+    assert json.loads(out.stdout) == {
+        "noargs": dict(row, area=6), "kwargs": dict(row, area=3), "aio_map": [3, 6], "gen": [0, 1, 2],
+        "gen_aio": [0, 1], "batched": [0, 2, 4, 6, 8, 10], "gather": [dict(row, area=20)] * 2, "id": True,
+        "raised": "negative -1",
+        "not_json": "work's arguments travel as JSON values (Modal pickles them): bytes is not JSON-serialisable"}
+    assert "[work w0] work 3 1" in out.stderr and "[work w0] to stderr" in out.stderr
+    assert "[work w0] work 7 1" in out.stderr   # the spawn_map call ran
+    assert "Traceback" not in out.stderr and "modal-idioms" not in cli(env, "pool", "list").stdout
+
+
+TAGGER = '''
+import calque
+import helper
+
+
+class Tagger:
+    @calque.enter
+    def load(self):
+        with open("data/words.txt") as f:   # relative to the handler's folder, as on the machine it came from
+            self.words = f.read().split()
+
+    @calque.batch
+    def run(self, items):
+        return [helper.tag(self.words, x) for x in items]
+'''
+
+MODAL_TAGGER = '''
+import modal
+import helper
+
+app = modal.App(image=modal.Image.debian_slim().add_local_python_source("helper").add_local_dir("data", "/root/data"))
+
+
+@app.function()
+def tag(x):
+    with open("data/words.txt") as f:
+        return helper.tag(f.read().split(), x)
+'''
+
+
+def test_multi_file_app_on_a_worker_with_only_the_store(aws_env, tmp_path):
+    """A handler importing a sibling module and reading a data file, snapshotted with --include (a native handler)
+    or add_local_python_source / add_local_dir (a Modal app), runs on a worker started in an empty folder once the
+    folder it came from is gone, as on an EC2 instance: the files come from the store, checked by sha256."""
+    folder = tmp_path / "project"
+    (folder / "data").mkdir(parents=True)
+    (folder / "data" / "words.txt").write_text("zero one two\n")
+    (folder / "helper.py").write_text("def tag(words, x):\n    return f'{x}:{words[x]}'\n")
+    (folder / "tagger.py").write_text(TAGGER)
+    (folder / "modal_tagger.py").write_text(MODAL_TAGGER)
+    for model, handler, extra in (("native", "tagger.py:Tagger", ["--include", "helper.py", "--include", "data"]),
+                                  ("modalapp", "modal_tagger.py:tag", [])):
+        out = cli(aws_env, "pool", "create", "--model", model, "--handler", handler, "--workers", "0", *extra,
+                  cwd=str(folder))
+        assert out.returncode == 0, out.stderr
+    folder.rename(tmp_path / "gone")   # the record's workdir no longer exists on this machine
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for model in ("native", "modalapp"):
+        worker = subprocess.Popen([PY, os.path.join(ROOT, "warmd.py"), "--model", model], env=aws_env, cwd=empty,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            run = cli(aws_env, "submit", "--pool", model, "--wait-for-workers", "--json",
+                      write_items(tmp_path / "items.jsonl", [2, 0, 1]))
+            assert run.returncode == 0, run.stderr
+            run_id = json.loads(run.stdout)["run"]["run_id"]
+            results = [json.loads(line)["result"] for line in cli(aws_env, "runs", "results", run_id).stdout.split()]
+            assert results == ["2:two", "0:zero", "1:one"]
+        finally:
+            worker.terminate()
+            worker.wait(30)
+    assert os.listdir(empty) == []
+
+
+def test_include_refusals(local_env, tmp_path, monkeypatch):
+    """An include over INCLUDE_MAX_BYTES, or one that does not exist, is refused in one line before anything is
+    written; the snapshot of the same files is byte-identical (a re-created pool keeps its digest)."""
+    import calque
+    (tmp_path / "h.py").write_text(TAGGER)
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(calque.INCLUDE_MAX_BYTES + 1)
+    for include, words in (("big.bin", "MiB a pool snapshots"), ("nope.txt", "not found")):
+        out = cli(local_env, "pool", "create", "--model", "m", "--handler", "h.py:Tagger", "--workers", "0",
+                  "--include", include, cwd=str(tmp_path))
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
+    assert "m" not in cli(local_env, "pool", "list", "--json").stdout
+    (tmp_path / "small.txt").write_text("x")
+    first = calque.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]])
+    os.utime(tmp_path / "small.txt", (1, 1))
+    assert calque.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]]) == first
+
+
+SLEEPY = '''
+import time
+import modal
+
+app = modal.App()
+
+
+@app.function(volumes={{{mount!r}: modal.Volume.from_name("notes", create_if_missing=True)}})
+def greet(name: str = "you", times: int = 1):
+    for _ in range(times):
+        print(f"hi {{name}}")
+    with open({mount!r} + "/greeted.txt", "a") as f:
+        f.write(name)
+
+
+@app.function()
+def nap(x):
+    time.sleep(60)
+'''
+
+
+def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
+    """`modal run app.py::fn --opt v` calls the function once with its options, as Modal's CLI (its print on our
+    stderr); its create_if_missing volume is a new folder, or the one --volume names; a file of several functions
+    and no entrypoint names them in one line; SIGTERM of `modal run` deletes its ephemeral pool and stops its
+    workers."""
+    path = tmp_path / "sleepy.py"
+    path.write_text(SLEEPY.format(mount=str(tmp_path / "mnt")))
+    out = cli(local_env, "modal", "run", f"{path}::greet", "--name", "calque", "--times", "2")
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("[greet w0] hi calque") == 2
+    assert (tmp_path / "state" / "volumes" / "notes" / "greeted.txt").read_text() == "calque"
+    (tmp_path / "mine").mkdir()
+    os.remove(tmp_path / "mnt")   # the link the first run's worker made
+    out = cli(local_env, "modal", "run", f"{path}::greet", "--volume", f"notes={tmp_path / 'mine'}")
+    assert out.returncode == 0 and (tmp_path / "mine" / "greeted.txt").read_text() == "you", out.stderr
+    out = cli(local_env, "modal", "run", str(path))
+    assert out.returncode == 2 and "0 local entrypoints and 2 functions (greet, nap)" in out.stderr
+    local_env = dict(local_env, CALQUE_GRACE="1")   # the napping worker is stopped without a 5 s wait
+    proc = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "modal", "run", f"{path}::nap", "--x", "1"],
+                            env=local_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: "modal-sleepy-nap" in cli(local_env, "runs", "list").stdout, 60, "the run of the nap")
+    model = json.loads(cli(local_env, "pool", "list", "--json").stdout)[0]["model"]
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(60)
+    assert "modal-sleepy" not in cli(local_env, "pool", "list").stdout
+
+    def running():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found += [pid] if model.encode() in f.read() else []
+            except OSError:
+                pass
+        return found
+    wait_for(lambda: not running(), 30, "the pool's supervisor and worker to exit")
+
+
+def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
+    """A syntax error, a top-level import this Python lacks, an image pip package not installed, a decorator without
+    its parentheses, a web endpoint as the target, an exception in the entrypoint: each one line naming the file
+    (and line) and the next step."""
+    cases = {
+        "syntax.py": ("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x +\n",
+                      "f", "syntax error on line 5"),
+        "missing.py": ("import modal\nimport no_such_module_xyz\napp = modal.App()\n@app.function()\ndef f(x):\n"
+                       "    return x\n", "f", "missing.py:2: module 'no_such_module_xyz' is not installed"),
+        "image.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim().pip_install('no-such-dist==1.0'))"
+                     "\n@app.function()\ndef f(x):\n    return x\n", "f", "-m pip install no-such-dist==1.0"),
+        "bare.py": ("import modal\napp = modal.App()\n@app.function\ndef f(x):\n    return x\n", "f",
+                    "bare.py:3: @app.function without parentheses ---> HINT: write @app.function()"),
+        "web.py": ("import modal\napp = modal.App()\n@app.function()\n@modal.asgi_app()\ndef f():\n    return None\n",
+                   "f", "f is a @modal.asgi_app web endpoint"),
+    }
+    for name, (source, target, words) in cases.items():
+        (tmp_path / name).write_text(source)
+        out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{tmp_path / name}:{target}",
+                  "--workers", "0")
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, (name, out.stderr)
+    (tmp_path / "entry.py").write_text("import modal\napp = modal.App()\n@app.local_entrypoint()\ndef main():\n"
+                                       "    raise RuntimeError('first\\nsecond')\n")
+    out = cli(local_env, "modal", "run", str(tmp_path / "entry.py"))
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert "entrypoint main failed: " in out.stderr and "entry.py:5: RuntimeError: first second" in out.stderr
+
+
+def test_image_imports_and_bootstrap(tmp_path):
+    """`with image.imports():` skips a missing module outside a worker, as Modal does locally, and raises it in a
+    worker; an EC2 pool's bootstrap installs the image's apt and pip packages as written."""
+    import calque
+    app = tmp_path / "imports.py"
+    app.write_text("import modal\nimage = modal.Image.debian_slim()\napp = modal.App(image=image)\n"
+                   "with image.imports():\n    import no_such_module_xyz\n@app.function()\ndef f(x):\n    return x\n")
+    calque.import_modal_app(str(app), "f")
+    with pytest.raises(calque.UserError, match="imports.py:5: module 'no_such_module_xyz' is not installed"):
+        calque.import_modal_app(str(app), "f", container=True)
+    script = calque.user_data_pool("m", "s3://b/p", "us-east-1", "kit.tgz", "0" * 64,
+                                   image={"apt": ["libgomp1"], "pip": ["scikit-learn~=1.5.0", "numpy"]})
+    assert "apt-get -o DPkg::Lock::Timeout=600 install -y -q libgomp1" in script
+    assert "install -q --no-cache-dir 'scikit-learn~=1.5.0' numpy" in script
+
+
+def test_submit_follow_logs(local_env, tmp_path):
+    """submit --follow-logs on a native pool: what the handler prints reaches submit's stderr, prefixed."""
+    (tmp_path / "loud.py").write_text("import calque\n\n\nclass Loud:\n    @calque.enter\n    def load(self):\n"
+                                      "        pass\n\n    @calque.batch\n    def run(self, items):\n"
+                                      "        print('batch of', len(items))\n        return items\n")
+    assert cli(local_env, "pool", "create", "--model", "loud", "--handler", f"{tmp_path / 'loud.py'}:Loud",
+               "--workers", "1").returncode == 0
+    out = cli(local_env, "submit", "--pool", "loud", "--follow-logs", write_items(tmp_path / "i.jsonl", [1, 2, 3]))
+    assert out.returncode == 0, out.stderr
+    assert "[loud w0] batch of 3" in out.stderr
+    assert cli(local_env, "pool", "delete", "--model", "loud", "--yes").returncode == 0
+
+
+def test_function_call_get_timeout_and_gather(tmp_path):
+    """FunctionCall.get(timeout=0) of a call not done raises TimeoutError, as Modal's; once its result lands,
+    get() and gather() give it, and a failed call raises its original builtin type."""
+    import threading
+    import calque
+    app = tmp_path / "calls.py"
+    app.write_text("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x\n")
+    shim, target, _ = calque.import_modal_app(str(app), "f")
+    landed, outcomes = threading.Event(), iter([{"ok": True, "result": 7}, {"ok": False, "error": "KeyError: 3"}])
+
+    def results(target, params, items):
+        landed.wait()
+        yield next(outcomes)
+    shim.runner = results
+    try:
+        call = target.spawn(1)
+        with pytest.raises(TimeoutError):
+            call.get(timeout=0)
+        landed.set()
+        assert call.get() == 7 and shim.FunctionCall.gather(shim.FunctionCall.from_id(call.object_id)) == [7]
+        with pytest.raises(KeyError):
+            target.spawn(2).get()
+    finally:
+        shim.runner = None

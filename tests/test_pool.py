@@ -62,18 +62,41 @@ def test_end_to_end_moto_server(aws_env, tmp_path):
     three_runs_on_two_workers(aws_env, tmp_path)
 
 
-def test_supervisor_restarts_a_dead_worker(local_env, tmp_path):
-    """A worker killed with SIGKILL is restarted; pool status counts the restart."""
-    create_pool(local_env, "m", "Echo", "--workers", "1")
-    first = wait_for(lambda: [w for w in json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)
-                              ["local_workers"] if w["alive"]], 20, "a live worker")[0]
-    os.kill(first["pid"], signal.SIGKILL)
+def test_restart_delay_knows_a_crash_loop_from_a_killed_worker():
+    """At once after progress (or a long life), whatever killed the worker; 1 s after a SIGKILL without progress;
+    doubling to 30 s for a worker that keeps exiting by itself before warm or without progress."""
+    import calque
+    kill, segv = -signal.SIGKILL, -signal.SIGSEGV
+    assert calque.restart_delay(True, True, 0.5, 0, kill) == (0.0, "died after progress")
+    assert calque.restart_delay(True, True, 0.5, 0, segv) == (0.0, "died after progress")
+    assert calque.restart_delay(True, False, 61.0, 3, 1) == (0.0, "died after progress")
+    assert calque.restart_delay(True, False, 0.5, 5, kill) == (1.0, "died without progress")
+    assert calque.restart_delay(False, False, 0.5, 5, kill) == (1.0, "died before warm")
+    assert [calque.restart_delay(False, False, 61.0, n, 2)[0] for n in (1, 2, 3, 6, 9)] == [1, 2, 4, 30, 30]
+    assert calque.restart_delay(True, False, 2.0, 2, segv) == (2.0, "died without progress")
 
-    def restarted():
-        status = json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)
-        live = [w for w in status["local_workers"] if w["alive"] and w["pid"] != first["pid"]]
-        return status["supervisor"]["restarts"] == 1 and live
-    wait_for(restarted, 20, "the supervisor to restart the worker")
+
+def test_supervisor_restarts_a_dead_worker(local_env, tmp_path):
+    """A worker killed with SIGKILL is restarted after 1 s when it made no progress, at once when it had finished a
+    claim; pool status counts the restarts and says which was which."""
+    create_pool(local_env, "m", "Echo", "--workers", "1")
+
+    def killed_and_restarted(restarts, kind):
+        first = wait_for(lambda: [w for w in json.loads(cli(local_env, "pool", "status", "--model", "m", "--json")
+                                                        .stdout)["local_workers"] if w["alive"] and w["warm"]],
+                         20, "a warm worker")[0]
+        os.kill(first["pid"], signal.SIGKILL)
+
+        def restarted():
+            status = json.loads(cli(local_env, "pool", "status", "--model", "m", "--json").stdout)
+            live = [w for w in status["local_workers"] if w["alive"] and w["pid"] != first["pid"]]
+            return status["supervisor"]["restarts"] == restarts and live
+        wait_for(restarted, 20, "the supervisor to restart the worker")
+        assert kind in cli(local_env, "pool", "status", "--model", "m").stdout
+    killed_and_restarted(1, "(died without progress, restart after 1 s): killed by SIGKILL")
+    out = cli(local_env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": 1}]))
+    assert out.returncode == 0, out.stderr
+    killed_and_restarted(2, "(died after progress, restarted at once): killed by SIGKILL")
     out = cli(local_env, "pool", "scale", "--model", "m", "--workers", "2")
     assert out.returncode == 0, out.stderr
     wait_for(lambda: sum(w["alive"] for w in json.loads(cli(local_env, "pool", "status", "--model", "m", "--json")

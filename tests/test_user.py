@@ -64,8 +64,8 @@ def test_failing_enter_fails_pool_create_with_the_reason(local_env, tmp_path):
     assert "local workers: none" in run(local_env, folder, "pool", "status", "--model", "m").stdout
     out = run(local_env, folder, "pool", "create", "--model", "m", "--handler", "model.py:Model", "--no-wait")
     assert out.returncode == 0, out.stderr
-    wait_for(lambda: "(before warm): ModuleNotFoundError" in run(local_env, folder, "pool", "status", "--model",
-                                                                 "m").stdout, 30, "the last exit in pool status")
+    wait_for(lambda: re.search(r"\(died before warm, restart after \d+ s\): ModuleNotFoundError", run(
+        local_env, folder, "pool", "status", "--model", "m").stdout), 30, "the last exit in pool status")
     line = error(run(local_env, folder, "submit", "--pool", "m", "items.jsonl"), 1)
     assert line.startswith("calque: error: pool m: every local worker dies before it is warm: worker 0 died")
 
