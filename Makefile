@@ -8,11 +8,15 @@ VENV ?= .venv
 PYTEST_ARGS ?=
 # Celery's venv for `make bench-peers` (bench/peers/requirements.txt), layered on $(VENV)
 PEERS_VENV ?= .venv-peers
+# Ray Data's venv for `make bench-peers` (bench/peers/requirements-ray.txt), layered on $(VENV) the same way
+RAY_VENV ?= .venv-ray
 # pytest-xdist processes `make test` runs the suite in: its tests mostly wait on real workers, polls and timeouts,
 # so two overlap well on two cores; 0 runs it in this process, in file order
 TEST_WORKERS ?= 2
 PY := $(VENV)/bin/python
 PEERS_PY := $(PEERS_VENV)/bin/python
+RAY_PY := $(RAY_VENV)/bin/python
+EMBED := $(VENV)/.embed-installed
 FASTBATCH_SO := fastbatch/.built
 
 .PHONY: setup demo test bench bench-peers gpu-check clean
@@ -37,10 +41,15 @@ $(FASTBATCH_SO): $(VENV)/.installed pyproject.toml setup.py fastbatch/fastbatch.
 demo: setup
 	PY=$(PY) bash examples/demo.sh
 
-test: setup
+# the embedding example's packages (examples/requirements-embed.txt), for its test and the bench only; where they
+# cannot be installed, its test is skipped with the reason
+$(EMBED): examples/requirements-embed.txt $(VENV)/.installed
+	$(PY) -m pip install -q -r examples/requirements-embed.txt && touch $@ || echo "the embedding example's packages did not install: its test is skipped"
+
+test: setup $(EMBED)
 	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS) tests
 
-bench: setup
+bench: setup $(EMBED)
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_pool.py
 	$(PY) tests/bench_fastbatch.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_scale.py
@@ -48,8 +57,10 @@ bench: setup
 	$(PY) tests/bench_autoscale.py
 	$(PY) tests/bench_dashboard.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_churn.py
+	$(PY) tests/bench_embed.py
 
-# calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py.
+# calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py;
+# then the embedding job against Ray Data (bench/peers/ray_embed.py).
 # Celery goes in its own venv, which sees $(VENV)'s packages after its own (a .pth file): the demo model's torch
 $(PEERS_VENV)/.installed: bench/peers/requirements.txt $(VENV)/.installed
 	$(PYTHON) -m venv $(PEERS_VENV)
@@ -58,12 +69,21 @@ $(PEERS_VENV)/.installed: bench/peers/requirements.txt $(VENV)/.installed
 		"$$($(PEERS_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/calque-venv.pth"
 	touch $@
 
-bench-peers: setup $(PEERS_VENV)/.installed
+# and Ray Data in its own venv, which sees $(VENV)'s packages after its own: torch and transformers for the model
+$(RAY_VENV)/.installed: bench/peers/requirements-ray.txt $(VENV)/.installed
+	$(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_PY) -m pip install -q -r bench/peers/requirements-ray.txt
+	$(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" > \
+		"$$($(RAY_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/calque-venv.pth"
+	touch $@
+
+bench-peers: setup $(EMBED) $(PEERS_VENV)/.installed $(RAY_VENV)/.installed
 	AWS_EC2_METADATA_DISABLED=true PEERS_PY=$(PEERS_PY) $(PY) bench/peers/compare.py
+	RAY_PY=$(RAY_PY) $(PY) bench/peers/ray_embed.py
 
 # needs a CUDA machine: builds fastbatch, runs its tests, measures pinned vs pageable host-to-device GB/s
 gpu-check: setup
 	$(PY) fastbatch/gpu_check.py
 
 clean:
-	rm -rf .calque .calque-state .calque-demo $(PEERS_VENV) build calque.egg-info fastbatch/_fastbatch_c.* fastbatch/*.o fastbatch/.build-* $(FASTBATCH_SO)
+	rm -rf .calque .calque-state .calque-demo $(PEERS_VENV) $(RAY_VENV) build calque.egg-info fastbatch/_fastbatch_c.* fastbatch/*.o fastbatch/.build-* $(FASTBATCH_SO)

@@ -35,6 +35,7 @@ import ast
 import base64
 import collections
 import contextlib
+import ctypes
 import datetime
 import difflib
 import enum
@@ -1116,16 +1117,24 @@ def npy_view(data):
 
 
 def array_items(store, manifest):
-    """A numeric claim's items: a list of {field: view}, every view into the fetched bytes."""
+    """A numeric claim's items: a list of {field: view}, every view into the fetched bytes, merged into the
+    manifest's JSON `items` when it has both (a table's text and numeric columns); None where `valid` is False."""
     fields, count = {}, manifest["count"]
     for name, keys in manifest["arrays"].items():
-        values = npy_view(store.get(keys["values"]))
-        offsets = npy_view(store.get(keys["offsets"])) if "offsets" in keys else None
-        if (offsets is not None and len(offsets) != count + 1) or (offsets is None and len(values) != count):
+        values, offsets, valid = (npy_view(store.get(keys[role])) if role in keys else None
+                                  for role in ("values", "offsets", "valid"))
+        if (offsets is not None and len(offsets) != count + 1) or (offsets is None and len(values) != count) \
+                or (valid is not None and len(valid) != count):
             raise ValueError(f"field {name!r} does not hold {count} items")
-        fields[name] = (values, offsets)
-    return [{name: values[i] if offsets is None else values[offsets[i]:offsets[i + 1]]
-             for name, (values, offsets) in fields.items()} for i in range(count)]
+        fields[name] = (values, offsets, valid)
+    items = manifest.get("items") or [{} for _ in range(count)]
+    if len(items) != count:
+        raise ValueError(f"'items' does not hold {count} items")
+    for name, (values, offsets, valid) in fields.items():
+        for i, item in enumerate(items):
+            item[name] = (None if valid is not None and not valid[i] else
+                          values[i] if offsets is None else values[offsets[i]:offsets[i + 1]])
+    return items
 
 
 SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # SQS's two codes for "no such queue"
@@ -1314,10 +1323,13 @@ class LocalStore:
         return keys
 
     def delete_prefix(self, prefix):
+        """Delete every key under the prefix; returns (objects, bytes) deleted."""
+        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self._path(prefix)) for f in files]
         shutil.rmtree(self._path(prefix), ignore_errors=True)   # ignores files a concurrent writer removed first
         if os.path.lexists(self._path(prefix)):                 # but not a folder that stayed: say so
             raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the folder's permissions, "
                              f"then retry")
+        return len(sizes), sum(sizes)
 
 
 def _link_new(tmp, path):
@@ -1644,10 +1656,18 @@ class S3Store:
 
     @endpoint_retried
     def delete_prefix(self, prefix):
+        """Delete every key under the prefix, a DeleteObjects request per listed page (1000 keys); returns
+        (objects, bytes) deleted."""
+        count = size = 0
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
-            objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            self.requests["store_lists"] += 1
+            objects = page.get("Contents", [])
             if objects:
-                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": o["Key"]} for o in objects],
+                                                                   "Quiet": True})
+                self.requests["store_puts"] += 1
+                count, size = count + len(objects), size + sum(o["Size"] for o in objects)
+        return count, size
 
     def delete(self, key):
         """Delete one object; one that is not there is no error (S3 answers 204 either way)."""
@@ -2182,13 +2202,18 @@ def pool_bounds(count, lo, hi, idle_minutes, noun):
 
 # ------------------------------------------------------------------------------------------------
 # 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
-def read_items(path):
+def read_items(path, columns=None):
     """Items from a JSONL file (or '-' for stdin): one JSON value per line, each a JsonText (the line, checked);
     blank lines are skipped. A stream, read as it is staged (memory does not grow with the file); its first block
     is read and checked at once, so that a bad line there (the usual typo), or a file without items, is refused
-    before anything else is looked at. A .npy or .npz file is numeric input instead (see ArrayItems)."""
+    before anything else is looked at. A .npy or .npz file is numeric input instead (see ArrayItems); a Parquet
+    or Arrow file, a folder or a glob of them, a table (see TableItems), of which `columns` are read."""
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
+    if path.endswith(TABLE_SUFFIXES) or glob.has_magic(path) or os.path.isdir(path):
+        return TableItems.open(path, columns)
+    if columns:
+        raise UserError(f"--columns applies to Parquet or Arrow input, not {path}")
     try:
         stream = sys.stdin.buffer if path == "-" else open(path, "rb")
     except OSError as e:
@@ -2297,9 +2322,6 @@ class ArrayItems:
         arrays = {name: np.asarray(values) for name, values in arrays.items()}
         fields, counts = {}, {}
         for name, values in arrays.items():
-            if not SAFE_ID.match(name):   # it names store keys (runs/RUN/inputs/CLAIM/<name>.values.npy)
-                raise UserError(f"{path}: array name {name!r} cannot name a store key ---> HINT: name it with "
-                                f"letters, digits, '.', '_' or '-'")
             if name.endswith("_offsets") and name[:-len("_offsets")] in arrays:
                 continue
             if values.dtype.hasobject or values.dtype.kind not in "biuf":
@@ -2325,24 +2347,31 @@ class ArrayItems:
 
     def stage(self, backend, run_id, claim, start, stop):
         """Write this claim's slice of every field as .npy objects; returns the manifest's `arrays` entry."""
-        import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
-        entry = {}
+        fields = {}
         for name, (values, offsets) in self.fields.items():
             if offsets is None:
-                part, part_offsets = values[start:stop], None
+                fields[name] = {"values": values[start:stop]}
             else:
-                part = values[offsets[start]:offsets[stop]]
-                part_offsets = offsets[start:stop + 1] - offsets[start]
-            entry[name] = {}
-            for role, array in (("values", part), ("offsets", part_offsets)):
-                if array is None:
-                    continue
-                buf = io.BytesIO()
-                np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-                key = f"runs/{run_id}/inputs/{claim}/{name}.{role}.npy"
-                backend.store.put(key, buf.getvalue())
-                entry[name][role] = key
-        return entry
+                fields[name] = {"values": values[offsets[start]:offsets[stop]],
+                                "offsets": offsets[start:stop + 1] - offsets[start]}
+        return stage_arrays(backend, run_id, claim, fields)
+
+
+def stage_arrays(backend, run_id, claim, fields):
+    """Write each field's arrays ({role: array}: values, offsets, valid) as .npy objects under the claim's inputs;
+    returns the manifest's `arrays` entry ({field: {role: key}}). Keys are numbered, not named after the field
+    (a Parquet column's name need not be a safe key)."""
+    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    entry = {}
+    for number, (name, roles) in enumerate(fields.items()):
+        entry[name] = {}
+        for role, array in roles.items():
+            buf = io.BytesIO()
+            np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
+            key = f"runs/{run_id}/inputs/{claim}/{number}.{role}.npy"
+            backend.store.put(key, buf.getvalue())
+            entry[name][role] = key
+    return entry
 
 
 def read_arrays(path):
@@ -2363,6 +2392,204 @@ def read_arrays(path):
         reason = str(e).split(". ")[0].rstrip(".") or type(e).__name__
         raise UserError(f"{path}: not a numeric .npy or .npz file ({reason}) ---> HINT: save plain numeric arrays "
                         f"with numpy.save or numpy.savez (object arrays would need pickle)") from None
+
+
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")   # submit reads these (and a folder or glob of .parquet) as tables
+
+
+class TableItems:
+    """Items from Arrow tables, one item a row ({column: value}): a Parquet file, a folder or glob of them, an
+    Arrow IPC (.arrow/.feather) file, or the API's pyarrow.Table, pandas DataFrame or datasets.Dataset. Read as a
+    stream of record batches of a claim's rows (Parquet page by page), so memory does not grow with the input. A
+    numeric column (ints, floats, bools, or lists of them) is staged as .npy per claim, as .npz input is, and
+    reaches the worker as numpy values without JSON; a null in it is None (a `valid` mask), a null inside a list
+    is refused when met. Any other column (text, structs, lists of text) goes as JSON in the manifest, null as
+    None; dates and times as ISO text; a type JSON cannot hold (binary, decimal) is refused up front."""
+
+    def __init__(self, schema, count, batches, source):
+        import pyarrow as pa   # lazy: only table input needs pyarrow
+        self.count, self.batches, self.source = count, batches, source
+        self.numeric, self.json = [], []
+        for field in schema:
+            kind = _column_kind(pa, field.type)
+            if kind is None:
+                raise UserError(f"{source}: column {field.name!r} is {field.type}, which has no JSON form ---> HINT: "
+                                f"leave it out with --columns, or cast it (to string) before submitting")
+            (self.numeric if kind == "numeric" else self.json).append(field.name)
+        if not count:
+            raise UserError(f"{source} holds no items")
+
+    def __len__(self):
+        return self.count
+
+    @classmethod
+    def open(cls, source, columns=None, where=None):
+        """From a path (see TABLE_SUFFIXES; a folder; a glob) or a table-like object, reading only `columns`."""
+        import pyarrow as pa   # lazy: only table input needs pyarrow
+        where = where or (source if isinstance(source, str) else type(source).__name__)
+        if isinstance(source, str):
+            return cls._open_path(source, columns, where)
+        module = type(source).__module__.split(".")[0]
+        if module == "pandas":
+            source = pa.Table.from_pandas(source, preserve_index=False)
+        elif module == "datasets":   # a Hugging Face Dataset: its Arrow rows, through its own iterator
+            schema = _select(source.features.arrow_schema, columns, where)
+            arrow = source.with_format("arrow")
+            return cls(schema, len(source), lambda rows: itertools.chain.from_iterable(
+                t.select(schema.names).to_batches() for t in arrow.iter(batch_size=rows)), where)
+        table = pa.table(source)   # a Table as it is; a RecordBatch
+        schema = _select(table.schema, columns, where)
+        table = table.select(schema.names)
+        return cls(schema, table.num_rows, lambda rows: iter(table.to_batches(rows)), where)
+
+    @classmethod
+    def _open_path(cls, path, columns, where):
+        import pyarrow as pa   # lazy: only table input needs pyarrow
+        import pyarrow.parquet as pq
+        if path.endswith((".arrow", ".feather")):
+            try:
+                reader = pa.ipc.open_file(pa.memory_map(path))   # mapped: batches are paged in as they are staged
+            except (OSError, pa.ArrowInvalid) as e:
+                raise UserError(f"{path}: not an Arrow IPC file ({e}) ---> HINT: write it with "
+                                f"pyarrow.feather.write_feather or pyarrow.ipc.new_file") from None
+            schema = _select(reader.schema, columns, where)
+            count = sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+            return cls(schema, count, lambda rows: (reader.get_batch(i).select(schema.names)
+                                                    for i in range(reader.num_record_batches)), where)
+        files = sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True) if os.path.isdir(path)
+                       else glob.glob(path, recursive=True) if glob.has_magic(path) else [path])
+        if not files:
+            raise UserError(f"{path}: no .parquet file there ---> HINT: give a Parquet file, a folder of them or a "
+                            f"quoted glob such as 'data/*.parquet'")
+        opened = []
+        for file in files:
+            try:
+                # page by page through a 1 MiB buffer, not a whole column chunk (a row group) at once
+                opened.append(pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20))
+            except FileNotFoundError as e:
+                raise unreadable_items(file, e) from None
+            except (OSError, pa.ArrowInvalid) as e:
+                raise UserError(f"{file}: not a Parquet file ({e})") from None
+        schema = _select(opened[0].schema_arrow, columns, where)
+        for file, f in zip(files, opened):
+            theirs = f.schema_arrow
+            if any(name not in theirs.names or theirs.field(name).type != schema.field(name).type
+                   for name in schema.names):
+                raise UserError(f"{file}: its columns differ from {files[0]}'s ---> HINT: give files of one schema, "
+                                f"or pick shared columns with --columns")
+        return cls(schema, sum(f.metadata.num_rows for f in opened), lambda rows: (
+            b for f in opened for b in f.iter_batches(rows, columns=schema.names, use_threads=False)), where)
+
+    def chunks(self, size):
+        """(start, stop, table) of each claim of `size` rows, cut from the batches as they are read."""
+        import pyarrow as pa   # lazy: only table input needs pyarrow
+        held, rows, start = [], 0, 0
+        for batch in itertools.chain(self.batches(size), [None]):
+            if batch is not None:
+                held.append(batch)
+                rows += batch.num_rows
+            while rows >= size or (batch is None and rows):
+                table = pa.Table.from_batches(held)
+                take = min(size, rows)
+                yield start, start + take, table.slice(0, take)
+                held, rows, start = table.slice(take).to_batches(), rows - take, start + take
+
+    def stage(self, backend, run_id, claim, start, table):
+        """A claim's manifest fields: its JSON columns as `items`, its numeric ones as `arrays` (.npy objects)."""
+        fields = {name: _numeric_column(table.column(name).combine_chunks(), name, start, self.source)
+                  for name in self.numeric}
+        staged = {"arrays": stage_arrays(backend, run_id, claim, fields)} if fields else {}
+        if self.json:
+            columns = [_json_column(table.column(name)) for name in self.json]
+            staged["items"] = [dict(zip(self.json, row)) for row in zip(*columns)]
+        return staged
+
+
+def _select(schema, columns, where):
+    """The schema of the `columns` asked for (all when None); an unknown one is a UserError naming the known."""
+    if not columns:
+        return schema
+    for name in columns:
+        if name not in schema.names:
+            raise UserError(f"{where}: no column {name!r}{did_you_mean(name, schema.names)} ---> HINT: its "
+                            f"columns: {', '.join(schema.names)}")
+    import pyarrow as pa   # lazy: only table input needs pyarrow
+    return pa.schema([schema.field(name) for name in columns])
+
+
+def _is_number(pa, t):
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _is_list(pa, t):
+    return pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+
+
+def _column_kind(pa, t):
+    """"numeric" (staged as .npy), "json" (in the manifest) or None (no JSON form) for an Arrow type."""
+    if _is_number(pa, t) or (_is_list(pa, t) and _is_number(pa, t.value_type)):
+        return "numeric"
+    return "json" if pa.types.is_temporal(t) or _json_type(pa, t) else None
+
+
+def _json_type(pa, t):
+    """True for a type whose values to_pylist makes JSON values: numbers, text, nulls, and lists, structs or
+    dictionaries of them."""
+    if _is_number(pa, t) or pa.types.is_null(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
+        return True
+    if pa.types.is_dictionary(t) or _is_list(pa, t):
+        return _json_type(pa, t.value_type)
+    return pa.types.is_struct(t) and all(_json_type(pa, t.field(i).type) for i in range(t.num_fields))
+
+
+def _json_column(column):
+    """A column's values as Python values for JSON (dates and times as ISO text)."""
+    import pyarrow as pa   # lazy: only table input needs pyarrow
+    if pa.types.is_temporal(column.type):
+        return [None if v is None else v.isoformat() for v in column.to_pylist()]
+    return column.to_pylist()
+
+
+def _numeric_column(array, name, start, source):
+    """A numeric column of one claim as {role: numpy array}: values (2-D for a fixed-size list), offsets for a
+    list, valid where a row is null (its values are zeros). A null inside a list is a UserError naming the row."""
+    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    import pyarrow as pa
+    roles = {}
+    if array.null_count:
+        roles["valid"] = _to_numpy(array.is_valid())
+    if _is_list(pa, array.type):
+        if array.null_count:
+            array = array.fill_null(pa.scalar([0] * array.type.list_size if pa.types.is_fixed_size_list(array.type)
+                                              else [], array.type))
+        values = array.flatten()
+        if values.null_count:
+            lengths = np.cumsum(array.value_lengths().to_numpy())
+            row = int(np.searchsorted(lengths, np.flatnonzero(_to_numpy(values.is_null()))[0], side="right"))
+            raise UserError(f"{source}: row {start + row}, column {name!r}: a null inside a list of numbers ---> "
+                            f"HINT: fill it (pyarrow.compute.fill_null) or leave the column out with --columns")
+        values = _to_numpy(values)
+        if pa.types.is_fixed_size_list(array.type):
+            roles["values"] = values.reshape(len(array), array.type.list_size)
+        else:
+            offsets = array.offsets.to_numpy()
+            roles["values"], roles["offsets"] = values, (offsets - offsets[0]).astype(np.int64)
+    else:
+        roles["values"] = _to_numpy(array.fill_null(False if pa.types.is_boolean(array.type) else 0)
+                                    if array.null_count else array)
+    return roles
+
+
+def _to_numpy(array):
+    """A numeric Arrow array without nulls as a numpy view of its buffer (pyarrow's to_numpy imports pandas:
+    0.1 s and 90 MiB); bools, which Arrow packs in bits, through uint8."""
+    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    import pyarrow as pa
+    if pa.types.is_boolean(array.type):
+        return _to_numpy(array.cast(pa.uint8())).view(bool)
+    dtype = np.dtype({"halffloat": "float16", "float": "float32", "double": "float64"}.get(str(array.type),
+                                                                                          str(array.type)))
+    return np.frombuffer(array.buffers()[1], dtype, len(array), array.offset * dtype.itemsize)
 
 
 class SubmitInterrupted(BaseException):
@@ -2413,7 +2640,7 @@ def check_timeout(seconds):
 def claim_chunks(items, size):
     """(start, stop, items or None) of each claim of `size` items: ArrayItems are sliced when staged, a list is cut
     into slices, any other iterable (a JSONL stream, a generator) is read one claim at a time."""
-    if isinstance(items, ArrayItems):
+    if isinstance(items, (ArrayItems, TableItems)):
         yield from items.chunks(size)
         return
     it, start = iter(items), 0
@@ -2428,6 +2655,8 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
                 "count": stop - start}
     if chunk is None:
         manifest["arrays"] = items.stage(backend, run["run_id"], claim, start, stop)
+    elif isinstance(items, TableItems):
+        manifest.update(items.stage(backend, run["run_id"], claim, start, chunk))
     elif all(type(item) is JsonText for item in chunk):   # a JSONL file's checked lines: joined, not re-encoded
         body = dumps(manifest)
         backend.store.put(manifest_key(run["run_id"], claim), f'{body[:-1]},"items":[{",".join(chunk)}]}}')
@@ -2454,7 +2683,7 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     before a claim was sent deletes what it staged (no run); after, the run keeps the claims sent, and the
     error says so."""
     run_id = run_id or new_run_id(record["model"])
-    known = len(items) if isinstance(items, (ArrayItems, list)) else None
+    known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
            "claims": [claim_id(i) for i in range(-(-known // claim_size))] if known else [],
            "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
@@ -2731,6 +2960,48 @@ def cancel_pool_runs(backend, model):
     return cancelled
 
 
+def live_claims(backend, run):
+    """The run's claims queued or running (sent, no summary, not cancelled): what deleting it would strand."""
+    states = claim_states(backend, run, read_summaries(backend, run["run_id"]))
+    return [claim for claim, (state, _) in states.items() if state == "queued or running"]
+
+
+def check_deletable(backend, run):
+    """Refuse to delete a run with claims queued or running: a worker that receives one of them later finds no
+    manifest and dead-letters it (what --force accepts)."""
+    live = live_claims(backend, run)
+    if live:
+        raise UserError(f"run {run['run_id']} has {len(live)} claim(s) queued or running: deleting it would strand "
+                        f"them ---> HINT: wait (runs show {run['run_id']}), runs cancel it, or pass --force")
+
+
+def delete_run(conf, backend, run):
+    """Delete a run's objects from the store (and its cold workers' logs on this machine); returns (objects,
+    bytes)."""
+    freed = backend.store.delete_prefix(f"runs/{run['run_id']}/")
+    shutil.rmtree(os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run["run_id"]), ignore_errors=True)
+    return freed
+
+
+def parse_age(text):
+    """Seconds of an age such as 7d, 12h, 30m, 90s or 2w."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw])", text.strip())
+    if not match:
+        raise UserError(f"--older-than {text!r}: not an age ---> HINT: a number and a unit: 90s, 30m, 12h, 7d, 2w")
+    return float(match[1]) * {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match[2]]
+
+
+def runs_to_prune(backend, older_than, keep=0, model=None):
+    """The runs created more than `older_than` seconds ago (only `model`'s when given), but each model's `keep`
+    newest runs, oldest first."""
+    runs = list_runs(backend, model)
+    kept = {r["run_id"] for m in {r["model"] for r in runs}
+            for r in [r for r in runs if r["model"] == m][::-1][:keep]}
+    cutoff = time.time() - older_than
+    return [r for r in runs if r["run_id"] not in kept and
+            datetime.datetime.fromisoformat(r["created_at"]).timestamp() < cutoff]
+
+
 def redrive(backend, record, runs):
     """Send the dead-lettered claims of `runs` ({run id: run record}, runs of the pool `record`) back to the pool
     queue, marked resume (the worker skips the items its result parts hold). A claim is dead-lettered when its
@@ -2791,8 +3062,9 @@ def claim_results(backend, run_id, claim, count):
 def claim_ids(backend, run, claim, field):
     """The `field` of each of the claim's items, read from its manifest."""
     manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
-    if "arrays" in manifest:
-        return [item[field].tolist() for item in array_items(backend.store, manifest)]
+    if "arrays" in manifest:   # numpy values as plain ones; a table's null or JSON column as it is
+        return [getattr(item[field], "tolist", lambda v=item[field]: v)() for item in
+                array_items(backend.store, manifest)]
     return [item[field] for item in manifest["items"]]
 
 
@@ -3266,15 +3538,18 @@ def read_supervisor(conf, model):
     return status if pid_alive(status["pid"]) else None
 
 
-def start_supervisor(conf, model, workers, gpus_per_worker=None):
+def start_supervisor(conf, model, workers, gpus_per_worker=None, threads_per_worker=None):
     """Ask this machine's supervisor of the pool for `workers` workers (starting it when there is none); returns
-    its pid. `gpus_per_worker` (None: 1 where CUDA devices exist) is read by a new supervisor, and by a running
-    one at its next tick."""
+    its pid. `gpus_per_worker` (None: 1 where CUDA devices exist) and `threads_per_worker` (None: thread_env's
+    share) are read by a new supervisor, and by a running one for the workers it starts next."""
     folder = state_dir(conf, model)
     os.makedirs(folder, exist_ok=True)
     if gpus_per_worker is not None and gpus_per_worker < 0:
         raise UserError(f"--gpus-per-worker {gpus_per_worker}: must be 0 (no GPU) or more")
+    if threads_per_worker is not None and threads_per_worker < 1:
+        raise UserError(f"--threads-per-worker {threads_per_worker}: must be 1 or more")
     write_file_atomic(os.path.join(folder, "gpus-per-worker"), "" if gpus_per_worker is None else str(gpus_per_worker))
+    write_file_atomic(os.path.join(folder, "threads-per-worker"), str(threads_per_worker or ""))
     write_file_atomic(os.path.join(folder, "desired"), str(workers))
     status = read_supervisor(conf, model)
     if status:
@@ -3341,6 +3616,7 @@ def supervise(conf, model):
             _spawn(conf, model, folder, slots, want, now)
             workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
                         "restarts": v["restarts"], "log": v["log"], "warm": _is_warm(v), "gpus": v["gpus"],
+                        "threads": v.get("threads"),
                         "last_exit": v["last_exit"]} for s, v in sorted(slots.items())]
             write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
                 {"pid": os.getpid(), "model": model, "desired": want, "restarts": totals["restarts"],
@@ -3528,6 +3804,8 @@ def _spawn(conf, model, folder, slots, want, now):
                 continue
             env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
+            env.update(thread_env(folder, want, slot["gpus"], env))
+            slot["threads"] = env.get("OMP_NUM_THREADS")
             if slot["last_exit"] and slot["last_exit"]["code"]:   # a death: the new worker commits parts the more
                 env["CALQUE_PREVIOUS_LIFE"] = str(slot["last_exit"]["lived"])   # often, the shorter it lived
             with open(slot["log"], "ab") as log:
@@ -3535,6 +3813,28 @@ def _spawn(conf, model, folder, slots, want, now):
                                                 stdout=log, stderr=log, env=env, cwd=HERE)
             slot["started"] = now
             print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
+
+
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
+# the thread pools a CPU worker's libraries size from these: torch and OpenMP, MKL, numpy's OpenBLAS, the Rust
+# tokenizers' rayon; unset, each takes every core, and N workers on a machine fight over them
+
+
+def thread_env(folder, want, gpus, env):
+    """The thread settings of a worker started now: `pool create --threads-per-worker N` sets THREAD_VARS to N;
+    else a CPU worker gets its share of this machine's cores (cores / workers, at least 1) in each of them the
+    user's environment does not set already; a GPU worker keeps its libraries' defaults."""
+    try:
+        with open(os.path.join(folder, "threads-per-worker")) as f:
+            asked = f.read().strip()
+    except OSError:
+        asked = ""
+    if asked:
+        return dict.fromkeys(THREAD_VARS, asked)
+    if gpus:
+        return {}
+    share = str(max(1, len(os.sched_getaffinity(0)) // max(1, want)))
+    return {var: env.get(var) or share for var in THREAD_VARS}
 
 
 def gpu_devices(conf):
@@ -3717,15 +4017,19 @@ def _check_rates(rates, file):
     for name in instances:
         keys = ("ec2", "instances", name)
         _rates_field(rates, keys + ("usd_per_hour",), file, "positive")
-        _rates_field(rates, keys + ("gpu",), file, str)
         gpus = _rates_field(rates, keys + ("gpus",), file, int)
-        if gpus < 1:
-            raise UserError(f"rates file {file}: {_field_name(keys + ('gpus',))} must be >= 1, got {gpus}")
+        if gpus < 0:
+            raise UserError(f"rates file {file}: {_field_name(keys + ('gpus',))} must be >= 0, got {gpus}")
+        _check_sourced(rates, keys, file)
+        if not gpus:   # a CPU instance: its serverless stand-in is a container of its cores and memory
+            _rates_field(rates, keys + ("vcpus",), file, "positive")
+            _rates_field(rates, keys + ("memory_gib",), file, "positive")
+            continue
+        _rates_field(rates, keys + ("gpu",), file, str)
         card = _rates_field(rates, keys + ("serverless_card",), file, str)
         if card not in cards:
             raise UserError(f"rates file {file}: {_field_name(keys + ('serverless_card',))} {card!r} "
                             f"is not in serverless.cards ({', '.join(cards)})")
-        _check_sourced(rates, keys, file)
     for name in ("spot_fraction", "savings_plan_fraction"):
         _rates_field(rates, ("ec2", name, "value"), file, "fraction")
         _check_sourced(rates, ("ec2", name), file)
@@ -3741,9 +4045,11 @@ def _check_rates(rates, file):
     for name in ("sqs_usd_per_million", "s3_put_usd_per_thousand", "s3_get_usd_per_thousand"):
         _rates_field(rates, ("requests", name, "value"), file, "positive")
         _check_sourced(rates, ("requests", name), file)
-    default_type = _rates_field(rates, ("defaults", "instance_type", "value"), file, str)
-    if default_type not in instances:
-        raise UserError(f"rates file {file}: defaults.instance_type {default_type!r} is not in ec2.instances")
+    for name in ("instance_type", "cpu_instance_type") if "cpu_instance_type" in rates.get("defaults", {}) else (
+            "instance_type",):
+        default_type = _rates_field(rates, ("defaults", name, "value"), file, str)
+        if default_type not in instances:
+            raise UserError(f"rates file {file}: defaults.{name} {default_type!r} is not in ec2.instances")
     _rates_field(rates, ("defaults", "acquisition_seconds", "value"), file, "nonneg")
 
 
@@ -3784,10 +4090,22 @@ def serverless_rate_per_second(rates, card, count=1):
 
 
 def serverless_match(rates, instance_type):
-    """(card, count): the serverless GPUs that stand in for this instance's GPUs in the ladder."""
+    """(card, count): the serverless GPUs that stand in for this instance's GPUs in the ladder ((None, 0): a CPU
+    instance)."""
     instance_rate_per_second(rates, instance_type)  # same unknown-type error
     inst = rates["ec2"]["instances"][instance_type]
-    return inst["serverless_card"], inst["gpus"]
+    return inst.get("serverless_card"), inst["gpus"]
+
+
+def serverless_stand_in(rates, instance_type):
+    """$/s of the serverless container standing in for this instance: its GPUs (serverless_match), or for a CPU
+    instance its vCPUs (two a serverless physical core) and memory."""
+    card, count = serverless_match(rates, instance_type)
+    if count:
+        return serverless_rate_per_second(rates, card, count)
+    inst, per = rates["ec2"]["instances"][instance_type], rates["serverless"]
+    return (inst["vcpus"] / 2 * per["cpu_usd_per_core_second"]["value"]
+            + inst["memory_gib"] * per["memory_usd_per_gib_second"]["value"])
 
 
 def price_label(rates, instance_type, spot=False, savings_plan=False):
@@ -3795,7 +4113,8 @@ def price_label(rates, instance_type, spot=False, savings_plan=False):
     per_hour = instance_rate_per_second(rates, instance_type, spot, savings_plan) * 3600
     inst = rates["ec2"]["instances"][instance_type]
     option = "spot" if spot else "savings plan" if savings_plan else "on-demand"
-    return (f"{instance_type} ({inst['gpus']}x {inst['gpu']}) {option} {_usd(per_hour)}/h, "
+    shape = f"{inst['gpus']}x {inst['gpu']}" if inst["gpus"] else f"{inst['vcpus']} vCPU, no GPU"
+    return (f"{instance_type} ({shape}) {option} {_usd(per_hour)}/h, "
             f"{rates.get('_file', 'rates')} {rates['updated']}")
 
 
@@ -3911,6 +4230,7 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
     total = sum(c["total_usd"] for c in claims)
     cold_seconds = shards * (acquisition_seconds + enter_seconds) + variable
     cold_usd = cold_seconds * rate_per_s + request_usd
+    saving = cold_usd - total if abs(cold_usd - total) >= 1e-8 else 0.0   # less is float noise: a cold run's own
     notes = []
     partial = expected_claims is not None and len(summaries) < expected_claims
     if partial:
@@ -3951,8 +4271,8 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
             "instance_seconds": cold_seconds,
             "usd": cold_usd,
         },
-        "saving_usd": cold_usd - total,
-        "saving_fraction": (cold_usd - total) / cold_usd if cold_usd > 0 else None,
+        "saving_usd": saving,
+        "saving_fraction": saving / cold_usd if cold_usd > 0 else None,
         "inputs": {
             "instance rate": "published (rates file)",
             "claim seconds": "measured",
@@ -4190,28 +4510,55 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
 
 
 class Pricing(typing.NamedTuple):
-    """What every cost line is priced with: the rates file, the instance type, its $/s and the label saying so."""
+    """What every cost line is priced with: the rates file, the instance type, its $/s and the label saying so;
+    the purchase option, and whether the user named the type (else a run that used no GPU is priced as a CPU
+    instance: for_run)."""
     rates: dict
     instance_type: str
     rate_per_s: float
     label: str
+    spot: bool = False
+    savings_plan: bool = False
+    chosen: bool = True
 
 
-def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False):
+def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False, rates=None):
     """The Pricing for a rates file (default the bundled rates.json) and an instance type (default: the
     file's), on-demand unless spot or savings_plan."""
-    rates = load_rates(rates_file)
-    instance_type = instance_type or rates["defaults"]["instance_type"]["value"]
+    rates = rates or load_rates(rates_file)
+    chosen, instance_type = instance_type is not None, instance_type or rates["defaults"]["instance_type"]["value"]
     rate = instance_rate_per_second(rates, instance_type, spot=spot, savings_plan=savings_plan)
-    return Pricing(rates, instance_type, rate, price_label(rates, instance_type, spot=spot, savings_plan=savings_plan))
+    return Pricing(rates, instance_type, rate, price_label(rates, instance_type, spot=spot, savings_plan=savings_plan),
+                   spot, savings_plan, chosen)
+
+
+def used_no_gpu(summaries):
+    """True when every claim's worker said it saw no GPU (NVML absent or without a device)."""
+    return bool(summaries) and all((s.get("gpu_utilisation") or {}).get("reason", "").startswith("no ")
+                                   for s in summaries)
+
+
+def for_run(price, summaries):
+    """The Pricing of a run: a default-priced run whose workers saw no GPU is priced as the rates file's CPU
+    instance (defaults.cpu_instance_type), or, without one, its label says that a GPU price was assumed."""
+    if price.chosen or not used_no_gpu(summaries):
+        return price
+    cpu = price.rates["defaults"].get("cpu_instance_type", {}).get("value")
+    if cpu is None:
+        return price._replace(label=f"{price.label}; a GPU price assumed for a run that used no GPU (the rates "
+                                    f"file names no defaults.cpu_instance_type)")
+    priced = pricing(instance_type=cpu, spot=price.spot, savings_plan=price.savings_plan, rates=price.rates)
+    return priced._replace(label=f"{priced.label}: no worker of this run saw a GPU (--instance-type prices another)",
+                           chosen=False)
 
 
 def run_cost_report(backend, run, summaries, price):
     """The run's cost, its cold counterfactual and the crossover ladder, with every input's status.
     E (@enter) is measured: the pool's workers' mean for a pool run, this run's own for a cold one.
     A (acquisition) for a pool run is the rates file's assumption for a fresh EC2 instance; a cold run
-    is its own counterfactual, so it uses the start-up its workers measured."""
-    rates, instance_type, rate, label = price
+    is its own counterfactual, so it uses the start-up its workers measured. A run that used no GPU is priced
+    as a CPU instance unless the user named one (for_run)."""
+    rates, instance_type, rate, label = for_run(price, summaries)[:4]
     if run["mode"] == "cold":
         paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
         if paid:
@@ -4232,17 +4579,17 @@ def run_cost_report(backend, run, summaries, price):
                       expected_claims=len(run["claims"]), backend=backend.kind)
     ladder = None
     if report["seconds_per_item"] is not None:
-        card, count = serverless_match(rates, instance_type)
         ladder = crossover_ladder(report["seconds_per_item"], enter, acquisition, rate,
-                                  serverless_rate_per_second(rates, card, count),
+                                  serverless_stand_in(rates, instance_type),
                                   request_usd_per_item=report["request_usd"] / report["items"])
     status = {"c": "measured", "E": enter_status.split(" ")[0], "A": acquisition_status.split(" ")[0], "q": "measured"}
     return report, ladder, label, status
 
 
 def _usd(x):
-    """Dollars: cents above $100, else 6 significant figures without trailing zeros ($0.000305556)."""
-    if x == 0:
+    """Dollars: cents above $100, else 6 significant figures without trailing zeros ($0.000305556); below a
+    millionth of a cent, $0 (floating-point noise such as a difference of two equal sums)."""
+    if abs(x) < 1e-8:
         return "$0"
     sign, x = ("-" if x < 0 else ""), abs(x)
     if x >= 100:
@@ -5916,7 +6263,8 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         prefix = f"pools/{slug(model)}/"
         if calls.note("s3", "DeleteObjects", {"uri": backend.store.uri(prefix), "what": "every key under it"}):
             backend.store.delete_prefix(prefix)
-        return "deleted (record, handler, kit, worker stats; runs are kept under runs/)"
+        return (f"deleted (record, handler, kit, worker stats); its runs remain ---> HINT: calque runs prune "
+                f"--model {model} --older-than 0s deletes them")
 
     ok = all([_delete_step(model, "alarms", alarms),
               _delete_step(model, f"auto scaling group {names['asg']}", asg),
@@ -6065,7 +6413,7 @@ def suggest_instance(rates, card, count):
     """The cheapest instance type in rates.json (ec2.instances: gpu, gpus, price, each with its source) with at
     least `count` GPUs of `card`, or None."""
     fits = [(i["usd_per_hour"], name) for name, i in rates["ec2"]["instances"].items()
-            if i["serverless_card"] == card and i["gpus"] >= count]
+            if i.get("serverless_card") == card and i["gpus"] >= count]
     return min(fits)[1] if fits else None
 
 
@@ -6383,7 +6731,8 @@ def format_local_worker(w):
     """One local worker's line in `pool status`: slot, pid, warm or loading, GPUs, restarts, why it last exited."""
     state = ("warm" if w.get("warm") else "loading") if w["alive"] else "restarting"
     gpus = f"GPU {','.join(w['gpus'])}" if w.get("gpus") else "no GPU"
-    line = f"    slot {w['slot']}: pid {w['pid'] or '-'} {state}, {gpus}, {w['restarts']} restart(s)"
+    threads = f"{w['threads']} thread(s)" if w.get("threads") else "threads: its libraries' default"
+    line = f"    slot {w['slot']}: pid {w['pid'] or '-'} {state}, {gpus}, {threads}, {w['restarts']} restart(s)"
     last = w.get("last_exit")
     if last:
         kind = last.get("kind") or f"{'after' if last['warm'] else 'before'} warm"
@@ -6665,7 +7014,7 @@ def pool_liveness(conf, backend, record):
     return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere)"
 
 
-def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None):
+def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads_per_worker=None):
     """Set the pool's local worker count on this machine; 0 stops its supervisor. `bounds` (lo, hi,
     idle window s): the supervisor sizes the pool itself between lo and hi (desired_count), from
     `workers` (= lo) on, and stays up at 0. Returns the supervisor's pid (None at 0)."""
@@ -6681,7 +7030,7 @@ def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, "scaling.json"))
     if workers or bounds:
-        return start_supervisor(conf, model, workers, gpus_per_worker)
+        return start_supervisor(conf, model, workers, gpus_per_worker, threads_per_worker)
     if os.path.isdir(state_dir(conf, model)):
         write_file_atomic(os.path.join(state_dir(conf, model), "desired"), "0")
     stop_supervisor(conf, model, setting_number(conf, "CALQUE_GRACE") + 10)
@@ -6697,8 +7046,8 @@ class Pool:
         self.conf, self.backend = context or _context(store)
 
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
-               max_deliveries=None, batch_timeout=None, gpus_per_worker=None, wait=True, progress=False, modal=None,
-               include=()):
+               max_deliveries=None, batch_timeout=None, gpus_per_worker=None, threads_per_worker=None, wait=True,
+               progress=False, modal=None, include=()):
         """Create (or re-create: idempotent) the pool: queues, handler snapshot, pool record, then `workers`
         local workers, waited for until warm unless wait=False (WorkersFailed names the first that died).
         The workers run in the current folder (the record's workdir). `modal`: a Modal handler's {"params": {key:
@@ -6718,16 +7067,18 @@ class Pool:
             self.backend.queues.create_queue(record["dlq"], record["visibility_timeout"])
             write_json(self.backend, pool_key(self.model), record)
         if workers:
-            self.scale(workers, gpus_per_worker=gpus_per_worker, wait=wait, progress=progress)
+            self.scale(workers, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker, wait=wait,
+                       progress=progress)
         return record
 
-    def scale(self, workers, *, gpus_per_worker=None, wait=True, progress=False, bounds=None):
+    def scale(self, workers, *, gpus_per_worker=None, threads_per_worker=None, wait=True, progress=False,
+              bounds=None):
         """Set the number of local workers on this machine (0 stops them), waiting until the new ones are warm
         unless wait=False. `bounds` (lo, hi, idle window s; pool_bounds): the pool sizes itself between lo and
         hi on its backlog, from `workers` on. Returns the supervisor's pid (None at 0)."""
         load_pool(self.backend, self.model)
         since = time.time()
-        pid = scale_local(self.conf, self.model, workers, gpus_per_worker, bounds)
+        pid = scale_local(self.conf, self.model, workers, gpus_per_worker, bounds, threads_per_worker)
         if pid and wait and workers:
             wait_warm(self.conf, self.model, workers, since, progress)
         return pid
@@ -6766,13 +7117,18 @@ def new_pool_record(backend, model, defaults, batch_timeout=None):
     return record
 
 
-def as_items(items):
-    """What stage_run takes, from what a user holds: a path (JSONL, .npy, .npz) goes to read_items; a numpy array
-    (item i = {"input": a[i]}) or a dict of arrays (the fields of a .npz) becomes ArrayItems; a list stays one (its
-    count is known at once); any other iterable of JSON items is staged as it yields them, one claim at a time."""
+def as_items(items, columns=None):
+    """What stage_run takes, from what a user holds: a path (JSONL, .npy, .npz, Parquet, Arrow) goes to read_items;
+    a pyarrow Table, pandas DataFrame or datasets.Dataset becomes TableItems (one item a row, of `columns`); a numpy
+    array (item i = {"input": a[i]}) or a dict of arrays (the fields of a .npz) becomes ArrayItems; a list stays one
+    (its count is known at once); any other iterable of JSON items is staged as it yields them, a claim at a time."""
     if isinstance(items, (str, os.PathLike)):
-        return read_items(os.fspath(items))
-    if isinstance(items, ArrayItems):
+        return read_items(os.fspath(items), columns)
+    if type(items).__module__.split(".")[0] in ("pyarrow", "pandas", "datasets"):
+        return TableItems.open(items, columns)
+    if columns:
+        raise UserError("columns= applies to a path of Parquet or Arrow input, or a table")
+    if isinstance(items, (ArrayItems, TableItems)):
         return items
     if hasattr(items, "dtype") and hasattr(items, "shape"):
         return ArrayItems.from_arrays({"input": items}, "the array")
@@ -6796,9 +7152,11 @@ def check_id_field(items, field):
     Returns the items to stage: a list is checked at once, a stream as it is read (the items checked so far)."""
     if field in RESULT_FIELDS:
         raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
-    if isinstance(items, ArrayItems):
-        if field not in items.fields:
-            raise UserError(f"--id-field {field!r}: no array of that name (arrays: {', '.join(items.fields)})")
+    if isinstance(items, (ArrayItems, TableItems)):
+        names = list(items.fields) if isinstance(items, ArrayItems) else items.numeric + items.json
+        if field not in names:
+            raise UserError(f"--id-field {field!r}: no {'array' if isinstance(items, ArrayItems) else 'column'} of "
+                            f"that name ({', '.join(names)})")
         return items
     checked = map(_has_id_field, itertools.repeat(field), itertools.count(), items)
     return list(checked) if isinstance(items, list) else checked
@@ -6813,14 +7171,15 @@ def _has_id_field(field, index, item):
 
 
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
-           shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None):
+           shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None,
+           columns=None):
     """Run `items` against the warm pool of model `pool` and return its Run at once (the claims are queued); or,
     with `model` instead (and a `handler`, or the model's pool's), as a cold run with `shards` fresh local workers,
     returned once it ended. A pool with no live worker is a UserError unless wait_for_workers (the claims then wait
     in its queue); one whose every local worker dies before it is warm is a WorkersFailed. (`run_id`: the CLI's,
-    which it names when a signal stops the staging.)"""
+    which it names when a signal stops the staging.) `columns`: the columns of a table input read as items."""
     conf, backend = context or _context(store)
-    items = as_items(items)
+    items = as_items(items, columns)
     if id_field:
         items = check_id_field(items, id_field)
     check_claim_size(claim_size)
@@ -6992,6 +7351,9 @@ def local_options(p):
     p.add_argument("--no-wait", action="store_true", help="return once the workers are started, before they are warm")
     p.add_argument("--gpus-per-worker", type=int, metavar="K",
                    help="CUDA devices per local worker, round-robin (default 1 where CUDA devices exist, else 0)")
+    p.add_argument("--threads-per-worker", type=int, metavar="N",
+                   help="torch/OpenMP/MKL threads per local worker (default: a CPU worker's share of the cores, "
+                        "cores / workers, unless OMP_NUM_THREADS etc. are set; a GPU worker: its libraries' default)")
 
 
 def print_cancelled(model, cancelled):
@@ -7193,8 +7555,8 @@ def cmd_pool_create(conf, backend, args):
 def scale_local_verb(conf, pool, workers, args, bounds=None):
     """pool create / pool scale: set the local workers, waiting (unless --no-wait) with a progress line on a
     terminal until they are warm. Returns the supervisor's pid."""
-    return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, wait=not args.no_wait,
-                      progress=sys.stderr.isatty(), bounds=bounds)
+    return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, threads_per_worker=args.threads_per_worker,
+                      wait=not args.no_wait, progress=sys.stderr.isatty(), bounds=bounds)
 
 
 def cmd_pool_scale(conf, backend, args):
@@ -7254,13 +7616,14 @@ def cmd_pool_delete(conf, backend, args):
     print(f"pool {args.model}: local workers stopped")
     for role in ("queue", "dlq"):
         print(f"pool {args.model}: deleted queue {record[role]}")
-    print(f"pool {args.model}: deleted its record, handler snapshot and worker stats (runs are kept under runs/)")
+    print(f"pool {args.model}: deleted its record, handler snapshot and worker stats; its runs remain in the store "
+          f"---> HINT: calque runs prune --model {args.model} --older-than 0s (or runs delete RUN) deletes them")
     return EXIT_OK
 
 
 def cmd_pool_cost(conf, backend, args):
     load_pool(backend, args.model)
-    rates, _, rate, label = _pricing(args)
+    rates, _, rate, label = _pricing(args)[:4]
     report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
                        rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
     if args.json:
@@ -7322,7 +7685,9 @@ def cmd_supervise(conf, backend, args):
 
 def cmd_submit(conf, backend, args):
     check_timeout(args.timeout)
-    items = read_items(args.items)
+    items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
+    if isinstance(items, TableItems):
+        few_malloc_arenas()
     progress = not args.json and sys.stderr.isatty()
     if args.pool:
         if args.shards > 1:
@@ -7405,6 +7770,14 @@ def cmd_plan(conf, backend, args):
     print(json.dumps(plan, indent=1) if args.json else "\n".join(format_plan(plan)))
     return EXIT_OK
 
+
+def few_malloc_arenas():
+    """glibc gives each store writer thread a heap of its own, which keeps what it freed: a table's claims (text
+    decoded, then JSON) left 16 of them holding 10-30 MiB of submit's peak. Two arenas hold it near its use."""
+    with contextlib.suppress(OSError, AttributeError):   # not glibc: nothing to limit
+        ctypes.CDLL("libc.so.6").mallopt(-8, 2)   # M_ARENA_MAX
+
+
 def cmd_runs_list(conf, backend, args):
     runs = list_runs(backend)
     print(json.dumps(runs, indent=1) if args.json else "\n".join(format_runs_list(runs)))
@@ -7417,7 +7790,6 @@ def cmd_runs_show(conf, backend, args):
     if not args.json and plan_against_actual(run, summaries):
         print(plan_against_actual(run, summaries))
     return code
-
 
 
 def cmd_runs_results(conf, backend, args):
@@ -7525,6 +7897,48 @@ def cmd_runs_cancel(conf, backend, args):
     return EXIT_OK
 
 
+def size_text(size):
+    """Bytes in the largest unit that leaves at least 1 of it: 512 B, 13.4 KiB, 1.1 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:,} B" if unit == "B" else f"{size:,.1f} {unit}"
+        size /= 1024
+
+
+def cmd_runs_delete(conf, backend, args):
+    """Delete runs from the store: every one is checked before the first is deleted."""
+    runs = [read_run(backend, run_id) for run_id in args.run]
+    for run in runs if not args.force else ():
+        check_deletable(backend, run)
+    return print_freed(conf, backend, runs)
+
+
+def print_freed(conf, backend, runs):
+    """Delete the runs, a line each, then the total freed."""
+    total = [0, 0]
+    for run in runs:
+        objects, size = delete_run(conf, backend, run)
+        total = [total[0] + objects, total[1] + size]
+        print(f"run {run['run_id']}: deleted ({objects} object(s), {size_text(size)})")
+    print(f"freed {size_text(total[1])} in {total[0]} object(s) of {len(runs)} run(s)")
+    return EXIT_OK
+
+
+def cmd_runs_prune(conf, backend, args):
+    """Delete the runs older than --older-than but each model's --keep newest; a live run is skipped (named)."""
+    if args.keep < 0:
+        raise UserError(f"--keep {args.keep}: must be 0 or more")
+    runs = []
+    for run in runs_to_prune(backend, parse_age(args.older_than), args.keep, args.model):
+        live = [] if args.force else live_claims(backend, run)
+        if live:
+            print(f"run {run['run_id']}: kept: {len(live)} claim(s) queued or running ---> HINT: --force deletes "
+                  f"it anyway")
+        else:
+            runs.append(run)
+    return print_freed(conf, backend, runs)
+
+
 def cmd_runs_redrive(conf, backend, args):
     """Send a run's dead-lettered claims back to its pool's queue (redrive)."""
     run = read_run(backend, args.run)
@@ -7585,7 +7999,8 @@ def cmd_cost(conf, backend, args):
             print(f"  {plan_against_actual(run, summaries)}; its claims cost {_usd(report['total_usd'])} "
                   f"(the plan prices every {run['plan']['noun'][:-1]} for the whole wall time)")
         return EXIT_OK
-    print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], reports[0][3])))
+    labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind (GPU or none)
+    print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], "; ".join(labels))))
     return EXIT_OK
 
 
@@ -7863,8 +8278,9 @@ def build_parser():
 
     p = verbs.add_parser("submit", parents=[priced],
                          help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
-    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, or a .npy/.npz file of numeric "
-                                 "items")
+    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz file of numeric "
+                                 "items, or a Parquet/.arrow/.feather file, folder or quoted glob (one item a row)")
+    p.add_argument("--columns", metavar="A,B", help="Parquet/Arrow input: read only these columns")
     p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
     p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, or --handler)")
     p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's handler")
@@ -7903,8 +8319,10 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_plan)
 
-    runs = verbs.add_parser("runs", help="read runs (list, show, results); resume, cancel, redrive them")
-    runs = runs.add_subparsers(dest="runs_verb", required=True, metavar="{list,show,results,resume,cancel,redrive,report}")
+    runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, redrive, delete, "
+                                          "prune them")
+    runs = runs.add_subparsers(dest="runs_verb", required=True,
+                               metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
     p = runs.add_parser("list", help="every run in the store")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_runs_list)
@@ -7940,6 +8358,16 @@ def build_parser():
     p.add_argument("run", help="the run id (see `runs list`)")
     p.add_argument("--html", required=True, metavar="FILE", help="the file to write (no script)")
     p.set_defaults(func=cmd_runs_report)
+    p = runs.add_parser("delete", help="delete runs from the store (inputs, results, summaries), saying what it freed")
+    p.add_argument("run", nargs="+", help="run ids (see `runs list`)")
+    p.add_argument("--force", action="store_true", help="also a run with claims queued or running")
+    p.set_defaults(func=cmd_runs_delete)
+    p = runs.add_parser("prune", help="delete the runs older than an age, but the newest --keep of each model")
+    p.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 7d, 12h, 30m")
+    p.add_argument("--keep", type=int, default=0, metavar="N", help="keep each model's N newest runs (default 0)")
+    p.add_argument("--model", help="only this model's runs")
+    p.add_argument("--force", action="store_true", help="also runs with claims queued or running")
+    p.set_defaults(func=cmd_runs_prune)
 
     p = verbs.add_parser("cost", parents=[priced],
                          help="a run's cost, its cold counterfactual and the crossover ladder")

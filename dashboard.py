@@ -219,7 +219,7 @@ class Dashboard:
             view["workers"] = pool_workers(self.pool_status(model), latest_summaries(caches))
             view["timeline"] = timeline(caches, stats, live=bool(view["workers_running"]))
             view["runs"] = [self.cost_row(c) for c in caches + self.model_runs(model, "cold", 1)]
-            rates, _, rate, view["priced_as"] = self.price
+            rates, _, rate, view["priced_as"] = self.price[:4]
             acquisition = rates["defaults"]["acquisition_seconds"]["value"]
             view["pool_cost"] = (calque.pool_cost(stats, rate, rates, None, acquisition)
                                  if stats else None)

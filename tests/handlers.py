@@ -284,3 +284,27 @@ class Spin:
 
     def collate(self, items):
         return items
+
+
+class Types:
+    """Says what the worker received: per field, its Python type's name and the value as JSON."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, items):
+        return [{k: [type(v).__name__, v] for k, v in item.items()} for item in items]
+
+
+class Threads:
+    """Says the thread settings its worker was started with, and torch's thread count where torch is imported."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, items):
+        return [{var: os.environ.get(var) for var in calque.THREAD_VARS} for _ in items]

@@ -557,7 +557,7 @@ def test_cost_cli_errors_and_pool_cost(local_env, tmp_path):
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.split()[1]
     out = cli(local_env, "cost", run_id, "--instance-type", "x9.huge")
-    assert out.returncode == 2 and "known: g4dn.12xlarge" in out.stderr
+    assert out.returncode == 2 and "known: c7i.xlarge, g4dn.12xlarge" in out.stderr
     bad = tmp_path / "rates.json"
     bad.write_text("{")
     out = cli(local_env, "cost", run_id, "--rates", str(bad))
@@ -588,3 +588,37 @@ def test_cost_of_a_run_in_progress_is_partial(local_env, tmp_path):
     assert out.returncode == 0, out.stderr
     assert _json.loads(out.stdout)[0]["cost"]["partial"] is True
     assert "[PARTIAL]" in cli(local_env, "cost", run_id).stdout
+
+
+def test_a_run_without_a_gpu_is_priced_as_a_cpu_instance(tmp_path):
+    """Priced by default, a run whose workers saw no GPU is priced as rates.json's CPU instance, and its first
+    cost line says so; a type the user names, or a run that saw a GPU, keeps its price. A rates file without a
+    CPU instance says in the label that a GPU price was assumed."""
+    import calque
+    no_gpu = dict(summary(), gpu_utilisation={"measured": False, "reason": "no GPU visible to NVML (NVMLError)"})
+    gpu = dict(summary(), gpu_utilisation={"measured": True, "value": 0.5})
+    price = calque.pricing()
+    cpu = calque.for_run(price, [no_gpu, no_gpu])
+    assert cpu.instance_type == "c7i.xlarge" and cpu.rate_per_s * 3600 == pytest.approx(0.1785)
+    assert cpu.label.startswith("c7i.xlarge (4 vCPU, no GPU) on-demand $0.1785/h") and "saw a GPU" in cpu.label
+    assert calque.for_run(price, [no_gpu, gpu]) == price and calque.for_run(price, []) == price
+    assert calque.for_run(calque.pricing(instance_type="g5.xlarge"), [no_gpu]).instance_type == "g5.xlarge"
+    assert calque.for_run(calque.pricing(spot=True), [no_gpu]).rate_per_s == pytest.approx(0.1785 * 0.35 / 3600)
+    assert calque.serverless_stand_in(price.rates, "c7i.xlarge") == pytest.approx(2 * 1.31e-05 + 8 * 2.22e-06)
+    bare = calque.pricing(rates_file=write_rates(tmp_path, RATES))
+    assert calque.for_run(bare, [no_gpu]).label.endswith("a GPU price assumed for a run that used no GPU (the rates "
+                                                        "file names no defaults.cpu_instance_type)")
+    lines = format_run_cost(run_cost([no_gpu], cpu.rate_per_s, price.rates, 0.0, 0.0), cpu.label)
+    assert lines[0].startswith("cost      priced as c7i.xlarge (4 vCPU, no GPU)")
+
+
+def test_money_noise_prints_as_zero():
+    """A difference below a millionth of a cent is $0: a cold run's saving against itself is 0, not 5e-20."""
+    assert _usd(5.42101e-20) == "$0" and _usd(-3e-9) == "$0" and _usd(2e-8) == "$0.00000002"
+    claims = [summary(claim=0, enter=0.15, acquisition=20.0, claim_seconds=15.95,
+                      requests={"store_gets": 7, "queue_receives": 1}),
+              summary(claim=1, claim_seconds=18.82, requests={"store_gets": 5, "queue_receives": 1}),
+              summary(claim=2, claim_seconds=10.77, requests={"store_gets": 3, "queue_receives": 1})]
+    report = run_cost(claims, 0.1785 / 3600, RATES, 0.15, 20.0)   # a cold run: summed two ways, 4e-19 apart
+    assert report["cold"]["usd"] != report["total_usd"]
+    assert report["saving_usd"] == 0.0 and report["saving_fraction"] == 0.0

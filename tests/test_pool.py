@@ -265,3 +265,30 @@ def test_status_names_the_fastbatch_fallback(local_env, tmp_path):
     out = cli(env, "pool", "status", "--model", "m")
     assert "collate with fastbatch's numpy fallback" in out.stdout
     assert cli(env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
+def test_workers_share_the_cores_unless_told(local_env, tmp_path):
+    """Each of 2 CPU workers gets cores / 2 threads (at least 1) in every THREAD_VARS setting the user left unset;
+    OMP_NUM_THREADS set by the user is kept; --threads-per-worker N sets them all; pool status shows it."""
+    import calque
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(8)])
+
+    def settings(env):
+        out = cli(env, "submit", "--pool", "m", items, "--claim-size", "1")
+        assert out.returncode == 0, out.stderr
+        return {tuple(sorted(json.loads(line)["result"].items()))
+                for line in cli(env, "runs", "results", out.stdout.split()[1]).stdout.splitlines()}
+
+    env = dict(local_env, OMP_NUM_THREADS="5")
+    create_pool(env, "m", "Threads", "--workers", "2")
+    assert settings(env) == {tuple(sorted(dict(dict.fromkeys(calque.THREAD_VARS, share), OMP_NUM_THREADS="5").items()))}
+    status = cli(env, "pool", "status", "--model", "m").stdout
+    assert status.count("5 thread(s)") == 2, status
+    assert cli(env, "pool", "scale", "--model", "m", "--workers", "0").returncode == 0   # running workers keep theirs
+    create_pool(local_env, "m", "Threads", "--workers", "1", "--threads-per-worker", "3")
+    assert settings(local_env) == {tuple(sorted(dict.fromkeys(calque.THREAD_VARS, "3").items()))}
+    assert "3 thread(s)" in cli(local_env, "pool", "status", "--model", "m").stdout
+    assert "--threads-per-worker 0: must be 1 or more" in cli(local_env, "pool", "scale", "--model", "m", "--workers",
+                                                              "1", "--threads-per-worker", "0").stderr
+    cli(local_env, "pool", "delete", "--model", "m", "--yes")

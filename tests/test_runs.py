@@ -304,3 +304,40 @@ def test_interrupted_elsewhere_says_what_to_do_without_claiming_a_run(local_env,
     assert calque.main(["pool", "list"]) == 130
     assert capsys.readouterr().err == ("calque: interrupted ---> HINT: run the command again; `python calque.py runs "
                                        "list` shows the runs already queued\n")
+
+
+def test_delete_and_prune_runs(any_env, tmp_path):
+    """runs prune deletes the runs older than the age but each model's --keep newest, skipping (and naming) a run
+    with claims queued; runs delete refuses that run unless --force; both say what they freed, and the store keeps
+    nothing of a deleted run (S3: DeleteObjects)."""
+    env = any_env
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(6)])
+    cold = []
+    for _ in range(2):
+        out = cli(env, "submit", "--model", "c", "--handler", f"{HANDLERS}:Echo", items, "--claim-size", "2")
+        assert out.returncode == 0, out.stderr
+        cold.append(out.stdout.split()[1])
+    create_pool(env)
+    live = cli(env, "submit", "--pool", "m", items, "--no-wait", "--claim-size", "2").stdout.strip()
+    backend = backend_for(env)
+    assert backend.store.list(f"runs/{cold[0]}/")
+    assert cli(env, "runs", "prune", "--older-than", "7d").stdout == "freed 0 B in 0 object(s) of 0 run(s)\n"
+    out = cli(env, "runs", "prune", "--older-than", "0s", "--keep", "1", "--model", "c")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"run {cold[0]}: deleted (") and cold[1] not in out.stdout and live not in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("freed ") and out.stdout.endswith(" of 1 run(s)\n")
+    assert backend.store.list(f"runs/{cold[0]}/") == [] and backend.store.list(f"runs/{cold[1]}/")
+    out = cli(env, "runs", "delete", cold[1], live)   # each is checked before any is deleted: nothing goes
+    assert out.returncode == 2 and f"run {live} has 3 claim(s) queued or running" in out.stderr, out.stderr
+    assert backend.store.list(f"runs/{cold[1]}/")
+    out = cli(env, "runs", "prune", "--older-than", "0s")
+    assert out.returncode == 0, out.stderr
+    assert f"run {cold[1]}: deleted (" in out.stdout and f"run {live}: kept: 3 claim(s) queued or running" in out.stdout
+    out = cli(env, "runs", "delete", live, "--force")
+    assert out.returncode == 0 and f"run {live}: deleted (" in out.stdout, out.stderr
+    objects = int(out.stdout.splitlines()[-1].split(" in ")[1].split()[0])
+    assert objects == 4, out.stdout   # its record and 3 manifests
+    assert json.loads(cli(env, "runs", "list", "--json").stdout) == [] and backend.store.list("runs/") == []
+    assert "---> HINT: a number and a unit" in cli(env, "runs", "prune", "--older-than", "week").stderr
+    out = cli(env, "pool", "delete", "--model", "m", "--yes", "--force")
+    assert "its runs remain in the store ---> HINT: calque runs prune --model m" in out.stdout, out.stdout + out.stderr
