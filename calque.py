@@ -2226,7 +2226,7 @@ def unreadable_items(path, error):
     """The UserError for an items file that cannot be opened (missing, a folder, no permission)."""
     where = "" if os.path.isabs(path) else f", relative to {os.getcwd()}"
     return UserError(f"cannot read items file {path}: {error.strerror or error} ---> HINT: give the path of a JSONL, "
-                     f".npy or .npz file (or - for stdin){where}")
+                     f".npy or .npz file, or of a Parquet or Arrow file or folder (or - for stdin){where}")
 
 
 def jsonl_blocks(stream, path):
