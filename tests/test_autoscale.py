@@ -32,7 +32,9 @@ def test_local_pool_wakes_on_work_and_idles_back_to_zero(local_env, tmp_path):
     summaries = json.loads(out.stdout)["summaries"]
     assert len(summaries) == 10 and all(s["status"] == "ok" and s["receive_count"] == 1 for s in summaries)
     wait_for(lambda: alive(local_env) == 0, 30, "the idle workers to exit")
-    log = open(os.path.join(local_env["CALQUE_STATE"], "pools", "m", "supervisor.log")).read()
+    log_file = os.path.join(local_env["CALQUE_STATE"], "pools", "m", "supervisor.log")
+    wait_for(lambda: "exited with 0" in open(log_file).read(), 10, "the supervisor to log the workers' exits")
+    log = open(log_file).read()
     assert re.search(r"scale: backlog 10\+0 in flight, unmeasured, .* bounds 0..2: 0 -> 2", log), log
     assert re.search(r"scale: backlog 0\+0 in flight, .*: 2 -> 0", log), log
     assert "exited with 0" in log and status(local_env)["supervisor"]["pid"]    # graceful; the supervisor stays

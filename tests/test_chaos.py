@@ -187,7 +187,7 @@ def test_churn_every_run_done_nothing_lost_no_good_item_quarantined(tmp_path):
     tests/bench_churn.py): every run is done, every item has one right result, none fails as poison, nothing is
     dead-lettered; a worker that died after progress was restarted at once."""
     seed = random.randrange(2 ** 32)
-    got = churn.churn(str(tmp_path), 4, (0.5, 1.5), seed, sizes=(20, 80), claims=(5, 20), spin=20000,
+    got = churn.churn(str(tmp_path), 4, (0.5, 1.5), seed, sizes=(20, 80), claims=(5, 20), spin=40000,
                       timeout=120)
     assert got["runs_done"] == 4 and got["ok"] == got["items"], (seed, got)
     assert got["lost"] == got["wrong"] == got["failed"] == got["dead_letters"] == 0, (seed, got)
