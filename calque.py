@@ -3792,19 +3792,19 @@ def _reap(slots, want, now):
 def _spawn(conf, model, folder, slots, want, now):
     """Start a warmd.py in every wanted slot that has none and whose backoff is over, on its own GPU(s)."""
     devices, per_worker = gpu_plan(conf, folder)
-    sizing = read_scaling(folder) is not None
+    bounds = read_scaling(folder)
     for s in range(want):
         slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0, "last_exit": None,
                                     "log": os.path.join(folder, f"worker-{s}.log"),
                                     "ready": os.path.join(folder, f"worker-{s}.ready")})
         if slot["proc"] is None and now >= slot["not_before"]:
-            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, sizing)
+            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, bounds is not None)
             if slot["gpus"] is None:    # every device is another worker's: this slot waits for one
                 slot["gpus"] = []
                 continue
             env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
-            env.update(thread_env(folder, want, slot["gpus"], env))
+            env.update(thread_env(folder, max(want, bounds["hi"]) if bounds else want, slot["gpus"], env))
             slot["threads"] = env.get("OMP_NUM_THREADS")
             if slot["last_exit"] and slot["last_exit"]["code"]:   # a death: the new worker commits parts the more
                 env["CALQUE_PREVIOUS_LIFE"] = str(slot["last_exit"]["lived"])   # often, the shorter it lived
@@ -3822,8 +3822,9 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RA
 
 def thread_env(folder, want, gpus, env):
     """The thread settings of a worker started now: `pool create --threads-per-worker N` sets THREAD_VARS to N;
-    else a CPU worker gets its share of this machine's cores (cores / workers, at least 1) in each of them the
-    user's environment does not set already; a GPU worker keeps its libraries' defaults."""
+    else a CPU worker gets its share of this machine's cores (cores / workers, at least 1; a pool that sizes
+    itself: its ceiling, as a worker keeps its threads when the pool grows) in each of them the user's
+    environment does not set already; a GPU worker keeps its libraries' defaults."""
     try:
         with open(os.path.join(folder, "threads-per-worker")) as f:
             asked = f.read().strip()
@@ -6776,6 +6777,7 @@ def pool_record_to_delete(backend, model, force):
 # ---- the planner: a run's wall time and cost for 1..B workers before it starts, and against what it did
 PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
 PLAN_RUNS_READ = 5                      # run records the planner reads for the time to a run's first claim
+PLAN_CLAIMS_READ = 200                  # latest claim summaries it reads (SCALE_MEASURED_CLAIMS a count)
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -6835,31 +6837,54 @@ def claim_overheads(backend, summaries):
     return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: a warm pool's
 
 
+def per_item_by_count(summaries):
+    """{n: seconds per item} of these summaries, grouped by how many workers ran their run's claims
+    (on shared cores a claim's time depends on how many run beside it), the newest
+    SCALE_MEASURED_CLAIMS of each count."""
+    runs, groups = {}, {}
+    for summary in summaries:
+        runs.setdefault(summary["run_id"], []).append(summary)
+    for run in runs.values():
+        groups.setdefault(len({s["worker_id"] for s in run}), []).extend(run)
+    return {n: measured_seconds(group[:SCALE_MEASURED_CLAIMS])[1] for n, group in groups.items()}
+
+
+def per_item_at(measured, n, cores):
+    """Seconds an item at n workers: as measured at n, else at the nearest count m measured, times
+    max(n, cores) / max(m, cores): up to one worker a core each runs as fast, beyond that they
+    share the cores."""
+    m = min(measured, key=lambda c: (abs(c - n), -c))
+    return measured[m] * max(n, cores) / max(m, cores)
+
+
 def make_plan(backend, conf, record, items, claim_size, price, summaries):
     """The plan of `items` items in claims of `claim_size` on the pool: per-item seconds measured
-    from `summaries` (recent_summaries), start-up of a worker not yet running (measured @enter and
-    acquisition; an EC2 instance adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time
-    (plan_seconds) and cost (count x wall x rate, on-demand and spot), beside the cold
-    counterfactual (every worker a fresh acquisition paying A + E) and the serverless price of the
-    same drain."""
+    from `summaries` (recent_summaries) at each count (per_item_at), start-up of a worker not yet
+    running (measured @enter and acquisition, from when the first claim is queued; an EC2 instance
+    adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time (plan_seconds) and cost (count x
+    wall x rate, on-demand and spot), beside the cold counterfactual (every worker a fresh
+    acquisition paying A + E) and the serverless price of the same drain."""
     rates, itype = price.rates, price.instance_type
     rate, spot_rate = (instance_rate_per_second(rates, itype, spot=spot) for spot in (False, True))
-    _, per_item = measured_seconds(summaries)
+    measured = per_item_by_count(summaries)
     stats = read_worker_stats(backend, record["model"])
     enter = measured_enter_seconds(stats) or 0.0
     paid = [w["acquisition_seconds"] for w in stats if w.get("acquisition_seconds")]
     acquisition = sum(paid) / len(paid) if paid else 0.0
     _, ceiling, noun, warm = pool_ceiling(conf, backend, record)
-    start = enter + (EC2_BOOT_ESTIMATE if noun == "instances" else acquisition)
+    start = enter + (EC2_BOOT_ESTIMATE if noun == "instances" else acquisition + SCALE_INTERVAL)
     gap, latency = claim_overheads(backend, summaries)
     sizes = [claim_size] * (items // claim_size) + ([items % claim_size] if items % claim_size else [])
-    claims = [n * per_item + gap for n in sizes]
+    cores = len(os.sched_getaffinity(0)) if noun == "workers" and not gpu_devices(conf) else math.inf
     options = []
     for n in range(1, ceiling + 1):
-        running = min(n, warm)
-        seconds = plan_seconds(claims, [latency] * running + [max(latency, start)] * (n - running))
+        running, per_item = min(n, warm), per_item_at(measured, n, cores)
+        claims = [size * per_item + gap for size in sizes]
+        seconds = plan_seconds(claims, [latency] * running + [latency + start] * (n - running))
         options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
-                        "spot_cost_usd": n * seconds * spot_rate, "starting": n - running})
+                        "spot_cost_usd": n * seconds * spot_rate, "starting": n - running,
+                        "seconds_per_item": per_item, "measured": n in measured})
+    per_item = options[-1]["seconds_per_item"]   # the cold and serverless counterfactuals: B at once
     drain = sum(claims)
     card, count = serverless_match(rates, itype)
     cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
@@ -6895,7 +6920,7 @@ def format_plan(plan):
              f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
     for o in plan["options"]:
         lines.append(f"  {o[noun]:>9}  {_duration(o['seconds']):>10}  {_usd(o['cost_usd']):>10}  "
-                     f"{_usd(o['spot_cost_usd']):>10}")
+                     f"{_usd(o['spot_cost_usd']):>10}{'' if o['measured'] else '  (scaled from another count)'}")
     cold, serverless = plan["cold"], plan["serverless"]
     lines.append(f"  cold start ({cold[noun]} fresh {noun}, each paying acquisition + @enter): "
                  f"{_duration(cold['seconds'])}, {_usd(cold['cost_usd'])}")
@@ -7434,7 +7459,7 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
     check_claim_size(claim_size)
     first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
     count = len(items) if first is None else len(first) + sum(1 for _ in items)
-    summaries, sample = recent_summaries(backend, model), None
+    summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), None
     if not summaries:
         first = first if first is not None else items[:claim_size]
         run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # nothing serves it: refused
@@ -7443,7 +7468,7 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
         if not run.wait():
             raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within CALQUE_TIMEOUT "
                             f"---> HINT: calque runs show {run.run_id}")
-        summaries, sample = recent_summaries(backend, model), run.run_id
+        summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), run.run_id
     return make_plan(backend, conf, record, count, claim_size, price, summaries), sample
 
 
