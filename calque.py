@@ -4729,6 +4729,7 @@ ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics on
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
 MIN_IDLE_MINUTES = 2                # the idle alarm's newest minute may be a FILLed 0 (its data late): 1 is no window
 STEP_ADJUSTMENTS_MAX = 20           # steps of one step-scaling policy (Auto Scaling's limit)
+EC2_DRAIN_TIMEOUT = 900             # s a terminating instance waits for its worker's claim (the hook's)
 BOOTSTRAP_ATTEMPTS = 5              # tries of each network step of the bootstrap (apt, kit download, pip install)
 BOOTSTRAP_BACKOFF = 10              # s before a network step's second try, doubling after each (10 + 20 + 40 + 80 s)
 BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of instances already replaced that `pool status` reads and lists
@@ -4752,7 +4753,8 @@ def ec2_names(model):
     role = _iam_name("calque-" + s, s)
     return {"queue": pool_queue_name(model), "dlq": dlq_name(model), "role": role, "instance_profile": role,
             "launch_template": base, "asg": base, "alarm_wake": base + "-wake", "alarm_idle": base + "-idle",
-            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "kit_prefix": f"pools/{s}/kit/",
+            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "hook": "calque-drain",
+            "kit_prefix": f"pools/{s}/kit/",
             "report_prefix": f"pools/{s}/instances/"}   # the bootstrap's reports: <started>.<instance id>.json
 
 
@@ -4943,7 +4945,9 @@ def worker_policy(store, model, region, account, partition="aws"):
       from "forbidden". The worker never lists anything itself;
     - SetInstanceHealth on its own Auto Scaling group only (the ARN names the group): a bootstrap that fails
       marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service;
-      SetInstanceProtection there too: warmd protects its instance from scale-in while it holds a claim."""
+      SetInstanceProtection and CompleteLifecycleAction there too: warmd protects its instance from
+      scale-in while it holds a claim, and lets a terminating one go once its claim is done (it reads
+      its instance's lifecycle state with DescribeAutoScalingInstances, which takes no resource)."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
     policy = _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
@@ -4955,9 +4959,12 @@ def worker_policy(store, model, region, account, partition="aws"):
                             listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
     policy["Statement"].append({
         "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
-        "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
+        "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
+                   "autoscaling:CompleteLifecycleAction"],
         "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/"
                     f"{ec2_names(model)['asg']}"})
+    policy["Statement"].append({"Sid": "ReadOwnLifecycleState", "Effect": "Allow",
+                                "Action": "autoscaling:DescribeAutoScalingInstances", "Resource": "*"})
     return policy
 
 
@@ -5925,8 +5932,12 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     def asg():
         state = _ensure_asg(calls, names, ec2, tags, owner)
         lo, hi, desired = _asg_sizes(ec2)
+        calls.call("autoscaling", "PutLifecycleHook", LifecycleHookName=names["hook"], AutoScalingGroupName=names["asg"],
+                   LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING", HeartbeatTimeout=EC2_DRAIN_TIMEOUT,
+                   DefaultResult="CONTINUE")
         print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} "
-              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'})")
+              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'}); termination hook "
+              f"{names['hook']} (a worker finishes its claim first, {EC2_DRAIN_TIMEOUT // 60} min at most)")
 
     def alarms():
         if idle:
@@ -6014,6 +6025,61 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
                                    f"the backlog and idle alarms in charge again: up to {ec2['instances']} on "
                                    f"its backlog"))
     return full
+
+
+def ec2_pool_bounds(backend, record, lo, hi, *, dry_run=False, yes_spend_money=False, calls=None):
+    """`pool scale --min-instances A --max-instances B` (either kept when not given) of an EC2 pool
+    that sizes itself: the group's MinSize and MaxSize, its backlog steps, idle policy and alarms put
+    for the new bounds; a `pool scale --instances` hold is released. Raising the floor above the
+    group's desired capacity needs yes_spend_money (or dry_run)."""
+    model = record["model"]
+    _aws_store(backend, "pool scale --min-instances / --max-instances")
+    ec2 = dict(_require_ec2(record))
+    if not ec2.get("scale_to_zero_after"):
+        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or ceiling ---> HINT: "
+                        f"`pool scale --instances N`, or re-run `pool create` with --min-instances A "
+                        f"--max-instances B")
+    lo = (ec2["min_instances"] or 0) if lo is None else lo
+    hi = ec2["instances"] if hi is None else hi
+    if not 0 <= lo <= hi or hi < 1:
+        raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max >= 1 ---> HINT: "
+                        f"e.g. --min-instances 0 --max-instances 4")
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
+    names = ec2_names(model)
+    asg = _describe_asg(calls, names["asg"])
+    if asg is None:
+        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: "
+                        f"re-run `pool create` to finish the pool")
+    desired = min(max(asg["DesiredCapacity"], lo), hi)
+    if desired > asg["DesiredCapacity"]:
+        _refuse_spending(f"pool scale --model {model} --min-instances {lo}", dry_run=dry_run,
+                         yes_spend_money=yes_spend_money)
+    ec2.update(min_instances=lo, instances=hi, held=None, scaling=ec2_scaling(backend, model, lo, hi))
+    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo,
+               MaxSize=hi, DesiredCapacity=desired)
+    _ensure_scale_to_zero(calls, names, ec2, _tag_dict(asg.get("Tags")))
+    full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
+    _put_pool_record(calls, backend, full)
+    print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), desired "
+          f"{asg['DesiredCapacity']} -> {desired}; backlog steps "
+          f"{', '.join(f'{b}+ -> {k}' for b, k in ec2['scaling']['steps'])}")
+    return full
+
+
+def refresh_backlog_steps(backend, record):
+    """Put an EC2 pool's backlog policy again when its steps no longer follow the pool's measured
+    seconds per claim or the drain target (each submit: the steps follow the claims the pool ran)."""
+    ec2 = record.get("ec2") or {}
+    if backend.kind != "aws" or not ec2.get("scale_to_zero_after"):
+        return
+    scaling = ec2_scaling(backend, record["model"], ec2["min_instances"], ec2["instances"])
+    if json.loads(json.dumps(scaling)) == ec2.get("scaling"):
+        return
+    calls, names = AwsCalls.for_backend(backend), ec2_names(record["model"])
+    _put_backlog_policy(calls, names, dict(ec2, scaling=scaling))
+    _put_pool_record(calls, backend, dict(record, ec2=dict(ec2, scaling=scaling, updated_at=now_iso())))
+    print(f"pool {record['model']}: backlog steps now "
+          f"{', '.join(f'{b}+ -> {k}' for b, k in scaling['steps'])}", file=sys.stderr)
 
 
 def bootstrap_reports(backend, model, instance_ids):
@@ -6213,6 +6279,10 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         if group.get("Status"):
             return f"already {group['Status'].lower()}"
         _require_managed(names["asg"], _tag_dict(group.get("Tags")))
+        hooks = calls.call("autoscaling", "DescribeLifecycleHooks", AutoScalingGroupName=names["asg"])
+        if any(h["LifecycleHookName"] == names["hook"] for h in hooks["LifecycleHooks"]):   # go now, no drain
+            calls.call("autoscaling", "DeleteLifecycleHook", AutoScalingGroupName=names["asg"],
+                       LifecycleHookName=names["hook"])
         calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0,
                    DesiredCapacity=0)
         calls.call("autoscaling", "DeleteAutoScalingGroup", AutoScalingGroupName=names["asg"], ForceDelete=True)
@@ -7586,6 +7656,27 @@ def scale_local_verb(conf, pool, workers, args, bounds=None):
 
 def cmd_pool_scale(conf, backend, args):
     record = load_pool(backend, args.model)
+    given = [f"--{k.replace('_', '-')}" for k in ("workers", "instances", "min_workers", "max_workers",
+                                                  "min_instances", "max_instances") if getattr(args, k) is not None]
+    if len(given) != 1 and given not in (["--min-workers", "--max-workers"], ["--min-instances", "--max-instances"]):
+        raise UserError(f"pool scale {' '.join(given) or 'without a count'}: give --workers N, --instances N, "
+                        f"--min-workers A --max-workers B, or --min-instances A --max-instances B ---> HINT: e.g. "
+                        f"pool scale --model {args.model} --min-workers 0 --max-workers 2")
+    if args.min_instances is not None or args.max_instances is not None:
+        ec2_pool_bounds(backend, record, args.min_instances, args.max_instances, dry_run=args.dry_run,
+                        yes_spend_money=args.yes_spend_money)
+        return EXIT_OK
+    if args.min_workers is not None or args.max_workers is not None:
+        bounds = read_scaling(state_dir(conf, args.model)) or {}
+        lo, hi, idle = pool_bounds(None, bounds.get("lo", 0) if args.min_workers is None else args.min_workers,
+                                   bounds.get("hi") if args.max_workers is None else args.max_workers,
+                                   args.scale_to_zero_after or (bounds.get("idle_window", 0) / 60 or None),
+                                   "workers")
+        pid = scale_local_verb(conf, Pool(args.model, context=(conf, backend)), lo, args,
+                               (lo, hi, idle) if idle else None)
+        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s)"
+              f"{f' (idle {idle / 60:g} min -> {lo})' if idle else ''}, supervisor pid {pid}")
+        return EXIT_OK
     if args.instances is not None:
         ec2_pool_scale(backend, record, args.instances, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
@@ -7743,6 +7834,7 @@ def cmd_submit(conf, backend, args):
             return interrupted(backend, run_id, e.signum)
         if planned:   # once its claims are queued: a local pool's boost lasts while they wait (LocalScaler)
             update_run(backend, run.record, plan=apply_count(conf, backend, record, option, args))
+        refresh_backlog_steps(backend, load_pool(backend, args.pool))
         if args.no_wait:
             print(run.run_id)
             return EXIT_OK
@@ -8263,9 +8355,12 @@ def build_parser():
     p.set_defaults(func=cmd_pool_create)
     p = pool.add_parser("scale", help="set the number of local workers, or of EC2 instances")
     p.add_argument("--model", required=True, help="the pool's model name")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
-    size.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
+    p.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
+    p.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
+    for noun in ("workers", "instances"):
+        p.add_argument(f"--min-{noun}", type=int, metavar="A", help=f"new floor of a pool that sizes itself ({noun})")
+        p.add_argument(f"--max-{noun}", type=int, metavar="B", help="its new ceiling")
+    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES", help="local: its new idle window")
     local_options(p)
     p.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
     p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")

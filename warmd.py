@@ -81,6 +81,7 @@ STATS_IDLE_WAIT = 0.2       # s of the first poll after a claim; an empty one wr
 COLD_POLL_WAIT = 0.2        # s of one long poll for a cold run's worker, which exits once its queue is empty (SQS: 1)
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
 ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up to this cap
+LIFECYCLE_CHECK = 20.0      # s between two looks at an EC2 pool instance's lifecycle state, between claims
 # pipeline thread: gather batch k+1 while the model runs k, in claims that collate (CALQUE_PREFETCH=0 turns it off)
 PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
@@ -697,20 +698,45 @@ class ScaleInProtection:
     """An EC2 pool instance (its bootstrap sets CALQUE_ASG and CALQUE_INSTANCE_ID) protected from scale-in while
     its worker holds a claim and unprotected once a poll finds nothing, so a shrinking group terminates only idle
     instances: scaling in costs no redelivery. One SetInstanceProtection call per change, not per claim; a
-    failed call is logged and tried again at the next poll."""
+    failed call is logged and tried again at the next poll. An instance terminating anyway (a replacement,
+    a rebalance: the pool's termination hook holds it) is seen between claims: its worker claims no more
+    and, at its exit, lets it go (CompleteLifecycleAction)."""
 
-    def __init__(self, asg, instance_id, client):
-        self.asg, self.instance_id, self.client = asg, instance_id, client
+    def __init__(self, asg, instance_id, client, hook):
+        self.asg, self.instance_id, self.client, self.hook = asg, instance_id, client, hook
         self.protected = None    # unknown: a restarted worker's instance may still be protected by the one before
+        self.checked, self.leaving = None, False
 
     @classmethod
-    def from_env(cls):
+    def from_env(cls, model):
         asg, instance_id = os.environ.get("CALQUE_ASG"), os.environ.get("CALQUE_INSTANCE_ID")
         if not (asg and instance_id):
             return None
         import boto3   # lazy: only an EC2 pool instance needs it
         region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
-        return cls(asg, instance_id, boto3.client("autoscaling", config=calque.aws_client_config(region)))
+        return cls(asg, instance_id, boto3.client("autoscaling", config=calque.aws_client_config(region)),
+                   calque.ec2_names(model)["hook"])
+
+    def terminating(self):
+        """True once the group is terminating this instance (looked up every LIFECYCLE_CHECK s)."""
+        if self.checked is None or time.monotonic() - self.checked >= LIFECYCLE_CHECK:
+            self.checked = time.monotonic()
+            try:
+                found = self.client.describe_auto_scaling_instances(InstanceIds=[self.instance_id])
+                self.leaving = any(i["LifecycleState"].startswith("Terminating")
+                                   for i in found["AutoScalingInstances"])
+            except Exception as e:
+                log.warning("lifecycle state lookup failed (%s: %s)", type(e).__name__, e)
+        return self.leaving
+
+    def release(self):
+        """Let a terminating instance go: its worker holds no claim any more."""
+        if self.leaving:
+            try:
+                self.client.complete_lifecycle_action(LifecycleHookName=self.hook, AutoScalingGroupName=self.asg,
+                                                      InstanceId=self.instance_id, LifecycleActionResult="CONTINUE")
+            except Exception as e:
+                log.warning("completing the termination hook failed (%s: %s)", type(e).__name__, e)
 
     def hold(self, busy):
         if busy != self.protected:
@@ -759,7 +785,7 @@ class Worker:
         self.stats_behind = False        # a claim ended since then: the stats miss it
         self.supervisor = int(os.environ.get("CALQUE_SUPERVISOR_PID", "0"))   # set when a pool supervisor started us
         self.gpu = GpuSampler()
-        self.protection = None if ephemeral else ScaleInProtection.from_env()
+        self.protection = None if ephemeral else ScaleInProtection.from_env(record["model"])
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
         # the pipeline thread's CPU clock: what it ran during a handler call is taken out of the model's time
         self.pipeline_clock = (time.pthread_getcpuclockid(self.prefetcher.submit(threading.get_ident).result())
@@ -892,6 +918,8 @@ class Worker:
                 pool.shutdown(wait=False, cancel_futures=True)
             self.run_exit_hooks()
             self.write_stats("stopped")
+            if self.protection:
+                self.protection.release()
             log.info("worker %s: exit (%s) after %d claim(s), %d warm hit(s), enter_count %d",
                      self.worker_id, reason, self.stats["claims"], self.stats["warm_hits"], self.enter_count)
 
@@ -904,6 +932,8 @@ class Worker:
             # the supervisor was killed without stopping us: nobody would stop or count this worker
             # any more (pool delete included), so leave rather than run on as an orphan
             return f"supervisor {self.supervisor} is gone"
+        if self.protection and self.protection.terminating() and not self.ahead:
+            return "its instance is terminating"
         self.state = "between"
         ahead, idle = self.ahead, False
         claim = ahead and ahead.take()

@@ -743,7 +743,7 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     fire(names["alarm_wake"], backlog=6)                      # a burst: to the ceiling
     assert asg_of()["DesiredCapacity"] == 3
     busy = sorted(i["InstanceId"] for i in asg_of()["Instances"])[0]
-    protection = warmd.ScaleInProtection(names["asg"], busy, client("autoscaling"))
+    protection = warmd.ScaleInProtection(names["asg"], busy, client("autoscaling"), names["hook"])
     protection.hold(True)                                     # its worker received a claim
     fire(names["alarm_wake"], backlog=1)                      # the backlog drains: down to 1
     group = asg_of()
@@ -754,11 +754,60 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     fire(names["alarm_idle"])
     assert asg_of()["Instances"] == []
 
+    # pool scale --min-instances 1 --max-instances 5: the group's bounds, the steps and the idle policy put again
+    monkeypatch.setenv("CALQUE_STORE", STORE)
+    assert calque.main(["pool", "scale", "--model", MODEL, "--min-instances", "1", "--max-instances", "5"]) == calque.EXIT_USAGE
+    assert "--yes-spend-money" in capsys.readouterr().err      # the floor above the desired 0 starts one
+    assert calque.main(["pool", "scale", "--model", MODEL, "--min-instances", "1", "--max-instances", "5",
+                        "--yes-spend-money"]) == 0
+    group, stored = asg_of(), calque.read_json(aws.backend, calque.pool_key(MODEL))
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 5, 1)
+    assert stored["ec2"]["scaling"]["steps"] == [[1, 1], [3, 2], [5, 3], [7, 4], [9, 5]]
+    policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
+        AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
+    assert policies[names["policy_idle"]]["ScalingAdjustment"] == 1
+    assert [a["ScalingAdjustment"] for a in policies[names["policy_wake"]]["StepAdjustments"]] == [1, 2, 3, 4, 5]
+    assert calque.main(["pool", "scale", "--model", MODEL, "--instances", "2", "--max-instances", "3"]) == calque.EXIT_USAGE
+    assert "---> HINT" in capsys.readouterr().err
+
+    # a submit puts the steps again once the pool's measured seconds per claim moved (here 30 s -> 6 s)
+    calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "c00000"),
+                      {"claim": "c00000", "items": 10, "claim_seconds": 6.0, "enter_seconds_paid": 0.0,
+                       "mode": "pool"})
+    calque.refresh_backlog_steps(aws.backend, stored)
+    policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
+        AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
+    assert [a["ScalingAdjustment"] for a in policies[names["policy_wake"]]["StepAdjustments"]] == [1, 2, 3, 4, 5]
+    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    assert stored["ec2"]["scaling"]["seconds_per_claim"] == 6.0 and stored["ec2"]["scaling"]["steps"][1] == [11, 2]
+
+    # the termination hook: a terminating instance (moto has no Terminating:Wait; the test puts it there) is
+    # seen by its worker, which claims no more and completes the hook at its exit
+    hooks = client("autoscaling").describe_lifecycle_hooks(AutoScalingGroupName=names["asg"])["LifecycleHooks"]
+    assert [(h["LifecycleHookName"], h["LifecycleTransition"], h["HeartbeatTimeout"], h["DefaultResult"])
+            for h in hooks] == [(names["hook"], "autoscaling:EC2_INSTANCE_TERMINATING", 900, "CONTINUE")]
+    leaving, = (i["InstanceId"] for i in asg_of()["Instances"])
+    protection = warmd.ScaleInProtection(names["asg"], leaving, client("autoscaling"), names["hook"])
+    assert not protection.terminating()
+    from moto.autoscaling.models import autoscaling_backends
+    group_state = autoscaling_backends[moto_account()][REGION].autoscaling_groups[names["asg"]]
+    next(i for i in group_state.instance_states if i.instance.id == leaving).lifecycle_state = "Terminating:Wait"
+    assert not protection.terminating()                       # looked up at most every LIFECYCLE_CHECK s
+    protection.checked = None
+    assert protection.terminating()
+    policy = calque.worker_policy(aws.backend.store.uri(""), MODEL, REGION, "123456789012", "aws")
+    assert any("autoscaling:CompleteLifecycleAction" in st["Action"] for st in policy["Statement"])
+
     assert calque.ec2_pool_delete(aws.backend, stored, yes=True)
     assert client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])[
         "MetricAlarms"] == []
     assert asg_of() is None or asg_of().get("Status")
     assert client("autoscaling").describe_policies(AutoScalingGroupName=names["asg"])["ScalingPolicies"] == []
+    assert client("autoscaling").describe_lifecycle_hooks(AutoScalingGroupName=names["asg"])["LifecycleHooks"] == []
+
+
+def moto_account():
+    return client("sts").get_caller_identity()["Account"]
 
 
 def test_modal_image_on_an_ec2_pool(aws, tmp_path, monkeypatch):
