@@ -4946,8 +4946,7 @@ def worker_policy(store, model, region, account, partition="aws"):
     - SetInstanceHealth on its own Auto Scaling group only (the ARN names the group): a bootstrap that fails
       marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service;
       SetInstanceProtection and CompleteLifecycleAction there too: warmd protects its instance from
-      scale-in while it holds a claim, and lets a terminating one go once its claim is done (it reads
-      its instance's lifecycle state with DescribeAutoScalingInstances, which takes no resource)."""
+      scale-in while it holds a claim, and lets a terminating one go once its claim is done."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
     policy = _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
@@ -4963,8 +4962,6 @@ def worker_policy(store, model, region, account, partition="aws"):
                    "autoscaling:CompleteLifecycleAction"],
         "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/"
                     f"{ec2_names(model)['asg']}"})
-    policy["Statement"].append({"Sid": "ReadOwnLifecycleState", "Effect": "Allow",
-                                "Action": "autoscaling:DescribeAutoScalingInstances", "Resource": "*"})
     return policy
 
 

@@ -81,7 +81,6 @@ STATS_IDLE_WAIT = 0.2       # s of the first poll after a claim; an empty one wr
 COLD_POLL_WAIT = 0.2        # s of one long poll for a cold run's worker, which exits once its queue is empty (SQS: 1)
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
 ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up to this cap
-LIFECYCLE_CHECK = 20.0      # s between two looks at an EC2 pool instance's lifecycle state, between claims
 # pipeline thread: gather batch k+1 while the model runs k, in claims that collate (CALQUE_PREFETCH=0 turns it off)
 PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
@@ -654,26 +653,37 @@ class GpuSampler:
 
 
 class SpotPoller:
-    """Polls the EC2 metadata spot `instance-action` (IMDSv2) and calls `on_notice` once when one appears.
+    """Polls the EC2 metadata spot `instance-action` (IMDSv2) and calls `on_notice` once when one appears;
+    with `on_terminating`, also the instance's Auto Scaling `target-lifecycle-state`, and calls it once
+    when that reads Terminated (the pool's termination hook holds the instance for its claim).
     Off unless CALQUE_SPOT_POLL names the metadata address; tests point it at a loopback stub."""
 
-    def __init__(self, base_url, interval, on_notice):
+    def __init__(self, base_url, interval, on_notice, on_terminating=None):
         self.base, self.interval, self.on_notice = base_url.rstrip("/"), interval, on_notice
+        self.on_terminating = on_terminating
         if not self._poll():   # the first check before the worker loads anything: a notice already given stops it
             threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
+
+    def _get(self, token, path):
+        """A metadata path's body, or None where it answers 404 (no notice, no Auto Scaling group)."""
+        req = urllib.request.Request(f"{self.base}/latest/meta-data/{path}", headers={"X-aws-ec2-metadata-token": token})
+        try:
+            return urllib.request.urlopen(req, timeout=2).read()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
 
     def _check(self):
         token_req = urllib.request.Request(self.base + "/latest/api/token", method="PUT",
                                            headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
         token = urllib.request.urlopen(token_req, timeout=2).read().decode()
-        req = urllib.request.Request(self.base + "/latest/meta-data/spot/instance-action",
-                                     headers={"X-aws-ec2-metadata-token": token})
-        try:
-            return json.loads(urllib.request.urlopen(req, timeout=2).read() or b"{}")
-        except urllib.error.HTTPError as e:
-            if e.code == 404:   # the normal answer: no interruption scheduled
-                return None
-            raise
+        if self.on_terminating and self._get(token, "autoscaling/target-lifecycle-state") == b"Terminated":
+            log.warning("its instance is terminating: no new claims; the claim held finishes first")
+            self.on_terminating()
+            self.on_terminating = None
+        notice = self._get(token, "spot/instance-action")
+        return None if notice is None else json.loads(notice or b"{}")
 
     def _poll(self):
         """One check; True when it found a notice (and called on_notice)."""
@@ -699,13 +709,13 @@ class ScaleInProtection:
     its worker holds a claim and unprotected once a poll finds nothing, so a shrinking group terminates only idle
     instances: scaling in costs no redelivery. One SetInstanceProtection call per change, not per claim; a
     failed call is logged and tried again at the next poll. An instance terminating anyway (a replacement,
-    a rebalance: the pool's termination hook holds it) is seen between claims: its worker claims no more
-    and, at its exit, lets it go (CompleteLifecycleAction)."""
+    a rebalance: the pool's termination hook holds it; SpotPoller sees it) is let go at the worker's exit,
+    once its claim is done (CompleteLifecycleAction)."""
 
     def __init__(self, asg, instance_id, client, hook):
         self.asg, self.instance_id, self.client, self.hook = asg, instance_id, client, hook
         self.protected = None    # unknown: a restarted worker's instance may still be protected by the one before
-        self.checked, self.leaving = None, False
+        self.leaving = False
 
     @classmethod
     def from_env(cls, model):
@@ -716,18 +726,6 @@ class ScaleInProtection:
         region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
         return cls(asg, instance_id, boto3.client("autoscaling", config=calque.aws_client_config(region)),
                    calque.ec2_names(model)["hook"])
-
-    def terminating(self):
-        """True once the group is terminating this instance (looked up every LIFECYCLE_CHECK s)."""
-        if self.checked is None or time.monotonic() - self.checked >= LIFECYCLE_CHECK:
-            self.checked = time.monotonic()
-            try:
-                found = self.client.describe_auto_scaling_instances(InstanceIds=[self.instance_id])
-                self.leaving = any(i["LifecycleState"].startswith("Terminating")
-                                   for i in found["AutoScalingInstances"])
-            except Exception as e:
-                log.warning("lifecycle state lookup failed (%s: %s)", type(e).__name__, e)
-        return self.leaving
 
     def release(self):
         """Let a terminating instance go: its worker holds no claim any more."""
@@ -888,6 +886,11 @@ class Worker:
         """The spot poller's notice: the same warm stop as SIGTERM."""
         os.kill(os.getpid(), signal.SIGTERM)
 
+    def leave(self):
+        """Its instance is terminating: the scale-in stop (the claim held finishes), the hook completed at exit."""
+        self.protection.leaving = True
+        os.kill(os.getpid(), signal.SIGUSR1)
+
     def work(self):
         """The loop: claim, drain, write, ack; a logged reason for every exit."""
         signal.signal(signal.SIGTERM, self.on_signal)
@@ -895,7 +898,8 @@ class Worker:
         signal.signal(signal.SIGUSR1, self.on_scale_in)
         if self.conf.get("CALQUE_SPOT_POLL"):
             SpotPoller(self.conf["CALQUE_SPOT_POLL"],
-                       calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01), self.request_stop)
+                       calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01), self.request_stop,
+                       self.leave if self.protection else None)
         reason = "?"
         try:
             self.start()
@@ -932,8 +936,6 @@ class Worker:
             # the supervisor was killed without stopping us: nobody would stop or count this worker
             # any more (pool delete included), so leave rather than run on as an orphan
             return f"supervisor {self.supervisor} is gone"
-        if self.protection and self.protection.terminating() and not self.ahead:
-            return "its instance is terminating"
         self.state = "between"
         ahead, idle = self.ahead, False
         claim = ahead and ahead.take()

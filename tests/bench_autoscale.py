@@ -9,8 +9,8 @@
    against its idle window (--scale-to-zero-after 0.25: 15 s);
 2. the planner: a pool measured by a run of 50 claims at 1 worker and one at 2 (on shared cores a claim's
    time depends on how many workers run beside it), then `submit --plan --yes` of BENCH_PLAN_ITEMS (24,000)
-   items of 300 words in claims of 500 at 2 workers, at 1, and from 0 on the pool re-created as
-   --min-workers 0 --max-workers 2: predicted wall time against the run's actual (created_at to the last
+   items of 300 words in claims of 500 at 2 workers, at 1, and from 0 on the pool turned into
+   --min-workers 0 --max-workers 2 (`pool scale`) once it idled to 0: predicted wall time against the run's actual (created_at to the last
    summary), on the demo model and on examples/embed_model.py.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
@@ -116,10 +116,12 @@ def planner(name, handler, make, divisor, claim_size):
         for workers in (2, 1, 0):
             if workers:
                 cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
-            else:   # the same pool sizing itself, at 0 when the run comes
-                cli(env, "pool", "delete", "--model", name, "--yes")
-                cli(env, "pool", "create", "--model", name, "--handler", handler, "--min-workers", "0",
-                    "--max-workers", "2", "--scale-to-zero-after", str(IDLE_MINUTES))
+            else:   # the same pool sizing itself, at 0 when the run comes (its workers' stats kept)
+                cli(env, "pool", "scale", "--model", name, "--min-workers", "0", "--max-workers", "2",
+                    "--scale-to-zero-after", str(IDLE_MINUTES))
+                status = os.path.join(env["CALQUE_STATE"], "pools", name, "supervisor.json")
+                while any(w["pid"] for w in json.load(open(status))["workers"]):
+                    time.sleep(0.2)
             out = cli(env, "submit", "--pool", name, items, "--claim-size", size, "--plan", "--yes", "--json")
             run = json.loads(out.stdout)["run"]
             actual, summaries = finished(env, run["run_id"])

@@ -208,7 +208,8 @@ def test_worker_policy_statement_by_statement(aws):
          "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
         {"Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",                           # its group only
-             "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
+             "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
+                        "autoscaling:CompleteLifecycleAction"],
          "Resource": "arn:aws:autoscaling:eu-west-1:111122223333:autoScalingGroup:*:autoScalingGroupName/"
                      f"calque-pool-{s}"},
     ]}
@@ -781,22 +782,10 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     assert stored["ec2"]["scaling"]["seconds_per_claim"] == 6.0 and stored["ec2"]["scaling"]["steps"][1] == [11, 2]
 
-    # the termination hook: a terminating instance (moto has no Terminating:Wait; the test puts it there) is
-    # seen by its worker, which claims no more and completes the hook at its exit
+    # the termination hook (the worker's side, SpotPoller reading target-lifecycle-state: test_warmd.py)
     hooks = client("autoscaling").describe_lifecycle_hooks(AutoScalingGroupName=names["asg"])["LifecycleHooks"]
     assert [(h["LifecycleHookName"], h["LifecycleTransition"], h["HeartbeatTimeout"], h["DefaultResult"])
             for h in hooks] == [(names["hook"], "autoscaling:EC2_INSTANCE_TERMINATING", 900, "CONTINUE")]
-    leaving, = (i["InstanceId"] for i in asg_of()["Instances"])
-    protection = warmd.ScaleInProtection(names["asg"], leaving, client("autoscaling"), names["hook"])
-    assert not protection.terminating()
-    from moto.autoscaling.models import autoscaling_backends
-    group_state = autoscaling_backends[moto_account()][REGION].autoscaling_groups[names["asg"]]
-    next(i for i in group_state.instance_states if i.instance.id == leaving).lifecycle_state = "Terminating:Wait"
-    assert not protection.terminating()                       # looked up at most every LIFECYCLE_CHECK s
-    protection.checked = None
-    assert protection.terminating()
-    policy = calque.worker_policy(aws.backend.store.uri(""), MODEL, REGION, "123456789012", "aws")
-    assert any("autoscaling:CompleteLifecycleAction" in st["Action"] for st in policy["Statement"])
 
     assert calque.ec2_pool_delete(aws.backend, stored, yes=True)
     assert client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])[
@@ -804,10 +793,6 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     assert asg_of() is None or asg_of().get("Status")
     assert client("autoscaling").describe_policies(AutoScalingGroupName=names["asg"])["ScalingPolicies"] == []
     assert client("autoscaling").describe_lifecycle_hooks(AutoScalingGroupName=names["asg"])["LifecycleHooks"] == []
-
-
-def moto_account():
-    return client("sts").get_caller_identity()["Account"]
 
 
 def test_modal_image_on_an_ec2_pool(aws, tmp_path, monkeypatch):
