@@ -3798,13 +3798,15 @@ def _spawn(conf, model, folder, slots, want, now):
                                     "log": os.path.join(folder, f"worker-{s}.log"),
                                     "ready": os.path.join(folder, f"worker-{s}.ready")})
         if slot["proc"] is None and now >= slot["not_before"]:
-            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, bounds is not None)
+            sized = bounds is not None
+            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, sized)
             if slot["gpus"] is None:    # every device is another worker's: this slot waits for one
                 slot["gpus"] = []
                 continue
             env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
-            env.update(thread_env(folder, max(want, bounds["hi"]) if bounds else want, slot["gpus"], env))
+            sharing = max(want, bounds["hi"]) if bounds else want
+            env.update(thread_env(folder, sharing, slot["gpus"], env))
             slot["threads"] = env.get("OMP_NUM_THREADS")
             if slot["last_exit"] and slot["last_exit"]["code"]:   # a death: the new worker commits parts the more
                 env["CALQUE_PREVIOUS_LIFE"] = str(slot["last_exit"]["lived"])   # often, the shorter it lived
@@ -3822,9 +3824,9 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RA
 
 def thread_env(folder, want, gpus, env):
     """The thread settings of a worker started now: `pool create --threads-per-worker N` sets THREAD_VARS to N;
-    else a CPU worker gets its share of this machine's cores (cores / workers, at least 1; a pool that sizes
-    itself: its ceiling, as a worker keeps its threads when the pool grows) in each of them the user's
-    environment does not set already; a GPU worker keeps its libraries' defaults."""
+    else a CPU worker gets its share of this machine's cores (cores / workers, at least 1; a pool
+    that sizes itself: its ceiling, as a worker keeps its threads when the pool grows) in each of
+    them the user's environment does not set already; a GPU worker keeps its libraries' defaults."""
     try:
         with open(os.path.join(folder, "threads-per-worker")) as f:
             asked = f.read().strip()
@@ -4729,7 +4731,7 @@ ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics on
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
 MIN_IDLE_MINUTES = 2                # the idle alarm's newest minute may be a FILLed 0 (its data late): 1 is no window
 STEP_ADJUSTMENTS_MAX = 20           # steps of one step-scaling policy (Auto Scaling's limit)
-EC2_DRAIN_TIMEOUT = 900             # s a terminating instance waits for its worker's claim (the hook's)
+EC2_DRAIN_TIMEOUT = 900             # s a terminating instance waits for its worker's claim (hook)
 BOOTSTRAP_ATTEMPTS = 5              # tries of each network step of the bootstrap (apt, kit download, pip install)
 BOOTSTRAP_BACKOFF = 10              # s before a network step's second try, doubling after each (10 + 20 + 40 + 80 s)
 BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of instances already replaced that `pool status` reads and lists
@@ -5929,12 +5931,14 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     def asg():
         state = _ensure_asg(calls, names, ec2, tags, owner)
         lo, hi, desired = _asg_sizes(ec2)
-        calls.call("autoscaling", "PutLifecycleHook", LifecycleHookName=names["hook"], AutoScalingGroupName=names["asg"],
-                   LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING", HeartbeatTimeout=EC2_DRAIN_TIMEOUT,
-                   DefaultResult="CONTINUE")
+        calls.call("autoscaling", "PutLifecycleHook", LifecycleHookName=names["hook"],
+                   AutoScalingGroupName=names["asg"], DefaultResult="CONTINUE",
+                   LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
+                   HeartbeatTimeout=EC2_DRAIN_TIMEOUT)
         print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} "
-              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'}); termination hook "
-              f"{names['hook']} (a worker finishes its claim first, {EC2_DRAIN_TIMEOUT // 60} min at most)")
+              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'}); "
+              f"termination hook {names['hook']} (a worker finishes its claim first, "
+              f"{EC2_DRAIN_TIMEOUT // 60} min at most)")
 
     def alarms():
         if idle:
@@ -6025,22 +6029,22 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
 
 
 def ec2_pool_bounds(backend, record, lo, hi, *, dry_run=False, yes_spend_money=False, calls=None):
-    """`pool scale --min-instances A --max-instances B` (either kept when not given) of an EC2 pool
-    that sizes itself: the group's MinSize and MaxSize, its backlog steps, idle policy and alarms put
-    for the new bounds; a `pool scale --instances` hold is released. Raising the floor above the
-    group's desired capacity needs yes_spend_money (or dry_run)."""
+    """`pool scale --min-instances A --max-instances B` (either kept when not given) of an EC2
+    pool that sizes itself: the group's MinSize and MaxSize, its backlog steps, idle policy and
+    alarms put for the new bounds; a `pool scale --instances` hold is released. Raising the floor
+    above the group's desired capacity needs yes_spend_money (or dry_run)."""
     model = record["model"]
     _aws_store(backend, "pool scale --min-instances / --max-instances")
     ec2 = dict(_require_ec2(record))
     if not ec2.get("scale_to_zero_after"):
-        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or ceiling ---> HINT: "
-                        f"`pool scale --instances N`, or re-run `pool create` with --min-instances A "
-                        f"--max-instances B")
+        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or "
+                        f"ceiling ---> HINT: `pool scale --instances N`, or re-run `pool create` "
+                        f"with --min-instances A --max-instances B")
     lo = (ec2["min_instances"] or 0) if lo is None else lo
     hi = ec2["instances"] if hi is None else hi
     if not 0 <= lo <= hi or hi < 1:
-        raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max >= 1 ---> HINT: "
-                        f"e.g. --min-instances 0 --max-instances 4")
+        raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max "
+                        f">= 1 ---> HINT: e.g. --min-instances 0 --max-instances 4")
     calls = calls or AwsCalls.for_backend(backend, dry_run)
     names = ec2_names(model)
     asg = _describe_asg(calls, names["asg"])
@@ -6051,21 +6055,22 @@ def ec2_pool_bounds(backend, record, lo, hi, *, dry_run=False, yes_spend_money=F
     if desired > asg["DesiredCapacity"]:
         _refuse_spending(f"pool scale --model {model} --min-instances {lo}", dry_run=dry_run,
                          yes_spend_money=yes_spend_money)
-    ec2.update(min_instances=lo, instances=hi, held=None, scaling=ec2_scaling(backend, model, lo, hi))
-    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo,
-               MaxSize=hi, DesiredCapacity=desired)
+    ec2.update(min_instances=lo, instances=hi, held=None)
+    ec2["scaling"] = ec2_scaling(backend, model, lo, hi)
+    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
+               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
     _ensure_scale_to_zero(calls, names, ec2, _tag_dict(asg.get("Tags")))
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
     _put_pool_record(calls, backend, full)
-    print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), desired "
-          f"{asg['DesiredCapacity']} -> {desired}; backlog steps "
+    print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), "
+          f"desired {asg['DesiredCapacity']} -> {desired}; backlog steps "
           f"{', '.join(f'{b}+ -> {k}' for b, k in ec2['scaling']['steps'])}")
     return full
 
 
 def refresh_backlog_steps(backend, record):
     """Put an EC2 pool's backlog policy again when its steps no longer follow the pool's measured
-    seconds per claim or the drain target (each submit: the steps follow the claims the pool ran)."""
+    seconds per claim or the drain target (each submit: they follow the claims the pool ran)."""
     ec2 = record.get("ec2") or {}
     if backend.kind != "aws" or not ec2.get("scale_to_zero_after"):
         return
@@ -6074,7 +6079,8 @@ def refresh_backlog_steps(backend, record):
         return
     calls, names = AwsCalls.for_backend(backend), ec2_names(record["model"])
     _put_backlog_policy(calls, names, dict(ec2, scaling=scaling))
-    _put_pool_record(calls, backend, dict(record, ec2=dict(ec2, scaling=scaling, updated_at=now_iso())))
+    ec2 = dict(ec2, scaling=scaling, updated_at=now_iso())
+    _put_pool_record(calls, backend, dict(record, ec2=ec2))
     print(f"pool {record['model']}: backlog steps now "
           f"{', '.join(f'{b}+ -> {k}' for b, k in scaling['steps'])}", file=sys.stderr)
 
@@ -6276,8 +6282,9 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         if group.get("Status"):
             return f"already {group['Status'].lower()}"
         _require_managed(names["asg"], _tag_dict(group.get("Tags")))
-        hooks = calls.call("autoscaling", "DescribeLifecycleHooks", AutoScalingGroupName=names["asg"])
-        if any(h["LifecycleHookName"] == names["hook"] for h in hooks["LifecycleHooks"]):   # go now, no drain
+        hooks = calls.call("autoscaling", "DescribeLifecycleHooks",
+                           AutoScalingGroupName=names["asg"])["LifecycleHooks"]
+        if any(h["LifecycleHookName"] == names["hook"] for h in hooks):   # instances go now
             calls.call("autoscaling", "DeleteLifecycleHook", AutoScalingGroupName=names["asg"],
                        LifecycleHookName=names["hook"])
         calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0,
@@ -6844,7 +6851,7 @@ def pool_record_to_delete(backend, model, force):
 # ---- the planner: a run's wall time and cost for 1..B workers before it starts, and against what it did
 PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
 PLAN_RUNS_READ = 5                      # run records the planner reads for the time to a run's first claim
-PLAN_CLAIMS_READ = 200                  # latest claim summaries it reads (SCALE_MEASURED_CLAIMS a count)
+PLAN_CLAIMS_READ = 200                  # latest claim summaries it reads (up to 50 a worker count)
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -6942,7 +6949,8 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
     start = enter + (EC2_BOOT_ESTIMATE if noun == "instances" else acquisition + SCALE_INTERVAL)
     gap, latency = claim_overheads(backend, summaries)
     sizes = [claim_size] * (items // claim_size) + ([items % claim_size] if items % claim_size else [])
-    cores = len(os.sched_getaffinity(0)) if noun == "workers" and not gpu_devices(conf) else math.inf
+    shared = noun == "workers" and not gpu_devices(conf)     # CPU workers share the cores
+    cores = len(os.sched_getaffinity(0)) if shared else math.inf
     options = []
     for n in range(1, ceiling + 1):
         running, per_item = min(n, warm), per_item_at(measured, n, cores)
@@ -6951,7 +6959,7 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
         options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
                         "spot_cost_usd": n * seconds * spot_rate, "starting": n - running,
                         "seconds_per_item": per_item, "measured": n in measured})
-    per_item = options[-1]["seconds_per_item"]   # the cold and serverless counterfactuals: B at once
+    per_item = options[-1]["seconds_per_item"]   # cold and serverless counterfactuals: B at once
     drain = sum(claims)
     card, count = serverless_match(rates, itype)
     cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
@@ -6986,8 +6994,9 @@ def format_plan(plan):
              f"{plan['start_seconds']:.3g} s; {plan['instance_type']}",
              f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
     for o in plan["options"]:
+        scaled = "" if o["measured"] else "  (scaled from another count)"
         lines.append(f"  {o[noun]:>9}  {_duration(o['seconds']):>10}  {_usd(o['cost_usd']):>10}  "
-                     f"{_usd(o['spot_cost_usd']):>10}{'' if o['measured'] else '  (scaled from another count)'}")
+                     f"{_usd(o['spot_cost_usd']):>10}{scaled}")
     cold, serverless = plan["cold"], plan["serverless"]
     lines.append(f"  cold start ({cold[noun]} fresh {noun}, each paying acquisition + @enter): "
                  f"{_duration(cold['seconds'])}, {_usd(cold['cost_usd'])}")
@@ -7653,22 +7662,24 @@ def scale_local_verb(conf, pool, workers, args, bounds=None):
 
 def cmd_pool_scale(conf, backend, args):
     record = load_pool(backend, args.model)
-    given = [f"--{k.replace('_', '-')}" for k in ("workers", "instances", "min_workers", "max_workers",
-                                                  "min_instances", "max_instances") if getattr(args, k) is not None]
-    if len(given) != 1 and given not in (["--min-workers", "--max-workers"], ["--min-instances", "--max-instances"]):
-        raise UserError(f"pool scale {' '.join(given) or 'without a count'}: give --workers N, --instances N, "
-                        f"--min-workers A --max-workers B, or --min-instances A --max-instances B ---> HINT: e.g. "
-                        f"pool scale --model {args.model} --min-workers 0 --max-workers 2")
+    keys = ("workers", "instances", "min_workers", "max_workers", "min_instances", "max_instances")
+    given = [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k) is not None]
+    pairs = (["--min-workers", "--max-workers"], ["--min-instances", "--max-instances"])
+    if len(given) != 1 and given not in pairs:
+        raise UserError(f"pool scale {' '.join(given) or 'without a count'}: give --workers N, "
+                        f"--instances N, --min-workers A --max-workers B, or --min-instances A "
+                        f"--max-instances B ---> HINT: e.g. pool scale --model {args.model} "
+                        f"--min-workers 0 --max-workers 2")
     if args.min_instances is not None or args.max_instances is not None:
-        ec2_pool_bounds(backend, record, args.min_instances, args.max_instances, dry_run=args.dry_run,
-                        yes_spend_money=args.yes_spend_money)
+        ec2_pool_bounds(backend, record, args.min_instances, args.max_instances,
+                        dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
-    if args.min_workers is not None or args.max_workers is not None:
-        bounds = read_scaling(state_dir(conf, args.model)) or {}
-        lo, hi, idle = pool_bounds(None, bounds.get("lo", 0) if args.min_workers is None else args.min_workers,
-                                   bounds.get("hi") if args.max_workers is None else args.max_workers,
-                                   args.scale_to_zero_after or (bounds.get("idle_window", 0) / 60 or None),
-                                   "workers")
+    if args.min_workers is not None or args.max_workers is not None:  # one keeps the other
+        had = read_scaling(state_dir(conf, args.model)) or {}
+        lo = had.get("lo", 0) if args.min_workers is None else args.min_workers
+        hi = had.get("hi") if args.max_workers is None else args.max_workers
+        minutes = args.scale_to_zero_after or (had.get("idle_window", 0) / 60 or None)
+        lo, hi, idle = pool_bounds(None, lo, hi, minutes, "workers")
         pid = scale_local_verb(conf, Pool(args.model, context=(conf, backend)), lo, args,
                                (lo, hi, idle) if idle else None)
         print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s)"
@@ -8355,9 +8366,11 @@ def build_parser():
     p.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
     p.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
     for noun in ("workers", "instances"):
-        p.add_argument(f"--min-{noun}", type=int, metavar="A", help=f"new floor of a pool that sizes itself ({noun})")
+        p.add_argument(f"--min-{noun}", type=int, metavar="A",
+                       help=f"new floor of a pool that sizes itself ({noun})")
         p.add_argument(f"--max-{noun}", type=int, metavar="B", help="its new ceiling")
-    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES", help="local: its new idle window")
+    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
+                   help="local: its new idle window")
     local_options(p)
     p.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
     p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")

@@ -653,9 +653,9 @@ class GpuSampler:
 
 
 class SpotPoller:
-    """Polls the EC2 metadata spot `instance-action` (IMDSv2) and calls `on_notice` once when one appears;
-    with `on_terminating`, also the instance's Auto Scaling `target-lifecycle-state`, and calls it once
-    when that reads Terminated (the pool's termination hook holds the instance for its claim).
+    """Polls the EC2 metadata spot `instance-action` (IMDSv2) and calls `on_notice` once when one
+    appears; with `on_terminating`, also the instance's Auto Scaling `target-lifecycle-state`, and
+    calls it once when that reads Terminated (the pool's termination hook holds the instance).
     Off unless CALQUE_SPOT_POLL names the metadata address; tests point it at a loopback stub."""
 
     def __init__(self, base_url, interval, on_notice, on_terminating=None):
@@ -665,8 +665,9 @@ class SpotPoller:
             threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
 
     def _get(self, token, path):
-        """A metadata path's body, or None where it answers 404 (no notice, no Auto Scaling group)."""
-        req = urllib.request.Request(f"{self.base}/latest/meta-data/{path}", headers={"X-aws-ec2-metadata-token": token})
+        """A metadata path's body, or None on a 404 (no notice, no Auto Scaling group)."""
+        req = urllib.request.Request(f"{self.base}/latest/meta-data/{path}",
+                                     headers={"X-aws-ec2-metadata-token": token})
         try:
             return urllib.request.urlopen(req, timeout=2).read()
         except urllib.error.HTTPError as e:
@@ -678,7 +679,8 @@ class SpotPoller:
         token_req = urllib.request.Request(self.base + "/latest/api/token", method="PUT",
                                            headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
         token = urllib.request.urlopen(token_req, timeout=2).read().decode()
-        if self.on_terminating and self._get(token, "autoscaling/target-lifecycle-state") == b"Terminated":
+        state = self.on_terminating and self._get(token, "autoscaling/target-lifecycle-state")
+        if state == b"Terminated":
             log.warning("its instance is terminating: no new claims; the claim held finishes first")
             self.on_terminating()
             self.on_terminating = None
@@ -708,9 +710,9 @@ class ScaleInProtection:
     """An EC2 pool instance (its bootstrap sets CALQUE_ASG and CALQUE_INSTANCE_ID) protected from scale-in while
     its worker holds a claim and unprotected once a poll finds nothing, so a shrinking group terminates only idle
     instances: scaling in costs no redelivery. One SetInstanceProtection call per change, not per claim; a
-    failed call is logged and tried again at the next poll. An instance terminating anyway (a replacement,
-    a rebalance: the pool's termination hook holds it; SpotPoller sees it) is let go at the worker's exit,
-    once its claim is done (CompleteLifecycleAction)."""
+    failed call is logged and tried again at the next poll. An instance terminating anyway (a
+    replacement, a rebalance: the pool's termination hook holds it; SpotPoller sees it) is let go at
+    the worker's exit, once its claim is done (CompleteLifecycleAction)."""
 
     def __init__(self, asg, instance_id, client, hook):
         self.asg, self.instance_id, self.client, self.hook = asg, instance_id, client, hook
@@ -724,15 +726,16 @@ class ScaleInProtection:
             return None
         import boto3   # lazy: only an EC2 pool instance needs it
         region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
-        return cls(asg, instance_id, boto3.client("autoscaling", config=calque.aws_client_config(region)),
-                   calque.ec2_names(model)["hook"])
+        client = boto3.client("autoscaling", config=calque.aws_client_config(region))
+        return cls(asg, instance_id, client, calque.ec2_names(model)["hook"])
 
     def release(self):
         """Let a terminating instance go: its worker holds no claim any more."""
         if self.leaving:
             try:
-                self.client.complete_lifecycle_action(LifecycleHookName=self.hook, AutoScalingGroupName=self.asg,
-                                                      InstanceId=self.instance_id, LifecycleActionResult="CONTINUE")
+                self.client.complete_lifecycle_action(
+                    LifecycleHookName=self.hook, AutoScalingGroupName=self.asg,
+                    InstanceId=self.instance_id, LifecycleActionResult="CONTINUE")
             except Exception as e:
                 log.warning("completing the termination hook failed (%s: %s)", type(e).__name__, e)
 
@@ -887,7 +890,7 @@ class Worker:
         os.kill(os.getpid(), signal.SIGTERM)
 
     def leave(self):
-        """Its instance is terminating: the scale-in stop (the claim held finishes), the hook completed at exit."""
+        """Its instance is terminating: the scale-in stop; the hook completed at exit."""
         self.protection.leaving = True
         os.kill(os.getpid(), signal.SIGUSR1)
 
@@ -898,8 +901,8 @@ class Worker:
         signal.signal(signal.SIGUSR1, self.on_scale_in)
         if self.conf.get("CALQUE_SPOT_POLL"):
             SpotPoller(self.conf["CALQUE_SPOT_POLL"],
-                       calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01), self.request_stop,
-                       self.leave if self.protection else None)
+                       calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
+                       self.request_stop, self.leave if self.protection else None)
         reason = "?"
         try:
             self.start()
