@@ -7,11 +7,12 @@
    included in both, in alternating pairs; the ratio fixed / sized (>= 0.95 is the goal), and the seconds from
    the last summary until the sized pool's supervisor scales to 0 and until its last worker has exited,
    against its idle window (--scale-to-zero-after 0.25: 15 s);
-2. the planner: a pool measured by a run of 50 claims at 1 worker and one at 2 (on shared cores a claim's
-   time depends on how many workers run beside it), then `submit --plan --yes` of BENCH_PLAN_ITEMS (24,000)
-   items of 300 words in claims of 500 at 2 workers, at 1, and from 0 on the pool turned into
-   --min-workers 0 --max-workers 2 (`pool scale`) once it idled to 0: predicted wall time against the run's actual (created_at to the last
-   summary), on the demo model and on examples/embed_model.py.
+2. the planner: a pool measured by a run of 50 claims at 1 worker and one at 2 (on shared cores a
+   claim's time depends on how many workers run beside it), then `submit --plan --yes` of
+   BENCH_PLAN_ITEMS (24,000) items of 300 words in claims of 500 at 2 workers, at 1, and from 0 on the
+   pool turned into --min-workers 0 --max-workers 2 (`pool scale`) once it idled to 0: predicted wall
+   time against the run's actual (created_at to the last summary), on the demo model and on
+   examples/embed_model.py.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
 import json
@@ -98,9 +99,9 @@ def burst(sized):
 
 
 def planner(name, handler, make, divisor, claim_size):
-    """Predicted against actual wall time of `submit --plan --yes` at 2 workers, then 1, after a measuring
-    run of 50 claims at each count; then on a pool of --min-workers 0 --max-workers 2 at 0 workers
-    (the prediction includes its workers' start-up and @enter)."""
+    """Predicted against actual wall time of `submit --plan --yes` at 2 workers, then 1, after a
+    measuring run of 50 claims at each count; then on a pool of --min-workers 0 --max-workers 2 at 0
+    workers (the prediction includes its workers' start-up and @enter)."""
     with tempfile.TemporaryDirectory() as folder:
         env = fresh_env(folder)
         if name == "embed":   # its random-weight model, built here as its README says
@@ -117,19 +118,20 @@ def planner(name, handler, make, divisor, claim_size):
             if workers:
                 cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
             else:   # the same pool sizing itself, at 0 when the run comes (its workers' stats kept)
-                cli(env, "pool", "scale", "--model", name, "--min-workers", "0", "--max-workers", "2",
-                    "--scale-to-zero-after", str(IDLE_MINUTES))
+                cli(env, "pool", "scale", "--model", name, "--min-workers", "0", "--max-workers",
+                    "2", "--scale-to-zero-after", str(IDLE_MINUTES))
                 status = os.path.join(env["CALQUE_STATE"], "pools", name, "supervisor.json")
                 while any(w["pid"] for w in json.load(open(status))["workers"]):
                     time.sleep(0.2)
-            out = cli(env, "submit", "--pool", name, items, "--claim-size", size, "--plan", "--yes", "--json")
+            out = cli(env, "submit", "--pool", name, items, "--claim-size", size, "--plan", "--yes",
+                      "--json")
             run = json.loads(out.stdout)["run"]
             actual, summaries = finished(env, run["run_id"])
             predicted, count = run["plan"]["seconds"], run["plan"]["count"]
             rows.append((workers, predicted, actual))
-            print(f"  {name:<6} {count} worker(s){' from 0' if not workers else ''}: predicted {predicted:6.2f} s, "
-                  f"actual {actual:6.2f} s ({(predicted - actual) / actual:+.1%}); load {os.getloadavg()[0]:.1f}",
-                  flush=True)
+            print(f"  {name:<6} {count} worker(s){' from 0' if not workers else ''}: predicted "
+                  f"{predicted:6.2f} s, actual {actual:6.2f} s ({(predicted - actual) / actual:+.1%}); "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
         cli(env, "pool", "delete", "--model", name, "--yes")
         return rows
 
@@ -139,7 +141,8 @@ def main():
     for pair in range(PAIRS):
         order = (False, True) if pair % 2 == 0 else (True, False)
         result = {sized: burst(sized) for sized in order}
-        (fixed, _, fixed_first, _), (sized, back, sized_first, spawned) = result[False], result[True]
+        fixed, _, fixed_first, _ = result[False]
+        sized, back, sized_first, spawned = result[True]
         print(f"  pair {pair + 1} ({'fixed' if pair % 2 == 0 else 'sized'} first): fixed {fixed:6.2f} s (first claim "
               f"at {fixed_first:.1f} s), sized {sized:6.2f} s (at {sized_first:.1f} s): {fixed / sized:.2f}x; after "
               f"the last claim: scaled to 0 at {back[0]:.1f} s, every worker gone at {back[1]:.1f} s (idle window "

@@ -38,11 +38,13 @@ def test_local_pool_wakes_on_work_and_idles_back_to_zero(local_env, tmp_path):
     assert re.search(r"scale: backlog 10\+0 in flight, unmeasured, .* bounds 0..2: 0 -> 2", log), log
     assert re.search(r"scale: backlog 0\+0 in flight, .*: 2 -> 0", log), log
     assert "exited with 0" in log and status(local_env)["supervisor"]["pid"]    # graceful; the supervisor stays
-    out = cli(local_env, "pool", "scale", "--model", "m", "--max-workers", "3")   # a new ceiling, the rest kept
-    assert out.returncode == 0 and "sizes itself between 0 and 3 local worker(s) (idle 0.05 min -> 0)" in out.stdout
+    out = cli(local_env, "pool", "scale", "--model", "m", "--max-workers", "3")   # the rest kept
+    assert out.returncode == 0, out.stderr
+    assert "sizes itself between 0 and 3 local worker(s) (idle 0.05 min -> 0)" in out.stdout
     scaling = json.load(open(os.path.join(local_env["CALQUE_STATE"], "pools", "m", "scaling.json")))
-    assert (scaling["lo"], scaling["hi"], scaling["idle_window"]) == (0, 3, 3.0) and alive(local_env) == 0
-    out = cli(local_env, "pool", "scale", "--model", "m")
+    assert (scaling["lo"], scaling["hi"], scaling["idle_window"]) == (0, 3, 3.0)
+    assert alive(local_env) == 0
+    out = cli(local_env, "pool", "scale", "--model", "m")    # no count: one line and a hint
     assert out.returncode == 2 and "---> HINT: e.g. pool scale --model m --min-workers 0" in out.stderr
 
 

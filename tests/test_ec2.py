@@ -755,35 +755,42 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     fire(names["alarm_idle"])
     assert asg_of()["Instances"] == []
 
-    # pool scale --min-instances 1 --max-instances 5: the group's bounds, the steps and the idle policy put again
+    # pool scale --min-instances 1 --max-instances 5: the group's bounds, steps and idle policy put again
     monkeypatch.setenv("CALQUE_STORE", STORE)
-    assert calque.main(["pool", "scale", "--model", MODEL, "--min-instances", "1", "--max-instances", "5"]) == calque.EXIT_USAGE
-    assert "--yes-spend-money" in capsys.readouterr().err      # the floor above the desired 0 starts one
-    assert calque.main(["pool", "scale", "--model", MODEL, "--min-instances", "1", "--max-instances", "5",
-                        "--yes-spend-money"]) == 0
+    scale = ["pool", "scale", "--model", MODEL, "--min-instances", "1", "--max-instances", "5"]
+    assert calque.main(scale) == calque.EXIT_USAGE
+    assert "--yes-spend-money" in capsys.readouterr().err      # a floor above the desired 0 starts one
+    assert calque.main(scale + ["--yes-spend-money"]) == 0
     group, stored = asg_of(), calque.read_json(aws.backend, calque.pool_key(MODEL))
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 5, 1)
     assert stored["ec2"]["scaling"]["steps"] == [[1, 1], [3, 2], [5, 3], [7, 4], [9, 5]]
-    policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
-        AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
-    assert policies[names["policy_idle"]]["ScalingAdjustment"] == 1
-    assert [a["ScalingAdjustment"] for a in policies[names["policy_wake"]]["StepAdjustments"]] == [1, 2, 3, 4, 5]
-    assert calque.main(["pool", "scale", "--model", MODEL, "--instances", "2", "--max-instances", "3"]) == calque.EXIT_USAGE
+
+    def policies():
+        return {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
+            AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
+    assert policies()[names["policy_idle"]]["ScalingAdjustment"] == 1
+    steps = policies()[names["policy_wake"]]["StepAdjustments"]
+    assert [(a["MetricIntervalLowerBound"], a["ScalingAdjustment"]) for a in steps] == [
+        (0.0, 1), (2.5, 2), (4.5, 3), (6.5, 4), (8.5, 5)]
+    assert calque.main(["pool", "scale", "--model", MODEL, "--instances", "2", "--max-instances", "3"]
+                       ) == calque.EXIT_USAGE
     assert "---> HINT" in capsys.readouterr().err
 
-    # a submit puts the steps again once the pool's measured seconds per claim moved (here 30 s -> 6 s)
-    calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "c00000"),
+    # a submit puts the steps again once the measured seconds per claim moved (here 30 s -> 6 s)
+    calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa",
+                                                      "c00000"),
                       {"claim": "c00000", "items": 10, "claim_seconds": 6.0, "enter_seconds_paid": 0.0,
                        "mode": "pool"})
     calque.refresh_backlog_steps(aws.backend, stored)
-    policies = {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
-        AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
-    assert [a["ScalingAdjustment"] for a in policies[names["policy_wake"]]["StepAdjustments"]] == [1, 2, 3, 4, 5]
+    steps = policies()[names["policy_wake"]]["StepAdjustments"]
+    assert [(a["MetricIntervalLowerBound"], a["ScalingAdjustment"]) for a in steps] == [
+        (0.0, 1), (10.5, 2), (20.5, 3), (30.5, 4), (40.5, 5)]
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    assert stored["ec2"]["scaling"]["seconds_per_claim"] == 6.0 and stored["ec2"]["scaling"]["steps"][1] == [11, 2]
+    assert stored["ec2"]["scaling"]["seconds_per_claim"] == 6.0
 
-    # the termination hook (the worker's side, SpotPoller reading target-lifecycle-state: test_warmd.py)
-    hooks = client("autoscaling").describe_lifecycle_hooks(AutoScalingGroupName=names["asg"])["LifecycleHooks"]
+    # the termination hook (the worker's side, SpotPoller on target-lifecycle-state: test_warmd.py)
+    hooks = client("autoscaling").describe_lifecycle_hooks(
+        AutoScalingGroupName=names["asg"])["LifecycleHooks"]
     assert [(h["LifecycleHookName"], h["LifecycleTransition"], h["HeartbeatTimeout"], h["DefaultResult"])
             for h in hooks] == [(names["hook"], "autoscaling:EC2_INSTANCE_TERMINATING", 900, "CONTINUE")]
 
@@ -792,7 +799,8 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
         "MetricAlarms"] == []
     assert asg_of() is None or asg_of().get("Status")
     assert client("autoscaling").describe_policies(AutoScalingGroupName=names["asg"])["ScalingPolicies"] == []
-    assert client("autoscaling").describe_lifecycle_hooks(AutoScalingGroupName=names["asg"])["LifecycleHooks"] == []
+    assert client("autoscaling").describe_lifecycle_hooks(
+        AutoScalingGroupName=names["asg"])["LifecycleHooks"] == []
 
 
 def test_modal_image_on_an_ec2_pool(aws, tmp_path, monkeypatch):

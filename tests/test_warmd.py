@@ -250,7 +250,7 @@ def test_spot_notice_releases_the_claim_and_exits_0(local_env, tmp_path):
         server.shutdown()
 
 class LifecycleStub(SpotStub):
-    """The same metadata service on an instance its Auto Scaling group is terminating (no spot notice)."""
+    """The same metadata service on an instance its group is terminating (no spot notice)."""
 
     def do_GET(self):
         if self.path == "/latest/meta-data/autoscaling/target-lifecycle-state":
@@ -262,9 +262,9 @@ class LifecycleStub(SpotStub):
 
 
 def test_a_terminating_instance_is_seen_and_let_go(tmp_path):
-    """SpotPoller reads target-lifecycle-state and calls on_terminating once (the worker's scale-in stop);
-    ScaleInProtection then completes the termination hook at the worker's exit (here against a loopback
-    stub of the Auto Scaling API: the call's parameters)."""
+    """SpotPoller reads target-lifecycle-state and calls on_terminating once (the worker's scale-in
+    stop); ScaleInProtection then completes the termination hook at the worker's exit (its call's
+    parameters, recorded: moto 5.2.5 has no CompleteLifecycleAction)."""
     import warmd
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LifecycleStub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
