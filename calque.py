@@ -3437,6 +3437,7 @@ RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long made 
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
 SCALE_INTERVAL = 0.5                    # s between two looks at the queue of a pool that sizes itself
 SCALE_MEASURE_EVERY = 10.0              # s between two reads of its recent summaries (seconds per claim)
+SCALE_WAKE_HOLD = 30.0                  # s a submit's announced claims count as backlog until they show
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
 SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
@@ -3654,13 +3655,13 @@ def read_desired(folder):
 class LocalScaler:
     """The supervisor's sizing of a pool that scales itself (scaling.json in its state folder: lo,
     hi, idle_window, target_drain): every SCALE_INTERVAL s, desired_count on the queue's depth and
-    the seconds per claim of the pool's recent summaries (re-read every SCALE_MEASURE_EVERY s); each
-    change is logged with its inputs. Without scaling.json, the count `pool create` / `pool scale`
-    wrote."""
+    the seconds per claim of the pool's recent summaries (re-read every SCALE_MEASURE_EVERY s), a
+    submit's announced claims (announce_run) counted while its queue is still empty; each change is
+    logged with its inputs. Without scaling.json, the count `pool create` / `pool scale` wrote."""
 
     def __init__(self, conf, model, folder):
         self.conf, self.model, self.folder = conf, model, folder
-        self.backend = self.queue = self.spc = self.since = self.error = None
+        self.backend = self.queue = self.spc = self.since = self.error = self.woken = None
         self.checked = self.measured = -math.inf
 
     def want(self, current, now):
@@ -3685,6 +3686,11 @@ class LocalScaler:
             return current
         self.error = None
         backlog = depth["visible"] + depth["in_flight"]
+        wake = bounds.get("wake")   # a submit staging a run: its claims count before they are queued
+        if wake and backlog:
+            self.woken = wake["at"]   # they showed: that announcement is spent
+        elif wake and wake["at"] != self.woken and now - wake["at"] < SCALE_WAKE_HOLD:
+            depth, backlog = dict(depth, visible=wake["claims"]), wake["claims"]
         if bounds.get("boost") and not backlog:   # a planned run's count holds while its claims wait
             write_file_atomic(os.path.join(self.folder, "scaling.json"), json.dumps(dict(bounds, boost=0)))
         lo = min(bounds["hi"], max(bounds["lo"], bounds.get("boost", 0) if backlog else 0))
@@ -7085,6 +7091,17 @@ def crash_looping(conf, model):
     return None
 
 
+def announce_run(conf, model, items, claim_size):
+    """Tell a local pool that sizes itself, before staging, how many claims are coming (1 when the
+    items are a stream), so its supervisor starts the workers they need while submit stages."""
+    folder = state_dir(conf, model)
+    bounds = read_scaling(folder)
+    if bounds is not None:
+        claims = -(-len(items) // claim_size) if hasattr(items, "__len__") and len(items) else 1
+        wake = {"at": time.time(), "claims": claims}
+        write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, wake=wake)))
+
+
 def pool_liveness(conf, backend, record):
     """("live" | "starting" | "crashing" | "none", why) for a submit to the pool: live when a worker has finished
     @enter (a warm local worker, or a running worker's stats on any machine); crashing when every local worker
@@ -7304,6 +7321,8 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     if state == "starting":   # (with wait_for_workers, a pool with none is what the caller asked to queue for)
         print(f"calque: {why}", file=sys.stderr)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    if state == "starting":
+        announce_run(conf, pool, items, claim_size)
     run = stage_run(backend, record, items, claim_size, queue, "pool", run_id or new_run_id(record["model"]))
     return Run(run["run_id"], context=(conf, backend), id_field=id_field)
 

@@ -48,6 +48,28 @@ def test_local_pool_wakes_on_work_and_idles_back_to_zero(local_env, tmp_path):
     assert out.returncode == 2 and "---> HINT: e.g. pool scale --model m --min-workers 0" in out.stderr
 
 
+def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeypatch):
+    """announce_run (submit, before staging) makes the supervisor's decision count the run's claims
+    while its queue is still empty, once: when they show, the queue's own count takes over."""
+    import calque
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
+              "--min-workers", "0", "--max-workers", "2", "--scale-to-zero-after", "0.05")
+    assert out.returncode == 0, out.stderr
+    for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_ENV"):
+        monkeypatch.setenv(key, local_env[key])
+    conf = calque.settings()
+    scaler = calque.LocalScaler(conf, "m", calque.state_dir(conf, "m"))
+    assert scaler.want(0, time.time()) == 0                   # nothing queued, nothing announced
+    calque.announce_run(conf, "m", [{"x": i} for i in range(6)], 2)    # 3 claims coming
+    scaler.checked = -1e9
+    assert scaler.want(0, time.time()) == 2                   # one a claim (unmeasured), up to 2
+    backend = backend_for(local_env)
+    backend.queues.open_queue("calque-pool-m").send_batch(["{}"])   # the claims show: the real count
+    scaler.checked = -1e9
+    assert scaler.want(2, time.time()) == 2 and scaler.woken is not None
+    cli(local_env, "pool", "delete", "--model", "m", "--yes", "--force")
+
+
 def test_scale_in_while_every_worker_holds_a_claim_redelivers_nothing(local_env, tmp_path):
     """Both workers are held mid-claim by the Gate handler; `pool scale --workers 1` asks one to go. It keeps its
     claim past the grace (CALQUE_GRACE=2 here: SIGTERM's timer would release it), finishes it, then exits 0."""
