@@ -3437,7 +3437,7 @@ RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long made 
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
 SCALE_INTERVAL = 0.5                    # s between two looks at the queue of a pool that sizes itself
 SCALE_MEASURE_EVERY = 10.0              # s between two reads of its recent summaries (seconds per claim)
-SCALE_WAKE_HOLD = 30.0                  # s a submit's announced claims count as backlog until they show
+SCALE_WAKE_HOLD = 30.0                  # s a submit's announced claims count until they show
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
 SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
@@ -3686,7 +3686,7 @@ class LocalScaler:
             return current
         self.error = None
         backlog = depth["visible"] + depth["in_flight"]
-        wake = bounds.get("wake")   # a submit staging a run: its claims count before they are queued
+        wake = bounds.get("wake")   # a submit staging a run: its claims, before they are queued
         if wake and backlog:
             self.woken = wake["at"]   # they showed: that announcement is spent
         elif wake and wake["at"] != self.woken and now - wake["at"] < SCALE_WAKE_HOLD:

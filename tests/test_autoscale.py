@@ -45,7 +45,8 @@ def test_local_pool_wakes_on_work_and_idles_back_to_zero(local_env, tmp_path):
     assert (scaling["lo"], scaling["hi"], scaling["idle_window"]) == (0, 3, 3.0)
     assert alive(local_env) == 0
     out = cli(local_env, "pool", "scale", "--model", "m")    # no count: one line and a hint
-    assert out.returncode == 2 and "---> HINT: e.g. pool scale --model m --min-workers 0" in out.stderr
+    assert out.returncode == 2
+    assert "---> HINT: e.g. pool scale --model m --min-workers 0" in out.stderr
 
 
 def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeypatch):
@@ -64,7 +65,7 @@ def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeyp
     scaler.checked = -1e9
     assert scaler.want(0, time.time()) == 2                   # one a claim (unmeasured), up to 2
     backend = backend_for(local_env)
-    backend.queues.open_queue("calque-pool-m").send_batch(["{}"])   # the claims show: the real count
+    backend.queues.open_queue("calque-pool-m").send_batch(["{}"])   # they show: the real count
     scaler.checked = -1e9
     assert scaler.want(2, time.time()) == 2 and scaler.woken is not None
     cli(local_env, "pool", "delete", "--model", "m", "--yes", "--force")
