@@ -1,0 +1,152 @@
+"""Each of the worker's fast paths on and off, end to end on the demo model and the embedding example.
+
+    .venv/bin/python bench/fast_paths.py               # both examples (~4 min on 2 shared cores)
+    .venv/bin/python bench/fast_paths.py demo          # or one; BENCH_ROUNDS, BENCH_DEMO_ITEMS, BENCH_EMBED_ITEMS
+
+One in-process warmd.Worker per example (entered once) runs one claim of the example's items per variant and
+round: stage, then receive, manifest, batches, result lines, part, summary and ack (Worker.handle). A variant
+turns one fast path off by monkeypatching warmd or fastbatch in this process (no setting). Rounds interleave the
+variants claim by claim, so a noisy neighbour slows all alike; "all on, again" is the A/A control: its gain is
+the noise. Items/s from the median wall time and from the least CPU time of the process (steadier on a shared
+machine: what the claim itself costs, less the neighbours' slowing of it); gain
+= items/s with the path on / with it off - 1. The rule (issue #26): a path stays where it pays >= 5 % on either.
+"""
+import concurrent.futures
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import calque  # noqa: E402
+import warmd   # noqa: E402
+
+# ------------------------------------------------------------------------------------------------
+ROUNDS = {"demo": int(os.environ.get("BENCH_DEMO_ROUNDS", "40")),     # interleaved rounds: a claim per variant
+          "embed": int(os.environ.get("BENCH_EMBED_ROUNDS", "4"))}
+CLAIM = {"demo": 1000, "embed": 250}   # items per claim: calque's default; the embedding bench's (~4 ms an item)
+BATCH = 32                             # calque's default (CALQUE_BATCH_SIZE)
+EXAMPLES = ("demo", "embed")
+# ------------------------------------------------------------------------------------------------
+
+
+def future_done(fn, *args):
+    """What warmd.Done replaces: fn(*args) run here, its outcome in a concurrent.futures.Future."""
+    future = concurrent.futures.Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:
+        future.set_exception(e)
+    return future
+
+
+def fastbatch_reference():
+    """fastbatch's numpy reference for every gather (stack, pad, collate), as without the C module."""
+    import fastbatch
+    return fastbatch, "BACKEND", "reference"
+
+
+# name -> [(module, attribute, value while off)]; the first variant is everything on
+VARIANTS = {
+    "all on": lambda: [],
+    "all on, again (A/A: the noise)": lambda: [],
+    "C framing off (format_each: orjson per item)": lambda: [(warmd, "framer", None)],
+    "C framing + orjson off (json per item)": lambda: [(warmd, "framer", None),
+                                                      (warmd, "encode_fast", lambda *a, **k: None)],
+    "Done off (a Future per call)": lambda: [(warmd, "Done", future_done)],
+    "fastbatch C gather off (numpy stack/pad)": lambda: [fastbatch_reference()],
+}
+
+
+def make_pool(tmp, handler):
+    """A local-backend pool of handler (batches of BATCH) in tmp; (conf, backend, record, queue)."""
+    os.environ.update(CALQUE_STORE=os.path.join(tmp, "store"), CALQUE_STATE=os.path.join(tmp, "state"))
+    conf, backend = calque.settings(), calque.open_backend(os.path.join(tmp, "store"))
+    args = calque.build_parser().parse_args(["pool", "create", "--model", "bench", "--handler", handler,
+                                            "--batch-size", str(BATCH), "--workers", "0"])
+    with open(os.devnull, "w") as quiet:
+        saved, sys.stdout = sys.stdout, quiet
+        try:
+            calque.cmd_pool_create(conf, backend, args)
+        finally:
+            sys.stdout = saved
+    record = calque.load_pool(backend, "bench")
+    return conf, backend, record, backend.queues.open_queue(record["queue"])
+
+
+def drain(worker, backend, record, queue, items):
+    """(wall s, CPU s) to stage items as one claim and have the worker run it; checks every item succeeded."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    run = calque.stage_run(backend, record, items, len(items), queue, "pool")
+    worker.handle(queue.receive(1))
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    (summary,) = calque.read_summaries(backend, run["run_id"])
+    assert summary["ok"] == len(items), summary.get("errors")
+    assert not summary["prefetch"]   # text items: no claim collates, fastbatch gathers nothing
+    return seconds, cpu
+
+
+def example_setup(name, tmp):
+    """(handler, items) of an example; the embedding example's model is built into tmp first."""
+    if name == "demo":
+        import json
+        with open(os.path.join(ROOT, "examples", "items.jsonl")) as f:
+            base = [json.loads(line) for line in f]
+        return os.path.join(ROOT, "examples", "demo_model.py:DemoModel"), \
+            [base[i % len(base)] for i in range(CLAIM[name])]
+    folder = os.path.join(tmp, "embed-model")
+    subprocess.run([sys.executable, os.path.join(ROOT, "examples", "make_embed_model.py"), folder], check=True,
+                   stdout=subprocess.DEVNULL)
+    os.environ.update(EMBED_MODEL_DIR=folder, HF_HUB_OFFLINE="1")
+    import make_embed_model
+    return os.path.join(ROOT, "examples", "embed_model.py:EmbedModel"), \
+        [{"text": t} for t in make_embed_model.texts(CLAIM[name])]
+
+
+def measure(name):
+    """{variant: (items/s of the median wall time, of the least CPU time)} for one example."""
+    tmp = tempfile.mkdtemp(prefix=f"calque-fast-{name}-")
+    handler, items = example_setup(name, tmp)
+    conf, backend, record, queue = make_pool(tmp, handler)
+    worker = warmd.Worker(backend, record, calque.worker_stats_prefix("bench"), conf, False)
+    worker.start()
+    drain(worker, backend, record, queue, items)   # warm-up: first batches, imports, caches
+    times = {v: [] for v in VARIANTS}
+    for r in range(ROUNDS[name]):
+        order = list(VARIANTS.items())
+        random.Random(r).shuffle(order)   # no variant always runs after the same one
+        for variant, patches in order:
+            saved = [(m, a, getattr(m, a)) for m, a, _ in patches()]
+            for m, a, value in patches():
+                setattr(m, a, value)
+            try:
+                times[variant].append(drain(worker, backend, record, queue, items))
+            finally:
+                for m, a, value in saved:
+                    setattr(m, a, value)
+    return {v: (len(items) / statistics.median(t[0] for t in ts), len(items) / min(t[1] for t in ts))
+            for v, ts in times.items()}
+
+
+def main():
+    names = sys.argv[1:] or EXAMPLES
+    results = {name: measure(name) for name in names}
+    print(f"\nitems/s, medians of " + ", ".join(f"{ROUNDS[n]} {n} claims of {CLAIM[n]}" for n in names) +
+          f" items, interleaved (batches of {BATCH}), "
+          f"median wall / least CPU; gain = on / off - 1")
+    print(f"{'path turned off':46s}" + "".join(f" {n + ' wall':>11s} {n + ' cpu':>10s} {'gain':>13s}" for n in names))
+    for variant in VARIANTS:
+        row = f"{variant:46s}"
+        for n in names:
+            (wall, cpu), (on_wall, on_cpu) = results[n][variant], results[n]["all on"]
+            row += f" {wall:11.1f} {cpu:10.1f} {100 * (on_wall / wall - 1):+6.1f}/{100 * (on_cpu / cpu - 1):+5.1f}%"
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
