@@ -762,7 +762,7 @@ def test_results_neither_encoder_takes_fail_their_item():
 
 
 @given(st.lists(JSON_VALUES, min_size=1, max_size=20), st.integers(0, 2 ** 40))
-@settings(max_examples=200, **PROPERTY)
+@settings(max_examples=100, **PROPERTY)
 def test_fuzz_result_lines(values, base):
     """The framed lines are format_each's where orjson takes the batch; format_each's read back as the values."""
     if warmd.framer is None:
