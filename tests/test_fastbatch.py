@@ -1,10 +1,11 @@
 """fastbatch: the C gather against the numpy reference path, and both against plain numpy.
 
-    .venv/bin/python -m pytest -q tests/test_fastbatch.py        # both paths (C ones skip if unbuilt)
+    .venv/bin/python -m pytest -q tests/test_fastbatch.py    # both paths (C ones skip if unbuilt)
 
-The gather is checked by hypothesis properties (generated dtypes, shapes, ragged lengths, item kinds, byte
-offsets, outs, thread and streaming thresholds; derandomized, so every run draws the same examples) plus a few
-named cases for the edges: every dtype once, one item, empty rows, the thread threshold, each error.
+The gather is checked by hypothesis properties (generated dtypes, shapes, ragged lengths, item
+kinds, byte offsets, outs, thread and streaming thresholds; derandomized, so every run draws the
+same examples) plus named cases for the edges: every dtype once, one item, empty rows, the thread
+threshold, each error.
 """
 import array
 import dataclasses
@@ -32,13 +33,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import fastbatch  # noqa: E402
 
-DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, np.int8, np.int16, np.bool_]
+DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, np.int8, np.int16,
+          np.bool_]
 BACKENDS = ["c", "reference"]
 # (THREADS, THREAD_MIN_BYTES, STREAM_MIN_BYTES): defaults on one thread (tiny batches: plain
 # memcpy), 3 threads from 1 byte up, and 2 threads with streaming stores from 0 bytes up.
 THREADINGS = [(1, None, None), (3, 1, None), (2, 1, 0)]
 # the same examples on every run and machine (CI is deterministic), none kept between runs
-PROPERTY = dict(deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = dict(deadline=None, derandomize=True, database=None,
+                suppress_health_check=[HealthCheck.too_slow])
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -53,8 +56,8 @@ def backend(request, monkeypatch):
 
 
 def on_path(name, threading_, fn):
-    """fn() with fastbatch on path `name` ("c" or "reference") and these thresholds: ("ok", its numpy copy
-    (a tuple's, item by item)) or ("error", type, message) for a ValueError/TypeError."""
+    """fn() with fastbatch on path `name` ("c" or "reference") and these thresholds: ("ok", a
+    numpy copy of its result, item by item for a tuple) or ("error", type, message)."""
     threads, min_bytes, stream_bytes = threading_
     names = ("BACKEND", "THREADS", "THREAD_MIN_BYTES", "STREAM_MIN_BYTES")
     saved = [getattr(fastbatch, n) for n in names]
@@ -63,7 +66,9 @@ def on_path(name, threading_, fn):
     fastbatch.STREAM_MIN_BYTES = saved[3] if stream_bytes is None else stream_bytes
     try:
         got = fn()
-        return "ok", tuple(t.numpy().copy() for t in got) if isinstance(got, tuple) else got.numpy().copy()
+        if isinstance(got, tuple):
+            return "ok", tuple(t.numpy().copy() for t in got)
+        return "ok", got.numpy().copy()
     except (ValueError, TypeError) as e:
         return "error", type(e), str(e)
     finally:
@@ -72,7 +77,8 @@ def on_path(name, threading_, fn):
 
 
 def c_and_reference(threading_, fn):
-    """fn()'s outcome on the C path, checked to be the reference path's bit for bit (same error when it raises)."""
+    """fn()'s outcome on the C path, checked to be the reference path's byte for byte (or the same
+    error)."""
     if fastbatch.lib is None:
         pytest.skip("C module not built")
     c, ref = on_path("c", threading_, fn), on_path("reference", threading_, fn)
@@ -95,15 +101,17 @@ def rand(shape, dtype, rng):
 
 
 def at_offset(a, offset):
-    """A copy of a whose data starts `offset` bytes into a fresh buffer (misaligned for offset % itemsize)."""
-    out = np.frombuffer(bytearray(a.nbytes + 8), a.dtype, count=a.size, offset=offset).reshape(a.shape)
+    """A copy of a, its data `offset` bytes into a fresh buffer (misaligned unless offset % itemsize
+    is 0)."""
+    out = np.frombuffer(bytearray(a.nbytes + 8), a.dtype, count=a.size, offset=offset)
+    out = out.reshape(a.shape)
     out[...] = a
     return out
 
 
 def as_kind(a, kind):
-    """The same values as a numpy array, a torch tensor, a buffer, a misaligned copy or a view into a bigger
-    array (contiguous: a row of it)."""
+    """The same values as a numpy array, a torch tensor, a buffer, a misaligned copy or a view into
+    a bigger array (contiguous: a row of it)."""
     if kind == "torch":
         return torch.from_numpy(a.copy())
     if kind == "buffer":
@@ -128,12 +136,12 @@ def numpy_pad(seqs, pad_value, max_len=None):
 def assert_same(got, want, what=""):
     """got (torch) equals want (numpy) in shape, dtype and every element (NaN equal to NaN)."""
     g = got.numpy()
-    assert g.shape == want.shape and g.dtype == want.dtype, (what, g.shape, g.dtype, want.shape, want.dtype)
+    assert (g.shape, g.dtype) == (want.shape, want.dtype), (what, g.shape, g.dtype, want.shape)
     np.testing.assert_array_equal(g, want, err_msg=what)
 
 
 def make_out(kind, n, dtype):
-    """An out of at least n elements (None, exact, larger, a numpy array, a misaligned numpy array)."""
+    """An out of at least n elements: None, exact, larger, numpy, misaligned numpy."""
     if kind is None:
         return None
     if kind == "exact":
@@ -151,10 +159,11 @@ KINDS = ["numpy", "torch", "buffer", "misaligned", "view"]
 
 @st.composite
 def stack_cases(draw):
-    """(items, np.stack of their values, out kind, threading): B items of one dtype and shape, each of any kind;
-    rows from empty to over a page (threads then split inside an item)."""
+    """(items, np.stack of their values, out kind, threading): B items of one dtype and shape, each
+    of any kind; rows from empty to over a page (threads then split inside an item)."""
     dtype = np.dtype(draw(st.sampled_from(DTYPES)))
-    shape = draw(st.lists(st.integers(0, 4), max_size=3).map(tuple) | st.tuples(st.integers(500, 3000)))
+    shape = draw(st.lists(st.integers(0, 4), max_size=3).map(tuple)
+                 | st.tuples(st.integers(500, 3000)))
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 16)))
     values = [rand(shape, dtype, rng) for _ in range(draw(st.integers(1, 6)))]
     items = [as_kind(a, draw(st.sampled_from(KINDS))) for a in values]
@@ -166,13 +175,13 @@ def stack_cases(draw):
 def test_stack_c_equals_reference(case):
     """stack: the C path's bytes are the reference path's, and both are np.stack's, into any out."""
     items, want, out_kind, threading_ = case
-    _, got = c_and_reference(threading_, lambda: fastbatch.stack(items, out=make_out(out_kind, want.size,
-                                                                                      want.dtype)))
+    _, got = c_and_reference(threading_, lambda: fastbatch.stack(
+        items, out=make_out(out_kind, want.size, want.dtype)))
     np.testing.assert_array_equal(got, want)
 
 
 def pad_values(dtype):
-    """Pad values dtype holds exactly: any bool, any int in range, any float of its width (NaN and inf too)."""
+    """Pad values dtype holds exactly: a bool, an int in range, a float of its width (NaN, inf)."""
     if dtype.kind == "b":
         return st.booleans()
     if dtype.kind == "f":
@@ -183,8 +192,8 @@ def pad_values(dtype):
 
 @st.composite
 def pad_cases(draw):
-    """(seqs, their numpy values, pad value, max_len, out kind, threading): ragged 1-D sequences of one dtype,
-    empty to a few pages long, of any kind."""
+    """(seqs, their numpy values, pad value, max_len, out kind, threading): ragged 1-D sequences
+    of one dtype, empty to a few pages long, of any kind."""
     dtype = np.dtype(draw(st.sampled_from(DTYPES)))
     lengths = draw(st.lists(st.integers(0, 40) | st.integers(500, 3000), min_size=1, max_size=8))
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 16)))
@@ -208,7 +217,8 @@ def test_pad_equals_the_numpy_loop(case):
 
 @st.composite
 def payload_batches(draw):
-    """Payloads as a handler's items: ragged token lists or arrays, a same-shape array, a number beside them."""
+    """Payloads as a handler's items: token lists or arrays (ragged or not), a same-shape array,
+    a number beside them."""
     rng = np.random.default_rng(draw(st.integers(0, 2 ** 16)))
     dtype = np.dtype(draw(st.sampled_from(DTYPES)))
     ragged = draw(st.booleans())
@@ -216,7 +226,8 @@ def payload_batches(draw):
     for n in draw(st.lists(st.integers(0, 30), min_size=1, max_size=6)):
         ids = rand((n if ragged else 4,), np.int64, rng)
         payloads.append({"ids": ids.tolist() if draw(st.booleans()) else ids,
-                         "img": as_kind(rand((2, 3), dtype, rng), draw(st.sampled_from(["numpy", "torch"]))),
+                         "img": as_kind(rand((2, 3), dtype, rng),
+                                        draw(st.sampled_from(["numpy", "torch"]))),
                          "label": draw(st.integers(-5, 5))})
     return payloads, draw(st.sampled_from(THREADINGS))
 
@@ -224,7 +235,7 @@ def payload_batches(draw):
 @settings(max_examples=40, **PROPERTY)
 @given(payload_batches())
 def test_collate_c_equals_reference(case):
-    """collate_default and ring.collate: the C path's tensors are the reference path's, key by key."""
+    """collate_default and ring.collate: the C path's tensors are the reference path's."""
     payloads, threading_ = case
     ring = fastbatch.PinnedRing(slots=1)
 
@@ -236,10 +247,11 @@ def test_collate_c_equals_reference(case):
         batch = fastbatch.collate_default(payloads)
         return tuple(batch[k] for k in sorted(batch))
     fresh = c_and_reference(threading_, fresh_batch)
-    assert [a.tobytes() for a in c_and_reference(threading_, in_ring)[1]] == [a.tobytes() for a in fresh[1]]
+    ringed = c_and_reference(threading_, in_ring)
+    assert [a.tobytes() for a in ringed[1]] == [a.tobytes() for a in fresh[1]]
 
 
-# fuzz: random item lists, valid or not, give numpy's answer on both paths, or the same named error on both
+# fuzz: random item lists, valid or not: numpy's answer on both paths, or one named error on both
 FUZZ_DTYPES = [np.float32, np.float64, np.float16, np.int32, np.int64, np.uint8, np.bool_,
                np.complex64, ">i4", np.object_]
 
@@ -250,11 +262,12 @@ def fuzz_item(draw, shape_st):
     dtype = np.dtype(draw(st.sampled_from(FUZZ_DTYPES)))
     shape = draw(shape_st)
     ok = dtype in fastbatch._TORCH
-    a = rand(shape, dtype, np.random.default_rng(draw(st.integers(0, 9)))) if ok else np.zeros(shape, dtype)
+    rng = np.random.default_rng(draw(st.integers(0, 9)))
+    a = rand(shape, dtype, rng) if ok else np.zeros(shape, dtype)
     kind = draw(st.sampled_from(["numpy", "torch", "strided", "reversed", "list"]))
     if kind in ("strided", "reversed") and a.ndim >= 1:
         s = a.repeat(2, axis=-1)[..., ::2] if kind == "strided" else a[..., ::-1]
-        return s, (s if ok and s.flags.c_contiguous else None)   # still contiguous when empty or 1 long
+        return s, (s if ok and s.flags.c_contiguous else None)   # contiguous if empty or 1 long
     if kind == "torch" and ok:
         return torch.from_numpy(a.copy()), a
     if kind == "list":
@@ -269,7 +282,7 @@ SHAPE = st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)
 @given(items=st.lists(fuzz_item(st.sampled_from([(2, 3), (3,), (0,), ()]) | SHAPE), max_size=4),
        out_kind=st.sampled_from([None, "exact", "short"]))
 def test_fuzz_stack(items, out_kind):
-    """Random shapes/dtypes/kinds/outs: np.stack's answer when the batch is valid, else one error on both paths."""
+    """Random shapes/dtypes/kinds/outs: np.stack's answer for a valid batch, else one error."""
     arrays = [a for _, a in items]
     valid = bool(items) and all(a is not None for a in arrays) and \
         all(a.shape == arrays[0].shape and a.dtype == arrays[0].dtype for a in arrays)
@@ -289,11 +302,12 @@ def test_fuzz_stack(items, out_kind):
 @given(items=st.lists(fuzz_item(st.sampled_from([(0,), (1,), (5,), (17,)]) | SHAPE), max_size=4),
        max_len=st.none() | st.integers(0, 20))
 def test_fuzz_pad(items, max_len):
-    """Random shapes/dtypes/kinds: the numpy loop's answer when the batch is valid, else one error on both paths."""
+    """Random shapes/dtypes/kinds: the numpy loop's answer for a valid batch, else one error."""
     arrays = [a for _, a in items]
     valid = bool(items) and all(a is not None and a.ndim == 1 for a in arrays) and \
         all(a.dtype == arrays[0].dtype for a in arrays)
-    outcome = c_and_reference((1, None, None), lambda: fastbatch.pad([it for it, _ in items], max_len=max_len))
+    outcome = c_and_reference((1, None, None),
+                              lambda: fastbatch.pad([it for it, _ in items], max_len=max_len))
     assert (outcome[0] == "ok") == valid, outcome
     if valid:
         want, want_len = numpy_pad(arrays, 0, max_len)
@@ -308,7 +322,7 @@ def test_every_dtype_once(backend):
     rng = np.random.default_rng(0)
     for dtype in DTYPES:
         arrays = [rand((2, 5), dtype, rng) for _ in range(3)]
-        assert_same(fastbatch.stack(arrays), np.stack(arrays), f"{backend} stack {np.dtype(dtype).name}")
+        assert_same(fastbatch.stack(arrays), np.stack(arrays), f"{backend} {np.dtype(dtype)}")
         seqs = [rand((n,), dtype, rng) for n in (3, 0, 7)]
         pad_value = {"b": True, "u": 200, "i": -3, "f": -1.5}[np.dtype(dtype).kind]
         got, lengths = fastbatch.pad(seqs, pad_value=pad_value)
@@ -317,7 +331,7 @@ def test_every_dtype_once(backend):
 
 
 def test_one_item_and_empty_rows(backend):
-    """One item; items of zero elements; sequences all empty; max_len 0: the shapes numpy gives, no error."""
+    """One item; items of zero elements; sequences all empty; max_len 0: numpy's shapes."""
     one = np.arange(7, dtype=np.int16)
     assert_same(fastbatch.stack([one]), one[None], f"{backend} one item")
     assert_same(fastbatch.stack([np.zeros((3, 0, 2))] * 5), np.zeros((5, 3, 0, 2)), "empty items")
