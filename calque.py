@@ -331,6 +331,12 @@ def worker_stats_prefix(model):
     return f"pools/{slug(model)}/workers/"
 
 
+def output_key(prefix, seq, label):
+    """A chunk of what a worker's handler code printed: MS-PID-SEQ.LABEL, MS by the worker's clock at the write
+    (so a LIST after a time finds the newer chunks), LABEL the worker's (wN, a supervisor's slot, or the host)."""
+    return f"{prefix}{int(time.time() * 1000):013d}-{os.getpid()}-{seq:06d}.{label}"
+
+
 def run_key(run_id):
     return f"runs/{run_id}/run.json"
 
@@ -3451,50 +3457,50 @@ def state_dir(conf, model):
     return os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "pools", slug(model))
 
 
-WORKER_LOG_LINE = re.compile(rb"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} warmd |warmd: )")   # warmd's own lines
+OUTPUT_LAG = 5000                       # ms of chunks a follower lists again (workers' clocks differ a little)
 
 
 class WorkerOutput:
-    """What the handler code of a pool's local workers prints (stdout and stderr, in their logs), each line on
-    our stderr as it is written, prefixed with the pool's label and the worker slot; warmd's own log lines are
-    left out. A thread follows the logs from their current ends (new workers' logs from their start) until
-    stop(), which prints what is left."""
+    """What handler code prints in a pool's workers, on this machine or any other (warmd's Output writes it to the
+    store in chunks), on our stderr as it lands, each line prefixed with the pool's label and the worker's. A
+    thread follows the pools' output/ folders from now until stop(), which prints what is left."""
 
-    def __init__(self, conf, labels):
-        self.folders = {state_dir(conf, model): label for model, label in labels.items()}
-        self.offsets, self.partial = {}, {}
+    def __init__(self, backend, labels):
+        self.backend, self.labels, self.seen = backend, {}, set()
+        self.since = int(time.time() * 1000)
+        for model, label in labels.items():
+            self.add(model, label)
         self.stopped = threading.Event()
-        self._poll(skip=True)
         self.thread = threading.Thread(target=self._run, name="worker-output", daemon=True)
         self.thread.start()
 
-    def add(self, conf, model, label):
-        self.folders[state_dir(conf, model)] = label
+    def add(self, model, label):
+        self.labels[worker_stats_prefix(model).replace("/workers/", "/output/")] = [label, self.since]
 
     def _run(self):
         while not self.stopped.wait(SUPERVISOR_TICK):
-            self._poll()
+            with contextlib.suppress(Exception):   # a store hiccup: the next look finds the chunks
+                self._poll()
 
-    def _poll(self, skip=False):
-        for folder, label in list(self.folders.items()):
-            for path in glob.glob(os.path.join(folder, "worker-*.log")):
-                with contextlib.suppress(OSError), open(path, "rb") as f:
-                    f.seek(*((0, os.SEEK_END) if skip else (self.offsets.get(path, 0),)))
-                    text = self.partial.pop(path, b"") + f.read()
-                    self.offsets[path] = f.tell()
-                lines = text.split(b"\n")
-                if lines[-1]:
-                    self.partial[path] = lines[-1]
-                slot = re.findall(r"\d+", os.path.basename(path))[-1]
-                for line in lines[:-1]:
-                    if not WORKER_LOG_LINE.match(line):
-                        shown = line.rsplit(b"\r", 1)[-1].decode(errors="replace")   # a progress bar: its last state
-                        print(f"[{label} w{slot}] {shown}", file=sys.stderr, flush=True)
+    def _poll(self):
+        for prefix, cursor in list(self.labels.items()):
+            for key in self.backend.store.list(prefix, f"{prefix}{cursor[1] - OUTPUT_LAG:013d}"):
+                ms, worker = key[len(prefix):].split(".", 1)
+                if key in self.seen or int(ms[:13]) < self.since:
+                    continue
+                self.seen.add(key)
+                cursor[1] = max(cursor[1], int(ms[:13]))
+                with contextlib.suppress(NotFound):
+                    text = self.backend.store.get(key).decode(errors="replace")
+                    for line in text.splitlines():
+                        shown = line.rsplit("\r", 1)[-1]   # a progress bar: its last state
+                        print(f"[{cursor[0]} {worker}] {shown}", file=sys.stderr, flush=True)
 
     def stop(self):
         self.stopped.set()
         self.thread.join()
-        self._poll()
+        with contextlib.suppress(Exception):
+            self._poll()
 
 
 def child_env(conf):
@@ -4950,8 +4956,11 @@ def worker_policy(store, model, region, account, partition="aws"):
                             reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
                                    f"{obj}runs/{s}.*/summaries/*"],
                             writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
-                                    f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*"],
+                                    f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
+                                    f"{obj}pools/{s}/output/*"],
                             listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
+    policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],
+                                "Resource": f"{obj}pools/{s}/output/*"})
     policy["Statement"].append({
         "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
         "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
@@ -4987,7 +4996,8 @@ def cold_worker_policy(store, region, account, partition="aws"):
                           ("ClaimFromRunQueues", "ReadRunAndClaims"), bucket_arn, root,
                           reads=[f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
                                  f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
-                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*"],
+                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*",
+                                  f"{obj}runs/*/output/*"],
                           listed=[f"{root}runs/*"])
 
 
@@ -7708,7 +7718,7 @@ def cmd_submit(conf, backend, args):
                 _refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
                                  yes_spend_money=args.yes_spend_money)
         run_id = new_run_id(args.pool)
-        output = WorkerOutput(conf, {args.pool: args.pool}) if args.follow_logs and not args.no_wait else None
+        output = WorkerOutput(backend, {args.pool: args.pool}) if args.follow_logs and not args.no_wait else None
         try:
             with signals_interrupt():
                 run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
@@ -8020,7 +8030,7 @@ class ModalRun:
         record = load_pool(context[1], pool) if pool else None
         if record:
             self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
-        self.output = WorkerOutput(context[0], {pool: record["handler"]["class"]} if record else {})
+        self.output = WorkerOutput(context[1], {pool: record["handler"]["class"]} if record else {})
 
     @staticmethod
     def _key(params):
@@ -8049,7 +8059,7 @@ class ModalRun:
         for note in notes:
             print(f"calque: {target}: {note}", file=sys.stderr)
         self.created.append(model)
-        self.output.add(conf, model, target)
+        self.output.add(model, target)
         Pool(model, context=self.context).create(spec, self.workers, modal=modal,
                                                  max_deliveries=suggested.get("max_deliveries"),
                                                  batch_timeout=suggested.get("batch_timeout"))
@@ -8293,7 +8303,7 @@ def build_parser():
                    help="queue the run even when the pool has no live worker (else: exit 2 at once)")
     p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
     p.add_argument("--follow-logs", action="store_true",
-                   help="print what the pool's local workers print while the run goes (stderr, each line prefixed)")
+                   help="print what the pool's workers print while the run goes (stderr, each line prefixed)")
     planned = p.add_argument_group("a planned pool run (calque plan)")
     planned.add_argument("--plan", action="store_true", help="print the plan and ask before running it")
     planned.add_argument("--yes", action="store_true", help="run at the plan without asking")

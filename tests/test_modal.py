@@ -4,6 +4,7 @@ refusals; and the stand-in loaded even where a real `modal` package is importabl
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -351,6 +352,7 @@ app = modal.App(image=modal.Image.debian_slim().add_local_python_source("helper"
 
 @app.function()
 def tag(x):
+    print("tagging", x, flush=x == 1)
     with open("data/words.txt") as f:
         return helper.tag(f.read().split(), x)
 '''
@@ -359,7 +361,8 @@ def tag(x):
 def test_multi_file_app_on_a_worker_with_only_the_store(aws_env, tmp_path):
     """A handler importing a sibling module and reading a data file, snapshotted with --include (a native handler)
     or add_local_python_source / add_local_dir (a Modal app), runs on a worker started in an empty folder once the
-    folder it came from is gone, as on an EC2 instance: the files come from the store, checked by sha256."""
+    folder it came from is gone, as on an EC2 instance: the files come from the store, checked by sha256. What the
+    Modal function prints there reaches `submit --follow-logs`, through the store, labelled with the host."""
     folder = tmp_path / "project"
     (folder / "data").mkdir(parents=True)
     (folder / "data" / "words.txt").write_text("zero one two\n")
@@ -378,9 +381,12 @@ def test_multi_file_app_on_a_worker_with_only_the_store(aws_env, tmp_path):
         worker = subprocess.Popen([PY, os.path.join(ROOT, "warmd.py"), "--model", model], env=aws_env, cwd=empty,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            run = cli(aws_env, "submit", "--pool", model, "--wait-for-workers", "--json",
+            run = cli(aws_env, "submit", "--pool", model, "--wait-for-workers", "--json", "--follow-logs",
                       write_items(tmp_path / "items.jsonl", [2, 0, 1]))
             assert run.returncode == 0, run.stderr
+            printed = [line for line in run.stderr.splitlines() if "tagging" in line]
+            host = socket.gethostname()
+            assert printed == ([] if model == "native" else [f"[modalapp {host}] tagging {x}" for x in (2, 0, 1)])
             run_id = json.loads(run.stdout)["run"]["run_id"]
             results = [json.loads(line)["result"] for line in cli(aws_env, "runs", "results", run_id).stdout.split()]
             assert results == ["2:two", "0:zero", "1:one"]
