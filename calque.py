@@ -6457,11 +6457,12 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         where = "this Python" if workers_here else "the instance's venv, the image's packages installed at boot"
         notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; the workers run in {where}")
     if workers_here:
-        missing = [req for req in image["pip"] if not distribution_installed(req)]
-        if missing:
-            raise UserError(f"{path}: the image's pip_install {', '.join(missing)}: not installed in the workers' "
-                            f"Python ({sys.executable}) ---> HINT: {sys.executable} -m pip install "
-                            f"{' '.join(shlex.quote(m) for m in missing)}")
+        unmet = {req: why for req in image["pip"] if (why := pip_unmet(req))}
+        if unmet:
+            raise UserError(f"{path}: the image's pip_install "
+                            f"{', '.join(f'{req} ({why})' for req, why in unmet.items())} in the workers' Python "
+                            f"({sys.executable}) ---> HINT: {sys.executable} -m pip install "
+                            f"{' '.join(shlex.quote(m) for m in unmet)}")
     secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
     for secret in options["secrets"]:
         if secret.name and secret.name not in secret_files:
@@ -6550,15 +6551,30 @@ def python_source(module, app_path):
     raise UserError(f"{app_path}: add_local_python_source({module!r}): no module {top} beside the app or on sys.path")
 
 
-def distribution_installed(requirement):
-    """Whether the distribution a pip requirement names ("scikit-learn~=1.5.0", "transformers[torch]") is
-    installed in this Python."""
+def pip_unmet(requirement):
+    """None when a pip requirement ("scikit-learn~=1.5.0", "transformers[torch]") is met in this Python, else why
+    not: "not installed" or "1.4.2 installed". The version is checked by packaging's rules where packaging is
+    importable, else only `==` and `>=` of dotted numbers."""
     import importlib.metadata
-    name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement.strip())
     try:
-        return bool(name) and importlib.metadata.distribution(name[0]) is not None
+        from packaging.requirements import InvalidRequirement, Requirement
+        try:
+            req = Requirement(requirement)
+            name, wanted = req.name, lambda v: req.specifier.contains(v, prereleases=True)
+        except InvalidRequirement:   # a URL, a path: only its leading name is checked
+            name, wanted = re.match(r"[A-Za-z0-9._-]*", requirement.strip())[0], lambda v: True
+    except ImportError:
+        parts = re.match(r"\s*([A-Za-z0-9._-]*)\s*(?:\[.*?\])?\s*(?:(==|>=)\s*([0-9.]+)\s*$)?", requirement)
+        name, op, pin = parts.groups()
+        number = lambda v: [int(x) for x in re.findall(r"\d+", v)]   # noqa: E731
+        wanted = lambda v: not op or (number(v) == number(pin) if op == "==" else number(v) >= number(pin))
+    try:
+        version = importlib.metadata.version(name) if name else None
     except importlib.metadata.PackageNotFoundError:
-        return False
+        version = None
+    if version is None:
+        return "not installed"
+    return None if wanted(version) else f"{version} installed"
 
 
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,

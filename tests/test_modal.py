@@ -1,11 +1,13 @@
 """Unmodified Modal app files on calque pools: as a pool handler (real warmd.py processes) and under
 `calque modal run`, on the embedded backend and on moto_server; lifecycle hooks on SIGTERM; the stand-in's
 refusals; and the stand-in loaded even where a real `modal` package is importable."""
+import importlib.metadata
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -474,8 +476,12 @@ def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
     wait_for(lambda: not running(), 30, "the pool's supervisor and worker to exit")
 
 
+NUMPY = importlib.metadata.version("numpy")
+
+
 def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
-    """A syntax error, a top-level import this Python lacks, an image pip package not installed, a decorator without
+    """A syntax error, a top-level import this Python lacks, an image pip package not installed or not at the
+    version pinned, a decorator without
     its parentheses, a web endpoint as the target, an exception in the entrypoint: each one line naming the file
     (and line) and the next step."""
     cases = {
@@ -485,6 +491,9 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                        "    return x\n", "f", "missing.py:2: module 'no_such_module_xyz' is not installed"),
         "image.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim().pip_install('no-such-dist==1.0'))"
                      "\n@app.function()\ndef f(x):\n    return x\n", "f", "-m pip install no-such-dist==1.0"),
+        "pinned.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim().pip_install('numpy==1.0', "
+                      "'boto3>=1.0'))\n@app.function()\ndef f(x):\n    return x\n", "f",
+                      f"pip_install numpy==1.0 ({NUMPY} installed) in the workers' Python"),
         "bare.py": ("import modal\napp = modal.App()\n@app.function\ndef f(x):\n    return x\n", "f",
                     "bare.py:3: @app.function without parentheses ---> HINT: write @app.function()"),
         "web.py": ("import modal\napp = modal.App()\n@app.function()\n@modal.asgi_app()\ndef f():\n    return None\n",
@@ -495,11 +504,24 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
         out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{tmp_path / name}:{target}",
                   "--workers", "0")
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, (name, out.stderr)
+        assert "boto3" not in out.stderr
     (tmp_path / "entry.py").write_text("import modal\napp = modal.App()\n@app.local_entrypoint()\ndef main():\n"
                                        "    raise RuntimeError('first\\nsecond')\n")
     out = cli(local_env, "modal", "run", str(tmp_path / "entry.py"))
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
     assert "entrypoint main failed: " in out.stderr and "entry.py:5: RuntimeError: first second" in out.stderr
+
+
+def test_pip_versions_with_and_without_packaging(monkeypatch):
+    """The image's pins are checked by packaging's rules, and by the ==/>= fallback where packaging is absent."""
+    import calque
+    assert calque.pip_unmet("numpy<2") == f"{NUMPY} installed" and calque.pip_unmet("numpy~=2.0") is None
+    for packaging in (True, False):
+        if not packaging:
+            monkeypatch.setitem(sys.modules, "packaging.requirements", None)
+        assert calque.pip_unmet(f"numpy=={NUMPY}") is None and calque.pip_unmet("numpy[dev]>=1.0") is None
+        assert calque.pip_unmet("numpy>=999") == calque.pip_unmet("numpy==1.0") == f"{NUMPY} installed"
+        assert calque.pip_unmet("no-such-dist-xyz>=1") == "not installed"
 
 
 def test_image_imports_and_bootstrap(tmp_path):
