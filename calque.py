@@ -801,6 +801,32 @@ def check_handler_source(source, cls, where):
                         "methods")
 
 
+def stream_prefix(model, stream):
+    """Where a .remote_gen call's worker writes the generator's items as they come (Streamed)."""
+    return f"pools/{slug(model)}/streams/{stream}/"
+
+
+class Streamed(list):
+    """A generator's items; for a .remote_gen call (`stream`, its id), also written to the store as they come:
+    {"start": index, "values": [...]} chunks, the first at once, then STREAM_FLUSH s apart. The call's result,
+    the whole list, says what a caller has not read yet; a failed write only stops the stream."""
+
+    def __init__(self, streams, stream):
+        ok = streams and isinstance(stream, str) and re.fullmatch(r"[0-9a-f]{32}", stream)
+        self.store, self.prefix = (streams[0], stream_prefix(streams[1], stream)) if ok else (None, None)
+        self.sent, self.at = 0, -STREAM_FLUSH
+
+    def add(self, value):
+        self.append(value)
+        if self.prefix and time.monotonic() - self.at >= STREAM_FLUSH:
+            chunk = {"start": self.sent, "values": self[self.sent:]}
+            try:
+                self.store.put(f"{self.prefix}{self.sent:09d}.json", json.dumps(chunk, default=to_jsonable).encode())
+            except Exception:   # a value JSON cannot take, a store fault: the result still carries every item
+                self.prefix = None
+            self.sent, self.at = len(self), time.monotonic()
+
+
 def import_file(path, name):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -834,7 +860,8 @@ def load_handler(path, cls, modal=None, container=False):
 # ------------------------------------------------------------------------------------------------
 # Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
 # ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
-MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs]} (modal_shim's CALL_KEY)
+MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]} (modal_shim's)
+STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items written as they come
 MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
 
 
@@ -986,6 +1013,7 @@ class ModalHandler:
     first) and __enter__ once; batch(payloads) makes one call per item (@modal.method; a list item is splatted for a
     method of several parameters, as .starmap does) or one per max_batch_size items (@modal.batched), up to
     @modal.concurrent(max_inputs) item calls at once; calque_exit() runs @modal.exit hooks and __exit__."""
+    streams = None   # (store, model), set by warmd: where .remote_gen calls' items go as they come (Streamed)
 
     def __init__(self, target, method, options):
         self.target, self.method, self.options = target, method, options
@@ -1057,17 +1085,22 @@ class ModalHandler:
         """(args, kwargs) of an item: a `modal run` call's own ({"__modal_call__": [args, kwargs]}); else the item
         (a JSON list splatted for a function of several parameters, as .starmap)."""
         if isinstance(item, dict) and len(item) == 1 and MODAL_CALL_KEY in item:
-            args, kwargs = item[MODAL_CALL_KEY]
-            return args, kwargs
+            args, kwargs, *stream = item[MODAL_CALL_KEY]
+            return args, kwargs, *stream[:1]
         required = [p for p in inspect.signature(self.fn).parameters.values() if p.default is p.empty]
         return (item if len(required) > 1 and isinstance(item, list) else [item]), {}
 
-    def _call(self, args, kwargs):
+    def _call(self, args, kwargs, stream=None):
         out = self.fn(*args, **kwargs)
         if inspect.iscoroutine(out):   # an async @modal.batched
             import asyncio
             out = asyncio.run(out)
-        return list(out) if hasattr(out, "__next__") else out
+        if not hasattr(out, "__next__"):
+            return out
+        items = Streamed(self.streams, stream)
+        for value in out:
+            items.add(value)
+        return list(items)
 
     def _each(self, payloads):
         """[(ok, result or exception)] per item, max_inputs at once."""
@@ -1096,7 +1129,10 @@ class ModalHandler:
                 try:
                     out = self.fn(*call[0], **call[1])
                     if hasattr(out, "__anext__"):
-                        return True, [x async for x in out]
+                        items = Streamed(self.streams, call[2] if len(call) > 2 else None)
+                        async for value in out:
+                            items.add(value)
+                        return True, list(items)
                     return True, await out
                 except Exception as e:
                     return False, e
@@ -4957,7 +4993,7 @@ def worker_policy(store, model, region, account, partition="aws"):
                                    f"{obj}runs/{s}.*/summaries/*"],
                             writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
                                     f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
-                                    f"{obj}pools/{s}/output/*"],
+                                    f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
                             listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
     policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],
                                 "Resource": f"{obj}pools/{s}/output/*"})
@@ -8063,6 +8099,13 @@ class ModalRun:
                 raise TypeError(f"{target}'s arguments travel as JSON values (Modal pickles them): {e}") from None
             self.runs.append(run)
         return run.results()
+
+    def streamed(self, target, params, stream, after=None, done=False):
+        """The chunks a .remote_gen call's worker wrote after key `after`, as [(key, chunk)]; `done` deletes them."""
+        prefix, store = stream_prefix(self.pools[(target, self._key(params))], stream), self.context[1].store
+        if done:
+            return store.delete_prefix(prefix)
+        return [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
 
     def _ephemeral(self, target, params):
         spec = f"{self.path}:{target}"

@@ -881,6 +881,8 @@ class Worker:
         enter_workdir(self.record.get("workdir"), folder)
         self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(
             path, h["class"], self.record.get("modal"), container=True)
+        if isinstance(self.handler, calque.ModalHandler) and not self.ephemeral:
+            self.handler.streams = (self.backend.store, self.record["model"])
         self.collator = Collator(collate)
 
     def enter(self):

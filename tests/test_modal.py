@@ -237,6 +237,7 @@ def test_unsupported_construct_and_a_real_modal_installed(local_env, tmp_path):
 IDIOMS = '''
 import os
 import sys
+import time
 import modal
 
 image = (modal.Image.debian_slim(python_version="3.11").apt_install("libgomp1").pip_install("numpy")
@@ -260,8 +261,15 @@ def work(x: int = 2, y: int = 3):
 
 
 @app.function()
-def count(n):
-    yield from range(n)
+def count(n, flag=""):
+    for i in range(n):
+        yield i
+        if flag and i == 0:   # streamed: the caller has item 0 while this waits for it to say so
+            for _ in range(200):
+                if os.path.exists(flag):
+                    break
+                time.sleep(0.1)
+            yield os.path.exists(flag)
 
 
 @app.function()
@@ -279,11 +287,15 @@ def web(item: dict):   # a web endpoint beside the batch functions: the file sti
 @app.local_entrypoint()
 async def main():
     import json
+    streamed = []
+    for i in count.remote_gen(3, "streamed.flag"):
+        streamed.append(i)
+        open("streamed.flag", "w").close()
     call = work.spawn(4, y=5)
     work.spawn_map([7], kwargs={{"y": 1}})   # fire and forget: modal run waits for it before it cleans up
     out = {{"noargs": work.remote(), "kwargs": await work.remote.aio(x=3, y=1),
             "aio_map": [r["area"] async for r in work.map.aio([1, 2])],
-            "gen": list(count.remote_gen(3)), "gen_aio": [i async for i in count.remote_gen.aio(2)],
+            "gen": streamed, "gen_aio": [i async for i in count.remote_gen.aio(2)],
             "batched": [d async for d in doubles.map.aio(range(6))],
             "gather": modal.FunctionCall.gather(call, modal.FunctionCall.from_id(call.object_id)),
             "id": call.object_id.startswith("fc-")}}
@@ -309,18 +321,18 @@ def write_idioms(tmp_path):
 
 def test_modal_idioms_under_modal_run(local_env, tmp_path):
     """Modal's own call forms under `modal run`: no-argument and keyword calls, .remote.aio / .map.aio, remote_gen
-    (and .aio), an async @modal.batched, spawn + FunctionCall.gather / from_id, spawn_map, the original exception
-    type; the
-    image's env, add_local_python_source and add_local_file reach the workers; a web endpoint beside them is
-    kept; what the functions print reaches our stderr, prefixed with the worker, while they run. (The calls are
-    the shim's and submit's, the same on both backends; the include's S3 path is the next test's.)"""
+    (its items reach the caller while the generator runs; and .aio), an async @modal.batched, spawn +
+    FunctionCall.gather / from_id, spawn_map, the original exception type; the image's env,
+    add_local_python_source and add_local_file reach the workers; a web endpoint beside them is kept; what the
+    functions print reaches our stderr, prefixed with the worker, while they run. (The calls are the shim's and
+    submit's, the same on both backends; the include's S3 path is the next test's.)"""
     env = local_env
     path = write_idioms(tmp_path)
     out = cli(env, "modal", "run", path, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     row = {"env": "hello", "rows": ["a", "b"]}
     assert json.loads(out.stdout) == {
-        "noargs": dict(row, area=6), "kwargs": dict(row, area=3), "aio_map": [3, 6], "gen": [0, 1, 2],
+        "noargs": dict(row, area=6), "kwargs": dict(row, area=3), "aio_map": [3, 6], "gen": [0, True, 1, 2],
         "gen_aio": [0, 1], "batched": [0, 2, 4, 6, 8, 10], "gather": [dict(row, area=20)] * 2, "id": True,
         "raised": "negative -1",
         "not_json": "work's arguments travel as JSON values (Modal pickles them): bytes is not JSON-serialisable"}
