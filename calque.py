@@ -332,8 +332,9 @@ def worker_stats_prefix(model):
 
 
 def output_key(prefix, seq, label):
-    """A chunk of what a worker's handler code printed: MS-PID-SEQ.LABEL, MS by the worker's clock at the write
-    (so a LIST after a time finds the newer chunks), LABEL the worker's (wN, a supervisor's slot, or the host)."""
+    """A chunk of what a worker's handler code printed: MS-PID-SEQ.LABEL, MS by the worker's clock
+    at the write (a LIST after a time finds the newer chunks), LABEL the worker's (wN, its slot; or
+    the host)."""
     return f"{prefix}{int(time.time() * 1000):013d}-{os.getpid()}-{seq:06d}.{label}"
 
 
@@ -807,13 +808,15 @@ def stream_prefix(model, stream):
 
 
 class Streamed(list):
-    """A generator's items; for a .remote_gen call (`stream`, its id), also written to the store as they come:
-    {"start": index, "values": [...]} chunks, the first at once, then STREAM_FLUSH s apart. The call's result,
-    the whole list, says what a caller has not read yet; a failed write only stops the stream."""
+    """A generator's items; for a .remote_gen call (`stream`, its id), also written to the store as
+    they come: {"start": index, "values": [...]} chunks, the first at once, then STREAM_FLUSH s
+    apart. The call's result, the whole list, says what a caller has not read yet; a failed write
+    only stops the stream."""
 
     def __init__(self, streams, stream):
         ok = streams and isinstance(stream, str) and re.fullmatch(r"[0-9a-f]{32}", stream)
-        self.store, self.prefix = (streams[0], stream_prefix(streams[1], stream)) if ok else (None, None)
+        self.store = streams[0] if ok else None
+        self.prefix = stream_prefix(streams[1], stream) if ok else None
         self.sent, self.at = 0, -STREAM_FLUSH
 
     def add(self, value):
@@ -821,8 +824,9 @@ class Streamed(list):
         if self.prefix and time.monotonic() - self.at >= STREAM_FLUSH:
             chunk = {"start": self.sent, "values": self[self.sent:]}
             try:
-                self.store.put(f"{self.prefix}{self.sent:09d}.json", json.dumps(chunk, default=to_jsonable).encode())
-            except Exception:   # a value JSON cannot take, a store fault: the result still carries every item
+                data = json.dumps(chunk, default=to_jsonable).encode()
+                self.store.put(f"{self.prefix}{self.sent:09d}.json", data)
+            except Exception:   # a value JSON cannot take, a store fault: the result has them all
                 self.prefix = None
             self.sent, self.at = len(self), time.monotonic()
 
@@ -860,8 +864,8 @@ def load_handler(path, cls, modal=None, container=False):
 # ------------------------------------------------------------------------------------------------
 # Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
 # ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
-MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]} (modal_shim's)
-STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items written as they come
+MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]}
+STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
 MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
 
 
@@ -1013,7 +1017,7 @@ class ModalHandler:
     first) and __enter__ once; batch(payloads) makes one call per item (@modal.method; a list item is splatted for a
     method of several parameters, as .starmap does) or one per max_batch_size items (@modal.batched), up to
     @modal.concurrent(max_inputs) item calls at once; calque_exit() runs @modal.exit hooks and __exit__."""
-    streams = None   # (store, model), set by warmd: where .remote_gen calls' items go as they come (Streamed)
+    streams = None   # (store, model), set by warmd: where .remote_gen calls' items go (Streamed)
 
     def __init__(self, target, method, options):
         self.target, self.method, self.options = target, method, options
@@ -3493,13 +3497,14 @@ def state_dir(conf, model):
     return os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "pools", slug(model))
 
 
-OUTPUT_LAG = 5000                       # ms of chunks a follower lists again (workers' clocks differ a little)
+OUTPUT_LAG = 5000                       # ms of chunks a follower lists again (clocks differ)
 
 
 class WorkerOutput:
-    """What handler code prints in a pool's workers, on this machine or any other (warmd's Output writes it to the
-    store in chunks), on our stderr as it lands, each line prefixed with the pool's label and the worker's. A
-    thread follows the pools' output/ folders from now until stop(), which prints what is left."""
+    """What handler code prints in a pool's workers, on this machine or any other (warmd's Output
+    writes it to the store in chunks), on our stderr as it lands, each line prefixed with the pool's
+    label and the worker's. A thread follows the pools' output/ folders from now until stop(), which
+    prints what is left."""
 
     def __init__(self, backend, labels):
         self.backend, self.labels, self.seen = backend, {}, set()
@@ -3511,7 +3516,7 @@ class WorkerOutput:
         self.thread.start()
 
     def add(self, model, label):
-        self.labels[worker_stats_prefix(model).replace("/workers/", "/output/")] = [label, self.since]
+        self.labels[f"pools/{slug(model)}/output/"] = [label, self.since]
 
     def _run(self):
         while not self.stopped.wait(SUPERVISOR_TICK):
@@ -4995,7 +5000,8 @@ def worker_policy(store, model, region, account, partition="aws"):
                                     f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
                                     f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
                             listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
-    policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],
+    policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow",
+                                "Action": ["s3:DeleteObject"],
                                 "Resource": f"{obj}pools/{s}/output/*"})
     policy["Statement"].append({
         "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
@@ -5032,8 +5038,8 @@ def cold_worker_policy(store, region, account, partition="aws"):
                           ("ClaimFromRunQueues", "ReadRunAndClaims"), bucket_arn, root,
                           reads=[f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
                                  f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
-                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*",
-                                  f"{obj}runs/*/output/*"],
+                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*",
+                                  f"{obj}runs/*/workers/*", f"{obj}runs/*/output/*"],
                           listed=[f"{root}runs/*"])
 
 
@@ -6495,8 +6501,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     if workers_here:
         unmet = {req: why for req in image["pip"] if (why := pip_unmet(req))}
         if unmet:
-            raise UserError(f"{path}: the image's pip_install "
-                            f"{', '.join(f'{req} ({why})' for req, why in unmet.items())} in the workers' Python "
+            listed = ", ".join(f"{req} ({why})" for req, why in unmet.items())
+            raise UserError(f"{path}: the image's pip_install {listed} in the workers' Python "
                             f"({sys.executable}) ---> HINT: {sys.executable} -m pip install "
                             f"{' '.join(shlex.quote(m) for m in unmet)}")
     secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
@@ -6588,9 +6594,9 @@ def python_source(module, app_path):
 
 
 def pip_unmet(requirement):
-    """None when a pip requirement ("scikit-learn~=1.5.0", "transformers[torch]") is met in this Python, else why
-    not: "not installed" or "1.4.2 installed". The version is checked by packaging's rules where packaging is
-    importable, else only `==` and `>=` of dotted numbers."""
+    """None when a pip requirement ("scikit-learn~=1.5.0", "transformers[torch]") is met in this
+    Python, else why not: "not installed" or "1.4.2 installed". The version is checked by
+    packaging's rules where packaging is importable, else only `==` and `>=` of dotted numbers."""
     import importlib.metadata
     try:
         from packaging.requirements import InvalidRequirement, Requirement
@@ -6600,10 +6606,11 @@ def pip_unmet(requirement):
         except InvalidRequirement:   # a URL, a path: only its leading name is checked
             name, wanted = re.match(r"[A-Za-z0-9._-]*", requirement.strip())[0], lambda v: True
     except ImportError:
-        parts = re.match(r"\s*([A-Za-z0-9._-]*)\s*(?:\[.*?\])?\s*(?:(==|>=)\s*([0-9.]+)\s*$)?", requirement)
+        parts = re.match(r"\s*([\w.-]*)\s*(?:\[.*?\])?\s*(?:(==|>=)\s*([0-9.]+)\s*$)?", requirement)
         name, op, pin = parts.groups()
         number = lambda v: [int(x) for x in re.findall(r"\d+", v)]   # noqa: E731
-        wanted = lambda v: not op or (number(v) == number(pin) if op == "==" else number(v) >= number(pin))
+        wanted = lambda v: not op or (number(v) >= number(pin) if op == ">="   # noqa: E731
+                                      else number(v) == number(pin))
     try:
         version = importlib.metadata.version(name) if name else None
     except importlib.metadata.PackageNotFoundError:
@@ -7770,7 +7777,8 @@ def cmd_submit(conf, backend, args):
                 _refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
                                  yes_spend_money=args.yes_spend_money)
         run_id = new_run_id(args.pool)
-        output = WorkerOutput(backend, {args.pool: args.pool}) if args.follow_logs and not args.no_wait else None
+        follow = args.follow_logs and not args.no_wait
+        output = WorkerOutput(backend, {args.pool: args.pool}) if follow else None
         try:
             with signals_interrupt():
                 run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
@@ -8101,8 +8109,10 @@ class ModalRun:
         return run.results()
 
     def streamed(self, target, params, stream, after=None, done=False):
-        """The chunks a .remote_gen call's worker wrote after key `after`, as [(key, chunk)]; `done` deletes them."""
-        prefix, store = stream_prefix(self.pools[(target, self._key(params))], stream), self.context[1].store
+        """The chunks a .remote_gen call's worker wrote after key `after`: [(key, chunk)]; `done`
+        deletes them."""
+        store = self.context[1].store
+        prefix = stream_prefix(self.pools[(target, self._key(params))], stream)
         if done:
             return store.delete_prefix(prefix)
         return [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
@@ -8362,7 +8372,7 @@ def build_parser():
                    help="queue the run even when the pool has no live worker (else: exit 2 at once)")
     p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
     p.add_argument("--follow-logs", action="store_true",
-                   help="print what the pool's workers print while the run goes (stderr, each line prefixed)")
+                   help="print what the pool's workers print during the run (on stderr)")
     planned = p.add_argument_group("a planned pool run (calque plan)")
     planned.add_argument("--plan", action="store_true", help="print the plan and ask before running it")
     planned.add_argument("--yes", action="store_true", help="run at the plan without asking")

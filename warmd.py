@@ -104,9 +104,9 @@ CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then ran 
 CHURN_COMMIT_SHARE = 0.1    # under churn, a part every this share of a worker's life seen (commit_interval)
 WATCHDOG_TICK = 1.0         # s between two checks of the running handler call (a quarter of batch_timeout if less)
 OVERRUN_COMMIT_WAIT = 1.0   # s the watchdog waits for each finished batch's serialisation before its last commit
-OUTPUT_FLUSH = 1.0          # s between two chunks of what handler code prints, written to the store (Output)
-OUTPUT_CHUNK = 64 << 10     # characters of one chunk at most; past 4 chunks unwritten, the oldest text is dropped
-OUTPUT_KEPT = 64            # chunks a worker keeps in the store (it deletes its older ones; pool delete the rest)
+OUTPUT_FLUSH = 1.0          # s between two chunks of what handler code prints, written to the store
+OUTPUT_CHUNK = 64 << 10     # characters of a chunk at most; past 4 unwritten, the oldest go
+OUTPUT_KEPT = 64            # chunks a worker keeps in the store (it deletes the older ones)
 EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout (the supervisor restarts us)
 
 log = logging.getLogger("warmd")
@@ -437,10 +437,11 @@ class Tee:
 
 
 class Output:
-    """What handler code prints (sys.stdout, sys.stderr; warmd's own log lines go around it) still reaches the
-    worker's log, and goes to the store in chunks (calque.output_key) every OUTPUT_FLUSH s and before each claim's
-    summary, where `modal run` and `submit --follow-logs` follow it (calque.WorkerOutput), from any machine.
-    Nothing is captured until capture() (main(): the process's streams, not an in-process test's)."""
+    """What handler code prints (sys.stdout, sys.stderr; warmd's own log lines go around it) still
+    reaches the worker's log, and goes to the store in chunks (calque.output_key) every OUTPUT_FLUSH
+    s and before each claim's summary, where `modal run` and `submit --follow-logs` follow it
+    (calque.WorkerOutput) from any machine. Nothing is captured until capture() (main(): the
+    process's streams, not an in-process test's)."""
 
     def __init__(self, store, prefix, label):
         self.store, self.prefix, self.label = store, prefix, label
@@ -469,7 +470,8 @@ class Output:
             while True:
                 with self.lock:
                     chunk = self.text[:OUTPUT_CHUNK]
-                    end = chunk.rfind("\n") + 1 or (len(chunk) if final or len(chunk) == OUTPUT_CHUNK else 0)
+                    whole = final or len(chunk) == OUTPUT_CHUNK
+                    end = chunk.rfind("\n") + 1 or (len(chunk) if whole else 0)
                     if not end:
                         return
                     self.text = self.text[end:]

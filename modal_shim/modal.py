@@ -295,8 +295,9 @@ class Function:
 
 
 def _call_item(args, kwargs, *stream):
-    """A call as one JSON item the worker unpacks into fn(*args, **kwargs) (calque.ModalHandler); `stream`: the id
-    of a .remote_gen call, whose items the worker writes as they come (calque.Streamed)."""
+    """A call as one JSON item the worker unpacks into fn(*args, **kwargs) (calque.ModalHandler);
+    `stream`: the id of a .remote_gen call, whose items the worker writes as they come
+    (calque.Streamed)."""
     return {CALL_KEY: [list(args), dict(kwargs), *stream]}
 
 
@@ -374,16 +375,18 @@ class Handle:
         return next(iter(self._values([_call_item(args, kwargs)], False)))
 
     def _remote_gen(self, *args, **kwargs):
-        """A generator's items as the worker produces them (read from the store in chunks, calque.Streamed);
-        the call's result, the whole list, gives the rest and raises its error."""
+        """A generator's items as the worker produces them (read from the store in chunks,
+        calque.Streamed); the call's result, the whole list, gives the rest and raises its error."""
         stream = uuid.uuid4().hex
         call, after, read = FunctionCall(self._results([_call_item(args, kwargs, stream)])), None, 0
         try:
             while True:
                 done = call._outcome.done()
                 for after, chunk in runner.streamed(self.target, self.params, stream, after):
-                    for value in chunk["values"][read - chunk["start"]:] if chunk["start"] <= read else ():
-                        read += 1   # (a chunk past `read`: a redelivery's, timed otherwise; the result has it)
+                    if chunk["start"] > read:   # a redelivery's, timed otherwise: the result has it
+                        continue
+                    for value in chunk["values"][read - chunk["start"]:]:
+                        read += 1
                         yield value
                 if done or wait([call._outcome], timeout=0.1).done:
                     break

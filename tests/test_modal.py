@@ -320,19 +320,21 @@ def write_idioms(tmp_path):
 
 
 def test_modal_idioms_under_modal_run(local_env, tmp_path):
-    """Modal's own call forms under `modal run`: no-argument and keyword calls, .remote.aio / .map.aio, remote_gen
-    (its items reach the caller while the generator runs; and .aio), an async @modal.batched, spawn +
-    FunctionCall.gather / from_id, spawn_map, the original exception type; the image's env,
-    add_local_python_source and add_local_file reach the workers; a web endpoint beside them is kept; what the
-    functions print reaches our stderr, prefixed with the worker, while they run. (The calls are the shim's and
-    submit's, the same on both backends; the include's S3 path is the next test's.)"""
+    """Modal's own call forms under `modal run`: no-argument and keyword calls, .remote.aio /
+    .map.aio, remote_gen (its items reach the caller while the generator runs; and .aio), an async
+    @modal.batched, spawn + FunctionCall.gather / from_id, spawn_map, the original exception type;
+    the image's env, add_local_python_source and add_local_file reach the workers; a web endpoint
+    beside them is kept; what the functions print reaches our stderr, prefixed with the worker,
+    while they run. (The calls are the shim's and submit's, the same on both backends; the include's
+    S3 path is the next test's.)"""
     env = local_env
     path = write_idioms(tmp_path)
     out = cli(env, "modal", "run", path, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     row = {"env": "hello", "rows": ["a", "b"]}
     assert json.loads(out.stdout) == {
-        "noargs": dict(row, area=6), "kwargs": dict(row, area=3), "aio_map": [3, 6], "gen": [0, True, 1, 2],
+        "noargs": dict(row, area=6), "kwargs": dict(row, area=3), "aio_map": [3, 6],
+        "gen": [0, True, 1, 2],
         "gen_aio": [0, 1], "batched": [0, 2, 4, 6, 8, 10], "gather": [dict(row, area=20)] * 2, "id": True,
         "raised": "negative -1",
         "not_json": "work's arguments travel as JSON values (Modal pickles them): bytes is not JSON-serialisable"}
@@ -373,10 +375,11 @@ def tag(x):
 
 
 def test_multi_file_app_on_a_worker_with_only_the_store(aws_env, tmp_path):
-    """A handler importing a sibling module and reading a data file, snapshotted with --include (a native handler)
-    or add_local_python_source / add_local_dir (a Modal app), runs on a worker started in an empty folder once the
-    folder it came from is gone, as on an EC2 instance: the files come from the store, checked by sha256. What the
-    Modal function prints there reaches `submit --follow-logs`, through the store, labelled with the host."""
+    """A handler importing a sibling module and reading a data file, snapshotted with --include (a
+    native handler) or add_local_python_source / add_local_dir (a Modal app), runs on a worker
+    started in an empty folder once the folder it came from is gone, as on an EC2 instance: the
+    files come from the store, checked by sha256. What the Modal function prints there reaches
+    `submit --follow-logs`, through the store, labelled with the host."""
     folder = tmp_path / "project"
     (folder / "data").mkdir(parents=True)
     (folder / "data" / "words.txt").write_text("zero one two\n")
@@ -395,12 +398,14 @@ def test_multi_file_app_on_a_worker_with_only_the_store(aws_env, tmp_path):
         worker = subprocess.Popen([PY, os.path.join(ROOT, "warmd.py"), "--model", model], env=aws_env, cwd=empty,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            run = cli(aws_env, "submit", "--pool", model, "--wait-for-workers", "--json", "--follow-logs",
+            run = cli(aws_env, "submit", "--pool", model, "--wait-for-workers", "--json",
+                      "--follow-logs",
                       write_items(tmp_path / "items.jsonl", [2, 0, 1]))
             assert run.returncode == 0, run.stderr
             printed = [line for line in run.stderr.splitlines() if "tagging" in line]
             host = socket.gethostname()
-            assert printed == ([] if model == "native" else [f"[modalapp {host}] tagging {x}" for x in (2, 0, 1)])
+            tagged = [f"[modalapp {host}] tagging {x}" for x in (2, 0, 1)]
+            assert printed == ([] if model == "native" else tagged)
             run_id = json.loads(run.stdout)["run"]["run_id"]
             results = [json.loads(line)["result"] for line in cli(aws_env, "runs", "results", run_id).stdout.split()]
             assert results == ["2:two", "0:zero", "1:one"]
@@ -492,10 +497,9 @@ NUMPY = importlib.metadata.version("numpy")
 
 
 def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
-    """A syntax error, a top-level import this Python lacks, an image pip package not installed or not at the
-    version pinned, a decorator without
-    its parentheses, a web endpoint as the target, an exception in the entrypoint: each one line naming the file
-    (and line) and the next step."""
+    """A syntax error, a top-level import this Python lacks, an image pip package not installed or
+    not at the version pinned, a decorator without its parentheses, a web endpoint as the target, an
+    exception in the entrypoint: each one line naming the file (and line) and the next step."""
     cases = {
         "syntax.py": ("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x +\n",
                       "f", "syntax error on line 5"),
@@ -503,8 +507,9 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                        "    return x\n", "f", "missing.py:2: module 'no_such_module_xyz' is not installed"),
         "image.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim().pip_install('no-such-dist==1.0'))"
                      "\n@app.function()\ndef f(x):\n    return x\n", "f", "-m pip install no-such-dist==1.0"),
-        "pinned.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim().pip_install('numpy==1.0', "
-                      "'boto3>=1.0'))\n@app.function()\ndef f(x):\n    return x\n", "f",
+        "pinned.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim()"
+                      ".pip_install('numpy==1.0', 'boto3>=1.0'))\n@app.function()\n"
+                      "def f(x):\n    return x\n", "f",
                       f"pip_install numpy==1.0 ({NUMPY} installed) in the workers' Python"),
         "bare.py": ("import modal\napp = modal.App()\n@app.function\ndef f(x):\n    return x\n", "f",
                     "bare.py:3: @app.function without parentheses ---> HINT: write @app.function()"),
@@ -525,14 +530,18 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
 
 
 def test_pip_versions_with_and_without_packaging(monkeypatch):
-    """The image's pins are checked by packaging's rules, and by the ==/>= fallback where packaging is absent."""
+    """The image's pins are checked by packaging's rules, and by the ==/>= fallback where packaging
+    is absent."""
     import calque
-    assert calque.pip_unmet("numpy<2") == f"{NUMPY} installed" and calque.pip_unmet("numpy~=2.0") is None
+    assert calque.pip_unmet("numpy<2") == f"{NUMPY} installed"
+    assert calque.pip_unmet("numpy~=2.0") is None
     for packaging in (True, False):
         if not packaging:
             monkeypatch.setitem(sys.modules, "packaging.requirements", None)
-        assert calque.pip_unmet(f"numpy=={NUMPY}") is None and calque.pip_unmet("numpy[dev]>=1.0") is None
-        assert calque.pip_unmet("numpy>=999") == calque.pip_unmet("numpy==1.0") == f"{NUMPY} installed"
+        assert calque.pip_unmet(f"numpy=={NUMPY}") is None
+        assert calque.pip_unmet("numpy[dev]>=1.0") is None
+        assert calque.pip_unmet("numpy>=999") == f"{NUMPY} installed"
+        assert calque.pip_unmet("numpy==1.0") == f"{NUMPY} installed"
         assert calque.pip_unmet("no-such-dist-xyz>=1") == "not installed"
 
 
