@@ -3533,7 +3533,7 @@ class WorkerOutput:
                 cursor[1] = max(cursor[1], int(ms[:13]))
                 with contextlib.suppress(NotFound):
                     text = self.backend.store.get(key).decode(errors="replace")
-                    for line in text.splitlines():
+                    for line in text.rstrip("\n").split("\n"):
                         shown = line.rsplit("\r", 1)[-1]   # a progress bar: its last state
                         print(f"[{cursor[0]} {worker}] {shown}", file=sys.stderr, flush=True)
 
