@@ -328,14 +328,15 @@ class _CallForm:
 
 def _remote_exception(result):
     """A failed item's error as Modal raises it: the original builtin type (ValueError("custom error")), which is
-    also a RemoteError; any other type as RemoteError("Type: message"). `where`: its innermost frame not the shim's."""
+    also a RemoteError; any other type as RemoteError("Type: message"). `where`: its innermost frame
+    outside this stand-in."""
     name, _, message = result["error"].partition(": ")
     base = getattr(builtins, name, None)
     error = RemoteError(result["error"])
     if isinstance(base, type) and issubclass(base, Exception):
         with contextlib.suppress(TypeError):
             error = type(name, (base, RemoteError), {"__module__": "builtins"})(message)
-    frames = [f for f in result.get("trace") or [""] if not f.startswith("modal.py:")]   # not the shim's
+    frames = [f for f in result.get("trace") or [""] if not f.startswith("modal.py:")]
     error.where = (frames or result["trace"])[-1].partition(": ")[0]
     return error
 
