@@ -449,9 +449,9 @@ class Output:
         self.lock, self.flushing = threading.Lock(), threading.Lock()
 
     def capture(self):
-        """sys.stdout and sys.stderr through a Tee to the log; fds 1 and 2 (a subprocess's or a C library's
-        output) through a pipe a thread copies to the log and here. warmd's log lines and a crash's
-        traceback (faulthandler) go to the log alone."""
+        """sys.stdout and sys.stderr through a Tee to the log; fds 1 and 2 (a subprocess's or a C
+        library's output) through a pipe a thread copies to the log and here. warmd's log lines and
+        a crash's traceback (faulthandler) go to the log alone."""
         log_file = open(os.dup(2), "w", buffering=1, errors="replace")
         read, write = os.pipe()
         for fd in (1, 2):
@@ -461,7 +461,7 @@ class Output:
         for handler in logging.getLogger().handlers:
             handler.setStream(log_file)
         faulthandler.enable(log_file)
-        threading.Thread(target=self._copy, args=(read, log_file), name="output-fd", daemon=True).start()
+        threading.Thread(target=self._copy, args=(read, log_file), daemon=True).start()
         threading.Thread(target=self._run, name="output", daemon=True).start()
 
     def _copy(self, read, log_file):
