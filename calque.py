@@ -809,26 +809,43 @@ def stream_prefix(model, stream):
 
 class Streamed(list):
     """A generator's items; for a .remote_gen call (`stream`, its id), also written to the store as
-    they come: {"start": index, "values": [...]} chunks, the first at once, then STREAM_FLUSH s
-    apart. The call's result, the whole list, says what a caller has not read yet; a failed write
-    only stops the stream."""
+    they come: {"start": index, "values": [...]} chunks, the first at once, the next STREAM_FLUSH s
+    after (a timer: an item is never held for the next one). The call's result, the whole list, says
+    what a caller has not read yet; a failed write only stops the stream."""
 
     def __init__(self, streams, stream):
         ok = streams and isinstance(stream, str) and re.fullmatch(r"[0-9a-f]{32}", stream)
         self.store = streams[0] if ok else None
         self.prefix = stream_prefix(streams[1], stream) if ok else None
-        self.sent, self.at = 0, -STREAM_FLUSH
+        self.sent, self.at, self.timer, self.lock = 0, -STREAM_FLUSH, None, threading.Lock()
 
     def add(self, value):
-        self.append(value)
-        if self.prefix and time.monotonic() - self.at >= STREAM_FLUSH:
-            chunk = {"start": self.sent, "values": self[self.sent:]}
-            try:
-                data = json.dumps(chunk, default=to_jsonable).encode()
-                self.store.put(f"{self.prefix}{self.sent:09d}.json", data)
-            except Exception:   # a value JSON cannot take, a store fault: the result has them all
-                self.prefix = None
-            self.sent, self.at = len(self), time.monotonic()
+        with self.lock:
+            self.append(value)
+            if not self.prefix or self.timer:
+                return
+            wait = max(0.0, self.at + STREAM_FLUSH - time.monotonic())
+            self.timer = threading.Timer(wait, self._write)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _write(self):
+        with self.lock:
+            chunk, prefix = {"start": self.sent, "values": self[self.sent:]}, self.prefix
+            self.sent, self.at, self.timer = len(self), time.monotonic(), None
+        try:
+            data = json.dumps(chunk, default=to_jsonable).encode()
+            if prefix:
+                self.store.put(f"{prefix}{chunk['start']:09d}.json", data)
+        except Exception:   # a value JSON cannot take, a store fault: the result has them all
+            self.prefix = None
+
+    def done(self):
+        """No chunk is written after this (the call's result, or its error, says the rest)."""
+        with self.lock:
+            self.prefix = None
+            if self.timer:
+                self.timer.cancel()
 
 
 def import_file(path, name):
@@ -1102,8 +1119,11 @@ class ModalHandler:
         if not hasattr(out, "__next__"):
             return out
         items = Streamed(self.streams, stream)
-        for value in out:
-            items.add(value)
+        try:
+            for value in out:
+                items.add(value)
+        finally:
+            items.done()
         return list(items)
 
     def _each(self, payloads):
@@ -1134,8 +1154,11 @@ class ModalHandler:
                     out = self.fn(*call[0], **call[1])
                     if hasattr(out, "__anext__"):
                         items = Streamed(self.streams, call[2] if len(call) > 2 else None)
-                        async for value in out:
-                            items.add(value)
+                        try:
+                            async for value in out:
+                                items.add(value)
+                        finally:
+                            items.done()
                         return True, list(items)
                     return True, await out
                 except Exception as e:
