@@ -445,7 +445,7 @@ class Output:
 
     def __init__(self, store, prefix, label):
         self.store, self.prefix, self.label = store, prefix, label
-        self.text, self.seq, self.kept = "", 0, []
+        self.parts, self.size, self.seq, self.kept = [], 0, 0, []
         self.lock, self.flushing = threading.Lock(), threading.Lock()
 
     def capture(self):
@@ -471,10 +471,14 @@ class Output:
 
     def add(self, text):
         with self.lock:
-            self.text += text
-            if len(self.text) > 4 * OUTPUT_CHUNK:
-                dropped = len(self.text) - 2 * OUTPUT_CHUNK
-                self.text = f"[{dropped} characters of output dropped]\n" + self.text[dropped:]
+            self.parts.append(text)
+            self.size += len(text)
+            if self.size > 4 * OUTPUT_CHUNK:
+                dropped = self.size - 2 * OUTPUT_CHUNK
+                self._keep(f"[{dropped} characters of output dropped]\n" + "".join(self.parts)[dropped:])
+
+    def _keep(self, text):
+        self.parts, self.size = [text], len(text)
 
     def _run(self):
         while True:
@@ -486,12 +490,13 @@ class Output:
         with self.flushing:
             while True:
                 with self.lock:
-                    chunk = self.text[:OUTPUT_CHUNK]
+                    text = "".join(self.parts)
+                    chunk = text[:OUTPUT_CHUNK]
                     whole = final or len(chunk) == OUTPUT_CHUNK
                     end = chunk.rfind("\n") + 1 or (len(chunk) if whole else 0)
+                    self._keep(text[end:])
                     if not end:
                         return
-                    self.text = self.text[end:]
                 self.seq += 1
                 key = calque.output_key(self.prefix, self.seq, self.label)
                 try:
