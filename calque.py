@@ -5004,8 +5004,9 @@ def worker_policy(store, model, region, account, partition="aws"):
     - S3 read: the pool's own folder (record, handler snapshot, kit), and of its model's runs only
       (runs/<slug>.*, see new_run_id) the manifests, numeric inputs and summaries (HeadObject: is this
       claim already done?);
-    - S3 write: result parts and summaries of its model's runs, its own worker stats, and the bootstrap's
-      report of how the instance came up (pools/<slug>/instances/);
+    - S3 write: result parts and summaries of its model's runs, its own worker stats, the bootstrap's
+      report of how the instance came up (pools/<slug>/instances/), what handler code prints
+      (output/; it deletes its older chunks there) and .remote_gen items (streams/);
     - ListBucket limited by s3:prefix to its model's runs and the pool's folder. Not to list: S3
       answers a HeadObject or GetObject for a missing key with 403 instead of 404 unless the caller may
       list that key's prefix (S3 evaluates s3:prefix as the key), and warmd must tell "no summary yet"
