@@ -3,7 +3,7 @@ handler returning the batch's [B, 256] array) and as JSON lists (the same values
 stored before typed results): bytes stored per item against the raw 1,024, and the time to read them back,
 side by side, per format. First, what a worker spends writing one claim's part either way (in process).
 
-    .venv/bin/python tests/bench_results.py            # BENCH_RESULT_ITEMS=50000 by default
+    .venv/bin/python bench/bench_results.py            # BENCH_RESULT_ITEMS=50000 by default
 """
 import os
 import statistics
