@@ -7385,6 +7385,15 @@ def write_results(lines, failed_only):
     sys.stdout.flush()
 
 
+class NoPandas:
+    """An import finder refusing pandas: pyarrow asks for it once, at its first conversion, and then does without
+    (its to_pandas() asks again)."""
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "pandas":
+            raise ImportError("pandas is not needed here")
+
+
 def write_binary_results(backend, run, claims, args):
     """The results of `claims` as one Parquet table or .npy array, to --output (opened first: a path that cannot be
     written is refused before anything is read; removed again when the results cannot be written) or stdout;
@@ -7405,7 +7414,14 @@ def write_binary_results(backend, run, claims, args):
                 import numpy as np
                 np.save(out, run_array(run, readable(), args.field, args.fill), allow_pickle=False)
                 return code
+            import pyarrow as pa
             import pyarrow.parquet as pq
+            if "pandas" not in sys.modules:   # pyarrow's first conversion imports pandas where installed (a third
+                sys.meta_path.insert(0, NoPandas)   # of the command's time): it is told there is none
+                try:
+                    pa.array([None])
+                finally:
+                    sys.meta_path.remove(NoPandas)
             table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
             if args.failed:
                 import pyarrow.compute as pc
