@@ -118,6 +118,8 @@ RUN_RECHECK = 1.0                       # s without a new summary before submit 
 RUN_RECHECK_MAX = 4.0                   # s, the longest gap between two such looks while the run stays stalled
 DLQ_SCAN_WAIT = 1.0                     # s of each receive of a dead-letter scan (an SQS short poll may miss messages)
 STORE_WRITERS = 16                      # parallel store writes: staging manifests, cancel marking claims (stage_run)
+LOCAL_WRITERS = 2                       # the same on the local store, whose writes wait on no network (more
+                                        # threads would only hold more claims in memory)
 SEND_BATCH = 10                         # claims per queue send (SQS's SendMessageBatch takes at most 10)
 STAGE_AHEAD = 4                         # manifests staged but not sent yet, per store writer (bounds submit's memory)
 READ_BLOCK = 1 << 22                    # bytes of a JSONL items file read at once (4 MiB), at most
@@ -2461,15 +2463,18 @@ class TableItems:
         if not files:
             raise UserError(f"{path}: no .parquet file there ---> HINT: give a Parquet file, a folder of them or a "
                             f"quoted glob such as 'data/*.parquet'")
-        opened = []
-        for file in files:
-            try:
-                # page by page through a 1 MiB buffer, not a whole column chunk (a row group) at once
-                opened.append(pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20))
-            except FileNotFoundError as e:
-                raise unreadable_items(file, e) from None
-            except (OSError, pa.ArrowInvalid) as e:
-                raise UserError(f"{file}: not a Parquet file ({e})") from None
+        opened, pool = [], pa.default_memory_pool()
+        pa.set_memory_pool(pa.system_memory_pool())   # the readers' pool: malloc's, which gives back what they
+        try:                                          # free (pyarrow's default, mimalloc, kept ~20 MiB more)
+            for file in files:
+                try:   # page by page through a 1 MiB buffer, not a whole column chunk (a row group) at once
+                    opened.append(pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20))
+                except FileNotFoundError as e:
+                    raise unreadable_items(file, e) from None
+                except (OSError, pa.ArrowInvalid) as e:
+                    raise UserError(f"{file}: not a Parquet file ({e})") from None
+        finally:
+            pa.set_memory_pool(pool)
         schema = _select(opened[0].schema_arrow, columns, where)
         for file, f in zip(files, opened):
             theirs = f.schema_arrow
@@ -2672,10 +2677,10 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     The run record comes first (`staged: false`; the claims listed when the item count is known, else as they
     are cut), then the claims are cut from the items as they are read (claim_chunks), their manifests PUT on
     STORE_WRITERS threads (an S3 PUT waits ~20 ms on the network: 16 in flight keep up with one process
-    encoding manifests; more would only queue for the GIL on boto3's signing), and the claims whose manifests
-    landed are sent in run order, SEND_BATCH to a request. The first claim is sent as soon as its manifest
-    lands; at most STORE_WRITERS * STAGE_AHEAD manifests wait unsent, so memory stays bounded whatever the run
-    size. The record is completed at the end (`staged: true`, the claims, items and `sent`).
+    encoding manifests; more would only queue for the GIL on boto3's signing; LOCAL_WRITERS on the local store),
+    and the claims whose manifests landed are sent in run order, SEND_BATCH to a request. The first claim is
+    sent as soon as its manifest lands; at most 4 manifests a writer (STAGE_AHEAD) wait unsent, so memory stays
+    bounded whatever the run size. The record is completed at the end (`staged: true`, the claims, items and `sent`).
 
     SIGINT or SIGTERM stops the sending, not the staging: every claim is staged so that `runs resume` can send
     the rest, then the signal is raised (SubmitInterrupted). Hidden cost: on a large stream that takes as long
@@ -2693,7 +2698,8 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     with signals_deferred():
         try:
             write_json(backend, run_key(run_id), run)
-            with ThreadPoolExecutor(STORE_WRITERS) as writers:
+            writer_count = LOCAL_WRITERS if backend.kind == "local" else STORE_WRITERS
+            with ThreadPoolExecutor(writer_count) as writers:
                 for index, (start, stop, chunk) in enumerate(claim_chunks(items, claim_size)):
                     claim, count = claim_id(index), stop
                     if known is None:
@@ -2703,7 +2709,7 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
                     sending = sending and not {signal.SIGINT, signal.SIGTERM} & signal.sigpending()
                     first = sending and run["sent"] == 0 and not landed
                     _send_landed(backend, run, queue, pending, landed, sending,
-                                 wait=first or len(pending) >= STORE_WRITERS * STAGE_AHEAD, flush=first)
+                                 wait=first or len(pending) >= writer_count * STAGE_AHEAD, flush=first)
                 if not count:
                     raise UserError("no items to submit")
                 while pending or landed:
