@@ -2854,7 +2854,8 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     after one that finds some, it is what SUMMARY_BATCH more take at the rate they have landed since the wait
     began (fewer near the end: the remaining claims), within SUMMARY_POLL_FLOOR..SUMMARY_WAIT_MAX. Resetting it
     to the minimum on each new summary made a LIST per summary. Hidden cost: the last summary is seen up to
-    SUMMARY_WAIT_MAX late; while one claim lags, each LIST lists again the summaries past it.
+    SUMMARY_WAIT_MAX late (on the local store, whose LIST is a folder read, SUMMARY_POLL_FLOOR); while one claim
+    lags, each LIST lists again the summaries past it.
 
     The run record and the dead-letter queue (run_recheck) matter only when the run stalls: a cancel writes
     summaries, and a worker writes a dead-lettered claim's failure summary before its DLQ copy. So they are
@@ -2866,7 +2867,7 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     deadline, progressed, recheck = started + timeout, started, run_recheck(started, started)
     done, dead = {}, DeadLetters(backend, run)
     in_key_order, below = sorted(run["claims"], key=lambda c: summary_key(run["run_id"], c)), 0
-    delay = SUMMARY_POLL_MIN
+    delay, wait_max = SUMMARY_POLL_MIN, SUMMARY_POLL_FLOOR if backend.kind == "local" else SUMMARY_WAIT_MAX
     bar = tqdm(total=run["items"], unit="item", file=sys.stderr, disable=not progress, leave=False,
                desc=f"run {run['run_id']}")
     try:
@@ -2887,9 +2888,9 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
                 progressed, recheck = now, run_recheck(now, now)
                 rate = len(done) / max(now - started, SUMMARY_POLL_MIN)   # claims a second, since the wait began
                 expected = min(SUMMARY_BATCH, len(run["claims"]) - len(done))
-                delay = min(max(expected / rate, SUMMARY_POLL_FLOOR), SUMMARY_WAIT_MAX)
+                delay = min(max(expected / rate, SUMMARY_POLL_FLOOR), wait_max)
             else:
-                delay = min(delay * 1.5, SUMMARY_WAIT_MAX)   # quick at first (idle round trip), gentle on S3 after
+                delay = min(delay * 1.5, wait_max)   # quick at first (idle round trip), gentle on S3 after
             if now >= recheck:
                 recheck = run_recheck(progressed, now)
                 if stop_if:
