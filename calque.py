@@ -113,6 +113,7 @@ SUMMARY_POLL_MIN = 0.002                # s, the first gap between two summary c
 SUMMARY_POLL_MAX = 0.5                  # s between two checks for a claim's summary while results are followed
 SUMMARY_POLL_FLOOR = 0.1                # s, the shortest gap once summaries land (a LIST finds several, not one)
 SUMMARY_WAIT_MAX = 1.0                  # s, the longest gap between two summary LISTs of a waiting submit
+LOCAL_SUMMARY_WAIT = 0.1                # s, the same on the local store, whose LIST is a folder read
 SUMMARY_BATCH = 10                      # summaries a LIST should find at the rate they land (sets the gap)
 RUN_RECHECK = 1.0                       # s without a new summary before submit looks at the run record and DLQ depth
 RUN_RECHECK_MAX = 4.0                   # s, the longest gap between two such looks while the run stays stalled
@@ -2859,8 +2860,8 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     after one that finds some, it is what SUMMARY_BATCH more take at the rate they have landed since the wait
     began (fewer near the end: the remaining claims), within SUMMARY_POLL_FLOOR..SUMMARY_WAIT_MAX. Resetting it
     to the minimum on each new summary made a LIST per summary. Hidden cost: the last summary is seen up to
-    SUMMARY_WAIT_MAX late (SUMMARY_POLL_FLOOR on the local store, whose LIST is a folder read);
-    while one claim lags, each LIST lists again the summaries past it.
+    SUMMARY_WAIT_MAX late (LOCAL_SUMMARY_WAIT on the local store); while one claim lags, each LIST
+    lists again the summaries past it.
 
     The run record and the dead-letter queue (run_recheck) matter only when the run stalls: a cancel writes
     summaries, and a worker writes a dead-lettered claim's failure summary before its DLQ copy. So they are
@@ -2873,7 +2874,7 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     done, dead = {}, DeadLetters(backend, run)
     in_key_order, below = sorted(run["claims"], key=lambda c: summary_key(run["run_id"], c)), 0
     delay = SUMMARY_POLL_MIN
-    wait_max = SUMMARY_POLL_FLOOR if backend.kind == "local" else SUMMARY_WAIT_MAX
+    wait_max = min(SUMMARY_WAIT_MAX, LOCAL_SUMMARY_WAIT if backend.kind == "local" else math.inf)
     bar = tqdm(total=run["items"], unit="item", file=sys.stderr, disable=not progress, leave=False,
                desc=f"run {run['run_id']}")
     try:
