@@ -26,7 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from sections import chosen  # noqa: E402
+from common import chosen, compile_kit  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 EMBED_ITEMS = int(os.environ.get("BENCH_EMBED_ITEMS", "2000"))          # texts of the embedding job (~2 min a run)
@@ -156,6 +156,7 @@ def parquet_section(tmp):
 
 def main():
     sections = chosen(SECTIONS)
+    compile_kit()
     tmp = tempfile.mkdtemp(prefix="calque-bench-embed-")
     print(f"calque bench, a real model  ({len(os.sched_getaffinity(0))} cores, python {sys.version.split()[0]})")
     if "parquet" in sections:   # first: see parquet_section

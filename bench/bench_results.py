@@ -14,6 +14,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from common import compile_kit  # noqa: E402
 import calque  # noqa: E402
 
 ITEMS = int(os.environ.get("BENCH_RESULT_ITEMS", "50000"))   # embeddings per run
@@ -91,6 +92,7 @@ def write_cost(claim=1000, batch=32):
 
 
 def main():
+    compile_kit()
     write_cost()
     with tempfile.TemporaryDirectory() as tmp:
         binary_env, binary = one_run(tmp, "binary")

@@ -55,7 +55,7 @@ os.environ.update(AWS_EC2_METADATA_DISABLED="true", AWS_ACCESS_KEY_ID="testing",
 import calque  # noqa: E402
 from bench_pool import start_moto  # noqa: E402
 from latency_proxy import start_proxy  # noqa: E402
-from sections import chosen  # noqa: E402
+from common import chosen  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 SIZES = [int(n) for n in os.environ.get("BENCH_SCALE_SIZES", "10000,100000,1000000").split(",")]   # local run sizes
