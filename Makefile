@@ -58,6 +58,7 @@ bench: setup $(EMBED)
 	$(PY) bench/bench_dashboard.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_churn.py
 	$(PY) bench/bench_embed.py
+	$(PY) bench/fast_paths.py
 
 # calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py;
 # then the embedding job against Ray Data (bench/peers/ray_embed.py).
