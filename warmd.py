@@ -1314,7 +1314,7 @@ class Worker:
         runnable = ([[k for k in unit if str(k) not in claim.quarantined] for unit in units] if claim.quarantined
                     else units)   # nothing quarantined (nearly always): no str(k) per item
         pending = self._prepare(claim, runnable[0]) if units and not claim.single else None
-        claim.last_commit, every = time.monotonic(), self.commit_interval(claim)
+        claim.last_commit = time.monotonic()
         try:
             for u, unit in enumerate(units):
                 if self.release_now.is_set():
@@ -1335,7 +1335,7 @@ class Worker:
                 formatted = Done(format_outcome, outcome, claim.first + unit.start)   # GIL-bound: no thread
                 claim.formatted.append((unit.stop, formatted))
                 claim.batches += 1
-                since = time.monotonic() - claim.last_commit
+                since, every = time.monotonic() - claim.last_commit, self.commit_interval(claim)
                 if (since >= every if every is not None else
                         claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds):
                     self.commit(claim)
