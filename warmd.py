@@ -873,6 +873,7 @@ class Worker:
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGUSR1, self.on_scale_in)
         signal.signal(signal.SIGUSR2, self.on_sibling_death)
+        signal.siginterrupt(signal.SIGUSR2, False)   # a notice: a system call it lands in goes on
         if self.conf.get("CALQUE_SPOT_POLL"):
             SpotPoller(self.conf["CALQUE_SPOT_POLL"],
                        calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01), self.request_stop)
