@@ -49,12 +49,12 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
         "--visibility-timeout", "2")
     backend = calque.open_backend(env["CALQUE_STORE"])
     record, queue = calque.load_pool(backend, MODEL), backend.queues.open_queue(calque.pool_queue_name(MODEL))
-    t0, staged, x, bad = time.monotonic(), {}, 0, {}
+    t0, staged, x, bad, kinds = time.monotonic(), {}, 0, {}, {}
     for r in range(runs):
         n = rng.randint(*sizes)
         items = [{"x": x + i, "spin": spin} for i in range(n)]
         for i, kind in zip(rng.sample(range(n), len(poison)) if r == 0 else (), poison):
-            items[i]["die"], bad[x + i] = kind, None
+            items[i]["die"], bad[x + i], kinds[x + i] = kind, None, kind
         run = calque.stage_run(backend, record, items, rng.randint(*claims), queue, "pool")
         staged[run["run_id"]] = (x, n, len(run["claims"]))
         x += n
@@ -116,4 +116,5 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
             "lost": lost, "dead_letters": dead, "kills": len(kills), "restarts": dict(restarts), "innocent": innocent,
             "seconds": round(seconds, 2),
             "computations": computations, "repeated": round((computations - items - len(bad)) / items, 4),
-            "poison_deliveries": sorted(bad.values(), key=str), "errors": errors[:5]}
+            "poison_deliveries": dict(sorted((kinds[i], bad[i]) for i in bad)),
+            "errors": errors[:5]}
