@@ -331,6 +331,13 @@ def worker_stats_prefix(model):
     return f"pools/{slug(model)}/workers/"
 
 
+def output_key(prefix, seq, label):
+    """A chunk of what a worker's handler code printed: MS-PID-SEQ.LABEL, MS by the worker's clock
+    at the write (a LIST after a time finds the newer chunks), LABEL the worker's (wN, its slot; or
+    the host)."""
+    return f"{prefix}{int(time.time() * 1000):013d}-{os.getpid()}-{seq:06d}.{label}"
+
+
 def run_key(run_id):
     return f"runs/{run_id}/run.json"
 
@@ -795,6 +802,52 @@ def check_handler_source(source, cls, where):
                         "methods")
 
 
+def stream_prefix(model, stream):
+    """Where a .remote_gen call's worker writes the generator's items as they come (Streamed)."""
+    return f"pools/{slug(model)}/streams/{stream}/"
+
+
+class Streamed(list):
+    """A generator's items; for a .remote_gen call (`stream`, its id), also written to the store as
+    they come: {"start": index, "values": [...]} chunks, the first at once, the next STREAM_FLUSH s
+    after (a timer: an item is never held for the next one). The call's result, the whole list, says
+    what a caller has not read yet; a failed write only stops the stream."""
+
+    def __init__(self, streams, stream):
+        ok = streams and isinstance(stream, str) and re.fullmatch(r"[0-9a-f]{32}", stream)
+        self.store = streams[0] if ok else None
+        self.prefix = stream_prefix(streams[1], stream) if ok else None
+        self.sent, self.at, self.timer, self.lock = 0, -STREAM_FLUSH, None, threading.Lock()
+
+    def add(self, value):
+        with self.lock:
+            self.append(value)
+            if not self.prefix or self.timer:
+                return
+            wait = max(0.0, self.at + STREAM_FLUSH - time.monotonic())
+            self.timer = threading.Timer(wait, self._write)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _write(self):
+        with self.lock:
+            chunk, prefix = {"start": self.sent, "values": self[self.sent:]}, self.prefix
+            self.sent, self.at, self.timer = len(self), time.monotonic(), None
+        try:
+            data = json.dumps(chunk, default=to_jsonable).encode()
+            if prefix:
+                self.store.put(f"{prefix}{chunk['start']:09d}.json", data)
+        except Exception:   # a value JSON cannot take, a store fault: the result has them all
+            self.prefix = None
+
+    def done(self):
+        """No chunk is written after this (the call's result, or its error, says the rest)."""
+        with self.lock:
+            self.prefix = None
+            if self.timer:
+                self.timer.cancel()
+
+
 def import_file(path, name):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -828,7 +881,8 @@ def load_handler(path, cls, modal=None, container=False):
 # ------------------------------------------------------------------------------------------------
 # Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
 # ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
-MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs]} (modal_shim's CALL_KEY)
+MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]}
+STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
 MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
 
 
@@ -980,6 +1034,7 @@ class ModalHandler:
     first) and __enter__ once; batch(payloads) makes one call per item (@modal.method; a list item is splatted for a
     method of several parameters, as .starmap does) or one per max_batch_size items (@modal.batched), up to
     @modal.concurrent(max_inputs) item calls at once; calque_exit() runs @modal.exit hooks and __exit__."""
+    streams = None   # (store, model), set by warmd: where .remote_gen calls' items go (Streamed)
 
     def __init__(self, target, method, options):
         self.target, self.method, self.options = target, method, options
@@ -1051,17 +1106,25 @@ class ModalHandler:
         """(args, kwargs) of an item: a `modal run` call's own ({"__modal_call__": [args, kwargs]}); else the item
         (a JSON list splatted for a function of several parameters, as .starmap)."""
         if isinstance(item, dict) and len(item) == 1 and MODAL_CALL_KEY in item:
-            args, kwargs = item[MODAL_CALL_KEY]
-            return args, kwargs
+            args, kwargs, *stream = item[MODAL_CALL_KEY]
+            return args, kwargs, *stream[:1]
         required = [p for p in inspect.signature(self.fn).parameters.values() if p.default is p.empty]
         return (item if len(required) > 1 and isinstance(item, list) else [item]), {}
 
-    def _call(self, args, kwargs):
+    def _call(self, args, kwargs, stream=None):
         out = self.fn(*args, **kwargs)
         if inspect.iscoroutine(out):   # an async @modal.batched
             import asyncio
             out = asyncio.run(out)
-        return list(out) if hasattr(out, "__next__") else out
+        if not hasattr(out, "__next__"):
+            return out
+        items = Streamed(self.streams, stream)
+        try:
+            for value in out:
+                items.add(value)
+        finally:
+            items.done()
+        return list(items)
 
     def _each(self, payloads):
         """[(ok, result or exception)] per item, max_inputs at once."""
@@ -1090,7 +1153,13 @@ class ModalHandler:
                 try:
                     out = self.fn(*call[0], **call[1])
                     if hasattr(out, "__anext__"):
-                        return True, [x async for x in out]
+                        items = Streamed(self.streams, call[2] if len(call) > 2 else None)
+                        try:
+                            async for value in out:
+                                items.add(value)
+                        finally:
+                            items.done()
+                        return True, list(items)
                     return True, await out
                 except Exception as e:
                     return False, e
@@ -3451,50 +3520,51 @@ def state_dir(conf, model):
     return os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "pools", slug(model))
 
 
-WORKER_LOG_LINE = re.compile(rb"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} warmd |warmd: )")   # warmd's own lines
+OUTPUT_LAG = 5000                       # ms of chunks a follower lists again (clocks differ)
 
 
 class WorkerOutput:
-    """What the handler code of a pool's local workers prints (stdout and stderr, in their logs), each line on
-    our stderr as it is written, prefixed with the pool's label and the worker slot; warmd's own log lines are
-    left out. A thread follows the logs from their current ends (new workers' logs from their start) until
-    stop(), which prints what is left."""
+    """What handler code prints in a pool's workers, on this machine or any other (warmd's Output
+    writes it to the store in chunks), on our stderr as it lands, each line prefixed with the pool's
+    label and the worker's. A thread follows the pools' output/ folders from now until stop(), which
+    prints what is left."""
 
-    def __init__(self, conf, labels):
-        self.folders = {state_dir(conf, model): label for model, label in labels.items()}
-        self.offsets, self.partial = {}, {}
+    def __init__(self, backend, labels):
+        self.backend, self.labels, self.seen = backend, {}, set()
+        self.since = int(time.time() * 1000)
+        for model, label in labels.items():
+            self.add(model, label)
         self.stopped = threading.Event()
-        self._poll(skip=True)
         self.thread = threading.Thread(target=self._run, name="worker-output", daemon=True)
         self.thread.start()
 
-    def add(self, conf, model, label):
-        self.folders[state_dir(conf, model)] = label
+    def add(self, model, label):
+        self.labels[f"pools/{slug(model)}/output/"] = [label, self.since]
 
     def _run(self):
         while not self.stopped.wait(SUPERVISOR_TICK):
-            self._poll()
+            with contextlib.suppress(Exception):   # a store hiccup: the next look finds the chunks
+                self._poll()
 
-    def _poll(self, skip=False):
-        for folder, label in list(self.folders.items()):
-            for path in glob.glob(os.path.join(folder, "worker-*.log")):
-                with contextlib.suppress(OSError), open(path, "rb") as f:
-                    f.seek(*((0, os.SEEK_END) if skip else (self.offsets.get(path, 0),)))
-                    text = self.partial.pop(path, b"") + f.read()
-                    self.offsets[path] = f.tell()
-                lines = text.split(b"\n")
-                if lines[-1]:
-                    self.partial[path] = lines[-1]
-                slot = re.findall(r"\d+", os.path.basename(path))[-1]
-                for line in lines[:-1]:
-                    if not WORKER_LOG_LINE.match(line):
-                        shown = line.rsplit(b"\r", 1)[-1].decode(errors="replace")   # a progress bar: its last state
-                        print(f"[{label} w{slot}] {shown}", file=sys.stderr, flush=True)
+    def _poll(self):
+        for prefix, cursor in list(self.labels.items()):
+            for key in self.backend.store.list(prefix, f"{prefix}{cursor[1] - OUTPUT_LAG:013d}"):
+                ms, worker = key[len(prefix):].split(".", 1)
+                if key in self.seen or int(ms[:13]) < self.since:
+                    continue
+                self.seen.add(key)
+                cursor[1] = max(cursor[1], int(ms[:13]))
+                with contextlib.suppress(NotFound):
+                    text = self.backend.store.get(key).decode(errors="replace")
+                    for line in text.rstrip("\n").split("\n"):
+                        shown = line.rsplit("\r", 1)[-1]   # a progress bar: its last state
+                        print(f"[{cursor[0]} {worker}] {shown}", file=sys.stderr, flush=True)
 
     def stop(self):
         self.stopped.set()
         self.thread.join()
-        self._poll()
+        with contextlib.suppress(Exception):
+            self._poll()
 
 
 def child_env(conf):
@@ -4951,8 +5021,9 @@ def worker_policy(store, model, region, account, partition="aws"):
     - S3 read: the pool's own folder (record, handler snapshot, kit), and of its model's runs only
       (runs/<slug>.*, see new_run_id) the manifests, numeric inputs and summaries (HeadObject: is this
       claim already done?);
-    - S3 write: result parts and summaries of its model's runs, its own worker stats, and the bootstrap's
-      report of how the instance came up (pools/<slug>/instances/);
+    - S3 write: result parts and summaries of its model's runs, its own worker stats, the bootstrap's
+      report of how the instance came up (pools/<slug>/instances/), what handler code prints
+      (output/; it deletes its older chunks there) and .remote_gen items (streams/);
     - ListBucket limited by s3:prefix to its model's runs and the pool's folder. Not to list: S3
       answers a HeadObject or GetObject for a missing key with 403 instead of 404 unless the caller may
       list that key's prefix (S3 evaluates s3:prefix as the key), and warmd must tell "no summary yet"
@@ -4967,8 +5038,12 @@ def worker_policy(store, model, region, account, partition="aws"):
                             reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
                                    f"{obj}runs/{s}.*/summaries/*"],
                             writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
-                                    f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*"],
+                                    f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
+                                    f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
                             listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
+    policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow",
+                                "Action": ["s3:DeleteObject"],
+                                "Resource": f"{obj}pools/{s}/output/*"})
     policy["Statement"].append({
         "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
         "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
@@ -5004,7 +5079,8 @@ def cold_worker_policy(store, region, account, partition="aws"):
                           ("ClaimFromRunQueues", "ReadRunAndClaims"), bucket_arn, root,
                           reads=[f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
                                  f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
-                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*"],
+                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*",
+                                  f"{obj}runs/*/workers/*", f"{obj}runs/*/output/*"],
                           listed=[f"{root}runs/*"])
 
 
@@ -6464,11 +6540,12 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         where = "this Python" if workers_here else "the instance's venv, the image's packages installed at boot"
         notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; the workers run in {where}")
     if workers_here:
-        missing = [req for req in image["pip"] if not distribution_installed(req)]
-        if missing:
-            raise UserError(f"{path}: the image's pip_install {', '.join(missing)}: not installed in the workers' "
-                            f"Python ({sys.executable}) ---> HINT: {sys.executable} -m pip install "
-                            f"{' '.join(shlex.quote(m) for m in missing)}")
+        unmet = {req: why for req in image["pip"] if (why := pip_unmet(req))}
+        if unmet:
+            listed = ", ".join(f"{req} ({why})" for req, why in unmet.items())
+            raise UserError(f"{path}: the image's pip_install {listed} in the workers' Python "
+                            f"({sys.executable}) ---> HINT: {sys.executable} -m pip install "
+                            f"{' '.join(shlex.quote(m) for m in unmet)}")
     secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
     for secret in options["secrets"]:
         if secret.name and secret.name not in secret_files:
@@ -6557,15 +6634,31 @@ def python_source(module, app_path):
     raise UserError(f"{app_path}: add_local_python_source({module!r}): no module {top} beside the app or on sys.path")
 
 
-def distribution_installed(requirement):
-    """Whether the distribution a pip requirement names ("scikit-learn~=1.5.0", "transformers[torch]") is
-    installed in this Python."""
+def pip_unmet(requirement):
+    """None when a pip requirement ("scikit-learn~=1.5.0", "transformers[torch]") is met in this
+    Python, else why not: "not installed" or "1.4.2 installed". The version is checked by
+    packaging's rules where packaging is importable, else only `==` and `>=` of dotted numbers."""
     import importlib.metadata
-    name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement.strip())
     try:
-        return bool(name) and importlib.metadata.distribution(name[0]) is not None
+        from packaging.requirements import InvalidRequirement, Requirement
+        try:
+            req = Requirement(requirement)
+            name, wanted = req.name, lambda v: req.specifier.contains(v, prereleases=True)
+        except InvalidRequirement:   # a URL, a path: only its leading name is checked
+            name, wanted = re.match(r"[A-Za-z0-9._-]*", requirement.strip())[0], lambda v: True
+    except ImportError:
+        parts = re.match(r"\s*([\w.-]*)\s*(?:\[.*?\])?\s*(?:(==|>=)\s*([0-9.]+)\s*$)?", requirement)
+        name, op, pin = parts.groups()
+        number = lambda v: [int(x) for x in re.findall(r"\d+", v)]   # noqa: E731
+        wanted = lambda v: not op or (number(v) >= number(pin) if op == ">="   # noqa: E731
+                                      else number(v) == number(pin))
+    try:
+        version = importlib.metadata.version(name) if name else None
     except importlib.metadata.PackageNotFoundError:
-        return False
+        version = None
+    if version is None:
+        return "not installed"
+    return None if wanted(version) else f"{version} installed"
 
 
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
@@ -7725,7 +7818,8 @@ def cmd_submit(conf, backend, args):
                 _refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
                                  yes_spend_money=args.yes_spend_money)
         run_id = new_run_id(args.pool)
-        output = WorkerOutput(conf, {args.pool: args.pool}) if args.follow_logs and not args.no_wait else None
+        follow = args.follow_logs and not args.no_wait
+        output = WorkerOutput(backend, {args.pool: args.pool}) if follow else None
         try:
             with signals_interrupt():
                 run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
@@ -8037,7 +8131,7 @@ class ModalRun:
         record = load_pool(context[1], pool) if pool else None
         if record:
             self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
-        self.output = WorkerOutput(context[0], {pool: record["handler"]["class"]} if record else {})
+        self.output = WorkerOutput(context[1], {pool: record["handler"]["class"]} if record else {})
 
     @staticmethod
     def _key(params):
@@ -8055,6 +8149,15 @@ class ModalRun:
             self.runs.append(run)
         return run.results()
 
+    def streamed(self, target, params, stream, after=None, done=False):
+        """The chunks a .remote_gen call's worker wrote after key `after`: [(key, chunk)]; `done`
+        deletes them."""
+        store = self.context[1].store
+        prefix = stream_prefix(self.pools[(target, self._key(params))], stream)
+        if done:
+            return store.delete_prefix(prefix)
+        return [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
+
     def _ephemeral(self, target, params):
         spec = f"{self.path}:{target}"
         conf = self.context[0]
@@ -8066,7 +8169,7 @@ class ModalRun:
         for note in notes:
             print(f"calque: {target}: {note}", file=sys.stderr)
         self.created.append(model)
-        self.output.add(conf, model, target)
+        self.output.add(model, target)
         Pool(model, context=self.context).create(spec, self.workers, modal=modal,
                                                  max_deliveries=suggested.get("max_deliveries"),
                                                  batch_timeout=suggested.get("batch_timeout"))
@@ -8310,7 +8413,7 @@ def build_parser():
                    help="queue the run even when the pool has no live worker (else: exit 2 at once)")
     p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
     p.add_argument("--follow-logs", action="store_true",
-                   help="print what the pool's local workers print while the run goes (stderr, each line prefixed)")
+                   help="print what the pool's workers print during the run (on stderr)")
     planned = p.add_argument_group("a planned pool run (calque plan)")
     planned.add_argument("--plan", action="store_true", help="print the plan and ask before running it")
     planned.add_argument("--yes", action="store_true", help="run at the plan without asking")

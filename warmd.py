@@ -58,6 +58,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -102,6 +103,9 @@ POISON_DEATHS = 2           # deaths while an item ran alone before it is quaran
 CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then ran and returned) marks the pool as churning
 WATCHDOG_TICK = 1.0         # s between two checks of the running handler call (a quarter of batch_timeout if less)
 OVERRUN_COMMIT_WAIT = 1.0   # s the watchdog waits for each finished batch's serialisation before its last commit
+OUTPUT_FLUSH = 1.0          # s between two chunks of what handler code prints, written to the store
+OUTPUT_CHUNK = 64 << 10     # characters of a chunk at most; past 4 unwritten, the oldest go
+OUTPUT_KEPT = 64            # chunks a worker keeps in the store (it deletes the older ones)
 EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout (the supervisor restarts us)
 
 log = logging.getLogger("warmd")
@@ -415,6 +419,94 @@ def item_error(error):
 def trace_of(error):
     """{"trace": frames} for a failed item's result line, {} when the error has none (a wrong result count)."""
     return {"trace": error.trace} if getattr(error, "trace", None) else {}
+
+
+class Tee:
+    """A sys.stdout / sys.stderr that also hands what is written to an Output."""
+
+    def __init__(self, stream, output):
+        self.stream, self.output = stream, output
+
+    def write(self, text):
+        self.output.add(text)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+class Output:
+    """What handler code prints (sys.stdout, sys.stderr; warmd's own log lines go around it) still
+    reaches the worker's log, and goes to the store in chunks (calque.output_key) every OUTPUT_FLUSH
+    s and before each claim's summary, where `modal run` and `submit --follow-logs` follow it
+    (calque.WorkerOutput) from any machine. Nothing is captured until capture() (main(): the
+    process's streams, not an in-process test's)."""
+
+    def __init__(self, store, prefix, label):
+        self.store, self.prefix, self.label = store, prefix, label
+        self.parts, self.size, self.seq, self.kept = [], 0, 0, []
+        self.lock, self.flushing = threading.Lock(), threading.Lock()
+
+    def capture(self):
+        """sys.stdout and sys.stderr through a Tee to the log; fds 1 and 2 (a subprocess's or a C
+        library's output) through a pipe a thread copies to the log and here. warmd's log lines and
+        a crash's traceback (faulthandler) go to the log alone."""
+        log_file = open(os.dup(2), "w", buffering=1, errors="replace")
+        read, write = os.pipe()
+        for fd in (1, 2):
+            os.dup2(write, fd)
+        os.close(write)
+        sys.stdout, sys.stderr = Tee(log_file, self), Tee(log_file, self)
+        for handler in logging.getLogger().handlers:
+            handler.setStream(log_file)
+        faulthandler.enable(log_file)
+        threading.Thread(target=self._copy, args=(read, log_file), daemon=True).start()
+        threading.Thread(target=self._run, name="output", daemon=True).start()
+
+    def _copy(self, read, log_file):
+        for text in open(read, errors="replace", newline=""):
+            log_file.write(text)
+            self.add(text)
+
+    def add(self, text):
+        with self.lock:
+            self.parts.append(text)
+            self.size += len(text)
+            if self.size > 4 * OUTPUT_CHUNK:
+                dropped = self.size - 2 * OUTPUT_CHUNK
+                self._keep(f"[{dropped} characters of output dropped]\n" + "".join(self.parts)[dropped:])
+
+    def _keep(self, text):
+        self.parts, self.size = [text], len(text)
+
+    def _run(self):
+        while True:
+            time.sleep(OUTPUT_FLUSH)
+            self.flush(final=False)
+
+    def flush(self, final=True):
+        """Write what is printed so far (but a line still being written, unless `final`)."""
+        with self.flushing:
+            while True:
+                with self.lock:
+                    text = "".join(self.parts)
+                    chunk = text[:OUTPUT_CHUNK]
+                    whole = final or len(chunk) == OUTPUT_CHUNK
+                    end = chunk.rfind("\n") + 1 or (len(chunk) if whole else 0)
+                    self._keep(text[end:])
+                    if not end:
+                        return
+                self.seq += 1
+                key = calque.output_key(self.prefix, self.seq, self.label)
+                try:
+                    self.store.put(key, chunk[:end].encode())
+                except Exception as e:   # bookkeeping: a failed write must not stop the worker
+                    log.warning("output: write failed (%s): %d characters lost", e, end)
+                    return
+                self.kept.append(key)
+                if len(self.kept) > OUTPUT_KEPT:
+                    with contextlib.suppress(Exception):
+                        self.store.delete(self.kept.pop(0))
 
 
 class Leases:
@@ -778,6 +870,9 @@ class Worker:
         self.finishing = None            # future of the claim the finisher writes
         self.acks = None                 # Acks, once the queue is open
         self.leases = None               # Leases: the claims' heartbeats, once the queue is open
+        ready = re.search(r"worker-(\d+)\.ready$", os.environ.get("CALQUE_READY_FILE", ""))
+        self.output = Output(backend.store, stats_key_prefix.replace("/workers/", "/output/"),
+                             f"w{ready[1]}" if ready else socket.gethostname())
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -810,6 +905,8 @@ class Worker:
         enter_workdir(self.record.get("workdir"), folder)
         self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(
             path, h["class"], self.record.get("modal"), container=True)
+        if isinstance(self.handler, calque.ModalHandler) and not self.ephemeral:
+            self.handler.streams = (self.backend.store, self.record["model"])
         self.collator = Collator(collate)
 
     def enter(self):
@@ -898,6 +995,7 @@ class Worker:
             for pool in (self.reader, self.ahead_thread, self.finisher):
                 pool.shutdown(wait=False, cancel_futures=True)
             self.run_exit_hooks()
+            self.output.flush()
             self.write_stats("stopped")
             log.info("worker %s: exit (%s) after %d claim(s), %d warm hit(s), enter_count %d",
                      self.worker_id, reason, self.stats["claims"], self.stats["warm_hits"], self.enter_count)
@@ -1276,6 +1374,7 @@ class Worker:
                                 model_seconds=claim.model_seconds, notes=notes, parts=claim.parts,
                                 resumed=claim.start, collate_wait_seconds=round(claim.wait_seconds, 6),
                                 prefetch=self.pipelined(claim), gpu_utilisation=claim.gpu)
+        self.output.flush()              # what the claim printed lands before its summary
         self._put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
         self.made_progress()
         self.heartbeat.stop()            # no renewal may land after the ack
@@ -1671,6 +1770,7 @@ def main(argv=None):
         else:
             record = calque.read_json(backend, calque.cold_record_key(args.run))
             worker = Worker(backend, record, f"runs/{args.run}/workers/", conf, True)
+        worker.output.capture()
         worker.work()
     except calque.UserError as e:
         print(f"warmd: error: {e}", file=sys.stderr)

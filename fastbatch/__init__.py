@@ -1,7 +1,7 @@
 """fastbatch — gather a batch into one contiguous tensor with exactly one copy, into reused host
-buffers (pinned when CUDA is present). The copy is C (fastbatch.c via cffi, GIL released,
+buffers (pinned when CUDA is present). stack's copy is C (fastbatch.c via cffi, GIL released,
 pthreads above THREAD_MIN_BYTES); fastbatch/reference.py is the same thing in numpy, used when
-the C module cannot be built.
+the C module cannot be built, and pad's copy on either path.
 
     .venv/bin/python fastbatch/_build.py                     # the C module by hand (pip install builds it)
     .venv/bin/python -m pytest -q tests/test_fastbatch.py    # C and numpy paths vs numpy
@@ -108,7 +108,7 @@ else:
                     type(e).__name__, reason)
 
 _ERRORS = {} if lib is None else {getattr(lib, n): n for n in (
-    "FB_ENULL", "FB_ESIZE", "FB_EELEM", "FB_EOVERFLOW", "FB_EOVERLAP", "FB_ETHREAD")}
+    "FB_ENULL", "FB_ESIZE", "FB_EOVERFLOW", "FB_EOVERLAP", "FB_ETHREAD")}
 
 
 def _check(rc, who):
@@ -286,18 +286,10 @@ def _fill_stack(views, t):
 
 
 def _fill_pad(views, lengths, pad_value, t):
-    """t[i, :lengths[i]] = views[i][:lengths[i]], the rest of row i = pad_value."""
-    if BACKEND != "c":
-        _overlap_check(t, [a[:n] for a, n in zip(views, lengths)], "pad")
-        reference.pad(views, pad_value, out=t.detach().numpy(), max_len=t.shape[1])
-        return
-    ptrs = _pointer_array(len(views))
-    ptrs[0:len(views)] = list(map(ffi.from_buffer, views))
-    rc = lib.fb_pad_gather(ffi.cast("char *", t.data_ptr()), ptrs,
-                           ffi.cast("const int64_t *", ffi.from_buffer(lengths)), len(views),
-                           t.shape[1], pad_value.itemsize, ffi.from_buffer(pad_value),
-                           THREADS, THREAD_MIN_BYTES, STREAM_MIN_BYTES)
-    _check(rc, "pad")
+    """t[i, :lengths[i]] = views[i][:lengths[i]], the rest of row i = pad_value: numpy on either
+    backend (a C pad paid nothing end to end: docs/fastbatch.md#which-fast-paths-pay)."""
+    _overlap_check(t, [a[:n] for a, n in zip(views, lengths)], "pad")
+    reference.pad(views, pad_value, out=t.detach().numpy(), max_len=t.shape[1])
 
 
 # --- public API -------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
-/* fastbatch.c — the one-copy batch gather behind fastbatch.stack and fastbatch.pad, and the result
- * lines' frame behind warmd.format_outcome (at the end).
+/* fastbatch.c — the one-copy batch gather behind fastbatch.stack, and the result lines' frame behind
+ * warmd.format_outcome (at the end).
  *
  * Python checks shapes and dtypes and allocates every buffer (usually a slot of a pinned ring
  * reused batch after batch); this file only moves bytes: B source rows into one contiguous
- * destination, padding ragged rows in the same pass, split over pthreads above a size threshold.
+ * destination, split over pthreads above a size threshold.
  * cffi's out-of-line API mode releases the GIL around each call, so a prefetch thread gathering
  * here does not stall the Python thread driving the model.
  */
@@ -23,13 +23,9 @@ struct fb_job {
     void (*work)(const fb_job *);
     char *dst;
     const char *const *srcs;
-    int64_t item_bytes;       /* gather: bytes per source */
-    const int64_t *lens;      /* pad: source lengths in elements */
-    int64_t row_len;          /* pad: destination row length in elements */
-    int elem_size;            /* pad: bytes per element */
-    const void *pad_value;    /* pad: elem_size bytes */
+    int64_t item_bytes;       /* bytes per source */
     int stream;               /* write dst with non-temporal stores (see copy_bytes) */
-    int64_t begin, end;       /* gather: byte range of dst; pad: row range */
+    int64_t begin, end;       /* byte range of dst */
 };
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -85,52 +81,6 @@ static void gather_range(const fb_job *j) {
     stream_fence(j->stream);
 }
 
-/* count copies of the elem_size bytes at v. Streaming (x86): one 16-byte pattern register,
- * phase-shifted to the first aligned address (elem_size divides 16, so the phase repeats). Else
- * memset when all its bytes agree (0, -1: the usual pads), or one element then doubling memcpy,
- * which needs no alignment and is a dozen calls for a 16 KiB tail. */
-static void fill(char *p, int64_t count, int elem_size, const void *v, int stream) {
-    const unsigned char *b = v;
-    int64_t total = count * elem_size;
-    if (total <= 0) return;
-#if defined(__SSE2__)
-    if (stream && total >= 256) {
-        int64_t head = (int64_t)(-(uintptr_t)p & 15), o = 0;
-        unsigned char pat[16];
-        for (int k = 0; k < 16; k++) pat[k] = b[(head + k) % elem_size];
-        __m128i x = _mm_loadu_si128((const __m128i *)pat);
-        for (; o < head; o++) p[o] = b[o % elem_size];
-        for (; o + 16 <= total; o += 16) _mm_stream_si128((__m128i *)(p + o), x);
-        for (; o < total; o++) p[o] = b[o % elem_size];
-        return;
-    }
-#else
-    (void)stream;
-#endif
-    int same = 1;
-    for (int k = 1; k < elem_size; k++) same &= b[k] == b[0];
-    if (same) { memset(p, b[0], (size_t)total); return; }
-    memcpy(p, b, (size_t)elem_size);
-    for (int64_t done = elem_size; done < total;) {
-        int64_t k = min64(done, total - done);
-        memcpy(p + done, p, (size_t)k);
-        done += k;
-    }
-}
-
-/* Rows [begin, end): the row's data, then the pad value to its end. */
-static void pad_rows(const fb_job *j) {
-    const int es = j->elem_size;
-    const int64_t row_bytes = j->row_len * es;
-    for (int64_t i = j->begin; i < j->end; i++) {
-        char *row = j->dst + i * row_bytes;
-        int64_t k = min64(j->lens[i], j->row_len);
-        if (k > 0) copy_bytes(row, j->srcs[i], k * es, j->stream);
-        fill(row + k * es, j->row_len - k, es, j->pad_value, j->stream);
-    }
-    stream_fence(j->stream);
-}
-
 static void *job_main(void *arg) {
     const fb_job *j = arg;
     j->work(j);
@@ -182,35 +132,11 @@ int fb_gather(char *dst, const char *const *srcs, int64_t n_items, int64_t item_
     return run_split(&proto, total, FB_GRAIN, total, n_threads, thread_min_bytes);
 }
 
-int fb_pad_gather(char *dst, const char *const *srcs, const int64_t *lens, int64_t n_items,
-                  int64_t row_len, int elem_size, const void *pad_value,
-                  int n_threads, int64_t thread_min_bytes, int64_t stream_min_bytes) {
-    if (n_items < 0 || row_len < 0) return FB_ESIZE;
-    if (elem_size != 1 && elem_size != 2 && elem_size != 4 && elem_size != 8) return FB_EELEM;
-    if (row_len > INT64_MAX / elem_size) return FB_EOVERFLOW;
-    int64_t row_bytes = row_len * elem_size;
-    if (row_bytes > 0 && n_items > INT64_MAX / row_bytes) return FB_EOVERFLOW;
-    int64_t total = n_items * row_bytes;
-    if (total == 0) return FB_OK;
-    if (!dst || !srcs || !lens || !pad_value) return FB_ENULL;
-    for (int64_t i = 0; i < n_items; i++) {
-        if (lens[i] < 0) return FB_ESIZE;
-        int64_t k = min64(lens[i], row_len) * elem_size;
-        if (k > 0 && !srcs[i]) return FB_ENULL;
-        if (overlaps(dst, total, srcs[i], k)) return FB_EOVERLAP;
-    }
-    fb_job proto = {.work = pad_rows, .dst = dst, .srcs = srcs, .lens = lens,
-                    .row_len = row_len, .elem_size = elem_size, .pad_value = pad_value,
-                    .stream = total >= stream_min_bytes};
-    return run_split(&proto, n_items, 1, total, n_threads, thread_min_bytes);
-}
-
 const char *fb_strerror(int code) {
     switch (code) {
     case FB_OK: return "ok";
     case FB_ENULL: return "NULL pointer where data is required";
     case FB_ESIZE: return "negative count, length or size";
-    case FB_EELEM: return "pad element size must be 1, 2, 4 or 8 bytes";
     case FB_EOVERFLOW: return "batch size in bytes overflows int64";
     case FB_EOVERLAP: return "a source overlaps the destination";
     case FB_ETHREAD: return "pthread_join failed";

@@ -1,7 +1,6 @@
-"""fastbatch.reference — what fastbatch's C gather computes, written in numpy.
-
-The tests run every case through both paths and compare; fastbatch/__init__.py falls back to
-these two functions when the C module cannot be built (or FASTBATCH_REFERENCE=1). They expect
+"""fastbatch.reference — fastbatch's gather in numpy: stack is the C gather's twin (the tests
+compare them; fastbatch/__init__.py falls back to it when the C module cannot be built, or
+FASTBATCH_REFERENCE=1), pad is fastbatch's only pad, on either path. Both expect
 already-checked input (the wrapper validates once, for either path): C-contiguous numpy arrays
 of one dtype and, when given, an `out` array of exactly the result's shape and dtype.
 """

@@ -17,7 +17,7 @@ import functools
 import inspect
 import threading
 import uuid
-from concurrent.futures import Future   # its TimeoutError is the builtin one (3.11)
+from concurrent.futures import Future, wait   # its TimeoutError is the builtin one (3.11)
 
 runner = None      # set by `calque modal run`: call(target, params, items) -> an iterator of result dicts
 container = False  # True in a worker: Image.imports() blocks import for real there
@@ -294,9 +294,11 @@ class Function:
         _unsupported("modal.Function.from_name (a deployed app)", "import the app file and call its function")
 
 
-def _call_item(args, kwargs):
-    """A call as one JSON item the worker unpacks into fn(*args, **kwargs) (calque.ModalHandler)."""
-    return {CALL_KEY: [list(args), dict(kwargs)]}
+def _call_item(args, kwargs, *stream):
+    """A call as one JSON item the worker unpacks into fn(*args, **kwargs) (calque.ModalHandler);
+    `stream`: the id of a .remote_gen call, whose items the worker writes as they come
+    (calque.Streamed)."""
+    return {CALL_KEY: [list(args), dict(kwargs), *stream]}
 
 
 CALL_KEY = "__modal_call__"
@@ -326,14 +328,16 @@ class _CallForm:
 
 def _remote_exception(result):
     """A failed item's error as Modal raises it: the original builtin type (ValueError("custom error")), which is
-    also a RemoteError; any other type as RemoteError("Type: message"). `where`: its innermost frame."""
+    also a RemoteError; any other type as RemoteError("Type: message"). `where`: its innermost frame
+    outside this stand-in."""
     name, _, message = result["error"].partition(": ")
     base = getattr(builtins, name, None)
     error = RemoteError(result["error"])
     if isinstance(base, type) and issubclass(base, Exception):
         with contextlib.suppress(TypeError):
             error = type(name, (base, RemoteError), {"__module__": "builtins"})(message)
-    error.where = (result.get("trace") or [""])[-1].partition(": ")[0]
+    frames = [f for f in result.get("trace") or [""] if not f.startswith("modal.py:")]
+    error.where = (frames or result["trace"])[-1].partition(": ")[0]
     return error
 
 
@@ -373,8 +377,24 @@ class Handle:
         return next(iter(self._values([_call_item(args, kwargs)], False)))
 
     def _remote_gen(self, *args, **kwargs):
-        """A generator's items, once its call is done (a worker returns them as one list)."""
-        yield from self._remote(*args, **kwargs)
+        """A generator's items as the worker produces them (read from the store in chunks,
+        calque.Streamed); the call's result, the whole list, gives the rest and raises its error."""
+        stream = uuid.uuid4().hex
+        call, after, read = FunctionCall(self._results([_call_item(args, kwargs, stream)])), None, 0
+        try:
+            while True:
+                done = call._outcome.done()
+                for after, chunk in runner.streamed(self.target, self.params, stream, after):
+                    if chunk["start"] > read:   # a redelivery's, timed otherwise: the result has it
+                        continue
+                    for value in chunk["values"][read - chunk["start"]:]:
+                        read += 1
+                        yield value
+                if done or wait([call._outcome], timeout=0.1).done:
+                    break
+            yield from call.get()[read:]
+        finally:
+            runner.streamed(self.target, self.params, stream, done=True)
 
     def _spawn(self, *args, **kwargs):
         return FunctionCall(self._results([_call_item(args, kwargs)]))

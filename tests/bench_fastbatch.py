@@ -81,16 +81,18 @@ def bench_stack(pool):
     nbytes = B * ITEM_BYTES
     ring = fastbatch.PinnedRing(slots=2)
 
-    def fb(threads):
+    def fb(threads, backend=fastbatch.BACKEND):
         def run():
-            fastbatch.THREADS = threads
+            fastbatch.THREADS, fastbatch.BACKEND = threads, backend
             slot, x = ring.stack(arrays)
             ring.release(slot)
+            fastbatch.BACKEND = DEFAULT_BACKEND
         return run
     reused = torch.empty(B, ITEM_BYTES // 4)
     rows = median_seconds(memcpy_methods(nbytes, pool) + [
         (FB_STACK, fb(DEFAULT_THREADS)),
         ("fastbatch.stack -> ring slot, 1 thread", fb(1)),
+        (FB_STACK_REF, fb(DEFAULT_THREADS, "reference")),
         ("torch.stack(out=reused)", lambda: torch.stack(tensors, out=reused)),
         ("torch.stack, fresh tensor", lambda: torch.stack(tensors)),
         ("default_collate (numpy arrays)", lambda: default_collate(arrays)),
@@ -111,7 +113,8 @@ def numpy_pad_loop(seqs):
 
 
 def bench_pad(pool):
-    """256 ragged int64 token sequences: fastbatch.pad into a ring slot vs pad_sequence and a numpy loop."""
+    """256 ragged int64 token sequences: fastbatch.pad (numpy) into a ring slot vs pad_sequence and a numpy loop
+    into fresh memory."""
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 50_000, rng.integers(TOKENS[0], TOKENS[1], endpoint=True)) for _ in range(B)]
     seqs_t = [torch.from_numpy(s) for s in seqs]
@@ -119,20 +122,14 @@ def bench_pad(pool):
     nbytes = B * L * 8
     ring = fastbatch.PinnedRing(slots=2)
 
-    def fb(threads, min_bytes):
-        def run():
-            fastbatch.THREADS, fastbatch.THREAD_MIN_BYTES = threads, min_bytes
-            slot, x, lengths = ring.pad(seqs)
-            ring.release(slot)
-        return run
-    default = (fastbatch.THREADS, fastbatch.THREAD_MIN_BYTES)
+    def fb():
+        slot, x, lengths = ring.pad(seqs)
+        ring.release(slot)
     rows = median_seconds(memcpy_methods(nbytes, pool) + [
-        (FB_PAD, fb(*default)),
-        ("fastbatch.pad -> ring slot, 2 threads forced", fb(2, 0)),
+        (FB_PAD, fb),
         ("pad_sequence, fresh tensor", lambda: pad_sequence(seqs_t, batch_first=True)),
         ("numpy pad loop, fresh array", lambda: numpy_pad_loop(seqs)),
     ], REPEATS_PAD)
-    fastbatch.THREADS, fastbatch.THREAD_MIN_BYTES = default
     got, _ = fastbatch.pad(seqs)
     assert np.array_equal(got.numpy(), numpy_pad_loop(seqs)), "fastbatch.pad disagrees with the numpy loop"
     print("\n(default_collate, torch.stack and np.stack cannot batch ragged sequences: not shown)")
@@ -140,7 +137,7 @@ def bench_pad(pool):
                  nbytes, rows, "pad_sequence, fresh tensor", "memcpy np.copyto, 2 threads")
 
 
-DEFAULT_THREADS = fastbatch.THREADS
+DEFAULT_THREADS, DEFAULT_BACKEND = fastbatch.THREADS, fastbatch.BACKEND
 def bench_result_lines():
     """The worker's result lines for one batch of the demo model's results ({"label": int, "score": float}):
     µs an item, interleaved: json's encoder an item at a time (what format_each did before orjson), format_each
@@ -163,7 +160,8 @@ def bench_result_lines():
 
 
 FB_STACK = f"fastbatch.stack -> ring slot, {DEFAULT_THREADS} threads"  # the defaults: 512 MiB > THREAD_MIN_BYTES
-FB_PAD = "fastbatch.pad -> ring slot, defaults"  # 4 MiB < THREAD_MIN_BYTES: one thread
+FB_PAD = "fastbatch.pad -> ring slot"  # numpy on either path: a C pad paid nothing end to end
+FB_STACK_REF = "fastbatch.stack -> ring slot, numpy reference"   # the same call with the C module off
 
 
 def main():
@@ -179,6 +177,7 @@ def main():
     vs_memcpy = s[FB_STACK] / s["memcpy np.copyto, 2 threads"]
     print(f"\ngoal >= {GOAL_VS_TORCH:.0f}x torch.stack-fresh: {'met' if vs_torch >= GOAL_VS_TORCH else 'MISSED'} ({vs_torch:.2f}x)")
     print(f"goal >= {100 * GOAL_VS_MEMCPY:.0f}% of 2-thread memcpy: {'met' if vs_memcpy >= GOAL_VS_MEMCPY else 'MISSED'} ({100 * vs_memcpy:.0f}%)")
+    print(f"stack: the C path {s[FB_STACK] / s[FB_STACK_REF]:.2f}x the numpy reference into the same ring slot")
     print(f"pad: {p[FB_PAD] / p['pad_sequence, fresh tensor']:.2f}x pad_sequence, "
           f"{p[FB_PAD] / p['numpy pad loop, fresh array']:.2f}x the numpy loop, "
           f"{100 * p[FB_PAD] / p['memcpy np.copyto, 2 threads']:.0f}% of 2-thread memcpy of the same bytes")

@@ -185,7 +185,7 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
 
 
 def test_worker_policy_statement_by_statement(aws):
-    """The pool role's policy is exactly these six statements, and it is what IAM holds after create."""
+    """The pool role's policy is exactly these seven statements, and it is what IAM holds after create."""
     policy = calque.worker_policy("s3://bkt/calque/root", MODEL, "eu-west-1", "111122223333")
     q = "arn:aws:sqs:eu-west-1:111122223333:"
     obj = "arn:aws:s3:::bkt/calque/root/"
@@ -203,10 +203,13 @@ def test_worker_policy_statement_by_statement(aws):
                       obj + f"runs/{s}.*/summaries/*"]},
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
          "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"pools/{s}/workers/*",
-                      obj + f"pools/{s}/instances/*"]},           # + the bootstrap's report
+                      obj + f"pools/{s}/instances/*",             # + the bootstrap's report
+                      obj + f"pools/{s}/output/*", obj + f"pools/{s}/streams/*"]},   # prints, remote_gen
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
+        {"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],   # its old print chunks
+         "Resource": obj + f"pools/{s}/output/*"},
         {"Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",                           # its group only
              "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
          "Resource": "arn:aws:autoscaling:eu-west-1:111122223333:autoScalingGroup:*:autoScalingGroupName/"
@@ -223,7 +226,8 @@ def test_worker_policy_statement_by_statement(aws):
                                                "arn:aws:s3:::bkt/runs/*/inputs/*",
                                                "arn:aws:s3:::bkt/runs/*/summaries/*"]),
         ("WriteResults", ["s3:PutObject"], ["arn:aws:s3:::bkt/runs/*/results/*", "arn:aws:s3:::bkt/runs/*/summaries/*",
-                                            "arn:aws:s3:::bkt/runs/*/workers/*"]),
+                                            "arn:aws:s3:::bkt/runs/*/workers/*",
+                                            "arn:aws:s3:::bkt/runs/*/output/*"]),
         ("NotFoundIsNotForbidden", ["s3:ListBucket"], "arn:aws:s3:::bkt")]
     assert cold["Statement"][4]["Condition"] == {"StringLike": {"s3:prefix": ["runs/*"]}}
     # every action is on a named resource, never "*"

@@ -1,10 +1,13 @@
 """Unmodified Modal app files on calque pools: as a pool handler (real warmd.py processes) and under
 `calque modal run`, on the embedded backend and on moto_server; lifecycle hooks on SIGTERM; the stand-in's
 refusals; and the stand-in loaded even where a real `modal` package is importable."""
+import importlib.metadata
 import json
 import os
 import signal
+import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -234,6 +237,7 @@ def test_unsupported_construct_and_a_real_modal_installed(local_env, tmp_path):
 IDIOMS = '''
 import os
 import sys
+import time
 import modal
 
 image = (modal.Image.debian_slim(python_version="3.11").apt_install("libgomp1").pip_install("numpy")
@@ -257,8 +261,15 @@ def work(x: int = 2, y: int = 3):
 
 
 @app.function()
-def count(n):
-    yield from range(n)
+def count(n, flag=""):
+    for i in range(n):
+        yield i
+        if flag and i == 0:   # streamed: the caller has item 0 while this waits for it to say so
+            for _ in range(200):
+                if os.path.exists(flag):
+                    break
+                time.sleep(0.1)
+            yield os.path.exists(flag)
 
 
 @app.function()
@@ -276,11 +287,15 @@ def web(item: dict):   # a web endpoint beside the batch functions: the file sti
 @app.local_entrypoint()
 async def main():
     import json
+    streamed = []
+    for i in count.remote_gen(3, "streamed.flag"):
+        streamed.append(i)
+        open("streamed.flag", "w").close()
     call = work.spawn(4, y=5)
     work.spawn_map([7], kwargs={{"y": 1}})   # fire and forget: modal run waits for it before it cleans up
     out = {{"noargs": work.remote(), "kwargs": await work.remote.aio(x=3, y=1),
             "aio_map": [r["area"] async for r in work.map.aio([1, 2])],
-            "gen": list(count.remote_gen(3)), "gen_aio": [i async for i in count.remote_gen.aio(2)],
+            "gen": streamed, "gen_aio": [i async for i in count.remote_gen.aio(2)],
             "batched": [d async for d in doubles.map.aio(range(6))],
             "gather": modal.FunctionCall.gather(call, modal.FunctionCall.from_id(call.object_id)),
             "id": call.object_id.startswith("fc-")}}
@@ -305,19 +320,21 @@ def write_idioms(tmp_path):
 
 
 def test_modal_idioms_under_modal_run(local_env, tmp_path):
-    """Modal's own call forms under `modal run`: no-argument and keyword calls, .remote.aio / .map.aio, remote_gen
-    (and .aio), an async @modal.batched, spawn + FunctionCall.gather / from_id, spawn_map, the original exception
-    type; the
-    image's env, add_local_python_source and add_local_file reach the workers; a web endpoint beside them is
-    kept; what the functions print reaches our stderr, prefixed with the worker, while they run. (The calls are
-    the shim's and submit's, the same on both backends; the include's S3 path is the next test's.)"""
+    """Modal's own call forms under `modal run`: no-argument and keyword calls, .remote.aio /
+    .map.aio, remote_gen (its items reach the caller while the generator runs; and .aio), an async
+    @modal.batched, spawn + FunctionCall.gather / from_id, spawn_map, the original exception type;
+    the image's env, add_local_python_source and add_local_file reach the workers; a web endpoint
+    beside them is kept; what the functions print reaches our stderr, prefixed with the worker,
+    while they run. (The calls are the shim's and submit's, the same on both backends; the include's
+    S3 path is the next test's.)"""
     env = local_env
     path = write_idioms(tmp_path)
     out = cli(env, "modal", "run", path, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr
     row = {"env": "hello", "rows": ["a", "b"]}
     assert json.loads(out.stdout) == {
-        "noargs": dict(row, area=6), "kwargs": dict(row, area=3), "aio_map": [3, 6], "gen": [0, 1, 2],
+        "noargs": dict(row, area=6), "kwargs": dict(row, area=3), "aio_map": [3, 6],
+        "gen": [0, True, 1, 2],
         "gen_aio": [0, 1], "batched": [0, 2, 4, 6, 8, 10], "gather": [dict(row, area=20)] * 2, "id": True,
         "raised": "negative -1",
         "not_json": "work's arguments travel as JSON values (Modal pickles them): bytes is not JSON-serialisable"}
@@ -351,15 +368,18 @@ app = modal.App(image=modal.Image.debian_slim().add_local_python_source("helper"
 
 @app.function()
 def tag(x):
+    print("tagging", x, flush=x == 1)
     with open("data/words.txt") as f:
         return helper.tag(f.read().split(), x)
 '''
 
 
 def test_multi_file_app_on_a_worker_with_only_the_store(aws_env, tmp_path):
-    """A handler importing a sibling module and reading a data file, snapshotted with --include (a native handler)
-    or add_local_python_source / add_local_dir (a Modal app), runs on a worker started in an empty folder once the
-    folder it came from is gone, as on an EC2 instance: the files come from the store, checked by sha256."""
+    """A handler importing a sibling module and reading a data file, snapshotted with --include (a
+    native handler) or add_local_python_source / add_local_dir (a Modal app), runs on a worker
+    started in an empty folder once the folder it came from is gone, as on an EC2 instance: the
+    files come from the store, checked by sha256. What the Modal function prints there reaches
+    `submit --follow-logs`, through the store, labelled with the host."""
     folder = tmp_path / "project"
     (folder / "data").mkdir(parents=True)
     (folder / "data" / "words.txt").write_text("zero one two\n")
@@ -379,8 +399,13 @@ def test_multi_file_app_on_a_worker_with_only_the_store(aws_env, tmp_path):
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             run = cli(aws_env, "submit", "--pool", model, "--wait-for-workers", "--json",
+                      "--follow-logs",
                       write_items(tmp_path / "items.jsonl", [2, 0, 1]))
             assert run.returncode == 0, run.stderr
+            printed = [line for line in run.stderr.splitlines() if "tagging" in line]
+            host = socket.gethostname()
+            tagged = [f"[modalapp {host}] tagging {x}" for x in (2, 0, 1)]
+            assert printed == ([] if model == "native" else tagged)
             run_id = json.loads(run.stdout)["run"]["run_id"]
             results = [json.loads(line)["result"] for line in cli(aws_env, "runs", "results", run_id).stdout.split()]
             assert results == ["2:two", "0:zero", "1:one"]
@@ -468,10 +493,13 @@ def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
     wait_for(lambda: not running(), 30, "the pool's supervisor and worker to exit")
 
 
+NUMPY = importlib.metadata.version("numpy")
+
+
 def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
-    """A syntax error, a top-level import this Python lacks, an image pip package not installed, a decorator without
-    its parentheses, a web endpoint as the target, an exception in the entrypoint: each one line naming the file
-    (and line) and the next step."""
+    """A syntax error, a top-level import this Python lacks, an image pip package not installed or
+    not at the version pinned, a decorator without its parentheses, a web endpoint as the target, an
+    exception in the entrypoint: each one line naming the file (and line) and the next step."""
     cases = {
         "syntax.py": ("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x +\n",
                       "f", "syntax error on line 5"),
@@ -479,6 +507,10 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                        "    return x\n", "f", "missing.py:2: module 'no_such_module_xyz' is not installed"),
         "image.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim().pip_install('no-such-dist==1.0'))"
                      "\n@app.function()\ndef f(x):\n    return x\n", "f", "-m pip install no-such-dist==1.0"),
+        "pinned.py": ("import modal\napp = modal.App(image=modal.Image.debian_slim()"
+                      ".pip_install('numpy==1.0', 'boto3>=1.0'))\n@app.function()\n"
+                      "def f(x):\n    return x\n", "f",
+                      f"pip_install numpy==1.0 ({NUMPY} installed) in the workers' Python"),
         "bare.py": ("import modal\napp = modal.App()\n@app.function\ndef f(x):\n    return x\n", "f",
                     "bare.py:3: @app.function without parentheses ---> HINT: write @app.function()"),
         "web.py": ("import modal\napp = modal.App()\n@app.function()\n@modal.asgi_app()\ndef f():\n    return None\n",
@@ -489,11 +521,28 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
         out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{tmp_path / name}:{target}",
                   "--workers", "0")
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, (name, out.stderr)
+        assert "boto3" not in out.stderr
     (tmp_path / "entry.py").write_text("import modal\napp = modal.App()\n@app.local_entrypoint()\ndef main():\n"
                                        "    raise RuntimeError('first\\nsecond')\n")
     out = cli(local_env, "modal", "run", str(tmp_path / "entry.py"))
     assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
     assert "entrypoint main failed: " in out.stderr and "entry.py:5: RuntimeError: first second" in out.stderr
+
+
+def test_pip_versions_with_and_without_packaging(monkeypatch):
+    """The image's pins are checked by packaging's rules, and by the ==/>= fallback where packaging
+    is absent."""
+    import calque
+    assert calque.pip_unmet("numpy<2") == f"{NUMPY} installed"
+    assert calque.pip_unmet("numpy~=2.0") is None
+    for packaging in (True, False):
+        if not packaging:
+            monkeypatch.setitem(sys.modules, "packaging.requirements", None)
+        assert calque.pip_unmet(f"numpy=={NUMPY}") is None
+        assert calque.pip_unmet("numpy[dev]>=1.0") is None
+        assert calque.pip_unmet("numpy>=999") == f"{NUMPY} installed"
+        assert calque.pip_unmet("numpy==1.0") == f"{NUMPY} installed"
+        assert calque.pip_unmet("no-such-dist-xyz>=1") == "not installed"
 
 
 def test_image_imports_and_bootstrap(tmp_path):
