@@ -3506,6 +3506,7 @@ RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long made 
 SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
 SCALE_INTERVAL = 0.5                    # s between two looks at the queue of a pool that sizes itself
 SCALE_MEASURE_EVERY = 10.0              # s between two reads of its recent summaries (seconds per claim)
+SCALE_WAKE_HOLD = 30.0                  # s a submit's announced claims count until they show
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
 STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
 SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
@@ -3725,13 +3726,13 @@ def read_desired(folder):
 class LocalScaler:
     """The supervisor's sizing of a pool that scales itself (scaling.json in its state folder: lo,
     hi, idle_window, target_drain): every SCALE_INTERVAL s, desired_count on the queue's depth and
-    the seconds per claim of the pool's recent summaries (re-read every SCALE_MEASURE_EVERY s); each
-    change is logged with its inputs. Without scaling.json, the count `pool create` / `pool scale`
-    wrote."""
+    the seconds per claim of the pool's recent summaries (re-read every SCALE_MEASURE_EVERY s), a
+    submit's announced claims (announce_run) counted while its queue is still empty; each change is
+    logged with its inputs. Without scaling.json, the count `pool create` / `pool scale` wrote."""
 
     def __init__(self, conf, model, folder):
         self.conf, self.model, self.folder = conf, model, folder
-        self.backend = self.queue = self.spc = self.since = self.error = None
+        self.backend = self.queue = self.spc = self.since = self.error = self.woken = None
         self.checked = self.measured = -math.inf
 
     def want(self, current, now):
@@ -3756,6 +3757,11 @@ class LocalScaler:
             return current
         self.error = None
         backlog = depth["visible"] + depth["in_flight"]
+        wake = bounds.get("wake")   # a submit staging a run: its claims, before they are queued
+        if wake and backlog:
+            self.woken = wake["at"]   # they showed: that announcement is spent
+        elif wake and wake["at"] != self.woken and now - wake["at"] < SCALE_WAKE_HOLD:
+            depth, backlog = dict(depth, visible=wake["claims"]), wake["claims"]
         if bounds.get("boost") and not backlog:   # a planned run's count holds while its claims wait
             write_file_atomic(os.path.join(self.folder, "scaling.json"), json.dumps(dict(bounds, boost=0)))
         lo = min(bounds["hi"], max(bounds["lo"], bounds.get("boost", 0) if backlog else 0))
@@ -3879,19 +3885,21 @@ def record_exit(conf, model, store, pid, code):
 def _spawn(conf, model, folder, slots, want, now):
     """Start a warmd.py in every wanted slot that has none and whose backoff is over, on its own GPU(s)."""
     devices, per_worker = gpu_plan(conf, folder)
-    sizing = read_scaling(folder) is not None
+    bounds = read_scaling(folder)
     for s in range(want):
         slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0, "last_exit": None,
                                     "log": os.path.join(folder, f"worker-{s}.log"),
                                     "ready": os.path.join(folder, f"worker-{s}.ready")})
         if slot["proc"] is None and now >= slot["not_before"]:
-            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, sizing)
+            sized = bounds is not None
+            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, sized)
             if slot["gpus"] is None:    # every device is another worker's: this slot waits for one
                 slot["gpus"] = []
                 continue
             env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
                        CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
-            env.update(thread_env(folder, want, slot["gpus"], env))
+            sharing = max(want, bounds["hi"]) if bounds else want
+            env.update(thread_env(folder, sharing, slot["gpus"], env))
             slot["threads"] = env.get("OMP_NUM_THREADS")
             if slot["last_exit"] and slot["last_exit"]["code"]:   # a death: the new worker commits parts the more
                 env["CALQUE_PREVIOUS_LIFE"] = str(slot["last_exit"]["lived"])   # often, the shorter it lived
@@ -3909,8 +3917,9 @@ THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RA
 
 def thread_env(folder, want, gpus, env):
     """The thread settings of a worker started now: `pool create --threads-per-worker N` sets THREAD_VARS to N;
-    else a CPU worker gets its share of this machine's cores (cores / workers, at least 1) in each of them the
-    user's environment does not set already; a GPU worker keeps its libraries' defaults."""
+    else a CPU worker gets its share of this machine's cores (cores / workers, at least 1; a pool
+    that sizes itself: its ceiling, as a worker keeps its threads when the pool grows) in each of
+    them the user's environment does not set already; a GPU worker keeps its libraries' defaults."""
     try:
         with open(os.path.join(folder, "threads-per-worker")) as f:
             asked = f.read().strip()
@@ -4815,6 +4824,7 @@ ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics on
 MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
 MIN_IDLE_MINUTES = 2                # the idle alarm's newest minute may be a FILLed 0 (its data late): 1 is no window
 STEP_ADJUSTMENTS_MAX = 20           # steps of one step-scaling policy (Auto Scaling's limit)
+EC2_DRAIN_TIMEOUT = 900             # s a terminating instance waits for its worker's claim (hook)
 BOOTSTRAP_ATTEMPTS = 5              # tries of each network step of the bootstrap (apt, kit download, pip install)
 BOOTSTRAP_BACKOFF = 10              # s before a network step's second try, doubling after each (10 + 20 + 40 + 80 s)
 BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of instances already replaced that `pool status` reads and lists
@@ -4838,7 +4848,8 @@ def ec2_names(model):
     role = _iam_name("calque-" + s, s)
     return {"queue": pool_queue_name(model), "dlq": dlq_name(model), "role": role, "instance_profile": role,
             "launch_template": base, "asg": base, "alarm_wake": base + "-wake", "alarm_idle": base + "-idle",
-            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "kit_prefix": f"pools/{s}/kit/",
+            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "hook": "calque-drain",
+            "kit_prefix": f"pools/{s}/kit/",
             "report_prefix": f"pools/{s}/instances/"}   # the bootstrap's reports: <started>.<instance id>.json
 
 
@@ -5030,7 +5041,8 @@ def worker_policy(store, model, region, account, partition="aws"):
       from "forbidden". The worker never lists anything itself;
     - SetInstanceHealth on its own Auto Scaling group only (the ARN names the group): a bootstrap that fails
       marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service;
-      SetInstanceProtection there too: warmd protects its instance from scale-in while it holds a claim."""
+      SetInstanceProtection and CompleteLifecycleAction there too: warmd protects its instance from
+      scale-in while it holds a claim, and lets a terminating one go once its claim is done."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
     policy = _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
@@ -5046,7 +5058,8 @@ def worker_policy(store, model, region, account, partition="aws"):
                                 "Resource": f"{obj}pools/{s}/output/*"})
     policy["Statement"].append({
         "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
-        "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
+        "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
+                   "autoscaling:CompleteLifecycleAction"],
         "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/"
                     f"{ec2_names(model)['asg']}"})
     return policy
@@ -6017,8 +6030,14 @@ def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spe
     def asg():
         state = _ensure_asg(calls, names, ec2, tags, owner)
         lo, hi, desired = _asg_sizes(ec2)
+        calls.call("autoscaling", "PutLifecycleHook", LifecycleHookName=names["hook"],
+                   AutoScalingGroupName=names["asg"], DefaultResult="CONTINUE",
+                   LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
+                   HeartbeatTimeout=EC2_DRAIN_TIMEOUT)
         print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} "
-              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'})")
+              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'}); "
+              f"termination hook {names['hook']} (a worker finishes its claim first, "
+              f"{EC2_DRAIN_TIMEOUT // 60} min at most)")
 
     def alarms():
         if idle:
@@ -6106,6 +6125,63 @@ def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money
                                    f"the backlog and idle alarms in charge again: up to {ec2['instances']} on "
                                    f"its backlog"))
     return full
+
+
+def ec2_pool_bounds(backend, record, lo, hi, *, dry_run=False, yes_spend_money=False, calls=None):
+    """`pool scale --min-instances A --max-instances B` (either kept when not given) of an EC2
+    pool that sizes itself: the group's MinSize and MaxSize, its backlog steps, idle policy and
+    alarms put for the new bounds; a `pool scale --instances` hold is released. Raising the floor
+    above the group's desired capacity needs yes_spend_money (or dry_run)."""
+    model = record["model"]
+    _aws_store(backend, "pool scale --min-instances / --max-instances")
+    ec2 = dict(_require_ec2(record))
+    if not ec2.get("scale_to_zero_after"):
+        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or "
+                        f"ceiling ---> HINT: `pool scale --instances N`, or re-run `pool create` "
+                        f"with --min-instances A --max-instances B")
+    lo = (ec2["min_instances"] or 0) if lo is None else lo
+    hi = ec2["instances"] if hi is None else hi
+    if not 0 <= lo <= hi or hi < 1:
+        raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max "
+                        f">= 1 ---> HINT: e.g. --min-instances 0 --max-instances 4")
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
+    names = ec2_names(model)
+    asg = _describe_asg(calls, names["asg"])
+    if asg is None:
+        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: "
+                        f"re-run `pool create` to finish the pool")
+    desired = min(max(asg["DesiredCapacity"], lo), hi)
+    if desired > asg["DesiredCapacity"]:
+        _refuse_spending(f"pool scale --model {model} --min-instances {lo}", dry_run=dry_run,
+                         yes_spend_money=yes_spend_money)
+    ec2.update(min_instances=lo, instances=hi, held=None)
+    ec2["scaling"] = ec2_scaling(backend, model, lo, hi)
+    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
+               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
+    _ensure_scale_to_zero(calls, names, ec2, _tag_dict(asg.get("Tags")))
+    full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
+    _put_pool_record(calls, backend, full)
+    print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), "
+          f"desired {asg['DesiredCapacity']} -> {desired}; backlog steps "
+          f"{', '.join(f'{b}+ -> {k}' for b, k in ec2['scaling']['steps'])}")
+    return full
+
+
+def refresh_backlog_steps(backend, record):
+    """Put an EC2 pool's backlog policy again when its steps no longer follow the pool's measured
+    seconds per claim or the drain target (each submit: they follow the claims the pool ran)."""
+    ec2 = record.get("ec2") or {}
+    if backend.kind != "aws" or not ec2.get("scale_to_zero_after"):
+        return
+    scaling = ec2_scaling(backend, record["model"], ec2["min_instances"], ec2["instances"])
+    if json.loads(json.dumps(scaling)) == ec2.get("scaling"):
+        return
+    calls, names = AwsCalls.for_backend(backend), ec2_names(record["model"])
+    _put_backlog_policy(calls, names, dict(ec2, scaling=scaling))
+    ec2 = dict(ec2, scaling=scaling, updated_at=now_iso())
+    _put_pool_record(calls, backend, dict(record, ec2=ec2))
+    print(f"pool {record['model']}: backlog steps now "
+          f"{', '.join(f'{b}+ -> {k}' for b, k in scaling['steps'])}", file=sys.stderr)
 
 
 def bootstrap_reports(backend, model, instance_ids):
@@ -6305,6 +6381,11 @@ def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         if group.get("Status"):
             return f"already {group['Status'].lower()}"
         _require_managed(names["asg"], _tag_dict(group.get("Tags")))
+        hooks = calls.call("autoscaling", "DescribeLifecycleHooks",
+                           AutoScalingGroupName=names["asg"])["LifecycleHooks"]
+        if any(h["LifecycleHookName"] == names["hook"] for h in hooks):   # instances go now
+            calls.call("autoscaling", "DeleteLifecycleHook", AutoScalingGroupName=names["asg"],
+                       LifecycleHookName=names["hook"])
         calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0,
                    DesiredCapacity=0)
         calls.call("autoscaling", "DeleteAutoScalingGroup", AutoScalingGroupName=names["asg"], ForceDelete=True)
@@ -6886,6 +6967,7 @@ def pool_record_to_delete(backend, model, force):
 # ---- the planner: a run's wall time and cost for 1..B workers before it starts, and against what it did
 PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
 PLAN_RUNS_READ = 5                      # run records the planner reads for the time to a run's first claim
+PLAN_CLAIMS_READ = 200                  # latest claim summaries it reads (up to 50 a worker count)
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -6945,31 +7027,55 @@ def claim_overheads(backend, summaries):
     return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: a warm pool's
 
 
+def per_item_by_count(summaries):
+    """{n: seconds per item} of these summaries, grouped by how many workers ran their run's claims
+    (on shared cores a claim's time depends on how many run beside it), the newest
+    SCALE_MEASURED_CLAIMS of each count."""
+    runs, groups = {}, {}
+    for summary in summaries:
+        runs.setdefault(summary["run_id"], []).append(summary)
+    for run in runs.values():
+        groups.setdefault(len({s["worker_id"] for s in run}), []).extend(run)
+    return {n: measured_seconds(group[:SCALE_MEASURED_CLAIMS])[1] for n, group in groups.items()}
+
+
+def per_item_at(measured, n, cores):
+    """Seconds an item at n workers: as measured at n, else at the nearest count m measured, times
+    max(n, cores) / max(m, cores): up to one worker a core each runs as fast, beyond that they
+    share the cores."""
+    m = min(measured, key=lambda c: (abs(c - n), -c))
+    return measured[m] * max(n, cores) / max(m, cores)
+
+
 def make_plan(backend, conf, record, items, claim_size, price, summaries):
     """The plan of `items` items in claims of `claim_size` on the pool: per-item seconds measured
-    from `summaries` (recent_summaries), start-up of a worker not yet running (measured @enter and
-    acquisition; an EC2 instance adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time
-    (plan_seconds) and cost (count x wall x rate, on-demand and spot), beside the cold
-    counterfactual (every worker a fresh acquisition paying A + E) and the serverless price of the
-    same drain."""
+    from `summaries` (recent_summaries) at each count (per_item_at), start-up of a worker not yet
+    running (measured @enter and acquisition, from when the first claim is queued; an EC2 instance
+    adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time (plan_seconds) and cost (count x
+    wall x rate, on-demand and spot), beside the cold counterfactual (every worker a fresh
+    acquisition paying A + E) and the serverless price of the same drain."""
     rates, itype = price.rates, price.instance_type
     rate, spot_rate = (instance_rate_per_second(rates, itype, spot=spot) for spot in (False, True))
-    _, per_item = measured_seconds(summaries)
+    measured = per_item_by_count(summaries)
     stats = read_worker_stats(backend, record["model"])
     enter = measured_enter_seconds(stats) or 0.0
     paid = [w["acquisition_seconds"] for w in stats if w.get("acquisition_seconds")]
     acquisition = sum(paid) / len(paid) if paid else 0.0
     _, ceiling, noun, warm = pool_ceiling(conf, backend, record)
-    start = enter + (EC2_BOOT_ESTIMATE if noun == "instances" else acquisition)
+    start = enter + (EC2_BOOT_ESTIMATE if noun == "instances" else acquisition + SCALE_INTERVAL)
     gap, latency = claim_overheads(backend, summaries)
     sizes = [claim_size] * (items // claim_size) + ([items % claim_size] if items % claim_size else [])
-    claims = [n * per_item + gap for n in sizes]
+    shared = noun == "workers" and not gpu_devices(conf)     # CPU workers share the cores
+    cores = len(os.sched_getaffinity(0)) if shared else math.inf
     options = []
     for n in range(1, ceiling + 1):
-        running = min(n, warm)
-        seconds = plan_seconds(claims, [latency] * running + [max(latency, start)] * (n - running))
+        running, per_item = min(n, warm), per_item_at(measured, n, cores)
+        claims = [size * per_item + gap for size in sizes]
+        seconds = plan_seconds(claims, [latency] * running + [latency + start] * (n - running))
         options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
-                        "spot_cost_usd": n * seconds * spot_rate, "starting": n - running})
+                        "spot_cost_usd": n * seconds * spot_rate, "starting": n - running,
+                        "seconds_per_item": per_item, "measured": n in measured})
+    per_item = options[-1]["seconds_per_item"]   # cold and serverless counterfactuals: B at once
     drain = sum(claims)
     card, count = serverless_match(rates, itype)
     cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
@@ -7004,8 +7110,9 @@ def format_plan(plan):
              f"{plan['start_seconds']:.3g} s; {plan['instance_type']}",
              f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
     for o in plan["options"]:
+        scaled = "" if o["measured"] else "  (scaled from another count)"
         lines.append(f"  {o[noun]:>9}  {_duration(o['seconds']):>10}  {_usd(o['cost_usd']):>10}  "
-                     f"{_usd(o['spot_cost_usd']):>10}")
+                     f"{_usd(o['spot_cost_usd']):>10}{scaled}")
     cold, serverless = plan["cold"], plan["serverless"]
     lines.append(f"  cold start ({cold[noun]} fresh {noun}, each paying acquisition + @enter): "
                  f"{_duration(cold['seconds'])}, {_usd(cold['cost_usd'])}")
@@ -7092,6 +7199,17 @@ def crash_looping(conf, model):
     if workers and all(not w.get("warm") and (w.get("last_exit") or {}).get("warm") is False for w in workers):
         return died_line(workers[0])
     return None
+
+
+def announce_run(conf, model, items, claim_size):
+    """Tell a local pool that sizes itself, before staging, how many claims are coming (1 when the
+    items are a stream), so its supervisor starts the workers they need while submit stages."""
+    folder = state_dir(conf, model)
+    bounds = read_scaling(folder)
+    if bounds is not None:
+        claims = -(-len(items) // claim_size) if hasattr(items, "__len__") and len(items) else 1
+        wake = {"at": time.time(), "claims": claims}
+        write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, wake=wake)))
 
 
 def pool_liveness(conf, backend, record):
@@ -7313,6 +7431,8 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     if state == "starting":   # (with wait_for_workers, a pool with none is what the caller asked to queue for)
         print(f"calque: {why}", file=sys.stderr)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    if state == "starting":
+        announce_run(conf, pool, items, claim_size)
     run = stage_run(backend, record, items, claim_size, queue, "pool", run_id or new_run_id(record["model"]))
     return Run(run["run_id"], context=(conf, backend), id_field=id_field)
 
@@ -7544,7 +7664,7 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
     check_claim_size(claim_size)
     first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
     count = len(items) if first is None else len(first) + sum(1 for _ in items)
-    summaries, sample = recent_summaries(backend, model), None
+    summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), None
     if not summaries:
         first = first if first is not None else items[:claim_size]
         run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # nothing serves it: refused
@@ -7553,7 +7673,7 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
         if not run.wait():
             raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within CALQUE_TIMEOUT "
                             f"---> HINT: calque runs show {run.run_id}")
-        summaries, sample = recent_summaries(backend, model), run.run_id
+        summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), run.run_id
     return make_plan(backend, conf, record, count, claim_size, price, summaries), sample
 
 
@@ -7671,6 +7791,29 @@ def scale_local_verb(conf, pool, workers, args, bounds=None):
 
 def cmd_pool_scale(conf, backend, args):
     record = load_pool(backend, args.model)
+    keys = ("workers", "instances", "min_workers", "max_workers", "min_instances", "max_instances")
+    given = [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k) is not None]
+    pairs = (["--min-workers", "--max-workers"], ["--min-instances", "--max-instances"])
+    if len(given) != 1 and given not in pairs:
+        raise UserError(f"pool scale {' '.join(given) or 'without a count'}: give --workers N, "
+                        f"--instances N, --min-workers A --max-workers B, or --min-instances A "
+                        f"--max-instances B ---> HINT: e.g. pool scale --model {args.model} "
+                        f"--min-workers 0 --max-workers 2")
+    if args.min_instances is not None or args.max_instances is not None:
+        ec2_pool_bounds(backend, record, args.min_instances, args.max_instances,
+                        dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
+        return EXIT_OK
+    if args.min_workers is not None or args.max_workers is not None:  # one keeps the other
+        had = read_scaling(state_dir(conf, args.model)) or {}
+        lo = had.get("lo", 0) if args.min_workers is None else args.min_workers
+        hi = had.get("hi") if args.max_workers is None else args.max_workers
+        minutes = args.scale_to_zero_after or (had.get("idle_window", 0) / 60 or None)
+        lo, hi, idle = pool_bounds(None, lo, hi, minutes, "workers")
+        pid = scale_local_verb(conf, Pool(args.model, context=(conf, backend)), lo, args,
+                               (lo, hi, idle) if idle else None)
+        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s)"
+              f"{f' (idle {idle / 60:g} min -> {lo})' if idle else ''}, supervisor pid {pid}")
+        return EXIT_OK
     if args.instances is not None:
         ec2_pool_scale(backend, record, args.instances, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
@@ -7829,6 +7972,7 @@ def cmd_submit(conf, backend, args):
             return interrupted(backend, run_id, e.signum)
         if planned:   # once its claims are queued: a local pool's boost lasts while they wait (LocalScaler)
             update_run(backend, run.record, plan=apply_count(conf, backend, record, option, args))
+        refresh_backlog_steps(backend, load_pool(backend, args.pool))
         if args.no_wait:
             print(run.run_id)
             return EXIT_OK
@@ -8358,9 +8502,14 @@ def build_parser():
     p.set_defaults(func=cmd_pool_create)
     p = pool.add_parser("scale", help="set the number of local workers, or of EC2 instances")
     p.add_argument("--model", required=True, help="the pool's model name")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
-    size.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
+    p.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
+    p.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
+    for noun in ("workers", "instances"):
+        p.add_argument(f"--min-{noun}", type=int, metavar="A",
+                       help=f"new floor of a pool that sizes itself ({noun})")
+        p.add_argument(f"--max-{noun}", type=int, metavar="B", help="its new ceiling")
+    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
+                   help="local: its new idle window")
     local_options(p)
     p.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
     p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")

@@ -744,26 +744,39 @@ class GpuSampler:
 
 
 class SpotPoller:
-    """Polls the EC2 metadata spot `instance-action` (IMDSv2) and calls `on_notice` once when one appears.
+    """Polls the EC2 metadata spot `instance-action` (IMDSv2) and calls `on_notice` once when one
+    appears; with `on_terminating`, also the instance's Auto Scaling `target-lifecycle-state`, and
+    calls it once when that reads Terminated (the pool's termination hook holds the instance).
     Off unless CALQUE_SPOT_POLL names the metadata address; tests point it at a loopback stub."""
 
-    def __init__(self, base_url, interval, on_notice):
+    def __init__(self, base_url, interval, on_notice, on_terminating=None):
         self.base, self.interval, self.on_notice = base_url.rstrip("/"), interval, on_notice
+        self.on_terminating = on_terminating
         if not self._poll():   # the first check before the worker loads anything: a notice already given stops it
             threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
+
+    def _get(self, token, path):
+        """A metadata path's body, or None on a 404 (no notice, no Auto Scaling group)."""
+        req = urllib.request.Request(f"{self.base}/latest/meta-data/{path}",
+                                     headers={"X-aws-ec2-metadata-token": token})
+        try:
+            return urllib.request.urlopen(req, timeout=2).read()
+        except urllib.error.HTTPError as e:
+            if e.code == 404:
+                return None
+            raise
 
     def _check(self):
         token_req = urllib.request.Request(self.base + "/latest/api/token", method="PUT",
                                            headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
         token = urllib.request.urlopen(token_req, timeout=2).read().decode()
-        req = urllib.request.Request(self.base + "/latest/meta-data/spot/instance-action",
-                                     headers={"X-aws-ec2-metadata-token": token})
-        try:
-            return json.loads(urllib.request.urlopen(req, timeout=2).read() or b"{}")
-        except urllib.error.HTTPError as e:
-            if e.code == 404:   # the normal answer: no interruption scheduled
-                return None
-            raise
+        state = self.on_terminating and self._get(token, "autoscaling/target-lifecycle-state")
+        if state == b"Terminated":
+            log.warning("its instance is terminating: no new claims; the claim held finishes first")
+            self.on_terminating()
+            self.on_terminating = None
+        notice = self._get(token, "spot/instance-action")
+        return None if notice is None else json.loads(notice or b"{}")
 
     def _poll(self):
         """One check; True when it found a notice (and called on_notice)."""
@@ -788,20 +801,34 @@ class ScaleInProtection:
     """An EC2 pool instance (its bootstrap sets CALQUE_ASG and CALQUE_INSTANCE_ID) protected from scale-in while
     its worker holds a claim and unprotected once a poll finds nothing, so a shrinking group terminates only idle
     instances: scaling in costs no redelivery. One SetInstanceProtection call per change, not per claim; a
-    failed call is logged and tried again at the next poll."""
+    failed call is logged and tried again at the next poll. An instance terminating anyway (a
+    replacement, a rebalance: the pool's termination hook holds it; SpotPoller sees it) is let go at
+    the worker's exit, once its claim is done (CompleteLifecycleAction)."""
 
-    def __init__(self, asg, instance_id, client):
-        self.asg, self.instance_id, self.client = asg, instance_id, client
+    def __init__(self, asg, instance_id, client, hook):
+        self.asg, self.instance_id, self.client, self.hook = asg, instance_id, client, hook
         self.protected = None    # unknown: a restarted worker's instance may still be protected by the one before
+        self.leaving = False
 
     @classmethod
-    def from_env(cls):
+    def from_env(cls, model):
         asg, instance_id = os.environ.get("CALQUE_ASG"), os.environ.get("CALQUE_INSTANCE_ID")
         if not (asg and instance_id):
             return None
         import boto3   # lazy: only an EC2 pool instance needs it
         region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
-        return cls(asg, instance_id, boto3.client("autoscaling", config=calque.aws_client_config(region)))
+        client = boto3.client("autoscaling", config=calque.aws_client_config(region))
+        return cls(asg, instance_id, client, calque.ec2_names(model)["hook"])
+
+    def release(self):
+        """Let a terminating instance go: its worker holds no claim any more."""
+        if self.leaving:
+            try:
+                self.client.complete_lifecycle_action(
+                    LifecycleHookName=self.hook, AutoScalingGroupName=self.asg,
+                    InstanceId=self.instance_id, LifecycleActionResult="CONTINUE")
+            except Exception as e:
+                log.warning("completing the termination hook failed (%s: %s)", type(e).__name__, e)
 
     def hold(self, busy):
         if busy != self.protected:
@@ -851,7 +878,7 @@ class Worker:
         self.stats_behind = False        # a claim ended since then: the stats miss it
         self.supervisor = int(os.environ.get("CALQUE_SUPERVISOR_PID", "0"))   # set when a pool supervisor started us
         self.gpu = GpuSampler()
-        self.protection = None if ephemeral else ScaleInProtection.from_env()
+        self.protection = None if ephemeral else ScaleInProtection.from_env(record["model"])
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
         # the pipeline thread's CPU clock: what it ran during a handler call is taken out of the model's time
         self.pipeline_clock = (time.pthread_getcpuclockid(self.prefetcher.submit(threading.get_ident).result())
@@ -964,6 +991,11 @@ class Worker:
         """The spot poller's notice: the same warm stop as SIGTERM."""
         os.kill(os.getpid(), signal.SIGTERM)
 
+    def leave(self):
+        """Its instance is terminating: the scale-in stop; the hook completed at exit."""
+        self.protection.leaving = True
+        os.kill(os.getpid(), signal.SIGUSR1)
+
     def work(self):
         """The loop: claim, drain, write, ack; a logged reason for every exit."""
         signal.signal(signal.SIGTERM, self.on_signal)
@@ -973,7 +1005,8 @@ class Worker:
         signal.siginterrupt(signal.SIGUSR2, False)   # a notice: a system call it lands in goes on
         if self.conf.get("CALQUE_SPOT_POLL"):
             SpotPoller(self.conf["CALQUE_SPOT_POLL"],
-                       calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01), self.request_stop)
+                       calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
+                       self.request_stop, self.leave if self.protection else None)
         reason = "?"
         try:
             self.start()
@@ -997,6 +1030,8 @@ class Worker:
             self.run_exit_hooks()
             self.output.flush()
             self.write_stats("stopped")
+            if self.protection:
+                self.protection.release()
             log.info("worker %s: exit (%s) after %d claim(s), %d warm hit(s), enter_count %d",
                      self.worker_id, reason, self.stats["claims"], self.stats["warm_hits"], self.enter_count)
 

@@ -7,11 +7,12 @@
    included in both, in alternating pairs; the ratio fixed / sized (>= 0.95 is the goal), and the seconds from
    the last summary until the sized pool's supervisor scales to 0 and until its last worker has exited,
    against its idle window (--scale-to-zero-after 0.25: 15 s);
-2. the planner: on a pool of 2 workers, then 1, each measured by a run of 50 claims at that count (the
-   planner reads the last 50; on 2 shared cores a claim's time depends on how many workers run beside it),
-   `submit --plan --yes` of
-   BENCH_PLAN_ITEMS (24,000) items of 300 words, in claims of 500: its predicted wall time against the run's actual (created_at to the last summary), for 2 workers and
-   then 1 (`pool scale`), on the demo model and on examples/embed_model.py when it exists.
+2. the planner: a pool measured by a run of 50 claims at 1 worker and one at 2 (on shared cores a
+   claim's time depends on how many workers run beside it), then `submit --plan --yes` of
+   BENCH_PLAN_ITEMS (24,000) items of 300 words in claims of 500 at 2 workers, at 1, and from 0 on the
+   pool turned into --min-workers 0 --max-workers 2 (`pool scale`) once it idled to 0: predicted wall
+   time against the run's actual (created_at to the last summary), on the demo model and on
+   examples/embed_model.py.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
 import json
@@ -79,6 +80,8 @@ def burst(sized):
         last = max(calque._parse_time(s["finished_at"], "f") for s in run["summaries"]).timestamp()
         first = min(calque._parse_time(s["started_at"], "s") for s in run["summaries"]).timestamp()
         assert all(s["receive_count"] == 1 for s in run["summaries"]) and len(run["summaries"]) == 40
+        with open(os.path.join(env["CALQUE_STATE"], "pools", "m", "supervisor.json")) as f:
+            spawned = [(w["started_at"] - started, w["threads"]) for w in json.load(f)["workers"]]
         back = None
         if sized:   # the supervisor's status file: its count, and the workers still alive
             decided = None
@@ -92,29 +95,43 @@ def burst(sized):
                     break
                 time.sleep(0.05)
         cli(env, "pool", "delete", "--model", "m", "--yes")
-        return last - started, back, first - started
+        return last - started, back, first - started, spawned
 
 
 def planner(name, handler, make, divisor, claim_size):
+    """Predicted against actual wall time of `submit --plan --yes` at 2 workers, then 1, after a
+    measuring run of 50 claims at each count; then on a pool of --min-workers 0 --max-workers 2 at 0
+    workers (the prediction includes its workers' start-up and @enter)."""
     with tempfile.TemporaryDirectory() as folder:
         env = fresh_env(folder)
         if name == "embed":   # its random-weight model, built here as its README says
             env.update(EMBED_MODEL_DIR=os.path.join(folder, "embed-model"), HF_HUB_OFFLINE="1")
             subprocess.run([PY, os.path.join(ROOT, "examples", "make_embed_model.py"), env["EMBED_MODEL_DIR"]],
                            check=True, capture_output=True)
+        size, items = str(claim_size), items_file(folder, PLAN_ITEMS // divisor, make)
         cli(env, "pool", "create", "--model", name, "--handler", handler, "--workers", "2")
-        rows, size = [], str(claim_size)
-        for workers in (2, 1):
+        for workers in (1, 2):
             cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
             cli(env, "submit", "--pool", name, items_file(folder, 50 * claim_size, make), "--claim-size", size)
-            out = cli(env, "submit", "--pool", name, items_file(folder, PLAN_ITEMS // divisor, make), "--claim-size",
-                      size, "--plan", "--yes", "--json")
+        rows = []
+        for workers in (2, 1, 0):
+            if workers:
+                cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
+            else:   # the same pool sizing itself, at 0 when the run comes (its workers' stats kept)
+                cli(env, "pool", "scale", "--model", name, "--min-workers", "0", "--max-workers",
+                    "2", "--scale-to-zero-after", str(IDLE_MINUTES))
+                status = os.path.join(env["CALQUE_STATE"], "pools", name, "supervisor.json")
+                while any(w["pid"] for w in json.load(open(status))["workers"]):
+                    time.sleep(0.2)
+            out = cli(env, "submit", "--pool", name, items, "--claim-size", size, "--plan", "--yes",
+                      "--json")
             run = json.loads(out.stdout)["run"]
-            actual, _ = finished(env, run["run_id"])
-            predicted = run["plan"]["seconds"]
+            actual, summaries = finished(env, run["run_id"])
+            predicted, count = run["plan"]["seconds"], run["plan"]["count"]
             rows.append((workers, predicted, actual))
-            print(f"  {name:<6} {workers} worker(s): predicted {predicted:6.2f} s, actual {actual:6.2f} s "
-                  f"({(predicted - actual) / actual:+.1%})", flush=True)
+            print(f"  {name:<6} {count} worker(s){' from 0' if not workers else ''}: predicted "
+                  f"{predicted:6.2f} s, actual {actual:6.2f} s ({(predicted - actual) / actual:+.1%}); "
+                  f"load {os.getloadavg()[0]:.1f}", flush=True)
         cli(env, "pool", "delete", "--model", name, "--yes")
         return rows
 
@@ -124,11 +141,14 @@ def main():
     for pair in range(PAIRS):
         order = (False, True) if pair % 2 == 0 else (True, False)
         result = {sized: burst(sized) for sized in order}
-        (fixed, _, fixed_first), (sized, back, sized_first) = result[False], result[True]
+        fixed, _, fixed_first, _ = result[False]
+        sized, back, sized_first, spawned = result[True]
         print(f"  pair {pair + 1} ({'fixed' if pair % 2 == 0 else 'sized'} first): fixed {fixed:6.2f} s (first claim "
               f"at {fixed_first:.1f} s), sized {sized:6.2f} s (at {sized_first:.1f} s): {fixed / sized:.2f}x; after "
               f"the last claim: scaled to 0 at {back[0]:.1f} s, every worker gone at {back[1]:.1f} s (idle window "
-              f"{IDLE_MINUTES * 60:.0f} s); load {os.getloadavg()[0]:.1f}", flush=True)
+              f"{IDLE_MINUTES * 60:.0f} s); sized workers started at "
+              f"{', '.join(f'{at:.1f} s ({threads} threads)' for at, threads in spawned)}; "
+              f"load {os.getloadavg()[0]:.1f}", flush=True)
     print(f"2. the planner: predicted against actual wall time, {PLAN_ITEMS:,} items in claims of 500 (the "
           f"embedding model: a tenth of them, in claims of 50)")
     for model in MODELS:

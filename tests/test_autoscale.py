@@ -38,6 +38,37 @@ def test_local_pool_wakes_on_work_and_idles_back_to_zero(local_env, tmp_path):
     assert re.search(r"scale: backlog 10\+0 in flight, unmeasured, .* bounds 0..2: 0 -> 2", log), log
     assert re.search(r"scale: backlog 0\+0 in flight, .*: 2 -> 0", log), log
     assert "exited with 0" in log and status(local_env)["supervisor"]["pid"]    # graceful; the supervisor stays
+    out = cli(local_env, "pool", "scale", "--model", "m", "--max-workers", "3")   # the rest kept
+    assert out.returncode == 0, out.stderr
+    assert "sizes itself between 0 and 3 local worker(s) (idle 0.05 min -> 0)" in out.stdout
+    scaling = json.load(open(os.path.join(local_env["CALQUE_STATE"], "pools", "m", "scaling.json")))
+    assert (scaling["lo"], scaling["hi"], scaling["idle_window"]) == (0, 3, 3.0)
+    assert alive(local_env) == 0
+    out = cli(local_env, "pool", "scale", "--model", "m")    # no count: one line and a hint
+    assert out.returncode == 2
+    assert "---> HINT: e.g. pool scale --model m --min-workers 0" in out.stderr
+
+
+def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeypatch):
+    """announce_run (submit, before staging) makes the supervisor's decision count the run's claims
+    while its queue is still empty, once: when they show, the queue's own count takes over."""
+    import calque
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
+              "--min-workers", "0", "--max-workers", "2", "--scale-to-zero-after", "0.05")
+    assert out.returncode == 0, out.stderr
+    for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_ENV"):
+        monkeypatch.setenv(key, local_env[key])
+    conf = calque.settings()
+    scaler = calque.LocalScaler(conf, "m", calque.state_dir(conf, "m"))
+    assert scaler.want(0, time.time()) == 0                   # nothing queued, nothing announced
+    calque.announce_run(conf, "m", [{"x": i} for i in range(6)], 2)    # 3 claims coming
+    scaler.checked = -1e9
+    assert scaler.want(0, time.time()) == 2                   # one a claim (unmeasured), up to 2
+    backend = backend_for(local_env)
+    backend.queues.open_queue("calque-pool-m").send_batch(["{}"])   # they show: the real count
+    scaler.checked = -1e9
+    assert scaler.want(2, time.time()) == 2 and scaler.woken is not None
+    cli(local_env, "pool", "delete", "--model", "m", "--yes", "--force")
 
 
 def test_scale_in_while_every_worker_holds_a_claim_redelivers_nothing(local_env, tmp_path):

@@ -211,7 +211,8 @@ def test_worker_policy_statement_by_statement(aws):
         {"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],   # its old print chunks
          "Resource": obj + f"pools/{s}/output/*"},
         {"Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",                           # its group only
-             "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection"],
+             "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
+                        "autoscaling:CompleteLifecycleAction"],
          "Resource": "arn:aws:autoscaling:eu-west-1:111122223333:autoScalingGroup:*:autoScalingGroupName/"
                      f"calque-pool-{s}"},
     ]}
@@ -747,7 +748,7 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     fire(names["alarm_wake"], backlog=6)                      # a burst: to the ceiling
     assert asg_of()["DesiredCapacity"] == 3
     busy = sorted(i["InstanceId"] for i in asg_of()["Instances"])[0]
-    protection = warmd.ScaleInProtection(names["asg"], busy, client("autoscaling"))
+    protection = warmd.ScaleInProtection(names["asg"], busy, client("autoscaling"), names["hook"])
     protection.hold(True)                                     # its worker received a claim
     fire(names["alarm_wake"], backlog=1)                      # the backlog drains: down to 1
     group = asg_of()
@@ -758,11 +759,52 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     fire(names["alarm_idle"])
     assert asg_of()["Instances"] == []
 
+    # pool scale --min-instances 1 --max-instances 5: the group's bounds, steps and idle policy put again
+    monkeypatch.setenv("CALQUE_STORE", STORE)
+    scale = ["pool", "scale", "--model", MODEL, "--min-instances", "1", "--max-instances", "5"]
+    assert calque.main(scale) == calque.EXIT_USAGE
+    assert "--yes-spend-money" in capsys.readouterr().err      # a floor above the desired 0 starts one
+    assert calque.main(scale + ["--yes-spend-money"]) == 0
+    group, stored = asg_of(), calque.read_json(aws.backend, calque.pool_key(MODEL))
+    assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 5, 1)
+    assert stored["ec2"]["scaling"]["steps"] == [[1, 1], [3, 2], [5, 3], [7, 4], [9, 5]]
+
+    def policies():
+        return {p["PolicyName"]: p for p in client("autoscaling").describe_policies(
+            AutoScalingGroupName=names["asg"])["ScalingPolicies"]}
+    assert policies()[names["policy_idle"]]["ScalingAdjustment"] == 1
+    steps = policies()[names["policy_wake"]]["StepAdjustments"]
+    assert [(a["MetricIntervalLowerBound"], a["ScalingAdjustment"]) for a in steps] == [
+        (0.0, 1), (2.5, 2), (4.5, 3), (6.5, 4), (8.5, 5)]
+    assert calque.main(["pool", "scale", "--model", MODEL, "--instances", "2", "--max-instances", "3"]
+                       ) == calque.EXIT_USAGE
+    assert "---> HINT" in capsys.readouterr().err
+
+    # a submit puts the steps again once the measured seconds per claim moved (here 30 s -> 6 s)
+    calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa",
+                                                      "c00000"),
+                      {"claim": "c00000", "items": 10, "claim_seconds": 6.0, "enter_seconds_paid": 0.0,
+                       "mode": "pool"})
+    calque.refresh_backlog_steps(aws.backend, stored)
+    steps = policies()[names["policy_wake"]]["StepAdjustments"]
+    assert [(a["MetricIntervalLowerBound"], a["ScalingAdjustment"]) for a in steps] == [
+        (0.0, 1), (10.5, 2), (20.5, 3), (30.5, 4), (40.5, 5)]
+    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    assert stored["ec2"]["scaling"]["seconds_per_claim"] == 6.0
+
+    # the termination hook (the worker's side, SpotPoller on target-lifecycle-state: test_warmd.py)
+    hooks = client("autoscaling").describe_lifecycle_hooks(
+        AutoScalingGroupName=names["asg"])["LifecycleHooks"]
+    assert [(h["LifecycleHookName"], h["LifecycleTransition"], h["HeartbeatTimeout"], h["DefaultResult"])
+            for h in hooks] == [(names["hook"], "autoscaling:EC2_INSTANCE_TERMINATING", 900, "CONTINUE")]
+
     assert calque.ec2_pool_delete(aws.backend, stored, yes=True)
     assert client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])[
         "MetricAlarms"] == []
     assert asg_of() is None or asg_of().get("Status")
     assert client("autoscaling").describe_policies(AutoScalingGroupName=names["asg"])["ScalingPolicies"] == []
+    assert client("autoscaling").describe_lifecycle_hooks(
+        AutoScalingGroupName=names["asg"])["LifecycleHooks"] == []
 
 
 def test_modal_image_on_an_ec2_pool(aws, tmp_path, monkeypatch):

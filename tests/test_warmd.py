@@ -249,6 +249,46 @@ def test_spot_notice_releases_the_claim_and_exits_0(local_env, tmp_path):
         SpotStub.notice = False
         server.shutdown()
 
+class LifecycleStub(SpotStub):
+    """The same metadata service on an instance its group is terminating (no spot notice)."""
+
+    def do_GET(self):
+        if self.path == "/latest/meta-data/autoscaling/target-lifecycle-state":
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"Terminated")
+        else:
+            super().do_GET()
+
+
+def test_a_terminating_instance_is_seen_and_let_go(tmp_path):
+    """SpotPoller reads target-lifecycle-state and calls on_terminating once (the worker's scale-in
+    stop); ScaleInProtection then completes the termination hook at the worker's exit (its call's
+    parameters, recorded: moto 5.2.5 has no CompleteLifecycleAction)."""
+    import warmd
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LifecycleStub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    seen, notices = [], []
+    try:
+        warmd.SpotPoller(f"http://127.0.0.1:{server.server_port}", 0.05, lambda: notices.append(1),
+                         lambda: seen.append(1))
+        time.sleep(0.3)
+    finally:
+        server.shutdown()
+    assert seen == [1] and notices == []
+
+    class Client:   # what release() sends, recorded
+        def complete_lifecycle_action(self, **kw):
+            seen.append(kw)
+    protection = warmd.ScaleInProtection("calque-pool-m", "i-1", Client(), "calque-drain")
+    protection.release()
+    assert seen == [1]                                        # not terminating: nothing to complete
+    protection.leaving = True
+    protection.release()
+    assert seen[1] == {"LifecycleHookName": "calque-drain", "AutoScalingGroupName": "calque-pool-m",
+                       "InstanceId": "i-1", "LifecycleActionResult": "CONTINUE"}
+
+
 def test_heartbeat_keeps_a_long_claim(local_env, tmp_path):
     """A claim held 3x longer than its visibility timeout is not redelivered while the heartbeat runs."""
     g = Gated(local_env, tmp_path, pool_args=("--visibility-timeout", "1"))
