@@ -1361,9 +1361,9 @@ class Worker:
         return any(key.startswith(marks) for key in self.backend.store.list(self.stats_prefix, start_after=since))
 
     def how_it_ended(self, record):
-        """(How the worker of an attempt record ended, whether by its own doing): its last stats say,
-        when it wrote them, else the exit status its supervisor recorded (calque.record_exit). Any end
-        but SIGKILL is the process's own (a status, a segfault); a SIGKILL may come from outside."""
+        """(How the worker of an attempt record ended, whether by its own doing): its last stats
+        say, when it wrote them, else the exit status its supervisor recorded (record_exit). Any
+        end but SIGKILL is the process's own (a status, a segfault); a SIGKILL may be outside's."""
         stats, worker = self.backend.store, record.get("worker_id")
         with contextlib.suppress(Exception):
             last = json.loads(stats.get(f"{self.stats_prefix}{worker}.json")).get("exit")
@@ -1483,10 +1483,10 @@ class Worker:
     def commit_interval(self, claim):
         """s between two result parts under churn, or None where neither this claim's last delivery died nor this
         worker saw a death within CHURN_MEMORY s: the checkpoint rule alone, so a pool never killed pays nothing.
-        Under churn, Young's interval sqrt(2 x part PUT x life), at most the checkpoint: a part's cost
-        against the work a kill loses. The life: the dead delivery's (0, a part every batch, when
-        unknown) or the latest this worker saw (its slot's last worker's, a claim's it took over, its
-        age at a sibling's death)."""
+        Under churn, Young's interval sqrt(2 x part PUT x life), at most the checkpoint: a part's
+        cost against the work a kill loses. The life: the dead delivery's (0, a part every batch,
+        when unknown) or the latest this worker saw (its slot's last worker's, a claim's it took
+        over, its age at a sibling's death)."""
         if claim.life is None and (self.seen_life is None or time.time() - self.seen_at > CHURN_MEMORY):
             return None
         life = claim.life or (self.seen_life or 0.0)
