@@ -89,9 +89,10 @@ def test_poison_items_are_quarantined_and_their_claims_complete(any_env, tmp_pat
 
 
 def test_under_churn_a_death_of_the_workers_own_doing_still_quarantines_at_two(local_env, tmp_path):
-    """With the pool marked as churning (a churn marker planted), an item that exits or segfaults
-    its worker is quarantined at 2 deaths, by the exit status its supervisor recorded; one that kills
-    its own process with -9 looks like a kill from outside and takes the raised bar, 3 deaths."""
+    """With the pool marked as churning (a churn marker planted), an item that exits or
+    segfaults its worker is quarantined at 2 deaths, by the exit status its supervisor
+    recorded; one that kills its own process with -9 looks like a kill from outside and takes
+    the raised bar, 3 deaths."""
     backend = start_pool(local_env, "--workers", "3", "--batch-size", "4")
     backend.store.put(f"{calque.worker_stats_prefix('m')}churn-{time.time():012.1f}-planted", b"")
     items = [{"x": i} for i in range(12)]
