@@ -7,6 +7,7 @@ service, and the metadata address in the script is replaced by a closed loopback
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -270,3 +271,21 @@ def test_spot_notice_before_the_first_claim_skips_enter(local_env, tmp_path):
     assert "interruption notice" in text and "SIGTERM: warm stop" in text and "@enter done" not in text, text
     stats, = calque.read_worker_stats(backend_for(local_env), "m")
     assert (stats["state"], stats["enter_count"], stats["claims"]) == ("stopped", 0, 0)
+
+
+def test_the_template_is_a_file_whose_placeholders_are_all_filled():
+    """calque_data/ec2_bootstrap.sh is a real file; a rendered script has none of its ${name}
+    placeholders left, and a field the template lacks is refused rather than dropped."""
+    path = os.path.join(ROOT, "calque_data", "ec2_bootstrap.sh")
+    assert os.path.isfile(path) and not os.path.islink(path)
+    with open(path) as f:
+        names = set(ec2.ShellTemplate(f.read()).get_identifiers())
+    assert {"bucket", "kit_key", "kit_sha256", "env", "on_failure", "worker_args"} <= names
+    for script in (ec2.user_data_pool(MODEL, STORE, "us-east-1", "pools/k.tar.gz", "0" * 64),
+                   ec2.user_data_cold("r1", STORE, "us-east-1", "runs/k.tar.gz", "0" * 64, 90)):
+        assert not re.search(r"\$\{[a-z][a-z0-9_]*\}", script)
+        assert '"${INSTANCE_ID:-}"' in script and '"$CALQUE/kit.tar.gz"' in script   # the shell's own
+    with pytest.raises(RuntimeError, match=r"disagree on \['extra'\]"):
+        ec2._bootstrap(worker_args="", env={}, extra="x", title="t", description="d", verb="v",
+                       profile="p", store=STORE, region="us-east-1", kit_key="k", kit_sha256="0",
+                       unit="u", service="", on_failure="power_off")

@@ -73,7 +73,7 @@ def launch(**kw):
 
 
 def record(backend, model=MODEL):
-    """The record cmd_pool_create builds before it hands an EC2 pool over (no handler: ec2_pool_create snapshots it)."""
+    """The record cmd_pool_create builds before it hands an EC2 pool over (no handler: ec2.pool_create snapshots it)."""
     return {"model": model, "slug": calque.slug(model), "queue": calque.pool_queue_name(model),
             "dlq": calque.dlq_name(model), "batch_size": 8, "visibility_timeout": 60, "max_deliveries": 3,
             "created_at": calque.now_iso(), "store": backend.describe()}
@@ -826,3 +826,17 @@ def test_modal_image_on_an_ec2_pool(aws, tmp_path, monkeypatch):
     include = calque.read_json(aws.backend, calque.pool_key(MODEL))["handler"]["include"]
     assert include["files"] == 1
     assert hashlib.sha256(aws.backend.store.get(include["key"])).hexdigest() == include["sha256"]
+
+
+def test_the_local_path_runs_without_ec2(local_env, tmp_path):
+    """calque's local verbs never import ec2: with `import ec2` made to fail, a local pool is
+    created, runs a submit, shows its status and list, and is deleted."""
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"x": i}) + "\n" for i in range(5)))
+    no_ec2 = "import sys; sys.modules['ec2'] = None; import calque; sys.exit(calque.main(sys.argv[1:]))"
+    for args in (["pool", "create", "--model", "m", "--handler", HANDLER, "--workers", "1"],
+                 ["submit", "--pool", "m", str(items)], ["pool", "status", "--model", "m"],
+                 ["pool", "list"], ["pool", "delete", "--model", "m", "--yes"]):
+        out = subprocess.run([sys.executable, "-c", no_ec2, *args], env=local_env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (args, out.stdout, out.stderr)
