@@ -113,11 +113,14 @@ SUMMARY_POLL_MIN = 0.002                # s, the first gap between two summary c
 SUMMARY_POLL_MAX = 0.5                  # s between two checks for a claim's summary while results are followed
 SUMMARY_POLL_FLOOR = 0.1                # s, the shortest gap once summaries land (a LIST finds several, not one)
 SUMMARY_WAIT_MAX = 1.0                  # s, the longest gap between two summary LISTs of a waiting submit
+LOCAL_SUMMARY_WAIT = 0.1                # s, the same on the local store, whose LIST is a folder read
 SUMMARY_BATCH = 10                      # summaries a LIST should find at the rate they land (sets the gap)
 RUN_RECHECK = 1.0                       # s without a new summary before submit looks at the run record and DLQ depth
 RUN_RECHECK_MAX = 4.0                   # s, the longest gap between two such looks while the run stays stalled
 DLQ_SCAN_WAIT = 1.0                     # s of each receive of a dead-letter scan (an SQS short poll may miss messages)
 STORE_WRITERS = 16                      # parallel store writes: staging manifests, cancel marking claims (stage_run)
+LOCAL_WRITERS = 2                       # the same on the local store, whose writes wait on no
+                                        # network (more threads would only hold more claims)
 SEND_BATCH = 10                         # claims per queue send (SQS's SendMessageBatch takes at most 10)
 STAGE_AHEAD = 4                         # manifests staged but not sent yet, per store writer (bounds submit's memory)
 READ_BLOCK = 1 << 22                    # bytes of a JSONL items file read at once (4 MiB), at most
@@ -2530,15 +2533,21 @@ class TableItems:
         if not files:
             raise UserError(f"{path}: no .parquet file there ---> HINT: give a Parquet file, a folder of them or a "
                             f"quoted glob such as 'data/*.parquet'")
-        opened = []
-        for file in files:
-            try:
-                # page by page through a 1 MiB buffer, not a whole column chunk (a row group) at once
-                opened.append(pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20))
-            except FileNotFoundError as e:
-                raise unreadable_items(file, e) from None
-            except (OSError, pa.ArrowInvalid) as e:
-                raise UserError(f"{file}: not a Parquet file ({e})") from None
+        # the readers allocate from malloc, which gives back what they free (pyarrow's default pool,
+        # mimalloc, kept ~20 MiB more), and read page by page through a 1 MiB buffer, not a whole
+        # column chunk (a row group) at once
+        opened, pool = [], pa.default_memory_pool()
+        pa.set_memory_pool(pa.system_memory_pool())
+        try:
+            for file in files:
+                try:
+                    opened.append(pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20))
+                except FileNotFoundError as e:
+                    raise unreadable_items(file, e) from None
+                except (OSError, pa.ArrowInvalid) as e:
+                    raise UserError(f"{file}: not a Parquet file ({e})") from None
+        finally:
+            pa.set_memory_pool(pool)
         schema = _select(opened[0].schema_arrow, columns, where)
         for file, f in zip(files, opened):
             theirs = f.schema_arrow
@@ -2741,10 +2750,11 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     The run record comes first (`staged: false`; the claims listed when the item count is known, else as they
     are cut), then the claims are cut from the items as they are read (claim_chunks), their manifests PUT on
     STORE_WRITERS threads (an S3 PUT waits ~20 ms on the network: 16 in flight keep up with one process
-    encoding manifests; more would only queue for the GIL on boto3's signing), and the claims whose manifests
-    landed are sent in run order, SEND_BATCH to a request. The first claim is sent as soon as its manifest
-    lands; at most STORE_WRITERS * STAGE_AHEAD manifests wait unsent, so memory stays bounded whatever the run
-    size. The record is completed at the end (`staged: true`, the claims, items and `sent`).
+    encoding manifests; more would only queue for the GIL on boto3's signing; LOCAL_WRITERS on the
+    local store), and the claims whose manifests landed are sent in run order, SEND_BATCH to a
+    request. The first claim is sent as soon as its manifest lands; at most STAGE_AHEAD manifests a
+    writer wait unsent, so memory stays bounded whatever the run size. The record is completed at
+    the end (`staged: true`, the claims, items and `sent`).
 
     SIGINT or SIGTERM stops the sending, not the staging: every claim is staged so that `runs resume` can send
     the rest, then the signal is raised (SubmitInterrupted). Hidden cost: on a large stream that takes as long
@@ -2762,7 +2772,8 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     with signals_deferred():
         try:
             write_json(backend, run_key(run_id), run)
-            with ThreadPoolExecutor(STORE_WRITERS) as writers:
+            writer_count = LOCAL_WRITERS if backend.kind == "local" else STORE_WRITERS
+            with ThreadPoolExecutor(writer_count) as writers:
                 for index, (start, stop, chunk) in enumerate(claim_chunks(items, claim_size)):
                     claim, count = claim_id(index), stop
                     if known is None:
@@ -2772,7 +2783,8 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
                     sending = sending and not {signal.SIGINT, signal.SIGTERM} & signal.sigpending()
                     first = sending and run["sent"] == 0 and not landed
                     _send_landed(backend, run, queue, pending, landed, sending,
-                                 wait=first or len(pending) >= STORE_WRITERS * STAGE_AHEAD, flush=first)
+                                 wait=first or len(pending) >= writer_count * STAGE_AHEAD,
+                                 flush=first)
                 if not count:
                     raise UserError("no items to submit")
                 while pending or landed:
@@ -2917,7 +2929,8 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     after one that finds some, it is what SUMMARY_BATCH more take at the rate they have landed since the wait
     began (fewer near the end: the remaining claims), within SUMMARY_POLL_FLOOR..SUMMARY_WAIT_MAX. Resetting it
     to the minimum on each new summary made a LIST per summary. Hidden cost: the last summary is seen up to
-    SUMMARY_WAIT_MAX late; while one claim lags, each LIST lists again the summaries past it.
+    SUMMARY_WAIT_MAX late (LOCAL_SUMMARY_WAIT on the local store); while one claim lags, each LIST
+    lists again the summaries past it.
 
     The run record and the dead-letter queue (run_recheck) matter only when the run stalls: a cancel writes
     summaries, and a worker writes a dead-lettered claim's failure summary before its DLQ copy. So they are
@@ -2930,6 +2943,7 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     done, dead = {}, DeadLetters(backend, run)
     in_key_order, below = sorted(run["claims"], key=lambda c: summary_key(run["run_id"], c)), 0
     delay = SUMMARY_POLL_MIN
+    wait_max = min(SUMMARY_WAIT_MAX, LOCAL_SUMMARY_WAIT if backend.kind == "local" else math.inf)
     bar = tqdm(total=run["items"], unit="item", file=sys.stderr, disable=not progress, leave=False,
                desc=f"run {run['run_id']}")
     try:
@@ -2950,9 +2964,9 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
                 progressed, recheck = now, run_recheck(now, now)
                 rate = len(done) / max(now - started, SUMMARY_POLL_MIN)   # claims a second, since the wait began
                 expected = min(SUMMARY_BATCH, len(run["claims"]) - len(done))
-                delay = min(max(expected / rate, SUMMARY_POLL_FLOOR), SUMMARY_WAIT_MAX)
+                delay = min(max(expected / rate, SUMMARY_POLL_FLOOR), wait_max)
             else:
-                delay = min(delay * 1.5, SUMMARY_WAIT_MAX)   # quick at first (idle round trip), gentle on S3 after
+                delay = min(delay * 1.5, wait_max)   # quick at first (idle round trip)
             if now >= recheck:
                 recheck = run_recheck(progressed, now)
                 if stop_if:
@@ -3678,12 +3692,13 @@ def supervise(conf, model):
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; harmless: `desired` is re-read every tick
     want, scaler = read_desired(folder), LocalScaler(conf, model, folder)
+    died = functools.partial(record_exit, conf, model, [])   # [] gets the store at the first death
     print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
     try:
         while not stopping:
             now = time.time()
             want = scaler.want(want, now)
-            totals["restarts"] += _reap(slots, want, now)
+            totals["restarts"] += _reap(slots, want, now, died)
             _spawn(conf, model, folder, slots, want, now)
             workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
                         "restarts": v["restarts"], "log": v["log"], "warm": _is_warm(v), "gpus": v["gpus"],
@@ -3831,10 +3846,11 @@ def exit_reason(log_path, returncode):
     return f"exit status {returncode} (no error line in its log)"
 
 
-def _reap(slots, want, now):
+def _reap(slots, want, now, died):
     """Notice exited workers, keeping why each died (last_exit; warm: whether it had finished @enter): a slot still
     wanted restarts after its backoff; a slot above `want` is stopped (SIGUSR1, once: it finishes its claim, so
-    scaling in costs no redelivery) and dropped when its process is gone. Returns the restarts counted."""
+    scaling in costs no redelivery) and dropped when its process is gone. A death goes to
+    `died(pid, status)` and a SIGUSR2 to each warm sibling. Returns the restarts counted."""
     restarts = 0
     for s, slot in list(slots.items()):
         proc = slot["proc"]
@@ -3852,6 +3868,11 @@ def _reap(slots, want, now):
                 lease.close()
             print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode} ({kind}; restart "
                   f"{f'in {delay:g} s' if delay else 'at once'})", flush=True)
+            if proc.returncode:   # a death: siblings commit more often (warmd.on_sibling_death)
+                died(proc.pid, proc.returncode)
+                for other in slots.values():
+                    if other["proc"] and other["proc"].poll() is None and _is_warm(other):
+                        other["proc"].send_signal(signal.SIGUSR2)
             if s < want:
                 slot["restarts"] += 1
                 restarts += 1
@@ -3863,6 +3884,16 @@ def _reap(slots, want, now):
                 slot["stopping"] = True
                 slot["proc"].send_signal(signal.SIGUSR1)   # scale-in: finish the claim, then exit
     return restarts
+
+
+def record_exit(conf, model, store, pid, code):
+    """A dead worker's exit status, where the poison rule reads it (warmd: how_it_ended); `store`
+    holds the pool's store once opened. Best effort: unrecorded, it counts as an outside kill."""
+    with contextlib.suppress(Exception):
+        if not store:
+            store.append(open_backend(conf["CALQUE_STORE"]).store)
+        key = f"{worker_stats_prefix(model)}exit-{socket.gethostname()}-{pid}"
+        store[0].put(key, str(code).encode())
 
 
 def _spawn(conf, model, folder, slots, want, now):
@@ -5839,6 +5870,15 @@ def write_results(lines, failed_only):
     sys.stdout.flush()
 
 
+class NoPandas:
+    """An import finder refusing pandas: pyarrow asks for it once, at its first conversion, and
+    then does without (its to_pandas() asks again)."""
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "pandas":
+            raise ImportError("pandas is not needed here")
+
+
 def write_binary_results(backend, run, claims, args):
     """The results of `claims` as one Parquet table or .npy array, to --output (opened first: a path that cannot be
     written is refused before anything is read; removed again when the results cannot be written) or stdout;
@@ -5859,7 +5899,14 @@ def write_binary_results(backend, run, claims, args):
                 import numpy as np
                 np.save(out, run_array(run, readable(), args.field, args.fill), allow_pickle=False)
                 return code
+            import pyarrow as pa
             import pyarrow.parquet as pq
+            if "pandas" not in sys.modules:   # pyarrow would import it (a third of the time)
+                sys.meta_path.insert(0, NoPandas)
+                try:
+                    pa.array([None])
+                finally:
+                    sys.meta_path.remove(NoPandas)
             table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
             if args.failed:
                 import pyarrow.compute as pc

@@ -19,6 +19,7 @@ The machine is shared and noisy: read the ratios measured side by side, not the 
 import datetime
 import json
 import os
+import py_compile
 import subprocess
 import sys
 import tempfile
@@ -159,6 +160,8 @@ def main():
     if unknown:
         sys.exit(f"bench_embed: error: no section {', '.join(sorted(unknown))} ---> HINT: pick from "
                  f"{' '.join(SECTIONS)}")
+    for name in ("calque.py", "warmd.py"):   # compiled once, as an install does: where PYTHONDONTWRITEBYTECODE
+        py_compile.compile(os.path.join(ROOT, name))   # is set, each command compiled calque.py again
     tmp = tempfile.mkdtemp(prefix="calque-bench-embed-")
     print(f"calque bench, a real model  ({len(os.sched_getaffinity(0))} cores, python {sys.version.split()[0]})")
     if "parquet" in sections:   # first: see parquet_section

@@ -6,6 +6,7 @@ side by side, per format. First, what a worker spends writing one claim's part e
     .venv/bin/python tests/bench_results.py            # BENCH_RESULT_ITEMS=50000 by default
 """
 import os
+import py_compile
 import statistics
 import subprocess
 import sys
@@ -91,6 +92,8 @@ def write_cost(claim=1000, batch=32):
 
 
 def main():
+    for name in ("calque.py", "warmd.py"):   # compiled once, as an install does: where PYTHONDONTWRITEBYTECODE
+        py_compile.compile(os.path.join(ROOT, name))   # is set, each command compiled calque.py again
     write_cost()
     with tempfile.TemporaryDirectory() as tmp:
         binary_env, binary = one_run(tmp, "binary")

@@ -177,8 +177,17 @@ def test_typed_results_read_back_exactly_in_every_format(any_env, tmp_path, monk
     assert frame.shape == (12, 6) and list(frame["embedding"][7]) == [7.0, 7.125, 7.25, 7.375]
 
     path = tmp_path / "mixed.parquet"
-    out = cli(env, "runs", "results", mixed.run_id, "--format", "parquet", "--output", str(path))
-    assert out.returncode == 0 and out.stdout == "" and pq.read_table(path).equals(table), out.stderr
+    # the command, then what it imported: pyarrow is told pandas is absent (its first conversion would import it,
+    # a third of the command's time), and its to_pandas() still works after
+    code = ("import runpy, sys\n"
+            f"sys.argv = ['calque.py', 'runs', 'results', {mixed.run_id!r}, '--format', 'parquet', '--output', "
+            f"{str(path)!r}]\n"
+            "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code\n"
+            "import pyarrow.parquet as pq\n"
+            "print('pandas' in sys.modules, pq.read_table(sys.argv[-1]).to_pandas().shape)\n")
+    out = subprocess.run([PY, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.stdout == "False (12, 6)\n" and pq.read_table(path).equals(table), out.stderr
     npy = subprocess.run([PY, os.path.join(ROOT, "calque.py"), "runs", "results", typed["f16"].run_id, "--format",
                           "npy"], env=env, capture_output=True, timeout=60)
     assert npy.returncode == 0 and np.load(io.BytesIO(npy.stdout)).tobytes() == f16.tobytes()
