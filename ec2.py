@@ -382,7 +382,8 @@ class ShellTemplate(string.Template):
 
 
 def _bootstrap(*, worker_args, env, conf=None, **fields):
-    """calque_data/ec2_bootstrap.sh filled in: the worker's settings (no credentials), `fields`."""
+    """calque_data/ec2_bootstrap.sh with `fields` and the worker's settings (never a credential)
+    filled in; a placeholder left unfilled or a field the template lacks is an error."""
     conf = conf or settings()
     store = fields.pop("store")
     bucket, _, prefix = store[len("s3://"):].partition("/")
@@ -408,9 +409,9 @@ def _bootstrap(*, worker_args, env, conf=None, **fields):
     fields.setdefault("image_install", "")
     with open(package_file("calque_data", "ec2_bootstrap.sh")) as f:
         template = ShellTemplate(f.read())
-    unknown = set(fields) ^ set(template.get_identifiers())
-    if unknown:
-        raise RuntimeError(f"ec2_bootstrap.sh and its fields disagree on {sorted(unknown)}")
+    mismatched = set(fields) ^ set(template.get_identifiers())
+    if mismatched:
+        raise RuntimeError(f"ec2_bootstrap.sh and its fields disagree on {sorted(mismatched)}")
     script = template.substitute(fields)
     _refuse_credentials(script)
     return script
