@@ -839,6 +839,10 @@ def measured_scaling(backend, model, lo, hi):
             "steps": backlog_steps(lo, hi, spc, drain)}
 
 
+def _show_steps(scaling):
+    return ", ".join(f"{b}+ -> {k}" for b, k in scaling["steps"])
+
+
 def _put_backlog_policy(calls, names, ec2):
     """The wake alarm's step policy: the group to exactly backlog_steps' capacity for the backlog
     (scale-in protection keeps busy instances)."""
@@ -1085,7 +1089,7 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     def alarms():
         if idle:
             _ensure_scale_to_zero(calls, names, ec2, tags)
-            steps = ", ".join(f"{b}+ -> {k}" for b, k in ec2["scaling"]["steps"])
+            steps = _show_steps(ec2["scaling"])
             spc = ec2["scaling"]["seconds_per_claim"]
             per_claim = "unmeasured: one a claim" if spc is None else f"{spc:.3g} s a claim"
             print(f"pool {model}: alarms {names['alarm_wake']} (backlog -> instances: {steps}; "
@@ -1209,7 +1213,7 @@ def pool_scale_bounds(backend, record, lo, hi, *, dry_run=False, yes_spend_money
     _put_pool_record(calls, backend, full)
     print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), "
           f"desired {asg['DesiredCapacity']} -> {desired}; backlog steps "
-          f"{', '.join(f'{b}+ -> {k}' for b, k in ec2['scaling']['steps'])}")
+          f"{_show_steps(ec2['scaling'])}")
     return full
 
 
@@ -1226,8 +1230,7 @@ def refresh_backlog_steps(backend, record):
     _put_backlog_policy(calls, names, dict(ec2, scaling=scaling))
     ec2 = dict(ec2, scaling=scaling, updated_at=now_iso())
     _put_pool_record(calls, backend, dict(record, ec2=ec2))
-    print(f"pool {record['model']}: backlog steps now "
-          f"{', '.join(f'{b}+ -> {k}' for b, k in scaling['steps'])}", file=sys.stderr)
+    print(f"pool {record['model']}: backlog steps now {_show_steps(scaling)}", file=sys.stderr)
 
 
 def bootstrap_reports(backend, model, instance_ids):
