@@ -4098,8 +4098,8 @@ def _check_rates(rates, file):
         raise UserError(f"rates file {file}: top level must be a JSON object")
     version = _rates_field(rates, ("version",), file, int)
     if version != RATES_VERSION:
-        raise UserError(f"rates file {file}: version {version} is not supported (this calque reads version "
-                        f"{RATES_VERSION})")
+        raise UserError(f"rates file {file}: version {version} is not supported (this calque reads "
+                        f"version {RATES_VERSION})")
     _rates_field(rates, ("updated",), file, str)
     instances = _rates_field(rates, ("ec2", "instances"), file, dict)
     cards = _rates_field(rates, ("serverless", "cards"), file, dict)
@@ -4121,8 +4121,8 @@ def _check_rates(rates, file):
         _rates_field(rates, keys + ("gpu",), file, str)
         card = _rates_field(rates, keys + ("serverless_card",), file, str)
         if card not in cards:
-            raise UserError(f"rates file {file}: {_field_name(keys + ('serverless_card',))} {card!r} "
-                            f"is not in serverless.cards ({', '.join(cards)})")
+            raise UserError(f"rates file {file}: {_field_name(keys + ('serverless_card',))} "
+                            f"{card!r} is not in serverless.cards ({', '.join(cards)})")
     for name in ("spot_fraction", "savings_plan_fraction"):
         _rates_field(rates, ("ec2", name, "value"), file, "fraction")
         _check_sourced(rates, ("ec2", name), file)
@@ -4172,8 +4172,8 @@ def serverless_rate_per_second(rates, card, count=1):
     cards = rates["serverless"]["cards"]
     key = next((k for k in cards if k.lower() == str(card).lower()), None)
     if key is None:
-        raise UserError(f"no serverless rate for GPU card {card!r} in {rates.get('_file', 'the rates file')}; "
-                        f"known: {_known(cards)}")
+        raise UserError(f"no serverless rate for GPU card {card!r} in "
+                        f"{rates.get('_file', 'the rates file')}; known: {_known(cards)}")
     per_gpu = cards[key]["usd_per_second"]
     if not rates["serverless"]["gpu_rate_includes_cpu_memory"]:
         shape = rates["serverless"]["container_per_gpu"]
@@ -4638,8 +4638,8 @@ def for_run(price, summaries):
         return price
     cpu = price.rates["defaults"].get("cpu_instance_type", {}).get("value")
     if cpu is None:
-        return price._replace(label=f"{price.label}; a GPU price assumed for a run that used no GPU (the rates "
-                                    f"file names no defaults.cpu_instance_type)")
+        return price._replace(label=f"{price.label}; a GPU price assumed for a run that used no "
+                                    "GPU (the rates file names no defaults.cpu_instance_type)")
     priced = pricing(instance_type=cpu, spot=price.spot, savings_plan=price.savings_plan, rates=price.rates)
     return priced._replace(label=f"{priced.label}: no worker of this run saw a GPU (--instance-type prices another)",
                            chosen=False)
@@ -4713,8 +4713,8 @@ def format_run_cost(report, priced_as):
         f"  total     {_usd(report['total_usd'])} for {report['items']:,} items ({report['claims']} claims, "
         f"{report['warm_hits']} warm hits)" + (f" = {_usd(per_1000)} per 1,000 items" if per_1000 is not None else ""),
         f"  cold      {_usd(cold['usd'])} as a fresh acquisition: {cold['shards']} x "
-        f"({cold['acquisition_seconds']:.0f} s "
-        f"acquisition + {cold['enter_seconds']:.1f} s @enter) + {cold['variable_seconds']:.1f} s drain",
+        f"({cold['acquisition_seconds']:.0f} s acquisition + {cold['enter_seconds']:.1f} s @enter) "
+        f"+ {cold['variable_seconds']:.1f} s drain",
     ]
     if report["saving_fraction"] is not None:
         lines.append(f"  saving    {_usd(report['saving_usd'])} ({report['saving_fraction']:.1%}) against cold; "
@@ -4753,8 +4753,8 @@ def format_cost_table(run_reports, priced_as):
     """`calque.py cost RUN RUN ...`: one comparison line per (run record, run_cost report)."""
     width = max(len(run["run_id"]) for run, _ in run_reports)
     lines = [f"priced as {priced_as}",
-             f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} {'fixed_s':>8} {'drain_s':>8} "
-             f"{'total':>13} {'per 1,000 items':>16}"]
+             f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} "
+             f"{'fixed_s':>8} {'drain_s':>8} {'total':>13} {'per 1,000 items':>16}"]
     for run, report in run_reports:
         lines.append(f"  {run['run_id']:<{width}} {run['mode']:<5} {report['claims']:>6} {report['warm_hits']:>5} "
                      f"{report['items']:>7} {report['fixed_seconds']:>8.2f} {report['variable_seconds']:>8.3f} "
@@ -4771,12 +4771,12 @@ def format_pool_cost(report, priced_as, model):
     cold = report["cold"]
     lines = [
         f"pool cost {model}, priced as {priced_as}",
-        f"  paid      {report['instance_seconds']:,.0f} instance-s over {report['workers']} workers = "
-        f"{_usd(report['usd'])} (requests {_usd(report['request_usd'])})",
+        f"  paid      {report['instance_seconds']:,.0f} instance-s over {report['workers']} "
+        f"workers = {_usd(report['usd'])} (requests {_usd(report['request_usd'])})",
         f"  busy      {report['busy_fraction']:.1%} ({report['drain_seconds']:,.0f} s drain + "
         f"{report['enter_seconds']:,.0f} s @enter x{report['enter_count']}; {report['idle_seconds']:,.0f} s idle)",
-        f"  traffic   {report['claims']:,.0f} claims, {report['warm_hits']:,.0f} warm hits, {report['items']:,.0f} "
-        "items",
+        f"  traffic   {report['claims']:,.0f} claims, {report['warm_hits']:,.0f} warm hits, "
+        f"{report['items']:,.0f} items",
     ]
     if per_1000 is not None:
         lines.append(f"  per 1,000 {_usd(per_1000)} with idle, {_usd(drain_1000)} drain only")
@@ -6611,8 +6611,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         modal_param(target.user_cls, key, value)
     missing = [k for k, default in declared.items() if default is inspect.Parameter.empty and k not in given]
     if missing:
-        raise UserError(f"{target.__name__}.{missing[0]} is a modal.parameter() without a default ---> HINT: "
-                        f"pool create --param {missing[0]}=VALUE")
+        raise UserError(f"{target.__name__}.{missing[0]} is a modal.parameter() without a default "
+                        f"---> HINT: pool create --param {missing[0]}=VALUE")
     image = image_plan(options.get("image"), path)
     if image["steps"]:
         where = "this Python" if workers_here else "the instance's venv, the image's packages installed at boot"
@@ -6627,13 +6627,13 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
     for secret in options["secrets"]:
         if secret.name and secret.name not in secret_files:
-            notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables must be in the "
-                         f"workers' environment (pool.env)")
+            notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables "
+                         "must be in the workers' environment (pool.env)")
     mounts = modal_volumes(options["volumes"], volumes, workers_here, notes)
     card, count = modal_gpu(options.get("gpu"))
     if count > (gpus_per_worker or 1):
-        raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives each worker "
-                        f"{gpus_per_worker or 1} ---> HINT: --gpus-per-worker {count}")
+        raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives "
+                        f"each worker {gpus_per_worker or 1} ---> HINT: --gpus-per-worker {count}")
     if card:
         suggested["instance_type"] = suggest_instance(load_rates(), card, count)
         notes.append(f"gpu={options['gpu']!r}: EC2 instance type for --instances: "
@@ -6877,15 +6877,15 @@ def format_pool_status(status, store_description):
     this machine's workers, and a table of the running workers and the few most recently stopped."""
     q, d = status["queue"], status["dlq"]
     lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
-             f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  "
-             f"dead-letter: {d['visible'] if d else '?'}"]
+             f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in "
+             f"flight;  dead-letter: {d['visible'] if d else '?'}"]
     if status["ec2"]:
         lines += ["    " + line for line in format_ec2_status(status["ec2"])]
     sup = status["supervisor"]
     if sup:
         alive = sum(w["alive"] for w in status["local_workers"])
-        lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, "
-                     f"{sup['restarts']} restart(s))")
+        lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid "
+                     f"{sup['pid']}, {sup['restarts']} restart(s))")
         if status["scaling"]:
             b = status["scaling"]
             lines.append(f"  sizes itself: {b['lo']}..{b['hi']} workers on its backlog (drain target "
@@ -6904,8 +6904,8 @@ def format_pool_status(status, store_description):
     stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
     shown = running + stopped[-STOPPED_SHOWN:]
     if shown:
-        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} "
-                     f"{'items':>7} {'busy%':>6}")
+        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} "
+                     f"{'enter_s':>8} {'items':>7} {'busy%':>6}")
         for w in sorted(shown, key=lambda w: w["started_at"]):
             busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
             lines.append(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
@@ -7099,12 +7099,12 @@ def pick_option(plan, deadline=None, budget=None):
 
 def format_plan(plan):
     noun = plan["noun"]
-    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of {plan['claim_size']} on pool "
-             f"{plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured over "
-             f"{plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s between "
-             f"claims, first claim after {plan['first_claim_seconds']:.3g} s; {plan['running']} {noun} "
-             f"running, a new one starts in "
-             f"{plan['start_seconds']:.3g} s; {plan['instance_type']}",
+    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of {plan['claim_size']} "
+             f"on pool {plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured "
+             f"over {plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s "
+             f"between claims, first claim after {plan['first_claim_seconds']:.3g} s; "
+             f"{plan['running']} {noun} running, a new one starts in {plan['start_seconds']:.3g} "
+             f"s; {plan['instance_type']}",
              f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
     for o in plan["options"]:
         scaled = "" if o["measured"] else "  (scaled from another count)"
@@ -7131,9 +7131,9 @@ def plan_against_actual(run, summaries):
         return None
     ended = max(_parse_time(s["finished_at"], "finished_at") for s in summaries)
     actual = (ended - _parse_time(run["created_at"], "created_at")).total_seconds()
-    return (f"plan: predicted {_duration(plan['seconds'])} and {_usd(plan['cost_usd'])} on {plan['count']} "
-            f"{plan['noun'] if plan['count'] != 1 else plan['noun'][:-1]}; actual {_duration(actual)} "
-            f"({(actual - plan['seconds']) / plan['seconds']:+.0%})")
+    return (f"plan: predicted {_duration(plan['seconds'])} and {_usd(plan['cost_usd'])} on "
+            f"{plan['count']} {plan['noun'] if plan['count'] != 1 else plan['noun'][:-1]}; actual "
+            f"{_duration(actual)} ({(actual - plan['seconds']) / plan['seconds']:+.0%})")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -7320,9 +7320,9 @@ class Pool:
         if not force:   # deleting the queue would drop claims nobody has finished
             depth = queue_depth(self.backend, record["queue"])
             if depth and (depth["visible"] or depth["in_flight"]):
-                raise UserError(f"pool {self.model} still has {depth['visible']} queued and {depth['in_flight']} "
-                                f"in-flight claim(s): wait for them (runs show RUN), or pass --force to delete them "
-                                f"with the pool")
+                raise UserError(f"pool {self.model} still has {depth['visible']} queued and "
+                                f"{depth['in_flight']} in-flight claim(s): wait for them (runs "
+                                "show RUN), or pass --force to delete them with the pool")
         if not stop_supervisor(self.conf, self.model, setting_number(self.conf, "CALQUE_GRACE") + 15):
             raise UserError(f"pool {self.model}: its supervisor did not stop; "
                             f"see {state_dir(self.conf, self.model)}/supervisor.log, then retry")
@@ -7390,8 +7390,8 @@ def check_id_field(items, field):
 def _has_id_field(field, index, item):
     value = json_line(item) if type(item) is JsonText else item   # a JSONL line is read again, only here
     if not isinstance(value, dict) or field not in value:
-        raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: give every item one, "
-                        f"or drop --id-field")
+        raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: give "
+                        "every item one, or drop --id-field")
     return item
 
 
@@ -7422,9 +7422,9 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     if state == "crashing":
         raise WorkersFailed(f"{why} ---> HINT: calque pool logs --model {pool}; fix the handler, then pool create")
     if state == "none" and not wait_for_workers:
-        raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: calque pool scale "
-                        f"--model {pool} --workers 1 (or --instances N), or submit --wait-for-workers to queue it "
-                        "anyway")
+        raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
+                        f"calque pool scale --model {pool} --workers 1 (or --instances N), or "
+                        "submit --wait-for-workers to queue it anyway")
     if state == "starting":   # (with wait_for_workers, a pool with none is what the caller asked to queue for)
         print(f"calque: {why}", file=sys.stderr)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
@@ -7505,8 +7505,8 @@ class Run:
     def to_pandas(self):
         """to_arrow() as a pandas DataFrame (pandas must be installed): an array column holds numpy arrays."""
         if importlib.util.find_spec("pandas") is None:
-            raise UserError("to_pandas() needs pandas, which is not installed ---> HINT: pip install pandas, or use "
-                            "to_arrow()")
+            raise UserError("to_pandas() needs pandas, which is not installed ---> HINT: pip "
+                            "install pandas, or use to_arrow()")
         return self.to_arrow().to_pandas()
 
     def failures(self):
@@ -7681,11 +7681,11 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
     if not summaries:
         first = first if first is not None else items[:claim_size]
         run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # nothing serves it: refused
-        print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} item(s) first "
-              f"(run {run.run_id}) to measure it", file=sys.stderr)
+        print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} "
+              f"item(s) first (run {run.run_id}) to measure it", file=sys.stderr)
         if not run.wait():
-            raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within CALQUE_TIMEOUT "
-                            f"---> HINT: calque runs show {run.run_id}")
+            raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within "
+                            f"CALQUE_TIMEOUT ---> HINT: calque runs show {run.run_id}")
         summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), run.run_id
     return make_plan(backend, conf, record, count, claim_size, price, summaries), sample
 
@@ -7700,10 +7700,10 @@ def planned_count(conf, backend, record, plan, args):
         if option is None:
             fastest, cheapest = plan["options"][-1], min(plan["options"], key=lambda o: o["cost_usd"])
             raise UserError(f"no count of 1..{len(plan['options'])} {plan['noun']} meets "
-                            f"{'--deadline ' + args.deadline if deadline else ''}"
-                            f"{' --budget ' + str(args.budget) if args.budget is not None else ''}: the fastest "
-                            f"takes {_duration(fastest['seconds'])}, the cheapest costs {_usd(cheapest['cost_usd'])} "
-                            f"---> HINT: loosen it, or raise the pool's ceiling")
+                            f"{'--deadline ' + args.deadline if deadline else ''}{' --budget ' + str(args.budget) if args.budget is not None else ''}: "
+                            f"the fastest takes {_duration(fastest['seconds'])}, the cheapest "
+                            f"costs {_usd(cheapest['cost_usd'])} ---> HINT: loosen it, or raise "
+                            "the pool's ceiling")
         return option
     lo, hi, _, _ = pool_ceiling(conf, backend, record)
     spc = plan["seconds_per_item"] * plan["claim_size"]
@@ -7718,8 +7718,8 @@ def confirm(question, yes):
     if yes:
         return True
     if not sys.stdin.isatty():
-        raise UserError("submit --plan asks before it spends, and stdin is not a terminal ---> HINT: add --yes to "
-                        "run at the plan printed above")
+        raise UserError("submit --plan asks before it spends, and stdin is not a terminal ---> "
+                        "HINT: add --yes to run at the plan printed above")
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
@@ -7740,8 +7740,8 @@ def apply_count(conf, backend, record, option, args):
         bounds = read_scaling(folder)
         if bounds:
             write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, boost=count)))
-    print(f"submit: running at {count} {noun if count != 1 else noun[:-1]} (predicted {_duration(option['seconds'])}, "
-          f"{_usd(option['cost_usd'])} on-demand)", file=sys.stderr)
+    print(f"submit: running at {count} {noun if count != 1 else noun[:-1]} (predicted "
+          f"{_duration(option['seconds'])}, {_usd(option['cost_usd'])} on-demand)", file=sys.stderr)
     return {"count": count, "noun": noun, "seconds": option["seconds"], "cost_usd": option["cost_usd"]}
 
 
@@ -7777,17 +7777,17 @@ def cmd_pool_create(conf, backend, args):
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal,
                          include=include)
-    print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, "
-          f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
-          f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}; "
-          f"workers run in {record['workdir']}")
+    print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, handler "
+          f"{record['handler']['file']}:{record['handler']['class']}, batch "
+          f"{record['batch_size']}, visibility {record['visibility_timeout']}s, max deliveries "
+          f"{record['max_deliveries']}; workers run in {record['workdir']}")
     if args.workers is args.max_workers is args.min_workers is None and idle is None:
         print(f"pool {args.model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
     if idle is not None:
         pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle))
-        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s) on its backlog (drain target "
-              f"{conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} min -> {lo}), supervisor pid {pid}; logs: "
-              f"calque pool logs --model {args.model}")
+        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s) on its "
+              f"backlog (drain target {conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} min -> "
+              f"{lo}), supervisor pid {pid}; logs: calque pool logs --model {args.model}")
     elif lo:
         pid = scale_local_verb(conf, pool, lo, args)
         print(f"pool {args.model}: {lo} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
@@ -7835,8 +7835,8 @@ def cmd_pool_scale(conf, backend, args):
         print(f"pool {args.model}: scaled to 0 local workers")
         return EXIT_OK
     pid = scale_local_verb(conf, Pool(args.model, context=(conf, backend)), args.workers, args)
-    print(f"pool {args.model}: {args.workers} local worker(s) {'starting' if args.no_wait else 'warm'} "
-          f"(supervisor pid {pid})")
+    print(f"pool {args.model}: {args.workers} local worker(s) "
+          f"{'starting' if args.no_wait else 'warm'} (supervisor pid {pid})")
     return EXIT_OK
 
 
@@ -8023,8 +8023,8 @@ def cmd_submit(conf, backend, args):
                     batch_size=args.batch_size, claim_size=args.claim_size, timeout=args.timeout,
                     progress=progress, ec2=ec2, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         except SubmitInterrupted as e:
-            print("calque: interrupted: the cold run is cancelled (its workers and queues are gone) ---> HINT: submit "
-                  "again", file=sys.stderr)
+            print("calque: interrupted: the cold run is cancelled (its workers and queues are "
+                  "gone) ---> HINT: submit again", file=sys.stderr)
             return 128 + e.signum
         if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
             return EXIT_OK
@@ -8070,11 +8070,11 @@ def cmd_runs_results(conf, backend, args):
         raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
                         f"---> HINT: drop --follow (runs show {args.run} says when the run is done)")
     if args.format != "npy" and (args.field or args.fill is not None):
-        raise UserError(f"--field and --fill choose the array of --format npy, not of {args.format} ---> HINT: "
-                        f"add --format npy, or drop them")
+        raise UserError("--field and --fill choose the array of --format npy, not of "
+                        f"{args.format} ---> HINT: add --format npy, or drop them")
     if args.format == "npy" and args.failed:
-        raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: --format jsonl "
-                        "or parquet")
+        raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: "
+                        "--format jsonl or parquet")
     if binary and args.output is None and sys.stdout.isatty():
         raise UserError(f"--format {args.format} writes binary: not to a terminal ---> HINT: --output PATH")
     run = read_run(backend, args.run)
@@ -8108,8 +8108,8 @@ def cmd_runs_results(conf, backend, args):
     if binary:
         code = max(code, write_binary_results(backend, run, done, args))
     for state, claims in not_run.items():
-        print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} ({claim_list(claims)}) "
-              f"---> HINT: {next_step(run, state)}", file=sys.stderr)
+        print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} "
+              f"({claim_list(claims)}) ---> HINT: {next_step(run, state)}", file=sys.stderr)
     return EXIT_FAILED if not_run else code
 
 
@@ -8119,15 +8119,15 @@ def cmd_runs_resume(conf, backend, args):
     check_timeout(args.timeout)
     run = read_run(backend, args.run)
     if run["mode"] != "pool":
-        raise UserError(f"run {args.run} is a cold run: its workers and queues lived only while its submit waited "
-                        f"---> HINT: submit its items again")
+        raise UserError(f"run {args.run} is a cold run: its workers and queues lived only while "
+                        "its submit waited ---> HINT: submit its items again")
     if run.get("cancelled"):
-        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to resume ---> HINT: "
-                        f"submit its items again")
+        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
+                        "resume ---> HINT: submit its items again")
     if not run["staged"]:   # its submit was killed (-9) while staging: past `sent`, a claim's manifest may be missing
-        raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were queued, the rest may "
-                        f"have no manifest ---> HINT: runs cancel {args.run}, then submit the items from "
-                        f"{run['sent'] * run['claim_size']} on again")
+        raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were "
+                        f"queued, the rest may have no manifest ---> HINT: runs cancel {args.run}, "
+                        f"then submit the items from {run['sent'] * run['claim_size']} on again")
     try:
         queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
     except NotFound:
@@ -8200,8 +8200,8 @@ def cmd_runs_prune(conf, backend, args):
     for run in runs_to_prune(backend, parse_age(args.older_than), args.keep, args.model):
         live = [] if args.force else live_claims(backend, run)
         if live:
-            print(f"run {run['run_id']}: kept: {len(live)} claim(s) queued or running ---> HINT: --force deletes "
-                  f"it anyway")
+            print(f"run {run['run_id']}: kept: {len(live)} claim(s) queued or running ---> HINT: "
+                  "--force deletes it anyway")
         else:
             runs.append(run)
     return print_freed(conf, backend, runs)
@@ -8213,8 +8213,8 @@ def cmd_runs_redrive(conf, backend, args):
     if run["mode"] != "pool":
         raise UserError(f"run {args.run} is a cold run: its queues are gone ---> HINT: submit its items again")
     if run.get("cancelled"):
-        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to redrive ---> HINT: "
-                        f"submit its items again")
+        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
+                        "redrive ---> HINT: submit its items again")
     record = load_pool(backend, run["model"])
     sent = redrive(backend, record, {args.run: run})
     print_redriven(record, sent)
@@ -8251,8 +8251,8 @@ def cmd_cost(conf, backend, args):
         run = read_run(backend, run_id)
         summaries = read_summaries(backend, run_id)
         if not summaries:
-            raise UserError(f"run {run_id} has no finished claim yet ({len(run['claims'])} pending): nothing to price; "
-                            "try again later")
+            raise UserError(f"run {run_id} has no finished claim yet ({len(run['claims'])} "
+                            "pending): nothing to price; try again later")
         reports.append((run, *run_cost_report(backend, run, summaries, price)))
     if args.json:
         print(json.dumps([{"run_id": run["run_id"], "priced_as": label, "cost": report, "ladder": ladder}
@@ -8368,8 +8368,8 @@ def entrypoint_parser(fn, prog):
         elif kind in MODAL_ARG_TYPES:
             parser.add_argument(flag, dest=name, type=kind, default=default, required=required)
         else:
-            raise UserError(f"entrypoint {fn.__name__}: parameter {name} is a {kind}: Modal's CLI and calque's take "
-                            f"int, float, str and bool")
+            raise UserError(f"entrypoint {fn.__name__}: parameter {name} is a {kind}: Modal's CLI "
+                            "and calque's take int, float, str and bool")
     return parser
 
 
@@ -8472,8 +8472,8 @@ def build_parser():
 
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
-    p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, handler snapshot, local "
-                                       "workers")
+    p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, "
+                                       "handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
     p.add_argument("--workers", type=int, help=f"local warmd.py processes to start under a supervisor, waited for "
@@ -8502,16 +8502,16 @@ def build_parser():
     ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
     ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
     ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its public SSM parameter)")
-    ec2.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be interrupted at 2 minutes' "
-                                                         "notice")
+    ec2.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be "
+                                                         "interrupted at 2 minutes' notice")
     ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: --instances; 0 with "
                                                        "--scale-to-zero-after or --max-instances)")
     ec2.add_argument("--max-instances", type=int, help="ceiling of a group that sizes itself on its backlog")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
     ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
     ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
-    ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would change something; change "
-                                                            "nothing")
+    ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would "
+                                                            "change something; change nothing")
     p.set_defaults(func=cmd_pool_create)
     p = pool.add_parser("scale", help="set the number of local workers, or of EC2 instances")
     p.add_argument("--model", required=True, help="the pool's model name")
@@ -8537,8 +8537,8 @@ def build_parser():
     p = pool.add_parser("delete", help="stop local workers, delete the queues and the pool record")
     p.add_argument("--model", required=True, help="the pool's model name")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p.add_argument("--force", action="store_true", help="delete even with claims still queued or in flight (they are "
-                                                        "lost)")
+    p.add_argument("--force", action="store_true", help="delete even with claims still queued or "
+                                                        "in flight (they are lost)")
     p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change nothing")
     p.set_defaults(func=cmd_pool_delete)
     p = pool.add_parser("cost", parents=[priced], help="what the pool paid, idle included, against cold starts")
@@ -8579,10 +8579,10 @@ def build_parser():
     planned = p.add_argument_group("a planned pool run (calque plan)")
     planned.add_argument("--plan", action="store_true", help="print the plan and ask before running it")
     planned.add_argument("--yes", action="store_true", help="run at the plan without asking")
-    planned.add_argument("--deadline", metavar="DURATION", help="run at the fewest workers that finish within it "
-                                                                "(45m, 2h)")
-    planned.add_argument("--budget", type=float, metavar="USD", help="run at the fewest workers that cost at most "
-                                                                     "this")
+    planned.add_argument("--deadline", metavar="DURATION", help="run at the fewest workers that "
+                                                                "finish within it (45m, 2h)")
+    planned.add_argument("--budget", type=float, metavar="USD", help="run at the fewest workers "
+                                                                     "that cost at most this")
     cold_ec2 = p.add_argument_group(
         "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
     cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
@@ -8593,16 +8593,16 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_submit)
 
-    p = verbs.add_parser("plan", parents=[priced], help="a pool run's wall time and cost for 1..B workers, before "
-                                                       "it starts")
+    p = verbs.add_parser("plan", parents=[priced], help="a pool run's wall time and cost for 1..B "
+                                                       "workers, before it starts")
     p.add_argument("items", help="the JSONL (or .npy/.npz) file submit would take")
     p.add_argument("--pool", metavar="M", required=True, help="the pool of model M")
     p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=cmd_plan)
 
-    runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, redrive, delete, "
-                                          "prune them")
+    runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, "
+                                          "cancel, redrive, delete, prune them")
     runs = runs.add_subparsers(dest="runs_verb", required=True,
                                metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
     p = runs.add_parser("list", help="every run in the store")
@@ -8617,8 +8617,8 @@ def build_parser():
     p.add_argument("--failed", action="store_true", help="only the failed items (with their last traceback frames)")
     p.add_argument("--follow", action="store_true", help="wait for the claims, printing each one's results as it ends")
     p.add_argument("--format", choices=("jsonl", "parquet", "npy"), default="jsonl",
-                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result columns) or npy "
-                        "(one result array, stacked)")
+                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result "
+                        "columns) or npy (one result array, stacked)")
     p.add_argument("--output", metavar="PATH", help="write the results there (default: stdout)")
     p.add_argument("--field", help="npy: the result's key to stack (default: the result, or its only array)")
     p.add_argument("--fill", type=float, help="npy: the row of a failed item (default NaN, for a float dtype)")
@@ -8721,8 +8721,8 @@ def main(argv=None):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except sqlite3.Error as e:   # the embedded queue: its file unwritable, full or damaged
-        print(f"calque: error: the local queue in {conf['CALQUE_STORE']} failed ({e}) ---> HINT: check that the "
-              f"folder is writable and has free space, then retry", file=sys.stderr)
+        print(f"calque: error: the local queue in {conf['CALQUE_STORE']} failed ({e}) ---> HINT: "
+              "check that the folder is writable and has free space, then retry", file=sys.stderr)
         return EXIT_FAILED
     except NotFound as e:   # something the pool record names is gone (a queue deleted by hand, say)
         region = getattr(backend, "region", None)
@@ -8731,14 +8731,14 @@ def main(argv=None):
                   f"was created in another region, set AWS_REGION (or the profile's region in ~/.aws/config) to it; "
                   f"else recreate the pool (pool create is idempotent) or delete it", file=sys.stderr)
         else:
-            print(f"calque: error: {e} not found in {conf['CALQUE_STORE']}: recreate the pool (pool create is "
-                  f"idempotent) or delete it", file=sys.stderr)
+            print(f"calque: error: {e} not found in {conf['CALQUE_STORE']}: recreate the pool "
+                  "(pool create is idempotent) or delete it", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         # the steps that leave work behind say what they left (staging, waiting, a cold run); this is any other
         # moment: before a run was staged, or a pool verb (each safe to run again)
-        print("calque: interrupted ---> HINT: run the command again; `python calque.py runs list` shows the runs "
-              "already queued", file=sys.stderr)
+        print("calque: interrupted ---> HINT: run the command again; `python calque.py runs list` "
+              "shows the runs already queued", file=sys.stderr)
         return 130
     except OSError as e:
         if e.filename is None:
@@ -8748,8 +8748,8 @@ def main(argv=None):
         return EXIT_FAILED
     except Exception as e:
         if type(e).__module__.startswith("botocore"):   # AWS refused or could not be reached: say so in one line
-            print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions (docs/aws.md) "
-                  f"and region",
+            print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions "
+                  "(docs/aws.md) and region",
                   file=sys.stderr)
             return EXIT_FAILED
         raise   # anything else is a bug: the traceback is the report
