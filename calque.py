@@ -8462,38 +8462,64 @@ def build_parser():
     parser = argparse.ArgumentParser(prog="calque.py",
                                      description="Sticky warm-worker pools for batch model inference.")
     parser.add_argument("--version", action=VersionAction)
-    priced = argparse.ArgumentParser(add_help=False)   # the pricing options every cost-printing verb takes
-    priced.add_argument("--instance-type", help="price as this EC2 instance type (default: rates.json defaults)")
+    priced = argparse.ArgumentParser(add_help=False)   # the options of every verb that prints a cost
+    priced.add_argument("--instance-type",
+                        help="price as this EC2 instance type (default: rates.json defaults)")
     priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
-    priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
+    priced.add_argument("--savings-plan", action="store_true",
+                        help="price at the rates file's savings-plan fraction")
     priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
+    shared = {   # options several verbs take alike
+        "--model": dict(required=True, help="the pool's model name"),
+        "--json": dict(action="store_true", help="print JSON instead of text"),
+        "run": dict(help="the run id (see `runs list`)"),
+        "--timeout": dict(type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)"),
+        "--key-name": dict(help="EC2 key pair for SSH (none by default)"),
+        "--yes-spend-money": dict(action="store_true", help="allow starting paid EC2 instances"),
+    }
+
+    def add(group, *flags):
+        for flag in flags:
+            group.add_argument(flag, **shared[flag])
+
+    def verb(verbs, name, func, *flags, cost=False, **kw):
+        p = verbs.add_parser(name, parents=[priced] if cost else [], **kw)
+        add(p, *flags)
+        p.set_defaults(func=func)
+        return p
+
     verbs = parser.add_subparsers(dest="verb", required=True,
                                   metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
-
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
         dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
-    p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, "
-                                       "handler snapshot, local workers")
+    p = verb(pool, "create", cmd_pool_create, help="create a pool: queue + dead-letter queue, pool "
+             "record, handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
-    p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
-    p.add_argument("--workers", type=int, help=f"local warmd.py processes to start under a supervisor, waited for "
-                                                f"until warm (default {LOCAL_WORKERS_DEFAULT})")
-    p.add_argument("--min-workers", type=int, metavar="A", help="floor of a pool that sizes itself on its backlog")
+    p.add_argument("--handler", required=True,
+                   help="path/to/handler.py:ClassName (snapshotted into the store)")
+    p.add_argument("--workers", type=int, help=f"local warmd.py processes to start under a supervisor, "
+                   f"waited for until warm (default {LOCAL_WORKERS_DEFAULT})")
+    p.add_argument("--min-workers", type=int, metavar="A",
+                   help="floor of a pool that sizes itself on its backlog")
     p.add_argument("--max-workers", type=int, metavar="B", help="its ceiling (with no floor given: floor 0)")
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
-                   help=f"idle window (fractions allowed) before the pool shrinks to its floor (0 unless given); "
-                        f"default {SCALE_IDLE_MINUTES:g} with a floor below the ceiling")
+                   help=f"idle window (fractions allowed) before the pool shrinks to its floor (0 unless "
+                        f"given); default {SCALE_IDLE_MINUTES:g} with a floor below the ceiling")
     local_options(p)
-    p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
+    p.add_argument("--batch-size", type=int,
+                   help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
     p.add_argument("--include", action="append", metavar="PATH",
                    help="a file or folder the handler needs beside it, snapshotted with it (modules, data)")
-    p.add_argument("--visibility-timeout", type=int, help="seconds a claim stays invisible; the heartbeat renews it")
-    p.add_argument("--max-deliveries", type=int, help="deliveries before a claim goes to the dead-letter queue")
+    p.add_argument("--visibility-timeout", type=int,
+                   help="seconds a claim stays invisible; the heartbeat renews it")
+    p.add_argument("--max-deliveries", type=int,
+                   help="deliveries before a claim goes to the dead-letter queue")
     p.add_argument("--batch-timeout", type=float, metavar="SECONDS",
                    help="seconds one handler.batch() call may run before the worker gives up on it "
                         "(default: the workers' CALQUE_BATCH_TIMEOUT)")
     modal_flags = p.add_argument_group("a Modal app handler (docs/modal.md)")
-    modal_flags.add_argument("--param", action="append", metavar="KEY=VALUE", help="a modal.parameter() of the class")
+    modal_flags.add_argument("--param", action="append", metavar="KEY=VALUE",
+                             help="a modal.parameter() of the class")
     modal_flags.add_argument("--secret", action="append", metavar="NAME=FILE",
                              help="the KEY=value file modal.Secret.from_name(NAME) reads")
     modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
@@ -8501,75 +8527,65 @@ def build_parser():
     ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
     ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
     ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
-    ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its public SSM parameter)")
-    ec2.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be "
-                                                         "interrupted at 2 minutes' notice")
+    ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its public "
+                     "SSM parameter)")
+    ec2.add_argument("--spot", action="store_true",
+                     help="spot capacity: cheaper, may be interrupted at 2 minutes' notice")
     ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: --instances; 0 with "
                                                        "--scale-to-zero-after or --max-instances)")
     ec2.add_argument("--max-instances", type=int, help="ceiling of a group that sizes itself on its backlog")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
-    ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
-    ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
-    ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would "
-                                                            "change something; change nothing")
-    p.set_defaults(func=cmd_pool_create)
-    p = pool.add_parser("scale", help="set the number of local workers, or of EC2 instances")
-    p.add_argument("--model", required=True, help="the pool's model name")
+    add(ec2, "--key-name", "--yes-spend-money")
+    ec2.add_argument("--dry-run", action="store_true",
+                     help="print every AWS call that would change something; change nothing")
+    p = verb(pool, "scale", cmd_pool_scale, "--model",
+             help="set the number of local workers, or of EC2 instances")
     p.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
     p.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
     for noun in ("workers", "instances"):
         p.add_argument(f"--min-{noun}", type=int, metavar="A",
                        help=f"new floor of a pool that sizes itself ({noun})")
         p.add_argument(f"--max-{noun}", type=int, metavar="B", help="its new ceiling")
-    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
-                   help="local: its new idle window")
+    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES", help="local: its new idle window")
     local_options(p)
-    p.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
+    add(p, "--yes-spend-money")
     p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
-    p.set_defaults(func=cmd_pool_scale)
-    p = pool.add_parser("status", help="queue depths, live workers, per-worker claims, warm hits, enter_count")
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_pool_status)
-    p = pool.add_parser("list", help="the pools in this store")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_pool_list)
-    p = pool.add_parser("delete", help="stop local workers, delete the queues and the pool record")
-    p.add_argument("--model", required=True, help="the pool's model name")
+    verb(pool, "status", cmd_pool_status, "--model", "--json",
+         help="queue depths, live workers, per-worker claims, warm hits, enter_count")
+    verb(pool, "list", cmd_pool_list, "--json", help="the pools in this store")
+    p = verb(pool, "delete", cmd_pool_delete, "--model",
+             help="stop local workers, delete the queues and the pool record")
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p.add_argument("--force", action="store_true", help="delete even with claims still queued or "
-                                                        "in flight (they are lost)")
+    p.add_argument("--force", action="store_true",
+                   help="delete even with claims still queued or in flight (they are lost)")
     p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change nothing")
-    p.set_defaults(func=cmd_pool_delete)
-    p = pool.add_parser("cost", parents=[priced], help="what the pool paid, idle included, against cold starts")
-    p.add_argument("--model", required=True, help="the pool's model name")
+    p = verb(pool, "cost", cmd_pool_cost, "--model", cost=True,
+             help="what the pool paid, idle included, against cold starts")
     p.add_argument("--since", metavar="T", help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_pool_cost)
-    p = pool.add_parser("redrive", help="send the dead-lettered claims of every run of the pool back to its queue")
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.set_defaults(func=cmd_pool_redrive)
-    p = pool.add_parser("logs", help="the pool's worker logs on this machine (EC2: where they are)")
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.add_argument("--follow", action="store_true", help="keep printing what the workers write (Ctrl-C stops)")
+    add(p, "--json")
+    verb(pool, "redrive", cmd_pool_redrive, "--model",
+         help="send the dead-lettered claims of every run of the pool back to its queue")
+    p = verb(pool, "logs", cmd_pool_logs, "--model",
+             help="the pool's worker logs on this machine (EC2: where they are)")
+    p.add_argument("--follow", action="store_true",
+                   help="keep printing what the workers write (Ctrl-C stops)")
     p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
-    p.set_defaults(func=cmd_pool_logs)
-    p = pool.add_parser("supervise")   # internal: what `pool create` starts detached; no help, so not listed
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.set_defaults(func=cmd_supervise)
+    verb(pool, "supervise", cmd_supervise, "--model")   # internal (pool create starts it): not listed
 
-    p = verbs.add_parser("submit", parents=[priced],
-                         help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
-    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz file of numeric "
-                                 "items, or a Parquet/.arrow/.feather file, folder or quoted glob (one item a row)")
+    p = verb(verbs, "submit", cmd_submit, cost=True,
+             help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
+    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz file of "
+                   "numeric items, or a Parquet/.arrow/.feather file, folder or quoted glob (one item a row)")
     p.add_argument("--columns", metavar="A,B", help="Parquet/Arrow input: read only these columns")
     p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
-    p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, or --handler)")
+    p.add_argument("--model",
+                   help="cold run: the model whose handler to use (the pool record's, or --handler)")
     p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's handler")
     p.add_argument("--shards", type=int, default=1, help="cold run: fresh workers to start (default 1)")
     p.add_argument("--batch-size", type=int, help="cold run: items per handler.batch() call")
-    p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
-    p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
+    p.add_argument("--claim-size", type=int,
+                   help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
+    add(p, "--timeout")
     p.add_argument("--no-wait", action="store_true", help="print the run id and return at once")
     p.add_argument("--wait-for-workers", action="store_true",
                    help="queue the run even when the pool has no live worker (else: exit 2 at once)")
@@ -8579,100 +8595,91 @@ def build_parser():
     planned = p.add_argument_group("a planned pool run (calque plan)")
     planned.add_argument("--plan", action="store_true", help="print the plan and ask before running it")
     planned.add_argument("--yes", action="store_true", help="run at the plan without asking")
-    planned.add_argument("--deadline", metavar="DURATION", help="run at the fewest workers that "
-                                                                "finish within it (45m, 2h)")
-    planned.add_argument("--budget", type=float, metavar="USD", help="run at the fewest workers "
-                                                                     "that cost at most this")
+    planned.add_argument("--deadline", metavar="DURATION",
+                         help="run at the fewest workers that finish within it (45m, 2h)")
+    planned.add_argument("--budget", type=float, metavar="USD",
+                         help="run at the fewest workers that cost at most this")
     cold_ec2 = p.add_argument_group(
         "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
     cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
     cold_ec2.add_argument("--subnet", help="subnet id (default: the default VPC's)")
-    cold_ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
-    cold_ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
+    add(cold_ec2, "--key-name", "--yes-spend-money")
     cold_ec2.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_submit)
+    add(p, "--json")
 
-    p = verbs.add_parser("plan", parents=[priced], help="a pool run's wall time and cost for 1..B "
-                                                       "workers, before it starts")
+    p = verb(verbs, "plan", cmd_plan, cost=True,
+             help="a pool run's wall time and cost for 1..B workers, before it starts")
     p.add_argument("items", help="the JSONL (or .npy/.npz) file submit would take")
     p.add_argument("--pool", metavar="M", required=True, help="the pool of model M")
     p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_plan)
+    add(p, "--json")
 
-    runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, "
-                                          "cancel, redrive, delete, prune them")
+    runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, "
+                            "redrive, delete, prune them")
     runs = runs.add_subparsers(dest="runs_verb", required=True,
                                metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
-    p = runs.add_parser("list", help="every run in the store")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_runs_list)
-    p = runs.add_parser("show", help="a run's claims: worker, warm hit, @enter paid, items, seconds")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_runs_show)
-    p = runs.add_parser("results", help="a run's results in item order: JSONL, Parquet or .npy")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.add_argument("--failed", action="store_true", help="only the failed items (with their last traceback frames)")
-    p.add_argument("--follow", action="store_true", help="wait for the claims, printing each one's results as it ends")
+    verb(runs, "list", cmd_runs_list, "--json", help="every run in the store")
+    verb(runs, "show", cmd_runs_show, "run", "--json",
+         help="a run's claims: worker, warm hit, @enter paid, items, seconds")
+    p = verb(runs, "results", cmd_runs_results, "run",
+             help="a run's results in item order: JSONL, Parquet or .npy")
+    p.add_argument("--failed", action="store_true",
+                   help="only the failed items (with their last traceback frames)")
+    p.add_argument("--follow", action="store_true",
+                   help="wait for the claims, printing each one's results as it ends")
     p.add_argument("--format", choices=("jsonl", "parquet", "npy"), default="jsonl",
-                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result "
-                        "columns) or npy (one result array, stacked)")
+                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result columns) "
+                        "or npy (one result array, stacked)")
     p.add_argument("--output", metavar="PATH", help="write the results there (default: stdout)")
-    p.add_argument("--field", help="npy: the result's key to stack (default: the result, or its only array)")
-    p.add_argument("--fill", type=float, help="npy: the row of a failed item (default NaN, for a float dtype)")
-    p.set_defaults(func=cmd_runs_results)
-    p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, and those in "
-                                                        "no queue, then wait")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
+    p.add_argument("--field",
+                   help="npy: the result's key to stack (default: the result, or its only array)")
+    p.add_argument("--fill", type=float,
+                   help="npy: the row of a failed item (default NaN, for a float dtype)")
+    p = verb(runs, "resume", cmd_runs_resume, "run", "--timeout", cost=True,
+             help="send the claims an interrupted submit did not, and those in no queue, then wait")
     p.add_argument("--no-wait", action="store_true", help="return once the claims are sent")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_runs_resume)
-    p = runs.add_parser("cancel", help="cancel a run: its claims without a summary will not run")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.set_defaults(func=cmd_runs_cancel)
-    p = runs.add_parser("redrive", help="send a run's dead-lettered claims back to its pool's queue")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.set_defaults(func=cmd_runs_redrive)
-    p = runs.add_parser("report", parents=[priced], help="a run's page as one self-contained HTML file")
-    p.add_argument("run", help="the run id (see `runs list`)")
+    add(p, "--json")
+    verb(runs, "cancel", cmd_runs_cancel, "run",
+         help="cancel a run: its claims without a summary will not run")
+    verb(runs, "redrive", cmd_runs_redrive, "run",
+         help="send a run's dead-lettered claims back to its pool's queue")
+    p = verb(runs, "report", cmd_runs_report, "run", cost=True,
+             help="a run's page as one self-contained HTML file")
     p.add_argument("--html", required=True, metavar="FILE", help="the file to write (no script)")
-    p.set_defaults(func=cmd_runs_report)
-    p = runs.add_parser("delete", help="delete runs from the store (inputs, results, summaries), saying what it freed")
+    p = verb(runs, "delete", cmd_runs_delete,
+             help="delete runs from the store (inputs, results, summaries), saying what it freed")
     p.add_argument("run", nargs="+", help="run ids (see `runs list`)")
     p.add_argument("--force", action="store_true", help="also a run with claims queued or running")
-    p.set_defaults(func=cmd_runs_delete)
-    p = runs.add_parser("prune", help="delete the runs older than an age, but the newest --keep of each model")
+    p = verb(runs, "prune", cmd_runs_prune,
+             help="delete the runs older than an age, but the newest --keep of each model")
     p.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 7d, 12h, 30m")
-    p.add_argument("--keep", type=int, default=0, metavar="N", help="keep each model's N newest runs (default 0)")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="keep each model's N newest runs (default 0)")
     p.add_argument("--model", help="only this model's runs")
     p.add_argument("--force", action="store_true", help="also runs with claims queued or running")
-    p.set_defaults(func=cmd_runs_prune)
 
-    p = verbs.add_parser("cost", parents=[priced],
-                         help="a run's cost, its cold counterfactual and the crossover ladder")
+    p = verb(verbs, "cost", cmd_cost, cost=True,
+             help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_cost)
-
-    p = verbs.add_parser("dashboard", parents=[priced], help="a read-only live web page of the store")
+    add(p, "--json")
+    p = verb(verbs, "dashboard", cmd_dashboard, cost=True, help="a read-only live web page of the store")
     p.add_argument("--port", type=int, default=8265, help="default 8265; 0: any free port")
     p.add_argument("--host", default="127.0.0.1", help="default loopback; another needs --token")
     p.add_argument("--token", help="a secret every request must carry (?token= once, or Bearer)")
-    p.set_defaults(func=cmd_dashboard)
 
     modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools").add_subparsers(
         dest="modal_verb", required=True, metavar="{run}")
-    p = modal.add_parser("run", help="run the app's @app.local_entrypoint() here; its .map/.remote/.spawn go to pools")
+    p = verb(modal, "run", cmd_modal_run,
+             help="run the app's @app.local_entrypoint() here; its .map/.remote/.spawn go to pools")
     p.add_argument("app", help="app.py or app.py::entrypoint")
-    p.add_argument("--pool", help="a pool serving one of the app's targets (default: an ephemeral pool per target)")
-    p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT, help="local workers of each ephemeral pool")
-    p.add_argument("--volume", action="append", metavar="NAME=PATH", help="as pool create's, for the ephemeral pools")
-    p.add_argument("--secret", action="append", metavar="NAME=FILE", help="as pool create's, for the ephemeral pools")
+    p.add_argument("--pool",
+                   help="a pool serving one of the app's targets (default: an ephemeral pool per target)")
+    p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT,
+                   help="local workers of each ephemeral pool")
+    for flag, metavar in (("--volume", "NAME=PATH"), ("--secret", "NAME=FILE")):
+        p.add_argument(flag, action="append", metavar=metavar,
+                       help="as pool create's, for the ephemeral pools")
     p.add_argument("args", nargs=argparse.REMAINDER, help="the entrypoint's own options (--name value)")
-    p.set_defaults(func=cmd_modal_run)
     return parser
 
 
