@@ -8460,20 +8460,24 @@ class VersionAction(argparse.Action):
 
 def build_parser():
     parser = argparse.ArgumentParser(prog="calque.py",
-                                     description="Sticky warm-worker pools for batch model inference.")
+                                     description="Sticky warm-worker pools for batch model "
+                                                 "inference.")
     parser.add_argument("--version", action=VersionAction)
-    priced = argparse.ArgumentParser(add_help=False)   # the options of every verb that prints a cost
+    priced = argparse.ArgumentParser(add_help=False)   # what every verb printing a cost takes
     priced.add_argument("--instance-type",
                         help="price as this EC2 instance type (default: rates.json defaults)")
-    priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
+    priced.add_argument("--spot", action="store_true", help="price at the rates file's spot "
+                                                            "fraction")
     priced.add_argument("--savings-plan", action="store_true",
                         help="price at the rates file's savings-plan fraction")
-    priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
+    priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled "
+                                                        "rates.json")
     shared = {   # options several verbs take alike
         "--model": dict(required=True, help="the pool's model name"),
         "--json": dict(action="store_true", help="print JSON instead of text"),
         "run": dict(help="the run id (see `runs list`)"),
-        "--timeout": dict(type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)"),
+        "--timeout": dict(type=float, help="seconds to wait for the summaries (default "
+                                           "CALQUE_TIMEOUT)"),
         "--key-name": dict(help="EC2 key pair for SSH (none by default)"),
         "--yes-spend-money": dict(action="store_true", help="allow starting paid EC2 instances"),
     }
@@ -8491,25 +8495,29 @@ def build_parser():
     verbs = parser.add_subparsers(dest="verb", required=True,
                                   metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
-        dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
+        dest="pool_verb", required=True,
+        metavar="{create,scale,status,list,delete,cost,redrive,logs}")
     p = verb(pool, "create", cmd_pool_create, help="create a pool: queue + dead-letter queue, pool "
              "record, handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
     p.add_argument("--handler", required=True,
                    help="path/to/handler.py:ClassName (snapshotted into the store)")
-    p.add_argument("--workers", type=int, help=f"local warmd.py processes to start under a supervisor, "
-                   f"waited for until warm (default {LOCAL_WORKERS_DEFAULT})")
+    p.add_argument("--workers", type=int, help="local warmd.py processes to start under a "
+                   f"supervisor, waited for until warm (default {LOCAL_WORKERS_DEFAULT})")
     p.add_argument("--min-workers", type=int, metavar="A",
                    help="floor of a pool that sizes itself on its backlog")
-    p.add_argument("--max-workers", type=int, metavar="B", help="its ceiling (with no floor given: floor 0)")
+    p.add_argument("--max-workers", type=int, metavar="B", help="its ceiling (with no floor "
+                                                                "given: floor 0)")
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
-                   help=f"idle window (fractions allowed) before the pool shrinks to its floor (0 unless "
-                        f"given); default {SCALE_IDLE_MINUTES:g} with a floor below the ceiling")
+                   help="idle window (fractions allowed) before the pool shrinks to its floor (0 "
+                        f"unless given); default {SCALE_IDLE_MINUTES:g} with a floor below the "
+                        "ceiling")
     local_options(p)
     p.add_argument("--batch-size", type=int,
                    help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
     p.add_argument("--include", action="append", metavar="PATH",
-                   help="a file or folder the handler needs beside it, snapshotted with it (modules, data)")
+                   help="a file or folder the handler needs beside it, snapshotted with it "
+                        "(modules, data)")
     p.add_argument("--visibility-timeout", type=int,
                    help="seconds a claim stays invisible; the heartbeat renews it")
     p.add_argument("--max-deliveries", type=int,
@@ -8523,17 +8531,22 @@ def build_parser():
     modal_flags.add_argument("--secret", action="append", metavar="NAME=FILE",
                              help="the KEY=value file modal.Secret.from_name(NAME) reads")
     modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
-                             help="the folder modal.Volume.from_name(NAME) is, linked at its mount path")
+                             help="the folder modal.Volume.from_name(NAME) is, linked at its "
+                                  "mount path")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
-    ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
-    ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
-    ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its public "
-                     "SSM parameter)")
+    ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto "
+                                                   "Scaling group")
+    ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with "
+                                             "--instances)")
+    ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its "
+                     "public SSM parameter)")
     ec2.add_argument("--spot", action="store_true",
                      help="spot capacity: cheaper, may be interrupted at 2 minutes' notice")
-    ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: --instances; 0 with "
-                                                       "--scale-to-zero-after or --max-instances)")
-    ec2.add_argument("--max-instances", type=int, help="ceiling of a group that sizes itself on its backlog")
+    ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: "
+                                                       "--instances; 0 with --scale-to-zero-after "
+                                                       "or --max-instances)")
+    ec2.add_argument("--max-instances", type=int, help="ceiling of a group that sizes itself on "
+                                                       "its backlog")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
     add(ec2, "--key-name", "--yes-spend-money")
     ec2.add_argument("--dry-run", action="store_true",
@@ -8546,7 +8559,8 @@ def build_parser():
         p.add_argument(f"--min-{noun}", type=int, metavar="A",
                        help=f"new floor of a pool that sizes itself ({noun})")
         p.add_argument(f"--max-{noun}", type=int, metavar="B", help="its new ceiling")
-    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES", help="local: its new idle window")
+    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES", help="local: its new "
+                                                                                "idle window")
     local_options(p)
     add(p, "--yes-spend-money")
     p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
@@ -8558,10 +8572,12 @@ def build_parser():
     p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     p.add_argument("--force", action="store_true",
                    help="delete even with claims still queued or in flight (they are lost)")
-    p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change nothing")
+    p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change "
+                                                          "nothing")
     p = verb(pool, "cost", cmd_pool_cost, "--model", cost=True,
              help="what the pool paid, idle included, against cold starts")
-    p.add_argument("--since", metavar="T", help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
+    p.add_argument("--since", metavar="T", help="only from this ISO-8601 time on (e.g. "
+                                                "2026-11-29T10:00:00Z)")
     add(p, "--json")
     verb(pool, "redrive", cmd_pool_redrive, "--model",
          help="send the dead-lettered claims of every run of the pool back to its queue")
@@ -8570,30 +8586,38 @@ def build_parser():
     p.add_argument("--follow", action="store_true",
                    help="keep printing what the workers write (Ctrl-C stops)")
     p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
-    verb(pool, "supervise", cmd_supervise, "--model")   # internal (pool create starts it): not listed
+    verb(pool, "supervise", cmd_supervise, "--model")   # internal: pool create starts it; unlisted
 
     p = verb(verbs, "submit", cmd_submit, cost=True,
-             help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
-    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz file of "
-                   "numeric items, or a Parquet/.arrow/.feather file, folder or quoted glob (one item a row)")
+             help="run items: against a warm pool (--pool) or as a cold fresh acquisition "
+                  "(--model)")
+    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz "
+                   "file of numeric items, or a Parquet/.arrow/.feather file, folder or quoted "
+                   "glob (one item a row)")
     p.add_argument("--columns", metavar="A,B", help="Parquet/Arrow input: read only these columns")
     p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
     p.add_argument("--model",
-                   help="cold run: the model whose handler to use (the pool record's, or --handler)")
-    p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's handler")
-    p.add_argument("--shards", type=int, default=1, help="cold run: fresh workers to start (default 1)")
+                   help="cold run: the model whose handler to use (the pool record's, or "
+                        "--handler)")
+    p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's "
+                                     "handler")
+    p.add_argument("--shards", type=int, default=1, help="cold run: fresh workers to start "
+                                                         "(default 1)")
     p.add_argument("--batch-size", type=int, help="cold run: items per handler.batch() call")
     p.add_argument("--claim-size", type=int,
                    help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
     add(p, "--timeout")
     p.add_argument("--no-wait", action="store_true", help="print the run id and return at once")
     p.add_argument("--wait-for-workers", action="store_true",
-                   help="queue the run even when the pool has no live worker (else: exit 2 at once)")
-    p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
+                   help="queue the run even when the pool has no live worker (else: exit 2 at "
+                        "once)")
+    p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's "
+                                                       "result line")
     p.add_argument("--follow-logs", action="store_true",
                    help="print what the pool's workers print during the run (on stderr)")
     planned = p.add_argument_group("a planned pool run (calque plan)")
-    planned.add_argument("--plan", action="store_true", help="print the plan and ask before running it")
+    planned.add_argument("--plan", action="store_true", help="print the plan and ask before "
+                                                             "running it")
     planned.add_argument("--yes", action="store_true", help="run at the plan without asking")
     planned.add_argument("--deadline", metavar="DURATION",
                          help="run at the fewest workers that finish within it (45m, 2h)")
@@ -8601,10 +8625,12 @@ def build_parser():
                          help="run at the fewest workers that cost at most this")
     cold_ec2 = p.add_argument_group(
         "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
-    cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
+    cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold "
+                                        "run on EC2)")
     cold_ec2.add_argument("--subnet", help="subnet id (default: the default VPC's)")
     add(cold_ec2, "--key-name", "--yes-spend-money")
-    cold_ec2.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
+    cold_ec2.add_argument("--dry-run", action="store_true", help="print the AWS calls; change "
+                                                                 "nothing")
     add(p, "--json")
 
     p = verb(verbs, "plan", cmd_plan, cost=True,
@@ -8616,8 +8642,9 @@ def build_parser():
 
     runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, "
                             "redrive, delete, prune them")
-    runs = runs.add_subparsers(dest="runs_verb", required=True,
-                               metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
+    runs = runs.add_subparsers(
+        dest="runs_verb", required=True,
+        metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
     verb(runs, "list", cmd_runs_list, "--json", help="every run in the store")
     verb(runs, "show", cmd_runs_show, "run", "--json",
          help="a run's claims: worker, warm hit, @enter paid, items, seconds")
@@ -8628,8 +8655,8 @@ def build_parser():
     p.add_argument("--follow", action="store_true",
                    help="wait for the claims, printing each one's results as it ends")
     p.add_argument("--format", choices=("jsonl", "parquet", "npy"), default="jsonl",
-                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result columns) "
-                        "or npy (one result array, stacked)")
+                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result "
+                        "columns) or npy (one result array, stacked)")
     p.add_argument("--output", metavar="PATH", help="write the results there (default: stdout)")
     p.add_argument("--field",
                    help="npy: the result's key to stack (default: the result, or its only array)")
@@ -8662,24 +8689,28 @@ def build_parser():
              help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
     add(p, "--json")
-    p = verb(verbs, "dashboard", cmd_dashboard, cost=True, help="a read-only live web page of the store")
+    p = verb(verbs, "dashboard", cmd_dashboard, cost=True, help="a read-only live web page of the "
+                                                                "store")
     p.add_argument("--port", type=int, default=8265, help="default 8265; 0: any free port")
     p.add_argument("--host", default="127.0.0.1", help="default loopback; another needs --token")
     p.add_argument("--token", help="a secret every request must carry (?token= once, or Bearer)")
 
-    modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools").add_subparsers(
+    modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque "
+                                           "pools").add_subparsers(
         dest="modal_verb", required=True, metavar="{run}")
     p = verb(modal, "run", cmd_modal_run,
              help="run the app's @app.local_entrypoint() here; its .map/.remote/.spawn go to pools")
     p.add_argument("app", help="app.py or app.py::entrypoint")
     p.add_argument("--pool",
-                   help="a pool serving one of the app's targets (default: an ephemeral pool per target)")
+                   help="a pool serving one of the app's targets (default: an ephemeral pool per "
+                        "target)")
     p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT,
                    help="local workers of each ephemeral pool")
     for flag, metavar in (("--volume", "NAME=PATH"), ("--secret", "NAME=FILE")):
         p.add_argument(flag, action="append", metavar=metavar,
                        help="as pool create's, for the ephemeral pools")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the entrypoint's own options (--name value)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the entrypoint's own options (--name "
+                                                          "value)")
     return parser
 
 
