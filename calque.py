@@ -4036,8 +4036,8 @@ TIE_REL = 1e-9                                        # costs this close count a
 
 
 def load_rates(path=None):
-    """Read and validate a rates file (default: the rates.json calque ships, in calque_data); every failure is a
-    UserError naming the file and the field."""
+    """Read and validate a rates file (default: the bundled rates.json); every failure is a UserError
+    naming the file and the field."""
     path = str(path or package_file("calque_data", "rates.json"))
     try:
         with open(path, encoding="utf-8") as f:
@@ -4056,7 +4056,7 @@ def load_rates(path=None):
 
 
 def _field_name(keys):
-    """('ec2', 'instances', 'g5.xlarge', 'usd_per_hour') -> "ec2.instances['g5.xlarge'].usd_per_hour"."""
+    """('ec2', 'instances', 'g5.xlarge', 'usd_per_hour') -> ec2.instances['g5.xlarge'].usd_per_hour."""
     out = ""
     for k in keys:
         out += f"['{k}']" if "." in k else (f".{k}" if out else k)
@@ -4071,7 +4071,7 @@ _NUMBER_CHECKS = {  # kind: (test, what the message asks for)
 
 
 def _rates_field(rates, keys, file, kind=None):
-    """The value at `keys`, checked: a _NUMBER_CHECKS name, a type (str, int, bool, dict), or None."""
+    """The value at `keys`, checked: a _NUMBER_CHECKS name, a type (str, int, bool, dict) or None."""
     node = rates
     for i, k in enumerate(keys):
         if not isinstance(node, dict) or k not in node:
@@ -4167,8 +4167,8 @@ def instance_rate_per_second(rates, instance_type, spot=False, savings_plan=Fals
 
 
 def serverless_rate_per_second(rates, card, count=1):
-    """$/s for `count` serverless GPUs of `card` (case-insensitive), plus the CPU and memory a
-    container reserves per GPU when the card rate excludes them (Modal bills them separately)."""
+    """$/s for `count` serverless GPUs of `card` (any case), plus the CPU and memory a container
+    reserves per GPU when the card rate excludes them (Modal bills them apart)."""
     cards = rates["serverless"]["cards"]
     key = next((k for k in cards if k.lower() == str(card).lower()), None)
     if key is None:
@@ -4183,16 +4183,15 @@ def serverless_rate_per_second(rates, card, count=1):
 
 
 def serverless_match(rates, instance_type):
-    """(card, count): the serverless GPUs that stand in for this instance's GPUs in the ladder ((None, 0): a CPU
-    instance)."""
+    """(card, count): the serverless GPUs standing in for this instance's ((None, 0): a CPU one)."""
     instance_rate_per_second(rates, instance_type)  # same unknown-type error
     inst = rates["ec2"]["instances"][instance_type]
     return inst.get("serverless_card"), inst["gpus"]
 
 
 def serverless_stand_in(rates, instance_type):
-    """$/s of the serverless container standing in for this instance: its GPUs (serverless_match), or for a CPU
-    instance its vCPUs (two a serverless physical core) and memory."""
+    """$/s of the serverless container standing in for this instance: its GPUs, or for a CPU
+    instance its vCPUs (two a serverless core) and memory."""
     card, count = serverless_match(rates, instance_type)
     if count:
         return serverless_rate_per_second(rates, card, count)
@@ -4202,7 +4201,7 @@ def serverless_stand_in(rates, instance_type):
 
 
 def price_label(rates, instance_type, spot=False, savings_plan=False):
-    """'g5.xlarge (1x A10G) on-demand $1.006/h, rates.json 2026-11-29' -- what every cost line is priced as."""
+    """'g5.xlarge (1x A10G) on-demand $1.006/h, rates.json 2026-11-29': what a cost is priced as."""
     per_hour = instance_rate_per_second(rates, instance_type, spot, savings_plan) * 3600
     inst = rates["ec2"]["instances"][instance_type]
     option = "spot" if spot else "savings plan" if savings_plan else "on-demand"
@@ -4236,14 +4235,8 @@ def _add_counts(many):
 
 
 def request_cost(rates, requests):
-    """$ for these request counts at SQS Standard + S3 Standard prices.
-
-    Always the AWS price, whatever the backend: the local backend (SQLite + a directory) pays
-    nothing, but its counts are the ones the same run would make on SQS + S3, so a local run is
-    priced "as if on AWS" exactly as its seconds are priced as if on the default instance. The
-    caller labels which it is (run_cost's `requests_basis`). Not modelled: the SQS free tier
-    (1M requests/month, an account-level allowance, not a per-run one) and the 64 KB rule
-    (calque messages are pointers, well under 64 KB, so one API call is one billed request)."""
+    """$ for these request counts at SQS Standard + S3 Standard prices, whatever the backend: a
+    local run's counts are the ones it would make on AWS (run_cost labels which it is)."""
     n = request_counts(requests)
     r = rates["requests"]
     sqs = n["queue_receives"] + n["queue_empty_receives"] + n["queue_other"]
@@ -4264,12 +4257,8 @@ def _claim_label(summary):
 
 
 def claim_cost(summary, rate_per_s, rates):
-    """Split one claim's instance-seconds into fixed and variable and price them.
-
-    fixed    = enter_seconds_paid + acquisition_seconds
-    variable = max(0, claim_seconds - enter_seconds_paid)
-    claim_seconds includes the @enter paid during the claim; acquisition_seconds (cold runs: billed
-    time from process start to @enter start; 0 for pool claims) lies before the claim, outside it."""
+    """One claim's instance-seconds split and priced: fixed = @enter paid + acquisition (which
+    lies before the claim), variable = claim_seconds - @enter paid (docs/cost.md)."""
     what = _claim_label(summary)
     enter = _seconds(summary, "enter_seconds_paid", what)
     acquisition = _seconds(summary, "acquisition_seconds", what, default=0.0)
@@ -4297,17 +4286,9 @@ def measured_enter_seconds(worker_stats):
 def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *,
              enter_status="measured", acquisition_status="assumed", shards=1,
              expected_claims=None, backend="aws"):
-    """Price a run from its claim summaries, against a cold acquisition of the same work.
-
-    actual = sum of claim_cost totals
-    warm   = rate * sum(variable) + requests: the same work on a pool whose @enter was already paid
-    cold   = rate * (shards * (A + E) + sum(variable)) + requests: a fresh acquisition per shard
-             (1 for a pool run's counterfactual) paying acquisition A and @enter E, then the same drain
-    saving = cold - actual (for a cold run this is ~0: it *is* the baseline; compare `warm` instead)
-
-    E is the pool's measured @enter (measured_enter_seconds of its workers), not a guess; say
-    otherwise with enter_status. The cold side reuses this run's request counts (its long polls
-    would differ a little). A run with fewer summaries than expected_claims is reported as partial."""
+    """Price a run from its claim summaries against a cold acquisition of the same work: actual,
+    warm (@enter already paid), cold (`shards` fresh acquisitions paying A + E) and the saving.
+    Formulas: docs/cost.md. Fewer summaries than expected_claims: reported as partial."""
     if backend not in ("aws", "local"):
         raise ValueError(f"backend must be 'aws' or 'local', got {backend!r}")
     for name, v in (("enter_seconds", enter_seconds), ("acquisition_seconds", acquisition_seconds)):
@@ -4426,17 +4407,11 @@ def _pair(name_x, x, name_y, y):
 
 
 def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER_ITEMS, request_usd_per_item=0.0):
-    """Cost of n items three ways, and the n where each way starts to win.
+    """Cost of n items warm, cold and serverless, and the n where each starts to win.
 
-    c: seconds per item (drain), E: @enter seconds, A: acquisition seconds, rates in $/s,
-    request_usd_per_item: the pool's queue + store requests per item (warm and cold pay it).
-      warm(n)       = (r*c + q) * n             @enter already paid by the pool: amortized away
-      cold(n)       = r*(A + E) + (r*c + q) * n  one fresh acquisition, then the same drain
-      serverless(n) = R*(c*n + E)               pays @enter in its billed cold start, not the
-                                                scheduling before it; same c on the like-for-like card
-    Each is a line fixed + slope*n, so every break-even is n* = (f_y - f_x) / (s_x - s_y); at n*
-    the two tie, and the one with the smaller slope is strictly cheaper from the next integer on.
-    An option "wins" at n when it is strictly cheaper than both others; ties win nothing."""
+    c: seconds per item, E: @enter s, A: acquisition s, rates in $/s, request_usd_per_item: the
+    pool's requests per item. Each option is a line fixed + slope*n (docs/cost.md); an option wins
+    at n when it is strictly cheaper than both others, so ties win nothing."""
     for name, v in (("c", c), ("E", E), ("A", A), ("request_usd_per_item", request_usd_per_item)):
         if not (math.isfinite(v) and v >= 0):
             raise ValueError(f"{name} must be a number >= 0, got {v!r}")
@@ -4509,22 +4484,10 @@ def _parse_time(text, what):
 
 def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_seconds, since=None,
               cold_starts=None, acquisition_status="assumed"):
-    """What a pool paid, idle included, against serving its observed traffic cold.
-
-    Each worker's stats: alive_seconds (process life), busy_seconds (sum of its claim_seconds, so
-    including the @enter warmd pays inside its first claim), claims, warm_hits, enter_count,
-    enter_seconds, items, requests, started_at, updated_at. So per worker
-      alive = busy + idle,  busy = enter + drain
-      pool $ = r * sum(alive) + requests
-      cold $ = r * (N*(A + E) + sum(drain)) + requests   N cold starts, each paying acquisition A + @enter E
-    Warm beats cold while  sum(enter) + idle < N*(A + E),  so the idle budget is
-      idle_budget_seconds = N*(A + E) - sum(enter)    instance-seconds the pool may idle in the window;
-      per claim, with W workers idling side by side:  (A + E - sum(enter)/N) / W  seconds of wall clock
-      between claims before keeping the pool warm costs more than a cold start per claim.
-    N defaults to the number of claims (each claim a separate batch that would need its own
-    acquisition without the pool); pass cold_starts (e.g. runs counted in the store) to say otherwise.
-    E defaults to the pool's measured mean @enter. With `since`, a worker that started earlier is
-    prorated by time (uniform activity assumed) and its @enter, paid at start, falls outside."""
+    """What a pool paid, idle included, against serving its observed traffic cold, and its idle
+    budget: the instance-seconds it may idle before warm costs more than N cold starts (docs/cost.md).
+    N defaults to the number of claims (cold_starts says otherwise); E to the measured mean @enter.
+    With `since`, a worker that started earlier is prorated by time and its @enter falls outside."""
     enter_status = "measured" if cold_enter_seconds is None else "given"
     if cold_enter_seconds is None:
         cold_enter_seconds = measured_enter_seconds(worker_stats)
@@ -4603,9 +4566,8 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
 
 
 class Pricing(typing.NamedTuple):
-    """What every cost line is priced with: the rates file, the instance type, its $/s and the label saying so;
-    the purchase option, and whether the user named the type (else a run that used no GPU is priced as a CPU
-    instance: for_run)."""
+    """What a cost is priced with: rates, instance type, its $/s and label, the purchase option, and
+    whether the user named the type (else a run that used no GPU is priced as a CPU one: for_run)."""
     rates: dict
     instance_type: str
     rate_per_s: float
@@ -4616,7 +4578,7 @@ class Pricing(typing.NamedTuple):
 
 
 def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False, rates=None):
-    """The Pricing for a rates file (default the bundled rates.json) and an instance type (default: the
+    """The Pricing of a rates file (default the bundled one) and an instance type (default the
     file's), on-demand unless spot or savings_plan."""
     rates = rates or load_rates(rates_file)
     chosen, instance_type = instance_type is not None, instance_type or rates["defaults"]["instance_type"]["value"]
@@ -4632,8 +4594,8 @@ def used_no_gpu(summaries):
 
 
 def for_run(price, summaries):
-    """The Pricing of a run: a default-priced run whose workers saw no GPU is priced as the rates file's CPU
-    instance (defaults.cpu_instance_type), or, without one, its label says that a GPU price was assumed."""
+    """The Pricing of a run: a default-priced run whose workers saw no GPU is priced as the rates
+    file's defaults.cpu_instance_type, or, without one, its label says a GPU price was assumed."""
     if price.chosen or not used_no_gpu(summaries):
         return price
     cpu = price.rates["defaults"].get("cpu_instance_type", {}).get("value")
@@ -4646,11 +4608,9 @@ def for_run(price, summaries):
 
 
 def run_cost_report(backend, run, summaries, price):
-    """The run's cost, its cold counterfactual and the crossover ladder, with every input's status.
-    E (@enter) is measured: the pool's workers' mean for a pool run, this run's own for a cold one.
-    A (acquisition) for a pool run is the rates file's assumption for a fresh EC2 instance; a cold run
-    is its own counterfactual, so it uses the start-up its workers measured. A run that used no GPU is priced
-    as a CPU instance unless the user named one (for_run)."""
+    """(report, ladder, label, status): the run's cost, its cold counterfactual and the ladder. E is
+    measured (the pool workers' mean, or a cold run's own); A is the rates file's assumption for a
+    pool run, and the measured start-up for a cold one (its own counterfactual)."""
     rates, instance_type, rate, label = for_run(price, summaries)[:4]
     if run["mode"] == "cold":
         paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
@@ -4680,8 +4640,8 @@ def run_cost_report(backend, run, summaries, price):
 
 
 def _usd(x):
-    """Dollars: cents above $100, else 6 significant figures without trailing zeros ($0.000305556); below a
-    millionth of a cent, $0 (floating-point noise such as a difference of two equal sums)."""
+    """Dollars: cents from $100, else 6 significant figures without trailing zeros; $0 below a
+    millionth of a cent (float noise)."""
     if abs(x) < 1e-8:
         return "$0"
     sign, x = ("-" if x < 0 else ""), abs(x)
@@ -4725,7 +4685,7 @@ def format_run_cost(report, priced_as):
 
 
 def format_ladder(ladder, status):
-    """The crossover table; `status` labels each input, e.g. {"c": "measured", "E": "measured", "A": "assumed"}."""
+    """The crossover table; `status` labels each input, e.g. {"c": "measured", "A": "assumed"}."""
     i = ladder["inputs"]
     lines = [
         f"ladder    c = {i['c']:.4g} s/item ({status.get('c', 'assumed')}), E = {i['E']:.4g} s @enter "
@@ -6571,7 +6531,7 @@ def ec2_cold_cleanup(backend, instance_ids, calls=None):
 # 9. across both paths: a Modal app's pool options (gpu= priced from rates.json), the cold baseline, and the
 # status of local and EC2 pools
 def modal_gpu(gpu):
-    """(card, count) of an @app.cls / @app.function gpu= value ("H100:8", "a10g", a list of fallbacks: the first)."""
+    """(card, count) of a Modal gpu= value ("H100:8", "a10g", or a list of fallbacks: the first)."""
     if isinstance(gpu, (list, tuple)):
         gpu = gpu[0] if gpu else None
     if not isinstance(gpu, str):
@@ -6581,8 +6541,7 @@ def modal_gpu(gpu):
 
 
 def suggest_instance(rates, card, count):
-    """The cheapest instance type in rates.json (ec2.instances: gpu, gpus, price, each with its source) with at
-    least `count` GPUs of `card`, or None."""
+    """The cheapest instance type in the rates with at least `count` GPUs of `card`, or None."""
     fits = [(i["usd_per_hour"], name) for name, i in rates["ec2"]["instances"].items()
             if i.get("serverless_card") == card and i["gpus"] >= count]
     return min(fits)[1] if fits else None
@@ -6590,10 +6549,10 @@ def suggest_instance(rates, card, count):
 
 def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None,
                   workers_here=True):
-    """What a Modal handler's pool needs from its app file, imported here for real: (the pool record's "modal"
-    {params, secrets, volumes, image, declared}, {max_deliveries, batch_timeout, instance_type} the app's
-    retries=, timeout= and gpu= suggest, note lines to print). (None, {}, []) for a calque handler. With
-    `workers_here` (local workers), the image's pip packages must be installed in this Python."""
+    """What a Modal handler's pool needs from its app file, imported here: (the record's "modal"
+    entry, the {max_deliveries, batch_timeout, instance_type} its retries=, timeout= and gpu=
+    suggest, notes to print); (None, {}, []) for a calque handler. With `workers_here`, the
+    image's pip packages must be installed in this Python."""
     path, name = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         if not imports_modal(f.read(), path):
@@ -6650,8 +6609,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
 
 
 def modal_volumes(declared, volumes, workers_here, notes):
-    """{mount path: folder} of the app's volumes: each the folder --volume NAME=PATH names; else, for a
-    create_if_missing volume of local workers, a new folder in CALQUE_STATE/volumes, as Modal creates it."""
+    """{mount path: folder} of the app's volumes: the --volume NAME=PATH folder, or for a
+    create_if_missing volume of local workers a new one in CALQUE_STATE/volumes, as Modal does."""
     folders = key_values(volumes, "--volume")
     for name, folder in folders.items():
         if "://" in folder:
@@ -6671,8 +6630,8 @@ def modal_volumes(declared, volumes, workers_here, notes):
 
 
 def image_plan(image, app_path):
-    """What an Image chain asks of the workers: {steps (as written, JSON), pip (requirements as written), apt,
-    env, files ([local path, place in the handler's folder] of add_local_*; Modal's /root is that folder)}."""
+    """What an Image chain asks of the workers: {steps, pip, apt, env, files ([local path, place in
+    the handler's folder] of add_local_*; Modal's /root is that folder)}."""
     plan = {"steps": [], "pip": [], "apt": [], "env": {}, "files": []}
     for name, args, kwargs in (image.steps if image is not None else ()):
         plan["steps"].append([name, [a if isinstance(a, (str, int, float, list, dict)) else str(a) for a in args],
@@ -6696,14 +6655,14 @@ def image_plan(image, app_path):
 
 
 def modal_remote_place(remote, local):
-    """A Modal container path as a place in the handler's folder: /root/x is x (Modal's working directory);
-    any other absolute path loses its leading slash; a path ending in / takes the local file's name."""
+    """A Modal container path as a place in the handler's folder: /root/x is x, another absolute
+    path loses its leading slash, and a path ending in / takes the local file's name."""
     place = remote[len("/root/"):] if remote.startswith("/root/") else remote.lstrip("/")
     return os.path.join(place, os.path.basename(local)) if remote.endswith("/") else place
 
 
 def python_source(module, app_path):
-    """The file or package folder of module `module`, found as the app file's own imports find it."""
+    """The file or package folder of `module`, found as the app file's own imports find it."""
     top = module.split(".")[0]
     for folder in (os.path.dirname(os.path.abspath(app_path)), os.getcwd(), *sys.path):
         for candidate in (os.path.join(folder, top), os.path.join(folder, top + ".py")):
@@ -6713,9 +6672,8 @@ def python_source(module, app_path):
 
 
 def pip_unmet(requirement):
-    """None when a pip requirement ("scikit-learn~=1.5.0", "transformers[torch]") is met in this
-    Python, else why not: "not installed" or "1.4.2 installed". The version is checked by
-    packaging's rules where packaging is importable, else only `==` and `>=` of dotted numbers."""
+    """None when a pip requirement ("scikit-learn~=1.5.0") is met in this Python, else why not
+    ("not installed", "1.4.2 installed"); without packaging, only == and >= are checked."""
     import importlib.metadata
     try:
         from packaging.requirements import InvalidRequirement, Requirement
@@ -6741,10 +6699,9 @@ def pip_unmet(requirement):
 
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
              progress=True, ec2=None, dry_run=False, yes_spend_money=False):
-    """The baseline: a fresh acquisition. Ephemeral workers pay @enter, drain this run's own queue, exit:
-    warmd.py processes here, or with `ec2` (a ColdLaunch) one-shot EC2 instances. `handler`
-    (path/to/file.py:Class) or else the pool of `model` gives the code; `claim_size` defaults to an even
-    split over the shards. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
+    """The baseline: fresh workers (warmd.py here, or one-shot EC2 instances with `ec2`) pay
+    @enter, drain this run's own queue and exit. The code is `handler`'s or the pool's of `model`.
+    Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
     record = None if handler else load_pool(   # no handler named: reuse the pool's snapshot
         backend, model, f"give the cold run its code: submit --model {model} --handler file.py:Class ITEMS")
     run_id = new_run_id(model)
@@ -6824,8 +6781,8 @@ def list_pools(backend):
 
 
 def pool_status(conf, backend, model):
-    """Everything `pool status` shows, as data: the record, the queue depths, this machine's supervisor and
-    workers, every worker's stats, and for an EC2 pool its fleet (ec2_pool_status)."""
+    """What `pool status` shows, as data: record, queue depths, this machine's supervisor and
+    workers, every worker's stats, and an EC2 pool's fleet."""
     record = load_pool(backend, model)
     if "ec2" in record:     # the fleet's status reads the queues and the worker stats: not twice
         ec2 = ec2_pool_status(backend, record)
@@ -6847,11 +6804,9 @@ def pool_status(conf, backend, model):
 
 
 def mark_lost_workers(stats, now=None):
-    """The worker stats, a worker that says "running" but is gone marked {"state": "lost", "lost": why}. On this
-    machine a worker is gone when its pid is; elsewhere, when its stats are older than WORKER_LOST_AFTER (it
-    rewrites them between claims every 30 s, busy or idle, and once when it runs out of claims, so one busy on a
-    single claim longer than 90 s may show as lost until that claim ends). Without this a pool whose workers were
-    killed counts them all as running."""
+    """The worker stats, one that says "running" but is gone marked {"state": "lost", "lost": why}:
+    here when its pid is gone, elsewhere when its stats are older than WORKER_LOST_AFTER (so one
+    busy on a single long claim may show as lost until the claim ends)."""
     now = time.time() if now is None else now
     host, marked = socket.gethostname(), []
     for w in stats:
@@ -6873,8 +6828,8 @@ def worker_counts(workers):
 
 
 def format_pool_status(status, store_description):
-    """pool_status's answer as the lines `pool status` prints: queue depths, the EC2 fleet of an EC2 pool,
-    this machine's workers, and a table of the running workers and the few most recently stopped."""
+    """pool_status's answer as `pool status` prints it: queue depths, an EC2 pool's fleet, this
+    machine's workers, and a table of the running workers and the few last stopped."""
     q, d = status["queue"], status["dlq"]
     lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
              f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in "
@@ -6916,7 +6871,7 @@ def format_pool_status(status, store_description):
 
 
 def format_local_worker(w):
-    """One local worker's line in `pool status`: slot, pid, warm or loading, GPUs, restarts, why it last exited."""
+    """One local worker's `pool status` line: slot, pid, state, GPUs, restarts, its last exit."""
     state = ("warm" if w.get("warm") else "loading") if w["alive"] else "restarting"
     gpus = f"GPU {','.join(w['gpus'])}" if w.get("gpus") else "no GPU"
     threads = f"{w['threads']} thread(s)" if w.get("threads") else "threads: its libraries' default"
@@ -6930,8 +6885,8 @@ def format_local_worker(w):
 
 
 def format_pool_list(pools, local_workers, store_description):
-    """The lines `pool list` prints: per pool its queue, its local workers on this machine (local_workers:
-    model -> desired count), its EC2 fleet, and a hint for a fleet whose pool record is gone."""
+    """`pool list`: per pool its queue, its local workers here (model -> desired count), its EC2
+    fleet, and a hint for a fleet whose pool record is gone."""
     if not pools:
         return [f"no pools in {store_description}"]
     lines = []
@@ -6944,9 +6899,8 @@ def format_pool_list(pools, local_workers, store_description):
 
 
 def pool_record_to_delete(backend, model, force):
-    """The pool record `pool delete` works from. A missing one on an s3:// store may be a half-created EC2
-    pool: {"model"} makes delete find what is there by name and tag. A corrupt one is deleted by the model's
-    names with --force (locally: its queues and store folder; on S3 as a half-created pool), else refused."""
+    """The record `pool delete` works from. A missing one on S3 may be a half-created EC2 pool:
+    {"model"} finds the rest by name and tag. A corrupt one goes only with --force."""
     try:
         return load_pool(backend, model, "nothing to delete (`python calque.py pool list` lists the pools)")
     except StoreFault:
@@ -6978,8 +6932,8 @@ def parse_duration(text):
 
 
 def plan_seconds(claim_seconds, starts):
-    """The wall time of claims (seconds each, in queue order) on workers free from `starts` (s from
-    now): each claim to the worker free first, as a pool's workers pull from its queue."""
+    """The wall time of claims (seconds each, in queue order) on workers free from `starts` (s
+    from now): each claim to the worker free first, as workers pull from a queue."""
     free, end = sorted(starts), 0.0
     for seconds in claim_seconds:
         end = max(end, free[0] + seconds)
@@ -6988,8 +6942,8 @@ def plan_seconds(claim_seconds, starts):
 
 
 def pool_ceiling(conf, backend, record):
-    """(A, B, noun, running): the pool's floor and ceiling of workers (or instances; a fixed pool: A
-    = B), and how many are running already (their stats)."""
+    """(A, B, noun, running): the pool's floor and ceiling of workers (or instances), and how many
+    are running already."""
     stats = mark_lost_workers(read_worker_stats(backend, record["model"]))
     warm = sum(w.get("state") == "running" for w in stats)
     if record.get("ec2"):
@@ -7005,10 +6959,9 @@ def pool_ceiling(conf, backend, record):
 
 
 def claim_overheads(backend, summaries):
-    """(s between two claims of one worker, s from a run's creation to its first claim starting):
-    the time a run takes beyond its claims, measured from these summaries (gaps over PLAN_GAP_MAX s
-    are idle time, not overhead) and their runs' records (PLAN_RUNS_READ of them at most); 0.0 for
-    what they cannot show."""
+    """(s between two claims of a worker, s from a run's creation to its first claim): what a run
+    takes beyond its claims, from these summaries (gaps over PLAN_GAP_MAX are idle, not overhead)
+    and their runs' records; 0.0 for what they cannot show."""
     by_worker, gaps, first = {}, [], {}
     for summary in summaries:
         started = _parse_time(summary["started_at"], "started_at")
@@ -7025,9 +6978,8 @@ def claim_overheads(backend, summaries):
 
 
 def per_item_by_count(summaries):
-    """{n: seconds per item} of these summaries, grouped by how many workers ran their run's claims
-    (on shared cores a claim's time depends on how many run beside it), the newest
-    SCALE_MEASURED_CLAIMS of each count."""
+    """{n: seconds per item} of these summaries by how many workers ran their run (on shared cores
+    a claim's time depends on it), the newest SCALE_MEASURED_CLAIMS of each count."""
     runs, groups = {}, {}
     for summary in summaries:
         runs.setdefault(summary["run_id"], []).append(summary)
@@ -7037,20 +6989,16 @@ def per_item_by_count(summaries):
 
 
 def per_item_at(measured, n, cores):
-    """Seconds an item at n workers: as measured at n, else at the nearest count m measured, times
-    max(n, cores) / max(m, cores): up to one worker a core each runs as fast, beyond that they
-    share the cores."""
+    """Seconds an item at n workers: as measured at n, else at the nearest count m, times
+    max(n, cores) / max(m, cores) (beyond a worker a core, they share the cores)."""
     m = min(measured, key=lambda c: (abs(c - n), -c))
     return measured[m] * max(n, cores) / max(m, cores)
 
 
 def make_plan(backend, conf, record, items, claim_size, price, summaries):
-    """The plan of `items` items in claims of `claim_size` on the pool: per-item seconds measured
-    from `summaries` (recent_summaries) at each count (per_item_at), start-up of a worker not yet
-    running (measured @enter and acquisition, from when the first claim is queued; an EC2 instance
-    adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time (plan_seconds) and cost (count x
-    wall x rate, on-demand and spot), beside the cold counterfactual (every worker a fresh
-    acquisition paying A + E) and the serverless price of the same drain."""
+    """The plan of `items` items in claims of `claim_size` on the pool: for each count 1..B its
+    wall time and cost (on-demand and spot), from measured per-item seconds, overheads and the
+    start-up of workers not yet running; beside it, the cold and serverless counterfactuals."""
     rates, itype = price.rates, price.instance_type
     rate, spot_rate = (instance_rate_per_second(rates, itype, spot=spot) for spot in (False, True))
     measured = per_item_by_count(summaries)
@@ -7124,8 +7072,7 @@ def _duration(seconds):
 
 
 def plan_against_actual(run, summaries):
-    """'predicted X on N workers, actual Y (+d %)' for a run submitted with a plan, once every claim
-    has a summary; None otherwise."""
+    """'predicted X on N workers, actual Y (+d %)' for a finished run submitted with a plan."""
     plan = run.get("plan")
     if not plan or len(summaries) < len(run["claims"]) or not summaries:
         return None
@@ -7142,8 +7089,7 @@ def plan_against_actual(run, summaries):
 #   run = calque.submit(items, pool="demo")            # items: an iterable, a JSONL path, or numpy arrays
 #   for result in run.results(): ...                   # in item order, each claim's as soon as it finishes
 def _context(store=None):
-    """(settings, backend) for an API call: the CALQUE_* settings as the CLI reads them; `store` overrides
-    CALQUE_STORE."""
+    """(settings, backend) for an API call, as the CLI reads them; `store` overrides CALQUE_STORE."""
     conf = settings()
     if store is not None:
         conf["CALQUE_STORE"] = store
@@ -7151,9 +7097,8 @@ def _context(store=None):
 
 
 def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT):
-    """Wait until `workers` local workers of the pool have finished @enter, with a progress line on stderr when
-    `progress`. A worker that dies before it is warm (an exit after `since`, epoch s) raises WorkersFailed with
-    its error line and log, after the pool's local workers are scaled to 0 (nothing crash-loops behind it)."""
+    """Wait until `workers` local workers have finished @enter. One that dies before it is warm
+    (an exit after `since`, epoch s) raises WorkersFailed, the pool's local workers scaled to 0."""
     folder, started, shown = state_dir(conf, model), time.monotonic(), ""
     try:
         while True:
@@ -7189,8 +7134,8 @@ def died_line(worker):
 
 
 def crash_looping(conf, model):
-    """The first local worker's death line when every local worker of the pool on this machine keeps dying before
-    it is warm, else None (no supervisor here, or one worker warm or still loading for the first time)."""
+    """The first local worker's death line when every local worker here keeps dying before it is
+    warm, else None."""
     status = read_supervisor(conf, model)
     workers = status["workers"] if status else []
     if workers and all(not w.get("warm") and (w.get("last_exit") or {}).get("warm") is False for w in workers):
@@ -7199,8 +7144,8 @@ def crash_looping(conf, model):
 
 
 def announce_run(conf, model, items, claim_size):
-    """Tell a local pool that sizes itself, before staging, how many claims are coming (1 when the
-    items are a stream), so its supervisor starts the workers they need while submit stages."""
+    """Tell a local pool that sizes itself how many claims are coming (1 for a stream), so its
+    supervisor starts workers while submit stages."""
     folder = state_dir(conf, model)
     bounds = read_scaling(folder)
     if bounds is not None:
@@ -7210,11 +7155,9 @@ def announce_run(conf, model, items, claim_size):
 
 
 def pool_liveness(conf, backend, record):
-    """("live" | "starting" | "crashing" | "none", why) for a submit to the pool: live when a worker has finished
-    @enter (a warm local worker, or a running worker's stats on any machine); crashing when every local worker
-    dies before it is warm; starting when local workers are loading or a scaled-to-zero EC2 pool will wake on
-    work; none when nothing will claim the run (no worker here or anywhere, an EC2 group at 0 or with no instance
-    in service)."""
+    """("live" | "starting" | "crashing" | "none", why) for a submit to the pool: live when a worker
+    is warm anywhere; crashing when every local worker dies before it is warm; starting when
+    workers are loading or the pool wakes on work; none when nothing will claim the run."""
     model = record["model"]
     status = read_supervisor(conf, model)
     local = status["workers"] if status else []
@@ -7240,9 +7183,8 @@ def pool_liveness(conf, backend, record):
 
 
 def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads_per_worker=None):
-    """Set the pool's local worker count on this machine; 0 stops its supervisor. `bounds` (lo, hi,
-    idle window s): the supervisor sizes the pool itself between lo and hi (desired_count), from
-    `workers` (= lo) on, and stays up at 0. Returns the supervisor's pid (None at 0)."""
+    """Set the pool's local worker count here; 0 stops its supervisor. With `bounds` (lo, hi, idle
+    s) the supervisor sizes the pool itself and stays up at 0. Returns its pid (None at 0)."""
     if workers < 0:
         raise UserError(f"--workers {workers}: must be 0 or more")
     folder = state_dir(conf, model)
@@ -7263,8 +7205,7 @@ def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads
 
 
 class Pool:
-    """One model's pool of local workers: create, scale, status, delete. (An EC2 cohort: the CLI's
-    `pool create --instances`.)"""
+    """One model's pool of local workers: create, scale, status, delete."""
 
     def __init__(self, model, *, store=None, context=None):
         self.model = model
@@ -7273,11 +7214,9 @@ class Pool:
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
                max_deliveries=None, batch_timeout=None, gpus_per_worker=None, threads_per_worker=None, wait=True,
                progress=False, modal=None, include=()):
-        """Create (or re-create: idempotent) the pool: queues, handler snapshot, pool record, then `workers`
-        local workers, waited for until warm unless wait=False (WorkersFailed names the first that died).
-        The workers run in the current folder (the record's workdir). `modal`: a Modal handler's {"params": {key:
-        value}, "secrets": {name: env file}} (modal_options). `include`: files snapshotted beside the handler
-        ([local, relative path]; a Modal image's add_local_* are added). Returns the pool record."""
+        """Create (or re-create: idempotent) the pool, then start `workers` local workers, waited
+        for until warm unless wait=False. `modal`: modal_options' record; `include`: files
+        snapshotted beside the handler ([local, relative path]). Returns the pool record."""
         defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
@@ -7298,9 +7237,8 @@ class Pool:
 
     def scale(self, workers, *, gpus_per_worker=None, threads_per_worker=None, wait=True, progress=False,
               bounds=None):
-        """Set the number of local workers on this machine (0 stops them), waiting until the new ones are warm
-        unless wait=False. `bounds` (lo, hi, idle window s; pool_bounds): the pool sizes itself between lo and
-        hi on its backlog, from `workers` on. Returns the supervisor's pid (None at 0)."""
+        """Set the local workers here (0 stops them), waiting until warm unless wait=False; `bounds`
+        (lo, hi, idle s) lets the pool size itself. Returns the supervisor's pid (None at 0)."""
         load_pool(self.backend, self.model)
         since = time.time()
         pid = scale_local(self.conf, self.model, workers, gpus_per_worker, bounds, threads_per_worker)
@@ -7309,13 +7247,12 @@ class Pool:
         return pid
 
     def status(self):
-        """pool_status: the record, queue depths, this machine's workers (GPU, last exit), every worker's stats."""
+        """pool_status: record, queue depths, this machine's workers, every worker's stats."""
         return pool_status(self.conf, self.backend, self.model)
 
     def delete(self, force=False):
-        """Stop the local workers, delete the queues and the pool's store folder (runs are kept). Refused while
-        claims are queued or in flight unless force (then the pool's unfinished runs are cancelled). Returns the
-        runs cancelled {run id: claims}."""
+        """Stop the local workers, delete the queues and the pool's store folder (runs are kept).
+        Refused while claims are queued unless force (which cancels the pool's unfinished runs)."""
         record = pool_record_to_delete(self.backend, self.model, force)
         if not force:   # deleting the queue would drop claims nobody has finished
             depth = queue_depth(self.backend, record["queue"])
@@ -7343,10 +7280,9 @@ def new_pool_record(backend, model, defaults, batch_timeout=None):
 
 
 def as_items(items, columns=None):
-    """What stage_run takes, from what a user holds: a path (JSONL, .npy, .npz, Parquet, Arrow) goes to read_items;
-    a pyarrow Table, pandas DataFrame or datasets.Dataset becomes TableItems (one item a row, of `columns`); a numpy
-    array (item i = {"input": a[i]}) or a dict of arrays (the fields of a .npz) becomes ArrayItems; a list stays one
-    (its count is known at once); any other iterable of JSON items is staged as it yields them, a claim at a time."""
+    """What stage_run takes, from what a user holds: a path goes to read_items; a pyarrow, pandas
+    or datasets table becomes TableItems; a numpy array or dict of arrays becomes ArrayItems; a
+    list stays one; any other iterable is staged as it yields, a claim at a time."""
     if isinstance(items, (str, os.PathLike)):
         return read_items(os.fspath(items), columns)
     if type(items).__module__.split(".")[0] in ("pyarrow", "pandas", "datasets"):
@@ -7373,8 +7309,8 @@ RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own 
 
 
 def check_id_field(items, field):
-    """Refuse an --id-field that names a result line's own field, or that an item lacks (the first one named).
-    Returns the items to stage: a list is checked at once, a stream as it is read (the items checked so far)."""
+    """Refuse an --id-field that is a result line's own field or that an item lacks. Returns the
+    items: a list checked at once, a stream as it is read."""
     if field in RESULT_FIELDS:
         raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
     if isinstance(items, (ArrayItems, TableItems)):
@@ -7398,11 +7334,10 @@ def _has_id_field(field, index, item):
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
            shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None,
            columns=None):
-    """Run `items` against the warm pool of model `pool` and return its Run at once (the claims are queued); or,
-    with `model` instead (and a `handler`, or the model's pool's), as a cold run with `shards` fresh local workers,
-    returned once it ended. A pool with no live worker is a UserError unless wait_for_workers (the claims then wait
-    in its queue); one whose every local worker dies before it is warm is a WorkersFailed. (`run_id`: the CLI's,
-    which it names when a signal stops the staging.) `columns`: the columns of a table input read as items."""
+    """Run `items` on the warm pool `pool`, returning its Run once the claims are queued; or with
+    `model` instead, a cold run on `shards` fresh local workers, returned once it ended. A pool
+    with no live worker is a UserError unless wait_for_workers; one whose every local worker dies
+    before it is warm, WorkersFailed. `columns`: the columns of a table input."""
     conf, backend = context or _context(store)
     items = as_items(items, columns)
     if id_field:
@@ -7449,10 +7384,9 @@ class Run:
         return f"Run({self.run_id!r})"
 
     def wait(self, timeout=None, progress=False):
-        """Wait until every claim has a summary, nothing can run the rest, or `timeout` s (default CALQUE_TIMEOUT);
-        stops early with WorkersFailed when every local worker of the pool dies before it is warm. Returns True
-        when every claim has a summary. `waited` keeps the summaries the wait read (each once): what a report of
-        this wait prints, without reading them all again."""
+        """Wait until every claim has a summary, nothing can run the rest, or `timeout` s; True when
+        every claim has one. `waited` keeps the summaries read; WorkersFailed when every local
+        worker of the pool dies before it is warm."""
         if timeout is None:
             timeout = setting_number(self.conf, "CALQUE_TIMEOUT", float, 0)
         check_timeout(timeout)
@@ -7471,14 +7405,13 @@ class Run:
         return read_summaries(self.backend, self.run_id)
 
     def status(self):
-        """run_view: each claim's state, the claims per state, the items per outcome, the queue's depth."""
+        """run_view: each claim's state, the claims per state, the items per outcome, queue depth."""
         self.record = read_run(self.backend, self.run_id)
         return run_view(self.backend, self.record, self.summaries())
 
     def results(self, failed_only=False, poll=SUMMARY_POLL_MAX):
-        """Every item's result (a dict: i, ok, result or error and trace, and the --id-field), in item order,
-        each claim's as soon as it finishes. A claim that will not run (dead-lettered, cancelled, never sent)
-        raises ResultsIncomplete when the iteration reaches it: never a short read that looks whole."""
+        """Every item's result dict, in item order, each claim's as it finishes. A claim that will
+        not run raises ResultsIncomplete there: never a short read that looks whole."""
         for lines in follow_results(self.backend, self.record, poll):
             for line in lines:
                 result = json_line(line)
@@ -7486,8 +7419,7 @@ class Run:
                     yield result
 
     def iter_batches(self, poll=SUMMARY_POLL_MAX):
-        """Each claim's results as a pyarrow.RecordBatch (claim_batch: i, ok, error, the id field, the result
-        columns), in item order, as each claim finishes: a run larger than memory, one claim at a time."""
+        """Each claim's results as a pyarrow.RecordBatch, in item order, as each claim finishes."""
         for _, claim, parts in with_parts(self.backend, self.record, follow_claims(self.backend, self.record, poll)):
             yield claim_batch(self.backend, self.record, claim, parts)
 
@@ -7496,14 +7428,14 @@ class Run:
         return run_table(self.iter_batches())
 
     def to_numpy(self, field=None, fill=None):
-        """`field` of every item's result (None: the result itself, or its dict's only array) stacked in one numpy
-        array, row k item k's; a failed item's row is `fill` (default NaN where the dtype is a float; for any other
-        dtype a failed item is a UserError unless fill is given). bfloat16 comes back as float32, exactly."""
+        """`field` of every result (None: the result, or its dict's only array) stacked in one array;
+        a failed item's row is `fill` (default NaN for floats, else a UserError). bfloat16 comes
+        back as float32."""
         return run_array(self.record, with_parts(self.backend, self.record, follow_claims(self.backend, self.record)),
                          field, fill)
 
     def to_pandas(self):
-        """to_arrow() as a pandas DataFrame (pandas must be installed): an array column holds numpy arrays."""
+        """to_arrow() as a pandas DataFrame (pandas must be installed)."""
         if importlib.util.find_spec("pandas") is None:
             raise UserError("to_pandas() needs pandas, which is not installed ---> HINT: pip "
                             "install pandas, or use to_arrow()")
@@ -7519,8 +7451,7 @@ class Run:
         return cancel_run(self.backend, self.record, "cancelled from the API")
 
     def cost(self, instance_type=None, spot=False, savings_plan=False, rates=None):
-        """The run's cost report (run_cost_report: cost, cold counterfactual, crossover ladder) for the claims
-        finished so far."""
+        """run_cost_report of the claims finished so far."""
         summaries = self.summaries()
         if not summaries:
             raise UserError(f"run {self.run_id} has no finished claim yet: nothing to price")
@@ -7529,16 +7460,15 @@ class Run:
 
 
 def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
-    """Each claim's result lines (with the run's id_field copied in), in claim order, as soon as the claim has
-    its summary (follow_claims)."""
+    """Each claim's result lines (with the run's id_field), in claim order, as each finishes."""
     for index, claim in follow_claims(backend, run, poll):
         lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
         yield with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines
 
 
 def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
-    """Each claim (index, claim), in claim order, as soon as it has its summary. A claim that will not run raises
-    ResultsIncomplete naming it and what to do."""
+    """Each (index, claim) in claim order as soon as it has its summary; a claim that will not run
+    raises ResultsIncomplete naming it and what to do."""
     recheck = 0.0
     for index, claim in enumerate(run["claims"]):
         while True:
@@ -7561,7 +7491,7 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
 
 
 def with_ids(backend, run, claim, lines, field):
-    """The claim's result lines with each item's `field` copied in (read from the claim's manifest)."""
+    """The claim's result lines with each item's `field` copied in from the claim's manifest."""
     ids = claim_ids(backend, run, claim, field)
     return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
 
@@ -7606,15 +7536,14 @@ def report_submitted(backend, run, summaries, timed_out, args):
 
 
 def write_results(lines, failed_only):
-    """Result lines to stdout, flushed (a follower sees each claim's as it lands); only the failed ones with
-    failed_only."""
+    """Result lines (only the failed ones with failed_only) to stdout, flushed for a follower."""
     sys.stdout.write("".join(line for line in lines if not failed_only or not json.loads(line)["ok"]))
     sys.stdout.flush()
 
 
 class NoPandas:
     """An import finder refusing pandas: pyarrow asks for it once, at its first conversion, and
-    then does without (its to_pandas() asks again)."""
+    then does without."""
     @staticmethod
     def find_spec(name, path=None, target=None):
         if name == "pandas":
@@ -7622,9 +7551,8 @@ class NoPandas:
 
 
 def write_binary_results(backend, run, claims, args):
-    """The results of `claims` as one Parquet table or .npy array, to --output (opened first: a path that cannot be
-    written is refused before anything is read; removed again when the results cannot be written) or stdout;
-    EXIT_FAILED when a part of a claim cannot be read (named on stderr), its items left out."""
+    """The results of `claims` as one Parquet table or .npy array, to --output (opened first,
+    removed on failure) or stdout; EXIT_FAILED when a claim's part cannot be read (said on stderr)."""
     def readable():
         nonlocal code
         for index, claim in claims:
@@ -7669,9 +7597,8 @@ def open_output(path):
 
 
 def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
-    """(plan, sample run id or None): make_plan of `items` (a list, or a stream counted here) on the
-    pool. A pool with no measured claim runs one sample claim of the first items first, says so, and
-    plans from it."""
+    """(plan, sample run id or None): make_plan of `items` on the pool. A pool with no measured
+    claim first runs one sample claim of the first items, and says so."""
     record = load_pool(backend, model)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     check_claim_size(claim_size)
@@ -7691,9 +7618,8 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
 
 
 def planned_count(conf, backend, record, plan, args):
-    """The option a submit runs at: the fewest workers that meet --deadline / --budget (an error
-    naming the fastest and the cheapest when none does), else what the pool's own sizing gives for
-    this backlog."""
+    """The option a submit runs at: the fewest workers meeting --deadline / --budget, else what the
+    pool's own sizing gives for this backlog."""
     if args.deadline is not None or args.budget is not None:
         deadline = parse_duration(args.deadline) if args.deadline is not None else None
         option = pick_option(plan, deadline, args.budget)
@@ -7713,8 +7639,7 @@ def planned_count(conf, backend, record, plan, args):
 
 
 def confirm(question, yes):
-    """True when --yes, or a terminal's user answers y; stdin that is not a terminal cannot answer:
-    refused."""
+    """True on --yes or a terminal's y; a stdin that is not a terminal cannot answer: refused."""
     if yes:
         return True
     if not sys.stdin.isatty():
@@ -7725,8 +7650,7 @@ def confirm(question, yes):
 
 def apply_count(conf, backend, record, option, args):
     """Give the run its planned count: a local pool that sizes itself keeps at least that many
-    workers while its backlog lasts (its ceiling still holds); an EC2 group's desired capacity is
-    raised to it (cmd_submit checked --yes-spend-money)."""
+    workers while its backlog lasts; an EC2 group's desired capacity is raised to it."""
     noun = "instances" if record.get("ec2") else "workers"
     count = option[noun]
     if noun == "instances":
@@ -7796,8 +7720,7 @@ def cmd_pool_create(conf, backend, args):
 
 
 def scale_local_verb(conf, pool, workers, args, bounds=None):
-    """pool create / pool scale: set the local workers, waiting (unless --no-wait) with a progress line on a
-    terminal until they are warm. Returns the supervisor's pid."""
+    """pool create / scale: set the local workers, waiting until warm unless --no-wait."""
     return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, threads_per_worker=args.threads_per_worker,
                       wait=not args.no_wait, progress=sys.stderr.isatty(), bounds=bounds)
 
@@ -7900,7 +7823,7 @@ def cmd_pool_cost(conf, backend, args):
 
 
 def cmd_pool_redrive(conf, backend, args):
-    """Send the dead-lettered claims of every run of the pool (but cancelled ones) back to its queue."""
+    """Send the dead-lettered claims of the pool's runs (not cancelled ones) back to its queue."""
     record = load_pool(backend, args.model)
     runs = {run["run_id"]: run for run in list_runs(backend, args.model)
             if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
@@ -7912,8 +7835,8 @@ def cmd_pool_redrive(conf, backend, args):
 
 
 def cmd_pool_logs(conf, backend, args):
-    """The pool's worker logs on this machine (--worker W: slot W's), each under a '==> path <==' header; with
-    --follow, what they write next, until Ctrl-C. An EC2 pool's logs are on its instances: say where."""
+    """The pool's worker logs here, each under a '==> path <==' header; --follow prints what they
+    write next, until Ctrl-C. An EC2 pool's are on its instances: say where."""
     record = load_pool(backend, args.model)
     if "ec2" in record:
         print(f"pool {args.model} runs on EC2: each instance's worker log is its journal (`journalctl -u calque-warmd` "
@@ -8040,8 +7963,8 @@ def cmd_plan(conf, backend, args):
 
 
 def few_malloc_arenas():
-    """glibc gives each store writer thread a heap of its own, which keeps what it freed: a table's claims (text
-    decoded, then JSON) left 16 of them holding 10-30 MiB of submit's peak. Two arenas hold it near its use."""
+    """Two glibc malloc arenas: one a store writer thread keeps what it freed, inflating submit's
+    peak on table input."""
     with contextlib.suppress(OSError, AttributeError):   # not glibc: nothing to limit
         ctypes.CDLL("libc.so.6").mallopt(-8, 2)   # M_ARENA_MAX
 
@@ -8061,10 +7984,9 @@ def cmd_runs_show(conf, backend, args):
 
 
 def cmd_runs_results(conf, backend, args):
-    """Every item's result (--failed: only the failed ones), in item order, as JSONL on stdout (--format parquet or
-    npy: one file, to --output or a stdout that is not a terminal); --follow waits for each claim in turn and prints
-    its results as soon as it finishes. A claim without all its results (it did not run, or a part is missing or
-    truncated) is an error line on stderr and exit 1: never a short read that looks whole."""
+    """Every item's result in item order: JSONL on stdout, or one Parquet / .npy file; --follow
+    prints each claim's as it finishes. A claim without all its results is an error line on
+    stderr and exit 1: never a short read that looks whole."""
     binary = args.format != "jsonl"
     if binary and args.follow:
         raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
@@ -8114,8 +8036,7 @@ def cmd_runs_results(conf, backend, args):
 
 
 def cmd_runs_resume(conf, backend, args):
-    """Send the claims an interrupted submit did not send, and again those the pool's queue lost
-    (claims in no queue), then wait for the run as submit does (unless --no-wait)."""
+    """Send the claims an interrupted submit did not, and again those in no queue, then wait."""
     check_timeout(args.timeout)
     run = read_run(backend, args.run)
     if run["mode"] != "pool":
@@ -8193,7 +8114,7 @@ def print_freed(conf, backend, runs):
 
 
 def cmd_runs_prune(conf, backend, args):
-    """Delete the runs older than --older-than but each model's --keep newest; a live run is skipped (named)."""
+    """Delete the runs older than --older-than but each model's --keep newest; skip live ones."""
     if args.keep < 0:
         raise UserError(f"--keep {args.keep}: must be 0 or more")
     runs = []
@@ -8224,8 +8145,8 @@ def cmd_runs_redrive(conf, backend, args):
 
 
 def dashboard_module():
-    """dashboard.py, loaded only by the verbs that make pages. It imports this module as `calque`,
-    which is __main__ when calque.py runs as a script: one module, so its exceptions are these."""
+    """dashboard.py, loaded by the verbs that make pages; it imports this module as `calque` (one
+    module even when calque.py runs as __main__)."""
     sys.modules.setdefault("calque", sys.modules[__name__])
     import dashboard
     return dashboard
@@ -8277,10 +8198,9 @@ class ModalEntrypointFailed(Exception):
 
 
 class ModalRun:
-    """Where `calque modal run` sends the entrypoint's calls: the shim's runner(target, params, items) submits the
-    items to the pool serving that target and returns Run.results(). --pool M serves the target its handler names
-    (with the same parameters); any other target gets an ephemeral pool, created at its first call, deleted by
-    close() as a Modal ephemeral app is. What the workers print reaches our stderr as they print it."""
+    """Where `calque modal run` sends the entrypoint's calls: runner(target, params, items) submits
+    to the pool serving the target and returns Run.results(). --pool M serves its handler's target;
+    any other gets an ephemeral pool at its first call, deleted by close()."""
 
     def __init__(self, context, path, pool, workers, volumes=(), secrets=()):
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
@@ -8307,8 +8227,7 @@ class ModalRun:
         return run.results()
 
     def streamed(self, target, params, stream, after=None, done=False):
-        """The chunks a .remote_gen call's worker wrote after key `after`: [(key, chunk)]; `done`
-        deletes them."""
+        """The chunks a .remote_gen worker wrote after key `after`: [(key, chunk)]; `done` deletes."""
         store = self.context[1].store
         prefix = stream_prefix(self.pools[(target, self._key(params))], stream)
         if done:
@@ -8333,8 +8252,8 @@ class ModalRun:
         return model
 
     def close(self, wait):
-        """Delete the ephemeral pools; with `wait` (the entrypoint returned), once every call it made is done:
-        .spawn / .spawn_map calls nobody waited for still run, rather than being lost."""
+        """Delete the ephemeral pools; with `wait`, once every call made is done (a .spawn nobody
+        waited for still runs rather than being lost)."""
         try:
             if wait:
                 for run in self.runs:
@@ -8351,8 +8270,8 @@ MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types parsed from t
 
 
 def entrypoint_parser(fn, prog):
-    """Modal's CLI for a local entrypoint: one --name option per parameter (dashes for underscores), typed by its
-    annotation, required without a default; a bool is --name/--no-name."""
+    """Modal's CLI for a local entrypoint: a --name option per parameter, typed by its annotation,
+    required without a default; a bool is --name/--no-name."""
     parser = argparse.ArgumentParser(prog=prog)
     hints = typing.get_type_hints(fn)
     for name, param in inspect.signature(fn).parameters.items():
@@ -8416,8 +8335,8 @@ def cmd_modal_run(conf, backend, args):
 
 
 def modal_run_target(shim, module, path, name):
-    """(callable, name) `modal run app.py[::name]` runs: a local entrypoint; else, as Modal's CLI, an
-    @app.function or Cls.method called once with its parameters as options (the file's only one when unnamed)."""
+    """(callable, name) `modal run app.py[::name]` runs: a local entrypoint, else (as Modal's CLI)
+    a function or Cls.method called once with its parameters as options."""
     entrypoints, functions = {}, {}
     for app in [v for v in vars(module).values() if isinstance(v, shim.App)]:
         entrypoints.update(app.entrypoints)
@@ -8448,7 +8367,7 @@ def modal_run_target(shim, module, path, name):
 
 
 class VersionAction(argparse.Action):
-    """--version, read only when asked: importlib.metadata takes ~50 ms to import, on every command otherwise."""
+    """--version, importing importlib.metadata only when asked (it is slow to import)."""
 
     def __init__(self, option_strings, dest, **kw):
         super().__init__(option_strings, dest, nargs=0, help="print calque's version and exit")
@@ -8718,9 +8637,8 @@ KIT_PACKAGES = ("numpy", "torch", "tqdm", "boto3", "orjson")   # what the CLI an
 
 
 def kit_python(argv, script):
-    """Make sure this interpreter has the kit's packages. One missing, with the kit's .venv there: run the same
-    command under the .venv's Python (os.execv: this process becomes it); else a UserError naming the package and
-    `make setup`. CALQUE_REEXEC marks the re-run, so that a .venv that lacks it too fails instead of looping."""
+    """Make sure this interpreter has the kit's packages; one missing, re-run the command under the
+    kit's .venv (os.execv) if there is one, else a UserError. CALQUE_REEXEC stops a loop."""
     missing = [name for name in KIT_PACKAGES if importlib.util.find_spec(name) is None]
     if not missing:
         return
