@@ -4023,21 +4023,17 @@ def _stop_workers(live, grace):
 
 # ------------------------------------------------------------------------------------------------
 # 7. the cost model
-# Where the money goes. A worker on an instance of rate r ($/s) pays, per claim:
-#   fixed    = @enter paid during the claim + acquisition (cold runs only: billed boot before @enter)
-#   variable = the drain: claim_seconds - @enter paid during it
-# plus the queue and store requests the worker counted. A warm pool's point is that `fixed` is
-# paid once per worker, not once per batch; the cold counterfactual prices the same run as a
-# fresh acquisition so the two can be compared. Rates come from rates.json (source + date each).
-# The formulas, once: docs/cost.md.
+# Per claim a worker pays fixed (@enter paid + acquisition) and variable (the drain) seconds at its
+# instance's rate, plus its requests. A warm pool pays `fixed` once per worker; the cold
+# counterfactual prices the same run as fresh acquisitions. Formulas: docs/cost.md.
 RATES_VERSION = 1                                     # rates.json schema this code reads
 LADDER_ITEMS = (10, 100, 1_000, 10_000, 100_000)      # item counts the crossover ladder prices
-TIE_REL = 1e-9                                        # costs this close count as a tie (float noise)
+TIE_REL = 1e-9                                        # costs this close are a tie (float noise)
 
 
 def load_rates(path=None):
-    """Read and validate a rates file (default: the bundled rates.json); every failure is a UserError
-    naming the file and the field."""
+    """Read and validate a rates file (default: the bundled rates.json); every failure is a
+    UserError naming the file and the field."""
     path = str(path or package_file("calque_data", "rates.json"))
     try:
         with open(path, encoding="utf-8") as f:
@@ -4114,7 +4110,7 @@ def _check_rates(rates, file):
         if gpus < 0:
             raise UserError(f"rates file {file}: {_field_name(keys + ('gpus',))} must be >= 0, got {gpus}")
         _check_sourced(rates, keys, file)
-        if not gpus:   # a CPU instance: its serverless stand-in is a container of its cores and memory
+        if not gpus:   # a CPU instance: its serverless stand-in is a container of its size
             _rates_field(rates, keys + ("vcpus",), file, "positive")
             _rates_field(rates, keys + ("memory_gib",), file, "positive")
             continue
@@ -4304,7 +4300,7 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
     total = sum(c["total_usd"] for c in claims)
     cold_seconds = shards * (acquisition_seconds + enter_seconds) + variable
     cold_usd = cold_seconds * rate_per_s + request_usd
-    saving = cold_usd - total if abs(cold_usd - total) >= 1e-8 else 0.0   # less is float noise: a cold run's own
+    saving = cold_usd - total if abs(cold_usd - total) >= 1e-8 else 0.0   # less: float noise
     notes = []
     partial = expected_claims is not None and len(summaries) < expected_claims
     if partial:
@@ -4479,13 +4475,13 @@ def _parse_time(text, what):
         t = datetime.datetime.fromisoformat(text)
     except (TypeError, ValueError):
         raise UserError(f"{what}: {text!r} is not an ISO-8601 time (e.g. 2026-11-29T10:00:00Z)") from None
-    return t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)  # a bare time is UTC, like the stats
+    return t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)  # a bare time is UTC
 
 
 def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_seconds, since=None,
               cold_starts=None, acquisition_status="assumed"):
     """What a pool paid, idle included, against serving its observed traffic cold, and its idle
-    budget: the instance-seconds it may idle before warm costs more than N cold starts (docs/cost.md).
+    budget: the instance-seconds it may idle before warm costs more than N cold starts (cost.md).
     N defaults to the number of claims (cold_starts says otherwise); E to the measured mean @enter.
     With `since`, a worker that started earlier is prorated by time and its @enter falls outside."""
     enter_status = "measured" if cold_enter_seconds is None else "given"
@@ -4567,7 +4563,7 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
 
 class Pricing(typing.NamedTuple):
     """What a cost is priced with: rates, instance type, its $/s and label, the purchase option, and
-    whether the user named the type (else a run that used no GPU is priced as a CPU one: for_run)."""
+    whether the user named the type (else a run that used no GPU is priced as CPU: for_run)."""
     rates: dict
     instance_type: str
     rate_per_s: float
@@ -6528,8 +6524,7 @@ def ec2_cold_cleanup(backend, instance_ids, calls=None):
 
 
 # ------------------------------------------------------------------------------------------------
-# 9. across both paths: a Modal app's pool options (gpu= priced from rates.json), the cold baseline, and the
-# status of local and EC2 pools
+# 9. across both paths: a Modal app's pool options, the cold baseline, pools' status, the planner
 def modal_gpu(gpu):
     """(card, count) of a Modal gpu= value ("H100:8", "a10g", or a list of fallbacks: the first)."""
     if isinstance(gpu, (list, tuple)):
@@ -6710,7 +6705,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             "workdir": os.getcwd(),   # the workers run where submit ran (warmd.enter_workdir)
             **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
     prefix = f"runs/{run_id}/"
-    stage = not (ec2 and dry_run)    # an EC2 dry run prints the launch it would make and writes nothing
+    stage = not (ec2 and dry_run)    # an EC2 dry run prints the launch and writes nothing
     if handler:                      # (the handler file is still checked)
         cold["handler"] = snapshot_handler(handler, prefix, backend.store.put if stage else lambda key, data: None)
     else:
@@ -6733,7 +6728,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
         return None, [], False
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
-    if not claim_size:   # one claim per shard: the items are counted first (a stream is read into a list)
+    if not claim_size:   # one claim per shard: the items are counted first (a stream read in)
         items = items if isinstance(items, (ArrayItems, list)) else list(items)
         claim_size = max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
@@ -6753,8 +6748,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
                   f"{shards} fresh worker(s); logs in {folder}", file=sys.stderr)
         summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
     finally:
-        # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,
-        # which releases its claim, so nothing is left invisible in a queue about to be deleted
+        # a drained worker exits within a poll; one still running gets SIGTERM, releasing its claim
         for proc in procs:
             try:
                 proc.wait(COLD_EXIT_WAIT)
@@ -6765,8 +6759,8 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             ec2_cold_cleanup(backend, instance_ids)
         backend.queues.delete_queue(queue_name)
         backend.queues.delete_queue(cold["dlq"])
-        with contextlib.suppress(NotFound):   # (no run record: stopped while staging, nothing was queued)
-            # the queue is gone: a claim still without a summary will never run, and the run record says so
+        with contextlib.suppress(NotFound):   # no run record: stopped while staging, nothing queued
+            # the queue is gone: a claim without a summary will never run; the run record says so
             cancel_run(backend, read_json(backend, run_key(run_id)), "the cold run ended before it finished")
     return run, summaries, timed_out
 
@@ -6851,11 +6845,11 @@ def format_pool_status(status, store_description):
     running = [w for w in status["workers"] if w.get("state") == "running"]
     lines.append(f"  workers with stats: {worker_counts(status['workers'])}")
     fallback = [w for w in running if w.get("fastbatch") == "reference"]
-    if fallback:   # never silently numpy on a GPU pool: the C build failed, or FASTBATCH_REFERENCE=1 asked for it
+    if fallback:   # never silently numpy on a GPU pool
         lines.append(f"  note: {len(fallback)} running worker(s) collate with fastbatch's numpy fallback, not its C "
                      f"build: see their logs (`pool logs`) or the instance's bootstrap report")
-    # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
-    # and the few most recently stopped, so a pool that restarted many times still prints a short table
+    # every worker that ran keeps its stats (pool cost reads them); the table shows the running ones
+    # and the few last stopped, so a pool that restarted often still prints a short table
     stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
     shown = running + stopped[-STOPPED_SHOWN:]
     if shown:
@@ -6915,9 +6909,9 @@ def pool_record_to_delete(backend, model, force):
 
 
 
-# ---- the planner: a run's wall time and cost for 1..B workers before it starts, and against what it did
+# ---- the planner: a run's wall time and cost for 1..B workers before it starts, and after
 PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
-PLAN_RUNS_READ = 5                      # run records the planner reads for the time to a run's first claim
+PLAN_RUNS_READ = 5                      # run records read for the time to a run's first claim
 PLAN_CLAIMS_READ = 200                  # latest claim summaries it reads (up to 50 a worker count)
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -6974,7 +6968,7 @@ def claim_overheads(backend, summaries):
         gaps += [g for g in between if 0 <= g <= PLAN_GAP_MAX]
     latencies = [(started - _parse_time(read_run(backend, run_id)["created_at"], "created_at"))
                  .total_seconds() for run_id, started in list(first.items())[:PLAN_RUNS_READ]]
-    return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: a warm pool's
+    return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: warm
 
 
 def per_item_by_count(summaries):
@@ -7086,8 +7080,8 @@ def plan_against_actual(run, summaries):
 # ------------------------------------------------------------------------------------------------
 # 10. the Python API: what a notebook imports, and what the CLI verbs below call.
 #   pool = calque.Pool("demo"); pool.create(handler="my_model.py:MyModel", workers=2)
-#   run = calque.submit(items, pool="demo")            # items: an iterable, a JSONL path, or numpy arrays
-#   for result in run.results(): ...                   # in item order, each claim's as soon as it finishes
+#   run = calque.submit(items, pool="demo")   # items: an iterable, a JSONL path, numpy arrays
+#   for result in run.results(): ...          # in item order, each claim's as soon as it ends
 def _context(store=None):
     """(settings, backend) for an API call, as the CLI reads them; `store` overrides CALQUE_STORE."""
     conf = settings()
@@ -7305,7 +7299,7 @@ def check_claim_size(claim_size):
         raise UserError(f"--claim-size {claim_size}: must be at least 1")
 
 
-RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own fields: no --id-field may be one
+RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own: never an --id-field
 
 
 def check_id_field(items, field):
@@ -7324,7 +7318,7 @@ def check_id_field(items, field):
 
 
 def _has_id_field(field, index, item):
-    value = json_line(item) if type(item) is JsonText else item   # a JSONL line is read again, only here
+    value = json_line(item) if type(item) is JsonText else item   # a JSONL line: parsed only here
     if not isinstance(value, dict) or field not in value:
         raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: give "
                         "every item one, or drop --id-field")
@@ -7352,7 +7346,7 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
                              claim_size=claim_size, timeout=timeout, progress=progress)
         return Run(run["run_id"], context=(conf, backend), id_field=id_field)
     record = load_pool(backend, pool)
-    queue = backend.queues.open_queue(record["queue"])   # first: a queue not there (another region) says so
+    queue = backend.queues.open_queue(record["queue"])   # first: a missing queue says so
     state, why = pool_liveness(conf, backend, record)
     if state == "crashing":
         raise WorkersFailed(f"{why} ---> HINT: calque pool logs --model {pool}; fix the handler, then pool create")
@@ -7360,7 +7354,7 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
                         f"calque pool scale --model {pool} --workers 1 (or --instances N), or "
                         "submit --wait-for-workers to queue it anyway")
-    if state == "starting":   # (with wait_for_workers, a pool with none is what the caller asked to queue for)
+    if state == "starting":   # ("none" with wait_for_workers: what the caller asked for)
         print(f"calque: {why}", file=sys.stderr)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     if state == "starting":
@@ -7428,7 +7422,7 @@ class Run:
         return run_table(self.iter_batches())
 
     def to_numpy(self, field=None, fill=None):
-        """`field` of every result (None: the result, or its dict's only array) stacked in one array;
+        """`field` of every result (None: the result or its dict's only array) stacked in an array;
         a failed item's row is `fill` (default NaN for floats, else a UserError). bfloat16 comes
         back as float32."""
         return run_array(self.record, with_parts(self.backend, self.record, follow_claims(self.backend, self.record)),
@@ -7477,7 +7471,7 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
                 state = "cancelled" if s["status"] == "cancelled" else "dead-lettered" if s.get("error") else "done"
                 detail = s.get("reason") or s.get("error") or ""
                 break
-            if time.monotonic() >= recheck:   # claim_states may scan the dead-letter queue: not at every poll
+            if time.monotonic() >= recheck:   # claim_states may scan the DLQ: not every poll
                 recheck = time.monotonic() + RUN_RECHECK
                 run.update(read_run(backend, run["run_id"]))
                 state, detail = claim_states(backend, run, [])[claim]
@@ -7526,7 +7520,7 @@ def print_redriven(record, sent):
 
 def report_submitted(backend, run, summaries, timed_out, args):
     """The end of submit and runs resume: the run's report and cost lines; returns the exit code."""
-    if timed_out:   # what the store says now: a cancel (pool deleted), claims a cold run's workers finished last
+    if timed_out:   # what the store says now (a cancel, claims a cold run finished last)
         run, summaries = read_run(backend, run["run_id"]), read_summaries(backend, run["run_id"])
     code = report_run(backend, run, summaries, args.json)
     if not args.json and summaries:
@@ -7552,7 +7546,7 @@ class NoPandas:
 
 def write_binary_results(backend, run, claims, args):
     """The results of `claims` as one Parquet table or .npy array, to --output (opened first,
-    removed on failure) or stdout; EXIT_FAILED when a claim's part cannot be read (said on stderr)."""
+    removed on failure) or stdout; EXIT_FAILED when a claim's part cannot be read (on stderr)."""
     def readable():
         nonlocal code
         for index, claim in claims:
@@ -7607,7 +7601,7 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
     summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), None
     if not summaries:
         first = first if first is not None else items[:claim_size]
-        run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # nothing serves it: refused
+        run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # or refused
         print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} "
               f"item(s) first (run {run.run_id}) to measure it", file=sys.stderr)
         if not run.wait():
@@ -7676,14 +7670,14 @@ def cmd_pool_create(conf, backend, args):
     include = include_paths(args.include, args.handler)
     for note in notes:
         print(f"pool {args.model}: {note}")
-    args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")        # the app's retries=
-    args.batch_timeout = args.batch_timeout or suggested.get("batch_timeout")           # the app's timeout=
-    if args.instances is not None or args.max_instances is not None:   # an EC2 cohort: each step idempotent
+    args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")   # app's retries=
+    args.batch_timeout = args.batch_timeout or suggested.get("batch_timeout")      # app's timeout=
+    if args.instances is not None or args.max_instances is not None:   # EC2: each step idempotent
         record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
                                                                     args.max_deliveries), args.batch_timeout)
         if modal:
             record["modal"] = modal
-        args.instance_type = args.instance_type or suggested.get("instance_type")       # the app's gpu=
+        args.instance_type = args.instance_type or suggested.get("instance_type")   # app's gpu=
         options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
                                    spot=args.spot, subnet=args.subnet, key_name=args.key_name,
                                    scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances)
@@ -7770,7 +7764,7 @@ def cmd_pool_status(conf, backend, args):
 
 
 def cmd_pool_list(conf, backend, args):
-    if backend.kind == "aws":   # records in the store, plus fleets found only by their tags (a half-created pool)
+    if backend.kind == "aws":   # records, plus fleets found only by their tags (half-created)
         pools = ec2_pool_list(backend)
     else:
         pools = [{"model": model, "record": True, "asg": None} for model in list_pools(backend)]
@@ -7906,13 +7900,13 @@ def cmd_submit(conf, backend, args):
                              run_id=run_id)
         except SubmitInterrupted as e:
             return interrupted(backend, run_id, e.signum)
-        if planned:   # once its claims are queued: a local pool's boost lasts while they wait (LocalScaler)
+        if planned:   # once its claims are queued: a local pool's boost lasts while they wait
             update_run(backend, run.record, plan=apply_count(conf, backend, record, option, args))
         refresh_backlog_steps(backend, load_pool(backend, args.pool))
         if args.no_wait:
             print(run.run_id)
             return EXIT_OK
-        try:   # every claim is queued from here on: an interrupt leaves the run to go on without this process
+        try:   # every claim is queued: an interrupt leaves the run to go on without us
             depth = backend.queues.open_queue(run.record["queue"]).counts()
             print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} items sent to "
                   f"{run.record['queue']} ({depth['visible']} visible, {depth['in_flight']} in flight)",
@@ -7936,11 +7930,11 @@ def cmd_submit(conf, backend, args):
         check_claim_size(args.claim_size)
         if args.id_field:
             items = check_id_field(items, args.id_field)
-        ec2 = None   # fresh local processes, unless the flags ask for EC2 instances on an s3:// store
+        ec2 = None   # fresh local processes, unless the flags ask for EC2 instances
         if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
             ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
         try:
-            with signals_interrupt():   # a SIGTERM too ends the run's workers and deletes its queues
+            with signals_interrupt():   # a SIGTERM too ends its workers and deletes its queues
                 run, summaries, timed_out = cold_run(
                     conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
                     batch_size=args.batch_size, claim_size=args.claim_size, timeout=args.timeout,
@@ -8045,7 +8039,7 @@ def cmd_runs_resume(conf, backend, args):
     if run.get("cancelled"):
         raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
                         "resume ---> HINT: submit its items again")
-    if not run["staged"]:   # its submit was killed (-9) while staging: past `sent`, a claim's manifest may be missing
+    if not run["staged"]:   # submit killed while staging: past `sent`, manifests may be missing
         raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were "
                         f"queued, the rest may have no manifest ---> HINT: runs cancel {args.run}, "
                         f"then submit the items from {run['sent'] * run['claim_size']} on again")
@@ -8060,7 +8054,7 @@ def cmd_runs_resume(conf, backend, args):
             if state == "in no queue"]
     try:
         with signals_interrupt():
-            for start in range(0, len(lost), SEND_BATCH):   # a copy still queued is acked as a duplicate
+            for start in range(0, len(lost), SEND_BATCH):   # a copy still queued: a duplicate
                 send_batch(backend, run, queue, lost[start:start + SEND_BATCH], resume=True)
             send_claims(backend, run, queue, skip=done, resume=True)
     except SubmitInterrupted as e:
@@ -8188,7 +8182,7 @@ def cmd_cost(conf, backend, args):
             print(f"  {plan_against_actual(run, summaries)}; its claims cost {_usd(report['total_usd'])} "
                   f"(the plan prices every {run['plan']['noun'][:-1]} for the whole wall time)")
         return EXIT_OK
-    labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind (GPU or none)
+    labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind
     print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], "; ".join(labels))))
     return EXIT_OK
 
@@ -8258,7 +8252,7 @@ class ModalRun:
             if wait:
                 for run in self.runs:
                     run.wait()
-        finally:   # a second SIGTERM waits for the pools' deletion (modal run puts its handler back after)
+        finally:   # a second SIGTERM waits for the pools' deletion
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.output.stop()
             for model in self.created:
@@ -8266,7 +8260,7 @@ class ModalRun:
                     Pool(model, context=self.context).delete(force=True)
 
 
-MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types parsed from the command line, as Modal's CLI
+MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI parses
 
 
 def entrypoint_parser(fn, prog):
@@ -8277,7 +8271,7 @@ def entrypoint_parser(fn, prog):
     for name, param in inspect.signature(fn).parameters.items():
         kind, flag = hints.get(name, str), f"--{name.replace('_', '-')}"
         optional = [k for k in typing.get_args(kind) if k is not type(None)]
-        if len(optional) == 1 and type(None) in typing.get_args(kind):   # `str | None`: a str, None when not given
+        if len(optional) == 1 and type(None) in typing.get_args(kind):   # `str | None`: a str
             kind = optional[0]
         required = param.default is param.empty
         default = None if required else param.default
@@ -8293,7 +8287,7 @@ def entrypoint_parser(fn, prog):
 
 
 def cmd_modal_run(conf, backend, args):
-    own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py, as in the usage line
+    own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py
     own.add_argument("--pool", default=args.pool)
     own.add_argument("--workers", type=int, default=args.workers)
     for flag in ("--volume", "--secret"):
@@ -8310,7 +8304,7 @@ def cmd_modal_run(conf, backend, args):
     kwargs = vars(entrypoint_parser(fn, f"calque modal run {args.app}").parse_args(args.args))
     shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume, args.secret)
     done = False
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # finally: cleans up
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         out = fn(**kwargs)
         if inspect.iscoroutine(out):
@@ -8633,7 +8627,7 @@ def build_parser():
     return parser
 
 
-KIT_PACKAGES = ("numpy", "torch", "tqdm", "boto3", "orjson")   # what the CLI and the workers it starts import
+KIT_PACKAGES = ("numpy", "torch", "tqdm", "boto3", "orjson")   # what the CLI and its workers import
 
 
 def kit_python(argv, script):
@@ -8672,8 +8666,8 @@ def main(argv=None):
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except BrokenPipeError:
-        # the reader went away (`runs results RUN | head`): stop quietly, as a shell tool does; stdout goes to
-        # /dev/null so that the interpreter's own flush at exit does not fail again
+        # the reader went away (`runs results RUN | head`): stop quietly; stdout to /dev/null, so
+        # that the interpreter's flush at exit does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except sqlite3.Error as e:   # the embedded queue: its file unwritable, full or damaged
@@ -8682,7 +8676,7 @@ def main(argv=None):
         return EXIT_FAILED
     except NotFound as e:   # something the pool record names is gone (a queue deleted by hand, say)
         region = getattr(backend, "region", None)
-        if region:   # the usual cause on AWS: the pool's queues live in another region than the one searched
+        if region:   # on AWS, usually: the pool's queues are in another region
             print(f"calque: error: {e} not found in region {region} ({conf['CALQUE_STORE']}) ---> HINT: if the pool "
                   f"was created in another region, set AWS_REGION (or the profile's region in ~/.aws/config) to it; "
                   f"else recreate the pool (pool create is idempotent) or delete it", file=sys.stderr)
@@ -8691,8 +8685,7 @@ def main(argv=None):
                   "(pool create is idempotent) or delete it", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        # the steps that leave work behind say what they left (staging, waiting, a cold run); this is any other
-        # moment: before a run was staged, or a pool verb (each safe to run again)
+        # steps that leave work behind say what they left; this is any other moment (safe to rerun)
         print("calque: interrupted ---> HINT: run the command again; `python calque.py runs list` "
               "shows the runs already queued", file=sys.stderr)
         return 130
@@ -8703,7 +8696,7 @@ def main(argv=None):
               file=sys.stderr)
         return EXIT_FAILED
     except Exception as e:
-        if type(e).__module__.startswith("botocore"):   # AWS refused or could not be reached: say so in one line
+        if type(e).__module__.startswith("botocore"):   # AWS refused or is unreachable: one line
             print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions "
                   "(docs/aws.md) and region",
                   file=sys.stderr)
