@@ -4709,8 +4709,7 @@ def format_pool_cost(report, priced_as, model):
                  + ("warm is cheaper" if report["warm_beats_cold"] else "COLD would have been cheaper"))
     per_claim = report["idle_budget_per_claim_seconds"]
     lines.append(f"  idle      budget {report['idle_budget_seconds']:,.0f} instance-s, used "
-                 f"{report['idle_seconds']:,.0f}, "
-                 f"headroom {report['idle_headroom_seconds']:,.0f}"
+                 f"{report['idle_seconds']:,.0f}, headroom {report['idle_headroom_seconds']:,.0f}"
                  + (f"; between claims the pool may idle {per_claim:,.0f} s, it idled "
                     f"{report['idle_per_claim_seconds']:,.0f} s" if per_claim is not None else ""))
     lines.append(_inputs_line(report["inputs"]))
