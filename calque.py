@@ -4269,6 +4269,12 @@ def claim_cost(summary, rate_per_s, rates):
     }
 
 
+def _check_numbers(**values):
+    for name, v in values.items():
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+
+
 def measured_enter_seconds(worker_stats):
     """Mean @enter seconds over every @enter the pool's workers recorded, or None if none has."""
     count = sum(w.get("enter_count", 0) for w in worker_stats)
@@ -4283,9 +4289,7 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
     Formulas: docs/cost.md. Fewer summaries than expected_claims: reported as partial."""
     if backend not in ("aws", "local"):
         raise ValueError(f"backend must be 'aws' or 'local', got {backend!r}")
-    for name, v in (("enter_seconds", enter_seconds), ("acquisition_seconds", acquisition_seconds)):
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    _check_numbers(enter_seconds=enter_seconds, acquisition_seconds=acquisition_seconds)
     claims = [claim_cost(s, rate_per_s, rates) for s in summaries]
     items = sum(int(_seconds(s, "items", _claim_label(s))) for s in summaries)
     ok = sum(int(_seconds(s, "ok", _claim_label(s))) for s in summaries)
@@ -4388,9 +4392,7 @@ def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER
     c: seconds per item, E: @enter s, A: acquisition s, rates in $/s, request_usd_per_item: the
     pool's requests per item. Each option is a line fixed + slope*n (docs/cost.md); an option wins
     at n when it is strictly cheaper than both others, so ties win nothing."""
-    for name, v in (("c", c), ("E", E), ("A", A), ("request_usd_per_item", request_usd_per_item)):
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    _check_numbers(c=c, E=E, A=A, request_usd_per_item=request_usd_per_item)
     for name, v in (("instance_rate", instance_rate), ("serverless_rate", serverless_rate)):
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"{name} must be a positive rate, got {v!r}")
@@ -6874,7 +6876,6 @@ def pool_record_to_delete(backend, model, force):
     return {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model)}
 
 
-
 # ---- the planner: a run's wall time and cost for 1..B workers before it starts, and after
 PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
 PLAN_RUNS_READ = 5                      # run records read for the time to a run's first claim
@@ -7458,6 +7459,12 @@ def with_ids(backend, run, claim, lines, field):
 
 # ------------------------------------------------------------------------------------------------
 # 11. the CLI: printing helpers, then one cmd_* per verb in the parser's order, build_parser, main
+def emit(args, data, lines):
+    """Print `data` as JSON with --json, else the text lines; the verb's exit code."""
+    print(json.dumps(data, indent=1) if args.json else "\n".join(lines))
+    return EXIT_OK
+
+
 def _pricing(args):
     """The Pricing the cost options every cost-printing verb takes ask for."""
     return pricing(args.rates, args.instance_type, args.spot, args.savings_plan)
@@ -7510,6 +7517,12 @@ class NoPandas:
             raise ImportError("pandas is not needed here")
 
 
+def print_lost(e):
+    print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items "
+          "again", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def write_binary_results(backend, run, claims, args):
     """The results of `claims` as one Parquet table or .npy array, to --output (opened first,
     removed on failure) or stdout; EXIT_FAILED when a claim's part cannot be read (on stderr)."""
@@ -7519,9 +7532,7 @@ def write_binary_results(backend, run, claims, args):
             try:
                 yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
             except ResultsIncomplete as e:
-                print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
-                      file=sys.stderr)
-                code = EXIT_FAILED
+                code = print_lost(e)
     code = EXIT_OK
     with contextlib.nullcontext(sys.stdout.buffer) if args.output is None else open_output(args.output) as out:
         try:
@@ -7556,15 +7567,15 @@ def open_output(path):
         raise UserError(f"cannot write {path} ({e.strerror}) ---> HINT: pick a path in a folder you can write to")
 
 
-def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
-    """(plan, sample run id or None): make_plan of `items` on the pool. A pool with no measured
-    claim first runs one sample claim of the first items, and says so."""
+def plan_run(conf, backend, model, items, claim_size, price):
+    """make_plan of `items` on the pool. A pool with no measured claim first runs one sample claim
+    of the first items, and says so."""
     record = load_pool(backend, model)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     check_claim_size(claim_size)
     first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
     count = len(items) if first is None else len(first) + sum(1 for _ in items)
-    summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), None
+    summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
     if not summaries:
         first = first if first is not None else items[:claim_size]
         run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # or refused
@@ -7573,8 +7584,8 @@ def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
         if not run.wait():
             raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within "
                             f"CALQUE_TIMEOUT ---> HINT: calque runs show {run.run_id}")
-        summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), run.run_id
-    return make_plan(backend, conf, record, count, claim_size, price, summaries), sample
+        summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
+    return make_plan(backend, conf, record, count, claim_size, price, summaries)
 
 
 def planned_count(conf, backend, record, plan, args):
@@ -7725,8 +7736,7 @@ def cmd_pool_scale(conf, backend, args):
 
 def cmd_pool_status(conf, backend, args):
     status = pool_status(conf, backend, args.model)
-    print(json.dumps(status, indent=1) if args.json else "\n".join(format_pool_status(status, backend.describe())))
-    return EXIT_OK
+    return emit(args, status, format_pool_status(status, backend.describe()))
 
 
 def cmd_pool_list(conf, backend, args):
@@ -7734,12 +7744,9 @@ def cmd_pool_list(conf, backend, args):
         pools = ec2_pool_list(backend)
     else:
         pools = [{"model": model, "record": True, "asg": None} for model in list_pools(backend)]
-    if args.json:
-        print(json.dumps(pools, indent=1))
-        return EXIT_OK
-    local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0) for p in pools}
-    print("\n".join(format_pool_list(pools, local_workers, backend.describe())))
-    return EXIT_OK
+    local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0)
+                     for p in pools} if not args.json else {}
+    return emit(args, pools, format_pool_list(pools, local_workers, backend.describe()))
 
 
 def cmd_pool_delete(conf, backend, args):
@@ -7775,11 +7782,8 @@ def cmd_pool_cost(conf, backend, args):
     rates, _, rate, label = _pricing(args)[:4]
     report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
                        rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
-    if args.json:
-        print(json.dumps({"model": args.model, "priced_as": label, "cost": report}, indent=1))
-    else:
-        print("\n".join(format_pool_cost(report, label, args.model)))
-    return EXIT_OK
+    return emit(args, {"model": args.model, "priced_as": label, "cost": report},
+                format_pool_cost(report, label, args.model))
 
 
 def cmd_pool_redrive(conf, backend, args):
@@ -7845,7 +7849,7 @@ def cmd_submit(conf, backend, args):
         planned = args.plan or args.deadline is not None or args.budget is not None
         if planned:
             items = items if hasattr(items, "__len__") else list(items)
-            plan, _ = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
+            plan = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
             print("\n".join(format_plan(plan)), file=sys.stderr)
             record = load_pool(backend, args.pool)
             option = planned_count(conf, backend, record, plan, args)
@@ -7917,9 +7921,8 @@ def cmd_submit(conf, backend, args):
 
 
 def cmd_plan(conf, backend, args):
-    plan, _ = plan_run(conf, backend, args.pool, read_items(args.items), args.claim_size, _pricing(args))
-    print(json.dumps(plan, indent=1) if args.json else "\n".join(format_plan(plan)))
-    return EXIT_OK
+    plan = plan_run(conf, backend, args.pool, read_items(args.items), args.claim_size, _pricing(args))
+    return emit(args, plan, format_plan(plan))
 
 
 def few_malloc_arenas():
@@ -7931,8 +7934,7 @@ def few_malloc_arenas():
 
 def cmd_runs_list(conf, backend, args):
     runs = list_runs(backend)
-    print(json.dumps(runs, indent=1) if args.json else "\n".join(format_runs_list(runs)))
-    return EXIT_OK
+    return emit(args, runs, format_runs_list(runs))
 
 
 def cmd_runs_show(conf, backend, args):
@@ -7978,9 +7980,7 @@ def cmd_runs_results(conf, backend, args):
         try:
             lines = claim_results(backend, args.run, claim, claim_items(run, index)) if not binary else None
         except ResultsIncomplete as e:
-            print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
-                  file=sys.stderr)
-            code = EXIT_FAILED
+            code = print_lost(e)
             continue
         if binary:
             done.append((index, claim))
@@ -8338,25 +8338,12 @@ class VersionAction(argparse.Action):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="calque.py",
-                                     description="Sticky warm-worker pools for batch model "
-                                                 "inference.")
-    parser.add_argument("--version", action=VersionAction)
-    priced = argparse.ArgumentParser(add_help=False)   # what every verb printing a cost takes
-    priced.add_argument("--instance-type",
-                        help="price as this EC2 instance type (default: rates.json defaults)")
-    priced.add_argument("--spot", action="store_true", help="price at the rates file's spot "
-                                                            "fraction")
-    priced.add_argument("--savings-plan", action="store_true",
-                        help="price at the rates file's savings-plan fraction")
-    priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled "
-                                                        "rates.json")
     shared = {   # options several verbs take alike
         "--model": dict(required=True, help="the pool's model name"),
         "--json": dict(action="store_true", help="print JSON instead of text"),
         "run": dict(help="the run id (see `runs list`)"),
-        "--timeout": dict(type=float, help="seconds to wait for the summaries (default "
-                                           "CALQUE_TIMEOUT)"),
+        "--timeout": dict(type=float,
+                          help="seconds to wait for the summaries (default CALQUE_TIMEOUT)"),
         "--key-name": dict(help="EC2 key pair for SSH (none by default)"),
         "--yes-spend-money": dict(action="store_true", help="allow starting paid EC2 instances"),
     }
@@ -8365,12 +8352,25 @@ def build_parser():
         for flag in flags:
             group.add_argument(flag, **shared[flag])
 
+    def switch(group, flag, help):
+        group.add_argument(flag, action="store_true", help=help)
+
     def verb(verbs, name, func, *flags, cost=False, **kw):
         p = verbs.add_parser(name, parents=[priced] if cost else [], **kw)
         add(p, *flags)
         p.set_defaults(func=func)
         return p
 
+    parser = argparse.ArgumentParser(
+        prog="calque.py", description="Sticky warm-worker pools for batch model inference.")
+    parser.add_argument("--version", action=VersionAction)
+    priced = argparse.ArgumentParser(add_help=False)   # what every verb printing a cost takes
+    priced.add_argument("--instance-type",
+                        help="price as this EC2 instance type (default: rates.json defaults)")
+    switch(priced, "--spot", "price at the rates file's spot fraction")
+    switch(priced, "--savings-plan", "price at the rates file's savings-plan fraction")
+    priced.add_argument("--rates", metavar="FILE",
+                        help="a rates file instead of the bundled rates.json")
     verbs = parser.add_subparsers(dest="verb", required=True,
                                   metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
@@ -8385,12 +8385,12 @@ def build_parser():
                    f"supervisor, waited for until warm (default {LOCAL_WORKERS_DEFAULT})")
     p.add_argument("--min-workers", type=int, metavar="A",
                    help="floor of a pool that sizes itself on its backlog")
-    p.add_argument("--max-workers", type=int, metavar="B", help="its ceiling (with no floor "
-                                                                "given: floor 0)")
+    p.add_argument("--max-workers", type=int, metavar="B",
+                   help="its ceiling (with no floor given: floor 0)")
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
-                   help="idle window (fractions allowed) before the pool shrinks to its floor (0 "
-                        f"unless given); default {SCALE_IDLE_MINUTES:g} with a floor below the "
-                        "ceiling")
+                   help="idle window (fractions allowed) before the pool shrinks to its floor "
+                        f"(0 unless given); default {SCALE_IDLE_MINUTES:g} with a floor below "
+                        "the ceiling")
     local_options(p)
     p.add_argument("--batch-size", type=int,
                    help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
@@ -8413,23 +8413,20 @@ def build_parser():
                              help="the folder modal.Volume.from_name(NAME) is, linked at its "
                                   "mount path")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
-    ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto "
-                                                   "Scaling group")
-    ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with "
-                                             "--instances)")
+    ec2.add_argument("--instances", type=int,
+                     help="run the pool on N EC2 instances of an Auto Scaling group")
+    ec2.add_argument("--instance-type",
+                     help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
     ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its "
-                     "public SSM parameter)")
-    ec2.add_argument("--spot", action="store_true",
-                     help="spot capacity: cheaper, may be interrupted at 2 minutes' notice")
+                                   "public SSM parameter)")
+    switch(ec2, "--spot", "spot capacity: cheaper, may be interrupted at 2 minutes' notice")
     ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: "
-                                                       "--instances; 0 with --scale-to-zero-after "
-                                                       "or --max-instances)")
-    ec2.add_argument("--max-instances", type=int, help="ceiling of a group that sizes itself on "
-                                                       "its backlog")
+                     "--instances; 0 with --scale-to-zero-after or --max-instances)")
+    ec2.add_argument("--max-instances", type=int,
+                     help="ceiling of a group that sizes itself on its backlog")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
     add(ec2, "--key-name", "--yes-spend-money")
-    ec2.add_argument("--dry-run", action="store_true",
-                     help="print every AWS call that would change something; change nothing")
+    switch(ec2, "--dry-run", "print every AWS call that would change something; change nothing")
     p = verb(pool, "scale", cmd_pool_scale, "--model",
              help="set the number of local workers, or of EC2 instances")
     p.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
@@ -8438,78 +8435,69 @@ def build_parser():
         p.add_argument(f"--min-{noun}", type=int, metavar="A",
                        help=f"new floor of a pool that sizes itself ({noun})")
         p.add_argument(f"--max-{noun}", type=int, metavar="B", help="its new ceiling")
-    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES", help="local: its new "
-                                                                                "idle window")
+    p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
+                   help="local: its new idle window")
     local_options(p)
     add(p, "--yes-spend-money")
-    p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
+    switch(p, "--dry-run", "print the AWS calls; change nothing")
     verb(pool, "status", cmd_pool_status, "--model", "--json",
          help="queue depths, live workers, per-worker claims, warm hits, enter_count")
     verb(pool, "list", cmd_pool_list, "--json", help="the pools in this store")
     p = verb(pool, "delete", cmd_pool_delete, "--model",
              help="stop local workers, delete the queues and the pool record")
-    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p.add_argument("--force", action="store_true",
-                   help="delete even with claims still queued or in flight (they are lost)")
-    p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change "
-                                                          "nothing")
+    switch(p, "--yes", "do not ask for confirmation")
+    switch(p, "--force", "delete even with claims still queued or in flight (they are lost)")
+    switch(p, "--dry-run", "EC2 pools: print the AWS calls; change nothing")
     p = verb(pool, "cost", cmd_pool_cost, "--model", cost=True,
              help="what the pool paid, idle included, against cold starts")
-    p.add_argument("--since", metavar="T", help="only from this ISO-8601 time on (e.g. "
-                                                "2026-11-29T10:00:00Z)")
+    p.add_argument("--since", metavar="T",
+                   help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
     add(p, "--json")
     verb(pool, "redrive", cmd_pool_redrive, "--model",
          help="send the dead-lettered claims of every run of the pool back to its queue")
     p = verb(pool, "logs", cmd_pool_logs, "--model",
              help="the pool's worker logs on this machine (EC2: where they are)")
-    p.add_argument("--follow", action="store_true",
-                   help="keep printing what the workers write (Ctrl-C stops)")
+    switch(p, "--follow", "keep printing what the workers write (Ctrl-C stops)")
     p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
     verb(pool, "supervise", cmd_supervise, "--model")   # internal: pool create starts it; unlisted
 
-    p = verb(verbs, "submit", cmd_submit, cost=True,
-             help="run items: against a warm pool (--pool) or as a cold fresh acquisition "
-                  "(--model)")
+    p = verb(verbs, "submit", cmd_submit, cost=True, help="run items: against a warm pool (--pool) "
+             "or as a cold fresh acquisition (--model)")
     p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz "
                    "file of numeric items, or a Parquet/.arrow/.feather file, folder or quoted "
                    "glob (one item a row)")
     p.add_argument("--columns", metavar="A,B", help="Parquet/Arrow input: read only these columns")
     p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
-    p.add_argument("--model",
-                   help="cold run: the model whose handler to use (the pool record's, or "
-                        "--handler)")
-    p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's "
-                                     "handler")
-    p.add_argument("--shards", type=int, default=1, help="cold run: fresh workers to start "
-                                                         "(default 1)")
+    p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, "
+                                   "or --handler)")
+    p.add_argument("--handler",
+                   help="cold run: path/to/handler.py:ClassName instead of a pool's handler")
+    p.add_argument("--shards", type=int, default=1,
+                   help="cold run: fresh workers to start (default 1)")
     p.add_argument("--batch-size", type=int, help="cold run: items per handler.batch() call")
     p.add_argument("--claim-size", type=int,
                    help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
     add(p, "--timeout")
-    p.add_argument("--no-wait", action="store_true", help="print the run id and return at once")
-    p.add_argument("--wait-for-workers", action="store_true",
-                   help="queue the run even when the pool has no live worker (else: exit 2 at "
-                        "once)")
-    p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's "
-                                                       "result line")
-    p.add_argument("--follow-logs", action="store_true",
-                   help="print what the pool's workers print during the run (on stderr)")
+    switch(p, "--no-wait", "print the run id and return at once")
+    switch(p, "--wait-for-workers",
+           "queue the run even when the pool has no live worker (else: exit 2 at once)")
+    p.add_argument("--id-field", metavar="FIELD",
+                   help="copy this item field into each item's result line")
+    switch(p, "--follow-logs", "print what the pool's workers print during the run (on stderr)")
     planned = p.add_argument_group("a planned pool run (calque plan)")
-    planned.add_argument("--plan", action="store_true", help="print the plan and ask before "
-                                                             "running it")
-    planned.add_argument("--yes", action="store_true", help="run at the plan without asking")
+    switch(planned, "--plan", "print the plan and ask before running it")
+    switch(planned, "--yes", "run at the plan without asking")
     planned.add_argument("--deadline", metavar="DURATION",
                          help="run at the fewest workers that finish within it (45m, 2h)")
     planned.add_argument("--budget", type=float, metavar="USD",
                          help="run at the fewest workers that cost at most this")
     cold_ec2 = p.add_argument_group(
         "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
-    cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold "
-                                        "run on EC2)")
+    cold_ec2.add_argument("--ami",
+                          help="the AMI of the one-shot instances (required for a cold run on EC2)")
     cold_ec2.add_argument("--subnet", help="subnet id (default: the default VPC's)")
     add(cold_ec2, "--key-name", "--yes-spend-money")
-    cold_ec2.add_argument("--dry-run", action="store_true", help="print the AWS calls; change "
-                                                                 "nothing")
+    switch(cold_ec2, "--dry-run", "print the AWS calls; change nothing")
     add(p, "--json")
 
     p = verb(verbs, "plan", cmd_plan, cost=True,
@@ -8529,10 +8517,8 @@ def build_parser():
          help="a run's claims: worker, warm hit, @enter paid, items, seconds")
     p = verb(runs, "results", cmd_runs_results, "run",
              help="a run's results in item order: JSONL, Parquet or .npy")
-    p.add_argument("--failed", action="store_true",
-                   help="only the failed items (with their last traceback frames)")
-    p.add_argument("--follow", action="store_true",
-                   help="wait for the claims, printing each one's results as it ends")
+    switch(p, "--failed", "only the failed items (with their last traceback frames)")
+    switch(p, "--follow", "wait for the claims, printing each one's results as it ends")
     p.add_argument("--format", choices=("jsonl", "parquet", "npy"), default="jsonl",
                    help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result "
                         "columns) or npy (one result array, stacked)")
@@ -8543,7 +8529,7 @@ def build_parser():
                    help="npy: the row of a failed item (default NaN, for a float dtype)")
     p = verb(runs, "resume", cmd_runs_resume, "run", "--timeout", cost=True,
              help="send the claims an interrupted submit did not, and those in no queue, then wait")
-    p.add_argument("--no-wait", action="store_true", help="return once the claims are sent")
+    switch(p, "--no-wait", "return once the claims are sent")
     add(p, "--json")
     verb(runs, "cancel", cmd_runs_cancel, "run",
          help="cancel a run: its claims without a summary will not run")
@@ -8555,41 +8541,39 @@ def build_parser():
     p = verb(runs, "delete", cmd_runs_delete,
              help="delete runs from the store (inputs, results, summaries), saying what it freed")
     p.add_argument("run", nargs="+", help="run ids (see `runs list`)")
-    p.add_argument("--force", action="store_true", help="also a run with claims queued or running")
+    switch(p, "--force", "also a run with claims queued or running")
     p = verb(runs, "prune", cmd_runs_prune,
              help="delete the runs older than an age, but the newest --keep of each model")
     p.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 7d, 12h, 30m")
     p.add_argument("--keep", type=int, default=0, metavar="N",
                    help="keep each model's N newest runs (default 0)")
     p.add_argument("--model", help="only this model's runs")
-    p.add_argument("--force", action="store_true", help="also runs with claims queued or running")
+    switch(p, "--force", "also runs with claims queued or running")
 
     p = verb(verbs, "cost", cmd_cost, cost=True,
              help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
     add(p, "--json")
-    p = verb(verbs, "dashboard", cmd_dashboard, cost=True, help="a read-only live web page of the "
-                                                                "store")
+    p = verb(verbs, "dashboard", cmd_dashboard, cost=True,
+             help="a read-only live web page of the store")
     p.add_argument("--port", type=int, default=8265, help="default 8265; 0: any free port")
     p.add_argument("--host", default="127.0.0.1", help="default loopback; another needs --token")
     p.add_argument("--token", help="a secret every request must carry (?token= once, or Bearer)")
 
-    modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque "
-                                           "pools").add_subparsers(
-        dest="modal_verb", required=True, metavar="{run}")
+    modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools")
+    modal = modal.add_subparsers(dest="modal_verb", required=True, metavar="{run}")
     p = verb(modal, "run", cmd_modal_run,
              help="run the app's @app.local_entrypoint() here; its .map/.remote/.spawn go to pools")
     p.add_argument("app", help="app.py or app.py::entrypoint")
-    p.add_argument("--pool",
-                   help="a pool serving one of the app's targets (default: an ephemeral pool per "
-                        "target)")
+    p.add_argument("--pool", help="a pool serving one of the app's targets (default: an "
+                                  "ephemeral pool per target)")
     p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT,
                    help="local workers of each ephemeral pool")
     for flag, metavar in (("--volume", "NAME=PATH"), ("--secret", "NAME=FILE")):
         p.add_argument(flag, action="append", metavar=metavar,
                        help="as pool create's, for the ephemeral pools")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the entrypoint's own options (--name "
-                                                          "value)")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="the entrypoint's own options (--name value)")
     return parser
 
 
@@ -8625,10 +8609,7 @@ def main(argv=None):
     except UserError as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (StoreFault, WorkersFailed, ModalEntrypointFailed) as e:
-        print(f"calque: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except ResultsIncomplete as e:   # Run.results() through a verb: a claim that will not run
+    except (StoreFault, WorkersFailed, ModalEntrypointFailed, ResultsIncomplete) as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except BrokenPipeError:
