@@ -4032,8 +4032,7 @@ TIE_REL = 1e-9                                        # costs this close are a t
 
 
 def load_rates(path=None):
-    """Read and validate a rates file (default: the bundled rates.json); every failure is a
-    UserError naming the file and the field."""
+    """Read and validate a rates file (default: the bundled one); a UserError names a bad field."""
     path = str(path or package_file("calque_data", "rates.json"))
     try:
         with open(path, encoding="utf-8") as f:
@@ -4186,8 +4185,7 @@ def serverless_match(rates, instance_type):
 
 
 def serverless_stand_in(rates, instance_type):
-    """$/s of the serverless container standing in for this instance: its GPUs, or for a CPU
-    instance its vCPUs (two a serverless core) and memory."""
+    """$/s of the serverless container standing in for this instance (GPUs, or vCPUs + memory)."""
     card, count = serverless_match(rates, instance_type)
     if count:
         return serverless_rate_per_second(rates, card, count)
@@ -4284,9 +4282,8 @@ def measured_enter_seconds(worker_stats):
 def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *,
              enter_status="measured", acquisition_status="assumed", shards=1,
              expected_claims=None, backend="aws"):
-    """Price a run from its claim summaries against a cold acquisition of the same work: actual,
-    warm (@enter already paid), cold (`shards` fresh acquisitions paying A + E) and the saving.
-    Formulas: docs/cost.md. Fewer summaries than expected_claims: reported as partial."""
+    """Price a run from its claim summaries: actual, warm, cold (`shards` fresh acquisitions) and
+    the saving (docs/cost.md); fewer summaries than expected_claims is partial."""
     if backend not in ("aws", "local"):
         raise ValueError(f"backend must be 'aws' or 'local', got {backend!r}")
     _check_numbers(enter_seconds=enter_seconds, acquisition_seconds=acquisition_seconds)
@@ -4388,7 +4385,6 @@ def _pair(name_x, x, name_y, y):
 
 def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER_ITEMS, request_usd_per_item=0.0):
     """Cost of n items warm, cold and serverless, and the n where each starts to win.
-
     c: seconds per item, E: @enter s, A: acquisition s, rates in $/s, request_usd_per_item: the
     pool's requests per item. Each option is a line fixed + slope*n (docs/cost.md); an option wins
     at n when it is strictly cheaper than both others, so ties win nothing."""
@@ -4460,10 +4456,9 @@ def _parse_time(text, what):
 
 def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_seconds, since=None,
               cold_starts=None, acquisition_status="assumed"):
-    """What a pool paid, idle included, against serving its observed traffic cold, and its idle
-    budget: the instance-seconds it may idle before warm costs more than N cold starts (cost.md).
-    N defaults to the number of claims (cold_starts says otherwise); E to the measured mean @enter.
-    With `since`, a worker that started earlier is prorated by time and its @enter falls outside."""
+    """What a pool paid, idle included, against serving its traffic cold, and its idle budget
+    (docs/cost.md). N: the claims unless cold_starts; E: the measured mean @enter. With `since`,
+    an earlier worker is prorated by time and its @enter falls outside."""
     enter_status = "measured" if cold_enter_seconds is None else "given"
     if cold_enter_seconds is None:
         cold_enter_seconds = measured_enter_seconds(worker_stats)
@@ -4543,8 +4538,7 @@ class Pricing(typing.NamedTuple):
 
 
 def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False, rates=None):
-    """The Pricing of a rates file (default the bundled one) and an instance type (default the
-    file's), on-demand unless spot or savings_plan."""
+    """The Pricing of a rates file and an instance type (defaults: the bundled file, its type)."""
     rates = rates or load_rates(rates_file)
     chosen, instance_type = instance_type is not None, instance_type or rates["defaults"]["instance_type"]["value"]
     rate = instance_rate_per_second(rates, instance_type, spot=spot, savings_plan=savings_plan)
@@ -4573,9 +4567,8 @@ def for_run(price, summaries):
 
 
 def run_cost_report(backend, run, summaries, price):
-    """(report, ladder, label, status): the run's cost, its cold counterfactual and the ladder. E is
-    measured (the pool workers' mean, or a cold run's own); A is the rates file's assumption for a
-    pool run, and the measured start-up for a cold one (its own counterfactual)."""
+    """(report, ladder, label, status) of a run. E is measured; A is the rates file's assumption
+    for a pool run, and its measured start-up for a cold one (its own counterfactual)."""
     rates, instance_type, rate, label = for_run(price, summaries)[:4]
     if run["mode"] == "cold":
         paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
@@ -4605,8 +4598,7 @@ def run_cost_report(backend, run, summaries, price):
 
 
 def _usd(x):
-    """Dollars: cents from $100, else 6 significant figures without trailing zeros; $0 below a
-    millionth of a cent (float noise)."""
+    """Dollars: cents from $100, else 6 significant figures; $0 below a millionth of a cent."""
     if abs(x) < 1e-8:
         return "$0"
     sign, x = ("-" if x < 0 else ""), abs(x)
@@ -6513,9 +6505,8 @@ def suggest_instance(rates, card, count):
 def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None,
                   workers_here=True):
     """What a Modal handler's pool needs from its app file, imported here: (the record's "modal"
-    entry, the {max_deliveries, batch_timeout, instance_type} its retries=, timeout= and gpu=
-    suggest, notes to print); (None, {}, []) for a calque handler. With `workers_here`, the
-    image's pip packages must be installed in this Python."""
+    entry, the max_deliveries / batch_timeout / instance_type its retries=, timeout= and gpu=
+    suggest, notes); (None, {}, []) for a calque handler. `workers_here`: pip packages checked."""
     path, name = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         if not imports_modal(f.read(), path):
@@ -6662,9 +6653,8 @@ def pip_unmet(requirement):
 
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
              progress=True, ec2=None, dry_run=False, yes_spend_money=False):
-    """The baseline: fresh workers (warmd.py here, or one-shot EC2 instances with `ec2`) pay
-    @enter, drain this run's own queue and exit. The code is `handler`'s or the pool's of `model`.
-    Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
+    """The baseline: fresh workers (warmd.py here, EC2 with `ec2`) pay @enter, drain this run's
+    queue and exit. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
     record = None if handler else load_pool(   # no handler named: reuse the pool's snapshot
         backend, model, f"give the cold run its code: submit --model {model} --handler file.py:Class ITEMS")
     run_id = new_run_id(model)
@@ -6743,8 +6733,7 @@ def list_pools(backend):
 
 
 def pool_status(conf, backend, model):
-    """What `pool status` shows, as data: record, queue depths, this machine's supervisor and
-    workers, every worker's stats, and an EC2 pool's fleet."""
+    """What `pool status` shows, as data: record, queues, supervisor, workers, an EC2 fleet."""
     record = load_pool(backend, model)
     if "ec2" in record:     # the fleet's status reads the queues and the worker stats: not twice
         ec2 = ec2_pool_status(backend, record)
@@ -6766,9 +6755,8 @@ def pool_status(conf, backend, model):
 
 
 def mark_lost_workers(stats, now=None):
-    """The worker stats, one that says "running" but is gone marked {"state": "lost", "lost": why}:
-    here when its pid is gone, elsewhere when its stats are older than WORKER_LOST_AFTER (so one
-    busy on a single long claim may show as lost until the claim ends)."""
+    """The stats, a "running" worker that is gone marked {"state": "lost", "lost": why}: its pid
+    gone here, or elsewhere its stats older than WORKER_LOST_AFTER (a long claim may look lost)."""
     now = time.time() if now is None else now
     host, marked = socket.gethostname(), []
     for w in stats:
@@ -6847,8 +6835,7 @@ def format_local_worker(w):
 
 
 def format_pool_list(pools, local_workers, store_description):
-    """`pool list`: per pool its queue, its local workers here (model -> desired count), its EC2
-    fleet, and a hint for a fleet whose pool record is gone."""
+    """`pool list`: each pool's queue, local workers here, EC2 fleet, or a hint when orphaned."""
     if not pools:
         return [f"no pools in {store_description}"]
     lines = []
@@ -6903,8 +6890,7 @@ def plan_seconds(claim_seconds, starts):
 
 
 def pool_ceiling(conf, backend, record):
-    """(A, B, noun, running): the pool's floor and ceiling of workers (or instances), and how many
-    are running already."""
+    """(A, B, noun, running): the pool's floor and ceiling of workers or instances, how many run."""
     stats = mark_lost_workers(read_worker_stats(backend, record["model"]))
     warm = sum(w.get("state") == "running" for w in stats)
     if record.get("ec2"):
@@ -6920,9 +6906,8 @@ def pool_ceiling(conf, backend, record):
 
 
 def claim_overheads(backend, summaries):
-    """(s between two claims of a worker, s from a run's creation to its first claim): what a run
-    takes beyond its claims, from these summaries (gaps over PLAN_GAP_MAX are idle, not overhead)
-    and their runs' records; 0.0 for what they cannot show."""
+    """(s between a worker's claims, s from a run's creation to its first claim), from these
+    summaries (gaps over PLAN_GAP_MAX are idle) and their runs' records; 0.0 when unknown."""
     by_worker, gaps, first = {}, [], {}
     for summary in summaries:
         started = _parse_time(summary["started_at"], "started_at")
@@ -6957,9 +6942,8 @@ def per_item_at(measured, n, cores):
 
 
 def make_plan(backend, conf, record, items, claim_size, price, summaries):
-    """The plan of `items` items in claims of `claim_size` on the pool: for each count 1..B its
-    wall time and cost (on-demand and spot), from measured per-item seconds, overheads and the
-    start-up of workers not yet running; beside it, the cold and serverless counterfactuals."""
+    """The plan of `items` in claims of `claim_size`: per count 1..B its wall time and cost, from
+    measured per-item seconds, overheads and start-up; beside it, cold and serverless."""
     rates, itype = price.rates, price.instance_type
     rate, spot_rate = (instance_rate_per_second(rates, itype, spot=spot) for spot in (False, True))
     measured = per_item_by_count(summaries)
@@ -7095,8 +7079,7 @@ def died_line(worker):
 
 
 def crash_looping(conf, model):
-    """The first local worker's death line when every local worker here keeps dying before it is
-    warm, else None."""
+    """The first death line when every local worker here keeps dying before it is warm, or None."""
     status = read_supervisor(conf, model)
     workers = status["workers"] if status else []
     if workers and all(not w.get("warm") and (w.get("last_exit") or {}).get("warm") is False for w in workers):
@@ -7105,8 +7088,7 @@ def crash_looping(conf, model):
 
 
 def announce_run(conf, model, items, claim_size):
-    """Tell a local pool that sizes itself how many claims are coming (1 for a stream), so its
-    supervisor starts workers while submit stages."""
+    """Tell a self-sizing local pool how many claims are coming, so it starts workers meanwhile."""
     folder = state_dir(conf, model)
     bounds = read_scaling(folder)
     if bounds is not None:
@@ -7116,9 +7098,8 @@ def announce_run(conf, model, items, claim_size):
 
 
 def pool_liveness(conf, backend, record):
-    """("live" | "starting" | "crashing" | "none", why) for a submit to the pool: live when a worker
-    is warm anywhere; crashing when every local worker dies before it is warm; starting when
-    workers are loading or the pool wakes on work; none when nothing will claim the run."""
+    """("live" | "starting" | "crashing" | "none", why) for a submit: a worker warm anywhere, every
+    local one dying before warm, workers loading or waking on work, or none to claim the run."""
     model = record["model"]
     status = read_supervisor(conf, model)
     local = status["workers"] if status else []
@@ -7175,9 +7156,8 @@ class Pool:
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
                max_deliveries=None, batch_timeout=None, gpus_per_worker=None, threads_per_worker=None, wait=True,
                progress=False, modal=None, include=()):
-        """Create (or re-create: idempotent) the pool, then start `workers` local workers, waited
-        for until warm unless wait=False. `modal`: modal_options' record; `include`: files
-        snapshotted beside the handler ([local, relative path]). Returns the pool record."""
+        """Create (or re-create) the pool, then start `workers` local workers, waited for unless
+        wait=False. `modal`: modal_options' record; `include`: [local, relative path] files."""
         defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
@@ -7241,9 +7221,8 @@ def new_pool_record(backend, model, defaults, batch_timeout=None):
 
 
 def as_items(items, columns=None):
-    """What stage_run takes, from what a user holds: a path goes to read_items; a pyarrow, pandas
-    or datasets table becomes TableItems; a numpy array or dict of arrays becomes ArrayItems; a
-    list stays one; any other iterable is staged as it yields, a claim at a time."""
+    """What stage_run takes, from what a user holds: a path (read_items), a table (TableItems),
+    arrays (ArrayItems), a list, or any iterable (staged as it yields, a claim at a time)."""
     if isinstance(items, (str, os.PathLike)):
         return read_items(os.fspath(items), columns)
     if type(items).__module__.split(".")[0] in ("pyarrow", "pandas", "datasets"):
@@ -7270,8 +7249,7 @@ RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own:
 
 
 def check_id_field(items, field):
-    """Refuse an --id-field that is a result line's own field or that an item lacks. Returns the
-    items: a list checked at once, a stream as it is read."""
+    """Refuse an --id-field that is a result's own field or an item lacks (a stream: as read)."""
     if field in RESULT_FIELDS:
         raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
     if isinstance(items, (ArrayItems, TableItems)):
@@ -7295,10 +7273,9 @@ def _has_id_field(field, index, item):
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
            shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None,
            columns=None):
-    """Run `items` on the warm pool `pool`, returning its Run once the claims are queued; or with
-    `model` instead, a cold run on `shards` fresh local workers, returned once it ended. A pool
-    with no live worker is a UserError unless wait_for_workers; one whose every local worker dies
-    before it is warm, WorkersFailed. `columns`: the columns of a table input."""
+    """Run `items` on the warm pool `pool` (the Run returns once queued), or with `model`, as a
+    cold run on `shards` fresh local workers (returns once ended). No live worker: a UserError
+    unless wait_for_workers; every local worker dying before warm: WorkersFailed."""
     conf, backend = context or _context(store)
     items = as_items(items, columns)
     if id_field:
@@ -7345,9 +7322,8 @@ class Run:
         return f"Run({self.run_id!r})"
 
     def wait(self, timeout=None, progress=False):
-        """Wait until every claim has a summary, nothing can run the rest, or `timeout` s; True when
-        every claim has one. `waited` keeps the summaries read; WorkersFailed when every local
-        worker of the pool dies before it is warm."""
+        """Wait until every claim has a summary, nothing can run the rest, or `timeout` s: True when
+        all have one (`waited` keeps them); WorkersFailed when every local worker dies unwarmed."""
         if timeout is None:
             timeout = setting_number(self.conf, "CALQUE_TIMEOUT", float, 0)
         check_timeout(timeout)
@@ -7389,9 +7365,8 @@ class Run:
         return run_table(self.iter_batches())
 
     def to_numpy(self, field=None, fill=None):
-        """`field` of every result (None: the result or its dict's only array) stacked in an array;
-        a failed item's row is `fill` (default NaN for floats, else a UserError). bfloat16 comes
-        back as float32."""
+        """`field` of every result (None: the result or its only array) stacked; a failed item's
+        row is `fill` (default NaN for floats, else a UserError). bfloat16 comes as float32."""
         return run_array(self.record, with_parts(self.backend, self.record, follow_claims(self.backend, self.record)),
                          field, fill)
 
@@ -7428,8 +7403,7 @@ def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
 
 
 def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
-    """Each (index, claim) in claim order as soon as it has its summary; a claim that will not run
-    raises ResultsIncomplete naming it and what to do."""
+    """(index, claim) as each claim is summarised, in order; one that will not run raises."""
     recheck = 0.0
     for index, claim in enumerate(run["claims"]):
         while True:
@@ -7509,8 +7483,7 @@ def write_results(lines, failed_only):
 
 
 class NoPandas:
-    """An import finder refusing pandas: pyarrow asks for it once, at its first conversion, and
-    then does without."""
+    """An import finder refusing pandas: pyarrow asks for it once, then does without."""
     @staticmethod
     def find_spec(name, path=None, target=None):
         if name == "pandas":
@@ -7568,8 +7541,7 @@ def open_output(path):
 
 
 def plan_run(conf, backend, model, items, claim_size, price):
-    """make_plan of `items` on the pool. A pool with no measured claim first runs one sample claim
-    of the first items, and says so."""
+    """make_plan of `items` on the pool; with no measured claim, one sample claim runs first."""
     record = load_pool(backend, model)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     check_claim_size(claim_size)
@@ -7589,8 +7561,7 @@ def plan_run(conf, backend, model, items, claim_size, price):
 
 
 def planned_count(conf, backend, record, plan, args):
-    """The option a submit runs at: the fewest workers meeting --deadline / --budget, else what the
-    pool's own sizing gives for this backlog."""
+    """The option to run at: fewest workers meeting --deadline / --budget, else the pool's own."""
     if args.deadline is not None or args.budget is not None:
         deadline = parse_duration(args.deadline) if args.deadline is not None else None
         option = pick_option(plan, deadline, args.budget)
@@ -7926,8 +7897,7 @@ def cmd_plan(conf, backend, args):
 
 
 def few_malloc_arenas():
-    """Two glibc malloc arenas: one a store writer thread keeps what it freed, inflating submit's
-    peak on table input."""
+    """Two glibc malloc arenas: per-thread ones keep what store writers freed (submit's peak)."""
     with contextlib.suppress(OSError, AttributeError):   # not glibc: nothing to limit
         ctypes.CDLL("libc.so.6").mallopt(-8, 2)   # M_ARENA_MAX
 
@@ -7946,9 +7916,8 @@ def cmd_runs_show(conf, backend, args):
 
 
 def cmd_runs_results(conf, backend, args):
-    """Every item's result in item order: JSONL on stdout, or one Parquet / .npy file; --follow
-    prints each claim's as it finishes. A claim without all its results is an error line on
-    stderr and exit 1: never a short read that looks whole."""
+    """Every item's result in item order, as JSONL (--follow: as each claim ends), Parquet or .npy;
+    a claim without all its results is an error line and exit 1, never a short read."""
     binary = args.format != "jsonl"
     if binary and args.follow:
         raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
@@ -8105,8 +8074,7 @@ def cmd_runs_redrive(conf, backend, args):
 
 
 def dashboard_module():
-    """dashboard.py, loaded by the verbs that make pages; it imports this module as `calque` (one
-    module even when calque.py runs as __main__)."""
+    """dashboard.py, importing this module as `calque` (one module even when run as __main__)."""
     sys.modules.setdefault("calque", sys.modules[__name__])
     import dashboard
     return dashboard
@@ -8158,9 +8126,8 @@ class ModalEntrypointFailed(Exception):
 
 
 class ModalRun:
-    """Where `calque modal run` sends the entrypoint's calls: runner(target, params, items) submits
-    to the pool serving the target and returns Run.results(). --pool M serves its handler's target;
-    any other gets an ephemeral pool at its first call, deleted by close()."""
+    """Where `calque modal run` sends calls: each target's items go to its pool (--pool M, or an
+    ephemeral one made at the first call, deleted by close()); returns Run.results()."""
 
     def __init__(self, context, path, pool, workers, volumes=(), secrets=()):
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
@@ -8230,8 +8197,7 @@ MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI p
 
 
 def entrypoint_parser(fn, prog):
-    """Modal's CLI for a local entrypoint: a --name option per parameter, typed by its annotation,
-    required without a default; a bool is --name/--no-name."""
+    """Modal's CLI for a local entrypoint: one --name option a parameter, typed by annotation."""
     parser = argparse.ArgumentParser(prog=prog)
     hints = typing.get_type_hints(fn)
     for name, param in inspect.signature(fn).parameters.items():
