@@ -4098,10 +4098,9 @@ def _check_rates(rates, file):
     _rates_field(rates, ("updated",), file, str)
     instances = _rates_field(rates, ("ec2", "instances"), file, dict)
     cards = _rates_field(rates, ("serverless", "cards"), file, dict)
-    if not instances:
-        raise UserError(f"rates file {file}: ec2.instances is empty")
-    if not cards:
-        raise UserError(f"rates file {file}: serverless.cards is empty")
+    for name, found in (("ec2.instances", instances), ("serverless.cards", cards)):
+        if not found:
+            raise UserError(f"rates file {file}: {name} is empty")
     for name in instances:
         keys = ("ec2", "instances", name)
         _rates_field(rates, keys + ("usd_per_hour",), file, "positive")
@@ -4133,8 +4132,8 @@ def _check_rates(rates, file):
     for name in ("sqs_usd_per_million", "s3_put_usd_per_thousand", "s3_get_usd_per_thousand"):
         _rates_field(rates, ("requests", name, "value"), file, "positive")
         _check_sourced(rates, ("requests", name), file)
-    for name in ("instance_type", "cpu_instance_type") if "cpu_instance_type" in rates.get("defaults", {}) else (
-            "instance_type",):
+    optional = ("cpu_instance_type",) if "cpu_instance_type" in rates.get("defaults", {}) else ()
+    for name in ("instance_type", *optional):
         default_type = _rates_field(rates, ("defaults", name, "value"), file, str)
         if default_type not in instances:
             raise UserError(f"rates file {file}: defaults.{name} {default_type!r} is not in ec2.instances")
@@ -4153,11 +4152,8 @@ def instance_rate_per_second(rates, instance_type, spot=False, savings_plan=Fals
                         f"known: {_known(instances)} ---> HINT: pick one, or add it to a --rates FILE")
     if spot and savings_plan:
         raise UserError("an instance is priced as spot or under a savings plan, not both")
-    fraction = 1.0
-    if spot:
-        fraction = rates["ec2"]["spot_fraction"]["value"]
-    elif savings_plan:
-        fraction = rates["ec2"]["savings_plan_fraction"]["value"]
+    option = "spot_fraction" if spot else "savings_plan_fraction" if savings_plan else None
+    fraction = rates["ec2"][option]["value"] if option else 1.0
     return instances[instance_type]["usd_per_hour"] * fraction / 3600.0
 
 
@@ -6743,10 +6739,8 @@ def pool_status(conf, backend, model):
         queue, dlq = queue_depth(backend, record["queue"]), queue_depth(backend, record["dlq"])
         stats = read_worker_stats(backend, model)
     supervisor = read_supervisor(conf, model)
-    local = []
-    if supervisor:
-        for w in supervisor["workers"]:
-            local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
+    local = [dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"]))
+             for w in (supervisor["workers"] if supervisor else [])]
     stats = mark_lost_workers(stats)
     return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
             "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
@@ -7140,8 +7134,8 @@ def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads
             os.remove(os.path.join(folder, "scaling.json"))
     if workers or bounds:
         return start_supervisor(conf, model, workers, gpus_per_worker, threads_per_worker)
-    if os.path.isdir(state_dir(conf, model)):
-        write_file_atomic(os.path.join(state_dir(conf, model), "desired"), "0")
+    if os.path.isdir(folder):
+        write_file_atomic(os.path.join(folder, "desired"), "0")
     stop_supervisor(conf, model, setting_number(conf, "CALQUE_GRACE") + 10)
     return None
 
@@ -7785,20 +7779,17 @@ def cmd_pool_logs(conf, backend, args):
         raise UserError(f"pool {args.model}: no {name} in {folder}: no local worker ran here"
                         + (" in that slot" if args.worker is not None else "")
                         + f" ---> HINT: calque pool scale --model {args.model} --workers 1")
-    offsets = {}
-    for path in paths:
-        with open(path, "rb") as f:
-            print(f"==> {path} <==\n{f.read().decode(errors='replace')}", end="", flush=True)
-            offsets[path] = f.tell()
-    while args.follow:
-        time.sleep(SUPERVISOR_TICK)
+    offsets, first = dict.fromkeys(paths, 0), True
+    while first or args.follow:
         for path in paths:
             with open(path, "rb") as f:
                 f.seek(offsets[path])
                 text = f.read()
                 offsets[path] = f.tell()
-            if text:
+            if text or first:
                 print(f"==> {path} <==\n{text.decode(errors='replace')}", end="", flush=True)
+        first = False
+        time.sleep(SUPERVISOR_TICK if args.follow else 0)
     return EXIT_OK
 
 
@@ -7813,11 +7804,11 @@ def cmd_submit(conf, backend, args):
     if isinstance(items, TableItems):
         few_malloc_arenas()
     progress = not args.json and sys.stderr.isatty()
+    planned = args.plan or args.deadline is not None or args.budget is not None
     if args.pool:
         if args.shards > 1:
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
-        planned = args.plan or args.deadline is not None or args.budget is not None
         if planned:
             items = items if hasattr(items, "__len__") else list(items)
             plan = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
@@ -7864,7 +7855,7 @@ def cmd_submit(conf, backend, args):
     else:
         if not args.model:
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
-        if args.plan or args.deadline is not None or args.budget is not None:
+        if planned:
             raise UserError("--plan, --deadline and --budget plan a pool run ---> HINT: submit --pool M")
         if args.no_wait:
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
@@ -8163,8 +8154,7 @@ class ModalRun:
 
     def _ephemeral(self, target, params):
         spec = f"{self.path}:{target}"
-        conf = self.context[0]
-        batch_size = pool_settings(conf)["batch_size"]
+        batch_size = pool_settings(self.context[0])["batch_size"]
         modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
                                                 self.volumes, batch_size=batch_size)
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
@@ -8611,8 +8601,7 @@ def main(argv=None):
     except Exception as e:
         if type(e).__module__.startswith("botocore"):   # AWS refused or is unreachable: one line
             print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions "
-                  "(docs/aws.md) and region",
-                  file=sys.stderr)
+                  "(docs/aws.md) and region", file=sys.stderr)
             return EXIT_FAILED
         raise   # anything else is a bug: the traceback is the report
 
