@@ -6663,14 +6663,14 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     if handler:                      # (the handler file is still checked)
         cold["handler"] = snapshot_handler(handler, prefix, backend.store.put if stage else lambda key, data: None)
     else:
-        cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
-        if "include" in record["handler"]:
-            cold["handler"]["include"] = dict(record["handler"]["include"], key=f"{prefix}handler/include.tar.gz")
-        if stage:
-            backend.store.put(cold["handler"]["key"], backend.store.get(record["handler"]["key"]))
-            if "include" in cold["handler"]:
-                backend.store.put(cold["handler"]["include"]["key"],
-                                  backend.store.get(record["handler"]["include"]["key"]))
+        theirs = record["handler"]
+        mine = cold["handler"] = dict(theirs, key=f"{prefix}handler/{theirs['file']}")
+        copies = [(mine, theirs)]
+        if "include" in theirs:
+            mine["include"] = dict(theirs["include"], key=f"{prefix}handler/include.tar.gz")
+            copies.append((mine["include"], theirs["include"]))
+        for new, old in copies if stage else ():
+            backend.store.put(new["key"], backend.store.get(old["key"]))
     shards = max(1, shards)
 
     def launch():   # one-shot instances that drain the run's queue and terminate themselves
