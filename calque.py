@@ -7292,10 +7292,9 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
                         f"calque pool scale --model {pool} --workers 1 (or --instances N), or "
                         "submit --wait-for-workers to queue it anyway")
+    claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     if state == "starting":   # ("none" with wait_for_workers: what the caller asked for)
         print(f"calque: {why}", file=sys.stderr)
-    claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
-    if state == "starting":
         announce_run(conf, pool, items, claim_size)
     run = stage_run(backend, record, items, claim_size, queue, "pool", run_id or new_run_id(record["model"]))
     return Run(run["run_id"], context=(conf, backend), id_field=id_field)
@@ -7561,8 +7560,9 @@ def planned_count(conf, backend, record, plan, args):
         option = pick_option(plan, deadline, args.budget)
         if option is None:
             fastest, cheapest = plan["options"][-1], min(plan["options"], key=lambda o: o["cost_usd"])
-            raise UserError(f"no count of 1..{len(plan['options'])} {plan['noun']} meets "
-                            f"{'--deadline ' + args.deadline if deadline else ''}{' --budget ' + str(args.budget) if args.budget is not None else ''}: "
+            limits = ("--deadline " + args.deadline if deadline else "") + (
+                " --budget " + str(args.budget) if args.budget is not None else "")
+            raise UserError(f"no count of 1..{len(plan['options'])} {plan['noun']} meets {limits}: "
                             f"the fastest takes {_duration(fastest['seconds'])}, the cheapest "
                             f"costs {_usd(cheapest['cost_usd'])} ---> HINT: loosen it, or raise "
                             "the pool's ceiling")
