@@ -8210,12 +8210,11 @@ def entrypoint_parser(fn, prog):
 
 def cmd_modal_run(conf, backend, args):
     own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py
-    own.add_argument("--pool", default=args.pool)
-    own.add_argument("--workers", type=int, default=args.workers)
+    own.add_argument("--pool")
+    own.add_argument("--workers", type=int)
     for flag in ("--volume", "--secret"):
-        own.add_argument(flag, action="append", default=getattr(args, flag[2:]))
-    mine, args.args = own.parse_known_args(args.args)
-    args.pool, args.workers, args.volume, args.secret = mine.pool, mine.workers, mine.volume, mine.secret
+        own.add_argument(flag, action="append")
+    _, args.args = own.parse_known_args(args.args, namespace=args)   # args' values are the defaults
     path, _, name = args.app.partition("::")
     if not os.path.isfile(path):
         raise UserError(f"modal run {args.app}: file {path} not found")
