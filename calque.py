@@ -4242,8 +4242,7 @@ def _add_counts(many):
 
 
 def request_cost(rates, requests):
-    """$ for these request counts at SQS Standard + S3 Standard prices, whatever the backend: a
-    local run's counts are the ones it would make on AWS (run_cost labels which it is)."""
+    """$ for these request counts at SQS + S3 Standard prices, whatever the backend (as if on AWS)."""
     n = request_counts(requests)
     r = rates["requests"]
     sqs = n["queue_receives"] + n["queue_empty_receives"] + n["queue_other"]
@@ -4264,8 +4263,7 @@ def _claim_label(summary):
 
 
 def claim_cost(summary, rate_per_s, rates):
-    """One claim's instance-seconds split and priced: fixed = @enter paid + acquisition (which
-    lies before the claim), variable = claim_seconds - @enter paid (docs/cost.md)."""
+    """One claim's fixed (@enter paid + acquisition) and variable (drain) seconds, priced."""
     what = _claim_label(summary)
     enter = _seconds(summary, "enter_seconds_paid", what)
     acquisition = _seconds(summary, "acquisition_seconds", what, default=0.0)
@@ -6789,8 +6787,7 @@ def worker_counts(workers):
 
 
 def format_pool_status(status, store_description):
-    """pool_status's answer as `pool status` prints it: queue depths, an EC2 pool's fleet, this
-    machine's workers, and a table of the running workers and the few last stopped."""
+    """pool_status as `pool status` prints it: queues, fleet, local workers, a table of workers."""
     q, d = status["queue"], status["dlq"]
     lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
              f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in "
@@ -7454,16 +7451,6 @@ def _pricing(args):
     return pricing(args.rates, args.instance_type, args.spot, args.savings_plan)
 
 
-def local_options(p):
-    """The options of pool create and pool scale for local workers."""
-    p.add_argument("--no-wait", action="store_true", help="return once the workers are started, before they are warm")
-    p.add_argument("--gpus-per-worker", type=int, metavar="K",
-                   help="CUDA devices per local worker, round-robin (default 1 where CUDA devices exist, else 0)")
-    p.add_argument("--threads-per-worker", type=int, metavar="N",
-                   help="torch/OpenMP/MKL threads per local worker (default: a CPU worker's share of the cores, "
-                        "cores / workers, unless OMP_NUM_THREADS etc. are set; a GPU worker: its libraries' default)")
-
-
 def print_cancelled(model, cancelled):
     for run_id, marked in cancelled.items():
         print(f"pool {model}: run {run_id} cancelled: {len(marked)} claim(s) without a summary will not run")
@@ -7781,8 +7768,7 @@ def cmd_pool_redrive(conf, backend, args):
 
 
 def cmd_pool_logs(conf, backend, args):
-    """The pool's worker logs here, each under a '==> path <==' header; --follow prints what they
-    write next, until Ctrl-C. An EC2 pool's are on its instances: say where."""
+    """The pool's worker logs here, each under a '==> path <==' header (--follow: until Ctrl-C)."""
     record = load_pool(backend, args.model)
     if "ec2" in record:
         print(f"pool {args.model} runs on EC2: each instance's worker log is its journal (`journalctl -u calque-warmd` "
@@ -8326,6 +8312,15 @@ def build_parser():
 
     def switch(group, flag, help):
         group.add_argument(flag, action="store_true", help=help)
+
+    def local_options(p):   # pool create's and pool scale's, for local workers
+        switch(p, "--no-wait", "return once the workers are started, before they are warm")
+        p.add_argument("--gpus-per-worker", type=int, metavar="K", help="CUDA devices per local "
+                       "worker, round-robin (default 1 where CUDA devices exist, else 0)")
+        p.add_argument("--threads-per-worker", type=int, metavar="N", help="torch/OpenMP/MKL "
+                       "threads per local worker (default: a CPU worker's share of the cores, "
+                       "cores / workers, unless OMP_NUM_THREADS etc. are set; a GPU worker: its "
+                       "libraries' default)")
 
     def verb(verbs, name, func, *flags, cost=False, **kw):
         p = verbs.add_parser(name, parents=[priced] if cost else [], **kw)
