@@ -4331,17 +4331,13 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
         "total_usd": total, "usd_per_1000_items": total / items * 1000 if items else None,
         "seconds_per_item": variable / items if items else None,  # the ladder's c
         "warm_usd": variable * rate_per_s + request_usd,
-        "cold": {
-            "shards": shards, "acquisition_seconds": acquisition_seconds,
-            "enter_seconds": enter_seconds, "variable_seconds": variable,
-            "instance_seconds": cold_seconds, "usd": cold_usd,
-        },
+        "cold": {"shards": shards, "acquisition_seconds": acquisition_seconds,
+                 "enter_seconds": enter_seconds, "variable_seconds": variable,
+                 "instance_seconds": cold_seconds, "usd": cold_usd},
         "saving_usd": saving, "saving_fraction": saving / cold_usd if cold_usd > 0 else None,
-        "inputs": {
-            "instance rate": "published (rates file)", "claim seconds": "measured",
-            "request counts": "measured", "@enter seconds": enter_status,
-            "acquisition seconds": acquisition_status,
-        },
+        "inputs": {"instance rate": "published (rates file)", "claim seconds": "measured",
+                   "request counts": "measured", "@enter seconds": enter_status,
+                   "acquisition seconds": acquisition_status},
         "notes": notes,
     }
 
