@@ -7436,9 +7436,9 @@ def with_ids(backend, run, claim, lines, field):
 
 # ------------------------------------------------------------------------------------------------
 # 11. the CLI: printing helpers, then one cmd_* per verb in the parser's order, build_parser, main
-def emit(args, data, lines):
-    """Print `data` as JSON with --json, else the text lines; the verb's exit code."""
-    print(json.dumps(data, indent=1) if args.json else "\n".join(lines))
+def emit(args, data, text, *text_args):
+    """Print `data` as JSON with --json, else the lines of text(*text_args); the exit code."""
+    print(json.dumps(data, indent=1) if args.json else "\n".join(text(*text_args)))
     return EXIT_OK
 
 
@@ -7701,7 +7701,7 @@ def cmd_pool_scale(conf, backend, args):
 
 def cmd_pool_status(conf, backend, args):
     status = pool_status(conf, backend, args.model)
-    return emit(args, status, format_pool_status(status, backend.describe()))
+    return emit(args, status, format_pool_status, status, backend.describe())
 
 
 def cmd_pool_list(conf, backend, args):
@@ -7711,7 +7711,7 @@ def cmd_pool_list(conf, backend, args):
         pools = [{"model": model, "record": True, "asg": None} for model in list_pools(backend)]
     local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0)
                      for p in pools} if not args.json else {}
-    return emit(args, pools, format_pool_list(pools, local_workers, backend.describe()))
+    return emit(args, pools, format_pool_list, pools, local_workers, backend.describe())
 
 
 def cmd_pool_delete(conf, backend, args):
@@ -7748,7 +7748,7 @@ def cmd_pool_cost(conf, backend, args):
     report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
                        rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
     return emit(args, {"model": args.model, "priced_as": label, "cost": report},
-                format_pool_cost(report, label, args.model))
+                format_pool_cost, report, label, args.model)
 
 
 def cmd_pool_redrive(conf, backend, args):
@@ -7883,7 +7883,7 @@ def cmd_submit(conf, backend, args):
 
 def cmd_plan(conf, backend, args):
     plan = plan_run(conf, backend, args.pool, read_items(args.items), args.claim_size, _pricing(args))
-    return emit(args, plan, format_plan(plan))
+    return emit(args, plan, format_plan, plan)
 
 
 def few_malloc_arenas():
@@ -7894,7 +7894,7 @@ def few_malloc_arenas():
 
 def cmd_runs_list(conf, backend, args):
     runs = list_runs(backend)
-    return emit(args, runs, format_runs_list(runs))
+    return emit(args, runs, format_runs_list, runs)
 
 
 def cmd_runs_show(conf, backend, args):
