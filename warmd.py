@@ -1,54 +1,32 @@
 """warmd: the sticky worker. Loads its pool's model once (@enter), then claims batch after batch.
 
-    python warmd.py --model demo                 # a pool worker (foreground; what the supervisor and EC2 run)
-    python warmd.py --run demo.20261129-101500-ab12cd   # a cold run's ephemeral worker: pays @enter, drains, exits
-    CALQUE_STORE=s3://bucket/prefix python warmd.py --model Qwen/Qwen2.5-1.5B-Instruct
+    python warmd.py --model demo    # a pool worker (what the supervisor and EC2 run)
+    python warmd.py --run RUN       # a cold run's worker: @enter in its first claim, drains, exits
 
-Everything it needs comes from the pool record in the store (handler snapshot, batch size, visibility
-timeout, max deliveries, batch timeout); handler code is never taken from a message. Per claim: long poll,
-manifest, drain in batches, result parts, summary, then ack. Claims are pipelined (CALQUE_PIPELINE=0 turns it
-off): k's summary and ack go out on the `finisher` thread while k+1 is received and drains, and on S3 + SQS
-(CALQUE_AHEAD=1 or 0 decides on any backend), while the last batch of claim k runs, claim k+1 is received and
-accepted (duplicate check, manifest) on the `ahead` thread. Acks
-go ACK_BATCH to a request, within ACK_WAIT s, and at once when the queue runs empty.
-SIGTERM (or a spot interruption notice) stops claiming, gives a claim received ahead back at once, and finishes
-the running claim within CALQUE_GRACE seconds, else releases it; a second SIGTERM/SIGINT releases it at once.
-SIGUSR1 (the supervisor scaling in) stops claiming too, but lets the running claim finish however long it takes.
-On an EC2 pool instance the worker protects its instance from scale-in while it holds a claim. Exit 0 on a
-graceful stop.
-
-Nothing lost, nothing stuck:
-- Checkpoints: results go to the store in parts (calque.part_key) once CALQUE_CHECKPOINT_SECONDS of drain AND
-  CALQUE_CHECKPOINT_BATCHES batches have passed, and at the end (a short claim: one part, no extra request).
-  Under churn (this worker or its pool saw a death) on Young's interval (commit_interval).
-  A redelivery, or a message with "resume": true, lists the parts and resumes after the prefix they cover.
-- Poison: a redelivery whose last delivery died (the attempt record holds no "released") runs the rest one item
-  at a time, writing the attempt record (calque.attempt_key) before each. A death counts against the item the
-  record names when the record is the previous delivery's and the item is not in a part yet; an item that
-  runs alone and returns is cleared. POISON_DEATHS deaths with no return between quarantine it as poison: a
-  poison item kills every time, while a chaos kill -9 must land on the same item twice in a row to blame it. One
-  death more once the pool is seen churning (an item cleared after a death: mark_churn, churning).
-- Dead letters: past max_deliveries, a claim is dead-lettered only when its last max_deliveries deliveries made
-  no progress: no new part, no death pinned on an item, no quarantine. A crashing infrastructure slows a good
-  claim down; deaths that nothing can pin (a crash before any item runs) and store outages past their retries
-  still end in the dead-letter queue.
-- Hung batches: a handler call past batch_timeout commits what is done, marks its items suspect, releases the
-  claim and exits EXIT_HUNG (no thread can stop one stuck in a handler); a lone suspect is then quarantined
-  as timed out, a suspect batch is re-run one item at a time.
-- Faults: store writes are retried (WRITE_RETRY); past that, or on a read or queue fault, the claim is let go
-  for RELEASE_DELAY doubling per delivery (up to the visibility timeout), never at once.
-- Results are strict JSON: NaN, Infinity, a type json cannot take or nesting too deep fails that item alone. A
-  numeric array or tensor (the result, or a value of its dict) is kept in binary: the part is then an .npz
-  (calque.encode_part).
-- A claim ahead: at most one, received only as the running claim's last batch starts, only when the finisher
-  is done with the claim before (two claims held at most) and the latest handler call took under AHEAD_HOLD/2 s;
-  given back (visibility 0) when it has not started AHEAD_HOLD s after it was accepted (a clock that stands
-  still while a store write is retried), or at once on SIGTERM, so that it is not kept from an idle worker of
-  the pool; a delivery given back unstarted is not held against max_deliveries. kill -9 loses nothing: a claim
-  held ahead comes back after its visibility timeout like any other.
-- The claim's last result part is written on the worker's own thread, its summary and ack on the finisher: a
-  worker whose writes the store refuses takes no further claim while it retries, so another worker takes it.
+All it runs comes from the pool record in the store, never from a message. A claim is received in
+Worker._loop_once (or ahead, Ahead._fetch), accepted in open_claim -> accept (take_over on a
+redelivery), run in run_claim -> drain -> _drain_batches -> _run_batch, its results written by
+commit, its summary by finish, and acked by Acks (add, flush). The rules (checkpoints, poison, dead
+letters, hung batches, faults, claims ahead, signals) are docs/contract.md's.
 """
+# Threads. The main one runs the loop, the handler and the signal handlers. The others:
+#   thread         does                                      touches               lock
+#   heartbeat      Leases: renews each held claim's lease    Heartbeat.due, .lost  Leases.changed,
+#                  every third of its visibility timeout                           Heartbeat.renewing
+#   watchdog       times handler calls; on an overrun,       the claim (overrun)   Watchdog.lock
+#                  commits, releases, exits EXIT_HUNG
+#   pipeline       Collator.prepare of the next batch        ring slots, a stream  its future
+#   manifest       the manifest read (network backends)      the store             its future
+#   ahead          Ahead._fetch: probe, then open_claim      the claim it gets     Ahead.lock, .taken
+#   finisher       finish_claim: summary, Acks.add           stats, Acks           its future
+#   ack timer      Acks.flush, `wait` s after the first ack  the queue             Acks.lock
+#   grace timer    release_now, CALQUE_GRACE s after SIGTERM Worker.release_now    an Event
+#   GPU sampler    NVML samples during a claim               GpuSampler.samples    joined in stop()
+#   spot-poller    metadata: a spot notice -> SIGTERM,       signals to itself     none
+#                  a terminating instance -> SIGUSR1
+#   output         Output.flush every OUTPUT_FLUSH s         the store             Output.flushing
+#   (pipe copier)  fds 1 and 2 -> the log and Output.add     Output.parts          Output.lock
+# A thread that writes for a claim sets it with Worker.serving (thread-local heartbeat and tally).
 import argparse
 import contextlib
 import faulthandler
