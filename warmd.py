@@ -80,7 +80,7 @@ RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubl
 POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison (+1 under churn)
 CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then ran and returned) marks the pool as churning
 WATCHDOG_TICK = 1.0         # s between two checks of the running handler call (a quarter of batch_timeout if less)
-OVERRUN_COMMIT_WAIT = 1.0   # s the watchdog waits for each finished batch's serialisation before its last commit
+OVERRUN_WAIT = 1.0          # s the watchdog waits on the claim ahead and the finisher before it exits
 OUTPUT_FLUSH = 1.0          # s between two chunks of what handler code prints, written to the store
 OUTPUT_CHUNK = 64 << 10     # characters of a chunk at most; past 4 unwritten, the oldest go
 OUTPUT_KEPT = 64            # chunks a worker keeps in the store (it deletes the older ones)
@@ -110,7 +110,7 @@ class Claim:
         self.start = self.committed = 0     # [0, start): earlier deliveries' parts; [start, committed): this one's
         self.parts, self.failed, self.errors = [], [], {}   # every part [start, stop]; failed run indices; messages
         self.resumed_failed = 0                         # of `failed`, those taken from earlier parts
-        self.formatted = []             # (stop offset, future of format_outcome) per batch run and not yet in a part
+        self.formatted = []             # (stop offset, format_outcome's) per batch not yet in a part
         self.kind = None                # how its batches are prepared: Collator.claim_kind, once, as its drain starts
         self.batches, self.last_commit = 0, 0.0         # batches run since the last part, and when it was written
         self.model_seconds = self.wait_seconds = 0.0
@@ -121,28 +121,6 @@ class Claim:
         self.progress_at = 0                            # the delivery (receive count) that last made progress
         self.heartbeat = None                           # its lease's Heartbeat (open_claim sets it)
         self.requests = Counter()                       # requests made for it, for its summary (Requests.tally)
-
-
-class Done:
-    """fn(*args), run here and now, read as a finished Future is (result, exception): where the same code takes
-    the work of a thread or the caller's own. Not a Future: its lock and condition cost ~3 us, and a 1,000-item
-    claim makes ~35 of these (each batch's preparation and its result lines)."""
-    __slots__ = ("value", "error")
-
-    def __init__(self, fn, *args):
-        self.value = self.error = None
-        try:
-            self.value = fn(*args)
-        except Exception as e:
-            self.error = e
-
-    def result(self, timeout=None):
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-    def exception(self, timeout=None):
-        return self.error
 
 
 class ClaimReleased(Exception):
@@ -1231,21 +1209,18 @@ class Worker:
         if calque.run_slug(run_id) != self.record["slug"]:
             return self.dead_letter(message, f"run {run_id} is not one of this model's runs "
                                              f"({self.record['slug']}.*): refused", msg)
-        # the duplicate check and the manifest read are independent: over a network issue both at once (one store
-        # round trip off every claim's critical path; a duplicate wastes one read). A local read (a file, ~30 us)
-        # is done here: handing it to the reader thread cost a 1,000-item claim 0.3-0.5 ms more
-        if self.network:
-            manifest_read = self.reader.submit(self.backend.requests.carried(self.backend.store.get), key)
-        else:
-            manifest_read = Done(self.backend.store.get, key)
+        # over a network, the manifest is read beside the duplicate check; a local one after it
+        get = self.backend.store.get
+        manifest_read = self.network and self.reader.submit(self.backend.requests.carried(get), key)
         if self.backend.store.exists(calque.summary_key(run_id, claim)):
-            manifest_read.exception()    # let it finish: nothing is left running behind the ack
+            if manifest_read:
+                manifest_read.exception()    # let it finish: nothing is left running behind the ack
             self.queue.delete(message)
             log.info("worker %s: claim %s/%s already has a summary (duplicate delivery): acked without recompute",
                      self.worker_id, run_id, claim)
             return None
         try:
-            manifest = json.loads(manifest_read.result())
+            manifest = json.loads(manifest_read.result() if manifest_read else get(key))
             items = calque.array_items(self.backend.store, manifest) if "arrays" in manifest else manifest["items"]
             first = int(manifest.get("first_index", 0))
             if not isinstance(items, list):
@@ -1445,8 +1420,7 @@ class Worker:
                 if claim.single:              # it ran alone and the process lived: whatever killed one, not this
                     if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
                         self.mark_churn()
-                formatted = Done(format_outcome, outcome, claim.first + unit.start)   # GIL-bound: no thread
-                claim.formatted.append((unit.stop, formatted))
+                claim.formatted.append((unit.stop, format_outcome(outcome, claim.first + unit.start)))
                 claim.batches += 1
                 since, every = time.monotonic() - claim.last_commit, self.commit_interval(claim)
                 if (since >= every if every is not None else
@@ -1470,15 +1444,9 @@ class Worker:
         life = claim.life or (self.seen_life or 0.0)
         return min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
 
-    def commit(self, claim, wait=None):
-        """The batches run since the last part, written as one part (with `wait`: only those serialised within
-        `wait` s each, for the watchdog, which must not hang on a pipeline thread stuck in a handler's collate)."""
-        ready = []
-        for stop, future in claim.formatted:
-            try:
-                ready.append((stop, future.result(timeout=wait)))
-            except TimeoutError:
-                break
+    def commit(self, claim):
+        """The batches run since the last part, written as one part."""
+        ready = list(claim.formatted)
         if not ready:
             return
         stop = ready[-1][0]
@@ -1570,7 +1538,7 @@ class Worker:
                   [claim.first + k for k in offsets], seconds, self.batch_timeout, EXIT_HUNG)
         with self.serving(claim.heartbeat, claim.requests):
             try:
-                self.commit(claim, wait=OVERRUN_COMMIT_WAIT)
+                self.commit(claim)
                 self.write_attempt(claim, "suspect", offsets, batch_timeout=self.batch_timeout)
             except BaseException as e:      # the exit below must happen whatever the store says
                 log.warning("worker %s: before exiting: %s: %s", self.worker_id, type(e).__name__, e)
@@ -1578,7 +1546,7 @@ class Worker:
         with contextlib.suppress(Exception):
             self.queue.change_visibility(claim.message, 0)
         with contextlib.suppress(Exception):
-            self.settle(wait=OVERRUN_COMMIT_WAIT)
+            self.settle(wait=OVERRUN_WAIT)
         self.last_word = f"exit {EXIT_HUNG}: a handler call ran past the batch_timeout of {self.batch_timeout:g} s"
         self.write_stats("stopped")
         os._exit(EXIT_HUNG)
@@ -1598,7 +1566,7 @@ class Worker:
         payloads = [claim.items[k] for k in offsets]
         if self.pipelined(claim):
             return self.prefetcher.submit(self.collator.prepare, payloads, claim.kind)
-        return Done(self.collator.prepare, payloads, claim.kind)
+        return None
 
     def model_clock(self):
         """Seconds on the model's clock: wall time less the pipeline thread's CPU time. The difference of two
@@ -1633,11 +1601,11 @@ class Worker:
 
     def _call_batch(self, future, payloads, offsets, kind):
         t0 = time.perf_counter()
-        try:
-            prepared = future.result()
+        try:   # a failed collation: the items are tried one by one below, each failing alone
+            prepared = future.result() if future else self.collator.prepare(payloads, kind)
         except Exception:
-            prepared = None     # collation failed: the items are tried one by one below, each failing alone
-        wait = time.perf_counter() - t0
+            prepared = None
+        wait = time.perf_counter() - t0 if future else 0.0
         model = 0.0
         if prepared is not None:
             t0 = self.model_clock()
