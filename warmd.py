@@ -12,12 +12,12 @@ letters, hung batches, faults, claims ahead, signals) are docs/contract.md's.
 # Threads. The main one runs the loop, the handler and the signal handlers. The others:
 #   thread         does                                      touches               lock
 #   heartbeat      Leases: renews each held claim's lease    Heartbeat.due, .lost  Leases.changed,
-#                  every third of its visibility timeout                           Heartbeat.renewing
+#                  every third of its visibility timeout                          Heartbeat.renewing
 #   watchdog       times handler calls; on an overrun,       the claim (overrun)   Watchdog.lock
 #                  commits, releases, exits EXIT_HUNG
 #   pipeline       Collator.prepare of the next batch        ring slots, a stream  its future
 #   manifest       the manifest read (network backends)      the store             its future
-#   ahead          Ahead._fetch: probe, then open_claim      the claim it gets     Ahead.lock, .taken
+#   ahead          Ahead._fetch: probe, then open_claim      the claim it gets     Ahead.lock/taken
 #   finisher       finish_claim: summary, Acks.add           stats, Acks           its future
 #   ack timer      Acks.flush, `wait` s after the first ack  the queue             Acks.lock
 #   grace timer    release_now, CALQUE_GRACE s after SIGTERM Worker.release_now    an Event
@@ -51,7 +51,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import calque
-from calque import orjson   # result lines (None only until main() re-runs this under the kit's .venv)
+from calque import orjson   # result lines (None only until main() re-runs us under the .venv)
 
 # ------------------------------------------------------------------------------------------------
 # defaults (the pool record and CALQUE_* settings override the per-pool ones)
@@ -80,7 +80,7 @@ RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubl
 POISON_DEATHS = 2           # lone-run deaths that quarantine an item as poison (+1 under churn)
 CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then returned) marks churn
 WATCHDOG_TICK = 1.0         # s between two checks of the handler call (batch_timeout/4 if less)
-OVERRUN_WAIT = 1.0          # s the watchdog waits on the claim ahead and the finisher before it exits
+OVERRUN_WAIT = 1.0          # s the watchdog waits on the claim ahead and the finisher at exit
 OUTPUT_FLUSH = 1.0          # s between two chunks of what handler code prints, written to the store
 OUTPUT_CHUNK = 64 << 10     # characters of a chunk at most; past 4 unwritten, the oldest go
 OUTPUT_KEPT = 64            # chunks a worker keeps in the store (it deletes the older ones)
@@ -94,12 +94,11 @@ class Interrupted(BaseException):
 
 
 class ReleaseNow(BaseException):
-    """A second signal during a claim: release it now (not an Exception: a handler cannot catch it)."""
+    """A second signal during a claim: release it now (no Exception: a handler cannot catch it)."""
 
 
 class Claim:
-    """One accepted claim through drain and finish. Offsets are positions in the claim; a run index
-    is `first` + offset."""
+    """One accepted claim through drain and finish (offsets: positions in the claim)."""
 
     def __init__(self, message, run_id, claim, items, first, received):
         self.message, self.run_id, self.claim_id = message, run_id, claim
@@ -108,9 +107,9 @@ class Claim:
         self.enter_paid = self.acquisition = 0.0  # what a cold worker paid inside it
         self.gpu = None                           # GpuSampler.stop()'s reading
         self.start = self.committed = 0   # [0, start): earlier deliveries' parts; then this one's
-        self.parts, self.failed, self.errors = [], [], {}   # [start, stop] each; run indices; messages
+        self.parts, self.failed, self.errors = [], [], {}   # [start, stop]s; run indices; messages
         self.resumed_failed = 0                   # of `failed`, those from earlier parts
-        self.formatted = []                       # (stop offset, format_outcome's) not yet in a part
+        self.formatted = []                       # (stop, format_outcome's) not yet in a part
         self.kind = None                          # Collator.claim_kind, once, as its drain starts
         self.batches, self.last_commit = 0, 0.0   # batches since the last part, and when it went
         self.model_seconds = self.wait_seconds = 0.0
@@ -138,14 +137,13 @@ class Prepared:
 # How a claim's batches are prepared, decided once per claim by Collator.claim_kind
 BY_HANDLER = "handler"      # the handler's own collate(payloads), on the pipeline thread
 NUMERIC = "numeric"         # fastbatch gathers dicts of arrays; any other batch passes through
-AS_LIST = "list"            # no item can collate: batches pass through as lists, on the model's thread
+AS_LIST = "list"            # no item can collate: batches pass as lists, on the model's thread
 NOT_NUMERIC = (str, bytes, dict, type(None), complex)   # payload values that never collate
 JSON_SCALARS = {str, int, float, bool, type(None), dict}  # value types of JSON items with no array
 
 
 def may_collate(item):
-    """Whether a batch holding this item may collate: a dict of numbers and arrays, at least one an
-    array or list. Type checks only: nothing is imported to answer."""
+    """Whether a batch holding this item may collate (type checks only: nothing imported)."""
     if type(item) is not dict:
         return False
     array = False
@@ -157,11 +155,9 @@ def may_collate(item):
 
 
 class Collator:
-    """What a handler's batch call receives: its own collate(payloads) when it has one; else numeric
-    payloads gathered by fastbatch into a ring of reused host buffers (pinned with CUDA, then copied
-    to the GPU on a side stream, so batch k+1's copy overlaps batch k's model); else the list.
-    fastbatch and torch are imported by the first claim that may collate (or at load when the handler
-    imported torch): a plain-Python handler's worker never holds them."""
+    """What a handler's batch call receives: its own collate(payloads); else numeric payloads
+    gathered by fastbatch into reused host buffers (pinned, then copied to the GPU on a side stream
+    beside the model); else the list. fastbatch and torch load only for a claim that may collate."""
 
     def __init__(self, handler_collate):
         self.handler_collate = handler_collate
@@ -177,13 +173,13 @@ class Collator:
         self.stream = torch.cuda.Stream() if self.cuda else None
 
     def claim_kind(self, items):
-        """How this claim's batches are prepared, once for the claim: BY_HANDLER with a collate of its
-        own; NUMERIC when some item may collate (fastbatch still plans each batch, so a mixed claim
-        is as if planned batch by batch); AS_LIST when none can, which saves planning claims of text."""
+        """How this claim's batches are prepared: BY_HANDLER with a collate of its own; NUMERIC when
+        some item may collate (fastbatch still plans each batch); AS_LIST when none can."""
         if self.handler_collate is not None:
             return BY_HANDLER
         try:   # the common case first: no value in the claim is a list
-            if set(map(type, itertools.chain.from_iterable(map(dict.values, items)))) <= JSON_SCALARS:
+            values = itertools.chain.from_iterable(map(dict.values, items))
+            if set(map(type, values)) <= JSON_SCALARS:
                 return AS_LIST
         except TypeError:   # an item that is not a dict: the scan below decides
             pass
@@ -214,7 +210,7 @@ class Collator:
         return Prepared(on_device, slot, event)
 
     def inputs(self, prepared):
-        """On the model's thread: make its stream wait for the copy (a GPU-side wait, not a host sync)."""
+        """On the model's thread: its stream waits for the copy (on the GPU, not a host sync)."""
         if prepared.event is not None:
             main = self.torch.cuda.current_stream()
             main.wait_event(prepared.event)
@@ -231,9 +227,8 @@ class Collator:
 
 
 def result_encoder():
-    """value -> its strict, compact JSON text (no NaN or Infinity; numpy and torch values through
-    calque.to_jsonable), from an encoder made once, not one per call as json.dumps makes. No circular
-    check: a circular result fails its item with RecursionError, as nesting too deep does."""
+    """value -> its strict, compact JSON text, from an encoder made once (json.dumps makes one a
+    call). No circular check: a circular result fails its item with RecursionError."""
     make = json.encoder.c_make_encoder      # None without the C accelerator
     if make is None:
         return json.JSONEncoder(default=calque.to_jsonable, separators=(",", ":"), allow_nan=False,
@@ -251,8 +246,8 @@ ORJSON_AS_JSON = orjson and orjson.OPT_PASSTHROUGH_DATACLASS | orjson.OPT_PASSTH
 
 
 def refuse_arrays(value):
-    """orjson's default= for a batch encoded whole: an array or tensor is refused (the batch then goes
-    item by item, format_each, where it is kept in binary); any other value as calque.to_jsonable."""
+    """orjson's default= for a batch encoded whole: refuses an array or tensor (format_each keeps it
+    in binary), takes any other value as calque.to_jsonable does."""
     np = sys.modules.get("numpy")
     if hasattr(value, "detach") or (np is not None and isinstance(value, np.ndarray)):
         raise TypeError("an array: typed")
@@ -282,8 +277,8 @@ def load_framer(folder=None):
         spec.loader.exec_module(module)
         return module.ffi, module.lib
     except (ImportError, OSError, AttributeError) as e:   # before logging is set up: WARNING shows
-        log.warning("warmd: fastbatch's C module is not built (%s): result lines are framed in Python "
-                    "---> HINT: install calque where gcc and the Python headers are (make setup)", e)
+        log.warning("warmd: fastbatch's C module is not built (%s): lines framed in Python "
+                    "---> HINT: build it where gcc and the Python headers are (make setup)", e)
         return None, None
 
 
@@ -291,9 +286,8 @@ ffi, framer = load_framer()
 
 
 def format_outcome(outcome, base):
-    """One batch's [(ok, result or error)] as ([its result lines], failed indices, error messages). A
-    batch whose every item succeeded is encoded by orjson in one call and framed in C (frame_lines);
-    any other goes through format_each, where each item fails or succeeds alone."""
+    """One batch's [(ok, result or error)] as ([result lines], failed indices, errors): encoded in
+    one call and framed in C where all succeeded (frame_lines), else item by item (format_each)."""
     if framer is not None and all(ok for ok, _ in outcome):
         lines = frame_lines([value for _, value in outcome], base)
         if lines is not None:
@@ -335,7 +329,9 @@ def format_each(outcome, base):
                 value = f"result is not JSON-serialisable: {type(e).__name__}: {e}"
         failed.append(i)
         errors[str(i)] = value[:calque.ERROR_CHARS]
-        line = {"i": i, "ok": False, "error": value[:calque.ERROR_CHARS], **trace_of(value)}
+        line = {"i": i, "ok": False, "error": value[:calque.ERROR_CHARS]}
+        if getattr(value, "trace", None):   # an ItemError's frames (none for a wrong result count)
+            line["trace"] = value.trace
         lines.append(encode_result(line) + "\n")
     text = "".join(lines)
     if cells:
@@ -350,17 +346,11 @@ class ItemError(str):
 
 
 def item_error(error):
-    """The ItemError of a handler's exception for one item: its message, and its last
-    calque.TRACE_FRAMES frames as "file:line in function: code"."""
+    """The ItemError of a handler's exception for one item, with its last frames."""
     message = ItemError(f"{type(error).__name__}: {error}")
     message.trace = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}: {f.line}"
                      for f in traceback.extract_tb(error.__traceback__)[-calque.TRACE_FRAMES:]]
     return message
-
-
-def trace_of(error):
-    """{"trace": frames} for a failed item's result line, {} when the error has none."""
-    return {"trace": error.trace} if getattr(error, "trace", None) else {}
 
 
 class Tee:
@@ -378,9 +368,8 @@ class Tee:
 
 
 class Output:
-    """What handler code prints goes to the worker's log and to the store in chunks
-    (calque.output_key) every OUTPUT_FLUSH s and before each summary, where `modal run` and `submit
-    --follow-logs` follow it. Nothing is captured until capture() (main(), not an in-process test)."""
+    """What handler code prints, to the worker's log and to the store in chunks every OUTPUT_FLUSH s
+    and before each summary (`modal run`, `submit --follow-logs`). Captured from capture() on."""
 
     def __init__(self, store, prefix, label):
         self.store, self.prefix, self.label = store, prefix, label
@@ -388,8 +377,8 @@ class Output:
         self.lock, self.flushing = threading.Lock(), threading.Lock()
 
     def capture(self):
-        """sys.stdout and sys.stderr through a Tee; fds 1 and 2 (a subprocess's, a C library's) through
-        a pipe a thread copies to the log and here. warmd's log lines and tracebacks go to the log alone."""
+        """sys.stdout and sys.stderr through a Tee, fds 1 and 2 through a pipe copied to the log and
+        here; warmd's log lines and tracebacks go to the log alone."""
         log_file = open(os.dup(2), "w", buffering=1, errors="replace")
         read, write = os.pipe()
         for fd in (1, 2):
@@ -450,10 +439,9 @@ class Output:
 
 
 class Leases:
-    """The leases of the claims this worker holds (draining, finishing, received ahead), renewed by
-    one thread, not one a claim (a thread's start and join would cost each claim): each message's
-    visibility is extended every third of its timeout. A renewal that hangs delays the others; the
-    two thirds of a timeout left cover it."""
+    """The leases of the claims this worker holds (draining, finishing, received ahead), each
+    renewed every third of its timeout by one thread for all (a renewal that hangs delays the
+    others: the two thirds of a timeout left cover it)."""
 
     def __init__(self, queue):
         self.queue, self.held, self.changed = queue, set(), threading.Condition()
@@ -506,17 +494,16 @@ class Heartbeat:
         leases.add(self)
 
     def stop(self):
-        """No renewal after this returns (one in progress is waited for): the ack or release follows."""
+        """No renewal after this returns (one in progress is waited for)."""
         with self.renewing:
             self.stopped = True
         self.leases.remove(self)
 
 
 class Watchdog:
-    """Times the handler calls of the claim it is armed for: past `timeout` s, `on_overrun(offsets)`
-    is called from this thread and does not return (the process exits: no thread can stop one stuck
-    in a handler). `on_call`, if given, is called on the claim's thread as each call starts (offsets)
-    and ends (None). One for the worker, armed per claim."""
+    """Times the handler calls of the claim it is armed for: past `timeout` s, it calls
+    `on_overrun(offsets)`, which exits. `on_call`, if given, is called on the claim's thread as each
+    call starts (offsets) and ends (None)."""
 
     def __init__(self, timeout):
         self.timeout, self.lock = timeout, threading.Lock()
@@ -603,9 +590,8 @@ class Ahead:
 
 
 class Acks:
-    """Acks of finished claims, ACK_BATCH to a request, `wait` s after the first one at most. Safe:
-    an ack is queued only once its summary is written, so a lost ack's claim is redelivered and
-    acked as a duplicate, without recompute."""
+    """Acks of finished claims, ACK_BATCH a request, `wait` s after the first at most. Safe: queued
+    once its summary is written, a lost ack's claim comes back and is acked as a duplicate."""
 
     def __init__(self, queue, requests, wait):
         self.queue, self.requests, self.wait = queue, requests, wait
@@ -785,8 +771,8 @@ class Worker:
         self.batch_timeout = float(record.get("batch_timeout", default_timeout))
         self.checkpoint_seconds = calque.setting_number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
         self.checkpoint_batches = calque.setting_number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
-        self._serving = threading.local()       # per thread: the heartbeat of the claim it works for
-        self.watchdog = None                    # Watchdog, armed for the draining claim (start() makes it)
+        self._serving = threading.local()       # per thread: its claim's heartbeat (serving)
+        self.watchdog = None                    # Watchdog, armed for the draining claim
         self.progressed = False          # a result part or a summary written (announce)
         previous = os.environ.get("CALQUE_PREVIOUS_LIFE")   # s this slot's last worker lived, when it died
         self.seen_life = float(previous) if previous else None   # the latest death's life seen (commit_interval)
@@ -822,10 +808,9 @@ class Worker:
             self.pipeline_clock = time.pthread_getcpuclockid(thread)
         # the manifest read beside the duplicate check (over a network; see self.network)
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")
-        # claim pipelining: the next claim's receive and accept, and the last one's writes, each on a thread
         self.ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="finisher")
-        # over a network (S3 + SQS), requests beside other work pay; a local one costs less than a thread
+        # over a network, requests beside other work pay; a local one costs less than a thread
         self.network = backend.kind != "local"
         self.receives_ahead = AHEAD == "1" if AHEAD else self.network   # see AHEAD
         self.ahead = None                # Ahead: the claim being received beside the last batch
@@ -840,8 +825,8 @@ class Worker:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     def start(self):
-        """Everything before the first claim: open the queues, import the handler and, for a pool
-        worker, run @enter (no claim waits on a load) unless a stop came first."""
+        """Before the first claim: the queues, the handler, and a pool worker's @enter (unless
+        a stop came first: no claim waits on a load)."""
         self.queue = self.backend.queues.open_queue(self.record["queue"])
         self.dlq = self.backend.queues.open_queue(self.record["dlq"])
         self.acks = Acks(self.queue, self.backend.requests, min(ACK_WAIT, self.record["visibility_timeout"] / 4))
@@ -883,8 +868,7 @@ class Worker:
                  self.enter_seconds, self.acquisition_seconds)
 
     def run_exit_hooks(self):
-        """A Modal handler's @modal.exit / __exit__, once the last claim is done: a failing hook is
-        logged, the worker still stops cleanly."""
+        """A Modal handler's @modal.exit / __exit__ at the end; a failing one is logged."""
         hooks = getattr(self.handler, "calque_exit", None) if self.entered_at is not None else None
         if hooks:
             try:
@@ -912,8 +896,8 @@ class Worker:
             raise Interrupted()
 
     def on_scale_in(self, signum, frame):
-        """SIGUSR1, the supervisor scaling in: no new claim; the running one finishes however long it
-        takes, so scaling in costs no redelivery. A SIGTERM after it is a second signal."""
+        """SIGUSR1, the supervisor scaling in: no new claim; the running one finishes however long
+        it takes, so scaling in costs no redelivery. A SIGTERM after it is a second signal."""
         if not self.stop_requested:
             self.stop_requested = self.scaling_in = True
             log.info("worker %s: scale-in: no new claims; the running one finishes", self.worker_id)
@@ -955,7 +939,7 @@ class Worker:
                 reason = self._loop_once() or "?"
         except Interrupted:
             reason = "stop requested"
-        except SystemExit as e:          # a handler called sys.exit: its item's poison report says so
+        except SystemExit as e:          # a handler called sys.exit: its poison report says so
             reason = self.last_word = f"exit code {e.code} (sys.exit)"
             raise
         finally:
@@ -975,8 +959,7 @@ class Worker:
                      self.enter_count)
 
     def _loop_once(self):
-        """One pass: the claim received ahead, else a poll, and run the claim. Returns the reason to
-        stop, or None to go on."""
+        """One pass: the claim ahead, else a poll, then run it. The reason to stop, or None."""
         if self.stop_requested:
             return "stop requested"
         if self.supervisor and os.getppid() != self.supervisor:
@@ -1038,8 +1021,7 @@ class Worker:
     # ---- one claim: accept, drain, finish --------------------------------------------------------
 
     def handle(self, message):
-        """One claim, start to end, on this thread, acked before it returns (for the bench and
-        in-process tests). Returns the reason to stop the worker, or None."""
+        """One claim on this thread, acked before it returns (the bench, in-process tests)."""
         claim = self.open_claim(message, Counter())
         reason = self.run_claim(claim, pipelined=False) if claim is not None else None
         self.acks.flush()
@@ -1047,14 +1029,12 @@ class Worker:
 
     @property
     def heartbeat(self):
-        """The heartbeat of the claim this thread works for; its store writes stop when its lease is
-        lost (_put)."""
+        """The heartbeat of the claim this thread works for (its writes stop on a lost lease)."""
         return getattr(self._serving, "heartbeat", None)
 
     @contextlib.contextmanager
     def serving(self, heartbeat, requests):
-        """This thread works for one claim: its writes check that claim's lease, its requests count in
-        `requests` (the claim's summary's)."""
+        """This thread works for one claim: its writes check its lease, its requests count there."""
         saved, self._serving.heartbeat = self.heartbeat, heartbeat
         try:
             with self.backend.requests.tally(requests):
@@ -1064,8 +1044,7 @@ class Worker:
 
     def open_claim(self, message, requests):
         """Accept a received message under a new heartbeat: the Claim to run, or None when it was
-        handled here (dead-lettered, a duplicate acked, let go on a fault). `requests`: those made for
-        it so far (its receive)."""
+        handled here (dead-lettered, a duplicate acked, let go). `requests`: those made for it."""
         heartbeat = Heartbeat(self.leases, message, self.record["visibility_timeout"])
         claim = None
         with self.serving(heartbeat, requests):
@@ -1082,10 +1061,11 @@ class Worker:
         return claim
 
     def run_claim(self, claim, pipelined):
-        """Drain an accepted claim on this thread (its last result part too: a worker whose writes fail
-        takes no further claim), then finish it: on the finisher thread when `pipelined`, at most one
-        behind the claim that drains, else here. Returns the reason to stop the worker, or None."""
-        on_call = functools.partial(self.reach_ahead, claim) if pipelined and self.receives_ahead else None
+        """Drain an accepted claim here (its last part too: a worker whose writes fail takes no
+        further claim), then finish it: on the finisher thread when `pipelined`, at most one behind
+        the claim that drains, else here. Returns the reason to stop the worker, or None."""
+        ahead = pipelined and self.receives_ahead
+        on_call = functools.partial(self.reach_ahead, claim) if ahead else None
         self.watchdog.arm(lambda offsets: self.overrun(claim, offsets), on_call)
         with self.serving(claim.heartbeat, claim.requests):
             try:
@@ -1103,8 +1083,8 @@ class Worker:
 
     def reach_ahead(self, claim, offsets):
         """As each handler call of a pipelined claim starts (offsets) and ends (None): the call that
-        runs the claim's last item starts receiving the next claim (Ahead), unless the finisher still
-        writes the claim before (two claims held at most) or the latest call took over AHEAD_HOLD/2."""
+        runs the last item starts receiving the next claim (Ahead), unless the finisher still writes
+        the claim before (two claims held at most) or the latest call took over AHEAD_HOLD/2."""
         now = time.monotonic()
         if offsets is None:
             self.call_seconds = now - self.call_started
@@ -1116,7 +1096,7 @@ class Worker:
             self.ahead = Ahead(self)
 
     def finish_claim(self, claim):
-        """The claim's summary, then its ack (queued in Acks). Returns the reason to stop, or None."""
+        """The claim's summary, then its ack (Acks). Returns the reason to stop, or None."""
         with self.serving(claim.heartbeat, claim.requests):
             try:
                 self.finish(claim)
@@ -1143,8 +1123,7 @@ class Worker:
         return None
 
     def give_back(self, claim, why):
-        """Let go of an accepted claim that never started: visible again at once, and this delivery
-        not held against max_deliveries."""
+        """Let go of a claim that never started: at once, not held against max_deliveries."""
         claim.progress_at = claim.message.receive_count
         with self.serving(claim.heartbeat, claim.requests):
             self.let_go(claim.message, claim, 0, why)
@@ -1152,8 +1131,7 @@ class Worker:
 
     def settle(self, wait=None):
         """Nothing left behind, before the worker idles or stops: the claim ahead given back, the
-        finisher's claim written, the acks sent. `wait`: at most that many s on each of the first two
-        (the watchdog's exit must not hang on them)."""
+        finisher's written, the acks sent. `wait`: at most that many s on each of the first two."""
         with contextlib.suppress(TimeoutError):
             claim = self.ahead and self.ahead.take(wait)
             if self.ahead:
@@ -1168,7 +1146,7 @@ class Worker:
             self.acks.flush()
 
     def accept(self, message):
-        """The claim to run, or None when it was handled here: dead-lettered, or a duplicate acked."""
+        """The claim to run, or None when it was handled here (dead-lettered, duplicate acked)."""
         received = time.time()
         try:
             msg = calque.parse_message(message.body)
@@ -1177,8 +1155,9 @@ class Worker:
         key = self.backend.store.key_for_uri(msg["manifest_uri"])
         match = calque.MANIFEST_KEY.match(key or "")
         if not match:
-            return self.dead_letter(message, f"manifest_uri {msg['manifest_uri']!r} is outside this "
-                                             f"pool's store {self.backend.describe()}: refused", msg)
+            return self.dead_letter(message, f"manifest_uri {msg['manifest_uri']!r} is outside "
+                                             f"this pool's store {self.backend.describe()}: "
+                                             "refused", msg)
         run_id, claim = match.groups()
         msg.update(run_id=run_id, claim=claim)    # the key is the authority, not the message
         if msg["model"] != self.record["model"]:
@@ -1214,14 +1193,14 @@ class Worker:
         limit, rc = self.record["max_deliveries"], message.receive_count
         if rc > limit and rc - accepted.progress_at > limit:
             return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
-                                             f"deliveries {limit}, with no progress (no new result part, "
-                                             f"no death pinned on an item, no item quarantined) in the "
-                                             f"last {limit}", msg)
+                                             f"deliveries {limit}, with no progress (no new result "
+                                             "part, no death pinned on an item, none quarantined) "
+                                             f"in the last {limit}", msg)
         return accepted
 
     def take_over(self, claim):
-        """What earlier deliveries left: their result parts are kept (a torn one is redone), and their
-        attempt record says how the last one ended (the rules: docs/contract.md)."""
+        """What earlier deliveries left: their result parts (a torn one is redone), and their
+        attempt record: how the last one ended (the rules: docs/contract.md)."""
         rc = claim.message.receive_count
         keys = self.backend.store.list(calque.results_prefix(claim.run_id, claim.claim_id))
         for start, stop, key in calque.part_chain(keys, len(claim.items)):
@@ -1283,7 +1262,8 @@ class Worker:
                  self.worker_id, claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
                  ", one item at a time" if claim.single else "",
                  f", deaths at offsets {deaths}" if deaths else "",
-                 f", quarantined {sorted(map(int, claim.quarantined))}" if claim.quarantined else "")
+                 f", quarantined {sorted(map(int, claim.quarantined))}" if claim.quarantined
+                 else "")
 
     def mark_churn(self):
         """An item with a death pinned on it ran alone and returned: this pool's workers die of
@@ -1293,8 +1273,8 @@ class Worker:
             self.backend.store.put(key, b"")
 
     def churning(self):
-        """Whether an innocent death was marked in this pool within CHURN_MEMORY s: then poison needs
-        one death more. One LIST, only when an item reaches POISON_DEATHS."""
+        """Whether an innocent death was marked in this pool within CHURN_MEMORY s: then poison
+        needs one death more. One LIST, only when an item reaches POISON_DEATHS."""
         marks = f"{self.stats_prefix}churn-"
         since = f"{marks}{time.time() - CHURN_MEMORY:012.1f}"
         keys = self.backend.store.list(self.stats_prefix, start_after=since)
@@ -1316,8 +1296,7 @@ class Worker:
                 f"os._exit)"), False
 
     def drain(self, claim):
-        """Run the claim's items (paying @enter first on a cold worker); raises ClaimReleased when
-        the claim was given back (grace over, lease lost)."""
+        """Run the claim's items (@enter first on a cold worker); ClaimReleased if given back."""
         self.gpu.start()
         try:
             if self.entered_at is None:     # a cold worker pays its load in its first claim
@@ -1361,8 +1340,8 @@ class Worker:
         self.stats["items"] += len(claim.items) - claim.start
         self.stats["items_failed"] += len(claim.failed) - claim.resumed_failed
         self.busy_seconds += summary["claim_seconds"]
-        log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid %.3fs, "
-                 "%.3fs%s",
+        log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid "
+                 "%.3fs, %.3fs%s",
                  self.worker_id, claim.run_id, claim.claim_id, len(claim.items), len(claim.failed),
                  "yes" if warm_hit else "no", claim.enter_paid, summary["claim_seconds"],
                  f", {claim.start} resumed" if claim.start else "")
@@ -1378,11 +1357,10 @@ class Worker:
             requests=self.claim_requests(extra_puts=1, extra_other=extra_other), **fields)
 
     def _drain_batches(self, claim):
-        """Items [claim.start, n) through collate + batch: batch_size at a time, or one at a time
-        behind the attempt record (claim.single, where an item's collation follows its record). Where
-        pipelined, the next batch is gathered while the model runs the current one. Results are
-        serialised on this thread (GIL-bound work would only slow a model beside it). Quarantined items
-        fail unrun; a batch that raises is retried item by item. Parts go at each checkpoint and the end."""
+        """Items [claim.start, n): batch_size at a time, or one at a time behind the attempt record
+        (claim.single). Where pipelined, the next batch is gathered while the model runs this one.
+        Results are serialised here (GIL-bound work would slow a model beside it). Quarantined items
+        fail unrun; a batch that raises is retried item by item. Parts at checkpoints, the end."""
         n, size = len(claim.items), 1 if claim.single else self.record["batch_size"]
         claim.kind = self.collator.claim_kind(claim.items)
         units = [range(a, min(a + size, n)) for a in range(claim.start, n, size)]
@@ -1409,7 +1387,8 @@ class Worker:
                 if claim.single:              # it ran alone and the process lived: not a killer
                     if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
                         self.mark_churn()
-                claim.formatted.append((unit.stop, format_outcome(outcome, claim.first + unit.start)))
+                lines = format_outcome(outcome, claim.first + unit.start)
+                claim.formatted.append((unit.stop, lines))
                 claim.batches += 1
                 since, every = time.monotonic() - claim.last_commit, self.commit_interval(claim)
                 due = (claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
@@ -1423,10 +1402,9 @@ class Worker:
         self.commit(claim)
 
     def commit_interval(self, claim):
-        """s between two result parts under churn (Young's interval, sqrt(2 x part PUT x life), at most
-        the checkpoint), or None where neither this claim's last delivery died nor this worker saw a
-        death within CHURN_MEMORY s: the checkpoint rule alone. The life: the dead delivery's, else the
-        latest this worker saw."""
+        """s between two parts under churn (Young's, sqrt(2 x part PUT x life), at most the
+        checkpoint; life: the dead delivery's, else the latest seen), or None (the checkpoint rule)
+        where neither this claim's last delivery died nor this worker saw a death lately."""
         seen = self.seen_life is not None and time.time() - self.seen_at <= CHURN_MEMORY
         if claim.life is None and not seen:
             return None
@@ -1454,24 +1432,21 @@ class Worker:
         claim.batches, claim.last_commit = 0, time.monotonic()
 
     def made_progress(self):
-        """A result part or a summary is written: the supervisor hears of the first (announce)."""
+        """A part or a summary is written: the supervisor hears of the first (announce)."""
         if not self.progressed:
             self.progressed = True
             announce("progress")
 
     def write_attempt(self, claim, state, running, retry=True, **fields):
-        """The claim's attempt record: `state` running (`running` runs alone now), suspect (it overran
-        batch_timeout) or released (let go alive); deaths, quarantines and progress carry over."""
+        """The claim's attempt record: `state` running (`running` runs alone now), suspect (they
+        overran) or released (let go alive); deaths, quarantines and progress carry over."""
         claim.record = dict(claim.record, state=state, running=list(running),
                             worker_id=self.worker_id, receive_count=claim.message.receive_count,
                             covered=claim.committed, progress_at=claim.progress_at,
                             quarantined=claim.quarantined, at=calque.now_iso(),
                             alive=round(time.time() - claim.received, 3), **fields)
-        key, body = calque.attempt_key(claim.run_id, claim.claim_id), json.dumps(claim.record)
-        if retry:
-            self._put(key, body)
-        else:
-            self.backend.store.put(key, body)
+        put = self._put if retry else self.backend.store.put
+        put(calque.attempt_key(claim.run_id, claim.claim_id), json.dumps(claim.record))
 
     def _put(self, key, data):
         """A store write for the running claim, retried (WRITE_RETRY) while its lease holds: a short
@@ -1496,8 +1471,7 @@ class Worker:
             self.retrying.clear()
 
     def let_go(self, message, claim, delay, why):
-        """Give a claim back alive: its attempt record says so (one try), then it is visible again
-        after `delay` s."""
+        """Give a claim back alive (its attempt record says so): visible again after `delay` s."""
         if claim is not None:
             with contextlib.suppress(Exception):
                 self.write_attempt(claim, "released", [], retry=False)
@@ -1511,22 +1485,23 @@ class Worker:
                     self._name(message, claim), why, delay)
 
     def fault_delay(self, message):
-        """s a claim let go on a fault stays invisible: an outage must not spend its deliveries in
-        milliseconds."""
+        """s a claim let go on a fault stays invisible: an outage must not spend its deliveries."""
         delay = RELEASE_DELAY * 2 ** (message.receive_count - 1)
         return min(delay, self.record["visibility_timeout"])
 
     @staticmethod
     def _name(message, claim):
-        return f"{claim.run_id}/{claim.claim_id}" if claim else f"(delivery {message.receive_count})"
+        if claim:
+            return f"{claim.run_id}/{claim.claim_id}"
+        return f"(delivery {message.receive_count})"
 
     def overrun(self, claim, offsets):
-        """The watchdog's call when a handler call on `offsets` ran past batch_timeout: commit what is
-        done, mark the items suspect, release the claim and exit EXIT_HUNG (a stuck thread cannot be
-        stopped; the supervisor starts a fresh worker)."""
+        """The watchdog's call when a handler call on `offsets` ran past batch_timeout: commit what
+        is done, mark the items suspect, release the claim, exit EXIT_HUNG (nothing can stop it)."""
         seconds = time.monotonic() - self.watchdog.running[1]
         log.error("worker %s: claim %s/%s: items %s ran %.1fs, past the batch_timeout of %gs: "
-                  "releasing the claim and exiting %d", self.worker_id, claim.run_id, claim.claim_id,
+                  "releasing the claim and exiting %d", self.worker_id, claim.run_id,
+                  claim.claim_id,
                   [claim.first + k for k in offsets], seconds, self.batch_timeout, EXIT_HUNG)
         with self.serving(claim.heartbeat, claim.requests):
             try:
@@ -1546,29 +1521,25 @@ class Worker:
         os._exit(EXIT_HUNG)
 
     def pipelined(self, claim):
-        """Whether this claim's batches are prepared on the pipeline thread beside the model: where
-        that work can release the GIL (a numeric gather, the handler's own collate), not for batches
-        that pass through as lists."""
+        """Whether the pipeline thread prepares this claim's batches beside the model: where that
+        can release the GIL (a numeric gather, the handler's collate), not for lists."""
         return self.prefetcher is not None and claim.kind != AS_LIST
 
     def _prepare(self, claim, offsets):
-        """A future of the batch of these offsets, prepared on the pipeline thread; None where the claim
-        is not pipelined (_call_batch prepares it then)."""
+        """The pipeline thread's future of these offsets' batch; None unless pipelined."""
         if not offsets or not self.pipelined(claim):
             return None
         payloads = [claim.items[k] for k in offsets]
         return self.prefetcher.submit(self.collator.prepare, payloads, claim.kind)
 
     def model_clock(self):
-        """Seconds on the model's clock: wall time less the pipeline thread's CPU time, so a call
-        that waited for the GIL that thread held is not counted as the model's (a GIL-free copy there
-        is taken out too: model_seconds errs low, never high)."""
+        """Seconds on the model's clock: wall time less the pipeline thread's CPU time, so a wait
+        for the GIL that thread held is not the model's (model_seconds errs low, never high)."""
         pipeline = 0.0 if self.pipeline_clock is None else time.clock_gettime(self.pipeline_clock)
         return time.perf_counter() - pipeline
 
     def _run_unit(self, claim, unit, runnable, prepared):
-        """[(ok, result or error)] for a unit's items: the runnable ones through the handler, the
-        quarantined ones failed with the reason they were quarantined."""
+        """[(ok, result or error)] for a unit's items: the quarantined ones fail with the reason."""
         ran = {}
         if runnable:
             payloads = [claim.items[k] for k in runnable]
@@ -1631,8 +1602,7 @@ class Worker:
         return outcome, model, wait
 
     def dead_letter(self, message, reason, msg):
-        """A claim that cannot succeed: failure summary (where the run is known), DLQ copy (with
-        run_id, claim and reason, in case the summary cannot be written), then delete."""
+        """A claim that cannot succeed: failure summary (if the run is known), DLQ copy, delete."""
         run_id, claim = (msg or {}).get("run_id"), (msg or {}).get("claim")
         known = all(isinstance(v, str) and calque.SAFE_ID.match(v) for v in (run_id, claim))
         if known:
@@ -1651,8 +1621,7 @@ class Worker:
                     self.record["dlq"], reason)
 
     def write_failure_summary(self, message, run_id, claim, reason):
-        """The summary of a claim that was not run, for a waiting submitter (unless one exists);
-        retried like a result write for this model's runs."""
+        """The summary of a claim that was not run (unless one exists), for a waiting submitter."""
         key = calque.summary_key(run_id, claim)
         if not self.backend.store.exists(key):
             now = time.time()
@@ -1661,17 +1630,14 @@ class Worker:
                                                error=reason,
                                                notes=["dead-lettered: the claim was not run"]),
                                  indent=1)
-            if calque.run_slug(run_id) == self.record["slug"]:
-                self._put(key, summary)
-            else:
-                self.backend.store.put(key, summary)
+            own = calque.run_slug(run_id) == self.record["slug"]   # another's may be out of reach
+            (self._put if own else self.backend.store.put)(key, summary)
 
     # ---- accounting -----------------------------------------------------------------------------
 
     def claim_requests(self, extra_puts, extra_other):
-        """The requests this thread made for the claim and the worker's loose ones since the previous
-        summary (idle polls, stats, start-up), plus the writes about to happen, which this thread's
-        tally then leaves out. The worker stats hold the exact totals."""
+        """The requests this thread made for the claim and the worker's loose ones since the last
+        summary, plus the writes about to happen (which its tally then leaves out)."""
         delta = self.backend.requests.take()
         delta["store_puts"] += extra_puts
         delta["queue_other"] += extra_other
@@ -1703,9 +1669,8 @@ class Worker:
 
 
 def enter_workdir(workdir, snapshot_folder):
-    """Run the handler where its user works: the folder `pool create` (or a cold submit) ran in,
-    where it exists on this machine, else the snapshot folder; first on sys.path too, so that the
-    handler's sibling modules and relative paths resolve as they would there."""
+    """Run the handler where its user works (the folder `pool create` ran in, where it exists
+    here, else the snapshot's), first on sys.path, so its sibling modules and paths resolve."""
     folder = workdir if workdir and os.path.isdir(workdir) else snapshot_folder
     os.chdir(folder)
     sys.path.insert(0, folder)
