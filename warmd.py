@@ -190,7 +190,7 @@ class Collator:
         return NUMERIC
 
     def prepare(self, payloads, kind):
-        """One batch of a claim of this kind; on the pipeline thread unless the kind is AS_LIST."""
+        """One batch of a claim of this kind (on the pipeline thread where pipelined)."""
         if kind == BY_HANDLER:
             return Prepared(self.handler_collate(payloads))
         collated = self.ring.collate(payloads, timeout=RING_WAIT) if kind == NUMERIC else None
