@@ -519,8 +519,7 @@ class Watchdog:
         self.arm(None)
 
     def watch(self, offsets):
-        """A handler call on these items starts now (None: it is over). Waits while an overrun is
-        handled, so that the claim's thread writes nothing beside it."""
+        """A handler call on these items starts (None: ends); waits while an overrun is handled."""
         if self.on_call:
             self.on_call(offsets)
         with self.lock:
@@ -582,8 +581,7 @@ class Ahead:
         return True
 
     def take(self, timeout=None):
-        """The claim once received and accepted, or None: nothing came, accept handled it (dead
-        letter, duplicate), or it was given back past the hold."""
+        """The claim once received and accepted, or None (nothing came, handled, given back)."""
         with self.lock:
             self.taken.set()
         return self.future.result(timeout)
@@ -620,7 +618,7 @@ class Acks:
             with self.requests.tally(None):     # each summary counted its own ack
                 refused = self.queue.delete_batch([m for m, _ in waiting])
         except Exception as e:
-            log.warning("acks of %s not sent (%s: %s): they come back, acked as duplicates",
+            log.warning("acks of %s not sent (%s: %s): they come back as duplicates",
                         ", ".join(name for _, name in waiting), type(e).__name__, e)
             return
         for message, name in waiting:
@@ -905,8 +903,7 @@ class Worker:
                 raise Interrupted()
 
     def on_sibling_death(self, signum, frame):
-        """SIGUSR2, another worker of the pool died: commit under churn too (commit_interval), this
-        one's age taken for the life seen."""
+        """SIGUSR2, another worker of the pool died: commit under churn too, at this one's age."""
         self.seen_life, self.seen_at = time.time() - self.started, time.time()
 
     def request_stop(self):
@@ -1193,9 +1190,9 @@ class Worker:
         limit, rc = self.record["max_deliveries"], message.receive_count
         if rc > limit and rc - accepted.progress_at > limit:
             return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
-                                             f"deliveries {limit}, with no progress (no new result "
-                                             "part, no death pinned on an item, none quarantined) "
-                                             f"in the last {limit}", msg)
+                                             f"deliveries {limit}, with no progress (no new "
+                                             "result part, no death pinned on an item, no item "
+                                             f"quarantined) in the last {limit}", msg)
         return accepted
 
     def take_over(self, claim):
@@ -1266,8 +1263,7 @@ class Worker:
                  else "")
 
     def mark_churn(self):
-        """An item with a death pinned on it ran alone and returned: this pool's workers die of
-        something else. The marker makes churning() true for CHURN_MEMORY s (best effort)."""
+        """An item with a death pinned on it ran alone and returned: mark the pool as churning."""
         with contextlib.suppress(Exception):
             key = f"{self.stats_prefix}churn-{time.time():012.1f}-{self.worker_id}"
             self.backend.store.put(key, b"")
@@ -1281,8 +1277,8 @@ class Worker:
         return any(key.startswith(marks) for key in keys)
 
     def how_it_ended(self, record):
-        """(How the worker of an attempt record ended, whether by its own doing): from its last
-        stats, else the exit status its supervisor recorded. Any end but SIGKILL is its own."""
+        """(How an attempt record's worker ended, whether by its own doing): from its last stats,
+        else the exit status its supervisor recorded. Any end but SIGKILL is its own."""
         stats, worker = self.backend.store, record.get("worker_id")
         with contextlib.suppress(Exception):
             last = json.loads(stats.get(f"{self.stats_prefix}{worker}.json")).get("exit")
@@ -1347,8 +1343,7 @@ class Worker:
                  f", {claim.start} resumed" if claim.start else "")
 
     def _summary(self, message, run_id, claim, started, finished, extra_other, **fields):
-        """calque.claim_summary with this worker's identity and the requests counted since its last
-        claim (plus the summary's own PUT and `extra_other` queue calls still to come)."""
+        """calque.claim_summary with this worker's identity and requests (+ the writes to come)."""
         return calque.claim_summary(
             run_id=run_id, claim=claim, model=self.record["model"], worker_id=self.worker_id,
             mode="cold" if self.ephemeral else "pool", backend=self.backend.kind,
@@ -1449,8 +1444,7 @@ class Worker:
         put(calque.attempt_key(claim.run_id, claim.claim_id), json.dumps(claim.record))
 
     def _put(self, key, data):
-        """A store write for the running claim, retried (WRITE_RETRY) while its lease holds: a short
-        outage costs a pause, not a delivery. A stop signal ends the waits."""
+        """A store write for the running claim, retried (WRITE_RETRY) while its lease holds."""
         delay, retries = WRITE_RETRY
         try:
             for retry in range(retries + 1):
@@ -1533,8 +1527,7 @@ class Worker:
         return self.prefetcher.submit(self.collator.prepare, payloads, claim.kind)
 
     def model_clock(self):
-        """Seconds on the model's clock: wall time less the pipeline thread's CPU time, so a wait
-        for the GIL that thread held is not the model's (model_seconds errs low, never high)."""
+        """Wall time less the pipeline thread's CPU time, so a wait for its GIL is not model time."""
         pipeline = 0.0 if self.pipeline_clock is None else time.clock_gettime(self.pipeline_clock)
         return time.perf_counter() - pipeline
 
@@ -1552,8 +1545,7 @@ class Worker:
         return [ran[k] if k in ran else (False, claim.quarantined[str(k)]) for k in unit]
 
     def _run_batch(self, future, payloads, offsets, kind):
-        """[(ok, result or error)] for one batch, its model seconds (model_clock) and the seconds it
-        waited for collation. The watchdog times the batch call, then each single-item retry."""
+        """([(ok, result or error)], model s, collate wait s) for one batch, under the watchdog."""
         self.watchdog.watch(offsets)
         try:
             return self._call_batch(future, payloads, offsets, kind)
@@ -1636,8 +1628,7 @@ class Worker:
     # ---- accounting -----------------------------------------------------------------------------
 
     def claim_requests(self, extra_puts, extra_other):
-        """The requests this thread made for the claim and the worker's loose ones since the last
-        summary, plus the writes about to happen (which its tally then leaves out)."""
+        """This thread's requests for the claim, the loose ones, and the writes about to happen."""
         delta = self.backend.requests.take()
         delta["store_puts"] += extra_puts
         delta["queue_other"] += extra_other
