@@ -649,8 +649,7 @@ class GpuSampler:
 
     def _run(self):
         while not self.done.wait(GPU_SAMPLE_INTERVAL):
-            rates = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
-            self.samples.append(rates.gpu / 100.0)
+            self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu / 100.0)
 
     def stop(self):
         """{value, source, scope, measured} for the claim."""
@@ -743,8 +742,7 @@ class ScaleInProtection:
                     LifecycleHookName=self.hook, AutoScalingGroupName=self.asg,
                     InstanceId=self.instance_id, LifecycleActionResult="CONTINUE")
             except Exception as e:
-                log.warning("completing the termination hook failed (%s: %s)",
-                            type(e).__name__, e)
+                log.warning("completing the termination hook failed (%s: %s)", type(e).__name__, e)
 
     def hold(self, busy):
         if busy != self.protected:
@@ -804,7 +802,6 @@ class Worker:
         if self.prefetcher and hasattr(time, "pthread_getcpuclockid"):
             thread = self.prefetcher.submit(threading.get_ident).result()
             self.pipeline_clock = time.pthread_getcpuclockid(thread)
-        # the manifest read beside the duplicate check (over a network; see self.network)
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")
         self.ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="finisher")
@@ -1248,8 +1245,7 @@ class Worker:
         if len(claim.quarantined) > len(record.get("quarantined", {})):
             claim.progress_at = rc
         claim.record = dict(record, deaths=deaths)
-        released = state == "released" and previous == rc - 1
-        claim.single = (bool(record) or rc > 1) and not released
+        claim.single = (bool(record) or rc > 1) and not (state == "released" and previous == rc - 1)
         if claim.single:    # its last delivery died: how long it lived, at least
             claim.life = record.get("alive", 0.0) if previous == rc - 1 else 0.0
             if claim.life or self.seen_life is None:   # a life known, or the first death seen
@@ -1326,8 +1322,7 @@ class Worker:
             resumed=claim.start, collate_wait_seconds=round(claim.wait_seconds, 6),
             prefetch=self.pipelined(claim), gpu_utilisation=claim.gpu)
         self.output.flush()              # what the claim printed lands before its summary
-        self._put(calque.summary_key(claim.run_id, claim.claim_id),
-                  json.dumps(summary, indent=1))
+        self._put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
         self.made_progress()
         self.heartbeat.stop()            # no renewal may land after the ack
         self.acks.add(claim.message, f"{claim.run_id}/{claim.claim_id}")
