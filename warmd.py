@@ -12,7 +12,7 @@ letters, hung batches, faults, claims ahead, signals) are docs/contract.md's.
 # Threads. The main one runs the loop, the handler and the signal handlers. The others:
 #   thread         does                                      touches               lock
 #   heartbeat      Leases: renews each held claim's lease    Heartbeat.due, .lost  Leases.changed,
-#                  every third of its visibility timeout                          Heartbeat.renewing
+#                  every third of its visibility timeout                           lease.renewing
 #   watchdog       times handler calls; on an overrun,       the claim (overrun)   Watchdog.lock
 #                  commits, releases, exits EXIT_HUNG
 #   pipeline       Collator.prepare of the next batch        ring slots, a stream  its future
