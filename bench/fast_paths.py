@@ -9,10 +9,8 @@ variant and round: stage, receive, manifest, batches, result lines, part, summar
 setting). Rounds interleave the variants claim by claim, in a shuffled order; "all on, again" is
 the A/A control, whose gain is the noise. Items/s of the median wall time and of the least CPU
 time (steadier on a shared machine); gain = items/s with the path on / with it off - 1. A second
-table times the paths alone (a real claim's result lines and Done calls, recorded), a bound on what
-each can pay. The rule (issue #26): a path stays where it pays >= 5 % on either example.
+table times the paths alone (a real claim's result lines, recorded), a bound on what each can pay. The rule (issue #26): a path stays where it pays >= 5 % on either example.
 """
-import concurrent.futures
 import contextlib
 import json
 import os
@@ -39,16 +37,6 @@ ALONE_REPEATS = 20                     # the paths alone: the least CPU time of 
 # ------------------------------------------------------------------------------------------------
 
 
-def future_done(fn, *args):
-    """What warmd.Done replaces: fn(*args) run here, its outcome in a concurrent.futures.Future."""
-    future = concurrent.futures.Future()
-    try:
-        future.set_result(fn(*args))
-    except Exception as e:
-        future.set_exception(e)
-    return future
-
-
 def fastbatch_reference():
     """fastbatch's numpy reference for every gather, as without the C module."""
     import fastbatch
@@ -62,7 +50,6 @@ VARIANTS = {
     "C framing off (format_each, orjson per item)": lambda: [(warmd, "framer", None)],
     "C framing + orjson off (json per item)": lambda: [
         (warmd, "framer", None), (warmd, "encode_fast", lambda *a, **k: None)],
-    "Done off (a Future per call)": lambda: [(warmd, "Done", future_done)],
     "fastbatch C gather off (numpy)": fastbatch_reference,
 }
 
@@ -124,17 +111,13 @@ def example_setup(name, tmp):
 
 def alone(pool, items):
     """{variant: CPU us an item of the paths alone}: one claim's result lines (format_outcome over
-    its batches' outcomes, recorded from a real claim) and its Done calls (counted there)."""
-    outcomes, calls, real_format, real_done = [], [], warmd.format_outcome, warmd.Done
+    its batches' outcomes, recorded from a real claim)."""
+    outcomes, real_format = [], warmd.format_outcome
 
     def record_format(outcome, base):
         outcomes.append((outcome, base))
         return real_format(outcome, base)
-
-    def count_done(fn, *args):
-        calls.append(1)
-        return real_done(fn, *args)
-    with patched([(warmd, "format_outcome", record_format), (warmd, "Done", count_done)]):
+    with patched([(warmd, "format_outcome", record_format)]):
         drain(pool, items)
     cost = {}
     for variant, patches in VARIANTS.items():
@@ -144,8 +127,6 @@ def alone(pool, items):
                 c0 = time.process_time()
                 for outcome, base in outcomes:
                     warmd.format_outcome(outcome, base)
-                for _ in calls:
-                    warmd.Done(int).result()
                 best = min(best, time.process_time() - c0)
         cost[variant] = 1e6 * best / len(items)
     return cost
@@ -188,7 +169,7 @@ def main():
             row += (f" {wall:11.1f} {cpu:10.1f}"
                     f" {100 * (on_wall / wall - 1):+6.1f}/{100 * (on_cpu / cpu - 1):+5.1f}%")
         print(row)
-    print("\nthe paths alone: CPU us an item of a claim's result lines and Done calls; bound = "
+    print("\nthe paths alone: CPU us an item of a claim's result lines; bound = "
           "what turning the path off adds, over the claim's least CPU us an item, all on")
     print(f"{'path turned off':46s}"
           + "".join(f" {n + ' us/item':>14s} {'bound':>8s}" for n in names))
