@@ -1,84 +1,71 @@
-"""calque: sticky warm-worker pools for batch model inference. The submitter CLI, the Python API, and the
-small shared library a handler imports (`import calque`; `@calque.enter`, `@calque.batch`).
+"""calque: sticky warm-worker pools for batch model inference: the CLI, the Python API and the
+library a handler imports (`@calque.enter`, `@calque.batch`, just below). docs/contract.md is the
+contract.
 
-    python calque.py pool create --model demo --handler examples/demo_model.py:DemoModel --workers 2
-    python calque.py submit --pool demo examples/items.jsonl      # claims against the warm pool
-    python calque.py submit --model demo examples/items.jsonl     # cold baseline: a fresh worker pays @enter
-    python calque.py pool status --model demo
-    python calque.py runs results RUN_ID
-    python calque.py cost RUN_ID
+    python calque.py pool create --model demo --handler examples/demo_model.py:DemoModel
+    python calque.py submit --pool demo examples/items.jsonl    # claims against the warm pool
+    python calque.py submit --model demo examples/items.jsonl   # cold: a fresh worker pays @enter
+    python calque.py pool status --model demo                   # then: runs results RUN, cost RUN
     python calque.py pool delete --model demo --yes
 
-CALQUE_STORE picks the backend: a local path (default .calque) is the embedded one (a SQLite queue and a
-directory store); s3://bucket/prefix is SQS + S3 through boto3 (AWS_ENDPOINT_URL honoured). The contract
-every part honours, as implemented, is docs/contract.md.
+CALQUE_STORE picks the backend: a folder (default .calque: a SQLite queue and a directory store)
+or s3://bucket/prefix (SQS + S3 through boto3; AWS_ENDPOINT_URL honoured).
+
+A run: submit() -> stage_run (section 5) writes the run record, PUTs a manifest per claim and
+sends a message per claim to the pool's queue. A worker (warmd.py) receives it in
+Worker._loop_once, accepts it (Worker.open_claim: duplicate check, manifest), runs its batches
+(Worker.run_claim), writes result parts and the summary (Worker.finish), then acks it
+(Acks.flush). submit waits on the summaries (wait_for_run) and reports (report_run).
 
 The map. Each section uses only the sections above it; read top to bottom.
-     1. settings, errors and paths    DEFAULTS, settings(), UserError and friends
-     2. THE CONTRACT                  names, store keys, message, claim_summary, result parts, the handler API
-                                      (Modal app files too), numeric views, AWS error lines: what warmd.py and
-                                      handler files import
-     3. backends                      LocalStore + LocalQueues (SQLite), S3Store + SqsQueues; open_backend()
-     4. records                       pool and run records, summaries, worker stats in the store; the
-                                      scaling decision both paths follow (desired_count)
-     5. submit and runs               read items, stage_run, wait_for_run, cancel, redrive, run reports
-     6. local workers                 the detached supervisor that keeps N warmd.py alive (GPUs, exit reasons)
-     7. the cost model                rates.json, per-claim and per-run cost, crossover ladder, pool cost
-     8. the EC2 cohort                IAM, bootstrap, launch template, Auto Scaling, alarms; pool and cold verbs
-     9. across both paths             a Modal app's pool options, cold_run (the baseline), pool status, the
-                                      planner (make_plan: wall time and cost for 1..B workers)
-    10. the Python API                Pool, submit(), Run: what a notebook uses and the CLI calls
-    11. the CLI                       one cmd_* per verb in the parser's order, build_parser(), main()
+        the handler API         enter, batch, __all__
+     1. settings, errors        DEFAULTS, settings(), UserError and friends, package files
+     2. THE CONTRACT            names, store keys, message, summary, result parts, handler
+                                loading (Modal apps too), numeric views: what warmd.py imports
+     3. backends                LocalStore + LocalQueues (SQLite), S3Store + SqsQueues
+     4. records                 pool and run records, summaries, stats; desired_count (scaling)
+     5. submit and runs         read items, stage_run, wait_for_run, cancel, redrive, reports
+     6. local workers           supervisor.py: keeps N warmd.py alive on this machine
+     7. the cost model          rates.json, claim and run cost, crossover ladder, pool cost
+     8. the EC2 cohort          ec2.py: IAM, bootstrap, launch template, Auto Scaling, alarms
+     9. across both paths       Modal app options, cold_run (the baseline), status, make_plan
+    10. the Python API          Pool, submit(), Run: what a notebook uses and the CLI calls
+    11. the CLI                 one cmd_* per verb in the parser's order, build_parser(), main()
 """
-import argparse
-import ast
-import base64
-import collections
-import contextlib
-import ctypes
-import datetime
-import difflib
-import enum
-import fcntl
-import functools
-import glob
-import gzip
-import hashlib
-import heapq
-import importlib.util
-import inspect
-import io
-import itertools
-import json
-import math
-import os
-import re
-import secrets
-import shlex
-import shutil
-import signal
-import socket
-import sqlite3
-import statistics
-import struct
-import subprocess
-import sys
-import tarfile
-import threading
-import time
-import traceback
-import typing
-import uuid
-import zipfile
-import zlib
+import argparse, ast, base64, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
+import functools, glob, gzip, hashlib, heapq, importlib.util, inspect, io, itertools, json, math
+import os, re, secrets, shlex, shutil, signal, socket, sqlite3, statistics, struct, subprocess, sys
+import tarfile, threading, time, traceback, typing, uuid, zipfile, zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 try:
-    import orjson   # `submit`'s check of each JSONL line (checked_json); a worker's result lines (warmd)
-except ImportError:   # a Python without the kit's packages: main() re-runs the command under the kit's .venv
+    import orjson   # submit's check of JSONL lines (checked_json); a worker's result lines
+except ImportError:   # a Python without the kit's packages: main() re-runs under the .venv
     orjson = None
+
+__all__ = [
+    "enter", "batch",                                   # the handler API
+    "Pool", "submit", "Run", "main",                    # the Python API (section 10), the CLI
+    "UserError", "StoreFault", "WorkersFailed", "NotFound", "ResultsIncomplete",
+    "SubmitInterrupted",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# the handler API: a class with one @calque.enter and one @calque.batch method, and optionally
+# collate(self, payloads): what its batch method receives (README.md, "Writing a handler").
+def enter(fn):
+    """Mark the method that loads the model: it runs once per worker, before its first batch."""
+    fn._calque_role = "enter"
+    return fn
+
+
+def batch(fn):
+    """Mark the method that runs a batch: a list of item payloads in, one result per item out."""
+    fn._calque_role = "batch"
+    return fn
 
 
 # ------------------------------------------------------------------------------------------------
@@ -761,18 +748,7 @@ def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_cou
 
 
 # ------------------------------------------------------------------------------------------------
-# the handler API: a class with one @enter method (load, runs once) and one @batch method
-# (a list of item payloads -> a list of results of the same length). collate(self, payloads) is optional.
-def enter(fn):
-    fn._calque_role = "enter"
-    return fn
-
-
-def batch(fn):
-    fn._calque_role = "batch"
-    return fn
-
-
+# loading a handler (the handler API is at the top): a class file, or a Modal app file
 def parse_handler_spec(spec):
     """(path, name): name is ClassName, or for a Modal app Cls.method or a function's name."""
     path, sep, cls = spec.rpartition(":")
