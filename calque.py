@@ -131,21 +131,23 @@ _warned = set()   # unknown pool.env keys already warned about: one line per key
 # importlib.resources, importlib.metadata and tomllib are imported where used: ~45 ms together, which most
 # commands, and every worker, never need
 def package_file(package, name):
-    """A file calque reads at run time (calque_data's rates.json, modal_shim's modal.py, ...), found through its
-    package: the same call wherever calque runs from, a checkout or an install."""
+    """A file calque reads at run time (rates.json, modal_shim's modal.py, ...), found through its
+    package: the same call from a checkout or an install."""
     import importlib.resources
     return str(importlib.resources.files(package) / name)
 
 
 def pyproject():
-    """calque's pyproject.toml, as its package holds it (calque_data/sdist): what it is built and packed from."""
+    """calque's pyproject.toml as its package holds it (calque_data/sdist): what it is built
+    from."""
     import tomllib
     with open(package_file("calque_data", "sdist/pyproject.toml"), "rb") as f:
         return tomllib.load(f)
 
 
 def calque_version():
-    """This calque's version: its package metadata, or, in a checkout never installed, its pyproject.toml's."""
+    """This calque's version: its package metadata, or in a checkout never installed,
+    pyproject's."""
     import importlib.metadata
     try:
         return importlib.metadata.version("calque")
@@ -162,13 +164,13 @@ class NotFound(Exception):
 
 
 class StoreFault(Exception):
-    """The store or the queue failed (unwritable, full, unreachable, replaced) or holds a record that cannot be
-    read: one line naming the key or file and the next step, exit 1."""
+    """The store or the queue failed (unwritable, full, unreachable, replaced) or holds an
+    unreadable record: one line naming the key or file and the next step, exit 1."""
 
 
 class WorkersFailed(Exception):
-    """A pool's workers cannot run (they die before @enter is done): one line naming the first one's error and
-    its log, exit 1."""
+    """A pool's workers die before @enter is done: one line naming the first one's error and log,
+    exit 1."""
 
 
 class LeaseLost(Exception):
@@ -221,9 +223,8 @@ def did_you_mean(name, known):
 
 
 def text_lines(data, where, first=1):
-    """(line number, text) of each '\n'-separated line of `data` (bytes), decoded at once (decoding line by line
-    read a 100,000-item file a third slower); bytes that are not UTF-8 are a UserError naming the line. `first`:
-    the number of data's first line (a block of a longer file)."""
+    """(line number, text) of each '\n'-separated line of `data` (bytes), decoded at once; bytes
+    that are not UTF-8 are a UserError naming the line. `first`: the number of data's first line."""
     try:
         text = data.decode()
     except UnicodeDecodeError as e:
@@ -237,10 +238,9 @@ _scan_json = json.decoder.JSONDecoder().scan_once   # json's own C scanner, as j
 
 
 def json_line(text):
-    """json.loads(text) for one short line, at half its cost: json.loads wraps the C scanner in two regex matches
-    and three Python calls, 2.1 us of an item of ~100 bytes against 0.9 us here (staging a 1M-item run parses
-    every line). A line the scanner does not take whole (whitespace around it, extra data, not JSON) goes to
-    json.loads, which reads it, or raises the same JSONDecodeError."""
+    """json.loads(text) for one short line, through json's C scanner alone (json.loads adds two
+    regex matches and three calls: staging a run parses every line). A line the scanner does not
+    take whole goes to json.loads, which reads it or raises the same JSONDecodeError."""
     try:
         value, end = _scan_json(text, 0)
         if end == len(text):
@@ -251,11 +251,10 @@ def json_line(text):
 
 
 def checked_json(text):
-    """The value of one JSONL line for checked_line, which keeps only its shape: orjson's parse (0.33 against
-    json_line's 0.68 us a line of ~100 bytes), or json_line's for what orjson refuses: json's error for what is not
-    JSON, the value for what json alone takes (NaN and Infinity, lone surrogates, 1e400). orjson takes nothing json
-    refuses, so a line checked here is one a worker's json.loads reads; it reads an integer beyond 64 bits as a
-    float, which changes no shape."""
+    """The value of one JSONL line for checked_line, which keeps only its shape: orjson's parse, or
+    json_line's for what orjson refuses (json's error for what is not JSON; NaN, lone surrogates and
+    1e400, which json alone takes). orjson takes nothing json refuses, so a line checked here is one
+    a worker's json.loads reads."""
     if orjson is not None:
         try:
             return orjson.loads(text)
@@ -350,9 +349,9 @@ def results_prefix(run_id, claim):
 
 
 def part_key(run_id, claim, start, stop, suffix=".jsonl"):
-    """One result part: the results of the claim's items [start, stop) (offsets within the claim), in order:
-    .jsonl, one JSON object per line, or .npz where any result holds arrays (encode_part). Zero-padded, so
-    that the keys sort in item order."""
+    """One result part: the results of the claim's items [start, stop) (offsets in the claim):
+    .jsonl, or .npz where a result holds arrays (encode_part). Zero-padded, so keys sort in item
+    order."""
     return f"{results_prefix(run_id, claim)}{start:07d}-{stop:07d}{suffix}"
 
 
@@ -360,7 +359,8 @@ PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.(jsonl|npz)$")
 
 
 def attempt_key(run_id, claim):
-    """The attempt record of a redelivered claim: which item a worker is about to run alone (poison tracking)."""
+    """The attempt record of a redelivered claim: the item a worker is about to run alone
+    (poison)."""
     return f"{results_prefix(run_id, claim)}attempt.json"
 
 
@@ -369,9 +369,9 @@ class ResultsIncomplete(Exception):
 
 
 def part_chain(keys, count):
-    """The result parts among a claim's listed `keys` that cover its items from offset 0 on, as (start, stop, key),
-    up to `count` or the first gap. Parts written by two deliveries may overlap (a lease lost mid-claim): at each
-    offset the part reaching furthest is taken."""
+    """The parts among a claim's listed `keys` that cover its items from offset 0, as (start, stop,
+    key), up to `count` or the first gap. Two deliveries' parts may overlap (a lease lost
+    mid-claim): at each offset the part reaching furthest is taken."""
     parts = [(int(m[1]), int(m[2]), key) for key in keys if (m := PART_NAME.match(key.rsplit("/", 1)[1]))]
     chain, at = [], 0
     while at < count:
@@ -390,8 +390,9 @@ PART_FORMAT = 1                         # index.json's "format" in an .npz part
 
 
 def host_array(value):
-    """(numpy array, dtype name) of a numeric numpy array or torch tensor, moved to the host with .cpu(); None for
-    any other value. bfloat16, which numpy lacks, is its raw bits as uint16, named "bfloat16"."""
+    """(numpy array, dtype name) of a numeric numpy array or torch tensor, moved to the host; None
+    for any other value. bfloat16, which numpy lacks, is its raw bits as uint16, named
+    "bfloat16"."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):      # a torch tensor, on any device
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
@@ -408,9 +409,9 @@ _dtype_names = {}   # numpy dtype -> its name: dtype.name is Python code, a few 
 
 
 def batch_rows(outputs, count):
-    """A handler's return for a batch of `count` items as their results: a list or tuple as it is; an array or a
-    tensor (moved to the host once) split along its first dimension; a dict of arrays, tensors and lists split per
-    key, each item's result a dict. ValueError, naming both lengths, when the first dimension is not `count`."""
+    """A handler's return for a batch of `count` items as their results: a list or tuple as it is;
+    an array or tensor split along its first dimension; a dict of them and of lists split per key,
+    each result a dict. ValueError naming both lengths when the first dimension is not `count`."""
     if isinstance(outputs, (list, tuple)):
         if len(outputs) != count:
             raise ValueError(f"handler returned {len(outputs)} results for a batch of {count} items")
@@ -432,8 +433,8 @@ def batch_rows(outputs, count):
 
 
 def typed_cells(value):
-    """(the result with each typed value replaced by None, [(field, array, dtype)]) for a result that is an array or
-    a dict holding arrays at its top level (field None: the result itself); None for any other result."""
+    """(the result with each typed value None, [(field, array, dtype)]) for a result that is an
+    array or a dict holding arrays at its top level (field None: the result itself); else None."""
     if isinstance(value, dict):
         cells = [(key, *typed) for key, v in value.items() if (typed := host_array(v)) is not None]
         typed_keys = {key for key, _, _ in cells}
@@ -443,12 +444,13 @@ def typed_cells(value):
 
 
 class TypedLines(str):
-    """Result lines in which each typed value is null, carrying `cells`: (offset in the lines, field, array, dtype)."""
+    """Result lines with each typed value null, carrying `cells`: (line offset, field, array,
+    dtype)."""
     cells = ()
 
 
 def _row_ranges(rows):
-    """[[start, stop], ...] of sorted row offsets: an index.json's compact form of which items a block holds."""
+    """[[start, stop], ...] of sorted row offsets: index.json's compact form of a block's rows."""
     ranges = []
     for row in rows:
         if ranges and ranges[-1][1] == row:
@@ -466,11 +468,10 @@ def _npy(array):
 
 
 def encode_part(chunks):
-    """(suffix, data) of a result part made of these chunks of result lines, in order: .jsonl, their text joined,
-    when none carries typed cells (the bytes a JSON-only claim always had); else .npz, a zip (stored, not
-    compressed) of results.jsonl (the lines, typed values null), index.json (the blocks) and one b<k>.npy a block:
-    the arrays of one field and dtype stacked, or, where their shapes differ, flat one after the other with
-    b<k>.shapes.npy."""
+    """(suffix, data) of a result part made of these chunks of result lines: .jsonl, their text,
+    when none carries typed cells; else .npz, a stored (not compressed) zip of results.jsonl (typed
+    values null), index.json (the blocks) and one b<k>.npy a block: the arrays of one field and
+    dtype stacked, or, where shapes differ, flat one after the other with b<k>.shapes.npy."""
     text, groups, at = "".join(chunks), {}, 0
     for chunk in chunks:
         for offset, field, array, dtype in getattr(chunk, "cells", ()):
@@ -495,9 +496,9 @@ def encode_part(chunks):
 
 
 class Block(typing.NamedTuple):
-    """A typed block of a part as read: `rows` (numpy offsets in the part) hold `field` in `dtype`; `values` their
-    arrays stacked, or (`shapes` not None) flat one after the other, each row of shapes[j]. bfloat16 values are their
-    raw uint16 bits (widen() reads them as float32, exactly)."""
+    """A typed block of a part as read: `rows` (offsets in the part) hold `field` in `dtype`;
+    `values` their arrays stacked, or (`shapes` not None) flat, row j of shape shapes[j]. bfloat16
+    values are raw uint16 bits (widen() reads them as float32, exactly)."""
     field: typing.Optional[str]
     dtype: str
     rows: typing.Any
@@ -505,8 +506,8 @@ class Block(typing.NamedTuple):
     shapes: typing.Any = None
 
     def widen(self):
-        """The values in a numpy dtype: bfloat16 bits as the float32 numbers they are (bfloat16 is float32's top
-        half, so nothing is rounded); any other dtype as stored."""
+        """The values in a numpy dtype: bfloat16 bits as float32 (its top half: nothing is
+        rounded)."""
         import numpy as np
         if self.dtype != "bfloat16":
             return self.values
@@ -534,7 +535,7 @@ class Block(typing.NamedTuple):
 
 
 class Part(typing.NamedTuple):
-    """A result part as read: its result lines (newline kept; a typed value is null in its line) and its blocks."""
+    """A result part as read: its lines (newline kept; a typed value null) and its blocks."""
     lines: list
     blocks: list
 
@@ -543,8 +544,8 @@ class Part(typing.NamedTuple):
 
 
 def decode_npz_part(data):
-    """(result lines text, [Block]) of an .npz part's bytes, each block's values a view of them (members are stored,
-    not compressed); ValueError (zipfile's, numpy's) for a torn one."""
+    """(result lines text, [Block]) of an .npz part, each block's values a view of its bytes
+    (members are stored); ValueError (zipfile's, numpy's) for a torn one."""
     import numpy as np
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         def member(name):
@@ -566,9 +567,9 @@ def decode_npz_part(data):
 
 
 def read_part(store, key, start, stop):
-    """One part (a Part of its stop - start result lines, newline kept), or ResultsIncomplete when it holds fewer or
-    more, or cannot be read. Lines are split on "\n" only: a result's text may hold U+2028 and the like as they are
-    (warmd writes results with orjson, which escapes only what JSON must), which str.splitlines() would cut at."""
+    """One part as a Part of its stop - start lines (newline kept), or ResultsIncomplete when it
+    holds fewer or more or cannot be read. Split on "\n" only: a result's text may hold U+2028 and
+    the like (orjson escapes only what JSON must), which str.splitlines() would cut at."""
     data, blocks = store.get(key), []
     if key.endswith(".npz"):
         try:
@@ -583,9 +584,9 @@ def read_part(store, key, start, stop):
 
 
 def read_claim_parts(store, run_id, claim, count, keys=None):
-    """The claim's parts that hold its `count` results in item order, each cut to the items not in the one before
-    (`keys`: the claim's folder as listed already, which saves the LIST). A gap or a part with fewer lines than its
-    name promises raises ResultsIncomplete naming it: never a silent short read."""
+    """The claim's parts holding its `count` results in item order, each cut to the items not in the
+    one before (`keys`: the claim's folder as listed already). A gap or a short part raises
+    ResultsIncomplete naming it: never a silent short read."""
     keys = store.list(results_prefix(run_id, claim)) if keys is None else keys
     chain = part_chain(keys, count)
     at = chain[-1][1] if chain else 0
@@ -602,8 +603,8 @@ def read_claim_parts(store, run_id, claim, count, keys=None):
 
 
 def block_texts(block):
-    """Each row of a block as JSON text (floats in their dtype's shortest form; NaN and infinities as null, as strict
-    JSON has them): a block of 1-D rows in one encoding, cut at its "],[" (numbers hold none)."""
+    """Each row of a block as JSON text (floats in their dtype's shortest form; NaN and infinities
+    null): a block of 1-D rows in one encoding, cut at its "],[" (numbers hold none)."""
     values, option = block.widen(), orjson.OPT_SERIALIZE_NUMPY
     if block.shapes is None and values.ndim == 2 and len(values) and values.flags.c_contiguous:
         return [f"[{row}]" for row in orjson.dumps(values, option=option).decode()[2:-2].split("],[")]
@@ -611,7 +612,7 @@ def block_texts(block):
 
 
 def result_lines(part):
-    """The part's result lines as JSONL prints them: typed values written in as lists (block_texts)."""
+    """The part's result lines as JSONL prints them, typed values written in as lists."""
     if not part.blocks:
         return part.lines
     lines, parsed = list(part.lines), {}
@@ -627,7 +628,7 @@ def result_lines(part):
 
 
 def read_claim_results(store, run_id, claim, count, keys=None):
-    """The claim's `count` result lines in item order, as JSONL prints them (read_claim_parts, result_lines)."""
+    """The claim's `count` result lines in item order, as JSONL prints them."""
     return [line for part in read_claim_parts(store, run_id, claim, count, keys) for line in result_lines(part)]
 
 
@@ -639,8 +640,8 @@ MANIFEST_KEY = re.compile(r"^runs/([A-Za-z0-9][A-Za-z0-9._-]*)/manifests/([A-Za-
 
 
 def new_run_id(model):
-    """<slug>.<UTC time>-<6 hex>: the model's slug leads, so that an IAM policy can confine a pool's
-    workers to its own runs (runs/<slug>.*); slugs have no '.', so no slug's runs match another's."""
+    """<slug>.<UTC time>-<6 hex>: the slug leads, so an IAM policy can confine a pool's workers to
+    its own runs (runs/<slug>.*); slugs have no '.', so no slug's runs match another's."""
     return f"{slug(model)}.{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
@@ -685,8 +686,8 @@ def parse_message(body):
 
 
 def to_jsonable(value):
-    """json.dumps default=: numpy and torch values become plain numbers and lists; an enum member its value and a
-    UUID its text, as orjson writes them (warmd encodes results with either, and both must take the same values)."""
+    """json.dumps default=: numpy and torch values as plain numbers and lists, an enum member as its
+    value, a UUID as its text, as orjson writes them (warmd encodes results with either)."""
     if hasattr(value, "tolist"):        # numpy arrays and scalars, torch tensors (CPU or not)
         if hasattr(value, "detach"):
             value = value.detach().cpu()
@@ -718,11 +719,10 @@ REQUEST_KEYS = (
 def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_count, enter_count, started, finished,
                   requests, items=0, failed=(), errors=None, warm_hit=False, enter_seconds_paid=0.0,
                   acquisition_seconds=0.0, model_seconds=None, error=None, notes=(), parts=(), resumed=0, **measured):
-    """A claim's summary: its completion record, written last (the contract's fields plus calque's own).
-    With `error`, the summary of a claim that was not run (dead-lettered); model_seconds None means the
-    drain was not measured. `parts`: [start, stop] of every result part that covers the claim (offsets in
-    the claim, earlier deliveries' included); `resumed`: the items taken from earlier deliveries' parts.
-    `measured` adds the worker's other measurements (GPU utilisation, ...)."""
+    """A claim's summary: its completion record, written last. With `error`, a claim that was not
+    run (dead-lettered); model_seconds None: the drain was not measured. `parts`: [start, stop] of
+    each result part covering the claim; `resumed`: items taken from earlier deliveries' parts;
+    `measured`: the worker's other measurements (GPU utilisation, ...)."""
     failed, claim_seconds = list(failed), max(0.0, finished - started)
     if error is None and not failed:
         status = "ok"
@@ -761,7 +761,8 @@ def parse_handler_spec(spec):
 
 
 def check_handler_source(source, cls, where):
-    """Check without running it that `source` defines class `cls` with @calque.enter and @calque.batch."""
+    """Check, without running it, that `source` defines `cls` with @calque.enter and
+    @calque.batch."""
     tree = parse_source(source, where)
     if imports_modal(tree):
         return check_modal_source(tree, cls, where)
@@ -787,10 +788,9 @@ def stream_prefix(model, stream):
 
 
 class Streamed(list):
-    """A generator's items; for a .remote_gen call (`stream`, its id), also written to the store as
+    """A generator's items; for a .remote_gen call (`stream`, its id) also written to the store as
     they come: {"start": index, "values": [...]} chunks, the first at once, the next STREAM_FLUSH s
-    after (a timer: an item is never held for the next one). The call's result, the whole list, says
-    what a caller has not read yet; a failed write only stops the stream."""
+    later (a timer: no item waits for the next one). A failed write only stops the stream."""
 
     def __init__(self, streams, stream):
         ok = streams and isinstance(stream, str) and re.fullmatch(r"[0-9a-f]{32}", stream)
@@ -836,9 +836,9 @@ def import_file(path, name):
 
 
 def load_handler(path, cls, modal=None, container=False):
-    """Import the handler class from a file and return (instance, enter_method, batch_method, collate or None).
-    A Modal app file gives a ModalHandler (`modal`: the pool record's modal options; `container`: in a worker,
-    where `with image.imports():` blocks import for real)."""
+    """(instance, enter, batch, collate or None) of the handler class in a file. A Modal app file
+    gives a ModalHandler (`modal`: the pool record's modal options; `container`: in a worker, where
+    `with image.imports():` blocks import for real)."""
     with open(path, "rb") as f:
         if imports_modal(f.read(), path):
             os.environ.update((modal or {}).get("image", {}).get("env", {}))   # before the app's code reads it
@@ -874,7 +874,7 @@ def parse_source(source, where):
 
 
 def imports_modal(source, where="handler"):
-    """Whether a handler's source (bytes, or its parsed tree) imports modal: then it is a Modal app file."""
+    """Whether a handler's source (bytes, or its parsed tree) imports modal: a Modal app file."""
     tree = source if isinstance(source, ast.AST) else parse_source(source, where)
     return any(isinstance(node, ast.Import) and any(a.name.split(".")[0] == "modal" for a in node.names)
                or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "modal"
@@ -882,7 +882,8 @@ def imports_modal(source, where="handler"):
 
 
 def check_modal_source(tree, name, where):
-    """Check without running it that a Modal app file defines `name` (Cls, Cls.method or function) at top level."""
+    """Check, without running it, that a Modal app file defines `name` (Cls, Cls.method or
+    function)."""
     top, _, method = name.partition(".")
     defined = {node.name: node for node in tree.body
                if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -893,7 +894,7 @@ def check_modal_source(tree, name, where):
 
 
 def load_modal_shim():
-    """The stand-in `modal`, put in sys.modules (the real one, if installed, is shadowed: see modal_shim/modal.py)."""
+    """The stand-in `modal` in sys.modules (shadowing a real one: see modal_shim/modal.py)."""
     shim, path = sys.modules.get("modal"), package_file("modal_shim", "modal.py")
     if getattr(shim, "__file__", None) != path:
         shim = import_file(path, "modal")
@@ -901,8 +902,8 @@ def load_modal_shim():
 
 
 def import_modal_file(path, container=False):
-    """(shim, module) of a Modal app file imported for real under the stand-in. Whatever stops the import is one
-    UserError naming the file and line: a refused construct, a module this Python lacks, any exception."""
+    """(shim, module) of a Modal app file imported under the stand-in. Whatever stops the import is
+    one UserError naming file and line: a refused construct, a missing module, any exception."""
     shim = load_modal_shim()
     shim.container = container
     folder = os.path.dirname(os.path.abspath(path))
@@ -915,7 +916,8 @@ def import_modal_file(path, container=False):
 
 
 def user_code_error(path, e, container=False):
-    """One line for an exception raised by a user's file: where (file:line, its innermost frame there) and what."""
+    """One line for an exception raised by a user's file: where (file:line, innermost there) and
+    what."""
     lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
              if os.path.abspath(f.filename) == os.path.abspath(path)]
     where = f"{path}:{e.lineno if isinstance(e, SyntaxError) else (lines or ['?'])[-1]}"
@@ -937,8 +939,8 @@ def one_line(message):
 
 
 def import_modal_app(path, name, container=False):
-    """(shim, registered object, method name or None) of `name` in a Modal app file, imported for real. A construct
-    the stand-in refuses is a UserError naming it."""
+    """(shim, registered object, method name or None) of `name` in a Modal app file, imported for
+    real."""
     shim, module = import_modal_file(path, container)
     top, _, method = name.partition(".")
     target = getattr(module, top, None)
@@ -961,8 +963,8 @@ def import_modal_app(path, name, container=False):
 
 
 def read_env_file(path, where):
-    """KEY=value lines of a --secret file, as pool.env's; a file not on this machine (an EC2 worker) gives none:
-    there the variables come from the pool's environment."""
+    """KEY=value lines of a --secret file, as pool.env's; none for a file not on this machine (an
+    EC2 worker gets the variables from the pool's environment)."""
     if not os.path.isfile(path):
         return {}
     with open(path, "rb") as f:
@@ -983,7 +985,7 @@ def modal_param(user_cls, key, value):
 
 
 def mount_volume(mount, folder):
-    """Make the app's volume mount path (/data) show `folder`: a symbolic link where nothing is yet."""
+    """Make the app's volume mount path (/data) show `folder`: a symlink where nothing is yet."""
     if os.path.lexists(mount):
         if not (os.path.exists(mount) and os.path.samefile(mount, folder)):
             raise UserError(f"volume mount {mount} exists and is not {folder} ---> HINT: move it, or name it with "
@@ -1009,10 +1011,11 @@ def key_values(pairs, flag):
 
 
 class ModalHandler:
-    """A Modal @app.cls method or @app.function as a calque handler. enter() runs the @modal.enter hooks (snap=True
-    first) and __enter__ once; batch(payloads) makes one call per item (@modal.method; a list item is splatted for a
-    method of several parameters, as .starmap does) or one per max_batch_size items (@modal.batched), up to
-    @modal.concurrent(max_inputs) item calls at once; calque_exit() runs @modal.exit hooks and __exit__."""
+    """A Modal @app.cls method or @app.function as a calque handler. enter() runs the @modal.enter
+    hooks (snap=True first) and __enter__; batch() makes one call per item (@modal.method; a list
+    item is splatted for several parameters, as .starmap) or per max_batch_size items
+    (@modal.batched), up to @modal.concurrent(max_inputs) at once; calque_exit() runs @modal.exit
+    hooks and __exit__."""
     streams = None   # (store, model), set by warmd: where .remote_gen calls' items go (Streamed)
 
     def __init__(self, target, method, options):
@@ -1082,8 +1085,8 @@ class ModalHandler:
         raise next(value for ok, value in outcomes if not ok)
 
     def _args(self, item):
-        """(args, kwargs) of an item: a `modal run` call's own ({"__modal_call__": [args, kwargs]}); else the item
-        (a JSON list splatted for a function of several parameters, as .starmap)."""
+        """(args, kwargs) of an item: a `modal run` call's own ({"__modal_call__": [args, kwargs]}),
+        else the item (a JSON list splatted for a function of several parameters, as .starmap)."""
         if isinstance(item, dict) and len(item) == 1 and MODAL_CALL_KEY in item:
             args, kwargs, *stream = item[MODAL_CALL_KEY]
             return args, kwargs, *stream[:1]
@@ -1151,7 +1154,7 @@ NPY_HEADER_MAX = 10 + 65535   # bytes of a version 1.0 .npy header at most (nump
 
 
 def npy_view(data):
-    """A read-only numpy array over the bytes of a .npy object, without copying them (np.load would).
+    """A read-only numpy array over the bytes of a .npy object, not copied (np.load would copy).
     Refuses object dtypes (they would need pickle) and Fortran order."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     f = io.BytesIO(bytes(data[:NPY_HEADER_MAX]))   # the header alone: the values are not copied
@@ -1165,8 +1168,8 @@ def npy_view(data):
 
 
 def array_items(store, manifest):
-    """A numeric claim's items: a list of {field: view}, every view into the fetched bytes, merged into the
-    manifest's JSON `items` when it has both (a table's text and numeric columns); None where `valid` is False."""
+    """A numeric claim's items: a list of {field: view into the fetched bytes}, merged into the
+    manifest's JSON `items` when it has both (a table's columns); None where `valid` is False."""
     fields, count = {}, manifest["count"]
     for name, keys in manifest["arrays"].items():
         values, offsets, valid = (npy_view(store.get(keys[role])) if role in keys else None
@@ -1194,8 +1197,7 @@ def _aws_error_code(error):
 
 
 def _aws_error_info(error):
-    """The Error part of a botocore error's response; {} for errors that have none (a dropped connection's
-    `response` is None)."""
+    """The Error part of a botocore error's response; {} for none (a dropped connection's)."""
     return (getattr(error, "response", None) or {}).get("Error", {})
 
 
@@ -1208,8 +1210,8 @@ def aws_error_line(error):
 
 
 def aws_client_config(region):
-    """The botocore settings of every AWS client calque makes: standard retries (throttling and transient
-    errors, 5 attempts in all) and timeouts short enough that an unreachable endpoint fails in seconds."""
+    """The botocore settings of every AWS client calque makes: standard retries (5 attempts) and
+    timeouts short enough that an unreachable endpoint fails in seconds."""
     import botocore.config   # lazy: the embedded backend never loads boto3/botocore
     retries = {"mode": "standard"}
     if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
