@@ -1231,10 +1231,9 @@ class Message:
 
 
 class Requests(Counter):
-    """A backend's request counts (REQUEST_KEYS). A thread may tally its own apart as well: inside
-    `with requests.tally(counter)` each request it makes also counts in `counter`, outside one in `loose`.
-    warmd tallies each claim's requests so, since its claims overlap (one drains while the previous one's
-    writes go out and the next one is received); its loose ones (idle polls, stats) go to its next summary."""
+    """A backend's request counts (REQUEST_KEYS). Inside `with requests.tally(counter)` a thread's
+    requests also count in `counter`, outside one in `loose`: warmd's claims overlap, so each claim
+    tallies its own; the loose ones (idle polls, stats) go to the next summary."""
 
     def __init__(self, *args, **kwargs):
         self.loose, self._thread = Counter(), threading.local()
@@ -1247,7 +1246,8 @@ class Requests(Counter):
 
     @contextlib.contextmanager
     def tally(self, counter):
-        """This thread's requests also count in `counter` (None: in no tally: a summary counted them ahead)."""
+        """This thread's requests also count in `counter` (None: in no tally; a summary counted
+        them)."""
         saved = getattr(self._thread, "tally", self.loose)
         self._thread.tally = Counter() if counter is None else counter
         try:
@@ -1256,7 +1256,8 @@ class Requests(Counter):
             self._thread.tally = saved
 
     def carried(self, fn):
-        """fn, to be run on another thread with this thread's tally (a request made there for the same claim)."""
+        """fn, to run on another thread with this thread's tally (a request there for the same
+        claim)."""
         tally = getattr(self._thread, "tally", self.loose)
 
         def run(*args):
@@ -1265,8 +1266,9 @@ class Requests(Counter):
         return run
 
     def take(self):
-        """This thread's tally plus the loose requests, both emptied; until its tally block ends, what the
-        thread requests next counts in no tally (a summary taken now counts its own last writes ahead)."""
+        """This thread's tally plus the loose requests, both emptied; until its tally block ends,
+        the thread's next requests count in no tally (a summary taken now counts its last writes
+        ahead)."""
         mine = getattr(self._thread, "tally", None)
         taken, self.loose = self.loose, Counter()
         if mine is not None:
@@ -1276,10 +1278,10 @@ class Requests(Counter):
 
 
 class LocalStore:
-    """A directory of objects. A write lands in a temporary file that is renamed over the key, so a reader
-    sees the old object or the new one, never half of one; files are not fsynced (a power loss may lose the
-    last writes, a process crash loses nothing). A file system error (read-only, full, permissions) is a
-    StoreFault naming the key."""
+    """A directory of objects. A write lands in a temporary file renamed over the key, so a reader
+    sees the old object or the new one, never half; not fsynced (a power loss may lose the last
+    writes, a process crash nothing). A file system error (read-only, full, permissions) is a
+    StoreFault."""
 
     def __init__(self, root, requests):
         self.root = os.path.realpath(root)
@@ -1320,14 +1322,15 @@ class LocalStore:
         self._publish(key, data, os.replace)
 
     def put_new(self, key, data):
-        """put, only where the key does not exist yet; True when this call wrote it. Atomic: os.link of the
-        complete temporary file fails on an existing name, so of two racing writers exactly one wins."""
+        """put, only where the key does not exist yet; True when this call wrote it. Atomic: os.link
+        of the complete temporary file fails on an existing name, so of two racing writers exactly
+        one wins."""
         self.requests["store_puts"] += 1
         return self._publish(key, data, _link_new)
 
     def _publish(self, key, data, place):
-        """Write data to a temporary file beside the key, then return place(tmp, path); the temporary file
-        never outlives the call (a full disk leaves no partial file behind)."""
+        """Write data to a temporary file beside the key, then return place(tmp, path); the
+        temporary file never outlives the call (a full disk leaves no partial file behind)."""
         path = self._path(key)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
@@ -1345,7 +1348,8 @@ class LocalStore:
         raise self._fault("write", key, failed)
 
     def delete(self, key):
-        """Remove the key, and its folder if that is left empty (on S3 a folder is only a prefix of keys)."""
+        """Remove the key, and its folder if left empty (on S3 a folder is only a prefix of
+        keys)."""
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._path(key))
         with contextlib.suppress(OSError):   # not empty: another key lives there
@@ -1356,9 +1360,9 @@ class LocalStore:
         return os.path.exists(self._path(key))
 
     def list(self, prefix, start_after=None):
-        """Keys under a prefix that ends in '/', one level deep (enough for every layout here), in order; with
-        `start_after`, only the keys that sort after it (as S3's StartAfter). Hidden cost: the folder is still
-        read whole (one listdir, ~1 us a name); what is skipped is the caller's work on the keys."""
+        """Keys under a prefix ending in '/', one level deep, in order; with `start_after`, only
+        those that sort after it (as S3's StartAfter). The folder is still read whole; the caller's
+        work is saved."""
         self.requests["store_lists"] += 1
         try:
             names = os.listdir(self._path(prefix))
@@ -1397,9 +1401,9 @@ def _link_new(tmp, path):
 
 
 class LocalQueues:
-    """SQS semantics on one SQLite file: visibility timeout, receive count, long-poll wait, depth counts.
-    WAL mode, so many worker processes read while one writes; a claim takes the write lock (BEGIN IMMEDIATE)
-    for the few microseconds of its UPDATE, so two workers never receive the same message."""
+    """SQS semantics on one SQLite file: visibility timeout, receive count, long poll, depth counts.
+    WAL mode, so many workers read while one writes; a claim takes the write lock (BEGIN IMMEDIATE)
+    for its UPDATE, so two workers never receive the same message."""
 
     SCHEMA = """
     CREATE TABLE IF NOT EXISTS queues (
@@ -1423,10 +1427,10 @@ class LocalQueues:
         self._local = threading.local()   # one lazy connection per thread: the heartbeat has its own
 
     def db(self):
-        """This thread's connection. Every QUEUE_FILE_CHECK seconds (one stat) it checks that the file at the
-        path is still the one it opened: a queue file deleted or replaced under a running process would
-        otherwise be polled forever while new claims go to the new file. Then the connection is dropped with
-        a StoreFault (a worker logs it and retries), and the next call opens the file now at the path."""
+        """This thread's connection. Every QUEUE_FILE_CHECK s it checks that the file at the path is
+        still the one it opened (a replaced queue file would be polled forever while claims go to
+        the new one): if not, the connection is dropped with a StoreFault, and the next call opens
+        the new file."""
         local = self._local
         if getattr(local, "conn", None) is not None and time.monotonic() >= local.check_at:
             local.check_at = time.monotonic() + QUEUE_FILE_CHECK
@@ -1442,10 +1446,10 @@ class LocalQueues:
         return local.conn
 
     def _open(self):
-        """A new connection and the id of the file it opened. A queue file missing while its -wal and -shm files
-        remain was deleted under processes that still write that log: sharing it would corrupt the new file,
-        so, under a lock (two openers must not remove each other's fresh log), the two are unlinked first; the
-        old processes keep theirs open until their own check drops it."""
+        """A new connection and the id of its file. A queue file missing while its -wal and -shm
+        remain was deleted under running processes: sharing that log would corrupt the new file, so,
+        under a lock, the two are removed first; the old processes keep theirs until their own check
+        drops it."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if os.path.exists(self.path):
             return self._connect()
@@ -1514,7 +1518,7 @@ class LocalQueue:
                        (self.name, body, 0.0, time.time()))
 
     def send_batch(self, bodies):
-        """Send up to SEND_BATCH messages in one transaction (one request, as SQS's SendMessageBatch)."""
+        """Send up to SEND_BATCH messages in one transaction (one request, as SendMessageBatch)."""
         self.queues.requests["queue_other"] += 1
         now = time.time()
         with self.queues.transaction() as db:
@@ -1522,8 +1526,9 @@ class LocalQueue:
                            [(self.name, body, 0.0, now) for body in bodies])
 
     def receive(self, wait_seconds, should_stop=lambda: False):
-        """One message or None after wait_seconds. The wait probes an index every LOCAL_POLL_INTERVAL
-        (read-only, no lock) and takes the write lock only when a message is ready."""
+        """One message or None after wait_seconds: the wait probes an index every
+        LOCAL_POLL_INTERVAL (read-only, no lock) and takes the write lock only when a message is
+        ready."""
         deadline = time.monotonic() + wait_seconds
         while True:
             now = time.time()
@@ -1550,11 +1555,11 @@ class LocalQueue:
             raise LeaseLost(f"queue {self.name}: receipt no longer valid")
 
     def delete(self, message):
-        """Ack. False when the receipt went stale (the message was redelivered to another worker)."""
+        """Ack. False when the receipt went stale (the message went to another worker)."""
         return not self.delete_batch([message])
 
     def delete_batch(self, messages):
-        """Ack up to SEND_BATCH messages in one transaction (one request, as SQS's DeleteMessageBatch); the
+        """Ack up to SEND_BATCH messages in one transaction (as DeleteMessageBatch); returns the
         messages whose receipt went stale."""
         self.queues.requests["queue_other"] += 1
         with self.queues.transaction() as db:
@@ -1562,8 +1567,7 @@ class LocalQueue:
                     if db.execute(LocalQueues.SQL_DELETE, (int(m.receipt.split(":")[0]), m.receipt)).rowcount != 1]
 
     def created_at(self):
-        """Epoch s the queue was created (a queue created after a run was sent lost that run's
-        claims)."""
+        """Epoch s the queue was created (a queue created after a run was sent lost its claims)."""
         self.queues.requests["queue_other"] += 1
         row = self.queues.db().execute("SELECT created_at FROM queues WHERE name = ?", (self.name,)).fetchone()
         return row[0]
@@ -1596,12 +1600,11 @@ class LocalBackend:
 
 
 def endpoint_retried(method):
-    """An S3 or SQS call that outlasts an endpoint blip: a dropped, refused or timed-out connection is retried
-    with backoff (ENDPOINT_BACKOFF) for up to the owner's `endpoint_retry` seconds (CALQUE_ENDPOINT_RETRY;
-    botocore's own few retries come first inside each try), then it is a StoreFault in one line. Without it
-    a `submit` waiting on a run died of a 15 s blip while the run itself finished. Hidden cost: an endpoint
-    that is really gone takes that long to report. Only calls that may run twice carry it: a repeated send
-    is a duplicate claim, which its worker acks as one."""
+    """An S3 or SQS call that outlasts an endpoint blip: a dropped, refused or timed-out connection
+    is retried with backoff (ENDPOINT_BACKOFF) for the owner's `endpoint_retry` s
+    (CALQUE_ENDPOINT_RETRY; botocore's few retries come first), then it is a StoreFault in one line.
+    Only calls that may run twice carry it: a repeated send is a duplicate claim, which its worker
+    acks as one."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
@@ -1656,9 +1659,9 @@ class S3Store:
 
     @endpoint_retried
     def put_new(self, key, data):
-        """put, only where the key does not exist yet (a conditional write, If-None-Match: *); True when this
-        call wrote it. S3 answers 412 when the key exists, 409 while a racing conditional write is in flight
-        (then the outcome is not known yet: ask again)."""
+        """put, only where the key does not exist yet (If-None-Match: *); True when this call wrote
+        it. S3 answers 412 when the key exists, 409 while a racing conditional write is in flight
+        (ask again)."""
         self.requests["store_puts"] += 1
         for delay in (0.05, 0.1, 0.2, 0.4, 0.8, None):
             try:
@@ -1690,8 +1693,8 @@ class S3Store:
 
     @endpoint_retried
     def list(self, prefix, start_after=None):
-        """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list; with
-        `start_after`, only those after it (ListObjectsV2's StartAfter: S3 skips the rest, one page per 1000)."""
+        """Keys and folders (no trailing '/') one level under a prefix, as LocalStore.list;
+        `start_after` is ListObjectsV2's StartAfter (S3 skips the keys before it)."""
         keys = []
         more = {"StartAfter": self._key(start_after)} if start_after is not None else {}
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix),
@@ -1706,8 +1709,8 @@ class S3Store:
 
     @endpoint_retried
     def delete_prefix(self, prefix):
-        """Delete every key under the prefix, a DeleteObjects request per listed page (1000 keys); returns
-        (objects, bytes) deleted."""
+        """Delete every key under the prefix, a DeleteObjects per listed page; returns (objects,
+        bytes)."""
         count = size = 0
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
             self.requests["store_lists"] += 1
@@ -1743,7 +1746,8 @@ class SqsQueues:
 
     @endpoint_retried
     def open_queue(self, name):
-        """Resolve a queue, retrying briefly: a queue just created may take seconds to resolve on SQS."""
+        """Resolve a queue, retrying briefly: a queue just created may take seconds to resolve on
+        SQS."""
         deadline = time.monotonic() + QUEUE_OPEN_RETRY
         delay = 0.1
         while True:
@@ -1781,8 +1785,8 @@ class SqsQueue:
 
     @endpoint_retried
     def send_batch(self, bodies):
-        """Send up to SEND_BATCH messages in one SendMessageBatch request; an entry SQS refuses (throttled, say)
-        is sent again alone (a repeat after a dropped connection is a duplicate claim, acked as one)."""
+        """Send up to SEND_BATCH messages in one SendMessageBatch; an entry SQS refuses is sent
+        again alone (a repeat after a dropped connection is a duplicate claim, acked as one)."""
         self.queues.requests["queue_other"] += 1
         reply = self.sqs.send_message_batch(QueueUrl=self.url, Entries=[
             {"Id": str(n), "MessageBody": body} for n, body in enumerate(bodies)])
@@ -1826,8 +1830,8 @@ class SqsQueue:
 
     @endpoint_retried
     def delete_batch(self, messages):
-        """Ack up to SEND_BATCH messages in one DeleteMessageBatch request; the messages whose receipt went stale.
-        An entry SQS fails for another reason is acked again alone."""
+        """Ack up to SEND_BATCH messages in one DeleteMessageBatch; returns those whose receipt went
+        stale. An entry failed for another reason is acked again alone."""
         self.queues.requests["queue_other"] += 1
         reply = self.sqs.delete_message_batch(QueueUrl=self.url, Entries=[
             {"Id": str(n), "ReceiptHandle": m.receipt} for n, m in enumerate(messages)])
@@ -1850,8 +1854,8 @@ class SqsQueue:
 
 
 class AwsBackend:
-    """SQS + S3 through boto3: the standard credential chain and region; AWS_ENDPOINT_URL (or the
-    service-specific AWS_ENDPOINT_URL_SQS / _S3) points it at moto_server or LocalStack unchanged."""
+    """SQS + S3 through boto3: the standard credential chain and region; AWS_ENDPOINT_URL (or
+    AWS_ENDPOINT_URL_SQS / _S3) points it at moto_server or LocalStack unchanged."""
     kind = "aws"
 
     def __init__(self, uri, endpoint_retry=None):
@@ -1874,9 +1878,9 @@ class AwsBackend:
 
     @staticmethod
     def data_session(boto3):
-        """The session of the store's and the queues' clients, which leave the timestamps of S3's and SQS's answers
-        as text: calque reads none of them, and botocore parses each one with dateutil, 5-10 % of a GET's CPU and
-        most of a LIST's (S3 answers a LastModified per key). `session` (EC2, IAM...) parses them as usual."""
+        """The session of the store's and queues' clients, which leave the timestamps of S3's and
+        SQS's answers as text: calque reads none, and parsing them is much of a LIST's CPU.
+        `session` (EC2, IAM...) parses them as usual."""
         import botocore.session   # lazy: the embedded backend never loads boto3/botocore
         core = botocore.session.get_session()
         core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=lambda text: text)
@@ -1903,8 +1907,8 @@ class AwsBackend:
 
 
 def open_backend(store=None, check_prefix=""):
-    """The backend CALQUE_STORE names, checked usable by a LIST under check_prefix (a worker passes its
-    own pool's folder, the only one its role may list)."""
+    """The backend CALQUE_STORE names, checked usable by a LIST under check_prefix (a worker passes
+    its pool's folder, the only one its role may list)."""
     store = store or settings()["CALQUE_STORE"]
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", store) and not store.startswith("s3://") or store.startswith("s3/"):
         raise UserError(f"CALQUE_STORE={store!r} looks like a mistyped URI ---> HINT: s3://bucket/prefix for S3, or a "
@@ -1917,8 +1921,8 @@ def open_backend(store=None, check_prefix=""):
 # ------------------------------------------------------------------------------------------------
 # 4. records: pool records, run records, summaries, worker stats (all JSON in the store)
 def read_json(backend, key, fix=None):
-    """A JSON record of the store (always an object). One that does not parse, or is not an object, is a
-    StoreFault naming its key (every verb that reads it says so in one line), with `fix` as the next step."""
+    """A JSON record of the store (always an object). One that does not parse, or is not an object,
+    is a StoreFault naming its key, with `fix` as the next step."""
     data = backend.store.get(key)
     try:
         value = json.loads(data)
@@ -1939,8 +1943,8 @@ def write_json(backend, key, value):
 
 
 def load_pool(backend, model, missing=None):
-    """The pool record of `model`. None there: a UserError with the closest pool name and `missing` (the next step
-    for this verb; default: create the pool)."""
+    """The pool record of `model`. None there: a UserError with the closest pool name and `missing`
+    (this verb's next step; default: create the pool)."""
     fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its names, "
            f"then create it again")
     try:
@@ -1961,17 +1965,17 @@ def load_pool(backend, model, missing=None):
 
 
 def name_key(model):
-    """The claim of a slug: {"model": M}, the model that owns pools/<slug>/ (written once, atomically)."""
+    """The claim of a slug: {"model": M}, the model that owns pools/<slug>/ (written once,
+    atomically)."""
     return f"pools/{slug(model)}/name.json"
 
 
 @contextlib.contextmanager
 def pool_name_claimed(backend, model):
-    """Hold the model's slug (its queue names, its store folder) for a `pool create`. The first model to
-    write pools/<slug>/name.json (a create-if-absent: os.link locally, a conditional PUT on S3) owns the slug;
-    a colliding name (Foo/Bar and foo-bar) is refused, even when the two are created at the same moment.
-    Re-creating the same model is idempotent. A pool made before claims existed is known by its record.
-    A create that fails before its pool record is written gives back the claim it made."""
+    """Hold the model's slug (its queue names, its store folder) for a `pool create`. The first
+    model to write pools/<slug>/name.json (create-if-absent) owns it, so a colliding name (Foo/Bar
+    and foo-bar) is refused even when both are created at once; re-creating a model is idempotent. A
+    create that fails before its pool record is written gives the claim back."""
     owner = model
     with contextlib.suppress(NotFound):
         owner = read_json(backend, pool_key(model)).get("model")
@@ -1991,8 +1995,8 @@ def pool_name_claimed(backend, model):
 
 
 def check_slug_free(backend, model):
-    """The pool record stored under the model's slug, or None. A UserError when that record is another
-    model's: names that differ only in case or punctuation share one slug, hence one queue."""
+    """The pool record stored under the model's slug, or None; a UserError when it is another
+    model's (names differing only in case or punctuation share one slug, hence one queue)."""
     try:
         existing = read_json(backend, pool_key(model))
     except NotFound:
@@ -2004,8 +2008,8 @@ def check_slug_free(backend, model):
 
 
 def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries=None):
-    """{batch_size, visibility_timeout, max_deliveries} of a pool or a cold run: each flag's value when given
-    (at least 1), else its CALQUE_* setting."""
+    """{batch_size, visibility_timeout, max_deliveries} of a pool or cold run: each flag's value
+    when given (at least 1), else its CALQUE_* setting."""
     given = {"batch_size": batch_size, "visibility_timeout": visibility_timeout, "max_deliveries": max_deliveries}
     for name, value in given.items():
         if value is not None and value < 1:
@@ -2014,9 +2018,9 @@ def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries
 
 
 def snapshot_handler(handler_spec, key_prefix, put, include=()):
-    """Check the handler file and copy it into the store with put(key, data) (backend.store.put, or an EC2
-    dry run's printer): the code a worker on another machine will run. `include`: [local path, path in the
-    handler's folder] of the files it needs beside it, put as one tar.gz (include_snapshot). Returns its record."""
+    """Check the handler file and copy it into the store with put(key, data) (or an EC2 dry run's
+    printer): the code a worker on another machine runs. `include`: [local path, path beside the
+    handler] of the files it needs, put as one tar.gz (include_snapshot). Returns its record."""
     path, cls = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         source = f.read()
@@ -2034,8 +2038,9 @@ def snapshot_handler(handler_spec, key_prefix, put, include=()):
 
 
 def include_snapshot(include):
-    """(tar.gz bytes, file count) of [local path, relative path] pairs (a folder: its files, caches left out),
-    byte-identical for the same files, so that re-creating a pool keeps its digest. Over INCLUDE_MAX_BYTES: refused."""
+    """(tar.gz bytes, file count) of [local path, relative path] pairs (a folder: its files, caches
+    left out), byte-identical for the same files (a re-created pool keeps its digest); at most
+    INCLUDE_MAX_BYTES."""
     members = {}
     for local, rel in include:
         if not os.path.exists(local):
@@ -2067,8 +2072,8 @@ def include_snapshot(include):
 
 
 def include_paths(paths, handler_spec):
-    """--include PATH options as [local, relative path]: its place relative to the handler's folder (its name
-    when it is elsewhere), as the handler sees it on its own machine."""
+    """--include PATH options as [local, relative path]: its place relative to the handler's folder
+    (its name when elsewhere), as the handler sees it on its own machine."""
     folder = os.path.dirname(os.path.abspath(parse_handler_spec(handler_spec)[0]))
     out = []
     for path in paths or ():
@@ -2078,8 +2083,9 @@ def include_paths(paths, handler_spec):
 
 
 def unpack_include(store, include, folder):
-    """The snapshot of include_snapshot, checked against the record's sha256, unpacked as `folder` unless it is
-    there: into a new folder renamed in place, so that a worker starting beside never sees half of it."""
+    """Unpack include_snapshot's tar.gz, checked against the record's sha256, as `folder` unless it
+    is there: into a new folder renamed in place, so that a worker starting beside never sees
+    half."""
     if os.path.isdir(folder):
         return
     blob = store.get(include["key"])
@@ -2095,7 +2101,7 @@ def unpack_include(store, include, folder):
 
 
 def list_summaries(backend, run_id, after_claim=None):
-    """The run's summary keys, in key order; with `after_claim`, only those whose key sorts after that claim's."""
+    """The run's summary keys in key order; with `after_claim`, only those after that claim's."""
     start_after = summary_key(run_id, after_claim) if after_claim is not None else None
     return [k for k in backend.store.list(f"runs/{run_id}/summaries/", start_after) if k.endswith(".json")]
 
@@ -2115,16 +2121,16 @@ def read_run(backend, run_id):
 
 
 def _run_defaults(run):
-    """A run record as read: one written before `sent` was recorded had every claim sent (or its submit crashed);
-    one written before `staged` was recorded was staged whole before its record."""
+    """A run record as read: one from before `sent` had every claim sent, one from before `staged`
+    was staged whole."""
     run.setdefault("sent", len(run["claims"]))
     run.setdefault("staged", True)
     return run
 
 
 def update_run(backend, run, **fields):
-    """Set `fields` in the stored run record, read again first so that what another process wrote meanwhile
-    (a cancel while submit records how far it sent) is kept; `run` is updated to match."""
+    """Set `fields` in the stored run record, read again first so that what another process wrote
+    meanwhile (a cancel) is kept; `run` is updated to match."""
     stored = read_json(backend, run_key(run["run_id"]))
     stored.update(fields)
     write_json(backend, run_key(run["run_id"]), stored)
@@ -2133,7 +2139,7 @@ def update_run(backend, run, **fields):
 
 
 def list_runs(backend, model=None):
-    """Every run record in the store (only `model`'s, when given: its run ids start with its slug), oldest first."""
+    """Every run record in the store (only `model`'s when given), oldest first."""
     runs = []
     for folder in backend.store.list("runs/"):
         if model is None or run_slug(folder.rsplit("/", 1)[1]) == slug(model):
@@ -2156,7 +2162,7 @@ def read_worker_stats(backend, model):
 
 
 def queue_depth(backend, name):
-    """{visible, in_flight} of a queue, or None when it does not exist (a half-created or half-deleted pool)."""
+    """{visible, in_flight} of a queue, or None when it does not exist (a half-made pool)."""
     try:
         return backend.queues.open_queue(name).counts()
     except NotFound:
@@ -2190,11 +2196,10 @@ class Scale(typing.NamedTuple):
 def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
                   surplus_since, now):
     """How many workers (instances) a pool should have: enough to drain the backlog (visible + in
-    flight) in `target_drain` s at the measured seconds per claim (one a claim while unmeasured),
-    never fewer than the claims in flight (a busy worker is not surplus), never more than the
-    claims, within lo..hi. Growing is immediate; shrinking waits until the surplus has lasted
-    `idle_window` s (no flapping; an idle pool goes to lo after its window). Pure: the caller keeps
-    `surplus_since` from the returned Scale and passes it back."""
+    flight) in `target_drain` s at the measured seconds per claim, never fewer than the claims in
+    flight, never more than the claims, within lo..hi. Growing is immediate; shrinking waits until
+    the surplus has lasted `idle_window` s (no flapping). Pure: the caller passes back the returned
+    Scale's `surplus_since`."""
     backlog = visible + in_flight
     need = backlog if seconds_per_claim is None else min(backlog, math.ceil(backlog * seconds_per_claim /
                                                                               target_drain))
@@ -2206,9 +2211,8 @@ def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, 
 
 
 def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
-    """The pool's latest `limit` summaries of claims that ran on its workers (newest runs first, by
-    run id: it starts with the time; cold and dead-lettered claims left out). No run record is
-    read."""
+    """The pool's latest `limit` summaries of claims its workers ran (newest runs first, by run id;
+    cold and dead-lettered claims left out). No run record is read."""
     found = []
     for run_id in sorted((f.rsplit("/", 1)[1] for f in backend.store.list("runs/")), reverse=True):
         if run_slug(run_id) == slug(model):
@@ -2220,8 +2224,8 @@ def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
 
 
 def measured_seconds(summaries):
-    """(seconds per claim, seconds per item) of the drain in these summaries (@enter paid during a
-    claim left out: a warm worker does not pay it), or (None, None) without any."""
+    """(seconds per claim, seconds per item) of the drain in these summaries (@enter paid in a claim
+    left out: a warm worker does not pay it), or (None, None) without any."""
     seconds = sum(max(0.0, s["claim_seconds"] - s.get("enter_seconds_paid", 0.0)) for s in summaries)
     items = sum(s["items"] for s in summaries)
     return (seconds / len(summaries), seconds / items) if items else (None, None)
@@ -2229,9 +2233,8 @@ def measured_seconds(summaries):
 
 def pool_bounds(count, lo, hi, idle_minutes, noun):
     """(lo, hi, idle window in s or None) from `--{noun} N`, `--min-{noun} A`, `--max-{noun} B` and
-    `--scale-to-zero-after MINUTES`: N alone is A = B = N (a fixed count); an idle window or a
-    ceiling without a floor floors at 0; a floor below the ceiling without a window gets
-    SCALE_IDLE_MINUTES."""
+    `--scale-to-zero-after MINUTES`: N alone is A = B = N; an idle window or a ceiling without a
+    floor floors at 0; a floor below the ceiling without a window gets SCALE_IDLE_MINUTES."""
     if count is not None and hi is not None and count != hi:
         raise UserError(f"--{noun} {count} and --max-{noun} {hi}: two ceilings ---> HINT: --{noun} N alone "
                         f"(a fixed N), or --min-{noun} A --max-{noun} B")
@@ -2253,11 +2256,10 @@ def pool_bounds(count, lo, hi, idle_minutes, noun):
 # ------------------------------------------------------------------------------------------------
 # 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
 def read_items(path, columns=None):
-    """Items from a JSONL file (or '-' for stdin): one JSON value per line, each a JsonText (the line, checked);
-    blank lines are skipped. A stream, read as it is staged (memory does not grow with the file); its first block
-    is read and checked at once, so that a bad line there (the usual typo), or a file without items, is refused
-    before anything else is looked at. A .npy or .npz file is numeric input instead (see ArrayItems); a Parquet
-    or Arrow file, a folder or a glob of them, a table (see TableItems), of which `columns` are read."""
+    """Items from a JSONL file ('-': stdin), one JSON value a line, each a JsonText; blank lines are
+    skipped. Read as it is staged, but its first block at once, so that a bad line there or a file
+    without items is refused first. A .npy or .npz file is numeric input (ArrayItems); a Parquet or
+    Arrow file, folder or glob is a table (TableItems) of which `columns` are read."""
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
     if path.endswith(TABLE_SUFFIXES) or glob.has_magic(path) or os.path.isdir(path):
@@ -2280,9 +2282,9 @@ def unreadable_items(path, error):
 
 
 def jsonl_blocks(stream, path):
-    """The items of a JSONL stream, a list per block (READ_FIRST bytes, doubling up to READ_BLOCK), each block cut
-    after its last newline and decoded at once. A bad line is a UserError naming path:line when the stream reaches it
-    (stage_run says what was queued before it); so is a stream without a single item."""
+    """The items of a JSONL stream, a list per block (READ_FIRST bytes, doubling up to READ_BLOCK),
+    cut after its last newline. A bad line is a UserError naming path:line when the stream reaches
+    it; so is a stream without a single item."""
     lineno, rest, count, size = 1, b"", 0, READ_FIRST
     with stream:
         while True:
@@ -2307,19 +2309,16 @@ def jsonl_blocks(stream, path):
 
 
 class JsonText(str):
-    """An item as the JSON text it was read as: a JSONL line, checked (checked_line) and trimmed. Its claim's
-    manifest takes the text as it is (stage_claim), not the item decoded and encoded again: that cost 0.7 us of
-    the ~3.3 us a 1M-item `submit` spends an item (items of ~100 B). What a worker decodes from the manifest is the
-    same value either way."""
+    """An item as the JSON text it was read as: a JSONL line, checked and trimmed. Its claim's
+    manifest takes the text as it is (stage_claim) rather than decoding and encoding it again."""
     __slots__ = ()
 
 
 def checked_line(line, path, lineno):
-    """The JsonText of one JSONL line, or a UserError naming path:lineno: parsed here, so that a bad line is refused
-    by `submit` and not by the worker that meets it (a dead-lettered claim); the parsed value is not kept. An item
-    nested deeper than ITEM_DEPTH_MAX is refused too: json.loads stops near 1000 levels, and the manifest that
-    carries an item nests it deeper, so a deep item that parsed would fail later, half staged. The line's length,
-    then its brackets counted (two C scans), keep the exact depth walk off every ordinary line."""
+    """The JsonText of one JSONL line, or a UserError naming path:lineno, so that `submit` refuses a
+    bad line rather than a worker dead-lettering its claim. An item nested deeper than
+    ITEM_DEPTH_MAX is refused too (the manifest nests it deeper, and json.loads stops near 1000
+    levels); the length and bracket counts keep the depth walk off ordinary lines."""
     try:
         item = checked_json(line)
         deep = (len(line) > ITEM_DEPTH_MAX and line.count("[") + line.count("{") > ITEM_DEPTH_MAX
@@ -2335,7 +2334,7 @@ def checked_line(line, path, lineno):
 
 
 def json_depth(value):
-    """Levels of nested arrays and objects in a parsed JSON value, walked without recursion (it may be deep)."""
+    """Levels of nested arrays and objects in a parsed JSON value, walked without recursion."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         node, depth = todo.pop()
@@ -2347,9 +2346,9 @@ def json_depth(value):
 
 class ArrayItems:
     """Numeric items from a .npy file (item i = {"input": a[i]}) or a .npz file, where each array
-    `k` of shape [N, ...] is the field k of every item, and an array `k_offsets` of N+1 increasing
-    indices makes `k` ragged: item i's k is k[offsets[i]:offsets[i+1]] (token ids, say). Staged as raw
-    .npy objects per claim and field, which the worker maps as views: no per-item parsing, no pickle."""
+    `k` of shape [N, ...] is field k of every item, and `k_offsets` (N+1 increasing indices) makes
+    `k` ragged: item i's k is k[offsets[i]:offsets[i+1]]. Staged as raw .npy objects per claim and
+    field, which the worker maps as views: no per-item parsing, no pickle."""
 
     def __init__(self, fields, count, source):
         self.fields, self.count, self.source = fields, count, source   # fields: name -> (values, offsets or None)
@@ -2362,12 +2361,13 @@ class ArrayItems:
         return cls.from_arrays(read_arrays(path), path)
 
     def chunks(self, size):
-        """(start, stop, None) of each claim of `size` items: the arrays are sliced as each claim is staged."""
+        """(start, stop, None) of each claim of `size` items: the arrays are sliced when staged."""
         return ((start, min(start + size, self.count), None) for start in range(0, self.count, size))
 
     @classmethod
     def from_arrays(cls, arrays, path):
-        """From {name: array} (the arrays of a .npz, or the API's numpy input); `path` names them in errors."""
+        """From {name: array} (a .npz's arrays, or the API's numpy input); `path` names them in
+        errors."""
         import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
         arrays = {name: np.asarray(values) for name, values in arrays.items()}
         fields, counts = {}, {}
@@ -2396,7 +2396,8 @@ class ArrayItems:
         return cls(fields, count, path)
 
     def stage(self, backend, run_id, claim, start, stop):
-        """Write this claim's slice of every field as .npy objects; returns the manifest's `arrays` entry."""
+        """Write this claim's slice of every field as .npy objects; returns the manifest's
+        `arrays`."""
         fields = {}
         for name, (values, offsets) in self.fields.items():
             if offsets is None:
@@ -2408,9 +2409,9 @@ class ArrayItems:
 
 
 def stage_arrays(backend, run_id, claim, fields):
-    """Write each field's arrays ({role: array}: values, offsets, valid) as .npy objects under the claim's inputs;
-    returns the manifest's `arrays` entry ({field: {role: key}}). Keys are numbered, not named after the field
-    (a Parquet column's name need not be a safe key)."""
+    """Write each field's arrays ({role: array}: values, offsets, valid) as .npy objects under the
+    claim's inputs; returns the manifest's `arrays` ({field: {role: key}}). Keys are numbered, not
+    named after the field (a column's name need not be a safe key)."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     entry = {}
     for number, (name, roles) in enumerate(fields.items()):
@@ -2425,9 +2426,9 @@ def stage_arrays(backend, run_id, claim, fields):
 
 
 def read_arrays(path):
-    """{name: array} of a .npy file ({"input": a}) or a .npz archive (its arrays), read at once. Whatever the
-    file holds, a fault is a UserError naming it: numpy raises OSError, ValueError (object arrays, which need
-    pickle, refused), EOFError (an empty file), BadZipFile or zlib.error (a damaged archive)."""
+    """{name: array} of a .npy file ({"input": a}) or a .npz archive. Whatever the file holds, a
+    fault is a UserError naming it (OSError, ValueError for object arrays, EOFError, BadZipFile,
+    zlib)."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     try:
         # a .npy is mapped, not read: each claim's slice is paged in as it is staged (an .npz member is read whole)
@@ -2448,13 +2449,12 @@ TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")   # submit reads these (and 
 
 
 class TableItems:
-    """Items from Arrow tables, one item a row ({column: value}): a Parquet file, a folder or glob of them, an
-    Arrow IPC (.arrow/.feather) file, or the API's pyarrow.Table, pandas DataFrame or datasets.Dataset. Read as a
-    stream of record batches of a claim's rows (Parquet page by page), so memory does not grow with the input. A
-    numeric column (ints, floats, bools, or lists of them) is staged as .npy per claim, as .npz input is, and
-    reaches the worker as numpy values without JSON; a null in it is None (a `valid` mask), a null inside a list
-    is refused when met. Any other column (text, structs, lists of text) goes as JSON in the manifest, null as
-    None; dates and times as ISO text; a type JSON cannot hold (binary, decimal) is refused up front."""
+    """Items from Arrow tables, one a row ({column: value}): Parquet files (a folder, a glob), an
+    Arrow IPC file, or the API's pyarrow.Table, pandas DataFrame or datasets.Dataset, read as a
+    stream of a claim's rows. A numeric column (numbers, bools, lists of them) is staged as .npy per
+    claim and reaches the worker as numpy values (a null: None; a null inside a list is refused).
+    Any other column goes as JSON in the manifest (dates and times as ISO text); a type JSON cannot
+    hold (binary, decimal) is refused up front."""
 
     def __init__(self, schema, count, batches, source):
         import pyarrow as pa   # lazy: only table input needs pyarrow
@@ -2474,7 +2474,8 @@ class TableItems:
 
     @classmethod
     def open(cls, source, columns=None, where=None):
-        """From a path (see TABLE_SUFFIXES; a folder; a glob) or a table-like object, reading only `columns`."""
+        """From a path (TABLE_SUFFIXES, a folder, a glob) or a table-like object; only `columns`
+        read."""
         import pyarrow as pa   # lazy: only table input needs pyarrow
         where = where or (source if isinstance(source, str) else type(source).__name__)
         if isinstance(source, str):
@@ -2537,7 +2538,8 @@ class TableItems:
             b for f in opened for b in f.iter_batches(rows, columns=schema.names, use_threads=False)), where)
 
     def chunks(self, size):
-        """(start, stop, table) of each claim of `size` rows, cut from the batches as they are read."""
+        """(start, stop, table) of each claim of `size` rows, cut from the batches as they are
+        read."""
         import pyarrow as pa   # lazy: only table input needs pyarrow
         held, rows, start = [], 0, 0
         for batch in itertools.chain(self.batches(size), [None]):
@@ -2551,7 +2553,8 @@ class TableItems:
                 held, rows, start = table.slice(take).to_batches(), rows - take, start + take
 
     def stage(self, backend, run_id, claim, start, table):
-        """A claim's manifest fields: its JSON columns as `items`, its numeric ones as `arrays` (.npy objects)."""
+        """A claim's manifest fields: its JSON columns as `items`, numeric ones as `arrays` (.npy
+        objects)."""
         fields = {name: _numeric_column(table.column(name).combine_chunks(), name, start, self.source)
                   for name in self.numeric}
         staged = {"arrays": stage_arrays(backend, run_id, claim, fields)} if fields else {}
@@ -2562,7 +2565,7 @@ class TableItems:
 
 
 def _select(schema, columns, where):
-    """The schema of the `columns` asked for (all when None); an unknown one is a UserError naming the known."""
+    """The schema of the `columns` asked for (all when None); an unknown one is a UserError."""
     if not columns:
         return schema
     for name in columns:
@@ -2582,14 +2585,15 @@ def _is_list(pa, t):
 
 
 def _column_kind(pa, t):
-    """"numeric" (staged as .npy), "json" (in the manifest) or None (no JSON form) for an Arrow type."""
+    """"numeric" (staged as .npy), "json" (in the manifest) or None (no JSON form) for an Arrow
+    type."""
     if _is_number(pa, t) or (_is_list(pa, t) and _is_number(pa, t.value_type)):
         return "numeric"
     return "json" if pa.types.is_temporal(t) or _json_type(pa, t) else None
 
 
 def _json_type(pa, t):
-    """True for a type whose values to_pylist makes JSON values: numbers, text, nulls, and lists, structs or
+    """True for a type whose to_pylist values are JSON: numbers, text, nulls, and lists, structs or
     dictionaries of them."""
     if _is_number(pa, t) or pa.types.is_null(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
         return True
@@ -2607,8 +2611,9 @@ def _json_column(column):
 
 
 def _numeric_column(array, name, start, source):
-    """A numeric column of one claim as {role: numpy array}: values (2-D for a fixed-size list), offsets for a
-    list, valid where a row is null (its values are zeros). A null inside a list is a UserError naming the row."""
+    """A numeric column of one claim as {role: numpy array}: values (2-D for a fixed-size list),
+    offsets for a list, valid where a row is null (its values zeros). A null inside a list is a
+    UserError."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     import pyarrow as pa
     roles = {}
@@ -2637,8 +2642,8 @@ def _numeric_column(array, name, start, source):
 
 
 def _to_numpy(array):
-    """A numeric Arrow array without nulls as a numpy view of its buffer (pyarrow's to_numpy imports pandas:
-    0.1 s and 90 MiB); bools, which Arrow packs in bits, through uint8."""
+    """A numeric Arrow array without nulls as a numpy view of its buffer (pyarrow's to_numpy imports
+    pandas); bools, which Arrow packs in bits, through uint8."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     import pyarrow as pa
     if pa.types.is_boolean(array.type):
@@ -2659,8 +2664,9 @@ class SubmitInterrupted(BaseException):
 
 @contextlib.contextmanager
 def signals_interrupt():
-    """Inside the block SIGINT and SIGTERM raise SubmitInterrupted, once: a second signal is ignored, so that
-    the bookkeeping the first one starts (recording how many claims were sent) is not cut short."""
+    """Inside the block SIGINT and SIGTERM raise SubmitInterrupted, once: a second signal is
+    ignored, so that the bookkeeping the first one starts (recording what was sent) is not cut
+    short."""
     fired = []
 
     def on_signal(signum, frame):
@@ -2678,7 +2684,7 @@ def signals_interrupt():
 
 @contextlib.contextmanager
 def signals_deferred():
-    """SIGINT and SIGTERM wait until the block is done (blocked for this thread, delivered on leaving it)."""
+    """SIGINT and SIGTERM wait until the block is done (blocked for this thread meanwhile)."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
@@ -2687,15 +2693,15 @@ def signals_deferred():
 
 
 def check_timeout(seconds):
-    """--timeout (or CALQUE_TIMEOUT, which main puts in its place) must be a finite number of seconds, 0 or more."""
+    """--timeout (or CALQUE_TIMEOUT) must be a finite number of seconds, 0 or more."""
     if not (math.isfinite(seconds) and seconds >= 0):
         raise UserError(f"--timeout {seconds}: not a number of seconds, 0 or more ---> HINT: e.g. --timeout 600 "
                         f"(CALQUE_TIMEOUT sets the default)")
 
 
 def claim_chunks(items, size):
-    """(start, stop, items or None) of each claim of `size` items: ArrayItems are sliced when staged, a list is cut
-    into slices, any other iterable (a JSONL stream, a generator) is read one claim at a time."""
+    """(start, stop, items or None) of each claim of `size` items: ArrayItems and TableItems cut
+    their own, a list is sliced, any other iterable (a JSONL stream) is read a claim at a time."""
     if isinstance(items, (ArrayItems, TableItems)):
         yield from items.chunks(size)
         return
@@ -2706,7 +2712,8 @@ def claim_chunks(items, size):
 
 
 def stage_claim(backend, run, items, claim, start, stop, chunk):
-    """Write one claim's manifest (JSON items inside it; numeric items beside it as .npy objects)."""
+    """Write one claim's manifest (JSON items inside it; numeric items beside it as .npy
+    objects)."""
     manifest = {"run_id": run["run_id"], "claim": claim, "model": run["model"], "first_index": start,
                 "count": stop - start}
     if chunk is None:
@@ -2723,22 +2730,18 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
 
 
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
-    """Stage the items as a stream and send each claim once its manifest has landed; returns the run record.
+    """Stage the items as a stream, sending each claim once its manifest has landed; returns the
+    run.
 
-    The run record comes first (`staged: false`; the claims listed when the item count is known, else as they
-    are cut), then the claims are cut from the items as they are read (claim_chunks), their manifests PUT on
-    STORE_WRITERS threads (an S3 PUT waits ~20 ms on the network: 16 in flight keep up with one process
-    encoding manifests; more would only queue for the GIL on boto3's signing; LOCAL_WRITERS on the
-    local store), and the claims whose manifests landed are sent in run order, SEND_BATCH to a
-    request. The first claim is sent as soon as its manifest lands; at most STAGE_AHEAD manifests a
-    writer wait unsent, so memory stays bounded whatever the run size. The record is completed at
-    the end (`staged: true`, the claims, items and `sent`).
+    The run record comes first (`staged: false`), then claims are cut from the items as they are
+    read, their manifests PUT on STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in run
+    order, SEND_BATCH to a request, the first as soon as it lands; at most STAGE_AHEAD manifests a
+    writer wait unsent, so memory stays bounded. The record is completed at the end (`staged:
+    true`).
 
-    SIGINT or SIGTERM stops the sending, not the staging: every claim is staged so that `runs resume` can send
-    the rest, then the signal is raised (SubmitInterrupted). Hidden cost: on a large stream that takes as long
-    as staging the rest; stdin is read to its end. Anything else that stops it (a bad line, a store fault)
-    before a claim was sent deletes what it staged (no run); after, the run keeps the claims sent, and the
-    error says so."""
+    SIGINT or SIGTERM stops the sending, not the staging: every claim is staged, so that `runs
+    resume` can send the rest, then SubmitInterrupted is raised. Anything else that stops it before
+    a claim was sent deletes what it staged; after, the run keeps the claims sent, and says so."""
     run_id = run_id or new_run_id(record["model"])
     known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
@@ -2782,9 +2785,9 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
 
 
 def _send_landed(backend, run, queue, pending, landed, sending, wait, flush):
-    """Move the claims at the head of `pending` whose manifests landed to `landed` (waiting for the head one when
-    `wait`; a failed write raises here), then send `landed` in run order, SEND_BATCH a request: only full batches
-    unless `flush`. Not `sending` (a signal came), nothing is sent: the claims are only staged."""
+    """Move the claims at the head of `pending` whose manifests landed to `landed` (waiting for the
+    head one when `wait`; a failed write raises here), then send `landed` in run order, SEND_BATCH a
+    request: only full batches unless `flush`. Not `sending` (a signal came): nothing is sent."""
     while pending and (wait or pending[0][1].done()):
         claim, future = pending.popleft()
         future.result()
@@ -2805,12 +2808,10 @@ def send_batch(backend, run, queue, claims, resume=False):
 
 
 def send_claims(backend, run, queue, skip=(), resume=False):
-    """Send the run's claims from run["sent"] on, in run order, SEND_BATCH to a request, but those in `skip` (claims
-    with a summary), and record in the run record how far it got: the claims before `sent` were sent or skipped.
-    Stopped by anything (a signal, between two batches; a queue fault), it records that first; `runs resume` sends
-    the rest. A kill -9 records nothing: `sent` stays where it was last written, so runs resume sends some claims
-    a second time. That is safe: a worker acks the copy of a claim already done without running it (one still
-    queued may run twice, writing the same results)."""
+    """Send the run's claims from run["sent"] on, SEND_BATCH a request, but those in `skip` (claims
+    with a summary), recording in the run record how far it got, whatever stops it. After a kill -9,
+    `runs resume` sends some claims again: a worker acks a copy of a claim done without running
+    it."""
     try:
         while run["sent"] < len(run["claims"]):
             with signals_deferred():   # a send and its count are one step: no signal falls between them
@@ -2824,8 +2825,8 @@ def send_claims(backend, run, queue, skip=(), resume=False):
 
 
 def interrupted(backend, run_id, signum):
-    """Say what an interrupted submit or runs resume left, from the run record as stored; returns the exit code
-    (128 + the signal: 130 for SIGINT)."""
+    """Say what an interrupted submit or runs resume left, from the stored run record; returns the
+    exit code (128 + the signal)."""
     try:
         run = _run_defaults(read_json(backend, run_key(run_id)))
     except NotFound:
@@ -2844,8 +2845,8 @@ def run_dlq_name(run):
 
 
 def receive_all(queue, count):
-    """Up to `count` messages of the queue, received: hidden from other readers until deleted or released. A
-    message that another reader holds meanwhile is not seen."""
+    """Up to `count` messages of the queue, received (hidden from other readers until deleted or
+    released); a message another reader holds meanwhile is not seen."""
     messages = []
     while len(messages) < count and (message := queue.receive(DLQ_SCAN_WAIT)) is not None:
         messages.append(message)
@@ -2853,14 +2854,14 @@ def receive_all(queue, count):
 
 
 def release(queue, messages):
-    """Make received messages visible again at once (a stale receipt is skipped: its message is back already)."""
+    """Make received messages visible again at once (a stale receipt's message is back already)."""
     for message in messages:
         with contextlib.suppress(LeaseLost):
             queue.change_visibility(message, 0)
 
 
 def dead_letter_of(message):
-    """(run id, claim, reason) of a dead-letter message, or None when its original body names no claim."""
+    """(run id, claim, reason) of a dead-letter message, or None when its body names no claim."""
     try:
         letter = json.loads(message.body)
         original = parse_message(letter["body"])
@@ -2870,10 +2871,10 @@ def dead_letter_of(message):
 
 
 class DeadLetters:
-    """The claims of one run that its dead-letter queue holds ({claim: reason}), found by a scan that receives
-    every message and releases it. A worker writes a failure summary before the DLQ copy, so the scan matters
-    only when that write failed. It is repeated only when the queue's depth changed or another reader held some
-    of its messages: each scan costs a receive and a release per message in the queue."""
+    """The claims of one run that its dead-letter queue holds ({claim: reason}), found by receiving
+    and releasing every message. A worker writes a failure summary before the DLQ copy, so this
+    matters only when that write failed; a scan is repeated only when the depth changed or another
+    reader held messages (each costs a receive and a release per message)."""
 
     def __init__(self, backend, run):
         self.backend, self.run_id, self.name = backend, run["run_id"], run_dlq_name(run)
@@ -2895,26 +2896,16 @@ class DeadLetters:
 
 
 def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
-    """Poll the run's summaries until every claim has one, or nothing can run the rest (nothing_left_to_run), or
-    timeout; returns (summaries, timed_out), timed_out meaning that some claim has no summary. Each summary is
-    read once: it is the claim's completion record, and the report is made of what this returns. `run` follows
-    its stored record (a cancel, how far sending got). stop_if(), called at each look at the run record, may
-    raise to stop waiting (the pool's workers all crash).
+    """Poll the run's summaries until every claim has one, nothing can run the rest
+    (nothing_left_to_run), or timeout; returns (summaries, timed_out). Each summary is read once;
+    `run` follows its stored record. stop_if(), called at each look at the run record, may raise to
+    stop waiting (the pool's workers all crash).
 
-    O(claims) in all: each LIST starts after the summary key of the last claim, in key order, below which every
-    claim is done (S3's StartAfter), so a summary is listed about once, not once per poll. The gap between two
-    LISTs grows from SUMMARY_POLL_MIN by half after each LIST that finds nothing new, up to SUMMARY_WAIT_MAX;
-    after one that finds some, it is what SUMMARY_BATCH more take at the rate they have landed since the wait
-    began (fewer near the end: the remaining claims), within SUMMARY_POLL_FLOOR..SUMMARY_WAIT_MAX. Resetting it
-    to the minimum on each new summary made a LIST per summary. Hidden cost: the last summary is seen up to
-    SUMMARY_WAIT_MAX late (LOCAL_SUMMARY_WAIT on the local store); while one claim lags, each LIST
-    lists again the summaries past it.
-
-    The run record and the dead-letter queue (run_recheck) matter only when the run stalls: a cancel writes
-    summaries, and a worker writes a dead-lettered claim's failure summary before its DLQ copy. So they are
-    looked at once no summary has landed for RUN_RECHECK s, then at gaps doubling up to RUN_RECHECK_MAX while the
-    run stays stalled: a run that never sees a claim end (a dead letter without a summary, claims never sent)
-    ends within about RUN_RECHECK_MAX s of its last summary, and a steady run makes no such request at all."""
+    Each LIST starts after the summary key of the last claim below which every claim is done, so a
+    summary is listed about once. The gap between LISTs grows from SUMMARY_POLL_MIN by half while
+    none land, up to SUMMARY_WAIT_MAX; after new ones, it is what SUMMARY_BATCH more take at the
+    rate seen so far. The run record and the DLQ are looked at only once the run stalls
+    (run_recheck)."""
     from tqdm import tqdm   # lazy: only a waiting submit draws a progress bar
     started = time.monotonic()
     deadline, progressed, recheck = started + timeout, started, run_recheck(started, started)
@@ -2958,15 +2949,15 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
 
 
 def run_recheck(progressed, now):
-    """When wait_for_run next looks at the run record and the DLQ: RUN_RECHECK s after the last new summary
-    (`progressed`), then at gaps that double with the time stalled (now - progressed), up to RUN_RECHECK_MAX."""
+    """When wait_for_run next looks at the run record and the DLQ: RUN_RECHECK s after the last new
+    summary, then at gaps doubling with the time stalled, up to RUN_RECHECK_MAX."""
     return max(progressed + RUN_RECHECK, now + min(max(now - progressed, RUN_RECHECK), RUN_RECHECK_MAX))
 
 
 def nothing_left_to_run(backend, run, done, dead):
-    """True when no worker can take any claim of the run that has no summary yet (`done` has those that have):
-    the run was cancelled, or each such claim was never sent or is in the dead-letter queue (`dead`, a
-    DeadLetters). Reads the run record again, into `run`."""
+    """True when no worker can take any claim without a summary (`done` has those with one): the run
+    was cancelled, or each such claim was never sent or is dead-lettered (`dead`, a DeadLetters).
+    Reads the run record again, into `run`."""
     run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
     if run.get("cancelled"):
         return True
@@ -2983,11 +2974,9 @@ def nothing_left_to_run(backend, run, done, dead):
 
 
 def cancel_run(backend, run, reason):
-    """Mark the run cancelled and write a `cancelled` summary for each claim without a summary: a worker that
-    receives such a claim acks it as done without running it, and `runs resume` sends nothing of a cancelled
-    run. A claim that a worker finishes meanwhile keeps its own summary (each is checked just before the
-    write; one finishing after it replaces the cancelled one). When every claim has a summary nothing is
-    written. Returns the claims marked."""
+    """Mark the run cancelled and write a `cancelled` summary for each claim without one: a worker
+    receiving such a claim acks it unrun, and `runs resume` sends nothing of it. A claim finished
+    meanwhile keeps its own summary (checked just before the write). Returns the claims marked."""
     have = summary_claims(backend, run["run_id"])
     if all(claim in have for claim in run["claims"]):
         return []
@@ -3010,8 +2999,8 @@ def cancel_run(backend, run, reason):
 
 
 def cancel_pool_runs(backend, model):
-    """pool delete --force: cancel every unfinished run of the pool, reason "pool deleted", so that a submit
-    waiting on one stops and says why. Returns {run id: the claims marked} of each run cancelled."""
+    """pool delete --force: cancel each unfinished run of the pool ("pool deleted"), so that a
+    waiting submit stops and says why. Returns {run id: claims marked}."""
     cancelled = {}
     for run in list_runs(backend, model):
         if run["model"] == model and run["mode"] == "pool":
@@ -3022,14 +3011,14 @@ def cancel_pool_runs(backend, model):
 
 
 def live_claims(backend, run):
-    """The run's claims queued or running (sent, no summary, not cancelled): what deleting it would strand."""
+    """The run's claims queued or running: what deleting it would strand."""
     states = claim_states(backend, run, read_summaries(backend, run["run_id"]))
     return [claim for claim, (state, _) in states.items() if state == "queued or running"]
 
 
 def check_deletable(backend, run):
-    """Refuse to delete a run with claims queued or running: a worker that receives one of them later finds no
-    manifest and dead-letters it (what --force accepts)."""
+    """Refuse to delete a run with claims queued or running: a worker would find no manifest and
+    dead-letter them (what --force accepts)."""
     live = live_claims(backend, run)
     if live:
         raise UserError(f"run {run['run_id']} has {len(live)} claim(s) queued or running: deleting it would strand "
@@ -3037,8 +3026,7 @@ def check_deletable(backend, run):
 
 
 def delete_run(conf, backend, run):
-    """Delete a run's objects from the store (and its cold workers' logs on this machine); returns (objects,
-    bytes)."""
+    """Delete a run's objects (and its cold workers' logs here); returns (objects, bytes)."""
     freed = backend.store.delete_prefix(f"runs/{run['run_id']}/")
     shutil.rmtree(os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run["run_id"]), ignore_errors=True)
     return freed
@@ -3053,8 +3041,8 @@ def parse_age(text):
 
 
 def runs_to_prune(backend, older_than, keep=0, model=None):
-    """The runs created more than `older_than` seconds ago (only `model`'s when given), but each model's `keep`
-    newest runs, oldest first."""
+    """The runs created over `older_than` s ago (only `model`'s when given), but each model's `keep`
+    newest, oldest first."""
     runs = list_runs(backend, model)
     kept = {r["run_id"] for m in {r["model"] for r in runs}
             for r in [r for r in runs if r["model"] == m][::-1][:keep]}
@@ -3064,12 +3052,11 @@ def runs_to_prune(backend, older_than, keep=0, model=None):
 
 
 def redrive(backend, record, runs):
-    """Send the dead-lettered claims of `runs` ({run id: run record}, runs of the pool `record`) back to the pool
-    queue, marked resume (the worker skips the items its result parts hold). A claim is dead-lettered when its
-    summary is a failure summary or, without a summary, when its copy is in the DLQ. Its failure summary is
-    deleted first (else a worker would ack the claim as done), then it is sent, then its DLQ copies are deleted;
-    a claim that finished meanwhile only loses its DLQ copies. Idempotent: a second call finds nothing to send.
-    Returns {run id: [claims sent back]}."""
+    """Send the dead-lettered claims of `runs` ({run id: record}, runs of pool `record`) back to the
+    pool queue, marked resume. A claim is dead-lettered when its summary is a failure summary or,
+    without one, when its copy is in the DLQ. The failure summary goes first (else a worker would
+    ack the claim as done), then the send, then its DLQ copies. Idempotent. Returns {run id: [claims
+    sent]}."""
     queue, dlq = backend.queues.open_queue(record["queue"]), backend.queues.open_queue(record["dlq"])
     letters = receive_all(dlq, dlq.counts()["visible"])
     copies, deleted, sent = {}, set(), {}
@@ -3098,8 +3085,8 @@ def redrive(backend, record, runs):
 
 
 def claim_parts(backend, run_id, claim, count):
-    """The claim's result parts, in item order (read_claim_parts). A claim run by a calque 0.2 worker has no
-    parts but one results object: it is read instead, and must hold `count` lines too."""
+    """The claim's result parts, in item order. A claim a calque 0.2 worker ran has one results
+    object instead, which must hold `count` lines too."""
     try:
         return read_claim_parts(backend.store, run_id, claim, count)
     except ResultsIncomplete:
@@ -3130,8 +3117,8 @@ def claim_ids(backend, run, claim, field):
 
 
 def claim_column(parts, field):
-    """(offsets, values) of the claim's items whose result holds `field` (None: the result itself), in item order:
-    typed blocks' arrays stacked (bfloat16 widened to float32), else the JSON values as numpy.array makes them.
+    """(offsets, values) of the claim's items whose result holds `field` (None: the result itself):
+    typed arrays stacked (bfloat16 as float32), else JSON values as numpy.array makes them.
     ValueError where their shapes differ."""
     import numpy as np
     blocks, lines, at = [], [], 0
@@ -3172,10 +3159,9 @@ def with_parts(backend, run, claims):
 
 
 def run_array(run, claims, field=None, fill=None):
-    """One array of `field` (None: the result itself, or a dict's only array) over the items of `claims`
-    ((index, claim, parts) of claims done), row k the k-th item's. A failed item's row (or one without the
-    field) is `fill`: by default NaN where the values are floats; for other dtypes a UserError unless fill
-    is given."""
+    """One array of `field` (None: the result itself, or a dict's only array) over the items of
+    `claims` ((index, claim, parts) of claims done). A failed item's row (or one without the field)
+    is `fill`: by default NaN for floats; for other dtypes a UserError unless fill is given."""
     import numpy as np
     pieces, missing, choose = [], 0, field is None
     for index, claim, parts in claims:
@@ -3213,7 +3199,8 @@ def run_array(run, claims, field=None, fill=None):
 
 
 def _arrow_column(pa, values):
-    """A pyarrow array of stacked numpy values: one fixed-size list level per dimension after the first."""
+    """A pyarrow array of stacked numpy values: a fixed-size list level per dimension after the
+    first."""
     column = pa.array(values.reshape(-1))
     for size in reversed(values.shape[1:]):
         column = pa.FixedSizeListArray.from_arrays(column, size)
@@ -3221,10 +3208,10 @@ def _arrow_column(pa, values):
 
 
 def claim_batch(backend, run, claim, parts):
-    """The claim's results as a pyarrow.RecordBatch in item order: i, ok, error, the run's id field, then the result:
-    one column a key where every result is a dict (a key that clashes gets "result." before it), else `result`.
-    Typed arrays become fixed-size lists in their dtype (bfloat16: float32); JSON values as pyarrow infers them, or
-    their JSON text where it cannot."""
+    """The claim's results as a pyarrow.RecordBatch in item order: i, ok, error, the run's id field,
+    then one column a key where every result is a dict (a clashing key gets "result." before it),
+    else `result`. Typed arrays become fixed-size lists (bfloat16: float32); JSON values as pyarrow
+    infers them, or as JSON text where it cannot."""
     import numpy as np
     import pyarrow as pa
     lines = orjson.loads("[" + ",".join(line[:-1] for part in parts for line in part.lines) + "]")   # one parse
@@ -3264,7 +3251,8 @@ def claim_batch(backend, run, claim, parts):
 
 
 def claim_column_rows(parts, field):
-    """(offsets, arrays) of the claim's typed values of `field`, one array a row, whatever their shapes."""
+    """(offsets, arrays) of the claim's typed values of `field`, one array a row, whatever the
+    shapes."""
     rows, arrays, at = [], [], 0
     for part in parts:
         for block in part.blocks:
@@ -3276,8 +3264,8 @@ def claim_column_rows(parts, field):
 
 
 def run_table(batches):
-    """One pyarrow.Table of claim batches, their columns unified (a claim whose items all failed has no result
-    columns; a field one claim lacks is null there)."""
+    """One pyarrow.Table of claim batches, columns unified (a claim whose items all failed has no
+    result columns; a field one claim lacks is null there)."""
     import pyarrow as pa
     tables = [pa.Table.from_batches([b]) for b in batches]
     if not tables:
@@ -3304,11 +3292,11 @@ NOT_RUN = {   # the claims of each state that did not run: what becomes of them,
 
 
 def claim_states(backend, run, summaries, dead_letters=True):
-    """{claim: (state, detail)}, the state one of CLAIM_STATES: done or failed (it ran; failed when every item
-    failed), dead-lettered (a failure summary, or else its copy in the dead-letter queue), cancelled, queued or
-    running (sent, no summary yet), in no queue (sent, but its queue lost it: claims_in_no_queue), not queued
-    (never sent). The detail is the dead-letter or cancel reason. Without dead_letters the DLQ is not scanned
-    nor the queue looked at (the dashboard: a scan receives its messages)."""
+    """{claim: (state, detail)}, the state one of CLAIM_STATES: done or failed (it ran),
+    dead-lettered (a failure summary, or its copy in the DLQ), cancelled, queued or running, in no
+    queue (sent, but its queue lost it), not queued (never sent). The detail: the dead-letter or
+    cancel reason. Without dead_letters, no DLQ scan and no queue look (the dashboard: a scan
+    receives messages)."""
     by_claim = {s["claim"]: s for s in summaries}
     cancelled = run.get("cancelled")
     pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
@@ -3337,9 +3325,7 @@ def claim_states(backend, run, summaries, dead_letters=True):
 
 def claims_in_no_queue(backend, run, waiting):
     """The claims of `waiting` (sent, no summary, not dead-lettered) that no queue holds any more:
-    the pool's queue is gone, was created after the run, or holds nothing at all while they wait
-    (purged). A claim that a worker runs is in flight, and one finished has a summary (read again
-    here: it may have landed since)."""
+    the pool's queue is gone, was created after the run, or is empty while they wait (purged)."""
     try:
         queue = backend.queues.open_queue(run["queue"])
         depth = queue.counts()
@@ -3353,9 +3339,9 @@ def claims_in_no_queue(backend, run, waiting):
 
 
 def run_view(backend, run, summaries, dead_letters=True):
-    """What a report says about a run: each claim's state and detail (claim_states), the claims per state, the
-    items per outcome (ok + failed + pending + dead_lettered + cancelled = the run's items, always: a claim that
-    did not run counts its size from the run record), and the run queue's depth while claims wait in it."""
+    """What a report says of a run: each claim's state (claim_states), the claims per state, the
+    items per outcome (ok + failed + pending + dead_lettered + cancelled = the run's items, always)
+    and the queue's depth while claims wait in it."""
     states = claim_states(backend, run, summaries, dead_letters)
     by_claim = {s["claim"]: s for s in summaries}
     items = dict.fromkeys(("ok", "failed", "pending", "dead_lettered", "cancelled"), 0)
@@ -3402,9 +3388,9 @@ def next_step(run, state):
 
 
 def format_run(run, summaries, view, results_uri):
-    """The lines `submit` and `runs show` print: the items per outcome (they add up to the run's items), the
-    claims per state, the claim table (claims that did not run: one row per span in one state), why claims
-    were dead-lettered, where the results are, and what becomes of the claims that did not run."""
+    """The lines `submit` and `runs show` print: items per outcome, claims per state, the claim
+    table (claims that did not run: a row per span in one state), dead-letter reasons, where the
+    results are, and what becomes of the claims that did not run."""
     items, counts, queue = view["items"], view["claim_counts"], view["queue"]
     per_state = [f"{n} {state}" for state, n in counts.items() if n]
     if queue:
@@ -3444,8 +3430,9 @@ def format_run(run, summaries, view, results_uri):
 
 
 def item_errors(summaries):
-    """[(message, [item indices])] of the failed items whose messages the summaries kept, grouped by message with
-    its numbers blanked (so "item 3 failed" and "item 7 failed" are one error), the most frequent first."""
+    """[(message, [item indices])] of the failed items whose messages were kept, grouped by message
+    with its numbers blanked ("item 3 failed" and "item 7 failed" are one), the most frequent
+    first."""
     groups = {}
     for s in summaries:
         for index, message in s.get("errors", {}).items():
@@ -3479,8 +3466,8 @@ def format_runs_list(runs):
 
 
 def report_run(backend, run, summaries, as_json, out=sys.stdout):
-    """Print the run (format_run, or JSON with the same view); returns the exit code: 0 when every claim ran and
-    every item of every claim succeeded."""
+    """Print the run (format_run, or JSON of the same view); returns the exit code: 0 when every
+    claim ran and every item succeeded."""
     view = run_view(backend, run, summaries)
     if as_json:
         print(json.dumps({"run": run, "summaries": summaries, **view}, indent=1), file=out)
