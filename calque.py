@@ -131,23 +131,20 @@ _warned = set()   # unknown pool.env keys already warned about: one line per key
 # importlib.resources, importlib.metadata and tomllib are imported where used: ~45 ms together, which most
 # commands, and every worker, never need
 def package_file(package, name):
-    """A file calque reads at run time (rates.json, modal_shim's modal.py, ...), found through its
-    package: the same call from a checkout or an install."""
+    """A file calque reads at run time (rates.json, ...), found through its package."""
     import importlib.resources
     return str(importlib.resources.files(package) / name)
 
 
 def pyproject():
-    """calque's pyproject.toml as its package holds it (calque_data/sdist): what it is built
-    from."""
+    """calque's pyproject.toml as its package holds it (calque_data/sdist)."""
     import tomllib
     with open(package_file("calque_data", "sdist/pyproject.toml"), "rb") as f:
         return tomllib.load(f)
 
 
 def calque_version():
-    """This calque's version: its package metadata, or in a checkout never installed,
-    pyproject's."""
+    """This calque's version: its package metadata, else (a checkout) its pyproject.toml's."""
     import importlib.metadata
     try:
         return importlib.metadata.version("calque")
@@ -164,13 +161,11 @@ class NotFound(Exception):
 
 
 class StoreFault(Exception):
-    """The store or the queue failed (unwritable, full, unreachable, replaced) or holds an
-    unreadable record: one line naming the key or file and the next step, exit 1."""
+    """The store or queue failed, or holds an unreadable record: one line, the next step, exit 1."""
 
 
 class WorkersFailed(Exception):
-    """A pool's workers die before @enter is done: one line naming the first one's error and log,
-    exit 1."""
+    """A pool's workers die before @enter is done: one line naming the first error, exit 1."""
 
 
 class LeaseLost(Exception):
@@ -223,8 +218,8 @@ def did_you_mean(name, known):
 
 
 def text_lines(data, where, first=1):
-    """(line number, text) of each '\n'-separated line of `data` (bytes), decoded at once; bytes
-    that are not UTF-8 are a UserError naming the line. `first`: the number of data's first line."""
+    """(number, text) of each line of `data` (bytes, its first line numbered `first`), decoded at
+    once; bytes that are not UTF-8 are a UserError naming the line."""
     try:
         text = data.decode()
     except UnicodeDecodeError as e:
@@ -238,9 +233,8 @@ _scan_json = json.decoder.JSONDecoder().scan_once   # json's own C scanner, as j
 
 
 def json_line(text):
-    """json.loads(text) for one short line, through json's C scanner alone (json.loads adds two
-    regex matches and three calls: staging a run parses every line). A line the scanner does not
-    take whole goes to json.loads, which reads it or raises the same JSONDecodeError."""
+    """json.loads(text) for one short line, through json's C scanner alone (half json.loads' cost);
+    a line the scanner does not take whole goes to json.loads, for its value or its error."""
     try:
         value, end = _scan_json(text, 0)
         if end == len(text):
@@ -251,10 +245,8 @@ def json_line(text):
 
 
 def checked_json(text):
-    """The value of one JSONL line for checked_line, which keeps only its shape: orjson's parse, or
-    json_line's for what orjson refuses (json's error for what is not JSON; NaN, lone surrogates and
-    1e400, which json alone takes). orjson takes nothing json refuses, so a line checked here is one
-    a worker's json.loads reads."""
+    """The value of one JSONL line (checked_line keeps only its shape): orjson's parse, or for what
+    orjson refuses, json_line's (json alone takes NaN, lone surrogates, 1e400; nothing else)."""
     if orjson is not None:
         try:
             return orjson.loads(text)
@@ -321,9 +313,8 @@ def worker_stats_prefix(model):
 
 
 def output_key(prefix, seq, label):
-    """A chunk of what a worker's handler code printed: MS-PID-SEQ.LABEL, MS by the worker's clock
-    at the write (a LIST after a time finds the newer chunks), LABEL the worker's (wN, its slot; or
-    the host)."""
+    """A chunk of what a worker's handler printed: MS-PID-SEQ.LABEL, MS by the worker's clock (a
+    LIST after a time finds the newer chunks), LABEL the worker's (wN, its slot; or the host)."""
     return f"{prefix}{int(time.time() * 1000):013d}-{os.getpid()}-{seq:06d}.{label}"
 
 
@@ -349,9 +340,8 @@ def results_prefix(run_id, claim):
 
 
 def part_key(run_id, claim, start, stop, suffix=".jsonl"):
-    """One result part: the results of the claim's items [start, stop) (offsets in the claim):
-    .jsonl, or .npz where a result holds arrays (encode_part). Zero-padded, so keys sort in item
-    order."""
+    """The part holding the claim's results [start, stop): .jsonl, or .npz (encode_part);
+    zero-padded, so keys sort in item order."""
     return f"{results_prefix(run_id, claim)}{start:07d}-{stop:07d}{suffix}"
 
 
@@ -359,8 +349,7 @@ PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.(jsonl|npz)$")
 
 
 def attempt_key(run_id, claim):
-    """The attempt record of a redelivered claim: the item a worker is about to run alone
-    (poison)."""
+    """The attempt record of a redelivered claim: the item a worker runs alone next (poison)."""
     return f"{results_prefix(run_id, claim)}attempt.json"
 
 
@@ -369,9 +358,8 @@ class ResultsIncomplete(Exception):
 
 
 def part_chain(keys, count):
-    """The parts among a claim's listed `keys` that cover its items from offset 0, as (start, stop,
-    key), up to `count` or the first gap. Two deliveries' parts may overlap (a lease lost
-    mid-claim): at each offset the part reaching furthest is taken."""
+    """(start, stop, key) of the parts among `keys` that cover the claim's items from 0 up to
+    `count` or a gap; where two deliveries' parts overlap, the one reaching furthest is taken."""
     parts = [(int(m[1]), int(m[2]), key) for key in keys if (m := PART_NAME.match(key.rsplit("/", 1)[1]))]
     chain, at = [], 0
     while at < count:
@@ -390,9 +378,8 @@ PART_FORMAT = 1                         # index.json's "format" in an .npz part
 
 
 def host_array(value):
-    """(numpy array, dtype name) of a numeric numpy array or torch tensor, moved to the host; None
-    for any other value. bfloat16, which numpy lacks, is its raw bits as uint16, named
-    "bfloat16"."""
+    """(numpy array, dtype name) of a numeric array or tensor, on the host; None for anything else.
+    bfloat16, which numpy lacks, is its raw bits as uint16, named "bfloat16"."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):      # a torch tensor, on any device
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
@@ -409,9 +396,8 @@ _dtype_names = {}   # numpy dtype -> its name: dtype.name is Python code, a few 
 
 
 def batch_rows(outputs, count):
-    """A handler's return for a batch of `count` items as their results: a list or tuple as it is;
-    an array or tensor split along its first dimension; a dict of them and of lists split per key,
-    each result a dict. ValueError naming both lengths when the first dimension is not `count`."""
+    """A handler's return for `count` items as their results: a list as it is, an array or tensor
+    (or a dict of them) split along its first dim; else a ValueError naming both lengths."""
     if isinstance(outputs, (list, tuple)):
         if len(outputs) != count:
             raise ValueError(f"handler returned {len(outputs)} results for a batch of {count} items")
@@ -433,8 +419,7 @@ def batch_rows(outputs, count):
 
 
 def typed_cells(value):
-    """(the result with each typed value None, [(field, array, dtype)]) for a result that is an
-    array or a dict holding arrays at its top level (field None: the result itself); else None."""
+    """(result with typed values None, [(field, array, dtype)]) of an array or a dict of arrays."""
     if isinstance(value, dict):
         cells = [(key, *typed) for key, v in value.items() if (typed := host_array(v)) is not None]
         typed_keys = {key for key, _, _ in cells}
@@ -444,8 +429,7 @@ def typed_cells(value):
 
 
 class TypedLines(str):
-    """Result lines with each typed value null, carrying `cells`: (line offset, field, array,
-    dtype)."""
+    """Result lines with each typed value null, carrying `cells`: (line, field, array, dtype)."""
     cells = ()
 
 
@@ -468,10 +452,9 @@ def _npy(array):
 
 
 def encode_part(chunks):
-    """(suffix, data) of a result part made of these chunks of result lines: .jsonl, their text,
-    when none carries typed cells; else .npz, a stored (not compressed) zip of results.jsonl (typed
-    values null), index.json (the blocks) and one b<k>.npy a block: the arrays of one field and
-    dtype stacked, or, where shapes differ, flat one after the other with b<k>.shapes.npy."""
+    """(suffix, data) of a part of these chunks of result lines: .jsonl, their text, when none has
+    typed cells; else .npz, a stored zip of results.jsonl, index.json and one b<k>.npy a block (a
+    field's arrays of one dtype stacked, or flat with b<k>.shapes.npy where shapes differ)."""
     text, groups, at = "".join(chunks), {}, 0
     for chunk in chunks:
         for offset, field, array, dtype in getattr(chunk, "cells", ()):
@@ -496,9 +479,8 @@ def encode_part(chunks):
 
 
 class Block(typing.NamedTuple):
-    """A typed block of a part as read: `rows` (offsets in the part) hold `field` in `dtype`;
-    `values` their arrays stacked, or (`shapes` not None) flat, row j of shape shapes[j]. bfloat16
-    values are raw uint16 bits (widen() reads them as float32, exactly)."""
+    """A typed block of a part: `rows` (offsets) hold `field` in `dtype`, `values` stacked or (with
+    `shapes`) flat; bfloat16 values are raw uint16 bits (widen() gives float32)."""
     field: typing.Optional[str]
     dtype: str
     rows: typing.Any
@@ -506,8 +488,7 @@ class Block(typing.NamedTuple):
     shapes: typing.Any = None
 
     def widen(self):
-        """The values in a numpy dtype: bfloat16 bits as float32 (its top half: nothing is
-        rounded)."""
+        """The values in a numpy dtype: bfloat16 bits as float32 exactly (its top half)."""
         import numpy as np
         if self.dtype != "bfloat16":
             return self.values
@@ -544,8 +525,7 @@ class Part(typing.NamedTuple):
 
 
 def decode_npz_part(data):
-    """(result lines text, [Block]) of an .npz part, each block's values a view of its bytes
-    (members are stored); ValueError (zipfile's, numpy's) for a torn one."""
+    """(result lines text, [Block]) of an .npz part, values viewing its bytes; ValueError: torn."""
     import numpy as np
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         def member(name):
@@ -567,9 +547,8 @@ def decode_npz_part(data):
 
 
 def read_part(store, key, start, stop):
-    """One part as a Part of its stop - start lines (newline kept), or ResultsIncomplete when it
-    holds fewer or more or cannot be read. Split on "\n" only: a result's text may hold U+2028 and
-    the like (orjson escapes only what JSON must), which str.splitlines() would cut at."""
+    """One part as a Part of stop - start lines, else ResultsIncomplete. Split on "\n" only: a
+    result may hold U+2028 and the like, which str.splitlines() would cut at."""
     data, blocks = store.get(key), []
     if key.endswith(".npz"):
         try:
@@ -584,9 +563,8 @@ def read_part(store, key, start, stop):
 
 
 def read_claim_parts(store, run_id, claim, count, keys=None):
-    """The claim's parts holding its `count` results in item order, each cut to the items not in the
-    one before (`keys`: the claim's folder as listed already). A gap or a short part raises
-    ResultsIncomplete naming it: never a silent short read."""
+    """The claim's parts holding its `count` results in order, each cut to the items past the one
+    before (`keys`: the folder as listed); a gap or a short part raises ResultsIncomplete."""
     keys = store.list(results_prefix(run_id, claim)) if keys is None else keys
     chain = part_chain(keys, count)
     at = chain[-1][1] if chain else 0
@@ -603,8 +581,7 @@ def read_claim_parts(store, run_id, claim, count, keys=None):
 
 
 def block_texts(block):
-    """Each row of a block as JSON text (floats in their dtype's shortest form; NaN and infinities
-    null): a block of 1-D rows in one encoding, cut at its "],[" (numbers hold none)."""
+    """Each row of a block as JSON text (NaN and infinities null), 1-D rows in one orjson call."""
     values, option = block.widen(), orjson.OPT_SERIALIZE_NUMPY
     if block.shapes is None and values.ndim == 2 and len(values) and values.flags.c_contiguous:
         return [f"[{row}]" for row in orjson.dumps(values, option=option).decode()[2:-2].split("],[")]
@@ -640,8 +617,8 @@ MANIFEST_KEY = re.compile(r"^runs/([A-Za-z0-9][A-Za-z0-9._-]*)/manifests/([A-Za-
 
 
 def new_run_id(model):
-    """<slug>.<UTC time>-<6 hex>: the slug leads, so an IAM policy can confine a pool's workers to
-    its own runs (runs/<slug>.*); slugs have no '.', so no slug's runs match another's."""
+    """<slug>.<UTC time>-<6 hex>: the slug leads, so that IAM can confine a pool's workers to its
+    runs (runs/<slug>.*); slugs have no '.', so no slug's runs match another's."""
     return f"{slug(model)}.{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
@@ -651,8 +628,7 @@ def run_slug(run_id):
 
 
 def run_queue_names(run_id):
-    """A cold run's queue and dead-letter queue: named by the id's time-and-hex tail (the slug would
-    not fit in SQS's 80 characters)."""
+    """A cold run's queue and DLQ, named by the id's tail (the slug would not fit in 80 chars)."""
     tail = run_id.rsplit(".", 1)[-1]
     return RUN_QUEUE_PREFIX + tail, RUN_DLQ_PREFIX + tail
 
@@ -686,8 +662,8 @@ def parse_message(body):
 
 
 def to_jsonable(value):
-    """json.dumps default=: numpy and torch values as plain numbers and lists, an enum member as its
-    value, a UUID as its text, as orjson writes them (warmd encodes results with either)."""
+    """json.dumps default=: numpy and torch values as numbers and lists, enums as their value, UUIDs
+    as text, as orjson writes them (warmd encodes results with either)."""
     if hasattr(value, "tolist"):        # numpy arrays and scalars, torch tensors (CPU or not)
         if hasattr(value, "detach"):
             value = value.detach().cpu()
@@ -719,10 +695,9 @@ REQUEST_KEYS = (
 def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_count, enter_count, started, finished,
                   requests, items=0, failed=(), errors=None, warm_hit=False, enter_seconds_paid=0.0,
                   acquisition_seconds=0.0, model_seconds=None, error=None, notes=(), parts=(), resumed=0, **measured):
-    """A claim's summary: its completion record, written last. With `error`, a claim that was not
-    run (dead-lettered); model_seconds None: the drain was not measured. `parts`: [start, stop] of
-    each result part covering the claim; `resumed`: items taken from earlier deliveries' parts;
-    `measured`: the worker's other measurements (GPU utilisation, ...)."""
+    """A claim's completion record, written last. With `error`: a claim not run (dead-lettered);
+    model_seconds None: not measured; `parts`: [start, stop] of each part covering it; `resumed`:
+    items from earlier deliveries; `measured`: the worker's other measurements."""
     failed, claim_seconds = list(failed), max(0.0, finished - started)
     if error is None and not failed:
         status = "ok"
@@ -761,8 +736,7 @@ def parse_handler_spec(spec):
 
 
 def check_handler_source(source, cls, where):
-    """Check, without running it, that `source` defines `cls` with @calque.enter and
-    @calque.batch."""
+    """Check, without running it, that `source` defines `cls` with @calque.enter and @batch."""
     tree = parse_source(source, where)
     if imports_modal(tree):
         return check_modal_source(tree, cls, where)
@@ -788,9 +762,8 @@ def stream_prefix(model, stream):
 
 
 class Streamed(list):
-    """A generator's items; for a .remote_gen call (`stream`, its id) also written to the store as
-    they come: {"start": index, "values": [...]} chunks, the first at once, the next STREAM_FLUSH s
-    later (a timer: no item waits for the next one). A failed write only stops the stream."""
+    """A generator's items, also written to the store for a .remote_gen call (`stream`) as chunks
+    {"start": index, "values": [...]}, the first at once, then every STREAM_FLUSH s."""
 
     def __init__(self, streams, stream):
         ok = streams and isinstance(stream, str) and re.fullmatch(r"[0-9a-f]{32}", stream)
@@ -836,9 +809,8 @@ def import_file(path, name):
 
 
 def load_handler(path, cls, modal=None, container=False):
-    """(instance, enter, batch, collate or None) of the handler class in a file. A Modal app file
-    gives a ModalHandler (`modal`: the pool record's modal options; `container`: in a worker, where
-    `with image.imports():` blocks import for real)."""
+    """(instance, enter, batch, collate or None) of the handler class in a file; a Modal app file
+    gives a ModalHandler (`modal`: the pool's modal options; `container`: in a worker)."""
     with open(path, "rb") as f:
         if imports_modal(f.read(), path):
             os.environ.update((modal or {}).get("image", {}).get("env", {}))   # before the app's code reads it
@@ -882,8 +854,7 @@ def imports_modal(source, where="handler"):
 
 
 def check_modal_source(tree, name, where):
-    """Check, without running it, that a Modal app file defines `name` (Cls, Cls.method or
-    function)."""
+    """Check, without running it, that a Modal app file defines `name` (Cls[.method], function)."""
     top, _, method = name.partition(".")
     defined = {node.name: node for node in tree.body
                if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -902,8 +873,8 @@ def load_modal_shim():
 
 
 def import_modal_file(path, container=False):
-    """(shim, module) of a Modal app file imported under the stand-in. Whatever stops the import is
-    one UserError naming file and line: a refused construct, a missing module, any exception."""
+    """(shim, module) of a Modal app file imported under the stand-in; whatever stops the import is
+    one UserError naming file and line."""
     shim = load_modal_shim()
     shim.container = container
     folder = os.path.dirname(os.path.abspath(path))
@@ -916,8 +887,7 @@ def import_modal_file(path, container=False):
 
 
 def user_code_error(path, e, container=False):
-    """One line for an exception raised by a user's file: where (file:line, innermost there) and
-    what."""
+    """One line for an exception in a user's file: where (file:line) and what."""
     lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
              if os.path.abspath(f.filename) == os.path.abspath(path)]
     where = f"{path}:{e.lineno if isinstance(e, SyntaxError) else (lines or ['?'])[-1]}"
@@ -939,8 +909,7 @@ def one_line(message):
 
 
 def import_modal_app(path, name, container=False):
-    """(shim, registered object, method name or None) of `name` in a Modal app file, imported for
-    real."""
+    """(shim, registered object, method name or None) of `name` in a Modal app file."""
     shim, module = import_modal_file(path, container)
     top, _, method = name.partition(".")
     target = getattr(module, top, None)
@@ -963,8 +932,8 @@ def import_modal_app(path, name, container=False):
 
 
 def read_env_file(path, where):
-    """KEY=value lines of a --secret file, as pool.env's; none for a file not on this machine (an
-    EC2 worker gets the variables from the pool's environment)."""
+    """KEY=value lines of a --secret file; none where it is absent (EC2: the pool's env has
+    them)."""
     if not os.path.isfile(path):
         return {}
     with open(path, "rb") as f:
@@ -1012,10 +981,9 @@ def key_values(pairs, flag):
 
 class ModalHandler:
     """A Modal @app.cls method or @app.function as a calque handler. enter() runs the @modal.enter
-    hooks (snap=True first) and __enter__; batch() makes one call per item (@modal.method; a list
-    item is splatted for several parameters, as .starmap) or per max_batch_size items
-    (@modal.batched), up to @modal.concurrent(max_inputs) at once; calque_exit() runs @modal.exit
-    hooks and __exit__."""
+    hooks (snap=True first) and __enter__; batch() calls per item (@modal.method; a list item
+    splatted, as .starmap) or per max_batch_size items (@modal.batched),
+    @modal.concurrent(max_inputs) at once; calque_exit() runs the @modal.exit hooks and __exit__."""
     streams = None   # (store, model), set by warmd: where .remote_gen calls' items go (Streamed)
 
     def __init__(self, target, method, options):
@@ -1085,8 +1053,7 @@ class ModalHandler:
         raise next(value for ok, value in outcomes if not ok)
 
     def _args(self, item):
-        """(args, kwargs) of an item: a `modal run` call's own ({"__modal_call__": [args, kwargs]}),
-        else the item (a JSON list splatted for a function of several parameters, as .starmap)."""
+        """(args, kwargs) of an item: a `modal run` call's own, else the item (a list splatted)."""
         if isinstance(item, dict) and len(item) == 1 and MODAL_CALL_KEY in item:
             args, kwargs, *stream = item[MODAL_CALL_KEY]
             return args, kwargs, *stream[:1]
@@ -1154,8 +1121,8 @@ NPY_HEADER_MAX = 10 + 65535   # bytes of a version 1.0 .npy header at most (nump
 
 
 def npy_view(data):
-    """A read-only numpy array over the bytes of a .npy object, not copied (np.load would copy).
-    Refuses object dtypes (they would need pickle) and Fortran order."""
+    """A read-only numpy array over a .npy object's bytes, not copied; refuses object dtypes
+    (pickle) and Fortran order."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     f = io.BytesIO(bytes(data[:NPY_HEADER_MAX]))   # the header alone: the values are not copied
     version = np.lib.format.read_magic(f)
@@ -1168,8 +1135,8 @@ def npy_view(data):
 
 
 def array_items(store, manifest):
-    """A numeric claim's items: a list of {field: view into the fetched bytes}, merged into the
-    manifest's JSON `items` when it has both (a table's columns); None where `valid` is False."""
+    """A numeric claim's items: [{field: view into the fetched bytes}], merged into the manifest's
+    JSON `items` when it has both; None where `valid` is False."""
     fields, count = {}, manifest["count"]
     for name, keys in manifest["arrays"].items():
         values, offsets, valid = (npy_view(store.get(keys[role])) if role in keys else None
@@ -1210,8 +1177,7 @@ def aws_error_line(error):
 
 
 def aws_client_config(region):
-    """The botocore settings of every AWS client calque makes: standard retries (5 attempts) and
-    timeouts short enough that an unreachable endpoint fails in seconds."""
+    """The botocore settings of every AWS client: standard retries, timeouts of seconds."""
     import botocore.config   # lazy: the embedded backend never loads boto3/botocore
     retries = {"mode": "standard"}
     if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
@@ -1232,8 +1198,7 @@ class Message:
 
 class Requests(Counter):
     """A backend's request counts (REQUEST_KEYS). Inside `with requests.tally(counter)` a thread's
-    requests also count in `counter`, outside one in `loose`: warmd's claims overlap, so each claim
-    tallies its own; the loose ones (idle polls, stats) go to the next summary."""
+    requests also count in `counter`, else in `loose` (warmd's overlapping claims: one each)."""
 
     def __init__(self, *args, **kwargs):
         self.loose, self._thread = Counter(), threading.local()
@@ -1246,8 +1211,7 @@ class Requests(Counter):
 
     @contextlib.contextmanager
     def tally(self, counter):
-        """This thread's requests also count in `counter` (None: in no tally; a summary counted
-        them)."""
+        """This thread's requests also count in `counter` (None: in no tally)."""
         saved = getattr(self._thread, "tally", self.loose)
         self._thread.tally = Counter() if counter is None else counter
         try:
@@ -1256,8 +1220,7 @@ class Requests(Counter):
             self._thread.tally = saved
 
     def carried(self, fn):
-        """fn, to run on another thread with this thread's tally (a request there for the same
-        claim)."""
+        """fn, to run on another thread with this thread's tally."""
         tally = getattr(self._thread, "tally", self.loose)
 
         def run(*args):
@@ -1266,9 +1229,7 @@ class Requests(Counter):
         return run
 
     def take(self):
-        """This thread's tally plus the loose requests, both emptied; until its tally block ends,
-        the thread's next requests count in no tally (a summary taken now counts its last writes
-        ahead)."""
+        """This thread's tally plus the loose requests, both emptied (for a summary)."""
         mine = getattr(self._thread, "tally", None)
         taken, self.loose = self.loose, Counter()
         if mine is not None:
@@ -1278,10 +1239,8 @@ class Requests(Counter):
 
 
 class LocalStore:
-    """A directory of objects. A write lands in a temporary file renamed over the key, so a reader
-    sees the old object or the new one, never half; not fsynced (a power loss may lose the last
-    writes, a process crash nothing). A file system error (read-only, full, permissions) is a
-    StoreFault."""
+    """A directory of objects: a write goes to a temporary file renamed over the key (never half an
+    object; not fsynced). A file system error is a StoreFault naming the key."""
 
     def __init__(self, root, requests):
         self.root = os.path.realpath(root)
@@ -1322,15 +1281,14 @@ class LocalStore:
         self._publish(key, data, os.replace)
 
     def put_new(self, key, data):
-        """put, only where the key does not exist yet; True when this call wrote it. Atomic: os.link
-        of the complete temporary file fails on an existing name, so of two racing writers exactly
-        one wins."""
+        """put where the key does not exist yet; True when this call wrote it. os.link of the whole
+        temporary file fails on an existing name: of two racing writers one wins."""
         self.requests["store_puts"] += 1
         return self._publish(key, data, _link_new)
 
     def _publish(self, key, data, place):
-        """Write data to a temporary file beside the key, then return place(tmp, path); the
-        temporary file never outlives the call (a full disk leaves no partial file behind)."""
+        """Write data beside the key, then place(tmp, path); the temporary file never outlives
+        it."""
         path = self._path(key)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
@@ -1348,8 +1306,7 @@ class LocalStore:
         raise self._fault("write", key, failed)
 
     def delete(self, key):
-        """Remove the key, and its folder if left empty (on S3 a folder is only a prefix of
-        keys)."""
+        """Remove the key, and its folder if left empty (on S3 a folder is only a prefix)."""
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._path(key))
         with contextlib.suppress(OSError):   # not empty: another key lives there
@@ -1361,8 +1318,7 @@ class LocalStore:
 
     def list(self, prefix, start_after=None):
         """Keys under a prefix ending in '/', one level deep, in order; with `start_after`, only
-        those that sort after it (as S3's StartAfter). The folder is still read whole; the caller's
-        work is saved."""
+        those that sort after it (as S3's StartAfter)."""
         self.requests["store_lists"] += 1
         try:
             names = os.listdir(self._path(prefix))
@@ -1394,16 +1350,10 @@ def _link_new(tmp, path):
     except FileExistsError:
         return False
 
-    def delete(self, key):
-        """Delete one object; one that is not there is no error."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self._path(key))
-
 
 class LocalQueues:
-    """SQS semantics on one SQLite file: visibility timeout, receive count, long poll, depth counts.
-    WAL mode, so many workers read while one writes; a claim takes the write lock (BEGIN IMMEDIATE)
-    for its UPDATE, so two workers never receive the same message."""
+    """SQS semantics on one SQLite file (WAL: many workers read while one writes); a claim takes the
+    write lock (BEGIN IMMEDIATE) for its UPDATE, so two workers never receive the same message."""
 
     SCHEMA = """
     CREATE TABLE IF NOT EXISTS queues (
@@ -1427,10 +1377,8 @@ class LocalQueues:
         self._local = threading.local()   # one lazy connection per thread: the heartbeat has its own
 
     def db(self):
-        """This thread's connection. Every QUEUE_FILE_CHECK s it checks that the file at the path is
-        still the one it opened (a replaced queue file would be polled forever while claims go to
-        the new one): if not, the connection is dropped with a StoreFault, and the next call opens
-        the new file."""
+        """This thread's connection. Every QUEUE_FILE_CHECK s it checks that the path still holds
+        its file; if not (deleted, replaced), a StoreFault, and the next call opens the new one."""
         local = self._local
         if getattr(local, "conn", None) is not None and time.monotonic() >= local.check_at:
             local.check_at = time.monotonic() + QUEUE_FILE_CHECK
@@ -1446,10 +1394,8 @@ class LocalQueues:
         return local.conn
 
     def _open(self):
-        """A new connection and the id of its file. A queue file missing while its -wal and -shm
-        remain was deleted under running processes: sharing that log would corrupt the new file, so,
-        under a lock, the two are removed first; the old processes keep theirs until their own check
-        drops it."""
+        """A new connection and its file's id. A queue file gone while its -wal and -shm remain:
+        those are removed first, under a lock (live processes' log would corrupt the new file)."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if os.path.exists(self.path):
             return self._connect()
@@ -1512,10 +1458,7 @@ class LocalQueue:
         self.queues, self.name, self.visibility_timeout = queues, name, visibility_timeout
 
     def send(self, body):
-        self.queues.requests["queue_other"] += 1
-        with self.queues.transaction() as db:
-            db.execute("INSERT INTO messages (queue, body, visible_at, sent_at) VALUES (?, ?, ?, ?)",
-                       (self.name, body, 0.0, time.time()))
+        self.send_batch([body])
 
     def send_batch(self, bodies):
         """Send up to SEND_BATCH messages in one transaction (one request, as SendMessageBatch)."""
@@ -1526,9 +1469,8 @@ class LocalQueue:
                            [(self.name, body, 0.0, now) for body in bodies])
 
     def receive(self, wait_seconds, should_stop=lambda: False):
-        """One message or None after wait_seconds: the wait probes an index every
-        LOCAL_POLL_INTERVAL (read-only, no lock) and takes the write lock only when a message is
-        ready."""
+        """One message or None after wait_seconds: an index is probed every LOCAL_POLL_INTERVAL, and
+        the write lock taken only when a message is ready."""
         deadline = time.monotonic() + wait_seconds
         while True:
             now = time.time()
@@ -1559,8 +1501,7 @@ class LocalQueue:
         return not self.delete_batch([message])
 
     def delete_batch(self, messages):
-        """Ack up to SEND_BATCH messages in one transaction (as DeleteMessageBatch); returns the
-        messages whose receipt went stale."""
+        """Ack up to SEND_BATCH messages in one transaction; those whose receipt went stale."""
         self.queues.requests["queue_other"] += 1
         with self.queues.transaction() as db:
             return [m for m in messages
@@ -1601,10 +1542,8 @@ class LocalBackend:
 
 def endpoint_retried(method):
     """An S3 or SQS call that outlasts an endpoint blip: a dropped, refused or timed-out connection
-    is retried with backoff (ENDPOINT_BACKOFF) for the owner's `endpoint_retry` s
-    (CALQUE_ENDPOINT_RETRY; botocore's few retries come first), then it is a StoreFault in one line.
-    Only calls that may run twice carry it: a repeated send is a duplicate claim, which its worker
-    acks as one."""
+    is retried with backoff (ENDPOINT_BACKOFF) for `endpoint_retry` s, then it is a StoreFault. Only
+    calls that may run twice carry it (a repeated send is a duplicate claim, acked as one)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
@@ -1659,9 +1598,8 @@ class S3Store:
 
     @endpoint_retried
     def put_new(self, key, data):
-        """put, only where the key does not exist yet (If-None-Match: *); True when this call wrote
-        it. S3 answers 412 when the key exists, 409 while a racing conditional write is in flight
-        (ask again)."""
+        """put where the key does not exist yet (If-None-Match: *); True when this call wrote it. S3
+        answers 412 when it exists, 409 while a racing conditional write runs (ask again)."""
         self.requests["store_puts"] += 1
         for delay in (0.05, 0.1, 0.2, 0.4, 0.8, None):
             try:
@@ -1677,10 +1615,6 @@ class S3Store:
                 time.sleep(delay)
 
     @endpoint_retried
-    def delete(self, key):
-        self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
-
-    @endpoint_retried
     def exists(self, key):
         self.requests["store_gets"] += 1
         try:
@@ -1693,8 +1627,7 @@ class S3Store:
 
     @endpoint_retried
     def list(self, prefix, start_after=None):
-        """Keys and folders (no trailing '/') one level under a prefix, as LocalStore.list;
-        `start_after` is ListObjectsV2's StartAfter (S3 skips the keys before it)."""
+        """Keys and folders one level under a prefix, as LocalStore.list."""
         keys = []
         more = {"StartAfter": self._key(start_after)} if start_after is not None else {}
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix),
@@ -1709,8 +1642,7 @@ class S3Store:
 
     @endpoint_retried
     def delete_prefix(self, prefix):
-        """Delete every key under the prefix, a DeleteObjects per listed page; returns (objects,
-        bytes)."""
+        """Delete every key under the prefix, a DeleteObjects a page; returns (objects, bytes)."""
         count = size = 0
         for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
             self.requests["store_lists"] += 1
@@ -1746,8 +1678,7 @@ class SqsQueues:
 
     @endpoint_retried
     def open_queue(self, name):
-        """Resolve a queue, retrying briefly: a queue just created may take seconds to resolve on
-        SQS."""
+        """Resolve a queue, retrying briefly: a new queue may take seconds to resolve on SQS."""
         deadline = time.monotonic() + QUEUE_OPEN_RETRY
         delay = 0.1
         while True:
@@ -1785,8 +1716,7 @@ class SqsQueue:
 
     @endpoint_retried
     def send_batch(self, bodies):
-        """Send up to SEND_BATCH messages in one SendMessageBatch; an entry SQS refuses is sent
-        again alone (a repeat after a dropped connection is a duplicate claim, acked as one)."""
+        """Send up to SEND_BATCH messages in one request; an entry refused is sent again alone."""
         self.queues.requests["queue_other"] += 1
         reply = self.sqs.send_message_batch(QueueUrl=self.url, Entries=[
             {"Id": str(n), "MessageBody": body} for n, body in enumerate(bodies)])
@@ -1830,8 +1760,8 @@ class SqsQueue:
 
     @endpoint_retried
     def delete_batch(self, messages):
-        """Ack up to SEND_BATCH messages in one DeleteMessageBatch; returns those whose receipt went
-        stale. An entry failed for another reason is acked again alone."""
+        """Ack up to SEND_BATCH messages in one request; returns those whose receipt went stale. An
+        entry failed for another reason is acked again alone."""
         self.queues.requests["queue_other"] += 1
         reply = self.sqs.delete_message_batch(QueueUrl=self.url, Entries=[
             {"Id": str(n), "ReceiptHandle": m.receipt} for n, m in enumerate(messages)])
@@ -1854,8 +1784,8 @@ class SqsQueue:
 
 
 class AwsBackend:
-    """SQS + S3 through boto3: the standard credential chain and region; AWS_ENDPOINT_URL (or
-    AWS_ENDPOINT_URL_SQS / _S3) points it at moto_server or LocalStack unchanged."""
+    """SQS + S3 through boto3's credential chain and region; AWS_ENDPOINT_URL (or _SQS / _S3) points
+    it at moto_server or LocalStack."""
     kind = "aws"
 
     def __init__(self, uri, endpoint_retry=None):
@@ -1878,9 +1808,8 @@ class AwsBackend:
 
     @staticmethod
     def data_session(boto3):
-        """The session of the store's and queues' clients, which leave the timestamps of S3's and
-        SQS's answers as text: calque reads none, and parsing them is much of a LIST's CPU.
-        `session` (EC2, IAM...) parses them as usual."""
+        """A session whose clients leave the answers' timestamps as text: calque reads none, and
+        parsing them is much of a LIST's CPU. `session` (EC2, IAM...) parses them as usual."""
         import botocore.session   # lazy: the embedded backend never loads boto3/botocore
         core = botocore.session.get_session()
         core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=lambda text: text)
@@ -1907,8 +1836,7 @@ class AwsBackend:
 
 
 def open_backend(store=None, check_prefix=""):
-    """The backend CALQUE_STORE names, checked usable by a LIST under check_prefix (a worker passes
-    its pool's folder, the only one its role may list)."""
+    """The backend CALQUE_STORE names, checked by a LIST under check_prefix (a worker's folder)."""
     store = store or settings()["CALQUE_STORE"]
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", store) and not store.startswith("s3://") or store.startswith("s3/"):
         raise UserError(f"CALQUE_STORE={store!r} looks like a mistyped URI ---> HINT: s3://bucket/prefix for S3, or a "
@@ -1921,8 +1849,8 @@ def open_backend(store=None, check_prefix=""):
 # ------------------------------------------------------------------------------------------------
 # 4. records: pool records, run records, summaries, worker stats (all JSON in the store)
 def read_json(backend, key, fix=None):
-    """A JSON record of the store (always an object). One that does not parse, or is not an object,
-    is a StoreFault naming its key, with `fix` as the next step."""
+    """A JSON object of the store; one unparsable or no object is a StoreFault (`fix`: what to
+    do)."""
     data = backend.store.get(key)
     try:
         value = json.loads(data)
@@ -1943,8 +1871,7 @@ def write_json(backend, key, value):
 
 
 def load_pool(backend, model, missing=None):
-    """The pool record of `model`. None there: a UserError with the closest pool name and `missing`
-    (this verb's next step; default: create the pool)."""
+    """The pool record of `model`; none: a UserError naming the closest pool and `missing`."""
     fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its names, "
            f"then create it again")
     try:
@@ -1965,17 +1892,15 @@ def load_pool(backend, model, missing=None):
 
 
 def name_key(model):
-    """The claim of a slug: {"model": M}, the model that owns pools/<slug>/ (written once,
-    atomically)."""
+    """Who owns a slug: {"model": M}, the model of pools/<slug>/ (written once, atomically)."""
     return f"pools/{slug(model)}/name.json"
 
 
 @contextlib.contextmanager
 def pool_name_claimed(backend, model):
-    """Hold the model's slug (its queue names, its store folder) for a `pool create`. The first
-    model to write pools/<slug>/name.json (create-if-absent) owns it, so a colliding name (Foo/Bar
-    and foo-bar) is refused even when both are created at once; re-creating a model is idempotent. A
-    create that fails before its pool record is written gives the claim back."""
+    """Hold the model's slug (queue names, store folder) during `pool create`: the first model to
+    write pools/<slug>/name.json (create-if-absent) owns it, so a colliding name (Foo/Bar, foo-bar)
+    is refused even at the same moment. A create that fails before its record gives it back."""
     owner = model
     with contextlib.suppress(NotFound):
         owner = read_json(backend, pool_key(model)).get("model")
@@ -1995,8 +1920,7 @@ def pool_name_claimed(backend, model):
 
 
 def check_slug_free(backend, model):
-    """The pool record stored under the model's slug, or None; a UserError when it is another
-    model's (names differing only in case or punctuation share one slug, hence one queue)."""
+    """The pool record under the model's slug, or None; a UserError when it is another model's."""
     try:
         existing = read_json(backend, pool_key(model))
     except NotFound:
@@ -2008,8 +1932,7 @@ def check_slug_free(backend, model):
 
 
 def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries=None):
-    """{batch_size, visibility_timeout, max_deliveries} of a pool or cold run: each flag's value
-    when given (at least 1), else its CALQUE_* setting."""
+    """{batch_size, visibility_timeout, max_deliveries}: each flag given (>= 1), or its setting."""
     given = {"batch_size": batch_size, "visibility_timeout": visibility_timeout, "max_deliveries": max_deliveries}
     for name, value in given.items():
         if value is not None and value < 1:
@@ -2018,9 +1941,8 @@ def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries
 
 
 def snapshot_handler(handler_spec, key_prefix, put, include=()):
-    """Check the handler file and copy it into the store with put(key, data) (or an EC2 dry run's
-    printer): the code a worker on another machine runs. `include`: [local path, path beside the
-    handler] of the files it needs, put as one tar.gz (include_snapshot). Returns its record."""
+    """Check the handler file and put(key, data) it into the store: the code every worker runs.
+    `include`: [local, relative path] of files it needs, put as one tar.gz. Returns its record."""
     path, cls = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         source = f.read()
@@ -2038,9 +1960,8 @@ def snapshot_handler(handler_spec, key_prefix, put, include=()):
 
 
 def include_snapshot(include):
-    """(tar.gz bytes, file count) of [local path, relative path] pairs (a folder: its files, caches
-    left out), byte-identical for the same files (a re-created pool keeps its digest); at most
-    INCLUDE_MAX_BYTES."""
+    """(tar.gz bytes, file count) of [local, relative path] pairs, byte-identical for the same files
+    (a re-created pool keeps its digest); at most INCLUDE_MAX_BYTES."""
     members = {}
     for local, rel in include:
         if not os.path.exists(local):
@@ -2072,8 +1993,7 @@ def include_snapshot(include):
 
 
 def include_paths(paths, handler_spec):
-    """--include PATH options as [local, relative path]: its place relative to the handler's folder
-    (its name when elsewhere), as the handler sees it on its own machine."""
+    """--include PATH options as [local, relative path]: its place beside the handler."""
     folder = os.path.dirname(os.path.abspath(parse_handler_spec(handler_spec)[0]))
     out = []
     for path in paths or ():
@@ -2083,9 +2003,8 @@ def include_paths(paths, handler_spec):
 
 
 def unpack_include(store, include, folder):
-    """Unpack include_snapshot's tar.gz, checked against the record's sha256, as `folder` unless it
-    is there: into a new folder renamed in place, so that a worker starting beside never sees
-    half."""
+    """Unpack include_snapshot's tar.gz (sha256 checked) as `folder` unless it is there: into a new
+    folder renamed in place, so that a worker starting beside never sees half of it."""
     if os.path.isdir(folder):
         return
     blob = store.get(include["key"])
@@ -2121,16 +2040,14 @@ def read_run(backend, run_id):
 
 
 def _run_defaults(run):
-    """A run record as read: one from before `sent` had every claim sent, one from before `staged`
-    was staged whole."""
+    """A run record as read: an older one without `sent` or `staged` had them all."""
     run.setdefault("sent", len(run["claims"]))
     run.setdefault("staged", True)
     return run
 
 
 def update_run(backend, run, **fields):
-    """Set `fields` in the stored run record, read again first so that what another process wrote
-    meanwhile (a cancel) is kept; `run` is updated to match."""
+    """Set `fields` in the stored run record, read again first (a cancel is kept); `run` too."""
     stored = read_json(backend, run_key(run["run_id"]))
     stored.update(fields)
     write_json(backend, run_key(run["run_id"]), stored)
@@ -2195,11 +2112,10 @@ class Scale(typing.NamedTuple):
 
 def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
                   surplus_since, now):
-    """How many workers (instances) a pool should have: enough to drain the backlog (visible + in
-    flight) in `target_drain` s at the measured seconds per claim, never fewer than the claims in
-    flight, never more than the claims, within lo..hi. Growing is immediate; shrinking waits until
-    the surplus has lasted `idle_window` s (no flapping). Pure: the caller passes back the returned
-    Scale's `surplus_since`."""
+    """How many workers a pool should have: enough to drain the backlog (visible + in flight) in
+    `target_drain` s at the measured seconds per claim, at least the claims in flight, at most the
+    claims, within lo..hi. Growing is immediate; shrinking waits for `idle_window` s of surplus.
+    Pure: the caller passes back the returned Scale's `surplus_since`."""
     backlog = visible + in_flight
     need = backlog if seconds_per_claim is None else min(backlog, math.ceil(backlog * seconds_per_claim /
                                                                               target_drain))
@@ -2211,8 +2127,7 @@ def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, 
 
 
 def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
-    """The pool's latest `limit` summaries of claims its workers ran (newest runs first, by run id;
-    cold and dead-lettered claims left out). No run record is read."""
+    """The pool's latest `limit` summaries of claims its workers ran, newest runs first."""
     found = []
     for run_id in sorted((f.rsplit("/", 1)[1] for f in backend.store.list("runs/")), reverse=True):
         if run_slug(run_id) == slug(model):
@@ -2224,17 +2139,16 @@ def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
 
 
 def measured_seconds(summaries):
-    """(seconds per claim, seconds per item) of the drain in these summaries (@enter paid in a claim
-    left out: a warm worker does not pay it), or (None, None) without any."""
+    """(seconds per claim, per item) of the drain in these summaries, @enter left out."""
     seconds = sum(max(0.0, s["claim_seconds"] - s.get("enter_seconds_paid", 0.0)) for s in summaries)
     items = sum(s["items"] for s in summaries)
     return (seconds / len(summaries), seconds / items) if items else (None, None)
 
 
 def pool_bounds(count, lo, hi, idle_minutes, noun):
-    """(lo, hi, idle window in s or None) from `--{noun} N`, `--min-{noun} A`, `--max-{noun} B` and
-    `--scale-to-zero-after MINUTES`: N alone is A = B = N; an idle window or a ceiling without a
-    floor floors at 0; a floor below the ceiling without a window gets SCALE_IDLE_MINUTES."""
+    """(lo, hi, idle window s or None) of --{noun} N, --min-{noun} A, --max-{noun} B and
+    --scale-to-zero-after: N alone is A = B = N; a window or a ceiling alone floors at 0; a floor
+    below the ceiling gets SCALE_IDLE_MINUTES."""
     if count is not None and hi is not None and count != hi:
         raise UserError(f"--{noun} {count} and --max-{noun} {hi}: two ceilings ---> HINT: --{noun} N alone "
                         f"(a fixed N), or --min-{noun} A --max-{noun} B")
@@ -2256,10 +2170,9 @@ def pool_bounds(count, lo, hi, idle_minutes, noun):
 # ------------------------------------------------------------------------------------------------
 # 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
 def read_items(path, columns=None):
-    """Items from a JSONL file ('-': stdin), one JSON value a line, each a JsonText; blank lines are
-    skipped. Read as it is staged, but its first block at once, so that a bad line there or a file
-    without items is refused first. A .npy or .npz file is numeric input (ArrayItems); a Parquet or
-    Arrow file, folder or glob is a table (TableItems) of which `columns` are read."""
+    """Items from a JSONL file ('-': stdin), each a JsonText, read as staged but its first block at
+    once (a bad line there is refused first). A .npy or .npz file is numeric (ArrayItems); a Parquet
+    or Arrow file, folder or glob is a table (TableItems) of which `columns` are read."""
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
     if path.endswith(TABLE_SUFFIXES) or glob.has_magic(path) or os.path.isdir(path):
@@ -2282,9 +2195,8 @@ def unreadable_items(path, error):
 
 
 def jsonl_blocks(stream, path):
-    """The items of a JSONL stream, a list per block (READ_FIRST bytes, doubling up to READ_BLOCK),
-    cut after its last newline. A bad line is a UserError naming path:line when the stream reaches
-    it; so is a stream without a single item."""
+    """The items of a JSONL stream, a list per block (READ_FIRST bytes, doubling to READ_BLOCK). A
+    bad line is a UserError naming path:line; so is a stream without items."""
     lineno, rest, count, size = 1, b"", 0, READ_FIRST
     with stream:
         while True:
@@ -2309,16 +2221,14 @@ def jsonl_blocks(stream, path):
 
 
 class JsonText(str):
-    """An item as the JSON text it was read as: a JSONL line, checked and trimmed. Its claim's
-    manifest takes the text as it is (stage_claim) rather than decoding and encoding it again."""
+    """An item as its JSONL line, checked and trimmed: its manifest takes the text as it is."""
     __slots__ = ()
 
 
 def checked_line(line, path, lineno):
-    """The JsonText of one JSONL line, or a UserError naming path:lineno, so that `submit` refuses a
-    bad line rather than a worker dead-lettering its claim. An item nested deeper than
-    ITEM_DEPTH_MAX is refused too (the manifest nests it deeper, and json.loads stops near 1000
-    levels); the length and bracket counts keep the depth walk off ordinary lines."""
+    """The JsonText of one JSONL line, or a UserError naming path:lineno (submit refuses a bad line,
+    no worker dead-letters it). An item nested deeper than ITEM_DEPTH_MAX is refused too: its
+    manifest nests it deeper, and json.loads stops near 1000 levels."""
     try:
         item = checked_json(line)
         deep = (len(line) > ITEM_DEPTH_MAX and line.count("[") + line.count("{") > ITEM_DEPTH_MAX
@@ -2345,10 +2255,9 @@ def json_depth(value):
 
 
 class ArrayItems:
-    """Numeric items from a .npy file (item i = {"input": a[i]}) or a .npz file, where each array
-    `k` of shape [N, ...] is field k of every item, and `k_offsets` (N+1 increasing indices) makes
-    `k` ragged: item i's k is k[offsets[i]:offsets[i+1]]. Staged as raw .npy objects per claim and
-    field, which the worker maps as views: no per-item parsing, no pickle."""
+    """Numeric items from a .npy file (item i = {"input": a[i]}) or a .npz file, array `k` [N, ...]
+    the field k of every item; `k_offsets` (N+1 indices) makes `k` ragged. Staged as .npy objects
+    per claim and field, which the worker maps as views: no per-item parsing, no pickle."""
 
     def __init__(self, fields, count, source):
         self.fields, self.count, self.source = fields, count, source   # fields: name -> (values, offsets or None)
@@ -2366,8 +2275,7 @@ class ArrayItems:
 
     @classmethod
     def from_arrays(cls, arrays, path):
-        """From {name: array} (a .npz's arrays, or the API's numpy input); `path` names them in
-        errors."""
+        """From {name: array}; `path` names them in errors."""
         import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
         arrays = {name: np.asarray(values) for name, values in arrays.items()}
         fields, counts = {}, {}
@@ -2396,8 +2304,7 @@ class ArrayItems:
         return cls(fields, count, path)
 
     def stage(self, backend, run_id, claim, start, stop):
-        """Write this claim's slice of every field as .npy objects; returns the manifest's
-        `arrays`."""
+        """Write this claim's slice of every field as .npy; the manifest's `arrays`."""
         fields = {}
         for name, (values, offsets) in self.fields.items():
             if offsets is None:
@@ -2409,9 +2316,8 @@ class ArrayItems:
 
 
 def stage_arrays(backend, run_id, claim, fields):
-    """Write each field's arrays ({role: array}: values, offsets, valid) as .npy objects under the
-    claim's inputs; returns the manifest's `arrays` ({field: {role: key}}). Keys are numbered, not
-    named after the field (a column's name need not be a safe key)."""
+    """Write each field's {role: array} (values, offsets, valid) as .npy objects; returns the
+    manifest's `arrays` ({field: {role: key}}), keys numbered (a column name need not be safe)."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     entry = {}
     for number, (name, roles) in enumerate(fields.items()):
@@ -2426,9 +2332,7 @@ def stage_arrays(backend, run_id, claim, fields):
 
 
 def read_arrays(path):
-    """{name: array} of a .npy file ({"input": a}) or a .npz archive. Whatever the file holds, a
-    fault is a UserError naming it (OSError, ValueError for object arrays, EOFError, BadZipFile,
-    zlib)."""
+    """{name: array} of a .npy ({"input": a}) or .npz file; any fault is a UserError naming it."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     try:
         # a .npy is mapped, not read: each claim's slice is paged in as it is staged (an .npz member is read whole)
@@ -2449,12 +2353,10 @@ TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")   # submit reads these (and 
 
 
 class TableItems:
-    """Items from Arrow tables, one a row ({column: value}): Parquet files (a folder, a glob), an
-    Arrow IPC file, or the API's pyarrow.Table, pandas DataFrame or datasets.Dataset, read as a
-    stream of a claim's rows. A numeric column (numbers, bools, lists of them) is staged as .npy per
-    claim and reaches the worker as numpy values (a null: None; a null inside a list is refused).
-    Any other column goes as JSON in the manifest (dates and times as ISO text); a type JSON cannot
-    hold (binary, decimal) is refused up front."""
+    """Items from Arrow tables, one a row ({column: value}): Parquet (a file, folder or glob), Arrow
+    IPC, or a pyarrow.Table, pandas DataFrame or datasets.Dataset, streamed a claim at a time.
+    Numeric columns (and lists of numbers) are staged as .npy (a null: None); others go as JSON in
+    the manifest, dates and times as ISO text; a type JSON cannot hold is refused up front."""
 
     def __init__(self, schema, count, batches, source):
         import pyarrow as pa   # lazy: only table input needs pyarrow
@@ -2474,8 +2376,7 @@ class TableItems:
 
     @classmethod
     def open(cls, source, columns=None, where=None):
-        """From a path (TABLE_SUFFIXES, a folder, a glob) or a table-like object; only `columns`
-        read."""
+        """From a path (TABLE_SUFFIXES, folder, glob) or a table-like object; only `columns`."""
         import pyarrow as pa   # lazy: only table input needs pyarrow
         where = where or (source if isinstance(source, str) else type(source).__name__)
         if isinstance(source, str):
@@ -2538,8 +2439,7 @@ class TableItems:
             b for f in opened for b in f.iter_batches(rows, columns=schema.names, use_threads=False)), where)
 
     def chunks(self, size):
-        """(start, stop, table) of each claim of `size` rows, cut from the batches as they are
-        read."""
+        """(start, stop, table) of each claim of `size` rows, cut as the batches are read."""
         import pyarrow as pa   # lazy: only table input needs pyarrow
         held, rows, start = [], 0, 0
         for batch in itertools.chain(self.batches(size), [None]):
@@ -2553,8 +2453,7 @@ class TableItems:
                 held, rows, start = table.slice(take).to_batches(), rows - take, start + take
 
     def stage(self, backend, run_id, claim, start, table):
-        """A claim's manifest fields: its JSON columns as `items`, numeric ones as `arrays` (.npy
-        objects)."""
+        """A claim's manifest fields: JSON columns as `items`, numeric ones as `arrays`."""
         fields = {name: _numeric_column(table.column(name).combine_chunks(), name, start, self.source)
                   for name in self.numeric}
         staged = {"arrays": stage_arrays(backend, run_id, claim, fields)} if fields else {}
@@ -2585,16 +2484,14 @@ def _is_list(pa, t):
 
 
 def _column_kind(pa, t):
-    """"numeric" (staged as .npy), "json" (in the manifest) or None (no JSON form) for an Arrow
-    type."""
+    """"numeric" (.npy), "json" (in the manifest) or None (no JSON form) for an Arrow type."""
     if _is_number(pa, t) or (_is_list(pa, t) and _is_number(pa, t.value_type)):
         return "numeric"
     return "json" if pa.types.is_temporal(t) or _json_type(pa, t) else None
 
 
 def _json_type(pa, t):
-    """True for a type whose to_pylist values are JSON: numbers, text, nulls, and lists, structs or
-    dictionaries of them."""
+    """True for a type whose to_pylist values are JSON (or lists, structs, dicts of them)."""
     if _is_number(pa, t) or pa.types.is_null(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
         return True
     if pa.types.is_dictionary(t) or _is_list(pa, t):
@@ -2611,9 +2508,8 @@ def _json_column(column):
 
 
 def _numeric_column(array, name, start, source):
-    """A numeric column of one claim as {role: numpy array}: values (2-D for a fixed-size list),
-    offsets for a list, valid where a row is null (its values zeros). A null inside a list is a
-    UserError."""
+    """A claim's numeric column as {role: numpy array}: values, offsets (lists), valid (nulls); a
+    null inside a list is a UserError."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     import pyarrow as pa
     roles = {}
@@ -2642,8 +2538,7 @@ def _numeric_column(array, name, start, source):
 
 
 def _to_numpy(array):
-    """A numeric Arrow array without nulls as a numpy view of its buffer (pyarrow's to_numpy imports
-    pandas); bools, which Arrow packs in bits, through uint8."""
+    """A numeric Arrow array without nulls as a numpy view (bools through uint8); no pandas."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     import pyarrow as pa
     if pa.types.is_boolean(array.type):
@@ -2654,8 +2549,7 @@ def _to_numpy(array):
 
 
 class SubmitInterrupted(BaseException):
-    """SIGINT or SIGTERM while submit (or runs resume) stages or sends claims. A BaseException, as
-    KeyboardInterrupt is: code that catches Exception lets it through."""
+    """SIGINT or SIGTERM while submit or runs resume stages or sends claims; a BaseException."""
 
     def __init__(self, signum):
         super().__init__(signal.Signals(signum).name)
@@ -2664,9 +2558,8 @@ class SubmitInterrupted(BaseException):
 
 @contextlib.contextmanager
 def signals_interrupt():
-    """Inside the block SIGINT and SIGTERM raise SubmitInterrupted, once: a second signal is
-    ignored, so that the bookkeeping the first one starts (recording what was sent) is not cut
-    short."""
+    """Inside the block SIGINT and SIGTERM raise SubmitInterrupted once; a second one is ignored, so
+    that recording what was sent is not cut short."""
     fired = []
 
     def on_signal(signum, frame):
@@ -2700,8 +2593,7 @@ def check_timeout(seconds):
 
 
 def claim_chunks(items, size):
-    """(start, stop, items or None) of each claim of `size` items: ArrayItems and TableItems cut
-    their own, a list is sliced, any other iterable (a JSONL stream) is read a claim at a time."""
+    """(start, stop, items or None) of each claim of `size` items (arrays, tables: their own)."""
     if isinstance(items, (ArrayItems, TableItems)):
         yield from items.chunks(size)
         return
@@ -2712,8 +2604,7 @@ def claim_chunks(items, size):
 
 
 def stage_claim(backend, run, items, claim, start, stop, chunk):
-    """Write one claim's manifest (JSON items inside it; numeric items beside it as .npy
-    objects)."""
+    """Write one claim's manifest (JSON items inside, numeric items beside it as .npy)."""
     manifest = {"run_id": run["run_id"], "claim": claim, "model": run["model"], "first_index": start,
                 "count": stop - start}
     if chunk is None:
@@ -2733,15 +2624,13 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     """Stage the items as a stream, sending each claim once its manifest has landed; returns the
     run.
 
-    The run record comes first (`staged: false`), then claims are cut from the items as they are
-    read, their manifests PUT on STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in run
-    order, SEND_BATCH to a request, the first as soon as it lands; at most STAGE_AHEAD manifests a
-    writer wait unsent, so memory stays bounded. The record is completed at the end (`staged:
-    true`).
+    The run record comes first (`staged: false`); claims are cut as items are read, manifests PUT on
+    STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in order, SEND_BATCH a request; at most
+    STAGE_AHEAD manifests a writer wait unsent (bounded memory).
 
-    SIGINT or SIGTERM stops the sending, not the staging: every claim is staged, so that `runs
-    resume` can send the rest, then SubmitInterrupted is raised. Anything else that stops it before
-    a claim was sent deletes what it staged; after, the run keeps the claims sent, and says so."""
+    SIGINT or SIGTERM stops the sending, not the staging (`runs resume` sends the rest), then raises
+    SubmitInterrupted. Another error before a claim was sent deletes what was staged; after, the run
+    keeps the claims sent."""
     run_id = run_id or new_run_id(record["model"])
     known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
@@ -2785,9 +2674,8 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
 
 
 def _send_landed(backend, run, queue, pending, landed, sending, wait, flush):
-    """Move the claims at the head of `pending` whose manifests landed to `landed` (waiting for the
-    head one when `wait`; a failed write raises here), then send `landed` in run order, SEND_BATCH a
-    request: only full batches unless `flush`. Not `sending` (a signal came): nothing is sent."""
+    """Move the landed manifests at the head of `pending` to `landed` (the head one awaited when
+    `wait`), then send them in order, SEND_BATCH a request (a partial batch when `flush`)."""
     while pending and (wait or pending[0][1].done()):
         claim, future = pending.popleft()
         future.result()
@@ -2808,10 +2696,8 @@ def send_batch(backend, run, queue, claims, resume=False):
 
 
 def send_claims(backend, run, queue, skip=(), resume=False):
-    """Send the run's claims from run["sent"] on, SEND_BATCH a request, but those in `skip` (claims
-    with a summary), recording in the run record how far it got, whatever stops it. After a kill -9,
-    `runs resume` sends some claims again: a worker acks a copy of a claim done without running
-    it."""
+    """Send the run's claims from run["sent"] on, but `skip`, recording how far it got whatever
+    stops it. A claim sent twice (after a kill -9) is acked by its worker as a duplicate."""
     try:
         while run["sent"] < len(run["claims"]):
             with signals_deferred():   # a send and its count are one step: no signal falls between them
@@ -2825,8 +2711,7 @@ def send_claims(backend, run, queue, skip=(), resume=False):
 
 
 def interrupted(backend, run_id, signum):
-    """Say what an interrupted submit or runs resume left, from the stored run record; returns the
-    exit code (128 + the signal)."""
+    """Say what an interrupted submit or runs resume left; returns 128 + the signal."""
     try:
         run = _run_defaults(read_json(backend, run_key(run_id)))
     except NotFound:
@@ -2845,8 +2730,7 @@ def run_dlq_name(run):
 
 
 def receive_all(queue, count):
-    """Up to `count` messages of the queue, received (hidden from other readers until deleted or
-    released); a message another reader holds meanwhile is not seen."""
+    """Up to `count` messages of the queue, received (hidden until deleted or released)."""
     messages = []
     while len(messages) < count and (message := queue.receive(DLQ_SCAN_WAIT)) is not None:
         messages.append(message)
@@ -2871,10 +2755,8 @@ def dead_letter_of(message):
 
 
 class DeadLetters:
-    """The claims of one run that its dead-letter queue holds ({claim: reason}), found by receiving
-    and releasing every message. A worker writes a failure summary before the DLQ copy, so this
-    matters only when that write failed; a scan is repeated only when the depth changed or another
-    reader held messages (each costs a receive and a release per message)."""
+    """The claims of one run in its dead-letter queue ({claim: reason}), found by receiving and
+    releasing every message; rescanned only when the depth changed or others held messages."""
 
     def __init__(self, backend, run):
         self.backend, self.run_id, self.name = backend, run["run_id"], run_dlq_name(run)
@@ -2896,16 +2778,12 @@ class DeadLetters:
 
 
 def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
-    """Poll the run's summaries until every claim has one, nothing can run the rest
-    (nothing_left_to_run), or timeout; returns (summaries, timed_out). Each summary is read once;
-    `run` follows its stored record. stop_if(), called at each look at the run record, may raise to
-    stop waiting (the pool's workers all crash).
+    """Poll the run's summaries until every claim has one, nothing can run the rest, or timeout;
+    returns (summaries, timed_out). `run` follows its stored record; stop_if() may raise.
 
-    Each LIST starts after the summary key of the last claim below which every claim is done, so a
-    summary is listed about once. The gap between LISTs grows from SUMMARY_POLL_MIN by half while
-    none land, up to SUMMARY_WAIT_MAX; after new ones, it is what SUMMARY_BATCH more take at the
-    rate seen so far. The run record and the DLQ are looked at only once the run stalls
-    (run_recheck)."""
+    Each LIST starts after the last claim below which all are done. Its gap grows from
+    SUMMARY_POLL_MIN by half while none land, up to SUMMARY_WAIT_MAX; after new ones it is what
+    SUMMARY_BATCH more take at the rate so far. The run record and DLQ: only on a stall."""
     from tqdm import tqdm   # lazy: only a waiting submit draws a progress bar
     started = time.monotonic()
     deadline, progressed, recheck = started + timeout, started, run_recheck(started, started)
@@ -2949,15 +2827,14 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
 
 
 def run_recheck(progressed, now):
-    """When wait_for_run next looks at the run record and the DLQ: RUN_RECHECK s after the last new
-    summary, then at gaps doubling with the time stalled, up to RUN_RECHECK_MAX."""
+    """When wait_for_run next looks at the run record: RUN_RECHECK s after the last new summary,
+    then at gaps doubling with the time stalled, up to RUN_RECHECK_MAX."""
     return max(progressed + RUN_RECHECK, now + min(max(now - progressed, RUN_RECHECK), RUN_RECHECK_MAX))
 
 
 def nothing_left_to_run(backend, run, done, dead):
-    """True when no worker can take any claim without a summary (`done` has those with one): the run
-    was cancelled, or each such claim was never sent or is dead-lettered (`dead`, a DeadLetters).
-    Reads the run record again, into `run`."""
+    """True when no worker can take a claim without a summary: the run was cancelled, or each such
+    claim was never sent or is dead-lettered (`dead`). Reads the run record again, into `run`."""
     run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
     if run.get("cancelled"):
         return True
@@ -2974,9 +2851,8 @@ def nothing_left_to_run(backend, run, done, dead):
 
 
 def cancel_run(backend, run, reason):
-    """Mark the run cancelled and write a `cancelled` summary for each claim without one: a worker
-    receiving such a claim acks it unrun, and `runs resume` sends nothing of it. A claim finished
-    meanwhile keeps its own summary (checked just before the write). Returns the claims marked."""
+    """Mark the run cancelled with a `cancelled` summary for each claim without one (a worker acks
+    such a claim unrun; one finished meanwhile keeps its own). Returns the claims marked."""
     have = summary_claims(backend, run["run_id"])
     if all(claim in have for claim in run["claims"]):
         return []
@@ -2999,8 +2875,7 @@ def cancel_run(backend, run, reason):
 
 
 def cancel_pool_runs(backend, model):
-    """pool delete --force: cancel each unfinished run of the pool ("pool deleted"), so that a
-    waiting submit stops and says why. Returns {run id: claims marked}."""
+    """pool delete --force: cancel each unfinished run of the pool; {run id: claims marked}."""
     cancelled = {}
     for run in list_runs(backend, model):
         if run["model"] == model and run["mode"] == "pool":
@@ -3017,8 +2892,7 @@ def live_claims(backend, run):
 
 
 def check_deletable(backend, run):
-    """Refuse to delete a run with claims queued or running: a worker would find no manifest and
-    dead-letter them (what --force accepts)."""
+    """Refuse to delete a run with claims queued or running (they would be dead-lettered)."""
     live = live_claims(backend, run)
     if live:
         raise UserError(f"run {run['run_id']} has {len(live)} claim(s) queued or running: deleting it would strand "
@@ -3041,8 +2915,7 @@ def parse_age(text):
 
 
 def runs_to_prune(backend, older_than, keep=0, model=None):
-    """The runs created over `older_than` s ago (only `model`'s when given), but each model's `keep`
-    newest, oldest first."""
+    """The runs over `older_than` s old (of `model` if given), but each model's `keep` newest."""
     runs = list_runs(backend, model)
     kept = {r["run_id"] for m in {r["model"] for r in runs}
             for r in [r for r in runs if r["model"] == m][::-1][:keep]}
@@ -3052,11 +2925,9 @@ def runs_to_prune(backend, older_than, keep=0, model=None):
 
 
 def redrive(backend, record, runs):
-    """Send the dead-lettered claims of `runs` ({run id: record}, runs of pool `record`) back to the
-    pool queue, marked resume. A claim is dead-lettered when its summary is a failure summary or,
-    without one, when its copy is in the DLQ. The failure summary goes first (else a worker would
-    ack the claim as done), then the send, then its DLQ copies. Idempotent. Returns {run id: [claims
-    sent]}."""
+    """Send the dead-lettered claims of `runs` back to the pool queue, marked resume: its failure
+    summary is deleted first (else a worker would ack it as done), then it is sent, then its DLQ
+    copies deleted. Idempotent. Returns {run id: [claims sent]}."""
     queue, dlq = backend.queues.open_queue(record["queue"]), backend.queues.open_queue(record["dlq"])
     letters = receive_all(dlq, dlq.counts()["visible"])
     copies, deleted, sent = {}, set(), {}
@@ -3085,8 +2956,7 @@ def redrive(backend, record, runs):
 
 
 def claim_parts(backend, run_id, claim, count):
-    """The claim's result parts, in item order. A claim a calque 0.2 worker ran has one results
-    object instead, which must hold `count` lines too."""
+    """The claim's result parts in item order (a calque 0.2 claim's one results object instead)."""
     try:
         return read_claim_parts(backend.store, run_id, claim, count)
     except ResultsIncomplete:
@@ -3117,9 +2987,8 @@ def claim_ids(backend, run, claim, field):
 
 
 def claim_column(parts, field):
-    """(offsets, values) of the claim's items whose result holds `field` (None: the result itself):
-    typed arrays stacked (bfloat16 as float32), else JSON values as numpy.array makes them.
-    ValueError where their shapes differ."""
+    """(offsets, values) of the items whose result holds `field` (None: the result itself): typed
+    arrays stacked (bfloat16 as float32), else as numpy.array makes them; ValueError on shapes."""
     import numpy as np
     blocks, lines, at = [], [], 0
     for part in parts:
@@ -3159,9 +3028,8 @@ def with_parts(backend, run, claims):
 
 
 def run_array(run, claims, field=None, fill=None):
-    """One array of `field` (None: the result itself, or a dict's only array) over the items of
-    `claims` ((index, claim, parts) of claims done). A failed item's row (or one without the field)
-    is `fill`: by default NaN for floats; for other dtypes a UserError unless fill is given."""
+    """One array of `field` (None: the result, or its only array) over `claims` ((index, claim,
+    parts)); a row without it is `fill` (default NaN for floats, else a UserError)."""
     import numpy as np
     pieces, missing, choose = [], 0, field is None
     for index, claim, parts in claims:
@@ -3199,8 +3067,7 @@ def run_array(run, claims, field=None, fill=None):
 
 
 def _arrow_column(pa, values):
-    """A pyarrow array of stacked numpy values: a fixed-size list level per dimension after the
-    first."""
+    """A pyarrow array of stacked numpy values: a fixed-size list level per inner dimension."""
     column = pa.array(values.reshape(-1))
     for size in reversed(values.shape[1:]):
         column = pa.FixedSizeListArray.from_arrays(column, size)
@@ -3208,10 +3075,9 @@ def _arrow_column(pa, values):
 
 
 def claim_batch(backend, run, claim, parts):
-    """The claim's results as a pyarrow.RecordBatch in item order: i, ok, error, the run's id field,
-    then one column a key where every result is a dict (a clashing key gets "result." before it),
-    else `result`. Typed arrays become fixed-size lists (bfloat16: float32); JSON values as pyarrow
-    infers them, or as JSON text where it cannot."""
+    """The claim's results as a pyarrow.RecordBatch: i, ok, error, the id field, then a column a key
+    where every result is a dict (a clash gets "result."), else `result`. Typed arrays become
+    fixed-size lists; JSON values as pyarrow infers them, else their JSON text."""
     import numpy as np
     import pyarrow as pa
     lines = orjson.loads("[" + ",".join(line[:-1] for part in parts for line in part.lines) + "]")   # one parse
@@ -3251,8 +3117,7 @@ def claim_batch(backend, run, claim, parts):
 
 
 def claim_column_rows(parts, field):
-    """(offsets, arrays) of the claim's typed values of `field`, one array a row, whatever the
-    shapes."""
+    """(offsets, arrays) of the claim's typed values of `field`, one array a row."""
     rows, arrays, at = [], [], 0
     for part in parts:
         for block in part.blocks:
@@ -3264,8 +3129,7 @@ def claim_column_rows(parts, field):
 
 
 def run_table(batches):
-    """One pyarrow.Table of claim batches, columns unified (a claim whose items all failed has no
-    result columns; a field one claim lacks is null there)."""
+    """One pyarrow.Table of claim batches, columns unified (a field lacking is null there)."""
     import pyarrow as pa
     tables = [pa.Table.from_batches([b]) for b in batches]
     if not tables:
@@ -3292,11 +3156,8 @@ NOT_RUN = {   # the claims of each state that did not run: what becomes of them,
 
 
 def claim_states(backend, run, summaries, dead_letters=True):
-    """{claim: (state, detail)}, the state one of CLAIM_STATES: done or failed (it ran),
-    dead-lettered (a failure summary, or its copy in the DLQ), cancelled, queued or running, in no
-    queue (sent, but its queue lost it), not queued (never sent). The detail: the dead-letter or
-    cancel reason. Without dead_letters, no DLQ scan and no queue look (the dashboard: a scan
-    receives messages)."""
+    """{claim: (state, detail)}, state one of CLAIM_STATES (in no queue: its queue lost it), the
+    detail the dead-letter or cancel reason. Without dead_letters: no DLQ scan, no queue look."""
     by_claim = {s["claim"]: s for s in summaries}
     cancelled = run.get("cancelled")
     pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
@@ -3324,8 +3185,7 @@ def claim_states(backend, run, summaries, dead_letters=True):
 
 
 def claims_in_no_queue(backend, run, waiting):
-    """The claims of `waiting` (sent, no summary, not dead-lettered) that no queue holds any more:
-    the pool's queue is gone, was created after the run, or is empty while they wait (purged)."""
+    """The claims of `waiting` that no queue holds (it is gone, newer than the run, purged)."""
     try:
         queue = backend.queues.open_queue(run["queue"])
         depth = queue.counts()
@@ -3339,9 +3199,8 @@ def claims_in_no_queue(backend, run, waiting):
 
 
 def run_view(backend, run, summaries, dead_letters=True):
-    """What a report says of a run: each claim's state (claim_states), the claims per state, the
-    items per outcome (ok + failed + pending + dead_lettered + cancelled = the run's items, always)
-    and the queue's depth while claims wait in it."""
+    """A report's view of a run: each claim's state, claims per state, items per outcome (they add
+    up to the run's items, always) and the queue's depth while claims wait."""
     states = claim_states(backend, run, summaries, dead_letters)
     by_claim = {s["claim"]: s for s in summaries}
     items = dict.fromkeys(("ok", "failed", "pending", "dead_lettered", "cancelled"), 0)
@@ -3389,8 +3248,7 @@ def next_step(run, state):
 
 def format_run(run, summaries, view, results_uri):
     """The lines `submit` and `runs show` print: items per outcome, claims per state, the claim
-    table (claims that did not run: a row per span in one state), dead-letter reasons, where the
-    results are, and what becomes of the claims that did not run."""
+    table, dead letters, errors, the results' place, what becomes of claims not run."""
     items, counts, queue = view["items"], view["claim_counts"], view["queue"]
     per_state = [f"{n} {state}" for state, n in counts.items() if n]
     if queue:
@@ -3430,9 +3288,8 @@ def format_run(run, summaries, view, results_uri):
 
 
 def item_errors(summaries):
-    """[(message, [item indices])] of the failed items whose messages were kept, grouped by message
-    with its numbers blanked ("item 3 failed" and "item 7 failed" are one), the most frequent
-    first."""
+    """[(message, [item indices])] of the failed items' kept messages, grouped with numbers blanked,
+    the most frequent first."""
     groups = {}
     for s in summaries:
         for index, message in s.get("errors", {}).items():
@@ -3466,8 +3323,7 @@ def format_runs_list(runs):
 
 
 def report_run(backend, run, summaries, as_json, out=sys.stdout):
-    """Print the run (format_run, or JSON of the same view); returns the exit code: 0 when every
-    claim ran and every item succeeded."""
+    """Print the run (format_run, or JSON); exit code 0 when every item of every claim ran ok."""
     view = run_view(backend, run, summaries)
     if as_json:
         print(json.dumps({"run": run, "summaries": summaries, **view}, indent=1), file=out)
