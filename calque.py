@@ -193,9 +193,8 @@ def settings():
 
 
 def env_line(line, where):
-    """(key, value) of one pool.env line as a shell reads it: `export KEY=value`, KEY="value # kept", KEY=value
-    # a comment; None for a blank or comment line. An unknown CALQUE_* key is warned about on stderr, once, with
-    the known key it most resembles."""
+    """(key, value) of a pool.env line as a shell reads it (`export K=v`, K="v # kept", K=v # note);
+    None for a blank or comment line. An unknown CALQUE_* key is warned about, once."""
     line = line.strip()
     if not line or line.startswith("#"):
         return None
@@ -224,9 +223,9 @@ def text_lines(data, where, first=1):
         text = data.decode()
     except UnicodeDecodeError as e:
         lineno, column = data.count(b"\n", 0, e.start) + first, e.start - data.rfind(b"\n", 0, e.start)
-        raise UserError(f"{where}:{lineno}: not UTF-8 text (byte {column} of the line) ---> HINT: save the file "
-                        f"as UTF-8") from None
-    return enumerate(text.split("\n"), first)   # not splitlines(): a JSON string may hold U+2028 and the like
+        raise UserError(f"{where}:{lineno}: not UTF-8 text (byte {column} of the line) ---> HINT: "
+                        f"save the file as UTF-8") from None
+    return enumerate(text.split("\n"), first)   # not splitlines(): a string may hold U+2028
 
 
 _scan_json = json.decoder.JSONDecoder().scan_once   # json's own C scanner, as json.loads uses it
@@ -278,12 +277,12 @@ def write_file_atomic(path, text):
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. THE CONTRACT: names, store keys, the message, the summary, the handler API, numeric views, AWS error
-# helpers. warmd.py and handler files import these; change them with care (docs/contract.md says why).
+# 2. THE CONTRACT: names, store keys, message, summary, result parts, handler loading, numeric
+# views, AWS errors. warmd.py imports these; change them with care (docs/contract.md).
 POOL_PREFIX, DLQ_PREFIX = "calque-pool-", "calque-dlq-"
 RUN_QUEUE_PREFIX, RUN_DLQ_PREFIX = "calque-run-", "calque-rundlq-"
 QUEUE_NAME_MAX = 80                     # SQS's limit on a queue name
-SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # run ids and claim ids: safe as path parts
+SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # run and claim ids: safe path parts
 
 
 def slug(model, prefix=POOL_PREFIX):
@@ -371,9 +370,9 @@ def part_chain(keys, count):
     return chain
 
 
-# Typed results: a numeric numpy array or torch tensor, as an item's result or as a value of its result dict, is
-# stored in binary in its dtype (docs/contract.md#typed-result-parts); numpy is imported only where one is met.
-NUMERIC_KINDS = "biuf"                  # numpy dtype kinds stored in binary; any other array is written as JSON lists
+# Typed results: a numeric array or tensor (a result, or a value of its dict) is stored in binary
+# in its dtype (docs/contract.md#typed-result-parts); numpy is imported only where one is met.
+NUMERIC_KINDS = "biuf"                  # numpy dtype kinds stored in binary; others as JSON lists
 PART_FORMAT = 1                         # index.json's "format" in an .npz part
 
 
@@ -392,7 +391,7 @@ def host_array(value):
     return value, name or _dtype_names.setdefault(value.dtype, value.dtype.name)
 
 
-_dtype_names = {}   # numpy dtype -> its name: dtype.name is Python code, a few us a call, once an item
+_dtype_names = {}   # numpy dtype -> its name (dtype.name is Python code, run once an item)
 
 
 def batch_rows(outputs, count):
@@ -409,8 +408,8 @@ def batch_rows(outputs, count):
         shape = getattr(column, "shape", None) or ((len(column),) if isinstance(column, (list, tuple)) else ())
         what = "" if key is None else f" for {key!r}"
         if not shape:
-            raise ValueError(f"handler returned {type(column).__name__}{what} for a batch of {count} items "
-                             f"(a list, an array or a dict of them, one row an item)")
+            raise ValueError(f"handler returned {type(column).__name__}{what} for a batch of "
+                             f"{count} items (a list, an array or a dict of them, one row an item)")
         if shape[0] != count:
             raise ValueError(f"handler returned {shape[0]} rows{what} for a batch of {count} items")
     rows = [{key: column[j, ...] if hasattr(column, "shape") else column[j] for key, column in columns.items()}
@@ -595,7 +594,7 @@ def result_lines(part):
     lines, parsed = list(part.lines), {}
     for block in part.blocks:
         for row, text in zip(block.rows.tolist(), block_texts(block)):
-            if block.field is None and lines[row].endswith('"result":null}\n'):   # the result itself: spliced in
+            if block.field is None and lines[row].endswith('"result":null}\n'):   # spliced in
                 lines[row] = f"{lines[row][:-6]}{text}}}\n"
             else:
                 parsed.setdefault(row, orjson.loads(lines[row]))["result"][block.field] = orjson.Fragment(text)
@@ -638,9 +637,8 @@ def claim_id(index):
 
 
 def make_message(run_id, model, manifest_uri, claim, resume=False):
-    # `claim` is an extra field (the contract ignores unknown fields): it lets a worker write a failure
-    # summary even for a claim whose manifest_uri it must refuse. `resume` marks a claim sent again (runs
-    # resume, runs redrive): the worker looks for its result parts even on a first delivery.
+    # `claim` (an extra field) lets a worker write a failure summary for a claim whose
+    # manifest_uri it refuses; `resume` (runs resume, redrive): look for its result parts.
     msg = {"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim}
     if resume:
         msg["resume"] = True
@@ -684,9 +682,9 @@ def dumps(value):
 # the request counters every backend keeps and every summary carries; the cost model prices them
 REQUEST_KEYS = (
     "queue_receives",        # ReceiveMessage calls that returned a claim
-    "queue_empty_receives",  # ReceiveMessage calls that returned nothing (long polls that timed out): billed too
+    "queue_empty_receives",  # ReceiveMessage calls that returned nothing: billed too
     "queue_other",           # SendMessage, DeleteMessage, ChangeMessageVisibility (heartbeats), ...
-    "store_gets",            # S3 GET (manifests, pool record, handler code, summary existence checks)
+    "store_gets",            # S3 GET (manifests, pool record, handler code, summary checks)
     "store_puts",            # S3 PUT (result parts, summaries, stats)
     "store_lists",           # S3 LIST (priced as PUT by S3)
 )
@@ -728,8 +726,8 @@ def parse_handler_spec(spec):
     """(path, name): name is ClassName, or for a Modal app Cls.method or a function's name."""
     path, sep, cls = spec.rpartition(":")
     if not sep or not path or not all(part.isidentifier() for part in cls.split(".")) or cls.count(".") > 1:
-        raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName (a Modal app: Cls, Cls.method "
-                        f"or function)")
+        raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName (a Modal app: "
+                        f"Cls, Cls.method or function)")
     if not os.path.isfile(path):
         raise UserError(f"--handler {spec!r}: file {path} not found")
     return path, cls
@@ -752,8 +750,8 @@ def check_handler_source(source, cls, where):
                     roles.add(name)
     missing = [f"@calque.{r}" for r in ("enter", "batch") if r not in roles]
     if missing:
-        raise UserError(f"handler {where}: class {cls} lacks {' and '.join(missing)}: decorate its load and batch "
-                        "methods")
+        raise UserError(f"handler {where}: class {cls} lacks {' and '.join(missing)}: decorate its "
+                        "load and batch methods")
 
 
 def stream_prefix(model, stream):
@@ -813,7 +811,7 @@ def load_handler(path, cls, modal=None, container=False):
     gives a ModalHandler (`modal`: the pool's modal options; `container`: in a worker)."""
     with open(path, "rb") as f:
         if imports_modal(f.read(), path):
-            os.environ.update((modal or {}).get("image", {}).get("env", {}))   # before the app's code reads it
+            os.environ.update((modal or {}).get("image", {}).get("env", {}))   # before the app runs
             _, target, method = import_modal_app(path, cls, container)
             handler = ModalHandler(target, method, modal or {})
             return handler, handler.enter, handler.batch, handler.collate
@@ -830,11 +828,11 @@ def load_handler(path, cls, modal=None, container=False):
 
 
 # ------------------------------------------------------------------------------------------------
-# Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
-# ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
+# Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the
+# decorators declare; ModalHandler gives it a handler's shape (docs/modal.md).
 MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]}
 STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
-MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
+MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}  # rates
 
 
 def parse_source(source, where):
@@ -878,7 +876,7 @@ def import_modal_file(path, container=False):
     shim = load_modal_shim()
     shim.container = container
     folder = os.path.dirname(os.path.abspath(path))
-    if folder not in sys.path:   # its sibling modules import, as `python app.py` / `modal run app.py` find them
+    if folder not in sys.path:   # its sibling modules import, as under `modal run app.py`
         sys.path.insert(0, folder)
     try:
         return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
@@ -894,8 +892,8 @@ def user_code_error(path, e, container=False):
     if type(e).__name__ == "Unsupported":
         return f"{where}: {e}"
     if isinstance(e, ImportError) and (e.name or "").startswith("modal."):
-        return (f"{where}: import {e.name} is not supported on a calque pool (the stand-in modal is one module) "
-                f"---> HINT: import modal and use modal.X")
+        return (f"{where}: import {e.name} is not supported on a calque pool (the stand-in modal "
+                f"is one module) ---> HINT: import modal and use modal.X")
     if isinstance(e, ModuleNotFoundError):
         return (f"{where}: module {e.name!r} is not installed in this Python ({sys.executable}) ---> HINT: "
                 f"{sys.executable} -m pip install PACKAGE (the one that provides {e.name})"
@@ -923,8 +921,8 @@ def import_modal_app(path, name, container=False):
         raise UserError(f"{path}:{name}: {top} is not an @app.cls class or an @app.function function")
     methods = target.methods()
     if method and method not in methods:
-        raise UserError(f"{path}:{name}: {top}.{method} is not a @modal.method or @modal.batched method "
-                        f"(those: {', '.join(methods) or 'none'})")
+        raise UserError(f"{path}:{name}: {top}.{method} is not a @modal.method or @modal.batched "
+                        f"method (those: {', '.join(methods) or 'none'})")
     if not method and len(methods) != 1:
         raise UserError(f"{path}:{name}: class {top} has {len(methods)} methods ({', '.join(methods) or 'none'}) "
                         f"---> HINT: name one: --handler {path}:{top}.METHOD")
@@ -957,15 +955,15 @@ def mount_volume(mount, folder):
     """Make the app's volume mount path (/data) show `folder`: a symlink where nothing is yet."""
     if os.path.lexists(mount):
         if not (os.path.exists(mount) and os.path.samefile(mount, folder)):
-            raise UserError(f"volume mount {mount} exists and is not {folder} ---> HINT: move it, or name it with "
-                            f"--volume NAME={mount}")
+            raise UserError(f"volume mount {mount} exists and is not {folder} ---> HINT: move it, "
+                            f"or name it with --volume NAME={mount}")
         return
     try:
         os.makedirs(os.path.dirname(mount), exist_ok=True)
         os.symlink(folder, mount)
     except OSError as e:
-        raise UserError(f"volume mount {mount}: cannot link it to {folder} ({e.strerror}) ---> HINT: "
-                        f"sudo ln -s {folder} {mount} on the worker machine")
+        raise UserError(f"volume mount {mount}: cannot link it to {folder} ({e.strerror}) ---> "
+                        f"HINT: sudo ln -s {folder} {mount} on the worker machine")
 
 
 def key_values(pairs, flag):
@@ -1002,7 +1000,7 @@ class ModalHandler:
         for name, path in self.options.get("secrets", {}).items():
             for key, value in read_env_file(path, f"--secret {name}").items():
                 os.environ.setdefault(key, value)
-        for secret in self.target.options["secrets"]:   # modal.Secret.from_dict: its values are in the source
+        for secret in self.target.options["secrets"]:   # modal.Secret.from_dict: in the source
             for key, value in secret.values.items():
                 os.environ.setdefault(key, value)
         for mount, folder in self.options.get("volumes", {}).items():
@@ -1014,8 +1012,8 @@ class ModalHandler:
         for key, default in self.target.parameters().items():
             value = self.options.get("params", {}).get(key, default)
             if value is inspect.Parameter.empty:
-                raise UserError(f"{self.raw.__name__}.{key} is a modal.parameter() without a default: "
-                                f"pool create --param {key}=VALUE")
+                raise UserError(f"{self.raw.__name__}.{key} is a modal.parameter() without a "
+                                f"default: pool create --param {key}=VALUE")
             setattr(self.instance, key, modal_param(self.raw, key, value))
         for hook in self._hooks("enter"):
             hook(self.instance)
@@ -1036,11 +1034,11 @@ class ModalHandler:
         role = getattr(self.fn, "_modal_role", {})
         if role.get("kind") == "batched":
             size, out = role["max_batch_size"], []
-            for k in range(0, len(payloads), size):   # several parameters: one list per parameter, as Modal's
+            for k in range(0, len(payloads), size):   # a list per parameter, as Modal's
                 columns = zip(*(self._args(item)[0] for item in payloads[k:k + size]))
                 out += self._call([list(c) for c in columns], {})
             return out
-        if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item of a failed batch
+        if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item
             ok, value = self.replay.pop(id(payloads[0]))
             if ok:
                 return [value]
@@ -1048,7 +1046,7 @@ class ModalHandler:
         outcomes = self._each(payloads)
         if all(ok for ok, _ in outcomes):
             return [value for _, value in outcomes]
-        # warmd retries a failed batch item by item: replay each item's outcome rather than call it twice
+        # warmd retries a failed batch item by item: replay each outcome, not a second call
         self.replay = {id(p): outcome for p, outcome in zip(payloads, outcomes)}
         raise next(value for ok, value in outcomes if not ok)
 
@@ -1080,7 +1078,7 @@ class ModalHandler:
         calls = [self._args(item) for item in payloads]
         limit = getattr(self.raw, "_modal_concurrent", 1)
         if inspect.iscoroutinefunction(self.fn) or inspect.isasyncgenfunction(self.fn):
-            import asyncio   # here, not at the top: with ssl, its import cost every command and worker ~50 ms
+            import asyncio   # here, not at the top: with ssl, its import is slow
             return asyncio.run(self._each_async(calls, limit))
 
         def one(call):
@@ -1117,7 +1115,7 @@ class ModalHandler:
 
 # ------------------------------------------------------------------------------------------------
 # numeric items as views, and what an AWS error says
-NPY_HEADER_MAX = 10 + 65535   # bytes of a version 1.0 .npy header at most (numpy writes 1.0 for any plain dtype)
+NPY_HEADER_MAX = 10 + 65535   # bytes of a version 1.0 .npy header at most (plain dtypes')
 
 
 def npy_view(data):
@@ -1155,8 +1153,8 @@ def array_items(store, manifest):
     return items
 
 
-SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # SQS's two codes for "no such queue"
-STALE_RECEIPT = ("ReceiptHandleIsInvalid", "InvalidParameterValue")   # SQS refusing an ack: the receipt went stale
+SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # no such queue
+STALE_RECEIPT = ("ReceiptHandleIsInvalid", "InvalidParameterValue")   # an ack's receipt went stale
 
 
 def _aws_error_code(error):
@@ -1180,15 +1178,15 @@ def aws_client_config(region):
     """The botocore settings of every AWS client: standard retries, timeouts of seconds."""
     import botocore.config   # lazy: the embedded backend never loads boto3/botocore
     retries = {"mode": "standard"}
-    if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
+    if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries a call, unless set
         retries["max_attempts"] = 5
     return botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30)
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. backends. A backend is a store (get/put/put_new/exists/list/delete/delete_prefix/uri/key_for_uri) plus
-# queues (create_queue/open_queue/delete_queue; a queue has send/receive/delete/change_visibility/counts).
-# Both count their requests in `requests`, which the cost model prices.
+# 3. backends. A backend is a store (get/put/put_new/exists/list/delete/delete_prefix/uri/
+# key_for_uri) plus queues (create/open/delete_queue; a queue: send/receive/delete/
+# change_visibility/counts). Both count their requests in `requests` (priced by the cost model).
 class Message:
     __slots__ = ("body", "receipt", "receive_count")
 
@@ -1229,7 +1227,9 @@ class Requests(Counter):
         return run
 
     def take(self):
-        """This thread's tally plus the loose requests, both emptied (for a summary)."""
+        """This thread's tally plus the loose requests, both emptied; the thread's next requests
+        count in no tally until its tally block ends (a summary taken now counts its own last
+        writes)."""
         mine = getattr(self._thread, "tally", None)
         taken, self.loose = self.loose, Counter()
         if mine is not None:
@@ -1245,7 +1245,7 @@ class LocalStore:
     def __init__(self, root, requests):
         self.root = os.path.realpath(root)
         self.requests = requests
-        self.keys_listed = 0   # keys every list() returned (the bench's measure of a waiting submit's work)
+        self.keys_listed = 0   # keys every list() returned (a bench measures a waiting submit)
 
     def _path(self, key):
         return os.path.join(self.root, key)
@@ -1335,10 +1335,10 @@ class LocalStore:
     def delete_prefix(self, prefix):
         """Delete every key under the prefix; returns (objects, bytes) deleted."""
         sizes = [os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self._path(prefix)) for f in files]
-        shutil.rmtree(self._path(prefix), ignore_errors=True)   # ignores files a concurrent writer removed first
-        if os.path.lexists(self._path(prefix)):                 # but not a folder that stayed: say so
-            raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the folder's permissions, "
-                             f"then retry")
+        shutil.rmtree(self._path(prefix), ignore_errors=True)   # files removed meanwhile are fine
+        if os.path.lexists(self._path(prefix)):                 # a folder that stayed is not
+            raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the "
+                             f"folder's permissions, then retry")
         return len(sizes), sum(sizes)
 
 
@@ -1374,7 +1374,7 @@ class LocalQueues:
 
     def __init__(self, path, requests):
         self.path, self.requests = path, requests
-        self._local = threading.local()   # one lazy connection per thread: the heartbeat has its own
+        self._local = threading.local()   # a lazy connection per thread (the heartbeat's own)
 
     def db(self):
         """This thread's connection. Every QUEUE_FILE_CHECK s it checks that the path still holds
@@ -1386,8 +1386,8 @@ class LocalQueues:
                 local.conn.close()
                 local.conn = None
                 raise StoreFault(f"local queue {self.path} was deleted or replaced under this process: the claims "
-                                 f"it held are gone ---> HINT: recreate the pools (`pool create` is idempotent) and "
-                                 f"submit their runs again")
+                                 f"it held are gone ---> HINT: recreate the pools (`pool create` "
+                                 f"is idempotent) and submit their runs again")
         if getattr(local, "conn", None) is None:
             local.conn, local.file_id = self._open()
             local.check_at = time.monotonic() + QUEUE_FILE_CHECK
@@ -1408,7 +1408,7 @@ class LocalQueues:
             return self._connect()
 
     def _connect(self):
-        conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)   # autocommit; BEGIN IMMEDIATE when needed
+        conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)   # autocommit
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")   # durable across process crashes, not power loss
         conn.executescript(self.SCHEMA)
@@ -1427,8 +1427,8 @@ class LocalQueues:
 
     def create_queue(self, name, visibility_timeout):
         with self.transaction() as db:
-            db.execute("INSERT INTO queues VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET visibility_timeout = "
-                       "excluded.visibility_timeout",
+            db.execute("INSERT INTO queues VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                       "visibility_timeout = excluded.visibility_timeout",
                        (name, visibility_timeout, time.time()))
         return LocalQueue(self, name, visibility_timeout)
 
@@ -1474,7 +1474,7 @@ class LocalQueue:
         deadline = time.monotonic() + wait_seconds
         while True:
             now = time.time()
-            if self.queues.db().execute(LocalQueues.SQL_READY, (self.name, now)).fetchone():   # db(): file check
+            if self.queues.db().execute(LocalQueues.SQL_READY, (self.name, now)).fetchone():
                 with self.queues.transaction() as tx:
                     row = tx.execute(LocalQueues.SQL_NEXT, (self.name, now)).fetchone()
                     if row:
@@ -1567,7 +1567,7 @@ class S3Store:
     def __init__(self, s3, bucket, prefix, requests, endpoint_retry=0.0):
         self.s3, self.bucket, self.prefix, self.requests = s3, bucket, prefix, requests
         self.endpoint_retry = endpoint_retry
-        self.keys_listed = 0   # keys every list() returned (the bench's measure of a waiting submit's work)
+        self.keys_listed = 0   # keys every list() returned (a bench measures a waiting submit)
         self.endpoint = s3.meta.endpoint_url if s3 else None
 
     def _key(self, key):
@@ -1672,7 +1672,7 @@ class SqsQueues:
         except Exception as e:
             if _aws_error_code(e) not in ("QueueAlreadyExists", "QueueNameExists"):
                 raise
-            url = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]   # exists with other settings: adopt ours
+            url = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]   # other settings: ours
             self.sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
         return SqsQueue(self, name, url, visibility_timeout)
 
@@ -1724,9 +1724,8 @@ class SqsQueue:
             self.send(bodies[int(failed["Id"])])
 
     def receive(self, wait_seconds, should_stop=lambda: False):
-        # should_stop is not consulted inside the long poll: warmd's SIGTERM handler interrupts it instead.
+        # should_stop is not consulted in the long poll: warmd's SIGTERM handler interrupts it
         reply = self.sqs.receive_message(QueueUrl=self.url, MaxNumberOfMessages=1,
-                                         # whole seconds; 0 = short poll
                                          WaitTimeSeconds=math.ceil(min(wait_seconds, 20)),
                                          MessageSystemAttributeNames=["ApproximateReceiveCount"])
         messages = reply.get("Messages", [])
@@ -1798,7 +1797,7 @@ class AwsBackend:
         if endpoint_retry is None:
             endpoint_retry = setting_number(settings(), "CALQUE_ENDPOINT_RETRY", float, 0)
         self.session = boto3.session.Session()
-        # boto3's own resolution: AWS_REGION / AWS_DEFAULT_REGION, then the profile's region in ~/.aws/config
+        # boto3's resolution: AWS_REGION / AWS_DEFAULT_REGION, then ~/.aws/config's profile
         self.region = self.session.region_name or DEFAULT_REGION
         config = aws_client_config(self.region)
         data = self.data_session(boto3)
@@ -1820,19 +1819,19 @@ class AwsBackend:
 
     def check(self, prefix=""):
         import botocore.exceptions   # lazy: the embedded backend never loads boto3/botocore
-        try:   # a LIST, not HeadBucket: a worker's role may list only under its own prefixes (it passes one)
+        try:   # a LIST, not HeadBucket: a worker's role may list only under its own prefixes
             self.store.s3.list_objects_v2(Bucket=self.bucket, Prefix=self.store._key(prefix), MaxKeys=1)
         except botocore.exceptions.NoCredentialsError:
-            raise UserError("no AWS credentials found: configure them (aws configure, or AWS_ACCESS_KEY_ID) or use a "
-                            "local CALQUE_STORE")
+            raise UserError("no AWS credentials found: configure them (aws configure, or "
+                            "AWS_ACCESS_KEY_ID) or use a local CALQUE_STORE")
         except botocore.exceptions.EndpointConnectionError as e:
             raise UserError(f"cannot reach the S3 endpoint ({e}): check AWS_ENDPOINT_URL and the network")
         except botocore.exceptions.ClientError as e:
             if _aws_error_code(e) in ("404", "NoSuchBucket", "NotFound"):
-                raise UserError(f"bucket {self.bucket} does not exist: create it (aws s3 mb s3://{self.bucket}) or fix "
-                                "CALQUE_STORE")
-            raise UserError(f"bucket {self.bucket} is not usable ({_aws_error_code(e)}): check your credentials' S3 "
-                            "permissions")
+                raise UserError(f"bucket {self.bucket} does not exist: create it (aws s3 mb "
+                                f"s3://{self.bucket}) or fix CALQUE_STORE")
+            raise UserError(f"bucket {self.bucket} is not usable ({_aws_error_code(e)}): check "
+                            "your credentials' S3 permissions")
 
 
 def open_backend(store=None, check_prefix=""):
@@ -1872,8 +1871,8 @@ def write_json(backend, key, value):
 
 def load_pool(backend, model, missing=None):
     """The pool record of `model`; none: a UserError naming the closest pool and `missing`."""
-    fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its names, "
-           f"then create it again")
+    fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its "
+           f"names, then create it again")
     try:
         record = read_json(backend, pool_key(model), fix)
     except NotFound:
@@ -1881,13 +1880,13 @@ def load_pool(backend, model, missing=None):
                  if backend.store.exists(folder + "/pool.json")]
         close = did_you_mean(model, [n for n in names if isinstance(n, str)])
         raise UserError(f"no pool for model {model!r} in {backend.describe()}{close} ---> HINT: " + (
-            missing or f"create it: `python calque.py pool create --model {model} --handler file.py:Class` "
-                       f"(`pool list` lists the pools)")) from None
+            missing or f"create it: `python calque.py pool create --model {model} --handler "
+                       f"file.py:Class` (`pool list` lists the pools)")) from None
     if not isinstance(record.get("model"), str):
         raise corrupt_record(backend, pool_key(model), "no model name", fix)
     if record["model"] != model:
-        raise UserError(f"model {model!r} shares its queue name with the pool of {record['model']!r}: use that exact "
-                        "name")
+        raise UserError(f"model {model!r} shares its queue name with the pool of "
+                        f"{record['model']!r}: use that exact name")
     return record
 
 
@@ -1984,7 +1983,7 @@ def include_snapshot(include):
                         f"in a folder the workers see (--volume) or in the store, and read it in @enter")
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:
-        for rel in sorted(members):   # a link is stored as what it points to; times and owners left out
+        for rel in sorted(members):   # a link as what it points to; no times, no owners
             info = tarfile.TarInfo(rel)
             info.size, info.mode = os.path.getsize(members[rel]), os.stat(members[rel]).st_mode & 0o755
             with open(members[rel], "rb") as f:
@@ -2086,8 +2085,8 @@ def queue_depth(backend, name):
         return None
 
 # ---- the scaling decision both paths follow (local supervisor, EC2 step policy) and what it is fed
-SCALE_MEASURED_CLAIMS = 50              # latest claim summaries seconds per claim / item are measured on
-SCALE_IDLE_MINUTES = 5.0                # idle window of a pool with a floor below its ceiling, none given
+SCALE_MEASURED_CLAIMS = 50              # latest claim summaries the drain rate is measured on
+SCALE_IDLE_MINUTES = 5.0                # idle window of a pool with a floor below its ceiling
 
 
 class Scale(typing.NamedTuple):
@@ -2100,7 +2099,7 @@ class Scale(typing.NamedTuple):
     lo: int
     hi: int
     idle_window: float                  # s of surplus before the pool shrinks
-    surplus_since: float | None         # when the pool first had more workers than the backlog needs
+    surplus_since: float | None         # since when the pool has more workers than it needs
     now: float
     desired: int = 0
 
@@ -2150,15 +2149,15 @@ def pool_bounds(count, lo, hi, idle_minutes, noun):
     --scale-to-zero-after: N alone is A = B = N; a window or a ceiling alone floors at 0; a floor
     below the ceiling gets SCALE_IDLE_MINUTES."""
     if count is not None and hi is not None and count != hi:
-        raise UserError(f"--{noun} {count} and --max-{noun} {hi}: two ceilings ---> HINT: --{noun} N alone "
-                        f"(a fixed N), or --min-{noun} A --max-{noun} B")
+        raise UserError(f"--{noun} {count} and --max-{noun} {hi}: two ceilings ---> HINT: --{noun} "
+                        f"N alone (a fixed N), or --min-{noun} A --max-{noun} B")
     hi = count if hi is None else hi
     if hi is None or hi < 0 or (lo is not None and not 0 <= lo <= hi):
-        raise UserError(f"--min-{noun} {lo} --max-{noun} {hi}: give 0 <= min <= max ---> HINT: e.g. "
-                        f"--min-{noun} 0 --max-{noun} 4")
+        raise UserError(f"--min-{noun} {lo} --max-{noun} {hi}: give 0 <= min <= max ---> HINT: "
+                        f"e.g. --min-{noun} 0 --max-{noun} 4")
     if idle_minutes is not None and not (math.isfinite(idle_minutes) and idle_minutes > 0):
-        raise UserError(f"--scale-to-zero-after {idle_minutes}: not a number of minutes above 0 ---> HINT: e.g. "
-                        f"--scale-to-zero-after 10 (fractions allowed: 0.5)")
+        raise UserError(f"--scale-to-zero-after {idle_minutes}: not a number of minutes above 0 "
+                        f"---> HINT: e.g. --scale-to-zero-after 10 (fractions allowed: 0.5)")
     if lo is None:
         lo = 0 if idle_minutes is not None or count is None else hi
     if lo == hi and idle_minutes is None:
@@ -2168,7 +2167,7 @@ def pool_bounds(count, lo, hi, idle_minutes, noun):
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
+# 5. submit and runs: read items, stage and send claims, wait on summaries, cancel, redrive, report
 def read_items(path, columns=None):
     """Items from a JSONL file ('-': stdin), each a JsonText, read as staged but its first block at
     once (a bad line there is refused first). A .npy or .npz file is numeric (ArrayItems); a Parquet
@@ -2201,7 +2200,7 @@ def jsonl_blocks(stream, path):
     with stream:
         while True:
             try:
-                block = stream.read1(size)   # what is there, up to a block: a pipe's lines as they come
+                block = stream.read1(size)   # what is there, up to a block: a pipe's lines
                 size = min(2 * size, READ_BLOCK)
             except OSError as e:
                 raise UserError(f"cannot read items file {path}: {e.strerror}") from None
@@ -2238,9 +2237,9 @@ def checked_line(line, path, lineno):
     except ValueError as e:   # a JSONDecodeError, or an integer over Python's 4300 digits
         raise UserError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)}): one JSON item per line") from None
     if deep:
-        raise UserError(f"{path}:{lineno}: nested deeper than {ITEM_DEPTH_MAX} levels ---> HINT: flatten the item "
-                        f"(calque nests it inside a manifest)")
-    return JsonText(line.strip(" \t\r"))   # JSON's whitespace around a value; a valid line has no other
+        raise UserError(f"{path}:{lineno}: nested deeper than {ITEM_DEPTH_MAX} levels ---> HINT: "
+                        f"flatten the item (calque nests it inside a manifest)")
+    return JsonText(line.strip(" \t\r"))   # JSON's whitespace (a valid line has no other)
 
 
 def json_depth(value):
@@ -2260,7 +2259,7 @@ class ArrayItems:
     per claim and field, which the worker maps as views: no per-item parsing, no pickle."""
 
     def __init__(self, fields, count, source):
-        self.fields, self.count, self.source = fields, count, source   # fields: name -> (values, offsets or None)
+        self.fields, self.count, self.source = fields, count, source   # name -> (values, offsets)
 
     def __len__(self):
         return self.count
@@ -2288,8 +2287,8 @@ class ArrayItems:
             if offsets is not None:
                 if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) < 1 or offsets[0] != 0 \
                         or offsets[-1] != len(values) or (np.diff(offsets) < 0).any() or values.ndim != 1:
-                    raise UserError(f"{path}: {name}_offsets must be N+1 increasing ints from 0 to len({name}) "
-                                    f"over a 1-D {name}")
+                    raise UserError(f"{path}: {name}_offsets must be N+1 increasing ints from 0 to "
+                                    f"len({name}) over a 1-D {name}")
                 counts[name] = len(offsets) - 1
             else:
                 if values.ndim == 0:
@@ -2335,7 +2334,7 @@ def read_arrays(path):
     """{name: array} of a .npy ({"input": a}) or .npz file; any fault is a UserError naming it."""
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     try:
-        # a .npy is mapped, not read: each claim's slice is paged in as it is staged (an .npz member is read whole)
+        # a .npy is mapped: each claim's slice is paged in as it is staged (an .npz member is read)
         loaded = np.load(path, mmap_mode="r", allow_pickle=False)
         if isinstance(loaded, np.ndarray):
             return {"input": loaded}
@@ -2349,7 +2348,7 @@ def read_arrays(path):
                         f"with numpy.save or numpy.savez (object arrays would need pickle)") from None
 
 
-TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")   # submit reads these (and a folder or glob of .parquet) as tables
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")   # tables (as a folder or glob of .parquet)
 
 
 class TableItems:
@@ -2384,7 +2383,7 @@ class TableItems:
         module = type(source).__module__.split(".")[0]
         if module == "pandas":
             source = pa.Table.from_pandas(source, preserve_index=False)
-        elif module == "datasets":   # a Hugging Face Dataset: its Arrow rows, through its own iterator
+        elif module == "datasets":   # a Hugging Face Dataset: its Arrow rows, its own iterator
             schema = _select(source.features.arrow_schema, columns, where)
             arrow = source.with_format("arrow")
             return cls(schema, len(source), lambda rows: itertools.chain.from_iterable(
@@ -2400,7 +2399,7 @@ class TableItems:
         import pyarrow.parquet as pq
         if path.endswith((".arrow", ".feather")):
             try:
-                reader = pa.ipc.open_file(pa.memory_map(path))   # mapped: batches are paged in as they are staged
+                reader = pa.ipc.open_file(pa.memory_map(path))   # batches paged in as staged
             except (OSError, pa.ArrowInvalid) as e:
                 raise UserError(f"{path}: not an Arrow IPC file ({e}) ---> HINT: write it with "
                                 f"pyarrow.feather.write_feather or pyarrow.ipc.new_file") from None
@@ -2411,11 +2410,10 @@ class TableItems:
         files = sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True) if os.path.isdir(path)
                        else glob.glob(path, recursive=True) if glob.has_magic(path) else [path])
         if not files:
-            raise UserError(f"{path}: no .parquet file there ---> HINT: give a Parquet file, a folder of them or a "
-                            f"quoted glob such as 'data/*.parquet'")
-        # the readers allocate from malloc, which gives back what they free (pyarrow's default pool,
-        # mimalloc, kept ~20 MiB more), and read page by page through a 1 MiB buffer, not a whole
-        # column chunk (a row group) at once
+            raise UserError(f"{path}: no .parquet file there ---> HINT: give a Parquet file, a "
+                            f"folder of them or a quoted glob such as 'data/*.parquet'")
+        # malloc gives back what the readers free (mimalloc kept ~20 MiB more); read page by
+        # page through a 1 MiB buffer, not a row group at once
         opened, pool = [], pa.default_memory_pool()
         pa.set_memory_pool(pa.system_memory_pool())
         try:
@@ -2433,8 +2431,8 @@ class TableItems:
             theirs = f.schema_arrow
             if any(name not in theirs.names or theirs.field(name).type != schema.field(name).type
                    for name in schema.names):
-                raise UserError(f"{file}: its columns differ from {files[0]}'s ---> HINT: give files of one schema, "
-                                f"or pick shared columns with --columns")
+                raise UserError(f"{file}: its columns differ from {files[0]}'s ---> HINT: give "
+                                f"files of one schema, or pick shared columns with --columns")
         return cls(schema, sum(f.metadata.num_rows for f in opened), lambda rows: (
             b for f in opened for b in f.iter_batches(rows, columns=schema.names, use_threads=False)), where)
 
@@ -2469,8 +2467,8 @@ def _select(schema, columns, where):
         return schema
     for name in columns:
         if name not in schema.names:
-            raise UserError(f"{where}: no column {name!r}{did_you_mean(name, schema.names)} ---> HINT: its "
-                            f"columns: {', '.join(schema.names)}")
+            raise UserError(f"{where}: no column {name!r}{did_you_mean(name, schema.names)} ---> "
+                            f"HINT: its columns: {', '.join(schema.names)}")
     import pyarrow as pa   # lazy: only table input needs pyarrow
     return pa.schema([schema.field(name) for name in columns])
 
@@ -2588,8 +2586,8 @@ def signals_deferred():
 def check_timeout(seconds):
     """--timeout (or CALQUE_TIMEOUT) must be a finite number of seconds, 0 or more."""
     if not (math.isfinite(seconds) and seconds >= 0):
-        raise UserError(f"--timeout {seconds}: not a number of seconds, 0 or more ---> HINT: e.g. --timeout 600 "
-                        f"(CALQUE_TIMEOUT sets the default)")
+        raise UserError(f"--timeout {seconds}: not a number of seconds, 0 or more ---> HINT: e.g. "
+                        f"--timeout 600 (CALQUE_TIMEOUT sets the default)")
 
 
 def claim_chunks(items, size):
@@ -2611,7 +2609,7 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
         manifest["arrays"] = items.stage(backend, run["run_id"], claim, start, stop)
     elif isinstance(items, TableItems):
         manifest.update(items.stage(backend, run["run_id"], claim, start, chunk))
-    elif all(type(item) is JsonText for item in chunk):   # a JSONL file's checked lines: joined, not re-encoded
+    elif all(type(item) is JsonText for item in chunk):   # checked JSONL lines: joined as they are
         body = dumps(manifest)
         backend.store.put(manifest_key(run["run_id"], claim), f'{body[:-1]},"items":[{",".join(chunk)}]}}')
         return
@@ -2638,7 +2636,7 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
            "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
            "created_at": now_iso(), "sent": 0, "staged": False}
     landed, pending, count, sending = [], collections.deque(), 0, True
-    # signals wait until the end (checked between two claims with sigpending): a claim is never half cut
+    # signals wait until the end (sigpending between two claims): a claim is never half cut
     with signals_deferred():
         try:
             write_json(backend, run_key(run_id), run)
@@ -2662,13 +2660,13 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
             update_run(backend, run, claims=run["claims"], items=count, sent=run["sent"], staged=True)
         except BaseException as e:
             if not run["sent"]:
-                backend.store.delete_prefix(f"runs/{run_id}/")   # a cold run's record and handler copy too: no run
+                backend.store.delete_prefix(f"runs/{run_id}/")   # a cold run's handler too: no run
                 raise
             kept = min(run["sent"] * claim_size, count)
             update_run(backend, run, claims=run["claims"][:run["sent"]], items=kept, sent=run["sent"], staged=True)
             if isinstance(e, (UserError, StoreFault)):
-                raise type(e)(f"run {run_id} stopped after queueing {run['sent']} claim(s) (items 0 to {kept - 1}; "
-                              f"the run keeps them): {e}") from None
+                raise type(e)(f"run {run_id} stopped after queueing {run['sent']} claim(s) (items "
+                              f"0 to {kept - 1}; the run keeps them): {e}") from None
             raise
     return run
 
@@ -2700,7 +2698,7 @@ def send_claims(backend, run, queue, skip=(), resume=False):
     stops it. A claim sent twice (after a kill -9) is acked by its worker as a duplicate."""
     try:
         while run["sent"] < len(run["claims"]):
-            with signals_deferred():   # a send and its count are one step: no signal falls between them
+            with signals_deferred():   # a send and its count are one step
                 batch = run["claims"][run["sent"]:run["sent"] + SEND_BATCH]
                 todo = [claim for claim in batch if claim not in skip]
                 if todo:
@@ -2765,7 +2763,7 @@ class DeadLetters:
     def claims(self):
         try:
             self.queue = self.queue or self.backend.queues.open_queue(self.name)
-        except NotFound:   # deleted (a cold run's, once the run ended; a deleted pool's): it holds nothing
+        except NotFound:   # deleted (an ended cold run's, a deleted pool's): it holds nothing
             return {}
         counts = self.queue.counts()
         if counts["visible"] + counts["in_flight"] != self.depth or counts["in_flight"]:
@@ -2809,7 +2807,7 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
                 break
             if found:
                 progressed, recheck = now, run_recheck(now, now)
-                rate = len(done) / max(now - started, SUMMARY_POLL_MIN)   # claims a second, since the wait began
+                rate = len(done) / max(now - started, SUMMARY_POLL_MIN)   # claims a second
                 expected = min(SUMMARY_BATCH, len(run["claims"]) - len(done))
                 delay = min(max(expected / rate, SUMMARY_POLL_FLOOR), wait_max)
             else:
@@ -2843,7 +2841,7 @@ def nothing_left_to_run(backend, run, done, dead):
     except StoreFault:
         if backend.kind != "local":
             raise
-        letters = dead.claims()   # the local queue file was replaced under this process: reopened now
+        letters = dead.claims()   # the local queue file was replaced: reopened now
     waiting = [claim for index, claim in enumerate(run["claims"])
                if claim not in done and index < run["sent"] and claim not in letters]
     lost = claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" else []
@@ -2967,8 +2965,8 @@ def claim_parts(backend, run_id, claim, count):
         except NotFound:
             raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part under {results_prefix(run_id, claim)}")
         if len(lines) != count or not lines[-1].endswith("\n"):
-            raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is truncated "
-                                    f"({len(lines)} of {count} lines)")
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is "
+                                    f"truncated ({len(lines)} of {count} lines)")
         return [Part(lines, [])]
 
 
@@ -3033,8 +3031,8 @@ def run_array(run, claims, field=None, fill=None):
     import numpy as np
     pieces, missing, choose = [], 0, field is None
     for index, claim, parts in claims:
-        if choose and typed_fields(parts):      # the first claim with arrays says which (one whose items all
-            choose, names = False, typed_fields(parts)                     # failed has none)
+        if choose and typed_fields(parts):      # the first claim with arrays says which
+            choose, names = False, typed_fields(parts)
             if len(names) > 1 and None not in names:
                 raise UserError(f"run {run['run_id']}: results hold several arrays ({', '.join(names)}) "
                                 f"---> HINT: name one: to_numpy({names[0]!r}), or runs results --field {names[0]}")
@@ -3049,13 +3047,13 @@ def run_array(run, claims, field=None, fill=None):
     shape, dtype = next(((v.shape[1:], v.dtype) for _, _, v in pieces if len(v)), ((), np.dtype("float64")))
     if missing and fill is None and dtype.kind != "f":
         raise UserError(f"run {run['run_id']}: {missing} items have no {field or 'result'} (failed, or none in "
-                        f"their result) and {dtype} has no NaN for their rows ---> HINT: pass fill= (runs results "
-                        f"--fill), or read the ok column with to_arrow()")
+                        f"their result) and {dtype} has no NaN for their rows ---> HINT: pass "
+                        f"fill= (runs results --fill), or read the ok column with to_arrow()")
     out, at = np.empty((sum(n for n, _, _ in pieces), *shape), dtype=dtype), 0
     for count, rows, values in pieces:
         if len(values) and values.shape[1:] != shape:
-            raise UserError(f"run {run['run_id']}: {field or 'the result'} is {values.shape[1:]} in some claims, "
-                            f"{shape} in others ---> HINT: read it with to_arrow()")
+            raise UserError(f"run {run['run_id']}: {field or 'the result'} is {values.shape[1:]} "
+                            f"in some claims, {shape} in others ---> HINT: read it with to_arrow()")
         if len(rows) == count:          # every item has it: rows are 0..count-1 in order
             out[at:at + count] = values
         else:
@@ -3080,7 +3078,7 @@ def claim_batch(backend, run, claim, parts):
     fixed-size lists; JSON values as pyarrow infers them, else their JSON text."""
     import numpy as np
     import pyarrow as pa
-    lines = orjson.loads("[" + ",".join(line[:-1] for part in parts for line in part.lines) + "]")   # one parse
+    lines = orjson.loads("[" + ",".join(line[:-1] for part in parts for line in part.lines) + "]")
     count = len(lines)
     columns = {"i": pa.array([line["i"] for line in lines], pa.int64()), "ok": pa.array([line["ok"] for line in lines]),
                "error": pa.array([line.get("error") for line in lines], pa.string())}
@@ -3138,15 +3136,15 @@ def run_table(batches):
     try:
         return pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise UserError(f"the claims' results do not fit one table ({e}) ---> HINT: read them claim by claim "
-                        f"(Run.iter_batches()), or as JSONL")
+        raise UserError(f"the claims' results do not fit one table ({e}) ---> HINT: read them "
+                        f"claim by claim (Run.iter_batches()), or as JSONL")
 
 
 CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "in no queue",
                 "not queued")
 ITEM_OUTCOME = {"queued or running": "pending", "in no queue": "pending", "not queued": "pending",
-                "dead-lettered": "dead_lettered", "cancelled": "cancelled"}   # a claim that did not run
-NOT_RUN = {   # the claims of each state that did not run: what becomes of them, in the words of format_run
+                "dead-lettered": "dead_lettered", "cancelled": "cancelled"}   # claims not run
+NOT_RUN = {   # what becomes of the claims of each state that did not run (format_run)
     "queued or running": "still pending; the run goes on",
     "in no queue": "were lost by the pool's queue (removed, recreated or purged): nothing will run them",
     "not queued": "were never sent: nothing will run them",
@@ -3178,7 +3176,7 @@ def claim_states(backend, run, summaries, dead_letters=True):
         else:
             states[claim] = ("not queued" if index >= run["sent"] else "queued or running", "")
     waiting = [claim for claim, (state, _) in states.items() if state == "queued or running"]
-    if waiting and run["mode"] == "pool" and dead_letters:   # (the dashboard's view looks at no queue)
+    if waiting and run["mode"] == "pool" and dead_letters:
         for claim in claims_in_no_queue(backend, run, waiting):
             states[claim] = ("in no queue", "")
     return states
@@ -3236,13 +3234,13 @@ def next_step(run, state):
     """What the user can do about the run's claims in `state`, one that did not run."""
     if state == "queued or running":
         return f"wait, or read it later: python calque.py runs show {run['run_id']}"
-    if state == "cancelled" or run["mode"] == "cold":   # a cold run's queue and workers are gone once it ends
+    if state == "cancelled" or run["mode"] == "cold":   # a cold run's queue is gone once it ends
         return "submit those items again"
     if state == "not queued":
         return f"python calque.py runs resume {run['run_id']} (or runs cancel {run['run_id']})"
     if state == "in no queue":
-        return (f"python calque.py runs resume {run['run_id']} re-sends them (first `pool create` again if the "
-                f"pool is gone)")
+        return (f"python calque.py runs resume {run['run_id']} re-sends them (first `pool create` "
+                f"again if the pool is gone)")
     return f"python calque.py runs redrive {run['run_id']}"
 
 
@@ -3255,8 +3253,8 @@ def format_run(run, summaries, view, results_uri):
         per_state = [p + f" ({run['queue']}: {queue['visible']} visible, {queue['in_flight']} in flight)"
                      if p.endswith("queued or running") else p for p in per_state]
     lines = [f"run {run['run_id']} ({run['mode']}, model {run['model']}): {items['ok']} items ok, "
-             f"{items['failed']} failed, {items['pending']} pending, {items['dead_lettered']} dead-lettered, "
-             f"{items['cancelled']} cancelled (of {run['items']} items)",
+             f"{items['failed']} failed, {items['pending']} pending, {items['dead_lettered']} "
+             f"dead-lettered, {items['cancelled']} cancelled (of {run['items']} items)",
              "  claims: " + ", ".join(per_state),
              f"  {'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
     by_claim, claims, index = {s["claim"]: s for s in summaries}, run["claims"], 0
@@ -3282,8 +3280,8 @@ def format_run(run, summaries, view, results_uri):
     why = " ({})".format("; ".join(sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})))
     for state, what in NOT_RUN.items():
         if counts[state]:
-            lines.append(f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> HINT: "
-                         f"{next_step(run, state)}")
+            lines.append(f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> "
+                         f"HINT: {next_step(run, state)}")
     return lines
 
 
@@ -3318,8 +3316,8 @@ def format_item_errors(run, summaries):
 
 
 def format_runs_list(runs):
-    return [f"{r['run_id']}  {r['mode']:<5} {r['model']:<30} {r['items']:>7} items  {len(r['claims'])} claim(s)  "
-            f"{r['created_at']}" for r in runs]
+    return [f"{r['run_id']}  {r['mode']:<5} {r['model']:<30} {r['items']:>7} items  "
+            f"{len(r['claims'])} claim(s)  {r['created_at']}" for r in runs]
 
 
 def report_run(backend, run, summaries, as_json, out=sys.stdout):
