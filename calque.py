@@ -1,36 +1,14 @@
-"""calque: sticky warm-worker pools for batch model inference: the CLI, the Python API and the
-library a handler imports (`@calque.enter`, `@calque.batch`, just below). docs/contract.md is the
-contract.
-
-    python calque.py pool create --model demo --handler examples/demo_model.py:DemoModel
-    python calque.py submit --pool demo examples/items.jsonl    # claims against the warm pool
-    python calque.py submit --model demo examples/items.jsonl   # cold: a fresh worker pays @enter
-    python calque.py pool status --model demo                   # then: runs results RUN, cost RUN
-    python calque.py pool delete --model demo --yes
-
-CALQUE_STORE picks the backend: a folder (default .calque: a SQLite queue and a directory store)
-or s3://bucket/prefix (SQS + S3 through boto3; AWS_ENDPOINT_URL honoured).
-
-A run: submit() -> stage_run (section 5) writes the run record, PUTs a manifest per claim and
-sends a message per claim to the pool's queue. A worker (warmd.py) receives it in
-Worker._loop_once, accepts it (Worker.open_claim: duplicate check, manifest), runs its batches
-(Worker.run_claim), writes result parts and the summary (Worker.finish), then acks it
-(Acks.flush). submit waits on the summaries (wait_for_run) and reports (report_run).
-
-The map. Each section uses only the sections above it; read top to bottom.
-        the handler API         enter, batch, __all__
-     1. settings, errors        DEFAULTS, settings(), UserError and friends, package files
-     2. THE CONTRACT            names, store keys, message, summary, result parts, handler
-                                loading (Modal apps too), numeric views: what warmd.py imports
-     3. backends                LocalStore + LocalQueues (SQLite), S3Store + SqsQueues
-     4. records                 pool and run records, summaries, stats; desired_count (scaling)
-     5. submit and runs         read items, stage_run, wait_for_run, cancel, redrive, reports
-     6. local workers           supervisor.py: keeps N warmd.py alive on this machine
-     7. the cost model          rates.json, claim and run cost, crossover ladder, pool cost
-     8. the EC2 cohort          ec2.py: IAM, bootstrap, launch template, Auto Scaling, alarms
-     9. across both paths       Modal app options, cold_run (the baseline), status, make_plan
-    10. the Python API          Pool, submit(), Run: what a notebook uses and the CLI calls
-    11. the CLI                 one cmd_* per verb in the parser's order, build_parser(), main()
+"""calque: warm-worker pools for batch model inference: the CLI, Python API and handler API.
+A run: stage_run writes the run record, a manifest and a queue message per claim; warmd.py's
+Worker._loop_once receives a claim, open_claim accepts it, run_claim runs its batches, finish
+writes its summary and Acks.flush acks it; wait_for_run waits on the summaries. The map (each
+section uses only those above it; docs/contract.md: the contract; README.md: the commands):
+       handler API   enter, batch, __all__           6. local workers  supervisor.py
+    1. settings      DEFAULTS, settings, UserError   7. cost model     rates.json, run cost
+    2. CONTRACT      keys, message, summary, parts   8. EC2 cohort     ec2.py
+    3. backends      LocalStore, S3Store, queues     9. both paths     cold_run, status, make_plan
+    4. records       pool and run records, scaling  10. Python API     Pool, submit(), Run
+    5. submit, runs  stage_run, wait_for_run        11. CLI            cmd_* per verb, main()
 """
 import argparse, ast, base64, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
 import functools, glob, gzip, hashlib, heapq, importlib.util, inspect, io, itertools, json, math
