@@ -269,7 +269,8 @@ def slug(model, prefix=POOL_PREFIX):
     s = re.sub(r"-+", "-", s).strip("-")
     s = s[: QUEUE_NAME_MAX - len(prefix)].rstrip("-")
     if not s:
-        raise UserError(f"model name {model!r} has no letters or digits to name a queue with: pick another name")
+        raise UserError(f"model name {model!r} has no letters or digits to name a queue with: "
+                        f"pick another name")
     return s
 
 
@@ -448,7 +449,8 @@ def encode_part(chunks):
             uniform = all(a.shape == arrays[0].shape for a in arrays)
             blocks.append({"field": field, "dtype": dtype, "shape": list(arrays[0].shape) if uniform else None,
                            "rows": _row_ranges([row for row, _ in cells])})
-            z.writestr(f"b{k}.npy", _npy(np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])))
+            stacked = np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])
+            z.writestr(f"b{k}.npy", _npy(stacked))
             if not uniform:
                 z.writestr(f"b{k}.shapes.npy", _npy(np.array([a.shape for a in arrays], dtype=np.int64)))
         z.writestr("index.json", json.dumps({"format": PART_FORMAT, "items": at, "blocks": blocks}))
@@ -514,7 +516,8 @@ def decode_npz_part(data):
             return memoryview(data)[start:start + info.file_size]
         index = json.loads(z.read("index.json"))
         if index.get("format") != PART_FORMAT:
-            raise ValueError(f"part format {index.get('format')!r}, not {PART_FORMAT}: written by another calque")
+            raise ValueError(f"part format {index.get('format')!r}, not {PART_FORMAT}: "
+                             f"written by another calque")
         blocks = []
         for k, b in enumerate(index["blocks"]):
             rows = np.concatenate([np.arange(a, s) for a, s in b["rows"]])
@@ -546,7 +549,8 @@ def read_claim_parts(store, run_id, claim, count, keys=None):
     chain = part_chain(keys, count)
     at = chain[-1][1] if chain else 0
     if at < count:
-        raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part holds item offset {at} of {count}")
+        raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part holds item offset "
+                                f"{at} of {count}")
     parts, at = [], 0
     for start, stop, key in chain:
         try:
@@ -668,9 +672,10 @@ REQUEST_KEYS = (
 )
 
 
-def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_count, enter_count, started, finished,
-                  requests, items=0, failed=(), errors=None, warm_hit=False, enter_seconds_paid=0.0,
-                  acquisition_seconds=0.0, model_seconds=None, error=None, notes=(), parts=(), resumed=0, **measured):
+def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_count, enter_count,
+                  started, finished, requests, items=0, failed=(), errors=None, warm_hit=False,
+                  enter_seconds_paid=0.0, acquisition_seconds=0.0, model_seconds=None, error=None,
+                  notes=(), parts=(), resumed=0, **measured):
     """A claim's completion record, written last. With `error`: a claim not run (dead-lettered);
     model_seconds None: not measured; `parts`: [start, stop] of each part covering it; `resumed`:
     items from earlier deliveries; `measured`: the worker's other measurements."""
@@ -1102,7 +1107,8 @@ def npy_view(data):
     import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
     f = io.BytesIO(bytes(data[:NPY_HEADER_MAX]))   # the header alone: the values are not copied
     version = np.lib.format.read_magic(f)
-    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    fmt = np.lib.format
+    read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
     shape, fortran_order, dtype = read_header(f)
     if dtype.hasobject or fortran_order:
         raise ValueError("object or Fortran-ordered array refused")
@@ -1241,8 +1247,9 @@ class LocalStore:
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def _fault(self, doing, key, error):
-        return StoreFault(f"store {self.root}: cannot {doing} {key} ({error.strerror or error}) ---> HINT: check that "
-                          f"the folder is writable and has free space, then retry")
+        return StoreFault(f"store {self.root}: cannot {doing} {key} ({error.strerror or error}) "
+                          f"---> HINT: check that the folder is writable and has free space, "
+                          f"then retry")
 
     def get(self, key):
         self.requests["store_gets"] += 1
@@ -1312,7 +1319,8 @@ class LocalStore:
 
     def delete_prefix(self, prefix):
         """Delete every key under the prefix; returns (objects, bytes) deleted."""
-        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self._path(prefix)) for f in files]
+        sizes = [os.path.getsize(os.path.join(d, f))
+                 for d, _, files in os.walk(self._path(prefix)) for f in files]
         shutil.rmtree(self._path(prefix), ignore_errors=True)   # files removed meanwhile are fine
         if os.path.lexists(self._path(prefix)):                 # a folder that stayed is not
             raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the "
@@ -1469,8 +1477,9 @@ class LocalQueue:
     def change_visibility(self, message, seconds):
         self.queues.requests["queue_other"] += 1
         with self.queues.transaction() as db:
-            changed = db.execute(LocalQueues.SQL_VISIBILITY, (time.time() + seconds, int(message.receipt.split(":")[0]),
-                                                              message.receipt)).rowcount
+            row_id = int(message.receipt.split(":")[0])
+            changed = db.execute(LocalQueues.SQL_VISIBILITY,
+                                 (time.time() + seconds, row_id, message.receipt)).rowcount
         if not changed:
             raise LeaseLost(f"queue {self.name}: receipt no longer valid")
 
@@ -1622,7 +1631,9 @@ class S3Store:
     def delete_prefix(self, prefix):
         """Delete every key under the prefix, a DeleteObjects a page; returns (objects, bytes)."""
         count = size = 0
-        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                  Prefix=self._key(prefix))
+        for page in pages:
             self.requests["store_lists"] += 1
             objects = page.get("Contents", [])
             if objects:
@@ -1712,7 +1723,8 @@ class SqsQueue:
             return None
         self.queues.requests["queue_receives"] += 1
         m = messages[0]
-        return Message(m["Body"], m["ReceiptHandle"], int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1)))
+        count = int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1))
+        return Message(m["Body"], m["ReceiptHandle"], count)
 
     def change_visibility(self, message, seconds):
         self.queues.requests["queue_other"] += 1
@@ -1816,8 +1828,9 @@ def open_backend(store=None, check_prefix=""):
     """The backend CALQUE_STORE names, checked by a LIST under check_prefix (a worker's folder)."""
     store = store or settings()["CALQUE_STORE"]
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", store) and not store.startswith("s3://") or store.startswith("s3/"):
-        raise UserError(f"CALQUE_STORE={store!r} looks like a mistyped URI ---> HINT: s3://bucket/prefix for S3, or a "
-                        f"folder path (./{store} if a folder of that name is meant)")
+        raise UserError(f"CALQUE_STORE={store!r} looks like a mistyped URI ---> HINT: "
+                        f"s3://bucket/prefix for S3, or a folder path (./{store} if a folder of "
+                        f"that name is meant)")
     backend = AwsBackend(store) if store.startswith("s3://") else LocalBackend(store)
     backend.check(check_prefix)
     return backend
@@ -1885,8 +1898,9 @@ def pool_name_claimed(backend, model):
     if owner == model and not created:
         owner = read_json(backend, name_key(model)).get("model")
     if owner != model:
-        raise UserError(f"model {model!r} shares its queue name {pool_queue_name(model)} with the pool of {owner!r} "
-                        f"---> HINT: use that exact name, or one that differs in more than case or punctuation")
+        raise UserError(f"model {model!r} shares its queue name {pool_queue_name(model)} with the "
+                        f"pool of {owner!r} ---> HINT: use that exact name, or one that differs in "
+                        f"more than case or punctuation")
     try:
         yield
     except BaseException:
@@ -1926,12 +1940,13 @@ def snapshot_handler(handler_spec, key_prefix, put, include=()):
     check_handler_source(source, cls, path)
     key = f"{key_prefix}handler/{os.path.basename(path)}"
     put(key, source)
-    record = {"key": key, "file": os.path.basename(path), "class": cls, "sha256": hashlib.sha256(source).hexdigest(),
-              "source_path": os.path.abspath(path)}
+    record = {"key": key, "file": os.path.basename(path), "class": cls,
+              "sha256": hashlib.sha256(source).hexdigest(), "source_path": os.path.abspath(path)}
     if include:
         blob, files = include_snapshot(include)
-        record["include"] = {"key": f"{key_prefix}handler/include.tar.gz", "sha256": hashlib.sha256(blob).hexdigest(),
-                             "bytes": len(blob), "files": files}
+        record["include"] = {"key": f"{key_prefix}handler/include.tar.gz",
+                             "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob),
+                             "files": files}
         put(record["include"]["key"], blob)
     return record
 
@@ -1986,7 +2001,8 @@ def unpack_include(store, include, folder):
         return
     blob = store.get(include["key"])
     if hashlib.sha256(blob).hexdigest() != include["sha256"]:
-        raise UserError(f"include snapshot {include['key']} does not match the pool record's sha256: recreate the pool")
+        raise UserError(f"include snapshot {include['key']} does not match the pool record's "
+                        f"sha256: recreate the pool")
     fresh = f"{folder}.tmp-{os.getpid()}"
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
         tar.extractall(fresh, filter="data")
@@ -2167,8 +2183,9 @@ def read_items(path, columns=None):
 def unreadable_items(path, error):
     """The UserError for an items file that cannot be opened (missing, a folder, no permission)."""
     where = "" if os.path.isabs(path) else f", relative to {os.getcwd()}"
-    return UserError(f"cannot read items file {path}: {error.strerror or error} ---> HINT: give the path of a JSONL, "
-                     f".npy or .npz file, or of a Parquet or Arrow file or folder (or - for stdin){where}")
+    return UserError(f"cannot read items file {path}: {error.strerror or error} ---> HINT: give "
+                     f"the path of a JSONL, .npy or .npz file, or of a Parquet or Arrow file or "
+                     f"folder (or - for stdin){where}")
 
 
 def jsonl_blocks(stream, path):
@@ -2213,7 +2230,8 @@ def checked_line(line, path, lineno):
     except RecursionError:
         deep = True
     except ValueError as e:   # a JSONDecodeError, or an integer over Python's 4300 digits
-        raise UserError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)}): one JSON item per line") from None
+        raise UserError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)}): "
+                        f"one JSON item per line") from None
     if deep:
         raise UserError(f"{path}:{lineno}: nested deeper than {ITEM_DEPTH_MAX} levels ---> HINT: "
                         f"flatten the item (calque nests it inside a manifest)")
@@ -2342,8 +2360,9 @@ class TableItems:
         for field in schema:
             kind = _column_kind(pa, field.type)
             if kind is None:
-                raise UserError(f"{source}: column {field.name!r} is {field.type}, which has no JSON form ---> HINT: "
-                                f"leave it out with --columns, or cast it (to string) before submitting")
+                raise UserError(f"{source}: column {field.name!r} is {field.type}, which has no JSON "
+                                f"form ---> HINT: leave it out with --columns, or cast it (to "
+                                f"string) before submitting")
             (self.numeric if kind == "numeric" else self.json).append(field.name)
         if not count:
             raise UserError(f"{source} holds no items")
@@ -2667,8 +2686,9 @@ def _send_landed(backend, run, queue, pending, landed, sending, wait, flush):
 
 def send_batch(backend, run, queue, claims, resume=False):
     """One queue request (SendMessageBatch on SQS) for these claims of the run."""
-    queue.send_batch([make_message(run["run_id"], run["model"], backend.store.uri(manifest_key(run["run_id"], claim)),
-                                   claim, resume) for claim in claims])
+    run_id = run["run_id"]
+    queue.send_batch([make_message(run_id, run["model"], backend.store.uri(manifest_key(run_id, c)), c,
+                                   resume) for c in claims])
 
 
 def send_claims(backend, run, queue, skip=(), resume=False):
@@ -2695,8 +2715,9 @@ def interrupted(backend, run_id, signum):
               file=sys.stderr)
     else:
         total = len(run["claims"])
-        print(f"calque: interrupted: run {run_id}: {run['sent']} of {total} claim(s) queued (they finish without "
-              f"you), {total - run['sent']} not sent ---> HINT: python calque.py runs resume {run_id}", file=sys.stderr)
+        print(f"calque: interrupted: run {run_id}: {run['sent']} of {total} claim(s) queued (they "
+              f"finish without you), {total - run['sent']} not sent ---> HINT: python calque.py "
+              f"runs resume {run_id}", file=sys.stderr)
     return 128 + signum
 
 
@@ -2920,8 +2941,8 @@ def redrive(backend, record, runs):
                 if failure or (s is None and (run_id, claim) in copies):
                     if failure:
                         backend.store.delete(summary_key(run_id, claim))
-                    queue.send(make_message(run_id, run["model"], backend.store.uri(manifest_key(run_id, claim)), claim,
-                                            resume=True))
+                    uri = backend.store.uri(manifest_key(run_id, claim))
+                    queue.send(make_message(run_id, run["model"], uri, claim, resume=True))
                     sent.setdefault(run_id, []).append(claim)
                 for message in copies.get((run_id, claim), []):
                     dlq.delete(message)
