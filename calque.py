@@ -3510,12 +3510,13 @@ def supervise(conf, model):
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; harmless: `desired` is re-read every tick
     want, scaler = read_desired(folder), LocalScaler(conf, model, folder)
+    died = functools.partial(record_exit, conf, model, [])   # [] gets the store at the first death
     print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
     try:
         while not stopping:
             now = time.time()
             want = scaler.want(want, now)
-            totals["restarts"] += _reap(slots, want, now)
+            totals["restarts"] += _reap(slots, want, now, died)
             _spawn(conf, model, folder, slots, want, now)
             workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
                         "restarts": v["restarts"], "log": v["log"], "warm": _is_warm(v), "gpus": v["gpus"],
@@ -3663,10 +3664,11 @@ def exit_reason(log_path, returncode):
     return f"exit status {returncode} (no error line in its log)"
 
 
-def _reap(slots, want, now):
+def _reap(slots, want, now, died):
     """Notice exited workers, keeping why each died (last_exit; warm: whether it had finished @enter): a slot still
     wanted restarts after its backoff; a slot above `want` is stopped (SIGUSR1, once: it finishes its claim, so
-    scaling in costs no redelivery) and dropped when its process is gone. Returns the restarts counted."""
+    scaling in costs no redelivery) and dropped when its process is gone. A death goes to
+    `died(pid, status)` and a SIGUSR2 to each warm sibling. Returns the restarts counted."""
     restarts = 0
     for s, slot in list(slots.items()):
         proc = slot["proc"]
@@ -3684,6 +3686,11 @@ def _reap(slots, want, now):
                 lease.close()
             print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode} ({kind}; restart "
                   f"{f'in {delay:g} s' if delay else 'at once'})", flush=True)
+            if proc.returncode:   # a death: siblings commit more often (warmd.on_sibling_death)
+                died(proc.pid, proc.returncode)
+                for other in slots.values():
+                    if other["proc"] and other["proc"].poll() is None and _is_warm(other):
+                        other["proc"].send_signal(signal.SIGUSR2)
             if s < want:
                 slot["restarts"] += 1
                 restarts += 1
@@ -3695,6 +3702,16 @@ def _reap(slots, want, now):
                 slot["stopping"] = True
                 slot["proc"].send_signal(signal.SIGUSR1)   # scale-in: finish the claim, then exit
     return restarts
+
+
+def record_exit(conf, model, store, pid, code):
+    """A dead worker's exit status, where the poison rule reads it (warmd: how_it_ended); `store`
+    holds the pool's store once opened. Best effort: unrecorded, it counts as an outside kill."""
+    with contextlib.suppress(Exception):
+        if not store:
+            store.append(open_backend(conf["CALQUE_STORE"]).store)
+        key = f"{worker_stats_prefix(model)}exit-{socket.gethostname()}-{pid}"
+        store[0].put(key, str(code).encode())
 
 
 def _spawn(conf, model, folder, slots, want, now):

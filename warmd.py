@@ -20,7 +20,7 @@ graceful stop.
 Nothing lost, nothing stuck:
 - Checkpoints: results go to the store in parts (calque.part_key) once CALQUE_CHECKPOINT_SECONDS of drain AND
   CALQUE_CHECKPOINT_BATCHES batches have passed, and at the end (a short claim: one part, no extra request).
-  Under churn (a worker that saw a death) every CHURN_COMMIT_SHARE of the life seen (commit_interval).
+  Under churn (this worker or its pool saw a death) on Young's interval (commit_interval).
   A redelivery, or a message with "resume": true, lists the parts and resumes after the prefix they cover.
 - Poison: a redelivery whose last delivery died (the attempt record holds no "released") runs the rest one item
   at a time, writing the attempt record (calque.attempt_key) before each. A death counts against the item the
@@ -101,7 +101,6 @@ WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), d
 RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery up to its timeout
 POISON_DEATHS = 2           # deaths while an item ran alone before it is quarantined as poison (+1 under churn)
 CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then ran and returned) marks the pool as churning
-CHURN_COMMIT_SHARE = 0.1    # under churn, a part every this share of a worker's life seen (commit_interval)
 WATCHDOG_TICK = 1.0         # s between two checks of the running handler call (a quarter of batch_timeout if less)
 OVERRUN_COMMIT_WAIT = 1.0   # s the watchdog waits for each finished batch's serialisation before its last commit
 OUTPUT_FLUSH = 1.0          # s between two chunks of what handler code prints, written to the store
@@ -858,6 +857,7 @@ class Worker:
         previous = os.environ.get("CALQUE_PREVIOUS_LIFE")   # s this slot's last worker lived, when it died
         self.seen_life = float(previous) if previous else None   # the latest death's life seen (commit_interval)
         self.seen_at = time.time()                       # when it was seen
+        self.part_seconds = 0.0          # s the latest result part's PUT took (commit_interval)
         self.last_word = None            # how this process ends, when it knows: in its last stats (poison reports)
         self.poll_wait = COLD_POLL_WAIT if ephemeral else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0)
         self.state = "starting"          # starting | polling | claim | between | stopping
@@ -982,6 +982,11 @@ class Worker:
             if self.state == "polling":
                 raise Interrupted()
 
+    def on_sibling_death(self, signum, frame):
+        """SIGUSR2, the supervisor saw another worker of the pool die: this one commits under churn
+        too (commit_interval), its own age taken for the life seen."""
+        self.seen_life, self.seen_at = time.time() - self.started, time.time()
+
     def request_stop(self):
         """The spot poller's notice: the same warm stop as SIGTERM."""
         os.kill(os.getpid(), signal.SIGTERM)
@@ -996,6 +1001,8 @@ class Worker:
         signal.signal(signal.SIGTERM, self.on_signal)
         signal.signal(signal.SIGINT, self.on_signal)
         signal.signal(signal.SIGUSR1, self.on_scale_in)
+        signal.signal(signal.SIGUSR2, self.on_sibling_death)
+        signal.siginterrupt(signal.SIGUSR2, False)   # a notice: a system call it lands in goes on
         if self.conf.get("CALQUE_SPOT_POLL"):
             SpotPoller(self.conf["CALQUE_SPOT_POLL"],
                        calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
@@ -1316,9 +1323,11 @@ class Worker:
             claim.progress_at = max(claim.progress_at, previous + 1)   # even if the one after it died before it saw it
         if state == "running" and previous == rc - 1 and ahead:   # the last delivery died running this item alone
             deaths[ahead[0]] = deaths.get(ahead[0], 0) + 1
-            if deaths[ahead[0]] >= POISON_DEATHS + self.churning():
-                claim.quarantined[ahead[0]] = (f"poison: the worker died running this item "
-                                               f"({deaths[ahead[0]]} deaths; {self.how_it_ended(record)})")
+            if deaths[ahead[0]] >= POISON_DEATHS:
+                how, own = self.how_it_ended(record)
+                if own or deaths[ahead[0]] > POISON_DEATHS or not self.churning():
+                    claim.quarantined[ahead[0]] = (f"poison: the worker died running this item "
+                                                   f"({deaths[ahead[0]]} deaths; {how})")
         elif state == "suspect" and len(ahead) == 1:             # the watchdog saw this item alone overrun
             claim.quarantined[ahead[0]] = (f"timed out after {record['batch_timeout']:g} s (the pool's "
                                            f"batch_timeout): the worker was restarted, the item quarantined")
@@ -1352,13 +1361,20 @@ class Worker:
         return any(key.startswith(marks) for key in self.backend.store.list(self.stats_prefix, start_after=since))
 
     def how_it_ended(self, record):
-        """How the worker that wrote an attempt record ended: its last stats say, when it could write them."""
+        """(How the worker of an attempt record ended, whether by its own doing): its last stats
+        say, when it wrote them, else the exit status its supervisor recorded (record_exit). Any
+        end but SIGKILL is the process's own (a status, a segfault); a SIGKILL may be outside's."""
+        stats, worker = self.backend.store, record.get("worker_id")
         with contextlib.suppress(Exception):
-            last = json.loads(self.backend.store.get(f"{self.stats_prefix}{record['worker_id']}.json")).get("exit")
+            last = json.loads(stats.get(f"{self.stats_prefix}{worker}.json")).get("exit")
             if last:
-                return last
-        return (f"exit code or signal unknown: worker {record.get('worker_id')} left no word "
-                f"(kill -9, a crash, os._exit)")
+                return last, True
+        with contextlib.suppress(Exception):
+            code = int(stats.get(f"{self.stats_prefix}exit-{worker}"))
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            return how, code != -signal.SIGKILL
+        return (f"exit code or signal unknown: worker {worker} left no word (kill -9, a crash, "
+                f"os._exit)"), False
 
     def drain(self, claim):
         """Run the claim's items (paying @enter first on a cold worker); raises ClaimReleased when the claim was
@@ -1433,7 +1449,7 @@ class Worker:
         runnable = ([[k for k in unit if str(k) not in claim.quarantined] for unit in units] if claim.quarantined
                     else units)   # nothing quarantined (nearly always): no str(k) per item
         pending = self._prepare(claim, runnable[0]) if units and not claim.single else None
-        claim.last_commit, every = time.monotonic(), self.commit_interval(claim)
+        claim.last_commit = time.monotonic()
         try:
             for u, unit in enumerate(units):
                 if self.release_now.is_set():
@@ -1454,7 +1470,7 @@ class Worker:
                 formatted = Done(format_outcome, outcome, claim.first + unit.start)   # GIL-bound: no thread
                 claim.formatted.append((unit.stop, formatted))
                 claim.batches += 1
-                since = time.monotonic() - claim.last_commit
+                since, every = time.monotonic() - claim.last_commit, self.commit_interval(claim)
                 if (since >= every if every is not None else
                         claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds):
                     self.commit(claim)
@@ -1467,12 +1483,14 @@ class Worker:
     def commit_interval(self, claim):
         """s between two result parts under churn, or None where neither this claim's last delivery died nor this
         worker saw a death within CHURN_MEMORY s: the checkpoint rule alone, so a pool never killed pays nothing.
-        Under churn, CHURN_COMMIT_SHARE of the dead delivery's life (0, a part every item, when unknown) or of the
-        latest life this worker saw (its slot's last worker's, a claim's it took over), at most the checkpoint."""
+        Under churn, Young's interval sqrt(2 x part PUT x life), at most the checkpoint: a part's
+        cost against the work a kill loses. The life: the dead delivery's (0, a part every batch,
+        when unknown) or the latest this worker saw (its slot's last worker's, a claim's it took
+        over, its age at a sibling's death)."""
         if claim.life is None and (self.seen_life is None or time.time() - self.seen_at > CHURN_MEMORY):
             return None
         life = claim.life or (self.seen_life or 0.0)
-        return min(self.checkpoint_seconds, CHURN_COMMIT_SHARE * life)
+        return min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
 
     def commit(self, claim, wait=None):
         """The batches run since the last part, written as one part (with `wait`: only those serialised within
@@ -1487,7 +1505,9 @@ class Worker:
             return
         stop = ready[-1][0]
         suffix, data = calque.encode_part([chunk for _, (chunks, _, _) in ready for chunk in chunks])
+        t0 = time.monotonic()
         self._put(calque.part_key(claim.run_id, claim.claim_id, claim.committed, stop, suffix), data)
+        self.part_seconds = time.monotonic() - t0
         for _, (_, failed, errors) in ready:
             claim.failed += failed
             claim.errors.update(list(errors.items())[:calque.ERRORS_KEPT - len(claim.errors)])

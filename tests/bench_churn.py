@@ -6,8 +6,8 @@ with three poison items in the first run (an os._exit, a kill -9 of itself, a se
 
 Prints per rate: time to done, goodput (items done a second, and against no kill), repeated item computations
 (share of the items), kills, false quarantines (good items failed), spared (deaths pinned on a good item that then
-ran and returned: the chances a false quarantine had), lost or wrong items, dead letters, and how many
-deliveries each poison item's claim took to quarantine it. Then what the churn cadence costs a claim: the same
+ran and returned: the chances a false quarantine had), lost or wrong items, dead letters, and
+the delivery of its claim that quarantined each poison item. Then what the churn cadence costs a claim: the same
 claims through in-process workers: one that has seen no death (a pool never killed), the same with the churn cadence
 cut out (the checkpoint rule alone), and one committing a part after every batch. The machine is shared: read
 ratios, not absolutes."""

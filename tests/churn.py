@@ -2,6 +2,7 @@
 cost: time to done, item computations repeated, items lost, wrong or failed (a good item quarantined).
 tests/test_chaos.py runs a short one; tests/bench_churn.py (`make bench`) the full one."""
 import contextlib
+import glob
 import json
 import os
 import random
@@ -40,7 +41,8 @@ def workers(env):
 def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=40000, timeout=600.0, poison=()):
     """Stage `runs` runs (sizes and claim sizes drawn from the ranges) on a fresh 3-worker pool, kill -9 a random
     worker every uniform(*kill_every) s (None: never) until every claim has a summary; the figures. `poison`: kinds
-    of Faulty's "die" (exit, kill, segv) given to as many items of the first run, which must fail as poison."""
+    of Faulty's "die" (exit, kill, segv) given to as many items of the first run (in distinct claims where it has
+    enough), which must fail as poison; poison_deliveries: the delivery that quarantined each."""
     rng = random.Random(seed)
     calls = os.path.join(folder, "calls")
     env = dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
@@ -49,14 +51,17 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
         "--visibility-timeout", "2")
     backend = calque.open_backend(env["CALQUE_STORE"])
     record, queue = calque.load_pool(backend, MODEL), backend.queues.open_queue(calque.pool_queue_name(MODEL))
-    t0, staged, x, bad = time.monotonic(), {}, 0, {}
+    t0, staged, x, bad, kinds = time.monotonic(), {}, 0, {}, {}
     for r in range(runs):
-        n = rng.randint(*sizes)
+        n, size = rng.randint(*sizes), rng.randint(*claims)
         items = [{"x": x + i, "spin": spin} for i in range(n)]
-        for i, kind in zip(rng.sample(range(n), len(poison)) if r == 0 else (), poison):
-            items[i]["die"], bad[x + i] = kind, None
-        run = calque.stage_run(backend, record, items, rng.randint(*claims), queue, "pool")
-        staged[run["run_id"]] = (x, n, len(run["claims"]))
+        spread = -(-n // size) >= len(poison)   # one poison item a claim where the claims are enough
+        places = ([c * size + rng.randrange(min(size, n - c * size)) for c in rng.sample(range(-(-n // size)),
+                   len(poison))] if spread else rng.sample(range(n), len(poison))) if r == 0 else ()
+        for i, kind in zip(places, poison):
+            items[i]["die"], bad[x + i], kinds[x + i] = kind, None, kind
+        run = calque.stage_run(backend, record, items, size, queue, "pool")
+        staged[run["run_id"]] = (x, n, len(run["claims"]), size)
         x += n
     stop, kills = threading.Event(), []
 
@@ -73,7 +78,7 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
     done = {}
     try:
         while time.monotonic() - t0 < timeout and len(done) < len(staged):
-            for run_id, (_, _, n_claims) in staged.items():
+            for run_id, (_, _, n_claims, _) in staged.items():
                 if run_id not in done and len(calque.list_summaries(backend, run_id)) == n_claims:
                     done[run_id] = time.monotonic() - t0
             time.sleep(0.1)
@@ -82,20 +87,29 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
         thread.join()
     seconds = time.monotonic() - t0
     ok = wrong = failed = lost = 0
-    errors = []
-    for run_id, (first, n, _) in staged.items():
+    errors, logs = [], ""
+    for name in glob.glob(os.path.join(env["CALQUE_STATE"], "pools", MODEL, "worker-*.log")):
+        with open(name) as f:
+            logs += f.read()
+    at = {}   # (run, claim, offset) -> the delivery that quarantined it (warmd's take-over log line)
+    for run_id, claim, rc, offsets in re.findall(r"claim (\S+)/(c\d+) delivery (\d+): .*quarantined \[([\d, ]+)\]",
+                                                 logs):
+        for k in offsets.split(", "):
+            at[run_id, claim, int(k)] = min(int(rc), at.get((run_id, claim, int(k)), int(rc)))
+    for run_id, (first, n, _, size) in staged.items():
         got = {}
         if run_id in done:
             for s in calque.read_summaries(backend, run_id):
                 for line in calque.read_claim_results(backend.store, run_id, s["claim"], s["items"]):
                     line = json.loads(line)
-                    got[line["i"]] = dict(line, deliveries=s["receive_count"])
+                    got[line["i"]] = line
         for i in range(n):
             line = got.get(i)
             if line is None:
                 lost += 1
-            elif first + i in bad:      # a poison item: how many deliveries its claim took, when it was quarantined
-                bad[first + i] = line["deliveries"] if line.get("error", "").startswith("poison:") else "not"
+            elif first + i in bad:      # a poison item: the delivery of its claim that quarantined it
+                poisoned = line.get("error", "").startswith("poison:")
+                bad[first + i] = at.get((run_id, calque.claim_id(i // size), i % size)) if poisoned else "not"
             elif not line["ok"]:
                 failed += 1
                 errors.append(line["error"])
@@ -111,9 +125,10 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
     with open(os.path.join(env["CALQUE_STATE"], "pools", MODEL, "supervisor.log")) as f:
         restarts = Counter(re.findall(r"exited with -?\d+ \(([a-z ]+);", f.read()))
     cli(env, "pool", "delete", "--model", MODEL, "--yes", "--force")
-    items = sum(n for _, n, _ in staged.values()) - len(bad)
+    items = sum(n for _, n, _, _ in staged.values()) - len(bad)
     return {"runs": runs, "runs_done": len(done), "items": items, "ok": ok, "wrong": wrong, "failed": failed,
             "lost": lost, "dead_letters": dead, "kills": len(kills), "restarts": dict(restarts), "innocent": innocent,
             "seconds": round(seconds, 2),
             "computations": computations, "repeated": round((computations - items - len(bad)) / items, 4),
-            "poison_deliveries": sorted(bad.values(), key=str), "errors": errors[:5]}
+            "poison_deliveries": dict(sorted((kinds[i], bad[i]) for i in bad)),
+            "errors": errors[:5]}

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import threading
+import time
 
 import calque
 import churn
@@ -85,6 +86,26 @@ def test_poison_items_are_quarantined_and_their_claims_complete(any_env, tmp_pat
     assert [s["failed"] for s in done[small_run]] == [[3], [15]]
     assert dead_letters(backend) == 0
     delete_pool(env)
+
+
+def test_under_churn_a_death_of_the_workers_own_doing_still_quarantines_at_two(local_env, tmp_path):
+    """With the pool marked as churning (a churn marker planted), an item that exits or
+    segfaults its worker is quarantined at 2 deaths, by the exit status its supervisor
+    recorded; one that kills its own process with -9 looks like a kill from outside and takes
+    the raised bar, 3 deaths."""
+    backend = start_pool(local_env, "--workers", "3", "--batch-size", "4")
+    backend.store.put(f"{calque.worker_stats_prefix('m')}churn-{time.time():012.1f}-planted", b"")
+    items = [{"x": i} for i in range(12)]
+    items[1]["die"], items[5]["die"], items[9]["die"] = "exit", "segv", "kill"
+    run_id = submit(backend, items, 4)
+    done = finished(backend, {run_id: 3}, 120)[run_id]
+    errors = {i: e for s in done for i, e in s["errors"].items()}
+    poison = "poison: the worker died running this item"
+    assert errors["1"].startswith(f"{poison} (2 deaths; exit status 3)"), errors
+    assert errors["5"].startswith(f"{poison} (2 deaths; killed by SIGSEGV)"), errors
+    assert errors["9"].startswith(f"{poison} (3 deaths; killed by SIGKILL)"), errors
+    assert sorted(i for s in done for i in s["failed"]) == [1, 5, 9] and dead_letters(backend) == 0
+    delete_pool(local_env)
 
 
 def test_a_hung_item_times_out_and_the_pool_keeps_serving(local_env, tmp_path):

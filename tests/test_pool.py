@@ -76,6 +76,40 @@ def test_restart_delay_knows_a_crash_loop_from_a_killed_worker():
     assert calque.restart_delay(True, False, 2.0, 2, segv) == (2.0, "died without progress")
 
 
+def test_a_death_is_recorded_and_told_to_the_warm_siblings(tmp_path):
+    """_reap on real processes: a worker's exit status goes to `died`, and each warm sibling (its
+    pid in its ready file) gets a SIGUSR2, which warmd takes as a notice to commit under churn; one
+    still starting (no ready file) gets none: SIGUSR2 would end a process with no handler yet."""
+    import contextlib
+    import subprocess
+    import sys
+    import time
+
+    import calque
+    noted = tmp_path / "noted"
+    sibling = ("import os, signal, sys, time\n"
+               "signal.signal(signal.SIGUSR2, lambda *_: open(sys.argv[1], 'w').close())\n"
+               "open(sys.argv[2], 'w').write(str(os.getpid()))\ntime.sleep(30)")
+    ready = [str(tmp_path / f"ready-{s}") for s in range(3)]
+    procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.exit(3)"]),
+             subprocess.Popen([sys.executable, "-c", sibling, str(noted), ready[1]]),
+             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])]
+    slots = {s: {"proc": p, "started": time.time(), "restarts": 0, "ready": ready[s],
+                 "log": str(tmp_path / f"log-{s}")} for s, p in enumerate(procs)}
+    def exited_and_warm():
+        with contextlib.suppress(OSError):
+            return procs[0].poll() is not None and open(ready[1]).read() == str(procs[1].pid)
+    wait_for(exited_and_warm, 10, "the exit, and the sibling's ready file")
+    deaths = []
+    assert calque._reap(slots, 3, time.time(), lambda *death: deaths.append(death)) == 1
+    assert deaths == [(procs[0].pid, 3)]
+    wait_for(noted.exists, 10, "the sibling's SIGUSR2")
+    assert procs[2].poll() is None       # the one with no ready file was left alone
+    for p in procs[1:]:
+        p.kill()
+        p.wait()
+
+
 def test_supervisor_restarts_a_dead_worker(local_env, tmp_path):
     """A worker killed with SIGKILL is restarted after 1 s when it made no progress, at once when it had finished a
     claim; pool status counts the restarts and says which was which."""
