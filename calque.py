@@ -22,6 +22,8 @@ try:
     import orjson   # submit's check of JSONL lines (checked_json); a worker's result lines
 except ImportError:   # a Python without the kit's packages: main() re-runs under the .venv
     orjson = None
+# numpy, pyarrow, boto3, tqdm, asyncio, importlib.resources/metadata and tomllib are imported where
+# they are used: most commands, and every worker, never need them.
 
 __all__ = [
     "enter", "batch",                                   # the handler API
@@ -106,8 +108,6 @@ OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_PIPELINE", "CALQUE_AH
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
-# importlib.resources, importlib.metadata and tomllib are imported where used: ~45 ms together, which most
-# commands, and every worker, never need
 def package_file(package, name):
     """A file calque reads at run time (rates.json, ...), found through its package."""
     import importlib.resources
@@ -1061,7 +1061,7 @@ class ModalHandler:
         calls = [self._args(item) for item in payloads]
         limit = getattr(self.raw, "_modal_concurrent", 1)
         if inspect.iscoroutinefunction(self.fn) or inspect.isasyncgenfunction(self.fn):
-            import asyncio   # here, not at the top: with ssl, its import is slow
+            import asyncio
             return asyncio.run(self._each_async(calls, limit))
 
         def one(call):
@@ -1104,7 +1104,7 @@ NPY_HEADER_MAX = 10 + 65535   # bytes of a version 1.0 .npy header at most (plai
 def npy_view(data):
     """A read-only numpy array over a .npy object's bytes, not copied; refuses object dtypes
     (pickle) and Fortran order."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    import numpy as np
     f = io.BytesIO(bytes(data[:NPY_HEADER_MAX]))   # the header alone: the values are not copied
     version = np.lib.format.read_magic(f)
     fmt = np.lib.format
@@ -1160,7 +1160,7 @@ def aws_error_line(error):
 
 def aws_client_config(region):
     """The botocore settings of every AWS client: standard retries, timeouts of seconds."""
-    import botocore.config   # lazy: the embedded backend never loads boto3/botocore
+    import botocore.config
     retries = {"mode": "standard"}
     if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries a call, unless set
         retries["max_attempts"] = 5
@@ -1534,7 +1534,7 @@ def endpoint_retried(method):
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        import botocore.exceptions   # lazy: the embedded backend never loads boto3/botocore
+        import botocore.exceptions
         deadline = time.monotonic() + self.endpoint_retry
         delay = ENDPOINT_BACKOFF[0]
         while True:
@@ -1637,8 +1637,8 @@ class S3Store:
             self.requests["store_lists"] += 1
             objects = page.get("Contents", [])
             if objects:
-                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": o["Key"]} for o in objects],
-                                                                   "Quiet": True})
+                keys = [{"Key": o["Key"]} for o in objects]
+                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
                 self.requests["store_puts"] += 1
                 count, size = count + len(objects), size + sum(o["Size"] for o in objects)
         return count, size
@@ -1732,7 +1732,7 @@ class SqsQueue:
             self.sqs.change_message_visibility(QueueUrl=self.url, ReceiptHandle=message.receipt,
                                                VisibilityTimeout=int(seconds))
         except Exception as e:
-            if _aws_error_code(e) in ("ReceiptHandleIsInvalid", "InvalidParameterValue", "MessageNotInflight"):
+            if _aws_error_code(e) in (*STALE_RECEIPT, "MessageNotInflight"):
                 raise LeaseLost(f"queue {self.name}: {e}")
             raise
 
@@ -1799,7 +1799,7 @@ class AwsBackend:
     def data_session(boto3):
         """A session whose clients leave the answers' timestamps as text: calque reads none, and
         parsing them is much of a LIST's CPU. `session` (EC2, IAM...) parses them as usual."""
-        import botocore.session   # lazy: the embedded backend never loads boto3/botocore
+        import botocore.session
         core = botocore.session.get_session()
         core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=lambda text: text)
         return boto3.session.Session(botocore_session=core)
@@ -1808,7 +1808,7 @@ class AwsBackend:
         return self.uri
 
     def check(self, prefix=""):
-        import botocore.exceptions   # lazy: the embedded backend never loads boto3/botocore
+        import botocore.exceptions
         try:   # a LIST, not HeadBucket: a worker's role may list only under its own prefixes
             self.store.s3.list_objects_v2(Bucket=self.bucket, Prefix=self.store._key(prefix), MaxKeys=1)
         except botocore.exceptions.NoCredentialsError:
@@ -1928,7 +1928,7 @@ def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries
     for name, value in given.items():
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
-    return {name: value or setting_number(conf, f"CALQUE_{name.upper()}", int, 1) for name, value in given.items()}
+    return {k: v or setting_number(conf, f"CALQUE_{k.upper()}", int, 1) for k, v in given.items()}
 
 
 def snapshot_handler(handler_spec, key_prefix, put, include=()):
@@ -2271,7 +2271,7 @@ class ArrayItems:
     @classmethod
     def from_arrays(cls, arrays, path):
         """From {name: array}; `path` names them in errors."""
-        import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+        import numpy as np
         arrays = {name: np.asarray(values) for name, values in arrays.items()}
         fields, counts = {}, {}
         for name, values in arrays.items():
@@ -2313,7 +2313,7 @@ class ArrayItems:
 def stage_arrays(backend, run_id, claim, fields):
     """Write each field's {role: array} (values, offsets, valid) as .npy objects; returns the
     manifest's `arrays` ({field: {role: key}}), keys numbered (a column name need not be safe)."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    import numpy as np
     entry = {}
     for number, (name, roles) in enumerate(fields.items()):
         entry[name] = {}
@@ -2328,7 +2328,7 @@ def stage_arrays(backend, run_id, claim, fields):
 
 def read_arrays(path):
     """{name: array} of a .npy ({"input": a}) or .npz file; any fault is a UserError naming it."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    import numpy as np
     try:
         # a .npy is mapped: each claim's slice is paged in as it is staged (an .npz member is read)
         loaded = np.load(path, mmap_mode="r", allow_pickle=False)
@@ -2354,7 +2354,7 @@ class TableItems:
     the manifest, dates and times as ISO text; a type JSON cannot hold is refused up front."""
 
     def __init__(self, schema, count, batches, source):
-        import pyarrow as pa   # lazy: only table input needs pyarrow
+        import pyarrow as pa
         self.count, self.batches, self.source = count, batches, source
         self.numeric, self.json = [], []
         for field in schema:
@@ -2373,7 +2373,7 @@ class TableItems:
     @classmethod
     def open(cls, source, columns=None, where=None):
         """From a path (TABLE_SUFFIXES, folder, glob) or a table-like object; only `columns`."""
-        import pyarrow as pa   # lazy: only table input needs pyarrow
+        import pyarrow as pa
         where = where or (source if isinstance(source, str) else type(source).__name__)
         if isinstance(source, str):
             return cls._open_path(source, columns, where)
@@ -2392,7 +2392,7 @@ class TableItems:
 
     @classmethod
     def _open_path(cls, path, columns, where):
-        import pyarrow as pa   # lazy: only table input needs pyarrow
+        import pyarrow as pa
         import pyarrow.parquet as pq
         if path.endswith((".arrow", ".feather")):
             try:
@@ -2435,7 +2435,7 @@ class TableItems:
 
     def chunks(self, size):
         """(start, stop, table) of each claim of `size` rows, cut as the batches are read."""
-        import pyarrow as pa   # lazy: only table input needs pyarrow
+        import pyarrow as pa
         held, rows, start = [], 0, 0
         for batch in itertools.chain(self.batches(size), [None]):
             if batch is not None:
@@ -2466,7 +2466,7 @@ def _select(schema, columns, where):
         if name not in schema.names:
             raise UserError(f"{where}: no column {name!r}{did_you_mean(name, schema.names)} ---> "
                             f"HINT: its columns: {', '.join(schema.names)}")
-    import pyarrow as pa   # lazy: only table input needs pyarrow
+    import pyarrow as pa
     return pa.schema([schema.field(name) for name in columns])
 
 
@@ -2496,7 +2496,7 @@ def _json_type(pa, t):
 
 def _json_column(column):
     """A column's values as Python values for JSON (dates and times as ISO text)."""
-    import pyarrow as pa   # lazy: only table input needs pyarrow
+    import pyarrow as pa
     if pa.types.is_temporal(column.type):
         return [None if v is None else v.isoformat() for v in column.to_pylist()]
     return column.to_pylist()
@@ -2505,7 +2505,7 @@ def _json_column(column):
 def _numeric_column(array, name, start, source):
     """A claim's numeric column as {role: numpy array}: values, offsets (lists), valid (nulls); a
     null inside a list is a UserError."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    import numpy as np
     import pyarrow as pa
     roles = {}
     if array.null_count:
@@ -2534,7 +2534,7 @@ def _numeric_column(array, name, start, source):
 
 def _to_numpy(array):
     """A numeric Arrow array without nulls as a numpy view (bools through uint8); no pandas."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    import numpy as np
     import pyarrow as pa
     if pa.types.is_boolean(array.type):
         return _to_numpy(array.cast(pa.uint8())).view(bool)
@@ -2617,15 +2617,11 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
 
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     """Stage the items as a stream, sending each claim once its manifest has landed; returns the
-    run.
-
-    The run record comes first (`staged: false`); claims are cut as items are read, manifests PUT on
-    STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in order, SEND_BATCH a request; at most
-    STAGE_AHEAD manifests a writer wait unsent (bounded memory).
-
-    SIGINT or SIGTERM stops the sending, not the staging (`runs resume` sends the rest), then raises
-    SubmitInterrupted. Another error before a claim was sent deletes what was staged; after, the run
-    keeps the claims sent."""
+    run. The run record comes first (`staged: false`); claims are cut as items are read, manifests
+    PUT on STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in order, SEND_BATCH a request,
+    with at most STAGE_AHEAD manifests a writer unsent (bounded memory). SIGINT or SIGTERM stops the
+    sending, not the staging (`runs resume` sends the rest), then raises SubmitInterrupted. Another
+    error before a claim was sent deletes what was staged; after, the run keeps the claims sent."""
     run_id = run_id or new_run_id(record["model"])
     known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
@@ -2770,18 +2766,17 @@ class DeadLetters:
             messages = receive_all(self.queue, counts["visible"])
             release(self.queue, messages)
             letters = [dead_letter_of(m) for m in messages]
-            self.found = {claim: reason for run_id, claim, reason in filter(None, letters) if run_id == self.run_id}
+            self.found = {c: why for rid, c, why in filter(None, letters) if rid == self.run_id}
         return self.found
 
 
 def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
     """Poll the run's summaries until every claim has one, nothing can run the rest, or timeout;
-    returns (summaries, timed_out). `run` follows its stored record; stop_if() may raise.
-
-    Each LIST starts after the last claim below which all are done. Its gap grows from
-    SUMMARY_POLL_MIN by half while none land, up to SUMMARY_WAIT_MAX; after new ones it is what
-    SUMMARY_BATCH more take at the rate so far. The run record and DLQ: only on a stall."""
-    from tqdm import tqdm   # lazy: only a waiting submit draws a progress bar
+    returns (summaries, timed_out). `run` follows its stored record; stop_if() may raise. Each LIST
+    starts after the last claim below which all are done; its gap grows from SUMMARY_POLL_MIN by
+    half while none land, up to SUMMARY_WAIT_MAX, and after new ones is what SUMMARY_BATCH more take
+    at the rate so far. The run record and the DLQ are read only on a stall (run_recheck)."""
+    from tqdm import tqdm
     started = time.monotonic()
     deadline, progressed, recheck = started + timeout, started, run_recheck(started, started)
     done, dead = {}, DeadLetters(backend, run)
@@ -2860,9 +2855,10 @@ def cancel_run(backend, run, reason):
         key = summary_key(run["run_id"], claim)
         if backend.store.exists(key):
             return False
-        summary = claim_summary(run_id=run["run_id"], claim=claim, model=run["model"], worker_id="submitter",
-                                mode=run["mode"], backend=backend.kind, receive_count=0, enter_count=0, started=at,
-                                finished=at, requests={}, notes=[f"cancelled ({reason}): the claim was not run"])
+        summary = claim_summary(
+            run_id=run["run_id"], claim=claim, model=run["model"], worker_id="submitter",
+            mode=run["mode"], backend=backend.kind, receive_count=0, enter_count=0, started=at,
+            finished=at, requests={}, notes=[f"cancelled ({reason}): the claim was not run"])
         write_json(backend, key, dict(summary, status="cancelled", reason=reason))
         return True
 
@@ -2962,7 +2958,8 @@ def claim_parts(backend, run_id, claim, count):
         try:
             lines = backend.store.get(results_key(run_id, claim)).decode().splitlines(keepends=True)
         except NotFound:
-            raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part under {results_prefix(run_id, claim)}")
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part under "
+                                    f"{results_prefix(run_id, claim)}")
         if len(lines) != count or not lines[-1].endswith("\n"):
             raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is "
                                     f"truncated ({len(lines)} of {count} lines)")
@@ -3079,7 +3076,8 @@ def claim_batch(backend, run, claim, parts):
     import pyarrow as pa
     lines = orjson.loads("[" + ",".join(line[:-1] for part in parts for line in part.lines) + "]")
     count = len(lines)
-    columns = {"i": pa.array([line["i"] for line in lines], pa.int64()), "ok": pa.array([line["ok"] for line in lines]),
+    columns = {"i": pa.array([line["i"] for line in lines], pa.int64()),
+               "ok": pa.array([line["ok"] for line in lines]),
                "error": pa.array([line.get("error") for line in lines], pa.string())}
     if run.get("id_field"):
         columns[run["id_field"]] = pa.array(claim_ids(backend, run, claim, run["id_field"]))
@@ -3276,7 +3274,8 @@ def format_run(run, summaries, view, results_uri):
               if v["state"] == "dead-lettered"]
     lines += format_item_errors(run, summaries)
     lines.append(f"  results: {results_uri}  (python calque.py runs results {run['run_id']})")
-    why = " ({})".format("; ".join(sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})))
+    cancelled = sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})
+    why = f" ({'; '.join(cancelled)})"
     for state, what in NOT_RUN.items():
         if counts[state]:
             lines.append(f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> "
