@@ -27,7 +27,7 @@ except ImportError:   # a Python without the kit's packages: main() re-runs unde
 
 __all__ = [
     "enter", "batch",                                   # the handler API
-    "Pool", "submit", "Run", "main",                    # the Python API (section 10), the CLI
+    "Pool", "submit", "Run",                            # the Python API (section 10)
     "UserError", "StoreFault", "WorkersFailed", "NotFound", "ResultsIncomplete",
     "SubmitInterrupted",
 ]
