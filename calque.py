@@ -2245,7 +2245,7 @@ def json_depth(value):
         node, depth = todo.pop()
         if isinstance(node, (list, dict)):
             deepest = max(deepest, depth)
-            todo += [(child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)]
+            todo += [(c, depth + 1) for c in (node.values() if isinstance(node, dict) else node)]
     return deepest
 
 
@@ -2968,7 +2968,7 @@ def claim_parts(backend, run_id, claim, count):
 
 def claim_results(backend, run_id, claim, count):
     """The claim's result lines, in item order, as JSONL prints them."""
-    return [line for part in claim_parts(backend, run_id, claim, count) for line in result_lines(part)]
+    return [ln for p in claim_parts(backend, run_id, claim, count) for ln in result_lines(p)]
 
 
 def claim_ids(backend, run, claim, field):
