@@ -816,9 +816,10 @@ class ScaleInProtection:
         if not (asg and instance_id):
             return None
         import boto3   # lazy: only an EC2 pool instance needs it
+        import ec2
         region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
         client = boto3.client("autoscaling", config=calque.aws_client_config(region))
-        return cls(asg, instance_id, client, calque.ec2_names(model)["hook"])
+        return cls(asg, instance_id, client, ec2.resource_names(model)["hook"])
 
     def release(self):
         """Let a terminating instance go: its worker holds no claim any more."""
