@@ -21,6 +21,7 @@ for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN", "CALQUE_ENV"
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))   # the bench helpers some tests share (latency_proxy, bench_dashboard)
 PY = sys.executable
 HANDLERS = os.path.join(ROOT, "tests", "handlers.py")
 

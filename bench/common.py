@@ -1,0 +1,23 @@
+"""What several benches share: the sections a bench runs, and the kit compiled once before it is timed."""
+import os
+import py_compile
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def chosen(known):
+    """The sections named in sys.argv (all of known where none is), or exit naming the unknown ones."""
+    picked = sys.argv[1:] or list(known)
+    unknown = set(picked) - set(known)
+    if unknown:
+        sys.exit(f"{os.path.basename(sys.argv[0])}: error: no section {', '.join(sorted(unknown))} ---> HINT: "
+                 f"pick from {' '.join(known)}")
+    return picked
+
+
+def compile_kit():
+    """calque.py and warmd.py compiled once, as an install does: where PYTHONDONTWRITEBYTECODE is set, each
+    command a bench times would compile calque.py again."""
+    for name in ("calque.py", "warmd.py"):
+        py_compile.compile(os.path.join(ROOT, name))
