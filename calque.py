@@ -1,84 +1,51 @@
-"""calque: sticky warm-worker pools for batch model inference. The submitter CLI, the Python API, and the
-small shared library a handler imports (`import calque`; `@calque.enter`, `@calque.batch`).
-
-    python calque.py pool create --model demo --handler examples/demo_model.py:DemoModel --workers 2
-    python calque.py submit --pool demo examples/items.jsonl      # claims against the warm pool
-    python calque.py submit --model demo examples/items.jsonl     # cold baseline: a fresh worker pays @enter
-    python calque.py pool status --model demo
-    python calque.py runs results RUN_ID
-    python calque.py cost RUN_ID
-    python calque.py pool delete --model demo --yes
-
-CALQUE_STORE picks the backend: a local path (default .calque) is the embedded one (a SQLite queue and a
-directory store); s3://bucket/prefix is SQS + S3 through boto3 (AWS_ENDPOINT_URL honoured). The contract
-every part honours, as implemented, is docs/contract.md.
-
-The map. Each section uses only the sections above it; read top to bottom.
-     1. settings, errors and paths    DEFAULTS, settings(), UserError and friends
-     2. THE CONTRACT                  names, store keys, message, claim_summary, result parts, the handler API
-                                      (Modal app files too), numeric views, AWS error lines: what warmd.py and
-                                      handler files import
-     3. backends                      LocalStore + LocalQueues (SQLite), S3Store + SqsQueues; open_backend()
-     4. records                       pool and run records, summaries, worker stats in the store; the
-                                      scaling decision both paths follow (desired_count)
-     5. submit and runs               read items, stage_run, wait_for_run, cancel, redrive, run reports
-     6. local workers                 the detached supervisor that keeps N warmd.py alive (GPUs, exit reasons)
-     7. the cost model                rates.json, per-claim and per-run cost, crossover ladder, pool cost
-     8. the EC2 cohort                lives in ec2.py (imported lazily by the verbs that need it)
-     9. across both paths             a Modal app's pool options, cold_run (the baseline), pool status, the
-                                      planner (make_plan: wall time and cost for 1..B workers)
-    10. the Python API                Pool, submit(), Run: what a notebook uses and the CLI calls
-    11. the CLI                       one cmd_* per verb in the parser's order, build_parser(), main()
+"""calque: warm-worker pools for batch model inference: the CLI, Python API and handler API.
+A run: stage_run writes the run record, a manifest and a queue message per claim; warmd.py's
+Worker._loop_once receives a claim, open_claim accepts it, run_claim runs its batches, finish
+writes its summary and Acks.flush acks it; wait_for_run waits on the summaries. The map (each
+section uses only those above it; docs/contract.md: the contract; README.md: the commands):
+       handler API   enter, batch, __all__           6. local workers  supervisor.py
+    1. settings      DEFAULTS, settings, UserError   7. cost model     rates.json, run cost
+    2. CONTRACT      keys, message, summary, parts   8. EC2 cohort     ec2.py
+    3. backends      LocalStore, S3Store, queues     9. both paths     cold_run, status, make_plan
+    4. records       pool and run records, scaling  10. Python API     Pool, submit(), Run
+    5. submit, runs  stage_run, wait_for_run        11. CLI            cmd_* per verb, main()
 """
-import argparse
-import ast
-import base64
-import collections
-import contextlib
-import ctypes
-import datetime
-import difflib
-import enum
-import fcntl
-import functools
-import glob
-import gzip
-import hashlib
-import heapq
-import importlib.util
-import inspect
-import io
-import itertools
-import json
-import math
-import os
-import re
-import secrets
-import shlex
-import shutil
-import signal
-import socket
-import sqlite3
-import statistics
-import struct
-import subprocess
-import sys
-import tarfile
-import threading
-import time
-import traceback
-import typing
-import uuid
-import zipfile
-import zlib
+import argparse, ast, base64, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
+import functools, glob, gzip, hashlib, heapq, importlib.util, inspect, io, itertools, json, math
+import os, re, secrets, shlex, shutil, signal, socket, sqlite3, statistics, struct, subprocess, sys
+import tarfile, threading, time, traceback, typing, uuid, zipfile, zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 try:
-    import orjson   # `submit`'s check of each JSONL line (checked_json); a worker's result lines (warmd)
-except ImportError:   # a Python without the kit's packages: main() re-runs the command under the kit's .venv
+    import orjson   # submit's check of JSONL lines (checked_json); a worker's result lines
+except ImportError:   # a Python without the kit's packages: main() re-runs under the .venv
     orjson = None
+# numpy, pyarrow, boto3, tqdm, asyncio, importlib.resources/metadata and tomllib are imported where
+# they are used: most commands, and every worker, never need them.
+
+__all__ = [
+    "enter", "batch",                                   # the handler API
+    "Pool", "submit", "Run",                            # the Python API (section 10)
+    "UserError", "StoreFault", "WorkersFailed", "NotFound", "ResultsIncomplete",
+    "SubmitInterrupted",
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# the handler API: a class with one @calque.enter and one @calque.batch method, and optionally
+# collate(self, payloads): what its batch method receives (README.md, "Writing a handler").
+def enter(fn):
+    """Mark the method that loads the model: it runs once per worker, before its first batch."""
+    fn._calque_role = "enter"
+    return fn
+
+
+def batch(fn):
+    """Mark the method that runs a batch: a list of item payloads in, one result per item out."""
+    fn._calque_role = "batch"
+    return fn
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,24 +108,21 @@ OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_PIPELINE", "CALQUE_AH
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
-# importlib.resources, importlib.metadata and tomllib are imported where used: ~45 ms together, which most
-# commands, and every worker, never need
 def package_file(package, name):
-    """A file calque reads at run time (calque_data's rates.json, modal_shim's modal.py, ...), found through its
-    package: the same call wherever calque runs from, a checkout or an install."""
+    """A file calque reads at run time (rates.json, ...), found through its package."""
     import importlib.resources
     return str(importlib.resources.files(package) / name)
 
 
 def pyproject():
-    """calque's pyproject.toml, as its package holds it (calque_data/sdist): what it is built and packed from."""
+    """calque's pyproject.toml as its package holds it (calque_data/sdist)."""
     import tomllib
     with open(package_file("calque_data", "sdist/pyproject.toml"), "rb") as f:
         return tomllib.load(f)
 
 
 def calque_version():
-    """This calque's version: its package metadata, or, in a checkout never installed, its pyproject.toml's."""
+    """This calque's version: its package metadata, else (a checkout) its pyproject.toml's."""
     import importlib.metadata
     try:
         return importlib.metadata.version("calque")
@@ -175,13 +139,11 @@ class NotFound(Exception):
 
 
 class StoreFault(Exception):
-    """The store or the queue failed (unwritable, full, unreachable, replaced) or holds a record that cannot be
-    read: one line naming the key or file and the next step, exit 1."""
+    """The store or queue failed, or holds an unreadable record: one line, the next step, exit 1."""
 
 
 class WorkersFailed(Exception):
-    """A pool's workers cannot run (they die before @enter is done): one line naming the first one's error and
-    its log, exit 1."""
+    """A pool's workers die before @enter is done: one line naming the first error, exit 1."""
 
 
 class LeaseLost(Exception):
@@ -209,9 +171,8 @@ def settings():
 
 
 def env_line(line, where):
-    """(key, value) of one pool.env line as a shell reads it: `export KEY=value`, KEY="value # kept", KEY=value
-    # a comment; None for a blank or comment line. An unknown CALQUE_* key is warned about on stderr, once, with
-    the known key it most resembles."""
+    """(key, value) of a pool.env line as a shell reads it (`export K=v`, K="v # kept", K=v # note);
+    None for a blank or comment line. An unknown CALQUE_* key is warned about, once."""
     line = line.strip()
     if not line or line.startswith("#"):
         return None
@@ -234,26 +195,23 @@ def did_you_mean(name, known):
 
 
 def text_lines(data, where, first=1):
-    """(line number, text) of each '\n'-separated line of `data` (bytes), decoded at once (decoding line by line
-    read a 100,000-item file a third slower); bytes that are not UTF-8 are a UserError naming the line. `first`:
-    the number of data's first line (a block of a longer file)."""
+    """(number, text) of each line of `data` (bytes, its first line numbered `first`), decoded at
+    once; bytes that are not UTF-8 are a UserError naming the line."""
     try:
         text = data.decode()
     except UnicodeDecodeError as e:
         lineno, column = data.count(b"\n", 0, e.start) + first, e.start - data.rfind(b"\n", 0, e.start)
-        raise UserError(f"{where}:{lineno}: not UTF-8 text (byte {column} of the line) ---> HINT: save the file "
-                        f"as UTF-8") from None
-    return enumerate(text.split("\n"), first)   # not splitlines(): a JSON string may hold U+2028 and the like
+        raise UserError(f"{where}:{lineno}: not UTF-8 text (byte {column} of the line) ---> HINT: "
+                        f"save the file as UTF-8") from None
+    return enumerate(text.split("\n"), first)   # not splitlines(): a string may hold U+2028
 
 
 _scan_json = json.decoder.JSONDecoder().scan_once   # json's own C scanner, as json.loads uses it
 
 
 def json_line(text):
-    """json.loads(text) for one short line, at half its cost: json.loads wraps the C scanner in two regex matches
-    and three Python calls, 2.1 us of an item of ~100 bytes against 0.9 us here (staging a 1M-item run parses
-    every line). A line the scanner does not take whole (whitespace around it, extra data, not JSON) goes to
-    json.loads, which reads it, or raises the same JSONDecodeError."""
+    """json.loads(text) for one short line, through json's C scanner alone (half json.loads' cost);
+    a line the scanner does not take whole goes to json.loads, for its value or its error."""
     try:
         value, end = _scan_json(text, 0)
         if end == len(text):
@@ -264,11 +222,8 @@ def json_line(text):
 
 
 def checked_json(text):
-    """The value of one JSONL line for checked_line, which keeps only its shape: orjson's parse (0.33 against
-    json_line's 0.68 us a line of ~100 bytes), or json_line's for what orjson refuses: json's error for what is not
-    JSON, the value for what json alone takes (NaN and Infinity, lone surrogates, 1e400). orjson takes nothing json
-    refuses, so a line checked here is one a worker's json.loads reads; it reads an integer beyond 64 bits as a
-    float, which changes no shape."""
+    """The value of one JSONL line (checked_line keeps only its shape): orjson's parse, or for what
+    orjson refuses, json_line's (json alone takes NaN, lone surrogates, 1e400; nothing else)."""
     if orjson is not None:
         try:
             return orjson.loads(text)
@@ -300,12 +255,12 @@ def write_file_atomic(path, text):
 
 
 # ------------------------------------------------------------------------------------------------
-# 2. THE CONTRACT: names, store keys, the message, the summary, the handler API, numeric views, AWS error
-# helpers. warmd.py and handler files import these; change them with care (docs/contract.md says why).
+# 2. THE CONTRACT: names, store keys, message, summary, result parts, handler loading, numeric
+# views, AWS errors. warmd.py imports these; change them with care (docs/contract.md).
 POOL_PREFIX, DLQ_PREFIX = "calque-pool-", "calque-dlq-"
 RUN_QUEUE_PREFIX, RUN_DLQ_PREFIX = "calque-run-", "calque-rundlq-"
 QUEUE_NAME_MAX = 80                     # SQS's limit on a queue name
-SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # run ids and claim ids: safe as path parts
+SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # run and claim ids: safe path parts
 
 
 def slug(model, prefix=POOL_PREFIX):
@@ -314,7 +269,8 @@ def slug(model, prefix=POOL_PREFIX):
     s = re.sub(r"-+", "-", s).strip("-")
     s = s[: QUEUE_NAME_MAX - len(prefix)].rstrip("-")
     if not s:
-        raise UserError(f"model name {model!r} has no letters or digits to name a queue with: pick another name")
+        raise UserError(f"model name {model!r} has no letters or digits to name a queue with: "
+                        f"pick another name")
     return s
 
 
@@ -335,9 +291,8 @@ def worker_stats_prefix(model):
 
 
 def output_key(prefix, seq, label):
-    """A chunk of what a worker's handler code printed: MS-PID-SEQ.LABEL, MS by the worker's clock
-    at the write (a LIST after a time finds the newer chunks), LABEL the worker's (wN, its slot; or
-    the host)."""
+    """A chunk of what a worker's handler printed: MS-PID-SEQ.LABEL, MS by the worker's clock (a
+    LIST after a time finds the newer chunks), LABEL the worker's (wN, its slot; or the host)."""
     return f"{prefix}{int(time.time() * 1000):013d}-{os.getpid()}-{seq:06d}.{label}"
 
 
@@ -363,9 +318,8 @@ def results_prefix(run_id, claim):
 
 
 def part_key(run_id, claim, start, stop, suffix=".jsonl"):
-    """One result part: the results of the claim's items [start, stop) (offsets within the claim), in order:
-    .jsonl, one JSON object per line, or .npz where any result holds arrays (encode_part). Zero-padded, so
-    that the keys sort in item order."""
+    """The part holding the claim's results [start, stop): .jsonl, or .npz (encode_part);
+    zero-padded, so keys sort in item order."""
     return f"{results_prefix(run_id, claim)}{start:07d}-{stop:07d}{suffix}"
 
 
@@ -373,7 +327,7 @@ PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.(jsonl|npz)$")
 
 
 def attempt_key(run_id, claim):
-    """The attempt record of a redelivered claim: which item a worker is about to run alone (poison tracking)."""
+    """The attempt record of a redelivered claim: the item a worker runs alone next (poison)."""
     return f"{results_prefix(run_id, claim)}attempt.json"
 
 
@@ -382,9 +336,8 @@ class ResultsIncomplete(Exception):
 
 
 def part_chain(keys, count):
-    """The result parts among a claim's listed `keys` that cover its items from offset 0 on, as (start, stop, key),
-    up to `count` or the first gap. Parts written by two deliveries may overlap (a lease lost mid-claim): at each
-    offset the part reaching furthest is taken."""
+    """(start, stop, key) of the parts among `keys` that cover the claim's items from 0 up to
+    `count` or a gap; where two deliveries' parts overlap, the one reaching furthest is taken."""
     parts = [(int(m[1]), int(m[2]), key) for key in keys if (m := PART_NAME.match(key.rsplit("/", 1)[1]))]
     chain, at = [], 0
     while at < count:
@@ -396,15 +349,15 @@ def part_chain(keys, count):
     return chain
 
 
-# Typed results: a numeric numpy array or torch tensor, as an item's result or as a value of its result dict, is
-# stored in binary in its dtype (docs/contract.md#typed-result-parts); numpy is imported only where one is met.
-NUMERIC_KINDS = "biuf"                  # numpy dtype kinds stored in binary; any other array is written as JSON lists
+# Typed results: a numeric array or tensor (a result, or a value of its dict) is stored in binary
+# in its dtype (docs/contract.md#typed-result-parts); numpy is imported only where one is met.
+NUMERIC_KINDS = "biuf"                  # numpy dtype kinds stored in binary; others as JSON lists
 PART_FORMAT = 1                         # index.json's "format" in an .npz part
 
 
 def host_array(value):
-    """(numpy array, dtype name) of a numeric numpy array or torch tensor, moved to the host with .cpu(); None for
-    any other value. bfloat16, which numpy lacks, is its raw bits as uint16, named "bfloat16"."""
+    """(numpy array, dtype name) of a numeric array or tensor, on the host; None for anything else.
+    bfloat16, which numpy lacks, is its raw bits as uint16, named "bfloat16"."""
     if hasattr(value, "detach") and hasattr(value, "cpu"):      # a torch tensor, on any device
         value = value.detach().cpu()
         if str(value.dtype) == "torch.bfloat16":
@@ -417,13 +370,12 @@ def host_array(value):
     return value, name or _dtype_names.setdefault(value.dtype, value.dtype.name)
 
 
-_dtype_names = {}   # numpy dtype -> its name: dtype.name is Python code, a few us a call, once an item
+_dtype_names = {}   # numpy dtype -> its name (dtype.name is Python code, run once an item)
 
 
 def batch_rows(outputs, count):
-    """A handler's return for a batch of `count` items as their results: a list or tuple as it is; an array or a
-    tensor (moved to the host once) split along its first dimension; a dict of arrays, tensors and lists split per
-    key, each item's result a dict. ValueError, naming both lengths, when the first dimension is not `count`."""
+    """A handler's return for `count` items as their results: a list as it is, an array or tensor
+    (or a dict of them) split along its first dim; else a ValueError naming both lengths."""
     if isinstance(outputs, (list, tuple)):
         if len(outputs) != count:
             raise ValueError(f"handler returned {len(outputs)} results for a batch of {count} items")
@@ -435,8 +387,8 @@ def batch_rows(outputs, count):
         shape = getattr(column, "shape", None) or ((len(column),) if isinstance(column, (list, tuple)) else ())
         what = "" if key is None else f" for {key!r}"
         if not shape:
-            raise ValueError(f"handler returned {type(column).__name__}{what} for a batch of {count} items "
-                             f"(a list, an array or a dict of them, one row an item)")
+            raise ValueError(f"handler returned {type(column).__name__}{what} for a batch of "
+                             f"{count} items (a list, an array or a dict of them, one row an item)")
         if shape[0] != count:
             raise ValueError(f"handler returned {shape[0]} rows{what} for a batch of {count} items")
     rows = [{key: column[j, ...] if hasattr(column, "shape") else column[j] for key, column in columns.items()}
@@ -445,8 +397,7 @@ def batch_rows(outputs, count):
 
 
 def typed_cells(value):
-    """(the result with each typed value replaced by None, [(field, array, dtype)]) for a result that is an array or
-    a dict holding arrays at its top level (field None: the result itself); None for any other result."""
+    """(result with typed values None, [(field, array, dtype)]) of an array or a dict of arrays."""
     if isinstance(value, dict):
         cells = [(key, *typed) for key, v in value.items() if (typed := host_array(v)) is not None]
         typed_keys = {key for key, _, _ in cells}
@@ -456,12 +407,12 @@ def typed_cells(value):
 
 
 class TypedLines(str):
-    """Result lines in which each typed value is null, carrying `cells`: (offset in the lines, field, array, dtype)."""
+    """Result lines with each typed value null, carrying `cells`: (line, field, array, dtype)."""
     cells = ()
 
 
 def _row_ranges(rows):
-    """[[start, stop], ...] of sorted row offsets: an index.json's compact form of which items a block holds."""
+    """[[start, stop], ...] of sorted row offsets: index.json's compact form of a block's rows."""
     ranges = []
     for row in rows:
         if ranges and ranges[-1][1] == row:
@@ -479,11 +430,9 @@ def _npy(array):
 
 
 def encode_part(chunks):
-    """(suffix, data) of a result part made of these chunks of result lines, in order: .jsonl, their text joined,
-    when none carries typed cells (the bytes a JSON-only claim always had); else .npz, a zip (stored, not
-    compressed) of results.jsonl (the lines, typed values null), index.json (the blocks) and one b<k>.npy a block:
-    the arrays of one field and dtype stacked, or, where their shapes differ, flat one after the other with
-    b<k>.shapes.npy."""
+    """(suffix, data) of a part of these chunks of result lines: .jsonl, their text, when none has
+    typed cells; else .npz, a stored zip of results.jsonl, index.json and one b<k>.npy a block (a
+    field's arrays of one dtype stacked, or flat with b<k>.shapes.npy where shapes differ)."""
     text, groups, at = "".join(chunks), {}, 0
     for chunk in chunks:
         for offset, field, array, dtype in getattr(chunk, "cells", ()):
@@ -500,7 +449,8 @@ def encode_part(chunks):
             uniform = all(a.shape == arrays[0].shape for a in arrays)
             blocks.append({"field": field, "dtype": dtype, "shape": list(arrays[0].shape) if uniform else None,
                            "rows": _row_ranges([row for row, _ in cells])})
-            z.writestr(f"b{k}.npy", _npy(np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])))
+            stacked = np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])
+            z.writestr(f"b{k}.npy", _npy(stacked))
             if not uniform:
                 z.writestr(f"b{k}.shapes.npy", _npy(np.array([a.shape for a in arrays], dtype=np.int64)))
         z.writestr("index.json", json.dumps({"format": PART_FORMAT, "items": at, "blocks": blocks}))
@@ -508,9 +458,8 @@ def encode_part(chunks):
 
 
 class Block(typing.NamedTuple):
-    """A typed block of a part as read: `rows` (numpy offsets in the part) hold `field` in `dtype`; `values` their
-    arrays stacked, or (`shapes` not None) flat one after the other, each row of shapes[j]. bfloat16 values are their
-    raw uint16 bits (widen() reads them as float32, exactly)."""
+    """A typed block of a part: `rows` (offsets) hold `field` in `dtype`, `values` stacked or (with
+    `shapes`) flat; bfloat16 values are raw uint16 bits (widen() gives float32)."""
     field: typing.Optional[str]
     dtype: str
     rows: typing.Any
@@ -518,8 +467,7 @@ class Block(typing.NamedTuple):
     shapes: typing.Any = None
 
     def widen(self):
-        """The values in a numpy dtype: bfloat16 bits as the float32 numbers they are (bfloat16 is float32's top
-        half, so nothing is rounded); any other dtype as stored."""
+        """The values in a numpy dtype: bfloat16 bits as float32 exactly (its top half)."""
         import numpy as np
         if self.dtype != "bfloat16":
             return self.values
@@ -547,7 +495,7 @@ class Block(typing.NamedTuple):
 
 
 class Part(typing.NamedTuple):
-    """A result part as read: its result lines (newline kept; a typed value is null in its line) and its blocks."""
+    """A result part as read: its lines (newline kept; a typed value null) and its blocks."""
     lines: list
     blocks: list
 
@@ -556,8 +504,7 @@ class Part(typing.NamedTuple):
 
 
 def decode_npz_part(data):
-    """(result lines text, [Block]) of an .npz part's bytes, each block's values a view of them (members are stored,
-    not compressed); ValueError (zipfile's, numpy's) for a torn one."""
+    """(result lines text, [Block]) of an .npz part, values viewing its bytes; ValueError: torn."""
     import numpy as np
     with zipfile.ZipFile(io.BytesIO(data)) as z:
         def member(name):
@@ -569,7 +516,8 @@ def decode_npz_part(data):
             return memoryview(data)[start:start + info.file_size]
         index = json.loads(z.read("index.json"))
         if index.get("format") != PART_FORMAT:
-            raise ValueError(f"part format {index.get('format')!r}, not {PART_FORMAT}: written by another calque")
+            raise ValueError(f"part format {index.get('format')!r}, not {PART_FORMAT}: "
+                             f"written by another calque")
         blocks = []
         for k, b in enumerate(index["blocks"]):
             rows = np.concatenate([np.arange(a, s) for a, s in b["rows"]])
@@ -579,9 +527,8 @@ def decode_npz_part(data):
 
 
 def read_part(store, key, start, stop):
-    """One part (a Part of its stop - start result lines, newline kept), or ResultsIncomplete when it holds fewer or
-    more, or cannot be read. Lines are split on "\n" only: a result's text may hold U+2028 and the like as they are
-    (warmd writes results with orjson, which escapes only what JSON must), which str.splitlines() would cut at."""
+    """One part as a Part of stop - start lines, else ResultsIncomplete. Split on "\n" only: a
+    result may hold U+2028 and the like, which str.splitlines() would cut at."""
     data, blocks = store.get(key), []
     if key.endswith(".npz"):
         try:
@@ -596,14 +543,14 @@ def read_part(store, key, start, stop):
 
 
 def read_claim_parts(store, run_id, claim, count, keys=None):
-    """The claim's parts that hold its `count` results in item order, each cut to the items not in the one before
-    (`keys`: the claim's folder as listed already, which saves the LIST). A gap or a part with fewer lines than its
-    name promises raises ResultsIncomplete naming it: never a silent short read."""
+    """The claim's parts holding its `count` results in order, each cut to the items past the one
+    before (`keys`: the folder as listed); a gap or a short part raises ResultsIncomplete."""
     keys = store.list(results_prefix(run_id, claim)) if keys is None else keys
     chain = part_chain(keys, count)
     at = chain[-1][1] if chain else 0
     if at < count:
-        raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part holds item offset {at} of {count}")
+        raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part holds item offset "
+                                f"{at} of {count}")
     parts, at = [], 0
     for start, stop, key in chain:
         try:
@@ -615,8 +562,7 @@ def read_claim_parts(store, run_id, claim, count, keys=None):
 
 
 def block_texts(block):
-    """Each row of a block as JSON text (floats in their dtype's shortest form; NaN and infinities as null, as strict
-    JSON has them): a block of 1-D rows in one encoding, cut at its "],[" (numbers hold none)."""
+    """Each row of a block as JSON text (NaN and infinities null), 1-D rows in one orjson call."""
     values, option = block.widen(), orjson.OPT_SERIALIZE_NUMPY
     if block.shapes is None and values.ndim == 2 and len(values) and values.flags.c_contiguous:
         return [f"[{row}]" for row in orjson.dumps(values, option=option).decode()[2:-2].split("],[")]
@@ -624,13 +570,13 @@ def block_texts(block):
 
 
 def result_lines(part):
-    """The part's result lines as JSONL prints them: typed values written in as lists (block_texts)."""
+    """The part's result lines as JSONL prints them, typed values written in as lists."""
     if not part.blocks:
         return part.lines
     lines, parsed = list(part.lines), {}
     for block in part.blocks:
         for row, text in zip(block.rows.tolist(), block_texts(block)):
-            if block.field is None and lines[row].endswith('"result":null}\n'):   # the result itself: spliced in
+            if block.field is None and lines[row].endswith('"result":null}\n'):   # spliced in
                 lines[row] = f"{lines[row][:-6]}{text}}}\n"
             else:
                 parsed.setdefault(row, orjson.loads(lines[row]))["result"][block.field] = orjson.Fragment(text)
@@ -640,7 +586,7 @@ def result_lines(part):
 
 
 def read_claim_results(store, run_id, claim, count, keys=None):
-    """The claim's `count` result lines in item order, as JSONL prints them (read_claim_parts, result_lines)."""
+    """The claim's `count` result lines in item order, as JSONL prints them."""
     return [line for part in read_claim_parts(store, run_id, claim, count, keys) for line in result_lines(part)]
 
 
@@ -652,8 +598,8 @@ MANIFEST_KEY = re.compile(r"^runs/([A-Za-z0-9][A-Za-z0-9._-]*)/manifests/([A-Za-
 
 
 def new_run_id(model):
-    """<slug>.<UTC time>-<6 hex>: the model's slug leads, so that an IAM policy can confine a pool's
-    workers to its own runs (runs/<slug>.*); slugs have no '.', so no slug's runs match another's."""
+    """<slug>.<UTC time>-<6 hex>: the slug leads, so that IAM can confine a pool's workers to its
+    runs (runs/<slug>.*); slugs have no '.', so no slug's runs match another's."""
     return f"{slug(model)}.{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(3)}"
 
 
@@ -663,8 +609,7 @@ def run_slug(run_id):
 
 
 def run_queue_names(run_id):
-    """A cold run's queue and dead-letter queue: named by the id's time-and-hex tail (the slug would
-    not fit in SQS's 80 characters)."""
+    """A cold run's queue and DLQ, named by the id's tail (the slug would not fit in 80 chars)."""
     tail = run_id.rsplit(".", 1)[-1]
     return RUN_QUEUE_PREFIX + tail, RUN_DLQ_PREFIX + tail
 
@@ -674,9 +619,8 @@ def claim_id(index):
 
 
 def make_message(run_id, model, manifest_uri, claim, resume=False):
-    # `claim` is an extra field (the contract ignores unknown fields): it lets a worker write a failure
-    # summary even for a claim whose manifest_uri it must refuse. `resume` marks a claim sent again (runs
-    # resume, runs redrive): the worker looks for its result parts even on a first delivery.
+    # `claim` (an extra field) lets a worker write a failure summary for a claim whose
+    # manifest_uri it refuses; `resume` (runs resume, redrive): look for its result parts.
     msg = {"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim}
     if resume:
         msg["resume"] = True
@@ -698,8 +642,8 @@ def parse_message(body):
 
 
 def to_jsonable(value):
-    """json.dumps default=: numpy and torch values become plain numbers and lists; an enum member its value and a
-    UUID its text, as orjson writes them (warmd encodes results with either, and both must take the same values)."""
+    """json.dumps default=: numpy and torch values as numbers and lists, enums as their value, UUIDs
+    as text, as orjson writes them (warmd encodes results with either)."""
     if hasattr(value, "tolist"):        # numpy arrays and scalars, torch tensors (CPU or not)
         if hasattr(value, "detach"):
             value = value.detach().cpu()
@@ -720,22 +664,21 @@ def dumps(value):
 # the request counters every backend keeps and every summary carries; the cost model prices them
 REQUEST_KEYS = (
     "queue_receives",        # ReceiveMessage calls that returned a claim
-    "queue_empty_receives",  # ReceiveMessage calls that returned nothing (long polls that timed out): billed too
+    "queue_empty_receives",  # ReceiveMessage calls that returned nothing: billed too
     "queue_other",           # SendMessage, DeleteMessage, ChangeMessageVisibility (heartbeats), ...
-    "store_gets",            # S3 GET (manifests, pool record, handler code, summary existence checks)
+    "store_gets",            # S3 GET (manifests, pool record, handler code, summary checks)
     "store_puts",            # S3 PUT (result parts, summaries, stats)
     "store_lists",           # S3 LIST (priced as PUT by S3)
 )
 
 
-def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_count, enter_count, started, finished,
-                  requests, items=0, failed=(), errors=None, warm_hit=False, enter_seconds_paid=0.0,
-                  acquisition_seconds=0.0, model_seconds=None, error=None, notes=(), parts=(), resumed=0, **measured):
-    """A claim's summary: its completion record, written last (the contract's fields plus calque's own).
-    With `error`, the summary of a claim that was not run (dead-lettered); model_seconds None means the
-    drain was not measured. `parts`: [start, stop] of every result part that covers the claim (offsets in
-    the claim, earlier deliveries' included); `resumed`: the items taken from earlier deliveries' parts.
-    `measured` adds the worker's other measurements (GPU utilisation, ...)."""
+def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_count, enter_count,
+                  started, finished, requests, items=0, failed=(), errors=None, warm_hit=False,
+                  enter_seconds_paid=0.0, acquisition_seconds=0.0, model_seconds=None, error=None,
+                  notes=(), parts=(), resumed=0, **measured):
+    """A claim's completion record, written last. With `error`: a claim not run (dead-lettered);
+    model_seconds None: not measured; `parts`: [start, stop] of each part covering it; `resumed`:
+    items from earlier deliveries; `measured`: the worker's other measurements."""
     failed, claim_seconds = list(failed), max(0.0, finished - started)
     if error is None and not failed:
         status = "ok"
@@ -761,31 +704,20 @@ def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_cou
 
 
 # ------------------------------------------------------------------------------------------------
-# the handler API: a class with one @enter method (load, runs once) and one @batch method
-# (a list of item payloads -> a list of results of the same length). collate(self, payloads) is optional.
-def enter(fn):
-    fn._calque_role = "enter"
-    return fn
-
-
-def batch(fn):
-    fn._calque_role = "batch"
-    return fn
-
-
+# loading a handler (the handler API is at the top): a class file, or a Modal app file
 def parse_handler_spec(spec):
     """(path, name): name is ClassName, or for a Modal app Cls.method or a function's name."""
     path, sep, cls = spec.rpartition(":")
     if not sep or not path or not all(part.isidentifier() for part in cls.split(".")) or cls.count(".") > 1:
-        raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName (a Modal app: Cls, Cls.method "
-                        f"or function)")
+        raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName (a Modal app: "
+                        f"Cls, Cls.method or function)")
     if not os.path.isfile(path):
         raise UserError(f"--handler {spec!r}: file {path} not found")
     return path, cls
 
 
 def check_handler_source(source, cls, where):
-    """Check without running it that `source` defines class `cls` with @calque.enter and @calque.batch."""
+    """Check, without running it, that `source` defines `cls` with @calque.enter and @batch."""
     tree = parse_source(source, where)
     if imports_modal(tree):
         return check_modal_source(tree, cls, where)
@@ -801,8 +733,8 @@ def check_handler_source(source, cls, where):
                     roles.add(name)
     missing = [f"@calque.{r}" for r in ("enter", "batch") if r not in roles]
     if missing:
-        raise UserError(f"handler {where}: class {cls} lacks {' and '.join(missing)}: decorate its load and batch "
-                        "methods")
+        raise UserError(f"handler {where}: class {cls} lacks {' and '.join(missing)}: decorate its "
+                        "load and batch methods")
 
 
 def stream_prefix(model, stream):
@@ -811,10 +743,8 @@ def stream_prefix(model, stream):
 
 
 class Streamed(list):
-    """A generator's items; for a .remote_gen call (`stream`, its id), also written to the store as
-    they come: {"start": index, "values": [...]} chunks, the first at once, the next STREAM_FLUSH s
-    after (a timer: an item is never held for the next one). The call's result, the whole list, says
-    what a caller has not read yet; a failed write only stops the stream."""
+    """A generator's items, also written to the store for a .remote_gen call (`stream`) as chunks
+    {"start": index, "values": [...]}, the first at once, then every STREAM_FLUSH s."""
 
     def __init__(self, streams, stream):
         ok = streams and isinstance(stream, str) and re.fullmatch(r"[0-9a-f]{32}", stream)
@@ -860,12 +790,11 @@ def import_file(path, name):
 
 
 def load_handler(path, cls, modal=None, container=False):
-    """Import the handler class from a file and return (instance, enter_method, batch_method, collate or None).
-    A Modal app file gives a ModalHandler (`modal`: the pool record's modal options; `container`: in a worker,
-    where `with image.imports():` blocks import for real)."""
+    """(instance, enter, batch, collate or None) of the handler class in a file; a Modal app file
+    gives a ModalHandler (`modal`: the pool's modal options; `container`: in a worker)."""
     with open(path, "rb") as f:
         if imports_modal(f.read(), path):
-            os.environ.update((modal or {}).get("image", {}).get("env", {}))   # before the app's code reads it
+            os.environ.update((modal or {}).get("image", {}).get("env", {}))   # before the app runs
             _, target, method = import_modal_app(path, cls, container)
             handler = ModalHandler(target, method, modal or {})
             return handler, handler.enter, handler.batch, handler.collate
@@ -882,11 +811,11 @@ def load_handler(path, cls, modal=None, container=False):
 
 
 # ------------------------------------------------------------------------------------------------
-# Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the decorators declare;
-# ModalHandler gives warmd the enter / batch / collate shape of a calque handler. docs/modal.md: what maps to what.
+# Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the
+# decorators declare; ModalHandler gives it a handler's shape (docs/modal.md).
 MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]}
 STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
-MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}   # Modal name -> rates'
+MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}  # rates
 
 
 def parse_source(source, where):
@@ -898,7 +827,7 @@ def parse_source(source, where):
 
 
 def imports_modal(source, where="handler"):
-    """Whether a handler's source (bytes, or its parsed tree) imports modal: then it is a Modal app file."""
+    """Whether a handler's source (bytes, or its parsed tree) imports modal: a Modal app file."""
     tree = source if isinstance(source, ast.AST) else parse_source(source, where)
     return any(isinstance(node, ast.Import) and any(a.name.split(".")[0] == "modal" for a in node.names)
                or isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "modal"
@@ -906,7 +835,7 @@ def imports_modal(source, where="handler"):
 
 
 def check_modal_source(tree, name, where):
-    """Check without running it that a Modal app file defines `name` (Cls, Cls.method or function) at top level."""
+    """Check, without running it, that a Modal app file defines `name` (Cls[.method], function)."""
     top, _, method = name.partition(".")
     defined = {node.name: node for node in tree.body
                if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))}
@@ -917,7 +846,7 @@ def check_modal_source(tree, name, where):
 
 
 def load_modal_shim():
-    """The stand-in `modal`, put in sys.modules (the real one, if installed, is shadowed: see modal_shim/modal.py)."""
+    """The stand-in `modal` in sys.modules (shadowing a real one: see modal_shim/modal.py)."""
     shim, path = sys.modules.get("modal"), package_file("modal_shim", "modal.py")
     if getattr(shim, "__file__", None) != path:
         shim = import_file(path, "modal")
@@ -925,12 +854,12 @@ def load_modal_shim():
 
 
 def import_modal_file(path, container=False):
-    """(shim, module) of a Modal app file imported for real under the stand-in. Whatever stops the import is one
-    UserError naming the file and line: a refused construct, a module this Python lacks, any exception."""
+    """(shim, module) of a Modal app file imported under the stand-in; whatever stops the import is
+    one UserError naming file and line."""
     shim = load_modal_shim()
     shim.container = container
     folder = os.path.dirname(os.path.abspath(path))
-    if folder not in sys.path:   # its sibling modules import, as `python app.py` / `modal run app.py` find them
+    if folder not in sys.path:   # its sibling modules import, as under `modal run app.py`
         sys.path.insert(0, folder)
     try:
         return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
@@ -939,15 +868,15 @@ def import_modal_file(path, container=False):
 
 
 def user_code_error(path, e, container=False):
-    """One line for an exception raised by a user's file: where (file:line, its innermost frame there) and what."""
+    """One line for an exception in a user's file: where (file:line) and what."""
     lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
              if os.path.abspath(f.filename) == os.path.abspath(path)]
     where = f"{path}:{e.lineno if isinstance(e, SyntaxError) else (lines or ['?'])[-1]}"
     if type(e).__name__ == "Unsupported":
         return f"{where}: {e}"
     if isinstance(e, ImportError) and (e.name or "").startswith("modal."):
-        return (f"{where}: import {e.name} is not supported on a calque pool (the stand-in modal is one module) "
-                f"---> HINT: import modal and use modal.X")
+        return (f"{where}: import {e.name} is not supported on a calque pool (the stand-in modal "
+                f"is one module) ---> HINT: import modal and use modal.X")
     if isinstance(e, ModuleNotFoundError):
         return (f"{where}: module {e.name!r} is not installed in this Python ({sys.executable}) ---> HINT: "
                 f"{sys.executable} -m pip install PACKAGE (the one that provides {e.name})"
@@ -961,8 +890,7 @@ def one_line(message):
 
 
 def import_modal_app(path, name, container=False):
-    """(shim, registered object, method name or None) of `name` in a Modal app file, imported for real. A construct
-    the stand-in refuses is a UserError naming it."""
+    """(shim, registered object, method name or None) of `name` in a Modal app file."""
     shim, module = import_modal_file(path, container)
     top, _, method = name.partition(".")
     target = getattr(module, top, None)
@@ -976,8 +904,8 @@ def import_modal_app(path, name, container=False):
         raise UserError(f"{path}:{name}: {top} is not an @app.cls class or an @app.function function")
     methods = target.methods()
     if method and method not in methods:
-        raise UserError(f"{path}:{name}: {top}.{method} is not a @modal.method or @modal.batched method "
-                        f"(those: {', '.join(methods) or 'none'})")
+        raise UserError(f"{path}:{name}: {top}.{method} is not a @modal.method or @modal.batched "
+                        f"method (those: {', '.join(methods) or 'none'})")
     if not method and len(methods) != 1:
         raise UserError(f"{path}:{name}: class {top} has {len(methods)} methods ({', '.join(methods) or 'none'}) "
                         f"---> HINT: name one: --handler {path}:{top}.METHOD")
@@ -985,8 +913,8 @@ def import_modal_app(path, name, container=False):
 
 
 def read_env_file(path, where):
-    """KEY=value lines of a --secret file, as pool.env's; a file not on this machine (an EC2 worker) gives none:
-    there the variables come from the pool's environment."""
+    """KEY=value lines of a --secret file; none where it is absent (EC2: the pool's env has
+    them)."""
     if not os.path.isfile(path):
         return {}
     with open(path, "rb") as f:
@@ -1007,18 +935,18 @@ def modal_param(user_cls, key, value):
 
 
 def mount_volume(mount, folder):
-    """Make the app's volume mount path (/data) show `folder`: a symbolic link where nothing is yet."""
+    """Make the app's volume mount path (/data) show `folder`: a symlink where nothing is yet."""
     if os.path.lexists(mount):
         if not (os.path.exists(mount) and os.path.samefile(mount, folder)):
-            raise UserError(f"volume mount {mount} exists and is not {folder} ---> HINT: move it, or name it with "
-                            f"--volume NAME={mount}")
+            raise UserError(f"volume mount {mount} exists and is not {folder} ---> HINT: move it, "
+                            f"or name it with --volume NAME={mount}")
         return
     try:
         os.makedirs(os.path.dirname(mount), exist_ok=True)
         os.symlink(folder, mount)
     except OSError as e:
-        raise UserError(f"volume mount {mount}: cannot link it to {folder} ({e.strerror}) ---> HINT: "
-                        f"sudo ln -s {folder} {mount} on the worker machine")
+        raise UserError(f"volume mount {mount}: cannot link it to {folder} ({e.strerror}) ---> "
+                        f"HINT: sudo ln -s {folder} {mount} on the worker machine")
 
 
 def key_values(pairs, flag):
@@ -1033,10 +961,10 @@ def key_values(pairs, flag):
 
 
 class ModalHandler:
-    """A Modal @app.cls method or @app.function as a calque handler. enter() runs the @modal.enter hooks (snap=True
-    first) and __enter__ once; batch(payloads) makes one call per item (@modal.method; a list item is splatted for a
-    method of several parameters, as .starmap does) or one per max_batch_size items (@modal.batched), up to
-    @modal.concurrent(max_inputs) item calls at once; calque_exit() runs @modal.exit hooks and __exit__."""
+    """A Modal @app.cls method or @app.function as a calque handler. enter() runs the @modal.enter
+    hooks (snap=True first) and __enter__; batch() calls per item (@modal.method; a list item
+    splatted, as .starmap) or per max_batch_size items (@modal.batched),
+    @modal.concurrent(max_inputs) at once; calque_exit() runs the @modal.exit hooks and __exit__."""
     streams = None   # (store, model), set by warmd: where .remote_gen calls' items go (Streamed)
 
     def __init__(self, target, method, options):
@@ -1055,7 +983,7 @@ class ModalHandler:
         for name, path in self.options.get("secrets", {}).items():
             for key, value in read_env_file(path, f"--secret {name}").items():
                 os.environ.setdefault(key, value)
-        for secret in self.target.options["secrets"]:   # modal.Secret.from_dict: its values are in the source
+        for secret in self.target.options["secrets"]:   # modal.Secret.from_dict: in the source
             for key, value in secret.values.items():
                 os.environ.setdefault(key, value)
         for mount, folder in self.options.get("volumes", {}).items():
@@ -1067,8 +995,8 @@ class ModalHandler:
         for key, default in self.target.parameters().items():
             value = self.options.get("params", {}).get(key, default)
             if value is inspect.Parameter.empty:
-                raise UserError(f"{self.raw.__name__}.{key} is a modal.parameter() without a default: "
-                                f"pool create --param {key}=VALUE")
+                raise UserError(f"{self.raw.__name__}.{key} is a modal.parameter() without a "
+                                f"default: pool create --param {key}=VALUE")
             setattr(self.instance, key, modal_param(self.raw, key, value))
         for hook in self._hooks("enter"):
             hook(self.instance)
@@ -1089,11 +1017,11 @@ class ModalHandler:
         role = getattr(self.fn, "_modal_role", {})
         if role.get("kind") == "batched":
             size, out = role["max_batch_size"], []
-            for k in range(0, len(payloads), size):   # several parameters: one list per parameter, as Modal's
+            for k in range(0, len(payloads), size):   # a list per parameter, as Modal's
                 columns = zip(*(self._args(item)[0] for item in payloads[k:k + size]))
                 out += self._call([list(c) for c in columns], {})
             return out
-        if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item of a failed batch
+        if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item
             ok, value = self.replay.pop(id(payloads[0]))
             if ok:
                 return [value]
@@ -1101,13 +1029,12 @@ class ModalHandler:
         outcomes = self._each(payloads)
         if all(ok for ok, _ in outcomes):
             return [value for _, value in outcomes]
-        # warmd retries a failed batch item by item: replay each item's outcome rather than call it twice
+        # warmd retries a failed batch item by item: replay each outcome, not a second call
         self.replay = {id(p): outcome for p, outcome in zip(payloads, outcomes)}
         raise next(value for ok, value in outcomes if not ok)
 
     def _args(self, item):
-        """(args, kwargs) of an item: a `modal run` call's own ({"__modal_call__": [args, kwargs]}); else the item
-        (a JSON list splatted for a function of several parameters, as .starmap)."""
+        """(args, kwargs) of an item: a `modal run` call's own, else the item (a list splatted)."""
         if isinstance(item, dict) and len(item) == 1 and MODAL_CALL_KEY in item:
             args, kwargs, *stream = item[MODAL_CALL_KEY]
             return args, kwargs, *stream[:1]
@@ -1134,7 +1061,7 @@ class ModalHandler:
         calls = [self._args(item) for item in payloads]
         limit = getattr(self.raw, "_modal_concurrent", 1)
         if inspect.iscoroutinefunction(self.fn) or inspect.isasyncgenfunction(self.fn):
-            import asyncio   # here, not at the top: with ssl, its import cost every command and worker ~50 ms
+            import asyncio
             return asyncio.run(self._each_async(calls, limit))
 
         def one(call):
@@ -1171,16 +1098,17 @@ class ModalHandler:
 
 # ------------------------------------------------------------------------------------------------
 # numeric items as views, and what an AWS error says
-NPY_HEADER_MAX = 10 + 65535   # bytes of a version 1.0 .npy header at most (numpy writes 1.0 for any plain dtype)
+NPY_HEADER_MAX = 10 + 65535   # bytes of a version 1.0 .npy header at most (plain dtypes')
 
 
 def npy_view(data):
-    """A read-only numpy array over the bytes of a .npy object, without copying them (np.load would).
-    Refuses object dtypes (they would need pickle) and Fortran order."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    """A read-only numpy array over a .npy object's bytes, not copied; refuses object dtypes
+    (pickle) and Fortran order."""
+    import numpy as np
     f = io.BytesIO(bytes(data[:NPY_HEADER_MAX]))   # the header alone: the values are not copied
     version = np.lib.format.read_magic(f)
-    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    fmt = np.lib.format
+    read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
     shape, fortran_order, dtype = read_header(f)
     if dtype.hasobject or fortran_order:
         raise ValueError("object or Fortran-ordered array refused")
@@ -1189,8 +1117,8 @@ def npy_view(data):
 
 
 def array_items(store, manifest):
-    """A numeric claim's items: a list of {field: view}, every view into the fetched bytes, merged into the
-    manifest's JSON `items` when it has both (a table's text and numeric columns); None where `valid` is False."""
+    """A numeric claim's items: [{field: view into the fetched bytes}], merged into the manifest's
+    JSON `items` when it has both; None where `valid` is False."""
     fields, count = {}, manifest["count"]
     for name, keys in manifest["arrays"].items():
         values, offsets, valid = (npy_view(store.get(keys[role])) if role in keys else None
@@ -1209,8 +1137,8 @@ def array_items(store, manifest):
     return items
 
 
-SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # SQS's two codes for "no such queue"
-STALE_RECEIPT = ("ReceiptHandleIsInvalid", "InvalidParameterValue")   # SQS refusing an ack: the receipt went stale
+SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # no such queue
+STALE_RECEIPT = ("ReceiptHandleIsInvalid", "InvalidParameterValue")   # an ack's receipt went stale
 
 
 def _aws_error_code(error):
@@ -1218,8 +1146,7 @@ def _aws_error_code(error):
 
 
 def _aws_error_info(error):
-    """The Error part of a botocore error's response; {} for errors that have none (a dropped connection's
-    `response` is None)."""
+    """The Error part of a botocore error's response; {} for none (a dropped connection's)."""
     return (getattr(error, "response", None) or {}).get("Error", {})
 
 
@@ -1232,19 +1159,18 @@ def aws_error_line(error):
 
 
 def aws_client_config(region):
-    """The botocore settings of every AWS client calque makes: standard retries (throttling and transient
-    errors, 5 attempts in all) and timeouts short enough that an unreachable endpoint fails in seconds."""
-    import botocore.config   # lazy: the embedded backend never loads boto3/botocore
+    """The botocore settings of every AWS client: standard retries, timeouts of seconds."""
+    import botocore.config
     retries = {"mode": "standard"}
-    if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries per call, unless set as for any AWS tool
+    if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries a call, unless set
         retries["max_attempts"] = 5
     return botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30)
 
 
 # ------------------------------------------------------------------------------------------------
-# 3. backends. A backend is a store (get/put/put_new/exists/list/delete/delete_prefix/uri/key_for_uri) plus
-# queues (create_queue/open_queue/delete_queue; a queue has send/receive/delete/change_visibility/counts).
-# Both count their requests in `requests`, which the cost model prices.
+# 3. backends. A backend is a store (get/put/put_new/exists/list/delete/delete_prefix/uri/
+# key_for_uri) plus queues (create/open/delete_queue; a queue: send/receive/delete/
+# change_visibility/counts). Both count their requests in `requests` (priced by the cost model).
 class Message:
     __slots__ = ("body", "receipt", "receive_count")
 
@@ -1253,10 +1179,8 @@ class Message:
 
 
 class Requests(Counter):
-    """A backend's request counts (REQUEST_KEYS). A thread may tally its own apart as well: inside
-    `with requests.tally(counter)` each request it makes also counts in `counter`, outside one in `loose`.
-    warmd tallies each claim's requests so, since its claims overlap (one drains while the previous one's
-    writes go out and the next one is received); its loose ones (idle polls, stats) go to its next summary."""
+    """A backend's request counts (REQUEST_KEYS). Inside `with requests.tally(counter)` a thread's
+    requests also count in `counter`, else in `loose` (warmd's overlapping claims: one each)."""
 
     def __init__(self, *args, **kwargs):
         self.loose, self._thread = Counter(), threading.local()
@@ -1269,7 +1193,7 @@ class Requests(Counter):
 
     @contextlib.contextmanager
     def tally(self, counter):
-        """This thread's requests also count in `counter` (None: in no tally: a summary counted them ahead)."""
+        """This thread's requests also count in `counter` (None: in no tally)."""
         saved = getattr(self._thread, "tally", self.loose)
         self._thread.tally = Counter() if counter is None else counter
         try:
@@ -1278,7 +1202,7 @@ class Requests(Counter):
             self._thread.tally = saved
 
     def carried(self, fn):
-        """fn, to be run on another thread with this thread's tally (a request made there for the same claim)."""
+        """fn, to run on another thread with this thread's tally."""
         tally = getattr(self._thread, "tally", self.loose)
 
         def run(*args):
@@ -1287,8 +1211,9 @@ class Requests(Counter):
         return run
 
     def take(self):
-        """This thread's tally plus the loose requests, both emptied; until its tally block ends, what the
-        thread requests next counts in no tally (a summary taken now counts its own last writes ahead)."""
+        """This thread's tally plus the loose requests, both emptied; the thread's next requests
+        count in no tally until its tally block ends (a summary taken now counts its own last
+        writes)."""
         mine = getattr(self._thread, "tally", None)
         taken, self.loose = self.loose, Counter()
         if mine is not None:
@@ -1298,15 +1223,13 @@ class Requests(Counter):
 
 
 class LocalStore:
-    """A directory of objects. A write lands in a temporary file that is renamed over the key, so a reader
-    sees the old object or the new one, never half of one; files are not fsynced (a power loss may lose the
-    last writes, a process crash loses nothing). A file system error (read-only, full, permissions) is a
-    StoreFault naming the key."""
+    """A directory of objects: a write goes to a temporary file renamed over the key (never half an
+    object; not fsynced). A file system error is a StoreFault naming the key."""
 
     def __init__(self, root, requests):
         self.root = os.path.realpath(root)
         self.requests = requests
-        self.keys_listed = 0   # keys every list() returned (the bench's measure of a waiting submit's work)
+        self.keys_listed = 0   # keys every list() returned (a bench measures a waiting submit)
 
     def _path(self, key):
         return os.path.join(self.root, key)
@@ -1324,8 +1247,9 @@ class LocalStore:
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
     def _fault(self, doing, key, error):
-        return StoreFault(f"store {self.root}: cannot {doing} {key} ({error.strerror or error}) ---> HINT: check that "
-                          f"the folder is writable and has free space, then retry")
+        return StoreFault(f"store {self.root}: cannot {doing} {key} ({error.strerror or error}) "
+                          f"---> HINT: check that the folder is writable and has free space, "
+                          f"then retry")
 
     def get(self, key):
         self.requests["store_gets"] += 1
@@ -1342,14 +1266,14 @@ class LocalStore:
         self._publish(key, data, os.replace)
 
     def put_new(self, key, data):
-        """put, only where the key does not exist yet; True when this call wrote it. Atomic: os.link of the
-        complete temporary file fails on an existing name, so of two racing writers exactly one wins."""
+        """put where the key does not exist yet; True when this call wrote it. os.link of the whole
+        temporary file fails on an existing name: of two racing writers one wins."""
         self.requests["store_puts"] += 1
         return self._publish(key, data, _link_new)
 
     def _publish(self, key, data, place):
-        """Write data to a temporary file beside the key, then return place(tmp, path); the temporary file
-        never outlives the call (a full disk leaves no partial file behind)."""
+        """Write data beside the key, then place(tmp, path); the temporary file never outlives
+        it."""
         path = self._path(key)
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
         try:
@@ -1367,7 +1291,7 @@ class LocalStore:
         raise self._fault("write", key, failed)
 
     def delete(self, key):
-        """Remove the key, and its folder if that is left empty (on S3 a folder is only a prefix of keys)."""
+        """Remove the key, and its folder if left empty (on S3 a folder is only a prefix)."""
         with contextlib.suppress(FileNotFoundError):
             os.remove(self._path(key))
         with contextlib.suppress(OSError):   # not empty: another key lives there
@@ -1378,9 +1302,8 @@ class LocalStore:
         return os.path.exists(self._path(key))
 
     def list(self, prefix, start_after=None):
-        """Keys under a prefix that ends in '/', one level deep (enough for every layout here), in order; with
-        `start_after`, only the keys that sort after it (as S3's StartAfter). Hidden cost: the folder is still
-        read whole (one listdir, ~1 us a name); what is skipped is the caller's work on the keys."""
+        """Keys under a prefix ending in '/', one level deep, in order; with `start_after`, only
+        those that sort after it (as S3's StartAfter)."""
         self.requests["store_lists"] += 1
         try:
             names = os.listdir(self._path(prefix))
@@ -1396,11 +1319,12 @@ class LocalStore:
 
     def delete_prefix(self, prefix):
         """Delete every key under the prefix; returns (objects, bytes) deleted."""
-        sizes = [os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self._path(prefix)) for f in files]
-        shutil.rmtree(self._path(prefix), ignore_errors=True)   # ignores files a concurrent writer removed first
-        if os.path.lexists(self._path(prefix)):                 # but not a folder that stayed: say so
-            raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the folder's permissions, "
-                             f"then retry")
+        sizes = [os.path.getsize(os.path.join(d, f))
+                 for d, _, files in os.walk(self._path(prefix)) for f in files]
+        shutil.rmtree(self._path(prefix), ignore_errors=True)   # files removed meanwhile are fine
+        if os.path.lexists(self._path(prefix)):                 # a folder that stayed is not
+            raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the "
+                             f"folder's permissions, then retry")
         return len(sizes), sum(sizes)
 
 
@@ -1412,16 +1336,10 @@ def _link_new(tmp, path):
     except FileExistsError:
         return False
 
-    def delete(self, key):
-        """Delete one object; one that is not there is no error."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self._path(key))
-
 
 class LocalQueues:
-    """SQS semantics on one SQLite file: visibility timeout, receive count, long-poll wait, depth counts.
-    WAL mode, so many worker processes read while one writes; a claim takes the write lock (BEGIN IMMEDIATE)
-    for the few microseconds of its UPDATE, so two workers never receive the same message."""
+    """SQS semantics on one SQLite file (WAL: many workers read while one writes); a claim takes the
+    write lock (BEGIN IMMEDIATE) for its UPDATE, so two workers never receive the same message."""
 
     SCHEMA = """
     CREATE TABLE IF NOT EXISTS queues (
@@ -1442,13 +1360,11 @@ class LocalQueues:
 
     def __init__(self, path, requests):
         self.path, self.requests = path, requests
-        self._local = threading.local()   # one lazy connection per thread: the heartbeat has its own
+        self._local = threading.local()   # a lazy connection per thread (the heartbeat's own)
 
     def db(self):
-        """This thread's connection. Every QUEUE_FILE_CHECK seconds (one stat) it checks that the file at the
-        path is still the one it opened: a queue file deleted or replaced under a running process would
-        otherwise be polled forever while new claims go to the new file. Then the connection is dropped with
-        a StoreFault (a worker logs it and retries), and the next call opens the file now at the path."""
+        """This thread's connection. Every QUEUE_FILE_CHECK s it checks that the path still holds
+        its file; if not (deleted, replaced), a StoreFault, and the next call opens the new one."""
         local = self._local
         if getattr(local, "conn", None) is not None and time.monotonic() >= local.check_at:
             local.check_at = time.monotonic() + QUEUE_FILE_CHECK
@@ -1456,18 +1372,16 @@ class LocalQueues:
                 local.conn.close()
                 local.conn = None
                 raise StoreFault(f"local queue {self.path} was deleted or replaced under this process: the claims "
-                                 f"it held are gone ---> HINT: recreate the pools (`pool create` is idempotent) and "
-                                 f"submit their runs again")
+                                 f"it held are gone ---> HINT: recreate the pools (`pool create` "
+                                 f"is idempotent) and submit their runs again")
         if getattr(local, "conn", None) is None:
             local.conn, local.file_id = self._open()
             local.check_at = time.monotonic() + QUEUE_FILE_CHECK
         return local.conn
 
     def _open(self):
-        """A new connection and the id of the file it opened. A queue file missing while its -wal and -shm files
-        remain was deleted under processes that still write that log: sharing it would corrupt the new file,
-        so, under a lock (two openers must not remove each other's fresh log), the two are unlinked first; the
-        old processes keep theirs open until their own check drops it."""
+        """A new connection and its file's id. A queue file gone while its -wal and -shm remain:
+        those are removed first, under a lock (live processes' log would corrupt the new file)."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         if os.path.exists(self.path):
             return self._connect()
@@ -1480,7 +1394,7 @@ class LocalQueues:
             return self._connect()
 
     def _connect(self):
-        conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)   # autocommit; BEGIN IMMEDIATE when needed
+        conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)   # autocommit
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")   # durable across process crashes, not power loss
         conn.executescript(self.SCHEMA)
@@ -1499,8 +1413,8 @@ class LocalQueues:
 
     def create_queue(self, name, visibility_timeout):
         with self.transaction() as db:
-            db.execute("INSERT INTO queues VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET visibility_timeout = "
-                       "excluded.visibility_timeout",
+            db.execute("INSERT INTO queues VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
+                       "visibility_timeout = excluded.visibility_timeout",
                        (name, visibility_timeout, time.time()))
         return LocalQueue(self, name, visibility_timeout)
 
@@ -1530,13 +1444,10 @@ class LocalQueue:
         self.queues, self.name, self.visibility_timeout = queues, name, visibility_timeout
 
     def send(self, body):
-        self.queues.requests["queue_other"] += 1
-        with self.queues.transaction() as db:
-            db.execute("INSERT INTO messages (queue, body, visible_at, sent_at) VALUES (?, ?, ?, ?)",
-                       (self.name, body, 0.0, time.time()))
+        self.send_batch([body])
 
     def send_batch(self, bodies):
-        """Send up to SEND_BATCH messages in one transaction (one request, as SQS's SendMessageBatch)."""
+        """Send up to SEND_BATCH messages in one transaction (one request, as SendMessageBatch)."""
         self.queues.requests["queue_other"] += 1
         now = time.time()
         with self.queues.transaction() as db:
@@ -1544,12 +1455,12 @@ class LocalQueue:
                            [(self.name, body, 0.0, now) for body in bodies])
 
     def receive(self, wait_seconds, should_stop=lambda: False):
-        """One message or None after wait_seconds. The wait probes an index every LOCAL_POLL_INTERVAL
-        (read-only, no lock) and takes the write lock only when a message is ready."""
+        """One message or None after wait_seconds: an index is probed every LOCAL_POLL_INTERVAL, and
+        the write lock taken only when a message is ready."""
         deadline = time.monotonic() + wait_seconds
         while True:
             now = time.time()
-            if self.queues.db().execute(LocalQueues.SQL_READY, (self.name, now)).fetchone():   # db(): file check
+            if self.queues.db().execute(LocalQueues.SQL_READY, (self.name, now)).fetchone():
                 with self.queues.transaction() as tx:
                     row = tx.execute(LocalQueues.SQL_NEXT, (self.name, now)).fetchone()
                     if row:
@@ -1566,26 +1477,25 @@ class LocalQueue:
     def change_visibility(self, message, seconds):
         self.queues.requests["queue_other"] += 1
         with self.queues.transaction() as db:
-            changed = db.execute(LocalQueues.SQL_VISIBILITY, (time.time() + seconds, int(message.receipt.split(":")[0]),
-                                                              message.receipt)).rowcount
+            row_id = int(message.receipt.split(":")[0])
+            changed = db.execute(LocalQueues.SQL_VISIBILITY,
+                                 (time.time() + seconds, row_id, message.receipt)).rowcount
         if not changed:
             raise LeaseLost(f"queue {self.name}: receipt no longer valid")
 
     def delete(self, message):
-        """Ack. False when the receipt went stale (the message was redelivered to another worker)."""
+        """Ack. False when the receipt went stale (the message went to another worker)."""
         return not self.delete_batch([message])
 
     def delete_batch(self, messages):
-        """Ack up to SEND_BATCH messages in one transaction (one request, as SQS's DeleteMessageBatch); the
-        messages whose receipt went stale."""
+        """Ack up to SEND_BATCH messages in one transaction; those whose receipt went stale."""
         self.queues.requests["queue_other"] += 1
         with self.queues.transaction() as db:
             return [m for m in messages
                     if db.execute(LocalQueues.SQL_DELETE, (int(m.receipt.split(":")[0]), m.receipt)).rowcount != 1]
 
     def created_at(self):
-        """Epoch s the queue was created (a queue created after a run was sent lost that run's
-        claims)."""
+        """Epoch s the queue was created (a queue created after a run was sent lost its claims)."""
         self.queues.requests["queue_other"] += 1
         row = self.queues.db().execute("SELECT created_at FROM queues WHERE name = ?", (self.name,)).fetchone()
         return row[0]
@@ -1618,16 +1528,13 @@ class LocalBackend:
 
 
 def endpoint_retried(method):
-    """An S3 or SQS call that outlasts an endpoint blip: a dropped, refused or timed-out connection is retried
-    with backoff (ENDPOINT_BACKOFF) for up to the owner's `endpoint_retry` seconds (CALQUE_ENDPOINT_RETRY;
-    botocore's own few retries come first inside each try), then it is a StoreFault in one line. Without it
-    a `submit` waiting on a run died of a 15 s blip while the run itself finished. Hidden cost: an endpoint
-    that is really gone takes that long to report. Only calls that may run twice carry it: a repeated send
-    is a duplicate claim, which its worker acks as one."""
+    """An S3 or SQS call that outlasts an endpoint blip: a dropped, refused or timed-out connection
+    is retried with backoff (ENDPOINT_BACKOFF) for `endpoint_retry` s, then it is a StoreFault. Only
+    calls that may run twice carry it (a repeated send is a duplicate claim, acked as one)."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        import botocore.exceptions   # lazy: the embedded backend never loads boto3/botocore
+        import botocore.exceptions
         deadline = time.monotonic() + self.endpoint_retry
         delay = ENDPOINT_BACKOFF[0]
         while True:
@@ -1647,7 +1554,7 @@ class S3Store:
     def __init__(self, s3, bucket, prefix, requests, endpoint_retry=0.0):
         self.s3, self.bucket, self.prefix, self.requests = s3, bucket, prefix, requests
         self.endpoint_retry = endpoint_retry
-        self.keys_listed = 0   # keys every list() returned (the bench's measure of a waiting submit's work)
+        self.keys_listed = 0   # keys every list() returned (a bench measures a waiting submit)
         self.endpoint = s3.meta.endpoint_url if s3 else None
 
     def _key(self, key):
@@ -1678,9 +1585,8 @@ class S3Store:
 
     @endpoint_retried
     def put_new(self, key, data):
-        """put, only where the key does not exist yet (a conditional write, If-None-Match: *); True when this
-        call wrote it. S3 answers 412 when the key exists, 409 while a racing conditional write is in flight
-        (then the outcome is not known yet: ask again)."""
+        """put where the key does not exist yet (If-None-Match: *); True when this call wrote it. S3
+        answers 412 when it exists, 409 while a racing conditional write runs (ask again)."""
         self.requests["store_puts"] += 1
         for delay in (0.05, 0.1, 0.2, 0.4, 0.8, None):
             try:
@@ -1696,10 +1602,6 @@ class S3Store:
                 time.sleep(delay)
 
     @endpoint_retried
-    def delete(self, key):
-        self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
-
-    @endpoint_retried
     def exists(self, key):
         self.requests["store_gets"] += 1
         try:
@@ -1712,8 +1614,7 @@ class S3Store:
 
     @endpoint_retried
     def list(self, prefix, start_after=None):
-        """Keys and folders (without their trailing '/') one level under a prefix, as LocalStore.list; with
-        `start_after`, only those after it (ListObjectsV2's StartAfter: S3 skips the rest, one page per 1000)."""
+        """Keys and folders one level under a prefix, as LocalStore.list."""
         keys = []
         more = {"StartAfter": self._key(start_after)} if start_after is not None else {}
         pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix),
@@ -1728,15 +1629,16 @@ class S3Store:
 
     @endpoint_retried
     def delete_prefix(self, prefix):
-        """Delete every key under the prefix, a DeleteObjects request per listed page (1000 keys); returns
-        (objects, bytes) deleted."""
+        """Delete every key under the prefix, a DeleteObjects a page; returns (objects, bytes)."""
         count = size = 0
-        for page in self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix)):
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                  Prefix=self._key(prefix))
+        for page in pages:
             self.requests["store_lists"] += 1
             objects = page.get("Contents", [])
             if objects:
-                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": [{"Key": o["Key"]} for o in objects],
-                                                                   "Quiet": True})
+                keys = [{"Key": o["Key"]} for o in objects]
+                self.s3.delete_objects(Bucket=self.bucket, Delete={"Objects": keys, "Quiet": True})
                 self.requests["store_puts"] += 1
                 count, size = count + len(objects), size + sum(o["Size"] for o in objects)
         return count, size
@@ -1759,13 +1661,13 @@ class SqsQueues:
         except Exception as e:
             if _aws_error_code(e) not in ("QueueAlreadyExists", "QueueNameExists"):
                 raise
-            url = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]   # exists with other settings: adopt ours
+            url = self.sqs.get_queue_url(QueueName=name)["QueueUrl"]   # other settings: ours
             self.sqs.set_queue_attributes(QueueUrl=url, Attributes=attributes)
         return SqsQueue(self, name, url, visibility_timeout)
 
     @endpoint_retried
     def open_queue(self, name):
-        """Resolve a queue, retrying briefly: a queue just created may take seconds to resolve on SQS."""
+        """Resolve a queue, retrying briefly: a new queue may take seconds to resolve on SQS."""
         deadline = time.monotonic() + QUEUE_OPEN_RETRY
         delay = 0.1
         while True:
@@ -1803,8 +1705,7 @@ class SqsQueue:
 
     @endpoint_retried
     def send_batch(self, bodies):
-        """Send up to SEND_BATCH messages in one SendMessageBatch request; an entry SQS refuses (throttled, say)
-        is sent again alone (a repeat after a dropped connection is a duplicate claim, acked as one)."""
+        """Send up to SEND_BATCH messages in one request; an entry refused is sent again alone."""
         self.queues.requests["queue_other"] += 1
         reply = self.sqs.send_message_batch(QueueUrl=self.url, Entries=[
             {"Id": str(n), "MessageBody": body} for n, body in enumerate(bodies)])
@@ -1812,9 +1713,8 @@ class SqsQueue:
             self.send(bodies[int(failed["Id"])])
 
     def receive(self, wait_seconds, should_stop=lambda: False):
-        # should_stop is not consulted inside the long poll: warmd's SIGTERM handler interrupts it instead.
+        # should_stop is not consulted in the long poll: warmd's SIGTERM handler interrupts it
         reply = self.sqs.receive_message(QueueUrl=self.url, MaxNumberOfMessages=1,
-                                         # whole seconds; 0 = short poll
                                          WaitTimeSeconds=math.ceil(min(wait_seconds, 20)),
                                          MessageSystemAttributeNames=["ApproximateReceiveCount"])
         messages = reply.get("Messages", [])
@@ -1823,7 +1723,8 @@ class SqsQueue:
             return None
         self.queues.requests["queue_receives"] += 1
         m = messages[0]
-        return Message(m["Body"], m["ReceiptHandle"], int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1)))
+        count = int(m.get("Attributes", {}).get("ApproximateReceiveCount", 1))
+        return Message(m["Body"], m["ReceiptHandle"], count)
 
     def change_visibility(self, message, seconds):
         self.queues.requests["queue_other"] += 1
@@ -1831,7 +1732,7 @@ class SqsQueue:
             self.sqs.change_message_visibility(QueueUrl=self.url, ReceiptHandle=message.receipt,
                                                VisibilityTimeout=int(seconds))
         except Exception as e:
-            if _aws_error_code(e) in ("ReceiptHandleIsInvalid", "InvalidParameterValue", "MessageNotInflight"):
+            if _aws_error_code(e) in (*STALE_RECEIPT, "MessageNotInflight"):
                 raise LeaseLost(f"queue {self.name}: {e}")
             raise
 
@@ -1848,8 +1749,8 @@ class SqsQueue:
 
     @endpoint_retried
     def delete_batch(self, messages):
-        """Ack up to SEND_BATCH messages in one DeleteMessageBatch request; the messages whose receipt went stale.
-        An entry SQS fails for another reason is acked again alone."""
+        """Ack up to SEND_BATCH messages in one request; returns those whose receipt went stale. An
+        entry failed for another reason is acked again alone."""
         self.queues.requests["queue_other"] += 1
         reply = self.sqs.delete_message_batch(QueueUrl=self.url, Entries=[
             {"Id": str(n), "ReceiptHandle": m.receipt} for n, m in enumerate(messages)])
@@ -1872,8 +1773,8 @@ class SqsQueue:
 
 
 class AwsBackend:
-    """SQS + S3 through boto3: the standard credential chain and region; AWS_ENDPOINT_URL (or the
-    service-specific AWS_ENDPOINT_URL_SQS / _S3) points it at moto_server or LocalStack unchanged."""
+    """SQS + S3 through boto3's credential chain and region; AWS_ENDPOINT_URL (or _SQS / _S3) points
+    it at moto_server or LocalStack."""
     kind = "aws"
 
     def __init__(self, uri, endpoint_retry=None):
@@ -1886,7 +1787,7 @@ class AwsBackend:
         if endpoint_retry is None:
             endpoint_retry = setting_number(settings(), "CALQUE_ENDPOINT_RETRY", float, 0)
         self.session = boto3.session.Session()
-        # boto3's own resolution: AWS_REGION / AWS_DEFAULT_REGION, then the profile's region in ~/.aws/config
+        # boto3's resolution: AWS_REGION / AWS_DEFAULT_REGION, then ~/.aws/config's profile
         self.region = self.session.region_name or DEFAULT_REGION
         config = aws_client_config(self.region)
         data = self.data_session(boto3)
@@ -1896,10 +1797,9 @@ class AwsBackend:
 
     @staticmethod
     def data_session(boto3):
-        """The session of the store's and the queues' clients, which leave the timestamps of S3's and SQS's answers
-        as text: calque reads none of them, and botocore parses each one with dateutil, 5-10 % of a GET's CPU and
-        most of a LIST's (S3 answers a LastModified per key). `session` (EC2, IAM...) parses them as usual."""
-        import botocore.session   # lazy: the embedded backend never loads boto3/botocore
+        """A session whose clients leave the answers' timestamps as text: calque reads none, and
+        parsing them is much of a LIST's CPU. `session` (EC2, IAM...) parses them as usual."""
+        import botocore.session
         core = botocore.session.get_session()
         core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=lambda text: text)
         return boto3.session.Session(botocore_session=core)
@@ -1908,29 +1808,29 @@ class AwsBackend:
         return self.uri
 
     def check(self, prefix=""):
-        import botocore.exceptions   # lazy: the embedded backend never loads boto3/botocore
-        try:   # a LIST, not HeadBucket: a worker's role may list only under its own prefixes (it passes one)
+        import botocore.exceptions
+        try:   # a LIST, not HeadBucket: a worker's role may list only under its own prefixes
             self.store.s3.list_objects_v2(Bucket=self.bucket, Prefix=self.store._key(prefix), MaxKeys=1)
         except botocore.exceptions.NoCredentialsError:
-            raise UserError("no AWS credentials found: configure them (aws configure, or AWS_ACCESS_KEY_ID) or use a "
-                            "local CALQUE_STORE")
+            raise UserError("no AWS credentials found: configure them (aws configure, or "
+                            "AWS_ACCESS_KEY_ID) or use a local CALQUE_STORE")
         except botocore.exceptions.EndpointConnectionError as e:
             raise UserError(f"cannot reach the S3 endpoint ({e}): check AWS_ENDPOINT_URL and the network")
         except botocore.exceptions.ClientError as e:
             if _aws_error_code(e) in ("404", "NoSuchBucket", "NotFound"):
-                raise UserError(f"bucket {self.bucket} does not exist: create it (aws s3 mb s3://{self.bucket}) or fix "
-                                "CALQUE_STORE")
-            raise UserError(f"bucket {self.bucket} is not usable ({_aws_error_code(e)}): check your credentials' S3 "
-                            "permissions")
+                raise UserError(f"bucket {self.bucket} does not exist: create it (aws s3 mb "
+                                f"s3://{self.bucket}) or fix CALQUE_STORE")
+            raise UserError(f"bucket {self.bucket} is not usable ({_aws_error_code(e)}): check "
+                            "your credentials' S3 permissions")
 
 
 def open_backend(store=None, check_prefix=""):
-    """The backend CALQUE_STORE names, checked usable by a LIST under check_prefix (a worker passes its
-    own pool's folder, the only one its role may list)."""
+    """The backend CALQUE_STORE names, checked by a LIST under check_prefix (a worker's folder)."""
     store = store or settings()["CALQUE_STORE"]
     if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*:", store) and not store.startswith("s3://") or store.startswith("s3/"):
-        raise UserError(f"CALQUE_STORE={store!r} looks like a mistyped URI ---> HINT: s3://bucket/prefix for S3, or a "
-                        f"folder path (./{store} if a folder of that name is meant)")
+        raise UserError(f"CALQUE_STORE={store!r} looks like a mistyped URI ---> HINT: "
+                        f"s3://bucket/prefix for S3, or a folder path (./{store} if a folder of "
+                        f"that name is meant)")
     backend = AwsBackend(store) if store.startswith("s3://") else LocalBackend(store)
     backend.check(check_prefix)
     return backend
@@ -1939,8 +1839,8 @@ def open_backend(store=None, check_prefix=""):
 # ------------------------------------------------------------------------------------------------
 # 4. records: pool records, run records, summaries, worker stats (all JSON in the store)
 def read_json(backend, key, fix=None):
-    """A JSON record of the store (always an object). One that does not parse, or is not an object, is a
-    StoreFault naming its key (every verb that reads it says so in one line), with `fix` as the next step."""
+    """A JSON object of the store; one unparsable or no object is a StoreFault (`fix`: what to
+    do)."""
     data = backend.store.get(key)
     try:
         value = json.loads(data)
@@ -1961,10 +1861,9 @@ def write_json(backend, key, value):
 
 
 def load_pool(backend, model, missing=None):
-    """The pool record of `model`. None there: a UserError with the closest pool name and `missing` (the next step
-    for this verb; default: create the pool)."""
-    fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its names, "
-           f"then create it again")
+    """The pool record of `model`; none: a UserError naming the closest pool and `missing`."""
+    fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its "
+           f"names, then create it again")
     try:
         record = read_json(backend, pool_key(model), fix)
     except NotFound:
@@ -1972,28 +1871,26 @@ def load_pool(backend, model, missing=None):
                  if backend.store.exists(folder + "/pool.json")]
         close = did_you_mean(model, [n for n in names if isinstance(n, str)])
         raise UserError(f"no pool for model {model!r} in {backend.describe()}{close} ---> HINT: " + (
-            missing or f"create it: `python calque.py pool create --model {model} --handler file.py:Class` "
-                       f"(`pool list` lists the pools)")) from None
+            missing or f"create it: `python calque.py pool create --model {model} --handler "
+                       f"file.py:Class` (`pool list` lists the pools)")) from None
     if not isinstance(record.get("model"), str):
         raise corrupt_record(backend, pool_key(model), "no model name", fix)
     if record["model"] != model:
-        raise UserError(f"model {model!r} shares its queue name with the pool of {record['model']!r}: use that exact "
-                        "name")
+        raise UserError(f"model {model!r} shares its queue name with the pool of "
+                        f"{record['model']!r}: use that exact name")
     return record
 
 
 def name_key(model):
-    """The claim of a slug: {"model": M}, the model that owns pools/<slug>/ (written once, atomically)."""
+    """Who owns a slug: {"model": M}, the model of pools/<slug>/ (written once, atomically)."""
     return f"pools/{slug(model)}/name.json"
 
 
 @contextlib.contextmanager
 def pool_name_claimed(backend, model):
-    """Hold the model's slug (its queue names, its store folder) for a `pool create`. The first model to
-    write pools/<slug>/name.json (a create-if-absent: os.link locally, a conditional PUT on S3) owns the slug;
-    a colliding name (Foo/Bar and foo-bar) is refused, even when the two are created at the same moment.
-    Re-creating the same model is idempotent. A pool made before claims existed is known by its record.
-    A create that fails before its pool record is written gives back the claim it made."""
+    """Hold the model's slug (queue names, store folder) during `pool create`: the first model to
+    write pools/<slug>/name.json (create-if-absent) owns it, so a colliding name (Foo/Bar, foo-bar)
+    is refused even at the same moment. A create that fails before its record gives it back."""
     owner = model
     with contextlib.suppress(NotFound):
         owner = read_json(backend, pool_key(model)).get("model")
@@ -2001,8 +1898,9 @@ def pool_name_claimed(backend, model):
     if owner == model and not created:
         owner = read_json(backend, name_key(model)).get("model")
     if owner != model:
-        raise UserError(f"model {model!r} shares its queue name {pool_queue_name(model)} with the pool of {owner!r} "
-                        f"---> HINT: use that exact name, or one that differs in more than case or punctuation")
+        raise UserError(f"model {model!r} shares its queue name {pool_queue_name(model)} with the "
+                        f"pool of {owner!r} ---> HINT: use that exact name, or one that differs in "
+                        f"more than case or punctuation")
     try:
         yield
     except BaseException:
@@ -2013,8 +1911,7 @@ def pool_name_claimed(backend, model):
 
 
 def check_slug_free(backend, model):
-    """The pool record stored under the model's slug, or None. A UserError when that record is another
-    model's: names that differ only in case or punctuation share one slug, hence one queue."""
+    """The pool record under the model's slug, or None; a UserError when it is another model's."""
     try:
         existing = read_json(backend, pool_key(model))
     except NotFound:
@@ -2026,38 +1923,37 @@ def check_slug_free(backend, model):
 
 
 def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries=None):
-    """{batch_size, visibility_timeout, max_deliveries} of a pool or a cold run: each flag's value when given
-    (at least 1), else its CALQUE_* setting."""
+    """{batch_size, visibility_timeout, max_deliveries}: each flag given (>= 1), or its setting."""
     given = {"batch_size": batch_size, "visibility_timeout": visibility_timeout, "max_deliveries": max_deliveries}
     for name, value in given.items():
         if value is not None and value < 1:
             raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
-    return {name: value or setting_number(conf, f"CALQUE_{name.upper()}", int, 1) for name, value in given.items()}
+    return {k: v or setting_number(conf, f"CALQUE_{k.upper()}", int, 1) for k, v in given.items()}
 
 
 def snapshot_handler(handler_spec, key_prefix, put, include=()):
-    """Check the handler file and copy it into the store with put(key, data) (backend.store.put, or an EC2
-    dry run's printer): the code a worker on another machine will run. `include`: [local path, path in the
-    handler's folder] of the files it needs beside it, put as one tar.gz (include_snapshot). Returns its record."""
+    """Check the handler file and put(key, data) it into the store: the code every worker runs.
+    `include`: [local, relative path] of files it needs, put as one tar.gz. Returns its record."""
     path, cls = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         source = f.read()
     check_handler_source(source, cls, path)
     key = f"{key_prefix}handler/{os.path.basename(path)}"
     put(key, source)
-    record = {"key": key, "file": os.path.basename(path), "class": cls, "sha256": hashlib.sha256(source).hexdigest(),
-              "source_path": os.path.abspath(path)}
+    record = {"key": key, "file": os.path.basename(path), "class": cls,
+              "sha256": hashlib.sha256(source).hexdigest(), "source_path": os.path.abspath(path)}
     if include:
         blob, files = include_snapshot(include)
-        record["include"] = {"key": f"{key_prefix}handler/include.tar.gz", "sha256": hashlib.sha256(blob).hexdigest(),
-                             "bytes": len(blob), "files": files}
+        record["include"] = {"key": f"{key_prefix}handler/include.tar.gz",
+                             "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob),
+                             "files": files}
         put(record["include"]["key"], blob)
     return record
 
 
 def include_snapshot(include):
-    """(tar.gz bytes, file count) of [local path, relative path] pairs (a folder: its files, caches left out),
-    byte-identical for the same files, so that re-creating a pool keeps its digest. Over INCLUDE_MAX_BYTES: refused."""
+    """(tar.gz bytes, file count) of [local, relative path] pairs, byte-identical for the same files
+    (a re-created pool keeps its digest); at most INCLUDE_MAX_BYTES."""
     members = {}
     for local, rel in include:
         if not os.path.exists(local):
@@ -2080,7 +1976,7 @@ def include_snapshot(include):
                         f"in a folder the workers see (--volume) or in the store, and read it in @enter")
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w") as tar:
-        for rel in sorted(members):   # a link is stored as what it points to; times and owners left out
+        for rel in sorted(members):   # a link as what it points to; no times, no owners
             info = tarfile.TarInfo(rel)
             info.size, info.mode = os.path.getsize(members[rel]), os.stat(members[rel]).st_mode & 0o755
             with open(members[rel], "rb") as f:
@@ -2089,8 +1985,7 @@ def include_snapshot(include):
 
 
 def include_paths(paths, handler_spec):
-    """--include PATH options as [local, relative path]: its place relative to the handler's folder (its name
-    when it is elsewhere), as the handler sees it on its own machine."""
+    """--include PATH options as [local, relative path]: its place beside the handler."""
     folder = os.path.dirname(os.path.abspath(parse_handler_spec(handler_spec)[0]))
     out = []
     for path in paths or ():
@@ -2100,13 +1995,14 @@ def include_paths(paths, handler_spec):
 
 
 def unpack_include(store, include, folder):
-    """The snapshot of include_snapshot, checked against the record's sha256, unpacked as `folder` unless it is
-    there: into a new folder renamed in place, so that a worker starting beside never sees half of it."""
+    """Unpack include_snapshot's tar.gz (sha256 checked) as `folder` unless it is there: into a new
+    folder renamed in place, so that a worker starting beside never sees half of it."""
     if os.path.isdir(folder):
         return
     blob = store.get(include["key"])
     if hashlib.sha256(blob).hexdigest() != include["sha256"]:
-        raise UserError(f"include snapshot {include['key']} does not match the pool record's sha256: recreate the pool")
+        raise UserError(f"include snapshot {include['key']} does not match the pool record's "
+                        f"sha256: recreate the pool")
     fresh = f"{folder}.tmp-{os.getpid()}"
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r:gz") as tar:
         tar.extractall(fresh, filter="data")
@@ -2117,7 +2013,7 @@ def unpack_include(store, include, folder):
 
 
 def list_summaries(backend, run_id, after_claim=None):
-    """The run's summary keys, in key order; with `after_claim`, only those whose key sorts after that claim's."""
+    """The run's summary keys in key order; with `after_claim`, only those after that claim's."""
     start_after = summary_key(run_id, after_claim) if after_claim is not None else None
     return [k for k in backend.store.list(f"runs/{run_id}/summaries/", start_after) if k.endswith(".json")]
 
@@ -2137,16 +2033,14 @@ def read_run(backend, run_id):
 
 
 def _run_defaults(run):
-    """A run record as read: one written before `sent` was recorded had every claim sent (or its submit crashed);
-    one written before `staged` was recorded was staged whole before its record."""
+    """A run record as read: an older one without `sent` or `staged` had them all."""
     run.setdefault("sent", len(run["claims"]))
     run.setdefault("staged", True)
     return run
 
 
 def update_run(backend, run, **fields):
-    """Set `fields` in the stored run record, read again first so that what another process wrote meanwhile
-    (a cancel while submit records how far it sent) is kept; `run` is updated to match."""
+    """Set `fields` in the stored run record, read again first (a cancel is kept); `run` too."""
     stored = read_json(backend, run_key(run["run_id"]))
     stored.update(fields)
     write_json(backend, run_key(run["run_id"]), stored)
@@ -2155,7 +2049,7 @@ def update_run(backend, run, **fields):
 
 
 def list_runs(backend, model=None):
-    """Every run record in the store (only `model`'s, when given: its run ids start with its slug), oldest first."""
+    """Every run record in the store (only `model`'s when given), oldest first."""
     runs = []
     for folder in backend.store.list("runs/"):
         if model is None or run_slug(folder.rsplit("/", 1)[1]) == slug(model):
@@ -2178,15 +2072,15 @@ def read_worker_stats(backend, model):
 
 
 def queue_depth(backend, name):
-    """{visible, in_flight} of a queue, or None when it does not exist (a half-created or half-deleted pool)."""
+    """{visible, in_flight} of a queue, or None when it does not exist (a half-made pool)."""
     try:
         return backend.queues.open_queue(name).counts()
     except NotFound:
         return None
 
 # ---- the scaling decision both paths follow (local supervisor, EC2 step policy) and what it is fed
-SCALE_MEASURED_CLAIMS = 50              # latest claim summaries seconds per claim / item are measured on
-SCALE_IDLE_MINUTES = 5.0                # idle window of a pool with a floor below its ceiling, none given
+SCALE_MEASURED_CLAIMS = 50              # latest claim summaries the drain rate is measured on
+SCALE_IDLE_MINUTES = 5.0                # idle window of a pool with a floor below its ceiling
 
 
 class Scale(typing.NamedTuple):
@@ -2199,7 +2093,7 @@ class Scale(typing.NamedTuple):
     lo: int
     hi: int
     idle_window: float                  # s of surplus before the pool shrinks
-    surplus_since: float | None         # when the pool first had more workers than the backlog needs
+    surplus_since: float | None         # since when the pool has more workers than it needs
     now: float
     desired: int = 0
 
@@ -2211,12 +2105,10 @@ class Scale(typing.NamedTuple):
 
 def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
                   surplus_since, now):
-    """How many workers (instances) a pool should have: enough to drain the backlog (visible + in
-    flight) in `target_drain` s at the measured seconds per claim (one a claim while unmeasured),
-    never fewer than the claims in flight (a busy worker is not surplus), never more than the
-    claims, within lo..hi. Growing is immediate; shrinking waits until the surplus has lasted
-    `idle_window` s (no flapping; an idle pool goes to lo after its window). Pure: the caller keeps
-    `surplus_since` from the returned Scale and passes it back."""
+    """How many workers a pool should have: enough to drain the backlog (visible + in flight) in
+    `target_drain` s at the measured seconds per claim, at least the claims in flight, at most the
+    claims, within lo..hi. Growing is immediate; shrinking waits for `idle_window` s of surplus.
+    Pure: the caller passes back the returned Scale's `surplus_since`."""
     backlog = visible + in_flight
     need = backlog if seconds_per_claim is None else min(backlog, math.ceil(backlog * seconds_per_claim /
                                                                               target_drain))
@@ -2228,9 +2120,7 @@ def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, 
 
 
 def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
-    """The pool's latest `limit` summaries of claims that ran on its workers (newest runs first, by
-    run id: it starts with the time; cold and dead-lettered claims left out). No run record is
-    read."""
+    """The pool's latest `limit` summaries of claims its workers ran, newest runs first."""
     found = []
     for run_id in sorted((f.rsplit("/", 1)[1] for f in backend.store.list("runs/")), reverse=True):
         if run_slug(run_id) == slug(model):
@@ -2242,28 +2132,26 @@ def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
 
 
 def measured_seconds(summaries):
-    """(seconds per claim, seconds per item) of the drain in these summaries (@enter paid during a
-    claim left out: a warm worker does not pay it), or (None, None) without any."""
+    """(seconds per claim, per item) of the drain in these summaries, @enter left out."""
     seconds = sum(max(0.0, s["claim_seconds"] - s.get("enter_seconds_paid", 0.0)) for s in summaries)
     items = sum(s["items"] for s in summaries)
     return (seconds / len(summaries), seconds / items) if items else (None, None)
 
 
 def pool_bounds(count, lo, hi, idle_minutes, noun):
-    """(lo, hi, idle window in s or None) from `--{noun} N`, `--min-{noun} A`, `--max-{noun} B` and
-    `--scale-to-zero-after MINUTES`: N alone is A = B = N (a fixed count); an idle window or a
-    ceiling without a floor floors at 0; a floor below the ceiling without a window gets
-    SCALE_IDLE_MINUTES."""
+    """(lo, hi, idle window s or None) of --{noun} N, --min-{noun} A, --max-{noun} B and
+    --scale-to-zero-after: N alone is A = B = N; a window or a ceiling alone floors at 0; a floor
+    below the ceiling gets SCALE_IDLE_MINUTES."""
     if count is not None and hi is not None and count != hi:
-        raise UserError(f"--{noun} {count} and --max-{noun} {hi}: two ceilings ---> HINT: --{noun} N alone "
-                        f"(a fixed N), or --min-{noun} A --max-{noun} B")
+        raise UserError(f"--{noun} {count} and --max-{noun} {hi}: two ceilings ---> HINT: --{noun} "
+                        f"N alone (a fixed N), or --min-{noun} A --max-{noun} B")
     hi = count if hi is None else hi
     if hi is None or hi < 0 or (lo is not None and not 0 <= lo <= hi):
-        raise UserError(f"--min-{noun} {lo} --max-{noun} {hi}: give 0 <= min <= max ---> HINT: e.g. "
-                        f"--min-{noun} 0 --max-{noun} 4")
+        raise UserError(f"--min-{noun} {lo} --max-{noun} {hi}: give 0 <= min <= max ---> HINT: "
+                        f"e.g. --min-{noun} 0 --max-{noun} 4")
     if idle_minutes is not None and not (math.isfinite(idle_minutes) and idle_minutes > 0):
-        raise UserError(f"--scale-to-zero-after {idle_minutes}: not a number of minutes above 0 ---> HINT: e.g. "
-                        f"--scale-to-zero-after 10 (fractions allowed: 0.5)")
+        raise UserError(f"--scale-to-zero-after {idle_minutes}: not a number of minutes above 0 "
+                        f"---> HINT: e.g. --scale-to-zero-after 10 (fractions allowed: 0.5)")
     if lo is None:
         lo = 0 if idle_minutes is not None or count is None else hi
     if lo == hi and idle_minutes is None:
@@ -2273,13 +2161,11 @@ def pool_bounds(count, lo, hi, idle_minutes, noun):
 
 
 # ------------------------------------------------------------------------------------------------
-# 5. submit and runs: read items, stage manifests, send claims, wait on summaries, cancel, redrive, report
+# 5. submit and runs: read items, stage and send claims, wait on summaries, cancel, redrive, report
 def read_items(path, columns=None):
-    """Items from a JSONL file (or '-' for stdin): one JSON value per line, each a JsonText (the line, checked);
-    blank lines are skipped. A stream, read as it is staged (memory does not grow with the file); its first block
-    is read and checked at once, so that a bad line there (the usual typo), or a file without items, is refused
-    before anything else is looked at. A .npy or .npz file is numeric input instead (see ArrayItems); a Parquet
-    or Arrow file, a folder or a glob of them, a table (see TableItems), of which `columns` are read."""
+    """Items from a JSONL file ('-': stdin), each a JsonText, read as staged but its first block at
+    once (a bad line there is refused first). A .npy or .npz file is numeric (ArrayItems); a Parquet
+    or Arrow file, folder or glob is a table (TableItems) of which `columns` are read."""
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
     if path.endswith(TABLE_SUFFIXES) or glob.has_magic(path) or os.path.isdir(path):
@@ -2297,19 +2183,19 @@ def read_items(path, columns=None):
 def unreadable_items(path, error):
     """The UserError for an items file that cannot be opened (missing, a folder, no permission)."""
     where = "" if os.path.isabs(path) else f", relative to {os.getcwd()}"
-    return UserError(f"cannot read items file {path}: {error.strerror or error} ---> HINT: give the path of a JSONL, "
-                     f".npy or .npz file, or of a Parquet or Arrow file or folder (or - for stdin){where}")
+    return UserError(f"cannot read items file {path}: {error.strerror or error} ---> HINT: give "
+                     f"the path of a JSONL, .npy or .npz file, or of a Parquet or Arrow file or "
+                     f"folder (or - for stdin){where}")
 
 
 def jsonl_blocks(stream, path):
-    """The items of a JSONL stream, a list per block (READ_FIRST bytes, doubling up to READ_BLOCK), each block cut
-    after its last newline and decoded at once. A bad line is a UserError naming path:line when the stream reaches it
-    (stage_run says what was queued before it); so is a stream without a single item."""
+    """The items of a JSONL stream, a list per block (READ_FIRST bytes, doubling to READ_BLOCK). A
+    bad line is a UserError naming path:line; so is a stream without items."""
     lineno, rest, count, size = 1, b"", 0, READ_FIRST
     with stream:
         while True:
             try:
-                block = stream.read1(size)   # what is there, up to a block: a pipe's lines as they come
+                block = stream.read1(size)   # what is there, up to a block: a pipe's lines
                 size = min(2 * size, READ_BLOCK)
             except OSError as e:
                 raise UserError(f"cannot read items file {path}: {e.strerror}") from None
@@ -2329,19 +2215,14 @@ def jsonl_blocks(stream, path):
 
 
 class JsonText(str):
-    """An item as the JSON text it was read as: a JSONL line, checked (checked_line) and trimmed. Its claim's
-    manifest takes the text as it is (stage_claim), not the item decoded and encoded again: that cost 0.7 us of
-    the ~3.3 us a 1M-item `submit` spends an item (items of ~100 B). What a worker decodes from the manifest is the
-    same value either way."""
+    """An item as its JSONL line, checked and trimmed: its manifest takes the text as it is."""
     __slots__ = ()
 
 
 def checked_line(line, path, lineno):
-    """The JsonText of one JSONL line, or a UserError naming path:lineno: parsed here, so that a bad line is refused
-    by `submit` and not by the worker that meets it (a dead-lettered claim); the parsed value is not kept. An item
-    nested deeper than ITEM_DEPTH_MAX is refused too: json.loads stops near 1000 levels, and the manifest that
-    carries an item nests it deeper, so a deep item that parsed would fail later, half staged. The line's length,
-    then its brackets counted (two C scans), keep the exact depth walk off every ordinary line."""
+    """The JsonText of one JSONL line, or a UserError naming path:lineno (submit refuses a bad line,
+    no worker dead-letters it). An item nested deeper than ITEM_DEPTH_MAX is refused too: its
+    manifest nests it deeper, and json.loads stops near 1000 levels."""
     try:
         item = checked_json(line)
         deep = (len(line) > ITEM_DEPTH_MAX and line.count("[") + line.count("{") > ITEM_DEPTH_MAX
@@ -2349,32 +2230,32 @@ def checked_line(line, path, lineno):
     except RecursionError:
         deep = True
     except ValueError as e:   # a JSONDecodeError, or an integer over Python's 4300 digits
-        raise UserError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)}): one JSON item per line") from None
+        raise UserError(f"{path}:{lineno}: not valid JSON ({getattr(e, 'msg', e)}): "
+                        f"one JSON item per line") from None
     if deep:
-        raise UserError(f"{path}:{lineno}: nested deeper than {ITEM_DEPTH_MAX} levels ---> HINT: flatten the item "
-                        f"(calque nests it inside a manifest)")
-    return JsonText(line.strip(" \t\r"))   # JSON's whitespace around a value; a valid line has no other
+        raise UserError(f"{path}:{lineno}: nested deeper than {ITEM_DEPTH_MAX} levels ---> HINT: "
+                        f"flatten the item (calque nests it inside a manifest)")
+    return JsonText(line.strip(" \t\r"))   # JSON's whitespace (a valid line has no other)
 
 
 def json_depth(value):
-    """Levels of nested arrays and objects in a parsed JSON value, walked without recursion (it may be deep)."""
+    """Levels of nested arrays and objects in a parsed JSON value, walked without recursion."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         node, depth = todo.pop()
         if isinstance(node, (list, dict)):
             deepest = max(deepest, depth)
-            todo += [(child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)]
+            todo += [(c, depth + 1) for c in (node.values() if isinstance(node, dict) else node)]
     return deepest
 
 
 class ArrayItems:
-    """Numeric items from a .npy file (item i = {"input": a[i]}) or a .npz file, where each array
-    `k` of shape [N, ...] is the field k of every item, and an array `k_offsets` of N+1 increasing
-    indices makes `k` ragged: item i's k is k[offsets[i]:offsets[i+1]] (token ids, say). Staged as raw
-    .npy objects per claim and field, which the worker maps as views: no per-item parsing, no pickle."""
+    """Numeric items from a .npy file (item i = {"input": a[i]}) or a .npz file, array `k` [N, ...]
+    the field k of every item; `k_offsets` (N+1 indices) makes `k` ragged. Staged as .npy objects
+    per claim and field, which the worker maps as views: no per-item parsing, no pickle."""
 
     def __init__(self, fields, count, source):
-        self.fields, self.count, self.source = fields, count, source   # fields: name -> (values, offsets or None)
+        self.fields, self.count, self.source = fields, count, source   # name -> (values, offsets)
 
     def __len__(self):
         return self.count
@@ -2384,13 +2265,13 @@ class ArrayItems:
         return cls.from_arrays(read_arrays(path), path)
 
     def chunks(self, size):
-        """(start, stop, None) of each claim of `size` items: the arrays are sliced as each claim is staged."""
+        """(start, stop, None) of each claim of `size` items: the arrays are sliced when staged."""
         return ((start, min(start + size, self.count), None) for start in range(0, self.count, size))
 
     @classmethod
     def from_arrays(cls, arrays, path):
-        """From {name: array} (the arrays of a .npz, or the API's numpy input); `path` names them in errors."""
-        import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+        """From {name: array}; `path` names them in errors."""
+        import numpy as np
         arrays = {name: np.asarray(values) for name, values in arrays.items()}
         fields, counts = {}, {}
         for name, values in arrays.items():
@@ -2402,8 +2283,8 @@ class ArrayItems:
             if offsets is not None:
                 if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) < 1 or offsets[0] != 0 \
                         or offsets[-1] != len(values) or (np.diff(offsets) < 0).any() or values.ndim != 1:
-                    raise UserError(f"{path}: {name}_offsets must be N+1 increasing ints from 0 to len({name}) "
-                                    f"over a 1-D {name}")
+                    raise UserError(f"{path}: {name}_offsets must be N+1 increasing ints from 0 to "
+                                    f"len({name}) over a 1-D {name}")
                 counts[name] = len(offsets) - 1
             else:
                 if values.ndim == 0:
@@ -2418,7 +2299,7 @@ class ArrayItems:
         return cls(fields, count, path)
 
     def stage(self, backend, run_id, claim, start, stop):
-        """Write this claim's slice of every field as .npy objects; returns the manifest's `arrays` entry."""
+        """Write this claim's slice of every field as .npy; the manifest's `arrays`."""
         fields = {}
         for name, (values, offsets) in self.fields.items():
             if offsets is None:
@@ -2430,10 +2311,9 @@ class ArrayItems:
 
 
 def stage_arrays(backend, run_id, claim, fields):
-    """Write each field's arrays ({role: array}: values, offsets, valid) as .npy objects under the claim's inputs;
-    returns the manifest's `arrays` entry ({field: {role: key}}). Keys are numbered, not named after the field
-    (a Parquet column's name need not be a safe key)."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    """Write each field's {role: array} (values, offsets, valid) as .npy objects; returns the
+    manifest's `arrays` ({field: {role: key}}), keys numbered (a column name need not be safe)."""
+    import numpy as np
     entry = {}
     for number, (name, roles) in enumerate(fields.items()):
         entry[name] = {}
@@ -2447,12 +2327,10 @@ def stage_arrays(backend, run_id, claim, fields):
 
 
 def read_arrays(path):
-    """{name: array} of a .npy file ({"input": a}) or a .npz archive (its arrays), read at once. Whatever the
-    file holds, a fault is a UserError naming it: numpy raises OSError, ValueError (object arrays, which need
-    pickle, refused), EOFError (an empty file), BadZipFile or zlib.error (a damaged archive)."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    """{name: array} of a .npy ({"input": a}) or .npz file; any fault is a UserError naming it."""
+    import numpy as np
     try:
-        # a .npy is mapped, not read: each claim's slice is paged in as it is staged (an .npz member is read whole)
+        # a .npy is mapped: each claim's slice is paged in as it is staged (an .npz member is read)
         loaded = np.load(path, mmap_mode="r", allow_pickle=False)
         if isinstance(loaded, np.ndarray):
             return {"input": loaded}
@@ -2466,27 +2344,25 @@ def read_arrays(path):
                         f"with numpy.save or numpy.savez (object arrays would need pickle)") from None
 
 
-TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")   # submit reads these (and a folder or glob of .parquet) as tables
+TABLE_SUFFIXES = (".parquet", ".arrow", ".feather")   # tables (as a folder or glob of .parquet)
 
 
 class TableItems:
-    """Items from Arrow tables, one item a row ({column: value}): a Parquet file, a folder or glob of them, an
-    Arrow IPC (.arrow/.feather) file, or the API's pyarrow.Table, pandas DataFrame or datasets.Dataset. Read as a
-    stream of record batches of a claim's rows (Parquet page by page), so memory does not grow with the input. A
-    numeric column (ints, floats, bools, or lists of them) is staged as .npy per claim, as .npz input is, and
-    reaches the worker as numpy values without JSON; a null in it is None (a `valid` mask), a null inside a list
-    is refused when met. Any other column (text, structs, lists of text) goes as JSON in the manifest, null as
-    None; dates and times as ISO text; a type JSON cannot hold (binary, decimal) is refused up front."""
+    """Items from Arrow tables, one a row ({column: value}): Parquet (a file, folder or glob), Arrow
+    IPC, or a pyarrow.Table, pandas DataFrame or datasets.Dataset, streamed a claim at a time.
+    Numeric columns (and lists of numbers) are staged as .npy (a null: None); others go as JSON in
+    the manifest, dates and times as ISO text; a type JSON cannot hold is refused up front."""
 
     def __init__(self, schema, count, batches, source):
-        import pyarrow as pa   # lazy: only table input needs pyarrow
+        import pyarrow as pa
         self.count, self.batches, self.source = count, batches, source
         self.numeric, self.json = [], []
         for field in schema:
             kind = _column_kind(pa, field.type)
             if kind is None:
-                raise UserError(f"{source}: column {field.name!r} is {field.type}, which has no JSON form ---> HINT: "
-                                f"leave it out with --columns, or cast it (to string) before submitting")
+                raise UserError(f"{source}: column {field.name!r} is {field.type}, which has no JSON "
+                                f"form ---> HINT: leave it out with --columns, or cast it (to "
+                                f"string) before submitting")
             (self.numeric if kind == "numeric" else self.json).append(field.name)
         if not count:
             raise UserError(f"{source} holds no items")
@@ -2496,15 +2372,15 @@ class TableItems:
 
     @classmethod
     def open(cls, source, columns=None, where=None):
-        """From a path (see TABLE_SUFFIXES; a folder; a glob) or a table-like object, reading only `columns`."""
-        import pyarrow as pa   # lazy: only table input needs pyarrow
+        """From a path (TABLE_SUFFIXES, folder, glob) or a table-like object; only `columns`."""
+        import pyarrow as pa
         where = where or (source if isinstance(source, str) else type(source).__name__)
         if isinstance(source, str):
             return cls._open_path(source, columns, where)
         module = type(source).__module__.split(".")[0]
         if module == "pandas":
             source = pa.Table.from_pandas(source, preserve_index=False)
-        elif module == "datasets":   # a Hugging Face Dataset: its Arrow rows, through its own iterator
+        elif module == "datasets":   # a Hugging Face Dataset: its Arrow rows, its own iterator
             schema = _select(source.features.arrow_schema, columns, where)
             arrow = source.with_format("arrow")
             return cls(schema, len(source), lambda rows: itertools.chain.from_iterable(
@@ -2516,11 +2392,11 @@ class TableItems:
 
     @classmethod
     def _open_path(cls, path, columns, where):
-        import pyarrow as pa   # lazy: only table input needs pyarrow
+        import pyarrow as pa
         import pyarrow.parquet as pq
         if path.endswith((".arrow", ".feather")):
             try:
-                reader = pa.ipc.open_file(pa.memory_map(path))   # mapped: batches are paged in as they are staged
+                reader = pa.ipc.open_file(pa.memory_map(path))   # batches paged in as staged
             except (OSError, pa.ArrowInvalid) as e:
                 raise UserError(f"{path}: not an Arrow IPC file ({e}) ---> HINT: write it with "
                                 f"pyarrow.feather.write_feather or pyarrow.ipc.new_file") from None
@@ -2531,11 +2407,10 @@ class TableItems:
         files = sorted(glob.glob(os.path.join(path, "**", "*.parquet"), recursive=True) if os.path.isdir(path)
                        else glob.glob(path, recursive=True) if glob.has_magic(path) else [path])
         if not files:
-            raise UserError(f"{path}: no .parquet file there ---> HINT: give a Parquet file, a folder of them or a "
-                            f"quoted glob such as 'data/*.parquet'")
-        # the readers allocate from malloc, which gives back what they free (pyarrow's default pool,
-        # mimalloc, kept ~20 MiB more), and read page by page through a 1 MiB buffer, not a whole
-        # column chunk (a row group) at once
+            raise UserError(f"{path}: no .parquet file there ---> HINT: give a Parquet file, a "
+                            f"folder of them or a quoted glob such as 'data/*.parquet'")
+        # malloc gives back what the readers free (mimalloc kept ~20 MiB more); read page by
+        # page through a 1 MiB buffer, not a row group at once
         opened, pool = [], pa.default_memory_pool()
         pa.set_memory_pool(pa.system_memory_pool())
         try:
@@ -2553,14 +2428,14 @@ class TableItems:
             theirs = f.schema_arrow
             if any(name not in theirs.names or theirs.field(name).type != schema.field(name).type
                    for name in schema.names):
-                raise UserError(f"{file}: its columns differ from {files[0]}'s ---> HINT: give files of one schema, "
-                                f"or pick shared columns with --columns")
+                raise UserError(f"{file}: its columns differ from {files[0]}'s ---> HINT: give "
+                                f"files of one schema, or pick shared columns with --columns")
         return cls(schema, sum(f.metadata.num_rows for f in opened), lambda rows: (
             b for f in opened for b in f.iter_batches(rows, columns=schema.names, use_threads=False)), where)
 
     def chunks(self, size):
-        """(start, stop, table) of each claim of `size` rows, cut from the batches as they are read."""
-        import pyarrow as pa   # lazy: only table input needs pyarrow
+        """(start, stop, table) of each claim of `size` rows, cut as the batches are read."""
+        import pyarrow as pa
         held, rows, start = [], 0, 0
         for batch in itertools.chain(self.batches(size), [None]):
             if batch is not None:
@@ -2573,7 +2448,7 @@ class TableItems:
                 held, rows, start = table.slice(take).to_batches(), rows - take, start + take
 
     def stage(self, backend, run_id, claim, start, table):
-        """A claim's manifest fields: its JSON columns as `items`, its numeric ones as `arrays` (.npy objects)."""
+        """A claim's manifest fields: JSON columns as `items`, numeric ones as `arrays`."""
         fields = {name: _numeric_column(table.column(name).combine_chunks(), name, start, self.source)
                   for name in self.numeric}
         staged = {"arrays": stage_arrays(backend, run_id, claim, fields)} if fields else {}
@@ -2584,14 +2459,14 @@ class TableItems:
 
 
 def _select(schema, columns, where):
-    """The schema of the `columns` asked for (all when None); an unknown one is a UserError naming the known."""
+    """The schema of the `columns` asked for (all when None); an unknown one is a UserError."""
     if not columns:
         return schema
     for name in columns:
         if name not in schema.names:
-            raise UserError(f"{where}: no column {name!r}{did_you_mean(name, schema.names)} ---> HINT: its "
-                            f"columns: {', '.join(schema.names)}")
-    import pyarrow as pa   # lazy: only table input needs pyarrow
+            raise UserError(f"{where}: no column {name!r}{did_you_mean(name, schema.names)} ---> "
+                            f"HINT: its columns: {', '.join(schema.names)}")
+    import pyarrow as pa
     return pa.schema([schema.field(name) for name in columns])
 
 
@@ -2604,15 +2479,14 @@ def _is_list(pa, t):
 
 
 def _column_kind(pa, t):
-    """"numeric" (staged as .npy), "json" (in the manifest) or None (no JSON form) for an Arrow type."""
+    """"numeric" (.npy), "json" (in the manifest) or None (no JSON form) for an Arrow type."""
     if _is_number(pa, t) or (_is_list(pa, t) and _is_number(pa, t.value_type)):
         return "numeric"
     return "json" if pa.types.is_temporal(t) or _json_type(pa, t) else None
 
 
 def _json_type(pa, t):
-    """True for a type whose values to_pylist makes JSON values: numbers, text, nulls, and lists, structs or
-    dictionaries of them."""
+    """True for a type whose to_pylist values are JSON (or lists, structs, dicts of them)."""
     if _is_number(pa, t) or pa.types.is_null(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
         return True
     if pa.types.is_dictionary(t) or _is_list(pa, t):
@@ -2622,16 +2496,16 @@ def _json_type(pa, t):
 
 def _json_column(column):
     """A column's values as Python values for JSON (dates and times as ISO text)."""
-    import pyarrow as pa   # lazy: only table input needs pyarrow
+    import pyarrow as pa
     if pa.types.is_temporal(column.type):
         return [None if v is None else v.isoformat() for v in column.to_pylist()]
     return column.to_pylist()
 
 
 def _numeric_column(array, name, start, source):
-    """A numeric column of one claim as {role: numpy array}: values (2-D for a fixed-size list), offsets for a
-    list, valid where a row is null (its values are zeros). A null inside a list is a UserError naming the row."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    """A claim's numeric column as {role: numpy array}: values, offsets (lists), valid (nulls); a
+    null inside a list is a UserError."""
+    import numpy as np
     import pyarrow as pa
     roles = {}
     if array.null_count:
@@ -2659,9 +2533,8 @@ def _numeric_column(array, name, start, source):
 
 
 def _to_numpy(array):
-    """A numeric Arrow array without nulls as a numpy view of its buffer (pyarrow's to_numpy imports pandas:
-    0.1 s and 90 MiB); bools, which Arrow packs in bits, through uint8."""
-    import numpy as np   # lazy: only numeric items need numpy (~0.1 s and 20 MB at import)
+    """A numeric Arrow array without nulls as a numpy view (bools through uint8); no pandas."""
+    import numpy as np
     import pyarrow as pa
     if pa.types.is_boolean(array.type):
         return _to_numpy(array.cast(pa.uint8())).view(bool)
@@ -2671,8 +2544,7 @@ def _to_numpy(array):
 
 
 class SubmitInterrupted(BaseException):
-    """SIGINT or SIGTERM while submit (or runs resume) stages or sends claims. A BaseException, as
-    KeyboardInterrupt is: code that catches Exception lets it through."""
+    """SIGINT or SIGTERM while submit or runs resume stages or sends claims; a BaseException."""
 
     def __init__(self, signum):
         super().__init__(signal.Signals(signum).name)
@@ -2681,8 +2553,8 @@ class SubmitInterrupted(BaseException):
 
 @contextlib.contextmanager
 def signals_interrupt():
-    """Inside the block SIGINT and SIGTERM raise SubmitInterrupted, once: a second signal is ignored, so that
-    the bookkeeping the first one starts (recording how many claims were sent) is not cut short."""
+    """Inside the block SIGINT and SIGTERM raise SubmitInterrupted once; a second one is ignored, so
+    that recording what was sent is not cut short."""
     fired = []
 
     def on_signal(signum, frame):
@@ -2700,7 +2572,7 @@ def signals_interrupt():
 
 @contextlib.contextmanager
 def signals_deferred():
-    """SIGINT and SIGTERM wait until the block is done (blocked for this thread, delivered on leaving it)."""
+    """SIGINT and SIGTERM wait until the block is done (blocked for this thread meanwhile)."""
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
         yield
@@ -2709,15 +2581,14 @@ def signals_deferred():
 
 
 def check_timeout(seconds):
-    """--timeout (or CALQUE_TIMEOUT, which main puts in its place) must be a finite number of seconds, 0 or more."""
+    """--timeout (or CALQUE_TIMEOUT) must be a finite number of seconds, 0 or more."""
     if not (math.isfinite(seconds) and seconds >= 0):
-        raise UserError(f"--timeout {seconds}: not a number of seconds, 0 or more ---> HINT: e.g. --timeout 600 "
-                        f"(CALQUE_TIMEOUT sets the default)")
+        raise UserError(f"--timeout {seconds}: not a number of seconds, 0 or more ---> HINT: e.g. "
+                        f"--timeout 600 (CALQUE_TIMEOUT sets the default)")
 
 
 def claim_chunks(items, size):
-    """(start, stop, items or None) of each claim of `size` items: ArrayItems are sliced when staged, a list is cut
-    into slices, any other iterable (a JSONL stream, a generator) is read one claim at a time."""
+    """(start, stop, items or None) of each claim of `size` items (arrays, tables: their own)."""
     if isinstance(items, (ArrayItems, TableItems)):
         yield from items.chunks(size)
         return
@@ -2728,14 +2599,14 @@ def claim_chunks(items, size):
 
 
 def stage_claim(backend, run, items, claim, start, stop, chunk):
-    """Write one claim's manifest (JSON items inside it; numeric items beside it as .npy objects)."""
+    """Write one claim's manifest (JSON items inside, numeric items beside it as .npy)."""
     manifest = {"run_id": run["run_id"], "claim": claim, "model": run["model"], "first_index": start,
                 "count": stop - start}
     if chunk is None:
         manifest["arrays"] = items.stage(backend, run["run_id"], claim, start, stop)
     elif isinstance(items, TableItems):
         manifest.update(items.stage(backend, run["run_id"], claim, start, chunk))
-    elif all(type(item) is JsonText for item in chunk):   # a JSONL file's checked lines: joined, not re-encoded
+    elif all(type(item) is JsonText for item in chunk):   # checked JSONL lines: joined as they are
         body = dumps(manifest)
         backend.store.put(manifest_key(run["run_id"], claim), f'{body[:-1]},"items":[{",".join(chunk)}]}}')
         return
@@ -2745,22 +2616,12 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
 
 
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
-    """Stage the items as a stream and send each claim once its manifest has landed; returns the run record.
-
-    The run record comes first (`staged: false`; the claims listed when the item count is known, else as they
-    are cut), then the claims are cut from the items as they are read (claim_chunks), their manifests PUT on
-    STORE_WRITERS threads (an S3 PUT waits ~20 ms on the network: 16 in flight keep up with one process
-    encoding manifests; more would only queue for the GIL on boto3's signing; LOCAL_WRITERS on the
-    local store), and the claims whose manifests landed are sent in run order, SEND_BATCH to a
-    request. The first claim is sent as soon as its manifest lands; at most STAGE_AHEAD manifests a
-    writer wait unsent, so memory stays bounded whatever the run size. The record is completed at
-    the end (`staged: true`, the claims, items and `sent`).
-
-    SIGINT or SIGTERM stops the sending, not the staging: every claim is staged so that `runs resume` can send
-    the rest, then the signal is raised (SubmitInterrupted). Hidden cost: on a large stream that takes as long
-    as staging the rest; stdin is read to its end. Anything else that stops it (a bad line, a store fault)
-    before a claim was sent deletes what it staged (no run); after, the run keeps the claims sent, and the
-    error says so."""
+    """Stage the items as a stream, sending each claim once its manifest has landed; returns the
+    run. The run record comes first (`staged: false`); claims are cut as items are read, manifests
+    PUT on STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in order, SEND_BATCH a request,
+    with at most STAGE_AHEAD manifests a writer unsent (bounded memory). SIGINT or SIGTERM stops the
+    sending, not the staging (`runs resume` sends the rest), then raises SubmitInterrupted. Another
+    error before a claim was sent deletes what was staged; after, the run keeps the claims sent."""
     run_id = run_id or new_run_id(record["model"])
     known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
@@ -2768,7 +2629,7 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
            "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
            "created_at": now_iso(), "sent": 0, "staged": False}
     landed, pending, count, sending = [], collections.deque(), 0, True
-    # signals wait until the end (checked between two claims with sigpending): a claim is never half cut
+    # signals wait until the end (sigpending between two claims): a claim is never half cut
     with signals_deferred():
         try:
             write_json(backend, run_key(run_id), run)
@@ -2792,21 +2653,20 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
             update_run(backend, run, claims=run["claims"], items=count, sent=run["sent"], staged=True)
         except BaseException as e:
             if not run["sent"]:
-                backend.store.delete_prefix(f"runs/{run_id}/")   # a cold run's record and handler copy too: no run
+                backend.store.delete_prefix(f"runs/{run_id}/")   # a cold run's handler too: no run
                 raise
             kept = min(run["sent"] * claim_size, count)
             update_run(backend, run, claims=run["claims"][:run["sent"]], items=kept, sent=run["sent"], staged=True)
             if isinstance(e, (UserError, StoreFault)):
-                raise type(e)(f"run {run_id} stopped after queueing {run['sent']} claim(s) (items 0 to {kept - 1}; "
-                              f"the run keeps them): {e}") from None
+                raise type(e)(f"run {run_id} stopped after queueing {run['sent']} claim(s) (items "
+                              f"0 to {kept - 1}; the run keeps them): {e}") from None
             raise
     return run
 
 
 def _send_landed(backend, run, queue, pending, landed, sending, wait, flush):
-    """Move the claims at the head of `pending` whose manifests landed to `landed` (waiting for the head one when
-    `wait`; a failed write raises here), then send `landed` in run order, SEND_BATCH a request: only full batches
-    unless `flush`. Not `sending` (a signal came), nothing is sent: the claims are only staged."""
+    """Move the landed manifests at the head of `pending` to `landed` (the head one awaited when
+    `wait`), then send them in order, SEND_BATCH a request (a partial batch when `flush`)."""
     while pending and (wait or pending[0][1].done()):
         claim, future = pending.popleft()
         future.result()
@@ -2822,20 +2682,17 @@ def _send_landed(backend, run, queue, pending, landed, sending, wait, flush):
 
 def send_batch(backend, run, queue, claims, resume=False):
     """One queue request (SendMessageBatch on SQS) for these claims of the run."""
-    queue.send_batch([make_message(run["run_id"], run["model"], backend.store.uri(manifest_key(run["run_id"], claim)),
-                                   claim, resume) for claim in claims])
+    run_id = run["run_id"]
+    queue.send_batch([make_message(run_id, run["model"], backend.store.uri(manifest_key(run_id, c)), c,
+                                   resume) for c in claims])
 
 
 def send_claims(backend, run, queue, skip=(), resume=False):
-    """Send the run's claims from run["sent"] on, in run order, SEND_BATCH to a request, but those in `skip` (claims
-    with a summary), and record in the run record how far it got: the claims before `sent` were sent or skipped.
-    Stopped by anything (a signal, between two batches; a queue fault), it records that first; `runs resume` sends
-    the rest. A kill -9 records nothing: `sent` stays where it was last written, so runs resume sends some claims
-    a second time. That is safe: a worker acks the copy of a claim already done without running it (one still
-    queued may run twice, writing the same results)."""
+    """Send the run's claims from run["sent"] on, but `skip`, recording how far it got whatever
+    stops it. A claim sent twice (after a kill -9) is acked by its worker as a duplicate."""
     try:
         while run["sent"] < len(run["claims"]):
-            with signals_deferred():   # a send and its count are one step: no signal falls between them
+            with signals_deferred():   # a send and its count are one step
                 batch = run["claims"][run["sent"]:run["sent"] + SEND_BATCH]
                 todo = [claim for claim in batch if claim not in skip]
                 if todo:
@@ -2846,8 +2703,7 @@ def send_claims(backend, run, queue, skip=(), resume=False):
 
 
 def interrupted(backend, run_id, signum):
-    """Say what an interrupted submit or runs resume left, from the run record as stored; returns the exit code
-    (128 + the signal: 130 for SIGINT)."""
+    """Say what an interrupted submit or runs resume left; returns 128 + the signal."""
     try:
         run = _run_defaults(read_json(backend, run_key(run_id)))
     except NotFound:
@@ -2855,8 +2711,9 @@ def interrupted(backend, run_id, signum):
               file=sys.stderr)
     else:
         total = len(run["claims"])
-        print(f"calque: interrupted: run {run_id}: {run['sent']} of {total} claim(s) queued (they finish without "
-              f"you), {total - run['sent']} not sent ---> HINT: python calque.py runs resume {run_id}", file=sys.stderr)
+        print(f"calque: interrupted: run {run_id}: {run['sent']} of {total} claim(s) queued (they "
+              f"finish without you), {total - run['sent']} not sent ---> HINT: python calque.py "
+              f"runs resume {run_id}", file=sys.stderr)
     return 128 + signum
 
 
@@ -2866,8 +2723,7 @@ def run_dlq_name(run):
 
 
 def receive_all(queue, count):
-    """Up to `count` messages of the queue, received: hidden from other readers until deleted or released. A
-    message that another reader holds meanwhile is not seen."""
+    """Up to `count` messages of the queue, received (hidden until deleted or released)."""
     messages = []
     while len(messages) < count and (message := queue.receive(DLQ_SCAN_WAIT)) is not None:
         messages.append(message)
@@ -2875,14 +2731,14 @@ def receive_all(queue, count):
 
 
 def release(queue, messages):
-    """Make received messages visible again at once (a stale receipt is skipped: its message is back already)."""
+    """Make received messages visible again at once (a stale receipt's message is back already)."""
     for message in messages:
         with contextlib.suppress(LeaseLost):
             queue.change_visibility(message, 0)
 
 
 def dead_letter_of(message):
-    """(run id, claim, reason) of a dead-letter message, or None when its original body names no claim."""
+    """(run id, claim, reason) of a dead-letter message, or None when its body names no claim."""
     try:
         letter = json.loads(message.body)
         original = parse_message(letter["body"])
@@ -2892,10 +2748,8 @@ def dead_letter_of(message):
 
 
 class DeadLetters:
-    """The claims of one run that its dead-letter queue holds ({claim: reason}), found by a scan that receives
-    every message and releases it. A worker writes a failure summary before the DLQ copy, so the scan matters
-    only when that write failed. It is repeated only when the queue's depth changed or another reader held some
-    of its messages: each scan costs a receive and a release per message in the queue."""
+    """The claims of one run in its dead-letter queue ({claim: reason}), found by receiving and
+    releasing every message; rescanned only when the depth changed or others held messages."""
 
     def __init__(self, backend, run):
         self.backend, self.run_id, self.name = backend, run["run_id"], run_dlq_name(run)
@@ -2904,7 +2758,7 @@ class DeadLetters:
     def claims(self):
         try:
             self.queue = self.queue or self.backend.queues.open_queue(self.name)
-        except NotFound:   # deleted (a cold run's, once the run ended; a deleted pool's): it holds nothing
+        except NotFound:   # deleted (an ended cold run's, a deleted pool's): it holds nothing
             return {}
         counts = self.queue.counts()
         if counts["visible"] + counts["in_flight"] != self.depth or counts["in_flight"]:
@@ -2912,32 +2766,17 @@ class DeadLetters:
             messages = receive_all(self.queue, counts["visible"])
             release(self.queue, messages)
             letters = [dead_letter_of(m) for m in messages]
-            self.found = {claim: reason for run_id, claim, reason in filter(None, letters) if run_id == self.run_id}
+            self.found = {c: why for rid, c, why in filter(None, letters) if rid == self.run_id}
         return self.found
 
 
 def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
-    """Poll the run's summaries until every claim has one, or nothing can run the rest (nothing_left_to_run), or
-    timeout; returns (summaries, timed_out), timed_out meaning that some claim has no summary. Each summary is
-    read once: it is the claim's completion record, and the report is made of what this returns. `run` follows
-    its stored record (a cancel, how far sending got). stop_if(), called at each look at the run record, may
-    raise to stop waiting (the pool's workers all crash).
-
-    O(claims) in all: each LIST starts after the summary key of the last claim, in key order, below which every
-    claim is done (S3's StartAfter), so a summary is listed about once, not once per poll. The gap between two
-    LISTs grows from SUMMARY_POLL_MIN by half after each LIST that finds nothing new, up to SUMMARY_WAIT_MAX;
-    after one that finds some, it is what SUMMARY_BATCH more take at the rate they have landed since the wait
-    began (fewer near the end: the remaining claims), within SUMMARY_POLL_FLOOR..SUMMARY_WAIT_MAX. Resetting it
-    to the minimum on each new summary made a LIST per summary. Hidden cost: the last summary is seen up to
-    SUMMARY_WAIT_MAX late (LOCAL_SUMMARY_WAIT on the local store); while one claim lags, each LIST
-    lists again the summaries past it.
-
-    The run record and the dead-letter queue (run_recheck) matter only when the run stalls: a cancel writes
-    summaries, and a worker writes a dead-lettered claim's failure summary before its DLQ copy. So they are
-    looked at once no summary has landed for RUN_RECHECK s, then at gaps doubling up to RUN_RECHECK_MAX while the
-    run stays stalled: a run that never sees a claim end (a dead letter without a summary, claims never sent)
-    ends within about RUN_RECHECK_MAX s of its last summary, and a steady run makes no such request at all."""
-    from tqdm import tqdm   # lazy: only a waiting submit draws a progress bar
+    """Poll the run's summaries until every claim has one, nothing can run the rest, or timeout;
+    returns (summaries, timed_out). `run` follows its stored record; stop_if() may raise. Each LIST
+    starts after the last claim below which all are done; its gap grows from SUMMARY_POLL_MIN by
+    half while none land, up to SUMMARY_WAIT_MAX, and after new ones is what SUMMARY_BATCH more take
+    at the rate so far. The run record and the DLQ are read only on a stall (run_recheck)."""
+    from tqdm import tqdm
     started = time.monotonic()
     deadline, progressed, recheck = started + timeout, started, run_recheck(started, started)
     done, dead = {}, DeadLetters(backend, run)
@@ -2962,7 +2801,7 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
                 break
             if found:
                 progressed, recheck = now, run_recheck(now, now)
-                rate = len(done) / max(now - started, SUMMARY_POLL_MIN)   # claims a second, since the wait began
+                rate = len(done) / max(now - started, SUMMARY_POLL_MIN)   # claims a second
                 expected = min(SUMMARY_BATCH, len(run["claims"]) - len(done))
                 delay = min(max(expected / rate, SUMMARY_POLL_FLOOR), wait_max)
             else:
@@ -2980,15 +2819,14 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
 
 
 def run_recheck(progressed, now):
-    """When wait_for_run next looks at the run record and the DLQ: RUN_RECHECK s after the last new summary
-    (`progressed`), then at gaps that double with the time stalled (now - progressed), up to RUN_RECHECK_MAX."""
+    """When wait_for_run next looks at the run record: RUN_RECHECK s after the last new summary,
+    then at gaps doubling with the time stalled, up to RUN_RECHECK_MAX."""
     return max(progressed + RUN_RECHECK, now + min(max(now - progressed, RUN_RECHECK), RUN_RECHECK_MAX))
 
 
 def nothing_left_to_run(backend, run, done, dead):
-    """True when no worker can take any claim of the run that has no summary yet (`done` has those that have):
-    the run was cancelled, or each such claim was never sent or is in the dead-letter queue (`dead`, a
-    DeadLetters). Reads the run record again, into `run`."""
+    """True when no worker can take a claim without a summary: the run was cancelled, or each such
+    claim was never sent or is dead-lettered (`dead`). Reads the run record again, into `run`."""
     run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
     if run.get("cancelled"):
         return True
@@ -2997,7 +2835,7 @@ def nothing_left_to_run(backend, run, done, dead):
     except StoreFault:
         if backend.kind != "local":
             raise
-        letters = dead.claims()   # the local queue file was replaced under this process: reopened now
+        letters = dead.claims()   # the local queue file was replaced: reopened now
     waiting = [claim for index, claim in enumerate(run["claims"])
                if claim not in done and index < run["sent"] and claim not in letters]
     lost = claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" else []
@@ -3005,11 +2843,8 @@ def nothing_left_to_run(backend, run, done, dead):
 
 
 def cancel_run(backend, run, reason):
-    """Mark the run cancelled and write a `cancelled` summary for each claim without a summary: a worker that
-    receives such a claim acks it as done without running it, and `runs resume` sends nothing of a cancelled
-    run. A claim that a worker finishes meanwhile keeps its own summary (each is checked just before the
-    write; one finishing after it replaces the cancelled one). When every claim has a summary nothing is
-    written. Returns the claims marked."""
+    """Mark the run cancelled with a `cancelled` summary for each claim without one (a worker acks
+    such a claim unrun; one finished meanwhile keeps its own). Returns the claims marked."""
     have = summary_claims(backend, run["run_id"])
     if all(claim in have for claim in run["claims"]):
         return []
@@ -3020,9 +2855,10 @@ def cancel_run(backend, run, reason):
         key = summary_key(run["run_id"], claim)
         if backend.store.exists(key):
             return False
-        summary = claim_summary(run_id=run["run_id"], claim=claim, model=run["model"], worker_id="submitter",
-                                mode=run["mode"], backend=backend.kind, receive_count=0, enter_count=0, started=at,
-                                finished=at, requests={}, notes=[f"cancelled ({reason}): the claim was not run"])
+        summary = claim_summary(
+            run_id=run["run_id"], claim=claim, model=run["model"], worker_id="submitter",
+            mode=run["mode"], backend=backend.kind, receive_count=0, enter_count=0, started=at,
+            finished=at, requests={}, notes=[f"cancelled ({reason}): the claim was not run"])
         write_json(backend, key, dict(summary, status="cancelled", reason=reason))
         return True
 
@@ -3032,8 +2868,7 @@ def cancel_run(backend, run, reason):
 
 
 def cancel_pool_runs(backend, model):
-    """pool delete --force: cancel every unfinished run of the pool, reason "pool deleted", so that a submit
-    waiting on one stops and says why. Returns {run id: the claims marked} of each run cancelled."""
+    """pool delete --force: cancel each unfinished run of the pool; {run id: claims marked}."""
     cancelled = {}
     for run in list_runs(backend, model):
         if run["model"] == model and run["mode"] == "pool":
@@ -3044,14 +2879,13 @@ def cancel_pool_runs(backend, model):
 
 
 def live_claims(backend, run):
-    """The run's claims queued or running (sent, no summary, not cancelled): what deleting it would strand."""
+    """The run's claims queued or running: what deleting it would strand."""
     states = claim_states(backend, run, read_summaries(backend, run["run_id"]))
     return [claim for claim, (state, _) in states.items() if state == "queued or running"]
 
 
 def check_deletable(backend, run):
-    """Refuse to delete a run with claims queued or running: a worker that receives one of them later finds no
-    manifest and dead-letters it (what --force accepts)."""
+    """Refuse to delete a run with claims queued or running (they would be dead-lettered)."""
     live = live_claims(backend, run)
     if live:
         raise UserError(f"run {run['run_id']} has {len(live)} claim(s) queued or running: deleting it would strand "
@@ -3059,8 +2893,7 @@ def check_deletable(backend, run):
 
 
 def delete_run(conf, backend, run):
-    """Delete a run's objects from the store (and its cold workers' logs on this machine); returns (objects,
-    bytes)."""
+    """Delete a run's objects (and its cold workers' logs here); returns (objects, bytes)."""
     freed = backend.store.delete_prefix(f"runs/{run['run_id']}/")
     shutil.rmtree(os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run["run_id"]), ignore_errors=True)
     return freed
@@ -3075,8 +2908,7 @@ def parse_age(text):
 
 
 def runs_to_prune(backend, older_than, keep=0, model=None):
-    """The runs created more than `older_than` seconds ago (only `model`'s when given), but each model's `keep`
-    newest runs, oldest first."""
+    """The runs over `older_than` s old (of `model` if given), but each model's `keep` newest."""
     runs = list_runs(backend, model)
     kept = {r["run_id"] for m in {r["model"] for r in runs}
             for r in [r for r in runs if r["model"] == m][::-1][:keep]}
@@ -3086,12 +2918,9 @@ def runs_to_prune(backend, older_than, keep=0, model=None):
 
 
 def redrive(backend, record, runs):
-    """Send the dead-lettered claims of `runs` ({run id: run record}, runs of the pool `record`) back to the pool
-    queue, marked resume (the worker skips the items its result parts hold). A claim is dead-lettered when its
-    summary is a failure summary or, without a summary, when its copy is in the DLQ. Its failure summary is
-    deleted first (else a worker would ack the claim as done), then it is sent, then its DLQ copies are deleted;
-    a claim that finished meanwhile only loses its DLQ copies. Idempotent: a second call finds nothing to send.
-    Returns {run id: [claims sent back]}."""
+    """Send the dead-lettered claims of `runs` back to the pool queue, marked resume: its failure
+    summary is deleted first (else a worker would ack it as done), then it is sent, then its DLQ
+    copies deleted. Idempotent. Returns {run id: [claims sent]}."""
     queue, dlq = backend.queues.open_queue(record["queue"]), backend.queues.open_queue(record["dlq"])
     letters = receive_all(dlq, dlq.counts()["visible"])
     copies, deleted, sent = {}, set(), {}
@@ -3108,8 +2937,8 @@ def redrive(backend, record, runs):
                 if failure or (s is None and (run_id, claim) in copies):
                     if failure:
                         backend.store.delete(summary_key(run_id, claim))
-                    queue.send(make_message(run_id, run["model"], backend.store.uri(manifest_key(run_id, claim)), claim,
-                                            resume=True))
+                    uri = backend.store.uri(manifest_key(run_id, claim))
+                    queue.send(make_message(run_id, run["model"], uri, claim, resume=True))
                     sent.setdefault(run_id, []).append(claim)
                 for message in copies.get((run_id, claim), []):
                     dlq.delete(message)
@@ -3120,8 +2949,7 @@ def redrive(backend, record, runs):
 
 
 def claim_parts(backend, run_id, claim, count):
-    """The claim's result parts, in item order (read_claim_parts). A claim run by a calque 0.2 worker has no
-    parts but one results object: it is read instead, and must hold `count` lines too."""
+    """The claim's result parts in item order (a calque 0.2 claim's one results object instead)."""
     try:
         return read_claim_parts(backend.store, run_id, claim, count)
     except ResultsIncomplete:
@@ -3130,16 +2958,17 @@ def claim_parts(backend, run_id, claim, count):
         try:
             lines = backend.store.get(results_key(run_id, claim)).decode().splitlines(keepends=True)
         except NotFound:
-            raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part under {results_prefix(run_id, claim)}")
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: no result part under "
+                                    f"{results_prefix(run_id, claim)}")
         if len(lines) != count or not lines[-1].endswith("\n"):
-            raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is truncated "
-                                    f"({len(lines)} of {count} lines)")
+            raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is "
+                                    f"truncated ({len(lines)} of {count} lines)")
         return [Part(lines, [])]
 
 
 def claim_results(backend, run_id, claim, count):
     """The claim's result lines, in item order, as JSONL prints them."""
-    return [line for part in claim_parts(backend, run_id, claim, count) for line in result_lines(part)]
+    return [ln for p in claim_parts(backend, run_id, claim, count) for ln in result_lines(p)]
 
 
 def claim_ids(backend, run, claim, field):
@@ -3152,9 +2981,8 @@ def claim_ids(backend, run, claim, field):
 
 
 def claim_column(parts, field):
-    """(offsets, values) of the claim's items whose result holds `field` (None: the result itself), in item order:
-    typed blocks' arrays stacked (bfloat16 widened to float32), else the JSON values as numpy.array makes them.
-    ValueError where their shapes differ."""
+    """(offsets, values) of the items whose result holds `field` (None: the result itself): typed
+    arrays stacked (bfloat16 as float32), else as numpy.array makes them; ValueError on shapes."""
     import numpy as np
     blocks, lines, at = [], [], 0
     for part in parts:
@@ -3194,15 +3022,13 @@ def with_parts(backend, run, claims):
 
 
 def run_array(run, claims, field=None, fill=None):
-    """One array of `field` (None: the result itself, or a dict's only array) over the items of `claims`
-    ((index, claim, parts) of claims done), row k the k-th item's. A failed item's row (or one without the
-    field) is `fill`: by default NaN where the values are floats; for other dtypes a UserError unless fill
-    is given."""
+    """One array of `field` (None: the result, or its only array) over `claims` ((index, claim,
+    parts)); a row without it is `fill` (default NaN for floats, else a UserError)."""
     import numpy as np
     pieces, missing, choose = [], 0, field is None
     for index, claim, parts in claims:
-        if choose and typed_fields(parts):      # the first claim with arrays says which (one whose items all
-            choose, names = False, typed_fields(parts)                     # failed has none)
+        if choose and typed_fields(parts):      # the first claim with arrays says which
+            choose, names = False, typed_fields(parts)
             if len(names) > 1 and None not in names:
                 raise UserError(f"run {run['run_id']}: results hold several arrays ({', '.join(names)}) "
                                 f"---> HINT: name one: to_numpy({names[0]!r}), or runs results --field {names[0]}")
@@ -3217,13 +3043,13 @@ def run_array(run, claims, field=None, fill=None):
     shape, dtype = next(((v.shape[1:], v.dtype) for _, _, v in pieces if len(v)), ((), np.dtype("float64")))
     if missing and fill is None and dtype.kind != "f":
         raise UserError(f"run {run['run_id']}: {missing} items have no {field or 'result'} (failed, or none in "
-                        f"their result) and {dtype} has no NaN for their rows ---> HINT: pass fill= (runs results "
-                        f"--fill), or read the ok column with to_arrow()")
+                        f"their result) and {dtype} has no NaN for their rows ---> HINT: pass "
+                        f"fill= (runs results --fill), or read the ok column with to_arrow()")
     out, at = np.empty((sum(n for n, _, _ in pieces), *shape), dtype=dtype), 0
     for count, rows, values in pieces:
         if len(values) and values.shape[1:] != shape:
-            raise UserError(f"run {run['run_id']}: {field or 'the result'} is {values.shape[1:]} in some claims, "
-                            f"{shape} in others ---> HINT: read it with to_arrow()")
+            raise UserError(f"run {run['run_id']}: {field or 'the result'} is {values.shape[1:]} "
+                            f"in some claims, {shape} in others ---> HINT: read it with to_arrow()")
         if len(rows) == count:          # every item has it: rows are 0..count-1 in order
             out[at:at + count] = values
         else:
@@ -3235,7 +3061,7 @@ def run_array(run, claims, field=None, fill=None):
 
 
 def _arrow_column(pa, values):
-    """A pyarrow array of stacked numpy values: one fixed-size list level per dimension after the first."""
+    """A pyarrow array of stacked numpy values: a fixed-size list level per inner dimension."""
     column = pa.array(values.reshape(-1))
     for size in reversed(values.shape[1:]):
         column = pa.FixedSizeListArray.from_arrays(column, size)
@@ -3243,15 +3069,15 @@ def _arrow_column(pa, values):
 
 
 def claim_batch(backend, run, claim, parts):
-    """The claim's results as a pyarrow.RecordBatch in item order: i, ok, error, the run's id field, then the result:
-    one column a key where every result is a dict (a key that clashes gets "result." before it), else `result`.
-    Typed arrays become fixed-size lists in their dtype (bfloat16: float32); JSON values as pyarrow infers them, or
-    their JSON text where it cannot."""
+    """The claim's results as a pyarrow.RecordBatch: i, ok, error, the id field, then a column a key
+    where every result is a dict (a clash gets "result."), else `result`. Typed arrays become
+    fixed-size lists; JSON values as pyarrow infers them, else their JSON text."""
     import numpy as np
     import pyarrow as pa
-    lines = orjson.loads("[" + ",".join(line[:-1] for part in parts for line in part.lines) + "]")   # one parse
+    lines = orjson.loads("[" + ",".join(line[:-1] for part in parts for line in part.lines) + "]")
     count = len(lines)
-    columns = {"i": pa.array([line["i"] for line in lines], pa.int64()), "ok": pa.array([line["ok"] for line in lines]),
+    columns = {"i": pa.array([line["i"] for line in lines], pa.int64()),
+               "ok": pa.array([line["ok"] for line in lines]),
                "error": pa.array([line.get("error") for line in lines], pa.string())}
     if run.get("id_field"):
         columns[run["id_field"]] = pa.array(claim_ids(backend, run, claim, run["id_field"]))
@@ -3286,7 +3112,7 @@ def claim_batch(backend, run, claim, parts):
 
 
 def claim_column_rows(parts, field):
-    """(offsets, arrays) of the claim's typed values of `field`, one array a row, whatever their shapes."""
+    """(offsets, arrays) of the claim's typed values of `field`, one array a row."""
     rows, arrays, at = [], [], 0
     for part in parts:
         for block in part.blocks:
@@ -3298,8 +3124,7 @@ def claim_column_rows(parts, field):
 
 
 def run_table(batches):
-    """One pyarrow.Table of claim batches, their columns unified (a claim whose items all failed has no result
-    columns; a field one claim lacks is null there)."""
+    """One pyarrow.Table of claim batches, columns unified (a field lacking is null there)."""
     import pyarrow as pa
     tables = [pa.Table.from_batches([b]) for b in batches]
     if not tables:
@@ -3308,15 +3133,15 @@ def run_table(batches):
     try:
         return pa.concat_tables(tables, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-        raise UserError(f"the claims' results do not fit one table ({e}) ---> HINT: read them claim by claim "
-                        f"(Run.iter_batches()), or as JSONL")
+        raise UserError(f"the claims' results do not fit one table ({e}) ---> HINT: read them "
+                        f"claim by claim (Run.iter_batches()), or as JSONL")
 
 
 CLAIM_STATES = ("done", "failed", "dead-lettered", "cancelled", "queued or running", "in no queue",
                 "not queued")
 ITEM_OUTCOME = {"queued or running": "pending", "in no queue": "pending", "not queued": "pending",
-                "dead-lettered": "dead_lettered", "cancelled": "cancelled"}   # a claim that did not run
-NOT_RUN = {   # the claims of each state that did not run: what becomes of them, in the words of format_run
+                "dead-lettered": "dead_lettered", "cancelled": "cancelled"}   # claims not run
+NOT_RUN = {   # what becomes of the claims of each state that did not run (format_run)
     "queued or running": "still pending; the run goes on",
     "in no queue": "were lost by the pool's queue (removed, recreated or purged): nothing will run them",
     "not queued": "were never sent: nothing will run them",
@@ -3326,11 +3151,8 @@ NOT_RUN = {   # the claims of each state that did not run: what becomes of them,
 
 
 def claim_states(backend, run, summaries, dead_letters=True):
-    """{claim: (state, detail)}, the state one of CLAIM_STATES: done or failed (it ran; failed when every item
-    failed), dead-lettered (a failure summary, or else its copy in the dead-letter queue), cancelled, queued or
-    running (sent, no summary yet), in no queue (sent, but its queue lost it: claims_in_no_queue), not queued
-    (never sent). The detail is the dead-letter or cancel reason. Without dead_letters the DLQ is not scanned
-    nor the queue looked at (the dashboard: a scan receives its messages)."""
+    """{claim: (state, detail)}, state one of CLAIM_STATES (in no queue: its queue lost it), the
+    detail the dead-letter or cancel reason. Without dead_letters: no DLQ scan, no queue look."""
     by_claim = {s["claim"]: s for s in summaries}
     cancelled = run.get("cancelled")
     pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
@@ -3351,17 +3173,14 @@ def claim_states(backend, run, summaries, dead_letters=True):
         else:
             states[claim] = ("not queued" if index >= run["sent"] else "queued or running", "")
     waiting = [claim for claim, (state, _) in states.items() if state == "queued or running"]
-    if waiting and run["mode"] == "pool" and dead_letters:   # (the dashboard's view looks at no queue)
+    if waiting and run["mode"] == "pool" and dead_letters:
         for claim in claims_in_no_queue(backend, run, waiting):
             states[claim] = ("in no queue", "")
     return states
 
 
 def claims_in_no_queue(backend, run, waiting):
-    """The claims of `waiting` (sent, no summary, not dead-lettered) that no queue holds any more:
-    the pool's queue is gone, was created after the run, or holds nothing at all while they wait
-    (purged). A claim that a worker runs is in flight, and one finished has a summary (read again
-    here: it may have landed since)."""
+    """The claims of `waiting` that no queue holds (it is gone, newer than the run, purged)."""
     try:
         queue = backend.queues.open_queue(run["queue"])
         depth = queue.counts()
@@ -3375,9 +3194,8 @@ def claims_in_no_queue(backend, run, waiting):
 
 
 def run_view(backend, run, summaries, dead_letters=True):
-    """What a report says about a run: each claim's state and detail (claim_states), the claims per state, the
-    items per outcome (ok + failed + pending + dead_lettered + cancelled = the run's items, always: a claim that
-    did not run counts its size from the run record), and the run queue's depth while claims wait in it."""
+    """A report's view of a run: each claim's state, claims per state, items per outcome (they add
+    up to the run's items, always) and the queue's depth while claims wait."""
     states = claim_states(backend, run, summaries, dead_letters)
     by_claim = {s["claim"]: s for s in summaries}
     items = dict.fromkeys(("ok", "failed", "pending", "dead_lettered", "cancelled"), 0)
@@ -3413,28 +3231,27 @@ def next_step(run, state):
     """What the user can do about the run's claims in `state`, one that did not run."""
     if state == "queued or running":
         return f"wait, or read it later: python calque.py runs show {run['run_id']}"
-    if state == "cancelled" or run["mode"] == "cold":   # a cold run's queue and workers are gone once it ends
+    if state == "cancelled" or run["mode"] == "cold":   # a cold run's queue is gone once it ends
         return "submit those items again"
     if state == "not queued":
         return f"python calque.py runs resume {run['run_id']} (or runs cancel {run['run_id']})"
     if state == "in no queue":
-        return (f"python calque.py runs resume {run['run_id']} re-sends them (first `pool create` again if the "
-                f"pool is gone)")
+        return (f"python calque.py runs resume {run['run_id']} re-sends them (first `pool create` "
+                f"again if the pool is gone)")
     return f"python calque.py runs redrive {run['run_id']}"
 
 
 def format_run(run, summaries, view, results_uri):
-    """The lines `submit` and `runs show` print: the items per outcome (they add up to the run's items), the
-    claims per state, the claim table (claims that did not run: one row per span in one state), why claims
-    were dead-lettered, where the results are, and what becomes of the claims that did not run."""
+    """The lines `submit` and `runs show` print: items per outcome, claims per state, the claim
+    table, dead letters, errors, the results' place, what becomes of claims not run."""
     items, counts, queue = view["items"], view["claim_counts"], view["queue"]
     per_state = [f"{n} {state}" for state, n in counts.items() if n]
     if queue:
         per_state = [p + f" ({run['queue']}: {queue['visible']} visible, {queue['in_flight']} in flight)"
                      if p.endswith("queued or running") else p for p in per_state]
     lines = [f"run {run['run_id']} ({run['mode']}, model {run['model']}): {items['ok']} items ok, "
-             f"{items['failed']} failed, {items['pending']} pending, {items['dead_lettered']} dead-lettered, "
-             f"{items['cancelled']} cancelled (of {run['items']} items)",
+             f"{items['failed']} failed, {items['pending']} pending, {items['dead_lettered']} "
+             f"dead-lettered, {items['cancelled']} cancelled (of {run['items']} items)",
              "  claims: " + ", ".join(per_state),
              f"  {'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
     by_claim, claims, index = {s["claim"]: s for s in summaries}, run["claims"], 0
@@ -3457,17 +3274,18 @@ def format_run(run, summaries, view, results_uri):
               if v["state"] == "dead-lettered"]
     lines += format_item_errors(run, summaries)
     lines.append(f"  results: {results_uri}  (python calque.py runs results {run['run_id']})")
-    why = " ({})".format("; ".join(sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})))
+    cancelled = sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})
+    why = f" ({'; '.join(cancelled)})"
     for state, what in NOT_RUN.items():
         if counts[state]:
-            lines.append(f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> HINT: "
-                         f"{next_step(run, state)}")
+            lines.append(f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> "
+                         f"HINT: {next_step(run, state)}")
     return lines
 
 
 def item_errors(summaries):
-    """[(message, [item indices])] of the failed items whose messages the summaries kept, grouped by message with
-    its numbers blanked (so "item 3 failed" and "item 7 failed" are one error), the most frequent first."""
+    """[(message, [item indices])] of the failed items' kept messages, grouped with numbers blanked,
+    the most frequent first."""
     groups = {}
     for s in summaries:
         for index, message in s.get("errors", {}).items():
@@ -3496,13 +3314,12 @@ def format_item_errors(run, summaries):
 
 
 def format_runs_list(runs):
-    return [f"{r['run_id']}  {r['mode']:<5} {r['model']:<30} {r['items']:>7} items  {len(r['claims'])} claim(s)  "
-            f"{r['created_at']}" for r in runs]
+    return [f"{r['run_id']}  {r['mode']:<5} {r['model']:<30} {r['items']:>7} items  "
+            f"{len(r['claims'])} claim(s)  {r['created_at']}" for r in runs]
 
 
 def report_run(backend, run, summaries, as_json, out=sys.stdout):
-    """Print the run (format_run, or JSON with the same view); returns the exit code: 0 when every claim ran and
-    every item of every claim succeeded."""
+    """Print the run (format_run, or JSON); exit code 0 when every item of every claim ran ok."""
     view = run_view(backend, run, summaries)
     if as_json:
         print(json.dumps({"run": run, "summaries": summaries, **view}, indent=1), file=out)

@@ -77,6 +77,25 @@ def test_results_are_made_jsonable():
         calque.dumps({"x": object()})
 
 
+def test_public_names():
+    """`from calque import *` gives the handler API, the Python API and the errors, nothing else."""
+    assert {"enter", "batch", "Pool", "submit", "Run", "UserError"} <= set(calque.__all__)
+    assert len(calque.__all__) <= 40 and all(hasattr(calque, name) for name in calque.__all__)
+    namespace = {}
+    exec("from calque import *", namespace)
+    assert "enter" in namespace and "os" not in namespace and "slug" not in namespace
+
+
+def test_handler_decorators_mark_the_methods(tmp_path):
+    """@calque.enter and @calque.batch mark the methods load_handler returns."""
+    path = tmp_path / "h.py"
+    path.write_text("import calque\nclass M:\n    @calque.enter\n    def load(self): self.k = 2\n"
+                    "    @calque.batch\n    def run(self, xs): return [self.k * x for x in xs]\n")
+    _, enter, batch, collate = calque.load_handler(str(path), "M")
+    enter()
+    assert batch([1, 2]) == [2, 4] and collate is None
+
+
 def test_handler_source_check():
     """pool create reads the handler without running it: class and both decorators must be there."""
     good = "import calque\nclass M:\n    @calque.enter\n    def a(self): pass\n    @calque.batch\n    def b(self, x): return x\n"
