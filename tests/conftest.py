@@ -110,8 +110,13 @@ def cli(env, *args, stdin=None, timeout=120, cwd=ROOT):
 _workers = []   # every warmd.py a test started: killed after the test if it is still running
 
 
-def start_worker(env, *args, log=None):
-    proc = subprocess.Popen([PY, os.path.join(ROOT, "warmd.py"), *args], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+def start_worker(env, *args, log=None, constants=None):
+    """A warmd.py process; `constants`: warmd's module constants to set in it first ({"AHEAD": True})."""
+    command = [PY, os.path.join(ROOT, "warmd.py"), *args]
+    if constants:
+        command = [PY, "-c", "import json, sys, warmd; vars(warmd).update(json.loads(sys.argv[1])); "
+                   "sys.exit(warmd.main(sys.argv[2:]))", json.dumps(constants), *args]
+    proc = subprocess.Popen(command, env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
                             stdout=log or subprocess.DEVNULL, stderr=log or subprocess.STDOUT, text=True)
     _workers.append(proc)
     return proc

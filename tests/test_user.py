@@ -179,8 +179,8 @@ def test_hints_name_the_right_next_step(local_env, tmp_path):
 def test_gpus_per_worker_from_a_faked_device_list(local_env, tmp_path):
     """With four (faked) GPUs and two per worker, each worker gets its own two, round-robin, in
     CUDA_VISIBLE_DEVICES; pool status shows them; pool logs shows each worker's log."""
-    import calque
-    assert calque.worker_gpus(["0", "1", "2"], 1, 4) == ["1"] and calque.worker_gpus([], 1, 0) == []
+    import supervisor
+    assert supervisor.worker_gpus(["0", "1", "2"], 1, 4) == ["1"] and supervisor.worker_gpus([], 1, 0) == []
     folder = user_folder(tmp_path)
     env = dict(local_env, CALQUE_GPUS="0,1,2,3")
     out = run(env, folder, "pool", "create", "--model", "m", "--handler", "model.py:Model", "--workers", "2",
