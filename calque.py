@@ -3515,20 +3515,20 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. local workers: what calque reads of a pool's supervisor here (supervisor.py is the process itself)
-SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
-SCALE_INTERVAL = 0.5                    # s between two looks at the queue of a pool that sizes itself
-COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
-STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
-LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts when --workers is not given
-WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter before giving up on them
-WORKER_LOST_AFTER = 120.0               # s of silence after which a "running" worker elsewhere counts as lost
-                                        # (4 of warmd's 30 s stats intervals; it also writes after each claim)
+# 6. local workers: a pool supervisor's state here, as calque reads it (supervisor.py: the process)
+SUPERVISOR_TICK = 0.2                   # s between two looks of the supervisor (and of a follower)
+SCALE_INTERVAL = 0.5                    # s between two looks at a self-sizing pool's queue
+COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker has to exit before SIGTERM
+STOPPED_SHOWN = 5                       # stopped workers `pool status` lists (the rest: --json)
+LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts without --workers
+WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter
+WORKER_LOST_AFTER = 120.0               # s of silence that makes a "running" worker elsewhere lost
+                                        # (4 of warmd's stats intervals; it writes after claims too)
 
 
 def supervisor_module():
-    """supervisor.py, imported where a verb starts or stops workers or follows their output, with this
-    module as its `calque` (calque.py may run as __main__)."""
+    """supervisor.py, with this module as its `calque` (calque.py may be __main__): imported only by
+    the verbs that start or stop workers or follow their output."""
     sys.modules.setdefault("calque", sys.modules[__name__])
     import supervisor
     return supervisor
@@ -3536,6 +3536,31 @@ def supervisor_module():
 
 def state_dir(conf, model):
     return os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "pools", slug(model))
+
+
+def read_state(path, parse, default=None):
+    """A file of a pool's state folder, parsed; `default` when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return parse(f.read())
+    except (OSError, ValueError):
+        return default
+
+
+def read_supervisor(conf, model):
+    """The supervisor's status file, or None when no live supervisor runs the pool here."""
+    status = read_state(os.path.join(state_dir(conf, model), "supervisor.json"), json.loads)
+    return status if status and pid_alive(status["pid"]) else None
+
+
+def read_desired(folder):
+    """The worker count `pool create` / `pool scale` last asked for (0 when unreadable)."""
+    return read_state(os.path.join(folder, "desired"), lambda text: int(text.strip() or 0), 0)
+
+
+def read_scaling(folder):
+    """The bounds of a pool that sizes itself (scaling.json), or None for a fixed count."""
+    return read_state(os.path.join(folder, "scaling.json"), json.loads)
 
 
 def child_env(conf):
@@ -3565,37 +3590,8 @@ def pid_alive(pid):
         return True
 
 
-def read_supervisor(conf, model):
-    """The supervisor's status file, or None when no live supervisor runs this pool on this machine."""
-    path = os.path.join(state_dir(conf, model), "supervisor.json")
-    try:
-        with open(path) as f:
-            status = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return status if pid_alive(status["pid"]) else None
-
-
-def read_desired(folder):
-    """The worker count `pool create` / `pool scale` last asked for (0 when unreadable)."""
-    try:
-        with open(os.path.join(folder, "desired")) as f:
-            return int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-def read_scaling(folder):
-    """The bounds of a pool that sizes itself (scaling.json), or None for a fixed count."""
-    try:
-        with open(os.path.join(folder, "scaling.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
 def gpu_devices(conf):
-    """The GPU indices this machine's workers share: CALQUE_GPUS when set (tests fake devices with it),
+    """The GPU indices this machine's workers share: CALQUE_GPUS when set (tests fake devices so),
     else CUDA_VISIBLE_DEVICES when set, else every device NVML counts ([] without NVML or a GPU)."""
     listed = conf.get("CALQUE_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:

@@ -1,11 +1,10 @@
-"""supervisor: the detached process that keeps a local pool's N warmd.py workers alive on this machine.
+"""supervisor: the detached process that keeps a local pool's warmd.py workers alive here.
 
     python supervisor.py --model demo     # what `pool create` / `pool scale` start, detached
 
-One per pool and machine (an flock on its state folder's supervisor.lock). Every SUPERVISOR_TICK s it reads
-the count wanted (`desired`, or LocalScaler for a pool that sizes itself), restarts the dead with backoff,
-leases GPUs, and writes supervisor.json, which calque's `pool status` reads. It imports calque; calque
-imports it only where a verb starts or stops workers or follows their output.
+One per pool and machine (a lock in its state folder). Every SUPERVISOR_TICK s it reads the count
+wanted (LocalScaler), restarts the dead with backoff, leases GPUs, and writes supervisor.json, which
+calque reads (section 6). calque imports it only in the verbs that start or stop workers.
 """
 import argparse
 import contextlib
@@ -26,24 +25,24 @@ import time
 import calque
 from calque import (SCALE_INTERVAL, SUPERVISOR_TICK, NotFound, StoreFault, UserError, child_env,
                     desired_count, gpu_devices, load_pool, measured_seconds, now_iso, open_backend,
-                    pid_alive, read_desired, read_scaling, read_supervisor, recent_summaries,
-                    setting_number, slug, state_dir, worker_stats_prefix, write_file_atomic)
+                    pid_alive, read_desired, read_scaling, read_state, read_supervisor,
+                    recent_summaries, setting_number, slug, state_dir, worker_stats_prefix,
+                    write_file_atomic)
 
-RESTART_BACKOFF = (1.0, 30.0)   # s: first restart delay after an exit without progress, doubling to this cap
+RESTART_BACKOFF = (1.0, 30.0)   # s: first restart delay after a death without progress, doubling
 RESTART_RESET_AFTER = 60.0      # s: a worker that lived this long made progress, whatever it did
-SCALE_MEASURE_EVERY = 10.0      # s between two reads of a sized pool's recent summaries (seconds per claim)
+SCALE_MEASURE_EVERY = 10.0      # s between two reads of a sized pool's recent seconds per claim
 SCALE_WAKE_HOLD = 30.0          # s a submit's announced claims count until they show
-SUPERVISOR_START_WAIT = 10.0    # s `pool create` / `pool scale` wait for a new supervisor's first status
-EXIT_LOG_TAIL = 16384           # bytes of a dead worker's log searched for the line that says why it died
+SUPERVISOR_START_WAIT = 10.0    # s `pool create` / `pool scale` wait for a new supervisor's status
+EXIT_LOG_TAIL = 16384           # bytes of a dead worker's log searched for why it died
 OUTPUT_LAG = 5000               # ms of output chunks a follower lists again (clocks differ)
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
-# what torch/OpenMP, MKL, numpy's OpenBLAS and the tokenizers' rayon size their thread pools from
 
 
 class WorkerOutput:
-    """What handler code prints in a pool's workers, on any machine (warmd's Output writes it to the
-    store in chunks), shown on our stderr as it lands, each line prefixed with the pool's label and the
-    worker's. A thread follows the pools' output/ folders until stop(), which prints what is left."""
+    """What handler code prints in a pool's workers, on any machine (warmd's Output writes it to
+    the store in chunks), on our stderr as it lands, each line prefixed with the pool's label and
+    the worker's. A thread follows the output/ folders until stop(), which prints what is left."""
 
     def __init__(self, backend, labels):
         self.backend, self.labels, self.seen = backend, {}, set()
@@ -59,7 +58,7 @@ class WorkerOutput:
 
     def _run(self):
         while not self.stopped.wait(SUPERVISOR_TICK):
-            with contextlib.suppress(Exception):   # a store hiccup: the next look finds the chunks
+            with contextlib.suppress(Exception):   # a store hiccup: the next look finds them
                 self._poll()
 
     def _poll(self):
@@ -84,8 +83,8 @@ class WorkerOutput:
 
 
 def start_supervisor(conf, model, workers, gpus_per_worker=None, threads_per_worker=None):
-    """Ask this machine's supervisor of the pool for `workers` workers, starting it when there is none;
-    its pid. `gpus_per_worker` (None: 1 where devices exist) and `threads_per_worker` (None:
+    """Ask this machine's supervisor of the pool for `workers` workers, starting one when there is
+    none; its pid. `gpus_per_worker` (None: 1 where devices exist) and `threads_per_worker` (None:
     thread_env's share) apply to the workers it starts next."""
     folder = state_dir(conf, model)
     os.makedirs(folder, exist_ok=True)
@@ -99,17 +98,17 @@ def start_supervisor(conf, model, workers, gpus_per_worker=None, threads_per_wor
     write_file_atomic(os.path.join(folder, "desired"), str(workers))
     status = read_supervisor(conf, model)
     if status:
-        with contextlib.suppress(ProcessLookupError):   # gone since the read: a new one is started below
+        with contextlib.suppress(ProcessLookupError):   # gone since the read: a new one starts
             os.kill(status["pid"], signal.SIGHUP)   # it re-reads `desired`
             return status["pid"]
     with open(os.path.join(folder, "supervisor.log"), "ab") as log:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--model", model],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env(conf),
-                                start_new_session=True, cwd=calque.HERE)
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                env=child_env(conf), start_new_session=True, cwd=calque.HERE)
     deadline = time.monotonic() + SUPERVISOR_START_WAIT
     while time.monotonic() < deadline:
-        status, exited = read_supervisor(conf, model), proc.poll()   # exited 0: ours found the lock held
-        # ours, or the one holding the pool's lock; never a dead one's status file, which outlives it
+        status, exited = read_supervisor(conf, model), proc.poll()   # 0: ours found the lock held
+        # ours, or the one holding the lock; never a dead one's status file, which outlives it
         if status and (status["pid"] == proc.pid or exited == 0):
             return status["pid"]
         if exited not in (None, 0):
@@ -136,20 +135,20 @@ def stop_supervisor(conf, model, timeout):
 
 def supervise(conf, model):
     """The supervisor's loop: keep the wanted warmd.py processes, restart the dead with backoff. It
-    holds the pool's supervisor.lock for its whole life (the kernel drops it however the process
-    dies); a second supervisor exits at once, leaving the pool to the first."""
+    holds the pool's supervisor.lock for its whole life; a second supervisor exits at once."""
     folder = state_dir(conf, model)
-    lock = hold_supervisor_lock(folder)   # held while this function runs: closed (unlocked) when it returns
+    os.makedirs(folder, exist_ok=True)
+    lock = try_lock(os.path.join(folder, "supervisor.lock"))   # held until this function returns
     if lock is None:
-        print(f"supervisor {os.getpid()}: pool {model} already has a supervisor on this machine: exit",
-              flush=True)
+        print(f"supervisor {os.getpid()}: pool {model} already has a supervisor on this machine: "
+              f"exit", flush=True)
         return
     grace = setting_number(conf, "CALQUE_GRACE")
     slots = {}            # slot -> {"proc", "started", "restarts", "not_before", "log", ...}
     restarts, stopping = 0, []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; `desired` is re-read every tick
+    signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; each tick re-reads
     want, scaler = read_desired(folder), LocalScaler(conf, model, folder)
     died = functools.partial(record_exit, conf, model, [])   # [] gets the store at the first death
     print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
@@ -159,10 +158,10 @@ def supervise(conf, model):
             want = scaler.want(want, now)
             restarts += _reap(slots, want, now, died)
             _spawn(conf, model, folder, slots, want, now)
-            workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
-                        "restarts": v["restarts"], "log": v["log"], "warm": _is_warm(v), "gpus": v["gpus"],
-                        "threads": v.get("threads"), "last_exit": v["last_exit"]}
-                       for s, v in sorted(slots.items())]
+            workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None,
+                        "started_at": v["started"], "restarts": v["restarts"], "log": v["log"],
+                        "warm": bool(_readiness(v)), "gpus": v["gpus"], "threads": v.get("threads"),
+                        "last_exit": v["last_exit"]} for s, v in sorted(slots.items())]
             write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
                 {"pid": os.getpid(), "model": model, "desired": want, "restarts": restarts,
                  "workers": workers, "updated_at": now_iso()}))
@@ -174,10 +173,10 @@ def supervise(conf, model):
         print("supervisor: exit", flush=True)
 
 
-def hold_supervisor_lock(folder):
-    """The lock file, locked (held while it stays open), or None when another process holds it."""
-    os.makedirs(folder, exist_ok=True)
-    lock = open(os.path.join(folder, "supervisor.lock"), "a")
+def try_lock(path):
+    """`path` open and flock'ed (held while it stays open; the kernel drops it however we die), or
+    None when another process holds it."""
+    lock = open(path, "a")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -187,10 +186,10 @@ def hold_supervisor_lock(folder):
 
 
 class LocalScaler:
-    """The count a pool wants: what `pool create` / `pool scale` wrote, or, for a pool that sizes itself
-    (scaling.json: lo, hi, idle_window, target_drain), desired_count every SCALE_INTERVAL s on the
-    queue's depth, the seconds per claim of recent summaries, and a submit's announced claims while its
-    queue is still empty. Each change is logged with its inputs."""
+    """The count a pool wants: what `pool create` / `pool scale` wrote, or, for a pool that sizes
+    itself (scaling.json), desired_count every SCALE_INTERVAL s on the queue's depth, the seconds
+    per claim of recent summaries, and a submit's announced claims while its queue is still empty.
+    Each change is logged with its inputs."""
 
     def __init__(self, conf, model, folder):
         self.conf, self.model, self.folder = conf, model, folder
@@ -208,15 +207,16 @@ class LocalScaler:
         try:
             if self.backend is None:
                 self.backend = open_backend(self.conf["CALQUE_STORE"])
-                self.queue = self.backend.queues.open_queue(load_pool(self.backend, self.model)["queue"])
+                record = load_pool(self.backend, self.model)
+                self.queue = self.backend.queues.open_queue(record["queue"])
             if now - self.measured > SCALE_MEASURE_EVERY:
                 summaries = recent_summaries(self.backend, self.model)
                 self.spc, self.measured = measured_seconds(summaries)[0], now
             depth = self.queue.counts()
         except (NotFound, StoreFault, UserError, OSError, sqlite3.Error) as e:
             if str(e) != self.error:     # once per distinct error
-                print(f"supervisor: scale: cannot read the queue ({e}); keeping {current} worker(s)",
-                      flush=True)
+                print(f"supervisor: scale: cannot read the queue ({e}); keeping {current} "
+                      f"worker(s)", flush=True)
             self.backend, self.error = None, str(e)
             return current
         self.error = None
@@ -226,11 +226,13 @@ class LocalScaler:
             self.woken = wake["at"]   # they showed: that announcement is spent
         elif wake and wake["at"] != self.woken and now - wake["at"] < SCALE_WAKE_HOLD:
             depth, backlog = dict(depth, visible=wake["claims"]), wake["claims"]
-        if bounds.get("boost") and not backlog:   # a planned run's count holds while its claims wait
-            write_file_atomic(os.path.join(self.folder, "scaling.json"), json.dumps(dict(bounds, boost=0)))
+        if bounds.get("boost") and not backlog:   # a planned run's count holds while claims wait
+            write_file_atomic(os.path.join(self.folder, "scaling.json"),
+                              json.dumps(dict(bounds, boost=0)))
         lo = min(bounds["hi"], max(bounds["lo"], bounds.get("boost", 0) if backlog else 0))
         scale = desired_count(depth["visible"], depth["in_flight"], current, self.spc,
-                              bounds["target_drain"], lo, bounds["hi"], bounds["idle_window"], self.since, now)
+                              bounds["target_drain"], lo, bounds["hi"], bounds["idle_window"],
+                              self.since, now)
         self.since = scale.surplus_since
         if scale.desired != current:
             print(f"supervisor: {scale.line()}", flush=True)
@@ -238,26 +240,18 @@ class LocalScaler:
 
 
 def _readiness(slot):
-    """What the slot's current process wrote in its ready file: [] (nothing yet), ["warm"] once @enter
-    is done, ["warm", "progress"] once it committed a result part or finished a claim."""
+    """What the slot's current process wrote in its ready file: [] (nothing yet), ["warm"] once
+    @enter is done, ["warm", "progress"] once it committed a result part or finished a claim."""
     if slot["proc"] is None:
         return []
-    try:
-        with open(slot["ready"]) as f:
-            words = f.read().split()
-    except OSError:
-        return []
+    words = read_state(slot["ready"], str.split, [])
     return ["warm", *words[1:]] if words[:1] == [str(slot["proc"].pid)] else []
 
 
-def _is_warm(slot):
-    return bool(_readiness(slot))
-
-
 def restart_delay(warm, progress, lived, failures, code):
-    """(s before a dead worker's slot starts again, the kind of death). Warm with progress (a result
-    part, a finished claim, or RESTART_RESET_AFTER s of life): killed, not a crash loop, so at once.
-    Else a SIGKILL (from outside) waits RESTART_BACKOFF[0] s, and an exit of its own, the `failures`-th
+    """(s before a dead worker's slot starts again, the kind of death). Warm with progress (a part,
+    a finished claim, or RESTART_RESET_AFTER s of life): killed, not a crash loop, so at once. Else
+    a SIGKILL (from outside) waits RESTART_BACKOFF[0] s, and an exit of its own, the `failures`-th
     in a row, RESTART_BACKOFF[0] s doubling up to RESTART_BACKOFF[1]."""
     if warm and (progress or lived > RESTART_RESET_AFTER):
         return 0.0, "died after progress"
@@ -268,8 +262,8 @@ def restart_delay(warm, progress, lived, failures, code):
 
 
 def exit_reason(log_path, returncode):
-    """Why a worker died, in one line: the last exception or `warmd: error:` line of its log, else its
-    exit status (the signal's name when one killed it)."""
+    """Why a worker died, in one line: the last exception or `warmd: error:` line of its log, else
+    its exit status (the signal's name when one killed it)."""
     try:
         with open(log_path, "rb") as f:
             f.seek(max(0, os.path.getsize(log_path) - EXIT_LOG_TAIL))
@@ -298,19 +292,20 @@ def _reap(slots, want, now, died):
             progress = "progress" in said
             slot["failures"] = 0 if progress else slot.get("failures", 0) + 1
             lived = now - slot["started"]
-            delay, kind = restart_delay(bool(said), progress, lived, slot["failures"], proc.returncode)
-            slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": bool(said),
+            code = proc.returncode
+            delay, kind = restart_delay(bool(said), progress, lived, slot["failures"], code)
+            slot["last_exit"] = {"pid": proc.pid, "code": code, "at": now, "warm": bool(said),
                                  "progress": progress, "lived": round(lived, 3), "kind": kind,
-                                 "restart_delay": delay, "reason": exit_reason(slot["log"], proc.returncode)}
+                                 "restart_delay": delay, "reason": exit_reason(slot["log"], code)}
             slot["proc"] = None
-            for lease in slot.pop("leases", ()):   # its GPUs are free for any pool on this machine
+            for lease in slot.pop("leases", ()):   # its GPUs are free for any pool here
                 lease.close()
-            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode} ({kind}; "
-                  f"restart {f'in {delay:g} s' if delay else 'at once'})", flush=True)
-            if proc.returncode:   # a death: siblings commit more often (warmd.on_sibling_death)
-                died(proc.pid, proc.returncode)
+            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {code} "
+                  f"({kind}; restart {f'in {delay:g} s' if delay else 'at once'})", flush=True)
+            if code:   # a death: siblings commit more often (warmd.on_sibling_death)
+                died(proc.pid, code)
                 for other in slots.values():
-                    if other["proc"] and other["proc"].poll() is None and _is_warm(other):
+                    if other["proc"] and other["proc"].poll() is None and _readiness(other):
                         other["proc"].send_signal(signal.SIGUSR2)
             if s < want:
                 slot["restarts"] += 1
@@ -326,45 +321,49 @@ def _reap(slots, want, now, died):
 
 
 def record_exit(conf, model, store, pid, code):
-    """A dead worker's exit status, where the poison rule reads it (warmd: how_it_ended); `store` holds
-    the pool's store once opened. Best effort: unrecorded, it counts as an outside kill."""
+    """A dead worker's exit status, where the poison rule reads it (warmd: how_it_ended); `store`
+    holds the pool's store once opened. Best effort: unrecorded, it counts as an outside kill."""
     with contextlib.suppress(Exception):
         if not store:
             store.append(open_backend(conf["CALQUE_STORE"]).store)
-        store[0].put(f"{worker_stats_prefix(model)}exit-{socket.gethostname()}-{pid}", str(code).encode())
+        key = f"{worker_stats_prefix(model)}exit-{socket.gethostname()}-{pid}"
+        store[0].put(key, str(code).encode())
 
 
 def _spawn(conf, model, folder, slots, want, now):
-    """Start a warmd.py in every wanted slot that has none and whose backoff is over, on its GPU(s)."""
+    """Start a warmd.py in each wanted slot that has none and whose backoff is over, on its GPUs."""
     devices, per_worker = gpu_plan(conf, folder)
     bounds = read_scaling(folder)
     for s in range(want):
-        slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0,
-                                    "last_exit": None, "log": os.path.join(folder, f"worker-{s}.log"),
-                                    "ready": os.path.join(folder, f"worker-{s}.ready")})
+        base = os.path.join(folder, f"worker-{s}")
+        slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0,
+                                    "last_exit": None, "log": f"{base}.log",
+                                    "ready": f"{base}.ready"})
         if slot["proc"] is None and now >= slot["not_before"]:
-            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, bounds is not None)
-            if slot["gpus"] is None:    # every device is another worker's: this slot waits for one
+            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, bool(bounds))
+            if slot["gpus"] is None:    # every device is another worker's: the slot waits for one
                 slot["gpus"] = []
                 continue
             env = child_env(conf)
             if slot["gpus"]:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(slot["gpus"])
-            env.update(thread_env(folder, max(want, bounds["hi"]) if bounds else want, slot["gpus"], env))
+            sharing = max(want, bounds["hi"]) if bounds else want
+            env.update(thread_env(folder, sharing, slot["gpus"], env))
             slot["threads"] = env.get("OMP_NUM_THREADS")
             with open(slot["log"], "ab") as log:
-                slot["proc"] = subprocess.Popen([sys.executable, calque.WARMD, "--model", model,
-                                                 *worker_flags(slot, now)], stdin=subprocess.DEVNULL,
-                                                stdout=log, stderr=log, env=env, cwd=calque.HERE)
+                argv = [sys.executable, calque.WARMD, "--model", model, *worker_flags(slot, now)]
+                slot["proc"] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                                stderr=log, env=env, cwd=calque.HERE)
             slot["started"] = now
             print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
 
 
 def worker_flags(slot, now):
-    """warmd's hand-off flags: stop if we die, the ready file, when it was spawned, the device NVML
-    samples (NVML ignores CUDA_VISIBLE_DEVICES), and after a death how long the last worker lived (the
-    shorter, the more often the new one commits)."""
-    flags = ["--supervisor-pid", str(os.getpid()), "--ready-file", slot["ready"], "--spawned-at", repr(now)]
+    """warmd's hand-off flags: our pid (it stops if we die), its ready file, when it was spawned,
+    the device NVML samples (NVML ignores CUDA_VISIBLE_DEVICES), and after a death how long the last
+    worker lived (the shorter, the more often the new one commits)."""
+    flags = ["--supervisor-pid", str(os.getpid()), "--ready-file", slot["ready"],
+             "--spawned-at", repr(now)]
     if slot["gpus"]:
         flags += ["--gpu-index", slot["gpus"][0]]
     if slot["last_exit"] and slot["last_exit"]["code"]:
@@ -373,14 +372,10 @@ def worker_flags(slot, now):
 
 
 def thread_env(folder, want, gpus, env):
-    """A new worker's THREAD_VARS: all `pool create --threads-per-worker N` when given; else a CPU
-    worker gets its share of the cores (cores / `want`, at least 1) in each one the user left unset;
-    a GPU worker keeps its libraries' defaults."""
-    try:
-        with open(os.path.join(folder, "threads-per-worker")) as f:
-            asked = f.read().strip()
-    except OSError:
-        asked = ""
+    """A new worker's THREAD_VARS (what torch, MKL, OpenBLAS and rayon size their thread pools by):
+    all `--threads-per-worker N` when given; else a CPU worker's share of the cores (cores / `want`,
+    at least 1) in each the user left unset; a GPU worker keeps its libraries' defaults."""
+    asked = read_state(os.path.join(folder, "threads-per-worker"), str.strip, "")
     if asked:
         return dict.fromkeys(THREAD_VARS, asked)
     if gpus:
@@ -390,13 +385,9 @@ def thread_env(folder, want, gpus, env):
 
 
 def gpu_plan(conf, folder):
-    """(devices, GPUs per worker): the count `pool create`/`pool scale` wrote, else 1 where devices exist."""
+    """(devices, GPUs per worker): the count `pool create` wrote, else 1 where devices exist."""
     devices = gpu_devices(conf)
-    try:
-        with open(os.path.join(folder, "gpus-per-worker")) as f:
-            asked = f.read().strip()
-    except OSError:
-        asked = ""
+    asked = read_state(os.path.join(folder, "gpus-per-worker"), str.strip, "")
     return devices, int(asked) if asked else min(1, len(devices))
 
 
@@ -408,10 +399,10 @@ def worker_gpus(devices, per_worker, slot):
 
 
 def lease_gpus(conf, devices, per_worker, slot, sizing):
-    """(devices, leases) for worker `slot`: its worker_gpus, each leased where free (an flock on
-    CALQUE_STATE/gpus/<device>.lock, held while the worker lives). A fixed pool shares a device another
-    holds; a pool that sizes itself takes free devices only, its own first, else (None, []): the slot
-    waits, so a machine's GPUs go to the pools that have work."""
+    """(devices, leases) for worker `slot`: its worker_gpus, each leased where free (a lock in
+    CALQUE_STATE/gpus/, held while the worker lives). A fixed pool shares a device another holds; a
+    pool that sizes itself takes free devices only, its own first, else (None, []): the slot waits,
+    so a machine's GPUs go to the pools that have work."""
     wanted = worker_gpus(devices, per_worker, slot)
     if not wanted:
         return [], []
@@ -421,15 +412,11 @@ def lease_gpus(conf, devices, per_worker, slot, sizing):
     for device in wanted + [d for d in devices if d not in wanted] if sizing else wanted:
         if len(got) == per_worker:
             break
-        lease = open(os.path.join(folder, f"{device}.lock"), "a")
-        try:
-            fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            got.append(device)
+        lease = try_lock(os.path.join(folder, f"{device}.lock"))
+        if lease:
             leases.append(lease)
-        except BlockingIOError:
-            lease.close()
-            if not sizing:
-                got.append(device)
+        if lease or not sizing:
+            got.append(device)
     if len(got) < per_worker:
         for lease in leases:
             lease.close()
@@ -448,13 +435,13 @@ def _stop_workers(live, grace):
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {grace + 5:.0f}s; killing it",
-                  flush=True)
+            print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {grace + 5:.0f}s; "
+                  f"killing it", flush=True)
             proc.kill()
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="supervisor.py", description="Keep a local calque pool's workers.")
+    parser = argparse.ArgumentParser(prog="supervisor.py", description="Keeps local pool workers.")
     parser.add_argument("--model", required=True, help="the pool's model name")
     args = parser.parse_args(argv)
     try:
