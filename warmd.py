@@ -82,12 +82,12 @@ STATS_IDLE_WAIT = 0.2       # s of the first poll after a claim; an empty one wr
 COLD_POLL_WAIT = 0.2        # s of one long poll for a cold run's worker, which exits once its queue is empty (SQS: 1)
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
 ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up to this cap
-PREFETCH = True             # a pipeline thread gathers batch k+1 while the model runs k (claims that collate)
+PREFETCH = True             # a pipeline thread gathers batch k+1 while the model runs k
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
-PIPELINE = True             # claim pipelining: the finisher writes a claim's summary and ack, and AHEAD
-AHEAD = None                # the next claim received beside the last batch: True, False, or None: where a
-                            # request crosses a network (S3 + SQS), not on the local backend (docs/contract.md)
+PIPELINE = True             # claims pipelined: the finisher writes summary and ack; AHEAD
+AHEAD = None                # receive the next claim beside the last batch; None: where a request
+                            # crosses a network (S3 + SQS), not on the local backend
 AHEAD_HOLD = 2.0            # s a claim received ahead waits to start, at most
 AHEAD_TICK = 0.05           # s between two looks, while a claim is held ahead, at whether the worker stops
 ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes at most 10)
@@ -848,8 +848,8 @@ class ScaleInProtection:
 
 
 class Worker:
-    def __init__(self, backend, record, stats_key_prefix, conf, ephemeral, supervisor_pid=0, ready_file="",
-                 spawned_at=None, previous_life=None, gpu_index=0):   # main()'s hand-off flags
+    def __init__(self, backend, record, stats_key_prefix, conf, ephemeral, supervisor_pid=0,
+                 ready_file="", spawned_at=None, previous_life=None, gpu_index=0):   # HANDOFF_FLAGS
         self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self.stats_prefix = stats_key_prefix
@@ -882,7 +882,7 @@ class Worker:
         self.busy_seconds = 0.0
         self.last_stats = 0.0            # monotonic time of the last stats write
         self.stats_behind = False        # a claim ended since then: the stats miss it
-        self.supervisor, self.ready_file = supervisor_pid, ready_file   # a pool supervisor started us
+        self.supervisor, self.ready_file = supervisor_pid, ready_file   # from a pool supervisor
         self.gpu = GpuSampler(gpu_index)
         self.protection = None if ephemeral else ScaleInProtection.on_instance(record, conf)
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
@@ -1777,9 +1777,9 @@ def enter_workdir(workdir, snapshot_folder):
 
 
 def announce(ready_file, *words):
-    """Tell this machine's supervisor how far this worker got: its ready file gets our pid once @enter
-    is done (pool create waits on it), then "progress" once a result part or a summary is written (a
-    death after that is not a crash loop: supervisor.restart_delay)."""
+    """Tell this machine's supervisor how far this worker got: its ready file gets our pid once
+    @enter is done (pool create waits on it), then "progress" once a result part or a summary is
+    written (a death after that is not a crash loop: supervisor.restart_delay)."""
     if ready_file:
         calque.write_file_atomic(ready_file, " ".join((str(os.getpid()), *words)))
 
@@ -1794,7 +1794,7 @@ def main(argv=None):
     which.add_argument("--model", help="serve the pool of this model")
     which.add_argument("--run", help="serve one cold run's queue, then exit (started by `calque.py submit` without "
                                      "--pool)")
-    for flag, kind in HANDOFF_FLAGS:   # from the process that starts us (supervisor.py, a cold run): no --help
+    for flag, kind in HANDOFF_FLAGS:   # from supervisor.py or a cold run; not in --help
         parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     if argv is None:   # a command line: run under the kit's .venv when this Python lacks its packages
         try:
@@ -1813,10 +1813,11 @@ def main(argv=None):
         handoff = {key: value for key, value in vars(args).items() if key not in ("model", "run")}
         if args.model:
             record = calque.load_pool(backend, args.model)
-            worker = Worker(backend, record, calque.worker_stats_prefix(args.model), conf, False, **handoff)
+            prefix = calque.worker_stats_prefix(args.model)
         else:
             record = calque.read_json(backend, calque.cold_record_key(args.run))
-            worker = Worker(backend, record, f"runs/{args.run}/workers/", conf, True, **handoff)
+            prefix = f"runs/{args.run}/workers/"
+        worker = Worker(backend, record, prefix, conf, not args.model, **handoff)
         worker.output.capture()
         worker.work()
     except calque.UserError as e:
