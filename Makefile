@@ -50,14 +50,15 @@ test: setup $(EMBED)
 	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS) tests
 
 bench: setup $(EMBED)
-	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_pool.py
-	$(PY) tests/bench_fastbatch.py
-	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_scale.py
-	$(PY) tests/bench_results.py
-	$(PY) tests/bench_autoscale.py
-	$(PY) tests/bench_dashboard.py
-	AWS_EC2_METADATA_DISABLED=true $(PY) tests/bench_churn.py
-	$(PY) tests/bench_embed.py
+	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_pool.py
+	$(PY) bench/bench_fastbatch.py
+	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_scale.py
+	$(PY) bench/bench_results.py
+	$(PY) bench/bench_autoscale.py
+	$(PY) bench/bench_dashboard.py
+	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_churn.py
+	$(PY) bench/bench_embed.py
+	$(PY) bench/fast_paths.py
 
 # calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py;
 # then the embedding job against Ray Data (bench/peers/ray_embed.py).

@@ -24,7 +24,7 @@ The map. Each section uses only the sections above it; read top to bottom.
      5. submit and runs               read items, stage_run, wait_for_run, cancel, redrive, run reports
      6. local workers                 a pool supervisor's state here; supervisor.py keeps N warmd.py alive
      7. the cost model                rates.json, per-claim and per-run cost, crossover ladder, pool cost
-     8. the EC2 cohort                IAM, bootstrap, launch template, Auto Scaling, alarms; pool and cold verbs
+     8. the EC2 cohort                lives in ec2.py (imported lazily by the verbs that need it)
      9. across both paths             a Modal app's pool options, cold_run (the baseline), pool status, the
                                       planner (make_plan: wall time and cost for 1..B workers)
     10. the Python API                Pool, submit(), Run: what a notebook uses and the CLI calls
@@ -3609,21 +3609,16 @@ def gpu_devices(conf):
 
 # ------------------------------------------------------------------------------------------------
 # 7. the cost model
-# Where the money goes. A worker on an instance of rate r ($/s) pays, per claim:
-#   fixed    = @enter paid during the claim + acquisition (cold runs only: billed boot before @enter)
-#   variable = the drain: claim_seconds - @enter paid during it
-# plus the queue and store requests the worker counted. A warm pool's point is that `fixed` is
-# paid once per worker, not once per batch; the cold counterfactual prices the same run as a
-# fresh acquisition so the two can be compared. Rates come from rates.json (source + date each).
-# The formulas, once: docs/cost.md.
+# Per claim a worker pays fixed (@enter paid + acquisition) and variable (the drain) seconds at its
+# instance's rate, plus its requests. A warm pool pays `fixed` once per worker; the cold
+# counterfactual prices the same run as fresh acquisitions. Formulas: docs/cost.md.
 RATES_VERSION = 1                                     # rates.json schema this code reads
 LADDER_ITEMS = (10, 100, 1_000, 10_000, 100_000)      # item counts the crossover ladder prices
-TIE_REL = 1e-9                                        # costs this close count as a tie (float noise)
+TIE_REL = 1e-9                                        # costs this close are a tie (float noise)
 
 
 def load_rates(path=None):
-    """Read and validate a rates file (default: the rates.json calque ships, in calque_data); every failure is a
-    UserError naming the file and the field."""
+    """Read and validate a rates file (default: the bundled one); a UserError names a bad field."""
     path = str(path or package_file("calque_data", "rates.json"))
     try:
         with open(path, encoding="utf-8") as f:
@@ -3642,7 +3637,7 @@ def load_rates(path=None):
 
 
 def _field_name(keys):
-    """('ec2', 'instances', 'g5.xlarge', 'usd_per_hour') -> "ec2.instances['g5.xlarge'].usd_per_hour"."""
+    """('ec2', 'instances', 'g5.xlarge', 'usd_per_hour') -> ec2.instances['g5.xlarge'].usd_per_hour."""
     out = ""
     for k in keys:
         out += f"['{k}']" if "." in k else (f".{k}" if out else k)
@@ -3657,7 +3652,7 @@ _NUMBER_CHECKS = {  # kind: (test, what the message asks for)
 
 
 def _rates_field(rates, keys, file, kind=None):
-    """The value at `keys`, checked: a _NUMBER_CHECKS name, a type (str, int, bool, dict), or None."""
+    """The value at `keys`, checked: a _NUMBER_CHECKS name, a type (str, int, bool, dict) or None."""
     node = rates
     for i, k in enumerate(keys):
         if not isinstance(node, dict) or k not in node:
@@ -3684,15 +3679,14 @@ def _check_rates(rates, file):
         raise UserError(f"rates file {file}: top level must be a JSON object")
     version = _rates_field(rates, ("version",), file, int)
     if version != RATES_VERSION:
-        raise UserError(f"rates file {file}: version {version} is not supported (this calque reads version "
-                        f"{RATES_VERSION})")
+        raise UserError(f"rates file {file}: version {version} is not supported (this calque reads "
+                        f"version {RATES_VERSION})")
     _rates_field(rates, ("updated",), file, str)
     instances = _rates_field(rates, ("ec2", "instances"), file, dict)
     cards = _rates_field(rates, ("serverless", "cards"), file, dict)
-    if not instances:
-        raise UserError(f"rates file {file}: ec2.instances is empty")
-    if not cards:
-        raise UserError(f"rates file {file}: serverless.cards is empty")
+    for name, found in (("ec2.instances", instances), ("serverless.cards", cards)):
+        if not found:
+            raise UserError(f"rates file {file}: {name} is empty")
     for name in instances:
         keys = ("ec2", "instances", name)
         _rates_field(rates, keys + ("usd_per_hour",), file, "positive")
@@ -3700,15 +3694,15 @@ def _check_rates(rates, file):
         if gpus < 0:
             raise UserError(f"rates file {file}: {_field_name(keys + ('gpus',))} must be >= 0, got {gpus}")
         _check_sourced(rates, keys, file)
-        if not gpus:   # a CPU instance: its serverless stand-in is a container of its cores and memory
+        if not gpus:   # a CPU instance: its serverless stand-in is a container of its size
             _rates_field(rates, keys + ("vcpus",), file, "positive")
             _rates_field(rates, keys + ("memory_gib",), file, "positive")
             continue
         _rates_field(rates, keys + ("gpu",), file, str)
         card = _rates_field(rates, keys + ("serverless_card",), file, str)
         if card not in cards:
-            raise UserError(f"rates file {file}: {_field_name(keys + ('serverless_card',))} {card!r} "
-                            f"is not in serverless.cards ({', '.join(cards)})")
+            raise UserError(f"rates file {file}: {_field_name(keys + ('serverless_card',))} "
+                            f"{card!r} is not in serverless.cards ({', '.join(cards)})")
     for name in ("spot_fraction", "savings_plan_fraction"):
         _rates_field(rates, ("ec2", name, "value"), file, "fraction")
         _check_sourced(rates, ("ec2", name), file)
@@ -3724,8 +3718,8 @@ def _check_rates(rates, file):
     for name in ("sqs_usd_per_million", "s3_put_usd_per_thousand", "s3_get_usd_per_thousand"):
         _rates_field(rates, ("requests", name, "value"), file, "positive")
         _check_sourced(rates, ("requests", name), file)
-    for name in ("instance_type", "cpu_instance_type") if "cpu_instance_type" in rates.get("defaults", {}) else (
-            "instance_type",):
+    optional = ("cpu_instance_type",) if "cpu_instance_type" in rates.get("defaults", {}) else ()
+    for name in ("instance_type", *optional):
         default_type = _rates_field(rates, ("defaults", name, "value"), file, str)
         if default_type not in instances:
             raise UserError(f"rates file {file}: defaults.{name} {default_type!r} is not in ec2.instances")
@@ -3744,22 +3738,19 @@ def instance_rate_per_second(rates, instance_type, spot=False, savings_plan=Fals
                         f"known: {_known(instances)} ---> HINT: pick one, or add it to a --rates FILE")
     if spot and savings_plan:
         raise UserError("an instance is priced as spot or under a savings plan, not both")
-    fraction = 1.0
-    if spot:
-        fraction = rates["ec2"]["spot_fraction"]["value"]
-    elif savings_plan:
-        fraction = rates["ec2"]["savings_plan_fraction"]["value"]
+    option = "spot_fraction" if spot else "savings_plan_fraction" if savings_plan else None
+    fraction = rates["ec2"][option]["value"] if option else 1.0
     return instances[instance_type]["usd_per_hour"] * fraction / 3600.0
 
 
 def serverless_rate_per_second(rates, card, count=1):
-    """$/s for `count` serverless GPUs of `card` (case-insensitive), plus the CPU and memory a
-    container reserves per GPU when the card rate excludes them (Modal bills them separately)."""
+    """$/s for `count` serverless GPUs of `card` (any case), plus the CPU and memory a container
+    reserves per GPU when the card rate excludes them (Modal bills them apart)."""
     cards = rates["serverless"]["cards"]
     key = next((k for k in cards if k.lower() == str(card).lower()), None)
     if key is None:
-        raise UserError(f"no serverless rate for GPU card {card!r} in {rates.get('_file', 'the rates file')}; "
-                        f"known: {_known(cards)}")
+        raise UserError(f"no serverless rate for GPU card {card!r} in "
+                        f"{rates.get('_file', 'the rates file')}; known: {_known(cards)}")
     per_gpu = cards[key]["usd_per_second"]
     if not rates["serverless"]["gpu_rate_includes_cpu_memory"]:
         shape = rates["serverless"]["container_per_gpu"]
@@ -3769,16 +3760,14 @@ def serverless_rate_per_second(rates, card, count=1):
 
 
 def serverless_match(rates, instance_type):
-    """(card, count): the serverless GPUs that stand in for this instance's GPUs in the ladder ((None, 0): a CPU
-    instance)."""
+    """(card, count): the serverless GPUs standing in for this instance's ((None, 0): a CPU one)."""
     instance_rate_per_second(rates, instance_type)  # same unknown-type error
     inst = rates["ec2"]["instances"][instance_type]
     return inst.get("serverless_card"), inst["gpus"]
 
 
 def serverless_stand_in(rates, instance_type):
-    """$/s of the serverless container standing in for this instance: its GPUs (serverless_match), or for a CPU
-    instance its vCPUs (two a serverless physical core) and memory."""
+    """$/s of the serverless container standing in for this instance (GPUs, or vCPUs + memory)."""
     card, count = serverless_match(rates, instance_type)
     if count:
         return serverless_rate_per_second(rates, card, count)
@@ -3788,7 +3777,7 @@ def serverless_stand_in(rates, instance_type):
 
 
 def price_label(rates, instance_type, spot=False, savings_plan=False):
-    """'g5.xlarge (1x A10G) on-demand $1.006/h, rates.json 2026-11-29' -- what every cost line is priced as."""
+    """'g5.xlarge (1x A10G) on-demand $1.006/h, rates.json 2026-11-29': what a cost is priced as."""
     per_hour = instance_rate_per_second(rates, instance_type, spot, savings_plan) * 3600
     inst = rates["ec2"]["instances"][instance_type]
     option = "spot" if spot else "savings plan" if savings_plan else "on-demand"
@@ -3822,14 +3811,7 @@ def _add_counts(many):
 
 
 def request_cost(rates, requests):
-    """$ for these request counts at SQS Standard + S3 Standard prices.
-
-    Always the AWS price, whatever the backend: the local backend (SQLite + a directory) pays
-    nothing, but its counts are the ones the same run would make on SQS + S3, so a local run is
-    priced "as if on AWS" exactly as its seconds are priced as if on the default instance. The
-    caller labels which it is (run_cost's `requests_basis`). Not modelled: the SQS free tier
-    (1M requests/month, an account-level allowance, not a per-run one) and the 64 KB rule
-    (calque messages are pointers, well under 64 KB, so one API call is one billed request)."""
+    """$ for these request counts at SQS + S3 Standard prices, whatever the backend (as if on AWS)."""
     n = request_counts(requests)
     r = rates["requests"]
     sqs = n["queue_receives"] + n["queue_empty_receives"] + n["queue_other"]
@@ -3850,12 +3832,7 @@ def _claim_label(summary):
 
 
 def claim_cost(summary, rate_per_s, rates):
-    """Split one claim's instance-seconds into fixed and variable and price them.
-
-    fixed    = enter_seconds_paid + acquisition_seconds
-    variable = max(0, claim_seconds - enter_seconds_paid)
-    claim_seconds includes the @enter paid during the claim; acquisition_seconds (cold runs: billed
-    time from process start to @enter start; 0 for pool claims) lies before the claim, outside it."""
+    """One claim's fixed (@enter paid + acquisition) and variable (drain) seconds, priced."""
     what = _claim_label(summary)
     enter = _seconds(summary, "enter_seconds_paid", what)
     acquisition = _seconds(summary, "acquisition_seconds", what, default=0.0)
@@ -3864,14 +3841,16 @@ def claim_cost(summary, rate_per_s, rates):
     variable = max(0.0, claim_seconds - enter)  # clamp: clocks read at different points can cross
     request_usd = request_cost(rates, summary.get("requests"))
     return {
-        "fixed_seconds": fixed,
-        "variable_seconds": variable,
-        "instance_seconds": fixed + variable,
-        "fixed_usd": fixed * rate_per_s,
-        "variable_usd": variable * rate_per_s,
-        "request_usd": request_usd,
-        "total_usd": (fixed + variable) * rate_per_s + request_usd,
+        "fixed_seconds": fixed, "variable_seconds": variable, "instance_seconds": fixed + variable,
+        "fixed_usd": fixed * rate_per_s, "variable_usd": variable * rate_per_s,
+        "request_usd": request_usd, "total_usd": (fixed + variable) * rate_per_s + request_usd,
     }
+
+
+def _check_numbers(**values):
+    for name, v in values.items():
+        if not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
 
 
 def measured_enter_seconds(worker_stats):
@@ -3883,22 +3862,11 @@ def measured_enter_seconds(worker_stats):
 def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *,
              enter_status="measured", acquisition_status="assumed", shards=1,
              expected_claims=None, backend="aws"):
-    """Price a run from its claim summaries, against a cold acquisition of the same work.
-
-    actual = sum of claim_cost totals
-    warm   = rate * sum(variable) + requests: the same work on a pool whose @enter was already paid
-    cold   = rate * (shards * (A + E) + sum(variable)) + requests: a fresh acquisition per shard
-             (1 for a pool run's counterfactual) paying acquisition A and @enter E, then the same drain
-    saving = cold - actual (for a cold run this is ~0: it *is* the baseline; compare `warm` instead)
-
-    E is the pool's measured @enter (measured_enter_seconds of its workers), not a guess; say
-    otherwise with enter_status. The cold side reuses this run's request counts (its long polls
-    would differ a little). A run with fewer summaries than expected_claims is reported as partial."""
+    """Price a run from its claim summaries: actual, warm, cold (`shards` fresh acquisitions) and
+    the saving (docs/cost.md); fewer summaries than expected_claims is partial."""
     if backend not in ("aws", "local"):
         raise ValueError(f"backend must be 'aws' or 'local', got {backend!r}")
-    for name, v in (("enter_seconds", enter_seconds), ("acquisition_seconds", acquisition_seconds)):
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    _check_numbers(enter_seconds=enter_seconds, acquisition_seconds=acquisition_seconds)
     claims = [claim_cost(s, rate_per_s, rates) for s in summaries]
     items = sum(int(_seconds(s, "items", _claim_label(s))) for s in summaries)
     ok = sum(int(_seconds(s, "ok", _claim_label(s))) for s in summaries)
@@ -3909,7 +3877,7 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
     total = sum(c["total_usd"] for c in claims)
     cold_seconds = shards * (acquisition_seconds + enter_seconds) + variable
     cold_usd = cold_seconds * rate_per_s + request_usd
-    saving = cold_usd - total if abs(cold_usd - total) >= 1e-8 else 0.0   # less is float noise: a cold run's own
+    saving = cold_usd - total if abs(cold_usd - total) >= 1e-8 else 0.0   # less: float noise
     notes = []
     partial = expected_claims is not None and len(summaries) < expected_claims
     if partial:
@@ -3922,43 +3890,23 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
     if backend == "local":
         notes.append("seconds and requests are priced as if on AWS; the local backend itself pays nothing")
     return {
-        "claims": len(summaries),
-        "expected_claims": expected_claims,
-        "partial": partial,
-        "items": items,
-        "ok": ok,
-        "failed": items - ok,
-        "warm_hits": sum(1 for s in summaries if s.get("warm_hit")),
-        "rate_per_second": rate_per_s,
-        "fixed_seconds": fixed,
-        "variable_seconds": variable,
-        "instance_seconds": fixed + variable,
-        "fixed_usd": fixed * rate_per_s,
-        "variable_usd": variable * rate_per_s,
-        "requests": requests,
-        "request_usd": request_usd,
+        "claims": len(summaries), "expected_claims": expected_claims, "partial": partial,
+        "items": items, "ok": ok, "failed": items - ok,
+        "warm_hits": sum(1 for s in summaries if s.get("warm_hit")), "rate_per_second": rate_per_s,
+        "fixed_seconds": fixed, "variable_seconds": variable, "instance_seconds": fixed + variable,
+        "fixed_usd": fixed * rate_per_s, "variable_usd": variable * rate_per_s,
+        "requests": requests, "request_usd": request_usd,
         "requests_basis": "billed on SQS + S3" if backend == "aws" else "as if on SQS + S3",
-        "total_usd": total,
-        "usd_per_1000_items": total / items * 1000 if items else None,
+        "total_usd": total, "usd_per_1000_items": total / items * 1000 if items else None,
         "seconds_per_item": variable / items if items else None,  # the ladder's c
         "warm_usd": variable * rate_per_s + request_usd,
-        "cold": {
-            "shards": shards,
-            "acquisition_seconds": acquisition_seconds,
-            "enter_seconds": enter_seconds,
-            "variable_seconds": variable,
-            "instance_seconds": cold_seconds,
-            "usd": cold_usd,
-        },
-        "saving_usd": saving,
-        "saving_fraction": saving / cold_usd if cold_usd > 0 else None,
-        "inputs": {
-            "instance rate": "published (rates file)",
-            "claim seconds": "measured",
-            "request counts": "measured",
-            "@enter seconds": enter_status,
-            "acquisition seconds": acquisition_status,
-        },
+        "cold": {"shards": shards, "acquisition_seconds": acquisition_seconds,
+                 "enter_seconds": enter_seconds, "variable_seconds": variable,
+                 "instance_seconds": cold_seconds, "usd": cold_usd},
+        "saving_usd": saving, "saving_fraction": saving / cold_usd if cold_usd > 0 else None,
+        "inputs": {"instance rate": "published (rates file)", "claim seconds": "measured",
+                   "request counts": "measured", "@enter seconds": enter_status,
+                   "acquisition seconds": acquisition_status},
         "notes": notes,
     }
 
@@ -4012,20 +3960,11 @@ def _pair(name_x, x, name_y, y):
 
 
 def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER_ITEMS, request_usd_per_item=0.0):
-    """Cost of n items three ways, and the n where each way starts to win.
-
-    c: seconds per item (drain), E: @enter seconds, A: acquisition seconds, rates in $/s,
-    request_usd_per_item: the pool's queue + store requests per item (warm and cold pay it).
-      warm(n)       = (r*c + q) * n             @enter already paid by the pool: amortized away
-      cold(n)       = r*(A + E) + (r*c + q) * n  one fresh acquisition, then the same drain
-      serverless(n) = R*(c*n + E)               pays @enter in its billed cold start, not the
-                                                scheduling before it; same c on the like-for-like card
-    Each is a line fixed + slope*n, so every break-even is n* = (f_y - f_x) / (s_x - s_y); at n*
-    the two tie, and the one with the smaller slope is strictly cheaper from the next integer on.
-    An option "wins" at n when it is strictly cheaper than both others; ties win nothing."""
-    for name, v in (("c", c), ("E", E), ("A", A), ("request_usd_per_item", request_usd_per_item)):
-        if not (math.isfinite(v) and v >= 0):
-            raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+    """Cost of n items warm, cold and serverless, and the n where each starts to win.
+    c: seconds per item, E: @enter s, A: acquisition s, rates in $/s, request_usd_per_item: the
+    pool's requests per item. Each option is a line fixed + slope*n (docs/cost.md); an option wins
+    at n when it is strictly cheaper than both others, so ties win nothing."""
+    _check_numbers(c=c, E=E, A=A, request_usd_per_item=request_usd_per_item)
     for name, v in (("instance_rate", instance_rate), ("serverless_rate", serverless_rate)):
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"{name} must be a positive rate, got {v!r}")
@@ -4059,9 +3998,7 @@ def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER
     return {
         "inputs": {"c": c, "E": E, "A": A, "instance_rate": r, "serverless_rate": R, "request_usd_per_item": q},
         "options": {k: {"fixed_usd": f, "usd_per_item": s} for k, (f, s) in options.items()},
-        "rows": rows,
-        "pairs": pairs,
-        "wins": wins,
+        "rows": rows, "pairs": pairs, "wins": wins,
         "assumptions": [
             "warm excludes the pool's idle time between runs: see `calque.py pool cost` for what idling costs",
             "serverless runs at the same seconds per item on the like-for-like card, pays @enter on one "
@@ -4090,27 +4027,14 @@ def _parse_time(text, what):
         t = datetime.datetime.fromisoformat(text)
     except (TypeError, ValueError):
         raise UserError(f"{what}: {text!r} is not an ISO-8601 time (e.g. 2026-11-29T10:00:00Z)") from None
-    return t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)  # a bare time is UTC, like the stats
+    return t if t.tzinfo else t.replace(tzinfo=datetime.timezone.utc)  # a bare time is UTC
 
 
 def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_seconds, since=None,
               cold_starts=None, acquisition_status="assumed"):
-    """What a pool paid, idle included, against serving its observed traffic cold.
-
-    Each worker's stats: alive_seconds (process life), busy_seconds (sum of its claim_seconds, so
-    including the @enter warmd pays inside its first claim), claims, warm_hits, enter_count,
-    enter_seconds, items, requests, started_at, updated_at. So per worker
-      alive = busy + idle,  busy = enter + drain
-      pool $ = r * sum(alive) + requests
-      cold $ = r * (N*(A + E) + sum(drain)) + requests   N cold starts, each paying acquisition A + @enter E
-    Warm beats cold while  sum(enter) + idle < N*(A + E),  so the idle budget is
-      idle_budget_seconds = N*(A + E) - sum(enter)    instance-seconds the pool may idle in the window;
-      per claim, with W workers idling side by side:  (A + E - sum(enter)/N) / W  seconds of wall clock
-      between claims before keeping the pool warm costs more than a cold start per claim.
-    N defaults to the number of claims (each claim a separate batch that would need its own
-    acquisition without the pool); pass cold_starts (e.g. runs counted in the store) to say otherwise.
-    E defaults to the pool's measured mean @enter. With `since`, a worker that started earlier is
-    prorated by time (uniform activity assumed) and its @enter, paid at start, falls outside."""
+    """What a pool paid, idle included, against serving its traffic cold, and its idle budget
+    (docs/cost.md). N: the claims unless cold_starts; E: the measured mean @enter. With `since`,
+    an earlier worker is prorated by time and its @enter falls outside."""
     enter_status = "measured" if cold_enter_seconds is None else "given"
     if cold_enter_seconds is None:
         cold_enter_seconds = measured_enter_seconds(worker_stats)
@@ -4154,34 +4078,23 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
     if t["workers"] == 0:
         notes.append("no worker stats in the window")
     return {
-        "workers": t["workers"],
-        "instance_seconds": t["alive"],
-        "busy_seconds": t["busy"],
-        "drain_seconds": drain,
-        "enter_seconds": t["enter"],
-        "enter_count": t["enter_count"],
-        "idle_seconds": idle,
-        "busy_fraction": t["busy"] / t["alive"] if t["alive"] else None,
-        "claims": t["claims"],
-        "warm_hits": t["warm_hits"],
-        "items": t["items"],
-        "requests": requests,
-        "request_usd": request_usd,
-        "usd": pool_usd,
+        "workers": t["workers"], "instance_seconds": t["alive"], "busy_seconds": t["busy"],
+        "drain_seconds": drain, "enter_seconds": t["enter"], "enter_count": t["enter_count"],
+        "idle_seconds": idle, "busy_fraction": t["busy"] / t["alive"] if t["alive"] else None,
+        "claims": t["claims"], "warm_hits": t["warm_hits"], "items": t["items"],
+        "requests": requests, "request_usd": request_usd, "usd": pool_usd,
         "usd_per_1000_items": pool_usd / t["items"] * 1000 if t["items"] else None,
         "drain_usd_per_1000_items": drain * rate_per_s / t["items"] * 1000 if t["items"] else None,
         "cold": {"starts": n_cold, "acquisition_seconds": acquisition_seconds,
                  "enter_seconds": cold_enter_seconds, "usd": cold_usd},
-        "warm_beats_cold": pool_usd < cold_usd,
-        "idle_budget_seconds": budget,
+        "warm_beats_cold": pool_usd < cold_usd, "idle_budget_seconds": budget,
         "idle_headroom_seconds": budget - idle,
         "idle_budget_per_claim_seconds": budget / n_cold / t["workers"] if n_cold and t["workers"] else None,
         "idle_per_claim_seconds": idle / n_cold / t["workers"] if n_cold and t["workers"] else None,
         "inputs": {
             "instance rate": "published (rates file)",
             "alive/busy seconds, claims, items": "measured (prorated)" if prorated else "measured",
-            "@enter seconds": enter_status,
-            "acquisition seconds": acquisition_status,
+            "@enter seconds": enter_status, "acquisition seconds": acquisition_status,
             "cold starts": "assumed: one per claim" if cold_starts is None else "given",
         },
         "notes": notes,
@@ -4189,9 +4102,8 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
 
 
 class Pricing(typing.NamedTuple):
-    """What every cost line is priced with: the rates file, the instance type, its $/s and the label saying so;
-    the purchase option, and whether the user named the type (else a run that used no GPU is priced as a CPU
-    instance: for_run)."""
+    """What a cost is priced with: rates, instance type, its $/s and label, the purchase option, and
+    whether the user named the type (else a run that used no GPU is priced as CPU: for_run)."""
     rates: dict
     instance_type: str
     rate_per_s: float
@@ -4202,8 +4114,7 @@ class Pricing(typing.NamedTuple):
 
 
 def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False, rates=None):
-    """The Pricing for a rates file (default the bundled rates.json) and an instance type (default: the
-    file's), on-demand unless spot or savings_plan."""
+    """The Pricing of a rates file and an instance type (defaults: the bundled file, its type)."""
     rates = rates or load_rates(rates_file)
     chosen, instance_type = instance_type is not None, instance_type or rates["defaults"]["instance_type"]["value"]
     rate = instance_rate_per_second(rates, instance_type, spot=spot, savings_plan=savings_plan)
@@ -4218,25 +4129,22 @@ def used_no_gpu(summaries):
 
 
 def for_run(price, summaries):
-    """The Pricing of a run: a default-priced run whose workers saw no GPU is priced as the rates file's CPU
-    instance (defaults.cpu_instance_type), or, without one, its label says that a GPU price was assumed."""
+    """The Pricing of a run: a default-priced run whose workers saw no GPU is priced as the rates
+    file's defaults.cpu_instance_type, or, without one, its label says a GPU price was assumed."""
     if price.chosen or not used_no_gpu(summaries):
         return price
     cpu = price.rates["defaults"].get("cpu_instance_type", {}).get("value")
     if cpu is None:
-        return price._replace(label=f"{price.label}; a GPU price assumed for a run that used no GPU (the rates "
-                                    f"file names no defaults.cpu_instance_type)")
+        return price._replace(label=f"{price.label}; a GPU price assumed for a run that used no "
+                                    "GPU (the rates file names no defaults.cpu_instance_type)")
     priced = pricing(instance_type=cpu, spot=price.spot, savings_plan=price.savings_plan, rates=price.rates)
     return priced._replace(label=f"{priced.label}: no worker of this run saw a GPU (--instance-type prices another)",
                            chosen=False)
 
 
 def run_cost_report(backend, run, summaries, price):
-    """The run's cost, its cold counterfactual and the crossover ladder, with every input's status.
-    E (@enter) is measured: the pool's workers' mean for a pool run, this run's own for a cold one.
-    A (acquisition) for a pool run is the rates file's assumption for a fresh EC2 instance; a cold run
-    is its own counterfactual, so it uses the start-up its workers measured. A run that used no GPU is priced
-    as a CPU instance unless the user named one (for_run)."""
+    """(report, ladder, label, status) of a run. E is measured; A is the rates file's assumption
+    for a pool run, and its measured start-up for a cold one (its own counterfactual)."""
     rates, instance_type, rate, label = for_run(price, summaries)[:4]
     if run["mode"] == "cold":
         paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
@@ -4266,8 +4174,7 @@ def run_cost_report(backend, run, summaries, price):
 
 
 def _usd(x):
-    """Dollars: cents above $100, else 6 significant figures without trailing zeros ($0.000305556); below a
-    millionth of a cent, $0 (floating-point noise such as a difference of two equal sums)."""
+    """Dollars: cents from $100, else 6 significant figures; $0 below a millionth of a cent."""
     if abs(x) < 1e-8:
         return "$0"
     sign, x = ("-" if x < 0 else ""), abs(x)
@@ -4299,8 +4206,8 @@ def format_run_cost(report, priced_as):
         f"  total     {_usd(report['total_usd'])} for {report['items']:,} items ({report['claims']} claims, "
         f"{report['warm_hits']} warm hits)" + (f" = {_usd(per_1000)} per 1,000 items" if per_1000 is not None else ""),
         f"  cold      {_usd(cold['usd'])} as a fresh acquisition: {cold['shards']} x "
-        f"({cold['acquisition_seconds']:.0f} s "
-        f"acquisition + {cold['enter_seconds']:.1f} s @enter) + {cold['variable_seconds']:.1f} s drain",
+        f"({cold['acquisition_seconds']:.0f} s acquisition + {cold['enter_seconds']:.1f} s @enter) "
+        f"+ {cold['variable_seconds']:.1f} s drain",
     ]
     if report["saving_fraction"] is not None:
         lines.append(f"  saving    {_usd(report['saving_usd'])} ({report['saving_fraction']:.1%}) against cold; "
@@ -4311,7 +4218,7 @@ def format_run_cost(report, priced_as):
 
 
 def format_ladder(ladder, status):
-    """The crossover table; `status` labels each input, e.g. {"c": "measured", "E": "measured", "A": "assumed"}."""
+    """The crossover table; `status` labels each input, e.g. {"c": "measured", "A": "assumed"}."""
     i = ladder["inputs"]
     lines = [
         f"ladder    c = {i['c']:.4g} s/item ({status.get('c', 'assumed')}), E = {i['E']:.4g} s @enter "
@@ -4339,8 +4246,8 @@ def format_cost_table(run_reports, priced_as):
     """`calque.py cost RUN RUN ...`: one comparison line per (run record, run_cost report)."""
     width = max(len(run["run_id"]) for run, _ in run_reports)
     lines = [f"priced as {priced_as}",
-             f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} {'fixed_s':>8} {'drain_s':>8} "
-             f"{'total':>13} {'per 1,000 items':>16}"]
+             f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} "
+             f"{'fixed_s':>8} {'drain_s':>8} {'total':>13} {'per 1,000 items':>16}"]
     for run, report in run_reports:
         lines.append(f"  {run['run_id']:<{width}} {run['mode']:<5} {report['claims']:>6} {report['warm_hits']:>5} "
                      f"{report['items']:>7} {report['fixed_seconds']:>8.2f} {report['variable_seconds']:>8.3f} "
@@ -4357,12 +4264,12 @@ def format_pool_cost(report, priced_as, model):
     cold = report["cold"]
     lines = [
         f"pool cost {model}, priced as {priced_as}",
-        f"  paid      {report['instance_seconds']:,.0f} instance-s over {report['workers']} workers = "
-        f"{_usd(report['usd'])} (requests {_usd(report['request_usd'])})",
+        f"  paid      {report['instance_seconds']:,.0f} instance-s over {report['workers']} "
+        f"workers = {_usd(report['usd'])} (requests {_usd(report['request_usd'])})",
         f"  busy      {report['busy_fraction']:.1%} ({report['drain_seconds']:,.0f} s drain + "
         f"{report['enter_seconds']:,.0f} s @enter x{report['enter_count']}; {report['idle_seconds']:,.0f} s idle)",
-        f"  traffic   {report['claims']:,.0f} claims, {report['warm_hits']:,.0f} warm hits, {report['items']:,.0f} "
-        "items",
+        f"  traffic   {report['claims']:,.0f} claims, {report['warm_hits']:,.0f} warm hits, "
+        f"{report['items']:,.0f} items",
     ]
     if per_1000 is not None:
         lines.append(f"  per 1,000 {_usd(per_1000)} with idle, {_usd(drain_1000)} drain only")
@@ -4372,8 +4279,7 @@ def format_pool_cost(report, priced_as, model):
                  + ("warm is cheaper" if report["warm_beats_cold"] else "COLD would have been cheaper"))
     per_claim = report["idle_budget_per_claim_seconds"]
     lines.append(f"  idle      budget {report['idle_budget_seconds']:,.0f} instance-s, used "
-                 f"{report['idle_seconds']:,.0f}, "
-                 f"headroom {report['idle_headroom_seconds']:,.0f}"
+                 f"{report['idle_seconds']:,.0f}, headroom {report['idle_headroom_seconds']:,.0f}"
                  + (f"; between claims the pool may idle {per_claim:,.0f} s, it idled "
                     f"{report['idle_per_claim_seconds']:,.0f} s" if per_claim is not None else ""))
     lines.append(_inputs_line(report["inputs"]))
@@ -4387,1777 +4293,9 @@ def run_cost_lines(backend, run, summaries, price):
 
 
 # ------------------------------------------------------------------------------------------------
-# 8. the EC2 cohort: where one machine is not enough, a pool is its SQS queue plus an Auto Scaling group of
-# instances, each running `warmd.py --model M` under systemd. AWS's own engines do the fleet work: the ASG
-# keeps the cohort at size and replaces dead instances, SQS redelivers a dead worker's claim, S3 holds the
-# rest. Every AWS call below goes through AwsCalls.call, so --dry-run prints each mutating call instead.
-IAM_NAME_MAX = 64                   # IAM role and instance-profile names: at most 64 characters
-DLAMI_PARAMETERS = {                # SSM public parameters naming the current deep-learning GPU AMI, by architecture
-    "x86_64": "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
-    "arm64": "/aws/service/deeplearning/ami/arm64/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
-}
-EC2_STATE_DIR = "/var/lib/calque"    # CALQUE_STATE on an instance (handler cache)
-EC2_SPOT_POLL = "http://169.254.169.254"  # the metadata address the bootstrap enables the spot poller with
-EC2_PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")  # workers get this machine's
-IAM_PROPAGATION_WAIT = 10.0         # s after creating an instance profile: EC2 refuses one IAM has not propagated
-IAM_RETRY_SECONDS = 90.0            # s RunInstances retries "invalid instance profile" (IAM propagation) before failing
-EC2_BOOT_ESTIMATE = 480.0           # s from launch to a worker polling: boot + pip install torch etc. (assumed)
-COLD_BOOT_ALLOWANCE = 30            # min a cold instance may boot on top of the submit timeout before it powers off
-ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
-MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period may not exceed one day
-MIN_IDLE_MINUTES = 2                # the idle alarm's newest minute may be a FILLed 0 (its data late): 1 is no window
-STEP_ADJUSTMENTS_MAX = 20           # steps of one step-scaling policy (Auto Scaling's limit)
-EC2_DRAIN_TIMEOUT = 900             # s a terminating instance waits for its worker's claim (hook)
-BOOTSTRAP_ATTEMPTS = 5              # tries of each network step of the bootstrap (apt, kit download, pip install)
-BOOTSTRAP_BACKOFF = 10              # s before a network step's second try, doubling after each (10 + 20 + 40 + 80 s)
-BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of instances already replaced that `pool status` reads and lists
-
-
-def _digest(text, n):
-    return hashlib.sha256(text.encode()).hexdigest()[:n]
-
-
-def _iam_name(name, key):
-    """`name` when it fits IAM's 64 characters, else cut + '-' + 8 hex of sha256(key) (so two cut names differ)."""
-    if len(name) <= IAM_NAME_MAX:
-        return name
-    return name[: IAM_NAME_MAX - 9].rstrip("-") + "-" + _digest(key, 8)
-
-
-def ec2_names(model):
-    """Every AWS name of a model's EC2 pool, derived from its slug (so `pool delete` finds them without a record)."""
-    s = slug(model)
-    base = POOL_PREFIX + s          # <= 80 characters: fits launch-template (128), ASG and alarm (255) names
-    role = _iam_name("calque-" + s, s)
-    return {"queue": pool_queue_name(model), "dlq": dlq_name(model), "role": role, "instance_profile": role,
-            "launch_template": base, "asg": base, "alarm_wake": base + "-wake", "alarm_idle": base + "-idle",
-            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "hook": "calque-drain",
-            "kit_prefix": f"pools/{s}/kit/",
-            "report_prefix": f"pools/{s}/instances/"}   # the bootstrap's reports: <started>.<instance id>.json
-
-
-def cold_role_name(store, region):
-    """One shared role for every cold run of a store in a region (a role per run would wait on IAM each time)."""
-    return "calque-cold-" + _digest(f"{store}|{region}", 12)
-
-
-# ------------------------------------------------------------------------------------------------
-# the call layer
-class AwsCalls:
-    """The one door every EC2-cohort AWS call goes through: `call(service, operation, **params)`.
-    A mutating call (anything but Get*/Describe*/List*/Head*) in dry-run mode is printed as
-    `would call iam.CreateRole {...}` and answered with a plausible fake; read-only calls run even in
-    dry-run, so the plan shows what exists already (and is not re-created). `log` keeps (service,
-    operation, executed) for every call, which the tests read. boto3 is imported only here."""
-
-    READ_ONLY = ("Get", "Describe", "List", "Head")
-
-    def __init__(self, session, region, dry_run=False, sleep=time.sleep):
-        self.session, self.region, self.dry_run, self.sleep = session, region, dry_run, sleep
-        self.clients, self.log, self._identity = {}, [], None
-
-    @classmethod
-    def for_backend(cls, backend, dry_run=False):
-        return cls(backend.session, backend.queues.sqs.meta.region_name, dry_run)
-
-    @classmethod
-    def mutating(cls, operation):
-        return not operation.startswith(cls.READ_ONLY)
-
-    def client(self, service):
-        if service not in self.clients:
-            self.clients[service] = self.session.client(service, config=aws_client_config(self.region))
-        return self.clients[service]
-
-    def call(self, service, operation, **params):
-        if self.dry_run and self.mutating(operation):
-            self.log.append((service, operation, False))
-            print(f"would call {service}.{operation} {_show_params(params)}")
-            return self._fake(service, operation, params)
-        self.log.append((service, operation, True))
-        import botocore   # lazy: the embedded backend never loads boto3/botocore
-        return getattr(self.client(service), botocore.xform_name(operation))(**params)
-
-    def note(self, service, operation, shown):
-        """A store write made through the backend (not a client here): printed in dry-run, logged always.
-        True when the caller should go on and make it."""
-        self.log.append((service, operation, not self.dry_run))
-        if self.dry_run:
-            print(f"would call {service}.{operation} {json.dumps(shown)}")
-        return not self.dry_run
-
-    def identity(self):
-        """{account, partition} of the caller (STS GetCallerIdentity; read-only, so it runs in dry-run too)."""
-        if self._identity is None:
-            arn = self.call("sts", "GetCallerIdentity")
-            self._identity = {"account": arn["Account"], "partition": arn["Arn"].split(":")[1]}
-        return self._identity
-
-    def _fake(self, service, operation, params):
-        """What a dry-run mutating call answers: just the fields the code reads next."""
-        ident = self.identity()
-        account, partition = ident["account"], ident["partition"]
-        if operation == "CreateRole":
-            name = params["RoleName"]
-            return {"Role": {"RoleName": name, "Arn": f"arn:{partition}:iam::{account}:role/{name}"}}
-        if operation == "CreateInstanceProfile":
-            name = params["InstanceProfileName"]
-            return {"InstanceProfile": {"InstanceProfileName": name,
-                                        "Arn": f"arn:{partition}:iam::{account}:instance-profile/{name}"}}
-        if operation == "CreateLaunchTemplate":
-            return {"LaunchTemplate": {"LaunchTemplateId": "lt-dry-run",
-                                       "LaunchTemplateName": params["LaunchTemplateName"], "LatestVersionNumber": 1}}
-        if operation == "CreateLaunchTemplateVersion":
-            return {"LaunchTemplateVersion": {"VersionNumber": 0}}
-        if operation == "CreateQueue":
-            return {"QueueUrl": f"https://sqs.{self.region}.amazonaws.com/{account}/{params['QueueName']}"}
-        if operation == "PutScalingPolicy":
-            return {"PolicyARN": f"arn:{partition}:autoscaling:{self.region}:{account}:scalingPolicy:dry-run:"
-                                 f"autoScalingGroupName/{params['AutoScalingGroupName']}"
-                                 f":policyName/{params['PolicyName']}"}
-        if operation == "RunInstances":
-            return {"Instances": [{"InstanceId": f"i-dry-run-{k}"} for k in range(params["MaxCount"])]}
-        return {}
-
-
-def _show_params(params):
-    """The call's parameters as one line of JSON; a user-data blob is shown by size and digest, policies as JSON."""
-    def shown(value):
-        if isinstance(value, dict):
-            out = {}
-            for k, v in value.items():
-                if k == "UserData" and isinstance(v, str):
-                    out[k] = f"<user-data: {len(v)} base64 characters, sha256 {_digest(v, 12)}>"
-                elif k.endswith("PolicyDocument") and isinstance(v, str):
-                    out[k] = json.loads(v)
-                else:
-                    out[k] = shown(v)
-            return out
-        if isinstance(value, list):
-            return [shown(v) for v in value]
-        return value
-    return json.dumps(shown(params), default=str)
-
-
-def _exists(fn, *missing_codes):
-    """fn()'s answer, or None when it fails with one of the 'does not exist' codes."""
-    try:
-        return fn()
-    except Exception as e:
-        if _aws_error_code(e) in missing_codes:
-            return None
-        raise
-
-
-def _queue_url(calls, name):
-    return _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"], *SQS_NOT_FOUND)
-
-
-def _find_role(calls, name):
-    return _exists(lambda: calls.call("iam", "GetRole", RoleName=name)["Role"], "NoSuchEntity")
-
-
-def _find_instance_profile(calls, name):
-    return _exists(lambda: calls.call("iam", "GetInstanceProfile", InstanceProfileName=name)["InstanceProfile"],
-                   "NoSuchEntity")
-
-
-def _find_launch_template(calls, name):
-    return _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates",
-                                      LaunchTemplateNames=[name])["LaunchTemplates"][0],
-                   "InvalidLaunchTemplateName.NotFoundException", "InvalidLaunchTemplateId.NotFound")
-
-
-def _aws_store(backend, what):
-    if getattr(backend, "kind", None) != "aws":
-        raise UserError(f"{what} needs an s3:// store (CALQUE_STORE={backend.describe()}): EC2 workers read and write "
-                        f"everything through S3 ---> HINT: export CALQUE_STORE=s3://your-bucket/calque")
-    prefix = backend.store.prefix
-    if not re.fullmatch(r"[A-Za-z0-9._/-]*", prefix):
-        raise UserError(f"store prefix {prefix!r}: on EC2 use letters, digits and . _ / - only "
-                        f"(it goes into IAM policies and shell)")
-    return backend.bucket, prefix
-
-
-def _check_text(value, what):
-    if any(ord(c) < 32 or ord(c) == 127 for c in value):
-        raise UserError(f"{what} {value!r} contains control characters: an EC2 pool cannot carry it into its bootstrap")
-
-
-def _strict_tag(value):
-    """IAM, SQS and CloudWatch tag values allow letters, digits, spaces and _ . : / = + - @ only (EC2 and
-    Auto Scaling tags take any text, so the raw model goes there)."""
-    return re.sub(r"[^\w .:/=+@-]", "_", str(value))[:256]
-
-
-def _tags(pairs, strict=False):
-    return [{"Key": k, "Value": _strict_tag(v) if strict else str(v)[:256]} for k, v in pairs.items()]
-
-
-def _tag_dict(tags):
-    return {t["Key"]: t["Value"] for t in tags or []}
-
-
-# ------------------------------------------------------------------------------------------------
-# least privilege: the instance role's policy
-def _s3_parts(store, partition):
-    bucket, _, prefix = store[len("s3://"):].partition("/")
-    prefix = prefix.strip("/")
-    root = f"{prefix}/" if prefix else ""
-    return f"arn:{partition}:s3:::{bucket}", f"arn:{partition}:s3:::{bucket}/{root}", root
-
-
-def worker_policy(store, model, region, account, partition="aws"):
-    """The pool worker's inline policy, statement by statement. What warmd.py does with each:
-    - its pool queue: long-poll (ReceiveMessage), ack (DeleteMessage), heartbeat and release
-      (ChangeMessageVisibility), open (GetQueueUrl, GetQueueAttributes for the visibility timeout);
-    - its dead-letter queue: open it and SendMessage a claim that cannot succeed; nothing else;
-    - S3 read: the pool's own folder (record, handler snapshot, kit), and of its model's runs only
-      (runs/<slug>.*, see new_run_id) the manifests, numeric inputs and summaries (HeadObject: is this
-      claim already done?);
-    - S3 write: result parts and summaries of its model's runs, its own worker stats, the bootstrap's
-      report of how the instance came up (pools/<slug>/instances/), what handler code prints
-      (output/; it deletes its older chunks there) and .remote_gen items (streams/);
-    - ListBucket limited by s3:prefix to its model's runs and the pool's folder. Not to list: S3
-      answers a HeadObject or GetObject for a missing key with 403 instead of 404 unless the caller may
-      list that key's prefix (S3 evaluates s3:prefix as the key), and warmd must tell "no summary yet"
-      from "forbidden". The worker never lists anything itself;
-    - SetInstanceHealth on its own Auto Scaling group only (the ARN names the group): a bootstrap that fails
-      marks its instance unhealthy, so the group replaces it instead of keeping a broken machine in service;
-      SetInstanceProtection and CompleteLifecycleAction there too: warmd protects its instance from
-      scale-in while it holds a claim, and lets a terminating one go once its claim is done."""
-    s = slug(model)
-    bucket_arn, obj, root = _s3_parts(store, partition)
-    policy = _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
-                            ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
-                            reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
-                                   f"{obj}runs/{s}.*/summaries/*"],
-                            writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
-                                    f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
-                                    f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
-                            listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
-    policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow",
-                                "Action": ["s3:DeleteObject"],
-                                "Resource": f"{obj}pools/{s}/output/*"})
-    policy["Statement"].append({
-        "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
-        "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
-                   "autoscaling:CompleteLifecycleAction"],
-        "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:autoScalingGroupName/"
-                    f"{ec2_names(model)['asg']}"})
-    return policy
-
-
-def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed):
-    """The shape both worker roles share: claim from one queue (or queue pattern), dead-letter to one,
-    read and write the given S3 keys, list only under the given prefixes."""
-    return {"Version": "2012-10-17", "Statement": [
-        {"Sid": sids[0], "Effect": "Allow",
-         "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes", "sqs:GetQueueUrl",
-                    "sqs:ReceiveMessage"],
-         "Resource": sqs + queue},
-        {"Sid": "DeadLetterOnly", "Effect": "Allow",
-         "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
-         "Resource": sqs + dlq},
-        {"Sid": sids[1], "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": reads},
-        {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"], "Resource": writes},
-        {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn,
-         "Condition": {"StringLike": {"s3:prefix": listed}}},
-    ]}
-
-
-def cold_worker_policy(store, region, account, partition="aws"):
-    """The cold-run worker's policy: the same shape as a pool worker's, on every run queue of this account and
-    region (calque-run-*, calque-rundlq-*) and on runs/* of this store. One role serves every cold run of a
-    store: creating a role per run would add IAM's propagation delay (seconds to a minute) to each run."""
-    bucket_arn, obj, root = _s3_parts(store, partition)
-    return _worker_policy(f"arn:{partition}:sqs:{region}:{account}:", RUN_QUEUE_PREFIX + "*", RUN_DLQ_PREFIX + "*",
-                          ("ClaimFromRunQueues", "ReadRunAndClaims"), bucket_arn, root,
-                          reads=[f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
-                                 f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
-                          writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*",
-                                  f"{obj}runs/*/workers/*", f"{obj}runs/*/output/*"],
-                          listed=[f"{root}runs/*"])
-
-
-# instance metadata (where the instance profile's credentials are): session tokens only, and one network hop,
-# so a container on the instance cannot reach it
-IMDS_V2_ONLY = {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1}
-
-
-def _instance_tag_specs(tags):
-    """The same tags on the instances and on their volumes: both are found, and priced, by the pool's tags."""
-    return [{"ResourceType": kind, "Tags": _tags(tags)} for kind in ("instance", "volume")]
-
-
-EC2_TRUST_POLICY = {"Version": "2012-10-17", "Statement": [
-    {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
-
-
-# ------------------------------------------------------------------------------------------------
-# the kit and the bootstrap (user-data). No credentials anywhere: workers use their instance profile.
-def kit_archive():
-    """(bytes, sha256) of what an EC2 worker installs: an sdist of this calque, packed from the files it runs
-    (pyproject.toml's modules, packages and package data, found through their packages, and calque_data/sdist's
-    build files at the root), so that a checkout and an install of one calque pack the same bytes. Reproducible:
-    the same files give the same digest, so a re-run `pool create` finds its launch template unchanged."""
-    config = pyproject()
-    setup, top = config["tool"]["setuptools"], f"calque-{config['project']['version']}"
-    sdist = package_file("calque_data", "sdist")
-    files = {name: os.path.join(sdist, name) for name in os.listdir(sdist)}
-    files.update({f"{m}.py": os.path.join(HERE, f"{m}.py") for m in setup["py-modules"]})
-    for package in setup["packages"]:
-        folder = package_file(package, "")
-        for pattern in ["*.py", *setup["package-data"].get(package, [])]:
-            files.update({os.path.relpath(p, os.path.dirname(folder)): p
-                          for p in glob.glob(os.path.join(folder, pattern))})
-    contents = {}
-    for name, path in files.items():
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                contents[name] = f.read()
-    contents["PKG-INFO"] = f"Metadata-Version: 2.1\nName: calque\nVersion: {top.split('-', 1)[1]}\n".encode()
-    raw = io.BytesIO()
-    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name in sorted(contents):
-            info = tarfile.TarInfo(f"{top}/{name}")
-            info.size, info.mode, info.mtime = len(contents[name]), 0o644, 0
-            tar.addfile(info, io.BytesIO(contents[name]))
-    packed = io.BytesIO()
-    with gzip.GzipFile(fileobj=packed, mode="wb", mtime=0) as gz:
-        gz.write(raw.getvalue())
-    blob = packed.getvalue()
-    return blob, hashlib.sha256(blob).hexdigest()
-
-
-def _pin(name):
-    """The `name==version` line of requirements.txt (without its comment), or the bare name."""
-    with open(package_file("calque_data", "sdist/requirements.txt")) as f:
-        for line in f:
-            if line.split("#")[0].strip().startswith(name + "=="):
-                return line.split("#")[0].strip()
-    return name
-
-
-_BOOTSTRAP = r"""#!/bin/bash
-# calque bootstrap: {title}
-# Written by `calque.py {verb}`. No credentials here: the instance profile {profile} gives this machine
-# its least-privilege access. Bootstrap output: /var/log/cloud-init-output.log; worker: journalctl -u {unit}
-set -euo pipefail
-CALQUE=/opt/calque
-BUCKET={bucket}
-KIT_KEY={kit_key}
-KIT_SHA256={kit_sha256}
-REGION={region}
-IMDS={imds}
-REPORT_PREFIX={report_prefix}
-ATTEMPTS={attempts}
-BACKOFF={backoff}
-STARTED=$(date -u +%Y%m%dT%H%M%SZ)
-STAGE=setup
-mkdir -p "$CALQUE/kit" /etc/calque {state}
-
-# try_to TRIES WHAT COMMAND...: COMMAND up to TRIES times, waiting $BACKOFF s before the second try and twice
-# as long before each next one; its stderr is kept in $CALQUE/last-error for the failure report
-try_to() {{
-  local tries=$1 what=$2 wait=$BACKOFF n=1
-  shift 2
-  STAGE=$what
-  until "$@" 2>"$CALQUE/last-error"; do
-    cat "$CALQUE/last-error" >&2
-    if [ "$n" -ge "$tries" ]; then
-      return 1
-    fi
-    echo "calque: $what failed (try $n of $tries): next try in ${{wait}}s" >&2
-    sleep "$wait"
-    n=$((n + 1)) wait=$((wait * 2))
-  done
-  cat "$CALQUE/last-error" >&2    # the warnings of the try that worked
-}}
-retry() {{ try_to "$ATTEMPTS" "$@"; }}   # a network step: a blip must not cost the instance
-once() {{ try_to 1 "$@"; }}
-fail() {{ echo "calque: $1" | tee "$CALQUE/last-error" >&2; exit 1; }}
-
-imds() {{   # imds PATH: an instance metadata value (IMDSv2: a session token first)
-  local token
-  token=$(curl -fsS -X PUT "$IMDS/latest/api/token" -H "X-aws-ec2-metadata-token-ttl-seconds: 300") &&
-    curl -fsS -H "X-aws-ec2-metadata-token: $token" "$IMDS/latest/meta-data/$1"
-}}
-has_cli() {{ command -v aws >/dev/null 2>&1; }}
-py_boto3() {{   # py_boto3 CODE ARGS...: CODE with boto3 imported and ARGS in sys.argv (on an image without the AWS CLI)
-  "$CALQUE/venv/bin/python" -c "import sys, boto3; $1" "${{@:2}}"
-}}
-s3_get() {{   # s3_get KEY FILE
-  if has_cli; then
-    aws s3 cp --only-show-errors --region "$REGION" "s3://$BUCKET/$1" "$2"
-  else
-    py_boto3 'boto3.client("s3", region_name=sys.argv[1]).download_file(*sys.argv[2:])' "$REGION" "$BUCKET" "$1" "$2"
-  fi
-}}
-s3_put() {{   # s3_put FILE KEY
-  if has_cli; then
-    aws s3 cp --only-show-errors --region "$REGION" "$1" "s3://$BUCKET/$2"
-  else
-    py_boto3 'boto3.client("s3", region_name=sys.argv[1]).upload_file(*sys.argv[2:])' "$REGION" "$1" "$BUCKET" "$2"
-  fi
-}}
-# report STATE: this instance's bootstrap record in the store (`pool status` reads it): how far it got, why
-# it stopped, which fastbatch and torch builds its worker runs
-report() {{
-  if [ -z "$REPORT_PREFIX" ] || [ -z "${{INSTANCE_ID:-}}" ]; then
-    return 0
-  fi
-  local reason=""
-  if [ "$1" = failed ]; then
-    reason=$(tail -n 5 "$CALQUE/last-error" 2>/dev/null | cut -c1-300)
-  fi
-  "${{PY:-python3}}" -c 'import json, sys; print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' \
-    instance_id "$INSTANCE_ID" state "$1" stage "$STAGE" reason "$reason" started "$STARTED" \
-    at "$(date -u +%Y-%m-%dT%H:%M:%SZ)" fastbatch "${{FASTBATCH:-}}" torch "${{TORCH:-}}" \
-    torch_cuda "${{TORCH_CUDA:-}}" torch_gpu "${{TORCH_GPU:-}}" gpu "${{GPU:-}}" > "$CALQUE/report.json" &&
-    s3_put "$CALQUE/report.json" "$REPORT_PREFIX$STARTED.$INSTANCE_ID.json"
-}}
-{on_failure}
-on_exit() {{
-  local rc=$?
-  if [ "$rc" -eq 0 ]; then
-    return 0
-  fi
-  set +e
-  echo "calque: bootstrap failed at $STAGE (exit $rc)" >&2
-  report failed || echo "calque: could not write the failure report" >&2
-  on_failure
-}}
-trap on_exit EXIT
-{preamble}
-if [ -n "$REPORT_PREFIX" ]; then
-  retry "instance metadata" imds instance-id > "$CALQUE/instance-id"
-  INSTANCE_ID=$(cat "$CALQUE/instance-id")
-fi
-
-# the worker runs as an unprivileged system user (NVIDIA device files are world-usable); its home is the state dir
-id -u calque >/dev/null 2>&1 || useradd --system --home-dir {state} --shell /usr/sbin/nologin calque
-chown calque: {state}
-
-# build tools up front: a venv needs python3-venv on Ubuntu, fastbatch's C module gcc and the Python headers
-if command -v apt-get >/dev/null 2>&1; then
-  export DEBIAN_FRONTEND=noninteractive
-  retry "apt-get update" apt-get -o DPkg::Lock::Timeout=600 -o APT::Update::Error-Mode=any update -q
-  retry "apt-get install" apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv python3-dev gcc
-elif command -v dnf >/dev/null 2>&1; then
-  retry "dnf install" dnf install -y -q python3.11 python3.11-devel gcc
-fi
-pick_python() {{   # python3 when it is 3.11 or newer (python3-dev's headers are its own), else a newer one
-  local c
-  for c in python3 python3.13 python3.12 python3.11; do
-    if command -v "$c" >/dev/null 2>&1 && "$c" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-      command -v "$c"
-      return 0
-    fi
-  done
-  return 1
-}}
-STAGE=python
-PY=$(pick_python) || fail "no python >= 3.11 on this image"
-once "venv" "$PY" -m venv "$CALQUE/venv"
-has_cli || retry "pip install boto3" "$CALQUE/venv/bin/pip" install -q --no-cache-dir {boto3_pin}
-
-# the kit this pool was created with: an sdist of the operator's calque, checked against the digest pinned here
-check_kit() {{ echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -; }}
-retry "kit download" s3_get "$KIT_KEY" "$CALQUE/kit.tar.gz"
-once "kit sha256 check" check_kit
-once "kit unpack" tar -xzf "$CALQUE/kit.tar.gz" -C "$CALQUE/kit" --strip-components=1
-# its pinned requirements; no pip cache: torch's wheel is GBs and would be kept twice
-retry "pip install -r requirements.txt" \
-  "$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt" --no-cache-dir
-# then calque itself from the same sdist, as root: its build compiles fastbatch's C module (a failed compile
-# still installs), with the build tools just pinned, so nothing more is downloaded
-once "pip install calque" "$CALQUE/venv/bin/pip" install -q --no-deps --no-build-isolation --no-cache-dir \
-  "$CALQUE/kit.tar.gz"
-{image_install}
-
-# which fastbatch path the worker gets: a module the install did not build is reported (the import says why),
-# and the worker is told to use the numpy path instead of trying to build it at every start
-STAGE="fastbatch check"
-FASTBATCH=$(cd / && "$CALQUE/venv/bin/python" -c 'import fastbatch; print(fastbatch.BACKEND)' \
-  2>"$CALQUE/last-error") || FASTBATCH=""
-cat "$CALQUE/last-error" >&2
-if [ "$FASTBATCH" != c ]; then
-  FASTBATCH="failed: $(tail -n 1 "$CALQUE/last-error" | cut -c1-300)"
-fi
-# which torch this instance got (PyPI's Linux x86_64 wheel is a CUDA build) and whether it sees the GPU
-STAGE="torch check"
-if ! read -r TORCH TORCH_CUDA TORCH_GPU < <("$CALQUE/venv/bin/python" -c \
-    'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.is_available())'); then
-  TORCH="import failed" TORCH_CUDA="" TORCH_GPU=""
-fi
-GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1) || GPU=""
-echo "calque: fastbatch $FASTBATCH; torch $TORCH (CUDA $TORCH_CUDA, GPU visible: $TORCH_GPU); GPU ${{GPU:-none}}"
-
-cat > /etc/calque/worker.env <<'CALQUE_ENV_EOF'
-{env}
-CALQUE_ENV_EOF
-if [ -n "${{INSTANCE_ID:-}}" ]; then   # warmd protects this instance from scale-in while it holds a claim
-  echo "CALQUE_INSTANCE_ID=$INSTANCE_ID" >> /etc/calque/worker.env
-fi
-if [ "$FASTBATCH" != c ]; then
-  echo "FASTBATCH_REFERENCE=1" >> /etc/calque/worker.env
-fi
-
-cat > "$CALQUE/worker.sh" <<'CALQUE_SH_EOF'
-#!/bin/bash
-set -a
-. /etc/calque/worker.env
-set +a
-exec /opt/calque/venv/bin/warmd {worker_args}
-CALQUE_SH_EOF
-chmod 755 "$CALQUE/worker.sh"
-
-cat > /etc/systemd/system/{unit}.service <<'CALQUE_UNIT_EOF'
-[Unit]
-Description=calque {description} (settings: /etc/calque/worker.env)
-Wants=network-online.target
-After=network-online.target
-StartLimitIntervalSec=0
-
-[Service]
-Type=simple
-User=calque
-WorkingDirectory={state}
-ExecStart=/opt/calque/worker.sh
-{service}
-KillSignal=SIGTERM
-TimeoutStopSec={stop_timeout}
-StandardOutput=journal
-StandardError=journal
-SyslogIdentifier={unit}
-
-[Install]
-WantedBy=multi-user.target
-CALQUE_UNIT_EOF
-once "systemctl daemon-reload" systemctl daemon-reload
-once "worker start" systemctl enable --now {unit}.service
-STAGE=ready
-report ready || echo "calque: could not write the bootstrap report (the worker runs)" >&2
-echo "calque: {unit} started"
-"""
-
-
-# what a pool instance does when its bootstrap fails: out of the group (SetInstanceHealth, allowed on its own group
-# only), so the ASG replaces it instead of billing a broken machine; if that call fails, power off (a stopped
-# instance fails the group's EC2 health check)
-_POOL_ON_FAILURE = r"""on_failure() {
-  if [ -n "${INSTANCE_ID:-}" ] && mark_unhealthy; then
-    echo "calque: $INSTANCE_ID marked unhealthy: its auto scaling group replaces it" >&2
-  else
-    echo "calque: could not mark this instance unhealthy: powering off" >&2
-    shutdown -h now
-  fi
-}
-mark_unhealthy() {
-  if has_cli; then
-    aws autoscaling set-instance-health --region "$REGION" --instance-id "$INSTANCE_ID" --health-status Unhealthy \
-      --no-should-respect-grace-period
-  else
-    py_boto3 'boto3.client("autoscaling", region_name=sys.argv[1]).set_instance_health(
-      InstanceId=sys.argv[2], HealthStatus="Unhealthy", ShouldRespectGracePeriod=False)' "$REGION" "$INSTANCE_ID"
-  fi
-}"""
-
-
-def _bootstrap(*, title, description, verb, profile, store, region, kit_key, kit_sha256, env, worker_args, unit,
-               service, on_failure, report_prefix="", preamble="", conf=None, image_install=""):
-    conf = conf or settings()
-    bucket, _, prefix = store[len("s3://"):].partition("/")
-    prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
-    lines = {"CALQUE_STORE": store, "CALQUE_STATE": EC2_STATE_DIR, "CALQUE_SPOT_POLL": EC2_SPOT_POLL,
-             "AWS_REGION": region, "AWS_DEFAULT_REGION": region, "PYTHONUNBUFFERED": "1"}
-    lines.update({k: conf[k] for k in EC2_PASSED_SETTINGS if k in conf})
-    lines.update(env)
-    for key, value in lines.items():
-        _check_text(str(value), key)
-    grace = float(conf.get("CALQUE_GRACE", 30))
-    script = _BOOTSTRAP.format(
-        title=title, description=description, verb=verb, profile=profile, unit=unit, preamble=preamble,
-        image_install=image_install,
-        bucket=shlex.quote(bucket), kit_key=shlex.quote(prefix + kit_key), kit_sha256=kit_sha256,
-        region=shlex.quote(region), imds=EC2_SPOT_POLL, state=EC2_STATE_DIR,
-        report_prefix=shlex.quote(prefix + report_prefix if report_prefix else ""),
-        attempts=BOOTSTRAP_ATTEMPTS, backoff=BOOTSTRAP_BACKOFF, boto3_pin=shlex.quote(_pin("boto3")),
-        on_failure=on_failure, env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()),
-        worker_args=worker_args, service=service, stop_timeout=int(grace + 30))
-    _refuse_credentials(script)
-    return script
-
-
-def _refuse_credentials(text):
-    """Belt and braces: user-data is readable by anyone who can describe the instance; no key may be in it."""
-    banned = ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "aws_secret_access_key"]
-    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
-        if len(os.environ.get(var, "")) >= 16:     # a real key (dummy test values are short)
-            banned.append(os.environ[var])
-    if re.search(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b", text) or any(b in text for b in banned):
-        raise RuntimeError("refusing to write user-data that contains AWS credentials")
-
-
-# the pool worker's unit restarts a worker that crashed (any non-zero exit, or killed by a signal) but not one
-# that exited 0: warmd exits 0 only after a stop on purpose (SIGTERM, a spot notice), and a restart would load
-# the model again for nothing, every RestartSec, until the instance is reclaimed. Restart=on-failure would also
-# take a death by an uncaught SIGTERM/SIGINT/SIGHUP/SIGPIPE as clean (systemd.service); RestartPreventExitStatus=0
-# on top of Restart=always stops only a worker that said it was done.
-POOL_SERVICE = "Restart=always\nRestartPreventExitStatus=0\nRestartSec=5"
-
-
-def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile", conf=None,
-                   image=None):
-    """The pool instance's bootstrap: build tools, a venv, the kit from the store (the operator's calque as an
-    sdist: its pinned requirements, then calque, fastbatch compiled), a Modal app's image packages (`image`),
-    then `warmd --model M` under systemd (POOL_SERVICE, journal logs, spot poller on). Each network step is
-    retried; the outcome (or where it failed, and why) is written to the pool's instances/ folder in the store,
-    and a failed bootstrap takes its own instance out of the group so the ASG replaces it."""
-    _check_text(model, "model")
-    return _bootstrap(
-        title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create", profile=profile,
-        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
-        env={"CALQUE_POOL_MODEL": model, "CALQUE_ASG": ec2_names(model)["asg"]},
-        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service=POOL_SERVICE,
-        report_prefix=ec2_names(model)["report_prefix"], on_failure=_POOL_ON_FAILURE, conf=conf,
-        image_install=image_install(image))
-
-
-def image_install(image):
-    """The bootstrap lines that build a Modal app's image on the instance, as Modal would: its apt_install and
-    pip_install packages, pinned as written, into the venv calque is installed in."""
-    lines = []
-    for kind, command in (("apt", "apt-get -o DPkg::Lock::Timeout=600 install -y -q"),
-                          ("pip", '"$CALQUE/venv/bin/pip" install -q --no-cache-dir')):
-        packages = (image or {}).get(kind, [])
-        for package in packages:
-            _check_text(package, f"image {kind} package")
-        if packages:
-            lines.append(f'retry "image {kind} install" {command} {" ".join(shlex.quote(p) for p in packages)}')
-    return "\n".join(lines)
-
-
-def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes, profile="the cold-run instance profile",
-                   conf=None):
-    """A cold run's one-shot instance: the same bootstrap, then `warmd.py --run RUN` once; when it exits (its
-    queue drained, or an error) the machine powers off, which terminates it (InstanceInitiatedShutdownBehavior).
-    A bootstrap that fails powers off too, and a dead-man's switch powers off after max_minutes whatever happens."""
-    preamble = f'shutdown -h +{int(max_minutes)} "calque: cold run over its time limit" || true'
-    on_failure = 'on_failure() {\n  echo "calque: powering off" >&2\n  shutdown -h now\n}'
-    return _bootstrap(
-        title=f"cold-run worker for run {run_id}", description="cold-run worker", verb="submit", profile=profile,
-        store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256, env={"CALQUE_RUN": run_id},
-        worker_args='--run "$CALQUE_RUN"', unit="calque-cold",
-        service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff", preamble=preamble,
-        on_failure=on_failure, conf=conf)
-
-
-def _user_data_b64(script):
-    return base64.b64encode(script.encode()).decode()
-
-
-# ------------------------------------------------------------------------------------------------
-# pre-flight: everything read-only, before anything is created
-def _instance_type_info(calls, instance_type):
-    if not instance_type:
-        raise UserError("--instance-type is required for EC2 workers (e.g. g5.xlarge): see rates.json for priced ones")
-    try:
-        return calls.call("ec2", "DescribeInstanceTypes", InstanceTypes=[instance_type])["InstanceTypes"][0]
-    except Exception as e:
-        if _aws_error_code(e) in ("InvalidInstanceType", "InvalidParameterValue"):
-            raise UserError(f"--instance-type {instance_type}: not an instance type in {calls.region} "
-                            f"---> HINT: e.g. g5.xlarge") from None
-        raise
-
-
-def resolve_ami(calls, ami, instance_type_info):
-    """(ami id, where it came from). --ami is checked to exist; else the SSM public parameter of the current
-    deep-learning GPU AMI for the instance type's architecture. Missing or ambiguous is a UserError."""
-    archs = [a for a in instance_type_info["ProcessorInfo"]["SupportedArchitectures"] if a in DLAMI_PARAMETERS]
-    itype = instance_type_info["InstanceType"]
-    source = "--ami"
-    if not ami:
-        if len(archs) != 1:
-            raise UserError(f"instance type {itype} supports {archs or 'no known'} architecture(s): cannot pick one "
-                            f"deep-learning AMI ---> HINT: pass --ami ami-...")
-        param = DLAMI_PARAMETERS[archs[0]]
-        try:
-            value = calls.call("ssm", "GetParameter", Name=param)["Parameter"]["Value"]
-        except Exception as e:
-            if _aws_error_code(e) in ("ParameterNotFound", "ParameterVersionNotFound"):
-                raise UserError(f"no current deep-learning AMI: SSM public parameter {param} does not exist in "
-                                f"{calls.region} ---> HINT: pass --ami ami-... (an image with an NVIDIA driver)"
-                                ) from None
-            raise
-        found = [v.strip() for v in value.split(",") if v.strip()]
-        if len(found) != 1 or not re.fullmatch(r"ami-[0-9a-f]{8,17}", found[0]):
-            raise UserError(f"SSM parameter {param} holds {value!r}, not exactly one AMI id "
-                            f"---> HINT: pass --ami ami-...")
-        ami, source = found[0], f"ssm:{param}"
-    try:
-        images = calls.call("ec2", "DescribeImages", ImageIds=[ami])["Images"]
-    except Exception as e:
-        if _aws_error_code(e) in ("InvalidAMIID.NotFound", "InvalidAMIID.Malformed", "InvalidAMIID.Unavailable"):
-            images = []
-        else:
-            raise
-    if not images:
-        raise UserError(f"AMI {ami} ({source}) does not exist in {calls.region} or is not visible to this account")
-    if archs and images[0].get("Architecture") and images[0]["Architecture"] not in archs:
-        raise UserError(f"AMI {ami} is {images[0]['Architecture']}, instance type {itype} runs {', '.join(archs)}: "
-                        f"pick a matching --ami")
-    return ami, source
-
-
-def resolve_subnets(calls, subnet_arg, instance_type):
-    """--subnet (comma-separated) checked to exist, else the default VPC's subnets; only those in zones that
-    offer the instance type."""
-    if subnet_arg:
-        ids = [s.strip() for s in subnet_arg.split(",") if s.strip()]
-        try:
-            subnets = calls.call("ec2", "DescribeSubnets", SubnetIds=ids)["Subnets"]
-        except Exception as e:
-            if _aws_error_code(e) in ("InvalidSubnetID.NotFound", "InvalidSubnetID.Malformed"):
-                raise UserError(f"--subnet {subnet_arg}: no such subnet in {calls.region}") from None
-            raise
-    else:
-        subnets = calls.call("ec2", "DescribeSubnets",
-                             Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
-        if not subnets:
-            raise UserError(f"no default VPC in {calls.region}: pass --subnet subnet-... (one with a route to the "
-                            f"internet: the bootstrap installs packages)")
-    offerings = calls.call("ec2", "DescribeInstanceTypeOfferings", LocationType="availability-zone",
-                           Filters=[{"Name": "instance-type", "Values": [instance_type]}])["InstanceTypeOfferings"]
-    offered = {o["Location"] for o in offerings}
-    usable = [s["SubnetId"] for s in subnets if s["AvailabilityZone"] in offered]
-    if not usable:
-        raise UserError(f"instance type {instance_type} is not offered in the zones of subnet(s) "
-                        f"{', '.join(s['SubnetId'] for s in subnets)}: pick another --subnet or --instance-type")
-    return sorted(usable)
-
-
-def _check_key(calls, key_name):
-    if not key_name:
-        return
-    try:
-        calls.call("ec2", "DescribeKeyPairs", KeyNames=[key_name])
-    except Exception as e:
-        if _aws_error_code(e) == "InvalidKeyPair.NotFound":
-            raise UserError(f"--key-name {key_name}: no such key pair in {calls.region}") from None
-        raise
-
-
-@dataclass(frozen=True)
-class Ec2PoolOptions:
-    """An EC2 pool's fleet as `pool create --instances N` asks for it; ec2_pool_options builds it checked."""
-    instances: int
-    instance_type: str | None           # required: the pre-flight refuses None with an example
-    min_instances: int | None           # the group's floor; None: always `instances` (a fixed-size cohort)
-    ami: str | None                     # None: the current deep-learning GPU AMI (DLAMI_PARAMETERS)
-    spot: bool
-    subnet: str | None                  # subnet ids, comma-separated; None: the default VPC's
-    key_name: str | None                # an EC2 key pair for SSH; None: no SSH
-    scale_to_zero_after: int | None     # idle minutes before the group shrinks to its floor; None: never
-
-
-def ec2_pool_options(instances, instance_type=None, *, min_instances=None, ami=None, spot=False, subnet=None,
-                     key_name=None, scale_to_zero_after=None, max_instances=None):
-    """Ec2PoolOptions from the flags' values, checked (pool_bounds): --instances N is a fixed
-    cohort; a floor below the ceiling or an idle window makes a group that sizes itself, its window
-    in whole minutes (SQS publishes once a minute) that CloudWatch can evaluate."""
-    if instances is max_instances is None or (instances or 0) < 0:
-        raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
-    if min_instances is not None and not 0 <= min_instances <= (max_instances or instances):
-        raise UserError(f"--min-instances {min_instances}: between 0 and --instances {max_instances or instances}")
-    lo, hi, idle = pool_bounds(instances, min_instances, max_instances, scale_to_zero_after, "instances")
-    minutes = math.ceil(idle / 60 - 1e-9) if idle is not None else None
-    if minutes is not None and not MIN_IDLE_MINUTES <= minutes <= MAX_IDLE_MINUTES:
-        raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between {MIN_IDLE_MINUTES} and "
-                        f"{MAX_IDLE_MINUTES} (CloudWatch's one-day window; a one-minute window would take a minute "
-                        f"whose data is late for an idle one)")
-    return Ec2PoolOptions(hi, instance_type, None if minutes is None else lo, ami, bool(spot), subnet, key_name,
-                          minutes)
-
-
-@dataclass(frozen=True)
-class ColdLaunch:
-    """The one-shot EC2 instances of a cold run (`submit --model M` on an s3:// store)."""
-    ami: str | None                     # required: ec2_cold_launch refuses None with where to find one
-    instance_type: str | None
-    spot: bool = False
-    subnet: str | None = None           # subnet ids, comma-separated (the first usable one); None: the default VPC's
-    key_name: str | None = None
-
-
-def _hourly(instance_type, spot, count):
-    """'~$2.01/h for 2 x g5.xlarge on-demand (rates.json)', or a line saying the type is not priced there."""
-    try:
-        rates = load_rates()
-        per_hour = instance_rate_per_second(rates, instance_type, spot=spot) * 3600 * count
-        return (f"~${per_hour:.2f}/h while {count} x {instance_type} {'spot' if spot else 'on-demand'} run "
-                f"(rates.json {rates['updated']})")
-    except UserError:
-        return f"{instance_type} is not priced in rates.json: check its hourly price before you go on"
-
-
-def _refuse_spending(what, *, dry_run, yes_spend_money):
-    if not dry_run and not yes_spend_money:
-        raise UserError(f"{what} starts paid EC2 instances: add --yes-spend-money "
-                        f"(or --dry-run to see every AWS call first)")
-
-
-# ------------------------------------------------------------------------------------------------
-# idempotent steps: each checks what exists, then creates or updates
-def _ensure_queue(calls, name, visibility_timeout, tags):
-    vt = str(int(visibility_timeout))
-    url = _queue_url(calls, name)
-    if url:
-        current = calls.call("sqs", "GetQueueAttributes", QueueUrl=url,
-                             AttributeNames=["VisibilityTimeout"])["Attributes"]
-        if current.get("VisibilityTimeout") != vt:
-            calls.call("sqs", "SetQueueAttributes", QueueUrl=url, Attributes={"VisibilityTimeout": vt})
-        return "found"
-    try:
-        calls.call("sqs", "CreateQueue", QueueName=name, Attributes={"VisibilityTimeout": vt}, tags=tags)
-    except Exception as e:
-        if _aws_error_code(e) in ("AWS.SimpleQueueService.QueueDeletedRecently", "QueueDeletedRecently"):
-            raise UserError(f"queue {name} was deleted less than 60 s ago and SQS refuses to recreate it yet: "
-                            f"wait a minute, re-run") from None
-        raise
-    return "created"
-
-
-def _check_owned(kind, name, tags, model, store, region):
-    """A resource with our name must be calque's and this pool's: never adopt or delete someone else's."""
-    if tags.get("calque:managed") != "true":
-        raise UserError(f"{kind} {name} exists but is not calque's (no calque:managed=true tag): "
-                        f"rename or remove it first")
-    ours = tuple(_strict_tag(v) if kind.startswith("IAM") else str(v)[:256] for v in (model, store, region))
-    keys = ("calque:pool-model", "calque:store", "calque:region")
-    theirs = tuple(tags.get(key, mine) for key, mine in zip(keys, ours))
-    if theirs != ours:
-        raise UserError(f"{kind} {name} belongs to the pool of {theirs[0]!r} (store {theirs[1]}, region {theirs[2]}): "
-                        f"one model has one EC2 pool per account; delete that one first")
-
-
-def _role_tags(calls, name):
-    return _tag_dict(calls.call("iam", "ListRoleTags", RoleName=name)["Tags"])
-
-
-def _ensure_role(calls, name, policy, tags, owner):
-    """Create the role (or check the existing one is ours) and put its one inline policy: always, so a re-run
-    also repairs a policy edited by hand."""
-    if _find_role(calls, name):
-        _check_owned("IAM role", name, _role_tags(calls, name), *owner)
-        state = "found"
-    else:
-        calls.call("iam", "CreateRole", RoleName=name, AssumeRolePolicyDocument=json.dumps(EC2_TRUST_POLICY),
-                   Description="calque worker instances (least privilege; see the calque README, On AWS)",
-                   Tags=_tags(tags, strict=True))
-        state = "created"
-    calls.call("iam", "PutRolePolicy", RoleName=name, PolicyName="calque-worker", PolicyDocument=json.dumps(policy))
-    return state
-
-
-def _ensure_instance_profile(calls, name, role, tags):
-    profile = _find_instance_profile(calls, name)
-    state = "found"
-    if not profile:
-        calls.call("iam", "CreateInstanceProfile", InstanceProfileName=name, Tags=_tags(tags, strict=True))
-        profile, state = {"Roles": []}, "created"
-    roles = [r["RoleName"] for r in profile.get("Roles", [])]
-    if role not in roles:
-        for other in roles:    # a profile holds one role
-            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=name, RoleName=other)
-        calls.call("iam", "AddRoleToInstanceProfile", InstanceProfileName=name, RoleName=role)
-        if not calls.dry_run:
-            calls.sleep(IAM_PROPAGATION_WAIT)   # note: EC2 rejects a profile IAM has not propagated yet
-        if state == "found":
-            state = "repaired"
-    return state
-
-
-def _ensure_launch_template(calls, name, data, tags, owner):
-    """Create it, or add a version when the wanted data differ from its latest (compared by digest, kept in
-    the version description). The ASG launches $Latest, so new instances pick the change up."""
-    wanted = "calque " + _digest(json.dumps(data, sort_keys=True), 16)
-    found = _find_launch_template(calls, name)
-    if not found:
-        calls.call("ec2", "CreateLaunchTemplate", LaunchTemplateName=name, VersionDescription=wanted,
-                   LaunchTemplateData=data,
-                   TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(tags)}])
-        return "created"
-    _check_owned("launch template", name, _tag_dict(found.get("Tags")), *owner)
-    latest = calls.call("ec2", "DescribeLaunchTemplateVersions", LaunchTemplateName=name,
-                        Versions=["$Latest"])["LaunchTemplateVersions"][0]
-    if latest.get("VersionDescription") == wanted:
-        return "found"
-    version = calls.call("ec2", "CreateLaunchTemplateVersion", LaunchTemplateName=name, VersionDescription=wanted,
-                         LaunchTemplateData=data)["LaunchTemplateVersion"]["VersionNumber"]
-    calls.call("ec2", "ModifyLaunchTemplate", LaunchTemplateName=name, DefaultVersion=str(version))
-    return f"updated (version {version})"
-
-
-def _describe_asg(calls, name):
-    groups = calls.call("autoscaling", "DescribeAutoScalingGroups", AutoScalingGroupNames=[name])["AutoScalingGroups"]
-    return groups[0] if groups else None
-
-
-def _asg_sizes(ec2):
-    """(min, max, desired) for the record's EC2 settings: min_instances None is a fixed-size cohort (N, N, N);
-    a floor K gives (K, N, N); a scale-to-zero pool held by `pool scale --instances H` is (H, N, H), so its
-    idle alarm, which can only set the group's capacity within MinSize..MaxSize, cannot take it below H."""
-    n, floor, held = ec2["instances"], ec2["min_instances"], ec2.get("held")
-    if floor is None:
-        return n, n, n
-    if held:
-        return min(held, n), n, min(held, n)
-    return min(floor, n), n, n
-
-
-def _asg_params(names, ec2):
-    lo, hi, desired = _asg_sizes(ec2)
-    template = {"LaunchTemplateName": names["launch_template"], "Version": "$Latest"}
-    params = {"AutoScalingGroupName": names["asg"], "MinSize": lo, "MaxSize": hi, "DesiredCapacity": desired,
-              "VPCZoneIdentifier": ",".join(ec2["subnets"]), "HealthCheckType": "EC2", "HealthCheckGracePeriod": 300}
-    if ec2["spot"]:
-        params["MixedInstancesPolicy"] = {
-            "LaunchTemplate": {"LaunchTemplateSpecification": template},
-            "InstancesDistribution": {"OnDemandBaseCapacity": 0, "OnDemandPercentageAboveBaseCapacity": 0,
-                                      "SpotAllocationStrategy": "price-capacity-optimized"}}
-        params["CapacityRebalance"] = True     # launch a replacement on a rebalance signal, before the 2-minute notice
-    else:
-        params["LaunchTemplate"] = template
-    return params
-
-
-def _ensure_asg(calls, names, ec2, tags, owner):
-    asg = _describe_asg(calls, names["asg"])
-    params = _asg_params(names, ec2)
-    asg_tags = [{"ResourceId": names["asg"], "ResourceType": "auto-scaling-group", "Key": k, "Value": str(v),
-                 "PropagateAtLaunch": True} for k, v in tags.items()]
-    if asg is None:
-        calls.call("autoscaling", "CreateAutoScalingGroup", Tags=asg_tags, **params)
-        return "created"
-    if asg.get("Status"):    # "Delete in progress"
-        raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): "
-                        f"wait for it to go, then re-run")
-    _check_owned("auto scaling group", names["asg"], _tag_dict(asg.get("Tags")), *owner)
-    if ec2["scale_to_zero_after"]:
-        # its alarms own the desired count: a re-run that set it to N would be undone by the idle alarm within
-        # a minute (it re-runs its action every minute while in ALARM), killing instances mid-bootstrap
-        del params["DesiredCapacity"]
-    calls.call("autoscaling", "UpdateAutoScalingGroup", **params)
-    return "updated" if "DesiredCapacity" in params else f"updated; desired {asg['DesiredCapacity']} kept"
-
-
-def _policy_arn(calls, asg, name, answer):
-    if answer.get("PolicyARN"):
-        return answer["PolicyARN"]
-    policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=asg, PolicyNames=[name])
-    return policies["ScalingPolicies"][0]["PolicyARN"]
-
-
-def _put_capacity_policy(calls, asg, name, capacity):
-    """A simple-scaling policy that sets the group to exactly `capacity` instances when its alarm fires."""
-    return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=name,
-                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity", ScalingAdjustment=capacity,
-                      Cooldown=60)
-
-
-def backlog_steps(lo, hi, seconds_per_claim, target_drain):
-    """[(backlog, capacity)]: from each backlog (visible + in flight) on, the capacity desired_count
-    gives a growing group (at most STEP_ADJUSTMENTS_MAX steps, the last one `hi`): the backlog
-    policy's steps."""
-    def need(backlog):
-        return desired_count(backlog, 0, 0, seconds_per_claim, target_drain, lo, hi, 0.0, None, 0.0).desired
-    per = 1.0 if seconds_per_claim is None else target_drain / seconds_per_claim   # claims one drains
-    first = max(need(1), 1)
-    counts = range(first, hi + 1)
-    if len(counts) > STEP_ADJUSTMENTS_MAX:
-        counts = sorted({first + round(i * (hi - first) / (STEP_ADJUSTMENTS_MAX - 1))
-                         for i in range(STEP_ADJUSTMENTS_MAX)})
-    steps = {1 if k == first else max(k, math.floor((k - 1) * per) + 1): k   # k instances: k claims at least
-             for k in counts}
-    return sorted((b, need(b)) for b in steps)
-
-
-def ec2_scaling(backend, model, lo, hi):
-    """The record's `scaling` of a group that sizes itself: seconds per claim measured from the
-    pool's recent summaries (None before any), the drain target, and the backlog policy's steps."""
-    spc = measured_seconds(recent_summaries(backend, model))[0]
-    drain = setting_number(settings(), "CALQUE_TARGET_DRAIN", float, 0.001)
-    return {"seconds_per_claim": spc, "target_drain": drain, "steps": backlog_steps(lo, hi, spc, drain)}
-
-
-def _put_backlog_policy(calls, names, ec2):
-    """The step policy the wake alarm runs every minute it is in ALARM (any claim visible or in
-    flight): the group to exactly backlog_steps' capacity for the backlog (scale-in protection keeps
-    busy instances)."""
-    steps = ec2["scaling"]["steps"]
-    adjustments = [{"MetricIntervalLowerBound": 0.0 if i == 0 else b - 0.5, "ScalingAdjustment": k}
-                   | ({"MetricIntervalUpperBound": steps[i + 1][0] - 0.5} if i + 1 < len(steps) else {})
-                   for i, (b, k) in enumerate(steps)]
-    return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=names["asg"],
-                      PolicyName=names["policy_wake"], PolicyType="StepScaling", AdjustmentType="ExactCapacity",
-                      MetricAggregationType="Maximum", StepAdjustments=adjustments)
-
-
-def _backlog_metrics(queue):
-    """Metric math: visible + in flight, each FILLed with 0 where SQS published no point (in flight
-    is published only while messages are in flight)."""
-    return [{"Id": "visible_raw", "ReturnData": False, "MetricStat": {
-                "Metric": _sqs_metric(queue, "ApproximateNumberOfMessagesVisible"), "Period": ALARM_PERIOD,
-                "Stat": "Maximum"}},
-            {"Id": "inflight_raw", "ReturnData": False, "MetricStat": {
-                "Metric": _sqs_metric(queue, "ApproximateNumberOfMessagesNotVisible"), "Period": ALARM_PERIOD,
-                "Stat": "Maximum"}},
-            {"Id": "visible", "Expression": "FILL(visible_raw, 0)", "ReturnData": False},
-            {"Id": "inflight", "Expression": "FILL(inflight_raw, 0)", "ReturnData": False},
-            {"Id": "backlog", "Expression": "visible + inflight", "Label": "claims waiting or running",
-             "ReturnData": True}]
-
-
-def _sqs_metric(queue, metric):
-    return {"Namespace": "AWS/SQS", "MetricName": metric, "Dimensions": [{"Name": "QueueName", "Value": queue}]}
-
-
-def _ensure_scale_to_zero(calls, names, ec2, tags):
-    """The backlog step policy on the wake alarm (any claim visible or in flight in a minute: the
-    group to desired_count's capacity for that backlog, re-run every minute the alarm stays in
-    ALARM), and a simple-scaling policy (exactly the floor) on the idle alarm (visible + in flight
-    == 0 for the whole window). Both alarms read the same metric math (_backlog_metrics): a minute
-    with a backlog but no in-flight point must not read as "no data"; a queue that publishes nothing
-    at all (inactive for six hours) is idle (TreatMissingData)."""
-    asg, minutes = names["asg"], ec2["scale_to_zero_after"]
-    wake = _put_backlog_policy(calls, names, ec2)
-    idle = _put_capacity_policy(calls, asg, names["policy_idle"], ec2["min_instances"] or 0)
-    calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_wake"],
-               AlarmDescription=f"calque: size pool {asg} to its backlog in {names['queue']}",
-               ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_wake"], wake)],
-               EvaluationPeriods=1, Threshold=0, ComparisonOperator="GreaterThanThreshold",
-               TreatMissingData="notBreaching", Tags=_tags(tags, strict=True), Metrics=_backlog_metrics(names["queue"]))
-    calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_idle"],
-               AlarmDescription=f"calque: scale pool {asg} to {ec2['min_instances'] or 0} after {minutes} "
-                                f"idle minute(s)",
-               ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, names["policy_idle"], idle)],
-               EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
-               ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching",
-               Tags=_tags(tags, strict=True), Metrics=_backlog_metrics(names["queue"]))
-    return "put"
-
-
-def _describe_alarms(calls, names):
-    """The pool's scale-to-zero alarms that exist (DescribeAlarms leaves out the names it does not know)."""
-    alarms = calls.call("cloudwatch", "DescribeAlarms", AlarmNames=[names["alarm_wake"], names["alarm_idle"]])
-    return alarms["MetricAlarms"]
-
-
-def _delete_alarms(calls, names):
-    """Delete the pool's scale-to-zero alarms that exist; returns their names."""
-    alarms = [a["AlarmName"] for a in _describe_alarms(calls, names)]
-    if alarms:
-        calls.call("cloudwatch", "DeleteAlarms", AlarmNames=alarms)
-    return alarms
-
-
-def _remove_scale_to_zero(calls, names):
-    """Alarms and policies of a pool that no longer scales to zero; True when something was removed."""
-    removed = bool(_delete_alarms(calls, names))
-    if _describe_asg(calls, names["asg"]):
-        policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=names["asg"])
-        have = {p["PolicyName"] for p in policies["ScalingPolicies"]}
-        for policy in (names["policy_wake"], names["policy_idle"]):
-            if policy in have:
-                calls.call("autoscaling", "DeletePolicy", AutoScalingGroupName=names["asg"], PolicyName=policy)
-                removed = True
-    return removed
-
-
-def _store_put(calls, backend, key, data):
-    """Write one store object; in a dry run, print the PutObject it would be instead (its size: a kit is MBs)."""
-    if calls.note("s3", "PutObject", {"uri": backend.store.uri(key), "bytes": len(data)}):
-        backend.store.put(key, data)
-
-
-def _put_pool_record(calls, backend, record):
-    """Write the pool record (dry run: print it as a PutObject)."""
-    _store_put(calls, backend, pool_key(record["model"]), json.dumps(record, indent=1))
-
-
-def _said(calls, state):
-    """A step's outcome as printed: 'created' in a dry run reads 'would be created'."""
-    return f"would be {state}" if calls.dry_run and state not in ("found",) else state
-
-
-def _error_line(error):
-    """'Code: first line of the message' of an AWS (or any) error, for a one-line report."""
-    text = str(error)
-    return f"{_aws_error_code(error) or type(error).__name__}: {text.splitlines()[0] if text else ''}"
-
-
-def _run_steps(subject, steps, fix):
-    """Run the (title, fn) steps in order. When one fails, say which, what is in place, what is not done
-    and `fix`; then raise a UserError or an interruption as it is, anything else as a UserError naming the step."""
-    done = []
-    for title, fn in steps:
-        try:
-            fn()
-        except (Exception, KeyboardInterrupt) as e:
-            interrupted = isinstance(e, KeyboardInterrupt)
-            reason = "interrupted" if interrupted else f"{_aws_error_code(e) or type(e).__name__}: {e}"
-            print(f"{subject}: stopped at {title} ({reason})", file=sys.stderr)
-            print(f"  in place: {', '.join(done) or 'nothing'}", file=sys.stderr)
-            print(f"  not done: {', '.join(t for t, _ in steps if t not in done)}", file=sys.stderr)
-            print(f"  ---> HINT: {fix}", file=sys.stderr)
-            if isinstance(e, (UserError, KeyboardInterrupt)):
-                raise
-            raise UserError(f"{subject} stopped at {title}: {_error_line(e)} (what is in place is listed above)") from e
-        done.append(title)
-
-
-# ------------------------------------------------------------------------------------------------
-# the EC2 pool verbs
-def ec2_pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_money=False, calls=None,
-                    include=()):
-    """`pool create --instances N ...` on an s3:// store. `record` is the pool record cmd_pool_create built
-    (model, slug, queue, dlq, batch_size, visibility_timeout, max_deliveries, created_at, store); `handler`
-    (path/to/file.py:Class) is snapshotted here; `options` (Ec2PoolOptions) say the fleet. A read-only
-    pre-flight, then the steps: each checks what exists first, so a re-run finishes an interrupted create,
-    and a failure says exactly what is in place and what is not. Returns the record as stored."""
-    model = record["model"]
-    _aws_store(backend, "pool create --instances")
-    _check_text(model, "model")
-    _refuse_spending(f"pool create --model {model} --instances {options.instances}", dry_run=dry_run,
-                     yes_spend_money=yes_spend_money)
-    calls = calls or AwsCalls.for_backend(backend, dry_run)
-    names, store, region = ec2_names(model), backend.describe(), calls.region
-    existing = check_slug_free(backend, model)
-
-    # pre-flight: read-only calls; nothing is created if any fails
-    ident = calls.identity()
-    itype = _instance_type_info(calls, options.instance_type)
-    ami, ami_source = resolve_ami(calls, options.ami, itype)
-    subnets = resolve_subnets(calls, options.subnet, options.instance_type)
-    _check_key(calls, options.key_name)
-    if not itype.get("GpuInfo"):
-        print(f"pool {model}: note: {options.instance_type} has no GPU; fine for a CPU handler, not for a GPU model")
-    elif "x86_64" not in itype["ProcessorInfo"]["SupportedArchitectures"]:
-        print(f"pool {model}: WARNING: {options.instance_type} is arm64: PyPI's {_pin('torch')} wheel for Linux "
-              f"aarch64 may be a CPU-only build (assumed; check the project's wheel list), and then the model runs on "
-              f"the CPU. Each instance records which torch it got and whether it sees the GPU: `pool status` warns")
-    blob, kit_sha = kit_archive()
-    kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
-    idle = options.scale_to_zero_after
-    previous = (existing or {}).get("ec2") or {}
-    created_at = previous.get("created_at") or record.get("created_at") or now_iso()
-    held = previous.get("held") if idle else None    # a re-run keeps a `pool scale` hold (see ec2_pool_scale)
-    ec2 = {"instances": options.instances, "min_instances": options.min_instances,
-           "instance_type": options.instance_type, "ami": ami, "ami_source": ami_source, "spot": options.spot,
-           "subnets": subnets, "key_name": options.key_name, "scale_to_zero_after": idle,
-           "region": region, "account": ident["account"], "role": names["role"],
-           "instance_profile": names["instance_profile"], "launch_template": names["launch_template"],
-           "asg": names["asg"], "alarms": [names["alarm_wake"], names["alarm_idle"]] if idle else [],
-           "kit": {"key": kit_key, "sha256": kit_sha}, "held": min(held, options.instances) if held else None,
-           "scaling": ec2_scaling(backend, model, options.min_instances, options.instances) if idle else None,
-           "state": "creating", "updated_at": now_iso(), "created_at": created_at}
-    tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
-            "calque:created-at": created_at, "calque:store": store, "calque:region": region}
-    owner = (model, store, region)
-    full = dict(existing or {}, **record)     # a re-run keeps what it does not set (the first created_at)
-    full["created_at"] = (existing or record).get("created_at") or now_iso()
-    print(f"pool {model}: EC2 cohort of {options.instances} x {options.instance_type} "
-          f"{'spot' if options.spot else 'on-demand'}, AMI {ami} ({ami_source}), subnets {', '.join(subnets)}")
-    print(f"pool {model}: cost {_hourly(options.instance_type, options.spot, max(options.instances, 1))}"
-          + (f"; scales to {options.min_instances or 0} after {idle} idle minute(s)" if idle else ""))
-
-    def queues():
-        queue_tags = {k: _strict_tag(tags[k]) for k in ("calque:pool-model", "calque:managed")}
-        for queue in (names["queue"], names["dlq"]):
-            state = _ensure_queue(calls, queue, record["visibility_timeout"], queue_tags)
-            print(f"pool {model}: queue {queue} {_said(calls, state)}")
-
-    def store_objects():
-        full["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/",
-                                           lambda key, data: _store_put(calls, backend, key, data),
-                                           list(include) + record.get("modal", {}).get("image", {}).get("files", []))
-        _store_put(calls, backend, kit_key, blob)
-        full["ec2"] = ec2
-        _put_pool_record(calls, backend, full)
-        print(f"pool {model}: handler {full['handler']['file']}:{full['handler']['class']}, kit {kit_sha[:16]}, "
-              f"record {_said(calls, 'written')}")
-
-    def role():
-        policy = worker_policy(store, model, region, ident["account"], ident["partition"])
-        state = _ensure_role(calls, names["role"], policy, tags, owner)
-        print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy {_said(calls, 'put')}")
-
-    def instance_profile():
-        state = _ensure_instance_profile(calls, names["instance_profile"], names["role"], tags)
-        print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
-
-    def launch_template():
-        script = user_data_pool(model, store, region, kit_key, kit_sha, profile=names["instance_profile"],
-                                image=record.get("modal", {}).get("image"))
-        data = {"ImageId": ami, "InstanceType": options.instance_type, "UserData": _user_data_b64(script),
-                "IamInstanceProfile": {"Name": names["instance_profile"]},
-                "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
-        if options.key_name:
-            data["KeyName"] = options.key_name
-        state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
-        print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} "
-              f"({len(script)} bytes of user-data)")
-
-    def asg():
-        state = _ensure_asg(calls, names, ec2, tags, owner)
-        lo, hi, desired = _asg_sizes(ec2)
-        calls.call("autoscaling", "PutLifecycleHook", LifecycleHookName=names["hook"],
-                   AutoScalingGroupName=names["asg"], DefaultResult="CONTINUE",
-                   LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
-                   HeartbeatTimeout=EC2_DRAIN_TIMEOUT)
-        print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} "
-              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'}); "
-              f"termination hook {names['hook']} (a worker finishes its claim first, "
-              f"{EC2_DRAIN_TIMEOUT // 60} min at most)")
-
-    def alarms():
-        if idle:
-            _ensure_scale_to_zero(calls, names, ec2, tags)
-            steps = ", ".join(f"{b}+ -> {k}" for b, k in ec2["scaling"]["steps"])
-            spc = ec2["scaling"]["seconds_per_claim"]
-            print(f"pool {model}: alarms {names['alarm_wake']} (backlog -> instances: {steps}; "
-                  f"{'unmeasured: one a claim' if spc is None else f'{spc:.3g} s a claim'}, drain target "
-                  f"{ec2['scaling']['target_drain']:g} s) and {names['alarm_idle']} ({idle} idle min -> "
-                  f"{options.min_instances or 0}) {_said(calls, 'put')}")
-        elif _remove_scale_to_zero(calls, names):
-            print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
-
-    def ready():
-        full["ec2"] = dict(ec2, state="ready", updated_at=now_iso())
-        _put_pool_record(calls, backend, full)
-
-    _run_steps(f"pool {model}: create", [
-        (f"queues {names['queue']} + {names['dlq']}", queues),
-        ("handler, kit and pool record in the store", store_objects),
-        (f"IAM role {names['role']}", role),
-        (f"instance profile {names['instance_profile']}", instance_profile),
-        (f"launch template {names['launch_template']}", launch_template),
-        (f"auto scaling group {names['asg']}", asg),
-        ("scale-to-zero alarms" if idle else "no scale-to-zero alarms", alarms),
-        ("pool record ready", ready),
-    ], fix=f"re-run the same command to finish (each step checks what exists first), or "
-           f"`python calque.py pool delete --model {model} --yes` to remove what is in place")
-    if dry_run:
-        print(f"pool {model}: dry run: nothing was created or changed; "
-              f"the calls above are what --yes-spend-money makes")
-    else:
-        print(f"pool {model}: ready. Instances boot and bootstrap in ~{EC2_BOOT_ESTIMATE / 60:.0f} min, then load "
-              f"the model; watch with `python calque.py pool status --model {model}`")
-    return full
-
-
-def _require_ec2(record):
-    if not record.get("ec2"):
-        raise UserError(f"pool {record['model']} has no EC2 cohort (it was created without --instances): "
-                        f"scale its local workers with `pool scale --workers N`")
-    return record["ec2"]
-
-
-def ec2_pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=False, calls=None):
-    """`pool scale --instances N` for an EC2 pool. A fixed cohort: the ASG's min, max and desired to N.
-    A scale-to-zero pool: N > 0 holds it at N (MinSize N, and N is its wake target), because its idle alarm,
-    which CloudWatch re-runs every minute it stays in ALARM, would otherwise undo the scale-up within a minute;
-    N = 0 releases the hold: down to its floor now, up to its wake target on work (`pool status` says which).
-    Growing needs yes_spend_money (or dry_run); shrinking does not."""
-    model = record["model"]
-    _aws_store(backend, "pool scale --instances")
-    ec2 = dict(_require_ec2(record))
-    if instances is None or instances < 0:
-        raise UserError(f"--instances {instances}: 0 or more")
-    calls = calls or AwsCalls.for_backend(backend, dry_run)
-    names = ec2_names(model)
-    asg = _describe_asg(calls, names["asg"])
-    if asg is None:
-        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: "
-                        f"re-run `pool create` to finish the pool")
-    if instances > asg["DesiredCapacity"]:
-        _refuse_spending(f"pool scale --model {model} --instances {instances}", dry_run=dry_run,
-                         yes_spend_money=yes_spend_money)
-    sleeps = bool(ec2.get("scale_to_zero_after"))
-    if sleeps:
-        ec2.update(held=instances or None, instances=instances or ec2["instances"])
-    else:
-        ec2["instances"] = instances
-    lo, hi, desired = _asg_sizes(ec2)
-    desired = desired if instances else lo     # a released hold goes down to the floor now
-    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=lo, MaxSize=hi,
-               DesiredCapacity=desired)
-    if sleeps:
-        ec2["scaling"] = ec2_scaling(backend, model, lo, ec2["instances"])
-        _put_backlog_policy(calls, names, ec2)
-    full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
-    _put_pool_record(calls, backend, full)
-    print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} instance(s) "
-          f"(min {lo}, max {hi}); "
-          f"{_hourly(ec2['instance_type'], ec2['spot'], desired) if desired else 'no instance cost at 0'}")
-    if sleeps:
-        print(f"pool {model}: " + (f"held at {instances}: the idle alarm cannot scale it in until "
-                                   f"`pool scale --model {model} --instances 0` releases it" if instances else
-                                   f"the backlog and idle alarms in charge again: up to {ec2['instances']} on "
-                                   f"its backlog"))
-    return full
-
-
-def ec2_pool_bounds(backend, record, lo, hi, *, dry_run=False, yes_spend_money=False, calls=None):
-    """`pool scale --min-instances A --max-instances B` (either kept when not given) of an EC2
-    pool that sizes itself: the group's MinSize and MaxSize, its backlog steps, idle policy and
-    alarms put for the new bounds; a `pool scale --instances` hold is released. Raising the floor
-    above the group's desired capacity needs yes_spend_money (or dry_run)."""
-    model = record["model"]
-    _aws_store(backend, "pool scale --min-instances / --max-instances")
-    ec2 = dict(_require_ec2(record))
-    if not ec2.get("scale_to_zero_after"):
-        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or "
-                        f"ceiling ---> HINT: `pool scale --instances N`, or re-run `pool create` "
-                        f"with --min-instances A --max-instances B")
-    lo = (ec2["min_instances"] or 0) if lo is None else lo
-    hi = ec2["instances"] if hi is None else hi
-    if not 0 <= lo <= hi or hi < 1:
-        raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max "
-                        f">= 1 ---> HINT: e.g. --min-instances 0 --max-instances 4")
-    calls = calls or AwsCalls.for_backend(backend, dry_run)
-    names = ec2_names(model)
-    asg = _describe_asg(calls, names["asg"])
-    if asg is None:
-        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: "
-                        f"re-run `pool create` to finish the pool")
-    desired = min(max(asg["DesiredCapacity"], lo), hi)
-    if desired > asg["DesiredCapacity"]:
-        _refuse_spending(f"pool scale --model {model} --min-instances {lo}", dry_run=dry_run,
-                         yes_spend_money=yes_spend_money)
-    ec2.update(min_instances=lo, instances=hi, held=None)
-    ec2["scaling"] = ec2_scaling(backend, model, lo, hi)
-    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
-               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
-    _ensure_scale_to_zero(calls, names, ec2, _tag_dict(asg.get("Tags")))
-    full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
-    _put_pool_record(calls, backend, full)
-    print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), "
-          f"desired {asg['DesiredCapacity']} -> {desired}; backlog steps "
-          f"{', '.join(f'{b}+ -> {k}' for b, k in ec2['scaling']['steps'])}")
-    return full
-
-
-def refresh_backlog_steps(backend, record):
-    """Put an EC2 pool's backlog policy again when its steps no longer follow the pool's measured
-    seconds per claim or the drain target (each submit: they follow the claims the pool ran)."""
-    ec2 = record.get("ec2") or {}
-    if backend.kind != "aws" or not ec2.get("scale_to_zero_after"):
-        return
-    scaling = ec2_scaling(backend, record["model"], ec2["min_instances"], ec2["instances"])
-    if json.loads(json.dumps(scaling)) == ec2.get("scaling"):
-        return
-    calls, names = AwsCalls.for_backend(backend), ec2_names(record["model"])
-    _put_backlog_policy(calls, names, dict(ec2, scaling=scaling))
-    ec2 = dict(ec2, scaling=scaling, updated_at=now_iso())
-    _put_pool_record(calls, backend, dict(record, ec2=ec2))
-    print(f"pool {record['model']}: backlog steps now "
-          f"{', '.join(f'{b}+ -> {k}' for b, k in scaling['steps'])}", file=sys.stderr)
-
-
-def bootstrap_reports(backend, model, instance_ids):
-    """{"current": {instance id: its latest bootstrap report}, "failed": [the failed reports of the current
-    instances, and of the last BOOTSTRAP_FAILURES_SHOWN instances no longer in the group]}, oldest first. A
-    report's key is <started>.<instance id>.json: sorted keys are in launch order, so however many instances
-    the pool ever had, only the current ones and a few more are read."""
-    prefix = ec2_names(model)["report_prefix"]
-    current, gone = {}, []
-    for key in backend.store.list(prefix):
-        if key.endswith(".json"):
-            instance_id = key[len(prefix):-len(".json")].partition(".")[2]
-            if instance_id in instance_ids:
-                current[instance_id] = key      # sorted keys: the latest report wins
-            else:
-                gone.append(key)
-    reports = {i: read_json(backend, key) for i, key in current.items()}
-    earlier = [read_json(backend, key) for key in gone[-BOOTSTRAP_FAILURES_SHOWN:]]
-    failed = [r for r in earlier + list(reports.values()) if r.get("state") == "failed"]
-    return {"current": reports, "failed": sorted(failed, key=lambda r: r.get("started", ""))}
-
-
-def ec2_pool_status(backend, record, calls=None):
-    """The EC2 side of `pool status`: the ASG's sizes, its instances by lifecycle state, its last scaling
-    activities (where a launch failure shows), the alarms' states, queue/DLQ depths, worker stats and the
-    instances' bootstrap reports (bootstrap_reports)."""
-    model = record["model"]
-    calls = calls or AwsCalls.for_backend(backend)
-    names = ec2_names(model)
-    asg = _describe_asg(calls, names["asg"])
-    status = {"model": model, "ec2": record.get("ec2"), "asg": None, "instances": {}, "instance_list": [],
-              "activities": [], "alarms": {}, "queue": queue_depth(backend, names["queue"]),
-              "dlq": queue_depth(backend, names["dlq"]), "workers": read_worker_stats(backend, model)}
-    if asg:
-        status["asg"] = {"name": names["asg"], "min": asg["MinSize"], "max": asg["MaxSize"],
-                         "desired": asg["DesiredCapacity"], "status": asg.get("Status")}
-        for i in asg.get("Instances", []):
-            status["instances"][i["LifecycleState"]] = status["instances"].get(i["LifecycleState"], 0) + 1
-            status["instance_list"].append({"id": i["InstanceId"], "state": i["LifecycleState"],
-                                            "health": i.get("HealthStatus"), "zone": i.get("AvailabilityZone"),
-                                            "type": i.get("InstanceType")})
-        for a in calls.call("autoscaling", "DescribeScalingActivities", AutoScalingGroupName=names["asg"],
-                            MaxRecords=3).get("Activities", []):
-            status["activities"].append({"status": a.get("StatusCode"), "description": a.get("Description"),
-                                         "reason": (a.get("StatusMessage") or a.get("Cause") or "")[:300],
-                                         "start": str(a.get("StartTime", ""))})
-    status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in _describe_alarms(calls, names)}
-    status["bootstrap"] = bootstrap_reports(backend, model, {i["id"] for i in status["instance_list"]})
-    return status
-
-
-def format_ec2_status(status):
-    """ec2_pool_status's answer as lines: the group's sizes and instances, its last scaling activities (where a
-    launch failure shows), who sets its size (a `pool scale` hold or the scale-to-zero alarms), the bootstrap
-    reports (format_bootstrap), and a note when instances run but no worker reports yet.
-    format_pool_status prints them among the pool's queue depths and worker table."""
-    lines, ec2 = [], status.get("ec2") or {}
-    asg = status["asg"]
-    if asg is None:
-        lines.append("auto scaling group: none (re-run `pool create` to finish, or `pool delete` to clean up)")
-    else:
-        by_state = ", ".join(f"{n} {s}" for s, n in sorted(status["instances"].items())) or "no instances"
-        lines.append(f"auto scaling group {asg['name']}: desired {asg['desired']} (min {asg['min']}, max {asg['max']})"
-                     f"{' ' + asg['status'] if asg['status'] else ''}: {by_state}")
-        lines.append(f"instances: {ec2.get('instance_type', '?')} {'spot' if ec2.get('spot') else 'on-demand'}, "
-                     f"AMI {ec2.get('ami', '?')}")
-        for a in status["activities"]:
-            lines.append(f"  {a['start'][:19]} {a['status']}: {a['description']}"
-                         + (f" ({a['reason']})" if a["reason"] else ""))
-    alarms = ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items()))
-    if ec2.get("scale_to_zero_after"):
-        mode = (f"held at {ec2['held']} by `pool scale` (MinSize {ec2['held']}: the idle alarm cannot scale it in; "
-                f"`pool scale --instances 0` releases it)" if ec2.get("held") else
-                f"alarms in charge (backlog steps up to {ec2['instances']}, {ec2['min_instances'] or 0} after "
-                f"{ec2['scale_to_zero_after']} idle min)")
-        lines.append(f"scale to zero: {mode}" + (f"; {alarms}" if alarms else ""))
-    elif alarms:
-        lines.append(f"scale-to-zero alarms left over: {alarms} (re-run `pool create` to remove them)")
-    lines += format_bootstrap(status.get("bootstrap") or {"current": {}, "failed": []})
-    running = [w for w in status["workers"] if w.get("state") == "running"]
-    in_service = status["instances"].get("InService", 0)
-    if in_service and not running:
-        lines.append(f"note: {in_service} instance(s) in service but no worker reports running yet: "
-                     f"still bootstrapping (~{EC2_BOOT_ESTIMATE / 60:.0f} min), or failed before it could report "
-                     f"(no network, no python): see the instance's console output")
-    return lines
-
-
-def _few(ids, shown=3):
-    return ", ".join(sorted(ids)[:shown]) + (f" and {len(ids) - shown} more" if len(ids) > shown else "")
-
-
-def format_bootstrap(boot):
-    """Lines for bootstrap_reports' answer: the builds the ready instances run (torch, whether it sees the GPU,
-    fastbatch's C path or numpy), a WARNING where fastbatch's build failed or torch does not see the GPU, and
-    the instances whose bootstrap failed (each marked itself unhealthy: the group replaces it)."""
-    lines, builds, warnings = [], Counter(), {}
-    for r in boot["current"].values():
-        if r.get("state") != "ready":
-            continue
-        sees_gpu = r.get("torch_gpu") == "True"
-        builds[f"torch {r.get('torch') or '?'} (CUDA {r.get('torch_cuda') or '?'}, GPU "
-               f"{'visible' if sees_gpu else 'not visible'}), fastbatch {'C' if r.get('fastbatch') == 'c' else 'numpy'}"
-               ] += 1
-        if r.get("fastbatch") != "c":
-            warnings.setdefault(f"fastbatch's C build {r.get('fastbatch') or 'did not run'}: its workers gather "
-                                f"batches with the numpy path and frame result lines in Python (slower)",
-                                []).append(r["instance_id"])
-        if r.get("gpu") and not sees_gpu:
-            warnings.setdefault(f"torch {r.get('torch')} does not see the GPU ({r['gpu']}): the model runs on the "
-                                f"CPU", []).append(r["instance_id"])
-    lines += [f"bootstrap: {n} ready with {build}" for build, n in sorted(builds.items())]
-    lines += [f"WARNING ({_few(ids)}): {text}" for text, ids in warnings.items()]
-    if boot["failed"]:
-        lines.append(f"instances that failed to bootstrap (the latest {len(boot['failed'])}; "
-                     f"each is replaced by the group):")
-        for r in boot["failed"]:
-            reason = " | ".join(line for line in (r.get("reason") or "").splitlines() if line.strip())
-            lines.append(f"  {r['instance_id']} (started {r.get('started')}): {r.get('stage')}: {reason[:300]}")
-    return lines
-
-
-def ec2_pool_list(backend, calls=None):
-    """Every pool in this store, found by its record, plus EC2 fleets found only by their ASG tags (a
-    half-created pool, or one whose record is gone: record False).
-    [{model, record, asg, desired, in_service, instance_type, spot, store}]"""
-    calls = calls or AwsCalls.for_backend(backend)
-    found = {}
-    for folder in backend.store.list("pools/"):
-        with contextlib.suppress(NotFound):
-            rec = read_json(backend, folder + "/pool.json")
-            ec2 = rec.get("ec2") or {}
-            found[rec["model"]] = {"model": rec["model"], "record": True, "asg": None, "desired": None, "in_service": 0,
-                                   "instance_type": ec2.get("instance_type"), "spot": ec2.get("spot"),
-                                   "store": backend.describe()}
-    token = None
-    while True:
-        page = calls.call("autoscaling", "DescribeAutoScalingGroups",
-                          Filters=[{"Name": "tag:calque:role", "Values": ["pool-worker"]}],
-                          **({"NextToken": token} if token else {}))
-        for g in page["AutoScalingGroups"]:
-            tags = _tag_dict(g.get("Tags"))
-            model = tags.get("calque:pool-model")
-            if not model or tags.get("calque:managed") != "true":
-                continue
-            entry = found.setdefault(model, {"model": model, "record": False, "instance_type": None, "spot": None,
-                                             "store": tags.get("calque:store")})
-            entry.update(asg=g["AutoScalingGroupName"], desired=g["DesiredCapacity"],
-                         in_service=sum(i["LifecycleState"] == "InService" for i in g.get("Instances", [])))
-        token = page.get("NextToken")
-        if not token:
-            break
-    return sorted(found.values(), key=lambda p: p["model"])
-
-
-def _require_managed(name, tags):
-    """Delete refuses what calque did not create, whatever its name."""
-    if tags.get("calque:managed") != "true":
-        raise UserError(f"{name} is not tagged calque:managed=true; not touching it")
-
-
-def _delete_step(model, what, fn):
-    """Run one delete step and report it; a step's failure is reported and the others still run."""
-    try:
-        state = fn()
-        print(f"pool {model}: {what}: {state}")
-        return True
-    except UserError as e:
-        print(f"pool {model}: {what}: skipped: {e}")
-    except Exception as e:
-        print(f"pool {model}: {what}: FAILED ({_error_line(e)})")
-    return False
-
-
-def ec2_pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
-    """`pool delete --model M --yes` for an EC2 pool: alarms, ASG (to 0, then force-deleted: its instances
-    get SIGTERM and terminate in the background), launch template, instance profile, role, queues, then the
-    pool's folder in the store (record last, so a failed delete can be re-run). Names come from the model,
-    so `record` may be just {"model": M} for a pool whose record was never written. Only resources tagged
-    calque:managed=true are deleted; without yes (or dry_run) nothing is. Returns True when every step succeeded."""
-    model = record["model"]
-    _aws_store(backend, "pool delete of an EC2 pool")
-    if not dry_run and not yes:
-        raise UserError(f"pool delete {model}: deletes instances, queues and IAM: refusing without --yes")
-    calls = calls or AwsCalls.for_backend(backend, dry_run)
-    names = ec2_names(model)
-
-    def alarms():
-        deleted = _delete_alarms(calls, names)
-        _remove_scale_to_zero(calls, names)    # the policies too (AWS drops them with the group; moto not)
-        return "deleted " + ", ".join(deleted) + " and their policies" if deleted else "none"
-
-    def asg():
-        group = _describe_asg(calls, names["asg"])
-        if group is None:
-            return "not found (already gone)"
-        if group.get("Status"):
-            return f"already {group['Status'].lower()}"
-        _require_managed(names["asg"], _tag_dict(group.get("Tags")))
-        hooks = calls.call("autoscaling", "DescribeLifecycleHooks",
-                           AutoScalingGroupName=names["asg"])["LifecycleHooks"]
-        if any(h["LifecycleHookName"] == names["hook"] for h in hooks):   # instances go now
-            calls.call("autoscaling", "DeleteLifecycleHook", AutoScalingGroupName=names["asg"],
-                       LifecycleHookName=names["hook"])
-        calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"], MinSize=0, MaxSize=0,
-                   DesiredCapacity=0)
-        calls.call("autoscaling", "DeleteAutoScalingGroup", AutoScalingGroupName=names["asg"], ForceDelete=True)
-        return (f"scaled to 0 and deleted ({len(group.get('Instances', []))} instance(s) terminating: "
-                f"warmd gets SIGTERM)")
-
-    def template():
-        found = _find_launch_template(calls, names["launch_template"])
-        if not found:
-            return "not found (already gone)"
-        _require_managed(names["launch_template"], _tag_dict(found.get("Tags")))
-        calls.call("ec2", "DeleteLaunchTemplate", LaunchTemplateName=names["launch_template"])
-        return "deleted"
-
-    def profile():
-        found = _find_instance_profile(calls, names["instance_profile"])
-        if not found:
-            return "not found (already gone)"
-        for role in found.get("Roles", []):
-            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=names["instance_profile"],
-                       RoleName=role["RoleName"])
-        calls.call("iam", "DeleteInstanceProfile", InstanceProfileName=names["instance_profile"])
-        return "deleted"
-
-    def role():
-        if not _find_role(calls, names["role"]):
-            return "not found (already gone)"
-        _require_managed(names["role"], _role_tags(calls, names["role"]))
-        for p in calls.call("iam", "ListRolePolicies", RoleName=names["role"])["PolicyNames"]:
-            calls.call("iam", "DeleteRolePolicy", RoleName=names["role"], PolicyName=p)
-        for p in calls.call("iam", "ListAttachedRolePolicies", RoleName=names["role"])["AttachedPolicies"]:
-            calls.call("iam", "DetachRolePolicy", RoleName=names["role"], PolicyArn=p["PolicyArn"])
-        for p in calls.call("iam", "ListInstanceProfilesForRole", RoleName=names["role"])["InstanceProfiles"]:
-            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=p["InstanceProfileName"],
-                       RoleName=names["role"])
-        calls.call("iam", "DeleteRole", RoleName=names["role"])
-        return "deleted"
-
-    def queue(name):
-        def step():
-            url = _queue_url(calls, name)
-            if not url:
-                return "not found (already gone)"
-            calls.call("sqs", "DeleteQueue", QueueUrl=url)
-            return "deleted (SQS lets the name be reused after 60 s)"
-        return step
-
-    def store():
-        prefix = f"pools/{slug(model)}/"
-        if calls.note("s3", "DeleteObjects", {"uri": backend.store.uri(prefix), "what": "every key under it"}):
-            backend.store.delete_prefix(prefix)
-        return (f"deleted (record, handler, kit, worker stats); its runs remain ---> HINT: calque runs prune "
-                f"--model {model} --older-than 0s deletes them")
-
-    ok = all([_delete_step(model, "alarms", alarms),
-              _delete_step(model, f"auto scaling group {names['asg']}", asg),
-              _delete_step(model, f"launch template {names['launch_template']}", template),
-              _delete_step(model, f"instance profile {names['instance_profile']}", profile),
-              _delete_step(model, f"IAM role {names['role']}", role),
-              _delete_step(model, f"queue {names['queue']}", queue(names["queue"])),
-              _delete_step(model, f"queue {names['dlq']}", queue(names["dlq"]))])
-    if ok:
-        ok = _delete_step(model, f"store folder pools/{slug(model)}/", store)
-    else:
-        print(f"pool {model}: record kept (a step failed): fix what is reported above and re-run "
-              f"`pool delete --model {model} --yes`")
-    if dry_run:
-        print(f"pool {model}: dry run: nothing was deleted")
-    return ok
-
-
-def ec2_cold_wait_hint(backend, record, calls=None):
-    """For `submit --pool M`: one line when the EC2 pool has no instance in service (how long until the
-    first claim can start, and why), else None. Local pools (no "ec2" in the record) give None."""
-    ec2 = record.get("ec2")
-    if not ec2 or getattr(backend, "kind", None) != "aws":
-        return None
-    model = record["model"]
-    calls = calls or AwsCalls.for_backend(backend)
-    asg = _describe_asg(calls, ec2_names(model)["asg"])
-    if asg is None:
-        return (f"pool {model} has no auto scaling group: no instance will claim this run "
-                f"---> HINT: re-run `pool create` for it")
-    states = [i["LifecycleState"] for i in asg.get("Instances", [])]
-    if "InService" in states:
-        return None
-    enter = measured_enter_seconds(read_worker_stats(backend, model))
-    load = f"@enter ~{enter:.0f}s (measured)" if enter is not None else "@enter (not measured yet)"
-    boot = f"boot + bootstrap ~{EC2_BOOT_ESTIMATE / 60:.0f} min (assumed)"
-    if asg["DesiredCapacity"] == 0:
-        if not ec2.get("scale_to_zero_after"):
-            return (f"pool {model} is scaled to 0: nothing will claim this run "
-                    f"---> HINT: pool scale --model {model} --instances N")
-        return (f"pool {model} is cold (0 instances): its wake alarm sizes it to the backlog (up to "
-                f"{ec2['instances']}) in ~1-3 min "
-                f"(SQS metrics are per minute; up to 15 min more after 6 idle hours, while SQS resumes them), "
-                f"then {boot}, then {load} before the first claim starts")
-    pending = sum(s.startswith("Pending") for s in states)
-    return (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in service, {pending} launching): "
-            f"{boot} from launch, then {load} before the first claim starts")
-
-
-# ------------------------------------------------------------------------------------------------
-# the cold path on AWS: one-shot instances on a run-scoped queue
-def ec2_cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_run=False, yes_spend_money=False,
-                    calls=None):
-    """Launch `shards` one-shot instances (ColdLaunch `launch`) for cold run `run_id`, after the run is staged
-    (cold record at runs/RUN/pool.json, its queue holding the claims). Each bootstraps, runs `warmd.py --run RUN`
-    once, and powers off when its queue is drained (shutdown -> terminate); a dead-man's switch powers it off
-    after `timeout` (the seconds submit waits) + COLD_BOOT_ALLOWANCE minutes whatever happens. All shards or
-    none (MinCount = MaxCount). Returns the instance ids."""
-    _aws_store(backend, "a cold run on EC2")
-    if not launch.ami:
-        raise UserError("a cold run on EC2 needs --ami ami-... "
-                        "(an image with an NVIDIA driver; see the README, On AWS)")
-    if shards < 1:
-        raise UserError(f"--shards {shards}: at least 1")
-    _refuse_spending(f"submit (cold, {shards} instance(s))", dry_run=dry_run, yes_spend_money=yes_spend_money)
-    calls = calls or AwsCalls.for_backend(backend, dry_run)
-    store, region = backend.describe(), calls.region
-    ident = calls.identity()
-    itype = _instance_type_info(calls, launch.instance_type)
-    ami, _ = resolve_ami(calls, launch.ami, itype)
-    subnet = resolve_subnets(calls, launch.subnet, itype["InstanceType"])[0]
-    _check_key(calls, launch.key_name)
-    name = cold_role_name(store, region)
-    tags = {"calque:pool-model": cold_record["model"], "calque:role": "cold-worker", "calque:managed": "true",
-            "calque:created-at": now_iso(), "calque:store": store, "calque:region": region}
-    role_tags = dict(tags, **{"calque:pool-model": "cold-runs"})
-    role_owner = ("cold-runs", store, region)
-    policy = cold_worker_policy(store, region, ident["account"], ident["partition"])
-    role_state = _ensure_role(calls, name, policy, role_tags, role_owner)
-    profile_state = _ensure_instance_profile(calls, name, name, role_tags)
-    print(f"run {run_id}: cold role {name} {_said(calls, role_state)}, instance profile {_said(calls, profile_state)}")
-    blob, kit_sha = kit_archive()
-    kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
-    _store_put(calls, backend, kit_key, blob)
-    max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
-    script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name)
-    params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards, "MaxCount": shards,
-              "UserData": script, "IamInstanceProfile": {"Name": name},
-              "InstanceInitiatedShutdownBehavior": "terminate", "SubnetId": subnet, "MetadataOptions": IMDS_V2_ONLY,
-              "TagSpecifications": _instance_tag_specs(dict(tags, **{"calque:run": run_id,
-                                                                     "Name": f"calque-cold-{run_id}"}))}
-    if launch.key_name:
-        params["KeyName"] = launch.key_name
-    if launch.spot:
-        params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
-            "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
-    deadline = time.monotonic() + IAM_RETRY_SECONDS
-    while True:
-        try:
-            answer = calls.call("ec2", "RunInstances", **params)
-            break
-        except Exception as e:   # a just-made instance profile is refused until IAM has propagated it
-            propagating = _aws_error_code(e) == "InvalidParameterValue" and "profile" in str(e).lower()
-            if not propagating or time.monotonic() > deadline:
-                raise
-            calls.sleep(5)
-    ids = [i["InstanceId"] for i in answer["Instances"]]
-    if dry_run:
-        print(f"run {run_id}: dry run: no instance was launched")
-    print(f"run {run_id}: launched {len(ids)} x {itype['InstanceType']} ({', '.join(ids)}); each boots and bootstraps "
-          f"(~{EC2_BOOT_ESTIMATE / 60:.0f} min), drains {cold_record['queue']}, then terminates itself "
-          f"(at the latest after {max_minutes} min); {_hourly(itype['InstanceType'], launch.spot, len(ids))}")
-    return ids
-
-
-def ec2_cold_cleanup(backend, instance_ids, calls=None):
-    """Terminate a cold run's instances that are still up (submit timed out or was interrupted); the ones
-    that already drained have terminated themselves. Returns the ids it terminated."""
-    if not instance_ids:
-        return []
-    calls = calls or AwsCalls.for_backend(backend)
-    live = []
-    for res in calls.call("ec2", "DescribeInstances", InstanceIds=list(instance_ids))["Reservations"]:
-        live += [i["InstanceId"] for i in res["Instances"]
-                 if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
-    if live:
-        calls.call("ec2", "TerminateInstances", InstanceIds=live)
-        print(f"cold run: terminated {len(live)} instance(s) still up: {', '.join(live)}", file=sys.stderr)
-    return live
-
-
-# ------------------------------------------------------------------------------------------------
-# 9. across both paths: a Modal app's pool options (gpu= priced from rates.json), the cold baseline, and the
-# status of local and EC2 pools
+# 9. across both paths: a Modal app's pool options, the cold baseline, pools' status, the planner
 def modal_gpu(gpu):
-    """(card, count) of an @app.cls / @app.function gpu= value ("H100:8", "a10g", a list of fallbacks: the first)."""
+    """(card, count) of a Modal gpu= value ("H100:8", "a10g", or a list of fallbacks: the first)."""
     if isinstance(gpu, (list, tuple)):
         gpu = gpu[0] if gpu else None
     if not isinstance(gpu, str):
@@ -6167,8 +4305,7 @@ def modal_gpu(gpu):
 
 
 def suggest_instance(rates, card, count):
-    """The cheapest instance type in rates.json (ec2.instances: gpu, gpus, price, each with its source) with at
-    least `count` GPUs of `card`, or None."""
+    """The cheapest instance type in the rates with at least `count` GPUs of `card`, or None."""
     fits = [(i["usd_per_hour"], name) for name, i in rates["ec2"]["instances"].items()
             if i.get("serverless_card") == card and i["gpus"] >= count]
     return min(fits)[1] if fits else None
@@ -6176,10 +4313,9 @@ def suggest_instance(rates, card, count):
 
 def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None,
                   workers_here=True):
-    """What a Modal handler's pool needs from its app file, imported here for real: (the pool record's "modal"
-    {params, secrets, volumes, image, declared}, {max_deliveries, batch_timeout, instance_type} the app's
-    retries=, timeout= and gpu= suggest, note lines to print). (None, {}, []) for a calque handler. With
-    `workers_here` (local workers), the image's pip packages must be installed in this Python."""
+    """What a Modal handler's pool needs from its app file, imported here: (the record's "modal"
+    entry, the max_deliveries / batch_timeout / instance_type its retries=, timeout= and gpu=
+    suggest, notes); (None, {}, []) for a calque handler. `workers_here`: pip packages checked."""
     path, name = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         if not imports_modal(f.read(), path):
@@ -6197,8 +4333,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         modal_param(target.user_cls, key, value)
     missing = [k for k, default in declared.items() if default is inspect.Parameter.empty and k not in given]
     if missing:
-        raise UserError(f"{target.__name__}.{missing[0]} is a modal.parameter() without a default ---> HINT: "
-                        f"pool create --param {missing[0]}=VALUE")
+        raise UserError(f"{target.__name__}.{missing[0]} is a modal.parameter() without a default "
+                        f"---> HINT: pool create --param {missing[0]}=VALUE")
     image = image_plan(options.get("image"), path)
     if image["steps"]:
         where = "this Python" if workers_here else "the instance's venv, the image's packages installed at boot"
@@ -6213,13 +4349,13 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
     for secret in options["secrets"]:
         if secret.name and secret.name not in secret_files:
-            notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables must be in the "
-                         f"workers' environment (pool.env)")
+            notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables "
+                         "must be in the workers' environment (pool.env)")
     mounts = modal_volumes(options["volumes"], volumes, workers_here, notes)
     card, count = modal_gpu(options.get("gpu"))
     if count > (gpus_per_worker or 1):
-        raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives each worker "
-                        f"{gpus_per_worker or 1} ---> HINT: --gpus-per-worker {count}")
+        raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives "
+                        f"each worker {gpus_per_worker or 1} ---> HINT: --gpus-per-worker {count}")
     if card:
         suggested["instance_type"] = suggest_instance(load_rates(), card, count)
         notes.append(f"gpu={options['gpu']!r}: EC2 instance type for --instances: "
@@ -6236,8 +4372,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
 
 
 def modal_volumes(declared, volumes, workers_here, notes):
-    """{mount path: folder} of the app's volumes: each the folder --volume NAME=PATH names; else, for a
-    create_if_missing volume of local workers, a new folder in CALQUE_STATE/volumes, as Modal creates it."""
+    """{mount path: folder} of the app's volumes: the --volume NAME=PATH folder, or for a
+    create_if_missing volume of local workers a new one in CALQUE_STATE/volumes, as Modal does."""
     folders = key_values(volumes, "--volume")
     for name, folder in folders.items():
         if "://" in folder:
@@ -6257,8 +4393,8 @@ def modal_volumes(declared, volumes, workers_here, notes):
 
 
 def image_plan(image, app_path):
-    """What an Image chain asks of the workers: {steps (as written, JSON), pip (requirements as written), apt,
-    env, files ([local path, place in the handler's folder] of add_local_*; Modal's /root is that folder)}."""
+    """What an Image chain asks of the workers: {steps, pip, apt, env, files ([local path, place in
+    the handler's folder] of add_local_*; Modal's /root is that folder)}."""
     plan = {"steps": [], "pip": [], "apt": [], "env": {}, "files": []}
     for name, args, kwargs in (image.steps if image is not None else ()):
         plan["steps"].append([name, [a if isinstance(a, (str, int, float, list, dict)) else str(a) for a in args],
@@ -6282,14 +4418,14 @@ def image_plan(image, app_path):
 
 
 def modal_remote_place(remote, local):
-    """A Modal container path as a place in the handler's folder: /root/x is x (Modal's working directory);
-    any other absolute path loses its leading slash; a path ending in / takes the local file's name."""
+    """A Modal container path as a place in the handler's folder: /root/x is x, another absolute
+    path loses its leading slash, and a path ending in / takes the local file's name."""
     place = remote[len("/root/"):] if remote.startswith("/root/") else remote.lstrip("/")
     return os.path.join(place, os.path.basename(local)) if remote.endswith("/") else place
 
 
 def python_source(module, app_path):
-    """The file or package folder of module `module`, found as the app file's own imports find it."""
+    """The file or package folder of `module`, found as the app file's own imports find it."""
     top = module.split(".")[0]
     for folder in (os.path.dirname(os.path.abspath(app_path)), os.getcwd(), *sys.path):
         for candidate in (os.path.join(folder, top), os.path.join(folder, top + ".py")):
@@ -6299,9 +4435,8 @@ def python_source(module, app_path):
 
 
 def pip_unmet(requirement):
-    """None when a pip requirement ("scikit-learn~=1.5.0", "transformers[torch]") is met in this
-    Python, else why not: "not installed" or "1.4.2 installed". The version is checked by
-    packaging's rules where packaging is importable, else only `==` and `>=` of dotted numbers."""
+    """None when a pip requirement ("scikit-learn~=1.5.0") is met in this Python, else why not
+    ("not installed", "1.4.2 installed"); without packaging, only == and >= are checked."""
     import importlib.metadata
     try:
         from packaging.requirements import InvalidRequirement, Requirement
@@ -6327,10 +4462,8 @@ def pip_unmet(requirement):
 
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
              progress=True, ec2=None, dry_run=False, yes_spend_money=False):
-    """The baseline: a fresh acquisition. Ephemeral workers pay @enter, drain this run's own queue, exit:
-    warmd.py processes here, or with `ec2` (a ColdLaunch) one-shot EC2 instances. `handler`
-    (path/to/file.py:Class) or else the pool of `model` gives the code; `claim_size` defaults to an even
-    split over the shards. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
+    """The baseline: fresh workers (warmd.py here, EC2 with `ec2`) pay @enter, drain this run's
+    queue and exit. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
     record = None if handler else load_pool(   # no handler named: reuse the pool's snapshot
         backend, model, f"give the cold run its code: submit --model {model} --handler file.py:Class ITEMS")
     run_id = new_run_id(model)
@@ -6339,30 +4472,31 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             "workdir": os.getcwd(),   # the workers run where submit ran (warmd.enter_workdir)
             **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
     prefix = f"runs/{run_id}/"
-    stage = not (ec2 and dry_run)    # an EC2 dry run prints the launch it would make and writes nothing
+    stage = not (ec2 and dry_run)    # an EC2 dry run prints the launch and writes nothing
     if handler:                      # (the handler file is still checked)
         cold["handler"] = snapshot_handler(handler, prefix, backend.store.put if stage else lambda key, data: None)
     else:
-        cold["handler"] = dict(record["handler"], key=f"{prefix}handler/{record['handler']['file']}")
-        if "include" in record["handler"]:
-            cold["handler"]["include"] = dict(record["handler"]["include"], key=f"{prefix}handler/include.tar.gz")
-        if stage:
-            backend.store.put(cold["handler"]["key"], backend.store.get(record["handler"]["key"]))
-            if "include" in cold["handler"]:
-                backend.store.put(cold["handler"]["include"]["key"],
-                                  backend.store.get(record["handler"]["include"]["key"]))
+        theirs = record["handler"]
+        mine = cold["handler"] = dict(theirs, key=f"{prefix}handler/{theirs['file']}")
+        copies = [(mine, theirs)]
+        if "include" in theirs:
+            mine["include"] = dict(theirs["include"], key=f"{prefix}handler/include.tar.gz")
+            copies.append((mine["include"], theirs["include"]))
+        for new, old in copies if stage else ():
+            backend.store.put(new["key"], backend.store.get(old["key"]))
     shards = max(1, shards)
 
     def launch():   # one-shot instances that drain the run's queue and terminate themselves
-        return ec2_cold_launch(backend, cold, run_id, shards, ec2, timeout=timeout, dry_run=dry_run,
-                               yes_spend_money=yes_spend_money)
+        from ec2 import cold_launch
+        return cold_launch(backend, cold, run_id, shards, ec2, timeout=timeout, dry_run=dry_run,
+                           yes_spend_money=yes_spend_money)
 
     if not stage:
         launch()
         return None, [], False
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
-    if not claim_size:   # one claim per shard: the items are counted first (a stream is read into a list)
+    if not claim_size:   # one claim per shard: the items are counted first (a stream read in)
         items = items if isinstance(items, (ArrayItems, list)) else list(items)
         claim_size = max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
@@ -6383,8 +4517,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
                   f"{shards} fresh worker(s); logs in {folder}", file=sys.stderr)
         summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
     finally:
-        # a drained worker exits by itself within a poll; one still running (timeout, Ctrl-C) gets SIGTERM,
-        # which releases its claim, so nothing is left invisible in a queue about to be deleted
+        # a drained worker exits within a poll; one still running gets SIGTERM, releasing its claim
         for proc in procs:
             try:
                 proc.wait(COLD_EXIT_WAIT)
@@ -6392,11 +4525,12 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
                 proc.send_signal(signal.SIGTERM)
                 proc.wait()
         if instance_ids:
-            ec2_cold_cleanup(backend, instance_ids)
+            from ec2 import cold_cleanup
+            cold_cleanup(backend, instance_ids)
         backend.queues.delete_queue(queue_name)
         backend.queues.delete_queue(cold["dlq"])
-        with contextlib.suppress(NotFound):   # (no run record: stopped while staging, nothing was queued)
-            # the queue is gone: a claim still without a summary will never run, and the run record says so
+        with contextlib.suppress(NotFound):   # no run record: stopped while staging, nothing queued
+            # the queue is gone: a claim without a summary will never run; the run record says so
             cancel_run(backend, read_json(backend, run_key(run_id)), "the cold run ended before it finished")
     return run, summaries, timed_out
 
@@ -6411,21 +4545,19 @@ def list_pools(backend):
 
 
 def pool_status(conf, backend, model):
-    """Everything `pool status` shows, as data: the record, the queue depths, this machine's supervisor and
-    workers, every worker's stats, and for an EC2 pool its fleet (ec2_pool_status)."""
+    """What `pool status` shows, as data: record, queues, supervisor, workers, an EC2 fleet."""
     record = load_pool(backend, model)
     if "ec2" in record:     # the fleet's status reads the queues and the worker stats: not twice
-        ec2 = ec2_pool_status(backend, record)
+        from ec2 import pool_status as fleet_status
+        ec2 = fleet_status(backend, record)
         queue, dlq, stats = ec2["queue"], ec2["dlq"], ec2["workers"]
     else:
         ec2 = None
         queue, dlq = queue_depth(backend, record["queue"]), queue_depth(backend, record["dlq"])
         stats = read_worker_stats(backend, model)
     supervisor = read_supervisor(conf, model)
-    local = []
-    if supervisor:
-        for w in supervisor["workers"]:
-            local.append(dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"])))
+    local = [dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"]))
+             for w in (supervisor["workers"] if supervisor else [])]
     stats = mark_lost_workers(stats)
     return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
             "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
@@ -6434,11 +4566,8 @@ def pool_status(conf, backend, model):
 
 
 def mark_lost_workers(stats, now=None):
-    """The worker stats, a worker that says "running" but is gone marked {"state": "lost", "lost": why}. On this
-    machine a worker is gone when its pid is; elsewhere, when its stats are older than WORKER_LOST_AFTER (it
-    rewrites them between claims every 30 s, busy or idle, and once when it runs out of claims, so one busy on a
-    single claim longer than 90 s may show as lost until that claim ends). Without this a pool whose workers were
-    killed counts them all as running."""
+    """The stats, a "running" worker that is gone marked {"state": "lost", "lost": why}: its pid
+    gone here, or elsewhere its stats older than WORKER_LOST_AFTER (a long claim may look lost)."""
     now = time.time() if now is None else now
     host, marked = socket.gethostname(), []
     for w in stats:
@@ -6460,19 +4589,19 @@ def worker_counts(workers):
 
 
 def format_pool_status(status, store_description):
-    """pool_status's answer as the lines `pool status` prints: queue depths, the EC2 fleet of an EC2 pool,
-    this machine's workers, and a table of the running workers and the few most recently stopped."""
+    """pool_status as `pool status` prints it: queues, fleet, local workers, a table of workers."""
     q, d = status["queue"], status["dlq"]
     lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
-             f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in flight;  "
-             f"dead-letter: {d['visible'] if d else '?'}"]
+             f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in "
+             f"flight;  dead-letter: {d['visible'] if d else '?'}"]
     if status["ec2"]:
-        lines += ["    " + line for line in format_ec2_status(status["ec2"])]
+        import ec2
+        lines += ["    " + line for line in ec2.format_status(status["ec2"])]
     sup = status["supervisor"]
     if sup:
         alive = sum(w["alive"] for w in status["local_workers"])
-        lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid {sup['pid']}, "
-                     f"{sup['restarts']} restart(s))")
+        lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid "
+                     f"{sup['pid']}, {sup['restarts']} restart(s))")
         if status["scaling"]:
             b = status["scaling"]
             lines.append(f"  sizes itself: {b['lo']}..{b['hi']} workers on its backlog (drain target "
@@ -6483,16 +4612,16 @@ def format_pool_status(status, store_description):
     running = [w for w in status["workers"] if w.get("state") == "running"]
     lines.append(f"  workers with stats: {worker_counts(status['workers'])}")
     fallback = [w for w in running if w.get("fastbatch") == "reference"]
-    if fallback:   # never silently numpy on a GPU pool: the C build failed, or FASTBATCH_REFERENCE=1 asked for it
+    if fallback:   # never silently numpy on a GPU pool
         lines.append(f"  note: {len(fallback)} running worker(s) collate with fastbatch's numpy fallback, not its C "
                      f"build: see their logs (`pool logs`) or the instance's bootstrap report")
-    # every worker that ever ran keeps its stats (pool cost reads them); the table shows the running ones
-    # and the few most recently stopped, so a pool that restarted many times still prints a short table
+    # every worker that ran keeps its stats (pool cost reads them); the table shows the running ones
+    # and the few last stopped, so a pool that restarted often still prints a short table
     stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
     shown = running + stopped[-STOPPED_SHOWN:]
     if shown:
-        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} {'enter_s':>8} "
-                     f"{'items':>7} {'busy%':>6}")
+        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} "
+                     f"{'enter_s':>8} {'items':>7} {'busy%':>6}")
         for w in sorted(shown, key=lambda w: w["started_at"]):
             busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
             lines.append(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
@@ -6503,7 +4632,7 @@ def format_pool_status(status, store_description):
 
 
 def format_local_worker(w):
-    """One local worker's line in `pool status`: slot, pid, warm or loading, GPUs, restarts, why it last exited."""
+    """One local worker's `pool status` line: slot, pid, state, GPUs, restarts, its last exit."""
     state = ("warm" if w.get("warm") else "loading") if w["alive"] else "restarting"
     gpus = f"GPU {','.join(w['gpus'])}" if w.get("gpus") else "no GPU"
     threads = f"{w['threads']} thread(s)" if w.get("threads") else "threads: its libraries' default"
@@ -6517,8 +4646,7 @@ def format_local_worker(w):
 
 
 def format_pool_list(pools, local_workers, store_description):
-    """The lines `pool list` prints: per pool its queue, its local workers on this machine (local_workers:
-    model -> desired count), its EC2 fleet, and a hint for a fleet whose pool record is gone."""
+    """`pool list`: each pool's queue, local workers here, EC2 fleet, or a hint when orphaned."""
     if not pools:
         return [f"no pools in {store_description}"]
     lines = []
@@ -6531,9 +4659,8 @@ def format_pool_list(pools, local_workers, store_description):
 
 
 def pool_record_to_delete(backend, model, force):
-    """The pool record `pool delete` works from. A missing one on an s3:// store may be a half-created EC2
-    pool: {"model"} makes delete find what is there by name and tag. A corrupt one is deleted by the model's
-    names with --force (locally: its queues and store folder; on S3 as a half-created pool), else refused."""
+    """The record `pool delete` works from. A missing one on S3 may be a half-created EC2 pool:
+    {"model"} finds the rest by name and tag. A corrupt one goes only with --force."""
     try:
         return load_pool(backend, model, "nothing to delete (`python calque.py pool list` lists the pools)")
     except StoreFault:
@@ -6547,10 +4674,9 @@ def pool_record_to_delete(backend, model, force):
     return {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model)}
 
 
-
-# ---- the planner: a run's wall time and cost for 1..B workers before it starts, and against what it did
+# ---- the planner: a run's wall time and cost for 1..B workers before it starts, and after
 PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
-PLAN_RUNS_READ = 5                      # run records the planner reads for the time to a run's first claim
+PLAN_RUNS_READ = 5                      # run records read for the time to a run's first claim
 PLAN_CLAIMS_READ = 200                  # latest claim summaries it reads (up to 50 a worker count)
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -6565,8 +4691,8 @@ def parse_duration(text):
 
 
 def plan_seconds(claim_seconds, starts):
-    """The wall time of claims (seconds each, in queue order) on workers free from `starts` (s from
-    now): each claim to the worker free first, as a pool's workers pull from its queue."""
+    """The wall time of claims (seconds each, in queue order) on workers free from `starts` (s
+    from now): each claim to the worker free first, as workers pull from a queue."""
     free, end = sorted(starts), 0.0
     for seconds in claim_seconds:
         end = max(end, free[0] + seconds)
@@ -6575,8 +4701,7 @@ def plan_seconds(claim_seconds, starts):
 
 
 def pool_ceiling(conf, backend, record):
-    """(A, B, noun, running): the pool's floor and ceiling of workers (or instances; a fixed pool: A
-    = B), and how many are running already (their stats)."""
+    """(A, B, noun, running): the pool's floor and ceiling of workers or instances, how many run."""
     stats = mark_lost_workers(read_worker_stats(backend, record["model"]))
     warm = sum(w.get("state") == "running" for w in stats)
     if record.get("ec2"):
@@ -6592,10 +4717,8 @@ def pool_ceiling(conf, backend, record):
 
 
 def claim_overheads(backend, summaries):
-    """(s between two claims of one worker, s from a run's creation to its first claim starting):
-    the time a run takes beyond its claims, measured from these summaries (gaps over PLAN_GAP_MAX s
-    are idle time, not overhead) and their runs' records (PLAN_RUNS_READ of them at most); 0.0 for
-    what they cannot show."""
+    """(s between a worker's claims, s from a run's creation to its first claim), from these
+    summaries (gaps over PLAN_GAP_MAX are idle) and their runs' records; 0.0 when unknown."""
     by_worker, gaps, first = {}, [], {}
     for summary in summaries:
         started = _parse_time(summary["started_at"], "started_at")
@@ -6608,13 +4731,12 @@ def claim_overheads(backend, summaries):
         gaps += [g for g in between if 0 <= g <= PLAN_GAP_MAX]
     latencies = [(started - _parse_time(read_run(backend, run_id)["created_at"], "created_at"))
                  .total_seconds() for run_id, started in list(first.items())[:PLAN_RUNS_READ]]
-    return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: a warm pool's
+    return (statistics.median(gaps) if gaps else 0.0), min(latencies, default=0.0)   # min: warm
 
 
 def per_item_by_count(summaries):
-    """{n: seconds per item} of these summaries, grouped by how many workers ran their run's claims
-    (on shared cores a claim's time depends on how many run beside it), the newest
-    SCALE_MEASURED_CLAIMS of each count."""
+    """{n: seconds per item} of these summaries by how many workers ran their run (on shared cores
+    a claim's time depends on it), the newest SCALE_MEASURED_CLAIMS of each count."""
     runs, groups = {}, {}
     for summary in summaries:
         runs.setdefault(summary["run_id"], []).append(summary)
@@ -6624,20 +4746,15 @@ def per_item_by_count(summaries):
 
 
 def per_item_at(measured, n, cores):
-    """Seconds an item at n workers: as measured at n, else at the nearest count m measured, times
-    max(n, cores) / max(m, cores): up to one worker a core each runs as fast, beyond that they
-    share the cores."""
+    """Seconds an item at n workers: as measured at n, else at the nearest count m, times
+    max(n, cores) / max(m, cores) (beyond a worker a core, they share the cores)."""
     m = min(measured, key=lambda c: (abs(c - n), -c))
     return measured[m] * max(n, cores) / max(m, cores)
 
 
 def make_plan(backend, conf, record, items, claim_size, price, summaries):
-    """The plan of `items` items in claims of `claim_size` on the pool: per-item seconds measured
-    from `summaries` (recent_summaries) at each count (per_item_at), start-up of a worker not yet
-    running (measured @enter and acquisition, from when the first claim is queued; an EC2 instance
-    adds EC2_BOOT_ESTIMATE), and for each count 1..B its wall time (plan_seconds) and cost (count x
-    wall x rate, on-demand and spot), beside the cold counterfactual (every worker a fresh
-    acquisition paying A + E) and the serverless price of the same drain."""
+    """The plan of `items` in claims of `claim_size`: per count 1..B its wall time and cost, from
+    measured per-item seconds, overheads and start-up; beside it, cold and serverless."""
     rates, itype = price.rates, price.instance_type
     rate, spot_rate = (instance_rate_per_second(rates, itype, spot=spot) for spot in (False, True))
     measured = per_item_by_count(summaries)
@@ -6646,7 +4763,10 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
     paid = [w["acquisition_seconds"] for w in stats if w.get("acquisition_seconds")]
     acquisition = sum(paid) / len(paid) if paid else 0.0
     _, ceiling, noun, warm = pool_ceiling(conf, backend, record)
-    start = enter + (EC2_BOOT_ESTIMATE if noun == "instances" else acquisition + SCALE_INTERVAL)
+    start = enter + acquisition + SCALE_INTERVAL
+    if noun == "instances":
+        import ec2
+        start = enter + ec2.BOOT_ESTIMATE
     gap, latency = claim_overheads(backend, summaries)
     sizes = [claim_size] * (items // claim_size) + ([items % claim_size] if items % claim_size else [])
     shared = noun == "workers" and not gpu_devices(conf)     # CPU workers share the cores
@@ -6686,12 +4806,12 @@ def pick_option(plan, deadline=None, budget=None):
 
 def format_plan(plan):
     noun = plan["noun"]
-    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of {plan['claim_size']} on pool "
-             f"{plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured over "
-             f"{plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s between "
-             f"claims, first claim after {plan['first_claim_seconds']:.3g} s; {plan['running']} {noun} "
-             f"running, a new one starts in "
-             f"{plan['start_seconds']:.3g} s; {plan['instance_type']}",
+    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of {plan['claim_size']} "
+             f"on pool {plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured "
+             f"over {plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s "
+             f"between claims, first claim after {plan['first_claim_seconds']:.3g} s; "
+             f"{plan['running']} {noun} running, a new one starts in {plan['start_seconds']:.3g} "
+             f"s; {plan['instance_type']}",
              f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
     for o in plan["options"]:
         scaled = "" if o["measured"] else "  (scaled from another count)"
@@ -6711,26 +4831,24 @@ def _duration(seconds):
 
 
 def plan_against_actual(run, summaries):
-    """'predicted X on N workers, actual Y (+d %)' for a run submitted with a plan, once every claim
-    has a summary; None otherwise."""
+    """'predicted X on N workers, actual Y (+d %)' for a finished run submitted with a plan."""
     plan = run.get("plan")
     if not plan or len(summaries) < len(run["claims"]) or not summaries:
         return None
     ended = max(_parse_time(s["finished_at"], "finished_at") for s in summaries)
     actual = (ended - _parse_time(run["created_at"], "created_at")).total_seconds()
-    return (f"plan: predicted {_duration(plan['seconds'])} and {_usd(plan['cost_usd'])} on {plan['count']} "
-            f"{plan['noun'] if plan['count'] != 1 else plan['noun'][:-1]}; actual {_duration(actual)} "
-            f"({(actual - plan['seconds']) / plan['seconds']:+.0%})")
+    return (f"plan: predicted {_duration(plan['seconds'])} and {_usd(plan['cost_usd'])} on "
+            f"{plan['count']} {plan['noun'] if plan['count'] != 1 else plan['noun'][:-1]}; actual "
+            f"{_duration(actual)} ({(actual - plan['seconds']) / plan['seconds']:+.0%})")
 
 
 # ------------------------------------------------------------------------------------------------
 # 10. the Python API: what a notebook imports, and what the CLI verbs below call.
 #   pool = calque.Pool("demo"); pool.create(handler="my_model.py:MyModel", workers=2)
-#   run = calque.submit(items, pool="demo")            # items: an iterable, a JSONL path, or numpy arrays
-#   for result in run.results(): ...                   # in item order, each claim's as soon as it finishes
+#   run = calque.submit(items, pool="demo")   # items: an iterable, a JSONL path, numpy arrays
+#   for result in run.results(): ...          # in item order, each claim's as soon as it ends
 def _context(store=None):
-    """(settings, backend) for an API call: the CALQUE_* settings as the CLI reads them; `store` overrides
-    CALQUE_STORE."""
+    """(settings, backend) for an API call, as the CLI reads them; `store` overrides CALQUE_STORE."""
     conf = settings()
     if store is not None:
         conf["CALQUE_STORE"] = store
@@ -6738,9 +4856,8 @@ def _context(store=None):
 
 
 def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT):
-    """Wait until `workers` local workers of the pool have finished @enter, with a progress line on stderr when
-    `progress`. A worker that dies before it is warm (an exit after `since`, epoch s) raises WorkersFailed with
-    its error line and log, after the pool's local workers are scaled to 0 (nothing crash-loops behind it)."""
+    """Wait until `workers` local workers have finished @enter. One that dies before it is warm
+    (an exit after `since`, epoch s) raises WorkersFailed, the pool's local workers scaled to 0."""
     folder, started, shown = state_dir(conf, model), time.monotonic(), ""
     try:
         while True:
@@ -6776,8 +4893,7 @@ def died_line(worker):
 
 
 def crash_looping(conf, model):
-    """The first local worker's death line when every local worker of the pool on this machine keeps dying before
-    it is warm, else None (no supervisor here, or one worker warm or still loading for the first time)."""
+    """The first death line when every local worker here keeps dying before it is warm, or None."""
     status = read_supervisor(conf, model)
     workers = status["workers"] if status else []
     if workers and all(not w.get("warm") and (w.get("last_exit") or {}).get("warm") is False for w in workers):
@@ -6786,8 +4902,7 @@ def crash_looping(conf, model):
 
 
 def announce_run(conf, model, items, claim_size):
-    """Tell a local pool that sizes itself, before staging, how many claims are coming (1 when the
-    items are a stream), so its supervisor starts the workers they need while submit stages."""
+    """Tell a self-sizing local pool how many claims are coming, so it starts workers meanwhile."""
     folder = state_dir(conf, model)
     bounds = read_scaling(folder)
     if bounds is not None:
@@ -6797,11 +4912,8 @@ def announce_run(conf, model, items, claim_size):
 
 
 def pool_liveness(conf, backend, record):
-    """("live" | "starting" | "crashing" | "none", why) for a submit to the pool: live when a worker has finished
-    @enter (a warm local worker, or a running worker's stats on any machine); crashing when every local worker
-    dies before it is warm; starting when local workers are loading or a scaled-to-zero EC2 pool will wake on
-    work; none when nothing will claim the run (no worker here or anywhere, an EC2 group at 0 or with no instance
-    in service)."""
+    """("live" | "starting" | "crashing" | "none", why) for a submit: a worker warm anywhere, every
+    local one dying before warm, workers loading or waking on work, or none to claim the run."""
     model = record["model"]
     status = read_supervisor(conf, model)
     local = status["workers"] if status else []
@@ -6817,19 +4929,19 @@ def pool_liveness(conf, backend, record):
     if status and read_scaling(state_dir(conf, model)):
         return "starting", f"pool {model} sizes itself: its supervisor starts workers for the run"
     if "ec2" in record and backend.kind == "aws":
-        hint = ec2_cold_wait_hint(backend, record)
+        import ec2
+        hint = ec2.cold_wait_hint(backend, record)
         if hint is None:
             return "starting", f"pool {model}: instances in service, no worker running yet (bootstrapping)"
-        asg = _describe_asg(AwsCalls.for_backend(backend), ec2_names(model)["asg"])
+        asg = ec2.describe_asg(ec2.AwsCalls.for_backend(backend), ec2.resource_names(model)["asg"])
         wakes = asg is not None and not asg["DesiredCapacity"] and record["ec2"].get("scale_to_zero_after")
         return ("starting" if wakes else "none"), hint
     return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere)"
 
 
 def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads_per_worker=None):
-    """Set the pool's local worker count on this machine; 0 stops its supervisor. `bounds` (lo, hi,
-    idle window s): the supervisor sizes the pool itself between lo and hi (desired_count), from
-    `workers` (= lo) on, and stays up at 0. Returns the supervisor's pid (None at 0)."""
+    """Set the pool's local worker count here; 0 stops its supervisor. With `bounds` (lo, hi, idle
+    s) the supervisor sizes the pool itself and stays up at 0. Returns its pid (None at 0)."""
     if workers < 0:
         raise UserError(f"--workers {workers}: must be 0 or more")
     folder = state_dir(conf, model)
@@ -6844,15 +4956,14 @@ def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads
     if workers or bounds:
         return supervisor_module().start_supervisor(conf, model, workers, gpus_per_worker,
                                                     threads_per_worker)
-    if os.path.isdir(state_dir(conf, model)):
-        write_file_atomic(os.path.join(state_dir(conf, model), "desired"), "0")
+    if os.path.isdir(folder):
+        write_file_atomic(os.path.join(folder, "desired"), "0")
     supervisor_module().stop_supervisor(conf, model, setting_number(conf, "CALQUE_GRACE") + 10)
     return None
 
 
 class Pool:
-    """One model's pool of local workers: create, scale, status, delete. (An EC2 cohort: the CLI's
-    `pool create --instances`.)"""
+    """One model's pool of local workers: create, scale, status, delete."""
 
     def __init__(self, model, *, store=None, context=None):
         self.model = model
@@ -6861,11 +4972,8 @@ class Pool:
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
                max_deliveries=None, batch_timeout=None, gpus_per_worker=None, threads_per_worker=None, wait=True,
                progress=False, modal=None, include=()):
-        """Create (or re-create: idempotent) the pool: queues, handler snapshot, pool record, then `workers`
-        local workers, waited for until warm unless wait=False (WorkersFailed names the first that died).
-        The workers run in the current folder (the record's workdir). `modal`: a Modal handler's {"params": {key:
-        value}, "secrets": {name: env file}} (modal_options). `include`: files snapshotted beside the handler
-        ([local, relative path]; a Modal image's add_local_* are added). Returns the pool record."""
+        """Create (or re-create) the pool, then start `workers` local workers, waited for unless
+        wait=False. `modal`: modal_options' record; `include`: [local, relative path] files."""
         defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
@@ -6886,9 +4994,8 @@ class Pool:
 
     def scale(self, workers, *, gpus_per_worker=None, threads_per_worker=None, wait=True, progress=False,
               bounds=None):
-        """Set the number of local workers on this machine (0 stops them), waiting until the new ones are warm
-        unless wait=False. `bounds` (lo, hi, idle window s; pool_bounds): the pool sizes itself between lo and
-        hi on its backlog, from `workers` on. Returns the supervisor's pid (None at 0)."""
+        """Set the local workers here (0 stops them), waiting until warm unless wait=False; `bounds`
+        (lo, hi, idle s) lets the pool size itself. Returns the supervisor's pid (None at 0)."""
         load_pool(self.backend, self.model)
         since = time.time()
         pid = scale_local(self.conf, self.model, workers, gpus_per_worker, bounds, threads_per_worker)
@@ -6897,20 +5004,19 @@ class Pool:
         return pid
 
     def status(self):
-        """pool_status: the record, queue depths, this machine's workers (GPU, last exit), every worker's stats."""
+        """pool_status: record, queue depths, this machine's workers, every worker's stats."""
         return pool_status(self.conf, self.backend, self.model)
 
     def delete(self, force=False):
-        """Stop the local workers, delete the queues and the pool's store folder (runs are kept). Refused while
-        claims are queued or in flight unless force (then the pool's unfinished runs are cancelled). Returns the
-        runs cancelled {run id: claims}."""
+        """Stop the local workers, delete the queues and the pool's store folder (runs are kept).
+        Refused while claims are queued unless force (which cancels the pool's unfinished runs)."""
         record = pool_record_to_delete(self.backend, self.model, force)
         if not force:   # deleting the queue would drop claims nobody has finished
             depth = queue_depth(self.backend, record["queue"])
             if depth and (depth["visible"] or depth["in_flight"]):
-                raise UserError(f"pool {self.model} still has {depth['visible']} queued and {depth['in_flight']} "
-                                f"in-flight claim(s): wait for them (runs show RUN), or pass --force to delete them "
-                                f"with the pool")
+                raise UserError(f"pool {self.model} still has {depth['visible']} queued and "
+                                f"{depth['in_flight']} in-flight claim(s): wait for them (runs "
+                                "show RUN), or pass --force to delete them with the pool")
         grace = setting_number(self.conf, "CALQUE_GRACE")
         if not supervisor_module().stop_supervisor(self.conf, self.model, grace + 15):
             raise UserError(f"pool {self.model}: its supervisor did not stop; "
@@ -6932,10 +5038,8 @@ def new_pool_record(backend, model, defaults, batch_timeout=None):
 
 
 def as_items(items, columns=None):
-    """What stage_run takes, from what a user holds: a path (JSONL, .npy, .npz, Parquet, Arrow) goes to read_items;
-    a pyarrow Table, pandas DataFrame or datasets.Dataset becomes TableItems (one item a row, of `columns`); a numpy
-    array (item i = {"input": a[i]}) or a dict of arrays (the fields of a .npz) becomes ArrayItems; a list stays one
-    (its count is known at once); any other iterable of JSON items is staged as it yields them, a claim at a time."""
+    """What stage_run takes, from what a user holds: a path (read_items), a table (TableItems),
+    arrays (ArrayItems), a list, or any iterable (staged as it yields, a claim at a time)."""
     if isinstance(items, (str, os.PathLike)):
         return read_items(os.fspath(items), columns)
     if type(items).__module__.split(".")[0] in ("pyarrow", "pandas", "datasets"):
@@ -6958,12 +5062,11 @@ def check_claim_size(claim_size):
         raise UserError(f"--claim-size {claim_size}: must be at least 1")
 
 
-RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own fields: no --id-field may be one
+RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own: never an --id-field
 
 
 def check_id_field(items, field):
-    """Refuse an --id-field that names a result line's own field, or that an item lacks (the first one named).
-    Returns the items to stage: a list is checked at once, a stream as it is read (the items checked so far)."""
+    """Refuse an --id-field that is a result's own field or an item lacks (a stream: as read)."""
     if field in RESULT_FIELDS:
         raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
     if isinstance(items, (ArrayItems, TableItems)):
@@ -6977,21 +5080,19 @@ def check_id_field(items, field):
 
 
 def _has_id_field(field, index, item):
-    value = json_line(item) if type(item) is JsonText else item   # a JSONL line is read again, only here
+    value = json_line(item) if type(item) is JsonText else item   # a JSONL line: parsed only here
     if not isinstance(value, dict) or field not in value:
-        raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: give every item one, "
-                        f"or drop --id-field")
+        raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: give "
+                        "every item one, or drop --id-field")
     return item
 
 
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
            shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None,
            columns=None):
-    """Run `items` against the warm pool of model `pool` and return its Run at once (the claims are queued); or,
-    with `model` instead (and a `handler`, or the model's pool's), as a cold run with `shards` fresh local workers,
-    returned once it ended. A pool with no live worker is a UserError unless wait_for_workers (the claims then wait
-    in its queue); one whose every local worker dies before it is warm is a WorkersFailed. (`run_id`: the CLI's,
-    which it names when a signal stops the staging.) `columns`: the columns of a table input read as items."""
+    """Run `items` on the warm pool `pool` (the Run returns once queued), or with `model`, as a
+    cold run on `shards` fresh local workers (returns once ended). No live worker: a UserError
+    unless wait_for_workers; every local worker dying before warm: WorkersFailed."""
     conf, backend = context or _context(store)
     items = as_items(items, columns)
     if id_field:
@@ -7006,18 +5107,17 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
                              claim_size=claim_size, timeout=timeout, progress=progress)
         return Run(run["run_id"], context=(conf, backend), id_field=id_field)
     record = load_pool(backend, pool)
-    queue = backend.queues.open_queue(record["queue"])   # first: a queue not there (another region) says so
+    queue = backend.queues.open_queue(record["queue"])   # first: a missing queue says so
     state, why = pool_liveness(conf, backend, record)
     if state == "crashing":
         raise WorkersFailed(f"{why} ---> HINT: calque pool logs --model {pool}; fix the handler, then pool create")
     if state == "none" and not wait_for_workers:
-        raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: calque pool scale "
-                        f"--model {pool} --workers 1 (or --instances N), or submit --wait-for-workers to queue it "
-                        "anyway")
-    if state == "starting":   # (with wait_for_workers, a pool with none is what the caller asked to queue for)
-        print(f"calque: {why}", file=sys.stderr)
+        raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
+                        f"calque pool scale --model {pool} --workers 1 (or --instances N), or "
+                        "submit --wait-for-workers to queue it anyway")
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
-    if state == "starting":
+    if state == "starting":   # ("none" with wait_for_workers: what the caller asked for)
+        print(f"calque: {why}", file=sys.stderr)
         announce_run(conf, pool, items, claim_size)
     run = stage_run(backend, record, items, claim_size, queue, "pool", run_id or new_run_id(record["model"]))
     return Run(run["run_id"], context=(conf, backend), id_field=id_field)
@@ -7038,10 +5138,8 @@ class Run:
         return f"Run({self.run_id!r})"
 
     def wait(self, timeout=None, progress=False):
-        """Wait until every claim has a summary, nothing can run the rest, or `timeout` s (default CALQUE_TIMEOUT);
-        stops early with WorkersFailed when every local worker of the pool dies before it is warm. Returns True
-        when every claim has a summary. `waited` keeps the summaries the wait read (each once): what a report of
-        this wait prints, without reading them all again."""
+        """Wait until every claim has a summary, nothing can run the rest, or `timeout` s: True when
+        all have one (`waited` keeps them); WorkersFailed when every local worker dies unwarmed."""
         if timeout is None:
             timeout = setting_number(self.conf, "CALQUE_TIMEOUT", float, 0)
         check_timeout(timeout)
@@ -7060,14 +5158,13 @@ class Run:
         return read_summaries(self.backend, self.run_id)
 
     def status(self):
-        """run_view: each claim's state, the claims per state, the items per outcome, the queue's depth."""
+        """run_view: each claim's state, the claims per state, the items per outcome, queue depth."""
         self.record = read_run(self.backend, self.run_id)
         return run_view(self.backend, self.record, self.summaries())
 
     def results(self, failed_only=False, poll=SUMMARY_POLL_MAX):
-        """Every item's result (a dict: i, ok, result or error and trace, and the --id-field), in item order,
-        each claim's as soon as it finishes. A claim that will not run (dead-lettered, cancelled, never sent)
-        raises ResultsIncomplete when the iteration reaches it: never a short read that looks whole."""
+        """Every item's result dict, in item order, each claim's as it finishes. A claim that will
+        not run raises ResultsIncomplete there: never a short read that looks whole."""
         for lines in follow_results(self.backend, self.record, poll):
             for line in lines:
                 result = json_line(line)
@@ -7075,8 +5172,7 @@ class Run:
                     yield result
 
     def iter_batches(self, poll=SUMMARY_POLL_MAX):
-        """Each claim's results as a pyarrow.RecordBatch (claim_batch: i, ok, error, the id field, the result
-        columns), in item order, as each claim finishes: a run larger than memory, one claim at a time."""
+        """Each claim's results as a pyarrow.RecordBatch, in item order, as each claim finishes."""
         for _, claim, parts in with_parts(self.backend, self.record, follow_claims(self.backend, self.record, poll)):
             yield claim_batch(self.backend, self.record, claim, parts)
 
@@ -7085,17 +5181,16 @@ class Run:
         return run_table(self.iter_batches())
 
     def to_numpy(self, field=None, fill=None):
-        """`field` of every item's result (None: the result itself, or its dict's only array) stacked in one numpy
-        array, row k item k's; a failed item's row is `fill` (default NaN where the dtype is a float; for any other
-        dtype a failed item is a UserError unless fill is given). bfloat16 comes back as float32, exactly."""
+        """`field` of every result (None: the result or its only array) stacked; a failed item's
+        row is `fill` (default NaN for floats, else a UserError). bfloat16 comes as float32."""
         return run_array(self.record, with_parts(self.backend, self.record, follow_claims(self.backend, self.record)),
                          field, fill)
 
     def to_pandas(self):
-        """to_arrow() as a pandas DataFrame (pandas must be installed): an array column holds numpy arrays."""
+        """to_arrow() as a pandas DataFrame (pandas must be installed)."""
         if importlib.util.find_spec("pandas") is None:
-            raise UserError("to_pandas() needs pandas, which is not installed ---> HINT: pip install pandas, or use "
-                            "to_arrow()")
+            raise UserError("to_pandas() needs pandas, which is not installed ---> HINT: pip "
+                            "install pandas, or use to_arrow()")
         return self.to_arrow().to_pandas()
 
     def failures(self):
@@ -7108,8 +5203,7 @@ class Run:
         return cancel_run(self.backend, self.record, "cancelled from the API")
 
     def cost(self, instance_type=None, spot=False, savings_plan=False, rates=None):
-        """The run's cost report (run_cost_report: cost, cold counterfactual, crossover ladder) for the claims
-        finished so far."""
+        """run_cost_report of the claims finished so far."""
         summaries = self.summaries()
         if not summaries:
             raise UserError(f"run {self.run_id} has no finished claim yet: nothing to price")
@@ -7118,16 +5212,14 @@ class Run:
 
 
 def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
-    """Each claim's result lines (with the run's id_field copied in), in claim order, as soon as the claim has
-    its summary (follow_claims)."""
+    """Each claim's result lines (with the run's id_field), in claim order, as each finishes."""
     for index, claim in follow_claims(backend, run, poll):
         lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
         yield with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines
 
 
 def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
-    """Each claim (index, claim), in claim order, as soon as it has its summary. A claim that will not run raises
-    ResultsIncomplete naming it and what to do."""
+    """(index, claim) as each claim is summarised, in order; one that will not run raises."""
     recheck = 0.0
     for index, claim in enumerate(run["claims"]):
         while True:
@@ -7136,7 +5228,7 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
                 state = "cancelled" if s["status"] == "cancelled" else "dead-lettered" if s.get("error") else "done"
                 detail = s.get("reason") or s.get("error") or ""
                 break
-            if time.monotonic() >= recheck:   # claim_states may scan the dead-letter queue: not at every poll
+            if time.monotonic() >= recheck:   # claim_states may scan the DLQ: not every poll
                 recheck = time.monotonic() + RUN_RECHECK
                 run.update(read_run(backend, run["run_id"]))
                 state, detail = claim_states(backend, run, [])[claim]
@@ -7150,26 +5242,22 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
 
 
 def with_ids(backend, run, claim, lines, field):
-    """The claim's result lines with each item's `field` copied in (read from the claim's manifest)."""
+    """The claim's result lines with each item's `field` copied in from the claim's manifest."""
     ids = claim_ids(backend, run, claim, field)
     return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
 
 
 # ------------------------------------------------------------------------------------------------
 # 11. the CLI: printing helpers, then one cmd_* per verb in the parser's order, build_parser, main
+def emit(args, data, text, *text_args):
+    """Print `data` as JSON with --json, else the lines of text(*text_args); the exit code."""
+    print(json.dumps(data, indent=1) if args.json else "\n".join(text(*text_args)))
+    return EXIT_OK
+
+
 def _pricing(args):
     """The Pricing the cost options every cost-printing verb takes ask for."""
     return pricing(args.rates, args.instance_type, args.spot, args.savings_plan)
-
-
-def local_options(p):
-    """The options of pool create and pool scale for local workers."""
-    p.add_argument("--no-wait", action="store_true", help="return once the workers are started, before they are warm")
-    p.add_argument("--gpus-per-worker", type=int, metavar="K",
-                   help="CUDA devices per local worker, round-robin (default 1 where CUDA devices exist, else 0)")
-    p.add_argument("--threads-per-worker", type=int, metavar="N",
-                   help="torch/OpenMP/MKL threads per local worker (default: a CPU worker's share of the cores, "
-                        "cores / workers, unless OMP_NUM_THREADS etc. are set; a GPU worker: its libraries' default)")
 
 
 def print_cancelled(model, cancelled):
@@ -7185,7 +5273,7 @@ def print_redriven(record, sent):
 
 def report_submitted(backend, run, summaries, timed_out, args):
     """The end of submit and runs resume: the run's report and cost lines; returns the exit code."""
-    if timed_out:   # what the store says now: a cancel (pool deleted), claims a cold run's workers finished last
+    if timed_out:   # what the store says now (a cancel, claims a cold run finished last)
         run, summaries = read_run(backend, run["run_id"]), read_summaries(backend, run["run_id"])
     code = report_run(backend, run, summaries, args.json)
     if not args.json and summaries:
@@ -7195,34 +5283,35 @@ def report_submitted(backend, run, summaries, timed_out, args):
 
 
 def write_results(lines, failed_only):
-    """Result lines to stdout, flushed (a follower sees each claim's as it lands); only the failed ones with
-    failed_only."""
+    """Result lines (only the failed ones with failed_only) to stdout, flushed for a follower."""
     sys.stdout.write("".join(line for line in lines if not failed_only or not json.loads(line)["ok"]))
     sys.stdout.flush()
 
 
 class NoPandas:
-    """An import finder refusing pandas: pyarrow asks for it once, at its first conversion, and
-    then does without (its to_pandas() asks again)."""
+    """An import finder refusing pandas: pyarrow asks for it once, then does without."""
     @staticmethod
     def find_spec(name, path=None, target=None):
         if name == "pandas":
             raise ImportError("pandas is not needed here")
 
 
+def print_lost(e):
+    print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items "
+          "again", file=sys.stderr)
+    return EXIT_FAILED
+
+
 def write_binary_results(backend, run, claims, args):
-    """The results of `claims` as one Parquet table or .npy array, to --output (opened first: a path that cannot be
-    written is refused before anything is read; removed again when the results cannot be written) or stdout;
-    EXIT_FAILED when a part of a claim cannot be read (named on stderr), its items left out."""
+    """The results of `claims` as one Parquet table or .npy array, to --output (opened first,
+    removed on failure) or stdout; EXIT_FAILED when a claim's part cannot be read (on stderr)."""
     def readable():
         nonlocal code
         for index, claim in claims:
             try:
                 yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
             except ResultsIncomplete as e:
-                print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
-                      file=sys.stderr)
-                code = EXIT_FAILED
+                code = print_lost(e)
     code = EXIT_OK
     with contextlib.nullcontext(sys.stdout.buffer) if args.output is None else open_output(args.output) as out:
         try:
@@ -7257,42 +5346,39 @@ def open_output(path):
         raise UserError(f"cannot write {path} ({e.strerror}) ---> HINT: pick a path in a folder you can write to")
 
 
-def plan_run(conf, backend, model, items, claim_size, price, *, quiet=False):
-    """(plan, sample run id or None): make_plan of `items` (a list, or a stream counted here) on the
-    pool. A pool with no measured claim runs one sample claim of the first items first, says so, and
-    plans from it."""
+def plan_run(conf, backend, model, items, claim_size, price):
+    """make_plan of `items` on the pool; with no measured claim, one sample claim runs first."""
     record = load_pool(backend, model)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     check_claim_size(claim_size)
     first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
     count = len(items) if first is None else len(first) + sum(1 for _ in items)
-    summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), None
+    summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
     if not summaries:
         first = first if first is not None else items[:claim_size]
-        run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # nothing serves it: refused
-        print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} item(s) first "
-              f"(run {run.run_id}) to measure it", file=sys.stderr)
+        run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # or refused
+        print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} "
+              f"item(s) first (run {run.run_id}) to measure it", file=sys.stderr)
         if not run.wait():
-            raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within CALQUE_TIMEOUT "
-                            f"---> HINT: calque runs show {run.run_id}")
-        summaries, sample = recent_summaries(backend, model, PLAN_CLAIMS_READ), run.run_id
-    return make_plan(backend, conf, record, count, claim_size, price, summaries), sample
+            raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within "
+                            f"CALQUE_TIMEOUT ---> HINT: calque runs show {run.run_id}")
+        summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
+    return make_plan(backend, conf, record, count, claim_size, price, summaries)
 
 
 def planned_count(conf, backend, record, plan, args):
-    """The option a submit runs at: the fewest workers that meet --deadline / --budget (an error
-    naming the fastest and the cheapest when none does), else what the pool's own sizing gives for
-    this backlog."""
+    """The option to run at: fewest workers meeting --deadline / --budget, else the pool's own."""
     if args.deadline is not None or args.budget is not None:
         deadline = parse_duration(args.deadline) if args.deadline is not None else None
         option = pick_option(plan, deadline, args.budget)
         if option is None:
             fastest, cheapest = plan["options"][-1], min(plan["options"], key=lambda o: o["cost_usd"])
-            raise UserError(f"no count of 1..{len(plan['options'])} {plan['noun']} meets "
-                            f"{'--deadline ' + args.deadline if deadline else ''}"
-                            f"{' --budget ' + str(args.budget) if args.budget is not None else ''}: the fastest "
-                            f"takes {_duration(fastest['seconds'])}, the cheapest costs {_usd(cheapest['cost_usd'])} "
-                            f"---> HINT: loosen it, or raise the pool's ceiling")
+            limits = ("--deadline " + args.deadline if deadline else "") + (
+                " --budget " + str(args.budget) if args.budget is not None else "")
+            raise UserError(f"no count of 1..{len(plan['options'])} {plan['noun']} meets {limits}: "
+                            f"the fastest takes {_duration(fastest['seconds'])}, the cheapest "
+                            f"costs {_usd(cheapest['cost_usd'])} ---> HINT: loosen it, or raise "
+                            "the pool's ceiling")
         return option
     lo, hi, _, _ = pool_ceiling(conf, backend, record)
     spc = plan["seconds_per_item"] * plan["claim_size"]
@@ -7302,26 +5388,25 @@ def planned_count(conf, backend, record, plan, args):
 
 
 def confirm(question, yes):
-    """True when --yes, or a terminal's user answers y; stdin that is not a terminal cannot answer:
-    refused."""
+    """True on --yes or a terminal's y; a stdin that is not a terminal cannot answer: refused."""
     if yes:
         return True
     if not sys.stdin.isatty():
-        raise UserError("submit --plan asks before it spends, and stdin is not a terminal ---> HINT: add --yes to "
-                        "run at the plan printed above")
+        raise UserError("submit --plan asks before it spends, and stdin is not a terminal ---> "
+                        "HINT: add --yes to run at the plan printed above")
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
 def apply_count(conf, backend, record, option, args):
     """Give the run its planned count: a local pool that sizes itself keeps at least that many
-    workers while its backlog lasts (its ceiling still holds); an EC2 group's desired capacity is
-    raised to it (cmd_submit checked --yes-spend-money)."""
+    workers while its backlog lasts; an EC2 group's desired capacity is raised to it."""
     noun = "instances" if record.get("ec2") else "workers"
     count = option[noun]
     if noun == "instances":
-        names = ec2_names(record["model"])
-        calls = AwsCalls.for_backend(backend)
-        asg = _describe_asg(calls, names["asg"])
+        import ec2
+        names = ec2.resource_names(record["model"])
+        calls = ec2.AwsCalls.for_backend(backend)
+        asg = ec2.describe_asg(calls, names["asg"])
         if asg and asg["DesiredCapacity"] < count:
             calls.call("autoscaling", "SetDesiredCapacity", AutoScalingGroupName=names["asg"], DesiredCapacity=count)
     else:
@@ -7329,8 +5414,8 @@ def apply_count(conf, backend, record, option, args):
         bounds = read_scaling(folder)
         if bounds:
             write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, boost=count)))
-    print(f"submit: running at {count} {noun if count != 1 else noun[:-1]} (predicted {_duration(option['seconds'])}, "
-          f"{_usd(option['cost_usd'])} on-demand)", file=sys.stderr)
+    print(f"submit: running at {count} {noun if count != 1 else noun[:-1]} (predicted "
+          f"{_duration(option['seconds'])}, {_usd(option['cost_usd'])} on-demand)", file=sys.stderr)
     return {"count": count, "noun": noun, "seconds": option["seconds"], "cost_usd": option["cost_usd"]}
 
 
@@ -7341,19 +5426,20 @@ def cmd_pool_create(conf, backend, args):
     include = include_paths(args.include, args.handler)
     for note in notes:
         print(f"pool {args.model}: {note}")
-    args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")        # the app's retries=
-    args.batch_timeout = args.batch_timeout or suggested.get("batch_timeout")           # the app's timeout=
-    if args.instances is not None or args.max_instances is not None:   # an EC2 cohort: each step idempotent
+    args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")   # app's retries=
+    args.batch_timeout = args.batch_timeout or suggested.get("batch_timeout")      # app's timeout=
+    if args.instances is not None or args.max_instances is not None:   # EC2: each step idempotent
         record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
                                                                     args.max_deliveries), args.batch_timeout)
         if modal:
             record["modal"] = modal
         args.instance_type = args.instance_type or suggested.get("instance_type")       # the app's gpu=
-        options = ec2_pool_options(args.instances, args.instance_type, min_instances=args.min_instances, ami=args.ami,
-                                   spot=args.spot, subnet=args.subnet, key_name=args.key_name,
+        import ec2
+        options = ec2.pool_options(args.instances, args.instance_type, min_instances=args.min_instances,
+                                   ami=args.ami, spot=args.spot, subnet=args.subnet, key_name=args.key_name,
                                    scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances)
         with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
-            ec2_pool_create(backend, record, args.handler, options, dry_run=args.dry_run, include=include,
+            ec2.pool_create(backend, record, args.handler, options, dry_run=args.dry_run, include=include,
                             yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.dry_run:
@@ -7366,17 +5452,17 @@ def cmd_pool_create(conf, backend, args):
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal,
                          include=include)
-    print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, "
-          f"handler {record['handler']['file']}:{record['handler']['class']}, batch {record['batch_size']}, "
-          f"visibility {record['visibility_timeout']}s, max deliveries {record['max_deliveries']}; "
-          f"workers run in {record['workdir']}")
+    print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, handler "
+          f"{record['handler']['file']}:{record['handler']['class']}, batch "
+          f"{record['batch_size']}, visibility {record['visibility_timeout']}s, max deliveries "
+          f"{record['max_deliveries']}; workers run in {record['workdir']}")
     if args.workers is args.max_workers is args.min_workers is None and idle is None:
         print(f"pool {args.model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
     if idle is not None:
         pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle))
-        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s) on its backlog (drain target "
-              f"{conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} min -> {lo}), supervisor pid {pid}; logs: "
-              f"calque pool logs --model {args.model}")
+        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s) on its "
+              f"backlog (drain target {conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} min -> "
+              f"{lo}), supervisor pid {pid}; logs: calque pool logs --model {args.model}")
     elif lo:
         pid = scale_local_verb(conf, pool, lo, args)
         print(f"pool {args.model}: {lo} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
@@ -7385,8 +5471,7 @@ def cmd_pool_create(conf, backend, args):
 
 
 def scale_local_verb(conf, pool, workers, args, bounds=None):
-    """pool create / pool scale: set the local workers, waiting (unless --no-wait) with a progress line on a
-    terminal until they are warm. Returns the supervisor's pid."""
+    """pool create / scale: set the local workers, waiting until warm unless --no-wait."""
     return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, threads_per_worker=args.threads_per_worker,
                       wait=not args.no_wait, progress=sys.stderr.isatty(), bounds=bounds)
 
@@ -7402,8 +5487,9 @@ def cmd_pool_scale(conf, backend, args):
                         f"--max-instances B ---> HINT: e.g. pool scale --model {args.model} "
                         f"--min-workers 0 --max-workers 2")
     if args.min_instances is not None or args.max_instances is not None:
-        ec2_pool_bounds(backend, record, args.min_instances, args.max_instances,
-                        dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
+        import ec2
+        ec2.pool_scale_bounds(backend, record, args.min_instances, args.max_instances,
+                              dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.min_workers is not None or args.max_workers is not None:  # one keeps the other
         had = read_scaling(state_dir(conf, args.model)) or {}
@@ -7417,35 +5503,33 @@ def cmd_pool_scale(conf, backend, args):
               f"{f' (idle {idle / 60:g} min -> {lo})' if idle else ''}, supervisor pid {pid}")
         return EXIT_OK
     if args.instances is not None:
-        ec2_pool_scale(backend, record, args.instances, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
+        import ec2
+        ec2.pool_scale(backend, record, args.instances, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.workers == 0:
         scale_local(conf, args.model, 0)
         print(f"pool {args.model}: scaled to 0 local workers")
         return EXIT_OK
     pid = scale_local_verb(conf, Pool(args.model, context=(conf, backend)), args.workers, args)
-    print(f"pool {args.model}: {args.workers} local worker(s) {'starting' if args.no_wait else 'warm'} "
-          f"(supervisor pid {pid})")
+    print(f"pool {args.model}: {args.workers} local worker(s) "
+          f"{'starting' if args.no_wait else 'warm'} (supervisor pid {pid})")
     return EXIT_OK
 
 
 def cmd_pool_status(conf, backend, args):
     status = pool_status(conf, backend, args.model)
-    print(json.dumps(status, indent=1) if args.json else "\n".join(format_pool_status(status, backend.describe())))
-    return EXIT_OK
+    return emit(args, status, format_pool_status, status, backend.describe())
 
 
 def cmd_pool_list(conf, backend, args):
     if backend.kind == "aws":   # records in the store, plus fleets found only by their tags (a half-created pool)
-        pools = ec2_pool_list(backend)
+        import ec2
+        pools = ec2.pool_list(backend)
     else:
         pools = [{"model": model, "record": True, "asg": None} for model in list_pools(backend)]
-    if args.json:
-        print(json.dumps(pools, indent=1))
-        return EXIT_OK
-    local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0) for p in pools}
-    print("\n".join(format_pool_list(pools, local_workers, backend.describe())))
-    return EXIT_OK
+    local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0)
+                     for p in pools} if not args.json else {}
+    return emit(args, pools, format_pool_list, pools, local_workers, backend.describe())
 
 
 def cmd_pool_delete(conf, backend, args):
@@ -7458,7 +5542,8 @@ def cmd_pool_delete(conf, backend, args):
         supervisor_module().stop_supervisor(conf, args.model, grace + 15)
         if args.force and not args.dry_run:
             print_cancelled(args.model, cancel_pool_runs(backend, args.model))
-        ec2_pool_delete(backend, record, yes=args.yes, dry_run=args.dry_run)
+        import ec2
+        ec2.pool_delete(backend, record, yes=args.yes, dry_run=args.dry_run)
         return EXIT_OK
     if not args.yes:
         if not sys.stdin.isatty():
@@ -7482,15 +5567,12 @@ def cmd_pool_cost(conf, backend, args):
     rates, _, rate, label = _pricing(args)[:4]
     report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
                        rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
-    if args.json:
-        print(json.dumps({"model": args.model, "priced_as": label, "cost": report}, indent=1))
-    else:
-        print("\n".join(format_pool_cost(report, label, args.model)))
-    return EXIT_OK
+    return emit(args, {"model": args.model, "priced_as": label, "cost": report},
+                format_pool_cost, report, label, args.model)
 
 
 def cmd_pool_redrive(conf, backend, args):
-    """Send the dead-lettered claims of every run of the pool (but cancelled ones) back to its queue."""
+    """Send the dead-lettered claims of the pool's runs (not cancelled ones) back to its queue."""
     record = load_pool(backend, args.model)
     runs = {run["run_id"]: run for run in list_runs(backend, args.model)
             if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
@@ -7502,8 +5584,7 @@ def cmd_pool_redrive(conf, backend, args):
 
 
 def cmd_pool_logs(conf, backend, args):
-    """The pool's worker logs on this machine (--worker W: slot W's), each under a '==> path <==' header; with
-    --follow, what they write next, until Ctrl-C. An EC2 pool's logs are on its instances: say where."""
+    """The pool's worker logs here, each under a '==> path <==' header (--follow: until Ctrl-C)."""
     record = load_pool(backend, args.model)
     if "ec2" in record:
         print(f"pool {args.model} runs on EC2: each instance's worker log is its journal (`journalctl -u calque-warmd` "
@@ -7517,20 +5598,17 @@ def cmd_pool_logs(conf, backend, args):
         raise UserError(f"pool {args.model}: no {name} in {folder}: no local worker ran here"
                         + (" in that slot" if args.worker is not None else "")
                         + f" ---> HINT: calque pool scale --model {args.model} --workers 1")
-    offsets = {}
-    for path in paths:
-        with open(path, "rb") as f:
-            print(f"==> {path} <==\n{f.read().decode(errors='replace')}", end="", flush=True)
-            offsets[path] = f.tell()
-    while args.follow:
-        time.sleep(SUPERVISOR_TICK)
+    offsets, first = dict.fromkeys(paths, 0), True
+    while first or args.follow:
         for path in paths:
             with open(path, "rb") as f:
                 f.seek(offsets[path])
                 text = f.read()
                 offsets[path] = f.tell()
-            if text:
+            if text or first:
                 print(f"==> {path} <==\n{text.decode(errors='replace')}", end="", flush=True)
+        first = False
+        time.sleep(SUPERVISOR_TICK if args.follow else 0)
     return EXIT_OK
 
 
@@ -7540,14 +5618,14 @@ def cmd_submit(conf, backend, args):
     if isinstance(items, TableItems):
         few_malloc_arenas()
     progress = not args.json and sys.stderr.isatty()
+    planned = args.plan or args.deadline is not None or args.budget is not None
     if args.pool:
         if args.shards > 1:
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
-        planned = args.plan or args.deadline is not None or args.budget is not None
         if planned:
             items = items if hasattr(items, "__len__") else list(items)
-            plan, _ = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
+            plan = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
             print("\n".join(format_plan(plan)), file=sys.stderr)
             record = load_pool(backend, args.pool)
             option = planned_count(conf, backend, record, plan, args)
@@ -7556,8 +5634,9 @@ def cmd_submit(conf, backend, args):
                 print("submit: not run", file=sys.stderr)
                 return EXIT_FAILED
             if record.get("ec2"):     # before anything is queued: the group grows for the run
-                _refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
-                                 yes_spend_money=args.yes_spend_money)
+                from ec2 import refuse_spending
+                refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
+                                yes_spend_money=args.yes_spend_money)
         run_id = new_run_id(args.pool)
         follow = args.follow_logs and not args.no_wait
         output = supervisor_module().WorkerOutput(backend, {args.pool: args.pool}) if follow else None
@@ -7568,13 +5647,15 @@ def cmd_submit(conf, backend, args):
                              run_id=run_id)
         except SubmitInterrupted as e:
             return interrupted(backend, run_id, e.signum)
-        if planned:   # once its claims are queued: a local pool's boost lasts while they wait (supervisor.py)
+        if planned:   # once its claims are queued: a local pool's boost lasts while they wait
             update_run(backend, run.record, plan=apply_count(conf, backend, record, option, args))
-        refresh_backlog_steps(backend, load_pool(backend, args.pool))
+        if backend.kind == "aws":   # an EC2 pool's backlog steps follow the claims it ran
+            from ec2 import refresh_backlog_steps
+            refresh_backlog_steps(backend, load_pool(backend, args.pool))
         if args.no_wait:
             print(run.run_id)
             return EXIT_OK
-        try:   # every claim is queued from here on: an interrupt leaves the run to go on without this process
+        try:   # every claim is queued: an interrupt leaves the run to go on without us
             depth = backend.queues.open_queue(run.record["queue"]).counts()
             print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} items sent to "
                   f"{run.record['queue']} ({depth['visible']} visible, {depth['in_flight']} in flight)",
@@ -7591,25 +5672,26 @@ def cmd_submit(conf, backend, args):
     else:
         if not args.model:
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
-        if args.plan or args.deadline is not None or args.budget is not None:
+        if planned:
             raise UserError("--plan, --deadline and --budget plan a pool run ---> HINT: submit --pool M")
         if args.no_wait:
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
         check_claim_size(args.claim_size)
         if args.id_field:
             items = check_id_field(items, args.id_field)
-        ec2 = None   # fresh local processes, unless the flags ask for EC2 instances on an s3:// store
+        ec2 = None   # fresh local processes, unless the flags ask for EC2 instances
         if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
+            from ec2 import ColdLaunch
             ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
         try:
-            with signals_interrupt():   # a SIGTERM too ends the run's workers and deletes its queues
+            with signals_interrupt():   # a SIGTERM too ends its workers and deletes its queues
                 run, summaries, timed_out = cold_run(
                     conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
                     batch_size=args.batch_size, claim_size=args.claim_size, timeout=args.timeout,
                     progress=progress, ec2=ec2, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         except SubmitInterrupted as e:
-            print("calque: interrupted: the cold run is cancelled (its workers and queues are gone) ---> HINT: submit "
-                  "again", file=sys.stderr)
+            print("calque: interrupted: the cold run is cancelled (its workers and queues are "
+                  "gone) ---> HINT: submit again", file=sys.stderr)
             return 128 + e.signum
         if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
             return EXIT_OK
@@ -7619,22 +5701,19 @@ def cmd_submit(conf, backend, args):
 
 
 def cmd_plan(conf, backend, args):
-    plan, _ = plan_run(conf, backend, args.pool, read_items(args.items), args.claim_size, _pricing(args))
-    print(json.dumps(plan, indent=1) if args.json else "\n".join(format_plan(plan)))
-    return EXIT_OK
+    plan = plan_run(conf, backend, args.pool, read_items(args.items), args.claim_size, _pricing(args))
+    return emit(args, plan, format_plan, plan)
 
 
 def few_malloc_arenas():
-    """glibc gives each store writer thread a heap of its own, which keeps what it freed: a table's claims (text
-    decoded, then JSON) left 16 of them holding 10-30 MiB of submit's peak. Two arenas hold it near its use."""
+    """Two glibc malloc arenas: per-thread ones keep what store writers freed (submit's peak)."""
     with contextlib.suppress(OSError, AttributeError):   # not glibc: nothing to limit
         ctypes.CDLL("libc.so.6").mallopt(-8, 2)   # M_ARENA_MAX
 
 
 def cmd_runs_list(conf, backend, args):
     runs = list_runs(backend)
-    print(json.dumps(runs, indent=1) if args.json else "\n".join(format_runs_list(runs)))
-    return EXIT_OK
+    return emit(args, runs, format_runs_list, runs)
 
 
 def cmd_runs_show(conf, backend, args):
@@ -7646,20 +5725,18 @@ def cmd_runs_show(conf, backend, args):
 
 
 def cmd_runs_results(conf, backend, args):
-    """Every item's result (--failed: only the failed ones), in item order, as JSONL on stdout (--format parquet or
-    npy: one file, to --output or a stdout that is not a terminal); --follow waits for each claim in turn and prints
-    its results as soon as it finishes. A claim without all its results (it did not run, or a part is missing or
-    truncated) is an error line on stderr and exit 1: never a short read that looks whole."""
+    """Every item's result in item order, as JSONL (--follow: as each claim ends), Parquet or .npy;
+    a claim without all its results is an error line and exit 1, never a short read."""
     binary = args.format != "jsonl"
     if binary and args.follow:
         raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
                         f"---> HINT: drop --follow (runs show {args.run} says when the run is done)")
     if args.format != "npy" and (args.field or args.fill is not None):
-        raise UserError(f"--field and --fill choose the array of --format npy, not of {args.format} ---> HINT: "
-                        f"add --format npy, or drop them")
+        raise UserError("--field and --fill choose the array of --format npy, not of "
+                        f"{args.format} ---> HINT: add --format npy, or drop them")
     if args.format == "npy" and args.failed:
-        raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: --format jsonl "
-                        "or parquet")
+        raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: "
+                        "--format jsonl or parquet")
     if binary and args.output is None and sys.stdout.isatty():
         raise UserError(f"--format {args.format} writes binary: not to a terminal ---> HINT: --output PATH")
     run = read_run(backend, args.run)
@@ -7681,9 +5758,7 @@ def cmd_runs_results(conf, backend, args):
         try:
             lines = claim_results(backend, args.run, claim, claim_items(run, index)) if not binary else None
         except ResultsIncomplete as e:
-            print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items again",
-                  file=sys.stderr)
-            code = EXIT_FAILED
+            code = print_lost(e)
             continue
         if binary:
             done.append((index, claim))
@@ -7693,26 +5768,25 @@ def cmd_runs_results(conf, backend, args):
     if binary:
         code = max(code, write_binary_results(backend, run, done, args))
     for state, claims in not_run.items():
-        print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} ({claim_list(claims)}) "
-              f"---> HINT: {next_step(run, state)}", file=sys.stderr)
+        print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} "
+              f"({claim_list(claims)}) ---> HINT: {next_step(run, state)}", file=sys.stderr)
     return EXIT_FAILED if not_run else code
 
 
 def cmd_runs_resume(conf, backend, args):
-    """Send the claims an interrupted submit did not send, and again those the pool's queue lost
-    (claims in no queue), then wait for the run as submit does (unless --no-wait)."""
+    """Send the claims an interrupted submit did not, and again those in no queue, then wait."""
     check_timeout(args.timeout)
     run = read_run(backend, args.run)
     if run["mode"] != "pool":
-        raise UserError(f"run {args.run} is a cold run: its workers and queues lived only while its submit waited "
-                        f"---> HINT: submit its items again")
+        raise UserError(f"run {args.run} is a cold run: its workers and queues lived only while "
+                        "its submit waited ---> HINT: submit its items again")
     if run.get("cancelled"):
-        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to resume ---> HINT: "
-                        f"submit its items again")
-    if not run["staged"]:   # its submit was killed (-9) while staging: past `sent`, a claim's manifest may be missing
-        raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were queued, the rest may "
-                        f"have no manifest ---> HINT: runs cancel {args.run}, then submit the items from "
-                        f"{run['sent'] * run['claim_size']} on again")
+        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
+                        "resume ---> HINT: submit its items again")
+    if not run["staged"]:   # submit killed while staging: past `sent`, manifests may be missing
+        raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were "
+                        f"queued, the rest may have no manifest ---> HINT: runs cancel {args.run}, "
+                        f"then submit the items from {run['sent'] * run['claim_size']} on again")
     try:
         queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
     except NotFound:
@@ -7724,7 +5798,7 @@ def cmd_runs_resume(conf, backend, args):
             if state == "in no queue"]
     try:
         with signals_interrupt():
-            for start in range(0, len(lost), SEND_BATCH):   # a copy still queued is acked as a duplicate
+            for start in range(0, len(lost), SEND_BATCH):   # a copy still queued: a duplicate
                 send_batch(backend, run, queue, lost[start:start + SEND_BATCH], resume=True)
             send_claims(backend, run, queue, skip=done, resume=True)
     except SubmitInterrupted as e:
@@ -7778,15 +5852,15 @@ def print_freed(conf, backend, runs):
 
 
 def cmd_runs_prune(conf, backend, args):
-    """Delete the runs older than --older-than but each model's --keep newest; a live run is skipped (named)."""
+    """Delete the runs older than --older-than but each model's --keep newest; skip live ones."""
     if args.keep < 0:
         raise UserError(f"--keep {args.keep}: must be 0 or more")
     runs = []
     for run in runs_to_prune(backend, parse_age(args.older_than), args.keep, args.model):
         live = [] if args.force else live_claims(backend, run)
         if live:
-            print(f"run {run['run_id']}: kept: {len(live)} claim(s) queued or running ---> HINT: --force deletes "
-                  f"it anyway")
+            print(f"run {run['run_id']}: kept: {len(live)} claim(s) queued or running ---> HINT: "
+                  "--force deletes it anyway")
         else:
             runs.append(run)
     return print_freed(conf, backend, runs)
@@ -7798,8 +5872,8 @@ def cmd_runs_redrive(conf, backend, args):
     if run["mode"] != "pool":
         raise UserError(f"run {args.run} is a cold run: its queues are gone ---> HINT: submit its items again")
     if run.get("cancelled"):
-        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to redrive ---> HINT: "
-                        f"submit its items again")
+        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
+                        "redrive ---> HINT: submit its items again")
     record = load_pool(backend, run["model"])
     sent = redrive(backend, record, {args.run: run})
     print_redriven(record, sent)
@@ -7809,8 +5883,7 @@ def cmd_runs_redrive(conf, backend, args):
 
 
 def dashboard_module():
-    """dashboard.py, loaded only by the verbs that make pages. It imports this module as `calque`,
-    which is __main__ when calque.py runs as a script: one module, so its exceptions are these."""
+    """dashboard.py, importing this module as `calque` (one module even when run as __main__)."""
     sys.modules.setdefault("calque", sys.modules[__name__])
     import dashboard
     return dashboard
@@ -7836,8 +5909,8 @@ def cmd_cost(conf, backend, args):
         run = read_run(backend, run_id)
         summaries = read_summaries(backend, run_id)
         if not summaries:
-            raise UserError(f"run {run_id} has no finished claim yet ({len(run['claims'])} pending): nothing to price; "
-                            "try again later")
+            raise UserError(f"run {run_id} has no finished claim yet ({len(run['claims'])} "
+                            "pending): nothing to price; try again later")
         reports.append((run, *run_cost_report(backend, run, summaries, price)))
     if args.json:
         print(json.dumps([{"run_id": run["run_id"], "priced_as": label, "cost": report, "ladder": ladder}
@@ -7852,7 +5925,7 @@ def cmd_cost(conf, backend, args):
             print(f"  {plan_against_actual(run, summaries)}; its claims cost {_usd(report['total_usd'])} "
                   f"(the plan prices every {run['plan']['noun'][:-1]} for the whole wall time)")
         return EXIT_OK
-    labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind (GPU or none)
+    labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind
     print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], "; ".join(labels))))
     return EXIT_OK
 
@@ -7862,10 +5935,8 @@ class ModalEntrypointFailed(Exception):
 
 
 class ModalRun:
-    """Where `calque modal run` sends the entrypoint's calls: the shim's runner(target, params, items) submits the
-    items to the pool serving that target and returns Run.results(). --pool M serves the target its handler names
-    (with the same parameters); any other target gets an ephemeral pool, created at its first call, deleted by
-    close() as a Modal ephemeral app is. What the workers print reaches our stderr as they print it."""
+    """Where `calque modal run` sends calls: each target's items go to its pool (--pool M, or an
+    ephemeral one made at the first call, deleted by close()); returns Run.results()."""
 
     def __init__(self, context, path, pool, workers, volumes=(), secrets=()):
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
@@ -7893,8 +5964,7 @@ class ModalRun:
         return run.results()
 
     def streamed(self, target, params, stream, after=None, done=False):
-        """The chunks a .remote_gen call's worker wrote after key `after`: [(key, chunk)]; `done`
-        deletes them."""
+        """The chunks a .remote_gen worker wrote after key `after`: [(key, chunk)]; `done` deletes."""
         store = self.context[1].store
         prefix = stream_prefix(self.pools[(target, self._key(params))], stream)
         if done:
@@ -7903,8 +5973,7 @@ class ModalRun:
 
     def _ephemeral(self, target, params):
         spec = f"{self.path}:{target}"
-        conf = self.context[0]
-        batch_size = pool_settings(conf)["batch_size"]
+        batch_size = pool_settings(self.context[0])["batch_size"]
         modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
                                                 self.volumes, batch_size=batch_size)
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
@@ -7919,13 +5988,13 @@ class ModalRun:
         return model
 
     def close(self, wait):
-        """Delete the ephemeral pools; with `wait` (the entrypoint returned), once every call it made is done:
-        .spawn / .spawn_map calls nobody waited for still run, rather than being lost."""
+        """Delete the ephemeral pools; with `wait`, once every call made is done (a .spawn nobody
+        waited for still runs rather than being lost)."""
         try:
             if wait:
                 for run in self.runs:
                     run.wait()
-        finally:   # a second SIGTERM waits for the pools' deletion (modal run puts its handler back after)
+        finally:   # a second SIGTERM waits for the pools' deletion
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             self.output.stop()
             for model in self.created:
@@ -7933,18 +6002,17 @@ class ModalRun:
                     Pool(model, context=self.context).delete(force=True)
 
 
-MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types parsed from the command line, as Modal's CLI
+MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI parses
 
 
 def entrypoint_parser(fn, prog):
-    """Modal's CLI for a local entrypoint: one --name option per parameter (dashes for underscores), typed by its
-    annotation, required without a default; a bool is --name/--no-name."""
+    """Modal's CLI for a local entrypoint: one --name option a parameter, typed by annotation."""
     parser = argparse.ArgumentParser(prog=prog)
     hints = typing.get_type_hints(fn)
     for name, param in inspect.signature(fn).parameters.items():
         kind, flag = hints.get(name, str), f"--{name.replace('_', '-')}"
         optional = [k for k in typing.get_args(kind) if k is not type(None)]
-        if len(optional) == 1 and type(None) in typing.get_args(kind):   # `str | None`: a str, None when not given
+        if len(optional) == 1 and type(None) in typing.get_args(kind):   # `str | None`: a str
             kind = optional[0]
         required = param.default is param.empty
         default = None if required else param.default
@@ -7954,19 +6022,18 @@ def entrypoint_parser(fn, prog):
         elif kind in MODAL_ARG_TYPES:
             parser.add_argument(flag, dest=name, type=kind, default=default, required=required)
         else:
-            raise UserError(f"entrypoint {fn.__name__}: parameter {name} is a {kind}: Modal's CLI and calque's take "
-                            f"int, float, str and bool")
+            raise UserError(f"entrypoint {fn.__name__}: parameter {name} is a {kind}: Modal's CLI "
+                            "and calque's take int, float, str and bool")
     return parser
 
 
 def cmd_modal_run(conf, backend, args):
-    own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py, as in the usage line
-    own.add_argument("--pool", default=args.pool)
-    own.add_argument("--workers", type=int, default=args.workers)
+    own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py
+    own.add_argument("--pool")
+    own.add_argument("--workers", type=int)
     for flag in ("--volume", "--secret"):
-        own.add_argument(flag, action="append", default=getattr(args, flag[2:]))
-    mine, args.args = own.parse_known_args(args.args)
-    args.pool, args.workers, args.volume, args.secret = mine.pool, mine.workers, mine.volume, mine.secret
+        own.add_argument(flag, action="append")
+    _, args.args = own.parse_known_args(args.args, namespace=args)   # args' values are the defaults
     path, _, name = args.app.partition("::")
     if not os.path.isfile(path):
         raise UserError(f"modal run {args.app}: file {path} not found")
@@ -7977,7 +6044,7 @@ def cmd_modal_run(conf, backend, args):
     kwargs = vars(entrypoint_parser(fn, f"calque modal run {args.app}").parse_args(args.args))
     shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume, args.secret)
     done = False
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))   # finally: cleans up
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         out = fn(**kwargs)
         if inspect.iscoroutine(out):
@@ -8002,8 +6069,8 @@ def cmd_modal_run(conf, backend, args):
 
 
 def modal_run_target(shim, module, path, name):
-    """(callable, name) `modal run app.py[::name]` runs: a local entrypoint; else, as Modal's CLI, an
-    @app.function or Cls.method called once with its parameters as options (the file's only one when unnamed)."""
+    """(callable, name) `modal run app.py[::name]` runs: a local entrypoint, else (as Modal's CLI)
+    a function or Cls.method called once with its parameters as options."""
     entrypoints, functions = {}, {}
     for app in [v for v in vars(module).values() if isinstance(v, shim.App)]:
         entrypoints.update(app.entrypoints)
@@ -8034,7 +6101,7 @@ def modal_run_target(shim, module, path, name):
 
 
 class VersionAction(argparse.Action):
-    """--version, read only when asked: importlib.metadata takes ~50 ms to import, on every command otherwise."""
+    """--version, importing importlib.metadata only when asked (it is slow to import)."""
 
     def __init__(self, option_strings, dest, **kw):
         super().__init__(option_strings, dest, nargs=0, help="print calque's version and exit")
@@ -8045,62 +6112,106 @@ class VersionAction(argparse.Action):
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="calque.py",
-                                     description="Sticky warm-worker pools for batch model inference.")
+    shared = {   # options several verbs take alike
+        "--model": dict(required=True, help="the pool's model name"),
+        "--json": dict(action="store_true", help="print JSON instead of text"),
+        "run": dict(help="the run id (see `runs list`)"),
+        "--timeout": dict(type=float,
+                          help="seconds to wait for the summaries (default CALQUE_TIMEOUT)"),
+        "--key-name": dict(help="EC2 key pair for SSH (none by default)"),
+        "--yes-spend-money": dict(action="store_true", help="allow starting paid EC2 instances"),
+    }
+
+    def add(group, *flags):
+        for flag in flags:
+            group.add_argument(flag, **shared[flag])
+
+    def switch(group, flag, help):
+        group.add_argument(flag, action="store_true", help=help)
+
+    def local_options(p):   # pool create's and pool scale's, for local workers
+        switch(p, "--no-wait", "return once the workers are started, before they are warm")
+        p.add_argument("--gpus-per-worker", type=int, metavar="K", help="CUDA devices per local "
+                       "worker, round-robin (default 1 where CUDA devices exist, else 0)")
+        p.add_argument("--threads-per-worker", type=int, metavar="N", help="torch/OpenMP/MKL "
+                       "threads per local worker (default: a CPU worker's share of the cores, "
+                       "cores / workers, unless OMP_NUM_THREADS etc. are set; a GPU worker: its "
+                       "libraries' default)")
+
+    def verb(verbs, name, func, *flags, cost=False, **kw):
+        p = verbs.add_parser(name, parents=[priced] if cost else [], **kw)
+        add(p, *flags)
+        p.set_defaults(func=func)
+        return p
+
+    parser = argparse.ArgumentParser(
+        prog="calque.py", description="Sticky warm-worker pools for batch model inference.")
     parser.add_argument("--version", action=VersionAction)
-    priced = argparse.ArgumentParser(add_help=False)   # the pricing options every cost-printing verb takes
-    priced.add_argument("--instance-type", help="price as this EC2 instance type (default: rates.json defaults)")
-    priced.add_argument("--spot", action="store_true", help="price at the rates file's spot fraction")
-    priced.add_argument("--savings-plan", action="store_true", help="price at the rates file's savings-plan fraction")
-    priced.add_argument("--rates", metavar="FILE", help="a rates file instead of the bundled rates.json")
+    priced = argparse.ArgumentParser(add_help=False)   # what every verb printing a cost takes
+    priced.add_argument("--instance-type",
+                        help="price as this EC2 instance type (default: rates.json defaults)")
+    switch(priced, "--spot", "price at the rates file's spot fraction")
+    switch(priced, "--savings-plan", "price at the rates file's savings-plan fraction")
+    priced.add_argument("--rates", metavar="FILE",
+                        help="a rates file instead of the bundled rates.json")
     verbs = parser.add_subparsers(dest="verb", required=True,
                                   metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
-
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
-        dest="pool_verb", required=True, metavar="{create,scale,status,list,delete,cost,redrive,logs}")
-    p = pool.add_parser("create", help="create a pool: queue + dead-letter queue, pool record, handler snapshot, local "
-                                       "workers")
+        dest="pool_verb", required=True,
+        metavar="{create,scale,status,list,delete,cost,redrive,logs}")
+    p = verb(pool, "create", cmd_pool_create, help="create a pool: queue + dead-letter queue, pool "
+             "record, handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
-    p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName (snapshotted into the store)")
-    p.add_argument("--workers", type=int, help=f"local warmd.py processes to start under a supervisor, waited for "
-                                                f"until warm (default {LOCAL_WORKERS_DEFAULT})")
-    p.add_argument("--min-workers", type=int, metavar="A", help="floor of a pool that sizes itself on its backlog")
-    p.add_argument("--max-workers", type=int, metavar="B", help="its ceiling (with no floor given: floor 0)")
+    p.add_argument("--handler", required=True,
+                   help="path/to/handler.py:ClassName (snapshotted into the store)")
+    p.add_argument("--workers", type=int, help="local warmd.py processes to start under a "
+                   f"supervisor, waited for until warm (default {LOCAL_WORKERS_DEFAULT})")
+    p.add_argument("--min-workers", type=int, metavar="A",
+                   help="floor of a pool that sizes itself on its backlog")
+    p.add_argument("--max-workers", type=int, metavar="B",
+                   help="its ceiling (with no floor given: floor 0)")
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
-                   help=f"idle window (fractions allowed) before the pool shrinks to its floor (0 unless given); "
-                        f"default {SCALE_IDLE_MINUTES:g} with a floor below the ceiling")
+                   help="idle window (fractions allowed) before the pool shrinks to its floor "
+                        f"(0 unless given); default {SCALE_IDLE_MINUTES:g} with a floor below "
+                        "the ceiling")
     local_options(p)
-    p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
+    p.add_argument("--batch-size", type=int,
+                   help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
     p.add_argument("--include", action="append", metavar="PATH",
-                   help="a file or folder the handler needs beside it, snapshotted with it (modules, data)")
-    p.add_argument("--visibility-timeout", type=int, help="seconds a claim stays invisible; the heartbeat renews it")
-    p.add_argument("--max-deliveries", type=int, help="deliveries before a claim goes to the dead-letter queue")
+                   help="a file or folder the handler needs beside it, snapshotted with it "
+                        "(modules, data)")
+    p.add_argument("--visibility-timeout", type=int,
+                   help="seconds a claim stays invisible; the heartbeat renews it")
+    p.add_argument("--max-deliveries", type=int,
+                   help="deliveries before a claim goes to the dead-letter queue")
     p.add_argument("--batch-timeout", type=float, metavar="SECONDS",
                    help="seconds one handler.batch() call may run before the worker gives up on it "
                         "(default: the workers' CALQUE_BATCH_TIMEOUT)")
     modal_flags = p.add_argument_group("a Modal app handler (docs/modal.md)")
-    modal_flags.add_argument("--param", action="append", metavar="KEY=VALUE", help="a modal.parameter() of the class")
+    modal_flags.add_argument("--param", action="append", metavar="KEY=VALUE",
+                             help="a modal.parameter() of the class")
     modal_flags.add_argument("--secret", action="append", metavar="NAME=FILE",
                              help="the KEY=value file modal.Secret.from_name(NAME) reads")
     modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
-                             help="the folder modal.Volume.from_name(NAME) is, linked at its mount path")
+                             help="the folder modal.Volume.from_name(NAME) is, linked at its "
+                                  "mount path")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
-    ec2.add_argument("--instances", type=int, help="run the pool on N EC2 instances of an Auto Scaling group")
-    ec2.add_argument("--instance-type", help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
-    ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its public SSM parameter)")
-    ec2.add_argument("--spot", action="store_true", help="spot capacity: cheaper, may be interrupted at 2 minutes' "
-                                                         "notice")
-    ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: --instances; 0 with "
-                                                       "--scale-to-zero-after or --max-instances)")
-    ec2.add_argument("--max-instances", type=int, help="ceiling of a group that sizes itself on its backlog")
+    ec2.add_argument("--instances", type=int,
+                     help="run the pool on N EC2 instances of an Auto Scaling group")
+    ec2.add_argument("--instance-type",
+                     help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
+    ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its "
+                                   "public SSM parameter)")
+    switch(ec2, "--spot", "spot capacity: cheaper, may be interrupted at 2 minutes' notice")
+    ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: "
+                     "--instances; 0 with --scale-to-zero-after or --max-instances)")
+    ec2.add_argument("--max-instances", type=int,
+                     help="ceiling of a group that sizes itself on its backlog")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
-    ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
-    ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
-    ec2.add_argument("--dry-run", action="store_true", help="print every AWS call that would change something; change "
-                                                            "nothing")
-    p.set_defaults(func=cmd_pool_create)
-    p = pool.add_parser("scale", help="set the number of local workers, or of EC2 instances")
-    p.add_argument("--model", required=True, help="the pool's model name")
+    add(ec2, "--key-name", "--yes-spend-money")
+    switch(ec2, "--dry-run", "print every AWS call that would change something; change nothing")
+    p = verb(pool, "scale", cmd_pool_scale, "--model",
+             help="set the number of local workers, or of EC2 instances")
     p.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
     p.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
     for noun in ("workers", "instances"):
@@ -8110,162 +6221,150 @@ def build_parser():
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
                    help="local: its new idle window")
     local_options(p)
-    p.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
-    p.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
-    p.set_defaults(func=cmd_pool_scale)
-    p = pool.add_parser("status", help="queue depths, live workers, per-worker claims, warm hits, enter_count")
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_pool_status)
-    p = pool.add_parser("list", help="the pools in this store")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_pool_list)
-    p = pool.add_parser("delete", help="stop local workers, delete the queues and the pool record")
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
-    p.add_argument("--force", action="store_true", help="delete even with claims still queued or in flight (they are "
-                                                        "lost)")
-    p.add_argument("--dry-run", action="store_true", help="EC2 pools: print the AWS calls; change nothing")
-    p.set_defaults(func=cmd_pool_delete)
-    p = pool.add_parser("cost", parents=[priced], help="what the pool paid, idle included, against cold starts")
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.add_argument("--since", metavar="T", help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_pool_cost)
-    p = pool.add_parser("redrive", help="send the dead-lettered claims of every run of the pool back to its queue")
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.set_defaults(func=cmd_pool_redrive)
-    p = pool.add_parser("logs", help="the pool's worker logs on this machine (EC2: where they are)")
-    p.add_argument("--model", required=True, help="the pool's model name")
-    p.add_argument("--follow", action="store_true", help="keep printing what the workers write (Ctrl-C stops)")
+    add(p, "--yes-spend-money")
+    switch(p, "--dry-run", "print the AWS calls; change nothing")
+    verb(pool, "status", cmd_pool_status, "--model", "--json",
+         help="queue depths, live workers, per-worker claims, warm hits, enter_count")
+    verb(pool, "list", cmd_pool_list, "--json", help="the pools in this store")
+    p = verb(pool, "delete", cmd_pool_delete, "--model",
+             help="stop local workers, delete the queues and the pool record")
+    switch(p, "--yes", "do not ask for confirmation")
+    switch(p, "--force", "delete even with claims still queued or in flight (they are lost)")
+    switch(p, "--dry-run", "EC2 pools: print the AWS calls; change nothing")
+    p = verb(pool, "cost", cmd_pool_cost, "--model", cost=True,
+             help="what the pool paid, idle included, against cold starts")
+    p.add_argument("--since", metavar="T",
+                   help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
+    add(p, "--json")
+    verb(pool, "redrive", cmd_pool_redrive, "--model",
+         help="send the dead-lettered claims of every run of the pool back to its queue")
+    p = verb(pool, "logs", cmd_pool_logs, "--model",
+             help="the pool's worker logs on this machine (EC2: where they are)")
+    switch(p, "--follow", "keep printing what the workers write (Ctrl-C stops)")
     p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
-    p.set_defaults(func=cmd_pool_logs)
 
-    p = verbs.add_parser("submit", parents=[priced],
-                         help="run items: against a warm pool (--pool) or as a cold fresh acquisition (--model)")
-    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz file of numeric "
-                                 "items, or a Parquet/.arrow/.feather file, folder or quoted glob (one item a row)")
+    p = verb(verbs, "submit", cmd_submit, cost=True, help="run items: against a warm pool (--pool) "
+             "or as a cold fresh acquisition (--model)")
+    p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz "
+                   "file of numeric items, or a Parquet/.arrow/.feather file, folder or quoted "
+                   "glob (one item a row)")
     p.add_argument("--columns", metavar="A,B", help="Parquet/Arrow input: read only these columns")
     p.add_argument("--pool", metavar="M", help="submit claims to the warm pool of model M")
-    p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, or --handler)")
-    p.add_argument("--handler", help="cold run: path/to/handler.py:ClassName instead of a pool's handler")
-    p.add_argument("--shards", type=int, default=1, help="cold run: fresh workers to start (default 1)")
+    p.add_argument("--model", help="cold run: the model whose handler to use (the pool record's, "
+                                   "or --handler)")
+    p.add_argument("--handler",
+                   help="cold run: path/to/handler.py:ClassName instead of a pool's handler")
+    p.add_argument("--shards", type=int, default=1,
+                   help="cold run: fresh workers to start (default 1)")
     p.add_argument("--batch-size", type=int, help="cold run: items per handler.batch() call")
-    p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
-    p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
-    p.add_argument("--no-wait", action="store_true", help="print the run id and return at once")
-    p.add_argument("--wait-for-workers", action="store_true",
-                   help="queue the run even when the pool has no live worker (else: exit 2 at once)")
-    p.add_argument("--id-field", metavar="FIELD", help="copy this item field into each item's result line")
-    p.add_argument("--follow-logs", action="store_true",
-                   help="print what the pool's workers print during the run (on stderr)")
+    p.add_argument("--claim-size", type=int,
+                   help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
+    add(p, "--timeout")
+    switch(p, "--no-wait", "print the run id and return at once")
+    switch(p, "--wait-for-workers",
+           "queue the run even when the pool has no live worker (else: exit 2 at once)")
+    p.add_argument("--id-field", metavar="FIELD",
+                   help="copy this item field into each item's result line")
+    switch(p, "--follow-logs", "print what the pool's workers print during the run (on stderr)")
     planned = p.add_argument_group("a planned pool run (calque plan)")
-    planned.add_argument("--plan", action="store_true", help="print the plan and ask before running it")
-    planned.add_argument("--yes", action="store_true", help="run at the plan without asking")
-    planned.add_argument("--deadline", metavar="DURATION", help="run at the fewest workers that finish within it "
-                                                                "(45m, 2h)")
-    planned.add_argument("--budget", type=float, metavar="USD", help="run at the fewest workers that cost at most "
-                                                                     "this")
+    switch(planned, "--plan", "print the plan and ask before running it")
+    switch(planned, "--yes", "run at the plan without asking")
+    planned.add_argument("--deadline", metavar="DURATION",
+                         help="run at the fewest workers that finish within it (45m, 2h)")
+    planned.add_argument("--budget", type=float, metavar="USD",
+                         help="run at the fewest workers that cost at most this")
     cold_ec2 = p.add_argument_group(
         "cold run on EC2 (s3:// store; --instance-type and --spot above pick the instances)")
-    cold_ec2.add_argument("--ami", help="the AMI of the one-shot instances (required for a cold run on EC2)")
+    cold_ec2.add_argument("--ami",
+                          help="the AMI of the one-shot instances (required for a cold run on EC2)")
     cold_ec2.add_argument("--subnet", help="subnet id (default: the default VPC's)")
-    cold_ec2.add_argument("--key-name", help="EC2 key pair for SSH (none by default)")
-    cold_ec2.add_argument("--yes-spend-money", action="store_true", help="allow starting paid EC2 instances")
-    cold_ec2.add_argument("--dry-run", action="store_true", help="print the AWS calls; change nothing")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_submit)
+    add(cold_ec2, "--key-name", "--yes-spend-money")
+    switch(cold_ec2, "--dry-run", "print the AWS calls; change nothing")
+    add(p, "--json")
 
-    p = verbs.add_parser("plan", parents=[priced], help="a pool run's wall time and cost for 1..B workers, before "
-                                                       "it starts")
+    p = verb(verbs, "plan", cmd_plan, cost=True,
+             help="a pool run's wall time and cost for 1..B workers, before it starts")
     p.add_argument("items", help="the JSONL (or .npy/.npz) file submit would take")
     p.add_argument("--pool", metavar="M", required=True, help="the pool of model M")
     p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_plan)
+    add(p, "--json")
 
-    runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, redrive, delete, "
-                                          "prune them")
-    runs = runs.add_subparsers(dest="runs_verb", required=True,
-                               metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
-    p = runs.add_parser("list", help="every run in the store")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_runs_list)
-    p = runs.add_parser("show", help="a run's claims: worker, warm hit, @enter paid, items, seconds")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_runs_show)
-    p = runs.add_parser("results", help="a run's results in item order: JSONL, Parquet or .npy")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.add_argument("--failed", action="store_true", help="only the failed items (with their last traceback frames)")
-    p.add_argument("--follow", action="store_true", help="wait for the claims, printing each one's results as it ends")
+    runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, "
+                            "redrive, delete, prune them")
+    runs = runs.add_subparsers(
+        dest="runs_verb", required=True,
+        metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
+    verb(runs, "list", cmd_runs_list, "--json", help="every run in the store")
+    verb(runs, "show", cmd_runs_show, "run", "--json",
+         help="a run's claims: worker, warm hit, @enter paid, items, seconds")
+    p = verb(runs, "results", cmd_runs_results, "run",
+             help="a run's results in item order: JSONL, Parquet or .npy")
+    switch(p, "--failed", "only the failed items (with their last traceback frames)")
+    switch(p, "--follow", "wait for the claims, printing each one's results as it ends")
     p.add_argument("--format", choices=("jsonl", "parquet", "npy"), default="jsonl",
-                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result columns) or npy "
-                        "(one result array, stacked)")
+                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result "
+                        "columns) or npy (one result array, stacked)")
     p.add_argument("--output", metavar="PATH", help="write the results there (default: stdout)")
-    p.add_argument("--field", help="npy: the result's key to stack (default: the result, or its only array)")
-    p.add_argument("--fill", type=float, help="npy: the row of a failed item (default NaN, for a float dtype)")
-    p.set_defaults(func=cmd_runs_results)
-    p = runs.add_parser("resume", parents=[priced], help="send the claims an interrupted submit did not, and those in "
-                                                        "no queue, then wait")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.add_argument("--timeout", type=float, help="seconds to wait for the summaries (default CALQUE_TIMEOUT)")
-    p.add_argument("--no-wait", action="store_true", help="return once the claims are sent")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_runs_resume)
-    p = runs.add_parser("cancel", help="cancel a run: its claims without a summary will not run")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.set_defaults(func=cmd_runs_cancel)
-    p = runs.add_parser("redrive", help="send a run's dead-lettered claims back to its pool's queue")
-    p.add_argument("run", help="the run id (see `runs list`)")
-    p.set_defaults(func=cmd_runs_redrive)
-    p = runs.add_parser("report", parents=[priced], help="a run's page as one self-contained HTML file")
-    p.add_argument("run", help="the run id (see `runs list`)")
+    p.add_argument("--field",
+                   help="npy: the result's key to stack (default: the result, or its only array)")
+    p.add_argument("--fill", type=float,
+                   help="npy: the row of a failed item (default NaN, for a float dtype)")
+    p = verb(runs, "resume", cmd_runs_resume, "run", "--timeout", cost=True,
+             help="send the claims an interrupted submit did not, and those in no queue, then wait")
+    switch(p, "--no-wait", "return once the claims are sent")
+    add(p, "--json")
+    verb(runs, "cancel", cmd_runs_cancel, "run",
+         help="cancel a run: its claims without a summary will not run")
+    verb(runs, "redrive", cmd_runs_redrive, "run",
+         help="send a run's dead-lettered claims back to its pool's queue")
+    p = verb(runs, "report", cmd_runs_report, "run", cost=True,
+             help="a run's page as one self-contained HTML file")
     p.add_argument("--html", required=True, metavar="FILE", help="the file to write (no script)")
-    p.set_defaults(func=cmd_runs_report)
-    p = runs.add_parser("delete", help="delete runs from the store (inputs, results, summaries), saying what it freed")
+    p = verb(runs, "delete", cmd_runs_delete,
+             help="delete runs from the store (inputs, results, summaries), saying what it freed")
     p.add_argument("run", nargs="+", help="run ids (see `runs list`)")
-    p.add_argument("--force", action="store_true", help="also a run with claims queued or running")
-    p.set_defaults(func=cmd_runs_delete)
-    p = runs.add_parser("prune", help="delete the runs older than an age, but the newest --keep of each model")
+    switch(p, "--force", "also a run with claims queued or running")
+    p = verb(runs, "prune", cmd_runs_prune,
+             help="delete the runs older than an age, but the newest --keep of each model")
     p.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 7d, 12h, 30m")
-    p.add_argument("--keep", type=int, default=0, metavar="N", help="keep each model's N newest runs (default 0)")
+    p.add_argument("--keep", type=int, default=0, metavar="N",
+                   help="keep each model's N newest runs (default 0)")
     p.add_argument("--model", help="only this model's runs")
-    p.add_argument("--force", action="store_true", help="also runs with claims queued or running")
-    p.set_defaults(func=cmd_runs_prune)
+    switch(p, "--force", "also runs with claims queued or running")
 
-    p = verbs.add_parser("cost", parents=[priced],
-                         help="a run's cost, its cold counterfactual and the crossover ladder")
+    p = verb(verbs, "cost", cmd_cost, cost=True,
+             help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
-    p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=cmd_cost)
-
-    p = verbs.add_parser("dashboard", parents=[priced], help="a read-only live web page of the store")
+    add(p, "--json")
+    p = verb(verbs, "dashboard", cmd_dashboard, cost=True,
+             help="a read-only live web page of the store")
     p.add_argument("--port", type=int, default=8265, help="default 8265; 0: any free port")
     p.add_argument("--host", default="127.0.0.1", help="default loopback; another needs --token")
     p.add_argument("--token", help="a secret every request must carry (?token= once, or Bearer)")
-    p.set_defaults(func=cmd_dashboard)
 
-    modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools").add_subparsers(
-        dest="modal_verb", required=True, metavar="{run}")
-    p = modal.add_parser("run", help="run the app's @app.local_entrypoint() here; its .map/.remote/.spawn go to pools")
+    modal = verbs.add_parser("modal", help="run an unmodified Modal app on calque pools")
+    modal = modal.add_subparsers(dest="modal_verb", required=True, metavar="{run}")
+    p = verb(modal, "run", cmd_modal_run,
+             help="run the app's @app.local_entrypoint() here; its .map/.remote/.spawn go to pools")
     p.add_argument("app", help="app.py or app.py::entrypoint")
-    p.add_argument("--pool", help="a pool serving one of the app's targets (default: an ephemeral pool per target)")
-    p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT, help="local workers of each ephemeral pool")
-    p.add_argument("--volume", action="append", metavar="NAME=PATH", help="as pool create's, for the ephemeral pools")
-    p.add_argument("--secret", action="append", metavar="NAME=FILE", help="as pool create's, for the ephemeral pools")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="the entrypoint's own options (--name value)")
-    p.set_defaults(func=cmd_modal_run)
+    p.add_argument("--pool", help="a pool serving one of the app's targets (default: an "
+                                  "ephemeral pool per target)")
+    p.add_argument("--workers", type=int, default=LOCAL_WORKERS_DEFAULT,
+                   help="local workers of each ephemeral pool")
+    for flag, metavar in (("--volume", "NAME=PATH"), ("--secret", "NAME=FILE")):
+        p.add_argument(flag, action="append", metavar=metavar,
+                       help="as pool create's, for the ephemeral pools")
+    p.add_argument("args", nargs=argparse.REMAINDER,
+                   help="the entrypoint's own options (--name value)")
     return parser
 
 
-KIT_PACKAGES = ("numpy", "torch", "tqdm", "boto3", "orjson")   # what the CLI and the workers it starts import
+KIT_PACKAGES = ("numpy", "torch", "tqdm", "boto3", "orjson")   # what the CLI and its workers import
 
 
 def kit_python(argv, script):
-    """Make sure this interpreter has the kit's packages. One missing, with the kit's .venv there: run the same
-    command under the .venv's Python (os.execv: this process becomes it); else a UserError naming the package and
-    `make setup`. Under the .venv already (sys.prefix), a package it lacks too is that error, not a loop."""
+    """Make sure this interpreter has the kit's packages; one missing, re-run the command under the
+    kit's .venv (os.execv) if there is one, else a UserError. Already under it (sys.prefix): no loop."""
     missing = [name for name in KIT_PACKAGES if importlib.util.find_spec(name) is None]
     if not missing:
         return
@@ -8292,36 +6391,32 @@ def main(argv=None):
     except UserError as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    except (StoreFault, WorkersFailed, ModalEntrypointFailed) as e:
-        print(f"calque: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
-    except ResultsIncomplete as e:   # Run.results() through a verb: a claim that will not run
+    except (StoreFault, WorkersFailed, ModalEntrypointFailed, ResultsIncomplete) as e:
         print(f"calque: error: {e}", file=sys.stderr)
         return EXIT_FAILED
     except BrokenPipeError:
-        # the reader went away (`runs results RUN | head`): stop quietly, as a shell tool does; stdout goes to
-        # /dev/null so that the interpreter's own flush at exit does not fail again
+        # the reader went away (`runs results RUN | head`): stop quietly; stdout to /dev/null, so
+        # that the interpreter's flush at exit does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
     except sqlite3.Error as e:   # the embedded queue: its file unwritable, full or damaged
-        print(f"calque: error: the local queue in {conf['CALQUE_STORE']} failed ({e}) ---> HINT: check that the "
-              f"folder is writable and has free space, then retry", file=sys.stderr)
+        print(f"calque: error: the local queue in {conf['CALQUE_STORE']} failed ({e}) ---> HINT: "
+              "check that the folder is writable and has free space, then retry", file=sys.stderr)
         return EXIT_FAILED
     except NotFound as e:   # something the pool record names is gone (a queue deleted by hand, say)
         region = getattr(backend, "region", None)
-        if region:   # the usual cause on AWS: the pool's queues live in another region than the one searched
+        if region:   # on AWS, usually: the pool's queues are in another region
             print(f"calque: error: {e} not found in region {region} ({conf['CALQUE_STORE']}) ---> HINT: if the pool "
                   f"was created in another region, set AWS_REGION (or the profile's region in ~/.aws/config) to it; "
                   f"else recreate the pool (pool create is idempotent) or delete it", file=sys.stderr)
         else:
-            print(f"calque: error: {e} not found in {conf['CALQUE_STORE']}: recreate the pool (pool create is "
-                  f"idempotent) or delete it", file=sys.stderr)
+            print(f"calque: error: {e} not found in {conf['CALQUE_STORE']}: recreate the pool "
+                  "(pool create is idempotent) or delete it", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        # the steps that leave work behind say what they left (staging, waiting, a cold run); this is any other
-        # moment: before a run was staged, or a pool verb (each safe to run again)
-        print("calque: interrupted ---> HINT: run the command again; `python calque.py runs list` shows the runs "
-              "already queued", file=sys.stderr)
+        # steps that leave work behind say what they left; this is any other moment (safe to rerun)
+        print("calque: interrupted ---> HINT: run the command again; `python calque.py runs list` "
+              "shows the runs already queued", file=sys.stderr)
         return 130
     except OSError as e:
         if e.filename is None:
@@ -8330,10 +6425,9 @@ def main(argv=None):
               file=sys.stderr)
         return EXIT_FAILED
     except Exception as e:
-        if type(e).__module__.startswith("botocore"):   # AWS refused or could not be reached: say so in one line
-            print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions (docs/aws.md) "
-                  f"and region",
-                  file=sys.stderr)
+        if type(e).__module__.startswith("botocore"):   # AWS refused or is unreachable: one line
+            print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions "
+                  "(docs/aws.md) and region", file=sys.stderr)
             return EXIT_FAILED
         raise   # anything else is a bug: the traceback is the report
 

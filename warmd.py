@@ -822,9 +822,10 @@ class ScaleInProtection:
             log.warning("no scale-in protection: the instance id is unreadable (%s)", e)
             return None
         import boto3   # lazy: only an EC2 pool instance needs it
+        import ec2
         region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
         client = boto3.client("autoscaling", config=calque.aws_client_config(region))
-        names = calque.ec2_names(record["model"])
+        names = ec2.resource_names(record["model"])
         return cls(names["asg"], instance_id, client, names["hook"])
 
     def release(self):

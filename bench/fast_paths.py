@@ -28,6 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import calque  # noqa: E402
 import warmd   # noqa: E402
+from common import chosen  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 ROUNDS = {"demo": int(os.environ.get("BENCH_DEMO_ROUNDS", "80")),   # claims per variant
@@ -172,7 +173,7 @@ def measure(name):
 
 
 def main():
-    names = sys.argv[1:] or list(ROUNDS)
+    names = chosen(list(ROUNDS))
     results = {name: measure(name) for name in names}
     print("\nend to end, items/s: "
           + ", ".join(f"{ROUNDS[n]} {n} claims of {CLAIM[n]}" for n in names)

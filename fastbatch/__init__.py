@@ -5,7 +5,7 @@ the C module cannot be built, and pad's copy on either path.
 
     .venv/bin/python fastbatch/_build.py                     # the C module by hand (pip install builds it)
     .venv/bin/python -m pytest -q tests/test_fastbatch.py    # C and numpy paths vs numpy
-    .venv/bin/python tests/bench_fastbatch.py                # GB/s vs torch.stack, np.stack, memcpy
+    .venv/bin/python bench/bench_fastbatch.py                # GB/s vs torch.stack, np.stack, memcpy
     FASTBATCH_REFERENCE=1 FASTBATCH_THREADS=2 ...            # force the numpy path / copy threads
 
     x = fastbatch.stack(arrays)                        # [B, ...] tensor in fresh memory

@@ -1,6 +1,6 @@
 """Churn: a kill -9 of a random worker of a 3-worker local pool every few seconds while runs drain, and what it
 cost: time to done, item computations repeated, items lost, wrong or failed (a good item quarantined).
-tests/test_chaos.py runs a short one; tests/bench_churn.py (`make bench`) the full one."""
+tests/test_chaos.py runs a short one; bench/bench_churn.py (`make bench`) the full one."""
 import contextlib
 import glob
 import json

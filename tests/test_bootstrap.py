@@ -7,6 +7,7 @@ service, and the metadata address in the script is replaced by a closed loopback
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import threading
 import pytest
 
 import calque
+import ec2
 from conftest import ROOT, backend_for, cli, start_worker
 from test_warmd import SpotStub
 
@@ -113,15 +115,15 @@ class Sandbox:
 
 
 def pool_sandbox(root):
-    blob, sha = calque.kit_archive()
+    blob, sha = ec2.kit_archive()
     kit_key = f"pools/{calque.slug(MODEL)}/kit/{sha[:16]}.tar.gz"
-    return Sandbox(root, calque.user_data_pool(MODEL, STORE, "us-east-1", kit_key, sha), kit_key, blob)
+    return Sandbox(root, ec2.user_data_pool(MODEL, STORE, "us-east-1", kit_key, sha), kit_key, blob)
 
 
 def cold_sandbox(root):
-    blob, sha = calque.kit_archive()
+    blob, sha = ec2.kit_archive()
     kit_key = f"runs/r1/kit/{sha[:16]}.tar.gz"
-    return Sandbox(root, calque.user_data_cold("r1", STORE, "us-east-1", kit_key, sha, 90), kit_key, blob)
+    return Sandbox(root, ec2.user_data_cold("r1", STORE, "us-east-1", kit_key, sha, 90), kit_key, blob)
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +168,8 @@ def test_rendered_unit_passes_systemd_analyze(bootstrapped):
 
 def test_user_data_passes_shellcheck():
     """Both bootstraps (pool, cold run) pass bash -n and, where installed, shellcheck."""
-    scripts = [calque.user_data_pool(MODEL, STORE, "us-east-1", "pools/k.tar.gz", "0" * 64),
-               calque.user_data_cold("20261129-101500-ab12cd", STORE, "us-east-1", "runs/k.tar.gz", "0" * 64, 90)]
+    scripts = [ec2.user_data_pool(MODEL, STORE, "us-east-1", "pools/k.tar.gz", "0" * 64),
+               ec2.user_data_cold("20261129-101500-ab12cd", STORE, "us-east-1", "runs/k.tar.gz", "0" * 64, 90)]
     for script in scripts:
         check = subprocess.run(["bash", "-n"], input=script, text=True, capture_output=True)
         assert check.returncode == 0, check.stderr
@@ -186,7 +188,7 @@ def test_failed_bootstrap_reports_itself_and_leaves_the_group(tmp_path):
     box = pool_sandbox(tmp_path / "a")
     done = box.run(FAIL_pip="99", FASTBATCH_FAILS="1")
     assert done.returncode != 0 and "bootstrap failed at pip install -r requirements.txt" in done.stderr
-    assert len(box.calls("pip")) == calque.BOOTSTRAP_ATTEMPTS
+    assert len(box.calls("pip")) == ec2.BOOTSTRAP_ATTEMPTS
     assert box.calls("sleep") == ["sleep 10", "sleep 20", "sleep 40", "sleep 80"]
     report = box.report()
     assert (report["state"], report["stage"]) == ("failed", "pip install -r requirements.txt")
@@ -269,3 +271,21 @@ def test_spot_notice_before_the_first_claim_skips_enter(local_env, tmp_path):
     assert "interruption notice" in text and "SIGTERM: warm stop" in text and "@enter done" not in text, text
     stats, = calque.read_worker_stats(backend_for(local_env), "m")
     assert (stats["state"], stats["enter_count"], stats["claims"]) == ("stopped", 0, 0)
+
+
+def test_the_template_is_a_file_whose_placeholders_are_all_filled():
+    """calque_data/ec2_bootstrap.sh is a real file; a rendered script has none of its ${name}
+    placeholders left, and a field the template lacks is refused rather than dropped."""
+    path = os.path.join(ROOT, "calque_data", "ec2_bootstrap.sh")
+    assert os.path.isfile(path) and not os.path.islink(path)
+    with open(path) as f:
+        names = set(ec2.ShellTemplate(f.read()).get_identifiers())
+    assert {"bucket", "kit_key", "kit_sha256", "env", "on_failure", "worker_args"} <= names
+    for script in (ec2.user_data_pool(MODEL, STORE, "us-east-1", "pools/k.tar.gz", "0" * 64),
+                   ec2.user_data_cold("r1", STORE, "us-east-1", "runs/k.tar.gz", "0" * 64, 90)):
+        assert not re.search(r"\$\{[a-z][a-z0-9_]*\}", script)
+        assert '"${INSTANCE_ID:-}"' in script and '"$CALQUE/kit.tar.gz"' in script   # the shell's own
+    with pytest.raises(RuntimeError, match=r"disagree on \['extra'\]"):
+        ec2._bootstrap(worker_args="", env={}, extra="x", title="t", description="d", verb="v",
+                       profile="p", store=STORE, region="us-east-1", kit_key="k", kit_sha256="0",
+                       unit="u", service="", on_failure="power_off")

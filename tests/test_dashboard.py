@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 
 import calque
+import ec2
 import dashboard
 from bench_dashboard import finish_claims, synth_run
 from cdp import Browser, chromium_path
@@ -186,7 +187,7 @@ def test_ec2_pool_and_a_run_on_s3(aws, tmp_path):
     the pools table marks it EC2; a run's summaries are read from S3 (16 GETs at a time) and add up, and a
     run page says where an EC2 worker's log is."""
     backend = aws.backend
-    calque.ec2_pool_create(backend, ec2_record(backend), EC2_HANDLER, ec2_options(), yes_spend_money=True)
+    ec2.pool_create(backend, ec2_record(backend), EC2_HANDLER, ec2_options(), yes_spend_money=True)
     board = dashboard.Dashboard({"CALQUE_STATE": str(tmp_path / "state")}, backend, calque.pricing())
     view = board.pool_view(EC2_MODEL)
     assert view["ec2"] and view["queue"] == {"visible": 0, "in_flight": 0} and view["workers"] == []

@@ -15,6 +15,7 @@ import pytest
 from moto import mock_aws
 
 import calque
+import ec2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANDLER = os.path.join(ROOT, "tests", "handlers.py") + ":Echo"
@@ -55,24 +56,24 @@ def aws(monkeypatch, tmp_path):
         boto3.client("s3", region_name=REGION).create_bucket(Bucket=BUCKET)
         ami = amazon_ami("x86_64", "Deep Learning AMI *")
         boto3.client("ssm", region_name=REGION).put_parameter(Name="/calque-test/dlami", Value=ami, Type="String")
-        monkeypatch.setattr(calque, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/dlami",
-                                                         "arm64": "/calque-test/dlami-arm"})
-        monkeypatch.setattr(calque, "IAM_PROPAGATION_WAIT", 0)
+        monkeypatch.setattr(ec2, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/dlami",
+                                                      "arm64": "/calque-test/dlami-arm"})
+        monkeypatch.setattr(ec2, "IAM_PROPAGATION_WAIT", 0)
         yield argparse.Namespace(backend=calque.open_backend(STORE), ami=ami)
 
 
 def options(**kw):
     """The fleet `--instances 2 --instance-type g5.xlarge` asks for, with kw's changes, checked as the CLI does."""
-    return calque.ec2_pool_options(**{"instances": 2, "instance_type": "g5.xlarge", **kw})
+    return ec2.pool_options(**{"instances": 2, "instance_type": "g5.xlarge", **kw})
 
 
 def launch(**kw):
     """A cold run's one-shot instances: g5.xlarge, with kw's changes."""
-    return calque.ColdLaunch(**{"ami": None, "instance_type": "g5.xlarge", **kw})
+    return ec2.ColdLaunch(**{"ami": None, "instance_type": "g5.xlarge", **kw})
 
 
 def record(backend, model=MODEL):
-    """The record cmd_pool_create builds before it hands an EC2 pool over (no handler: ec2_pool_create snapshots it)."""
+    """The record cmd_pool_create builds before it hands an EC2 pool over (no handler: ec2.pool_create snapshots it)."""
     return {"model": model, "slug": calque.slug(model), "queue": calque.pool_queue_name(model),
             "dlq": calque.dlq_name(model), "batch_size": 8, "visibility_timeout": 60, "max_deliveries": 3,
             "created_at": calque.now_iso(), "store": backend.describe()}
@@ -84,7 +85,7 @@ def client(service):
 
 def asg_of(model=MODEL):
     groups = client("autoscaling").describe_auto_scaling_groups(
-        AutoScalingGroupNames=[calque.ec2_names(model)["asg"]])["AutoScalingGroups"]
+        AutoScalingGroupNames=[ec2.resource_names(model)["asg"]])["AutoScalingGroups"]
     return groups[0] if groups else None
 
 
@@ -101,7 +102,7 @@ def queue_exists(name):
 
 
 def launch_template_user_data(model=MODEL):
-    v = client("ec2").describe_launch_template_versions(LaunchTemplateName=calque.ec2_names(model)["launch_template"],
+    v = client("ec2").describe_launch_template_versions(LaunchTemplateName=ec2.resource_names(model)["launch_template"],
                                                         Versions=["$Latest"])["LaunchTemplateVersions"][0]
     return base64.b64decode(v["LaunchTemplateData"]["UserData"]).decode(), v
 
@@ -121,7 +122,7 @@ def api_calls(monkeypatch):
 
 def fail_on(monkeypatch, operation, error=None):
     """Make AwsCalls.call raise at the first `operation` (once), as an interruption or an AWS failure would."""
-    real = calque.AwsCalls.call
+    real = ec2.AwsCalls.call
     state = {"armed": True}
 
     def call(self, service, op, **params):
@@ -129,7 +130,7 @@ def fail_on(monkeypatch, operation, error=None):
             state["armed"] = False
             raise error or KeyboardInterrupt()
         return real(self, service, op, **params)
-    monkeypatch.setattr(calque.AwsCalls, "call", call)
+    monkeypatch.setattr(ec2.AwsCalls, "call", call)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -137,8 +138,8 @@ def fail_on(monkeypatch, operation, error=None):
 def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     """create -> status -> scale -> list -> delete on one pool, and a second delete finds nothing left."""
     backend = aws.backend
-    names = calque.ec2_names(MODEL)
-    full = calque.ec2_pool_create(backend, record(backend), HANDLER, options(), yes_spend_money=True)
+    names = ec2.resource_names(MODEL)
+    full = ec2.pool_create(backend, record(backend), HANDLER, options(), yes_spend_money=True)
     assert full["ec2"]["state"] == "ready" and full["ec2"]["ami"] == aws.ami
     stored = calque.read_json(backend, calque.pool_key(MODEL))
     assert stored["ec2"]["state"] == "ready" and stored["handler"]["class"] == "Echo"
@@ -155,24 +156,24 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     assert [r["RoleName"] for r in profile["Roles"]] == [names["role"]]
     assert queue_exists(names["queue"]) and queue_exists(names["dlq"])
 
-    status = calque.ec2_pool_status(backend, stored)
+    status = ec2.pool_status(backend, stored)
     assert status["asg"]["desired"] == 2 and status["instances"] == {"InService": 2}
     assert status["queue"] == {"visible": 0, "in_flight": 0} and status["dlq"] == {"visible": 0, "in_flight": 0}
-    assert any("desired 2" in line for line in calque.format_ec2_status(status))
+    assert any("desired 2" in line for line in ec2.format_status(status))
 
-    calque.ec2_pool_scale(backend, stored, 3, yes_spend_money=True)
+    ec2.pool_scale(backend, stored, 3, yes_spend_money=True)
     assert (asg_of()["DesiredCapacity"] == 3
             and calque.read_json(backend, calque.pool_key(MODEL))["ec2"]["instances"] == 3)
     with pytest.raises(calque.UserError, match="--yes-spend-money"):
-        calque.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 5)
-    calque.ec2_pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 1)
+        ec2.pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 5)
+    ec2.pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 1)
     assert asg_of()["DesiredCapacity"] == 1
 
-    listed = calque.ec2_pool_list(backend)
+    listed = ec2.pool_list(backend)
     assert [(p["model"], p["record"], p["asg"], p["desired"]) for p in listed] == [(MODEL, True, names["asg"], 1)]
 
     capsys.readouterr()
-    assert calque.ec2_pool_delete(backend, stored, yes=True)
+    assert ec2.pool_delete(backend, stored, yes=True)
     out = capsys.readouterr().out
     for thing in (f"auto scaling group {names['asg']}: scaled to 0 and deleted",
                   f"launch template {names['launch_template']}: deleted",
@@ -180,13 +181,13 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
         assert thing in out
     assert asg_of() is None and not role_exists(names["role"]) and not queue_exists(names["queue"])
     assert not backend.store.exists(calque.pool_key(MODEL)) and not backend.store.exists(stored["ec2"]["kit"]["key"])
-    assert calque.ec2_pool_delete(backend, {"model": MODEL}, yes=True)        # re-runnable: every step "already gone"
+    assert ec2.pool_delete(backend, {"model": MODEL}, yes=True)        # re-runnable: every step "already gone"
     assert capsys.readouterr().out.count("not found (already gone)") == 6
 
 
 def test_worker_policy_statement_by_statement(aws):
     """The pool role's policy is exactly these seven statements, and it is what IAM holds after create."""
-    policy = calque.worker_policy("s3://bkt/calque/root", MODEL, "eu-west-1", "111122223333")
+    policy = ec2.worker_policy("s3://bkt/calque/root", MODEL, "eu-west-1", "111122223333")
     q = "arn:aws:sqs:eu-west-1:111122223333:"
     obj = "arn:aws:s3:::bkt/calque/root/"
     s = "qwen-qwen2-5-1-5b-instruct"
@@ -216,7 +217,7 @@ def test_worker_policy_statement_by_statement(aws):
          "Resource": "arn:aws:autoscaling:eu-west-1:111122223333:autoScalingGroup:*:autoScalingGroupName/"
                      f"calque-pool-{s}"},
     ]}
-    cold = calque.cold_worker_policy("s3://bkt", "eu-west-1", "111122223333")
+    cold = ec2.cold_worker_policy("s3://bkt", "eu-west-1", "111122223333")
     assert [(st["Sid"], st["Action"], st["Resource"]) for st in cold["Statement"]] == [
         ("ClaimFromRunQueues", ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes",
                                 "sqs:GetQueueUrl", "sqs:ReceiveMessage"], q + "calque-run-*"),
@@ -236,13 +237,13 @@ def test_worker_policy_statement_by_statement(aws):
         resources = st["Resource"] if isinstance(st["Resource"], list) else [st["Resource"]]
         assert st["Effect"] == "Allow" and "*" not in resources
 
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=0), yes_spend_money=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=0), yes_spend_money=True)
     iam = client("iam")
-    names = calque.ec2_names(MODEL)
+    names = ec2.resource_names(MODEL)
     assert iam.list_role_policies(RoleName=names["role"])["PolicyNames"] == ["calque-worker"]
     held = iam.get_role_policy(RoleName=names["role"], PolicyName="calque-worker")["PolicyDocument"]
     held = json.loads(held) if isinstance(held, str) else held
-    assert held == calque.worker_policy(STORE, MODEL, REGION, "123456789012")
+    assert held == ec2.worker_policy(STORE, MODEL, REGION, "123456789012")
     assert iam.list_attached_role_policies(RoleName=names["role"])["AttachedPolicies"] == []
     trust = iam.get_role(RoleName=names["role"])["Role"]["AssumeRolePolicyDocument"]
     trust = json.loads(trust) if isinstance(trust, str) else trust
@@ -257,10 +258,10 @@ def _env_block(script):
 def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
     """bash -n passes on both scripts; they carry the model, store, region, kit digest, Restart=always, the spot
     poller and no credentials; the env file round-trips an awkward model name through bash exactly."""
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     script, _ = launch_template_user_data()
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    cold = calque.user_data_cold("20261129-101500-ab12cd", STORE, REGION, "runs/x/kit/k.tar.gz", "f" * 64, 90)
+    cold = ec2.user_data_cold("20261129-101500-ab12cd", STORE, REGION, "runs/x/kit/k.tar.gz", "f" * 64, 90)
     for text in (script, cold):
         check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
         assert check.returncode == 0, check.stderr
@@ -279,18 +280,18 @@ def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
     assert "Restart=no" in cold and "poweroff" in cold and "shutdown -h +90" in cold
 
     awkward = "it's a \"model\" $HOME `x` ; rm -rf /"
-    env = _env_block(calque.user_data_pool(awkward, STORE, REGION, "pools/x/kit/k.tar.gz", "0" * 64))
+    env = _env_block(ec2.user_data_pool(awkward, STORE, REGION, "pools/x/kit/k.tar.gz", "0" * 64))
     (tmp_path / "worker.env").write_text(env + "\n")
     got = subprocess.run(["bash", "-c", 'set -a; . "$1"; printf %s "$CALQUE_POOL_MODEL"', "_",
                           str(tmp_path / "worker.env")],
                          capture_output=True, text=True, check=True).stdout
     assert got == awkward
     with pytest.raises(calque.UserError, match="control characters"):
-        calque.user_data_pool("two\nlines", STORE, REGION, "k", "0" * 64)
+        ec2.user_data_pool("two\nlines", STORE, REGION, "k", "0" * 64)
     with pytest.raises(RuntimeError, match="credentials"):
-        calque._refuse_credentials("export AWS_SECRET_ACCESS_KEY=x")
+        ec2._refuse_credentials("export AWS_SECRET_ACCESS_KEY=x")
     with pytest.raises(RuntimeError, match="credentials"):
-        calque._refuse_credentials("key AKIAABCDEFGHIJKLMNOP here")
+        ec2._refuse_credentials("key AKIAABCDEFGHIJKLMNOP here")
 
 
 def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
@@ -298,9 +299,9 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     without duplicating anything (same launch-template version, one role)."""
     fail_on(monkeypatch, "CreateAutoScalingGroup")
     with pytest.raises(KeyboardInterrupt):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     err = capsys.readouterr().err
-    names = calque.ec2_names(MODEL)
+    names = ec2.resource_names(MODEL)
     assert f"stopped at auto scaling group {names['asg']} (interrupted)" in err
     assert (f"in place: queues {names['queue']} + {names['dlq']}, handler, kit and pool record in the store, "
             f"IAM role {names['role']}") in err
@@ -308,7 +309,7 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     assert "re-run the same command" in err and "pool delete --model" in err
     assert asg_of() is None and calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "creating"
 
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     out = capsys.readouterr().out
     assert f"IAM role {names['role']} found" in out and f"launch template {names['launch_template']} found" in out
     assert f"auto scaling group {names['asg']} created" in out
@@ -318,8 +319,8 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     assert calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "ready"
 
     # a changed re-run
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, instance_type="g5.2xlarge"),
-                           yes_spend_money=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, instance_type="g5.2xlarge"),
+                    yes_spend_money=True)
     _, version = launch_template_user_data()
     assert version["VersionNumber"] == 2 and version["LaunchTemplateData"]["InstanceType"] == "g5.2xlarge"
     assert asg_of()["DesiredCapacity"] == 3
@@ -331,7 +332,7 @@ def test_aws_failure_midway_is_one_line_user_error(aws, monkeypatch, capsys):
     fail_on(monkeypatch, "CreateLaunchTemplate",
             ClientError({"Error": {"Code": "UnauthorizedOperation", "Message": "not allowed"}}, "CreateLaunchTemplate"))
     with pytest.raises(calque.UserError, match=r"create stopped at launch template .*UnauthorizedOperation"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     assert "not done: launch template" in capsys.readouterr().err
 
 
@@ -340,12 +341,12 @@ def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
     rest as already gone; a pool that never got its record is deleted by model name alone."""
     fail_on(monkeypatch, "CreateLaunchTemplate")
     with pytest.raises(KeyboardInterrupt):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
-    names = calque.ec2_names(MODEL)
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    names = ec2.resource_names(MODEL)
     assert role_exists(names["role"])
     capsys.readouterr()
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    assert calque.ec2_pool_delete(aws.backend, stored, yes=True)
+    assert ec2.pool_delete(aws.backend, stored, yes=True)
     out = capsys.readouterr().out
     assert f"auto scaling group {names['asg']}: not found (already gone)" in out
     assert f"launch template {names['launch_template']}: not found (already gone)" in out
@@ -357,16 +358,16 @@ def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
     other = "llama-3-8b"
     fail_on(monkeypatch, "PutRolePolicy")          # queues, store and role made; the role's policy not
     with pytest.raises(KeyboardInterrupt):
-        calque.ec2_pool_create(aws.backend, record(aws.backend, other), HANDLER, options(), yes_spend_money=True)
+        ec2.pool_create(aws.backend, record(aws.backend, other), HANDLER, options(), yes_spend_money=True)
     aws.backend.store.delete_prefix(f"pools/{calque.slug(other)}/")     # and the record lost too
-    assert calque.ec2_pool_delete(aws.backend, {"model": other}, yes=True)
-    assert not role_exists(calque.ec2_names(other)["role"]) and not queue_exists(calque.pool_queue_name(other))
+    assert ec2.pool_delete(aws.backend, {"model": other}, yes=True)
+    assert not role_exists(ec2.resource_names(other)["role"]) and not queue_exists(calque.pool_queue_name(other))
 
 
 def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
     """--dry-run prints every mutating call (IAM, EC2, ASG, SQS, S3) and makes only read-only ones; also for
     scale, delete and a cold launch."""
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=10), dry_run=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=10), dry_run=True)
     out = capsys.readouterr().out
     for line in ("would call sqs.CreateQueue", "would call s3.PutObject", "would call iam.CreateRole",
                  "would call iam.PutRolePolicy", "would call iam.CreateInstanceProfile",
@@ -377,77 +378,77 @@ def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
     assert '"sqs:ReceiveMessage"' in out          # the policy is shown in full
     read_only = re.compile(r"^[a-z0-9-]+:(Get|Describe|List|Head)")
     assert api_calls and all(read_only.match(c) for c in api_calls), [c for c in api_calls if not read_only.match(c)]
-    assert not role_exists(calque.ec2_names(MODEL)["role"]) and asg_of() is None
+    assert not role_exists(ec2.resource_names(MODEL)["role"]) and asg_of() is None
     assert not aws.backend.store.exists(calque.pool_key(MODEL))
 
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     api_calls.clear()
-    calque.ec2_pool_scale(aws.backend, stored, 4, dry_run=True)
-    calque.ec2_pool_delete(aws.backend, stored, dry_run=True)
+    ec2.pool_scale(aws.backend, stored, 4, dry_run=True)
+    ec2.pool_delete(aws.backend, stored, dry_run=True)
     cold = {"model": MODEL, "queue": "calque-run-r1", "dlq": "calque-rundlq-r1"}
-    ids = calque.ec2_cold_launch(aws.backend, cold, "r1", 2, launch(ami=aws.ami), timeout=600.0, dry_run=True)
+    ids = ec2.cold_launch(aws.backend, cold, "r1", 2, launch(ami=aws.ami), timeout=600.0, dry_run=True)
     assert ids == ["i-dry-run-0", "i-dry-run-1"]
     assert all(read_only.match(c) for c in api_calls), [c for c in api_calls if not read_only.match(c)]
     out = capsys.readouterr().out
     assert "would call autoscaling.UpdateAutoScalingGroup" in out
     assert "would call autoscaling.DeleteAutoScalingGroup" in out
     assert "would call iam.DeleteRole" in out and "would call ec2.RunInstances" in out
-    assert asg_of()["DesiredCapacity"] == 2 and role_exists(calque.ec2_names(MODEL)["role"])
+    assert asg_of()["DesiredCapacity"] == 2 and role_exists(ec2.resource_names(MODEL)["role"])
 
 
 def test_refusals_before_any_call(aws, api_calls, tmp_path):
     """No --yes-spend-money, a local store, no --yes on delete, bad sizes: one-line UserErrors, no AWS call made."""
     with pytest.raises(calque.UserError, match="--yes-spend-money"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options())
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options())
     local = calque.LocalBackend(str(tmp_path / "store"))
     with pytest.raises(calque.UserError, match="s3:// store"):
-        calque.ec2_pool_create(local, record(local), HANDLER, options(), yes_spend_money=True)
+        ec2.pool_create(local, record(local), HANDLER, options(), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--yes"):
-        calque.ec2_pool_delete(aws.backend, {"model": MODEL})
+        ec2.pool_delete(aws.backend, {"model": MODEL})
     with pytest.raises(calque.UserError, match="--min-instances"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(min_instances=3),
-                               yes_spend_money=True)
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(min_instances=3),
+                        yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--scale-to-zero-after"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=0),
-                               yes_spend_money=True)
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=0),
+                        yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--ami"):
-        calque.ec2_cold_launch(aws.backend, {"model": MODEL, "queue": "q"}, "r1", 1, launch(), timeout=600.0,
-                               yes_spend_money=True)
+        ec2.cold_launch(aws.backend, {"model": MODEL, "queue": "q"}, "r1", 1, launch(), timeout=600.0,
+                        yes_spend_money=True)
     assert api_calls == []
     with pytest.raises(calque.UserError, match="not an instance type"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instance_type="g5.bogus"),
-                               yes_spend_money=True)
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(instance_type="g5.bogus"),
+                        yes_spend_money=True)
     with pytest.raises(calque.UserError, match="no such subnet"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(subnet="subnet-0000000000"),
-                               yes_spend_money=True)
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(subnet="subnet-0000000000"),
+                        yes_spend_money=True)
     with pytest.raises(calque.UserError, match="no such key pair"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(key_name="nope"),
-                               yes_spend_money=True)
-    assert not role_exists(calque.ec2_names(MODEL)["role"])
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(key_name="nope"),
+                        yes_spend_money=True)
+    assert not role_exists(ec2.resource_names(MODEL)["role"])
 
 
 def test_ami_parameter_missing_ambiguous_or_wrong(aws, monkeypatch):
     """A missing SSM parameter names itself and --ami; a value that is not one AMI id is refused; a bad --ami too."""
-    monkeypatch.setattr(calque, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/none"})
+    monkeypatch.setattr(ec2, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/none"})
     with pytest.raises(calque.UserError, match=r"/calque-test/none does not exist .*--ami"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     client("ssm").put_parameter(Name="/calque-test/two", Value=f"{aws.ami},ami-0123456789abcdef0", Type="StringList")
-    monkeypatch.setattr(calque, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/two"})
+    monkeypatch.setattr(ec2, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/two"})
     with pytest.raises(calque.UserError, match="not exactly one AMI id"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="ami-0123456789abcdef0 .* does not exist"):
-        calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(ami="ami-0123456789abcdef0"),
-                               yes_spend_money=True)
-    assert not role_exists(calque.ec2_names(MODEL)["role"])
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(ami="ami-0123456789abcdef0"),
+                        yes_spend_money=True)
+    assert not role_exists(ec2.resource_names(MODEL)["role"])
 
 
 def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
     """--scale-to-zero-after: min 0, wake/idle policies (exactly N / 0) and alarms on the pool queue (idle counts
     in-flight claims too); submit's hint says the pool is cold once it is at 0."""
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER,
-                           options(instances=3, scale_to_zero_after=15, spot=True), yes_spend_money=True)
-    names = calque.ec2_names(MODEL)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER,
+                    options(instances=3, scale_to_zero_after=15, spot=True), yes_spend_money=True)
+    names = ec2.resource_names(MODEL)
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (0, 3, 3)
     assert group["MixedInstancesPolicy"]["InstancesDistribution"]["OnDemandPercentageAboveBaseCapacity"] == 0
@@ -473,15 +474,15 @@ def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
         "ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible"}
 
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    assert calque.ec2_cold_wait_hint(aws.backend, stored) is None          # 3 in service
-    calque.ec2_pool_scale(aws.backend, stored, 0)
+    assert ec2.cold_wait_hint(aws.backend, stored) is None          # 3 in service
+    ec2.pool_scale(aws.backend, stored, 0)
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
-    hint = calque.ec2_cold_wait_hint(aws.backend, stored)
+    hint = ec2.cold_wait_hint(aws.backend, stored)
     assert "is cold (0 instances)" in hint and "wake alarm" in hint and "min" in hint
-    assert calque.ec2_cold_wait_hint(aws.backend, dict(stored, ec2=None)) is None
+    assert ec2.cold_wait_hint(aws.backend, dict(stored, ec2=None)) is None
 
     # re-run without the flag
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3), yes_spend_money=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3), yes_spend_money=True)
     alarms = client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])
     assert alarms["MetricAlarms"] == []
     assert "scale-to-zero alarms removed" in capsys.readouterr().out
@@ -509,7 +510,7 @@ def fire(alarm_name, backlog=1):
     AWS does (a scale-in terminates unprotected instances only, in moto as in AWS)."""
     alarm = client("cloudwatch").describe_alarms(AlarmNames=[alarm_name])["MetricAlarms"][0]
     arn, = alarm["AlarmActions"]
-    asg, name = calque.ec2_names(MODEL)["asg"], arn.rsplit("policyName/", 1)[1]
+    asg, name = ec2.resource_names(MODEL)["asg"], arn.rsplit("policyName/", 1)[1]
     policy, = client("autoscaling").describe_policies(AutoScalingGroupName=asg, PolicyNames=[name])["ScalingPolicies"]
     if policy["PolicyType"] != "StepScaling":
         client("autoscaling").execute_policy(AutoScalingGroupName=asg, PolicyName=name)
@@ -526,9 +527,9 @@ def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
     cannot take the group below 3, and a `pool create` re-run keeps the hold and never sets the desired count;
     `--instances 0` hands the pool back to its alarms. Missing SQS data is FILLed explicitly."""
     _moto_policies_keep_min_and_max(monkeypatch)
-    names = calque.ec2_names(MODEL)
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=10),
-                           yes_spend_money=True)
+    names = ec2.resource_names(MODEL)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(scale_to_zero_after=10),
+                    yes_spend_money=True)
     idle = client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_idle"]])["MetricAlarms"][0]
     assert {m["Id"]: m.get("Expression") for m in idle["Metrics"] if "Expression" in m} == {
         "visible": "FILL(visible_raw, 0)", "inflight": "FILL(inflight_raw, 0)", "backlog": "visible + inflight"}
@@ -536,38 +537,38 @@ def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
     fire(names["alarm_idle"])                                    # idle: asleep
     assert asg_of()["DesiredCapacity"] == 0
 
-    calque.ec2_pool_scale(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)), 3,
-                          yes_spend_money=True)
+    ec2.pool_scale(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)), 3,
+                   yes_spend_money=True)
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (3, 3, 3)
     fire(names["alarm_idle"])                                    # a minute later, still in ALARM
     assert asg_of()["DesiredCapacity"] == 3
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     assert stored["ec2"]["held"] == 3
-    status = calque.format_ec2_status(calque.ec2_pool_status(aws.backend, stored))
+    status = ec2.format_status(ec2.pool_status(aws.backend, stored))
     assert any("scale to zero: held at 3 by `pool scale`" in line for line in status), status
 
     capsys.readouterr()
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=10),
-                           yes_spend_money=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=10),
+                    yes_spend_money=True)
     assert f"auto scaling group {names['asg']} updated; desired 3 kept" in capsys.readouterr().out
     fire(names["alarm_idle"])
     assert asg_of()["DesiredCapacity"] == 3 and asg_of()["MinSize"] == 3
 
-    calque.ec2_pool_scale(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)), 0)
+    ec2.pool_scale(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)), 0)
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (0, 3, 0)
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     assert stored["ec2"]["held"] is None and stored["ec2"]["instances"] == 3
-    status = calque.format_ec2_status(calque.ec2_pool_status(aws.backend, stored))
+    status = ec2.format_status(ec2.pool_status(aws.backend, stored))
     assert any("scale to zero: alarms in charge (backlog steps up to 3" in line for line in status), status
     fire(names["alarm_wake"], backlog=1)
     assert asg_of()["DesiredCapacity"] == 1
     fire(names["alarm_wake"], backlog=7)
     assert asg_of()["DesiredCapacity"] == 3
     fire(names["alarm_idle"])
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=10),
-                           yes_spend_money=True)                 # a re-run on a sleeping pool does not wake it
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, scale_to_zero_after=10),
+                    yes_spend_money=True)                 # a re-run on a sleeping pool does not wake it
     assert asg_of()["DesiredCapacity"] == 0
     with pytest.raises(calque.UserError, match="--scale-to-zero-after 1: minutes between 2"):
         options(scale_to_zero_after=1)
@@ -576,9 +577,9 @@ def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
 def test_status_shows_bootstrap_reports(aws):
     """pool status reads the instances' bootstrap reports: the builds they run, a WARNING for a failed fastbatch
     build or a torch blind to the GPU, and the failed bootstraps of instances already replaced."""
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     ready, numpy_cpu = sorted(i["InstanceId"] for i in asg_of()["Instances"])
-    prefix = calque.ec2_names(MODEL)["report_prefix"]
+    prefix = ec2.resource_names(MODEL)["report_prefix"]
 
     def report(started, instance_id, **fields):
         calque.write_json(aws.backend, f"{prefix}{started}.{instance_id}.json",
@@ -591,10 +592,10 @@ def test_status_shows_bootstrap_reports(aws):
     report("20261129T101000Z", ready)
     report("20261129T101000Z", numpy_cpu, fastbatch="failed: fastbatch.c:1:10: fatal error: Python.h: No such file",
            torch="2.13.0+cpu", torch_cuda="None", torch_gpu="False")
-    status = calque.ec2_pool_status(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)))
+    status = ec2.pool_status(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)))
     assert sorted(status["bootstrap"]["current"]) == sorted([ready, numpy_cpu])
     assert [r["instance_id"] for r in status["bootstrap"]["failed"]] == ["i-0gone0failed0000"]
-    text = "\n".join(calque.format_ec2_status(status))
+    text = "\n".join(ec2.format_status(status))
     assert "bootstrap: 1 ready with torch 2.13.0+cu128 (CUDA 12.8, GPU visible), fastbatch C" in text
     assert (f"WARNING ({numpy_cpu}): fastbatch's C build failed: fastbatch.c:1:10: fatal error: Python.h" in text
             and "gather batches with the numpy path" in text)
@@ -607,8 +608,8 @@ def test_status_shows_bootstrap_reports(aws):
 def test_arm64_gpu_type_is_warned_about(aws, capsys):
     """An arm64 GPU instance type gets a WARNING that the pinned torch may have no CUDA wheel there."""
     arm = amazon_ami("arm64", "amzn2-ami-hvm-*")
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER, options(instance_type="g5g.xlarge", ami=arm),
-                           dry_run=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(instance_type="g5g.xlarge", ami=arm),
+                    dry_run=True)
     assert "WARNING: g5g.xlarge is arm64: PyPI's torch==2.13.0 wheel for Linux aarch64 may be a CPU-only build" in (
         capsys.readouterr().out)
 
@@ -618,41 +619,41 @@ def test_cold_launch_one_shot_instances(aws):
     terminate-on-shutdown and run tags; cleanup terminates the ones still up."""
     run_id = "20261129-101500-ab12cd"
     cold = {"model": MODEL, "queue": calque.RUN_QUEUE_PREFIX + run_id, "dlq": calque.RUN_DLQ_PREFIX + run_id}
-    ids = calque.ec2_cold_launch(aws.backend, cold, run_id, 2, launch(ami=aws.ami), timeout=1200.0,
-                                 yes_spend_money=True)
+    ids = ec2.cold_launch(aws.backend, cold, run_id, 2, launch(ami=aws.ami), timeout=1200.0,
+                          yes_spend_money=True)
     assert len(ids) == 2
-    ec2 = client("ec2")
+    instances = client("ec2")
     for iid in ids:
-        assert ec2.describe_instance_attribute(InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")[
+        assert instances.describe_instance_attribute(InstanceId=iid, Attribute="instanceInitiatedShutdownBehavior")[
             "InstanceInitiatedShutdownBehavior"]["Value"] == "terminate"
-        user_data = base64.b64decode(ec2.describe_instance_attribute(
+        user_data = base64.b64decode(instances.describe_instance_attribute(
             InstanceId=iid, Attribute="userData")["UserData"]["Value"]).decode()
         assert f"CALQUE_RUN={run_id}" in user_data and "shutdown -h +50" in user_data
-    inst = ec2.describe_instances(InstanceIds=ids)["Reservations"][0]["Instances"][0]
+    inst = instances.describe_instances(InstanceIds=ids)["Reservations"][0]["Instances"][0]
     tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
     assert tags["calque:run"] == run_id and tags["calque:role"] == "cold-worker"
-    role = calque.cold_role_name(STORE, REGION)
+    role = ec2.cold_role_name(STORE, REGION)
     held = client("iam").get_role_policy(RoleName=role, PolicyName="calque-worker")["PolicyDocument"]
     held = json.loads(held) if isinstance(held, str) else held
-    assert held == calque.cold_worker_policy(STORE, REGION, "123456789012")
+    assert held == ec2.cold_worker_policy(STORE, REGION, "123456789012")
     assert any(k.startswith(f"runs/{run_id}/kit/") for k in aws.backend.store.list(f"runs/{run_id}/kit/"))
     # a second run reuses the role
-    calque.ec2_cold_launch(aws.backend, cold, "20261129-101600-cd34ef", 1, launch(ami=aws.ami), timeout=600.0,
-                           yes_spend_money=True)
+    ec2.cold_launch(aws.backend, cold, "20261129-101600-cd34ef", 1, launch(ami=aws.ami), timeout=600.0,
+                    yes_spend_money=True)
     roles = [r["RoleName"] for r in client("iam").list_roles()["Roles"]]
     assert [r for r in roles if r.startswith("calque-cold-")] == [role]
-    assert sorted(calque.ec2_cold_cleanup(aws.backend, ids)) == sorted(ids)
-    assert calque.ec2_cold_cleanup(aws.backend, ids) == []
+    assert sorted(ec2.cold_cleanup(aws.backend, ids)) == sorted(ids)
+    assert ec2.cold_cleanup(aws.backend, ids) == []
 
 
 def test_names_fit_aws_limits():
     """IAM names stay within 64 characters, and two long models that share a cut prefix get different names."""
     a, b = "m" * 60 + "-one", "m" * 60 + "-two"          # distinct slugs (64 chars) whose role names must be cut
-    na, nb = calque.ec2_names(a), calque.ec2_names(b)
+    na, nb = ec2.resource_names(a), ec2.resource_names(b)
     assert len(na["role"]) <= 64 and na["role"] != nb["role"] and na["role"] == na["instance_profile"]
-    assert calque.ec2_names("llama-3-8b")["role"] == "calque-llama-3-8b"
-    assert len(calque.ec2_names("x" * 200)["asg"]) == 80
-    assert len(calque.cold_role_name(STORE, REGION)) <= 64
+    assert ec2.resource_names("llama-3-8b")["role"] == "calque-llama-3-8b"
+    assert len(ec2.resource_names("x" * 200)["asg"]) == 80
+    assert len(ec2.cold_role_name(STORE, REGION)) <= 64
 
 
 def test_import_never_loads_boto3():
@@ -664,18 +665,18 @@ def test_import_never_loads_boto3():
 def test_every_aws_call_is_documented(aws, api_calls):
     """Every AWS operation the EC2 commands make appears as service:Operation in the README's On AWS section."""
     backend = aws.backend
-    calque.ec2_pool_create(backend, record(backend), HANDLER, options(scale_to_zero_after=5), yes_spend_money=True)
+    ec2.pool_create(backend, record(backend), HANDLER, options(scale_to_zero_after=5), yes_spend_money=True)
     stored = calque.read_json(backend, calque.pool_key(MODEL))
-    calque.ec2_pool_status(backend, stored)
-    calque.ec2_pool_scale(backend, stored, 1, yes_spend_money=True)
-    calque.ec2_pool_list(backend)
-    calque.ec2_cold_wait_hint(backend, stored)
-    ids = calque.ec2_cold_launch(backend, {"model": MODEL, "queue": "calque-run-r9"}, "r9", 1, launch(ami=aws.ami),
-                                 timeout=600.0, yes_spend_money=True)
-    calque.ec2_cold_cleanup(backend, ids)
+    ec2.pool_status(backend, stored)
+    ec2.pool_scale(backend, stored, 1, yes_spend_money=True)
+    ec2.pool_list(backend)
+    ec2.cold_wait_hint(backend, stored)
+    ids = ec2.cold_launch(backend, {"model": MODEL, "queue": "calque-run-r9"}, "r9", 1, launch(ami=aws.ami),
+                          timeout=600.0, yes_spend_money=True)
+    ec2.cold_cleanup(backend, ids)
     # the update paths
-    calque.ec2_pool_create(backend, record(backend), HANDLER, options(instance_type="g5.2xlarge"), yes_spend_money=True)
-    calque.ec2_pool_delete(backend, stored, yes=True)
+    ec2.pool_create(backend, record(backend), HANDLER, options(instance_type="g5.2xlarge"), yes_spend_money=True)
+    ec2.pool_delete(backend, stored, yes=True)
     docs = ""
     for name in (os.path.join("docs", "aws.md"), "README.md"):
         path = os.path.join(ROOT, name)
@@ -720,15 +721,15 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     scale-in that takes the idle ones, so scaling in costs no redelivery; pool delete removes alarms and policies."""
     import warmd
     _moto_policies_keep_min_and_max(monkeypatch)
-    names = calque.ec2_names(MODEL)
+    names = ec2.resource_names(MODEL)
     calque.write_json(aws.backend, calque.run_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa"), {
         "run_id": f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "model": MODEL, "mode": "pool", "claims": ["c00000"],
         "items": 10, "claim_size": 10, "created_at": "2026-12-01T10:00:00+00:00", "sent": 1, "staged": True})
     calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "c00000"),
                       {"claim": "c00000", "items": 10, "claim_seconds": 30.0, "enter_seconds_paid": 0.0,
                        "mode": "pool"})
-    calque.ec2_pool_create(aws.backend, record(aws.backend), HANDLER,
-                           options(instances=None, min_instances=0, max_instances=3), yes_spend_money=True)
+    ec2.pool_create(aws.backend, record(aws.backend), HANDLER,
+                    options(instances=None, min_instances=0, max_instances=3), yes_spend_money=True)
     out = capsys.readouterr().out
     assert "backlog -> instances: 1+ -> 1, 3+ -> 2, 5+ -> 3; 30 s a claim, drain target 60 s" in out, out
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
@@ -785,7 +786,7 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
                                                       "c00000"),
                       {"claim": "c00000", "items": 10, "claim_seconds": 6.0, "enter_seconds_paid": 0.0,
                        "mode": "pool"})
-    calque.refresh_backlog_steps(aws.backend, stored)
+    ec2.refresh_backlog_steps(aws.backend, stored)
     steps = policies()[names["policy_wake"]]["StepAdjustments"]
     assert [(a["MetricIntervalLowerBound"], a["ScalingAdjustment"]) for a in steps] == [
         (0.0, 1), (10.5, 2), (20.5, 3), (30.5, 4), (40.5, 5)]
@@ -798,7 +799,7 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     assert [(h["LifecycleHookName"], h["LifecycleTransition"], h["HeartbeatTimeout"], h["DefaultResult"])
             for h in hooks] == [(names["hook"], "autoscaling:EC2_INSTANCE_TERMINATING", 900, "CONTINUE")]
 
-    assert calque.ec2_pool_delete(aws.backend, stored, yes=True)
+    assert ec2.pool_delete(aws.backend, stored, yes=True)
     assert client("cloudwatch").describe_alarms(AlarmNames=[names["alarm_wake"], names["alarm_idle"]])[
         "MetricAlarms"] == []
     assert asg_of() is None or asg_of().get("Status")
@@ -817,11 +818,25 @@ def test_modal_image_on_an_ec2_pool(aws, tmp_path, monkeypatch):
         ".pip_install('no-such-dist==1.2', 'other>=2').add_local_file('vocab.txt', '/root/vocab.txt')\n"
         "app = modal.App(image=image)\n@app.function()\ndef f(x):\n    return x\n")
     modal, _, _ = calque.modal_options("app.py:f", workers_here=False)
-    calque.ec2_pool_create(aws.backend, dict(record(aws.backend), modal=modal), "app.py:f", options(),
-                           yes_spend_money=True)
+    ec2.pool_create(aws.backend, dict(record(aws.backend), modal=modal), "app.py:f", options(),
+                    yes_spend_money=True)
     script, _ = launch_template_user_data()
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert "install -q --no-cache-dir no-such-dist==1.2 'other>=2'" in script and "install -y -q libsndfile1" in script
     include = calque.read_json(aws.backend, calque.pool_key(MODEL))["handler"]["include"]
     assert include["files"] == 1
     assert hashlib.sha256(aws.backend.store.get(include["key"])).hexdigest() == include["sha256"]
+
+
+def test_the_local_path_runs_without_ec2(local_env, tmp_path):
+    """calque's local verbs never import ec2: with `import ec2` made to fail, a local pool is
+    created, runs a submit, shows its status and list, and is deleted."""
+    items = tmp_path / "items.jsonl"
+    items.write_text("".join(json.dumps({"x": i}) + "\n" for i in range(5)))
+    no_ec2 = "import sys; sys.modules['ec2'] = None; import calque; sys.exit(calque.main(sys.argv[1:]))"
+    for args in (["pool", "create", "--model", "m", "--handler", HANDLER, "--workers", "1"],
+                 ["submit", "--pool", "m", str(items)], ["pool", "status", "--model", "m"],
+                 ["pool", "list"], ["pool", "delete", "--model", "m", "--yes"]):
+        out = subprocess.run([sys.executable, "-c", no_ec2, *args], env=local_env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, (args, out.stdout, out.stderr)

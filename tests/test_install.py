@@ -13,6 +13,7 @@ import tomllib
 import zipfile
 
 import calque
+import ec2
 from conftest import PY, ROOT
 
 HANDLER = '''import calque
@@ -56,7 +57,7 @@ def build_wheel(tmp, env=None, *isolation):
     """The wheel pip builds, in an isolated build environment unless told --no-build-isolation, from the
     checkout's EC2 kit (an sdist)."""
     kit = tmp / "calque-kit.tar.gz"
-    kit.write_bytes(calque.kit_archive()[0])
+    kit.write_bytes(ec2.kit_archive()[0])
     subprocess.run([PY, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(tmp / "dist"), str(kit)],
                    check=True, capture_output=True, text=True, timeout=300, env=env or without_checkout())
     return next((tmp / "dist").glob("calque-*.whl"))
@@ -129,7 +130,7 @@ def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, 
     env = dict(env, CALQUE_STORE="s3://calque-install/root", AWS_ENDPOINT_URL=moto_endpoint)
     out = calque_cmd(python, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum",
                      "--instances", "1", "--instance-type", "g5.xlarge", "--ami", ami, "--dry-run")
-    assert f"kit {calque.kit_archive()[1][:16]}" in out and "would call autoscaling.CreateAutoScalingGroup" in out
+    assert f"kit {ec2.kit_archive()[1][:16]}" in out and "would call autoscaling.CreateAutoScalingGroup" in out
     assert s3.list_objects_v2(Bucket="calque-install").get("KeyCount") == 0
 
 

@@ -549,14 +549,15 @@ def test_image_imports_and_bootstrap(tmp_path):
     """`with image.imports():` skips a missing module outside a worker, as Modal does locally, and raises it in a
     worker; an EC2 pool's bootstrap installs the image's apt and pip packages as written."""
     import calque
+    import ec2
     app = tmp_path / "imports.py"
     app.write_text("import modal\nimage = modal.Image.debian_slim()\napp = modal.App(image=image)\n"
                    "with image.imports():\n    import no_such_module_xyz\n@app.function()\ndef f(x):\n    return x\n")
     calque.import_modal_app(str(app), "f")
     with pytest.raises(calque.UserError, match="imports.py:5: module 'no_such_module_xyz' is not installed"):
         calque.import_modal_app(str(app), "f", container=True)
-    script = calque.user_data_pool("m", "s3://b/p", "us-east-1", "kit.tgz", "0" * 64,
-                                   image={"apt": ["libgomp1"], "pip": ["scikit-learn~=1.5.0", "numpy"]})
+    script = ec2.user_data_pool("m", "s3://b/p", "us-east-1", "kit.tgz", "0" * 64,
+                                image={"apt": ["libgomp1"], "pip": ["scikit-learn~=1.5.0", "numpy"]})
     assert "apt-get -o DPkg::Lock::Timeout=600 install -y -q libgomp1" in script
     assert "install -q --no-cache-dir 'scikit-learn~=1.5.0' numpy" in script
 

@@ -5,7 +5,6 @@ moto_server, and its moto_server whose SQS reads the clock cheaply."""
 import json
 import os
 import signal
-import sys
 import time
 import urllib.request
 
@@ -13,9 +12,7 @@ import boto3
 
 import calque
 from conftest import HANDLERS, PY, ROOT, backend_for, cli, serving, start_worker, wait_for, write_items
-
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-from latency_proxy import start_proxy  # noqa: E402
+from latency_proxy import start_proxy
 
 
 def make_pool(env, *extra):

@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 import calque
+import ec2
 
 TICK = 1.0            # s between two decisions, as the supervisor's SCALE_INTERVAL (coarser: fewer events)
 STARTUP = 10.0        # s from spawn to a worker taking claims (acquisition + @enter)
@@ -46,15 +47,15 @@ def test_pool_bounds_from_the_flags():
 
 
 def test_backlog_steps_are_desired_count_at_each_threshold():
-    assert calque.backlog_steps(0, 3, None, DRAIN) == [(1, 1), (2, 2), (3, 3)]
-    steps = calque.backlog_steps(1, 8, 15.0, DRAIN)           # one instance drains 4 claims in the target
+    assert ec2.backlog_steps(0, 3, None, DRAIN) == [(1, 1), (2, 2), (3, 3)]
+    steps = ec2.backlog_steps(1, 8, 15.0, DRAIN)           # one instance drains 4 claims in the target
     assert steps == [(1, 1), (5, 2), (9, 3), (13, 4), (17, 5), (21, 6), (25, 7), (29, 8)]
     for backlog, capacity in steps:
         assert decide(backlog, 0, 0, spc=15.0, lo=1, hi=8).desired == capacity
         assert decide(backlog - 1, 0, 0, spc=15.0, lo=1, hi=8).desired < capacity or backlog == 1
-    many = calque.backlog_steps(0, 100, None, DRAIN)
-    assert len(many) <= calque.STEP_ADJUSTMENTS_MAX and many[-1] == (100, 100)
-    assert calque.backlog_steps(0, 5, 600.0, DRAIN) == [(1, 1)] + [(b, b) for b in range(2, 6)]  # spc > target
+    many = ec2.backlog_steps(0, 100, None, DRAIN)
+    assert len(many) <= ec2.STEP_ADJUSTMENTS_MAX and many[-1] == (100, 100)
+    assert ec2.backlog_steps(0, 5, 600.0, DRAIN) == [(1, 1)] + [(b, b) for b in range(2, 6)]  # spc > target
 
 
 class Clock:

@@ -240,8 +240,9 @@ def test_pyproject_installs_the_kit_with_requirements_pins(tmp_path):
     assert out.returncode == 0, out.stderr
     wheel = zipfile.ZipFile(next(tmp_path.glob("calque-*.whl")))
     names = wheel.namelist()
-    assert {"calque.py", "warmd.py", "fastbatch/__init__.py", "fastbatch/fastbatch.c", "fastbatch/fastbatch.h",
-            "modal_shim/modal.py", "calque_data/sdist/setup.py"} <= set(names)
+    assert {"calque.py", "warmd.py", "ec2.py", "fastbatch/__init__.py", "fastbatch/fastbatch.c",
+            "fastbatch/fastbatch.h", "modal_shim/modal.py", "calque_data/ec2_bootstrap.sh",
+            "calque_data/sdist/setup.py"} <= set(names)
     assert [n for n in names if n.startswith("fastbatch/_fastbatch_c.") and n.endswith(".so")]
     for name in ("rates.json", "sdist/pyproject.toml", "sdist/requirements.txt"):
         with open(os.path.join(ROOT, name.rsplit("/", 1)[-1]), "rb") as f:

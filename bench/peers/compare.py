@@ -5,7 +5,7 @@
     BENCH_PEER_DELAY_MS=15 make bench-peers                     # both behind bench/latency_proxy.py, 15 ms a request
 
 One moto_server (bench/peers/moto_counted.py: it counts every request it serves, by operation) holds both runs:
-1. calque: a demo pool of 2 warm workers (tests/bench_scale.py's end_to_end), then `calque.py submit --pool` of
+1. calque: a demo pool of 2 warm workers (bench/bench_scale.py's end_to_end), then `calque.py submit --pool` of
    the items file in claims of 100, a child process timed whole (wall and CPU, interpreter start included);
 2. Celery: 2 workers (bench/peers/celery_peer.py workers, `--pool solo` each, the demo model loaded before they
    say ready), then its client (celery_peer.py client: send a task per 100 items, join the results), a child
@@ -27,7 +27,7 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 os.environ.update(AWS_EC2_METADATA_DISABLED="true", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                   AWS_DEFAULT_REGION="us-east-1")
 import bench_scale  # noqa: E402
@@ -65,7 +65,7 @@ def counter(url):
 
 
 def timed(args, env):
-    """Run args as a child: (wall s, CPU s, stdout), measured by wait4 as tests/bench_scale.py measures submit."""
+    """Run args as a child: (wall s, CPU s, stdout), measured by wait4 as bench/bench_scale.py measures submit."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(args, env=env, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=out, stderr=err)

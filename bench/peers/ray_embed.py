@@ -1,4 +1,4 @@
-"""make bench-peers, part 2: the embedding job (tests/bench_embed.py's) on calque and on Ray Data, side by side.
+"""make bench-peers, part 2: the embedding job (bench/bench_embed.py's) on calque and on Ray Data, side by side.
 
     make bench-peers
     BENCH_EMBED_ITEMS=2000 RAY_PY=.venv-ray/bin/python .venv/bin/python bench/peers/ray_embed.py
@@ -16,7 +16,7 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 from bench_embed import EMBED_ITEMS, PY, calque_run, folder_bytes  # noqa: E402
 
 RAY_PY = os.environ.get("RAY_PY", os.path.join(ROOT, ".venv-ray", "bin", "python"))

@@ -1,7 +1,7 @@
 """make bench, part 1: what a claim costs the pool machinery, and what warm workers buy.
 
-    .venv/bin/python tests/bench_pool.py            # all of it, local backend and moto_server side by side
-    BENCH_CLAIMS=20 DEMO_MODEL_MB=256 .venv/bin/python tests/bench_pool.py
+    .venv/bin/python bench/bench_pool.py            # all of it, local backend and moto_server side by side
+    BENCH_CLAIMS=20 DEMO_MODEL_MB=256 .venv/bin/python bench/bench_pool.py
 
 1. dispatch overhead per claim (receive -> manifest -> results + summary -> ack) with an empty handler,
    measured inside one worker object so that nothing else is in the number;

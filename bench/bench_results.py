@@ -3,10 +3,9 @@ handler returning the batch's [B, 256] array) and as JSON lists (the same values
 stored before typed results): bytes stored per item against the raw 1,024, and the time to read them back,
 side by side, per format. First, what a worker spends writing one claim's part either way (in process).
 
-    .venv/bin/python tests/bench_results.py            # BENCH_RESULT_ITEMS=50000 by default
+    .venv/bin/python bench/bench_results.py            # BENCH_RESULT_ITEMS=50000 by default
 """
 import os
-import py_compile
 import statistics
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from common import compile_kit  # noqa: E402
 import calque  # noqa: E402
 
 ITEMS = int(os.environ.get("BENCH_RESULT_ITEMS", "50000"))   # embeddings per run
@@ -92,8 +92,7 @@ def write_cost(claim=1000, batch=32):
 
 
 def main():
-    for name in ("calque.py", "warmd.py"):   # compiled once, as an install does: where PYTHONDONTWRITEBYTECODE
-        py_compile.compile(os.path.join(ROOT, name))   # is set, each command compiled calque.py again
+    compile_kit()
     write_cost()
     with tempfile.TemporaryDirectory() as tmp:
         binary_env, binary = one_run(tmp, "binary")

@@ -1,8 +1,8 @@
 """make bench, part 4: a real model job, and table input at scale.
 
-    .venv/bin/python tests/bench_embed.py                 # both sections
-    BENCH_EMBED_ITEMS=2000 .venv/bin/python tests/bench_embed.py embed
-    .venv/bin/python tests/bench_embed.py parquet
+    .venv/bin/python bench/bench_embed.py                 # both sections
+    BENCH_EMBED_ITEMS=2000 .venv/bin/python bench/bench_embed.py embed
+    .venv/bin/python bench/bench_embed.py parquet
 
 1. parquet: a BENCH_PARQUET_ROWS-row Parquet file of such texts (pyarrow's default row groups: one of 1M rows),
    and the same rows as JSONL, submitted to a warm pool of one plain-Python worker: the submit process's peak RSS
@@ -19,7 +19,6 @@ The machine is shared and noisy: read the ratios measured side by side, not the 
 import datetime
 import json
 import os
-import py_compile
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from common import chosen, compile_kit  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 EMBED_ITEMS = int(os.environ.get("BENCH_EMBED_ITEMS", "2000"))          # texts of the embedding job (~2 min a run)
@@ -155,13 +155,8 @@ def parquet_section(tmp):
 
 
 def main():
-    sections = sys.argv[1:] or SECTIONS
-    unknown = set(sections) - set(SECTIONS)
-    if unknown:
-        sys.exit(f"bench_embed: error: no section {', '.join(sorted(unknown))} ---> HINT: pick from "
-                 f"{' '.join(SECTIONS)}")
-    for name in ("calque.py", "warmd.py"):   # compiled once, as an install does: where PYTHONDONTWRITEBYTECODE
-        py_compile.compile(os.path.join(ROOT, name))   # is set, each command compiled calque.py again
+    sections = chosen(SECTIONS)
+    compile_kit()
     tmp = tempfile.mkdtemp(prefix="calque-bench-embed-")
     print(f"calque bench, a real model  ({len(os.sched_getaffinity(0))} cores, python {sys.version.split()[0]})")
     if "parquet" in sections:   # first: see parquet_section

@@ -1,8 +1,8 @@
 """fastbatch benchmark: one-copy gather into a reused buffer vs the usual ways, against memcpy; and the worker's
 result lines, framed in C (fb_frame_lines) vs one by one in Python (warmd.format_each).
 
-    .venv/bin/python tests/bench_fastbatch.py          # `make bench`; ~30 s, ~3 GB of RAM
-    FASTBATCH_REFERENCE=1 .venv/bin/python tests/bench_fastbatch.py   # the numpy fallback instead
+    .venv/bin/python bench/bench_fastbatch.py          # `make bench`; ~30 s, ~3 GB of RAM
+    FASTBATCH_REFERENCE=1 .venv/bin/python bench/bench_fastbatch.py   # the numpy fallback instead
 
 GB/s is bytes of the batch tensor produced per second, the median over REPEATS rounds; each
 round calls every method once, interleaved, so a noisy neighbour on a shared host slows all

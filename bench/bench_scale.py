@@ -1,8 +1,8 @@
 """make bench, part 3: runs at scale, what calque's own code costs around the model.
 
-    .venv/bin/python tests/bench_scale.py                          # every section: 10k, 100k, 1M items, ...
-    BENCH_SCALE_SIZES=10000,100000 BENCH_STREAM_ITEMS=10000000 .venv/bin/python tests/bench_scale.py
-    .venv/bin/python tests/bench_scale.py latency                  # only section 4
+    .venv/bin/python bench/bench_scale.py                          # every section: 10k, 100k, 1M items, ...
+    BENCH_SCALE_SIZES=10000,100000 BENCH_STREAM_ITEMS=10000000 .venv/bin/python bench/bench_scale.py
+    .venv/bin/python bench/bench_scale.py latency                  # only section 4
     # sections: local stream moto latency memory prestaged (all when none is named)
 
 1. local backend, demo model (examples/demo_model.py), 2 warm workers, batch 64, claims of 1000: for each run
@@ -50,15 +50,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 os.environ.update(AWS_EC2_METADATA_DISABLED="true", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                   AWS_DEFAULT_REGION="us-east-1")
 import calque  # noqa: E402
 from bench_pool import start_moto  # noqa: E402
-from conftest import start_worker  # noqa: E402
-
-sys.path.insert(0, os.path.join(ROOT, "bench"))
 from latency_proxy import start_proxy  # noqa: E402
+from common import chosen, warmd_command  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 SIZES = [int(n) for n in os.environ.get("BENCH_SCALE_SIZES", "10000,100000,1000000").split(",")]   # local run sizes
@@ -416,7 +413,9 @@ def latency_run(tmp, path, url, mode, model_ms, n):
     cli(env, "pool", "create", "--model", "timeline", "--handler", TIMELINE, "--workers", "0",
         "--batch-size", str(BATCH))
     backend = calque.open_backend(env["CALQUE_STORE"])
-    workers = [start_worker(env, "--model", "timeline", constants=LATENCY_MODES[mode]) for _ in range(WORKERS)]
+    command = warmd_command("--model", "timeline", constants=LATENCY_MODES[mode])
+    workers = [subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for _ in range(WORKERS)]
     try:
         while len(calque.read_worker_stats(backend, "timeline")) < WORKERS:   # each writes them once warm
             time.sleep(0.1)
@@ -504,11 +503,7 @@ def prestaged_run(tmp, path, n, model_path):
 
 
 def main():
-    sections = sys.argv[1:] or SECTIONS
-    unknown = set(sections) - set(SECTIONS)
-    if unknown:
-        sys.exit(f"bench_scale: error: no section {', '.join(sorted(unknown))} ---> HINT: pick from "
-                 f"{' '.join(SECTIONS)}")
+    sections = chosen(SECTIONS)
     tmp = tempfile.mkdtemp(prefix="calque-bench-scale-")
     os.environ["DEMO_CACHE"] = os.path.join(tmp, "demo-weights")
     print(f"calque bench, scale  ({os.cpu_count()} cores, python {sys.version.split()[0]}); demo model, batch {BATCH}, "

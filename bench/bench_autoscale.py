@@ -1,6 +1,6 @@
 """make bench, part 4: pools that size themselves, and the planner against what a run does.
 
-    .venv/bin/python tests/bench_autoscale.py            # BENCH_AUTOSCALE_PAIRS (2) pairs of each
+    .venv/bin/python bench/bench_autoscale.py            # BENCH_AUTOSCALE_PAIRS (2) pairs of each
 1. a burst of 40 claims (tests/handlers.py:Matmul, 100 rows of 1024 a claim, 40 products of 1024 x 1024 a
    batch: about a second a claim here) on a fixed 2-worker pool against a pool of
    --min-workers 0 --max-workers 2: seconds from `pool create` to the run's last summary, start-up and @enter

@@ -2,7 +2,7 @@
 kill, then with a kill -9 of a random worker every 1.5-3.5 s (moderate) and every 0.5-1.5 s (harsh), and harsh again
 with three poison items in the first run (an os._exit, a kill -9 of itself, a segfault); the same runs each time.
 
-    .venv/bin/python tests/bench_churn.py          # BENCH_CHURN_SEED=7 for other runs
+    .venv/bin/python bench/bench_churn.py          # BENCH_CHURN_SEED=7 for other runs
 
 Prints per rate: time to done, goodput (items done a second, and against no kill), repeated item computations
 (share of the items), kills, false quarantines (good items failed), spared (deaths pinned on a good item that then
@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import churn  # noqa: E402
 from bench_pool import HANDLERS, calque, make_pool, warmd  # noqa: E402
 

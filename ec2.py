@@ -1,0 +1,1642 @@
+"""ec2: calque's EC2 cohort (an s3:// store). A pool is its SQS queue plus an Auto Scaling group
+of instances, each running `warmd --model M` under systemd; a cold run is one-shot instances on a
+run queue. AWS does the fleet work: the group keeps the cohort at size, SQS redelivers a dead
+worker's claim, S3 holds the rest. Every AWS call goes through AwsCalls.call, so --dry-run prints
+each mutating call instead. calque imports this module only inside the verbs that need it."""
+import base64
+import contextlib
+import glob
+import gzip
+import hashlib
+import io
+import json
+import math
+import os
+import re
+import shlex
+import string
+import sys
+import tarfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from calque import (HERE, POOL_PREFIX, RUN_DLQ_PREFIX, RUN_QUEUE_PREFIX, SQS_NOT_FOUND, NotFound,
+                    UserError, _aws_error_code, aws_client_config, check_slug_free, desired_count,
+                    dlq_name, instance_rate_per_second, load_rates, measured_enter_seconds,
+                    measured_seconds, now_iso, package_file, pool_bounds, pool_key, pool_queue_name,
+                    pyproject, queue_depth, read_json, read_worker_stats, recent_summaries,
+                    setting_number, settings, slug, snapshot_handler)
+
+IAM_NAME_MAX = 64                   # characters of an IAM role or instance-profile name
+DLAMI_PARAMETERS = {                # SSM public parameters: the current deep-learning GPU AMI
+    arch: f"/aws/service/deeplearning/ami/{arch}/base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/"
+          f"ami-id"
+    for arch in ("x86_64", "arm64")
+}
+STATE_DIR = "/var/lib/calque"       # CALQUE_STATE on an instance (handler cache)
+METADATA_URL = "http://169.254.169.254"   # instance metadata: the spot poller's, the bootstrap's
+PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")   # workers get ours
+IAM_PROPAGATION_WAIT = 10.0         # s after adding a role to a profile: EC2 refuses it until then
+IAM_RETRY_SECONDS = 90.0            # s RunInstances retries a profile IAM has not propagated
+BOOT_ESTIMATE = 480.0               # s from launch to a polling worker (assumed)
+COLD_BOOT_ALLOWANCE = 30            # min a cold instance may run past the submit timeout
+ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
+MAX_IDLE_MINUTES = 1440             # CloudWatch: evaluation periods x period at most one day
+MIN_IDLE_MINUTES = 2                # the newest minute may be a FILLed 0 (late data)
+STEP_ADJUSTMENTS_MAX = 20           # steps of one step-scaling policy (Auto Scaling's limit)
+DRAIN_TIMEOUT = 900                 # s a terminating instance waits for its worker's claim (hook)
+BOOTSTRAP_ATTEMPTS = 5              # tries of each network step of the bootstrap
+BOOTSTRAP_BACKOFF = 10              # s before a network step's second try, doubling after each
+BOOTSTRAP_FAILURES_SHOWN = 5        # failed bootstraps of replaced instances `pool status` lists
+
+
+def _digest(text, n):
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def _iam_name(name, key):
+    """`name` if it fits IAM's 64 characters, else cut + '-' + 8 hex of sha256(key)."""
+    if len(name) <= IAM_NAME_MAX:
+        return name
+    return name[: IAM_NAME_MAX - 9].rstrip("-") + "-" + _digest(key, 8)
+
+
+def resource_names(model):
+    """Every AWS name of a model's EC2 pool, from its slug: `pool delete` needs no record."""
+    s = slug(model)
+    base = POOL_PREFIX + s          # <= 80 characters: fits every name below
+    role = _iam_name("calque-" + s, s)
+    return {"queue": pool_queue_name(model), "dlq": dlq_name(model), "role": role,
+            "instance_profile": role, "launch_template": base, "asg": base,
+            "alarm_wake": base + "-wake", "alarm_idle": base + "-idle",
+            "policy_wake": "calque-wake", "policy_idle": "calque-idle", "hook": "calque-drain",
+            "kit_prefix": f"pools/{s}/kit/",
+            "report_prefix": f"pools/{s}/instances/"}   # <started>.<instance id>.json
+
+
+def cold_role_name(store, region):
+    """One role for every cold run of a store in a region (a role a run would wait on IAM)."""
+    return "calque-cold-" + _digest(f"{store}|{region}", 12)
+
+
+# ------------------------------------------------------------------------------------------------
+# the call layer
+class AwsCalls:
+    """The one door every EC2-cohort AWS call goes through: `call(service, operation, **params)`.
+    In dry-run a mutating call (not Get*/Describe*/List*/Head*) is printed as `would call
+    iam.CreateRole {...}` and answered with a plausible fake; read-only calls still run, so the
+    plan shows what exists. `log` keeps (service, operation, executed) of every call."""
+
+    READ_ONLY = ("Get", "Describe", "List", "Head")
+
+    def __init__(self, session, region, dry_run=False, sleep=time.sleep):
+        self.session, self.region, self.dry_run, self.sleep = session, region, dry_run, sleep
+        self.clients, self.log, self._identity = {}, [], None
+
+    @classmethod
+    def for_backend(cls, backend, dry_run=False):
+        return cls(backend.session, backend.queues.sqs.meta.region_name, dry_run)
+
+    @classmethod
+    def mutating(cls, operation):
+        return not operation.startswith(cls.READ_ONLY)
+
+    def client(self, service):
+        if service not in self.clients:
+            config = aws_client_config(self.region)
+            self.clients[service] = self.session.client(service, config=config)
+        return self.clients[service]
+
+    def call(self, service, operation, **params):
+        if self.dry_run and self.mutating(operation):
+            self.log.append((service, operation, False))
+            print(f"would call {service}.{operation} {_show_params(params)}")
+            return self._fake(service, operation, params)
+        self.log.append((service, operation, True))
+        import botocore   # lazy: the embedded backend never loads boto3/botocore
+        return getattr(self.client(service), botocore.xform_name(operation))(**params)
+
+    def note(self, service, operation, shown):
+        """A store write made through the backend: printed in dry-run, logged; True: make it."""
+        self.log.append((service, operation, not self.dry_run))
+        if self.dry_run:
+            print(f"would call {service}.{operation} {json.dumps(shown)}")
+        return not self.dry_run
+
+    def identity(self):
+        """{account, partition} of the caller (GetCallerIdentity: runs in dry-run too)."""
+        if self._identity is None:
+            arn = self.call("sts", "GetCallerIdentity")
+            self._identity = {"account": arn["Account"], "partition": arn["Arn"].split(":")[1]}
+        return self._identity
+
+    def _fake(self, service, operation, params):
+        """What a dry-run mutating call answers: the fields the code reads next."""
+        ident = self.identity()
+        account, partition, region = ident["account"], ident["partition"], self.region
+        if operation == "CreateRole":
+            name = params["RoleName"]
+            return {"Role": {"RoleName": name,
+                             "Arn": f"arn:{partition}:iam::{account}:role/{name}"}}
+        if operation == "CreateInstanceProfile":
+            name = params["InstanceProfileName"]
+            arn = f"arn:{partition}:iam::{account}:instance-profile/{name}"
+            return {"InstanceProfile": {"InstanceProfileName": name, "Arn": arn}}
+        if operation == "CreateLaunchTemplate":
+            return {"LaunchTemplate": {"LaunchTemplateId": "lt-dry-run", "LatestVersionNumber": 1,
+                                       "LaunchTemplateName": params["LaunchTemplateName"]}}
+        if operation == "CreateLaunchTemplateVersion":
+            return {"LaunchTemplateVersion": {"VersionNumber": 0}}
+        if operation == "CreateQueue":
+            name = params["QueueName"]
+            return {"QueueUrl": f"https://sqs.{region}.amazonaws.com/{account}/{name}"}
+        if operation == "PutScalingPolicy":
+            return {"PolicyARN": f"arn:{partition}:autoscaling:{region}:{account}:scalingPolicy:"
+                                 f"dry-run:autoScalingGroupName/{params['AutoScalingGroupName']}"
+                                 f":policyName/{params['PolicyName']}"}
+        if operation == "RunInstances":
+            return {"Instances": [{"InstanceId": f"i-dry-run-{k}"}
+                                  for k in range(params["MaxCount"])]}
+        return {}
+
+
+def _show_params(params):
+    """The call's parameters as one line of JSON: user-data by size and digest, policies as JSON."""
+    def shown(value):
+        if isinstance(value, dict):
+            out = {}
+            for k, v in value.items():
+                if k == "UserData" and isinstance(v, str):
+                    out[k] = f"<user-data: {len(v)} base64 characters, sha256 {_digest(v, 12)}>"
+                elif k.endswith("PolicyDocument") and isinstance(v, str):
+                    out[k] = json.loads(v)
+                else:
+                    out[k] = shown(v)
+            return out
+        if isinstance(value, list):
+            return [shown(v) for v in value]
+        return value
+    return json.dumps(shown(params), default=str)
+
+
+def _exists(fn, *missing_codes):
+    """fn()'s answer, or None when it fails with one of the 'does not exist' codes."""
+    try:
+        return fn()
+    except Exception as e:
+        if _aws_error_code(e) in missing_codes:
+            return None
+        raise
+
+
+def _queue_url(calls, name):
+    return _exists(lambda: calls.call("sqs", "GetQueueUrl", QueueName=name)["QueueUrl"],
+                   *SQS_NOT_FOUND)
+
+
+def _find_role(calls, name):
+    return _exists(lambda: calls.call("iam", "GetRole", RoleName=name)["Role"], "NoSuchEntity")
+
+
+def _find_instance_profile(calls, name):
+    return _exists(lambda: calls.call("iam", "GetInstanceProfile",
+                                      InstanceProfileName=name)["InstanceProfile"], "NoSuchEntity")
+
+
+def _find_launch_template(calls, name):
+    return _exists(lambda: calls.call("ec2", "DescribeLaunchTemplates",
+                                      LaunchTemplateNames=[name])["LaunchTemplates"][0],
+                   "InvalidLaunchTemplateName.NotFoundException",
+                   "InvalidLaunchTemplateId.NotFound")
+
+
+def _aws_store(backend, what):
+    if getattr(backend, "kind", None) != "aws":
+        raise UserError(f"{what} needs an s3:// store (CALQUE_STORE={backend.describe()}): EC2 "
+                        f"workers read and write everything through S3 ---> HINT: export "
+                        f"CALQUE_STORE=s3://your-bucket/calque")
+    prefix = backend.store.prefix
+    if not re.fullmatch(r"[A-Za-z0-9._/-]*", prefix):
+        raise UserError(f"store prefix {prefix!r}: on EC2 use letters, digits and . _ / - only "
+                        f"(it goes into IAM policies and shell)")
+    return backend.bucket, prefix
+
+
+def _check_text(value, what):
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise UserError(f"{what} {value!r} contains control characters: an EC2 pool cannot carry "
+                        f"it into its bootstrap")
+
+
+def _strict_tag(value):
+    """An IAM, SQS or CloudWatch tag value: letters, digits, spaces and _ . : / = + - @ only
+    (EC2 and Auto Scaling tags take any text, so the raw model goes there)."""
+    return re.sub(r"[^\w .:/=+@-]", "_", str(value))[:256]
+
+
+def _tags(pairs, strict=False):
+    return [{"Key": k, "Value": _strict_tag(v) if strict else str(v)[:256]}
+            for k, v in pairs.items()]
+
+
+def _tag_dict(tags):
+    return {t["Key"]: t["Value"] for t in tags or []}
+
+
+# ------------------------------------------------------------------------------------------------
+# least privilege: the instance role's policy
+def _s3_parts(store, partition):
+    bucket, _, prefix = store[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    root = f"{prefix}/" if prefix else ""
+    return f"arn:{partition}:s3:::{bucket}", f"arn:{partition}:s3:::{bucket}/{root}", root
+
+
+def worker_policy(store, model, region, account, partition="aws"):
+    """The pool worker's inline policy: claim from its pool queue, dead-letter to its DLQ, read
+    its pool's folder and its model's runs (runs/<slug>.*), write their results and summaries,
+    its stats, bootstrap reports, output and streams. ListBucket only on those prefixes, and only
+    so that S3 answers 404, not 403, for a summary not written yet (warmd never lists). On its own
+    group only: SetInstanceHealth (a failed bootstrap), SetInstanceProtection (scale-in while it
+    holds a claim) and CompleteLifecycleAction (let a terminating instance go)."""
+    s = slug(model)
+    bucket_arn, obj, root = _s3_parts(store, partition)
+    policy = _worker_policy(
+        f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
+        ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
+        reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
+               f"{obj}runs/{s}.*/summaries/*"],
+        writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
+                f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
+                f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
+        listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
+    policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow",
+                                "Action": ["s3:DeleteObject"],
+                                "Resource": f"{obj}pools/{s}/output/*"})
+    policy["Statement"].append({
+        "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
+        "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
+                   "autoscaling:CompleteLifecycleAction"],
+        "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:"
+                    f"autoScalingGroupName/{resource_names(model)['asg']}"})
+    return policy
+
+
+def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed):
+    """The shape both worker roles share: claim from one queue (or pattern), dead-letter to one,
+    read and write the given S3 keys, list only under the given prefixes."""
+    return {"Version": "2012-10-17", "Statement": [
+        {"Sid": sids[0], "Effect": "Allow",
+         "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes",
+                    "sqs:GetQueueUrl", "sqs:ReceiveMessage"],
+         "Resource": sqs + queue},
+        {"Sid": "DeadLetterOnly", "Effect": "Allow",
+         "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
+         "Resource": sqs + dlq},
+        {"Sid": sids[1], "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": reads},
+        {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"], "Resource": writes},
+        {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
+         "Resource": bucket_arn, "Condition": {"StringLike": {"s3:prefix": listed}}},
+    ]}
+
+
+def cold_worker_policy(store, region, account, partition="aws"):
+    """The cold-run worker's policy: a pool worker's shape, on every run queue of this account and
+    region and on runs/* of this store (one role serves every cold run of a store)."""
+    bucket_arn, obj, root = _s3_parts(store, partition)
+    return _worker_policy(
+        f"arn:{partition}:sqs:{region}:{account}:", RUN_QUEUE_PREFIX + "*", RUN_DLQ_PREFIX + "*",
+        ("ClaimFromRunQueues", "ReadRunAndClaims"), bucket_arn, root,
+        reads=[f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
+               f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
+        writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*",
+                f"{obj}runs/*/output/*"],
+        listed=[f"{root}runs/*"])
+
+
+# instance metadata: session tokens only, one hop (a container on the instance cannot reach it)
+IMDS_V2_ONLY = {"HttpTokens": "required", "HttpEndpoint": "enabled", "HttpPutResponseHopLimit": 1}
+
+
+def _instance_tag_specs(tags):
+    """The same tags on the instances and their volumes: both are found, and priced, by them."""
+    return [{"ResourceType": kind, "Tags": _tags(tags)} for kind in ("instance", "volume")]
+
+
+TRUST_POLICY = {"Version": "2012-10-17", "Statement": [
+    {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}]}
+
+
+# ------------------------------------------------------------------------------------------------
+# the kit and the bootstrap (user-data). No credentials: workers use their instance profile.
+def kit_archive():
+    """(bytes, sha256) of what an EC2 worker installs: an sdist of this calque, packed from
+    pyproject.toml's modules, packages and package data (found through their packages) and
+    calque_data/sdist's build files. Reproducible: a checkout and an install of one calque pack the
+    same bytes, so a re-run `pool create` finds its launch template unchanged."""
+    config = pyproject()
+    setup, top = config["tool"]["setuptools"], f"calque-{config['project']['version']}"
+    sdist = package_file("calque_data", "sdist")
+    files = {name: os.path.join(sdist, name) for name in os.listdir(sdist)}
+    files.update({f"{m}.py": os.path.join(HERE, f"{m}.py") for m in setup["py-modules"]})
+    for package in setup["packages"]:
+        folder = package_file(package, "")
+        for pattern in ["*.py", *setup["package-data"].get(package, [])]:
+            files.update({os.path.relpath(p, os.path.dirname(folder)): p
+                          for p in glob.glob(os.path.join(folder, pattern))})
+    contents = {}
+    for name, path in files.items():
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                contents[name] = f.read()
+    version = top.split("-", 1)[1]
+    contents["PKG-INFO"] = f"Metadata-Version: 2.1\nName: calque\nVersion: {version}\n".encode()
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(contents):
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size, info.mode, info.mtime = len(contents[name]), 0o644, 0
+            tar.addfile(info, io.BytesIO(contents[name]))
+    packed = io.BytesIO()
+    with gzip.GzipFile(fileobj=packed, mode="wb", mtime=0) as gz:
+        gz.write(raw.getvalue())
+    blob = packed.getvalue()
+    return blob, hashlib.sha256(blob).hexdigest()
+
+
+def _pin(name):
+    """The `name==version` line of requirements.txt (without its comment), or the bare name."""
+    with open(package_file("calque_data", "sdist/requirements.txt")) as f:
+        for line in f:
+            if line.split("#")[0].strip().startswith(name + "=="):
+                return line.split("#")[0].strip()
+    return name
+
+
+class ShellTemplate(string.Template):
+    """Only ${name} (lower case, braced) is a placeholder: the shell's $VAR and ${VAR:-} stay."""
+    flags = 0
+    pattern = (r"\$(?:\{(?P<braced>[a-z][a-z0-9_]*)\}"
+               r"|(?P<escaped>(?!))|(?P<named>(?!))|(?P<invalid>(?!)))")   # the three never match
+
+
+def _bootstrap(*, worker_args, env, conf=None, **fields):
+    """calque_data/ec2_bootstrap.sh with `fields` and the worker's settings (never a credential)
+    filled in; a placeholder left unfilled or a field the template lacks is an error."""
+    conf = conf or settings()
+    store = fields.pop("store")
+    bucket, _, prefix = store[len("s3://"):].partition("/")
+    prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+    region = fields["region"]
+    lines = {"CALQUE_STORE": store, "CALQUE_STATE": STATE_DIR,
+             "CALQUE_SPOT_POLL": METADATA_URL, "AWS_REGION": region, "AWS_DEFAULT_REGION": region,
+             "PYTHONUNBUFFERED": "1"}
+    lines.update({k: conf[k] for k in PASSED_SETTINGS if k in conf})
+    lines.update(env)
+    for key, value in lines.items():
+        _check_text(str(value), key)
+    report_prefix = fields.pop("report_prefix", "")
+    fields.update(
+        bucket=shlex.quote(bucket), kit_key=shlex.quote(prefix + fields["kit_key"]),
+        region=shlex.quote(region), imds=METADATA_URL,
+        report_prefix=shlex.quote(prefix + report_prefix if report_prefix else ""),
+        state=STATE_DIR, attempts=BOOTSTRAP_ATTEMPTS, backoff=BOOTSTRAP_BACKOFF,
+        boto3_pin=shlex.quote(_pin("boto3")), worker_args=worker_args,
+        env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()),
+        stop_timeout=int(float(conf.get("CALQUE_GRACE", 30)) + 30))
+    fields.setdefault("preamble", "")
+    fields.setdefault("image_install", "")
+    with open(package_file("calque_data", "ec2_bootstrap.sh")) as f:
+        template = ShellTemplate(f.read())
+    mismatched = set(fields) ^ set(template.get_identifiers())
+    if mismatched:
+        raise RuntimeError(f"ec2_bootstrap.sh and its fields disagree on {sorted(mismatched)}")
+    script = template.substitute(fields)
+    _refuse_credentials(script)
+    return script
+
+
+def _refuse_credentials(text):
+    """User-data is readable by anyone who can describe the instance: no key may be in it."""
+    names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+    banned = [*names, "aws_secret_access_key"]
+    for var in names:
+        if len(os.environ.get(var, "")) >= 16:     # a real key (dummy test values are short)
+            banned.append(os.environ[var])
+    if re.search(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b", text) or any(b in text for b in banned):
+        raise RuntimeError("refusing to write user-data that contains AWS credentials")
+
+
+# restart a crashed worker, not one that exited 0 (a stop on purpose: SIGTERM, a spot notice);
+# Restart=on-failure would take a death by an uncaught SIGTERM as clean
+POOL_SERVICE = "Restart=always\nRestartPreventExitStatus=0\nRestartSec=5"
+
+
+def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile",
+                   conf=None, image=None):
+    """A pool instance's bootstrap: the kit, a Modal app's image packages, then `warmd --model M`
+    under systemd. A failed bootstrap reports why and takes its instance out of the group."""
+    _check_text(model, "model")
+    names = resource_names(model)
+    return _bootstrap(
+        title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create",
+        profile=profile, store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
+        env={"CALQUE_POOL_MODEL": model, "CALQUE_ASG": names["asg"]},
+        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service=POOL_SERVICE,
+        report_prefix=names["report_prefix"], on_failure="leave_group", conf=conf,
+        image_install=image_install(image))
+
+
+def image_install(image):
+    """The bootstrap lines that install a Modal app's apt_install and pip_install packages."""
+    lines = []
+    for kind, command in (("apt", "apt-get -o DPkg::Lock::Timeout=600 install -y -q"),
+                          ("pip", '"$CALQUE/venv/bin/pip" install -q --no-cache-dir')):
+        packages = (image or {}).get(kind, [])
+        for package in packages:
+            _check_text(package, f"image {kind} package")
+        if packages:
+            quoted = " ".join(shlex.quote(p) for p in packages)
+            lines.append(f'retry "image {kind} install" {command} {quoted}')
+    return "\n".join(lines)
+
+
+def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes,
+                   profile="the cold-run instance profile", conf=None):
+    """A cold run's one-shot instance: the same bootstrap, then `warmd --run RUN` once; the machine
+    powers off (terminates) when it exits, when the bootstrap fails, or after max_minutes."""
+    return _bootstrap(
+        title=f"cold-run worker for run {run_id}", description="cold-run worker", verb="submit",
+        profile=profile, store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
+        env={"CALQUE_RUN": run_id}, worker_args='--run "$CALQUE_RUN"', unit="calque-cold",
+        service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff",
+        on_failure="power_off", conf=conf,
+        preamble=f'shutdown -h +{int(max_minutes)} "calque: cold run over its time limit" || true')
+
+
+def _user_data_b64(script):
+    return base64.b64encode(script.encode()).decode()
+
+
+# ------------------------------------------------------------------------------------------------
+# pre-flight: everything read-only, before anything is created
+def _instance_type_info(calls, instance_type):
+    if not instance_type:
+        raise UserError("--instance-type is required for EC2 workers (e.g. g5.xlarge): see "
+                        "rates.json for priced ones")
+    try:
+        return calls.call("ec2", "DescribeInstanceTypes",
+                          InstanceTypes=[instance_type])["InstanceTypes"][0]
+    except Exception as e:
+        if _aws_error_code(e) in ("InvalidInstanceType", "InvalidParameterValue"):
+            raise UserError(f"--instance-type {instance_type}: not an instance type in "
+                            f"{calls.region} ---> HINT: e.g. g5.xlarge") from None
+        raise
+
+
+def resolve_ami(calls, ami, instance_type_info):
+    """(ami id, where it came from): --ami checked to exist, else the SSM public parameter of the
+    current deep-learning GPU AMI for the instance type's architecture."""
+    archs = [a for a in instance_type_info["ProcessorInfo"]["SupportedArchitectures"]
+             if a in DLAMI_PARAMETERS]
+    itype = instance_type_info["InstanceType"]
+    source = "--ami"
+    if not ami:
+        if len(archs) != 1:
+            raise UserError(f"instance type {itype} supports {archs or 'no known'} "
+                            f"architecture(s): cannot pick one deep-learning AMI ---> HINT: pass "
+                            f"--ami ami-...")
+        param = DLAMI_PARAMETERS[archs[0]]
+        try:
+            value = calls.call("ssm", "GetParameter", Name=param)["Parameter"]["Value"]
+        except Exception as e:
+            if _aws_error_code(e) in ("ParameterNotFound", "ParameterVersionNotFound"):
+                raise UserError(f"no current deep-learning AMI: SSM public parameter {param} does "
+                                f"not exist in {calls.region} ---> HINT: pass --ami ami-... (an "
+                                f"image with an NVIDIA driver)") from None
+            raise
+        found = [v.strip() for v in value.split(",") if v.strip()]
+        if len(found) != 1 or not re.fullmatch(r"ami-[0-9a-f]{8,17}", found[0]):
+            raise UserError(f"SSM parameter {param} holds {value!r}, not exactly one AMI id "
+                            f"---> HINT: pass --ami ami-...")
+        ami, source = found[0], f"ssm:{param}"
+    try:
+        images = calls.call("ec2", "DescribeImages", ImageIds=[ami])["Images"]
+    except Exception as e:
+        if _aws_error_code(e) not in ("InvalidAMIID.NotFound", "InvalidAMIID.Malformed",
+                                      "InvalidAMIID.Unavailable"):
+            raise
+        images = []
+    if not images:
+        raise UserError(f"AMI {ami} ({source}) does not exist in {calls.region} or is not visible "
+                        f"to this account")
+    arch = images[0].get("Architecture")
+    if archs and arch and arch not in archs:
+        raise UserError(f"AMI {ami} is {arch}, instance type {itype} runs {', '.join(archs)}: "
+                        f"pick a matching --ami")
+    return ami, source
+
+
+def resolve_subnets(calls, subnet_arg, instance_type):
+    """--subnet (comma-separated) checked to exist, else the default VPC's subnets; only those in
+    zones that offer the instance type."""
+    if subnet_arg:
+        ids = [s.strip() for s in subnet_arg.split(",") if s.strip()]
+        try:
+            subnets = calls.call("ec2", "DescribeSubnets", SubnetIds=ids)["Subnets"]
+        except Exception as e:
+            if _aws_error_code(e) in ("InvalidSubnetID.NotFound", "InvalidSubnetID.Malformed"):
+                raise UserError(f"--subnet {subnet_arg}: no such subnet in "
+                                f"{calls.region}") from None
+            raise
+    else:
+        subnets = calls.call("ec2", "DescribeSubnets",
+                             Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
+        if not subnets:
+            raise UserError(f"no default VPC in {calls.region}: pass --subnet subnet-... (one "
+                            f"with a route to the internet: the bootstrap installs packages)")
+    offerings = calls.call("ec2", "DescribeInstanceTypeOfferings", LocationType="availability-zone",
+                           Filters=[{"Name": "instance-type", "Values": [instance_type]}])
+    offered = {o["Location"] for o in offerings["InstanceTypeOfferings"]}
+    usable = [s["SubnetId"] for s in subnets if s["AvailabilityZone"] in offered]
+    if not usable:
+        raise UserError(f"instance type {instance_type} is not offered in the zones of subnet(s) "
+                        f"{', '.join(s['SubnetId'] for s in subnets)}: pick another --subnet or "
+                        f"--instance-type")
+    return sorted(usable)
+
+
+def _check_key(calls, key_name):
+    if not key_name:
+        return
+    try:
+        calls.call("ec2", "DescribeKeyPairs", KeyNames=[key_name])
+    except Exception as e:
+        if _aws_error_code(e) == "InvalidKeyPair.NotFound":
+            raise UserError(f"--key-name {key_name}: no such key pair in {calls.region}") from None
+        raise
+
+
+@dataclass(frozen=True)
+class PoolOptions:
+    """An EC2 pool's fleet as `pool create --instances N` asks for it (pool_options checks it)."""
+    instances: int
+    instance_type: str | None           # required: the pre-flight refuses None with an example
+    min_instances: int | None           # the group's floor; None: always `instances`
+    ami: str | None                     # None: the current deep-learning GPU AMI
+    spot: bool
+    subnet: str | None                  # subnet ids, comma-separated; None: the default VPC's
+    key_name: str | None                # an EC2 key pair for SSH; None: no SSH
+    scale_to_zero_after: int | None     # idle minutes before the group shrinks to its floor
+
+
+def pool_options(instances, instance_type=None, *, min_instances=None, ami=None, spot=False,
+                 subnet=None, key_name=None, scale_to_zero_after=None, max_instances=None):
+    """PoolOptions from the flags, checked (pool_bounds): --instances N is a fixed cohort; a floor
+    below the ceiling or an idle window makes a group that sizes itself, its window in whole
+    minutes that CloudWatch can evaluate."""
+    if instances is max_instances is None or (instances or 0) < 0:
+        raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
+    if min_instances is not None and not 0 <= min_instances <= (max_instances or instances):
+        raise UserError(f"--min-instances {min_instances}: between 0 and --instances "
+                        f"{max_instances or instances}")
+    lo, hi, idle = pool_bounds(instances, min_instances, max_instances, scale_to_zero_after,
+                               "instances")
+    minutes = math.ceil(idle / 60 - 1e-9) if idle is not None else None
+    if minutes is not None and not MIN_IDLE_MINUTES <= minutes <= MAX_IDLE_MINUTES:
+        raise UserError(f"--scale-to-zero-after {scale_to_zero_after}: minutes between "
+                        f"{MIN_IDLE_MINUTES} and {MAX_IDLE_MINUTES} (CloudWatch's one-day window; "
+                        f"a one-minute window would take a minute whose data is late for an idle "
+                        f"one)")
+    return PoolOptions(hi, instance_type, None if minutes is None else lo, ami, bool(spot), subnet,
+                       key_name, minutes)
+
+
+@dataclass(frozen=True)
+class ColdLaunch:
+    """The one-shot EC2 instances of a cold run (`submit --model M` on an s3:// store)."""
+    ami: str | None                     # required: cold_launch refuses None with where to find one
+    instance_type: str | None
+    spot: bool = False
+    subnet: str | None = None           # subnet ids, comma-separated (the first usable one)
+    key_name: str | None = None
+
+
+def _hourly(instance_type, spot, count):
+    """'~$2.01/h while 2 x g5.xlarge on-demand run (rates.json ...)', or that it is not priced."""
+    try:
+        rates = load_rates()
+        per_hour = instance_rate_per_second(rates, instance_type, spot=spot) * 3600 * count
+        return (f"~${per_hour:.2f}/h while {count} x {instance_type} "
+                f"{'spot' if spot else 'on-demand'} run (rates.json {rates['updated']})")
+    except UserError:
+        return (f"{instance_type} is not priced in rates.json: check its hourly price before you "
+                f"go on")
+
+
+def refuse_spending(what, *, dry_run, yes_spend_money):
+    if not dry_run and not yes_spend_money:
+        raise UserError(f"{what} starts paid EC2 instances: add --yes-spend-money "
+                        f"(or --dry-run to see every AWS call first)")
+
+
+# ------------------------------------------------------------------------------------------------
+# idempotent steps: each checks what exists, then creates or updates
+def _ensure_queue(calls, name, visibility_timeout, tags):
+    vt = str(int(visibility_timeout))
+    url = _queue_url(calls, name)
+    if url:
+        current = calls.call("sqs", "GetQueueAttributes", QueueUrl=url,
+                             AttributeNames=["VisibilityTimeout"])["Attributes"]
+        if current.get("VisibilityTimeout") != vt:
+            calls.call("sqs", "SetQueueAttributes", QueueUrl=url,
+                       Attributes={"VisibilityTimeout": vt})
+        return "found"
+    try:
+        calls.call("sqs", "CreateQueue", QueueName=name, Attributes={"VisibilityTimeout": vt},
+                   tags=tags)
+    except Exception as e:
+        recently = ("AWS.SimpleQueueService.QueueDeletedRecently", "QueueDeletedRecently")
+        if _aws_error_code(e) in recently:
+            raise UserError(f"queue {name} was deleted less than 60 s ago and SQS refuses to "
+                            f"recreate it yet: wait a minute, re-run") from None
+        raise
+    return "created"
+
+
+def _check_owned(kind, name, tags, model, store, region):
+    """A resource with our name must be calque's and this pool's: never adopt someone else's."""
+    if tags.get("calque:managed") != "true":
+        raise UserError(f"{kind} {name} exists but is not calque's (no calque:managed=true tag): "
+                        f"rename or remove it first")
+    ours = tuple(_strict_tag(v) if kind.startswith("IAM") else str(v)[:256]
+                 for v in (model, store, region))
+    keys = ("calque:pool-model", "calque:store", "calque:region")
+    theirs = tuple(tags.get(key, mine) for key, mine in zip(keys, ours))
+    if theirs != ours:
+        raise UserError(f"{kind} {name} belongs to the pool of {theirs[0]!r} (store {theirs[1]}, "
+                        f"region {theirs[2]}): one model has one EC2 pool per account; delete that "
+                        f"one first")
+
+
+def _role_tags(calls, name):
+    return _tag_dict(calls.call("iam", "ListRoleTags", RoleName=name)["Tags"])
+
+
+def _ensure_role(calls, name, policy, tags, owner):
+    """Create the role (or check the existing one is ours), then put its one inline policy:
+    always, so a re-run also repairs a policy edited by hand."""
+    if _find_role(calls, name):
+        _check_owned("IAM role", name, _role_tags(calls, name), *owner)
+        state = "found"
+    else:
+        about = "calque worker instances (least privilege; see the calque README, On AWS)"
+        calls.call("iam", "CreateRole", RoleName=name, Tags=_tags(tags, strict=True),
+                   AssumeRolePolicyDocument=json.dumps(TRUST_POLICY), Description=about)
+        state = "created"
+    calls.call("iam", "PutRolePolicy", RoleName=name, PolicyName="calque-worker",
+               PolicyDocument=json.dumps(policy))
+    return state
+
+
+def _ensure_instance_profile(calls, name, role, tags):
+    profile = _find_instance_profile(calls, name)
+    state = "found"
+    if not profile:
+        calls.call("iam", "CreateInstanceProfile", InstanceProfileName=name,
+                   Tags=_tags(tags, strict=True))
+        profile, state = {"Roles": []}, "created"
+    roles = [r["RoleName"] for r in profile.get("Roles", [])]
+    if role not in roles:
+        for other in roles:    # a profile holds one role
+            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=name,
+                       RoleName=other)
+        calls.call("iam", "AddRoleToInstanceProfile", InstanceProfileName=name, RoleName=role)
+        if not calls.dry_run:
+            calls.sleep(IAM_PROPAGATION_WAIT)
+        if state == "found":
+            state = "repaired"
+    return state
+
+
+def _ensure_launch_template(calls, name, data, tags, owner):
+    """Create it, or add a version when the data differ from its latest (by digest, kept in the
+    version description): the group launches $Latest, so new instances pick the change up."""
+    wanted = "calque " + _digest(json.dumps(data, sort_keys=True), 16)
+    found = _find_launch_template(calls, name)
+    if not found:
+        calls.call("ec2", "CreateLaunchTemplate", LaunchTemplateName=name,
+                   VersionDescription=wanted, LaunchTemplateData=data,
+                   TagSpecifications=[{"ResourceType": "launch-template", "Tags": _tags(tags)}])
+        return "created"
+    _check_owned("launch template", name, _tag_dict(found.get("Tags")), *owner)
+    latest = calls.call("ec2", "DescribeLaunchTemplateVersions", LaunchTemplateName=name,
+                        Versions=["$Latest"])["LaunchTemplateVersions"][0]
+    if latest.get("VersionDescription") == wanted:
+        return "found"
+    version = calls.call("ec2", "CreateLaunchTemplateVersion", LaunchTemplateName=name,
+                         VersionDescription=wanted, LaunchTemplateData=data)
+    version = version["LaunchTemplateVersion"]["VersionNumber"]
+    calls.call("ec2", "ModifyLaunchTemplate", LaunchTemplateName=name, DefaultVersion=str(version))
+    return f"updated (version {version})"
+
+
+def describe_asg(calls, name):
+    groups = calls.call("autoscaling", "DescribeAutoScalingGroups", AutoScalingGroupNames=[name])
+    return groups["AutoScalingGroups"][0] if groups["AutoScalingGroups"] else None
+
+
+def _asg_sizes(ec2):
+    """(min, max, desired) of the record's EC2 settings: a fixed cohort (N, N, N); a floor K
+    (K, N, N); a scale-to-zero pool held by `pool scale --instances H` (H, N, H), so that its idle
+    alarm, which sets capacity within MinSize..MaxSize, cannot take it below H."""
+    n, floor, held = ec2["instances"], ec2["min_instances"], ec2.get("held")
+    if floor is None:
+        return n, n, n
+    if held:
+        return min(held, n), n, min(held, n)
+    return min(floor, n), n, n
+
+
+def _asg_params(names, ec2):
+    lo, hi, desired = _asg_sizes(ec2)
+    template = {"LaunchTemplateName": names["launch_template"], "Version": "$Latest"}
+    params = {"AutoScalingGroupName": names["asg"], "MinSize": lo, "MaxSize": hi,
+              "DesiredCapacity": desired, "VPCZoneIdentifier": ",".join(ec2["subnets"]),
+              "HealthCheckType": "EC2", "HealthCheckGracePeriod": 300}
+    if ec2["spot"]:
+        params["MixedInstancesPolicy"] = {
+            "LaunchTemplate": {"LaunchTemplateSpecification": template},
+            "InstancesDistribution": {"OnDemandBaseCapacity": 0,
+                                      "OnDemandPercentageAboveBaseCapacity": 0,
+                                      "SpotAllocationStrategy": "price-capacity-optimized"}}
+        params["CapacityRebalance"] = True     # a replacement starts before the 2-minute notice
+    else:
+        params["LaunchTemplate"] = template
+    return params
+
+
+def _ensure_asg(calls, names, ec2, tags, owner):
+    asg = describe_asg(calls, names["asg"])
+    params = _asg_params(names, ec2)
+    asg_tags = [{"ResourceId": names["asg"], "ResourceType": "auto-scaling-group", "Key": k,
+                 "Value": str(v), "PropagateAtLaunch": True} for k, v in tags.items()]
+    if asg is None:
+        calls.call("autoscaling", "CreateAutoScalingGroup", Tags=asg_tags, **params)
+        return "created"
+    if asg.get("Status"):    # "Delete in progress"
+        raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): "
+                        f"wait for it to go, then re-run")
+    _check_owned("auto scaling group", names["asg"], _tag_dict(asg.get("Tags")), *owner)
+    if ec2["scale_to_zero_after"]:
+        # its alarms own the desired count: the idle alarm would undo N within a minute
+        del params["DesiredCapacity"]
+    calls.call("autoscaling", "UpdateAutoScalingGroup", **params)
+    if "DesiredCapacity" in params:
+        return "updated"
+    return f"updated; desired {asg['DesiredCapacity']} kept"
+
+
+def _policy_arn(calls, asg, name, answer):
+    if answer.get("PolicyARN"):
+        return answer["PolicyARN"]
+    policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=asg,
+                          PolicyNames=[name])
+    return policies["ScalingPolicies"][0]["PolicyARN"]
+
+
+def _put_capacity_policy(calls, asg, name, capacity):
+    """A simple-scaling policy: the group to exactly `capacity` instances when its alarm fires."""
+    return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=name,
+                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity",
+                      ScalingAdjustment=capacity, Cooldown=60)
+
+
+def backlog_steps(lo, hi, seconds_per_claim, target_drain):
+    """[(backlog, capacity)]: from each backlog (visible + in flight) on, the capacity
+    desired_count gives a growing group (at most STEP_ADJUSTMENTS_MAX steps, the last `hi`)."""
+    def need(backlog):
+        return desired_count(backlog, 0, 0, seconds_per_claim, target_drain, lo, hi, 0.0, None,
+                             0.0).desired
+    per = 1.0 if seconds_per_claim is None else target_drain / seconds_per_claim  # claims a drain
+    first = max(need(1), 1)
+    counts = range(first, hi + 1)
+    if len(counts) > STEP_ADJUSTMENTS_MAX:
+        counts = sorted({first + round(i * (hi - first) / (STEP_ADJUSTMENTS_MAX - 1))
+                         for i in range(STEP_ADJUSTMENTS_MAX)})
+    steps = {1 if k == first else max(k, math.floor((k - 1) * per) + 1): k   # k claims at least
+             for k in counts}
+    return sorted((b, need(b)) for b in steps)
+
+
+def measured_scaling(backend, model, lo, hi):
+    """The record's `scaling` of a group that sizes itself: seconds per claim measured from the
+    pool's recent summaries (None before any), the drain target, and the backlog steps."""
+    spc = measured_seconds(recent_summaries(backend, model))[0]
+    drain = setting_number(settings(), "CALQUE_TARGET_DRAIN", float, 0.001)
+    return {"seconds_per_claim": spc, "target_drain": drain,
+            "steps": backlog_steps(lo, hi, spc, drain)}
+
+
+def _show_steps(scaling):
+    return ", ".join(f"{b}+ -> {k}" for b, k in scaling["steps"])
+
+
+def _put_backlog_policy(calls, names, ec2):
+    """The wake alarm's step policy: the group to exactly backlog_steps' capacity for the backlog
+    (scale-in protection keeps busy instances)."""
+    steps = ec2["scaling"]["steps"]
+    adjustments = []
+    for i, (b, k) in enumerate(steps):
+        step = {"MetricIntervalLowerBound": 0.0 if i == 0 else b - 0.5, "ScalingAdjustment": k}
+        if i + 1 < len(steps):
+            step["MetricIntervalUpperBound"] = steps[i + 1][0] - 0.5
+        adjustments.append(step)
+    return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=names["asg"],
+                      PolicyName=names["policy_wake"], PolicyType="StepScaling",
+                      AdjustmentType="ExactCapacity", MetricAggregationType="Maximum",
+                      StepAdjustments=adjustments)
+
+
+def _backlog_metrics(queue):
+    """Metric math: visible + in flight, each FILLed with 0 where SQS published no point."""
+    def stat(name, metric):
+        return {"Id": name, "ReturnData": False, "MetricStat": {
+            "Metric": _sqs_metric(queue, metric), "Period": ALARM_PERIOD, "Stat": "Maximum"}}
+    return [stat("visible_raw", "ApproximateNumberOfMessagesVisible"),
+            stat("inflight_raw", "ApproximateNumberOfMessagesNotVisible"),
+            {"Id": "visible", "Expression": "FILL(visible_raw, 0)", "ReturnData": False},
+            {"Id": "inflight", "Expression": "FILL(inflight_raw, 0)", "ReturnData": False},
+            {"Id": "backlog", "Expression": "visible + inflight",
+             "Label": "claims waiting or running", "ReturnData": True}]
+
+
+def _sqs_metric(queue, metric):
+    return {"Namespace": "AWS/SQS", "MetricName": metric,
+            "Dimensions": [{"Name": "QueueName", "Value": queue}]}
+
+
+def _ensure_scale_to_zero(calls, names, ec2, tags):
+    """The backlog step policy on the wake alarm (any claim visible or in flight: re-run every
+    minute it stays in ALARM) and an exact-floor policy on the idle alarm (no backlog for the
+    whole window). A queue that publishes nothing (six idle hours) is idle (TreatMissingData)."""
+    asg, minutes = names["asg"], ec2["scale_to_zero_after"]
+    floor = ec2["min_instances"] or 0
+    wake = _put_backlog_policy(calls, names, ec2)
+    idle = _put_capacity_policy(calls, asg, names["policy_idle"], floor)
+    calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_wake"],
+               AlarmDescription=f"calque: size pool {asg} to its backlog in {names['queue']}",
+               ActionsEnabled=True,
+               AlarmActions=[_policy_arn(calls, asg, names["policy_wake"], wake)],
+               EvaluationPeriods=1, Threshold=0, ComparisonOperator="GreaterThanThreshold",
+               TreatMissingData="notBreaching", Tags=_tags(tags, strict=True),
+               Metrics=_backlog_metrics(names["queue"]))
+    calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_idle"],
+               AlarmDescription=f"calque: scale pool {asg} to {floor} after {minutes} idle "
+                                f"minute(s)", ActionsEnabled=True,
+               AlarmActions=[_policy_arn(calls, asg, names["policy_idle"], idle)],
+               EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
+               ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching",
+               Tags=_tags(tags, strict=True), Metrics=_backlog_metrics(names["queue"]))
+    return "put"
+
+
+def _describe_alarms(calls, names):
+    """The pool's scale-to-zero alarms that exist."""
+    alarms = calls.call("cloudwatch", "DescribeAlarms",
+                        AlarmNames=[names["alarm_wake"], names["alarm_idle"]])
+    return alarms["MetricAlarms"]
+
+
+def _delete_alarms(calls, names):
+    """Delete the pool's scale-to-zero alarms that exist; returns their names."""
+    alarms = [a["AlarmName"] for a in _describe_alarms(calls, names)]
+    if alarms:
+        calls.call("cloudwatch", "DeleteAlarms", AlarmNames=alarms)
+    return alarms
+
+
+def _remove_scale_to_zero(calls, names):
+    """Alarms and policies of a pool that no longer scales to zero; True if any were removed."""
+    removed = bool(_delete_alarms(calls, names))
+    if describe_asg(calls, names["asg"]):
+        policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=names["asg"])
+        have = {p["PolicyName"] for p in policies["ScalingPolicies"]}
+        for policy in (names["policy_wake"], names["policy_idle"]):
+            if policy in have:
+                calls.call("autoscaling", "DeletePolicy", AutoScalingGroupName=names["asg"],
+                           PolicyName=policy)
+                removed = True
+    return removed
+
+
+def _store_put(calls, backend, key, data):
+    """Write one store object; a dry run prints the PutObject instead (with its size)."""
+    if calls.note("s3", "PutObject", {"uri": backend.store.uri(key), "bytes": len(data)}):
+        backend.store.put(key, data)
+
+
+def _put_pool_record(calls, backend, record):
+    _store_put(calls, backend, pool_key(record["model"]), json.dumps(record, indent=1))
+
+
+def _said(calls, state):
+    """A step's outcome as printed: 'created' in a dry run reads 'would be created'."""
+    return f"would be {state}" if calls.dry_run and state not in ("found",) else state
+
+
+def _error_line(error):
+    """'Code: first line of the message' of an AWS (or any) error."""
+    text = str(error)
+    code = _aws_error_code(error) or type(error).__name__
+    return f"{code}: {text.splitlines()[0] if text else ''}"
+
+
+def _run_steps(subject, steps, fix):
+    """Run the (title, fn) steps in order. When one fails, say which, what is in place, what is
+    not done and `fix`; re-raise a UserError or an interruption, anything else as a UserError."""
+    done = []
+    for title, fn in steps:
+        try:
+            fn()
+        except (Exception, KeyboardInterrupt) as e:
+            interrupted = isinstance(e, KeyboardInterrupt)
+            code = _aws_error_code(e) or type(e).__name__
+            reason = "interrupted" if interrupted else f"{code}: {e}"
+            print(f"{subject}: stopped at {title} ({reason})", file=sys.stderr)
+            print(f"  in place: {', '.join(done) or 'nothing'}", file=sys.stderr)
+            print(f"  not done: {', '.join(t for t, _ in steps if t not in done)}", file=sys.stderr)
+            print(f"  ---> HINT: {fix}", file=sys.stderr)
+            if isinstance(e, (UserError, KeyboardInterrupt)):
+                raise
+            raise UserError(f"{subject} stopped at {title}: {_error_line(e)} (what is in place is "
+                            f"listed above)") from e
+        done.append(title)
+
+
+# ------------------------------------------------------------------------------------------------
+# the EC2 pool verbs
+def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_money=False,
+                calls=None, include=()):
+    """`pool create --instances N ...` on an s3:// store: `record` is the pool record
+    cmd_pool_create built, `handler` (file.py:Class) is snapshotted, `options` (PoolOptions) say
+    the fleet. A read-only pre-flight, then steps that each check what exists first, so a re-run
+    finishes an interrupted create and a failure says what is in place. Returns the record."""
+    model = record["model"]
+    _aws_store(backend, "pool create --instances")
+    _check_text(model, "model")
+    refuse_spending(f"pool create --model {model} --instances {options.instances}", dry_run=dry_run,
+                    yes_spend_money=yes_spend_money)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
+    names, store, region = resource_names(model), backend.describe(), calls.region
+    existing = check_slug_free(backend, model)
+
+    ident = calls.identity()     # pre-flight: read-only; nothing is created if any fails
+    itype = _instance_type_info(calls, options.instance_type)
+    ami, ami_source = resolve_ami(calls, options.ami, itype)
+    subnets = resolve_subnets(calls, options.subnet, options.instance_type)
+    _check_key(calls, options.key_name)
+    if not itype.get("GpuInfo"):
+        print(f"pool {model}: note: {options.instance_type} has no GPU; fine for a CPU handler, "
+              f"not for a GPU model")
+    elif "x86_64" not in itype["ProcessorInfo"]["SupportedArchitectures"]:
+        print(f"pool {model}: WARNING: {options.instance_type} is arm64: PyPI's {_pin('torch')} "
+              f"wheel for Linux aarch64 may be a CPU-only build (assumed; check the project's "
+              f"wheel list), and then the model runs on the CPU. Each instance records which torch "
+              f"it got and whether it sees the GPU: `pool status` warns")
+    blob, kit_sha = kit_archive()
+    kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
+    idle = options.scale_to_zero_after
+    previous = (existing or {}).get("ec2") or {}
+    created_at = previous.get("created_at") or record.get("created_at") or now_iso()
+    held = previous.get("held") if idle else None    # a re-run keeps a `pool scale` hold
+    lo, hi = options.min_instances, options.instances
+    scaling = measured_scaling(backend, model, lo, hi) if idle else None
+    ec2 = {"instances": options.instances, "min_instances": options.min_instances,
+           "instance_type": options.instance_type, "ami": ami, "ami_source": ami_source,
+           "spot": options.spot, "subnets": subnets, "key_name": options.key_name,
+           "scale_to_zero_after": idle, "region": region, "account": ident["account"],
+           "role": names["role"], "instance_profile": names["instance_profile"],
+           "launch_template": names["launch_template"], "asg": names["asg"],
+           "alarms": [names["alarm_wake"], names["alarm_idle"]] if idle else [],
+           "kit": {"key": kit_key, "sha256": kit_sha}, "held": min(held, hi) if held else None,
+           "scaling": scaling, "state": "creating", "updated_at": now_iso(),
+           "created_at": created_at}
+    tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
+            "calque:created-at": created_at, "calque:store": store, "calque:region": region}
+    owner = (model, store, region)
+    full = dict(existing or {}, **record)     # a re-run keeps what it does not set
+    full["created_at"] = (existing or record).get("created_at") or now_iso()
+    print(f"pool {model}: EC2 cohort of {options.instances} x {options.instance_type} "
+          f"{'spot' if options.spot else 'on-demand'}, AMI {ami} ({ami_source}), subnets "
+          f"{', '.join(subnets)}")
+    print(f"pool {model}: cost {_hourly(options.instance_type, options.spot, max(hi, 1))}"
+          + (f"; scales to {lo or 0} after {idle} idle minute(s)" if idle else ""))
+
+    def queues():
+        queue_tags = {k: _strict_tag(tags[k]) for k in ("calque:pool-model", "calque:managed")}
+        for queue in (names["queue"], names["dlq"]):
+            state = _ensure_queue(calls, queue, record["visibility_timeout"], queue_tags)
+            print(f"pool {model}: queue {queue} {_said(calls, state)}")
+
+    def store_objects():
+        files = list(include) + record.get("modal", {}).get("image", {}).get("files", [])
+        full["handler"] = snapshot_handler(
+            handler, f"pools/{record['slug']}/",
+            lambda key, data: _store_put(calls, backend, key, data), files)
+        _store_put(calls, backend, kit_key, blob)
+        full["ec2"] = ec2
+        _put_pool_record(calls, backend, full)
+        print(f"pool {model}: handler {full['handler']['file']}:{full['handler']['class']}, kit "
+              f"{kit_sha[:16]}, record {_said(calls, 'written')}")
+
+    def role():
+        policy = worker_policy(store, model, region, ident["account"], ident["partition"])
+        state = _ensure_role(calls, names["role"], policy, tags, owner)
+        print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy "
+              f"{_said(calls, 'put')}")
+
+    def instance_profile():
+        state = _ensure_instance_profile(calls, names["instance_profile"], names["role"], tags)
+        print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
+
+    def launch_template():
+        profile = names["instance_profile"]
+        script = user_data_pool(model, store, region, kit_key, kit_sha, profile=profile,
+                                image=record.get("modal", {}).get("image"))
+        data = {"ImageId": ami, "InstanceType": options.instance_type,
+                "UserData": _user_data_b64(script), "IamInstanceProfile": {"Name": profile},
+                "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
+        if options.key_name:
+            data["KeyName"] = options.key_name
+        state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
+        print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} "
+              f"({len(script)} bytes of user-data)")
+
+    def asg():
+        state = _ensure_asg(calls, names, ec2, tags, owner)
+        lo, hi, desired = _asg_sizes(ec2)
+        calls.call("autoscaling", "PutLifecycleHook", LifecycleHookName=names["hook"],
+                   AutoScalingGroupName=names["asg"], DefaultResult="CONTINUE",
+                   LifecycleTransition="autoscaling:EC2_INSTANCE_TERMINATING",
+                   HeartbeatTimeout=DRAIN_TIMEOUT)
+        print(f"pool {model}: auto scaling group {names['asg']} {_said(calls, state)} "
+              f"(min {lo}, max {hi}{'' if 'kept' in state else f', desired {desired}'}); "
+              f"termination hook {names['hook']} (a worker finishes its claim first, "
+              f"{DRAIN_TIMEOUT // 60} min at most)")
+
+    def alarms():
+        if idle:
+            _ensure_scale_to_zero(calls, names, ec2, tags)
+            steps = _show_steps(ec2["scaling"])
+            spc = ec2["scaling"]["seconds_per_claim"]
+            per_claim = "unmeasured: one a claim" if spc is None else f"{spc:.3g} s a claim"
+            print(f"pool {model}: alarms {names['alarm_wake']} (backlog -> instances: {steps}; "
+                  f"{per_claim}, drain target {ec2['scaling']['target_drain']:g} s) and "
+                  f"{names['alarm_idle']} ({idle} idle min -> {options.min_instances or 0}) "
+                  f"{_said(calls, 'put')}")
+        elif _remove_scale_to_zero(calls, names):
+            print(f"pool {model}: scale-to-zero alarms removed (not asked for this time)")
+
+    def ready():
+        full["ec2"] = dict(ec2, state="ready", updated_at=now_iso())
+        _put_pool_record(calls, backend, full)
+
+    _run_steps(f"pool {model}: create", [
+        (f"queues {names['queue']} + {names['dlq']}", queues),
+        ("handler, kit and pool record in the store", store_objects),
+        (f"IAM role {names['role']}", role),
+        (f"instance profile {names['instance_profile']}", instance_profile),
+        (f"launch template {names['launch_template']}", launch_template),
+        (f"auto scaling group {names['asg']}", asg),
+        ("scale-to-zero alarms" if idle else "no scale-to-zero alarms", alarms),
+        ("pool record ready", ready),
+    ], fix=f"re-run the same command to finish (each step checks what exists first), or "
+           f"`python calque.py pool delete --model {model} --yes` to remove what is in place")
+    if dry_run:
+        print(f"pool {model}: dry run: nothing was created or changed; "
+              f"the calls above are what --yes-spend-money makes")
+    else:
+        print(f"pool {model}: ready. Instances boot and bootstrap in ~{BOOT_ESTIMATE / 60:.0f} "
+              f"min, then load the model; watch with `python calque.py pool status --model "
+              f"{model}`")
+    return full
+
+
+def _require_ec2(record):
+    if not record.get("ec2"):
+        raise UserError(f"pool {record['model']} has no EC2 cohort (it was created without "
+                        f"--instances): scale its local workers with `pool scale --workers N`")
+    return record["ec2"]
+
+
+def _existing_asg(calls, model):
+    asg = describe_asg(calls, resource_names(model)["asg"])
+    if asg is None:
+        raise UserError(f"pool {model}: auto scaling group {resource_names(model)['asg']} does not "
+                        f"exist: re-run `pool create` to finish the pool")
+    return asg
+
+
+def pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=False, calls=None):
+    """`pool scale --instances N` of an EC2 pool. A fixed cohort: min, max and desired to N. A
+    scale-to-zero pool: N > 0 holds it at N (MinSize N), since its idle alarm would undo a plain
+    scale-up within a minute; N = 0 releases the hold (down to its floor now, up on work).
+    Growing needs yes_spend_money (or dry_run)."""
+    model = record["model"]
+    _aws_store(backend, "pool scale --instances")
+    ec2 = dict(_require_ec2(record))
+    if instances is None or instances < 0:
+        raise UserError(f"--instances {instances}: 0 or more")
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
+    names = resource_names(model)
+    asg = _existing_asg(calls, model)
+    if instances > asg["DesiredCapacity"]:
+        refuse_spending(f"pool scale --model {model} --instances {instances}", dry_run=dry_run,
+                        yes_spend_money=yes_spend_money)
+    sleeps = bool(ec2.get("scale_to_zero_after"))
+    if sleeps:
+        ec2.update(held=instances or None, instances=instances or ec2["instances"])
+    else:
+        ec2["instances"] = instances
+    lo, hi, desired = _asg_sizes(ec2)
+    desired = desired if instances else lo     # a released hold goes down to the floor now
+    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
+               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
+    if sleeps:
+        ec2["scaling"] = measured_scaling(backend, model, lo, ec2["instances"])
+        _put_backlog_policy(calls, names, ec2)
+    full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
+    _put_pool_record(calls, backend, full)
+    cost = _hourly(ec2["instance_type"], ec2["spot"], desired) if desired else "no cost at 0"
+    print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} "
+          f"instance(s) (min {lo}, max {hi}); {cost}")
+    if sleeps and instances:
+        print(f"pool {model}: held at {instances}: the idle alarm cannot scale it in until "
+              f"`pool scale --model {model} --instances 0` releases it")
+    elif sleeps:
+        print(f"pool {model}: the backlog and idle alarms in charge again: up to "
+              f"{ec2['instances']} on its backlog")
+    return full
+
+
+def pool_scale_bounds(backend, record, lo, hi, *, dry_run=False, yes_spend_money=False, calls=None):
+    """`pool scale --min-instances A --max-instances B` (either kept when not given) of an EC2 pool
+    that sizes itself: the group's bounds, backlog steps and alarms put anew; a `pool scale
+    --instances` hold is released. A floor above the desired capacity needs yes_spend_money."""
+    model = record["model"]
+    _aws_store(backend, "pool scale --min-instances / --max-instances")
+    ec2 = dict(_require_ec2(record))
+    if not ec2.get("scale_to_zero_after"):
+        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or "
+                        f"ceiling ---> HINT: `pool scale --instances N`, or re-run `pool create` "
+                        f"with --min-instances A --max-instances B")
+    lo = (ec2["min_instances"] or 0) if lo is None else lo
+    hi = ec2["instances"] if hi is None else hi
+    if not 0 <= lo <= hi or hi < 1:
+        raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max "
+                        f">= 1 ---> HINT: e.g. --min-instances 0 --max-instances 4")
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
+    names = resource_names(model)
+    asg = _existing_asg(calls, model)
+    desired = min(max(asg["DesiredCapacity"], lo), hi)
+    if desired > asg["DesiredCapacity"]:
+        refuse_spending(f"pool scale --model {model} --min-instances {lo}", dry_run=dry_run,
+                        yes_spend_money=yes_spend_money)
+    ec2.update(min_instances=lo, instances=hi, held=None)
+    ec2["scaling"] = measured_scaling(backend, model, lo, hi)
+    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
+               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
+    _ensure_scale_to_zero(calls, names, ec2, _tag_dict(asg.get("Tags")))
+    full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
+    _put_pool_record(calls, backend, full)
+    print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), "
+          f"desired {asg['DesiredCapacity']} -> {desired}; backlog steps "
+          f"{_show_steps(ec2['scaling'])}")
+    return full
+
+
+def refresh_backlog_steps(backend, record):
+    """Put an EC2 pool's backlog policy again when its steps no longer follow its measured seconds
+    per claim or the drain target (each submit)."""
+    ec2 = record.get("ec2") or {}
+    if backend.kind != "aws" or not ec2.get("scale_to_zero_after"):
+        return
+    scaling = measured_scaling(backend, record["model"], ec2["min_instances"], ec2["instances"])
+    if json.loads(json.dumps(scaling)) == ec2.get("scaling"):
+        return
+    calls, names = AwsCalls.for_backend(backend), resource_names(record["model"])
+    _put_backlog_policy(calls, names, dict(ec2, scaling=scaling))
+    ec2 = dict(ec2, scaling=scaling, updated_at=now_iso())
+    _put_pool_record(calls, backend, dict(record, ec2=ec2))
+    print(f"pool {record['model']}: backlog steps now {_show_steps(scaling)}", file=sys.stderr)
+
+
+def bootstrap_reports(backend, model, instance_ids):
+    """{"current": {instance id: its latest bootstrap report}, "failed": [the failed reports of the
+    current instances and of the last BOOTSTRAP_FAILURES_SHOWN gone ones]}, oldest first. Keys are
+    <started>.<instance id>.json: sorted in launch order, so only those few are read."""
+    prefix = resource_names(model)["report_prefix"]
+    current, gone = {}, []
+    for key in backend.store.list(prefix):
+        if key.endswith(".json"):
+            instance_id = key[len(prefix):-len(".json")].partition(".")[2]
+            if instance_id in instance_ids:
+                current[instance_id] = key      # sorted keys: the latest report wins
+            else:
+                gone.append(key)
+    reports = {i: read_json(backend, key) for i, key in current.items()}
+    earlier = [read_json(backend, key) for key in gone[-BOOTSTRAP_FAILURES_SHOWN:]]
+    failed = [r for r in earlier + list(reports.values()) if r.get("state") == "failed"]
+    return {"current": reports, "failed": sorted(failed, key=lambda r: r.get("started", ""))}
+
+
+def pool_status(backend, record, calls=None):
+    """The EC2 side of `pool status`: the group's sizes, its instances, its last scaling
+    activities (where a launch failure shows), the alarms, queue depths, worker stats and the
+    instances' bootstrap reports."""
+    model = record["model"]
+    calls = calls or AwsCalls.for_backend(backend)
+    names = resource_names(model)
+    asg = describe_asg(calls, names["asg"])
+    status = {"model": model, "ec2": record.get("ec2"), "asg": None, "instances": {},
+              "instance_list": [], "activities": [], "alarms": {},
+              "queue": queue_depth(backend, names["queue"]),
+              "dlq": queue_depth(backend, names["dlq"]),
+              "workers": read_worker_stats(backend, model)}
+    if asg:
+        status["asg"] = {"name": names["asg"], "min": asg["MinSize"], "max": asg["MaxSize"],
+                         "desired": asg["DesiredCapacity"], "status": asg.get("Status")}
+        for i in asg.get("Instances", []):
+            state = i["LifecycleState"]
+            status["instances"][state] = status["instances"].get(state, 0) + 1
+            status["instance_list"].append({"id": i["InstanceId"], "state": state,
+                                            "health": i.get("HealthStatus"),
+                                            "zone": i.get("AvailabilityZone"),
+                                            "type": i.get("InstanceType")})
+        activities = calls.call("autoscaling", "DescribeScalingActivities",
+                                AutoScalingGroupName=names["asg"], MaxRecords=3)
+        for a in activities.get("Activities", []):
+            status["activities"].append({
+                "status": a.get("StatusCode"), "description": a.get("Description"),
+                "reason": (a.get("StatusMessage") or a.get("Cause") or "")[:300],
+                "start": str(a.get("StartTime", ""))})
+    status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in _describe_alarms(calls, names)}
+    ids = {i["id"] for i in status["instance_list"]}
+    status["bootstrap"] = bootstrap_reports(backend, model, ids)
+    return status
+
+
+def format_status(status):
+    """pool_status's answer as lines for `pool status`: the group and its instances, its last
+    activities, who sets its size (a hold or the alarms), the bootstrap reports, and a note when
+    instances run but no worker reports yet."""
+    lines, ec2 = [], status.get("ec2") or {}
+    asg = status["asg"]
+    if asg is None:
+        lines.append("auto scaling group: none (re-run `pool create` to finish, or `pool delete` "
+                     "to clean up)")
+    else:
+        by_state = ", ".join(f"{n} {s}" for s, n in sorted(status["instances"].items()))
+        deleting = f" {asg['status']}" if asg["status"] else ""
+        lines.append(f"auto scaling group {asg['name']}: desired {asg['desired']} (min "
+                     f"{asg['min']}, max {asg['max']}){deleting}: {by_state or 'no instances'}")
+        lines.append(f"instances: {ec2.get('instance_type', '?')} "
+                     f"{'spot' if ec2.get('spot') else 'on-demand'}, AMI {ec2.get('ami', '?')}")
+        for a in status["activities"]:
+            lines.append(f"  {a['start'][:19]} {a['status']}: {a['description']}"
+                         + (f" ({a['reason']})" if a["reason"] else ""))
+    alarms = ", ".join(f"{k} {v}" for k, v in sorted(status["alarms"].items()))
+    if ec2.get("scale_to_zero_after"):
+        if ec2.get("held"):
+            mode = (f"held at {ec2['held']} by `pool scale` (MinSize {ec2['held']}: the idle alarm "
+                    f"cannot scale it in; `pool scale --instances 0` releases it)")
+        else:
+            mode = (f"alarms in charge (backlog steps up to {ec2['instances']}, "
+                    f"{ec2['min_instances'] or 0} after {ec2['scale_to_zero_after']} idle min)")
+        lines.append(f"scale to zero: {mode}" + (f"; {alarms}" if alarms else ""))
+    elif alarms:
+        lines.append(f"scale-to-zero alarms left over: {alarms} (re-run `pool create` to remove "
+                     f"them)")
+    lines += format_bootstrap(status.get("bootstrap") or {"current": {}, "failed": []})
+    running = [w for w in status["workers"] if w.get("state") == "running"]
+    in_service = status["instances"].get("InService", 0)
+    if in_service and not running:
+        lines.append(f"note: {in_service} instance(s) in service but no worker reports running "
+                     f"yet: still bootstrapping (~{BOOT_ESTIMATE / 60:.0f} min), or failed before "
+                     f"it could report (no network, no python): see the instance's console output")
+    return lines
+
+
+def _few(ids, shown=3):
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return ", ".join(sorted(ids)[:shown]) + more
+
+
+def format_bootstrap(boot):
+    """Lines for bootstrap_reports' answer: the builds the ready instances run, a WARNING where
+    fastbatch's build failed or torch does not see the GPU, and the instances that failed."""
+    lines, builds, warnings = [], Counter(), {}
+    for r in boot["current"].values():
+        if r.get("state") != "ready":
+            continue
+        sees_gpu = r.get("torch_gpu") == "True"
+        fastbatch = "C" if r.get("fastbatch") == "c" else "numpy"
+        builds[f"torch {r.get('torch') or '?'} (CUDA {r.get('torch_cuda') or '?'}, GPU "
+               f"{'visible' if sees_gpu else 'not visible'}), fastbatch {fastbatch}"] += 1
+        if r.get("fastbatch") != "c":
+            warnings.setdefault(f"fastbatch's C build {r.get('fastbatch') or 'did not run'}: "
+                                f"its workers gather batches with the numpy path and frame result "
+                                f"lines in Python (slower)", []).append(r["instance_id"])
+        if r.get("gpu") and not sees_gpu:
+            warnings.setdefault(f"torch {r.get('torch')} does not see the GPU ({r['gpu']}): the "
+                                f"model runs on the CPU", []).append(r["instance_id"])
+    lines += [f"bootstrap: {n} ready with {build}" for build, n in sorted(builds.items())]
+    lines += [f"WARNING ({_few(ids)}): {text}" for text, ids in warnings.items()]
+    if boot["failed"]:
+        lines.append(f"instances that failed to bootstrap (the latest {len(boot['failed'])}; "
+                     f"each is replaced by the group):")
+        for r in boot["failed"]:
+            reason = " | ".join(line for line in (r.get("reason") or "").splitlines()
+                                if line.strip())
+            lines.append(f"  {r['instance_id']} (started {r.get('started')}): {r.get('stage')}: "
+                         f"{reason[:300]}")
+    return lines
+
+
+def pool_list(backend, calls=None):
+    """Every pool in this store, by its record, plus EC2 fleets found only by their group's tags
+    (a half-created pool, or one whose record is gone: record False)."""
+    calls = calls or AwsCalls.for_backend(backend)
+    found = {}
+    for folder in backend.store.list("pools/"):
+        with contextlib.suppress(NotFound):
+            rec = read_json(backend, folder + "/pool.json")
+            ec2 = rec.get("ec2") or {}
+            found[rec["model"]] = {"model": rec["model"], "record": True, "asg": None,
+                                   "desired": None, "in_service": 0,
+                                   "instance_type": ec2.get("instance_type"),
+                                   "spot": ec2.get("spot"), "store": backend.describe()}
+    token = None
+    while True:
+        page = calls.call("autoscaling", "DescribeAutoScalingGroups",
+                          Filters=[{"Name": "tag:calque:role", "Values": ["pool-worker"]}],
+                          **({"NextToken": token} if token else {}))
+        for g in page["AutoScalingGroups"]:
+            tags = _tag_dict(g.get("Tags"))
+            model = tags.get("calque:pool-model")
+            if not model or tags.get("calque:managed") != "true":
+                continue
+            entry = found.setdefault(model, {"model": model, "record": False, "instance_type": None,
+                                             "spot": None, "store": tags.get("calque:store")})
+            entry.update(asg=g["AutoScalingGroupName"], desired=g["DesiredCapacity"],
+                         in_service=sum(i["LifecycleState"] == "InService"
+                                        for i in g.get("Instances", [])))
+        token = page.get("NextToken")
+        if not token:
+            break
+    return sorted(found.values(), key=lambda p: p["model"])
+
+
+def _require_managed(name, tags):
+    """Delete refuses what calque did not create, whatever its name."""
+    if tags.get("calque:managed") != "true":
+        raise UserError(f"{name} is not tagged calque:managed=true; not touching it")
+
+
+def _delete_step(model, what, fn):
+    """Run one delete step and report it; a failed step is reported and the others still run."""
+    try:
+        state = fn()
+        print(f"pool {model}: {what}: {state}")
+        return True
+    except UserError as e:
+        print(f"pool {model}: {what}: skipped: {e}")
+    except Exception as e:
+        print(f"pool {model}: {what}: FAILED ({_error_line(e)})")
+    return False
+
+
+def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
+    """`pool delete --model M --yes` of an EC2 pool: alarms, group (to 0, then force-deleted: its
+    workers get SIGTERM), launch template, instance profile, role, queues, then the pool's folder
+    (record last, so a failed delete can be re-run). Names come from the model: `record` may be
+    just {"model": M}. Only what is tagged calque:managed=true goes. True if every step worked."""
+    model = record["model"]
+    _aws_store(backend, "pool delete of an EC2 pool")
+    if not dry_run and not yes:
+        raise UserError(f"pool delete {model}: deletes instances, queues and IAM: refusing "
+                        f"without --yes")
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
+    names = resource_names(model)
+    asg_name, template_name = names["asg"], names["launch_template"]
+    profile_name, role_name = names["instance_profile"], names["role"]
+
+    def alarms():
+        deleted = _delete_alarms(calls, names)
+        _remove_scale_to_zero(calls, names)    # policies: AWS drops them with the group, moto not
+        return "deleted " + ", ".join(deleted) + " and their policies" if deleted else "none"
+
+    def asg():
+        group = describe_asg(calls, asg_name)
+        if group is None:
+            return "not found (already gone)"
+        if group.get("Status"):
+            return f"already {group['Status'].lower()}"
+        _require_managed(asg_name, _tag_dict(group.get("Tags")))
+        hooks = calls.call("autoscaling", "DescribeLifecycleHooks",
+                           AutoScalingGroupName=asg_name)["LifecycleHooks"]
+        if any(h["LifecycleHookName"] == names["hook"] for h in hooks):   # instances go now
+            calls.call("autoscaling", "DeleteLifecycleHook", AutoScalingGroupName=asg_name,
+                       LifecycleHookName=names["hook"])
+        calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=asg_name,
+                   MinSize=0, MaxSize=0, DesiredCapacity=0)
+        calls.call("autoscaling", "DeleteAutoScalingGroup", AutoScalingGroupName=asg_name,
+                   ForceDelete=True)
+        return (f"scaled to 0 and deleted ({len(group.get('Instances', []))} instance(s) "
+                f"terminating: warmd gets SIGTERM)")
+
+    def template():
+        found = _find_launch_template(calls, template_name)
+        if not found:
+            return "not found (already gone)"
+        _require_managed(template_name, _tag_dict(found.get("Tags")))
+        calls.call("ec2", "DeleteLaunchTemplate", LaunchTemplateName=template_name)
+        return "deleted"
+
+    def profile():
+        found = _find_instance_profile(calls, profile_name)
+        if not found:
+            return "not found (already gone)"
+        for role in found.get("Roles", []):
+            calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=profile_name,
+                       RoleName=role["RoleName"])
+        calls.call("iam", "DeleteInstanceProfile", InstanceProfileName=profile_name)
+        return "deleted"
+
+    def role():
+        if not _find_role(calls, role_name):
+            return "not found (already gone)"
+        _require_managed(role_name, _role_tags(calls, role_name))
+        for p in calls.call("iam", "ListRolePolicies", RoleName=role_name)["PolicyNames"]:
+            calls.call("iam", "DeleteRolePolicy", RoleName=role_name, PolicyName=p)
+        attached = calls.call("iam", "ListAttachedRolePolicies", RoleName=role_name)
+        for p in attached["AttachedPolicies"]:
+            calls.call("iam", "DetachRolePolicy", RoleName=role_name, PolicyArn=p["PolicyArn"])
+        profiles = calls.call("iam", "ListInstanceProfilesForRole", RoleName=role_name)
+        for p in profiles["InstanceProfiles"]:
+            calls.call("iam", "RemoveRoleFromInstanceProfile", RoleName=role_name,
+                       InstanceProfileName=p["InstanceProfileName"])
+        calls.call("iam", "DeleteRole", RoleName=role_name)
+        return "deleted"
+
+    def queue(name):
+        def step():
+            url = _queue_url(calls, name)
+            if not url:
+                return "not found (already gone)"
+            calls.call("sqs", "DeleteQueue", QueueUrl=url)
+            return "deleted (SQS lets the name be reused after 60 s)"
+        return step
+
+    def store():
+        prefix = f"pools/{slug(model)}/"
+        shown = {"uri": backend.store.uri(prefix), "what": "every key under it"}
+        if calls.note("s3", "DeleteObjects", shown):
+            backend.store.delete_prefix(prefix)
+        return (f"deleted (record, handler, kit, worker stats); its runs remain ---> HINT: calque "
+                f"runs prune --model {model} --older-than 0s deletes them")
+
+    ok = all([_delete_step(model, "alarms", alarms),
+              _delete_step(model, f"auto scaling group {asg_name}", asg),
+              _delete_step(model, f"launch template {template_name}", template),
+              _delete_step(model, f"instance profile {profile_name}", profile),
+              _delete_step(model, f"IAM role {role_name}", role),
+              _delete_step(model, f"queue {names['queue']}", queue(names["queue"])),
+              _delete_step(model, f"queue {names['dlq']}", queue(names["dlq"]))])
+    if ok:
+        ok = _delete_step(model, f"store folder pools/{slug(model)}/", store)
+    else:
+        print(f"pool {model}: record kept (a step failed): fix what is reported above and re-run "
+              f"`pool delete --model {model} --yes`")
+    if dry_run:
+        print(f"pool {model}: dry run: nothing was deleted")
+    return ok
+
+
+def cold_wait_hint(backend, record, calls=None):
+    """For `submit --pool M`: one line when the EC2 pool has no instance in service (how long until
+    the first claim can start, and why), else None (and for a local pool)."""
+    ec2 = record.get("ec2")
+    if not ec2 or getattr(backend, "kind", None) != "aws":
+        return None
+    model = record["model"]
+    calls = calls or AwsCalls.for_backend(backend)
+    asg = describe_asg(calls, resource_names(model)["asg"])
+    if asg is None:
+        return (f"pool {model} has no auto scaling group: no instance will claim this run "
+                f"---> HINT: re-run `pool create` for it")
+    states = [i["LifecycleState"] for i in asg.get("Instances", [])]
+    if "InService" in states:
+        return None
+    enter = measured_enter_seconds(read_worker_stats(backend, model))
+    load = f"@enter ~{enter:.0f}s (measured)" if enter is not None else "@enter (not measured yet)"
+    boot = f"boot + bootstrap ~{BOOT_ESTIMATE / 60:.0f} min (assumed)"
+    if asg["DesiredCapacity"] == 0:
+        if not ec2.get("scale_to_zero_after"):
+            return (f"pool {model} is scaled to 0: nothing will claim this run "
+                    f"---> HINT: pool scale --model {model} --instances N")
+        return (f"pool {model} is cold (0 instances): its wake alarm sizes it to the backlog (up "
+                f"to {ec2['instances']}) in ~1-3 min (SQS metrics are per minute; up to 15 min "
+                f"more after 6 idle hours, while SQS resumes them), then {boot}, then {load} "
+                f"before the first claim starts")
+    pending = sum(s.startswith("Pending") for s in states)
+    return (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in service, {pending} "
+            f"launching): {boot} from launch, then {load} before the first claim starts")
+
+
+# ------------------------------------------------------------------------------------------------
+# the cold path on AWS: one-shot instances on a run-scoped queue
+def cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_run=False,
+                yes_spend_money=False, calls=None):
+    """Launch `shards` one-shot instances (ColdLaunch) for a staged cold run, all or none. Each
+    bootstraps, runs `warmd --run RUN` once and powers off (terminates) when its queue is drained,
+    or after `timeout` + COLD_BOOT_ALLOWANCE minutes whatever happens. Returns the instance ids."""
+    _aws_store(backend, "a cold run on EC2")
+    if not launch.ami:
+        raise UserError("a cold run on EC2 needs --ami ami-... "
+                        "(an image with an NVIDIA driver; see the README, On AWS)")
+    if shards < 1:
+        raise UserError(f"--shards {shards}: at least 1")
+    refuse_spending(f"submit (cold, {shards} instance(s))", dry_run=dry_run,
+                    yes_spend_money=yes_spend_money)
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
+    store, region = backend.describe(), calls.region
+    ident = calls.identity()
+    itype = _instance_type_info(calls, launch.instance_type)
+    ami, _ = resolve_ami(calls, launch.ami, itype)
+    subnet = resolve_subnets(calls, launch.subnet, itype["InstanceType"])[0]
+    _check_key(calls, launch.key_name)
+    name = cold_role_name(store, region)
+    tags = {"calque:pool-model": cold_record["model"], "calque:role": "cold-worker",
+            "calque:managed": "true", "calque:created-at": now_iso(), "calque:store": store,
+            "calque:region": region}
+    role_tags = dict(tags, **{"calque:pool-model": "cold-runs"})
+    policy = cold_worker_policy(store, region, ident["account"], ident["partition"])
+    role_state = _ensure_role(calls, name, policy, role_tags, ("cold-runs", store, region))
+    profile_state = _ensure_instance_profile(calls, name, name, role_tags)
+    print(f"run {run_id}: cold role {name} {_said(calls, role_state)}, instance profile "
+          f"{_said(calls, profile_state)}")
+    blob, kit_sha = kit_archive()
+    kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
+    _store_put(calls, backend, kit_key, blob)
+    max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
+    script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name)
+    run_tags = dict(tags, **{"calque:run": run_id, "Name": f"calque-cold-{run_id}"})
+    params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards,
+              "MaxCount": shards, "UserData": script, "IamInstanceProfile": {"Name": name},
+              "InstanceInitiatedShutdownBehavior": "terminate", "SubnetId": subnet,
+              "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(run_tags)}
+    if launch.key_name:
+        params["KeyName"] = launch.key_name
+    if launch.spot:
+        params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
+            "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
+    deadline = time.monotonic() + IAM_RETRY_SECONDS
+    while True:
+        try:
+            answer = calls.call("ec2", "RunInstances", **params)
+            break
+        except Exception as e:   # a new instance profile is refused until IAM has propagated it
+            propagating = (_aws_error_code(e) == "InvalidParameterValue"
+                           and "profile" in str(e).lower())
+            if not propagating or time.monotonic() > deadline:
+                raise
+            calls.sleep(5)
+    ids = [i["InstanceId"] for i in answer["Instances"]]
+    if dry_run:
+        print(f"run {run_id}: dry run: no instance was launched")
+    print(f"run {run_id}: launched {len(ids)} x {itype['InstanceType']} ({', '.join(ids)}); each "
+          f"boots and bootstraps (~{BOOT_ESTIMATE / 60:.0f} min), drains {cold_record['queue']}, "
+          f"then terminates itself (at the latest after {max_minutes} min); "
+          f"{_hourly(itype['InstanceType'], launch.spot, len(ids))}")
+    return ids
+
+
+def cold_cleanup(backend, instance_ids, calls=None):
+    """Terminate a cold run's instances still up (submit timed out or was interrupted); the ones
+    that drained have terminated themselves. Returns the ids it terminated."""
+    if not instance_ids:
+        return []
+    calls = calls or AwsCalls.for_backend(backend)
+    live = []
+    found = calls.call("ec2", "DescribeInstances", InstanceIds=list(instance_ids))
+    for res in found["Reservations"]:
+        live += [i["InstanceId"] for i in res["Instances"]
+                 if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
+    if live:
+        calls.call("ec2", "TerminateInstances", InstanceIds=live)
+        print(f"cold run: terminated {len(live)} instance(s) still up: {', '.join(live)}",
+              file=sys.stderr)
+    return live
