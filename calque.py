@@ -49,28 +49,29 @@ def batch(fn):
 
 
 # ------------------------------------------------------------------------------------------------
-# 1. settings, errors and paths: each setting can be in the environment or in a pool.env file (KEY=value
-# lines); the environment wins over pool.env, pool.env over these. pool.env.example documents them all.
+# 1. settings, errors and paths. A setting comes from the environment, else pool.env (KEY=value
+# lines: in the current directory, or the file $CALQUE_ENV names, the one environment-only setting),
+# else these. pool.env.example documents each.
 DEFAULTS = {
-    "CALQUE_STORE": ".calque",          # local path -> SQLite queue + directory store; s3://bucket/prefix -> SQS + S3
-    "CALQUE_STATE": ".calque-state",    # this machine's supervisor pids and worker logs (never in the store)
+    "CALQUE_STORE": ".calque",          # a path: SQLite + folders; s3://bucket/prefix: SQS + S3
+    "CALQUE_STATE": ".calque-state",    # this machine's supervisors and worker logs (not shared)
     "CALQUE_BATCH_SIZE": "32",          # items per handler.batch() call
-    "CALQUE_CLAIM_SIZE": "1000",        # items per claim (one queue message) when submit splits a run
-    "CALQUE_VISIBILITY_TIMEOUT": "60",  # seconds a claim stays invisible to others; the heartbeat renews it
-    "CALQUE_MAX_DELIVERIES": "3",       # a claim received more often than this goes to the dead-letter queue
-    "CALQUE_POLL_WAIT": "20",           # seconds of one long poll (SQS caps it at 20)
-    "CALQUE_GRACE": "30",               # seconds a SIGTERM'd worker may spend finishing its claim before releasing it
-    "CALQUE_TIMEOUT": "3600",           # seconds submit waits for the summaries
-    "CALQUE_ENDPOINT_RETRY": "60",      # s an S3/SQS call retries a dropped, refused or timed-out connection
-    "CALQUE_SPOT_POLL": "",             # spot-interruption metadata address (off when empty; EC2 bootstrap sets it)
-    "CALQUE_SPOT_INTERVAL": "5",        # s between two spot-interruption checks (AWS gives a 2-minute notice)
-    "CALQUE_GPUS": "",                  # GPU indices the supervisor hands its workers (empty: every device NVML sees)
-    "CALQUE_BATCH_TIMEOUT": "900",      # s one handler call may run before the worker calls it hung (pool default)
-    "CALQUE_CHECKPOINT_SECONDS": "30",  # s of drain between two result parts of a claim (with the next one: both)
-    "CALQUE_CHECKPOINT_BATCHES": "8",   # batches between two result parts of a claim (with the previous one: both)
+    "CALQUE_CLAIM_SIZE": "1000",        # items per claim (one queue message) submit splits a run in
+    "CALQUE_VISIBILITY_TIMEOUT": "60",  # s a claim stays invisible to others (heartbeats renew it)
+    "CALQUE_MAX_DELIVERIES": "3",       # deliveries of a claim before the dead-letter queue
+    "CALQUE_POLL_WAIT": "20",           # s of one long poll (SQS caps it at 20)
+    "CALQUE_GRACE": "30",               # s a SIGTERM'd worker has to finish its claim in
+    "CALQUE_TIMEOUT": "3600",           # s submit waits for the summaries
+    "CALQUE_ENDPOINT_RETRY": "60",      # s an S3/SQS call retries a connection that failed
+    "CALQUE_SPOT_POLL": "",             # EC2 metadata address (EC2 bootstrap sets it); empty: off
+    "CALQUE_SPOT_INTERVAL": "5",        # s between two spot-interruption checks
+    "CALQUE_GPUS": "",                  # GPU indices the supervisor hands out (empty: NVML's)
+    "CALQUE_BATCH_TIMEOUT": "900",      # s a handler call may run before the worker calls it hung
+    "CALQUE_CHECKPOINT_SECONDS": "30",  # s of drain and ...
+    "CALQUE_CHECKPOINT_BATCHES": "8",   # ... batches, both, between two result parts of a claim
     "CALQUE_TARGET_DRAIN": "60",        # s a pool that sizes itself aims to drain its backlog in
 }
-ENV_FILE = "pool.env"                   # read from the current directory, or from $CALQUE_ENV
+ENV_FILE = "pool.env"                   # what settings() reads unless $CALQUE_ENV names a file
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
 QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local queue file is still the one opened
 ENDPOINT_BACKOFF = (0.25, 4.0)          # s: first wait before retrying an unreachable AWS endpoint, doubling to a cap
@@ -103,8 +104,6 @@ DEFAULT_REGION = "us-east-1"            # AWS region when neither the environmen
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMD = os.path.join(HERE, "warmd.py")
-OTHER_SETTINGS = ("CALQUE_ENV", "CALQUE_PREFETCH", "CALQUE_PIPELINE", "CALQUE_AHEAD",        # CALQUE_* names
-                  "CALQUE_AHEAD_HOLD", "CALQUE_ACK_WAIT", "CALQUE_ASG", "CALQUE_INSTANCE_ID")  # read elsewhere
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
 
 
@@ -159,7 +158,8 @@ def settings():
             with open(env_file, "rb") as f:
                 data = f.read()
         except OSError as e:
-            raise UserError(f"cannot read {env_file} ({e.strerror}) ---> HINT: fix it, or point CALQUE_ENV elsewhere")
+            raise UserError(f"cannot read {env_file} ({e.strerror}) ---> HINT: fix it, or point CALQUE_ENV "
+                            f"elsewhere")
         for lineno, line in text_lines(data, env_file):
             parsed = env_line(line, f"{env_file}:{lineno}")
             if parsed:
@@ -182,9 +182,10 @@ def env_line(line, where):
         raise UserError(f"{where}: expected KEY=value, got {line!r}")
     quoted = re.fullmatch(r"""(["'])(.*)\1(\s+#.*)?""", value)
     value = quoted[2] if quoted else re.sub(r"(^|\s+)#.*$", "", value)
-    if key.startswith("CALQUE_") and key not in DEFAULTS and key not in OTHER_SETTINGS and key not in _warned:
+    if key.startswith("CALQUE_") and key not in DEFAULTS and key != "CALQUE_ENV" and key not in _warned:
         _warned.add(key)
-        print(f"calque: warning: {where}: unknown setting {key}{did_you_mean(key, DEFAULTS)}: ignored", file=sys.stderr)
+        print(f"calque: warning: {where}: unknown setting {key}{did_you_mean(key, DEFAULTS)}: ignored",
+              file=sys.stderr)
     return key, value
 
 
@@ -3331,82 +3332,61 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. local workers: a detached supervisor per pool keeps N warmd.py processes alive on this machine
-RESTART_BACKOFF = (1.0, 30.0)           # s: first restart delay after an exit without progress, doubling to this cap
-RESTART_RESET_AFTER = 60.0              # s: a worker that lived this long made progress, whatever it did
-SUPERVISOR_TICK = 0.2                   # s between two checks of the children and the desired count
-SCALE_INTERVAL = 0.5                    # s between two looks at the queue of a pool that sizes itself
-SCALE_MEASURE_EVERY = 10.0              # s between two reads of its recent summaries (seconds per claim)
-SCALE_WAKE_HOLD = 30.0                  # s a submit's announced claims count until they show
-COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker gets to exit by itself before SIGTERM
-STOPPED_SHOWN = 5                       # stopped workers `pool status` still lists (the rest: --json)
-SUPERVISOR_START_WAIT = 10.0            # s `pool create` / `pool scale` wait for a new supervisor's first status
-LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts when --workers is not given
-WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter before giving up on them
-EXIT_LOG_TAIL = 16384                   # bytes of a dead worker's log searched for the line that says why it died
-WORKER_LOST_AFTER = 120.0               # s of silence after which a "running" worker elsewhere counts as lost
-                                        # (4 of warmd's 30 s stats intervals; it also writes after each claim)
+# 6. local workers: a pool supervisor's state here, as calque reads it (supervisor.py: the process)
+SUPERVISOR_TICK = 0.2                   # s between two looks of the supervisor (and of a follower)
+SCALE_INTERVAL = 0.5                    # s between two looks at a self-sizing pool's queue
+COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker has to exit before SIGTERM
+STOPPED_SHOWN = 5                       # stopped workers `pool status` lists (the rest: --json)
+LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts without --workers
+WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter
+WORKER_LOST_AFTER = 120.0               # s of silence that makes a "running" worker elsewhere lost
+                                        # (4 of warmd's stats intervals; it writes after claims too)
+
+
+def supervisor_module():
+    """supervisor.py, with this module as its `calque` (calque.py may be __main__): imported only by
+    the verbs that start or stop workers or follow their output."""
+    sys.modules.setdefault("calque", sys.modules[__name__])
+    import supervisor
+    return supervisor
 
 
 def state_dir(conf, model):
     return os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "pools", slug(model))
 
 
-OUTPUT_LAG = 5000                       # ms of chunks a follower lists again (clocks differ)
+def read_state(path, parse, default=None):
+    """A file of a pool's state folder, parsed; `default` when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return parse(f.read())
+    except (OSError, ValueError):
+        return default
 
 
-class WorkerOutput:
-    """What handler code prints in a pool's workers, on this machine or any other (warmd's Output
-    writes it to the store in chunks), on our stderr as it lands, each line prefixed with the pool's
-    label and the worker's. A thread follows the pools' output/ folders from now until stop(), which
-    prints what is left."""
+def read_supervisor(conf, model):
+    """The supervisor's status file, or None when no live supervisor runs the pool here."""
+    status = read_state(os.path.join(state_dir(conf, model), "supervisor.json"), json.loads)
+    return status if status and pid_alive(status["pid"]) else None
 
-    def __init__(self, backend, labels):
-        self.backend, self.labels, self.seen = backend, {}, set()
-        self.since = int(time.time() * 1000)
-        for model, label in labels.items():
-            self.add(model, label)
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="worker-output", daemon=True)
-        self.thread.start()
 
-    def add(self, model, label):
-        self.labels[f"pools/{slug(model)}/output/"] = [label, self.since]
+def read_desired(folder):
+    """The worker count `pool create` / `pool scale` last asked for (0 when unreadable)."""
+    return read_state(os.path.join(folder, "desired"), lambda text: int(text.strip() or 0), 0)
 
-    def _run(self):
-        while not self.stopped.wait(SUPERVISOR_TICK):
-            with contextlib.suppress(Exception):   # a store hiccup: the next look finds the chunks
-                self._poll()
 
-    def _poll(self):
-        for prefix, cursor in list(self.labels.items()):
-            for key in self.backend.store.list(prefix, f"{prefix}{cursor[1] - OUTPUT_LAG:013d}"):
-                ms, worker = key[len(prefix):].split(".", 1)
-                if key in self.seen or int(ms[:13]) < self.since:
-                    continue
-                self.seen.add(key)
-                cursor[1] = max(cursor[1], int(ms[:13]))
-                with contextlib.suppress(NotFound):
-                    text = self.backend.store.get(key).decode(errors="replace")
-                    for line in text.rstrip("\n").split("\n"):
-                        shown = line.rsplit("\r", 1)[-1]   # a progress bar: its last state
-                        print(f"[{cursor[0]} {worker}] {shown}", file=sys.stderr, flush=True)
-
-    def stop(self):
-        self.stopped.set()
-        self.thread.join()
-        with contextlib.suppress(Exception):
-            self._poll()
+def read_scaling(folder):
+    """The bounds of a pool that sizes itself (scaling.json), or None for a fixed count."""
+    return read_state(os.path.join(folder, "scaling.json"), json.loads)
 
 
 def child_env(conf):
-    """The environment for a process we start: every setting as resolved here (pool.env included: the
+    """The environment of a process we start: every setting as resolved here (pool.env included: the
     child runs in the kit's folder, not ours), with absolute store and state paths."""
     env = dict(os.environ, **{key: conf[key] for key in DEFAULTS})
     store = conf["CALQUE_STORE"]
     env["CALQUE_STORE"] = store if store.startswith("s3://") else os.path.abspath(store)
     env["CALQUE_STATE"] = os.path.abspath(conf["CALQUE_STATE"])
-    env["CALQUE_SPAWNED_AT"] = repr(time.time())
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -3418,9 +3398,7 @@ def pid_alive(pid):
         return False
     except PermissionError:
         return True
-    # a zombie still answers kill(0); /proc tells, and a process reaped since kill(0) has no /proc entry left (a
-    # dead supervisor read as alive in that window once sent `pool scale` after it: its status file outlives it)
-    try:
+    try:   # a zombie still answers kill(0); /proc tells (and a process reaped since has no entry)
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
@@ -3429,344 +3407,9 @@ def pid_alive(pid):
         return True
 
 
-def read_supervisor(conf, model):
-    """The supervisor's status file, or None when no live supervisor runs this pool on this machine."""
-    path = os.path.join(state_dir(conf, model), "supervisor.json")
-    try:
-        with open(path) as f:
-            status = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return status if pid_alive(status["pid"]) else None
-
-
-def start_supervisor(conf, model, workers, gpus_per_worker=None, threads_per_worker=None):
-    """Ask this machine's supervisor of the pool for `workers` workers (starting it when there is none); returns
-    its pid. `gpus_per_worker` (None: 1 where CUDA devices exist) and `threads_per_worker` (None: thread_env's
-    share) are read by a new supervisor, and by a running one for the workers it starts next."""
-    folder = state_dir(conf, model)
-    os.makedirs(folder, exist_ok=True)
-    if gpus_per_worker is not None and gpus_per_worker < 0:
-        raise UserError(f"--gpus-per-worker {gpus_per_worker}: must be 0 (no GPU) or more")
-    if threads_per_worker is not None and threads_per_worker < 1:
-        raise UserError(f"--threads-per-worker {threads_per_worker}: must be 1 or more")
-    write_file_atomic(os.path.join(folder, "gpus-per-worker"), "" if gpus_per_worker is None else str(gpus_per_worker))
-    write_file_atomic(os.path.join(folder, "threads-per-worker"), str(threads_per_worker or ""))
-    write_file_atomic(os.path.join(folder, "desired"), str(workers))
-    status = read_supervisor(conf, model)
-    if status:
-        with contextlib.suppress(ProcessLookupError):   # gone since the read: a new one is started below
-            os.kill(status["pid"], signal.SIGHUP)   # already running: it re-reads `desired`
-            return status["pid"]
-    with open(os.path.join(folder, "supervisor.log"), "ab") as log:
-        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "pool", "supervise", "--model", model],
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=child_env(conf),
-                                start_new_session=True, cwd=HERE)
-    deadline = time.monotonic() + SUPERVISOR_START_WAIT
-    while time.monotonic() < deadline:
-        status, exited = read_supervisor(conf, model), proc.poll()   # exited 0: ours found the lock held
-        # ours, or the one that holds the pool's lock (a `pool create` running beside this one); never a dead
-        # supervisor's status file, which outlives it
-        if status and (status["pid"] == proc.pid or exited == 0):
-            return status["pid"]
-        if exited not in (None, 0):
-            raise UserError(f"the pool supervisor exited at once: see {folder}/supervisor.log")
-        time.sleep(0.02)
-    raise UserError(f"the pool supervisor did not report within {SUPERVISOR_START_WAIT:g} s: "
-                    f"see {folder}/supervisor.log, then retry")
-
-
-def stop_supervisor(conf, model, timeout):
-    """SIGTERM the supervisor (it stops its workers gracefully) and wait; True when it is gone."""
-    status = read_supervisor(conf, model)
-    if not status:
-        return True
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(status["pid"], signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not pid_alive(status["pid"]):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def supervise(conf, model):
-    """The detached supervisor's loop: keep `desired` warmd.py processes, restart the dead with backoff.
-    One per pool on a machine: it holds an exclusive lock on the pool's supervisor.lock for its whole life
-    (the kernel drops it when the process dies, however it dies); a second one exits at once, leaving the
-    pool to the first."""
-    folder = state_dir(conf, model)
-    lock = hold_supervisor_lock(folder)   # held while this function runs: closed (unlocked) when it returns
-    if lock is None:
-        print(f"supervisor {os.getpid()}: pool {model} already has a supervisor on this machine: exit", flush=True)
-        return
-    grace = setting_number(conf, "CALQUE_GRACE")
-    slots = {}            # slot -> {"proc", "started", "restarts", "not_before", "log"}
-    totals = {"restarts": 0}
-    stopping = []
-    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; harmless: `desired` is re-read every tick
-    want, scaler = read_desired(folder), LocalScaler(conf, model, folder)
-    died = functools.partial(record_exit, conf, model, [])   # [] gets the store at the first death
-    print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
-    try:
-        while not stopping:
-            now = time.time()
-            want = scaler.want(want, now)
-            totals["restarts"] += _reap(slots, want, now, died)
-            _spawn(conf, model, folder, slots, want, now)
-            workers = [{"slot": s, "pid": v["proc"].pid if v["proc"] else None, "started_at": v["started"],
-                        "restarts": v["restarts"], "log": v["log"], "warm": _is_warm(v), "gpus": v["gpus"],
-                        "threads": v.get("threads"),
-                        "last_exit": v["last_exit"]} for s, v in sorted(slots.items())]
-            write_file_atomic(os.path.join(folder, "supervisor.json"), json.dumps(
-                {"pid": os.getpid(), "model": model, "desired": want, "restarts": totals["restarts"],
-                 "workers": workers, "updated_at": now_iso()}))
-            time.sleep(SUPERVISOR_TICK)
-    finally:
-        _stop_workers([v["proc"] for v in slots.values() if v["proc"] is not None], grace)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(folder, "supervisor.json"))
-        print("supervisor: exit", flush=True)
-
-
-def hold_supervisor_lock(folder):
-    """The open lock file, locked (keep it open for as long as the lock is to be held), or None when another
-    process holds it."""
-    os.makedirs(folder, exist_ok=True)
-    lock = open(os.path.join(folder, "supervisor.lock"), "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        return None
-    return lock
-
-
-def read_desired(folder):
-    """The worker count `pool create` / `pool scale` last asked for (0 when unreadable)."""
-    try:
-        with open(os.path.join(folder, "desired")) as f:
-            return int(f.read().strip() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
-class LocalScaler:
-    """The supervisor's sizing of a pool that scales itself (scaling.json in its state folder: lo,
-    hi, idle_window, target_drain): every SCALE_INTERVAL s, desired_count on the queue's depth and
-    the seconds per claim of the pool's recent summaries (re-read every SCALE_MEASURE_EVERY s), a
-    submit's announced claims (announce_run) counted while its queue is still empty; each change is
-    logged with its inputs. Without scaling.json, the count `pool create` / `pool scale` wrote."""
-
-    def __init__(self, conf, model, folder):
-        self.conf, self.model, self.folder = conf, model, folder
-        self.backend = self.queue = self.spc = self.since = self.error = self.woken = None
-        self.checked = self.measured = -math.inf
-
-    def want(self, current, now):
-        bounds = read_scaling(self.folder)
-        if bounds is None:
-            self.since = None
-            return read_desired(self.folder)
-        if now - self.checked < SCALE_INTERVAL:
-            return current
-        self.checked = now
-        try:
-            if self.backend is None:
-                self.backend = open_backend(self.conf["CALQUE_STORE"])
-                self.queue = self.backend.queues.open_queue(load_pool(self.backend, self.model)["queue"])
-            if now - self.measured > SCALE_MEASURE_EVERY:
-                self.spc, self.measured = measured_seconds(recent_summaries(self.backend, self.model))[0], now
-            depth = self.queue.counts()
-        except (NotFound, StoreFault, UserError, OSError, sqlite3.Error) as e:
-            if str(e) != self.error:     # once per distinct error, not every SCALE_INTERVAL
-                print(f"supervisor: scale: cannot read the queue ({e}); keeping {current} worker(s)", flush=True)
-            self.backend, self.error = None, str(e)
-            return current
-        self.error = None
-        backlog = depth["visible"] + depth["in_flight"]
-        wake = bounds.get("wake")   # a submit staging a run: its claims, before they are queued
-        if wake and backlog:
-            self.woken = wake["at"]   # they showed: that announcement is spent
-        elif wake and wake["at"] != self.woken and now - wake["at"] < SCALE_WAKE_HOLD:
-            depth, backlog = dict(depth, visible=wake["claims"]), wake["claims"]
-        if bounds.get("boost") and not backlog:   # a planned run's count holds while its claims wait
-            write_file_atomic(os.path.join(self.folder, "scaling.json"), json.dumps(dict(bounds, boost=0)))
-        lo = min(bounds["hi"], max(bounds["lo"], bounds.get("boost", 0) if backlog else 0))
-        scale = desired_count(depth["visible"], depth["in_flight"], current, self.spc, bounds["target_drain"],
-                              lo, bounds["hi"], bounds["idle_window"], self.since, now)
-        self.since = scale.surplus_since
-        if scale.desired != current:
-            print(f"supervisor: {scale.line()}", flush=True)
-        return scale.desired
-
-
-def read_scaling(folder):
-    """The bounds of a pool that sizes itself (scaling.json), or None for a fixed count."""
-    try:
-        with open(os.path.join(folder, "scaling.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _readiness(slot):
-    """What the slot's current process said in its ready file: [] (nothing yet), ["warm"] once @enter is done
-    (warmd writes its pid), ["warm", "progress"] once it committed a result part or finished a claim."""
-    if slot["proc"] is None:
-        return []
-    try:
-        with open(slot["ready"]) as f:
-            words = f.read().split()
-    except OSError:
-        return []
-    return ["warm", *words[1:]] if words[:1] == [str(slot["proc"].pid)] else []
-
-
-def _is_warm(slot):
-    """True once the slot's current process has finished @enter."""
-    return bool(_readiness(slot))
-
-
-def restart_delay(warm, progress, lived, failures, code):
-    """(s before a dead worker's slot starts again, how it counts), from the exit's facts. A worker that was warm
-    and made progress (a result part, a finished claim, or RESTART_RESET_AFTER s of life) was killed, not caught
-    in a crash loop, whatever killed it: at once. One that died before warm or without progress waits: a SIGKILL
-    (from outside: churn, an operator, the OOM killer) RESTART_BACKOFF[0] s; an exit of its own (a status, a
-    crash) as the `failures`-th such exit in a row, RESTART_BACKOFF[0] s doubling to RESTART_BACKOFF[1]."""
-    if warm and (progress or lived > RESTART_RESET_AFTER):
-        return 0.0, "died after progress"
-    kind = "died without progress" if warm else "died before warm"
-    if code == -signal.SIGKILL:
-        return RESTART_BACKOFF[0], kind
-    return min(RESTART_BACKOFF[0] * 2 ** (failures - 1), RESTART_BACKOFF[1]), kind
-
-
-def exit_reason(log_path, returncode):
-    """Why a worker died, in one line: the last exception line or `warmd: error:` line of its log, else its exit
-    status (a signal's name when one killed it)."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(max(0, os.path.getsize(log_path) - EXIT_LOG_TAIL))
-            tail = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        tail = []
-    said = re.compile(r"^(warmd: error: .*|[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$")
-    for line in reversed(tail):
-        if said.match(line.strip()):
-            return line.strip()[:ERROR_CHARS]
-    if returncode is not None and returncode < 0:
-        return f"killed by {signal.Signals(-returncode).name}"
-    return f"exit status {returncode} (no error line in its log)"
-
-
-def _reap(slots, want, now, died):
-    """Notice exited workers, keeping why each died (last_exit; warm: whether it had finished @enter): a slot still
-    wanted restarts after its backoff; a slot above `want` is stopped (SIGUSR1, once: it finishes its claim, so
-    scaling in costs no redelivery) and dropped when its process is gone. A death goes to
-    `died(pid, status)` and a SIGUSR2 to each warm sibling. Returns the restarts counted."""
-    restarts = 0
-    for s, slot in list(slots.items()):
-        proc = slot["proc"]
-        if proc is not None and proc.poll() is not None:
-            said = _readiness(slot)
-            progress = "progress" in said
-            slot["failures"] = 0 if progress else slot.get("failures", 0) + 1
-            lived = now - slot["started"]
-            delay, kind = restart_delay(bool(said), progress, lived, slot["failures"], proc.returncode)
-            slot["last_exit"] = {"pid": proc.pid, "code": proc.returncode, "at": now, "warm": bool(said),
-                                 "progress": progress, "lived": round(lived, 3), "kind": kind, "restart_delay": delay,
-                                 "reason": exit_reason(slot["log"], proc.returncode)}
-            slot["proc"] = None
-            for lease in slot.pop("leases", ()):   # its GPUs are free for any pool on this machine
-                lease.close()
-            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {proc.returncode} ({kind}; restart "
-                  f"{f'in {delay:g} s' if delay else 'at once'})", flush=True)
-            if proc.returncode:   # a death: siblings commit more often (warmd.on_sibling_death)
-                died(proc.pid, proc.returncode)
-                for other in slots.values():
-                    if other["proc"] and other["proc"].poll() is None and _is_warm(other):
-                        other["proc"].send_signal(signal.SIGUSR2)
-            if s < want:
-                slot["restarts"] += 1
-                restarts += 1
-                slot["not_before"] = now + delay
-        if s >= want:
-            if slot["proc"] is None:
-                del slots[s]
-            elif not slot.get("stopping"):
-                slot["stopping"] = True
-                slot["proc"].send_signal(signal.SIGUSR1)   # scale-in: finish the claim, then exit
-    return restarts
-
-
-def record_exit(conf, model, store, pid, code):
-    """A dead worker's exit status, where the poison rule reads it (warmd: how_it_ended); `store`
-    holds the pool's store once opened. Best effort: unrecorded, it counts as an outside kill."""
-    with contextlib.suppress(Exception):
-        if not store:
-            store.append(open_backend(conf["CALQUE_STORE"]).store)
-        key = f"{worker_stats_prefix(model)}exit-{socket.gethostname()}-{pid}"
-        store[0].put(key, str(code).encode())
-
-
-def _spawn(conf, model, folder, slots, want, now):
-    """Start a warmd.py in every wanted slot that has none and whose backoff is over, on its own GPU(s)."""
-    devices, per_worker = gpu_plan(conf, folder)
-    bounds = read_scaling(folder)
-    for s in range(want):
-        slot = slots.setdefault(s, {"proc": None, "started": 0.0, "restarts": 0, "not_before": 0.0, "last_exit": None,
-                                    "log": os.path.join(folder, f"worker-{s}.log"),
-                                    "ready": os.path.join(folder, f"worker-{s}.ready")})
-        if slot["proc"] is None and now >= slot["not_before"]:
-            sized = bounds is not None
-            slot["gpus"], slot["leases"] = lease_gpus(conf, devices, per_worker, s, sized)
-            if slot["gpus"] is None:    # every device is another worker's: this slot waits for one
-                slot["gpus"] = []
-                continue
-            env = dict(child_env(conf), CALQUE_SUPERVISOR_PID=str(os.getpid()),   # the worker stops if we die
-                       CALQUE_READY_FILE=slot["ready"], **gpu_env(slot["gpus"]))
-            sharing = max(want, bounds["hi"]) if bounds else want
-            env.update(thread_env(folder, sharing, slot["gpus"], env))
-            slot["threads"] = env.get("OMP_NUM_THREADS")
-            if slot["last_exit"] and slot["last_exit"]["code"]:   # a death: the new worker commits parts the more
-                env["CALQUE_PREVIOUS_LIFE"] = str(slot["last_exit"]["lived"])   # often, the shorter it lived
-            with open(slot["log"], "ab") as log:
-                slot["proc"] = subprocess.Popen([sys.executable, WARMD, "--model", model], stdin=subprocess.DEVNULL,
-                                                stdout=log, stderr=log, env=env, cwd=HERE)
-            slot["started"] = now
-            print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
-
-
-THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS")
-# the thread pools a CPU worker's libraries size from these: torch and OpenMP, MKL, numpy's OpenBLAS, the Rust
-# tokenizers' rayon; unset, each takes every core, and N workers on a machine fight over them
-
-
-def thread_env(folder, want, gpus, env):
-    """The thread settings of a worker started now: `pool create --threads-per-worker N` sets THREAD_VARS to N;
-    else a CPU worker gets its share of this machine's cores (cores / workers, at least 1; a pool
-    that sizes itself: its ceiling, as a worker keeps its threads when the pool grows) in each of
-    them the user's environment does not set already; a GPU worker keeps its libraries' defaults."""
-    try:
-        with open(os.path.join(folder, "threads-per-worker")) as f:
-            asked = f.read().strip()
-    except OSError:
-        asked = ""
-    if asked:
-        return dict.fromkeys(THREAD_VARS, asked)
-    if gpus:
-        return {}
-    share = str(max(1, len(os.sched_getaffinity(0)) // max(1, want)))
-    return {var: env.get(var) or share for var in THREAD_VARS}
-
-
 def gpu_devices(conf):
-    """The GPU indices this machine's workers share: CALQUE_GPUS when set (tests fake a device list with it), else
-    CUDA_VISIBLE_DEVICES when set, else every device NVML counts ([] without NVML or a GPU)."""
+    """The GPU indices this machine's workers share: CALQUE_GPUS when set (tests fake devices so),
+    else CUDA_VISIBLE_DEVICES when set, else every device NVML counts ([] without NVML or a GPU)."""
     listed = conf.get("CALQUE_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [d.strip() for d in listed.split(",") if d.strip()]
@@ -3779,80 +3422,6 @@ def gpu_devices(conf):
             pynvml.nvmlShutdown()
     except Exception:   # no nvidia-ml-py, no driver, no device: the workers run on the CPU
         return []
-
-
-def gpu_plan(conf, folder):
-    """(devices, GPUs per worker) for the pool's workers here: the per-worker count `pool create`/`pool scale`
-    wrote (empty: 1 where devices exist, else 0)."""
-    devices = gpu_devices(conf)
-    try:
-        with open(os.path.join(folder, "gpus-per-worker")) as f:
-            asked = f.read().strip()
-    except OSError:
-        asked = ""
-    return devices, int(asked) if asked else min(1, len(devices))
-
-
-def worker_gpus(devices, per_worker, slot):
-    """The devices of worker `slot`, round-robin: slot s gets the next `per_worker` devices after slot s-1's,
-    wrapping (more workers than devices share them)."""
-    if not devices or not per_worker:
-        return []
-    return [devices[(slot * per_worker + j) % len(devices)] for j in range(per_worker)]
-
-
-def lease_gpus(conf, devices, per_worker, slot, sizing):
-    """(devices, leases) for worker `slot`: its round-robin devices (worker_gpus), each leased where
-    free (an flock on CALQUE_STATE/gpus/<device>.lock, held open while the worker lives; the kernel
-    drops it if the supervisor dies). A fixed pool shares a device another worker holds, as before;
-    a pool that sizes itself takes free devices only (its own first), else (None, []): the slot
-    waits, so the GPUs of a machine go to the pools that have work."""
-    wanted = worker_gpus(devices, per_worker, slot)
-    if not wanted:
-        return [], []
-    folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "gpus")
-    os.makedirs(folder, exist_ok=True)
-    got, leases = [], []
-    for device in wanted + [d for d in devices if d not in wanted] if sizing else wanted:
-        if len(got) == per_worker:
-            break
-        lease = open(os.path.join(folder, f"{device}.lock"), "a")
-        try:
-            fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            got.append(device)
-            leases.append(lease)
-        except BlockingIOError:
-            lease.close()
-            if not sizing:
-                got.append(device)
-    if len(got) < per_worker:
-        for lease in leases:
-            lease.close()
-        return None, []
-    return got, leases
-
-
-def gpu_env(gpus):
-    """The environment that confines a worker to its devices: CUDA_VISIBLE_DEVICES for CUDA, and the first
-    device's index for NVML (which ignores CUDA_VISIBLE_DEVICES) to sample."""
-    if not gpus:
-        return {}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(gpus), "CALQUE_GPU_INDEX": gpus[0]}
-
-
-def _stop_workers(live, grace):
-    """SIGTERM every worker, wait out their grace (+5 s), then SIGKILL the ones still there."""
-    print(f"supervisor: stopping {len(live)} worker(s)", flush=True)
-    for proc in live:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace + 5
-    for proc in live:
-        try:
-            proc.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {grace + 5:.0f}s; killing it", flush=True)
-            proc.kill()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -4758,8 +4327,9 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             os.makedirs(folder, exist_ok=True)
             for shard in range(shards):
                 with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
-                    procs.append(subprocess.Popen([sys.executable, WARMD, "--run", run_id], stdin=subprocess.DEVNULL,
-                                                  stdout=log, stderr=log, env=child_env(conf), cwd=HERE))
+                    argv = [sys.executable, WARMD, "--run", run_id, "--spawned-at", repr(time.time())]
+                    procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                                  env=child_env(conf), cwd=HERE))
             print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {run['items']} items, "
                   f"{shards} fresh worker(s); logs in {folder}", file=sys.stderr)
         summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
@@ -5201,10 +4771,11 @@ def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, "scaling.json"))
     if workers or bounds:
-        return start_supervisor(conf, model, workers, gpus_per_worker, threads_per_worker)
+        return supervisor_module().start_supervisor(conf, model, workers, gpus_per_worker,
+                                                    threads_per_worker)
     if os.path.isdir(folder):
         write_file_atomic(os.path.join(folder, "desired"), "0")
-    stop_supervisor(conf, model, setting_number(conf, "CALQUE_GRACE") + 10)
+    supervisor_module().stop_supervisor(conf, model, setting_number(conf, "CALQUE_GRACE") + 10)
     return None
 
 
@@ -5263,7 +4834,8 @@ class Pool:
                 raise UserError(f"pool {self.model} still has {depth['visible']} queued and "
                                 f"{depth['in_flight']} in-flight claim(s): wait for them (runs "
                                 "show RUN), or pass --force to delete them with the pool")
-        if not stop_supervisor(self.conf, self.model, setting_number(self.conf, "CALQUE_GRACE") + 15):
+        grace = setting_number(self.conf, "CALQUE_GRACE")
+        if not supervisor_module().stop_supervisor(self.conf, self.model, grace + 15):
             raise UserError(f"pool {self.model}: its supervisor did not stop; "
                             f"see {state_dir(self.conf, self.model)}/supervisor.log, then retry")
         cancelled = cancel_pool_runs(self.backend, self.model) if force else {}
@@ -5783,7 +5355,8 @@ def cmd_pool_delete(conf, backend, args):
         if not args.yes and not args.dry_run:
             raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes "
                             f"(or previewed with --dry-run)")
-        stop_supervisor(conf, args.model, setting_number(conf, "CALQUE_GRACE") + 15)
+        grace = setting_number(conf, "CALQUE_GRACE")
+        supervisor_module().stop_supervisor(conf, args.model, grace + 15)
         if args.force and not args.dry_run:
             print_cancelled(args.model, cancel_pool_runs(backend, args.model))
         import ec2
@@ -5856,11 +5429,6 @@ def cmd_pool_logs(conf, backend, args):
     return EXIT_OK
 
 
-def cmd_supervise(conf, backend, args):
-    supervise(conf, args.model)
-    return EXIT_OK
-
-
 def cmd_submit(conf, backend, args):
     check_timeout(args.timeout)
     items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
@@ -5888,7 +5456,7 @@ def cmd_submit(conf, backend, args):
                                 yes_spend_money=args.yes_spend_money)
         run_id = new_run_id(args.pool)
         follow = args.follow_logs and not args.no_wait
-        output = WorkerOutput(backend, {args.pool: args.pool}) if follow else None
+        output = supervisor_module().WorkerOutput(backend, {args.pool: args.pool}) if follow else None
         try:
             with signals_interrupt():
                 run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
@@ -6193,7 +5761,8 @@ class ModalRun:
         record = load_pool(context[1], pool) if pool else None
         if record:
             self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
-        self.output = WorkerOutput(context[1], {pool: record["handler"]["class"]} if record else {})
+        labels = {pool: record["handler"]["class"]} if record else {}
+        self.output = supervisor_module().WorkerOutput(context[1], labels)
 
     @staticmethod
     def _key(params):
@@ -6490,7 +6059,6 @@ def build_parser():
              help="the pool's worker logs on this machine (EC2: where they are)")
     switch(p, "--follow", "keep printing what the workers write (Ctrl-C stops)")
     p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
-    verb(pool, "supervise", cmd_supervise, "--model")   # internal: pool create starts it; unlisted
 
     p = verb(verbs, "submit", cmd_submit, cost=True, help="run items: against a warm pool (--pool) "
              "or as a cold fresh acquisition (--model)")
@@ -6613,13 +6181,13 @@ KIT_PACKAGES = ("numpy", "torch", "tqdm", "boto3", "orjson")   # what the CLI an
 
 def kit_python(argv, script):
     """Make sure this interpreter has the kit's packages; one missing, re-run the command under the
-    kit's .venv (os.execv) if there is one, else a UserError. CALQUE_REEXEC stops a loop."""
+    kit's .venv (os.execv) if there is one, else a UserError. Already under it (sys.prefix): no loop."""
     missing = [name for name in KIT_PACKAGES if importlib.util.find_spec(name) is None]
     if not missing:
         return
     venv = os.path.join(HERE, ".venv", "bin", "python")
-    if os.path.exists(venv) and not os.environ.get("CALQUE_REEXEC"):
-        os.environ["CALQUE_REEXEC"] = "1"
+    in_venv = os.path.realpath(sys.prefix) == os.path.realpath(os.path.join(HERE, ".venv"))
+    if os.path.exists(venv) and not in_venv:
         os.execv(venv, [venv, script, *argv])
     raise UserError(f"this Python ({sys.executable}) lacks the package {missing[0]!r} ---> HINT: run `make setup` in "
                     f"{HERE}, then use {venv} (or `pip install -e {HERE}` into this Python's environment)")

@@ -60,21 +60,16 @@ STATS_IDLE_WAIT = 0.2       # s of the first poll after a claim; an empty one wr
 COLD_POLL_WAIT = 0.2        # s of one long poll of a cold run's worker, which exits once it is empty
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
 ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up to this cap
-# pipeline thread: gather batch k+1 while the model runs k, in claims that collate (CALQUE_PREFETCH=0 turns it off)
-PREFETCH = os.environ.get("CALQUE_PREFETCH", "1") != "0"
+PREFETCH = True             # a pipeline thread gathers batch k+1 while the model runs k
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
-# claim pipelining: the next claim received beside the last batch, the last one's writes off the model's path
-PIPELINE = os.environ.get("CALQUE_PIPELINE", "1") != "0"
-# the next claim received beside the last batch: CALQUE_AHEAD=1 or 0; unset, on where a request crosses a network
-# (S3 + SQS: behind 15 ms a request it took the gap between claims from ~2 request latencies to ~0.9) and off on the
-# local backend (a receive there costs ~0.1 ms, less than handing it to a thread). Hidden cost: a claim received
-# just before a store outage is held through this worker's write retries (WRITE_RETRY) instead of going elsewhere
-AHEAD = os.environ.get("CALQUE_AHEAD", "")
-AHEAD_HOLD = float(os.environ.get("CALQUE_AHEAD_HOLD", "2"))   # s a claim received ahead waits to start, at most
+PIPELINE = True             # claims pipelined: the finisher writes summary and ack; AHEAD
+AHEAD = None                # receive the next claim beside the last batch; None: where a request
+                            # crosses a network (S3 + SQS), not on the local backend
+AHEAD_HOLD = 2.0            # s a claim received ahead waits to start, at most
 AHEAD_TICK = 0.05           # s between two looks, while a claim is held ahead, at whether the worker stops
 ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes at most 10)
-ACK_WAIT = float(os.environ.get("CALQUE_ACK_WAIT", "1"))   # s an ack waits for others, at most (and <= visibility/4)
+ACK_WAIT = 1.0              # s an ack waits for others, at most (and <= visibility/4)
 WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
 RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery
 POISON_DEATHS = 2           # lone-run deaths that quarantine an item as poison (+1 under churn)
@@ -629,12 +624,12 @@ class Acks:
 class GpuSampler:
     """Mean GPU utilisation over a claim, sampled through NVML; without a GPU, it says why not."""
 
-    def __init__(self):
+    def __init__(self, index=0):
         self.nvml, self.reason = None, "no NVML (nvidia-ml-py not installed)"
         try:
             import pynvml   # lazy: NVML only where a GPU may be
             pynvml.nvmlInit()
-            self.handle = pynvml.nvmlDeviceGetHandleByIndex(int(os.environ.get("CALQUE_GPU_INDEX", "0")))
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
             self.nvml = pynvml
         except ImportError:
             pass
@@ -662,6 +657,25 @@ class GpuSampler:
                 "scope": "device", "measured": True, "samples": len(self.samples)}
 
 
+def metadata(base, *paths):
+    """The bodies of EC2 instance metadata paths under `base` (IMDSv2: one token for them all); None
+    for a path that 404s (no notice, no Auto Scaling group)."""
+    token_req = urllib.request.Request(base.rstrip("/") + "/latest/api/token", method="PUT",
+                                       headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+    token = urllib.request.urlopen(token_req, timeout=2).read().decode()
+    bodies = []
+    for path in paths:
+        req = urllib.request.Request(f"{base.rstrip('/')}/latest/meta-data/{path}",
+                                     headers={"X-aws-ec2-metadata-token": token})
+        try:
+            bodies.append(urllib.request.urlopen(req, timeout=2).read())
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                raise
+            bodies.append(None)
+    return bodies
+
+
 class SpotPoller:
     """Polls the EC2 metadata (IMDSv2): `on_notice` once a spot `instance-action` appears; with
     `on_terminating`, that once the Auto Scaling `target-lifecycle-state` reads Terminated."""
@@ -672,27 +686,13 @@ class SpotPoller:
         if not self._poll():   # the first check before anything loads: a notice given stops it
             threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
 
-    def _get(self, token, path):
-        """A metadata path's body, or None on a 404 (no notice, no Auto Scaling group)."""
-        req = urllib.request.Request(f"{self.base}/latest/meta-data/{path}",
-                                     headers={"X-aws-ec2-metadata-token": token})
-        try:
-            return urllib.request.urlopen(req, timeout=2).read()
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                return None
-            raise
-
     def _check(self):
-        token_req = urllib.request.Request(self.base + "/latest/api/token", method="PUT",
-                                           headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
-        token = urllib.request.urlopen(token_req, timeout=2).read().decode()
-        state = self.on_terminating and self._get(token, "autoscaling/target-lifecycle-state")
-        if state == b"Terminated":
+        lifecycle = ["autoscaling/target-lifecycle-state"] if self.on_terminating else []
+        *state, notice = metadata(self.base, *lifecycle, "spot/instance-action")
+        if state == [b"Terminated"]:
             log.warning("its instance is terminating: no new claims; the claim held finishes first")
             self.on_terminating()
             self.on_terminating = None
-        notice = self._get(token, "spot/instance-action")
         return None if notice is None else json.loads(notice or b"{}")
 
     def _poll(self):
@@ -725,15 +725,22 @@ class ScaleInProtection:
         self.leaving = False
 
     @classmethod
-    def from_env(cls, model):
-        asg, instance_id = os.environ.get("CALQUE_ASG"), os.environ.get("CALQUE_INSTANCE_ID")
-        if not (asg and instance_id):
+    def on_instance(cls, record, conf):
+        """The protection of this worker's instance when it serves an EC2 pool (None elsewhere): the
+        group named after the model, the instance id from the metadata at CALQUE_SPOT_POLL."""
+        if "ec2" not in record or not conf.get("CALQUE_SPOT_POLL"):
+            return None
+        try:
+            instance_id = metadata(conf["CALQUE_SPOT_POLL"], "instance-id")[0].decode()
+        except Exception as e:
+            log.warning("no scale-in protection: the instance id is unreadable (%s)", e)
             return None
         import boto3   # lazy: only an EC2 pool instance needs it
         import ec2
         region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
         client = boto3.client("autoscaling", config=calque.aws_client_config(region))
-        return cls(asg, instance_id, client, ec2.resource_names(model)["hook"])
+        names = ec2.resource_names(record["model"])
+        return cls(names["asg"], instance_id, client, names["hook"])
 
     def release(self):
         """Let a terminating instance go: its worker holds no claim any more."""
@@ -758,7 +765,8 @@ class ScaleInProtection:
 
 
 class Worker:
-    def __init__(self, backend, record, stats_key_prefix, conf, ephemeral):
+    def __init__(self, backend, record, stats_key_prefix, conf, ephemeral, supervisor_pid=0,
+                 ready_file="", spawned_at=None, previous_life=None, gpu_index=0):   # HANDOFF_FLAGS
         self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self.stats_prefix = stats_key_prefix
@@ -771,8 +779,7 @@ class Worker:
         self._serving = threading.local()       # per thread: its claim's heartbeat (serving)
         self.watchdog = None                    # Watchdog, armed for the draining claim
         self.progressed = False          # a result part or a summary written (announce)
-        previous = os.environ.get("CALQUE_PREVIOUS_LIFE")   # s this slot's last worker lived, when it died
-        self.seen_life = float(previous) if previous else None   # the latest death's life seen (commit_interval)
+        self.seen_life = previous_life   # s the latest death seen lived (commit_interval)
         self.seen_at = time.time()                       # when it was seen
         self.part_seconds = 0.0          # s the latest result part's PUT took (commit_interval)
         self.last_word = None            # how this process ends, when it knows (its last stats)
@@ -784,8 +791,7 @@ class Worker:
         self.release_now = threading.Event()
         self.retrying = threading.Event()   # a store write of a claim is failing and being retried
         self.started = time.time()
-        spawned = os.environ.get("CALQUE_SPAWNED_AT")
-        self.spawned_at = float(spawned) if spawned else self.started
+        self.spawned_at = spawned_at or self.started
         self.acquisition_seconds = 0.0   # process spawn -> ready to load; charged to a cold worker's first claim
         self.entered_at = None
         self.enter_seconds = 0.0
@@ -794,9 +800,9 @@ class Worker:
         self.busy_seconds = 0.0
         self.last_stats = 0.0            # monotonic time of the last stats write
         self.stats_behind = False        # a claim ended since then: the stats miss it
-        self.supervisor = int(os.environ.get("CALQUE_SUPERVISOR_PID", "0"))   # set when a pool supervisor started us
-        self.gpu = GpuSampler()
-        self.protection = None if ephemeral else ScaleInProtection.from_env(record["model"])
+        self.supervisor, self.ready_file = supervisor_pid, ready_file   # from a pool supervisor
+        self.gpu = GpuSampler(gpu_index)
+        self.protection = None if ephemeral else ScaleInProtection.on_instance(record, conf)
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
         # the pipeline thread's CPU clock, taken out of the model's time (model_clock)
         self.pipeline_clock = None
@@ -808,13 +814,13 @@ class Worker:
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="finisher")
         # over a network, requests beside other work pay; a local one costs less than a thread
         self.network = backend.kind != "local"
-        self.receives_ahead = AHEAD == "1" if AHEAD else self.network   # see AHEAD
+        self.receives_ahead = self.network if AHEAD is None else AHEAD
         self.ahead = None                # Ahead: the claim being received beside the last batch
         self.call_started, self.call_seconds = 0.0, float("inf")   # the latest handler call's
         self.finishing = None            # future of the claim the finisher writes
         self.acks = None                 # Acks, once the queue is open
         self.leases = None               # Leases: the claims' heartbeats, once the queue is open
-        ready = re.search(r"worker-(\d+)\.ready$", os.environ.get("CALQUE_READY_FILE", ""))
+        ready = re.search(r"worker-(\d+)\.ready$", ready_file)
         self.output = Output(backend.store, stats_key_prefix.replace("/workers/", "/output/"),
                              f"w{ready[1]}" if ready else socket.gethostname())
 
@@ -928,7 +934,7 @@ class Worker:
         try:
             self.start()
             self.write_stats("running")
-            announce()
+            announce(self.ready_file)
             self.backoff = 0.0
             while reason == "?":
                 reason = self._loop_once() or "?"
@@ -1426,7 +1432,7 @@ class Worker:
         """A part or a summary is written: the supervisor hears of the first (announce)."""
         if not self.progressed:
             self.progressed = True
-            announce("progress")
+            announce(self.ready_file, "progress")
 
     def write_attempt(self, claim, state, running, retry=True, **fields):
         """The claim's attempt record: `state` running (`running` runs alone now), suspect (they
@@ -1664,13 +1670,16 @@ def enter_workdir(workdir, snapshot_folder):
     log.info("worker: working directory %s", folder)
 
 
-def announce(*words):
-    """Tell this machine's supervisor how far this worker got: its ready file gets our pid once @enter is done (pool
-    create waits on it), then "progress" once a result part or a summary is written (a death after that is not a
-    crash loop: calque.restart_delay)."""
-    ready = os.environ.get("CALQUE_READY_FILE")
-    if ready:
-        calque.write_file_atomic(ready, " ".join((str(os.getpid()), *words)))
+def announce(ready_file, *words):
+    """Tell this machine's supervisor how far this worker got: its ready file gets our pid once
+    @enter is done (pool create waits on it), then "progress" once a result part or a summary is
+    written (a death after that is not a crash loop: supervisor.restart_delay)."""
+    if ready_file:
+        calque.write_file_atomic(ready_file, " ".join((str(os.getpid()), *words)))
+
+
+HANDOFF_FLAGS = (("--supervisor-pid", int), ("--ready-file", str), ("--spawned-at", float),
+                 ("--previous-life", float), ("--gpu-index", int))   # Worker's keyword arguments
 
 
 def main(argv=None):
@@ -1679,6 +1688,8 @@ def main(argv=None):
     which.add_argument("--model", help="serve the pool of this model")
     which.add_argument("--run", help="serve one cold run's queue, then exit (started by `calque.py submit` without "
                                      "--pool)")
+    for flag, kind in HANDOFF_FLAGS:   # from supervisor.py or a cold run; not in --help
+        parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     if argv is None:   # a command line: run under the kit's .venv when this Python lacks its packages
         try:
             calque.kit_python(sys.argv[1:], os.path.abspath(__file__))
@@ -1693,12 +1704,14 @@ def main(argv=None):
         # check the store under the pool's own folder, the only one a least-privilege worker role may list
         own_folder = f"pools/{calque.slug(args.model)}/" if args.model else f"runs/{args.run}/"
         backend = calque.open_backend(conf["CALQUE_STORE"], check_prefix=own_folder)
+        handoff = {key: value for key, value in vars(args).items() if key not in ("model", "run")}
         if args.model:
             record = calque.load_pool(backend, args.model)
-            worker = Worker(backend, record, calque.worker_stats_prefix(args.model), conf, False)
+            prefix = calque.worker_stats_prefix(args.model)
         else:
             record = calque.read_json(backend, calque.cold_record_key(args.run))
-            worker = Worker(backend, record, f"runs/{args.run}/workers/", conf, True)
+            prefix = f"runs/{args.run}/workers/"
+        worker = Worker(backend, record, prefix, conf, not args.model, **handoff)
         worker.output.capture()
         worker.work()
     except calque.UserError as e:

@@ -25,8 +25,8 @@
 4. moto_server behind bench/latency_proxy.py adding BENCH_LATENCY_MS (15) per request, as real SQS and S3 calls
    cost in a region: BENCH_LATENCY_ITEMS (20k) items as claims of 100 through 2 workers of the Timeline handler
    (next to no model time, so that the requests show; then 50 ms a batch, a model on an accelerator, whose host
-   thread waits: BENCH_LATENCY_MODEL_MS), claim pipelining off (CALQUE_PIPELINE=0), the finisher only
-   (CALQUE_AHEAD=0), and as it ships on S3 + SQS, the next claim received ahead too, twice each:
+   thread waits: BENCH_LATENCY_MODEL_MS), claim pipelining off (warmd.PIPELINE = False), the finisher only
+   (warmd.AHEAD = False), and as it ships on S3 + SQS, the next claim received ahead too, twice each:
    items/s, requests per claim, and the per-claim gap in the model's timeline (per worker, from the end of a
    claim's last handler call to the start of the next claim's first, timestamps taken in the handler), in ms and
    in request latencies (the median of requests through the proxy sampled every 0.25 s during that run: on 2
@@ -55,7 +55,7 @@ os.environ.update(AWS_EC2_METADATA_DISABLED="true", AWS_ACCESS_KEY_ID="testing",
 import calque  # noqa: E402
 from bench_pool import start_moto  # noqa: E402
 from latency_proxy import start_proxy  # noqa: E402
-from common import chosen  # noqa: E402
+from common import chosen, warmd_command  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 SIZES = [int(n) for n in os.environ.get("BENCH_SCALE_SIZES", "10000,100000,1000000").split(",")]   # local run sizes
@@ -71,7 +71,8 @@ LATENCY_ITEMS = int(os.environ.get("BENCH_LATENCY_ITEMS", "20000"))          # i
 LATENCY_ROUNDS = 2               # latency runs: pipelining off then on, this many times, per model time
 LATENCY_MODEL_MS = [float(ms) for ms in os.environ.get("BENCH_LATENCY_MODEL_MS", "0,50").split(",")]   # per batch
 LATENCY_SAMPLE = 0.25            # s between two requests that sample the request latency during a latency run
-LATENCY_MODES = {"off": ("0", "0"), "finisher": ("1", "0"), "ahead": ("1", "1")}   # CALQUE_PIPELINE, _AHEAD
+LATENCY_MODES = {"off": {"PIPELINE": False, "AHEAD": False}, "finisher": {"AHEAD": False},
+                 "ahead": {"AHEAD": True}}   # warmd's module constants, set in each worker
 SECTIONS = ("local", "stream", "moto", "latency", "memory", "prestaged")
 TIMELINE = os.path.join(ROOT, "tests", "handlers.py") + ":Timeline"
 DEMO = os.path.join(ROOT, "examples", "demo_model.py")
@@ -405,17 +406,19 @@ def latency_run(tmp, path, url, mode, model_ms, n):
     LATENCY_MODES says: (items/s, requests per claim, the per-claim gaps in the model's timeline, the median request
     latency during the run)."""
     name = f"latency-{model_ms:g}-{n}-{mode}"
-    pipeline, ahead = LATENCY_MODES[mode]
-    env = dict(os.environ, AWS_ENDPOINT_URL=url, CALQUE_STORE=f"s3://bench/{name}", CALQUE_PIPELINE=pipeline,
-               CALQUE_AHEAD=ahead,
-               TIMELINE_MODEL_MS=str(model_ms),
+    env = dict(os.environ, AWS_ENDPOINT_URL=url, CALQUE_STORE=f"s3://bench/{name}", TIMELINE_MODEL_MS=str(model_ms),
                CALQUE_STATE=os.path.join(tmp, name, "state"), CALQUE_POLL_WAIT="1",
                TIMELINE_FILE=os.path.join(tmp, name, "timeline"))
     os.makedirs(env["CALQUE_STATE"], exist_ok=True)
-    cli(env, "pool", "create", "--model", "timeline", "--handler", TIMELINE, "--workers", str(WORKERS),
+    cli(env, "pool", "create", "--model", "timeline", "--handler", TIMELINE, "--workers", "0",
         "--batch-size", str(BATCH))
     backend = calque.open_backend(env["CALQUE_STORE"])
+    command = warmd_command("--model", "timeline", constants=LATENCY_MODES[mode])
+    workers = [subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for _ in range(WORKERS)]
     try:
+        while len(calque.read_worker_stats(backend, "timeline")) < WORKERS:   # each writes them once warm
+            time.sleep(0.1)
         before, done = worker_requests(backend, "timeline"), threading.Event()
         with ThreadPoolExecutor(1) as sampler:
             latency = sampler.submit(request_latency, url, done)
@@ -423,10 +426,19 @@ def latency_run(tmp, path, url, mode, model_ms, n):
                                                            str(MOTO_CLAIM), "--json"], env)
             done.set()
         claims = len(json.loads(stdout)["summaries"])
+        stop_workers(workers)   # each writes its stats as it stops
         requests = requests_until_stopped(env, backend, "timeline", before) + sum(counts["requests"].values())
         return LATENCY_ITEMS / wall, requests / claims, claim_gaps(env["TIMELINE_FILE"]), latency.result()
     finally:
+        stop_workers(workers)
         cli(env, "pool", "delete", "--model", "timeline", "--yes", "--force")
+
+
+def stop_workers(workers):
+    for worker in workers:
+        if worker.poll() is None:
+            worker.terminate()
+            worker.wait()
 
 
 def latency_runs(tmp, path):

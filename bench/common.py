@@ -1,4 +1,6 @@
-"""What several benches share: the sections a bench runs, and the kit compiled once before it is timed."""
+"""What several benches (and tests) share: the sections a bench runs, the kit compiled once before it
+is timed, a warmd.py command line with module constants set."""
+import json
 import os
 import py_compile
 import sys
@@ -19,5 +21,14 @@ def chosen(known):
 def compile_kit():
     """calque.py and warmd.py compiled once, as an install does: where PYTHONDONTWRITEBYTECODE is set, each
     command a bench times would compile calque.py again."""
-    for name in ("calque.py", "warmd.py"):
+    for name in ("calque.py", "warmd.py", "supervisor.py"):
         py_compile.compile(os.path.join(ROOT, name))
+
+
+def warmd_command(*args, constants=None):
+    """The command line of a warmd.py process; `constants`: warmd's module constants it sets first
+    ({"AHEAD": True}), as a bench or a test compares them."""
+    if not constants:
+        return [sys.executable, os.path.join(ROOT, "warmd.py"), *args]
+    return [sys.executable, "-c", "import json, sys, warmd; vars(warmd).update(json.loads(sys.argv[1])); "
+            "sys.exit(warmd.main(sys.argv[2:]))", json.dumps(constants), *args]

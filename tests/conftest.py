@@ -22,6 +22,8 @@ for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN", "CALQUE_ENV"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))   # the bench helpers some tests share (latency_proxy, bench_dashboard)
+from common import warmd_command  # noqa: E402
+
 PY = sys.executable
 HANDLERS = os.path.join(ROOT, "tests", "handlers.py")
 
@@ -111,8 +113,9 @@ def cli(env, *args, stdin=None, timeout=120, cwd=ROOT):
 _workers = []   # every warmd.py a test started: killed after the test if it is still running
 
 
-def start_worker(env, *args, log=None):
-    proc = subprocess.Popen([PY, os.path.join(ROOT, "warmd.py"), *args], env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
+def start_worker(env, *args, log=None, constants=None):
+    """A warmd.py process; `constants`: warmd's module constants to set in it first ({"AHEAD": True})."""
+    proc = subprocess.Popen(warmd_command(*args, constants=constants), env=env, cwd=ROOT, stdin=subprocess.DEVNULL,
                             stdout=log or subprocess.DEVNULL, stderr=log or subprocess.STDOUT, text=True)
     _workers.append(proc)
     return proc

@@ -307,4 +307,5 @@ class Threads:
 
     @calque.batch
     def run(self, items):
-        return [{var: os.environ.get(var) for var in calque.THREAD_VARS} for _ in items]
+        import supervisor
+        return [{var: os.environ.get(var) for var in supervisor.THREAD_VARS} for _ in items]

@@ -1,11 +1,12 @@
 """Numeric inputs (.npy, ragged .npz) staged as binary and read back by the worker as views."""
 import json
+import signal
 
 import numpy as np
 import pytest
 
 import calque
-from conftest import HANDLERS, cli
+from conftest import HANDLERS, cli, start_worker
 
 
 def test_npy_view_is_a_view_not_a_copy():
@@ -83,13 +84,17 @@ def test_prefetch_gives_identical_results(local_env, tmp_path):
     offsets = np.concatenate([[0], np.cumsum(rng.integers(1, 50, size=40))]).astype(np.int64)
     np.savez(tmp_path / "in.npz", tokens=rng.integers(0, 9, size=offsets[-1]), tokens_offsets=offsets,
              x=rng.standard_normal((40, 8)).astype(np.float32))
+    out = cli(local_env, "pool", "create", "--model", "sum", "--handler", f"{HANDLERS}:RowSum", "--workers", "0",
+              "--batch-size", "7")
+    assert out.returncode == 0, out.stderr
     outputs = []
-    for prefetch in ("1", "0"):
-        env = dict(local_env, CALQUE_PREFETCH=prefetch)
-        out = cli(env, "submit", "--model", "sum", "--handler", f"{HANDLERS}:RowSum", str(tmp_path / "in.npz"),
-                  "--batch-size", "7", "--json")
-        assert out.returncode == 0, out.stderr
+    for prefetch in (True, False):
+        worker = start_worker(local_env, "--model", "sum", constants={"PREFETCH": prefetch})
+        out = cli(local_env, "submit", "--pool", "sum", str(tmp_path / "in.npz"), "--wait-for-workers",
+                  "--json")
+        worker.send_signal(signal.SIGTERM)
+        assert out.returncode == 0 and worker.wait(30) == 0, out.stderr
         run = json.loads(out.stdout)
-        assert run["summaries"][0]["prefetch"] is (prefetch == "1")
-        outputs.append(cli(env, "runs", "results", run["run"]["run_id"]).stdout)
+        assert run["summaries"][0]["prefetch"] is prefetch
+        outputs.append(cli(local_env, "runs", "results", run["run"]["run_id"]).stdout)
     assert outputs[0] == outputs[1] and len(outputs[0].splitlines()) == 40

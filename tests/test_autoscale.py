@@ -53,13 +53,14 @@ def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeyp
     """announce_run (submit, before staging) makes the supervisor's decision count the run's claims
     while its queue is still empty, once: when they show, the queue's own count takes over."""
     import calque
+    import supervisor
     out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
               "--min-workers", "0", "--max-workers", "2", "--scale-to-zero-after", "0.05")
     assert out.returncode == 0, out.stderr
     for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_ENV"):
         monkeypatch.setenv(key, local_env[key])
     conf = calque.settings()
-    scaler = calque.LocalScaler(conf, "m", calque.state_dir(conf, "m"))
+    scaler = supervisor.LocalScaler(conf, "m", calque.state_dir(conf, "m"))
     assert scaler.want(0, time.time()) == 0                   # nothing queued, nothing announced
     calque.announce_run(conf, "m", [{"x": i} for i in range(6)], 2)    # 3 claims coming
     scaler.checked = -1e9

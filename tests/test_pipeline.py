@@ -49,13 +49,14 @@ class Ahead:
     """One worker (logging to a file) warmed by a one-item run, then gated in claim c00000 of a two-claim run (its
     only batch, so its last) while it holds c00001, received ahead: both claims in flight, nothing visible."""
 
-    def __init__(self, env, tmp_path, *pool_args, **settings):
+    def __init__(self, env, tmp_path, *pool_args, hold, **settings):
         self.gate, self.calls, self.log = tmp_path / "gate", tmp_path / "calls", tmp_path / "worker.log"
         self.gate.mkdir()
-        self.env = dict(env, GATE_DIR=str(self.gate), CALLS_FILE=str(self.calls), CALQUE_AHEAD="1", **settings)
+        self.env = dict(env, GATE_DIR=str(self.gate), CALLS_FILE=str(self.calls), **settings)
+        self.constants = {"AHEAD": True, "AHEAD_HOLD": hold}   # receive ahead on either backend
         self.backend = make_pool(self.env, *pool_args)
         with open(self.log, "w") as f:
-            self.worker = start_worker(self.env, "--model", "m", log=f)
+            self.worker = start_worker(self.env, "--model", "m", log=f, constants=self.constants)
         warm = submit(self.env, tmp_path, [{"x": 100}], "warm.jsonl")   # a handler call timed: short enough to reach
         wait_for(lambda: summary(self.backend, warm, "c00000"), 60, "the warm-up claim")
         self.queue = self.backend.queues.open_queue("calque-pool-m")
@@ -73,11 +74,11 @@ class Ahead:
 def test_kill_9_of_a_worker_holding_a_claim_ahead_loses_nothing(any_env, tmp_path):
     """kill -9 of a worker in its last batch with the next claim held ahead: both claims come back after their
     visibility timeout, and another worker runs each item exactly once more (the one held ahead never ran)."""
-    a = Ahead(any_env, tmp_path, "--visibility-timeout", "2", CALQUE_AHEAD_HOLD="600")
+    a = Ahead(any_env, tmp_path, "--visibility-timeout", "2", hold=600)
     os.kill(a.worker.pid, signal.SIGKILL)
     a.worker.wait()
     a.open()
-    b = start_worker(a.env, "--model", "m")
+    b = start_worker(a.env, "--model", "m", constants=a.constants)
     done = wait_for(lambda: all(summary(a.backend, a.run_id, c) for c in ("c00000", "c00001")) and
                     [summary(a.backend, a.run_id, c) for c in ("c00000", "c00001")], 60, "both claims' summaries")
     assert all(s["status"] == "ok" and s["worker_id"].endswith(f"-{b.pid}") and s["receive_count"] == 2
@@ -94,7 +95,7 @@ def test_kill_9_of_a_worker_holding_a_claim_ahead_loses_nothing(any_env, tmp_pat
 def test_sigterm_gives_a_claim_held_ahead_back_at_once(local_env, tmp_path):
     """SIGTERM with a claim held ahead: that claim is visible again at once, while the running claim still
     finishes within its grace period; exit 0, and the claim given back is left for another worker."""
-    a = Ahead(local_env, tmp_path, "--visibility-timeout", "600", CALQUE_AHEAD_HOLD="600", CALQUE_GRACE="60")
+    a = Ahead(local_env, tmp_path, "--visibility-timeout", "600", hold=600, CALQUE_GRACE="60")
     a.worker.send_signal(signal.SIGTERM)
     wait_for(lambda: a.queue.counts() == {"visible": 1, "in_flight": 1}, 30, "the claim ahead to be given back")
     assert not a.backend.store.exists(calque.summary_key(a.run_id, "c00000"))   # still gated: the grace runs
@@ -109,11 +110,11 @@ def test_sigterm_gives_a_claim_held_ahead_back_at_once(local_env, tmp_path):
 
 
 def test_a_claim_held_ahead_past_the_bound_goes_to_an_idle_worker(local_env, tmp_path):
-    """A claim held ahead beside a last batch that runs long is given back after CALQUE_AHEAD_HOLD s, and an idle
+    """A claim held ahead beside a last batch that runs long is given back after AHEAD_HOLD s, and an idle
     worker runs it (in one batch, not item by item) while the first is still in that batch; the delivery given
     back is not held against max_deliveries (1 here)."""
-    a = Ahead(local_env, tmp_path, "--visibility-timeout", "600", "--max-deliveries", "1", CALQUE_AHEAD_HOLD="2")
-    b = start_worker(a.env, "--model", "m")
+    a = Ahead(local_env, tmp_path, "--visibility-timeout", "600", "--max-deliveries", "1", hold=2)
+    b = start_worker(a.env, "--model", "m", constants=a.constants)
     done = wait_for(lambda: summary(a.backend, a.run_id, "c00001"), 60, "the idle worker to run the claim given back")
     assert done["status"] == "ok" and done["worker_id"].endswith(f"-{b.pid}") and done["receive_count"] == 2
     assert done["parts"] == [[0, 1]] and done["resumed"] == 0
@@ -133,9 +134,9 @@ def test_a_worker_killed_before_its_batched_ack_costs_no_recompute(local_env, tm
     handler again; the claim the worker died in is run again."""
     gate, log = tmp_path / "gate", tmp_path / "calls"
     gate.mkdir()
-    env = dict(local_env, CALQUE_ACK_WAIT="600", CALLS_FILE=str(log), GATE_DIR=str(gate))
+    env = dict(local_env, CALLS_FILE=str(log), GATE_DIR=str(gate))
     backend = make_pool(env, "--visibility-timeout", "600")
-    a = start_worker(env, "--model", "m")
+    a = start_worker(env, "--model", "m", constants={"ACK_WAIT": 600})
     wait_for(lambda: calque.read_worker_stats(backend, "m"), 60, "the worker to start")
     os.kill(a.pid, signal.SIGSTOP)          # both claims queued before it looks: the queue never runs empty
     run_id = submit(env, tmp_path, [{"x": 7}, {"x": 8, "hold": True}])
@@ -148,7 +149,7 @@ def test_a_worker_killed_before_its_batched_ack_costs_no_recompute(local_env, tm
     assert queue.counts() == {"visible": 0, "in_flight": 2}
     backend.queues.db().execute("UPDATE messages SET visible_at = 0")   # the leases lapse now, not in 600 s
     (gate / "open").touch()
-    b = start_worker(env, "--model", "m")
+    b = start_worker(env, "--model", "m", constants={"ACK_WAIT": 600})
     wait_for(lambda: summary(backend, run_id, "c00001") and queue.counts() == {"visible": 0, "in_flight": 0}, 30,
              "both claims acked")
     b.send_signal(signal.SIGTERM)

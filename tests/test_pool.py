@@ -65,15 +65,15 @@ def test_end_to_end_moto_server(aws_env, tmp_path):
 def test_restart_delay_knows_a_crash_loop_from_a_killed_worker():
     """At once after progress (or a long life), whatever killed the worker; 1 s after a SIGKILL without progress;
     doubling to 30 s for a worker that keeps exiting by itself before warm or without progress."""
-    import calque
+    import supervisor
     kill, segv = -signal.SIGKILL, -signal.SIGSEGV
-    assert calque.restart_delay(True, True, 0.5, 0, kill) == (0.0, "died after progress")
-    assert calque.restart_delay(True, True, 0.5, 0, segv) == (0.0, "died after progress")
-    assert calque.restart_delay(True, False, 61.0, 3, 1) == (0.0, "died after progress")
-    assert calque.restart_delay(True, False, 0.5, 5, kill) == (1.0, "died without progress")
-    assert calque.restart_delay(False, False, 0.5, 5, kill) == (1.0, "died before warm")
-    assert [calque.restart_delay(False, False, 61.0, n, 2)[0] for n in (1, 2, 3, 6, 9)] == [1, 2, 4, 30, 30]
-    assert calque.restart_delay(True, False, 2.0, 2, segv) == (2.0, "died without progress")
+    assert supervisor.restart_delay(True, True, 0.5, 0, kill) == (0.0, "died after progress")
+    assert supervisor.restart_delay(True, True, 0.5, 0, segv) == (0.0, "died after progress")
+    assert supervisor.restart_delay(True, False, 61.0, 3, 1) == (0.0, "died after progress")
+    assert supervisor.restart_delay(True, False, 0.5, 5, kill) == (1.0, "died without progress")
+    assert supervisor.restart_delay(False, False, 0.5, 5, kill) == (1.0, "died before warm")
+    assert [supervisor.restart_delay(False, False, 61.0, n, 2)[0] for n in (1, 2, 3, 6, 9)] == [1, 2, 4, 30, 30]
+    assert supervisor.restart_delay(True, False, 2.0, 2, segv) == (2.0, "died without progress")
 
 
 def test_a_death_is_recorded_and_told_to_the_warm_siblings(tmp_path):
@@ -85,7 +85,7 @@ def test_a_death_is_recorded_and_told_to_the_warm_siblings(tmp_path):
     import sys
     import time
 
-    import calque
+    import supervisor
     noted = tmp_path / "noted"
     sibling = ("import os, signal, sys, time\n"
                "signal.signal(signal.SIGUSR2, lambda *_: open(sys.argv[1], 'w').close())\n"
@@ -101,7 +101,7 @@ def test_a_death_is_recorded_and_told_to_the_warm_siblings(tmp_path):
             return procs[0].poll() is not None and open(ready[1]).read() == str(procs[1].pid)
     wait_for(exited_and_warm, 10, "the exit, and the sibling's ready file")
     deaths = []
-    assert calque._reap(slots, 3, time.time(), lambda *death: deaths.append(death)) == 1
+    assert supervisor._reap(slots, 3, time.time(), lambda *death: deaths.append(death)) == 1
     assert deaths == [(procs[0].pid, 3)]
     wait_for(noted.exists, 10, "the sibling's SIGUSR2")
     assert procs[2].poll() is None       # the one with no ready file was left alone
@@ -304,7 +304,7 @@ def test_status_names_the_fastbatch_fallback(local_env, tmp_path):
 def test_workers_share_the_cores_unless_told(local_env, tmp_path):
     """Each of 2 CPU workers gets cores / 2 threads (at least 1) in every THREAD_VARS setting the user left unset;
     OMP_NUM_THREADS set by the user is kept; --threads-per-worker N sets them all; pool status shows it."""
-    import calque
+    import supervisor
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(8)])
 
@@ -316,12 +316,12 @@ def test_workers_share_the_cores_unless_told(local_env, tmp_path):
 
     env = dict(local_env, OMP_NUM_THREADS="5")
     create_pool(env, "m", "Threads", "--workers", "2")
-    assert settings(env) == {tuple(sorted(dict(dict.fromkeys(calque.THREAD_VARS, share), OMP_NUM_THREADS="5").items()))}
+    assert settings(env) == {tuple(sorted(dict(dict.fromkeys(supervisor.THREAD_VARS, share), OMP_NUM_THREADS="5").items()))}
     status = cli(env, "pool", "status", "--model", "m").stdout
     assert status.count("5 thread(s)") == 2, status
     assert cli(env, "pool", "scale", "--model", "m", "--workers", "0").returncode == 0   # running workers keep theirs
     create_pool(local_env, "m", "Threads", "--workers", "1", "--threads-per-worker", "3")
-    assert settings(local_env) == {tuple(sorted(dict.fromkeys(calque.THREAD_VARS, "3").items()))}
+    assert settings(local_env) == {tuple(sorted(dict.fromkeys(supervisor.THREAD_VARS, "3").items()))}
     assert "3 thread(s)" in cli(local_env, "pool", "status", "--model", "m").stdout
     assert "--threads-per-worker 0: must be 1 or more" in cli(local_env, "pool", "scale", "--model", "m", "--workers",
                                                               "1", "--threads-per-worker", "0").stderr

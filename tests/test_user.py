@@ -124,6 +124,40 @@ def test_foreign_interpreter(local_env, tmp_path):
     assert line.startswith(f"calque: error: this Python ({PY}) lacks the package 'numpy' ---> HINT: run `make setup`")
 
 
+def test_settings_are_one_mechanism():
+    """pool.env.example shows every DEFAULTS key with its default; each CALQUE_* name the kit reads (from
+    os.environ or the merged settings) is a DEFAULTS key or CALQUE_ENV, the environment-only one; and no
+    kit module reads the environment as it is imported."""
+    import ast
+    import calque
+    with open(os.path.join(ROOT, "pool.env.example")) as f:
+        shown = dict(line.strip().split("=", 1) for line in f if re.match(r"CALQUE_\w+=", line))
+    assert shown == calque.DEFAULTS
+    files = ["calque.py", "warmd.py", "supervisor.py", "dashboard.py", "modal_shim/modal.py"]
+    read, at_import = set(), []
+    for name in files:
+        with open(os.path.join(ROOT, name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            key = (node.slice if isinstance(node, ast.Subscript) else
+                   node.args[0] if isinstance(node, ast.Call) and node.args[:1] and
+                   isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "getenv") else
+                   node.args[1] if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setting_number"
+                   else None)
+            if isinstance(key, ast.Constant) and str(key.value).startswith("CALQUE_"):
+                read.add(key.value)
+        body = list(tree.body)
+        while body:   # what runs at import: module and class bodies, not function bodies
+            node = body.pop()
+            if isinstance(node, ast.ClassDef):
+                body.extend(node.body)
+            elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                at_import += [f"{name}:{n.lineno}" for n in ast.walk(node) if isinstance(n, ast.Attribute)
+                              and getattr(n.value, "id", "") == "os" and n.attr in ("environ", "getenv")]
+    assert read - set(calque.DEFAULTS) == {"CALQUE_ENV"} and len(calque.DEFAULTS) < 20
+    assert at_import == []
+
+
 def test_pool_env_mistakes(local_env, tmp_path):
     """pool.env: `export` lines and inline comments are read as a shell would; a misspelt key is one warning with
     did-you-mean; a one-slash s3:/ store is refused instead of becoming a local folder."""
@@ -179,8 +213,8 @@ def test_hints_name_the_right_next_step(local_env, tmp_path):
 def test_gpus_per_worker_from_a_faked_device_list(local_env, tmp_path):
     """With four (faked) GPUs and two per worker, each worker gets its own two, round-robin, in
     CUDA_VISIBLE_DEVICES; pool status shows them; pool logs shows each worker's log."""
-    import calque
-    assert calque.worker_gpus(["0", "1", "2"], 1, 4) == ["1"] and calque.worker_gpus([], 1, 0) == []
+    import supervisor
+    assert supervisor.worker_gpus(["0", "1", "2"], 1, 4) == ["1"] and supervisor.worker_gpus([], 1, 0) == []
     folder = user_folder(tmp_path)
     env = dict(local_env, CALQUE_GPUS="0,1,2,3")
     out = run(env, folder, "pool", "create", "--model", "m", "--handler", "model.py:Model", "--workers", "2",

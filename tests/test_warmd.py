@@ -253,10 +253,12 @@ class LifecycleStub(SpotStub):
     """The same metadata service on an instance its group is terminating (no spot notice)."""
 
     def do_GET(self):
-        if self.path == "/latest/meta-data/autoscaling/target-lifecycle-state":
+        body = {"/latest/meta-data/autoscaling/target-lifecycle-state": b"Terminated",
+                "/latest/meta-data/instance-id": b"i-1"}.get(self.path)
+        if body:
             self.send_response(200)
             self.end_headers()
-            self.wfile.write(b"Terminated")
+            self.wfile.write(body)
         else:
             super().do_GET()
 
@@ -264,15 +266,21 @@ class LifecycleStub(SpotStub):
 def test_a_terminating_instance_is_seen_and_let_go(tmp_path):
     """SpotPoller reads target-lifecycle-state and calls on_terminating once (the worker's scale-in
     stop); ScaleInProtection then completes the termination hook at the worker's exit (its call's
-    parameters, recorded: moto 5.2.5 has no CompleteLifecycleAction)."""
+    parameters, recorded: moto 5.2.5 has no CompleteLifecycleAction). An EC2 pool's worker finds its
+    group from the model and its instance id in the metadata; a local pool's has no protection."""
     import warmd
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LifecycleStub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     seen, notices = [], []
+    metadata = {"CALQUE_SPOT_POLL": f"http://127.0.0.1:{server.server_port}"}
     try:
-        warmd.SpotPoller(f"http://127.0.0.1:{server.server_port}", 0.05, lambda: notices.append(1),
+        warmd.SpotPoller(metadata["CALQUE_SPOT_POLL"], 0.05, lambda: notices.append(1),
                          lambda: seen.append(1))
         time.sleep(0.3)
+        found = warmd.ScaleInProtection.on_instance({"model": "m", "ec2": {}}, metadata)
+        assert (found.asg, found.instance_id, found.hook) == ("calque-pool-m", "i-1", "calque-drain")
+        assert warmd.ScaleInProtection.on_instance({"model": "m"}, metadata) is None
+        assert warmd.ScaleInProtection.on_instance({"model": "m", "ec2": {}}, {}) is None
     finally:
         server.shutdown()
     assert seen == [1] and notices == []
