@@ -10,13 +10,12 @@ section uses only those above it; docs/contract.md: the contract; README.md: the
     4. records       pool and run records, scaling  10. Python API     Pool, submit(), Run
     5. submit, runs  stage_run, wait_for_run        11. CLI            cmd_* per verb, main()
 """
-import argparse, ast, base64, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
+import argparse, ast, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
 import functools, glob, gzip, hashlib, heapq, importlib.util, inspect, io, itertools, json, math
 import os, re, secrets, shlex, shutil, signal, socket, sqlite3, statistics, struct, subprocess, sys
 import tarfile, threading, time, traceback, typing, uuid, zipfile, zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 try:
     import orjson   # submit's check of JSONL lines (checked_json); a worker's result lines

@@ -442,8 +442,8 @@ def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool'
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create",
         profile=profile, store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
-        env={"CALQUE_POOL_MODEL": model, "CALQUE_ASG": names["asg"]},
-        worker_args='--model "$CALQUE_POOL_MODEL"', unit="calque-warmd", service=POOL_SERVICE,
+        env={"CALQUE_POOL_MODEL": model}, worker_args='--model "$CALQUE_POOL_MODEL"',
+        unit="calque-warmd", service=POOL_SERVICE,
         report_prefix=names["report_prefix"], on_failure="leave_group", conf=conf,
         image_install=image_install(image))
 

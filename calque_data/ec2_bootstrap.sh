@@ -179,9 +179,6 @@ echo "calque: fastbatch $FASTBATCH; torch $TORCH (CUDA $TORCH_CUDA, GPU visible:
 cat > /etc/calque/worker.env <<'CALQUE_ENV_EOF'
 ${env}
 CALQUE_ENV_EOF
-if [ -n "${INSTANCE_ID:-}" ]; then   # warmd protects this instance from scale-in while it holds a claim
-  echo "CALQUE_INSTANCE_ID=$INSTANCE_ID" >> /etc/calque/worker.env
-fi
 if [ "$FASTBATCH" != c ]; then
   echo "FASTBATCH_REFERENCE=1" >> /etc/calque/worker.env
 fi

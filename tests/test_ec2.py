@@ -735,7 +735,7 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
     assert stored["ec2"]["scale_to_zero_after"] == 5 and stored["ec2"]["scaling"]["steps"] == [[1, 1], [3, 2], [5, 3]]
     script, _ = launch_template_user_data()
-    assert f"CALQUE_ASG={names['asg']}" in script and 'echo "CALQUE_INSTANCE_ID=$INSTANCE_ID"' in script
+    assert "CALQUE_ASG" not in script and "CALQUE_INSTANCE_ID" not in script   # warmd derives both
     alarms = {a["AlarmName"]: a for a in client("cloudwatch").describe_alarms(
         AlarmNames=[names["alarm_wake"], names["alarm_idle"]])["MetricAlarms"]}
     assert set(alarms) == {names["alarm_wake"], names["alarm_idle"]} and alarms[names["alarm_idle"]][
