@@ -2770,9 +2770,10 @@ class DeadLetters:
         return self.found
 
 
-def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
+def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted=()):
     """Poll the run's summaries until every claim has one, nothing can run the rest, or timeout;
-    returns (summaries, timed_out). `run` follows its stored record; stop_if() may raise. Each LIST
+    returns (summaries, timed_out). `run` follows its stored record; stop_if() may raise, and a
+    non-empty `interrupted` (sigint_noted) raises KeyboardInterrupt. Each LIST
     starts after the last claim below which all are done; its gap grows from SUMMARY_POLL_MIN by
     half while none land, up to SUMMARY_WAIT_MAX, and after new ones is what SUMMARY_BATCH more take
     at the rate so far. The run record and the DLQ are read only on a stall (run_recheck)."""
@@ -2812,10 +2813,29 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None):
                     stop_if()
                 if nothing_left_to_run(backend, run, done, dead):
                     break
+            if interrupted:
+                raise KeyboardInterrupt
             time.sleep(min(delay, deadline - now))
     finally:
         bar.close()
     return [done[c] for c in run["claims"] if c in done], len(done) < len(run["claims"])
+
+
+@contextlib.contextmanager
+def sigint_noted():
+    """SIGINT raises KeyboardInterrupt and is noted in the list yielded: Python drops an exception
+    raised inside a callback (an import lock's, at garbage collection), so a wait checks the note."""
+    noted = []
+
+    def on_sigint(signum, frame):
+        noted.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_recheck(progressed, now):
@@ -4953,13 +4973,14 @@ class Run:
     def __repr__(self):
         return f"Run({self.run_id!r})"
 
-    def wait(self, timeout=None, progress=False):
+    def wait(self, timeout=None, progress=False, interrupted=()):
         """Wait until every claim has a summary, nothing can run the rest, or `timeout` s: True when
         all have one (`waited` keeps them); WorkersFailed when every local worker dies unwarmed."""
         if timeout is None:
             timeout = setting_number(self.conf, "CALQUE_TIMEOUT", float, 0)
         check_timeout(timeout)
-        self.waited, timed_out = wait_for_run(self.backend, self.record, timeout, progress, stop_if=self._crashing)
+        self.waited, timed_out = wait_for_run(self.backend, self.record, timeout, progress,
+                                              stop_if=self._crashing, interrupted=interrupted)
         return not timed_out
 
     def _crashing(self):
@@ -5472,11 +5493,12 @@ def cmd_submit(conf, backend, args):
             print(run.run_id)
             return EXIT_OK
         try:   # every claim is queued: an interrupt leaves the run to go on without us
-            depth = backend.queues.open_queue(run.record["queue"]).counts()
-            print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} items sent to "
-                  f"{run.record['queue']} ({depth['visible']} visible, {depth['in_flight']} in flight)",
-                  file=sys.stderr, flush=True)
-            timed_out = not run.wait(args.timeout, progress)
+            with sigint_noted() as noted:
+                depth = backend.queues.open_queue(run.record["queue"]).counts()
+                print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} "
+                      f"items sent to {run.record['queue']} ({depth['visible']} visible, "
+                      f"{depth['in_flight']} in flight)", file=sys.stderr, flush=True)
+                timed_out = not run.wait(args.timeout, progress, interrupted=noted)
         except KeyboardInterrupt:
             print(f"calque: interrupted while waiting: run {run.run_id}: its claims are queued and finish without "
                   f"you ---> HINT: python calque.py runs show {run.run_id}", file=sys.stderr)
