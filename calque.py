@@ -3,9 +3,9 @@ A run: stage_run writes the run record, a manifest and a queue message per claim
 Worker._loop_once receives a claim, open_claim accepts it, run_claim runs its batches, finish
 writes its summary and Acks.flush acks it; wait_for_run waits on the summaries. The map (each
 section uses only those above it; docs/contract.md: the contract; README.md: the commands):
-       handler API   enter, batch, __all__           6. local workers  supervisor.py
+       handler API   enter, batch, __all__           6. local workers  calque_supervisor.py
     1. settings      DEFAULTS, settings, UserError   7. cost model     rates.json, run cost
-    2. CONTRACT      keys, message, summary, parts   8. EC2 cohort     ec2.py
+    2. CONTRACT      keys, message, summary, parts   8. EC2 cohort     calque_ec2.py
     3. backends      LocalStore, S3Store, queues     9. both paths     cold_run, status, make_plan
     4. records       pool and run records, scaling  10. Python API     Pool, submit(), Run
     5. submit, runs  stage_run, wait_for_run        11. CLI            cmd_* per verb, main()
@@ -3351,7 +3351,7 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
 
 
 # ------------------------------------------------------------------------------------------------
-# 6. local workers: a pool supervisor's state here, as calque reads it (supervisor.py: the process)
+# 6. local workers: a pool supervisor's state here, as calque reads it (calque_supervisor.py: the process)
 SUPERVISOR_TICK = 0.2                   # s between two looks of the supervisor (and of a follower)
 SCALE_INTERVAL = 0.5                    # s between two looks at a self-sizing pool's queue
 COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker has to exit before SIGTERM
@@ -3363,10 +3363,10 @@ WORKER_LOST_AFTER = 120.0               # s of silence that makes a "running" wo
 
 
 def supervisor_module():
-    """supervisor.py, with this module as its `calque` (calque.py may be __main__): imported only by
+    """calque_supervisor.py, with this module as its `calque` (calque.py may be __main__): imported only by
     the verbs that start or stop workers or follow their output."""
     sys.modules.setdefault("calque", sys.modules[__name__])
-    import supervisor
+    import calque_supervisor as supervisor
     return supervisor
 
 
@@ -4323,7 +4323,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     shards = max(1, shards)
 
     def launch():   # one-shot instances that drain the run's queue and terminate themselves
-        from ec2 import cold_launch
+        from calque_ec2 import cold_launch
         return cold_launch(backend, cold, run_id, shards, ec2, timeout=timeout, dry_run=dry_run,
                            yes_spend_money=yes_spend_money)
 
@@ -4361,7 +4361,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
                 proc.send_signal(signal.SIGTERM)
                 proc.wait()
         if instance_ids:
-            from ec2 import cold_cleanup
+            from calque_ec2 import cold_cleanup
             cold_cleanup(backend, instance_ids)
         backend.queues.delete_queue(queue_name)
         backend.queues.delete_queue(cold["dlq"])
@@ -4384,7 +4384,7 @@ def pool_status(conf, backend, model):
     """What `pool status` shows, as data: record, queues, supervisor, workers, an EC2 fleet."""
     record = load_pool(backend, model)
     if "ec2" in record:     # the fleet's status reads the queues and the worker stats: not twice
-        from ec2 import pool_status as fleet_status
+        from calque_ec2 import pool_status as fleet_status
         ec2 = fleet_status(backend, record)
         queue, dlq, stats = ec2["queue"], ec2["dlq"], ec2["workers"]
     else:
@@ -4431,7 +4431,7 @@ def format_pool_status(status, store_description):
              f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in "
              f"flight;  dead-letter: {d['visible'] if d else '?'}"]
     if status["ec2"]:
-        import ec2
+        import calque_ec2 as ec2
         lines += ["    " + line for line in ec2.format_status(status["ec2"])]
     sup = status["supervisor"]
     if sup:
@@ -4601,7 +4601,7 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
     _, ceiling, noun, warm = pool_ceiling(conf, backend, record)
     start = enter + acquisition + SCALE_INTERVAL
     if noun == "instances":
-        import ec2
+        import calque_ec2 as ec2
         start = enter + ec2.BOOT_ESTIMATE
     gap, latency = claim_overheads(backend, summaries)
     sizes = [claim_size] * (items // claim_size) + ([items % claim_size] if items % claim_size else [])
@@ -4765,7 +4765,7 @@ def pool_liveness(conf, backend, record):
     if status and read_scaling(state_dir(conf, model)):
         return "starting", f"pool {model} sizes itself: its supervisor starts workers for the run"
     if "ec2" in record and backend.kind == "aws":
-        import ec2
+        import calque_ec2 as ec2
         hint = ec2.cold_wait_hint(backend, record)
         if hint is None:
             return "starting", f"pool {model}: instances in service, no worker running yet (bootstrapping)"
@@ -5240,7 +5240,7 @@ def apply_count(conf, backend, record, option, args):
     noun = "instances" if record.get("ec2") else "workers"
     count = option[noun]
     if noun == "instances":
-        import ec2
+        import calque_ec2 as ec2
         names = ec2.resource_names(record["model"])
         calls = ec2.AwsCalls.for_backend(backend)
         asg = ec2.describe_asg(calls, names["asg"])
@@ -5271,7 +5271,7 @@ def cmd_pool_create(conf, backend, args):
         if modal:
             record["modal"] = modal
         args.instance_type = args.instance_type or suggested.get("instance_type")       # the app's gpu=
-        import ec2
+        import calque_ec2 as ec2
         options = ec2.pool_options(args.instances, args.instance_type, min_instances=args.min_instances,
                                    ami=args.ami, spot=args.spot, subnet=args.subnet, key_name=args.key_name,
                                    scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances)
@@ -5324,7 +5324,7 @@ def cmd_pool_scale(conf, backend, args):
                         f"--max-instances B ---> HINT: e.g. pool scale --model {args.model} "
                         f"--min-workers 0 --max-workers 2")
     if args.min_instances is not None or args.max_instances is not None:
-        import ec2
+        import calque_ec2 as ec2
         ec2.pool_scale_bounds(backend, record, args.min_instances, args.max_instances,
                               dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
@@ -5340,7 +5340,7 @@ def cmd_pool_scale(conf, backend, args):
               f"{f' (idle {idle / 60:g} min -> {lo})' if idle else ''}, supervisor pid {pid}")
         return EXIT_OK
     if args.instances is not None:
-        import ec2
+        import calque_ec2 as ec2
         ec2.pool_scale(backend, record, args.instances, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.workers == 0:
@@ -5360,7 +5360,7 @@ def cmd_pool_status(conf, backend, args):
 
 def cmd_pool_list(conf, backend, args):
     if backend.kind == "aws":   # records in the store, plus fleets found only by their tags (a half-created pool)
-        import ec2
+        import calque_ec2 as ec2
         pools = ec2.pool_list(backend)
     else:
         pools = [{"model": model, "record": True, "asg": None} for model in list_pools(backend)]
@@ -5379,7 +5379,7 @@ def cmd_pool_delete(conf, backend, args):
         supervisor_module().stop_supervisor(conf, args.model, grace + 15)
         if args.force and not args.dry_run:
             print_cancelled(args.model, cancel_pool_runs(backend, args.model))
-        import ec2
+        import calque_ec2 as ec2
         ec2.pool_delete(backend, record, yes=args.yes, dry_run=args.dry_run)
         return EXIT_OK
     if not args.yes:
@@ -5471,7 +5471,7 @@ def cmd_submit(conf, backend, args):
                 print("submit: not run", file=sys.stderr)
                 return EXIT_FAILED
             if record.get("ec2"):     # before anything is queued: the group grows for the run
-                from ec2 import refuse_spending
+                from calque_ec2 import refuse_spending
                 refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
                                 yes_spend_money=args.yes_spend_money)
         run_id = new_run_id(args.pool)
@@ -5487,7 +5487,7 @@ def cmd_submit(conf, backend, args):
         if planned:   # once its claims are queued: a local pool's boost lasts while they wait
             update_run(backend, run.record, plan=apply_count(conf, backend, record, option, args))
         if backend.kind == "aws":   # an EC2 pool's backlog steps follow the claims it ran
-            from ec2 import refresh_backlog_steps
+            from calque_ec2 import refresh_backlog_steps
             refresh_backlog_steps(backend, load_pool(backend, args.pool))
         if args.no_wait:
             print(run.run_id)
@@ -5519,7 +5519,7 @@ def cmd_submit(conf, backend, args):
             items = check_id_field(items, args.id_field)
         ec2 = None   # fresh local processes, unless the flags ask for EC2 instances
         if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
-            from ec2 import ColdLaunch
+            from calque_ec2 import ColdLaunch
             ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
         try:
             with signals_interrupt():   # a SIGTERM too ends its workers and deletes its queues
@@ -5721,9 +5721,9 @@ def cmd_runs_redrive(conf, backend, args):
 
 
 def dashboard_module():
-    """dashboard.py, importing this module as `calque` (one module even when run as __main__)."""
+    """calque_dashboard.py, importing this module as `calque` (one module even when run as __main__)."""
     sys.modules.setdefault("calque", sys.modules[__name__])
-    import dashboard
+    import calque_dashboard as dashboard
     return dashboard
 
 

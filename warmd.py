@@ -736,7 +736,7 @@ class ScaleInProtection:
             log.warning("no scale-in protection: the instance id is unreadable (%s)", e)
             return None
         import boto3   # lazy: only an EC2 pool instance needs it
-        import ec2
+        import calque_ec2 as ec2
         region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
         client = boto3.client("autoscaling", config=calque.aws_client_config(region))
         names = ec2.resource_names(record["model"])
@@ -1688,7 +1688,7 @@ def main(argv=None):
     which.add_argument("--model", help="serve the pool of this model")
     which.add_argument("--run", help="serve one cold run's queue, then exit (started by `calque.py submit` without "
                                      "--pool)")
-    for flag, kind in HANDOFF_FLAGS:   # from supervisor.py or a cold run; not in --help
+    for flag, kind in HANDOFF_FLAGS:   # from calque_supervisor.py or a cold run; not in --help
         parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     if argv is None:   # a command line: run under the kit's .venv when this Python lacks its packages
         try:

@@ -13,7 +13,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import calque  # noqa: E402
-import dashboard  # noqa: E402
+import calque_dashboard as dashboard  # noqa: E402
 
 CLAIMS, WORKERS, ITEMS, CLAIM_SECONDS = 10_000, 8, 10, 0.5
 

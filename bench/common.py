@@ -21,7 +21,7 @@ def chosen(known):
 def compile_kit():
     """calque.py and warmd.py compiled once, as an install does: where PYTHONDONTWRITEBYTECODE is set, each
     command a bench times would compile calque.py again."""
-    for name in ("calque.py", "warmd.py", "supervisor.py"):
+    for name in ("calque.py", "warmd.py", "calque_supervisor.py"):
         py_compile.compile(os.path.join(ROOT, name))
 
 

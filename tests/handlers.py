@@ -307,5 +307,5 @@ class Threads:
 
     @calque.batch
     def run(self, items):
-        import supervisor
+        import calque_supervisor as supervisor
         return [{var: os.environ.get(var) for var in supervisor.THREAD_VARS} for _ in items]

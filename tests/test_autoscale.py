@@ -53,7 +53,7 @@ def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeyp
     """announce_run (submit, before staging) makes the supervisor's decision count the run's claims
     while its queue is still empty, once: when they show, the queue's own count takes over."""
     import calque
-    import supervisor
+    import calque_supervisor as supervisor
     out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
               "--min-workers", "0", "--max-workers", "2", "--scale-to-zero-after", "0.05")
     assert out.returncode == 0, out.stderr

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 import calque
-import ec2
+import calque_ec2 as ec2
 from conftest import ROOT, backend_for, cli, start_worker
 from test_warmd import SpotStub
 

@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 
 import calque
-import ec2
-import dashboard
+import calque_ec2 as ec2
+import calque_dashboard as dashboard
 from bench_dashboard import finish_claims, synth_run
 from cdp import Browser, chromium_path
 from conftest import HANDLERS, PY, ROOT, cli, write_items

@@ -15,8 +15,7 @@ import pytest
 from moto import mock_aws
 
 import calque
-import ec2
-
+import calque_ec2 as ec2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANDLER = os.path.join(ROOT, "tests", "handlers.py") + ":Echo"
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"

@@ -214,15 +214,15 @@ def test_one_supervisor_per_pool(local_env, tmp_path):
     assert [code for code, _, _ in outs] == [0, 0], outs
     named = {int(re.search(r"under supervisor pid (\d+)", out).group(1)) for _, out, _ in outs}
     assert len(named) == 1, outs
-    wait_for(lambda: processes(state, "supervisor.py") == list(named), 20, "exactly the one named supervisor")
-    third = subprocess.run([PY, os.path.join(ROOT, "supervisor.py"), "--model", "m"], env=local_env,
+    wait_for(lambda: processes(state, "calque_supervisor.py") == list(named), 20, "exactly the one named supervisor")
+    third = subprocess.run([PY, os.path.join(ROOT, "calque_supervisor.py"), "--model", "m"], env=local_env,
                            capture_output=True, text=True, timeout=30)
     assert third.returncode == 0 and re.fullmatch(r"supervisor \d+: pool m already has a supervisor on this "
                                                   r"machine: exit\n", third.stdout), third.stdout
-    assert processes(state, "supervisor.py") == list(named)
+    assert processes(state, "calque_supervisor.py") == list(named)
     live_worker(local_env)
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
-    wait_for(lambda: not processes(state, "supervisor.py") and not processes(state, "warmd.py"), 20,
+    wait_for(lambda: not processes(state, "calque_supervisor.py") and not processes(state, "warmd.py"), 20,
              "no supervisor and no worker")
 
 

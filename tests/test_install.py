@@ -13,7 +13,7 @@ import tomllib
 import zipfile
 
 import calque
-import ec2
+import calque_ec2 as ec2
 from conftest import PY, ROOT
 
 HANDLER = '''import calque
@@ -113,7 +113,7 @@ def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, 
                                                            run_id).splitlines()]
         assert [r["result"]["sum"] for r in results] == [2.0 * sum(i["x"]) for i in ITEMS]
         assert "$" in calque_cmd(python, env, folder, "cost", run_id)          # priced from the wheel's rates.json
-        calque_cmd(python, env, folder, "runs", "report", run_id, "--html", "report.html")   # dashboard.py's
+        calque_cmd(python, env, folder, "runs", "report", run_id, "--html", "report.html")   # calque_dashboard.py's
         assert run_id in (folder / "report.html").read_text()
         status = json.loads(calque_cmd(python, env, folder, "pool", "status", "--model", "m", "--json"))
         assert [w["fastbatch"] for w in status["workers"]] == ["c"]

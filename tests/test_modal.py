@@ -549,7 +549,7 @@ def test_image_imports_and_bootstrap(tmp_path):
     """`with image.imports():` skips a missing module outside a worker, as Modal does locally, and raises it in a
     worker; an EC2 pool's bootstrap installs the image's apt and pip packages as written."""
     import calque
-    import ec2
+    import calque_ec2 as ec2
     app = tmp_path / "imports.py"
     app.write_text("import modal\nimage = modal.Image.debian_slim()\napp = modal.App(image=image)\n"
                    "with image.imports():\n    import no_such_module_xyz\n@app.function()\ndef f(x):\n    return x\n")

@@ -65,7 +65,7 @@ def test_end_to_end_moto_server(aws_env, tmp_path):
 def test_restart_delay_knows_a_crash_loop_from_a_killed_worker():
     """At once after progress (or a long life), whatever killed the worker; 1 s after a SIGKILL without progress;
     doubling to 30 s for a worker that keeps exiting by itself before warm or without progress."""
-    import supervisor
+    import calque_supervisor as supervisor
     kill, segv = -signal.SIGKILL, -signal.SIGSEGV
     assert supervisor.restart_delay(True, True, 0.5, 0, kill) == (0.0, "died after progress")
     assert supervisor.restart_delay(True, True, 0.5, 0, segv) == (0.0, "died after progress")
@@ -85,7 +85,7 @@ def test_a_death_is_recorded_and_told_to_the_warm_siblings(tmp_path):
     import sys
     import time
 
-    import supervisor
+    import calque_supervisor as supervisor
     noted = tmp_path / "noted"
     sibling = ("import os, signal, sys, time\n"
                "signal.signal(signal.SIGUSR2, lambda *_: open(sys.argv[1], 'w').close())\n"
@@ -304,7 +304,7 @@ def test_status_names_the_fastbatch_fallback(local_env, tmp_path):
 def test_workers_share_the_cores_unless_told(local_env, tmp_path):
     """Each of 2 CPU workers gets cores / 2 threads (at least 1) in every THREAD_VARS setting the user left unset;
     OMP_NUM_THREADS set by the user is kept; --threads-per-worker N sets them all; pool status shows it."""
-    import supervisor
+    import calque_supervisor as supervisor
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(8)])
 

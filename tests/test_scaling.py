@@ -8,8 +8,7 @@ import statistics
 import pytest
 
 import calque
-import ec2
-
+import calque_ec2 as ec2
 TICK = 1.0            # s between two decisions, as the supervisor's SCALE_INTERVAL (coarser: fewer events)
 STARTUP = 10.0        # s from spawn to a worker taking claims (acquisition + @enter)
 VISIBILITY = 30.0     # s before a dead worker's claim is visible again

@@ -133,7 +133,7 @@ def test_settings_are_one_mechanism():
     with open(os.path.join(ROOT, "pool.env.example")) as f:
         shown = dict(line.strip().split("=", 1) for line in f if re.match(r"CALQUE_\w+=", line))
     assert shown == calque.DEFAULTS
-    files = ["calque.py", "warmd.py", "supervisor.py", "dashboard.py", "modal_shim/modal.py"]
+    files = ["calque.py", "warmd.py", "calque_supervisor.py", "calque_dashboard.py", "modal_shim/modal.py"]
     read, at_import = set(), []
     for name in files:
         with open(os.path.join(ROOT, name)) as f:
@@ -213,7 +213,7 @@ def test_hints_name_the_right_next_step(local_env, tmp_path):
 def test_gpus_per_worker_from_a_faked_device_list(local_env, tmp_path):
     """With four (faked) GPUs and two per worker, each worker gets its own two, round-robin, in
     CUDA_VISIBLE_DEVICES; pool status shows them; pool logs shows each worker's log."""
-    import supervisor
+    import calque_supervisor as supervisor
     assert supervisor.worker_gpus(["0", "1", "2"], 1, 4) == ["1"] and supervisor.worker_gpus([], 1, 0) == []
     folder = user_folder(tmp_path)
     env = dict(local_env, CALQUE_GPUS="0,1,2,3")
@@ -240,7 +240,7 @@ def test_pyproject_installs_the_kit_with_requirements_pins(tmp_path):
     assert out.returncode == 0, out.stderr
     wheel = zipfile.ZipFile(next(tmp_path.glob("calque-*.whl")))
     names = wheel.namelist()
-    assert {"calque.py", "warmd.py", "ec2.py", "fastbatch/__init__.py", "fastbatch/fastbatch.c",
+    assert {"calque.py", "warmd.py", "calque_ec2.py", "fastbatch/__init__.py", "fastbatch/fastbatch.c",
             "fastbatch/fastbatch.h", "modal_shim/modal.py", "calque_data/ec2_bootstrap.sh",
             "calque_data/sdist/setup.py"} <= set(names)
     assert [n for n in names if n.startswith("fastbatch/_fastbatch_c.") and n.endswith(".so")]

@@ -1,6 +1,6 @@
 """supervisor: the detached process that keeps a local pool's warmd.py workers alive here.
 
-    python supervisor.py --model demo     # what `pool create` / `pool scale` start, detached
+    python calque_supervisor.py --model demo     # what `pool create` / `pool scale` start, detached
 
 One per pool and machine (a lock in its state folder). Every SUPERVISOR_TICK s it reads the count
 wanted (LocalScaler), restarts the dead with backoff, leases GPUs, and writes supervisor.json, which
@@ -441,7 +441,7 @@ def _stop_workers(live, grace):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="supervisor.py", description="Keeps local pool workers.")
+    parser = argparse.ArgumentParser(prog="calque_supervisor.py", description="Keeps local pool workers.")
     parser.add_argument("--model", required=True, help="the pool's model name")
     args = parser.parse_args(argv)
     try:
