@@ -712,7 +712,8 @@ def parse_handler_spec(spec):
         raise UserError(f"--handler {spec!r}: expected path/to/file.py:ClassName (a Modal app: "
                         f"Cls, Cls.method or function)")
     if not os.path.isfile(path):
-        raise UserError(f"--handler {spec!r}: file {path} not found")
+        raise UserError(f"--handler {spec!r}: file {path} not found ---> HINT: give the file's path from "
+                        "this folder, as --handler path/file.py:Class")
     return path, cls
 
 
@@ -874,6 +875,8 @@ def user_code_error(path, e, container=False):
     where = f"{path}:{e.lineno if isinstance(e, SyntaxError) else (lines or ['?'])[-1]}"
     if type(e).__name__ == "Unsupported":
         return f"{where}: {e}"
+    if isinstance(e, SyntaxError):
+        return f"{where}: {e.msg} ---> HINT: fix that line (python -m py_compile {path} checks it)"
     if isinstance(e, ImportError) and (e.name or "").startswith("modal."):
         return (f"{where}: import {e.name} is not supported on a calque pool (the stand-in modal "
                 f"is one module) ---> HINT: import modal and use modal.X")
@@ -5874,7 +5877,8 @@ def cmd_modal_run(conf, backend, args):
     _, args.args = own.parse_known_args(args.args, namespace=args)   # args' values are the defaults
     path, _, name = args.app.partition("::")
     if not os.path.isfile(path):
-        raise UserError(f"modal run {args.app}: file {path} not found")
+        raise UserError(f"modal run {args.app}: file {path} not found ---> HINT: give the app file's path "
+                        "(modal run path/app.py[::function])")
     if args.workers < 1:
         raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
     shim, module = import_modal_file(path)
