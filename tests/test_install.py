@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import time
 import tomllib
 import zipfile
 
@@ -145,8 +146,13 @@ def test_without_a_compiler_the_install_succeeds_on_the_numpy_path(tmp_path):
     calque_cmd(python, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum", "--workers", "1")
     try:
         calque_cmd(python, env, folder, "submit", "--pool", "m", "items.jsonl")
-        status = calque_cmd(python, env, folder, "pool", "status", "--model", "m")
-        assert "1 running worker(s) collate with fastbatch's numpy fallback" in status, status
+        want, deadline = "1 running worker(s) collate with fastbatch's numpy fallback", time.monotonic() + 60
+        while True:   # the worker writes its stats at its first idle poll after the claim, not before
+            status = calque_cmd(python, env, folder, "pool", "status", "--model", "m")
+            if want in status or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert want in status, status
     finally:
         calque_cmd(python, env, folder, "pool", "delete", "--model", "m", "--yes")
 
