@@ -3942,7 +3942,7 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
 
 class Pricing(typing.NamedTuple):
     """What a cost is priced with: rates, instance type, its $/s and label, the purchase option, and
-    whether the user named the type (else a run that used no GPU is priced as CPU: for_run)."""
+    whether the user named the type (else work that used no GPU is priced as CPU: for_gpu_use)."""
     rates: dict
     instance_type: str
     rate_per_s: float
@@ -3961,30 +3961,33 @@ def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False,
                    spot, savings_plan, chosen)
 
 
-def used_no_gpu(summaries):
-    """True when every claim's worker said it saw no GPU (NVML absent or without a device)."""
-    return bool(summaries) and all((s.get("gpu_utilisation") or {}).get("reason", "").startswith("no ")
-                                   for s in summaries)
+def used_no_gpu(records):
+    """True when the worker of every claim summary, or every worker's stats, said it saw no GPU
+    (NVML absent or without a device)."""
+    return bool(records) and all(
+        ((s.get("gpu_utilisation") or {}).get("reason") or s.get("no_gpu") or "").startswith("no ")
+        for s in records)
 
 
-def for_run(price, summaries):
-    """The Pricing of a run: a default-priced run whose workers saw no GPU is priced as the rates
-    file's defaults.cpu_instance_type, or, without one, its label says a GPU price was assumed."""
-    if price.chosen or not used_no_gpu(summaries):
+def for_gpu_use(price, records):
+    """The Pricing of a run's summaries or a pool's worker stats: default-priced work that saw no
+    GPU is priced as the rates file's defaults.cpu_instance_type, or, without one, its label says
+    a GPU price was assumed."""
+    if price.chosen or not used_no_gpu(records):
         return price
     cpu = price.rates["defaults"].get("cpu_instance_type", {}).get("value")
     if cpu is None:
-        return price._replace(label=f"{price.label}; a GPU price assumed for a run that used no "
+        return price._replace(label=f"{price.label}; a GPU price assumed for work that used no "
                                     "GPU (the rates file names no defaults.cpu_instance_type)")
     priced = pricing(instance_type=cpu, spot=price.spot, savings_plan=price.savings_plan, rates=price.rates)
-    return priced._replace(label=f"{priced.label}: no worker of this run saw a GPU (--instance-type prices another)",
+    return priced._replace(label=f"{priced.label}: no worker saw a GPU (--instance-type prices another)",
                            chosen=False)
 
 
 def run_cost_report(backend, run, summaries, price):
     """(report, ladder, label, status) of a run. E is measured; A is the rates file's assumption
     for a pool run, and its measured start-up for a cold one (its own counterfactual)."""
-    rates, instance_type, rate, label = for_run(price, summaries)[:4]
+    rates, instance_type, rate, label = for_gpu_use(price, summaries)[:4]
     if run["mode"] == "cold":
         paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
         if paid:
@@ -5404,8 +5407,9 @@ def cmd_pool_delete(conf, backend, args):
 
 def cmd_pool_cost(conf, backend, args):
     load_pool(backend, args.model)
-    rates, _, rate, label = _pricing(args)[:4]
-    report = pool_cost(read_worker_stats(backend, args.model), rate, rates, None,
+    stats = read_worker_stats(backend, args.model)
+    rates, _, rate, label = for_gpu_use(_pricing(args), stats)[:4]
+    report = pool_cost(stats, rate, rates, None,
                        rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
     return emit(args, {"model": args.model, "priced_as": label, "cost": report},
                 format_pool_cost, report, label, args.model)

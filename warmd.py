@@ -1652,7 +1652,8 @@ class Worker:
                  "items": self.stats["items"], "items_failed": self.stats["items_failed"],
                  "requests": dict(self.backend.requests),
                  # "c", "reference" (the numpy fallback) or None (no batch needed fastbatch)
-                 "fastbatch": getattr(sys.modules.get("fastbatch"), "BACKEND", None)}
+                 "fastbatch": getattr(sys.modules.get("fastbatch"), "BACKEND", None),
+                 "no_gpu": None if self.gpu.nvml else self.gpu.reason}   # why NVML saw none
         if self.last_word:
             stats["exit"] = self.last_word
         try:

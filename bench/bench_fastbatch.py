@@ -23,6 +23,7 @@ from torch.utils.data import default_collate
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fastbatch  # noqa: E402
+fastbatch.load()   # the path this machine gets, chosen before the tables name it
 import warmd  # noqa: E402
 
 # -----------------------------------------------------------------------------

@@ -160,7 +160,7 @@ ${image_install}
 
 # a fastbatch the install did not build is reported, and the worker told to use the numpy path
 STAGE="fastbatch check"
-FASTBATCH=$(cd / && "$CALQUE/venv/bin/python" -c 'import fastbatch; print(fastbatch.BACKEND)' \
+FASTBATCH=$(cd / && "$CALQUE/venv/bin/python" -c 'import fastbatch; print(fastbatch.load())' \
   2>"$CALQUE/last-error") || FASTBATCH=""
 cat "$CALQUE/last-error" >&2
 if [ "$FASTBATCH" != c ]; then

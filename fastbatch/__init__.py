@@ -6,7 +6,7 @@ the C module cannot be built, and pad's copy on either path.
     .venv/bin/python fastbatch/_build.py                     # the C module by hand (pip install builds it)
     .venv/bin/python -m pytest -q tests/test_fastbatch.py    # C and numpy paths vs numpy
     .venv/bin/python bench/bench_fastbatch.py                # GB/s vs torch.stack, np.stack, memcpy
-    FASTBATCH_REFERENCE=1 FASTBATCH_THREADS=2 ...            # force the numpy path / copy threads
+    FASTBATCH_REFERENCE=1 ...                                # force the numpy path
 
     x = fastbatch.stack(arrays)                        # [B, ...] tensor in fresh memory
     ids, lengths = fastbatch.pad(token_seqs, pad_value=0, max_len=2048)
@@ -35,16 +35,16 @@ import torch
 from . import _build, reference
 
 # -----------------------------------------------------------------------------
-# defaults: the env vars are read once at import; callers and tests may assign the globals
-THREADS = int(os.environ.get("FASTBATCH_THREADS", "0")) or min(4, len(os.sched_getaffinity(0)))  # copy threads; a few saturate host memory bandwidth
-THREAD_MIN_BYTES = int(os.environ.get("FASTBATCH_THREAD_MIN_BYTES", str(8 << 20)))  # smaller batches (bytes written) copy on one thread: measured, 2 threads lose below ~8 MiB (pthread_create + split)
-STREAM_MIN_BYTES = int(os.environ.get("FASTBATCH_STREAM_MIN_BYTES", str(16 << 20)))  # batches this big are written with cache-bypassing stores (x86): +40 % at 512 MiB; smaller ones stay in cache for a CPU reader
+# defaults; callers and tests may assign them
+THREADS = min(4, len(os.sched_getaffinity(0)))  # copy threads; a few saturate host memory bandwidth
+THREAD_MIN_BYTES = 8 << 20   # smaller batches (bytes written) copy on one thread (2 lose below ~8 MiB)
+STREAM_MIN_BYTES = 16 << 20  # batches this big bypass the cache (x86); smaller stay for a CPU reader
 RING_SLOTS = 3          # PinnedRing slots: one being filled, one being copied to the device, one in the model
 RING_GROWTH = 1.5       # a slot that must grow is given this much headroom, so ragged batches settle after a few regrowths
 RING_ALIGN = 4096       # bytes; slot buffers and the tensors carved from one slot start on a page
 # -----------------------------------------------------------------------------
 
-__all__ = ["stack", "pad", "collate_default", "PinnedRing", "FastbatchError", "BACKEND", "THREADS"]
+__all__ = ["stack", "pad", "collate_default", "PinnedRing", "FastbatchError", "load", "BACKEND", "THREADS"]
 
 log = logging.getLogger("fastbatch")
 
@@ -94,21 +94,31 @@ def _load_c():
 
 
 ffi = lib = None
-if os.environ.get("FASTBATCH_REFERENCE") == "1":
-    BACKEND = "reference"
-    log.info("fastbatch: FASTBATCH_REFERENCE=1; using the numpy reference path")
-else:
-    try:
-        ffi, lib = _load_c()
-        BACKEND = "c"
-    except Exception as e:  # any failure (no compiler, no headers, read-only dir, bad .so) has the same remedy
-        BACKEND = "reference"
-        reason = (str(e).strip().splitlines() or [""])[-1]
-        log.warning("fastbatch: C build unavailable (%s: %s); using the numpy reference path",
-                    type(e).__name__, reason)
+BACKEND = None      # "c" or "reference", chosen by load() at first use
+_loading = threading.Lock()
 
-_ERRORS = {} if lib is None else {getattr(lib, n): n for n in (
-    "FB_ENULL", "FB_ESIZE", "FB_EOVERFLOW", "FB_EOVERLAP", "FB_ETHREAD")}
+
+def load():
+    """The copy path, chosen once at first use (not at import, so that the environment is read
+    then): numpy's where FASTBATCH_REFERENCE=1 or the C module cannot be built (one warning says
+    why), else C, built first if missing or stale."""
+    global BACKEND, ffi, lib
+    with _loading:
+        if BACKEND is not None:
+            return BACKEND
+        if os.environ.get("FASTBATCH_REFERENCE") == "1":
+            log.info("fastbatch: FASTBATCH_REFERENCE=1; using the numpy reference path")
+            BACKEND = "reference"
+            return BACKEND
+        try:
+            ffi, lib = _load_c()
+            BACKEND = "c"
+        except Exception as e:  # no compiler, no headers, read-only dir, bad .so: one remedy
+            BACKEND = "reference"
+            reason = (str(e).strip().splitlines() or [""])[-1]
+            log.warning("fastbatch: C build unavailable (%s: %s); using the numpy reference path",
+                        type(e).__name__, reason)
+        return BACKEND
 
 
 def _check(rc, who):
@@ -118,7 +128,8 @@ def _check(rc, who):
     text = ffi.string(lib.fb_strerror(rc)).decode()
     if rc == lib.FB_EOVERLAP:
         raise ValueError(f"{who}: out overlaps one of the inputs ({text}); gather into other memory")
-    raise FastbatchError(f"{who}: C gather failed with {_ERRORS.get(rc, rc)} ({rc}): {text}")
+    names = {getattr(lib, n): n for n in ("FB_ENULL", "FB_ESIZE", "FB_EOVERFLOW", "FB_ETHREAD")}
+    raise FastbatchError(f"{who}: C gather failed with {names.get(rc, rc)} ({rc}): {text}")
 
 
 _scratch = threading.local()
@@ -274,7 +285,7 @@ def _overlap_check(t, views, who):
 
 def _fill_stack(views, t):
     """t[i] = views[i] for all i; t is contiguous with the batch's shape and dtype."""
-    if BACKEND != "c":
+    if (BACKEND or load()) != "c":
         _overlap_check(t, views, "stack")
         reference.stack(views, out=t.detach().numpy())
         return

@@ -71,7 +71,7 @@ def main():
 
     sys.path.insert(0, ROOT)
     import fastbatch
-    if fastbatch.BACKEND != "c":
+    if fastbatch.load() != "c":
         fail(f"fastbatch.BACKEND is {fastbatch.BACKEND!r} right after a successful build")
     try:
         fastbatch.stack([torch.zeros(2, device="cuda")])

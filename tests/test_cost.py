@@ -548,7 +548,10 @@ def test_printed_cost_equals_recomputation_from_summaries(local_env, tmp_path):
 
 
 def test_cost_cli_errors_and_pool_cost(local_env, tmp_path):
-    """Unknown run, unknown instance type and a bad rates file are one-line errors; pool cost reports a live pool."""
+    """Unknown run, unknown instance type and a bad rates file are one-line errors; pool cost reports a live pool,
+    priced as a CPU instance where its workers saw no GPU."""
+    import calque
+    from conftest import backend_for
     out = cli(local_env, "cost", "20990101-000000-abcdef")
     assert out.returncode == 2 and "no run" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "1").returncode == 0
@@ -566,6 +569,10 @@ def test_cost_cli_errors_and_pool_cost(local_env, tmp_path):
     assert out.returncode == 0, out.stderr
     report = _json.loads(out.stdout)["cost"]
     assert report["workers"] == 1 and report["claims"] == 1 and report["instance_seconds"] > 0
+    backend = backend_for(local_env)
+    stats = calque.read_worker_stats(backend, "m")
+    priced_as_cpu = _json.loads(out.stdout)["priced_as"].startswith("c7i.xlarge")
+    assert priced_as_cpu == all(w["no_gpu"] for w in stats), "a pool that saw no GPU is priced as CPU"
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
 
 
@@ -598,15 +605,15 @@ def test_a_run_without_a_gpu_is_priced_as_a_cpu_instance(tmp_path):
     no_gpu = dict(summary(), gpu_utilisation={"measured": False, "reason": "no GPU visible to NVML (NVMLError)"})
     gpu = dict(summary(), gpu_utilisation={"measured": True, "value": 0.5})
     price = calque.pricing()
-    cpu = calque.for_run(price, [no_gpu, no_gpu])
+    cpu = calque.for_gpu_use(price, [no_gpu, no_gpu])
     assert cpu.instance_type == "c7i.xlarge" and cpu.rate_per_s * 3600 == pytest.approx(0.1785)
     assert cpu.label.startswith("c7i.xlarge (4 vCPU, no GPU) on-demand $0.1785/h") and "saw a GPU" in cpu.label
-    assert calque.for_run(price, [no_gpu, gpu]) == price and calque.for_run(price, []) == price
-    assert calque.for_run(calque.pricing(instance_type="g5.xlarge"), [no_gpu]).instance_type == "g5.xlarge"
-    assert calque.for_run(calque.pricing(spot=True), [no_gpu]).rate_per_s == pytest.approx(0.1785 * 0.35 / 3600)
+    assert calque.for_gpu_use(price, [no_gpu, gpu]) == price and calque.for_gpu_use(price, []) == price
+    assert calque.for_gpu_use(calque.pricing(instance_type="g5.xlarge"), [no_gpu]).instance_type == "g5.xlarge"
+    assert calque.for_gpu_use(calque.pricing(spot=True), [no_gpu]).rate_per_s == pytest.approx(0.1785 * 0.35 / 3600)
     assert calque.serverless_stand_in(price.rates, "c7i.xlarge") == pytest.approx(2 * 1.31e-05 + 8 * 2.22e-06)
     bare = calque.pricing(rates_file=write_rates(tmp_path, RATES))
-    assert calque.for_run(bare, [no_gpu]).label.endswith("a GPU price assumed for a run that used no GPU (the rates "
+    assert calque.for_gpu_use(bare, [no_gpu]).label.endswith("a GPU price assumed for work that used no GPU (the rates "
                                                         "file names no defaults.cpu_instance_type)")
     lines = format_run_cost(run_cost([no_gpu], cpu.rate_per_s, price.rates, 0.0, 0.0), cpu.label)
     assert lines[0].startswith("cost      priced as c7i.xlarge (4 vCPU, no GPU)")

@@ -49,7 +49,7 @@ PROPERTY = dict(deadline=None, derandomize=True, database=None,
 @pytest.fixture(params=BACKENDS)
 def backend(request, monkeypatch):
     """Run the test on the C path and on the numpy reference path."""
-    if request.param == "c" and fastbatch.lib is None:
+    if request.param == "c" and fastbatch.load() != "c":
         pytest.skip("C module not built (test_c_module_is_built says why)")
     monkeypatch.setattr(fastbatch, "BACKEND", request.param)
     return request.param
@@ -79,7 +79,7 @@ def on_path(name, threading_, fn):
 def c_and_reference(threading_, fn):
     """fn()'s outcome on the C path, checked to be the reference path's byte for byte (or the same
     error)."""
-    if fastbatch.lib is None:
+    if fastbatch.load() != "c":
         pytest.skip("C module not built")
     c, ref = on_path("c", threading_, fn), on_path("reference", threading_, fn)
     assert c[0] == ref[0] and (c[1:] == ref[1:] if c[0] == "error" else True), (c, ref)
@@ -455,7 +455,7 @@ def test_pad_input_errors(backend):
 
 def test_c_return_codes_raise_named_errors():
     """Every C error code comes back as a named FastbatchError (or ValueError for overlap)."""
-    if fastbatch.lib is None:
+    if fastbatch.load() != "c":
         pytest.skip("C module not built")
     ffi, lib = fastbatch.ffi, fastbatch.lib
     dst = ffi.new("char[]", 16)
@@ -631,11 +631,11 @@ def test_collate_default_passes_through(backend):
 # --- build and fallback -----------------------------------------------------------------------
 
 def test_c_module_is_built():
-    """The C path is what a plain import gets (unless FASTBATCH_REFERENCE=1 asks for numpy)."""
+    """The C path is what the first use gets (unless FASTBATCH_REFERENCE=1 asks for numpy)."""
     if os.environ.get("FASTBATCH_REFERENCE") == "1":
-        assert fastbatch.BACKEND == "reference"
+        assert fastbatch.load() == "reference"
     else:
-        assert fastbatch.BACKEND == "c", "C build unavailable; the warning at import says why ---> run make setup"
+        assert fastbatch.load() == "c", "C build unavailable; the warning at import says why ---> run make setup"
 
 
 def copy_package(tmp_path, with_so):
@@ -659,12 +659,13 @@ def load_copy(pkg, name):
 
 
 def test_failed_build_falls_back_with_one_log_line(tmp_path, monkeypatch, caplog):
-    """When the compiler fails, import logs one line with the reason and uses the reference path."""
+    """When the compiler fails, the first use logs one line with the reason and uses the reference path."""
     pkg = copy_package(tmp_path, with_so=False)
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.delenv("FASTBATCH_REFERENCE", raising=False)
     mod = load_copy(pkg, "fastbatch_nocc")
-    assert mod.BACKEND == "reference" and mod.lib is None
+    assert mod.BACKEND is None and not caplog.records, "nothing is built or read at import"
+    assert mod.load() == "reference" and mod.lib is None
     lines = [r.getMessage() for r in caplog.records if r.name == "fastbatch"]
     assert len(lines) == 1 and lines[0].startswith("fastbatch: C build unavailable (")
     assert lines[0].endswith("); using the numpy reference path")
@@ -672,7 +673,7 @@ def test_failed_build_falls_back_with_one_log_line(tmp_path, monkeypatch, caplog
 
 
 def test_stale_build_is_rebuilt(tmp_path, monkeypatch):
-    """A .so built from other sources (its compiled-in digest) is rebuilt on import, and the rebuilt module is
+    """A .so built from other sources (its compiled-in digest) is rebuilt at first use, and the rebuilt module is
     used; one whose sources are newer files of the same content (a wheel's, as pip writes them) is not."""
     if not os.path.exists(fastbatch._SO):
         pytest.skip("no built .so to copy")
@@ -681,18 +682,18 @@ def test_stale_build_is_rebuilt(tmp_path, monkeypatch):
     so = pkg / os.path.basename(fastbatch._SO)
     old = os.path.getmtime(pkg / "fastbatch.c") - 100
     os.utime(so, (old, old))
-    assert load_copy(pkg, "fastbatch_same").BACKEND == "c" and os.path.getmtime(so) == old
+    assert load_copy(pkg, "fastbatch_same").load() == "c" and os.path.getmtime(so) == old
     with open(pkg / "fastbatch.c", "a") as f:
         f.write("/* changed */\n")
     mod = load_copy(pkg, "fastbatch_stale")
-    assert mod.BACKEND == "c" and os.path.getmtime(so) > old + 100
+    assert mod.load() == "c" and os.path.getmtime(so) > old + 100
     assert_same(mod.stack([np.ones(3)] * 2), np.ones((2, 3)), "rebuilt stack")
 
 
 def test_concurrent_imports_build_once_and_env_forces_reference(tmp_path):
-    """Two processes importing a copy with no .so both get the C path; FASTBATCH_REFERENCE=1 forces numpy."""
+    """Two processes using a copy with no .so both get the C path; FASTBATCH_REFERENCE=1 forces numpy."""
     copy_package(tmp_path, with_so=False)
-    code = "import fastbatch, numpy as np; print(fastbatch.BACKEND, fastbatch.stack([np.ones(2)] * 2).sum().item())"
+    code = "import fastbatch, numpy as np; s = fastbatch.stack([np.ones(2)] * 2).sum().item(); print(fastbatch.BACKEND, s)"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     env.pop("FASTBATCH_REFERENCE", None)
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=tmp_path, env=e, text=True,
