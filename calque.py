@@ -2109,13 +2109,13 @@ class Scale(typing.NamedTuple):
 def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,
                   surplus_since, now):
     """How many workers a pool should have: enough to drain the backlog (visible + in flight) in
-    `target_drain` s at the measured seconds per claim, at least the claims in flight, at most the
-    claims, within lo..hi. Growing is immediate; shrinking waits for `idle_window` s of surplus.
+    `target_drain` s at the measured seconds per claim, no fewer than hold claims (a pipelined
+    worker holds two: claims in flight never grow it), at most the claims, within lo..hi. Growing is immediate; shrinking waits for `idle_window` s of surplus.
     Pure: the caller passes back the returned Scale's `surplus_since`."""
     backlog = visible + in_flight
     need = backlog if seconds_per_claim is None else min(backlog, math.ceil(backlog * seconds_per_claim /
                                                                               target_drain))
-    need = max(lo, min(hi, max(need, in_flight, min(backlog, 1))))
+    need = max(lo, min(hi, max(need, min(in_flight, current), min(backlog, 1))))
     since = None if need >= current else (now if surplus_since is None else surplus_since)
     desired = current if since is not None and now - since < idle_window else need
     return Scale(visible, in_flight, current, seconds_per_claim, target_drain, lo, hi, idle_window,

@@ -7,8 +7,8 @@
    included in both, in alternating pairs; the ratio fixed / sized (>= 0.95 is the goal), and the seconds from
    the last summary until the sized pool's supervisor scales to 0 and until its last worker has exited,
    against its idle window (--scale-to-zero-after 0.25: 15 s);
-2. the planner: a pool measured by a run of 50 claims at 1 worker and one at 2 (on shared cores a
-   claim's time depends on how many workers run beside it), then `submit --plan --yes` of
+2. the planner: a pool measured, once its workers are warm, by a run of 50 claims at 1 worker and one
+   at 2 (on shared cores a claim's time depends on how many workers run beside it), then `submit --plan --yes` of
    BENCH_PLAN_ITEMS (24,000) items of 300 words in claims of 500 at 2 workers, at 1, and from 0 on the
    pool turned into --min-workers 0 --max-workers 2 (`pool scale`) once it idled to 0: predicted wall
    time against the run's actual (created_at to the last summary), on the demo model and on
@@ -63,6 +63,15 @@ def finished(env, run_id):
     return (ended - calque._parse_time(show["run"]["created_at"], "c")).total_seconds(), show["summaries"]
 
 
+def scale_to(env, name, workers):
+    """`pool scale` to a fixed count, then wait until that many workers are warm: claims measured beside
+    a worker still starting (its imports take a core) would time the start-up, not the pool."""
+    cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
+    status = os.path.join(env["CALQUE_STATE"], "pools", name, "supervisor.json")
+    while sum(bool(w["pid"] and w["warm"]) for w in json.load(open(status))["workers"]) != workers:
+        time.sleep(0.2)
+
+
 def burst(sized):
     """Seconds from pool create to the last summary of 40 claims; for the sized pool also the seconds from then
     until it scales to 0 and until its last worker is gone."""
@@ -111,12 +120,12 @@ def planner(name, handler, make, divisor, claim_size):
         size, items = str(claim_size), items_file(folder, PLAN_ITEMS // divisor, make)
         cli(env, "pool", "create", "--model", name, "--handler", handler, "--workers", "2")
         for workers in (1, 2):
-            cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
+            scale_to(env, name, workers)
             cli(env, "submit", "--pool", name, items_file(folder, 50 * claim_size, make), "--claim-size", size)
         rows = []
         for workers in (2, 1, 0):
             if workers:
-                cli(env, "pool", "scale", "--model", name, "--workers", str(workers))
+                scale_to(env, name, workers)
             else:   # the same pool sizing itself, at 0 when the run comes (its workers' stats kept)
                 cli(env, "pool", "scale", "--model", name, "--min-workers", "0", "--max-workers",
                     "2", "--scale-to-zero-after", str(IDLE_MINUTES))

@@ -41,8 +41,8 @@ def workers(env):
 def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=40000, timeout=600.0, poison=()):
     """Stage `runs` runs (sizes and claim sizes drawn from the ranges) on a fresh 3-worker pool, kill -9 a random
     worker every uniform(*kill_every) s (None: never) until every claim has a summary; the figures. `poison`: kinds
-    of Faulty's "die" (exit, kill, segv) given to as many items of the first run (in distinct claims where it has
-    enough), which must fail as poison; poison_deliveries: the delivery that quarantined each."""
+    of Faulty's "die" (exit, kill, segv) given to as many items of the first run, in distinct claims (its claim
+    size is cut to make enough), which must fail as poison; poison_deliveries: the delivery that quarantined each."""
     rng = random.Random(seed)
     calls = os.path.join(folder, "calls")
     env = dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
@@ -54,10 +54,12 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
     t0, staged, x, bad, kinds = time.monotonic(), {}, 0, {}, {}
     for r in range(runs):
         n, size = rng.randint(*sizes), rng.randint(*claims)
+        if r == 0 and poison:   # one poison item a claim: each is counted in its own claim's deliveries
+            n = max(n, len(poison))
+            size = min(size, n // len(poison))
         items = [{"x": x + i, "spin": spin} for i in range(n)]
-        spread = -(-n // size) >= len(poison)   # one poison item a claim where the claims are enough
-        places = ([c * size + rng.randrange(min(size, n - c * size)) for c in rng.sample(range(-(-n // size)),
-                   len(poison))] if spread else rng.sample(range(n), len(poison))) if r == 0 else ()
+        places = [c * size + rng.randrange(min(size, n - c * size))
+                  for c in rng.sample(range(-(-n // size)), len(poison))] if r == 0 else ()
         for i, kind in zip(places, poison):
             items[i]["die"], bad[x + i], kinds[x + i] = kind, None, kind
         run = calque.stage_run(backend, record, items, size, queue, "pool")

@@ -31,6 +31,7 @@ def test_desired_count_grows_at_once_and_shrinks_after_the_window():
     assert decide(0, 0, 3, since=100.0, now=159.0).desired == 3
     assert decide(0, 0, 3, since=100.0, now=160.0).desired == 0
     assert decide(0, 2, 3, spc=1.0, since=100.0, now=500.0).desired == 2   # busy workers are not surplus
+    assert decide(46, 2, 1, spc=0.34).desired == 1      # one pipelined worker holds two claims: still one
     assert decide(5, 0, 3, since=100.0, now=120.0).surplus_since is None   # work again: the timer resets
     assert "backlog 40+0 in flight, unmeasured" in decide(40, 0, 0).line() and "0 -> 4" in decide(40, 0, 0).line()
 
