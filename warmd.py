@@ -163,6 +163,7 @@ class Collator:
     def _load(self):
         import fastbatch
         import torch
+        fastbatch.load()    # its C or numpy path, chosen now (and named in the worker's stats)
         self.torch, self.ring = torch, fastbatch.PinnedRing(RING_SLOTS)
         self.cuda = torch.cuda.is_available()
         self.stream = torch.cuda.Stream() if self.cuda else None
