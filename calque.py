@@ -4617,7 +4617,8 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
     for n in range(1, ceiling + 1):
         running, per_item = min(n, warm), per_item_at(measured, n, cores)
         claims = [size * per_item + gap for size in sizes]
-        seconds = plan_seconds(claims, [latency] * running + [latency + start] * (n - running))
+        # a starting worker starts while submit stages (announce_run): its first claim at the later
+        seconds = plan_seconds(claims, [latency] * running + [max(latency, start)] * (n - running))
         options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
                         "spot_cost_usd": n * seconds * spot_rate, "starting": n - running,
                         "seconds_per_item": per_item, "measured": n in measured})
