@@ -32,7 +32,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # calque itself, installed as `pip install .` installs it but editable (the checkout's files): the `calque` and
 # `warmd` commands in $(VENV)/bin, and fastbatch's C module compiled in place by setup.py's cffi_modules; again when
 # its build or sources change. A failed compile is not fatal: the numpy reference path takes over, and fastbatch
-# says so in one line when imported
+# says so in one line at its first batch
 $(FASTBATCH_SO): $(VENV)/.installed pyproject.toml setup.py fastbatch/fastbatch.c fastbatch/fastbatch.h fastbatch/_build.py
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	ls fastbatch/_fastbatch_c.*.so >/dev/null 2>&1 || echo "fastbatch: C build failed; the numpy reference path will be used ---> HINT: check gcc and python3-dev"
