@@ -5558,7 +5558,7 @@ def few_malloc_arenas():
 
 
 def cmd_runs_list(conf, backend, args):
-    runs = list_runs(backend)
+    runs = list_runs(backend, args.model)
     return emit(args, runs, format_runs_list, runs)
 
 
@@ -6141,7 +6141,8 @@ def build_parser():
     runs = runs.add_subparsers(
         dest="runs_verb", required=True,
         metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
-    verb(runs, "list", cmd_runs_list, "--json", help="every run in the store")
+    p = verb(runs, "list", cmd_runs_list, "--json", help="every run in the store, oldest first")
+    p.add_argument("--model", help="only this model's runs")
     verb(runs, "show", cmd_runs_show, "run", "--json",
          help="a run's claims: worker, warm hit, @enter paid, items, seconds")
     p = verb(runs, "results", cmd_runs_results, "run",

@@ -307,8 +307,8 @@ def test_interrupted_elsewhere_says_what_to_do_without_claiming_a_run(local_env,
 
 
 def test_delete_and_prune_runs(any_env, tmp_path):
-    """runs prune deletes the runs older than the age but each model's --keep newest, skipping (and naming) a run
-    with claims queued; runs delete refuses that run unless --force; both say what they freed, and the store keeps
+    """runs list --model lists one model's runs; runs prune deletes the runs older than the age but each model's
+    --keep newest, skipping (and naming) a run with claims queued; runs delete refuses that run unless --force; both say what they freed, and the store keeps
     nothing of a deleted run (S3: DeleteObjects)."""
     env = any_env
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(6)])
@@ -321,6 +321,9 @@ def test_delete_and_prune_runs(any_env, tmp_path):
     live = cli(env, "submit", "--pool", "m", items, "--no-wait", "--claim-size", "2").stdout.strip()
     backend = backend_for(env)
     assert backend.store.list(f"runs/{cold[0]}/")
+    listed = {model: [r["run_id"] for r in json.loads(cli(env, "runs", "list", "--model", model, "--json").stdout)]
+              for model in ("c", "m")}
+    assert listed == {"c": cold, "m": [live]}, "runs list --model lists that model's runs, oldest first"
     assert cli(env, "runs", "prune", "--older-than", "7d").stdout == "freed 0 B in 0 object(s) of 0 run(s)\n"
     out = cli(env, "runs", "prune", "--older-than", "0s", "--keep", "1", "--model", "c")
     assert out.returncode == 0, out.stderr
