@@ -24,7 +24,7 @@ from bench_pool import HANDLERS, calque, make_pool, warmd  # noqa: E402
 SEED = int(os.environ.get("BENCH_CHURN_SEED", "1"))
 RATES = (("no kill", None, ()), ("moderate", (1.5, 3.5), ()), ("harsh", (0.5, 1.5), ()),
          ("harsh+poison", (0.5, 1.5), ("exit", "kill", "segv")))   # a poison item of each kind in the first run
-SPIN = int(os.environ.get("BENCH_CHURN_SPIN", "60000"))   # sha256 rounds an item (Faulty): ~45 ms quiet
+SPIN = int(os.environ.get("BENCH_CHURN_SPIN", "40000"))   # sha256 rounds an item (Faulty): ~30 ms quiet
 CADENCE_CLAIMS = 50         # claims of 64 items (~3 ms each) in batches of 4 through each of the three workers
 
 
