@@ -4002,7 +4002,7 @@ def run_cost_report(backend, run, summaries, price):
         enter_status = "measured (pool workers' mean)" if enter is not None else "unknown (no worker stats; 0 used)"
         enter, shards = enter or 0.0, 1
         acquisition = rates["defaults"]["acquisition_seconds"]["value"]
-        acquisition_status = "assumed (rates.json defaults: a fresh EC2 GPU instance)"
+        acquisition_status = "assumed (rates.json defaults: a fresh EC2 instance)"
     report = run_cost(summaries, rate, rates, enter, acquisition, enter_status=enter_status,
                       acquisition_status=acquisition_status, shards=shards,
                       expected_claims=len(run["claims"]), backend=backend.kind)
