@@ -2110,8 +2110,9 @@ def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, 
                   surplus_since, now):
     """How many workers a pool should have: enough to drain the backlog (visible + in flight) in
     `target_drain` s at the measured seconds per claim, no fewer than hold claims (a pipelined
-    worker holds two: claims in flight never grow it), at most the claims, within lo..hi. Growing is immediate; shrinking waits for `idle_window` s of surplus.
-    Pure: the caller passes back the returned Scale's `surplus_since`."""
+    worker holds two: claims in flight never grow it), at most the claims, within lo..hi. Growing
+    is immediate; shrinking waits for `idle_window` s of surplus. Pure: the caller passes back the
+    returned Scale's `surplus_since`."""
     backlog = visible + in_flight
     need = backlog if seconds_per_claim is None else min(backlog, math.ceil(backlog * seconds_per_claim /
                                                                               target_drain))
@@ -4617,7 +4618,7 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
     for n in range(1, ceiling + 1):
         running, per_item = min(n, warm), per_item_at(measured, n, cores)
         claims = [size * per_item + gap for size in sizes]
-        # a starting worker starts while submit stages (announce_run): its first claim at the later
+        # a worker not running yet starts while submit stages (announce_run): the later of the two
         seconds = plan_seconds(claims, [latency] * running + [max(latency, start)] * (n - running))
         options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
                         "spot_cost_usd": n * seconds * spot_rate, "starting": n - running,

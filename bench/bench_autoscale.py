@@ -8,11 +8,11 @@
    the last summary until the sized pool's supervisor scales to 0 and until its last worker has exited,
    against its idle window (--scale-to-zero-after 0.25: 15 s);
 2. the planner: a pool measured, once its workers are warm, by a run of 50 claims at 1 worker and one
-   at 2 (on shared cores a claim's time depends on how many workers run beside it), then `submit --plan --yes` of
-   BENCH_PLAN_ITEMS (24,000) items of 300 words in claims of 500 at 2 workers, at 1, and from 0 on the
-   pool turned into --min-workers 0 --max-workers 2 (`pool scale`) once it idled to 0: predicted wall
-   time against the run's actual (created_at to the last summary), on the demo model and on
-   examples/embed_model.py.
+   at 2 (on shared cores a claim's time depends on how many workers run beside it), then
+   `submit --plan --yes` of BENCH_PLAN_ITEMS (24,000) items of 300 words in claims of 500 at 2 workers,
+   at 1, and from 0 on the pool turned into --min-workers 0 --max-workers 2 (`pool scale`) once it
+   idled to 0: predicted wall time against the run's actual (created_at to the last summary), on the
+   demo model and on examples/embed_model.py.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
 import json

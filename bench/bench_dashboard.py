@@ -2,7 +2,6 @@
 made by calque.claim_summary as a worker writes them, then served by a real `calque dashboard` process: the
 run page's first load (every summary read), a refresh with nothing new, one after 100 new summaries, and the
 bytes of the page, its live part and its API answer. In process: the store reads each refresh makes."""
-import json
 import os
 import subprocess
 import sys

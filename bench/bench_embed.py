@@ -139,7 +139,6 @@ def parquet_section(tmp):
     """(Run first: this process still holds no numpy or pyarrow, whose pages a forked child's peak RSS would
     count before it execs.)"""
     subprocess.run([PY, "-c", GENERATE, tmp], check=True)
-    path = os.path.join(tmp, "rows.parquet")
     with open(os.path.join(tmp, "row-groups")) as f:
         groups = f.read()
     env = dict(os.environ, CALQUE_STORE=os.path.join(tmp, "plain", "store"),

@@ -123,7 +123,7 @@ def main():
         for name, size, reads in rows:
             print(f"  {name:<10} {size:>10,.0f} {size / RAW:>6.2f}   " +
                   "  ".join(f"{seconds:>28.2f}s" for seconds in reads.values()))
-        print(f"  binary against json: " + ", ".join(f"{k} {rows[1][2][k] / v:.1f}x faster"
+        print("  binary against json: " + ", ".join(f"{k} {rows[1][2][k] / v:.1f}x faster"
                                                    for k, v in rows[0][2].items()))
 
 

@@ -531,7 +531,7 @@ def main():
         print("\n5. memory")
         idle_rss(tmp)
     if "prestaged" in sections:
-        print(f"\n6. local backend, the largest run size staged first, so that the submitter is idle while workers run")
+        print("\n6. local backend, the largest run size staged first, so that the submitter is idle while workers run")
         paths = {n: paths.get(n) or write_items(os.path.join(tmp, f"items-{n}.jsonl"), n)
                  for n in {max(SIZES), MODEL_ONLY_ITEMS}}
         prestaged_run(tmp, paths[max(SIZES)], max(SIZES), paths[MODEL_ONLY_ITEMS])

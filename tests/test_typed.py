@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
