@@ -132,6 +132,11 @@ class UserError(Exception):
     """A mistake the user can fix: printed as one line, exit 2, nothing lost."""
 
 
+def command():
+    """calque as a hint names it: the way it was run (pip's `calque` script, else the file)."""
+    return "calque" if os.path.basename(sys.argv[0]) == "calque" else "python calque.py"
+
+
 class NotFound(Exception):
     """A store key or a queue that does not exist."""
 
@@ -1865,7 +1870,7 @@ def write_json(backend, key, value):
 
 def load_pool(backend, model, missing=None):
     """The pool record of `model`; none: a UserError naming the closest pool and `missing`."""
-    fix = (f"`python calque.py pool delete --model {model} --yes --force` deletes the pool by its "
+    fix = (f"`{command()} pool delete --model {model} --yes --force` deletes the pool by its "
            f"names, then create it again")
     try:
         record = read_json(backend, pool_key(model), fix)
@@ -1874,7 +1879,7 @@ def load_pool(backend, model, missing=None):
                  if backend.store.exists(folder + "/pool.json")]
         close = did_you_mean(model, [n for n in names if isinstance(n, str)])
         raise UserError(f"no pool for model {model!r} in {backend.describe()}{close} ---> HINT: " + (
-            missing or f"create it: `python calque.py pool create --model {model} --handler "
+            missing or f"create it: `{command()} pool create --model {model} --handler "
                        f"file.py:Class` (`pool list` lists the pools)")) from None
     if not isinstance(record.get("model"), str):
         raise corrupt_record(backend, pool_key(model), "no model name", fix)
@@ -2028,11 +2033,11 @@ def summary_claims(backend, run_id):
 
 def read_run(backend, run_id):
     if not SAFE_ID.match(run_id):
-        raise UserError(f"run id {run_id!r} is not a run id: see `python calque.py runs list`")
+        raise UserError(f"run id {run_id!r} is not a run id: see `{command()} runs list`")
     try:
         return _run_defaults(read_json(backend, run_key(run_id)))
     except NotFound:
-        raise UserError(f"no run {run_id} in {backend.describe()}: see `python calque.py runs list`")
+        raise UserError(f"no run {run_id} in {backend.describe()}: see `{command()} runs list`")
 
 
 def _run_defaults(run):
@@ -2716,7 +2721,7 @@ def interrupted(backend, run_id, signum):
     else:
         total = len(run["claims"])
         print(f"calque: interrupted: run {run_id}: {run['sent']} of {total} claim(s) queued (they "
-              f"finish without you), {total - run['sent']} not sent ---> HINT: python calque.py "
+              f"finish without you), {total - run['sent']} not sent ---> HINT: {command()} "
               f"runs resume {run_id}", file=sys.stderr)
     return 128 + signum
 
@@ -3254,15 +3259,15 @@ def claim_list(claims):
 def next_step(run, state):
     """What the user can do about the run's claims in `state`, one that did not run."""
     if state == "queued or running":
-        return f"wait, or read it later: python calque.py runs show {run['run_id']}"
+        return f"wait, or read it later: {command()} runs show {run['run_id']}"
     if state == "cancelled" or run["mode"] == "cold":   # a cold run's queue is gone once it ends
         return "submit those items again"
     if state == "not queued":
-        return f"python calque.py runs resume {run['run_id']} (or runs cancel {run['run_id']})"
+        return f"{command()} runs resume {run['run_id']} (or runs cancel {run['run_id']})"
     if state == "in no queue":
-        return (f"python calque.py runs resume {run['run_id']} re-sends them (first `pool create` "
+        return (f"{command()} runs resume {run['run_id']} re-sends them (first `pool create` "
                 f"again if the pool is gone)")
-    return f"python calque.py runs redrive {run['run_id']}"
+    return f"{command()} runs redrive {run['run_id']}"
 
 
 def format_run(run, summaries, view, results_uri):
@@ -3297,7 +3302,7 @@ def format_run(run, summaries, view, results_uri):
     lines += [f"  claim {claim} dead-lettered: {v['detail']}" for claim, v in view["claims"].items()
               if v["state"] == "dead-lettered"]
     lines += format_item_errors(run, summaries)
-    lines.append(f"  results: {results_uri}  (python calque.py runs results {run['run_id']})")
+    lines.append(f"  results: {results_uri}  ({command()} runs results {run['run_id']})")
     cancelled = sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})
     why = f" ({'; '.join(cancelled)})"
     for state, what in NOT_RUN.items():
@@ -3333,7 +3338,7 @@ def format_item_errors(run, summaries):
     unkept = failed - sum(len(indices) for _, indices in groups)
     if unkept:
         lines.append(f"    (+{unkept} failed items whose messages were not kept: {ERRORS_KEPT} are kept per claim)")
-    lines.append(f"    their tracebacks: python calque.py runs results {run['run_id']} --failed")
+    lines.append(f"    their tracebacks: {command()} runs results {run['run_id']} --failed")
     return lines
 
 
@@ -4505,7 +4510,7 @@ def pool_record_to_delete(backend, model, force):
     """The record `pool delete` works from. A missing one on S3 may be a half-created EC2 pool:
     {"model"} finds the rest by name and tag. A corrupt one goes only with --force."""
     try:
-        return load_pool(backend, model, "nothing to delete (`python calque.py pool list` lists the pools)")
+        return load_pool(backend, model, f"nothing to delete (`{command()} pool list` lists the pools)")
     except StoreFault:
         if not force:
             raise
@@ -5510,7 +5515,7 @@ def cmd_submit(conf, backend, args):
                 timed_out = not run.wait(args.timeout, progress, interrupted=noted)
         except KeyboardInterrupt:
             print(f"calque: interrupted while waiting: run {run.run_id}: its claims are queued and finish without "
-                  f"you ---> HINT: python calque.py runs show {run.run_id}", file=sys.stderr)
+                  f"you ---> HINT: {command()} runs show {run.run_id}", file=sys.stderr)
             return 128 + signal.SIGINT
         finally:
             if output:
@@ -6264,7 +6269,7 @@ def main(argv=None):
         return EXIT_USAGE
     except KeyboardInterrupt:
         # steps that leave work behind say what they left; this is any other moment (safe to rerun)
-        print("calque: interrupted ---> HINT: run the command again; `python calque.py runs list` "
+        print(f"calque: interrupted ---> HINT: run the command again; `{command()} runs list` "
               "shows the runs already queued", file=sys.stderr)
         return 130
     except OSError as e:

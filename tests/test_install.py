@@ -92,9 +92,10 @@ def calque_cmd(python, env, folder, *args):
 
 def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, moto_endpoint):
     """From the user's folder, nothing of the checkout on the path: calque, warmd, fastbatch and calque_data load
-    from the venv, fastbatch on the C module the wheel holds (not rebuilt at import); pool create, submit, runs
-    results, cost and runs report work, the worker gathers in C, `--version` is the package's, pip check holds; and
-    `pool create --instances 1 --dry-run` on moto_server creates nothing and would upload the checkout's kit."""
+    from the venv, fastbatch on the C module the wheel holds (not rebuilt at first use); pool create, submit, runs
+    results, cost and runs report work, its hints say `calque`, the worker gathers in C, `--version` is the
+    package's, pip check holds; and `pool create --instances 1 --dry-run` on moto_server creates nothing and
+    would upload the checkout's kit."""
     python = venv_with(tmp_path, build_wheel(tmp_path))
     env, folder = user_env(tmp_path), user_folder(tmp_path)
     where = subprocess.run([str(python), "-c", "import calque, warmd, calque_data, importlib.metadata as m, "
@@ -113,6 +114,8 @@ def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, 
         results = [json.loads(line) for line in calque_cmd(python, env, folder, "runs", "results",
                                                            run_id).splitlines()]
         assert [r["result"]["sum"] for r in results] == [2.0 * sum(i["x"]) for i in ITEMS]
+        shown = calque_cmd(python, env, folder, "runs", "show", run_id)   # hints name the command as it was run
+        assert f"(calque runs results {run_id})" in shown and "python calque.py" not in shown, shown
         assert "$" in calque_cmd(python, env, folder, "cost", run_id)          # priced from the wheel's rates.json
         calque_cmd(python, env, folder, "runs", "report", run_id, "--html", "report.html")   # calque_dashboard.py's
         assert run_id in (folder / "report.html").read_text()
