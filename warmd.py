@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import faulthandler
 import functools
+import glob
 import hashlib
 import importlib.util
 import itertools
@@ -80,6 +81,7 @@ OUTPUT_FLUSH = 1.0          # s between two chunks of what handler code prints, 
 OUTPUT_CHUNK = 64 << 10     # characters of a chunk at most; past 4 unwritten, the oldest go
 OUTPUT_KEPT = 64            # chunks a worker keeps in the store (it deletes the older ones)
 EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout
+SPOOL_KEPT = 86400.0        # s a spool file left by a dead worker is kept for a delivery here
 
 log = logging.getLogger("warmd")
 
@@ -114,6 +116,7 @@ class Claim:
         self.life = None                          # s its dead delivery lived, at least (0: unknown)
         self.progress_at = 0                      # the delivery that last made progress
         self.heartbeat = None                     # its lease's Heartbeat (open_claim sets it)
+        self.spool = None                         # its Spool on a pool worker
         self.requests = Counter()                 # requests made for it (Requests.tally)
 
 
@@ -765,10 +768,69 @@ class ScaleInProtection:
                             type(e).__name__, e)
 
 
+class Spool:
+    """A claim's result lines as they are made, appended to a file on this machine's disk (no store
+    request, one write a batch): a delivery here after a kill -9 resumes after the last whole line,
+    not the last part. Text lines only: a claim whose results hold arrays keeps none. The file goes
+    when its drain ends; one is left only by a process that died draining."""
+
+    def __init__(self, folder, claim):
+        self.prefix = os.path.join(folder, f"{claim.run_id}.{claim.claim_id}.")
+        self.path, self.fd, self.off = f"{self.prefix}{os.getpid()}", None, False
+
+    def add(self, chunks):
+        if self.off or any(getattr(chunk, "cells", None) for chunk in chunks):
+            self.off = True
+            return
+        if self.fd is None:
+            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(self.fd, "".join(chunks).encode())
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
+
+    def left(self, index):
+        """Result lines that dead deliveries spooled here for items index, index + 1, ...: the
+        longest whole run of them as (text, failed, errors); their files removed."""
+        best = []
+        for path in glob.glob(glob.escape(self.prefix) + "*"):
+            with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
+                lines, want = [], index
+                for text in f.read().split("\n")[:-1]:   # after the last "\n": "" or a torn line
+                    try:
+                        line = json.loads(text)
+                    except ValueError:
+                        break
+                    if line["i"] == want:
+                        lines.append((line, text + "\n"))
+                        want += 1
+                    elif line["i"] > want:
+                        break
+                best = max(best, lines, key=len)
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        failed = [line["i"] for line, _ in best if not line["ok"]]
+        errors = {str(line["i"]): line["error"] for line, _ in best if not line["ok"]}
+        return "".join(text for _, text in best), failed, errors
+
+    @staticmethod
+    def sweep(folder):
+        """Remove the files of claims no delivery came back for within SPOOL_KEPT."""
+        for path in glob.glob(os.path.join(glob.escape(folder), "*")):
+            with contextlib.suppress(OSError):
+                if time.time() - os.path.getmtime(path) > SPOOL_KEPT:
+                    os.remove(path)
+
+
 class Worker:
     def __init__(self, backend, record, stats_key_prefix, conf, ephemeral, supervisor_pid=0,
                  ready_file="", spawned_at=None, previous_life=None, gpu_index=0):   # HANDOFF_FLAGS
         self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
+        self.spool_folder = None if ephemeral else os.path.join(
+            calque.state_dir(conf, record["model"]), "spool")
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self.stats_prefix = stats_key_prefix
         self.stats_key = f"{stats_key_prefix}{self.worker_id}.json"
@@ -834,9 +896,33 @@ class Worker:
         self.dlq = self.backend.queues.open_queue(self.record["dlq"])
         self.acks = Acks(self.queue, self.backend.requests, min(ACK_WAIT, self.record["visibility_timeout"] / 4))
         self.leases, self.watchdog = Leases(self.queue), Watchdog(self.batch_timeout)
+        self.note_own_kills()
+        if self.spool_folder:
+            os.makedirs(self.spool_folder, exist_ok=True)
+            Spool.sweep(self.spool_folder)
         self.load_handler()
         if not self.ephemeral and not self.stop_requested:
             self.enter()
+
+    def note_own_kills(self):
+        """Make handler code that sends SIGKILL to this process (os.kill, os.killpg,
+        signal.raise_signal) write the worker's last word first: its parent cannot tell such a
+        death from a kill -9 from outside, and the poison rule needs to (docs/contract.md)."""
+        def noted(name, send, hits_us):
+            @functools.wraps(send)
+            def sending(*args):
+                if hits_us(*args):
+                    self.last_word = f"killed itself with SIGKILL ({name} in handler code)"
+                    self.write_stats("stopping")
+                return send(*args)
+            return sending
+        me, group = os.getpid(), os.getpgrp()
+        os.kill = noted("os.kill", os.kill,
+                        lambda pid, sig: sig == signal.SIGKILL and pid in (me, 0, -group))
+        os.killpg = noted("os.killpg", os.killpg,
+                          lambda pgid, sig: sig == signal.SIGKILL and pgid in (0, group))
+        signal.raise_signal = noted("signal.raise_signal", signal.raise_signal,
+                                    lambda sig: sig == signal.SIGKILL)
 
     def load_handler(self):
         """Fetch the handler snapshot named by the pool record, check its digest, import it."""
@@ -1190,6 +1276,8 @@ class Worker:
         except (ValueError, KeyError, TypeError) as e:
             return self.dead_letter(message, f"manifest {key} is corrupt: {e}", msg)
         accepted = Claim(message, run_id, claim, items, first, received)
+        if self.spool_folder:
+            accepted.spool = Spool(self.spool_folder, accepted)
         if message.receive_count > 1 or msg.get("resume") is True:   # not on a first delivery
             self.take_over(accepted)
         limit, rc = self.record["max_deliveries"], message.receive_count
@@ -1220,7 +1308,14 @@ class Worker:
                         claim.errors[str(line["i"])] = line["error"]
             claim.parts.append([start, stop])
             claim.start = claim.committed = stop
-        claim.resumed_failed = len(claim.failed)
+        spooled, failed, errors = ("", [], {})
+        if claim.spool:
+            spooled, failed, errors = claim.spool.left(claim.first + claim.start)
+        if spooled:   # what a delivery killed here made after its last part: committed first
+            stop = claim.start + spooled.count("\n")
+            claim.formatted.append((stop, ([spooled], failed, errors)))
+            claim.start = stop
+        claim.resumed_failed = len(claim.failed) + len(failed)
         record, attempt = {}, calque.attempt_key(claim.run_id, claim.claim_id)
         if attempt in keys:
             try:
@@ -1259,8 +1354,9 @@ class Worker:
             if claim.life or self.seen_life is None:   # a life known, or the first death seen
                 self.seen_life = claim.life
             self.seen_at = time.time()
-        log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s",
+        log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s%s",
                  self.worker_id, claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
+                 f" and this machine's spool ({spooled.count(chr(10))})" if spooled else "",
                  ", one item at a time" if claim.single else "",
                  f", deaths at offsets {deaths}" if deaths else "",
                  f", quarantined {sorted(map(int, claim.quarantined))}" if claim.quarantined
@@ -1305,6 +1401,8 @@ class Worker:
             self._drain_batches(claim)
         finally:
             claim.gpu = self.gpu.stop()
+            if claim.spool:
+                claim.spool.close()
         if self.heartbeat.lost.is_set():
             raise ClaimReleased("lease lost")
 
@@ -1367,6 +1465,8 @@ class Worker:
             runnable = [[k for k in unit if str(k) not in claim.quarantined] for unit in units]
         pending = self._prepare(claim, runnable[0]) if units and not claim.single else None
         claim.last_commit = time.monotonic()
+        if claim.formatted:   # the spool's lines (take_over): a part before anything else
+            self.commit(claim)
         try:
             for u, unit in enumerate(units):
                 if self.release_now.is_set():
@@ -1386,6 +1486,8 @@ class Worker:
                     if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
                         self.mark_churn()
                 lines = format_outcome(outcome, claim.first + unit.start)
+                if claim.spool:
+                    claim.spool.add(lines[0])
                 claim.formatted.append((unit.stop, lines))
                 claim.batches += 1
                 since, every = time.monotonic() - claim.last_commit, self.commit_interval(claim)

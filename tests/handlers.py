@@ -124,11 +124,11 @@ class Matmul:
 
 class Faulty:
     """Doubles x, and misbehaves on request, item by item: "die" ends the worker process ("exit": os._exit(3),
-    "kill": SIGKILL to itself, "segv": a read of address 0); "hang" never returns; "nan" returns NaN; "deep": N
-    returns a list nested N deep; "spin": N hashes N times first (real work, for kills to land mid-claim); with
-    $GATE_DIR, "hold" announces the batch as Gate does and waits for $GATE_DIR/open. Appends "x pid" for every
-    item it is called on to $CALLS_FILE when set. Has its own collate, so that a worker the supervisor restarts
-    does not import torch."""
+    "kill": os.kill of SIGKILL to itself, "libc-kill": the same through libc's kill(), "segv": a read of address 0);
+    "hang" never returns; "nan" returns NaN; "deep": N returns a list nested N deep; "spin": N hashes N times first
+    (real work, for kills to land mid-claim); with $GATE_DIR, "hold" announces the batch as Gate does and waits for
+    $GATE_DIR/open. Appends "x pid" for every item it is called on to $CALLS_FILE when set. Has its own collate, so
+    that a worker the supervisor restarts does not import torch."""
 
     @calque.enter
     def load(self):
@@ -149,6 +149,8 @@ class Faulty:
                 os._exit(3)
             if item.get("die") == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if item.get("die") == "libc-kill":    # as native code would: warmd cannot see it coming
+                ctypes.CDLL(None).kill(os.getpid(), signal.SIGKILL)
             if item.get("die") == "segv":
                 ctypes.string_at(0)
             if item.get("hang"):

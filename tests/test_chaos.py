@@ -89,23 +89,47 @@ def test_poison_items_are_quarantined_and_their_claims_complete(any_env, tmp_pat
 
 
 def test_under_churn_a_death_of_the_workers_own_doing_still_quarantines_at_two(local_env, tmp_path):
-    """With the pool marked as churning (a churn marker planted), an item that exits or
-    segfaults its worker is quarantined at 2 deaths, by the exit status its supervisor
-    recorded; one that kills its own process with -9 looks like a kill from outside and takes
-    the raised bar, 3 deaths."""
+    """With the pool marked as churning (a churn marker planted), an item that exits, segfaults its
+    worker or os.kill's it with -9 is quarantined at 2 deaths, by the exit status its supervisor
+    recorded or the last word warmd wrote before the kill; one that sends itself SIGKILL through
+    libc, as native code would, looks like a kill from outside and takes the raised bar, 3 deaths."""
     backend = start_pool(local_env, "--workers", "3", "--batch-size", "4")
     backend.store.put(f"{calque.worker_stats_prefix('m')}churn-{time.time():012.1f}-planted", b"")
-    items = [{"x": i} for i in range(12)]
-    items[1]["die"], items[5]["die"], items[9]["die"] = "exit", "segv", "kill"
+    items = [{"x": i} for i in range(16)]
+    for i, kind in ((1, "exit"), (5, "segv"), (9, "kill"), (13, "libc-kill")):
+        items[i]["die"] = kind
     run_id = submit(backend, items, 4)
-    done = finished(backend, {run_id: 3}, 120)[run_id]
+    done = finished(backend, {run_id: 4}, 120)[run_id]
     errors = {i: e for s in done for i, e in s["errors"].items()}
     poison = "poison: the worker died running this item"
     assert errors["1"].startswith(f"{poison} (2 deaths; exit status 3)"), errors
     assert errors["5"].startswith(f"{poison} (2 deaths; killed by SIGSEGV)"), errors
-    assert errors["9"].startswith(f"{poison} (3 deaths; killed by SIGKILL)"), errors
-    assert sorted(i for s in done for i in s["failed"]) == [1, 5, 9] and dead_letters(backend) == 0
+    assert errors["9"].startswith(f"{poison} (2 deaths; killed itself with SIGKILL (os.kill in handler code))"), errors
+    assert errors["13"].startswith(f"{poison} (3 deaths; killed by SIGKILL)"), errors
+    assert sorted(i for s in done for i in s["failed"]) == [1, 5, 9, 13] and dead_letters(backend) == 0
     delete_pool(local_env)
+
+
+def test_a_worker_killed_mid_claim_is_resumed_from_its_machines_spool(local_env, tmp_path):
+    """A worker killed -9 halfway through a claim that has written no part yet (the checkpoint rule's 30 s are
+    not up): the redelivery here takes what it computed from the spool on this machine's disk, so only the
+    batch in flight is computed twice, and the spool file is gone once the claim is done."""
+    calls = str(tmp_path / "calls")
+    env = dict(local_env, CALLS_FILE=calls)
+    backend = start_pool(env, "--workers", "1", "--batch-size", "4")
+    run_id = submit(backend, [{"x": i, "spin": 20000} for i in range(200)])
+    count = lambda: sum(1 for _ in open(calls)) if os.path.exists(calls) else 0   # noqa: E731
+    wait_for(lambda: count() >= 100, 60, "half the claim computed")
+    os.kill(pool_pids(env)[1][0], signal.SIGKILL)
+    killed_at = count()
+    summary = finished(backend, {run_id: 1}, 60)[run_id][0]
+    assert summary["receive_count"] == 2 and summary["ok"] == 200
+    assert summary["resumed"] >= killed_at - 4                  # all but the batch in flight at the kill
+    assert count() <= 200 + 4                                   # that batch alone was computed twice
+    assert [line["result"] for line in results(backend, run_id, [summary])] == [{"y": 2 * i} for i in range(200)]
+    assert "this machine's spool" in logs(env, "worker")
+    assert os.listdir(os.path.join(env["CALQUE_STATE"], "pools", "m", "spool")) == []
+    delete_pool(env)
 
 
 def test_a_hung_item_times_out_and_the_pool_keeps_serving(local_env, tmp_path):
