@@ -782,9 +782,13 @@ class Spool:
         if self.off or any(getattr(chunk, "cells", None) for chunk in chunks):
             self.off = True
             return
-        if self.fd is None:
-            self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.write(self.fd, "".join(chunks).encode())
+        try:
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.write(self.fd, "".join(chunks).encode())
+        except OSError as e:   # a full or read-only disk: the claim goes on, the parts still count
+            log.warning("spool %s: %s: no spool for the rest of this claim", self.path, e)
+            self.off = True
 
     def close(self):
         if self.fd is not None:
@@ -797,17 +801,19 @@ class Spool:
         longest whole run of them as (text, failed, errors); their files removed."""
         best = []
         for path in glob.glob(glob.escape(self.prefix) + "*"):
-            with contextlib.suppress(OSError), open(path, encoding="utf-8") as f:
+            with contextlib.suppress(OSError), open(path, "rb") as f:
                 lines, want = [], index
-                for text in f.read().split("\n")[:-1]:   # after the last "\n": "" or a torn line
+                for data in f.read().split(b"\n")[:-1]:   # after the last "\n": "" or a torn line
                     try:
+                        text = data.decode()
                         line = json.loads(text)
-                    except ValueError:
+                        at = int(line["i"])
+                    except (ValueError, KeyError, TypeError):   # not a line of ours: stop there
                         break
-                    if line["i"] == want:
+                    if at == want:
                         lines.append((line, text + "\n"))
                         want += 1
-                    elif line["i"] > want:
+                    elif at > want:
                         break
                 best = max(best, lines, key=len)
             with contextlib.suppress(OSError):

@@ -8,6 +8,7 @@ import random
 import signal
 import threading
 import time
+import types
 
 import calque
 import churn
@@ -130,6 +131,29 @@ def test_a_worker_killed_mid_claim_is_resumed_from_its_machines_spool(local_env,
     assert "this machine's spool" in logs(env, "worker")
     assert os.listdir(os.path.join(env["CALQUE_STATE"], "pools", "m", "spool")) == []
     delete_pool(env)
+
+
+def test_the_spool_gives_back_the_longest_whole_run_of_lines_and_keeps_no_arrays(tmp_path):
+    """Spool.left across two dead deliveries' files: the longest run of lines from the offset asked, up to a gap,
+    a line not ours or a torn tail (a UTF-8 character cut mid-write); their failures; both files gone. A claim
+    whose results hold arrays writes no spool file."""
+    import warmd
+    claim = types.SimpleNamespace(run_id="r1", claim_id="c00000")
+    line = lambda i, ok=True: json.dumps({"i": i, "ok": True, "result": {"y": i}} if ok else   # noqa: E731
+                                         {"i": i, "ok": False, "error": "E"}) + "\n"
+    (tmp_path / "r1.c00000.11").write_bytes("".join(line(i) for i in (3, 4, 6)).encode())
+    (tmp_path / "r1.c00000.12").write_bytes(("".join([line(4), line(5, ok=False), line(6), line(7)]) +
+                                             '{"i": 8, "ok": true, "result": "\u00e9').encode()[:-1])
+    text, failed, errors = warmd.Spool(str(tmp_path), claim).left(5)
+    assert [json.loads(t)["i"] for t in text.splitlines()] == [5, 6, 7]
+    assert failed == [5] and errors == {"5": "E"} and os.listdir(tmp_path) == []
+    typed = calque.TypedLines(line(0))
+    typed.cells = [(0, "y", None, "float32")]
+    spool = warmd.Spool(str(tmp_path), claim)
+    spool.add([typed])
+    spool.add([line(1)])
+    assert os.listdir(tmp_path) == []
+    spool.close()
 
 
 def test_a_hung_item_times_out_and_the_pool_keeps_serving(local_env, tmp_path):
