@@ -113,6 +113,7 @@ class Claim:
         self.record = {"deaths": {}}              # the attempt record
         self.quarantined = {}                     # offset (str) -> why it is not run
         self.single = False                       # one item at a time, behind the attempt record
+        self.alone = range(0)                     # ... only these offsets, then batches (a spool)
         self.life = None                          # s its dead delivery lived, at least (0: unknown)
         self.progress_at = 0                      # the delivery that last made progress
         self.heartbeat = None                     # its lease's Heartbeat (open_claim sets it)
@@ -769,26 +770,28 @@ class ScaleInProtection:
 
 
 class Spool:
-    """A claim's result lines as they are made, appended to a file on this machine's disk (no store
-    request, one write a batch): a delivery here after a kill -9 resumes after the last whole line,
-    not the last part. Text lines only: a claim whose results hold arrays keeps none. The file goes
-    when its drain ends; one is left only by a process that died draining."""
+    """A claim's progress as it is made, in a file on this machine's disk (no store request, one
+    write a batch): the delivery's first item, then each batch's result lines, or where results
+    hold arrays only how far it got. A delivery here after a kill -9 resumes after the last whole
+    line, not the last part, and knows where the dead one was. The file goes when its drain ends;
+    one is left only by a process that died draining."""
 
     def __init__(self, folder, claim):
         self.prefix = os.path.join(folder, f"{claim.run_id}.{claim.claim_id}.")
-        self.path, self.fd, self.off = f"{self.prefix}{os.getpid()}", None, False
+        self.path, self.fd, self.lines = f"{self.prefix}{os.getpid()}", None, True
 
-    def add(self, chunks):
-        if self.off or any(getattr(chunk, "cells", None) for chunk in chunks):
-            self.off = True
-            return
+    def add(self, start, stop, chunks):
+        """Items [start, stop) (run indices) are done: their result lines, else how far."""
+        if self.lines and any(getattr(chunk, "cells", None) for chunk in chunks):
+            self.lines = False
         try:
             if self.fd is None:
                 self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.write(self.fd, "".join(chunks).encode())
-        except OSError as e:   # a full or read-only disk: the claim goes on, the parts still count
+                os.write(self.fd, b'{"from":%d}\n' % start)
+            os.write(self.fd, "".join(chunks).encode() if self.lines else b'{"reach":%d}\n' % stop)
+        except OSError as e:   # a full or read-only disk: the claim goes on, its parts still count
             log.warning("spool %s: %s: no spool for the rest of this claim", self.path, e)
-            self.off = True
+            self.add = lambda start, stop, chunks: None
 
     def close(self):
         if self.fd is not None:
@@ -797,30 +800,41 @@ class Spool:
             os.remove(self.path)
 
     def left(self, index):
-        """Result lines that dead deliveries spooled here for items index, index + 1, ...: the
-        longest whole run of them as (text, failed, errors); their files removed."""
-        best = []
+        """What dead deliveries spooled here: (text, failed, errors) of the longest whole run of
+        result lines for items index, index + 1, ..., and {writer pid: the item it got to} for each
+        file covering index (its writer died in the batch from there, or gathering the next). Their
+        files are removed."""
+        best, reached = [], {}
         for path in glob.glob(glob.escape(self.prefix) + "*"):
             with contextlib.suppress(OSError), open(path, "rb") as f:
-                lines, want = [], index
+                start = end = None
+                lines, whole = [], True   # result lines for index on; False after a "reach"
                 for data in f.read().split(b"\n")[:-1]:   # after the last "\n": "" or a torn line
                     try:
                         text = data.decode()
                         line = json.loads(text)
-                        at = int(line["i"])
-                    except (ValueError, KeyError, TypeError):   # not a line of ours: stop there
+                        key = "from" if start is None else "reach" if "reach" in line else "i"
+                        at = int(line[key])
+                    except (ValueError, KeyError, TypeError, AttributeError):   # not ours: stop
                         break
-                    if at == want:
-                        lines.append((line, text + "\n"))
-                        want += 1
-                    elif at > want:
+                    if start is None:
+                        start = end = at
+                    elif "reach" in line and at > end:
+                        end, whole = at, False
+                    elif "reach" not in line and whole and at == end:
+                        if at >= index:
+                            lines.append((line, text + "\n"))
+                        end += 1
+                    else:
                         break
-                best = max(best, lines, key=len)
+                if start is not None and start <= index <= end:
+                    reached[path[len(self.prefix):]] = end
+                    best = max(best, lines, key=len)
             with contextlib.suppress(OSError):
                 os.remove(path)
         failed = [line["i"] for line, _ in best if not line["ok"]]
         errors = {str(line["i"]): line["error"] for line, _ in best if not line["ok"]}
-        return "".join(text for _, text in best), failed, errors
+        return "".join(text for _, text in best), failed, errors, reached
 
     @staticmethod
     def sweep(folder):
@@ -1314,9 +1328,9 @@ class Worker:
                         claim.errors[str(line["i"])] = line["error"]
             claim.parts.append([start, stop])
             claim.start = claim.committed = stop
-        spooled, failed, errors = ("", [], {})
+        spooled, failed, errors, reached = ("", [], {}, {})
         if claim.spool:
-            spooled, failed, errors = claim.spool.left(claim.first + claim.start)
+            spooled, failed, errors, reached = claim.spool.left(claim.first + claim.start)
         if spooled:   # what a delivery killed here made after its last part: committed first
             stop = claim.start + spooled.count("\n")
             claim.formatted.append((stop, ([spooled], failed, errors)))
@@ -1355,6 +1369,15 @@ class Worker:
             claim.progress_at = rc
         claim.record = dict(record, deaths=deaths)
         claim.single = (bool(record) or rc > 1) and not (state == "released" and previous == rc - 1)
+        writer = None   # the pid of the last delivery, where it ran batches and died here
+        if state is None and rc == 2 and len(reached) == 1:
+            writer = next(iter(reached))
+        elif state == "batches" and previous == rc - 1:
+            host, _, pid = record["worker_id"].rpartition("-")
+            writer = pid if host == socket.gethostname() else None
+        if claim.single and writer in reached:   # the batch it ran and the one it gathered, alone
+            reach = reached[writer] - claim.first
+            claim.alone = range(reach, reach + 2 * self.record["batch_size"])
         if claim.single:    # its last delivery died: how long it lived, at least
             claim.life = record.get("alive", 0.0) if previous == rc - 1 else 0.0
             if claim.life or self.seen_life is None:   # a life known, or the first death seen
@@ -1363,7 +1386,9 @@ class Worker:
         log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s%s",
                  self.worker_id, claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
                  f" and this machine's spool ({spooled.count(chr(10))})" if spooled else "",
-                 ", one item at a time" if claim.single else "",
+                 "" if not claim.single else ", one item at a time" if not claim.alone else
+                 f", offsets {claim.alone.start}-{claim.alone.stop - 1} one at a time, the rest in "
+                 f"batches",
                  f", deaths at offsets {deaths}" if deaths else "",
                  f", quarantined {sorted(map(int, claim.quarantined))}" if claim.quarantined
                  else "")
@@ -1460,16 +1485,22 @@ class Worker:
 
     def _drain_batches(self, claim):
         """Items [claim.start, n): batch_size at a time, or one at a time behind the attempt record
-        (claim.single). Where pipelined, the next batch is gathered while the model runs this one.
-        Results are serialised here (GIL-bound work would slow a model beside it). Quarantined items
-        fail unrun; a batch that raises is retried item by item. Parts at checkpoints, the end."""
-        n, size = len(claim.items), 1 if claim.single else self.record["batch_size"]
+        (claim.single: all, or those of claim.alone). Where pipelined, the next batch is gathered
+        while the model runs this one. Results are serialised here (GIL-bound work would slow a
+        model beside it). Quarantined items fail unrun; a batch that raises is retried item by
+        item. Parts at checkpoints, the end."""
+        n, size = len(claim.items), self.record["batch_size"]
         claim.kind = self.collator.claim_kind(claim.items)
-        units = [range(a, min(a + size, n)) for a in range(claim.start, n, size)]
+        alone = range(claim.start, n) if claim.single else range(0)
+        if claim.single and claim.alone:
+            alone = range(min(max(claim.alone.start, claim.start), n), min(claim.alone.stop, n))
+        units = ([range(k, min(k + size, alone.start)) for k in range(claim.start, alone.start, size)]
+                 + [range(k, k + 1) for k in alone]
+                 + [range(k, min(k + size, n)) for k in range(max(alone.stop, claim.start), n, size)])
         runnable = units   # nothing quarantined (nearly always): no str(k) per item
         if claim.quarantined:
             runnable = [[k for k in unit if str(k) not in claim.quarantined] for unit in units]
-        pending = self._prepare(claim, runnable[0]) if units and not claim.single else None
+        pending, batching = None, False
         claim.last_commit = time.monotonic()
         if claim.formatted:   # the spool's lines (take_over): a part before anything else
             self.commit(claim)
@@ -1480,20 +1511,27 @@ class Worker:
                     raise ClaimReleased("grace period over" if self.stop_requested else "released")
                 if self.heartbeat.lost.is_set():
                     raise ClaimReleased("lease lost")
-                if claim.single:
+                single = unit.start in alone
+                if single:
+                    batching = False
                     if runnable[u]:
                         self.write_attempt(claim, "running", runnable[u])
                     current = self._prepare(claim, runnable[u])
                 else:
-                    following = runnable[u + 1] if u + 1 < len(units) else ()
-                    current, pending = pending, self._prepare(claim, following)
+                    if not batching:   # the first batch, or the first after items alone: say so
+                        batching = True
+                        if claim.single:
+                            self.write_attempt(claim, "batches", [])
+                        pending = self._prepare(claim, runnable[u])
+                    ahead = u + 1 < len(units) and units[u + 1].start not in alone
+                    current, pending = pending, self._prepare(claim, runnable[u + 1] if ahead else ())
                 outcome = self._run_unit(claim, unit, runnable[u], current)
-                if claim.single:              # it ran alone and the process lived: not a killer
+                if single:                    # it ran alone and the process lived: not a killer
                     if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
                         self.mark_churn()
                 lines = format_outcome(outcome, claim.first + unit.start)
                 if claim.spool:
-                    claim.spool.add(lines[0])
+                    claim.spool.add(claim.first + unit.start, claim.first + unit.stop, lines[0])
                 claim.formatted.append((unit.stop, lines))
                 claim.batches += 1
                 since, every = time.monotonic() - claim.last_commit, self.commit_interval(claim)

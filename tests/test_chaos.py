@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -114,7 +115,8 @@ def test_under_churn_a_death_of_the_workers_own_doing_still_quarantines_at_two(l
 def test_a_worker_killed_mid_claim_is_resumed_from_its_machines_spool(local_env, tmp_path):
     """A worker killed -9 halfway through a claim that has written no part yet (the checkpoint rule's 30 s are
     not up): the redelivery here takes what it computed from the spool on this machine's disk, so only the
-    batch in flight is computed twice, and the spool file is gone once the claim is done."""
+    batch in flight is computed twice, only the two batches the death could be in run one item at a time, and the
+    spool file is gone once the claim is done."""
     calls = str(tmp_path / "calls")
     env = dict(local_env, CALLS_FILE=calls)
     backend = start_pool(env, "--workers", "1", "--batch-size", "4")
@@ -130,28 +132,34 @@ def test_a_worker_killed_mid_claim_is_resumed_from_its_machines_spool(local_env,
     assert [line["result"] for line in results(backend, run_id, [summary])] == [{"y": 2 * i} for i in range(200)]
     assert "this machine's spool" in logs(env, "worker")
     assert os.listdir(os.path.join(env["CALQUE_STATE"], "pools", "m", "spool")) == []
+    # only the batch it ran and the one it gathered went one at a time, then batches again
+    assert re.search(r"offsets (\d+)-(\d+) one at a time, the rest in batches", logs(env, "worker"))
+    assert json.loads(backend.store.get(calque.attempt_key(run_id, "c00000")))["state"] == "batches"
     delete_pool(env)
 
 
-def test_the_spool_gives_back_the_longest_whole_run_of_lines_and_keeps_no_arrays(tmp_path):
-    """Spool.left across two dead deliveries' files: the longest run of lines from the offset asked, up to a gap,
-    a line not ours or a torn tail (a UTF-8 character cut mid-write); their failures; both files gone. A claim
-    whose results hold arrays writes no spool file."""
+def test_the_spool_gives_back_the_longest_whole_run_of_lines_and_where_each_writer_got_to(tmp_path):
+    """Spool.left across dead deliveries' files: the longest run of result lines from the offset asked, up to a
+    gap, a line not ours or a torn tail (a UTF-8 character cut mid-write); their failures; where each writer got
+    to, a claim whose results hold arrays included (it spools how far, not its lines); every file removed."""
     import warmd
     claim = types.SimpleNamespace(run_id="r1", claim_id="c00000")
     line = lambda i, ok=True: json.dumps({"i": i, "ok": True, "result": {"y": i}} if ok else   # noqa: E731
                                          {"i": i, "ok": False, "error": "E"}) + "\n"
-    (tmp_path / "r1.c00000.11").write_bytes("".join(line(i) for i in (3, 4, 6)).encode())
-    (tmp_path / "r1.c00000.12").write_bytes(("".join([line(4), line(5, ok=False), line(6), line(7)]) +
-                                             '{"i": 8, "ok": true, "result": "\u00e9').encode()[:-1])
-    text, failed, errors = warmd.Spool(str(tmp_path), claim).left(5)
+    (tmp_path / "r1.c00000.11").write_text('{"from": 3}\n' + "".join(line(i) for i in (3, 4, 6)))
+    (tmp_path / "r1.c00000.12").write_bytes(('{"from": 4}\n' + "".join([line(4), line(5, ok=False), line(6), line(7)])
+                                             + '{"i": 8, "ok": true, "result": "\u00e9').encode()[:-1])
+    (tmp_path / "r1.c00000.13").write_text('{"from": 6}\n' + line(6))          # began past offset 5: not its turn
+    text, failed, errors, reached = warmd.Spool(str(tmp_path), claim).left(5)
     assert [json.loads(t)["i"] for t in text.splitlines()] == [5, 6, 7]
-    assert failed == [5] and errors == {"5": "E"} and os.listdir(tmp_path) == []
+    assert failed == [5] and errors == {"5": "E"} and reached == {"11": 5, "12": 8}
     typed = calque.TypedLines(line(0))
     typed.cells = [(0, "y", None, "float32")]
     spool = warmd.Spool(str(tmp_path), claim)
-    spool.add([typed])
-    spool.add([line(1)])
+    spool.add(0, 1, [typed])
+    spool.add(1, 2, [line(1)])
+    assert open(spool.path).read() == '{"from":0}\n{"reach":1}\n{"reach":2}\n'
+    assert warmd.Spool(str(tmp_path), claim).left(0) == ("", [], {}, {str(os.getpid()): 2})
     assert os.listdir(tmp_path) == []
     spool.close()
 
@@ -256,7 +264,7 @@ def test_churn_every_run_done_nothing_lost_no_good_item_quarantined(tmp_path):
     bench/bench_churn.py): every run is done, every item has one right result, none fails as poison, nothing is
     dead-lettered; a worker that died after progress was restarted at once."""
     seed = random.randrange(2 ** 32)
-    got = churn.churn(str(tmp_path), 4, (0.5, 1.5), seed, sizes=(20, 80), claims=(5, 20), spin=40000,
+    got = churn.churn(str(tmp_path), 4, (0.5, 1.5), seed, sizes=(60, 120), claims=(5, 20), spin=40000,
                       timeout=120)
     assert got["runs_done"] == 4 and got["ok"] == got["items"], (seed, got)
     assert got["lost"] == got["wrong"] == got["failed"] == got["dead_letters"] == 0, (seed, got)

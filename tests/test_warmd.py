@@ -402,7 +402,8 @@ def test_nan_and_deep_results_fail_only_their_item(local_env, tmp_path):
 
 def test_a_resumed_claim_recomputes_nothing_committed(local_env, tmp_path):
     """A worker killed mid-claim after some parts: the next one resumes after them (the handler is never called
-    again on an item they hold) and runs the rest one item at a time behind the attempt record."""
+    again on an item they hold), and runs the two batches its death could be in one item at a time behind the
+    attempt record (its spool on this machine says where it died), then the rest in batches."""
     calls, gate = tmp_path / "calls", tmp_path / "gate"
     gate.mkdir()
     env = dict(local_env, CALLS_FILE=str(calls), GATE_DIR=str(gate), CALQUE_CHECKPOINT_SECONDS="0",
@@ -427,7 +428,8 @@ def test_a_resumed_claim_recomputes_nothing_committed(local_env, tmp_path):
     assert all(by_x[x] == [b.pid] for x in range(14, 24))
     assert [line["i"] for line in results(backend, run_id, 24)] == list(range(24))
     record = json.loads(backend.store.get(calque.attempt_key(run_id, "c00000")))
-    assert record["state"] == "running" and record["running"] == [23] and record["receive_count"] == 2
+    # items 12-15 (the batch it died in, the one it gathered) ran alone, then batches: the record says so
+    assert record["state"] == "batches" and record["running"] == [] and record["receive_count"] == 2
     assert stop(b) == 0
 
 
