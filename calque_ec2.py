@@ -10,6 +10,7 @@ import gzip
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -17,16 +18,20 @@ import shlex
 import string
 import sys
 import tarfile
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
-from calque import (HERE, POOL_PREFIX, RUN_DLQ_PREFIX, RUN_QUEUE_PREFIX, SQS_NOT_FOUND, NotFound,
-                    UserError, _aws_error_code, aws_client_config, check_slug_free, desired_count,
-                    dlq_name, instance_rate_per_second, load_rates, measured_enter_seconds,
-                    measured_seconds, now_iso, package_file, pool_bounds, pool_key, pool_queue_name,
-                    pyproject, queue_depth, read_json, read_worker_stats, recent_summaries,
-                    setting_number, settings, slug, snapshot_handler)
+from calque import (DEFAULT_REGION, HERE, POOL_PREFIX, RUN_DLQ_PREFIX, RUN_QUEUE_PREFIX,
+                    SQS_NOT_FOUND, NotFound, UserError, _aws_error_code, aws_client_config,
+                    check_slug_free, desired_count, dlq_name, instance_rate_per_second, load_rates,
+                    measured_enter_seconds, measured_seconds, now_iso, package_file, pool_bounds,
+                    pool_key, pool_queue_name, pyproject, queue_depth, read_json,
+                    read_worker_stats, recent_summaries, setting_number, settings, slug,
+                    snapshot_handler)
 
 IAM_NAME_MAX = 64                   # characters of an IAM role or instance-profile name
 DLAMI_PARAMETERS = {                # SSM public parameters: the current deep-learning GPU AMI
@@ -1640,3 +1645,114 @@ def cold_cleanup(backend, instance_ids, calls=None):
         print(f"cold run: terminated {len(live)} instance(s) still up: {', '.join(live)}",
               file=sys.stderr)
     return live
+
+
+# ------------------------------------------------------------------------------------------------
+# the worker's side on an instance (warmd imports these where CALQUE_SPOT_POLL names the metadata)
+worker_log = logging.getLogger("warmd")
+
+
+def metadata(base, *paths):
+    """The bodies of EC2 instance metadata paths under `base` (IMDSv2: one token for them all); None
+    for a path that 404s (no notice, no Auto Scaling group)."""
+    token_req = urllib.request.Request(base.rstrip("/") + "/latest/api/token", method="PUT",
+                                       headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
+    token = urllib.request.urlopen(token_req, timeout=2).read().decode()
+    bodies = []
+    for path in paths:
+        req = urllib.request.Request(f"{base.rstrip('/')}/latest/meta-data/{path}",
+                                     headers={"X-aws-ec2-metadata-token": token})
+        try:
+            bodies.append(urllib.request.urlopen(req, timeout=2).read())
+        except urllib.error.HTTPError as e:
+            if e.code != 404:
+                raise
+            bodies.append(None)
+    return bodies
+
+
+class SpotPoller:
+    """Polls the EC2 metadata (IMDSv2): `on_notice` once a spot `instance-action` appears; with
+    `on_terminating`, that once the Auto Scaling `target-lifecycle-state` reads Terminated."""
+
+    def __init__(self, base_url, interval, on_notice, on_terminating=None):
+        self.base, self.interval, self.on_notice = base_url.rstrip("/"), interval, on_notice
+        self.on_terminating = on_terminating
+        if not self._poll():   # the first check before anything loads: a notice given stops it
+            threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
+
+    def _check(self):
+        lifecycle = ["autoscaling/target-lifecycle-state"] if self.on_terminating else []
+        *state, notice = metadata(self.base, *lifecycle, "spot/instance-action")
+        if state == [b"Terminated"]:
+            worker_log.warning("its instance is terminating: no new claims; the claim held finishes first")
+            self.on_terminating()
+            self.on_terminating = None
+        return None if notice is None else json.loads(notice or b"{}")
+
+    def _poll(self):
+        """One check; True when it found a notice (and called on_notice)."""
+        try:
+            notice = self._check()
+            if notice is not None:
+                worker_log.warning("spot: interruption notice %s; stopping as on SIGTERM", notice)
+                self.on_notice()
+                return True
+        except Exception as e:
+            worker_log.warning("spot: metadata check failed (%s)", e)
+        return False
+
+    def _run(self):
+        while True:
+            time.sleep(self.interval)
+            if self._poll():
+                return
+
+
+class ScaleInProtection:
+    """An EC2 pool instance protected from scale-in while its worker holds a claim, unprotected once
+    a poll finds nothing (one call per change), so scaling in costs no redelivery. An instance
+    terminating anyway (held by the pool's hook) is let go at the worker's exit."""
+
+    def __init__(self, asg, instance_id, client, hook):
+        self.asg, self.instance_id, self.client, self.hook = asg, instance_id, client, hook
+        self.protected = None    # unknown: a restarted worker's instance may still be protected
+        self.leaving = False
+
+    @classmethod
+    def on_instance(cls, record, conf):
+        """The protection of this worker's instance when it serves an EC2 pool (None elsewhere): the
+        group named after the model, the instance id from the metadata at CALQUE_SPOT_POLL."""
+        if "ec2" not in record or not conf.get("CALQUE_SPOT_POLL"):
+            return None
+        try:
+            instance_id = metadata(conf["CALQUE_SPOT_POLL"], "instance-id")[0].decode()
+        except Exception as e:
+            worker_log.warning("no scale-in protection: the instance id is unreadable (%s)", e)
+            return None
+        import boto3   # lazy: only an EC2 pool instance needs it
+        region = os.environ.get("AWS_REGION") or DEFAULT_REGION
+        client = boto3.client("autoscaling", config=aws_client_config(region))
+        names = resource_names(record["model"])
+        return cls(names["asg"], instance_id, client, names["hook"])
+
+    def release(self):
+        """Let a terminating instance go: its worker holds no claim any more."""
+        if self.leaving:
+            try:
+                self.client.complete_lifecycle_action(
+                    LifecycleHookName=self.hook, AutoScalingGroupName=self.asg,
+                    InstanceId=self.instance_id, LifecycleActionResult="CONTINUE")
+            except Exception as e:
+                worker_log.warning("completing the termination hook failed (%s: %s)", type(e).__name__, e)
+
+    def hold(self, busy):
+        if busy != self.protected:
+            try:
+                self.client.set_instance_protection(AutoScalingGroupName=self.asg,
+                                                    InstanceIds=[self.instance_id],
+                                                    ProtectedFromScaleIn=busy)
+                self.protected = busy
+            except Exception as e:
+                worker_log.warning("scale-in protection %s failed (%s: %s)", "on" if busy else "off",
+                            type(e).__name__, e)

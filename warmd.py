@@ -46,8 +46,6 @@ import sysconfig
 import threading
 import time
 import traceback
-import urllib.error
-import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -662,119 +660,10 @@ class GpuSampler:
                 "scope": "device", "measured": True, "samples": len(self.samples)}
 
 
-def metadata(base, *paths):
-    """The bodies of EC2 instance metadata paths under `base` (IMDSv2: one token for them all); None
-    for a path that 404s (no notice, no Auto Scaling group)."""
-    token_req = urllib.request.Request(base.rstrip("/") + "/latest/api/token", method="PUT",
-                                       headers={"X-aws-ec2-metadata-token-ttl-seconds": "60"})
-    token = urllib.request.urlopen(token_req, timeout=2).read().decode()
-    bodies = []
-    for path in paths:
-        req = urllib.request.Request(f"{base.rstrip('/')}/latest/meta-data/{path}",
-                                     headers={"X-aws-ec2-metadata-token": token})
-        try:
-            bodies.append(urllib.request.urlopen(req, timeout=2).read())
-        except urllib.error.HTTPError as e:
-            if e.code != 404:
-                raise
-            bodies.append(None)
-    return bodies
-
-
-class SpotPoller:
-    """Polls the EC2 metadata (IMDSv2): `on_notice` once a spot `instance-action` appears; with
-    `on_terminating`, that once the Auto Scaling `target-lifecycle-state` reads Terminated."""
-
-    def __init__(self, base_url, interval, on_notice, on_terminating=None):
-        self.base, self.interval, self.on_notice = base_url.rstrip("/"), interval, on_notice
-        self.on_terminating = on_terminating
-        if not self._poll():   # the first check before anything loads: a notice given stops it
-            threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
-
-    def _check(self):
-        lifecycle = ["autoscaling/target-lifecycle-state"] if self.on_terminating else []
-        *state, notice = metadata(self.base, *lifecycle, "spot/instance-action")
-        if state == [b"Terminated"]:
-            log.warning("its instance is terminating: no new claims; the claim held finishes first")
-            self.on_terminating()
-            self.on_terminating = None
-        return None if notice is None else json.loads(notice or b"{}")
-
-    def _poll(self):
-        """One check; True when it found a notice (and called on_notice)."""
-        try:
-            notice = self._check()
-            if notice is not None:
-                log.warning("spot: interruption notice %s; stopping as on SIGTERM", notice)
-                self.on_notice()
-                return True
-        except Exception as e:
-            log.warning("spot: metadata check failed (%s)", e)
-        return False
-
-    def _run(self):
-        while True:
-            time.sleep(self.interval)
-            if self._poll():
-                return
-
-
-class ScaleInProtection:
-    """An EC2 pool instance protected from scale-in while its worker holds a claim, unprotected once
-    a poll finds nothing (one call per change), so scaling in costs no redelivery. An instance
-    terminating anyway (held by the pool's hook) is let go at the worker's exit."""
-
-    def __init__(self, asg, instance_id, client, hook):
-        self.asg, self.instance_id, self.client, self.hook = asg, instance_id, client, hook
-        self.protected = None    # unknown: a restarted worker's instance may still be protected
-        self.leaving = False
-
-    @classmethod
-    def on_instance(cls, record, conf):
-        """The protection of this worker's instance when it serves an EC2 pool (None elsewhere): the
-        group named after the model, the instance id from the metadata at CALQUE_SPOT_POLL."""
-        if "ec2" not in record or not conf.get("CALQUE_SPOT_POLL"):
-            return None
-        try:
-            instance_id = metadata(conf["CALQUE_SPOT_POLL"], "instance-id")[0].decode()
-        except Exception as e:
-            log.warning("no scale-in protection: the instance id is unreadable (%s)", e)
-            return None
-        import boto3   # lazy: only an EC2 pool instance needs it
-        import calque_ec2 as ec2
-        region = os.environ.get("AWS_REGION") or calque.DEFAULT_REGION
-        client = boto3.client("autoscaling", config=calque.aws_client_config(region))
-        names = ec2.resource_names(record["model"])
-        return cls(names["asg"], instance_id, client, names["hook"])
-
-    def release(self):
-        """Let a terminating instance go: its worker holds no claim any more."""
-        if self.leaving:
-            try:
-                self.client.complete_lifecycle_action(
-                    LifecycleHookName=self.hook, AutoScalingGroupName=self.asg,
-                    InstanceId=self.instance_id, LifecycleActionResult="CONTINUE")
-            except Exception as e:
-                log.warning("completing the termination hook failed (%s: %s)", type(e).__name__, e)
-
-    def hold(self, busy):
-        if busy != self.protected:
-            try:
-                self.client.set_instance_protection(AutoScalingGroupName=self.asg,
-                                                    InstanceIds=[self.instance_id],
-                                                    ProtectedFromScaleIn=busy)
-                self.protected = busy
-            except Exception as e:
-                log.warning("scale-in protection %s failed (%s: %s)", "on" if busy else "off",
-                            type(e).__name__, e)
-
-
 class Spool:
-    """A claim's progress as it is made, in a file on this machine's disk (no store request, one
-    write a batch): the delivery's first item, then each batch's result lines, or where results
-    hold arrays only how far it got. A delivery here after a kill -9 resumes after the last whole
-    line, not the last part, and knows where the dead one was. The file goes when its drain ends;
-    one is left only by a process that died draining."""
+    """A claim's progress on this machine's disk (one write a batch, no request): its first item,
+    then each batch's result lines (where they hold arrays, how far it got). A delivery here after
+    a kill -9 resumes after the last whole line and knows where the dead one was (contract.md)."""
 
     def __init__(self, folder, claim):
         self.prefix = os.path.join(folder, f"{claim.run_id}.{claim.claim_id}.")
@@ -885,7 +774,10 @@ class Worker:
         self.stats_behind = False        # a claim ended since then: the stats miss it
         self.supervisor, self.ready_file = supervisor_pid, ready_file   # from a pool supervisor
         self.gpu = GpuSampler(gpu_index)
-        self.protection = None if ephemeral else ScaleInProtection.on_instance(record, conf)
+        self.protection = None        # an EC2 pool instance's scale-in protection
+        if not ephemeral and "ec2" in record and conf.get("CALQUE_SPOT_POLL"):
+            import calque_ec2
+            self.protection = calque_ec2.ScaleInProtection.on_instance(record, conf)
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
         # the pipeline thread's CPU clock, taken out of the model's time (model_clock)
         self.pipeline_clock = None
@@ -1034,7 +926,8 @@ class Worker:
         signal.signal(signal.SIGUSR2, self.on_sibling_death)
         signal.siginterrupt(signal.SIGUSR2, False)   # a notice: a system call it lands in goes on
         if self.conf.get("CALQUE_SPOT_POLL"):
-            SpotPoller(self.conf["CALQUE_SPOT_POLL"],
+            import calque_ec2   # lazy: an instance's metadata, read only where it is
+            calque_ec2.SpotPoller(self.conf["CALQUE_SPOT_POLL"],
                        calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
                        self.request_stop, self.leave if self.protection else None)
         reason = "?"
@@ -1071,8 +964,7 @@ class Worker:
         if self.stop_requested:
             return "stop requested"
         if self.supervisor and os.getppid() != self.supervisor:
-            # the supervisor was killed without stopping us: nobody would stop or count this worker
-            # any more (pool delete included), so leave rather than run on as an orphan
+            # our supervisor died without stopping us: leave, not run on as an orphan none counts
             return f"supervisor {self.supervisor} is gone"
         self.state = "between"
         ahead, idle = self.ahead, False
@@ -1328,9 +1220,8 @@ class Worker:
                         claim.errors[str(line["i"])] = line["error"]
             claim.parts.append([start, stop])
             claim.start = claim.committed = stop
-        spooled, failed, errors, reached = ("", [], {}, {})
-        if claim.spool:
-            spooled, failed, errors, reached = claim.spool.left(claim.first + claim.start)
+        spooled, failed, errors, reached = (claim.spool.left(claim.first + claim.start)
+                                            if claim.spool else ("", [], {}, {}))
         if spooled:   # what a delivery killed here made after its last part: committed first
             stop = claim.start + spooled.count("\n")
             claim.formatted.append((stop, ([spooled], failed, errors)))
@@ -1494,9 +1385,10 @@ class Worker:
         alone = range(claim.start, n) if claim.single else range(0)
         if claim.single and claim.alone:
             alone = range(min(max(claim.alone.start, claim.start), n), min(claim.alone.stop, n))
-        units = ([range(k, min(k + size, alone.start)) for k in range(claim.start, alone.start, size)]
+        lo, hi = alone.start, max(alone.stop, claim.start)   # batches, [lo, hi) alone, batches
+        units = ([range(k, min(k + size, lo)) for k in range(claim.start, lo, size)]
                  + [range(k, k + 1) for k in alone]
-                 + [range(k, min(k + size, n)) for k in range(max(alone.stop, claim.start), n, size)])
+                 + [range(k, min(k + size, n)) for k in range(hi, n, size)])
         runnable = units   # nothing quarantined (nearly always): no str(k) per item
         if claim.quarantined:
             runnable = [[k for k in unit if str(k) not in claim.quarantined] for unit in units]
@@ -1523,8 +1415,8 @@ class Worker:
                         if claim.single:
                             self.write_attempt(claim, "batches", [])
                         pending = self._prepare(claim, runnable[u])
-                    ahead = u + 1 < len(units) and units[u + 1].start not in alone
-                    current, pending = pending, self._prepare(claim, runnable[u + 1] if ahead else ())
+                    gather = u + 1 < len(units) and units[u + 1].start not in alone   # a batch
+                    current, pending = pending, self._prepare(claim, gather and runnable[u + 1])
                 outcome = self._run_unit(claim, unit, runnable[u], current)
                 if single:                    # it ran alone and the process lived: not a killer
                     if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):

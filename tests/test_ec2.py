@@ -718,7 +718,6 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     measured seconds per claim once summaries exist) and the idle policy; the user-data tells warmd its group and
     instance; an instance protected while it holds a claim (ScaleInProtection, as warmd calls it) survives a
     scale-in that takes the idle ones, so scaling in costs no redelivery; pool delete removes alarms and policies."""
-    import warmd
     _moto_policies_keep_min_and_max(monkeypatch)
     names = ec2.resource_names(MODEL)
     calque.write_json(aws.backend, calque.run_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa"), {
@@ -748,7 +747,7 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     fire(names["alarm_wake"], backlog=6)                      # a burst: to the ceiling
     assert asg_of()["DesiredCapacity"] == 3
     busy = sorted(i["InstanceId"] for i in asg_of()["Instances"])[0]
-    protection = warmd.ScaleInProtection(names["asg"], busy, client("autoscaling"), names["hook"])
+    protection = ec2.ScaleInProtection(names["asg"], busy, client("autoscaling"), names["hook"])
     protection.hold(True)                                     # its worker received a claim
     fire(names["alarm_wake"], backlog=1)                      # the backlog drains: down to 1
     group = asg_of()

@@ -268,19 +268,19 @@ def test_a_terminating_instance_is_seen_and_let_go(tmp_path):
     stop); ScaleInProtection then completes the termination hook at the worker's exit (its call's
     parameters, recorded: moto 5.2.5 has no CompleteLifecycleAction). An EC2 pool's worker finds its
     group from the model and its instance id in the metadata; a local pool's has no protection."""
-    import warmd
+    import calque_ec2
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LifecycleStub)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     seen, notices = [], []
     metadata = {"CALQUE_SPOT_POLL": f"http://127.0.0.1:{server.server_port}"}
     try:
-        warmd.SpotPoller(metadata["CALQUE_SPOT_POLL"], 0.05, lambda: notices.append(1),
+        calque_ec2.SpotPoller(metadata["CALQUE_SPOT_POLL"], 0.05, lambda: notices.append(1),
                          lambda: seen.append(1))
         time.sleep(0.3)
-        found = warmd.ScaleInProtection.on_instance({"model": "m", "ec2": {}}, metadata)
+        found = calque_ec2.ScaleInProtection.on_instance({"model": "m", "ec2": {}}, metadata)
         assert (found.asg, found.instance_id, found.hook) == ("calque-pool-m", "i-1", "calque-drain")
-        assert warmd.ScaleInProtection.on_instance({"model": "m"}, metadata) is None
-        assert warmd.ScaleInProtection.on_instance({"model": "m", "ec2": {}}, {}) is None
+        assert calque_ec2.ScaleInProtection.on_instance({"model": "m"}, metadata) is None
+        assert calque_ec2.ScaleInProtection.on_instance({"model": "m", "ec2": {}}, {}) is None
     finally:
         server.shutdown()
     assert seen == [1] and notices == []
@@ -288,7 +288,7 @@ def test_a_terminating_instance_is_seen_and_let_go(tmp_path):
     class Client:   # what release() sends, recorded
         def complete_lifecycle_action(self, **kw):
             seen.append(kw)
-    protection = warmd.ScaleInProtection("calque-pool-m", "i-1", Client(), "calque-drain")
+    protection = calque_ec2.ScaleInProtection("calque-pool-m", "i-1", Client(), "calque-drain")
     protection.release()
     assert seen == [1]                                        # not terminating: nothing to complete
     protection.leaving = True
