@@ -14,6 +14,9 @@
    results --format npy`), and 2 workers each taking every core (--threads-per-worker = cores: calque before it
    shared them); items/s, the ratio to the loop, the embeddings' largest difference from the loop's, the bytes the
    run stored per item (all of it, and its result parts alone) against the 1,024 raw bytes of a 256-float32 row;
+3. redelivery: one claim of REDELIVERED texts on one warm worker, whole, then again with the worker killed -9
+   halfway: the redelivery's seconds an item (it runs alone only the two batches the spool says the death could
+   be in, then batches) against the whole claim's.
 The machine is shared and noisy: read the ratios measured side by side, not the absolutes.
 """
 import datetime
@@ -36,7 +39,8 @@ UNIQUE_TEXTS = 100_000            # distinct texts in that file (repeated to its
 BATCH = 32                        # items per handler call, in the loop and the pools (calque's default)
 CLAIM = 250                       # items per claim of the embedding runs (40 claims: both workers busy)
 RAW_ROW = 256 * 4                 # bytes of one embedding as float32
-SECTIONS = ("embed", "parquet")
+SECTIONS = ("embed", "parquet", "redelivery")
+REDELIVERED = 1280                # texts of the redelivery section's one claim
 HANDLER = os.path.join(ROOT, "examples", "embed_model.py") + ":EmbedModel"
 PLAIN = os.path.join(ROOT, "tests", "handlers.py") + ":Empty"
 PY = sys.executable
@@ -122,6 +126,40 @@ def embed_section(tmp):
               f"({stored / RAW_ROW:.2f}x raw; result parts {parts:,.0f} B, {parts / RAW_ROW:.2f}x)")
 
 
+def redelivery_section(tmp):
+    texts = os.path.join(tmp, "redelivered.parquet")
+    subprocess.run([PY, os.path.join(ROOT, "examples", "make_embed_model.py"), os.path.join(tmp, "embed-model"),
+                    "--texts", str(REDELIVERED), texts], check=True, capture_output=True)
+    folder = os.path.join(tmp, "redelivery")
+    env = dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
+               BENCH_DIR=tmp, EMBED_MODEL_DIR=os.path.join(tmp, "embed-model"), HF_HUB_OFFLINE="1")
+    calque_cli(env, "pool", "create", "--model", "embed", "--handler", HANDLER, "--workers", "1",
+               "--visibility-timeout", "3")
+    status = os.path.join(env["CALQUE_STATE"], "pools", "embed", "supervisor.json")
+
+    def claim(kill_after=None):
+        """The run's one summary; with `kill_after`, its worker killed -9 that many seconds in."""
+        submit = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "embed", texts,
+                                   "--columns", "text", "--claim-size", str(REDELIVERED), "--json"],
+                                  env=env, cwd=tmp, stdout=subprocess.PIPE, text=True)
+        if kill_after:
+            time.sleep(kill_after)
+            with open(status) as f:
+                os.kill(json.load(f)["workers"][0]["pid"], 9)
+        return json.loads(submit.communicate()[0])["summaries"][0]
+
+    try:
+        claim()   # the worker warm, its first claim paid
+        whole = claim()["claim_seconds"] / REDELIVERED
+        again = claim(kill_after=whole * REDELIVERED / 2)
+        rest = REDELIVERED - again["resumed"]
+        print(f"   whole claim {whole * 1e3:.2f} ms an item; redelivered (delivery {again['receive_count']}) "
+              f"{rest} items at {again['claim_seconds'] / rest * 1e3:.2f} ms: "
+              f"{again['claim_seconds'] / rest / whole:.2f}x")
+    finally:
+        calque_cli(env, "pool", "delete", "--model", "embed", "--yes", "--force")
+
+
 def submit_measured(env, path):
     """submit --pool of `path`, as a child: (peak RSS MiB, s from its start to the first claim received)."""
     started = time.time()
@@ -166,6 +204,9 @@ def main():
         print(f"\n2. embeddings of {EMBED_ITEMS:,} texts (4 x 256 BERT, batches of {BATCH}, claims of {CLAIM}), "
               f"end to end")
         embed_section(tmp)
+    if "redelivery" in sections:
+        print(f"\n3. a claim of {REDELIVERED:,} texts redelivered after a kill -9 halfway, against the same whole")
+        redelivery_section(tmp)
 
 
 if __name__ == "__main__":
