@@ -141,7 +141,7 @@ def redelivery_section(tmp):
         """The run's one summary; with `kill_after`, its worker killed -9 that many seconds in."""
         submit = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", "embed", texts,
                                    "--columns", "text", "--claim-size", str(REDELIVERED), "--json"],
-                                  env=env, cwd=tmp, stdout=subprocess.PIPE, text=True)
+                                  env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         if kill_after:
             time.sleep(kill_after)
             with open(status) as f:
