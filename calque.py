@@ -4728,7 +4728,7 @@ def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT):
                 return
             if time.monotonic() - started > timeout:
                 raise WorkersFailed(f"pool {model}: {warm} of {workers} worker(s) warm after {timeout:g} s (still in "
-                                    f"@enter?); they keep loading ---> HINT: calque pool logs --model {model}")
+                                    f"@enter?); they keep loading ---> HINT: {command()} pool logs --model {model}")
             time.sleep(SUPERVISOR_TICK)
     finally:
         if shown:
@@ -4959,10 +4959,10 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     queue = backend.queues.open_queue(record["queue"])   # first: a missing queue says so
     state, why = pool_liveness(conf, backend, record)
     if state == "crashing":
-        raise WorkersFailed(f"{why} ---> HINT: calque pool logs --model {pool}; fix the handler, then pool create")
+        raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the handler, then pool create")
     if state == "none" and not wait_for_workers:
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
-                        f"calque pool scale --model {pool} --workers 1 (or --instances N), or "
+                        f"{command()} pool scale --model {pool} --workers 1 (or --instances N), or "
                         "submit --wait-for-workers to queue it anyway")
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     if state == "starting":   # ("none" with wait_for_workers: what the caller asked for)
@@ -5211,7 +5211,7 @@ def plan_run(conf, backend, model, items, claim_size, price):
               f"item(s) first (run {run.run_id}) to measure it", file=sys.stderr)
         if not run.wait():
             raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within "
-                            f"CALQUE_TIMEOUT ---> HINT: calque runs show {run.run_id}")
+                            f"CALQUE_TIMEOUT ---> HINT: {command()} runs show {run.run_id}")
         summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
     return make_plan(backend, conf, record, count, claim_size, price, summaries)
 
@@ -5312,11 +5312,11 @@ def cmd_pool_create(conf, backend, args):
         pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle))
         print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s) on its "
               f"backlog (drain target {conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} min -> "
-              f"{lo}), supervisor pid {pid}; logs: calque pool logs --model {args.model}")
+              f"{lo}), supervisor pid {pid}; logs: {command()} pool logs --model {args.model}")
     elif lo:
         pid = scale_local_verb(conf, pool, lo, args)
         print(f"pool {args.model}: {lo} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
-              f"pid {pid}; logs: calque pool logs --model {args.model} ({state_dir(conf, args.model)})")
+              f"pid {pid}; logs: {command()} pool logs --model {args.model} ({state_dir(conf, args.model)})")
     return EXIT_OK
 
 
@@ -5408,7 +5408,7 @@ def cmd_pool_delete(conf, backend, args):
     for role in ("queue", "dlq"):
         print(f"pool {args.model}: deleted queue {record[role]}")
     print(f"pool {args.model}: deleted its record, handler snapshot and worker stats; its runs remain in the store "
-          f"---> HINT: calque runs prune --model {args.model} --older-than 0s (or runs delete RUN) deletes them")
+          f"---> HINT: {command()} runs prune --model {args.model} --older-than 0s (or runs delete RUN) deletes them")
     return EXIT_OK
 
 
@@ -5448,7 +5448,7 @@ def cmd_pool_logs(conf, backend, args):
     if not paths:
         raise UserError(f"pool {args.model}: no {name} in {folder}: no local worker ran here"
                         + (" in that slot" if args.worker is not None else "")
-                        + f" ---> HINT: calque pool scale --model {args.model} --workers 1")
+                        + f" ---> HINT: {command()} pool scale --model {args.model} --workers 1")
     offsets, first = dict.fromkeys(paths, 0), True
     while first or args.follow:
         for path in paths:

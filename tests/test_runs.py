@@ -343,4 +343,4 @@ def test_delete_and_prune_runs(any_env, tmp_path):
     assert json.loads(cli(env, "runs", "list", "--json").stdout) == [] and backend.store.list("runs/") == []
     assert "---> HINT: a number and a unit" in cli(env, "runs", "prune", "--older-than", "week").stderr
     out = cli(env, "pool", "delete", "--model", "m", "--yes", "--force")
-    assert "its runs remain in the store ---> HINT: calque runs prune --model m" in out.stdout, out.stdout + out.stderr
+    assert "its runs remain in the store ---> HINT: python calque.py runs prune --model m" in out.stdout, out.stdout + out.stderr

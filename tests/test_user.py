@@ -78,7 +78,7 @@ def test_workers_default_and_no_live_worker(local_env, tmp_path):
     assert out.returncode == 0 and "--workers not given" not in out.stdout, out.stderr
     line = error(run(local_env, folder, "submit", "--pool", "m", "items.jsonl"), 2)
     assert line == ("calque: error: pool m has no live worker (no supervisor on this machine, no worker running "
-                    "elsewhere): nothing would claim this run ---> HINT: calque pool scale --model m --workers 1 "
+                    "elsewhere): nothing would claim this run ---> HINT: python calque.py pool scale --model m --workers 1 "
                     "(or --instances N), or submit --wait-for-workers to queue it anyway")
     out = run(local_env, folder, "submit", "--pool", "m", "items.jsonl", "--wait-for-workers", "--timeout", "0.2")
     assert out.returncode == 1 and "4 pending" in out.stdout, out.stdout + out.stderr
