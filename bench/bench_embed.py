@@ -82,13 +82,26 @@ def folder_bytes(path):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
+def pool_env(tmp, folder):
+    """The environment of a pool whose store and state are in `folder`, on the model built in `tmp`."""
+    return dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
+                BENCH_DIR=tmp, EMBED_MODEL_DIR=os.path.join(tmp, "embed-model"), HF_HUB_OFFLINE="1")
+
+
+def make_texts(tmp, count, name):
+    """The random-weight model in tmp/embed-model and `count` texts in tmp/`name` (a Parquet file): its path."""
+    texts = os.path.join(tmp, name)
+    subprocess.run([PY, os.path.join(ROOT, "examples", "make_embed_model.py"), os.path.join(tmp, "embed-model"),
+                    "--texts", str(count), texts], check=True, capture_output=True)
+    return texts
+
+
 def calque_run(tmp, texts, workers, *extra):
     """A warm pool of `workers`, then submit + `runs results --format npy`, timed; (s, embeddings, bytes stored
     per item, result-part bytes per item)."""
     import numpy as np
     folder = os.path.join(tmp, f"pool-{workers}{'-'.join(extra)}")
-    env = dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
-               BENCH_DIR=tmp, EMBED_MODEL_DIR=os.path.join(tmp, "embed-model"), HF_HUB_OFFLINE="1")
+    env = pool_env(tmp, folder)
     calque_cli(env, "pool", "create", "--model", "embed", "--handler", HANDLER, "--workers", str(workers), *extra)
     try:
         out = os.path.join(folder, "emb.npy")
@@ -106,9 +119,7 @@ def calque_run(tmp, texts, workers, *extra):
 
 def embed_section(tmp):
     import numpy as np
-    texts = os.path.join(tmp, "texts.parquet")
-    subprocess.run([PY, os.path.join(ROOT, "examples", "make_embed_model.py"), os.path.join(tmp, "embed-model"),
-                    "--texts", str(EMBED_ITEMS), texts], check=True, capture_output=True)
+    texts = make_texts(tmp, EMBED_ITEMS, "texts.parquet")
     cores = len(os.sched_getaffinity(0))
     env = dict(os.environ, EMBED_MODEL_DIR=os.path.join(tmp, "embed-model"), HF_HUB_OFFLINE="1")
     out = subprocess.run([PY, "-c", LOOP, texts, os.path.join(tmp, "loop.npy")], env=env, capture_output=True,
@@ -127,12 +138,8 @@ def embed_section(tmp):
 
 
 def redelivery_section(tmp):
-    texts = os.path.join(tmp, "redelivered.parquet")
-    subprocess.run([PY, os.path.join(ROOT, "examples", "make_embed_model.py"), os.path.join(tmp, "embed-model"),
-                    "--texts", str(REDELIVERED), texts], check=True, capture_output=True)
-    folder = os.path.join(tmp, "redelivery")
-    env = dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
-               BENCH_DIR=tmp, EMBED_MODEL_DIR=os.path.join(tmp, "embed-model"), HF_HUB_OFFLINE="1")
+    texts = make_texts(tmp, REDELIVERED, "redelivered.parquet")
+    env = pool_env(tmp, os.path.join(tmp, "redelivery"))
     calque_cli(env, "pool", "create", "--model", "embed", "--handler", HANDLER, "--workers", "1",
                "--visibility-timeout", "3")
     status = os.path.join(env["CALQUE_STATE"], "pools", "embed", "supervisor.json")
