@@ -2129,15 +2129,20 @@ def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, 
 
 
 def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
-    """The pool's latest `limit` summaries of claims its workers ran, newest runs first."""
+    """Up to `limit` summaries of claims the pool's workers ran, newest run first; of a longer run,
+    ten stretches of five consecutive claims spread over it: the run measured whole (its first
+    claims share the cores with submit's staging), with its workers and their gaps between claims."""
     found = []
     for run_id in sorted((f.rsplit("/", 1)[1] for f in backend.store.list("runs/")), reverse=True):
-        if run_slug(run_id) == slug(model):
-            found += [s for s in read_summaries(backend, run_id)
-                      if s.get("mode") == "pool" and not s.get("error") and s.get("items")]
+        keys = list_summaries(backend, run_id) if run_slug(run_id) == slug(model) else []
+        take = min(SCALE_MEASURED_CLAIMS, limit - len(found))
+        step = max(5, math.ceil(len(keys) / (take // 5 or 1)))    # five claims in each tenth of it
+        keys = [key for at in range(0, len(keys), step) for key in keys[at:at + 5]][:take]
+        found += [s for s in (read_json(backend, key) for key in keys)
+                  if s.get("mode") == "pool" and not s.get("error") and s.get("items")]
         if len(found) >= limit:
             break
-    return found[:limit]
+    return found
 
 
 def measured_seconds(summaries):
@@ -3814,11 +3819,8 @@ def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER
         if not (math.isfinite(v) and v > 0):
             raise ValueError(f"{name} must be a positive rate, got {v!r}")
     r, R, q = instance_rate, serverless_rate, request_usd_per_item
-    options = {  # name: (fixed $, $ per item)
-        "warm": (0.0, r * c + q),
-        "cold": (r * (A + E), r * c + q),
-        "serverless": (R * E, R * c),
-    }
+    # name: (fixed $, $ per item)
+    options = {"warm": (0.0, r * c + q), "cold": (r * (A + E), r * c + q), "serverless": (R * E, R * c)}
     names = list(options)
     rows = []
     for n in item_counts:
@@ -4525,7 +4527,7 @@ def pool_record_to_delete(backend, model, force):
 # ---- the planner: a run's wall time and cost for 1..B workers before it starts, and after
 PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
 PLAN_RUNS_READ = 5                      # run records read for the time to a run's first claim
-PLAN_CLAIMS_READ = 200                  # latest claim summaries it reads (up to 50 a worker count)
+PLAN_CLAIMS_READ = 200                  # claim summaries it reads, over the newest runs (50 a run)
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -4553,29 +4555,28 @@ def pool_ceiling(conf, backend, record):
     stats = mark_lost_workers(read_worker_stats(backend, record["model"]))
     warm = sum(w.get("state") == "running" for w in stats)
     if record.get("ec2"):
-        ec2 = record["ec2"]
-        hi = max(1, ec2["instances"])
-        lo = hi if ec2.get("min_instances") is None else min(hi, ec2["min_instances"])
-        return lo, hi, "instances", warm
+        hi, lo = max(1, record["ec2"]["instances"]), record["ec2"].get("min_instances")
+        return (hi if lo is None else min(hi, lo)), hi, "instances", warm
     folder = state_dir(conf, record["model"])
-    bounds = read_scaling(folder)
-    if bounds:
-        return bounds["lo"], max(1, bounds["hi"]), "workers", warm
-    return max(1, read_desired(folder)), max(1, read_desired(folder)), "workers", warm
+    bounds = read_scaling(folder) or {"lo": max(1, read_desired(folder)), "hi": read_desired(folder)}
+    return bounds["lo"], max(1, bounds["hi"]), "workers", warm
 
 
 def claim_overheads(backend, summaries):
     """(s between a worker's claims, s from a run's creation to its first claim), from these
-    summaries (gaps over PLAN_GAP_MAX are idle) and their runs' records; 0.0 when unknown."""
-    by_worker, gaps, first = {}, [], {}
+    summaries (two claims of a worker are consecutive when every claim between them was read; a
+    gap over PLAN_GAP_MAX is idle) and their runs' records; 0.0 when unknown."""
+    by_worker, gaps, first, read = {}, [], {}, {(s["run_id"], s["claim"]) for s in summaries}
     for summary in summaries:
         started = _parse_time(summary["started_at"], "started_at")
         finished = _parse_time(summary["finished_at"], "finished_at")
-        by_worker.setdefault(summary["worker_id"], []).append((started, finished))
+        spans = by_worker.setdefault((summary["run_id"], summary["worker_id"]), [])
+        spans.append((started, finished, int(summary["claim"][1:])))
         first[summary["run_id"]] = min(first.get(summary["run_id"], started), started)
-    for spans in by_worker.values():
+    for (run_id, _), spans in by_worker.items():
         spans.sort()
-        between = ((b[0] - a[1]).total_seconds() for a, b in zip(spans, spans[1:]))
+        between = ((b[0] - a[1]).total_seconds() for a, b in zip(spans, spans[1:])
+                   if all((run_id, claim_id(i)) in read for i in range(a[2] + 1, b[2])))
         gaps += [g for g in between if 0 <= g <= PLAN_GAP_MAX]
     latencies = [(started - _parse_time(read_run(backend, run_id)["created_at"], "created_at"))
                  .total_seconds() for run_id, started in list(first.items())[:PLAN_RUNS_READ]]
@@ -4584,13 +4585,14 @@ def claim_overheads(backend, summaries):
 
 def per_item_by_count(summaries):
     """{n: seconds per item} of these summaries by how many workers ran their run (on shared cores
-    a claim's time depends on it), the newest SCALE_MEASURED_CLAIMS of each count."""
+    a claim's time depends on it): at each count, its newest runs whole, to SCALE_MEASURED_CLAIMS."""
     runs, groups = {}, {}
     for summary in summaries:
         runs.setdefault(summary["run_id"], []).append(summary)
     for run in runs.values():
-        groups.setdefault(len({s["worker_id"] for s in run}), []).extend(run)
-    return {n: measured_seconds(group[:SCALE_MEASURED_CLAIMS])[1] for n, group in groups.items()}
+        group = groups.setdefault(len({s["worker_id"] for s in run}), [])
+        group += run if len(group) < SCALE_MEASURED_CLAIMS else []
+    return {n: measured_seconds(group)[1] for n, group in groups.items()}
 
 
 def per_item_at(measured, n, cores):
@@ -4628,13 +4630,12 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
         options.append({noun: n, "seconds": seconds, "cost_usd": n * seconds * rate,
                         "spot_cost_usd": n * seconds * spot_rate, "starting": n - running,
                         "seconds_per_item": per_item, "measured": n in measured})
-    per_item = options[-1]["seconds_per_item"]   # cold and serverless counterfactuals: B at once
-    drain = sum(claims)
+    drain = sum(claims)   # cold and serverless counterfactuals: B at once, at B's seconds per item
     card, count = serverless_match(rates, itype)
     cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
     return {"model": record["model"], "items": items, "claims": len(claims), "claim_size": claim_size,
-            "seconds_per_item": per_item, "measured_claims": len(summaries), "enter_seconds": enter,
-            "claim_gap_seconds": gap, "first_claim_seconds": latency,
+            "seconds_per_item": options[-1]["seconds_per_item"], "measured_claims": len(summaries),
+            "enter_seconds": enter, "claim_gap_seconds": gap, "first_claim_seconds": latency,
             "start_seconds": start, "running": warm, "noun": noun, "instance_type": itype,
             "options": options,
             "cold": {noun: ceiling, "seconds": plan_seconds(claims, [cold_acquisition + enter] * ceiling),
@@ -6005,8 +6006,7 @@ def build_parser():
                         help="price as this EC2 instance type (default: rates.json defaults)")
     switch(priced, "--spot", "price at the rates file's spot fraction")
     switch(priced, "--savings-plan", "price at the rates file's savings-plan fraction")
-    priced.add_argument("--rates", metavar="FILE",
-                        help="a rates file instead of the bundled rates.json")
+    priced.add_argument("--rates", metavar="FILE", help="a rates file, not the bundled rates.json")
     verbs = parser.add_subparsers(dest="verb", required=True,
                                   metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(

@@ -147,7 +147,9 @@ class Sim:
     def tick(self):
         live = [wid for wid, w in self.workers.items() if not w["stop"]]
         if not self.fixed:
-            recent = [seconds for _, seconds in self.done[-calque.SCALE_MEASURED_CLAIMS:]]
+            # as recent_summaries: a sample of the run's claims so far
+            recent = [seconds for _, seconds in random.Random(0).sample(
+                self.done, min(len(self.done), calque.SCALE_MEASURED_CLAIMS))]
             spc = statistics.mean(recent) if recent else None
             scale = calque.desired_count(len(self.visible), self.in_flight, len(live), spc, DRAIN, self.lo, self.hi,
                                          IDLE, self.since, self.now())
@@ -241,6 +243,33 @@ def test_planner_within_15_percent_of_the_simulated_run(workers):
     predicted = calque.plan_seconds([measured] * 40, [STARTUP] * workers)
     actual = Sim(arrivals, workers, workers, fixed=True).run().drained_at
     assert abs(predicted - actual) / actual <= 0.15, (predicted, actual)
+
+
+def test_planner_measures_each_count_on_whole_runs(tmp_path):
+    """A 40-claim run at 1 worker, then a 300-claim run at 4 whose first 100 claims ran at half speed (submit
+    staging beside them): the 4-worker figure is that run's whole average, not its first claims', the 1-worker
+    run is not crowded out by the bigger one, the reads are a sample, not 340, and the gap between a worker's
+    claims is measured on consecutive ones only (those of a sample's stretches)."""
+    backend = calque.LocalBackend(str(tmp_path))
+    for run_id, workers, claims in (("m.20261201-000000-aaaaaa", 1, 40), ("m.20261202-000000-bbbbbb", 4, 300)):
+        calque.write_json(backend, calque.run_key(run_id), {"created_at": calque.now_iso(999.0 * workers),
+                                                            "claims": [calque.claim_id(i) for i in range(claims)]})
+        free = [1000.0 * workers] * workers                 # when each worker takes its next claim
+        for i in range(claims):
+            seconds, worker = (0.02 if workers == 4 and i < 100 else 0.01), i % workers
+            calque.write_json(backend, calque.summary_key(run_id, calque.claim_id(i)), {
+                "run_id": run_id, "claim": calque.claim_id(i), "worker_id": f"w{worker}", "mode": "pool",
+                "items": 10, "claim_seconds": seconds, "started_at": calque.now_iso(free[worker]),
+                "finished_at": calque.now_iso(free[worker] + seconds)})
+            free[worker] += seconds + 0.003                 # 3 ms between a worker's claims
+    gets = backend.requests["store_gets"]
+    summaries = calque.recent_summaries(backend, "m", calque.PLAN_CLAIMS_READ)
+    measured = calque.per_item_by_count(summaries)
+    assert backend.requests["store_gets"] - gets == calque.SCALE_MEASURED_CLAIMS + 40
+    assert measured[1] == pytest.approx(0.001)
+    assert measured[4] == pytest.approx((100 * 0.02 + 200 * 0.01) / (300 * 10), rel=0.1)   # 0.002: its first claims
+    stretches = [s for s in summaries if s["run_id"].endswith("bbbbbb")]
+    assert calque.claim_overheads(backend, stretches)[0] == pytest.approx(0.003)
 
 
 def test_plan_seconds_and_pick():
