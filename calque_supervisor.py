@@ -209,10 +209,11 @@ class LocalScaler:
                 self.backend = open_backend(self.conf["CALQUE_STORE"])
                 record = load_pool(self.backend, self.model)
                 self.queue = self.backend.queues.open_queue(record["queue"])
-            if now - self.measured > SCALE_MEASURE_EVERY:
+            depth = self.queue.counts()
+            # unmeasured, each look while claims wait: a plan's sample claim counts at once
+            if now - self.measured > SCALE_MEASURE_EVERY or self.spc is None and depth["visible"]:
                 summaries = recent_summaries(self.backend, self.model)
                 self.spc, self.measured = measured_seconds(summaries)[0], now
-            depth = self.queue.counts()
         except (NotFound, StoreFault, UserError, OSError, sqlite3.Error) as e:
             if str(e) != self.error:     # once per distinct error
                 print(f"supervisor: scale: cannot read the queue ({e}); keeping {current} "

@@ -166,6 +166,22 @@ def test_plan_and_planned_submits(local_env, tmp_path):
     assert "plan: predicted" in cli(local_env, "cost", run["run_id"]).stdout
 
 
+def test_a_planned_run_gets_the_count_its_plan_picked(local_env, tmp_path):
+    """A pool sizing itself from 0: plan's sample claim measures it, and the supervisor counts that sample as the
+    plan did, so the planned run of 30 short claims (a few seconds of work, 60 s drain target) runs at the 1
+    worker the plan picked, not at one worker a claim as an unmeasured pool would."""
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Spin", "--min-workers", "0",
+              "--max-workers", "2", "--scale-to-zero-after", "1")
+    assert out.returncode == 0, out.stderr
+    items = write_items(tmp_path / "items.jsonl", [{"x": i, "spin": 20000} for i in range(120)])
+    out = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "4", "--plan", "--yes", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "ran one sample claim" in out.stderr and json.loads(out.stdout)["run"]["plan"]["count"] == 1
+    with open(os.path.join(local_env["CALQUE_STATE"], "pools", "m", "supervisor.log")) as f:
+        log = f.read()
+    assert "0 -> 1" in log and "-> 2" not in log, log
+
+
 def test_gpus_go_to_the_pool_with_work(local_env, tmp_path):
     """Two faked GPUs on one machine: a fixed pool's worker holds GPU 0, so a pool that sizes itself to 2 runs one
     worker, on GPU 1, and starts its second on GPU 0 once the fixed pool lets it go."""
