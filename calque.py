@@ -4528,6 +4528,7 @@ def pool_record_to_delete(backend, model, force):
 PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
 PLAN_RUNS_READ = 5                      # run records read for the time to a run's first claim
 PLAN_CLAIMS_READ = 200                  # claim summaries it reads, over the newest runs (50 a run)
+PLAN_MIN_CLAIMS = 10                    # claims that measure a worker count, where another count has them
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -4584,15 +4585,16 @@ def claim_overheads(backend, summaries):
 
 
 def per_item_by_count(summaries):
-    """{n: seconds per item} of these summaries by how many workers ran their run (on shared cores
-    a claim's time depends on it): at each count, its newest runs whole, to SCALE_MEASURED_CLAIMS."""
-    runs, groups = {}, {}
-    for summary in summaries:
-        runs.setdefault(summary["run_id"], []).append(summary)
-    for run in runs.values():
+    """{n: seconds per item} of these summaries (each run's together, as recent_summaries gives them)
+    by how many workers ran their run (on shared cores a claim's time depends on it): at each count,
+    its newest runs whole, to SCALE_MEASURED_CLAIMS; a count with fewer than PLAN_MIN_CLAIMS (a plan's
+    sample claim) only where none has more: it is then scaled from one that has."""
+    groups = {}
+    for run in (list(run) for _, run in itertools.groupby(summaries, key=lambda s: s["run_id"])):
         group = groups.setdefault(len({s["worker_id"] for s in run}), [])
         group += run if len(group) < SCALE_MEASURED_CLAIMS else []
-    return {n: measured_seconds(group)[1] for n, group in groups.items()}
+    enough = {n: group for n, group in groups.items() if len(group) >= PLAN_MIN_CLAIMS} or groups
+    return {n: measured_seconds(group)[1] for n, group in enough.items()}
 
 
 def per_item_at(measured, n, cores):
@@ -4647,11 +4649,8 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
 
 def pick_option(plan, deadline=None, budget=None):
     """The option of the fewest workers that meets the deadline (s) and the budget ($), or None."""
-    for option in plan["options"]:
-        if ((deadline is None or option["seconds"] <= deadline)
-                and (budget is None or option["cost_usd"] <= budget)):
-            return option
-    return None
+    return next((o for o in plan["options"] if (deadline is None or o["seconds"] <= deadline)
+                 and (budget is None or o["cost_usd"] <= budget)), None)
 
 
 def format_plan(plan):

@@ -270,6 +270,9 @@ def test_planner_measures_each_count_on_whole_runs(tmp_path):
     assert measured[4] == pytest.approx((100 * 0.02 + 200 * 0.01) / (300 * 10), rel=0.1)   # 0.002: its first claims
     stretches = [s for s in summaries if s["run_id"].endswith("bbbbbb")]
     assert calque.claim_overheads(backend, stretches)[0] == pytest.approx(0.003)
+    sample = [dict(summaries[-1], run_id="m.20261130-000000-cccccc", claim_seconds=1.0)]   # a slow sample claim
+    assert set(calque.per_item_by_count(stretches + sample)) == {4}       # 1 worker: scaled from the 50 claims
+    assert calque.per_item_by_count(sample) == {1: 0.1}                    # where it is all there is
 
 
 def test_plan_seconds_and_pick():
