@@ -147,9 +147,9 @@ class Sim:
     def tick(self):
         live = [wid for wid, w in self.workers.items() if not w["stop"]]
         if not self.fixed:
-            # as recent_summaries: a sample of the run's claims so far
-            recent = [seconds for _, seconds in random.Random(0).sample(
-                self.done, min(len(self.done), calque.SCALE_MEASURED_CLAIMS))]
+            # as recent_summaries: claims spread over the whole run so far
+            step = max(1, len(self.done) // calque.SCALE_MEASURED_CLAIMS)
+            recent = [seconds for _, seconds in self.done[::step]]
             spc = statistics.mean(recent) if recent else None
             scale = calque.desired_count(len(self.visible), self.in_flight, len(live), spc, DRAIN, self.lo, self.hi,
                                          IDLE, self.since, self.now())
