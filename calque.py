@@ -4750,13 +4750,13 @@ def crash_looping(conf, model):
     return None
 
 
-def announce_run(conf, model, items, claim_size):
-    """Tell a self-sizing local pool how many claims are coming, so it starts workers meanwhile."""
+def announce_run(conf, model, items, claim_size, run_id):
+    """Tell a self-sizing local pool how many claims run `run_id` brings, so it starts workers while they stage."""
     folder = state_dir(conf, model)
     bounds = read_scaling(folder)
     if bounds is not None:
         claims = -(-len(items) // claim_size) if hasattr(items, "__len__") and len(items) else 1
-        wake = {"at": time.time(), "claims": claims}
+        wake = {"at": time.time(), "claims": claims, "run": run_id}
         write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, wake=wake)))
 
 
@@ -4964,11 +4964,11 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
                         f"{command()} pool scale --model {pool} --workers 1 (or --instances N), or "
                         "submit --wait-for-workers to queue it anyway")
-    claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    claim_size, run_id = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), run_id or new_run_id(pool)
     if state == "starting":   # ("none" with wait_for_workers: what the caller asked for)
         print(f"calque: {why}", file=sys.stderr)
-        announce_run(conf, pool, items, claim_size)
-    run = stage_run(backend, record, items, claim_size, queue, "pool", run_id or new_run_id(record["model"]))
+        announce_run(conf, pool, items, claim_size, run_id)
+    run = stage_run(backend, record, items, claim_size, queue, "pool", run_id)
     return Run(run["run_id"], context=(conf, backend), id_field=id_field)
 
 

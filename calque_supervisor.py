@@ -32,7 +32,7 @@ from calque import (SCALE_INTERVAL, SUPERVISOR_TICK, NotFound, StoreFault, UserE
 RESTART_BACKOFF = (1.0, 30.0)   # s: first restart delay after a death without progress, doubling
 RESTART_RESET_AFTER = 60.0      # s: a worker that lived this long made progress, whatever it did
 SCALE_MEASURE_EVERY = 10.0      # s between two reads of a sized pool's recent seconds per claim
-SCALE_WAKE_HOLD = 30.0          # s a submit's announced claims count until they show
+SCALE_WAKE_HOLD = 30.0          # s at most a submit's announced claims count while it stages
 SUPERVISOR_START_WAIT = 10.0    # s `pool create` / `pool scale` wait for a new supervisor's status
 EXIT_LOG_TAIL = 16384           # bytes of a dead worker's log searched for why it died
 OUTPUT_LAG = 5000               # ms of output chunks a follower lists again (clocks differ)
@@ -188,7 +188,7 @@ def try_lock(path):
 class LocalScaler:
     """The count a pool wants: what `pool create` / `pool scale` wrote, or, for a pool that sizes
     itself (scaling.json), desired_count every SCALE_INTERVAL s on the queue's depth, the seconds
-    per claim of recent summaries, and a submit's announced claims while its queue is still empty.
+    per claim of recent summaries, and a submit's announced claims until it has queued them all.
     Each change is logged with its inputs."""
 
     def __init__(self, conf, model, folder):
@@ -210,6 +210,12 @@ class LocalScaler:
                 record = load_pool(self.backend, self.model)
                 self.queue = self.backend.queues.open_queue(record["queue"])
             depth = self.queue.counts()
+            wake = bounds.get("wake")   # a submit staging a run: its claims count until all are queued
+            if wake and wake["at"] != self.woken and now - wake["at"] < SCALE_WAKE_HOLD:
+                if run_staged(self.backend, wake.get("run")):
+                    self.woken = wake["at"]   # that announcement is spent: the queue's count takes over
+                else:
+                    depth = dict(depth, visible=max(depth["visible"], wake["claims"] - depth["in_flight"]))
             # unmeasured, each look while claims wait: a plan's sample claim counts at once
             if now - self.measured > SCALE_MEASURE_EVERY or self.spc is None and depth["visible"]:
                 summaries = recent_summaries(self.backend, self.model)
@@ -222,11 +228,6 @@ class LocalScaler:
             return current
         self.error = None
         backlog = depth["visible"] + depth["in_flight"]
-        wake = bounds.get("wake")   # a submit staging a run: its claims, before they are queued
-        if wake and backlog:
-            self.woken = wake["at"]   # they showed: that announcement is spent
-        elif wake and wake["at"] != self.woken and now - wake["at"] < SCALE_WAKE_HOLD:
-            depth, backlog = dict(depth, visible=wake["claims"]), wake["claims"]
         if bounds.get("boost") and not backlog:   # a planned run's count holds while claims wait
             write_file_atomic(os.path.join(self.folder, "scaling.json"),
                               json.dumps(dict(bounds, boost=0)))
@@ -238,6 +239,14 @@ class LocalScaler:
         if scale.desired != current:
             print(f"supervisor: {scale.line()}", flush=True)
         return scale.desired
+
+
+def run_staged(backend, run_id):
+    """Whether submit has queued every claim of run `run_id` (False while its record is not written)."""
+    try:
+        return calque.read_json(backend, calque.run_key(run_id)).get("staged", True)
+    except NotFound:
+        return False
 
 
 def _readiness(slot):

@@ -51,7 +51,8 @@ def test_local_pool_wakes_on_work_and_idles_back_to_zero(local_env, tmp_path):
 
 def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeypatch):
     """announce_run (submit, before staging) makes the supervisor's decision count the run's claims
-    while its queue is still empty, once: when they show, the queue's own count takes over."""
+    until the run is staged: its first claim, queued alone, does not cut them to one; once all are
+    queued, the queue's own count takes over."""
     import calque
     import calque_supervisor as supervisor
     out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
@@ -62,13 +63,21 @@ def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeyp
     conf = calque.settings()
     scaler = supervisor.LocalScaler(conf, "m", calque.state_dir(conf, "m"))
     assert scaler.want(0, time.time()) == 0                   # nothing queued, nothing announced
-    calque.announce_run(conf, "m", [{"x": i} for i in range(6)], 2)    # 3 claims coming
+    items, run_id = [{"x": i} for i in range(6)], calque.new_run_id("m")
+    calque.announce_run(conf, "m", items, 2, run_id)          # 3 claims coming
     scaler.checked = -1e9
     assert scaler.want(0, time.time()) == 2                   # one a claim (unmeasured), up to 2
     backend = backend_for(local_env)
-    backend.queues.open_queue("calque-pool-m").send_batch(["{}"])   # they show: the real count
+    queue = backend.queues.open_queue("calque-pool-m")
+    queue.send_batch(["{}"])                                  # a first claim shows; the run is not staged
     scaler.checked = -1e9
-    assert scaler.want(2, time.time()) == 2 and scaler.woken is not None
+    assert scaler.want(2, time.time()) == 2 and scaler.woken is None
+    assert queue.receive(1) is not None                       # and is claimed: still 3 coming
+    scaler.checked = -1e9
+    assert scaler.want(2, time.time()) == 2 and scaler.woken is None
+    calque.stage_run(backend, calque.load_pool(backend, "m"), items, 2, queue, "pool", run_id)
+    scaler.checked = -1e9
+    assert scaler.want(2, time.time()) == 2 and scaler.woken is not None   # staged: the real count (3+1)
     cli(local_env, "pool", "delete", "--model", "m", "--yes", "--force")
 
 
