@@ -805,8 +805,7 @@ def load_handler(path, cls, modal=None, container=False):
             handler = ModalHandler(target, method, modal or {})
             return handler, handler.enter, handler.batch, handler.collate
     module = import_file(path, "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
-    obj = getattr(module, cls)()
-    methods = {}
+    obj, methods = getattr(module, cls)(), {}
     for attr in dir(type(obj)):
         role = getattr(getattr(type(obj), attr), "_calque_role", None)
         if role:
@@ -3821,8 +3820,7 @@ def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER
     r, R, q = instance_rate, serverless_rate, request_usd_per_item
     # name: (fixed $, $ per item)
     options = {"warm": (0.0, r * c + q), "cold": (r * (A + E), r * c + q), "serverless": (R * E, R * c)}
-    names = list(options)
-    rows = []
+    names, rows = list(options), []
     for n in item_counts:
         cost = {k: f + s * n for k, (f, s) in options.items()}
         low = min(cost.values())
@@ -4680,15 +4678,17 @@ def _duration(seconds):
 
 
 def plan_against_actual(run, summaries):
-    """'predicted X on N workers, actual Y (+d %)' for a finished run submitted with a plan."""
+    """'predicted X on N workers, actual Y (+d %)' for a finished planned run, naming claims redelivered."""
     plan = run.get("plan")
     if not plan or len(summaries) < len(run["claims"]) or not summaries:
         return None
     ended = max(_parse_time(s["finished_at"], "finished_at") for s in summaries)
     actual = (ended - _parse_time(run["created_at"], "created_at")).total_seconds()
+    redelivered = ", ".join(s["claim"] for s in summaries if s["receive_count"] > 1)
     return (f"plan: predicted {_duration(plan['seconds'])} and {_usd(plan['cost_usd'])} on "
             f"{plan['count']} {plan['noun'] if plan['count'] != 1 else plan['noun'][:-1]}; actual "
-            f"{_duration(actual)} ({(actual - plan['seconds']) / plan['seconds']:+.0%})")
+            f"{_duration(actual)} ({(actual - plan['seconds']) / plan['seconds']:+.0%})" + (redelivered and
+            f"; waited out the visibility timeout (a worker died holding it), unpriced by a plan: {redelivered}"))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -4751,7 +4751,7 @@ def crash_looping(conf, model):
 
 
 def announce_run(conf, model, items, claim_size, run_id):
-    """Tell a self-sizing local pool how many claims run `run_id` brings, so it starts workers while they stage."""
+    """Tell a self-sizing local pool the claims run `run_id` brings: it starts workers while they stage."""
     folder = state_dir(conf, model)
     bounds = read_scaling(folder)
     if bounds is not None:

@@ -285,3 +285,15 @@ def test_plan_seconds_and_pick():
     assert calque.parse_duration("2h") == 7200 and calque.parse_duration("90") == 90
     with pytest.raises(calque.UserError, match="--deadline"):
         calque.parse_duration("soon")
+
+
+def test_predicted_against_actual_names_the_claims_that_waited_out_a_dead_worker():
+    run = {"plan": {"seconds": 10.0, "cost_usd": 0.01, "count": 1, "noun": "workers"},
+           "claims": ["c00000", "c00001"], "created_at": "2026-12-02T08:00:00.000+00:00"}
+    done = [{"claim": "c00000", "receive_count": 1, "finished_at": "2026-12-02T08:00:05.000+00:00"},
+            {"claim": "c00001", "receive_count": 2, "finished_at": "2026-12-02T08:01:10.000+00:00"}]
+    line = calque.plan_against_actual(run, done)
+    assert line.startswith("plan: predicted 10.0 s and $0.01 on 1 worker; actual 70.0 s (+600%); waited out"), line
+    assert line.endswith("unpriced by a plan: c00001")
+    assert calque.plan_against_actual(run, [done[0], dict(done[1], receive_count=1)]).endswith("(+600%)")
+    assert calque.plan_against_actual(run, done[:1]) is None                # not finished yet
