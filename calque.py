@@ -4964,7 +4964,8 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
                         f"{command()} pool scale --model {pool} --workers 1 (or --instances N), or "
                         "submit --wait-for-workers to queue it anyway")
-    claim_size, run_id = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), run_id or new_run_id(pool)
+    claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    run_id = run_id or new_run_id(pool)   # before staging: announce_run names it
     if state == "starting":   # ("none" with wait_for_workers: what the caller asked for)
         print(f"calque: {why}", file=sys.stderr)
         announce_run(conf, pool, items, claim_size, run_id)
