@@ -2127,14 +2127,13 @@ def desired_count(visible, in_flight, current, seconds_per_claim, target_drain, 
                  since if desired == current else None, now, desired)
 
 
-def recent_summaries(backend, record, limit=SCALE_MEASURED_CLAIMS):
-    """Up to `limit` summaries of claims its workers ran since `pool create` wrote the pool's record (a
-    new handler times differently), newest run first; of a longer run, five consecutive claims in each
-    tenth of it: measured whole (its first claims share the cores with staging), workers, gaps kept."""
-    mine, found = slug(record["model"]), []
-    since = f"{mine}.{_parse_time(record['created_at'], 'created_at'):%Y%m%d-%H%M%S}"   # as run ids are
+def recent_summaries(backend, model, limit=SCALE_MEASURED_CLAIMS):
+    """Up to `limit` summaries of claims the pool's workers ran, newest run first; of a longer run,
+    ten stretches of five consecutive claims spread over it: the run measured whole (its first
+    claims share the cores with submit's staging), with its workers and their gaps between claims."""
+    found = []
     for run_id in sorted((f.rsplit("/", 1)[1] for f in backend.store.list("runs/")), reverse=True):
-        keys = list_summaries(backend, run_id) if run_slug(run_id) == mine and run_id >= since else []
+        keys = list_summaries(backend, run_id) if run_slug(run_id) == slug(model) else []
         take = min(SCALE_MEASURED_CLAIMS, limit - len(found))
         step = max(5, math.ceil(len(keys) / (take // 5 or 1)))    # five claims in each tenth of it
         keys = [key for at in range(0, len(keys), step) for key in keys[at:at + 5]][:take]
@@ -3187,7 +3186,8 @@ NOT_RUN = {   # what becomes of the claims of each state that did not run (forma
 def claim_states(backend, run, summaries, dead_letters=True):
     """{claim: (state, detail)}, state one of CLAIM_STATES (in no queue: its queue lost it), the
     detail the dead-letter or cancel reason. Without dead_letters: no DLQ scan, no queue look."""
-    by_claim, cancelled = {s["claim"]: s for s in summaries}, run.get("cancelled")
+    by_claim = {s["claim"]: s for s in summaries}
+    cancelled = run.get("cancelled")
     pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
     letters = DeadLetters(backend, run).claims() if pending and dead_letters else {}
     states = {}
@@ -5204,7 +5204,7 @@ def plan_run(conf, backend, model, items, claim_size, price):
     check_claim_size(claim_size)
     first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
     count = len(items) if first is None else len(first) + sum(1 for _ in items)
-    summaries = recent_summaries(backend, record, PLAN_CLAIMS_READ)
+    summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
     if not summaries:
         first = first if first is not None else items[:claim_size]
         run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # or refused
@@ -5213,7 +5213,7 @@ def plan_run(conf, backend, model, items, claim_size, price):
         if not run.wait():
             raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within "
                             f"CALQUE_TIMEOUT ---> HINT: {command()} runs show {run.run_id}")
-        summaries = recent_summaries(backend, record, PLAN_CLAIMS_READ)
+        summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
     return make_plan(backend, conf, record, count, claim_size, price, summaries)
 
 

@@ -218,8 +218,7 @@ class LocalScaler:
                     depth = dict(depth, visible=max(depth["visible"], wake["claims"] - depth["in_flight"]))
             # unmeasured, each look while claims wait: a plan's sample claim counts at once
             if now - self.measured > SCALE_MEASURE_EVERY or self.spc is None and depth["visible"]:
-                record = load_pool(self.backend, self.model)   # anew: `pool create` again resets it
-                summaries = recent_summaries(self.backend, record)
+                summaries = recent_summaries(self.backend, self.model)
                 self.spc, self.measured = measured_seconds(summaries)[0], now
         except (NotFound, StoreFault, UserError, OSError, sqlite3.Error) as e:
             if str(e) != self.error:     # once per distinct error
@@ -311,8 +310,8 @@ def _reap(slots, want, now, died):
             slot["proc"] = None
             for lease in slot.pop("leases", ()):   # its GPUs are free for any pool here
                 lease.close()
-            then = "not restarted: scaled in" if s >= want else f"restart {f'in {delay:g} s' if delay else 'at once'}"
-            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {code} ({kind}; {then})", flush=True)
+            print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {code} "
+                  f"({kind}; restart {f'in {delay:g} s' if delay else 'at once'})", flush=True)
             if code:   # a death: siblings commit more often (warmd.on_sibling_death)
                 died(proc.pid, code)
                 for other in slots.values():

@@ -249,8 +249,7 @@ def test_planner_measures_each_count_on_whole_runs(tmp_path):
     """A 40-claim run at 1 worker, then a 300-claim run at 4 whose first 100 claims ran at half speed (submit
     staging beside them): the 4-worker figure is that run's whole average, not its first claims', the 1-worker
     run is not crowded out by the bigger one, the reads are a sample, not 340, and the gap between a worker's
-    claims is measured on consecutive ones only (those of a sample's stretches). Runs older than the pool record
-    (created again) are not read."""
+    claims is measured on consecutive ones only (those of a sample's stretches)."""
     backend = calque.LocalBackend(str(tmp_path))
     for run_id, workers, claims in (("m.20261201-000000-aaaaaa", 1, 40), ("m.20261202-000000-bbbbbb", 4, 300)):
         calque.write_json(backend, calque.run_key(run_id), {"created_at": calque.now_iso(999.0 * workers),
@@ -264,8 +263,7 @@ def test_planner_measures_each_count_on_whole_runs(tmp_path):
                 "finished_at": calque.now_iso(free[worker] + seconds)})
             free[worker] += seconds + 0.003                 # 3 ms between a worker's claims
     gets = backend.requests["store_gets"]
-    pool = {"model": "m", "created_at": "2026-11-30T00:00:00+00:00"}
-    summaries = calque.recent_summaries(backend, pool, calque.PLAN_CLAIMS_READ)
+    summaries = calque.recent_summaries(backend, "m", calque.PLAN_CLAIMS_READ)
     measured = calque.per_item_by_count(summaries)
     assert backend.requests["store_gets"] - gets == calque.SCALE_MEASURED_CLAIMS + 40
     assert measured[1] == pytest.approx(0.001)
@@ -275,8 +273,6 @@ def test_planner_measures_each_count_on_whole_runs(tmp_path):
     sample = [dict(summaries[-1], run_id="m.20261130-000000-cccccc", claim_seconds=1.0)]   # a slow sample claim
     assert set(calque.per_item_by_count(stretches + sample)) == {4}       # 1 worker: scaled from the 50 claims
     assert calque.per_item_by_count(sample) == {1: 0.1}                    # where it is all there is
-    recreated = dict(pool, created_at="2026-12-01T12:00:00+00:00")         # pool create again: a new handler
-    assert {s["run_id"] for s in calque.recent_summaries(backend, recreated)} == {"m.20261202-000000-bbbbbb"}
 
 
 def test_plan_seconds_and_pick():
