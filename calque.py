@@ -3463,6 +3463,8 @@ def gpu_devices(conf):
 # counterfactual prices the same run as fresh acquisitions. Formulas: docs/cost.md.
 RATES_VERSION = 1                                     # rates.json schema this code reads
 LADDER_ITEMS = (10, 100, 1_000, 10_000, 100_000)      # item counts the crossover ladder prices
+LADDER_MIN_CLAIMS = 3                                 # finished claims a run's ladder extrapolates from: one
+                                                      # or two measure their start and writes more than c
 TIE_REL = 1e-9                                        # costs this close are a tie (float noise)
 
 
@@ -3608,21 +3610,17 @@ def serverless_rate_per_second(rates, card, count=1):
     return count * per_gpu
 
 
-def serverless_match(rates, instance_type):
-    """(card, count): the serverless GPUs standing in for this instance's ((None, 0): a CPU one)."""
-    instance_rate_per_second(rates, instance_type)  # same unknown-type error
-    inst = rates["ec2"]["instances"][instance_type]
-    return inst.get("serverless_card"), inst["gpus"]
-
-
 def serverless_stand_in(rates, instance_type):
-    """$/s of the serverless container standing in for this instance (GPUs, or vCPUs + memory)."""
-    card, count = serverless_match(rates, instance_type)
-    if count:
-        return serverless_rate_per_second(rates, card, count)
+    """($/s, what it is) of the serverless container standing in for this instance: its GPUs (the
+    card and count), or a CPU container of its cores (vCPUs / 2) and memory."""
+    instance_rate_per_second(rates, instance_type)  # same unknown-type error
     inst, per = rates["ec2"]["instances"][instance_type], rates["serverless"]
+    if inst["gpus"]:
+        return (serverless_rate_per_second(rates, inst["serverless_card"], inst["gpus"]),
+                f"{inst['gpus']}x {inst['serverless_card']}")
     return (inst["vcpus"] / 2 * per["cpu_usd_per_core_second"]["value"]
-            + inst["memory_gib"] * per["memory_usd_per_gib_second"]["value"])
+            + inst["memory_gib"] * per["memory_usd_per_gib_second"]["value"],
+            f"{inst['vcpus'] / 2:g} cores + {inst['memory_gib']:g} GiB")
 
 
 def price_label(rates, instance_type, spot=False, savings_plan=False):
@@ -3690,6 +3688,7 @@ def claim_cost(summary, rate_per_s, rates):
     variable = max(0.0, claim_seconds - enter)  # clamp: clocks read at different points can cross
     request_usd = request_cost(rates, summary.get("requests"))
     return {
+        "enter_seconds": enter, "acquisition_seconds": acquisition,
         "fixed_seconds": fixed, "variable_seconds": variable, "instance_seconds": fixed + variable,
         "fixed_usd": fixed * rate_per_s, "variable_usd": variable * rate_per_s,
         "request_usd": request_usd, "total_usd": (fixed + variable) * rate_per_s + request_usd,
@@ -3724,8 +3723,8 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
     requests = _add_counts(s.get("requests") for s in summaries)
     request_usd = request_cost(rates, requests)
     total = sum(c["total_usd"] for c in claims)
-    cold_seconds = shards * (acquisition_seconds + enter_seconds) + variable
-    cold_usd = cold_seconds * rate_per_s + request_usd
+    cold_fixed = shards * (acquisition_seconds + enter_seconds)
+    cold_usd = (cold_fixed + variable) * rate_per_s + request_usd
     saving = cold_usd - total if abs(cold_usd - total) >= 1e-8 else 0.0   # less: float noise
     notes = []
     partial = expected_claims is not None and len(summaries) < expected_claims
@@ -3743,6 +3742,8 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
         "items": items, "ok": ok, "failed": items - ok,
         "warm_hits": sum(1 for s in summaries if s.get("warm_hit")), "rate_per_second": rate_per_s,
         "fixed_seconds": fixed, "variable_seconds": variable, "instance_seconds": fixed + variable,
+        "enter_seconds_paid": sum(c["enter_seconds"] for c in claims),
+        "acquisition_seconds": sum(c["acquisition_seconds"] for c in claims),
         "fixed_usd": fixed * rate_per_s, "variable_usd": variable * rate_per_s,
         "requests": requests, "request_usd": request_usd,
         "requests_basis": "billed on SQS + S3" if backend == "aws" else "as if on SQS + S3",
@@ -3750,8 +3751,9 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
         "seconds_per_item": variable / items if items else None,  # the ladder's c
         "warm_usd": variable * rate_per_s + request_usd,
         "cold": {"shards": shards, "acquisition_seconds": acquisition_seconds,
-                 "enter_seconds": enter_seconds, "variable_seconds": variable,
-                 "instance_seconds": cold_seconds, "usd": cold_usd},
+                 "enter_seconds": enter_seconds, "fixed_seconds": cold_fixed, "variable_seconds": variable,
+                 "instance_seconds": cold_fixed + variable, "fixed_usd": cold_fixed * rate_per_s,
+                 "usd": cold_usd},
         "saving_usd": saving, "saving_fraction": saving / cold_usd if cold_usd > 0 else None,
         "inputs": {"instance rate": "published (rates file)", "claim seconds": "measured",
                    "request counts": "measured", "@enter seconds": enter_status,
@@ -3798,14 +3800,18 @@ def _pair(name_x, x, name_y, y):
     below, above = (name_x, name_y) if sx > sy else (name_y, name_x)
     out.update(break_even_items=n0, cheaper_below=below, cheaper_above=above,
                wins_from=max(1, _first_int_above(n0)))
+    last, tie = _last_int_below(n0), (f" (tie at {round(n0):,})" if _tie(n0, round(n0)) else "")
     if n0 <= 0:
         out["text"] = f"{above} cheaper at every n: no more up front and less per item"
-    elif n0 < 1 and not _tie(n0, 1):
-        out["text"] = f"{above} cheaper at every n >= 1 (break-even {n0:.4g} items)"
+    elif last < 1:   # items are whole: no fraction of one is shown
+        out["text"] = f"{above} cheaper from the first item" if not tie else f"{above} cheaper from 2 items{tie}"
     else:
-        out["text"] = (f"{below} cheaper below {n0:.6g} items, {above} from {out['wins_from']:,}"
-                       + (f" (tie at {round(n0):,})" if _tie(n0, round(n0)) else ""))
+        out["text"] = f"{below} cheaper up to {_items(last)}, {above} from {out['wins_from']:,}{tie}"
     return out
+
+
+def _items(n):
+    return f"{n:,} item" + ("" if n == 1 else "s")
 
 
 def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER_ITEMS, request_usd_per_item=0.0):
@@ -3861,10 +3867,12 @@ def _span_reason(x, fx_sx, y, fy_sy, span):
         return f"same $ per item as {y} but {_usd(fx - fy)} more up front"
     lo, hi = span
     if math.isinf(hi):
-        return "" if lo < 1 else f"cheaper than {y} only above {lo:.6g} items"
+        return "" if lo < 1 else f"cheaper than {y} only from {_items(_first_int_above(lo))}"
     if hi <= 0:
         return f"{y} costs no more up front ({_usd(fy)} vs {_usd(fx)}) and less per item ({_usd(sy)} vs {_usd(sx)})"
-    return f"cheaper than {y} only below {hi:.6g} items"
+    if _last_int_below(hi) < 1:   # cheaper only below one item: items are whole
+        return f"{y} cheaper from the first item ({_usd(sy)} vs {_usd(sx)} per item outweighs {_usd(fy - fx)} up front)"
+    return f"cheaper than {y} only up to {_items(_last_int_below(hi))}"
 
 
 def _parse_time(text, what):
@@ -3947,8 +3955,9 @@ def pool_cost(worker_stats, rate_per_s, rates, cold_enter_seconds, acquisition_s
 
 
 class Pricing(typing.NamedTuple):
-    """What a cost is priced with: rates, instance type, its $/s and label, the purchase option, and
-    whether the user named the type (else work that used no GPU is priced as CPU: for_gpu_use)."""
+    """What a cost is priced with: rates, instance type, its $/s and label, the purchase option,
+    whether the user named the type (else work that used no GPU is priced as CPU: choose_pricing),
+    and the serverless container standing in for the instance: its $/s and what it is."""
     rates: dict
     instance_type: str
     rate_per_s: float
@@ -3956,6 +3965,8 @@ class Pricing(typing.NamedTuple):
     spot: bool = False
     savings_plan: bool = False
     chosen: bool = True
+    serverless_rate: float = 0.0
+    serverless: str = ""
 
 
 def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False, rates=None):
@@ -3964,7 +3975,7 @@ def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False,
     chosen, instance_type = instance_type is not None, instance_type or rates["defaults"]["instance_type"]["value"]
     rate = instance_rate_per_second(rates, instance_type, spot=spot, savings_plan=savings_plan)
     return Pricing(rates, instance_type, rate, price_label(rates, instance_type, spot=spot, savings_plan=savings_plan),
-                   spot, savings_plan, chosen)
+                   spot, savings_plan, chosen, *serverless_stand_in(rates, instance_type))
 
 
 def used_no_gpu(records):
@@ -3975,10 +3986,12 @@ def used_no_gpu(records):
         for s in records)
 
 
-def for_gpu_use(price, records):
-    """The Pricing of a run's summaries or a pool's worker stats: default-priced work that saw no
-    GPU is priced as the rates file's defaults.cpu_instance_type, or, without one, its label says
-    a GPU price was assumed."""
+def choose_pricing(price, records):
+    """The one choice of instance and serverless stand-in that plan, submit, cost, pool cost, the
+    dashboard and the report all price with: `price` (the cost options given) for the work that
+    `records` (claim summaries or worker stats) describe. Default-priced work that saw no GPU is
+    priced as the rates file's defaults.cpu_instance_type, or, without one, its label says a GPU
+    price was assumed."""
     if price.chosen or not used_no_gpu(records):
         return price
     cpu = price.rates["defaults"].get("cpu_instance_type", {}).get("value")
@@ -3990,10 +4003,20 @@ def for_gpu_use(price, records):
                            chosen=False)
 
 
+def pool_cost_report(worker_stats, price, since=None):
+    """(report, label) of a pool from its workers' stats: pool_cost at choose_pricing's price, A the
+    rates file's acquisition (assumed), E the workers' measured mean."""
+    price = choose_pricing(price, worker_stats)
+    report = pool_cost(worker_stats, price.rate_per_s, price.rates, None,
+                       price.rates["defaults"]["acquisition_seconds"]["value"], since=since)
+    return report, price.label
+
+
 def run_cost_report(backend, run, summaries, price):
     """(report, ladder, label, status) of a run. E is measured; A is the rates file's assumption
     for a pool run, and its measured start-up for a cold one (its own counterfactual)."""
-    rates, instance_type, rate, label = for_gpu_use(price, summaries)[:4]
+    price = choose_pricing(price, summaries)
+    rates, rate = price.rates, price.rate_per_s
     if run["mode"] == "cold":
         paid = [s for s in summaries if s["enter_seconds_paid"] > 0]
         if paid:
@@ -4014,11 +4037,14 @@ def run_cost_report(backend, run, summaries, price):
                       expected_claims=len(run["claims"]), backend=backend.kind)
     ladder = None
     if report["seconds_per_item"] is not None:
-        ladder = crossover_ladder(report["seconds_per_item"], enter, acquisition, rate,
-                                  serverless_stand_in(rates, instance_type),
+        ladder = crossover_ladder(report["seconds_per_item"], enter, acquisition, rate, price.serverless_rate,
                                   request_usd_per_item=report["request_usd"] / report["items"])
-    status = {"c": "measured", "E": enter_status.split(" ")[0], "A": acquisition_status.split(" ")[0], "q": "measured"}
-    return report, ladder, label, status
+        ladder["too_few_claims"] = (f"not enough claims to extrapolate: {report['claims']} finished, the "
+                                    f"ladder needs {LADDER_MIN_CLAIMS}" if report["claims"] < LADDER_MIN_CLAIMS
+                                    else None)
+    status = {"c": "measured", "E": enter_status.split(" ")[0], "A": acquisition_status.split(" ")[0], "q": "measured",
+              "R": f"published, {price.serverless}"}
+    return report, ladder, price.label, status
 
 
 def _usd(x):
@@ -4045,17 +4071,18 @@ def format_run_cost(report, priced_as):
     per_1000 = report["usd_per_1000_items"]
     lines = [
         f"cost      priced as {priced_as}" + ("  [PARTIAL]" if report["partial"] else ""),
-        f"  fixed     {report['fixed_seconds']:.1f} s (@enter paid + acquisition)  {_usd(report['fixed_usd'])}",
-        f"  variable  {report['variable_seconds']:.1f} s (drain)  {_usd(report['variable_usd'])}",
+        f"  fixed     {report['acquisition_seconds']:.2f} s acquisition + {report['enter_seconds_paid']:.2f} s "
+        f"@enter paid = {report['fixed_seconds']:.2f} s  {_usd(report['fixed_usd'])}",
+        f"  variable  {report['variable_seconds']:.2f} s (drain)  {_usd(report['variable_usd'])}",
         f"  requests  {n['queue_receives'] + n['queue_empty_receives'] + n['queue_other']:,} queue "
         f"({n['queue_empty_receives']:,} empty receives), {n['store_gets']:,} gets, "
         f"{n['store_puts'] + n['store_lists']:,} puts/lists  "
         f"{_usd(report['request_usd'])} ({report['requests_basis']})",
         f"  total     {_usd(report['total_usd'])} for {report['items']:,} items ({report['claims']} claims, "
         f"{report['warm_hits']} warm hits)" + (f" = {_usd(per_1000)} per 1,000 items" if per_1000 is not None else ""),
-        f"  cold      {_usd(cold['usd'])} as a fresh acquisition: {cold['shards']} x "
-        f"({cold['acquisition_seconds']:.0f} s acquisition + {cold['enter_seconds']:.1f} s @enter) "
-        f"+ {cold['variable_seconds']:.1f} s drain",
+        f"  cold      {_usd(cold['usd'])} as a fresh acquisition: its fixed + the same variable and requests",
+        f"    fixed   {cold['shards']} x ({cold['acquisition_seconds']:.2f} s acquisition + "
+        f"{cold['enter_seconds']:.2f} s @enter) = {cold['fixed_seconds']:.2f} s  {_usd(cold['fixed_usd'])}",
     ]
     if report["saving_fraction"] is not None:
         lines.append(f"  saving    {_usd(report['saving_usd'])} ({report['saving_fraction']:.1%}) against cold; "
@@ -4072,9 +4099,12 @@ def format_ladder(ladder, status):
         f"ladder    c = {i['c']:.4g} s/item ({status.get('c', 'assumed')}), E = {i['E']:.4g} s @enter "
         f"({status.get('E', 'assumed')}), A = {i['A']:.4g} s acquisition ({status.get('A', 'assumed')})",
         f"          instance {_usd(i['instance_rate'] * 3600)}/h, serverless {_usd(i['serverless_rate'] * 3600)}/h "
-        f"(published), requests {_usd(i['request_usd_per_item'])}/item ({status.get('q', 'measured')})",
-        f"  {'items':>9}  {'warm':>13}  {'cold':>13}  {'serverless':>13}  cheapest",
+        f"({status.get('R', 'published')}), requests {_usd(i['request_usd_per_item'])}/item "
+        f"({status.get('q', 'measured')})",
     ]
+    if ladder.get("too_few_claims"):
+        return lines + [f"  {ladder['too_few_claims']}"]
+    lines.append(f"  {'items':>9}  {'warm':>13}  {'cold':>13}  {'serverless':>13}  cheapest")
     for row in ladder["rows"]:
         lines.append(f"  {row['items']:>9,}  {_usd(row['warm_usd']):>13}  {_usd(row['cold_usd']):>13}  "
                      f"{_usd(row['serverless_usd']):>13}  {row['cheapest']}")
@@ -4122,8 +4152,8 @@ def format_pool_cost(report, priced_as, model):
     if per_1000 is not None:
         lines.append(f"  per 1,000 {_usd(per_1000)} with idle, {_usd(drain_1000)} drain only")
     lines.append(f"  cold      {_usd(cold['usd'])} for {cold['starts']:,.0f} cold starts x "
-                 f"({cold['acquisition_seconds']:.0f} s "
-                 f"acquisition + {cold['enter_seconds']:.1f} s @enter) + the same drain: "
+                 f"({cold['acquisition_seconds']:.2f} s acquisition + {cold['enter_seconds']:.2f} s @enter) = "
+                 f"{cold['starts'] * (cold['acquisition_seconds'] + cold['enter_seconds']):,.2f} s + the same drain: "
                  + ("warm is cheaper" if report["warm_beats_cold"] else "COLD would have been cheaper"))
     per_claim = report["idle_budget_per_claim_seconds"]
     lines.append(f"  idle      budget {report['idle_budget_seconds']:,.0f} instance-s, used "
@@ -4605,6 +4635,7 @@ def per_item_at(measured, n, cores):
 def make_plan(backend, conf, record, items, claim_size, price, summaries):
     """The plan of `items` in claims of `claim_size`: per count 1..B its wall time and cost, from
     measured per-item seconds, overheads and start-up; beside it, cold and serverless."""
+    price = choose_pricing(price, summaries)   # the claims it measured: as `cost` prices their runs
     rates, itype = price.rates, price.instance_type
     rate, spot_rate = (instance_rate_per_second(rates, itype, spot=spot) for spot in (False, True))
     measured = per_item_by_count(summaries)
@@ -4631,18 +4662,16 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
                         "spot_cost_usd": n * seconds * spot_rate, "starting": n - running,
                         "seconds_per_item": per_item, "measured": n in measured})
     drain = sum(claims)   # cold and serverless counterfactuals: B at once, at B's seconds per item
-    card, count = serverless_match(rates, itype)
     cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
     return {"model": record["model"], "items": items, "claims": len(claims), "claim_size": claim_size,
             "seconds_per_item": options[-1]["seconds_per_item"], "measured_claims": len(summaries),
             "enter_seconds": enter, "claim_gap_seconds": gap, "first_claim_seconds": latency,
             "start_seconds": start, "running": warm, "noun": noun, "instance_type": itype,
-            "options": options,
+            "priced_as": price.label, "options": options,
             "cold": {noun: ceiling, "seconds": plan_seconds(claims, [cold_acquisition + enter] * ceiling),
                      "cost_usd": (ceiling * (cold_acquisition + enter) + drain) * rate},
-            "serverless": {"card": f"{count}x {card}", "seconds": plan_seconds(claims, [enter] * ceiling),
-                           "cost_usd": (drain + ceiling * enter)
-                           * serverless_rate_per_second(rates, card, count)}}
+            "serverless": {"container": price.serverless, "seconds": plan_seconds(claims, [enter] * ceiling),
+                           "cost_usd": (drain + ceiling * enter) * price.serverless_rate}}
 
 
 def pick_option(plan, deadline=None, budget=None):
@@ -4657,8 +4686,8 @@ def format_plan(plan):
              f"on pool {plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured "
              f"over {plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s "
              f"between claims, first claim after {plan['first_claim_seconds']:.3g} s; "
-             f"{plan['running']} {noun} running, a new one starts in {plan['start_seconds']:.3g} "
-             f"s; {plan['instance_type']}",
+             f"{plan['running']} {noun} running, a new one starts in {plan['start_seconds']:.3g} s",
+             f"  priced as {plan['priced_as']}",
              f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
     for o in plan["options"]:
         scaled = "" if o["measured"] else "  (scaled from another count)"
@@ -4667,7 +4696,7 @@ def format_plan(plan):
     cold, serverless = plan["cold"], plan["serverless"]
     lines.append(f"  cold start ({cold[noun]} fresh {noun}, each paying acquisition + @enter): "
                  f"{_duration(cold['seconds'])}, {_usd(cold['cost_usd'])}")
-    lines.append(f"  serverless ({serverless['card']} per container, {cold[noun]} containers): "
+    lines.append(f"  serverless ({serverless['container']} per container, {cold[noun]} containers): "
                  f"{_duration(serverless['seconds'])}, {_usd(serverless['cost_usd'])}")
     return lines
 
@@ -5415,10 +5444,7 @@ def cmd_pool_delete(conf, backend, args):
 
 def cmd_pool_cost(conf, backend, args):
     load_pool(backend, args.model)
-    stats = read_worker_stats(backend, args.model)
-    rates, _, rate, label = for_gpu_use(_pricing(args), stats)[:4]
-    report = pool_cost(stats, rate, rates, None,
-                       rates["defaults"]["acquisition_seconds"]["value"], since=args.since)
+    report, label = pool_cost_report(read_worker_stats(backend, args.model), _pricing(args), args.since)
     return emit(args, {"model": args.model, "priced_as": label, "cost": report},
                 format_pool_cost, report, label, args.model)
 

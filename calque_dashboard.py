@@ -219,10 +219,8 @@ class Dashboard:
             view["workers"] = pool_workers(self.pool_status(model), latest_summaries(caches))
             view["timeline"] = timeline(caches, stats, live=bool(view["workers_running"]))
             view["runs"] = [self.cost_row(c) for c in caches + self.model_runs(model, "cold", 1)]
-            rates, _, rate, view["priced_as"] = self.price[:4]
-            acquisition = rates["defaults"]["acquisition_seconds"]["value"]
-            view["pool_cost"] = (calque.pool_cost(stats, rate, rates, None, acquisition)
-                                 if stats else None)
+            cost, view["priced_as"] = calque.pool_cost_report(stats, self.price)
+            view["pool_cost"] = cost if stats else None
             return view
 
     def cost_row(self, cache):
@@ -769,8 +767,9 @@ def run_body(v):
                      f"{cost_bars(bars)}<p class=mute>{c['items']:,} items priced as "
                      f"{esc(c['priced_as'])}; {saving}</p></section>")
         if c["ladder"]:
-            parts.append(f"<section><h2>crossover ladder</h2>{svg_ladder(c['ladder'], c['items'])}"
-                         "</section>")
+            few = c["ladder"]["too_few_claims"]
+            parts.append("<section><h2>crossover ladder</h2>" + (f"<p class=mute>{esc(few)}</p>" if few else
+                         svg_ladder(c["ladder"], c["items"])) + "</section>")
     parts.append(failures_section(v["failures"]) + "</div>")
     logs = "".join(f"<p class=mute>{esc(path)}</p><pre>{esc(chr(10).join(lines))}</pre>"
                    for path, lines in v["logs"].items())

@@ -13,7 +13,7 @@ import pytest
 from calque import (
     UserError, _usd, claim_cost, crossover_ladder, format_ladder, format_pool_cost, format_run_cost,
     instance_rate_per_second, load_rates, measured_enter_seconds, pool_cost, price_label, request_cost,
-    run_cost, serverless_match, serverless_rate_per_second,
+    run_cost, serverless_rate_per_second, serverless_stand_in,
 )
 
 REPO_RATES = Path(__file__).resolve().parent.parent / "rates.json"
@@ -86,7 +86,7 @@ def test_shipped_g5_xlarge_matches_its_published_price():
     """g5.xlarge is $1.006/h; its serverless stand-in is one A10G plus a container's CPU and memory."""
     rates = load_rates(REPO_RATES)
     assert instance_rate_per_second(rates, "g5.xlarge") * 3600 == pytest.approx(1.006)
-    assert serverless_match(rates, "g5.xlarge") == ("A10G", 1)
+    assert serverless_stand_in(rates, "g5.xlarge")[1] == "1x A10G"
     # 0.000306 GPU + 2 cores * 0.0000131 + 16 GiB * 0.00000222 = 0.00036772 $/s
     assert serverless_rate_per_second(rates, "A10G") == pytest.approx(0.00036772)
 
@@ -605,15 +605,15 @@ def test_a_run_without_a_gpu_is_priced_as_a_cpu_instance(tmp_path):
     no_gpu = dict(summary(), gpu_utilisation={"measured": False, "reason": "no GPU visible to NVML (NVMLError)"})
     gpu = dict(summary(), gpu_utilisation={"measured": True, "value": 0.5})
     price = calque.pricing()
-    cpu = calque.for_gpu_use(price, [no_gpu, no_gpu])
+    cpu = calque.choose_pricing(price, [no_gpu, no_gpu])
     assert cpu.instance_type == "c7i.xlarge" and cpu.rate_per_s * 3600 == pytest.approx(0.1785)
     assert cpu.label.startswith("c7i.xlarge (4 vCPU, no GPU) on-demand $0.1785/h") and "saw a GPU" in cpu.label
-    assert calque.for_gpu_use(price, [no_gpu, gpu]) == price and calque.for_gpu_use(price, []) == price
-    assert calque.for_gpu_use(calque.pricing(instance_type="g5.xlarge"), [no_gpu]).instance_type == "g5.xlarge"
-    assert calque.for_gpu_use(calque.pricing(spot=True), [no_gpu]).rate_per_s == pytest.approx(0.1785 * 0.35 / 3600)
-    assert calque.serverless_stand_in(price.rates, "c7i.xlarge") == pytest.approx(2 * 1.31e-05 + 8 * 2.22e-06)
+    assert calque.choose_pricing(price, [no_gpu, gpu]) == price and calque.choose_pricing(price, []) == price
+    assert calque.choose_pricing(calque.pricing(instance_type="g5.xlarge"), [no_gpu]).instance_type == "g5.xlarge"
+    assert calque.choose_pricing(calque.pricing(spot=True), [no_gpu]).rate_per_s == pytest.approx(0.1785 * 0.35 / 3600)
+    assert calque.serverless_stand_in(price.rates, "c7i.xlarge")[0] == pytest.approx(2 * 1.31e-05 + 8 * 2.22e-06)
     bare = calque.pricing(rates_file=write_rates(tmp_path, RATES))
-    assert calque.for_gpu_use(bare, [no_gpu]).label.endswith("a GPU price assumed for work that used no GPU (the rates "
+    assert calque.choose_pricing(bare, [no_gpu]).label.endswith("a GPU price assumed for work that used no GPU (the rates "
                                                         "file names no defaults.cpu_instance_type)")
     lines = format_run_cost(run_cost([no_gpu], cpu.rate_per_s, price.rates, 0.0, 0.0), cpu.label)
     assert lines[0].startswith("cost      priced as c7i.xlarge (4 vCPU, no GPU)")
