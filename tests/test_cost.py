@@ -4,14 +4,17 @@ Most cases use a small rates file with round numbers (an instance at $3.60/h = $
 arithmetic in the comments can be checked by hand.
 """
 import copy
+import os
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
 
 # The one import of the code under test (becomes `from calque import ...` when merged).
 from calque import (
-    UserError, _usd, claim_cost, crossover_ladder, format_ladder, format_pool_cost, format_run_cost,
+    UserError, _pair, _span_reason, _usd, claim_cost, crossover_ladder, format_ladder, format_pool_cost, format_run_cost,
     instance_rate_per_second, load_rates, measured_enter_seconds, pool_cost, price_label, request_cost,
     run_cost, serverless_rate_per_second, serverless_stand_in,
 )
@@ -336,6 +339,23 @@ def test_ladder_columns_are_monotone_in_items():
         assert row["cold_usd"] - row["warm_usd"] == pytest.approx(r * 120)
 
 
+def test_ladder_never_shows_a_fraction_of_an_item():
+    """Break-evens are told in whole items: the issue's 3-item run (c = 0.34 ms, E = 0, A = 90 s, priced as
+    c7i.xlarge against its CPU container) says serverless wins from the first item, not 'below 0.0005 items';
+    a break-even at 16.5 items says 'up to 16 items' and 'from 17'."""
+    rates = load_rates(REPO_RATES)
+    lad = crossover_ladder(0.0003377, 0.0, 90.0, 0.1785 / 3600, serverless_stand_in(rates, "c7i.xlarge")[0],
+                           request_usd_per_item=5.93e-6)
+    lad["too_few_claims"] = None
+    text = "\n".join(format_ladder(lad, {}))
+    assert "serverless  cheapest at every n" in text and "warm        never:" in text
+    assert not re.search(r"\d\.\d+ items", text), text
+    pair = _pair("warm", (0.0, 1.0), "serverless", (8.25, 0.5))   # warm n vs 8.25 + 0.5 n: 16.5 items
+    assert pair["text"] == "warm cheaper up to 16 items, serverless from 17" and pair["wins_from"] == 17
+    assert _span_reason("warm", (0.0, 1.0), "serverless", (8.25, 0.5), (-math.inf, 16.5)) == \
+        "cheaper than serverless only up to 16 items"
+
+
 def test_ladder_rejects_bad_inputs():
     """Negative seconds or a zero rate are refused."""
     with pytest.raises(ValueError):
@@ -629,3 +649,73 @@ def test_money_noise_prints_as_zero():
     report = run_cost(claims, 0.1785 / 3600, RATES, 0.15, 20.0)   # a cold run: summed two ways, 4e-19 apart
     assert report["cold"]["usd"] != report["total_usd"]
     assert report["saving_usd"] == 0.0 and report["saving_fraction"] == 0.0
+
+
+def _dollars(text):
+    return float(text.replace("$", "").replace(",", ""))
+
+
+def test_every_verb_prices_a_pool_alike(local_env, tmp_path):
+    """plan, submit, cost, pool cost, the dashboard and runs report price one pool with one chooser: the same
+    instance, label and serverless stand-in (here workers see no GPU: c7i.xlarge and its CPU container), and
+    --instance-type moves them all; `cost RUN`'s fixed seconds and cold block add up on their lines; both
+    spellings (python calque.py, the installed calque)."""
+    import html
+    import subprocess
+    import calque
+    import calque_dashboard
+    from conftest import PY, backend_for
+    installed = lambda *args: subprocess.run([os.path.join(os.path.dirname(PY), "calque"), *args], env=local_env,
+                                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "1",
+               cwd=tmp_path).returncode == 0
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(12)])
+    submitted = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "4", cwd=tmp_path)
+    assert submitted.returncode == 0, submitted.stderr
+    run_id = submitted.stdout.split()[1]
+    backend = backend_for(local_env)
+    no_gpu = all(w["no_gpu"] for w in calque.read_worker_stats(backend, "m"))
+    itype, container = ("c7i.xlarge", "2 cores + 8 GiB") if no_gpu else ("g5.xlarge", "1x A10G")
+    plan = _json.loads(cli(local_env, "plan", "--pool", "m", items, "--json", cwd=tmp_path).stdout)
+    cost = _json.loads(cli(local_env, "cost", run_id, "--json", cwd=tmp_path).stdout)[0]
+    pool = _json.loads(cli(local_env, "pool", "cost", "--model", "m", "--json", cwd=tmp_path).stdout)
+    label = cost["priced_as"]
+    assert label.startswith(itype) and ("no worker saw a GPU" in label) == no_gpu
+    assert plan["priced_as"] == pool["priced_as"] == label and plan["instance_type"] == itype
+    assert f"priced as {label}" in submitted.stdout
+    assert plan["serverless"]["container"] == container
+    assert cost["ladder"]["inputs"]["serverless_rate"] == pytest.approx(
+        calque.serverless_stand_in(calque.load_rates(), itype)[0])
+    board = calque_dashboard.Dashboard({"CALQUE_STATE": local_env["CALQUE_STATE"]}, backend, calque.pricing())
+    assert board.pool_view("m")["priced_as"] == board.run_view(run_id)["cost"]["priced_as"] == label
+    report = tmp_path / "report.html"
+    assert installed("runs", "report", run_id, "--html", str(report)).returncode == 0
+    assert html.escape(label) in report.read_text()
+
+    text = installed("plan", "--pool", "m", items)          # the installed spelling prints what --json says
+    assert text.returncode == 0 and f"priced as {label}" in text.stdout and f"({container} per container" in text.stdout
+    text = installed("cost", run_id).stdout
+    assert f"(published, {container})" in text and "cheapest" in text and not re.search(r"\d\.\d+ items", text)
+    acq, enter, fixed = map(float, re.search(r"fixed +([\d.]+) s acquisition \+ ([\d.]+) s @enter paid = ([\d.]+) s",
+                                             text).groups())
+    assert abs(acq + enter - fixed) <= 0.01
+    cold_usd = _dollars(re.search(r"cold +(\$[\d.,]+) as a fresh acquisition", text)[1])
+    shards, acq, enter, fixed, fixed_usd = re.search(
+        r"  fixed +(\d+) x \(([\d.]+) s acquisition \+ ([\d.]+) s @enter\) = ([\d.]+) s +(\$[\d.,]+)", text).groups()
+    assert abs(int(shards) * (float(acq) + float(enter)) - float(fixed)) <= 0.01
+    variable_usd = _dollars(re.search(r"variable .* s \(drain\) +(\$[\d.,]+)", text)[1])
+    request_usd = _dollars(re.search(r"requests .* (\$[\d.,]+) \(as if", text)[1])
+    assert _dollars(fixed_usd) + variable_usd + request_usd == pytest.approx(cold_usd, rel=1e-4)
+
+    few = cli(local_env, "submit", "--pool", "m", write_items(tmp_path / "few.jsonl", [{"x": 1}] * 3), cwd=tmp_path)
+    text = cli(local_env, "cost", few.stdout.split()[1], cwd=tmp_path).stdout
+    assert "not enough claims to extrapolate: 1 finished, the ladder needs 3" in text and "cheapest" not in text
+    page = calque_dashboard.run_body(board.run_view(few.stdout.split()[1]))
+    assert "not enough claims to extrapolate" in page and 'id="ladder"' not in page
+
+    named = _json.loads(cli(local_env, "plan", "--pool", "m", items, "--instance-type", "g5.xlarge", "--json",
+                            cwd=tmp_path).stdout)
+    cost = _json.loads(installed("cost", run_id, "--instance-type", "g5.xlarge", "--json").stdout)[0]
+    assert named["priced_as"] == cost["priced_as"] and cost["priced_as"].startswith("g5.xlarge (1x A10G)")
+    assert named["serverless"]["container"] == "1x A10G"
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
