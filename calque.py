@@ -3048,6 +3048,16 @@ def typed_fields(parts):
     return list(dict.fromkeys(b.field for part in parts for b in part.blocks))
 
 
+def result_fields(parts):
+    """The fields of the parts' ok results, as first met: their dicts' keys (typed ones too: null in
+    the lines), None for a result that is no dict."""
+    fields = {}
+    for line in map(orjson.loads, (line for part in parts for line in part.lines)):
+        if line["ok"]:
+            fields.update(dict.fromkeys(line["result"] if isinstance(line["result"], dict) else [None]))
+    return fields
+
+
 def with_parts(backend, run, claims):
     """(index, claim, its parts) for each (index, claim) of `claims`."""
     for index, claim in claims:
@@ -3058,7 +3068,7 @@ def run_array(run, claims, field=None, fill=None):
     """One array of `field` (None: the result, or its only array) over `claims` ((index, claim,
     parts)); a row without it is `fill` (default NaN for floats, else a UserError)."""
     import numpy as np
-    pieces, missing, choose = [], 0, field is None
+    pieces, missing, choose, there = [], 0, field is None, {}
     for index, claim, parts in claims:
         if choose and typed_fields(parts):      # the first claim with arrays says which
             choose, names = False, typed_fields(parts)
@@ -3073,6 +3083,14 @@ def run_array(run, claims, field=None, fill=None):
                             f"({e}) ---> HINT: read it with to_arrow() or runs results --format parquet")
         pieces.append((claim_items(run, index), rows, values))
         missing += claim_items(run, index) - len(rows)
+        if field is not None and not len(rows):   # what it has instead, should no claim have it
+            there.update(result_fields(parts))
+    if field is not None and not any(len(rows) for _, rows, _ in pieces):
+        names = [f for f in there if f is not None]
+        why = (f"its results have {', '.join(map(repr, names))} ---> HINT: to_numpy({names[0]!r}), or {command()} "
+               f"runs results {run['run_id']} --format npy --field {names[0]}" if names else "its results are not dicts ---> HINT: to_numpy() reads the "
+               "result itself" if None in there else f"no item succeeded ---> HINT: runs show {run['run_id']}")
+        raise UserError(f"run {run['run_id']}: no result has the field {field!r}: {why}")
     shape, dtype = next(((v.shape[1:], v.dtype) for _, _, v in pieces if len(v)), ((), np.dtype("float64")))
     if missing and fill is None and dtype.kind != "f":
         raise UserError(f"run {run['run_id']}: {missing} items have no {field or 'result'} (failed, or none in "
@@ -5162,10 +5180,13 @@ def report_submitted(backend, run, summaries, timed_out, args):
     return code
 
 
-def write_results(lines, failed_only):
-    """Result lines (only the failed ones with failed_only) to stdout, flushed for a follower."""
-    sys.stdout.write("".join(line for line in lines if not failed_only or not json.loads(line)["ok"]))
-    sys.stdout.flush()
+def write_results(out, lines, failed_only):
+    """Result lines (only the failed ones with failed_only) to the binary stream `out`, flushed for
+    a follower; how many."""
+    lines = [line for line in lines if not failed_only or not json.loads(line)["ok"]]
+    out.write("".join(lines).encode())
+    out.flush()
+    return len(lines)
 
 
 class NoPandas:
@@ -5182,9 +5203,9 @@ def print_lost(e):
     return EXIT_FAILED
 
 
-def write_binary_results(backend, run, claims, args):
-    """The results of `claims` as one Parquet table or .npy array, to --output (opened first,
-    removed on failure) or stdout; EXIT_FAILED when a claim's part cannot be read (on stderr)."""
+def write_binary_results(out, backend, run, claims, args):
+    """The results of `claims` as one Parquet table or .npy array to `out`: (exit code, rows);
+    EXIT_FAILED when a claim's part cannot be read (on stderr)."""
     def readable():
         nonlocal code
         for index, claim in claims:
@@ -5193,30 +5214,42 @@ def write_binary_results(backend, run, claims, args):
             except ResultsIncomplete as e:
                 code = print_lost(e)
     code = EXIT_OK
-    with contextlib.nullcontext(sys.stdout.buffer) if args.output is None else open_output(args.output) as out:
+    if args.format == "npy":
+        import numpy as np
+        array = run_array(run, readable(), args.field, args.fill)
+        np.save(out, array, allow_pickle=False)
+        return code, len(array)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    if "pandas" not in sys.modules:   # pyarrow would import it (a third of the time)
+        sys.meta_path.insert(0, NoPandas)
         try:
-            if args.format == "npy":
-                import numpy as np
-                np.save(out, run_array(run, readable(), args.field, args.fill), allow_pickle=False)
-                return code
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-            if "pandas" not in sys.modules:   # pyarrow would import it (a third of the time)
-                sys.meta_path.insert(0, NoPandas)
-                try:
-                    pa.array([None])
-                finally:
-                    sys.meta_path.remove(NoPandas)
-            table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
-            if args.failed:
-                import pyarrow.compute as pc
-                table = table.filter(pc.invert(table["ok"]))
-            pq.write_table(table, out)
-            return code
+            pa.array([None])
+        finally:
+            sys.meta_path.remove(NoPandas)
+    table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
+    if args.failed:
+        import pyarrow.compute as pc
+        table = table.filter(pc.invert(table["ok"]))
+    pq.write_table(table, out)
+    return code, table.num_rows
+
+
+@contextlib.contextmanager
+def results_output(path):
+    """Where `runs results` writes: stdout's bytes, or the file at `path` (opened first, removed on
+    failure, and what was written said on stderr: rows, bytes, path). Yields a list to add rows to."""
+    if path is None:
+        yield sys.stdout.buffer, []
+        return
+    rows = []
+    with open_output(path) as out:
+        try:
+            yield out, rows
         except BaseException:
-            if args.output is not None:
-                os.unlink(args.output)
+            os.unlink(path)
             raise
+    print(f"runs results: wrote {sum(rows):,} rows, {os.path.getsize(path):,} bytes, to {path}", file=sys.stderr)
 
 
 def open_output(path):
@@ -5619,33 +5652,36 @@ def cmd_runs_results(conf, backend, args):
     if binary and args.output is None and sys.stdout.isatty():
         raise UserError(f"--format {args.format} writes binary: not to a terminal ---> HINT: --output PATH")
     run = read_run(backend, args.run)
-    if args.follow:
-        try:
-            for lines in follow_results(backend, run):
-                write_results(lines, args.failed)
-        except ResultsIncomplete as e:
-            print(f"calque: error: {e}", file=sys.stderr)
-            return EXIT_FAILED
-        return EXIT_OK
-    view = run_view(backend, run, read_summaries(backend, args.run))
-    code, not_run, done = EXIT_OK, {}, []
-    for index, claim in enumerate(run["claims"]):
-        state = view["claims"][claim]["state"]
-        if state not in ("done", "failed"):
-            not_run.setdefault(state, []).append(claim)
-            continue
-        try:
-            lines = claim_results(backend, args.run, claim, claim_items(run, index)) if not binary else None
-        except ResultsIncomplete as e:
-            code = print_lost(e)
-            continue
+    with results_output(args.output) as (out, rows):
+        if args.follow:
+            try:
+                for lines in follow_results(backend, run):
+                    rows.append(write_results(out, lines, args.failed))
+            except ResultsIncomplete as e:
+                print(f"calque: error: {e}", file=sys.stderr)
+                return EXIT_FAILED
+            return EXIT_OK
+        view = run_view(backend, run, read_summaries(backend, args.run))
+        code, not_run, done = EXIT_OK, {}, []
+        for index, claim in enumerate(run["claims"]):
+            state = view["claims"][claim]["state"]
+            if state not in ("done", "failed"):
+                not_run.setdefault(state, []).append(claim)
+                continue
+            try:
+                lines = claim_results(backend, args.run, claim, claim_items(run, index)) if not binary else None
+            except ResultsIncomplete as e:
+                code = print_lost(e)
+                continue
+            if binary:
+                done.append((index, claim))
+            else:
+                rows.append(write_results(out, with_ids(backend, run, claim, lines, run["id_field"])
+                                          if run.get("id_field") else lines, args.failed))
         if binary:
-            done.append((index, claim))
-        else:
-            write_results(with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines,
-                          args.failed)
-    if binary:
-        code = max(code, write_binary_results(backend, run, done, args))
+            written = write_binary_results(out, backend, run, done, args)
+            code = max(code, written[0])
+            rows.append(written[1])
     for state, claims in not_run.items():
         print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} "
               f"({claim_list(claims)}) ---> HINT: {next_step(run, state)}", file=sys.stderr)
