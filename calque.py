@@ -723,24 +723,31 @@ def parse_handler_spec(spec):
 
 
 def check_handler_source(source, cls, where):
-    """Check, without running it, that `source` defines `cls` with @calque.enter and @batch."""
+    """Check, without running it, that `source` defines `cls` with @calque.enter and @batch, its
+    own or inherited from a class of the same file (a name a subclass redefines hides the base's).
+    A base from elsewhere (an import) cannot be read without running the file, whose packages may
+    be on the workers only: then the worker's import of the handler checks (load_handler)."""
     tree = parse_source(source, where)
     if imports_modal(tree):
         return check_modal_source(tree, cls, where)
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     if cls not in classes:
         raise UserError(f"handler {where}: no class {cls} (classes found: {', '.join(classes) or 'none'})")
-    roles = set()
-    for node in classes[cls].body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            for deco in node.decorator_list:
-                name = deco.attr if isinstance(deco, ast.Attribute) else getattr(deco, "id", "")
-                if name in ("enter", "batch"):
-                    roles.add(name)
+    roles, names, order, elsewhere = set(), set(), [cls], False
+    for name in order:   # the class, then its bases as met: the MRO of a chain of them
+        for node in classes[name].body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in names:
+                names.add(node.name)
+                roles.update(deco.attr if isinstance(deco, ast.Attribute) else getattr(deco, "id", "")
+                             for deco in node.decorator_list)
+        for base in classes[name].bases:
+            here = isinstance(base, ast.Name) and base.id in classes
+            order += [base.id] if here and base.id not in order else []
+            elsewhere |= not here and not (isinstance(base, ast.Name) and base.id == "object")
     missing = [f"@calque.{r}" for r in ("enter", "batch") if r not in roles]
-    if missing:
+    if missing and not elsewhere:
         raise UserError(f"handler {where}: class {cls} lacks {' and '.join(missing)}: decorate its "
-                        "load and batch methods")
+                        "load and batch methods (its own, or a base class's)")
 
 
 def stream_prefix(model, stream):
@@ -810,8 +817,9 @@ def load_handler(path, cls, modal=None, container=False):
         role = getattr(getattr(type(obj), attr), "_calque_role", None)
         if role:
             methods[role] = getattr(obj, attr)
-    if "enter" not in methods or "batch" not in methods:
-        raise UserError(f"handler {path}:{cls} lacks @calque.enter or @calque.batch")
+    missing = [f"@calque.{r}" for r in ("enter", "batch") if r not in methods]
+    if missing:
+        raise UserError(f"handler {path}:{cls} lacks {' and '.join(missing)} (its own or a base class's)")
     return obj, methods["enter"], methods["batch"], getattr(obj, "collate", None)
 
 
@@ -2822,10 +2830,10 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
                 delay = min(delay * 1.5, wait_max)   # quick at first (idle round trip)
             if now >= recheck:
                 recheck = run_recheck(progressed, now)
-                if stop_if:
-                    stop_if()
                 if nothing_left_to_run(backend, run, done, dead):
                     break
+                if stop_if:
+                    stop_if()
             if interrupted:
                 raise KeyboardInterrupt
             time.sleep(min(delay, deadline - now))
@@ -3364,9 +3372,14 @@ def format_item_errors(run, summaries):
     return lines
 
 
-def format_runs_list(runs):
-    return [f"{r['run_id']}  {r['mode']:<5} {r['model']:<30} {r['items']:>7} items  "
-            f"{len(r['claims'])} claim(s)  {r['created_at']}" for r in runs]
+def format_runs_list(runs, model=None):
+    """`runs list`: a header line, then a line a run, oldest first."""
+    if not runs:
+        return ["no runs" + (f" of model {model}" if model else "") + " in this store"]
+    run_w, model_w = (max(len(field), *(len(r[field]) for r in runs)) for field in ("run_id", "model"))
+    return [f"{'run':<{run_w}}  {'mode':<5} {'model':<{model_w}} {'items':>9} {'claims':>7}  created"] + [
+        f"{r['run_id']:<{run_w}}  {r['mode']:<5} {r['model']:<{model_w}} {r['items']:>9,} {len(r['claims']):>7,}  "
+        f"{r['created_at']}" for r in runs]
 
 
 def report_run(backend, run, summaries, as_json, out=sys.stdout):
@@ -4411,7 +4424,16 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
                                                   env=child_env(conf), cwd=HERE))
             print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {run['items']} items, "
                   f"{shards} fresh worker(s); logs in {folder}", file=sys.stderr)
-        summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress)
+
+        def exited():   # every local worker gone with claims left (a handler that failed to load): none will run them
+            if not procs or any(proc.poll() is None for proc in procs):
+                return
+            if len(summary_claims(backend, run_id)) < len(run["claims"]):   # listed after the exits: none missed
+                with open(os.path.join(folder, "worker-0.log"), errors="replace") as f:
+                    last = ([line.strip() for line in f if line.strip()] or ["its log is empty"])[-1]
+                raise WorkersFailed(f"run {run_id}: every cold worker exited with claims left: {last} "
+                                    f"---> HINT: see {folder}")
+        summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress, stop_if=exited)
     finally:
         # a drained worker exits within a poll; one still running gets SIGTERM, releasing its claim
         for proc in procs:
@@ -5625,7 +5647,7 @@ def few_malloc_arenas():
 
 def cmd_runs_list(conf, backend, args):
     runs = list_runs(backend, args.model)
-    return emit(args, runs, format_runs_list, runs)
+    return emit(args, runs, format_runs_list, runs, args.model)
 
 
 def cmd_runs_show(conf, backend, args):
