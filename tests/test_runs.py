@@ -7,6 +7,8 @@ import subprocess
 import time
 from collections import Counter
 
+import pytest
+
 import calque
 from conftest import HANDLERS, PY, ROOT, FaultProxy, backend_for, cli, start_worker, wait_for, write_items
 
@@ -255,6 +257,44 @@ def test_runs_results_reads_parts_and_refuses_a_truncated_one(local_env, tmp_pat
     said(results, 0, stderr="")
     assert [(r["i"], r["result"]["y"]) for r in map(json.loads, results.stdout.splitlines())] == \
         [(i, 2 * i) for i in range(12)]
+
+
+def test_results_to_a_file_say_what_they_wrote_and_runs_list_has_a_header(local_env, tmp_path):
+    """runs results --output, in every format (the installed `calque` spelling), writes the file and says on
+    stderr what it wrote: rows, bytes, path; --failed writes 0 rows of an all-ok run. A field no result has is
+    one line naming the fields there are (exit 2, no file left), and the same UserError from Run.to_numpy.
+    runs list starts with a header line, and says so when there is no run."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    installed = os.path.join(os.path.dirname(PY), "calque")
+    said(cli(local_env, "runs", "list"), 0, "no runs in this store\n")
+    create_pool(local_env, "--workers", "1")
+    out = cli(local_env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(5)]),
+              "--claim-size", "2")
+    run_id = out.stdout.split()[1]
+    for fmt, extra, rows in (("jsonl", (), 5), ("parquet", (), 5), ("npy", ("--field", "y"), 5), ("jsonl", ("--failed",), 0)):
+        path = tmp_path / f"out.{fmt}"
+        out = subprocess.run([installed, "runs", "results", run_id, "--format", fmt, *extra, "--output", str(path)],
+                             env=local_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        said(out, 0, "", f"runs results: wrote {rows} rows, {path.stat().st_size:,} bytes, to {path}\n")
+    assert pq.read_table(tmp_path / "out.parquet")["y"].to_pylist() == np.load(tmp_path / "out.npy").tolist() == \
+        [0, 2, 4, 6, 8]
+    assert (tmp_path / "out.jsonl").read_text() == ""
+    out = cli(local_env, "runs", "results", run_id, "--format", "npy", "--field", "embedding", "--output",
+              str(tmp_path / "e.npy"))
+    said(out, 2, "")
+    assert out.stderr.startswith(f"calque: error: run {run_id}: no result has the field 'embedding': its results "
+                                 f"have 'y', 'pid' ---> HINT: to_numpy('y'), or ") and len(out.stderr.splitlines()) == 1
+    assert not (tmp_path / "e.npy").exists()
+    run = calque.Run(run_id, store=local_env["CALQUE_STORE"])
+    with pytest.raises(calque.UserError, match="no result has the field 'embedding': its results have 'y', 'pid'"):
+        run.to_numpy("embedding")
+    assert run.to_numpy("y").tolist() == [0, 2, 4, 6, 8]
+    header, line = cli(local_env, "runs", "list").stdout.splitlines()
+    assert header.split() == ["run", "mode", "model", "items", "claims", "created"]
+    assert line.split()[:5] == [run_id, "pool", "m", "5", "3"] and header.index("items") + 5 == line.index(" 5 ") + 2   # right-aligned
+    said(cli(local_env, "runs", "list", "--model", "other"), 0, "no runs of model other in this store\n")
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
 
 
 def test_timeouts_and_batch_timeouts_that_are_not_numbers_are_refused(local_env, tmp_path):

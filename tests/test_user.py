@@ -210,6 +210,70 @@ def test_hints_name_the_right_next_step(local_env, tmp_path):
     assert line.endswith("---> HINT: give the cold run its code: submit --model other --handler file.py:Class ITEMS")
 
 
+INHERITED = '''
+import calque
+from base_lib import Loaded, Plain
+
+
+class Base:
+    @calque.enter
+    def load(self):
+        self.k = 2
+
+
+class Same(Base):
+    @calque.batch
+    def run(self, items):
+        return [{"y": item["x"] * self.k} for item in items]
+
+
+class Imported(Loaded):
+    run = Same.run
+
+
+class Undecorated(Plain):
+    run = Same.run
+
+
+class Hidden(Base):
+    def load(self):   # redefined without @calque.enter: the base's is hidden
+        self.k = 3
+
+    @calque.batch
+    def run(self, items):
+        return items
+'''
+
+
+def test_a_handler_may_inherit_enter_and_batch(local_env, tmp_path):
+    """@calque.enter inherited from a base class of the same file (pool create's check reads it without running
+    the file) or from an importable module (the worker's import checks it) runs, in both spellings; a method
+    the subclass redefines undecorated hides the base's (exit 2 at once); an imported base without @enter
+    fails the cold run at once with the worker's reason (exit 1), not after CALQUE_TIMEOUT."""
+    folder = user_folder(tmp_path)
+    (folder / "h.py").write_text(INHERITED)
+    (folder / "base_lib.py").write_text("import calque\n\n\nclass Loaded:\n    @calque.enter\n    def load(self):\n"
+                                         "        self.k = 10\n\n\nclass Plain:\n    def load(self):\n        pass\n")
+    out = run(local_env, folder, "submit", "--model", "same", "--handler", "h.py:Same", "items.jsonl", "--json")
+    assert out.returncode == 0, out.stderr
+    installed = subprocess.run([os.path.join(os.path.dirname(PY), "calque"), "submit", "--model", "imported",
+                                "--handler", "h.py:Imported", "items.jsonl", "--json"], env=local_env, cwd=folder,
+                               capture_output=True, text=True, timeout=120)
+    assert installed.returncode == 0, installed.stderr
+    for out, k in ((out, 2), (installed, 10)):
+        run_id = json.loads(out.stdout)["run"]["run_id"]
+        results = [json.loads(line) for line in run(local_env, folder, "runs", "results", run_id).stdout.splitlines()]
+        assert [r["result"]["y"] for r in results] == [k * x for x in (1, 2, 3, 4)]
+    line = error(run(local_env, folder, "submit", "--model", "hidden", "--handler", "h.py:Hidden", "items.jsonl"), 2)
+    assert line.endswith("class Hidden lacks @calque.enter: decorate its load and batch methods (its own, or a "
+                         "base class's)")
+    out = run(local_env, folder, "submit", "--model", "undecorated", "--handler", "h.py:Undecorated", "items.jsonl")
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert re.fullmatch(r"calque: error: run undecorated\.\S+: every cold worker exited with claims left: warmd: "
+                        r"error: handler \S+h\.py:Undecorated lacks @calque\.enter \(its own or a base class's\) "
+                        r"---> HINT: see \S+", out.stderr.splitlines()[-1]), out.stderr
+
+
 def test_gpus_per_worker_from_a_faked_device_list(local_env, tmp_path):
     """With four (faked) GPUs and two per worker, each worker gets its own two, round-robin, in
     CUDA_VISIBLE_DEVICES; pool status shows them; pool logs shows each worker's log."""
