@@ -10,9 +10,12 @@ section uses only those above it; docs/contract.md: the contract; README.md: the
     4. records       pool and run records, scaling  10. Python API     Pool, submit(), Run
     5. submit, runs  stage_run, wait_for_run        11. CLI            cmd_* per verb, main()
 """
+import sys
+if __name__ == "__main__":   # `python calque.py` / `python -m calque`: the role files' `import calque` must get this
+    sys.modules["calque"] = sys.modules[__name__]   # module, not a second copy with its own state and error classes
 import argparse, ast, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
 import functools, glob, gzip, hashlib, heapq, importlib.util, inspect, io, itertools, json, math
-import os, re, secrets, shlex, shutil, signal, socket, sqlite3, statistics, struct, subprocess, sys
+import os, re, secrets, shlex, shutil, signal, socket, sqlite3, statistics, struct, subprocess
 import tarfile, threading, time, traceback, typing, uuid, zipfile, zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -133,8 +136,8 @@ class UserError(Exception):
 
 
 def command():
-    """calque as a hint names it: the way it was run (pip's `calque` script, else the file)."""
-    return "calque" if os.path.basename(sys.argv[0]) == "calque" else "python calque.py"
+    """calque as a hint names it: the way it was run (pip's `calque` or `warmd` script, else the file)."""
+    return "calque" if os.path.basename(sys.argv[0]) in ("calque", "warmd") else "python calque.py"
 
 
 class NotFound(Exception):
@@ -2073,6 +2076,17 @@ def list_runs(backend, model=None):
     return sorted(runs, key=lambda r: r["created_at"])
 
 
+def latest_runs(backend, named):
+    """`named` (a run id or a list of them), each "latest" replaced by the id of the store's newest run."""
+    if "latest" not in ([named] if isinstance(named, str) else named):
+        return named
+    runs = list_runs(backend)
+    if not runs:
+        raise UserError(f"no runs in {backend.describe()}: `latest` names none ---> HINT: {command()} submit first")
+    swap = lambda run_id: runs[-1]["run_id"] if run_id == "latest" else run_id   # noqa: E731
+    return swap(named) if isinstance(named, str) else [swap(r) for r in named]
+
+
 def claim_items(run, index):
     """The number of items in the run's claim `index`: claim_size each, the last one the rest."""
     return min(run["claim_size"], run["items"] - index * run["claim_size"])
@@ -3402,16 +3416,17 @@ COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker has to e
 STOPPED_SHOWN = 5                       # stopped workers `pool status` lists (the rest: --json)
 LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts without --workers
 WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter
-WORKER_LOST_AFTER = 120.0               # s of silence that makes a "running" worker elsewhere lost
+WORKER_START_GRACE = 2.0                # s submit looks again for a worker that started this instant
+                                        # (`warmd --model M &` then submit: its first stats take ~0.2 s)
+LIVE_STATES = ("starting", "running")   # a worker's stats state while it is alive: @enter, then claims
+WORKER_LOST_AFTER = 120.0               # s of silence that makes a live worker elsewhere lost
                                         # (4 of warmd's stats intervals; it writes after claims too)
 
 
 def supervisor_module():
-    """calque_supervisor.py, with this module as its `calque` (calque.py may be __main__): imported only by
-    the verbs that start or stop workers or follow their output."""
-    sys.modules.setdefault("calque", sys.modules[__name__])
-    import calque_supervisor as supervisor
-    return supervisor
+    """calque_supervisor.py: imported only by the verbs that start or stop workers or follow their output."""
+    import calque_supervisor
+    return calque_supervisor
 
 
 def state_dir(conf, model):
@@ -3882,7 +3897,7 @@ def crossover_ladder(c, E, A, instance_rate, serverless_rate, item_counts=LADDER
         "options": {k: {"fixed_usd": f, "usd_per_item": s} for k, (f, s) in options.items()},
         "rows": rows, "pairs": pairs, "wins": wins,
         "assumptions": [
-            "warm excludes the pool's idle time between runs: see `calque.py pool cost` for what idling costs",
+            f"warm excludes the pool's idle time between runs: see `{command()} pool cost` for what idling costs",
             "serverless runs at the same seconds per item on the like-for-like card, pays @enter on one "
             "cold start, no acquisition, no per-request fee, and no idle tail after the last item",
         ],
@@ -4484,12 +4499,12 @@ def pool_status(conf, backend, model):
 
 
 def mark_lost_workers(stats, now=None):
-    """The stats, a "running" worker that is gone marked {"state": "lost", "lost": why}: its pid
-    gone here, or elsewhere its stats older than WORKER_LOST_AFTER (a long claim may look lost)."""
+    """The stats, a "running" or "starting" worker that is gone marked {"state": "lost", "lost": why}:
+    its pid gone here, or elsewhere its stats older than WORKER_LOST_AFTER (a long claim may look lost)."""
     now = time.time() if now is None else now
     host, marked = socket.gethostname(), []
     for w in stats:
-        if w.get("state") == "running":
+        if w.get("state") in LIVE_STATES:
             if w.get("host") == host and isinstance(w.get("pid"), int):
                 why = None if pid_alive(w["pid"]) else f"pid {w['pid']} is gone"
             else:
@@ -4501,9 +4516,10 @@ def mark_lost_workers(stats, now=None):
 
 
 def worker_counts(workers):
-    """'3 (1 running, 2 lost)': the workers with stats, by state."""
+    """'3 (1 running, 2 lost)': the workers with stats, by state ('1 starting' while one is)."""
     states = Counter(w.get("state") for w in workers)
-    return f"{len(workers)} ({states['running']} running, {states['lost']} lost)"
+    starting = f"{states['starting']} starting, " if states["starting"] else ""
+    return f"{len(workers)} ({starting}{states['running']} running, {states['lost']} lost)"
 
 
 def format_pool_status(status, store_description):
@@ -4527,7 +4543,7 @@ def format_pool_status(status, store_description):
         lines += [format_local_worker(w) for w in status["local_workers"]]
     else:
         lines.append("  local workers: none on this machine")
-    running = [w for w in status["workers"] if w.get("state") == "running"]
+    running = [w for w in status["workers"] if w.get("state") in LIVE_STATES]
     lines.append(f"  workers with stats: {worker_counts(status['workers'])}")
     fallback = [w for w in running if w.get("fastbatch") == "reference"]
     if fallback:   # never silently numpy on a GPU pool
@@ -4535,7 +4551,7 @@ def format_pool_status(status, store_description):
                      f"build: see their logs (`pool logs`) or the instance's bootstrap report")
     # every worker that ran keeps its stats (pool cost reads them); the table shows the running ones
     # and the few last stopped, so a pool that restarted often still prints a short table
-    stopped = sorted((w for w in status["workers"] if w.get("state") != "running"), key=lambda w: w["updated_at"])
+    stopped = sorted((w for w in status["workers"] if w.get("state") not in LIVE_STATES), key=lambda w: w["updated_at"])
     shown = running + stopped[-STOPPED_SHOWN:]
     if shown:
         lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} "
@@ -4837,13 +4853,16 @@ def pool_liveness(conf, backend, record):
     local = status["workers"] if status else []
     if any(w.get("warm") for w in local):
         return "live", ""
-    if any(w.get("state") == "running" for w in mark_lost_workers(read_worker_stats(backend, model))):
+    stats = mark_lost_workers(read_worker_stats(backend, model))
+    if any(w.get("state") == "running" for w in stats):
         return "live", ""
     crashing = crash_looping(conf, model)
     if crashing:
         return "crashing", f"pool {model}: every local worker dies before it is warm: {crashing}"
-    if local:
-        return "starting", f"pool {model}: {len(local)} local worker(s) still loading (@enter); the run waits for them"
+    starting = max(len(local), sum(w.get("state") == "starting" for w in stats))
+    if starting:
+        return "starting", (f"pool {model}: {starting} worker{'s' * (starting > 1)} starting (@enter); "
+                            "the run waits for them")
     if status and read_scaling(state_dir(conf, model)):
         return "starting", f"pool {model} sizes itself: its supervisor starts workers for the run"
     if "ec2" in record and backend.kind == "aws":
@@ -4854,7 +4873,18 @@ def pool_liveness(conf, backend, record):
         asg = ec2.describe_asg(ec2.AwsCalls.for_backend(backend), ec2.resource_names(model)["asg"])
         wakes = asg is not None and not asg["DesiredCapacity"] and record["ec2"].get("scale_to_zero_after")
         return ("starting" if wakes else "none"), hint
-    return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere)"
+    died = unwarmed_death(stats)
+    return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere" + (
+        f"; {died})" if died else ")")
+
+
+def unwarmed_death(stats, since=""):
+    """'worker W died before it was warm: why' for the newest worker stats that say so (updated
+    after the ISO time `since`), else None: a worker started by hand, on any machine."""
+    died = [w for w in stats if w.get("state") == "stopped" and not w.get("entered_at") and w.get("exit")
+            and w["updated_at"] > since]
+    last = max(died, key=lambda w: w["updated_at"], default=None)
+    return last and f"worker {last['worker_id']} died before it was warm: {last['exit']}"
 
 
 def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads_per_worker=None):
@@ -5027,6 +5057,10 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     record = load_pool(backend, pool)
     queue = backend.queues.open_queue(record["queue"])   # first: a missing queue says so
     state, why = pool_liveness(conf, backend, record)
+    grace = time.monotonic() + WORKER_START_GRACE
+    while state == "none" and not wait_for_workers and time.monotonic() < grace:
+        time.sleep(WORKER_START_GRACE / 8)
+        state, why = pool_liveness(conf, backend, record)
     if state == "crashing":
         raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the handler, then pool create")
     if state == "none" and not wait_for_workers:
@@ -5068,11 +5102,19 @@ class Run:
 
     def _crashing(self):
         if self.record["mode"] == "pool":
-            why = crash_looping(self.conf, self.record["model"])
+            looping = crash_looping(self.conf, self.record["model"])
+            why = f"every local worker dies before it is warm: {looping}" if looping else self._starter_died()
             if why:
-                raise WorkersFailed(f"run {self.run_id}: pool {self.record['model']}: every local worker dies before "
-                                    f"it is warm: {why}; the run stays queued ---> HINT: fix the handler, pool create "
-                                    f"it again, then runs show {self.run_id}")
+                raise WorkersFailed(f"run {self.run_id}: pool {self.record['model']}: {why}; the run stays queued "
+                                    f"---> HINT: fix the handler, pool create it again, then runs show {self.run_id}")
+
+    def _starter_died(self):
+        """Why no worker will come: none runs or starts anywhere, and one died unwarmed since the run."""
+        stats = mark_lost_workers(read_worker_stats(self.backend, self.record["model"]))
+        if not any(w.get("state") in LIVE_STATES for w in stats) and not read_supervisor(
+                self.conf, self.record["model"]):
+            return unwarmed_death(stats, self.record["created_at"])
+        return None
 
     def summaries(self):
         return read_summaries(self.backend, self.run_id)
@@ -5820,10 +5862,9 @@ def cmd_runs_redrive(conf, backend, args):
 
 
 def dashboard_module():
-    """calque_dashboard.py, importing this module as `calque` (one module even when run as __main__)."""
-    sys.modules.setdefault("calque", sys.modules[__name__])
-    import calque_dashboard as dashboard
-    return dashboard
+    """calque_dashboard.py: imported only by `dashboard` and `runs report`."""
+    import calque_dashboard
+    return calque_dashboard
 
 
 def cmd_runs_report(conf, backend, args):
@@ -6053,7 +6094,7 @@ def build_parser():
     shared = {   # options several verbs take alike
         "--model": dict(required=True, help="the pool's model name"),
         "--json": dict(action="store_true", help="print JSON instead of text"),
-        "run": dict(help="the run id (see `runs list`)"),
+        "run": dict(help="the run id (see `runs list`; `latest`: the newest)"),
         "--timeout": dict(type=float,
                           help="seconds to wait for the summaries (default CALQUE_TIMEOUT)"),
         "--key-name": dict(help="EC2 key pair for SSH (none by default)"),
@@ -6260,7 +6301,7 @@ def build_parser():
     p.add_argument("--html", required=True, metavar="FILE", help="the file to write (no script)")
     p = verb(runs, "delete", cmd_runs_delete,
              help="delete runs from the store (inputs, results, summaries), saying what it freed")
-    p.add_argument("run", nargs="+", help="run ids (see `runs list`)")
+    p.add_argument("run", nargs="+", help="run ids (see `runs list`; `latest`: the newest)")
     switch(p, "--force", "also a run with claims queued or running")
     p = verb(runs, "prune", cmd_runs_prune,
              help="delete the runs older than an age, but the newest --keep of each model")
@@ -6272,7 +6313,8 @@ def build_parser():
 
     p = verb(verbs, "cost", cmd_cost, cost=True,
              help="a run's cost, its cold counterfactual and the crossover ladder")
-    p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table")
+    p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table "
+                                          "(`latest`: the newest)")
     add(p, "--json")
     p = verb(verbs, "dashboard", cmd_dashboard, cost=True,
              help="a read-only live web page of the store")
@@ -6325,6 +6367,8 @@ def main(argv=None):
         if getattr(args, "timeout", None) is None and hasattr(args, "timeout"):
             args.timeout = setting_number(conf, "CALQUE_TIMEOUT", float, 0)
         backend = open_backend(conf["CALQUE_STORE"])
+        if isinstance(getattr(args, "run", None), (str, list)):   # `runs show latest`: the store's newest run
+            args.run = latest_runs(backend, args.run)
         return args.func(conf, backend, args)
     except UserError as e:
         print(f"calque: error: {e}", file=sys.stderr)

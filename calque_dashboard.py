@@ -336,8 +336,8 @@ def pool_workers(status, latest):
     host = socket.gethostname()
     slots = {w["pid"]: w for w in status["local_workers"] if w["pid"]}
     stats = status["workers"]
-    running = [w for w in stats if w.get("state") == "running"]
-    stopped = sorted((w for w in stats if w.get("state") != "running"),
+    running = [w for w in stats if w.get("state") in calque.LIVE_STATES]
+    stopped = sorted((w for w in stats if w.get("state") not in calque.LIVE_STATES),
                      key=lambda w: w["updated_at"])
     rows, joined = [], set()
     for w in running + stopped[-calque.STOPPED_SHOWN:]:
@@ -992,7 +992,7 @@ def serve(conf, backend, host, port, token, price):
                                f"---> HINT: --token {secrets.token_urlsafe(16)}")
     if not is_loopback(host) and not token:
         raise calque.UserError(f"--host {host} lets other machines read the store: give --token "
-                               f"too ---> HINT: calque dashboard --host {host} --token "
+                               f"too ---> HINT: {calque.command()} dashboard --host {host} --token "
                                f"{secrets.token_urlsafe(16)}")
     if not 0 <= port <= 65535:
         raise calque.UserError(f"--port {port}: a port is 0 to 65535 (0: any free one)")

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from calque import (DEFAULT_REGION, HERE, POOL_PREFIX, RUN_DLQ_PREFIX, RUN_QUEUE_PREFIX,
-                    SQS_NOT_FOUND, NotFound, UserError, _aws_error_code, aws_client_config,
+                    SQS_NOT_FOUND, NotFound, UserError, _aws_error_code, aws_client_config, command,
                     check_slug_free, desired_count, dlq_name, instance_rate_per_second, load_rates,
                     measured_enter_seconds, measured_seconds, now_iso, package_file, pool_bounds,
                     pool_key, pool_queue_name, pyproject, queue_depth, read_json,
@@ -1118,13 +1118,13 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
         ("scale-to-zero alarms" if idle else "no scale-to-zero alarms", alarms),
         ("pool record ready", ready),
     ], fix=f"re-run the same command to finish (each step checks what exists first), or "
-           f"`python calque.py pool delete --model {model} --yes` to remove what is in place")
+           f"`{command()} pool delete --model {model} --yes` to remove what is in place")
     if dry_run:
         print(f"pool {model}: dry run: nothing was created or changed; "
               f"the calls above are what --yes-spend-money makes")
     else:
         print(f"pool {model}: ready. Instances boot and bootstrap in ~{BOOT_ESTIMATE / 60:.0f} "
-              f"min, then load the model; watch with `python calque.py pool status --model "
+              f"min, then load the model; watch with `{command()} pool status --model "
               f"{model}`")
     return full
 
@@ -1510,7 +1510,7 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         shown = {"uri": backend.store.uri(prefix), "what": "every key under it"}
         if calls.note("s3", "DeleteObjects", shown):
             backend.store.delete_prefix(prefix)
-        return (f"deleted (record, handler, kit, worker stats); its runs remain ---> HINT: calque "
+        return (f"deleted (record, handler, kit, worker stats); its runs remain ---> HINT: {command()} "
                 f"runs prune --model {model} --older-than 0s deletes them")
 
     ok = all([_delete_step(model, "alarms", alarms),

@@ -816,6 +816,26 @@ class Worker:
         if not self.ephemeral and not self.stop_requested:
             self.enter()
 
+    def start_counted(self):
+        """start(), its stats saying "starting" every STATS_INTERVAL meanwhile, so a submit on any
+        machine counts this worker while @enter runs (minutes for an LLM), and why it died if it does."""
+        done = threading.Event()
+
+        def beat():
+            while not done.wait(STATS_INTERVAL):
+                self.write_stats("starting")
+        self.write_stats("starting")
+        beat = threading.Thread(target=beat, daemon=True)
+        beat.start()
+        try:
+            self.start()
+        except Exception as e:
+            self.last_word = self.last_word or f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            done.set()
+            beat.join()
+
     def note_own_kills(self):
         """Make handler code that sends SIGKILL to this process (os.kill, os.killpg,
         signal.raise_signal) write the worker's last word first: its parent cannot tell such a
@@ -932,7 +952,7 @@ class Worker:
                        self.request_stop, self.leave if self.protection else None)
         reason = "?"
         try:
-            self.start()
+            self.start_counted()
             self.write_stats("running")
             announce(self.ready_file)
             self.backoff = 0.0
@@ -1758,7 +1778,7 @@ def main(argv=None):
         print(f"warmd: error: {e}", file=sys.stderr)
         return calque.EXIT_USAGE
     except calque.NotFound as e:
-        print(f"warmd: error: {e} not found in the store: check CALQUE_STORE and the pool (`calque.py pool list`)",
+        print(f"warmd: error: {e} not found in the store: check CALQUE_STORE and the pool (`{calque.command()} pool list`)",
               file=sys.stderr)
         return calque.EXIT_USAGE
     except Exception as e:

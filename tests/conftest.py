@@ -80,8 +80,8 @@ def serving(command):
 
 @pytest.fixture(scope="session")
 def moto_endpoint():
-    """A moto_server on 127.0.0.1 for multi-process AWS tests."""
-    with serving(lambda port: [os.path.join(os.path.dirname(PY), "moto_server"), "-H", "127.0.0.1",
+    """A moto_server on 127.0.0.1 for multi-process AWS tests (with the deep-learning AMI's public parameter)."""
+    with serving(lambda port: [PY, os.path.join(ROOT, "tests", "moto_public.py"), "-H", "127.0.0.1",
                                "-p", str(port)]) as url:
         yield url
 
