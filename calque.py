@@ -3109,9 +3109,10 @@ def run_array(run, claims, field=None, fill=None):
             there.update(result_fields(parts))
     if field is not None and not any(len(rows) for _, rows, _ in pieces):
         names = [f for f in there if f is not None]
-        why = (f"its results have {', '.join(map(repr, names))} ---> HINT: to_numpy({names[0]!r}), or {command()} "
-               f"runs results {run['run_id']} --format npy --field {names[0]}" if names else "its results are not dicts ---> HINT: to_numpy() reads the "
-               "result itself" if None in there else f"no item succeeded ---> HINT: runs show {run['run_id']}")
+        why = (f"its results have {', '.join(map(repr, names))} ---> HINT: to_numpy({names[0]!r}), or "
+               f"{command()} runs results {run['run_id']} --format npy --field {names[0]}" if names else
+               "its results are not dicts ---> HINT: to_numpy() reads the result itself" if None in there else
+               f"no item succeeded ---> HINT: {command()} runs show {run['run_id']}")
         raise UserError(f"run {run['run_id']}: no result has the field {field!r}: {why}")
     shape, dtype = next(((v.shape[1:], v.dtype) for _, _, v in pieces if len(v)), ((), np.dtype("float64")))
     if missing and fill is None and dtype.kind != "f":
@@ -3917,7 +3918,8 @@ def _span_reason(x, fx_sx, y, fy_sy, span):
     if hi <= 0:
         return f"{y} costs no more up front ({_usd(fy)} vs {_usd(fx)}) and less per item ({_usd(sy)} vs {_usd(sx)})"
     if _last_int_below(hi) < 1:   # cheaper only below one item: items are whole
-        return f"{y} cheaper from the first item ({_usd(sy)} vs {_usd(sx)} per item outweighs {_usd(fy - fx)} up front)"
+        return (f"{y} cheaper from the first item ({_usd(sy)} vs {_usd(sx)} per item outweighs "
+                f"{_usd(fy - fx)} up front)")
     return f"cheaper than {y} only up to {_items(_last_int_below(hi))}"
 
 
@@ -4088,8 +4090,8 @@ def run_cost_report(backend, run, summaries, price):
         ladder["too_few_claims"] = (f"not enough claims to extrapolate: {report['claims']} finished, the "
                                     f"ladder needs {LADDER_MIN_CLAIMS}" if report["claims"] < LADDER_MIN_CLAIMS
                                     else None)
-    status = {"c": "measured", "E": enter_status.split(" ")[0], "A": acquisition_status.split(" ")[0], "q": "measured",
-              "R": f"published, {price.serverless}"}
+    status = {"c": "measured", "E": enter_status.split(" ")[0], "A": acquisition_status.split(" ")[0],
+              "q": "measured", "R": f"published, {price.serverless}"}
     return report, ladder, price.label, status
 
 
@@ -4197,9 +4199,10 @@ def format_pool_cost(report, priced_as, model):
     ]
     if per_1000 is not None:
         lines.append(f"  per 1,000 {_usd(per_1000)} with idle, {_usd(drain_1000)} drain only")
+    start = cold["acquisition_seconds"] + cold["enter_seconds"]
     lines.append(f"  cold      {_usd(cold['usd'])} for {cold['starts']:,.0f} cold starts x "
                  f"({cold['acquisition_seconds']:.2f} s acquisition + {cold['enter_seconds']:.2f} s @enter) = "
-                 f"{cold['starts'] * (cold['acquisition_seconds'] + cold['enter_seconds']):,.2f} s + the same drain: "
+                 f"{cold['starts'] * start:,.2f} s + the same drain: "
                  + ("warm is cheaper" if report["warm_beats_cold"] else "COLD would have been cheaper"))
     per_claim = report["idle_budget_per_claim_seconds"]
     lines.append(f"  idle      budget {report['idle_budget_seconds']:,.0f} instance-s, used "
@@ -4440,7 +4443,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {run['items']} items, "
                   f"{shards} fresh worker(s); logs in {folder}", file=sys.stderr)
 
-        def exited():   # every local worker gone with claims left (a handler that failed to load): none will run them
+        def exited():   # every local worker gone, claims left (a handler that failed to load): none runs them
             if not procs or any(proc.poll() is None for proc in procs):
                 return
             if len(summary_claims(backend, run_id)) < len(run["claims"]):   # listed after the exits: none missed

@@ -272,7 +272,8 @@ def test_results_to_a_file_say_what_they_wrote_and_runs_list_has_a_header(local_
     out = cli(local_env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(5)]),
               "--claim-size", "2")
     run_id = out.stdout.split()[1]
-    for fmt, extra, rows in (("jsonl", (), 5), ("parquet", (), 5), ("npy", ("--field", "y"), 5), ("jsonl", ("--failed",), 0)):
+    for fmt, extra, rows in (("jsonl", (), 5), ("parquet", (), 5), ("npy", ("--field", "y"), 5),
+                             ("jsonl", ("--failed",), 0)):
         path = tmp_path / f"out.{fmt}"
         out = subprocess.run([installed, "runs", "results", run_id, "--format", fmt, *extra, "--output", str(path)],
                              env=local_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -292,7 +293,8 @@ def test_results_to_a_file_say_what_they_wrote_and_runs_list_has_a_header(local_
     assert run.to_numpy("y").tolist() == [0, 2, 4, 6, 8]
     header, line = cli(local_env, "runs", "list").stdout.splitlines()
     assert header.split() == ["run", "mode", "model", "items", "claims", "created"]
-    assert line.split()[:5] == [run_id, "pool", "m", "5", "3"] and header.index("items") + 5 == line.index(" 5 ") + 2   # right-aligned
+    assert line.split()[:5] == [run_id, "pool", "m", "5", "3"]
+    assert header.index("items") + 5 == line.index(" 5 ") + 2   # right-aligned under its header
     said(cli(local_env, "runs", "list", "--model", "other"), 0, "no runs of model other in this store\n")
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
 
