@@ -1,6 +1,7 @@
 """fastbatch on a GPU machine: build, run the tests with CUDA present (so PinnedRing pins), run the
-worker's numeric end-to-end tests (its CUDA side-stream collation), and measure host-to-device GB/s
-from a pinned ring slot (non_blocking, side stream) vs pageable memory.
+worker's numeric end-to-end tests (its CUDA side-stream collation) and the verbs' pricing of workers
+that saw a GPU, and measure host-to-device GB/s from a pinned ring slot (non_blocking, side stream)
+vs pageable memory.
 
     .venv/bin/python fastbatch/gpu_check.py      # `make gpu-check`: ~1 min, exits 1 without CUDA
 
@@ -68,6 +69,9 @@ def main():
     # numeric end-to-end tests (prefetch on and off must agree) run that path when CUDA is present
     step("worker drain loop on CUDA", [sys.executable, "-m", "pytest", "-q", os.path.join("tests", "test_arrays.py")],
          timeout=TEST_TIMEOUT_S)
+    # workers that see a GPU: every verb keeps the GPU instance and its card's serverless rate alike
+    step("one price across the verbs", [sys.executable, "-m", "pytest", "-q", os.path.join("tests", "test_cost.py"),
+                                        "-k", "every_verb_prices"], timeout=TEST_TIMEOUT_S)
 
     sys.path.insert(0, ROOT)
     import fastbatch
