@@ -4027,11 +4027,12 @@ def pricing(rates_file=None, instance_type=None, spot=False, savings_plan=False,
 
 
 def used_no_gpu(records):
-    """True when the worker of every claim summary, or every worker's stats, said it saw no GPU
-    (NVML absent or without a device)."""
-    return bool(records) and all(
-        ((s.get("gpu_utilisation") or {}).get("reason") or s.get("no_gpu") or "").startswith("no ")
-        for s in records)
+    """True when the workers of these claim summaries, or these workers' stats, said they saw no GPU
+    (NVML absent or without a device), every one that says (a cancelled or dead-lettered claim's
+    summary, run by no worker, does not)."""
+    said = [(r.get("gpu_utilisation") or {}).get("reason") or r.get("no_gpu") or "" for r in records
+            if "gpu_utilisation" in r or "no_gpu" in r]
+    return bool(said) and all(reason.startswith("no ") for reason in said)
 
 
 def choose_pricing(price, records):

@@ -629,6 +629,8 @@ def test_a_run_without_a_gpu_is_priced_as_a_cpu_instance(tmp_path):
     assert cpu.instance_type == "c7i.xlarge" and cpu.rate_per_s * 3600 == pytest.approx(0.1785)
     assert cpu.label.startswith("c7i.xlarge (4 vCPU, no GPU) on-demand $0.1785/h") and "saw a GPU" in cpu.label
     assert calque.choose_pricing(price, [no_gpu, gpu]) == price and calque.choose_pricing(price, []) == price
+    cancelled = dict(summary(items=0), status="cancelled", worker_id="submitter")   # run by no worker: says nothing
+    assert calque.choose_pricing(price, [no_gpu, cancelled]) == cpu and calque.choose_pricing(price, [cancelled]) == price
     assert calque.choose_pricing(calque.pricing(instance_type="g5.xlarge"), [no_gpu]).instance_type == "g5.xlarge"
     assert calque.choose_pricing(calque.pricing(spot=True), [no_gpu]).rate_per_s == pytest.approx(0.1785 * 0.35 / 3600)
     assert calque.serverless_stand_in(price.rates, "c7i.xlarge")[0] == pytest.approx(2 * 1.31e-05 + 8 * 2.22e-06)
