@@ -4873,10 +4873,14 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
         return None, [], False
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
-    if not claim_size:   # one claim per shard: the items are counted first (a stream read in)
-        count = (len(items) if isinstance(items, (ArrayItems, TableItems, list)) else
-                 sum(1 for _ in items.entries()) if isinstance(items, FileItems) else len(items := list(items)))
-        claim_size = max(1, -(-count // shards))
+    if isinstance(items, FileItems) and items.bucket is not None and ec2:
+        raise UserError(f"{items.where}: a cold run on EC2 cannot read an s3:// prefix (its shared role may not) "
+                        f"---> HINT: run it on a pool: pool create --instances N --read {items.uri()}")
+    if not claim_size and isinstance(items, FileItems):   # a listing is a stream: not counted twice
+        claim_size = setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    elif not claim_size:   # one claim per shard: the items are counted first (a stream read in)
+        items = items if isinstance(items, (ArrayItems, TableItems, list)) else list(items)
+        claim_size = max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
     procs, instance_ids = [], []
     try:
@@ -5760,6 +5764,9 @@ def plan_run(conf, backend, model, items, claim_size, price):
     record = load_pool(backend, model)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     check_claim_size(claim_size)
+    if isinstance(items, FileItems):
+        raise UserError(f"{items.where}: a plan counts the items first, and files are listed as they are "
+                        f"staged ---> HINT: submit without --plan, --deadline or --budget")
     first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
     count = len(items) if first is None else len(first) + sum(1 for _ in items)
     summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
@@ -5846,13 +5853,16 @@ def cmd_pool_create(conf, backend, args):
         import calque_ec2 as ec2
         options = ec2.pool_options(args.instances, args.instance_type, min_instances=args.min_instances,
                                    ami=args.ami, spot=args.spot, subnet=args.subnet, key_name=args.key_name,
-                                   scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances)
+                                   scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances,
+                                   reads=args.read)
         with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
             ec2.pool_create(backend, record, args.handler, options, dry_run=args.dry_run, include=include,
                             yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
+    if args.read:
+        raise UserError("--read grants an EC2 pool's instance role (--instances); local workers read what you can")
     count = args.workers
     if count is None and args.max_workers is None:
         count = LOCAL_WORKERS_DEFAULT if args.min_workers is None else args.min_workers
@@ -6034,7 +6044,7 @@ def cmd_submit(conf, backend, args):
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
         if planned:
-            items = items if hasattr(items, "__len__") else list(items)
+            items = items if hasattr(items, "__len__") or isinstance(items, FileItems) else list(items)
             plan = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
             print("\n".join(format_plan(plan)), file=sys.stderr)
             record = load_pool(backend, args.pool)
@@ -6613,6 +6623,9 @@ def build_parser():
     ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its "
                                    "public SSM parameter)")
     switch(ec2, "--spot", "spot capacity: cheaper, may be interrupted at 2 minutes' notice")
+    ec2.add_argument("--read", action="append", metavar="S3_PREFIX",
+                     help="an s3:// prefix its runs read by reference: its instance role may read it (a run "
+                          "naming another grants it then); repeat for several")
     ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: "
                      "--instances; 0 with --scale-to-zero-after or --max-instances)")
     ec2.add_argument("--max-instances", type=int,
