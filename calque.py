@@ -4841,6 +4841,9 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
              progress=True, ec2=None, dry_run=False, yes_spend_money=False):
     """The baseline: fresh workers (warmd.py here, EC2 with `ec2`) pay @enter, drain this run's
     queue and exit. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
+    if isinstance(items, FileItems) and items.bucket is not None and ec2:
+        raise UserError(f"{items.where}: a cold run on EC2 cannot read an s3:// prefix (its shared role may not) "
+                        f"---> HINT: run it on a pool: pool create --instances N --read {items.uri()}")
     record = None if handler else load_pool(   # no handler named: reuse the pool's snapshot
         backend, model, f"give the cold run its code: submit --model {model} --handler file.py:Class ITEMS")
     run_id = new_run_id(model)
