@@ -4876,9 +4876,6 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
         return None, [], False
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
-    if isinstance(items, FileItems) and items.bucket is not None and ec2:
-        raise UserError(f"{items.where}: a cold run on EC2 cannot read an s3:// prefix (its shared role may not) "
-                        f"---> HINT: run it on a pool: pool create --instances N --read {items.uri()}")
     if not claim_size and isinstance(items, FileItems):   # a listing is a stream: not counted twice
         claim_size = setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     elif not claim_size:   # one claim per shard: the items are counted first (a stream read in)
