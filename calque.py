@@ -93,9 +93,9 @@ LOCAL_WRITERS = 2                       # the same on the local store, whose wri
                                         # network (more threads would only hold more claims)
 SEND_BATCH = 10                         # claims per queue send (SQS's SendMessageBatch takes at most 10)
 STAGE_AHEAD = 4                         # manifests staged but not sent yet, per store writer (bounds submit's memory)
-CLAIM_BYTES = 32 << 20                  # media bytes (bytes values, files) a claim copied into the store holds, at
+CLAIM_BYTES = 16 << 20                  # media bytes (bytes values, files) a claim copied into the store holds, at
                                         # most one item more: claims are cut at claim_size items or here
-STAGE_BYTES = 256 << 20                 # media bytes staged but not sent yet, at most (bounds submit's memory)
+STAGE_BYTES = 64 << 20                  # media bytes staged but not sent yet, at most (bounds submit's memory)
 ITEM_BYTES_MAX = 256 << 20              # media bytes one item may hold: a bigger one is refused at submit
 READ_BLOCK = 1 << 22                    # bytes of a JSONL items file read at once (4 MiB), at most
 READ_FIRST = 1 << 16                    # bytes of its first read (64 KiB), doubling up to READ_BLOCK: the first
@@ -2645,15 +2645,23 @@ class TableItems:
     def stage(self, backend, run_id, claim, start, table):
         """A claim's manifest fields: JSON columns as `items` (their bytes beside: `bytes`), numeric
         ones as `arrays`; by reference, its row ranges (`rows`)."""
+        import pyarrow as pa
         if self.by_reference:
             return {"rows": {"columns": self.columns, "files": table}}
         fields = {name: _numeric_column(table.column(name).combine_chunks(), name, start, self.source)
                   for name in self.numeric}
         staged = {"arrays": stage_arrays(backend, run_id, claim, fields)} if fields else {}
         if self.json:
-            columns = [_json_column(table.column(name)) for name in self.json]
+            blob, columns = Blob(), []
+            for name in self.json:   # binary values straight from Arrow's buffers, where they can be
+                column = table.column(name)
+                if name in self.binary:
+                    firsts = itertools.accumulate((len(c) for c in column.chunks), initial=0)
+                    bare = [_without_binary(c, [name], blob, k) for c, k in zip(column.chunks, firsts)]
+                    column = column if None in bare else pa.chunked_array(bare, bare[0].type if bare else None)
+                columns.append(_json_column(column))
             items = [dict(zip(self.json, row)) for row in zip(*columns)]
-            staged.update(stage_bytes(backend, run_id, claim, items) if self.media else {"items": items})
+            staged.update(stage_bytes(backend, run_id, claim, items, blob) if self.media else {"items": items})
         return staged
 
 
@@ -2822,30 +2830,73 @@ def _cut(start, chunk, sizes):
         at += take
 
 
-def stage_bytes(backend, run_id, claim, items):
+class Blob:
+    """A claim's bytes in the bytes form as they are gathered: views of them (one copy: the join),
+    and `at`, where each goes ([item, path, start, stop])."""
+
+    def __init__(self):
+        self.parts, self.size, self.at = [], 0, []
+
+    def add(self, data):
+        """Append bytes (or a view); returns where they start."""
+        start = self.size
+        self.parts.append(data)
+        self.size += memoryview(data).nbytes
+        return start
+
+
+def stage_bytes(backend, run_id, claim, items, blob=None):
     """A claim's items in the bytes form: every bytes value (at any depth of dicts and lists) is
-    None in `items` and staged in one object, `at` saying where each goes ([item, path, start,
-    stop]); returns those manifest fields. Never JSON text, never base64, never pickle."""
-    at, parts, size = [], [], 0
-
-    def split(value, k, path):
-        nonlocal size
-        if isinstance(value, (bytes, bytearray, memoryview)):
-            n = memoryview(value).nbytes
-            at.append([k, path, size, size + n])
-            parts.append(value)
-            size += n
-            return None
-        if isinstance(value, dict):   # JSON makes a key text: the path names it so
-            return {key: split(v, k, path + [str(key)]) for key, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [split(v, k, path + [i]) for i, v in enumerate(value)]
-        return value
-
-    items = [split(item, k, []) for k, item in enumerate(items)]
+    None in `items` and staged in one object beside the manifest, `at` saying where each goes;
+    returns those manifest fields. Never JSON text, never base64, never pickle."""
+    blob = blob or Blob()
+    items = [_take_bytes(item, k, [], blob) for k, item in enumerate(items)]
     key = f"runs/{run_id}/inputs/{claim}/bytes"
-    backend.store.put(key, b"".join(parts))
-    return {"items": items, "bytes": {"key": key, "at": at}}
+    backend.store.put(key, b"".join(blob.parts))
+    return {"items": items, "bytes": {"key": key, "at": blob.at}}
+
+
+def _take_bytes(value, k, path, blob):
+    """`value` with each bytes value None, added to the blob (a function, not a closure: a
+    recursive closure is a reference cycle, which kept a claim's bytes alive until a GC ran)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        start = blob.add(value)
+        blob.at.append([k, path, start, blob.size])
+        return None
+    if isinstance(value, dict):   # JSON makes a key text: the path names it so
+        return {key: _take_bytes(v, k, path + [str(key)], blob) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_take_bytes(v, k, path + [i], blob) for i, v in enumerate(value)]
+    return value
+
+
+def _without_binary(array, path, blob, first=0):
+    """An Arrow array with its binary values (top level, or in structs) null, each added to the blob
+    straight from Arrow's buffer (no Python bytes a value: malloc kept those, submit's peak grew
+    with the file); None where binary sits deeper (in a list: _take_bytes takes it)."""
+    import numpy as np
+    import pyarrow as pa
+    t = array.type
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        if pa.types.is_fixed_size_binary(t):
+            offsets = (np.arange(len(array) + 1) + array.offset) * t.byte_width
+            data = array.buffers()[1]
+        else:
+            kind = np.int64 if pa.types.is_large_binary(t) else np.int32
+            offsets = np.frombuffer(array.buffers()[1], kind, len(array) + 1, array.offset * kind().itemsize)
+            data = array.buffers()[2]
+        base = blob.add(memoryview(data)[offsets[0]:offsets[-1]] if data is not None else b"") - int(offsets[0])
+        for k in np.flatnonzero(np.asarray(array.is_valid())).tolist():
+            blob.at.append([first + k, path, base + int(offsets[k]), base + int(offsets[k + 1])])
+        return pa.nulls(len(array))
+    if pa.types.is_struct(t) and _holds_binary(pa, t):
+        children = [_without_binary(child, path + [t.field(i).name], blob, first)
+                    for i, child in enumerate(array.flatten())]
+        if any(child is None for child in children):
+            return None
+        return pa.StructArray.from_arrays(children, fields=[pa.field(t.field(i).name, c.type) for i, c in
+                                                             enumerate(children)], mask=array.is_null())
+    return None if _holds_binary(pa, t) else array
 
 
 def _glob_regex(pattern):
@@ -6035,7 +6086,7 @@ def cmd_pool_logs(conf, backend, args):
 def cmd_submit(conf, backend, args):
     check_timeout(args.timeout)
     items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
-    if isinstance(items, TableItems):
+    if isinstance(items, (TableItems, FileItems)):
         few_malloc_arenas()
     progress = not args.json and sys.stderr.isatty()
     planned = args.plan or args.deadline is not None or args.budget is not None
@@ -6127,9 +6178,13 @@ def cmd_plan(conf, backend, args):
 
 
 def few_malloc_arenas():
-    """Two glibc malloc arenas: per-thread ones keep what store writers freed (submit's peak)."""
+    """Two glibc malloc arenas: per-thread ones keep what store writers freed (submit's peak); and
+    blocks of 1 MiB or more mapped, so given back when freed: glibc's threshold otherwise rises to
+    the largest block freed, and a Parquet of images grew submit's peak with its size."""
     with contextlib.suppress(OSError, AttributeError):   # not glibc: nothing to limit
-        ctypes.CDLL("libc.so.6").mallopt(-8, 2)   # M_ARENA_MAX
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-8, 2)         # M_ARENA_MAX
+        libc.mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD
 
 
 def cmd_runs_list(conf, backend, args):

@@ -117,6 +117,12 @@ def test_bytes_in_python_items_and_binary_columns_arrive_as_bytes():
     for source in (table, table.to_pandas(), datasets.Dataset(table)):
         run, manifests, got = staged(calque.as_items(source))
         assert got == want and "arrays" in manifests[0] and "bytes" in manifests[0], type(source)
+    kinds = pa.table({"large": pa.array([b"ab", None, b"", b"c"], pa.large_binary()),
+                      "fixed": pa.array([b"xy", b"zw", None, b"uv"], pa.binary(2)),
+                      "deep": pa.array([{"a": {"b": b"1"}}, {"a": None}, None, {"a": {"b": b"4"}}]),
+                      "listed": pa.array([[b"p", b"q"], [], None, [b""]], pa.list_(pa.binary()))})
+    got = staged(calque.as_items(kinds), claim_size=3)[2]   # two claims: the second a slice of the batch
+    assert got == kinds.to_pylist() and type(got[0]["large"]) is bytes and type(got[3]["listed"][0]) is bytes
     dataset = datasets.Dataset.from_dict({"image": [{"bytes": img, "path": "x.jpg"}]},
                                          features=datasets.Features({"image": datasets.Image()}))
     assert staged(calque.as_items(dataset))[2] == [{"image": {"bytes": img, "path": "x.jpg"}}]
