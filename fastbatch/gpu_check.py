@@ -1,7 +1,7 @@
 """fastbatch on a GPU machine: build, run the tests with CUDA present (so PinnedRing pins), run the
 worker's numeric end-to-end tests (its CUDA side-stream collation), the media bench's decode-ahead section
-on a CUDA model, and measure host-to-device GB/s
-from a pinned ring slot (non_blocking, side stream) vs pageable memory.
+on a CUDA model, and measure host-to-device GB/s from a pinned ring slot (non_blocking, side stream) vs
+pageable memory.
 
     .venv/bin/python fastbatch/gpu_check.py      # `make gpu-check`: ~1 min, exits 1 without CUDA
 
