@@ -181,6 +181,8 @@ class Collator:
         some item may collate (fastbatch still plans each batch); AS_LIST when none can."""
         if self.handler_collate is not None:
             return BY_HANDLER
+        if isinstance(items, FetchedItems):   # files, {"path", "bytes"}: never scanned (each a fetch)
+            return AS_LIST
         try:   # the common case first: no value in the claim is a list
             values = itertools.chain.from_iterable(map(dict.values, items))
             if set(map(type, values)) <= JSON_SCALARS:
@@ -246,6 +248,8 @@ class FetchedItems:
         return len(self.objects)
 
     def __getitem__(self, k):
+        if not 0 <= k < len(self.objects):
+            raise IndexError(k)
         with self.lock:
             if k not in self.futures:     # the first read (a resumed claim: from its start), or again
                 self._fetch_ahead(k)

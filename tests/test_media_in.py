@@ -425,3 +425,20 @@ def test_collate_runs_ahead_on_more_threads_while_the_model_waits(local_env, tmp
     lines = result_lines(env, run_id_of(out), work)
     assert [line["result"]["shape"][1] for line in lines] == [4 + k for k in range(24)]
     assert calque.read_summaries(backend, run_id_of(out))[0]["prefetch"] is True
+
+
+def test_python_items_with_bytes_through_the_api_in_claims_cut_by_bytes(local_env, tmp_path, monkeypatch):
+    """calque.submit() of Python items holding bytes, claims cut short at CLAIM_BYTES: a real worker receives each
+    value as bytes; run.results() and `runs results` read the irregular claims back in item order."""
+    monkeypatch.setattr(calque, "CLAIM_BYTES", 1000)
+    for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_POLL_WAIT", "CALQUE_ENV"):
+        monkeypatch.setenv(key, local_env[key])
+    monkeypatch.chdir(tmp_path)
+    calque.Pool("m").create(handler=f"{HANDLERS}:Kinds", workers=1)
+    items = [{"k": k, "raw": bytes(100 * (k % 7)), "nested": [b"x" * k]} for k in range(40)]
+    run = calque.submit(items, pool="m")
+    assert run.wait(120) and len(run.record["claims"]) > 2 and "claim_counts" in run.record
+    want = [{"k": "int", "raw": ["bytes", 100 * (k % 7)], "nested": [["bytes", k]]} for k in range(40)]
+    assert [line["result"] for line in run.results()] == want
+    assert [json.loads(line)["result"] for line in cli(local_env, "runs", "results", run.run_id).stdout.splitlines()] == want
+    calque.Pool("m").delete()
