@@ -2658,7 +2658,7 @@ class TableItems:
                 if name in self.binary:
                     firsts = itertools.accumulate((len(c) for c in column.chunks), initial=0)
                     bare = [_without_binary(c, [name], blob, k) for c, k in zip(column.chunks, firsts)]
-                    column = column if None in bare else pa.chunked_array(bare, bare[0].type if bare else None)
+                    column = column if None in bare else pa.chunked_array(bare, pa.null() if not bare else None)
                 columns.append(_json_column(column))
             items = [dict(zip(self.json, row)) for row in zip(*columns)]
             staged.update(stage_bytes(backend, run_id, claim, items, blob) if self.media else {"items": items})

@@ -16,6 +16,10 @@ letters, hung batches, faults, claims ahead, signals) are docs/contract.md's.
 #   watchdog       times handler calls; on an overrun,       the claim (overrun)   Watchdog.lock
 #                  commits, releases, exits EXIT_HUNG
 #   pipeline       Collator.prepare of the next batch        ring slots, a stream  its future
+#   collate        the handler's collate further ahead       its batch's items     its future
+#                  (Worker.deepen: while the model waits)
+#   fetch          FetchedItems._get: a claim's objects      FetchedItems.futures  FetchedItems.lock
+#                  by reference, ahead of their batch
 #   manifest       the manifest read (network backends)      the store             its future
 #   ahead          Ahead._fetch: probe, then open_claim      the claim it gets     Ahead.lock/taken
 #   finisher       finish_claim: summary, Acks.add           stats, Acks           its future
