@@ -13,7 +13,6 @@ prefetch   the image job (Pillow decode in collate, a small conv net) in one wor
            (adding threads while the model waits) against collate on the model's thread.
 """
 import io
-import json
 import os
 import shutil
 import subprocess
