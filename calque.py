@@ -15,7 +15,7 @@ if __name__ == "__main__":   # `python calque.py` / `python -m calque`: the role
     sys.modules["calque"] = sys.modules[__name__]   # module, not a second copy with its own state and error classes
 import argparse, ast, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
 import functools, glob, gzip, hashlib, heapq, importlib.util, inspect, io, itertools, json, math
-import os, re, secrets, shlex, shutil, signal, socket, sqlite3, statistics, struct, subprocess
+import os, re, secrets, shlex, shutil, signal, socket, sqlite3, stat, statistics, struct, subprocess
 import tarfile, threading, time, traceback, typing, uuid, zipfile, zlib
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +93,10 @@ LOCAL_WRITERS = 2                       # the same on the local store, whose wri
                                         # network (more threads would only hold more claims)
 SEND_BATCH = 10                         # claims per queue send (SQS's SendMessageBatch takes at most 10)
 STAGE_AHEAD = 4                         # manifests staged but not sent yet, per store writer (bounds submit's memory)
+CLAIM_BYTES = 16 << 20                  # media bytes (bytes values, files) a claim copied into the store holds, at
+                                        # most one item more: claims are cut at claim_size items or here
+STAGE_BYTES = 64 << 20                  # media bytes staged but not sent yet, at most (bounds submit's memory)
+ITEM_BYTES_MAX = 256 << 20              # media bytes one item may hold: a bigger one is refused at submit
 READ_BLOCK = 1 << 22                    # bytes of a JSONL items file read at once (4 MiB), at most
 READ_FIRST = 1 << 16                    # bytes of its first read (64 KiB), doubling up to READ_BLOCK: the first
                                         # claim waits on ~1k items parsed, not 40k (0.1-0.3 s here)
@@ -142,6 +146,16 @@ def command():
 
 class NotFound(Exception):
     """A store key or a queue that does not exist."""
+
+
+class Changed(Exception):
+    """An object read by reference is not the one submit listed (its size, ETag or mtime)."""
+
+
+class Unavailable(str):
+    """An item by reference that cannot be had (its object changed or vanished since submit): its
+    message. The worker fails that item alone with it."""
+    __slots__ = ()
 
 
 class StoreFault(Exception):
@@ -1148,11 +1162,43 @@ def array_items(store, manifest):
     items = manifest.get("items") or [{} for _ in range(count)]
     if len(items) != count:
         raise ValueError(f"'items' does not hold {count} items")
+    return merge_fields(items, fields)
+
+
+def merge_fields(items, fields):
+    """Set each {field: (values, offsets, valid)} in the items, row i item i's."""
     for name, (values, offsets, valid) in fields.items():
         for i, item in enumerate(items):
             item[name] = (None if valid is not None and not valid[i] else
                           values[i] if offsets is None else values[offsets[i]:offsets[i + 1]])
     return items
+
+
+def bytes_items(store, manifest, items):
+    """Set a manifest's `bytes` in its items: each [k, path, start, stop] of `at` is the slice of
+    the object `key` found at `path` (dict keys, list indices) in item k; an empty path: item k."""
+    entry = manifest["bytes"]
+    blob = store.get(entry["key"])
+    for k, path, start, stop in entry["at"]:
+        if not 0 <= start <= stop <= len(blob):
+            raise ValueError(f"bytes [{start}, {stop}) are outside {entry['key']}")
+        if not path:
+            items[k] = blob[start:stop]
+            continue
+        node = items[k]
+        for step in path[:-1]:
+            node = node[step]
+        node[path[-1]] = blob[start:stop]
+    return items
+
+
+def manifest_items(store, manifest):
+    """A claim's items as its manifest holds them: JSON `items`, numeric `arrays` merged in, `bytes`
+    set in (the by-reference forms, `refs` and `rows`, are warmd's: it fetches them)."""
+    items = array_items(store, manifest) if "arrays" in manifest else manifest["items"]
+    if not isinstance(items, list):
+        raise ValueError("'items' is not a list")
+    return bytes_items(store, manifest, items) if "bytes" in manifest else items
 
 
 SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # no such queue
@@ -1279,6 +1325,19 @@ class LocalStore:
         except OSError as e:
             raise self._fault("read", key, e) from None
 
+    def fetch(self, key, size, mtime_ns):
+        """get of an object read by reference: Changed unless it has the size and mtime (ns) that
+        submit listed."""
+        self.requests["store_gets"] += 1
+        try:
+            with open(self._path(key), "rb") as f:
+                unchanged(os.fstat(f.fileno()), size, mtime_ns)
+                return f.read()
+        except FileNotFoundError:
+            raise NotFound(key)
+        except OSError as e:
+            raise self._fault("read", key, e) from None
+
     def put(self, key, data):
         self.requests["store_puts"] += 1
         self._publish(key, data, os.replace)
@@ -1344,6 +1403,14 @@ class LocalStore:
             raise StoreFault(f"store {self.root}: cannot delete {prefix} ---> HINT: check the "
                              f"folder's permissions, then retry")
         return len(sizes), sum(sizes)
+
+
+def unchanged(seen, size, mtime_ns):
+    """Raise Changed unless a file's os.stat result has the size and mtime submit listed."""
+    if seen.st_size != size:
+        raise Changed(f"size {size} -> {seen.st_size}")
+    if seen.st_mtime_ns != mtime_ns:
+        raise Changed(f"modified at {now_iso(seen.st_mtime_ns / 1e9)}")
 
 
 def _link_new(tmp, path):
@@ -1594,6 +1661,44 @@ class S3Store:
             return self.s3.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
         except self.s3.exceptions.NoSuchKey:
             raise NotFound(key)
+
+    @endpoint_retried
+    def fetch(self, key, size, etag):
+        """get of an object read by reference (If-Match its ETag): Changed unless it is the one
+        submit listed; a refusal (403: the role cannot read it yet, IAM is eventually consistent)
+        is a StoreFault, which lets the claim go and come back, not an item's failure."""
+        self.requests["store_gets"] += 1
+        try:
+            data = self.s3.get_object(Bucket=self.bucket, Key=self._key(key), IfMatch=etag)["Body"].read()
+        except self.s3.exceptions.NoSuchKey:
+            raise NotFound(key)
+        except Exception as e:
+            code = _aws_error_code(e)
+            if code in ("PreconditionFailed", "412"):
+                raise Changed(f"its ETag is no longer {etag}") from None
+            if code in ("AccessDenied", "403"):
+                raise StoreFault(f"cannot read {self.uri(key)}: {aws_error_line(e)}") from None
+            raise
+        if len(data) != size:
+            raise Changed(f"size {size} -> {len(data)}")
+        return data
+
+    def walk(self, prefix=""):
+        """(key under `prefix`, size, ETag) of every object under it, in key order, a LIST page
+        (1000 keys) at a time as they come: a prefix of any size is never held whole."""
+        more, strip = {}, len(self._key(prefix))
+        while True:
+            page = self._page(Prefix=self._key(prefix), **more)
+            for o in page.get("Contents", []):
+                yield o["Key"][strip:], o["Size"], o["ETag"]
+            if not page.get("IsTruncated"):
+                return
+            more = {"ContinuationToken": page["NextContinuationToken"]}
+
+    @endpoint_retried
+    def _page(self, **params):
+        self.requests["store_lists"] += 1
+        return self.s3.list_objects_v2(Bucket=self.bucket, **params)
 
     @endpoint_retried
     def put(self, key, data):
@@ -2088,7 +2193,10 @@ def latest_runs(backend, named):
 
 
 def claim_items(run, index):
-    """The number of items in the run's claim `index`: claim_size each, the last one the rest."""
+    """The number of items in the run's claim `index`: claim_size each, the last one the rest, or
+    as `claim_counts` says (media cut claims short at CLAIM_BYTES)."""
+    if "claim_counts" in run:
+        return run["claim_counts"][index]
     return min(run["claim_size"], run["items"] - index * run["claim_size"])
 
 
@@ -2200,11 +2308,15 @@ def pool_bounds(count, lo, hi, idle_minutes, noun):
 def read_items(path, columns=None):
     """Items from a JSONL file ('-': stdin), each a JsonText, read as staged but its first block at
     once (a bad line there is refused first). A .npy or .npz file is numeric (ArrayItems); a Parquet
-    or Arrow file, folder or glob is a table (TableItems) of which `columns` are read."""
+    or Arrow file, folder or glob is a table (TableItems) of which `columns` are read; a folder or
+    glob of other files, or an s3:// prefix or glob, is one item a file (FileItems)."""
     if path.endswith((".npy", ".npz")):
         return ArrayItems.load(path)
-    if path.endswith(TABLE_SUFFIXES) or glob.has_magic(path) or os.path.isdir(path):
+    folder = glob.has_magic(path) or os.path.isdir(path)
+    if not path.startswith("s3://") and (path.endswith(TABLE_SUFFIXES) or folder and _holds_tables(path)):
         return TableItems.open(path, columns)
+    if folder or path.startswith("s3://"):
+        return FileItems.open(path, columns)
     if columns:
         raise UserError(f"--columns applies to Parquet or Arrow input, not {path}")
     try:
@@ -2300,8 +2412,8 @@ class ArrayItems:
         return cls.from_arrays(read_arrays(path), path)
 
     def chunks(self, size):
-        """(start, stop, None) of each claim of `size` items: the arrays are sliced when staged."""
-        return ((start, min(start + size, self.count), None) for start in range(0, self.count, size))
+        """(start, stop, None, 0) of each claim of `size` items: the arrays are sliced when staged."""
+        return ((start, min(start + size, self.count), None, 0) for start in range(0, self.count, size))
 
     @classmethod
     def from_arrays(cls, arrays, path):
@@ -2386,12 +2498,14 @@ class TableItems:
     """Items from Arrow tables, one a row ({column: value}): Parquet (a file, folder or glob), Arrow
     IPC, or a pyarrow.Table, pandas DataFrame or datasets.Dataset, streamed a claim at a time.
     Numeric columns (and lists of numbers) are staged as .npy (a null: None); others go as JSON in
-    the manifest, dates and times as ISO text; a type JSON cannot hold is refused up front."""
+    the manifest, dates and times as ISO text, binary values (an HF Image's struct<bytes, path>)
+    as bytes (stage_bytes); a type JSON cannot hold is refused up front. A Parquet path with binary
+    columns is staged by reference (row ranges) where media_form says the workers can read it."""
 
-    def __init__(self, schema, count, batches, source):
+    def __init__(self, schema, count, batches, source, files=None):
         import pyarrow as pa
-        self.count, self.batches, self.source = count, batches, source
-        self.numeric, self.json = [], []
+        self.count, self.batches, self.source, self.files = count, batches, source, files
+        self.numeric, self.json, self.binary = [], [], []
         for field in schema:
             kind = _column_kind(pa, field.type)
             if kind is None:
@@ -2399,6 +2513,9 @@ class TableItems:
                                 f"form ---> HINT: leave it out with --columns, or cast it (to "
                                 f"string) before submitting")
             (self.numeric if kind == "numeric" else self.json).append(field.name)
+            if _holds_binary(pa, field.type):
+                self.binary.append(field.name)
+        self.columns, self.media, self.by_reference = schema.names, bool(self.binary), False
         if not count:
             raise UserError(f"{source} holds no items")
 
@@ -2450,46 +2567,109 @@ class TableItems:
         pa.set_memory_pool(pa.system_memory_pool())
         try:
             for file in files:
-                try:
-                    opened.append(pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20))
+                try:   # stat first: a by-reference claim names the file as it was before it was read
+                    seen = os.stat(file)
+                    opened.append((file, pq.ParquetFile(file, pre_buffer=False, buffer_size=1 << 20), seen))
                 except FileNotFoundError as e:
                     raise unreadable_items(file, e) from None
                 except (OSError, pa.ArrowInvalid) as e:
                     raise UserError(f"{file}: not a Parquet file ({e})") from None
         finally:
             pa.set_memory_pool(pool)
-        schema = _select(opened[0].schema_arrow, columns, where)
-        for file, f in zip(files, opened):
+        schema = _select(opened[0][1].schema_arrow, columns, where)
+        for file, f, _ in opened:
             theirs = f.schema_arrow
             if any(name not in theirs.names or theirs.field(name).type != schema.field(name).type
                    for name in schema.names):
                 raise UserError(f"{file}: its columns differ from {files[0]}'s ---> HINT: give "
                                 f"files of one schema, or pick shared columns with --columns")
-        return cls(schema, sum(f.metadata.num_rows for f in opened), lambda rows: (
-            b for f in opened for b in f.iter_batches(rows, columns=schema.names, use_threads=False)), where)
+        return cls(schema, sum(f.metadata.num_rows for _, f, _ in opened), lambda rows: (
+            b for _, f, _ in opened for b in f.iter_batches(rows, columns=schema.names, use_threads=False)),
+            where, opened)
 
     def chunks(self, size):
-        """(start, stop, table) of each claim of `size` rows, cut as the batches are read."""
+        """(start, stop, table, media bytes) of each claim of `size` rows, fewer where their media
+        bytes pass CLAIM_BYTES, cut as the batches are read (by reference: _ranges)."""
         import pyarrow as pa
-        held, rows, start = [], 0, 0
-        for batch in itertools.chain(self.batches(size), [None]):
+        if self.by_reference:
+            yield from self._ranges(size)
+            return
+        held, rows, start, sizes = [], 0, 0, []   # sizes: the held rows' media bytes (media only)
+        for batch in itertools.chain(self.batches(self._read_rows(size)), [None]):
             if batch is not None:
                 held.append(batch)
                 rows += batch.num_rows
-            while rows >= size or (batch is None and rows):
+                if self.media:
+                    sizes += self._row_bytes(batch, start + len(sizes))
+            while rows >= size or (batch is None and rows) or (self.media and sum(sizes) >= CLAIM_BYTES):
                 table = pa.Table.from_batches(held)
-                take = min(size, rows)
-                yield start, start + take, table.slice(0, take)
-                held, rows, start = table.slice(take).to_batches(), rows - take, start + take
+                take = _fitting(sizes[:size]) if self.media else min(size, rows)
+                yield start, start + take, table.slice(0, take), sum(sizes[:take])
+                held, rows, start, sizes = table.slice(take).to_batches(), rows - take, start + take, sizes[take:]
+
+    def _read_rows(self, size):
+        """Rows a read takes: a claim's, fewer for a Parquet file of media, so that one read holds
+        about a quarter of CLAIM_BYTES by its row groups' sizes."""
+        if not (self.media and self.files):
+            return size
+        total = sum(f.metadata.row_group(g).total_byte_size for _, f, _ in self.files
+                    for g in range(f.metadata.num_row_groups))
+        return max(1, min(size, CLAIM_BYTES // 4 * self.count // max(total, 1)))
+
+    def _row_bytes(self, batch, first):
+        """Each row's media bytes (its binary values'); a row over ITEM_BYTES_MAX is refused."""
+        import numpy as np
+        sizes = sum((_binary_sizes(batch.column(name)) for name in self.binary), np.zeros(batch.num_rows, np.int64))
+        over = np.flatnonzero(sizes > ITEM_BYTES_MAX)
+        if len(over):
+            raise _too_large(f"{self.source}: row {first + int(over[0])}", int(sizes[over[0]]))
+        return sizes.tolist()
+
+    def _ranges(self, size):
+        """(start, stop, [[file URI, size, mtime ns, first row, stop row], ...], 0) of each claim of
+        `size` rows, fewer where its row groups' bytes pass CLAIM_BYTES: metadata only, no row read."""
+        segments, rows, held, start = [], 0, 0.0, 0
+        for path, f, seen in self.files:
+            uri, at = "file://" + os.path.abspath(path), 0
+            for g in range(f.metadata.num_row_groups):
+                n = f.metadata.row_group(g).num_rows
+                per_row = f.metadata.row_group(g).total_byte_size / max(n, 1)
+                if per_row > ITEM_BYTES_MAX:
+                    raise _too_large(f"{path}: the rows of row group {g}", int(per_row))
+                while n:
+                    take = min(size - rows, n, int((CLAIM_BYTES - held) // per_row) if per_row else n)
+                    take = max(take, 0 if rows else 1)
+                    if take and segments and segments[-1][0] == uri and segments[-1][4] == at:
+                        segments[-1][4] += take
+                    elif take:
+                        segments.append([uri, seen.st_size, seen.st_mtime_ns, at, at + take])
+                    rows, held, at, n = rows + take, held + take * per_row, at + take, n - take
+                    if n or rows == size:   # full: the next rows go in the next claim
+                        yield start, start + rows, segments, 0
+                        segments, rows, held, start = [], 0, 0.0, start + rows
+        if rows:
+            yield start, start + rows, segments, 0
 
     def stage(self, backend, run_id, claim, start, table):
-        """A claim's manifest fields: JSON columns as `items`, numeric ones as `arrays`."""
+        """A claim's manifest fields: JSON columns as `items` (their bytes beside: `bytes`), numeric
+        ones as `arrays`; by reference, its row ranges (`rows`)."""
+        import pyarrow as pa
+        if self.by_reference:
+            return {"rows": {"columns": self.columns, "files": table}}
         fields = {name: _numeric_column(table.column(name).combine_chunks(), name, start, self.source)
                   for name in self.numeric}
         staged = {"arrays": stage_arrays(backend, run_id, claim, fields)} if fields else {}
         if self.json:
-            columns = [_json_column(table.column(name)) for name in self.json]
-            staged["items"] = [dict(zip(self.json, row)) for row in zip(*columns)]
+            blob, columns = Blob(), []
+            for name in self.json:   # binary values straight from Arrow's buffers, where they can be
+                column = table.column(name)
+                if name in self.binary:
+                    firsts = itertools.accumulate((len(c) for c in column.chunks), initial=0)
+                    bare = [_without_binary(c, [name], blob, k) for c, k in zip(column.chunks, firsts)]
+                    column = column if None in bare else pa.chunked_array(bare, pa.null() if not bare else None)
+                columns.append(_json_column(column))
+            items = [dict(zip(self.json, row)) for row in zip(*columns)]
+            staged.update(stage_bytes(backend, run_id, claim, items, blob) if self.media else {"items": items})
         return staged
 
 
@@ -2521,12 +2701,46 @@ def _column_kind(pa, t):
 
 
 def _json_type(pa, t):
-    """True for a type whose to_pylist values are JSON (or lists, structs, dicts of them)."""
-    if _is_number(pa, t) or pa.types.is_null(t) or pa.types.is_string(t) or pa.types.is_large_string(t):
+    """True for a type whose to_pylist values are JSON or bytes (or lists, structs, dicts of them)."""
+    if _is_number(pa, t) or pa.types.is_null(t) or pa.types.is_string(t) or pa.types.is_large_string(t) \
+            or _is_binary(pa, t):
         return True
     if pa.types.is_dictionary(t) or _is_list(pa, t):
         return _json_type(pa, t.value_type)
     return pa.types.is_struct(t) and all(_json_type(pa, t.field(i).type) for i in range(t.num_fields))
+
+
+def _is_binary(pa, t):
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t) \
+        or pa.types.is_binary_view(t)
+
+
+def _holds_binary(pa, t):
+    """Whether an Arrow type is binary or holds binary (a struct's field, a list's values)."""
+    if _is_binary(pa, t):
+        return True
+    if pa.types.is_struct(t):
+        return any(_holds_binary(pa, t.field(i).type) for i in range(t.num_fields))
+    return (_is_list(pa, t) or pa.types.is_dictionary(t)) and _holds_binary(pa, t.value_type)
+
+
+def _binary_sizes(array):
+    """The bytes of the binary values in each row of an Arrow array (in structs and lists too), as
+    a numpy int64 array: what a row of media weighs."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    t, rows = array.type, len(array)
+    if _is_binary(pa, t):
+        return np.asarray(pc.binary_length(array).fill_null(0), np.int64)
+    if pa.types.is_struct(t):
+        return sum((_binary_sizes(child) for child in array.flatten()), np.zeros(rows, np.int64))
+    if _is_list(pa, t) and _holds_binary(pa, t.value_type):
+        parents = np.asarray(pc.list_parent_indices(array), np.int64)
+        return np.bincount(parents, _binary_sizes(array.flatten()), rows).astype(np.int64)
+    return np.zeros(rows, np.int64)
 
 
 def _json_column(column):
@@ -2578,6 +2792,329 @@ def _to_numpy(array):
     return np.frombuffer(array.buffers()[1], dtype, len(array), array.offset * dtype.itemsize)
 
 
+# ---- media: bytes in items, one item a file, and by reference (docs/contract.md, "Media")
+def _holds_tables(path):
+    """Whether a folder holds a .parquet file, or a glob's first match is one."""
+    pattern = os.path.join(path, "**", "*.parquet") if os.path.isdir(path) else path
+    first = next(glob.iglob(pattern, recursive=True), None)
+    return first is not None and first.endswith(".parquet")
+
+
+def _too_large(name, size):
+    return UserError(f"{name}: {size_text(size)} of media, over the limit of {size_text(ITEM_BYTES_MAX)} an item "
+                     f"---> HINT: leave it out, or split it into smaller items")
+
+
+def _media_size(value):
+    """The bytes of the bytes values in a Python item (in its dicts and lists too)."""
+    kind = type(value)
+    if kind is dict:
+        return sum(map(_media_size, value.values())) if value else 0
+    if kind is list or kind is tuple:
+        return sum(map(_media_size, value))
+    return memoryview(value).nbytes if kind in (bytes, bytearray, memoryview) else 0
+
+
+def _fitting(sizes):
+    """How many of the first items fit in CLAIM_BYTES (one at least)."""
+    total = 0
+    for k, size in enumerate(sizes):
+        total += size
+        if total > CLAIM_BYTES and k:
+            return k
+    return len(sizes)
+
+
+def _cut(start, chunk, sizes):
+    """(start, stop, items, media bytes) of a claim's chunk cut so that each holds CLAIM_BYTES of
+    media at most (one item at least); an item over ITEM_BYTES_MAX is refused."""
+    for k, size in enumerate(sizes):
+        if size > ITEM_BYTES_MAX:
+            raise _too_large(f"item {start + k}", size)
+    at = 0
+    while at < len(chunk):
+        take = _fitting(sizes[at:])
+        yield start + at, start + at + take, chunk[at:at + take], sum(sizes[at:at + take])
+        at += take
+
+
+class Blob:
+    """A claim's bytes in the bytes form as they are gathered: views of them (one copy: the join),
+    and `at`, where each goes ([item, path, start, stop])."""
+
+    def __init__(self):
+        self.parts, self.size, self.at = [], 0, []
+
+    def add(self, data):
+        """Append bytes (or a view); returns where they start."""
+        start = self.size
+        self.parts.append(data)
+        self.size += memoryview(data).nbytes
+        return start
+
+
+def stage_bytes(backend, run_id, claim, items, blob=None):
+    """A claim's items in the bytes form: every bytes value (at any depth of dicts and lists) is
+    None in `items` and staged in one object beside the manifest, `at` saying where each goes;
+    returns those manifest fields. Never JSON text, never base64, never pickle."""
+    blob = blob or Blob()
+    items = [_take_bytes(item, k, [], blob) for k, item in enumerate(items)]
+    key = f"runs/{run_id}/inputs/{claim}/bytes"
+    backend.store.put(key, b"".join(blob.parts))
+    return {"items": items, "bytes": {"key": key, "at": blob.at}}
+
+
+def _take_bytes(value, k, path, blob):
+    """`value` with each bytes value None, added to the blob (a function, not a closure: a
+    recursive closure is a reference cycle, which kept a claim's bytes alive until a GC ran)."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        start = blob.add(value)
+        blob.at.append([k, path, start, blob.size])
+        return None
+    if isinstance(value, dict):   # JSON makes a key text: the path names it so
+        return {key: _take_bytes(v, k, path + [str(key)], blob) for key, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_take_bytes(v, k, path + [i], blob) for i, v in enumerate(value)]
+    return value
+
+
+def _without_binary(array, path, blob, first=0):
+    """An Arrow array with its binary values (top level, or in structs) null, each added to the blob
+    straight from Arrow's buffer (no Python bytes a value: malloc kept those, submit's peak grew
+    with the file); None where binary sits deeper (in a list: _take_bytes takes it)."""
+    import numpy as np
+    import pyarrow as pa
+    t = array.type
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        if pa.types.is_fixed_size_binary(t):
+            offsets = (np.arange(len(array) + 1) + array.offset) * t.byte_width
+            data = array.buffers()[1]
+        else:
+            kind = np.int64 if pa.types.is_large_binary(t) else np.int32
+            offsets = np.frombuffer(array.buffers()[1], kind, len(array) + 1, array.offset * kind().itemsize)
+            data = array.buffers()[2]
+        base = blob.add(memoryview(data)[offsets[0]:offsets[-1]] if data is not None else b"") - int(offsets[0])
+        for k in np.flatnonzero(np.asarray(array.is_valid())).tolist():
+            blob.at.append([first + k, path, base + int(offsets[k]), base + int(offsets[k + 1])])
+        return pa.nulls(len(array))
+    if pa.types.is_struct(t) and _holds_binary(pa, t):
+        children = [_without_binary(child, path + [t.field(i).name], blob, first)
+                    for i, child in enumerate(array.flatten())]
+        if any(child is None for child in children):
+            return None
+        return pa.StructArray.from_arrays(children, fields=[pa.field(t.field(i).name, c.type) for i, c in
+                                                             enumerate(children)], mask=array.is_null())
+    return None if _holds_binary(pa, t) else array
+
+
+def _glob_regex(pattern):
+    """A regex of a glob over '/'-separated paths: * and ? within a name, [...] a class, ** any
+    folders (fnmatch's * would cross a '/')."""
+    out, parts = [], pattern.split("/")
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if part == "**":
+            out.append(".+" if last else "(?:[^/]+/)*")
+            continue
+        k = 0
+        while k < len(part):
+            c, end = part[k], part.find("]", k + 2)
+            if c == "[" and end > 0:
+                body = part[k + 1:end]
+                out.append("[" + ("^" + body[1:] if body[0] == "!" else body).replace("\\", "\\\\") + "]")
+                k = end
+            else:
+                out.append("[^/]*" if c == "*" else "[^/]" if c == "?" else re.escape(c))
+            k += 1
+        out.append("" if last else "/")
+    return re.compile("".join(out))
+
+
+def walk_folder(folder, prefix=""):
+    """(path under `folder`, size, mtime in ns) of each file below it in path order, a folder's
+    names read at a time; hidden files and folders (a name starting with '.') skipped, links to
+    files followed, links to folders not (no cycles)."""
+    try:
+        with os.scandir(os.path.join(folder, prefix)) as entries:
+            names = sorted((e.name + "/" if e.is_dir(follow_symlinks=False) else e.name)
+                           for e in entries if not e.name.startswith("."))
+    except OSError as e:
+        raise UserError(f"cannot read folder {os.path.join(folder, prefix)}: {e.strerror}") from None
+    for name in names:
+        if name.endswith("/"):
+            yield from walk_folder(folder, prefix + name)
+            continue
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):   # gone, or a dangling link
+            seen = os.stat(os.path.join(folder, prefix, name))
+            if stat.S_ISREG(seen.st_mode):
+                yield prefix + name, seen.st_size, seen.st_mtime_ns
+
+
+class FileItems:
+    """One item a file, {"path": its path under the folder, glob root or prefix given, "bytes": its
+    content}: a local folder or glob, or an s3:// prefix or glob, listed as a stream in path order
+    (a prefix of a million objects: claims go out while the listing goes on), hidden files and
+    folders skipped. By reference (`refs`) where the workers can read the source, else copied
+    (`bytes`, CLAIM_BYTES a claim): media_form decides."""
+    media, by_reference = True, True
+
+    def __init__(self, where, bucket, root, pattern):
+        self.where, self.bucket, self.root, self.pattern = where, bucket, root, pattern
+        self.source = None if bucket else LocalStore(root or ".", Requests())
+
+    @classmethod
+    def open(cls, path, columns=None):
+        if columns:
+            raise UserError(f"--columns applies to Parquet or Arrow input, not to the files of {path}")
+        bucket, key = path[len("s3://"):].partition("/")[::2] if path.startswith("s3://") else (None, path)
+        parts = key.split("/")
+        magic = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+        root, pattern = "/".join(parts[:magic]), "/".join(parts[magic:])
+        if bucket is None and not os.path.isdir(root or "."):
+            raise unreadable_items(path, FileNotFoundError(2, "no such folder"))
+        return cls(path, bucket, root.rstrip("/") if bucket is not None or root != "/" else root,
+                   _glob_regex(pattern) if pattern else None)
+
+    def uri(self):
+        """The source as a manifest's `refs` names it: its folder or prefix, ending in '/'."""
+        if self.bucket is not None:
+            return f"s3://{self.bucket}/{self.root}/" if self.root else f"s3://{self.bucket}/"
+        return "file://" + os.path.join(os.path.abspath(self.root or "."), "")
+
+    def entries(self):
+        """(path, size, version: ETag or mtime ns) of each file; none at all is a UserError."""
+        listed = self.source.walk() if self.bucket is not None else walk_folder(self.source.root)
+        found = (e for e in listed if e[0] and not e[0].endswith("/") and  # an S3 folder marker is no file
+                 not any(p.startswith(".") for p in e[0].split("/")) and
+                 (self.pattern is None or self.pattern.fullmatch(e[0])))
+        first = next(found, None)
+        if first is None:
+            raise UserError(f"{self.where}: no file there (hidden ones are skipped) ---> HINT: give a folder "
+                            f"of files, a quoted glob such as 'photos/**/*.jpg', or an s3:// prefix")
+        return itertools.chain([first], found)
+
+    def chunks(self, size):
+        """(start, stop, entries, media bytes) of each claim: `size` files, fewer where copied
+        files pass CLAIM_BYTES; a file over ITEM_BYTES_MAX refused by name."""
+        it, start = self.entries(), 0
+        while chunk := list(itertools.islice(it, size)):
+            for name, n, _ in chunk:
+                if n > ITEM_BYTES_MAX:
+                    raise _too_large(f"{self.where}: {name}", n)
+            yield from _cut(start, chunk, [0 if self.by_reference else n for _, n, _ in chunk])
+            start += len(chunk)
+
+    def stage(self, backend, run_id, claim, start, chunk):
+        """By reference: `refs`, the objects named with their size and version; else their bytes."""
+        if self.by_reference:
+            return {"refs": {"source": self.uri(), "objects": [list(e) for e in chunk]}}
+        items = []
+        for name, _, _ in chunk:
+            try:
+                items.append({"path": name, "bytes": self.source.get(name)})
+            except NotFound:
+                raise UserError(f"{self.where}: {name} vanished while submit read it") from None
+        return stage_bytes(backend, run_id, claim, items)
+
+
+def media_form(backend, record, items):
+    """Stage media by reference where the workers can read it (a local folder or Parquet file with
+    the local store, an s3:// prefix with an s3:// store), else copied, said in one line; on an
+    EC2 pool, an s3:// prefix its role cannot read yet is granted (or refused) here."""
+    if isinstance(items, TableItems):
+        items.by_reference = bool(items.media and items.files and backend.kind == "local")
+        if items.media and items.files and not items.by_reference:
+            print(f"calque: {items.source}: its media are copied into the store: the workers of {backend.describe()} "
+                  f"cannot read this machine's files", file=sys.stderr)
+        return
+    if not isinstance(items, FileItems):
+        return
+    if items.bucket is None:
+        items.by_reference = backend.kind == "local"
+        if not items.by_reference:
+            print(f"calque: {items.where}: its files are copied into the store: the workers of "
+                  f"{backend.describe()} cannot read this machine's folder ---> HINT: upload it (aws s3 sync) "
+                  f"and submit its s3:// prefix to have it read where it is", file=sys.stderr)
+        return
+    if backend.kind != "aws":
+        raise UserError(f"{items.where}: an s3:// input needs an s3:// store, whose workers read it where it is "
+                        f"---> HINT: CALQUE_STORE=s3://bucket/prefix, or copy the files here and submit the folder")
+    inside = backend.store.uri("")
+    if items.uri().startswith(inside) or inside.startswith(items.uri()):
+        raise UserError(f"{items.where}: it overlaps the calque store {backend.describe()}: a run reads no "
+                        f"other run's objects ---> HINT: keep inputs under another prefix")
+    items.source = S3Store(backend.store.s3, items.bucket, items.root, backend.requests,
+                           backend.store.endpoint_retry)
+    if record.get("ec2"):
+        from calque_ec2 import grant_read
+        grant_read(backend, record, items.uri())
+
+
+def rows_items(rows):
+    """The items of a by-reference Parquet row range (a manifest's `rows`), as a staged table's
+    would arrive; each row of a file that changed or vanished since submit is an Unavailable
+    naming it. A worker imports pyarrow for such claims only."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    items = []
+    for uri, size, mtime_ns, start, stop in rows["files"]:
+        if not uri.startswith("file:///"):
+            raise ValueError(f"{uri!r} is not a file:// URI")
+        path = uri[len("file://"):]
+        try:
+            unchanged(os.stat(path), size, mtime_ns)
+            table = _row_range(pq.ParquetFile(path), start, stop, rows["columns"])
+            unchanged(os.stat(path), size, mtime_ns)   # and after: a file replaced meanwhile too
+            items += table_items(table, start, path)
+        except FileNotFoundError:
+            items += [Unavailable(f"{path}: vanished since submit")] * (stop - start)
+        except Changed as e:
+            items += [Unavailable(f"{path}: changed since submit ({e})")] * (stop - start)
+        except (OSError, pa.ArrowException, UserError) as e:
+            items += [Unavailable(f"{path}: cannot read rows {start}-{stop - 1} ({e})")] * (stop - start)
+    return items
+
+
+def _row_range(f, start, stop, columns):
+    """Rows [start, stop) of a ParquetFile: only the row groups that hold them are read, a batch
+    at a time."""
+    import pyarrow as pa
+    groups, first, at = [], None, 0
+    for g in range(f.metadata.num_row_groups):
+        n = f.metadata.row_group(g).num_rows
+        if at < stop and at + n > start:
+            groups.append(g)
+            first = at if first is None else first
+        at += n
+    batches, skip, want = [], start - (first or 0), stop - start
+    for batch in f.iter_batches(row_groups=groups, columns=columns, use_threads=False):
+        if skip >= batch.num_rows:
+            skip -= batch.num_rows
+            continue
+        batches.append(batch.slice(skip, want))
+        skip, want = 0, want - batches[-1].num_rows
+        if not want:
+            break
+    if want:
+        raise Changed(f"rows {start}-{stop - 1} are no longer all there")
+    return pa.Table.from_batches(batches, pa.schema([f.schema_arrow.field(c) for c in columns]))
+
+
+def table_items(table, start, source):
+    """A table's rows as items, as TableItems stages them and a worker receives them: numeric
+    columns as numpy values, the rest as Python values (binary as bytes, times as ISO text)."""
+    import pyarrow as pa
+    numeric = [n for n in table.column_names if _column_kind(pa, table.schema.field(n).type) == "numeric"]
+    json = [n for n in table.column_names if n not in numeric]
+    items = ([dict(zip(json, row)) for row in zip(*(_json_column(table.column(n)) for n in json))] if json
+             else [{} for _ in range(table.num_rows)])
+    fields = {}
+    for name in numeric:
+        roles = _numeric_column(table.column(name).combine_chunks(), name, start, source)
+        fields[name] = (roles["values"], roles.get("offsets"), roles.get("valid"))
+    return merge_fields(items, fields)
+
+
 class SubmitInterrupted(BaseException):
     """SIGINT or SIGTERM while submit or runs resume stages or sends claims; a BaseException."""
 
@@ -2623,30 +3160,47 @@ def check_timeout(seconds):
 
 
 def claim_chunks(items, size):
-    """(start, stop, items or None) of each claim of `size` items (arrays, tables: their own)."""
-    if isinstance(items, (ArrayItems, TableItems)):
+    """(start, stop, items or None, media bytes) of each claim of `size` items, fewer where their
+    bytes values pass CLAIM_BYTES (arrays, tables, files: their own)."""
+    if isinstance(items, (ArrayItems, TableItems, FileItems)):
         yield from items.chunks(size)
         return
     it, start = iter(items), 0
     while chunk := list(itertools.islice(it, size)):
-        yield start, start + len(chunk), chunk
+        yield from _cut(start, chunk, [0 if type(item) is JsonText else _media_size(item) for item in chunk])
         start += len(chunk)
 
 
+class HoldsBytes(Exception):
+    """A Python item holds bytes: its claim is staged in the bytes form (stage_bytes)."""
+
+
+def _no_bytes(value):
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise HoldsBytes
+    return to_jsonable(value)
+
+
 def stage_claim(backend, run, items, claim, start, stop, chunk):
-    """Write one claim's manifest (JSON items inside, numeric items beside it as .npy)."""
+    """Write one claim's manifest (JSON items inside, numeric items beside it as .npy, bytes values
+    beside it in one object; by reference, what the worker fetches)."""
     manifest = {"run_id": run["run_id"], "claim": claim, "model": run["model"], "first_index": start,
                 "count": stop - start}
     if chunk is None:
         manifest["arrays"] = items.stage(backend, run["run_id"], claim, start, stop)
-    elif isinstance(items, TableItems):
+    elif isinstance(items, (TableItems, FileItems)):
         manifest.update(items.stage(backend, run["run_id"], claim, start, chunk))
     elif all(type(item) is JsonText for item in chunk):   # checked JSONL lines: joined as they are
         body = dumps(manifest)
         backend.store.put(manifest_key(run["run_id"], claim), f'{body[:-1]},"items":[{",".join(chunk)}]}}')
         return
     else:
-        manifest["items"] = chunk
+        try:
+            body = json.dumps(dict(manifest, items=chunk), default=_no_bytes, separators=(",", ":"))
+        except HoldsBytes:
+            manifest.update(stage_bytes(backend, run["run_id"], claim, chunk))
+        else:
+            return backend.store.put(manifest_key(run["run_id"], claim), body)
     backend.store.put(manifest_key(run["run_id"], claim), dumps(manifest))
 
 
@@ -2658,40 +3212,43 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     sending, not the staging (`runs resume` sends the rest), then raises SubmitInterrupted. Another
     error before a claim was sent deletes what was staged; after, the run keeps the claims sent."""
     run_id = run_id or new_run_id(record["model"])
+    media_form(backend, record, items)
     known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
            "claims": [claim_id(i) for i in range(-(-known // claim_size))] if known else [],
            "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
            "created_at": now_iso(), "sent": 0, "staged": False}
-    landed, pending, count, sending = [], collections.deque(), 0, True
+    landed, pending, count, sending, counts = [], collections.deque(), 0, True, []
     # signals wait until the end (sigpending between two claims): a claim is never half cut
     with signals_deferred():
         try:
             write_json(backend, run_key(run_id), run)
             writer_count = LOCAL_WRITERS if backend.kind == "local" else STORE_WRITERS
             with ThreadPoolExecutor(writer_count) as writers:
-                for index, (start, stop, chunk) in enumerate(claim_chunks(items, claim_size)):
+                for index, (start, stop, chunk, media) in enumerate(claim_chunks(items, claim_size)):
                     claim, count = claim_id(index), stop
-                    if known is None:
+                    if index == len(run["claims"]):   # a stream's, or one more where media cut a claim short
                         run["claims"].append(claim)
+                    counts.append(stop - start)
                     pending.append((claim, writers.submit(stage_claim, backend, run, items, claim, start, stop,
-                                                          chunk)))
+                                                          chunk), media))
                     sending = sending and not {signal.SIGINT, signal.SIGTERM} & signal.sigpending()
                     first = sending and run["sent"] == 0 and not landed
-                    _send_landed(backend, run, queue, pending, landed, sending,
-                                 wait=first or len(pending) >= writer_count * STAGE_AHEAD,
-                                 flush=first)
+                    full = len(pending) >= writer_count * STAGE_AHEAD or sum(p[2] for p in pending) >= STAGE_BYTES
+                    _send_landed(backend, run, queue, pending, landed, sending, wait=first or full, flush=first)
                 if not count:
                     raise UserError("no items to submit")
                 while pending or landed:
                     _send_landed(backend, run, queue, pending, landed, sending, wait=True, flush=True)
-            update_run(backend, run, claims=run["claims"], items=count, sent=run["sent"], staged=True)
+            update_run(backend, run, claims=run["claims"][:len(counts)], items=count, sent=run["sent"],
+                       staged=True, **_claim_counts(counts, claim_size))
         except BaseException as e:
             if not run["sent"]:
                 backend.store.delete_prefix(f"runs/{run_id}/")   # a cold run's handler too: no run
                 raise
-            kept = min(run["sent"] * claim_size, count)
-            update_run(backend, run, claims=run["claims"][:run["sent"]], items=kept, sent=run["sent"], staged=True)
+            kept = sum(counts[:run["sent"]])
+            update_run(backend, run, claims=run["claims"][:run["sent"]], items=kept, sent=run["sent"], staged=True,
+                       **_claim_counts(counts[:run["sent"]], claim_size))
             if isinstance(e, (UserError, StoreFault)):
                 raise type(e)(f"run {run_id} stopped after queueing {run['sent']} claim(s) (items "
                               f"0 to {kept - 1}; the run keeps them): {e}") from None
@@ -2699,11 +3256,16 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     return run
 
 
+def _claim_counts(counts, claim_size):
+    """The run record's `claim_counts` where media cut claims short of claim_size (claim_items)."""
+    return {"claim_counts": counts} if any(n != claim_size for n in counts[:-1]) else {}
+
+
 def _send_landed(backend, run, queue, pending, landed, sending, wait, flush):
     """Move the landed manifests at the head of `pending` to `landed` (the head one awaited when
     `wait`), then send them in order, SEND_BATCH a request (a partial batch when `flush`)."""
     while pending and (wait or pending[0][1].done()):
-        claim, future = pending.popleft()
+        claim, future, _ = pending.popleft()
         future.result()
         landed.append(claim)
         wait = False
@@ -3027,12 +3589,15 @@ def claim_results(backend, run_id, claim, count):
 
 
 def claim_ids(backend, run, claim, field):
-    """The `field` of each of the claim's items, read from its manifest."""
+    """The `field` of each of the claim's items, read from its manifest (by reference: a file's
+    path, a Parquet column's values; a bytes value reads as null)."""
     manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
-    if "arrays" in manifest:   # numpy values as plain ones; a table's null or JSON column as it is
-        return [getattr(item[field], "tolist", lambda v=item[field]: v)() for item in
-                array_items(backend.store, manifest)]
-    return [item[field] for item in manifest["items"]]
+    if "refs" in manifest:
+        return [name for name, _, _ in manifest["refs"]["objects"]]
+    items = (rows_items(dict(manifest["rows"], columns=[field])) if "rows" in manifest else
+             array_items(backend.store, manifest) if "arrays" in manifest else manifest["items"])
+    values = [item[field] if isinstance(item, dict) else None for item in items]   # else: Unavailable
+    return [getattr(v, "tolist", lambda v=v: v)() for v in values]   # numpy values as plain ones
 
 
 def claim_column(parts, field):
@@ -4392,6 +4957,9 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
              progress=True, ec2=None, dry_run=False, yes_spend_money=False):
     """The baseline: fresh workers (warmd.py here, EC2 with `ec2`) pay @enter, drain this run's
     queue and exit. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
+    if isinstance(items, FileItems) and items.bucket is not None and ec2:
+        raise UserError(f"{items.where}: a cold run on EC2 cannot read an s3:// prefix (its shared role may not) "
+                        f"---> HINT: run it on a pool: pool create --instances N --read {items.uri()}")
     record = None if handler else load_pool(   # no handler named: reuse the pool's snapshot
         backend, model, f"give the cold run its code: submit --model {model} --handler file.py:Class ITEMS")
     run_id = new_run_id(model)
@@ -4424,8 +4992,10 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
         return None, [], False
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
-    if not claim_size:   # one claim per shard: the items are counted first (a stream read in)
-        items = items if isinstance(items, (ArrayItems, list)) else list(items)
+    if not claim_size and isinstance(items, FileItems):   # a listing is a stream: not counted twice
+        claim_size = setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    elif not claim_size:   # one claim per shard: the items are counted first (a stream read in)
+        items = items if isinstance(items, (ArrayItems, TableItems, list)) else list(items)
         claim_size = max(1, -(-len(items) // shards))
     write_json(backend, cold_record_key(run_id), cold)
     procs, instance_ids = [], []
@@ -4998,7 +5568,7 @@ def as_items(items, columns=None):
         return TableItems.open(items, columns)
     if columns:
         raise UserError("columns= applies to a path of Parquet or Arrow input, or a table")
-    if isinstance(items, (ArrayItems, TableItems)):
+    if isinstance(items, (ArrayItems, TableItems, FileItems)):
         return items
     if hasattr(items, "dtype") and hasattr(items, "shape"):
         return ArrayItems.from_arrays({"input": items}, "the array")
@@ -5021,8 +5591,9 @@ def check_id_field(items, field):
     """Refuse an --id-field that is a result's own field or an item lacks (a stream: as read)."""
     if field in RESULT_FIELDS:
         raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
-    if isinstance(items, (ArrayItems, TableItems)):
-        names = list(items.fields) if isinstance(items, ArrayItems) else items.numeric + items.json
+    if isinstance(items, (ArrayItems, TableItems, FileItems)):
+        names = (list(items.fields) if isinstance(items, ArrayItems) else ["path"] if isinstance(items, FileItems)
+                 else items.numeric + items.json)
         if field not in names:
             raise UserError(f"--id-field {field!r}: no {'array' if isinstance(items, ArrayItems) else 'column'} of "
                             f"that name ({', '.join(names)})")
@@ -5332,6 +5903,9 @@ def plan_run(conf, backend, model, items, claim_size, price):
     record = load_pool(backend, model)
     claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     check_claim_size(claim_size)
+    if isinstance(items, FileItems):
+        raise UserError(f"{items.where}: a plan counts the items first, and files are listed as they are "
+                        f"staged ---> HINT: submit without --plan, --deadline or --budget")
     first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
     count = len(items) if first is None else len(first) + sum(1 for _ in items)
     summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
@@ -5418,13 +5992,16 @@ def cmd_pool_create(conf, backend, args):
         import calque_ec2 as ec2
         options = ec2.pool_options(args.instances, args.instance_type, min_instances=args.min_instances,
                                    ami=args.ami, spot=args.spot, subnet=args.subnet, key_name=args.key_name,
-                                   scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances)
+                                   scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances,
+                                   reads=args.read)
         with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
             ec2.pool_create(backend, record, args.handler, options, dry_run=args.dry_run, include=include,
                             yes_spend_money=args.yes_spend_money)
         return EXIT_OK
     if args.dry_run:
         raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
+    if args.read:
+        raise UserError("--read grants an EC2 pool's instance role (--instances); local workers read what you can")
     count = args.workers
     if count is None and args.max_workers is None:
         count = LOCAL_WORKERS_DEFAULT if args.min_workers is None else args.min_workers
@@ -5594,7 +6171,7 @@ def cmd_pool_logs(conf, backend, args):
 def cmd_submit(conf, backend, args):
     check_timeout(args.timeout)
     items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
-    if isinstance(items, TableItems):
+    if isinstance(items, (TableItems, FileItems)):
         few_malloc_arenas()
     progress = not args.json and sys.stderr.isatty()
     planned = args.plan or args.deadline is not None or args.budget is not None
@@ -5603,7 +6180,7 @@ def cmd_submit(conf, backend, args):
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
         if planned:
-            items = items if hasattr(items, "__len__") else list(items)
+            items = items if hasattr(items, "__len__") or isinstance(items, FileItems) else list(items)
             plan = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
             print("\n".join(format_plan(plan)), file=sys.stderr)
             record = load_pool(backend, args.pool)
@@ -5686,9 +6263,13 @@ def cmd_plan(conf, backend, args):
 
 
 def few_malloc_arenas():
-    """Two glibc malloc arenas: per-thread ones keep what store writers freed (submit's peak)."""
+    """Two glibc malloc arenas: per-thread ones keep what store writers freed (submit's peak); and
+    blocks of 1 MiB or more mapped, so given back when freed: glibc's threshold otherwise rises to
+    the largest block freed, and a Parquet of images grew submit's peak with its size."""
     with contextlib.suppress(OSError, AttributeError):   # not glibc: nothing to limit
-        ctypes.CDLL("libc.so.6").mallopt(-8, 2)   # M_ARENA_MAX
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-8, 2)         # M_ARENA_MAX
+        libc.mallopt(-3, 1 << 20)   # M_MMAP_THRESHOLD
 
 
 def cmd_runs_list(conf, backend, args):
@@ -6185,6 +6766,9 @@ def build_parser():
     ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its "
                                    "public SSM parameter)")
     switch(ec2, "--spot", "spot capacity: cheaper, may be interrupted at 2 minutes' notice")
+    ec2.add_argument("--read", action="append", metavar="S3_PREFIX",
+                     help="an s3:// prefix its runs read by reference: its instance role may read it (a run "
+                          "naming another grants it then); repeat for several")
     ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: "
                      "--instances; 0 with --scale-to-zero-after or --max-instances)")
     ec2.add_argument("--max-instances", type=int,

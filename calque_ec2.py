@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from calque import (DEFAULT_REGION, HERE, POOL_PREFIX, RUN_DLQ_PREFIX, RUN_QUEUE_PREFIX,
                     SQS_NOT_FOUND, NotFound, UserError, _aws_error_code, aws_client_config, command,
-                    check_slug_free, desired_count, dlq_name, instance_rate_per_second, load_rates,
+                    check_slug_free, desired_count, dlq_name, instance_rate_per_second, load_pool, load_rates,
                     measured_enter_seconds, measured_seconds, now_iso, package_file, pool_bounds,
                     pool_key, pool_queue_name, pyproject, queue_depth, read_json,
                     read_worker_stats, recent_summaries, setting_number, settings, slug,
@@ -258,13 +258,14 @@ def _s3_parts(store, partition):
     return f"arn:{partition}:s3:::{bucket}", f"arn:{partition}:s3:::{bucket}/{root}", root
 
 
-def worker_policy(store, model, region, account, partition="aws"):
+def worker_policy(store, model, region, account, partition="aws", reads=()):
     """The pool worker's inline policy: claim from its pool queue, dead-letter to its DLQ, read
     its pool's folder and its model's runs (runs/<slug>.*), write their results and summaries,
     its stats, bootstrap reports, output and streams. ListBucket only on those prefixes, and only
     so that S3 answers 404, not 403, for a summary not written yet (warmd never lists). On its own
     group only: SetInstanceHealth (a failed bootstrap), SetInstanceProtection (scale-in while it
-    holds a claim) and CompleteLifecycleAction (let a terminating instance go)."""
+    holds a claim) and CompleteLifecycleAction (let a terminating instance go). `reads`: the
+    s3:// prefixes its runs read by reference (GetObject only, under each)."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
     policy = _worker_policy(
@@ -276,6 +277,9 @@ def worker_policy(store, model, region, account, partition="aws"):
                 f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
                 f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
         listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
+    if reads:
+        policy["Statement"].append({"Sid": "ReadInputsByReference", "Effect": "Allow", "Action": ["s3:GetObject"],
+                                    "Resource": [f"arn:{partition}:s3:::{uri[len('s3://'):]}*" for uri in reads]})
     policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow",
                                 "Action": ["s3:DeleteObject"],
                                 "Resource": f"{obj}pools/{s}/output/*"})
@@ -318,6 +322,33 @@ def cold_worker_policy(store, region, account, partition="aws"):
         writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*",
                 f"{obj}runs/*/output/*"],
         listed=[f"{root}runs/*"])
+
+
+def grant_read(backend, record, uri):
+    """Let an EC2 pool's instance role read the s3:// prefix `uri` a run references, said in one line,
+    unless a prefix it reads holds it already; the pool record keeps it (`ec2.reads`). IAM refusing
+    the change refuses the run at submit, not at a worker."""
+    ec2 = record["ec2"]
+    if any(uri.startswith(prefix) for prefix in ec2.get("reads", [])):
+        return
+    model, calls = record["model"], AwsCalls.for_backend(backend)
+    current = load_pool(backend, model)   # re-read: another change to the record since is kept
+    reads = sorted(set(current["ec2"].get("reads", [])) | {uri})
+    ident = calls.identity()
+    policy = worker_policy(backend.describe(), model, ec2["region"], ident["account"], ident["partition"], reads)
+    try:
+        calls.call("iam", "PutRolePolicy", RoleName=ec2["role"], PolicyName="calque-worker",
+                   PolicyDocument=json.dumps(policy))
+    except Exception as e:
+        raise UserError(f"{uri}: pool {model}'s instance role {ec2['role']} may not read it, and granting it "
+                        f"failed ({_error_line(e)}) ---> HINT: have it granted by whoever may change IAM: "
+                        f"pool create --model {model} ... --read {uri}") from None
+    current["ec2"] = dict(current["ec2"], reads=reads)
+    _put_pool_record(calls, backend, current)
+    record["ec2"] = current["ec2"]
+    print(f"pool {model}: its instance role {ec2['role']} may now read {uri} (waiting "
+          f"{IAM_PROPAGATION_WAIT:g} s for IAM to apply it)", file=sys.stderr)
+    calls.sleep(IAM_PROPAGATION_WAIT)
 
 
 # instance metadata: session tokens only, one hop (a container on the instance cannot reach it)
@@ -594,10 +625,19 @@ class PoolOptions:
     subnet: str | None                  # subnet ids, comma-separated; None: the default VPC's
     key_name: str | None                # an EC2 key pair for SSH; None: no SSH
     scale_to_zero_after: int | None     # idle minutes before the group shrinks to its floor
+    reads: tuple = ()                   # s3:// prefixes (ending in /) its instance role may read
+
+
+def read_prefix(uri):
+    """An s3:// prefix a role may read, as `reads` holds it: s3://bucket/prefix/ ('/' at its end)."""
+    bucket, _, prefix = uri[len("s3://"):].partition("/") if uri.startswith("s3://") else ("", "", "")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket) or glob.has_magic(prefix):
+        raise UserError(f"--read {uri}: not an s3:// prefix ---> HINT: --read s3://bucket/photos/")
+    return f"s3://{bucket}/" + (prefix.strip("/") + "/" if prefix.strip("/") else "")
 
 
 def pool_options(instances, instance_type=None, *, min_instances=None, ami=None, spot=False,
-                 subnet=None, key_name=None, scale_to_zero_after=None, max_instances=None):
+                 subnet=None, key_name=None, scale_to_zero_after=None, max_instances=None, reads=()):
     """PoolOptions from the flags, checked (pool_bounds): --instances N is a fixed cohort; a floor
     below the ceiling or an idle window makes a group that sizes itself, its window in whole
     minutes that CloudWatch can evaluate."""
@@ -615,7 +655,7 @@ def pool_options(instances, instance_type=None, *, min_instances=None, ami=None,
                         f"a one-minute window would take a minute whose data is late for an idle "
                         f"one)")
     return PoolOptions(hi, instance_type, None if minutes is None else lo, ami, bool(spot), subnet,
-                       key_name, minutes)
+                       key_name, minutes, tuple(read_prefix(uri) for uri in reads or ()))
 
 
 @dataclass(frozen=True)
@@ -1027,7 +1067,7 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
            "alarms": [names["alarm_wake"], names["alarm_idle"]] if idle else [],
            "kit": {"key": kit_key, "sha256": kit_sha}, "held": min(held, hi) if held else None,
            "scaling": scaling, "state": "creating", "updated_at": now_iso(),
-           "created_at": created_at}
+           "created_at": created_at, "reads": sorted(set(previous.get("reads", [])) | set(options.reads))}
     tags = {"calque:pool-model": model, "calque:role": "pool-worker", "calque:managed": "true",
             "calque:created-at": created_at, "calque:store": store, "calque:region": region}
     owner = (model, store, region)
@@ -1057,7 +1097,7 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
               f"{kit_sha[:16]}, record {_said(calls, 'written')}")
 
     def role():
-        policy = worker_policy(store, model, region, ident["account"], ident["partition"])
+        policy = worker_policy(store, model, region, ident["account"], ident["partition"], ec2["reads"])
         state = _ensure_role(calls, names["role"], policy, tags, owner)
         print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy "
               f"{_said(calls, 'put')}")

@@ -16,6 +16,10 @@ letters, hung batches, faults, claims ahead, signals) are docs/contract.md's.
 #   watchdog       times handler calls; on an overrun,       the claim (overrun)   Watchdog.lock
 #                  commits, releases, exits EXIT_HUNG
 #   pipeline       Collator.prepare of the next batch        ring slots, a stream  its future
+#   collate        the handler's collate further ahead       its batch's items     its future
+#                  (Worker.deepen: while the model waits)
+#   fetch          FetchedItems._get: a claim's objects      FetchedItems.futures  FetchedItems.lock
+#                  by reference, ahead of their batch
 #   manifest       the manifest read (network backends)      the store             its future
 #   ahead          Ahead._fetch: probe, then open_claim      the claim it gets     Ahead.lock/taken
 #   finisher       finish_claim: summary, Acks.add           stats, Acks           its future
@@ -60,6 +64,12 @@ COLD_POLL_WAIT = 0.2        # s of one long poll of a cold run's worker, which e
 GPU_SAMPLE_INTERVAL = 0.1   # s between two NVML utilisation samples during a claim
 ERROR_BACKOFF = (1.0, 30.0) # s: first wait after a failed receive, doubling up to this cap
 PREFETCH = True             # a pipeline thread gathers batch k+1 while the model runs k
+COLLATE_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))   # batches a handler's collate prepares
+                            # at once, at most: one more each time the model waits on it (COLLATE_WAIT_SHARE)
+COLLATE_WAIT_SHARE = 0.05   # a wait on collate over this share of the batch's model time adds a thread
+FETCH_THREADS = 16          # threads fetching a claim's objects by reference (each waits on one GET)
+FETCH_AHEAD_ITEMS = 256     # objects fetched ahead of the item being read, at most ...
+FETCH_AHEAD_BYTES = 256 << 20   # ... and their bytes, at most (one object at least)
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
 PIPELINE = True             # claims pipelined: the finisher writes summary and ack; AHEAD
@@ -175,6 +185,8 @@ class Collator:
         some item may collate (fastbatch still plans each batch); AS_LIST when none can."""
         if self.handler_collate is not None:
             return BY_HANDLER
+        if isinstance(items, FetchedItems):   # files, {"path", "bytes"}: never scanned (each a fetch)
+            return AS_LIST
         try:   # the common case first: no value in the claim is a list
             values = itertools.chain.from_iterable(map(dict.values, items))
             if set(map(type, values)) <= JSON_SCALARS:
@@ -218,10 +230,80 @@ class Collator:
 
     def release(self, prepared):
         """The slot is handed out again only once the copy out of it has finished."""
-        if prepared.slot is not None:
+        if prepared is not None and prepared.slot is not None:
             if prepared.event is not None:
                 prepared.event.synchronize()
             self.ring.release(prepared.slot)
+
+
+class FetchedItems:
+    """A claim's items by reference (a manifest's `refs`): item k is {"path": its name, "bytes": the
+    object}, fetched on the fetch threads in order, ahead of the batch that reads it (FETCH_AHEAD_ITEMS
+    and FETCH_AHEAD_BYTES at most, one at least), dropped once its batch has run. An object that
+    changed or vanished since submit is an Unavailable naming it, so that its item fails alone; a
+    store fault past the store's retries is raised to the thread that reads it (the claim is let go)."""
+
+    def __init__(self, source, objects, pool, fetch):
+        self.source, self.objects, self.pool, self.fetch = source, objects, pool, fetch
+        self.futures, self.next, self.held = {}, 0, 0   # offset -> future; next to fetch; bytes held
+        self.lock = threading.Lock()
+
+    def __len__(self):
+        return len(self.objects)
+
+    def __getitem__(self, k):
+        if not 0 <= k < len(self.objects):
+            raise IndexError(k)
+        with self.lock:
+            if k not in self.futures:     # the first read (a resumed claim: from its start), or again
+                self._fetch_ahead(k)
+                self.next = max(self.next, k + 1)
+            while (self.next < len(self.objects) and self.next - k < FETCH_AHEAD_ITEMS
+                   and self.held < FETCH_AHEAD_BYTES):
+                self._fetch_ahead(self.next)
+                self.next += 1
+            future = self.futures[k]
+        value = future.result()
+        return value if type(value) is calque.Unavailable else {"path": self.objects[k][0], "bytes": value}
+
+    def _fetch_ahead(self, k):
+        self.futures[k] = self.pool.submit(self._get, k)
+        self.held += self.objects[k][1]
+
+    def _get(self, k):
+        name, size, version = self.objects[k]
+        try:
+            return self.fetch(name, size, version)
+        except calque.NotFound:
+            return calque.Unavailable(f"{self.source.uri(name)}: vanished since submit")
+        except calque.Changed as e:
+            return calque.Unavailable(f"{self.source.uri(name)}: changed since submit ({e})")
+
+    def drop(self, offsets):
+        """Forget these items' bytes: their batch has run."""
+        with self.lock:
+            for k in offsets:
+                if self.futures.pop(k, None) is not None:
+                    self.held -= self.objects[k][1]
+
+    def close(self):
+        with self.lock:
+            for future in self.futures.values():
+                future.cancel()
+            self.futures.clear()
+
+
+def gather(items, offsets):
+    """The payloads of `offsets` that can be had, and {offset: why} of those that cannot (objects by
+    reference that changed or vanished since submit)."""
+    payloads, missing = [], {}
+    for k in offsets:
+        item = items[k]
+        if type(item) is calque.Unavailable:
+            missing[k] = str(item)
+        else:
+            payloads.append(item)
+    return payloads, missing
 
 
 def result_encoder():
@@ -784,6 +866,9 @@ class Worker:
         if self.prefetcher and hasattr(time, "pthread_getcpuclockid"):
             thread = self.prefetcher.submit(threading.get_ident).result()
             self.pipeline_clock = time.pthread_getcpuclockid(thread)
+        self.collate_depth = 1           # batches collated ahead of the model (a handler's collate)
+        self.decoders = None             # the threads past the pipeline's, once the depth grows
+        self.fetchers = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="fetch")   # FetchedItems
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")
         self.ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="finisher")
@@ -968,8 +1053,9 @@ class Worker:
             self.settle()
             if self.prefetcher:
                 self.prefetcher.shutdown(wait=False, cancel_futures=True)
-            for pool in (self.reader, self.ahead_thread, self.finisher):
-                pool.shutdown(wait=False, cancel_futures=True)
+            for pool in (self.reader, self.ahead_thread, self.finisher, self.fetchers, self.decoders):
+                if pool:
+                    pool.shutdown(wait=False, cancel_futures=True)
             self.run_exit_hooks()
             self.output.flush()
             self.write_stats("stopped")
@@ -1198,14 +1284,11 @@ class Worker:
             return None
         try:
             manifest = json.loads(manifest_read.result() if manifest_read else get(key))
-            items = (calque.array_items(self.backend.store, manifest) if "arrays" in manifest
-                     else manifest["items"])
+            items = self.manifest_items(manifest)
             first = int(manifest.get("first_index", 0))
-            if not isinstance(items, list):
-                raise ValueError("'items' is not a list")
         except calque.NotFound as e:
             return self.dead_letter(message, f"claim object {e} does not exist", msg)
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, IndexError) as e:
             return self.dead_letter(message, f"manifest {key} is corrupt: {e}", msg)
         accepted = Claim(message, run_id, claim, items, first, received)
         if self.spool_folder:
@@ -1219,6 +1302,31 @@ class Worker:
                                              "result part, no death pinned on an item, no item "
                                              f"quarantined) in the last {limit}", msg)
         return accepted
+
+    def manifest_items(self, manifest):
+        """A claim's items: as its manifest holds them, or by reference (docs/contract.md, media):
+        objects fetched ahead (FetchedItems), or a Parquet file's row range read now. A source these
+        workers cannot read (a local one with an s3:// store, a path outside it) is a ValueError."""
+        local = self.backend.kind == "local"
+        if "rows" in manifest:
+            if not local:
+                raise ValueError("a Parquet row range by reference needs the local store")
+            return calque.rows_items(manifest["rows"])
+        if "refs" not in manifest:
+            return calque.manifest_items(self.backend.store, manifest)
+        source, objects = manifest["refs"]["source"], manifest["refs"]["objects"]
+        for name, size, _ in objects:
+            if not isinstance(name, str) or name.startswith("/") or ".." in name.split("/") or size < 0:
+                raise ValueError(f"refs object {name!r} of size {size!r} refused")
+        if local and source.startswith("file:///"):
+            store = calque.LocalStore(source[len("file://"):], self.backend.requests)
+        elif not local and source.startswith("s3://"):
+            bucket, _, prefix = source[len("s3://"):].partition("/")
+            mine = self.backend.store
+            store = calque.S3Store(mine.s3, bucket, prefix.strip("/"), self.backend.requests, mine.endpoint_retry)
+        else:
+            raise ValueError(f"refs source {source!r} cannot be read by the workers of {self.backend.describe()}")
+        return FetchedItems(store, objects, self.fetchers, self.backend.requests.carried(store.fetch))
 
     def take_over(self, claim):
         """What earlier deliveries left: their result parts (a torn one is redone), and their
@@ -1345,6 +1453,8 @@ class Worker:
             claim.gpu = self.gpu.stop()
             if claim.spool:
                 claim.spool.close()
+            if isinstance(claim.items, FetchedItems):
+                claim.items.close()
         if self.heartbeat.lost.is_set():
             raise ClaimReleased("lease lost")
 
@@ -1412,7 +1522,7 @@ class Worker:
         runnable = units   # nothing quarantined (nearly always): no str(k) per item
         if claim.quarantined:
             runnable = [[k for k in unit if str(k) not in claim.quarantined] for unit in units]
-        pending, batching = None, False
+        ahead, batching = {}, False   # unit -> its batch's future, collated beside the model
         claim.last_commit = time.monotonic()
         if claim.formatted:   # the spool's lines (take_over): a part before anything else
             self.commit(claim)
@@ -1430,17 +1540,27 @@ class Worker:
                         self.write_attempt(claim, "running", runnable[u])
                     current = self._prepare(claim, runnable[u])
                 else:
-                    if not batching:   # the first batch, or the first after items alone: say so
+                    first = not batching
+                    if first:   # the first batch, or the first after items alone: say so
                         batching = True
                         if claim.single:
                             self.write_attempt(claim, "batches", [])
-                        pending = self._prepare(claim, runnable[u])
-                    gather = u + 1 < len(units) and units[u + 1].start not in alone   # a batch
-                    current, pending = pending, self._prepare(claim, gather and runnable[u + 1])
+                    depth = self.collate_depth if claim.kind == BY_HANDLER else 1
+                    for v in range(u, min(u + 1 + depth, len(units))):   # this batch, `depth` after it
+                        if units[v].start in alone:
+                            break
+                        if v not in ahead:
+                            ahead[v] = self._prepare(claim, runnable[v], beside=v > u + 1)
+                    current = ahead.pop(u)
+                waited, model = claim.wait_seconds, claim.model_seconds
                 outcome = self._run_unit(claim, unit, runnable[u], current)
+                if isinstance(claim.items, FetchedItems):
+                    claim.items.drop(unit)
                 if single:                    # it ran alone and the process lived: not a killer
                     if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
                         self.mark_churn()
+                elif claim.kind == BY_HANDLER and not first:
+                    self.deepen(claim.wait_seconds - waited, claim.model_seconds - model)
                 lines = format_outcome(outcome, claim.first + unit.start)
                 if claim.spool:
                     claim.spool.add(claim.first + unit.start, claim.first + unit.stop, lines[0])
@@ -1452,10 +1572,22 @@ class Worker:
                 if due:
                     self.commit(claim)
         finally:
-            if pending is not None:   # gathered ahead of a loop that ended early: its slot back
-                with contextlib.suppress(Exception):
-                    self.collator.release(pending.result())
+            for future in ahead.values():   # gathered ahead of a loop that ended early: slots back
+                if future is not None:
+                    with contextlib.suppress(Exception):
+                        self.collator.release(future.result())
         self.commit(claim)
+
+    def deepen(self, wait, model):
+        """One more batch collated ahead (on one more thread, up to COLLATE_THREADS) when the model
+        waited on the handler's collate over COLLATE_WAIT_SHARE of its batch time: the threads that
+        pay, as many as keep the model fed (a decoder that releases the GIL, as PIL's does)."""
+        if wait > COLLATE_WAIT_SHARE * model and self.collate_depth < COLLATE_THREADS:
+            self.collate_depth += 1
+            if self.decoders is None:
+                self.decoders = ThreadPoolExecutor(COLLATE_THREADS - 1, thread_name_prefix="collate")
+            log.info("worker %s: the model waited %.3fs on collate beside a %.3fs batch: collating %d "
+                     "batches ahead", self.worker_id, wait, model, self.collate_depth)
 
     def commit_interval(self, claim):
         """s between two parts under churn (Young's, sqrt(2 x part PUT x life), at most the
@@ -1580,12 +1712,16 @@ class Worker:
         can release the GIL (a numeric gather, the handler's collate), not for lists."""
         return self.prefetcher is not None and claim.kind != AS_LIST
 
-    def _prepare(self, claim, offsets):
-        """The pipeline thread's future of these offsets' batch; None unless pipelined."""
+    def _prepare(self, claim, offsets, beside=False):
+        """The pipeline thread's future of these offsets' batch (a decoder thread's `beside` it,
+        further ahead); None unless pipelined. Items by reference are awaited on that thread."""
         if not offsets or not self.pipelined(claim):
             return None
-        payloads = [claim.items[k] for k in offsets]
-        return self.prefetcher.submit(self.collator.prepare, payloads, claim.kind)
+        return (self.decoders if beside else self.prefetcher).submit(self._collate, claim, offsets)
+
+    def _collate(self, claim, offsets):
+        payloads = gather(claim.items, offsets)[0]
+        return self.collator.prepare(payloads, claim.kind) if payloads else None
 
     def model_clock(self):
         """Wall time less the pipeline thread's CPU time, so a wait for its GIL is not model time."""
@@ -1594,16 +1730,20 @@ class Worker:
 
     def _run_unit(self, claim, unit, runnable, prepared):
         """[(ok, result or error)] for a unit's items: the quarantined ones fail with the reason."""
-        ran = {}
+        ran, t0 = {}, time.perf_counter()
+        payloads, missing = gather(claim.items, runnable)
+        if prepared is None and isinstance(claim.items, FetchedItems):   # the model waited on a fetch
+            claim.wait_seconds += time.perf_counter() - t0
+        if missing:
+            runnable = [k for k in runnable if k not in missing]
         if runnable:
-            payloads = [claim.items[k] for k in runnable]
             outcome, model, wait = self._run_batch(prepared, payloads, runnable, claim.kind)
             claim.model_seconds += model
             claim.wait_seconds += wait
             if len(runnable) == len(unit):   # nothing quarantined: the unit's outcome, in order
                 return outcome
             ran = dict(zip(runnable, outcome))
-        return [ran[k] if k in ran else (False, claim.quarantined[str(k)]) for k in unit]
+        return [ran[k] if k in ran else (False, missing.get(k) or claim.quarantined[str(k)]) for k in unit]
 
     def _run_batch(self, future, payloads, offsets, kind):
         """([(ok, result or error)], model s, collate wait s) for one batch, under the watchdog."""

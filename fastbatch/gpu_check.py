@@ -1,7 +1,7 @@
 """fastbatch on a GPU machine: build, run the tests with CUDA present (so PinnedRing pins), run the
-worker's numeric end-to-end tests (its CUDA side-stream collation) and the verbs' pricing of workers
-that saw a GPU, and measure host-to-device GB/s from a pinned ring slot (non_blocking, side stream)
-vs pageable memory.
+worker's numeric end-to-end tests (its CUDA side-stream collation), the verbs' pricing of workers that
+saw a GPU, the media bench's decode-ahead section on a CUDA model, and measure host-to-device GB/s from a
+pinned ring slot (non_blocking, side stream) vs pageable memory.
 
     .venv/bin/python fastbatch/gpu_check.py      # `make gpu-check`: ~1 min, exits 1 without CUDA
 
@@ -72,6 +72,11 @@ def main():
     # workers that see a GPU: every verb keeps the GPU instance and its card's serverless rate alike
     step("one price across the verbs", [sys.executable, "-m", "pytest", "-q", os.path.join("tests", "test_cost.py"),
                                         "-k", "every_verb_prices"], timeout=TEST_TIMEOUT_S)
+
+    # media decoded ahead: Pillow in the handler's collate beside a conv net on the GPU (its images/s and
+    # the seconds the model waited on decoding, collate on its thread against beside it)
+    step("media decoded ahead of a CUDA model", [sys.executable, os.path.join("bench", "bench_media_in.py"),
+                                                 "prefetch"], timeout=TEST_TIMEOUT_S)
 
     sys.path.insert(0, ROOT)
     import fastbatch

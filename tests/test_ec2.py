@@ -838,3 +838,48 @@ def test_the_local_path_runs_without_ec2(local_env, tmp_path):
         out = subprocess.run([sys.executable, "-c", no_ec2, *args], env=local_env, cwd=ROOT,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, (args, out.stdout, out.stderr)
+
+
+def test_inputs_read_by_reference_are_granted_to_the_pool_role(aws, monkeypatch, capsys, tmp_path):
+    """`pool create --read s3://b/photos/` lets the instance role GetObject under that prefix only; a run that names
+    a new prefix grants it, says so in one line and the record keeps it; a grant IAM refuses refuses the run at
+    submit (not at a worker); a cold run on EC2 and --read on a local pool are refused in one line."""
+    from botocore.exceptions import ClientError
+    monkeypatch.setenv("CALQUE_STORE", STORE)
+    monkeypatch.setenv("CALQUE_STATE", str(tmp_path / "state"))
+    create = ["pool", "create", "--model", MODEL, "--handler", HANDLER, "--instances", "1", "--instance-type",
+              "g5.xlarge", "--yes-spend-money", "--read", f"s3://{BUCKET}/photos"]
+    assert calque.main(create) == 0
+    role = ec2.resource_names(MODEL)["role"]
+
+    def readable():
+        doc = client("iam").get_role_policy(RoleName=role, PolicyName="calque-worker")["PolicyDocument"]
+        statement = next(s for s in doc["Statement"] if s["Sid"] == "ReadInputsByReference")
+        assert statement["Action"] == ["s3:GetObject"]
+        return statement["Resource"]
+    assert readable() == [f"arn:aws:s3:::{BUCKET}/photos/*"]
+    for key in ("photos/a.jpg", "videos/v/a.mp4", "music/a.wav"):
+        client("s3").put_object(Bucket=BUCKET, Key=key, Body=b"x")
+    submit = ["submit", "--pool", MODEL, "--no-wait", "--wait-for-workers"]
+    assert calque.main(submit + [f"s3://{BUCKET}/photos/"]) == 0
+    assert "may now read" not in capsys.readouterr().err
+    assert calque.main(submit + [f"s3://{BUCKET}/videos/"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if "may now read" in line]
+    assert said == [f"pool {MODEL}: its instance role {role} may now read s3://{BUCKET}/videos/ (waiting 0 s for IAM "
+                    f"to apply it)"]
+    assert readable() == [f"arn:aws:s3:::{BUCKET}/photos/*", f"arn:aws:s3:::{BUCKET}/videos/*"]
+    assert calque.load_pool(aws.backend, MODEL)["ec2"]["reads"] == [f"s3://{BUCKET}/photos/", f"s3://{BUCKET}/videos/"]
+    assert calque.main(submit + [f"s3://{BUCKET}/videos/v/"]) == 0 and "may now read" not in capsys.readouterr().err
+    fail_on(monkeypatch, "PutRolePolicy",
+            ClientError({"Error": {"Code": "AccessDenied", "Message": "not allowed"}}, "PutRolePolicy"))
+    runs = len(calque.list_runs(aws.backend))
+    assert calque.main(submit + [f"s3://{BUCKET}/music/"]) == calque.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert f"s3://{BUCKET}/music/: pool {MODEL}'s instance role {role} may not read it, and granting it failed" \
+        in err and "AccessDenied" in err and len(calque.list_runs(aws.backend)) == runs
+    assert calque.main(["submit", "--model", MODEL, f"s3://{BUCKET}/photos/", "--instance-type", "g5.xlarge",
+                        "--ami", aws.ami, "--yes-spend-money"]) == calque.EXIT_USAGE
+    assert "a cold run on EC2 cannot read an s3:// prefix" in capsys.readouterr().err
+    assert calque.main(["pool", "create", "--model", "local", "--handler", HANDLER, "--workers", "0",
+                        "--read", f"s3://{BUCKET}/x/"]) == calque.EXIT_USAGE
+    assert "--read grants an EC2 pool's instance role" in capsys.readouterr().err

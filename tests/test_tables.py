@@ -1,5 +1,6 @@
 """Parquet and Arrow input: one item a row, numeric columns as numpy views, the rest as JSON; nulls carried."""
 import json
+from decimal import Decimal
 
 import numpy as np
 import pytest
@@ -74,7 +75,8 @@ def test_folder_glob_columns_and_arrow_files(tmp_path):
 
 
 @pytest.mark.parametrize("make, problem", [
-    (lambda p: pq.write_table(pa.table({"b": [b"x"]}), p / "t.parquet"), "column 'b' is binary, which has no JSON"),
+    (lambda p: pq.write_table(pa.table({"d": pa.array([Decimal("1.5")])}), p / "t.parquet"),
+     r"column 'd' is decimal128\(2, 1\), which has no JSON"),
     (lambda p: pq.write_table(pa.table({"v": pa.array([[1.0, None]], pa.list_(pa.float64()))}), p / "t.parquet"),
      "row 0, column 'v': a null inside a list of numbers"),
     (lambda p: (p / "t.parquet").write_bytes(b"not parquet at all"), "not a Parquet file"),
