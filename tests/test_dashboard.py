@@ -17,7 +17,7 @@ import calque_ec2 as ec2
 import calque_dashboard as dashboard
 from bench_dashboard import finish_claims, synth_run
 from cdp import Browser, chromium_path
-from conftest import HANDLERS, PY, ROOT, cli, write_items
+from conftest import HANDLERS, PY, ROOT, cli, wait_for, write_items
 from test_ec2 import HANDLER as EC2_HANDLER, MODEL as EC2_MODEL, aws, options as ec2_options  # noqa: F401
 from test_ec2 import record as ec2_record
 
@@ -67,6 +67,10 @@ def test_api_figures_escaping_token_and_report(local_env, tmp_path, serve_dashbo
                                                for i in range(60)])
     done = cli(local_env, "submit", "--pool", MODEL, items, "--claim-size", "10", "--json")
     run_id = json.loads(done.stdout)["run"]["run_id"]
+    # a worker writes its stats once it runs out of claims, a moment after the run's last summary
+    backend = calque.open_backend(local_env["CALQUE_STORE"])
+    wait_for(lambda: sum(w.get("claims", 0) for w in calque.read_worker_stats(backend, MODEL)) == 6,
+             what="the worker's stats to count its six claims")
     base = serve_dashboard()
 
     pools = json.loads(get(f"{base}/api/pools")[2])["pools"]
