@@ -294,8 +294,10 @@ def test_status_names_the_fastbatch_fallback(local_env, tmp_path):
     create_pool(env, "m", "RowSum", "--workers", "1")
     items = write_items(tmp_path / "items.jsonl", [{"x": [i, i]} for i in range(4)])
     assert cli(env, "submit", "--pool", "m", items).returncode == 0
-    status = json.loads(cli(env, "pool", "status", "--model", "m", "--json").stdout)
-    assert [w["fastbatch"] for w in status["workers"] if w["state"] == "running"] == ["reference"]
+    # the worker's stats name its collation once it has run a claim and written them (on running out of claims)
+    wait_for(lambda: [w.get("fastbatch") for w in json.loads(cli(env, "pool", "status", "--model", "m", "--json")
+                                                               .stdout)["workers"]] == ["reference"],
+             what="the worker's stats to name fastbatch's fallback")
     out = cli(env, "pool", "status", "--model", "m")
     assert "collate with fastbatch's numpy fallback" in out.stdout
     assert cli(env, "pool", "delete", "--model", "m", "--yes").returncode == 0
