@@ -4603,10 +4603,19 @@ def used_no_gpu(records):
 def choose_pricing(price, records):
     """The one choice of instance and serverless stand-in that plan, submit, cost, pool cost, the
     dashboard and the report all price with: `price` (the cost options given) for the work that
-    `records` (claim summaries or worker stats) describe. Default-priced work that saw no GPU is
-    priced as the rates file's defaults.cpu_instance_type, or, without one, its label says a GPU
-    price was assumed."""
-    if price.chosen or not used_no_gpu(records):
+    `records` (claim summaries or worker stats) describe. Default-priced work is priced as the one
+    EC2 instance type its workers ran on (an EC2 pool's or cold run's); else, where it saw no GPU,
+    as the rates file's defaults.cpu_instance_type, or, without one, its label says a GPU price was
+    assumed."""
+    if price.chosen:
+        return price
+    ran_on = {r.get("instance_type") for r in records} - {None}
+    if len(ran_on) == 1 and next(iter(ran_on)) in price.rates["ec2"]["instances"]:
+        priced = pricing(instance_type=ran_on.pop(), spot=price.spot, savings_plan=price.savings_plan,
+                         rates=price.rates)
+        return priced._replace(label=f"{priced.label}: the type the workers ran on (--instance-type prices "
+                                     "another)", chosen=False)
+    if not used_no_gpu(records):
         return price
     cpu = price.rates["defaults"].get("cpu_instance_type", {}).get("value")
     if cpu is None:

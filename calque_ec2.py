@@ -470,7 +470,7 @@ POOL_SERVICE = "Restart=always\nRestartPreventExitStatus=0\nRestartSec=5"
 
 
 def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile",
-                   conf=None, image=None):
+                   conf=None, image=None, instance_type=None):
     """A pool instance's bootstrap: the kit, a Modal app's image packages, then `warmd --model M`
     under systemd. A failed bootstrap reports why and takes its instance out of the group."""
     _check_text(model, "model")
@@ -478,10 +478,19 @@ def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool'
     return _bootstrap(
         title=f"pool worker for model {model}"[:200], description="pool worker", verb="pool create",
         profile=profile, store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
-        env={"CALQUE_POOL_MODEL": model}, worker_args='--model "$CALQUE_POOL_MODEL"',
+        env={"CALQUE_POOL_MODEL": model, **instance_env(instance_type)}, worker_args='--model "$CALQUE_POOL_MODEL"',
         unit="calque-warmd", service=POOL_SERVICE,
         report_prefix=names["report_prefix"], on_failure="leave_group", conf=conf,
         image_install=image_install(image))
+
+
+def instance_env(instance_type):
+    """The worker's CALQUE_INSTANCE_TYPE: its summaries and stats name it, so each verb prices the work
+    as the type it ran on (calque.choose_pricing)."""
+    if not instance_type:
+        return {}
+    _check_text(instance_type, "instance type")
+    return {"CALQUE_INSTANCE_TYPE": instance_type}
 
 
 def image_install(image):
@@ -499,13 +508,14 @@ def image_install(image):
 
 
 def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes,
-                   profile="the cold-run instance profile", conf=None):
+                   profile="the cold-run instance profile", conf=None, instance_type=None):
     """A cold run's one-shot instance: the same bootstrap, then `warmd --run RUN` once; the machine
     powers off (terminates) when it exits, when the bootstrap fails, or after max_minutes."""
     return _bootstrap(
         title=f"cold-run worker for run {run_id}", description="cold-run worker", verb="submit",
         profile=profile, store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
-        env={"CALQUE_RUN": run_id}, worker_args='--run "$CALQUE_RUN"', unit="calque-cold",
+        env={"CALQUE_RUN": run_id, **instance_env(instance_type)}, worker_args='--run "$CALQUE_RUN"',
+        unit="calque-cold",
         service="Restart=no\nExecStopPost=+/bin/systemctl --no-block poweroff",
         on_failure="power_off", conf=conf,
         preamble=f'shutdown -h +{int(max_minutes)} "calque: cold run over its time limit" || true')
@@ -1109,7 +1119,7 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     def launch_template():
         profile = names["instance_profile"]
         script = user_data_pool(model, store, region, kit_key, kit_sha, profile=profile,
-                                image=record.get("modal", {}).get("image"))
+                                image=record.get("modal", {}).get("image"), instance_type=options.instance_type)
         data = {"ImageId": ami, "InstanceType": options.instance_type,
                 "UserData": _user_data_b64(script), "IamInstanceProfile": {"Name": profile},
                 "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
@@ -1637,7 +1647,8 @@ def cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_ru
     kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
     _store_put(calls, backend, kit_key, blob)
     max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
-    script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name)
+    script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name,
+                            instance_type=itype["InstanceType"])
     run_tags = dict(tags, **{"calque:run": run_id, "Name": f"calque-cold-{run_id}"})
     params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards,
               "MaxCount": shards, "UserData": script, "IamInstanceProfile": {"Name": name},

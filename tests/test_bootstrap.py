@@ -117,7 +117,8 @@ class Sandbox:
 def pool_sandbox(root):
     blob, sha = ec2.kit_archive()
     kit_key = f"pools/{calque.slug(MODEL)}/kit/{sha[:16]}.tar.gz"
-    return Sandbox(root, ec2.user_data_pool(MODEL, STORE, "us-east-1", kit_key, sha), kit_key, blob)
+    return Sandbox(root, ec2.user_data_pool(MODEL, STORE, "us-east-1", kit_key, sha, instance_type="g5.xlarge"),
+                   kit_key, blob)
 
 
 def cold_sandbox(root):
@@ -152,6 +153,7 @@ def test_bootstrap_retries_network_steps_and_reports_ready(bootstrapped):
         "torch_gpu": "True", "gpu": "NVIDIA A10G"}
     env = (box.root / "etc/calque/worker.env").read_text()
     assert f"CALQUE_POOL_MODEL={MODEL}\n" in env and "FASTBATCH_REFERENCE" not in env
+    assert "CALQUE_INSTANCE_TYPE=g5.xlarge\n" in env     # the worker names it: its work is priced as that type
 
 
 def test_rendered_unit_passes_systemd_analyze(bootstrapped):

@@ -639,6 +639,30 @@ def test_a_run_without_a_gpu_is_priced_as_a_cpu_instance(tmp_path):
                                                         "file names no defaults.cpu_instance_type)")
     lines = format_run_cost(run_cost([no_gpu], cpu.rate_per_s, price.rates, 0.0, 0.0), cpu.label)
     assert lines[0].startswith("cost      priced as c7i.xlarge (4 vCPU, no GPU)")
+    on_g6 = dict(gpu, instance_type="g6.xlarge")         # an EC2 worker names the type it ran on
+    ran_on = calque.choose_pricing(price, [on_g6, on_g6, cancelled])
+    assert ran_on.instance_type == "g6.xlarge" and ran_on.label.endswith("the type the workers ran on "
+                                                                         "(--instance-type prices another)")
+    assert calque.choose_pricing(price, [on_g6, dict(gpu, instance_type="g5.xlarge")]) == price   # two types: default
+    assert calque.choose_pricing(price, [dict(gpu, instance_type="x9.nano")]) == price           # not in the rates
+    assert calque.choose_pricing(calque.pricing(instance_type="g5.xlarge"), [on_g6]).instance_type == "g5.xlarge"
+
+
+def test_workers_that_name_their_instance_type_are_priced_as_it(local_env, tmp_path):
+    """A worker started with CALQUE_INSTANCE_TYPE (an EC2 bootstrap sets it) names it in its summaries and
+    stats, and `cost` and `pool cost` price its work as that type, in both spellings."""
+    import subprocess
+    from conftest import PY
+    env = dict(local_env, CALQUE_INSTANCE_TYPE="g6.xlarge")
+    assert cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "1",
+               cwd=tmp_path).returncode == 0
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(4)])
+    assert cli(local_env, "submit", "--pool", "m", items, cwd=tmp_path).returncode == 0
+    cost = _json.loads(cli(local_env, "cost", "latest", "--json", cwd=tmp_path).stdout)[0]
+    assert cost["priced_as"].startswith("g6.xlarge") and "the type the workers ran on" in cost["priced_as"]
+    installed = subprocess.run([os.path.join(os.path.dirname(PY), "calque"), "pool", "cost", "--model", "m"],
+                               env=local_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert installed.returncode == 0 and "g6.xlarge" in installed.stdout and "the type the workers ran on" in installed.stdout
 
 
 def test_money_noise_prints_as_zero():
