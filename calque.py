@@ -67,6 +67,7 @@ DEFAULTS = {
     "CALQUE_ENDPOINT_RETRY": "60",      # s an S3/SQS call retries a connection that failed
     "CALQUE_SPOT_POLL": "",             # EC2 metadata address (EC2 bootstrap sets it); empty: off
     "CALQUE_SPOT_INTERVAL": "5",        # s between two spot-interruption checks
+    "CALQUE_INSTANCE_TYPE": "",         # EC2 type the workers run on, their work priced as it (EC2 bootstrap sets it)
     "CALQUE_GPUS": "",                  # GPU indices the supervisor hands out (empty: NVML's)
     "CALQUE_BATCH_TIMEOUT": "900",      # s a handler call may run before the worker calls it hung
     "CALQUE_CHECKPOINT_SECONDS": "30",  # s of drain and ...

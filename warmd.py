@@ -1501,7 +1501,7 @@ class Worker:
             run_id=run_id, claim=claim, model=self.record["model"], worker_id=self.worker_id,
             mode="cold" if self.ephemeral else "pool", backend=self.backend.kind,
             receive_count=message.receive_count, enter_count=self.enter_count, started=started,
-            finished=finished, instance_type=os.environ.get("CALQUE_INSTANCE_TYPE"),
+            finished=finished, instance_type=self.conf.get("CALQUE_INSTANCE_TYPE") or None,
             requests=self.claim_requests(extra_puts=1, extra_other=extra_other), **fields)
 
     def _drain_batches(self, claim):
@@ -1853,7 +1853,7 @@ class Worker:
                  # "c", "reference" (the numpy fallback) or None (no batch needed fastbatch)
                  "fastbatch": getattr(sys.modules.get("fastbatch"), "BACKEND", None),
                  "no_gpu": None if self.gpu.nvml else self.gpu.reason,   # why NVML saw none
-                 "instance_type": os.environ.get("CALQUE_INSTANCE_TYPE")}   # set by an EC2 bootstrap
+                 "instance_type": self.conf.get("CALQUE_INSTANCE_TYPE") or None}
         if self.last_word:
             stats["exit"] = self.last_word
         try:
