@@ -44,10 +44,14 @@ def enter(fn):
     return fn
 
 
-def batch(fn):
-    """Mark the method that runs a batch: a list of item payloads in, one result per item out."""
-    fn._calque_role = "batch"
-    return fn
+def batch(fn=None, *, whole_claim=False):
+    """Mark the method that runs a batch: a list of item payloads in, one result per item out.
+    `@calque.batch(whole_claim=True)`: each call gets the whole claim (an engine that batches for
+    itself: vLLM, a pipeline(), generate); a call that raises is retried item by item, as any."""
+    def mark(fn):
+        fn._calque_role, fn._calque_whole_claim = "batch", whole_claim
+        return fn
+    return mark if fn is None else mark(fn)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -521,20 +521,29 @@ class Output:
 class Leases:
     """The leases of the claims this worker holds (draining, finishing, received ahead), each
     renewed every third of its timeout by one thread for all (a renewal that hangs delays the
-    others: the two thirds of a timeout left cover it)."""
+    others: the two thirds of a timeout left cover it). A supervisor's worker keeps their receipts
+    in `receipts` (worker-<slot>.claims): a supervisor that sees it die makes them visible at once."""
 
-    def __init__(self, queue):
-        self.queue, self.held, self.changed = queue, set(), threading.Condition()
+    def __init__(self, queue, receipts=""):
+        self.queue, self.held, self.changed, self.receipts = queue, set(), threading.Condition(), receipts
         threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
 
     def add(self, lease):
         with self.changed:
             self.held.add(lease)
+            self._note()
             self.changed.notify()
 
     def remove(self, lease):
         with self.changed:
-            self.held.discard(lease)
+            if lease in self.held:
+                self.held.discard(lease)
+                self._note()
+
+    def _note(self):
+        """The receipts held, written where the supervisor reads them (under self.changed)."""
+        if self.receipts:
+            calque.write_file_atomic(self.receipts, json.dumps([lease.message.receipt for lease in self.held]))
 
     def _run(self):
         while True:
@@ -892,7 +901,8 @@ class Worker:
         self.queue = self.backend.queues.open_queue(self.record["queue"])
         self.dlq = self.backend.queues.open_queue(self.record["dlq"])
         self.acks = Acks(self.queue, self.backend.requests, min(ACK_WAIT, self.record["visibility_timeout"] / 4))
-        self.leases, self.watchdog = Leases(self.queue), Watchdog(self.batch_timeout)
+        receipts = self.ready_file[:-len(".ready")] + ".claims" if self.ready_file.endswith(".ready") else ""
+        self.leases, self.watchdog = Leases(self.queue, receipts), Watchdog(self.batch_timeout)
         self.note_own_kills()
         if self.spool_folder:
             os.makedirs(self.spool_folder, exist_ok=True)
@@ -1505,12 +1515,15 @@ class Worker:
             requests=self.claim_requests(extra_puts=1, extra_other=extra_other), **fields)
 
     def _drain_batches(self, claim):
-        """Items [claim.start, n): batch_size at a time, or one at a time behind the attempt record
-        (claim.single: all, or those of claim.alone). Where pipelined, the next batch is gathered
+        """Items [claim.start, n): batch_size at a time (all at once for a whole_claim handler), or
+        one at a time behind the attempt record (claim.single: all, or those of claim.alone). Where
+        pipelined, the next batch is gathered
         while the model runs this one. Results are serialised here (GIL-bound work would slow a
         model beside it). Quarantined items fail unrun; a batch that raises is retried item by
         item. Parts at checkpoints, the end."""
         n, size = len(claim.items), self.record["batch_size"]
+        if getattr(self.batch_fn, "_calque_whole_claim", False):   # @calque.batch(whole_claim=True)
+            size = max(1, n - claim.start)
         claim.kind = self.collator.claim_kind(claim.items)
         alone = range(claim.start, n) if claim.single else range(0)
         if claim.single and claim.alone:
