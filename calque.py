@@ -358,6 +358,11 @@ def part_key(run_id, claim, start, stop, suffix=".jsonl"):
 PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.(jsonl|npz)$")
 
 
+def progress_key(run_id, claim):
+    """A long claim's items done so far, as its worker last reported (warmd PROGRESS_SECONDS)."""
+    return f"runs/{run_id}/progress/{claim}.json"
+
+
 def attempt_key(run_id, claim):
     """The attempt record of a redelivered claim: the item a worker runs alone next (poison)."""
     return f"{results_prefix(run_id, claim)}attempt.json"
@@ -2227,6 +2232,16 @@ def format_sizes(lengths, shown=8):
     return ", ".join(f"{count}x{size}" for size, count in lengths[:shown]) + more
 
 
+def claims_progress(backend, run_id, claims):
+    """{claim: items done} of these running claims, from their workers' progress records."""
+    reported = {key.rsplit("/", 1)[1][:-5] for key in backend.store.list(f"runs/{run_id}/progress/")}
+    done = {}
+    for claim in reported & set(claims):
+        with contextlib.suppress(NotFound, ValueError, KeyError):
+            done[claim] = read_json(backend, progress_key(run_id, claim))["done"]
+    return done
+
+
 def read_summaries(backend, run_id):
     return [read_json(backend, k) for k in list_summaries(backend, run_id)]
 
@@ -3498,6 +3513,7 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
     wait_max = min(SUMMARY_WAIT_MAX, LOCAL_SUMMARY_WAIT if backend.kind == "local" else math.inf)
     bar = tqdm(total=run["items"], unit="item", file=sys.stderr, disable=not progress, leave=False,
                desc=f"run {run['run_id']}")
+    finished, running = 0, {}   # items of the claims done; {claim: items done} of long running ones
     try:
         while True:
             while below < len(in_key_order) and in_key_order[below] in done:
@@ -3507,7 +3523,8 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
                 claim = key.rsplit("/", 1)[1][:-5]
                 if claim not in done:
                     done[claim] = read_json(backend, key)
-                    bar.update(done[claim]["items"])
+                    finished += done[claim]["items"]
+                    running.pop(claim, None)
                     found += 1
             now = time.monotonic()
             if len(done) == len(run["claims"]) or now >= deadline:
@@ -3521,12 +3538,15 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
                 delay = min(delay * 1.5, wait_max)   # quick at first (idle round trip)
             if now >= recheck:
                 recheck = run_recheck(progressed, now)
+                if progress:   # a long claim's items done count too (claims_progress)
+                    running = claims_progress(backend, run["run_id"], [c for c in run["claims"] if c not in done])
                 if nothing_left_to_run(backend, run, done, dead):
                     break
                 if stop_if:
                     stop_if()
             if interrupted:
                 raise KeyboardInterrupt
+            bar.update(finished + sum(running.values()) - bar.n)
             time.sleep(min(delay, deadline - now))
     finally:
         bar.close()
@@ -3961,13 +3981,17 @@ def run_view(backend, run, summaries, dead_letters=True):
         else:
             items[ITEM_OUTCOME[state]] += claim_items(run, index)
     counts = Counter(state for state, _ in states.values())
+    waiting = {claim: index for index, claim in enumerate(run["claims"]) if states[claim][0] == "queued or running"}
+    reported = claims_progress(backend, run["run_id"], waiting) if waiting else {}
+    running = sum(min(n, claim_items(run, waiting[claim])) for claim, n in reported.items())
     queue = None
     if counts["queued or running"]:
         with contextlib.suppress(NotFound):
             queue = backend.queues.open_queue(run["queue"]).counts()
     return {"complete": counts["done"] + counts["failed"] == len(run["claims"]),
             "claims": {claim: {"state": state, "detail": detail} for claim, (state, detail) in states.items()},
-            "claim_counts": {state: counts[state] for state in CLAIM_STATES}, "items": items, "queue": queue}
+            "claim_counts": {state: counts[state] for state in CLAIM_STATES}, "items": items, "queue": queue,
+            "items_running_done": running}
 
 
 def claim_list(claims):
@@ -4003,8 +4027,9 @@ def format_run(run, summaries, view, results_uri):
     if queue:
         per_state = [p + f" ({run['queue']}: {queue['visible']} visible, {queue['in_flight']} in flight)"
                      if p.endswith("queued or running") else p for p in per_state]
+    running = f" ({view['items_running_done']} of them done in running claims)" if view["items_running_done"] else ""
     lines = [f"run {run['run_id']} ({run['mode']}, model {run['model']}): {items['ok']} items ok, "
-             f"{items['failed']} failed, {items['pending']} pending, {items['dead_lettered']} "
+             f"{items['failed']} failed, {items['pending']} pending{running}, {items['dead_lettered']} "
              f"dead-lettered, {items['cancelled']} cancelled (of {run['items']} items)",
              "  claims: " + ", ".join(per_state),
              f"  claim sizes: {format_sizes(claim_sizes(run))} ({run.get('sizing') or 'a fixed size'})",
@@ -5324,7 +5349,7 @@ def claim_sizing(conf, backend, record, claim_size, workers=None):
         return ClaimSizes(workers=workers, lo=CLAIM_SIZE_FLOOR, why=f"sized to the run: {workers} worker(s), "
                           f"claims of {CLAIM_SIZE_MAX} items at most, {CLAIM_SIZE_FLOOR} at least (the pool "
                           "has no measured claim yet)")
-    hi = max(1, min(CLAIM_SIZE_MAX, int(target / per_item)))
+    hi = max(1, min(CLAIM_SIZE_MAX, math.floor(target / per_item + 1e-6)))   # (a fit's rounding)
     lo = math.ceil(fixed / CLAIM_OVERHEAD_SHARE / per_item)
     return ClaimSizes(workers=workers, lo=lo, hi=hi, why=(
         f"sized to the run: {workers} worker(s), {per_item * 1000:.3g} ms an item and {fixed * 1000:.3g} ms "

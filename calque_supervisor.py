@@ -313,7 +313,7 @@ def _reap(slots, want, now, died):
             print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {code} "
                   f"({kind}; restart {f'in {delay:g} s' if delay else 'at once'})", flush=True)
             if code:   # a death: siblings commit more often (warmd.on_sibling_death)
-                died(proc.pid, code, slot["ready"][:-len(".ready")] + ".claims")
+                died(proc.pid, code, os.path.splitext(slot["ready"])[0] + ".claims")
                 for other in slots.values():
                     if other["proc"] and other["proc"].poll() is None and _readiness(other):
                         other["proc"].send_signal(signal.SIGUSR2)

@@ -77,6 +77,8 @@ AHEAD = None                # receive the next claim beside the last batch; None
                             # crosses a network (S3 + SQS), not on the local backend
 AHEAD_HOLD = 2.0            # s a claim received ahead waits to start, at most
 AHEAD_TICK = 0.05           # s between two looks, while a claim is held ahead, at whether the worker stops
+PROGRESS_SECONDS = 5.0      # s between two progress records of a long claim (items done: submit's bar,
+                            # runs show, the dashboard); a claim shorter than that writes none
 ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes at most 10)
 ACK_WAIT = 1.0              # s an ack waits for others, at most (and <= visibility/4)
 WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
@@ -117,6 +119,7 @@ class Claim:
         self.formatted = []                       # (stop, format_outcome's) not yet in a part
         self.kind = None                          # Collator.claim_kind, once, as its drain starts
         self.batches, self.last_commit = 0, 0.0   # batches since the last part, and when it went
+        self.reported_at = 0.0                    # monotonic s of its last progress record
         self.model_seconds = self.wait_seconds = 0.0
         self.record = {"deaths": {}}              # the attempt record
         self.quarantined = {}                     # offset (str) -> why it is not run
@@ -901,7 +904,7 @@ class Worker:
         self.queue = self.backend.queues.open_queue(self.record["queue"])
         self.dlq = self.backend.queues.open_queue(self.record["dlq"])
         self.acks = Acks(self.queue, self.backend.requests, min(ACK_WAIT, self.record["visibility_timeout"] / 4))
-        receipts = self.ready_file[:-len(".ready")] + ".claims" if self.ready_file.endswith(".ready") else ""
+        receipts = os.path.splitext(self.ready_file)[0] + ".claims" if self.ready_file else ""
         self.leases, self.watchdog = Leases(self.queue, receipts), Watchdog(self.batch_timeout)
         self.note_own_kills()
         if self.spool_folder:
@@ -1536,7 +1539,7 @@ class Worker:
         if claim.quarantined:
             runnable = [[k for k in unit if str(k) not in claim.quarantined] for unit in units]
         ahead, batching = {}, False   # unit -> its batch's future, collated beside the model
-        claim.last_commit = time.monotonic()
+        claim.last_commit = claim.reported_at = time.monotonic()
         if claim.formatted:   # the spool's lines (take_over): a part before anything else
             self.commit(claim)
         try:
@@ -1579,6 +1582,8 @@ class Worker:
                     claim.spool.add(claim.first + unit.start, claim.first + unit.stop, lines[0])
                 claim.formatted.append((unit.stop, lines))
                 claim.batches += 1
+                if time.monotonic() - claim.reported_at >= PROGRESS_SECONDS:
+                    self.report_progress(claim, unit.stop)
                 since, every = time.monotonic() - claim.last_commit, self.commit_interval(claim)
                 due = (claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
                        if every is None else since >= every)
@@ -1631,6 +1636,14 @@ class Worker:
         self.made_progress()
         del claim.formatted[:len(ready)]
         claim.batches, claim.last_commit = 0, time.monotonic()
+
+    def report_progress(self, claim, done):
+        """A long claim's items done so far, where submit, runs show and the dashboard read them
+        (best effort, not retried: the next one or the summary says it)."""
+        claim.reported_at = time.monotonic()
+        with contextlib.suppress(Exception):
+            self.backend.store.put(calque.progress_key(claim.run_id, claim.claim_id), json.dumps(
+                {"done": done, "worker_id": self.worker_id, "at": calque.now_iso()}))
 
     def made_progress(self):
         """A part or a summary is written: the supervisor hears of the first (announce)."""
