@@ -770,8 +770,9 @@ def check_handler_source(source, cls, where):
         for node in classes[name].body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in names:
                 names.add(node.name)
+                called = (deco.func if isinstance(deco, ast.Call) else deco for deco in node.decorator_list)
                 roles.update(deco.attr if isinstance(deco, ast.Attribute) else getattr(deco, "id", "")
-                             for deco in node.decorator_list)
+                             for deco in called)   # @calque.batch, or called: @calque.batch(whole_claim=True)
         for base in classes[name].bases:
             here = isinstance(base, ast.Name) and base.id in classes
             order += [base.id] if here and base.id not in order else []
