@@ -102,7 +102,7 @@ STAGE_AHEAD = 4                         # manifests staged but not sent yet, per
 CLAIM_BYTES = 16 << 20                  # media bytes (bytes values, files) a claim copied into the store holds, at
                                         # most one item more: claims are cut at claim_size items or here
 CLAIM_SIZE_MAX = 1000                   # items a claim sized to the run holds at most (ClaimSizes)
-CLAIM_SIZE_FLOOR = 10                   # ... at least, while the pool's per-claim costs are unmeasured
+CLAIM_SIZE_FLOOR = 10                   # ... at least (more where its measured per-claim costs ask)
 CLAIM_OVERHEAD_SHARE = 0.1              # ... at least so that its fixed costs are this share of its time
 CLAIM_LOOKAHEAD_MAX = 1 << 17           # items of a stream read ahead of its claims to count the rest
 STAGE_BYTES = 64 << 20                  # media bytes staged but not sent yet, at most (bounds submit's memory)
@@ -5351,7 +5351,7 @@ def claim_sizing(conf, backend, record, claim_size, workers=None):
                           f"claims of {CLAIM_SIZE_MAX} items at most, {CLAIM_SIZE_FLOOR} at least (the pool "
                           "has no measured claim yet)")
     hi = max(1, min(CLAIM_SIZE_MAX, math.floor(target / per_item + 1e-6)))   # (a fit's rounding)
-    lo = math.ceil(fixed / CLAIM_OVERHEAD_SHARE / per_item)
+    lo = max(CLAIM_SIZE_FLOOR, math.ceil(fixed / CLAIM_OVERHEAD_SHARE / per_item))   # (f + g: 0 where unseen)
     return ClaimSizes(workers=workers, lo=lo, hi=hi, why=(
         f"sized to the run: {workers} worker(s), {per_item * 1000:.3g} ms an item and {fixed * 1000:.3g} ms "
         f"a claim measured: claims of {min(lo, hi)} to {hi} items ({target:g} s at most, "
@@ -5503,7 +5503,9 @@ def pick_option(plan, deadline=None, budget=None):
 
 def format_plan(plan):
     noun = plan["noun"]
-    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) ({format_sizes(plan['claim_sizes'])}) "
+    sizes = plan["claim_sizes"]
+    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of "
+             f"{sizes[0][0] if len(sizes) == 1 else format_sizes(sizes)} "
              f"on pool {plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured "
              f"over {plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s "
              f"between claims, first claim after {plan['first_claim_seconds']:.3g} s; "
@@ -5601,12 +5603,12 @@ def crash_looping(conf, model):
 
 
 def announce_run(conf, model, items, sizes, run_id):
-    """Tell a self-sizing local pool the claims run `run_id` brings (sizes: ClaimSizes): it starts
-    workers while they stage."""
+    """Tell a self-sizing local pool the claims run `run_id` brings (sizes: a ClaimSizes or an int): it
+    starts workers while they stage."""
     folder = state_dir(conf, model)
     bounds = read_scaling(folder)
     if bounds is not None:
-        claims = len(sizes.plan(len(items))) if hasattr(items, "__len__") and len(items) else 1
+        claims = len(as_sizes(sizes).plan(len(items))) if hasattr(items, "__len__") and len(items) else 1
         wake = {"at": time.time(), "claims": claims, "run": run_id}
         write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, wake=wake)))
 
@@ -6098,7 +6100,7 @@ def plan_run(conf, backend, model, items, claim_size, price):
     if isinstance(items, FileItems):
         raise UserError(f"{items.where}: a plan counts the items first, and files are listed as they are "
                         f"staged ---> HINT: submit without --plan, --deadline or --budget")
-    first = list(itertools.islice(iter(items), sizes.hi)) if not hasattr(items, "__len__") else None
+    first = list(itertools.islice(iter(items), sizes.fixed or sizes.hi)) if not hasattr(items, "__len__") else None
     count = len(items) if first is None else len(first) + sum(1 for _ in items)
     summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
     if not summaries:
