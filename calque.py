@@ -3215,7 +3215,8 @@ def check_timeout(seconds):
 class ClaimSizes:
     """Each claim's size, asked claim by claim as a run is cut (claim_chunks): `fixed` (--claim-size,
     CALQUE_CLAIM_SIZE), else factoring: stages of `workers` claims of ceil(rest / (2 workers)) items
-    each, within [lo, hi], so every worker stays busy to the end and the last claims are the shortest.
+    each, within [lo, hi], so every worker stays busy to the end and the last claims are the shortest;
+    the last stage splits the rest evenly (claims of lo/2 at least) where less than lo would be left.
     `why` is the run record's one-line reason (runs show prints it)."""
 
     def __init__(self, fixed=None, workers=1, lo=1, hi=CLAIM_SIZE_MAX, why=""):
@@ -3229,6 +3230,9 @@ class ClaimSizes:
             return self.fixed
         if self.given % self.workers == 0:   # a new stage
             self.size = self.hi if left is None else min(self.hi, max(self.lo, -(-left // (2 * self.workers))))
+            if left is not None and left - self.workers * self.size < self.lo:   # the last stage: the rest split
+                shares = max(1, min(self.workers, left // max(1, self.lo // 2)))   # evenly, claims of lo/2 at least:
+                self.size = min(self.hi, -(-left // shares))                        # no lone claim left behind
         self.given += 1
         return self.size
 

@@ -22,22 +22,22 @@ def sizes_of(total, workers, lo=10, hi=1000):
 @pytest.mark.parametrize("total,workers", [(300, 2), (1200, 2), (6000, 2), (6000, 8), (1_000_000, 4), (7, 3)])
 def test_claims_shrink_to_the_end_in_stages_of_a_claim_a_worker(total, workers):
     """Factoring: each stage is `workers` claims of ceil(rest / 2 workers), within [lo, hi]; the sizes add up to
-    the run, never grow, and the last stage's claims are the floor's (or the run's whole rest)."""
+    the run and never grow; the last stage splits the rest evenly, in claims of lo/2 at least, none left alone."""
     sizes = sizes_of(total, workers)
     assert sum(sizes) == total and sizes == sorted(sizes, reverse=True)
     assert sizes[0] == min(1000, total, max(10, -(-total // (2 * workers))))
     for start in range(0, len(sizes) - workers, workers):   # one size a stage, until the rest runs out
         assert len(set(sizes[start:start + workers])) == 1
-    assert all(size >= 10 for size in sizes[:-1]) and max(sizes) <= 1000
-    if total >= 2 * workers * 10:
-        assert sizes[-2] == 10                  # the tail: claims of the floor, the last one the rest
+    last = sizes[-(len(sizes) % workers or workers):]
+    assert max(last) - min(last) <= 1 and min(last) >= min(5, total) and max(sizes) <= 1000
+    assert all(size >= 10 for size in sizes[:-len(last)])
 
 
 def test_the_issue_runs_keep_two_workers_busy():
     """The runs of issue 35 on a 2-worker pool: 300 prompts were one claim, 1,200 were 1000 + 200; now the first
-    claims split the run evenly and the tail is claims of ten."""
+    claims split the run evenly and the tail is claims of ten or fewer, one a worker."""
     assert calque.format_sizes(calque.claim_sizes({"claims": sizes_of(300, 2), "claim_counts": sizes_of(300, 2)})) \
-        == "2x75, 2x38, 2x19, 3x10, 1x6"
+        == "2x75, 2x38, 2x19, 2x10, 2x8"
     assert sizes_of(1200, 2)[:2] == [300, 300] and len(sizes_of(1200, 2)) == 14
 
 
@@ -92,12 +92,12 @@ def test_a_pool_run_without_options_uses_both_workers_and_runs_show_says_why(loc
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     run_id, summaries = report["run"]["run_id"], report["summaries"]
-    assert [s["items"] for s in summaries] == [75, 75, 38, 38, 19, 19, 10, 10, 10, 6]
+    assert [s["items"] for s in summaries] == [75, 75, 38, 38, 19, 19, 10, 10, 8, 8]
     assert len({s["worker_id"] for s in summaries}) == 2
     lines = [json.loads(line) for line in cli(local_env, "runs", "results", run_id).stdout.splitlines()]
     assert [line["result"]["y"] for line in lines] == [2 * i for i in range(300)]
     shown = cli(local_env, "runs", "show", run_id).stdout
-    assert "claim sizes: 2x75, 2x38, 2x19, 3x10, 1x6 (sized to the run: 2 worker(s)" in shown
+    assert "claim sizes: 2x75, 2x38, 2x19, 2x10, 2x8 (sized to the run: 2 worker(s)" in shown
     out = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "100", "--json")
     assert [s["items"] for s in json.loads(out.stdout)["summaries"]] == [100] * 3
     assert "claim sizes: 3x100 (--claim-size)" in cli(local_env, "runs", "show", "latest").stdout
