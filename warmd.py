@@ -528,7 +528,9 @@ class Leases:
     in `receipts` (worker-<slot>.claims): a supervisor that sees it die makes them visible at once."""
 
     def __init__(self, queue, receipts=""):
-        self.queue, self.held, self.changed, self.receipts = queue, set(), threading.Condition(), receipts
+        self.queue, self.held, self.changed = queue, set(), threading.Condition()
+        # kept open and rewritten in place (~5 us, a rename ~150 us: twice a claim); read once we are dead
+        self.receipts = os.open(receipts, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if receipts else None
         threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
 
     def add(self, lease):
@@ -545,8 +547,10 @@ class Leases:
 
     def _note(self):
         """The receipts held, written where the supervisor reads them (under self.changed)."""
-        if self.receipts:
-            calque.write_file_atomic(self.receipts, json.dumps([lease.message.receipt for lease in self.held]))
+        if self.receipts is not None:   # (a write torn by our death reads as none held: the timeout's case)
+            data = json.dumps([lease.message.receipt for lease in self.held]).encode()
+            os.pwrite(self.receipts, data, 0)
+            os.ftruncate(self.receipts, len(data))
 
     def _run(self):
         while True:
