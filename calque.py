@@ -5332,7 +5332,6 @@ def pool_record_to_delete(backend, model, force):
 PLAN_GAP_MAX = 2.0                      # s between two claims of a worker past which it idled
 PLAN_RUNS_READ = 5                      # run records read for the time to a run's first claim
 PLAN_CLAIMS_READ = 200                  # claim summaries it reads, over the newest runs (50 a run)
-SIZING_CLAIMS_READ = 50                 # recent claim summaries a run's claim sizes are measured on
 PLAN_MIN_CLAIMS = 10                    # claims that measure a worker count, where another count has them
 PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -5342,7 +5341,7 @@ def claim_sizing(conf, backend, record, claim_size, workers=None):
     """The ClaimSizes of a run on the pool `record` (None: unmeasured): --claim-size, else a set
     CALQUE_CLAIM_SIZE, else factoring over `workers` (default: the pool's ceiling), its claims at
     most CALQUE_CLAIM_SECONDS long and CLAIM_SIZE_MAX items, at least CLAIM_OVERHEAD_SHARE of
-    overhead: both from the pool's recent claims (claim_costs), once it has some."""
+    overhead: both from the pool's claims so far (claim_costs), once it has some."""
     if claim_size:
         return ClaimSizes(fixed=claim_size, why="--claim-size")
     if conf["CALQUE_CLAIM_SIZE"].strip():
@@ -5355,7 +5354,7 @@ def claim_sizing(conf, backend, record, claim_size, workers=None):
                           f"claims of {CLAIM_SIZE_MAX} items at most, {CLAIM_SIZE_FLOOR} at least (the pool "
                           "has no measured claim yet)")
     hi = max(1, min(CLAIM_SIZE_MAX, math.floor(target / per_item + 1e-6)))   # (a fit's rounding)
-    lo = max(CLAIM_SIZE_FLOOR, math.ceil(fixed / CLAIM_OVERHEAD_SHARE / per_item))   # (f + g: 0 where unseen)
+    lo = max(CLAIM_SIZE_FLOOR, math.ceil(fixed / CLAIM_OVERHEAD_SHARE / per_item - 1e-6))   # (f + g: 0 unseen)
     return ClaimSizes(workers=workers, lo=lo, hi=hi, why=(
         f"sized to the run: {workers} worker(s), {per_item * 1000:.3g} ms an item and {fixed * 1000:.3g} ms "
         f"a claim measured: claims of {min(lo, hi)} to {hi} items ({target:g} s at most, "
@@ -5363,24 +5362,21 @@ def claim_sizing(conf, backend, record, claim_size, workers=None):
 
 
 def claim_costs(backend, record):
-    """(s an item, s a claim) of the pool's recent claims: claim_seconds = fixed + items x per item
-    fitted (least squares; claims of one size: all per item), plus the gap between two claims;
-    (None, None) before any claim."""
-    summaries = recent_summaries(backend, record["model"], SIZING_CLAIMS_READ)
-    points = [(s["items"] - s.get("resumed", 0), max(0.0, s["claim_seconds"] - s.get("enter_seconds_paid", 0.0)))
-              for s in summaries]
-    points = [(n, t) for n, t in points if n > 0]
-    if not points:
+    """(s an item, s a claim) of the pool's claims: claim seconds = fixed + items x per item, fitted
+    by least squares over the sums its workers keep in their stats (`claim_fit`; claims of one size:
+    all per item), plus their mean gap between two claims (`claim_gaps`); (None, None) before any
+    claim. A LIST and a GET a worker, as pool_liveness reads at each submit."""
+    stats = read_worker_stats(backend, record["model"])
+    n, sx, sy, sxx, sxy = (sum(w.get("claim_fit", [0] * 5)[k] for w in stats) for k in range(5))
+    if not sx:
         return None, None
-    xs, ys = zip(*points)
-    try:
-        per_item, fixed = statistics.linear_regression(xs, ys)
-    except statistics.StatisticsError:   # one size: no intercept to fit
-        per_item, fixed = sum(ys) / sum(xs), 0.0
-    if per_item <= 0:
-        per_item, fixed = sum(ys) / sum(xs), 0.0
-    gap, _ = claim_overheads(backend, summaries)
-    return max(per_item, 1e-9), max(0.0, fixed) + gap
+    spread = n * sxx - sx * sx
+    per_item = (n * sxy - sx * sy) / spread if spread > 1e-9 * n * sxx else 0.0
+    fixed = (sy - per_item * sx) / n
+    if per_item <= 0 or fixed < 0:   # one size, or noise: all of it per item
+        per_item, fixed = sy / sx, 0.0
+    gaps = [sum(w.get("claim_gaps", [0, 0.0])[k] for w in stats) for k in range(2)]
+    return max(per_item, 1e-9), fixed + (gaps[1] / gaps[0] if gaps[0] else 0.0)
 
 
 def parse_duration(text):

@@ -41,6 +41,7 @@ import importlib.util
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -868,6 +869,9 @@ class Worker:
         self.enter_count = 0
         self.stats = Counter()           # claims, warm_hits, items, items_failed
         self.busy_seconds = 0.0
+        # sums over its claims that submit fits a claim's cost from (calque.claim_costs): claims, items,
+        # seconds, items^2, items x seconds; then the gaps between two claims (count, seconds)
+        self.claim_fit, self.claim_gaps, self.finished_at = [0, 0, 0.0, 0, 0.0], [0, 0.0], None
         self.last_stats = 0.0            # monotonic time of the last stats write
         self.stats_behind = False        # a claim ended since then: the stats miss it
         self.supervisor, self.ready_file = supervisor_pid, ready_file   # from a pool supervisor
@@ -1506,6 +1510,14 @@ class Worker:
         self.stats["items"] += len(claim.items) - claim.start
         self.stats["items_failed"] += len(claim.failed) - claim.resumed_failed
         self.busy_seconds += summary["claim_seconds"]
+        ran, seconds = len(claim.items) - claim.start, summary["claim_seconds"] - claim.enter_paid
+        for k, value in enumerate((1, ran, seconds, ran * ran, ran * seconds)):
+            self.claim_fit[k] += value
+        gap = claim.received - (self.finished_at or -math.inf)   # idle past PLAN_GAP_MAX: not a gap
+        if gap <= calque.PLAN_GAP_MAX:
+            self.claim_gaps[0] += 1
+            self.claim_gaps[1] += max(0.0, gap)   # received ahead: no gap
+        self.finished_at = finished
         log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid "
                  "%.3fs, %.3fs%s",
                  self.worker_id, claim.run_id, claim.claim_id, len(claim.items), len(claim.failed),
@@ -1879,6 +1891,7 @@ class Worker:
                  "acquisition_seconds": round(self.acquisition_seconds, 6),
                  "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"],
                  "items": self.stats["items"], "items_failed": self.stats["items_failed"],
+                 "claim_fit": self.claim_fit, "claim_gaps": self.claim_gaps,
                  "requests": dict(self.backend.requests),
                  # "c", "reference" (the numpy fallback) or None (no batch needed fastbatch)
                  "fastbatch": getattr(sys.modules.get("fastbatch"), "BACKEND", None),

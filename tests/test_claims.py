@@ -51,30 +51,27 @@ def test_a_stream_read_ahead_is_cut_as_the_counted_run():
     assert sizes.ahead() == 80 and len(stream.held) == 0
 
 
-def measured_pool(tmp_path, per_item, fixed, sizes):
-    """A local store holding pool `m` and one run's summaries of claims of `sizes`, each fixed + n x per_item s."""
+def measured_pool(tmp_path, per_item, fixed, sizes, gap=0.0):
+    """A local store holding pool `m`'s worker stats after claims of `sizes`, each fixed + n x per_item s, and as
+    many gaps of `gap` s between them (warmd keeps these sums: claim_fit, claim_gaps)."""
     backend = calque.open_backend(str(tmp_path / "store"))
-    run_id = calque.new_run_id("m")
-    calque.write_json(backend, calque.run_key(run_id), {"run_id": run_id, "created_at": calque.now_iso(990.0),
-                                                       "claims": [calque.claim_id(k) for k in range(len(sizes))]})
-    for k, n in enumerate(sizes):
-        calque.write_json(backend, calque.summary_key(run_id, calque.claim_id(k)), {
-            "run_id": run_id, "claim": calque.claim_id(k), "mode": "pool", "items": n, "worker_id": "w-1",
-            "claim_seconds": fixed + n * per_item, "enter_seconds_paid": 0.0,
-            "started_at": calque.now_iso(1000.0 + 10 * k), "finished_at": calque.now_iso(1000.0 + 10 * k + 1)})
+    fit = [len(sizes), sum(sizes), sum(fixed + n * per_item for n in sizes), sum(n * n for n in sizes),
+           sum(n * (fixed + n * per_item) for n in sizes)]
+    calque.write_json(backend, calque.worker_stats_prefix("m") + "w-1.json",
+                      {"worker_id": "w-1", "claim_fit": fit, "claim_gaps": [len(sizes) - 1, gap * (len(sizes) - 1)]})
     return backend
 
 
 def test_measured_claims_bound_the_sizes(tmp_path, monkeypatch):
     """Once the pool has claims, per item and per claim seconds are fitted from them: the ceiling is what
-    CALQUE_CLAIM_SECONDS allows, the floor keeps the fixed cost at 10% of a claim; --claim-size and a set
+    CALQUE_CLAIM_SECONDS allows, the floor keeps the fixed cost and the gap at 10% of a claim; --claim-size and a set
     CALQUE_CLAIM_SIZE win over both."""
-    backend = measured_pool(tmp_path, per_item=0.02, fixed=0.1, sizes=[10, 40, 80, 160])
+    backend = measured_pool(tmp_path, per_item=0.02, fixed=0.08, sizes=[10, 40, 80, 160], gap=0.02)
     record = {"model": "m"}
     monkeypatch.setattr(calque, "pool_ceiling", lambda *_: (1, 2, "workers", 2))
     conf = dict(calque.DEFAULTS, CALQUE_CLAIM_SECONDS="2")
     sizes = calque.claim_sizing(conf, backend, record, None)
-    assert (sizes.workers, sizes.lo, sizes.hi) == (2, 50, 100)      # 0.1 s / 10% / 0.02 s; 2 s / 0.02 s
+    assert (sizes.workers, sizes.lo, sizes.hi) == (2, 50, 100)      # (0.08 + 0.02) s / 10% / 0.02 s; 2 s / 0.02 s
     assert "20 ms an item and 100 ms a claim measured" in sizes.why
     assert calque.claim_sizing(conf, backend, record, 7).plan(20) == [7, 7, 6]
     assert calque.claim_sizing(dict(conf, CALQUE_CLAIM_SIZE="9"), backend, record, None).plan(20) == [9, 9, 2]
