@@ -2643,8 +2643,7 @@ class TableItems:
             return
         size = claim_sizes.next(self.count)
         held, rows, start, sizes = [], 0, 0, []   # sizes: the held rows' media bytes (media only)
-        for batch in itertools.chain(self.batches(self._read_rows(claim_sizes.hi if not claim_sizes.fixed
-                                                                   else size)), [None]):
+        for batch in itertools.chain(self.batches(self._read_rows(claim_sizes.fixed or claim_sizes.hi)), [None]):
             if batch is not None:
                 held.append(batch)
                 rows += batch.num_rows
@@ -3238,9 +3237,12 @@ class ClaimSizes:
 
     def plan(self, total):
         """The sizes of a run of `total` items (where no media cuts a claim short)."""
-        fresh, sizes = ClaimSizes(self.fixed, self.workers, self.lo, self.hi), []
-        while (left := total - sum(sizes)) > 0:
+        if self.fixed:
+            return [self.fixed] * (total // self.fixed) + ([total % self.fixed] if total % self.fixed else [])
+        fresh, sizes, left = ClaimSizes(self.fixed, self.workers, self.lo, self.hi), [], total
+        while left > 0:
             sizes.append(min(fresh.next(left), left))
+            left -= sizes[-1]
         return sizes
 
     def ahead(self):
@@ -3335,7 +3337,8 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
 
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     """Stage the items as a stream, sending each claim once its manifest has landed; returns the
-    run. Claims are sized by `claim_size` (an int, or a ClaimSizes). The run record comes first (`staged: false`); claims are cut as items are read, manifests
+    run, its claims sized by `claim_size` (an int, or a ClaimSizes). The run record comes first
+    (`staged: false`); claims are cut as items are read, manifests
     PUT on STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in order, SEND_BATCH a request,
     with at most STAGE_AHEAD manifests a writer unsent (bounded memory). SIGINT or SIGTERM stops the
     sending, not the staging (`runs resume` sends the rest), then raises SubmitInterrupted. Another
