@@ -3534,6 +3534,8 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
                     finished += done[claim]["items"]
                     running.pop(claim, None)
                     found += 1
+            if found:
+                bar.update(finished + sum(running.values()) - bar.n)
             now = time.monotonic()
             if len(done) == len(run["claims"]) or now >= deadline:
                 break
@@ -3548,13 +3550,13 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
                 recheck = run_recheck(progressed, now)
                 if progress:   # a long claim's items done count too (claims_progress)
                     running = claims_progress(backend, run["run_id"], [c for c in run["claims"] if c not in done])
+                    bar.update(finished + sum(running.values()) - bar.n)
                 if nothing_left_to_run(backend, run, done, dead):
                     break
                 if stop_if:
                     stop_if()
             if interrupted:
                 raise KeyboardInterrupt
-            bar.update(finished + sum(running.values()) - bar.n)
             time.sleep(min(delay, deadline - now))
     finally:
         bar.close()

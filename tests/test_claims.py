@@ -215,3 +215,14 @@ def test_the_supervisor_releases_the_claim_its_dead_worker_held(local_env, tmp_p
     assert killed_at < started < killed_at + 300
     assert "died holding a claim: visible again now" in logs(env, "supervisor")
     assert cli(env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
+def test_submits_bar_counts_the_items_a_running_claim_reported(tmp_path, capsys):
+    """wait_for_run's bar (submit's) adds a running claim's reported items to the finished claims' once no summary
+    has landed for a second: a claim's progress record, as warmd writes it, moves the bar before its summary."""
+    backend = calque.open_backend(str(tmp_path / "store"))
+    queue = backend.queues.create_queue("calque-pool-m", 60)
+    run = calque.stage_run(backend, {"model": "m"}, [{"x": i} for i in range(6)], 6, queue, "pool")
+    backend.store.put(calque.progress_key(run["run_id"], "c00000"), json.dumps({"done": 2, "worker_id": "w-1"}))
+    summaries, timed_out = calque.wait_for_run(backend, run, timeout=1.5, progress=True)
+    assert timed_out and summaries == [] and "2/6" in capsys.readouterr().err
