@@ -58,6 +58,7 @@ bench: setup $(EMBED)
 	$(PY) bench/bench_dashboard.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_churn.py
 	$(PY) bench/bench_embed.py
+	$(PY) bench/bench_generate.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_media_in.py
 	$(PY) bench/fast_paths.py
 

@@ -44,10 +44,14 @@ def enter(fn):
     return fn
 
 
-def batch(fn):
-    """Mark the method that runs a batch: a list of item payloads in, one result per item out."""
-    fn._calque_role = "batch"
-    return fn
+def batch(fn=None, *, whole_claim=False):
+    """Mark the method that runs a batch: a list of item payloads in, one result per item out.
+    `@calque.batch(whole_claim=True)`: each call gets the whole claim (an engine that batches for
+    itself: vLLM, a pipeline(), generate); a call that raises is retried item by item, as any."""
+    def mark(fn):
+        fn._calque_role, fn._calque_whole_claim = "batch", whole_claim
+        return fn
+    return mark if fn is None else mark(fn)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -58,7 +62,9 @@ DEFAULTS = {
     "CALQUE_STORE": ".calque",          # a path: SQLite + folders; s3://bucket/prefix: SQS + S3
     "CALQUE_STATE": ".calque-state",    # this machine's supervisors and worker logs (not shared)
     "CALQUE_BATCH_SIZE": "32",          # items per handler.batch() call
-    "CALQUE_CLAIM_SIZE": "1000",        # items per claim (one queue message) submit splits a run in
+    "CALQUE_CLAIM_SIZE": "",            # items per claim (one queue message); empty: sized to the run
+                                        # and the pool (ClaimSizes, claim_sizing)
+    "CALQUE_CLAIM_SECONDS": "30",       # s a claim sized to the run should take at most, once measured
     "CALQUE_VISIBILITY_TIMEOUT": "60",  # s a claim stays invisible to others (heartbeats renew it)
     "CALQUE_MAX_DELIVERIES": "3",       # deliveries of a claim before the dead-letter queue
     "CALQUE_POLL_WAIT": "20",           # s of one long poll (SQS caps it at 20)
@@ -96,6 +102,10 @@ SEND_BATCH = 10                         # claims per queue send (SQS's SendMessa
 STAGE_AHEAD = 4                         # manifests staged but not sent yet, per store writer (bounds submit's memory)
 CLAIM_BYTES = 16 << 20                  # media bytes (bytes values, files) a claim copied into the store holds, at
                                         # most one item more: claims are cut at claim_size items or here
+CLAIM_SIZE_MAX = 1000                   # items a claim sized to the run holds at most (ClaimSizes)
+CLAIM_SIZE_FLOOR = 10                   # ... at least (more where its measured per-claim costs ask)
+CLAIM_OVERHEAD_SHARE = 0.1              # ... at least so that its fixed costs are this share of its time
+CLAIM_LOOKAHEAD_MAX = 1 << 17           # items of a stream read ahead of its claims to count the rest
 STAGE_BYTES = 64 << 20                  # media bytes staged but not sent yet, at most (bounds submit's memory)
 ITEM_BYTES_MAX = 256 << 20              # media bytes one item may hold: a bigger one is refused at submit
 READ_BLOCK = 1 << 22                    # bytes of a JSONL items file read at once (4 MiB), at most
@@ -347,6 +357,11 @@ def part_key(run_id, claim, start, stop, suffix=".jsonl"):
 
 
 PART_NAME = re.compile(r"^(\d{7})-(\d{7})\.(jsonl|npz)$")
+
+
+def progress_key(run_id, claim):
+    """A long claim's items done so far, as its worker last reported (warmd PROGRESS_SECONDS)."""
+    return f"runs/{run_id}/progress/{claim}.json"
 
 
 def attempt_key(run_id, claim):
@@ -756,8 +771,9 @@ def check_handler_source(source, cls, where):
         for node in classes[name].body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in names:
                 names.add(node.name)
+                called = (deco.func if isinstance(deco, ast.Call) else deco for deco in node.decorator_list)
                 roles.update(deco.attr if isinstance(deco, ast.Attribute) else getattr(deco, "id", "")
-                             for deco in node.decorator_list)
+                             for deco in called)   # @calque.batch, or called: @calque.batch(whole_claim=True)
         for base in classes[name].bases:
             here = isinstance(base, ast.Name) and base.id in classes
             order += [base.id] if here and base.id not in order else []
@@ -2201,6 +2217,33 @@ def claim_items(run, index):
     return min(run["claim_size"], run["items"] - index * run["claim_size"])
 
 
+def claim_sizes(run):
+    """[[size, count], ...] of the run's claims in order, equal neighbours counted together."""
+    lengths = []
+    for size in (claim_items(run, k) for k in range(len(run["claims"]))):
+        if lengths and lengths[-1][0] == size:
+            lengths[-1][1] += 1
+        else:
+            lengths.append([size, 1])
+    return lengths
+
+
+def format_sizes(lengths, shown=8):
+    """[[size, count], ...] as '2x75, 2x38, 1x6' (the first `shown` groups)."""
+    more = f", ... ({len(lengths) - shown} more)" if len(lengths) > shown else ""
+    return ", ".join(f"{count}x{size}" for size, count in lengths[:shown]) + more
+
+
+def claims_progress(backend, run_id, claims):
+    """{claim: items done} of these running claims, from their workers' progress records."""
+    reported = {key.rsplit("/", 1)[1][:-5] for key in backend.store.list(f"runs/{run_id}/progress/")}
+    done = {}
+    for claim in reported & set(claims):
+        with contextlib.suppress(NotFound, ValueError, KeyError):
+            done[claim] = read_json(backend, progress_key(run_id, claim))["done"]
+    return done
+
+
 def read_summaries(backend, run_id):
     return [read_json(backend, k) for k in list_summaries(backend, run_id)]
 
@@ -2412,9 +2455,13 @@ class ArrayItems:
     def load(cls, path):
         return cls.from_arrays(read_arrays(path), path)
 
-    def chunks(self, size):
-        """(start, stop, None, 0) of each claim of `size` items: the arrays are sliced when staged."""
-        return ((start, min(start + size, self.count), None, 0) for start in range(0, self.count, size))
+    def chunks(self, sizes):
+        """(start, stop, None, 0) of each claim (sizes: ClaimSizes): the arrays are sliced when staged."""
+        start = 0
+        while start < self.count:
+            stop = min(start + sizes.next(self.count - start), self.count)
+            yield start, stop, None, 0
+            start = stop
 
     @classmethod
     def from_arrays(cls, arrays, path):
@@ -2588,15 +2635,16 @@ class TableItems:
             b for _, f, _ in opened for b in f.iter_batches(rows, columns=schema.names, use_threads=False)),
             where, opened)
 
-    def chunks(self, size):
-        """(start, stop, table, media bytes) of each claim of `size` rows, fewer where their media
-        bytes pass CLAIM_BYTES, cut as the batches are read (by reference: _ranges)."""
+    def chunks(self, claim_sizes):
+        """(start, stop, table, media bytes) of each claim (claim_sizes: ClaimSizes), fewer rows where
+        their media bytes pass CLAIM_BYTES, cut as the batches are read (by reference: _ranges)."""
         import pyarrow as pa
         if self.by_reference:
-            yield from self._ranges(size)
+            yield from self._ranges(claim_sizes)
             return
+        size = claim_sizes.next(self.count)
         held, rows, start, sizes = [], 0, 0, []   # sizes: the held rows' media bytes (media only)
-        for batch in itertools.chain(self.batches(self._read_rows(size)), [None]):
+        for batch in itertools.chain(self.batches(self._read_rows(claim_sizes.fixed or claim_sizes.hi)), [None]):
             if batch is not None:
                 held.append(batch)
                 rows += batch.num_rows
@@ -2607,6 +2655,7 @@ class TableItems:
                 take = _fitting(sizes[:size]) if self.media else min(size, rows)
                 yield start, start + take, table.slice(0, take), sum(sizes[:take])
                 held, rows, start, sizes = table.slice(take).to_batches(), rows - take, start + take, sizes[take:]
+                size = claim_sizes.next(self.count - start)
 
     def _read_rows(self, size):
         """Rows a read takes: a claim's, fewer for a Parquet file of media, so that one read holds
@@ -2626,10 +2675,11 @@ class TableItems:
             raise _too_large(f"{self.source}: row {first + int(over[0])}", int(sizes[over[0]]))
         return sizes.tolist()
 
-    def _ranges(self, size):
-        """(start, stop, [[file URI, size, mtime ns, first row, stop row], ...], 0) of each claim of
-        `size` rows, fewer where its row groups' bytes pass CLAIM_BYTES: metadata only, no row read."""
+    def _ranges(self, claim_sizes):
+        """(start, stop, [[file URI, size, mtime ns, first row, stop row], ...], 0) of each claim
+        (claim_sizes), fewer rows where its row groups' bytes pass CLAIM_BYTES: metadata only."""
         segments, rows, held, start = [], 0, 0.0, 0
+        size = claim_sizes.next(self.count)
         for path, f, seen in self.files:
             uri, at = "file://" + os.path.abspath(path), 0
             for g in range(f.metadata.num_row_groups):
@@ -2648,6 +2698,7 @@ class TableItems:
                     if n or rows == size:   # full: the next rows go in the next claim
                         yield start, start + rows, segments, 0
                         segments, rows, held, start = [], 0, 0.0, start + rows
+                        size = claim_sizes.next(self.count - start)
         if rows:
             yield start, start + rows, segments, 0
 
@@ -2994,11 +3045,12 @@ class FileItems:
                             f"of files, a quoted glob such as 'photos/**/*.jpg', or an s3:// prefix")
         return itertools.chain([first], found)
 
-    def chunks(self, size):
-        """(start, stop, entries, media bytes) of each claim: `size` files, fewer where copied
-        files pass CLAIM_BYTES; a file over ITEM_BYTES_MAX refused by name."""
-        it, start = self.entries(), 0
-        while chunk := list(itertools.islice(it, size)):
+    def chunks(self, sizes):
+        """(start, stop, entries, media bytes) of each claim (sizes: ClaimSizes, the listing read
+        ahead to count the rest), fewer where copied files pass CLAIM_BYTES; a file over
+        ITEM_BYTES_MAX refused by name."""
+        it, start = Lookahead(self.entries(), sizes.ahead()), 0
+        while chunk := list(itertools.islice(it, sizes.next(it.left()))):
             for name, n, _ in chunk:
                 if n > ITEM_BYTES_MAX:
                     raise _too_large(f"{self.where}: {name}", n)
@@ -3160,14 +3212,93 @@ def check_timeout(seconds):
                         f"--timeout 600 (CALQUE_TIMEOUT sets the default)")
 
 
+class ClaimSizes:
+    """Each claim's size, asked claim by claim as a run is cut (claim_chunks): `fixed` (--claim-size,
+    CALQUE_CLAIM_SIZE), else factoring: stages of `workers` claims of ceil(rest / (2 workers)) items
+    each, within [lo, hi], so every worker stays busy to the end and the last claims are the shortest;
+    the last stage splits the rest evenly (claims of lo/2 at least) where less than lo would be left.
+    `why` is the run record's one-line reason (runs show prints it)."""
+
+    def __init__(self, fixed=None, workers=1, lo=1, hi=CLAIM_SIZE_MAX, why=""):
+        self.fixed, self.workers, self.hi, self.why = fixed, max(1, workers), max(1, hi), why
+        self.lo = min(max(1, lo), self.hi)   # the claim duration target wins over the overhead floor
+        self.size, self.given = None, 0
+
+    def next(self, left):
+        """The next claim's size; `left`: the items not cut yet, None where more than `ahead()` are."""
+        if self.fixed:
+            return self.fixed
+        if self.given % self.workers == 0:   # a new stage
+            self.size = self.hi if left is None else min(self.hi, max(self.lo, -(-left // (2 * self.workers))))
+            if left is not None and left - self.workers * self.size < self.lo:   # the last stage: the rest split
+                shares = max(1, min(self.workers, left // max(1, self.lo // 2)))   # evenly, claims of lo/2 at least:
+                self.size = min(self.hi, -(-left // shares))                        # no lone claim left behind
+        self.given += 1
+        return self.size
+
+    def plan(self, total):
+        """The sizes of a run of `total` items (where no media cuts a claim short)."""
+        if self.fixed:
+            return [self.fixed] * (total // self.fixed) + ([total % self.fixed] if total % self.fixed else [])
+        fresh, sizes, left = ClaimSizes(self.fixed, self.workers, self.lo, self.hi), [], total
+        while left > 0:
+            sizes.append(min(fresh.next(left), left))
+            left -= sizes[-1]
+        return sizes
+
+    def ahead(self):
+        """Items a stream is read ahead of its claims, so that `left` is known where it matters."""
+        return 0 if self.fixed else min(CLAIM_LOOKAHEAD_MAX, 2 * self.workers * self.hi)
+
+
+def as_sizes(size):
+    """A ClaimSizes from an int (a fixed size) or a ClaimSizes."""
+    return size if isinstance(size, ClaimSizes) else ClaimSizes(fixed=size)
+
+
+class Lookahead:
+    """An iterator that reads `n` items ahead of its consumer: `left()` counts the rest once the
+    source ends within them (None before), for a stream's claim sizes."""
+
+    def __init__(self, source, n):
+        self.source, self.n, self.held, self.ended = iter(source), n, collections.deque(), n == 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.held:
+            self._fill()
+        if self.held:
+            return self.held.popleft()
+        return next(self.source)   # n == 0: the source as it is
+
+    def left(self):
+        self._fill()
+        return len(self.held) if self.ended else None
+
+    def _fill(self):
+        while not self.ended and len(self.held) < self.n:
+            try:
+                self.held.append(next(self.source))
+            except StopIteration:
+                self.ended = True
+
+
 def claim_chunks(items, size):
-    """(start, stop, items or None, media bytes) of each claim of `size` items, fewer where their
-    bytes values pass CLAIM_BYTES (arrays, tables, files: their own)."""
+    """(start, stop, items or None, media bytes) of each claim, sized by `size` (an int or a
+    ClaimSizes), fewer where their bytes values pass CLAIM_BYTES (arrays, tables, files: their own)."""
+    sizes = as_sizes(size)
     if isinstance(items, (ArrayItems, TableItems, FileItems)):
-        yield from items.chunks(size)
+        yield from items.chunks(sizes)
         return
-    it, start = iter(items), 0
-    while chunk := list(itertools.islice(it, size)):
+    start = 0
+    if isinstance(items, list):
+        it, left = iter(items), lambda: len(items) - start
+    else:
+        it = Lookahead(items, sizes.ahead())
+        left = it.left
+    while chunk := list(itertools.islice(it, sizes.next(left()))):
         yield from _cut(start, chunk, [0 if type(item) is JsonText else _media_size(item) for item in chunk])
         start += len(chunk)
 
@@ -3207,7 +3338,8 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
 
 def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     """Stage the items as a stream, sending each claim once its manifest has landed; returns the
-    run. The run record comes first (`staged: false`); claims are cut as items are read, manifests
+    run, its claims sized by `claim_size` (an int, or a ClaimSizes). The run record comes first
+    (`staged: false`); claims are cut as items are read, manifests
     PUT on STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in order, SEND_BATCH a request,
     with at most STAGE_AHEAD manifests a writer unsent (bounded memory). SIGINT or SIGTERM stops the
     sending, not the staging (`runs resume` sends the rest), then raises SubmitInterrupted. Another
@@ -3215,10 +3347,15 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     run_id = run_id or new_run_id(record["model"])
     media_form(backend, record, items)
     known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
+    sizes = as_sizes(claim_size)
+    planned = sizes.plan(known) if known else []
+    claim_size = sizes.fixed or sizes.hi   # the largest claim
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
-           "claims": [claim_id(i) for i in range(-(-known // claim_size))] if known else [],
-           "claim_size": claim_size, "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
-           "created_at": now_iso(), "sent": 0, "staged": False}
+           "claims": [claim_id(i) for i in range(len(planned))], "claim_size": claim_size,
+           "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
+           "created_at": now_iso(), "sent": 0, "staged": False, **_claim_counts(planned, claim_size)}
+    if sizes.why:
+        run["sizing"] = sizes.why
     landed, pending, count, sending, counts = [], collections.deque(), 0, True, []
     # signals wait until the end (sigpending between two claims): a claim is never half cut
     with signals_deferred():
@@ -3226,7 +3363,7 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
             write_json(backend, run_key(run_id), run)
             writer_count = LOCAL_WRITERS if backend.kind == "local" else STORE_WRITERS
             with ThreadPoolExecutor(writer_count) as writers:
-                for index, (start, stop, chunk, media) in enumerate(claim_chunks(items, claim_size)):
+                for index, (start, stop, chunk, media) in enumerate(claim_chunks(items, sizes)):
                     claim, count = claim_id(index), stop
                     if index == len(run["claims"]):   # a stream's, or one more where media cut a claim short
                         run["claims"].append(claim)
@@ -3258,7 +3395,8 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
 
 
 def _claim_counts(counts, claim_size):
-    """The run record's `claim_counts` where media cut claims short of claim_size (claim_items)."""
+    """The run record's `claim_counts` where claims differ from claim_size (sized to the run, or
+    media cut them short: claim_items)."""
     return {"claim_counts": counts} if any(n != claim_size for n in counts[:-1]) else {}
 
 
@@ -3384,6 +3522,7 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
     wait_max = min(SUMMARY_WAIT_MAX, LOCAL_SUMMARY_WAIT if backend.kind == "local" else math.inf)
     bar = tqdm(total=run["items"], unit="item", file=sys.stderr, disable=not progress, leave=False,
                desc=f"run {run['run_id']}")
+    finished, running = 0, {}   # items of the claims done; {claim: items done} of long running ones
     try:
         while True:
             while below < len(in_key_order) and in_key_order[below] in done:
@@ -3393,8 +3532,11 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
                 claim = key.rsplit("/", 1)[1][:-5]
                 if claim not in done:
                     done[claim] = read_json(backend, key)
-                    bar.update(done[claim]["items"])
+                    finished += done[claim]["items"]
+                    running.pop(claim, None)
                     found += 1
+            if found:
+                bar.update(finished + sum(running.values()) - bar.n)
             now = time.monotonic()
             if len(done) == len(run["claims"]) or now >= deadline:
                 break
@@ -3407,6 +3549,9 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
                 delay = min(delay * 1.5, wait_max)   # quick at first (idle round trip)
             if now >= recheck:
                 recheck = run_recheck(progressed, now)
+                if progress:   # a long claim's items done count too (claims_progress)
+                    running = claims_progress(backend, run["run_id"], [c for c in run["claims"] if c not in done])
+                    bar.update(finished + sum(running.values()) - bar.n)
                 if nothing_left_to_run(backend, run, done, dead):
                     break
                 if stop_if:
@@ -3847,13 +3992,17 @@ def run_view(backend, run, summaries, dead_letters=True):
         else:
             items[ITEM_OUTCOME[state]] += claim_items(run, index)
     counts = Counter(state for state, _ in states.values())
+    waiting = {claim: index for index, claim in enumerate(run["claims"]) if states[claim][0] == "queued or running"}
+    reported = claims_progress(backend, run["run_id"], waiting) if waiting else {}
+    running = sum(min(n, claim_items(run, waiting[claim])) for claim, n in reported.items())
     queue = None
     if counts["queued or running"]:
         with contextlib.suppress(NotFound):
             queue = backend.queues.open_queue(run["queue"]).counts()
     return {"complete": counts["done"] + counts["failed"] == len(run["claims"]),
             "claims": {claim: {"state": state, "detail": detail} for claim, (state, detail) in states.items()},
-            "claim_counts": {state: counts[state] for state in CLAIM_STATES}, "items": items, "queue": queue}
+            "claim_counts": {state: counts[state] for state in CLAIM_STATES}, "items": items, "queue": queue,
+            "items_running_done": running}
 
 
 def claim_list(claims):
@@ -3889,10 +4038,12 @@ def format_run(run, summaries, view, results_uri):
     if queue:
         per_state = [p + f" ({run['queue']}: {queue['visible']} visible, {queue['in_flight']} in flight)"
                      if p.endswith("queued or running") else p for p in per_state]
+    running = f" ({view['items_running_done']} of them done in running claims)" if view["items_running_done"] else ""
     lines = [f"run {run['run_id']} ({run['mode']}, model {run['model']}): {items['ok']} items ok, "
-             f"{items['failed']} failed, {items['pending']} pending, {items['dead_lettered']} "
+             f"{items['failed']} failed, {items['pending']} pending{running}, {items['dead_lettered']} "
              f"dead-lettered, {items['cancelled']} cancelled (of {run['items']} items)",
              "  claims: " + ", ".join(per_state),
+             f"  claim sizes: {format_sizes(claim_sizes(run))} ({run.get('sizing') or 'a fixed size'})",
              f"  {'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
     by_claim, claims, index = {s["claim"]: s for s in summaries}, run["claims"], 0
     while index < len(claims):
@@ -5003,7 +5154,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
     if not claim_size and isinstance(items, FileItems):   # a listing is a stream: not counted twice
-        claim_size = setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+        claim_size = claim_sizing(conf, backend, None, None, workers=shards)
     elif not claim_size:   # one claim per shard: the items are counted first (a stream read in)
         items = items if isinstance(items, (ArrayItems, TableItems, list)) else list(items)
         claim_size = max(1, -(-len(items) // shards))
@@ -5201,6 +5352,48 @@ PLAN_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([smhd]?)\s*$")
 PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+def claim_sizing(conf, backend, record, claim_size, workers=None):
+    """The ClaimSizes of a run on the pool `record` (None: unmeasured): --claim-size, else a set
+    CALQUE_CLAIM_SIZE, else factoring over `workers` (default: the pool's ceiling), its claims at
+    most CALQUE_CLAIM_SECONDS long and CLAIM_SIZE_MAX items, at least CLAIM_OVERHEAD_SHARE of
+    overhead: both from the pool's claims so far (claim_costs), once it has some."""
+    if claim_size:
+        return ClaimSizes(fixed=claim_size, why="--claim-size")
+    if conf["CALQUE_CLAIM_SIZE"].strip():
+        return ClaimSizes(fixed=setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), why="CALQUE_CLAIM_SIZE")
+    target = setting_number(conf, "CALQUE_CLAIM_SECONDS", float, 0.001)
+    workers = workers or pool_ceiling(conf, backend, record)[1]
+    per_item, fixed = claim_costs(backend, record) if record else (None, None)
+    if per_item is None:
+        return ClaimSizes(workers=workers, lo=CLAIM_SIZE_FLOOR, why=f"sized to the run: {workers} worker(s), "
+                          f"claims of {CLAIM_SIZE_MAX} items at most, {CLAIM_SIZE_FLOOR} at least (the pool "
+                          "has no measured claim yet)")
+    hi = max(1, min(CLAIM_SIZE_MAX, math.floor(target / per_item + 1e-6)))   # (a fit's rounding)
+    lo = max(CLAIM_SIZE_FLOOR, math.ceil(fixed / CLAIM_OVERHEAD_SHARE / per_item - 1e-6))   # (f + g: 0 unseen)
+    return ClaimSizes(workers=workers, lo=lo, hi=hi, why=(
+        f"sized to the run: {workers} worker(s), {per_item * 1000:.3g} ms an item and {fixed * 1000:.3g} ms "
+        f"a claim measured: claims of {min(lo, hi)} to {hi} items ({target:g} s at most, "
+        f"{CLAIM_OVERHEAD_SHARE:.0%} overhead at most)"))
+
+
+def claim_costs(backend, record):
+    """(s an item, s a claim) of the pool's claims: claim seconds = fixed + items x per item, fitted
+    by least squares over the sums its workers keep in their stats (`claim_fit`; claims of one size:
+    all per item), plus their mean gap between two claims (`claim_gaps`); (None, None) before any
+    claim. A LIST and a GET a worker, as pool_liveness reads at each submit."""
+    stats = read_worker_stats(backend, record["model"])
+    n, sx, sy, sxx, sxy = (sum(w.get("claim_fit", [0] * 5)[k] for w in stats) for k in range(5))
+    if not sx:
+        return None, None
+    spread = n * sxx - sx * sx
+    per_item = (n * sxy - sx * sy) / spread if spread > 1e-9 * n * sxx else 0.0
+    fixed = (sy - per_item * sx) / n
+    if per_item <= 0 or fixed < 0:   # one size, or noise: all of it per item
+        per_item, fixed = sy / sx, 0.0
+    gaps = [sum(w.get("claim_gaps", [0, 0.0])[k] for w in stats) for k in range(2)]
+    return max(per_item, 1e-9), fixed + (gaps[1] / gaps[0] if gaps[0] else 0.0)
+
+
 def parse_duration(text):
     """Seconds of '90', '90s', '20m', '2h', '1.5d'."""
     found = PLAN_DURATION.match(str(text))
@@ -5273,7 +5466,8 @@ def per_item_at(measured, n, cores):
 
 
 def make_plan(backend, conf, record, items, claim_size, price, summaries):
-    """The plan of `items` in claims of `claim_size`: per count 1..B its wall time and cost, from
+    """The plan of `items` in claims sized by `claim_size` (ClaimSizes: as submit cuts them, or an
+    int): per count 1..B its wall time and cost, from
     measured per-item seconds, overheads and start-up; beside it, cold and serverless."""
     price = choose_pricing(price, summaries)   # the claims it measured: as `cost` prices their runs
     rates, itype = price.rates, price.instance_type
@@ -5289,7 +5483,7 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
         import calque_ec2 as ec2
         start = enter + ec2.BOOT_ESTIMATE
     gap, latency = claim_overheads(backend, summaries)
-    sizes = [claim_size] * (items // claim_size) + ([items % claim_size] if items % claim_size else [])
+    sizes = as_sizes(claim_size).plan(items)
     shared = noun == "workers" and not gpu_devices(conf)     # CPU workers share the cores
     cores = len(os.sched_getaffinity(0)) if shared else math.inf
     options = []
@@ -5303,7 +5497,9 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
                         "seconds_per_item": per_item, "measured": n in measured})
     drain = sum(claims)   # cold and serverless counterfactuals: B at once, at B's seconds per item
     cold_acquisition = rates["defaults"]["acquisition_seconds"]["value"]
-    return {"model": record["model"], "items": items, "claims": len(claims), "claim_size": claim_size,
+    return {"model": record["model"], "items": items, "claims": len(claims), "claim_size": max(sizes),
+            "claim_sizes": claim_sizes({"claims": sizes, "claim_counts": sizes}),
+            "sizing": getattr(claim_size, "why", ""),
             "seconds_per_item": options[-1]["seconds_per_item"], "measured_claims": len(summaries),
             "enter_seconds": enter, "claim_gap_seconds": gap, "first_claim_seconds": latency,
             "start_seconds": start, "running": warm, "noun": noun, "instance_type": itype,
@@ -5322,12 +5518,14 @@ def pick_option(plan, deadline=None, budget=None):
 
 def format_plan(plan):
     noun = plan["noun"]
-    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of {plan['claim_size']} "
+    sizes = plan["claim_sizes"]
+    lines = [f"plan: {plan['items']:,} items in {plan['claims']} claim(s) of "
+             f"{sizes[0][0] if len(sizes) == 1 else format_sizes(sizes)} "
              f"on pool {plan['model']}: {plan['seconds_per_item'] * 1000:.3g} ms an item (measured "
              f"over {plan['measured_claims']} recent claim(s)), {plan['claim_gap_seconds']:.3g} s "
              f"between claims, first claim after {plan['first_claim_seconds']:.3g} s; "
              f"{plan['running']} {noun} running, a new one starts in {plan['start_seconds']:.3g} s",
-             f"  priced as {plan['priced_as']}",
+             f"  priced as {plan['priced_as']}; claims {plan['sizing'] or 'of a fixed size'}",
              f"  {noun:>9}  {'wall':>10}  {'on-demand':>10}  {'spot':>10}"]
     for o in plan["options"]:
         scaled = "" if o["measured"] else "  (scaled from another count)"
@@ -5419,12 +5617,13 @@ def crash_looping(conf, model):
     return None
 
 
-def announce_run(conf, model, items, claim_size, run_id):
-    """Tell a self-sizing local pool the claims run `run_id` brings: it starts workers while they stage."""
+def announce_run(conf, model, items, sizes, run_id):
+    """Tell a self-sizing local pool the claims run `run_id` brings (sizes: a ClaimSizes or an int): it
+    starts workers while they stage."""
     folder = state_dir(conf, model)
     bounds = read_scaling(folder)
     if bounds is not None:
-        claims = -(-len(items) // claim_size) if hasattr(items, "__len__") and len(items) else 1
+        claims = len(as_sizes(sizes).plan(len(items))) if hasattr(items, "__len__") and len(items) else 1
         wake = {"at": time.time(), "claims": claims, "run": run_id}
         write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, wake=wake)))
 
@@ -5652,12 +5851,12 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
                         f"{command()} pool scale --model {pool} --workers 1 (or --instances N), or "
                         "submit --wait-for-workers to queue it anyway")
-    claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
+    sizes = claim_sizing(conf, backend, record, claim_size)
     run_id = run_id or new_run_id(pool)   # before staging: announce_run names it
     if state == "starting":   # ("none" with wait_for_workers: what the caller asked for)
         print(f"calque: {why}", file=sys.stderr)
-        announce_run(conf, pool, items, claim_size, run_id)
-    run = stage_run(backend, record, items, claim_size, queue, "pool", run_id)
+        announce_run(conf, pool, items, sizes, run_id)
+    run = stage_run(backend, record, items, sizes, queue, "pool", run_id)
     return Run(run["run_id"], context=(conf, backend), id_field=id_field)
 
 
@@ -5911,24 +6110,25 @@ def open_output(path):
 def plan_run(conf, backend, model, items, claim_size, price):
     """make_plan of `items` on the pool; with no measured claim, one sample claim runs first."""
     record = load_pool(backend, model)
-    claim_size = claim_size or setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1)
     check_claim_size(claim_size)
+    sizes = claim_sizing(conf, backend, record, claim_size)
     if isinstance(items, FileItems):
         raise UserError(f"{items.where}: a plan counts the items first, and files are listed as they are "
                         f"staged ---> HINT: submit without --plan, --deadline or --budget")
-    first = list(itertools.islice(iter(items), claim_size)) if not hasattr(items, "__len__") else None
+    first = list(itertools.islice(iter(items), sizes.fixed or sizes.hi)) if not hasattr(items, "__len__") else None
     count = len(items) if first is None else len(first) + sum(1 for _ in items)
     summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
     if not summaries:
-        first = first if first is not None else items[:claim_size]
-        run = submit(first, model, claim_size=claim_size, context=(conf, backend))   # or refused
+        first = first if first is not None else items[:sizes.fixed or sizes.hi]
+        run = submit(first, model, claim_size=len(first), context=(conf, backend))   # or refused
         print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} "
               f"item(s) first (run {run.run_id}) to measure it", file=sys.stderr)
         if not run.wait():
             raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within "
                             f"CALQUE_TIMEOUT ---> HINT: {command()} runs show {run.run_id}")
         summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
-    return make_plan(backend, conf, record, count, claim_size, price, summaries)
+        sizes = claim_sizing(conf, backend, record, claim_size)   # measured now
+    return make_plan(backend, conf, record, count, sizes, price, summaries)
 
 
 def planned_count(conf, backend, record, plan, args):
@@ -5946,7 +6146,7 @@ def planned_count(conf, backend, record, plan, args):
                             "the pool's ceiling")
         return option
     lo, hi, _, _ = pool_ceiling(conf, backend, record)
-    spc = plan["seconds_per_item"] * plan["claim_size"]
+    spc = plan["seconds_per_item"] * plan["items"] / plan["claims"]   # an average claim
     want = desired_count(plan["claims"], 0, 0, spc, setting_number(conf, "CALQUE_TARGET_DRAIN", float, 0.001), lo,
                          hi, 0.0, None, 0.0).desired
     return plan["options"][max(1, want) - 1]
@@ -6360,7 +6560,7 @@ def cmd_runs_resume(conf, backend, args):
     if not run["staged"]:   # submit killed while staging: past `sent`, manifests may be missing
         raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were "
                         f"queued, the rest may have no manifest ---> HINT: runs cancel {args.run}, "
-                        f"then submit the items from {run['sent'] * run['claim_size']} on again")
+                        f"then submit the items from {sum(claim_items(run, k) for k in range(run['sent']))} on again")
     try:
         queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
     except NotFound:

@@ -259,7 +259,9 @@ class Dashboard:
                 "claim_counts": view["claim_counts"],
                 "queue": view["queue"], "items_per_second": rate,
                 "eta_seconds": items["pending"] / rate if rate and items["pending"] else None,
-                "done_fraction": 1 - items["pending"] / run["items"] if run["items"] else 1.0,
+                "items_running_done": view["items_running_done"],   # inside claims not finished yet
+                "done_fraction": 1 - (items["pending"] - view["items_running_done"]) / run["items"]
+                if run["items"] else 1.0,
                 "rate_series": rate_series(cache, now),
                 "timeline": timeline([cache], stats, live=bool(items["pending"])),
                 "failures": failures(summaries, view), "cost": cost_view(self.run_cost(cache)),
@@ -738,6 +740,8 @@ def progress(view):
     figs = "".join(fig(f"{items[k]:,}", k.replace("_", "-"))
                    for k in ("ok", "failed", "pending", "dead_lettered", "cancelled")
                    if k != "cancelled" or items[k])
+    if view["items_running_done"]:
+        figs += fig(f"{view['items_running_done']:,}", "done in running claims")
     return (f'<div id="progress" data-done="{view["done_fraction"]:.6f}">'
             f'<div class="bar">{bar}</div>'
             f'<div class="figs">{figs}{fig(rate_text(view["items_per_second"]), "items/s")}'

@@ -150,7 +150,7 @@ def supervise(conf, model):
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; each tick re-reads
     want, scaler = read_desired(folder), LocalScaler(conf, model, folder)
-    died = functools.partial(record_exit, conf, model, [])   # [] gets the store at the first death
+    died = functools.partial(record_exit, conf, model, [])   # [] gets the backend at the first death
     print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
     try:
         while not stopping:
@@ -313,7 +313,7 @@ def _reap(slots, want, now, died):
             print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {code} "
                   f"({kind}; restart {f'in {delay:g} s' if delay else 'at once'})", flush=True)
             if code:   # a death: siblings commit more often (warmd.on_sibling_death)
-                died(proc.pid, code)
+                died(proc.pid, code, os.path.splitext(slot["ready"])[0] + ".claims")
                 for other in slots.values():
                     if other["proc"] and other["proc"].poll() is None and _readiness(other):
                         other["proc"].send_signal(signal.SIGUSR2)
@@ -330,14 +330,25 @@ def _reap(slots, want, now, died):
     return restarts
 
 
-def record_exit(conf, model, store, pid, code):
-    """A dead worker's exit status, where the poison rule reads it (warmd: how_it_ended); `store`
-    holds the pool's store once opened. Best effort: unrecorded, it counts as an outside kill."""
+def record_exit(conf, model, backend, pid, code, receipts):
+    """A dead worker's exit status, where the poison rule reads it (warmd: how_it_ended), then the
+    claims it held (`receipts`, its Leases file) visible again at once, not at their visibility
+    timeout: the run's tail after a death. `backend` holds the pool's once opened. Best effort:
+    unrecorded, it counts as an outside kill; unreleased, its claims wait out their timeout."""
     with contextlib.suppress(Exception):
-        if not store:
-            store.append(open_backend(conf["CALQUE_STORE"]).store)
+        if not backend:
+            backend.append(open_backend(conf["CALQUE_STORE"]))
         key = f"{worker_stats_prefix(model)}exit-{socket.gethostname()}-{pid}"
-        store[0].put(key, str(code).encode())
+        backend[0].store.put(key, str(code).encode())
+    held = read_state(receipts, json.loads, [])
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(receipts)
+    with contextlib.suppress(Exception):
+        queue = backend[0].queues.open_queue(load_pool(backend[0], model)["queue"]) if held else None
+        for receipt in held:
+            with contextlib.suppress(calque.LeaseLost):   # acked or taken since: nothing to release
+                queue.change_visibility(calque.Message(None, receipt, 0), 0)
+                print(f"supervisor: worker {pid} died holding a claim: visible again now", flush=True)
 
 
 def _spawn(conf, model, folder, slots, want, now):

@@ -41,6 +41,7 @@ import importlib.util
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import signal
@@ -77,6 +78,8 @@ AHEAD = None                # receive the next claim beside the last batch; None
                             # crosses a network (S3 + SQS), not on the local backend
 AHEAD_HOLD = 2.0            # s a claim received ahead waits to start, at most
 AHEAD_TICK = 0.05           # s between two looks, while a claim is held ahead, at whether the worker stops
+PROGRESS_SECONDS = 5.0      # s between two progress records of a long claim (items done: submit's bar,
+                            # runs show, the dashboard); a claim shorter than that writes none
 ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes at most 10)
 ACK_WAIT = 1.0              # s an ack waits for others, at most (and <= visibility/4)
 WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
@@ -117,6 +120,7 @@ class Claim:
         self.formatted = []                       # (stop, format_outcome's) not yet in a part
         self.kind = None                          # Collator.claim_kind, once, as its drain starts
         self.batches, self.last_commit = 0, 0.0   # batches since the last part, and when it went
+        self.reported_at = 0.0                    # monotonic s of its last progress record
         self.model_seconds = self.wait_seconds = 0.0
         self.record = {"deaths": {}}              # the attempt record
         self.quarantined = {}                     # offset (str) -> why it is not run
@@ -521,20 +525,33 @@ class Output:
 class Leases:
     """The leases of the claims this worker holds (draining, finishing, received ahead), each
     renewed every third of its timeout by one thread for all (a renewal that hangs delays the
-    others: the two thirds of a timeout left cover it)."""
+    others: the two thirds of a timeout left cover it). A supervisor's worker keeps their receipts
+    in `receipts` (worker-<slot>.claims): a supervisor that sees it die makes them visible at once."""
 
-    def __init__(self, queue):
+    def __init__(self, queue, receipts=""):
         self.queue, self.held, self.changed = queue, set(), threading.Condition()
+        # kept open and rewritten in place (~5 us, a rename ~150 us: twice a claim); read once we are dead
+        self.receipts = os.open(receipts, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if receipts else None
         threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
 
     def add(self, lease):
         with self.changed:
             self.held.add(lease)
+            self._note()
             self.changed.notify()
 
     def remove(self, lease):
         with self.changed:
-            self.held.discard(lease)
+            if lease in self.held:
+                self.held.discard(lease)
+                self._note()
+
+    def _note(self):
+        """The receipts held, written where the supervisor reads them (under self.changed)."""
+        if self.receipts is not None:   # (a write torn by our death reads as none held: the timeout's case)
+            data = json.dumps([lease.message.receipt for lease in self.held]).encode()
+            os.pwrite(self.receipts, data, 0)
+            os.ftruncate(self.receipts, len(data))
 
     def _run(self):
         while True:
@@ -852,6 +869,9 @@ class Worker:
         self.enter_count = 0
         self.stats = Counter()           # claims, warm_hits, items, items_failed
         self.busy_seconds = 0.0
+        # sums over its claims that submit fits a claim's cost from (calque.claim_costs): claims, items,
+        # seconds, items^2, items x seconds; then the gaps between two claims (count, seconds)
+        self.claim_fit, self.claim_gaps, self.finished_at = [0, 0, 0.0, 0, 0.0], [0, 0.0], None
         self.last_stats = 0.0            # monotonic time of the last stats write
         self.stats_behind = False        # a claim ended since then: the stats miss it
         self.supervisor, self.ready_file = supervisor_pid, ready_file   # from a pool supervisor
@@ -892,7 +912,8 @@ class Worker:
         self.queue = self.backend.queues.open_queue(self.record["queue"])
         self.dlq = self.backend.queues.open_queue(self.record["dlq"])
         self.acks = Acks(self.queue, self.backend.requests, min(ACK_WAIT, self.record["visibility_timeout"] / 4))
-        self.leases, self.watchdog = Leases(self.queue), Watchdog(self.batch_timeout)
+        receipts = os.path.splitext(self.ready_file)[0] + ".claims" if self.ready_file else ""
+        self.leases, self.watchdog = Leases(self.queue, receipts), Watchdog(self.batch_timeout)
         self.note_own_kills()
         if self.spool_folder:
             os.makedirs(self.spool_folder, exist_ok=True)
@@ -1489,6 +1510,14 @@ class Worker:
         self.stats["items"] += len(claim.items) - claim.start
         self.stats["items_failed"] += len(claim.failed) - claim.resumed_failed
         self.busy_seconds += summary["claim_seconds"]
+        ran, seconds = len(claim.items) - claim.start, summary["claim_seconds"] - claim.enter_paid
+        for k, value in enumerate((1, ran, seconds, ran * ran, ran * seconds)):
+            self.claim_fit[k] += value
+        gap = claim.received - (self.finished_at or -math.inf)   # idle past PLAN_GAP_MAX: not a gap
+        if gap <= calque.PLAN_GAP_MAX:
+            self.claim_gaps[0] += 1
+            self.claim_gaps[1] += max(0.0, gap)   # received ahead: no gap
+        self.finished_at = finished
         log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid "
                  "%.3fs, %.3fs%s",
                  self.worker_id, claim.run_id, claim.claim_id, len(claim.items), len(claim.failed),
@@ -1505,12 +1534,15 @@ class Worker:
             requests=self.claim_requests(extra_puts=1, extra_other=extra_other), **fields)
 
     def _drain_batches(self, claim):
-        """Items [claim.start, n): batch_size at a time, or one at a time behind the attempt record
-        (claim.single: all, or those of claim.alone). Where pipelined, the next batch is gathered
+        """Items [claim.start, n): batch_size at a time (all at once for a whole_claim handler), or
+        one at a time behind the attempt record (claim.single: all, or those of claim.alone). Where
+        pipelined, the next batch is gathered
         while the model runs this one. Results are serialised here (GIL-bound work would slow a
         model beside it). Quarantined items fail unrun; a batch that raises is retried item by
         item. Parts at checkpoints, the end."""
         n, size = len(claim.items), self.record["batch_size"]
+        if getattr(self.batch_fn, "_calque_whole_claim", False):   # @calque.batch(whole_claim=True)
+            size = max(1, n - claim.start)
         claim.kind = self.collator.claim_kind(claim.items)
         alone = range(claim.start, n) if claim.single else range(0)
         if claim.single and claim.alone:
@@ -1523,7 +1555,7 @@ class Worker:
         if claim.quarantined:
             runnable = [[k for k in unit if str(k) not in claim.quarantined] for unit in units]
         ahead, batching = {}, False   # unit -> its batch's future, collated beside the model
-        claim.last_commit = time.monotonic()
+        claim.last_commit = claim.reported_at = time.monotonic()
         if claim.formatted:   # the spool's lines (take_over): a part before anything else
             self.commit(claim)
         try:
@@ -1566,6 +1598,8 @@ class Worker:
                     claim.spool.add(claim.first + unit.start, claim.first + unit.stop, lines[0])
                 claim.formatted.append((unit.stop, lines))
                 claim.batches += 1
+                if time.monotonic() - claim.reported_at >= PROGRESS_SECONDS:
+                    self.report_progress(claim, unit.stop)
                 since, every = time.monotonic() - claim.last_commit, self.commit_interval(claim)
                 due = (claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
                        if every is None else since >= every)
@@ -1618,6 +1652,14 @@ class Worker:
         self.made_progress()
         del claim.formatted[:len(ready)]
         claim.batches, claim.last_commit = 0, time.monotonic()
+
+    def report_progress(self, claim, done):
+        """A long claim's items done so far, where submit, runs show and the dashboard read them
+        (best effort, not retried: the next one or the summary says it)."""
+        claim.reported_at = time.monotonic()
+        with contextlib.suppress(Exception):
+            self.backend.store.put(calque.progress_key(claim.run_id, claim.claim_id), json.dumps(
+                {"done": done, "worker_id": self.worker_id, "at": calque.now_iso()}))
 
     def made_progress(self):
         """A part or a summary is written: the supervisor hears of the first (announce)."""
@@ -1849,6 +1891,7 @@ class Worker:
                  "acquisition_seconds": round(self.acquisition_seconds, 6),
                  "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"],
                  "items": self.stats["items"], "items_failed": self.stats["items_failed"],
+                 "claim_fit": self.claim_fit, "claim_gaps": self.claim_gaps,
                  "requests": dict(self.backend.requests),
                  # "c", "reference" (the numpy fallback) or None (no batch needed fastbatch)
                  "fastbatch": getattr(sys.modules.get("fastbatch"), "BACKEND", None),

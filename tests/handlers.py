@@ -311,3 +311,34 @@ class Threads:
     def run(self, items):
         import calque_supervisor as supervisor
         return [{var: os.environ.get(var) for var in supervisor.THREAD_VARS} for _ in items]
+
+
+class Steps:
+    """Doubles x; a batch holding an item with "step": NAME announces $GATE_DIR/at-NAME, then waits for
+    $GATE_DIR/NAME: a test walks a claim batch by batch (its progress within the claim)."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, items):
+        gate = os.environ["GATE_DIR"]
+        for step in [item["step"] for item in items if "step" in item]:
+            open(os.path.join(gate, f"at-{step}"), "w").close()
+            while not os.path.exists(os.path.join(gate, step)):
+                time.sleep(0.01)
+        return [{"y": item["x"] * 2} for item in items]
+
+
+class WholeClaim(Faulty):
+    """Faulty, given each claim whole in one call (@calque.batch(whole_claim=True)); a call holding an item
+    with "fail" raises; each call's item count is appended to $SIZES_FILE."""
+
+    @calque.batch(whole_claim=True)
+    def run(self, items):
+        with open(os.environ["SIZES_FILE"], "a") as f:
+            f.write(f"{len(items)}\n")
+        if any(item.get("fail") for item in items):
+            raise ValueError("an item asked to fail")
+        return super().run(items)

@@ -102,7 +102,7 @@ def test_a_death_is_recorded_and_told_to_the_warm_siblings(tmp_path):
     wait_for(exited_and_warm, 10, "the exit, and the sibling's ready file")
     deaths = []
     assert supervisor._reap(slots, 3, time.time(), lambda *death: deaths.append(death)) == 1
-    assert deaths == [(procs[0].pid, 3)]
+    assert deaths == [(procs[0].pid, 3, ready[0] + ".claims")]   # its receipts file: released claims
     wait_for(noted.exists, 10, "the sibling's SIGUSR2")
     assert procs[2].poll() is None       # the one with no ready file was left alone
     for p in procs[1:]:

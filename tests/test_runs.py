@@ -132,7 +132,7 @@ def test_cancel_marks_unfinished_claims_and_workers_ack_them_unrun(local_env, tm
     lines = show.stdout.splitlines()
     assert show.returncode == 1
     assert lines[:2] == [totals(run_id, ok=10, cancelled=15), "  claims: 1 done, 2 cancelled"]
-    assert lines[4].split() == ["c00001"] + ["-"] * 6 + "cancelled (through c00002: 2 claims)".split()
+    assert lines[5].split() == ["c00001"] + ["-"] * 6 + "cancelled (through c00002: 2 claims)".split()
     assert lines[-1] == ("  not finished: 2 claim(s) were cancelled (runs cancel): nothing will run them ---> HINT: "
                          "submit those items again")
     view = json.loads(cli(env, "runs", "show", run_id, "--json").stdout)
@@ -178,7 +178,7 @@ def test_dead_letters_are_reported_then_redriven(aws_env, tmp_path):
     assert proc.returncode == 1
     lines = out.splitlines()
     assert lines[:2] == [totals(run_id, dead=20), "  claims: 2 dead-lettered"]
-    assert sorted(expected) == sorted(lines[4:6]) and hint in lines, out
+    assert sorted(expected) == sorted(lines[5:7]) and hint in lines, out
     show = cli(aws_env, "runs", "show", run_id)
     assert show.returncode == 1 and show.stdout.splitlines()[0] == totals(run_id, dead=20)
     assert show.stdout.splitlines()[-1] == hint

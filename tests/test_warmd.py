@@ -410,7 +410,7 @@ def test_a_resumed_claim_recomputes_nothing_committed(local_env, tmp_path):
                CALQUE_CHECKPOINT_BATCHES="1")
     backend = make_pool(env, "Faulty", "--batch-size", "2", "--visibility-timeout", "2")
     a = start_worker(env, "--model", "m")
-    run_id = submit_no_wait(env, tmp_path, [{"x": i, "hold": i == 12} for i in range(24)])
+    run_id = submit_no_wait(env, tmp_path, [{"x": i, "hold": i == 12} for i in range(24)], "--claim-size", "24")
     wait_for(lambda: os.listdir(gate), 30, "the worker to hold batch [12, 14)")
     os.kill(a.pid, signal.SIGKILL)
     a.wait()
