@@ -13,7 +13,7 @@ section uses only those above it; docs/contract.md: the contract; README.md: the
 import sys
 if __name__ == "__main__":   # `python calque.py` / `python -m calque`: the role files' `import calque` must get this
     sys.modules["calque"] = sys.modules[__name__]   # module, not a second copy with its own state and error classes
-import argparse, ast, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
+import argparse, ast, base64, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
 import functools, glob, gzip, hashlib, heapq, importlib.util, inspect, io, itertools, json, math
 import os, re, secrets, shlex, shutil, signal, socket, sqlite3, stat, statistics, struct, subprocess
 import tarfile, threading, time, traceback, typing, uuid, zipfile, zlib
@@ -376,6 +376,7 @@ def part_chain(keys, count):
 # in its dtype (docs/contract.md#typed-result-parts); numpy is imported only where one is met.
 NUMERIC_KINDS = "biuf"                  # numpy dtype kinds stored in binary; others as JSON lists
 PART_FORMAT = 1                         # index.json's "format" in an .npz part
+BYTES = "bytes"                         # a block's dtype for bytes results: uint8, flat, one row each
 
 
 def host_array(value):
@@ -422,11 +423,19 @@ def batch_rows(outputs, count):
 def typed_cells(value):
     """(result with typed values None, [(field, array, dtype)]) of an array or a dict of arrays."""
     if isinstance(value, dict):
-        cells = [(key, *typed) for key, v in value.items() if (typed := host_array(v)) is not None]
+        cells = [(key, *typed) for key, v in value.items() if (typed := typed_value(v)) is not None]
         typed_keys = {key for key, _, _ in cells}
         return ({k: None if k in typed_keys else v for k, v in value.items()}, cells) if cells else None
-    typed = host_array(value)
+    typed = typed_value(value)
     return (None, [(None, *typed)]) if typed is not None else None
+
+
+def typed_value(value):
+    """host_array of a value, or of bytes their uint8 view, named BYTES: a block like any other."""
+    if isinstance(value, (bytes, bytearray)):
+        import numpy as np
+        return np.frombuffer(value, np.uint8), BYTES
+    return host_array(value)
 
 
 class TypedLines(str):
@@ -469,7 +478,7 @@ def encode_part(chunks):
         z.writestr("results.jsonl", text)
         for k, ((field, dtype, _), cells) in enumerate(groups.items()):
             arrays = [array for _, array in cells]
-            uniform = all(a.shape == arrays[0].shape for a in arrays)
+            uniform = dtype != BYTES and all(a.shape == arrays[0].shape for a in arrays)
             blocks.append({"field": field, "dtype": dtype, "shape": list(arrays[0].shape) if uniform else None,
                            "rows": _row_ranges([row for row, _ in cells])})
             stacked = np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])
@@ -497,13 +506,14 @@ class Block(typing.NamedTuple):
         return (self.values.astype(np.uint32) << 16).view(np.float32)
 
     def arrays(self):
-        """Each row's array, in rows' order (widened)."""
+        """Each row's array, in rows' order (widened); a bytes block's rows as bytes."""
         values = self.widen()
         if self.shapes is None:
             return list(values)
         ends = self.shapes.prod(axis=1).cumsum()
-        return [values[end - size:end].reshape(shape) for end, size, shape in
+        rows = [values[end - size:end].reshape(shape) for end, size, shape in
                 zip(ends, self.shapes.prod(axis=1), self.shapes)]
+        return [row.tobytes() for row in rows] if self.dtype == BYTES else rows
 
     def since(self, skip):
         """The block less its rows before offset `skip`, the rest renumbered from 0."""
@@ -585,7 +595,10 @@ def read_claim_parts(store, run_id, claim, count, keys=None):
 
 
 def block_texts(block):
-    """Each row of a block as JSON text (NaN and infinities null), 1-D rows in one orjson call."""
+    """Each row of a block as JSON text (NaN and infinities null), 1-D rows in one orjson call;
+    bytes as {"$bytes": base64}, JSONL's one form of them."""
+    if block.dtype == BYTES:
+        return [f'{{"$bytes":"{base64.b64encode(row).decode()}"}}' for row in block.arrays()]
     values, option = block.widen(), orjson.OPT_SERIALIZE_NUMPY
     if block.shapes is None and values.ndim == 2 and len(values) and values.flags.c_contiguous:
         return [f"[{row}]" for row in orjson.dumps(values, option=option).decode()[2:-2].split("],[")]
@@ -606,6 +619,16 @@ def result_lines(part):
     for row, line in parsed.items():
         lines[row] = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE).decode()
     return lines
+
+
+def with_bytes(line):
+    """A parsed result line with its {"$bytes": base64} values (the result, or its dict's) as bytes."""
+    def decoded(v):
+        return base64.b64decode(v["$bytes"]) if isinstance(v, dict) and v.keys() == {"$bytes"} else v
+    if line.get("ok"):
+        result = decoded(line["result"])
+        line["result"] = {k: decoded(v) for k, v in result.items()} if isinstance(result, dict) else result
+    return line
 
 
 def read_claim_results(store, run_id, claim, count, keys=None):
@@ -3611,6 +3634,8 @@ def claim_column(parts, field):
         lines += part.lines
         at += len(part.lines)
     if blocks:
+        if any(b.dtype == BYTES for b in blocks):
+            raise ValueError("its values are bytes")
         if any(b.shapes is not None for b in blocks) or len({b.values.shape[1:] for b in blocks}) > 1:
             raise ValueError("its arrays differ in shape from item to item")
         if len(blocks) == 1:
@@ -3743,7 +3768,7 @@ def claim_batch(backend, run, claim, parts):
                 continue
         values = [value(line) for line in lines]
         for row, array in zip(*claim_column_rows(parts, field)):
-            values[row] = array.tolist()
+            values[row] = array if isinstance(array, bytes) else array.tolist()
         try:
             columns[name] = pa.array(values)
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
@@ -5714,7 +5739,7 @@ class Run:
         not run raises ResultsIncomplete there: never a short read that looks whole."""
         for lines in follow_results(self.backend, self.record, poll):
             for line in lines:
-                result = json_line(line)
+                result = json_line(line) if '"$bytes"' not in line else with_bytes(json_line(line))
                 if not (failed_only and result.get("ok")):
                     yield result
 
