@@ -5888,6 +5888,8 @@ def write_binary_results(out, backend, run, claims, args):
             except ResultsIncomplete as e:
                 code = print_lost(e)
     code = EXIT_OK
+    if args.files is not None:
+        return code, write_result_files(backend, run, readable(), args.files, args.field)
     if args.format == "npy":
         import numpy as np
         array = run_array(run, readable(), args.field, args.fill)
@@ -5907,6 +5909,58 @@ def write_binary_results(out, backend, run, claims, args):
         table = table.filter(pc.invert(table["ok"]))
     pq.write_table(table, out)
     return code, table.num_rows
+
+
+# runs results --files: a file's extension told from its first bytes (.bin where none matches)
+MAGIC_EXTENSIONS = [(re.compile(magic, re.S), ext) for magic, ext in (
+    (rb"\x89PNG\r\n\x1a\n", ".png"), (rb"\xff\xd8\xff", ".jpg"), (rb"GIF8[79]a", ".gif"),
+    (rb"RIFF....WEBP", ".webp"), (rb"RIFF....WAVE", ".wav"), (rb"fLaC", ".flac"),
+    (rb"ID3|\xff[\xfb\xf3\xf2]", ".mp3"), (rb"OggS", ".ogg"), (rb"%PDF-", ".pdf"))]
+
+
+def file_extension(data):
+    return next((ext for magic, ext in MAGIC_EXTENSIONS if magic.match(data)), ".bin")
+
+
+def write_result_files(backend, run, claims, folder, field):
+    """`field` of each ok result (None: the result itself) as one file in `folder`, named by the run's
+    id field (made a safe name, unique) or else the item's index, zero-padded; the count, said on
+    stderr with the bytes and the items skipped (failed, or without it). Not bytes: a UserError."""
+    what, width = "the result" if field is None else f"field {field!r}", len(str(max(run["items"] - 1, 0)))
+    files = size = skipped = without = 0
+    taken, fields = set(), {}
+    os.makedirs(folder, exist_ok=True)
+    for _, claim, parts in claims:
+        ids = claim_ids(backend, run, claim, run["id_field"]) if run.get("id_field") else None
+        typed = dict(zip(*claim_column_rows(parts, field)))
+        for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
+            result = line.get("result")
+            value = typed.get(k, result if field is None else result.get(field) if isinstance(result, dict) else None)
+            if line["ok"] and not isinstance(value, bytes) and value is not None:
+                hint = (f"name its bytes field: --field {next(iter(value))}" if isinstance(value, dict) else
+                        f"--files writes bytes; read it with {command()} runs results {run['run_id']}")
+                raise UserError(f"run {run['run_id']}: {what} is not bytes (item {line['i']}: "
+                                f"{type(value).__name__}) ---> HINT: {hint}")
+            if value is None:
+                skipped += 1
+                without += line["ok"]
+                fields.update(dict.fromkeys(result if isinstance(result, dict) else ()))
+                continue
+            index = f"{line['i']:0{width}d}"
+            stem = re.sub(r"[^A-Za-z0-9._-]+", "_", str(ids[k])).strip("._-")[:120] if ids else ""
+            if not stem or stem.lower() in taken:   # no id, or one met before: the index tells them apart
+                stem = f"{stem}-{index}" if stem else index
+            taken.add(stem.lower())
+            with open(os.path.join(folder, stem + file_extension(value)), "wb") as f:
+                f.write(value)
+            files, size = files + 1, size + len(value)
+    if not files and without:
+        have = ", ".join(map(repr, fields)) or "no fields"
+        raise UserError(f"run {run['run_id']}: no result has the field {field!r}: its results have {have} "
+                        f"---> HINT: --field {next(iter(fields), 'NAME')}")
+    gone = f"; skipped {skipped:,} (failed, or without {what})" if skipped else ""
+    print(f"runs results: wrote {files:,} files, {size:,} bytes, to {folder}{gone}", file=sys.stderr)
+    return files
 
 
 @contextlib.contextmanager
@@ -6323,17 +6377,26 @@ def cmd_runs_show(conf, backend, args):
 def cmd_runs_results(conf, backend, args):
     """Every item's result in item order, as JSONL (--follow: as each claim ends), Parquet or .npy;
     a claim without all its results is an error line and exit 1, never a short read."""
-    binary = args.format != "jsonl"
+    if args.files is not None:
+        clash = next((flag for flag, value in (("--format", args.format), ("--output", args.output), ("--follow",
+                      args.follow), ("--failed", args.failed), ("--fill", args.fill)) if value), None)
+        if clash:
+            raise UserError(f"--files writes one file an item into a folder: not with {clash} ---> HINT: drop one")
+        if os.path.exists(args.files) and not os.path.isdir(args.files):
+            raise UserError(f"--files {args.files}: that is a file, not a folder ---> HINT: name a folder "
+                            f"(made if missing)")
+    args.format = args.format or "jsonl"
+    binary = args.format != "jsonl" or args.files is not None
     if binary and args.follow:
         raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
                         f"---> HINT: drop --follow (runs show {args.run} says when the run is done)")
-    if args.format != "npy" and (args.field or args.fill is not None):
-        raise UserError("--field and --fill choose the array of --format npy, not of "
-                        f"{args.format} ---> HINT: add --format npy, or drop them")
+    if args.format != "npy" and args.files is None and (args.field or args.fill is not None):
+        raise UserError("--field and --fill choose the array of --format npy (--field: the bytes of --files), "
+                        f"not of {args.format} ---> HINT: add --format npy, or drop them")
     if args.format == "npy" and args.failed:
         raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: "
                         "--format jsonl or parquet")
-    if binary and args.output is None and sys.stdout.isatty():
+    if binary and args.files is None and args.output is None and sys.stdout.isatty():
         raise UserError(f"--format {args.format} writes binary: not to a terminal ---> HINT: --output PATH")
     run = read_run(backend, args.run)
     with results_output(args.output) as (out, rows):
@@ -6903,12 +6966,15 @@ def build_parser():
              help="a run's results in item order: JSONL, Parquet or .npy")
     switch(p, "--failed", "only the failed items (with their last traceback frames)")
     switch(p, "--follow", "wait for the claims, printing each one's results as it ends")
-    p.add_argument("--format", choices=("jsonl", "parquet", "npy"), default="jsonl",
-                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result "
-                        "columns) or npy (one result array, stacked)")
+    p.add_argument("--format", choices=("jsonl", "parquet", "npy"),
+                   help="jsonl (default; arrays as lists, bytes as {\"$bytes\": base64}), parquet (a table: "
+                        "i, ok, error, result columns) or npy (one result array, stacked)")
     p.add_argument("--output", metavar="PATH", help="write the results there (default: stdout)")
+    p.add_argument("--files", metavar="DIR",
+                   help="write each item's bytes (the result, or --field) as a file in DIR, named by id or index")
     p.add_argument("--field",
-                   help="npy: the result's key to stack (default: the result, or its only array)")
+                   help="npy: the result's key to stack (default: the result, or its only array); "
+                        "--files: the key holding the bytes")
     p.add_argument("--fill", type=float,
                    help="npy: the row of a failed item (default NaN, for a float dtype)")
     p = verb(runs, "resume", cmd_runs_resume, "run", "--timeout", cost=True,
