@@ -5919,6 +5919,7 @@ MAGIC_EXTENSIONS = [(re.compile(magic, re.S), ext) for magic, ext in (
 
 
 def file_extension(data):
+    """The extension of a file of these bytes: its kind's, told from its magic number, else .bin."""
     return next((ext for magic, ext in MAGIC_EXTENSIONS if magic.match(data)), ".bin")
 
 
@@ -5935,7 +5936,8 @@ def write_result_files(backend, run, claims, folder, field):
         typed = dict(zip(*claim_column_rows(parts, field)))
         for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
             result = line.get("result")
-            value = typed.get(k, result if field is None else result.get(field) if isinstance(result, dict) else None)
+            value = typed.get(k, result if field is None else
+                              result.get(field) if isinstance(result, dict) else None)
             if line["ok"] and not isinstance(value, bytes) and value is not None:
                 hint = (f"name its bytes field: --field {next(iter(value))}" if isinstance(value, dict) else
                         f"--files writes bytes; read it with {command()} runs results {run['run_id']}")
@@ -5948,7 +5950,7 @@ def write_result_files(backend, run, claims, folder, field):
                 continue
             index = f"{line['i']:0{width}d}"
             stem = re.sub(r"[^A-Za-z0-9._-]+", "_", str(ids[k])).strip("._-")[:120] if ids else ""
-            if not stem or stem.lower() in taken:   # no id, or one met before: the index tells them apart
+            while not stem or stem.lower() in taken:   # no id, or a name met before: the index tells apart
                 stem = f"{stem}-{index}" if stem else index
             taken.add(stem.lower())
             with open(os.path.join(folder, stem + file_extension(value)), "wb") as f:
@@ -6378,8 +6380,9 @@ def cmd_runs_results(conf, backend, args):
     """Every item's result in item order, as JSONL (--follow: as each claim ends), Parquet or .npy;
     a claim without all its results is an error line and exit 1, never a short read."""
     if args.files is not None:
-        clash = next((flag for flag, value in (("--format", args.format), ("--output", args.output), ("--follow",
-                      args.follow), ("--failed", args.failed), ("--fill", args.fill)) if value), None)
+        given = {"--format": args.format, "--output": args.output, "--follow": args.follow,
+                 "--failed": args.failed, "--fill": args.fill}
+        clash = next((flag for flag, value in given.items() if value is not None and value is not False), None)
         if clash:
             raise UserError(f"--files writes one file an item into a folder: not with {clash} ---> HINT: drop one")
         if os.path.exists(args.files) and not os.path.isdir(args.files):

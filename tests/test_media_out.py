@@ -34,10 +34,12 @@ KINDS = {".png": lambda: png((9, 9, 9)), ".jpg": lambda: image("JPEG"), ".gif": 
          ".webp": lambda: image("WEBP"), ".wav": lambda: wav(10), ".flac": lambda: b"fLaC\x00\x00\x00\x22",
          ".mp3": lambda: b"ID3\x04\x00\x00\x00\x00\x00\x00", ".ogg": lambda: b"OggS\x00\x02",
          ".pdf": lambda: b"%PDF-1.4\n%%EOF\n", ".bin": lambda: b"\x00\x01RIFF"}
-# items of the dict-shaped run: ids that need making safe, one twice, one that is nothing once safe, a failure
+# items of the dict-shaped run: ids that need making safe, one twice, one that is nothing once safe (named by
+# its index, 3), one that is another's index name, a failure
 ITEMS = [{"name": "cat/1 a", "color": [255, 0, 0], "frames": 100}, {"name": "cat/1 a", "color": [0, 255, 0],
          "frames": 200}, {"name": "dog", "color": [0, 0, 0], "frames": 1, "fail": 1},
-         {"name": "../..", "color": [0, 0, 255], "frames": 300}, {"name": "owl", "color": [9, 9, 9], "frames": 0}]
+         {"name": "../..", "color": [0, 0, 255], "frames": 300}, {"name": "owl", "color": [9, 9, 9], "frames": 0},
+         {"name": "3", "color": [1, 1, 1], "frames": 5}]
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +132,11 @@ def test_files_one_an_item_named_by_id_or_index(runs, tmp_path, spelling):
         return out.stderr.strip()
     said = files(dicts, "--files", str(tmp_path / "png"), "--field", "png")
     size = sum(len(png(item["color"])) for item in ITEMS if "fail" not in item)
-    assert said == (f"runs results: wrote 4 files, {size:,} bytes, to {tmp_path / 'png'}; "
+    assert said == (f"runs results: wrote 5 files, {size:,} bytes, to {tmp_path / 'png'}; "
                     f"skipped 1 (failed, or without field 'png')")
     assert {p.name: p.read_bytes() for p in (tmp_path / "png").iterdir()} == {
         "cat_1_a.png": png(ITEMS[0]["color"]), "cat_1_a-1.png": png(ITEMS[1]["color"]),
-        "3.png": png(ITEMS[3]["color"]), "owl.png": png(ITEMS[4]["color"])}
+        "3.png": png(ITEMS[3]["color"]), "owl.png": png(ITEMS[4]["color"]), "3-5.png": png(ITEMS[5]["color"])}
     files(dicts, "--files", str(tmp_path / "wav"), "--field", "wav")
     with wave.open(str(tmp_path / "wav" / "cat_1_a-1.wav")) as w:
         assert w.getnframes() == 200
