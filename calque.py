@@ -598,11 +598,15 @@ def block_texts(block):
     """Each row of a block as JSON text (NaN and infinities null), 1-D rows in one orjson call;
     bytes as {"$bytes": base64}, JSONL's one form of them."""
     if block.dtype == BYTES:
-        return [f'{{"$bytes":"{base64.b64encode(row).decode()}"}}' for row in block.arrays()]
+        return [bytes_text(row) for row in block.arrays()]
     values, option = block.widen(), orjson.OPT_SERIALIZE_NUMPY
     if block.shapes is None and values.ndim == 2 and len(values) and values.flags.c_contiguous:
         return [f"[{row}]" for row in orjson.dumps(values, option=option).decode()[2:-2].split("],[")]
     return [orjson.dumps(array, default=to_jsonable, option=option).decode() for array in block.arrays()]
+
+
+def bytes_text(data):
+    return f'{{"$bytes":"{base64.b64encode(data).decode()}"}}'
 
 
 def result_lines(part):
@@ -3772,7 +3776,8 @@ def claim_batch(backend, run, claim, parts):
         try:
             columns[name] = pa.array(values)
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
-            columns[name] = pa.array([None if v is None else dumps(v) for v in values], pa.string())
+            columns[name] = pa.array([None if v is None else bytes_text(v) if isinstance(v, bytes) else dumps(v)
+                                      for v in values], pa.string())
     return pa.record_batch(columns)
 
 

@@ -184,3 +184,15 @@ def test_bytes_out_on_moto_server(aws_env, tmp_path):
     assert out.returncode == 0 and sorted(os.listdir(tmp_path / "out")) == ["0.png", "1.wav"], out.stderr
     worker.terminate()
     assert worker.wait(30) == 0
+
+
+def test_a_field_of_bytes_and_numbers_is_one_text_column():
+    """A field that is bytes in one result and a number in another fits no Arrow type: its column is each value's
+    JSON text, bytes in their JSONL form, as any field of mixed types is."""
+    import warmd
+    lines, _, _ = warmd.format_outcome([(True, {"x": b"\x01\x02"}), (True, {"x": 2}), (True, {"x": None})], 0)
+    suffix, data = calque.encode_part(lines)
+    text, blocks = calque.decode_npz_part(data)
+    part = calque.Part([line + "\n" for line in text[:-1].split("\n")], blocks)
+    batch = calque.claim_batch(None, {}, "c00000", [part])
+    assert suffix == ".npz" and batch["x"].to_pylist() == ['{"$bytes":"AQI="}', "2", None]
