@@ -13,7 +13,7 @@ section uses only those above it; docs/contract.md: the contract; README.md: the
 import sys
 if __name__ == "__main__":   # `python calque.py` / `python -m calque`: the role files' `import calque` must get this
     sys.modules["calque"] = sys.modules[__name__]   # module, not a second copy with its own state and error classes
-import argparse, ast, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
+import argparse, ast, base64, collections, contextlib, ctypes, datetime, difflib, enum, fcntl
 import functools, glob, gzip, hashlib, heapq, importlib.util, inspect, io, itertools, json, math
 import os, re, secrets, shlex, shutil, signal, socket, sqlite3, stat, statistics, struct, subprocess
 import tarfile, threading, time, traceback, typing, uuid, zipfile, zlib
@@ -391,6 +391,7 @@ def part_chain(keys, count):
 # in its dtype (docs/contract.md#typed-result-parts); numpy is imported only where one is met.
 NUMERIC_KINDS = "biuf"                  # numpy dtype kinds stored in binary; others as JSON lists
 PART_FORMAT = 1                         # index.json's "format" in an .npz part
+BYTES = "bytes"                         # a block's dtype for bytes results: uint8, flat, one row each
 
 
 def host_array(value):
@@ -437,11 +438,19 @@ def batch_rows(outputs, count):
 def typed_cells(value):
     """(result with typed values None, [(field, array, dtype)]) of an array or a dict of arrays."""
     if isinstance(value, dict):
-        cells = [(key, *typed) for key, v in value.items() if (typed := host_array(v)) is not None]
+        cells = [(key, *typed) for key, v in value.items() if (typed := typed_value(v)) is not None]
         typed_keys = {key for key, _, _ in cells}
         return ({k: None if k in typed_keys else v for k, v in value.items()}, cells) if cells else None
-    typed = host_array(value)
+    typed = typed_value(value)
     return (None, [(None, *typed)]) if typed is not None else None
+
+
+def typed_value(value):
+    """host_array of a value, or of bytes their uint8 view, named BYTES: a block like any other."""
+    if isinstance(value, (bytes, bytearray)):
+        import numpy as np
+        return np.frombuffer(value, np.uint8), BYTES
+    return host_array(value)
 
 
 class TypedLines(str):
@@ -484,7 +493,7 @@ def encode_part(chunks):
         z.writestr("results.jsonl", text)
         for k, ((field, dtype, _), cells) in enumerate(groups.items()):
             arrays = [array for _, array in cells]
-            uniform = all(a.shape == arrays[0].shape for a in arrays)
+            uniform = dtype != BYTES and all(a.shape == arrays[0].shape for a in arrays)
             blocks.append({"field": field, "dtype": dtype, "shape": list(arrays[0].shape) if uniform else None,
                            "rows": _row_ranges([row for row, _ in cells])})
             stacked = np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])
@@ -512,13 +521,14 @@ class Block(typing.NamedTuple):
         return (self.values.astype(np.uint32) << 16).view(np.float32)
 
     def arrays(self):
-        """Each row's array, in rows' order (widened)."""
+        """Each row's array, in rows' order (widened); a bytes block's rows as bytes."""
         values = self.widen()
         if self.shapes is None:
             return list(values)
         ends = self.shapes.prod(axis=1).cumsum()
-        return [values[end - size:end].reshape(shape) for end, size, shape in
+        rows = [values[end - size:end].reshape(shape) for end, size, shape in
                 zip(ends, self.shapes.prod(axis=1), self.shapes)]
+        return [row.tobytes() for row in rows] if self.dtype == BYTES else rows
 
     def since(self, skip):
         """The block less its rows before offset `skip`, the rest renumbered from 0."""
@@ -600,11 +610,18 @@ def read_claim_parts(store, run_id, claim, count, keys=None):
 
 
 def block_texts(block):
-    """Each row of a block as JSON text (NaN and infinities null), 1-D rows in one orjson call."""
+    """Each row of a block as JSON text (NaN and infinities null), 1-D rows in one orjson call;
+    bytes as {"$bytes": base64}, JSONL's one form of them."""
+    if block.dtype == BYTES:
+        return [bytes_text(row) for row in block.arrays()]
     values, option = block.widen(), orjson.OPT_SERIALIZE_NUMPY
     if block.shapes is None and values.ndim == 2 and len(values) and values.flags.c_contiguous:
         return [f"[{row}]" for row in orjson.dumps(values, option=option).decode()[2:-2].split("],[")]
     return [orjson.dumps(array, default=to_jsonable, option=option).decode() for array in block.arrays()]
+
+
+def bytes_text(data):
+    return f'{{"$bytes":"{base64.b64encode(data).decode()}"}}'
 
 
 def result_lines(part):
@@ -621,6 +638,16 @@ def result_lines(part):
     for row, line in parsed.items():
         lines[row] = orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE).decode()
     return lines
+
+
+def with_bytes(line):
+    """A parsed result line with its {"$bytes": base64} values (the result, or its dict's) as bytes."""
+    def decoded(v):
+        return base64.b64decode(v["$bytes"]) if isinstance(v, dict) and v.keys() == {"$bytes"} else v
+    if line.get("ok"):
+        result = decoded(line["result"])
+        line["result"] = {k: decoded(v) for k, v in result.items()} if isinstance(result, dict) else result
+    return line
 
 
 def read_claim_results(store, run_id, claim, count, keys=None):
@@ -3756,6 +3783,8 @@ def claim_column(parts, field):
         lines += part.lines
         at += len(part.lines)
     if blocks:
+        if any(b.dtype == BYTES for b in blocks):
+            raise ValueError("its values are bytes")
         if any(b.shapes is not None for b in blocks) or len({b.values.shape[1:] for b in blocks}) > 1:
             raise ValueError("its arrays differ in shape from item to item")
         if len(blocks) == 1:
@@ -3888,11 +3917,12 @@ def claim_batch(backend, run, claim, parts):
                 continue
         values = [value(line) for line in lines]
         for row, array in zip(*claim_column_rows(parts, field)):
-            values[row] = array.tolist()
+            values[row] = array if isinstance(array, bytes) else array.tolist()
         try:
             columns[name] = pa.array(values)
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
-            columns[name] = pa.array([None if v is None else dumps(v) for v in values], pa.string())
+            columns[name] = pa.array([None if v is None else bytes_text(v) if isinstance(v, bytes) else dumps(v)
+                                      for v in values], pa.string())
     return pa.record_batch(columns)
 
 
@@ -5913,7 +5943,7 @@ class Run:
         not run raises ResultsIncomplete there: never a short read that looks whole."""
         for lines in follow_results(self.backend, self.record, poll):
             for line in lines:
-                result = json_line(line)
+                result = json_line(line) if '"$bytes"' not in line else with_bytes(json_line(line))
                 if not (failed_only and result.get("ok")):
                     yield result
 
@@ -6062,6 +6092,8 @@ def write_binary_results(out, backend, run, claims, args):
             except ResultsIncomplete as e:
                 code = print_lost(e)
     code = EXIT_OK
+    if args.files is not None:
+        return code, write_result_files(backend, run, readable(), args.files, args.field)
     if args.format == "npy":
         import numpy as np
         array = run_array(run, readable(), args.field, args.fill)
@@ -6081,6 +6113,60 @@ def write_binary_results(out, backend, run, claims, args):
         table = table.filter(pc.invert(table["ok"]))
     pq.write_table(table, out)
     return code, table.num_rows
+
+
+# runs results --files: a file's extension told from its first bytes (.bin where none matches)
+MAGIC_EXTENSIONS = [(re.compile(magic, re.S), ext) for magic, ext in (
+    (rb"\x89PNG\r\n\x1a\n", ".png"), (rb"\xff\xd8\xff", ".jpg"), (rb"GIF8[79]a", ".gif"),
+    (rb"RIFF....WEBP", ".webp"), (rb"RIFF....WAVE", ".wav"), (rb"fLaC", ".flac"),
+    (rb"ID3|\xff[\xfb\xf3\xf2]", ".mp3"), (rb"OggS", ".ogg"), (rb"%PDF-", ".pdf"))]
+
+
+def file_extension(data):
+    """The extension of a file of these bytes: its kind's, told from its magic number, else .bin."""
+    return next((ext for magic, ext in MAGIC_EXTENSIONS if magic.match(data)), ".bin")
+
+
+def write_result_files(backend, run, claims, folder, field):
+    """`field` of each ok result (None: the result itself) as one file in `folder`, named by the run's
+    id field (made a safe name, unique) or else the item's index, zero-padded; the count, said on
+    stderr with the bytes and the items skipped (failed, or without it). Not bytes: a UserError."""
+    what, width = "the result" if field is None else f"field {field!r}", len(str(max(run["items"] - 1, 0)))
+    files = size = skipped = without = 0
+    taken, fields = set(), {}
+    os.makedirs(folder, exist_ok=True)
+    for _, claim, parts in claims:
+        ids = claim_ids(backend, run, claim, run["id_field"]) if run.get("id_field") else None
+        typed = dict(zip(*claim_column_rows(parts, field)))
+        for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
+            result = line.get("result")
+            value = typed.get(k, result if field is None else
+                              result.get(field) if isinstance(result, dict) else None)
+            if line["ok"] and not isinstance(value, bytes) and value is not None:
+                hint = (f"name its bytes field: --field {next(iter(value))}" if isinstance(value, dict) else
+                        f"--files writes bytes; read it with {command()} runs results {run['run_id']}")
+                raise UserError(f"run {run['run_id']}: {what} is not bytes (item {line['i']}: "
+                                f"{type(value).__name__}) ---> HINT: {hint}")
+            if value is None:
+                skipped += 1
+                without += line["ok"]
+                fields.update(dict.fromkeys(result if isinstance(result, dict) else ()))
+                continue
+            index = f"{line['i']:0{width}d}"
+            stem = re.sub(r"[^A-Za-z0-9._-]+", "_", str(ids[k])).strip("._-")[:120] if ids else ""
+            while not stem or stem.lower() in taken:   # no id, or a name met before: the index tells apart
+                stem = f"{stem}-{index}" if stem else index
+            taken.add(stem.lower())
+            with open(os.path.join(folder, stem + file_extension(value)), "wb") as f:
+                f.write(value)
+            files, size = files + 1, size + len(value)
+    if not files and without:
+        have = ", ".join(map(repr, fields)) or "no fields"
+        raise UserError(f"run {run['run_id']}: no result has the field {field!r}: its results have {have} "
+                        f"---> HINT: --field {next(iter(fields), 'NAME')}")
+    gone = f"; skipped {skipped:,} (failed, or without {what})" if skipped else ""
+    print(f"runs results: wrote {files:,} files, {size:,} bytes, to {folder}{gone}", file=sys.stderr)
+    return files
 
 
 @contextlib.contextmanager
@@ -6498,17 +6584,27 @@ def cmd_runs_show(conf, backend, args):
 def cmd_runs_results(conf, backend, args):
     """Every item's result in item order, as JSONL (--follow: as each claim ends), Parquet or .npy;
     a claim without all its results is an error line and exit 1, never a short read."""
-    binary = args.format != "jsonl"
+    if args.files is not None:
+        given = {"--format": args.format, "--output": args.output, "--follow": args.follow,
+                 "--failed": args.failed, "--fill": args.fill}
+        clash = next((flag for flag, value in given.items() if value is not None and value is not False), None)
+        if clash:
+            raise UserError(f"--files writes one file an item into a folder: not with {clash} ---> HINT: drop one")
+        if os.path.exists(args.files) and not os.path.isdir(args.files):
+            raise UserError(f"--files {args.files}: that is a file, not a folder ---> HINT: name a folder "
+                            f"(made if missing)")
+    args.format = args.format or "jsonl"
+    binary = args.format != "jsonl" or args.files is not None
     if binary and args.follow:
         raise UserError(f"--follow prints JSONL as each claim ends; --format {args.format} is one file written once "
                         f"---> HINT: drop --follow (runs show {args.run} says when the run is done)")
-    if args.format != "npy" and (args.field or args.fill is not None):
-        raise UserError("--field and --fill choose the array of --format npy, not of "
-                        f"{args.format} ---> HINT: add --format npy, or drop them")
+    if args.format != "npy" and args.files is None and (args.field or args.fill is not None):
+        raise UserError("--field and --fill choose the array of --format npy (--field: the bytes of --files), "
+                        f"not of {args.format} ---> HINT: add --format npy, or drop them")
     if args.format == "npy" and args.failed:
         raise UserError("--failed with --format npy: an array has no room for errors ---> HINT: "
                         "--format jsonl or parquet")
-    if binary and args.output is None and sys.stdout.isatty():
+    if binary and args.files is None and args.output is None and sys.stdout.isatty():
         raise UserError(f"--format {args.format} writes binary: not to a terminal ---> HINT: --output PATH")
     run = read_run(backend, args.run)
     with results_output(args.output) as (out, rows):
@@ -7078,12 +7174,15 @@ def build_parser():
              help="a run's results in item order: JSONL, Parquet or .npy")
     switch(p, "--failed", "only the failed items (with their last traceback frames)")
     switch(p, "--follow", "wait for the claims, printing each one's results as it ends")
-    p.add_argument("--format", choices=("jsonl", "parquet", "npy"), default="jsonl",
-                   help="jsonl (default; arrays as lists), parquet (a table: i, ok, error, result "
-                        "columns) or npy (one result array, stacked)")
+    p.add_argument("--format", choices=("jsonl", "parquet", "npy"),
+                   help="jsonl (default; arrays as lists, bytes as {\"$bytes\": base64}), parquet (a table: "
+                        "i, ok, error, result columns) or npy (one result array, stacked)")
     p.add_argument("--output", metavar="PATH", help="write the results there (default: stdout)")
+    p.add_argument("--files", metavar="DIR",
+                   help="write each item's bytes (the result, or --field) as a file in DIR, named by id or index")
     p.add_argument("--field",
-                   help="npy: the result's key to stack (default: the result, or its only array)")
+                   help="npy: the result's key to stack (default: the result, or its only array); "
+                        "--files: the key holding the bytes")
     p.add_argument("--fill", type=float,
                    help="npy: the row of a failed item (default NaN, for a float dtype)")
     p = verb(runs, "resume", cmd_runs_resume, "run", "--timeout", cost=True,

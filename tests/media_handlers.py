@@ -1,5 +1,6 @@
-"""Handlers of the media input tests (test_media_in.py), written as a user's would be: collate decodes each
-item's bytes (a file's {"path", "bytes"}, or a Hugging Face Image column's struct) with Pillow or wave."""
+"""Handlers of the media tests, written as a user's would be: collate decodes each item's bytes (a file's
+{"path", "bytes"}, or a Hugging Face Image column's struct) with Pillow or wave (test_media_in.py); Generate
+returns media bytes (test_media_out.py)."""
 import hashlib
 import io
 import os
@@ -75,3 +76,41 @@ class Kinds:
                 return [kind(x) for x in v]
             return [type(v).__name__, len(v)] if isinstance(v, bytes) else type(v).__name__
         return [kind(item) for item in items]
+
+
+def png(color):
+    """A 4x4 PNG of one colour."""
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), tuple(color)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def wav(frames):
+    """A 16 kHz mono WAV of `frames` frames of silence."""
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(bytes(2 * frames))
+    return buf.getvalue()
+
+
+class Generate:
+    """Media out, as an image or audio generator returns it. Items {"color", "frames"}: a batch-shaped dict,
+    {"png": [B PNGs], "wav": [B WAVs], "label": [B texts]}; items {"blob": hex}: a batch-shaped list of those
+    bytes, bare. An item with "fail" raises (it fails alone)."""
+
+    @calque.enter
+    def load(self):
+        pass
+
+    @calque.batch
+    def run(self, items):
+        if any("fail" in item for item in items):
+            raise ValueError("asked to fail")
+        if all("blob" in item for item in items):
+            return [bytes.fromhex(item["blob"]) for item in items]
+        return {"png": [png(item["color"]) for item in items], "wav": [wav(item["frames"]) for item in items],
+                "label": [f"{item['frames']} frames" for item in items]}
