@@ -17,6 +17,7 @@ PY := $(VENV)/bin/python
 PEERS_PY := $(PEERS_VENV)/bin/python
 RAY_PY := $(RAY_VENV)/bin/python
 EMBED := $(VENV)/.embed-installed
+MEDIA := $(VENV)/.media-installed
 FASTBATCH_SO := fastbatch/.built
 
 .PHONY: setup demo test bench bench-peers gpu-check clean
@@ -46,10 +47,14 @@ demo: setup
 $(EMBED): examples/requirements-embed.txt $(VENV)/.installed
 	$(PY) -m pip install -q -r examples/requirements-embed.txt && touch $@ || echo "the embedding example's packages did not install: its test is skipped"
 
-test: setup $(EMBED)
+# the media examples' packages (examples/requirements-media.txt), the same way
+$(MEDIA): examples/requirements-media.txt examples/requirements-embed.txt $(VENV)/.installed
+	$(PY) -m pip install -q -r examples/requirements-media.txt && touch $@ || echo "the media examples' packages did not install: their test is skipped"
+
+test: setup $(EMBED) $(MEDIA)
 	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS) tests
 
-bench: setup $(EMBED)
+bench: setup $(EMBED) $(MEDIA)
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_pool.py
 	$(PY) bench/bench_fastbatch.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_scale.py
