@@ -67,7 +67,7 @@ bench: setup $(EMBED) $(MEDIA)
 	$(PY) bench/fast_paths.py
 
 # calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py;
-# then the embedding job against Ray Data (bench/peers/ray_embed.py).
+# then the embedding job and the image job against Ray Data (bench/peers/ray_embed.py, ray_images.py).
 # Celery goes in its own venv, which sees $(VENV)'s packages after its own (a .pth file): the demo model's torch
 $(PEERS_VENV)/.installed: bench/peers/requirements.txt $(VENV)/.installed
 	$(PYTHON) -m venv $(PEERS_VENV)
@@ -84,9 +84,10 @@ $(RAY_VENV)/.installed: bench/peers/requirements-ray.txt $(VENV)/.installed
 		"$$($(RAY_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/calque-venv.pth"
 	touch $@
 
-bench-peers: setup $(EMBED) $(PEERS_VENV)/.installed $(RAY_VENV)/.installed
+bench-peers: setup $(EMBED) $(MEDIA) $(PEERS_VENV)/.installed $(RAY_VENV)/.installed
 	AWS_EC2_METADATA_DISABLED=true PEERS_PY=$(PEERS_PY) $(PY) bench/peers/compare.py
 	RAY_PY=$(RAY_PY) $(PY) bench/peers/ray_embed.py
+	RAY_PY=$(RAY_PY) $(PY) bench/peers/ray_images.py
 
 # needs a CUDA machine: builds fastbatch, runs its tests, measures pinned vs pageable host-to-device GB/s
 gpu-check: setup
