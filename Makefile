@@ -89,8 +89,9 @@ bench-peers: setup $(EMBED) $(MEDIA) $(PEERS_VENV)/.installed $(RAY_VENV)/.insta
 	RAY_PY=$(RAY_PY) $(PY) bench/peers/ray_embed.py
 	RAY_PY=$(RAY_PY) $(PY) bench/peers/ray_images.py
 
-# needs a CUDA machine: builds fastbatch, runs its tests, measures pinned vs pageable host-to-device GB/s
-gpu-check: setup
+# needs a CUDA machine: builds fastbatch, runs its tests, measures pinned vs pageable host-to-device GB/s, and the
+# image job (examples/image_embed.py) on the GPU: a 2-worker pool against the loop, the GPU busy fraction
+gpu-check: setup $(MEDIA)
 	$(PY) fastbatch/gpu_check.py
 
 clean:

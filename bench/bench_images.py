@@ -1,5 +1,6 @@
 """make bench: the image job, examples/image_embed.py (Pillow decode + ViTImageProcessor in collate, a 4 x 192
-ViT with random weights, its pooled [192] embedding an image), on calque and in a plain loop, side by side.
+ViT with random weights, its pooled [192] embedding an image), on calque and in a plain loop, side by side (on
+the GPU where there is one: `make gpu-check` runs the job section there, with the GPU's busy fraction).
 
     .venv/bin/python bench/bench_images.py              # both sections (~2-3 min here)
     .venv/bin/python bench/bench_images.py job          # one: job rss
@@ -94,6 +95,16 @@ def calque_run(env, photos, out, *extra):
     return time.perf_counter() - t0, run_id
 
 
+def gpu_busy(env, run_id):
+    """The run's GPU busy fraction (NVML, its workers' claims weighted by their seconds), or "" without a GPU."""
+    import calque
+    measured = [(s["gpu_utilisation"]["value"], s["claim_seconds"]) for s in
+                calque.read_summaries(calque.open_backend(env["CALQUE_STORE"]), run_id)
+                if (s.get("gpu_utilisation") or {}).get("measured")]
+    seconds = sum(t for _, t in measured)
+    return f"   GPU busy {sum(v * t for v, t in measured) / seconds:.0%}" if seconds else ""
+
+
 def job(tmp):
     import numpy as np
     photos = os.path.join(tmp, "photos")
@@ -131,7 +142,8 @@ def job(tmp):
             besides = folder_bytes(run_dir) - results
             print(f"   calque, 2 workers, {name:<22} {IMAGES / seconds:7.1f} images/s   {loop_seconds / seconds:4.2f}x"
                   f"   max |diff| {np.abs(got - want).max():.1e}   results {results / (IMAGES * EMBEDDING_BYTES):.2f}x"
-                  f" raw; stored besides {besides / 1024:.1f} KiB = {besides / media:.2%} of the JPEGs")
+                  f" raw; stored besides {besides / 1024:.1f} KiB = {besides / media:.2%} of the JPEGs"
+                  + gpu_busy(envs[name], runs[name]))
     finally:
         for env in envs.values():
             calque_cli(env, "pool", "delete", "--model", "vit", "--yes")

@@ -1,8 +1,9 @@
-"""An image-embedding handler as one is written for Hugging Face models: image processor and ViT loaded once;
-collate decodes each item's JPEG/PNG bytes with Pillow (ahead of the model, in the worker's pipeline) into the
-processor's pixel values; the batch returns the ViT's pooled embedding, a [B, 192] tensor. One handler serves a
-folder of files (items {"path", "bytes"}) and a Parquet Image column (items {"image": {"bytes", "path"}}). The
-model folder is IMAGE_MODEL_DIR (default ./vit-model), built by examples/make_media.py.
+"""An image-embedding handler as one is written for Hugging Face models: image processor and ViT loaded once (on
+the GPU where there is one); collate decodes each item's JPEG/PNG bytes with Pillow (ahead of the model, in the
+worker's pipeline) into the processor's pixel values; the batch returns the ViT's pooled embedding, a [B, 192]
+tensor. One handler serves a folder of files (items {"path", "bytes"}) and a Parquet Image column (items
+{"image": {"bytes", "path"}}). The model folder is IMAGE_MODEL_DIR (default ./vit-model), built by
+examples/make_media.py.
 
     python calque.py pool create --model vit --handler examples/image_embed.py:ImageEmbed --workers 2
     python calque.py submit --pool vit photos/ --id-field path
@@ -31,7 +32,8 @@ class ImageEmbed:
             raise FileNotFoundError(f"no model folder {os.path.abspath(folder)}: build it with "
                                     f"examples/make_media.py, or set IMAGE_MODEL_DIR")
         self.processor = AutoImageProcessor.from_pretrained(folder, backend="pil")   # Pillow + numpy, no torchvision
-        self.model = ViTModel.from_pretrained(folder).eval()
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model = ViTModel.from_pretrained(folder).eval().to(self.device)
 
     def collate(self, items):
         """[B, 3, 224, 224] pixel values. A corrupt image raises Pillow's error: calque then runs the batch's
@@ -42,4 +44,4 @@ class ImageEmbed:
     @calque.batch
     def embed(self, pixel_values):
         with torch.inference_mode():
-            return self.model(pixel_values=pixel_values).pooler_output
+            return self.model(pixel_values=pixel_values.to(self.device, non_blocking=True)).pooler_output
