@@ -64,6 +64,7 @@ bench: setup $(EMBED) $(MEDIA)
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_churn.py
 	$(PY) bench/bench_embed.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_media_in.py
+	$(PY) bench/bench_images.py
 	$(PY) bench/fast_paths.py
 
 # calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py;
