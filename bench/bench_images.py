@@ -2,7 +2,7 @@
 ViT with random weights, its pooled [192] embedding an image), on calque and in a plain loop, side by side (on
 the GPU where there is one: `make gpu-check` runs the job section there, with the GPU's busy fraction).
 
-    .venv/bin/python bench/bench_images.py              # both sections (~2-3 min here)
+    .venv/bin/python bench/bench_images.py              # both sections (~1 min here)
     .venv/bin/python bench/bench_images.py job          # one: job rss
     BENCH_IMAGES=1000 BENCH_IMAGES_PARQUET_GB=0.5 .venv/bin/python bench/bench_images.py
 
