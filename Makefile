@@ -17,6 +17,7 @@ PY := $(VENV)/bin/python
 PEERS_PY := $(PEERS_VENV)/bin/python
 RAY_PY := $(RAY_VENV)/bin/python
 EMBED := $(VENV)/.embed-installed
+MEDIA := $(VENV)/.media-installed
 FASTBATCH_SO := fastbatch/.built
 
 .PHONY: setup demo test bench bench-peers gpu-check clean
@@ -46,10 +47,14 @@ demo: setup
 $(EMBED): examples/requirements-embed.txt $(VENV)/.installed
 	$(PY) -m pip install -q -r examples/requirements-embed.txt && touch $@ || echo "the embedding example's packages did not install: its test is skipped"
 
-test: setup $(EMBED)
+# the media examples' packages (examples/requirements-media.txt), the same way
+$(MEDIA): examples/requirements-media.txt examples/requirements-embed.txt $(VENV)/.installed
+	$(PY) -m pip install -q -r examples/requirements-media.txt && touch $@ || echo "the media examples' packages did not install: their test is skipped"
+
+test: setup $(EMBED) $(MEDIA)
 	AWS_EC2_METADATA_DISABLED=true $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS) tests
 
-bench: setup $(EMBED)
+bench: setup $(EMBED) $(MEDIA)
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_pool.py
 	$(PY) bench/bench_fastbatch.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_scale.py
@@ -60,10 +65,11 @@ bench: setup $(EMBED)
 	$(PY) bench/bench_embed.py
 	$(PY) bench/bench_generate.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_media_in.py
+	$(PY) bench/bench_images.py
 	$(PY) bench/fast_paths.py
 
 # calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py;
-# then the embedding job against Ray Data (bench/peers/ray_embed.py).
+# then the embedding job and the image job against Ray Data (bench/peers/ray_embed.py, ray_images.py).
 # Celery goes in its own venv, which sees $(VENV)'s packages after its own (a .pth file): the demo model's torch
 $(PEERS_VENV)/.installed: bench/peers/requirements.txt $(VENV)/.installed
 	$(PYTHON) -m venv $(PEERS_VENV)
@@ -80,12 +86,14 @@ $(RAY_VENV)/.installed: bench/peers/requirements-ray.txt $(VENV)/.installed
 		"$$($(RAY_PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/calque-venv.pth"
 	touch $@
 
-bench-peers: setup $(EMBED) $(PEERS_VENV)/.installed $(RAY_VENV)/.installed
+bench-peers: setup $(EMBED) $(MEDIA) $(PEERS_VENV)/.installed $(RAY_VENV)/.installed
 	AWS_EC2_METADATA_DISABLED=true PEERS_PY=$(PEERS_PY) $(PY) bench/peers/compare.py
 	RAY_PY=$(RAY_PY) $(PY) bench/peers/ray_embed.py
+	RAY_PY=$(RAY_PY) $(PY) bench/peers/ray_images.py
 
-# needs a CUDA machine: builds fastbatch, runs its tests, measures pinned vs pageable host-to-device GB/s
-gpu-check: setup
+# needs a CUDA machine: builds fastbatch, runs its tests, measures pinned vs pageable host-to-device GB/s, and the
+# image job (examples/image_embed.py) on the GPU: a 2-worker pool against the loop, the GPU busy fraction
+gpu-check: setup $(MEDIA)
 	$(PY) fastbatch/gpu_check.py
 
 clean:

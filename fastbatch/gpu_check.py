@@ -1,9 +1,11 @@
 """fastbatch on a GPU machine: build, run the tests with CUDA present (so PinnedRing pins), run the
 worker's numeric end-to-end tests (its CUDA side-stream collation), the verbs' pricing of workers that
-saw a GPU, the media bench's decode-ahead section on a CUDA model, and measure host-to-device GB/s from a
-pinned ring slot (non_blocking, side stream) vs pageable memory.
+saw a GPU, the media bench's decode-ahead section on a CUDA model, the image job (examples/image_embed.py's ViT)
+on a 2-worker pool against the loop on the same GPU with its busy fraction, and measure host-to-device GB/s from
+a pinned ring slot (non_blocking, side stream) vs pageable memory, and the image job's batches fed from pinned
+vs pageable memory.
 
-    .venv/bin/python fastbatch/gpu_check.py      # `make gpu-check`: ~1 min, exits 1 without CUDA
+    .venv/bin/python fastbatch/gpu_check.py      # `make gpu-check`: ~2 min, exits 1 without CUDA
 
 Needs a CUDA build of torch; exits non-zero on the first failed step, saying which.
 """
@@ -12,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -25,6 +28,8 @@ ITEM_BYTES = 4 << 20    # 4 MiB of float32 per item: a 256 MiB batch, long enoug
 REPEATS = 10            # median over this many copies
 PIPELINE_BATCHES = 20   # batches through gather -> H2D with the ring (the warmd prefetch pattern)
 TEST_TIMEOUT_S = 180    # the test suite takes ~15 s on 2 cores; this is the "< 5 minutes" guard
+GPU_IMAGES = 2000       # JPEGs of the image job on the GPU (bench_images.py's BENCH_IMAGES)
+IMAGE_BATCHES = 20      # batches of 32 images fed to the ViT from pinned, then pageable, memory
 # -----------------------------------------------------------------------------
 
 
@@ -56,6 +61,30 @@ def h2d_seconds(src, dst, stream):
     return time.perf_counter() - t0, issued
 
 
+def image_copies():
+    """The image job's decoded batches ([32, 3, 224, 224] float32) through host-to-device and the ViT, from
+    pageable memory (as collate returns them) and pinned (pin_memory(), copied non_blocking): images/s each."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import make_media
+    from image_embed import ImageEmbed
+    os.environ["IMAGE_MODEL_DIR"] = folder = tempfile.mkdtemp(prefix="gpu-check-vit-")
+    make_media.build_image_model(folder)
+    model = ImageEmbed()
+    model.load()
+    jpegs = [{"bytes": make_media.photo(224, 224, k)} for k in range(32)]
+    pageable = [model.collate(jpegs)] * IMAGE_BATCHES
+    pinned = [pageable[0].pin_memory()] * IMAGE_BATCHES
+    print(f"\nthe image job's batches (32 x 3 x 224 x 224 float32) -> H2D -> ViT, {IMAGE_BATCHES} batches")
+    for name, batches in [("pageable (as collate returns them)", pageable), ("pinned, non_blocking", pinned)]:
+        model.embed(batches[0])   # warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for batch in batches:
+            model.embed(batch)
+        torch.cuda.synchronize()
+        print(f"{name:46s} {32 * IMAGE_BATCHES / (time.perf_counter() - t0):9.1f} images/s")
+
+
 def main():
     if not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False) "
@@ -77,6 +106,12 @@ def main():
     # the seconds the model waited on decoding, collate on its thread against beside it)
     step("media decoded ahead of a CUDA model", [sys.executable, os.path.join("bench", "bench_media_in.py"),
                                                  "prefetch"], timeout=TEST_TIMEOUT_S)
+    # the image job on the GPU: the ViT embedder on a warm 2-worker pool against the plain loop on the same GPU,
+    # and the GPU's busy fraction (NVML, from the workers' claims; needs nvidia-ml-py)
+    os.environ["BENCH_IMAGES"] = str(GPU_IMAGES)
+    step("the image job on CUDA", [sys.executable, os.path.join("bench", "bench_images.py"), "job"],
+         timeout=TEST_TIMEOUT_S)
+    image_copies()
 
     sys.path.insert(0, ROOT)
     import fastbatch
