@@ -192,6 +192,7 @@ def test_typed_results_read_back_exactly_in_every_format(any_env, tmp_path, monk
     assert npy.returncode == 0 and np.load(io.BytesIO(npy.stdout)).tobytes() == f16.tobytes()
     for var in ("CALQUE_STORE", "CALQUE_ENV"):                # the refusals, in process: the same main()
         monkeypatch.setenv(var, env[var])
+    capsys.readouterr()                       # submit's notices above (a worker still starting) are not the refusals
     for args, said in [(("--format", "npy", "--field", "label", "--output", str(path)), "---> HINT: pass fill="),
                        (("--format", "npy", "--follow"), "--follow prints JSONL"),
                        (("--field", "label"), "--field and --fill choose the array of --format npy"),
