@@ -33,12 +33,25 @@ def test_claims_shrink_to_the_end_in_stages_of_a_claim_a_worker(total, workers):
     assert all(size >= 10 for size in sizes[:-len(last)])
 
 
+@pytest.mark.parametrize("total", [300, 1200, 6000, 100, 7])
+def test_claims_hold_whole_batches(total):
+    """In batches of 32, every claim but the run's last holds whole batches: the run pays no more handler calls
+    than its items need (ceil(total / 32)), where claims of 75 paid three calls for 75 items; a claim of no more
+    than hi holds fewer than a batch, and then the items count alone."""
+    sizes = calque.ClaimSizes(workers=2, lo=10, hi=1000, unit=32).plan(total)
+    assert sum(sizes) == total and all(size % 32 == 0 for size in sizes[:-1]) and max(sizes) <= 992
+    assert sum(-(-size // 32) for size in sizes) == -(-total // 32)
+    assert calque.ClaimSizes(workers=2, lo=1, hi=20, unit=32).plan(total) == sizes_of(total, 2, lo=1, hi=20)
+
+
 def test_the_issue_runs_keep_two_workers_busy():
-    """The runs of issue 35 on a 2-worker pool: 300 prompts were one claim, 1,200 were 1000 + 200; now the first
-    claims split the run evenly and the tail is claims of ten or fewer, one a worker."""
-    assert calque.format_sizes(calque.claim_sizes({"claims": sizes_of(300, 2), "claim_counts": sizes_of(300, 2)})) \
-        == "2x75, 2x38, 2x19, 2x10, 2x8"
-    assert sizes_of(1200, 2)[:2] == [300, 300] and len(sizes_of(1200, 2)) == 14
+    """The runs of issue 35 on a 2-worker pool in batches of 32: 300 prompts were one claim, 1,200 were 1000 + 200;
+    now the first claims split the run evenly, and each worker makes as many generate calls as a loop over half."""
+    def shown(total):
+        sizes = calque.ClaimSizes(workers=2, lo=10, hi=1000, unit=32).plan(total)
+        return calque.format_sizes(calque.claim_sizes({"claims": sizes, "claim_counts": sizes}))
+    assert shown(300) == "2x96, 3x32, 1x12"                       # 5 batches a worker, as in each half's loop
+    assert shown(1200) == "2x320, 2x160, 2x64, 3x32, 1x16"        # 19 a worker
 
 
 def test_a_stream_read_ahead_is_cut_as_the_counted_run():
@@ -80,7 +93,7 @@ def test_measured_claims_bound_the_sizes(tmp_path, monkeypatch):
 
 
 def test_a_pool_run_without_options_uses_both_workers_and_runs_show_says_why(local_env, tmp_path):
-    """300 items on a 2-worker pool, no options: claims of 75 down to 10, both workers serve some, results in item
+    """300 items on a 2-worker pool, no options: claims of three batches of 32 down to one, both workers serve some, results in item
     order; `runs show` prints the sizes and the reason; --claim-size and CALQUE_CLAIM_SIZE still win."""
     out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "2")
     assert out.returncode == 0, out.stderr
@@ -89,12 +102,13 @@ def test_a_pool_run_without_options_uses_both_workers_and_runs_show_says_why(loc
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     run_id, summaries = report["run"]["run_id"], report["summaries"]
-    assert [s["items"] for s in summaries] == [75, 75, 38, 38, 19, 19, 10, 10, 8, 8]
+    assert [s["items"] for s in summaries] == [96, 96, 32, 32, 32, 12]
     assert len({s["worker_id"] for s in summaries}) == 2
     lines = [json.loads(line) for line in cli(local_env, "runs", "results", run_id).stdout.splitlines()]
     assert [line["result"]["y"] for line in lines] == [2 * i for i in range(300)]
     shown = cli(local_env, "runs", "show", run_id).stdout
-    assert "claim sizes: 2x75, 2x38, 2x19, 2x10, 2x8 (sized to the run: 2 worker(s)" in shown
+    assert ("claim sizes: 2x96, 3x32, 1x12 (sized to the run: 2 worker(s), claims of 10 to 992 items in whole "
+            "batches of 32 (the pool has no measured claim yet)") in shown
     out = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "100", "--json")
     assert [s["items"] for s in json.loads(out.stdout)["summaries"]] == [100] * 3
     assert "claim sizes: 3x100 (--claim-size)" in cli(local_env, "runs", "show", "latest").stdout

@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="the example's packages are not insta
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import make_generate_model  # noqa: E402
 
-PROMPTS = 60   # claims of 15, 15, 10, 10, 5, 5 on two workers
+PROMPTS = 60   # claims of 32 and 28 on two workers: one generate call each
 
 
 def test_generation_example_on_two_workers_with_no_options(local_env, tmp_path):
@@ -39,7 +39,7 @@ def test_generation_example_on_two_workers_with_no_options(local_env, tmp_path):
         return report["summaries"], [json.loads(line)["result"] for line in lines]
 
     summaries, got = texts("GenerateModel")
-    assert [s["items"] for s in summaries] == [15, 15, 10, 10, 5, 5]
+    assert [s["items"] for s in summaries] == [32, 28]
     assert len({s["worker_id"] for s in summaries}) == 2, "both workers served claims"
     from generate_model import GenerateModel
     model = GenerateModel()
