@@ -34,6 +34,7 @@ letters, hung batches, faults, claims ahead, signals) are docs/contract.md's.
 import argparse
 import contextlib
 import faulthandler
+import fcntl
 import functools
 import glob
 import hashlib
@@ -525,13 +526,15 @@ class Output:
 class Leases:
     """The leases of the claims this worker holds (draining, finishing, received ahead), each
     renewed every third of its timeout by one thread for all (a renewal that hangs delays the
-    others: the two thirds of a timeout left cover it). A supervisor's worker keeps their receipts
-    in `receipts` (worker-<slot>.claims): a supervisor that sees it die makes them visible at once."""
+    others: the two thirds of a timeout left cover it). A pool worker keeps their receipts in
+    `receipts` (worker-<slot>.claims under a supervisor, else worker-pid<pid>.claims), locked while
+    it lives: a supervisor that sees it die, or the pool's next worker to start on this machine
+    (release_orphaned_claims: a systemd restart), makes them visible at once, not at their timeout."""
 
     def __init__(self, queue, receipts=""):
         self.queue, self.held, self.changed = queue, set(), threading.Condition()
         # kept open and rewritten in place (~5 us, a rename ~150 us: twice a claim); read once we are dead
-        self.receipts = os.open(receipts, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if receipts else None
+        self.receipts = open_locked(receipts) if receipts else None
         threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
 
     def add(self, lease):
@@ -578,6 +581,47 @@ class Leases:
                 self.remove(lease)
             except Exception as e:   # transient: the next beat retries, well inside the timeout
                 log.warning("heartbeat: visibility renewal failed (%s); retrying", e)
+
+
+def open_locked(path):
+    """`path`, created empty and flock-ed before it appears under its name (so that no sweep finds
+    it unlocked while its worker lives); the descriptor, kept open: the lock lasts as long as we do."""
+    staged = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.replace(staged, path)
+    return fd
+
+
+def release_orphaned_claims(folder, queue):
+    """The claims this pool's workers on this machine held when they died unseen by a supervisor (a
+    systemd restart, a hand-started worker killed): their receipts files in `folder` that no live
+    process locks, made visible now rather than at their visibility timeout, then removed. Best
+    effort: a receipt acked or received again since is skipped (LeaseLost); a torn file holds none."""
+    for path in glob.glob(os.path.join(glob.escape(folder), "*.claims")):
+        with contextlib.suppress(OSError, ValueError):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                if not try_lock(fd):   # its worker lives
+                    continue
+                held = json.loads(os.read(fd, 1 << 20) or b"[]")
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:   # (not a new worker's file of that name)
+                    os.remove(path)
+                for receipt in held:
+                    with contextlib.suppress(calque.LeaseLost):
+                        queue.change_visibility(calque.Message(None, receipt, 0), 0)
+                        log.info("worker: a claim held by a dead worker (%s) is visible again now",
+                                 os.path.basename(path))
+            finally:
+                os.close(fd)
+
+
+def try_lock(fd):
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 class Heartbeat:
@@ -912,12 +956,16 @@ class Worker:
         self.queue = self.backend.queues.open_queue(self.record["queue"])
         self.dlq = self.backend.queues.open_queue(self.record["dlq"])
         self.acks = Acks(self.queue, self.backend.requests, min(ACK_WAIT, self.record["visibility_timeout"] / 4))
-        receipts = os.path.splitext(self.ready_file)[0] + ".claims" if self.ready_file else ""
-        self.leases, self.watchdog = Leases(self.queue, receipts), Watchdog(self.batch_timeout)
-        self.note_own_kills()
-        if self.spool_folder:
+        receipts = ""
+        if self.spool_folder:   # a pool worker
             os.makedirs(self.spool_folder, exist_ok=True)
             Spool.sweep(self.spool_folder)
+            folder = os.path.dirname(self.spool_folder)
+            receipts = (os.path.splitext(self.ready_file)[0] if self.ready_file
+                        else os.path.join(folder, f"worker-pid{os.getpid()}")) + ".claims"
+            release_orphaned_claims(folder, self.queue)
+        self.leases, self.watchdog = Leases(self.queue, receipts), Watchdog(self.batch_timeout)
+        self.note_own_kills()
         self.load_handler()
         if not self.ephemeral and not self.stop_requested:
             self.enter()

@@ -10,7 +10,7 @@ import pytest
 
 import calque
 import warmd
-from conftest import HANDLERS, backend_for, cli, pool_pids, wait_for, write_items
+from conftest import HANDLERS, backend_for, cli, pool_pids, start_worker, wait_for, write_items
 from test_chaos import delete_pool, finished, logs, results, start_pool, submit
 from test_dashboard import get, serve_dashboard  # noqa: F401 (a fixture)
 
@@ -228,6 +228,49 @@ def test_the_supervisor_releases_the_claim_its_dead_worker_held(local_env, tmp_p
     started = calque._parse_time(summary["started_at"], "started_at").timestamp()
     assert killed_at < started < killed_at + 300
     assert "died holding a claim: visible again now" in logs(env, "supervisor")
+    assert cli(env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
+def test_the_next_worker_to_start_releases_the_claim_a_dead_unsupervised_worker_held(local_env, tmp_path):
+    """No supervisor (workers started by hand, or by systemd as on an EC2 instance), visibility timeout 300 s: a
+    worker that starts while the claim's holder lives leaves its claim alone (the holder's receipts file is locked);
+    the holder killed -9, the next worker to start makes the claim visible at once, and it runs again long before
+    the timeout would have let it (the ordering of two timestamps, not a wall-clock limit on the test)."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    env = dict(local_env, GATE_DIR=str(gate))
+    out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Faulty", "--visibility-timeout",
+              "300", "--workers", "0")
+    assert out.returncode == 0, out.stderr
+    backend = backend_for(env)
+    run_id = submit(backend, [{"x": i, "hold": True} for i in range(4)], claim_size=4)
+    holder = start_worker(env, "--model", "m")
+    wait_for(lambda: list(gate.glob("started-*")), 30, "the claim to start")
+    receipts = os.path.join(env["CALQUE_STATE"], "pools", "m", f"worker-pid{holder.pid}.claims")
+    held = json.load(open(receipts))
+    assert len(held) == 1
+
+    def started(name):
+        log = open(tmp_path / f"{name}.log", "w")
+        worker = start_worker(env, "--model", "m", log=log)
+        wait_for(lambda: "@enter done" in (tmp_path / f"{name}.log").read_text(), 30, f"the {name} worker's start")
+        return worker, (tmp_path / f"{name}.log").read_text()
+
+    alongside, said = started("alongside")
+    assert "visible again now" not in said and json.load(open(receipts)) == held
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    killed_at = time.time()
+    successor, said = started("successor")
+    assert f"a claim held by a dead worker (worker-pid{holder.pid}.claims) is visible again now" in said
+    assert not os.path.exists(receipts)
+    (gate / "open").touch()
+    summary = finished(backend, {run_id: 1}, 120)[run_id][0]
+    assert summary["receive_count"] == 2 and summary["ok"] == 4
+    assert killed_at < calque._parse_time(summary["started_at"], "started_at").timestamp() < killed_at + 300
+    for worker in (alongside, successor):
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0
     assert cli(env, "pool", "delete", "--model", "m", "--yes").returncode == 0
 
 
