@@ -11,7 +11,8 @@
    over BENCH_EMBED_ITEMS texts of 5-120 words in a Parquet file, end to end (texts read, embeddings written to
    an .npy file): a plain one-process loop (the limit: the handler's own methods, batches of 32, torch's default
    threads) against calque with 1 and 2 local workers on default settings (submit to a warm pool, then `runs
-   results --format npy`), and 2 workers each taking every core (--threads-per-worker = cores: calque before it
+   results --format npy`; claims sized to the run), 2 workers with claims of CLAIM (this bench's size before
+   claims were sized to the run), and 2 workers each taking every core (--threads-per-worker = cores: calque before it
    shared them); items/s, the ratio to the loop, the embeddings' largest difference from the loop's, the bytes the
    run stored per item (all of it, and its result parts alone) against the 1,024 raw bytes of a 256-float32 row;
 3. redelivery: one claim of REDELIVERED texts on one warm worker, whole, then again with the worker killed -9
@@ -37,7 +38,7 @@ EMBED_ITEMS = int(os.environ.get("BENCH_EMBED_ITEMS", "10000"))  # texts of the 
 PARQUET_ROWS = int(os.environ.get("BENCH_PARQUET_ROWS", "1000000"))     # rows of the staging section's file
 UNIQUE_TEXTS = 100_000            # distinct texts in that file (repeated to its size: generating is slow)
 BATCH = 32                        # items per handler call, in the loop and the pools (calque's default)
-CLAIM = 250                       # items per claim of the embedding runs (40 claims: both workers busy)
+CLAIM = 250                       # the claim size this bench gave before claims were sized to the run, side by side
 RAW_ROW = 256 * 4                 # bytes of one embedding as float32
 SECTIONS = ("embed", "parquet", "redelivery")
 REDELIVERED = 1280                # texts of the redelivery section's one claim
@@ -96,9 +97,9 @@ def make_texts(tmp, count, name):
     return texts
 
 
-def calque_run(tmp, texts, workers, *extra):
-    """A warm pool of `workers`, then submit + `runs results --format npy`, timed; (s, embeddings, bytes stored
-    per item, result-part bytes per item)."""
+def calque_run(tmp, texts, workers, *extra, claim=()):
+    """A warm pool of `workers` (`extra`: pool create flags), then submit (`claim`: its flags) + `runs results
+    --format npy`, timed; (s, embeddings, bytes stored per item, result-part bytes per item, claim sizes)."""
     import numpy as np
     folder = os.path.join(tmp, f"pool-{workers}{'-'.join(extra)}")
     env = pool_env(tmp, folder)
@@ -106,13 +107,13 @@ def calque_run(tmp, texts, workers, *extra):
     try:
         out = os.path.join(folder, "emb.npy")
         t0 = time.perf_counter()
-        run_id = calque_cli(env, "submit", "--pool", "embed", texts, "--columns", "text", "--claim-size",
-                            str(CLAIM)).split()[1]
+        run_id = calque_cli(env, "submit", "--pool", "embed", texts, "--columns", "text", *claim).split()[1]
         calque_cli(env, "runs", "results", run_id, "--format", "npy", "--output", out)
         seconds = time.perf_counter() - t0
         run_dir = os.path.join(env["CALQUE_STORE"], "runs", run_id)
+        sizes = next(line for line in calque_cli(env, "runs", "show", run_id).splitlines() if "claim sizes" in line)
         return (seconds, np.load(out), folder_bytes(run_dir) / EMBED_ITEMS,
-                folder_bytes(os.path.join(run_dir, "results")) / EMBED_ITEMS)
+                folder_bytes(os.path.join(run_dir, "results")) / EMBED_ITEMS, sizes.split("(")[0].split(":")[1])
     finally:
         calque_cli(env, "pool", "delete", "--model", "embed", "--yes")
 
@@ -128,13 +129,15 @@ def embed_section(tmp):
     seconds, threads = out.stdout.split()
     loop_rate, want = EMBED_ITEMS / float(seconds), np.load(os.path.join(tmp, "loop.npy"))
     print(f"   plain loop, one process ({threads} torch threads)   {loop_rate:7.1f} items/s   1.00x")
-    for workers, extra, name in ((1, (), "1 worker, defaults"), (2, (), "2 workers, defaults"),
-                                 (2, ("--threads-per-worker", str(cores)), f"2 workers x {cores} threads")):
-        seconds, got, stored, parts = calque_run(tmp, texts, workers, *extra)
+    claim = ("--claim-size", str(CLAIM))
+    for workers, extra, name, given in ((1, (), "1 worker, defaults", ()), (2, (), "2 workers, defaults", ()),
+                                        (2, (), f"2 workers, claims of {CLAIM}", claim),
+                                        (2, ("--threads-per-worker", str(cores)), f"2 workers x {cores} threads", ())):
+        seconds, got, stored, parts, sizes = calque_run(tmp, texts, workers, *extra, claim=given)
         rate = EMBED_ITEMS / seconds
         print(f"   calque, {name:<28} {rate:7.1f} items/s   {rate / loop_rate:4.2f}x   "
               f"max |diff| {np.abs(got - want).max():.1e}   stored {stored:,.0f} B an item "
-              f"({stored / RAW_ROW:.2f}x raw; result parts {parts:,.0f} B, {parts / RAW_ROW:.2f}x)")
+              f"({stored / RAW_ROW:.2f}x raw; result parts {parts:,.0f} B, {parts / RAW_ROW:.2f}x); claims{sizes}")
 
 
 def redelivery_section(tmp):
@@ -208,8 +211,8 @@ def main():
         print(f"\n1. submitting {PARQUET_ROWS:,} rows to a warm pool of one plain-Python worker")
         parquet_section(tmp)
     if "embed" in sections:
-        print(f"\n2. embeddings of {EMBED_ITEMS:,} texts (4 x 256 BERT, batches of {BATCH}, claims of {CLAIM}), "
-              f"end to end")
+        print(f"\n2. embeddings of {EMBED_ITEMS:,} texts (4 x 256 BERT, batches of {BATCH}, claims sized to the run "
+              f"on defaults), end to end")
         embed_section(tmp)
     if "redelivery" in sections:
         print(f"\n3. a claim of {REDELIVERED:,} texts redelivered after a kill -9 halfway, against the same whole")

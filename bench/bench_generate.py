@@ -32,7 +32,7 @@ from common import chosen, compile_kit  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
 PROMPTS = (300, 1200, 6000)       # run sizes (the 300 and 1,200, and a longer one)
-SWEEP = (10, 25, 100, 400, 1000)  # --claim-size values a user might pick by hand (1000: the old default)
+SWEEP = (10, 25, 32, 64, 100, 400, 1000)   # --claim-size values a user might pick by hand (1000: the old default)
 WARM_UP = 64                      # prompts of the run that warms the pool and measures it, first
 BATCH = 32                        # items per generate call (calque's default batch size), in the loops too
 NEW_TOKENS = "24"                 # max_new_tokens (GENERATE_NEW_TOKENS)
