@@ -3265,7 +3265,7 @@ class ClaimSizes:
             self.size = hi if rest is None else min(hi, max(lo, -(-rest // (2 * w))))
             if rest is not None and rest - w * self.size < lo:   # the last stage: the rest split evenly,
                 shares = max(1, min(w, rest // max(1, lo // 2)))   # claims of lo/2 at least: none left alone
-                self.size = min(hi, -(-rest // shares))
+                self.size = max(1, min(hi, -(-rest // shares)))   # (none left: a table's cut asks once more)
         self.given += 1
         return self.size * self.unit
 

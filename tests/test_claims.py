@@ -64,6 +64,32 @@ def test_a_stream_read_ahead_is_cut_as_the_counted_run():
     assert sizes.ahead() == 80 and len(stream.held) == 0
 
 
+@pytest.mark.parametrize("total", [64, 300, 10_000])
+def test_every_kind_of_input_is_cut_as_the_plan(tmp_path, total):
+    """A list, a stream, an array file, a table in memory and a Parquet file (copied, and by reference) are cut in the
+    plan's sizes, whether the run's last claim ends a stage (64: 32 + 32) or not; the cut of a table asked a size once
+    more after its last claim, and a size of 0 there failed the run in pyarrow."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def sizes():
+        return calque.ClaimSizes(workers=2, lo=10, hi=1000, unit=32)
+
+    table = pa.table({"x": list(range(total))})
+    pq.write_table(table, tmp_path / "items.parquet")
+    np.save(tmp_path / "items.npy", np.arange(total, dtype=np.float32))
+    parquet = calque.TableItems.open(str(tmp_path / "items.parquet"))
+    inputs = {"list": [{"x": i} for i in range(total)], "stream": ({"x": i} for i in range(total)),
+              "array": calque.as_items(str(tmp_path / "items.npy")), "table": calque.TableItems.open(table),
+              "parquet": parquet}
+    for name, items in inputs.items():
+        cut = [stop - start for start, stop, _, _ in calque.claim_chunks(items, sizes())]
+        assert cut == sizes().plan(total), name
+    parquet.by_reference = True
+    assert [stop - start for start, stop, _, _ in calque.claim_chunks(parquet, sizes())] == sizes().plan(total)
+
+
 def measured_pool(tmp_path, per_item, fixed, sizes, gap=0.0):
     """A local store holding pool `m`'s worker stats after claims of `sizes`, each fixed + n x per_item s, and as
     many gaps of `gap` s between them (warmd keeps these sums: claim_fit, claim_gaps)."""
