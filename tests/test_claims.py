@@ -145,6 +145,21 @@ def test_a_pool_run_without_options_uses_both_workers_and_runs_show_says_why(loc
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
 
 
+def test_a_parquet_run_without_options_is_cut_as_the_same_rows_in_jsonl(local_env, tmp_path):
+    """The same 300 rows as a Parquet file on a fresh 2-worker pool: the same claims, every row ok (its last claim
+    ends a stage, where the table's cut used to fail in pyarrow)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"x": list(range(300))}), tmp_path / "items.parquet")
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "2")
+    assert out.returncode == 0, out.stderr
+    out = cli(local_env, "submit", "--pool", "m", str(tmp_path / "items.parquet"), "--json")
+    assert out.returncode == 0, out.stderr
+    summaries = json.loads(out.stdout)["summaries"]
+    assert [s["items"] for s in summaries] == [96, 96, 32, 32, 32, 12] and sum(s["ok"] for s in summaries) == 300
+    assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
 def test_a_long_claim_reports_the_items_it_has_done(local_env, tmp_path, serve_dashboard):  # noqa: F811
     """A claim running past PROGRESS_SECONDS writes its items done after each batch: `runs show` and the
     dashboard count them before the claim's summary exists."""
