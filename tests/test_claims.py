@@ -119,11 +119,12 @@ def test_measured_claims_bound_the_sizes(tmp_path, monkeypatch):
 
 
 def test_a_pool_run_without_options_uses_both_workers_and_runs_show_says_why(local_env, tmp_path):
-    """300 items on a 2-worker pool, no options: claims of three batches of 32 down to one, both workers serve some, results in item
-    order; `runs show` prints the sizes and the reason; --claim-size and CALQUE_CLAIM_SIZE still win."""
-    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--workers", "2")
+    """300 items on a 2-worker pool, no options: claims of three batches of 32 down to one, both workers serve
+    some, results in item order; `runs show` prints the sizes and the reason; --claim-size and CALQUE_CLAIM_SIZE still win."""
+    out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Faulty", "--workers", "2")
     assert out.returncode == 0, out.stderr
-    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(300)])
+    # a few ms of real work an item: a claim lasts long enough for the other worker to take the next one
+    items = write_items(tmp_path / "items.jsonl", [{"x": i, "spin": 4000} for i in range(300)])
     out = cli(local_env, "submit", "--pool", "m", items, "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
