@@ -247,18 +247,24 @@ def test_a_death_inside_a_whole_claim_call_quarantines_only_its_item(local_env, 
     delete_pool(env)
 
 
-def test_the_supervisor_releases_the_claim_its_dead_worker_held(local_env, tmp_path):
-    """A worker killed -9 mid-claim, on a pool whose visibility timeout is 300 s: its receipts file names the
-    claim, the supervisor makes it visible again at once, and its second delivery starts long before the
-    timeout would have let it (the ordering of two timestamps, not a wall-clock limit on the test)."""
+def gated_claim(local_env, tmp_path, workers):
+    """A pool of `workers` (visibility timeout 300 s) and a run of one claim whose items hold until gate/open
+    exists: (env, gate, backend, run id)."""
     gate = tmp_path / "gate"
     gate.mkdir()
     env = dict(local_env, GATE_DIR=str(gate))
     out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Faulty", "--visibility-timeout",
-              "300", "--workers", "1")
+              "300", "--workers", str(workers))
     assert out.returncode == 0, out.stderr
     backend = backend_for(env)
-    run_id = submit(backend, [{"x": i, "hold": True} for i in range(4)], claim_size=4)
+    return env, gate, backend, submit(backend, [{"x": i, "hold": True} for i in range(4)], claim_size=4)
+
+
+def test_the_supervisor_releases_the_claim_its_dead_worker_held(local_env, tmp_path):
+    """A worker killed -9 mid-claim, on a pool whose visibility timeout is 300 s: its receipts file names the
+    claim, the supervisor makes it visible again at once, and its second delivery starts long before the
+    timeout would have let it (the ordering of two timestamps, not a wall-clock limit on the test)."""
+    env, gate, backend, run_id = gated_claim(local_env, tmp_path, 1)
     wait_for(lambda: list(gate.glob("started-*")), 30, "the claim to start")
     receipts = os.path.join(env["CALQUE_STATE"], "pools", "m", "worker-0.claims")
     assert len(json.load(open(receipts))) == 1
@@ -278,14 +284,7 @@ def test_the_next_worker_to_start_releases_the_claim_a_dead_unsupervised_worker_
     worker that starts while the claim's holder lives leaves its claim alone (the holder's receipts file is locked);
     the holder killed -9, the next worker to start makes the claim visible at once, and it runs again long before
     the timeout would have let it (the ordering of two timestamps, not a wall-clock limit on the test)."""
-    gate = tmp_path / "gate"
-    gate.mkdir()
-    env = dict(local_env, GATE_DIR=str(gate))
-    out = cli(env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Faulty", "--visibility-timeout",
-              "300", "--workers", "0")
-    assert out.returncode == 0, out.stderr
-    backend = backend_for(env)
-    run_id = submit(backend, [{"x": i, "hold": True} for i in range(4)], claim_size=4)
+    env, gate, backend, run_id = gated_claim(local_env, tmp_path, 0)
     holder = start_worker(env, "--model", "m")
     wait_for(lambda: list(gate.glob("started-*")), 30, "the claim to start")
     receipts = os.path.join(env["CALQUE_STATE"], "pools", "m", f"worker-pid{holder.pid}.claims")
