@@ -2,13 +2,16 @@
 `submit` holds in memory while it stages a large Parquet of images, and what decoding ahead of the model buys.
 
     .venv/bin/python bench/bench_media_in.py                     # every section
-    .venv/bin/python bench/bench_media_in.py rss                 # one: reference rss prefetch
+    .venv/bin/python bench/bench_media_in.py rss                 # one: reference rss listing prefetch
     BENCH_PARQUET_GB=0.5 .venv/bin/python bench/bench_media_in.py rss
 
 reference  a folder of photos (noise JPEGs, as large as real ones) on the local store, and the same files under an
            s3:// prefix on moto_server, read by reference; the folder copied into the s3:// store beside them;
 rss        a `calque submit` process's peak RSS staging a Parquet of BENCH_PARQUET_GB GB of HF Image rows: by
            reference (the local store), and copied (as with an s3:// store, written to a local store here);
+listing    `calque submit` by reference of a folder of BENCH_LISTING_FILES small files (the local store), flat and
+           in folders of 1000, and of an s3:// prefix of BENCH_LISTING_OBJECTS on moto_server: seconds to its first
+           claim queued and to its exit, its peak RSS;
 prefetch   the image job (Pillow decode in collate, a small conv net) in one worker, collate beside the model
            (adding threads while the model waits) against collate on the model's thread.
 """
@@ -30,6 +33,8 @@ import warmd   # noqa: E402
 
 PHOTOS = int(os.environ.get("BENCH_PHOTOS", "400"))              # photos of the reference section
 PARQUET_GB = float(os.environ.get("BENCH_PARQUET_GB", "2"))     # the rss section's Parquet of images
+LISTING_FILES = int(os.environ.get("BENCH_LISTING_FILES", "1000000"))     # the listing section's folder
+LISTING_OBJECTS = int(os.environ.get("BENCH_LISTING_OBJECTS", "50000"))    # and its s3:// prefix
 PREFETCH_IMAGES = int(os.environ.get("BENCH_PREFETCH_IMAGES", "768"))
 HANDLER = os.path.join(ROOT, "bench", "media_model.py") + ":ImageNet"
 
@@ -145,13 +150,65 @@ def rss(tmp):
         shutil.rmtree(store)
 
 
+def submit_timed(argv, env, queue):
+    """`calque ARGV` as a child: (seconds to the first claim in `queue`, seconds to its exit, peak RSS MiB)."""
+    code = ("import atexit, re, sys\n"
+            "atexit.register(lambda: print('peak-rss', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status')"
+            ".read())[1], file=sys.stderr))\nimport calque\nsys.exit(calque.main(sys.argv[1:]))")
+    t0 = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    first = None
+    while child.poll() is None and first is None:
+        if queue.counts()["visible"]:
+            first = time.perf_counter() - t0
+        time.sleep(0.01)
+    stderr = child.communicate()[1]
+    total = time.perf_counter() - t0
+    assert child.returncode == 0, stderr
+    kib = int(next(line.split()[1] for line in stderr.splitlines() if line.startswith("peak-rss")))
+    return first, total, kib / 1024
+
+
+def listing(tmp):
+    print(f"\n3. submit of a listing by reference, --no-wait, claims sized to the run (no --claim-size): "
+          f"{LISTING_FILES:,} files of 16 bytes in a folder (local store), {LISTING_OBJECTS:,} under an s3:// prefix "
+          f"(moto_server)")
+    import boto3
+    from concurrent.futures import ThreadPoolExecutor
+    s3 = boto3.client("s3")
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda k: s3.put_object(Bucket="bench", Key=f"listing/{k:07d}.bin",
+                                              Body=k.to_bytes(16, "little")), range(LISTING_OBJECTS)))
+    cases = [("folder, flat", LISTING_FILES, os.path.join(tmp, "listing-store")),
+             ("folder, in 1000s", 1000, os.path.join(tmp, "listing-store")),
+             ("s3:// prefix", None, "s3://bench/listing-store")]
+    for label, per_folder, store in cases:
+        source = "s3://bench/listing/" if per_folder is None else os.path.join(tmp, "listing")
+        for k in range(LISTING_FILES if per_folder else 0):
+            sub = os.path.join(source, f"{k // per_folder:05d}")
+            if k % per_folder == 0:
+                os.makedirs(sub)
+            with open(os.path.join(sub, f"{k:07d}.bin"), "wb") as f:
+                f.write(k.to_bytes(16, "little"))
+        _, backend, record = make_pool(store, os.path.join(tmp, "listing-state", label), HANDLER, model="listing")
+        queue = backend.queues.open_queue(record["queue"])
+        first, total, mib = submit_timed(["submit", "--pool", "listing", source, "--no-wait", "--wait-for-workers"],
+                                         dict(os.environ), queue)
+        print(f"   {label:<17} first claim queued {first:5.2f} s   all {queue.counts()['visible']:,} claims "
+              f"{total:6.1f} s   peak RSS {mib:6.1f} MiB")
+        if per_folder:
+            shutil.rmtree(store)
+            shutil.rmtree(source)
+
+
 def prefetch(tmp):
     folder = os.path.join(tmp, "prefetch")
     os.makedirs(folder)
     for k in range(PREFETCH_IMAGES):
         with open(os.path.join(folder, f"{k:05d}.jpg"), "wb") as f:
             f.write(photo(320, 240, k))
-    print(f"\n3. the image job, {PREFETCH_IMAGES} photos (320x240 JPEG -> Pillow decode + resize 128 in collate, "
+    print(f"\n4. the image job, {PREFETCH_IMAGES} photos (320x240 JPEG -> Pillow decode + resize 128 in collate, "
           f"a conv net), batches of 32, one worker, local store, by reference")
     rates = {}
     for on in (False, True):
@@ -169,12 +226,12 @@ def prefetch(tmp):
     print(f"   beside / on its thread: {rates[True] / rates[False]:.2f}x")
 
 
-SECTIONS = {"reference": reference, "rss": rss, "prefetch": prefetch}
+SECTIONS = {"reference": reference, "rss": rss, "listing": listing, "prefetch": prefetch}
 
 
 def main():
     picked = chosen(SECTIONS)
-    moto = start_moto() if "reference" in picked else None
+    moto = start_moto() if {"reference", "listing"} & set(picked) else None
     tmp = tempfile.mkdtemp(prefix="calque-bench-media-")
     print(f"calque bench: media in  ({os.cpu_count()} cores, collate threads up to {warmd.COLLATE_THREADS})")
     try:
