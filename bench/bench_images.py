@@ -167,7 +167,7 @@ def rss(tmp):
               f"({SIDE}x{SIDE}) in an HF Image column, by reference (the local store)")
         env = pool_env(tmp, "rss")
         calque_cli(env, "pool", "create", "--model", "vit", "--handler", HANDLER, "--workers", "0")
-        mib, seconds = peak_rss(["submit", "--pool", "vit", path, "--no-wait", "--wait-for-workers"], env)
+        mib, seconds, _ = peak_rss(["submit", "--pool", "vit", path, "--no-wait", "--wait-for-workers"], env)
         print(f"   submit's peak RSS {mib:7.1f} MiB   ({seconds:.1f} s)")
     finally:
         if os.path.exists(path):

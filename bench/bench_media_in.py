@@ -104,17 +104,26 @@ def reference(tmp):
               f"(results {results / 1024:.1f} KiB)")
 
 
-def peak_rss(argv, env, patch=""):
-    """Peak RSS (MiB, the process's own high-water mark) and seconds of `calque ARGV`, after `patch` (Python)."""
+def peak_rss(argv, env, patch="", queue=None):
+    """Peak RSS (MiB, the process's own high-water mark), seconds, and seconds to the first claim in `queue`
+    (None without one) of `calque ARGV`, after `patch` (Python)."""
     # VmHWM: this process image's own peak (getrusage's ru_maxrss keeps the forking parent's across exec)
     code = ("import atexit, re, sys\n"
             "atexit.register(lambda: print('peak-rss', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status')"
             ".read())[1], file=sys.stderr))\nimport calque\n" + patch + "\nsys.exit(calque.main(sys.argv[1:]))")
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    kib = int(next(line.split()[1] for line in out.stderr.splitlines() if line.startswith("peak-rss")))
-    return kib / 1024, time.perf_counter() - t0
+    child = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    first = None
+    while queue is not None and first is None and child.poll() is None:
+        if queue.counts()["visible"]:
+            first = time.perf_counter() - t0
+        time.sleep(0.01)
+    stderr = child.communicate()[1]
+    seconds = time.perf_counter() - t0
+    assert child.returncode == 0, stderr
+    kib = int(next(line.split()[1] for line in stderr.splitlines() if line.startswith("peak-rss")))
+    return kib / 1024, seconds, first
 
 
 def rss(tmp):
@@ -145,29 +154,9 @@ def rss(tmp):
         env = dict(os.environ, CALQUE_STORE=os.path.join(store, "store"), CALQUE_STATE=os.path.join(store, "state"))
         subprocess.run([sys.executable, os.path.join(ROOT, "calque.py"), "pool", "create", "--model", "m",
                         "--handler", HANDLER, "--workers", "0"], env=env, capture_output=True, check=True)
-        mib, seconds = peak_rss(["submit", "--pool", "m", items, "--no-wait", "--wait-for-workers"], env, patch)
+        mib, seconds, _ = peak_rss(["submit", "--pool", "m", items, "--no-wait", "--wait-for-workers"], env, patch)
         print(f"   {label:<32} peak RSS {mib:7.1f} MiB   {seconds:6.1f} s")
         shutil.rmtree(store)
-
-
-def submit_timed(argv, env, queue):
-    """`calque ARGV` as a child: (seconds to the first claim in `queue`, seconds to its exit, peak RSS MiB)."""
-    code = ("import atexit, re, sys\n"
-            "atexit.register(lambda: print('peak-rss', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status')"
-            ".read())[1], file=sys.stderr))\nimport calque\nsys.exit(calque.main(sys.argv[1:]))")
-    t0 = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-c", code, *argv], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    first = None
-    while child.poll() is None and first is None:
-        if queue.counts()["visible"]:
-            first = time.perf_counter() - t0
-        time.sleep(0.01)
-    stderr = child.communicate()[1]
-    total = time.perf_counter() - t0
-    assert child.returncode == 0, stderr
-    kib = int(next(line.split()[1] for line in stderr.splitlines() if line.startswith("peak-rss")))
-    return first, total, kib / 1024
 
 
 def listing(tmp):
@@ -193,8 +182,8 @@ def listing(tmp):
                 f.write(k.to_bytes(16, "little"))
         _, backend, record = make_pool(store, os.path.join(tmp, "listing-state", label), HANDLER, model="listing")
         queue = backend.queues.open_queue(record["queue"])
-        first, total, mib = submit_timed(["submit", "--pool", "listing", source, "--no-wait", "--wait-for-workers"],
-                                         dict(os.environ), queue)
+        mib, total, first = peak_rss(["submit", "--pool", "listing", source, "--no-wait", "--wait-for-workers"],
+                                     dict(os.environ), queue=queue)
         print(f"   {label:<17} first claim queued {first:5.2f} s   all {queue.counts()['visible']:,} claims "
               f"{total:6.1f} s   peak RSS {mib:6.1f} MiB")
         if per_folder:
