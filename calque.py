@@ -6159,12 +6159,14 @@ def write_result_files(backend, run, claims, folder, field):
                 without += line["ok"]
                 fields.update(dict.fromkeys(result if isinstance(result, dict) else ()))
                 continue
-            index = f"{line['i']:0{width}d}"
+            index, ext = f"{line['i']:0{width}d}", file_extension(value)
             stem = re.sub(r"[^A-Za-z0-9._-]+", "_", str(ids[k])).strip("._-")[:120] if ids else ""
-            while not stem or stem.lower() in taken:   # no id, or a name met before: the index tells apart
+            name = stem if stem.lower().endswith(ext) else stem + ext   # an id "a.wav" of WAV bytes: a.wav
+            while not stem or name.lower() in taken:   # no id, or a name met before: the index tells apart
                 stem = f"{stem}-{index}" if stem else index
-            taken.add(stem.lower())
-            with open(os.path.join(folder, stem + file_extension(value)), "wb") as f:
+                name = stem + ext
+            taken.add(name.lower())
+            with open(os.path.join(folder, name), "wb") as f:
                 f.write(value)
             files, size = files + 1, size + len(value)
     if not files and without:

@@ -35,10 +35,10 @@ KINDS = {".png": lambda: png((9, 9, 9)), ".jpg": lambda: image("JPEG"), ".gif": 
          ".mp3": lambda: b"ID3\x04\x00\x00\x00\x00\x00\x00", ".ogg": lambda: b"OggS\x00\x02",
          ".pdf": lambda: b"%PDF-1.4\n%%EOF\n", ".bin": lambda: b"\x00\x01RIFF"}
 # items of the dict-shaped run: ids that need making safe, one twice, one that is nothing once safe (named by
-# its index, 3), one that is another's index name, a failure
+# its index, 3), one that ends in its PNG's extension already, one that is another's index name, a failure
 ITEMS = [{"name": "cat/1 a", "color": [255, 0, 0], "frames": 100}, {"name": "cat/1 a", "color": [0, 255, 0],
          "frames": 200}, {"name": "dog", "color": [0, 0, 0], "frames": 1, "fail": 1},
-         {"name": "../..", "color": [0, 0, 255], "frames": 300}, {"name": "owl", "color": [9, 9, 9], "frames": 0},
+         {"name": "../..", "color": [0, 0, 255], "frames": 300}, {"name": "owl.PNG", "color": [9, 9, 9], "frames": 0},
          {"name": "3", "color": [1, 1, 1], "frames": 5}]
 
 
@@ -121,7 +121,7 @@ def test_jsonl_and_parquet_hold_the_bytes(runs, tmp_path):
 @pytest.mark.parametrize("spelling", SPELLINGS)
 def test_files_one_an_item_named_by_id_or_index(runs, tmp_path, spelling):
     """--files DIR --field png: one file an item, named by its id made safe (a clash, or an id with nothing safe
-    in it, takes the item's index); the bare run's files by their zero-padded index, each with its kind's
+    in it, takes the item's index), its kind's extension added unless the id ends in it; the bare run's files by their zero-padded index, each with its kind's
     extension; the failed item skipped and counted in the one line on stderr."""
     env, work, dicts, bare, blobs = runs
 
@@ -136,10 +136,11 @@ def test_files_one_an_item_named_by_id_or_index(runs, tmp_path, spelling):
                     f"skipped 1 (failed, or without field 'png')")
     assert {p.name: p.read_bytes() for p in (tmp_path / "png").iterdir()} == {
         "cat_1_a.png": png(ITEMS[0]["color"]), "cat_1_a-1.png": png(ITEMS[1]["color"]),
-        "3.png": png(ITEMS[3]["color"]), "owl.png": png(ITEMS[4]["color"]), "3-5.png": png(ITEMS[5]["color"])}
+        "3.png": png(ITEMS[3]["color"]), "owl.PNG": png(ITEMS[4]["color"]), "3-5.png": png(ITEMS[5]["color"])}
     files(dicts, "--files", str(tmp_path / "wav"), "--field", "wav")
     with wave.open(str(tmp_path / "wav" / "cat_1_a-1.wav")) as w:
         assert w.getnframes() == 200
+    assert (tmp_path / "wav" / "owl.PNG.wav").read_bytes() == wav(ITEMS[4]["frames"])   # another kind: its own
     assert "wrote 10 files" in files(bare, "--files", str(tmp_path / "bare"))
     named = [f"{k:02d}{ext}" for k, ext in enumerate(KINDS)]
     assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == sorted(named)
