@@ -275,6 +275,12 @@ def setting_number(conf, key, kind=float, minimum=None):
     return value
 
 
+def stop_seconds(conf):
+    """How long a signalled worker may take to stop: its grace for the running claim, or an idle
+    worker's long poll, which it lets end (SQS still sends a claim to a poll cut short)."""
+    return max(setting_number(conf, "CALQUE_GRACE"), setting_number(conf, "CALQUE_POLL_WAIT"))
+
+
 def now_iso(t=None):
     t = time.time() if t is None else t
     return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat(timespec="milliseconds")
@@ -5726,7 +5732,7 @@ def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads
                                                     threads_per_worker)
     if os.path.isdir(folder):
         write_file_atomic(os.path.join(folder, "desired"), "0")
-    supervisor_module().stop_supervisor(conf, model, setting_number(conf, "CALQUE_GRACE") + 10)
+    supervisor_module().stop_supervisor(conf, model, stop_seconds(conf) + 10)
     return None
 
 
@@ -5785,8 +5791,7 @@ class Pool:
                 raise UserError(f"pool {self.model} still has {depth['visible']} queued and "
                                 f"{depth['in_flight']} in-flight claim(s): wait for them (runs "
                                 "show RUN), or pass --force to delete them with the pool")
-        grace = setting_number(self.conf, "CALQUE_GRACE")
-        if not supervisor_module().stop_supervisor(self.conf, self.model, grace + 15):
+        if not supervisor_module().stop_supervisor(self.conf, self.model, stop_seconds(self.conf) + 15):
             raise UserError(f"pool {self.model}: its supervisor did not stop; "
                             f"see {state_dir(self.conf, self.model)}/supervisor.log, then retry")
         cancelled = cancel_pool_runs(self.backend, self.model) if force else {}
@@ -6401,8 +6406,7 @@ def cmd_pool_delete(conf, backend, args):
         if not args.yes and not args.dry_run:
             raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes "
                             f"(or previewed with --dry-run)")
-        grace = setting_number(conf, "CALQUE_GRACE")
-        supervisor_module().stop_supervisor(conf, args.model, grace + 15)
+        supervisor_module().stop_supervisor(conf, args.model, stop_seconds(conf) + 15)
         if args.force and not args.dry_run:
             print_cancelled(args.model, cancel_pool_runs(backend, args.model))
         import calque_ec2 as ec2

@@ -26,7 +26,7 @@ import calque
 from calque import (SCALE_INTERVAL, SUPERVISOR_TICK, NotFound, StoreFault, UserError, child_env,
                     desired_count, gpu_devices, load_pool, measured_seconds, now_iso, open_backend,
                     pid_alive, read_desired, read_scaling, read_state, read_supervisor,
-                    recent_summaries, setting_number, slug, state_dir, worker_stats_prefix,
+                    recent_summaries, slug, state_dir, stop_seconds, worker_stats_prefix,
                     write_file_atomic)
 
 RESTART_BACKOFF = (1.0, 30.0)   # s: first restart delay after a death without progress, doubling
@@ -143,7 +143,7 @@ def supervise(conf, model):
         print(f"supervisor {os.getpid()}: pool {model} already has a supervisor on this machine: "
               f"exit", flush=True)
         return
-    grace = setting_number(conf, "CALQUE_GRACE")
+    stop_wait = stop_seconds(conf)
     slots = {}            # slot -> {"proc", "started", "restarts", "not_before", "log", ...}
     restarts, stopping = 0, []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
@@ -167,7 +167,7 @@ def supervise(conf, model):
                  "workers": workers, "updated_at": now_iso()}))
             time.sleep(SUPERVISOR_TICK)
     finally:
-        _stop_workers([v["proc"] for v in slots.values() if v["proc"] is not None], grace)
+        _stop_workers([v["proc"] for v in slots.values() if v["proc"] is not None], stop_wait)
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, "supervisor.json"))
         print("supervisor: exit", flush=True)
@@ -445,18 +445,18 @@ def lease_gpus(conf, devices, per_worker, slot, sizing):
     return got, leases
 
 
-def _stop_workers(live, grace):
-    """SIGTERM every worker, wait out their grace (+5 s), then SIGKILL the ones still there."""
+def _stop_workers(live, stop_wait):
+    """SIGTERM every worker, wait `stop_wait` (stop_seconds) + 5 s, then SIGKILL the ones still there."""
     print(f"supervisor: stopping {len(live)} worker(s)", flush=True)
     for proc in live:
         with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + grace + 5
+    deadline = time.monotonic() + stop_wait + 5
     for proc in live:
         try:
             proc.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {grace + 5:.0f}s; "
+            print(f"supervisor: worker pid {proc.pid} ignored SIGTERM for {stop_wait + 5:.0f}s; "
                   f"killing it", flush=True)
             proc.kill()
 

@@ -900,7 +900,7 @@ class Worker:
         self.last_word = None            # how this process ends, when it knows (its last stats)
         self.poll_wait = (COLD_POLL_WAIT if ephemeral
                           else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0))
-        self.state = "starting"          # starting | polling | claim | between | stopping
+        self.state = "starting"          # starting | backoff | polling | claim | between | stopping
         self.stop_requested = False
         self.scaling_in = False          # a scale-in stop (SIGUSR1): a claim received still runs
         self.release_now = threading.Event()
@@ -1059,6 +1059,8 @@ class Worker:
             self.release_now.set()
             if self.state == "claim":
                 raise ReleaseNow()
+            if self.state in ("backoff", "polling"):
+                raise Interrupted()
             return
         self.stop_requested = True
         log.info("worker %s: %s: warm stop (no new claims; %.0fs grace for the running one)",
@@ -1067,8 +1069,11 @@ class Worker:
             timer = threading.Timer(self.grace, self.release_now.set)
             timer.daemon = True    # a claim that ends first does not wait for the grace
             timer.start()
-        elif self.state == "polling":
+        elif self.state == "backoff":
             raise Interrupted()
+        elif self.state == "polling":   # not cut short: see _loop_once
+            log.info("worker %s: stopping as this poll returns (within %.0fs; a second signal stops now)",
+                     self.worker_id, self.poll_wait)
 
     def on_scale_in(self, signum, frame):
         """SIGUSR1, the supervisor scaling in: no new claim; the running one finishes however long
@@ -1076,7 +1081,7 @@ class Worker:
         if not self.stop_requested:
             self.stop_requested = self.scaling_in = True
             log.info("worker %s: scale-in: no new claims; the running one finishes", self.worker_id)
-            if self.state == "polling":
+            if self.state == "backoff":
                 raise Interrupted()
 
     def on_sibling_death(self, signum, frame):
@@ -1148,13 +1153,15 @@ class Worker:
         if claim is None:
             counts = Counter(ahead.idle if ahead else ())
             try:
-                self.state = "polling"           # a signal cuts the backoff and the poll short
+                self.state = "backoff"           # a signal cuts it short
                 time.sleep(self.backoff)
                 self.state = "between"
                 with self.backend.requests.tally(counts):
                     message = self.queue.receive(0)   # a probe: a busy queue answers at once
-                if message is None:     # it looks empty: writes and acks go out before a wait
+                if message is None and not self.stop_requested:   # empty: writes and acks go out first
                     self.settle()
+                    # a first signal lets this poll end, not cut it short: SQS still sends a claim to an
+                    # abandoned poll, out of sight for its visibility timeout (should_stop ends a local one)
                     self.state = "polling"
                     wait = self.poll_wait
                     if self.stats_behind:

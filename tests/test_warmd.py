@@ -209,6 +209,34 @@ def test_idle_sigterm_exits_promptly(local_env):
     assert calque.read_worker_stats(backend, "m")[0]["state"] == "stopped"
 
 
+def test_a_stop_on_sqs_lets_the_idle_poll_end_and_gives_back_what_it_brings(aws_env, tmp_path):
+    """SQS still sends a claim to a long poll its worker cut short, out of sight for the visibility timeout
+    (600 s here). A first SIGTERM lets the poll end: a claim sent after the signal is given back at once, visible
+    to the next worker. A second signal cuts the poll short."""
+    env = dict(aws_env, CALQUE_POLL_WAIT="20")
+    backend = make_pool(env, "Echo", "--visibility-timeout", "600")
+    queue = backend.queues.open_queue(calque.load_pool(backend, "m")["queue"])
+    for signals in (1, 2):
+        path = tmp_path / f"worker-{signals}.log"
+        with open(path, "w") as log:
+            w = start_worker(env, "--model", "m", log=log)
+        wait_for(lambda: "@enter done" in path.read_text(), 30, "the worker to be warm")
+        time.sleep(1)   # past its first probe, into its long poll (the log line below proves it)
+        for _ in range(signals):
+            w.send_signal(signal.SIGTERM)
+            wait_for(lambda: "stopping as this poll returns" in path.read_text(), 10, "the signal to land in the poll")
+        if signals == 2:
+            assert w.wait(10) == 0 and "stop requested while polling" in path.read_text()
+            continue
+        run_id = submit_no_wait(env, tmp_path, [{"x": 1}], "--wait-for-workers")
+        assert w.wait(30) == 0
+        assert "let go (the worker stops)" in path.read_text()
+        assert queue.counts() == {"visible": 1, "in_flight": 0}
+        w2 = start_worker(env, "--model", "m")
+        assert wait_for(lambda: summary(backend, run_id), 30, "the claim given back to complete")["ok"] == 1
+        assert stop(w2) == 0
+
+
 class SpotStub(http.server.BaseHTTPRequestHandler):
     """The EC2 metadata service's IMDSv2 token and spot instance-action, on 127.0.0.1."""
     notice = False
