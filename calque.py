@@ -1273,12 +1273,15 @@ def aws_error_line(error):
 
 
 def aws_client_config(region):
-    """The botocore settings of every AWS client: standard retries, timeouts of seconds."""
+    """The botocore settings of every AWS client: standard retries, timeouts of seconds, and a
+    connection each for a worker's 16 fetch threads and the rest (botocore keeps 10: more are
+    opened, used once and dropped, with a warning each)."""
     import botocore.config
     retries = {"mode": "standard"}
     if "AWS_MAX_ATTEMPTS" not in os.environ:   # botocore's own retries a call, unless set
         retries["max_attempts"] = 5
-    return botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30)
+    return botocore.config.Config(region_name=region, retries=retries, connect_timeout=5, read_timeout=30,
+                                  max_pool_connections=32)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -281,6 +281,9 @@ def test_an_s3_prefix_is_read_where_it_is_and_a_local_folder_is_copied(aws_env, 
     assert (name, size, etag.startswith('"')) == ("img/000.jpg", len(files["img/000.jpg"]), True)
     media = sum(len(b) for b in files.values())
     assert stored_bytes(backend, run_id) < 0.05 * media, (stored_bytes(backend, run_id), media)
+    worker_log = (tmp_path / "state" / "pools" / "m" / "worker-0.log").read_text()
+    assert f"run {run_id} claim c00000: 16 items" in worker_log, worker_log   # the log of the run's worker
+    assert "Connection pool is full" not in worker_log   # a kept connection a fetch thread (aws_client_config)
     for name, data in files.items():
         (work / "photos" / name).parent.mkdir(parents=True, exist_ok=True)
         (work / "photos" / name).write_bytes(data)
