@@ -2411,8 +2411,8 @@ def unreadable_items(path, error):
     """The UserError for an items file that cannot be opened (missing, a folder, no permission)."""
     where = "" if os.path.isabs(path) else f", relative to {os.getcwd()}"
     return UserError(f"cannot read items file {path}: {error.strerror or error} ---> HINT: give "
-                     f"the path of a JSONL, .npy or .npz file, or of a Parquet or Arrow file or "
-                     f"folder (or - for stdin){where}")
+                     f"the path of a JSONL, .npy or .npz file, of a Parquet or Arrow file or "
+                     f"folder, of a folder of files or a quoted glob (or - for stdin){where}")
 
 
 def jsonl_blocks(stream, path):
@@ -3075,7 +3075,13 @@ class FileItems:
         found = (e for e in listed if e[0] and not e[0].endswith("/") and  # an S3 folder marker is no file
                  not any(p.startswith(".") for p in e[0].split("/")) and
                  (self.pattern is None or self.pattern.fullmatch(e[0])))
-        first = next(found, None)
+        try:
+            first = next(found, None)
+        except Exception as e:   # a bucket misspelt, or one this machine may not list
+            if _aws_error_info(e).get("Code") not in ("NoSuchBucket", "AccessDenied"):
+                raise
+            raise UserError(f"{self.where}: {aws_error_line(e)} ---> HINT: check the bucket's name, and that "
+                            f"this machine's credentials may list it") from None
         if first is None:
             raise UserError(f"{self.where}: no file there (hidden ones are skipped) ---> HINT: give a folder "
                             f"of files, a quoted glob such as 'photos/**/*.jpg', or an s3:// prefix")

@@ -265,7 +265,8 @@ def test_a_changed_or_vanished_object_fails_its_item_alone(idle_pool):
 def test_an_s3_prefix_is_read_where_it_is_and_a_local_folder_is_copied(aws_env, tmp_path):
     """On moto_server: `submit s3://bucket/media/` reads the objects by reference (ETag and size in the
     manifest, the run storing < 5 % of their bytes); the same files from a local folder are copied into the
-    store, and submit says so in one line; a prefix over the calque store itself is refused."""
+    store, and submit says so in one line; a prefix over the calque store itself, and one in no bucket, are
+    refused in one line."""
     work = tmp_path / "work"
     files = {f"img/{k:03d}.jpg": photo(128, 96, k) for k in range(40)}
     backend = make_pool(aws_env, "Decode", "--batch-size", "8", cwd=work if work.mkdir() is None else work)
@@ -296,6 +297,9 @@ def test_an_s3_prefix_is_read_where_it_is_and_a_local_folder_is_copied(aws_env, 
     assert stored_bytes(backend, copied) > media
     out = cli(aws_env, "submit", "--pool", "m", f"s3://{backend.store.bucket}/", cwd=work)
     assert out.returncode == 2 and "overlaps the calque store" in out.stderr, out.stderr
+    out = cli(aws_env, "submit", "--pool", "m", "s3://no-such-bucket-here/img/", cwd=work)   # a misspelt bucket
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "s3://no-such-bucket-here/img/: NoSuchBucket" in out.stderr and "HINT: check the bucket's name" in out.stderr
 
 
 def hf_parquet(path, images, row_group_size=None):
