@@ -3782,10 +3782,10 @@ def claim_results(backend, run_id, claim, count):
     return [ln for p in claim_parts(backend, run_id, claim, count) for ln in result_lines(p)]
 
 
-def claim_ids(backend, run, claim, field):
+def claim_ids(backend, run, claim, field, manifest=None):
     """The `field` of each of the claim's items, read from its manifest (by reference: a file's
     path, a Parquet column's values; a bytes value reads as null)."""
-    manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
+    manifest = manifest or json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
     if "refs" in manifest:
         return [name for name, _, _ in manifest["refs"]["objects"]]
     items = (rows_items(dict(manifest["rows"], columns=[field])) if "rows" in manifest else
@@ -4050,10 +4050,33 @@ def run_view(backend, run, summaries, dead_letters=True):
     if counts["queued or running"]:
         with contextlib.suppress(NotFound):
             queue = backend.queues.open_queue(run["queue"]).counts()
-    return {"complete": counts["done"] + counts["failed"] == len(run["claims"]),
+    view = {"complete": counts["done"] + counts["failed"] == len(run["claims"]),
             "claims": {claim: {"state": state, "detail": detail} for claim, (state, detail) in states.items()},
             "claim_counts": {state: counts[state] for state in CLAIM_STATES}, "items": items, "queue": queue,
             "items_running_done": running}
+    return dict(view, state=run_state(run, view))
+
+
+RUN_STATES = ("running", "done", "done with failures", "failed", "cancelled", "dead-lettered", "interrupted")
+
+
+def run_state(run, view):
+    """The run's one state of RUN_STATES, from its record and run_view's claims and items: the one
+    word every view gives a run (runs list, runs show, the dashboard; docs/contract.md)."""
+    counts, items = view["claim_counts"], view["items"]
+    if counts["cancelled"] or run.get("cancelled"):
+        return "cancelled"
+    if not run["staged"]:   # submit still cuts claims
+        return "running"
+    if counts["not queued"] or counts["in no queue"]:   # nothing runs those before runs resume
+        return "interrupted"
+    if counts["queued or running"]:
+        return "running"
+    if counts["dead-lettered"]:
+        return "dead-lettered"
+    if not items["failed"]:
+        return "done"
+    return "failed" if not items["ok"] else "done with failures"
 
 
 def claim_list(claims):
@@ -4081,9 +4104,10 @@ def next_step(run, state):
     return f"{command()} runs redrive {run['run_id']}"
 
 
-def format_run(run, summaries, view, results_uri):
-    """The lines `submit` and `runs show` print: items per outcome, claims per state, the claim
-    table, dead letters, errors, the results' place, what becomes of claims not run."""
+def format_run(run, summaries, view, results_uri, names):
+    """The lines `submit` and `runs show` print: items per outcome and the run's state, claims per
+    state, the claim table, dead letters, errors (failed items by `names`), the results' place,
+    what becomes of claims not run."""
     items, counts, queue = view["items"], view["claim_counts"], view["queue"]
     per_state = [f"{n} {state}" for state, n in counts.items() if n]
     if queue:
@@ -4092,7 +4116,7 @@ def format_run(run, summaries, view, results_uri):
     running = f" ({view['items_running_done']} of them done in running claims)" if view["items_running_done"] else ""
     lines = [f"run {run['run_id']} ({run['mode']}, model {run['model']}): {items['ok']} items ok, "
              f"{items['failed']} failed, {items['pending']} pending{running}, {items['dead_lettered']} "
-             f"dead-lettered, {items['cancelled']} cancelled (of {run['items']} items)",
+             f"dead-lettered, {items['cancelled']} cancelled (of {run['items']} items); state: {view['state']}",
              "  claims: " + ", ".join(per_state),
              f"  claim sizes: {format_sizes(claim_sizes(run))} ({run.get('sizing') or 'a fixed size'})",
              f"  {'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
@@ -4114,7 +4138,7 @@ def format_run(run, summaries, view, results_uri):
         index = last + 1
     lines += [f"  claim {claim} dead-lettered: {v['detail']}" for claim, v in view["claims"].items()
               if v["state"] == "dead-lettered"]
-    lines += format_item_errors(run, summaries)
+    lines += format_item_errors(run, summaries, names)
     lines.append(f"  results: {results_uri}  ({command()} runs results {run['run_id']})")
     cancelled = sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})
     why = f" ({'; '.join(cancelled)})"
@@ -4126,24 +4150,48 @@ def format_run(run, summaries, view, results_uri):
 
 
 def item_errors(summaries):
-    """[(message, [item indices])] of the failed items' kept messages, grouped with numbers blanked,
-    the most frequent first."""
+    """[(message, [item indices])] of the failed items' kept messages, one group per distinct
+    message (its count exact), the most frequent first."""
     groups = {}
     for s in summaries:
         for index, message in s.get("errors", {}).items():
-            groups.setdefault(re.sub(r"\d+", "#", message), (message, []))[1].append(int(index))
-    return sorted(groups.values(), key=lambda g: (-len(g[1]), min(g[1])))
+            groups.setdefault(message, []).append(int(index))
+    return sorted(groups.items(), key=lambda g: (-len(g[1]), min(g[1])))
 
 
-def format_item_errors(run, summaries):
-    """The report's failed items by error: count, first item indices, one message of each group."""
+def first_items(groups, count):
+    """The indices of the items a report names: the first few of each of its first `count` groups."""
+    return [i for _, indices in groups[:count] for i in sorted(indices)[:FIRST_ITEMS_SHOWN]]
+
+
+def item_names(backend, run, summaries, indices):
+    """{index: name} of these failed items: their --id-field value, else a file's path (one read of
+    the manifest of each claim holding some); an item with neither is named by its index."""
+    claim_of = {int(i): s["claim"] for s in summaries for i in s.get("errors", {})}
+    wanted, names = collections.defaultdict(list), {}
+    for i in indices:
+        wanted[claim_of[i]].append(i)
+    for claim, items in wanted.items():
+        with contextlib.suppress(NotFound):   # a manifest deleted: its items keep their indices
+            manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
+            ids = (claim_ids(backend, run, claim, run["id_field"], manifest) if run.get("id_field") else
+                   [name for name, _, _ in manifest["refs"]["objects"]] if "refs" in manifest else
+                   [item.get("path") if isinstance(item, dict) else None for item in manifest["items"]]
+                   if "bytes" in manifest else [])   # the bytes form: a copied file is {"path", "bytes"}
+            names.update((i, ids[i - manifest["first_index"]]) for i in items
+                         if i - manifest["first_index"] < len(ids))
+    return {i: str(name) for i, name in names.items() if name is not None}
+
+
+def format_item_errors(run, summaries, names):
+    """The report's failed items by error: count, message, the first items (by `names`, else index)."""
     failed = sum(len(s["failed"]) for s in summaries)
     if not failed:
         return []
     groups = item_errors(summaries)
     lines = [f"  failed items by error ({failed} failed):"]
     for message, indices in groups[:ERROR_GROUPS_SHOWN]:
-        first = ", ".join(map(str, sorted(indices)[:FIRST_ITEMS_SHOWN])) + (
+        first = ", ".join(names.get(i, str(i)) for i in sorted(indices)[:FIRST_ITEMS_SHOWN]) + (
             ", ..." if len(indices) > FIRST_ITEMS_SHOWN else "")
         lines.append(f"    {len(indices):>6} x {message}  (items {first})")
     if len(groups) > ERROR_GROUPS_SHOWN:
@@ -4155,14 +4203,23 @@ def format_item_errors(run, summaries):
     return lines
 
 
+def listed_run(backend, run):
+    """`runs list`'s record of a run: its record with its state and its items ok and failed (its
+    summaries read; no dead-letter scan, as the dashboard's)."""
+    view = run_view(backend, run, read_summaries(backend, run["run_id"]), dead_letters=False)
+    return dict(run, state=view["state"], ok=view["items"]["ok"], failed=view["items"]["failed"])
+
+
 def format_runs_list(runs, model=None):
-    """`runs list`: a header line, then a line a run, oldest first."""
+    """`runs list`: a header line, then a line a run (listed_run's), oldest first."""
     if not runs:
         return ["no runs" + (f" of model {model}" if model else "") + " in this store"]
     run_w, model_w = (max(len(field), *(len(r[field]) for r in runs)) for field in ("run_id", "model"))
-    return [f"{'run':<{run_w}}  {'mode':<5} {'model':<{model_w}} {'items':>9} {'claims':>7}  created"] + [
-        f"{r['run_id']:<{run_w}}  {r['mode']:<5} {r['model']:<{model_w}} {r['items']:>9,} {len(r['claims']):>7,}  "
-        f"{r['created_at']}" for r in runs]
+    state_w = max(len(r["state"]) for r in runs)
+    return [f"{'run':<{run_w}}  {'mode':<5} {'model':<{model_w}} {'items':>9} {'claims':>7} {'ok':>9} "
+            f"{'failed':>9}  {'state':<{state_w}}  created"] + [
+        f"{r['run_id']:<{run_w}}  {r['mode']:<5} {r['model']:<{model_w}} {r['items']:>9,} {len(r['claims']):>7,} "
+        f"{r['ok']:>9,} {r['failed']:>9,}  {r['state']:<{state_w}}  {r['created_at']}" for r in runs]
 
 
 def report_run(backend, run, summaries, as_json, out=sys.stdout):
@@ -4171,8 +4228,9 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
     if as_json:
         print(json.dumps({"run": run, "summaries": summaries, **view}, indent=1), file=out)
     else:
-        print("\n".join(format_run(run, summaries, view, backend.store.uri(f"runs/{run['run_id']}/results/"))),
-              file=out)
+        names = item_names(backend, run, summaries, first_items(item_errors(summaries), ERROR_GROUPS_SHOWN))
+        print("\n".join(format_run(run, summaries, view, backend.store.uri(f"runs/{run['run_id']}/results/"),
+                                   names)), file=out)
     all_ok = all(s["status"] == "ok" and not s["failed"] for s in summaries)
     return EXIT_OK if view["complete"] and all_ok else EXIT_FAILED
 
@@ -6591,7 +6649,7 @@ def few_malloc_arenas():
 
 
 def cmd_runs_list(conf, backend, args):
-    runs = list_runs(backend, args.model)
+    runs = [listed_run(backend, run) for run in list_runs(backend, args.model)]
     return emit(args, runs, format_runs_list, runs, args.model)
 
 

@@ -55,6 +55,9 @@ KIND_NAMES = {"enter": "@enter", "claim": "claim", "partial": "claim with failed
 LADDER_LINES = {"warm": "#2563eb", "cold": "#78716c", "serverless": "#9333ea"}
 OUTCOMES = {"ok": "#16a34a", "failed": "#dc2626", "dead_lettered": "#7f1d1d",
             "cancelled": "#a8a29e"}
+STATE_COLOURS = dict(zip(calque.RUN_STATES, (COLOURS["claim"], OUTCOMES["ok"], COLOURS["partial"],
+                                             OUTCOMES["failed"], OUTCOMES["cancelled"],
+                                             OUTCOMES["dead_lettered"], COLOURS["enter"])))
 esc = html.escape
 
 
@@ -73,6 +76,7 @@ class RunCache:
     def __init__(self, run):
         self.run, self.summaries, self.times, self.below, self.order = run, {}, {}, 0, []
         self.cost = None   # (summaries priced, run_cost_report's answer)
+        self.names = {}    # {index: name} of the failed items shown (calque.item_names)
 
     @property
     def complete(self):
@@ -108,7 +112,7 @@ class Dashboard:
     def __init__(self, conf, backend, price):
         self.conf, self.backend, self.price = conf, backend, price
         self.lock = threading.RLock()
-        self.runs, self.records, self.done_counts, self.pools = {}, {}, {}, {}
+        self.runs, self.records, self.pools = {}, {}, {}
         self.fresh = None   # during a request: what it has read already ("runs/", run ids)
 
     @contextlib.contextmanager
@@ -149,17 +153,9 @@ class Dashboard:
                     self.records[run_id] = calque.read_run(self.backend, run_id)
         return sorted(self.records.values(), key=lambda r: r["created_at"], reverse=True)
 
-    def done_claims(self, run):
-        """The run's claims with a summary: from its cache, else a LIST (kept once all are done)."""
-        if run["run_id"] in self.runs:
-            return len(self.run_cache(run["run_id"]).summaries)
-        if run["run_id"] not in self.done_counts:
-            run.update(calque.read_run(self.backend, run["run_id"]))   # how far staging got
-            count = len(calque.summary_claims(self.backend, run["run_id"]))
-            if count < len(run["claims"]) or not run["staged"]:
-                return count
-            self.done_counts[run["run_id"]] = count
-        return self.done_counts[run["run_id"]]
+    def outcome(self, cache):
+        """calque.run_view of a cached run (no dead-letter scan: see "Safe by default"), its state."""
+        return calque.run_view(self.backend, cache.run, cache.in_order(), dead_letters=False)
 
     def pool_status(self, model):
         """calque.pool_status, read again after POOL_TTL s (a missing pool's UserError too)."""
@@ -228,6 +224,7 @@ class Dashboard:
         cost, pool = self.run_cost(cache), cache.run["mode"] == "pool"
         return {"run_id": cache.run["run_id"], "mode": cache.run["mode"],
                 "claims": len(cache.run["claims"]), "done": len(cache.summaries),
+                "state": self.outcome(cache)["state"],
                 "cost_usd": cost[0]["total_usd"] if cost else None,
                 "cold_usd": cost[0]["cold"]["usd"] if cost and pool else None}
 
@@ -236,26 +233,32 @@ class Dashboard:
             records = self.run_records()
             pages = max(1, math.ceil(len(records) / RUNS_PER_PAGE))
             page = min(max(1, page), pages)
-            shown = records[(page - 1) * RUNS_PER_PAGE:page * RUNS_PER_PAGE]
+            shown = [self.run_cache(r["run_id"]) for r in
+                     records[(page - 1) * RUNS_PER_PAGE:page * RUNS_PER_PAGE]]
             return {"page": page, "pages": pages, "total": len(records), "runs": [
-                {"run_id": r["run_id"], "model": r["model"], "mode": r["mode"], "items": r["items"],
-                 "claims": len(r["claims"]), "done_claims": self.done_claims(r),
-                 "created_at": r["created_at"], "cancelled": bool(r.get("cancelled"))}
-                for r in shown]}
+                {"run_id": c.run["run_id"], "model": c.run["model"], "mode": c.run["mode"],
+                 "items": c.run["items"], "claims": len(c.run["claims"]),
+                 "done_claims": len(c.summaries), "created_at": c.run["created_at"],
+                 "cancelled": bool(c.run.get("cancelled")), "state": view["state"],
+                 "ok": view["items"]["ok"], "failed": view["items"]["failed"],
+                 "outcomes": view["items"]} for c, view in ((c, self.outcome(c)) for c in shown)]}
 
     def run_view(self, run_id):
         with self.lock:
             cache = self.run_cache(run_id)
             run, summaries, now = cache.run, cache.in_order(), time.time()
-            view = calque.run_view(self.backend, run, summaries, dead_letters=False)
+            view = self.outcome(cache)
             items = view["items"]
+            groups = calque.item_errors(summaries)
+            shown = [i for i in calque.first_items(groups, ERROR_GROUPS) if i not in cache.names]
+            cache.names.update(calque.item_names(self.backend, run, summaries, shown))
             rate = overall_rate(cache, now) if cache.complete else items_now([cache], now)
             stats = self.pool_stats(run["model"]) if run["mode"] == "pool" else []
             return {
                 "run_id": run_id, "model": run["model"], "mode": run["mode"],
                 "created_at": run["created_at"], "items_total": run["items"],
                 "claims_total": len(run["claims"]), "complete": view["complete"],
-                "cancelled": run.get("cancelled"), "items": items,
+                "state": view["state"], "cancelled": run.get("cancelled"), "items": items,
                 "claim_counts": view["claim_counts"],
                 "queue": view["queue"], "items_per_second": rate,
                 "eta_seconds": items["pending"] / rate if rate and items["pending"] else None,
@@ -264,7 +267,8 @@ class Dashboard:
                 if run["items"] else 1.0,
                 "rate_series": rate_series(cache, now),
                 "timeline": timeline([cache], stats, live=bool(items["pending"])),
-                "failures": failures(summaries, view), "cost": cost_view(self.run_cost(cache)),
+                "failures": failures(groups, view, cache.names),
+                "cost": cost_view(self.run_cost(cache)),
                 "logs": worker_logs(self.conf, run, self.backend)}
 
 
@@ -435,15 +439,17 @@ def timeline(caches, stats, live):
             "rows_hidden": hidden}
 
 
-def failures(summaries, view):
-    """Failed items grouped by error (count, first items, a message); dead-lettered claims."""
-    groups, dead = calque.item_errors(summaries), {}
+def failures(groups, view, names):
+    """Failed items by error (calque.item_errors' groups: message, count, first items by `names`,
+    else index); dead-lettered claims."""
+    dead = {}
     for claim, v in view["claims"].items():
         if v["state"] == "dead-lettered":
             dead.setdefault(v["detail"], []).append(claim)
     return {"failed_items": view["items"]["failed"],
             "groups": [{"message": message, "count": len(indices),
-                        "first_items": sorted(indices)[:calque.FIRST_ITEMS_SHOWN]}
+                        "first_items": [names.get(i, i) for i in
+                                        sorted(indices)[:calque.FIRST_ITEMS_SHOWN]]}
                        for message, indices in groups[:ERROR_GROUPS]],
             "groups_hidden": max(0, len(groups) - ERROR_GROUPS),
             "dead_lettered": [{"reason": reason, "claims": calque.claim_list(claims)}
@@ -486,7 +492,7 @@ border-bottom:1px solid var(--line)}th{color:var(--mute);font-weight:500;font-si
 .n{text-align:right;font-variant-numeric:tabular-nums}.mute{color:var(--mute)}
 .msg{white-space:pre-wrap;word-break:break-word}a{color:#1d4ed8}
 .bar{display:flex;height:18px;border-radius:4px;overflow:hidden;background:var(--line);margin:6px 0}
-.bar span{display:block}.thin{height:7px;margin:2px 0;background:none}
+.bar span{display:block}.thin{height:7px;margin:2px 0;background:none}.track{background:var(--line)}
 .figs{display:flex;gap:24px;flex-wrap:wrap;margin:6px 0 12px}.figs b{font-size:18px;display:block}
 .key{display:inline-block;width:10px;height:10px;border-radius:2px;margin:0 4px 0 10px}
 pre{background:#1c1917;color:#e7e5e4;padding:8px 10px;border-radius:6px;overflow-x:auto;
@@ -596,23 +602,31 @@ def pools_table(pools):
             f"</tr>{rows}</table>")
 
 
+def state_pill(state):
+    """A run's state (calque.run_state) in its colour."""
+    return (f"<span class=pill data-state='{esc(state)}' style='background:{STATE_COLOURS[state]};"
+            f"color:#fff'>{esc(state)}</span>")
+
+
 def runs_table(view, base):
     if not view["runs"]:
         return '<p class="mute">no runs yet</p>'
     rows = []
     for r in view["runs"]:
-        done = r["done_claims"] / r["claims"] if r["claims"] else 1
-        state = "cancelled" if r["cancelled"] else "done" if done == 1 else "running"
+        total = max(r["items"], 1)
+        bar = "".join(f"<span style='width:{r['outcomes'][k] / total:.1%};background:{c}'></span>"
+                      for k, c in OUTCOMES.items() if r["outcomes"][k])
         rows.append(f"<tr><td>{link('runs', r['run_id'])}</td><td>{esc(r['model'])}</td>"
                     f"<td>{esc(r['mode'])}</td><td class=n>{r['items']:,}</td>"
-                    f"<td style='width:160px'><div class='bar thin'><span style='width:{done:.1%};"
-                    f"background:{COLOURS['claim']}'></span></div></td>"
-                    f"<td class=n>{r['done_claims']}/{r['claims']}</td><td>{state}</td>"
+                    f"<td style='width:160px'><div class='bar thin track'>{bar}</div></td>"
+                    f"<td class=n>{r['ok']:,}</td><td class=n>{r['failed']:,}</td>"
+                    f"<td>{state_pill(r['state'])}</td>"
                     f"<td class=mute>{esc(r['created_at'])}</td></tr>")
     pager = " ".join(f'<a href="{base}?page={p}">{p}</a>' if p != view["page"] else f"<b>{p}</b>"
                      for p in range(1, view["pages"] + 1)) if view["pages"] > 1 else ""
     return ("<table><tr><th>run</th><th>model</th><th>mode</th><th class=n>items</th>"
-            "<th>progress</th><th class=n>claims</th><th>state</th><th>created</th></tr>"
+            "<th>items by outcome</th><th class=n>ok</th><th class=n>failed</th><th>state</th>"
+            "<th>created</th></tr>"
             f"{''.join(rows)}</table><p class=mute>{view['total']} run(s), newest first. "
             f"{pager}</p>")
 
@@ -751,7 +765,8 @@ def progress(view):
 def run_body(v):
     model = link("pools", v["model"]) if v["mode"] == "pool" else esc(v["model"])
     cancelled = f"; cancelled: {esc(v['cancelled']['reason'])}" if v["cancelled"] else ""
-    parts = [f"<h1>run {esc(v['run_id'])} <span class=pill>{esc(v['mode'])}</span></h1>"
+    parts = [f"<h1>run {esc(v['run_id'])} <span class=pill>{esc(v['mode'])}</span> "
+             f"{state_pill(v['state'])}</h1>"
              f"<p class=mute>model {model}, {v['items_total']:,} items in {v['claims_total']:,} "
              f"claims, created {esc(v['created_at'])}{cancelled}</p>",
              f"<section><h2>progress</h2>{progress(v)}</section>",
@@ -828,7 +843,7 @@ def workers_section(workers):
 
 def pool_cost_section(v):
     rows = "".join(f"<tr><td>{link('runs', r['run_id'])}"
-                   f"{' <span class=pill>cold</span>' * (r['mode'] == 'cold')}"
+                   f"{' <span class=pill>cold</span>' * (r['mode'] == 'cold')} {state_pill(r['state'])}"
                    f"</td><td style='width:30%'>{cost_pair(r)}</td><td class=n>"
                    f"{usd(r['cost_usd'])}</td><td class=n>{usd(r['cold_usd'])}</td></tr>"
                    for r in v["runs"] if r["cost_usd"])

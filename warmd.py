@@ -87,6 +87,7 @@ WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), d
 RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery
 POISON_DEATHS = 2           # lone-run deaths that quarantine an item as poison (+1 under churn)
 CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then returned) marks churn
+BYTES_REPR = re.compile(r"<_io\.BytesIO object at 0x[0-9a-fA-F]+>")   # a decoder's name for its bytes
 WATCHDOG_TICK = 1.0         # s between two checks of the handler call (batch_timeout/4 if less)
 OVERRUN_WAIT = 1.0          # s the watchdog waits on the claim ahead and the finisher at exit
 OUTPUT_FLUSH = 1.0          # s between two chunks of what handler code prints, written to the store
@@ -413,7 +414,7 @@ def format_each(outcome, base):
             except Exception as e:
                 value = f"result is not JSON-serialisable: {type(e).__name__}: {e}"
         failed.append(i)
-        errors[str(i)] = value[:calque.ERROR_CHARS]
+        errors[str(i)] = (getattr(value, "kept", None) or value)[:calque.ERROR_CHARS]
         line = {"i": i, "ok": False, "error": value[:calque.ERROR_CHARS]}
         if getattr(value, "trace", None):   # an ItemError's frames (none for a wrong result count)
             line["trace"] = value.trace
@@ -426,13 +427,20 @@ def format_each(outcome, base):
 
 
 class ItemError(str):
-    """A failed item's message ("ValueError: ..."), with `trace`: the frames where it was raised."""
-    trace = ()
+    """A failed item's message ("ValueError: ..."), with `trace`: the frames where it was raised,
+    and `kept`: the message its claim's summary keeps, where one about another file is the same."""
+    trace, kept = (), None
 
 
-def item_error(error):
-    """The ItemError of a handler's exception for one item, with its last frames."""
-    message = ItemError(f"{type(error).__name__}: {error}")
+def item_error(error, payload=None):
+    """The ItemError of a handler's exception for one item, with its last frames. A BytesIO's
+    address in it (a decoder's name for the bytes it was given) is the file's path in the result
+    line, where the item is a file {"path", "bytes"}, and "<the item's bytes>" in the summary."""
+    text = f"{type(error).__name__}: {error}"
+    path = payload.get("path") if isinstance(payload, dict) else None
+    kept = BYTES_REPR.sub("<the item's bytes>", text)
+    message = ItemError(BYTES_REPR.sub(lambda _: repr(path), text) if isinstance(path, str) else kept)
+    message.kept = kept
     message.trace = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}: {f.line}"
                      for f in traceback.extract_tb(error.__traceback__)[-calque.TRACE_FRAMES:]]
     return message
@@ -1887,7 +1895,7 @@ class Worker:
                 except ValueError as e:
                     outcome.append((False, str(e)))
             except Exception as e:
-                outcome.append((False, item_error(e)))
+                outcome.append((False, item_error(e, payload)))
             model += self.model_clock() - t0
         return outcome, model, wait
 

@@ -45,10 +45,10 @@ def stop(proc):
     assert proc.wait(30) == 0
 
 
-def totals(run_id, ok=0, failed=0, pending=0, dead=0, cancelled=0, mode="pool"):
+def totals(run_id, state, ok=0, failed=0, pending=0, dead=0, cancelled=0, mode="pool"):
     """The first line of a run's report."""
     return (f"run {run_id} ({mode}, model m): {ok} items ok, {failed} failed, {pending} pending, {dead} dead-lettered, "
-            f"{cancelled} cancelled (of {ok + failed + pending + dead + cancelled} items)")
+            f"{cancelled} cancelled (of {ok + failed + pending + dead + cancelled} items); state: {state}")
 
 
 def test_interrupted_submit_then_resume_runs_every_item_once(local_env, tmp_path):
@@ -73,7 +73,7 @@ def test_interrupted_submit_then_resume_runs_every_item_once(local_env, tmp_path
     show = cli(local_env, "runs", "show", run_id)
     lines = show.stdout.splitlines()
     assert show.returncode == 1
-    assert lines[:2] == [totals(run_id, pending=1000), f"  claims: {sent} queued or running (calque-pool-m: "
+    assert lines[:2] == [totals(run_id, "interrupted", pending=1000), f"  claims: {sent} queued or running (calque-pool-m: "
                          f"{queued['visible']} visible, 0 in flight), {1000 - sent} not queued"]
     assert lines[-2:] == [f"  not finished: {sent} claim(s) still pending; the run goes on ---> HINT: wait, or read "
                           f"it later: python calque.py runs show {run_id}",
@@ -83,7 +83,7 @@ def test_interrupted_submit_then_resume_runs_every_item_once(local_env, tmp_path
     resume = cli(local_env, "runs", "resume", run_id, "--timeout", "120")
     assert resume.returncode == 0, resume.stderr
     assert f"run {run_id}: {1000 - sent} claim(s) not sent before now sent to calque-pool-m\n" in resume.stderr
-    assert resume.stdout.splitlines()[:2] == [totals(run_id, ok=1000), "  claims: 1000 done"]
+    assert resume.stdout.splitlines()[:2] == [totals(run_id, "done", ok=1000), "  claims: 1000 done"]
     results = cli(local_env, "runs", "results", run_id)
     said(results, 0, stderr="")
     assert [(r["i"], r["result"]["y"]) for r in map(json.loads, results.stdout.splitlines())] == \
@@ -131,7 +131,7 @@ def test_cancel_marks_unfinished_claims_and_workers_ack_them_unrun(local_env, tm
     show = cli(env, "runs", "show", run_id)
     lines = show.stdout.splitlines()
     assert show.returncode == 1
-    assert lines[:2] == [totals(run_id, ok=10, cancelled=15), "  claims: 1 done, 2 cancelled"]
+    assert lines[:2] == [totals(run_id, "cancelled", ok=10, cancelled=15), "  claims: 1 done, 2 cancelled"]
     assert lines[5].split() == ["c00001"] + ["-"] * 6 + "cancelled (through c00002: 2 claims)".split()
     assert lines[-1] == ("  not finished: 2 claim(s) were cancelled (runs cancel): nothing will run them ---> HINT: "
                          "submit those items again")
@@ -177,10 +177,10 @@ def test_dead_letters_are_reported_then_redriven(aws_env, tmp_path):
             f"redrive {run_id}")
     assert proc.returncode == 1
     lines = out.splitlines()
-    assert lines[:2] == [totals(run_id, dead=20), "  claims: 2 dead-lettered"]
+    assert lines[:2] == [totals(run_id, "dead-lettered", dead=20), "  claims: 2 dead-lettered"]
     assert sorted(expected) == sorted(lines[5:7]) and hint in lines, out
     show = cli(aws_env, "runs", "show", run_id)
-    assert show.returncode == 1 and show.stdout.splitlines()[0] == totals(run_id, dead=20)
+    assert show.returncode == 1 and show.stdout.splitlines()[0] == totals(run_id, "dead-lettered", dead=20)
     assert show.stdout.splitlines()[-1] == hint
     assert dlq.counts() == {"visible": 2, "in_flight": 0}      # looked at, left in place
     said(cli(aws_env, "runs", "results", run_id), 1, "", f"calque: error: run {run_id}: no results for 2 claim(s) "
@@ -197,7 +197,7 @@ def test_dead_letters_are_reported_then_redriven(aws_env, tmp_path):
     worker = start_worker(aws_env, "--model", "m")
     wait_for(lambda: len(calque.summary_claims(backend, run_id)) == 2, 60, "the redriven claims' summaries")
     stop(worker)
-    assert cli(aws_env, "runs", "show", run_id).stdout.splitlines()[:2] == [totals(run_id, ok=20), "  claims: 2 done"]
+    assert cli(aws_env, "runs", "show", run_id).stdout.splitlines()[:2] == [totals(run_id, "done", ok=20), "  claims: 2 done"]
     results = cli(aws_env, "runs", "results", run_id)
     assert [r["i"] for r in map(json.loads, results.stdout.splitlines())] == list(range(20))
     said(cli(aws_env, "runs", "redrive", run_id), 0, f"run {run_id}: no dead-lettered claim: nothing to redrive\n")
@@ -218,7 +218,7 @@ def test_pool_delete_force_stops_a_waiting_submit(local_env, tmp_path):
     out, _ = proc.communicate(timeout=60)
     lines = out.splitlines()
     assert proc.returncode == 1
-    assert lines[:2] == [totals(run_id, cancelled=5), "  claims: 1 cancelled"]
+    assert lines[:2] == [totals(run_id, "cancelled", cancelled=5), "  claims: 1 cancelled"]
     assert ("  not finished: 1 claim(s) were cancelled (pool deleted): nothing will run them ---> HINT: submit those "
             "items again") in lines
 
@@ -292,8 +292,8 @@ def test_results_to_a_file_say_what_they_wrote_and_runs_list_has_a_header(local_
         run.to_numpy("embedding")
     assert run.to_numpy("y").tolist() == [0, 2, 4, 6, 8]
     header, line = cli(local_env, "runs", "list").stdout.splitlines()
-    assert header.split() == ["run", "mode", "model", "items", "claims", "created"]
-    assert line.split()[:5] == [run_id, "pool", "m", "5", "3"]
+    assert header.split() == ["run", "mode", "model", "items", "claims", "ok", "failed", "state", "created"]
+    assert line.split()[:8] == [run_id, "pool", "m", "5", "3", "5", "0", "done"]
     assert header.index("items") + 5 == line.index(" 5 ") + 2   # right-aligned under its header
     said(cli(local_env, "runs", "list", "--model", "other"), 0, "no runs of model other in this store\n")
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0

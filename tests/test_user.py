@@ -89,13 +89,14 @@ def test_workers_default_and_no_live_worker(local_env, tmp_path):
 
 def test_errors_results_ids_and_the_working_directory(local_env, tmp_path):
     """The user's folder is the workers' working directory; submit prints failed items grouped by error with their
-    indices; runs results --failed carries the trace, --id-field the user's ids; `| head` is quiet."""
+    ids; runs results --failed carries the trace, --id-field the user's ids; `| head` is quiet."""
     folder = user_folder(tmp_path)
     assert run(local_env, folder, "pool", "create", "--model", "m", "--handler", "model.py:Model").returncode == 0
     out = run(local_env, folder, "submit", "--pool", "m", "items.jsonl", "--id-field", "id", "--claim-size", "2")
     assert out.returncode == 1, out.stderr
     assert "  failed items by error (2 failed):" in out.stdout
-    assert "         2 x ValueError: item 2 asked to fail  (items 1, 3)" in out.stdout
+    assert "         1 x ValueError: item 2 asked to fail  (items b)" in out.stdout   # each message, by --id-field
+    assert "         1 x ValueError: item 4 asked to fail  (items d)" in out.stdout
     run_id = json.loads(run(local_env, folder, "runs", "list", "--json").stdout)[-1]["run_id"]
     failed = [json.loads(line) for line in
               run(local_env, folder, "runs", "results", run_id, "--failed").stdout.splitlines()]
