@@ -4166,9 +4166,9 @@ def first_items(groups, count):
 
 def item_names(backend, run, summaries, indices):
     """{index: name} of these failed items: their --id-field value, else a file's path (one read of
-    the manifest of each claim holding some); an item with neither is named by its index."""
+    the manifest of each claim holding some), else their index."""
     claim_of = {int(i): s["claim"] for s in summaries for i in s.get("errors", {})}
-    wanted, names = collections.defaultdict(list), {}
+    wanted, names = collections.defaultdict(list), dict(zip(indices, indices))
     for i in indices:
         wanted[claim_of[i]].append(i)
     for claim, items in wanted.items():
@@ -4178,9 +4178,11 @@ def item_names(backend, run, summaries, indices):
                    [name for name, _, _ in manifest["refs"]["objects"]] if "refs" in manifest else
                    [item.get("path") if isinstance(item, dict) else None for item in manifest["items"]]
                    if "bytes" in manifest else [])   # the bytes form: a copied file is {"path", "bytes"}
-            names.update((i, ids[i - manifest["first_index"]]) for i in items
-                         if i - manifest["first_index"] < len(ids))
-    return {i: str(name) for i, name in names.items() if name is not None}
+            for i in items:
+                k = i - manifest["first_index"]
+                if k < len(ids) and ids[k] is not None:
+                    names[i] = ids[k]
+    return names
 
 
 def format_item_errors(run, summaries, names):
@@ -4191,7 +4193,7 @@ def format_item_errors(run, summaries, names):
     groups = item_errors(summaries)
     lines = [f"  failed items by error ({failed} failed):"]
     for message, indices in groups[:ERROR_GROUPS_SHOWN]:
-        first = ", ".join(names.get(i, str(i)) for i in sorted(indices)[:FIRST_ITEMS_SHOWN]) + (
+        first = ", ".join(str(names.get(i, i)) for i in sorted(indices)[:FIRST_ITEMS_SHOWN]) + (
             ", ..." if len(indices) > FIRST_ITEMS_SHOWN else "")
         lines.append(f"    {len(indices):>6} x {message}  (items {first})")
     if len(groups) > ERROR_GROUPS_SHOWN:

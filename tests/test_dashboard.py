@@ -122,7 +122,8 @@ def test_api_figures_escaping_token_and_report(local_env, tmp_path, serve_dashbo
 
 
 def test_refresh_reads_only_new_summaries(tmp_path, monkeypatch):
-    """A refresh of a live run GETs its record and the new summaries only; a complete run is not read again."""
+    """A refresh of a live run GETs its record, the new summaries and the manifests of claims holding failed items
+    newly shown, once; a complete run is not read again."""
     monkeypatch.setattr(dashboard, "POOL_TTL", 3600.0)   # the pool's status read once, however slow the test
     backend = calque.open_backend(str(tmp_path / "store"))
     board = dashboard.Dashboard({"CALQUE_STATE": str(tmp_path / "state")}, backend, calque.pricing())
@@ -135,7 +136,8 @@ def test_refresh_reads_only_new_summaries(tmp_path, monkeypatch):
         assert view["items"]["ok"] + view["items"]["failed"] == stop * 10 and view["items"]["pending"] == (
             200 - stop) * 10
     pool_record = 1   # the pool's status, for its workers' @enter: a GET of its record (missing here)
-    assert reads == [1 + 50 + pool_record, 1 + 30, 1, 1 + 120, 0]
+    named = 1         # the manifest of a claim holding a failed item first shown (its name), read once
+    assert reads == [1 + 50 + pool_record + named, 1 + 30 + named, 1, 1 + 120 + 2 * named, 0]
 
 
 def test_browser_sees_a_run_drain(local_env, tmp_path, serve_dashboard):
@@ -183,6 +185,44 @@ def test_browser_sees_a_run_drain(local_env, tmp_path, serve_dashboard):
         (gate / "open").touch()
         browser.close()
     if os.environ.get("CALQUE_SCREENSHOTS"):   # where to keep them (docs/dashboard.png is one)
+        shutil.copytree(shots, os.environ["CALQUE_SCREENSHOTS"], dirs_exist_ok=True)
+
+
+def test_browser_draws_failed_and_cancelled_runs_as_they_are(local_env, tmp_path, serve_dashboard):
+    """A run whose 50 items all failed and a cancelled run, in Chromium: the runs list says `failed` and
+    `cancelled` (not done), each run's bar is red or grey by its items' outcomes (not a full bar of progress),
+    /api/runs carries the state and the ok / failed counts, and the failed run's page says `failed`."""
+    binary, why = chromium_path()
+    if binary is None:
+        pytest.skip(f"no headless Chromium: {why}")
+    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo").returncode == 0
+    items = write_items(tmp_path / "items.jsonl", [{"x": i, "fail": 1} for i in range(50)])
+    failed = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "20").stdout.split()[1]
+    assert cli(local_env, "pool", "create", "--model", "idle", "--handler", f"{HANDLERS}:Echo", "--workers",
+               "0").returncode == 0
+    cancelled = cli(local_env, "submit", "--pool", "idle", items, "--no-wait").stdout.strip()
+    assert cli(local_env, "runs", "cancel", cancelled).returncode == 0
+    base, shots = serve_dashboard(), tmp_path / "screenshots"
+    shots.mkdir()
+    api = {r["run_id"]: r for r in json.loads(get(f"{base}/api/runs")[2])["runs"]}
+    assert [(api[r]["state"], api[r]["ok"], api[r]["failed"]) for r in (failed, cancelled)] == [
+        ("failed", 0, 50), ("cancelled", 0, 0)]
+    browser = Browser(binary)
+    try:
+        browser.open(f"{base}/runs")
+        rows = browser.value("Object.fromEntries([...document.querySelectorAll('tr')].slice(1).map(tr => ["
+                             "tr.cells[0].textContent, [tr.cells[7].textContent, [...tr.cells[4].querySelectorAll("
+                             "'span')].map(s => [getComputedStyle(s).backgroundColor, s.style.width])]]))")
+        assert rows == {failed: ["failed", [["rgb(220, 38, 38)", "100%"]]],
+                        cancelled: ["cancelled", [["rgb(168, 162, 158)", "100%"]]]}, rows
+        browser.screenshot(shots / "runs-failed.png")
+        browser.open(f"{base}/runs/{failed}")
+        assert browser.value("document.querySelector('h1 [data-state]').textContent") == "failed"
+        browser.screenshot(shots / "run-failed.png")
+        assert browser.problems == []
+    finally:
+        browser.close()
+    if os.environ.get("CALQUE_SCREENSHOTS"):
         shutil.copytree(shots, os.environ["CALQUE_SCREENSHOTS"], dirs_exist_ok=True)
 
 
