@@ -2281,7 +2281,13 @@ def claims_progress(backend, run_id, claims):
 
 
 def read_summaries(backend, run_id):
-    return [read_json(backend, k) for k in list_summaries(backend, run_id)]
+    """The run's summaries in key order: STORE_WRITERS GETs at a time on S3 (each waits on the
+    network), one at a time locally (a read is CPU: threads would contend)."""
+    keys = list_summaries(backend, run_id)
+    if backend.kind == "local":
+        return [read_json(backend, k) for k in keys]
+    with ThreadPoolExecutor(STORE_WRITERS) as readers:
+        return list(readers.map(lambda key: read_json(backend, key), keys))
 
 
 def read_worker_stats(backend, model):
