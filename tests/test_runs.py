@@ -198,6 +198,8 @@ def test_dead_letters_are_reported_then_redriven(aws_env, tmp_path):
     wait_for(lambda: len(calque.summary_claims(backend, run_id)) == 2, 60, "the redriven claims' summaries")
     stop(worker)
     assert cli(aws_env, "runs", "show", run_id).stdout.splitlines()[:2] == [totals(run_id, "done", ok=20), "  claims: 2 done"]
+    [listed] = json.loads(cli(aws_env, "runs", "list", "--json").stdout)   # its summaries read from S3
+    assert (listed["state"], listed["ok"], listed["failed"]) == ("done", 20, 0)
     results = cli(aws_env, "runs", "results", run_id)
     assert [r["i"] for r in map(json.loads, results.stdout.splitlines())] == list(range(20))
     said(cli(aws_env, "runs", "redrive", run_id), 0, f"run {run_id}: no dead-lettered claim: nothing to redrive\n")
