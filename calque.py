@@ -4063,7 +4063,8 @@ def run_view(backend, run, summaries, dead_letters=True):
     return dict(view, state=run_state(run, view))
 
 
-RUN_STATES = ("running", "done", "done with failures", "failed", "cancelled", "dead-lettered", "interrupted")
+RUN_STATES = ("running", "done", "done with failures", "failed", "cancelled", "dead-lettered",
+              "interrupted")
 
 
 def run_state(run, view):
@@ -4122,7 +4123,8 @@ def format_run(run, summaries, view, results_uri, names):
     running = f" ({view['items_running_done']} of them done in running claims)" if view["items_running_done"] else ""
     lines = [f"run {run['run_id']} ({run['mode']}, model {run['model']}): {items['ok']} items ok, "
              f"{items['failed']} failed, {items['pending']} pending{running}, {items['dead_lettered']} "
-             f"dead-lettered, {items['cancelled']} cancelled (of {run['items']} items); state: {view['state']}",
+             f"dead-lettered, {items['cancelled']} cancelled (of {run['items']} items); "
+             f"state: {view['state']}",
              "  claims: " + ", ".join(per_state),
              f"  claim sizes: {format_sizes(claim_sizes(run))} ({run.get('sizing') or 'a fixed size'})",
              f"  {'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
@@ -4166,7 +4168,7 @@ def item_errors(summaries):
 
 
 def first_items(groups, count):
-    """The indices of the items a report names: the first few of each of its first `count` groups."""
+    """The indices of the items a report names: the first few of its first `count` groups'."""
     return [i for _, indices in groups[:count] for i in sorted(indices)[:FIRST_ITEMS_SHOWN]]
 
 
@@ -4180,10 +4182,11 @@ def item_names(backend, run, summaries, indices):
     for claim, items in wanted.items():
         with contextlib.suppress(NotFound):   # a manifest deleted: its items keep their indices
             manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
-            ids = (claim_ids(backend, run, claim, run["id_field"], manifest) if run.get("id_field") else
+            field = run.get("id_field")
+            ids = (claim_ids(backend, run, claim, field, manifest) if field else
                    [name for name, _, _ in manifest["refs"]["objects"]] if "refs" in manifest else
-                   [item.get("path") if isinstance(item, dict) else None for item in manifest["items"]]
-                   if "bytes" in manifest else [])   # the bytes form: a copied file is {"path", "bytes"}
+                   [item.get("path") if isinstance(item, dict) else None
+                    for item in manifest["items"]] if "bytes" in manifest else [])   # a copied file
             for i in items:
                 k = i - manifest["first_index"]
                 if k < len(ids) and ids[k] is not None:
@@ -4192,7 +4195,7 @@ def item_names(backend, run, summaries, indices):
 
 
 def format_item_errors(run, summaries, names):
-    """The report's failed items by error: count, message, the first items (by `names`, else index)."""
+    """The report's failed items by error: count, message, its first items (by `names`)."""
     failed = sum(len(s["failed"]) for s in summaries)
     if not failed:
         return []
@@ -4224,10 +4227,11 @@ def format_runs_list(runs, model=None):
         return ["no runs" + (f" of model {model}" if model else "") + " in this store"]
     run_w, model_w = (max(len(field), *(len(r[field]) for r in runs)) for field in ("run_id", "model"))
     state_w = max(len(r["state"]) for r in runs)
-    return [f"{'run':<{run_w}}  {'mode':<5} {'model':<{model_w}} {'items':>9} {'claims':>7} {'ok':>9} "
-            f"{'failed':>9}  {'state':<{state_w}}  created"] + [
-        f"{r['run_id']:<{run_w}}  {r['mode']:<5} {r['model']:<{model_w}} {r['items']:>9,} {len(r['claims']):>7,} "
-        f"{r['ok']:>9,} {r['failed']:>9,}  {r['state']:<{state_w}}  {r['created_at']}" for r in runs]
+    return [f"{'run':<{run_w}}  {'mode':<5} {'model':<{model_w}} {'items':>9} {'claims':>7} "
+            f"{'ok':>9} {'failed':>9}  {'state':<{state_w}}  created"] + [
+        f"{r['run_id']:<{run_w}}  {r['mode']:<5} {r['model']:<{model_w}} {r['items']:>9,} "
+        f"{len(r['claims']):>7,} {r['ok']:>9,} {r['failed']:>9,}  {r['state']:<{state_w}}  "
+        f"{r['created_at']}" for r in runs]
 
 
 def report_run(backend, run, summaries, as_json, out=sys.stdout):
@@ -4236,9 +4240,10 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
     if as_json:
         print(json.dumps({"run": run, "summaries": summaries, **view}, indent=1), file=out)
     else:
-        names = item_names(backend, run, summaries, first_items(item_errors(summaries), ERROR_GROUPS_SHOWN))
-        print("\n".join(format_run(run, summaries, view, backend.store.uri(f"runs/{run['run_id']}/results/"),
-                                   names)), file=out)
+        shown = first_items(item_errors(summaries), ERROR_GROUPS_SHOWN)
+        results = backend.store.uri(f"runs/{run['run_id']}/results/")
+        names = item_names(backend, run, summaries, shown)
+        print("\n".join(format_run(run, summaries, view, results, names)), file=out)
     all_ok = all(s["status"] == "ok" and not s["failed"] for s in summaries)
     return EXIT_OK if view["complete"] and all_ok else EXIT_FAILED
 

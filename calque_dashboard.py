@@ -154,7 +154,7 @@ class Dashboard:
         return sorted(self.records.values(), key=lambda r: r["created_at"], reverse=True)
 
     def outcome(self, cache):
-        """calque.run_view of a cached run (no dead-letter scan: see "Safe by default"), its state."""
+        """calque.run_view of a cached run, its state too; no dead-letter scan (Safe by default)."""
         return calque.run_view(self.backend, cache.run, cache.in_order(), dead_letters=False)
 
     def pool_status(self, model):
@@ -843,7 +843,8 @@ def workers_section(workers):
 
 def pool_cost_section(v):
     rows = "".join(f"<tr><td>{link('runs', r['run_id'])}"
-                   f"{' <span class=pill>cold</span>' * (r['mode'] == 'cold')} {state_pill(r['state'])}"
+                   f"{' <span class=pill>cold</span>' * (r['mode'] == 'cold')} "
+                   f"{state_pill(r['state'])}"
                    f"</td><td style='width:30%'>{cost_pair(r)}</td><td class=n>"
                    f"{usd(r['cost_usd'])}</td><td class=n>{usd(r['cold_usd'])}</td></tr>"
                    for r in v["runs"] if r["cost_usd"])

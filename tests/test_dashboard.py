@@ -189,17 +189,18 @@ def test_browser_sees_a_run_drain(local_env, tmp_path, serve_dashboard):
 
 
 def test_browser_draws_failed_and_cancelled_runs_as_they_are(local_env, tmp_path, serve_dashboard):
-    """A run whose 50 items all failed and a cancelled run, in Chromium: the runs list says `failed` and
-    `cancelled` (not done), each run's bar is red or grey by its items' outcomes (not a full bar of progress),
-    /api/runs carries the state and the ok / failed counts, and the failed run's page says `failed`."""
+    """A run whose 50 items all failed and a cancelled run, in Chromium: the runs list says `failed`
+    and `cancelled` (not done), each run's bar is red or grey by its items' outcomes (not a full bar
+    of progress), /api/runs carries state and counts, and the failed run's page says `failed`."""
     binary, why = chromium_path()
     if binary is None:
         pytest.skip(f"no headless Chromium: {why}")
-    assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo").returncode == 0
+    for model, workers in (("m", "1"), ("idle", "0")):
+        out = cli(local_env, "pool", "create", "--model", model, "--handler", f"{HANDLERS}:Echo",
+                  "--workers", workers)
+        assert out.returncode == 0, out.stderr
     items = write_items(tmp_path / "items.jsonl", [{"x": i, "fail": 1} for i in range(50)])
     failed = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "20").stdout.split()[1]
-    assert cli(local_env, "pool", "create", "--model", "idle", "--handler", f"{HANDLERS}:Echo", "--workers",
-               "0").returncode == 0
     cancelled = cli(local_env, "submit", "--pool", "idle", items, "--no-wait").stdout.strip()
     assert cli(local_env, "runs", "cancel", cancelled).returncode == 0
     base, shots = serve_dashboard(), tmp_path / "screenshots"
@@ -210,9 +211,11 @@ def test_browser_draws_failed_and_cancelled_runs_as_they_are(local_env, tmp_path
     browser = Browser(binary)
     try:
         browser.open(f"{base}/runs")
-        rows = browser.value("Object.fromEntries([...document.querySelectorAll('tr')].slice(1).map(tr => ["
-                             "tr.cells[0].textContent, [tr.cells[7].textContent, [...tr.cells[4].querySelectorAll("
-                             "'span')].map(s => [getComputedStyle(s).backgroundColor, s.style.width])]]))")
+        rows = browser.value(   # {run: [state, [[colour, width] of each span of its bar]]}
+            "Object.fromEntries([...document.querySelectorAll('tr')].slice(1).map(tr => ["
+            "tr.cells[0].textContent, [tr.cells[7].textContent, [...tr.cells[4]"
+            ".querySelectorAll('span')].map(s => [getComputedStyle(s).backgroundColor, "
+            "s.style.width])]]))")
         assert rows == {failed: ["failed", [["rgb(220, 38, 38)", "100%"]]],
                         cancelled: ["cancelled", [["rgb(168, 162, 158)", "100%"]]]}, rows
         browser.screenshot(shots / "runs-failed.png")
