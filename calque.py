@@ -4168,7 +4168,7 @@ def item_errors(summaries):
 
 
 def first_items(groups, count):
-    """The indices of the items a report names: the first few of its first `count` groups'."""
+    """Indices of the items a report names: the first few of each of its first `count` groups."""
     return [i for _, indices in groups[:count] for i in sorted(indices)[:FIRST_ITEMS_SHOWN]]
 
 
