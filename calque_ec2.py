@@ -603,6 +603,13 @@ def root_volume(image):
              "Ebs": {"VolumeSize": size, "VolumeType": "gp3", "DeleteOnTermination": True}}]
 
 
+def _root_said(root):
+    size = root[0]["Ebs"]["VolumeSize"]
+    asked = setting_number(settings(), "CALQUE_ROOT_GB", int, 1)
+    why = "CALQUE_ROOT_GB" if size == asked else f"the AMI's own size, over CALQUE_ROOT_GB={asked}"
+    return f"{size} GB gp3 ({why})"
+
+
 def check_user_data(script, what):
     """EC2 takes 16 KB of user-data: a bigger bootstrap is refused here, before anything is made."""
     size = len(script.encode())
@@ -1141,7 +1148,7 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     full["created_at"] = (existing or record).get("created_at") or now_iso()
     print(f"pool {model}: EC2 cohort of {options.instances} x {options.instance_type} "
           f"{'spot' if options.spot else 'on-demand'}, AMI {ami} ({ami_source}), subnets "
-          f"{', '.join(subnets)}, root volume {root[0]['Ebs']['VolumeSize']} GB gp3 (CALQUE_ROOT_GB)")
+          f"{', '.join(subnets)}, root volume {_root_said(root)}")
     print(f"pool {model}: cost {_hourly(options.instance_type, options.spot, max(hi, 1))}"
           + (f"; scales to {lo or 0} after {idle} idle minute(s)" if idle else ""))
 
@@ -1183,7 +1190,7 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
             data["KeyName"] = options.key_name
         state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
         print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} "
-              f"({len(script)} bytes of user-data)")
+              f"({len(script):,} bytes of user-data, of EC2's {USER_DATA_MAX:,})")
 
     def asg():
         state = _ensure_asg(calls, names, ec2, tags, owner)
