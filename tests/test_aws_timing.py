@@ -17,7 +17,7 @@ from conftest import HANDLERS, PY, ROOT, backend_for, cli
 from test_ec2 import HANDLER, MODEL, REGION, asg_of, aws, client, launch, options, queue_exists, record  # noqa: F401
 
 PROFILE_REFUSED = {   # as AWS words them (Terraform's AWS provider retries on exactly these)
-    "auto-scaling": ("ValidationError", "You must use a valid fully-formed launch template. Value (calque-x) for "
+    "autoscaling": ("ValidationError", "You must use a valid fully-formed launch template. Value (calque-x) for "
                                         "parameter iamInstanceProfile.name is invalid. Invalid IAM Instance Profile "
                                         "name"),
     "ec2": ("InvalidParameterValue", "Value (calque-cold-x) for parameter iamInstanceProfile.name is invalid. "
@@ -37,9 +37,9 @@ class Clock:
         self.offset += seconds
 
 
-def answer(calls, service, operation, reply):
-    """Answer `service.operation` (botocore's service id: auto-scaling, ec2, sqs) with reply(params) where it
-    returns (status, body) instead of sending it: AWS's answers that moto never gives."""
+def answer(client, operation, reply):
+    """Answer the botocore client's `operation` with reply(params) where it returns (status, body) instead of
+    sending it: AWS's answers that moto never gives."""
     def before_call(params, **_):
         body = params["body"]     # the query protocol's fields (EC2, Auto Scaling), or JSON (SQS)
         found = reply(body if isinstance(body, dict) else json.loads(body or b"{}"))
@@ -48,11 +48,11 @@ def answer(calls, service, operation, reply):
         status, body = found
         return botocore.awsrequest.AWSResponse("https://aws.test/", status, {}, None), dict(
             body, ResponseMetadata={"HTTPStatusCode": status})
-    calls.client({"auto-scaling": "autoscaling"}.get(service, service)).meta.events.register(
-        f"before-call.{service}.{operation}", before_call)
+    service = client.meta.service_model.service_id.hyphenize()
+    client.meta.events.register(f"before-call.{service}.{operation}", before_call)
 
 
-def refuse(calls, service, operation, code, message, times):
+def refuse(client, operation, code, message, times):
     """AWS's error `code: message` to the next `times` calls of the operation."""
     left = [times]
 
@@ -60,7 +60,7 @@ def refuse(calls, service, operation, code, message, times):
         if left[0]:
             left[0] -= 1
             return 400, {"Error": {"Code": code, "Message": message, "Type": "Sender"}}
-    answer(calls, service, operation, reply)
+    answer(client, operation, reply)
     return left
 
 
@@ -71,8 +71,8 @@ def test_a_new_instance_profile_is_waited_for_not_slept_on(aws, monkeypatch, cap
     refusal, said in one line, every 5 s for up to 120 s; nothing else is retried; and no fixed sleep is left."""
     clock = Clock(monkeypatch)
     calls = ec2.AwsCalls(aws.backend.session, REGION, sleep=clock.sleep)
-    code, words = PROFILE_REFUSED["auto-scaling"]
-    left = refuse(calls, "auto-scaling", "CreateAutoScalingGroup", code, words, 3)
+    code, words = PROFILE_REFUSED["autoscaling"]
+    left = refuse(calls.client("autoscaling"), "CreateAutoScalingGroup", code, words, 3)
     full = ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True, calls=calls)
     assert full["ec2"]["state"] == "ready" and asg_of() is not None and left == [0]
     assert clock.slept == [5.0, 5.0, 5.0]                   # three refusals, three waits: no fixed sleep besides
@@ -82,7 +82,7 @@ def test_a_new_instance_profile_is_waited_for_not_slept_on(aws, monkeypatch, cap
 
     # a re-run whose UpdateAutoScalingGroup meets the same refusal for longer than the bound: one line, the step
     clock.slept.clear()
-    refuse(calls, "auto-scaling", "UpdateAutoScalingGroup", code, words, 1000)
+    refuse(calls.client("autoscaling"), "UpdateAutoScalingGroup", code, words, 1000)
     with pytest.raises(calque.UserError, match=r"gave up after 120 s waiting for IAM to propagate instance profile "
                                                r".*ValidationError.*---> HINT: run the command again") as e:
         ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True, calls=calls)
@@ -92,7 +92,7 @@ def test_a_new_instance_profile_is_waited_for_not_slept_on(aws, monkeypatch, cap
     # any other ValidationError is not waited on
     clock.slept.clear()
     calls2 = ec2.AwsCalls(aws.backend.session, REGION, sleep=clock.sleep)
-    refuse(calls2, "auto-scaling", "UpdateAutoScalingGroup", "ValidationError", "Max bounds must be >= min", 1)
+    refuse(calls2.client("autoscaling"), "UpdateAutoScalingGroup", "ValidationError", "Max bounds must be >= min", 1)
     with pytest.raises(calque.UserError, match="Max bounds"):
         ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True, calls=calls2)
     assert clock.slept == []
@@ -103,7 +103,7 @@ def test_a_cold_run_waits_for_its_new_instance_profile(aws, monkeypatch, capsys)
     launch retries it, said, and launches all its instances once IAM has propagated it."""
     clock = Clock(monkeypatch)
     calls = ec2.AwsCalls(aws.backend.session, REGION, sleep=clock.sleep)
-    refuse(calls, "ec2", "RunInstances", *PROFILE_REFUSED["ec2"], 2)
+    refuse(calls.client("ec2"), "RunInstances", *PROFILE_REFUSED["ec2"], 2)
     cold = {"model": MODEL, "queue": calque.RUN_QUEUE_PREFIX + "r", "dlq": calque.RUN_DLQ_PREFIX + "r"}
     ids = ec2.cold_launch(aws.backend, cold, "20261204-101500-ab12cd", 2, launch(ami=aws.ami), timeout=600.0,
                           yes_spend_money=True, calls=calls)
@@ -117,9 +117,9 @@ class DyingQueues:
 
     def __init__(self, calls):
         self.deleted = {}      # name -> (time.time() of its deletion, its URL)
-        answer(calls, "sqs", "DeleteQueue", self.on_delete)
-        answer(calls, "sqs", "GetQueueUrl", self.on_resolve)
-        answer(calls, "sqs", "CreateQueue", self.on_create)
+        for operation, reply in (("DeleteQueue", self.on_delete), ("GetQueueUrl", self.on_resolve),
+                                 ("CreateQueue", self.on_create)):
+            answer(calls.client("sqs"), operation, reply)
 
     def dying(self, name):
         return name in self.deleted and time.time() < self.deleted[name][0] + 60
@@ -166,11 +166,32 @@ def test_queue_deleted_recently_is_waited_on(aws, monkeypatch, capsys):
     QueueDeletedRecently until the minute is out; pool create retries it, said, bounded."""
     clock = Clock(monkeypatch)
     calls = ec2.AwsCalls(aws.backend.session, REGION, sleep=clock.sleep)
-    refuse(calls, "sqs", "CreateQueue", "AWS.SimpleQueueService.QueueDeletedRecently",
+    refuse(calls.client("sqs"), "CreateQueue", "AWS.SimpleQueueService.QueueDeletedRecently",
            "You must wait 60 seconds after deleting a queue before you can create another with the same name.", 4)
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True, calls=calls)
     assert clock.slept == [5.0] * 4 and queue_exists(ec2.resource_names(MODEL)["dlq"])
     assert "waiting for SQS to free the name calque-dlq-" in capsys.readouterr().err
+
+
+def test_local_workers_pool_waits_out_queue_deleted_recently(aws, monkeypatch, capsys):
+    """A pool of local workers on an s3:// store: Pool.delete notes its queues' deletion, and Pool.create waits
+    out the rest of the minute, then retries QueueDeletedRecently (a deletion it did not see), said, bounded."""
+    clock = Clock(monkeypatch)
+    pool = calque.Pool("m", context=(calque.settings(), aws.backend))
+    aws.backend.queues.sleep = clock.sleep
+    pool.create(f"{HANDLERS}:Echo", 0)
+    pool.delete()
+    pool.create(f"{HANDLERS}:Echo", 0)
+    assert 60 <= sum(clock.slept) <= 65 and queue_exists("calque-pool-m")
+    assert "queue calque-dlq-m was deleted 0 s ago" in capsys.readouterr().err
+    clock.slept.clear()
+    words = "You must wait 60 seconds after deleting a queue before you can create another with the same name."
+    refuse(aws.backend.queues.sqs, "CreateQueue", "AWS.SimpleQueueService.QueueDeletedRecently", words, 1000)
+    with pytest.raises(calque.UserError, match=r"gave up after 65 s waiting for SQS to free the name calque-dlq-m "
+                                               r"\(deleted less than 60 s ago\): AWS.SimpleQueueService."
+                                               r"QueueDeletedRecently.*---> HINT: run the command again in a minute"):
+        pool.create(f"{HANDLERS}:Echo", 0)
+    assert sum(clock.slept) == 65.0
 
 
 def test_pool_queue_has_a_redrive_policy_behind_the_workers_rule(aws):
