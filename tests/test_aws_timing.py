@@ -278,3 +278,36 @@ def test_cli_pool_delete_then_create_waits_for_the_queue_name(aws_env, tmp_path,
         "RedrivePolicy"])["Attributes"]["RedrivePolicy"])
     assert policy["deadLetterTargetArn"].endswith(":calque-dlq-m") and int(policy["maxReceiveCount"]) == 100
     assert cli(aws_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
+def test_a_claim_moved_by_the_redrive_policy_is_reported_and_redriven(aws_env, tmp_path):
+    """The backstop end to end on moto_server: a claim received past the pool queue's maxReceiveCount by workers
+    that never ended it (here: received by hand, its policy set to 2 so that the test needs not 100) lands in the
+    DLQ as it was sent; `runs show` names it dead-lettered by the redrive policy, and `runs redrive` sends it
+    back, where a worker completes it."""
+    from conftest import start_worker, wait_for, write_items
+    assert cli(aws_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
+               "--workers", "0").returncode == 0
+    backend = backend_for(aws_env)
+    queue, dlq = backend.queues.open_queue("calque-pool-m"), backend.queues.open_queue("calque-dlq-m")
+    policy = json.loads(backend.queues.sqs.get_queue_attributes(QueueUrl=queue.url, AttributeNames=[
+        "RedrivePolicy"])["Attributes"]["RedrivePolicy"])
+    backend.queues.sqs.set_queue_attributes(QueueUrl=queue.url, Attributes={
+        "RedrivePolicy": json.dumps(dict(policy, maxReceiveCount=2))})
+    out = cli(aws_env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", [{"x": 1}]), "--no-wait")
+    run_id = out.stdout.strip()
+    for _ in range(2):                         # two deliveries nobody ends (visibility 0: at once again)
+        message = queue.receive(1)
+        queue.change_visibility(message, 0)
+    assert queue.receive(1) is None            # the third receive: SQS moved it
+    wait_for(lambda: dlq.counts()["visible"] == 1, 10, "the claim in the DLQ")
+    shown = cli(aws_env, "runs", "show", run_id)
+    assert "dead-lettered" in shown.stdout and "redrive policy" in shown.stdout, shown.stdout
+    assert cli(aws_env, "runs", "redrive", run_id).returncode == 0
+    w = start_worker(aws_env, "--model", "m")
+    def done():
+        return backend.store.exists(calque.summary_key(run_id, "c00000")) and calque.read_json(
+            backend, calque.summary_key(run_id, "c00000"))["status"] == "ok"
+    wait_for(done, 60, "the redriven claim to complete")
+    w.terminate()
+    assert w.wait(30) == 0
