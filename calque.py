@@ -73,6 +73,8 @@ DEFAULTS = {
     "CALQUE_ENDPOINT_RETRY": "60",      # s an S3/SQS call retries a connection that failed
     "CALQUE_SPOT_POLL": "",             # EC2 metadata address (EC2 bootstrap sets it); empty: off
     "CALQUE_SPOT_INTERVAL": "5",        # s between two spot-interruption checks
+    "CALQUE_ROOT_GB": "150",            # GB of an EC2 worker's root volume (gp3): the AMI, CUDA torch and its
+                                        # libraries (~10 GB), the pool's packages, a model cache (~$0.02/h)
     "CALQUE_INSTANCE_TYPE": "",         # EC2 type the workers run on, their work priced as it (EC2 bootstrap sets it)
     "CALQUE_GPUS": "",                  # GPU indices the supervisor hands out (empty: NVML's)
     "CALQUE_BATCH_TIMEOUT": "900",      # s a handler call may run before the worker calls it hung
@@ -117,6 +119,12 @@ ERROR_GROUPS_SHOWN = 5                  # distinct item errors a run report prin
 FIRST_ITEMS_SHOWN = 5                   # item indices a run report prints per error
 TRACE_FRAMES = 3                        # last traceback frames a failed item's result line carries
 QUEUE_OPEN_RETRY = 10.0                 # s to retry opening a queue that does not resolve yet (SQS lag)
+QUEUE_REUSE_WAIT = 65.0                 # s after its deletion a queue's name is waited on: SQS takes up to 60
+                                        # to delete it (it still resolves) and refuses the name till then
+AWS_RETRY_STEP = 5.0                    # s between two tries of a call AWS refuses until it is consistent
+REDRIVE_BACKSTOP = 100                  # receives after which SQS itself moves a pool's claim to its DLQ: far
+                                        # behind the workers' rule (max deliveries without progress), which a
+                                        # claim that makes progress may pass; SQS allows 1000 at most
 DEFAULT_REGION = "us-east-1"            # AWS region when neither the environment nor ~/.aws/config names one
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -1252,6 +1260,7 @@ def manifest_items(store, manifest):
 
 
 SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # no such queue
+SQS_DELETED_RECENTLY = ("AWS.SimpleQueueService.QueueDeletedRecently", "QueueDeletedRecently")
 STALE_RECEIPT = ("ReceiptHandleIsInvalid", "InvalidParameterValue")   # an ack's receipt went stale
 
 
@@ -1270,6 +1279,58 @@ def aws_error_line(error):
     if info:
         return f"{info.get('Code')}: {info.get('Message')} ({getattr(error, 'operation_name', '?')})"
     return str(error)
+
+
+def aws_retry(fn, retryable, what, bound, sleep, hint):
+    """fn()'s answer. While AWS refuses it with an error `retryable` accepts (AWS not consistent yet:
+    a new instance profile, a queue name just freed), it is called again every AWS_RETRY_STEP s,
+    what it waits for said once; past `bound` s of waiting, one line says so and `hint`."""
+    waited = 0.0
+    while True:
+        try:
+            return fn()
+        except Exception as e:
+            if not retryable(e):
+                raise
+            if waited >= bound:
+                raise UserError(f"gave up after {waited:.0f} s waiting for {what}: "
+                                f"{aws_error_line(e)} ---> HINT: {hint}") from None
+            if not waited:
+                print(f"waiting for {what} (AWS answers {_aws_error_code(e)}; {bound:.0f} s at "
+                      f"most)", file=sys.stderr)
+            sleep(AWS_RETRY_STEP)
+            waited += AWS_RETRY_STEP
+
+
+def deleted_queue_key(name):
+    return f"queues/{name}.deleted.json"
+
+
+def note_queue_deleted(store, name):
+    """Keep when this store's queue `name` was deleted: for up to 60 s SQS still resolves it."""
+    store.put(deleted_queue_key(name), json.dumps({"queue": name, "deleted_at": time.time()}))
+
+
+def wait_queue_reusable(store, name, sleep):
+    """Before queue `name` is created or resolved: wait out what is left of QUEUE_REUSE_WAIT since
+    it was deleted (said in one line), so that the dying queue is not taken for a live one."""
+    try:
+        deleted_at = json.loads(store.get(deleted_queue_key(name)))["deleted_at"]
+    except (NotFound, ValueError, KeyError, TypeError):
+        return
+    left = min(deleted_at + QUEUE_REUSE_WAIT - time.time(), QUEUE_REUSE_WAIT)
+    if left > 0:
+        print(f"queue {name} was deleted {QUEUE_REUSE_WAIT - left:.0f} s ago and SQS may still be "
+              f"deleting it: waiting {left:.0f} s before creating it again", file=sys.stderr)
+        sleep(left)
+    store.delete(deleted_queue_key(name))
+
+
+def redrive_policy(dlq_arn, max_deliveries):
+    """A pool queue's RedrivePolicy: SQS moves a claim received REDRIVE_BACKSTOP times (twice max
+    deliveries, if more) to the DLQ as it was sent, a backstop for a claim no worker can end."""
+    receives = min(1000, max(REDRIVE_BACKSTOP, 2 * int(max_deliveries)))
+    return json.dumps({"deadLetterTargetArn": dlq_arn, "maxReceiveCount": receives})
 
 
 def aws_client_config(region):
@@ -1549,7 +1610,8 @@ class LocalQueues:
             raise
         db.execute("COMMIT")
 
-    def create_queue(self, name, visibility_timeout):
+    def create_queue(self, name, visibility_timeout, dead_letter=None):
+        """`dead_letter`: SQS's backstop (SqsQueues); here the workers' rule alone moves claims."""
         with self.transaction() as db:
             db.execute("INSERT INTO queues VALUES (?, ?, ?) ON CONFLICT(name) DO UPDATE SET "
                        "visibility_timeout = excluded.visibility_timeout",
@@ -1827,13 +1889,23 @@ class S3Store:
 class SqsQueues:
     def __init__(self, sqs, requests, endpoint_retry=0.0):
         self.sqs, self.requests = sqs, requests
+        self.sleep = time.sleep     # waits on SQS (a queue name just freed); a test's clock instead
         self.endpoint_retry, self.endpoint = endpoint_retry, sqs.meta.endpoint_url
 
     @endpoint_retried
-    def create_queue(self, name, visibility_timeout):
+    def create_queue(self, name, visibility_timeout, dead_letter=None):
+        """Create or resolve the queue. `dead_letter`: (its DLQ, max deliveries), a redrive policy
+        (the backstop). A name deleted less than a minute ago is waited on, said."""
         attributes = {"VisibilityTimeout": str(int(visibility_timeout))}
+        if dead_letter:
+            dlq_arn = self.sqs.get_queue_attributes(QueueUrl=dead_letter[0].url, AttributeNames=[
+                "QueueArn"])["Attributes"]["QueueArn"]
+            attributes["RedrivePolicy"] = redrive_policy(dlq_arn, dead_letter[1])
         try:
-            url = self.sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"]
+            url = aws_retry(lambda: self.sqs.create_queue(QueueName=name, Attributes=attributes)["QueueUrl"],
+                            lambda e: _aws_error_code(e) in SQS_DELETED_RECENTLY,
+                            f"SQS to free the name {name} (deleted less than 60 s ago)", QUEUE_REUSE_WAIT,
+                            self.sleep, "run the command again in a minute")
         except Exception as e:
             if _aws_error_code(e) not in ("QueueAlreadyExists", "QueueNameExists"):
                 raise
@@ -3531,6 +3603,9 @@ def dead_letter_of(message):
     """(run id, claim, reason) of a dead-letter message, or None when its body names no claim."""
     try:
         letter = json.loads(message.body)
+        if isinstance(letter, dict) and "body" not in letter:   # moved as sent, by SQS (the backstop)
+            letter = {"body": message.body, "reason": "moved by the queue's redrive policy (the "
+                      "backstop): received that many times and no worker ended it; their logs say why"}
         original = parse_message(letter["body"])
         return original["run_id"], original["claim"], str(letter.get("reason", "?"))
     except (ValueError, KeyError, TypeError):
@@ -5838,8 +5913,12 @@ class Pool:
         with pool_name_claimed(self.backend, self.model):
             record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", self.backend.store.put,
                                                  list(include) + (modal or {}).get("image", {}).get("files", []))
-            self.backend.queues.create_queue(record["queue"], record["visibility_timeout"])
-            self.backend.queues.create_queue(record["dlq"], record["visibility_timeout"])
+            queues, vt = self.backend.queues, record["visibility_timeout"]
+            if self.backend.kind == "aws":
+                for name in (record["dlq"], record["queue"]):
+                    wait_queue_reusable(self.backend.store, name, queues.sleep)
+            dlq = queues.create_queue(record["dlq"], vt)
+            queues.create_queue(record["queue"], vt, dead_letter=(dlq, record["max_deliveries"]))
             write_json(self.backend, pool_key(self.model), record)
         if workers:
             self.scale(workers, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker, wait=wait,
@@ -5877,6 +5956,8 @@ class Pool:
         cancelled = cancel_pool_runs(self.backend, self.model) if force else {}
         for role in ("queue", "dlq"):
             self.backend.queues.delete_queue(record[role])
+            if self.backend.kind == "aws":    # a create within the minute waits (SQS still deletes)
+                note_queue_deleted(self.backend.store, record[role])
         self.backend.store.delete_prefix(f"pools/{record['slug']}/")
         return cancelled
 

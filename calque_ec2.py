@@ -25,8 +25,10 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
-from calque import (DEFAULT_REGION, HERE, POOL_PREFIX, RUN_DLQ_PREFIX, RUN_QUEUE_PREFIX,
-                    SQS_NOT_FOUND, NotFound, UserError, _aws_error_code, aws_client_config, command,
+from calque import (DEFAULT_REGION, HERE, POOL_PREFIX, QUEUE_REUSE_WAIT, RUN_DLQ_PREFIX,
+                    RUN_QUEUE_PREFIX, SQS_DELETED_RECENTLY, SQS_NOT_FOUND, NotFound, UserError,
+                    _aws_error_code, aws_client_config, aws_retry, command, deleted_queue_key,
+                    note_queue_deleted, redrive_policy, wait_queue_reusable,
                     check_slug_free, desired_count, dlq_name, instance_rate_per_second, load_pool, load_rates,
                     measured_enter_seconds, measured_seconds, now_iso, package_file, pool_bounds,
                     pool_key, pool_queue_name, pyproject, queue_depth, read_json,
@@ -42,8 +44,12 @@ DLAMI_PARAMETERS = {                # SSM public parameters: the current deep-le
 STATE_DIR = "/var/lib/calque"       # CALQUE_STATE on an instance (handler cache)
 METADATA_URL = "http://169.254.169.254"   # instance metadata: the spot poller's, the bootstrap's
 PASSED_SETTINGS = ("CALQUE_GRACE", "CALQUE_POLL_WAIT", "CALQUE_SPOT_INTERVAL")   # workers get ours
-IAM_PROPAGATION_WAIT = 10.0         # s after adding a role to a profile: EC2 refuses it until then
-IAM_RETRY_SECONDS = 90.0            # s RunInstances retries a profile IAM has not propagated
+IAM_PROPAGATION_WAIT = 10.0         # s after a role's policy changes before its instances may use it
+IAM_RETRY_SECONDS = 120.0           # s of retries while EC2 or Auto Scaling refuses a new instance
+                                    # profile (IAM propagates in ~10 s to a minute; Terraform's AWS
+                                    # provider waits up to 2 min on the same errors)
+PROFILE_PROPAGATING = ("Invalid IAM Instance Profile", "has no associated IAM Roles")   # their words
+USER_DATA_MAX = 16384               # bytes of user-data EC2 takes (16 KB, before base64)
 BOOT_ESTIMATE = 480.0               # s from launch to a polling worker (assumed)
 COLD_BOOT_ALLOWANCE = 30            # min a cold instance may run past the submit timeout
 ALARM_PERIOD = 60                   # s: SQS publishes its CloudWatch metrics once a minute
@@ -542,8 +548,8 @@ def _instance_type_info(calls, instance_type):
 
 
 def resolve_ami(calls, ami, instance_type_info):
-    """(ami id, where it came from): --ami checked to exist, else the SSM public parameter of the
-    current deep-learning GPU AMI for the instance type's architecture."""
+    """(ami id, where it came from, its root volume: root_volume): --ami checked to exist, else the
+    SSM public parameter of the current deep-learning GPU AMI for the instance type's architecture."""
     archs = [a for a in instance_type_info["ProcessorInfo"]["SupportedArchitectures"]
              if a in DLAMI_PARAMETERS]
     itype = instance_type_info["InstanceType"]
@@ -581,7 +587,37 @@ def resolve_ami(calls, ami, instance_type_info):
     if archs and arch and arch not in archs:
         raise UserError(f"AMI {ami} is {arch}, instance type {itype} runs {', '.join(archs)}: "
                         f"pick a matching --ami")
-    return ami, source
+    return ami, source, root_volume(images[0])
+
+
+def root_volume(image):
+    """The launch's BlockDeviceMappings: the AMI's root device (by the name it gives) as CALQUE_ROOT_GB
+    of gp3, or as the AMI's own size where that is larger (a volume holds its snapshot)."""
+    device = image.get("RootDeviceName")
+    if not device:
+        raise UserError(f"AMI {image['ImageId']} names no root device: pick another --ami")
+    own = max([m["Ebs"].get("VolumeSize", 0) for m in image.get("BlockDeviceMappings", [])
+               if m.get("DeviceName") == device and "Ebs" in m] or [0])
+    size = max(setting_number(settings(), "CALQUE_ROOT_GB", int, 1), own)
+    return [{"DeviceName": device,
+             "Ebs": {"VolumeSize": size, "VolumeType": "gp3", "DeleteOnTermination": True}}]
+
+
+def _root_said(root):
+    size = root[0]["Ebs"]["VolumeSize"]
+    asked = setting_number(settings(), "CALQUE_ROOT_GB", int, 1)
+    why = "CALQUE_ROOT_GB" if size == asked else f"the AMI's own size, over CALQUE_ROOT_GB={asked}"
+    return f"{size} GB gp3 ({why})"
+
+
+def check_user_data(script, what):
+    """EC2 takes 16 KB of user-data: a bigger bootstrap is refused here, before anything is made."""
+    size = len(script.encode())
+    if size > USER_DATA_MAX:
+        raise UserError(f"{what}: its bootstrap script is {size:,} bytes, over EC2's user-data limit "
+                        f"of {USER_DATA_MAX:,} (16 KB) ---> HINT: fewer image packages (pip_install, "
+                        f"apt_install), or an --ami that has them")
+    return script
 
 
 def resolve_subnets(calls, subnet_arg, instance_type):
@@ -698,26 +734,34 @@ def refuse_spending(what, *, dry_run, yes_spend_money):
 
 # ------------------------------------------------------------------------------------------------
 # idempotent steps: each checks what exists, then creates or updates
-def _ensure_queue(calls, name, visibility_timeout, tags):
-    vt = str(int(visibility_timeout))
+def _ensure_queue(calls, backend, name, visibility_timeout, tags, redrive=None):
+    """Create the queue, or set what differs on the one found; first wait out a deletion of it
+    this store saw less than a minute ago (a dying queue still resolves), then SQS's refusals."""
+    wanted = {"VisibilityTimeout": str(int(visibility_timeout))}
+    if redrive:
+        wanted["RedrivePolicy"] = redrive
+    if not calls.dry_run:
+        wait_queue_reusable(backend.store, name, calls.sleep)
     url = _queue_url(calls, name)
     if url:
         current = calls.call("sqs", "GetQueueAttributes", QueueUrl=url,
-                             AttributeNames=["VisibilityTimeout"])["Attributes"]
-        if current.get("VisibilityTimeout") != vt:
-            calls.call("sqs", "SetQueueAttributes", QueueUrl=url,
-                       Attributes={"VisibilityTimeout": vt})
+                             AttributeNames=list(wanted))["Attributes"]
+        changed = {k: v for k, v in wanted.items() if _attribute(current.get(k)) != _attribute(v)}
+        if changed:
+            calls.call("sqs", "SetQueueAttributes", QueueUrl=url, Attributes=changed)
         return "found"
-    try:
-        calls.call("sqs", "CreateQueue", QueueName=name, Attributes={"VisibilityTimeout": vt},
-                   tags=tags)
-    except Exception as e:
-        recently = ("AWS.SimpleQueueService.QueueDeletedRecently", "QueueDeletedRecently")
-        if _aws_error_code(e) in recently:
-            raise UserError(f"queue {name} was deleted less than 60 s ago and SQS refuses to "
-                            f"recreate it yet: wait a minute, re-run") from None
-        raise
+    aws_retry(lambda: calls.call("sqs", "CreateQueue", QueueName=name, Attributes=wanted, tags=tags),
+              lambda e: _aws_error_code(e) in SQS_DELETED_RECENTLY,
+              f"SQS to free the name {name} (deleted less than 60 s ago)", QUEUE_REUSE_WAIT,
+              calls.sleep, "run the command again in a minute")
     return "created"
+
+
+def _attribute(value):
+    """A queue attribute as compared: a JSON one (RedrivePolicy) by its fields, as text."""
+    if isinstance(value, str) and value.startswith("{"):
+        return {k: str(v) for k, v in json.loads(value).items()}
+    return value
 
 
 def _check_owned(kind, name, tags, model, store, region):
@@ -768,11 +812,23 @@ def _ensure_instance_profile(calls, name, role, tags):
             calls.call("iam", "RemoveRoleFromInstanceProfile", InstanceProfileName=name,
                        RoleName=other)
         calls.call("iam", "AddRoleToInstanceProfile", InstanceProfileName=name, RoleName=role)
-        if not calls.dry_run:
-            calls.sleep(IAM_PROPAGATION_WAIT)
         if state == "found":
             state = "repaired"
     return state
+
+
+def _profile_propagating(error):
+    """EC2 (InvalidParameterValue) or Auto Scaling (ValidationError) refusing an instance profile
+    that IAM has not propagated to it yet: the codes and words Terraform's AWS provider retries."""
+    return (_aws_error_code(error) in ("ValidationError", "InvalidParameterValue")
+            and any(words.lower() in str(error).lower() for words in PROFILE_PROPAGATING))
+
+
+def _once_profile_propagates(calls, profile, fn):
+    """fn()'s answer, retried while AWS refuses instance profile `profile` as not propagated."""
+    return aws_retry(fn, _profile_propagating, f"IAM to propagate instance profile {profile} to EC2",
+                     IAM_RETRY_SECONDS, calls.sleep,
+                     "run the command again in a minute (IAM can be slower in a new account)")
 
 
 def _ensure_launch_template(calls, name, data, tags, owner):
@@ -837,8 +893,10 @@ def _ensure_asg(calls, names, ec2, tags, owner):
     params = _asg_params(names, ec2)
     asg_tags = [{"ResourceId": names["asg"], "ResourceType": "auto-scaling-group", "Key": k,
                  "Value": str(v), "PropagateAtLaunch": True} for k, v in tags.items()]
+    profile = names["instance_profile"]     # Auto Scaling checks the template's profile at once
     if asg is None:
-        calls.call("autoscaling", "CreateAutoScalingGroup", Tags=asg_tags, **params)
+        _once_profile_propagates(calls, profile, lambda: calls.call(
+            "autoscaling", "CreateAutoScalingGroup", Tags=asg_tags, **params))
         return "created"
     if asg.get("Status"):    # "Delete in progress"
         raise UserError(f"auto scaling group {names['asg']} is being deleted ({asg['Status']}): "
@@ -847,7 +905,8 @@ def _ensure_asg(calls, names, ec2, tags, owner):
     if ec2["scale_to_zero_after"]:
         # its alarms own the desired count: the idle alarm would undo N within a minute
         del params["DesiredCapacity"]
-    calls.call("autoscaling", "UpdateAutoScalingGroup", **params)
+    _once_profile_propagates(calls, profile,
+                             lambda: calls.call("autoscaling", "UpdateAutoScalingGroup", **params))
     if "DesiredCapacity" in params:
         return "updated"
     return f"updated; desired {asg['DesiredCapacity']} kept"
@@ -1049,7 +1108,7 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
 
     ident = calls.identity()     # pre-flight: read-only; nothing is created if any fails
     itype = _instance_type_info(calls, options.instance_type)
-    ami, ami_source = resolve_ami(calls, options.ami, itype)
+    ami, ami_source, root = resolve_ami(calls, options.ami, itype)
     subnets = resolve_subnets(calls, options.subnet, options.instance_type)
     _check_key(calls, options.key_name)
     if not itype.get("GpuInfo"):
@@ -1062,6 +1121,10 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
               f"it got and whether it sees the GPU: `pool status` warns")
     blob, kit_sha = kit_archive()
     kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
+    profile = names["instance_profile"]
+    script = check_user_data(user_data_pool(
+        model, store, region, kit_key, kit_sha, profile=profile,
+        image=record.get("modal", {}).get("image"), instance_type=options.instance_type), f"pool {model}")
     idle = options.scale_to_zero_after
     previous = (existing or {}).get("ec2") or {}
     created_at = previous.get("created_at") or record.get("created_at") or now_iso()
@@ -1085,14 +1148,17 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     full["created_at"] = (existing or record).get("created_at") or now_iso()
     print(f"pool {model}: EC2 cohort of {options.instances} x {options.instance_type} "
           f"{'spot' if options.spot else 'on-demand'}, AMI {ami} ({ami_source}), subnets "
-          f"{', '.join(subnets)}")
+          f"{', '.join(subnets)}, root volume {_root_said(root)}")
     print(f"pool {model}: cost {_hourly(options.instance_type, options.spot, max(hi, 1))}"
           + (f"; scales to {lo or 0} after {idle} idle minute(s)" if idle else ""))
 
     def queues():
         queue_tags = {k: _strict_tag(tags[k]) for k in ("calque:pool-model", "calque:managed")}
-        for queue in (names["queue"], names["dlq"]):
-            state = _ensure_queue(calls, queue, record["visibility_timeout"], queue_tags)
+        dlq_arn = f"arn:{ident['partition']}:sqs:{region}:{ident['account']}:{names['dlq']}"
+        for queue, redrive in ((names["dlq"], None),   # the dead-letter queue first: named by the other
+                               (names["queue"], redrive_policy(dlq_arn, record["max_deliveries"]))):
+            state = _ensure_queue(calls, backend, queue, record["visibility_timeout"], queue_tags,
+                                  redrive)
             print(f"pool {model}: queue {queue} {_said(calls, state)}")
 
     def store_objects():
@@ -1117,17 +1183,14 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
         print(f"pool {model}: instance profile {names['instance_profile']} {_said(calls, state)}")
 
     def launch_template():
-        profile = names["instance_profile"]
-        script = user_data_pool(model, store, region, kit_key, kit_sha, profile=profile,
-                                image=record.get("modal", {}).get("image"), instance_type=options.instance_type)
-        data = {"ImageId": ami, "InstanceType": options.instance_type,
+        data = {"ImageId": ami, "InstanceType": options.instance_type, "BlockDeviceMappings": root,
                 "UserData": _user_data_b64(script), "IamInstanceProfile": {"Name": profile},
                 "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
         if options.key_name:
             data["KeyName"] = options.key_name
         state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
         print(f"pool {model}: launch template {names['launch_template']} {_said(calls, state)} "
-              f"({len(script)} bytes of user-data)")
+              f"({len(script):,} bytes of user-data, of EC2's {USER_DATA_MAX:,})")
 
     def asg():
         state = _ensure_asg(calls, names, ec2, tags, owner)
@@ -1552,6 +1615,8 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
             if not url:
                 return "not found (already gone)"
             calls.call("sqs", "DeleteQueue", QueueUrl=url)
+            if calls.note("s3", "PutObject", {"uri": backend.store.uri(deleted_queue_key(name))}):
+                note_queue_deleted(backend.store, name)    # a create within the minute waits
             return "deleted (SQS lets the name be reused after 60 s)"
         return step
 
@@ -1630,10 +1695,16 @@ def cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_ru
     store, region = backend.describe(), calls.region
     ident = calls.identity()
     itype = _instance_type_info(calls, launch.instance_type)
-    ami, _ = resolve_ami(calls, launch.ami, itype)
+    ami, _, root = resolve_ami(calls, launch.ami, itype)
     subnet = resolve_subnets(calls, launch.subnet, itype["InstanceType"])[0]
     _check_key(calls, launch.key_name)
     name = cold_role_name(store, region)
+    blob, kit_sha = kit_archive()
+    kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
+    max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
+    script = check_user_data(user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes,
+                                            profile=name, instance_type=itype["InstanceType"]),
+                             f"run {run_id}")
     tags = {"calque:pool-model": cold_record["model"], "calque:role": "cold-worker",
             "calque:managed": "true", "calque:created-at": now_iso(), "calque:store": store,
             "calque:region": region}
@@ -1643,15 +1714,11 @@ def cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_ru
     profile_state = _ensure_instance_profile(calls, name, name, role_tags)
     print(f"run {run_id}: cold role {name} {_said(calls, role_state)}, instance profile "
           f"{_said(calls, profile_state)}")
-    blob, kit_sha = kit_archive()
-    kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
     _store_put(calls, backend, kit_key, blob)
-    max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
-    script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name,
-                            instance_type=itype["InstanceType"])
     run_tags = dict(tags, **{"calque:run": run_id, "Name": f"calque-cold-{run_id}"})
     params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards,
               "MaxCount": shards, "UserData": script, "IamInstanceProfile": {"Name": name},
+              "BlockDeviceMappings": root,
               "InstanceInitiatedShutdownBehavior": "terminate", "SubnetId": subnet,
               "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(run_tags)}
     if launch.key_name:
@@ -1659,17 +1726,7 @@ def cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_ru
     if launch.spot:
         params["InstanceMarketOptions"] = {"MarketType": "spot", "SpotOptions": {
             "SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}}
-    deadline = time.monotonic() + IAM_RETRY_SECONDS
-    while True:
-        try:
-            answer = calls.call("ec2", "RunInstances", **params)
-            break
-        except Exception as e:   # a new instance profile is refused until IAM has propagated it
-            propagating = (_aws_error_code(e) == "InvalidParameterValue"
-                           and "profile" in str(e).lower())
-            if not propagating or time.monotonic() > deadline:
-                raise
-            calls.sleep(5)
+    answer = _once_profile_propagates(calls, name, lambda: calls.call("ec2", "RunInstances", **params))
     ids = [i["InstanceId"] for i in answer["Instances"]]
     if dry_run:
         print(f"run {run_id}: dry run: no instance was launched")

@@ -85,6 +85,7 @@ ACK_BATCH = 10              # acks per request (SQS's DeleteMessageBatch takes a
 ACK_WAIT = 1.0              # s an ack waits for others, at most (and <= visibility/4)
 WRITE_RETRY = (0.5, 5)      # a failed store write of a claim: first wait (s), doubling, and retries (15.5 s in all)
 RELEASE_DELAY = 5.0         # s a claim let go on a fault stays invisible, doubling per delivery
+SQS_MAX_INVISIBLE = 43140.0 # s a claim may stay invisible from its receipt: SQS's 12 h, a minute kept
 POISON_DEATHS = 2           # lone-run deaths that quarantine an item as poison (+1 under churn)
 CHURN_MEMORY = 600.0        # s an innocent death (an item died alone, then returned) marks churn
 BYTES_REPR = re.compile(r"<_io\.BytesIO object at 0x[0-9a-f]+>")   # a decoder's name for its bytes
@@ -137,6 +138,10 @@ class Claim:
 
 class ClaimReleased(Exception):
     """The drain loop gave the claim back (grace period over, or lease lost)."""
+
+
+class ClaimTooLong(Exception):
+    """The drain loop stopped a claim near SQS's cap on its invisibility: dead-letter it (why)."""
 
 
 class Prepared:
@@ -540,8 +545,9 @@ class Leases:
     it lives: a supervisor that sees it die, or the pool's next worker to start on this machine
     (release_orphaned_claims: a systemd restart), makes them visible at once, not at their timeout."""
 
-    def __init__(self, queue, receipts=""):
+    def __init__(self, queue, receipts="", max_invisible=None):
         self.queue, self.held, self.changed = queue, set(), threading.Condition()
+        self.max_invisible = max_invisible   # s a claim may stay invisible from its receipt (SQS)
         # kept open and rewritten in place (~5 us, a rename ~150 us: twice a claim); read once we are dead
         self.receipts = open_locked(receipts) if receipts else None
         threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
@@ -582,8 +588,11 @@ class Leases:
             if lease.stopped:
                 return
             lease.due = time.monotonic() + lease.period
+            timeout = int(min(lease.timeout, lease.cap - time.monotonic()))
+            if timeout < 1:     # at the cap: SQS would refuse (the drain loop stopped before it)
+                return
             try:
-                self.queue.change_visibility(lease.message, lease.timeout)
+                self.queue.change_visibility(lease.message, timeout)
             except calque.LeaseLost as e:
                 log.warning("heartbeat: lease lost (%s); this claim will not be written", e)
                 lease.lost.set()
@@ -639,7 +648,9 @@ class Heartbeat:
     def __init__(self, leases, message, visibility_timeout):
         self.leases, self.message, self.timeout = leases, message, visibility_timeout
         self.period = max(visibility_timeout / 3.0, 0.2)
-        self.due = time.monotonic() + self.period
+        now = time.monotonic()
+        self.due = now + self.period
+        self.cap = now + (leases.max_invisible or float("inf"))   # from (about) its receipt
         self.lost, self.renewing, self.stopped = threading.Event(), threading.Lock(), False
         leases.add(self)
 
@@ -973,7 +984,8 @@ class Worker:
             receipts = (os.path.splitext(self.ready_file)[0] if self.ready_file
                         else os.path.join(folder, f"worker-pid{os.getpid()}")) + ".claims"
             release_orphaned_claims(folder, self.queue)
-        self.leases, self.watchdog = Leases(self.queue, receipts), Watchdog(self.batch_timeout)
+        cap = SQS_MAX_INVISIBLE if self.backend.kind == "aws" else None
+        self.leases, self.watchdog = Leases(self.queue, receipts, cap), Watchdog(self.batch_timeout)
         self.note_own_kills()
         self.load_handler()
         if not self.ephemeral and not self.stop_requested:
@@ -1302,7 +1314,11 @@ class Worker:
         if isinstance(error, ReleaseNow):
             self.let_go(message, claim, 0, "second signal")
             return "second signal: claim released"
-        if not isinstance(error, ClaimReleased):
+        if isinstance(error, ClaimTooLong):
+            self.heartbeat.stop()
+            self.dead_letter(message, str(error), {"run_id": claim.run_id, "claim": claim.claim_id},
+                             f"stopped near SQS's 12 h cap, {claim.committed} item(s) done and kept")
+        elif not isinstance(error, ClaimReleased):
             why = f"{type(error).__name__}: {error}"
             self.let_go(message, claim, self.fault_delay(message), why)
         elif self.heartbeat.lost.is_set():
@@ -1629,6 +1645,9 @@ class Worker:
                     raise ClaimReleased("grace period over" if self.stop_requested else "released")
                 if self.heartbeat.lost.is_set():
                     raise ClaimReleased("lease lost")
+                if time.monotonic() > self.heartbeat.cap - self.heartbeat.timeout - self.batch_timeout:
+                    self.commit(claim)       # a batch more could pass SQS's cap: stop, said
+                    raise ClaimTooLong(self.too_long(claim))
                 single = unit.start in alone
                 if single:
                     batching = False
@@ -1675,6 +1694,14 @@ class Worker:
                     with contextlib.suppress(Exception):
                         self.collator.release(future.result())
         self.commit(claim)
+
+    def too_long(self, claim):
+        """Why a claim stopped near SQS's cap, and how to split such claims."""
+        hours = (time.monotonic() - self.heartbeat.cap + SQS_MAX_INVISIBLE) / 3600
+        return (f"claim ran {hours:.1f} h: SQS keeps a claim invisible 12 h at most, and one batch "
+                f"more (batch_timeout {self.batch_timeout:g} s) could pass that; {claim.committed} of "
+                f"{len(claim.items)} items done and kept (`runs redrive {claim.run_id}` resumes after "
+                f"them) ---> HINT: split such claims: submit --claim-size N (docs/limits.md)")
 
     def deepen(self, wait, model):
         """One more batch collated ahead (on one more thread, up to COLLATE_THREADS) when the model
@@ -1900,13 +1927,13 @@ class Worker:
             model += self.model_clock() - t0
         return outcome, model, wait
 
-    def dead_letter(self, message, reason, msg):
+    def dead_letter(self, message, reason, msg, note="the claim was not run"):
         """A claim that cannot succeed: failure summary (if the run is known), DLQ copy, delete."""
         run_id, claim = (msg or {}).get("run_id"), (msg or {}).get("claim")
         known = all(isinstance(v, str) and calque.SAFE_ID.match(v) for v in (run_id, claim))
         if known:
             try:    # another model's run may be out of this worker's reach (its IAM role)
-                self.write_failure_summary(message, run_id, claim, reason)
+                self.write_failure_summary(message, run_id, claim, reason, note)
             except Exception as e:
                 log.warning("worker %s: no failure summary for %s/%s (%s: %s)", self.worker_id,
                             run_id, claim, type(e).__name__, e)
@@ -1919,7 +1946,7 @@ class Worker:
         log.warning("worker %s: claim to dead-letter queue %s: %s", self.worker_id,
                     self.record["dlq"], reason)
 
-    def write_failure_summary(self, message, run_id, claim, reason):
+    def write_failure_summary(self, message, run_id, claim, reason, note):
         """The summary of a claim that was not run (unless one exists), for a waiting submitter."""
         key = calque.summary_key(run_id, claim)
         if not self.backend.store.exists(key):
@@ -1927,7 +1954,7 @@ class Worker:
             summary = json.dumps(self._summary(message, run_id, claim, now, now,
                                                extra_other=2,   # + the DLQ send and the delete
                                                error=reason,
-                                               notes=["dead-lettered: the claim was not run"]),
+                                               notes=[f"dead-lettered: {note}"]),
                                  indent=1)
             own = calque.run_slug(run_id) == self.record["slug"]   # another's may be out of reach
             (self._put if own else self.backend.store.put)(key, summary)

@@ -482,3 +482,33 @@ def test_a_resume_message_takes_the_parts_on_its_first_delivery(local_env, tmp_p
     assert not backend.store.exists(calque.attempt_key(run_id, "c00000"))
     assert [line["result"]["y"] for line in results(backend, run_id, 6)] == [0, 2, 4, 6, 8, 10]
     assert stop(w) == 0
+
+
+def test_a_claim_stops_before_sqs_caps_its_invisibility(aws_env, tmp_path):
+    """SQS keeps a received message invisible 12 h at most: a ChangeMessageVisibility past that fails, which was
+    taken for a lost lease (the claim not written, redelivered, again and again). A claim that could pass the cap
+    stops at a batch boundary with a batch_timeout and a visibility timeout in hand: its done items kept in a
+    part, the claim dead-lettered with why and how to split it, which `submit` reports. The cap is scaled down to
+    6 s here (warmd's module constant): the same code path as at 12 h, on moto_server (which has no such cap)."""
+    env = dict(aws_env, TIMELINE_FILE=str(tmp_path / "timeline"), TIMELINE_MODEL_MS="250")
+    backend = make_pool(env, "Timeline", "--batch-size", "1", "--visibility-timeout", "1", "--batch-timeout", "1")
+    log = tmp_path / "worker.log"
+    with open(log, "w") as f:
+        w = start_worker(env, "--model", "m", log=f, constants={"SQS_MAX_INVISIBLE": 6.0})
+    items = [{"id": k, "text": "a b"} for k in range(60)]     # 15 s of work: 4 s fit under the cap
+    out = cli(env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", items), "--claim-size", "60",
+              "--wait-for-workers", timeout=120)
+    assert out.returncode == 1, (out.stdout, out.stderr)
+    run_id = json.loads(cli(env, "runs", "list", "--json").stdout)[0]["run_id"]
+    s = summary(backend, run_id)
+    assert s["status"] == "failed" and "SQS keeps a claim invisible 12 h at most" in s["error"], s
+    assert "split such claims" in s["error"] and f"runs redrive {run_id}" in s["error"]
+    done = int(s["error"].split(" of 60 items done")[0].rsplit(" ", 1)[1])
+    assert 5 <= done < 60 and any("stopped near SQS's 12 h cap" in n for n in s["notes"])
+    assert len(results(backend, run_id, done)) == done            # what it did is kept, in a part
+    assert "SQS keeps a claim invisible 12 h at most" in out.stdout + out.stderr
+    assert "lease lost" not in log.read_text()                    # never past the cap, never taken for a lost lease
+    dlq = backend.queues.open_queue("calque-dlq-m")
+    letter = json.loads(dlq.receive(1).body)
+    assert letter["run_id"] == run_id and "12 h" in letter["reason"]
+    assert w.poll() is None and stop(w) == 0                      # the worker serves on
