@@ -1568,7 +1568,7 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         shown = {"uri": backend.store.uri(prefix), "what": "every key under it"}
         if calls.note("s3", "DeleteObjects", shown):
             backend.store.delete_prefix(prefix)
-        return (f"deleted (record, handler, kit, worker stats); its runs remain ---> HINT: {command()} "
+        return (f"deleted (record, handler, kit, shared venvs, worker stats); its runs remain ---> HINT: {command()} "
                 f"runs prune --model {model} --older-than 0s deletes them")
 
     ok = all([_delete_step(model, "alarms", alarms),

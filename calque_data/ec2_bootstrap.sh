@@ -147,8 +147,10 @@ pick_python() {   # python3 when it is 3.11 or newer (python3-dev's headers are 
 }
 STAGE=python
 PY=$(pick_python) || fail "no python >= 3.11 on this image"
-once "venv" "$PY" -m venv "$CALQUE/venv"
-has_cli || retry "pip install boto3" "$CALQUE/venv/bin/pip" install -q --no-cache-dir ${boto3_pin}
+if ! has_cli; then   # an image without the AWS CLI fetches from S3 with the venv's boto3
+  once "venv" "$PY" -m venv "$CALQUE/venv"
+  retry "pip install boto3" "$CALQUE/venv/bin/pip" install -q --no-cache-dir ${boto3_pin}
+fi
 
 # the kit: an sdist of the operator's calque, checked against the digest pinned above
 check_kit() { echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -; }
@@ -160,6 +162,7 @@ ${image_apt}
 # the pool's environment: the venv with the kit's pinned requirements and the image's packages;
 # no pip cache: torch's wheel is GBs and would be kept twice
 build_env() {
+  [ -d "$CALQUE/venv" ] || once "venv" "$PY" -m venv "$CALQUE/venv"
   retry "pip install -r requirements.txt" \
     "$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt" --no-cache-dir
   ${image_pip}
