@@ -281,9 +281,10 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
     if reads:
         policy["Statement"].append({"Sid": "ReadInputsByReference", "Effect": "Allow", "Action": ["s3:GetObject"],
                                     "Resource": [f"arn:{partition}:s3:::{uri[len('s3://'):]}*" for uri in reads]})
-    policy["Statement"].append({"Sid": "ShareOwnVenv", "Effect": "Allow",
-                                "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
-                                "Resource": f"{obj}{resource_names(model)['env_prefix']}*"})
+    policy["Statement"].append({
+        "Sid": "ShareOwnVenv", "Effect": "Allow",
+        "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
+        "Resource": f"{obj}{resource_names(model)['env_prefix']}*"})
     policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow",
                                 "Action": ["s3:DeleteObject"],
                                 "Resource": f"{obj}pools/{s}/output/*"})
@@ -487,8 +488,9 @@ def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool'
         profile=profile, store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
         env={"CALQUE_POOL_MODEL": model, **instance_env(instance_type)}, worker_args='--model "$CALQUE_POOL_MODEL"',
         unit="calque-warmd", service=POOL_SERVICE,
-        report_prefix=names["report_prefix"], env_prefix=names["env_prefix"], on_failure="leave_group",
-        conf=conf, image_apt=image_install(image, "apt"), image_pip=image_install(image, "pip"))
+        report_prefix=names["report_prefix"], env_prefix=names["env_prefix"],
+        on_failure="leave_group", conf=conf, image_apt=image_install(image, "apt"),
+        image_pip=image_install(image, "pip"))
 
 
 def instance_env(instance_type):
@@ -1568,8 +1570,8 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         shown = {"uri": backend.store.uri(prefix), "what": "every key under it"}
         if calls.note("s3", "DeleteObjects", shown):
             backend.store.delete_prefix(prefix)
-        return (f"deleted (record, handler, kit, shared venvs, worker stats); its runs remain ---> HINT: {command()} "
-                f"runs prune --model {model} --older-than 0s deletes them")
+        return (f"deleted (record, handler, kit, shared venvs, worker stats); its runs remain "
+                f"---> HINT: {command()} runs prune --model {model} --older-than 0s deletes them")
 
     ok = all([_delete_step(model, "alarms", alarms),
               _delete_step(model, f"auto scaling group {asg_name}", asg),

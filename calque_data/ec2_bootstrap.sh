@@ -40,7 +40,8 @@ retry() { try_to "$ATTEMPTS" "$@"; }   # a network step: a blip must not cost th
 once() { try_to 1 "$@"; }
 fail() { echo "calque: $1" | tee "$CALQUE/last-error" >&2; exit 1; }
 json_of() {   # json_of KEY VALUE...: one JSON object of strings
-  "${PY:-python3}" -c 'import json, sys; print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' "$@"
+  "${PY:-python3}" -c 'import json, sys
+print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' "$@"
 }
 
 imds() {   # imds PATH: an instance metadata value (IMDSv2: a session token first)
@@ -131,7 +132,8 @@ chown calque: ${state}
 if command -v apt-get >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   retry "apt-get update" apt-get -o DPkg::Lock::Timeout=600 -o APT::Update::Error-Mode=any update -q
-  retry "apt-get install" apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv python3-dev gcc zstd
+  retry "apt-get install" apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv \
+    python3-dev gcc zstd
 elif command -v dnf >/dev/null 2>&1; then
   retry "dnf install" dnf install -y -q python3.11 python3.11-devel gcc zstd
 fi
@@ -199,8 +201,9 @@ share_env() {
   tar -I "$z" -cf "$CALQUE/env.tar" -C "$CALQUE/venv" . &&
     sha=$(sha256sum "$CALQUE/env.tar" | cut -c1-64) &&
     retry "venv upload" s3_put "$CALQUE/env.tar" "$ENV_PREFIX$ENV_KEY.${sha:0:16}.tar.$ext" &&
-    json_of archive "$ENV_KEY.${sha:0:16}.tar.$ext" sha256 "$sha" bytes "$(stat -c %s "$CALQUE/env.tar")" \
-      instance_id "${INSTANCE_ID:-}" built "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$CALQUE/env.json" &&
+    json_of archive "$ENV_KEY.${sha:0:16}.tar.$ext" sha256 "$sha" \
+      bytes "$(stat -c %s "$CALQUE/env.tar")" instance_id "${INSTANCE_ID:-}" \
+      built "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$CALQUE/env.json" &&
     retry "venv record" s3_put "$CALQUE/env.json" "$ENV_PREFIX$ENV_KEY.json"
 }
 if ! warm_env; then
