@@ -83,6 +83,7 @@ def resource_names(model):
             "alarm_wake": base + "-wake", "alarm_idle": base + "-idle",
             "policy_wake": "calque-wake", "policy_idle": "calque-idle", "hook": "calque-drain",
             "kit_prefix": f"pools/{s}/kit/",
+            "env_prefix": f"pools/{s}/env/",    # <key>.json names <key>.<digest>.tar.zst: its venv
             "report_prefix": f"pools/{s}/instances/"}   # <started>.<instance id>.json
 
 
@@ -286,6 +287,10 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
     if reads:
         policy["Statement"].append({"Sid": "ReadInputsByReference", "Effect": "Allow", "Action": ["s3:GetObject"],
                                     "Resource": [f"arn:{partition}:s3:::{uri[len('s3://'):]}*" for uri in reads]})
+    policy["Statement"].append({
+        "Sid": "ShareOwnVenv", "Effect": "Allow",
+        "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
+        "Resource": f"{obj}{resource_names(model)['env_prefix']}*"})
     policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow",
                                 "Action": ["s3:DeleteObject"],
                                 "Resource": f"{obj}pools/{s}/output/*"})
@@ -438,17 +443,19 @@ def _bootstrap(*, worker_args, env, conf=None, **fields):
     lines.update(env)
     for key, value in lines.items():
         _check_text(str(value), key)
-    report_prefix = fields.pop("report_prefix", "")
+    report_prefix, env_prefix = fields.pop("report_prefix", ""), fields.pop("env_prefix", "")
     fields.update(
         bucket=shlex.quote(bucket), kit_key=shlex.quote(prefix + fields["kit_key"]),
         region=shlex.quote(region), imds=METADATA_URL,
         report_prefix=shlex.quote(prefix + report_prefix if report_prefix else ""),
+        env_prefix=shlex.quote(prefix + env_prefix if env_prefix else ""),
         state=STATE_DIR, attempts=BOOTSTRAP_ATTEMPTS, backoff=BOOTSTRAP_BACKOFF,
         boto3_pin=shlex.quote(_pin("boto3")), worker_args=worker_args,
         env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()),
         stop_timeout=int(float(conf.get("CALQUE_GRACE", 30)) + 30))
     fields.setdefault("preamble", "")
-    fields.setdefault("image_install", "")
+    fields.setdefault("image_apt", "")
+    fields.setdefault("image_pip", "")
     with open(package_file("calque_data", "ec2_bootstrap.sh")) as f:
         template = ShellTemplate(f.read())
     mismatched = set(fields) ^ set(template.get_identifiers())
@@ -478,7 +485,8 @@ POOL_SERVICE = "Restart=always\nRestartPreventExitStatus=0\nRestartSec=5"
 def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool's instance profile",
                    conf=None, image=None, instance_type=None):
     """A pool instance's bootstrap: the kit, a Modal app's image packages, then `warmd --model M`
-    under systemd. A failed bootstrap reports why and takes its instance out of the group."""
+    under systemd. Its first instance shares the venv it built in the store (env_prefix); later
+    ones unpack it. A failed bootstrap reports why and takes its instance out of the group."""
     _check_text(model, "model")
     names = resource_names(model)
     return _bootstrap(
@@ -486,8 +494,9 @@ def user_data_pool(model, store, region, kit_key, kit_sha256, profile="the pool'
         profile=profile, store=store, region=region, kit_key=kit_key, kit_sha256=kit_sha256,
         env={"CALQUE_POOL_MODEL": model, **instance_env(instance_type)}, worker_args='--model "$CALQUE_POOL_MODEL"',
         unit="calque-warmd", service=POOL_SERVICE,
-        report_prefix=names["report_prefix"], on_failure="leave_group", conf=conf,
-        image_install=image_install(image))
+        report_prefix=names["report_prefix"], env_prefix=names["env_prefix"],
+        on_failure="leave_group", conf=conf, image_apt=image_install(image, "apt"),
+        image_pip=image_install(image, "pip"))
 
 
 def instance_env(instance_type):
@@ -499,18 +508,17 @@ def instance_env(instance_type):
     return {"CALQUE_INSTANCE_TYPE": instance_type}
 
 
-def image_install(image):
-    """The bootstrap lines that install a Modal app's apt_install and pip_install packages."""
-    lines = []
-    for kind, command in (("apt", "apt-get -o DPkg::Lock::Timeout=600 install -y -q"),
-                          ("pip", '"$CALQUE/venv/bin/pip" install -q --no-cache-dir')):
-        packages = (image or {}).get(kind, [])
-        for package in packages:
-            _check_text(package, f"image {kind} package")
-        if packages:
-            quoted = " ".join(shlex.quote(p) for p in packages)
-            lines.append(f'retry "image {kind} install" {command} {quoted}')
-    return "\n".join(lines)
+def image_install(image, kind):
+    """The bootstrap line that installs a Modal app's apt_install (kind "apt": every boot) or
+    pip_install packages (kind "pip": into the venv, when it is built), or ""."""
+    command = {"apt": "apt-get -o DPkg::Lock::Timeout=600 install -y -q",
+               "pip": '"$CALQUE/venv/bin/pip" install -q --no-cache-dir'}[kind]
+    packages = (image or {}).get(kind, [])
+    for package in packages:
+        _check_text(package, f"image {kind} package")
+    if not packages:
+        return ""
+    return f'retry "image {kind} install" {command} {" ".join(shlex.quote(p) for p in packages)}'
 
 
 def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes,
@@ -1453,8 +1461,9 @@ def _few(ids, shown=3):
 
 
 def format_bootstrap(boot):
-    """Lines for bootstrap_reports' answer: the builds the ready instances run, a WARNING where
-    fastbatch's build failed or torch does not see the GPU, and the instances that failed."""
+    """Lines for bootstrap_reports' answer: the builds the ready instances run (their venv unpacked
+    from the store or installed), a WARNING where fastbatch's build failed or torch does not see
+    the GPU, and the instances that failed."""
     lines, builds, warnings = [], Counter(), {}
     for r in boot["current"].values():
         if r.get("state") != "ready":
@@ -1462,7 +1471,8 @@ def format_bootstrap(boot):
         sees_gpu = r.get("torch_gpu") == "True"
         fastbatch = "C" if r.get("fastbatch") == "c" else "numpy"
         builds[f"torch {r.get('torch') or '?'} (CUDA {r.get('torch_cuda') or '?'}, GPU "
-               f"{'visible' if sees_gpu else 'not visible'}), fastbatch {fastbatch}"] += 1
+               f"{'visible' if sees_gpu else 'not visible'}), fastbatch {fastbatch}"
+               + (f", venv {r['venv']}" if r.get("venv") else "")] += 1   # unpacked, or installed
         if r.get("fastbatch") != "c":
             warnings.setdefault(f"fastbatch's C build {r.get('fastbatch') or 'did not run'}: "
                                 f"its workers gather batches with the numpy path and frame result "
@@ -1625,8 +1635,8 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         shown = {"uri": backend.store.uri(prefix), "what": "every key under it"}
         if calls.note("s3", "DeleteObjects", shown):
             backend.store.delete_prefix(prefix)
-        return (f"deleted (record, handler, kit, worker stats); its runs remain ---> HINT: {command()} "
-                f"runs prune --model {model} --older-than 0s deletes them")
+        return (f"deleted (record, handler, kit, shared venvs, worker stats); its runs remain "
+                f"---> HINT: {command()} runs prune --model {model} --older-than 0s deletes them")
 
     ok = all([_delete_step(model, "alarms", alarms),
               _delete_step(model, f"auto scaling group {asg_name}", asg),

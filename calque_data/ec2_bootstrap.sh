@@ -4,6 +4,7 @@
 # No credentials here: this machine's access is its instance profile's (${profile}).
 # Bootstrap output: /var/log/cloud-init-output.log; worker: journalctl -u ${unit}
 set -euo pipefail
+export PIP_DISABLE_PIP_VERSION_CHECK=1   # pip asks no index about itself: a warm boot asks none
 CALQUE=/opt/calque
 BUCKET=${bucket}
 KIT_KEY=${kit_key}
@@ -11,6 +12,7 @@ KIT_SHA256=${kit_sha256}
 REGION=${region}
 IMDS=${imds}
 REPORT_PREFIX=${report_prefix}
+ENV_PREFIX=${env_prefix}
 ATTEMPTS=${attempts}
 BACKOFF=${backoff}
 STARTED=$(date -u +%Y%m%dT%H%M%SZ)
@@ -37,6 +39,10 @@ try_to() {
 retry() { try_to "$ATTEMPTS" "$@"; }   # a network step: a blip must not cost the instance
 once() { try_to 1 "$@"; }
 fail() { echo "calque: $1" | tee "$CALQUE/last-error" >&2; exit 1; }
+json_of() {   # json_of KEY VALUE...: one JSON object of strings
+  "${PY:-python3}" -c 'import json, sys
+print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' "$@"
+}
 
 imds() {   # imds PATH: an instance metadata value (IMDSv2: a session token first)
   local token
@@ -72,10 +78,10 @@ report() {
   if [ "$1" = failed ]; then
     reason=$(tail -n 5 "$CALQUE/last-error" 2>/dev/null | cut -c1-300)
   fi
-  "${PY:-python3}" -c 'import json, sys; print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' \
-    instance_id "$INSTANCE_ID" state "$1" stage "$STAGE" reason "$reason" started "$STARTED" \
+  json_of instance_id "$INSTANCE_ID" state "$1" stage "$STAGE" reason "$reason" started "$STARTED" \
     at "$(date -u +%Y-%m-%dT%H:%M:%SZ)" fastbatch "${FASTBATCH:-}" torch "${TORCH:-}" \
-    torch_cuda "${TORCH_CUDA:-}" torch_gpu "${TORCH_GPU:-}" gpu "${GPU:-}" > "$CALQUE/report.json" &&
+    torch_cuda "${TORCH_CUDA:-}" torch_gpu "${TORCH_GPU:-}" gpu "${GPU:-}" venv "${VENV:-}" \
+    > "$CALQUE/report.json" &&
     s3_put "$CALQUE/report.json" "$REPORT_PREFIX$STARTED.$INSTANCE_ID.json"
 }
 # a pool instance leaves its group (SetInstanceHealth) so the ASG replaces it; else it powers off
@@ -126,9 +132,10 @@ chown calque: ${state}
 if command -v apt-get >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   retry "apt-get update" apt-get -o DPkg::Lock::Timeout=600 -o APT::Update::Error-Mode=any update -q
-  retry "apt-get install" apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv python3-dev gcc
+  retry "apt-get install" apt-get -o DPkg::Lock::Timeout=600 install -y -q python3-venv \
+    python3-dev gcc zstd
 elif command -v dnf >/dev/null 2>&1; then
-  retry "dnf install" dnf install -y -q python3.11 python3.11-devel gcc
+  retry "dnf install" dnf install -y -q python3.11 python3.11-devel gcc zstd
 fi
 pick_python() {   # python3 when it is 3.11 or newer (python3-dev's headers are its own)
   local c
@@ -142,21 +149,79 @@ pick_python() {   # python3 when it is 3.11 or newer (python3-dev's headers are 
 }
 STAGE=python
 PY=$(pick_python) || fail "no python >= 3.11 on this image"
-once "venv" "$PY" -m venv "$CALQUE/venv"
-has_cli || retry "pip install boto3" "$CALQUE/venv/bin/pip" install -q --no-cache-dir ${boto3_pin}
+if ! has_cli; then   # an image without the AWS CLI fetches from S3 with the venv's boto3
+  once "venv" "$PY" -m venv "$CALQUE/venv"
+  retry "pip install boto3" "$CALQUE/venv/bin/pip" install -q --no-cache-dir ${boto3_pin}
+fi
 
 # the kit: an sdist of the operator's calque, checked against the digest pinned above
 check_kit() { echo "$KIT_SHA256  $CALQUE/kit.tar.gz" | sha256sum -c -; }
 retry "kit download" s3_get "$KIT_KEY" "$CALQUE/kit.tar.gz"
 once "kit sha256 check" check_kit
 once "kit unpack" tar -xzf "$CALQUE/kit.tar.gz" -C "$CALQUE/kit" --strip-components=1
-# its pinned requirements; no pip cache: torch's wheel is GBs and would be kept twice
-retry "pip install -r requirements.txt" \
-  "$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt" --no-cache-dir
-# then calque from the same sdist: its build compiles fastbatch (a failed compile still installs)
+${image_apt}
+
+# the pool's environment: the venv with the kit's pinned requirements and the image's packages;
+# no pip cache: torch's wheel is GBs and would be kept twice
+build_env() {
+  [ -d "$CALQUE/venv" ] || once "venv" "$PY" -m venv "$CALQUE/venv"
+  retry "pip install -r requirements.txt" \
+    "$CALQUE/venv/bin/pip" install -q -r "$CALQUE/kit/requirements.txt" --no-cache-dir
+  ${image_pip}
+}
+# built by a pool's first instance and shared in the store under a key of all that shapes it
+ENV_KEY=$({ cat "$CALQUE/kit/requirements.txt"; declare -f build_env; has_cli && echo aws-cli
+  "$PY" -VV; echo "$PY"; cat /etc/os-release; uname -m; } 2>/dev/null | sha256sum | cut -c1-16)
+# warm_env: the venv an earlier boot shared for ENV_KEY (its record names the archive and its
+# digest); a missing record, a failed download or a damaged archive: install instead
+warm_env() {
+  local name sha
+  [ -n "$ENV_PREFIX" ] || return 1
+  if ! s3_get "$ENV_PREFIX$ENV_KEY.json" "$CALQUE/env.json"; then
+    echo "calque: no venv shared for key $ENV_KEY yet: installing it" >&2
+    return 1
+  fi
+  read -r name sha < <("$PY" -c 'import json, sys
+print(*map(json.load(open(sys.argv[1])).get, ("archive", "sha256")))' "$CALQUE/env.json") &&
+    retry "venv download" s3_get "$ENV_PREFIX$name" "$CALQUE/env.tar" &&
+    echo "$sha  $CALQUE/env.tar" | sha256sum -c --quiet - && mkdir "$CALQUE/venv.new" &&
+    tar -xf "$CALQUE/env.tar" -C "$CALQUE/venv.new" && rm -rf "$CALQUE/venv" &&
+    mv "$CALQUE/venv.new" "$CALQUE/venv" && rm "$CALQUE/env.tar" && VENV=unpacked && return 0
+  echo "calque: the shared venv ${name:-record} is damaged or unreadable: installing instead" >&2
+  rm -rf "$CALQUE/venv.new" "$CALQUE/env.tar"
+  return 1
+}
+# share_env: the archive under a name of its digest (S3 shows an object only once whole), then
+# the record naming it; two instances building at once each upload a whole archive and the last
+# record wins; a failure is said and the boot goes on
+share_env() {
+  local z=gzip ext=gz sha
+  if command -v zstd >/dev/null; then z="zstd -T0" ext=zst; fi
+  STAGE="venv share"
+  tar -I "$z" -cf "$CALQUE/env.tar" -C "$CALQUE/venv" . &&
+    sha=$(sha256sum "$CALQUE/env.tar" | cut -c1-64) &&
+    retry "venv upload" s3_put "$CALQUE/env.tar" "$ENV_PREFIX$ENV_KEY.${sha:0:16}.tar.$ext" &&
+    json_of archive "$ENV_KEY.${sha:0:16}.tar.$ext" sha256 "$sha" \
+      bytes "$(stat -c %s "$CALQUE/env.tar")" instance_id "${INSTANCE_ID:-}" \
+      built "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$CALQUE/env.json" &&
+    retry "venv record" s3_put "$CALQUE/env.json" "$ENV_PREFIX$ENV_KEY.json"
+}
+if ! warm_env; then
+  build_env
+  VENV=installed
+  if [ -n "$ENV_PREFIX" ]; then
+    if share_env; then
+      VENV="installed, shared"
+    else
+      echo "calque: could not share the venv: later boots install it too" >&2
+      VENV="installed, not shared"
+    fi
+    rm -f "$CALQUE/env.tar"
+  fi
+fi
+# then calque from the kit's sdist: its build compiles fastbatch (a failed compile still installs)
 once "pip install calque" "$CALQUE/venv/bin/pip" install -q --no-deps --no-build-isolation --no-cache-dir \
   "$CALQUE/kit.tar.gz"
-${image_install}
 
 # a fastbatch the install did not build is reported, and the worker told to use the numpy path
 STAGE="fastbatch check"

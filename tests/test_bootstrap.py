@@ -3,22 +3,29 @@ paths (moved under a temporary root), run by bash with PATH stubs for apt-get, c
 aws (S3 on a folder, Auto Scaling), pip, systemctl and shutdown that fail a given number of times; the unit it
 writes checked by systemd-analyze; fastbatch built in a Python 3.12-style venv; and a worker that gets a spot
 notice before its first claim. Nothing here leaves the machine: the stubs answer for AWS and the metadata
-service, and the metadata address in the script is replaced by a closed loopback port besides."""
+service, and the metadata address in the script is replaced by a closed loopback port besides.
+The tests of the shared venv run the real venv and pip against a loopback package index that
+records each request, with moto_server as S3."""
+import hashlib
 import http.server
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import threading
 
+import boto3
 import pytest
 
 import calque
 import calque_ec2 as ec2
 from conftest import ROOT, backend_for, cli, start_worker
 from test_warmd import SpotStub
+from tiny_backend import wheel
 
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 STORE = "s3://calque-bootstrap-test/root"
@@ -51,18 +58,21 @@ STUBS = {
   *) exit 22 ;;
 esac
 """,
-    # s3 cp between s3://bucket/key and $S3_DIR/bucket/key; autoscaling set-instance-health fails when told to
+    # s3 cp between s3://bucket/key and $S3_DIR/bucket/key (moto_server's S3 with AWS_ENDPOINT_URL);
+    # autoscaling set-instance-health fails when told to
     "aws": r"""case "$1 $2" in
   "s3 cp")
     src=${*: -2:1} dst=${*: -1}
+    if [ -n "${AWS_ENDPOINT_URL:-}" ]; then exec "$REAL_PY" -c "$S3_CP" "$src" "$dst"; fi
     src=${src/s3:\/\//$S3_DIR/} dst=${dst/s3:\/\//$S3_DIR/}
     mkdir -p "$(dirname "$dst")" && cp "$src" "$dst" ;;
   "autoscaling set-instance-health")
     [ -z "$HEALTH_FAILS" ] || { echo "AccessDenied" >&2; exit 254; } ;;
 esac
 """,
-    # `python3 -m venv DIR` makes a venv of stubs (pip, python); anything else is the real interpreter
-    "python3": r"""if [ "$1 $2" = "-m venv" ]; then
+    # `python3 -m venv DIR` makes a venv of stubs (pip, python) unless REAL_VENV is set; anything
+    # else is the real interpreter
+    "python3": r"""if [ "$1 $2" = "-m venv" ] && [ -z "${REAL_VENV:-}" ]; then
   mkdir -p "$3/bin" && cp "$STUB_DIR/pip" "$3/bin/pip" && cp "$STUB_DIR/venv-python" "$3/bin/python"
   exit 0
 fi
@@ -77,6 +87,14 @@ exec "$REAL_PY" "$@"
 esac
 """,
 }
+
+S3_CP = """import sys, boto3
+src, dst = sys.argv[1:]
+if src.startswith("s3://"):
+    boto3.client("s3").download_file(*src[5:].split("/", 1), dst)
+else:
+    boto3.client("s3").upload_file(src, *dst[5:].split("/", 1))
+"""
 
 
 class Sandbox:
@@ -99,7 +117,7 @@ class Sandbox:
         self.script = script.replace("http://169.254.169.254", "http://127.0.0.1:9")
         self.env = dict(os.environ, PATH=f"{self.stubs}:{os.environ['PATH']}", STUB_LOG=str(self.log),
                         STUB_STATE=str(state), STUB_DIR=str(self.stubs), S3_DIR=str(self.s3), REAL_PY=REAL_PY,
-                        INSTANCE_ID=INSTANCE_ID)
+                        INSTANCE_ID=INSTANCE_ID, S3_CP=S3_CP)
 
     def run(self, **env):
         return subprocess.run(["bash", "-s"], input=self.script, env=dict(self.env, **env), capture_output=True,
@@ -222,6 +240,180 @@ def _requirement(name):
     pinned = [line for line in lines if line.startswith(name + "==")]
     assert pinned, f"requirements.txt pins no {name}"
     return pinned[0]
+
+
+class PackageIndex(http.server.ThreadingHTTPServer):
+    """A loopback PEP 503 index of tiny wheels (tinydep 1.0 and 2.0, tinyimg 1.0) that records each
+    path asked for."""
+
+    def __init__(self):
+        self.files = dict(wheel(name, version) for name, version in
+                          (("tinydep", "1.0"), ("tinydep", "2.0"), ("tinyimg", "1.0")))
+        self.requests = []
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                index.requests.append(self.path)
+                body = index.files.get(self.path.removeprefix("/files/"))
+                if body is None:                # a project's page: links to its files
+                    project = self.path.removeprefix("/simple/").strip("/") + "-"
+                    body = "".join(f'<a href="/files/{n}">{n}</a>' for n in index.files
+                                   if n.startswith(project)).encode()
+                self.send_response(200 if body else 404)
+                self.send_header("Content-Type", "text/html")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server_port}/simple/"
+
+
+@pytest.fixture
+def index():
+    server = PackageIndex()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def tiny_kit(requirements):
+    """(bytes, sha256) of a stand-in kit: an sdist of one module (tinykit), built offline by
+    tiny_backend, whose requirements.txt holds `requirements`."""
+    with open(os.path.join(ROOT, "tests", "tiny_backend.py")) as f:
+        files = {"PKG-INFO": "Metadata-Version: 2.1\nName: tinykit\nVersion: 1.0\n",
+                 "tiny_backend.py": f.read(), "requirements.txt": "\n".join(requirements) + "\n",
+                 "pyproject.toml": '[build-system]\nrequires = []\nbuild-backend = "tiny_backend"\n'
+                                   'backend-path = ["."]\n'}
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w:gz") as tar:
+        for name, text in files.items():
+            info = tarfile.TarInfo(f"tinykit-1.0/{name}")
+            info.size = len(text.encode())
+            tar.addfile(info, io.BytesIO(text.encode()))
+    return raw.getvalue(), hashlib.sha256(raw.getvalue()).hexdigest()
+
+
+class PoolOnMoto:
+    """One pool's instances booted one after another in one sandbox root (each a new instance: the
+    root emptied, its paths as before), with the real venv and pip, a loopback index and
+    moto_server's S3."""
+
+    def __init__(self, root, endpoint, index):
+        self.root, self.index = root / "instance", index
+        self.bucket = f"calque-boot-{os.urandom(4).hex()}"
+        self.s3 = boto3.client("s3", endpoint_url=endpoint)
+        self.s3.create_bucket(Bucket=self.bucket)
+        # pip's settings on this machine (find-links, extra indexes, no version check) are not an
+        # instance's: it gets none but the index
+        self.env = dict(AWS_ENDPOINT_URL=endpoint, PIP_INDEX_URL=index.url,
+                        PIP_CONFIG_FILE=os.devnull, REAL_VENV="1")
+        self.prefix, self.boots = f"root/pools/{calque.slug(MODEL)}/", 0
+
+    def boot(self, requirements=("tinydep==1.0",), image_pip=()):
+        """A new instance's bootstrap: (its run, its report); the index's requests start empty."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.root.mkdir()
+        blob, sha = tiny_kit(requirements)
+        kit_key = f"pools/{calque.slug(MODEL)}/kit/{sha[:16]}.tar.gz"
+        self.s3.put_object(Bucket=self.bucket, Key="root/" + kit_key, Body=blob)
+        script = ec2.user_data_pool(MODEL, f"s3://{self.bucket}/root", "us-east-1", kit_key, sha,
+                                    image={"pip": list(image_pip)})
+        self.boots += 1
+        instance = f"i-{self.boots:017x}"
+        self.index.requests.clear()
+        box = Sandbox(self.root, script, kit_key, blob)
+        box.env = {k: v for k, v in box.env.items() if not k.startswith("PIP_")}
+        done = box.run(INSTANCE_ID=instance, **self.env)
+        assert done.returncode == 0, done.stderr
+        report, = [k for k in self.keys("instances/") if k.endswith(f".{instance}.json")]
+        return done, json.loads(self.get(report))
+
+    def keys(self, under):
+        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                  Prefix=self.prefix + under)
+        return [o["Key"][len(self.prefix):] for page in pages for o in page.get("Contents", [])]
+
+    def get(self, key):
+        return self.s3.get_object(Bucket=self.bucket, Key=self.prefix + key)["Body"].read()
+
+    def put(self, key, data):
+        self.s3.put_object(Bucket=self.bucket, Key=self.prefix + key, Body=data)
+
+    def record(self, env_key):
+        """The record of the venv shared for a key, its archive checked against its digest."""
+        record = json.loads(self.get(f"env/{env_key}.json"))
+        assert hashlib.sha256(self.get("env/" + record["archive"])).hexdigest() == record["sha256"]
+        return record
+
+    def venv_has(self):
+        """The versions of tinydep, tinyimg and tinykit in the last instance's venv (if there)."""
+        code = ("import importlib, importlib.util as u; print(*(importlib.import_module(m).VERSION "
+                "for m in ('tinydep', 'tinyimg', 'tinykit') if u.find_spec(m)))")
+        return subprocess.run([str(self.root / "opt/calque/venv/bin/python"), "-c", code],
+                              capture_output=True, text=True, check=True).stdout.split()
+
+
+def env_key(done):
+    """The venv key a boot looked up, which it says when it found no venv shared for it."""
+    return re.search(r"no venv shared for key ([0-9a-f]{16}) yet: installing it", done.stderr)[1]
+
+
+def test_second_boot_of_a_pool_unpacks_its_venv_and_asks_no_index(tmp_path, moto_endpoint, index):
+    """A pool's first instance installs its venv (the kit's requirements, the image's pip packages)
+    from the index and shares it in the store: an archive named by its digest, then a record naming
+    it. The next instance unpacks it: not one request to the index, the same packages importable.
+    Two instances that both found no record each share a whole archive; the last record wins."""
+    pool = PoolOnMoto(tmp_path, moto_endpoint, index)
+    first, report = pool.boot(image_pip=["tinyimg==1.0"])
+    assert {"/simple/tinydep/", "/files/tinydep-1.0-py3-none-any.whl",
+            "/simple/tinyimg/"} <= set(index.requests)
+    key = env_key(first)
+    record = pool.record(key)
+    assert set(pool.keys("env/")) == {f"env/{key}.json", f"env/{record['archive']}"}
+    assert record["archive"] == f"{key}.{record['sha256'][:16]}.tar.zst"
+    assert record["instance_id"] == "i-00000000000000001"
+    assert report["venv"] == "installed, shared" and pool.venv_has() == ["1.0", "1.0", "1.0"]
+
+    second, report = pool.boot(image_pip=["tinyimg==1.0"])
+    assert index.requests == [] and "installing" not in second.stderr, second.stderr
+    assert report["venv"] == "unpacked" and pool.venv_has() == ["1.0", "1.0", "1.0"]
+    assert pool.record(key) == record and len(pool.keys("env/")) == 2
+
+    pool.s3.delete_object(Bucket=pool.bucket, Key=f"{pool.prefix}env/{key}.json")  # none yet
+    third, report = pool.boot(image_pip=["tinyimg==1.0"])
+    assert env_key(third) == key and "/simple/tinydep/" in index.requests
+    assert report["venv"] == "installed, shared"
+    newer = pool.record(key)
+    assert newer["archive"] != record["archive"] and len(pool.keys("env/")) == 3
+    earlier = pool.get("env/" + record["archive"])   # whole, for a boot that read the first record
+    assert hashlib.sha256(earlier).hexdigest() == record["sha256"]
+
+
+def test_a_changed_key_rebuilds_and_a_damaged_venv_archive_falls_back(tmp_path, moto_endpoint,
+                                                                      index):
+    """A damaged archive (cut short) is said in the boot log and the instance installs, then shares
+    a whole one; a changed pin in the kit's requirements, or a changed pip_install package, is a new
+    key: a new venv is installed and shared beside the old."""
+    pool = PoolOnMoto(tmp_path, moto_endpoint, index)
+    key = env_key(pool.boot()[0])
+    archive = pool.record(key)["archive"]
+    whole = pool.get("env/" + archive)
+    pool.put("env/" + archive, whole[:len(whole) // 2])
+
+    damaged, report = pool.boot()
+    assert f"shared venv {archive} is damaged or unreadable: installing instead" in damaged.stderr
+    assert "/simple/tinydep/" in index.requests and report["venv"] == "installed, shared"
+    assert pool.record(key)["archive"] != archive and pool.venv_has() == ["1.0", "1.0"]
+
+    changed, report = pool.boot(requirements=["tinydep==2.0"])
+    assert env_key(changed) != key and "/files/tinydep-2.0-py3-none-any.whl" in index.requests
+    assert pool.venv_has() == ["2.0", "1.0"] and pool.record(env_key(changed))
+    imaged, report = pool.boot(image_pip=["tinyimg==1.0"])
+    assert env_key(imaged) not in (key, env_key(changed)) and "/simple/tinyimg/" in index.requests
+    assert pool.venv_has() == ["1.0", "1.0", "1.0"] and pool.record(key)
 
 
 def test_fastbatch_builds_in_a_python_312_style_venv(tmp_path):

@@ -185,7 +185,8 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
 
 
 def test_worker_policy_statement_by_statement(aws):
-    """The pool role's policy is exactly these seven statements, and it is what IAM holds after create."""
+    """The pool role's policy is exactly these eight statements, and it is what IAM holds after
+    create."""
     policy = ec2.worker_policy("s3://bkt/calque/root", MODEL, "eu-west-1", "111122223333")
     q = "arn:aws:sqs:eu-west-1:111122223333:"
     obj = "arn:aws:s3:::bkt/calque/root/"
@@ -208,6 +209,9 @@ def test_worker_policy_statement_by_statement(aws):
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
+        {"Sid": "ShareOwnVenv", "Effect": "Allow",            # the venv its first instance built
+         "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
+         "Resource": obj + f"pools/{s}/env/*"},
         {"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],   # its old print chunks
          "Resource": obj + f"pools/{s}/output/*"},
         {"Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",                           # its group only
@@ -574,7 +578,8 @@ def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
 
 
 def test_status_shows_bootstrap_reports(aws):
-    """pool status reads the instances' bootstrap reports: the builds they run, a WARNING for a failed fastbatch
+    """pool status reads the instances' bootstrap reports: the builds they run (their venv unpacked
+    from the store or installed), a WARNING for a failed fastbatch
     build or a torch blind to the GPU, and the failed bootstraps of instances already replaced."""
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     ready, numpy_cpu = sorted(i["InstanceId"] for i in asg_of()["Instances"])
@@ -588,14 +593,15 @@ def test_status_shows_bootstrap_reports(aws):
     report("20261129T100000Z", "i-0gone0failed0000", state="failed", stage="pip install -r requirements.txt",
            reason="ERROR: Could not install packages\nConnection reset by peer")
     report("20261129T100500Z", "i-0gone0scaledin00")
-    report("20261129T101000Z", ready)
+    report("20261129T101000Z", ready, venv="unpacked")
     report("20261129T101000Z", numpy_cpu, fastbatch="failed: fastbatch.c:1:10: fatal error: Python.h: No such file",
            torch="2.13.0+cpu", torch_cuda="None", torch_gpu="False")
     status = ec2.pool_status(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)))
     assert sorted(status["bootstrap"]["current"]) == sorted([ready, numpy_cpu])
     assert [r["instance_id"] for r in status["bootstrap"]["failed"]] == ["i-0gone0failed0000"]
     text = "\n".join(ec2.format_status(status))
-    assert "bootstrap: 1 ready with torch 2.13.0+cu128 (CUDA 12.8, GPU visible), fastbatch C" in text
+    assert ("bootstrap: 1 ready with torch 2.13.0+cu128 (CUDA 12.8, GPU visible), fastbatch C, "
+            "venv unpacked") in text
     assert (f"WARNING ({numpy_cpu}): fastbatch's C build failed: fastbatch.c:1:10: fatal error: Python.h" in text
             and "gather batches with the numpy path" in text)
     assert f"WARNING ({numpy_cpu}): torch 2.13.0+cpu does not see the GPU (NVIDIA A10G)" in text
