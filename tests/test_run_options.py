@@ -95,10 +95,10 @@ def test_a_run_without_wait_for_workers_is_not_resumed_onto_no_worker(local_env,
     run_id = interrupted_submit(spelling, env, items, "--claim-size", "1", queued=2)
     (gate / "open").touch()
     said(run(spelling, env, "pool", "scale", "--model", "m", "--workers", "0"), 0)
-    command = "calque" if spelling == "installed" else f"python {ROOT}/calque.py"
+    command = "calque" if spelling == "installed" else "python calque.py"
     said(run(spelling, env, "runs", "resume", run_id, "--timeout", "0"), 2, "",
          f"calque: error: pool m has no live worker (no supervisor on this machine, no worker running elsewhere): "
-         f"nothing would run run {run_id} ---> HINT: {command} pool scale --model m --workers 1 (or --instances N), "
+         f"nothing would claim run {run_id} ---> HINT: {command} pool scale --model m --workers 1 (or --instances N), "
          f"or runs resume {run_id} --no-wait to queue it anyway\n")
     out = run(spelling, env, "runs", "resume", run_id, "--no-wait")
     assert out.returncode == 0 and "not sent before now sent to calque-pool-m" in out.stderr, out.stderr
