@@ -6186,11 +6186,10 @@ def write_result_files(backend, run, claims, folder, field):
     stderr with the bytes and the items skipped (failed, or without it). Not bytes: a UserError."""
     what, width = "the result" if field is None else f"field {field!r}", len(str(max(run["items"] - 1, 0)))
     files = size = skipped = without = 0
-    taken, fields = set(), {}
+    taken, fields, id_field = set(), {}, run["options"].get("id_field")
     os.makedirs(folder, exist_ok=True)
     for _, claim, parts in claims:
-        field = run["options"].get("id_field")
-        ids = claim_ids(backend, run, claim, field) if field else None
+        ids = claim_ids(backend, run, claim, id_field) if id_field else None
         typed = dict(zip(*claim_column_rows(parts, field)))
         for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
             result = line.get("result")
