@@ -105,3 +105,35 @@ def test_a_run_without_wait_for_workers_is_not_resumed_onto_no_worker(local_env,
     said(run(spelling, env, "pool", "scale", "--model", "m", "--workers", "1"), 0)
     out = run(spelling, env, "runs", "resume", run_id)
     assert out.returncode == 0 and out.stdout.splitlines()[0] == totals(run_id, ok=1000), out.stderr
+
+
+@pytest.mark.parametrize("spelling,verb", [("script", ("runs", "redrive")), ("installed", ("pool", "redrive"))])
+def test_id_field_is_kept_across_ctrl_c_and_redrive(local_env, tmp_path, spelling, verb):
+    """--id-field, Ctrl-C while staging, one of the claims sent before it dead-lettered (its failure summary and
+    DLQ copy, as a worker leaves them): after runs resume --no-wait and runs redrive (pool redrive), every result,
+    the redriven claim's too, carries its item's id."""
+    create_pool(local_env)
+    backend = backend_for(local_env)
+    queue, dlq = (backend.queues.open_queue(name) for name in ("calque-pool-m", "calque-dlq-m"))
+    items = write_items(tmp_path / "items.jsonl", [{"id": f"doc-{i}", "x": i} for i in range(300)])
+    run_id = interrupted_submit(spelling, local_env, items, "--wait-for-workers", "--claim-size", "1",
+                                "--id-field", "id")
+    message = queue.receive(1)
+    msg = json.loads(message.body)
+    reason = "delivered 4 times, more than the pool's max deliveries 3"
+    calque.write_json(backend, calque.summary_key(run_id, msg["claim"]), calque.claim_summary(
+        run_id=run_id, claim=msg["claim"], model="m", worker_id="gone-1", mode="pool", backend="local",
+        receive_count=4, enter_count=1, started=0.0, finished=0.0, requests={}, error=reason))
+    dlq.send(json.dumps({"reason": reason, "body": message.body, "receive_count": 4, "worker_id": "gone-1",
+                         "at": calque.now_iso()}))
+    queue.delete(message)
+    said(run(spelling, local_env, "runs", "resume", run_id, "--no-wait"), 0)
+    redrive = run(spelling, local_env, *verb, *(["--model", "m"] if verb[0] == "pool" else [run_id]))
+    said(redrive, 0, f"run {run_id}: 1 dead-lettered claim(s) sent back to calque-pool-m ({msg['claim']})\n")
+    said(run(spelling, local_env, "pool", "scale", "--model", "m", "--workers", "1"), 0)
+    resume = run(spelling, local_env, "runs", "resume", run_id)
+    assert resume.returncode == 0 and resume.stdout.splitlines()[0] == totals(run_id, ok=300), resume.stderr
+    results = run(spelling, local_env, "runs", "results", run_id)
+    said(results, 0, stderr="")
+    assert [(r["i"], r["id"]) for r in map(json.loads, results.stdout.splitlines())] == \
+        [(i, f"doc-{i}") for i in range(300)]
