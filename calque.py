@@ -2210,10 +2210,10 @@ def read_run(backend, run_id):
 
 def _run_defaults(run):
     """A run record as read: an older one without `sent` or `staged` had them all, and kept its
-    --id-field beside its `options`."""
+    --id-field and plan beside its `options`."""
     run.setdefault("sent", len(run["claims"]))
     run.setdefault("staged", True)
-    run.setdefault("options", {"id_field": run["id_field"]} if run.get("id_field") else {})
+    run.setdefault("options", {key: run[key] for key in ("id_field", "plan") if run.get(key)})
     return run
 
 
@@ -3262,11 +3262,12 @@ def wait_seconds(conf, seconds, run=None):
     return seconds
 
 
-def run_options(id_field=None, timeout=None, wait_for_workers=False):
+def run_options(id_field=None, timeout=None, wait_for_workers=False, plan=None):
     """The submit options a run keeps, given ones only: its record's `options`, written before its
     first claim is sent, so that runs resume, redrive and its results honour them after any Ctrl-C
     (docs/contract.md, "A run keeps its options")."""
-    given = {"id_field": id_field, "timeout": timeout, "wait_for_workers": wait_for_workers}
+    given = {"id_field": id_field, "timeout": timeout, "wait_for_workers": wait_for_workers,
+             "plan": plan}
     return {name: value for name, value in given.items() if value not in (None, False)}
 
 
@@ -5618,7 +5619,7 @@ def _duration(seconds):
 
 def plan_against_actual(run, summaries):
     """'predicted X on N workers, actual Y (+d %)' for a finished planned run, naming claims redelivered."""
-    plan = run.get("plan")
+    plan = run["options"].get("plan")
     if not plan or len(summaries) < len(run["claims"]) or not summaries:
         return None
     ended = max(_parse_time(s["finished_at"], "finished_at") for s in summaries)
@@ -5892,17 +5893,18 @@ def _has_id_field(field, index, item):
 
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
            shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None,
-           columns=None):
+           columns=None, plan=None):
     """Run `items` on the warm pool `pool` (the Run returns once queued), or with `model`, as a
     cold run on `shards` fresh local workers (returns once ended). No live worker: a UserError
     unless wait_for_workers; every local worker dying before warm: WorkersFailed. The run keeps
-    id_field, timeout (what Run.wait waits) and wait_for_workers: run_options."""
+    id_field, timeout (what Run.wait waits), wait_for_workers and `plan` (the count `submit
+    --deadline` picked: run_plan, for runs resume and runs show): run_options."""
     conf, backend = context or _context(store)
     items = as_items(items, columns)
     if id_field:
         items = check_id_field(items, id_field)
     check_claim_size(claim_size)
-    options = run_options(id_field, timeout, wait_for_workers)
+    options = run_options(id_field, timeout, wait_for_workers, plan)
     if not pool:
         if not model:
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
@@ -6303,11 +6305,18 @@ def confirm(question, yes):
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
-def apply_count(conf, backend, record, option, args):
-    """Give the run its planned count: a local pool that sizes itself keeps at least that many
-    workers while its backlog lasts; an EC2 group's desired capacity is raised to it."""
+def run_plan(record, option):
+    """What a planned run keeps of its plan's option (run_options): count, time and cost."""
     noun = "instances" if record.get("ec2") else "workers"
-    count = option[noun]
+    return {"count": option[noun], "noun": noun, "seconds": option["seconds"],
+            "cost_usd": option["cost_usd"]}
+
+
+def apply_count(conf, backend, record, plan, verb):
+    """Give the run its planned count (run_plan) once its claims are queued: a local pool that
+    sizes itself keeps at least that many workers while its backlog lasts; an EC2 group's desired
+    capacity is raised to it."""
+    noun, count = plan["noun"], plan["count"]
     if noun == "instances":
         import calque_ec2 as ec2
         names = ec2.resource_names(record["model"])
@@ -6320,9 +6329,8 @@ def apply_count(conf, backend, record, option, args):
         bounds = read_scaling(folder)
         if bounds:
             write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, boost=count)))
-    print(f"submit: running at {count} {noun if count != 1 else noun[:-1]} (predicted "
-          f"{_duration(option['seconds'])}, {_usd(option['cost_usd'])} on-demand)", file=sys.stderr)
-    return {"count": count, "noun": noun, "seconds": option["seconds"], "cost_usd": option["cost_usd"]}
+    print(f"{verb}: running at {count} {noun if count != 1 else noun[:-1]} (predicted "
+          f"{_duration(plan['seconds'])}, {_usd(plan['cost_usd'])} on-demand)", file=sys.stderr)
 
 
 def cmd_pool_create(conf, backend, args):
@@ -6525,6 +6533,7 @@ def cmd_submit(conf, backend, args):
         few_malloc_arenas()
     progress = not args.json and sys.stderr.isatty()
     planned = args.plan or args.deadline is not None or args.budget is not None
+    kept = None   # a planned run's plan (run_plan)
     if args.pool:
         if args.shards > 1:
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
@@ -6535,6 +6544,7 @@ def cmd_submit(conf, backend, args):
             print("\n".join(format_plan(plan)), file=sys.stderr)
             record = load_pool(backend, args.pool)
             option = planned_count(conf, backend, record, plan, args)
+            kept = run_plan(record, option)
             if args.plan and not confirm(f"run {plan['items']:,} items at {option[plan['noun']]} {plan['noun']}, "
                                          f"{_usd(option['cost_usd'])} predicted?", args.yes):
                 print("submit: not run", file=sys.stderr)
@@ -6550,11 +6560,12 @@ def cmd_submit(conf, backend, args):
             with signals_interrupt():
                 run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
                              wait_for_workers=args.wait_for_workers or args.no_wait,
-                             timeout=args.timeout, context=(conf, backend), run_id=run_id)
+                             timeout=args.timeout, context=(conf, backend), run_id=run_id,
+                             plan=kept)
         except SubmitInterrupted as e:
             return interrupted(backend, run_id, e.signum)
-        if planned:   # once its claims are queued: a local pool's boost lasts while they wait
-            update_run(backend, run.record, plan=apply_count(conf, backend, record, option, args))
+        if kept:   # once its claims are queued: a local pool's boost lasts while they wait
+            apply_count(conf, backend, record, kept, "submit")
         if backend.kind == "aws":   # an EC2 pool's backlog steps follow the claims it ran
             from calque_ec2 import refresh_backlog_steps
             refresh_backlog_steps(backend, load_pool(backend, args.pool))
@@ -6732,6 +6743,8 @@ def cmd_runs_resume(conf, backend, args):
         return interrupted(backend, args.run, e.signum)
     print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
           + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""), file=sys.stderr)
+    if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with its claims
+        apply_count(conf, backend, record, run["options"]["plan"], "runs resume")
     if args.no_wait:
         return EXIT_OK
     summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
@@ -6849,8 +6862,9 @@ def cmd_cost(conf, backend, args):
         for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
             print("  " + line)
         if plan_against_actual(run, summaries):
+            noun = run["options"]["plan"]["noun"][:-1]
             print(f"  {plan_against_actual(run, summaries)}; its claims cost {_usd(report['total_usd'])} "
-                  f"(the plan prices every {run['plan']['noun'][:-1]} for the whole wall time)")
+                  f"(the plan prices every {noun} for the whole wall time)")
         return EXIT_OK
     labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind
     print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], "; ".join(labels))))

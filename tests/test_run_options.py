@@ -30,7 +30,7 @@ def interrupted_submit(spelling, env, items, *extra, queued=1):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (proc.returncode, err)
-    return only_run(env)
+    return json.loads(run(spelling, env, "runs", "list", "--json").stdout)[-1]["run_id"]
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
@@ -137,3 +137,22 @@ def test_id_field_is_kept_across_ctrl_c_and_redrive(local_env, tmp_path, spellin
     said(results, 0, stderr="")
     assert [(r["i"], r["id"]) for r in map(json.loads, results.stdout.splitlines())] == \
         [(i, f"doc-{i}") for i in range(300)]
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_a_planned_count_is_kept_across_ctrl_c_mid_staging(local_env, tmp_path, spelling):
+    """submit --deadline 1h on a pool sizing itself (plan measured its claims first), Ctrl-C while staging: the run
+    keeps the count its plan picked; runs resume gives it that count again once the rest is sent, and runs show
+    sets the plan against the actual time."""
+    said(run(spelling, local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
+             "--min-workers", "1", "--max-workers", "2"), 0)
+    items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(1000)])
+    said(run(spelling, local_env, "plan", "--pool", "m", items, "--claim-size", "1"), 0)   # its sample claim
+    run_id = interrupted_submit(spelling, local_env, items, "--claim-size", "1", "--deadline", "1h")
+    record = calque.read_run(backend_for(local_env), run_id)
+    assert 0 < record["sent"] < 1000, record["sent"]
+    resume = run(spelling, local_env, "runs", "resume", run_id)
+    assert resume.returncode == 0 and resume.stdout.splitlines()[0] == totals(run_id, ok=1000), resume.stderr
+    assert "runs resume: running at 1 worker (predicted " in resume.stderr
+    assert "plan: predicted " in run(spelling, local_env, "runs", "show", run_id).stdout
+    assert calque.read_run(backend_for(local_env), run_id)["options"]["plan"]["count"] == 1
