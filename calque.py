@@ -6728,9 +6728,10 @@ def cmd_runs_resume(conf, backend, args):
     except NotFound:
         raise UserError(f"run {args.run}: pool {run['model']}'s queue is gone ---> HINT: pool create --model "
                         f"{run['model']} ... again (it is idempotent), then runs resume {args.run}") from None
-    pool_ready(conf, backend, record, args.no_wait or run["options"].get("wait_for_workers"),
-               f"run {args.run}", f"runs resume {args.run} --no-wait")
     done = summary_claims(backend, args.run)
+    if len(done) < len(run["claims"]):   # claims left to run: a worker to run them, as its submit
+        pool_ready(conf, backend, record, args.no_wait or run["options"].get("wait_for_workers"),
+                   f"run {args.run}", f"runs resume {args.run} --no-wait")
     unsent = [claim for claim in run["claims"][run["sent"]:] if claim not in done]
     lost = [claim for claim, (state, _) in claim_states(backend, run, read_summaries(backend, args.run)).items()
             if state == "in no queue"]

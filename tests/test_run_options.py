@@ -86,7 +86,8 @@ def test_timeout_is_kept_across_ctrl_c_mid_wait(local_env, tmp_path, spelling):
 @pytest.mark.parametrize("spelling", SPELLINGS)
 def test_a_run_without_wait_for_workers_is_not_resumed_onto_no_worker(local_env, tmp_path, spelling):
     """submit without --wait-for-workers, Ctrl-C mid-staging, the pool scaled to 0: runs resume refuses as submit
-    would (exit 2, one line), rather than wait on a queue no worker reads; --no-wait queues the rest anyway."""
+    would (exit 2, one line), rather than wait on a queue no worker reads; --no-wait queues the rest anyway; a
+    finished run resumes (reports) with no worker."""
     gate = tmp_path / "gate"
     gate.mkdir()
     env = dict(local_env, GATE_DIR=str(gate))
@@ -104,6 +105,9 @@ def test_a_run_without_wait_for_workers_is_not_resumed_onto_no_worker(local_env,
     assert out.returncode == 0 and "not sent before now sent to calque-pool-m" in out.stderr, out.stderr
     said(run(spelling, env, "pool", "scale", "--model", "m", "--workers", "1"), 0)
     out = run(spelling, env, "runs", "resume", run_id)
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == totals(run_id, ok=1000), out.stderr
+    said(run(spelling, env, "pool", "scale", "--model", "m", "--workers", "0"), 0)
+    out = run(spelling, env, "runs", "resume", run_id)   # nothing left to run: no worker needed
     assert out.returncode == 0 and out.stdout.splitlines()[0] == totals(run_id, ok=1000), out.stderr
 
 
