@@ -5898,7 +5898,7 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     cold run on `shards` fresh local workers (returns once ended). No live worker: a UserError
     unless wait_for_workers; every local worker dying before warm: WorkersFailed. The run keeps
     id_field, timeout (what Run.wait waits), wait_for_workers and `plan` (the count `submit
-    --deadline` picked: run_plan, for runs resume and runs show): run_options."""
+    --deadline` picked, for runs resume and runs show): run_options."""
     conf, backend = context or _context(store)
     items = as_items(items, columns)
     if id_field:
@@ -6305,17 +6305,10 @@ def confirm(question, yes):
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
-def run_plan(record, option):
-    """What a planned run keeps of its plan's option (run_options): count, time and cost."""
-    noun = "instances" if record.get("ec2") else "workers"
-    return {"count": option[noun], "noun": noun, "seconds": option["seconds"],
-            "cost_usd": option["cost_usd"]}
-
-
 def apply_count(conf, backend, record, plan, verb):
-    """Give the run its planned count (run_plan) once its claims are queued: a local pool that
-    sizes itself keeps at least that many workers while its backlog lasts; an EC2 group's desired
-    capacity is raised to it."""
+    """Give the run its planned count (its options' `plan`) once its claims are queued: a local
+    pool that sizes itself keeps at least that many workers while its backlog lasts; an EC2
+    group's desired capacity is raised to it."""
     noun, count = plan["noun"], plan["count"]
     if noun == "instances":
         import calque_ec2 as ec2
@@ -6533,7 +6526,7 @@ def cmd_submit(conf, backend, args):
         few_malloc_arenas()
     progress = not args.json and sys.stderr.isatty()
     planned = args.plan or args.deadline is not None or args.budget is not None
-    kept = None   # a planned run's plan (run_plan)
+    kept = None   # a planned run's plan: the count picked, its predicted time and cost
     if args.pool:
         if args.shards > 1:
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
@@ -6544,7 +6537,9 @@ def cmd_submit(conf, backend, args):
             print("\n".join(format_plan(plan)), file=sys.stderr)
             record = load_pool(backend, args.pool)
             option = planned_count(conf, backend, record, plan, args)
-            kept = run_plan(record, option)
+            noun = "instances" if record.get("ec2") else "workers"
+            kept = dict(count=option[noun], noun=noun, seconds=option["seconds"],
+                        cost_usd=option["cost_usd"])
             if args.plan and not confirm(f"run {plan['items']:,} items at {option[plan['noun']]} {plan['noun']}, "
                                          f"{_usd(option['cost_usd'])} predicted?", args.yes):
                 print("submit: not run", file=sys.stderr)
