@@ -2281,9 +2281,11 @@ def read_run(backend, run_id):
 
 
 def _run_defaults(run):
-    """A run record as read: an older one without `sent` or `staged` had them all."""
+    """A run record as read: an older one without `sent` or `staged` had them all, and kept its
+    --id-field and plan beside its `options`."""
     run.setdefault("sent", len(run["claims"]))
     run.setdefault("staged", True)
+    run.setdefault("options", {key: run[key] for key in ("id_field", "plan") if run.get(key)})
     return run
 
 
@@ -3325,11 +3327,26 @@ def signals_deferred():
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def check_timeout(seconds):
-    """--timeout (or CALQUE_TIMEOUT) must be a finite number of seconds, 0 or more."""
+def wait_seconds(conf, seconds, run=None):
+    """How long to wait for a run: --timeout, else the run's own (its submit's --timeout, kept in
+    its options), else CALQUE_TIMEOUT; a finite number of seconds, 0 or more."""
+    if seconds is None and run:
+        seconds = run["options"].get("timeout")
+    if seconds is None:
+        seconds = setting_number(conf, "CALQUE_TIMEOUT", float, 0)
     if not (math.isfinite(seconds) and seconds >= 0):
         raise UserError(f"--timeout {seconds}: not a number of seconds, 0 or more ---> HINT: e.g. "
                         f"--timeout 600 (CALQUE_TIMEOUT sets the default)")
+    return seconds
+
+
+def run_options(id_field=None, timeout=None, wait_for_workers=False, plan=None):
+    """The submit options a run keeps, given ones only: its record's `options`, written before its
+    first claim is sent, so that runs resume, redrive and its results honour them after any Ctrl-C
+    (docs/contract.md, "A run keeps its options")."""
+    given = {"id_field": id_field, "timeout": timeout, "wait_for_workers": wait_for_workers,
+             "plan": plan}
+    return {name: value for name, value in given.items() if value not in (None, False)}
 
 
 class ClaimSizes:
@@ -3462,14 +3479,15 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
     backend.store.put(manifest_key(run["run_id"], claim), dumps(manifest))
 
 
-def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
+def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, options=None):
     """Stage the items as a stream, sending each claim once its manifest has landed; returns the
     run, its claims sized by `claim_size` (an int, or a ClaimSizes). The run record comes first
-    (`staged: false`); claims are cut as items are read, manifests
-    PUT on STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in order, SEND_BATCH a request,
-    with at most STAGE_AHEAD manifests a writer unsent (bounded memory). SIGINT or SIGTERM stops the
-    sending, not the staging (`runs resume` sends the rest), then raises SubmitInterrupted. Another
-    error before a claim was sent deletes what was staged; after, the run keeps the claims sent."""
+    (`staged: false`, with the submit `options` it keeps: run_options); claims are cut as items
+    are read, manifests PUT on STORE_WRITERS threads (LOCAL_WRITERS locally) and sent in order,
+    SEND_BATCH a request, with at most STAGE_AHEAD manifests a writer unsent (bounded memory).
+    SIGINT or SIGTERM stops the sending, not the staging (`runs resume` sends the rest), then
+    raises SubmitInterrupted. Another error before a claim was sent deletes what was staged;
+    after, the run keeps the claims sent."""
     run_id = run_id or new_run_id(record["model"])
     media_form(backend, record, items)
     known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
@@ -3479,7 +3497,8 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
     run = {"run_id": run_id, "model": record["model"], "mode": mode, "items": known or 0,
            "claims": [claim_id(i) for i in range(len(planned))], "claim_size": claim_size,
            "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
-           "created_at": now_iso(), "sent": 0, "staged": False, **_claim_counts(planned, claim_size)}
+           "created_at": now_iso(), "sent": 0, "staged": False, "options": options or {},
+           **_claim_counts(planned, claim_size)}
     if sizes.why:
         run["sizing"] = sizes.why
     landed, pending, count, sending, counts = [], collections.deque(), 0, True, []
@@ -3995,8 +4014,9 @@ def claim_batch(backend, run, claim, parts):
     columns = {"i": pa.array([line["i"] for line in lines], pa.int64()),
                "ok": pa.array([line["ok"] for line in lines]),
                "error": pa.array([line.get("error") for line in lines], pa.string())}
-    if run.get("id_field"):
-        columns[run["id_field"]] = pa.array(claim_ids(backend, run, claim, run["id_field"]))
+    field = run["options"].get("id_field")
+    if field:
+        columns[field] = pa.array(claim_ids(backend, run, claim, field))
     typed, results = typed_fields(parts), [line["result"] for line in lines if line["ok"]]
     keyed = results and None not in typed and all(isinstance(r, dict) for r in results)
     for field in dict.fromkeys(k for r in results for k in r) if keyed else [None] if results else []:
@@ -5312,9 +5332,10 @@ def pip_unmet(requirement):
 
 
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
-             progress=True, ec2=None, dry_run=False, yes_spend_money=False):
+             progress=True, ec2=None, dry_run=False, yes_spend_money=False, options=None):
     """The baseline: fresh workers (warmd.py here, EC2 with `ec2`) pay @enter, drain this run's
-    queue and exit. Returns (run, summaries, timed_out); (None, [], False) for an EC2 dry run."""
+    queue and exit; the run keeps `options` (run_options). Returns (run, summaries, timed_out);
+    (None, [], False) for an EC2 dry run."""
     if isinstance(items, FileItems) and items.bucket is not None and ec2:
         raise UserError(f"{items.where}: a cold run on EC2 cannot read an s3:// prefix (its shared role may not) "
                         f"---> HINT: run it on a pool: pool create --instances N --read {items.uri()}")
@@ -5358,7 +5379,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     write_json(backend, cold_record_key(run_id), cold)
     procs, instance_ids = [], []
     try:
-        run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id)
+        run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id, options)
         if ec2:
             instance_ids = launch()
         else:        # fresh local processes
@@ -5744,7 +5765,7 @@ def _duration(seconds):
 
 def plan_against_actual(run, summaries):
     """'predicted X on N workers, actual Y (+d %)' for a finished planned run, naming claims redelivered."""
-    plan = run.get("plan")
+    plan = run["options"].get("plan")
     if not plan or len(summaries) < len(run["claims"]) or not summaries:
         return None
     ended = max(_parse_time(s["finished_at"], "finished_at") for s in summaries)
@@ -6024,65 +6045,74 @@ def _has_id_field(field, index, item):
 
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
            shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None,
-           columns=None):
+           columns=None, plan=None):
     """Run `items` on the warm pool `pool` (the Run returns once queued), or with `model`, as a
     cold run on `shards` fresh local workers (returns once ended). No live worker: a UserError
-    unless wait_for_workers; every local worker dying before warm: WorkersFailed."""
+    unless wait_for_workers; every local worker dying before warm: WorkersFailed. The run keeps
+    id_field, timeout (what Run.wait waits), wait_for_workers and `plan` (the count `submit
+    --deadline` picked, for runs resume and runs show): run_options."""
     conf, backend = context or _context(store)
     items = as_items(items, columns)
     if id_field:
         items = check_id_field(items, id_field)
     check_claim_size(claim_size)
+    options = run_options(id_field, timeout, wait_for_workers, plan)
     if not pool:
         if not model:
             raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
-        if timeout is None:
-            timeout = setting_number(conf, "CALQUE_TIMEOUT", float, 0)
         run, _, _ = cold_run(conf, backend, items, model=model, handler=handler, shards=shards, batch_size=batch_size,
-                             claim_size=claim_size, timeout=timeout, progress=progress)
-        return Run(run["run_id"], context=(conf, backend), id_field=id_field)
+                             claim_size=claim_size, timeout=wait_seconds(conf, timeout),
+                             progress=progress, options=options)
+        return Run(run["run_id"], context=(conf, backend))
     record = load_pool(backend, pool)
     queue = backend.queues.open_queue(record["queue"])   # first: a missing queue says so
-    state, why = pool_liveness(conf, backend, record)
-    grace = time.monotonic() + WORKER_START_GRACE
-    while state == "none" and not wait_for_workers and time.monotonic() < grace:
-        time.sleep(WORKER_START_GRACE / 8)
-        state, why = pool_liveness(conf, backend, record)
-    if state == "crashing":
-        raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the handler, then pool create")
-    if state == "none" and not wait_for_workers:
-        raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
-                        f"{command()} pool scale --model {pool} --workers 1 (or --instances N), or "
-                        "submit --wait-for-workers to queue it anyway")
+    state, why = pool_ready(conf, backend, record, wait_for_workers, "this run",
+                            "submit --wait-for-workers")
     sizes = claim_sizing(conf, backend, record, claim_size)
     run_id = run_id or new_run_id(pool)   # before staging: announce_run names it
     if state == "starting":   # ("none" with wait_for_workers: what the caller asked for)
         print(f"calque: {why}", file=sys.stderr)
         announce_run(conf, pool, items, sizes, run_id)
-    run = stage_run(backend, record, items, sizes, queue, "pool", run_id)
-    return Run(run["run_id"], context=(conf, backend), id_field=id_field)
+    run = stage_run(backend, record, items, sizes, queue, "pool", run_id, options)
+    return Run(run["run_id"], context=(conf, backend))
+
+
+def pool_ready(conf, backend, record, wait_for_workers, run, anyway):
+    """(state, why) of pool_liveness for `run` about to be queued: every local worker dying unwarmed
+    raises WorkersFailed; no live worker (looked for WORKER_START_GRACE s) a UserError naming
+    `anyway`, the command that queues it all the same, unless wait_for_workers."""
+    state, why = pool_liveness(conf, backend, record)
+    grace = time.monotonic() + WORKER_START_GRACE
+    while state == "none" and not wait_for_workers and time.monotonic() < grace:
+        time.sleep(WORKER_START_GRACE / 8)
+        state, why = pool_liveness(conf, backend, record)
+    pool = record["model"]
+    if state == "crashing":
+        raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the handler, then pool create")
+    if state == "none" and not wait_for_workers:
+        raise UserError(why if "--->" in why else f"{why}: nothing would claim {run} ---> HINT: "
+                        f"{command()} pool scale --model {pool} --workers 1 (or --instances N), or "
+                        f"{anyway} to queue it anyway")
+    return state, why
 
 
 class Run:
     """A submitted run: wait for it, read its status, results and failures, cancel it, price it."""
 
-    def __init__(self, run_id, *, store=None, context=None, id_field=None):
+    def __init__(self, run_id, *, store=None, context=None):
         self.conf, self.backend = context or _context(store)
         self.record = read_run(self.backend, run_id)
         self.run_id = run_id
         self.waited = []   # the summaries the last wait() read
-        if id_field and not self.record.get("id_field"):
-            update_run(self.backend, self.record, id_field=id_field)
 
     def __repr__(self):
         return f"Run({self.run_id!r})"
 
     def wait(self, timeout=None, progress=False, interrupted=()):
         """Wait until every claim has a summary, nothing can run the rest, or `timeout` s: True when
-        all have one (`waited` keeps them); WorkersFailed when every local worker dies unwarmed."""
-        if timeout is None:
-            timeout = setting_number(self.conf, "CALQUE_TIMEOUT", float, 0)
-        check_timeout(timeout)
+        all have one (`waited` keeps them); WorkersFailed when every local worker dies unwarmed.
+        No `timeout`: the run's own (submit's), else CALQUE_TIMEOUT."""
+        timeout = wait_seconds(self.conf, timeout, self.record)
         self.waited, timed_out = wait_for_run(self.backend, self.record, timeout, progress,
                                               stop_if=self._crashing, interrupted=interrupted)
         return not timed_out
@@ -6164,7 +6194,7 @@ def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
     """Each claim's result lines (with the run's id_field), in claim order, as each finishes."""
     for index, claim in follow_claims(backend, run, poll):
         lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
-        yield with_ids(backend, run, claim, lines, run["id_field"]) if run.get("id_field") else lines
+        yield with_ids(backend, run, claim, lines)
 
 
 def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
@@ -6190,8 +6220,12 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
         yield index, claim
 
 
-def with_ids(backend, run, claim, lines, field):
-    """The claim's result lines with each item's `field` copied in from the claim's manifest."""
+def with_ids(backend, run, claim, lines):
+    """The claim's result lines with each item's --id-field (if the run has one) copied in from the
+    claim's manifest."""
+    field = run["options"].get("id_field")
+    if not field:
+        return lines
     ids = claim_ids(backend, run, claim, field)
     return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
 
@@ -6306,10 +6340,10 @@ def write_result_files(backend, run, claims, folder, field):
     stderr with the bytes and the items skipped (failed, or without it). Not bytes: a UserError."""
     what, width = "the result" if field is None else f"field {field!r}", len(str(max(run["items"] - 1, 0)))
     files = size = skipped = without = 0
-    taken, fields = set(), {}
+    taken, fields, id_field = set(), {}, run["options"].get("id_field")
     os.makedirs(folder, exist_ok=True)
     for _, claim, parts in claims:
-        ids = claim_ids(backend, run, claim, run["id_field"]) if run.get("id_field") else None
+        ids = claim_ids(backend, run, claim, id_field) if id_field else None
         typed = dict(zip(*claim_column_rows(parts, field)))
         for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
             result = line.get("result")
@@ -6423,11 +6457,11 @@ def confirm(question, yes):
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
-def apply_count(conf, backend, record, option, args):
-    """Give the run its planned count: a local pool that sizes itself keeps at least that many
-    workers while its backlog lasts; an EC2 group's desired capacity is raised to it."""
-    noun = "instances" if record.get("ec2") else "workers"
-    count = option[noun]
+def apply_count(conf, backend, record, plan, verb):
+    """Give the run its planned count (its options' `plan`) once its claims are queued: a local
+    pool that sizes itself keeps at least that many workers while its backlog lasts; an EC2
+    group's desired capacity is raised to it."""
+    noun, count = plan["noun"], plan["count"]
     if noun == "instances":
         import calque_ec2 as ec2
         names = ec2.resource_names(record["model"])
@@ -6440,9 +6474,8 @@ def apply_count(conf, backend, record, option, args):
         bounds = read_scaling(folder)
         if bounds:
             write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, boost=count)))
-    print(f"submit: running at {count} {noun if count != 1 else noun[:-1]} (predicted "
-          f"{_duration(option['seconds'])}, {_usd(option['cost_usd'])} on-demand)", file=sys.stderr)
-    return {"count": count, "noun": noun, "seconds": option["seconds"], "cost_usd": option["cost_usd"]}
+    print(f"{verb}: running at {count} {noun if count != 1 else noun[:-1]} (predicted "
+          f"{_duration(plan['seconds'])}, {_usd(plan['cost_usd'])} on-demand)", file=sys.stderr)
 
 
 def cmd_pool_create(conf, backend, args):
@@ -6639,12 +6672,13 @@ def cmd_pool_logs(conf, backend, args):
 
 
 def cmd_submit(conf, backend, args):
-    check_timeout(args.timeout)
+    wait_seconds(conf, args.timeout)   # checked before anything is read (the run keeps a given one)
     items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
     if isinstance(items, (TableItems, FileItems)):
         few_malloc_arenas()
     progress = not args.json and sys.stderr.isatty()
     planned = args.plan or args.deadline is not None or args.budget is not None
+    kept = None   # a planned run's plan: the count picked, its predicted time and cost
     if args.pool:
         if args.shards > 1:
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
@@ -6655,6 +6689,9 @@ def cmd_submit(conf, backend, args):
             print("\n".join(format_plan(plan)), file=sys.stderr)
             record = load_pool(backend, args.pool)
             option = planned_count(conf, backend, record, plan, args)
+            noun = "instances" if record.get("ec2") else "workers"
+            kept = dict(count=option[noun], noun=noun, seconds=option["seconds"],
+                        cost_usd=option["cost_usd"])
             if args.plan and not confirm(f"run {plan['items']:,} items at {option[plan['noun']]} {plan['noun']}, "
                                          f"{_usd(option['cost_usd'])} predicted?", args.yes):
                 print("submit: not run", file=sys.stderr)
@@ -6669,12 +6706,13 @@ def cmd_submit(conf, backend, args):
         try:
             with signals_interrupt():
                 run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
-                             wait_for_workers=args.wait_for_workers or args.no_wait, context=(conf, backend),
-                             run_id=run_id)
+                             wait_for_workers=args.wait_for_workers or args.no_wait,
+                             timeout=args.timeout, context=(conf, backend), run_id=run_id,
+                             plan=kept)
         except SubmitInterrupted as e:
             return interrupted(backend, run_id, e.signum)
-        if planned:   # once its claims are queued: a local pool's boost lasts while they wait
-            update_run(backend, run.record, plan=apply_count(conf, backend, record, option, args))
+        if kept:   # once its claims are queued: a local pool's boost lasts while they wait
+            apply_count(conf, backend, record, kept, "submit")
         if backend.kind == "aws":   # an EC2 pool's backlog steps follow the claims it ran
             from calque_ec2 import refresh_backlog_steps
             refresh_backlog_steps(backend, load_pool(backend, args.pool))
@@ -6714,16 +6752,16 @@ def cmd_submit(conf, backend, args):
             with signals_interrupt():   # a SIGTERM too ends its workers and deletes its queues
                 run, summaries, timed_out = cold_run(
                     conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
-                    batch_size=args.batch_size, claim_size=args.claim_size, timeout=args.timeout,
-                    progress=progress, ec2=ec2, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
+                    batch_size=args.batch_size, claim_size=args.claim_size,
+                    timeout=wait_seconds(conf, args.timeout), progress=progress, ec2=ec2,
+                    dry_run=args.dry_run, yes_spend_money=args.yes_spend_money,
+                    options=run_options(args.id_field, args.timeout))
         except SubmitInterrupted as e:
             print("calque: interrupted: the cold run is cancelled (its workers and queues are "
                   "gone) ---> HINT: submit again", file=sys.stderr)
             return 128 + e.signum
         if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
             return EXIT_OK
-        if args.id_field:
-            update_run(backend, run, id_field=args.id_field)
     return report_submitted(backend, run, summaries, timed_out, args)
 
 
@@ -6805,8 +6843,7 @@ def cmd_runs_results(conf, backend, args):
             if binary:
                 done.append((index, claim))
             else:
-                rows.append(write_results(out, with_ids(backend, run, claim, lines, run["id_field"])
-                                          if run.get("id_field") else lines, args.failed))
+                rows.append(write_results(out, with_ids(backend, run, claim, lines), args.failed))
         if binary:
             written = write_binary_results(out, backend, run, done, args)
             code = max(code, written[0])
@@ -6818,8 +6855,9 @@ def cmd_runs_results(conf, backend, args):
 
 
 def cmd_runs_resume(conf, backend, args):
-    """Send the claims an interrupted submit did not, and again those in no queue, then wait."""
-    check_timeout(args.timeout)
+    """Send the claims an interrupted submit did not, and again those in no queue, then wait, as its
+    submit would have (its options: --timeout and --wait-for-workers unless given here)."""
+    wait_seconds(conf, args.timeout)   # a bad CALQUE_TIMEOUT is said before anything is read
     run = read_run(backend, args.run)
     if run["mode"] != "pool":
         raise UserError(f"run {args.run} is a cold run: its workers and queues lived only while "
@@ -6832,11 +6870,15 @@ def cmd_runs_resume(conf, backend, args):
                         f"queued, the rest may have no manifest ---> HINT: runs cancel {args.run}, "
                         f"then submit the items from {sum(claim_items(run, k) for k in range(run['sent']))} on again")
     try:
-        queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
+        record = load_pool(backend, run["model"])
+        queue = backend.queues.open_queue(record["queue"])
     except NotFound:
         raise UserError(f"run {args.run}: pool {run['model']}'s queue is gone ---> HINT: pool create --model "
                         f"{run['model']} ... again (it is idempotent), then runs resume {args.run}") from None
     done = summary_claims(backend, args.run)
+    if len(done) < len(run["claims"]):   # claims left to run: a worker to run them, as its submit
+        pool_ready(conf, backend, record, args.no_wait or run["options"].get("wait_for_workers"),
+                   f"run {args.run}", f"runs resume {args.run} --no-wait")
     unsent = [claim for claim in run["claims"][run["sent"]:] if claim not in done]
     lost = [claim for claim, (state, _) in claim_states(backend, run, read_summaries(backend, args.run)).items()
             if state == "in no queue"]
@@ -6849,9 +6891,12 @@ def cmd_runs_resume(conf, backend, args):
         return interrupted(backend, args.run, e.signum)
     print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
           + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""), file=sys.stderr)
+    if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with its claims
+        apply_count(conf, backend, record, run["options"]["plan"], "runs resume")
     if args.no_wait:
         return EXIT_OK
-    summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json and sys.stderr.isatty())
+    summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
+                                        progress=not args.json and sys.stderr.isatty())
     return report_submitted(backend, run, summaries, timed_out, args)
 
 
@@ -6965,8 +7010,9 @@ def cmd_cost(conf, backend, args):
         for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
             print("  " + line)
         if plan_against_actual(run, summaries):
+            noun = run["options"]["plan"]["noun"][:-1]
             print(f"  {plan_against_actual(run, summaries)}; its claims cost {_usd(report['total_usd'])} "
-                  f"(the plan prices every {run['plan']['noun'][:-1]} for the whole wall time)")
+                  f"(the plan prices every {noun} for the whole wall time)")
         return EXIT_OK
     labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind
     print("\n".join(format_cost_table([(run, report) for run, report, *_ in reports], "; ".join(labels))))
@@ -7435,8 +7481,6 @@ def main(argv=None):
             kit_python(sys.argv[1:], os.path.abspath(__file__))
         args = build_parser().parse_args(argv)
         conf = settings()
-        if getattr(args, "timeout", None) is None and hasattr(args, "timeout"):
-            args.timeout = setting_number(conf, "CALQUE_TIMEOUT", float, 0)
         backend = open_backend(conf["CALQUE_STORE"])
         if isinstance(getattr(args, "run", None), (str, list)):   # `runs show latest`: the store's newest run
             args.run = latest_runs(backend, args.run)

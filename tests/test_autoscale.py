@@ -169,7 +169,7 @@ def test_plan_and_planned_submits(local_env, tmp_path):
     out = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "4", "--deadline", "1h", "--json")
     assert out.returncode == 0, out.stderr
     run = json.loads(out.stdout)["run"]
-    assert "submit: running at 1 worker (predicted" in out.stderr and run["plan"]["count"] == 1
+    assert "submit: running at 1 worker (predicted" in out.stderr and run["options"]["plan"]["count"] == 1
     assert re.search(r"plan: predicted .* on 1 worker; actual [\d.]+ s \([+-]\d+%\)",
                      cli(local_env, "runs", "show", run["run_id"]).stdout)
     assert "plan: predicted" in cli(local_env, "cost", run["run_id"]).stdout
@@ -185,7 +185,7 @@ def test_a_planned_run_gets_the_count_its_plan_picked(local_env, tmp_path):
     items = write_items(tmp_path / "items.jsonl", [{"x": i, "spin": 20000} for i in range(120)])
     out = cli(local_env, "submit", "--pool", "m", items, "--claim-size", "4", "--plan", "--yes", "--json")
     assert out.returncode == 0, out.stderr
-    assert "ran one sample claim" in out.stderr and json.loads(out.stdout)["run"]["plan"]["count"] == 1
+    assert "ran one sample claim" in out.stderr and json.loads(out.stdout)["run"]["options"]["plan"]["count"] == 1
     with open(os.path.join(local_env["CALQUE_STATE"], "pools", "m", "supervisor.log")) as f:
         log = f.read()
     assert "0 -> 1" in log and "-> 2" not in log, log

@@ -195,5 +195,5 @@ def test_a_field_of_bytes_and_numbers_is_one_text_column():
     suffix, data = calque.encode_part(lines)
     text, blocks = calque.decode_npz_part(data)
     part = calque.Part([line + "\n" for line in text[:-1].split("\n")], blocks)
-    batch = calque.claim_batch(None, {}, "c00000", [part])
+    batch = calque.claim_batch(None, {"options": {}}, "c00000", [part])
     assert suffix == ".npz" and batch["x"].to_pylist() == ['{"$bytes":"AQI="}', "2", None]

@@ -288,7 +288,7 @@ def test_plan_seconds_and_pick():
 
 
 def test_predicted_against_actual_names_the_claims_that_waited_out_a_dead_worker():
-    run = {"plan": {"seconds": 10.0, "cost_usd": 0.01, "count": 1, "noun": "workers"},
+    run = {"options": {"plan": {"seconds": 10.0, "cost_usd": 0.01, "count": 1, "noun": "workers"}},
            "claims": ["c00000", "c00001"], "created_at": "2026-12-02T08:00:00.000+00:00"}
     done = [{"claim": "c00000", "receive_count": 1, "finished_at": "2026-12-02T08:00:05.000+00:00"},
             {"claim": "c00001", "receive_count": 2, "finished_at": "2026-12-02T08:01:10.000+00:00"}]
