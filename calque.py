@@ -4277,7 +4277,7 @@ def item_names(backend, run, summaries, indices):
     for claim, items in wanted.items():
         with contextlib.suppress(NotFound):   # a manifest deleted: its items keep their indices
             manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
-            field = run.get("id_field")
+            field = run["options"].get("id_field")
             ids = (claim_ids(backend, run, claim, field, manifest) if field else
                    [name for name, _, _ in manifest["refs"]["objects"]] if "refs" in manifest else
                    [item.get("path") if isinstance(item, dict) else None
