@@ -46,7 +46,7 @@ def test_id_field_is_kept_across_ctrl_c_mid_staging(local_env, tmp_path, spellin
     said(run(spelling, local_env, "pool", "scale", "--model", "m", "--workers", "1"), 0)
     resume = run(spelling, local_env, "runs", "resume", run_id)
     assert resume.returncode == 0, resume.stderr
-    assert resume.stdout.splitlines()[0] == totals(run_id, ok=1000)
+    assert resume.stdout.splitlines()[0] == totals(run_id, "done", ok=1000)
     results = run(spelling, local_env, "runs", "results", run_id)
     said(results, 0, stderr="")
     assert [(r["i"], r["id"]) for r in map(json.loads, results.stdout.splitlines())] == \
@@ -80,7 +80,7 @@ def test_timeout_is_kept_across_ctrl_c_mid_wait(local_env, tmp_path, spelling):
     (gate / "open").touch()   # 200 claims take the worker far longer than a wait of 0 s
     out, err = resume.communicate(timeout=120)
     assert resume.returncode == 0, err
-    assert out.splitlines()[0] == totals(run_id, ok=200)
+    assert out.splitlines()[0] == totals(run_id, "done", ok=200)
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
@@ -105,10 +105,10 @@ def test_a_run_without_wait_for_workers_is_not_resumed_onto_no_worker(local_env,
     assert out.returncode == 0 and "not sent before now sent to calque-pool-m" in out.stderr, out.stderr
     said(run(spelling, env, "pool", "scale", "--model", "m", "--workers", "1"), 0)
     out = run(spelling, env, "runs", "resume", run_id)
-    assert out.returncode == 0 and out.stdout.splitlines()[0] == totals(run_id, ok=1000), out.stderr
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == totals(run_id, "done", ok=1000), out.stderr
     said(run(spelling, env, "pool", "scale", "--model", "m", "--workers", "0"), 0)
     out = run(spelling, env, "runs", "resume", run_id)   # nothing left to run: no worker needed
-    assert out.returncode == 0 and out.stdout.splitlines()[0] == totals(run_id, ok=1000), out.stderr
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == totals(run_id, "done", ok=1000), out.stderr
 
 
 @pytest.mark.parametrize("spelling,verb", [("script", ("runs", "redrive")), ("installed", ("pool", "redrive"))])
@@ -136,7 +136,7 @@ def test_id_field_is_kept_across_ctrl_c_and_redrive(local_env, tmp_path, spellin
     said(redrive, 0, f"run {run_id}: 1 dead-lettered claim(s) sent back to calque-pool-m ({msg['claim']})\n")
     said(run(spelling, local_env, "pool", "scale", "--model", "m", "--workers", "1"), 0)
     resume = run(spelling, local_env, "runs", "resume", run_id)
-    assert resume.returncode == 0 and resume.stdout.splitlines()[0] == totals(run_id, ok=300), resume.stderr
+    assert resume.returncode == 0 and resume.stdout.splitlines()[0] == totals(run_id, "done", ok=300), resume.stderr
     results = run(spelling, local_env, "runs", "results", run_id)
     said(results, 0, stderr="")
     assert [(r["i"], r["id"]) for r in map(json.loads, results.stdout.splitlines())] == \
@@ -156,7 +156,7 @@ def test_a_planned_count_is_kept_across_ctrl_c_mid_staging(local_env, tmp_path, 
     record = calque.read_run(backend_for(local_env), run_id)
     assert 0 < record["sent"] < 1000, record["sent"]
     resume = run(spelling, local_env, "runs", "resume", run_id)
-    assert resume.returncode == 0 and resume.stdout.splitlines()[0] == totals(run_id, ok=1000), resume.stderr
+    assert resume.returncode == 0 and resume.stdout.splitlines()[0] == totals(run_id, "done", ok=1000), resume.stderr
     assert "runs resume: running at 1 worker (predicted " in resume.stderr
     assert "plan: predicted " in run(spelling, local_env, "runs", "show", run_id).stdout
     assert calque.read_run(backend_for(local_env), run_id)["options"]["plan"]["count"] == 1
