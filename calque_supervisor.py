@@ -6,7 +6,6 @@ One per pool and machine (a lock in its state folder). Every SUPERVISOR_TICK s i
 wanted (LocalScaler), restarts the dead with backoff, leases GPUs, and writes supervisor.json, which
 calque reads (section 6). calque imports it only in the verbs that start or stop workers.
 """
-import argparse
 import contextlib
 import fcntl
 import functools
@@ -462,10 +461,10 @@ def _stop_workers(live, stop_wait):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="calque_supervisor.py", description="Keeps local pool workers.")
+    parser = calque.Parser(prog="calque_supervisor.py", description="Keeps local pool workers.")
     parser.add_argument("--model", required=True, help="the pool's model name")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         supervise(calque.settings(), args.model)
     except UserError as e:
         print(f"supervisor: error: {e}", file=sys.stderr)

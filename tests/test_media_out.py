@@ -154,9 +154,10 @@ def test_files_mistakes_in_one_line(runs, tmp_path):
     (tmp_path / "taken").write_text("x")
     for args, said in [((dicts, "--field", "nope"), "no result has the field 'nope': its results have 'png', "
                                                     "'wav', 'label' ---> HINT: --field png"),
-                       ((dicts, "--field", "label"), "field 'label' is not bytes (item 0: str)"),
-                       ((dicts,), "the result is not bytes (item 0: dict) ---> HINT: name its bytes field: "
-                                  "--field png"),
+                       ((dicts, "--field", "label"), "field 'label' is not bytes (item 0: str), and --files "
+                                                     "writes bytes ---> HINT: --field png (its bytes)"),
+                       ((dicts,), "the result is not bytes (item 0: dict), and --files writes bytes ---> HINT: "
+                                  "--field png (its bytes)"),
                        ((bare, "--files", str(tmp_path / "taken")), "that is a file, not a folder"),
                        ((bare, "--format", "parquet"), "--files writes one file an item into a folder: not "
                                                        "with --format")]:
