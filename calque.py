@@ -7048,9 +7048,11 @@ class Parser(argparse.ArgumentParser):
         self.fail("", message)
 
     def fail(self, given, message, typed=None, known=()):
-        """Raise `PROG GIVEN: message`; `typed`, a word not in `known`: the closest one named."""
-        close = difflib.get_close_matches(typed, list(known), 1) if typed else ()
-        guess = "".join(f"did you mean {word}? " for word in close)
+        """Raise `PROG GIVEN: message`; `typed`, a word not in `known`: those it begins, else the
+        closest, named."""
+        close = [w for w in known if typed and w.startswith(typed)][:3] or difflib.get_close_matches(
+            typed or "", list(known), 1)
+        guess = f"did you mean {' or '.join(close)}? " if close else ""
         where = f"{self.prog} {given}" if given else self.prog
         raise UserError(f"{where}: {message} ---> HINT: {guess}see `{self.prog} --help`")
 
