@@ -246,3 +246,32 @@ def test_files_hints_name_only_fields_of_bytes(local_env, tmp_path):
     out = calque("script", local_env, folder, "runs", "results", png, "--files", str(tmp_path / "out"),
                  "--field", "png")
     assert out.returncode == 0 and os.listdir(tmp_path / "out") == ["0.png"], out.stderr
+
+
+APP = '''
+import modal
+
+app = modal.App()
+
+
+@app.local_entrypoint()
+def main(name: str = "you", times: int = 1):
+    print(name * times)
+'''
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_modal_run_options_are_one_line_too(tmp_path, spelling):
+    """`modal run app.py --nam x`: the entrypoint's options as Modal's CLI takes them, mistyped or a prefix:
+    one line with its did-you-mean, nothing created; spelt right, the entrypoint runs."""
+    folder, env = user_folder(tmp_path), fresh_env(tmp_path)
+    (folder / "app.py").write_text(APP)
+    shown = SHOWN[spelling].format(name="calque")
+    for args, said in [(["--nam", "hi"], "--nam: no such option ---> HINT: did you mean --name?"),
+                       (["--tim", "2"], "--tim: no such option ---> HINT: did you mean --times?"),
+                       (["--times", "two"], "argument --times: invalid int value: 'two'")]:
+        line = one_line(calque(spelling, env, folder, "modal", "run", "app.py", *args))
+        assert line.startswith(f"calque: error: {shown} modal run app.py") and said in line, line
+    assert sorted(os.listdir(folder)) == ["app.py", "h.py", "items.jsonl"]
+    out = calque(spelling, env, folder, "modal", "run", "app.py", "--name", "hi", "--times", "2")
+    assert out.returncode == 0 and out.stdout.strip() == "hihi", out.stderr
