@@ -6171,7 +6171,6 @@ def write_result_files(backend, run, claims, folder, field):
     what, width = "the result" if field is None else f"field {field!r}", len(str(max(run["items"] - 1, 0)))
     files = size = skipped = without = 0
     taken, fields, held = set(), {}, {}   # held: the result fields that hold bytes
-    os.makedirs(folder, exist_ok=True)
     for _, claim, parts in claims:
         ids = claim_ids(backend, run, claim, run["id_field"]) if run.get("id_field") else None
         typed = dict(zip(*claim_column_rows(parts, field)))
@@ -6199,6 +6198,7 @@ def write_result_files(backend, run, claims, folder, field):
                 stem = f"{stem}-{index}" if stem else index
                 name = stem + ext
             taken.add(name.lower())
+            os.makedirs(folder, exist_ok=True)   # at the first file: a refusal leaves no folder behind
             with open(os.path.join(folder, name), "wb") as f:
                 f.write(value)
             files, size = files + 1, size + len(value)

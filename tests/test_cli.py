@@ -243,6 +243,7 @@ def test_files_hints_name_only_fields_of_bytes(local_env, tmp_path):
                 (png, ["--field", "nope"], "---> HINT: --field png (its bytes)")]:
             out = calque(spelling, local_env, folder, "runs", "results", run, "--files", str(tmp_path / "out"), *args)
             assert said in one_line(out), (spelling, args, out.stderr)
+            assert not os.path.exists(tmp_path / "out")   # a refusal makes no folder
     out = calque("script", local_env, folder, "runs", "results", png, "--files", str(tmp_path / "out"),
                  "--field", "png")
     assert out.returncode == 0 and os.listdir(tmp_path / "out") == ["0.png"], out.stderr
