@@ -177,8 +177,8 @@ def test_a_failed_pool_create_leaves_no_pool(local_env, tmp_path, spelling):
             (["--model", "m", "--handler", "h.py:Nope"], 2, "no class Nope"),
             (["--model", "m", "--include", "nosuch"], 2, "nosuch: not found"),
             (["--model", "foo-bar"], 2, "shares its queue name calque-pool-foo-bar with the pool of 'Foo/Bar'"),
-            (["--model", "m", "--workers", "1", "--gpus-per-worker", "-1"], 2, "--gpus-per-worker -1"),
-            (["--model", "m", "--workers", "1", "--threads-per-worker", "0"], 2, "--threads-per-worker 0"),
+            (["--model", "g", "--workers", "1", "--gpus-per-worker", "-1"], 2, "--gpus-per-worker -1"),
+            (["--model", "t", "--workers", "1", "--threads-per-worker", "0"], 2, "--threads-per-worker 0"),
             (["--model", "m", "--handler", f"{bad_enter}/h.py:Up", "--workers", "1"], 1,
              "worker 0 died before it was warm: RuntimeError: weights.pt is missing")]:
         out = calque(spelling, local_env, folder, *create, *args)
@@ -187,6 +187,7 @@ def test_a_failed_pool_create_leaves_no_pool(local_env, tmp_path, spelling):
         assert sorted(local_queues(store)) == ["calque-dlq-foo-bar", "calque-pool-foo-bar"], args
         assert {path: open(os.path.join(store, path), "rb").read() for path in store_files(store)} == before, args
     assert "weights.pt is missing" in open(os.path.join(local_env["CALQUE_STATE"], "pools", "m", "worker-0.log")).read()
+    assert os.listdir(os.path.join(local_env["CALQUE_STATE"], "pools")) == ["m"]   # the refused options made none
     listed = calque(spelling, local_env, folder, "pool", "list")
     assert "Foo/Bar" in listed.stdout and "\nm " not in listed.stdout, listed.stdout
     os.rename(os.path.join(store, "queue.db"), os.path.join(store, "queue.db.kept"))
