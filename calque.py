@@ -6323,6 +6323,7 @@ def cmd_pool_create(conf, backend, args):
         if getattr(args, key) is None:
             setattr(args, key, suggested.get(key))
     if args.instances is not None or args.max_instances is not None:   # EC2: each step idempotent
+        snapshot_handler(args.handler, "", lambda key, data: None, include)   # before any AWS call
         record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
                                                                     args.max_deliveries), args.batch_timeout)
         if modal:

@@ -216,6 +216,22 @@ def test_a_pool_create_that_fails_on_sqs_leaves_nothing_in_s3(aws_env, tmp_path)
     assert s3.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/pools/").get("KeyCount") == 0
 
 
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_an_ec2_pool_create_of_a_bad_handler_makes_nothing(aws_env, tmp_path, spelling):
+    """pool create --instances of a missing class or include (moto_server): one line, exit 2, before any AWS
+    call: no queue, nothing in the bucket."""
+    import boto3
+    folder = user_folder(tmp_path)
+    for args in (["--handler", "h.py:Nope"], ["--handler", "h.py:Up", "--include", "nosuch"]):
+        out = calque(spelling, aws_env, folder, "pool", "create", "--model", "m", *args, "--instances", "1",
+                     "--instance-type", "g5.xlarge", "--yes-spend-money")
+        assert out.returncode == 2 and not out.stdout and ("no class Nope" in one_line(out) or "nosuch" in out.stderr)
+    assert not boto3.client("sqs", endpoint_url=aws_env["AWS_ENDPOINT_URL"]).list_queues().get("QueueUrls")
+    bucket, prefix = aws_env["CALQUE_STORE"][len("s3://"):].split("/", 1)
+    s3 = boto3.client("s3", endpoint_url=aws_env["AWS_ENDPOINT_URL"])
+    assert s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("KeyCount") == 0
+
+
 def test_files_hints_name_only_fields_of_bytes(local_env, tmp_path):
     """`runs results RUN --files DIR` of results whose first field is a string: the hint names the field that
     holds bytes (never `--field label`), or says that none does; in both spellings."""
