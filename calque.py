@@ -3844,13 +3844,22 @@ def typed_fields(parts):
 
 
 def result_fields(parts):
-    """The fields of the parts' ok results, as first met: their dicts' keys (typed ones too: null in
-    the lines), None for a result that is no dict."""
-    fields = {}
+    """{field: whether it holds numbers} of the parts' ok results, as first met: their dicts' keys
+    (typed ones too: null in the lines), None for a result that is no dict."""
+    arrays, fields = {b.field for part in parts for b in part.blocks if b.dtype != BYTES}, {}
     for line in map(orjson.loads, (line for part in parts for line in part.lines)):
         if line["ok"]:
-            fields.update(dict.fromkeys(line["result"] if isinstance(line["result"], dict) else [None]))
+            result = line["result"]
+            for key, value in result.items() if isinstance(result, dict) else [(None, result)]:
+                fields[key] = fields.get(key) or key in arrays or holds_numbers(value)
     return fields
+
+
+def holds_numbers(value):
+    """A JSON value that stacks into a numeric array: a number, or a list of them (nested)."""
+    while isinstance(value, list) and value:
+        value = value[0]
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def with_parts(backend, run, claims):
@@ -3882,8 +3891,11 @@ def run_array(run, claims, field=None, fill=None):
             there.update(result_fields(parts))
     if field is not None and not any(len(rows) for _, rows, _ in pieces):
         names = [f for f in there if f is not None]
-        why = (f"its results have {', '.join(map(repr, names))} ---> HINT: to_numpy({names[0]!r}), or "
-               f"{command()} runs results {run['run_id']} --format npy --field {names[0]}" if names else
+        have, numbers = ", ".join(map(repr, names)), [f for f in names if there[f]]
+        why = (f"its results have {have} ---> HINT: to_numpy({numbers[0]!r}), or {command()} runs "
+               f"results {run['run_id']} --format npy --field {numbers[0]}" if numbers else
+               f"its results have {have}, none of them numbers ---> HINT: read them with "
+               f"to_arrow() or `{command()} runs results {run['run_id']}`" if names else
                "its results are not dicts ---> HINT: to_numpy() reads the result itself" if None in there else
                f"no item succeeded ---> HINT: {command()} runs show {run['run_id']}")
         raise UserError(f"run {run['run_id']}: no result has the field {field!r}: {why}")

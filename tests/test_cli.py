@@ -26,9 +26,9 @@ class Up:
         {enter}
 
     @calque.batch
-    def run(self, items):   # a label first, bytes only where the item asks for them
-        return [dict({{"label": "cat", "y": item["x"] + 1}}, **({{"png": b"\\x89PNG\\r\\n\\x1a\\n"}}
-                     if item.get("png") else {{}})) for item in items]
+    def run(self, items):   # a label first; bytes where the item asks for them, else a number
+        return [dict({{"label": "cat"}}, **({{"png": b"\\x89PNG\\r\\n\\x1a\\n"}} if item.get("png") else
+                                           {{"y": item["x"] + 1}})) for item in items]
 '''
 VERBS = "pool, submit, plan, runs, cost, dashboard, modal"
 POOL_VERBS = "create, scale, status, list, delete, cost, redrive, logs"
@@ -232,9 +232,10 @@ def test_an_ec2_pool_create_of_a_bad_handler_makes_nothing(aws_env, tmp_path, sp
     assert s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("KeyCount") == 0
 
 
-def test_files_hints_name_only_fields_of_bytes(local_env, tmp_path):
-    """`runs results RUN --files DIR` of results whose first field is a string: the hint names the field that
-    holds bytes (never `--field label`), or says that none does; in both spellings."""
+def test_files_and_npy_hints_name_only_fields_that_work(local_env, tmp_path):
+    """`runs results RUN --files DIR` (or `--format npy --field F`) of results whose first field is a string:
+    the hint names the field that holds bytes (numbers), never `--field label`, or says that none does; in both
+    spellings."""
     folder = user_folder(tmp_path)
     assert calque("script", local_env, folder, "pool", "create", "--model", "m", "--handler", "h.py:Up",
                   "--workers", "1").returncode == 0
@@ -261,6 +262,13 @@ def test_files_hints_name_only_fields_of_bytes(local_env, tmp_path):
             out = calque(spelling, local_env, folder, "runs", "results", run, "--files", str(tmp_path / "out"), *args)
             assert said in one_line(out), (spelling, args, out.stderr)
             assert not os.path.exists(tmp_path / "out")   # a refusal makes no folder
+        for run, said in [(plain, f"its results have 'label', 'y' ---> HINT: to_numpy('y'), or {shown} runs results "
+                                  f"{plain} --format npy --field y"),
+                          (png, f"its results have 'label', 'png', none of them numbers ---> HINT: read them with "
+                                f"to_arrow() or `{shown} runs results {png}`")]:
+            out = calque(spelling, local_env, folder, "runs", "results", run, "--format", "npy", "--field", "nope",
+                         "--output", str(tmp_path / "o.npy"))
+            assert said in one_line(out), (spelling, run, out.stderr)
     out = calque("script", local_env, folder, "runs", "results", png, "--files", str(tmp_path / "out"),
                  "--field", "png")
     assert out.returncode == 0 and os.listdir(tmp_path / "out") == ["0.png"], out.stderr
