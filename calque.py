@@ -6394,6 +6394,10 @@ def scale_local_verb(conf, pool, workers, args, bounds=None, new=False):
             with contextlib.suppress(Exception):   # the error being raised is the one to report
                 pool.delete(force=True)
         raise
+    except KeyboardInterrupt:   # Ctrl-C while waiting for warm: the pool and its workers go on
+        print(f"calque: interrupted while waiting: pool {pool.model}: its workers go on loading ---> "
+              f"HINT: {command()} pool status --model {pool.model}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT)
 
 
 def cmd_pool_scale(conf, backend, args):

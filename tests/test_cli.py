@@ -5,12 +5,13 @@ prefix of its name; a command that fails creates nothing (no store folder, no qu
 hints name only what would work."""
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 
 import pytest
 
-from conftest import PY, ROOT, free_port
+from conftest import PY, ROOT, free_port, wait_for
 
 BIN = os.path.dirname(PY)   # the venv's bin: pip's `calque` and `warmd` scripts
 SPELLINGS = {"script": lambda name: [PY, os.path.join(ROOT, f"{name}.py")],
@@ -301,3 +302,22 @@ def test_modal_run_options_are_one_line_too(tmp_path, spelling):
     assert sorted(os.listdir(folder)) == ["app.py", "h.py", "items.jsonl"]
     out = calque(spelling, env, folder, "modal", "run", "app.py", "--name", "hi", "--times", "2")
     assert out.returncode == 0 and out.stdout.strip() == "hihi", out.stderr
+
+
+def test_ctrl_c_while_pool_create_waits_says_the_workers_go_on(local_env, tmp_path):
+    """Ctrl-C while `pool create` waits for @enter: one line saying the workers go on loading and how to watch
+    them, exit 130; the pool stays, its worker still loading."""
+    folder = user_folder(tmp_path, enter="import time; time.sleep(30)")   # a model's long load
+    proc = subprocess.Popen(SPELLINGS["installed"]("calque") + ["pool", "create", "--model", "m", "--handler",
+                            "h.py:Up", "--workers", "1"], env=local_env, cwd=folder, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+    def status():
+        return calque("installed", local_env, folder, "pool", "status", "--model", "m").stdout
+    wait_for(lambda: "local workers: 1 alive of 1 desired" in status(), 60, "the worker loading")
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().splitlines() == [
+        "calque: interrupted while waiting: pool m: its workers go on loading ---> HINT: calque pool status --model m"]
+    assert "local workers: 1 alive of 1 desired" in status()
+    assert calque("installed", local_env, folder, "pool", "delete", "--model", "m", "--yes").returncode == 0
