@@ -7065,8 +7065,7 @@ class Parser(argparse.ArgumentParser):
         self.fail("", message)
 
     def fail(self, given, message, typed=None, known=()):
-        """Raise `PROG GIVEN: message`; `typed`, a word not in `known`: those it begins, else the
-        closest, named."""
+        """Raise `PROG GIVEN: message`, naming the `known` words `typed` begins, or its closest."""
         close = [w for w in known if typed and w.startswith(typed)][:3] or difflib.get_close_matches(
             typed or "", list(known), 1)
         guess = f"did you mean {' or '.join(close)}? " if close else ""
