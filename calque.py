@@ -1720,11 +1720,14 @@ class LocalBackend:
         return self.root
 
     def check(self, prefix=""):
-        try:
-            os.makedirs(self.root, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"store {self.root} cannot be created ({e.strerror}): "
-                            f"set CALQUE_STORE to a writable folder")
+        """The store's folder, or where it would be made: made only by its first write, so that a
+        command that fails leaves none behind."""
+        found = self.root
+        while not os.path.lexists(found):
+            found = os.path.dirname(found)
+        if not os.path.isdir(found) or found != self.root and not os.access(found, os.W_OK):
+            raise UserError(f"store {self.root} cannot be created ({found} is not a writable "
+                            f"folder): set CALQUE_STORE to a writable folder")
 
 
 def endpoint_retried(method):
@@ -2135,13 +2138,15 @@ def name_key(model):
 
 
 @contextlib.contextmanager
-def pool_name_claimed(backend, model):
+def pool_name_claimed(backend, model, queues=()):
     """Hold the model's slug (queue names, store folder) during `pool create`: the first model to
     write pools/<slug>/name.json (create-if-absent) owns it, so a colliding name (Foo/Bar, foo-bar)
-    is refused even at the same moment. A create that fails before its record gives it back."""
-    owner = model
+    is refused even at the same moment. A create of a new pool that fails before its record leaves
+    nothing: the slug's folder goes, and `queues` (those it makes)."""
+    existed = None
     with contextlib.suppress(NotFound):
-        owner = read_json(backend, pool_key(model)).get("model")
+        existed = read_json(backend, pool_key(model)).get("model")
+    owner = existed or model
     created = owner == model and backend.store.put_new(name_key(model), json.dumps({"model": model}))
     if owner == model and not created:
         owner = read_json(backend, name_key(model)).get("model")
@@ -2152,9 +2157,12 @@ def pool_name_claimed(backend, model):
     try:
         yield
     except BaseException:
-        if created and not backend.store.exists(pool_key(model)):
+        if not existed and not backend.store.exists(pool_key(model)):
             with contextlib.suppress(Exception):   # the error being raised is the one to report
-                backend.store.delete(name_key(model))
+                backend.store.delete_prefix(f"pools/{slug(model)}/")
+            for queue in queues:
+                with contextlib.suppress(Exception):
+                    backend.queues.delete_queue(queue)
         raise
 
 
@@ -2448,10 +2456,14 @@ def pool_bounds(count, lo, hi, idle_minutes, noun):
     if count is not None and hi is not None and count != hi:
         raise UserError(f"--{noun} {count} and --max-{noun} {hi}: two ceilings ---> HINT: --{noun} "
                         f"N alone (a fixed N), or --min-{noun} A --max-{noun} B")
+    if count is not None and count < 0:
+        raise UserError(f"--{noun} {count}: must be 0 or more")
+    ceiling = f"--{noun}" if hi is None else f"--max-{noun}"
     hi = count if hi is None else hi
     if hi is None or hi < 0 or (lo is not None and not 0 <= lo <= hi):
-        raise UserError(f"--min-{noun} {lo} --max-{noun} {hi}: give 0 <= min <= max ---> HINT: "
-                        f"e.g. --min-{noun} 0 --max-{noun} 4")
+        given = [f"{f} {v}" for f, v in ((f"--min-{noun}", lo), (ceiling, hi)) if v is not None]
+        raise UserError(f"{' '.join(given)}: give 0 <= min <= max ---> HINT: e.g. --min-{noun} 0 "
+                        f"--max-{noun} 4")
     if idle_minutes is not None and not (math.isfinite(idle_minutes) and idle_minutes > 0):
         raise UserError(f"--scale-to-zero-after {idle_minutes}: not a number of minutes above 0 "
                         f"---> HINT: e.g. --scale-to-zero-after 10 (fractions allowed: 0.5)")
@@ -3932,13 +3944,22 @@ def typed_fields(parts):
 
 
 def result_fields(parts):
-    """The fields of the parts' ok results, as first met: their dicts' keys (typed ones too: null in
-    the lines), None for a result that is no dict."""
-    fields = {}
+    """{field: whether it holds numbers} of the parts' ok results, as first met: their dicts' keys
+    (typed ones too: null in the lines), None for a result that is no dict."""
+    arrays, fields = {b.field for part in parts for b in part.blocks if b.dtype != BYTES}, {}
     for line in map(orjson.loads, (line for part in parts for line in part.lines)):
         if line["ok"]:
-            fields.update(dict.fromkeys(line["result"] if isinstance(line["result"], dict) else [None]))
+            result = line["result"]
+            for key, value in result.items() if isinstance(result, dict) else [(None, result)]:
+                fields[key] = fields.get(key) or key in arrays or holds_numbers(value)
     return fields
+
+
+def holds_numbers(value):
+    """A JSON value that stacks into a numeric array: a number, or a list of them (nested)."""
+    while isinstance(value, list) and value:
+        value = value[0]
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def with_parts(backend, run, claims):
@@ -3970,8 +3991,11 @@ def run_array(run, claims, field=None, fill=None):
             there.update(result_fields(parts))
     if field is not None and not any(len(rows) for _, rows, _ in pieces):
         names = [f for f in there if f is not None]
-        why = (f"its results have {', '.join(map(repr, names))} ---> HINT: to_numpy({names[0]!r}), or "
-               f"{command()} runs results {run['run_id']} --format npy --field {names[0]}" if names else
+        have, numbers = ", ".join(map(repr, names)), [f for f in names if there[f]]
+        why = (f"its results have {have} ---> HINT: to_numpy({numbers[0]!r}), or {command()} runs "
+               f"results {run['run_id']} --format npy --field {numbers[0]}" if numbers else
+               f"its results have {have}, none of them numbers ---> HINT: read them with "
+               f"to_arrow() or `{command()} runs results {run['run_id']}`" if names else
                "its results are not dicts ---> HINT: to_numpy() reads the result itself" if None in there else
                f"no item succeeded ---> HINT: {command()} runs show {run['run_id']}")
         raise UserError(f"run {run['run_id']}: no result has the field {field!r}: {why}")
@@ -5931,9 +5955,13 @@ class Pool:
         record["workdir"] = os.getcwd()
         if modal:
             record["modal"] = modal
-        with pool_name_claimed(self.backend, self.model):
-            record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", self.backend.store.put,
-                                                 list(include) + (modal or {}).get("image", {}).get("files", []))
+        snapshot = {}   # checked whole before the store has any of it: a bad handler writes nothing
+        files = list(include) + (modal or {}).get("image", {}).get("files", [])
+        prefix = f"pools/{record['slug']}/"
+        record["handler"] = snapshot_handler(handler, prefix, snapshot.__setitem__, files)
+        with pool_name_claimed(self.backend, self.model, (record["queue"], record["dlq"])):
+            for key, data in snapshot.items():
+                self.backend.store.put(key, data)
             queues, vt = self.backend.queues, record["visibility_timeout"]
             if self.backend.kind == "aws":
                 for name in (record["dlq"], record["queue"]):
@@ -6340,20 +6368,23 @@ def write_result_files(backend, run, claims, folder, field):
     stderr with the bytes and the items skipped (failed, or without it). Not bytes: a UserError."""
     what, width = "the result" if field is None else f"field {field!r}", len(str(max(run["items"] - 1, 0)))
     files = size = skipped = without = 0
-    taken, fields, id_field = set(), {}, run["options"].get("id_field")
-    os.makedirs(folder, exist_ok=True)
+    taken, fields, held = set(), {}, {}   # held: the result fields that hold bytes
+    id_field = run["options"].get("id_field")
     for _, claim, parts in claims:
         ids = claim_ids(backend, run, claim, id_field) if id_field else None
         typed = dict(zip(*claim_column_rows(parts, field)))
+        held.update(dict.fromkeys(b.field for part in parts for b in part.blocks
+                                  if b.dtype == BYTES and b.field not in (None, field)))
+        hint = (f"--field {next(iter(held))} (its bytes)" if held else "no field of its results "
+                f"holds bytes: read them with `{command()} runs results {run['run_id']}`")
         for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
             result = line.get("result")
             value = typed.get(k, result if field is None else
                               result.get(field) if isinstance(result, dict) else None)
             if line["ok"] and not isinstance(value, bytes) and value is not None:
-                hint = (f"name its bytes field: --field {next(iter(value))}" if isinstance(value, dict) else
-                        f"--files writes bytes; read it with {command()} runs results {run['run_id']}")
                 raise UserError(f"run {run['run_id']}: {what} is not bytes (item {line['i']}: "
-                                f"{type(value).__name__}) ---> HINT: {hint}")
+                                f"{type(value).__name__}), and --files writes bytes "
+                                f"---> HINT: {hint}")
             if value is None:
                 skipped += 1
                 without += line["ok"]
@@ -6366,13 +6397,14 @@ def write_result_files(backend, run, claims, folder, field):
                 stem = f"{stem}-{index}" if stem else index
                 name = stem + ext
             taken.add(name.lower())
+            os.makedirs(folder, exist_ok=True)   # at the first file: a refusal leaves no folder behind
             with open(os.path.join(folder, name), "wb") as f:
                 f.write(value)
             files, size = files + 1, size + len(value)
     if not files and without:
         have = ", ".join(map(repr, fields)) or "no fields"
         raise UserError(f"run {run['run_id']}: no result has the field {field!r}: its results have {have} "
-                        f"---> HINT: --field {next(iter(fields), 'NAME')}")
+                        f"---> HINT: {hint}")
     gone = f"; skipped {skipped:,} (failed, or without {what})" if skipped else ""
     print(f"runs results: wrote {files:,} files, {size:,} bytes, to {folder}{gone}", file=sys.stderr)
     return files
@@ -6485,9 +6517,11 @@ def cmd_pool_create(conf, backend, args):
     include = include_paths(args.include, args.handler)
     for note in notes:
         print(f"pool {args.model}: {note}")
-    args.max_deliveries = args.max_deliveries or suggested.get("max_deliveries")   # app's retries=
-    args.batch_timeout = args.batch_timeout or suggested.get("batch_timeout")      # app's timeout=
+    for key in ("max_deliveries", "batch_timeout"):   # the app's retries=, timeout=; if not given
+        if getattr(args, key) is None:
+            setattr(args, key, suggested.get(key))
     if args.instances is not None or args.max_instances is not None:   # EC2: each step idempotent
+        snapshot_handler(args.handler, "", lambda key, data: None, include)   # before any AWS call
         record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
                                                                     args.max_deliveries), args.batch_timeout)
         if modal:
@@ -6510,6 +6544,7 @@ def cmd_pool_create(conf, backend, args):
     if count is None and args.max_workers is None:
         count = LOCAL_WORKERS_DEFAULT if args.min_workers is None else args.min_workers
     lo, hi, idle = pool_bounds(count, args.min_workers, args.max_workers, args.scale_to_zero_after, "workers")
+    new = not backend.store.exists(pool_key(args.model))   # a failed create leaves it not there
     pool = Pool(args.model, context=(conf, backend))
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal,
@@ -6521,21 +6556,34 @@ def cmd_pool_create(conf, backend, args):
     if args.workers is args.max_workers is args.min_workers is None and idle is None:
         print(f"pool {args.model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
     if idle is not None:
-        pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle))
+        pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle), new)
         print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s) on its "
               f"backlog (drain target {conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} min -> "
               f"{lo}), supervisor pid {pid}; logs: {command()} pool logs --model {args.model}")
     elif lo:
-        pid = scale_local_verb(conf, pool, lo, args)
+        pid = scale_local_verb(conf, pool, lo, args, new=new)
         print(f"pool {args.model}: {lo} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
               f"pid {pid}; logs: {command()} pool logs --model {args.model} ({state_dir(conf, args.model)})")
     return EXIT_OK
 
 
-def scale_local_verb(conf, pool, workers, args, bounds=None):
-    """pool create / scale: set the local workers, waiting until warm unless --no-wait."""
-    return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, threads_per_worker=args.threads_per_worker,
-                      wait=not args.no_wait, progress=sys.stderr.isatty(), bounds=bounds)
+def scale_local_verb(conf, pool, workers, args, bounds=None, new=False):
+    """pool create / scale: set the local workers, waiting until warm unless --no-wait. A `new` pool
+    whose workers cannot start, or all die before warm, is deleted again: a failed create leaves no
+    pool (the worker logs its error names stay)."""
+    try:
+        return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, wait=not args.no_wait,
+                          threads_per_worker=args.threads_per_worker, progress=sys.stderr.isatty(),
+                          bounds=bounds)
+    except (UserError, WorkersFailed):
+        if new and read_supervisor(conf, pool.model) is None:   # none left loading (a warm timeout)
+            with contextlib.suppress(Exception):   # the error being raised is the one to report
+                pool.delete(force=True)
+        raise
+    except KeyboardInterrupt:   # Ctrl-C while waiting for warm: the pool and its workers go on
+        print(f"calque: interrupted while waiting: pool {pool.model}: its workers go on loading ---> "
+              f"HINT: {command()} pool status --model {pool.model}", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT)
 
 
 def cmd_pool_scale(conf, backend, args):
@@ -7096,7 +7144,7 @@ MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI p
 
 def entrypoint_parser(fn, prog):
     """Modal's CLI for a local entrypoint: one --name option a parameter, typed by annotation."""
-    parser = argparse.ArgumentParser(prog=prog)
+    parser = Parser(prog=prog)
     hints = typing.get_type_hints(fn)
     for name, param in inspect.signature(fn).parameters.items():
         kind, flag = hints.get(name, str), f"--{name.replace('_', '-')}"
@@ -7117,7 +7165,7 @@ def entrypoint_parser(fn, prog):
 
 
 def cmd_modal_run(conf, backend, args):
-    own = argparse.ArgumentParser(add_help=False)   # --pool / --workers may follow app.py
+    own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)   # --pool etc. after app.py
     own.add_argument("--pool")
     own.add_argument("--workers", type=int)
     for flag in ("--volume", "--secret"):
@@ -7131,7 +7179,7 @@ def cmd_modal_run(conf, backend, args):
         raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
     shim, module = import_modal_file(path)
     fn, name = modal_run_target(shim, module, path, name)
-    kwargs = vars(entrypoint_parser(fn, f"calque modal run {args.app}").parse_args(args.args))
+    kwargs = vars(entrypoint_parser(fn, f"{command()} modal run {args.app}").parse_args(args.args))
     shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume, args.secret)
     done = False
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -7190,6 +7238,48 @@ def modal_run_target(shim, module, path, name):
     return call, name
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse as calque's other errors: one line naming the command as it was run (no usage
+    block), a `did you mean` for a mistyped verb or option, a UserError (exit 2). No option is
+    taken by a prefix of its name: `--worker 2` is a mistake, not `--workers 2`."""
+    unknown = None   # the first option given that this parser does not take
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's; an argument left over is an error here, where this verb's options are known
+        (argparse would name the top command)."""
+        args = sys.argv[1:] if args is None else list(args)
+        self.unknown = next((arg.partition("=")[0] for arg in args if re.match(r"-+[^-\d.]", arg)
+                             and arg.partition("=")[0] not in self._option_string_actions), None)
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unexpected argument {extras[0]!r}")
+        return namespace, extras
+
+    def error(self, message):
+        if self.unknown:   # the mistake to name: argparse may report its effect (--model missing)
+            self.fail(self.unknown, "no such option", self.unknown, self._option_string_actions)
+        self.fail("", message)
+
+    def fail(self, given, message, typed=None, known=()):
+        """Raise `PROG GIVEN: message`, naming the `known` words `typed` begins, or its closest."""
+        close = [w for w in known if typed and w.startswith(typed)][:3] or difflib.get_close_matches(
+            typed or "", list(known), 1)
+        guess = f"did you mean {' or '.join(close)}? " if close else ""
+        where = f"{self.prog} {given}" if given else self.prog
+        raise UserError(f"{where}: {message} ---> HINT: {guess}see `{self.prog} --help`")
+
+    def _check_value(self, action, value):
+        if action.choices is not None and value not in action.choices:
+            choices = ", ".join(map(str, action.choices))
+            if action.option_strings:
+                self.fail(f"{action.option_strings[0]} {value}", f"not one of {choices}", value,
+                          action.choices)
+            self.fail(value, f"no such command ({choices})", value, action.choices)
+
+
 class VersionAction(argparse.Action):
     """--version, importing importlib.metadata only when asked (it is slow to import)."""
 
@@ -7234,10 +7324,10 @@ def build_parser():
         p.set_defaults(func=func)
         return p
 
-    parser = argparse.ArgumentParser(
-        prog="calque.py", description="Sticky warm-worker pools for batch model inference.")
+    parser = Parser(prog=command(),
+                    description="Sticky warm-worker pools for batch model inference.")
     parser.add_argument("--version", action=VersionAction)
-    priced = argparse.ArgumentParser(add_help=False)   # what every verb printing a cost takes
+    priced = Parser(add_help=False)   # what every verb printing a cost takes
     priced.add_argument("--instance-type",
                         help="price as this EC2 instance type (default: rates.json defaults)")
     switch(priced, "--spot", "price at the rates file's spot fraction")

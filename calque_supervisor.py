@@ -6,7 +6,6 @@ One per pool and machine (a lock in its state folder). Every SUPERVISOR_TICK s i
 wanted (LocalScaler), restarts the dead with backoff, leases GPUs, and writes supervisor.json, which
 calque reads (section 6). calque imports it only in the verbs that start or stop workers.
 """
-import argparse
 import contextlib
 import fcntl
 import functools
@@ -86,12 +85,12 @@ def start_supervisor(conf, model, workers, gpus_per_worker=None, threads_per_wor
     """Ask this machine's supervisor of the pool for `workers` workers, starting one when there is
     none; its pid. `gpus_per_worker` (None: 1 where devices exist) and `threads_per_worker` (None:
     thread_env's share) apply to the workers it starts next."""
-    folder = state_dir(conf, model)
-    os.makedirs(folder, exist_ok=True)
     if gpus_per_worker is not None and gpus_per_worker < 0:
         raise UserError(f"--gpus-per-worker {gpus_per_worker}: must be 0 (no GPU) or more")
     if threads_per_worker is not None and threads_per_worker < 1:
         raise UserError(f"--threads-per-worker {threads_per_worker}: must be 1 or more")
+    folder = state_dir(conf, model)
+    os.makedirs(folder, exist_ok=True)
     write_file_atomic(os.path.join(folder, "gpus-per-worker"),
                       "" if gpus_per_worker is None else str(gpus_per_worker))
     write_file_atomic(os.path.join(folder, "threads-per-worker"), str(threads_per_worker or ""))
@@ -462,10 +461,10 @@ def _stop_workers(live, stop_wait):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="calque_supervisor.py", description="Keeps local pool workers.")
+    parser = calque.Parser(prog="calque_supervisor.py", description="Keeps local pool workers.")
     parser.add_argument("--model", required=True, help="the pool's model name")
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         supervise(calque.settings(), args.model)
     except UserError as e:
         print(f"supervisor: error: {e}", file=sys.stderr)

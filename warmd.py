@@ -2018,20 +2018,21 @@ HANDOFF_FLAGS = (("--supervisor-pid", int), ("--ready-file", str), ("--spawned-a
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="warmd.py", description="The sticky worker of a calque pool.")
+    parser = calque.Parser(prog="warmd" if calque.command() == "calque" else "python warmd.py",
+                           description="The sticky worker of a calque pool.")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="serve the pool of this model")
     which.add_argument("--run", help="serve one cold run's queue, then exit (started by `calque.py submit` without "
                                      "--pool)")
     for flag, kind in HANDOFF_FLAGS:   # from calque_supervisor.py or a cold run; not in --help
         parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    if argv is None:   # a command line: run under the kit's .venv when this Python lacks its packages
-        try:
+    try:
+        if argv is None:   # a command line: in the kit's .venv when this Python lacks its packages
             calque.kit_python(sys.argv[1:], os.path.abspath(__file__))
-        except calque.UserError as e:
-            print(f"warmd: error: {e}", file=sys.stderr)
-            return calque.EXIT_USAGE
-    args = parser.parse_args(argv)
+        args = parser.parse_args(argv)
+    except calque.UserError as e:
+        print(f"warmd: error: {e}", file=sys.stderr)
+        return calque.EXIT_USAGE
     logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
     faulthandler.enable()   # a handler that crashes the process (a segfault) leaves its traceback in the worker log
     try:

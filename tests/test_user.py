@@ -56,12 +56,14 @@ def error(out, code):
 
 def test_failing_enter_fails_pool_create_with_the_reason(local_env, tmp_path):
     """A handler whose @enter imports a missing package: pool create exits 1 naming the exception and the log, and
-    stops its workers; with --no-wait, pool status shows each worker's last exit and submit stops at once."""
+    leaves no pool (the log stays); with --no-wait, pool status shows each worker's last exit and submit stops at
+    once."""
     folder = user_folder(tmp_path, enter="import no_such_package_here")
     line = error(run(local_env, folder, "pool", "create", "--model", "m", "--handler", "model.py:Model"), 1)
     assert "worker 0 died before it was warm: ModuleNotFoundError: No module named 'no_such_package_here'" in line
-    assert "worker-0.log" in line and "---> HINT: fix the handler" in line
-    assert "local workers: none" in run(local_env, folder, "pool", "status", "--model", "m").stdout
+    assert "---> HINT: fix the handler" in line and "no_such_package_here" in open(
+        re.search(r"\(log (\S+worker-0\.log)\)", line).group(1)).read()
+    assert "no pools in" in run(local_env, folder, "pool", "list").stdout
     out = run(local_env, folder, "pool", "create", "--model", "m", "--handler", "model.py:Model", "--no-wait")
     assert out.returncode == 0, out.stderr
     wait_for(lambda: re.search(r"\(died before warm, restart after \d+ s\): ModuleNotFoundError", run(
