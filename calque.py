@@ -119,6 +119,8 @@ TRACE_FRAMES = 3                        # last traceback frames a failed item's 
 QUEUE_OPEN_RETRY = 10.0                 # s to retry opening a queue that does not resolve yet (SQS lag)
 DEFAULT_REGION = "us-east-1"            # AWS region when neither the environment nor ~/.aws/config names one
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_REPLACED = 75   # a worker whose pool runs another version now (pool deploy): restarted on it at
+                     # once by its supervisor, by systemd on EC2 (an exit 0 would stay down there)
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMD = os.path.join(HERE, "warmd.py")
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
@@ -689,10 +691,13 @@ def claim_id(index):
     return f"c{index:05d}"
 
 
-def make_message(run_id, model, manifest_uri, claim, resume=False):
+def make_message(run_id, model, manifest_uri, claim, resume=False, version=None):
     # `claim` (an extra field) lets a worker write a failure summary for a claim whose
-    # manifest_uri it refuses; `resume` (runs resume, redrive): look for its result parts.
+    # manifest_uri it refuses; `resume` (runs resume, redrive): look for its result parts;
+    # `version`: the pool version the run was submitted to, the only one that may run it.
     msg = {"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim}
+    if version:
+        msg["version"] = version
     if resume:
         msg["resume"] = True
     return json.dumps(msg)
@@ -2127,6 +2132,42 @@ def snapshot_handler(handler_spec, key_prefix, put, include=()):
     return record
 
 
+def pool_version(record):
+    """The record's version id: a digest of its handler snapshot (code, class, --include files) and
+    of what shapes results beside it (batch size, a Modal app's options); worker counts, timeouts
+    and retries are not part of it (docs/contract.md, "Versions")."""
+    h = record["handler"]
+    shaping = [h["file"], h["class"], h["sha256"], h.get("include", {}).get("sha256"),
+               record["batch_size"], record.get("modal")]
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def version_of(record):
+    """The record's version (computed for a record from before versions); None without a handler."""
+    return record.get("version") or (pool_version(record) if "handler" in record else None)
+
+
+def version_label(record):
+    """`3f2a9c1e0b7d (b.py:B, batch 32)`: a version as status and errors name it."""
+    h = record.get("handler", {})
+    return (f"{version_of(record)} ({h.get('file')}:{h.get('class')}, "
+            f"batch {record.get('batch_size')})")
+
+
+def refuse_other_version(existing, record, handler_spec):
+    """pool create of a pool that exists: refused in one line when `record` is another version
+    (`pool deploy` changes it); True when it is the same one (nothing to change)."""
+    if existing is None or version_of(existing) is None:   # none, or an EC2 create cut short
+        return False
+    if version_of(existing) != record["version"]:
+        batch = (f" --batch-size {record['batch_size']}"
+                 if existing.get("batch_size") != record["batch_size"] else "")
+        raise UserError(f"pool {record['model']} runs version {version_label(existing)}, not "
+                        f"{version_label(record)}: nothing changed ---> HINT: {command()} pool deploy "
+                        f"--model {record['model']} --handler {handler_spec}{batch} replaces its workers")
+    return True
+
+
 def include_snapshot(include):
     """(tar.gz bytes, file count) of [local, relative path] pairs, byte-identical for the same files
     (a re-created pool keeps its digest); at most INCLUDE_MAX_BYTES."""
@@ -3402,6 +3443,8 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None):
            "claims": [claim_id(i) for i in range(len(planned))], "claim_size": claim_size,
            "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
            "created_at": now_iso(), "sent": 0, "staged": False, **_claim_counts(planned, claim_size)}
+    if record.get("version"):   # the only version whose workers run its claims
+        run["version"] = record["version"]
     if sizes.why:
         run["sizing"] = sizes.why
     landed, pending, count, sending, counts = [], collections.deque(), 0, True, []
@@ -3468,7 +3511,7 @@ def send_batch(backend, run, queue, claims, resume=False):
     """One queue request (SendMessageBatch on SQS) for these claims of the run."""
     run_id = run["run_id"]
     queue.send_batch([make_message(run_id, run["model"], backend.store.uri(manifest_key(run_id, c)), c,
-                                   resume) for c in claims])
+                                   resume, run.get("version")) for c in claims])
 
 
 def send_claims(backend, run, queue, skip=(), resume=False):
@@ -3749,7 +3792,7 @@ def redrive(backend, record, runs):
                     if failure:
                         backend.store.delete(summary_key(run_id, claim))
                     uri = backend.store.uri(manifest_key(run_id, claim))
-                    queue.send(make_message(run_id, run["model"], uri, claim, resume=True))
+                    queue.send(make_message(run_id, run["model"], uri, claim, True, run.get("version")))
                     sent.setdefault(run_id, []).append(claim)
                 for message in copies.get((run_id, claim), []):
                     dlq.delete(message)
@@ -4185,6 +4228,9 @@ COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker has to e
 STOPPED_SHOWN = 5                       # stopped workers `pool status` lists (the rest: --json)
 LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts without --workers
 WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter
+DEPLOY_POLL = 2.0                       # s between two looks of `pool deploy` at the runs it waits for
+VERSION_CHECK = 30.0                    # s between two reads of the pool record by an idle worker (a deploy
+                                        # elsewhere: it restarts on the new version, warmd EXIT_REPLACED)
 WORKER_START_GRACE = 2.0                # s submit looks again for a worker that started this instant
                                         # (`warmd --model M &` then submit: its first stats take ~0.2 s)
 LIVE_STATES = ("starting", "running")   # a worker's stats state while it is alive: @enter, then claims
@@ -5192,6 +5238,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             copies.append((mine["include"], theirs["include"]))
         for new, old in copies if stage else ():
             backend.store.put(new["key"], backend.store.get(old["key"]))
+    cold["version"] = pool_version(cold)
     shards = max(1, shards)
 
     def launch():   # one-shot instances that drain the run's queue and terminate themselves
@@ -5278,8 +5325,8 @@ def pool_status(conf, backend, model):
     local = [dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"]))
              for w in (supervisor["workers"] if supervisor else [])]
     stats = mark_lost_workers(stats)
-    return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
-            "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
+    return {"model": model, "version": version_of(record), "record": record, "queue": queue, "dlq": dlq,
+            "ec2": ec2, "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
             "scaling": read_scaling(state_dir(conf, model)) if supervisor else None,
             "local_workers": local, "workers": stats}
 
@@ -5313,7 +5360,8 @@ def format_pool_status(status, store_description):
     q, d = status["queue"], status["dlq"]
     lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
              f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in "
-             f"flight;  dead-letter: {d['visible'] if d else '?'}"]
+             f"flight;  dead-letter: {d['visible'] if d else '?'}",
+             f"  version: {version_label(status['record'])}; each worker runs the version in its row"]
     if status["ec2"]:
         import calque_ec2 as ec2
         lines += ["    " + line for line in ec2.format_status(status["ec2"])]
@@ -5340,11 +5388,11 @@ def format_pool_status(status, store_description):
     stopped = sorted((w for w in status["workers"] if w.get("state") not in LIVE_STATES), key=lambda w: w["updated_at"])
     shown = running + stopped[-STOPPED_SHOWN:]
     if shown:
-        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} "
+        lines.append(f"    {'worker':<30} {'version':<12} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} "
                      f"{'enter_s':>8} {'items':>7} {'busy%':>6}")
         for w in sorted(shown, key=lambda w: w["started_at"]):
             busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
-            lines.append(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
+            lines.append(f"    {w['worker_id'][:30]:<30} {w.get('version') or '-':<12} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
                          f"{w['enter_count']:>6} {w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
     if len(stopped) > STOPPED_SHOWN:
         lines.append(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
@@ -5755,8 +5803,9 @@ class Pool:
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
                max_deliveries=None, batch_timeout=None, gpus_per_worker=None, threads_per_worker=None, wait=True,
                progress=False, modal=None, include=()):
-        """Create (or re-create) the pool, then start `workers` local workers, waited for unless
-        wait=False. `modal`: modal_options' record; `include`: [local, relative path] files."""
+        """Create the pool (one of the same version is left as it is, another refused: `pool
+        deploy`), then start `workers` local workers, waited for unless wait=False. `modal`:
+        modal_options' record; `include`: [local, relative path] files."""
         defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
@@ -5765,11 +5814,19 @@ class Pool:
         if modal:
             record["modal"] = modal
         with pool_name_claimed(self.backend, self.model):
-            record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", self.backend.store.put,
+            blobs = {}   # put once the version is known: an existing pool's snapshot is kept as it is
+            record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", blobs.__setitem__,
                                                  list(include) + (modal or {}).get("image", {}).get("files", []))
-            self.backend.queues.create_queue(record["queue"], record["visibility_timeout"])
-            self.backend.queues.create_queue(record["dlq"], record["visibility_timeout"])
-            write_json(self.backend, pool_key(self.model), record)
+            record["version"] = pool_version(record)
+            same = refuse_other_version(check_slug_free(self.backend, self.model), record, handler)
+            if same:   # nothing changes: its record, snapshot and queues stay as they are
+                record = load_pool(self.backend, self.model)
+            else:
+                for key, data in blobs.items():
+                    self.backend.store.put(key, data)
+                self.backend.queues.create_queue(record["queue"], record["visibility_timeout"])
+                self.backend.queues.create_queue(record["dlq"], record["visibility_timeout"])
+                write_json(self.backend, pool_key(self.model), record)
         if workers:
             self.scale(workers, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker, wait=wait,
                        progress=progress)
@@ -5785,6 +5842,58 @@ class Pool:
         if pid and wait and workers:
             wait_warm(self.conf, self.model, workers, since, progress)
         return pid
+
+    def deploy(self, handler, *, batch_size=None, include=(), wait=True, progress=False):
+        """Change the pool's version to `handler` (and `batch_size`): wait until no run of its
+        version is in flight (SIGINT meanwhile: a UserError, nothing changed), then replace its
+        workers: this machine's stopped and started again on it, other machines' (EC2) restart on
+        it themselves (warmd, EXIT_REPLACED). Returns (old record, new record); equal: no change."""
+        old = load_pool(self.backend, self.model)
+        new = dict(old, batch_size=pool_settings(self.conf, batch_size or old["batch_size"])["batch_size"])
+        new.pop("modal", None)   # a Modal app's options come with pool create (--param ...)
+        blobs = {}
+        new["handler"] = snapshot_handler(handler, f"pools/{old['slug']}/", blobs.__setitem__, include)
+        new["version"], new["deployed_at"] = pool_version(new), now_iso()
+        if new["version"] == version_of(old):
+            return old, old
+        busy, said = runs_in_flight(self.backend, old), None
+        try:
+            while busy:
+                if busy != said:
+                    print(f"pool {self.model}: waiting for {len(busy)} run(s) of version {version_of(old)} to "
+                          f"finish before its workers are replaced: {', '.join(busy[:5])} (Ctrl-C leaves "
+                          "the pool as it was)", file=sys.stderr, flush=True)
+                    said = busy
+                time.sleep(DEPLOY_POLL)
+                busy = runs_in_flight(self.backend, old)
+        except KeyboardInterrupt:
+            raise UserError(f"pool deploy interrupted: nothing changed, pool {self.model} runs version "
+                            f"{version_label(old)} ---> HINT: run it again once its runs are done (runs list "
+                            f"--model {self.model})") from None
+        folder, here = state_dir(self.conf, self.model), read_supervisor(self.conf, self.model)
+        since = time.time()
+        noted = []   # a signal waits until the replacement is done (not blocked: the processes
+        previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))   # started
+                    for sig in (signal.SIGINT, signal.SIGTERM)}                          # inherit a mask)
+        try:
+            if here and not supervisor_module().stop_supervisor(self.conf, self.model,
+                                                                stop_seconds(self.conf) + 15):
+                raise UserError(f"pool {self.model}: its supervisor did not stop: nothing changed; see "
+                                f"{folder}/supervisor.log, then retry")
+            for key, data in blobs.items():
+                self.backend.store.put(key, data)
+            write_json(self.backend, pool_key(self.model), new)
+            if here:   # its count, bounds, GPUs and threads as they were
+                per_worker = [read_state(os.path.join(folder, name), str.strip, "")
+                              for name in ("gpus-per-worker", "threads-per-worker")]
+                supervisor_module().start_supervisor(self.conf, self.model, read_desired(folder),
+                                                     *[int(v) if v else None for v in per_worker])
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if here and wait and not noted and read_desired(folder):
+            wait_warm(self.conf, self.model, read_desired(folder), since, progress)
+        return old, new
 
     def status(self):
         """pool_status: record, queue depths, this machine's workers, every worker's stats."""
@@ -5808,6 +5917,20 @@ class Pool:
             self.backend.queues.delete_queue(record[role])
         self.backend.store.delete_prefix(f"pools/{record['slug']}/")
         return cancelled
+
+
+def runs_in_flight(backend, record):
+    """Ids of the pool's runs of its version that a worker may still run a claim of: staging, or
+    with a claim queued or running (a run from before versions counts as the pool's)."""
+    version, busy = version_of(record), []
+    for run in list_runs(backend, record["model"]):
+        if (run["model"] != record["model"] or run["mode"] != "pool" or run.get("cancelled")
+                or run.get("version", version) != version):
+            continue
+        if not run.get("staged", True) or (len(summary_claims(backend, run["run_id"])) < len(run["claims"])
+                                           and live_claims(backend, run)):
+            busy.append(run["run_id"])
+    return busy
 
 
 def new_pool_record(backend, model, defaults, batch_timeout=None):
@@ -6326,14 +6449,23 @@ def cmd_pool_create(conf, backend, args):
         count = LOCAL_WORKERS_DEFAULT if args.min_workers is None else args.min_workers
     lo, hi, idle = pool_bounds(count, args.min_workers, args.max_workers, args.scale_to_zero_after, "workers")
     pool = Pool(args.model, context=(conf, backend))
+    existed = check_slug_free(backend, args.model)
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal,
                          include=include)
-    print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, handler "
-          f"{record['handler']['file']}:{record['handler']['class']}, batch "
-          f"{record['batch_size']}, visibility {record['visibility_timeout']}s, max deliveries "
-          f"{record['max_deliveries']}; workers run in {record['workdir']}")
-    if args.workers is args.max_workers is args.min_workers is None and idle is None:
+    counted = idle is not None or any(n is not None for n in (args.workers, args.min_workers, args.max_workers))
+    if existed and version_of(existed):   # the same version: pool.create refuses another
+        here = (read_supervisor(conf, args.model) or {}).get("desired", 0)
+        print(f"pool {args.model}: exists, version {version_label(record)}: nothing changed"
+              + ("" if counted else f"; its {here} local worker(s) here are left as they are ---> HINT: "
+                 f"{command()} pool scale --model {args.model} --workers N changes the count"))
+        if not counted:
+            return EXIT_OK
+    else:
+        print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, version "
+              f"{version_label(record)}, visibility {record['visibility_timeout']}s, max deliveries "
+              f"{record['max_deliveries']}; workers run in {record['workdir']}")
+    if not counted:
         print(f"pool {args.model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
     if idle is not None:
         pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle))
@@ -6390,6 +6522,31 @@ def cmd_pool_scale(conf, backend, args):
     pid = scale_local_verb(conf, Pool(args.model, context=(conf, backend)), args.workers, args)
     print(f"pool {args.model}: {args.workers} local worker(s) "
           f"{'starting' if args.no_wait else 'warm'} (supervisor pid {pid})")
+    return EXIT_OK
+
+
+def cmd_pool_deploy(conf, backend, args):
+    if modal_options(args.handler)[0]:
+        raise UserError(f"pool deploy takes a calque handler; {args.handler} is a Modal app ---> HINT: "
+                        f"pool delete --model {args.model}, then pool create it with its --param options")
+    pool = Pool(args.model, context=(conf, backend))
+    old, new = pool.deploy(args.handler, batch_size=args.batch_size, include=include_paths(args.include, args.handler),
+                           wait=not args.no_wait, progress=sys.stderr.isatty())
+    if old is new:
+        print(f"pool {args.model}: already runs version {version_label(old)}: nothing changed")
+        return EXIT_OK
+    print(f"pool {args.model}: version {version_label(new)} replaces {version_label(old)}; runs submitted "
+          f"from now on run on it")
+    if "ec2" in new:
+        print(f"pool {args.model}: each instance's worker restarts on it when idle (within "
+              f"{VERSION_CHECK:g} s) or at its next claim; `pool status` shows each worker's version")
+    elif read_desired(state_dir(conf, args.model)):
+        print(f"pool {args.model}: its local workers here were replaced ({'starting' if args.no_wait else 'warm'})")
+    late = runs_in_flight(backend, old)   # submitted to the old version while it changed
+    if late:
+        print(f"pool {args.model}: run(s) {', '.join(late)} reached version {version_of(old)} during the change: "
+              f"their claims are dead-lettered, naming both versions ---> HINT: submit their items again",
+              file=sys.stderr)
     return EXIT_OK
 
 
@@ -7104,6 +7261,13 @@ def build_parser():
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
     add(ec2, "--key-name", "--yes-spend-money")
     switch(ec2, "--dry-run", "print every AWS call that would change something; change nothing")
+    p = verb(pool, "deploy", cmd_pool_deploy, "--model",
+             help="change a live pool's handler: waits for the runs in flight, then replaces its workers")
+    p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName, the new version")
+    p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default: the pool's)")
+    p.add_argument("--include", action="append", metavar="PATH",
+                   help="a file or folder the handler needs beside it, snapshotted with it")
+    switch(p, "--no-wait", "return once the workers start, not when warm")
     p = verb(pool, "scale", cmd_pool_scale, "--model",
              help="set the number of local workers, or of EC2 instances")
     p.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
