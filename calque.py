@@ -6607,6 +6607,11 @@ def cmd_pool_redrive(conf, backend, args):
     record = load_pool(backend, args.model)
     runs = {run["run_id"]: run for run in list_runs(backend, args.model)
             if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
+    other = [r for r in runs if runs[r].get("version", version_of(record)) != version_of(record)]
+    if other:   # their claims would be dead-lettered again (check_run_version)
+        print(f"pool {args.model}: {len(other)} run(s) of an earlier version not redriven ({', '.join(other[:3])}"
+              f"{', ...' if len(other) > 3 else ''}): submit their items again")
+        runs = {r: run for r, run in runs.items() if r not in other}
     sent = redrive(backend, record, runs)
     print_redriven(record, sent)
     if not sent:
@@ -6837,10 +6842,12 @@ def cmd_runs_resume(conf, backend, args):
                         f"queued, the rest may have no manifest ---> HINT: runs cancel {args.run}, "
                         f"then submit the items from {sum(claim_items(run, k) for k in range(run['sent']))} on again")
     try:
-        queue = backend.queues.open_queue(load_pool(backend, run["model"])["queue"])
+        record = load_pool(backend, run["model"])
+        queue = backend.queues.open_queue(record["queue"])
     except NotFound:
         raise UserError(f"run {args.run}: pool {run['model']}'s queue is gone ---> HINT: pool create --model "
                         f"{run['model']} ... again (it is idempotent), then runs resume {args.run}") from None
+    check_run_version(run, record, "runs resume")
     done = summary_claims(backend, args.run)
     unsent = [claim for claim in run["claims"][run["sent"]:] if claim not in done]
     lost = [claim for claim, (state, _) in claim_states(backend, run, read_summaries(backend, args.run)).items()
@@ -6858,6 +6865,14 @@ def cmd_runs_resume(conf, backend, args):
         return EXIT_OK
     summaries, timed_out = wait_for_run(backend, run, args.timeout, progress=not args.json and sys.stderr.isatty())
     return report_submitted(backend, run, summaries, timed_out, args)
+
+
+def check_run_version(run, record, verb):
+    """A run keeps its version: `verb` of a run of a version its pool no longer runs is refused."""
+    if run.get("version", version_of(record)) != version_of(record):
+        raise UserError(f"run {run['run_id']} was submitted to version {run['version']}; pool {run['model']} runs "
+                        f"{version_label(record)} now (pool deploy): {verb} would run none of its claims ---> "
+                        "HINT: submit its items again")
 
 
 def cmd_runs_cancel(conf, backend, args):
@@ -6924,6 +6939,7 @@ def cmd_runs_redrive(conf, backend, args):
         raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
                         "redrive ---> HINT: submit its items again")
     record = load_pool(backend, run["model"])
+    check_run_version(run, record, "runs redrive")
     sent = redrive(backend, record, {args.run: run})
     print_redriven(record, sent)
     if not sent:
