@@ -74,13 +74,14 @@ def test_create_twice_changes_nothing_and_another_handler_is_refused(local_env, 
     before = calque.load_pool(backend, "m")
     supervisor, pids = pool_pids(local_env)
     again = run("pool", "create", "--model", "m", "--handler", "a.py:A")
+    status = json.loads(run("pool", "status", "--model", "m", "--json").stdout)
+    assert status["supervisor"]["desired"] == 2, status["supervisor"]
+    assert not [w for w in status["local_workers"] if w["last_exit"]], status["local_workers"]
+    assert pool_pids(local_env) == (supervisor, pids) and all(calque.pid_alive(p) for p in pids)
+    other = run("pool", "create", "--model", "m", "--handler", "b.py:B", "--workers", "2", code=2)
+    assert status["version"] == before["version"]
     assert f"version {before['version']} (a.py:A, batch 32): nothing changed" in again.stdout, again.stdout
     assert "its 2 local worker(s) here are left as they are" in again.stdout, again.stdout
-    assert pool_pids(local_env) == (supervisor, pids) and all(calque.pid_alive(p) for p in pids)
-    status = json.loads(run("pool", "status", "--model", "m", "--json").stdout)
-    assert status["supervisor"]["desired"] == 2 and status["version"] == before["version"]
-    assert not [w for w in status["local_workers"] if w["last_exit"]], status["local_workers"]
-    other = run("pool", "create", "--model", "m", "--handler", "b.py:B", "--workers", "2", code=2)
     assert len(other.stderr.strip().splitlines()) == 1, other.stderr
     assert f"HINT: {shown} pool deploy --model m --handler b.py:B" in other.stderr, other.stderr
     assert f"runs version {before['version']} (a.py:A" in other.stderr
