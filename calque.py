@@ -5685,7 +5685,8 @@ def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT):
             if died:
                 scale_local(conf, model, 0)
                 raise WorkersFailed(f"pool {model}: {died_line(died[0])}; its local workers are stopped ---> HINT: "
-                                    f"fix the handler (or install what it imports), then create the pool again")
+                                    f"fix the handler (or install what it imports), then create the pool again (a changed "
+                                    f"handler: {command()} pool deploy)")
             warm = sum(bool(w.get("warm")) for w in status["workers"])
             line = f"pool {model}: {warm} of {workers} local worker(s) warm ({time.monotonic() - started:.0f} s)"
             if progress and line != shown:
@@ -5845,9 +5846,10 @@ class Pool:
 
     def deploy(self, handler, *, batch_size=None, include=(), wait=True, progress=False):
         """Change the pool's version to `handler` (and `batch_size`): wait until no run of its
-        version is in flight (SIGINT meanwhile: a UserError, nothing changed), then replace its
-        workers: this machine's stopped and started again on it, other machines' (EC2) restart on
-        it themselves (warmd, EXIT_REPLACED). Returns (old record, new record); equal: no change."""
+        version is in flight (SIGINT meanwhile: a UserError, nothing changed), or none has started
+        while no worker of it is warm (runs_to_adopt: they move to the new version), then replace
+        its workers: this machine's stopped and started again on it, other machines' (EC2) restart
+        on it themselves (warmd, EXIT_REPLACED). Returns (old record, new record); equal: no change."""
         old = load_pool(self.backend, self.model)
         new = dict(old, batch_size=pool_settings(self.conf, batch_size or old["batch_size"])["batch_size"])
         new.pop("modal", None)   # a Modal app's options come with pool create (--param ...)
@@ -5858,7 +5860,7 @@ class Pool:
             return old, old
         busy, said = runs_in_flight(self.backend, old), None
         try:
-            while busy:
+            while busy and not runs_to_adopt(self.backend, old, busy):
                 if busy != said:
                     print(f"pool {self.model}: waiting for {len(busy)} run(s) of version {version_of(old)} to "
                           f"finish before its workers are replaced: {', '.join(busy[:5])} (Ctrl-C leaves "
@@ -5880,6 +5882,8 @@ class Pool:
                                                                 stop_seconds(self.conf) + 15):
                 raise UserError(f"pool {self.model}: its supervisor did not stop: nothing changed; see "
                                 f"{folder}/supervisor.log, then retry")
+            for run_id in busy:   # none has started: the new version runs them whole
+                update_run(self.backend, {"run_id": run_id}, version=new["version"])
             for key, data in blobs.items():
                 self.backend.store.put(key, data)
             write_json(self.backend, pool_key(self.model), new)
@@ -5931,6 +5935,17 @@ def runs_in_flight(backend, record):
                                            and live_claims(backend, run)):
             busy.append(run["run_id"])
     return busy
+
+
+def runs_to_adopt(backend, record, busy):
+    """True when no run of `busy` has started (no summary, result part or attempt record) and no
+    worker of the record's version is warm (say, each dies in @enter): the new version of `pool
+    deploy` may run them whole (warmd reads a run record's version where a claim's differs)."""
+    version = version_of(record)
+    warm = [w for w in mark_lost_workers(read_worker_stats(backend, record["model"]))
+            if w.get("state") == "running" and w.get("version", version) == version]
+    return not warm and not any(backend.store.list(f"runs/{run_id}/results/") or summary_claims(backend, run_id)
+                                for run_id in busy)
 
 
 def new_pool_record(backend, model, defaults, batch_timeout=None):
@@ -6020,7 +6035,7 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
         time.sleep(WORKER_START_GRACE / 8)
         state, why = pool_liveness(conf, backend, record)
     if state == "crashing":
-        raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the handler, then pool create")
+        raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the handler, then pool deploy it")
     if state == "none" and not wait_for_workers:
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
                         f"{command()} pool scale --model {pool} --workers 1 (or --instances N), or "
@@ -6064,7 +6079,7 @@ class Run:
             why = f"every local worker dies before it is warm: {looping}" if looping else self._starter_died()
             if why:
                 raise WorkersFailed(f"run {self.run_id}: pool {self.record['model']}: {why}; the run stays queued "
-                                    f"---> HINT: fix the handler, pool create it again, then runs show {self.run_id}")
+                                    f"---> HINT: fix the handler, pool deploy it, then runs show {self.run_id}")
 
     def _starter_died(self):
         """Why no worker will come: none runs or starts anywhere, and one died unwarmed since the run."""
@@ -6455,11 +6470,11 @@ def cmd_pool_create(conf, backend, args):
                          include=include)
     counted = idle is not None or any(n is not None for n in (args.workers, args.min_workers, args.max_workers))
     if existed and version_of(existed):   # the same version: pool.create refuses another
-        here = (read_supervisor(conf, args.model) or {}).get("desired", 0)
+        here = read_supervisor(conf, args.model)   # none: workers start as at a first create
         print(f"pool {args.model}: exists, version {version_label(record)}: nothing changed"
-              + ("" if counted else f"; its {here} local worker(s) here are left as they are ---> HINT: "
-                 f"{command()} pool scale --model {args.model} --workers N changes the count"))
-        if not counted:
+              + (f"; its {here['desired']} local worker(s) here are left as they are ---> HINT: {command()} "
+                 f"pool scale --model {args.model} --workers N changes the count" if here and not counted else ""))
+        if here and not counted:
             return EXIT_OK
     else:
         print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, version "
@@ -6540,8 +6555,11 @@ def cmd_pool_deploy(conf, backend, args):
     if "ec2" in new:
         print(f"pool {args.model}: each instance's worker restarts on it when idle (within "
               f"{VERSION_CHECK:g} s) or at its next claim; `pool status` shows each worker's version")
-    elif read_desired(state_dir(conf, args.model)):
+    elif read_supervisor(conf, args.model):
         print(f"pool {args.model}: its local workers here were replaced ({'starting' if args.no_wait else 'warm'})")
+    else:
+        print(f"pool {args.model}: no local workers here ---> HINT: {command()} pool scale --model {args.model} "
+              "--workers N starts them")
     late = runs_in_flight(backend, old)   # submitted to the old version while it changed
     if late:
         print(f"pool {args.model}: run(s) {', '.join(late)} reached version {version_of(old)} during the change: "

@@ -1358,7 +1358,7 @@ class Worker:
         if calque.run_slug(run_id) != self.record["slug"]:
             return self.dead_letter(message, f"run {run_id} is not one of this model's runs "
                                              f"({self.record['slug']}.*): refused", msg)
-        if msg.get("version", self.version) != self.version:
+        if msg.get("version", self.version) != self.version and not self.adopted(run_id):
             return self.other_version(message, msg)
         # over a network, the manifest is read beside the duplicate check; a local one after it
         get = self.backend.store.get
@@ -1399,6 +1399,13 @@ class Worker:
             log.warning("worker %s: pool record unreadable (%s): version not checked", self.worker_id, e)
             return None
         return now if now != mine else None
+
+    def adopted(self, run_id):
+        """Whether the run record names our version where its claim does not: pool deploy moved a
+        run none of whose claims had started to the new version (calque.runs_to_adopt)."""
+        with contextlib.suppress(calque.NotFound, calque.StoreFault, ValueError):
+            return calque.read_json(self.backend, calque.run_key(run_id)).get("version") == self.version
+        return False
 
     def other_version(self, message, msg):
         """A claim of another version never runs here. The pool's version now (pool deploy): this

@@ -24,6 +24,8 @@ import calque
 class {name}:
     @calque.enter
     def load(self):
+        if os.environ.get("BROKEN") == "{name}":
+            raise ImportError("no module named weights")
         self.tag = "{name}"
 
     @calque.batch
@@ -142,6 +144,25 @@ def test_deploy_interrupted_while_waiting_changes_nothing(local_env, folder):
     assert deploy.returncode == 2 and "pool deploy interrupted: nothing changed" in err, out + err
     assert calque.load_pool(backend_for(env), "m") == before and pool_pids(env) == pids
     run("runs", "cancel", run_id)
+
+
+def test_deploy_takes_over_runs_a_broken_version_never_started(local_env, folder):
+    """A's @enter fails in every worker while a run waits: `pool deploy` of the fixed B does not wait for it
+    forever; the run, none of whose claims started, moves to B whole (its claims say A: the run record rules)."""
+    env = dict(local_env, BROKEN="A")
+    run = runner("installed", env, folder)
+    run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "0")
+    run_id = run("submit", "--pool", "m", "items.jsonl", "--wait-for-workers", "--no-wait").stdout.strip()
+    run("pool", "scale", "--model", "m", "--workers", "1", "--no-wait")
+    wait_for(lambda: "died before warm" in run("pool", "status", "--model", "m").stdout, 60, "a crash")
+    out = run("pool", "deploy", "--model", "m", "--handler", "b.py:B")
+    new = calque.load_pool(backend_for(env), "m")["version"]
+    assert f"version {new} (b.py:B" in out.stdout and "reached version" not in out.stderr, out
+    backend = backend_for(env)
+    wait_for(lambda: len(calque.summary_claims(backend, run_id)) == len(calque.read_run(backend, run_id)["claims"]),
+             120, "the run done")
+    assert versions(run, run_id) == {"B": 400}
+    assert calque.read_run(backend, run_id)["version"] == new
 
 
 def test_a_claim_of_another_version_never_runs(local_env, folder):
