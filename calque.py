@@ -5851,11 +5851,12 @@ class Pool:
         its workers: this machine's stopped and started again on it, other machines' (EC2) restart
         on it themselves (warmd, EXIT_REPLACED). Returns (old record, new record); equal: no change."""
         old = load_pool(self.backend, self.model)
-        new = dict(old, batch_size=pool_settings(self.conf, batch_size or old["batch_size"])["batch_size"])
+        batch_size = old["batch_size"] if batch_size is None else batch_size
+        new = dict(old, batch_size=pool_settings(self.conf, batch_size)["batch_size"])
         new.pop("modal", None)   # a Modal app's options come with pool create (--param ...)
         blobs = {}
         new["handler"] = snapshot_handler(handler, f"pools/{old['slug']}/", blobs.__setitem__, include)
-        new["version"], new["deployed_at"] = pool_version(new), now_iso()
+        new["version"] = pool_version(new)
         if new["version"] == version_of(old):
             return old, old
         busy, said = runs_in_flight(self.backend, old), None
@@ -5886,7 +5887,7 @@ class Pool:
                 update_run(self.backend, {"run_id": run_id}, version=new["version"])
             for key, data in blobs.items():
                 self.backend.store.put(key, data)
-            write_json(self.backend, pool_key(self.model), new)
+            write_json(self.backend, pool_key(self.model), dict(new, deployed_at=now_iso()))
             if here:   # its count, bounds, GPUs and threads as they were
                 per_worker = [read_state(os.path.join(folder, name), str.strip, "")
                               for name in ("gpus-per-worker", "threads-per-worker")]

@@ -165,24 +165,25 @@ def test_deploy_takes_over_runs_a_broken_version_never_started(local_env, folder
     assert calque.read_run(backend, run_id)["version"] == new
 
 
-def test_a_claim_of_another_version_never_runs(local_env, folder):
+def test_a_claim_of_another_version_never_runs(any_env, folder):
     """A worker of A given a claim of B, the pool's version now (deployed elsewhere, no supervisor here): it gives
     the claim back and exits 75 to restart on B; B's worker runs it. A claim of a version the pool no longer runs
-    (submitted during a change): a failure summary naming both versions, a dead letter; nothing loops."""
-    run = runner("script", local_env, folder)
+    (submitted during a change): a failure summary naming both versions, a dead letter; nothing loops. On the
+    local store and on S3 + SQS (moto_server), where an EC2 pool's workers restart so."""
+    run = runner("script", any_env, folder)
     run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "0")
-    backend = backend_for(local_env)
+    backend = backend_for(any_env)
     old = calque.load_pool(backend, "m")
-    stale = start_worker(local_env, "--model", "m", log=open(folder / "stale.log", "w"))
+    stale = start_worker(any_env, "--model", "m", log=open(folder / "stale.log", "w"))
     wait_for(lambda: "version" in (folder / "stale.log").read_text(), 60, "the stale worker started")
     run("pool", "deploy", "--model", "m", "--handler", "b.py:B")   # no workers here: the record changes
     new = calque.load_pool(backend, "m")
     submit = subprocess.Popen(command("script") + ["submit", "--pool", "m", "items.jsonl", "--json"],
-                              env=local_env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=any_env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert stale.wait(120) == calque.EXIT_REPLACED
     log = (folder / "stale.log").read_text()
     assert f"claim of version {new['version']}, this worker runs {old['version']}" in log, log
-    start_worker(local_env, "--model", "m")   # what its supervisor (systemd on EC2) does: B now
+    start_worker(any_env, "--model", "m")   # what its supervisor (systemd on EC2) does: B now
     out, err = submit.communicate(timeout=300)
     assert submit.returncode == 0, out + err
     assert versions(run, json.loads(out)["run"]["run_id"]) == {"B": 400}
@@ -195,7 +196,7 @@ def test_a_claim_of_another_version_never_runs(local_env, folder):
         assert summary["status"] == "failed" and summary["ok"] == 0, summary
         assert f"claim of version {old['version']}; the pool runs version {new['version']}" in summary["error"]
     assert backend.queues.open_queue(old["dlq"]).counts()["visible"] == 2
-    shown = subprocess.run(command("script") + ["runs", "show", late["run_id"]], env=local_env, cwd=folder,
+    shown = subprocess.run(command("script") + ["runs", "show", late["run_id"]], env=any_env, cwd=folder,
                            capture_output=True, text=True, timeout=60)
     assert f"claim of version {old['version']}" in shown.stdout + shown.stderr, shown.stdout + shown.stderr
     assert not run("runs", "results", late["run_id"], code=1).stdout   # no result of B in A's run
