@@ -119,8 +119,8 @@ TRACE_FRAMES = 3                        # last traceback frames a failed item's 
 QUEUE_OPEN_RETRY = 10.0                 # s to retry opening a queue that does not resolve yet (SQS lag)
 DEFAULT_REGION = "us-east-1"            # AWS region when neither the environment nor ~/.aws/config names one
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-EXIT_REPLACED = 75   # a worker whose pool runs another version now (pool deploy): restarted on it at
-                     # once by its supervisor, by systemd on EC2 (an exit 0 would stay down there)
+EXIT_REPLACED = 75   # a worker whose pool runs another version now (pool deploy): restarted on
+                     # it at once by its supervisor, by systemd on EC2 (an exit 0 stays down there)
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMD = os.path.join(HERE, "warmd.py")
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
@@ -2163,8 +2163,9 @@ def refuse_other_version(existing, record, handler_spec):
         batch = (f" --batch-size {record['batch_size']}"
                  if existing.get("batch_size") != record["batch_size"] else "")
         raise UserError(f"pool {record['model']} runs version {version_label(existing)}, not "
-                        f"{version_label(record)}: nothing changed ---> HINT: {command()} pool deploy "
-                        f"--model {record['model']} --handler {handler_spec}{batch} replaces its workers")
+                        f"{version_label(record)}: nothing changed ---> HINT: {command()} pool "
+                        f"deploy --model {record['model']} --handler {handler_spec}{batch} "
+                        "replaces its workers")
     return True
 
 
@@ -3792,7 +3793,8 @@ def redrive(backend, record, runs):
                     if failure:
                         backend.store.delete(summary_key(run_id, claim))
                     uri = backend.store.uri(manifest_key(run_id, claim))
-                    queue.send(make_message(run_id, run["model"], uri, claim, True, run.get("version")))
+                    queue.send(make_message(run_id, run["model"], uri, claim, True,
+                                            run.get("version")))
                     sent.setdefault(run_id, []).append(claim)
                 for message in copies.get((run_id, claim), []):
                     dlq.delete(message)
@@ -4228,9 +4230,9 @@ COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker has to e
 STOPPED_SHOWN = 5                       # stopped workers `pool status` lists (the rest: --json)
 LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts without --workers
 WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter
-DEPLOY_POLL = 2.0                       # s between two looks of `pool deploy` at the runs it waits for
-VERSION_CHECK = 30.0                    # s between two reads of the pool record by an idle worker (a deploy
-                                        # elsewhere: it restarts on the new version, warmd EXIT_REPLACED)
+DEPLOY_POLL = 2.0                       # s between two looks of `pool deploy` at its runs in flight
+VERSION_CHECK = 30.0                    # s between two reads of the pool record by an idle worker
+                                        # (deployed elsewhere: it restarts on it, EXIT_REPLACED)
 WORKER_START_GRACE = 2.0                # s submit looks again for a worker that started this instant
                                         # (`warmd --model M &` then submit: its first stats take ~0.2 s)
 LIVE_STATES = ("starting", "running")   # a worker's stats state while it is alive: @enter, then claims
@@ -5325,8 +5327,9 @@ def pool_status(conf, backend, model):
     local = [dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"]))
              for w in (supervisor["workers"] if supervisor else [])]
     stats = mark_lost_workers(stats)
-    return {"model": model, "version": version_of(record), "record": record, "queue": queue, "dlq": dlq,
-            "ec2": ec2, "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
+    return {"model": model, "version": version_of(record), "record": record, "queue": queue,
+            "dlq": dlq, "ec2": ec2,
+            "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
             "scaling": read_scaling(state_dir(conf, model)) if supervisor else None,
             "local_workers": local, "workers": stats}
 
@@ -5361,7 +5364,7 @@ def format_pool_status(status, store_description):
     lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
              f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in "
              f"flight;  dead-letter: {d['visible'] if d else '?'}",
-             f"  version: {version_label(status['record'])}; each worker runs the version in its row"]
+             f"  version: {version_label(status['record'])}; each worker's is in its row"]
     if status["ec2"]:
         import calque_ec2 as ec2
         lines += ["    " + line for line in ec2.format_status(status["ec2"])]
@@ -5388,11 +5391,13 @@ def format_pool_status(status, store_description):
     stopped = sorted((w for w in status["workers"] if w.get("state") not in LIVE_STATES), key=lambda w: w["updated_at"])
     shown = running + stopped[-STOPPED_SHOWN:]
     if shown:
-        lines.append(f"    {'worker':<30} {'version':<12} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} "
+        lines.append(f"    {'worker':<30} {'version':<12} {'state':<8} {'claims':>6} {'warm':>5} "
+                     f"{'enter#':>6} "
                      f"{'enter_s':>8} {'items':>7} {'busy%':>6}")
         for w in sorted(shown, key=lambda w: w["started_at"]):
             busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
-            lines.append(f"    {w['worker_id'][:30]:<30} {w.get('version') or '-':<12} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
+            lines.append(f"    {w['worker_id'][:30]:<30} {w.get('version') or '-':<12} "
+                         f"{w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
                          f"{w['enter_count']:>6} {w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
     if len(stopped) > STOPPED_SHOWN:
         lines.append(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
@@ -5685,8 +5690,8 @@ def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT):
             if died:
                 scale_local(conf, model, 0)
                 raise WorkersFailed(f"pool {model}: {died_line(died[0])}; its local workers are stopped ---> HINT: "
-                                    f"fix the handler (or install what it imports), then create the pool again (a changed "
-                                    f"handler: {command()} pool deploy)")
+                                    f"fix the handler (or install what it imports), then "
+                                    f"create the pool again (a changed handler: pool deploy)")
             warm = sum(bool(w.get("warm")) for w in status["workers"])
             line = f"pool {model}: {warm} of {workers} local worker(s) warm ({time.monotonic() - started:.0f} s)"
             if progress and line != shown:
@@ -5815,9 +5820,10 @@ class Pool:
         if modal:
             record["modal"] = modal
         with pool_name_claimed(self.backend, self.model):
-            blobs = {}   # put once the version is known: an existing pool's snapshot is kept as it is
-            record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", blobs.__setitem__,
-                                                 list(include) + (modal or {}).get("image", {}).get("files", []))
+            blobs = {}   # put once the version is known: an existing pool's snapshot stays as it is
+            files = list(include) + (modal or {}).get("image", {}).get("files", [])
+            record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/",
+                                                 blobs.__setitem__, files)
             record["version"] = pool_version(record)
             same = refuse_other_version(check_slug_free(self.backend, self.model), record, handler)
             if same:   # nothing changes: its record, snapshot and queues stay as they are
@@ -5848,14 +5854,16 @@ class Pool:
         """Change the pool's version to `handler` (and `batch_size`): wait until no run of its
         version is in flight (SIGINT meanwhile: a UserError, nothing changed), or none has started
         while no worker of it is warm (runs_to_adopt: they move to the new version), then replace
-        its workers: this machine's stopped and started again on it, other machines' (EC2) restart
-        on it themselves (warmd, EXIT_REPLACED). Returns (old record, new record); equal: no change."""
+        its workers: this machine's stopped and started again on it, other machines' (EC2)
+        restart on it themselves (warmd, EXIT_REPLACED). Returns (old record, new record), the
+        same record twice when the version is the pool's already."""
         old = load_pool(self.backend, self.model)
         batch_size = old["batch_size"] if batch_size is None else batch_size
         new = dict(old, batch_size=pool_settings(self.conf, batch_size)["batch_size"])
         new.pop("modal", None)   # a Modal app's options come with pool create (--param ...)
         blobs = {}
-        new["handler"] = snapshot_handler(handler, f"pools/{old['slug']}/", blobs.__setitem__, include)
+        new["handler"] = snapshot_handler(handler, f"pools/{old['slug']}/", blobs.__setitem__,
+                                          include)
         new["version"] = pool_version(new)
         if new["version"] == version_of(old):
             return old, old
@@ -5863,26 +5871,28 @@ class Pool:
         try:
             while busy and not runs_to_adopt(self.backend, old, busy):
                 if busy != said:
-                    print(f"pool {self.model}: waiting for {len(busy)} run(s) of version {version_of(old)} to "
-                          f"finish before its workers are replaced: {', '.join(busy[:5])} (Ctrl-C leaves "
-                          "the pool as it was)", file=sys.stderr, flush=True)
+                    print(f"pool {self.model}: waiting for {len(busy)} run(s) of version "
+                          f"{version_of(old)} to finish before its workers are replaced: "
+                          f"{', '.join(busy[:5])} (Ctrl-C leaves the pool as it was)",
+                          file=sys.stderr, flush=True)
                     said = busy
                 time.sleep(DEPLOY_POLL)
                 busy = runs_in_flight(self.backend, old)
         except KeyboardInterrupt:
-            raise UserError(f"pool deploy interrupted: nothing changed, pool {self.model} runs version "
-                            f"{version_label(old)} ---> HINT: run it again once its runs are done (runs list "
-                            f"--model {self.model})") from None
+            raise UserError(f"pool deploy interrupted: nothing changed, pool {self.model} runs "
+                            f"version {version_label(old)} ---> HINT: run it again once its runs "
+                            f"are done (runs list --model {self.model})") from None
         folder, here = state_dir(self.conf, self.model), read_supervisor(self.conf, self.model)
-        since = time.time()
-        noted = []   # a signal waits until the replacement is done (not blocked: the processes
-        previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))   # started
-                    for sig in (signal.SIGINT, signal.SIGTERM)}                          # inherit a mask)
+        since, noted = time.time(), []
+        # a signal waits until the replacement is done: noted, not blocked (a mask is inherited
+        # by the processes started)
+        previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             if here and not supervisor_module().stop_supervisor(self.conf, self.model,
                                                                 stop_seconds(self.conf) + 15):
-                raise UserError(f"pool {self.model}: its supervisor did not stop: nothing changed; see "
-                                f"{folder}/supervisor.log, then retry")
+                raise UserError(f"pool {self.model}: its supervisor did not stop: nothing changed; "
+                                f"see {folder}/supervisor.log, then retry")
             for run_id in busy:   # none has started: the new version runs them whole
                 update_run(self.backend, {"run_id": run_id}, version=new["version"])
             for key, data in blobs.items():
@@ -5894,8 +5904,8 @@ class Pool:
                 supervisor_module().start_supervisor(self.conf, self.model, read_desired(folder),
                                                      *[int(v) if v else None for v in per_worker])
         finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            for sig, was in previous.items():
+                signal.signal(sig, was)
         if here and wait and not noted and read_desired(folder):
             wait_warm(self.conf, self.model, read_desired(folder), since, progress)
         return old, new
@@ -5932,8 +5942,8 @@ def runs_in_flight(backend, record):
         if (run["model"] != record["model"] or run["mode"] != "pool" or run.get("cancelled")
                 or run.get("version", version) != version):
             continue
-        if not run.get("staged", True) or (len(summary_claims(backend, run["run_id"])) < len(run["claims"])
-                                           and live_claims(backend, run)):
+        unfinished = len(summary_claims(backend, run["run_id"])) < len(run["claims"])
+        if not run.get("staged", True) or (unfinished and live_claims(backend, run)):
             busy.append(run["run_id"])
     return busy
 
@@ -5945,8 +5955,9 @@ def runs_to_adopt(backend, record, busy):
     version = version_of(record)
     warm = [w for w in mark_lost_workers(read_worker_stats(backend, record["model"]))
             if w.get("state") == "running" and w.get("version", version) == version]
-    return not warm and not any(backend.store.list(f"runs/{run_id}/results/") or summary_claims(backend, run_id)
-                                for run_id in busy)
+    started = (backend.store.list(f"runs/{run_id}/results/") or summary_claims(backend, run_id)
+               for run_id in busy)
+    return not warm and not any(started)
 
 
 def new_pool_record(backend, model, defaults, batch_timeout=None):
@@ -6036,7 +6047,8 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
         time.sleep(WORKER_START_GRACE / 8)
         state, why = pool_liveness(conf, backend, record)
     if state == "crashing":
-        raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the handler, then pool deploy it")
+        raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the "
+                            "handler, then pool deploy it")
     if state == "none" and not wait_for_workers:
         raise UserError(why if "--->" in why else f"{why}: nothing would claim this run ---> HINT: "
                         f"{command()} pool scale --model {pool} --workers 1 (or --instances N), or "
@@ -6080,7 +6092,8 @@ class Run:
             why = f"every local worker dies before it is warm: {looping}" if looping else self._starter_died()
             if why:
                 raise WorkersFailed(f"run {self.run_id}: pool {self.record['model']}: {why}; the run stays queued "
-                                    f"---> HINT: fix the handler, pool deploy it, then runs show {self.run_id}")
+                                    f"---> HINT: fix the handler, pool deploy it, then runs show "
+                                    f"{self.run_id}")
 
     def _starter_died(self):
         """Why no worker will come: none runs or starts anywhere, and one died unwarmed since the run."""
@@ -6469,18 +6482,20 @@ def cmd_pool_create(conf, backend, args):
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal,
                          include=include)
-    counted = idle is not None or any(n is not None for n in (args.workers, args.min_workers, args.max_workers))
+    counted = idle is not None or any(n is not None
+                                      for n in (args.workers, args.min_workers, args.max_workers))
     if existed and version_of(existed):   # the same version: pool.create refuses another
         here = read_supervisor(conf, args.model)   # none: workers start as at a first create
-        print(f"pool {args.model}: exists, version {version_label(record)}: nothing changed"
-              + (f"; its {here['desired']} local worker(s) here are left as they are ---> HINT: {command()} "
-                 f"pool scale --model {args.model} --workers N changes the count" if here and not counted else ""))
+        kept = here and not counted and (
+            f"; its {here['desired']} local worker(s) here are left as they are ---> HINT: "
+            f"{command()} pool scale --model {args.model} --workers N changes the count")
+        print(f"pool {args.model}: exists, version {version_label(record)}: nothing changed{kept or ''}")
         if here and not counted:
             return EXIT_OK
     else:
         print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, version "
-              f"{version_label(record)}, visibility {record['visibility_timeout']}s, max deliveries "
-              f"{record['max_deliveries']}; workers run in {record['workdir']}")
+              f"{version_label(record)}, visibility {record['visibility_timeout']}s, max "
+              f"deliveries {record['max_deliveries']}; workers run in {record['workdir']}")
     if not counted:
         print(f"pool {args.model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
     if idle is not None:
@@ -6543,29 +6558,32 @@ def cmd_pool_scale(conf, backend, args):
 
 def cmd_pool_deploy(conf, backend, args):
     if modal_options(args.handler)[0]:
-        raise UserError(f"pool deploy takes a calque handler; {args.handler} is a Modal app ---> HINT: "
-                        f"pool delete --model {args.model}, then pool create it with its --param options")
-    pool = Pool(args.model, context=(conf, backend))
-    old, new = pool.deploy(args.handler, batch_size=args.batch_size, include=include_paths(args.include, args.handler),
-                           wait=not args.no_wait, progress=sys.stderr.isatty())
+        raise UserError(f"pool deploy takes a calque handler; {args.handler} is a Modal app "
+                        f"---> HINT: pool delete --model {args.model}, then pool create it with "
+                        "its --param options")
+    old, new = Pool(args.model, context=(conf, backend)).deploy(
+        args.handler, batch_size=args.batch_size, include=include_paths(args.include, args.handler),
+        wait=not args.no_wait, progress=sys.stderr.isatty())
+    pool = f"pool {args.model}"
     if old is new:
-        print(f"pool {args.model}: already runs version {version_label(old)}: nothing changed")
+        print(f"{pool}: already runs version {version_label(old)}: nothing changed")
         return EXIT_OK
-    print(f"pool {args.model}: version {version_label(new)} replaces {version_label(old)}; runs submitted "
-          f"from now on run on it")
+    print(f"{pool}: version {version_label(new)} replaces {version_label(old)}; runs submitted "
+          "from now on run on it")
     if "ec2" in new:
-        print(f"pool {args.model}: each instance's worker restarts on it when idle (within "
-              f"{VERSION_CHECK:g} s) or at its next claim; `pool status` shows each worker's version")
+        print(f"{pool}: each instance's worker restarts on it when idle (within "
+              f"{VERSION_CHECK:g} s) or at its next claim; `pool status` shows each one's version")
     elif read_supervisor(conf, args.model):
-        print(f"pool {args.model}: its local workers here were replaced ({'starting' if args.no_wait else 'warm'})")
+        print(f"{pool}: its local workers here were replaced "
+              f"({'starting' if args.no_wait else 'warm'})")
     else:
-        print(f"pool {args.model}: no local workers here ---> HINT: {command()} pool scale --model {args.model} "
-              "--workers N starts them")
+        print(f"{pool}: no local workers here ---> HINT: {command()} pool scale --model "
+              f"{args.model} --workers N starts them")
     late = runs_in_flight(backend, old)   # submitted to the old version while it changed
     if late:
-        print(f"pool {args.model}: run(s) {', '.join(late)} reached version {version_of(old)} during the change: "
-              f"their claims are dead-lettered, naming both versions ---> HINT: submit their items again",
-              file=sys.stderr)
+        print(f"{pool}: run(s) {', '.join(late)} reached version {version_of(old)} during the "
+              "change: their claims are dead-lettered, naming both versions ---> HINT: submit "
+              "their items again", file=sys.stderr)
     return EXIT_OK
 
 
@@ -6628,8 +6646,9 @@ def cmd_pool_redrive(conf, backend, args):
             if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
     other = [r for r in runs if runs[r].get("version", version_of(record)) != version_of(record)]
     if other:   # their claims would be dead-lettered again (check_run_version)
-        print(f"pool {args.model}: {len(other)} run(s) of an earlier version not redriven ({', '.join(other[:3])}"
-              f"{', ...' if len(other) > 3 else ''}): submit their items again")
+        print(f"pool {args.model}: {len(other)} run(s) of an earlier version not redriven "
+              f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): submit their items "
+              "again")
         runs = {r: run for r, run in runs.items() if r not in other}
     sent = redrive(backend, record, runs)
     print_redriven(record, sent)
@@ -6889,9 +6908,9 @@ def cmd_runs_resume(conf, backend, args):
 def check_run_version(run, record, verb):
     """A run keeps its version: `verb` of a run of a version its pool no longer runs is refused."""
     if run.get("version", version_of(record)) != version_of(record):
-        raise UserError(f"run {run['run_id']} was submitted to version {run['version']}; pool {run['model']} runs "
-                        f"{version_label(record)} now (pool deploy): {verb} would run none of its claims ---> "
-                        "HINT: submit its items again")
+        raise UserError(f"run {run['run_id']} was submitted to version {run['version']}; pool "
+                        f"{run['model']} runs {version_label(record)} now (pool deploy): {verb} "
+                        "would run none of its claims ---> HINT: submit its items again")
 
 
 def cmd_runs_cancel(conf, backend, args):
@@ -7297,9 +7316,11 @@ def build_parser():
     add(ec2, "--key-name", "--yes-spend-money")
     switch(ec2, "--dry-run", "print every AWS call that would change something; change nothing")
     p = verb(pool, "deploy", cmd_pool_deploy, "--model",
-             help="change a live pool's handler: waits for the runs in flight, then replaces its workers")
+             help="change a live pool's handler: waits for the runs in flight, then replaces its "
+                  "workers")
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName, the new version")
-    p.add_argument("--batch-size", type=int, help="items per handler.batch() call (default: the pool's)")
+    p.add_argument("--batch-size", type=int,
+                   help="items per handler.batch() call (default: the pool's)")
     p.add_argument("--include", action="append", metavar="PATH",
                    help="a file or folder the handler needs beside it, snapshotted with it")
     switch(p, "--no-wait", "return once the workers start, not when warm")

@@ -1048,7 +1048,8 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     existing = check_slug_free(backend, model)
     blobs = {}   # the handler snapshot, put once its version is checked (store_objects)
     files = list(include) + record.get("modal", {}).get("image", {}).get("files", [])
-    record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", blobs.__setitem__, files)
+    record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", blobs.__setitem__,
+                                         files)
     record["version"] = pool_version(record)
     refuse_other_version(existing, record, handler)   # a re-run of the same version finishes it
 

@@ -316,7 +316,7 @@ def _reap(slots, want, now, died):
                 lease.close()
             print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {code} "
                   f"({kind}; restart {f'in {delay:g} s' if delay else 'at once'})", flush=True)
-            if code and not replaced:   # a death: siblings commit more often (warmd.on_sibling_death)
+            if code and not replaced:   # a death: siblings commit more (warmd.on_sibling_death)
                 died(proc.pid, code, os.path.splitext(slot["ready"])[0] + ".claims")
                 for other in slots.values():
                     if other["proc"] and other["proc"].poll() is None and _readiness(other):

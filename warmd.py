@@ -1188,7 +1188,8 @@ class Worker:
                 self.protection.hold(not idle)
             if idle:
                 self.backend.requests.loose.update(counts)
-                if time.monotonic() - self.version_checked > calque.VERSION_CHECK and not self.ephemeral:
+                since = time.monotonic() - self.version_checked
+                if since > calque.VERSION_CHECK and not self.ephemeral:
                     self.version_checked = time.monotonic()
                     self.replaced_by = self.pool_version_now(self.version)
             else:
@@ -1396,7 +1397,8 @@ class Worker:
         try:
             now = calque.version_of(calque.load_pool(self.backend, self.record["model"]))
         except (calque.UserError, calque.NotFound, calque.StoreFault) as e:
-            log.warning("worker %s: pool record unreadable (%s): version not checked", self.worker_id, e)
+            log.warning("worker %s: pool record unreadable (%s): version not checked",
+                        self.worker_id, e)
             return None
         return now if now != mine else None
 
@@ -1404,7 +1406,8 @@ class Worker:
         """Whether the run record names our version where its claim does not: pool deploy moved a
         run none of whose claims had started to the new version (calque.runs_to_adopt)."""
         with contextlib.suppress(calque.NotFound, calque.StoreFault, ValueError):
-            return calque.read_json(self.backend, calque.run_key(run_id)).get("version") == self.version
+            run = calque.read_json(self.backend, calque.run_key(run_id))
+            return run.get("version") == self.version
         return False
 
     def other_version(self, message, msg):
@@ -1413,12 +1416,13 @@ class Worker:
         it (EXIT_REPLACED). A version the pool no longer runs: failure summary and dead letter."""
         now = self.replaced_by = None if self.ephemeral else self.pool_version_now(self.version)
         if now == msg["version"]:
-            self.let_go(message, None, 0, f"claim of version {now}, this worker runs {self.version}")
+            self.let_go(message, None, 0,
+                        f"claim of version {now}, this worker runs {self.version}")
             return None
-        return self.dead_letter(message, f"claim of version {msg['version']}; the pool runs version "
-                                         f"{now or self.version} (pool deploy): not run, a run keeps "
-                                         "its version ---> HINT: submit its items again to run them "
-                                         "on the pool's version", msg)
+        return self.dead_letter(message, f"claim of version {msg['version']}; the pool runs "
+                                         f"version {now or self.version} (pool deploy): not run, "
+                                         "a run keeps its version ---> HINT: submit its items "
+                                         "again to run them on the pool's version", msg)
 
     def manifest_items(self, manifest):
         """A claim's items: as its manifest holds them, or by reference (docs/contract.md, media):

@@ -102,7 +102,7 @@ def test_deploy_keeps_each_run_on_one_version_through_a_kill(local_env, folder, 
     """A run of 400 items in flight on A, `pool deploy` to B: it waits (says so), a worker killed -9 meanwhile
     is restarted on A, the run's 400 results all come from A; then the workers run B, a run after is all B, and
     pool status and each worker's log say which version it runs."""
-    env = dict(local_env, BATCH_SLEEP="0.05")
+    env = dict(local_env, BATCH_SLEEP="0.2")
     run = runner(spelling, env, folder)
     run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "2")
     old = calque.load_pool(backend_for(env), "m")["version"]
