@@ -127,6 +127,8 @@ REDRIVE_BACKSTOP = 100                  # receives after which SQS itself moves 
                                         # claim that makes progress may pass; SQS allows 1000 at most
 DEFAULT_REGION = "us-east-1"            # AWS region when neither the environment nor ~/.aws/config names one
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_REPLACED = 75   # a worker whose pool runs another version now (pool deploy): restarted on
+                     # it at once by its supervisor, by systemd on EC2 (an exit 0 stays down there)
 HERE = os.path.dirname(os.path.abspath(__file__))
 WARMD = os.path.join(HERE, "warmd.py")
 _warned = set()   # unknown pool.env keys already warned about: one line per key and process
@@ -697,10 +699,13 @@ def claim_id(index):
     return f"c{index:05d}"
 
 
-def make_message(run_id, model, manifest_uri, claim, resume=False):
+def make_message(run_id, model, manifest_uri, claim, resume=False, version=None):
     # `claim` (an extra field) lets a worker write a failure summary for a claim whose
-    # manifest_uri it refuses; `resume` (runs resume, redrive): look for its result parts.
+    # manifest_uri it refuses; `resume` (runs resume, redrive): look for its result parts;
+    # `version`: the pool version the run was submitted to, the only one that may run it.
     msg = {"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim}
+    if version:
+        msg["version"] = version
     if resume:
         msg["resume"] = True
     return json.dumps(msg)
@@ -2207,6 +2212,43 @@ def snapshot_handler(handler_spec, key_prefix, put, include=()):
     return record
 
 
+def pool_version(record):
+    """The record's version id: a digest of its handler snapshot (code, class, --include files) and
+    of what shapes results beside it (batch size, a Modal app's options); worker counts, timeouts
+    and retries are not part of it (docs/contract.md, "Versions")."""
+    h = record["handler"]
+    shaping = [h["file"], h["class"], h["sha256"], h.get("include", {}).get("sha256"),
+               record["batch_size"], record.get("modal")]
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def version_of(record):
+    """The record's version (computed for a record from before versions); None without a handler."""
+    return record.get("version") or (pool_version(record) if "handler" in record else None)
+
+
+def version_label(record):
+    """`3f2a9c1e0b7d (b.py:B, batch 32)`: a version as status and errors name it."""
+    h = record.get("handler", {})
+    return (f"{version_of(record)} ({h.get('file')}:{h.get('class')}, "
+            f"batch {record.get('batch_size')})")
+
+
+def refuse_other_version(existing, record, handler_spec):
+    """pool create of a pool that exists: refused in one line when `record` is another version
+    (`pool deploy` changes it); True when it is the same one (nothing to change)."""
+    if existing is None or version_of(existing) is None:   # none, or an EC2 create cut short
+        return False
+    if version_of(existing) != record["version"]:
+        batch = (f" --batch-size {record['batch_size']}"
+                 if existing.get("batch_size") != record["batch_size"] else "")
+        raise UserError(f"pool {record['model']} runs version {version_label(existing)}, not "
+                        f"{version_label(record)}: nothing changed ---> HINT: {command()} pool "
+                        f"deploy --model {record['model']} --handler {handler_spec}{batch} "
+                        "replaces its workers")
+    return True
+
+
 def include_snapshot(include):
     """(tar.gz bytes, file count) of [local, relative path] pairs, byte-identical for the same files
     (a re-created pool keeps its digest); at most INCLUDE_MAX_BYTES."""
@@ -3511,6 +3553,8 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, opti
            "queue": queue.name, "backend": backend.kind, "store": backend.describe(),
            "created_at": now_iso(), "sent": 0, "staged": False, "options": options or {},
            **_claim_counts(planned, claim_size)}
+    if record.get("version"):   # the only version whose workers run its claims
+        run["version"] = record["version"]
     if sizes.why:
         run["sizing"] = sizes.why
     landed, pending, count, sending, counts = [], collections.deque(), 0, True, []
@@ -3577,7 +3621,7 @@ def send_batch(backend, run, queue, claims, resume=False):
     """One queue request (SendMessageBatch on SQS) for these claims of the run."""
     run_id = run["run_id"]
     queue.send_batch([make_message(run_id, run["model"], backend.store.uri(manifest_key(run_id, c)), c,
-                                   resume) for c in claims])
+                                   resume, run.get("version")) for c in claims])
 
 
 def send_claims(backend, run, queue, skip=(), resume=False):
@@ -3861,7 +3905,8 @@ def redrive(backend, record, runs):
                     if failure:
                         backend.store.delete(summary_key(run_id, claim))
                     uri = backend.store.uri(manifest_key(run_id, claim))
-                    queue.send(make_message(run_id, run["model"], uri, claim, resume=True))
+                    queue.send(make_message(run_id, run["model"], uri, claim, True,
+                                            run.get("version")))
                     sent.setdefault(run_id, []).append(claim)
                 for message in copies.get((run_id, claim), []):
                     dlq.delete(message)
@@ -4375,6 +4420,9 @@ COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker has to e
 STOPPED_SHOWN = 5                       # stopped workers `pool status` lists (the rest: --json)
 LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts without --workers
 WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter
+DEPLOY_POLL = 2.0                       # s between two looks of `pool deploy` at its runs in flight
+VERSION_CHECK = 30.0                    # s between two reads of the pool record by an idle worker
+                                        # (deployed elsewhere: it restarts on it, EXIT_REPLACED)
 WORKER_START_GRACE = 2.0                # s submit looks again for a worker that started this instant
                                         # (`warmd --model M &` then submit: its first stats take ~0.2 s)
 LIVE_STATES = ("starting", "running")   # a worker's stats state while it is alive: @enter, then claims
@@ -5383,6 +5431,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             copies.append((mine["include"], theirs["include"]))
         for new, old in copies if stage else ():
             backend.store.put(new["key"], backend.store.get(old["key"]))
+    cold["version"] = pool_version(cold)
     shards = max(1, shards)
 
     def launch():   # one-shot instances that drain the run's queue and terminate themselves
@@ -5469,7 +5518,8 @@ def pool_status(conf, backend, model):
     local = [dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"]))
              for w in (supervisor["workers"] if supervisor else [])]
     stats = mark_lost_workers(stats)
-    return {"model": model, "record": record, "queue": queue, "dlq": dlq, "ec2": ec2,
+    return {"model": model, "version": version_of(record), "record": record, "queue": queue,
+            "dlq": dlq, "ec2": ec2,
             "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
             "scaling": read_scaling(state_dir(conf, model)) if supervisor else None,
             "local_workers": local, "workers": stats}
@@ -5504,7 +5554,8 @@ def format_pool_status(status, store_description):
     q, d = status["queue"], status["dlq"]
     lines = [f"pool {status['model']}  ({status['record']['queue']} on {store_description})",
              f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in "
-             f"flight;  dead-letter: {d['visible'] if d else '?'}"]
+             f"flight;  dead-letter: {d['visible'] if d else '?'}",
+             f"  version: {version_label(status['record'])}; each worker's is in its row"]
     if status["ec2"]:
         import calque_ec2 as ec2
         lines += ["    " + line for line in ec2.format_status(status["ec2"])]
@@ -5531,11 +5582,13 @@ def format_pool_status(status, store_description):
     stopped = sorted((w for w in status["workers"] if w.get("state") not in LIVE_STATES), key=lambda w: w["updated_at"])
     shown = running + stopped[-STOPPED_SHOWN:]
     if shown:
-        lines.append(f"    {'worker':<30} {'state':<8} {'claims':>6} {'warm':>5} {'enter#':>6} "
+        lines.append(f"    {'worker':<30} {'version':<12} {'state':<8} {'claims':>6} {'warm':>5} "
+                     f"{'enter#':>6} "
                      f"{'enter_s':>8} {'items':>7} {'busy%':>6}")
         for w in sorted(shown, key=lambda w: w["started_at"]):
             busy = 100.0 * w["busy_seconds"] / w["alive_seconds"] if w["alive_seconds"] else 0.0
-            lines.append(f"    {w['worker_id'][:30]:<30} {w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
+            lines.append(f"    {w['worker_id'][:30]:<30} {w.get('version') or '-':<12} "
+                         f"{w['state']:<8} {w['claims']:>6} {w['warm_hits']:>5} "
                          f"{w['enter_count']:>6} {w['enter_seconds']:>8.2f} {w['items']:>7} {busy:>5.1f}%")
     if len(stopped) > STOPPED_SHOWN:
         lines.append(f"    (+{len(stopped) - STOPPED_SHOWN} older stopped workers: --json lists them all)")
@@ -5828,7 +5881,8 @@ def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT):
             if died:
                 scale_local(conf, model, 0)
                 raise WorkersFailed(f"pool {model}: {died_line(died[0])}; its local workers are stopped ---> HINT: "
-                                    f"fix the handler (or install what it imports), then create the pool again")
+                                    f"fix the handler (or install what it imports), then "
+                                    f"create the pool again (a changed handler: pool deploy)")
             warm = sum(bool(w.get("warm")) for w in status["workers"])
             line = f"pool {model}: {warm} of {workers} local worker(s) warm ({time.monotonic() - started:.0f} s)"
             if progress and line != shown:
@@ -5946,8 +6000,9 @@ class Pool:
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
                max_deliveries=None, batch_timeout=None, gpus_per_worker=None, threads_per_worker=None, wait=True,
                progress=False, modal=None, include=()):
-        """Create (or re-create) the pool, then start `workers` local workers, waited for unless
-        wait=False. `modal`: modal_options' record; `include`: [local, relative path] files."""
+        """Create the pool (one of the same version is left as it is, another refused: `pool
+        deploy`), then start `workers` local workers, waited for unless wait=False. `modal`:
+        modal_options' record; `include`: [local, relative path] files."""
         defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
@@ -5957,18 +6012,22 @@ class Pool:
             record["modal"] = modal
         snapshot = {}   # checked whole before the store has any of it: a bad handler writes nothing
         files = list(include) + (modal or {}).get("image", {}).get("files", [])
-        prefix = f"pools/{record['slug']}/"
-        record["handler"] = snapshot_handler(handler, prefix, snapshot.__setitem__, files)
+        record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", snapshot.__setitem__, files)
+        record["version"] = pool_version(record)
         with pool_name_claimed(self.backend, self.model, (record["queue"], record["dlq"])):
-            for key, data in snapshot.items():
-                self.backend.store.put(key, data)
-            queues, vt = self.backend.queues, record["visibility_timeout"]
-            if self.backend.kind == "aws":
-                for name in (record["dlq"], record["queue"]):
-                    wait_queue_reusable(self.backend.store, name, queues.sleep)
-            dlq = queues.create_queue(record["dlq"], vt)
-            queues.create_queue(record["queue"], vt, dead_letter=(dlq, record["max_deliveries"]))
-            write_json(self.backend, pool_key(self.model), record)
+            same = refuse_other_version(check_slug_free(self.backend, self.model), record, handler)
+            if same:   # nothing changes: its record, snapshot and queues stay as they are
+                record = load_pool(self.backend, self.model)
+            else:
+                for key, data in snapshot.items():
+                    self.backend.store.put(key, data)
+                queues, vt = self.backend.queues, record["visibility_timeout"]
+                if self.backend.kind == "aws":
+                    for name in (record["dlq"], record["queue"]):
+                        wait_queue_reusable(self.backend.store, name, queues.sleep)
+                dlq = queues.create_queue(record["dlq"], vt)
+                queues.create_queue(record["queue"], vt, dead_letter=(dlq, record["max_deliveries"]))
+                write_json(self.backend, pool_key(self.model), record)
         if workers:
             self.scale(workers, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker, wait=wait,
                        progress=progress)
@@ -5984,6 +6043,66 @@ class Pool:
         if pid and wait and workers:
             wait_warm(self.conf, self.model, workers, since, progress)
         return pid
+
+    def deploy(self, handler, *, batch_size=None, include=(), wait=True, progress=False):
+        """Change the pool's version to `handler` (and `batch_size`): wait until no run of its
+        version is in flight (SIGINT meanwhile: a UserError, nothing changed), or none has started
+        while no worker of it is warm (runs_to_adopt: they move to the new version), then replace
+        its workers: this machine's stopped and started again on it, other machines' (EC2)
+        restart on it themselves (warmd, EXIT_REPLACED). Returns (old record, new record), the
+        same record twice when the version is the pool's already."""
+        old = load_pool(self.backend, self.model)
+        batch_size = old["batch_size"] if batch_size is None else batch_size
+        new = dict(old, batch_size=pool_settings(self.conf, batch_size)["batch_size"])
+        new.pop("modal", None)   # a Modal app's options come with pool create (--param ...)
+        blobs = {}
+        new["handler"] = snapshot_handler(handler, f"pools/{old['slug']}/", blobs.__setitem__,
+                                          include)
+        new["version"] = pool_version(new)
+        if new["version"] == version_of(old):
+            return old, old
+        busy, said = runs_in_flight(self.backend, old), None
+        try:
+            while busy and not runs_to_adopt(self.backend, old, busy):
+                if busy != said:
+                    print(f"pool {self.model}: waiting for {len(busy)} run(s) of version "
+                          f"{version_of(old)} to finish before its workers are replaced: "
+                          f"{', '.join(busy[:5])} (Ctrl-C leaves the pool as it was)",
+                          file=sys.stderr, flush=True)
+                    said = busy
+                time.sleep(DEPLOY_POLL)
+                busy = runs_in_flight(self.backend, old)
+        except KeyboardInterrupt:
+            raise UserError(f"pool deploy interrupted: nothing changed, pool {self.model} runs "
+                            f"version {version_label(old)} ---> HINT: run it again once its runs "
+                            f"are done (runs list --model {self.model})") from None
+        folder, here = state_dir(self.conf, self.model), read_supervisor(self.conf, self.model)
+        since, noted = time.time(), []
+        # a signal waits until the replacement is done: noted, not blocked (a mask is inherited
+        # by the processes started)
+        previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            if here and not supervisor_module().stop_supervisor(self.conf, self.model,
+                                                                stop_seconds(self.conf) + 15):
+                raise UserError(f"pool {self.model}: its supervisor did not stop: nothing changed; "
+                                f"see {folder}/supervisor.log, then retry")
+            for run_id in busy:   # none has started: the new version runs them whole
+                update_run(self.backend, {"run_id": run_id}, version=new["version"])
+            for key, data in blobs.items():
+                self.backend.store.put(key, data)
+            write_json(self.backend, pool_key(self.model), dict(new, deployed_at=now_iso()))
+            if here:   # its count, bounds, GPUs and threads as they were
+                per_worker = [read_state(os.path.join(folder, name), str.strip, "")
+                              for name in ("gpus-per-worker", "threads-per-worker")]
+                supervisor_module().start_supervisor(self.conf, self.model, read_desired(folder),
+                                                     *[int(v) if v else None for v in per_worker])
+        finally:
+            for sig, was in previous.items():
+                signal.signal(sig, was)
+        if here and wait and not noted and read_desired(folder):
+            wait_warm(self.conf, self.model, read_desired(folder), since, progress)
+        return old, new
 
     def status(self):
         """pool_status: record, queue depths, this machine's workers, every worker's stats."""
@@ -6009,6 +6128,32 @@ class Pool:
                 note_queue_deleted(self.backend.store, record[role])
         self.backend.store.delete_prefix(f"pools/{record['slug']}/")
         return cancelled
+
+
+def runs_in_flight(backend, record):
+    """Ids of the pool's runs of its version that a worker may still run a claim of: staging, or
+    with a claim queued or running (a run from before versions counts as the pool's)."""
+    version, busy = version_of(record), []
+    for run in list_runs(backend, record["model"]):
+        if (run["model"] != record["model"] or run["mode"] != "pool" or run.get("cancelled")
+                or run.get("version", version) != version):
+            continue
+        unfinished = len(summary_claims(backend, run["run_id"])) < len(run["claims"])
+        if not run.get("staged", True) or (unfinished and live_claims(backend, run)):
+            busy.append(run["run_id"])
+    return busy
+
+
+def runs_to_adopt(backend, record, busy):
+    """True when no run of `busy` has started (no summary, result part or attempt record) and no
+    worker of the record's version is warm (say, each dies in @enter): the new version of `pool
+    deploy` may run them whole (warmd reads a run record's version where a claim's differs)."""
+    version = version_of(record)
+    warm = [w for w in mark_lost_workers(read_worker_stats(backend, record["model"]))
+            if w.get("state") == "running" and w.get("version", version) == version]
+    started = (backend.store.list(f"runs/{run_id}/results/") or summary_claims(backend, run_id)
+               for run_id in busy)
+    return not warm and not any(started)
 
 
 def new_pool_record(backend, model, defaults, batch_timeout=None):
@@ -6116,7 +6261,8 @@ def pool_ready(conf, backend, record, wait_for_workers, run, anyway):
         state, why = pool_liveness(conf, backend, record)
     pool = record["model"]
     if state == "crashing":
-        raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the handler, then pool create")
+        raise WorkersFailed(f"{why} ---> HINT: {command()} pool logs --model {pool}; fix the "
+                            "handler, then pool deploy it")
     if state == "none" and not wait_for_workers:
         raise UserError(why if "--->" in why else f"{why}: nothing would claim {run} ---> HINT: "
                         f"{command()} pool scale --model {pool} --workers 1 (or --instances N), or "
@@ -6151,7 +6297,8 @@ class Run:
             why = f"every local worker dies before it is warm: {looping}" if looping else self._starter_died()
             if why:
                 raise WorkersFailed(f"run {self.run_id}: pool {self.record['model']}: {why}; the run stays queued "
-                                    f"---> HINT: fix the handler, pool create it again, then runs show {self.run_id}")
+                                    f"---> HINT: fix the handler, pool deploy it, then runs show "
+                                    f"{self.run_id}")
 
     def _starter_died(self):
         """Why no worker will come: none runs or starts anywhere, and one died unwarmed since the run."""
@@ -6546,14 +6693,25 @@ def cmd_pool_create(conf, backend, args):
     lo, hi, idle = pool_bounds(count, args.min_workers, args.max_workers, args.scale_to_zero_after, "workers")
     new = not backend.store.exists(pool_key(args.model))   # a failed create leaves it not there
     pool = Pool(args.model, context=(conf, backend))
+    existed = check_slug_free(backend, args.model)
     record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
                          max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal,
                          include=include)
-    print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, handler "
-          f"{record['handler']['file']}:{record['handler']['class']}, batch "
-          f"{record['batch_size']}, visibility {record['visibility_timeout']}s, max deliveries "
-          f"{record['max_deliveries']}; workers run in {record['workdir']}")
-    if args.workers is args.max_workers is args.min_workers is None and idle is None:
+    counted = idle is not None or any(n is not None
+                                      for n in (args.workers, args.min_workers, args.max_workers))
+    if existed and version_of(existed):   # the same version: pool.create refuses another
+        here = read_supervisor(conf, args.model)   # none: workers start as at a first create
+        kept = here and not counted and (
+            f"; its {here['desired']} local worker(s) here are left as they are ---> HINT: "
+            f"{command()} pool scale --model {args.model} --workers N changes the count")
+        print(f"pool {args.model}: exists, version {version_label(record)}: nothing changed{kept or ''}")
+        if here and not counted:
+            return EXIT_OK
+    else:
+        print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, version "
+              f"{version_label(record)}, visibility {record['visibility_timeout']}s, max "
+              f"deliveries {record['max_deliveries']}; workers run in {record['workdir']}")
+    if not counted:
         print(f"pool {args.model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
     if idle is not None:
         pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle), new)
@@ -6626,6 +6784,37 @@ def cmd_pool_scale(conf, backend, args):
     return EXIT_OK
 
 
+def cmd_pool_deploy(conf, backend, args):
+    if modal_options(args.handler)[0]:
+        raise UserError(f"pool deploy takes a calque handler; {args.handler} is a Modal app "
+                        f"---> HINT: pool delete --model {args.model}, then pool create it with "
+                        "its --param options")
+    old, new = Pool(args.model, context=(conf, backend)).deploy(
+        args.handler, batch_size=args.batch_size, include=include_paths(args.include, args.handler),
+        wait=not args.no_wait, progress=sys.stderr.isatty())
+    pool = f"pool {args.model}"
+    if old is new:
+        print(f"{pool}: already runs version {version_label(old)}: nothing changed")
+        return EXIT_OK
+    print(f"{pool}: version {version_label(new)} replaces {version_label(old)}; runs submitted "
+          "from now on run on it")
+    if "ec2" in new:
+        print(f"{pool}: each instance's worker restarts on it when idle (within "
+              f"{VERSION_CHECK:g} s) or at its next claim; `pool status` shows each one's version")
+    elif read_supervisor(conf, args.model):
+        print(f"{pool}: its local workers here were replaced "
+              f"({'starting' if args.no_wait else 'warm'})")
+    else:
+        print(f"{pool}: no local workers here ---> HINT: {command()} pool scale --model "
+              f"{args.model} --workers N starts them")
+    late = runs_in_flight(backend, old)   # submitted to the old version while it changed
+    if late:
+        print(f"{pool}: run(s) {', '.join(late)} reached version {version_of(old)} during the "
+              "change: their claims are dead-lettered, naming both versions ---> HINT: submit "
+              "their items again", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_pool_status(conf, backend, args):
     status = pool_status(conf, backend, args.model)
     return emit(args, status, format_pool_status, status, backend.describe())
@@ -6683,6 +6872,12 @@ def cmd_pool_redrive(conf, backend, args):
     record = load_pool(backend, args.model)
     runs = {run["run_id"]: run for run in list_runs(backend, args.model)
             if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
+    other = [r for r in runs if runs[r].get("version", version_of(record)) != version_of(record)]
+    if other:   # their claims would be dead-lettered again (check_run_version)
+        print(f"pool {args.model}: {len(other)} run(s) of an earlier version not redriven "
+              f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): submit their items "
+              "again")
+        runs = {r: run for r, run in runs.items() if r not in other}
     sent = redrive(backend, record, runs)
     print_redriven(record, sent)
     if not sent:
@@ -6923,6 +7118,7 @@ def cmd_runs_resume(conf, backend, args):
     except NotFound:
         raise UserError(f"run {args.run}: pool {run['model']}'s queue is gone ---> HINT: pool create --model "
                         f"{run['model']} ... again (it is idempotent), then runs resume {args.run}") from None
+    check_run_version(run, record, "runs resume")
     done = summary_claims(backend, args.run)
     if len(done) < len(run["claims"]):   # claims left to run: a worker to run them, as its submit
         pool_ready(conf, backend, record, args.no_wait or run["options"].get("wait_for_workers"),
@@ -6946,6 +7142,14 @@ def cmd_runs_resume(conf, backend, args):
     summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
                                         progress=not args.json and sys.stderr.isatty())
     return report_submitted(backend, run, summaries, timed_out, args)
+
+
+def check_run_version(run, record, verb):
+    """A run keeps its version: `verb` of a run of a version its pool no longer runs is refused."""
+    if run.get("version", version_of(record)) != version_of(record):
+        raise UserError(f"run {run['run_id']} was submitted to version {run['version']}; pool "
+                        f"{run['model']} runs {version_label(record)} now (pool deploy): {verb} "
+                        "would run none of its claims ---> HINT: submit its items again")
 
 
 def cmd_runs_cancel(conf, backend, args):
@@ -7012,6 +7216,7 @@ def cmd_runs_redrive(conf, backend, args):
         raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
                         "redrive ---> HINT: submit its items again")
     record = load_pool(backend, run["model"])
+    check_run_version(run, record, "runs redrive")
     sent = redrive(backend, record, {args.run: run})
     print_redriven(record, sent)
     if not sent:
@@ -7392,6 +7597,15 @@ def build_parser():
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
     add(ec2, "--key-name", "--yes-spend-money")
     switch(ec2, "--dry-run", "print every AWS call that would change something; change nothing")
+    p = verb(pool, "deploy", cmd_pool_deploy, "--model",
+             help="change a live pool's handler: waits for the runs in flight, then replaces its "
+                  "workers")
+    p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName, the new version")
+    p.add_argument("--batch-size", type=int,
+                   help="items per handler.batch() call (default: the pool's)")
+    p.add_argument("--include", action="append", metavar="PATH",
+                   help="a file or folder the handler needs beside it, snapshotted with it")
+    switch(p, "--no-wait", "return once the workers start, not when warm")
     p = verb(pool, "scale", cmd_pool_scale, "--model",
              help="set the number of local workers, or of EC2 instances")
     p.add_argument("--workers", type=int, help="local warmd.py processes on this machine")

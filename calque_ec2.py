@@ -32,8 +32,8 @@ from calque import (DEFAULT_REGION, HERE, POOL_PREFIX, QUEUE_REUSE_WAIT, RUN_DLQ
                     check_slug_free, desired_count, dlq_name, instance_rate_per_second, load_pool, load_rates,
                     measured_enter_seconds, measured_seconds, now_iso, package_file, pool_bounds,
                     pool_key, pool_queue_name, pyproject, queue_depth, read_json,
-                    read_worker_stats, recent_summaries, setting_number, settings, slug,
-                    snapshot_handler)
+                    read_worker_stats, recent_summaries, refuse_other_version, setting_number,
+                    settings, slug, snapshot_handler, pool_version)
 
 IAM_NAME_MAX = 64                   # characters of an IAM role or instance-profile name
 DLAMI_PARAMETERS = {                # SSM public parameters: the current deep-learning GPU AMI
@@ -1113,6 +1113,12 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     calls = calls or AwsCalls.for_backend(backend, dry_run)
     names, store, region = resource_names(model), backend.describe(), calls.region
     existing = check_slug_free(backend, model)
+    blobs = {}   # the handler snapshot, put once its version is checked (store_objects)
+    files = list(include) + record.get("modal", {}).get("image", {}).get("files", [])
+    record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", blobs.__setitem__,
+                                         files)
+    record["version"] = pool_version(record)
+    refuse_other_version(existing, record, handler)   # a re-run of the same version finishes it
 
     ident = calls.identity()     # pre-flight: read-only; nothing is created if any fails
     itype = _instance_type_info(calls, options.instance_type)
@@ -1170,10 +1176,8 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
             print(f"pool {model}: queue {queue} {_said(calls, state)}")
 
     def store_objects():
-        files = list(include) + record.get("modal", {}).get("image", {}).get("files", [])
-        full["handler"] = snapshot_handler(
-            handler, f"pools/{record['slug']}/",
-            lambda key, data: _store_put(calls, backend, key, data), files)
+        for key, data in blobs.items():
+            _store_put(calls, backend, key, data)
         _store_put(calls, backend, kit_key, blob)
         full["ec2"] = ec2
         _put_pool_record(calls, backend, full)

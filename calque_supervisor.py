@@ -261,7 +261,10 @@ def restart_delay(warm, progress, lived, failures, code):
     """(s before a dead worker's slot starts again, the kind of death). Warm with progress (a part,
     a finished claim, or RESTART_RESET_AFTER s of life): killed, not a crash loop, so at once. Else
     a SIGKILL (from outside) waits RESTART_BACKOFF[0] s, and an exit of its own, the `failures`-th
-    in a row, RESTART_BACKOFF[0] s doubling up to RESTART_BACKOFF[1]."""
+    in a row, RESTART_BACKOFF[0] s doubling up to RESTART_BACKOFF[1]. One that left for the
+    pool's new version (EXIT_REPLACED) starts again at once on it."""
+    if code == calque.EXIT_REPLACED:
+        return 0.0, "replaced by the pool's new version"
     if warm and (progress or lived > RESTART_RESET_AFTER):
         return 0.0, "died after progress"
     kind = "died without progress" if warm else "died before warm"
@@ -299,7 +302,8 @@ def _reap(slots, want, now, died):
         if proc is not None and proc.poll() is not None:
             said = _readiness(slot)
             progress = "progress" in said
-            slot["failures"] = 0 if progress else slot.get("failures", 0) + 1
+            replaced = proc.returncode == calque.EXIT_REPLACED
+            slot["failures"] = 0 if progress or replaced else slot.get("failures", 0) + 1
             lived = now - slot["started"]
             code = proc.returncode
             delay, kind = restart_delay(bool(said), progress, lived, slot["failures"], code)
@@ -311,7 +315,7 @@ def _reap(slots, want, now, died):
                 lease.close()
             print(f"supervisor: worker slot {s} (pid {proc.pid}) exited with {code} "
                   f"({kind}; restart {f'in {delay:g} s' if delay else 'at once'})", flush=True)
-            if code:   # a death: siblings commit more often (warmd.on_sibling_death)
+            if code and not replaced:   # a death: siblings commit more (warmd.on_sibling_death)
                 died(proc.pid, code, os.path.splitext(slot["ready"])[0] + ".claims")
                 for other in slots.values():
                     if other["proc"] and other["proc"].poll() is None and _readiness(other):

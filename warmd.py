@@ -901,6 +901,9 @@ class Worker:
     def __init__(self, backend, record, stats_key_prefix, conf, ephemeral, supervisor_pid=0,
                  ready_file="", spawned_at=None, previous_life=None, gpu_index=0):   # HANDOFF_FLAGS
         self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
+        self.version = calque.version_of(record)   # the only version whose claims it runs
+        self.replaced_by = None          # the pool's version, once it is not ours (pool deploy)
+        self.version_checked = time.monotonic()
         self.spool_folder = None if ephemeral else os.path.join(
             calque.state_dir(conf, record["model"]), "spool")
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
@@ -1052,6 +1055,8 @@ class Worker:
         if isinstance(self.handler, calque.ModalHandler) and not self.ephemeral:
             self.handler.streams = (self.backend.store, self.record["model"])
         self.collator = Collator(collate)
+        log.info("worker %s: pool %s, version %s", self.worker_id, self.record["model"],
+                 calque.version_label(self.record))
 
     def enter(self):
         self.acquisition_seconds = max(0.0, time.time() - self.spawned_at)
@@ -1162,6 +1167,8 @@ class Worker:
 
     def _loop_once(self):
         """One pass: the claim ahead, else a poll, then run it. The reason to stop, or None."""
+        if self.replaced_by:
+            return f"the pool runs version {self.replaced_by} now (pool deploy): restarting on it"
         if self.stop_requested:
             return "stop requested"
         if self.supervisor and os.getppid() != self.supervisor:
@@ -1202,6 +1209,10 @@ class Worker:
                 self.protection.hold(not idle)
             if idle:
                 self.backend.requests.loose.update(counts)
+                since = time.monotonic() - self.version_checked
+                if since > calque.VERSION_CHECK and not self.ephemeral:
+                    self.version_checked = time.monotonic()
+                    self.replaced_by = self.pool_version_now(self.version)
             else:
                 claim = self.open_claim(message, counts)
         if claim is not None:
@@ -1373,6 +1384,8 @@ class Worker:
         if calque.run_slug(run_id) != self.record["slug"]:
             return self.dead_letter(message, f"run {run_id} is not one of this model's runs "
                                              f"({self.record['slug']}.*): refused", msg)
+        if msg.get("version", self.version) != self.version and not self.adopted(run_id):
+            return self.other_version(message, msg)
         # over a network, the manifest is read beside the duplicate check; a local one after it
         get = self.backend.store.get
         manifest_read = self.network and self.reader.submit(self.backend.requests.carried(get), key)
@@ -1403,6 +1416,38 @@ class Worker:
                                              "result part, no death pinned on an item, no item "
                                              f"quarantined) in the last {limit}", msg)
         return accepted
+
+    def pool_version_now(self, mine):
+        """The pool record's version when it is no longer `mine` (pool deploy), else None."""
+        try:
+            now = calque.version_of(calque.load_pool(self.backend, self.record["model"]))
+        except (calque.UserError, calque.NotFound, calque.StoreFault) as e:
+            log.warning("worker %s: pool record unreadable (%s): version not checked",
+                        self.worker_id, e)
+            return None
+        return now if now != mine else None
+
+    def adopted(self, run_id):
+        """Whether the run record names our version where its claim does not: pool deploy moved a
+        run none of whose claims had started to the new version (calque.runs_to_adopt)."""
+        with contextlib.suppress(calque.NotFound, calque.StoreFault, ValueError):
+            run = calque.read_json(self.backend, calque.run_key(run_id))
+            return run.get("version") == self.version
+        return False
+
+    def other_version(self, message, msg):
+        """A claim of another version never runs here. The pool's version now (pool deploy): this
+        worker is the stale one: the claim goes back at once and the worker leaves, to restart on
+        it (EXIT_REPLACED). A version the pool no longer runs: failure summary and dead letter."""
+        now = self.replaced_by = None if self.ephemeral else self.pool_version_now(self.version)
+        if now == msg["version"]:
+            self.let_go(message, None, 0,
+                        f"claim of version {now}, this worker runs {self.version}")
+            return None
+        return self.dead_letter(message, f"claim of version {msg['version']}; the pool runs "
+                                         f"version {now or self.version} (pool deploy): not run, "
+                                         "a run keeps its version ---> HINT: submit its items "
+                                         "again to run them on the pool's version", msg)
 
     def manifest_items(self, manifest):
         """A claim's items: as its manifest holds them, or by reference (docs/contract.md, media):
@@ -1987,7 +2032,8 @@ class Worker:
                  # "c", "reference" (the numpy fallback) or None (no batch needed fastbatch)
                  "fastbatch": getattr(sys.modules.get("fastbatch"), "BACKEND", None),
                  "no_gpu": None if self.gpu.nvml else self.gpu.reason,   # why NVML saw none
-                 "instance_type": self.conf.get("CALQUE_INSTANCE_TYPE") or None}
+                 "instance_type": self.conf.get("CALQUE_INSTANCE_TYPE") or None,
+                 "version": self.version}
         if self.last_word:
             stats["exit"] = self.last_word
         try:
@@ -2050,6 +2096,8 @@ def main(argv=None):
         worker = Worker(backend, record, prefix, conf, not args.model, **handoff)
         worker.output.capture()
         worker.work()
+        if worker.replaced_by:
+            return calque.EXIT_REPLACED
     except calque.UserError as e:
         print(f"warmd: error: {e}", file=sys.stderr)
         return calque.EXIT_USAGE
