@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import PY, ROOT, cli, wait_for, write_items
+from conftest import PY, ROOT, backend_for, cli, wait_for, write_items
 
 APP = '''
 import json
@@ -705,10 +705,13 @@ def test_timeout_and_options_of_a_function_as_of_a_class_at_pool_create(local_en
                 "startup_timeout cloud region routing_region nonpreemptible enable_memory_snapshot block_network "
                 "restrict_modal_access single_use_containers i6pn include_source experimental_options "
                 "max_inputs").split()   # App.cls's; App.function's adds schedule, name, is_generator
+    values = {"image": shim.Image.debian_slim(), "env": {"A": "1"}, "secrets": [], "volumes": {},
+              "network_file_systems": {"/cache": "nfs"}, "gpu": "T4", "schedule": shim.Cron("0 * * * *")}
     for option in modal_1x + ["schedule", "name", "is_generator"]:
-        app = shim.App()
-        app.function(**{option: 1})(lambda x: x)
-        app.cls(**{option: 1})(type("C", (), {}))
+        for decorate, obj in ((shim.App().function, lambda x: x), (shim.App().cls, type("C", (), {}))):
+            made = decorate(**{option: values.get(option, 1)})(obj)
+            noted = [note for note in shim.ignored(made.options) if note.startswith(f"{option}=")]
+            assert noted == ([f"{option}=: ignored ({shim.OPTIONS[option]})"] if shim.OPTIONS[option] else [])
     with pytest.raises(shim.Unsupported, match=r"@app.function\(gpus=...\)"):
         shim.App().function(gpus=1)
 
