@@ -969,7 +969,8 @@ def raise_kit_fault(e, path):
     if isinstance(e, AttributeError) and len(frames) > 1 and not kit_file(frames[-2].filename):
         return
     where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}"
-    e.add_note(f"calque: a bug in calque ({where}), not in {path}: please report it with this traceback")
+    e.add_note(f"calque: a bug in calque ({where}), not in {path}: please report it with this "
+               "traceback")
     raise e
 
 
@@ -1177,7 +1178,8 @@ class ModalHandler:
     def _each(self, payloads):
         """[(ok, result or exception)] per item, max_inputs at once."""
         calls = [self._args(item) for item in payloads]
-        limit = getattr(self.raw, "_modal_concurrent", self.target.options.get("allow_concurrent_inputs") or 1)
+        limit = getattr(self.raw, "_modal_concurrent",
+                        self.target.options.get("allow_concurrent_inputs") or 1)
         if inspect.iscoroutinefunction(self.fn) or inspect.isasyncgenfunction(self.fn):
             return self._run(self._each_async(calls, limit))
 
@@ -6887,8 +6889,9 @@ class ModalRun:
             try:
                 run = submit(items, pool=self.pools[key], context=self.context)
             except TypeError as e:   # json_default's: an argument that is no JSON value
-                raise load_modal_shim().app_error(TypeError(
-                    f"{target}'s arguments travel as JSON values (Modal pickles them): {e}")) from None
+                error = TypeError(f"{target}'s arguments travel as JSON values (Modal pickles "
+                                  f"them): {e}")
+                raise load_modal_shim().app_error(error) from None
             self.runs.append(run)
         return run.results()
 
@@ -6910,13 +6913,14 @@ class ModalRun:
         for note in notes:
             print(f"calque: {target}: {note}", file=sys.stderr)
         self.created.append(model)
-        folder = state_dir(self.context[0], model)
-        os.makedirs(folder, exist_ok=True)
-        write_file_atomic(os.path.join(folder, "owner"), str(os.getpid()))   # its supervisor watches it
+        folder = state_dir(self.context[0], model)   # `owner`: its supervisor deletes the pool
+        os.makedirs(folder, exist_ok=True)            # once this process is gone (kill -9)
+        write_file_atomic(os.path.join(folder, "owner"), str(os.getpid()))
         self.output.add(model, target)
-        Pool(model, context=self.context).create(spec, self.workers, modal=modal,
-                                                 max_deliveries=suggested.get("max_deliveries"),
-                                                 batch_timeout=suggested.get("batch_timeout"))
+        conf = dict(self.context[0], CALQUE_GRACE="0")   # a signal: let go a call nobody awaits
+        Pool(model, context=(conf, self.context[1])).create(
+            spec, self.workers, modal=modal, max_deliveries=suggested.get("max_deliveries"),
+            batch_timeout=suggested.get("batch_timeout"))
         return model
 
     def close(self, wait):
@@ -6927,7 +6931,8 @@ class ModalRun:
                 for run in self.runs:
                     run.wait()
         finally:   # a second SIGTERM or Ctrl-C waits for the pools' deletion
-            handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+            handlers = {sig: signal.signal(sig, signal.SIG_IGN)
+                        for sig in (signal.SIGTERM, signal.SIGINT)}
             self.output.stop()
             try:
                 for model in self.created:

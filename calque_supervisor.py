@@ -178,7 +178,8 @@ def supervise(conf, model):
         print("supervisor: exit", flush=True)
     if owner and not stopping and not pid_alive(owner):
         with contextlib.suppress(NotFound):
-            calque.Pool(model, context=(conf, open_backend(conf["CALQUE_STORE"]))).delete(force=True)
+            backend = open_backend(conf["CALQUE_STORE"])
+            calque.Pool(model, context=(conf, backend)).delete(force=True)
 
 
 def try_lock(path):

@@ -44,26 +44,28 @@ def _unsupported(construct, hint):
 
 
 # ---- options of @app.cls / @app.function ----------------------------------------------------------------------
-# Modal's App.function / App.cls options (1.x, and older names still seen): None where calque honours it
-# (docs/modal.md says as what), else why it has no effect on a calque pool, the note `pool create` and
-# `modal run` print. Accepted alike on both (schedule= is a function's only on Modal); any other is refused.
+# Modal's App.function / App.cls options (1.x, and older names still seen): None where calque
+# honours it (docs/modal.md says as what), else why it has no effect on a calque pool, the note
+# `pool create` and `modal run` print. Accepted alike on both (schedule= is a function's only on
+# Modal); any other is refused.
 SIZE = "a pool's size is pool create's --workers / --min-workers / --max-workers"
 MACHINE = "a worker has its machine's cores, memory and disk"
 PLACE = "workers run where the pool is: this machine, or the --instances of an EC2 pool"
 NO_EFFECT = "it only changes what Modal's servers do"
 OPTIONS = {
-    **dict.fromkeys(("image", "env", "secrets", "volumes", "gpu", "retries", "timeout", "is_generator",
-                     "allow_concurrent_inputs")),
+    **dict.fromkeys(("image", "env", "secrets", "volumes", "gpu", "retries", "timeout",
+                     "is_generator", "allow_concurrent_inputs")),
     **dict.fromkeys(("cpu", "memory", "ephemeral_disk"), MACHINE),
-    **dict.fromkeys(("min_containers", "max_containers", "buffer_containers", "scaledown_window", "keep_warm",
-                     "container_idle_timeout", "concurrency_limit"), SIZE),
+    **dict.fromkeys(("min_containers", "max_containers", "buffer_containers", "scaledown_window",
+                     "keep_warm", "container_idle_timeout", "concurrency_limit"), SIZE),
     **dict.fromkeys(("cloud", "region", "routing_region", "proxy", "i6pn"), PLACE),
-    **dict.fromkeys(("serialized", "name", "include_source", "block_network", "restrict_modal_access",
-                     "experimental_options", "_experimental_restrict_output"), NO_EFFECT),
+    **dict.fromkeys(("serialized", "name", "include_source", "block_network",
+                     "restrict_modal_access", "experimental_options",
+                     "_experimental_restrict_output"), NO_EFFECT),
     "network_file_systems": "modal.NetworkFileSystem is refused: use volumes= with --volume N=PATH",
-    "nonpreemptible": "an EC2 pool is on-demand unless pool create --spot; local workers are not preempted",
+    "nonpreemptible": "an EC2 pool is on-demand unless --spot; local workers are not preempted",
     "enable_memory_snapshot": "no snapshot is taken: each worker runs @modal.enter once",
-    "startup_timeout": "@modal.enter runs as long as it takes (pool create waits for the workers to be warm)",
+    "startup_timeout": "@modal.enter runs as long as it takes (pool create waits until it is done)",
     "single_use_containers": "a worker serves claim after claim (sticky)",
     "max_inputs": "a worker serves claim after claim (sticky); it is not restarted after N inputs",
     "schedule": "nothing is scheduled: run calque modal run app.py::FUNCTION from cron",
@@ -346,8 +348,8 @@ CALL_FORMS = ("remote", "remote_gen", "map", "starmap", "for_each", "spawn", "sp
 
 
 async def _in_thread(fn, *args, **kwargs):
-    """fn's value, computed on a daemon thread: asyncio.to_thread's pool would be waited for when the
-    event loop closes, so a signal could not end `modal run` while a call waits on its pool."""
+    """fn's value, computed on a daemon thread: asyncio.to_thread's pool would be waited for when
+    the event loop closes, so a signal could not end `modal run` while a call waits on its pool."""
     outcome = Future()
 
     def work():
@@ -495,7 +497,8 @@ class FunctionCall:
         try:
             outcome = self._outcome.result(timeout)
         except TimeoutError:
-            raise app_error(TimeoutError(f"call {self.object_id} not done within {timeout} s")) from None
+            error = TimeoutError(f"call {self.object_id} not done within {timeout} s")
+            raise app_error(error) from None
         if not outcome["ok"]:
             raise _remote_exception(outcome)
         return outcome["result"]

@@ -760,8 +760,7 @@ async def main():
 
 def start_hang(env, tmp_path, installed=False):
     """`modal run` of HANG once its call runs in its ephemeral pool's worker: (process, pool name)."""
-    path, log = write_app(tmp_path, HANG)
-    env = dict(env, CALQUE_GRACE="1")   # the busy worker is stopped without a 5 s wait
+    path, log = write_app(tmp_path, HANG, "hang.py")
     proc = modal_run(env, path, installed=installed, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(lambda: log.exists() and "started" in log.read_text(), 60, "the remote call to start")
     model = json.loads(cli(env, "pool", "list", "--json").stdout)[0]["model"]
@@ -783,6 +782,8 @@ def test_one_signal_ends_modal_run_awaiting_an_aio_call(local_env, tmp_path, sig
     assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig), proc.stderr.read()
     assert not running(model)
     assert "modal-hang" not in cli(local_env, "pool", "list").stdout
+    worker_log = next((tmp_path / "state" / "pools").glob("modal-hang-crunch-*/worker-0.log")).read_text()
+    assert "(signal, no grace); visible again in 0s" in worker_log   # the call let go at once, not killed
 
 
 def test_modal_run_killed_leaves_no_pool_running(local_env, tmp_path):
