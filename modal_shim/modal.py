@@ -13,6 +13,7 @@ docs/modal.md has the compatibility table.
 import asyncio
 import builtins
 import contextlib
+import difflib
 import functools
 import inspect
 import threading
@@ -75,7 +76,9 @@ OPTIONS = {
 def _check_options(where, options):
     for key in options:
         if key not in OPTIONS:
-            _unsupported(f"{where}({key}=...)", "remove the option, or run this function on Modal")
+            close = difflib.get_close_matches(key, OPTIONS, 1)
+            _unsupported(f"{where}({key}=...)", f"did you mean {close[0]}=?" if close else
+                         "remove the option, or run this function on Modal")
 
 
 def ignored(options):
@@ -84,14 +87,12 @@ def ignored(options):
             if OPTIONS.get(key) and value not in (None, False, {}, [], ())]
 
 
-class _Schedule:
-    """modal.Cron / modal.Period: recorded (schedule= does nothing here, OPTIONS says why)."""
-
-    def __init__(self, *args, **kwargs):
-        self.args, self.kwargs = args, kwargs
+def Cron(*args, **kwargs):
+    """modal.Cron(...) / modal.Period(...), a schedule= value: recorded (OPTIONS: no effect here)."""
+    return [args, kwargs]
 
 
-Cron = Period = _Schedule
+Period = Cron
 
 
 class Retries:

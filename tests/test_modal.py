@@ -712,8 +712,10 @@ def test_timeout_and_options_of_a_function_as_of_a_class_at_pool_create(local_en
             made = decorate(**{option: values.get(option, 1)})(obj)
             noted = [note for note in shim.ignored(made.options) if note.startswith(f"{option}=")]
             assert noted == ([f"{option}=: ignored ({shim.OPTIONS[option]})"] if shim.OPTIONS[option] else [])
-    with pytest.raises(shim.Unsupported, match=r"@app.function\(gpus=...\)"):
-        shim.App().function(gpus=1)
+    with pytest.raises(shim.Unsupported, match=r"@app.cls\(timout=...\) .* did you mean timeout=\?"):
+        shim.App().cls(timout=1)
+    with pytest.raises(shim.Unsupported, match="remove the option"):
+        shim.App().function(colour="blue")
 
 
 def test_a_bug_in_the_kit_is_named_as_the_kits(local_env, tmp_path):
