@@ -715,7 +715,7 @@ def test_timeout_and_options_of_a_function_as_of_a_class_at_pool_create(local_en
     with pytest.raises(shim.Unsupported, match=r"@app.cls\(timout=...\) .* did you mean timeout=\?"):
         shim.App().cls(timout=1)
     with pytest.raises(shim.Unsupported, match="remove the option"):
-        shim.App().function(colour="blue")
+        shim.App().function(banana=3)
 
 
 def test_a_bug_in_the_kit_is_named_as_the_kits(local_env, tmp_path):
