@@ -944,7 +944,8 @@ def import_modal_file(path, container=False):
     try:
         return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
     except Exception as e:
-        raise_kit_fault(e, path)
+        if kit_fault(e, path):
+            raise
         raise UserError(user_code_error(path, e, container))
 
 
@@ -956,22 +957,22 @@ def kit_file(filename):
         and re.fullmatch(r"calque\w*\.py|warmd\.py", os.path.basename(path)) is not None)
 
 
-def raise_kit_fault(e, path):
-    """Raise `e` as the kit's bug (its traceback, a note naming the kit's line) when the kit's code
-    raised it: its innermost frame of the kit's or the app folder's is the kit's. Not when it is the
-    app's doing: Unsupported and what the stand-in marks app_error, or an attribute the app asked of
-    a stand-in object that lacks it."""
+def kit_fault(e, path):
+    """Whether `e` is the kit's bug, to be raised as such (its traceback, with a note naming the
+    kit's line): its innermost frame of the kit's or the app folder's is the kit's. Not when it is
+    the app's doing: Unsupported and what the stand-in marks app_error, or an attribute the app
+    asked of a stand-in object that lacks it."""
     folder = os.path.join(os.path.dirname(os.path.realpath(path)), "")
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if kit_file(f.filename) or os.path.realpath(f.filename).startswith(folder)]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if kit_file(f.filename)
+              or not f.filename.startswith("<") and os.path.realpath(f.filename).startswith(folder)]
     if not frames or not kit_file(frames[-1].filename) or getattr(e, "app_error", False):
-        return
+        return False
     if isinstance(e, AttributeError) and len(frames) > 1 and not kit_file(frames[-2].filename):
-        return
+        return False
     where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}"
     e.add_note(f"calque: a bug in calque ({where}), not in {path}: please report it with this "
                "traceback")
-    raise e
+    return True
 
 
 def user_code_error(path, e, container=False):
@@ -7000,7 +7001,8 @@ def cmd_modal_run(conf, backend, args):
     except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
         raise
     except Exception as e:   # the entrypoint's own code failed: where, in one line
-        raise_kit_fault(e, path)
+        if kit_fault(e, path):
+            raise
         raise ModalEntrypointFailed(f"entrypoint {name} failed: {user_code_error(path, e)}")
     finally:
         shim.runner = None

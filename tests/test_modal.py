@@ -726,10 +726,18 @@ def test_a_bug_in_the_kit_is_named_as_the_kits(local_env, tmp_path):
     broken = (f"import sys; sys.path.insert(0, {ROOT!r}); import calque; "
               "calque.modal_gpu = lambda gpu: {}['card']; "   # a kit function that fails, as a bug would
               f"sys.exit(calque.main(['modal', 'run', {path!r}]))")
-    out = subprocess.run([PY, "-c", broken], env=local_env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([PY, "-c", broken], env=local_env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)   # from the app's folder, as a user runs it
     assert out.returncode == 1 and "Traceback" in out.stderr, out.stderr
     assert "calque: a bug in calque (calque.py:" in out.stderr and "in modal_options), not in " in out.stderr
     assert "entrypoint main failed" not in out.stderr
+    broken = (f"import sys; sys.path.insert(0, {ROOT!r}); import calque; "
+              "calque.load_modal_shim()._check_options = lambda where, options: {}['x']; "   # at import
+              f"sys.exit(calque.main(['pool', 'create', '--model', 'g', '--handler', {path + ':greet'!r}]))")
+    out = subprocess.run([PY, "-c", broken], env=local_env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "calque: a bug in calque (modal.py:" in out.stderr, out.stderr
+    assert "in _register), not in " in out.stderr and "is not supported" not in out.stderr
     (tmp_path / "wrong.py").write_text("import modal\napp = modal.App()\n@app.cls()\nclass C:\n"
                                        "    @modal.method()\n    def m(self, x):\n        return x\n"
                                        "@app.local_entrypoint()\ndef main():\n    C().n.remote(1)\n")
