@@ -177,7 +177,7 @@ def supervise(conf, model):
             os.remove(os.path.join(folder, "supervisor.json"))
         print("supervisor: exit", flush=True)
     if owner and not stopping and not pid_alive(owner):
-        with contextlib.suppress(NotFound):
+        with contextlib.suppress(NotFound, UserError):   # deleted already (modal run's last act)
             backend = open_backend(conf["CALQUE_STORE"])
             calque.Pool(model, context=(conf, backend)).delete(force=True)
 
