@@ -957,7 +957,35 @@ def import_modal_file(path, container=False):
     try:
         return shim, import_file(path, "calque_modal_app_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
     except Exception as e:
+        if kit_fault(e, path):
+            raise
         raise UserError(user_code_error(path, e, container))
+
+
+def kit_file(filename):
+    """Whether a traceback's file is the kit's own code (the stand-in modal included)."""
+    path = os.path.realpath(filename)
+    return path == os.path.realpath(package_file("modal_shim", "modal.py")) or (
+        os.path.dirname(path) == os.path.realpath(HERE)
+        and re.fullmatch(r"calque\w*\.py|warmd\.py", os.path.basename(path)) is not None)
+
+
+def kit_fault(e, path):
+    """Whether `e` is the kit's bug, to be raised as such (its traceback, with a note naming the
+    kit's line): its innermost frame of the kit's or the app folder's is the kit's. Not when it is
+    the app's doing: Unsupported and what the stand-in marks app_error, or an attribute the app
+    asked of a stand-in object that lacks it."""
+    folder = os.path.join(os.path.dirname(os.path.realpath(path)), "")
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if kit_file(f.filename)
+              or not f.filename.startswith("<") and os.path.realpath(f.filename).startswith(folder)]
+    if not frames or not kit_file(frames[-1].filename) or getattr(e, "app_error", False):
+        return False
+    if isinstance(e, AttributeError) and len(frames) > 1 and not kit_file(frames[-2].filename):
+        return False
+    where = f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}"
+    e.add_note(f"calque: a bug in calque ({where}), not in {path}: please report it with this "
+               "traceback")
+    return True
 
 
 def user_code_error(path, e, container=False):
@@ -1059,13 +1087,24 @@ class ModalHandler:
     """A Modal @app.cls method or @app.function as a calque handler. enter() runs the @modal.enter
     hooks (snap=True first) and __enter__; batch() calls per item (@modal.method; a list item
     splatted, as .starmap) or per max_batch_size items (@modal.batched),
-    @modal.concurrent(max_inputs) at once; calque_exit() runs the @modal.exit hooks and __exit__."""
+    @modal.concurrent(max_inputs) at once; calque_exit() runs the @modal.exit hooks and __exit__.
+    Async hooks and methods run on one event loop, as in a Modal container: what an async @enter
+    made on it (a client, a lock, a task) works in the methods."""
     streams = None   # (store, model), set by warmd: where .remote_gen calls' items go (Streamed)
 
     def __init__(self, target, method, options):
         self.target, self.method, self.options = target, method, options
-        self.instance, self.replay = None, {}
+        self.instance, self.replay, self.loop = None, {}, None
         self.raw = target.user_cls if method else target.raw_f
+
+    def _run(self, value):
+        """A hook's or a call's value, a coroutine's awaited on the handler's one event loop."""
+        if not inspect.isawaitable(value):
+            return value
+        if self.loop is None:
+            import asyncio
+            self.loop = asyncio.new_event_loop()
+        return self.loop.run_until_complete(value)
 
     def collate(self, payloads):
         return list(payloads)   # items reach the method as JSON values: no array gathering
@@ -1094,7 +1133,7 @@ class ModalHandler:
                                 f"default: pool create --param {key}=VALUE")
             setattr(self.instance, key, modal_param(self.raw, key, value))
         for hook in self._hooks("enter"):
-            hook(self.instance)
+            self._run(hook(self.instance))
         if hasattr(self.instance, "__enter__"):
             self.instance.__enter__()
         self.fn = getattr(self.instance, self.method)
@@ -1104,9 +1143,11 @@ class ModalHandler:
         if self.instance is None:
             return
         for hook in self._hooks("exit"):
-            hook(self.instance)
+            self._run(hook(self.instance))
         if hasattr(self.instance, "__exit__"):
             self.instance.__exit__(None, None, None)
+        if self.loop:
+            self.loop.close()
 
     def batch(self, payloads):
         role = getattr(self.fn, "_modal_role", {})
@@ -1137,10 +1178,7 @@ class ModalHandler:
         return (item if len(required) > 1 and isinstance(item, list) else [item]), {}
 
     def _call(self, args, kwargs, stream=None):
-        out = self.fn(*args, **kwargs)
-        if inspect.iscoroutine(out):   # an async @modal.batched
-            import asyncio
-            out = asyncio.run(out)
+        out = self._run(self.fn(*args, **kwargs))   # an async @modal.batched's awaited
         if not hasattr(out, "__next__"):
             return out
         items = Streamed(self.streams, stream)
@@ -1154,10 +1192,10 @@ class ModalHandler:
     def _each(self, payloads):
         """[(ok, result or exception)] per item, max_inputs at once."""
         calls = [self._args(item) for item in payloads]
-        limit = getattr(self.raw, "_modal_concurrent", 1)
+        limit = getattr(self.raw, "_modal_concurrent",
+                        self.target.options.get("allow_concurrent_inputs") or 1)
         if inspect.iscoroutinefunction(self.fn) or inspect.isasyncgenfunction(self.fn):
-            import asyncio
-            return asyncio.run(self._each_async(calls, limit))
+            return self._run(self._each_async(calls, limit))
 
         def one(call):
             try:
@@ -5265,8 +5303,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
             if params or secrets or volumes:
                 raise UserError(f"--param, --secret and --volume apply to a Modal app handler; {path} imports no modal")
             return None, {}, []
-    _, target, method = import_modal_app(path, name)
-    options, notes, suggested = target.options, [], {}
+    shim, target, method = import_modal_app(path, name)
+    options, notes, suggested = target.options, shim.ignored(target.options), {}
     given = key_values(params, "--param")
     declared = target.parameters() if method else {}
     for key, value in given.items():
@@ -5279,6 +5317,7 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         raise UserError(f"{target.__name__}.{missing[0]} is a modal.parameter() without a default "
                         f"---> HINT: pool create --param {missing[0]}=VALUE")
     image = image_plan(options.get("image"), path)
+    image["env"].update({k: str(v) for k, v in (options.get("env") or {}).items() if v is not None})
     if image["steps"]:
         where = "this Python" if workers_here else "the instance's venv, the image's packages installed at boot"
         notes.append(f"image= {' + '.join(step[0] for step in image['steps'])}: not built; the workers run in {where}")
@@ -5306,8 +5345,9 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     retries = options.get("retries")
     if retries is not None:
         suggested["max_deliveries"] = 1 + (retries if isinstance(retries, int) else retries.max_retries)
-    if options.get("timeout"):
-        per_batch = 1 if target.methods().get(method, {}).get("kind") == "batched" or not method else batch_size
+    if options.get("timeout"):   # a batch is one call of a @modal.batched, else one call per item
+        fn = getattr(target.user_cls, method) if method else target.raw_f
+        per_batch = 1 if getattr(fn, "_modal_role", {}).get("kind") == "batched" else batch_size
         suggested["batch_timeout"] = float(options["timeout"]) * (per_batch or 1)
     record = {"params": given, "secrets": secret_files, "volumes": mounts, "image": image,
               "declared": {"gpu": options.get("gpu")}}
@@ -7301,7 +7341,9 @@ class ModalRun:
             try:
                 run = submit(items, pool=self.pools[key], context=self.context)
             except TypeError as e:   # json_default's: an argument that is no JSON value
-                raise TypeError(f"{target}'s arguments travel as JSON values (Modal pickles them): {e}") from None
+                error = TypeError(f"{target}'s arguments travel as JSON values (Modal pickles "
+                                  f"them): {e}")
+                raise load_modal_shim().app_error(error) from None
             self.runs.append(run)
         return run.results()
 
@@ -7323,10 +7365,14 @@ class ModalRun:
         for note in notes:
             print(f"calque: {target}: {note}", file=sys.stderr)
         self.created.append(model)
+        folder = state_dir(self.context[0], model)   # `owner`: its supervisor deletes the pool
+        os.makedirs(folder, exist_ok=True)            # once this process is gone (kill -9)
+        write_file_atomic(os.path.join(folder, "owner"), str(os.getpid()))
         self.output.add(model, target)
-        Pool(model, context=self.context).create(spec, self.workers, modal=modal,
-                                                 max_deliveries=suggested.get("max_deliveries"),
-                                                 batch_timeout=suggested.get("batch_timeout"))
+        conf = dict(self.context[0], CALQUE_GRACE="0")   # a signal: let go a call nobody awaits
+        Pool(model, context=(conf, self.context[1])).create(
+            spec, self.workers, modal=modal, max_deliveries=suggested.get("max_deliveries"),
+            batch_timeout=suggested.get("batch_timeout"))
         return model
 
     def close(self, wait):
@@ -7336,12 +7382,17 @@ class ModalRun:
             if wait:
                 for run in self.runs:
                     run.wait()
-        finally:   # a second SIGTERM waits for the pools' deletion
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        finally:   # a second SIGTERM or Ctrl-C waits for the pools' deletion
+            handlers = {sig: signal.signal(sig, signal.SIG_IGN)
+                        for sig in (signal.SIGTERM, signal.SIGINT)}
             self.output.stop()
-            for model in self.created:
-                with contextlib.suppress(NotFound):
-                    Pool(model, context=self.context).delete(force=True)
+            try:
+                for model in self.created:
+                    with contextlib.suppress(NotFound):
+                        Pool(model, context=self.context).delete(force=True)
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
 
 
 MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI parses
@@ -7401,6 +7452,8 @@ def cmd_modal_run(conf, backend, args):
     except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
         raise
     except Exception as e:   # the entrypoint's own code failed: where, in one line
+        if kit_fault(e, path):
+            raise
         raise ModalEntrypointFailed(f"entrypoint {name} failed: {user_code_error(path, e)}")
     finally:
         shim.runner = None

@@ -150,9 +150,14 @@ def supervise(conf, model):
     signal.signal(signal.SIGHUP, lambda *_: None)   # `pool scale` sends it; each tick re-reads
     want, scaler = read_desired(folder), LocalScaler(conf, model, folder)
     died = functools.partial(record_exit, conf, model, [])   # [] gets the backend at the first death
+    owner = read_state(os.path.join(folder, "owner"), int)   # the `modal run` of an ephemeral pool
     print(f"supervisor {os.getpid()}: pool {model}: keeping {want} worker(s)", flush=True)
     try:
         while not stopping:
+            if owner and not pid_alive(owner):   # killed (kill -9): it cannot delete its pool
+                print(f"supervisor: pool {model} belongs to modal run pid {owner}, which is gone: "
+                      "stopping its workers and deleting it", flush=True)
+                break
             now = time.time()
             want = scaler.want(want, now)
             restarts += _reap(slots, want, now, died)
@@ -170,6 +175,10 @@ def supervise(conf, model):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(folder, "supervisor.json"))
         print("supervisor: exit", flush=True)
+    if owner and not stopping and not pid_alive(owner):
+        with contextlib.suppress(NotFound, UserError):   # deleted already (modal run's last act)
+            backend = open_backend(conf["CALQUE_STORE"])
+            calque.Pool(model, context=(conf, backend)).delete(force=True)
 
 
 def try_lock(path):

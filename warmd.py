@@ -105,7 +105,8 @@ class Interrupted(BaseException):
 
 
 class ReleaseNow(BaseException):
-    """A second signal during a claim: release it now (no Exception: a handler cannot catch it)."""
+    """A second signal during a claim, or a first one without grace: release it now (no Exception:
+    a handler cannot catch it)."""
 
 
 class Claim:
@@ -1091,6 +1092,9 @@ class Worker:
         self.stop_requested = True
         log.info("worker %s: %s: warm stop (no new claims; %.0fs grace for the running one)",
                  self.worker_id, signal.Signals(signum).name, self.grace)
+        if self.state == "claim" and not self.grace:   # no grace (a stopped modal run's pool): now
+            self.release_now.set()
+            raise ReleaseNow()
         if self.state == "claim":
             timer = threading.Timer(self.grace, self.release_now.set)
             timer.daemon = True    # a claim that ends first does not wait for the grace
@@ -1323,8 +1327,9 @@ class Worker:
         delay on a store or queue fault, not written when its lease is lost. Returns the reason to
         stop the worker, or None."""
         if isinstance(error, ReleaseNow):
-            self.let_go(message, claim, 0, "second signal")
-            return "second signal: claim released"
+            why = "second signal" if self.grace else "signal, no grace"
+            self.let_go(message, claim, 0, why)
+            return f"{why}: claim released"
         if isinstance(error, ClaimTooLong):
             self.heartbeat.stop()
             self.dead_letter(message, str(error), {"run_id": claim.run_id, "claim": claim.claim_id},

@@ -13,6 +13,7 @@ docs/modal.md has the compatibility table.
 import asyncio
 import builtins
 import contextlib
+import difflib
 import functools
 import inspect
 import threading
@@ -25,6 +26,14 @@ container = False  # True in a worker: Image.imports() blocks import for real th
 
 class Unsupported(Exception):
     """A Modal construct calque cannot honour: one line, the construct and what to do."""
+    app_error = True
+
+
+def app_error(error):
+    """`error`, marked as the app's doing (a wrong argument, a timeout it asked for): `modal run`
+    names the app's line for it; any other error raised in the kit's code is the kit's (a bug)."""
+    error.app_error = True
+    return error
 
 
 class RemoteError(Exception):
@@ -36,19 +45,54 @@ def _unsupported(construct, hint):
 
 
 # ---- options of @app.cls / @app.function ----------------------------------------------------------------------
-# mapped: calque reads them (docs/modal.md says to what); recorded: kept and reported, no calque meaning;
-# anything else is refused at import
-MAPPED_OPTIONS = {"gpu", "retries", "timeout", "secrets", "volumes", "image"}
-RECORDED_OPTIONS = {"cpu", "memory", "min_containers", "max_containers", "buffer_containers", "scaledown_window",
-                    "keep_warm", "container_idle_timeout", "concurrency_limit", "allow_concurrent_inputs",
-                    "enable_memory_snapshot", "serialized", "name", "include_source", "startup_timeout",
-                    "single_use_containers", "max_inputs"}
+# Modal's App.function / App.cls options (1.x, and older names still seen): None where calque
+# honours it (docs/modal.md says as what), else why it has no effect on a calque pool, the note
+# `pool create` and `modal run` print. Accepted alike on both (schedule= is a function's only on
+# Modal); any other is refused.
+SIZE = "a pool's size is pool create's --workers / --min-workers / --max-workers"
+MACHINE = "a worker has its machine's cores, memory and disk"
+PLACE = "workers run where the pool is: this machine, or the --instances of an EC2 pool"
+NO_EFFECT = "it only changes what Modal's servers do"
+OPTIONS = {
+    **dict.fromkeys(("image", "env", "secrets", "volumes", "gpu", "retries", "timeout",
+                     "is_generator", "allow_concurrent_inputs")),
+    **dict.fromkeys(("cpu", "memory", "ephemeral_disk"), MACHINE),
+    **dict.fromkeys(("min_containers", "max_containers", "buffer_containers", "scaledown_window",
+                     "keep_warm", "container_idle_timeout", "concurrency_limit"), SIZE),
+    **dict.fromkeys(("cloud", "region", "routing_region", "proxy", "i6pn"), PLACE),
+    **dict.fromkeys(("serialized", "name", "include_source", "block_network",
+                     "restrict_modal_access", "experimental_options",
+                     "_experimental_restrict_output"), NO_EFFECT),
+    "network_file_systems": "modal.NetworkFileSystem is refused: use volumes= with --volume N=PATH",
+    "nonpreemptible": "an EC2 pool is on-demand unless --spot; local workers are not preempted",
+    "enable_memory_snapshot": "no snapshot is taken: each worker runs @modal.enter once",
+    "startup_timeout": "@modal.enter runs as long as it takes (pool create waits until it is done)",
+    "single_use_containers": "a worker serves claim after claim (sticky)",
+    "max_inputs": "a worker serves claim after claim (sticky); it is not restarted after N inputs",
+    "schedule": "nothing is scheduled: run calque modal run app.py::FUNCTION from cron",
+}
 
 
 def _check_options(where, options):
     for key in options:
-        if key not in MAPPED_OPTIONS | RECORDED_OPTIONS:
-            _unsupported(f"{where}({key}=...)", "remove the option, or run this function on Modal")
+        if key not in OPTIONS:
+            close = difflib.get_close_matches(key, OPTIONS, 1)
+            _unsupported(f"{where}({key}=...)", f"did you mean {close[0]}=?" if close else
+                         "remove the option, or run this function on Modal")
+
+
+def ignored(options):
+    """One note per option given that has no effect on a calque pool: "cpu=: ignored (why)"."""
+    return [f"{key}=: ignored ({OPTIONS[key]})" for key, value in options.items()
+            if OPTIONS.get(key) and value not in (None, False, {}, [], ())]
+
+
+def Cron(*args, **kwargs):
+    """modal.Cron(...) / modal.Period(...), a schedule= value: recorded (OPTIONS: no effect here)."""
+    return [args, kwargs]
+
+
+Period = Cron
 
 
 class Retries:
@@ -174,8 +218,6 @@ class App:
 
     def _register(self, where, kind, options):
         """The decorator of @app.cls / @app.function: options checked and merged with the app's, the object made."""
-        if "schedule" in options:
-            _unsupported(f"{where}(schedule=...)", "run the entrypoint from cron: calque modal run app.py")
         _check_options(where, options)
         merged = {"image": self.image, **options}
         merged["secrets"] = self.secrets + list(options.get("secrets", ()))
@@ -234,7 +276,8 @@ class Cls:
     def __call__(self, **params):
         unknown = set(params) - set(self.parameters())
         if unknown:
-            raise TypeError(f"{self.__name__}() got parameters it does not declare: {', '.join(sorted(unknown))}")
+            raise app_error(TypeError(f"{self.__name__}() got parameters it does not declare: "
+                                      f"{', '.join(sorted(unknown))}"))
         return Obj(self, params)
 
     def with_options(self, **options):
@@ -258,7 +301,7 @@ class Obj:
 
     def __getattr__(self, name):
         if name not in self._cls.methods():
-            raise AttributeError(f"{self._cls.__name__} has no @modal.method {name}")
+            raise app_error(AttributeError(f"{self._cls.__name__} has no @modal.method {name}"))
         return Handle(f"{self._cls.__name__}.{name}", self._params, getattr(self._cls.user_cls, name),
                       lambda: self._local_instance())
 
@@ -305,9 +348,24 @@ CALL_KEY = "__modal_call__"
 CALL_FORMS = ("remote", "remote_gen", "map", "starmap", "for_each", "spawn", "spawn_map")
 
 
+async def _in_thread(fn, *args, **kwargs):
+    """fn's value, computed on a daemon thread: asyncio.to_thread's pool would be waited for when
+    the event loop closes, so a signal could not end `modal run` while a call waits on its pool."""
+    outcome = Future()
+
+    def work():
+        if outcome.set_running_or_notify_cancel():
+            try:
+                outcome.set_result(fn(*args, **kwargs))
+            except BaseException as e:
+                outcome.set_exception(e)
+    threading.Thread(target=work, daemon=True).start()
+    return await asyncio.wrap_future(outcome)
+
+
 async def _async_iter(results):
     done, results = object(), iter(results)
-    while (value := await asyncio.to_thread(next, results, done)) is not done:
+    while (value := await _in_thread(next, results, done)) is not done:
         yield value
 
 
@@ -323,7 +381,7 @@ class _CallForm:
     def aio(self, *args, **kwargs):
         if self.iterates:
             return _async_iter(self.fn(*args, **kwargs))
-        return asyncio.to_thread(self.fn, *args, **kwargs)
+        return _in_thread(self.fn, *args, **kwargs)
 
 
 def _remote_exception(result):
@@ -440,7 +498,8 @@ class FunctionCall:
         try:
             outcome = self._outcome.result(timeout)
         except TimeoutError:
-            raise TimeoutError(f"call {self.object_id} not done within {timeout} s") from None
+            error = TimeoutError(f"call {self.object_id} not done within {timeout} s")
+            raise app_error(error) from None
         if not outcome["ok"]:
             raise _remote_exception(outcome)
         return outcome["result"]
@@ -483,8 +542,6 @@ _REFUSED = {
     "Sandbox": "run the command in the handler, or on Modal",
     "NetworkFileSystem": "use modal.Volume.from_name(N) with pool create --volume N=PATH",
     "CloudBucketMount": "use modal.Volume.from_name(N) with pool create --volume N=s3://bucket/prefix",
-    "Cron": "run the entrypoint from cron: calque modal run app.py",
-    "Period": "run the entrypoint from cron: calque modal run app.py",
     "Stub": "rename modal.Stub to modal.App (Modal did in 0.64)",
     "gpu": "write gpu=\"A100:2\" (a string), as Modal 1.0 does",
 }

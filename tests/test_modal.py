@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import PY, ROOT, cli, wait_for, write_items
+from conftest import PY, ROOT, backend_for, cli, wait_for, write_items
 
 APP = '''
 import json
@@ -598,3 +598,209 @@ def test_function_call_get_timeout_and_gather(tmp_path):
             target.spawn(2).get()
     finally:
         shim.runner = None
+
+
+CALQUE = os.path.join(os.path.dirname(PY), "calque")   # the installed command (the venv's console script)
+
+
+def modal_run(env, *args, installed=False, **popen):
+    """`python calque.py modal run ARGS`, or the installed `calque modal run ARGS`: as a finished
+    process, or with `popen` a running one."""
+    argv = [CALQUE] if installed else [PY, os.path.join(ROOT, "calque.py")]
+    if popen:
+        return subprocess.Popen([*argv, "modal", "run", *args], env=env, cwd=ROOT, **popen)
+    return subprocess.run([*argv, "modal", "run", *args], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+def running(model):
+    """Pids of the live processes whose command line names `model` (its supervisor and workers)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found += [pid] if model.encode() in f.read() else []
+        except OSError:
+            pass
+    return found
+
+
+GLOSSARY = '''
+import asyncio
+import json
+import os
+import modal
+
+app = modal.App("glossary")
+LOG = {log!r}
+
+
+@app.cls(timeout=30, cpu=2.0, memory=2048, max_inputs=500)
+class Glossary:
+    @modal.enter()
+    async def load(self):
+        await asyncio.sleep(0)
+        self.loop = asyncio.get_running_loop()
+        self.terms = {{"gpu": "accelerator", "warm": "loaded"}}
+
+    @modal.method()
+    async def define(self, word: str):
+        return [self.terms.get(word, "?"), asyncio.get_running_loop() is self.loop]
+
+    @modal.exit()
+    async def save(self):
+        await asyncio.sleep(0)
+        with open(LOG, "a") as f:
+            f.write(f"saved {{asyncio.get_running_loop() is self.loop}}\\n")
+
+
+@app.function(timeout=600, retries=1, env={{"GREETING": "hej"}}, region="eu-west-1",
+              schedule=modal.Period(days=1))
+def greet(name: str):
+    return f"{{os.environ['GREETING']}} {{name}}"
+
+
+@app.local_entrypoint()
+async def main():
+    words = [w async for w in Glossary().define.map.aio(["gpu", "warm", "cold"])]
+    print(json.dumps({{"words": words, "greet": await greet.remote.aio("ada")}}))
+'''
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_async_hooks_and_function_options_under_modal_run(local_env, tmp_path, installed):
+    """An async @modal.enter is awaited on the loop the async methods run on (what it set is there), an
+    async @modal.exit on the same loop at the pool's deletion; @app.function(timeout=, env=, region=,
+    schedule=) runs, each option the kit has no use for named in one note."""
+    path, log = write_app(tmp_path, GLOSSARY)
+    out = modal_run(local_env, path, installed=installed)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"words": [["accelerator", True], ["loaded", True], ["?", True]],
+                                      "greet": "hej ada"}
+    assert "never awaited" not in out.stderr
+    for note in ("greet: region=: ignored", "greet: schedule=: ignored", "Glossary.define: cpu=: ignored",
+                 "Glossary.define: max_inputs=: ignored"):
+        assert note in out.stderr, out.stderr
+    assert log.read_text() == "saved True\n"
+    assert "modal-" not in cli(local_env, "pool", "list").stdout
+
+
+def test_timeout_and_options_of_a_function_as_of_a_class_at_pool_create(local_env, tmp_path):
+    """timeout= is the batch watchdog of a function's pool as of a method's (per item: x batch size);
+    env= reaches the worker; every App.function / App.cls option of Modal 1.x is accepted on both."""
+    import calque
+    path, _ = write_app(tmp_path, GLOSSARY)
+    for target, timeout, note in (("greet", 600 * 4, "region=: ignored (workers run where the pool is"),
+                                  ("Glossary.define", 30 * 4, "memory=: ignored (a worker has its machine's")):
+        out = cli(local_env, "pool", "create", "--model", target, "--handler", f"{path}:{target}",
+                  "--workers", "0", "--batch-size", "4")
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        assert f"pool {target}: {note}" in out.stdout
+        assert calque.load_pool(backend_for(local_env), target)["batch_timeout"] == timeout
+    record = calque.load_pool(backend_for(local_env), "greet")
+    assert record["modal"]["image"]["env"] == {"GREETING": "hej"} and record["max_deliveries"] == 2
+    shim = calque.load_modal_shim()
+    modal_1x = ("image env secrets gpu serialized network_file_systems volumes cpu memory ephemeral_disk "
+                "min_containers max_containers buffer_containers scaledown_window proxy retries timeout "
+                "startup_timeout cloud region routing_region nonpreemptible enable_memory_snapshot block_network "
+                "restrict_modal_access single_use_containers i6pn include_source experimental_options "
+                "max_inputs").split()   # App.cls's; App.function's adds schedule, name, is_generator
+    values = {"image": shim.Image.debian_slim(), "env": {"A": "1"}, "secrets": [], "volumes": {},
+              "network_file_systems": {"/cache": "nfs"}, "gpu": "T4", "schedule": shim.Cron("0 * * * *")}
+    for option in modal_1x + ["schedule", "name", "is_generator"]:
+        for decorate, obj in ((shim.App().function, lambda x: x), (shim.App().cls, type("C", (), {}))):
+            made = decorate(**{option: values.get(option, 1)})(obj)
+            noted = [note for note in shim.ignored(made.options) if note.startswith(f"{option}=")]
+            assert noted == ([f"{option}=: ignored ({shim.OPTIONS[option]})"] if shim.OPTIONS[option] else [])
+    with pytest.raises(shim.Unsupported, match=r"@app.cls\(timout=...\) .* did you mean timeout=\?"):
+        shim.App().cls(timout=1)
+    with pytest.raises(shim.Unsupported, match="remove the option"):
+        shim.App().function(banana=3)
+
+
+def test_a_bug_in_the_kit_is_named_as_the_kits(local_env, tmp_path):
+    """An exception raised in the kit's own code while `modal run` serves the app is the kit's: its
+    traceback with a note naming the kit's line, not one line blaming the app's; an app's own error,
+    or a wrong call of the stand-in, still names the app's line."""
+    path, _ = write_app(tmp_path, GLOSSARY)
+    broken = (f"import sys; sys.path.insert(0, {ROOT!r}); import calque; "
+              "calque.modal_gpu = lambda gpu: {}['card']; "   # a kit function that fails, as a bug would
+              f"sys.exit(calque.main(['modal', 'run', {path!r}]))")
+    out = subprocess.run([PY, "-c", broken], env=local_env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)   # from the app's folder, as a user runs it
+    assert out.returncode == 1 and "Traceback" in out.stderr, out.stderr
+    assert "calque: a bug in calque (calque.py:" in out.stderr and "in modal_options), not in " in out.stderr
+    assert "entrypoint main failed" not in out.stderr
+    broken = (f"import sys; sys.path.insert(0, {ROOT!r}); import calque; "
+              "calque.load_modal_shim()._check_options = lambda where, options: {}['x']; "   # at import
+              f"sys.exit(calque.main(['pool', 'create', '--model', 'g', '--handler', {path + ':greet'!r}]))")
+    out = subprocess.run([PY, "-c", broken], env=local_env, cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and "calque: a bug in calque (modal.py:" in out.stderr, out.stderr
+    assert "in _register), not in " in out.stderr and "is not supported" not in out.stderr
+    (tmp_path / "wrong.py").write_text("import modal\napp = modal.App()\n@app.cls()\nclass C:\n"
+                                       "    @modal.method()\n    def m(self, x):\n        return x\n"
+                                       "@app.local_entrypoint()\ndef main():\n    C().n.remote(1)\n")
+    out = modal_run(local_env, str(tmp_path / "wrong.py"))
+    assert out.returncode == 1 and "wrong.py:10: AttributeError: C has no @modal.method n" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+HANG = '''
+import time
+import modal
+
+app = modal.App("hang")
+LOG = {log!r}
+
+
+@app.function()
+def crunch(n: int):
+    with open(LOG, "a") as f:
+        f.write("started\\n")
+    time.sleep(3600)   # a call far longer than anyone waits for
+    return n
+
+
+@app.local_entrypoint()
+async def main():
+    print(await crunch.remote.aio(1))
+'''
+
+
+def start_hang(env, tmp_path, installed=False):
+    """`modal run` of HANG once its call runs in its ephemeral pool's worker: (process, pool name)."""
+    path, log = write_app(tmp_path, HANG, "hang.py")
+    proc = modal_run(env, path, installed=installed, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: log.exists() and "started" in log.read_text(), 60, "the remote call to start")
+    model = json.loads(cli(env, "pool", "list", "--json").stdout)[0]["model"]
+    assert running(model)
+    return proc, model
+
+
+@pytest.mark.parametrize("sig,installed", [(signal.SIGTERM, False), (signal.SIGINT, True),
+                                           (signal.SIGTERM, True)])
+def test_one_signal_ends_modal_run_awaiting_an_aio_call(local_env, tmp_path, sig, installed):
+    """The first SIGTERM or Ctrl-C (SIGINT) ends `modal run` while its async entrypoint awaits a
+    .remote.aio call, and its ephemeral pool is deleted: no supervisor or worker left."""
+    proc, model = start_hang(local_env, tmp_path, installed)
+    try:
+        proc.send_signal(sig)
+        proc.wait(60)   # before: hung until a second signal
+    finally:
+        proc.kill()
+    assert proc.returncode == (130 if sig == signal.SIGINT else 128 + sig), proc.stderr.read()
+    assert not running(model)
+    assert "modal-hang" not in cli(local_env, "pool", "list").stdout
+    worker_log = next((tmp_path / "state" / "pools").glob("modal-hang-crunch-*/worker-0.log")).read_text()
+    assert "(signal, no grace); visible again in 0s" in worker_log   # the call let go at once, not killed
+
+
+def test_modal_run_killed_leaves_no_pool_running(local_env, tmp_path):
+    """kill -9 of `modal run`: nothing of it can act, so its ephemeral pool's supervisor, which
+    watches the modal run's pid, stops the worker and deletes the pool."""
+    proc, model = start_hang(local_env, tmp_path)
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: not running(model), 60, "the pool's supervisor and worker to exit")
+    wait_for(lambda: "modal-hang" not in cli(local_env, "pool", "list").stdout, 30, "the pool's deletion")
