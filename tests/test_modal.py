@@ -479,17 +479,7 @@ def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
     proc.send_signal(signal.SIGTERM)
     proc.wait(60)
     assert "modal-sleepy" not in cli(local_env, "pool", "list").stdout
-
-    def running():
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    found += [pid] if model.encode() in f.read() else []
-            except OSError:
-                pass
-        return found
-    wait_for(lambda: not running(), 30, "the pool's supervisor and worker to exit")
+    wait_for(lambda: not running(model), 30, "the pool's supervisor and worker to exit")
 
 
 NUMPY = importlib.metadata.version("numpy")
