@@ -177,8 +177,8 @@ ENV_KEY=$({ cat "$CALQUE/kit/requirements.txt"; declare -f build_env; has_cli &&
 warm_env() {
   local name sha
   [ -n "$ENV_PREFIX" ] || return 1
-  if ! s3_get "$ENV_PREFIX$ENV_KEY.json" "$CALQUE/env.json"; then
-    echo "calque: no venv shared for key $ENV_KEY yet: installing it" >&2
+  if ! s3_get "$ENV_PREFIX$ENV_KEY.json" "$CALQUE/env.json" 2>"$CALQUE/env.err"; then   # one line, no traceback
+    echo "calque: no venv shared for key $ENV_KEY yet ($(tail -n1 "$CALQUE/env.err")): installing it" >&2
     return 1
   fi
   read -r name sha < <("$PY" -c 'import json, sys

@@ -358,7 +358,7 @@ class PoolOnMoto:
 
 def env_key(done):
     """The venv key a boot looked up, which it says when it found no venv shared for it."""
-    return re.search(r"no venv shared for key ([0-9a-f]{16}) yet: installing it", done.stderr)[1]
+    return re.search(r"no venv shared for key ([0-9a-f]{16}) yet \(.*\): installing it", done.stderr)[1]
 
 
 def test_second_boot_of_a_pool_unpacks_its_venv_and_asks_no_index(tmp_path, moto_endpoint, index):
