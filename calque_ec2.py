@@ -260,8 +260,9 @@ def _s3_parts(store, partition):
 
 def worker_policy(store, model, region, account, partition="aws", reads=()):
     """The pool worker's inline policy: claim from its pool queue, dead-letter to its DLQ, read
-    its pool's folder and its model's runs (runs/<slug>.*), write their results and summaries,
-    its stats, bootstrap reports, output and streams. ListBucket only on those prefixes, and only
+    its pool's folder and its model's runs (runs/<slug>.*: manifests, inputs, summaries, and the
+    results and attempt record a redelivered claim resumes from), write their results, summaries
+    and progress, its stats, bootstrap reports, output and streams. ListBucket only on those prefixes, and only
     so that S3 answers 404, not 403, for a summary not written yet (warmd never lists). On its own
     group only: SetInstanceHealth (a failed bootstrap), SetInstanceProtection (scale-in while it
     holds a claim) and CompleteLifecycleAction (let a terminating instance go). `reads`: the
@@ -272,17 +273,15 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
         f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
         ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
         reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
-               f"{obj}runs/{s}.*/summaries/*"],
+               f"{obj}runs/{s}.*/summaries/*", f"{obj}runs/{s}.*/results/*"],
         writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
+                f"{obj}runs/{s}.*/progress/*",
                 f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
                 f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
-        listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
+        listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"], pruned=f"{obj}pools/{s}/output/*")
     if reads:
         policy["Statement"].append({"Sid": "ReadInputsByReference", "Effect": "Allow", "Action": ["s3:GetObject"],
                                     "Resource": [f"arn:{partition}:s3:::{uri[len('s3://'):]}*" for uri in reads]})
-    policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow",
-                                "Action": ["s3:DeleteObject"],
-                                "Resource": f"{obj}pools/{s}/output/*"})
     policy["Statement"].append({
         "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
         "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
@@ -292,9 +291,10 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
     return policy
 
 
-def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed):
+def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed, pruned):
     """The shape both worker roles share: claim from one queue (or pattern), dead-letter to one,
-    read and write the given S3 keys, list only under the given prefixes."""
+    read and write the given S3 keys, list only under the given prefixes, delete its own old
+    output chunks (`pruned`: a worker keeps its last warmd.OUTPUT_KEPT)."""
     return {"Version": "2012-10-17", "Statement": [
         {"Sid": sids[0], "Effect": "Allow",
          "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes",
@@ -307,6 +307,7 @@ def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, liste
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"], "Resource": writes},
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": bucket_arn, "Condition": {"StringLike": {"s3:prefix": listed}}},
+        {"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"], "Resource": pruned},
     ]}
 
 
@@ -318,10 +319,11 @@ def cold_worker_policy(store, region, account, partition="aws"):
         f"arn:{partition}:sqs:{region}:{account}:", RUN_QUEUE_PREFIX + "*", RUN_DLQ_PREFIX + "*",
         ("ClaimFromRunQueues", "ReadRunAndClaims"), bucket_arn, root,
         reads=[f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
-               f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
-        writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*",
-                f"{obj}runs/*/output/*"],
-        listed=[f"{root}runs/*"])
+               f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*",
+               f"{obj}runs/*/results/*", f"{obj}runs/*/workers/*"],
+        writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/progress/*",
+                f"{obj}runs/*/workers/*", f"{obj}runs/*/output/*"],
+        listed=[f"{root}runs/*"], pruned=f"{obj}runs/*/output/*")
 
 
 def grant_read(backend, record, uri):
