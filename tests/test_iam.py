@@ -357,6 +357,7 @@ def test_a_role_that_cannot_read_earlier_parts_dead_letters_the_claim_with_its_r
     claim's take_over is refused; past max deliveries (2) it ends in the dead-letter queue with a failure
     summary naming the refusal, which the waiting submit reports; the progress refusal is logged once."""
     iam = account.client("iam")
+    seen_runs = {k.split("/")[1] for k in account.keys(f"runs/{MODEL}.")}
     good = account.policy(account.role)
     narrowed = json.loads(json.dumps(good).replace(', "arn:aws:s3:::calque-iam-test/root/runs/iam-pool.*/results/*"]',
                                                    "]").replace('"arn:aws:s3:::calque-iam-test/root/runs/iam-pool.*/'
@@ -367,16 +368,23 @@ def test_a_role_that_cannot_read_earlier_parts_dead_letters_the_claim_with_its_r
         env = account.worker_env(account.role)
         first = start_worker(env, "--model", MODEL, log=open(tmp_path / "first.log", "w"),
                              constants={"PROGRESS_SECONDS": 0.0})
-        run_id = submit(account, items(account, "d.jsonl", 8, sleep=0.3))
-        wait_for(lambda: account.keys(f"runs/{run_id}/results/c00000/"), 60, "a first result part")
+        waiting = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--pool", MODEL,
+                                    items(account, "d.jsonl", 8, sleep=0.3)], env=account.env, cwd=account.folder,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        run_id = wait_for(lambda: [k.split("/")[1] for k in account.keys(f"runs/{MODEL}.")
+                                   if k.endswith("/results/c00000/0000000-0000002.jsonl") and k.split("/")[1] not in
+                                   seen_runs], 60, "a first result part")[0]
         first.send_signal(signal.SIGKILL)
         first.wait()
         second = start_worker(env, "--model", MODEL, log=open(tmp_path / "second.log", "w"),
                               constants={"RELEASE_DELAY": 0.2})
-        done = wait_for(lambda: summary(account, run_id), 120, "the failure summary")
+        out = waiting.communicate(timeout=120)[0]
+        done = summary(account, run_id)
         assert stop(second) == 0
     finally:
         iam.put_role_policy(RoleName=account.role, PolicyName="calque-worker", PolicyDocument=json.dumps(good))
+    print(out)
+    assert waiting.returncode != 0 and "cannot be read: AccessDenied" in out, out
     assert done["status"] == "failed" and "cannot be read: AccessDenied" in done["error"], done
     assert f"runs/{run_id}/results/c00000/" in done["error"] and "delivered 3 times" in done["error"]
     first_log = (tmp_path / "first.log").read_text()
@@ -389,25 +397,34 @@ def test_a_role_that_cannot_read_earlier_parts_dead_letters_the_claim_with_its_r
 
 def test_a_cold_run_under_the_cold_role(account, tmp_path):
     """`submit --model` on EC2 (the operator's keys) stages a cold run and its role; a `warmd --run` on that
-    role's credentials drains it, every call granted."""
-    (account.folder / "e.jsonl").write_text("".join(json.dumps({"x": i}) + "\n" for i in range(5)))
+    role's credentials writes progress and parts and is killed -9; a second resumes the claim from its parts;
+    the waiting submit reports every item, and every call was granted."""
     ami = account.client("ssm").get_parameter(Name=calque_ec2.DLAMI_PARAMETERS["x86_64"])["Parameter"]["Value"]
     cold = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "submit", "--model", "iam-cold", "--handler",
-                             "h.py:Slow", "e.jsonl", "--instance-type", "g5.xlarge", "--ami", ami, "--yes-spend-money"],
-                            env=account.env, cwd=account.folder, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             "h.py:Slow", items(account, "e.jsonl", 8, sleep=0.3), "--batch-size", "2",
+                             "--instance-type", "g5.xlarge", "--ami", ami, "--yes-spend-money"],
+                            env=dict(account.env, CALQUE_VISIBILITY_TIMEOUT="6"), cwd=account.folder,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         role = calque_ec2.cold_role_name(STORE, REGION)
         wait_for(lambda: cold.poll() is not None or role in [r["RoleName"] for r in account.client(
             "iam").list_roles()["Roles"]] and account.keys("runs/iam-cold."), 120, "the cold run staged")
         assert cold.poll() is None, cold.communicate()[0]
         run = account.keys("runs/iam-cold.")[0].split("/")[1]
-        worker = start_worker(account.worker_env(role), "--run", run, log=open(tmp_path / "cold.log", "w"))
+        env = account.worker_env(role)
+        first = start_worker(env, "--run", run, log=open(tmp_path / "first.log", "w"),
+                             constants={"PROGRESS_SECONDS": 0.0})
+        wait_for(lambda: account.keys(f"runs/{run}/results/c00000/"), 60, "a first result part")
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = start_worker(env, "--run", run, log=open(tmp_path / "second.log", "w"))
         out = cold.communicate(timeout=180)[0]
         assert cold.returncode == 0, out
-        assert worker.wait(60) == 0, (tmp_path / "cold.log").read_text()
+        assert second.wait(60) == 0, (tmp_path / "second.log").read_text()
     finally:
         if cold.poll() is None:
             cold.kill()
-    assert "5 ok" in out or '"ok": 5' in out or "5 items" in out, out
+    done = account.read(f"runs/{run}/summaries/c00000.json")
+    assert done["status"] == "ok" and done["items"] == 8 and done["resumed"] >= 2, done
+    assert "not written" not in (tmp_path / "first.log").read_text()
     assert account.refused(role) == []
