@@ -291,11 +291,15 @@ def test_claims_progress_and_media_by_reference_under_the_pool_policy(account, t
     done = wait_for(lambda: summary(account, run_id), 60, "the claim's summary")
     assert done["status"] == "ok" and done["items"] == 6, done
     assert account.read(f"runs/{run_id}/progress/c00000.json")["done"] >= 2
-    media = submit(account, f"s3://{BUCKET}/media/")
-    done = wait_for(lambda: summary(account, media), 60, "the media claim's summary")
-    assert done["status"] == "ok" and done["items"] == 3, (done["errors"], done.get("error"))
-    assert account.calque("runs", "results", media).stdout.count('"bytes"') == 3
     assert stop(worker) == 0
+    media = submit(account, f"s3://{BUCKET}/media/")
+    account.client("s3").delete_object(Bucket=BUCKET, Key="media/m1.bin")   # gone before a worker reads it
+    worker = start_worker(account.worker_env(account.role), "--model", MODEL, log=log)
+    done = wait_for(lambda: summary(account, media), 60, "the media claim's summary")
+    assert stop(worker) == 0
+    assert done["status"] == "partial" and done["failed"] == [1], (done["errors"], done.get("error"))
+    assert "media/m1.bin: vanished since submit" in done["errors"]["1"]   # S3's 404, as the policy lets it say
+    assert account.calque("runs", "results", media).stdout.count('"bytes"') == 2
     text = (tmp_path / "worker.log").read_text()
     assert "not written" not in text and "AccessDenied" not in text, text
     assert account.refused(account.role, account.asg_arn) == []
