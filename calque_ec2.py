@@ -280,7 +280,7 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
                 f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
                 f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
         listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"], pruned=f"{obj}pools/{s}/output/*")
-    if reads:   # and list them, so that an object gone since submit is a 404 (its item fails), not a 403
+    if reads:   # and list them: an object gone since submit is a 404 (its item fails), not a 403
         named = [uri[len("s3://"):] for uri in reads]
         policy["Statement"].append({"Sid": "ReadInputsByReference", "Effect": "Allow", "Action": ["s3:GetObject"],
                                     "Resource": [f"arn:{partition}:s3:::{o}*" for o in named]})
@@ -313,7 +313,8 @@ def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, liste
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"], "Resource": writes},
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": bucket_arn, "Condition": {"StringLike": {"s3:prefix": listed}}},
-        {"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"], "Resource": pruned},
+        {"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],
+         "Resource": pruned},
     ]}
 
 
