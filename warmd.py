@@ -1377,12 +1377,9 @@ class Worker:
             except Exception as e:   # a refusal (AccessDenied) or a fault: this delivery is spent
                 if rc <= limit:
                     raise            # let go, to come back after fault_delay
-                why = (calque.aws_error_line(e) if hasattr(e, "response")
-                       else f"{type(e).__name__}: {e}")
-                left = calque.results_prefix(run_id, claim)
                 return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
                                                  f"deliveries {limit}, and what earlier deliveries "
-                                                 f"left under {left} cannot be read: {why}", msg)
+                                                 f"left cannot be read: {calque.aws_error_line(e)}", msg)
         if rc > limit and rc - accepted.progress_at > limit:
             return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
                                              f"deliveries {limit}, with no progress (no new "
