@@ -40,6 +40,7 @@ class Slow:
     @calque.batch
     def run(self, items):
         time.sleep(sum(x.get("sleep", 0) for x in items))
+        print("batch of", len(items), flush=True)   # output chunks, the older pruned (OUTPUT_KEPT 1)
         return [{"bytes": len(x["bytes"])} if "bytes" in x else {"x": x["x"]} for x in items]
 """
 
@@ -261,6 +262,9 @@ def account(tmp_path_factory):
         yield acct
 
 
+PRINTS = {"PROGRESS_SECONDS": 0.0, "OUTPUT_FLUSH": 0.05, "OUTPUT_KEPT": 1}   # progress, output written and pruned
+
+
 def submit(account, *args, installed=False):
     out = account.calque("submit", "--pool", MODEL, "--no-wait", *args, installed=installed)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -286,8 +290,7 @@ def stop(proc):
 def test_claims_progress_and_media_by_reference_under_the_pool_policy(account, tmp_path):
     """A claim, its progress records, and objects read by reference, each call granted by the role's policy."""
     log = open(tmp_path / "worker.log", "w")
-    worker = start_worker(account.worker_env(account.role), "--model", MODEL, log=log,
-                          constants={"PROGRESS_SECONDS": 0.0})
+    worker = start_worker(account.worker_env(account.role), "--model", MODEL, log=log, constants=PRINTS)
     run_id = submit(account, items(account, "a.jsonl", 6, sleep=0.05), installed=True)
     done = wait_for(lambda: summary(account, run_id), 60, "the claim's summary")
     assert done["status"] == "ok" and done["items"] == 6, done
@@ -303,6 +306,7 @@ def test_claims_progress_and_media_by_reference_under_the_pool_policy(account, t
     assert account.calque("runs", "results", media).stdout.count('"bytes"') == 2
     text = (tmp_path / "worker.log").read_text()
     assert "not written" not in text and "AccessDenied" not in text, text
+    assert any(e["method"] == "DELETE" and "/output/" in e["path"] for e in account.proxy.seen)
     assert account.refused(account.role, account.asg_arn) == []
 
 
@@ -419,12 +423,11 @@ def test_a_cold_run_under_the_cold_role(account, tmp_path):
         assert cold.poll() is None, cold.communicate()[0]
         run = account.keys("runs/iam-cold.")[0].split("/")[1]
         env = account.worker_env(role)
-        first = start_worker(env, "--run", run, log=open(tmp_path / "first.log", "w"),
-                             constants={"PROGRESS_SECONDS": 0.0})
+        first = start_worker(env, "--run", run, log=open(tmp_path / "first.log", "w"), constants=PRINTS)
         wait_for(lambda: account.keys(f"runs/{run}/results/c00000/"), 60, "a first result part")
         first.send_signal(signal.SIGKILL)
         first.wait()
-        second = start_worker(env, "--run", run, log=open(tmp_path / "second.log", "w"))
+        second = start_worker(env, "--run", run, log=open(tmp_path / "second.log", "w"), constants=PRINTS)
         out = cold.communicate(timeout=180)[0]
         assert cold.returncode == 0, out
         assert second.wait(60) == 0, (tmp_path / "second.log").read_text()
@@ -434,4 +437,5 @@ def test_a_cold_run_under_the_cold_role(account, tmp_path):
     done = account.read(f"runs/{run}/summaries/c00000.json")
     assert done["status"] == "ok" and done["items"] == 8 and done["resumed"] >= 2, done
     assert "not written" not in (tmp_path / "first.log").read_text()
+    assert any(e["method"] == "DELETE" and "/output/" in e["path"] for e in account.proxy.seen)
     assert account.refused(role) == []
