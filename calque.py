@@ -1894,7 +1894,12 @@ class S3Store:
         except Exception as e:
             if _aws_error_code(e) in ("404", "NoSuchKey", "NotFound"):
                 return False
-            raise
+            if _aws_error_code(e) not in ("403", "AccessDenied"):
+                raise
+        # S3 answers a missing key's HEAD with 403 unless it deems the caller may list it; whether a
+        # ListBucket grant limited by s3:prefix counts is not documented: ask the listing it grants
+        found = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=self._key(key), MaxKeys=1)
+        return any(o["Key"] == self._key(key) for o in found.get("Contents", []))
 
     @endpoint_retried
     def list(self, prefix, start_after=None):

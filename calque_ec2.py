@@ -267,33 +267,38 @@ def _s3_parts(store, partition):
 
 def worker_policy(store, model, region, account, partition="aws", reads=()):
     """The pool worker's inline policy: claim from its pool queue, dead-letter to its DLQ, read
-    its pool's folder and its model's runs (runs/<slug>.*), write their results and summaries,
-    its stats, bootstrap reports, output and streams. ListBucket only on those prefixes, and only
-    so that S3 answers 404, not 403, for a summary not written yet (warmd never lists). On its own
-    group only: SetInstanceHealth (a failed bootstrap), SetInstanceProtection (scale-in while it
-    holds a claim) and CompleteLifecycleAction (let a terminating instance go). `reads`: the
-    s3:// prefixes its runs read by reference (GetObject only, under each)."""
+    its pool's folder and its model's runs (runs/<slug>.*: manifests, inputs, summaries, and the
+    results and attempt record a redelivered claim resumes from), write their results, summaries
+    and progress, its stats, bootstrap reports, output and streams. ListBucket only on those
+    prefixes (its start-up check, a redelivered claim's parts, churn marks), which also makes S3
+    answer 404, not 403, for a summary not written yet. On its own group only: SetInstanceHealth
+    (a failed bootstrap), SetInstanceProtection (scale-in while it holds a claim) and
+    CompleteLifecycleAction (let a terminating instance go). `reads`: the
+    s3:// prefixes its runs read by reference (GetObject under each, ListBucket for 404s)."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
     policy = _worker_policy(
         f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
         ("ClaimFromPoolQueue", "ReadPoolAndClaims"), bucket_arn, root,
         reads=[f"{obj}pools/{s}/*", f"{obj}runs/{s}.*/manifests/*", f"{obj}runs/{s}.*/inputs/*",
-               f"{obj}runs/{s}.*/summaries/*"],
+               f"{obj}runs/{s}.*/summaries/*", f"{obj}runs/{s}.*/results/*"],
         writes=[f"{obj}runs/{s}.*/results/*", f"{obj}runs/{s}.*/summaries/*",
+                f"{obj}runs/{s}.*/progress/*",
                 f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
                 f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
-        listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"])
-    if reads:
+        listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"], pruned=f"{obj}pools/{s}/output/*")
+    if reads:   # and list them: an object gone since submit is a 404 (its item fails), not a 403
+        named = [uri[len("s3://"):] for uri in reads]
         policy["Statement"].append({"Sid": "ReadInputsByReference", "Effect": "Allow", "Action": ["s3:GetObject"],
-                                    "Resource": [f"arn:{partition}:s3:::{uri[len('s3://'):]}*" for uri in reads]})
+                                    "Resource": [f"arn:{partition}:s3:::{o}*" for o in named]})
+        policy["Statement"].append({
+            "Sid": "VanishedInputIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
+            "Resource": sorted({f"arn:{partition}:s3:::{o.partition('/')[0]}" for o in named}),
+            "Condition": {"StringLike": {"s3:prefix": [o.partition("/")[2] + "*" for o in named]}}})
     policy["Statement"].append({
         "Sid": "ShareOwnVenv", "Effect": "Allow",
         "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
         "Resource": f"{obj}{resource_names(model)['env_prefix']}*"})
-    policy["Statement"].append({"Sid": "PruneOwnOutput", "Effect": "Allow",
-                                "Action": ["s3:DeleteObject"],
-                                "Resource": f"{obj}pools/{s}/output/*"})
     policy["Statement"].append({
         "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
         "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
@@ -303,9 +308,10 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
     return policy
 
 
-def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed):
+def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed, pruned):
     """The shape both worker roles share: claim from one queue (or pattern), dead-letter to one,
-    read and write the given S3 keys, list only under the given prefixes."""
+    read and write the given S3 keys, list only under the given prefixes, delete its own old
+    output chunks (`pruned`: a worker keeps its last warmd.OUTPUT_KEPT)."""
     return {"Version": "2012-10-17", "Statement": [
         {"Sid": sids[0], "Effect": "Allow",
          "Action": ["sqs:ChangeMessageVisibility", "sqs:DeleteMessage", "sqs:GetQueueAttributes",
@@ -318,21 +324,25 @@ def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, liste
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"], "Resource": writes},
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": bucket_arn, "Condition": {"StringLike": {"s3:prefix": listed}}},
+        {"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],
+         "Resource": pruned},
     ]}
 
 
 def cold_worker_policy(store, region, account, partition="aws"):
     """The cold-run worker's policy: a pool worker's shape, on every run queue of this account and
-    region and on runs/* of this store (one role serves every cold run of a store)."""
+    region and on runs/* of this store (one role serves every cold run of a store); it reads its
+    run's worker stats (the poison rule) where a pool worker reads its pool's."""
     bucket_arn, obj, root = _s3_parts(store, partition)
     return _worker_policy(
         f"arn:{partition}:sqs:{region}:{account}:", RUN_QUEUE_PREFIX + "*", RUN_DLQ_PREFIX + "*",
         ("ClaimFromRunQueues", "ReadRunAndClaims"), bucket_arn, root,
         reads=[f"{obj}runs/*/pool.json", f"{obj}runs/*/handler/*", f"{obj}runs/*/kit/*",
-               f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*"],
-        writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/workers/*",
-                f"{obj}runs/*/output/*"],
-        listed=[f"{root}runs/*"])
+               f"{obj}runs/*/manifests/*", f"{obj}runs/*/inputs/*", f"{obj}runs/*/summaries/*",
+               f"{obj}runs/*/results/*", f"{obj}runs/*/workers/*"],
+        writes=[f"{obj}runs/*/results/*", f"{obj}runs/*/summaries/*", f"{obj}runs/*/progress/*",
+                f"{obj}runs/*/workers/*", f"{obj}runs/*/output/*"],
+        listed=[f"{root}runs/*"], pruned=f"{obj}runs/*/output/*")
 
 
 def grant_read(backend, record, uri):

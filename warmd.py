@@ -918,6 +918,7 @@ class Worker:
         self._serving = threading.local()       # per thread: its claim's heartbeat (serving)
         self.watchdog = None                    # Watchdog, armed for the draining claim
         self.progressed = False          # a result part or a summary written (announce)
+        self.progress_failed = False     # a progress write failed (report_progress: logged once)
         self.seen_life = previous_life   # s the latest death seen lived (commit_interval)
         self.seen_at = time.time()                       # when it was seen
         self.part_seconds = 0.0          # s the latest result part's PUT took (commit_interval)
@@ -1412,9 +1413,16 @@ class Worker:
         accepted = Claim(message, run_id, claim, items, first, received)
         if self.spool_folder:
             accepted.spool = Spool(self.spool_folder, accepted)
-        if message.receive_count > 1 or msg.get("resume") is True:   # not on a first delivery
-            self.take_over(accepted)
         limit, rc = self.record["max_deliveries"], message.receive_count
+        if rc > 1 or msg.get("resume") is True:   # not on a first delivery
+            try:
+                self.take_over(accepted)
+            except Exception as e:   # a refusal (AccessDenied) or a fault: this delivery is spent
+                if rc <= limit:
+                    raise            # let go, to come back after fault_delay
+                return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
+                                                 f"deliveries {limit}, and what earlier deliveries "
+                                                 f"left cannot be read: {calque.aws_error_line(e)}", msg)
         if rc > limit and rc - accepted.progress_at > limit:
             return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
                                              f"deliveries {limit}, with no progress (no new "
@@ -1796,11 +1804,17 @@ class Worker:
 
     def report_progress(self, claim, done):
         """A long claim's items done so far, where submit, runs show and the dashboard read them
-        (best effort, not retried: the next one or the summary says it)."""
+        (best effort, not retried: the next one or the summary says it; a failure logged once)."""
         claim.reported_at = time.monotonic()
-        with contextlib.suppress(Exception):
+        try:
             self.backend.store.put(calque.progress_key(claim.run_id, claim.claim_id), json.dumps(
                 {"done": done, "worker_id": self.worker_id, "at": calque.now_iso()}))
+        except Exception as e:
+            if not self.progress_failed:
+                log.warning("worker %s: progress of claim %s/%s not written (%s); submit shows it "
+                            "when the claim ends (logged once)", self.worker_id, claim.run_id,
+                            claim.claim_id, calque.aws_error_line(e))
+            self.progress_failed = True
 
     def made_progress(self):
         """A part or a summary is written: the supervisor hears of the first (announce)."""

@@ -14,7 +14,7 @@ import pytest
 import calque
 import calque_ec2 as ec2
 from conftest import HANDLERS, PY, ROOT, backend_for, cli
-from test_ec2 import HANDLER, MODEL, REGION, asg_of, aws, client, launch, options, queue_exists, record  # noqa: F401
+from test_ec2 import BUCKET, HANDLER, MODEL, REGION, asg_of, aws, client, launch, options, queue_exists, record  # noqa: F401
 
 PROFILE_REFUSED = {   # as AWS words them (Terraform's AWS provider retries on exactly these)
     "autoscaling": ("ValidationError", "You must use a valid fully-formed launch template. Value (calque-x) for "
@@ -311,3 +311,16 @@ def test_a_claim_moved_by_the_redrive_policy_is_reported_and_redriven(aws_env, t
     wait_for(done, 60, "the redriven claim to complete")
     w.terminate()
     assert w.wait(30) == 0
+
+
+def test_a_missing_key_answered_403_is_asked_again_as_the_listing_the_role_may_make(aws):
+    """S3 answers HEAD of a missing key with 403 where it deems the caller may not list it (a ListBucket
+    limited by s3:prefix may be such): the store asks the one-key listing instead, so "no summary yet" is
+    not "forbidden"; a listing refused too is the refusal."""
+    store = calque.open_backend(f"s3://{BUCKET}/root").store
+    store.put("runs/r/summaries/c0.json", b"{}")
+    answer(store.s3, "HeadObject", lambda _: (403, {"Error": {"Code": "403", "Message": "Forbidden"}}))
+    assert store.exists("runs/r/summaries/c0.json") and not store.exists("runs/r/summaries/c1.json")
+    refuse(store.s3, "ListObjectsV2", "AccessDenied", "Access Denied", 1)
+    with pytest.raises(Exception, match="AccessDenied"):
+        store.exists("runs/r/summaries/c1.json")

@@ -201,9 +201,10 @@ def test_worker_policy_statement_by_statement(aws):
          "Resource": q + "calque-dlq-" + s},
         {"Sid": "ReadPoolAndClaims", "Effect": "Allow", "Action": ["s3:GetObject"],   # only this model's runs
          "Resource": [obj + f"pools/{s}/*", obj + f"runs/{s}.*/manifests/*", obj + f"runs/{s}.*/inputs/*",
-                      obj + f"runs/{s}.*/summaries/*"]},
+                      obj + f"runs/{s}.*/summaries/*", obj + f"runs/{s}.*/results/*"]},   # + take_over's
         {"Sid": "WriteResults", "Effect": "Allow", "Action": ["s3:PutObject"],
-         "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"pools/{s}/workers/*",
+         "Resource": [obj + f"runs/{s}.*/results/*", obj + f"runs/{s}.*/summaries/*", obj + f"runs/{s}.*/progress/*",
+                      obj + f"pools/{s}/workers/*",
                       obj + f"pools/{s}/instances/*",             # + the bootstrap's report
                       obj + f"pools/{s}/output/*", obj + f"pools/{s}/streams/*"]},   # prints, remote_gen
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
@@ -229,11 +230,14 @@ def test_worker_policy_statement_by_statement(aws):
                                                "arn:aws:s3:::bkt/runs/*/handler/*", "arn:aws:s3:::bkt/runs/*/kit/*",
                                                "arn:aws:s3:::bkt/runs/*/manifests/*",
                                                "arn:aws:s3:::bkt/runs/*/inputs/*",
-                                               "arn:aws:s3:::bkt/runs/*/summaries/*"]),
+                                               "arn:aws:s3:::bkt/runs/*/summaries/*",
+                                               "arn:aws:s3:::bkt/runs/*/results/*",
+                                               "arn:aws:s3:::bkt/runs/*/workers/*"]),
         ("WriteResults", ["s3:PutObject"], ["arn:aws:s3:::bkt/runs/*/results/*", "arn:aws:s3:::bkt/runs/*/summaries/*",
-                                            "arn:aws:s3:::bkt/runs/*/workers/*",
+                                            "arn:aws:s3:::bkt/runs/*/progress/*", "arn:aws:s3:::bkt/runs/*/workers/*",
                                             "arn:aws:s3:::bkt/runs/*/output/*"]),
-        ("NotFoundIsNotForbidden", ["s3:ListBucket"], "arn:aws:s3:::bkt")]
+        ("NotFoundIsNotForbidden", ["s3:ListBucket"], "arn:aws:s3:::bkt"),
+        ("PruneOwnOutput", ["s3:DeleteObject"], "arn:aws:s3:::bkt/runs/*/output/*")]
     assert cold["Statement"][4]["Condition"] == {"StringLike": {"s3:prefix": ["runs/*"]}}
     # every action is on a named resource, never "*"
     for st in policy["Statement"] + cold["Statement"]:
@@ -862,6 +866,10 @@ def test_inputs_read_by_reference_are_granted_to_the_pool_role(aws, monkeypatch,
         doc = client("iam").get_role_policy(RoleName=role, PolicyName="calque-worker")["PolicyDocument"]
         statement = next(s for s in doc["Statement"] if s["Sid"] == "ReadInputsByReference")
         assert statement["Action"] == ["s3:GetObject"]
+        listed = next(s for s in doc["Statement"] if s["Sid"] == "VanishedInputIsNotForbidden")   # 404, not 403
+        assert listed["Action"] == ["s3:ListBucket"] and listed["Resource"] == [f"arn:aws:s3:::{BUCKET}"]
+        assert [f"arn:aws:s3:::{BUCKET}/{p}" for p in listed["Condition"]["StringLike"]["s3:prefix"]] == \
+            statement["Resource"]
         return statement["Resource"]
     assert readable() == [f"arn:aws:s3:::{BUCKET}/photos/*"]
     for key in ("photos/a.jpg", "videos/v/a.mp4", "music/a.wav"):
