@@ -1230,12 +1230,21 @@ class Worker:
             if reason:
                 return reason
             self.stats_behind = True
-        elif idle and self.ephemeral and sum(self.queue.counts().values()) == 0:
+        elif idle and self.ephemeral and self.run_drained():
             return "cold run drained"
         # stats on a timer, not a PUT a claim, and once when the worker runs out of claims
         if (idle and self.stats_behind) or time.monotonic() - self.last_stats > STATS_INTERVAL:
             self.write_stats("running")
         return None
+
+    def run_drained(self):
+        """A cold run's queue is empty, or gone: its submit deletes it once every summary is in."""
+        try:
+            return sum(self.queue.counts().values()) == 0
+        except Exception as e:
+            if calque._aws_error_code(e) not in calque.SQS_NOT_FOUND:
+                raise
+            return True
 
     # ---- one claim: accept, drain, finish --------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """moto_public.py's server, authorising SQS calls as AWS does (tests/test_iam.py runs it with IAM enforced):
 moto 5.2.5 names a batch call by its API name (sqs:DeleteMessageBatch), where AWS authorises it as the single
-action (sqs:DeleteMessage; the SQS developer guide, "Amazon SQS batch actions"), and takes GetQueueUrl's queue
-from a QueueUrl it does not have (so its resource is "*", which no queue ARN matches). Test-only, moto's gaps."""
+action (sqs:DeleteMessage; the SQS developer guide, "Amazon SQS batch actions"), and gives a call on a queue it
+does not have (GetQueueUrl's, one deleted) the resource "*", which no queue ARN matches. Test-only, moto's gaps."""
 import os
 import sys
 
@@ -21,14 +21,14 @@ def check_action_permitted(self, resource):
     return checked(self, resource)
 
 
-def queue_name(self):
-    return (self._get_param("QueueName") if self._get_action() == "GetQueueUrl"
-            else named(self))
+def queue_arn(self):
+    """The queue's ARN from its name, as AWS authorises a call, whether the queue exists or not (moto: "*")."""
+    name = self._get_param("QueueName") if self._get_action() == "GetQueueUrl" else self._get_queue_name()
+    return f"arn:aws:sqs:{self.region}:{self.current_account}:{name}"
 
 
-named = SQSResponse._get_queue_name
 access_control.IAMRequestBase.check_action_permitted = check_action_permitted
-SQSResponse._get_queue_name = queue_name
+SQSResponse._determine_resource = queue_arn
 
 if __name__ == "__main__":
     moto_public.main()

@@ -210,11 +210,11 @@ def test_worker_policy_statement_by_statement(aws):
         {"Sid": "NotFoundIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
          "Resource": "arn:aws:s3:::bkt",
          "Condition": {"StringLike": {"s3:prefix": [f"calque/root/runs/{s}.*", f"calque/root/pools/{s}/*"]}}},
+        {"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],   # its old print chunks
+         "Resource": obj + f"pools/{s}/output/*"},
         {"Sid": "ShareOwnVenv", "Effect": "Allow",            # the venv its first instance built
          "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
          "Resource": obj + f"pools/{s}/env/*"},
-        {"Sid": "PruneOwnOutput", "Effect": "Allow", "Action": ["s3:DeleteObject"],   # its old print chunks
-         "Resource": obj + f"pools/{s}/output/*"},
         {"Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",                           # its group only
              "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
                         "autoscaling:CompleteLifecycleAction"],
@@ -750,10 +750,9 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
         "EvaluationPeriods"] == 5
 
     fire(names["alarm_idle"])                                 # created at its ceiling; idle: to 0
-    planned = calque.apply_count({}, aws.backend, stored, {"instances": 2, "seconds": 60.0, "cost_usd": 0.1},
-                                 argparse.Namespace())        # submit --deadline's pick, for the run
-    assert asg_of()["DesiredCapacity"] == 2 and planned == {"count": 2, "noun": "instances", "seconds": 60.0,
-                                                            "cost_usd": 0.1}
+    calque.apply_count({}, aws.backend, stored, {"count": 2, "noun": "instances", "seconds": 60.0,
+                                                 "cost_usd": 0.1}, "submit")   # submit --deadline's pick
+    assert asg_of()["DesiredCapacity"] == 2
     fire(names["alarm_wake"], backlog=6)                      # a burst: to the ceiling
     assert asg_of()["DesiredCapacity"] == 3
     busy = sorted(i["InstanceId"] for i in asg_of()["Instances"])[0]
