@@ -5912,9 +5912,10 @@ def _context(store=None):
     return conf, open_backend(conf["CALQUE_STORE"])
 
 
-def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT):
+def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT, then=None):
     """Wait until `workers` local workers have finished @enter. One that dies before it is warm
-    (an exit after `since`, epoch s) raises WorkersFailed, the pool's local workers scaled to 0."""
+    (an exit after `since`, epoch s) raises WorkersFailed, the pool's local workers scaled to 0;
+    `then`: what to do once the handler is fixed (default: pool deploy it)."""
     folder, started, shown = state_dir(conf, model), time.monotonic(), ""
     try:
         while True:
@@ -5927,7 +5928,7 @@ def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT):
                 scale_local(conf, model, 0)
                 raise WorkersFailed(f"pool {model}: {died_line(died[0])}; its local workers are stopped ---> HINT: "
                                     f"fix the handler (or install what it imports), then "
-                                    f"create the pool again (a changed handler: pool deploy)")
+                                    f"{then or f'{command()} pool deploy --model {model} --handler F.py:C'}")
             warm = sum(bool(w.get("warm")) for w in status["workers"])
             line = f"pool {model}: {warm} of {workers} local worker(s) warm ({time.monotonic() - started:.0f} s)"
             if progress and line != shown:
@@ -6079,14 +6080,15 @@ class Pool:
         return record
 
     def scale(self, workers, *, gpus_per_worker=None, threads_per_worker=None, wait=True, progress=False,
-              bounds=None):
+              bounds=None, then=None):
         """Set the local workers here (0 stops them), waiting until warm unless wait=False; `bounds`
-        (lo, hi, idle s) lets the pool size itself. Returns the supervisor's pid (None at 0)."""
+        (lo, hi, idle s) lets the pool size itself; `then`: wait_warm's. Returns the supervisor's
+        pid (None at 0)."""
         load_pool(self.backend, self.model)
         since = time.time()
         pid = scale_local(self.conf, self.model, workers, gpus_per_worker, bounds, threads_per_worker)
         if pid and wait and workers:
-            wait_warm(self.conf, self.model, workers, since, progress)
+            wait_warm(self.conf, self.model, workers, since, progress, then=then)
         return pid
 
     def deploy(self, handler, *, batch_size=None, include=(), wait=True, progress=False):
@@ -6134,6 +6136,8 @@ class Pool:
                                 f"see {folder}/supervisor.log, then retry")
             for run_id in busy:   # none has started: the new version runs them whole
                 update_run(self.backend, {"run_id": run_id}, version=new["version"])
+                print(f"pool {self.model}: run {run_id} had not started: it runs on version "
+                      f"{version_of(new)}", file=sys.stderr)
             for key, data in blobs.items():
                 self.backend.store.put(key, data)
             write_json(self.backend, pool_key(self.model), dict(new, deployed_at=now_iso()))
@@ -6145,8 +6149,12 @@ class Pool:
         finally:
             for sig, was in previous.items():
                 signal.signal(sig, was)
-        if here and wait and not noted and read_desired(folder):
-            wait_warm(self.conf, self.model, read_desired(folder), since, progress)
+        desired = read_desired(folder)
+        if here and wait and not noted and desired:   # a death before warm: the pool is on `new`
+            wait_warm(self.conf, self.model, desired, since, progress,
+                      then=f"{command()} pool deploy it again; pool {self.model} runs version "
+                           f"{version_label(new)} now (or {command()} pool scale --model "
+                           f"{self.model} --workers {desired} to start it as it is)")
         return old, new
 
     def status(self):
@@ -6777,7 +6785,7 @@ def scale_local_verb(conf, pool, workers, args, bounds=None, new=False):
     try:
         return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, wait=not args.no_wait,
                           threads_per_worker=args.threads_per_worker, progress=sys.stderr.isatty(),
-                          bounds=bounds)
+                          bounds=bounds, then=f"{command()} pool create again" if new else None)
     except (UserError, WorkersFailed):
         if new and read_supervisor(conf, pool.model) is None:   # none left loading (a warm timeout)
             with contextlib.suppress(Exception):   # the error being raised is the one to report
@@ -6839,7 +6847,10 @@ def cmd_pool_deploy(conf, backend, args):
         wait=not args.no_wait, progress=sys.stderr.isatty())
     pool = f"pool {args.model}"
     if old is new:
-        print(f"{pool}: already runs version {version_label(old)}: nothing changed")
+        idle = "ec2" not in old and not read_supervisor(conf, args.model)
+        print(f"{pool}: already runs version {version_label(old)}: nothing changed" + (
+            f"; no local worker runs it here ---> HINT: {command()} pool scale --model "
+            f"{args.model} --workers N" if idle else ""))
         return EXIT_OK
     print(f"{pool}: version {version_label(new)} replaces {version_label(old)}; runs submitted "
           "from now on run on it")
@@ -7078,6 +7089,8 @@ def cmd_runs_show(conf, backend, args):
     code = report_run(backend, run, summaries, args.json)
     if not args.json and plan_against_actual(run, summaries):
         print(plan_against_actual(run, summaries))
+    if not args.json and run.get("version"):
+        print(f"version {run['version']} (the pool's handler snapshot it runs on)")
     return code
 
 

@@ -158,11 +158,36 @@ def test_deploy_takes_over_runs_a_broken_version_never_started(local_env, folder
     out = run("pool", "deploy", "--model", "m", "--handler", "b.py:B")
     new = calque.load_pool(backend_for(env), "m")["version"]
     assert f"version {new} (b.py:B" in out.stdout and "reached version" not in out.stderr, out
+    assert f"run {run_id} had not started: it runs on version {new}" in out.stderr, out.stderr
     backend = backend_for(env)
     wait_for(lambda: len(calque.summary_claims(backend, run_id)) == len(calque.read_run(backend, run_id)["claims"]),
              120, "the run done")
     assert versions(run, run_id) == {"B": 400}
     assert calque.read_run(backend, run_id)["version"] == new
+    assert f"version {new} (the pool's handler snapshot" in run("runs", "show", run_id).stdout
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_a_deploy_whose_workers_die_before_warm_says_where_the_pool_stands(local_env, folder, spelling):
+    """A deploy's new workers died in @enter: it said "fix the handler, then create the pool again", the pool was
+    left on the new version with no worker, and a second deploy said "nothing changed", exit 0. Now the error says
+    the version the pool runs and the two ways on; the repeat says no worker runs it here. A first create that
+    fails so names no deploy (its pool is gone)."""
+    env = dict(local_env, BROKEN="B")
+    run = runner(spelling, env, folder)
+    shown = "calque" if spelling == "installed" else "python calque.py"
+    failed = run("pool", "create", "--model", "n", "--handler", "b.py:B", "--workers", "1", code=1)
+    assert failed.stderr.endswith(f"---> HINT: fix the handler (or install what it imports), then {shown} pool "
+                                  "create again\n"), failed.stderr
+    run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "2")
+    out = run("pool", "deploy", "--model", "m", "--handler", "b.py:B", code=1)
+    new = calque.load_pool(backend_for(env), "m")["version"]
+    assert len(out.stderr.strip().splitlines()) == 1 and "no module named weights" in out.stderr, out.stderr
+    assert (f"then {shown} pool deploy it again; pool m runs version {new} (b.py:B" in out.stderr
+            and f"{shown} pool scale --model m --workers 2 to start it as it is" in out.stderr), out.stderr
+    again = run("pool", "deploy", "--model", "m", "--handler", "b.py:B")
+    assert (f"already runs version {new} (b.py:B" in again.stdout
+            and f"no local worker runs it here ---> HINT: {shown} pool scale --model m" in again.stdout), again.stdout
 
 
 def test_a_claim_of_another_version_never_runs(any_env, folder):
