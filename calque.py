@@ -3697,6 +3697,13 @@ def interrupted(backend, run_id, signum):
     return 128 + signum
 
 
+def interrupted_waiting(run_id):
+    """Say that a submit or runs resume interrupted while it waits leaves the run going on."""
+    print(f"calque: interrupted while waiting: run {run_id}: its claims are queued and finish without "
+          f"you ---> HINT: {command()} runs show {run_id}", file=sys.stderr)
+    return 128 + signal.SIGINT
+
+
 def run_dlq_name(run):
     """The dead-letter queue of the run's claims: its pool's, or a cold run's own."""
     return dlq_name(run["model"]) if run["mode"] == "pool" else run_queue_names(run["run_id"])[1]
@@ -7026,9 +7033,7 @@ def cmd_submit(conf, backend, args):
                       f"{depth['in_flight']} in flight)", file=sys.stderr, flush=True)
                 timed_out = not run.wait(args.timeout, progress, interrupted=noted)
         except KeyboardInterrupt:
-            print(f"calque: interrupted while waiting: run {run.run_id}: its claims are queued and finish without "
-                  f"you ---> HINT: {command()} runs show {run.run_id}", file=sys.stderr)
-            return 128 + signal.SIGINT
+            return interrupted_waiting(run.run_id)
         finally:
             if output:
                 output.stop()
@@ -7197,8 +7202,12 @@ def cmd_runs_resume(conf, backend, args):
         apply_count(conf, backend, record, run["options"]["plan"], "runs resume")
     if args.no_wait:
         return EXIT_OK
-    summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
-                                        progress=not args.json and sys.stderr.isatty())
+    try:   # every claim is queued: an interrupt leaves the run to go on without us
+        with sigint_noted() as noted:
+            summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
+                                                not args.json and sys.stderr.isatty(), interrupted=noted)
+    except KeyboardInterrupt:
+        return interrupted_waiting(args.run)
     return report_submitted(backend, run, summaries, timed_out, args)
 
 

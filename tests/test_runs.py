@@ -93,7 +93,7 @@ def test_interrupted_submit_then_resume_runs_every_item_once(local_env, tmp_path
 
 def test_interrupted_while_waiting_names_the_run_and_loses_nothing(local_env, tmp_path):
     """SIGINT once every claim is queued and submit waits (a pool of no worker): exit 130, one line naming the run
-    and how to follow it; the claims stay queued."""
+    and how to follow it; the claims stay queued. The same for runs resume waiting (it said only "interrupted")."""
     create_pool(local_env)
     queue = backend_for(local_env).queues.open_queue("calque-pool-m")
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(6)])
@@ -105,6 +105,14 @@ def test_interrupted_while_waiting_names_the_run_and_loses_nothing(local_env, tm
     assert proc.returncode == 130, (proc.returncode, err)
     assert err.splitlines()[-1] == (f"calque: interrupted while waiting: run {run_id}: its claims are queued and "
                                     f"finish without you ---> HINT: python calque.py runs show {run_id}")
+    assert queue.counts() == {"visible": 3, "in_flight": 0}
+    resume = subprocess.Popen([PY, os.path.join(ROOT, "calque.py"), "runs", "resume", run_id], env=local_env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "now sent to" in resume.stderr.readline()   # nothing to send: runs resume waits now
+    resume.send_signal(signal.SIGINT)
+    out, err = resume.communicate(timeout=60)
+    assert resume.returncode == 130 and err.splitlines()[-1].startswith(
+        f"calque: interrupted while waiting: run {run_id}: its claims are queued"), (resume.returncode, err)
     assert queue.counts() == {"visible": 3, "in_flight": 0}
 
 
