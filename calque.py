@@ -4340,7 +4340,8 @@ def format_run(run, summaries, view, results_uri, names):
              f"dead-lettered, {items['cancelled']} cancelled (of {run['items']} items); "
              f"state: {view['state']}",
              "  claims: " + ", ".join(per_state),
-             f"  claim sizes: {format_sizes(claim_sizes(run))} ({run.get('sizing') or 'a fixed size'})",
+             f"  claim sizes: {format_sizes(claim_sizes(run))} ({run.get('sizing') or 'a fixed size'})"
+             + (f"; version {run['version']}" if run.get("version") else ""),
              f"  {'claim':<8} {'worker':<28} {'warm':<5} {'enter_s':>8} {'ok':>6} {'failed':>6} {'seconds':>8}  status"]
     by_claim, claims, index = {s["claim"]: s for s in summaries}, run["claims"], 0
     while index < len(claims):
@@ -6069,17 +6070,17 @@ class Pool:
         record["version"] = pool_version(record)
         with pool_name_claimed(self.backend, self.model, (record["queue"], record["dlq"])):
             same = refuse_other_version(check_slug_free(self.backend, self.model), record, handler)
-            if same:   # nothing changes: its record, snapshot and queues stay as they are
+            if same:   # nothing changes: its record and snapshot stay; a lost queue is made again
                 record = load_pool(self.backend, self.model)
-            else:
-                for key, data in snapshot.items():
-                    self.backend.store.put(key, data)
-                queues, vt = self.backend.queues, record["visibility_timeout"]
-                if self.backend.kind == "aws":
-                    for name in (record["dlq"], record["queue"]):
-                        wait_queue_reusable(self.backend.store, name, queues.sleep)
-                dlq = queues.create_queue(record["dlq"], vt)
-                queues.create_queue(record["queue"], vt, dead_letter=(dlq, record["max_deliveries"]))
+            for key, data in ({} if same else snapshot).items():
+                self.backend.store.put(key, data)
+            queues, vt = self.backend.queues, record["visibility_timeout"]
+            if self.backend.kind == "aws":
+                for name in (record["dlq"], record["queue"]):
+                    wait_queue_reusable(self.backend.store, name, queues.sleep)
+            dlq = queues.create_queue(record["dlq"], vt)
+            queues.create_queue(record["queue"], vt, dead_letter=(dlq, record["max_deliveries"]))
+            if not same:
                 write_json(self.backend, pool_key(self.model), record)
         if workers:
             self.scale(workers, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker, wait=wait,
@@ -7094,8 +7095,6 @@ def cmd_runs_show(conf, backend, args):
     code = report_run(backend, run, summaries, args.json)
     if not args.json and plan_against_actual(run, summaries):
         print(plan_against_actual(run, summaries))
-    if not args.json and run.get("version"):
-        print(f"version {run['version']} (the pool's handler snapshot it runs on)")
     return code
 
 

@@ -164,7 +164,7 @@ def test_deploy_takes_over_runs_a_broken_version_never_started(local_env, folder
              120, "the run done")
     assert versions(run, run_id) == {"B": 400}
     assert calque.read_run(backend, run_id)["version"] == new
-    assert f"version {new} (the pool's handler snapshot" in run("runs", "show", run_id).stdout
+    assert f"; version {new}\n" in run("runs", "show", run_id).stdout
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
