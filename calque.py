@@ -2199,9 +2199,7 @@ def pool_name_claimed(backend, model, queues=()):
     if owner == model and not created:
         owner = read_json(backend, name_key(model)).get("model")
     if owner != model:
-        raise UserError(f"model {model!r} shares its queue name {pool_queue_name(model)} with the "
-                        f"pool of {owner!r} ---> HINT: use that exact name, or one that differs in "
-                        f"more than case or punctuation")
+        raise slug_clash(model, owner)
     try:
         yield
     except BaseException:
@@ -2221,9 +2219,15 @@ def check_slug_free(backend, model):
     except NotFound:
         return None
     if existing["model"] != model:
-        raise UserError(f"model {model!r} would share queue {pool_queue_name(model)} with the existing pool of "
-                        f"{existing['model']!r}: pick a name that differs in more than case or punctuation")
+        raise slug_clash(model, existing["model"])
     return existing
+
+
+def slug_clash(model, owner):
+    """The error of a model whose slug (queue names, store folder) is another model's."""
+    return UserError(f"model {model!r} shares its queue name {pool_queue_name(model)} with the pool "
+                     f"of {owner!r} ---> HINT: use that exact name, or one that differs in more "
+                     f"than case or punctuation")
 
 
 def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries=None):

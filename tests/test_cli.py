@@ -32,7 +32,7 @@ class Up:
                                            {{"y": item["x"] + 1}})) for item in items]
 '''
 VERBS = "pool, submit, plan, runs, cost, dashboard, modal"
-POOL_VERBS = "create, scale, status, list, delete, cost, redrive, logs"
+POOL_VERBS = "create, deploy, scale, status, list, delete, cost, redrive, logs"
 # (arguments, what the one line says after `calque: error: `, {shown} the command as it was run)
 TYPOS = [
     (["sumbit", "--pool", "m", "items.jsonl"],

@@ -509,6 +509,6 @@ def test_a_claim_stops_before_sqs_caps_its_invisibility(aws_env, tmp_path):
     assert "SQS keeps a claim invisible 12 h at most" in out.stdout + out.stderr
     assert "lease lost" not in log.read_text()                    # never past the cap, never taken for a lost lease
     dlq = backend.queues.open_queue("calque-dlq-m")
-    letter = json.loads(dlq.receive(1).body)
-    assert letter["run_id"] == run_id and "12 h" in letter["reason"]
+    letters = [json.loads(m.body) for m in calque.receive_all(dlq, 10)]   # the session's moto_server: others' too
+    assert any(letter.get("run_id") == run_id and "12 h" in letter["reason"] for letter in letters), letters
     assert w.poll() is None and stop(w) == 0                      # the worker serves on
