@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 
 import pytest
 
@@ -184,8 +185,9 @@ ACCESS_DENIED = (b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDeni
 
 class FaultProxy:
     """A loopback HTTP proxy in front of moto_server: while `failing` is set it answers every PUT (an S3 object
-    write) with 403 AccessDenied, as S3 does to a role whose write permission is gone; all else passes through.
-    `seen` lists each request's (method, path) as it came."""
+    write) with 403 AccessDenied, as S3 does to a role whose write permission is gone; all else passes through
+    (the signature stays valid: Host is passed on). `seen` lists each request as answered: its method, path,
+    query, body, X-Amz-Target header and status."""
 
     def __init__(self, target):
         host, port = target.rsplit("/", 1)[1].split(":")
@@ -195,18 +197,27 @@ class FaultProxy:
             protocol_version = "HTTP/1.1"     # keep-alive, and the 100-continue botocore asks for on a PUT
 
             def forward(self):
-                proxy.seen.append((self.command, self.path))
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if self.command == "PUT" and proxy.failing.is_set():
                     proxy.refused += 1
                     status, headers, data = 403, [("Content-Type", "application/xml")], ACCESS_DENIED
                 else:
-                    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-                    conn.request(self.command, self.path, body,
-                                 {k: v for k, v in self.headers.items() if k.lower() != "expect"})
-                    reply = conn.getresponse()
-                    status, headers, data = reply.status, reply.getheaders(), reply.read()
-                    conn.close()
+                    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+                    try:
+                        conn.request(self.command, self.path, body,
+                                     {k: v for k, v in self.headers.items() if k.lower() != "expect"})
+                        reply = conn.getresponse()
+                        status, headers, data = reply.status, reply.getheaders(), reply.read()
+                    except (OSError, http.client.HTTPException):   # moto_server stopping at the end
+                        self.close_connection = True
+                        return
+                    finally:
+                        conn.close()
+                url = urllib.parse.urlsplit(self.path)
+                proxy.seen.append({"method": self.command, "path": urllib.parse.unquote(url.path),
+                                   "query": urllib.parse.parse_qs(url.query, keep_blank_values=True),
+                                   "target": self.headers.get("X-Amz-Target", ""), "body": body,
+                                   "status": status})
                 self.send_response(status)
                 for key, value in headers:
                     if key.lower() not in ("connection", "transfer-encoding", "content-length", "date", "server"):

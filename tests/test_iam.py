@@ -6,7 +6,6 @@ on bucket/key), and the SQS calls on their queue's ARN; it does not evaluate con
 passes) nor Auto Scaling resources (every call is refused). So every request the workers send also goes through a
 recording proxy, and each is checked here against the policy as AWS evaluates it (`allowed`)."""
 import contextlib
-import http.client
 import http.server
 import json
 import os
@@ -21,7 +20,7 @@ import boto3
 import pytest
 
 import calque_ec2
-from conftest import PY, ROOT, serving, start_worker, wait_for
+from conftest import PY, ROOT, FaultProxy, serving, start_worker, wait_for
 from test_warmd import SpotStub
 
 BUCKET = "calque-iam-test"
@@ -43,55 +42,6 @@ class Slow:
         print("batch of", len(items), flush=True)   # output chunks, the older pruned (OUTPUT_KEPT 1)
         return [{"bytes": len(x["bytes"])} if "bytes" in x else {"x": x["x"]} for x in items]
 """
-
-
-class Recorder:
-    """A loopback proxy in front of moto_server that records each request the workers send (method, path, query,
-    body, the X-Amz-Target header) and the status moto answered; the signature stays valid (Host is passed on)."""
-
-    def __init__(self, target):
-        host, port = target.rsplit("/", 1)[1].split(":")
-        recorder, self.seen = self, []
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def forward(self):
-                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                conn = http.client.HTTPConnection(host, int(port), timeout=60)
-                try:
-                    conn.request(self.command, self.path, body,
-                                 {k: v for k, v in self.headers.items() if k.lower() != "expect"})
-                    reply = conn.getresponse()
-                    data = reply.read()
-                except (OSError, http.client.HTTPException):   # moto_server stopping at the end
-                    self.close_connection = True
-                    return
-                finally:
-                    conn.close()
-                url = urllib.parse.urlsplit(self.path)
-                recorder.seen.append({"method": self.command, "path": urllib.parse.unquote(url.path),
-                                      "query": urllib.parse.parse_qs(url.query, keep_blank_values=True),
-                                      "target": self.headers.get("X-Amz-Target", ""), "body": body,
-                                      "status": reply.status})
-                self.send_response(reply.status)
-                for key, value in reply.getheaders():
-                    if key.lower() not in ("connection", "transfer-encoding", "content-length", "date", "server"):
-                        self.send_header(key, value)
-                self.send_header("Content-Length", reply.getheader("Content-Length", "0")
-                                 if self.command == "HEAD" else str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
-
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = forward
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 # ---- the policy as AWS evaluates it --------------------------------------------------------------
@@ -159,7 +109,7 @@ def test_the_evaluator_refuses_what_the_policy_does_not_grant():
 # ---- the account: moto_server with IAM enforced, an operator, the pool -------------------------------------
 class Account:
     def __init__(self, url, tmp):
-        self.url, self.tmp, self.proxy = url, tmp, Recorder(url)
+        self.url, self.tmp, self.proxy = url, tmp, FaultProxy(url)   # never failing: it records each request the workers send
         self.auth(None)
         with self.unauthenticated():
             iam = self.client("iam", {})

@@ -341,7 +341,7 @@ def test_a_waiting_submit_reads_each_summary_once(aws_env, tmp_path):
     report = json.loads(out.stdout)
     assert report["items"] == {"ok": 12, "failed": 0, "pending": 0, "dead_lettered": 0, "cancelled": 0}
     assert [s["claim"] for s in report["summaries"]] == report["run"]["claims"] == [f"c0000{i}" for i in range(4)]
-    gets = Counter(path.rsplit("/", 1)[1] for method, path in proxy.seen if method == "GET" and "/summaries/" in path)
+    gets = Counter(e["path"].rsplit("/", 1)[1] for e in proxy.seen if e["method"] == "GET" and "/summaries/" in e["path"])
     assert gets == {f"c0000{i}.json": 1 for i in range(4)}
 
 
