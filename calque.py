@@ -7199,14 +7199,15 @@ def cmd_runs_resume(conf, backend, args):
             send_claims(backend, run, queue, skip=done, resume=True)
     except SubmitInterrupted as e:
         return interrupted(backend, args.run, e.signum)
-    print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
-          + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""), file=sys.stderr)
-    if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with its claims
-        apply_count(conf, backend, record, run["options"]["plan"], "runs resume")
-    if args.no_wait:
-        return EXIT_OK
     try:   # every claim is queued: an interrupt leaves the run to go on without us
         with sigint_noted() as noted:
+            print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
+                  + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""),
+                  file=sys.stderr, flush=True)
+            if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with them
+                apply_count(conf, backend, record, run["options"]["plan"], "runs resume")
+            if args.no_wait:
+                return EXIT_OK
             summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
                                                 not args.json and sys.stderr.isatty(), interrupted=noted)
     except KeyboardInterrupt:

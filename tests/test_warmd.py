@@ -491,12 +491,16 @@ def test_a_claim_stops_before_sqs_caps_its_invisibility(aws_env, tmp_path):
     part, the claim dead-lettered with why and how to split it, which `submit` reports. The cap is scaled down to
     6 s here (warmd's module constant): the same code path as at 12 h, on moto_server (which has no such cap)."""
     env = dict(aws_env, TIMELINE_FILE=str(tmp_path / "timeline"), TIMELINE_MODEL_MS="250")
-    backend = make_pool(env, "Timeline", "--batch-size", "1", "--visibility-timeout", "1", "--batch-timeout", "1")
+    # its own model: the session's moto_server keeps other tests' "m" queues, which a worker of theirs still
+    # stopping may poll (it would refuse a claim of another store's run)
+    assert cli(env, "pool", "create", "--model", "cap", "--handler", f"{HANDLERS}:Timeline", "--workers", "0",
+               "--batch-size", "1", "--visibility-timeout", "1", "--batch-timeout", "1").returncode == 0
+    backend = backend_for(env)
     log = tmp_path / "worker.log"
     with open(log, "w") as f:
-        w = start_worker(env, "--model", "m", log=f, constants={"SQS_MAX_INVISIBLE": 6.0})
+        w = start_worker(env, "--model", "cap", log=f, constants={"SQS_MAX_INVISIBLE": 6.0})
     items = [{"id": k, "text": "a b"} for k in range(60)]     # 15 s of work: 4 s fit under the cap
-    out = cli(env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", items), "--claim-size", "60",
+    out = cli(env, "submit", "--pool", "cap", write_items(tmp_path / "items.jsonl", items), "--claim-size", "60",
               "--wait-for-workers", timeout=120)
     assert out.returncode == 1, (out.stdout, out.stderr)
     run_id = json.loads(cli(env, "runs", "list", "--json").stdout)[0]["run_id"]
@@ -508,7 +512,7 @@ def test_a_claim_stops_before_sqs_caps_its_invisibility(aws_env, tmp_path):
     assert len(results(backend, run_id, done)) == done            # what it did is kept, in a part
     assert "SQS keeps a claim invisible 12 h at most" in out.stdout + out.stderr
     assert "lease lost" not in log.read_text()                    # never past the cap, never taken for a lost lease
-    dlq = backend.queues.open_queue("calque-dlq-m")
+    dlq = backend.queues.open_queue("calque-dlq-cap")
     letters = [json.loads(m.body) for m in calque.receive_all(dlq, 10)]   # the session's moto_server: others' too
     assert any(letter.get("run_id") == run_id and "12 h" in letter["reason"] for letter in letters), letters
     assert w.poll() is None and stop(w) == 0                      # the worker serves on
