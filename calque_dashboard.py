@@ -31,7 +31,12 @@ import traceback
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
-import calque
+
+import calque_core
+import calque_runs
+import calque_cost
+import calque_supervisor
+import calque_fleet
 
 REFRESH_MS = 2000          # ms between two polls of a live page
 POOL_TTL = 2.0             # s a pool's status (depths, worker stats, supervisor) is reused for
@@ -55,7 +60,7 @@ KIND_NAMES = {"enter": "@enter", "claim": "claim", "partial": "claim with failed
 LADDER_LINES = {"warm": "#2563eb", "cold": "#78716c", "serverless": "#9333ea"}
 OUTCOMES = {"ok": "#16a34a", "failed": "#dc2626", "dead_lettered": "#7f1d1d",
             "cancelled": "#a8a29e"}
-STATE_COLOURS = dict(zip(calque.RUN_STATES, (COLOURS["claim"], OUTCOMES["ok"], COLOURS["partial"],
+STATE_COLOURS = dict(zip(calque_runs.RUN_STATES, (COLOURS["claim"], OUTCOMES["ok"], COLOURS["partial"],
                                              OUTCOMES["failed"], OUTCOMES["cancelled"],
                                              OUTCOMES["dead_lettered"], COLOURS["enter"])))
 esc = html.escape
@@ -86,18 +91,18 @@ class RunCache:
         if self.complete:
             return
         run_id = self.run["run_id"]
-        self.run = calque.read_run(backend, run_id) if reread else self.run
+        self.run = calque_core.read_run(backend, run_id) if reread else self.run
         if len(self.order) != len(self.run["claims"]):   # claims are listed as a stream is cut
-            self.order = sorted(self.run["claims"], key=lambda c: calque.summary_key(run_id, c))
+            self.order = sorted(self.run["claims"], key=lambda c: calque_core.summary_key(run_id, c))
         while self.below < len(self.order) and self.order[self.below] in self.summaries:
             self.below += 1
         after = self.order[self.below - 1] if self.below else None
-        new = [k for k in calque.list_summaries(backend, run_id, after)
+        new = [k for k in calque_core.list_summaries(backend, run_id, after)
                if k.rsplit("/", 1)[1][:-5] not in self.summaries]
         threads = READERS if backend.kind == "aws" else 1   # a local read is CPU: threads contend
         chunks = [new[i::threads] for i in range(min(threads, len(new)))]
         with ThreadPoolExecutor(threads) as readers:
-            read = readers.map(lambda keys: [calque.read_json(backend, k) for k in keys], chunks)
+            read = readers.map(lambda keys: [calque_core.read_json(backend, k) for k in keys], chunks)
             for s in (s for chunk in read for s in chunk):
                 self.summaries[s["claim"]] = s
                 self.times[s["claim"]] = (epoch(s["started_at"]), epoch(s["finished_at"]))
@@ -138,7 +143,7 @@ class Dashboard:
     def run_cache(self, run_id):
         cache, new = self.runs.get(run_id), run_id not in self.runs
         if new:
-            cache = self.runs[run_id] = RunCache(calque.read_run(self.backend, run_id))
+            cache = self.runs[run_id] = RunCache(calque_core.read_run(self.backend, run_id))
         if self.once(run_id):
             cache.refresh(self.backend, reread=not new)
         self.records[run_id] = cache.run
@@ -148,31 +153,31 @@ class Dashboard:
         """Every run record, newest first: one LIST of runs/, a GET for each run not seen before."""
         for folder in self.backend.store.list("runs/") if self.once("runs/") else ():
             run_id = folder.rsplit("/", 1)[1]
-            if run_id not in self.records and calque.SAFE_ID.match(run_id):
-                with contextlib.suppress(calque.UserError):   # no record yet: still being staged
-                    self.records[run_id] = calque.read_run(self.backend, run_id)
+            if run_id not in self.records and calque_core.SAFE_ID.match(run_id):
+                with contextlib.suppress(calque_core.UserError):   # no record yet: still being staged
+                    self.records[run_id] = calque_core.read_run(self.backend, run_id)
         return sorted(self.records.values(), key=lambda r: r["created_at"], reverse=True)
 
     def outcome(self, cache):
         """calque.run_view of a cached run, its state too; no dead-letter scan (Safe by default)."""
-        return calque.run_view(self.backend, cache.run, cache.in_order(), dead_letters=False)
+        return calque_runs.run_view(self.backend, cache.run, cache.in_order(), dead_letters=False)
 
     def pool_status(self, model):
         """calque.pool_status, read again after POOL_TTL s (a missing pool's UserError too)."""
         at, status = self.pools.get(model, (None, None))
         if at is None or time.monotonic() - at > POOL_TTL:
             try:
-                status = calque.pool_status(self.conf, self.backend, model)
-            except calque.UserError as err:
+                status = calque_fleet.pool_status(self.conf, self.backend, model)
+            except calque_core.UserError as err:
                 status = err
             self.pools[model] = (time.monotonic(), status)
-        if isinstance(status, calque.UserError):
+        if isinstance(status, calque_core.UserError):
             raise status
         return status
 
     def pool_stats(self, model):
         """The stats of the pool's workers (not its cold runs'); none once the pool is deleted."""
-        with contextlib.suppress(calque.UserError):
+        with contextlib.suppress(calque_core.UserError):
             return [w for w in self.pool_status(model)["workers"] if w.get("mode") != "cold"]
         return []
 
@@ -186,14 +191,14 @@ class Dashboard:
         if not cache.summaries:
             return None
         if cache.cost is None or cache.cost[0] != len(cache.summaries):
-            report = calque.run_cost_report(self.backend, cache.run, cache.in_order(), self.price)
+            report = calque_cost.run_cost_report(self.backend, cache.run, cache.in_order(), self.price)
             cache.cost = (len(cache.summaries), report)
         return cache.cost[1]
 
     # -- views: each a dict of plain values, what /api/... answers
     def pools_view(self):
         with self.lock:
-            return {"pools": [self.pool_summary(m) for m in calque.list_pools(self.backend)]}
+            return {"pools": [self.pool_summary(m) for m in calque_fleet.list_pools(self.backend)]}
 
     def pool_summary(self, model):
         status = self.pool_status(model)
@@ -215,7 +220,7 @@ class Dashboard:
             view["workers"] = pool_workers(self.pool_status(model), latest_summaries(caches))
             view["timeline"] = timeline(caches, stats, live=bool(view["workers_running"]))
             view["runs"] = [self.cost_row(c) for c in caches + self.model_runs(model, "cold", 1)]
-            cost, view["priced_as"] = calque.pool_cost_report(stats, self.price)
+            cost, view["priced_as"] = calque_cost.pool_cost_report(stats, self.price)
             view["pool_cost"] = cost if stats else None
             return view
 
@@ -249,9 +254,9 @@ class Dashboard:
             run, summaries, now = cache.run, cache.in_order(), time.time()
             view = self.outcome(cache)
             items = view["items"]
-            groups = calque.item_errors(summaries)
-            shown = [i for i in calque.first_items(groups, ERROR_GROUPS) if i not in cache.names]
-            cache.names.update(calque.item_names(self.backend, run, summaries, shown))
+            groups = calque_runs.item_errors(summaries)
+            shown = [i for i in calque_runs.first_items(groups, ERROR_GROUPS) if i not in cache.names]
+            cache.names.update(calque_runs.item_names(self.backend, run, summaries, shown))
             rate = overall_rate(cache, now) if cache.complete else items_now([cache], now)
             stats = self.pool_stats(run["model"]) if run["mode"] == "pool" else []
             return {
@@ -342,11 +347,11 @@ def pool_workers(status, latest):
     host = socket.gethostname()
     slots = {w["pid"]: w for w in status["local_workers"] if w["pid"]}
     stats = status["workers"]
-    running = [w for w in stats if w.get("state") in calque.LIVE_STATES]
-    stopped = sorted((w for w in stats if w.get("state") not in calque.LIVE_STATES),
+    running = [w for w in stats if w.get("state") in calque_supervisor.LIVE_STATES]
+    stopped = sorted((w for w in stats if w.get("state") not in calque_supervisor.LIVE_STATES),
                      key=lambda w: w["updated_at"])
     rows, joined = [], set()
-    for w in running + stopped[-calque.STOPPED_SHOWN:]:
+    for w in running + stopped[-calque_supervisor.STOPPED_SHOWN:]:
         slot = slots.get(w.get("pid")) if w.get("host") == host else None
         joined.add(w.get("pid") if slot else None)
         gpu = (latest.get(w["worker_id"]) or {}).get("gpu_utilisation") or {}
@@ -435,7 +440,7 @@ def timeline(caches, stats, live):
             "enter", "startup")), "enters": sum(b[3] for b in bars if b[2] == "enter"),
             "bars": [[round(b[0], 3), round(b[1], 3), *b[2:]] for b in bars]})
     hidden = max(0, len(rows) - ROWS_SHOWN)
-    return {"start": calque.now_iso(t0), "seconds": span, "rows": rows[hidden:],
+    return {"start": calque_core.now_iso(t0), "seconds": span, "rows": rows[hidden:],
             "rows_hidden": hidden}
 
 
@@ -449,10 +454,10 @@ def failures(groups, view, names):
     return {"failed_items": view["items"]["failed"],
             "groups": [{"message": message, "count": len(indices),
                         "first_items": [names.get(i, i) for i in
-                                        sorted(indices)[:calque.FIRST_ITEMS_SHOWN]]}
+                                        sorted(indices)[:calque_core.FIRST_ITEMS_SHOWN]]}
                        for message, indices in groups[:ERROR_GROUPS]],
             "groups_hidden": max(0, len(groups) - ERROR_GROUPS),
-            "dead_lettered": [{"reason": reason, "claims": calque.claim_list(claims)}
+            "dead_lettered": [{"reason": reason, "claims": calque_runs.claim_list(claims)}
                               for reason, claims in dead.items()]}
 
 
@@ -462,7 +467,7 @@ def worker_logs(conf, run, backend):
     if run["mode"] == "cold":
         folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run["run_id"])
     else:
-        folder = calque.state_dir(conf, run["model"])
+        folder = calque_core.state_dir(conf, run["model"])
     tails = {}
     for path in sorted(glob.glob(os.path.join(folder, "worker-*.log"))):
         with contextlib.suppress(OSError), open(path, "rb") as f:
@@ -537,7 +542,7 @@ def usd(x):
     if x is None:
         return "-"
     if abs(x) >= 100 or x == 0:
-        return calque._usd(x)
+        return calque_cost._usd(x)
     return f"${x:.{max(2, 2 - math.floor(math.log10(abs(x))))}f}".replace("$-", "-$")
 
 
@@ -877,7 +882,7 @@ def exit_text(last):
     if not last:
         return ""
     if isinstance(last, dict) and "reason" in last:
-        return (f"{calque.now_iso(last['at'])[11:19]} ({'after' if last.get('warm') else 'before'} "
+        return (f"{calque_core.now_iso(last['at'])[11:19]} ({'after' if last.get('warm') else 'before'} "
                 f"warm): {last['reason']}")
     return str(last)
 
@@ -926,10 +931,10 @@ def route(board, path, query):
         else:
             raise NotThere(f"no page {path}: the API is /api/pools, /api/pools/<model>, /api/runs, "
                            "/api/runs/<run>")
-    except calque.UserError as err:
+    except calque_core.UserError as err:
         raise NotThere(str(err)) from None
     if api:
-        return "application/json", json.dumps(view, default=calque.to_jsonable)
+        return "application/json", json.dumps(view, default=calque_core.to_jsonable)
     if query.get("part") == ["main"]:
         return "text/html; charset=utf-8", main_part(body, live)
     page = document(title, main_part(body, live), board.backend.describe())
@@ -968,13 +973,13 @@ def handler_class(board, token):
                     kind, body = route(board, url.path, query)
             except NotThere as err:
                 status, kind, body = 404, "text/plain; charset=utf-8", f"calque dashboard: {err}"
-            except (calque.StoreFault, calque.NotFound, OSError) as err:
+            except (calque_core.StoreFault, calque_core.NotFound, OSError) as err:
                 status, kind, body = 503, "text/plain; charset=utf-8", f"calque dashboard: {err}"
             except Exception as err:
                 aws = type(err).__module__.startswith("botocore")
                 if not aws:
                     traceback.print_exc()   # a bug: its traceback on the dashboard's stderr
-                line = calque.aws_error_line(err) if aws else f"internal error ({err!r})"
+                line = calque_core.aws_error_line(err) if aws else f"internal error ({err!r})"
                 status, kind, body = 503, "text/plain; charset=utf-8", f"calque dashboard: {line}"
             cookie = {"Set-Cookie": f"calque_token={token}; HttpOnly; SameSite=Strict; Path=/"}
             self.answer(status, kind, body, cookie if token else None)
@@ -1008,14 +1013,14 @@ def handler_class(board, token):
 def serve(conf, backend, host, port, token, price):
     """Serve the dashboard until Ctrl-C. A host other than loopback needs a token."""
     if token is not None and not TOKEN.fullmatch(token):
-        raise calque.UserError("--token: 8 or more of A-Z a-z 0-9 . _ ~ - (it travels in a URL) "
+        raise calque_core.UserError("--token: 8 or more of A-Z a-z 0-9 . _ ~ - (it travels in a URL) "
                                f"---> HINT: --token {secrets.token_urlsafe(16)}")
     if not is_loopback(host) and not token:
-        raise calque.UserError(f"--host {host} lets other machines read the store: give --token "
-                               f"too ---> HINT: {calque.command()} dashboard --host {host} --token "
+        raise calque_core.UserError(f"--host {host} lets other machines read the store: give --token "
+                               f"too ---> HINT: {calque_core.command()} dashboard --host {host} --token "
                                f"{secrets.token_urlsafe(16)}")
     if not 0 <= port <= 65535:
-        raise calque.UserError(f"--port {port}: a port is 0 to 65535 (0: any free one)")
+        raise calque_core.UserError(f"--port {port}: a port is 0 to 65535 (0: any free one)")
     try:
         server = http.server.ThreadingHTTPServer((host, port), handler_class(Dashboard(
             conf, backend, price), token))
@@ -1023,7 +1028,7 @@ def serve(conf, backend, host, port, token, price):
         fix = ("--host: an address of this machine" if isinstance(err, socket.gaierror) else
                "another --port (0: any free one)")
         why = f"cannot listen on {host}:{port} ({err.strerror})"
-        raise calque.UserError(f"{why} ---> HINT: {fix}") from None
+        raise calque_core.UserError(f"{why} ---> HINT: {fix}") from None
     shown = f"[{host}]" if ":" in host else host
     print(f"calque dashboard on http://{shown}:{server.server_address[1]}/"
           + (f"?token={token}" if token else "") + f"  ({backend.describe()}; Ctrl-C stops)",
@@ -1040,10 +1045,10 @@ def write_report(conf, backend, run_id, path, price):
     Returns the run's view."""
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise calque.UserError(f"--html {path}: no folder {folder} ---> HINT: create it, or write "
+        raise calque_core.UserError(f"--html {path}: no folder {folder} ---> HINT: create it, or write "
                                "the report elsewhere")
     view = Dashboard(conf, backend, price).run_view(run_id)
     page = document(f"run {run_id}", main_part(run_body(view), False), backend.describe(),
                     script=False)
-    calque.write_file_atomic(path, page)
+    calque_core.write_file_atomic(path, page)
     return view

@@ -25,15 +25,15 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
-from calque import (DEFAULT_REGION, HERE, POOL_PREFIX, QUEUE_REUSE_WAIT, RUN_DLQ_PREFIX,
-                    RUN_QUEUE_PREFIX, SQS_DELETED_RECENTLY, SQS_NOT_FOUND, NotFound, UserError,
-                    _aws_error_code, aws_client_config, aws_retry, command, deleted_queue_key,
-                    note_queue_deleted, redrive_policy, wait_queue_reusable,
-                    check_slug_free, desired_count, dlq_name, instance_rate_per_second, load_pool, load_rates,
-                    measured_enter_seconds, measured_seconds, now_iso, package_file, pool_bounds,
-                    pool_key, pool_queue_name, pyproject, queue_depth, read_json,
-                    read_worker_stats, recent_summaries, refuse_other_version, setting_number,
-                    settings, slug, snapshot_handler, pool_version)
+from calque_core import (DEFAULT_REGION, HERE, NotFound, POOL_PREFIX, QUEUE_REUSE_WAIT,
+                         RUN_DLQ_PREFIX, RUN_QUEUE_PREFIX, SQS_DELETED_RECENTLY, SQS_NOT_FOUND,
+                         UserError, _aws_error_code, aws_client_config, aws_retry, check_slug_free,
+                         command, deleted_queue_key, desired_count, dlq_name, load_pool,
+                         measured_seconds, note_queue_deleted, now_iso, package_file, pool_bounds,
+                         pool_key, pool_queue_name, pool_version, pyproject, queue_depth, read_json,
+                         read_worker_stats, recent_summaries, redrive_policy, refuse_other_version,
+                         setting_number, settings, slug, snapshot_handler, wait_queue_reusable)
+from calque_cost import (instance_rate_per_second, load_rates, measured_enter_seconds)
 
 IAM_NAME_MAX = 64                   # characters of an IAM role or instance-profile name
 DLAMI_PARAMETERS = {                # SSM public parameters: the current deep-learning GPU AMI

@@ -21,13 +21,99 @@ import sys
 import threading
 import time
 
-import calque
-from calque import (SCALE_INTERVAL, SUPERVISOR_TICK, NotFound, StoreFault, UserError, child_env,
-                    desired_count, gpu_devices, load_pool, measured_seconds, now_iso, open_backend,
-                    pid_alive, read_desired, read_scaling, read_state, read_supervisor,
-                    recent_summaries, slug, state_dir, stop_seconds, worker_stats_prefix,
-                    write_file_atomic)
+import calque_core
+from calque_core import (DEFAULTS, NotFound, StoreFault, UserError, desired_count, load_pool,
+                         measured_seconds, now_iso, open_backend, recent_summaries, slug, state_dir,
+                         stop_seconds, worker_stats_prefix, write_file_atomic)
+from calque_runs import drop_pool
 
+# ------------------------------------------------------------------------------------------------
+# a pool supervisor's state here, as calque reads it
+SUPERVISOR_TICK = 0.2                   # s between two looks of the supervisor (and of a follower)
+SCALE_INTERVAL = 0.5                    # s between two looks at a self-sizing pool's queue
+COLD_EXIT_WAIT = 5.0                    # s a cold run's drained worker has to exit before SIGTERM
+STOPPED_SHOWN = 5                       # stopped workers `pool status` lists (the rest: --json)
+LOCAL_WORKERS_DEFAULT = 1               # local workers `pool create` starts without --workers
+WARM_WAIT = 1800.0                      # s `pool create` waits for its workers' @enter
+DEPLOY_POLL = 2.0                       # s between two looks of `pool deploy` at its runs in flight
+WORKER_START_GRACE = 2.0                # s submit looks again for a worker that started this instant
+                                        # (`warmd --model M &` then submit: its first stats take ~0.2 s)
+LIVE_STATES = ("starting", "running")   # a worker's stats state while it is alive: @enter, then claims
+WORKER_LOST_AFTER = 120.0               # s of silence that makes a live worker elsewhere lost
+                                        # (4 of warmd's stats intervals; it writes after claims too)
+
+
+def read_state(path, parse, default=None):
+    """A file of a pool's state folder, parsed; `default` when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            return parse(f.read())
+    except (OSError, ValueError):
+        return default
+
+
+def read_supervisor(conf, model):
+    """The supervisor's status file, or None when no live supervisor runs the pool here."""
+    status = read_state(os.path.join(state_dir(conf, model), "supervisor.json"), json.loads)
+    return status if status and pid_alive(status["pid"]) else None
+
+
+def read_desired(folder):
+    """The worker count `pool create` / `pool scale` last asked for (0 when unreadable)."""
+    return read_state(os.path.join(folder, "desired"), lambda text: int(text.strip() or 0), 0)
+
+
+def read_scaling(folder):
+    """The bounds of a pool that sizes itself (scaling.json), or None for a fixed count."""
+    return read_state(os.path.join(folder, "scaling.json"), json.loads)
+
+
+def child_env(conf):
+    """The environment of a process we start: every setting as resolved here (pool.env included: the
+    child runs in the kit's folder, not ours), with absolute store and state paths."""
+    env = dict(os.environ, **{key: conf[key] for key in DEFAULTS})
+    store = conf["CALQUE_STORE"]
+    env["CALQUE_STORE"] = store if store.startswith("s3://") else os.path.abspath(store)
+    env["CALQUE_STATE"] = os.path.abspath(conf["CALQUE_STATE"])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:   # a zombie still answers kill(0); /proc tells (and a process reaped since has no entry)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+
+
+def gpu_devices(conf):
+    """The GPU indices this machine's workers share: CALQUE_GPUS when set (tests fake devices so),
+    else CUDA_VISIBLE_DEVICES when set, else every device NVML counts ([] without NVML or a GPU)."""
+    listed = conf.get("CALQUE_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [d.strip() for d in listed.split(",") if d.strip()]
+    try:
+        import pynvml   # lazy: NVML only where a GPU may be
+        pynvml.nvmlInit()
+        try:
+            return [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:   # no nvidia-ml-py, no driver, no device: the workers run on the CPU
+        return []
+
+
+# ------------------------------------------------------------------------------------------------
+# the supervisor process
 RESTART_BACKOFF = (1.0, 30.0)   # s: first restart delay after a death without progress, doubling
 RESTART_RESET_AFTER = 60.0      # s: a worker that lived this long made progress, whatever it did
 SCALE_MEASURE_EVERY = 10.0      # s between two reads of a sized pool's recent seconds per claim
@@ -103,7 +189,7 @@ def start_supervisor(conf, model, workers, gpus_per_worker=None, threads_per_wor
     with open(os.path.join(folder, "supervisor.log"), "ab") as log:
         proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--model", model],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                env=child_env(conf), start_new_session=True, cwd=calque.HERE)
+                                env=child_env(conf), start_new_session=True, cwd=calque_core.HERE)
     deadline = time.monotonic() + SUPERVISOR_START_WAIT
     while time.monotonic() < deadline:
         status, exited = read_supervisor(conf, model), proc.poll()   # 0: ours found the lock held
@@ -178,7 +264,7 @@ def supervise(conf, model):
     if owner and not stopping and not pid_alive(owner):
         with contextlib.suppress(NotFound, UserError):   # deleted already (modal run's last act)
             backend = open_backend(conf["CALQUE_STORE"])
-            calque.Pool(model, context=(conf, backend)).delete(force=True)
+            drop_pool(backend, load_pool(backend, model), cancel=True)
 
 
 def try_lock(path):
@@ -252,7 +338,7 @@ class LocalScaler:
 def run_staged(backend, run_id):
     """Whether submit has queued every claim of run `run_id` (False while its record is not written)."""
     try:
-        return calque.read_json(backend, calque.run_key(run_id)).get("staged", True)
+        return calque_core.read_json(backend, calque_core.run_key(run_id)).get("staged", True)
     except NotFound:
         return False
 
@@ -272,7 +358,7 @@ def restart_delay(warm, progress, lived, failures, code):
     a SIGKILL (from outside) waits RESTART_BACKOFF[0] s, and an exit of its own, the `failures`-th
     in a row, RESTART_BACKOFF[0] s doubling up to RESTART_BACKOFF[1]. One that left for the
     pool's new version (EXIT_REPLACED) starts again at once on it."""
-    if code == calque.EXIT_REPLACED:
+    if code == calque_core.EXIT_REPLACED:
         return 0.0, "replaced by the pool's new version"
     if warm and (progress or lived > RESTART_RESET_AFTER):
         return 0.0, "died after progress"
@@ -294,7 +380,7 @@ def exit_reason(log_path, returncode):
     said = re.compile(r"^(warmd: error: .*|[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$")
     for line in reversed(tail):
         if said.match(line.strip()):
-            return line.strip()[:calque.ERROR_CHARS]
+            return line.strip()[:calque_core.ERROR_CHARS]
     if returncode is not None and returncode < 0:
         return f"killed by {signal.Signals(-returncode).name}"
     return f"exit status {returncode} (no error line in its log)"
@@ -311,7 +397,7 @@ def _reap(slots, want, now, died):
         if proc is not None and proc.poll() is not None:
             said = _readiness(slot)
             progress = "progress" in said
-            replaced = proc.returncode == calque.EXIT_REPLACED
+            replaced = proc.returncode == calque_core.EXIT_REPLACED
             slot["failures"] = 0 if progress or replaced else slot.get("failures", 0) + 1
             lived = now - slot["started"]
             code = proc.returncode
@@ -358,8 +444,8 @@ def record_exit(conf, model, backend, pid, code, receipts):
     with contextlib.suppress(Exception):
         queue = backend[0].queues.open_queue(load_pool(backend[0], model)["queue"]) if held else None
         for receipt in held:
-            with contextlib.suppress(calque.LeaseLost):   # acked or taken since: nothing to release
-                queue.change_visibility(calque.Message(None, receipt, 0), 0)
+            with contextlib.suppress(calque_core.LeaseLost):   # acked or taken since: nothing to release
+                queue.change_visibility(calque_core.Message(None, receipt, 0), 0)
                 print(f"supervisor: worker {pid} died holding a claim: visible again now", flush=True)
 
 
@@ -384,9 +470,9 @@ def _spawn(conf, model, folder, slots, want, now):
             env.update(thread_env(folder, sharing, slot["gpus"], env))
             slot["threads"] = env.get("OMP_NUM_THREADS")
             with open(slot["log"], "ab") as log:
-                argv = [sys.executable, calque.WARMD, "--model", model, *worker_flags(slot, now)]
+                argv = [sys.executable, calque_core.WARMD, "--model", model, *worker_flags(slot, now)]
                 slot["proc"] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                                stderr=log, env=env, cwd=calque.HERE)
+                                                stderr=log, env=env, cwd=calque_core.HERE)
             slot["started"] = now
             print(f"supervisor: started worker slot {s} as pid {slot['proc'].pid}", flush=True)
 
@@ -474,15 +560,15 @@ def _stop_workers(live, stop_wait):
 
 
 def main(argv=None):
-    parser = calque.Parser(prog="calque_supervisor.py", description="Keeps local pool workers.")
+    parser = calque_core.Parser(prog="calque_supervisor.py", description="Keeps local pool workers.")
     parser.add_argument("--model", required=True, help="the pool's model name")
     try:
         args = parser.parse_args(argv)
-        supervise(calque.settings(), args.model)
+        supervise(calque_core.settings(), args.model)
     except UserError as e:
         print(f"supervisor: error: {e}", file=sys.stderr)
-        return calque.EXIT_USAGE
-    return calque.EXIT_OK
+        return calque_core.EXIT_USAGE
+    return calque_core.EXIT_OK
 
 
 if __name__ == "__main__":

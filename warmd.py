@@ -55,8 +55,10 @@ import traceback
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-import calque
-from calque import orjson   # result lines (None only until main() re-runs us under the .venv)
+
+import calque_core
+import calque_runs
+from calque_core import orjson
 
 # ------------------------------------------------------------------------------------------------
 # defaults (the pool record and CALQUE_* settings override the per-pool ones)
@@ -276,7 +278,7 @@ class FetchedItems:
                 self.next += 1
             future = self.futures[k]
         value = future.result()
-        return value if type(value) is calque.Unavailable else {"path": self.objects[k][0], "bytes": value}
+        return value if type(value) is calque_core.Unavailable else {"path": self.objects[k][0], "bytes": value}
 
     def _fetch_ahead(self, k):
         self.futures[k] = self.pool.submit(self._get, k)
@@ -286,10 +288,10 @@ class FetchedItems:
         name, size, version = self.objects[k]
         try:
             return self.fetch(name, size, version)
-        except calque.NotFound:
-            return calque.Unavailable(f"{self.source.uri(name)}: vanished since submit")
-        except calque.Changed as e:
-            return calque.Unavailable(f"{self.source.uri(name)}: changed since submit ({e})")
+        except calque_core.NotFound:
+            return calque_core.Unavailable(f"{self.source.uri(name)}: vanished since submit")
+        except calque_core.Changed as e:
+            return calque_core.Unavailable(f"{self.source.uri(name)}: changed since submit ({e})")
 
     def drop(self, offsets):
         """Forget these items' bytes: their batch has run."""
@@ -311,7 +313,7 @@ def gather(items, offsets):
     payloads, missing = [], {}
     for k in offsets:
         item = items[k]
-        if type(item) is calque.Unavailable:
+        if type(item) is calque_core.Unavailable:
             missing[k] = str(item)
         else:
             payloads.append(item)
@@ -323,9 +325,9 @@ def result_encoder():
     call). No circular check: a circular result fails its item with RecursionError."""
     make = json.encoder.c_make_encoder      # None without the C accelerator
     if make is None:
-        return json.JSONEncoder(default=calque.to_jsonable, separators=(",", ":"), allow_nan=False,
+        return json.JSONEncoder(default=calque_core.to_jsonable, separators=(",", ":"), allow_nan=False,
                                 check_circular=False).encode
-    encode = make(None, calque.to_jsonable, json.encoder.encode_basestring_ascii, None, ":", ",",
+    encode = make(None, calque_core.to_jsonable, json.encoder.encode_basestring_ascii, None, ":", ",",
                   False, False, False)
     return lambda value: "".join(encode(value, 0))
 
@@ -343,10 +345,10 @@ def refuse_arrays(value):
     np = sys.modules.get("numpy")
     if hasattr(value, "detach") or (np is not None and isinstance(value, np.ndarray)):
         raise TypeError("an array: typed")
-    return calque.to_jsonable(value)
+    return calque_core.to_jsonable(value)
 
 
-def encode_fast(value, default=calque.to_jsonable):
+def encode_fast(value, default=calque_core.to_jsonable):
     """value's result JSON as bytes, by orjson, or None where its text would not do: a null in it (a
     NaN or Infinity, which orjson writes as null where json refuses them) or a value orjson refuses
     (an integer past 64 bits, a key not a string, deep nesting, a lone surrogate)."""
@@ -410,7 +412,7 @@ def format_each(outcome, base):
     for i, (ok, value) in enumerate(outcome, base):
         if ok:
             try:
-                typed = calque.typed_cells(value)
+                typed = calque_core.typed_cells(value)
                 value = value if typed is None else typed[0]
                 fast = b"null" if typed and value is None else encode_fast(value)
                 text = encode_result(value) if fast is None else fast.decode()
@@ -420,14 +422,14 @@ def format_each(outcome, base):
             except Exception as e:
                 value = f"result is not JSON-serialisable: {type(e).__name__}: {e}"
         failed.append(i)
-        errors[str(i)] = (getattr(value, "kept", None) or value)[:calque.ERROR_CHARS]
-        line = {"i": i, "ok": False, "error": value[:calque.ERROR_CHARS]}
+        errors[str(i)] = (getattr(value, "kept", None) or value)[:calque_core.ERROR_CHARS]
+        line = {"i": i, "ok": False, "error": value[:calque_core.ERROR_CHARS]}
         if getattr(value, "trace", None):   # an ItemError's frames (none for a wrong result count)
             line["trace"] = value.trace
         lines.append(encode_result(line) + "\n")
     text = "".join(lines)
     if cells:
-        text = calque.TypedLines(text)
+        text = calque_core.TypedLines(text)
         text.cells = cells
     return [text], failed, errors
 
@@ -449,7 +451,7 @@ def item_error(error, payload=None):
     message = ItemError(named)
     message.kept = kept
     message.trace = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}: {f.line}"
-                     for f in traceback.extract_tb(error.__traceback__)[-calque.TRACE_FRAMES:]]
+                     for f in traceback.extract_tb(error.__traceback__)[-calque_core.TRACE_FRAMES:]]
     return message
 
 
@@ -526,7 +528,7 @@ class Output:
                     if not end:
                         return
                 self.seq += 1
-                key = calque.output_key(self.prefix, self.seq, self.label)
+                key = calque_core.output_key(self.prefix, self.seq, self.label)
                 try:
                     self.store.put(key, chunk[:end].encode())
                 except Exception as e:   # bookkeeping: must not stop the worker
@@ -594,7 +596,7 @@ class Leases:
                 return
             try:
                 self.queue.change_visibility(lease.message, timeout)
-            except calque.LeaseLost as e:
+            except calque_core.LeaseLost as e:
                 log.warning("heartbeat: lease lost (%s); this claim will not be written", e)
                 lease.lost.set()
                 self.remove(lease)
@@ -627,8 +629,8 @@ def release_orphaned_claims(folder, queue):
                 if os.fstat(fd).st_ino == os.stat(path).st_ino:   # (not a new worker's file of that name)
                     os.remove(path)
                 for receipt in held:
-                    with contextlib.suppress(calque.LeaseLost):
-                        queue.change_visibility(calque.Message(None, receipt, 0), 0)
+                    with contextlib.suppress(calque_core.LeaseLost):
+                        queue.change_visibility(calque_core.Message(None, receipt, 0), 0)
                         log.info("worker: a claim held by a dead worker (%s) is visible again now",
                                  os.path.basename(path))
             finally:
@@ -902,19 +904,19 @@ class Worker:
     def __init__(self, backend, record, stats_key_prefix, conf, ephemeral, supervisor_pid=0,
                  ready_file="", spawned_at=None, previous_life=None, gpu_index=0):   # HANDOFF_FLAGS
         self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
-        self.version = calque.version_of(record)   # the only version whose claims it runs
+        self.version = calque_core.version_of(record)   # the only version whose claims it runs
         self.replaced_by = None          # the pool's version, once it is not ours (pool deploy)
         self.version_checked = time.monotonic()
         self.spool_folder = None if ephemeral else os.path.join(
-            calque.state_dir(conf, record["model"]), "spool")
+            calque_core.state_dir(conf, record["model"]), "spool")
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
         self.stats_prefix = stats_key_prefix
         self.stats_key = f"{stats_key_prefix}{self.worker_id}.json"
-        self.grace = calque.setting_number(conf, "CALQUE_GRACE", float, 0)
-        default_timeout = calque.setting_number(conf, "CALQUE_BATCH_TIMEOUT", float, 0.01)
+        self.grace = calque_core.setting_number(conf, "CALQUE_GRACE", float, 0)
+        default_timeout = calque_core.setting_number(conf, "CALQUE_BATCH_TIMEOUT", float, 0.01)
         self.batch_timeout = float(record.get("batch_timeout", default_timeout))
-        self.checkpoint_seconds = calque.setting_number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
-        self.checkpoint_batches = calque.setting_number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
+        self.checkpoint_seconds = calque_core.setting_number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
+        self.checkpoint_batches = calque_core.setting_number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
         self._serving = threading.local()       # per thread: its claim's heartbeat (serving)
         self.watchdog = None                    # Watchdog, armed for the draining claim
         self.progressed = False          # a result part or a summary written (announce)
@@ -924,7 +926,7 @@ class Worker:
         self.part_seconds = 0.0          # s the latest result part's PUT took (commit_interval)
         self.last_word = None            # how this process ends, when it knows (its last stats)
         self.poll_wait = (COLD_POLL_WAIT if ephemeral
-                          else calque.setting_number(conf, "CALQUE_POLL_WAIT", float, 0))
+                          else calque_core.setting_number(conf, "CALQUE_POLL_WAIT", float, 0))
         self.state = "starting"          # starting | backoff | polling | claim | between | stopping
         self.stop_requested = False
         self.scaling_in = False          # a scale-in stop (SIGUSR1): a claim received still runs
@@ -1041,24 +1043,24 @@ class Worker:
         h = self.record["handler"]
         source = self.backend.store.get(h["key"])
         if hashlib.sha256(source).hexdigest() != h["sha256"]:
-            raise calque.UserError(f"handler snapshot {h['key']} does not match the pool record's "
+            raise calque_core.UserError(f"handler snapshot {h['key']} does not match the pool record's "
                                    "sha256: recreate the pool")
         state = os.path.abspath(self.conf["CALQUE_STATE"])
         folder = os.path.join(state, "handlers", h["sha256"][:16])
         if "include" in h:   # the files it needs beside it (pool create --include, add_local_*)
             folder += "-" + h["include"]["sha256"][:16]
-            calque.unpack_include(self.backend.store, h["include"], folder)
+            calque_core.unpack_include(self.backend.store, h["include"], folder)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, h["file"])
-        calque.write_file_atomic(path, source.decode())
+        calque_core.write_file_atomic(path, source.decode())
         enter_workdir(self.record.get("workdir"), folder)
-        self.handler, self.enter_fn, self.batch_fn, collate = calque.load_handler(
+        self.handler, self.enter_fn, self.batch_fn, collate = calque_core.load_handler(
             path, h["class"], self.record.get("modal"), container=True)
-        if isinstance(self.handler, calque.ModalHandler) and not self.ephemeral:
+        if isinstance(self.handler, calque_core.ModalHandler) and not self.ephemeral:
             self.handler.streams = (self.backend.store, self.record["model"])
         self.collator = Collator(collate)
         log.info("worker %s: pool %s, version %s", self.worker_id, self.record["model"],
-                 calque.version_label(self.record))
+                 calque_core.version_label(self.record))
 
     def enter(self):
         self.acquisition_seconds = max(0.0, time.time() - self.spawned_at)
@@ -1138,7 +1140,7 @@ class Worker:
         if self.conf.get("CALQUE_SPOT_POLL"):
             import calque_ec2   # lazy: an instance's metadata, read only where it is
             calque_ec2.SpotPoller(self.conf["CALQUE_SPOT_POLL"],
-                       calque.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
+                       calque_core.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
                        self.request_stop, self.leave if self.protection else None)
         reason = "?"
         try:
@@ -1215,7 +1217,7 @@ class Worker:
             if idle:
                 self.backend.requests.loose.update(counts)
                 since = time.monotonic() - self.version_checked
-                if since > calque.VERSION_CHECK and not self.ephemeral:
+                if since > calque_core.VERSION_CHECK and not self.ephemeral:
                     self.version_checked = time.monotonic()
                     self.replaced_by = self.pool_version_now(self.version)
             else:
@@ -1242,7 +1244,7 @@ class Worker:
         try:
             return sum(self.queue.counts().values()) == 0
         except Exception as e:
-            if calque._aws_error_code(e) not in calque.SQS_NOT_FOUND:
+            if calque_core._aws_error_code(e) not in calque_core.SQS_NOT_FOUND:
                 raise
             return True
 
@@ -1382,11 +1384,11 @@ class Worker:
         """The claim to run, or None when it was handled here (dead-lettered, duplicate acked)."""
         received = time.time()
         try:
-            msg = calque.parse_message(message.body)
+            msg = calque_core.parse_message(message.body)
         except ValueError as e:
             return self.dead_letter(message, f"malformed message: {e}", None)
         key = self.backend.store.key_for_uri(msg["manifest_uri"])
-        match = calque.MANIFEST_KEY.match(key or "")
+        match = calque_core.MANIFEST_KEY.match(key or "")
         if not match:
             return self.dead_letter(message, f"manifest_uri {msg['manifest_uri']!r} is outside "
                                              f"this pool's store {self.backend.describe()}: "
@@ -1396,7 +1398,7 @@ class Worker:
         if msg["model"] != self.record["model"]:
             return self.dead_letter(message, f"claim is for model {msg['model']!r}, "
                                              f"this pool serves {self.record['model']!r}", msg)
-        if calque.run_slug(run_id) != self.record["slug"]:
+        if calque_core.run_slug(run_id) != self.record["slug"]:
             return self.dead_letter(message, f"run {run_id} is not one of this model's runs "
                                              f"({self.record['slug']}.*): refused", msg)
         if msg.get("version", self.version) != self.version and not self.adopted(run_id):
@@ -1404,7 +1406,7 @@ class Worker:
         # over a network, the manifest is read beside the duplicate check; a local one after it
         get = self.backend.store.get
         manifest_read = self.network and self.reader.submit(self.backend.requests.carried(get), key)
-        if self.backend.store.exists(calque.summary_key(run_id, claim)):
+        if self.backend.store.exists(calque_core.summary_key(run_id, claim)):
             if manifest_read:
                 manifest_read.exception()    # let it finish: nothing is left running behind the ack
             self.queue.delete(message)
@@ -1415,7 +1417,7 @@ class Worker:
             manifest = json.loads(manifest_read.result() if manifest_read else get(key))
             items = self.manifest_items(manifest)
             first = int(manifest.get("first_index", 0))
-        except calque.NotFound as e:
+        except calque_core.NotFound as e:
             return self.dead_letter(message, f"claim object {e} does not exist", msg)
         except (ValueError, KeyError, TypeError, IndexError) as e:
             return self.dead_letter(message, f"manifest {key} is corrupt: {e}", msg)
@@ -1431,7 +1433,7 @@ class Worker:
                     raise            # let go, to come back after fault_delay
                 return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
                                                  f"deliveries {limit}, and what earlier deliveries "
-                                                 f"left cannot be read: {calque.aws_error_line(e)}", msg)
+                                                 f"left cannot be read: {calque_core.aws_error_line(e)}", msg)
         if rc > limit and rc - accepted.progress_at > limit:
             return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
                                              f"deliveries {limit}, with no progress (no new "
@@ -1442,8 +1444,8 @@ class Worker:
     def pool_version_now(self, mine):
         """The pool record's version when it is no longer `mine` (pool deploy), else None."""
         try:
-            now = calque.version_of(calque.load_pool(self.backend, self.record["model"]))
-        except (calque.UserError, calque.NotFound, calque.StoreFault) as e:
+            now = calque_core.version_of(calque_core.load_pool(self.backend, self.record["model"]))
+        except (calque_core.UserError, calque_core.NotFound, calque_core.StoreFault) as e:
             log.warning("worker %s: pool record unreadable (%s): version not checked",
                         self.worker_id, e)
             return None
@@ -1452,8 +1454,8 @@ class Worker:
     def adopted(self, run_id):
         """Whether the run record names our version where its claim does not: pool deploy moved a
         run none of whose claims had started to the new version (calque.runs_to_adopt)."""
-        with contextlib.suppress(calque.NotFound, calque.StoreFault, ValueError):
-            run = calque.read_json(self.backend, calque.run_key(run_id))
+        with contextlib.suppress(calque_core.NotFound, calque_core.StoreFault, ValueError):
+            run = calque_core.read_json(self.backend, calque_core.run_key(run_id))
             return run.get("version") == self.version
         return False
 
@@ -1479,19 +1481,19 @@ class Worker:
         if "rows" in manifest:
             if not local:
                 raise ValueError("a Parquet row range by reference needs the local store")
-            return calque.rows_items(manifest["rows"])
+            return calque_runs.rows_items(manifest["rows"])
         if "refs" not in manifest:
-            return calque.manifest_items(self.backend.store, manifest)
+            return calque_core.manifest_items(self.backend.store, manifest)
         source, objects = manifest["refs"]["source"], manifest["refs"]["objects"]
         for name, size, _ in objects:
             if not isinstance(name, str) or name.startswith("/") or ".." in name.split("/") or size < 0:
                 raise ValueError(f"refs object {name!r} of size {size!r} refused")
         if local and source.startswith("file:///"):
-            store = calque.LocalStore(source[len("file://"):], self.backend.requests)
+            store = calque_core.LocalStore(source[len("file://"):], self.backend.requests)
         elif not local and source.startswith("s3://"):
             bucket, _, prefix = source[len("s3://"):].partition("/")
             mine = self.backend.store
-            store = calque.S3Store(mine.s3, bucket, prefix.strip("/"), self.backend.requests, mine.endpoint_retry)
+            store = calque_core.S3Store(mine.s3, bucket, prefix.strip("/"), self.backend.requests, mine.endpoint_retry)
         else:
             raise ValueError(f"refs source {source!r} cannot be read by the workers of {self.backend.describe()}")
         return FetchedItems(store, objects, self.fetchers, self.backend.requests.carried(store.fetch))
@@ -1500,19 +1502,19 @@ class Worker:
         """What earlier deliveries left: their result parts (a torn one is redone), and their
         attempt record: how the last one ended (the rules: docs/contract.md)."""
         rc = claim.message.receive_count
-        keys = self.backend.store.list(calque.results_prefix(claim.run_id, claim.claim_id))
-        for start, stop, key in calque.part_chain(keys, len(claim.items)):
+        keys = self.backend.store.list(calque_core.results_prefix(claim.run_id, claim.claim_id))
+        for start, stop, key in calque_core.part_chain(keys, len(claim.items)):
             try:
-                part = calque.read_part(self.backend.store, key, start, stop)
+                part = calque_core.read_part(self.backend.store, key, start, stop)
                 lines = [json.loads(line) for line in part.lines]
-            except (calque.ResultsIncomplete, ValueError) as e:
+            except (calque_core.ResultsIncomplete, ValueError) as e:
                 log.warning("worker %s: part %s unreadable (%s): recomputing from offset %d",
                             self.worker_id, key, e, claim.start)
                 break
             for line in lines[claim.start - start:]:
                 if not line["ok"]:
                     claim.failed.append(line["i"])
-                    if len(claim.errors) < calque.ERRORS_KEPT:
+                    if len(claim.errors) < calque_core.ERRORS_KEPT:
                         claim.errors[str(line["i"])] = line["error"]
             claim.parts.append([start, stop])
             claim.start = claim.committed = stop
@@ -1523,7 +1525,7 @@ class Worker:
             claim.formatted.append((stop, ([spooled], failed, errors)))
             claim.start = stop
         claim.resumed_failed = len(claim.failed) + len(failed)
-        record, attempt = {}, calque.attempt_key(claim.run_id, claim.claim_id)
+        record, attempt = {}, calque_core.attempt_key(claim.run_id, claim.claim_id)
         if attempt in keys:
             try:
                 record = json.loads(self.backend.store.get(attempt))
@@ -1648,7 +1650,7 @@ class Worker:
             resumed=claim.start, collate_wait_seconds=round(claim.wait_seconds, 6),
             prefetch=self.pipelined(claim), gpu_utilisation=claim.gpu)
         self.output.flush()              # what the claim printed lands before its summary
-        self._put(calque.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
+        self._put(calque_core.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
         self.made_progress()
         self.heartbeat.stop()            # no renewal may land after the ack
         self.acks.add(claim.message, f"{claim.run_id}/{claim.claim_id}")
@@ -1661,7 +1663,7 @@ class Worker:
         for k, value in enumerate((1, ran, seconds, ran * ran, ran * seconds)):
             self.claim_fit[k] += value
         gap = claim.received - (self.finished_at or -math.inf)   # idle past PLAN_GAP_MAX: not a gap
-        if gap <= calque.PLAN_GAP_MAX:
+        if gap <= calque_core.PLAN_GAP_MAX:
             self.claim_gaps[0] += 1
             self.claim_gaps[1] += max(0.0, gap)   # received ahead: no gap
         self.finished_at = finished
@@ -1673,7 +1675,7 @@ class Worker:
 
     def _summary(self, message, run_id, claim, started, finished, extra_other, **fields):
         """calque.claim_summary with this worker's identity and requests (+ the writes to come)."""
-        return calque.claim_summary(
+        return calque_core.claim_summary(
             run_id=run_id, claim=claim, model=self.record["model"], worker_id=self.worker_id,
             mode="cold" if self.ephemeral else "pool", backend=self.backend.kind,
             receive_count=message.receive_count, enter_count=self.enter_count, started=started,
@@ -1797,14 +1799,14 @@ class Worker:
         if not ready:
             return
         stop = ready[-1][0]
-        suffix, data = calque.encode_part([c for _, (chunks, _, _) in ready for c in chunks])
+        suffix, data = calque_core.encode_part([c for _, (chunks, _, _) in ready for c in chunks])
         t0 = time.monotonic()
-        self._put(calque.part_key(claim.run_id, claim.claim_id, claim.committed, stop, suffix),
+        self._put(calque_core.part_key(claim.run_id, claim.claim_id, claim.committed, stop, suffix),
                   data)
         self.part_seconds = time.monotonic() - t0
         for _, (_, failed, errors) in ready:
             claim.failed += failed
-            claim.errors.update(list(errors.items())[:calque.ERRORS_KEPT - len(claim.errors)])
+            claim.errors.update(list(errors.items())[:calque_core.ERRORS_KEPT - len(claim.errors)])
         claim.parts.append([claim.committed, stop])
         claim.committed, claim.progress_at = stop, claim.message.receive_count
         self.made_progress()
@@ -1816,13 +1818,13 @@ class Worker:
         (best effort, not retried: the next one or the summary says it; a failure logged once)."""
         claim.reported_at = time.monotonic()
         try:
-            self.backend.store.put(calque.progress_key(claim.run_id, claim.claim_id), json.dumps(
-                {"done": done, "worker_id": self.worker_id, "at": calque.now_iso()}))
+            self.backend.store.put(calque_core.progress_key(claim.run_id, claim.claim_id), json.dumps(
+                {"done": done, "worker_id": self.worker_id, "at": calque_core.now_iso()}))
         except Exception as e:
             if not self.progress_failed:
                 log.warning("worker %s: progress of claim %s/%s not written (%s); submit shows it "
                             "when the claim ends (logged once)", self.worker_id, claim.run_id,
-                            claim.claim_id, calque.aws_error_line(e))
+                            claim.claim_id, calque_core.aws_error_line(e))
             self.progress_failed = True
 
     def made_progress(self):
@@ -1837,10 +1839,10 @@ class Worker:
         claim.record = dict(claim.record, state=state, running=list(running),
                             worker_id=self.worker_id, receive_count=claim.message.receive_count,
                             covered=claim.committed, progress_at=claim.progress_at,
-                            quarantined=claim.quarantined, at=calque.now_iso(),
+                            quarantined=claim.quarantined, at=calque_core.now_iso(),
                             alive=round(time.time() - claim.received, 3), **fields)
         put = self._put if retry else self.backend.store.put
-        put(calque.attempt_key(claim.run_id, claim.claim_id), json.dumps(claim.record))
+        put(calque_core.attempt_key(claim.run_id, claim.claim_id), json.dumps(claim.record))
 
     def _put(self, key, data):
         """A store write for the running claim, retried (WRITE_RETRY) while its lease holds."""
@@ -1973,7 +1975,7 @@ class Worker:
                 outputs = self.batch_fn(self.collator.inputs(prepared))
                 model = self.model_clock() - t0
                 try:
-                    rows = calque.batch_rows(outputs, len(payloads))
+                    rows = calque_core.batch_rows(outputs, len(payloads))
                     return [(True, o) for o in rows], model, wait
                 except ValueError as e:     # the wrong count or shape: all fail, none retried
                     return [(False, str(e))] * len(payloads), model, wait
@@ -1992,7 +1994,7 @@ class Worker:
                 finally:
                     self.collator.release(single)
                 try:
-                    outcome.append((True, calque.batch_rows(out, 1)[0]))
+                    outcome.append((True, calque_core.batch_rows(out, 1)[0]))
                 except ValueError as e:
                     outcome.append((False, str(e)))
             except Exception as e:
@@ -2003,7 +2005,7 @@ class Worker:
     def dead_letter(self, message, reason, msg, note="the claim was not run"):
         """A claim that cannot succeed: failure summary (if the run is known), DLQ copy, delete."""
         run_id, claim = (msg or {}).get("run_id"), (msg or {}).get("claim")
-        known = all(isinstance(v, str) and calque.SAFE_ID.match(v) for v in (run_id, claim))
+        known = all(isinstance(v, str) and calque_core.SAFE_ID.match(v) for v in (run_id, claim))
         if known:
             try:    # another model's run may be out of this worker's reach (its IAM role)
                 self.write_failure_summary(message, run_id, claim, reason, note)
@@ -2012,7 +2014,7 @@ class Worker:
                             run_id, claim, type(e).__name__, e)
         self.dlq.send(json.dumps({"reason": reason, "body": message.body,
                                   "receive_count": message.receive_count,
-                                  "worker_id": self.worker_id, "at": calque.now_iso(),
+                                  "worker_id": self.worker_id, "at": calque_core.now_iso(),
                                   "run_id": run_id if known else None,
                                   "claim": claim if known else None}))
         self.queue.delete(message)
@@ -2021,7 +2023,7 @@ class Worker:
 
     def write_failure_summary(self, message, run_id, claim, reason, note):
         """The summary of a claim that was not run (unless one exists), for a waiting submitter."""
-        key = calque.summary_key(run_id, claim)
+        key = calque_core.summary_key(run_id, claim)
         if not self.backend.store.exists(key):
             now = time.time()
             summary = json.dumps(self._summary(message, run_id, claim, now, now,
@@ -2029,7 +2031,7 @@ class Worker:
                                                error=reason,
                                                notes=[f"dead-lettered: {note}"]),
                                  indent=1)
-            own = calque.run_slug(run_id) == self.record["slug"]   # another's may be out of reach
+            own = calque_core.run_slug(run_id) == self.record["slug"]   # another's may be out of reach
             (self._put if own else self.backend.store.put)(key, summary)
 
     # ---- accounting -----------------------------------------------------------------------------
@@ -2039,7 +2041,7 @@ class Worker:
         delta = self.backend.requests.take()
         delta["store_puts"] += extra_puts
         delta["queue_other"] += extra_other
-        return {k: delta[k] for k in calque.REQUEST_KEYS}
+        return {k: delta[k] for k in calque_core.REQUEST_KEYS}
 
     def write_stats(self, state):
         now = time.time()
@@ -2047,11 +2049,11 @@ class Worker:
         stats = {"worker_id": self.worker_id, "model": self.record["model"],
                  "host": socket.gethostname(), "pid": os.getpid(),
                  "mode": "cold" if self.ephemeral else "pool", "state": state,
-                 "backend": self.backend.kind, "started_at": calque.now_iso(self.started),
-                 "updated_at": calque.now_iso(now), "alive_seconds": round(now - self.started, 3),
+                 "backend": self.backend.kind, "started_at": calque_core.now_iso(self.started),
+                 "updated_at": calque_core.now_iso(now), "alive_seconds": round(now - self.started, 3),
                  "busy_seconds": round(self.busy_seconds, 3),
                  "enter_seconds": round(self.enter_seconds, 6), "enter_count": self.enter_count,
-                 "entered_at": calque.now_iso(self.entered_at) if self.entered_at else None,
+                 "entered_at": calque_core.now_iso(self.entered_at) if self.entered_at else None,
                  "acquisition_seconds": round(self.acquisition_seconds, 6),
                  "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"],
                  "items": self.stats["items"], "items_failed": self.stats["items_failed"],
@@ -2084,7 +2086,7 @@ def announce(ready_file, *words):
     @enter is done (pool create waits on it), then "progress" once a result part or a summary is
     written (a death after that is not a crash loop: supervisor.restart_delay)."""
     if ready_file:
-        calque.write_file_atomic(ready_file, " ".join((str(os.getpid()), *words)))
+        calque_core.write_file_atomic(ready_file, " ".join((str(os.getpid()), *words)))
 
 
 HANDOFF_FLAGS = (("--supervisor-pid", int), ("--ready-file", str), ("--spawned-at", float),
@@ -2092,7 +2094,7 @@ HANDOFF_FLAGS = (("--supervisor-pid", int), ("--ready-file", str), ("--spawned-a
 
 
 def main(argv=None):
-    parser = calque.Parser(prog="warmd" if calque.command() == "calque" else "python warmd.py",
+    parser = calque_core.Parser(prog="warmd" if calque_core.command() == "calque" else "python warmd.py",
                            description="The sticky worker of a calque pool.")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", help="serve the pool of this model")
@@ -2102,43 +2104,43 @@ def main(argv=None):
         parser.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     try:
         if argv is None:   # a command line: in the kit's .venv when this Python lacks its packages
-            calque.kit_python(sys.argv[1:], os.path.abspath(__file__))
+            calque_core.kit_python(sys.argv[1:], os.path.abspath(__file__))
         args = parser.parse_args(argv)
-    except calque.UserError as e:
+    except calque_core.UserError as e:
         print(f"warmd: error: {e}", file=sys.stderr)
-        return calque.EXIT_USAGE
+        return calque_core.EXIT_USAGE
     logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
     faulthandler.enable()   # a handler that crashes the process (a segfault) leaves its traceback in the worker log
     try:
-        conf = calque.settings()
+        conf = calque_core.settings()
         # check the store under the pool's own folder, the only one a least-privilege worker role may list
-        own_folder = f"pools/{calque.slug(args.model)}/" if args.model else f"runs/{args.run}/"
-        backend = calque.open_backend(conf["CALQUE_STORE"], check_prefix=own_folder)
+        own_folder = f"pools/{calque_core.slug(args.model)}/" if args.model else f"runs/{args.run}/"
+        backend = calque_core.open_backend(conf["CALQUE_STORE"], check_prefix=own_folder)
         handoff = {key: value for key, value in vars(args).items() if key not in ("model", "run")}
         if args.model:
-            record = calque.load_pool(backend, args.model)
-            prefix = calque.worker_stats_prefix(args.model)
+            record = calque_core.load_pool(backend, args.model)
+            prefix = calque_core.worker_stats_prefix(args.model)
         else:
-            record = calque.read_json(backend, calque.cold_record_key(args.run))
+            record = calque_core.read_json(backend, calque_core.cold_record_key(args.run))
             prefix = f"runs/{args.run}/workers/"
         worker = Worker(backend, record, prefix, conf, not args.model, **handoff)
         worker.output.capture()
         worker.work()
         if worker.replaced_by:
-            return calque.EXIT_REPLACED
-    except calque.UserError as e:
+            return calque_core.EXIT_REPLACED
+    except calque_core.UserError as e:
         print(f"warmd: error: {e}", file=sys.stderr)
-        return calque.EXIT_USAGE
-    except calque.NotFound as e:
-        print(f"warmd: error: {e} not found in the store: check CALQUE_STORE and the pool (`{calque.command()} pool list`)",
+        return calque_core.EXIT_USAGE
+    except calque_core.NotFound as e:
+        print(f"warmd: error: {e} not found in the store: check CALQUE_STORE and the pool (`{calque_core.command()} pool list`)",
               file=sys.stderr)
-        return calque.EXIT_USAGE
+        return calque_core.EXIT_USAGE
     except Exception as e:
         if type(e).__module__.startswith("botocore"):   # at start-up: credentials, permissions, endpoint
-            print(f"warmd: error: AWS: {calque.aws_error_line(e)}: check the instance role and region", file=sys.stderr)
-            return calque.EXIT_FAILED
+            print(f"warmd: error: AWS: {calque_core.aws_error_line(e)}: check the instance role and region", file=sys.stderr)
+            return calque_core.EXIT_FAILED
         raise
-    return calque.EXIT_OK
+    return calque_core.EXIT_OK
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import tempfile
 import time
 
 import calque
+import calque_core
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -62,8 +63,8 @@ def items_file(folder, count, make):
 def finished(env, run_id):
     """(s from the run's created_at to its last summary, the summaries)."""
     show = json.loads(cli(env, "runs", "show", run_id, "--json").stdout)
-    ended = max(calque._parse_time(s["finished_at"], "f") for s in show["summaries"])
-    return (ended - calque._parse_time(show["run"]["created_at"], "c")).total_seconds(), show["summaries"]
+    ended = max(calque_core._parse_time(s["finished_at"], "f") for s in show["summaries"])
+    return (ended - calque_core._parse_time(show["run"]["created_at"], "c")).total_seconds(), show["summaries"]
 
 
 def scale_to(env, name, workers):
@@ -89,8 +90,8 @@ def burst(sized):
         cli(env, "pool", "create", "--model", "m", "--handler", "tests/handlers.py:Matmul", *flags)
         run = json.loads(cli(env, "submit", "--pool", "m", items, "--claim-size", "100", "--json").stdout)
         import calque
-        last = max(calque._parse_time(s["finished_at"], "f") for s in run["summaries"]).timestamp()
-        first = min(calque._parse_time(s["started_at"], "s") for s in run["summaries"]).timestamp()
+        last = max(calque_core._parse_time(s["finished_at"], "f") for s in run["summaries"]).timestamp()
+        first = min(calque_core._parse_time(s["started_at"], "s") for s in run["summaries"]).timestamp()
         assert all(s["receive_count"] == 1 for s in run["summaries"]) and len(run["summaries"]) == 40
         with open(os.path.join(env["CALQUE_STATE"], "pools", "m", "supervisor.json")) as f:
             spawned = [(w["started_at"] - started, w["threads"]) for w in json.load(f)["workers"]]
@@ -143,7 +144,7 @@ def planner(name, handler, make, divisor, claim_size):
             predicted, count = run["plan"]["seconds"], run["plan"]["count"]
             # a miss split in two: how far the run's own seconds an item moved from the measured one, and
             # the prediction scaled by that move (the planner's model given the run's own speed)
-            drift = calque.measured_seconds(summaries)[1] / plan["options"][count - 1]["seconds_per_item"] - 1
+            drift = calque_core.measured_seconds(summaries)[1] / plan["options"][count - 1]["seconds_per_item"] - 1
             rows.append((workers, predicted, actual))
             print(f"  {name:<6} {count} worker(s){' from 0' if not workers else ''}: predicted "
                   f"{predicted:6.2f} s, actual {actual:6.2f} s ({(predicted - actual) / actual:+.1%}); the run's "

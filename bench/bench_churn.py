@@ -21,6 +21,8 @@ import types
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 import churn  # noqa: E402
 from bench_pool import HANDLERS, calque, make_pool, warmd  # noqa: E402
+import calque_core
+import calque_runs
 
 SEED = int(os.environ.get("BENCH_CHURN_SEED", "1"))
 RATES = (("no kill", None, ()), ("moderate", (1.5, 3.5), ()), ("harsh", (0.5, 1.5), ()),
@@ -55,7 +57,7 @@ def cadence():
         conf, backend, record = make_pool(os.path.join(folder, "store"), os.path.join(folder, "state"),
                                           f"{HANDLERS}:Faulty", batch_size=4)
         queue = backend.queues.open_queue(record["queue"])
-        workers = {name: warmd.Worker(backend, record, calque.worker_stats_prefix("bench"), conf, False)
+        workers = {name: warmd.Worker(backend, record, calque_core.worker_stats_prefix("bench"), conf, False)
                    for name in ("never killed", "checkpoint rule alone", "a part every batch")}
         workers["checkpoint rule alone"].commit_interval = lambda claim: None
         workers["checkpoint rule alone"].spool_folder = None
@@ -67,12 +69,12 @@ def cadence():
             names = list(workers)
             for name in names[k % 3:] + names[:k % 3]:   # a claim each, one after the other, first in turn
                 worker = workers[name]
-                run = calque.stage_run(backend, record, [{"x": i, "spin": 2000} for i in range(64)], 64, queue,
+                run = calque_runs.stage_run(backend, record, [{"x": i, "spin": 2000} for i in range(64)], 64, queue,
                                        "pool")
                 t0 = time.perf_counter()
                 worker.handle(queue.receive(1))
                 times[name].append(time.perf_counter() - t0)
-                summary = calque.read_json(backend, calque.summary_key(run["run_id"], "c00000"))
+                summary = calque_core.read_json(backend, calque_core.summary_key(run["run_id"], "c00000"))
                 puts[name].append(summary["requests"]["store_puts"])
     base = statistics.median(times["checkpoint rule alone"])
     for name in workers:

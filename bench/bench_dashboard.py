@@ -13,18 +13,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import calque  # noqa: E402
 import calque_dashboard as dashboard  # noqa: E402
+import calque_core
+import calque_cost
 
 CLAIMS, WORKERS, ITEMS, CLAIM_SECONDS = 10_000, 8, 10, 0.5
 
 
 def synth_run(backend, claims, model="bench", items=ITEMS):
     """A pool run's record of `claims` claims of `items` items, all sent, none finished."""
-    run_id = calque.new_run_id(model)
+    run_id = calque_core.new_run_id(model)
     run = {"run_id": run_id, "model": model, "mode": "pool", "items": claims * items,
-           "claims": [calque.claim_id(i) for i in range(claims)], "claim_size": items,
-           "queue": calque.pool_queue_name(model), "backend": backend.kind, "store": backend.describe(),
-           "created_at": calque.now_iso(), "sent": claims, "staged": True}
-    calque.write_json(backend, calque.run_key(run_id), run)
+           "claims": [calque_core.claim_id(i) for i in range(claims)], "claim_size": items,
+           "queue": calque_core.pool_queue_name(model), "backend": backend.kind, "store": backend.describe(),
+           "created_at": calque_core.now_iso(), "sent": claims, "staged": True}
+    calque_core.write_json(backend, calque_core.run_key(run_id), run)
     return run
 
 
@@ -35,13 +37,13 @@ def finish_claims(backend, run, start, stop, workers=WORKERS, t0=None):
     for i in range(start, stop):
         begin = t0 + (i // workers) * CLAIM_SECONDS
         failed = [i * ITEMS] if i % 50 == 0 else []
-        summary = calque.claim_summary(
-            run_id=run["run_id"], claim=calque.claim_id(i), model=run["model"], worker_id=f"bench-{i % workers}",
+        summary = calque_core.claim_summary(
+            run_id=run["run_id"], claim=calque_core.claim_id(i), model=run["model"], worker_id=f"bench-{i % workers}",
             mode="pool", backend=backend.kind, receive_count=1, enter_count=1, started=begin,
             finished=begin + CLAIM_SECONDS * 0.98, requests={"queue_receives": 1, "store_gets": 1, "store_puts": 2},
             items=ITEMS, failed=failed, errors={str(f): f"ValueError: item {f}: bad input" for f in failed},
             warm_hit=True, model_seconds=CLAIM_SECONDS * 0.9)
-        calque.write_json(backend, calque.summary_key(run["run_id"], summary["claim"]), summary)
+        calque_core.write_json(backend, calque_core.summary_key(run["run_id"], summary["claim"]), summary)
 
 
 def fetch(url):
@@ -55,7 +57,7 @@ def main():
     folder = tempfile.mkdtemp(prefix="calque-bench-dashboard-")
     env = dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"), CALQUE_STATE=os.path.join(folder, "state"),
                CALQUE_ENV=os.path.join(folder, "none.env"))
-    backend = calque.open_backend(env["CALQUE_STORE"])
+    backend = calque_core.open_backend(env["CALQUE_STORE"])
     run = synth_run(backend, CLAIMS)
     finish_claims(backend, run, 0, CLAIMS - 100)
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "calque.py"), "dashboard", "--port", "0"], env=env,
@@ -79,7 +81,7 @@ def main():
     print(f"  live part after 100 new summaries    {new[0]:.3f} s")
     print(f"  /api/runs/RUN                        {api[0]:.3f} s  {api[1] / 1024:.0f} KiB")
 
-    board = dashboard.Dashboard({"CALQUE_STATE": env["CALQUE_STATE"]}, backend, calque.pricing())
+    board = dashboard.Dashboard({"CALQUE_STATE": env["CALQUE_STATE"]}, backend, calque_cost.pricing())
     small, t0, reads = synth_run(backend, 1000, model="reads"), time.time() - 100, {}
     for label, start, stop in (("first, 500 of 1,000 done", 0, 500), ("100 new", 500, 600), ("nothing new", 600, 600),
                                ("400 new, complete", 600, 1000), ("complete", 1000, 1000)):

@@ -29,6 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from common import chosen, compile_kit  # noqa: E402
+import calque_core
+import calque_supervisor
 
 # ------------------------------------------------------------------------------------------------
 PROMPTS = (300, 1200, 6000)       # run sizes (the 300 and 1,200, and a longer one)
@@ -87,7 +89,7 @@ def timed(calque, prompts, claim_size=None):
     t0 = time.perf_counter()
     run = calque.submit(prompts, pool="gen", claim_size=claim_size)
     assert run.wait(timeout=1800)
-    return time.perf_counter() - t0, calque.format_sizes(calque.claim_sizes(run.record), shown=4)
+    return time.perf_counter() - t0, calque_core.format_sizes(calque_core.claim_sizes(run.record), shown=4)
 
 
 def sizes_section(tmp, prompts):
@@ -123,12 +125,12 @@ def tail_section(tmp, prompts):
             while True:   # a worker holding a claim (its receipts file names one)
                 status = json.load(open(os.path.join(state, "supervisor.json")))
                 held = [w for w in status["workers"] if w["pid"] and json.loads(
-                    calque.read_state(os.path.join(state, f"worker-{w['slot']}.claims"), str, "[]"))]
+                    calque_supervisor.read_state(os.path.join(state, f"worker-{w['slot']}.claims"), str, "[]"))]
                 if held:
                     break
                 time.sleep(0.01)
             if not released:
-                calque.write_file_atomic(os.path.join(state, f"worker-{held[0]['slot']}.claims"), "[]")
+                calque_core.write_file_atomic(os.path.join(state, f"worker-{held[0]['slot']}.claims"), "[]")
             os.kill(held[0]["pid"], signal.SIGKILL)
             killed = time.perf_counter()
             assert run.wait(timeout=600)

@@ -31,6 +31,7 @@ from bench_embed import calque_cli, folder_bytes   # noqa: E402
 from bench_media_in import peak_rss                # noqa: E402
 from common import chosen, compile_kit             # noqa: E402
 import make_media                                  # noqa: E402
+import calque_core
 
 # ------------------------------------------------------------------------------------------------
 IMAGES = int(os.environ.get("BENCH_IMAGES", "300"))                  # JPEGs of the job
@@ -99,7 +100,7 @@ def gpu_busy(env, run_id):
     """The run's GPU busy fraction (NVML, its workers' claims weighted by their seconds), or "" without a GPU."""
     import calque
     measured = [(s["gpu_utilisation"]["value"], s["claim_seconds"]) for s in
-                calque.read_summaries(calque.open_backend(env["CALQUE_STORE"]), run_id)
+                calque_core.read_summaries(calque_core.open_backend(env["CALQUE_STORE"]), run_id)
                 if (s.get("gpu_utilisation") or {}).get("measured")]
     seconds = sum(t for _, t in measured)
     return f"   GPU busy {sum(v * t for v, t in measured) / seconds:.0%}" if seconds else ""

@@ -30,6 +30,8 @@ from bench_pool import make_pool, start_moto   # noqa: E402  (sets the dummy AWS
 from common import chosen                      # noqa: E402
 import calque  # noqa: E402
 import warmd   # noqa: E402
+import calque_core
+import calque_runs
 
 PHOTOS = int(os.environ.get("BENCH_PHOTOS", "400"))              # photos of the reference section
 PARQUET_GB = float(os.environ.get("BENCH_PARQUET_GB", "2"))     # the rss section's Parquet of images
@@ -66,12 +68,12 @@ def run_in_process(store, state, source, name):
     run id, summaries)."""
     conf, backend, record = make_pool(store, state, HANDLER, model=name, batch_size=32)
     queue = backend.queues.open_queue(record["queue"])
-    worker = warmd.Worker(backend, record, calque.worker_stats_prefix(name), conf, False)
+    worker = warmd.Worker(backend, record, calque_core.worker_stats_prefix(name), conf, False)
     worker.start()
-    run = calque.stage_run(backend, record, calque.read_items(source), 100, queue, "pool")
-    while len(calque.list_summaries(backend, run["run_id"])) < len(run["claims"]):
+    run = calque_runs.stage_run(backend, record, calque_runs.read_items(source), 100, queue, "pool")
+    while len(calque_core.list_summaries(backend, run["run_id"])) < len(run["claims"]):
         worker.handle(queue.receive(1))
-    summaries = calque.read_summaries(backend, run["run_id"])
+    summaries = calque_core.read_summaries(backend, run["run_id"])
     assert all(s["status"] == "ok" for s in summaries), [s["errors"] for s in summaries]
     return backend, run["run_id"], summaries
 

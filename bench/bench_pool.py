@@ -26,6 +26,10 @@ os.environ.update(AWS_EC2_METADATA_DISABLED="true", AWS_ACCESS_KEY_ID="testing",
                   AWS_DEFAULT_REGION="us-east-1")
 import calque  # noqa: E402
 import warmd   # noqa: E402
+import calque_core
+import calque_runs
+import calque_supervisor
+import calque_fleet
 
 # ------------------------------------------------------------------------------------------------
 DISPATCH_CLAIMS = int(os.environ.get("BENCH_DISPATCH", "200"))   # claims timed for dispatch overhead
@@ -63,8 +67,8 @@ def start_moto(stock_clock=False):
 
 def make_pool(store, state, handler, model="bench", batch_size=64):
     os.environ.update(CALQUE_STORE=store, CALQUE_STATE=state)
-    conf = calque.settings()
-    backend = calque.open_backend(store)
+    conf = calque_core.settings()
+    backend = calque_core.open_backend(store)
     args = calque.build_parser().parse_args(["pool", "create", "--model", model, "--handler", handler,
                                             "--batch-size", str(batch_size), "--visibility-timeout", "60",
                                             "--workers", "0"])   # the bench's own in-process worker serves it alone
@@ -74,17 +78,17 @@ def make_pool(store, state, handler, model="bench", batch_size=64):
             calque.cmd_pool_create(conf, backend, args)
         finally:
             sys.stdout = saved
-    return conf, backend, calque.load_pool(backend, model)
+    return conf, backend, calque_core.load_pool(backend, model)
 
 
 def dispatch_overhead(store, state):
     """Median seconds per claim through one in-process worker with an empty handler."""
     conf, backend, record = make_pool(store, state, f"{HANDLERS}:Empty")
     queue = backend.queues.open_queue(record["queue"])
-    worker = warmd.Worker(backend, record, calque.worker_stats_prefix("bench"), conf, False)
+    worker = warmd.Worker(backend, record, calque_core.worker_stats_prefix("bench"), conf, False)
     worker.start()
     for _ in range(DISPATCH_CLAIMS):
-        calque.stage_run(backend, record, [{"x": 1}], 1, queue, "pool")
+        calque_runs.stage_run(backend, record, [{"x": 1}], 1, queue, "pool")
     times = []
     for _ in range(DISPATCH_CLAIMS):
         t0 = time.perf_counter()
@@ -97,18 +101,18 @@ def idle_round_trip(store, state):
     """Median seconds from submit to summary, with an idle warm warmd.py waiting on the queue."""
     conf, backend, record = make_pool(store, state, f"{HANDLERS}:Empty", model="idle")
     queue = backend.queues.open_queue(record["queue"])
-    env = calque.child_env(conf)
-    worker = subprocess.Popen([sys.executable, calque.WARMD, "--model", "idle"], env=env, cwd=ROOT,
+    env = calque_supervisor.child_env(conf)
+    worker = subprocess.Popen([sys.executable, calque_core.WARMD, "--model", "idle"], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while not calque.read_worker_stats(backend, "idle"):
+        while not calque_core.read_worker_stats(backend, "idle"):
             time.sleep(0.05)
         times = []
         for _ in range(ROUND_TRIPS):
             time.sleep(0.05)   # let the worker go back to its long poll: this measures an idle worker
             t0 = time.perf_counter()
-            run = calque.stage_run(backend, record, [{"x": 1}], 1, queue, "pool")
-            summaries, timed_out = calque.wait_for_run(backend, run, 30, progress=False)
+            run = calque_runs.stage_run(backend, record, [{"x": 1}], 1, queue, "pool")
+            summaries, timed_out = calque_runs.wait_for_run(backend, run, 30, progress=False)
             times.append(time.perf_counter() - t0)
             assert summaries and not timed_out
         return statistics.median(times), statistics.quantiles(times, n=20)[18]
@@ -125,16 +129,16 @@ def warm_vs_cold(store, state):
     with open(os.path.join(ROOT, "examples", "items.jsonl")) as f:
         base = [json.loads(line) for line in f]
     items = [base[i % len(base)] for i in range(CLAIMS * ITEMS_PER_CLAIM)]
-    env = calque.child_env(conf)
-    worker = subprocess.Popen([sys.executable, calque.WARMD, "--model", "demo"], env=env, cwd=ROOT,
+    env = calque_supervisor.child_env(conf)
+    worker = subprocess.Popen([sys.executable, calque_core.WARMD, "--model", "demo"], env=env, cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while not calque.read_worker_stats(backend, "demo"):   # written once @enter is done
+        while not calque_core.read_worker_stats(backend, "demo"):   # written once @enter is done
             time.sleep(0.05)
         queue = backend.queues.open_queue(record["queue"])
         t0 = time.perf_counter()
-        run = calque.stage_run(backend, record, items, ITEMS_PER_CLAIM, queue, "pool")
-        warm_summaries, _ = calque.wait_for_run(backend, run, 3600, progress=False)
+        run = calque_runs.stage_run(backend, record, items, ITEMS_PER_CLAIM, queue, "pool")
+        warm_summaries, _ = calque_runs.wait_for_run(backend, run, 3600, progress=False)
         warm_wall = time.perf_counter() - t0
     finally:
         worker.terminate()
@@ -145,7 +149,7 @@ def warm_vs_cold(store, state):
         chunk = items[k * ITEMS_PER_CLAIM:(k + 1) * ITEMS_PER_CLAIM]
         saved, sys.stderr = sys.stderr, open(os.devnull, "w")
         try:
-            run, summaries, _ = calque.cold_run(conf, backend, chunk, model="demo", batch_size=ITEMS_PER_CLAIM,
+            run, summaries, _ = calque_fleet.cold_run(conf, backend, chunk, model="demo", batch_size=ITEMS_PER_CLAIM,
                                                 claim_size=ITEMS_PER_CLAIM, timeout=3600, progress=False)
         finally:
             sys.stderr = saved
@@ -165,11 +169,11 @@ def occupancy(store, state, prefetch):
     np.save(path, np.random.default_rng(0).standard_normal((OVERLAP_ITEMS, 1024)).astype(np.float32))
     queue = backend.queues.open_queue(record["queue"])
     warmd.PREFETCH = prefetch
-    worker = warmd.Worker(backend, record, calque.worker_stats_prefix("overlap"), conf, False)
+    worker = warmd.Worker(backend, record, calque_core.worker_stats_prefix("overlap"), conf, False)
     worker.start()
-    run = calque.stage_run(backend, record, calque.read_items(path), OVERLAP_ITEMS, queue, "pool")
+    run = calque_runs.stage_run(backend, record, calque_runs.read_items(path), OVERLAP_ITEMS, queue, "pool")
     worker.handle(queue.receive(1))
-    summary = calque.read_summaries(backend, run["run_id"])[0]
+    summary = calque_core.read_summaries(backend, run["run_id"])[0]
     assert summary["status"] == "ok", summary["errors"]
     return summary
 

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from common import compile_kit  # noqa: E402
 import calque  # noqa: E402
+import calque_core
 
 ITEMS = int(os.environ.get("BENCH_RESULT_ITEMS", "50000"))   # embeddings per run
 TRIALS = int(os.environ.get("BENCH_RESULT_TRIALS", "3"))     # times each is measured (the median is printed)
@@ -84,9 +85,9 @@ def write_cost(claim=1000, batch=32):
         def one_claim():
             chunks = []
             for k, returned in enumerate(returns):
-                outcome = [(True, r) for r in calque.batch_rows(returned, len(returned))]
+                outcome = [(True, r) for r in calque_core.batch_rows(returned, len(returned))]
                 chunks += warmd.format_outcome(outcome, k * batch)[0]
-            return calque.encode_part(chunks)
+            return calque_core.encode_part(chunks)
         print(f"  write one claim of {claim} x 256 float32, {name}: {timed(one_claim) * 1000:.1f} ms "
               f"({len(one_claim()[1]) / claim:,.0f} bytes an item)")
 

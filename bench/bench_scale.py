@@ -53,6 +53,7 @@ sys.path.insert(0, ROOT)
 os.environ.update(AWS_EC2_METADATA_DISABLED="true", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
                   AWS_DEFAULT_REGION="us-east-1")
 import calque  # noqa: E402
+import calque_core
 from bench_pool import start_moto  # noqa: E402
 from latency_proxy import start_proxy  # noqa: E402
 from common import chosen, warmd_command  # noqa: E402
@@ -181,17 +182,17 @@ def pool(env, workers, handler=f"{DEMO}:DemoModel"):
     """A demo pool (or one of `handler`) with `workers` warm local workers; their pids."""
     cli(env, "pool", "create", "--model", "demo", "--handler", handler, "--workers", str(workers),
         "--batch-size", str(BATCH))
-    backend = calque.open_backend(env["CALQUE_STORE"])
+    backend = calque_core.open_backend(env["CALQUE_STORE"])
     deadline = time.monotonic() + 120
-    while len(calque.read_worker_stats(backend, "demo")) < workers:
+    while len(calque_core.read_worker_stats(backend, "demo")) < workers:
         assert time.monotonic() < deadline, "workers did not get warm"
         time.sleep(0.1)
-    return backend, [w["pid"] for w in calque.read_worker_stats(backend, "demo")]
+    return backend, [w["pid"] for w in calque_core.read_worker_stats(backend, "demo")]
 
 
 def worker_requests(backend, model):
     """{worker id: its request counts} from the pool's worker stats."""
-    return {s["worker_id"]: Counter(s["requests"]) for s in calque.read_worker_stats(backend, model)}
+    return {s["worker_id"]: Counter(s["requests"]) for s in calque_core.read_worker_stats(backend, model)}
 
 
 def requests_until_stopped(env, backend, model, before):
@@ -207,7 +208,7 @@ def requests_until_stopped(env, backend, model, before):
 
 
 def at(iso):
-    return calque._parse_time(iso, "time").timestamp()
+    return calque_core._parse_time(iso, "time").timestamp()
 
 
 def steady_rate(summaries):
@@ -331,7 +332,7 @@ def idle_rss(tmp):
     try:
         run_submitter(["submit", "--pool", "demo", write_items(os.path.join(tmp, "idle", "items.jsonl"), 1000)], env)
         deadline = time.monotonic() + 60
-        while calque.read_worker_stats(backend, "demo")[0]["claims"] < 1:   # its stats are written once it is idle
+        while calque_core.read_worker_stats(backend, "demo")[0]["claims"] < 1:   # its stats are written once it is idle
             assert time.monotonic() < deadline, "the worker's stats did not show the claim"
             time.sleep(0.1)
         with open(f"/proc/{pid}/status") as f:
@@ -412,12 +413,12 @@ def latency_run(tmp, path, url, mode, model_ms, n):
     os.makedirs(env["CALQUE_STATE"], exist_ok=True)
     cli(env, "pool", "create", "--model", "timeline", "--handler", TIMELINE, "--workers", "0",
         "--batch-size", str(BATCH))
-    backend = calque.open_backend(env["CALQUE_STORE"])
+    backend = calque_core.open_backend(env["CALQUE_STORE"])
     command = warmd_command("--model", "timeline", constants=LATENCY_MODES[mode])
     workers = [subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for _ in range(WORKERS)]
     try:
-        while len(calque.read_worker_stats(backend, "timeline")) < WORKERS:   # each writes them once warm
+        while len(calque_core.read_worker_stats(backend, "timeline")) < WORKERS:   # each writes them once warm
             time.sleep(0.1)
         before, done = worker_requests(backend, "timeline"), threading.Event()
         with ThreadPoolExecutor(1) as sampler:
@@ -477,15 +478,15 @@ def prestaged_run(tmp, path, n, model_path):
         (run_id,) = os.listdir(os.path.join(env["CALQUE_STORE"], "runs"))
         t0 = time.monotonic()
         cli(env, "pool", "scale", "--model", "demo", "--workers", str(WORKERS))
-        while len(calque.read_worker_stats(backend, "demo")) < WORKERS:   # each writes its stats once warm
+        while len(calque_core.read_worker_stats(backend, "demo")) < WORKERS:   # each writes its stats once warm
             time.sleep(0.05)
-        pids = [w["pid"] for w in calque.read_worker_stats(backend, "demo")]
+        pids = [w["pid"] for w in calque_core.read_worker_stats(backend, "demo")]
         cpu0, warm = process_cpu(pids), time.monotonic()
-        while len(calque.list_summaries(backend, run_id)) < -(-n // CLAIM):   # names only: reading every
+        while len(calque_core.list_summaries(backend, run_id)) < -(-n // CLAIM):   # names only: reading every
             time.sleep(0.1)                             # summary each poll took ~1/4 of a core from the workers
         wall, workers_cpu, busy = time.monotonic() - t0, process_cpu(pids) - cpu0, time.monotonic() - warm
         after, _ = model_only_rate(model_path)
-        summaries = calque.read_summaries(backend, run_id)
+        summaries = calque_core.read_summaries(backend, run_id)
     finally:
         cli(env, "pool", "delete", "--model", "demo", "--yes", "--force")
     model_rate = (before + after) / 2

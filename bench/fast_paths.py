@@ -26,6 +26,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import calque  # noqa: E402
 import warmd   # noqa: E402
+import calque_core
+import calque_runs
 from common import chosen  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------
@@ -71,12 +73,12 @@ def make_pool(tmp, handler):
     """A local-backend pool of handler (batches of BATCH) in tmp; (conf, backend, record, queue)."""
     store = os.path.join(tmp, "store")
     os.environ.update(CALQUE_STORE=store, CALQUE_STATE=os.path.join(tmp, "state"))
-    conf, backend = calque.settings(), calque.open_backend(store)
+    conf, backend = calque_core.settings(), calque_core.open_backend(store)
     args = calque.build_parser().parse_args(["pool", "create", "--model", "bench", "--handler",
                                             handler, "--batch-size", str(BATCH), "--workers", "0"])
     with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
         calque.cmd_pool_create(conf, backend, args)
-    record = calque.load_pool(backend, "bench")
+    record = calque_core.load_pool(backend, "bench")
     return conf, backend, record, backend.queues.open_queue(record["queue"])
 
 
@@ -84,10 +86,10 @@ def drain(pool, items):
     """(wall s, CPU s) to stage items as one claim and have the worker run it; all must succeed."""
     worker, backend, record, queue = pool
     t0, c0 = time.perf_counter(), time.process_time()
-    run = calque.stage_run(backend, record, items, len(items), queue, "pool")
+    run = calque_runs.stage_run(backend, record, items, len(items), queue, "pool")
     worker.handle(queue.receive(1))
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    (summary,) = calque.read_summaries(backend, run["run_id"])
+    (summary,) = calque_core.read_summaries(backend, run["run_id"])
     assert summary["ok"] == len(items), summary.get("errors")
     assert not summary["prefetch"]   # text items: no claim collates, fastbatch gathers nothing
     return seconds, cpu
@@ -137,7 +139,7 @@ def measure(name):
     tmp = tempfile.mkdtemp(prefix=f"calque-fast-{name}-")
     handler, items = example_setup(name, tmp)
     conf, backend, record, queue = make_pool(tmp, handler)
-    worker = warmd.Worker(backend, record, calque.worker_stats_prefix("bench"), conf, False)
+    worker = warmd.Worker(backend, record, calque_core.worker_stats_prefix("bench"), conf, False)
     worker.start()
     pool = worker, backend, record, queue
     drain(pool, items)   # warm-up: first batches, imports, caches

@@ -17,6 +17,8 @@ from collections import Counter
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import calque  # noqa: E402
+import calque_core
+import calque_runs
 
 HANDLER = os.path.join(ROOT, "tests", "handlers.py") + ":Faulty"
 MODEL = "churn"
@@ -49,8 +51,8 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
                CALQUE_POLL_WAIT="1", CALQUE_GRACE="5", CALQUE_ENV=os.path.join(folder, "none.env"), CALLS_FILE=calls)
     cli(env, "pool", "create", "--model", MODEL, "--handler", HANDLER, "--workers", "3", "--batch-size", "4",
         "--visibility-timeout", "2")
-    backend = calque.open_backend(env["CALQUE_STORE"])
-    record, queue = calque.load_pool(backend, MODEL), backend.queues.open_queue(calque.pool_queue_name(MODEL))
+    backend = calque_core.open_backend(env["CALQUE_STORE"])
+    record, queue = calque_core.load_pool(backend, MODEL), backend.queues.open_queue(calque_core.pool_queue_name(MODEL))
     t0, staged, x, bad, kinds = time.monotonic(), {}, 0, {}, {}
     for r in range(runs):
         n, size = rng.randint(*sizes), rng.randint(*claims)
@@ -62,7 +64,7 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
                   for c in rng.sample(range(-(-n // size)), len(poison))] if r == 0 else ()
         for i, kind in zip(places, poison):
             items[i]["die"], bad[x + i], kinds[x + i] = kind, None, kind
-        run = calque.stage_run(backend, record, items, size, queue, "pool")
+        run = calque_runs.stage_run(backend, record, items, size, queue, "pool")
         staged[run["run_id"]] = (x, n, len(run["claims"]), size)
         x += n
     stop, kills = threading.Event(), []
@@ -81,7 +83,7 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
     try:
         while time.monotonic() - t0 < timeout and len(done) < len(staged):
             for run_id, (_, _, n_claims, _) in staged.items():
-                if run_id not in done and len(calque.list_summaries(backend, run_id)) == n_claims:
+                if run_id not in done and len(calque_core.list_summaries(backend, run_id)) == n_claims:
                     done[run_id] = time.monotonic() - t0
             time.sleep(0.1)
     finally:
@@ -101,8 +103,8 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
     for run_id, (first, n, _, size) in staged.items():
         got = {}
         if run_id in done:
-            for s in calque.read_summaries(backend, run_id):
-                for line in calque.read_claim_results(backend.store, run_id, s["claim"], s["items"]):
+            for s in calque_core.read_summaries(backend, run_id):
+                for line in calque_core.read_claim_results(backend.store, run_id, s["claim"], s["items"]):
                     line = json.loads(line)
                     got[line["i"]] = line
         for i in range(n):
@@ -111,7 +113,7 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
                 lost += 1
             elif first + i in bad:      # a poison item: the delivery of its claim that quarantined it
                 poisoned = line.get("error", "").startswith("poison:")
-                bad[first + i] = at.get((run_id, calque.claim_id(i // size), i % size)) if poisoned else "not"
+                bad[first + i] = at.get((run_id, calque_core.claim_id(i // size), i % size)) if poisoned else "not"
             elif not line["ok"]:
                 failed += 1
                 errors.append(line["error"])
@@ -121,9 +123,9 @@ def churn(folder, runs, kill_every, seed, sizes=(7, 333), claims=(5, 50), spin=4
                 wrong += 1
     with open(calls) as f:
         computations = sum(1 for _ in f)
-    dead = backend.queues.open_queue(calque.dlq_name(MODEL)).counts()["visible"]
+    dead = backend.queues.open_queue(calque_core.dlq_name(MODEL)).counts()["visible"]
     # deaths pinned on a good item that then ran and returned (warmd's churn markers): the false quarantines' odds
-    innocent = sum("/churn-" in key for key in backend.store.list(calque.worker_stats_prefix(MODEL)))
+    innocent = sum("/churn-" in key for key in backend.store.list(calque_core.worker_stats_prefix(MODEL)))
     with open(os.path.join(env["CALQUE_STATE"], "pools", MODEL, "supervisor.log")) as f:
         restarts = Counter(re.findall(r"exited with -?\d+ \(([a-z ]+);", f.read()))
     cli(env, "pool", "delete", "--model", MODEL, "--yes", "--force")

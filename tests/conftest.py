@@ -24,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))   # the bench helpers some tests share (latency_proxy, bench_dashboard)
 from common import warmd_command  # noqa: E402
+import calque_core
 
 PY = sys.executable
 HANDLERS = os.path.join(ROOT, "tests", "handlers.py")
@@ -160,7 +161,7 @@ def backend_for(env):
     import calque
     if env["CALQUE_STORE"].startswith("s3://"):
         os.environ["AWS_ENDPOINT_URL"] = env["AWS_ENDPOINT_URL"]
-    return calque.open_backend(env["CALQUE_STORE"])
+    return calque_core.open_backend(env["CALQUE_STORE"])
 
 
 @pytest.fixture(params=["local", "moto_server"])

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import calque
+import calque_core
+import calque_runs
 from conftest import HANDLERS, cli, start_worker
 
 
@@ -16,13 +18,13 @@ def test_npy_view_is_a_view_not_a_copy():
     buf = io.BytesIO()
     np.save(buf, a)
     data = buf.getvalue()
-    view = calque.npy_view(data)
+    view = calque_core.npy_view(data)
     assert np.array_equal(view, a) and view.dtype == a.dtype
     assert view.base is not None and not view.flags.writeable     # backed by `data`, not its own memory
     buf = io.BytesIO()
     np.save(buf, np.array([{"x": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(ValueError):
-        calque.npy_view(buf.getvalue())
+        calque_core.npy_view(buf.getvalue())
 
 
 def test_stage_and_read_back_ragged_and_fixed(tmp_path):
@@ -34,14 +36,14 @@ def test_stage_and_read_back_ragged_and_fixed(tmp_path):
     image = rng.standard_normal((7, 3, 2)).astype(np.float32)
     path = tmp_path / "in.npz"
     np.savez(path, tokens=tokens, tokens_offsets=offsets, image=image)
-    items = calque.read_items(str(path))
+    items = calque_runs.read_items(str(path))
     assert len(items) == 7
-    backend = calque.LocalBackend(str(tmp_path / "store"))
+    backend = calque_core.LocalBackend(str(tmp_path / "store"))
     queue = backend.queues.create_queue("calque-pool-a", 30)
-    run = calque.stage_run(backend, {"model": "a"}, items, 3, queue, "pool")
+    run = calque_runs.stage_run(backend, {"model": "a"}, items, 3, queue, "pool")
     got = []
     for claim in run["claims"]:
-        got += calque.array_items(backend.store, json.loads(backend.store.get(calque.manifest_key(run["run_id"], claim))))
+        got += calque_core.array_items(backend.store, json.loads(backend.store.get(calque_core.manifest_key(run["run_id"], claim))))
     for i, item in enumerate(got):
         assert np.array_equal(item["tokens"], tokens[offsets[i]:offsets[i + 1]])
         assert np.array_equal(item["image"], image[i])
@@ -58,7 +60,7 @@ def test_bad_array_inputs(tmp_path, arrays, problem):
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)
     with pytest.raises(calque.UserError, match=problem):
-        calque.read_items(str(path))
+        calque_runs.read_items(str(path))
 
 
 def test_numeric_run_end_to_end(local_env, tmp_path):

@@ -9,6 +9,8 @@ import subprocess
 import time
 
 from conftest import HANDLERS, PY, ROOT, backend_for, cli, wait_for, write_items
+import calque_core
+import calque_runs
 
 
 def status(env, model="m"):
@@ -60,10 +62,10 @@ def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeyp
     assert out.returncode == 0, out.stderr
     for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_ENV"):
         monkeypatch.setenv(key, local_env[key])
-    conf = calque.settings()
-    scaler = supervisor.LocalScaler(conf, "m", calque.state_dir(conf, "m"))
+    conf = calque_core.settings()
+    scaler = supervisor.LocalScaler(conf, "m", calque_core.state_dir(conf, "m"))
     assert scaler.want(0, time.time()) == 0                   # nothing queued, nothing announced
-    items, run_id = [{"x": i} for i in range(6)], calque.new_run_id("m")
+    items, run_id = [{"x": i} for i in range(6)], calque_core.new_run_id("m")
     calque.announce_run(conf, "m", items, 2, run_id)          # 3 claims coming
     scaler.checked = -1e9
     assert scaler.want(0, time.time()) == 2                   # one a claim (unmeasured), up to 2
@@ -75,7 +77,7 @@ def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeyp
     assert queue.receive(1) is not None                       # and is claimed: still 3 coming
     scaler.checked = -1e9
     assert scaler.want(2, time.time()) == 2 and scaler.woken is None
-    calque.stage_run(backend, calque.load_pool(backend, "m"), items, 2, queue, "pool", run_id)
+    calque_runs.stage_run(backend, calque_core.load_pool(backend, "m"), items, 2, queue, "pool", run_id)
     scaler.checked = -1e9
     assert scaler.want(2, time.time()) == 2 and scaler.woken is not None   # staged: the real count (3+1)
     cli(local_env, "pool", "delete", "--model", "m", "--yes", "--force")

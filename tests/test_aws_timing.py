@@ -13,6 +13,8 @@ import pytest
 
 import calque
 import calque_ec2 as ec2
+import calque_core
+import calque_runs
 from conftest import HANDLERS, PY, ROOT, backend_for, cli
 from test_ec2 import BUCKET, HANDLER, MODEL, REGION, asg_of, aws, client, launch, options, queue_exists, record  # noqa: F401
 
@@ -104,7 +106,7 @@ def test_a_cold_run_waits_for_its_new_instance_profile(aws, monkeypatch, capsys)
     clock = Clock(monkeypatch)
     calls = ec2.AwsCalls(aws.backend.session, REGION, sleep=clock.sleep)
     refuse(calls.client("ec2"), "RunInstances", *PROFILE_REFUSED["ec2"], 2)
-    cold = {"model": MODEL, "queue": calque.RUN_QUEUE_PREFIX + "r", "dlq": calque.RUN_DLQ_PREFIX + "r"}
+    cold = {"model": MODEL, "queue": calque_core.RUN_QUEUE_PREFIX + "r", "dlq": calque_core.RUN_DLQ_PREFIX + "r"}
     ids = ec2.cold_launch(aws.backend, cold, "20261204-101500-ab12cd", 2, launch(ami=aws.ami), timeout=600.0,
                           yes_spend_money=True, calls=calls)
     assert len(ids) == 2 and clock.slept == [5.0, 5.0]
@@ -150,7 +152,7 @@ def test_pool_delete_then_create_waits_out_the_dying_queue(aws, monkeypatch, cap
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True, calls=calls)
     assert ec2.pool_delete(aws.backend, {"model": MODEL}, yes=True, calls=calls)
     assert sqs.dying(names["queue"]) and not queue_exists(names["queue"])
-    assert aws.backend.store.exists(calque.deleted_queue_key(names["queue"]))
+    assert aws.backend.store.exists(calque_core.deleted_queue_key(names["queue"]))
     capsys.readouterr()
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True, calls=calls)
     out, err = capsys.readouterr()
@@ -158,7 +160,7 @@ def test_pool_delete_then_create_waits_out_the_dying_queue(aws, monkeypatch, cap
     assert queue_exists(names["queue"]) and queue_exists(names["dlq"])          # live ones, not the dying ones
     assert f"queue {names['dlq']} was deleted 0 s ago and SQS may still be deleting it: waiting 65 s" in err, err
     assert 60 <= sum(clock.slept) <= 66                          # one wait covers both queues
-    assert not aws.backend.store.exists(calque.deleted_queue_key(names["queue"]))   # forgotten once waited out
+    assert not aws.backend.store.exists(calque_core.deleted_queue_key(names["queue"]))   # forgotten once waited out
 
 
 def test_queue_deleted_recently_is_waited_on(aws, monkeypatch, capsys):
@@ -177,7 +179,7 @@ def test_local_workers_pool_waits_out_queue_deleted_recently(aws, monkeypatch, c
     """A pool of local workers on an s3:// store: Pool.delete notes its queues' deletion, and Pool.create waits
     out the rest of the minute, then retries QueueDeletedRecently (a deletion it did not see), said, bounded."""
     clock = Clock(monkeypatch)
-    pool = calque.Pool("m", context=(calque.settings(), aws.backend))
+    pool = calque.Pool("m", context=(calque_core.settings(), aws.backend))
     aws.backend.queues.sleep = clock.sleep
     pool.create(f"{HANDLERS}:Echo", 0)
     pool.delete()
@@ -205,14 +207,14 @@ def test_pool_queue_has_a_redrive_policy_behind_the_workers_rule(aws):
     policy = json.loads(sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["RedrivePolicy"])[
         "Attributes"]["RedrivePolicy"])
     assert policy["deadLetterTargetArn"].endswith(":" + full["dlq"]) and int(policy["maxReceiveCount"]) == 160
-    body = calque.make_message("m.20261204-000000-abcdef", MODEL, "s3://b/x", "c00003")
-    assert calque.dead_letter_of(calque.Message(body, "r", 1))[:2] == ("m.20261204-000000-abcdef", "c00003")
-    assert "redrive policy" in calque.dead_letter_of(calque.Message(body, "r", 1))[2]
+    body = calque_core.make_message("m.20261204-000000-abcdef", MODEL, "s3://b/x", "c00003")
+    assert calque_runs.dead_letter_of(calque_core.Message(body, "r", 1))[:2] == ("m.20261204-000000-abcdef", "c00003")
+    assert "redrive policy" in calque_runs.dead_letter_of(calque_core.Message(body, "r", 1))[2]
     # a re-run with the pool's default settings sets the policy it wants on the queue it finds
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     policy = json.loads(sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["RedrivePolicy"])[
         "Attributes"]["RedrivePolicy"])
-    assert int(policy["maxReceiveCount"]) == calque.REDRIVE_BACKSTOP
+    assert int(policy["maxReceiveCount"]) == calque_core.REDRIVE_BACKSTOP
 
 
 def test_user_data_over_16_kb_is_refused_before_anything_is_made(aws, capsys):
@@ -224,7 +226,7 @@ def test_user_data_over_16_kb_is_refused_before_anything_is_made(aws, capsys):
         ec2.pool_create(aws.backend, big, HANDLER, options(), yes_spend_money=True)
     assert "\n" not in str(e.value)
     assert not queue_exists(ec2.resource_names(MODEL)["queue"])
-    assert not aws.backend.store.exists(calque.pool_key(MODEL))
+    assert not aws.backend.store.exists(calque_core.pool_key(MODEL))
 
 
 def test_root_volume_on_the_amis_root_device(aws, monkeypatch):
@@ -265,14 +267,14 @@ def test_cli_pool_delete_then_create_waits_for_the_queue_name(aws_env, tmp_path,
     assert out.returncode == 0, out.stderr
     backend = backend_for(aws_env)
     for name in ("calque-pool-m", "calque-dlq-m"):
-        note = json.loads(backend.store.get(calque.deleted_queue_key(name)))
+        note = json.loads(backend.store.get(calque_core.deleted_queue_key(name)))
         assert time.time() - note["deleted_at"] < 60
-        backend.store.put(calque.deleted_queue_key(name), json.dumps(dict(note, deleted_at=note["deleted_at"] - 55)))
+        backend.store.put(calque_core.deleted_queue_key(name), json.dumps(dict(note, deleted_at=note["deleted_at"] - 55)))
     out = run(*create)
     assert out.returncode == 0, out.stderr
     assert re.search(r"queue calque-dlq-m was deleted \d+ s ago and SQS may still be deleting it: waiting \d+ s "
                      r"before creating it again", out.stderr), out.stderr
-    assert not backend.store.exists(calque.deleted_queue_key("calque-pool-m"))
+    assert not backend.store.exists(calque_core.deleted_queue_key("calque-pool-m"))
     queue = backend.queues.open_queue("calque-pool-m")
     policy = json.loads(backend.queues.sqs.get_queue_attributes(QueueUrl=queue.url, AttributeNames=[
         "RedrivePolicy"])["Attributes"]["RedrivePolicy"])
@@ -306,8 +308,8 @@ def test_a_claim_moved_by_the_redrive_policy_is_reported_and_redriven(aws_env, t
     assert cli(aws_env, "runs", "redrive", run_id).returncode == 0
     w = start_worker(aws_env, "--model", "m")
     def done():
-        return backend.store.exists(calque.summary_key(run_id, "c00000")) and calque.read_json(
-            backend, calque.summary_key(run_id, "c00000"))["status"] == "ok"
+        return backend.store.exists(calque_core.summary_key(run_id, "c00000")) and calque_core.read_json(
+            backend, calque_core.summary_key(run_id, "c00000"))["status"] == "ok"
     wait_for(done, 60, "the redriven claim to complete")
     w.terminate()
     assert w.wait(30) == 0
@@ -317,7 +319,7 @@ def test_a_missing_key_answered_403_is_asked_again_as_the_listing_the_role_may_m
     """S3 answers HEAD of a missing key with 403 where it deems the caller may not list it (a ListBucket
     limited by s3:prefix may be such): the store asks the one-key listing instead, so "no summary yet" is
     not "forbidden"; a listing refused too is the refusal."""
-    store = calque.open_backend(f"s3://{BUCKET}/root").store
+    store = calque_core.open_backend(f"s3://{BUCKET}/root").store
     store.put("runs/r/summaries/c0.json", b"{}")
     answer(store.s3, "HeadObject", lambda _: (403, {"Error": {"Code": "403", "Message": "Forbidden"}}))
     assert store.exists("runs/r/summaries/c0.json") and not store.exists("runs/r/summaries/c1.json")

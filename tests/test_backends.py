@@ -5,19 +5,21 @@ import time
 import pytest
 
 import calque
+import calque_core
+import calque_runs
 
 
 @pytest.fixture(params=["local", "aws"])
 def backend(request, tmp_path, monkeypatch):
-    monkeypatch.setattr(calque, "QUEUE_OPEN_RETRY", 0.2)   # a missing queue fails in 0.2 s, not the SQS-lag 10 s
+    monkeypatch.setattr(calque_core, "QUEUE_OPEN_RETRY", 0.2)   # a missing queue fails in 0.2 s, not the SQS-lag 10 s
     if request.param == "local":
-        yield calque.LocalBackend(str(tmp_path / "store"))
+        yield calque_core.LocalBackend(str(tmp_path / "store"))
         return
     from moto import mock_aws
     with mock_aws():
         import boto3
         boto3.client("s3", region_name="us-east-1").create_bucket(Bucket="contract")
-        yield calque.open_backend("s3://contract/root")
+        yield calque_core.open_backend("s3://contract/root")
 
 
 def test_store_round_trip(backend):
@@ -49,21 +51,21 @@ def test_waiting_lists_each_summary_about_once(backend, monkeypatch):
     """wait_for_run lists past the claims already done: a run of C claims finishing two at a time, the second
     of each pair first (two workers), costs at most 3 C keys listed even when it polls after every summary."""
     import threading
-    monkeypatch.setattr(calque, "SUMMARY_POLL_FLOOR", 0.002)   # a poll per summary (the worst case) stays quick:
-    monkeypatch.setattr(calque, "SUMMARY_WAIT_MAX", 0.1)       # the gaps it would grow to are not what is tested
-    claims = [calque.claim_id(i) for i in range(24)]
+    monkeypatch.setattr(calque_runs, "SUMMARY_POLL_FLOOR", 0.002)   # a poll per summary (the worst case) stays quick:
+    monkeypatch.setattr(calque_runs, "SUMMARY_WAIT_MAX", 0.1)       # the gaps it would grow to are not what is tested
+    claims = [calque_core.claim_id(i) for i in range(24)]
     run = {"run_id": "m.r", "model": "m", "mode": "pool", "items": 24, "claims": claims, "claim_size": 1,
            "queue": "calque-pool-m", "sent": 24}
-    calque.write_json(backend, calque.run_key("m.r"), run)
+    calque_core.write_json(backend, calque_core.run_key("m.r"), run)
 
     def finish():
         for pair in range(0, len(claims), 2):
             for claim in (claims[pair + 1], claims[pair]):
                 polls = backend.requests["store_lists"]
-                summary = calque.claim_summary(run_id="m.r", claim=claim, model="m", worker_id="w", mode="pool",
+                summary = calque_core.claim_summary(run_id="m.r", claim=claim, model="m", worker_id="w", mode="pool",
                                                backend=backend.kind, receive_count=1, enter_count=1, started=0.0,
                                                finished=0.0, requests={}, items=1)
-                calque.write_json(backend, calque.summary_key("m.r", claim), summary)
+                calque_core.write_json(backend, calque_core.summary_key("m.r", claim), summary)
                 deadline = time.monotonic() + 10
                 while backend.requests["store_lists"] == polls and time.monotonic() < deadline:
                     time.sleep(0.001)   # until the waiter has listed again: one poll per summary, the worst case
@@ -71,7 +73,7 @@ def test_waiting_lists_each_summary_about_once(backend, monkeypatch):
     writer = threading.Thread(target=finish)
     listed = backend.store.keys_listed
     writer.start()
-    summaries, timed_out = calque.wait_for_run(backend, run, 60, progress=False)
+    summaries, timed_out = calque_runs.wait_for_run(backend, run, 60, progress=False)
     writer.join()
     assert not timed_out and [s["claim"] for s in summaries] == claims
     assert backend.store.keys_listed - listed <= 3 * len(claims)
@@ -82,22 +84,22 @@ def waited_run(backend, claims, done):
     pool's DLQ, and summaries for the first `done`."""
     queue = backend.queues.create_queue("calque-pool-m", 30)     # the pool's, older than the run
     run = {"run_id": "m.r", "model": "m", "mode": "pool", "items": claims, "claim_size": 1,
-           "claims": [calque.claim_id(i) for i in range(claims)], "queue": "calque-pool-m", "sent": claims,
-           "created_at": calque.now_iso(time.time() + 1)}   # a run's time is cut to the ms: not in the queue's
-    calque.write_json(backend, calque.run_key("m.r"), run)
-    backend.queues.create_queue(calque.dlq_name("m"), 30)
+           "claims": [calque_core.claim_id(i) for i in range(claims)], "queue": "calque-pool-m", "sent": claims,
+           "created_at": calque_core.now_iso(time.time() + 1)}   # a run's time is cut to the ms: not in the queue's
+    calque_core.write_json(backend, calque_core.run_key("m.r"), run)
+    backend.queues.create_queue(calque_core.dlq_name("m"), 30)
     for claim in run["claims"][done:]:
-        queue.send(calque.make_message("m.r", "m", backend.store.uri(calque.manifest_key("m.r", claim)), claim))
+        queue.send(calque_core.make_message("m.r", "m", backend.store.uri(calque_core.manifest_key("m.r", claim)), claim))
     for claim in run["claims"][:done]:
         write_summary(backend, claim)
     return run
 
 
 def write_summary(backend, claim):
-    summary = calque.claim_summary(run_id="m.r", claim=claim, model="m", worker_id="w", mode="pool",
+    summary = calque_core.claim_summary(run_id="m.r", claim=claim, model="m", worker_id="w", mode="pool",
                                    backend=backend.kind, receive_count=1, enter_count=1, started=0.0, finished=0.0,
                                    requests={}, items=1)
-    calque.write_json(backend, calque.summary_key("m.r", claim), summary)
+    calque_core.write_json(backend, calque_core.summary_key("m.r", claim), summary)
 
 
 def counting_gets(backend, monkeypatch):
@@ -107,7 +109,7 @@ def counting_gets(backend, monkeypatch):
 
     def counted(key):
         reads[key] += 1
-        if key == calque.run_key("m.r"):
+        if key == calque_core.run_key("m.r"):
             run_reads.append(time.monotonic())
         return get(key)
 
@@ -119,7 +121,7 @@ def test_a_steady_wait_reads_each_summary_once_and_no_run_record(backend, monkey
     """While summaries keep landing, wait_for_run reads each one exactly once, and neither the run record nor the
     DLQ: those looks are for a stalled run."""
     import threading
-    monkeypatch.setattr(calque, "SUMMARY_WAIT_MAX", 0.05)   # a LIST per summary at worst: never a 1 s stall here
+    monkeypatch.setattr(calque_runs, "SUMMARY_WAIT_MAX", 0.05)   # a LIST per summary at worst: never a 1 s stall here
     run = waited_run(backend, 20, 0)
     reads, _ = counting_gets(backend, monkeypatch)
 
@@ -134,10 +136,10 @@ def test_a_steady_wait_reads_each_summary_once_and_no_run_record(backend, monkey
     writer = threading.Thread(target=finish)
     writer.start()
     queue_calls = backend.requests["queue_other"]
-    summaries, timed_out = calque.wait_for_run(backend, run, 60, progress=False)
+    summaries, timed_out = calque_runs.wait_for_run(backend, run, 60, progress=False)
     writer.join()
     assert not timed_out and [s["claim"] for s in summaries] == run["claims"]
-    assert reads == {calque.summary_key("m.r", claim): 1 for claim in run["claims"]}
+    assert reads == {calque_core.summary_key("m.r", claim): 1 for claim in run["claims"]}
     assert backend.requests["queue_other"] == queue_calls
 
 
@@ -146,9 +148,9 @@ def test_a_stalled_wait_looks_at_the_run_record_ever_less_often_and_sees_a_cance
     gaps that double up to RUN_RECHECK_MAX (not every RUN_RECHECK); a cancel that wrote no summary (its writes
     failed) is seen at the next look, and the wait ends with the record's cancel in `run`."""
     import threading
-    monkeypatch.setattr(calque, "RUN_RECHECK", 0.05)
-    monkeypatch.setattr(calque, "RUN_RECHECK_MAX", 0.2)
-    monkeypatch.setattr(calque, "SUMMARY_WAIT_MAX", 0.01)   # the looks come on time, not at the next slow LIST
+    monkeypatch.setattr(calque_runs, "RUN_RECHECK", 0.05)
+    monkeypatch.setattr(calque_runs, "RUN_RECHECK_MAX", 0.2)
+    monkeypatch.setattr(calque_runs, "SUMMARY_WAIT_MAX", 0.01)   # the looks come on time, not at the next slow LIST
     run = waited_run(backend, 2, 1)
     _, run_reads = counting_gets(backend, monkeypatch)
 
@@ -156,13 +158,13 @@ def test_a_stalled_wait_looks_at_the_run_record_ever_less_often_and_sees_a_cance
         wait_for = time.monotonic() + 30
         while len(run_reads) < 6 and time.monotonic() < wait_for:
             time.sleep(0.005)
-        stored = calque.read_json(backend, calque.run_key("m.r"))
-        calque.write_json(backend, calque.run_key("m.r"), dict(stored, cancelled={"reason": "test", "at": "now"}))
+        stored = calque_core.read_json(backend, calque_core.run_key("m.r"))
+        calque_core.write_json(backend, calque_core.run_key("m.r"), dict(stored, cancelled={"reason": "test", "at": "now"}))
 
     canceller = threading.Thread(target=cancel)
     canceller.start()
     started = time.monotonic()
-    summaries, timed_out = calque.wait_for_run(backend, run, 60, progress=False)
+    summaries, timed_out = calque_runs.wait_for_run(backend, run, 60, progress=False)
     stalled = time.monotonic() - started
     canceller.join()
     assert timed_out and [s["claim"] for s in summaries] == ["c00000"] and run["cancelled"]["reason"] == "test"
@@ -230,11 +232,11 @@ def test_heartbeat_extends_visibility(backend):
 
 def test_stale_receipt_loses_the_lease_local(tmp_path):
     """After redelivery to another receiver, the first receipt can neither renew nor ack (local backend)."""
-    q = calque.LocalBackend(str(tmp_path / "s")).queues.create_queue("calque-pool-s", 1)
+    q = calque_core.LocalBackend(str(tmp_path / "s")).queues.create_queue("calque-pool-s", 1)
     q.send("job")
     first = q.receive(1)
     second = q.receive(3)
-    with pytest.raises(calque.LeaseLost):
+    with pytest.raises(calque_core.LeaseLost):
         q.change_visibility(first, 10)
     assert not q.delete(first)
     assert q.delete(second)
@@ -242,8 +244,8 @@ def test_stale_receipt_loses_the_lease_local(tmp_path):
 
 def test_local_queue_survives_restart(tmp_path):
     """Nothing queued is lost when every process goes away: a new backend on the same folder sees it."""
-    calque.LocalBackend(str(tmp_path / "s")).queues.create_queue("calque-pool-r", 30).send("kept")
-    again = calque.LocalBackend(str(tmp_path / "s")).queues.open_queue("calque-pool-r")
+    calque_core.LocalBackend(str(tmp_path / "s")).queues.create_queue("calque-pool-r", 30).send("kept")
+    again = calque_core.LocalBackend(str(tmp_path / "s")).queues.open_queue("calque-pool-r")
     assert again.receive(1).body == "kept"
 
 
@@ -264,6 +266,6 @@ def test_local_backend_never_imports_boto3(tmp_path):
             f"b = calque.open_backend({str(tmp_path / 's')!r})\n"
             "b.queues.create_queue('calque-pool-z', 5).send('x')\n"
             "print(b.queues.open_queue('calque-pool-z').receive(1).body)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=calque.HERE)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=calque_core.HERE)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "x"

@@ -23,6 +23,7 @@ import pytest
 
 import calque
 import calque_ec2 as ec2
+import calque_core
 from conftest import ROOT, backend_for, cli, start_worker
 from test_warmd import SpotStub
 from tiny_backend import wheel
@@ -127,14 +128,14 @@ class Sandbox:
         return [line for line in self.log.read_text().splitlines() if line.split(" ", 1)[0] == name]
 
     def report(self):
-        found = list(self.s3.glob(f"*/root/pools/{calque.slug(MODEL)}/instances/*.{INSTANCE_ID}.json"))
+        found = list(self.s3.glob(f"*/root/pools/{calque_core.slug(MODEL)}/instances/*.{INSTANCE_ID}.json"))
         assert len(found) == 1, found
         return json.loads(found[0].read_text())
 
 
 def pool_sandbox(root):
     blob, sha = ec2.kit_archive()
-    kit_key = f"pools/{calque.slug(MODEL)}/kit/{sha[:16]}.tar.gz"
+    kit_key = f"pools/{calque_core.slug(MODEL)}/kit/{sha[:16]}.tar.gz"
     return Sandbox(root, ec2.user_data_pool(MODEL, STORE, "us-east-1", kit_key, sha, instance_type="g5.xlarge"),
                    kit_key, blob)
 
@@ -310,14 +311,14 @@ class PoolOnMoto:
         # instance's: it gets none but the index
         self.env = dict(AWS_ENDPOINT_URL=endpoint, PIP_INDEX_URL=index.url,
                         PIP_CONFIG_FILE=os.devnull, REAL_VENV="1")
-        self.prefix, self.boots = f"root/pools/{calque.slug(MODEL)}/", 0
+        self.prefix, self.boots = f"root/pools/{calque_core.slug(MODEL)}/", 0
 
     def boot(self, requirements=("tinydep==1.0",), image_pip=()):
         """A new instance's bootstrap: (its run, its report); the index's requests start empty."""
         shutil.rmtree(self.root, ignore_errors=True)
         self.root.mkdir()
         blob, sha = tiny_kit(requirements)
-        kit_key = f"pools/{calque.slug(MODEL)}/kit/{sha[:16]}.tar.gz"
+        kit_key = f"pools/{calque_core.slug(MODEL)}/kit/{sha[:16]}.tar.gz"
         self.s3.put_object(Bucket=self.bucket, Key="root/" + kit_key, Body=blob)
         script = ec2.user_data_pool(MODEL, f"s3://{self.bucket}/root", "us-east-1", kit_key, sha,
                                     image={"pip": list(image_pip)})
@@ -464,7 +465,7 @@ def test_spot_notice_before_the_first_claim_skips_enter(local_env, tmp_path):
         server.shutdown()
     text = log.read_text()
     assert "interruption notice" in text and "SIGTERM: warm stop" in text and "@enter done" not in text, text
-    stats, = calque.read_worker_stats(backend_for(local_env), "m")
+    stats, = calque_core.read_worker_stats(backend_for(local_env), "m")
     assert (stats["state"], stats["enter_count"], stats["claims"]) == ("stopped", 0, 0)
 
 

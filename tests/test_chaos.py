@@ -12,6 +12,8 @@ import time
 import types
 
 import calque
+import calque_core
+import calque_runs
 import churn
 from conftest import HANDLERS, FaultProxy, backend_for, cli, pool_pids, wait_for
 
@@ -28,14 +30,14 @@ def start_pool(env, *args):
 
 def submit(backend, items, claim_size=1000):
     """A run staged and queued in-process, as `submit --no-wait` does (without a process start per run)."""
-    queue = backend.queues.open_queue(calque.pool_queue_name("m"))
-    return calque.stage_run(backend, calque.load_pool(backend, "m"), items, claim_size, queue, "pool")["run_id"]
+    queue = backend.queues.open_queue(calque_core.pool_queue_name("m"))
+    return calque_runs.stage_run(backend, calque_core.load_pool(backend, "m"), items, claim_size, queue, "pool")["run_id"]
 
 
 def finished(backend, runs, timeout):
     """{run id: its summaries} once every claim of `runs` ({run id: claims}) has one."""
     def summaries():
-        got = {run_id: calque.read_summaries(backend, run_id) for run_id in runs}
+        got = {run_id: calque_core.read_summaries(backend, run_id) for run_id in runs}
         return got if all(len(got[run_id]) == claims for run_id, claims in runs.items()) else None
     return wait_for(summaries, timeout, "every claim's summary")
 
@@ -43,7 +45,7 @@ def finished(backend, runs, timeout):
 def results(backend, run_id, summaries):
     """The run's result lines, parsed, read from its claims' parts."""
     return [json.loads(line) for s in summaries
-            for line in calque.read_claim_results(backend.store, run_id, s["claim"], s["items"])]
+            for line in calque_core.read_claim_results(backend.store, run_id, s["claim"], s["items"])]
 
 
 def dead_letters(backend):
@@ -60,7 +62,7 @@ def delete_pool(env):
     """Once every claim is acked: a worker killed between a summary and its ack (acks wait up to a second to go
     ten to a request) leaves that claim in flight until its visibility timeout (2 s) hands it to a live worker,
     whose duplicate check finds the summary and acks it without running it. Then `pool delete` needs no --force."""
-    queue = backend_for(env).queues.open_queue(calque.pool_queue_name("m"))
+    queue = backend_for(env).queues.open_queue(calque_core.pool_queue_name("m"))
     wait_for(lambda: not any(queue.counts().values()), 30, "every claim acked")
     out = cli(env, "pool", "delete", "--model", "m", "--yes")
     assert out.returncode == 0, out.stderr
@@ -96,7 +98,7 @@ def test_under_churn_a_death_of_the_workers_own_doing_still_quarantines_at_two(l
     recorded or the last word warmd wrote before the kill; one that sends itself SIGKILL through
     libc, as native code would, looks like a kill from outside and takes the raised bar, 3 deaths."""
     backend = start_pool(local_env, "--workers", "3", "--batch-size", "4")
-    backend.store.put(f"{calque.worker_stats_prefix('m')}churn-{time.time():012.1f}-planted", b"")
+    backend.store.put(f"{calque_core.worker_stats_prefix('m')}churn-{time.time():012.1f}-planted", b"")
     items = [{"x": i} for i in range(16)]
     for i, kind in ((1, "exit"), (5, "segv"), (9, "kill"), (13, "libc-kill")):
         items[i]["die"] = kind
@@ -134,7 +136,7 @@ def test_a_worker_killed_mid_claim_is_resumed_from_its_machines_spool(local_env,
     assert os.listdir(os.path.join(env["CALQUE_STATE"], "pools", "m", "spool")) == []
     # only the batch it ran and the one it gathered went one at a time, then batches again
     assert re.search(r"offsets (\d+)-(\d+) one at a time, the rest in batches", logs(env, "worker"))
-    assert json.loads(backend.store.get(calque.attempt_key(run_id, "c00000")))["state"] == "batches"
+    assert json.loads(backend.store.get(calque_core.attempt_key(run_id, "c00000")))["state"] == "batches"
     delete_pool(env)
 
 
@@ -153,7 +155,7 @@ def test_the_spool_gives_back_the_longest_whole_run_of_lines_and_where_each_writ
     text, failed, errors, reached = warmd.Spool(str(tmp_path), claim).left(5)
     assert [json.loads(t)["i"] for t in text.splitlines()] == [5, 6, 7]
     assert failed == [5] and errors == {"5": "E"} and reached == {"11": 5, "12": 8}
-    typed = calque.TypedLines(line(0))
+    typed = calque_core.TypedLines(line(0))
     typed.cells = [(0, "y", None, "float32")]
     spool = warmd.Spool(str(tmp_path), claim)
     spool.add(0, 1, [typed])

@@ -10,13 +10,16 @@ import pytest
 
 import calque
 import warmd
+import calque_core
+import calque_runs
+import calque_fleet
 from conftest import HANDLERS, backend_for, cli, pool_pids, start_worker, wait_for, write_items
 from test_chaos import delete_pool, finished, logs, results, start_pool, submit
 from test_dashboard import get, serve_dashboard  # noqa: F401 (a fixture)
 
 
 def sizes_of(total, workers, lo=10, hi=1000):
-    return calque.ClaimSizes(workers=workers, lo=lo, hi=hi).plan(total)
+    return calque_runs.ClaimSizes(workers=workers, lo=lo, hi=hi).plan(total)
 
 
 @pytest.mark.parametrize("total,workers", [(300, 2), (1200, 2), (6000, 2), (6000, 8), (1_000_000, 4), (7, 3)])
@@ -38,18 +41,18 @@ def test_claims_hold_whole_batches(total):
     """In batches of 32, every claim but the run's last holds whole batches: the run pays no more handler calls
     than its items need (ceil(total / 32)), where claims of 75 paid three calls for 75 items; a claim of no more
     than hi holds fewer than a batch, and then the items count alone."""
-    sizes = calque.ClaimSizes(workers=2, lo=10, hi=1000, unit=32).plan(total)
+    sizes = calque_runs.ClaimSizes(workers=2, lo=10, hi=1000, unit=32).plan(total)
     assert sum(sizes) == total and all(size % 32 == 0 for size in sizes[:-1]) and max(sizes) <= 992
     assert sum(-(-size // 32) for size in sizes) == -(-total // 32)
-    assert calque.ClaimSizes(workers=2, lo=1, hi=20, unit=32).plan(total) == sizes_of(total, 2, lo=1, hi=20)
+    assert calque_runs.ClaimSizes(workers=2, lo=1, hi=20, unit=32).plan(total) == sizes_of(total, 2, lo=1, hi=20)
 
 
 def test_the_issue_runs_keep_two_workers_busy():
     """The runs of issue 35 on a 2-worker pool in batches of 32: 300 prompts were one claim, 1,200 were 1000 + 200;
     now the first claims split the run evenly, and each worker makes as many generate calls as a loop over half."""
     def shown(total):
-        sizes = calque.ClaimSizes(workers=2, lo=10, hi=1000, unit=32).plan(total)
-        return calque.format_sizes(calque.claim_sizes({"claims": sizes, "claim_counts": sizes}))
+        sizes = calque_runs.ClaimSizes(workers=2, lo=10, hi=1000, unit=32).plan(total)
+        return calque_core.format_sizes(calque_core.claim_sizes({"claims": sizes, "claim_counts": sizes}))
     assert shown(300) == "2x96, 3x32, 1x12"                       # 5 batches a worker, as in each half's loop
     assert shown(1200) == "2x320, 2x160, 2x64, 3x32, 1x16"        # 19 a worker
 
@@ -57,10 +60,10 @@ def test_the_issue_runs_keep_two_workers_busy():
 def test_a_stream_read_ahead_is_cut_as_the_counted_run():
     """A stream (a JSONL file, a listing) is read 2 x workers x hi items ahead: it is cut exactly as the same
     items counted first, and no more than that is held."""
-    sizes = calque.ClaimSizes(workers=2, lo=3, hi=20)
-    stream = calque.Lookahead(iter(range(500)), sizes.ahead())
-    cut = [stop - start for start, stop, _, _ in calque.claim_chunks(stream, sizes)]
-    assert cut == calque.ClaimSizes(workers=2, lo=3, hi=20).plan(500)
+    sizes = calque_runs.ClaimSizes(workers=2, lo=3, hi=20)
+    stream = calque_runs.Lookahead(iter(range(500)), sizes.ahead())
+    cut = [stop - start for start, stop, _, _ in calque_runs.claim_chunks(stream, sizes)]
+    assert cut == calque_runs.ClaimSizes(workers=2, lo=3, hi=20).plan(500)
     assert sizes.ahead() == 80 and len(stream.held) == 0
 
 
@@ -74,29 +77,29 @@ def test_every_kind_of_input_is_cut_as_the_plan(tmp_path, total):
     import pyarrow.parquet as pq
 
     def sizes():
-        return calque.ClaimSizes(workers=2, lo=10, hi=1000, unit=32)
+        return calque_runs.ClaimSizes(workers=2, lo=10, hi=1000, unit=32)
 
     table = pa.table({"x": list(range(total))})
     pq.write_table(table, tmp_path / "items.parquet")
     np.save(tmp_path / "items.npy", np.arange(total, dtype=np.float32))
-    parquet = calque.TableItems.open(str(tmp_path / "items.parquet"))
+    parquet = calque_runs.TableItems.open(str(tmp_path / "items.parquet"))
     inputs = {"list": [{"x": i} for i in range(total)], "stream": ({"x": i} for i in range(total)),
-              "array": calque.as_items(str(tmp_path / "items.npy")), "table": calque.TableItems.open(table),
+              "array": calque.as_items(str(tmp_path / "items.npy")), "table": calque_runs.TableItems.open(table),
               "parquet": parquet}
     for name, items in inputs.items():
-        cut = [stop - start for start, stop, _, _ in calque.claim_chunks(items, sizes())]
+        cut = [stop - start for start, stop, _, _ in calque_runs.claim_chunks(items, sizes())]
         assert cut == sizes().plan(total), name
     parquet.by_reference = True
-    assert [stop - start for start, stop, _, _ in calque.claim_chunks(parquet, sizes())] == sizes().plan(total)
+    assert [stop - start for start, stop, _, _ in calque_runs.claim_chunks(parquet, sizes())] == sizes().plan(total)
 
 
 def measured_pool(tmp_path, per_item, fixed, sizes, gap=0.0):
     """A local store holding pool `m`'s worker stats after claims of `sizes`, each fixed + n x per_item s, and as
     many gaps of `gap` s between them (warmd keeps these sums: claim_fit, claim_gaps)."""
-    backend = calque.open_backend(str(tmp_path / "store"))
+    backend = calque_core.open_backend(str(tmp_path / "store"))
     fit = [len(sizes), sum(sizes), sum(fixed + n * per_item for n in sizes), sum(n * n for n in sizes),
            sum(n * (fixed + n * per_item) for n in sizes)]
-    calque.write_json(backend, calque.worker_stats_prefix("m") + "w-1.json",
+    calque_core.write_json(backend, calque_core.worker_stats_prefix("m") + "w-1.json",
                       {"worker_id": "w-1", "claim_fit": fit, "claim_gaps": [len(sizes) - 1, gap * (len(sizes) - 1)]})
     return backend
 
@@ -107,15 +110,15 @@ def test_measured_claims_bound_the_sizes(tmp_path, monkeypatch):
     CALQUE_CLAIM_SIZE win over both."""
     backend = measured_pool(tmp_path, per_item=0.02, fixed=0.08, sizes=[10, 40, 80, 160], gap=0.02)
     record = {"model": "m"}
-    monkeypatch.setattr(calque, "pool_ceiling", lambda *_: (1, 2, "workers", 2))
-    conf = dict(calque.DEFAULTS, CALQUE_CLAIM_SECONDS="2")
-    sizes = calque.claim_sizing(conf, backend, record, None)
+    monkeypatch.setattr(calque_fleet, "pool_ceiling", lambda *_: (1, 2, "workers", 2))
+    conf = dict(calque_core.DEFAULTS, CALQUE_CLAIM_SECONDS="2")
+    sizes = calque_fleet.claim_sizing(conf, backend, record, None)
     assert (sizes.workers, sizes.lo, sizes.hi) == (2, 50, 100)      # (0.08 + 0.02) s / 10% / 0.02 s; 2 s / 0.02 s
     assert "20 ms an item and 100 ms a claim measured" in sizes.why
-    assert calque.claim_sizing(conf, backend, record, 7).plan(20) == [7, 7, 6]
-    assert calque.claim_sizing(dict(conf, CALQUE_CLAIM_SIZE="9"), backend, record, None).plan(20) == [9, 9, 2]
-    fresh = calque.open_backend(str(tmp_path / "fresh"))
-    assert calque.claim_sizing(conf, fresh, record, None).lo == calque.CLAIM_SIZE_FLOOR   # unmeasured
+    assert calque_fleet.claim_sizing(conf, backend, record, 7).plan(20) == [7, 7, 6]
+    assert calque_fleet.claim_sizing(dict(conf, CALQUE_CLAIM_SIZE="9"), backend, record, None).plan(20) == [9, 9, 2]
+    fresh = calque_core.open_backend(str(tmp_path / "fresh"))
+    assert calque_fleet.claim_sizing(conf, fresh, record, None).lo == calque_core.CLAIM_SIZE_FLOOR   # unmeasured
 
 
 def test_a_pool_run_without_options_uses_both_workers_and_runs_show_says_why(local_env, tmp_path):
@@ -181,7 +184,7 @@ def test_a_long_claim_reports_the_items_it_has_done(local_env, tmp_path, serve_d
     (gate / "a").touch()
     wait_for((gate / "at-b").exists, 30, "the second batch")
     backend = backend_for(env)
-    wait_for(lambda: calque.claims_progress(backend, run_id, ["c00000"]) == {"c00000": 2}, 30, "the report")
+    wait_for(lambda: calque_core.claims_progress(backend, run_id, ["c00000"]) == {"c00000": 2}, 30, "the report")
     assert "0 items ok, 0 failed, 6 pending (2 of them done in running claims)" in cli(
         env, "runs", "show", run_id).stdout
     base = serve_dashboard(env=env)
@@ -273,7 +276,7 @@ def test_the_supervisor_releases_the_claim_its_dead_worker_held(local_env, tmp_p
     (gate / "open").touch()
     summary = finished(backend, {run_id: 1}, 120)[run_id][0]
     assert summary["receive_count"] == 2 and summary["ok"] == 4
-    started = calque._parse_time(summary["started_at"], "started_at").timestamp()
+    started = calque_core._parse_time(summary["started_at"], "started_at").timestamp()
     assert killed_at < started < killed_at + 300
     assert "died holding a claim: visible again now" in logs(env, "supervisor")
     assert cli(env, "pool", "delete", "--model", "m", "--yes").returncode == 0
@@ -308,7 +311,7 @@ def test_the_next_worker_to_start_releases_the_claim_a_dead_unsupervised_worker_
     (gate / "open").touch()
     summary = finished(backend, {run_id: 1}, 120)[run_id][0]
     assert summary["receive_count"] == 2 and summary["ok"] == 4
-    assert killed_at < calque._parse_time(summary["started_at"], "started_at").timestamp() < killed_at + 300
+    assert killed_at < calque_core._parse_time(summary["started_at"], "started_at").timestamp() < killed_at + 300
     for worker in (alongside, successor):
         worker.send_signal(signal.SIGTERM)
         assert worker.wait(timeout=60) == 0
@@ -318,9 +321,9 @@ def test_the_next_worker_to_start_releases_the_claim_a_dead_unsupervised_worker_
 def test_submits_bar_counts_the_items_a_running_claim_reported(tmp_path, capsys):
     """wait_for_run's bar (submit's) adds a running claim's reported items to the finished claims' once no summary
     has landed for a second: a claim's progress record, as warmd writes it, moves the bar before its summary."""
-    backend = calque.open_backend(str(tmp_path / "store"))
+    backend = calque_core.open_backend(str(tmp_path / "store"))
     queue = backend.queues.create_queue("calque-pool-m", 60)
-    run = calque.stage_run(backend, {"model": "m"}, [{"x": i} for i in range(6)], 6, queue, "pool")
-    backend.store.put(calque.progress_key(run["run_id"], "c00000"), json.dumps({"done": 2, "worker_id": "w-1"}))
-    summaries, timed_out = calque.wait_for_run(backend, run, timeout=1.5, progress=True)
+    run = calque_runs.stage_run(backend, {"model": "m"}, [{"x": i} for i in range(6)], 6, queue, "pool")
+    backend.store.put(calque_core.progress_key(run["run_id"], "c00000"), json.dumps({"done": 2, "worker_id": "w-1"}))
+    summaries, timed_out = calque_runs.wait_for_run(backend, run, timeout=1.5, progress=True)
     assert timed_out and summaries == [] and "2/6" in capsys.readouterr().err

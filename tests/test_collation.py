@@ -4,6 +4,7 @@ prepared as its own items allow."""
 import json
 
 import calque
+import calque_core
 from conftest import backend_for, cli, start_worker, wait_for, write_items
 
 KINDS = '''
@@ -45,9 +46,9 @@ def run_claim(env, backend, tmp_path, items, pipelined):
     out = cli(env, "submit", "--pool", "m", write_items(tmp_path / "items.jsonl", items), "--no-wait")
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.strip()
-    wait_for(lambda: backend.store.exists(calque.summary_key(run_id, "c00000")), 60, "the claim's summary")
-    assert calque.read_json(backend, calque.summary_key(run_id, "c00000"))["prefetch"] is pipelined
-    return [json.loads(line) for line in calque.read_claim_results(backend.store, run_id, "c00000", len(items))]
+    wait_for(lambda: backend.store.exists(calque_core.summary_key(run_id, "c00000")), 60, "the claim's summary")
+    assert calque_core.read_json(backend, calque_core.summary_key(run_id, "c00000"))["prefetch"] is pipelined
+    return [json.loads(line) for line in calque_core.read_claim_results(backend.store, run_id, "c00000", len(items))]
 
 
 def test_a_plain_python_worker_never_imports_torch(local_env, tmp_path):
@@ -55,7 +56,7 @@ def test_a_plain_python_worker_never_imports_torch(local_env, tmp_path):
     backend, worker = kinds_pool(local_env, tmp_path)
     text = [{"x": f"word {i}"} for i in range(6)]
     assert [r["result"]["got"] for r in run_claim(local_env, backend, tmp_path, text, False)] == ["list"] * 6
-    idle = wait_for(lambda: [w for w in calque.read_worker_stats(backend, "m") if w["claims"] == 1], 30,
+    idle = wait_for(lambda: [w for w in calque_core.read_worker_stats(backend, "m") if w["claims"] == 1], 30,
                     "the worker's stats once it is idle")
     assert idle[0]["fastbatch"] is None
     assert [r["result"] for r in run_claim(local_env, backend, tmp_path, text, False)] == \

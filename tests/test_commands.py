@@ -125,7 +125,7 @@ MODES = {   # how calque starts, as `python calque.py --help`, `python -m calque
 @pytest.mark.parametrize("mode", MODES)
 def test_one_calque_module_however_it_starts(mode):
     """calque started as a script, with -m, imported, or by warmd.py as __main__; then each role file imported:
-    each gets the calque module that ran (not a second copy), with the same error classes."""
+    one calque module (not a second copy) and one calque_core, whose error classes every role shares."""
     code = f"""
 import json, os, runpy, sys
 root = sys.argv[1]
@@ -135,19 +135,18 @@ try:
     {MODES[mode]}
 except SystemExit:
     pass
-ran = sys.modules.get("calque")   # the module that ran, under the name the role files import
-import calque_ec2, calque_supervisor, calque_dashboard, warmd
+ran = sys.modules.get("calque") or __import__("calque")   # what ran, as a handler imports it (warmd: none)
+import calque_core, calque_ec2, calque_supervisor, calque_dashboard, warmd
 copies = [name for name, m in list(sys.modules.items())
-          if os.path.basename(getattr(m, "__file__", None) or "") == "calque.py"]
-print(json.dumps({{"copies": copies, "shared": [ran is not None] + [
-    role.calque is ran and role.calque.NotFound is ran.NotFound and role.calque.UserError is ran.UserError
-    for role in (calque_supervisor, calque_dashboard, warmd)] + [
-    calque_ec2.NotFound is ran.NotFound, calque_ec2.UserError is ran.UserError]}}))
+          if os.path.basename(getattr(m, "__file__", None) or "") in ("calque.py", "calque_core.py")]
+print(json.dumps({{"copies": sorted(copies), "shared": [
+    role.NotFound is ran.NotFound and role.UserError is ran.UserError
+    for role in (calque_core, calque_ec2, calque_supervisor)]}}))
 """
     out = subprocess.run([PY, "-c", code, ROOT], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen["copies"] == ["calque"] and all(seen["shared"]), seen
+    assert seen["copies"] == ["calque", "calque_core"] and all(seen["shared"]), seen
 
 
 @pytest.mark.parametrize("spelling", SPELLINGS)

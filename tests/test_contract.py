@@ -1,7 +1,9 @@
 """The contract's pure parts: names, the message, store keys."""
+import collections
 import pytest
 
 import calque
+import calque_core
 
 
 @pytest.mark.parametrize("model, queue", [
@@ -13,28 +15,28 @@ import calque
 ])
 def test_slug_vectors(model, queue):
     """The contract's test vectors for pool queue names."""
-    assert calque.pool_queue_name(model) == queue
+    assert calque_core.pool_queue_name(model) == queue
     assert len(queue) <= 80
 
 
 def test_slug_empty_is_an_error():
     """A model name with nothing queue-safe in it is refused."""
     with pytest.raises(calque.UserError, match="no letters or digits"):
-        calque.slug("//--//")
+        calque_core.slug("//--//")
 
 
 def test_dlq_name_fits():
     """The dead-letter queue name is cut to its own prefix's budget."""
-    name = calque.dlq_name("b" * 200)
+    name = calque_core.dlq_name("b" * 200)
     assert name == "calque-dlq-" + "b" * 69 and len(name) == 80
 
 
 def test_message_round_trip_and_unknown_fields():
     """A message carries run_id, model, manifest_uri; unknown fields are ignored."""
-    body = calque.make_message("r1", "m", "file:///x/runs/r1/manifests/c00000.json", "c00000")
-    msg = calque.parse_message(body)
+    body = calque_core.make_message("r1", "m", "file:///x/runs/r1/manifests/c00000.json", "c00000")
+    msg = calque_core.parse_message(body)
     assert (msg["run_id"], msg["model"]) == ("r1", "m")
-    assert calque.parse_message('{"run_id":"r","model":"m","manifest_uri":"u","extra":1}')["run_id"] == "r"
+    assert calque_core.parse_message('{"run_id":"r","model":"m","manifest_uri":"u","extra":1}')["run_id"] == "r"
 
 
 @pytest.mark.parametrize("body, problem", [
@@ -44,23 +46,23 @@ def test_message_round_trip_and_unknown_fields():
 def test_malformed_messages(body, problem):
     """Malformed bodies raise ValueError naming the problem."""
     with pytest.raises(ValueError, match=problem):
-        calque.parse_message(body)
+        calque_core.parse_message(body)
 
 
 def test_local_uri_must_stay_inside_the_store(tmp_path):
     """A manifest_uri outside the store root (or escaping it with ..) resolves to None."""
-    store = calque.LocalStore(str(tmp_path / "s"), calque.Counter())
+    store = calque_core.LocalStore(str(tmp_path / "s"), collections.Counter())
     key = "runs/r/manifests/c00000.json"
     assert store.key_for_uri(store.uri(key)) == key
     assert store.key_for_uri("file:///etc/passwd") is None
     assert store.key_for_uri(store.uri("../outside.json")) is None
     assert store.key_for_uri("s3://bucket/runs/r/manifests/c00000.json") is None
-    assert calque.MANIFEST_KEY.match("runs/r/results/c00000.jsonl") is None
+    assert calque_core.MANIFEST_KEY.match("runs/r/results/c00000.jsonl") is None
 
 
 def test_s3_uri_must_stay_inside_the_store():
     """On S3 the URI must be under s3://bucket/prefix/ and may not climb out of it."""
-    store = calque.S3Store(None, "b", "p", calque.Counter())
+    store = calque_core.S3Store(None, "b", "p", collections.Counter())
     assert store.key_for_uri("s3://b/p/runs/r/manifests/c00000.json") == "runs/r/manifests/c00000.json"
     assert store.key_for_uri("s3://b/other/runs/r/manifests/c00000.json") is None
     assert store.key_for_uri("s3://b/p/../x/runs/r/manifests/c.json") is None
@@ -71,10 +73,10 @@ def test_results_are_made_jsonable():
     """numpy and torch values in results become plain JSON."""
     import numpy as np
     import torch
-    assert calque.dumps({"a": np.float32(1.5), "b": np.arange(3), "c": torch.tensor([1.0, 2.0])}) == \
+    assert calque_core.dumps({"a": np.float32(1.5), "b": np.arange(3), "c": torch.tensor([1.0, 2.0])}) == \
         '{"a":1.5,"b":[0,1,2],"c":[1.0,2.0]}'
     with pytest.raises(TypeError):
-        calque.dumps({"x": object()})
+        calque_core.dumps({"x": object()})
 
 
 def test_public_names():
@@ -91,7 +93,7 @@ def test_handler_decorators_mark_the_methods(tmp_path):
     path = tmp_path / "h.py"
     path.write_text("import calque\nclass M:\n    @calque.enter\n    def load(self): self.k = 2\n"
                     "    @calque.batch\n    def run(self, xs): return [self.k * x for x in xs]\n")
-    _, enter, batch, collate = calque.load_handler(str(path), "M")
+    _, enter, batch, collate = calque_core.load_handler(str(path), "M")
     enter()
     assert batch([1, 2]) == [2, 4] and collate is None
 
@@ -99,13 +101,13 @@ def test_handler_decorators_mark_the_methods(tmp_path):
 def test_handler_source_check():
     """pool create reads the handler without running it: class and both decorators must be there."""
     good = "import calque\nclass M:\n    @calque.enter\n    def a(self): pass\n    @calque.batch\n    def b(self, x): return x\n"
-    calque.check_handler_source(good, "M", "h.py")
+    calque_core.check_handler_source(good, "M", "h.py")
     with pytest.raises(calque.UserError, match="no class N"):
-        calque.check_handler_source(good, "N", "h.py")
+        calque_core.check_handler_source(good, "N", "h.py")
     with pytest.raises(calque.UserError, match="lacks @calque.batch"):
-        calque.check_handler_source("class M:\n    @enter\n    def a(self): pass\n", "M", "h.py")
+        calque_core.check_handler_source("class M:\n    @enter\n    def a(self): pass\n", "M", "h.py")
     with pytest.raises(calque.UserError, match="syntax error"):
-        calque.check_handler_source("class M(:\n", "M", "h.py")
+        calque_core.check_handler_source("class M(:\n", "M", "h.py")
 
 
 def test_settings_precedence(tmp_path, monkeypatch):
@@ -114,8 +116,8 @@ def test_settings_precedence(tmp_path, monkeypatch):
     env_file.write_text("# comment\nCALQUE_BATCH_SIZE=7\nCALQUE_GRACE=9\n")
     monkeypatch.setenv("CALQUE_ENV", str(env_file))
     monkeypatch.setenv("CALQUE_GRACE", "3")
-    conf = calque.settings()
+    conf = calque_core.settings()
     assert conf["CALQUE_BATCH_SIZE"] == "7" and conf["CALQUE_GRACE"] == "3"
     env_file.write_text("CALQUE_BATCH_SIZE 7\n")
     with pytest.raises(calque.UserError, match="pool.env:1"):
-        calque.settings()
+        calque_core.settings()

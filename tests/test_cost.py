@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 # The one import of the code under test (becomes `from calque import ...` when merged).
-from calque import (
-    UserError, _pair, _span_reason, _usd, claim_cost, crossover_ladder, format_ladder, format_pool_cost, format_run_cost,
-    instance_rate_per_second, load_rates, measured_enter_seconds, pool_cost, price_label, request_cost,
-    run_cost, serverless_rate_per_second, serverless_stand_in,
-)
+from calque_cost import (_pair, _span_reason, _usd, claim_cost, crossover_ladder, format_ladder,
+                         format_pool_cost, format_run_cost, instance_rate_per_second, load_rates,
+                         measured_enter_seconds, pool_cost, price_label, request_cost, run_cost,
+                         serverless_rate_per_second, serverless_stand_in)
+from calque import UserError
 
 REPO_RATES = Path(__file__).resolve().parent.parent / "rates.json"
 SRC = {"source": "test", "as_of": "2026-11-29"}
@@ -519,6 +519,8 @@ def test_dollars_keep_six_significant_figures_when_small(value, text):
 import json as _json
 
 from conftest import HANDLERS, cli, write_items
+import calque_core
+import calque_cost
 
 
 @pytest.fixture(params=["local", "aws"])
@@ -590,7 +592,7 @@ def test_cost_cli_errors_and_pool_cost(local_env, tmp_path):
     report = _json.loads(out.stdout)["cost"]
     assert report["workers"] == 1 and report["claims"] == 1 and report["instance_seconds"] > 0
     backend = backend_for(local_env)
-    stats = calque.read_worker_stats(backend, "m")
+    stats = calque_core.read_worker_stats(backend, "m")
     priced_as_cpu = _json.loads(out.stdout)["priced_as"].startswith("c7i.xlarge")
     assert priced_as_cpu == all(w["no_gpu"] for w in stats), "a pool that saw no GPU is priced as CPU"
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
@@ -607,8 +609,8 @@ def test_cost_of_a_run_in_progress_is_partial(local_env, tmp_path):
     backend = backend_for(local_env)
     queue = backend.queues.open_queue("calque-pool-m")
     import warmd
-    record = calque.load_pool(backend, "m")
-    worker = warmd.Worker(backend, record, calque.worker_stats_prefix("m"), calque.settings(), False)
+    record = calque_core.load_pool(backend, "m")
+    worker = warmd.Worker(backend, record, calque_core.worker_stats_prefix("m"), calque_core.settings(), False)
     worker.start()
     worker.handle(queue.receive(1))       # one of the two claims
     out = cli(local_env, "cost", run_id, "--json")
@@ -624,28 +626,28 @@ def test_a_run_without_a_gpu_is_priced_as_a_cpu_instance(tmp_path):
     import calque
     no_gpu = dict(summary(), gpu_utilisation={"measured": False, "reason": "no GPU visible to NVML (NVMLError)"})
     gpu = dict(summary(), gpu_utilisation={"measured": True, "value": 0.5})
-    price = calque.pricing()
-    cpu = calque.choose_pricing(price, [no_gpu, no_gpu])
+    price = calque_cost.pricing()
+    cpu = calque_cost.choose_pricing(price, [no_gpu, no_gpu])
     assert cpu.instance_type == "c7i.xlarge" and cpu.rate_per_s * 3600 == pytest.approx(0.1785)
     assert cpu.label.startswith("c7i.xlarge (4 vCPU, no GPU) on-demand $0.1785/h") and "saw a GPU" in cpu.label
-    assert calque.choose_pricing(price, [no_gpu, gpu]) == price and calque.choose_pricing(price, []) == price
+    assert calque_cost.choose_pricing(price, [no_gpu, gpu]) == price and calque_cost.choose_pricing(price, []) == price
     cancelled = dict(summary(items=0), status="cancelled", worker_id="submitter")   # run by no worker: says nothing
-    assert calque.choose_pricing(price, [no_gpu, cancelled]) == cpu and calque.choose_pricing(price, [cancelled]) == price
-    assert calque.choose_pricing(calque.pricing(instance_type="g5.xlarge"), [no_gpu]).instance_type == "g5.xlarge"
-    assert calque.choose_pricing(calque.pricing(spot=True), [no_gpu]).rate_per_s == pytest.approx(0.1785 * 0.35 / 3600)
-    assert calque.serverless_stand_in(price.rates, "c7i.xlarge")[0] == pytest.approx(2 * 1.31e-05 + 8 * 2.22e-06)
-    bare = calque.pricing(rates_file=write_rates(tmp_path, RATES))
-    assert calque.choose_pricing(bare, [no_gpu]).label.endswith("a GPU price assumed for work that used no GPU (the rates "
+    assert calque_cost.choose_pricing(price, [no_gpu, cancelled]) == cpu and calque_cost.choose_pricing(price, [cancelled]) == price
+    assert calque_cost.choose_pricing(calque_cost.pricing(instance_type="g5.xlarge"), [no_gpu]).instance_type == "g5.xlarge"
+    assert calque_cost.choose_pricing(calque_cost.pricing(spot=True), [no_gpu]).rate_per_s == pytest.approx(0.1785 * 0.35 / 3600)
+    assert calque_cost.serverless_stand_in(price.rates, "c7i.xlarge")[0] == pytest.approx(2 * 1.31e-05 + 8 * 2.22e-06)
+    bare = calque_cost.pricing(rates_file=write_rates(tmp_path, RATES))
+    assert calque_cost.choose_pricing(bare, [no_gpu]).label.endswith("a GPU price assumed for work that used no GPU (the rates "
                                                         "file names no defaults.cpu_instance_type)")
     lines = format_run_cost(run_cost([no_gpu], cpu.rate_per_s, price.rates, 0.0, 0.0), cpu.label)
     assert lines[0].startswith("cost      priced as c7i.xlarge (4 vCPU, no GPU)")
     on_g6 = dict(gpu, instance_type="g6.xlarge")         # an EC2 worker names the type it ran on
-    ran_on = calque.choose_pricing(price, [on_g6, on_g6, cancelled])
+    ran_on = calque_cost.choose_pricing(price, [on_g6, on_g6, cancelled])
     assert ran_on.instance_type == "g6.xlarge" and ran_on.label.endswith("the type the workers ran on "
                                                                          "(--instance-type prices another)")
-    assert calque.choose_pricing(price, [on_g6, dict(gpu, instance_type="g5.xlarge")]) == price   # two types: default
-    assert calque.choose_pricing(price, [dict(gpu, instance_type="x9.nano")]) == price           # not in the rates
-    assert calque.choose_pricing(calque.pricing(instance_type="g5.xlarge"), [on_g6]).instance_type == "g5.xlarge"
+    assert calque_cost.choose_pricing(price, [on_g6, dict(gpu, instance_type="g5.xlarge")]) == price   # two types: default
+    assert calque_cost.choose_pricing(price, [dict(gpu, instance_type="x9.nano")]) == price           # not in the rates
+    assert calque_cost.choose_pricing(calque_cost.pricing(instance_type="g5.xlarge"), [on_g6]).instance_type == "g5.xlarge"
 
 
 def test_workers_that_name_their_instance_type_are_priced_as_it(local_env, tmp_path):
@@ -700,7 +702,7 @@ def test_every_verb_prices_a_pool_alike(local_env, tmp_path):
     assert submitted.returncode == 0, submitted.stderr
     run_id = submitted.stdout.split()[1]
     backend = backend_for(local_env)
-    no_gpu = all(w["no_gpu"] for w in calque.read_worker_stats(backend, "m"))
+    no_gpu = all(w["no_gpu"] for w in calque_core.read_worker_stats(backend, "m"))
     itype, container = ("c7i.xlarge", "2 cores + 8 GiB") if no_gpu else ("g5.xlarge", "1x A10G")
     plan = _json.loads(cli(local_env, "plan", "--pool", "m", items, "--json", cwd=tmp_path).stdout)
     cost = _json.loads(cli(local_env, "cost", run_id, "--json", cwd=tmp_path).stdout)[0]
@@ -711,8 +713,8 @@ def test_every_verb_prices_a_pool_alike(local_env, tmp_path):
     assert f"priced as {label}" in submitted.stdout
     assert plan["serverless"]["container"] == container
     assert cost["ladder"]["inputs"]["serverless_rate"] == pytest.approx(
-        calque.serverless_stand_in(calque.load_rates(), itype)[0])
-    board = calque_dashboard.Dashboard({"CALQUE_STATE": local_env["CALQUE_STATE"]}, backend, calque.pricing())
+        calque_cost.serverless_stand_in(calque_cost.load_rates(), itype)[0])
+    board = calque_dashboard.Dashboard({"CALQUE_STATE": local_env["CALQUE_STATE"]}, backend, calque_cost.pricing())
     assert board.pool_view("m")["priced_as"] == board.run_view(run_id)["cost"]["priced_as"] == label
     report = tmp_path / "report.html"
     assert installed("runs", "report", run_id, "--html", str(report)).returncode == 0

@@ -15,6 +15,8 @@ import pytest
 import calque
 import calque_ec2 as ec2
 import calque_dashboard as dashboard
+import calque_core
+import calque_cost
 from bench_dashboard import finish_claims, synth_run
 from cdp import Browser, chromium_path
 from conftest import HANDLERS, PY, ROOT, cli, wait_for, write_items
@@ -68,8 +70,8 @@ def test_api_figures_escaping_token_and_report(local_env, tmp_path, serve_dashbo
     done = cli(local_env, "submit", "--pool", MODEL, items, "--claim-size", "10", "--json")
     run_id = json.loads(done.stdout)["run"]["run_id"]
     # a worker writes its stats once it runs out of claims, a moment after the run's last summary
-    backend = calque.open_backend(local_env["CALQUE_STORE"])
-    wait_for(lambda: sum(w.get("claims", 0) for w in calque.read_worker_stats(backend, MODEL)) == 6,
+    backend = calque_core.open_backend(local_env["CALQUE_STORE"])
+    wait_for(lambda: sum(w.get("claims", 0) for w in calque_core.read_worker_stats(backend, MODEL)) == 6,
              what="the worker's stats to count its six claims")
     base = serve_dashboard()
 
@@ -125,8 +127,8 @@ def test_refresh_reads_only_new_summaries(tmp_path, monkeypatch):
     """A refresh of a live run GETs its record, the new summaries and the manifests of claims holding failed items
     newly shown, once; a complete run is not read again."""
     monkeypatch.setattr(dashboard, "POOL_TTL", 3600.0)   # the pool's status read once, however slow the test
-    backend = calque.open_backend(str(tmp_path / "store"))
-    board = dashboard.Dashboard({"CALQUE_STATE": str(tmp_path / "state")}, backend, calque.pricing())
+    backend = calque_core.open_backend(str(tmp_path / "store"))
+    board = dashboard.Dashboard({"CALQUE_STATE": str(tmp_path / "state")}, backend, calque_cost.pricing())
     run, t0, reads = synth_run(backend, 200), 1_700_000_000.0, []
     for start, stop in ((0, 50), (50, 80), (80, 80), (80, 200), (200, 200)):
         finish_claims(backend, run, start, stop, t0=t0)
@@ -235,7 +237,7 @@ def test_ec2_pool_and_a_run_on_s3(aws, tmp_path):
     run page says where an EC2 worker's log is."""
     backend = aws.backend
     ec2.pool_create(backend, ec2_record(backend), EC2_HANDLER, ec2_options(), yes_spend_money=True)
-    board = dashboard.Dashboard({"CALQUE_STATE": str(tmp_path / "state")}, backend, calque.pricing())
+    board = dashboard.Dashboard({"CALQUE_STATE": str(tmp_path / "state")}, backend, calque_cost.pricing())
     view = board.pool_view(EC2_MODEL)
     assert view["ec2"] and view["queue"] == {"visible": 0, "in_flight": 0} and view["workers"] == []
     kind, page = dashboard.route(board, f"/pools/{urllib.parse.quote(EC2_MODEL, safe='')}", {})

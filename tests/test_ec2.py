@@ -16,6 +16,8 @@ from moto import mock_aws
 
 import calque
 import calque_ec2 as ec2
+import calque_core
+import calque_fleet
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HANDLER = os.path.join(ROOT, "tests", "handlers.py") + ":Echo"
 MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -58,7 +60,7 @@ def aws(monkeypatch, tmp_path):
         monkeypatch.setattr(ec2, "DLAMI_PARAMETERS", {"x86_64": "/calque-test/dlami",
                                                       "arm64": "/calque-test/dlami-arm"})
         monkeypatch.setattr(ec2, "IAM_PROPAGATION_WAIT", 0)
-        yield argparse.Namespace(backend=calque.open_backend(STORE), ami=ami)
+        yield argparse.Namespace(backend=calque_core.open_backend(STORE), ami=ami)
 
 
 def options(**kw):
@@ -73,9 +75,9 @@ def launch(**kw):
 
 def record(backend, model=MODEL):
     """The record cmd_pool_create builds before it hands an EC2 pool over (no handler: ec2.pool_create snapshots it)."""
-    return {"model": model, "slug": calque.slug(model), "queue": calque.pool_queue_name(model),
-            "dlq": calque.dlq_name(model), "batch_size": 8, "visibility_timeout": 60, "max_deliveries": 3,
-            "created_at": calque.now_iso(), "store": backend.describe()}
+    return {"model": model, "slug": calque_core.slug(model), "queue": calque_core.pool_queue_name(model),
+            "dlq": calque_core.dlq_name(model), "batch_size": 8, "visibility_timeout": 60, "max_deliveries": 3,
+            "created_at": calque_core.now_iso(), "store": backend.describe()}
 
 
 def client(service):
@@ -140,7 +142,7 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
     names = ec2.resource_names(MODEL)
     full = ec2.pool_create(backend, record(backend), HANDLER, options(), yes_spend_money=True)
     assert full["ec2"]["state"] == "ready" and full["ec2"]["ami"] == aws.ami
-    stored = calque.read_json(backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(backend, calque_core.pool_key(MODEL))
     assert stored["ec2"]["state"] == "ready" and stored["handler"]["class"] == "Echo"
     assert backend.store.get(stored["handler"]["key"]) == open(HANDLER.rsplit(":", 1)[0], "rb").read()
     assert backend.store.exists(stored["ec2"]["kit"]["key"])
@@ -162,10 +164,10 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
 
     ec2.pool_scale(backend, stored, 3, yes_spend_money=True)
     assert (asg_of()["DesiredCapacity"] == 3
-            and calque.read_json(backend, calque.pool_key(MODEL))["ec2"]["instances"] == 3)
+            and calque_core.read_json(backend, calque_core.pool_key(MODEL))["ec2"]["instances"] == 3)
     with pytest.raises(calque.UserError, match="--yes-spend-money"):
-        ec2.pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 5)
-    ec2.pool_scale(backend, calque.read_json(backend, calque.pool_key(MODEL)), 1)
+        ec2.pool_scale(backend, calque_core.read_json(backend, calque_core.pool_key(MODEL)), 5)
+    ec2.pool_scale(backend, calque_core.read_json(backend, calque_core.pool_key(MODEL)), 1)
     assert asg_of()["DesiredCapacity"] == 1
 
     listed = ec2.pool_list(backend)
@@ -179,7 +181,7 @@ def test_full_cycle_create_status_scale_list_delete(aws, capsys):
                   f"IAM role {names['role']}: deleted", f"queue {names['queue']}: deleted", "store folder pools/"):
         assert thing in out
     assert asg_of() is None and not role_exists(names["role"]) and not queue_exists(names["queue"])
-    assert not backend.store.exists(calque.pool_key(MODEL)) and not backend.store.exists(stored["ec2"]["kit"]["key"])
+    assert not backend.store.exists(calque_core.pool_key(MODEL)) and not backend.store.exists(stored["ec2"]["kit"]["key"])
     assert ec2.pool_delete(backend, {"model": MODEL}, yes=True)        # re-runnable: every step "already gone"
     assert capsys.readouterr().out.count("not found (already gone)") == 6
 
@@ -267,7 +269,7 @@ def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
     poller and no credentials; the env file round-trips an awkward model name through bash exactly."""
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     script, _ = launch_template_user_data()
-    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     cold = ec2.user_data_cold("20261129-101500-ab12cd", STORE, REGION, "runs/x/kit/k.tar.gz", "f" * 64, 90)
     for text in (script, cold):
         check = subprocess.run(["bash", "-n"], input=text, text=True, capture_output=True)
@@ -314,7 +316,7 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
             f"IAM role {names['role']}") in err
     assert f"not done: auto scaling group {names['asg']}, no scale-to-zero alarms, pool record ready" in err
     assert "re-run the same command" in err and "pool delete --model" in err
-    assert asg_of() is None and calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "creating"
+    assert asg_of() is None and calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))["ec2"]["state"] == "creating"
 
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     out = capsys.readouterr().out
@@ -323,7 +325,7 @@ def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     assert asg_of()["DesiredCapacity"] == 2
     _, version = launch_template_user_data()
     assert version["VersionNumber"] == 1
-    assert calque.read_json(aws.backend, calque.pool_key(MODEL))["ec2"]["state"] == "ready"
+    assert calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))["ec2"]["state"] == "ready"
 
     # a changed re-run
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3, instance_type="g5.2xlarge"),
@@ -352,7 +354,7 @@ def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
     names = ec2.resource_names(MODEL)
     assert role_exists(names["role"])
     capsys.readouterr()
-    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     assert ec2.pool_delete(aws.backend, stored, yes=True)
     out = capsys.readouterr().out
     assert f"auto scaling group {names['asg']}: not found (already gone)" in out
@@ -360,15 +362,15 @@ def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
     assert f"instance profile {names['instance_profile']}: deleted" in out
     assert f"IAM role {names['role']}: deleted" in out
     assert not role_exists(names["role"]) and not queue_exists(names["queue"]) and not queue_exists(names["dlq"])
-    assert not aws.backend.store.exists(calque.pool_key(MODEL))
+    assert not aws.backend.store.exists(calque_core.pool_key(MODEL))
 
     other = "llama-3-8b"
     fail_on(monkeypatch, "PutRolePolicy")          # queues, store and role made; the role's policy not
     with pytest.raises(KeyboardInterrupt):
         ec2.pool_create(aws.backend, record(aws.backend, other), HANDLER, options(), yes_spend_money=True)
-    aws.backend.store.delete_prefix(f"pools/{calque.slug(other)}/")     # and the record lost too
+    aws.backend.store.delete_prefix(f"pools/{calque_core.slug(other)}/")     # and the record lost too
     assert ec2.pool_delete(aws.backend, {"model": other}, yes=True)
-    assert not role_exists(ec2.resource_names(other)["role"]) and not queue_exists(calque.pool_queue_name(other))
+    assert not role_exists(ec2.resource_names(other)["role"]) and not queue_exists(calque_core.pool_queue_name(other))
 
 
 def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
@@ -386,10 +388,10 @@ def test_dry_run_makes_no_mutating_call(aws, api_calls, capsys):
     read_only = re.compile(r"^[a-z0-9-]+:(Get|Describe|List|Head)")
     assert api_calls and all(read_only.match(c) for c in api_calls), [c for c in api_calls if not read_only.match(c)]
     assert not role_exists(ec2.resource_names(MODEL)["role"]) and asg_of() is None
-    assert not aws.backend.store.exists(calque.pool_key(MODEL))
+    assert not aws.backend.store.exists(calque_core.pool_key(MODEL))
 
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
-    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     api_calls.clear()
     ec2.pool_scale(aws.backend, stored, 4, dry_run=True)
     ec2.pool_delete(aws.backend, stored, dry_run=True)
@@ -408,7 +410,7 @@ def test_refusals_before_any_call(aws, api_calls, tmp_path):
     """No --yes-spend-money, a local store, no --yes on delete, bad sizes: one-line UserErrors, no AWS call made."""
     with pytest.raises(calque.UserError, match="--yes-spend-money"):
         ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options())
-    local = calque.LocalBackend(str(tmp_path / "store"))
+    local = calque_core.LocalBackend(str(tmp_path / "store"))
     with pytest.raises(calque.UserError, match="s3:// store"):
         ec2.pool_create(local, record(local), HANDLER, options(), yes_spend_money=True)
     with pytest.raises(calque.UserError, match="--yes"):
@@ -480,10 +482,10 @@ def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
     assert {m["MetricStat"]["Metric"]["MetricName"] for m in idle["Metrics"] if "MetricStat" in m} == {
         "ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible"}
 
-    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     assert ec2.cold_wait_hint(aws.backend, stored) is None          # 3 in service
     ec2.pool_scale(aws.backend, stored, 0)
-    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     hint = ec2.cold_wait_hint(aws.backend, stored)
     assert "is cold (0 instances)" in hint and "wake alarm" in hint and "min" in hint
     assert ec2.cold_wait_hint(aws.backend, dict(stored, ec2=None)) is None
@@ -544,13 +546,13 @@ def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
     fire(names["alarm_idle"])                                    # idle: asleep
     assert asg_of()["DesiredCapacity"] == 0
 
-    ec2.pool_scale(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)), 3,
+    ec2.pool_scale(aws.backend, calque_core.read_json(aws.backend, calque_core.pool_key(MODEL)), 3,
                    yes_spend_money=True)
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (3, 3, 3)
     fire(names["alarm_idle"])                                    # a minute later, still in ALARM
     assert asg_of()["DesiredCapacity"] == 3
-    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     assert stored["ec2"]["held"] == 3
     status = ec2.format_status(ec2.pool_status(aws.backend, stored))
     assert any("scale to zero: held at 3 by `pool scale`" in line for line in status), status
@@ -562,10 +564,10 @@ def test_pool_scale_holds_a_scale_to_zero_pool(aws, monkeypatch, capsys):
     fire(names["alarm_idle"])
     assert asg_of()["DesiredCapacity"] == 3 and asg_of()["MinSize"] == 3
 
-    ec2.pool_scale(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)), 0)
+    ec2.pool_scale(aws.backend, calque_core.read_json(aws.backend, calque_core.pool_key(MODEL)), 0)
     group = asg_of()
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (0, 3, 0)
-    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     assert stored["ec2"]["held"] is None and stored["ec2"]["instances"] == 3
     status = ec2.format_status(ec2.pool_status(aws.backend, stored))
     assert any("scale to zero: alarms in charge (backlog steps up to 3" in line for line in status), status
@@ -590,7 +592,7 @@ def test_status_shows_bootstrap_reports(aws):
     prefix = ec2.resource_names(MODEL)["report_prefix"]
 
     def report(started, instance_id, **fields):
-        calque.write_json(aws.backend, f"{prefix}{started}.{instance_id}.json",
+        calque_core.write_json(aws.backend, f"{prefix}{started}.{instance_id}.json",
                           dict({"instance_id": instance_id, "started": started, "state": "ready", "fastbatch": "c",
                                 "torch": "2.13.0+cu128", "torch_cuda": "12.8", "torch_gpu": "True",
                                 "gpu": "NVIDIA A10G"}, **fields))
@@ -600,7 +602,7 @@ def test_status_shows_bootstrap_reports(aws):
     report("20261129T101000Z", ready, venv="unpacked")
     report("20261129T101000Z", numpy_cpu, fastbatch="failed: fastbatch.c:1:10: fatal error: Python.h: No such file",
            torch="2.13.0+cpu", torch_cuda="None", torch_gpu="False")
-    status = ec2.pool_status(aws.backend, calque.read_json(aws.backend, calque.pool_key(MODEL)))
+    status = ec2.pool_status(aws.backend, calque_core.read_json(aws.backend, calque_core.pool_key(MODEL)))
     assert sorted(status["bootstrap"]["current"]) == sorted([ready, numpy_cpu])
     assert [r["instance_id"] for r in status["bootstrap"]["failed"]] == ["i-0gone0failed0000"]
     text = "\n".join(ec2.format_status(status))
@@ -627,7 +629,7 @@ def test_cold_launch_one_shot_instances(aws):
     """A cold run on EC2 launches --shards instances on the shared cold role, with the run's user-data,
     terminate-on-shutdown and run tags; cleanup terminates the ones still up."""
     run_id = "20261129-101500-ab12cd"
-    cold = {"model": MODEL, "queue": calque.RUN_QUEUE_PREFIX + run_id, "dlq": calque.RUN_DLQ_PREFIX + run_id}
+    cold = {"model": MODEL, "queue": calque_core.RUN_QUEUE_PREFIX + run_id, "dlq": calque_core.RUN_DLQ_PREFIX + run_id}
     ids = ec2.cold_launch(aws.backend, cold, run_id, 2, launch(ami=aws.ami), timeout=1200.0,
                           yes_spend_money=True)
     assert len(ids) == 2
@@ -675,7 +677,7 @@ def test_every_aws_call_is_documented(aws, api_calls):
     """Every AWS operation the EC2 commands make appears as service:Operation in the README's On AWS section."""
     backend = aws.backend
     ec2.pool_create(backend, record(backend), HANDLER, options(scale_to_zero_after=5), yes_spend_money=True)
-    stored = calque.read_json(backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(backend, calque_core.pool_key(MODEL))
     ec2.pool_status(backend, stored)
     ec2.pool_scale(backend, stored, 1, yes_spend_money=True)
     ec2.pool_list(backend)
@@ -701,7 +703,7 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
     monkeypatch.setenv("CALQUE_STATE", str(tmp_path / "state"))
     create = ["pool", "create", "--model", MODEL, "--handler", HANDLER, "--instances", "2", "--instance-type",
               "g5.xlarge"]
-    assert calque.main(create) == calque.EXIT_USAGE                       # no --yes-spend-money: refused
+    assert calque.main(create) == calque_core.EXIT_USAGE                       # no --yes-spend-money: refused
     assert "--yes-spend-money" in capsys.readouterr().err
     assert calque.main(create + ["--dry-run"]) == 0
     assert "would call" in capsys.readouterr().out and asg_of() is None
@@ -718,9 +720,9 @@ def test_the_cli_drives_an_ec2_pool(aws, monkeypatch, capsys, tmp_path):
                         "--dry-run"]) == 0
     assert "would call ec2.RunInstances" in capsys.readouterr().out
     assert not [k for k in aws.backend.store.list("runs/")], "a cold dry run writes nothing to the store"
-    assert calque.main(["pool", "delete", "--model", MODEL]) == calque.EXIT_USAGE   # no --yes: refused
+    assert calque.main(["pool", "delete", "--model", MODEL]) == calque_core.EXIT_USAGE   # no --yes: refused
     assert calque.main(["pool", "delete", "--model", MODEL, "--yes"]) == 0
-    assert asg_of() is None and not queue_exists(calque.pool_queue_name(MODEL))
+    assert asg_of() is None and not queue_exists(calque_core.pool_queue_name(MODEL))
 
 
 def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys):
@@ -730,17 +732,17 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     scale-in that takes the idle ones, so scaling in costs no redelivery; pool delete removes alarms and policies."""
     _moto_policies_keep_min_and_max(monkeypatch)
     names = ec2.resource_names(MODEL)
-    calque.write_json(aws.backend, calque.run_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa"), {
-        "run_id": f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "model": MODEL, "mode": "pool", "claims": ["c00000"],
+    calque_core.write_json(aws.backend, calque_core.run_key(f"{calque_core.slug(MODEL)}.20261201-100000-aaaaaa"), {
+        "run_id": f"{calque_core.slug(MODEL)}.20261201-100000-aaaaaa", "model": MODEL, "mode": "pool", "claims": ["c00000"],
         "items": 10, "claim_size": 10, "created_at": "2026-12-01T10:00:00+00:00", "sent": 1, "staged": True})
-    calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa", "c00000"),
+    calque_core.write_json(aws.backend, calque_core.summary_key(f"{calque_core.slug(MODEL)}.20261201-100000-aaaaaa", "c00000"),
                       {"claim": "c00000", "items": 10, "claim_seconds": 30.0, "enter_seconds_paid": 0.0,
                        "mode": "pool"})
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER,
                     options(instances=None, min_instances=0, max_instances=3), yes_spend_money=True)
     out = capsys.readouterr().out
     assert "backlog -> instances: 1+ -> 1, 3+ -> 2, 5+ -> 3; 30 s a claim, drain target 60 s" in out, out
-    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     assert stored["ec2"]["scale_to_zero_after"] == 5 and stored["ec2"]["scaling"]["steps"] == [[1, 1], [3, 2], [5, 3]]
     script, _ = launch_template_user_data()
     assert "CALQUE_ASG" not in script and "CALQUE_INSTANCE_ID" not in script   # warmd derives both
@@ -770,10 +772,10 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     # pool scale --min-instances 1 --max-instances 5: the group's bounds, steps and idle policy put again
     monkeypatch.setenv("CALQUE_STORE", STORE)
     scale = ["pool", "scale", "--model", MODEL, "--min-instances", "1", "--max-instances", "5"]
-    assert calque.main(scale) == calque.EXIT_USAGE
+    assert calque.main(scale) == calque_core.EXIT_USAGE
     assert "--yes-spend-money" in capsys.readouterr().err      # a floor above the desired 0 starts one
     assert calque.main(scale + ["--yes-spend-money"]) == 0
-    group, stored = asg_of(), calque.read_json(aws.backend, calque.pool_key(MODEL))
+    group, stored = asg_of(), calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     assert (group["MinSize"], group["MaxSize"], group["DesiredCapacity"]) == (1, 5, 1)
     assert stored["ec2"]["scaling"]["steps"] == [[1, 1], [3, 2], [5, 3], [7, 4], [9, 5]]
 
@@ -785,11 +787,11 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     assert [(a["MetricIntervalLowerBound"], a["ScalingAdjustment"]) for a in steps] == [
         (0.0, 1), (2.5, 2), (4.5, 3), (6.5, 4), (8.5, 5)]
     assert calque.main(["pool", "scale", "--model", MODEL, "--instances", "2", "--max-instances", "3"]
-                       ) == calque.EXIT_USAGE
+                       ) == calque_core.EXIT_USAGE
     assert "---> HINT" in capsys.readouterr().err
 
     # a submit puts the steps again once the measured seconds per claim moved (here 30 s -> 6 s)
-    calque.write_json(aws.backend, calque.summary_key(f"{calque.slug(MODEL)}.20261201-100000-aaaaaa",
+    calque_core.write_json(aws.backend, calque_core.summary_key(f"{calque_core.slug(MODEL)}.20261201-100000-aaaaaa",
                                                       "c00000"),
                       {"claim": "c00000", "items": 10, "claim_seconds": 6.0, "enter_seconds_paid": 0.0,
                        "mode": "pool"})
@@ -797,7 +799,7 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
     steps = policies()[names["policy_wake"]]["StepAdjustments"]
     assert [(a["MetricIntervalLowerBound"], a["ScalingAdjustment"]) for a in steps] == [
         (0.0, 1), (10.5, 2), (20.5, 3), (30.5, 4), (40.5, 5)]
-    stored = calque.read_json(aws.backend, calque.pool_key(MODEL))
+    stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
     assert stored["ec2"]["scaling"]["seconds_per_claim"] == 6.0
 
     # the termination hook (the worker's side, SpotPoller on target-lifecycle-state: test_warmd.py)
@@ -824,13 +826,13 @@ def test_modal_image_on_an_ec2_pool(aws, tmp_path, monkeypatch):
         "import modal\nimage = modal.Image.debian_slim().apt_install('libsndfile1')"
         ".pip_install('no-such-dist==1.2', 'other>=2').add_local_file('vocab.txt', '/root/vocab.txt')\n"
         "app = modal.App(image=image)\n@app.function()\ndef f(x):\n    return x\n")
-    modal, _, _ = calque.modal_options("app.py:f", workers_here=False)
+    modal, _, _ = calque_fleet.modal_options("app.py:f", workers_here=False)
     ec2.pool_create(aws.backend, dict(record(aws.backend), modal=modal), "app.py:f", options(),
                     yes_spend_money=True)
     script, _ = launch_template_user_data()
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     assert "install -q --no-cache-dir no-such-dist==1.2 'other>=2'" in script and "install -y -q libsndfile1" in script
-    include = calque.read_json(aws.backend, calque.pool_key(MODEL))["handler"]["include"]
+    include = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))["handler"]["include"]
     assert include["files"] == 1
     assert hashlib.sha256(aws.backend.store.get(include["key"])).hexdigest() == include["sha256"]
 
@@ -881,18 +883,18 @@ def test_inputs_read_by_reference_are_granted_to_the_pool_role(aws, monkeypatch,
     assert said == [f"pool {MODEL}: its instance role {role} may now read s3://{BUCKET}/videos/ (waiting 0 s for IAM "
                     f"to apply it)"]
     assert readable() == [f"arn:aws:s3:::{BUCKET}/photos/*", f"arn:aws:s3:::{BUCKET}/videos/*"]
-    assert calque.load_pool(aws.backend, MODEL)["ec2"]["reads"] == [f"s3://{BUCKET}/photos/", f"s3://{BUCKET}/videos/"]
+    assert calque_core.load_pool(aws.backend, MODEL)["ec2"]["reads"] == [f"s3://{BUCKET}/photos/", f"s3://{BUCKET}/videos/"]
     assert calque.main(submit + [f"s3://{BUCKET}/videos/v/"]) == 0 and "may now read" not in capsys.readouterr().err
     fail_on(monkeypatch, "PutRolePolicy",
             ClientError({"Error": {"Code": "AccessDenied", "Message": "not allowed"}}, "PutRolePolicy"))
-    runs = len(calque.list_runs(aws.backend))
-    assert calque.main(submit + [f"s3://{BUCKET}/music/"]) == calque.EXIT_USAGE
+    runs = len(calque_core.list_runs(aws.backend))
+    assert calque.main(submit + [f"s3://{BUCKET}/music/"]) == calque_core.EXIT_USAGE
     err = capsys.readouterr().err
     assert f"s3://{BUCKET}/music/: pool {MODEL}'s instance role {role} may not read it, and granting it failed" \
-        in err and "AccessDenied" in err and len(calque.list_runs(aws.backend)) == runs
+        in err and "AccessDenied" in err and len(calque_core.list_runs(aws.backend)) == runs
     assert calque.main(["submit", "--model", MODEL, f"s3://{BUCKET}/photos/", "--instance-type", "g5.xlarge",
-                        "--ami", aws.ami, "--yes-spend-money"]) == calque.EXIT_USAGE
+                        "--ami", aws.ami, "--yes-spend-money"]) == calque_core.EXIT_USAGE
     assert "a cold run on EC2 cannot read an s3:// prefix" in capsys.readouterr().err
     assert calque.main(["pool", "create", "--model", "local", "--handler", HANDLER, "--workers", "0",
-                        "--read", f"s3://{BUCKET}/x/"]) == calque.EXIT_USAGE
+                        "--read", f"s3://{BUCKET}/x/"]) == calque_core.EXIT_USAGE
     assert "--read grants an EC2 pool's instance role" in capsys.readouterr().err

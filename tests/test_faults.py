@@ -14,6 +14,8 @@ import time
 import pytest
 
 from conftest import HANDLERS, PY, ROOT, backend_for, cli, wait_for, write_items
+import calque_core
+import calque_supervisor
 
 
 def error_line(out, code):
@@ -43,7 +45,7 @@ def live_worker(env, model="m", other_than=None):
     Read from the supervisor's status file and the store directly: a CLI call per poll would cost 0.5 s."""
     import calque
     backend = backend_for(env)
-    status_file = os.path.join(env["CALQUE_STATE"], "pools", calque.slug(model), "supervisor.json")
+    status_file = os.path.join(env["CALQUE_STATE"], "pools", calque_core.slug(model), "supervisor.json")
 
     def running():
         try:
@@ -51,8 +53,8 @@ def live_worker(env, model="m", other_than=None):
                 pids = [w["pid"] for w in json.load(f)["workers"] if w["pid"] not in (None, other_than)]
         except (OSError, ValueError):
             return None
-        reported = {w["pid"] for w in calque.read_worker_stats(backend, model) if w["state"] == "running"}
-        return next((pid for pid in pids if pid in reported and calque.pid_alive(pid)), None)
+        reported = {w["pid"] for w in calque_core.read_worker_stats(backend, model) if w["state"] == "running"}
+        return next((pid for pid in pids if pid in reported and calque_supervisor.pid_alive(pid)), None)
     return wait_for(running, 60, "a live worker reporting running")
 
 
@@ -245,8 +247,8 @@ def test_colliding_names_created_at_once(backend, request):
     backend_ = backend_for(env)
     assert backend_.store.list("pools/") == ["pools/foo-bar"]
     import calque
-    assert calque.read_json(backend_, "pools/foo-bar/pool.json")["model"] == winner
-    assert calque.read_json(backend_, "pools/foo-bar/name.json") == {"model": winner}
+    assert calque_core.read_json(backend_, "pools/foo-bar/pool.json")["model"] == winner
+    assert calque_core.read_json(backend_, "pools/foo-bar/name.json") == {"model": winner}
     create_pool(env, winner)
     assert cli(env, "pool", "delete", "--model", winner, "--yes").returncode == 0
 
@@ -261,9 +263,9 @@ def test_status_counts_lost_workers(local_env, tmp_path):
     backend = backend_for(local_env)
     old = time.time() - 600
     import calque
-    calque.write_json(backend, "pools/m/workers/elsewhere-7.json", {
+    calque_core.write_json(backend, "pools/m/workers/elsewhere-7.json", {
         "worker_id": "elsewhere-7", "model": "m", "host": "elsewhere", "pid": 7, "state": "running",
-        "started_at": calque.now_iso(old - 60), "updated_at": calque.now_iso(old), "alive_seconds": 60.0,
+        "started_at": calque_core.now_iso(old - 60), "updated_at": calque_core.now_iso(old), "alive_seconds": 60.0,
         "busy_seconds": 0.0, "claims": 0, "warm_hits": 0, "enter_count": 1, "enter_seconds": 0.1, "items": 0})
     out = cli(local_env, "pool", "status", "--model", "m")
     assert "  workers with stats: 3 (1 running, 2 lost)\n" in out.stdout, out.stdout

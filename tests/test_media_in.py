@@ -12,6 +12,8 @@ import wave
 import pytest
 
 import calque
+import calque_core
+import calque_runs
 from conftest import ROOT, backend_for, cli, start_worker, wait_for
 
 pa = pytest.importorskip("pyarrow")
@@ -90,11 +92,11 @@ def staged(items, claim_size=1000):
     """Stage `items` on a fresh local store as submit does; every claim's manifest and its items as a worker
     reads them (calque.manifest_items)."""
     import tempfile
-    backend = calque.LocalBackend(tempfile.mkdtemp(prefix="calque-media-"))
+    backend = calque_core.LocalBackend(tempfile.mkdtemp(prefix="calque-media-"))
     queue = backend.queues.create_queue("calque-pool-t", 30)
-    run = calque.stage_run(backend, {"model": "t"}, items, claim_size, queue, "pool")
-    texts = [backend.store.get(calque.manifest_key(run["run_id"], c)) for c in run["claims"]]
-    items = [i for text in texts for i in calque.manifest_items(backend.store, json.loads(text))]
+    run = calque_runs.stage_run(backend, {"model": "t"}, items, claim_size, queue, "pool")
+    texts = [backend.store.get(calque_core.manifest_key(run["run_id"], c)) for c in run["claims"]]
+    items = [i for text in texts for i in calque_core.manifest_items(backend.store, json.loads(text))]
     return run, [json.loads(text) for text in texts], items
 
 
@@ -133,18 +135,18 @@ def test_claims_are_cut_at_claim_bytes_and_an_item_over_the_limit_is_refused(mon
     """A claim copied into the store holds CLAIM_BYTES of media at most (one item at least); the run records
     its irregular claim sizes so results read back in item order; an item over ITEM_BYTES_MAX is refused by
     index, a table's row by its row."""
-    monkeypatch.setattr(calque, "CLAIM_BYTES", 100)
-    monkeypatch.setattr(calque, "ITEM_BYTES_MAX", 150)
+    monkeypatch.setattr(calque_runs, "CLAIM_BYTES", 100)
+    monkeypatch.setattr(calque_runs, "ITEM_BYTES_MAX", 150)
     items = [{"k": k, "b": bytes(40)} for k in range(5)] + [{"k": 5, "b": bytes(120)}, {"k": 6, "b": b""}]
     run, manifests, got = staged(items, claim_size=4)
     assert [m["count"] for m in manifests] == [2, 2, 1, 1, 1] and run["claim_counts"] == [2, 2, 1, 1, 1]
-    assert got == items and [calque.claim_items(run, k) for k in range(5)] == [2, 2, 1, 1, 1]
+    assert got == items and [calque_core.claim_items(run, k) for k in range(5)] == [2, 2, 1, 1, 1]
     table = pa.table({"b": [bytes(40)] * 5 + [bytes(120)]})
     assert [m["count"] for m in staged(calque.as_items(table), claim_size=4)[1]] == [2, 2, 1, 1]
     with pytest.raises(calque.UserError, match=r"item 1: 151 B of media, over the limit of 150 B an item"):
         staged([{"b": b"x"}, {"b": bytes(151)}])
     with pytest.raises(calque.UserError, match=r"pyarrow.Table: row 2: 200 B of media, over the limit"):
-        staged(calque.TableItems.open(pa.table({"b": [b"", b"", bytes(200)]}), where="pyarrow.Table"))
+        staged(calque_runs.TableItems.open(pa.table({"b": [b"", b"", bytes(200)]}), where="pyarrow.Table"))
 
 
 def test_a_folder_of_files_by_reference_end_to_end(local_env, tmp_path):
@@ -166,7 +168,7 @@ def test_a_folder_of_files_by_reference_end_to_end(local_env, tmp_path):
                                             "sha": "e3b0c44298fc1c14", "size": 0}
     assert lines["corrupt.jpg"]["error"].startswith("OSError: ")        # Pillow's own message
     assert lines["short.wav"]["error"].startswith(("EOFError", "Error: "))   # wave's
-    manifest = json.loads(backend_for(local_env).store.get(calque.manifest_key(run_id, "c00000")))
+    manifest = json.loads(backend_for(local_env).store.get(calque_core.manifest_key(run_id, "c00000")))
     stat = os.stat(work / "photos" / "a.jpg")
     assert manifest["refs"]["source"] == f"file://{work}/photos/" and "items" not in manifest
     assert manifest["refs"]["objects"][0] == ["a.jpg", stat.st_size, stat.st_mtime_ns]
@@ -194,7 +196,7 @@ def test_a_glob_and_mistakes_in_one_line(local_env, tmp_path):
         out = cli(local_env, "submit", "--pool", "m", *args, cwd=work)
         assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1
-    assert len(calque.list_runs(backend_for(local_env))) == 1
+    assert len(calque_core.list_runs(backend_for(local_env))) == 1
 
 
 def test_a_file_over_the_limit_is_refused_at_submit_by_name(local_env, tmp_path):
@@ -204,7 +206,7 @@ def test_a_file_over_the_limit_is_refused_at_submit_by_name(local_env, tmp_path)
     (work / "videos").mkdir(parents=True)
     (work / "videos" / "small.bin").write_bytes(b"ok")
     with open(work / "videos" / "huge.bin", "wb") as f:
-        f.truncate(calque.ITEM_BYTES_MAX + 1)
+        f.truncate(calque_core.ITEM_BYTES_MAX + 1)
     make_pool(local_env, "Kinds", "--workers", "0", cwd=work)
     out = cli(local_env, "submit", "--pool", "m", "videos", "--wait-for-workers", "--no-wait", cwd=work)
     assert out.returncode == 2 and "videos: huge.bin: 256.0 MiB of media, over the limit of 256.0 MiB an item" \
@@ -252,7 +254,7 @@ def test_a_changed_or_vanished_object_fails_its_item_alone(idle_pool):
         upload(backend, "media", {"p1.jpg": jpeg(99, 99)})
         backend.store.s3.delete_object(Bucket=backend.store.bucket, Key="media/p4.jpg")
     worker = start_worker(env, "--model", "m")
-    wait_for(lambda: calque.read_summaries(backend, run_id), 60, "the claim's summary")
+    wait_for(lambda: calque_core.read_summaries(backend, run_id), 60, "the claim's summary")
     lines = {line["path"]: line for line in result_lines(env, run_id, work)}
     assert [p for p, line in sorted(lines.items()) if line["ok"]] == ["p0.jpg", "p2.jpg", "p3.jpg", "p5.jpg"]
     assert "p1.jpg: changed since submit (" in lines["p1.jpg"]["error"], lines["p1.jpg"]
@@ -277,7 +279,7 @@ def test_an_s3_prefix_is_read_where_it_is_and_a_local_folder_is_copied(aws_env, 
     lines = result_lines(aws_env, run_id, work)
     assert [line["path"] for line in lines] == sorted(files) and all(line["result"]["shape"] == [96, 128, 3]
                                                                      for line in lines)
-    manifest = json.loads(backend.store.get(calque.manifest_key(run_id, "c00000")))
+    manifest = json.loads(backend.store.get(calque_core.manifest_key(run_id, "c00000")))
     name, size, etag = manifest["refs"]["objects"][0]
     assert (name, size, etag.startswith('"')) == ("img/000.jpg", len(files["img/000.jpg"]), True)
     media = sum(len(b) for b in files.values())
@@ -329,13 +331,13 @@ def test_a_parquet_of_hf_images(idle_pool):
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.strip()
     worker = start_worker(env, "--model", "m")
-    wait_for(lambda: len(calque.read_summaries(backend, run_id)) == 3, 60, "three summaries")
+    wait_for(lambda: len(calque_core.read_summaries(backend, run_id)) == 3, 60, "three summaries")
     lines = result_lines(env, run_id, work)
     assert [line["label"] for line in lines] == list(range(30))
     assert [line["result"]["shape"] for line in lines] == [[12, 20 + k % 7, 3] for k in range(30)]
-    manifest = json.loads(backend.store.get(calque.manifest_key(run_id, "c00001")))
+    manifest = json.loads(backend.store.get(calque_core.manifest_key(run_id, "c00001")))
     if backend.kind == "local":
-        manifests = sum(len(backend.store.get(calque.manifest_key(run_id, c))) for c in ("c00000", "c00001", "c00002"))
+        manifests = sum(len(backend.store.get(calque_core.manifest_key(run_id, c))) for c in ("c00000", "c00001", "c00002"))
         assert manifest["rows"]["files"][0][3:] == [10, 20] and manifests < 0.05 * sum(map(len, images))
         assert "copied" not in out.stderr
         worker.send_signal(signal.SIGTERM)
@@ -344,7 +346,7 @@ def test_a_parquet_of_hf_images(idle_pool):
         hf_parquet(work / "images.parquet", images[::-1])   # rewritten before any worker claims the run
         worker = start_worker(env, "--model", "m")
         run_id = again.stdout.strip()
-        wait_for(lambda: calque.read_summaries(backend, run_id), 60, "the summary")
+        wait_for(lambda: calque_core.read_summaries(backend, run_id), 60, "the summary")
         lines = result_lines(env, run_id, work)
         assert not any(line["ok"] for line in lines) and len(lines) == 30
         assert all(line["error"].startswith(f"{work}/images.parquet: changed since submit (") for line in lines)
@@ -380,7 +382,7 @@ def test_kill_9_mid_claim_by_reference_loses_nothing(idle_pool, tmp_path):
     victim.wait()
     (gate / "open").touch()
     survivor = start_worker(env, "--model", "m")
-    done = wait_for(lambda: calque.read_summaries(backend, run_id), 60, "the redelivered claim's summary")[0]
+    done = wait_for(lambda: calque_core.read_summaries(backend, run_id), 60, "the redelivered claim's summary")[0]
     assert done["receive_count"] == 2 and done["ok"] == 9, done
     lines = result_lines(env, run_id, work)
     assert [line["path"] for line in lines] == sorted(files)
@@ -399,10 +401,10 @@ def test_an_s3_listing_streams_a_page_at_a_time():
         s3.create_bucket(Bucket="bkt")
         for k in range(2500):
             s3.put_object(Bucket="bkt", Key=f"p/{k:05d}.bin", Body=b"x")
-        items = calque.read_items("s3://bkt/p/")
-        requests = calque.Requests()
-        items.source = calque.S3Store(s3, "bkt", "p", requests)
-        chunks = items.chunks(calque.ClaimSizes(fixed=1000))
+        items = calque_runs.read_items("s3://bkt/p/")
+        requests = calque_core.Requests()
+        items.source = calque_core.S3Store(s3, "bkt", "p", requests)
+        chunks = items.chunks(calque_runs.ClaimSizes(fixed=1000))
         first = next(chunks)
         assert (first[0], first[1], requests["store_lists"]) == (0, 1000, 1)
         assert [c[1] for c in chunks] == [2000, 2500] and requests["store_lists"] == 3
@@ -431,13 +433,13 @@ def test_collate_runs_ahead_on_more_threads_while_the_model_waits(local_env, tmp
     assert "batches ahead" in log.read_text(), log.read_text()
     lines = result_lines(env, run_id_of(out), work)
     assert [line["result"]["shape"][1] for line in lines] == [4 + k for k in range(24)]
-    assert calque.read_summaries(backend, run_id_of(out))[0]["prefetch"] is True
+    assert calque_core.read_summaries(backend, run_id_of(out))[0]["prefetch"] is True
 
 
 def test_python_items_with_bytes_through_the_api_in_claims_cut_by_bytes(local_env, tmp_path, monkeypatch):
     """calque.submit() of Python items holding bytes, claims cut short at CLAIM_BYTES: a real worker receives each
     value as bytes; run.results() and `runs results` read the irregular claims back in item order."""
-    monkeypatch.setattr(calque, "CLAIM_BYTES", 1000)
+    monkeypatch.setattr(calque_runs, "CLAIM_BYTES", 1000)
     for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_POLL_WAIT", "CALQUE_ENV"):
         monkeypatch.setenv(key, local_env[key])
     monkeypatch.chdir(tmp_path)

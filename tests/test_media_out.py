@@ -11,6 +11,8 @@ import wave
 import pytest
 
 import calque
+import calque_core
+import calque_runs
 from conftest import PY, ROOT, backend_for, cli, start_worker
 
 pa = pytest.importorskip("pyarrow")
@@ -63,7 +65,7 @@ def runs(tmp_path_factory):
         for args in (("items.jsonl", "--id-field", "name"), ("blobs.jsonl",)):
             out = cli(env, "submit", "--pool", "m", *args, cwd=work)
             assert out.returncode == 1 and "1 failed" in out.stdout, out.stdout + out.stderr   # the failure alone
-            ids.append(calque.list_runs(backend_for(env))[-1]["run_id"])
+            ids.append(calque_core.list_runs(backend_for(env))[-1]["run_id"])
         yield env, work, ids[0], ids[1], blobs
     finally:
         cli(env, "pool", "delete", "--model", "m", "--yes", cwd=work)
@@ -179,7 +181,7 @@ def test_bytes_out_on_moto_server(aws_env, tmp_path):
     worker = start_worker(aws_env, "--model", "m")
     out = cli(aws_env, "submit", "--pool", "m", "blobs.jsonl", "--wait-for-workers", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    run = calque.Run(calque.list_runs(backend_for(aws_env))[-1]["run_id"], store=aws_env["CALQUE_STORE"])
+    run = calque.Run(calque_core.list_runs(backend_for(aws_env))[-1]["run_id"], store=aws_env["CALQUE_STORE"])
     assert [r["result"] for r in run.results()] == [KINDS[".png"](), KINDS[".wav"]()]
     assert run.to_arrow().schema.field("result").type == pa.binary()
     out = cli(aws_env, "runs", "results", run.run_id, "--files", str(tmp_path / "out"), cwd=tmp_path)
@@ -193,8 +195,8 @@ def test_a_field_of_bytes_and_numbers_is_one_text_column():
     JSON text, bytes in their JSONL form, as any field of mixed types is."""
     import warmd
     lines, _, _ = warmd.format_outcome([(True, {"x": b"\x01\x02"}), (True, {"x": 2}), (True, {"x": None})], 0)
-    suffix, data = calque.encode_part(lines)
-    text, blocks = calque.decode_npz_part(data)
-    part = calque.Part([line + "\n" for line in text[:-1].split("\n")], blocks)
-    batch = calque.claim_batch(None, {"options": {}}, "c00000", [part])
+    suffix, data = calque_core.encode_part(lines)
+    text, blocks = calque_core.decode_npz_part(data)
+    part = calque_core.Part([line + "\n" for line in text[:-1].split("\n")], blocks)
+    batch = calque_runs.claim_batch(None, {"options": {}}, "c00000", [part])
     assert suffix == ".npz" and batch["x"].to_pylist() == ['{"$bytes":"AQI="}', "2", None]

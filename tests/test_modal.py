@@ -12,6 +12,8 @@ import sys
 import pytest
 
 from conftest import PY, ROOT, backend_for, cli, wait_for, write_items
+import calque_core
+import calque_fleet
 
 APP = '''
 import json
@@ -107,7 +109,7 @@ def write_app(tmp_path, template=APP, name="app.py"):
 def direct_results(path, items):
     """What calling the class directly gives: the same file under the stand-in, in this process."""
     import calque
-    handler, enter, batch, collate = calque.load_handler(path, "Batcher.double")
+    handler, enter, batch, collate = calque_core.load_handler(path, "Batcher.double")
     enter()
     out = []
     for x in items:
@@ -195,16 +197,16 @@ def threaded(x):
     return x + 1
 ''')
     path, log = write_app(tmp_path)
-    _, enter, batch, _ = calque.load_handler(path, "Batcher.sizes")
+    _, enter, batch, _ = calque_core.load_handler(path, "Batcher.sizes")
     enter()
     assert batch(list(range(10))) == [4] * 8 + [2] * 2
-    _, enter, batch, _ = calque.load_handler(str(app), "Kinds.slow")
+    _, enter, batch, _ = calque_core.load_handler(str(app), "Kinds.slow")
     enter()
     assert batch([1, 2, 3]) == [-1, -2, -3]
-    _, enter, batch, _ = calque.load_handler(str(app), "Kinds.count")
+    _, enter, batch, _ = calque_core.load_handler(str(app), "Kinds.count")
     enter()
     assert batch([2, 0]) == [[0, 1], []]
-    _, enter, batch, _ = calque.load_handler(str(app), "threaded")
+    _, enter, batch, _ = calque_core.load_handler(str(app), "threaded")
     enter()
     items = [1, -1, 2]
     with pytest.raises(KeyError):
@@ -421,16 +423,16 @@ def test_include_refusals(local_env, tmp_path, monkeypatch):
     (tmp_path / "h.py").write_text(TAGGER)
     big = tmp_path / "big.bin"
     with open(big, "wb") as f:
-        f.truncate(calque.INCLUDE_MAX_BYTES + 1)
+        f.truncate(calque_core.INCLUDE_MAX_BYTES + 1)
     for include, words in (("big.bin", "MiB a pool snapshots"), ("nope.txt", "not found")):
         out = cli(local_env, "pool", "create", "--model", "m", "--handler", "h.py:Tagger", "--workers", "0",
                   "--include", include, cwd=str(tmp_path))
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, out.stderr
     assert "m" not in cli(local_env, "pool", "list", "--json").stdout
     (tmp_path / "small.txt").write_text("x")
-    first = calque.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]])
+    first = calque_core.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]])
     os.utime(tmp_path / "small.txt", (1, 1))
-    assert calque.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]]) == first
+    assert calque_core.include_snapshot([[str(tmp_path / "small.txt"), "small.txt"]]) == first
 
 
 SLEEPY = '''
@@ -522,16 +524,16 @@ def test_pip_versions_with_and_without_packaging(monkeypatch):
     """The image's pins are checked by packaging's rules, and by the ==/>= fallback where packaging
     is absent."""
     import calque
-    assert calque.pip_unmet("numpy<2") == f"{NUMPY} installed"
-    assert calque.pip_unmet("numpy~=2.0") is None
+    assert calque_fleet.pip_unmet("numpy<2") == f"{NUMPY} installed"
+    assert calque_fleet.pip_unmet("numpy~=2.0") is None
     for packaging in (True, False):
         if not packaging:
             monkeypatch.setitem(sys.modules, "packaging.requirements", None)
-        assert calque.pip_unmet(f"numpy=={NUMPY}") is None
-        assert calque.pip_unmet("numpy[dev]>=1.0") is None
-        assert calque.pip_unmet("numpy>=999") == f"{NUMPY} installed"
-        assert calque.pip_unmet("numpy==1.0") == f"{NUMPY} installed"
-        assert calque.pip_unmet("no-such-dist-xyz>=1") == "not installed"
+        assert calque_fleet.pip_unmet(f"numpy=={NUMPY}") is None
+        assert calque_fleet.pip_unmet("numpy[dev]>=1.0") is None
+        assert calque_fleet.pip_unmet("numpy>=999") == f"{NUMPY} installed"
+        assert calque_fleet.pip_unmet("numpy==1.0") == f"{NUMPY} installed"
+        assert calque_fleet.pip_unmet("no-such-dist-xyz>=1") == "not installed"
 
 
 def test_image_imports_and_bootstrap(tmp_path):
@@ -542,9 +544,9 @@ def test_image_imports_and_bootstrap(tmp_path):
     app = tmp_path / "imports.py"
     app.write_text("import modal\nimage = modal.Image.debian_slim()\napp = modal.App(image=image)\n"
                    "with image.imports():\n    import no_such_module_xyz\n@app.function()\ndef f(x):\n    return x\n")
-    calque.import_modal_app(str(app), "f")
+    calque_core.import_modal_app(str(app), "f")
     with pytest.raises(calque.UserError, match="imports.py:5: module 'no_such_module_xyz' is not installed"):
-        calque.import_modal_app(str(app), "f", container=True)
+        calque_core.import_modal_app(str(app), "f", container=True)
     script = ec2.user_data_pool("m", "s3://b/p", "us-east-1", "kit.tgz", "0" * 64,
                                 image={"apt": ["libgomp1"], "pip": ["scikit-learn~=1.5.0", "numpy"]})
     assert "apt-get -o DPkg::Lock::Timeout=600 install -y -q libgomp1" in script
@@ -571,7 +573,7 @@ def test_function_call_get_timeout_and_gather(tmp_path):
     import calque
     app = tmp_path / "calls.py"
     app.write_text("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x\n")
-    shim, target, _ = calque.import_modal_app(str(app), "f")
+    shim, target, _ = calque_core.import_modal_app(str(app), "f")
     landed, outcomes = threading.Event(), iter([{"ok": True, "result": 7}, {"ok": False, "error": "KeyError: 3"}])
 
     def results(target, params, items):
@@ -686,10 +688,10 @@ def test_timeout_and_options_of_a_function_as_of_a_class_at_pool_create(local_en
                   "--workers", "0", "--batch-size", "4")
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
         assert f"pool {target}: {note}" in out.stdout
-        assert calque.load_pool(backend_for(local_env), target)["batch_timeout"] == timeout
-    record = calque.load_pool(backend_for(local_env), "greet")
+        assert calque_core.load_pool(backend_for(local_env), target)["batch_timeout"] == timeout
+    record = calque_core.load_pool(backend_for(local_env), "greet")
     assert record["modal"]["image"]["env"] == {"GREETING": "hej"} and record["max_deliveries"] == 2
-    shim = calque.load_modal_shim()
+    shim = calque_core.load_modal_shim()
     modal_1x = ("image env secrets gpu serialized network_file_systems volumes cpu memory ephemeral_disk "
                 "min_containers max_containers buffer_containers scaledown_window proxy retries timeout "
                 "startup_timeout cloud region routing_region nonpreemptible enable_memory_snapshot block_network "
@@ -713,13 +715,13 @@ def test_a_bug_in_the_kit_is_named_as_the_kits(local_env, tmp_path):
     traceback with a note naming the kit's line, not one line blaming the app's; an app's own error,
     or a wrong call of the stand-in, still names the app's line."""
     path, _ = write_app(tmp_path, GLOSSARY)
-    broken = (f"import sys; sys.path.insert(0, {ROOT!r}); import calque; "
-              "calque.modal_gpu = lambda gpu: {}['card']; "   # a kit function that fails, as a bug would
+    broken = (f"import sys; sys.path.insert(0, {ROOT!r}); import calque, calque_fleet; "
+              "calque_fleet.modal_gpu = lambda gpu: {}['card']; "   # a kit function that fails, as a bug would
               f"sys.exit(calque.main(['modal', 'run', {path!r}]))")
     out = subprocess.run([PY, "-c", broken], env=local_env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)   # from the app's folder, as a user runs it
     assert out.returncode == 1 and "Traceback" in out.stderr, out.stderr
-    assert "calque: a bug in calque (calque.py:" in out.stderr and "in modal_options), not in " in out.stderr
+    assert "calque: a bug in calque (calque_fleet.py:" in out.stderr and "in modal_options), not in " in out.stderr
     assert "entrypoint main failed" not in out.stderr
     broken = (f"import sys; sys.path.insert(0, {ROOT!r}); import calque; "
               "calque.load_modal_shim()._check_options = lambda where, options: {}['x']; "   # at import

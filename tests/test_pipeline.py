@@ -11,6 +11,7 @@ import urllib.request
 import boto3
 
 import calque
+import calque_core
 from conftest import HANDLERS, PY, ROOT, backend_for, cli, serving, start_worker, wait_for, write_items
 from latency_proxy import start_proxy
 
@@ -31,7 +32,7 @@ def submit(env, tmp_path, items, name="items.jsonl"):
 
 def summary(backend, run_id, claim):
     try:
-        return calque.read_json(backend, calque.summary_key(run_id, claim))
+        return calque_core.read_json(backend, calque_core.summary_key(run_id, claim))
     except calque.NotFound:
         return None
 
@@ -85,7 +86,7 @@ def test_kill_9_of_a_worker_holding_a_claim_ahead_loses_nothing(any_env, tmp_pat
                for s in done)
     assert calls(a.calls) == {100: [a.worker.pid], 0: [a.worker.pid, b.pid], 1: [b.pid]}
     for claim, x in (("c00000", 0), ("c00001", 1)):
-        lines = [json.loads(line) for line in calque.read_claim_results(a.backend.store, a.run_id, claim, 1)]
+        lines = [json.loads(line) for line in calque_core.read_claim_results(a.backend.store, a.run_id, claim, 1)]
         assert [(line["i"], line["result"]["y"]) for line in lines] == [(x, 2 * x)]
     wait_for(lambda: a.queue.counts() == {"visible": 0, "in_flight": 0}, 30, "both acks")
     b.send_signal(signal.SIGTERM)
@@ -98,14 +99,14 @@ def test_sigterm_gives_a_claim_held_ahead_back_at_once(local_env, tmp_path):
     a = Ahead(local_env, tmp_path, "--visibility-timeout", "600", hold=600, CALQUE_GRACE="60")
     a.worker.send_signal(signal.SIGTERM)
     wait_for(lambda: a.queue.counts() == {"visible": 1, "in_flight": 1}, 30, "the claim ahead to be given back")
-    assert not a.backend.store.exists(calque.summary_key(a.run_id, "c00000"))   # still gated: the grace runs
+    assert not a.backend.store.exists(calque_core.summary_key(a.run_id, "c00000"))   # still gated: the grace runs
     a.open()
     assert a.worker.wait(30) == 0
     assert summary(a.backend, a.run_id, "c00000")["status"] == "ok"
     assert summary(a.backend, a.run_id, "c00001") is None
     assert a.queue.counts() == {"visible": 1, "in_flight": 0}
     assert 1 not in calls(a.calls)
-    record = json.loads(a.backend.store.get(calque.attempt_key(a.run_id, "c00001")))
+    record = json.loads(a.backend.store.get(calque_core.attempt_key(a.run_id, "c00001")))
     assert record["state"] == "released" and record["progress_at"] == 1   # its next delivery runs in batches
 
 
@@ -118,7 +119,7 @@ def test_a_claim_held_ahead_past_the_bound_goes_to_an_idle_worker(local_env, tmp
     done = wait_for(lambda: summary(a.backend, a.run_id, "c00001"), 60, "the idle worker to run the claim given back")
     assert done["status"] == "ok" and done["worker_id"].endswith(f"-{b.pid}") and done["receive_count"] == 2
     assert done["parts"] == [[0, 1]] and done["resumed"] == 0
-    assert not a.backend.store.exists(calque.summary_key(a.run_id, "c00000"))    # a was in that batch throughout
+    assert not a.backend.store.exists(calque_core.summary_key(a.run_id, "c00000"))    # a was in that batch throughout
     assert "held ahead 2 s without starting" in a.log.read_text()
     a.open()
     assert wait_for(lambda: summary(a.backend, a.run_id, "c00000"), 30, "the gated claim")["status"] == "ok"
@@ -137,7 +138,7 @@ def test_a_worker_killed_before_its_batched_ack_costs_no_recompute(local_env, tm
     env = dict(local_env, CALLS_FILE=str(log), GATE_DIR=str(gate))
     backend = make_pool(env, "--visibility-timeout", "600")
     a = start_worker(env, "--model", "m", constants={"ACK_WAIT": 600})
-    wait_for(lambda: calque.read_worker_stats(backend, "m"), 60, "the worker to start")
+    wait_for(lambda: calque_core.read_worker_stats(backend, "m"), 60, "the worker to start")
     os.kill(a.pid, signal.SIGSTOP)          # both claims queued before it looks: the queue never runs empty
     run_id = submit(env, tmp_path, [{"x": 7}, {"x": 8, "hold": True}])
     os.kill(a.pid, signal.SIGCONT)
@@ -156,7 +157,7 @@ def test_a_worker_killed_before_its_batched_ack_costs_no_recompute(local_env, tm
     assert b.wait(30) == 0
     assert summary(backend, run_id, "c00000") == first
     assert calls(log) == {7: [a.pid], 8: [a.pid, b.pid]}
-    assert [s["claims"] for s in calque.read_worker_stats(backend, "m") if s["pid"] == b.pid] == [1]
+    assert [s["claims"] for s in calque_core.read_worker_stats(backend, "m") if s["pid"] == b.pid] == [1]
 
 
 def test_latency_proxy_forwards_s3_and_sqs(moto_endpoint):

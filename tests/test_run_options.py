@@ -9,6 +9,7 @@ import subprocess
 import pytest
 
 import calque
+import calque_core
 from conftest import HANDLERS, PY, ROOT, backend_for, wait_for, write_items
 from test_runs import create_pool, only_run, said, totals
 
@@ -41,7 +42,7 @@ def test_id_field_is_kept_across_ctrl_c_mid_staging(local_env, tmp_path, spellin
     items = write_items(tmp_path / "items.jsonl", [{"id": f"doc-{i}", "x": i} for i in range(1000)])
     run_id = interrupted_submit(spelling, local_env, items, "--wait-for-workers", "--claim-size", "1",
                                 "--id-field", "id")
-    sent = calque.read_run(backend_for(local_env), run_id)["sent"]
+    sent = calque_core.read_run(backend_for(local_env), run_id)["sent"]
     assert 0 < sent < 1000, sent
     said(run(spelling, local_env, "pool", "scale", "--model", "m", "--workers", "1"), 0)
     resume = run(spelling, local_env, "runs", "resume", run_id)
@@ -51,7 +52,7 @@ def test_id_field_is_kept_across_ctrl_c_mid_staging(local_env, tmp_path, spellin
     said(results, 0, stderr="")
     assert [(r["i"], r["id"]) for r in map(json.loads, results.stdout.splitlines())] == \
         [(i, f"doc-{i}") for i in range(1000)]
-    assert calque.read_run(backend_for(local_env), run_id)["options"]["id_field"] == "id"
+    assert calque_core.read_run(backend_for(local_env), run_id)["options"]["id_field"] == "id"
     api = calque.Run(run_id, store=local_env["CALQUE_STORE"])
     assert [r["id"] for r in api.results()][sent - 1:sent + 1] == [f"doc-{sent - 1}", f"doc-{sent}"]
 
@@ -125,11 +126,11 @@ def test_id_field_is_kept_across_ctrl_c_and_redrive(local_env, tmp_path, spellin
     message = queue.receive(1)
     msg = json.loads(message.body)
     reason = "delivered 4 times, more than the pool's max deliveries 3"
-    calque.write_json(backend, calque.summary_key(run_id, msg["claim"]), calque.claim_summary(
+    calque_core.write_json(backend, calque_core.summary_key(run_id, msg["claim"]), calque_core.claim_summary(
         run_id=run_id, claim=msg["claim"], model="m", worker_id="gone-1", mode="pool", backend="local",
         receive_count=4, enter_count=1, started=0.0, finished=0.0, requests={}, error=reason))
     dlq.send(json.dumps({"reason": reason, "body": message.body, "receive_count": 4, "worker_id": "gone-1",
-                         "at": calque.now_iso()}))
+                         "at": calque_core.now_iso()}))
     queue.delete(message)
     said(run(spelling, local_env, "runs", "resume", run_id, "--no-wait"), 0)
     redrive = run(spelling, local_env, *verb, *(["--model", "m"] if verb[0] == "pool" else [run_id]))
@@ -153,10 +154,10 @@ def test_a_planned_count_is_kept_across_ctrl_c_mid_staging(local_env, tmp_path, 
     items = write_items(tmp_path / "items.jsonl", [{"x": i} for i in range(1000)])
     said(run(spelling, local_env, "plan", "--pool", "m", items, "--claim-size", "1"), 0)   # its sample claim
     run_id = interrupted_submit(spelling, local_env, items, "--claim-size", "1", "--deadline", "1h")
-    record = calque.read_run(backend_for(local_env), run_id)
+    record = calque_core.read_run(backend_for(local_env), run_id)
     assert 0 < record["sent"] < 1000, record["sent"]
     resume = run(spelling, local_env, "runs", "resume", run_id)
     assert resume.returncode == 0 and resume.stdout.splitlines()[0] == totals(run_id, "done", ok=1000), resume.stderr
     assert "runs resume: running at 1 worker (predicted " in resume.stderr
     assert "plan: predicted " in run(spelling, local_env, "runs", "show", run_id).stdout
-    assert calque.read_run(backend_for(local_env), run_id)["options"]["plan"]["count"] == 1
+    assert calque_core.read_run(backend_for(local_env), run_id)["options"]["plan"]["count"] == 1

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 
 import calque
+import calque_core
 from conftest import HANDLERS, PY, ROOT, FaultProxy, backend_for, cli, start_worker, wait_for, write_items
 
 
@@ -64,7 +65,7 @@ def test_interrupted_submit_then_resume_runs_every_item_once(local_env, tmp_path
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     run_id = only_run(local_env)
-    sent = calque.read_run(backend_for(local_env), run_id)["sent"]
+    sent = calque_core.read_run(backend_for(local_env), run_id)["sent"]
     queued = queue.counts()
     assert proc.returncode == 130 and 0 < sent < 1000, (proc.returncode, sent, err)
     assert queued["visible"] == sent
@@ -134,7 +135,7 @@ def test_cancel_marks_unfinished_claims_and_workers_ack_them_unrun(local_env, tm
     queue = backend_for(env).queues.open_queue("calque-pool-m")
     wait_for(lambda: queue.counts() == {"visible": 0, "in_flight": 0}, 30, "the worker to ack every claim")
     stop(worker)
-    stats = calque.read_worker_stats(backend_for(env), "m")[0]
+    stats = calque_core.read_worker_stats(backend_for(env), "m")[0]
     assert (stats["claims"], stats["items"]) == (1, 10)      # c00001 and c00002 acked without running
     show = cli(env, "runs", "show", run_id)
     lines = show.stdout.splitlines()
@@ -170,11 +171,11 @@ def test_dead_letters_are_reported_then_redriven(aws_env, tmp_path):
         msg = json.loads(message.body)
         claims[with_summary] = msg["claim"]
         if with_summary:
-            calque.write_json(backend, calque.summary_key(msg["run_id"], msg["claim"]), calque.claim_summary(
+            calque_core.write_json(backend, calque_core.summary_key(msg["run_id"], msg["claim"]), calque_core.claim_summary(
                 run_id=msg["run_id"], claim=msg["claim"], model="m", worker_id="gone-1", mode="pool", backend="aws",
                 receive_count=4, enter_count=1, started=0.0, finished=0.0, requests={}, error=reason))
         dlq.send(json.dumps({"reason": reason, "body": message.body, "receive_count": 4, "worker_id": "gone-1",
-                             "at": calque.now_iso()}))
+                             "at": calque_core.now_iso()}))
         queue.delete(message)
     summarised, bare = claims[True], claims[False]
     out, _ = proc.communicate(timeout=120)
@@ -196,14 +197,14 @@ def test_dead_letters_are_reported_then_redriven(aws_env, tmp_path):
     said(cli(aws_env, "pool", "redrive", "--model", "m"), 0,
          f"run {run_id}: 2 dead-lettered claim(s) sent back to calque-pool-m (c00000..c00001)\n")
     assert dlq.counts() == {"visible": 0, "in_flight": 0}
-    assert not backend.store.exists(calque.summary_key(run_id, summarised))   # else a worker would ack it unrun
+    assert not backend.store.exists(calque_core.summary_key(run_id, summarised))   # else a worker would ack it unrun
     sent_back = [queue.receive(1) for _ in range(2)]
     assert sorted((json.loads(m.body)["claim"], json.loads(m.body)["resume"]) for m in sent_back) == \
         [("c00000", True), ("c00001", True)]
     for message in sent_back:
         queue.change_visibility(message, 0)
     worker = start_worker(aws_env, "--model", "m")
-    wait_for(lambda: len(calque.summary_claims(backend, run_id)) == 2, 60, "the redriven claims' summaries")
+    wait_for(lambda: len(calque_core.summary_claims(backend, run_id)) == 2, 60, "the redriven claims' summaries")
     stop(worker)
     assert cli(aws_env, "runs", "show", run_id).stdout.splitlines()[:2] == [totals(run_id, "done", ok=20), "  claims: 2 done"]
     [listed] = json.loads(cli(aws_env, "runs", "list", "--json").stdout)   # its summaries read from S3
@@ -245,10 +246,10 @@ def test_runs_results_reads_parts_and_refuses_a_truncated_one(local_env, tmp_pat
     def finish(claim, first, parts):
         """What a worker leaves of a claim of 6 items from `first`: parts {(start, stop): lines}, then the summary."""
         for (start, stop), count in parts.items():
-            backend.store.put(calque.part_key(run_id, claim, start, stop), "".join(
+            backend.store.put(calque_core.part_key(run_id, claim, start, stop), "".join(
                 json.dumps({"i": first + k, "ok": True, "result": {"y": 2 * (first + k)}}) + "\n"
                 for k in range(start, start + count)))
-        calque.write_json(backend, calque.summary_key(run_id, claim), calque.claim_summary(
+        calque_core.write_json(backend, calque_core.summary_key(run_id, claim), calque_core.claim_summary(
             run_id=run_id, claim=claim, model="m", worker_id="w-1", mode="pool", backend="local", receive_count=1,
             enter_count=1, started=0.0, finished=1.0, requests={}, items=6))
 
@@ -323,7 +324,7 @@ def test_timeouts_and_batch_timeouts_that_are_not_numbers_are_refused(local_env,
     out = cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo", "--batch-timeout", "nan")
     said(out, 2, "", "calque: error: --batch-timeout nan: must be a number of seconds above 0\n")
     create_pool(local_env, "--batch-timeout", "30")
-    assert calque.load_pool(backend_for(local_env), "m")["batch_timeout"] == 30.0
+    assert calque_core.load_pool(backend_for(local_env), "m")["batch_timeout"] == 30.0
 
 
 def test_a_waiting_submit_reads_each_summary_once(aws_env, tmp_path):

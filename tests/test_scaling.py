@@ -9,6 +9,8 @@ import pytest
 
 import calque
 import calque_ec2 as ec2
+import calque_core
+import calque_fleet
 TICK = 1.0            # s between two decisions, as the supervisor's SCALE_INTERVAL (coarser: fewer events)
 STARTUP = 10.0        # s from spawn to a worker taking claims (acquisition + @enter)
 VISIBILITY = 30.0     # s before a dead worker's claim is visible again
@@ -17,7 +19,7 @@ DRAIN = 60.0          # s drain target
 
 
 def decide(visible, in_flight, current, spc=None, lo=0, hi=4, since=None, now=0.0):
-    return calque.desired_count(visible, in_flight, current, spc, DRAIN, lo, hi, IDLE, since, now)
+    return calque_core.desired_count(visible, in_flight, current, spc, DRAIN, lo, hi, IDLE, since, now)
 
 
 def test_desired_count_grows_at_once_and_shrinks_after_the_window():
@@ -37,13 +39,13 @@ def test_desired_count_grows_at_once_and_shrinks_after_the_window():
 
 
 def test_pool_bounds_from_the_flags():
-    assert calque.pool_bounds(3, None, None, None, "workers") == (3, 3, None)          # --workers N: fixed
-    assert calque.pool_bounds(None, 0, 2, 0.5, "workers") == (0, 2, 30.0)               # fractions of a minute
-    assert calque.pool_bounds(None, None, 4, None, "workers") == (0, 4, 300.0)          # ceiling alone: floor 0
-    assert calque.pool_bounds(2, None, None, 10, "workers") == (0, 2, 600.0)            # --workers N + a window
+    assert calque_core.pool_bounds(3, None, None, None, "workers") == (3, 3, None)          # --workers N: fixed
+    assert calque_core.pool_bounds(None, 0, 2, 0.5, "workers") == (0, 2, 30.0)               # fractions of a minute
+    assert calque_core.pool_bounds(None, None, 4, None, "workers") == (0, 4, 300.0)          # ceiling alone: floor 0
+    assert calque_core.pool_bounds(2, None, None, 10, "workers") == (0, 2, 600.0)            # --workers N + a window
     for bad in ((None, 3, 2, None), (2, None, 3, None), (None, 0, 2, 0), (None, 0, 2, float("nan"))):
         with pytest.raises(calque.UserError, match="---> HINT"):
-            calque.pool_bounds(*bad, "workers")
+            calque_core.pool_bounds(*bad, "workers")
 
 
 def test_backlog_steps_are_desired_count_at_each_threshold():
@@ -148,10 +150,10 @@ class Sim:
         live = [wid for wid, w in self.workers.items() if not w["stop"]]
         if not self.fixed:
             # as recent_summaries: claims spread over the whole run so far
-            step = max(1, len(self.done) // calque.SCALE_MEASURED_CLAIMS)
+            step = max(1, len(self.done) // calque_core.SCALE_MEASURED_CLAIMS)
             recent = [seconds for _, seconds in self.done[::step]]
             spc = statistics.mean(recent) if recent else None
-            scale = calque.desired_count(len(self.visible), self.in_flight, len(live), spc, DRAIN, self.lo, self.hi,
+            scale = calque_core.desired_count(len(self.visible), self.in_flight, len(live), spc, DRAIN, self.lo, self.hi,
                                          IDLE, self.since, self.now())
             self.since = scale.surplus_since
             if scale.desired != len(live):
@@ -240,7 +242,7 @@ def test_planner_within_15_percent_of_the_simulated_run(workers):
     whose claims vary +-30 %."""
     arrivals = jittered(40, 5.0, 0.3, seed=5 + workers)
     measured = statistics.mean(seconds for _, seconds in jittered(50, 5.0, 0.3, seed=99))   # recent summaries
-    predicted = calque.plan_seconds([measured] * 40, [STARTUP] * workers)
+    predicted = calque_fleet.plan_seconds([measured] * 40, [STARTUP] * workers)
     actual = Sim(arrivals, workers, workers, fixed=True).run().drained_at
     assert abs(predicted - actual) / actual <= 0.15, (predicted, actual)
 
@@ -250,41 +252,41 @@ def test_planner_measures_each_count_on_whole_runs(tmp_path):
     staging beside them): the 4-worker figure is that run's whole average, not its first claims', the 1-worker
     run is not crowded out by the bigger one, the reads are a sample, not 340, and the gap between a worker's
     claims is measured on consecutive ones only (those of a sample's stretches)."""
-    backend = calque.LocalBackend(str(tmp_path))
+    backend = calque_core.LocalBackend(str(tmp_path))
     for run_id, workers, claims in (("m.20261201-000000-aaaaaa", 1, 40), ("m.20261202-000000-bbbbbb", 4, 300)):
-        calque.write_json(backend, calque.run_key(run_id), {"created_at": calque.now_iso(999.0 * workers),
-                                                            "claims": [calque.claim_id(i) for i in range(claims)]})
+        calque_core.write_json(backend, calque_core.run_key(run_id), {"created_at": calque_core.now_iso(999.0 * workers),
+                                                            "claims": [calque_core.claim_id(i) for i in range(claims)]})
         free = [1000.0 * workers] * workers                 # when each worker takes its next claim
         for i in range(claims):
             seconds, worker = (0.02 if workers == 4 and i < 100 else 0.01), i % workers
-            calque.write_json(backend, calque.summary_key(run_id, calque.claim_id(i)), {
-                "run_id": run_id, "claim": calque.claim_id(i), "worker_id": f"w{worker}", "mode": "pool",
-                "items": 10, "claim_seconds": seconds, "started_at": calque.now_iso(free[worker]),
-                "finished_at": calque.now_iso(free[worker] + seconds)})
+            calque_core.write_json(backend, calque_core.summary_key(run_id, calque_core.claim_id(i)), {
+                "run_id": run_id, "claim": calque_core.claim_id(i), "worker_id": f"w{worker}", "mode": "pool",
+                "items": 10, "claim_seconds": seconds, "started_at": calque_core.now_iso(free[worker]),
+                "finished_at": calque_core.now_iso(free[worker] + seconds)})
             free[worker] += seconds + 0.003                 # 3 ms between a worker's claims
     gets = backend.requests["store_gets"]
-    summaries = calque.recent_summaries(backend, "m", calque.PLAN_CLAIMS_READ)
-    measured = calque.per_item_by_count(summaries)
-    assert backend.requests["store_gets"] - gets == calque.SCALE_MEASURED_CLAIMS + 40
+    summaries = calque_core.recent_summaries(backend, "m", calque_fleet.PLAN_CLAIMS_READ)
+    measured = calque_fleet.per_item_by_count(summaries)
+    assert backend.requests["store_gets"] - gets == calque_core.SCALE_MEASURED_CLAIMS + 40
     assert measured[1] == pytest.approx(0.001)
     assert measured[4] == pytest.approx((100 * 0.02 + 200 * 0.01) / (300 * 10), rel=0.1)   # 0.002: its first claims
     stretches = [s for s in summaries if s["run_id"].endswith("bbbbbb")]
-    assert calque.claim_overheads(backend, stretches)[0] == pytest.approx(0.003)
+    assert calque_fleet.claim_overheads(backend, stretches)[0] == pytest.approx(0.003)
     sample = [dict(summaries[-1], run_id="m.20261130-000000-cccccc", claim_seconds=1.0)]   # a slow sample claim
-    assert set(calque.per_item_by_count(stretches + sample)) == {4}       # 1 worker: scaled from the 50 claims
-    assert calque.per_item_by_count(sample) == {1: 0.1}                    # where it is all there is
+    assert set(calque_fleet.per_item_by_count(stretches + sample)) == {4}       # 1 worker: scaled from the 50 claims
+    assert calque_fleet.per_item_by_count(sample) == {1: 0.1}                    # where it is all there is
 
 
 def test_plan_seconds_and_pick():
-    assert calque.plan_seconds([1.0] * 10, [0.0, 0.0]) == 5.0
-    assert calque.plan_seconds([1.0] * 3, [0.0, 10.0]) == 3.0        # a slow starter takes nothing
+    assert calque_fleet.plan_seconds([1.0] * 10, [0.0, 0.0]) == 5.0
+    assert calque_fleet.plan_seconds([1.0] * 3, [0.0, 10.0]) == 3.0        # a slow starter takes nothing
     plan = {"options": [{"workers": n, "seconds": 100.0 / n, "cost_usd": 1.0 + n} for n in (1, 2, 3, 4)]}
-    assert calque.pick_option(plan, deadline=40.0)["workers"] == 3
-    assert calque.pick_option(plan, budget=3.5)["workers"] == 1
-    assert calque.pick_option(plan, deadline=40.0, budget=3.5) is None
-    assert calque.parse_duration("2h") == 7200 and calque.parse_duration("90") == 90
+    assert calque_fleet.pick_option(plan, deadline=40.0)["workers"] == 3
+    assert calque_fleet.pick_option(plan, budget=3.5)["workers"] == 1
+    assert calque_fleet.pick_option(plan, deadline=40.0, budget=3.5) is None
+    assert calque_fleet.parse_duration("2h") == 7200 and calque_fleet.parse_duration("90") == 90
     with pytest.raises(calque.UserError, match="--deadline"):
-        calque.parse_duration("soon")
+        calque_fleet.parse_duration("soon")
 
 
 def test_predicted_against_actual_names_the_claims_that_waited_out_a_dead_worker():
@@ -292,8 +294,8 @@ def test_predicted_against_actual_names_the_claims_that_waited_out_a_dead_worker
            "claims": ["c00000", "c00001"], "created_at": "2026-12-02T08:00:00.000+00:00"}
     done = [{"claim": "c00000", "receive_count": 1, "finished_at": "2026-12-02T08:00:05.000+00:00"},
             {"claim": "c00001", "receive_count": 2, "finished_at": "2026-12-02T08:01:10.000+00:00"}]
-    line = calque.plan_against_actual(run, done)
+    line = calque_fleet.plan_against_actual(run, done)
     assert line.startswith("plan: predicted 10.0 s and $0.01 on 1 worker; actual 70.0 s (+600%); waited out"), line
     assert line.endswith("unpriced by a plan: c00001")
-    assert calque.plan_against_actual(run, [done[0], dict(done[1], receive_count=1)]).endswith("(+600%)")
-    assert calque.plan_against_actual(run, done[:1]) is None                # not finished yet
+    assert calque_fleet.plan_against_actual(run, [done[0], dict(done[1], receive_count=1)]).endswith("(+600%)")
+    assert calque_fleet.plan_against_actual(run, done[:1]) is None                # not finished yet

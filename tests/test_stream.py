@@ -7,6 +7,7 @@ import subprocess
 import pytest
 
 import calque
+import calque_core
 from conftest import HANDLERS, PY, ROOT, backend_for, cli, wait_for
 
 
@@ -37,12 +38,12 @@ def test_stdin_claims_are_sent_before_the_input_ends(local_env):
     """From a pipe still open, the first claims are queued and their run record says `staged: false`; once the
     input ends the record lists every claim, its items and `sent`, and every claim is in the queue."""
     proc, queue = submit_from_pipe(local_env, ({"x": i} for i in range(5)))
-    run, = calque.list_runs(backend_for(local_env))
+    run, = calque_core.list_runs(backend_for(local_env))
     assert run["staged"] is False and proc.poll() is None
     proc.stdin.write(lines({"x": i} for i in range(5, 9)))
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
-    run = calque.read_run(backend_for(local_env), out.decode().strip())
+    run = calque_core.read_run(backend_for(local_env), out.decode().strip())
     assert (run["staged"], run["items"], run["sent"], run["claims"]) == (True, 9, 5, [f"c0000{i}" for i in range(5)])
     assert queue.counts() == {"visible": 5, "in_flight": 0}
 
@@ -63,9 +64,9 @@ def test_json_line_reads_a_line_exactly_as_json_loads(text):
     """The staging fast path parses what json.loads parses, to the same value, and refuses what it refuses with
     the same error (the message `submit` prints for a bad line); the line check (orjson first) takes and refuses
     the same lines, with the same error."""
-    assert outcome(calque.json_line, text) == outcome(json.loads, text)
-    assert outcome(calque.checked_json, text)[0::2] == outcome(json.loads, text)[0::2]   # a value, or the same error
-    assert calque.orjson is not None
+    assert outcome(calque_core.json_line, text) == outcome(json.loads, text)
+    assert outcome(calque_core.checked_json, text)[0::2] == outcome(json.loads, text)[0::2]   # a value, or the same error
+    assert calque_core.orjson is not None
 
 
 def test_a_bad_line_after_the_first_claims_keeps_them(local_env):
@@ -73,13 +74,13 @@ def test_a_bad_line_after_the_first_claims_keeps_them(local_env):
     the run record holds exactly those claims and items."""
     proc, queue = submit_from_pipe(local_env, ({"x": i} for i in range(4)))
     out, err = proc.communicate(b'{"x": \n', timeout=60)
-    run, = calque.list_runs(backend_for(local_env))
+    run, = calque_core.list_runs(backend_for(local_env))
     kept = queue.counts()["visible"]
     assert proc.returncode == 2 and err.decode() == (
         f"calque: error: run {run['run_id']} stopped after queueing {kept} claim(s) (items 0 to {2 * kept - 1}; the "
         f"run keeps them): -:5: not valid JSON (Expecting value): one JSON item per line\n")
     assert (run["claims"], run["items"], run["sent"], run["staged"]) == (
-        [calque.claim_id(i) for i in range(kept)], 2 * kept, kept, True)
+        [calque_core.claim_id(i) for i in range(kept)], 2 * kept, kept, True)
 
 
 def test_send_batch_on_both_backends(any_env):
@@ -87,11 +88,11 @@ def test_send_batch_on_both_backends(any_env):
     backend = backend_for(any_env)
     queue = backend.queues.create_queue("calque-pool-b", 30)
     before = backend.requests["queue_other"]
-    queue.send_batch([f"m{i}" for i in range(calque.SEND_BATCH)])
+    queue.send_batch([f"m{i}" for i in range(calque_core.SEND_BATCH)])
     assert backend.requests["queue_other"] == before + 1
-    bodies = [queue.receive(1).body for _ in range(calque.SEND_BATCH)]
-    assert sorted(bodies) == sorted(f"m{i}" for i in range(calque.SEND_BATCH))
-    assert backend.kind == "aws" or bodies == [f"m{i}" for i in range(calque.SEND_BATCH)]
+    bodies = [queue.receive(1).body for _ in range(calque_core.SEND_BATCH)]
+    assert sorted(bodies) == sorted(f"m{i}" for i in range(calque_core.SEND_BATCH))
+    assert backend.kind == "aws" or bodies == [f"m{i}" for i in range(calque_core.SEND_BATCH)]
 
 
 AWKWARD_LINES = ['{"a": 1, "b": [1.5, "x"]}\r', '  {"a": 1}  ', '\t[1, {"k": null}]', '"s\u2028t"', "NaN",
@@ -108,10 +109,10 @@ def test_jsonl_lines_reach_the_worker_as_json_loads_reads_them(any_env, tmp_path
     out = cli(any_env, "submit", "--pool", "m", str(path), "--no-wait", "--claim-size", "4")
     assert out.returncode == 0, out.stderr
     backend = backend_for(any_env)
-    run = calque.read_run(backend, out.stdout.strip())
+    run = calque_core.read_run(backend, out.stdout.strip())
     staged = []
     for claim in run["claims"]:
-        manifest = json.loads(backend.store.get(calque.manifest_key(run["run_id"], claim)))
+        manifest = json.loads(backend.store.get(calque_core.manifest_key(run["run_id"], claim)))
         assert manifest["first_index"] == len(staged) and manifest["count"] == len(manifest["items"])
         staged += manifest["items"]
     assert repr(staged) == repr([json.loads(line) for line in AWKWARD_LINES])   # repr: NaN is not equal to itself

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 import calque
+import calque_core
+import calque_runs
 from conftest import HANDLERS, PY, ROOT, backend_for, cli, start_worker, wait_for
 from handlers import FakeCuda
 
@@ -44,18 +46,18 @@ def test_parts_round_trip_every_dtype_bit_exact_and_json_parts_stay_text():
     f32 = np.array([1.5, np.nan, -np.inf], np.float32)
     f32.view(np.uint32)[1] = 0x7FC0_1234                                   # a NaN with a payload
     bf16 = torch.tensor([0x7FC1, -32768, 0x3F80, 0x0001], dtype=torch.int16).view(torch.bfloat16)
-    cells = [(0, None, *calque.host_array(f32)), (1, "e", *calque.host_array(bf16)),
-             (1, "n", *calque.host_array(np.array(2 ** 63 - 1))), (2, "e", *calque.host_array(bf16[:2])),
-             (3, None, *calque.host_array(np.array([True, False]))), (4, None, *calque.host_array(np.arange(3.0))),
-             (5, None, *calque.host_array(np.float16([[1, 2], [3, 4]])))]
+    cells = [(0, None, *calque_core.host_array(f32)), (1, "e", *calque_core.host_array(bf16)),
+             (1, "n", *calque_core.host_array(np.array(2 ** 63 - 1))), (2, "e", *calque_core.host_array(bf16[:2])),
+             (3, None, *calque_core.host_array(np.array([True, False]))), (4, None, *calque_core.host_array(np.arange(3.0))),
+             (5, None, *calque_core.host_array(np.float16([[1, 2], [3, 4]])))]
     results = ["null", '{"e":null,"n":null}', '{"e":null,"x":"ride"}', "null", "null", "null"]
-    text = calque.TypedLines("".join(f'{{"i":{i},"ok":true,"result":{r}}}\n' for i, r in enumerate(results)))
+    text = calque_core.TypedLines("".join(f'{{"i":{i},"ok":true,"result":{r}}}\n' for i, r in enumerate(results)))
     text.cells = cells
     plain = '{"i":6,"ok":false,"error":"x"}\n'
-    assert calque.encode_part([plain]) == (".jsonl", plain)
-    suffix, data = calque.encode_part([text, plain])
+    assert calque_core.encode_part([plain]) == (".jsonl", plain)
+    suffix, data = calque_core.encode_part([text, plain])
     assert suffix == ".npz"
-    part = calque.read_part(Store({"k.npz": data}), "k.npz", 0, 7)
+    part = calque_core.read_part(Store({"k.npz": data}), "k.npz", 0, 7)
     assert len(part.lines) == 7 and part.lines[6] == plain
     got = {}
     for block in part.blocks:
@@ -66,12 +68,12 @@ def test_parts_round_trip_every_dtype_bit_exact_and_json_parts_stay_text():
     assert got[1][0][1] == "bfloat16" and top.tolist() == bf16.view(torch.int16).numpy().view(np.uint16).tolist()
     assert got[1][1][1:] == ("int64", 2 ** 63 - 1) and got[2][0][2].shape == (2,)
     assert got[3][0][2].tolist() == [True, False] and got[5][0][2].tolist() == [[1, 2], [3, 4]]
-    line = json.loads(calque.result_lines(part)[1])                       # bfloat16 as the float32 it widens to,
+    line = json.loads(calque_core.result_lines(part)[1])                       # bfloat16 as the float32 it widens to,
     widened = (np.array([0x8000, 0x3F80, 1], np.uint32) << 16).view(np.float32)   # in float32's shortest text
     assert line["result"]["n"] == 2 ** 63 - 1 and line["result"]["e"][0] is None
     assert np.array(line["result"]["e"][1:], np.float32).tobytes() == widened.tobytes()
-    assert json.loads(calque.result_lines(part)[0])["result"] == [1.5, None, None]   # strict JSON: NaN, inf null
-    assert json.loads(calque.result_lines(part)[2])["result"] == {"e": [None, -0.0], "x": "ride"}
+    assert json.loads(calque_core.result_lines(part)[0])["result"] == [1.5, None, None]   # strict JSON: NaN, inf null
+    assert json.loads(calque_core.result_lines(part)[2])["result"] == {"e": [None, -0.0], "x": "ride"}
     # a second delivery's part that overlaps the first one's is read from the offset the first one reached
     trimmed = part.since(2)
     assert len(trimmed.lines) == 5 and json.loads(trimmed.lines[0])["i"] == 2
@@ -79,7 +81,7 @@ def test_parts_round_trip_every_dtype_bit_exact_and_json_parts_stay_text():
     assert kept[("e", "bfloat16")][0] == [0] and len(kept[("e", "bfloat16")][1][0]) == 2     # ragged: row 2's two
     assert kept[(None, "float64")] == ([2], [[0.0, 1.0, 2.0]]) and kept[("n", "int64")] == ([], [])
     with pytest.raises(calque.ResultsIncomplete, match="is unreadable"):
-        calque.read_part(Store({"k.npz": data[:-40]}), "k.npz", 0, 7)
+        calque_core.read_part(Store({"k.npz": data[:-40]}), "k.npz", 0, 7)
 
 
 def test_batch_shaped_returns_split_per_item_and_wrong_lengths_name_both():
@@ -91,8 +93,8 @@ def test_batch_shaped_returns_split_per_item_and_wrong_lengths_name_both():
         def cpu(self):
             calls.append(1)
             return self.tensor
-    split = calque.batch_rows({"e": Device(torch.ones(3, 2)), "label": np.arange(3), "name": ["a", "b", "c"]}, 3)
-    assert calls == [1] and [calque.host_array(r["e"])[0].tolist() for r in split] == [[1.0, 1.0]] * 3
+    split = calque_core.batch_rows({"e": Device(torch.ones(3, 2)), "label": np.arange(3), "name": ["a", "b", "c"]}, 3)
+    assert calls == [1] and [calque_core.host_array(r["e"])[0].tolist() for r in split] == [[1.0, 1.0]] * 3
     assert [int(r["label"]) for r in split] == [0, 1, 2] and split[2]["name"] == "c"
     with pytest.raises(TypeError, match="Tensor.cpu"):
         Device(torch.ones(1)).numpy()
@@ -101,24 +103,24 @@ def test_batch_shaped_returns_split_per_item_and_wrong_lengths_name_both():
                              ([1, 2], "handler returned 2 results for a batch of 32 items"),
                              (np.float32(3), "handler returned float32 for a batch of 32 items")]:
         with pytest.raises(ValueError, match=message):
-            calque.batch_rows(outputs, 32)
+            calque_core.batch_rows(outputs, 32)
 
 
 def test_a_json_only_worker_imports_neither_numpy_nor_pyarrow():
     """warmd's encoding of JSON results needs neither; typed results need numpy, never pyarrow."""
-    code = ("import sys, warmd, calque\n"
+    code = ("import sys, warmd, calque_core\n"
             "lines = warmd.format_outcome([(True, {'y': 1})], 0)[0]\n"
-            "assert calque.encode_part(lines)[0] == '.jsonl'\n"
+            "assert calque_core.encode_part(lines)[0] == '.jsonl'\n"
             "print('numpy' in sys.modules, 'pyarrow' in sys.modules)\n"
             "import numpy\n"
-            "assert calque.encode_part(warmd.format_outcome([(True, numpy.ones(2))], 0)[0])[0] == '.npz'\n"
+            "assert calque_core.encode_part(warmd.format_outcome([(True, numpy.ones(2))], 0)[0])[0] == '.npz'\n"
             "print('pyarrow' in sys.modules)\n")
     out = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.split() == ["False", "False", "False"], out.stderr
 
 
 def run_of(env, backend, batch, claim_size=8):
-    conf = dict(calque.settings(), **{k: v for k, v in env.items() if k in calque.DEFAULTS})
+    conf = dict(calque_core.settings(), **{k: v for k, v in env.items() if k in calque_core.DEFAULTS})
     return calque.submit(batch, pool="m", claim_size=claim_size, wait_for_workers=True, context=(conf, backend))
 
 
@@ -228,8 +230,8 @@ def test_kill_9_mid_claim_with_binary_parts_loses_and_repeats_nothing(any_env, t
     s = run.summaries()[0]
     assert s["status"] == "ok" and s["receive_count"] == 2 and s["resumed"] == 4
     assert s["parts"][:2] == [[0, 2], [2, 4]] and s["parts"][-1][1] == 8
-    keys = backend.store.list(calque.results_prefix(run.run_id, "c00000"))
-    assert all(key.endswith(".npz") for key in keys if calque.PART_NAME.match(key.rsplit("/", 1)[1]))
+    keys = backend.store.list(calque_core.results_prefix(run.run_id, "c00000"))
+    assert all(key.endswith(".npz") for key in keys if calque_core.PART_NAME.match(key.rsplit("/", 1)[1]))
     assert run.to_numpy().tobytes() == rows(range(8)).tobytes()
     assert [line["i"] for line in run.results()] == list(range(8))
     b.send_signal(signal.SIGTERM)
@@ -240,12 +242,12 @@ def test_to_numpy_takes_its_field_from_the_first_claim_with_arrays():
     """A run whose first claim failed whole (no arrays in it): its rows are NaN, the next claim's arrays say what
     the result is; several arrays and no field named is a UserError naming them."""
     run = {"run_id": "m.r", "claim_size": 2, "items": 4}
-    failed = calque.Part(['{"i":0,"ok":false,"error":"x"}\n', '{"i":1,"ok":false,"error":"x"}\n'], [])
+    failed = calque_core.Part(['{"i":0,"ok":false,"error":"x"}\n', '{"i":1,"ok":false,"error":"x"}\n'], [])
     lines = ['{"i":2,"ok":true,"result":{"e":null,"n":null}}\n', '{"i":3,"ok":true,"result":{"e":null,"n":null}}\n']
-    e = calque.Block("e", "float32", np.arange(2), np.ones((2, 3), np.float32))
-    n = calque.Block("n", "int64", np.arange(2), np.arange(2))
-    typed = calque.Part(lines, [e])
-    out = calque.run_array(run, [(0, "c00000", [failed]), (1, "c00001", [typed])])
+    e = calque_core.Block("e", "float32", np.arange(2), np.ones((2, 3), np.float32))
+    n = calque_core.Block("n", "int64", np.arange(2), np.arange(2))
+    typed = calque_core.Part(lines, [e])
+    out = calque_runs.run_array(run, [(0, "c00000", [failed]), (1, "c00001", [typed])])
     assert out.dtype == np.float32 and np.isnan(out[:2]).all() and (out[2:] == 1).all()
     with pytest.raises(calque.UserError, match=r"several arrays \(e, n\)"):
-        calque.run_array(run, [(0, "c00000", [failed]), (1, "c00001", [typed._replace(blocks=[e, n])])])
+        calque_runs.run_array(run, [(0, "c00000", [failed]), (1, "c00001", [typed._replace(blocks=[e, n])])])

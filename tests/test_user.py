@@ -1,5 +1,6 @@
 """A new user's first mistakes, each with real processes: every one is one line with the next step and an exit
 code, never a silent wait or a traceback. Handlers live in the user's own folder (tmp), outside the checkout."""
+import glob
 import json
 import os
 import re
@@ -7,6 +8,7 @@ import shutil
 import subprocess
 
 from conftest import PY, ROOT, cli, wait_for
+import calque_core
 
 HANDLER = '''
 import os
@@ -120,7 +122,8 @@ def test_foreign_interpreter(local_env, tmp_path):
     assert out.returncode == 0 and out.stdout.startswith("no pools in"), out.stderr
     kit = tmp_path / "kit"
     kit.mkdir()
-    shutil.copy(os.path.join(ROOT, "calque.py"), kit)
+    for module in glob.glob(os.path.join(ROOT, "calque*.py")):   # the kit's modules, without its .venv
+        shutil.copy(module, kit)
     out = subprocess.run([PY, "-S", str(kit / "calque.py"), "pool", "list"], env=local_env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
     line = error(out, 2)
@@ -135,8 +138,8 @@ def test_settings_are_one_mechanism():
     import calque
     with open(os.path.join(ROOT, "pool.env.example")) as f:
         shown = dict(line.strip().split("=", 1) for line in f if re.match(r"CALQUE_\w+=", line))
-    assert shown == calque.DEFAULTS
-    files = ["calque.py", "warmd.py", "calque_supervisor.py", "calque_dashboard.py", "modal_shim/modal.py"]
+    assert shown == calque_core.DEFAULTS
+    files = [*glob.glob("calque*.py", root_dir=ROOT), "warmd.py", "modal_shim/modal.py"]
     read, at_import = set(), []
     for name in files:
         with open(os.path.join(ROOT, name)) as f:
@@ -157,7 +160,7 @@ def test_settings_are_one_mechanism():
             elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 at_import += [f"{name}:{n.lineno}" for n in ast.walk(node) if isinstance(n, ast.Attribute)
                               and getattr(n.value, "id", "") == "os" and n.attr in ("environ", "getenv")]
-    assert read - set(calque.DEFAULTS) == {"CALQUE_ENV"} and len(calque.DEFAULTS) <= 20   # 20: CALQUE_ROOT_GB
+    assert read - set(calque_core.DEFAULTS) == {"CALQUE_ENV"} and len(calque_core.DEFAULTS) <= 20   # 20: CALQUE_ROOT_GB
     assert at_import == []
 
 
@@ -188,7 +191,7 @@ def test_region_from_aws_config_and_the_wrong_region(aws_env, tmp_path):
     config.write_text("[default]\nregion = eu-west-3\n")
     env = {k: v for k, v in aws_env.items() if k not in ("AWS_REGION", "AWS_DEFAULT_REGION")}
     env["AWS_CONFIG_FILE"] = str(config)
-    code = f"import calque; print(calque.AwsBackend({env['CALQUE_STORE']!r}).region)"
+    code = f"import calque_core; print(calque_core.AwsBackend({env['CALQUE_STORE']!r}).region)"
     out = subprocess.run([PY, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "eu-west-3", out.stderr
     folder = user_folder(tmp_path)

@@ -12,6 +12,9 @@ from collections import Counter
 import pytest
 
 import calque
+import calque_core
+import calque_runs
+import calque_supervisor
 from conftest import PY, ROOT, backend_for, pool_pids, start_worker, wait_for
 from test_commands import BIN, SPELLINGS
 from test_ec2 import MODEL, STORE, aws, launch_template_user_data  # noqa: F401 (aws: a fixture)
@@ -73,13 +76,13 @@ def test_create_twice_changes_nothing_and_another_handler_is_refused(local_env, 
     shown = "calque" if spelling == "installed" else "python calque.py"
     run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "2")
     backend = backend_for(local_env)
-    before = calque.load_pool(backend, "m")
+    before = calque_core.load_pool(backend, "m")
     supervisor, pids = pool_pids(local_env)
     again = run("pool", "create", "--model", "m", "--handler", "a.py:A")
     status = json.loads(run("pool", "status", "--model", "m", "--json").stdout)
     assert status["supervisor"]["desired"] == 2, status["supervisor"]
     assert not [w for w in status["local_workers"] if w["last_exit"]], status["local_workers"]
-    assert pool_pids(local_env) == (supervisor, pids) and all(calque.pid_alive(p) for p in pids)
+    assert pool_pids(local_env) == (supervisor, pids) and all(calque_supervisor.pid_alive(p) for p in pids)
     other = run("pool", "create", "--model", "m", "--handler", "b.py:B", "--workers", "2", code=2)
     assert status["version"] == before["version"]
     assert f"version {before['version']} (a.py:A, batch 32): nothing changed" in again.stdout, again.stdout
@@ -87,7 +90,7 @@ def test_create_twice_changes_nothing_and_another_handler_is_refused(local_env, 
     assert len(other.stderr.strip().splitlines()) == 1, other.stderr
     assert f"HINT: {shown} pool deploy --model m --handler b.py:B" in other.stderr, other.stderr
     assert f"runs version {before['version']} (a.py:A" in other.stderr
-    assert calque.load_pool(backend, "m") == before
+    assert calque_core.load_pool(backend, "m") == before
     assert backend.store.get(before["handler"]["key"]) == (folder / "a.py").read_bytes()
     assert not backend.store.exists(before["handler"]["key"].replace("a.py", "b.py"))
     run("pool", "create", "--model", "m", "--handler", "a.py:A", "--batch-size", "8", code=2)   # shapes results
@@ -105,7 +108,7 @@ def test_deploy_keeps_each_run_on_one_version_through_a_kill(local_env, folder, 
     env = dict(local_env, BATCH_SLEEP="0.2")
     run = runner(spelling, env, folder)
     run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "2")
-    old = calque.load_pool(backend_for(env), "m")["version"]
+    old = calque_core.load_pool(backend_for(env), "m")["version"]
     first = run("submit", "--pool", "m", "items.jsonl", "--claim-size", "10", "--no-wait").stdout.strip()
     deploy = subprocess.Popen(command(spelling) + ["pool", "deploy", "--model", "m", "--handler", "b.py:B"],
                               env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -115,7 +118,7 @@ def test_deploy_keeps_each_run_on_one_version_through_a_kill(local_env, folder, 
     os.kill(victim, signal.SIGKILL)   # mid-change: its claim goes to a worker of A again
     out, err = deploy.communicate(timeout=300)
     assert deploy.returncode == 0 and "Traceback" not in err, out + err
-    new = calque.load_pool(backend_for(env), "m")["version"]
+    new = calque_core.load_pool(backend_for(env), "m")["version"]
     assert f"version {new} (b.py:B, batch 32) replaces {old} (a.py:A, batch 32)" in out, out
     assert versions(run, first) == {"A": 400}
     os.kill(pool_pids(env)[1][0], signal.SIGKILL)   # a new worker dies too: restarted on B
@@ -134,7 +137,7 @@ def test_deploy_interrupted_while_waiting_changes_nothing(local_env, folder):
     env = dict(local_env, BATCH_SLEEP="0.2")
     run = runner("script", env, folder)
     run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "1")
-    before, pids = calque.load_pool(backend_for(env), "m"), pool_pids(env)
+    before, pids = calque_core.load_pool(backend_for(env), "m"), pool_pids(env)
     run_id = run("submit", "--pool", "m", "items.jsonl", "--claim-size", "10", "--no-wait").stdout.strip()
     deploy = subprocess.Popen(command("script") + ["pool", "deploy", "--model", "m", "--handler", "b.py:B"],
                               env=env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -142,7 +145,7 @@ def test_deploy_interrupted_while_waiting_changes_nothing(local_env, folder):
     deploy.send_signal(signal.SIGINT)
     out, err = deploy.communicate(timeout=60)
     assert deploy.returncode == 2 and "pool deploy interrupted: nothing changed" in err, out + err
-    assert calque.load_pool(backend_for(env), "m") == before and pool_pids(env) == pids
+    assert calque_core.load_pool(backend_for(env), "m") == before and pool_pids(env) == pids
     run("runs", "cancel", run_id)
 
 
@@ -156,14 +159,14 @@ def test_deploy_takes_over_runs_a_broken_version_never_started(local_env, folder
     run("pool", "scale", "--model", "m", "--workers", "1", "--no-wait")
     wait_for(lambda: "died before warm" in run("pool", "status", "--model", "m").stdout, 60, "a crash")
     out = run("pool", "deploy", "--model", "m", "--handler", "b.py:B")
-    new = calque.load_pool(backend_for(env), "m")["version"]
+    new = calque_core.load_pool(backend_for(env), "m")["version"]
     assert f"version {new} (b.py:B" in out.stdout and "reached version" not in out.stderr, out
     assert f"run {run_id} had not started: it runs on version {new}" in out.stderr, out.stderr
     backend = backend_for(env)
-    wait_for(lambda: len(calque.summary_claims(backend, run_id)) == len(calque.read_run(backend, run_id)["claims"]),
+    wait_for(lambda: len(calque_core.summary_claims(backend, run_id)) == len(calque_core.read_run(backend, run_id)["claims"]),
              120, "the run done")
     assert versions(run, run_id) == {"B": 400}
-    assert calque.read_run(backend, run_id)["version"] == new
+    assert calque_core.read_run(backend, run_id)["version"] == new
     assert f"; version {new}\n" in run("runs", "show", run_id).stdout
 
 
@@ -181,7 +184,7 @@ def test_a_deploy_whose_workers_die_before_warm_says_where_the_pool_stands(local
                                   "create again\n"), failed.stderr
     run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "2")
     out = run("pool", "deploy", "--model", "m", "--handler", "b.py:B", code=1)
-    new = calque.load_pool(backend_for(env), "m")["version"]
+    new = calque_core.load_pool(backend_for(env), "m")["version"]
     assert len(out.stderr.strip().splitlines()) == 1 and "no module named weights" in out.stderr, out.stderr
     assert (f"then {shown} pool deploy it again; pool m runs version {new} (b.py:B" in out.stderr
             and f"{shown} pool scale --model m --workers 2 to start it as it is" in out.stderr), out.stderr
@@ -198,14 +201,14 @@ def test_a_claim_of_another_version_never_runs(any_env, folder):
     run = runner("script", any_env, folder)
     run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "0")
     backend = backend_for(any_env)
-    old = calque.load_pool(backend, "m")
+    old = calque_core.load_pool(backend, "m")
     stale = start_worker(any_env, "--model", "m", log=open(folder / "stale.log", "w"))
     wait_for(lambda: "version" in (folder / "stale.log").read_text(), 60, "the stale worker started")
     run("pool", "deploy", "--model", "m", "--handler", "b.py:B")   # no workers here: the record changes
-    new = calque.load_pool(backend, "m")
+    new = calque_core.load_pool(backend, "m")
     submit = subprocess.Popen(command("script") + ["submit", "--pool", "m", "items.jsonl", "--json"],
                               env=any_env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert stale.wait(120) == calque.EXIT_REPLACED
+    assert stale.wait(120) == calque_core.EXIT_REPLACED
     log = (folder / "stale.log").read_text()
     assert f"claim of version {new['version']}, this worker runs {old['version']}" in log, log
     start_worker(any_env, "--model", "m")   # what its supervisor (systemd on EC2) does: B now
@@ -214,13 +217,13 @@ def test_a_claim_of_another_version_never_runs(any_env, folder):
     assert versions(run, json.loads(out)["run"]["run_id"]) == {"B": 400}
     # a run staged against A's record while the pool changed to B
     queue = backend.queues.open_queue(old["queue"])
-    late = calque.stage_run(backend, old, [{"x": 1}, {"x": 2}], 1, queue, "pool")
+    late = calque_runs.stage_run(backend, old, [{"x": 1}, {"x": 2}], 1, queue, "pool")
     assert late["version"] == old["version"]
-    wait_for(lambda: len(calque.summary_claims(backend, late["run_id"])) == 2, 120, "failure summaries")
-    for summary in calque.read_summaries(backend, late["run_id"]):
+    wait_for(lambda: len(calque_core.summary_claims(backend, late["run_id"])) == 2, 120, "failure summaries")
+    for summary in calque_core.read_summaries(backend, late["run_id"]):
         assert summary["status"] == "failed" and summary["ok"] == 0, summary
         assert f"claim of version {old['version']}; the pool runs version {new['version']}" in summary["error"]
-    letters = [json.loads(m.body) for m in calque.receive_all(backend.queues.open_queue(old["dlq"]), 10)]
+    letters = [json.loads(m.body) for m in calque_runs.receive_all(backend.queues.open_queue(old["dlq"]), 10)]
     assert [x.get("run_id") for x in letters].count(late["run_id"]) == 2, letters   # (moto_server's: others' too)
     shown = subprocess.run(command("script") + ["runs", "show", late["run_id"]], env=any_env, cwd=folder,
                            capture_output=True, text=True, timeout=60)
@@ -242,16 +245,16 @@ def test_ec2_pool_create_refuses_another_version_and_deploy_writes_it(aws, monke
         (tmp_path / f"{name.lower()}.py").write_text(TAGGED.format(name=name))
     fleet = ["--instances", "2", "--instance-type", "g5.xlarge", "--yes-spend-money"]
     assert calque.main(["pool", "create", "--model", MODEL, "--handler", "a.py:A", *fleet]) == 0
-    before = calque.load_pool(aws.backend, MODEL)
+    before = calque_core.load_pool(aws.backend, MODEL)
     _, template = launch_template_user_data()
     capsys.readouterr()
-    assert calque.main(["pool", "create", "--model", MODEL, "--handler", "b.py:B", *fleet]) == calque.EXIT_USAGE
+    assert calque.main(["pool", "create", "--model", MODEL, "--handler", "b.py:B", *fleet]) == calque_core.EXIT_USAGE
     err = capsys.readouterr().err
     assert f"pool deploy --model {MODEL} --handler b.py:B" in err and len(err.strip().splitlines()) == 1, err
-    assert calque.load_pool(aws.backend, MODEL) == before
+    assert calque_core.load_pool(aws.backend, MODEL) == before
     assert calque.main(["pool", "deploy", "--model", MODEL, "--handler", "b.py:B"]) == 0
     out = capsys.readouterr().out
-    after = calque.load_pool(aws.backend, MODEL)
+    after = calque_core.load_pool(aws.backend, MODEL)
     assert after["version"] != before["version"] and after["ec2"] == before["ec2"], out
     assert f"version {after['version']} (b.py:B, batch 32) replaces {before['version']}" in out
     assert "each instance's worker restarts on it" in out, out

@@ -10,6 +10,8 @@ import time
 import pytest
 
 import calque
+import calque_core
+import calque_runs
 from conftest import HANDLERS, backend_for, cli, start_worker, wait_for, write_items
 
 
@@ -29,12 +31,12 @@ def submit_no_wait(env, tmp_path, items, *extra):
 
 def results(backend, run_id, count, claim="c00000"):
     """A claim's result lines, parsed, read from its parts."""
-    return [json.loads(line) for line in calque.read_claim_results(backend.store, run_id, claim, count)]
+    return [json.loads(line) for line in calque_core.read_claim_results(backend.store, run_id, claim, count)]
 
 
 def summary(backend, run_id, claim="c00000"):
     try:
-        return calque.read_json(backend, calque.summary_key(run_id, claim))
+        return calque_core.read_json(backend, calque_core.summary_key(run_id, claim))
     except calque.NotFound:
         return None
 
@@ -101,12 +103,12 @@ def test_duplicate_delivery_is_acked_without_recompute(local_env, tmp_path):
     first = wait_for(lambda: summary(backend, run_id), 30, "the summary")
     results_before = results(backend, run_id, 2)
     queue = backend.queues.open_queue("calque-pool-m")
-    queue.send(calque.make_message(run_id, "m", backend.store.uri(calque.manifest_key(run_id, "c00000")), "c00000"))
+    queue.send(calque_core.make_message(run_id, "m", backend.store.uri(calque_core.manifest_key(run_id, "c00000")), "c00000"))
     wait_for(lambda: queue.counts() == {"visible": 0, "in_flight": 0}, 30, "the duplicate to be acked")
     assert stop(w) == 0
     assert summary(backend, run_id) == first
     assert results(backend, run_id, 2) == results_before
-    stats = calque.read_worker_stats(backend, "m")[0]
+    stats = calque_core.read_worker_stats(backend, "m")[0]
     assert stats["claims"] == 1 and stats["enter_count"] == 1
 
 
@@ -115,19 +117,19 @@ def test_claims_that_cannot_succeed_go_to_the_dead_letter_queue(local_env, tmp_p
     many deliveries: each lands in the DLQ, with a failure summary wherever the run is known; the worker stays up."""
     backend = make_pool(local_env, "Echo", "--max-deliveries", "2", "--visibility-timeout", "5")
     queue, dlq = backend.queues.open_queue("calque-pool-m"), backend.queues.open_queue("calque-dlq-m")
-    uri = backend.store.uri(calque.manifest_key("m.r-missing", "c00000"))
+    uri = backend.store.uri(calque_core.manifest_key("m.r-missing", "c00000"))
     queue.send("{not json")
-    queue.send(calque.make_message("other-model.r1", "other-model",
-                                   backend.store.uri(calque.manifest_key("other-model.r1", "c00000")), "c00000"))
-    queue.send(calque.make_message("m.r-outside", "m", "file:///etc/passwd", "c00000"))
-    queue.send(calque.make_message("n.r-foreign", "m", backend.store.uri(calque.manifest_key("n.r-foreign", "c00000")), "c00000"))
-    queue.send(calque.make_message("m.r-missing", "m", uri, "c00000"))
+    queue.send(calque_core.make_message("other-model.r1", "other-model",
+                                   backend.store.uri(calque_core.manifest_key("other-model.r1", "c00000")), "c00000"))
+    queue.send(calque_core.make_message("m.r-outside", "m", "file:///etc/passwd", "c00000"))
+    queue.send(calque_core.make_message("n.r-foreign", "m", backend.store.uri(calque_core.manifest_key("n.r-foreign", "c00000")), "c00000"))
+    queue.send(calque_core.make_message("m.r-missing", "m", uri, "c00000"))
     w = start_worker(local_env, "--model", "m")
     wait_for(lambda: dlq.counts()["visible"] == 5, 30, "five dead letters")
     assert stop(w) == 0
     # a claim already delivered max-deliveries (2) times: receive and release it twice before the worker runs
-    backend.store.put(calque.manifest_key("m.r-over", "c00000"), json.dumps({"items": [{"x": 1}]}))
-    queue.send(calque.make_message("m.r-over", "m", backend.store.uri(calque.manifest_key("m.r-over", "c00000")), "c00000"))
+    backend.store.put(calque_core.manifest_key("m.r-over", "c00000"), json.dumps({"items": [{"x": 1}]}))
+    queue.send(calque_core.make_message("m.r-over", "m", backend.store.uri(calque_core.manifest_key("m.r-over", "c00000")), "c00000"))
     for _ in range(2):
         queue.change_visibility(queue.receive(1), 0)
     w = start_worker(local_env, "--model", "m")
@@ -203,10 +205,10 @@ def test_idle_sigterm_exits_promptly(local_env):
     make_pool(local_env, "Echo")
     w = start_worker(dict(local_env, CALQUE_POLL_WAIT="20"), "--model", "m")
     backend = backend_for(local_env)
-    wait_for(lambda: calque.read_worker_stats(backend, "m"), 30, "the worker to start")
+    wait_for(lambda: calque_core.read_worker_stats(backend, "m"), 30, "the worker to start")
     w.send_signal(signal.SIGTERM)
     assert w.wait(5) == 0
-    assert calque.read_worker_stats(backend, "m")[0]["state"] == "stopped"
+    assert calque_core.read_worker_stats(backend, "m")[0]["state"] == "stopped"
 
 
 def test_a_stop_on_sqs_lets_the_idle_poll_end_and_gives_back_what_it_brings(aws_env, tmp_path):
@@ -215,7 +217,7 @@ def test_a_stop_on_sqs_lets_the_idle_poll_end_and_gives_back_what_it_brings(aws_
     to the next worker. A second signal cuts the poll short."""
     env = dict(aws_env, CALQUE_POLL_WAIT="20")
     backend = make_pool(env, "Echo", "--visibility-timeout", "600")
-    queue = backend.queues.open_queue(calque.load_pool(backend, "m")["queue"])
+    queue = backend.queues.open_queue(calque_core.load_pool(backend, "m")["queue"])
     for signals in (1, 2):
         path = tmp_path / f"worker-{signals}.log"
         with open(path, "w") as log:
@@ -329,7 +331,7 @@ def test_heartbeat_keeps_a_long_claim(local_env, tmp_path):
     """A claim held 3x longer than its visibility timeout is not redelivered while the heartbeat runs."""
     g = Gated(local_env, tmp_path, pool_args=("--visibility-timeout", "1"))
     b = start_worker(g.env, "--model", "m")                  # would take the claim if its lease lapsed
-    wait_for(lambda: len(calque.read_worker_stats(g.backend, "m")) == 2, 30, "the second worker to be polling")
+    wait_for(lambda: len(calque_core.read_worker_stats(g.backend, "m")) == 2, 30, "the second worker to be polling")
     queue = g.queue()
     deadline = time.monotonic() + 3.0
     while time.monotonic() < deadline:                     # 3 timeouts' worth: the lease must hold throughout
@@ -355,7 +357,7 @@ def test_a_lost_lease_is_not_written(local_env, tmp_path):
     g.open()
     g.logged("lease lost: not writing it", "the worker to drop the claim")
     assert summary(g.backend, g.run_id) is None
-    assert g.backend.store.list(calque.results_prefix(g.run_id, "c00000")) == []
+    assert g.backend.store.list(calque_core.results_prefix(g.run_id, "c00000")) == []
     assert g.worker.poll() is None                           # and it stays up for the next claim
     assert stop(g.worker) == 0
 
@@ -382,12 +384,12 @@ def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, 
     assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
                "--workers", "0").returncode == 0
     backend = backend_for(local_env)
-    run = calque.stage_run(backend, calque.load_pool(backend, "m"), calque.read_items(items), 2,
+    run = calque_runs.stage_run(backend, calque_core.load_pool(backend, "m"), calque_runs.read_items(items), 2,
                            backend.queues.open_queue("calque-pool-m"), "cold")
-    record = dict(calque.load_pool(backend, "m"))   # served as a cold run: the worker exits once it is drained
-    worker = warmd.Worker(backend, record, "test-workers/", calque.settings(), True)
+    record = dict(calque_core.load_pool(backend, "m"))   # served as a cold run: the worker exits once it is drained
+    worker = warmd.Worker(backend, record, "test-workers/", calque_core.settings(), True)
     faults = {"receive": 1, "put": 1 + warmd.WRITE_RETRY[1]}   # the first write and every retry of it
-    real_receive, real_put = calque.LocalQueue.receive, backend.store.put
+    real_receive, real_put = calque_core.LocalQueue.receive, backend.store.put
 
     def flaky_receive(self, *a, **kw):
         if faults["receive"]:
@@ -400,10 +402,10 @@ def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, 
             faults["put"] -= 1
             raise OSError("store unreachable")
         return real_put(key, data)
-    monkeypatch.setattr(calque.LocalQueue, "receive", flaky_receive)
+    monkeypatch.setattr(calque_core.LocalQueue, "receive", flaky_receive)
     monkeypatch.setattr(backend.store, "put", flaky_put)
     worker.work()
-    summaries = calque.read_summaries(backend, run["run_id"])
+    summaries = calque_core.read_summaries(backend, run["run_id"])
     assert len(summaries) == 2 and all(s["status"] == "ok" for s in summaries)
     assert worker.enter_count == 1 and faults == {"receive": 0, "put": 0}
     assert sorted(s["receive_count"] for s in summaries) == [1, 2]    # the claim whose write failed came back
@@ -419,12 +421,12 @@ def test_nan_and_deep_results_fail_only_their_item(local_env, tmp_path):
     assert s["status"] == "partial" and s["failed"] == [1, 2] and s["ok"] == 2
     assert "Out of range float values are not JSON compliant" in s["errors"]["1"]
     assert "RecursionError" in s["errors"]["2"]
-    text = "".join(calque.read_claim_results(backend.store, run_id, "c00000", 4))
+    text = "".join(calque_core.read_claim_results(backend.store, run_id, "c00000", 4))
     strict = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the results"))
               for line in text.splitlines()]
     assert [(line["i"], line["ok"]) for line in strict] == [(0, True), (1, False), (2, False), (3, True)]
     assert s["parts"] == [[0, 4]] and s["resumed"] == 0 and s["requests"]["store_lists"] == 0
-    assert backend.store.list(calque.results_prefix(run_id, "c00000")) == [calque.part_key(run_id, "c00000", 0, 4)]
+    assert backend.store.list(calque_core.results_prefix(run_id, "c00000")) == [calque_core.part_key(run_id, "c00000", 0, 4)]
     assert stop(w) == 0
 
 
@@ -455,7 +457,7 @@ def test_a_resumed_claim_recomputes_nothing_committed(local_env, tmp_path):
     assert all(by_x[x] == [a.pid, b.pid] for x in (12, 13))              # the batch A died in
     assert all(by_x[x] == [b.pid] for x in range(14, 24))
     assert [line["i"] for line in results(backend, run_id, 24)] == list(range(24))
-    record = json.loads(backend.store.get(calque.attempt_key(run_id, "c00000")))
+    record = json.loads(backend.store.get(calque_core.attempt_key(run_id, "c00000")))
     # items 12-15 (the batch it died in, the one it gathered) ran alone, then batches: the record says so
     assert record["state"] == "batches" and record["running"] == [] and record["receive_count"] == 2
     assert stop(b) == 0
@@ -471,7 +473,7 @@ def test_a_resume_message_takes_the_parts_on_its_first_delivery(local_env, tmp_p
     queue = backend.queues.open_queue("calque-pool-m")
     original = queue.receive(1)
     queue.delete(original)               # as if dead-lettered: a redrive sends it again, marked
-    backend.store.put(calque.part_key(run_id, "c00000", 0, 3),
+    backend.store.put(calque_core.part_key(run_id, "c00000", 0, 3),
                       "".join(json.dumps({"i": i, "ok": True, "result": {"y": 2 * i}}) + "\n" for i in range(3)))
     queue.send(json.dumps(dict(json.loads(original.body), resume=True)))
     w = start_worker(env, "--model", "m")
@@ -479,7 +481,7 @@ def test_a_resume_message_takes_the_parts_on_its_first_delivery(local_env, tmp_p
     assert s["status"] == "ok" and s["receive_count"] == 1 and s["resumed"] == 3 and s["parts"] == [[0, 3], [3, 6]]
     assert s["requests"]["store_lists"] == 1
     assert sorted(int(line.split()[0]) for line in calls.read_text().splitlines()) == [3, 4, 5]
-    assert not backend.store.exists(calque.attempt_key(run_id, "c00000"))
+    assert not backend.store.exists(calque_core.attempt_key(run_id, "c00000"))
     assert [line["result"]["y"] for line in results(backend, run_id, 6)] == [0, 2, 4, 6, 8, 10]
     assert stop(w) == 0
 
@@ -513,6 +515,6 @@ def test_a_claim_stops_before_sqs_caps_its_invisibility(aws_env, tmp_path):
     assert "SQS keeps a claim invisible 12 h at most" in out.stdout + out.stderr
     assert "lease lost" not in log.read_text()                    # never past the cap, never taken for a lost lease
     dlq = backend.queues.open_queue("calque-dlq-cap")
-    letters = [json.loads(m.body) for m in calque.receive_all(dlq, 10)]   # the session's moto_server: others' too
+    letters = [json.loads(m.body) for m in calque_runs.receive_all(dlq, 10)]   # the session's moto_server: others' too
     assert any(letter.get("run_id") == run_id and "12 h" in letter["reason"] for letter in letters), letters
     assert w.poll() is None and stop(w) == 0                      # the worker serves on
