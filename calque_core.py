@@ -1460,28 +1460,21 @@ class LocalStore:
                           f"---> HINT: check that the folder is writable and has free space, "
                           f"then retry")
 
-    def get(self, key):
+    def get(self, key, size=None, mtime_ns=None):
+        """The object's bytes. Read by reference (fetch), Changed unless it has the size and mtime
+        (ns) that submit listed."""
         self.requests["store_gets"] += 1
         try:
             with open(self._path(key), "rb") as f:
+                if size is not None:
+                    unchanged(os.fstat(f.fileno()), size, mtime_ns)
                 return f.read()
         except FileNotFoundError:
             raise NotFound(key)
         except OSError as e:
             raise self._fault("read", key, e) from None
 
-    def fetch(self, key, size, mtime_ns):
-        """get of an object read by reference: Changed unless it has the size and mtime (ns) that
-        submit listed."""
-        self.requests["store_gets"] += 1
-        try:
-            with open(self._path(key), "rb") as f:
-                unchanged(os.fstat(f.fileno()), size, mtime_ns)
-                return f.read()
-        except FileNotFoundError:
-            raise NotFound(key)
-        except OSError as e:
-            raise self._fault("read", key, e) from None
+    fetch = get
 
     def put(self, key, data):
         self.requests["store_puts"] += 1
@@ -1804,45 +1797,45 @@ class S3Store:
         return uri[len(root):]
 
     @endpoint_retried
-    def get(self, key):
+    def get(self, key, size=None, etag=None):
+        """The object's bytes. Read by reference (fetch: If-Match its ETag), Changed unless it is
+        the one submit listed; a refusal (403: the role cannot read it yet, IAM is eventually
+        consistent) is a StoreFault, which lets the claim go and come back, not an item's failure."""
         self.requests["store_gets"] += 1
+        match = {"IfMatch": etag} if etag is not None else {}
         try:
-            return self.s3.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except self.s3.exceptions.NoSuchKey:
-            raise NotFound(key)
-
-    @endpoint_retried
-    def fetch(self, key, size, etag):
-        """get of an object read by reference (If-Match its ETag): Changed unless it is the one
-        submit listed; a refusal (403: the role cannot read it yet, IAM is eventually consistent)
-        is a StoreFault, which lets the claim go and come back, not an item's failure."""
-        self.requests["store_gets"] += 1
-        try:
-            data = self.s3.get_object(Bucket=self.bucket, Key=self._key(key), IfMatch=etag)["Body"].read()
+            data = self.s3.get_object(Bucket=self.bucket, Key=self._key(key), **match)["Body"].read()
         except self.s3.exceptions.NoSuchKey:
             raise NotFound(key)
         except Exception as e:
             code = _aws_error_code(e)
-            if code in ("PreconditionFailed", "412"):
+            if match and code in ("PreconditionFailed", "412"):
                 raise Changed(f"its ETag is no longer {etag}") from None
-            if code in ("AccessDenied", "403"):
+            if match and code in ("AccessDenied", "403"):
                 raise StoreFault(f"cannot read {self.uri(key)}: {aws_error_line(e)}") from None
             raise
-        if len(data) != size:
+        if size is not None and len(data) != size:
             raise Changed(f"size {size} -> {len(data)}")
         return data
+
+    fetch = get
 
     def walk(self, prefix=""):
         """(key under `prefix`, size, ETag) of every object under it, in key order, a LIST page
         (1000 keys) at a time as they come: a prefix of any size is never held whole."""
-        more, strip = {}, len(self._key(prefix))
-        while True:
-            page = self._page(Prefix=self._key(prefix), **more)
+        strip = len(self._key(prefix))
+        for page in self._pages(Prefix=self._key(prefix)):
             for o in page.get("Contents", []):
                 yield o["Key"][strip:], o["Size"], o["ETag"]
+
+    def _pages(self, **params):
+        """The LIST pages of these list_objects_v2 parameters, each one request, read as needed."""
+        while True:
+            page = self._page(**params)
+            yield page
             if not page.get("IsTruncated"):
                 return
-            more = {"ContinuationToken": page["NextContinuationToken"]}
+            params["ContinuationToken"] = page["NextContinuationToken"]
 
     @endpoint_retried
     def _page(self, **params):
@@ -1889,15 +1882,11 @@ class S3Store:
         found = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=self._key(key), MaxKeys=1)
         return any(o["Key"] == self._key(key) for o in found.get("Contents", []))
 
-    @endpoint_retried
     def list(self, prefix, start_after=None):
         """Keys and folders one level under a prefix, as LocalStore.list."""
         keys = []
         more = {"StartAfter": self._key(start_after)} if start_after is not None else {}
-        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix),
-                                                                  Delimiter="/", **more)
-        for page in pages:
-            self.requests["store_lists"] += 1
+        for page in self._pages(Prefix=self._key(prefix), Delimiter="/", **more):
             keys += [o["Key"] for o in page.get("Contents", [])]
             keys += [p["Prefix"].rstrip("/") for p in page.get("CommonPrefixes", [])]
         strip = len(self._key(""))
@@ -1908,10 +1897,7 @@ class S3Store:
     def delete_prefix(self, prefix):
         """Delete every key under the prefix, a DeleteObjects a page; returns (objects, bytes)."""
         count = size = 0
-        pages = self.s3.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
-                                                                  Prefix=self._key(prefix))
-        for page in pages:
-            self.requests["store_lists"] += 1
+        for page in self._pages(Prefix=self._key(prefix)):
             objects = page.get("Contents", [])
             if objects:
                 keys = [{"Key": o["Key"]} for o in objects]

@@ -49,6 +49,7 @@ _NUMBER_CHECKS = {  # kind: (test, what the message asks for)
     "positive": (lambda v: v > 0, "a positive number"),
     "nonneg": (lambda v: v >= 0, "a number >= 0"),
     "fraction": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
+    "count": (lambda v: isinstance(v, int) and v >= 0, "a whole number >= 0"),
 }
 
 
@@ -69,10 +70,12 @@ def _rates_field(rates, keys, file, kind=None):
     return node
 
 
-def _check_sourced(rates, keys, file):
-    """Every figure says where it came from and when."""
+def _sourced(rates, keys, file, field="value", kind="positive"):
+    """The figure at keys + (field,), checked; every figure says where it came from and when."""
+    value = _rates_field(rates, keys + (field,), file, kind)
     _rates_field(rates, keys + ("source",), file, str)
     _rates_field(rates, keys + ("as_of",), file, str)
+    return value
 
 
 def _check_rates(rates, file):
@@ -90,12 +93,9 @@ def _check_rates(rates, file):
             raise UserError(f"rates file {file}: {name} is empty")
     for name in instances:
         keys = ("ec2", "instances", name)
-        _rates_field(rates, keys + ("usd_per_hour",), file, "positive")
-        gpus = _rates_field(rates, keys + ("gpus",), file, int)
-        if gpus < 0:
-            raise UserError(f"rates file {file}: {_field_name(keys + ('gpus',))} must be >= 0, got {gpus}")
-        _check_sourced(rates, keys, file)
-        if not gpus:   # a CPU instance: its serverless stand-in is a container of its size
+        _sourced(rates, keys, file, "usd_per_hour")
+        if not _rates_field(rates, keys + ("gpus",), file, "count"):
+            # a CPU instance: its serverless stand-in is a container of its size
             _rates_field(rates, keys + ("vcpus",), file, "positive")
             _rates_field(rates, keys + ("memory_gib",), file, "positive")
             continue
@@ -105,20 +105,16 @@ def _check_rates(rates, file):
             raise UserError(f"rates file {file}: {_field_name(keys + ('serverless_card',))} "
                             f"{card!r} is not in serverless.cards ({', '.join(cards)})")
     for name in ("spot_fraction", "savings_plan_fraction"):
-        _rates_field(rates, ("ec2", name, "value"), file, "fraction")
-        _check_sourced(rates, ("ec2", name), file)
+        _sourced(rates, ("ec2", name), file, kind="fraction")
     for name in cards:
-        _rates_field(rates, ("serverless", "cards", name, "usd_per_second"), file, "positive")
-        _check_sourced(rates, ("serverless", "cards", name), file)
+        _sourced(rates, ("serverless", "cards", name), file, "usd_per_second")
     _rates_field(rates, ("serverless", "gpu_rate_includes_cpu_memory"), file, bool)
     for name in ("cpu_usd_per_core_second", "memory_usd_per_gib_second"):
-        _rates_field(rates, ("serverless", name, "value"), file, "positive")
-        _check_sourced(rates, ("serverless", name), file)
+        _sourced(rates, ("serverless", name), file)
     _rates_field(rates, ("serverless", "container_per_gpu", "cpu_cores"), file, "nonneg")
     _rates_field(rates, ("serverless", "container_per_gpu", "memory_gib"), file, "nonneg")
     for name in ("sqs_usd_per_million", "s3_put_usd_per_thousand", "s3_get_usd_per_thousand"):
-        _rates_field(rates, ("requests", name, "value"), file, "positive")
-        _check_sourced(rates, ("requests", name), file)
+        _sourced(rates, ("requests", name), file)
     optional = ("cpu_instance_type",) if "cpu_instance_type" in rates.get("defaults", {}) else ()
     for name in ("instance_type", *optional):
         default_type = _rates_field(rates, ("defaults", name, "value"), file, str)
@@ -323,8 +319,7 @@ def _first_int_above(x):
 
 
 def _last_int_below(x):
-    k = round(x)
-    return k - 1 if _tie(x, k) else math.ceil(x) - 1
+    return -_first_int_above(-x)
 
 
 def _cheaper_interval(fx, sx, fy, sy):
