@@ -43,7 +43,7 @@ from calque_runs import (ArrayItems, FileItems, JsonText, SubmitInterrupted, Tab
                          run_view, runs_to_prune, send_batch, send_claims, sigint_noted,
                          signals_interrupt, stage_run, wait_for_run, with_parts)
 from calque_cost import (_usd, format_cost_table, format_ladder, format_pool_cost, format_run_cost,
-                         pool_cost_report, pricing, run_cost_lines, run_cost_report)
+                         pool_cost_report, pricing, run_cost_report)
 from calque_supervisor import (DEPLOY_POLL, LIVE_STATES, LOCAL_WORKERS_DEFAULT, SUPERVISOR_TICK,
                                WARM_WAIT, WORKER_START_GRACE, read_desired, read_scaling,
                                read_state, read_supervisor)
@@ -643,7 +643,8 @@ def report_submitted(backend, run, summaries, timed_out, args):
         run, summaries = read_run(backend, run["run_id"]), read_summaries(backend, run["run_id"])
     code = report_run(backend, run, summaries, args.json)
     if not args.json and summaries:
-        for line in run_cost_lines(backend, run, summaries, _pricing(args)):
+        report, _, label, _ = run_cost_report(backend, run, summaries, _pricing(args))
+        for line in format_run_cost(report, label):
             print("  " + line)
     return code
 

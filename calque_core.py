@@ -4,7 +4,7 @@ summary, result parts, handler loading; 3. the store and queue backends; 4. the 
 section uses only those above it. calque.py, warmd.py, the fleets and the dashboard import it."""
 import argparse, ast, base64, contextlib, datetime, difflib, enum, fcntl, functools, gzip, hashlib
 import importlib.util, inspect, io, json, math, os, re, secrets, shutil, sqlite3, struct, tarfile
-import threading, time, traceback, typing, uuid, zipfile, sys
+import itertools, threading, time, traceback, typing, uuid, zipfile, sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -2165,15 +2165,11 @@ def pool_name_claimed(backend, model, queues=()):
     write pools/<slug>/name.json (create-if-absent) owns it, so a colliding name (Foo/Bar, foo-bar)
     is refused even at the same moment. A create of a new pool that fails before its record leaves
     nothing: the slug's folder goes, and `queues` (those it makes)."""
-    existed = None
-    with contextlib.suppress(NotFound):
-        existed = read_json(backend, pool_key(model)).get("model")
-    owner = existed or model
-    created = owner == model and backend.store.put_new(name_key(model), json.dumps({"model": model}))
-    if owner == model and not created:
+    existed = check_slug_free(backend, model)
+    if not backend.store.put_new(name_key(model), json.dumps({"model": model})):
         owner = read_json(backend, name_key(model)).get("model")
-    if owner != model:
-        raise slug_clash(model, owner)
+        if owner != model:
+            raise slug_clash(model, owner)
     try:
         yield
     except BaseException:
@@ -2192,7 +2188,7 @@ def check_slug_free(backend, model):
         existing = read_json(backend, pool_key(model))
     except NotFound:
         return None
-    if existing["model"] != model:
+    if (existing.get("model") or model) != model:
         raise slug_clash(model, existing["model"])
     return existing
 
@@ -2400,13 +2396,8 @@ def claim_items(run, index):
 
 def claim_sizes(run):
     """[[size, count], ...] of the run's claims in order, equal neighbours counted together."""
-    lengths = []
-    for size in (claim_items(run, k) for k in range(len(run["claims"]))):
-        if lengths and lengths[-1][0] == size:
-            lengths[-1][1] += 1
-        else:
-            lengths.append([size, 1])
-    return lengths
+    sizes = (claim_items(run, k) for k in range(len(run["claims"])))
+    return [[size, len(list(same))] for size, same in itertools.groupby(sizes)]
 
 
 def format_sizes(lengths, shown=8):

@@ -712,10 +712,3 @@ def format_pool_cost(report, priced_as, model):
     lines.append(_inputs_line(report["inputs"]))
     lines += [f"  note      {note}" for note in report["notes"]]
     return lines
-
-
-def run_cost_lines(backend, run, summaries, price):
-    report, _, label, _ = run_cost_report(backend, run, summaries, price)
-    return format_run_cost(report, label)
-
-

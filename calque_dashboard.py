@@ -350,10 +350,14 @@ def pool_workers(status, latest):
     running = [w for w in stats if w.get("state") in calque_supervisor.LIVE_STATES]
     stopped = sorted((w for w in stats if w.get("state") not in calque_supervisor.LIVE_STATES),
                      key=lambda w: w["updated_at"])
-    rows, joined = [], set()
-    for w in running + stopped[-calque_supervisor.STOPPED_SHOWN:]:
+    shown = running + stopped[-calque_supervisor.STOPPED_SHOWN:]
+    joined = {w.get("pid") for w in shown if w.get("host") == host}
+    shown += [{"worker_id": f"slot {s['slot']} (pid {s['pid']})", "state": "loading", "pid": s["pid"],
+               "host": host, "claims": 0, "warm_hits": 0, "items": 0}
+              for s in status["local_workers"] if s["alive"] and s["pid"] not in joined]
+    rows = []
+    for w in shown:
         slot = slots.get(w.get("pid")) if w.get("host") == host else None
-        joined.add(w.get("pid") if slot else None)
         gpu = (latest.get(w["worker_id"]) or {}).get("gpu_utilisation") or {}
         warm = slot["warm"] if slot else w["state"] == "running" and w["enter_count"] > 0
         rows.append({"worker_id": w["worker_id"], "state": w["state"], "lost": w.get("lost"),
@@ -362,13 +366,6 @@ def pool_workers(status, latest):
                      "gpu_note": gpu.get("reason"), "restarts": slot and slot["restarts"],
                      "last_exit": (slot or {}).get("last_exit") or w.get("exit"),
                      "claims": w["claims"], "warm_hits": w["warm_hits"], "items": w["items"]})
-    for slot in status["local_workers"]:
-        if slot["alive"] and slot["pid"] not in joined:
-            rows.append({"worker_id": f"slot {slot['slot']} (pid {slot['pid']})",
-                         "state": "loading", "lost": None, "warm": slot["warm"],
-                         "gpus": slot.get("gpus"), "gpu_utilisation": None, "gpu_note": None,
-                         "restarts": slot["restarts"], "last_exit": slot.get("last_exit"),
-                         "claims": 0, "warm_hits": 0, "items": 0})
     return rows
 
 
@@ -511,9 +508,6 @@ SCRIPT = """(() => {
   async function poll() {
     if (busy || document.hidden || main.dataset.live !== "1") return;
     busy = true;
-    try { await tick(); } finally { busy = false; }
-  }
-  async function tick() {
     const url = new URL(location.href);
     url.searchParams.set("part", "main");
     try {
@@ -531,6 +525,7 @@ SCRIPT = """(() => {
       }
       live.textContent = "live, updated " + new Date().toLocaleTimeString();
     } catch (err) { live.textContent = "dashboard unreachable; retrying"; }
+    finally { busy = false; }
   }
   live.textContent = main.dataset.live === "1" ? "live" : "";
   setInterval(poll, %d);
