@@ -2416,10 +2416,10 @@ def claims_progress(backend, run_id, claims):
     return done
 
 
-def read_summaries(backend, run_id):
-    """The run's summaries in key order: STORE_WRITERS GETs at a time on S3 (each waits on the
-    network), one at a time locally (a read is CPU: threads would contend)."""
-    keys = list_summaries(backend, run_id)
+def read_summaries(backend, run_id, keys=None):
+    """The run's summaries (those at `keys`) in key order: STORE_WRITERS GETs at a time on S3 (each
+    waits on the network), one at a time locally (a read is CPU: threads would contend)."""
+    keys = list_summaries(backend, run_id) if keys is None else keys
     if backend.kind == "local":
         return [read_json(backend, k) for k in keys]
     with ThreadPoolExecutor(STORE_WRITERS) as readers:

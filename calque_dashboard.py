@@ -29,8 +29,6 @@ import threading
 import time
 import traceback
 import urllib.parse
-from concurrent.futures import ThreadPoolExecutor
-
 
 import calque_core
 import calque_runs
@@ -51,7 +49,6 @@ ROWS_SHOWN = 40            # worker rows of one timeline (those that started las
 ERROR_GROUPS = 10          # groups of item errors a run page lists
 LOG_LINES = 12             # lines of each worker log's tail
 LOG_BYTES = 8192           # bytes read from the end of a worker log for its tail
-READERS = 16               # parallel summary reads of a refresh on S3 (a GET waits on the network)
 TOKEN = re.compile(r"[A-Za-z0-9._~-]{8,}")   # a --token: it travels in a URL and a cookie
 COLOURS = {"enter": "#f59e0b", "claim": "#2563eb", "partial": "#f97316", "failed": "#dc2626",
            "dead": "#7f1d1d", "startup": "#a8a29e"}
@@ -99,13 +96,9 @@ class RunCache:
         after = self.order[self.below - 1] if self.below else None
         new = [k for k in calque_core.list_summaries(backend, run_id, after)
                if k.rsplit("/", 1)[1][:-5] not in self.summaries]
-        threads = READERS if backend.kind == "aws" else 1   # a local read is CPU: threads contend
-        chunks = [new[i::threads] for i in range(min(threads, len(new)))]
-        with ThreadPoolExecutor(threads) as readers:
-            read = readers.map(lambda keys: [calque_core.read_json(backend, k) for k in keys], chunks)
-            for s in (s for chunk in read for s in chunk):
-                self.summaries[s["claim"]] = s
-                self.times[s["claim"]] = (epoch(s["started_at"]), epoch(s["finished_at"]))
+        for s in calque_core.read_summaries(backend, run_id, new):
+            self.summaries[s["claim"]] = s
+            self.times[s["claim"]] = (epoch(s["started_at"]), epoch(s["finished_at"]))
 
     def in_order(self):
         return [self.summaries[c] for c in self.run["claims"] if c in self.summaries]
