@@ -1380,11 +1380,10 @@ def aws_client_config(region):
 # 3. backends. A backend is a store (get/put/put_new/exists/list/delete/delete_prefix/uri/
 # key_for_uri) plus queues (create/open/delete_queue; a queue: send/receive/delete/
 # change_visibility/counts). Both count their requests in `requests` (priced by the cost model).
-class Message:
-    __slots__ = ("body", "receipt", "receive_count")
-
-    def __init__(self, body, receipt, receive_count):
-        self.body, self.receipt, self.receive_count = body, receipt, receive_count
+class Message(typing.NamedTuple):
+    body: str
+    receipt: str
+    receive_count: int
 
 
 class Requests(Counter):
@@ -1421,8 +1420,7 @@ class Requests(Counter):
 
     def take(self):
         """This thread's tally plus the loose requests, both emptied; the thread's next requests
-        count in no tally until its tally block ends (a summary taken now counts its own last
-        writes)."""
+        count in no tally until its tally block ends (a summary taken now counts its own)."""
         mine = getattr(self._thread, "tally", None)
         taken, self.loose = self.loose, Counter()
         if mine is not None:
@@ -1800,11 +1798,12 @@ class S3Store:
     def get(self, key, size=None, etag=None):
         """The object's bytes. Read by reference (fetch: If-Match its ETag), Changed unless it is
         the one submit listed; a refusal (403: the role cannot read it yet, IAM is eventually
-        consistent) is a StoreFault, which lets the claim go and come back, not an item's failure."""
+        consistent) is a StoreFault, which lets the claim go and come back: no item fails."""
         self.requests["store_gets"] += 1
         match = {"IfMatch": etag} if etag is not None else {}
         try:
-            data = self.s3.get_object(Bucket=self.bucket, Key=self._key(key), **match)["Body"].read()
+            found = self.s3.get_object(Bucket=self.bucket, Key=self._key(key), **match)
+            data = found["Body"].read()
         except self.s3.exceptions.NoSuchKey:
             raise NotFound(key)
         except Exception as e:

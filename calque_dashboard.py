@@ -345,8 +345,8 @@ def pool_workers(status, latest):
                      key=lambda w: w["updated_at"])
     shown = running + stopped[-calque_supervisor.STOPPED_SHOWN:]
     joined = {w.get("pid") for w in shown if w.get("host") == host}
-    shown += [{"worker_id": f"slot {s['slot']} (pid {s['pid']})", "state": "loading", "pid": s["pid"],
-               "host": host, "claims": 0, "warm_hits": 0, "items": 0}
+    shown += [{"worker_id": f"slot {s['slot']} (pid {s['pid']})", "state": "loading",
+               "pid": s["pid"], "host": host, "claims": 0, "warm_hits": 0, "items": 0}
               for s in status["local_workers"] if s["alive"] and s["pid"] not in joined]
     rows = []
     for w in shown:
