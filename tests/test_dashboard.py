@@ -142,6 +142,29 @@ def test_refresh_reads_only_new_summaries(tmp_path, monkeypatch):
     assert reads == [1 + 50 + pool_record + named, 1 + 30 + named, 1, 1 + 120 + 2 * named, 0]
 
 
+def test_worker_rows_join_slots_by_pid_and_show_a_slot_still_loading():
+    """A worker's row takes its local slot (found by pid, on this host only) for warm, GPUs, restarts and last exit;
+    an alive slot whose worker has written no stats yet is a row of its own, "loading"; a dead one is none."""
+    import socket
+    host = socket.gethostname()
+    died = {"reason": "killed by SIGKILL", "at": 1.0}
+    slots = [{"slot": 0, "pid": 11, "alive": True, "warm": True, "gpus": ["0"], "restarts": 1, "last_exit": None},
+             {"slot": 1, "pid": 12, "alive": True, "warm": False, "gpus": ["1"], "restarts": 2, "last_exit": died},
+             {"slot": 2, "pid": 13, "alive": False, "warm": False, "restarts": 0}]
+    stats = [{"worker_id": "w-11", "pid": 11, "host": host, "state": "running", "enter_count": 1, "claims": 3,
+              "warm_hits": 2, "items": 30, "updated_at": "b"},
+             {"worker_id": "w-12", "pid": 12, "host": "elsewhere", "state": "running", "enter_count": 0, "claims": 1,
+              "warm_hits": 0, "items": 5, "updated_at": "b"}]
+    rows = dashboard.pool_workers({"local_workers": slots, "workers": stats},
+                                  {"w-11": {"gpu_utilisation": {"value": 0.5}}})
+    assert [(r["worker_id"], r["state"], r["warm"], r["gpus"], r["restarts"]) for r in rows] == [
+        ("w-11", "running", True, ["0"], 1),
+        ("w-12", "running", False, None, None),          # the same pid on another host: not slot 1's
+        ("slot 1 (pid 12)", "loading", False, ["1"], 2)]
+    assert rows[0]["gpu_utilisation"] == 0.5 and rows[2]["last_exit"] == died
+    assert (rows[2]["claims"], rows[2]["items"], rows[2]["gpu_utilisation"]) == (0, 0, None)
+
+
 def test_browser_sees_a_run_drain(local_env, tmp_path, serve_dashboard):
     """Chromium on the run page while it drains: progress advances without a reload, a timeline row per worker
     with its one @enter, the HTML error listed as text, no console error, no dialog; screenshots saved."""
