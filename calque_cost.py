@@ -609,8 +609,9 @@ def _usd(x):
     return f"{sign}${text}"
 
 
-def _inputs_line(inputs):
-    return "  inputs    " + "; ".join(f"{k}: {v}" for k, v in inputs.items())
+def _inputs_and_notes(report):
+    return (["  inputs    " + "; ".join(f"{k}: {v}" for k, v in report["inputs"].items())]
+            + [f"  note      {note}" for note in report["notes"]])
 
 
 def format_run_cost(report, priced_as):
@@ -635,9 +636,7 @@ def format_run_cost(report, priced_as):
     if report["saving_fraction"] is not None:
         lines.append(f"  saving    {_usd(report['saving_usd'])} ({report['saving_fraction']:.1%}) against cold; "
                      f"on an already-warm pool this work costs {_usd(report['warm_usd'])}")
-    lines.append(_inputs_line(report["inputs"]))
-    lines += [f"  note      {note}" for note in report["notes"]]
-    return lines
+    return lines + _inputs_and_notes(report)
 
 
 def format_ladder(ladder, status):
@@ -709,6 +708,4 @@ def format_pool_cost(report, priced_as, model):
                  f"{report['idle_seconds']:,.0f}, headroom {report['idle_headroom_seconds']:,.0f}"
                  + (f"; between claims the pool may idle {per_claim:,.0f} s, it idled "
                     f"{report['idle_per_claim_seconds']:,.0f} s" if per_claim is not None else ""))
-    lines.append(_inputs_line(report["inputs"]))
-    lines += [f"  note      {note}" for note in report["notes"]]
-    return lines
+    return lines + _inputs_and_notes(report)
