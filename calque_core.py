@@ -176,23 +176,22 @@ class LeaseLost(Exception):
 
 def settings():
     """The merged settings: DEFAULTS < pool.env < environment."""
-    merged = dict(DEFAULTS)
     env_file = os.environ.get("CALQUE_ENV", ENV_FILE)
-    if os.path.exists(env_file):
-        try:
-            with open(env_file, "rb") as f:
-                data = f.read()
-        except OSError as e:
-            raise UserError(f"cannot read {env_file} ({e.strerror}) ---> HINT: fix it, or point CALQUE_ENV "
-                            f"elsewhere")
-        for lineno, line in text_lines(data, env_file):
-            parsed = env_line(line, f"{env_file}:{lineno}")
-            if parsed:
-                merged[parsed[0]] = parsed[1]
-    for key in DEFAULTS:
-        if key in os.environ:
-            merged[key] = os.environ[key]
-    return merged
+    merged = dict(DEFAULTS, **read_env_file(env_file, env_file))
+    return dict(merged, **{key: os.environ[key] for key in DEFAULTS if key in os.environ})
+
+
+def read_env_file(path, where):
+    """The KEY=value lines of pool.env or a --secret file; none where it is absent (an EC2 pool's
+    env has a secret's)."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {path} ({e.strerror}) ---> HINT: fix it, or name another file")
+    return dict(filter(None, (env_line(line, f"{where}:{n}") for n, line in text_lines(data, path))))
 
 
 def env_line(line, where):
@@ -1021,15 +1020,6 @@ def import_modal_app(path, name, container=False):
         raise UserError(f"{path}:{name}: class {top} has {len(methods)} methods ({', '.join(methods) or 'none'}) "
                         f"---> HINT: name one: --handler {path}:{top}.METHOD")
     return shim, target, method or next(iter(methods))
-
-
-def read_env_file(path, where):
-    """KEY=value lines of a --secret file; none where it is absent (EC2: the pool's env has
-    them)."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path, "rb") as f:
-        return dict(filter(None, (env_line(line, f"{where}:{n}") for n, line in text_lines(f.read(), path))))
 
 
 def modal_param(user_cls, key, value):
