@@ -38,7 +38,7 @@ def test_stage_and_read_back_ragged_and_fixed(tmp_path):
     path = tmp_path / "in.npz"
     np.savez(path, tokens=tokens, tokens_offsets=offsets, image=image)
     items = calque_sources.read_items(str(path))
-    assert len(items) == 7
+    assert items.count == 7
     backend = calque_core.LocalBackend(str(tmp_path / "store"))
     queue = backend.queues.create_queue("calque-pool-a", 30)
     run = calque_runs.stage_run(backend, {"model": "a"}, items, 3, queue, "pool")

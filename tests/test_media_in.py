@@ -405,7 +405,7 @@ def test_an_s3_listing_streams_a_page_at_a_time():
         items = calque_sources.read_items("s3://bkt/p/")
         requests = calque_core.Requests()
         items.source = calque_core.S3Store(s3, "bkt", "p", requests)
-        chunks = items.chunks(calque_runs.ClaimSizes(fixed=1000))
+        chunks = items.claims(calque_runs.ClaimSizes(fixed=1000))
         first = next(chunks)
         assert (first[0], first[1], requests["store_lists"]) == (0, 1000, 1)
         assert [c[1] for c in chunks] == [2000, 2500] and requests["store_lists"] == 3

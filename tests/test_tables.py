@@ -49,7 +49,7 @@ def test_rows_nulls_and_nested_columns_are_carried(tmp_path):
     as JSON values; claims cut across row groups."""
     pq.write_table(table(), tmp_path / "t.parquet", row_group_size=3)
     items = calque_sources.read_items(str(tmp_path / "t.parquet"))
-    assert len(items) == 4 and sorted(items.numeric) == ["n", "ok", "v", "xy"]
+    assert items.count == 4 and sorted(items.numeric) == ["n", "ok", "v", "xy"]
     run, got = staged(items, claim_size=3)
     assert run["items"] == 4 and len(run["claims"]) == 2
     assert [g["text"] for g in got] == ["a b", None, "c", "d e f"]
