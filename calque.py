@@ -9,8 +9,9 @@ wait_for_run waits on the summaries. The kit in floors, each importing only thos
     calque_supervisor.py, calque_ec2.py   where workers run: this machine; EC2 Auto Scaling
     calque_runs.py       submit and runs: stage, send, wait, cancel, redrive, report
     calque_cost.py       the cost model
+    calque_sources.py    where items come from: one Source class per input kind, read back
     calque_core.py       the ground floor: handler API, settings, the contract, backends, records
-warmd.py (the worker) stands on calque_core and calque_runs.
+warmd.py (the worker) stands on calque_core and calque_sources.
 """
 import sys
 if __name__ == "__main__":   # `python calque.py` / `python -m calque`: a handler's or an app's `import calque`
