@@ -6,17 +6,20 @@ import ast
 import glob
 import json
 import os
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, backend_for
+from conftest import HANDLERS, PY, ROOT, backend_for
 import calque_core
 import calque_runs
 import calque_sources
 
 N = 7
+SPELLINGS = {"script": [PY, os.path.join(ROOT, "calque.py")],
+             "installed": [os.path.join(os.path.dirname(PY), "calque")]}
 ROWS = [{"id": f"k{i}", "x": i} for i in range(N)]
 MEDIA = [dict(row, img=bytes([i]) * (i + 1)) for i, row in enumerate(ROWS)]
 FILES = [{"path": f"d/{i:02d}.bin", "bytes": bytes([65 + i]) * (i + 1)} for i in range(N)]
@@ -162,3 +165,27 @@ def test_no_dispatch_on_input_kinds_outside_the_sources():
                 if named & kinds:
                     found.append(f"{os.path.basename(path)}:{call.lineno}")
     assert kinds >= {"Source", "JsonLines", "Items", "ArrayItems", "TableItems", "FileItems"} and not found, found
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_a_newcomers_inputs_get_one_line_each(local_env, tmp_path, spelling):
+    """From a folder of one's own, on a pool with no measured claim: a plan of arrays (a traceback,
+    'ArrayItems' object is not subscriptable, before sources) and an --id-field no item or column
+    has are refused in one line naming the next step, whatever the input kind; nothing queued."""
+    def calque(*args):
+        return subprocess.run(SPELLINGS[spelling] + list(args), env=local_env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    assert calque("pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
+                  "--workers", "0").returncode == 0
+    np.save(tmp_path / "a.npy", np.arange(6.0))
+    folder(tmp_path)
+    jsonl(tmp_path)
+    out = calque("plan", "--pool", "m", "a.npy")
+    assert out.returncode == 2 and out.stderr.startswith("calque: error: a.npy: a plan's sample claim ")
+    assert "HINT: run a first claim on the pool" in out.stderr and len(out.stderr.splitlines()) == 1
+    for items, says in [("items.jsonl", "item 0 has no such field"), ("a.npy", "no array of that name (input)"),
+                        ("in", "no column of that name (path)")]:
+        out = calque("submit", "--pool", "m", items, "--id-field", "nope", "--wait-for-workers")
+        assert out.returncode == 2 and out.stderr == f"calque: error: --id-field 'nope': {says}" + (
+            " ---> HINT: give every item one, or drop --id-field\n" if items.endswith("jsonl") else "\n")
+    assert calque("runs", "list", "--json").stdout.strip() == "[]"
