@@ -380,16 +380,6 @@ def check_claim_size(claim_size):
         raise UserError(f"--claim-size {claim_size}: must be at least 1")
 
 
-RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own: never an --id-field
-
-
-def check_id_field(items, field):
-    """Refuse an --id-field that is a result's own field or an item lacks (a stream: as read)."""
-    if field in RESULT_FIELDS:
-        raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
-    return items.with_id_field(field)
-
-
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
            shards=1, batch_size=None, timeout=None, progress=False, store=None, context=None, run_id=None,
            columns=None, plan=None):
@@ -401,7 +391,7 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     conf, backend = context or _context(store)
     items = as_items(items, columns)
     if id_field:
-        items = check_id_field(items, id_field)
+        items = items.with_id_field(id_field)
     check_claim_size(claim_size)
     options = run_options(id_field, timeout, wait_for_workers, plan)
     if not pool:
@@ -1160,7 +1150,7 @@ def cmd_submit(conf, backend, args):
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
         check_claim_size(args.claim_size)
         if args.id_field:
-            items = check_id_field(items, args.id_field)
+            items = items.with_id_field(args.id_field)
         ec2 = None   # fresh local processes, unless the flags ask for EC2 instances
         if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
             from calque_ec2 import ColdLaunch

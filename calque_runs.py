@@ -960,10 +960,8 @@ def item_names(backend, run, summaries, indices):
         with contextlib.suppress(NotFound):   # a manifest deleted: its items keep their indices
             manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
             field = run["options"].get("id_field")
-            ids = (claim_ids(backend, run, claim, field, manifest) if field else
-                   [name for name, _, _ in manifest["refs"]["objects"]] if "refs" in manifest else
-                   [item.get("path") if isinstance(item, dict) else None
-                    for item in manifest["items"]] if "bytes" in manifest else [])   # a copied file
+            ids = (claim_field(backend.store, manifest, field or "path")   # else: a file's path
+                   if field or {"refs", "bytes"} & set(manifest) else [])
             for i in items:
                 k = i - manifest["first_index"]
                 if k < len(ids) and ids[k] is not None:

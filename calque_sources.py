@@ -12,6 +12,7 @@ from calque_core import (CLAIM_BYTES, Changed, ITEM_BYTES_MAX, ITEM_DEPTH_MAX, L
                          dumps, json_line, npy_view, size_text, text_lines, to_jsonable,
                          unchanged)
 
+RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own: never an --id-field
 FETCH_AHEAD_ITEMS = 256         # objects by reference fetched ahead of the item read, at most ...
 FETCH_AHEAD_BYTES = 256 << 20   # ... and their bytes, at most (one object at least)
 
@@ -32,7 +33,7 @@ class Source:
 
     def place(self, backend, record):
         """Decide how claims are staged on `backend`: by reference where its workers can read
-        the source, else copied (media_form, docs/contract.md "Media")."""
+        the source, else copied (docs/contract.md, "Media")."""
 
     def counted(self):
         """This source, its count known (a stream read in); None where counting would read it
@@ -45,8 +46,13 @@ class Source:
                         f"HINT: run a first claim on the pool (submit without --plan), then plan")
 
     def with_id_field(self, field):
-        """This source, every item of which has `field` (--id-field): checked now where the kind
-        names its fields, else as each item is read."""
+        """This source, every item of which has `field` (--id-field), none of a result line's own:
+        checked now where the kind names its fields, else as each item is read (each_with)."""
+        if field in RESULT_FIELDS:
+            raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name "
+                            f"another item field")
+        if self.fields is None:
+            return self.each_with(field)
         if field not in self.fields:
             raise UserError(f"--id-field {field!r}: no {self.noun} of that name "
                             f"({', '.join(self.fields)})")
@@ -195,7 +201,7 @@ class Items(Source):
         except HoldsBytes:
             return dumps(dict(manifest, **stage_bytes(backend, manifest, chunk)))
 
-    def with_id_field(self, field):
+    def each_with(self, field):
         checked = map(self._has_field, itertools.repeat(field), itertools.count(), self.items)
         return type(self)(checked if self.count is None else list(checked), self.where)
 
@@ -308,15 +314,10 @@ def stage_arrays(backend, manifest, fields):
         for role, array in roles.items():
             buf = io.BytesIO()
             np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
-            key = f"{inputs_prefix(manifest)}{number}.{role}.npy"
+            key = f"runs/{manifest['run_id']}/inputs/{manifest['claim']}/{number}.{role}.npy"
             backend.store.put(key, buf.getvalue())
             entry[name][role] = key
     return entry
-
-
-def inputs_prefix(manifest):
-    """Where a claim's staged objects go, beside its manifest."""
-    return f"runs/{manifest['run_id']}/inputs/{manifest['claim']}/"
 
 
 def read_arrays(path):
@@ -362,8 +363,7 @@ class TableItems(Source):
             (self.numeric if kind == "numeric" else self.json).append(field.name)
             if _holds_binary(pa, field.type):
                 self.binary.append(field.name)
-        self.columns, self.media, self.by_reference = schema.names, bool(self.binary), False
-        self.fields = self.numeric + self.json
+        self.fields, self.media, self.by_reference = schema.names, bool(self.binary), False
         if not count:
             raise UserError(f"{where} holds no items")
 
@@ -511,11 +511,12 @@ class TableItems(Source):
         as `arrays`; by reference, its row ranges (`rows`)."""
         import pyarrow as pa
         if self.by_reference:
-            return dumps(dict(manifest, rows={"columns": self.columns, "files": table}))
+            return dumps(dict(manifest, rows={"columns": self.fields, "files": table}))
         start = manifest["first_index"]
         fields = {name: _numeric_column(table.column(name).combine_chunks(), name, start,
                                         self.where) for name in self.numeric}
-        staged = dict(manifest, **{"arrays": stage_arrays(backend, manifest, fields)} if fields else {})
+        staged = dict(manifest, **{"arrays": stage_arrays(backend, manifest, fields)} if fields
+                      else {})
         if self.json:
             blob, columns = Blob(), []
             for name in self.json:   # binary values straight from Arrow's buffers, where they can be
@@ -717,7 +718,7 @@ def stage_bytes(backend, manifest, items, blob=None):
     returns those manifest fields. Never JSON text, never base64, never pickle."""
     blob = blob or Blob()
     items = [_take_bytes(item, k, [], blob) for k, item in enumerate(items)]
-    key = inputs_prefix(manifest) + "bytes"
+    key = f"runs/{manifest['run_id']}/inputs/{manifest['claim']}/bytes"
     backend.store.put(key, b"".join(blob.parts))
     return {"items": items, "bytes": {"key": key, "at": blob.at}}
 
@@ -808,13 +809,13 @@ def walk_folder(folder, prefix=""):
                 yield prefix + name, seen.st_size, seen.st_mtime_ns
 
 
-class FileItems(Source):
+class FileItems(Items):
     """One item a file, {"path": its path under the folder, glob root or prefix given, "bytes": its
     content}: a local folder or glob, or an s3:// prefix or glob, listed as a stream in path order
     (a prefix of a million objects: claims go out while the listing goes on), hidden files and
     folders skipped. By reference (`refs`) where the workers can read the source, else copied
     (`bytes`, CLAIM_BYTES a claim): place decides."""
-    media, by_reference, large, fields = True, True, True, ["path"]
+    media, by_reference, large, fields, count = True, True, True, ["path"], None
 
     def __init__(self, where, bucket, root, pattern):
         self.where, self.bucket, self.root, self.pattern = where, bucket, root, pattern
@@ -864,17 +865,16 @@ class FileItems(Source):
                             f"of files, a quoted glob such as 'photos/**/*.jpg', or an s3:// prefix")
         return itertools.chain([first], found)
 
-    def claims(self, sizes):
-        """(start, stop, entries, media bytes) of each claim (sizes: ClaimSizes, the listing read
-        ahead to count the rest), fewer where copied files pass CLAIM_BYTES; a file over
-        ITEM_BYTES_MAX refused by name."""
-        it, start = Lookahead(self.entries(), sizes.ahead()), 0
-        while chunk := list(itertools.islice(it, sizes.next(it.left()))):
-            for name, n, _ in chunk:
-                if n > ITEM_BYTES_MAX:
-                    raise _too_large(f"{self.where}: {name}", n)
-            yield from _cut(start, chunk, [0 if self.by_reference else n for _, n, _ in chunk])
-            start += len(chunk)
+    @property
+    def items(self):   # the listing, read as claims are cut (Items.claims)
+        return self.entries()
+
+    def media_sizes(self, chunk):
+        """Each file's bytes where copied (0 by reference); one over ITEM_BYTES_MAX refused."""
+        for name, n, _ in chunk:
+            if n > ITEM_BYTES_MAX:
+                raise _too_large(f"{self.where}: {name}", n)
+        return [0 if self.by_reference else n for _, n, _ in chunk]
 
     def stage(self, backend, manifest, chunk):
         """By reference: `refs`, the objects named with their size and version; else their bytes."""
@@ -895,9 +895,9 @@ class FileItems(Source):
         if self.bucket is None:
             self.by_reference = backend.kind == "local"
             if not self.by_reference:
-                print(f"calque: {self.where}: its files are copied into the store: the workers of "
-                      f"{backend.describe()} cannot read this machine's folder ---> HINT: upload it "
-                      f"(aws s3 sync) and submit its s3:// prefix to have it read where it is",
+                print(f"calque: {self.where}: its files are copied into the store: the workers "
+                      f"of {backend.describe()} cannot read this machine's folder ---> HINT: upload "
+                      f"it (aws s3 sync) and submit its s3:// prefix to have it read where it is",
                       file=sys.stderr)
             return
         if backend.kind != "aws":
@@ -1061,12 +1061,12 @@ def read_claim(backend, manifest, fetchers):
 
 def claim_field(store, manifest, field):
     """The `field` of each of a claim's items, read from its manifest (by reference: a file's
-    path, a Parquet column's values, nothing fetched); a bytes value reads as null."""
+    path, a Parquet column's values, nothing fetched); a bytes value or none reads as null."""
     if "refs" in manifest:
         return [name for name, _, _ in manifest["refs"]["objects"]]
     items = (rows_items(dict(manifest["rows"], columns=[field])) if "rows" in manifest else
              array_items(store, manifest) if "arrays" in manifest else manifest["items"])
-    values = [item[field] if isinstance(item, dict) else None for item in items]   # else: Unavailable
+    values = [item.get(field) if isinstance(item, dict) else None for item in items]   # else: Unavailable
     return [getattr(v, "tolist", lambda v=v: v)() for v in values]   # numpy values as plain ones
 
 
@@ -1074,11 +1074,10 @@ class Held(list):
     """A claim's items held whole (its manifest's): nothing to fetch ahead, drop or close."""
     fetched = False
 
-    def drop(self, offsets):
-        pass
+    def drop(self, offsets=()):
+        """Nothing to forget (nor, as close, to cancel)."""
 
-    def close(self):
-        pass
+    close = drop
 
 
 class FetchedItems:
