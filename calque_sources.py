@@ -83,7 +83,7 @@ def read_items(path, columns=None):
     a Parquet or Arrow file, folder or glob is a table (TableItems) of which `columns` are read; a
     folder or glob of other files, or an s3:// prefix or glob, is one item a file (FileItems)."""
     if path.endswith((".npy", ".npz")):
-        return ArrayItems.load(path)
+        return ArrayItems.from_arrays(read_arrays(path), path)
     folder = glob.has_magic(path) or os.path.isdir(path)
     if not path.startswith("s3://") and (path.endswith(TABLE_SUFFIXES) or folder and _holds_tables(path)):
         return TableItems.open(path, columns)
@@ -166,6 +166,7 @@ def json_depth(value):
 class Items(Source):
     """Python items: a list (counted) or any iterable, read as claims are cut (a Lookahead).
     Staged as JSON in the manifest, in the bytes form where an item holds bytes (stage_bytes)."""
+    lines = False   # items as JSONL text (JsonLines)
 
     def __init__(self, items, where="the items"):
         self.items, self.where = items, where
@@ -206,21 +207,17 @@ class Items(Source):
         return type(self)(checked if self.count is None else list(checked), self.where)
 
     def _has_field(self, field, index, item):
-        value = self.value(item)
+        value = json_line(item) if self.lines else item
         if not isinstance(value, dict) or field not in value:
             raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: "
                             "give every item one, or drop --id-field")
-        return item
-
-    @staticmethod
-    def value(item):
         return item
 
 
 class JsonLines(Items):
     """Items as their JSONL lines (checked_line): the manifest joins the lines as they are, no
     line parsed again (--id-field's check parses each once)."""
-    value = staticmethod(json_line)
+    lines = True
 
     def media_sizes(self, chunk):
         return [0] * len(chunk)   # JSON text holds no bytes
@@ -248,10 +245,6 @@ class ArrayItems(Source):
     def __init__(self, arrays, count, where):
         self.arrays, self.count, self.where = arrays, count, where   # name -> (values, offsets)
         self.fields = list(arrays)
-
-    @classmethod
-    def load(cls, path):
-        return cls.from_arrays(read_arrays(path), path)
 
     def claims(self, sizes):
         """(start, stop, None, 0) of each claim: the arrays are sliced when staged."""
