@@ -190,11 +190,12 @@ class Items(Source):
         else:
             it, left = iter(self.items), lambda: self.count - start
         while chunk := list(itertools.islice(it, sizes.next(left()))):
-            yield from _cut(start, chunk, self.media_sizes(chunk))
+            yield from self.cut(start, chunk)
             start += len(chunk)
 
-    def media_sizes(self, chunk):
-        return list(map(_media_size, chunk))
+    def cut(self, start, chunk):
+        """The claims of a chunk of items from `start`: one, or more where they hold bytes."""
+        return _cut(start, chunk, list(map(_media_size, chunk)))
 
     def stage(self, backend, manifest, chunk):
         try:
@@ -219,8 +220,8 @@ class JsonLines(Items):
     line parsed again (--id-field's check parses each once)."""
     lines = True
 
-    def media_sizes(self, chunk):
-        return [0] * len(chunk)   # JSON text holds no bytes
+    def cut(self, start, chunk):
+        return [(start, start + len(chunk), chunk, 0)]   # JSON text holds no bytes
 
     def stage(self, backend, manifest, chunk):
         return f'{dumps(manifest)[:-1]},"items":[{",".join(chunk)}]}}'
@@ -862,12 +863,12 @@ class FileItems(Items):
     def items(self):   # the listing, read as claims are cut (Items.claims)
         return self.entries()
 
-    def media_sizes(self, chunk):
-        """Each file's bytes where copied (0 by reference); one over ITEM_BYTES_MAX refused."""
+    def cut(self, start, chunk):
+        """Cut at CLAIM_BYTES where copied (not by reference); a file over ITEM_BYTES_MAX refused."""
         for name, n, _ in chunk:
             if n > ITEM_BYTES_MAX:
                 raise _too_large(f"{self.where}: {name}", n)
-        return [0 if self.by_reference else n for _, n, _ in chunk]
+        return _cut(start, chunk, [0 if self.by_reference else n for _, n, _ in chunk])
 
     def stage(self, backend, manifest, chunk):
         """By reference: `refs`, the objects named with their size and version; else their bytes."""
