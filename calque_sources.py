@@ -36,8 +36,7 @@ class Source:
         the source, else copied (docs/contract.md, "Media")."""
 
     def counted(self):
-        """This source, its count known (a stream read in); None where counting would read it
-        twice (a listing)."""
+        """This source, its count known (a stream read in); None for a listing (read twice)."""
         return self
 
     def head(self, n):
@@ -183,12 +182,8 @@ class Items(Source):
 
     def claims(self, sizes):
         """Claims of the sizes asked, fewer items where their bytes values pass CLAIM_BYTES."""
-        start = 0
-        if self.count is None:
-            it = Lookahead(self.items, sizes.ahead())
-            left = it.left
-        else:
-            it, left = iter(self.items), lambda: self.count - start
+        start, it = 0, iter(self.items) if self.count else Lookahead(self.items, sizes.ahead())
+        left = (lambda: self.count - start) if self.count else it.left
         while chunk := list(itertools.islice(it, sizes.next(left()))):
             yield from self.cut(start, chunk)
             start += len(chunk)
