@@ -9,13 +9,14 @@ wait_for_run waits on the summaries. The kit in floors, each importing only thos
     calque_supervisor.py, calque_ec2.py   where workers run: this machine; EC2 Auto Scaling
     calque_runs.py       submit and runs: stage, send, wait, cancel, redrive, report
     calque_cost.py       the cost model
+    calque_sources.py    where items come from: one Source class per input kind, read back
     calque_core.py       the ground floor: handler API, settings, the contract, backends, records
-warmd.py (the worker) stands on calque_core and calque_runs.
+warmd.py (the worker) stands on calque_core and calque_sources.
 """
 import sys
 if __name__ == "__main__":   # `python calque.py` / `python -m calque`: a handler's or an app's `import calque`
     sys.modules["calque"] = sys.modules[__name__]   # gets this module, not a second copy
-import argparse, contextlib, ctypes, functools, glob, importlib.util, inspect, itertools, json
+import argparse, contextlib, ctypes, functools, glob, importlib.util, inspect, json
 import math, os, re, secrets, signal, sqlite3, threading, time, typing
 
 import calque_supervisor
@@ -34,12 +35,13 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          stream_prefix, summary_claims, summary_key, update_run, user_code_error,
                          version_label, version_of, wait_queue_reusable, wait_seconds, with_bytes,
                          write_file_atomic, write_json)
-from calque_runs import (ArrayItems, FileItems, JsonText, SubmitInterrupted, TableItems, as_sizes,
+from calque_sources import as_items, read_items
+from calque_runs import (SubmitInterrupted, as_sizes,
                          cancel_pool_runs, cancel_run, check_deletable, claim_batch,
                          claim_column_rows, claim_ids, claim_list, claim_parts, claim_results,
                          claim_states, delete_run, drop_pool, format_runs_list, interrupted,
                          interrupted_waiting, listed_run, live_claims, next_step, parse_age,
-                         read_items, redrive, report_run, run_array, run_options, run_table,
+                         redrive, report_run, run_array, run_options, run_table,
                          run_view, runs_to_prune, send_batch, send_claims, sigint_noted,
                          signals_interrupt, stage_run, wait_for_run, with_parts)
 from calque_cost import (_usd, format_cost_table, format_ladder, format_pool_cost, format_run_cost,
@@ -127,7 +129,7 @@ def announce_run(conf, model, items, sizes, run_id):
     folder = state_dir(conf, model)
     bounds = read_scaling(folder)
     if bounds is not None:
-        claims = len(as_sizes(sizes).plan(len(items))) if hasattr(items, "__len__") and len(items) else 1
+        claims = len(as_sizes(sizes).plan(items.count)) if items.count else 1
         wake = {"at": time.time(), "claims": claims, "run": run_id}
         write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, wake=wake)))
 
@@ -373,55 +375,9 @@ def new_pool_record(backend, model, defaults, batch_timeout=None):
     return record
 
 
-def as_items(items, columns=None):
-    """What stage_run takes, from what a user holds: a path (read_items), a table (TableItems),
-    arrays (ArrayItems), a list, or any iterable (staged as it yields, a claim at a time)."""
-    if isinstance(items, (str, os.PathLike)):
-        return read_items(os.fspath(items), columns)
-    if type(items).__module__.split(".")[0] in ("pyarrow", "pandas", "datasets"):
-        return TableItems.open(items, columns)
-    if columns:
-        raise UserError("columns= applies to a path of Parquet or Arrow input, or a table")
-    if isinstance(items, (ArrayItems, TableItems, FileItems)):
-        return items
-    if hasattr(items, "dtype") and hasattr(items, "shape"):
-        return ArrayItems.from_arrays({"input": items}, "the array")
-    if isinstance(items, dict):
-        return ArrayItems.from_arrays(items, "the arrays")
-    if isinstance(items, list) and not items:
-        raise UserError("no items to submit")
-    return items
-
-
 def check_claim_size(claim_size):
     if claim_size is not None and claim_size < 1:
         raise UserError(f"--claim-size {claim_size}: must be at least 1")
-
-
-RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own: never an --id-field
-
-
-def check_id_field(items, field):
-    """Refuse an --id-field that is a result's own field or an item lacks (a stream: as read)."""
-    if field in RESULT_FIELDS:
-        raise UserError(f"--id-field {field!r} is a result line's own field ---> HINT: name another item field")
-    if isinstance(items, (ArrayItems, TableItems, FileItems)):
-        names = (list(items.fields) if isinstance(items, ArrayItems) else ["path"] if isinstance(items, FileItems)
-                 else items.numeric + items.json)
-        if field not in names:
-            raise UserError(f"--id-field {field!r}: no {'array' if isinstance(items, ArrayItems) else 'column'} of "
-                            f"that name ({', '.join(names)})")
-        return items
-    checked = map(_has_id_field, itertools.repeat(field), itertools.count(), items)
-    return list(checked) if isinstance(items, list) else checked
-
-
-def _has_id_field(field, index, item):
-    value = json_line(item) if type(item) is JsonText else item   # a JSONL line: parsed only here
-    if not isinstance(value, dict) or field not in value:
-        raise UserError(f"--id-field {field!r}: item {index} has no such field ---> HINT: give "
-                        "every item one, or drop --id-field")
-    return item
 
 
 def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_field=None, wait_for_workers=False,
@@ -435,7 +391,7 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     conf, backend = context or _context(store)
     items = as_items(items, columns)
     if id_field:
-        items = check_id_field(items, id_field)
+        items = items.with_id_field(id_field)
     check_claim_size(claim_size)
     options = run_options(id_field, timeout, wait_for_workers, plan)
     if not pool:
@@ -795,23 +751,22 @@ def plan_run(conf, backend, model, items, claim_size, price):
     record = load_pool(backend, model)
     check_claim_size(claim_size)
     sizes = claim_sizing(conf, backend, record, claim_size)
-    if isinstance(items, FileItems):
+    counted = items.counted()
+    if counted is None:
         raise UserError(f"{items.where}: a plan counts the items first, and files are listed as they are "
                         f"staged ---> HINT: submit without --plan, --deadline or --budget")
-    first = list(itertools.islice(iter(items), sizes.fixed or sizes.hi)) if not hasattr(items, "__len__") else None
-    count = len(items) if first is None else len(first) + sum(1 for _ in items)
     summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
     if not summaries:
-        first = first if first is not None else items[:sizes.fixed or sizes.hi]
-        run = submit(first, model, claim_size=len(first), context=(conf, backend))   # or refused
-        print(f"plan: pool {model} has no measured claim yet: ran one sample claim of {len(first)} "
-              f"item(s) first (run {run.run_id}) to measure it", file=sys.stderr)
+        first = counted.head(sizes.fixed or sizes.hi)
+        run = submit(first, model, claim_size=first.count, context=(conf, backend))   # or refused
+        print(f"plan: pool {model} has no measured claim yet: ran one sample claim of "
+              f"{first.count} item(s) first (run {run.run_id}) to measure it", file=sys.stderr)
         if not run.wait():
             raise UserError(f"plan: the sample claim (run {run.run_id}) did not finish within "
                             f"CALQUE_TIMEOUT ---> HINT: {command()} runs show {run.run_id}")
         summaries = recent_summaries(backend, model, PLAN_CLAIMS_READ)
         sizes = claim_sizing(conf, backend, record, claim_size)   # measured now
-    return make_plan(backend, conf, record, count, sizes, price, summaries)
+    return make_plan(backend, conf, record, counted.count, sizes, price, summaries)
 
 
 def planned_count(conf, backend, record, plan, args):
@@ -1129,7 +1084,7 @@ def cmd_pool_logs(conf, backend, args):
 def cmd_submit(conf, backend, args):
     wait_seconds(conf, args.timeout)   # checked before anything is read (the run keeps a given one)
     items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
-    if isinstance(items, (TableItems, FileItems)):
+    if items.large:
         few_malloc_arenas()
     progress = not args.json and sys.stderr.isatty()
     planned = args.plan or args.deadline is not None or args.budget is not None
@@ -1139,7 +1094,7 @@ def cmd_submit(conf, backend, args):
             raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
                             "scale the pool instead (pool scale), or drop --pool for a cold run")
         if planned:
-            items = items if hasattr(items, "__len__") or isinstance(items, FileItems) else list(items)
+            items = items.counted() or items   # read in once, then planned and staged
             plan = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
             print("\n".join(format_plan(plan)), file=sys.stderr)
             record = load_pool(backend, args.pool)
@@ -1196,7 +1151,7 @@ def cmd_submit(conf, backend, args):
             raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
         check_claim_size(args.claim_size)
         if args.id_field:
-            items = check_id_field(items, args.id_field)
+            items = items.with_id_field(args.id_field)
         ec2 = None   # fresh local processes, unless the flags ask for EC2 instances
         if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
             from calque_ec2 import ColdLaunch

@@ -1227,59 +1227,6 @@ def npy_view(data):
     return np.frombuffer(data, dtype=dtype, count=count, offset=f.tell()).reshape(shape)
 
 
-def array_items(store, manifest):
-    """A numeric claim's items: [{field: view into the fetched bytes}], merged into the manifest's
-    JSON `items` when it has both; None where `valid` is False."""
-    fields, count = {}, manifest["count"]
-    for name, keys in manifest["arrays"].items():
-        values, offsets, valid = (npy_view(store.get(keys[role])) if role in keys else None
-                                  for role in ("values", "offsets", "valid"))
-        if (offsets is not None and len(offsets) != count + 1) or (offsets is None and len(values) != count) \
-                or (valid is not None and len(valid) != count):
-            raise ValueError(f"field {name!r} does not hold {count} items")
-        fields[name] = (values, offsets, valid)
-    items = manifest.get("items") or [{} for _ in range(count)]
-    if len(items) != count:
-        raise ValueError(f"'items' does not hold {count} items")
-    return merge_fields(items, fields)
-
-
-def merge_fields(items, fields):
-    """Set each {field: (values, offsets, valid)} in the items, row i item i's."""
-    for name, (values, offsets, valid) in fields.items():
-        for i, item in enumerate(items):
-            item[name] = (None if valid is not None and not valid[i] else
-                          values[i] if offsets is None else values[offsets[i]:offsets[i + 1]])
-    return items
-
-
-def bytes_items(store, manifest, items):
-    """Set a manifest's `bytes` in its items: each [k, path, start, stop] of `at` is the slice of
-    the object `key` found at `path` (dict keys, list indices) in item k; an empty path: item k."""
-    entry = manifest["bytes"]
-    blob = store.get(entry["key"])
-    for k, path, start, stop in entry["at"]:
-        if not 0 <= start <= stop <= len(blob):
-            raise ValueError(f"bytes [{start}, {stop}) are outside {entry['key']}")
-        if not path:
-            items[k] = blob[start:stop]
-            continue
-        node = items[k]
-        for step in path[:-1]:
-            node = node[step]
-        node[path[-1]] = blob[start:stop]
-    return items
-
-
-def manifest_items(store, manifest):
-    """A claim's items as its manifest holds them: JSON `items`, numeric `arrays` merged in, `bytes`
-    set in (the by-reference forms, `refs` and `rows`, are warmd's: it fetches them)."""
-    items = array_items(store, manifest) if "arrays" in manifest else manifest["items"]
-    if not isinstance(items, list):
-        raise ValueError("'items' is not a list")
-    return bytes_items(store, manifest, items) if "bytes" in manifest else items
-
-
 SQS_NOT_FOUND = ("AWS.SimpleQueueService.NonExistentQueue", "QueueDoesNotExist")   # no such queue
 SQS_DELETED_RECENTLY = ("AWS.SimpleQueueService.QueueDeletedRecently", "QueueDeletedRecently")
 STALE_RECEIPT = ("ReceiptHandleIsInvalid", "InvalidParameterValue")   # an ack's receipt went stale

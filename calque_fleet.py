@@ -14,8 +14,7 @@ from calque_core import (CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR, CLAIM_SIZE_MAX,
                          read_worker_stats, run_key, run_queue_names, setting_number, settings,
                          slug, snapshot_handler, summary_claims, version_label, version_of,
                          write_json)
-from calque_runs import (ArrayItems, ClaimSizes, FileItems, TableItems, as_sizes, cancel_run,
-                         stage_run, wait_for_run)
+from calque_runs import ClaimSizes, as_sizes, cancel_run, stage_run, wait_for_run
 from calque_cost import (_usd, choose_pricing, instance_rate_per_second, load_rates,
                          measured_enter_seconds)
 from calque_supervisor import (COLD_EXIT_WAIT, LIVE_STATES, SCALE_INTERVAL, STOPPED_SHOWN,
@@ -198,9 +197,10 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     """The baseline: fresh workers (warmd.py here, EC2 with `ec2`) pay @enter, drain this run's
     queue and exit; the run keeps `options` (run_options). Returns (run, summaries, timed_out);
     (None, [], False) for an EC2 dry run."""
-    if isinstance(items, FileItems) and items.bucket is not None and ec2:
-        raise UserError(f"{items.where}: a cold run on EC2 cannot read an s3:// prefix (its shared role may not) "
-                        f"---> HINT: run it on a pool: pool create --instances N --read {items.uri()}")
+    if items.reads and ec2:
+        raise UserError(f"{items.where}: a cold run on EC2 cannot read an s3:// prefix (its shared role "
+                        f"may not) ---> HINT: run it on a pool: pool create --instances N --read "
+                        f"{items.reads}")
     record = None if handler else load_pool(   # no handler named: reuse the pool's snapshot
         backend, model, f"give the cold run its code: submit --model {model} --handler file.py:Class ITEMS")
     run_id = new_run_id(model)
@@ -234,11 +234,11 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
         return None, [], False
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
-    if not claim_size and isinstance(items, FileItems):   # a listing is a stream: not counted twice
+    counted = None if claim_size else items.counted()
+    if not claim_size and counted is None:   # a listing is a stream: not counted twice
         claim_size = claim_sizing(conf, backend, None, None, workers=shards)
     elif not claim_size:   # one claim per shard: the items are counted first (a stream read in)
-        items = items if isinstance(items, (ArrayItems, TableItems, list)) else list(items)
-        claim_size = max(1, -(-len(items) // shards))
+        items, claim_size = counted, max(1, -(-counted.count // shards))
     write_json(backend, cold_record_key(run_id), cold)
     procs, instance_ids = [], []
     try:

@@ -57,7 +57,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 import calque_core
-import calque_runs
+import calque_sources
 from calque_core import orjson
 
 # ------------------------------------------------------------------------------------------------
@@ -72,8 +72,6 @@ COLLATE_THREADS = max(1, min(8, len(os.sched_getaffinity(0))))   # batches a han
                             # at once, at most: one more each time the model waits on it (COLLATE_WAIT_SHARE)
 COLLATE_WAIT_SHARE = 0.05   # a wait on collate over this share of the batch's model time adds a thread
 FETCH_THREADS = 16          # threads fetching a claim's objects by reference (each waits on one GET)
-FETCH_AHEAD_ITEMS = 256     # objects fetched ahead of the item being read, at most ...
-FETCH_AHEAD_BYTES = 256 << 20   # ... and their bytes, at most (one object at least)
 RING_SLOTS = 3              # host buffers: the batch in the model, the one being gathered, one spare
 RING_WAIT = 60.0            # s the prefetch thread waits for a free ring slot before failing the batch
 PIPELINE = True             # claims pipelined: the finisher writes summary and ack; AHEAD
@@ -199,7 +197,7 @@ class Collator:
         some item may collate (fastbatch still plans each batch); AS_LIST when none can."""
         if self.handler_collate is not None:
             return BY_HANDLER
-        if isinstance(items, FetchedItems):   # files, {"path", "bytes"}: never scanned (each a fetch)
+        if items.fetched:   # files, {"path", "bytes"}: never scanned (each a fetch)
             return AS_LIST
         try:   # the common case first: no value in the claim is a list
             values = itertools.chain.from_iterable(map(dict.values, items))
@@ -248,63 +246,6 @@ class Collator:
             if prepared.event is not None:
                 prepared.event.synchronize()
             self.ring.release(prepared.slot)
-
-
-class FetchedItems:
-    """A claim's items by reference (a manifest's `refs`): item k is {"path": its name, "bytes": the
-    object}, fetched on the fetch threads in order, ahead of the batch that reads it (FETCH_AHEAD_ITEMS
-    and FETCH_AHEAD_BYTES at most, one at least), dropped once its batch has run. An object that
-    changed or vanished since submit is an Unavailable naming it, so that its item fails alone; a
-    store fault past the store's retries is raised to the thread that reads it (the claim is let go)."""
-
-    def __init__(self, source, objects, pool, fetch):
-        self.source, self.objects, self.pool, self.fetch = source, objects, pool, fetch
-        self.futures, self.next, self.held = {}, 0, 0   # offset -> future; next to fetch; bytes held
-        self.lock = threading.Lock()
-
-    def __len__(self):
-        return len(self.objects)
-
-    def __getitem__(self, k):
-        if not 0 <= k < len(self.objects):
-            raise IndexError(k)
-        with self.lock:
-            if k not in self.futures:     # the first read (a resumed claim: from its start), or again
-                self._fetch_ahead(k)
-                self.next = max(self.next, k + 1)
-            while (self.next < len(self.objects) and self.next - k < FETCH_AHEAD_ITEMS
-                   and self.held < FETCH_AHEAD_BYTES):
-                self._fetch_ahead(self.next)
-                self.next += 1
-            future = self.futures[k]
-        value = future.result()
-        return value if type(value) is calque_core.Unavailable else {"path": self.objects[k][0], "bytes": value}
-
-    def _fetch_ahead(self, k):
-        self.futures[k] = self.pool.submit(self._get, k)
-        self.held += self.objects[k][1]
-
-    def _get(self, k):
-        name, size, version = self.objects[k]
-        try:
-            return self.fetch(name, size, version)
-        except calque_core.NotFound:
-            return calque_core.Unavailable(f"{self.source.uri(name)}: vanished since submit")
-        except calque_core.Changed as e:
-            return calque_core.Unavailable(f"{self.source.uri(name)}: changed since submit ({e})")
-
-    def drop(self, offsets):
-        """Forget these items' bytes: their batch has run."""
-        with self.lock:
-            for k in offsets:
-                if self.futures.pop(k, None) is not None:
-                    self.held -= self.objects[k][1]
-
-    def close(self):
-        with self.lock:
-            for future in self.futures.values():
-                future.cancel()
-            self.futures.clear()
 
 
 def gather(items, offsets):
@@ -1415,7 +1356,7 @@ class Worker:
             return None
         try:
             manifest = json.loads(manifest_read.result() if manifest_read else get(key))
-            items = self.manifest_items(manifest)
+            items = calque_sources.read_claim(self.backend, manifest, self.fetchers)
             first = int(manifest.get("first_index", 0))
         except calque_core.NotFound as e:
             return self.dead_letter(message, f"claim object {e} does not exist", msg)
@@ -1472,31 +1413,6 @@ class Worker:
                                          f"version {now or self.version} (pool deploy): not run, "
                                          "a run keeps its version ---> HINT: submit its items "
                                          "again to run them on the pool's version", msg)
-
-    def manifest_items(self, manifest):
-        """A claim's items: as its manifest holds them, or by reference (docs/contract.md, media):
-        objects fetched ahead (FetchedItems), or a Parquet file's row range read now. A source these
-        workers cannot read (a local one with an s3:// store, a path outside it) is a ValueError."""
-        local = self.backend.kind == "local"
-        if "rows" in manifest:
-            if not local:
-                raise ValueError("a Parquet row range by reference needs the local store")
-            return calque_runs.rows_items(manifest["rows"])
-        if "refs" not in manifest:
-            return calque_core.manifest_items(self.backend.store, manifest)
-        source, objects = manifest["refs"]["source"], manifest["refs"]["objects"]
-        for name, size, _ in objects:
-            if not isinstance(name, str) or name.startswith("/") or ".." in name.split("/") or size < 0:
-                raise ValueError(f"refs object {name!r} of size {size!r} refused")
-        if local and source.startswith("file:///"):
-            store = calque_core.LocalStore(source[len("file://"):], self.backend.requests)
-        elif not local and source.startswith("s3://"):
-            bucket, _, prefix = source[len("s3://"):].partition("/")
-            mine = self.backend.store
-            store = calque_core.S3Store(mine.s3, bucket, prefix.strip("/"), self.backend.requests, mine.endpoint_retry)
-        else:
-            raise ValueError(f"refs source {source!r} cannot be read by the workers of {self.backend.describe()}")
-        return FetchedItems(store, objects, self.fetchers, self.backend.requests.carried(store.fetch))
 
     def take_over(self, claim):
         """What earlier deliveries left: their result parts (a torn one is redone), and their
@@ -1623,8 +1539,7 @@ class Worker:
             claim.gpu = self.gpu.stop()
             if claim.spool:
                 claim.spool.close()
-            if isinstance(claim.items, FetchedItems):
-                claim.items.close()
+            claim.items.close()
         if self.heartbeat.lost.is_set():
             raise ClaimReleased("lease lost")
 
@@ -1738,8 +1653,7 @@ class Worker:
                     current = ahead.pop(u)
                 waited, model = claim.wait_seconds, claim.model_seconds
                 outcome = self._run_unit(claim, unit, runnable[u], current)
-                if isinstance(claim.items, FetchedItems):
-                    claim.items.drop(unit)
+                claim.items.drop(unit)
                 if single:                    # it ran alone and the process lived: not a killer
                     if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
                         self.mark_churn()
@@ -1940,7 +1854,7 @@ class Worker:
         """[(ok, result or error)] for a unit's items: the quarantined ones fail with the reason."""
         ran, t0 = {}, time.perf_counter()
         payloads, missing = gather(claim.items, runnable)
-        if prepared is None and isinstance(claim.items, FetchedItems):   # the model waited on a fetch
+        if prepared is None and claim.items.fetched:   # the model waited on a fetch
             claim.wait_seconds += time.perf_counter() - t0
         if missing:
             runnable = [k for k in runnable if k not in missing]

@@ -32,6 +32,7 @@ import calque  # noqa: E402
 import warmd   # noqa: E402
 import calque_core
 import calque_runs
+import calque_sources
 
 PHOTOS = int(os.environ.get("BENCH_PHOTOS", "400"))              # photos of the reference section
 PARQUET_GB = float(os.environ.get("BENCH_PARQUET_GB", "2"))     # the rss section's Parquet of images
@@ -70,7 +71,7 @@ def run_in_process(store, state, source, name):
     queue = backend.queues.open_queue(record["queue"])
     worker = warmd.Worker(backend, record, calque_core.worker_stats_prefix(name), conf, False)
     worker.start()
-    run = calque_runs.stage_run(backend, record, calque_runs.read_items(source), 100, queue, "pool")
+    run = calque_runs.stage_run(backend, record, calque_sources.read_items(source), 100, queue, "pool")
     while len(calque_core.list_summaries(backend, run["run_id"])) < len(run["claims"]):
         worker.handle(queue.receive(1))
     summaries = calque_core.read_summaries(backend, run["run_id"])
@@ -145,11 +146,12 @@ def rss(tmp):
         f.write('{"x": 1}\n')
     print(f"\n2. submit's peak RSS staging a Parquet of {os.path.getsize(path) / 2**30:.2f} GiB of HF Image rows "
           f"({rows:,} x {size // 1000} KB), claims of 1000 rows")
-    copied = ("media_form = calque.media_form\n"
-              "def copied(backend, record, items):\n"
-              "    media_form(backend, record, items)\n"
-              "    items.by_reference = False\n"
-              "calque.media_form = copied")
+    copied = ("import calque_sources\n"
+              "place = calque_sources.TableItems.place\n"
+              "def copied(self, backend, record):\n"
+              "    place(self, backend, record)\n"
+              "    self.by_reference = False\n"
+              "calque_sources.TableItems.place = copied")
     for label, items, patch in [("a JSONL of 1 item (the floor)", one, ""), ("by reference (local store)", path, ""),
                                 ("copied (as to an s3:// store)", path, copied)]:
         store = os.path.join(tmp, "rss")

@@ -28,6 +28,7 @@ import calque  # noqa: E402
 import warmd   # noqa: E402
 import calque_core
 import calque_runs
+import calque_sources
 import calque_supervisor
 import calque_fleet
 
@@ -149,7 +150,7 @@ def warm_vs_cold(store, state):
         chunk = items[k * ITEMS_PER_CLAIM:(k + 1) * ITEMS_PER_CLAIM]
         saved, sys.stderr = sys.stderr, open(os.devnull, "w")
         try:
-            run, summaries, _ = calque_fleet.cold_run(conf, backend, chunk, model="demo", batch_size=ITEMS_PER_CLAIM,
+            run, summaries, _ = calque_fleet.cold_run(conf, backend, calque.as_items(chunk), model="demo", batch_size=ITEMS_PER_CLAIM,
                                                 claim_size=ITEMS_PER_CLAIM, timeout=3600, progress=False)
         finally:
             sys.stderr = saved
@@ -171,7 +172,7 @@ def occupancy(store, state, prefetch):
     warmd.PREFETCH = prefetch
     worker = warmd.Worker(backend, record, calque_core.worker_stats_prefix("overlap"), conf, False)
     worker.start()
-    run = calque_runs.stage_run(backend, record, calque_runs.read_items(path), OVERLAP_ITEMS, queue, "pool")
+    run = calque_runs.stage_run(backend, record, calque_sources.read_items(path), OVERLAP_ITEMS, queue, "pool")
     worker.handle(queue.receive(1))
     summary = calque_core.read_summaries(backend, run["run_id"])[0]
     assert summary["status"] == "ok", summary["errors"]

@@ -8,6 +8,7 @@ import pytest
 import calque
 import calque_core
 import calque_runs
+import calque_sources
 from conftest import HANDLERS, cli, start_worker
 
 
@@ -36,14 +37,14 @@ def test_stage_and_read_back_ragged_and_fixed(tmp_path):
     image = rng.standard_normal((7, 3, 2)).astype(np.float32)
     path = tmp_path / "in.npz"
     np.savez(path, tokens=tokens, tokens_offsets=offsets, image=image)
-    items = calque_runs.read_items(str(path))
-    assert len(items) == 7
+    items = calque_sources.read_items(str(path))
+    assert items.count == 7
     backend = calque_core.LocalBackend(str(tmp_path / "store"))
     queue = backend.queues.create_queue("calque-pool-a", 30)
     run = calque_runs.stage_run(backend, {"model": "a"}, items, 3, queue, "pool")
     got = []
     for claim in run["claims"]:
-        got += calque_core.array_items(backend.store, json.loads(backend.store.get(calque_core.manifest_key(run["run_id"], claim))))
+        got += calque_sources.array_items(backend.store, json.loads(backend.store.get(calque_core.manifest_key(run["run_id"], claim))))
     for i, item in enumerate(got):
         assert np.array_equal(item["tokens"], tokens[offsets[i]:offsets[i + 1]])
         assert np.array_equal(item["image"], image[i])
@@ -60,7 +61,7 @@ def test_bad_array_inputs(tmp_path, arrays, problem):
     path = tmp_path / "bad.npz"
     np.savez(path, **arrays)
     with pytest.raises(calque.UserError, match=problem):
-        calque_runs.read_items(str(path))
+        calque_sources.read_items(str(path))
 
 
 def test_numeric_run_end_to_end(local_env, tmp_path):

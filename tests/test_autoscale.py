@@ -66,7 +66,7 @@ def test_a_submit_wakes_the_pool_before_its_claims_are_queued(local_env, monkeyp
     scaler = supervisor.LocalScaler(conf, "m", calque_core.state_dir(conf, "m"))
     assert scaler.want(0, time.time()) == 0                   # nothing queued, nothing announced
     items, run_id = [{"x": i} for i in range(6)], calque_core.new_run_id("m")
-    calque.announce_run(conf, "m", items, 2, run_id)          # 3 claims coming
+    calque.announce_run(conf, "m", calque.as_items(items), 2, run_id)   # 3 claims coming
     scaler.checked = -1e9
     assert scaler.want(0, time.time()) == 2                   # one a claim (unmeasured), up to 2
     backend = backend_for(local_env)

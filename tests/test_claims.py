@@ -12,6 +12,7 @@ import calque
 import warmd
 import calque_core
 import calque_runs
+import calque_sources
 import calque_fleet
 from conftest import HANDLERS, backend_for, cli, pool_pids, start_worker, wait_for, write_items
 from test_chaos import delete_pool, finished, logs, results, start_pool, submit
@@ -61,8 +62,8 @@ def test_a_stream_read_ahead_is_cut_as_the_counted_run():
     """A stream (a JSONL file, a listing) is read 2 x workers x hi items ahead: it is cut exactly as the same
     items counted first, and no more than that is held."""
     sizes = calque_runs.ClaimSizes(workers=2, lo=3, hi=20)
-    stream = calque_runs.Lookahead(iter(range(500)), sizes.ahead())
-    cut = [stop - start for start, stop, _, _ in calque_runs.claim_chunks(stream, sizes)]
+    stream = calque_sources.Lookahead(iter(range(500)), sizes.ahead())
+    cut = [stop - start for start, stop, _, _ in calque_sources.Items(stream).claims(sizes)]
     assert cut == calque_runs.ClaimSizes(workers=2, lo=3, hi=20).plan(500)
     assert sizes.ahead() == 80 and len(stream.held) == 0
 
@@ -82,15 +83,16 @@ def test_every_kind_of_input_is_cut_as_the_plan(tmp_path, total):
     table = pa.table({"x": list(range(total))})
     pq.write_table(table, tmp_path / "items.parquet")
     np.save(tmp_path / "items.npy", np.arange(total, dtype=np.float32))
-    parquet = calque_runs.TableItems.open(str(tmp_path / "items.parquet"))
-    inputs = {"list": [{"x": i} for i in range(total)], "stream": ({"x": i} for i in range(total)),
-              "array": calque.as_items(str(tmp_path / "items.npy")), "table": calque_runs.TableItems.open(table),
+    parquet = calque_sources.TableItems.open(str(tmp_path / "items.parquet"))
+    inputs = {"list": calque_sources.Items([{"x": i} for i in range(total)]),
+              "stream": calque_sources.Items({"x": i} for i in range(total)),
+              "array": calque.as_items(str(tmp_path / "items.npy")), "table": calque_sources.TableItems.open(table),
               "parquet": parquet}
     for name, items in inputs.items():
-        cut = [stop - start for start, stop, _, _ in calque_runs.claim_chunks(items, sizes())]
+        cut = [stop - start for start, stop, _, _ in items.claims(sizes())]
         assert cut == sizes().plan(total), name
     parquet.by_reference = True
-    assert [stop - start for start, stop, _, _ in calque_runs.claim_chunks(parquet, sizes())] == sizes().plan(total)
+    assert [stop - start for start, stop, _, _ in parquet.claims(sizes())] == sizes().plan(total)
 
 
 def measured_pool(tmp_path, per_item, fixed, sizes, gap=0.0):

@@ -14,6 +14,7 @@ import pytest
 import calque
 import calque_core
 import calque_runs
+import calque_sources
 from conftest import ROOT, backend_for, cli, start_worker, wait_for
 
 pa = pytest.importorskip("pyarrow")
@@ -96,7 +97,7 @@ def staged(items, claim_size=1000):
     queue = backend.queues.create_queue("calque-pool-t", 30)
     run = calque_runs.stage_run(backend, {"model": "t"}, items, claim_size, queue, "pool")
     texts = [backend.store.get(calque_core.manifest_key(run["run_id"], c)) for c in run["claims"]]
-    items = [i for text in texts for i in calque_core.manifest_items(backend.store, json.loads(text))]
+    items = [i for text in texts for i in calque_sources.manifest_items(backend.store, json.loads(text))]
     return run, [json.loads(text) for text in texts], items
 
 
@@ -135,8 +136,8 @@ def test_claims_are_cut_at_claim_bytes_and_an_item_over_the_limit_is_refused(mon
     """A claim copied into the store holds CLAIM_BYTES of media at most (one item at least); the run records
     its irregular claim sizes so results read back in item order; an item over ITEM_BYTES_MAX is refused by
     index, a table's row by its row."""
-    monkeypatch.setattr(calque_runs, "CLAIM_BYTES", 100)
-    monkeypatch.setattr(calque_runs, "ITEM_BYTES_MAX", 150)
+    monkeypatch.setattr(calque_sources, "CLAIM_BYTES", 100)
+    monkeypatch.setattr(calque_sources, "ITEM_BYTES_MAX", 150)
     items = [{"k": k, "b": bytes(40)} for k in range(5)] + [{"k": 5, "b": bytes(120)}, {"k": 6, "b": b""}]
     run, manifests, got = staged(items, claim_size=4)
     assert [m["count"] for m in manifests] == [2, 2, 1, 1, 1] and run["claim_counts"] == [2, 2, 1, 1, 1]
@@ -146,7 +147,7 @@ def test_claims_are_cut_at_claim_bytes_and_an_item_over_the_limit_is_refused(mon
     with pytest.raises(calque.UserError, match=r"item 1: 151 B of media, over the limit of 150 B an item"):
         staged([{"b": b"x"}, {"b": bytes(151)}])
     with pytest.raises(calque.UserError, match=r"pyarrow.Table: row 2: 200 B of media, over the limit"):
-        staged(calque_runs.TableItems.open(pa.table({"b": [b"", b"", bytes(200)]}), where="pyarrow.Table"))
+        staged(calque_sources.TableItems.open(pa.table({"b": [b"", b"", bytes(200)]}), where="pyarrow.Table"))
 
 
 def test_a_folder_of_files_by_reference_end_to_end(local_env, tmp_path):
@@ -401,10 +402,10 @@ def test_an_s3_listing_streams_a_page_at_a_time():
         s3.create_bucket(Bucket="bkt")
         for k in range(2500):
             s3.put_object(Bucket="bkt", Key=f"p/{k:05d}.bin", Body=b"x")
-        items = calque_runs.read_items("s3://bkt/p/")
+        items = calque_sources.read_items("s3://bkt/p/")
         requests = calque_core.Requests()
         items.source = calque_core.S3Store(s3, "bkt", "p", requests)
-        chunks = items.chunks(calque_runs.ClaimSizes(fixed=1000))
+        chunks = items.claims(calque_runs.ClaimSizes(fixed=1000))
         first = next(chunks)
         assert (first[0], first[1], requests["store_lists"]) == (0, 1000, 1)
         assert [c[1] for c in chunks] == [2000, 2500] and requests["store_lists"] == 3
@@ -439,7 +440,7 @@ def test_collate_runs_ahead_on_more_threads_while_the_model_waits(local_env, tmp
 def test_python_items_with_bytes_through_the_api_in_claims_cut_by_bytes(local_env, tmp_path, monkeypatch):
     """calque.submit() of Python items holding bytes, claims cut short at CLAIM_BYTES: a real worker receives each
     value as bytes; run.results() and `runs results` read the irregular claims back in item order."""
-    monkeypatch.setattr(calque_runs, "CLAIM_BYTES", 1000)
+    monkeypatch.setattr(calque_sources, "CLAIM_BYTES", 1000)
     for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_POLL_WAIT", "CALQUE_ENV"):
         monkeypatch.setenv(key, local_env[key])
     monkeypatch.chdir(tmp_path)

@@ -8,6 +8,7 @@ import pytest
 import calque
 import calque_core
 import calque_runs
+import calque_sources
 from conftest import HANDLERS, cli
 
 pa = pytest.importorskip("pyarrow", reason="pyarrow is in requirements.txt: make setup installs it")
@@ -34,7 +35,7 @@ def staged(items, claim_size=3):
     got = []
     for claim in run["claims"]:
         manifest = json.loads(backend.store.get(calque_core.manifest_key(run["run_id"], claim)))
-        got += calque_core.array_items(backend.store, manifest) if "arrays" in manifest else manifest["items"]
+        got += calque_sources.array_items(backend.store, manifest) if "arrays" in manifest else manifest["items"]
     return run, got
 
 
@@ -47,8 +48,8 @@ def test_rows_nulls_and_nested_columns_are_carried(tmp_path):
     """Every row is an item; numeric columns arrive as numpy (views), null as None; structs, lists of text and dates
     as JSON values; claims cut across row groups."""
     pq.write_table(table(), tmp_path / "t.parquet", row_group_size=3)
-    items = calque_runs.read_items(str(tmp_path / "t.parquet"))
-    assert len(items) == 4 and sorted(items.numeric) == ["n", "ok", "v", "xy"]
+    items = calque_sources.read_items(str(tmp_path / "t.parquet"))
+    assert items.count == 4 and sorted(items.numeric) == ["n", "ok", "v", "xy"]
     run, got = staged(items, claim_size=3)
     assert run["items"] == 4 and len(run["claims"]) == 2
     assert [g["text"] for g in got] == ["a b", None, "c", "d e f"]
@@ -70,10 +71,10 @@ def test_folder_glob_columns_and_arrow_files(tmp_path):
     for k in range(3):
         pq.write_table(pa.table({"i": [2 * k, 2 * k + 1], "s": ["x", "y"]}), tmp_path / "parts" / f"{k}.parquet")
     for source in (str(tmp_path / "parts"), str(tmp_path / "parts" / "*.parquet")):
-        _, got = staged(calque_runs.read_items(source, ["i"]))
+        _, got = staged(calque_sources.read_items(source, ["i"]))
         assert [g for g in got] == [{"i": i} for i in range(6)]
     feather.write_feather(pa.table({"s": ["p", "q"]}), str(tmp_path / "t.feather"))
-    assert staged(calque_runs.read_items(str(tmp_path / "t.feather")))[1] == [{"s": "p"}, {"s": "q"}]
+    assert staged(calque_sources.read_items(str(tmp_path / "t.feather")))[1] == [{"s": "p"}, {"s": "q"}]
 
 
 @pytest.mark.parametrize("make, problem", [
@@ -86,7 +87,7 @@ def test_folder_glob_columns_and_arrow_files(tmp_path):
 def test_bad_tables_refused_in_one_line(tmp_path, make, problem):
     make(tmp_path)
     with pytest.raises(calque.UserError, match=problem):
-        staged(calque_runs.read_items(str(tmp_path / "t.parquet")))
+        staged(calque_sources.read_items(str(tmp_path / "t.parquet")))
 
 
 def test_user_mistakes(local_env, tmp_path):

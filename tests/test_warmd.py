@@ -12,6 +12,7 @@ import pytest
 import calque
 import calque_core
 import calque_runs
+import calque_sources
 from conftest import HANDLERS, backend_for, cli, start_worker, wait_for, write_items
 
 
@@ -384,7 +385,7 @@ def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, 
     assert cli(local_env, "pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Echo",
                "--workers", "0").returncode == 0
     backend = backend_for(local_env)
-    run = calque_runs.stage_run(backend, calque_core.load_pool(backend, "m"), calque_runs.read_items(items), 2,
+    run = calque_runs.stage_run(backend, calque_core.load_pool(backend, "m"), calque_sources.read_items(items), 2,
                            backend.queues.open_queue("calque-pool-m"), "cold")
     record = dict(calque_core.load_pool(backend, "m"))   # served as a cold run: the worker exits once it is drained
     worker = warmd.Worker(backend, record, "test-workers/", calque_core.settings(), True)
