@@ -8,6 +8,8 @@ import threading, time, traceback, typing, uuid, zipfile, sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import calque_values
+
 
 try:
     import orjson   # submit's check of JSONL lines (checked_json); a worker's result lines
@@ -894,7 +896,8 @@ def load_handler(path, cls, modal=None, container=False):
 # ------------------------------------------------------------------------------------------------
 # Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the
 # decorators declare; ModalHandler gives it a handler's shape (docs/modal.md).
-MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]}
+MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]},
+                                     # typed (calque_values) where JSON could not say them
 STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
 MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}  # rates
 
@@ -1084,6 +1087,8 @@ class ModalHandler:
         self.target, self.method, self.options = target, method, options
         self.instance, self.replay, self.loop = None, {}, None
         self.raw = target.user_cls if method else target.raw_f
+        self.folder = os.path.join(os.path.dirname(os.path.realpath(sys.modules[self.raw.__module__].__file__)), "")
+        self.allowed = calque_values.app_modules(self.folder)   # classes rebuilt from the app's modules
 
     def _run(self, value):
         """A hook's or a call's value, a coroutine's awaited on the handler's one event loop."""
@@ -1144,13 +1149,13 @@ class ModalHandler:
             for k in range(0, len(payloads), size):   # a list per parameter, as Modal's
                 columns = zip(*(self._args(item)[0] for item in payloads[k:k + size]))
                 out += self._call([list(c) for c in columns], {})
-            return out
+            return [self._out(p, v) for p, v in zip(payloads, out)] if len(out) == len(payloads) else out
         if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item
             ok, value = self.replay.pop(id(payloads[0]))
             if ok:
                 return [value]
             raise value
-        outcomes = self._each(payloads)
+        outcomes = [self._outcome(p, *outcome) for p, outcome in zip(payloads, self._each(payloads))]
         if all(ok for ok, _ in outcomes):
             return [value for _, value in outcomes]
         # warmd retries a failed batch item by item: replay each outcome, not a second call
@@ -1160,10 +1165,35 @@ class ModalHandler:
     def _args(self, item):
         """(args, kwargs) of an item: a `modal run` call's own, else the item (a list splatted)."""
         if isinstance(item, dict) and len(item) == 1 and MODAL_CALL_KEY in item:
-            args, kwargs, *stream = item[MODAL_CALL_KEY]
+            args, kwargs, *stream = calque_values.decode_result(item[MODAL_CALL_KEY], self.allowed)
             return args, kwargs, *stream[:1]
         required = [p for p in inspect.signature(self.fn).parameters.values() if p.default is p.empty]
         return (item if len(required) > 1 and isinstance(item, list) else [item]), {}
+
+    def _out(self, item, value):
+        """A `modal run` call's result in the typed encoding (calque.ModalRun decodes it); a
+        submitted item's as before (plain JSON, a tuple as a list)."""
+        if isinstance(item, dict) and MODAL_CALL_KEY in item:
+            return calque_values.encode_result(value, self.allowed)
+        return value
+
+    def _outcome(self, item, ok, value):
+        """(ok, result) of one item's call, its result encoded (a value that does not travel fails
+        the item); a `modal run` call's exception gets `calque_raised`: itself, typed, and the
+        app's innermost frame, which `modal run` names (warmd puts it in the result line)."""
+        if ok:
+            try:
+                return True, self._out(item, value)
+            except calque_values.Refused as e:
+                return False, e
+        if isinstance(item, dict) and MODAL_CALL_KEY in item:
+            frames = [f for f in traceback.extract_tb(value.__traceback__) if not kit_file(f.filename)
+                      and os.path.realpath(f.filename).startswith(self.folder)]
+            value.calque_raised = {"where": f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} "
+                                            f"in {frames[-1].name}"} if frames else {}
+            with contextlib.suppress(calque_values.Refused):   # then its type and message only
+                value.calque_raised["exception"] = calque_values.Encoder(self.allowed, True).encode(value)
+        return False, value
 
     def _call(self, args, kwargs, stream=None):
         out = self._run(self.fn(*args, **kwargs))   # an async @modal.batched's awaited

@@ -11,7 +11,6 @@ A construct it does not implement raises Unsupported at import, naming it and wh
 docs/modal.md has the compatibility table.
 """
 import asyncio
-import builtins
 import contextlib
 import difflib
 import functools
@@ -385,17 +384,18 @@ class _CallForm:
 
 
 def _remote_exception(result):
-    """A failed item's error as Modal raises it: the original builtin type (ValueError("custom error")), which is
-    also a RemoteError; any other type as RemoteError("Type: message"). `where`: its innermost frame
-    outside this stand-in."""
-    name, _, message = result["error"].partition(": ")
-    base = getattr(builtins, name, None)
-    error = RemoteError(result["error"])
-    if isinstance(base, type) and issubclass(base, Exception):
-        with contextlib.suppress(TypeError):
-            error = type(name, (base, RemoteError), {"__module__": "builtins"})(message)
-    frames = [f for f in result.get("trace") or [""] if not f.startswith("modal.py:")]
-    error.where = (frames or result["trace"])[-1].partition(": ")[0]
+    """A failed item's error as Modal raises it: the exception the app raised, rebuilt where its
+    class is the app's own or the standard library's (calque.ModalRun), made also a RemoteError;
+    else RemoteError("Type: message"). `where`: the app's innermost frame in it."""
+    error, raised = RemoteError(result["error"]), result.get("exception")
+    if raised is not None:
+        kind = type(raised)
+        with contextlib.suppress(TypeError):   # a class that cannot be mixed with RemoteError
+            mixed = type(kind.__name__, (kind, RemoteError), {"__module__": kind.__module__,
+                                                               "__qualname__": kind.__qualname__})
+            error = mixed.__new__(mixed, *raised.args)
+            error.args, error.__dict__ = raised.args, vars(raised)
+    error.where = (result.get("raised") or {}).get("where")
     return error
 
 
