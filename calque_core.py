@@ -899,7 +899,8 @@ def load_handler(path, cls, modal=None, container=False):
 MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]},
                                      # typed (calque_values) where JSON could not say them
 STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
-MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}  # rates
+MODAL_GPU_ALIASES = {"A100": ("A100-40GB",), "A100-40G": ("A100-40GB",), "A100-80G": ("A100-80GB",),
+                     "ANY": ("T4", "L4", "A10G")}   # a Modal gpu= card: rates.json's cards ("any": Modal's)
 
 
 def parse_source(source, where):

@@ -243,6 +243,15 @@ class App:
             return fn
         return wrap
 
+    @property
+    def registered_functions(self):
+        """{name: Function} of the app's @app.function functions, as Modal's."""
+        return {k: v for k, v in self.registered.items() if isinstance(v, Function)}
+
+    @property
+    def registered_classes(self):
+        return {k: v for k, v in self.registered.items() if isinstance(v, Cls)}
+
     def include(self, other):
         self.registered.update(other.registered)
         return self
