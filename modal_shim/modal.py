@@ -11,6 +11,7 @@ A construct it does not implement raises Unsupported at import, naming it and wh
 docs/modal.md has the compatibility table.
 """
 import asyncio
+import builtins
 import contextlib
 import difflib
 import functools
@@ -394,9 +395,15 @@ class _CallForm:
 
 def _remote_exception(result):
     """A failed item's error as Modal raises it: the exception the app raised, rebuilt where its
-    class is the app's own or the standard library's (calque.ModalRun), made also a RemoteError;
-    else RemoteError("Type: message"). `where`: the app's innermost frame in it."""
+    class is the app's own or the standard library's (calque.ModalRun), made also a RemoteError; a
+    line without it (the worker's own error) by its builtin type's name; else RemoteError("Type:
+    message"). `where`: the app's innermost frame in it."""
     error, raised = RemoteError(result["error"]), result.get("exception")
+    name, _, message = result["error"].partition(": ")
+    base = getattr(builtins, name, None)
+    if raised is None and isinstance(base, type) and issubclass(base, Exception):
+        with contextlib.suppress(TypeError):
+            raised = base(message)
     if raised is not None:
         kind = type(raised)
         with contextlib.suppress(TypeError):   # a class that cannot be mixed with RemoteError
