@@ -23,6 +23,7 @@ TAG = "$py"
 TRAVELS = ("what travels: JSON values, bytes, tuples, sets, dates and times, Decimal, UUID, paths, "
            "and Enum members, dataclasses, NamedTuples, pydantic models and exceptions of the "
            "app's own modules or the standard library")
+LEAVES = frozenset((str, int, float, bool, type(None)))   # JSON's scalars, exactly these types
 TIMES = {cls.__name__: cls for cls in (datetime.datetime, datetime.date, datetime.time)}
 
 
@@ -31,15 +32,22 @@ class Refused(TypeError):
 
 
 def plain(value):
-    """Whether JSON carries `value` exactly: no tuple, no key that is not text, nothing tagged."""
+    """Whether JSON carries `value` exactly: no tuple, no key that is not text, nothing tagged.
+    (Leaves are checked inline: a call a leaf made it twice as slow.)"""
     kind = type(value)
-    if kind is str or kind is int or kind is float or kind is bool or value is None:
+    if kind is dict:
+        if TAG in value:
+            return False
+        for k, v in value.items():
+            if type(k) is not str or type(v) not in LEAVES and not plain(v):
+                return False
         return True
     if kind is list:
-        return all(map(plain, value))
-    if kind is dict:
-        return TAG not in value and all(type(k) is str for k in value) and all(map(plain, value.values()))
-    return False
+        for v in value:
+            if type(v) not in LEAVES and not plain(v):
+                return False
+        return True
+    return kind in LEAVES
 
 
 def app_modules(folder):
@@ -70,7 +78,7 @@ class Encoder:
 
     def encode(self, value):
         kind = type(value)
-        if kind is str or kind is int or kind is float or kind is bool or value is None:
+        if kind in LEAVES:
             return value
         if kind is list:
             return [self.encode(v) for v in value]
