@@ -1507,7 +1507,8 @@ class ModalRun:
             if key not in self.pools:
                 self.pools[key] = self._ephemeral(target, params)
             try:
-                run = submit([self._typed(item) for item in items], pool=self.pools[key], context=self.context)
+                items = [self._typed(item) for item in items]
+                run = submit(items, pool=self.pools[key], context=self.context)
             except TypeError as e:   # calque_values.Refused; an array's tolist() of objects
                 raise load_modal_shim().app_error(TypeError(f"{target}'s arguments: {e}")) from None
             self.runs.append(run)
@@ -1533,8 +1534,9 @@ class ModalRun:
                 except calque_values.Refused as e:
                     raise load_modal_shim().app_error(e) from None
             elif "exception" in result.get("raised", {}):
+                raised = result["raised"]["exception"]
                 with contextlib.suppress(Exception):   # a class not found here: RemoteError
-                    result["exception"] = calque_values.decode(result["raised"]["exception"], self.allowed)
+                    result["exception"] = calque_values.decode(raised, self.allowed)
             yield result
 
     def streamed(self, target, params, stream, after=None, done=False):
@@ -1543,7 +1545,10 @@ class ModalRun:
         prefix = stream_prefix(self.pools[(target, self._key(params))], stream)
         if done:
             return store.delete_prefix(prefix)
-        return [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
+        chunks = [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
+        for _, chunk in chunks:   # its values in the typed encoding (calque.Streamed)
+            chunk["values"] = calque_values.decode_result(chunk["values"], self.allowed)
+        return chunks
 
     def _ephemeral(self, target, params):
         spec = f"{self.path}:{target}"
@@ -1551,7 +1556,8 @@ class ModalRun:
         app = {k: v for k, v in sys.modules.items() if k.startswith("calque_modal_app_")}
         modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
                                                 self.volumes, batch_size=batch_size)
-        sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold its classes
+        sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold
+                                  # the entrypoint's classes
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
         print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
         for note in notes:

@@ -827,13 +827,15 @@ def stream_prefix(model, stream):
 
 class Streamed(list):
     """A generator's items, also written to the store for a .remote_gen call (`stream`) as chunks
-    {"start": index, "values": [...]}, the first at once, then every STREAM_FLUSH s."""
+    {"start": index, "values": [...]} (in the typed encoding: calque_values, classes `allowed`),
+    the first at once, then every STREAM_FLUSH s."""
 
-    def __init__(self, streams, stream):
+    def __init__(self, streams, stream, allowed):
         ok = streams and isinstance(stream, str) and re.fullmatch(r"[0-9a-f]{32}", stream)
         self.store = streams[0] if ok else None
         self.prefix = stream_prefix(streams[1], stream) if ok else None
         self.sent, self.at, self.timer, self.lock = 0, -STREAM_FLUSH, None, threading.Lock()
+        self.allowed = allowed
 
     def add(self, value):
         with self.lock:
@@ -850,6 +852,7 @@ class Streamed(list):
             chunk, prefix = {"start": self.sent, "values": self[self.sent:]}, self.prefix
             self.sent, self.at, self.timer = len(self), time.monotonic(), None
         try:
+            chunk["values"] = calque_values.encode_result(chunk["values"], self.allowed)
             data = json.dumps(chunk, default=to_jsonable).encode()
             if prefix:
                 self.store.put(f"{prefix}{chunk['start']:09d}.json", data)
@@ -899,8 +902,9 @@ def load_handler(path, cls, modal=None, container=False):
 MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]},
                                      # typed (calque_values) where JSON could not say them
 STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
+# a Modal gpu= card as rates.json's cards ("any": the cards Modal's "any" picks from)
 MODAL_GPU_ALIASES = {"A100": ("A100-40GB",), "A100-40G": ("A100-40GB",), "A100-80G": ("A100-80GB",),
-                     "ANY": ("T4", "L4", "A10G")}   # a Modal gpu= card: rates.json's cards ("any": Modal's)
+                     "ANY": ("T4", "L4", "A10G")}
 
 
 def parse_source(source, where):
@@ -1088,8 +1092,9 @@ class ModalHandler:
         self.target, self.method, self.options = target, method, options
         self.instance, self.replay, self.loop = None, {}, None
         self.raw = target.user_cls if method else target.raw_f
-        self.folder = os.path.join(os.path.dirname(os.path.realpath(sys.modules[self.raw.__module__].__file__)), "")
-        self.allowed = calque_values.app_modules(self.folder)   # classes rebuilt from the app's modules
+        app_file = os.path.realpath(sys.modules[self.raw.__module__].__file__)
+        self.folder = os.path.join(os.path.dirname(app_file), "")
+        self.allowed = calque_values.app_modules(self.folder)   # classes rebuilt: the app's, stdlib
 
     def _run(self, value):
         """A hook's or a call's value, a coroutine's awaited on the handler's one event loop."""
@@ -1150,13 +1155,15 @@ class ModalHandler:
             for k in range(0, len(payloads), size):   # a list per parameter, as Modal's
                 columns = zip(*(self._args(item)[0] for item in payloads[k:k + size]))
                 out += self._call([list(c) for c in columns], {})
-            return [self._out(p, v) for p, v in zip(payloads, out)] if len(out) == len(payloads) else out
+            if len(out) != len(payloads):   # warmd names the count
+                return out
+            return [self._out(p, v) for p, v in zip(payloads, out)]
         if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item
             ok, value = self.replay.pop(id(payloads[0]))
             if ok:
                 return [value]
             raise value
-        outcomes = [self._outcome(p, *outcome) for p, outcome in zip(payloads, self._each(payloads))]
+        outcomes = [self._outcome(p, *one) for p, one in zip(payloads, self._each(payloads))]
         if all(ok for ok, _ in outcomes):
             return [value for _, value in outcomes]
         # warmd retries a failed batch item by item: replay each outcome, not a second call
@@ -1188,19 +1195,22 @@ class ModalHandler:
             except calque_values.Refused as e:
                 return False, e
         if isinstance(item, dict) and MODAL_CALL_KEY in item:
-            frames = [f for f in traceback.extract_tb(value.__traceback__) if not kit_file(f.filename)
-                      and os.path.realpath(f.filename).startswith(self.folder)]
-            value.calque_raised = {"where": f"{os.path.basename(frames[-1].filename)}:{frames[-1].lineno} "
-                                            f"in {frames[-1].name}"} if frames else {}
+            frames = [f for f in traceback.extract_tb(value.__traceback__)
+                      if os.path.realpath(f.filename).startswith(self.folder)]
+            frames = [f for f in frames if not kit_file(f.filename)]
+            value.calque_raised = raised = {}
+            if frames:
+                at = frames[-1]
+                raised["where"] = f"{os.path.basename(at.filename)}:{at.lineno} in {at.name}"
             with contextlib.suppress(calque_values.Refused):   # then its type and message only
-                value.calque_raised["exception"] = calque_values.Encoder(self.allowed, True).encode(value)
+                raised["exception"] = calque_values.Encoder(self.allowed, True).encode(value)
         return False, value
 
     def _call(self, args, kwargs, stream=None):
         out = self._run(self.fn(*args, **kwargs))   # an async @modal.batched's awaited
         if not hasattr(out, "__next__"):
             return out
-        items = Streamed(self.streams, stream)
+        items = Streamed(self.streams, stream, self.allowed)
         try:
             for value in out:
                 items.add(value)
@@ -1235,7 +1245,8 @@ class ModalHandler:
                 try:
                     out = self.fn(*call[0], **call[1])
                     if hasattr(out, "__anext__"):
-                        items = Streamed(self.streams, call[2] if len(call) > 2 else None)
+                        stream = call[2] if len(call) > 2 else None
+                        items = Streamed(self.streams, stream, self.allowed)
                         try:
                             async for value in out:
                                 items.add(value)

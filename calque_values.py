@@ -61,7 +61,8 @@ def app_modules(folder):
         if top in sys.stdlib_module_names:
             return True
         try:
-            origin = getattr(sys.modules.get(top), "__file__", None) or importlib.util.find_spec(top).origin
+            loaded = getattr(sys.modules.get(top), "__file__", None)
+            origin = loaded or importlib.util.find_spec(top).origin
         except (ImportError, ValueError, AttributeError):   # no such module
             return False
         return bool(origin) and os.path.realpath(origin).startswith(folder)
@@ -84,11 +85,12 @@ class Encoder:
             return [self.encode(v) for v in value]
         if kind is dict:
             if TAG in value or any(type(k) is not str for k in value):
-                return self._tag("dict", [[self.encode(k), self.encode(v)] for k, v in value.items()])
+                pairs = [[self.encode(k), self.encode(v)] for k, v in value.items()]
+                return self._tag("dict", pairs)
             return {k: self.encode(v) for k, v in value.items()}
         if isinstance(value, (bytes, bytearray)):
             return self._tag("bytes", base64.b64encode(value).decode()) if self.tag_bytes else value
-        if hasattr(value, "tolist") and not isinstance(value, enum.Enum):   # numpy, torch: their own path
+        if hasattr(value, "tolist") and not isinstance(value, enum.Enum):   # numpy, torch: theirs
             return value
         return self._tag(*self._other(value))
 
@@ -126,8 +128,9 @@ class Encoder:
     def name(self, kind):
         """A class's "module:qualname", refused where it could not be found again by name."""
         if "<locals>" in kind.__qualname__ or not self.allowed(kind.__module__):
-            raise Refused(f"a {kind.__module__}.{kind.__qualname__} does not travel: its class is not "
-                          f"at the top of the app's own modules or the standard library ({TRAVELS})")
+            raise Refused(f"a {kind.__module__}.{kind.__qualname__} does not travel: its class is "
+                          f"not at the top of the app's own modules or the standard library "
+                          f"({TRAVELS})")
         return f"{kind.__module__}:{kind.__qualname__}"
 
 
@@ -214,4 +217,5 @@ def encode_result(value, allowed):
 
 def decode_result(value, allowed):
     """A result as the call returned it: a tagged one decoded, a plain one as it is (no walk)."""
-    return decode(value, allowed) if type(value) is dict and len(value) == 1 and TAG in value else value
+    typed = type(value) is dict and len(value) == 1 and TAG in value
+    return decode(value, allowed) if typed else value
