@@ -1517,11 +1517,11 @@ class ModalRun:
     def _typed(self, item):
         """A call item with its arguments in the typed encoding where JSON cannot say them (the
         worker's ModalHandler decodes them); a plain call as it is, walked once."""
-        (key, (args, kwargs, *stream)), = item.items()   # {"__modal_call__": [...]}
-        if all(map(calque_values.plain, args)) and all(map(calque_values.plain, kwargs.values())):
+        (key, call), = item.items()   # {"__modal_call__": [args, kwargs(, stream)]}
+        if calque_values.plain(call):
             return item
         encoder = calque_values.Encoder(self.allowed, tag_bytes=False)   # bytes: the bytes form
-        call = [encoder.encode(args), encoder.encode(kwargs), *stream]
+        call = [encoder.encode(call[0]), encoder.encode(call[1]), *call[2:]]
         return {key: {calque_values.TAG: ["typed", call]}} if encoder.tagged else item
 
     def _decoded(self, results):
