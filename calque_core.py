@@ -1152,9 +1152,13 @@ class ModalHandler:
         role = getattr(self.fn, "_modal_role", {})
         if role.get("kind") == "batched":
             size, out = role["max_batch_size"], []
-            for k in range(0, len(payloads), size):   # a list per parameter, as Modal's
-                columns = zip(*(self._args(item)[0] for item in payloads[k:k + size]))
-                out += self._call([list(c) for c in columns], {})
+            try:
+                for k in range(0, len(payloads), size):   # a list per parameter, as Modal's
+                    columns = zip(*(self._args(item)[0] for item in payloads[k:k + size]))
+                    out += self._call([list(c) for c in columns], {})
+            except Exception as e:   # warmd retries item by item: each item's line says where
+                self._outcome(payloads[0], False, e)
+                raise
             if len(out) != len(payloads):   # warmd names the count
                 return out
             return [self._out(p, v) for p, v in zip(payloads, out)]

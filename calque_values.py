@@ -134,17 +134,28 @@ class Encoder:
         return f"{kind.__module__}:{kind.__qualname__}"
 
 
-def find_class(name, allowed):
-    """The class "module:qualname" names, from a module `allowed` admits only."""
+# what a named class must be to be rebuilt from its tag: never any other class of a module
+KINDS = {"enum": lambda cls: issubclass(cls, enum.Enum),
+         "exception": lambda cls: issubclass(cls, BaseException),
+         "namedtuple": lambda cls: issubclass(cls, tuple) and hasattr(cls, "_fields"),
+         "object": lambda cls: dataclasses.is_dataclass(cls) or hasattr(cls, "model_fields")}
+
+
+def find_class(name, allowed, tag):
+    """The class "module:qualname" names, from a module `allowed` admits, of the kind its tag
+    says (a class of another kind, say subprocess.Popen, is never called)."""
     module, _, qualname = name.partition(":")
     if not allowed(module):
         raise Refused(f"{module}.{qualname} is not rebuilt: not of the app's own modules or the "
                       f"standard library")
-    found = importlib.import_module(module)
-    for part in qualname.split("."):
-        found = getattr(found, part)
-    if not isinstance(found, type):
-        raise Refused(f"{module}.{qualname} is not a class")
+    try:
+        found = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        raise Refused(f"{module}.{qualname} is not found here") from None
+    if not (isinstance(found, type) and KINDS[tag](found)):
+        raise Refused(f"{module}.{qualname} is not rebuilt: no {tag} class")
     return found
 
 
@@ -157,13 +168,15 @@ def decode(value, allowed):
         return value
     if len(value) == 1 and TAG in value:
         tag, payload = value[TAG]
+        if tag not in BUILD:
+            raise Refused(f"no tag {tag!r} in the typed encoding")
         return BUILD[tag](payload, allowed)
     return {k: decode(v, allowed) for k, v in value.items()}
 
 
 def _object(payload, allowed):
     """A dataclass (its init fields passed, the others set after) or a pydantic model."""
-    cls, fields = find_class(payload[0], allowed), decode(payload[1], allowed)
+    cls, fields = find_class(payload[0], allowed, "object"), decode(payload[1], allowed)
     if not dataclasses.is_dataclass(cls):
         return cls(**fields)
     init = {f.name for f in dataclasses.fields(cls) if f.init}
@@ -175,9 +188,7 @@ def _object(payload, allowed):
 
 def _exception(payload, allowed):
     """The exception with its args; one whose __init__ takes others gets them set, not passed."""
-    cls, args = find_class(payload[0], allowed), decode(payload[1], allowed)
-    if not issubclass(cls, BaseException):
-        raise Refused(f"{payload[0]} is not an exception")
+    cls, args = find_class(payload[0], allowed, "exception"), decode(payload[1], allowed)
     try:
         return cls(*args)
     except Exception:
@@ -197,9 +208,9 @@ BUILD = {
     "decimal": lambda p, _: decimal.Decimal(p),
     "uuid": lambda p, _: uuid.UUID(p),
     "path": lambda p, _: getattr(pathlib, p[0] if p[0] in pathlib.__all__ else "Path")(p[1]),
-    "enum": lambda p, allowed: find_class(p[0], allowed)[p[1]],
+    "enum": lambda p, allowed: find_class(p[0], allowed, "enum")[p[1]],
     "exception": _exception,
-    "namedtuple": lambda p, allowed: find_class(p[0], allowed)(*decode(p[1], allowed)),
+    "namedtuple": lambda p, ok: find_class(p[0], ok, "namedtuple")(*decode(p[1], ok)),
     "object": _object,
     "typed": decode,   # a result holding tagged values (encode_result)
 }

@@ -438,7 +438,8 @@ def format_each(outcome, base):
 
 class ItemError(str):
     """A failed item's message ("ValueError: ..."), with `trace`: the frames where it was raised,
-    and `kept`: the message its claim's summary keeps, where one about another file is the same."""
+    `kept`: the message its claim's summary keeps, where one about another file is the same, and
+    `raised`: a `modal run` call's exception, typed, and its app frame (ModalHandler)."""
     trace, kept, raised = (), None, None
 
 

@@ -201,6 +201,12 @@ def test_encoding_round_trip_and_plain_values_untouched():
         import socket
         with socket.socket() as s:
             calque_values.Encoder(allowed, tag_bytes=True).encode(s)
+    for hostile, why in ((["object", ["subprocess:Popen", {"args": ["true"]}]], "no object class"),
+                         (["namedtuple", ["os:system", ["true"]]], "no namedtuple class"),
+                         (["enum", ["os:nothing_here", "A"]], "not found here"),
+                         (["pickle", "gASVAA=="], "no tag 'pickle'")):
+        with pytest.raises(calque_values.Refused, match=why):   # never called, never unpickled
+            calque_values.decode({"$py": hostile}, allowed)
     elsewhere = calque_values.app_modules("/nowhere")   # calque_cost is no module of that app's
     with pytest.raises(calque_values.Refused, match="^calque_cost.X is not rebuilt"):
         calque_values.decode({"$py": ["object", ["calque_cost:X", {}]]}, elsewhere)
@@ -223,3 +229,18 @@ def test_pool_create_prices_a_gpu_list(local_env, tmp_path):
               "--gpus-per-worker", "2", "--workers", "0")
     assert out.returncode == 0, out.stderr
     assert "p4de.24xlarge ($27.4471/h, the cheapest of the cards it accepts)" in out.stdout
+
+
+def test_a_pydantic_model_round_trip(tmp_path, monkeypatch):
+    """A pydantic model (an app's, in its folder) holding another comes back as itself."""
+    pytest.importorskip("pydantic")
+    (tmp_path / "orders.py").write_text(
+        "from pydantic import BaseModel\n\n\nclass Order(BaseModel):\n    sku: str\n    qty: int\n\n\n"
+        "class Quote(BaseModel):\n    order: Order\n    total: float\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import orders
+    allowed = calque_values.app_modules(str(tmp_path))
+    quote = orders.Quote(order=orders.Order(sku="a", qty=2), total=5.0)
+    wire = json.loads(json.dumps(calque_values.encode_result(quote, allowed)))
+    assert wire["$py"][1]["$py"][1][0] == "orders:Quote"
+    assert calque_values.decode_result(wire, allowed) == quote
