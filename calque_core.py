@@ -1197,7 +1197,7 @@ class ModalHandler:
             try:
                 return True, self._out(item, value)
             except calque_values.Refused as e:
-                return False, e
+                return False, TypeError(f"its result: {e}")
         if isinstance(item, dict) and MODAL_CALL_KEY in item:
             frames = [f for f in traceback.extract_tb(value.__traceback__)
                       if os.path.realpath(f.filename).startswith(self.folder)]

@@ -76,6 +76,15 @@ def odd(x):
             "id": uuid.UUID(int=7), 1: "int key", "t": (1, (2,))}}
 
 
+class Opaque:   # neither a dataclass nor a model: no class to rebuild it by
+    pass
+
+
+@app.function()
+def opaque():
+    return Opaque()
+
+
 @app.function()
 def pairs(n: int):
     for k in range(n):
@@ -102,6 +111,8 @@ def main(fail: str = ""):
         plan.remote(Point(), datetime.date(2024, 1, 5))
     if fail == "json":
         odd.remote("json")
+    if fail == "result":
+        opaque.remote()
 '''
 
 
@@ -124,7 +135,7 @@ def test_values_of_modal_idioms_travel(backend, installed, request, tmp_path):
         "{'span': Span(start=1, stop=2), 'set': {3}, 'money': Decimal('1.10'), "
         "'at': datetime.datetime(2024, 5, 6, 7, 8, 9, tzinfo=datetime.timezone.utc), "
         "'id': UUID('00000000-0000-0000-0000-000000000007'), 1: 'int key', 't': (1, (2,))}")
-    assert got["functions"] == ["odd", "pairs", "plan"]
+    assert got["functions"] == ["odd", "opaque", "pairs", "plan"]
     # streamed as yielded
     assert got["pairs"] == [f"({k}, datetime.date(2024, 1, {1 + k}))" for k in range(3)]
     # gpu="any" and a list of fallbacks are priced: the cheapest instance with a card they accept
@@ -137,7 +148,8 @@ def test_values_of_modal_idioms_travel(backend, installed, request, tmp_path):
 def test_refusals_and_the_apps_frame(local_env, tmp_path):
     """An argument of a class no worker can find by name is refused at the call in one line naming
     it and what travels; an uncaught item error raised inside the standard library names the app's
-    line, not the kit's or json's."""
+    line, not the kit's or json's; a result of a class the encoding does not carry fails its item
+    in one line."""
     path, _ = write_app(tmp_path, APP)
     lines = APP.splitlines()
     call, loads = (next(n for n, line in enumerate(lines, 1) if text in line)
@@ -153,6 +165,11 @@ def test_refusals_and_the_apps_frame(local_env, tmp_path):
     assert out.stderr.strip().splitlines()[-1].startswith(
         "calque: error: entrypoint main: an item failed: JSONDecodeError: Expecting property name "
         f"enclosed in double quotes: line 1 column 2 (char 1) (at app.py:{loads} in odd)")
+    out = modal_run(local_env, path, "--fail", "result")   # a result no class rebuilds fails its item
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(
+        "calque: error: entrypoint main: an item failed: TypeError: its result: a "
+        f"calque_modal_app_app.Opaque does not travel ({calque_values.TRAVELS}) ---> HINT: ")
 
 
 class Colour(enum.IntEnum):
