@@ -20,6 +20,7 @@ import argparse, contextlib, ctypes, functools, glob, importlib.util, inspect, j
 import math, os, re, secrets, signal, sqlite3, threading, time, typing
 
 import calque_supervisor
+import calque_values
 
 from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Parser, RUN_RECHECK,
                          ResultsIncomplete, SCALE_IDLE_MINUTES, SEND_BATCH, SUMMARY_POLL_MAX,
@@ -1450,6 +1451,7 @@ class ModalRun:
             self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
         labels = {pool: record["handler"]["class"]} if record else {}
         self.output = calque_supervisor.WorkerOutput(context[1], labels)
+        self.allowed = calque_values.app_modules(os.path.dirname(os.path.abspath(path)))
 
     @staticmethod
     def _key(params):
@@ -1461,13 +1463,37 @@ class ModalRun:
             if key not in self.pools:
                 self.pools[key] = self._ephemeral(target, params)
             try:
+                items = [self._typed(item) for item in items]
                 run = submit(items, pool=self.pools[key], context=self.context)
-            except TypeError as e:   # json_default's: an argument that is no JSON value
-                error = TypeError(f"{target}'s arguments travel as JSON values (Modal pickles "
-                                  f"them): {e}")
-                raise load_modal_shim().app_error(error) from None
+            except TypeError as e:   # calque_values.Refused; an array's tolist() of objects
+                raise load_modal_shim().app_error(TypeError(f"{target}'s arguments: {e}")) from None
             self.runs.append(run)
-        return run.results()
+        return self._decoded(run.results())
+
+    def _typed(self, item):
+        """A call item with its arguments in the typed encoding where JSON cannot say them (the
+        worker's ModalHandler decodes them); a plain call as it is, walked once."""
+        (key, call), = item.items()   # {"__modal_call__": [args, kwargs(, stream)]}
+        if calque_values.plain(call):
+            return item
+        encoder = calque_values.Encoder(self.allowed, tag_bytes=False)   # bytes: the bytes form
+        call = [encoder.encode(call[0]), encoder.encode(call[1]), *call[2:]]
+        return {key: {calque_values.TAG: ["typed", call]}} if encoder.tagged else item
+
+    def _decoded(self, results):
+        """Each result as the call returned it; a failed one's exception rebuilt (`exception`)
+        where its class is the app's or the standard library's, else left to its message."""
+        for result in results:
+            if result["ok"]:
+                try:
+                    result["result"] = calque_values.decode_result(result["result"], self.allowed)
+                except calque_values.Refused as e:
+                    raise load_modal_shim().app_error(e) from None
+            elif "exception" in result.get("raised", {}):
+                raised = result["raised"]["exception"]
+                with contextlib.suppress(Exception):   # a class not found here: RemoteError
+                    result["exception"] = calque_values.decode(raised, self.allowed)
+            yield result
 
     def streamed(self, target, params, stream, after=None, done=False):
         """The chunks a .remote_gen worker wrote after key `after`: [(key, chunk)]; `done` deletes."""
@@ -1475,13 +1501,19 @@ class ModalRun:
         prefix = stream_prefix(self.pools[(target, self._key(params))], stream)
         if done:
             return store.delete_prefix(prefix)
-        return [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
+        chunks = [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
+        for _, chunk in chunks:   # its values in the typed encoding (calque.Streamed)
+            chunk["values"] = calque_values.decode_result(chunk["values"], self.allowed)
+        return chunks
 
     def _ephemeral(self, target, params):
         spec = f"{self.path}:{target}"
         batch_size = pool_settings(self.context[0])["batch_size"]
+        app = {k: v for k, v in sys.modules.items() if k.startswith("calque_modal_app_")}
         modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
                                                 self.volumes, batch_size=batch_size)
+        sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold
+                                  # the entrypoint's classes
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
         print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
         for note in notes:

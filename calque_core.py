@@ -8,6 +8,8 @@ import itertools, threading, time, traceback, typing, uuid, zipfile, sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import calque_values
+
 
 try:
     import orjson   # submit's check of JSONL lines (checked_json); a worker's result lines
@@ -824,13 +826,15 @@ def stream_prefix(model, stream):
 
 class Streamed(list):
     """A generator's items, also written to the store for a .remote_gen call (`stream`) as chunks
-    {"start": index, "values": [...]}, the first at once, then every STREAM_FLUSH s."""
+    {"start": index, "values": [...]} (in the typed encoding: calque_values, classes `allowed`),
+    the first at once, then every STREAM_FLUSH s."""
 
-    def __init__(self, streams, stream):
+    def __init__(self, streams, stream, allowed):
         ok = streams and isinstance(stream, str) and re.fullmatch(r"[0-9a-f]{32}", stream)
         self.store = streams[0] if ok else None
         self.prefix = stream_prefix(streams[1], stream) if ok else None
         self.sent, self.at, self.timer, self.lock = 0, -STREAM_FLUSH, None, threading.Lock()
+        self.allowed = allowed
 
     def add(self, value):
         with self.lock:
@@ -847,6 +851,7 @@ class Streamed(list):
             chunk, prefix = {"start": self.sent, "values": self[self.sent:]}, self.prefix
             self.sent, self.at, self.timer = len(self), time.monotonic(), None
         try:
+            chunk["values"] = calque_values.encode_result(chunk["values"], self.allowed)
             data = json.dumps(chunk, default=to_jsonable).encode()
             if prefix:
                 self.store.put(f"{prefix}{chunk['start']:09d}.json", data)
@@ -893,9 +898,12 @@ def load_handler(path, cls, modal=None, container=False):
 # ------------------------------------------------------------------------------------------------
 # Modal app files as handlers: the stand-in `modal` (modal_shim/modal.py) records what the
 # decorators declare; ModalHandler gives it a handler's shape (docs/modal.md).
-MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]}
+MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]},
+                                     # typed (calque_values) where JSON could not say them
 STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
-MODAL_GPU_ALIASES = {"A100": "A100-40GB", "A100-40G": "A100-40GB", "A100-80G": "A100-80GB"}  # rates
+# a Modal gpu= card as rates.json's cards ("any": the cards Modal's "any" picks from)
+MODAL_GPU_ALIASES = {"A100": ("A100-40GB",), "A100-40G": ("A100-40GB",), "A100-80G": ("A100-80GB",),
+                     "ANY": ("T4", "L4", "A10G")}
 
 
 def parse_source(source, where):
@@ -1074,6 +1082,9 @@ class ModalHandler:
         self.target, self.method, self.options = target, method, options
         self.instance, self.replay, self.loop = None, {}, None
         self.raw = target.user_cls if method else target.raw_f
+        app_file = os.path.realpath(sys.modules[self.raw.__module__].__file__)
+        self.folder = os.path.join(os.path.dirname(app_file), "")
+        self.allowed = calque_values.app_modules(self.folder)   # classes rebuilt: the app's, stdlib
 
     def _run(self, value):
         """A hook's or a call's value, a coroutine's awaited on the handler's one event loop."""
@@ -1131,16 +1142,22 @@ class ModalHandler:
         role = getattr(self.fn, "_modal_role", {})
         if role.get("kind") == "batched":
             size, out = role["max_batch_size"], []
-            for k in range(0, len(payloads), size):   # a list per parameter, as Modal's
-                columns = zip(*(self._args(item)[0] for item in payloads[k:k + size]))
-                out += self._call([list(c) for c in columns], {})
-            return out
+            try:
+                for k in range(0, len(payloads), size):   # a list per parameter, as Modal's
+                    columns = zip(*(self._args(item)[0] for item in payloads[k:k + size]))
+                    out += self._call([list(c) for c in columns], {})
+            except Exception as e:   # warmd retries item by item: each item's line says where
+                self._outcome(payloads[0], False, e)
+                raise
+            if len(out) != len(payloads):   # warmd names the count
+                return out
+            return [self._out(p, v) for p, v in zip(payloads, out)]
         if len(payloads) == 1 and id(payloads[0]) in self.replay:   # warmd retrying one item
             ok, value = self.replay.pop(id(payloads[0]))
             if ok:
                 return [value]
             raise value
-        outcomes = self._each(payloads)
+        outcomes = [self._outcome(p, *one) for p, one in zip(payloads, self._each(payloads))]
         if all(ok for ok, _ in outcomes):
             return [value for _, value in outcomes]
         # warmd retries a failed batch item by item: replay each outcome, not a second call
@@ -1150,16 +1167,44 @@ class ModalHandler:
     def _args(self, item):
         """(args, kwargs) of an item: a `modal run` call's own, else the item (a list splatted)."""
         if isinstance(item, dict) and len(item) == 1 and MODAL_CALL_KEY in item:
-            args, kwargs, *stream = item[MODAL_CALL_KEY]
+            args, kwargs, *stream = calque_values.decode_result(item[MODAL_CALL_KEY], self.allowed)
             return args, kwargs, *stream[:1]
         required = [p for p in inspect.signature(self.fn).parameters.values() if p.default is p.empty]
         return (item if len(required) > 1 and isinstance(item, list) else [item]), {}
+
+    def _out(self, item, value):
+        """A `modal run` call's result in the typed encoding (calque.ModalRun decodes it); a
+        submitted item's as before (plain JSON, a tuple as a list)."""
+        if isinstance(item, dict) and MODAL_CALL_KEY in item:
+            return calque_values.encode_result(value, self.allowed)
+        return value
+
+    def _outcome(self, item, ok, value):
+        """(ok, result) of one item's call, its result encoded (a value that does not travel fails
+        the item); a `modal run` call's exception gets `calque_raised`: itself, typed, and the
+        app's innermost frame, which `modal run` names (warmd puts it in the result line)."""
+        if ok:
+            try:
+                return True, self._out(item, value)
+            except calque_values.Refused as e:
+                return False, TypeError(f"its result: {e}")
+        if isinstance(item, dict) and MODAL_CALL_KEY in item:
+            frames = [f for f in traceback.extract_tb(value.__traceback__)
+                      if os.path.realpath(f.filename).startswith(self.folder)]
+            frames = [f for f in frames if not kit_file(f.filename)]
+            value.calque_raised = raised = {}
+            if frames:
+                at = frames[-1]
+                raised["where"] = f"{os.path.basename(at.filename)}:{at.lineno} in {at.name}"
+            with contextlib.suppress(calque_values.Refused):   # then its type and message only
+                raised["exception"] = calque_values.Encoder(self.allowed, True).encode(value)
+        return False, value
 
     def _call(self, args, kwargs, stream=None):
         out = self._run(self.fn(*args, **kwargs))   # an async @modal.batched's awaited
         if not hasattr(out, "__next__"):
             return out
-        items = Streamed(self.streams, stream)
+        items = Streamed(self.streams, stream, self.allowed)
         try:
             for value in out:
                 items.add(value)
@@ -1194,7 +1239,8 @@ class ModalHandler:
                 try:
                     out = self.fn(*call[0], **call[1])
                     if hasattr(out, "__anext__"):
-                        items = Streamed(self.streams, call[2] if len(call) > 2 else None)
+                        stream = call[2] if len(call) > 2 else None
+                        items = Streamed(self.streams, stream, self.allowed)
                         try:
                             async for value in out:
                                 items.add(value)

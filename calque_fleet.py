@@ -25,19 +25,20 @@ from calque_supervisor import (COLD_EXIT_WAIT, LIVE_STATES, SCALE_INTERVAL, STOP
 # ------------------------------------------------------------------------------------------------
 # 9. across both paths: a Modal app's pool options, the cold baseline, pools' status, the planner
 def modal_gpu(gpu):
-    """(card, count) of a Modal gpu= value ("H100:8", "a10g", or a list of fallbacks: the first)."""
-    if isinstance(gpu, (list, tuple)):
-        gpu = gpu[0] if gpu else None
-    if not isinstance(gpu, str):
-        return None, 0
-    card, _, count = gpu.upper().rstrip("!").partition(":")
-    return MODAL_GPU_ALIASES.get(card, card), int(count or 1)
+    """[(card, count)] of the cards a Modal gpu= value accepts: "H100:8", "a10g", "any" (Modal's
+    T4, L4 or A10G), or a list of fallbacks (any of them); [] for none."""
+    pairs = []
+    for value in gpu if isinstance(gpu, (list, tuple)) else [gpu] if isinstance(gpu, str) else []:
+        card, _, count = value.upper().rstrip("!").partition(":")
+        pairs += [(c, int(count or 1)) for c in MODAL_GPU_ALIASES.get(card, (card,))]
+    return pairs
 
 
-def suggest_instance(rates, card, count):
-    """The cheapest instance type in the rates with at least `count` GPUs of `card`, or None."""
+def suggest_instance(rates, pairs):
+    """The cheapest instance type in the rates with at least `count` GPUs of `card`, for any
+    (card, count) of `pairs`, or None."""
     fits = [(i["usd_per_hour"], name) for name, i in rates["ec2"]["instances"].items()
-            if i.get("serverless_card") == card and i["gpus"] >= count]
+            for card, count in pairs if i.get("serverless_card") == card and i["gpus"] >= count]
     return min(fits)[1] if fits else None
 
 
@@ -83,14 +84,19 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
             notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables "
                          "must be in the workers' environment (pool.env)")
     mounts = modal_volumes(options["volumes"], volumes, workers_here, notes)
-    card, count = modal_gpu(options.get("gpu"))
-    if count > (gpus_per_worker or 1):
+    pairs = modal_gpu(options.get("gpu"))
+    fitting = [(card, count) for card, count in pairs if count <= (gpus_per_worker or 1)]
+    if pairs and not fitting:
+        count = min(count for _, count in pairs)
         raise UserError(f"gpu={options['gpu']!r} asks {count} GPUs per container; this pool gives "
                         f"each worker {gpus_per_worker or 1} ---> HINT: --gpus-per-worker {count}")
-    if card:
-        suggested["instance_type"] = suggest_instance(load_rates(), card, count)
+    if fitting:
+        rates = load_rates()
+        suggested["instance_type"] = name = suggest_instance(rates, fitting)
+        hourly = name and _usd(rates["ec2"]["instances"][name]["usd_per_hour"])
+        price = f" ({hourly}/h, the cheapest of the cards it accepts)" if name else ""
         notes.append(f"gpu={options['gpu']!r}: EC2 instance type for --instances: "
-                     f"{suggested['instance_type'] or 'none in rates.json'}")
+                     f"{name or 'none in rates.json'}{price}")
     retries = options.get("retries")
     if retries is not None:
         suggested["max_deliveries"] = 1 + (retries if isinstance(retries, int) else retries.max_retries)

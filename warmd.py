@@ -367,6 +367,8 @@ def format_each(outcome, base):
         line = {"i": i, "ok": False, "error": value[:calque_core.ERROR_CHARS]}
         if getattr(value, "trace", None):   # an ItemError's frames (none for a wrong result count)
             line["trace"] = value.trace
+        if getattr(value, "raised", None):   # a `modal run` call's exception (calque.ModalHandler)
+            line["raised"] = value.raised
         lines.append(encode_result(line) + "\n")
     text = "".join(lines)
     if cells:
@@ -377,8 +379,9 @@ def format_each(outcome, base):
 
 class ItemError(str):
     """A failed item's message ("ValueError: ..."), with `trace`: the frames where it was raised,
-    and `kept`: the message its claim's summary keeps, where one about another file is the same."""
-    trace, kept = (), None
+    `kept`: the message its claim's summary keeps, where one about another file is the same, and
+    `raised`: a `modal run` call's exception, typed, and its app frame (ModalHandler)."""
+    trace, kept, raised = (), None, None
 
 
 def item_error(error, payload=None):
@@ -390,7 +393,7 @@ def item_error(error, payload=None):
     kept = BYTES_REPR.sub("<the item's bytes>", text)
     named = BYTES_REPR.sub(lambda _: repr(path), text) if isinstance(path, str) else kept
     message = ItemError(named)
-    message.kept = kept
+    message.kept, message.raised = kept, getattr(error, "calque_raised", None)
     message.trace = [f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}: {f.line}"
                      for f in traceback.extract_tb(error.__traceback__)[-calque_core.TRACE_FRAMES:]]
     return message

@@ -244,6 +244,15 @@ class App:
             return fn
         return wrap
 
+    @property
+    def registered_functions(self):
+        """{name: Function} of the app's @app.function functions, as Modal's."""
+        return {k: v for k, v in self.registered.items() if isinstance(v, Function)}
+
+    @property
+    def registered_classes(self):
+        return {k: v for k, v in self.registered.items() if isinstance(v, Cls)}
+
     def include(self, other):
         self.registered.update(other.registered)
         return self
@@ -385,17 +394,24 @@ class _CallForm:
 
 
 def _remote_exception(result):
-    """A failed item's error as Modal raises it: the original builtin type (ValueError("custom error")), which is
-    also a RemoteError; any other type as RemoteError("Type: message"). `where`: its innermost frame
-    outside this stand-in."""
+    """A failed item's error as Modal raises it: the exception the app raised, rebuilt where its
+    class is the app's own or the standard library's (calque.ModalRun), made also a RemoteError; a
+    line without it (the worker's own error) by its builtin type's name; else RemoteError("Type:
+    message"). `where`: the app's innermost frame in it."""
+    error, raised = RemoteError(result["error"]), result.get("exception")
     name, _, message = result["error"].partition(": ")
     base = getattr(builtins, name, None)
-    error = RemoteError(result["error"])
-    if isinstance(base, type) and issubclass(base, Exception):
+    if raised is None and isinstance(base, type) and issubclass(base, Exception):
         with contextlib.suppress(TypeError):
-            error = type(name, (base, RemoteError), {"__module__": "builtins"})(message)
-    frames = [f for f in result.get("trace") or [""] if not f.startswith("modal.py:")]
-    error.where = (frames or result["trace"])[-1].partition(": ")[0]
+            raised = base(message)
+    if raised is not None:
+        kind = type(raised)
+        with contextlib.suppress(TypeError):   # a class that cannot be mixed with RemoteError
+            mixed = type(kind.__name__, (kind, RemoteError), {"__module__": kind.__module__,
+                                                               "__qualname__": kind.__qualname__})
+            error = mixed.__new__(mixed, *raised.args)
+            error.args, error.__dict__ = raised.args, vars(raised)
+    error.where = (result.get("raised") or {}).get("where")
     return error
 
 

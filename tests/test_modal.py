@@ -14,6 +14,7 @@ import pytest
 from conftest import PY, ROOT, backend_for, cli, wait_for, write_items
 import calque_core
 import calque_fleet
+import calque_values
 
 APP = '''
 import json
@@ -338,7 +339,8 @@ def test_modal_idioms_under_modal_run(local_env, tmp_path):
         "gen": [0, True, 1, 2],
         "gen_aio": [0, 1], "batched": [0, 2, 4, 6, 8, 10], "gather": [dict(row, area=20)] * 2, "id": True,
         "raised": "negative -1",
-        "not_json": "work's arguments travel as JSON values (Modal pickles them): object is not JSON-serialisable"}
+        "not_json": f"work's arguments: a builtins.object does not travel "
+                    f"({calque_values.TRAVELS})"}
     assert "[work w0] work 3 1" in out.stderr and "[work w0] to stderr" in out.stderr
     assert "[work w0] work 7 1" in out.stderr   # the spawn_map call ran
     assert "Traceback" not in out.stderr and "modal-idioms" not in cli(env, "pool", "list").stdout
