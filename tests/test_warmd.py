@@ -407,7 +407,7 @@ def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, 
     worker.work()
     summaries = calque_core.read_summaries(backend, run["run_id"])
     assert len(summaries) == 2 and all(s["status"] == "ok" for s in summaries)
-    assert worker.enter_count == 1 and faults == {"receive": 0, "put": 0}
+    assert worker.accounts.enter_count == 1 and faults == {"receive": 0, "put": 0}
     assert sorted(s["receive_count"] for s in summaries) == [1, 2]    # the claim whose write failed came back
 
 
