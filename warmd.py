@@ -60,6 +60,7 @@ import sysconfig
 import threading
 import time
 import traceback
+import collections
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -127,12 +128,8 @@ class ClaimTooLong(Exception):
     """The drain loop stopped a claim near SQS's cap on its invisibility: dead-letter it (why)."""
 
 
-class Prepared:
-    """One batch as the handler will receive it, plus the ring slot and CUDA event that back it."""
-    __slots__ = ("inputs", "slot", "event")
-
-    def __init__(self, inputs, slot=None, event=None):
-        self.inputs, self.slot, self.event = inputs, slot, event
+# One batch as the handler will receive it, plus the ring slot and CUDA event that back it
+Prepared = collections.namedtuple("Prepared", "inputs slot event", defaults=(None, None))
 
 
 # How a claim's batches are prepared, decided once per claim by Collator.claim_kind
@@ -603,8 +600,7 @@ def release_orphaned_claims(folder, queue):
         with contextlib.suppress(OSError, ValueError):
             fd = os.open(path, os.O_RDONLY)
             try:
-                if not try_lock(fd):   # its worker lives
-                    continue
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # its worker lives: BlockingIOError
                 held = json.loads(os.read(fd, 1 << 20) or b"[]")
                 if os.fstat(fd).st_ino == os.stat(path).st_ino:   # (not a new worker's file of that name)
                     os.remove(path)
@@ -615,14 +611,6 @@ def release_orphaned_claims(folder, queue):
                                  os.path.basename(path))
             finally:
                 os.close(fd)
-
-
-def try_lock(fd):
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
 
 
 class Heartbeat:
@@ -658,9 +646,6 @@ class Watchdog:
     def arm(self, on_overrun, on_call=None):
         with self.lock:
             self.on_overrun, self.on_call, self.running = on_overrun, on_call, None
-
-    def disarm(self):
-        self.arm(None)
 
     def watch(self, offsets):
         """A handler call on these items starts (None: ends); waits while an overrun is handled."""
@@ -1065,10 +1050,6 @@ class Worker:
         """SIGUSR2, another worker of the pool died: commit under churn too, at this one's age."""
         self.churn.seen(time.time() - self.accounts.started)
 
-    def request_stop(self):
-        """The spot poller's notice: the same warm stop as SIGTERM."""
-        os.kill(os.getpid(), signal.SIGTERM)
-
     def leave(self):
         """Its instance is terminating: the scale-in stop; the hook completed at exit."""
         self.protection.leaving = True
@@ -1085,7 +1066,8 @@ class Worker:
             import calque_ec2   # lazy: an instance's metadata, read only where it is
             calque_ec2.SpotPoller(self.conf["CALQUE_SPOT_POLL"],
                        calque_core.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
-                       self.request_stop, self.leave if self.protection else None)
+                       functools.partial(os.kill, os.getpid(), signal.SIGTERM),   # a warm stop
+                       self.leave if self.protection else None)
         reason = "?"
         try:
             self.start_counted()
@@ -1228,7 +1210,7 @@ class Worker:
                 if self.finishing is not None:
                     self.finishing.result()
             finally:
-                self.watchdog.disarm()
+                self.watchdog.arm(None)
         if claim.ended:
             return claim.stop_reason
         if not pipelined:
@@ -1728,20 +1710,19 @@ class Intake:
         if self.spool_folder:
             claim.spool = Spool(self.spool_folder, claim)
         limit, rc = self.record["max_deliveries"], message.receive_count
+        spent = f"delivered {rc} times, more than the pool's max deliveries {limit}"
         if rc > 1 or msg.get("resume") is True:   # not on a first delivery
             try:
                 self.take_over(claim)
             except Exception as e:   # a refusal (AccessDenied) or a fault: this delivery is spent
                 if rc <= limit:
                     raise            # let go, to come back after fault_delay
-                return self.dead_letter(claim, f"delivered {rc} times, more than the pool's max "
-                                               f"deliveries {limit}, and what earlier deliveries "
-                                               f"left cannot be read: {calque_core.aws_error_line(e)}", msg)
+                return self.dead_letter(claim, f"{spent}, and what earlier deliveries left cannot "
+                                               f"be read: {calque_core.aws_error_line(e)}", msg)
         if rc > limit and rc - claim.progress_at > limit:
-            return self.dead_letter(claim, f"delivered {rc} times, more than the pool's max "
-                                           f"deliveries {limit}, with no progress (no new "
-                                           "result part, no death pinned on an item, no item "
-                                           f"quarantined) in the last {limit}", msg)
+            return self.dead_letter(claim, f"{spent}, with no progress (no new result part, no "
+                                           f"death pinned on an item, no item quarantined) in "
+                                           f"the last {limit}", msg)
         return True
 
     def pool_version_now(self):
@@ -1862,12 +1843,18 @@ class Intake:
         message = claim.message
         run_id, claim_id = (msg or {}).get("run_id"), (msg or {}).get("claim")
         known = all(isinstance(v, str) and calque_core.SAFE_ID.match(v) for v in (run_id, claim_id))
-        if known:
-            try:    # another model's run may be out of this worker's reach (its IAM role)
-                self.write_failure_summary(claim, run_id, claim_id, reason, note)
-            except Exception as e:
-                log.warning("worker %s: no failure summary for %s/%s (%s: %s)", self.worker_id,
-                            run_id, claim_id, type(e).__name__, e)
+        try:    # a summary for a waiting submitter (another model's run may be out of reach: IAM)
+            key = calque_core.summary_key(run_id, claim_id)
+            if known and not self.backend.store.exists(key):
+                now = time.time()
+                summary = self.accounts.summary(message, run_id, claim_id, now, now,
+                                                extra_other=2,   # + the DLQ send and the delete
+                                                error=reason, notes=[f"dead-lettered: {note}"])
+                own = calque_core.run_slug(run_id) == self.record["slug"]   # else no retries
+                (claim.put if own else self.backend.store.put)(key, json.dumps(summary, indent=1))
+        except Exception as e:
+            log.warning("worker %s: no failure summary for %s/%s (%s: %s)", self.worker_id,
+                        run_id, claim_id, type(e).__name__, e)
         self.dlq.send(json.dumps({"reason": reason, "body": message.body,
                                   "receive_count": message.receive_count,
                                   "worker_id": self.worker_id, "at": calque_core.now_iso(),
@@ -1876,19 +1863,6 @@ class Intake:
         self.queue.delete(message)
         log.warning("worker %s: claim to dead-letter queue %s: %s", self.worker_id,
                     self.record["dlq"], reason)
-
-    def write_failure_summary(self, claim, run_id, claim_id, reason, note):
-        """The summary of a claim that was not run (unless one exists), for a waiting submitter."""
-        key = calque_core.summary_key(run_id, claim_id)
-        if not self.backend.store.exists(key):
-            now = time.time()
-            summary = json.dumps(self.accounts.summary(claim.message, run_id, claim_id, now, now,
-                                                       extra_other=2,   # + the DLQ send and the delete
-                                                       error=reason,
-                                                       notes=[f"dead-lettered: {note}"]),
-                                 indent=1)
-            own = calque_core.run_slug(run_id) == self.record["slug"]   # another's may be out of reach
-            (claim.put if own else self.backend.store.put)(key, summary)
 
 
 class Churn:
@@ -2026,50 +2000,47 @@ class Model:
         """([(ok, result or error)], model s, collate wait s) for one batch, under the watchdog."""
         self.watchdog.watch(offsets)
         try:
-            return self._call(future, payloads, offsets, kind)
+            t0 = time.perf_counter()
+            try:   # a failed collation: the items are tried one by one below, each failing alone
+                prepared = future.result() if future else self.collator.prepare(payloads, kind)
+            except Exception:
+                prepared = None
+            wait = time.perf_counter() - t0 if future else 0.0
+            model = 0.0
+            if prepared is not None:
+                t0 = self.model_clock()
+                try:
+                    outputs = self.batch_fn(self.collator.inputs(prepared))
+                    model = self.model_clock() - t0
+                    try:
+                        rows = calque_core.batch_rows(outputs, len(payloads))
+                        return [(True, o) for o in rows], model, wait
+                    except ValueError as e:     # the wrong count or shape: all fail, none retried
+                        return [(False, str(e))] * len(payloads), model, wait
+                except Exception:
+                    model = self.model_clock() - t0
+                finally:
+                    self.collator.release(prepared)
+            outcome = []
+            for offset, payload in zip(offsets, payloads):
+                self.watchdog.watch([offset])
+                t0 = self.model_clock()
+                try:
+                    single = self.collator.prepare([payload], kind)
+                    try:
+                        out = self.batch_fn(self.collator.inputs(single))
+                    finally:
+                        self.collator.release(single)
+                    try:
+                        outcome.append((True, calque_core.batch_rows(out, 1)[0]))
+                    except ValueError as e:
+                        outcome.append((False, str(e)))
+                except Exception as e:
+                    outcome.append((False, item_error(e, payload)))
+                model += self.model_clock() - t0
+            return outcome, model, wait
         finally:
             self.watchdog.watch(None)
-
-    def _call(self, future, payloads, offsets, kind):
-        t0 = time.perf_counter()
-        try:   # a failed collation: the items are tried one by one below, each failing alone
-            prepared = future.result() if future else self.collator.prepare(payloads, kind)
-        except Exception:
-            prepared = None
-        wait = time.perf_counter() - t0 if future else 0.0
-        model = 0.0
-        if prepared is not None:
-            t0 = self.model_clock()
-            try:
-                outputs = self.batch_fn(self.collator.inputs(prepared))
-                model = self.model_clock() - t0
-                try:
-                    rows = calque_core.batch_rows(outputs, len(payloads))
-                    return [(True, o) for o in rows], model, wait
-                except ValueError as e:     # the wrong count or shape: all fail, none retried
-                    return [(False, str(e))] * len(payloads), model, wait
-            except Exception:
-                model = self.model_clock() - t0
-            finally:
-                self.collator.release(prepared)
-        outcome = []
-        for offset, payload in zip(offsets, payloads):
-            self.watchdog.watch([offset])
-            t0 = self.model_clock()
-            try:
-                single = self.collator.prepare([payload], kind)
-                try:
-                    out = self.batch_fn(self.collator.inputs(single))
-                finally:
-                    self.collator.release(single)
-                try:
-                    outcome.append((True, calque_core.batch_rows(out, 1)[0]))
-                except ValueError as e:
-                    outcome.append((False, str(e)))
-            except Exception as e:
-                outcome.append((False, item_error(e, payload)))
-            model += self.model_clock() - t0
-        return outcome, model, wait
 
 
 class Accounts:
@@ -2202,12 +2173,8 @@ def main(argv=None):
         if argv is None:   # a command line: in the kit's .venv when this Python lacks its packages
             calque_core.kit_python(sys.argv[1:], os.path.abspath(__file__))
         args = parser.parse_args(argv)
-    except calque_core.UserError as e:
-        print(f"warmd: error: {e}", file=sys.stderr)
-        return calque_core.EXIT_USAGE
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
-    faulthandler.enable()   # a handler that crashes the process (a segfault) leaves its traceback in the worker log
-    try:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
+        faulthandler.enable()   # a handler that crashes the process (a segfault) leaves its traceback in the worker log
         conf = calque_core.settings()
         # check the store under the pool's own folder, the only one a least-privilege worker role may list
         own_folder = f"pools/{calque_core.slug(args.model)}/" if args.model else f"runs/{args.run}/"
