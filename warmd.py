@@ -1206,7 +1206,7 @@ class Worker:
         self.watchdog.arm(lambda offsets: self.overrun(claim, offsets), on_call)
         with self.ending(claim):
             try:
-                self.drain(claim)
+                claim.run()
                 if self.finishing is not None:
                     self.finishing.result()
             finally:
@@ -1217,25 +1217,6 @@ class Worker:
             return self.finish_claim(claim)
         self.finishing = self.finisher.submit(self.finish_claim, claim)
         return None
-
-    def drain(self, claim):
-        """Run the claim's items (@enter first on a cold worker); ClaimReleased if given back."""
-        gpu = self.accounts.gpu
-        gpu.start()
-        try:
-            if self.accounts.entered_at is None:     # a cold worker pays its load in its first claim
-                self.accounts.enter(self.enter_fn)
-                claim.enter_paid = self.accounts.enter_seconds
-                claim.acquisition = self.accounts.acquisition_seconds
-            claim.run()
-        finally:
-            claim.gpu = gpu.stop()
-            if claim.spool:
-                claim.spool.close()
-            if isinstance(claim.items, FetchedItems):
-                claim.items.close()
-        if claim.heartbeat.lost.is_set():
-            raise ClaimReleased("lease lost")
 
     def reach_ahead(self, claim, offsets):
         """As each handler call of a pipelined claim starts (offsets) and ends (None): the call that
@@ -1408,21 +1389,26 @@ class ClaimRun:
         return f"(delivery {self.message.receive_count})"
 
     def run(self):
-        """Items [start, n) unit by unit (plan), each collated ahead where pipelined (collated),
-        called (run_unit), its lines kept (keep); parts at checkpoints, and the end. Quarantined
-        items fail unrun; a batch that raises is retried item by item. Results are serialised here
-        (GIL-bound work would slow a model beside it)."""
-        model = self.worker.model
-        self.kind = model.collator.claim_kind(self.items)
-        units, lone = self.plan()
-        runnable = units   # nothing quarantined (nearly always): no str(k) per item
-        if self.quarantined:
-            runnable = [[k for k in unit if str(k) not in self.quarantined] for unit in units]
+        """Items [start, n) (@enter first on a cold worker) unit by unit (plan), each collated
+        ahead where pipelined (collated), called (run_unit), its lines kept (keep); parts at
+        checkpoints, and the end. Quarantined items fail unrun; a batch that raises is retried item
+        by item. Results are serialised here (GIL-bound work would slow a model beside it).
+        ClaimReleased where it is given back."""
+        model, accounts = self.worker.model, self.worker.accounts
         ahead, batching = {}, False   # unit -> its batch's future, collated beside the model
-        self.last_commit = self.reported_at = time.monotonic()
-        if self.formatted:   # the spool's lines (take_over): a part before anything else
-            self.commit()
+        accounts.gpu.start()
         try:
+            if accounts.entered_at is None:     # a cold worker pays its load in its first claim
+                accounts.enter(self.worker.enter_fn)
+                self.enter_paid, self.acquisition = accounts.enter_seconds, accounts.acquisition_seconds
+            self.kind = model.collator.claim_kind(self.items)
+            units, lone = self.plan()
+            runnable = units   # nothing quarantined (nearly always): no str(k) per item
+            if self.quarantined:
+                runnable = [[k for k in unit if str(k) not in self.quarantined] for unit in units]
+            self.last_commit = self.reported_at = time.monotonic()
+            if self.formatted:   # the spool's lines (take_over): a part before anything else
+                self.commit()
             for u, unit in enumerate(units):
                 self.check()
                 single = unit.start in lone
@@ -1446,9 +1432,16 @@ class ClaimRun:
                 elif self.kind == BY_HANDLER and not first:
                     model.deepen(self.wait_seconds - waited, self.model_seconds - busy)
                 self.keep(unit, format_outcome(outcome, self.first + unit.start))
+            self.commit()
         finally:
             model.release(ahead.values())
-        self.commit()
+            self.gpu = accounts.gpu.stop()
+            if self.spool:
+                self.spool.close()
+            if isinstance(self.items, FetchedItems):
+                self.items.close()
+        if self.heartbeat.lost.is_set():
+            raise ClaimReleased("lease lost")
 
     def plan(self):
         """(units, the offsets that run alone): items [start, n) batch_size at a time (all at once
