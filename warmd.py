@@ -4,16 +4,17 @@
     python warmd.py --run RUN       # a cold run's worker: @enter in its first claim, drains, exits
 
 All it runs comes from the pool record in the store, never from a message. The rooms:
-  Worker    the process: start (queues, handler, @enter), signals, the loop (_loop_once: the claim
-            ahead, Ahead, or a poll), stop; each delivery handed to a ClaimRun (open_claim,
-            run_claim, finish_claim), and its end when it cannot finish (ending)
-  ClaimRun  one delivery's execution: its unit plan, batches, checkpoints and parts, attempt
-            record, summary (finish), or let_go; acked by Acks (add, flush)
-  Intake    the redelivery and poison rules: accept (dead letters, duplicates, versions), and
-            take_over (earlier parts, the spool, deaths, quarantines)
-  Churn     the pool's deaths as this worker knows them: the part cadence, churn marks
+  Worker    the process: start (queues, handler, @enter), signals, the loop (_loop_once: a poll or
+            the claim ahead, Ahead), stop; each delivery is a ClaimRun (open_claim, run_claim,
+            finish_claim on the finisher), let go or dead-lettered where it cannot finish (ending)
+  ClaimRun  one delivery, on the threads that work for it: its plan of units, batches, spool,
+            parts, progress and attempt record, summary (finish), ack (Acks), or let_go
+  Intake    the redelivery and poison rules: accept (dead letters, duplicates, other versions),
+            take_over (what earlier deliveries left: parts, spool, deaths, poison, overruns)
+  Churn     the pool's deaths as this worker knows them: the part cadence, churn marks, how a
+            dead worker ended
   Model     the handler's batch calls under the Watchdog, collated beside the model (Collator)
-  Accounts  the worker's counters and stats, a claim summary's identity and requests
+  Accounts  the worker's counters and stats; a claim summary's identity and requests
 The rules (checkpoints, poison, dead letters, hung batches, faults, claims ahead, signals) are
 docs/contract.md's.
 """
@@ -38,7 +39,7 @@ docs/contract.md's.
 #                  a terminating instance -> SIGUSR1
 #   output         Output.flush every OUTPUT_FLUSH s         the store             Output.flushing
 #   (pipe copier)  fds 1 and 2 -> the log and Output.add     Output.parts          Output.lock
-# A thread that works for a claim counts its requests there (Worker.ending); its writes check its lease.
+# A thread working for a claim counts its requests there (Worker.ending); its writes check its lease
 import argparse
 import contextlib
 import faulthandler
@@ -866,10 +867,7 @@ class Spool:
 
 
 class Worker:
-    """The process: its start (queues, handler, @enter), its signals, its loop (the claim ahead or a
-    poll; run_claim; the finisher beside the next claim) and its stop. It hands each delivery to a
-    ClaimRun, which the Intake accepts or refuses, whose batches the Model calls, and which the
-    Accounts count."""
+    """The process: its start, signals, loop and stop (the module's map says what each room does)"""
 
     def __init__(self, backend, record, stats_key_prefix, conf, ephemeral, supervisor_pid=0,
                  ready_file="", spawned_at=None, previous_life=None, gpu_index=0):   # HANDOFF_FLAGS
@@ -885,8 +883,7 @@ class Worker:
         self.poll_wait = (COLD_POLL_WAIT if ephemeral
                           else calque_core.setting_number(conf, "CALQUE_POLL_WAIT", float, 0))
         self.state = "starting"          # starting | backoff | polling | claim | between | stopping
-        self.stop_requested = False
-        self.scaling_in = False          # a scale-in stop (SIGUSR1): a claim received still runs
+        self.stop_requested = self.scaling_in = False   # scale-in (SIGUSR1): a received claim runs
         self.release_now = threading.Event()
         self.retrying = threading.Event()   # a store write of a claim is failing and being retried
         self.supervisor, self.ready_file = supervisor_pid, ready_file   # from a pool supervisor
@@ -1002,11 +999,9 @@ class Worker:
 
     def run_exit_hooks(self):
         """A Modal handler's @modal.exit / __exit__ at the end; a failing one is logged."""
-        entered = self.accounts.entered_at is not None
-        hooks = getattr(self.handler, "calque_exit", None) if entered else None
-        if hooks:
+        if self.accounts.entered_at is not None and hasattr(self.handler, "calque_exit"):
             try:
-                hooks()
+                self.handler.calque_exit()
             except Exception as e:
                 log.warning("worker %s: @modal.exit failed (%s: %s)", self.worker_id,
                             type(e).__name__, e)
@@ -1100,7 +1095,8 @@ class Worker:
     def _loop_once(self):
         """One pass: the claim ahead, else a poll, then run it. The reason to stop, or None."""
         if self.intake.replaced_by:
-            return f"the pool runs version {self.intake.replaced_by} now (pool deploy): restarting on it"
+            return (f"the pool runs version {self.intake.replaced_by} now (pool deploy): "
+                    "restarting on it")
         if self.stop_requested:
             return "stop requested"
         if self.supervisor and os.getppid() != self.supervisor:
@@ -1184,8 +1180,8 @@ class Worker:
         return reason
 
     def open_claim(self, message, requests):
-        """A received message, accepted under a new heartbeat: the ClaimRun to run, or None when it
-        was handled here (dead-lettered, a duplicate acked, let go). `requests`: those made for it."""
+        """A received message, accepted under a new heartbeat: the ClaimRun to run, or None where
+        it was handled here (dead-lettered, a duplicate acked, let go). `requests`: made for it."""
         claim = ClaimRun(self, message, requests)
         with self.ending(claim):
             claim.accepted = self.intake.accept(claim)
@@ -1253,9 +1249,9 @@ class Worker:
                 claim.stop_reason = f"{why}: claim released"
             except ClaimTooLong as e:
                 claim.heartbeat.stop()
-                self.intake.dead_letter(claim, str(e), {"run_id": claim.run_id, "claim": claim.claim_id},
-                                        f"stopped near SQS's 12 h cap, {claim.committed} item(s) "
-                                        "done and kept")
+                named = {"run_id": claim.run_id, "claim": claim.claim_id}
+                self.intake.dead_letter(claim, str(e), named, f"stopped near SQS's 12 h cap, "
+                                        f"{claim.committed} item(s) done and kept")
             except ClaimReleased as e:
                 if not claim.heartbeat.lost.is_set():   # ours to give back: visible again at once
                     claim.let_go(0, str(e))
@@ -1263,8 +1259,10 @@ class Worker:
                     claim.heartbeat.stop()
                     log.warning("worker %s: claim %s lease lost: not writing it", self.worker_id,
                                 claim)
-            except Exception as e:
-                claim.let_go(claim.fault_delay(), f"{type(e).__name__}: {e}")
+            except Exception as e:   # a fault: a delay doubling a delivery (not spent by an outage)
+                delay = RELEASE_DELAY * 2 ** (claim.message.receive_count - 1)
+                delay = min(delay, self.record["visibility_timeout"])
+                claim.let_go(delay, f"{type(e).__name__}: {e}")
             else:
                 return
             claim.ended = True
@@ -1350,12 +1348,9 @@ class Worker:
 
 
 class ClaimRun:
-    """One delivery from its receipt to its end, on whichever thread works for it (the loop, the
-    ahead thread, the finisher, the watchdog): accepted by the Intake, its batches run (run), what
-    it did kept (keep: spool, parts, progress; its attempt record), its summary written (finish),
-    or let go (let_go). Offsets: positions in the claim. Its writes stop once its own lease is
-    lost. It reads the worker's settings and rooms, and changes none of the worker's state."""
-    progress_failed = False   # a progress write failed in this process (report_progress: logged once)
+    """One delivery from its receipt to its end (offsets: positions in the claim). Its writes stop
+    once its lease is lost; it reads the worker's settings and rooms, changes no worker state."""
+    progress_failed = False   # a progress write failed in this process (logged once)
 
     def __init__(self, worker, message, requests):
         self.worker, self.message = worker, message
@@ -1400,7 +1395,8 @@ class ClaimRun:
         try:
             if accounts.entered_at is None:     # a cold worker pays its load in its first claim
                 accounts.enter(self.worker.enter_fn)
-                self.enter_paid, self.acquisition = accounts.enter_seconds, accounts.acquisition_seconds
+                self.enter_paid = accounts.enter_seconds
+                self.acquisition = accounts.acquisition_seconds
             self.kind = model.collator.claim_kind(self.items)
             units, lone = self.plan()
             runnable = units   # nothing quarantined (nearly always): no str(k) per item
@@ -1488,7 +1484,7 @@ class ClaimRun:
         """[(ok, result or error)] for a unit's items: the quarantined ones fail with the reason."""
         ran, t0 = {}, time.perf_counter()
         payloads, missing = gather(self.items, runnable)
-        if prepared is None and isinstance(self.items, FetchedItems):   # the model waited on a fetch
+        if prepared is None and isinstance(self.items, FetchedItems):   # the model waited: a fetch
             self.wait_seconds += time.perf_counter() - t0
         if missing:
             runnable = [k for k in runnable if k not in missing]
@@ -1499,7 +1495,8 @@ class ClaimRun:
             if len(runnable) == len(unit):   # nothing quarantined: the unit's outcome, in order
                 return outcome
             ran = dict(zip(runnable, outcome))
-        return [ran[k] if k in ran else (False, missing.get(k) or self.quarantined[str(k)]) for k in unit]
+        return [ran[k] if k in ran else (False, missing.get(k) or self.quarantined[str(k)])
+                for k in unit]
 
     def keep(self, unit, lines):
         """A unit's result lines: spooled, held for the next part, progress said every
@@ -1521,7 +1518,8 @@ class ClaimRun:
         stop = ready[-1][0]
         suffix, data = calque_core.encode_part([c for _, (chunks, _, _) in ready for c in chunks])
         t0 = time.monotonic()
-        self.put(calque_core.part_key(self.run_id, self.claim_id, self.committed, stop, suffix), data)
+        self.put(calque_core.part_key(self.run_id, self.claim_id, self.committed, stop, suffix),
+                 data)
         self.worker.churn.part_seconds = time.monotonic() - t0
         for _, (_, failed, errors) in ready:
             self.failed += failed
@@ -1537,8 +1535,9 @@ class ClaimRun:
         (best effort, not retried: the next one or the summary says it; a failure logged once)."""
         self.reported_at, worker = time.monotonic(), self.worker
         try:
-            worker.backend.store.put(calque_core.progress_key(self.run_id, self.claim_id), json.dumps(
-                {"done": done, "worker_id": worker.worker_id, "at": calque_core.now_iso()}))
+            progress = {"done": done, "worker_id": worker.worker_id, "at": calque_core.now_iso()}
+            worker.backend.store.put(calque_core.progress_key(self.run_id, self.claim_id),
+                                     json.dumps(progress))
         except Exception as e:
             if not ClaimRun.progress_failed:
                 log.warning("worker %s: progress of claim %s/%s not written (%s); submit shows it "
@@ -1550,7 +1549,8 @@ class ClaimRun:
         """The claim's attempt record: `state` running (`running` runs alone now), suspect (they
         overran) or released (let go alive); deaths, quarantines and progress carry over."""
         self.record = dict(self.record, state=state, running=list(running),
-                           worker_id=self.worker.worker_id, receive_count=self.message.receive_count,
+                           worker_id=self.worker.worker_id,
+                           receive_count=self.message.receive_count,
                            covered=self.committed, progress_at=self.progress_at,
                            quarantined=self.quarantined, at=calque_core.now_iso(),
                            alive=round(time.time() - self.received, 3), **fields)
@@ -1627,11 +1627,6 @@ class ClaimRun:
         log.warning("worker %s: claim %s let go (%s); visible again in %.0fs", worker.worker_id,
                     self, why, delay)
 
-    def fault_delay(self):
-        """s a claim let go on a fault stays invisible: an outage must not spend its deliveries."""
-        delay = RELEASE_DELAY * 2 ** (self.message.receive_count - 1)
-        return min(delay, self.worker.record["visibility_timeout"])
-
     def too_long(self):
         """Why a claim stopped near SQS's cap, and how to split such claims."""
         hours = (time.monotonic() - self.heartbeat.cap + SQS_MAX_INVISIBLE) / 3600
@@ -1643,14 +1638,13 @@ class ClaimRun:
 
 
 class Intake:
-    """The redelivery and poison rules (docs/contract.md): whether a delivery runs (accept: one that
-    cannot is dead-lettered, a duplicate acked, another version's claim given back), and on a
-    redelivery what the earlier ones left (take_over: their parts, this machine's spool, their
-    attempt record: deaths, poison, overruns)."""
+    """The redelivery and poison rules (docs/contract.md): whether a delivery runs (accept), and
+    what earlier deliveries left it (take_over)."""
 
     def __init__(self, worker, dlq):
         self.worker_id, self.backend, self.record = worker.worker_id, worker.backend, worker.record
-        self.queue, self.dlq, self.accounts, self.churn = worker.queue, dlq, worker.accounts, worker.churn
+        self.queue, self.dlq, self.accounts = worker.queue, dlq, worker.accounts
+        self.churn = worker.churn
         self.ephemeral, self.spool_folder = worker.ephemeral, worker.spool_folder
         self.items_of, self.reader = worker.manifest_items, worker.reader
         self.network = self.backend.kind != "local"
@@ -1709,7 +1703,7 @@ class Intake:
                 self.take_over(claim)
             except Exception as e:   # a refusal (AccessDenied) or a fault: this delivery is spent
                 if rc <= limit:
-                    raise            # let go, to come back after fault_delay
+                    raise            # let go, to come back after a delay (Worker.ending)
                 return self.dead_letter(claim, f"{spent}, and what earlier deliveries left cannot "
                                                f"be read: {calque_core.aws_error_line(e)}", msg)
         if rc > limit and rc - claim.progress_at > limit:
@@ -1859,16 +1853,16 @@ class Intake:
 
 
 class Churn:
-    """What this worker knows of its pool's deaths: the life of the latest one seen (a dead claim's
-    redelivery, a sibling's SIGUSR2), which sets how often parts go under churn (due); the marks
-    of innocent deaths in the store, past which poison takes one death more (churning); and how a
-    dead worker ended (how_it_ended)."""
+    """The pool's deaths as this worker knows them: the life of the latest one seen (a dead claim's
+    redelivery, a sibling's SIGUSR2) sets the part cadence (due); innocent deaths marked in the
+    store make poison take one death more (churning)."""
 
     def __init__(self, worker, stats_prefix, previous_life):
-        self.store, self.stats_prefix, self.worker_id = worker.backend.store, stats_prefix, worker.worker_id
-        conf = worker.conf
-        self.checkpoint_seconds = calque_core.setting_number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
-        self.checkpoint_batches = calque_core.setting_number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
+        self.store, self.stats_prefix = worker.backend.store, stats_prefix
+        self.worker_id = worker.worker_id
+        number, conf = calque_core.setting_number, worker.conf
+        self.checkpoint_seconds = number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
+        self.checkpoint_batches = number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
         self.life, self.at = previous_life, time.time()   # s the latest death seen lived; when seen
         self.part_seconds = 0.0          # s the latest result part's PUT took (interval)
 
@@ -1928,9 +1922,9 @@ class Churn:
 
 
 class Model:
-    """The handler's batch calls, each timed by the watchdog, their inputs collated (Collator) on the
-    pipeline thread beside the model where that can release the GIL, and further ahead on the
-    collate threads while the model waits on a handler's own collate (deepen)."""
+    """The handler's batch calls, timed by the watchdog; their inputs collated (Collator) on the
+    pipeline thread beside the model where that can release the GIL, further ahead on the collate
+    threads while the model waits on a handler's own collate (deepen)."""
 
     def __init__(self, worker_id, batch_fn, collate, watchdog):
         self.worker_id, self.batch_fn, self.watchdog = worker_id, batch_fn, watchdog
@@ -1955,7 +1949,8 @@ class Model:
         further ahead); None unless pipelined. Items by reference are awaited on that thread."""
         if not offsets or not self.pipelined(kind):
             return None
-        return (self.decoders if beside else self.prefetcher).submit(self._collate, items, offsets, kind)
+        pool = self.decoders if beside else self.prefetcher
+        return pool.submit(self._collate, items, offsets, kind)
 
     def _collate(self, items, offsets, kind):
         payloads = gather(items, offsets)[0]
@@ -2038,8 +2033,7 @@ class Model:
 
 class Accounts:
     """The worker's counters (claims, items, busy time, @enter, the sums a claim's cost is fitted
-    from) and the stats it writes that submit, pool status and the supervisor read; a claim's
-    summary with the worker's identity and the requests made for it."""
+    from), its stats (submit, pool status and the supervisor read them), a claim's summary."""
 
     def __init__(self, worker, stats_key, spawned_at, gpu):
         self.worker_id, self.backend, self.conf = worker.worker_id, worker.backend, worker.conf
@@ -2049,9 +2043,7 @@ class Accounts:
         self.started = time.time()
         self.spawned_at = spawned_at or self.started
         self.acquisition_seconds = 0.0   # process spawn -> ready to load; charged to a cold worker's first claim
-        self.entered_at = None
-        self.enter_seconds = 0.0
-        self.enter_count = 0
+        self.entered_at, self.enter_seconds, self.enter_count = None, 0.0, 0   # @enter's
         self.stats = Counter()           # claims, warm_hits, items, items_failed
         self.busy_seconds = 0.0
         # sums over its claims that submit fits a claim's cost from (calque.claim_costs): claims, items,
@@ -2166,8 +2158,9 @@ def main(argv=None):
         if argv is None:   # a command line: in the kit's .venv when this Python lacks its packages
             calque_core.kit_python(sys.argv[1:], os.path.abspath(__file__))
         args = parser.parse_args(argv)
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
-        faulthandler.enable()   # a handler that crashes the process (a segfault) leaves its traceback in the worker log
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s",
+                            stream=sys.stderr)
+        faulthandler.enable()   # a handler that segfaults: its traceback in the worker log
         conf = calque_core.settings()
         # check the store under the pool's own folder, the only one a least-privilege worker role may list
         own_folder = f"pools/{calque_core.slug(args.model)}/" if args.model else f"runs/{args.run}/"
