@@ -9,10 +9,9 @@ All it runs comes from the pool record in the store, never from a message. The r
             finish_claim on the finisher), let go or dead-lettered where it cannot finish (ending)
   ClaimRun  one delivery, on the threads that work for it: its plan of units, batches, spool,
             parts, progress and attempt record, summary (finish), ack (Acks), or let_go
-  Intake    the redelivery and poison rules: accept (dead letters, duplicates, other versions),
-            take_over (what earlier deliveries left: parts, spool, deaths, poison, overruns)
-  Churn     the pool's deaths as this worker knows them: the part cadence, churn marks, how a
-            dead worker ended
+  Rules     the redelivery and poison rules: accept (dead letters, duplicates, other versions),
+            take_over (what earlier deliveries left: parts, spool, deaths, poison, overruns), the
+            pool's deaths as this worker knows them (the part cadence, churn marks)
   Model     the handler's batch calls under the Watchdog, collated beside the model (Collator)
   Accounts  the worker's counters and stats; a claim summary's identity and requests
 The rules (checkpoints, poison, dead letters, hung batches, faults, claims ahead, signals) are
@@ -889,7 +888,6 @@ class Worker:
         self.supervisor, self.ready_file = supervisor_pid, ready_file   # from a pool supervisor
         self.accounts = Accounts(self, f"{stats_key_prefix}{self.worker_id}.json", spawned_at,
                                  GpuSampler(gpu_index))
-        self.churn = Churn(self, stats_key_prefix, previous_life)
         self.protection = None        # an EC2 pool instance's scale-in protection
         if not ephemeral and "ec2" in record and conf.get("CALQUE_SPOT_POLL"):
             import calque_ec2
@@ -898,6 +896,7 @@ class Worker:
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")
         self.ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="finisher")
+        self.rules = Rules(self, stats_key_prefix, previous_life)
         # over a network, requests beside other work pay; a local one costs less than a thread
         self.receives_ahead = backend.kind != "local" if AHEAD is None else AHEAD
         self.ahead = None                # Ahead: the claim being received beside the last batch
@@ -905,7 +904,7 @@ class Worker:
         self.finishing = None            # future of the claim the finisher writes
         self.acks = None                 # Acks, once the queue is open
         self.leases = None               # Leases: the claims' heartbeats, once the queue is open
-        self.model = self.intake = None  # the handler's Model and the Intake, once started
+        self.model = None                # the handler's, once started
         ready = re.search(r"worker-(\d+)\.ready$", ready_file)
         self.output = Output(backend.store, stats_key_prefix.replace("/workers/", "/output/"),
                              f"w{ready[1]}" if ready else socket.gethostname())
@@ -928,7 +927,7 @@ class Worker:
             release_orphaned_claims(folder, self.queue)
         cap = SQS_MAX_INVISIBLE if self.backend.kind == "aws" else None
         self.leases, self.watchdog = Leases(self.queue, receipts, cap), Watchdog(self.batch_timeout)
-        self.intake = Intake(self, dlq)
+        self.rules.queue, self.rules.dlq = self.queue, dlq
         self.note_own_kills()
         self.load_handler()
         if not self.ephemeral and not self.stop_requested:
@@ -1043,7 +1042,7 @@ class Worker:
 
     def on_sibling_death(self, signum, frame):
         """SIGUSR2, another worker of the pool died: commit under churn too, at this one's age."""
-        self.churn.seen(time.time() - self.accounts.started)
+        self.rules.seen_death(time.time() - self.accounts.started)
 
     def leave(self):
         """Its instance is terminating: the scale-in stop; the hook completed at exit."""
@@ -1094,8 +1093,8 @@ class Worker:
 
     def _loop_once(self):
         """One pass: the claim ahead, else a poll, then run it. The reason to stop, or None."""
-        if self.intake.replaced_by:
-            return (f"the pool runs version {self.intake.replaced_by} now (pool deploy): "
+        if self.rules.replaced_by:
+            return (f"the pool runs version {self.rules.replaced_by} now (pool deploy): "
                     "restarting on it")
         if self.stop_requested:
             return "stop requested"
@@ -1140,7 +1139,7 @@ class Worker:
                 since = time.monotonic() - self.version_checked
                 if since > calque_core.VERSION_CHECK and not self.ephemeral:
                     self.version_checked = time.monotonic()
-                    self.intake.replaced_by = self.intake.pool_version_now()
+                    self.rules.replaced_by = self.rules.pool_version_now()
             else:
                 claim = self.open_claim(message, counts)
         if claim is not None:
@@ -1184,7 +1183,7 @@ class Worker:
         it was handled here (dead-lettered, a duplicate acked, let go). `requests`: made for it."""
         claim = ClaimRun(self, message, requests)
         with self.ending(claim):
-            claim.accepted = self.intake.accept(claim)
+            claim.accepted = self.rules.accept(claim)
         if claim.ended:
             return None
         if not claim.accepted:
@@ -1250,7 +1249,7 @@ class Worker:
             except ClaimTooLong as e:
                 claim.heartbeat.stop()
                 named = {"run_id": claim.run_id, "claim": claim.claim_id}
-                self.intake.dead_letter(claim, str(e), named, f"stopped near SQS's 12 h cap, "
+                self.rules.dead_letter(claim, str(e), named, f"stopped near SQS's 12 h cap, "
                                         f"{claim.committed} item(s) done and kept")
             except ClaimReleased as e:
                 if not claim.heartbeat.lost.is_set():   # ours to give back: visible again at once
@@ -1357,9 +1356,9 @@ class ClaimRun:
         self.requests = requests                  # requests made for it (Requests.tally)
         self.heartbeat = Heartbeat(worker.leases, message, worker.record["visibility_timeout"])
         self.received = time.time()               # when it arrived
-        self.accepted = self.ended = False        # by the Intake; given up (Worker.ending)
+        self.accepted = self.ended = False        # by the Rules; given up (Worker.ending)
         self.stop_reason = None                   # why the worker stops, where its end says so
-        self.run_id = self.claim_id = self.items = self.spool = None   # the Intake's, as accepted
+        self.run_id = self.claim_id = self.items = self.spool = None   # set by Rules.accept
         self.first = 0                            # the run index of offset 0
         self.enter_paid = self.acquisition = 0.0  # what a cold worker paid inside it
         self.gpu = None                           # GpuSampler.stop()'s reading
@@ -1424,7 +1423,7 @@ class ClaimRun:
                     self.items.drop(unit)
                 if single:                    # it ran alone and the process lived: not a killer
                     if any([self.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
-                        self.worker.churn.mark()
+                        self.worker.rules.mark_churn()
                 elif self.kind == BY_HANDLER and not first:
                     model.deepen(self.wait_seconds - waited, self.model_seconds - busy)
                 self.keep(unit, format_outcome(outcome, self.first + unit.start))
@@ -1466,7 +1465,12 @@ class ClaimRun:
             raise ClaimReleased("lease lost")
         if time.monotonic() > lease.cap - lease.timeout - worker.batch_timeout:
             self.commit()
-            raise ClaimTooLong(self.too_long())
+            hours = (time.monotonic() - lease.cap + SQS_MAX_INVISIBLE) / 3600
+            raise ClaimTooLong(
+                f"claim ran {hours:.1f} h: SQS keeps a claim invisible 12 h at most, and one batch "
+                f"more (batch_timeout {worker.batch_timeout:g} s) could pass that; {self.committed} "
+                f"of {len(self.items)} items done and kept (`runs redrive {self.run_id}` resumes "
+                "after them) ---> HINT: split such claims: submit --claim-size N (docs/limits.md)")
 
     def collated(self, ahead, units, runnable, u, lone):
         """Unit u's batch, the `depth` after it collated beside it, unless alone (depth: 1, or the
@@ -1500,14 +1504,14 @@ class ClaimRun:
 
     def keep(self, unit, lines):
         """A unit's result lines: spooled, held for the next part, progress said every
-        PROGRESS_SECONDS, a part written when the Churn's cadence says it is due."""
+        PROGRESS_SECONDS, a part written when the Rules say one is due."""
         if self.spool:
             self.spool.add(self.first + unit.start, self.first + unit.stop, lines[0])
         self.formatted.append((unit.stop, lines))
         self.batches += 1
         if time.monotonic() - self.reported_at >= PROGRESS_SECONDS:
             self.report_progress(unit.stop)
-        if self.worker.churn.due(self):
+        if self.worker.rules.part_due(self):
             self.commit()
 
     def commit(self):
@@ -1520,7 +1524,7 @@ class ClaimRun:
         t0 = time.monotonic()
         self.put(calque_core.part_key(self.run_id, self.claim_id, self.committed, stop, suffix),
                  data)
-        self.worker.churn.part_seconds = time.monotonic() - t0
+        self.worker.rules.part_seconds = time.monotonic() - t0
         for _, (_, failed, errors) in ready:
             self.failed += failed
             self.errors.update(list(errors.items())[:calque_core.ERRORS_KEPT - len(self.errors)])
@@ -1627,29 +1631,27 @@ class ClaimRun:
         log.warning("worker %s: claim %s let go (%s); visible again in %.0fs", worker.worker_id,
                     self, why, delay)
 
-    def too_long(self):
-        """Why a claim stopped near SQS's cap, and how to split such claims."""
-        hours = (time.monotonic() - self.heartbeat.cap + SQS_MAX_INVISIBLE) / 3600
-        return (f"claim ran {hours:.1f} h: SQS keeps a claim invisible 12 h at most, and one batch "
-                f"more (batch_timeout {self.worker.batch_timeout:g} s) could pass that; "
-                f"{self.committed} of {len(self.items)} items done and kept (`runs redrive "
-                f"{self.run_id}` resumes after them) ---> HINT: split such claims: submit "
-                "--claim-size N (docs/limits.md)")
 
+class Rules:
+    """The redelivery and poison rules (docs/contract.md): whether a delivery runs (accept), what
+    earlier deliveries left it (take_over), and the pool's deaths as this worker knows them: the
+    latest one's life sets the part cadence (part_due); innocent deaths marked in the store make
+    poison take one death more (churning)."""
 
-class Intake:
-    """The redelivery and poison rules (docs/contract.md): whether a delivery runs (accept), and
-    what earlier deliveries left it (take_over)."""
-
-    def __init__(self, worker, dlq):
+    def __init__(self, worker, stats_prefix, previous_life):
         self.worker_id, self.backend, self.record = worker.worker_id, worker.backend, worker.record
-        self.queue, self.dlq, self.accounts = worker.queue, dlq, worker.accounts
-        self.churn = worker.churn
+        self.accounts, self.stats_prefix = worker.accounts, stats_prefix
         self.ephemeral, self.spool_folder = worker.ephemeral, worker.spool_folder
         self.items_of, self.reader = worker.manifest_items, worker.reader
+        self.queue = self.dlq = None     # once the worker starts
         self.network = self.backend.kind != "local"
         self.version = calque_core.version_of(self.record)   # the only version whose claims it runs
         self.replaced_by = None          # the pool's version, once it is not ours (pool deploy)
+        number, conf = calque_core.setting_number, worker.conf
+        self.checkpoint_seconds = number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
+        self.checkpoint_batches = number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
+        self.seen_life, self.seen_at = previous_life, time.time()   # the latest death: life, when
+        self.part_seconds = 0.0          # s the latest result part's PUT took (interval)
 
     def accept(self, claim):
         """True where the claim is to run; None where it was handled here (dead-lettered, a
@@ -1791,8 +1793,8 @@ class Intake:
         if state == "running" and previous == rc - 1 and ahead:   # the last one died on it alone
             deaths[ahead[0]] = deaths.get(ahead[0], 0) + 1
             if deaths[ahead[0]] >= POISON_DEATHS:
-                how, own = self.churn.how_it_ended(record)
-                if own or deaths[ahead[0]] > POISON_DEATHS or not self.churn.churning():
+                how, own = self.how_it_ended(record)
+                if own or deaths[ahead[0]] > POISON_DEATHS or not self.churning():
                     claim.quarantined[ahead[0]] = (f"poison: the worker died running this item "
                                                    f"({deaths[ahead[0]]} deaths; {how})")
         elif state == "suspect" and len(ahead) == 1:             # it overran alone
@@ -1814,7 +1816,7 @@ class Intake:
             claim.alone = range(reach, reach + 2 * self.record["batch_size"])
         if claim.single:    # its last delivery died: how long it lived, at least
             claim.life = record.get("alive", 0.0) if previous == rc - 1 else 0.0
-            self.churn.seen(claim.life)
+            self.seen_death(claim.life)
         log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s%s",
                  self.worker_id, claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
                  f" and this machine's spool ({spooled.count(chr(10))})" if spooled else "",
@@ -1824,6 +1826,60 @@ class Intake:
                  f", deaths at offsets {deaths}" if deaths else "",
                  f", quarantined {sorted(map(int, claim.quarantined))}" if claim.quarantined
                  else "")
+
+    def seen_death(self, life):
+        """A death seen now, of a process that lived `life` s at least (0: unknown, then kept only
+        where no death was seen before)."""
+        if life or self.seen_life is None:
+            self.seen_life = life
+        self.seen_at = time.time()
+
+    def part_due(self, claim):
+        """Whether the batches the claim ran since its last part make a part now: the checkpoint
+        rule (CALQUE_CHECKPOINT_BATCHES and _SECONDS), or under churn the interval's."""
+        since, every = time.monotonic() - claim.last_commit, self.interval(claim)
+        if every is None:
+            return claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
+        return since >= every
+
+    def interval(self, claim):
+        """s between two parts under churn (Young's, sqrt(2 x part PUT x life), at most the
+        checkpoint; life: the dead delivery's, else the latest seen), or None (the checkpoint rule)
+        where neither this claim's last delivery died nor this worker saw a death lately."""
+        seen = self.seen_life is not None and time.time() - self.seen_at <= CHURN_MEMORY
+        if claim.life is None and not seen:
+            return None
+        life = claim.life or (self.seen_life or 0.0)
+        return min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
+
+    def mark_churn(self):
+        """An item with a death pinned on it ran alone and returned: mark the pool as churning."""
+        with contextlib.suppress(Exception):
+            key = f"{self.stats_prefix}churn-{time.time():012.1f}-{self.worker_id}"
+            self.backend.store.put(key, b"")
+
+    def churning(self):
+        """Whether an innocent death was marked in this pool within CHURN_MEMORY s: then poison
+        needs one death more. One LIST, only when an item reaches POISON_DEATHS."""
+        marks = f"{self.stats_prefix}churn-"
+        since = f"{marks}{time.time() - CHURN_MEMORY:012.1f}"
+        keys = self.backend.store.list(self.stats_prefix, start_after=since)
+        return any(key.startswith(marks) for key in keys)
+
+    def how_it_ended(self, record):
+        """(How an attempt record's worker ended, whether by its own doing): from its last stats,
+        else the exit status its supervisor recorded. Any end but SIGKILL is its own."""
+        stats, worker = self.backend.store, record.get("worker_id")
+        with contextlib.suppress(Exception):
+            last = json.loads(stats.get(f"{self.stats_prefix}{worker}.json")).get("exit")
+            if last:
+                return last, True
+        with contextlib.suppress(Exception):
+            code = int(stats.get(f"{self.stats_prefix}exit-{worker}"))
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            return how, code != -signal.SIGKILL
+        return (f"exit code or signal unknown: worker {worker} left no word (kill -9, a crash, "
+                f"os._exit)"), False
 
     def dead_letter(self, claim, reason, msg, note="the claim was not run"):
         """A claim that cannot succeed: failure summary (if the run is known), DLQ copy, delete."""
@@ -1850,75 +1906,6 @@ class Intake:
         self.queue.delete(message)
         log.warning("worker %s: claim to dead-letter queue %s: %s", self.worker_id,
                     self.record["dlq"], reason)
-
-
-class Churn:
-    """The pool's deaths as this worker knows them: the life of the latest one seen (a dead claim's
-    redelivery, a sibling's SIGUSR2) sets the part cadence (due); innocent deaths marked in the
-    store make poison take one death more (churning)."""
-
-    def __init__(self, worker, stats_prefix, previous_life):
-        self.store, self.stats_prefix = worker.backend.store, stats_prefix
-        self.worker_id = worker.worker_id
-        number, conf = calque_core.setting_number, worker.conf
-        self.checkpoint_seconds = number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
-        self.checkpoint_batches = number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
-        self.life, self.at = previous_life, time.time()   # s the latest death seen lived; when seen
-        self.part_seconds = 0.0          # s the latest result part's PUT took (interval)
-
-    def seen(self, life):
-        """A death seen now, of a process that lived `life` s at least (0: unknown, then kept only
-        where no death was seen before)."""
-        if life or self.life is None:
-            self.life = life
-        self.at = time.time()
-
-    def due(self, claim):
-        """Whether the batches the claim ran since its last part make a part now: the checkpoint
-        rule (CALQUE_CHECKPOINT_BATCHES and _SECONDS), or under churn the interval's."""
-        since, every = time.monotonic() - claim.last_commit, self.interval(claim)
-        if every is None:
-            return claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
-        return since >= every
-
-    def interval(self, claim):
-        """s between two parts under churn (Young's, sqrt(2 x part PUT x life), at most the
-        checkpoint; life: the dead delivery's, else the latest seen), or None (the checkpoint rule)
-        where neither this claim's last delivery died nor this worker saw a death lately."""
-        seen = self.life is not None and time.time() - self.at <= CHURN_MEMORY
-        if claim.life is None and not seen:
-            return None
-        life = claim.life or (self.life or 0.0)
-        return min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
-
-    def mark(self):
-        """An item with a death pinned on it ran alone and returned: mark the pool as churning."""
-        with contextlib.suppress(Exception):
-            key = f"{self.stats_prefix}churn-{time.time():012.1f}-{self.worker_id}"
-            self.store.put(key, b"")
-
-    def churning(self):
-        """Whether an innocent death was marked in this pool within CHURN_MEMORY s: then poison
-        needs one death more. One LIST, only when an item reaches POISON_DEATHS."""
-        marks = f"{self.stats_prefix}churn-"
-        since = f"{marks}{time.time() - CHURN_MEMORY:012.1f}"
-        keys = self.store.list(self.stats_prefix, start_after=since)
-        return any(key.startswith(marks) for key in keys)
-
-    def how_it_ended(self, record):
-        """(How an attempt record's worker ended, whether by its own doing): from its last stats,
-        else the exit status its supervisor recorded. Any end but SIGKILL is its own."""
-        worker = record.get("worker_id")
-        with contextlib.suppress(Exception):
-            last = json.loads(self.store.get(f"{self.stats_prefix}{worker}.json")).get("exit")
-            if last:
-                return last, True
-        with contextlib.suppress(Exception):
-            code = int(self.store.get(f"{self.stats_prefix}exit-{worker}"))
-            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            return how, code != -signal.SIGKILL
-        return (f"exit code or signal unknown: worker {worker} left no word (kill -9, a crash, "
-                f"os._exit)"), False
 
 
 class Model:
@@ -2107,8 +2094,7 @@ class Accounts:
                  "enter_seconds": round(self.enter_seconds, 6), "enter_count": self.enter_count,
                  "entered_at": calque_core.now_iso(self.entered_at) if self.entered_at else None,
                  "acquisition_seconds": round(self.acquisition_seconds, 6),
-                 "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"],
-                 "items": self.stats["items"], "items_failed": self.stats["items_failed"],
+                 **{k: self.stats[k] for k in ("claims", "warm_hits", "items", "items_failed")},
                  "claim_fit": self.claim_fit, "claim_gaps": self.claim_gaps,
                  "requests": dict(self.backend.requests),
                  # "c", "reference" (the numpy fallback) or None (no batch needed fastbatch)
@@ -2175,7 +2161,7 @@ def main(argv=None):
         worker = Worker(backend, record, prefix, conf, not args.model, **handoff)
         worker.output.capture()
         worker.work()
-        if worker.intake.replaced_by:
+        if worker.rules.replaced_by:
             return calque_core.EXIT_REPLACED
     except calque_core.UserError as e:
         print(f"warmd: error: {e}", file=sys.stderr)
