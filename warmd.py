@@ -1078,10 +1078,10 @@ class Worker:
         finally:
             self.state = "stopping"
             self.settle()
-            for pool in (self.reader, self.ahead_thread, self.finisher, self.fetchers):
-                pool.shutdown(wait=False, cancel_futures=True)
-            if self.model:
-                self.model.shutdown()
+            model = (self.model.prefetcher, self.model.decoders) if self.model else ()
+            for pool in (self.reader, self.ahead_thread, self.finisher, self.fetchers, *model):
+                if pool:
+                    pool.shutdown(wait=False, cancel_futures=True)
             self.run_exit_hooks()
             self.output.flush()
             self.accounts.write("stopped")
@@ -1348,7 +1348,7 @@ class Worker:
 
 class ClaimRun:
     """One delivery from its receipt to its end (offsets: positions in the claim). Its writes stop
-    once its lease is lost; it reads the worker's settings and rooms, changes no worker state."""
+    once its lease is lost. It reads the worker's settings and calls on its rooms."""
     progress_failed = False   # a progress write failed in this process (logged once)
 
     def __init__(self, worker, message, requests):
@@ -1429,7 +1429,10 @@ class ClaimRun:
                 self.keep(unit, format_outcome(outcome, self.first + unit.start))
             self.commit()
         finally:
-            model.release(ahead.values())
+            for future in ahead.values():   # gathered ahead of a loop that ended early: slots back
+                if future is not None:
+                    with contextlib.suppress(Exception):
+                        model.collator.release(future.result())
             self.gpu = accounts.gpu.stop()
             if self.spool:
                 self.spool.close()
@@ -1943,13 +1946,6 @@ class Model:
         payloads = gather(items, offsets)[0]
         return self.collator.prepare(payloads, kind) if payloads else None
 
-    def release(self, futures):
-        """Batches gathered ahead of a loop that ended early: their slots back."""
-        for future in futures:
-            if future is not None:
-                with contextlib.suppress(Exception):
-                    self.collator.release(future.result())
-
     def deepen(self, wait, model):
         """One more batch collated ahead (on one more thread, up to COLLATE_THREADS) when the model
         waited on the handler's collate over COLLATE_WAIT_SHARE of its batch time: the threads that
@@ -1960,11 +1956,6 @@ class Model:
                 self.decoders = ThreadPoolExecutor(COLLATE_THREADS - 1, thread_name_prefix="collate")
             log.info("worker %s: the model waited %.3fs on collate beside a %.3fs batch: collating %d "
                      "batches ahead", self.worker_id, wait, model, self.collate_depth)
-
-    def shutdown(self):
-        for pool in (self.prefetcher, self.decoders):
-            if pool:
-                pool.shutdown(wait=False, cancel_futures=True)
 
     def model_clock(self):
         """Wall time less the pipeline thread's CPU time, so a wait for its GIL is not model time."""
