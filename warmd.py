@@ -1299,9 +1299,8 @@ class Worker:
         """The watchdog's call when a handler call on `offsets` ran past batch_timeout: commit what
         is done, mark the items suspect, release the claim, exit EXIT_HUNG (nothing can stop it)."""
         seconds = time.monotonic() - self.watchdog.running[1]
-        log.error("worker %s: claim %s/%s: items %s ran %.1fs, past the batch_timeout of %gs: "
-                  "releasing the claim and exiting %d", self.worker_id, claim.run_id,
-                  claim.claim_id,
+        log.error("worker %s: claim %s: items %s ran %.1fs, past the batch_timeout of %gs: "
+                  "releasing the claim and exiting %d", self.worker_id, claim,
                   [claim.first + k for k in offsets], seconds, self.batch_timeout, EXIT_HUNG)
         with self.backend.requests.tally(claim.requests):
             try:
