@@ -902,8 +902,7 @@ class Worker:
         self.ahead = None                # Ahead: the claim being received beside the last batch
         self.call_started, self.call_seconds = 0.0, float("inf")   # the latest handler call's
         self.finishing = None            # future of the claim the finisher writes
-        self.acks = None                 # Acks, once the queue is open
-        self.leases = None               # Leases: the claims' heartbeats, once the queue is open
+        self.acks = self.leases = None   # Acks, and Leases (the claims' heartbeats), once started
         self.model = None                # the handler's, once started
         ready = re.search(r"worker-(\d+)\.ready$", ready_file)
         self.output = Output(backend.store, stats_key_prefix.replace("/workers/", "/output/"),
@@ -988,7 +987,13 @@ class Worker:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, h["file"])
         calque_core.write_file_atomic(path, source.decode())
-        enter_workdir(self.record.get("workdir"), folder)
+        # run it where its user works (the folder `pool create` ran in, where it exists here, else
+        # the snapshot's), first on sys.path, so its sibling modules and paths resolve
+        workdir = self.record.get("workdir")
+        folder = workdir if workdir and os.path.isdir(workdir) else folder
+        os.chdir(folder)
+        sys.path.insert(0, folder)
+        log.info("worker: working directory %s", folder)
         streams = None if self.ephemeral else (self.backend.store, self.record["model"])
         self.handler, self.enter_fn, batch_fn, collate = calque_core.load_handler(
             path, h["class"], self.record.get("modal"), container=True, streams=streams)
@@ -2075,9 +2080,8 @@ class Accounts:
         """The worker's stats, where submit, pool status and the supervisor read them."""
         now = time.time()
         self.last_stats, self.stats_behind = time.monotonic(), False
-        stats = {"worker_id": self.worker_id, "model": self.model,
-                 "host": socket.gethostname(), "pid": os.getpid(),
-                 "mode": "cold" if self.ephemeral else "pool", "state": state,
+        stats = {"worker_id": self.worker_id, "model": self.model, "host": socket.gethostname(),
+                 "pid": os.getpid(), "mode": "cold" if self.ephemeral else "pool", "state": state,
                  "backend": self.backend.kind, "started_at": calque_core.now_iso(self.started),
                  "updated_at": calque_core.now_iso(now), "alive_seconds": round(now - self.started, 3),
                  "busy_seconds": round(self.busy_seconds, 3),
@@ -2098,15 +2102,6 @@ class Accounts:
             self.backend.store.put(self.stats_key, json.dumps(stats, indent=1))
         except Exception as e:   # bookkeeping: must not stop the worker
             log.warning("worker %s: stats write failed (%s)", self.worker_id, e)
-
-
-def enter_workdir(workdir, snapshot_folder):
-    """Run the handler where its user works (the folder `pool create` ran in, where it exists
-    here, else the snapshot's), first on sys.path, so its sibling modules and paths resolve."""
-    folder = workdir if workdir and os.path.isdir(workdir) else snapshot_folder
-    os.chdir(folder)
-    sys.path.insert(0, folder)
-    log.info("worker: working directory %s", folder)
 
 
 def announce(ready_file, *words):
