@@ -1003,9 +1003,10 @@ class Worker:
 
     def run_exit_hooks(self):
         """A Modal handler's @modal.exit / __exit__ at the end; a failing one is logged."""
-        if self.accounts.entered_at is not None and hasattr(self.handler, "calque_exit"):
+        hooks = self.accounts.entered_at is not None and getattr(self.handler, "calque_exit", None)
+        if hooks:
             try:
-                self.handler.calque_exit()
+                hooks()
             except Exception as e:
                 log.warning("worker %s: @modal.exit failed (%s: %s)", self.worker_id,
                             type(e).__name__, e)
@@ -1475,9 +1476,10 @@ class ClaimRun:
             hours = (time.monotonic() - lease.cap + SQS_MAX_INVISIBLE) / 3600
             raise ClaimTooLong(
                 f"claim ran {hours:.1f} h: SQS keeps a claim invisible 12 h at most, and one batch "
-                f"more (batch_timeout {worker.batch_timeout:g} s) could pass that; {self.committed} "
-                f"of {len(self.items)} items done and kept (`runs redrive {self.run_id}` resumes "
-                "after them) ---> HINT: split such claims: submit --claim-size N (docs/limits.md)")
+                f"more (batch_timeout {worker.batch_timeout:g} s) could pass that; "
+                f"{self.committed} of {len(self.items)} items done and kept (`runs redrive "
+                f"{self.run_id}` resumes after them) ---> HINT: split such claims: submit "
+                "--claim-size N (docs/limits.md)")
 
     def collated(self, ahead, units, runnable, u, lone):
         """Unit u's batch, the `depth` after it collated beside it, unless alone (depth: 1, or the
