@@ -1,6 +1,6 @@
 """calque: warm-worker pools for batch model inference: the Python API and the CLI (and, re-exported,
 the handler API). A run: stage_run writes the run record, a manifest and a queue message per claim;
-warmd.py's Worker._loop_once receives a claim, runs its batches and writes its summary, then acks it;
+warmd.py's Worker receives a claim, its ClaimRun runs its batches and writes its summary, then acks it;
 wait_for_run waits on the summaries. The kit in floors, each importing only those below it
 (docs/contract.md: the contract; README.md: the commands):
     calque.py            the Python API (Pool, submit, Run) and the CLI (cmd_* per verb, main)

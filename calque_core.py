@@ -874,14 +874,15 @@ def import_file(path, name):
     return module
 
 
-def load_handler(path, cls, modal=None, container=False):
+def load_handler(path, cls, modal=None, container=False, streams=None):
     """(instance, enter, batch, collate or None) of the handler class in a file; a Modal app file
-    gives a ModalHandler (`modal`: the pool's modal options; `container`: in a worker)."""
+    gives a ModalHandler (`modal`: the pool's modal options; `container`: in a worker; `streams`:
+    ModalHandler's)."""
     with open(path, "rb") as f:
         if imports_modal(f.read(), path):
             os.environ.update((modal or {}).get("image", {}).get("env", {}))   # before the app runs
             _, target, method = import_modal_app(path, cls, container)
-            handler = ModalHandler(target, method, modal or {})
+            handler = ModalHandler(target, method, modal or {}, streams)
             return handler, handler.enter, handler.batch, handler.collate
     module = import_file(path, "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
     obj, methods = getattr(module, cls)(), {}
@@ -1076,10 +1077,9 @@ class ModalHandler:
     @modal.concurrent(max_inputs) at once; calque_exit() runs the @modal.exit hooks and __exit__.
     Async hooks and methods run on one event loop, as in a Modal container: what an async @enter
     made on it (a client, a lock, a task) works in the methods."""
-    streams = None   # (store, model), set by warmd: where .remote_gen calls' items go (Streamed)
-
-    def __init__(self, target, method, options):
+    def __init__(self, target, method, options, streams=None):
         self.target, self.method, self.options = target, method, options
+        self.streams = streams   # (store, model) in a pool worker: where .remote_gen calls' items go (Streamed)
         self.instance, self.replay, self.loop = None, {}, None
         self.raw = target.user_cls if method else target.raw_f
         app_file = os.path.realpath(sys.modules[self.raw.__module__].__file__)

@@ -3,11 +3,19 @@
     python warmd.py --model demo    # a pool worker (what the supervisor and EC2 run)
     python warmd.py --run RUN       # a cold run's worker: @enter in its first claim, drains, exits
 
-All it runs comes from the pool record in the store, never from a message. A claim is received in
-Worker._loop_once (or ahead, Ahead._fetch), accepted in open_claim -> accept (take_over on a
-redelivery), run in run_claim -> drain -> _drain_batches -> _run_batch, its results written by
-commit, its summary by finish, and acked by Acks (add, flush). The rules (checkpoints, poison, dead
-letters, hung batches, faults, claims ahead, signals) are docs/contract.md's.
+All it runs comes from the pool record in the store, never from a message. The rooms:
+  Worker    the process: start (queues, handler, @enter), signals, the loop (_loop_once: a poll or
+            the claim ahead, Ahead), stop; each delivery is a ClaimRun (open_claim, run_claim,
+            finish_claim on the finisher), let go or dead-lettered where it cannot finish (ending)
+  ClaimRun  one delivery, on the threads that work for it: its plan of units, batches, spool,
+            parts, progress and attempt record, summary (finish), ack (Acks), or let_go
+  Rules     the redelivery and poison rules: accept (dead letters, duplicates, other versions),
+            take_over (what earlier deliveries left: parts, spool, deaths, poison, overruns), the
+            pool's deaths as this worker knows them (the part cadence, churn marks)
+  Model     the handler's batch calls under the Watchdog, collated beside the model (Collator)
+  Accounts  the worker's counters and stats; a claim summary's identity and requests
+The rules (checkpoints, poison, dead letters, hung batches, faults, claims ahead, signals) are
+docs/contract.md's.
 """
 # Threads. The main one runs the loop, the handler and the signal handlers. The others:
 #   thread         does                                      touches               lock
@@ -17,7 +25,7 @@ letters, hung batches, faults, claims ahead, signals) are docs/contract.md's.
 #                  commits, releases, exits EXIT_HUNG
 #   pipeline       Collator.prepare of the next batch        ring slots, a stream  its future
 #   collate        the handler's collate further ahead       its batch's items     its future
-#                  (Worker.deepen: while the model waits)
+#                  (Model.deepen: while the model waits)
 #   fetch          FetchedItems._get: a claim's objects      FetchedItems.futures  FetchedItems.lock
 #                  by reference, ahead of their batch
 #   manifest       the manifest read (network backends)      the store             its future
@@ -30,7 +38,7 @@ letters, hung batches, faults, claims ahead, signals) are docs/contract.md's.
 #                  a terminating instance -> SIGUSR1
 #   output         Output.flush every OUTPUT_FLUSH s         the store             Output.flushing
 #   (pipe copier)  fds 1 and 2 -> the log and Output.add     Output.parts          Output.lock
-# A thread that writes for a claim sets it with Worker.serving (thread-local heartbeat and tally).
+# A thread working for a claim counts its requests there (Worker.ending); its writes check its lease
 import argparse
 import contextlib
 import faulthandler
@@ -52,6 +60,7 @@ import sysconfig
 import threading
 import time
 import traceback
+import collections
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -109,34 +118,6 @@ class ReleaseNow(BaseException):
     a handler cannot catch it)."""
 
 
-class Claim:
-    """One accepted claim through drain and finish (offsets: positions in the claim)."""
-
-    def __init__(self, message, run_id, claim, items, first, received):
-        self.message, self.run_id, self.claim_id = message, run_id, claim
-        self.items, self.first = items, first
-        self.received = received                  # time.time() when it arrived
-        self.enter_paid = self.acquisition = 0.0  # what a cold worker paid inside it
-        self.gpu = None                           # GpuSampler.stop()'s reading
-        self.start = self.committed = 0   # [0, start): earlier deliveries' parts; then this one's
-        self.parts, self.failed, self.errors = [], [], {}   # [start, stop]s; run indices; messages
-        self.resumed_failed = 0                   # of `failed`, those from earlier parts
-        self.formatted = []                       # (stop, format_outcome's) not yet in a part
-        self.kind = None                          # Collator.claim_kind, once, as its drain starts
-        self.batches, self.last_commit = 0, 0.0   # batches since the last part, and when it went
-        self.reported_at = 0.0                    # monotonic s of its last progress record
-        self.model_seconds = self.wait_seconds = 0.0
-        self.record = {"deaths": {}}              # the attempt record
-        self.quarantined = {}                     # offset (str) -> why it is not run
-        self.single = False                       # one item at a time, behind the attempt record
-        self.alone = range(0)                     # ... only these offsets, then batches (a spool)
-        self.life = None                          # s its dead delivery lived, at least (0: unknown)
-        self.progress_at = 0                      # the delivery that last made progress
-        self.heartbeat = None                     # its lease's Heartbeat (open_claim sets it)
-        self.spool = None                         # its Spool on a pool worker
-        self.requests = Counter()                 # requests made for it (Requests.tally)
-
-
 class ClaimReleased(Exception):
     """The drain loop gave the claim back (grace period over, or lease lost)."""
 
@@ -145,12 +126,8 @@ class ClaimTooLong(Exception):
     """The drain loop stopped a claim near SQS's cap on its invisibility: dead-letter it (why)."""
 
 
-class Prepared:
-    """One batch as the handler will receive it, plus the ring slot and CUDA event that back it."""
-    __slots__ = ("inputs", "slot", "event")
-
-    def __init__(self, inputs, slot=None, event=None):
-        self.inputs, self.slot, self.event = inputs, slot, event
+# One batch as the handler will receive it, plus the ring slot and CUDA event that back it
+Prepared = collections.namedtuple("Prepared", "inputs slot event", defaults=(None, None))
 
 
 # How a claim's batches are prepared, decided once per claim by Collator.claim_kind
@@ -567,8 +544,7 @@ def release_orphaned_claims(folder, queue):
         with contextlib.suppress(OSError, ValueError):
             fd = os.open(path, os.O_RDONLY)
             try:
-                if not try_lock(fd):   # its worker lives
-                    continue
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # its worker lives: BlockingIOError
                 held = json.loads(os.read(fd, 1 << 20) or b"[]")
                 if os.fstat(fd).st_ino == os.stat(path).st_ino:   # (not a new worker's file of that name)
                     os.remove(path)
@@ -579,14 +555,6 @@ def release_orphaned_claims(folder, queue):
                                  os.path.basename(path))
             finally:
                 os.close(fd)
-
-
-def try_lock(fd):
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        return False
 
 
 class Heartbeat:
@@ -622,9 +590,6 @@ class Watchdog:
     def arm(self, on_overrun, on_call=None):
         with self.lock:
             self.on_overrun, self.on_call, self.running = on_overrun, on_call, None
-
-    def disarm(self):
-        self.arm(None)
 
     def watch(self, offsets):
         """A handler call on these items starts (None: ends); waits while an overrun is handled."""
@@ -845,76 +810,44 @@ class Spool:
 
 
 class Worker:
+    """The process: its start, signals, loop and stop (the module's map says what each room does)"""
+
     def __init__(self, backend, record, stats_key_prefix, conf, ephemeral, supervisor_pid=0,
                  ready_file="", spawned_at=None, previous_life=None, gpu_index=0):   # HANDOFF_FLAGS
         self.backend, self.record, self.conf, self.ephemeral = backend, record, conf, ephemeral
-        self.version = calque_core.version_of(record)   # the only version whose claims it runs
-        self.replaced_by = None          # the pool's version, once it is not ours (pool deploy)
         self.version_checked = time.monotonic()
         self.spool_folder = None if ephemeral else os.path.join(
             calque_core.state_dir(conf, record["model"]), "spool")
         self.worker_id = f"{socket.gethostname()}-{os.getpid()}"
-        self.stats_prefix = stats_key_prefix
-        self.stats_key = f"{stats_key_prefix}{self.worker_id}.json"
         self.grace = calque_core.setting_number(conf, "CALQUE_GRACE", float, 0)
         default_timeout = calque_core.setting_number(conf, "CALQUE_BATCH_TIMEOUT", float, 0.01)
         self.batch_timeout = float(record.get("batch_timeout", default_timeout))
-        self.checkpoint_seconds = calque_core.setting_number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
-        self.checkpoint_batches = calque_core.setting_number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
-        self._serving = threading.local()       # per thread: its claim's heartbeat (serving)
-        self.watchdog = None                    # Watchdog, armed for the draining claim
         self.progressed = False          # a result part or a summary written (announce)
-        self.progress_failed = False     # a progress write failed (report_progress: logged once)
-        self.seen_life = previous_life   # s the latest death seen lived (commit_interval)
-        self.seen_at = time.time()                       # when it was seen
-        self.part_seconds = 0.0          # s the latest result part's PUT took (commit_interval)
-        self.last_word = None            # how this process ends, when it knows (its last stats)
         self.poll_wait = (COLD_POLL_WAIT if ephemeral
                           else calque_core.setting_number(conf, "CALQUE_POLL_WAIT", float, 0))
         self.state = "starting"          # starting | backoff | polling | claim | between | stopping
-        self.stop_requested = False
-        self.scaling_in = False          # a scale-in stop (SIGUSR1): a claim received still runs
+        self.stop_requested = self.scaling_in = False   # scale-in (SIGUSR1): a received claim runs
         self.release_now = threading.Event()
         self.retrying = threading.Event()   # a store write of a claim is failing and being retried
-        self.started = time.time()
-        self.spawned_at = spawned_at or self.started
-        self.acquisition_seconds = 0.0   # process spawn -> ready to load; charged to a cold worker's first claim
-        self.entered_at = None
-        self.enter_seconds = 0.0
-        self.enter_count = 0
-        self.stats = Counter()           # claims, warm_hits, items, items_failed
-        self.busy_seconds = 0.0
-        # sums over its claims that submit fits a claim's cost from (calque.claim_costs): claims, items,
-        # seconds, items^2, items x seconds; then the gaps between two claims (count, seconds)
-        self.claim_fit, self.claim_gaps, self.finished_at = [0, 0, 0.0, 0, 0.0], [0, 0.0], None
-        self.last_stats = 0.0            # monotonic time of the last stats write
-        self.stats_behind = False        # a claim ended since then: the stats miss it
         self.supervisor, self.ready_file = supervisor_pid, ready_file   # from a pool supervisor
-        self.gpu = GpuSampler(gpu_index)
+        self.accounts = Accounts(self, f"{stats_key_prefix}{self.worker_id}.json", spawned_at,
+                                 GpuSampler(gpu_index))
         self.protection = None        # an EC2 pool instance's scale-in protection
         if not ephemeral and "ec2" in record and conf.get("CALQUE_SPOT_POLL"):
             import calque_ec2
             self.protection = calque_ec2.ScaleInProtection.on_instance(record, conf)
-        self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
-        # the pipeline thread's CPU clock, taken out of the model's time (model_clock)
-        self.pipeline_clock = None
-        if self.prefetcher and hasattr(time, "pthread_getcpuclockid"):
-            thread = self.prefetcher.submit(threading.get_ident).result()
-            self.pipeline_clock = time.pthread_getcpuclockid(thread)
-        self.collate_depth = 1           # batches collated ahead of the model (a handler's collate)
-        self.decoders = None             # the threads past the pipeline's, once the depth grows
-        self.fetchers = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="fetch")   # FetchedItems
+        self.fetchers = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="fetch")   # calque_sources.FetchedItems
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")
         self.ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="ahead")
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="finisher")
+        self.rules = Rules(self, stats_key_prefix, previous_life)
         # over a network, requests beside other work pay; a local one costs less than a thread
-        self.network = backend.kind != "local"
-        self.receives_ahead = self.network if AHEAD is None else AHEAD
+        self.receives_ahead = backend.kind != "local" if AHEAD is None else AHEAD
         self.ahead = None                # Ahead: the claim being received beside the last batch
         self.call_started, self.call_seconds = 0.0, float("inf")   # the latest handler call's
         self.finishing = None            # future of the claim the finisher writes
-        self.acks = None                 # Acks, once the queue is open
-        self.leases = None               # Leases: the claims' heartbeats, once the queue is open
+        self.acks = self.leases = None   # Acks, and Leases (the claims' heartbeats), once started
+        self.model = None                # the handler's, once started
         ready = re.search(r"worker-(\d+)\.ready$", ready_file)
         self.output = Output(backend.store, stats_key_prefix.replace("/workers/", "/output/"),
                              f"w{ready[1]}" if ready else socket.gethostname())
@@ -925,7 +858,7 @@ class Worker:
         """Before the first claim: the queues, the handler, and a pool worker's @enter (unless
         a stop came first: no claim waits on a load)."""
         self.queue = self.backend.queues.open_queue(self.record["queue"])
-        self.dlq = self.backend.queues.open_queue(self.record["dlq"])
+        dlq = self.backend.queues.open_queue(self.record["dlq"])
         self.acks = Acks(self.queue, self.backend.requests, min(ACK_WAIT, self.record["visibility_timeout"] / 4))
         receipts = ""
         if self.spool_folder:   # a pool worker
@@ -937,10 +870,11 @@ class Worker:
             release_orphaned_claims(folder, self.queue)
         cap = SQS_MAX_INVISIBLE if self.backend.kind == "aws" else None
         self.leases, self.watchdog = Leases(self.queue, receipts, cap), Watchdog(self.batch_timeout)
+        self.rules.queue, self.rules.dlq = self.queue, dlq
         self.note_own_kills()
         self.load_handler()
         if not self.ephemeral and not self.stop_requested:
-            self.enter()
+            self.accounts.enter(self.enter_fn)
 
     def start_counted(self):
         """start(), its stats saying "starting" every STATS_INTERVAL meanwhile, so a submit on any
@@ -949,14 +883,14 @@ class Worker:
 
         def beat():
             while not done.wait(STATS_INTERVAL):
-                self.write_stats("starting")
-        self.write_stats("starting")
+                self.accounts.write("starting")
+        self.accounts.write("starting")
         beat = threading.Thread(target=beat, daemon=True)
         beat.start()
         try:
             self.start()
         except Exception as e:
-            self.last_word = self.last_word or f"{type(e).__name__}: {e}"
+            self.accounts.last_word = self.accounts.last_word or f"{type(e).__name__}: {e}"
             raise
         finally:
             done.set()
@@ -970,8 +904,8 @@ class Worker:
             @functools.wraps(send)
             def sending(*args):
                 if hits_us(*args):
-                    self.last_word = f"killed itself with SIGKILL ({name} in handler code)"
-                    self.write_stats("stopping")
+                    self.accounts.last_word = f"killed itself with SIGKILL ({name} in handler code)"
+                    self.accounts.write("stopping")
                 return send(*args)
             return sending
         me, group = os.getpid(), os.getpgrp()
@@ -997,28 +931,23 @@ class Worker:
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, h["file"])
         calque_core.write_file_atomic(path, source.decode())
-        enter_workdir(self.record.get("workdir"), folder)
-        self.handler, self.enter_fn, self.batch_fn, collate = calque_core.load_handler(
-            path, h["class"], self.record.get("modal"), container=True)
-        if isinstance(self.handler, calque_core.ModalHandler) and not self.ephemeral:
-            self.handler.streams = (self.backend.store, self.record["model"])
-        self.collator = Collator(collate)
+        # run it where its user works (the folder `pool create` ran in, where it exists here, else
+        # the snapshot's), first on sys.path, so its sibling modules and paths resolve
+        workdir = self.record.get("workdir")
+        folder = workdir if workdir and os.path.isdir(workdir) else folder
+        os.chdir(folder)
+        sys.path.insert(0, folder)
+        log.info("worker: working directory %s", folder)
+        streams = None if self.ephemeral else (self.backend.store, self.record["model"])
+        self.handler, self.enter_fn, batch_fn, collate = calque_core.load_handler(
+            path, h["class"], self.record.get("modal"), container=True, streams=streams)
+        self.model = Model(self.worker_id, batch_fn, collate, self.watchdog)
         log.info("worker %s: pool %s, version %s", self.worker_id, self.record["model"],
                  calque_core.version_label(self.record))
 
-    def enter(self):
-        self.acquisition_seconds = max(0.0, time.time() - self.spawned_at)
-        t0 = time.perf_counter()
-        self.enter_fn()
-        self.enter_seconds = time.perf_counter() - t0
-        self.enter_count += 1
-        self.entered_at = time.time()
-        log.info("worker %s: @enter done in %.3fs (acquisition %.3fs)", self.worker_id,
-                 self.enter_seconds, self.acquisition_seconds)
-
     def run_exit_hooks(self):
         """A Modal handler's @modal.exit / __exit__ at the end; a failing one is logged."""
-        hooks = getattr(self.handler, "calque_exit", None) if self.entered_at is not None else None
+        hooks = self.accounts.entered_at is not None and getattr(self.handler, "calque_exit", None)
         if hooks:
             try:
                 hooks()
@@ -1063,11 +992,7 @@ class Worker:
 
     def on_sibling_death(self, signum, frame):
         """SIGUSR2, another worker of the pool died: commit under churn too, at this one's age."""
-        self.seen_life, self.seen_at = time.time() - self.started, time.time()
-
-    def request_stop(self):
-        """The spot poller's notice: the same warm stop as SIGTERM."""
-        os.kill(os.getpid(), signal.SIGTERM)
+        self.rules.seen_death(time.time() - self.accounts.started)
 
     def leave(self):
         """Its instance is terminating: the scale-in stop; the hook completed at exit."""
@@ -1085,11 +1010,12 @@ class Worker:
             import calque_ec2   # lazy: an instance's metadata, read only where it is
             calque_ec2.SpotPoller(self.conf["CALQUE_SPOT_POLL"],
                        calque_core.setting_number(self.conf, "CALQUE_SPOT_INTERVAL", float, 0.01),
-                       self.request_stop, self.leave if self.protection else None)
+                       functools.partial(os.kill, os.getpid(), signal.SIGTERM),   # a warm stop
+                       self.leave if self.protection else None)
         reason = "?"
         try:
             self.start_counted()
-            self.write_stats("running")
+            self.accounts.write("running")
             announce(self.ready_file)
             self.backoff = 0.0
             while reason == "?":
@@ -1097,29 +1023,29 @@ class Worker:
         except Interrupted:
             reason = "stop requested"
         except SystemExit as e:          # a handler called sys.exit: its poison report says so
-            reason = self.last_word = f"exit code {e.code} (sys.exit)"
+            reason = self.accounts.last_word = f"exit code {e.code} (sys.exit)"
             raise
         finally:
             self.state = "stopping"
             self.settle()
-            if self.prefetcher:
-                self.prefetcher.shutdown(wait=False, cancel_futures=True)
-            for pool in (self.reader, self.ahead_thread, self.finisher, self.fetchers, self.decoders):
+            model = (self.model.prefetcher, self.model.decoders) if self.model else ()
+            for pool in (self.reader, self.ahead_thread, self.finisher, self.fetchers, *model):
                 if pool:
                     pool.shutdown(wait=False, cancel_futures=True)
             self.run_exit_hooks()
             self.output.flush()
-            self.write_stats("stopped")
+            self.accounts.write("stopped")
             if self.protection:
                 self.protection.release()
             log.info("worker %s: exit (%s) after %d claim(s), %d warm hit(s), enter_count %d",
-                     self.worker_id, reason, self.stats["claims"], self.stats["warm_hits"],
-                     self.enter_count)
+                     self.worker_id, reason, self.accounts.stats["claims"],
+                     self.accounts.stats["warm_hits"], self.accounts.enter_count)
 
     def _loop_once(self):
         """One pass: the claim ahead, else a poll, then run it. The reason to stop, or None."""
-        if self.replaced_by:
-            return f"the pool runs version {self.replaced_by} now (pool deploy): restarting on it"
+        if self.rules.replaced_by:
+            return (f"the pool runs version {self.rules.replaced_by} now (pool deploy): "
+                    "restarting on it")
         if self.stop_requested:
             return "stop requested"
         if self.supervisor and os.getppid() != self.supervisor:
@@ -1143,7 +1069,7 @@ class Worker:
                     # abandoned poll, out of sight for its visibility timeout (should_stop ends a local one)
                     self.state = "polling"
                     wait = self.poll_wait
-                    if self.stats_behind:
+                    if self.accounts.stats_behind:
                         wait = min(wait, STATS_IDLE_WAIT)
                     with self.backend.requests.tally(counts):
                         message = self.queue.receive(wait, should_stop=lambda: self.stop_requested)
@@ -1163,7 +1089,7 @@ class Worker:
                 since = time.monotonic() - self.version_checked
                 if since > calque_core.VERSION_CHECK and not self.ephemeral:
                     self.version_checked = time.monotonic()
-                    self.replaced_by = self.pool_version_now(self.version)
+                    self.rules.replaced_by = self.rules.pool_version_now()
             else:
                 claim = self.open_claim(message, counts)
         if claim is not None:
@@ -1175,12 +1101,13 @@ class Worker:
             self.state = "between"       # a second signal from here on has no claim to release
             if reason:
                 return reason
-            self.stats_behind = True
+            self.accounts.stats_behind = True
         elif idle and self.ephemeral and self.run_drained():
             return "cold run drained"
         # stats on a timer, not a PUT a claim, and once when the worker runs out of claims
-        if (idle and self.stats_behind) or time.monotonic() - self.last_stats > STATS_INTERVAL:
-            self.write_stats("running")
+        stale = time.monotonic() - self.accounts.last_stats > STATS_INTERVAL
+        if (idle and self.accounts.stats_behind) or stale:
+            self.accounts.write("running")
         return None
 
     def run_drained(self):
@@ -1192,7 +1119,7 @@ class Worker:
                 raise
             return True
 
-    # ---- one claim: accept, drain, finish --------------------------------------------------------
+    # ---- one claim: open, run, finish; its end ---------------------------------------------------
 
     def handle(self, message):
         """One claim on this thread, acked before it returns (the bench, in-process tests)."""
@@ -1201,37 +1128,18 @@ class Worker:
         self.acks.flush()
         return reason
 
-    @property
-    def heartbeat(self):
-        """The heartbeat of the claim this thread works for (its writes stop on a lost lease)."""
-        return getattr(self._serving, "heartbeat", None)
-
-    @contextlib.contextmanager
-    def serving(self, heartbeat, requests):
-        """This thread works for one claim: its writes check its lease, its requests count there."""
-        saved, self._serving.heartbeat = self.heartbeat, heartbeat
-        try:
-            with self.backend.requests.tally(requests):
-                yield
-        finally:
-            self._serving.heartbeat = saved
-
     def open_claim(self, message, requests):
-        """Accept a received message under a new heartbeat: the Claim to run, or None when it was
-        handled here (dead-lettered, a duplicate acked, let go). `requests`: those made for it."""
-        heartbeat = Heartbeat(self.leases, message, self.record["visibility_timeout"])
-        claim = None
-        with self.serving(heartbeat, requests):
-            try:
-                claim = self.accept(message)
-            except Exception as e:
-                self.end_early(message, None, e)
-                return None
-        if claim is None:
-            heartbeat.stop()
+        """A received message, accepted under a new heartbeat: the ClaimRun to run, or None where
+        it was handled here (dead-lettered, a duplicate acked, let go). `requests`: made for it."""
+        claim = ClaimRun(self, message, requests)
+        with self.ending(claim):
+            claim.accepted = self.rules.accept(claim)
+        if claim.ended:
+            return None
+        if not claim.accepted:
+            claim.heartbeat.stop()
             self.backend.requests.loose.update(requests)   # counted in the next summary
             return None
-        claim.heartbeat, claim.requests = heartbeat, requests
         return claim
 
     def run_claim(self, claim, pipelined):
@@ -1241,15 +1149,15 @@ class Worker:
         ahead = pipelined and self.receives_ahead
         on_call = functools.partial(self.reach_ahead, claim) if ahead else None
         self.watchdog.arm(lambda offsets: self.overrun(claim, offsets), on_call)
-        with self.serving(claim.heartbeat, claim.requests):
+        with self.ending(claim):
             try:
-                self.drain(claim)
+                claim.run()
                 if self.finishing is not None:
                     self.finishing.result()
-            except (ReleaseNow, Exception) as e:
-                return self.end_early(claim.message, claim, e)
             finally:
-                self.watchdog.disarm()
+                self.watchdog.arm(None)
+        if claim.ended:
+            return claim.stop_reason
         if not pipelined:
             return self.finish_claim(claim)
         self.finishing = self.finisher.submit(self.finish_claim, claim)
@@ -1271,41 +1179,48 @@ class Worker:
 
     def finish_claim(self, claim):
         """The claim's summary, then its ack (Acks). Returns the reason to stop, or None."""
-        with self.serving(claim.heartbeat, claim.requests):
-            try:
-                self.finish(claim)
-            except (ReleaseNow, Exception) as e:
-                return self.end_early(claim.message, claim, e)
-        return None
+        with self.ending(claim):
+            claim.finish()
+        return claim.stop_reason
 
-    def end_early(self, message, claim, error):
-        """A claim this thread cannot finish: let go at once when the worker stops, after a growing
-        delay on a store or queue fault, not written when its lease is lost. Returns the reason to
-        stop the worker, or None."""
-        if isinstance(error, ReleaseNow):
-            why = "second signal" if self.grace else "signal, no grace"
-            self.let_go(message, claim, 0, why)
-            return f"{why}: claim released"
-        if isinstance(error, ClaimTooLong):
-            self.heartbeat.stop()
-            self.dead_letter(message, str(error), {"run_id": claim.run_id, "claim": claim.claim_id},
-                             f"stopped near SQS's 12 h cap, {claim.committed} item(s) done and kept")
-        elif not isinstance(error, ClaimReleased):
-            why = f"{type(error).__name__}: {error}"
-            self.let_go(message, claim, self.fault_delay(message), why)
-        elif self.heartbeat.lost.is_set():
-            self.heartbeat.stop()
-            log.warning("worker %s: claim %s lease lost: not writing it", self.worker_id,
-                        self._name(message, claim))
-        else:                           # ours to give back: visible again at once
-            self.let_go(message, claim, 0, str(error))
-        return None
+    @contextlib.contextmanager
+    def ending(self, claim):
+        """This thread works for `claim` (its requests count there). One it cannot finish is let go
+        at once when the worker stops, after a growing delay on a store or queue fault, not written
+        when its lease is lost; claim.ended is then set, and claim.stop_reason where the worker
+        stops."""
+        with self.backend.requests.tally(claim.requests):
+            try:
+                yield
+            except ReleaseNow:
+                why = "second signal" if self.grace else "signal, no grace"
+                claim.let_go(0, why)
+                claim.stop_reason = f"{why}: claim released"
+            except ClaimTooLong as e:
+                claim.heartbeat.stop()
+                named = {"run_id": claim.run_id, "claim": claim.claim_id}
+                self.rules.dead_letter(claim, str(e), named, f"stopped near SQS's 12 h cap, "
+                                        f"{claim.committed} item(s) done and kept")
+            except ClaimReleased as e:
+                if not claim.heartbeat.lost.is_set():   # ours to give back: visible again at once
+                    claim.let_go(0, str(e))
+                else:
+                    claim.heartbeat.stop()
+                    log.warning("worker %s: claim %s lease lost: not writing it", self.worker_id,
+                                claim)
+            except Exception as e:   # a fault: a delay doubling a delivery (not spent by an outage)
+                delay = RELEASE_DELAY * 2 ** (claim.message.receive_count - 1)
+                delay = min(delay, self.record["visibility_timeout"])
+                claim.let_go(delay, f"{type(e).__name__}: {e}")
+            else:
+                return
+            claim.ended = True
 
     def give_back(self, claim, why):
         """Let go of a claim that never started: at once, not held against max_deliveries."""
         claim.progress_at = claim.message.receive_count
-        with self.serving(claim.heartbeat, claim.requests):
-            self.let_go(claim.message, claim, 0, why)
+        with self.backend.requests.tally(claim.requests):
+            claim.let_go(0, why)
         self.backend.requests.loose.update(claim.requests)
 
     def settle(self, wait=None):
@@ -1324,76 +1239,416 @@ class Worker:
         if self.acks:
             self.acks.flush()
 
-    def accept(self, message):
-        """The claim to run, or None when it was handled here (dead-lettered, duplicate acked)."""
-        received = time.time()
+    def made_progress(self):
+        """A part or a summary is written: the supervisor hears of the first (announce)."""
+        if not self.progressed:
+            self.progressed = True
+            announce(self.ready_file, "progress")
+
+    def overrun(self, claim, offsets):
+        """The watchdog's call when a handler call on `offsets` ran past batch_timeout: commit what
+        is done, mark the items suspect, release the claim, exit EXIT_HUNG (nothing can stop it)."""
+        seconds = time.monotonic() - self.watchdog.running[1]
+        log.error("worker %s: claim %s: items %s ran %.1fs, past the batch_timeout of %gs: "
+                  "releasing the claim and exiting %d", self.worker_id, claim,
+                  [claim.first + k for k in offsets], seconds, self.batch_timeout, EXIT_HUNG)
+        with self.backend.requests.tally(claim.requests):
+            try:
+                claim.commit()
+                claim.write_attempt("suspect", offsets, batch_timeout=self.batch_timeout)
+            except BaseException as e:      # the exit below must happen whatever the store says
+                log.warning("worker %s: before exiting: %s: %s", self.worker_id,
+                            type(e).__name__, e)
+        claim.heartbeat.stop()
+        with contextlib.suppress(Exception):
+            self.queue.change_visibility(claim.message, 0)
+        with contextlib.suppress(Exception):
+            self.settle(wait=OVERRUN_WAIT)
+        self.accounts.last_word = (f"exit {EXIT_HUNG}: a handler call ran past the batch_timeout "
+                                   f"of {self.batch_timeout:g} s")
+        self.accounts.write("stopped")
+        os._exit(EXIT_HUNG)
+
+
+class ClaimRun:
+    """One delivery from its receipt to its end (offsets: positions in the claim). Its writes stop
+    once its lease is lost. It reads the worker's settings and calls on its rooms."""
+    progress_failed = False   # a progress write failed in this process (logged once)
+
+    def __init__(self, worker, message, requests):
+        self.worker, self.message = worker, message
+        self.requests = requests                  # requests made for it (Requests.tally)
+        self.heartbeat = Heartbeat(worker.leases, message, worker.record["visibility_timeout"])
+        self.received = time.time()               # when it arrived
+        self.accepted = self.ended = False        # by the Rules; given up (Worker.ending)
+        self.stop_reason = None                   # why the worker stops, where its end says so
+        self.run_id = self.claim_id = self.items = self.spool = None   # set by Rules.accept
+        self.first = 0                            # the run index of offset 0
+        self.enter_paid = self.acquisition = 0.0  # what a cold worker paid inside it
+        self.gpu = None                           # GpuSampler.stop()'s reading
+        self.start = self.committed = 0   # [0, start): earlier deliveries' parts; then this one's
+        self.parts, self.failed, self.errors = [], [], {}   # [start, stop]s; run indices; messages
+        self.resumed_failed = 0                   # of `failed`, those from earlier parts
+        self.formatted = []                       # (stop, format_outcome's) not yet in a part
+        self.kind = None                          # Collator.claim_kind, once, as its drain starts
+        self.batches, self.last_commit = 0, 0.0   # batches since the last part, and when it went
+        self.reported_at = 0.0                    # monotonic s of its last progress record
+        self.model_seconds = self.wait_seconds = 0.0
+        self.record = {"deaths": {}}              # the attempt record
+        self.quarantined = {}                     # offset (str) -> why it is not run
+        self.single = False                       # one item at a time, behind the attempt record
+        self.alone = range(0)                     # ... only these offsets, then batches (a spool)
+        self.life = None                          # s its dead delivery lived, at least (0: unknown)
+        self.progress_at = 0                      # the delivery that last made progress
+
+    def __str__(self):
+        if self.accepted:
+            return f"{self.run_id}/{self.claim_id}"
+        return f"(delivery {self.message.receive_count})"
+
+    def run(self):
+        """Items [start, n) (@enter first on a cold worker) unit by unit (plan), each collated
+        ahead where pipelined (collated), called (run_unit), its lines kept (keep); parts at
+        checkpoints, and the end. Quarantined items fail unrun; a batch that raises is retried item
+        by item. Results are serialised here (GIL-bound work would slow a model beside it).
+        ClaimReleased where it is given back."""
+        model, accounts = self.worker.model, self.worker.accounts
+        ahead, batching = {}, False   # unit -> its batch's future, collated beside the model
+        accounts.gpu.start()
+        try:
+            if accounts.entered_at is None:     # a cold worker pays its load in its first claim
+                accounts.enter(self.worker.enter_fn)
+                self.enter_paid = accounts.enter_seconds
+                self.acquisition = accounts.acquisition_seconds
+            self.kind = model.collator.claim_kind(self.items)
+            units, lone = self.plan()
+            runnable = units   # nothing quarantined (nearly always): no str(k) per item
+            if self.quarantined:
+                runnable = [[k for k in unit if str(k) not in self.quarantined] for unit in units]
+            self.last_commit = self.reported_at = time.monotonic()
+            if self.formatted:   # the spool's lines (take_over): a part before anything else
+                self.commit()
+            for u, unit in enumerate(units):
+                self.check()
+                single = unit.start in lone
+                if single:
+                    batching = False
+                    if runnable[u]:
+                        self.write_attempt("running", runnable[u])
+                    current = model.prepare(self.items, runnable[u], self.kind)
+                else:
+                    first, batching = not batching, True
+                    if first and self.single:   # the first batch after items alone: say so
+                        self.write_attempt("batches", [])
+                    current = self.collated(ahead, units, runnable, u, lone)
+                waited, busy = self.wait_seconds, self.model_seconds
+                outcome = self.run_unit(unit, runnable[u], current)
+                self.items.drop(unit)
+                if single:                    # it ran alone and the process lived: not a killer
+                    if any([self.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
+                        self.worker.rules.mark_churn()
+                elif self.kind == BY_HANDLER and not first:
+                    model.deepen(self.wait_seconds - waited, self.model_seconds - busy)
+                self.keep(unit, format_outcome(outcome, self.first + unit.start))
+            self.commit()
+        finally:
+            for future in ahead.values():   # gathered ahead of a loop that ended early: slots back
+                if future is not None:
+                    with contextlib.suppress(Exception):
+                        model.collator.release(future.result())
+            self.gpu = accounts.gpu.stop()
+            if self.spool:
+                self.spool.close()
+            self.items.close()
+        if self.heartbeat.lost.is_set():
+            raise ClaimReleased("lease lost")
+
+    def plan(self):
+        """(units, the offsets that run alone): items [start, n) batch_size at a time (all at once
+        for a whole_claim handler), or one at a time behind the attempt record (single: all of
+        them, or those of `alone`)."""
+        n, size = len(self.items), self.worker.record["batch_size"]
+        if self.worker.model.whole_claim:   # @calque.batch(whole_claim=True)
+            size = max(1, n - self.start)
+        lone = range(self.start, n) if self.single else range(0)
+        if self.single and self.alone:
+            lone = range(min(max(self.alone.start, self.start), n), min(self.alone.stop, n))
+        lo, hi = lone.start, max(lone.stop, self.start)   # batches, [lo, hi) alone, batches
+        return ([range(k, min(k + size, lo)) for k in range(self.start, lo, size)]
+                + [range(k, k + 1) for k in lone]
+                + [range(k, min(k + size, n)) for k in range(hi, n, size)]), lone
+
+    def check(self):
+        """Before each unit: the claim given back (ClaimReleased: a stop's grace is over, its lease
+        lost), or stopped where one batch more could pass SQS's cap (ClaimTooLong); what is done
+        is committed first."""
+        worker, lease = self.worker, self.heartbeat
+        if worker.release_now.is_set():
+            self.commit()       # what is done stays done
+            raise ClaimReleased("grace period over" if worker.stop_requested else "released")
+        if lease.lost.is_set():
+            raise ClaimReleased("lease lost")
+        if time.monotonic() > lease.cap - lease.timeout - worker.batch_timeout:
+            self.commit()
+            hours = (time.monotonic() - lease.cap + SQS_MAX_INVISIBLE) / 3600
+            raise ClaimTooLong(
+                f"claim ran {hours:.1f} h: SQS keeps a claim invisible 12 h at most, and one batch "
+                f"more (batch_timeout {worker.batch_timeout:g} s) could pass that; "
+                f"{self.committed} of {len(self.items)} items done and kept (`runs redrive "
+                f"{self.run_id}` resumes after them) ---> HINT: split such claims: submit "
+                "--claim-size N (docs/limits.md)")
+
+    def collated(self, ahead, units, runnable, u, lone):
+        """Unit u's batch, the `depth` after it collated beside it, unless alone (depth: 1, or the
+        Model's collate_depth for a handler's own collate)."""
+        model = self.worker.model
+        depth = model.collate_depth if self.kind == BY_HANDLER else 1
+        for v in range(u, min(u + 1 + depth, len(units))):
+            if units[v].start in lone:
+                break
+            if v not in ahead:
+                ahead[v] = model.prepare(self.items, runnable[v], self.kind, beside=v > u + 1)
+        return ahead.pop(u)
+
+    def run_unit(self, unit, runnable, prepared):
+        """[(ok, result or error)] for a unit's items: the quarantined ones fail with the reason."""
+        ran, t0 = {}, time.perf_counter()
+        payloads, missing = gather(self.items, runnable)
+        if prepared is None and self.items.fetched:   # the model waited: a fetch
+            self.wait_seconds += time.perf_counter() - t0
+        if missing:
+            runnable = [k for k in runnable if k not in missing]
+        if runnable:
+            outcome, model, wait = self.worker.model.run(prepared, payloads, runnable, self.kind)
+            self.model_seconds += model
+            self.wait_seconds += wait
+            if len(runnable) == len(unit):   # nothing quarantined: the unit's outcome, in order
+                return outcome
+            ran = dict(zip(runnable, outcome))
+        return [ran[k] if k in ran else (False, missing.get(k) or self.quarantined[str(k)])
+                for k in unit]
+
+    def keep(self, unit, lines):
+        """A unit's result lines: spooled, held for the next part, progress said every
+        PROGRESS_SECONDS, a part written when the Rules say one is due."""
+        if self.spool:
+            self.spool.add(self.first + unit.start, self.first + unit.stop, lines[0])
+        self.formatted.append((unit.stop, lines))
+        self.batches += 1
+        if time.monotonic() - self.reported_at >= PROGRESS_SECONDS:
+            self.report_progress(unit.stop)
+        if self.worker.rules.part_due(self):
+            self.commit()
+
+    def commit(self):
+        """The batches run since the last part, written as one part."""
+        ready = list(self.formatted)
+        if not ready:
+            return
+        stop = ready[-1][0]
+        suffix, data = calque_core.encode_part([c for _, (chunks, _, _) in ready for c in chunks])
+        t0 = time.monotonic()
+        self.put(calque_core.part_key(self.run_id, self.claim_id, self.committed, stop, suffix),
+                 data)
+        self.worker.rules.part_seconds = time.monotonic() - t0
+        for _, (_, failed, errors) in ready:
+            self.failed += failed
+            self.errors.update(list(errors.items())[:calque_core.ERRORS_KEPT - len(self.errors)])
+        self.parts.append([self.committed, stop])
+        self.committed, self.progress_at = stop, self.message.receive_count
+        self.worker.made_progress()
+        del self.formatted[:len(ready)]
+        self.batches, self.last_commit = 0, time.monotonic()
+
+    def report_progress(self, done):
+        """A long claim's items done so far, where submit, runs show and the dashboard read them
+        (best effort, not retried: the next one or the summary says it; a failure logged once)."""
+        self.reported_at, worker = time.monotonic(), self.worker
+        try:
+            progress = {"done": done, "worker_id": worker.worker_id, "at": calque_core.now_iso()}
+            worker.backend.store.put(calque_core.progress_key(self.run_id, self.claim_id),
+                                     json.dumps(progress))
+        except Exception as e:
+            if not ClaimRun.progress_failed:
+                log.warning("worker %s: progress of claim %s/%s not written (%s); submit shows it "
+                            "when the claim ends (logged once)", worker.worker_id, self.run_id,
+                            self.claim_id, calque_core.aws_error_line(e))
+            ClaimRun.progress_failed = True
+
+    def write_attempt(self, state, running, retry=True, **fields):
+        """The claim's attempt record: `state` running (`running` runs alone now), suspect (they
+        overran) or released (let go alive); deaths, quarantines and progress carry over."""
+        self.record = dict(self.record, state=state, running=list(running),
+                           worker_id=self.worker.worker_id,
+                           receive_count=self.message.receive_count,
+                           covered=self.committed, progress_at=self.progress_at,
+                           quarantined=self.quarantined, at=calque_core.now_iso(),
+                           alive=round(time.time() - self.received, 3), **fields)
+        put = self.put if retry else self.worker.backend.store.put
+        put(calque_core.attempt_key(self.run_id, self.claim_id), json.dumps(self.record))
+
+    def put(self, key, data):
+        """A store write for this claim, retried (WRITE_RETRY) while its lease holds."""
+        worker, (delay, retries) = self.worker, WRITE_RETRY
+        try:
+            for retry in range(retries + 1):
+                if self.heartbeat.lost.is_set():
+                    raise ClaimReleased("lease lost")
+                try:
+                    return worker.backend.store.put(key, data)
+                except Exception as e:
+                    if retry == retries:
+                        raise
+                    worker.retrying.set()
+                    log.warning("worker %s: store write of %s failed (%s: %s); retrying in %.1fs",
+                                worker.worker_id, key, type(e).__name__, e, delay)
+                if worker.release_now.wait(delay):
+                    raise ClaimReleased("grace period over while retrying a store write")
+                delay *= 2
+        finally:
+            worker.retrying.clear()
+
+    def finish(self):
+        """The summary, then the ack (queued: Acks)."""
+        worker, accounts = self.worker, self.worker.accounts
+        finished = time.time()
+        warm_hit = accounts.entered_at is not None and accounts.entered_at <= self.received
+        notes = []
+        if len(self.errors) < len(self.failed):
+            notes.append(f"errors: only the first {len(self.errors)} of {len(self.failed)} "
+                         "messages kept")
+        if not self.gpu["measured"]:
+            notes.append(f"GPU utilisation not measured: {self.gpu['reason']}")
+        if worker.backend.kind == "local":
+            notes.append("requests: counted on the local backend, where they cost nothing; "
+                         "priced as if on SQS/S3")
+        summary = accounts.summary(
+            self.message, self.run_id, self.claim_id, self.received, finished,
+            extra_other=1,   # + the ack below, counted as if it went alone
+            items=len(self.items), failed=self.failed, errors=self.errors, warm_hit=warm_hit,
+            enter_seconds_paid=self.enter_paid, acquisition_seconds=self.acquisition,
+            model_seconds=self.model_seconds, notes=notes, parts=self.parts,
+            resumed=self.start, collate_wait_seconds=round(self.wait_seconds, 6),
+            prefetch=worker.model.pipelined(self.kind), gpu_utilisation=self.gpu)
+        worker.output.flush()              # what the claim printed lands before its summary
+        self.put(calque_core.summary_key(self.run_id, self.claim_id), json.dumps(summary, indent=1))
+        worker.made_progress()
+        self.heartbeat.stop()            # no renewal may land after the ack
+        worker.acks.add(self.message, f"{self.run_id}/{self.claim_id}")
+        accounts.count(self, summary["claim_seconds"], warm_hit, finished)
+        log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid "
+                 "%.3fs, %.3fs%s",
+                 worker.worker_id, self.run_id, self.claim_id, len(self.items), len(self.failed),
+                 "yes" if warm_hit else "no", self.enter_paid, summary["claim_seconds"],
+                 f", {self.start} resumed" if self.start else "")
+
+    def let_go(self, delay, why):
+        """Give the claim back alive (its attempt record says so): visible again after `delay` s."""
+        worker = self.worker
+        if self.accepted:
+            with contextlib.suppress(Exception):
+                self.write_attempt("released", [], retry=False)
+        self.heartbeat.stop()            # a renewal after this would hide the claim again
+        try:
+            worker.queue.change_visibility(self.message, delay)
+        except Exception as e:
+            log.warning("worker %s: claim %s not released (%s: %s): visible when its lease ends",
+                        worker.worker_id, self, type(e).__name__, e)
+        log.warning("worker %s: claim %s let go (%s); visible again in %.0fs", worker.worker_id,
+                    self, why, delay)
+
+
+class Rules:
+    """The redelivery and poison rules (docs/contract.md): whether a delivery runs (accept), what
+    earlier deliveries left it (take_over), and the pool's deaths as this worker knows them: the
+    latest one's life sets the part cadence (part_due); innocent deaths marked in the store make
+    poison take one death more (churning)."""
+
+    def __init__(self, worker, stats_prefix, previous_life):
+        self.worker_id, self.backend, self.record = worker.worker_id, worker.backend, worker.record
+        self.accounts, self.stats_prefix = worker.accounts, stats_prefix
+        self.ephemeral, self.spool_folder = worker.ephemeral, worker.spool_folder
+        self.fetchers, self.reader = worker.fetchers, worker.reader
+        self.queue = self.dlq = None     # once the worker starts
+        self.network = self.backend.kind != "local"
+        self.version = calque_core.version_of(self.record)   # the only version whose claims it runs
+        self.replaced_by = None          # the pool's version, once it is not ours (pool deploy)
+        number, conf = calque_core.setting_number, worker.conf
+        self.checkpoint_seconds = number(conf, "CALQUE_CHECKPOINT_SECONDS", float, 0)
+        self.checkpoint_batches = number(conf, "CALQUE_CHECKPOINT_BATCHES", int, 1)
+        self.seen_life, self.seen_at = previous_life, time.time()   # the latest death: life, when
+        self.part_seconds = 0.0          # s the latest result part's PUT took (interval)
+
+    def accept(self, claim):
+        """True where the claim is to run; None where it was handled here (dead-lettered, a
+        duplicate acked, given back)."""
+        message = claim.message
         try:
             msg = calque_core.parse_message(message.body)
         except ValueError as e:
-            return self.dead_letter(message, f"malformed message: {e}", None)
+            return self.dead_letter(claim, f"malformed message: {e}", None)
         key = self.backend.store.key_for_uri(msg["manifest_uri"])
         match = calque_core.MANIFEST_KEY.match(key or "")
         if not match:
-            return self.dead_letter(message, f"manifest_uri {msg['manifest_uri']!r} is outside "
-                                             f"this pool's store {self.backend.describe()}: "
-                                             "refused", msg)
-        run_id, claim = match.groups()
-        msg.update(run_id=run_id, claim=claim)    # the key is the authority, not the message
+            return self.dead_letter(claim, f"manifest_uri {msg['manifest_uri']!r} is outside "
+                                           f"this pool's store {self.backend.describe()}: "
+                                           "refused", msg)
+        run_id, claim_id = match.groups()
+        msg.update(run_id=run_id, claim=claim_id)    # the key is the authority, not the message
         if msg["model"] != self.record["model"]:
-            return self.dead_letter(message, f"claim is for model {msg['model']!r}, "
-                                             f"this pool serves {self.record['model']!r}", msg)
+            return self.dead_letter(claim, f"claim is for model {msg['model']!r}, "
+                                           f"this pool serves {self.record['model']!r}", msg)
         if calque_core.run_slug(run_id) != self.record["slug"]:
-            return self.dead_letter(message, f"run {run_id} is not one of this model's runs "
-                                             f"({self.record['slug']}.*): refused", msg)
+            return self.dead_letter(claim, f"run {run_id} is not one of this model's runs "
+                                           f"({self.record['slug']}.*): refused", msg)
         if msg.get("version", self.version) != self.version and not self.adopted(run_id):
-            return self.other_version(message, msg)
+            return self.other_version(claim, msg)
         # over a network, the manifest is read beside the duplicate check; a local one after it
         get = self.backend.store.get
         manifest_read = self.network and self.reader.submit(self.backend.requests.carried(get), key)
-        if self.backend.store.exists(calque_core.summary_key(run_id, claim)):
+        if self.backend.store.exists(calque_core.summary_key(run_id, claim_id)):
             if manifest_read:
                 manifest_read.exception()    # let it finish: nothing is left running behind the ack
             self.queue.delete(message)
             log.info("worker %s: claim %s/%s already has a summary (duplicate delivery): acked "
-                     "without recompute", self.worker_id, run_id, claim)
+                     "without recompute", self.worker_id, run_id, claim_id)
             return None
         try:
             manifest = json.loads(manifest_read.result() if manifest_read else get(key))
             items = calque_sources.read_claim(self.backend, manifest, self.fetchers)
             first = int(manifest.get("first_index", 0))
         except calque_core.NotFound as e:
-            return self.dead_letter(message, f"claim object {e} does not exist", msg)
+            return self.dead_letter(claim, f"claim object {e} does not exist", msg)
         except (ValueError, KeyError, TypeError, IndexError) as e:
-            return self.dead_letter(message, f"manifest {key} is corrupt: {e}", msg)
-        accepted = Claim(message, run_id, claim, items, first, received)
+            return self.dead_letter(claim, f"manifest {key} is corrupt: {e}", msg)
+        claim.run_id, claim.claim_id, claim.items, claim.first = run_id, claim_id, items, first
         if self.spool_folder:
-            accepted.spool = Spool(self.spool_folder, accepted)
+            claim.spool = Spool(self.spool_folder, claim)
         limit, rc = self.record["max_deliveries"], message.receive_count
+        spent = f"delivered {rc} times, more than the pool's max deliveries {limit}"
         if rc > 1 or msg.get("resume") is True:   # not on a first delivery
             try:
-                self.take_over(accepted)
+                self.take_over(claim)
             except Exception as e:   # a refusal (AccessDenied) or a fault: this delivery is spent
                 if rc <= limit:
-                    raise            # let go, to come back after fault_delay
-                return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
-                                                 f"deliveries {limit}, and what earlier deliveries "
-                                                 f"left cannot be read: {calque_core.aws_error_line(e)}", msg)
-        if rc > limit and rc - accepted.progress_at > limit:
-            return self.dead_letter(message, f"delivered {rc} times, more than the pool's max "
-                                             f"deliveries {limit}, with no progress (no new "
-                                             "result part, no death pinned on an item, no item "
-                                             f"quarantined) in the last {limit}", msg)
-        return accepted
+                    raise            # let go, to come back after a delay (Worker.ending)
+                return self.dead_letter(claim, f"{spent}, and what earlier deliveries left cannot "
+                                               f"be read: {calque_core.aws_error_line(e)}", msg)
+        if rc > limit and rc - claim.progress_at > limit:
+            return self.dead_letter(claim, f"{spent}, with no progress (no new result part, no "
+                                           f"death pinned on an item, no item quarantined) in "
+                                           f"the last {limit}", msg)
+        return True
 
-    def pool_version_now(self, mine):
-        """The pool record's version when it is no longer `mine` (pool deploy), else None."""
+    def pool_version_now(self):
+        """The pool record's version when it is no longer ours (pool deploy), else None."""
         try:
             now = calque_core.version_of(calque_core.load_pool(self.backend, self.record["model"]))
         except (calque_core.UserError, calque_core.NotFound, calque_core.StoreFault) as e:
             log.warning("worker %s: pool record unreadable (%s): version not checked",
                         self.worker_id, e)
             return None
-        return now if now != mine else None
+        return now if now != self.version else None
 
     def adopted(self, run_id):
         """Whether the run record names our version where its claim does not: pool deploy moved a
@@ -1403,28 +1658,27 @@ class Worker:
             return run.get("version") == self.version
         return False
 
-    def other_version(self, message, msg):
+    def other_version(self, claim, msg):
         """A claim of another version never runs here. The pool's version now (pool deploy): this
         worker is the stale one: the claim goes back at once and the worker leaves, to restart on
         it (EXIT_REPLACED). A version the pool no longer runs: failure summary and dead letter."""
-        now = self.replaced_by = None if self.ephemeral else self.pool_version_now(self.version)
+        now = self.replaced_by = None if self.ephemeral else self.pool_version_now()
         if now == msg["version"]:
-            self.let_go(message, None, 0,
-                        f"claim of version {now}, this worker runs {self.version}")
+            claim.let_go(0, f"claim of version {now}, this worker runs {self.version}")
             return None
-        return self.dead_letter(message, f"claim of version {msg['version']}; the pool runs "
-                                         f"version {now or self.version} (pool deploy): not run, "
-                                         "a run keeps its version ---> HINT: submit its items "
-                                         "again to run them on the pool's version", msg)
+        return self.dead_letter(claim, f"claim of version {msg['version']}; the pool runs "
+                                       f"version {now or self.version} (pool deploy): not run, "
+                                       "a run keeps its version ---> HINT: submit its items "
+                                       "again to run them on the pool's version", msg)
 
     def take_over(self, claim):
         """What earlier deliveries left: their result parts (a torn one is redone), and their
         attempt record: how the last one ended (the rules: docs/contract.md)."""
-        rc = claim.message.receive_count
-        keys = self.backend.store.list(calque_core.results_prefix(claim.run_id, claim.claim_id))
+        rc, store = claim.message.receive_count, self.backend.store
+        keys = store.list(calque_core.results_prefix(claim.run_id, claim.claim_id))
         for start, stop, key in calque_core.part_chain(keys, len(claim.items)):
             try:
-                part = calque_core.read_part(self.backend.store, key, start, stop)
+                part = calque_core.read_part(store, key, start, stop)
                 lines = [json.loads(line) for line in part.lines]
             except (calque_core.ResultsIncomplete, ValueError) as e:
                 log.warning("worker %s: part %s unreadable (%s): recomputing from offset %d",
@@ -1447,7 +1701,7 @@ class Worker:
         record, attempt = {}, calque_core.attempt_key(claim.run_id, claim.claim_id)
         if attempt in keys:
             try:
-                record = json.loads(self.backend.store.get(attempt))
+                record = json.loads(store.get(attempt))
             except ValueError as e:     # torn by hand: what it said is lost
                 log.warning("worker %s: attempt record %s unreadable (%s)", self.worker_id,
                             attempt, e)
@@ -1488,9 +1742,7 @@ class Worker:
             claim.alone = range(reach, reach + 2 * self.record["batch_size"])
         if claim.single:    # its last delivery died: how long it lived, at least
             claim.life = record.get("alive", 0.0) if previous == rc - 1 else 0.0
-            if claim.life or self.seen_life is None:   # a life known, or the first death seen
-                self.seen_life = claim.life
-            self.seen_at = time.time()
+            self.seen_death(claim.life)
         log.info("worker %s: claim %s/%s delivery %d: %d items resumed from %d part(s)%s%s%s%s",
                  self.worker_id, claim.run_id, claim.claim_id, rc, claim.start, len(claim.parts),
                  f" and this machine's spool ({spooled.count(chr(10))})" if spooled else "",
@@ -1500,6 +1752,31 @@ class Worker:
                  f", deaths at offsets {deaths}" if deaths else "",
                  f", quarantined {sorted(map(int, claim.quarantined))}" if claim.quarantined
                  else "")
+
+    def seen_death(self, life):
+        """A death seen now, of a process that lived `life` s at least (0: unknown, then kept only
+        where no death was seen before)."""
+        if life or self.seen_life is None:
+            self.seen_life = life
+        self.seen_at = time.time()
+
+    def part_due(self, claim):
+        """Whether the batches the claim ran since its last part make a part now: the checkpoint
+        rule (CALQUE_CHECKPOINT_BATCHES and _SECONDS), or under churn the interval's."""
+        since, every = time.monotonic() - claim.last_commit, self.interval(claim)
+        if every is None:
+            return claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
+        return since >= every
+
+    def interval(self, claim):
+        """s between two parts under churn (Young's, sqrt(2 x part PUT x life), at most the
+        checkpoint; life: the dead delivery's, else the latest seen), or None (the checkpoint rule)
+        where neither this claim's last delivery died nor this worker saw a death lately."""
+        seen = self.seen_life is not None and time.time() - self.seen_at <= CHURN_MEMORY
+        if claim.life is None and not seen:
+            return None
+        life = claim.life or (self.seen_life or 0.0)
+        return min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
 
     def mark_churn(self):
         """An item with a death pinned on it ran alone and returned: mark the pool as churning."""
@@ -1530,164 +1807,67 @@ class Worker:
         return (f"exit code or signal unknown: worker {worker} left no word (kill -9, a crash, "
                 f"os._exit)"), False
 
-    def drain(self, claim):
-        """Run the claim's items (@enter first on a cold worker); ClaimReleased if given back."""
-        self.gpu.start()
-        try:
-            if self.entered_at is None:     # a cold worker pays its load in its first claim
-                self.enter()
-                claim.enter_paid, claim.acquisition = self.enter_seconds, self.acquisition_seconds
-            self._drain_batches(claim)
-        finally:
-            claim.gpu = self.gpu.stop()
-            if claim.spool:
-                claim.spool.close()
-            claim.items.close()
-        if self.heartbeat.lost.is_set():
-            raise ClaimReleased("lease lost")
+    def dead_letter(self, claim, reason, msg, note="the claim was not run"):
+        """A claim that cannot succeed: failure summary (if the run is known), DLQ copy, delete."""
+        message = claim.message
+        run_id, claim_id = (msg or {}).get("run_id"), (msg or {}).get("claim")
+        known = all(isinstance(v, str) and calque_core.SAFE_ID.match(v) for v in (run_id, claim_id))
+        try:    # a summary for a waiting submitter (another model's run may be out of reach: IAM)
+            key = calque_core.summary_key(run_id, claim_id)
+            if known and not self.backend.store.exists(key):
+                now = time.time()
+                summary = self.accounts.summary(message, run_id, claim_id, now, now,
+                                                extra_other=2,   # + the DLQ send and the delete
+                                                error=reason, notes=[f"dead-lettered: {note}"])
+                own = calque_core.run_slug(run_id) == self.record["slug"]   # else no retries
+                (claim.put if own else self.backend.store.put)(key, json.dumps(summary, indent=1))
+        except Exception as e:
+            log.warning("worker %s: no failure summary for %s/%s (%s: %s)", self.worker_id,
+                        run_id, claim_id, type(e).__name__, e)
+        self.dlq.send(json.dumps({"reason": reason, "body": message.body,
+                                  "receive_count": message.receive_count,
+                                  "worker_id": self.worker_id, "at": calque_core.now_iso(),
+                                  "run_id": run_id if known else None,
+                                  "claim": claim_id if known else None}))
+        self.queue.delete(message)
+        log.warning("worker %s: claim to dead-letter queue %s: %s", self.worker_id,
+                    self.record["dlq"], reason)
 
-    def finish(self, claim):
-        """The summary, then the ack (queued: Acks)."""
-        finished = time.time()
-        warm_hit = self.entered_at is not None and self.entered_at <= claim.received
-        notes = []
-        if len(claim.errors) < len(claim.failed):
-            notes.append(f"errors: only the first {len(claim.errors)} of {len(claim.failed)} "
-                         "messages kept")
-        if not claim.gpu["measured"]:
-            notes.append(f"GPU utilisation not measured: {claim.gpu['reason']}")
-        if self.backend.kind == "local":
-            notes.append("requests: counted on the local backend, where they cost nothing; "
-                         "priced as if on SQS/S3")
-        summary = self._summary(
-            claim.message, claim.run_id, claim.claim_id, claim.received, finished,
-            extra_other=1,   # + the ack below, counted as if it went alone
-            items=len(claim.items), failed=claim.failed, errors=claim.errors, warm_hit=warm_hit,
-            enter_seconds_paid=claim.enter_paid, acquisition_seconds=claim.acquisition,
-            model_seconds=claim.model_seconds, notes=notes, parts=claim.parts,
-            resumed=claim.start, collate_wait_seconds=round(claim.wait_seconds, 6),
-            prefetch=self.pipelined(claim), gpu_utilisation=claim.gpu)
-        self.output.flush()              # what the claim printed lands before its summary
-        self._put(calque_core.summary_key(claim.run_id, claim.claim_id), json.dumps(summary, indent=1))
-        self.made_progress()
-        self.heartbeat.stop()            # no renewal may land after the ack
-        self.acks.add(claim.message, f"{claim.run_id}/{claim.claim_id}")
-        self.stats["claims"] += 1
-        self.stats["warm_hits"] += warm_hit
-        self.stats["items"] += len(claim.items) - claim.start
-        self.stats["items_failed"] += len(claim.failed) - claim.resumed_failed
-        self.busy_seconds += summary["claim_seconds"]
-        ran, seconds = len(claim.items) - claim.start, summary["claim_seconds"] - claim.enter_paid
-        for k, value in enumerate((1, ran, seconds, ran * ran, ran * seconds)):
-            self.claim_fit[k] += value
-        gap = claim.received - (self.finished_at or -math.inf)   # idle past PLAN_GAP_MAX: not a gap
-        if gap <= calque_core.PLAN_GAP_MAX:
-            self.claim_gaps[0] += 1
-            self.claim_gaps[1] += max(0.0, gap)   # received ahead: no gap
-        self.finished_at = finished
-        log.info("worker %s: run %s claim %s: %d items (%d failed), warm hit %s, @enter paid "
-                 "%.3fs, %.3fs%s",
-                 self.worker_id, claim.run_id, claim.claim_id, len(claim.items), len(claim.failed),
-                 "yes" if warm_hit else "no", claim.enter_paid, summary["claim_seconds"],
-                 f", {claim.start} resumed" if claim.start else "")
 
-    def _summary(self, message, run_id, claim, started, finished, extra_other, **fields):
-        """calque.claim_summary with this worker's identity and requests (+ the writes to come)."""
-        return calque_core.claim_summary(
-            run_id=run_id, claim=claim, model=self.record["model"], worker_id=self.worker_id,
-            mode="cold" if self.ephemeral else "pool", backend=self.backend.kind,
-            receive_count=message.receive_count, enter_count=self.enter_count, started=started,
-            finished=finished, instance_type=self.conf.get("CALQUE_INSTANCE_TYPE") or None,
-            requests=self.claim_requests(extra_puts=1, extra_other=extra_other), **fields)
+class Model:
+    """The handler's batch calls, timed by the watchdog; their inputs collated (Collator) on the
+    pipeline thread beside the model where that can release the GIL, further ahead on the collate
+    threads while the model waits on a handler's own collate (deepen)."""
 
-    def _drain_batches(self, claim):
-        """Items [claim.start, n): batch_size at a time (all at once for a whole_claim handler), or
-        one at a time behind the attempt record (claim.single: all, or those of claim.alone). Where
-        pipelined, the next batch is gathered
-        while the model runs this one. Results are serialised here (GIL-bound work would slow a
-        model beside it). Quarantined items fail unrun; a batch that raises is retried item by
-        item. Parts at checkpoints, the end."""
-        n, size = len(claim.items), self.record["batch_size"]
-        if getattr(self.batch_fn, "_calque_whole_claim", False):   # @calque.batch(whole_claim=True)
-            size = max(1, n - claim.start)
-        claim.kind = self.collator.claim_kind(claim.items)
-        alone = range(claim.start, n) if claim.single else range(0)
-        if claim.single and claim.alone:
-            alone = range(min(max(claim.alone.start, claim.start), n), min(claim.alone.stop, n))
-        lo, hi = alone.start, max(alone.stop, claim.start)   # batches, [lo, hi) alone, batches
-        units = ([range(k, min(k + size, lo)) for k in range(claim.start, lo, size)]
-                 + [range(k, k + 1) for k in alone]
-                 + [range(k, min(k + size, n)) for k in range(hi, n, size)])
-        runnable = units   # nothing quarantined (nearly always): no str(k) per item
-        if claim.quarantined:
-            runnable = [[k for k in unit if str(k) not in claim.quarantined] for unit in units]
-        ahead, batching = {}, False   # unit -> its batch's future, collated beside the model
-        claim.last_commit = claim.reported_at = time.monotonic()
-        if claim.formatted:   # the spool's lines (take_over): a part before anything else
-            self.commit(claim)
-        try:
-            for u, unit in enumerate(units):
-                if self.release_now.is_set():
-                    self.commit(claim)       # what is done stays done
-                    raise ClaimReleased("grace period over" if self.stop_requested else "released")
-                if self.heartbeat.lost.is_set():
-                    raise ClaimReleased("lease lost")
-                if time.monotonic() > self.heartbeat.cap - self.heartbeat.timeout - self.batch_timeout:
-                    self.commit(claim)       # a batch more could pass SQS's cap: stop, said
-                    raise ClaimTooLong(self.too_long(claim))
-                single = unit.start in alone
-                if single:
-                    batching = False
-                    if runnable[u]:
-                        self.write_attempt(claim, "running", runnable[u])
-                    current = self._prepare(claim, runnable[u])
-                else:
-                    first = not batching
-                    if first:   # the first batch, or the first after items alone: say so
-                        batching = True
-                        if claim.single:
-                            self.write_attempt(claim, "batches", [])
-                    depth = self.collate_depth if claim.kind == BY_HANDLER else 1
-                    for v in range(u, min(u + 1 + depth, len(units))):   # this batch, `depth` after it
-                        if units[v].start in alone:
-                            break
-                        if v not in ahead:
-                            ahead[v] = self._prepare(claim, runnable[v], beside=v > u + 1)
-                    current = ahead.pop(u)
-                waited, model = claim.wait_seconds, claim.model_seconds
-                outcome = self._run_unit(claim, unit, runnable[u], current)
-                claim.items.drop(unit)
-                if single:                    # it ran alone and the process lived: not a killer
-                    if any([claim.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
-                        self.mark_churn()
-                elif claim.kind == BY_HANDLER and not first:
-                    self.deepen(claim.wait_seconds - waited, claim.model_seconds - model)
-                lines = format_outcome(outcome, claim.first + unit.start)
-                if claim.spool:
-                    claim.spool.add(claim.first + unit.start, claim.first + unit.stop, lines[0])
-                claim.formatted.append((unit.stop, lines))
-                claim.batches += 1
-                if time.monotonic() - claim.reported_at >= PROGRESS_SECONDS:
-                    self.report_progress(claim, unit.stop)
-                since, every = time.monotonic() - claim.last_commit, self.commit_interval(claim)
-                due = (claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
-                       if every is None else since >= every)
-                if due:
-                    self.commit(claim)
-        finally:
-            for future in ahead.values():   # gathered ahead of a loop that ended early: slots back
-                if future is not None:
-                    with contextlib.suppress(Exception):
-                        self.collator.release(future.result())
-        self.commit(claim)
+    def __init__(self, worker_id, batch_fn, collate, watchdog):
+        self.worker_id, self.batch_fn, self.watchdog = worker_id, batch_fn, watchdog
+        self.collator = Collator(collate)
+        self.whole_claim = getattr(batch_fn, "_calque_whole_claim", False)
+        self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
+        # the pipeline thread's CPU clock, taken out of the model's time (model_clock)
+        self.pipeline_clock = None
+        if self.prefetcher and hasattr(time, "pthread_getcpuclockid"):
+            thread = self.prefetcher.submit(threading.get_ident).result()
+            self.pipeline_clock = time.pthread_getcpuclockid(thread)
+        self.collate_depth = 1           # batches collated ahead of the model (a handler's collate)
+        self.decoders = None             # the threads past the pipeline's, once the depth grows
 
-    def too_long(self, claim):
-        """Why a claim stopped near SQS's cap, and how to split such claims."""
-        hours = (time.monotonic() - self.heartbeat.cap + SQS_MAX_INVISIBLE) / 3600
-        return (f"claim ran {hours:.1f} h: SQS keeps a claim invisible 12 h at most, and one batch "
-                f"more (batch_timeout {self.batch_timeout:g} s) could pass that; {claim.committed} of "
-                f"{len(claim.items)} items done and kept (`runs redrive {claim.run_id}` resumes after "
-                f"them) ---> HINT: split such claims: submit --claim-size N (docs/limits.md)")
+    def pipelined(self, kind):
+        """Whether the pipeline thread prepares a claim's batches beside the model: where that can
+        release the GIL (a numeric gather, the handler's collate), not for lists."""
+        return self.prefetcher is not None and kind != AS_LIST
+
+    def prepare(self, items, offsets, kind, beside=False):
+        """The pipeline thread's future of these offsets' batch (a decoder thread's `beside` it,
+        further ahead); None unless pipelined. Items by reference are awaited on that thread."""
+        if not offsets or not self.pipelined(kind):
+            return None
+        pool = self.decoders if beside else self.prefetcher
+        return pool.submit(self._collate, items, offsets, kind)
+
+    def _collate(self, items, offsets, kind):
+        payloads = gather(items, offsets)[0]
+        return self.collator.prepare(payloads, kind) if payloads else None
 
     def deepen(self, wait, model):
         """One more batch collated ahead (on one more thread, up to COLLATE_THREADS) when the model
@@ -1700,280 +1880,134 @@ class Worker:
             log.info("worker %s: the model waited %.3fs on collate beside a %.3fs batch: collating %d "
                      "batches ahead", self.worker_id, wait, model, self.collate_depth)
 
-    def commit_interval(self, claim):
-        """s between two parts under churn (Young's, sqrt(2 x part PUT x life), at most the
-        checkpoint; life: the dead delivery's, else the latest seen), or None (the checkpoint rule)
-        where neither this claim's last delivery died nor this worker saw a death lately."""
-        seen = self.seen_life is not None and time.time() - self.seen_at <= CHURN_MEMORY
-        if claim.life is None and not seen:
-            return None
-        life = claim.life or (self.seen_life or 0.0)
-        return min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
-
-    def commit(self, claim):
-        """The batches run since the last part, written as one part."""
-        ready = list(claim.formatted)
-        if not ready:
-            return
-        stop = ready[-1][0]
-        suffix, data = calque_core.encode_part([c for _, (chunks, _, _) in ready for c in chunks])
-        t0 = time.monotonic()
-        self._put(calque_core.part_key(claim.run_id, claim.claim_id, claim.committed, stop, suffix),
-                  data)
-        self.part_seconds = time.monotonic() - t0
-        for _, (_, failed, errors) in ready:
-            claim.failed += failed
-            claim.errors.update(list(errors.items())[:calque_core.ERRORS_KEPT - len(claim.errors)])
-        claim.parts.append([claim.committed, stop])
-        claim.committed, claim.progress_at = stop, claim.message.receive_count
-        self.made_progress()
-        del claim.formatted[:len(ready)]
-        claim.batches, claim.last_commit = 0, time.monotonic()
-
-    def report_progress(self, claim, done):
-        """A long claim's items done so far, where submit, runs show and the dashboard read them
-        (best effort, not retried: the next one or the summary says it; a failure logged once)."""
-        claim.reported_at = time.monotonic()
-        try:
-            self.backend.store.put(calque_core.progress_key(claim.run_id, claim.claim_id), json.dumps(
-                {"done": done, "worker_id": self.worker_id, "at": calque_core.now_iso()}))
-        except Exception as e:
-            if not self.progress_failed:
-                log.warning("worker %s: progress of claim %s/%s not written (%s); submit shows it "
-                            "when the claim ends (logged once)", self.worker_id, claim.run_id,
-                            claim.claim_id, calque_core.aws_error_line(e))
-            self.progress_failed = True
-
-    def made_progress(self):
-        """A part or a summary is written: the supervisor hears of the first (announce)."""
-        if not self.progressed:
-            self.progressed = True
-            announce(self.ready_file, "progress")
-
-    def write_attempt(self, claim, state, running, retry=True, **fields):
-        """The claim's attempt record: `state` running (`running` runs alone now), suspect (they
-        overran) or released (let go alive); deaths, quarantines and progress carry over."""
-        claim.record = dict(claim.record, state=state, running=list(running),
-                            worker_id=self.worker_id, receive_count=claim.message.receive_count,
-                            covered=claim.committed, progress_at=claim.progress_at,
-                            quarantined=claim.quarantined, at=calque_core.now_iso(),
-                            alive=round(time.time() - claim.received, 3), **fields)
-        put = self._put if retry else self.backend.store.put
-        put(calque_core.attempt_key(claim.run_id, claim.claim_id), json.dumps(claim.record))
-
-    def _put(self, key, data):
-        """A store write for the running claim, retried (WRITE_RETRY) while its lease holds."""
-        delay, retries = WRITE_RETRY
-        try:
-            for retry in range(retries + 1):
-                if self.heartbeat.lost.is_set():
-                    raise ClaimReleased("lease lost")
-                try:
-                    return self.backend.store.put(key, data)
-                except Exception as e:
-                    if retry == retries:
-                        raise
-                    self.retrying.set()
-                    log.warning("worker %s: store write of %s failed (%s: %s); retrying in %.1fs",
-                                self.worker_id, key, type(e).__name__, e, delay)
-                if self.release_now.wait(delay):
-                    raise ClaimReleased("grace period over while retrying a store write")
-                delay *= 2
-        finally:
-            self.retrying.clear()
-
-    def let_go(self, message, claim, delay, why):
-        """Give a claim back alive (its attempt record says so): visible again after `delay` s."""
-        if claim is not None:
-            with contextlib.suppress(Exception):
-                self.write_attempt(claim, "released", [], retry=False)
-        self.heartbeat.stop()            # a renewal after this would hide the claim again
-        try:
-            self.queue.change_visibility(message, delay)
-        except Exception as e:
-            log.warning("worker %s: claim %s not released (%s: %s): visible when its lease ends",
-                        self.worker_id, self._name(message, claim), type(e).__name__, e)
-        log.warning("worker %s: claim %s let go (%s); visible again in %.0fs", self.worker_id,
-                    self._name(message, claim), why, delay)
-
-    def fault_delay(self, message):
-        """s a claim let go on a fault stays invisible: an outage must not spend its deliveries."""
-        delay = RELEASE_DELAY * 2 ** (message.receive_count - 1)
-        return min(delay, self.record["visibility_timeout"])
-
-    @staticmethod
-    def _name(message, claim):
-        if claim:
-            return f"{claim.run_id}/{claim.claim_id}"
-        return f"(delivery {message.receive_count})"
-
-    def overrun(self, claim, offsets):
-        """The watchdog's call when a handler call on `offsets` ran past batch_timeout: commit what
-        is done, mark the items suspect, release the claim, exit EXIT_HUNG (nothing can stop it)."""
-        seconds = time.monotonic() - self.watchdog.running[1]
-        log.error("worker %s: claim %s/%s: items %s ran %.1fs, past the batch_timeout of %gs: "
-                  "releasing the claim and exiting %d", self.worker_id, claim.run_id,
-                  claim.claim_id,
-                  [claim.first + k for k in offsets], seconds, self.batch_timeout, EXIT_HUNG)
-        with self.serving(claim.heartbeat, claim.requests):
-            try:
-                self.commit(claim)
-                self.write_attempt(claim, "suspect", offsets, batch_timeout=self.batch_timeout)
-            except BaseException as e:      # the exit below must happen whatever the store says
-                log.warning("worker %s: before exiting: %s: %s", self.worker_id,
-                            type(e).__name__, e)
-        claim.heartbeat.stop()
-        with contextlib.suppress(Exception):
-            self.queue.change_visibility(claim.message, 0)
-        with contextlib.suppress(Exception):
-            self.settle(wait=OVERRUN_WAIT)
-        self.last_word = (f"exit {EXIT_HUNG}: a handler call ran past the batch_timeout of "
-                          f"{self.batch_timeout:g} s")
-        self.write_stats("stopped")
-        os._exit(EXIT_HUNG)
-
-    def pipelined(self, claim):
-        """Whether the pipeline thread prepares this claim's batches beside the model: where that
-        can release the GIL (a numeric gather, the handler's collate), not for lists."""
-        return self.prefetcher is not None and claim.kind != AS_LIST
-
-    def _prepare(self, claim, offsets, beside=False):
-        """The pipeline thread's future of these offsets' batch (a decoder thread's `beside` it,
-        further ahead); None unless pipelined. Items by reference are awaited on that thread."""
-        if not offsets or not self.pipelined(claim):
-            return None
-        return (self.decoders if beside else self.prefetcher).submit(self._collate, claim, offsets)
-
-    def _collate(self, claim, offsets):
-        payloads = gather(claim.items, offsets)[0]
-        return self.collator.prepare(payloads, claim.kind) if payloads else None
-
     def model_clock(self):
         """Wall time less the pipeline thread's CPU time, so a wait for its GIL is not model time."""
         pipeline = 0.0 if self.pipeline_clock is None else time.clock_gettime(self.pipeline_clock)
         return time.perf_counter() - pipeline
 
-    def _run_unit(self, claim, unit, runnable, prepared):
-        """[(ok, result or error)] for a unit's items: the quarantined ones fail with the reason."""
-        ran, t0 = {}, time.perf_counter()
-        payloads, missing = gather(claim.items, runnable)
-        if prepared is None and claim.items.fetched:   # the model waited on a fetch
-            claim.wait_seconds += time.perf_counter() - t0
-        if missing:
-            runnable = [k for k in runnable if k not in missing]
-        if runnable:
-            outcome, model, wait = self._run_batch(prepared, payloads, runnable, claim.kind)
-            claim.model_seconds += model
-            claim.wait_seconds += wait
-            if len(runnable) == len(unit):   # nothing quarantined: the unit's outcome, in order
-                return outcome
-            ran = dict(zip(runnable, outcome))
-        return [ran[k] if k in ran else (False, missing.get(k) or claim.quarantined[str(k)]) for k in unit]
-
-    def _run_batch(self, future, payloads, offsets, kind):
+    def run(self, future, payloads, offsets, kind):
         """([(ok, result or error)], model s, collate wait s) for one batch, under the watchdog."""
         self.watchdog.watch(offsets)
         try:
-            return self._call_batch(future, payloads, offsets, kind)
+            t0 = time.perf_counter()
+            try:   # a failed collation: the items are tried one by one below, each failing alone
+                prepared = future.result() if future else self.collator.prepare(payloads, kind)
+            except Exception:
+                prepared = None
+            wait = time.perf_counter() - t0 if future else 0.0
+            model = 0.0
+            if prepared is not None:
+                t0 = self.model_clock()
+                try:
+                    outputs = self.batch_fn(self.collator.inputs(prepared))
+                    model = self.model_clock() - t0
+                    try:
+                        rows = calque_core.batch_rows(outputs, len(payloads))
+                        return [(True, o) for o in rows], model, wait
+                    except ValueError as e:     # the wrong count or shape: all fail, none retried
+                        return [(False, str(e))] * len(payloads), model, wait
+                except Exception:
+                    model = self.model_clock() - t0
+                finally:
+                    self.collator.release(prepared)
+            outcome = []
+            for offset, payload in zip(offsets, payloads):
+                self.watchdog.watch([offset])
+                t0 = self.model_clock()
+                try:
+                    single = self.collator.prepare([payload], kind)
+                    try:
+                        out = self.batch_fn(self.collator.inputs(single))
+                    finally:
+                        self.collator.release(single)
+                    try:
+                        outcome.append((True, calque_core.batch_rows(out, 1)[0]))
+                    except ValueError as e:
+                        outcome.append((False, str(e)))
+                except Exception as e:
+                    outcome.append((False, item_error(e, payload)))
+                model += self.model_clock() - t0
+            return outcome, model, wait
         finally:
             self.watchdog.watch(None)
 
-    def _call_batch(self, future, payloads, offsets, kind):
+
+class Accounts:
+    """The worker's counters (claims, items, busy time, @enter, the sums a claim's cost is fitted
+    from), its stats (submit, pool status and the supervisor read them), a claim's summary."""
+
+    def __init__(self, worker, stats_key, spawned_at, gpu):
+        self.worker_id, self.backend, self.conf = worker.worker_id, worker.backend, worker.conf
+        self.model, self.ephemeral = worker.record["model"], worker.ephemeral
+        self.version = calque_core.version_of(worker.record)
+        self.stats_key, self.gpu = stats_key, gpu    # gpu: the GpuSampler of the claims
+        self.started = time.time()
+        self.spawned_at = spawned_at or self.started
+        self.acquisition_seconds = 0.0   # process spawn -> ready to load; charged to a cold worker's first claim
+        self.entered_at, self.enter_seconds, self.enter_count = None, 0.0, 0   # @enter's
+        self.stats = Counter()           # claims, warm_hits, items, items_failed
+        self.busy_seconds = 0.0
+        # sums over its claims that submit fits a claim's cost from (calque.claim_costs): claims, items,
+        # seconds, items^2, items x seconds; then the gaps between two claims (count, seconds)
+        self.claim_fit, self.claim_gaps, self.finished_at = [0, 0, 0.0, 0, 0.0], [0, 0.0], None
+        self.last_stats = 0.0            # monotonic time of the last stats write
+        self.stats_behind = False        # a claim ended since then: the stats miss it
+        self.last_word = None            # how this process ends, when it knows (its last stats)
+
+    def enter(self, enter_fn):
+        """The handler's @enter, timed."""
+        self.acquisition_seconds = max(0.0, time.time() - self.spawned_at)
         t0 = time.perf_counter()
-        try:   # a failed collation: the items are tried one by one below, each failing alone
-            prepared = future.result() if future else self.collator.prepare(payloads, kind)
-        except Exception:
-            prepared = None
-        wait = time.perf_counter() - t0 if future else 0.0
-        model = 0.0
-        if prepared is not None:
-            t0 = self.model_clock()
-            try:
-                outputs = self.batch_fn(self.collator.inputs(prepared))
-                model = self.model_clock() - t0
-                try:
-                    rows = calque_core.batch_rows(outputs, len(payloads))
-                    return [(True, o) for o in rows], model, wait
-                except ValueError as e:     # the wrong count or shape: all fail, none retried
-                    return [(False, str(e))] * len(payloads), model, wait
-            except Exception:
-                model = self.model_clock() - t0
-            finally:
-                self.collator.release(prepared)
-        outcome = []
-        for offset, payload in zip(offsets, payloads):
-            self.watchdog.watch([offset])
-            t0 = self.model_clock()
-            try:
-                single = self.collator.prepare([payload], kind)
-                try:
-                    out = self.batch_fn(self.collator.inputs(single))
-                finally:
-                    self.collator.release(single)
-                try:
-                    outcome.append((True, calque_core.batch_rows(out, 1)[0]))
-                except ValueError as e:
-                    outcome.append((False, str(e)))
-            except Exception as e:
-                outcome.append((False, item_error(e, payload)))
-            model += self.model_clock() - t0
-        return outcome, model, wait
+        enter_fn()
+        self.enter_seconds = time.perf_counter() - t0
+        self.enter_count += 1
+        self.entered_at = time.time()
+        log.info("worker %s: @enter done in %.3fs (acquisition %.3fs)", self.worker_id,
+                 self.enter_seconds, self.acquisition_seconds)
 
-    def dead_letter(self, message, reason, msg, note="the claim was not run"):
-        """A claim that cannot succeed: failure summary (if the run is known), DLQ copy, delete."""
-        run_id, claim = (msg or {}).get("run_id"), (msg or {}).get("claim")
-        known = all(isinstance(v, str) and calque_core.SAFE_ID.match(v) for v in (run_id, claim))
-        if known:
-            try:    # another model's run may be out of this worker's reach (its IAM role)
-                self.write_failure_summary(message, run_id, claim, reason, note)
-            except Exception as e:
-                log.warning("worker %s: no failure summary for %s/%s (%s: %s)", self.worker_id,
-                            run_id, claim, type(e).__name__, e)
-        self.dlq.send(json.dumps({"reason": reason, "body": message.body,
-                                  "receive_count": message.receive_count,
-                                  "worker_id": self.worker_id, "at": calque_core.now_iso(),
-                                  "run_id": run_id if known else None,
-                                  "claim": claim if known else None}))
-        self.queue.delete(message)
-        log.warning("worker %s: claim to dead-letter queue %s: %s", self.worker_id,
-                    self.record["dlq"], reason)
+    def count(self, claim, seconds, warm_hit, finished):
+        """A claim finished in `seconds` (its summary's claim_seconds)."""
+        ran = len(claim.items) - claim.start
+        self.stats["claims"] += 1
+        self.stats["warm_hits"] += warm_hit
+        self.stats["items"] += ran
+        self.stats["items_failed"] += len(claim.failed) - claim.resumed_failed
+        self.busy_seconds += seconds
+        seconds -= claim.enter_paid
+        for k, value in enumerate((1, ran, seconds, ran * ran, ran * seconds)):
+            self.claim_fit[k] += value
+        gap = claim.received - (self.finished_at or -math.inf)   # idle past PLAN_GAP_MAX: not a gap
+        if gap <= calque_core.PLAN_GAP_MAX:
+            self.claim_gaps[0] += 1
+            self.claim_gaps[1] += max(0.0, gap)   # received ahead: no gap
+        self.finished_at = finished
 
-    def write_failure_summary(self, message, run_id, claim, reason, note):
-        """The summary of a claim that was not run (unless one exists), for a waiting submitter."""
-        key = calque_core.summary_key(run_id, claim)
-        if not self.backend.store.exists(key):
-            now = time.time()
-            summary = json.dumps(self._summary(message, run_id, claim, now, now,
-                                               extra_other=2,   # + the DLQ send and the delete
-                                               error=reason,
-                                               notes=[f"dead-lettered: {note}"]),
-                                 indent=1)
-            own = calque_core.run_slug(run_id) == self.record["slug"]   # another's may be out of reach
-            (self._put if own else self.backend.store.put)(key, summary)
-
-    # ---- accounting -----------------------------------------------------------------------------
-
-    def claim_requests(self, extra_puts, extra_other):
-        """This thread's requests for the claim, the loose ones, and the writes about to happen."""
+    def summary(self, message, run_id, claim, started, finished, extra_other, **fields):
+        """calque.claim_summary with this worker's identity and this thread's requests for the
+        claim, the loose ones, and the writes to come (a PUT, `extra_other` queue requests)."""
         delta = self.backend.requests.take()
-        delta["store_puts"] += extra_puts
+        delta["store_puts"] += 1
         delta["queue_other"] += extra_other
-        return {k: delta[k] for k in calque_core.REQUEST_KEYS}
+        return calque_core.claim_summary(
+            run_id=run_id, claim=claim, model=self.model, worker_id=self.worker_id,
+            mode="cold" if self.ephemeral else "pool", backend=self.backend.kind,
+            receive_count=message.receive_count, enter_count=self.enter_count, started=started,
+            finished=finished, instance_type=self.conf.get("CALQUE_INSTANCE_TYPE") or None,
+            requests={k: delta[k] for k in calque_core.REQUEST_KEYS}, **fields)
 
-    def write_stats(self, state):
+    def write(self, state):
+        """The worker's stats, where submit, pool status and the supervisor read them."""
         now = time.time()
         self.last_stats, self.stats_behind = time.monotonic(), False
-        stats = {"worker_id": self.worker_id, "model": self.record["model"],
-                 "host": socket.gethostname(), "pid": os.getpid(),
-                 "mode": "cold" if self.ephemeral else "pool", "state": state,
+        stats = {"worker_id": self.worker_id, "model": self.model, "host": socket.gethostname(),
+                 "pid": os.getpid(), "mode": "cold" if self.ephemeral else "pool", "state": state,
                  "backend": self.backend.kind, "started_at": calque_core.now_iso(self.started),
                  "updated_at": calque_core.now_iso(now), "alive_seconds": round(now - self.started, 3),
                  "busy_seconds": round(self.busy_seconds, 3),
                  "enter_seconds": round(self.enter_seconds, 6), "enter_count": self.enter_count,
                  "entered_at": calque_core.now_iso(self.entered_at) if self.entered_at else None,
                  "acquisition_seconds": round(self.acquisition_seconds, 6),
-                 "claims": self.stats["claims"], "warm_hits": self.stats["warm_hits"],
-                 "items": self.stats["items"], "items_failed": self.stats["items_failed"],
+                 **{k: self.stats[k] for k in ("claims", "warm_hits", "items", "items_failed")},
                  "claim_fit": self.claim_fit, "claim_gaps": self.claim_gaps,
                  "requests": dict(self.backend.requests),
                  # "c", "reference" (the numpy fallback) or None (no batch needed fastbatch)
@@ -1987,15 +2021,6 @@ class Worker:
             self.backend.store.put(self.stats_key, json.dumps(stats, indent=1))
         except Exception as e:   # bookkeeping: must not stop the worker
             log.warning("worker %s: stats write failed (%s)", self.worker_id, e)
-
-
-def enter_workdir(workdir, snapshot_folder):
-    """Run the handler where its user works (the folder `pool create` ran in, where it exists
-    here, else the snapshot's), first on sys.path, so its sibling modules and paths resolve."""
-    folder = workdir if workdir and os.path.isdir(workdir) else snapshot_folder
-    os.chdir(folder)
-    sys.path.insert(0, folder)
-    log.info("worker: working directory %s", folder)
 
 
 def announce(ready_file, *words):
@@ -2023,12 +2048,9 @@ def main(argv=None):
         if argv is None:   # a command line: in the kit's .venv when this Python lacks its packages
             calque_core.kit_python(sys.argv[1:], os.path.abspath(__file__))
         args = parser.parse_args(argv)
-    except calque_core.UserError as e:
-        print(f"warmd: error: {e}", file=sys.stderr)
-        return calque_core.EXIT_USAGE
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s", stream=sys.stderr)
-    faulthandler.enable()   # a handler that crashes the process (a segfault) leaves its traceback in the worker log
-    try:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s warmd %(message)s",
+                            stream=sys.stderr)
+        faulthandler.enable()   # a handler that segfaults: its traceback in the worker log
         conf = calque_core.settings()
         # check the store under the pool's own folder, the only one a least-privilege worker role may list
         own_folder = f"pools/{calque_core.slug(args.model)}/" if args.model else f"runs/{args.run}/"
@@ -2043,7 +2065,7 @@ def main(argv=None):
         worker = Worker(backend, record, prefix, conf, not args.model, **handoff)
         worker.output.capture()
         worker.work()
-        if worker.replaced_by:
+        if worker.rules.replaced_by:
             return calque_core.EXIT_REPLACED
     except calque_core.UserError as e:
         print(f"warmd: error: {e}", file=sys.stderr)

@@ -59,9 +59,9 @@ def cadence():
         queue = backend.queues.open_queue(record["queue"])
         workers = {name: warmd.Worker(backend, record, calque_core.worker_stats_prefix("bench"), conf, False)
                    for name in ("never killed", "checkpoint rule alone", "a part every batch")}
-        workers["checkpoint rule alone"].commit_interval = lambda claim: None
+        workers["checkpoint rule alone"].rules.interval = lambda claim: None
         workers["checkpoint rule alone"].spool_folder = None
-        workers["a part every batch"].commit_interval = lambda claim: 0.0
+        workers["a part every batch"].rules.interval = lambda claim: 0.0
         times, puts = {name: [] for name in workers}, {name: [] for name in workers}
         for worker in workers.values():
             worker.start()

@@ -1,5 +1,6 @@
 """warmd.py's claim semantics, each in real worker processes on the embedded backend: crash redelivery,
 duplicate delivery, the dead-letter queue, per-item failure, SIGTERM, and the spot-interruption poller."""
+import ast
 import http.server
 import json
 import os
@@ -408,7 +409,7 @@ def test_queue_and_store_errors_do_not_cost_the_warm_model(local_env, tmp_path, 
     worker.work()
     summaries = calque_core.read_summaries(backend, run["run_id"])
     assert len(summaries) == 2 and all(s["status"] == "ok" for s in summaries)
-    assert worker.enter_count == 1 and faults == {"receive": 0, "put": 0}
+    assert worker.accounts.enter_count == 1 and faults == {"receive": 0, "put": 0}
     assert sorted(s["receive_count"] for s in summaries) == [1, 2]    # the claim whose write failed came back
 
 
@@ -519,3 +520,14 @@ def test_a_claim_stops_before_sqs_caps_its_invisibility(aws_env, tmp_path):
     letters = [json.loads(m.body) for m in calque_runs.receive_all(dlq, 10)]   # the session's moto_server: others' too
     assert any(letter.get("run_id") == run_id and "12 h" in letter["reason"] for letter in letters), letters
     assert w.poll() is None and stop(w) == 0                      # the worker serves on
+
+
+def test_the_worker_is_in_rooms_none_over_600_lines():
+    """Issue #44: the worker in rooms (the process, one claim's run, the redelivery and poison rules,
+    the model's calls, the accounting), each readable alone: no class of warmd.py over 600 lines."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "warmd.py")
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    sizes = {n.name: n.end_lineno - n.lineno + 1 for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert {"Worker", "ClaimRun", "Rules", "Model", "Accounts"} <= set(sizes), sizes
+    assert max(sizes.values()) <= 600, sizes
