@@ -2,7 +2,8 @@
 of instances, each running `warmd --model M` under systemd; a cold run is one-shot instances on a
 run queue. AWS does the fleet work: the group keeps the cohort at size, SQS redelivers a dead
 worker's claim, S3 holds the rest. Every AWS call goes through AwsCalls.call, so --dry-run prints
-each mutating call instead. calque imports this module only inside the verbs that need it."""
+each mutating call instead. Ec2Fleet is its Fleet; calque_fleet.fleet_for, the one place above
+that imports this module, does so only for an EC2 pool or run."""
 import base64
 import contextlib
 import glob
@@ -30,10 +31,12 @@ from calque_core import (DEFAULT_REGION, HERE, NotFound, POOL_PREFIX, QUEUE_REUS
                          UserError, _aws_error_code, aws_client_config, aws_retry, check_slug_free,
                          command, deleted_queue_key, desired_count, dlq_name, load_pool,
                          measured_seconds, note_queue_deleted, now_iso, package_file, pool_bounds,
-                         pool_key, pool_queue_name, pool_version, pyproject, queue_depth, read_json,
-                         read_worker_stats, recent_summaries, redrive_policy, refuse_other_version,
-                         setting_number, settings, slug, snapshot_handler, wait_queue_reusable)
+                         pool_key, pool_name_claimed, pool_queue_name, pool_version, pyproject,
+                         queue_depth, read_json, read_worker_stats, recent_summaries,
+                         redrive_policy, refuse_other_version, setting_number, settings, slug,
+                         snapshot_handler, wait_queue_reusable)
 from calque_cost import (instance_rate_per_second, load_rates, measured_enter_seconds)
+from calque_runs import cancel_pool_runs
 
 IAM_NAME_MAX = 64                   # characters of an IAM role or instance-profile name
 DLAMI_PARAMETERS = {                # SSM public parameters: the current deep-learning GPU AMI
@@ -1777,6 +1780,110 @@ def cold_cleanup(backend, instance_ids, calls=None):
         print(f"cold run: terminated {len(live)} instance(s) still up: {', '.join(live)}",
               file=sys.stderr)
     return live
+
+
+# ------------------------------------------------------------------------------------------------
+# the EC2 fleet: calque reaches this module through calque_fleet.fleet_for only
+class Ec2Fleet:
+    """A pool's workers on the instances of an EC2 Auto Scaling group, one worker each (a cold
+    run: one-shot instances): the Fleet that calque_fleet.fleet_for documents, counted in
+    instances. `args`: the verb's flags (--dry-run, --yes-spend-money, the instances')."""
+    unit = "instances"
+    here = False   # each instance's venv installs a Modal image's packages at boot; its role reads
+
+    def __init__(self, conf, backend, args=None):
+        self.backend, self.args = backend, args
+        self.dry_run = bool(getattr(args, "dry_run", False))
+        self.spend = bool(getattr(args, "yes_spend_money", False))
+
+    def create(self, pool, modal=None, include=(), suggested=None):
+        args = self.args
+        snapshot_handler(args.handler, "", lambda key, data: None, include)   # before any AWS call
+        record = pool.draft(args.batch_size, args.visibility_timeout, args.max_deliveries,
+                            args.batch_timeout, modal)
+        options = pool_options(args.count, args.instance_type or suggested.get("instance_type"),
+                               min_instances=args.lo, ami=args.ami, spot=args.spot,
+                               subnet=args.subnet, key_name=args.key_name, max_instances=args.hi,
+                               scale_to_zero_after=args.scale_to_zero_after, reads=args.read)
+        with contextlib.nullcontext() if self.dry_run else pool_name_claimed(self.backend, pool.model):
+            pool_create(self.backend, record, args.handler, options, dry_run=self.dry_run,
+                        include=include, yes_spend_money=self.spend)
+
+    def scale(self, pool, record):
+        args, paid = self.args, dict(dry_run=self.dry_run, yes_spend_money=self.spend)
+        if args.lo is not None or args.hi is not None:
+            pool_scale_bounds(self.backend, record, args.lo, args.hi, **paid)
+        else:
+            pool_scale(self.backend, record, args.count, **paid)
+
+    def bounds(self, record):
+        hi, lo = max(1, record["ec2"]["instances"]), record["ec2"].get("min_instances")
+        return (hi if lo is None else min(hi, lo)), hi
+
+    def boost(self, record, count, check=False):
+        """The group's desired capacity raised to `count` (check: refused first without
+        --yes-spend-money); after every run queued, its backlog steps follow its claims."""
+        if check:
+            return refuse_spending(f"submit --pool {record['model']} at {count} instances",
+                                   dry_run=False, yes_spend_money=self.spend)
+        calls, name = AwsCalls.for_backend(self.backend), resource_names(record["model"])["asg"]
+        asg = describe_asg(calls, name) if count else None
+        if asg and asg["DesiredCapacity"] < count:
+            calls.call("autoscaling", "SetDesiredCapacity", AutoScalingGroupName=name, DesiredCapacity=count)
+        refresh_backlog_steps(self.backend, load_pool(self.backend, record["model"]))
+
+    def waking(self, record):
+        hint = cold_wait_hint(self.backend, record)
+        if hint is None:
+            return "starting", f"pool {record['model']}: instances in service, no worker running yet (bootstrapping)"
+        asg = describe_asg(AwsCalls.for_backend(self.backend), resource_names(record["model"])["asg"])
+        wakes = asg is not None and not asg["DesiredCapacity"] and record["ec2"].get("scale_to_zero_after")
+        return ("starting" if wakes else "none"), hint
+
+    def status(self, record):   # the group's status reads the queues and the worker stats: not twice
+        status = pool_status(self.backend, record)
+        return {"queue": status["queue"], "dlq": status["dlq"], "workers": status["workers"], "ec2": status}
+
+    def lines(self, status):
+        return ["    " + line for line in format_status(status["ec2"])]
+
+    def logs(self, record):
+        print(f"pool {record['model']} runs on EC2: each instance's worker log is its journal (`journalctl -u "
+              f"calque-warmd` on the instance; the bootstrap's in /var/log/cloud-init-output.log); `pool status "
+              f"--model {record['model']}` lists the instances")
+
+    def delete(self, pool, record):
+        """Every part of the pool, found by name and tag (`record` may be only {"model"}): only
+        with --yes, or previewed with --dry-run; --force cancels its unfinished runs first."""
+        args = self.args
+        if not args.yes and not args.dry_run:
+            raise UserError(f"pool delete {pool.model}: an EC2 pool is deleted only with --yes "
+                            f"(or previewed with --dry-run)")
+        cancelled = cancel_pool_runs(self.backend, pool.model) if args.force and not args.dry_run else {}
+        pool_delete(self.backend, record, yes=args.yes, dry_run=args.dry_run)
+        return cancelled
+
+    def pools(self):
+        return pool_list(self.backend)
+
+    @contextlib.contextmanager
+    def cold_workers(self, cold, run, shards, timeout):
+        """One-shot instances (--ami, --instance-type, --spot, --subnet, --key-name) on the run's
+        queue, terminated at the end if still up; a dry run prints the launch and stages nothing."""
+        a = self.args
+        launch = ColdLaunch(a.ami, a.instance_type, spot=a.spot, subnet=a.subnet, key_name=a.key_name)
+        ids = cold_launch(self.backend, cold, run["run_id"], shards, launch, timeout=timeout,
+                          dry_run=self.dry_run, yes_spend_money=self.spend)
+        try:
+            yield lambda: None
+        finally:
+            cold_cleanup(self.backend, [] if self.dry_run else ids)
+
+    def start_seconds(self, enter, acquisition):
+        return enter + BOOT_ESTIMATE
+
+    def grant_read(self, record, uri):
+        grant_read(self.backend, record, uri)
 
 
 # ------------------------------------------------------------------------------------------------

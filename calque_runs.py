@@ -752,10 +752,10 @@ class FileItems:
         return stage_bytes(backend, run_id, claim, items)
 
 
-def media_form(backend, record, items):
+def media_form(backend, record, items, grant=None):
     """Stage media by reference where the workers can read it (a local folder or Parquet file with
-    the local store, an s3:// prefix with an s3:// store), else copied, said in one line; on an
-    EC2 pool, an s3:// prefix its role cannot read yet is granted (or refused) here."""
+    the local store, an s3:// prefix with an s3:// store), else copied, said in one line; an s3://
+    prefix is then `grant`ed to the pool's workers (its fleet's grant_read: EC2's role)."""
     if isinstance(items, TableItems):
         items.by_reference = bool(items.media and items.files and backend.kind == "local")
         if items.media and items.files and not items.by_reference:
@@ -780,9 +780,8 @@ def media_form(backend, record, items):
                         f"other run's objects ---> HINT: keep inputs under another prefix")
     items.source = S3Store(backend.store.s3, items.bucket, items.root, backend.requests,
                            backend.store.endpoint_retry)
-    if record.get("ec2"):
-        from calque_ec2 import grant_read
-        grant_read(backend, record, items.uri())
+    if grant:
+        grant(record, items.uri())
 
 
 def rows_items(rows):
@@ -1026,7 +1025,7 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
     backend.store.put(manifest_key(run["run_id"], claim), dumps(manifest))
 
 
-def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, options=None):
+def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, options=None, grant=None):
     """Stage the items as a stream, sending each claim once its manifest has landed; returns the
     run, its claims sized by `claim_size` (an int, or a ClaimSizes). The run record comes first
     (`staged: false`, with the submit `options` it keeps: run_options); claims are cut as items
@@ -1034,9 +1033,9 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, opti
     SEND_BATCH a request, with at most STAGE_AHEAD manifests a writer unsent (bounded memory).
     SIGINT or SIGTERM stops the sending, not the staging (`runs resume` sends the rest), then
     raises SubmitInterrupted. Another error before a claim was sent deletes what was staged;
-    after, the run keeps the claims sent."""
+    after, the run keeps the claims sent. `grant`: media_form's (the fleet's grant_read)."""
     run_id = run_id or new_run_id(record["model"])
-    media_form(backend, record, items)
+    media_form(backend, record, items, grant)
     known = len(items) if isinstance(items, (ArrayItems, TableItems, list)) else None
     sizes = as_sizes(claim_size)
     planned = sizes.plan(known) if known else []

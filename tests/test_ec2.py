@@ -752,8 +752,8 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
         "EvaluationPeriods"] == 5
 
     fire(names["alarm_idle"])                                 # created at its ceiling; idle: to 0
-    calque.apply_count({}, aws.backend, stored, {"count": 2, "noun": "instances", "seconds": 60.0,
-                                                 "cost_usd": 0.1}, "submit")   # submit --deadline's pick
+    calque.apply_count(calque_fleet.fleet_for({}, aws.backend, stored), stored, {
+        "count": 2, "noun": "instances", "seconds": 60.0, "cost_usd": 0.1}, "submit")   # submit --deadline's pick
     assert asg_of()["DesiredCapacity"] == 2
     fire(names["alarm_wake"], backlog=6)                      # a burst: to the ceiling
     assert asg_of()["DesiredCapacity"] == 3
@@ -842,7 +842,7 @@ def test_the_local_path_runs_without_ec2(local_env, tmp_path):
     created, runs a submit, shows its status and list, and is deleted."""
     items = tmp_path / "items.jsonl"
     items.write_text("".join(json.dumps({"x": i}) + "\n" for i in range(5)))
-    no_ec2 = "import sys; sys.modules['ec2'] = None; import calque; sys.exit(calque.main(sys.argv[1:]))"
+    no_ec2 = "import sys; sys.modules['calque_ec2'] = None; import calque; sys.exit(calque.main(sys.argv[1:]))"
     for args in (["pool", "create", "--model", "m", "--handler", HANDLER, "--workers", "1"],
                  ["submit", "--pool", "m", str(items)], ["pool", "status", "--model", "m"],
                  ["pool", "list"], ["pool", "delete", "--model", "m", "--yes"]):
