@@ -4,25 +4,8 @@ run queue. AWS does the fleet work: the group keeps the cohort at size, SQS rede
 worker's claim, S3 holds the rest. Every AWS call goes through AwsCalls.call, so --dry-run prints
 each mutating call instead. Ec2Fleet is its Fleet; calque_fleet.fleet_for, the one place above
 that imports this module, does so only for an EC2 pool or run."""
-import base64
-import contextlib
-import glob
-import gzip
-import hashlib
-import io
-import json
-import logging
-import math
-import os
-import re
-import shlex
-import string
-import sys
-import tarfile
-import threading
-import time
-import urllib.error
-import urllib.request
+import base64, contextlib, glob, gzip, hashlib, io, json, logging, math, os, re, shlex, string
+import sys, tarfile, threading, time, urllib.error, urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
@@ -710,9 +693,6 @@ def pool_options(instances, instance_type=None, *, min_instances=None, ami=None,
     minutes that CloudWatch can evaluate."""
     if instances is max_instances is None or (instances or 0) < 0:
         raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
-    if min_instances is not None and not 0 <= min_instances <= (max_instances or instances):
-        raise UserError(f"--min-instances {min_instances}: between 0 and --instances "
-                        f"{max_instances or instances}")
     lo, hi, idle = pool_bounds(instances, min_instances, max_instances, scale_to_zero_after,
                                "instances")
     minutes = math.ceil(idle / 60 - 1e-9) if idle is not None else None
@@ -1282,36 +1262,61 @@ def _existing_asg(calls, model):
     return asg
 
 
-def pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=False, calls=None):
-    """`pool scale --instances N` of an EC2 pool. A fixed cohort: min, max and desired to N. A
-    scale-to-zero pool: N > 0 holds it at N (MinSize N), since its idle alarm would undo a plain
-    scale-up within a minute; N = 0 releases the hold (down to its floor now, up on work).
-    Growing needs yes_spend_money (or dry_run)."""
-    model = record["model"]
+def pool_scale(backend, record, instances=None, *, lo=None, hi=None, dry_run=False,
+               yes_spend_money=False, calls=None):
+    """`pool scale` of an EC2 pool. --instances N: a fixed cohort's min, max and desired to N; a
+    scale-to-zero pool held at N (MinSize N), since its idle alarm would undo a plain scale-up
+    within a minute, N = 0 releasing the hold (down to its floor now, up on work). --min-instances
+    A / --max-instances B (`lo`, `hi`; either kept when None) of a pool that sizes itself: the
+    group's bounds, backlog steps and alarms put anew, a hold released. Growing needs
+    yes_spend_money (or dry_run)."""
+    model, bounds = record["model"], lo is not None or hi is not None
     _aws_store(backend, "pool scale --instances")
     ec2 = dict(_require_ec2(record))
-    if instances is None or instances < 0:
-        raise UserError(f"--instances {instances}: 0 or more")
-    calls = calls or AwsCalls.for_backend(backend, dry_run)
-    names = resource_names(model)
-    asg = _existing_asg(calls, model)
-    if instances > asg["DesiredCapacity"]:
-        refuse_spending(f"pool scale --model {model} --instances {instances}", dry_run=dry_run,
-                        yes_spend_money=yes_spend_money)
     sleeps = bool(ec2.get("scale_to_zero_after"))
-    if sleeps:
+    if bounds and not sleeps:
+        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or "
+                        f"ceiling ---> HINT: `pool scale --instances N`, or re-run `pool create` "
+                        f"with --min-instances A --max-instances B")
+    if bounds:
+        lo = (ec2["min_instances"] or 0) if lo is None else lo
+        hi = ec2["instances"] if hi is None else hi
+        if not 0 <= lo <= hi or hi < 1:
+            raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max "
+                            f">= 1 ---> HINT: e.g. --min-instances 0 --max-instances 4")
+        ec2.update(min_instances=lo, instances=hi, held=None)
+    elif instances is None or instances < 0:
+        raise UserError(f"--instances {instances}: 0 or more")
+    elif sleeps:
         ec2.update(held=instances or None, instances=instances or ec2["instances"])
     else:
         ec2["instances"] = instances
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
+    names = resource_names(model)
+    asg = _existing_asg(calls, model)
     lo, hi, desired = _asg_sizes(ec2)
-    desired = desired if instances else lo     # a released hold goes down to the floor now
-    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
-               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
+    if bounds:
+        desired = min(max(asg["DesiredCapacity"], lo), hi)
+    elif not instances:
+        desired = lo     # a released hold goes down to the floor now
+    if desired > asg["DesiredCapacity"]:
+        refuse_spending(f"pool scale --model {model} " + (f"--min-instances {lo}" if bounds else
+                        f"--instances {instances}"), dry_run=dry_run, yes_spend_money=yes_spend_money)
     if sleeps:
         ec2["scaling"] = measured_scaling(backend, model, lo, ec2["instances"])
+    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
+               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
+    if bounds:
+        _ensure_scale_to_zero(calls, names, ec2, _tag_dict(asg.get("Tags")))
+    elif sleeps:
         _put_backlog_policy(calls, names, ec2)
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
     _put_pool_record(calls, backend, full)
+    if bounds:
+        print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), "
+              f"desired {asg['DesiredCapacity']} -> {desired}; backlog steps "
+              f"{_show_steps(ec2['scaling'])}")
+        return full
     cost = _hourly(ec2["instance_type"], ec2["spot"], desired) if desired else "no cost at 0"
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} "
           f"instance(s) (min {lo}, max {hi}); {cost}")
@@ -1321,42 +1326,6 @@ def pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=Fal
     elif sleeps:
         print(f"pool {model}: the backlog and idle alarms in charge again: up to "
               f"{ec2['instances']} on its backlog")
-    return full
-
-
-def pool_scale_bounds(backend, record, lo, hi, *, dry_run=False, yes_spend_money=False, calls=None):
-    """`pool scale --min-instances A --max-instances B` (either kept when not given) of an EC2 pool
-    that sizes itself: the group's bounds, backlog steps and alarms put anew; a `pool scale
-    --instances` hold is released. A floor above the desired capacity needs yes_spend_money."""
-    model = record["model"]
-    _aws_store(backend, "pool scale --min-instances / --max-instances")
-    ec2 = dict(_require_ec2(record))
-    if not ec2.get("scale_to_zero_after"):
-        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or "
-                        f"ceiling ---> HINT: `pool scale --instances N`, or re-run `pool create` "
-                        f"with --min-instances A --max-instances B")
-    lo = (ec2["min_instances"] or 0) if lo is None else lo
-    hi = ec2["instances"] if hi is None else hi
-    if not 0 <= lo <= hi or hi < 1:
-        raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max "
-                        f">= 1 ---> HINT: e.g. --min-instances 0 --max-instances 4")
-    calls = calls or AwsCalls.for_backend(backend, dry_run)
-    names = resource_names(model)
-    asg = _existing_asg(calls, model)
-    desired = min(max(asg["DesiredCapacity"], lo), hi)
-    if desired > asg["DesiredCapacity"]:
-        refuse_spending(f"pool scale --model {model} --min-instances {lo}", dry_run=dry_run,
-                        yes_spend_money=yes_spend_money)
-    ec2.update(min_instances=lo, instances=hi, held=None)
-    ec2["scaling"] = measured_scaling(backend, model, lo, hi)
-    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
-               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
-    _ensure_scale_to_zero(calls, names, ec2, _tag_dict(asg.get("Tags")))
-    full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
-    _put_pool_record(calls, backend, full)
-    print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), "
-          f"desired {asg['DesiredCapacity']} -> {desired}; backlog steps "
-          f"{_show_steps(ec2['scaling'])}")
     return full
 
 
@@ -1810,11 +1779,9 @@ class Ec2Fleet:
                         include=include, yes_spend_money=self.spend)
 
     def scale(self, pool, record):
-        args, paid = self.args, dict(dry_run=self.dry_run, yes_spend_money=self.spend)
-        if args.lo is not None or args.hi is not None:
-            pool_scale_bounds(self.backend, record, args.lo, args.hi, **paid)
-        else:
-            pool_scale(self.backend, record, args.count, **paid)
+        a = self.args
+        pool_scale(self.backend, record, a.count, lo=a.lo, hi=a.hi, dry_run=self.dry_run,
+                   yes_spend_money=self.spend)
 
     def bounds(self, record):
         hi, lo = max(1, record["ec2"]["instances"]), record["ec2"].get("min_instances")

@@ -4,23 +4,10 @@
 
 One per pool and machine (a lock in its state folder). Every SUPERVISOR_TICK s it reads the count
 wanted (LocalScaler), restarts the dead with backoff, leases GPUs, and writes supervisor.json, which
-calque reads (section 6). calque imports it only in the verbs that start or stop workers.
+calque reads (section 6). LocalFleet is the Fleet (calque_fleet.fleet_for) of a pool's workers here.
 """
-import contextlib
-import fcntl
-import functools
-import glob
-import json
-import math
-import os
-import re
-import signal
-import socket
-import sqlite3
-import subprocess
-import sys
-import threading
-import time
+import contextlib, fcntl, functools, glob, json, math, os, re, signal, socket, sqlite3
+import subprocess, sys, threading, time
 
 import calque_core
 from calque_core import (DEFAULTS, NotFound, StoreFault, UserError, WorkersFailed,
