@@ -1247,13 +1247,6 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     return full
 
 
-def _require_ec2(record):
-    if not record.get("ec2"):
-        raise UserError(f"pool {record['model']} has no EC2 cohort (it was created without "
-                        f"--instances): scale its local workers with `pool scale --workers N`")
-    return record["ec2"]
-
-
 def _existing_asg(calls, model):
     asg = describe_asg(calls, resource_names(model)["asg"])
     if asg is None:
@@ -1272,7 +1265,7 @@ def pool_scale(backend, record, instances=None, *, lo=None, hi=None, dry_run=Fal
     yes_spend_money (or dry_run)."""
     model, bounds = record["model"], lo is not None or hi is not None
     _aws_store(backend, "pool scale --instances")
-    ec2 = dict(_require_ec2(record))
+    ec2 = dict(record["ec2"])
     sleeps = bool(ec2.get("scale_to_zero_after"))
     if bounds and not sleeps:
         raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or "
@@ -1641,37 +1634,6 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
     return ok
 
 
-def cold_wait_hint(backend, record, calls=None):
-    """For `submit --pool M`: one line when the EC2 pool has no instance in service (how long until
-    the first claim can start, and why), else None (and for a local pool)."""
-    ec2 = record.get("ec2")
-    if not ec2 or getattr(backend, "kind", None) != "aws":
-        return None
-    model = record["model"]
-    calls = calls or AwsCalls.for_backend(backend)
-    asg = describe_asg(calls, resource_names(model)["asg"])
-    if asg is None:
-        return (f"pool {model} has no auto scaling group: no instance will claim this run "
-                f"---> HINT: re-run `pool create` for it")
-    states = [i["LifecycleState"] for i in asg.get("Instances", [])]
-    if "InService" in states:
-        return None
-    enter = measured_enter_seconds(read_worker_stats(backend, model))
-    load = f"@enter ~{enter:.0f}s (measured)" if enter is not None else "@enter (not measured yet)"
-    boot = f"boot + bootstrap ~{BOOT_ESTIMATE / 60:.0f} min (assumed)"
-    if asg["DesiredCapacity"] == 0:
-        if not ec2.get("scale_to_zero_after"):
-            return (f"pool {model} is scaled to 0: nothing will claim this run "
-                    f"---> HINT: pool scale --model {model} --instances N")
-        return (f"pool {model} is cold (0 instances): its wake alarm sizes it to the backlog (up "
-                f"to {ec2['instances']}) in ~1-3 min (SQS metrics are per minute; up to 15 min "
-                f"more after 6 idle hours, while SQS resumes them), then {boot}, then {load} "
-                f"before the first claim starts")
-    pending = sum(s.startswith("Pending") for s in states)
-    return (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in service, {pending} "
-            f"launching): {boot} from launch, then {load} before the first claim starts")
-
-
 # ------------------------------------------------------------------------------------------------
 # the cold path on AWS: one-shot instances on a run-scoped queue
 def cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_run=False,
@@ -1800,12 +1762,31 @@ class Ec2Fleet:
         refresh_backlog_steps(self.backend, load_pool(self.backend, record["model"]))
 
     def waking(self, record):
-        hint = cold_wait_hint(self.backend, record)
-        if hint is None:
-            return "starting", f"pool {record['model']}: instances in service, no worker running yet (bootstrapping)"
-        asg = describe_asg(AwsCalls.for_backend(self.backend), resource_names(record["model"])["asg"])
-        wakes = asg is not None and not asg["DesiredCapacity"] and record["ec2"].get("scale_to_zero_after")
-        return ("starting" if wakes else "none"), hint
+        """For a submit, no worker running: ("starting", why) while instances boot or its wake
+        alarm sizes it, else ("none", how long until a first claim could start, and why)."""
+        model, ec2 = record["model"], record["ec2"]
+        asg = describe_asg(AwsCalls.for_backend(self.backend), resource_names(model)["asg"])
+        if asg is None:
+            return "none", (f"pool {model} has no auto scaling group: no instance will claim this "
+                            f"run ---> HINT: re-run `pool create` for it")
+        states = [i["LifecycleState"] for i in asg.get("Instances", [])]
+        if "InService" in states:
+            return "starting", f"pool {model}: instances in service, no worker running yet (bootstrapping)"
+        enter = measured_enter_seconds(read_worker_stats(self.backend, model))
+        load = f"@enter ~{enter:.0f}s (measured)" if enter is not None else "@enter (not measured yet)"
+        boot = f"boot + bootstrap ~{BOOT_ESTIMATE / 60:.0f} min (assumed)"
+        if asg["DesiredCapacity"] == 0 and not ec2.get("scale_to_zero_after"):
+            return "none", (f"pool {model} is scaled to 0: nothing will claim this run "
+                            f"---> HINT: pool scale --model {model} --instances N")
+        if asg["DesiredCapacity"] == 0:
+            return "starting", (f"pool {model} is cold (0 instances): its wake alarm sizes it to the "
+                                f"backlog (up to {ec2['instances']}) in ~1-3 min (SQS metrics are per "
+                                f"minute; up to 15 min more after 6 idle hours, while SQS resumes "
+                                f"them), then {boot}, then {load} before the first claim starts")
+        pending = sum(s.startswith("Pending") for s in states)
+        return "none", (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in service, "
+                        f"{pending} launching): {boot} from launch, then {load} before the first "
+                        f"claim starts")
 
     def status(self, record):   # the group's status reads the queues and the worker stats: not twice
         status = pool_status(self.backend, record)

@@ -434,7 +434,7 @@ def fleet_for(conf, backend, record=None, args=None):
       start_seconds(enter, acquisition)   s from asking for a worker to its first claim
       grant_read(record, uri)   let the pool's workers read an s3:// prefix a run names"""
     if record is not None:
-        ec2 = "ec2" in record or ("queue" not in record and backend.kind == "aws")
+        ec2 = record.get("ec2") or ("queue" not in record and backend.kind == "aws")
     else:
         units = {flag.rpartition("-")[2] for flag in getattr(args, "spelled", {}).values()}
         ec2 = units == {"instances"} or (not units and backend.kind == "aws" and any(
