@@ -123,13 +123,14 @@ class Pool:
                        progress=progress)
         return record
 
-    def draft(self, batch_size=None, visibility_timeout=None, max_deliveries=None, batch_timeout=None,
-              modal=None):
+    def draft(self, batch_size=None, visibility_timeout=None, max_deliveries=None,
+              batch_timeout=None, modal=None):
         """Its record before the handler snapshot: names, settings, when and where."""
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
-        record = {"model": self.model, "slug": slug(self.model), "queue": pool_queue_name(self.model),
-                  "dlq": dlq_name(self.model), "created_at": now_iso(), "store": self.backend.describe(),
+        model = self.model
+        record = {"model": model, "slug": slug(model), "queue": pool_queue_name(model),
+                  "dlq": dlq_name(model), "created_at": now_iso(), "store": self.backend.describe(),
                   **pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)}
         if batch_timeout is not None:   # absent: the workers' CALQUE_BATCH_TIMEOUT applies
             record["batch_timeout"] = batch_timeout
@@ -813,7 +814,8 @@ def cmd_pool_list(conf, backend, args):   # on S3: records, and EC2 groups found
 
 def cmd_pool_delete(conf, backend, args):
     record = pool_record_to_delete(backend, args.model, args.force)
-    cancelled = fleet_for(conf, backend, record, args).delete(Pool(args.model, context=(conf, backend)), record)
+    pool = Pool(args.model, context=(conf, backend))
+    cancelled = fleet_for(conf, backend, record, args).delete(pool, record)
     if cancelled is False:
         return EXIT_FAILED
     print_cancelled(args.model, cancelled)
@@ -856,14 +858,17 @@ def cmd_submit(conf, backend, args):
     wait_seconds(conf, args.timeout)   # checked before anything is read (the run keeps a given one)
     planned = args.plan or args.deadline is not None or args.budget is not None
     if args.pool and args.shards > 1:
-        raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
-                        "scale the pool instead (pool scale), or drop --pool for a cold run")
+        raise UserError("--pool with --shards > 1: a pool submission is claims against an "
+                        "already-running pool; scale the pool instead (pool scale), or drop "
+                        "--pool for a cold run")
     if not args.pool and not args.model:
         raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
     if not args.pool and planned:
-        raise UserError("--plan, --deadline and --budget plan a pool run ---> HINT: submit --pool M")
+        raise UserError("--plan, --deadline and --budget plan a pool run ---> HINT: "
+                        "submit --pool M")
     if not args.pool and args.no_wait:
-        raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
+        raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while "
+                        "submit waits")
     items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
     if isinstance(items, (TableItems, FileItems)):
         few_malloc_arenas()
@@ -873,7 +878,8 @@ def cmd_submit(conf, backend, args):
 
 def submit_pool_run(conf, backend, args, items, planned):
     """submit --pool: (run, summaries, timed_out), or an exit status (not run, --no-wait)."""
-    kept, record = None, load_pool(backend, args.pool)   # a planned run's: the count picked, its time and cost
+    kept = None   # a planned run's plan: the count picked, its predicted time and cost
+    record = load_pool(backend, args.pool)
     fleet = fleet_for(conf, backend, record, args)
     if planned:
         items = items if hasattr(items, "__len__") or isinstance(items, FileItems) else list(items)
@@ -911,7 +917,8 @@ def submit_pool_run(conf, backend, args, items, planned):
             print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} "
                   f"items sent to {run.record['queue']} ({depth['visible']} visible, "
                   f"{depth['in_flight']} in flight)", file=sys.stderr, flush=True)
-            timed_out = not run.wait(args.timeout, not args.json and sys.stderr.isatty(), interrupted=noted)
+            progress = not args.json and sys.stderr.isatty()
+            timed_out = not run.wait(args.timeout, progress, interrupted=noted)
     except KeyboardInterrupt:
         return interrupted_waiting(run.run_id)
     finally:
@@ -928,9 +935,10 @@ def submit_cold_run(conf, backend, args, items, planned):
         items = check_id_field(items, args.id_field)
     try:
         with signals_interrupt():   # a SIGTERM too ends its workers and deletes its queues
-            run = cold_run(conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
-                           batch_size=args.batch_size, claim_size=args.claim_size,
-                           timeout=wait_seconds(conf, args.timeout), fleet=fleet_for(conf, backend, args=args),
+            run = cold_run(conf, backend, items, model=args.model, handler=args.handler,
+                           shards=args.shards, batch_size=args.batch_size,
+                           claim_size=args.claim_size, timeout=wait_seconds(conf, args.timeout),
+                           fleet=fleet_for(conf, backend, args=args),
                            progress=not args.json and sys.stderr.isatty(),
                            options=run_options(args.id_field, args.timeout))
     except SubmitInterrupted as e:
@@ -1071,7 +1079,8 @@ def cmd_runs_resume(conf, backend, args):
                   + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""),
                   file=sys.stderr, flush=True)
             if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with them
-                apply_count(fleet_for(conf, backend, record), record, run["options"]["plan"], "runs resume")
+                fleet = fleet_for(conf, backend, record)
+                apply_count(fleet, record, run["options"]["plan"], "runs resume")
             if args.no_wait:
                 return EXIT_OK
             summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
@@ -1437,8 +1446,9 @@ def build_parser():
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
     p.add_argument("--handler", required=True,
                    help="path/to/handler.py:ClassName (snapshotted into the store)")
-    add_count_flags(p, (f"its workers: local warmd.py processes, waited for until warm (default "
-                        f"{LOCAL_WORKERS_DEFAULT}), or with --instances an EC2 Auto Scaling group's",
+    add_count_flags(p, (f"its workers: local warmd.py processes, waited for until warm "
+                        f"(default {LOCAL_WORKERS_DEFAULT}), or with --instances an EC2 Auto "
+                        "Scaling group's",
                         "floor of a pool that sizes itself on its backlog (default: N; 0 with a "
                         "ceiling alone or --scale-to-zero-after)", "its ceiling"))
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",

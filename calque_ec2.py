@@ -1293,8 +1293,9 @@ def pool_scale(backend, record, instances=None, *, lo=None, hi=None, dry_run=Fal
     elif not instances:
         desired = lo     # a released hold goes down to the floor now
     if desired > asg["DesiredCapacity"]:
-        refuse_spending(f"pool scale --model {model} " + (f"--min-instances {lo}" if bounds else
-                        f"--instances {instances}"), dry_run=dry_run, yes_spend_money=yes_spend_money)
+        given = f"--min-instances {lo}" if bounds else f"--instances {instances}"
+        refuse_spending(f"pool scale --model {model} {given}", dry_run=dry_run,
+                        yes_spend_money=yes_spend_money)
     if sleeps:
         ec2["scaling"] = measured_scaling(backend, model, lo, ec2["instances"])
     calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
@@ -1732,11 +1733,13 @@ class Ec2Fleet:
         snapshot_handler(args.handler, "", lambda key, data: None, include)   # before any AWS call
         record = pool.draft(args.batch_size, args.visibility_timeout, args.max_deliveries,
                             args.batch_timeout, modal)
-        options = pool_options(args.count, args.instance_type or suggested.get("instance_type"),
+        itype = args.instance_type or (suggested or {}).get("instance_type")   # the app's gpu=
+        options = pool_options(args.count, itype,
                                min_instances=args.lo, ami=args.ami, spot=args.spot,
                                subnet=args.subnet, key_name=args.key_name, max_instances=args.hi,
                                scale_to_zero_after=args.scale_to_zero_after, reads=args.read)
-        with contextlib.nullcontext() if self.dry_run else pool_name_claimed(self.backend, pool.model):
+        claimed = pool_name_claimed(self.backend, pool.model)
+        with contextlib.nullcontext() if self.dry_run else claimed:
             pool_create(self.backend, record, args.handler, options, dry_run=self.dry_run,
                         include=include, yes_spend_money=self.spend)
 
@@ -1758,7 +1761,8 @@ class Ec2Fleet:
         calls, name = AwsCalls.for_backend(self.backend), resource_names(record["model"])["asg"]
         asg = describe_asg(calls, name) if count else None
         if asg and asg["DesiredCapacity"] < count:
-            calls.call("autoscaling", "SetDesiredCapacity", AutoScalingGroupName=name, DesiredCapacity=count)
+            calls.call("autoscaling", "SetDesiredCapacity", AutoScalingGroupName=name,
+                       DesiredCapacity=count)
         refresh_backlog_steps(self.backend, load_pool(self.backend, record["model"]))
 
     def waking(self, record):
@@ -1771,34 +1775,38 @@ class Ec2Fleet:
                             f"run ---> HINT: re-run `pool create` for it")
         states = [i["LifecycleState"] for i in asg.get("Instances", [])]
         if "InService" in states:
-            return "starting", f"pool {model}: instances in service, no worker running yet (bootstrapping)"
+            return "starting", (f"pool {model}: instances in service, no worker running yet "
+                                "(bootstrapping)")
         enter = measured_enter_seconds(read_worker_stats(self.backend, model))
-        load = f"@enter ~{enter:.0f}s (measured)" if enter is not None else "@enter (not measured yet)"
+        load = "@enter (not measured yet)" if enter is None else f"@enter ~{enter:.0f}s (measured)"
         boot = f"boot + bootstrap ~{BOOT_ESTIMATE / 60:.0f} min (assumed)"
         if asg["DesiredCapacity"] == 0 and not ec2.get("scale_to_zero_after"):
             return "none", (f"pool {model} is scaled to 0: nothing will claim this run "
                             f"---> HINT: pool scale --model {model} --instances N")
         if asg["DesiredCapacity"] == 0:
-            return "starting", (f"pool {model} is cold (0 instances): its wake alarm sizes it to the "
-                                f"backlog (up to {ec2['instances']}) in ~1-3 min (SQS metrics are per "
-                                f"minute; up to 15 min more after 6 idle hours, while SQS resumes "
-                                f"them), then {boot}, then {load} before the first claim starts")
+            return "starting", (f"pool {model} is cold (0 instances): its wake alarm sizes it to "
+                                f"the backlog (up to {ec2['instances']}) in ~1-3 min (SQS metrics "
+                                f"are per minute; up to 15 min more after 6 idle hours, while SQS "
+                                f"resumes them), then {boot}, then {load} before the first claim "
+                                f"starts")
         pending = sum(s.startswith("Pending") for s in states)
-        return "none", (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in service, "
-                        f"{pending} launching): {boot} from launch, then {load} before the first "
-                        f"claim starts")
+        return "none", (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in "
+                        f"service, {pending} launching): {boot} from launch, then {load} before "
+                        f"the first claim starts")
 
-    def status(self, record):   # the group's status reads the queues and the worker stats: not twice
+    def status(self, record):   # the group's status reads the queues and worker stats: not twice
         status = pool_status(self.backend, record)
-        return {"queue": status["queue"], "dlq": status["dlq"], "workers": status["workers"], "ec2": status}
+        return {"queue": status["queue"], "dlq": status["dlq"], "workers": status["workers"],
+                "ec2": status}
 
     def lines(self, status):
         return ["    " + line for line in format_status(status["ec2"])]
 
     def logs(self, record):
-        print(f"pool {record['model']} runs on EC2: each instance's worker log is its journal (`journalctl -u "
-              f"calque-warmd` on the instance; the bootstrap's in /var/log/cloud-init-output.log); `pool status "
-              f"--model {record['model']}` lists the instances")
+        print(f"pool {record['model']} runs on EC2: each instance's worker log is its journal "
+              f"(`journalctl -u calque-warmd` on the instance; the bootstrap's in "
+              f"/var/log/cloud-init-output.log); `pool status --model {record['model']}` lists "
+              f"the instances")
 
     def delete(self, pool, record):
         """Every part of the pool, found by name and tag (`record` may be only {"model"}): only
@@ -1807,7 +1815,8 @@ class Ec2Fleet:
         if not args.yes and not args.dry_run:
             raise UserError(f"pool delete {pool.model}: an EC2 pool is deleted only with --yes "
                             f"(or previewed with --dry-run)")
-        cancelled = cancel_pool_runs(self.backend, pool.model) if args.force and not args.dry_run else {}
+        force = args.force and not args.dry_run
+        cancelled = cancel_pool_runs(self.backend, pool.model) if force else {}
         pool_delete(self.backend, record, yes=args.yes, dry_run=args.dry_run)
         return cancelled
 
@@ -1819,7 +1828,8 @@ class Ec2Fleet:
         """One-shot instances (--ami, --instance-type, --spot, --subnet, --key-name) on the run's
         queue, terminated at the end if still up; a dry run prints the launch and stages nothing."""
         a = self.args
-        launch = ColdLaunch(a.ami, a.instance_type, spot=a.spot, subnet=a.subnet, key_name=a.key_name)
+        launch = ColdLaunch(a.ami, a.instance_type, spot=a.spot, subnet=a.subnet,
+                            key_name=a.key_name)
         ids = cold_launch(self.backend, cold, run["run_id"], shards, launch, timeout=timeout,
                           dry_run=self.dry_run, yes_spend_money=self.spend)
         try:

@@ -239,7 +239,8 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     try:
         run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id, options)
         with fleet.cold_workers(cold, run, shards, timeout) as exited:
-            summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress, stop_if=exited)
+            summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress,
+                                                stop_if=exited)
     finally:
         backend.queues.delete_queue(queue_name)
         backend.queues.delete_queue(cold["dlq"])
@@ -459,7 +460,8 @@ class FleetCount(argparse.Action):
 
 def add_count_flags(parser, helps):
     """pool create's / scale's counts: `helps` for N, A (the floor) and B (the ceiling)."""
-    for dest, prefix, metavar, text in zip(("count", "lo", "hi"), ("", "min-", "max-"), "NAB", helps):
+    for dest, prefix, metavar, text in zip(("count", "lo", "hi"), ("", "min-", "max-"), "NAB",
+                                           helps):
         parser.add_argument(f"--{prefix}workers", f"--{prefix}instances", dest=dest,
                             metavar=metavar, action=FleetCount, help=text)
 

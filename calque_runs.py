@@ -1025,7 +1025,8 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
     backend.store.put(manifest_key(run["run_id"], claim), dumps(manifest))
 
 
-def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, options=None, grant=None):
+def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, options=None,
+              grant=None):
     """Stage the items as a stream, sending each claim once its manifest has landed; returns the
     run, its claims sized by `claim_size` (an int, or a ClaimSizes). The run record comes first
     (`staged: false`, with the submit `options` it keeps: run_options); claims are cut as items

@@ -293,7 +293,7 @@ class LocalFleet:
     """A pool's warmd.py workers on this machine, under its supervisor: the Fleet that
     calque_fleet.fleet_for documents, counted in workers."""
     unit, dry_run = "workers", False
-    here = True   # its workers run this Python, as this user: a Modal image's packages are checked in it
+    here = True   # its workers run this Python as this user: a Modal image's packages checked here
 
     def __init__(self, conf, backend, args=None):
         self.conf, self.backend, self.args = conf, backend, args
@@ -390,11 +390,13 @@ class LocalFleet:
         folder = state_dir(self.conf, record["model"])
         bounds = read_scaling(folder)
         if bounds and count and not check:
-            write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, boost=count)))
+            write_file_atomic(os.path.join(folder, "scaling.json"),
+                              json.dumps(dict(bounds, boost=count)))
 
     def waking(self, record):
-        if read_supervisor(self.conf, record["model"]) and read_scaling(state_dir(self.conf, record["model"])):
-            return "starting", f"pool {record['model']} sizes itself: its supervisor starts workers for the run"
+        model = record["model"]
+        if read_supervisor(self.conf, model) and read_scaling(state_dir(self.conf, model)):
+            return "starting", f"pool {model} sizes itself: its supervisor starts workers for the run"
         return None
 
     def status(self, record):

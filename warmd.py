@@ -949,7 +949,7 @@ class Worker:
         self.gpu = GpuSampler(gpu_index)
         self.protection = None        # an EC2 pool instance's scale-in protection
         if not ephemeral and "ec2" in record and conf.get("CALQUE_SPOT_POLL"):
-            import calque_ec2   # its own instance's metadata and group: the worker's side, no fleet verb
+            import calque_ec2   # its own instance's metadata and group: no fleet verb
             self.protection = calque_ec2.ScaleInProtection.on_instance(record, conf)
         self.prefetcher = ThreadPoolExecutor(1, thread_name_prefix="pipeline") if PREFETCH else None
         # the pipeline thread's CPU clock, taken out of the model's time (model_clock)
