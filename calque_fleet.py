@@ -414,8 +414,9 @@ def pool_record_to_delete(backend, model, force):
 def fleet_for(conf, backend, record=None, args=None):
     """The Fleet of the pool `record`, or (record None) of a new pool or a cold run as `args`, the
     verb's flags, ask: EC2 (calque_ec2.Ec2Fleet) for a pool with an "ec2" entry (or none left on
-    S3: half-created), counts spelled in instances, or on S3 --ami / --yes-spend-money / --dry-run;
-    else this machine (calque_supervisor.LocalFleet). Only here is calque_ec2 imported above it.
+    S3: half-created), counts spelled in instances, a cold run on S3 with --ami, --yes-spend-money
+    or --dry-run; else this machine (calque_supervisor.LocalFleet). Only here is calque_ec2
+    imported above it.
     A Fleet(conf, backend, args) has (a third fleet is a class of these in one new file, and its
     test in tests/test_fleets.py):
       unit, here, dry_run   what its counts count; whether its workers run this Python; whether
@@ -438,8 +439,9 @@ def fleet_for(conf, backend, record=None, args=None):
         ec2 = record.get("ec2") or ("queue" not in record and backend.kind == "aws")
     else:
         units = {flag.rpartition("-")[2] for flag in getattr(args, "spelled", {}).values()}
-        ec2 = units == {"instances"} or (not units and backend.kind == "aws" and any(
-            getattr(args, flag, None) for flag in ("ami", "yes_spend_money", "dry_run")))
+        cold = getattr(args, "verb", None) == "submit" and backend.kind == "aws"
+        ec2 = units == {"instances"} or cold and any(
+            getattr(args, flag) for flag in ("ami", "yes_spend_money", "dry_run"))
     if ec2:
         import calque_ec2
         return calque_ec2.Ec2Fleet(conf, backend, args)

@@ -86,11 +86,12 @@ def test_fleet_for_chooses_in_one_place(tmp_path, monkeypatch):
         args = calque.build_parser().parse_args(flags.pop("argv")) if "argv" in flags else None
         return type(calque_fleet.fleet_for({}, backend, record, args)).__name__
     assert fleet(local, {"model": "m", "queue": "q"}) == "LocalFleet"
-    assert fleet(S3, {"model": "m", "queue": "q", "ec2": {}}) == "Ec2Fleet"
+    assert fleet(S3, {"model": "m", "queue": "q", "ec2": {"instances": 1}}) == "Ec2Fleet"
     assert fleet(S3, {"model": "m"}) == "Ec2Fleet"          # no record left on S3: found by tag
     create = ["pool", "create", "--model", "m", "--handler", "h.py:C"]
     assert fleet(local, argv=create + ["--max-instances", "2"]) == "Ec2Fleet"
     assert fleet(S3, argv=create + ["--workers", "2", "--yes-spend-money"]) == "LocalFleet"
+    assert fleet(S3, argv=create + ["--dry-run"]) == "LocalFleet"   # which says it is EC2's flag
     cold = ["submit", "--model", "m", "items.jsonl"]
     assert fleet(S3, argv=cold + ["--ami", "ami-1"]) == "Ec2Fleet"
     assert fleet(local, argv=cold + ["--ami", "ami-1"]) == "LocalFleet"
