@@ -805,8 +805,8 @@ def cmd_pool_status(conf, backend, args):
     return emit(args, status, format_pool_status, status, backend.describe())
 
 
-def cmd_pool_list(conf, backend, args):   # on S3: records, and EC2 groups found only by tag
-    pools = fleet_for(conf, backend, {"model": None}).pools()
+def cmd_pool_list(conf, backend, args):
+    pools = fleet_for(conf, backend, {"model": None}).pools()   # on S3 EC2's: groups by tag too
     local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0)
                      for p in pools} if not args.json else {}
     return emit(args, pools, format_pool_list, pools, local_workers, backend.describe())
@@ -872,7 +872,8 @@ def cmd_submit(conf, backend, args):
     items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
     if isinstance(items, (TableItems, FileItems)):
         few_malloc_arenas()
-    run = (submit_pool_run if args.pool else submit_cold_run)(conf, backend, args, items, planned)
+    run = (submit_pool_run(conf, backend, args, items, planned) if args.pool
+           else submit_cold_run(conf, backend, args, items))
     return run if isinstance(run, int) else report_submitted(backend, *run, args)
 
 
@@ -904,9 +905,9 @@ def submit_pool_run(conf, backend, args, items, planned):
                          plan=kept)
     except SubmitInterrupted as e:
         return interrupted(backend, run_id, e.signum)
-    if kept:   # once its claims are queued: a local pool's boost lasts while they wait
+    if kept:   # once its claims are queued: the fleet holds the planned count while they wait
         apply_count(fleet, record, kept, "submit")
-    else:
+    else:   # (an EC2 group's backlog steps follow the claims it ran)
         fleet.boost(record, None)
     if args.no_wait:
         print(run.run_id)
@@ -927,7 +928,7 @@ def submit_pool_run(conf, backend, args, items, planned):
     return run.record, run.waited, timed_out
 
 
-def submit_cold_run(conf, backend, args, items, planned):
+def submit_cold_run(conf, backend, args, items):
     """submit --model: fresh workers here, or with --ami / --yes-spend-money / --dry-run on an
     s3:// store EC2 instances (fleet_for); (run, summaries, timed_out), or an exit status."""
     check_claim_size(args.claim_size)
