@@ -16,7 +16,7 @@ warmd.py (the worker) stands on calque_core and calque_sources.
 import sys
 if __name__ == "__main__":   # `python calque.py` / `python -m calque`: a handler's or an app's `import calque`
     sys.modules["calque"] = sys.modules[__name__]   # gets this module, not a second copy
-import argparse, contextlib, ctypes, functools, glob, importlib.util, inspect, json
+import argparse, contextlib, ctypes, functools, importlib.util, inspect, json
 import math, os, re, secrets, signal, sqlite3, threading, time, typing
 
 import calque_supervisor
@@ -29,7 +29,7 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          desired_count, dlq_name, dumps, enter, import_modal_file, include_paths,
                          json_line, kit_fault, kit_python, latest_runs, list_runs, load_modal_shim,
                          load_pool, new_run_id, now_iso, one_line, open_backend, orjson,
-                         pool_bounds, pool_key, pool_name_claimed, pool_queue_name, pool_settings,
+                         pool_key, pool_name_claimed, pool_queue_name, pool_settings,
                          pool_version, queue_depth, read_json, read_run, read_summaries,
                          read_worker_stats, recent_summaries, refuse_other_version, setting_number,
                          settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
@@ -38,7 +38,7 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          write_file_atomic, write_json)
 from calque_sources import as_items, read_items
 from calque_runs import (SubmitInterrupted, as_sizes,
-                         cancel_pool_runs, cancel_run, check_deletable, claim_batch,
+                         cancel_run, check_deletable, claim_batch,
                          claim_column_rows, claim_ids, claim_list, claim_parts, claim_results,
                          claim_states, delete_run, drop_pool, format_runs_list, interrupted,
                          interrupted_waiting, listed_run, live_claims, next_step, parse_age,
@@ -47,13 +47,14 @@ from calque_runs import (SubmitInterrupted, as_sizes,
                          signals_interrupt, stage_run, wait_for_run, with_parts)
 from calque_cost import (_usd, format_cost_table, format_ladder, format_pool_cost, format_run_cost,
                          pool_cost_report, pricing, run_cost_report)
-from calque_supervisor import (DEPLOY_POLL, LIVE_STATES, LOCAL_WORKERS_DEFAULT, SUPERVISOR_TICK,
-                               WARM_WAIT, WORKER_START_GRACE, read_desired, read_scaling,
-                               read_state, read_supervisor)
-from calque_fleet import (PLAN_CLAIMS_READ, _duration, claim_sizing, cold_run, format_plan,
-                          format_pool_list, format_pool_status, list_pools, make_plan,
-                          mark_lost_workers, modal_options, parse_duration, pick_option,
-                          plan_against_actual, pool_ceiling, pool_record_to_delete, pool_status)
+from calque_supervisor import (DEPLOY_POLL, LIVE_STATES, LOCAL_WORKERS_DEFAULT, WORKER_START_GRACE,
+                               crash_looping, read_desired, read_scaling, read_state,
+                               read_supervisor, scale_local, wait_warm)
+from calque_fleet import (PLAN_CLAIMS_READ, _duration, add_count_flags, check_counts,
+                          claim_sizing, cold_run, fleet_for, format_plan, format_pool_list,
+                          format_pool_status, make_plan, mark_lost_workers, modal_options,
+                          parse_duration, pick_option, plan_against_actual, pool_ceiling,
+                          pool_liveness, pool_record_to_delete, pool_status, unwarmed_death)
 
 __all__ = [
     "enter", "batch",                                   # the handler API
@@ -76,54 +77,6 @@ def _context(store=None):
     return conf, open_backend(conf["CALQUE_STORE"])
 
 
-def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT, then=None):
-    """Wait until `workers` local workers have finished @enter. One that dies before it is warm
-    (an exit after `since`, epoch s) raises WorkersFailed, the pool's local workers scaled to 0;
-    `then`: what to do once the handler is fixed (default: pool deploy it)."""
-    folder, started, shown = state_dir(conf, model), time.monotonic(), ""
-    try:
-        while True:
-            status = read_supervisor(conf, model)
-            if status is None:
-                raise WorkersFailed(f"pool {model}: its supervisor exited ---> HINT: see {folder}/supervisor.log")
-            died = [w for w in status["workers"] if (w.get("last_exit") or {}).get("at", 0) >= since
-                    and not w["last_exit"]["warm"]]
-            if died:
-                scale_local(conf, model, 0)
-                raise WorkersFailed(f"pool {model}: {died_line(died[0])}; its local workers are stopped ---> HINT: "
-                                    f"fix the handler (or install what it imports), then "
-                                    f"{then or f'{command()} pool deploy --model {model} --handler F.py:C'}")
-            warm = sum(bool(w.get("warm")) for w in status["workers"])
-            line = f"pool {model}: {warm} of {workers} local worker(s) warm ({time.monotonic() - started:.0f} s)"
-            if progress and line != shown:
-                print("\r" + line, end="", file=sys.stderr, flush=True)
-                shown = line
-            if warm >= workers:
-                return
-            if time.monotonic() - started > timeout:
-                raise WorkersFailed(f"pool {model}: {warm} of {workers} worker(s) warm after {timeout:g} s (still in "
-                                    f"@enter?); they keep loading ---> HINT: {command()} pool logs --model {model}")
-            time.sleep(SUPERVISOR_TICK)
-    finally:
-        if shown:
-            print(file=sys.stderr)
-
-
-def died_line(worker):
-    """'worker 0 died before it was warm: <its error line> (log <path>)'."""
-    return (f"worker {worker['slot']} died before it was warm: {worker['last_exit']['reason']} "
-            f"(log {worker['log']})")
-
-
-def crash_looping(conf, model):
-    """The first death line when every local worker here keeps dying before it is warm, or None."""
-    status = read_supervisor(conf, model)
-    workers = status["workers"] if status else []
-    if workers and all(not w.get("warm") and (w.get("last_exit") or {}).get("warm") is False for w in workers):
-        return died_line(workers[0])
-    return None
-
-
 def announce_run(conf, model, items, sizes, run_id):
     """Tell a self-sizing local pool the claims run `run_id` brings (sizes: a ClaimSizes or an int): it
     starts workers while they stage."""
@@ -133,71 +86,6 @@ def announce_run(conf, model, items, sizes, run_id):
         claims = len(as_sizes(sizes).plan(items.count)) if items.count else 1
         wake = {"at": time.time(), "claims": claims, "run": run_id}
         write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, wake=wake)))
-
-
-def pool_liveness(conf, backend, record):
-    """("live" | "starting" | "crashing" | "none", why) for a submit: a worker warm anywhere, every
-    local one dying before warm, workers loading or waking on work, or none to claim the run."""
-    model = record["model"]
-    status = read_supervisor(conf, model)
-    local = status["workers"] if status else []
-    if any(w.get("warm") for w in local):
-        return "live", ""
-    stats = mark_lost_workers(read_worker_stats(backend, model))
-    if any(w.get("state") == "running" for w in stats):
-        return "live", ""
-    crashing = crash_looping(conf, model)
-    if crashing:
-        return "crashing", f"pool {model}: every local worker dies before it is warm: {crashing}"
-    starting = max(len(local), sum(w.get("state") == "starting" for w in stats))
-    if starting:
-        return "starting", (f"pool {model}: {starting} worker{'s' * (starting > 1)} starting (@enter); "
-                            "the run waits for them")
-    if status and read_scaling(state_dir(conf, model)):
-        return "starting", f"pool {model} sizes itself: its supervisor starts workers for the run"
-    if "ec2" in record and backend.kind == "aws":
-        import calque_ec2 as ec2
-        hint = ec2.cold_wait_hint(backend, record)
-        if hint is None:
-            return "starting", f"pool {model}: instances in service, no worker running yet (bootstrapping)"
-        asg = ec2.describe_asg(ec2.AwsCalls.for_backend(backend), ec2.resource_names(model)["asg"])
-        wakes = asg is not None and not asg["DesiredCapacity"] and record["ec2"].get("scale_to_zero_after")
-        return ("starting" if wakes else "none"), hint
-    died = unwarmed_death(stats)
-    return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere" + (
-        f"; {died})" if died else ")")
-
-
-def unwarmed_death(stats, since=""):
-    """'worker W died before it was warm: why' for the newest worker stats that say so (updated
-    after the ISO time `since`), else None: a worker started by hand, on any machine."""
-    died = [w for w in stats if w.get("state") == "stopped" and not w.get("entered_at") and w.get("exit")
-            and w["updated_at"] > since]
-    last = max(died, key=lambda w: w["updated_at"], default=None)
-    return last and f"worker {last['worker_id']} died before it was warm: {last['exit']}"
-
-
-def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads_per_worker=None):
-    """Set the pool's local worker count here; 0 stops its supervisor. With `bounds` (lo, hi, idle
-    s) the supervisor sizes the pool itself and stays up at 0. Returns its pid (None at 0)."""
-    if workers < 0:
-        raise UserError(f"--workers {workers}: must be 0 or more")
-    folder = state_dir(conf, model)
-    if bounds:
-        os.makedirs(folder, exist_ok=True)
-        write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(
-            {"lo": bounds[0], "hi": bounds[1], "idle_window": bounds[2],
-             "target_drain": setting_number(conf, "CALQUE_TARGET_DRAIN", float, 0.001)}))
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(folder, "scaling.json"))
-    if workers or bounds:
-        return calque_supervisor.start_supervisor(conf, model, workers, gpus_per_worker,
-                                                    threads_per_worker)
-    if os.path.isdir(folder):
-        write_file_atomic(os.path.join(folder, "desired"), "0")
-    calque_supervisor.stop_supervisor(conf, model, stop_seconds(conf) + 10)
-    return None
 
 
 class Pool:
@@ -213,13 +101,8 @@ class Pool:
         """Create the pool (one of the same version is left as it is, another refused: `pool
         deploy`), then start `workers` local workers, waited for unless wait=False. `modal`:
         modal_options' record; `include`: [local, relative path] files."""
-        defaults = pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)
-        if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
-            raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
-        record = new_pool_record(self.backend, self.model, defaults, batch_timeout)
+        record = self.draft(batch_size, visibility_timeout, max_deliveries, batch_timeout, modal)
         record["workdir"] = os.getcwd()
-        if modal:
-            record["modal"] = modal
         snapshot = {}   # checked whole before the store has any of it: a bad handler writes nothing
         files = list(include) + (modal or {}).get("image", {}).get("files", [])
         record["handler"] = snapshot_handler(handler, f"pools/{record['slug']}/", snapshot.__setitem__, files)
@@ -241,6 +124,21 @@ class Pool:
         if workers:
             self.scale(workers, gpus_per_worker=gpus_per_worker, threads_per_worker=threads_per_worker, wait=wait,
                        progress=progress)
+        return record
+
+    def draft(self, batch_size=None, visibility_timeout=None, max_deliveries=None,
+              batch_timeout=None, modal=None):
+        """Its record before the handler snapshot: names, settings, when and where."""
+        if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
+            raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
+        model = self.model
+        record = {"model": model, "slug": slug(model), "queue": pool_queue_name(model),
+                  "dlq": dlq_name(model), "created_at": now_iso(), "store": self.backend.describe(),
+                  **pool_settings(self.conf, batch_size, visibility_timeout, max_deliveries)}
+        if batch_timeout is not None:   # absent: the workers' CALQUE_BATCH_TIMEOUT applies
+            record["batch_timeout"] = batch_timeout
+        if modal:
+            record["modal"] = modal
         return record
 
     def scale(self, workers, *, gpus_per_worker=None, threads_per_worker=None, wait=True, progress=False,
@@ -367,13 +265,6 @@ def runs_to_adopt(backend, record, busy):
     return not warm and not any(started)
 
 
-def new_pool_record(backend, model, defaults, batch_timeout=None):
-    """A pool record before its handler snapshot: names, settings, when and where."""
-    record = {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model),
-              **defaults, "created_at": now_iso(), "store": backend.describe()}
-    if batch_timeout is not None:   # absent: the workers' CALQUE_BATCH_TIMEOUT applies
-        record["batch_timeout"] = batch_timeout
-    return record
 
 
 def check_claim_size(claim_size):
@@ -411,7 +302,8 @@ def submit(items, pool=None, *, model=None, handler=None, claim_size=None, id_fi
     if state == "starting":   # ("none" with wait_for_workers: what the caller asked for)
         print(f"calque: {why}", file=sys.stderr)
         announce_run(conf, pool, items, sizes, run_id)
-    run = stage_run(backend, record, items, sizes, queue, "pool", run_id, options)
+    run = stage_run(backend, record, items, sizes, queue, "pool", run_id, options,
+                    fleet_for(conf, backend, record).grant_read)
     return Run(run["run_id"], context=(conf, backend))
 
 
@@ -801,151 +693,35 @@ def confirm(question, yes):
     return input(f"{question} [y/N] ").strip().lower() in ("y", "yes")
 
 
-def apply_count(conf, backend, record, plan, verb):
-    """Give the run its planned count (its options' `plan`) once its claims are queued: a local
-    pool that sizes itself keeps at least that many workers while its backlog lasts; an EC2
-    group's desired capacity is raised to it."""
+def apply_count(fleet, record, plan, verb):
+    """Give the run its planned count (its options' `plan`) once its claims are queued (the
+    fleet's boost)."""
     noun, count = plan["noun"], plan["count"]
-    if noun == "instances":
-        import calque_ec2 as ec2
-        names = ec2.resource_names(record["model"])
-        calls = ec2.AwsCalls.for_backend(backend)
-        asg = ec2.describe_asg(calls, names["asg"])
-        if asg and asg["DesiredCapacity"] < count:
-            calls.call("autoscaling", "SetDesiredCapacity", AutoScalingGroupName=names["asg"], DesiredCapacity=count)
-    else:
-        folder = state_dir(conf, record["model"])
-        bounds = read_scaling(folder)
-        if bounds:
-            write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(dict(bounds, boost=count)))
+    fleet.boost(record, count)
     print(f"{verb}: running at {count} {noun if count != 1 else noun[:-1]} (predicted "
           f"{_duration(plan['seconds'])}, {_usd(plan['cost_usd'])} on-demand)", file=sys.stderr)
 
 
 def cmd_pool_create(conf, backend, args):
+    check_counts(args, "create")
+    fleet = fleet_for(conf, backend, args=args)
     batch_size = pool_settings(conf, args.batch_size)["batch_size"]
     modal, suggested, notes = modal_options(args.handler, args.param, args.secret, args.volume, args.gpus_per_worker,
-                                            batch_size, workers_here=args.instances is None)
-    include = include_paths(args.include, args.handler)
+                                            batch_size, workers_here=fleet.here)
     for note in notes:
         print(f"pool {args.model}: {note}")
     for key in ("max_deliveries", "batch_timeout"):   # the app's retries=, timeout=; if not given
         if getattr(args, key) is None:
             setattr(args, key, suggested.get(key))
-    if args.instances is not None or args.max_instances is not None:   # EC2: each step idempotent
-        snapshot_handler(args.handler, "", lambda key, data: None, include)   # before any AWS call
-        record = new_pool_record(backend, args.model, pool_settings(conf, args.batch_size, args.visibility_timeout,
-                                                                    args.max_deliveries), args.batch_timeout)
-        if modal:
-            record["modal"] = modal
-        args.instance_type = args.instance_type or suggested.get("instance_type")       # the app's gpu=
-        import calque_ec2 as ec2
-        options = ec2.pool_options(args.instances, args.instance_type, min_instances=args.min_instances,
-                                   ami=args.ami, spot=args.spot, subnet=args.subnet, key_name=args.key_name,
-                                   scale_to_zero_after=args.scale_to_zero_after, max_instances=args.max_instances,
-                                   reads=args.read)
-        with contextlib.nullcontext() if args.dry_run else pool_name_claimed(backend, args.model):
-            ec2.pool_create(backend, record, args.handler, options, dry_run=args.dry_run, include=include,
-                            yes_spend_money=args.yes_spend_money)
-        return EXIT_OK
-    if args.dry_run:
-        raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
-    if args.read:
-        raise UserError("--read grants an EC2 pool's instance role (--instances); local workers read what you can")
-    count = args.workers
-    if count is None and args.max_workers is None:
-        count = LOCAL_WORKERS_DEFAULT if args.min_workers is None else args.min_workers
-    lo, hi, idle = pool_bounds(count, args.min_workers, args.max_workers, args.scale_to_zero_after, "workers")
-    new = not backend.store.exists(pool_key(args.model))   # a failed create leaves it not there
-    pool = Pool(args.model, context=(conf, backend))
-    existed = check_slug_free(backend, args.model)
-    record = pool.create(args.handler, 0, batch_size=args.batch_size, visibility_timeout=args.visibility_timeout,
-                         max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout, modal=modal,
-                         include=include)
-    counted = idle is not None or any(n is not None
-                                      for n in (args.workers, args.min_workers, args.max_workers))
-    if existed and version_of(existed):   # the same version: pool.create refuses another
-        here = read_supervisor(conf, args.model)   # none: workers start as at a first create
-        kept = here and not counted and (
-            f"; its {here['desired']} local worker(s) here are left as they are ---> HINT: "
-            f"{command()} pool scale --model {args.model} --workers N changes the count")
-        print(f"pool {args.model}: exists, version {version_label(record)}: nothing changed{kept or ''}")
-        if here and not counted:
-            return EXIT_OK
-    else:
-        print(f"pool {args.model}: queue {record['queue']}, dead-letter {record['dlq']}, version "
-              f"{version_label(record)}, visibility {record['visibility_timeout']}s, max "
-              f"deliveries {record['max_deliveries']}; workers run in {record['workdir']}")
-    if not counted:
-        print(f"pool {args.model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
-    if idle is not None:
-        pid = scale_local_verb(conf, pool, lo, args, (lo, hi, idle), new)
-        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s) on its "
-              f"backlog (drain target {conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} min -> "
-              f"{lo}), supervisor pid {pid}; logs: {command()} pool logs --model {args.model}")
-    elif lo:
-        pid = scale_local_verb(conf, pool, lo, args, new=new)
-        print(f"pool {args.model}: {lo} local worker(s) {'started' if args.no_wait else 'warm'} under supervisor "
-              f"pid {pid}; logs: {command()} pool logs --model {args.model} ({state_dir(conf, args.model)})")
+    fleet.create(Pool(args.model, context=(conf, backend)), modal=modal, suggested=suggested,
+                 include=include_paths(args.include, args.handler))
     return EXIT_OK
-
-
-def scale_local_verb(conf, pool, workers, args, bounds=None, new=False):
-    """pool create / scale: set the local workers, waiting until warm unless --no-wait. A `new` pool
-    whose workers cannot start, or all die before warm, is deleted again: a failed create leaves no
-    pool (the worker logs its error names stay)."""
-    try:
-        return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, wait=not args.no_wait,
-                          threads_per_worker=args.threads_per_worker, progress=sys.stderr.isatty(),
-                          bounds=bounds, then=f"{command()} pool create again" if new else None)
-    except (UserError, WorkersFailed):
-        if new and read_supervisor(conf, pool.model) is None:   # none left loading (a warm timeout)
-            with contextlib.suppress(Exception):   # the error being raised is the one to report
-                pool.delete(force=True)
-        raise
-    except KeyboardInterrupt:   # Ctrl-C while waiting for warm: the pool and its workers go on
-        print(f"calque: interrupted while waiting: pool {pool.model}: its workers go on loading ---> "
-              f"HINT: {command()} pool status --model {pool.model}", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT)
 
 
 def cmd_pool_scale(conf, backend, args):
     record = load_pool(backend, args.model)
-    keys = ("workers", "instances", "min_workers", "max_workers", "min_instances", "max_instances")
-    given = [f"--{k.replace('_', '-')}" for k in keys if getattr(args, k) is not None]
-    pairs = (["--min-workers", "--max-workers"], ["--min-instances", "--max-instances"])
-    if len(given) != 1 and given not in pairs:
-        raise UserError(f"pool scale {' '.join(given) or 'without a count'}: give --workers N, "
-                        f"--instances N, --min-workers A --max-workers B, or --min-instances A "
-                        f"--max-instances B ---> HINT: e.g. pool scale --model {args.model} "
-                        f"--min-workers 0 --max-workers 2")
-    if args.min_instances is not None or args.max_instances is not None:
-        import calque_ec2 as ec2
-        ec2.pool_scale_bounds(backend, record, args.min_instances, args.max_instances,
-                              dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
-        return EXIT_OK
-    if args.min_workers is not None or args.max_workers is not None:  # one keeps the other
-        had = read_scaling(state_dir(conf, args.model)) or {}
-        lo = had.get("lo", 0) if args.min_workers is None else args.min_workers
-        hi = had.get("hi") if args.max_workers is None else args.max_workers
-        minutes = args.scale_to_zero_after or (had.get("idle_window", 0) / 60 or None)
-        lo, hi, idle = pool_bounds(None, lo, hi, minutes, "workers")
-        pid = scale_local_verb(conf, Pool(args.model, context=(conf, backend)), lo, args,
-                               (lo, hi, idle) if idle else None)
-        print(f"pool {args.model}: sizes itself between {lo} and {hi} local worker(s)"
-              f"{f' (idle {idle / 60:g} min -> {lo})' if idle else ''}, supervisor pid {pid}")
-        return EXIT_OK
-    if args.instances is not None:
-        import calque_ec2 as ec2
-        ec2.pool_scale(backend, record, args.instances, dry_run=args.dry_run, yes_spend_money=args.yes_spend_money)
-        return EXIT_OK
-    if args.workers == 0:
-        scale_local(conf, args.model, 0)
-        print(f"pool {args.model}: scaled to 0 local workers")
-        return EXIT_OK
-    pid = scale_local_verb(conf, Pool(args.model, context=(conf, backend)), args.workers, args)
-    print(f"pool {args.model}: {args.workers} local worker(s) "
-          f"{'starting' if args.no_wait else 'warm'} (supervisor pid {pid})")
+    check_counts(args, "scale")
+    fleet_for(conf, backend, record, args).scale(Pool(args.model, context=(conf, backend)), record)
     return EXIT_OK
 
 
@@ -957,16 +733,16 @@ def cmd_pool_deploy(conf, backend, args):
     old, new = Pool(args.model, context=(conf, backend)).deploy(
         args.handler, batch_size=args.batch_size, include=include_paths(args.include, args.handler),
         wait=not args.no_wait, progress=sys.stderr.isatty())
-    pool = f"pool {args.model}"
+    pool, here = f"pool {args.model}", fleet_for(conf, backend, new).here
     if old is new:
-        idle = "ec2" not in old and not read_supervisor(conf, args.model)
+        idle = here and not read_supervisor(conf, args.model)
         print(f"{pool}: already runs version {version_label(old)}: nothing changed" + (
             f"; no local worker runs it here ---> HINT: {command()} pool scale --model "
             f"{args.model} --workers N" if idle else ""))
         return EXIT_OK
     print(f"{pool}: version {version_label(new)} replaces {version_label(old)}; runs submitted "
           "from now on run on it")
-    if "ec2" in new:
+    if not here:
         print(f"{pool}: each instance's worker restarts on it when idle (within "
               f"{VERSION_CHECK:g} s) or at its next claim; `pool status` shows each one's version")
     elif read_supervisor(conf, args.model):
@@ -989,11 +765,7 @@ def cmd_pool_status(conf, backend, args):
 
 
 def cmd_pool_list(conf, backend, args):
-    if backend.kind == "aws":   # records in the store, plus fleets found only by their tags (a half-created pool)
-        import calque_ec2 as ec2
-        pools = ec2.pool_list(backend)
-    else:
-        pools = [{"model": model, "record": True, "asg": None} for model in list_pools(backend)]
+    pools = fleet_for(conf, backend, {"model": None}).pools()   # on S3 EC2's: groups by tag too
     local_workers = {p["model"]: (read_supervisor(conf, p["model"]) or {}).get("desired", 0)
                      for p in pools} if not args.json else {}
     return emit(args, pools, format_pool_list, pools, local_workers, backend.describe())
@@ -1001,30 +773,11 @@ def cmd_pool_list(conf, backend, args):
 
 def cmd_pool_delete(conf, backend, args):
     record = pool_record_to_delete(backend, args.model, args.force)
-    if "ec2" in record or "queue" not in record:
-        if not args.yes and not args.dry_run:
-            raise UserError(f"pool delete {args.model}: an EC2 pool is deleted only with --yes "
-                            f"(or previewed with --dry-run)")
-        calque_supervisor.stop_supervisor(conf, args.model, stop_seconds(conf) + 15)
-        if args.force and not args.dry_run:
-            print_cancelled(args.model, cancel_pool_runs(backend, args.model))
-        import calque_ec2 as ec2
-        ec2.pool_delete(backend, record, yes=args.yes, dry_run=args.dry_run)
-        return EXIT_OK
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise UserError(f"pool delete {args.model}: refusing without --yes (no terminal to ask)")
-        answer = input(f"delete pool {args.model}: stop its local workers, "
-                       f"delete {record['queue']} and {record['dlq']}? [y/N] ")
-        if answer.strip().lower() not in ("y", "yes"):
-            print("not deleted")
-            return EXIT_FAILED
-    print_cancelled(args.model, Pool(args.model, context=(conf, backend)).delete(args.force))
-    print(f"pool {args.model}: local workers stopped")
-    for role in ("queue", "dlq"):
-        print(f"pool {args.model}: deleted queue {record[role]}")
-    print(f"pool {args.model}: deleted its record, handler snapshot and worker stats; its runs remain in the store "
-          f"---> HINT: {command()} runs prune --model {args.model} --older-than 0s (or runs delete RUN) deletes them")
+    pool = Pool(args.model, context=(conf, backend))
+    cancelled = fleet_for(conf, backend, record, args).delete(pool, record)
+    if cancelled is False:
+        return EXIT_FAILED
+    print_cancelled(args.model, cancelled)
     return EXIT_OK
 
 
@@ -1054,124 +807,105 @@ def cmd_pool_redrive(conf, backend, args):
 
 
 def cmd_pool_logs(conf, backend, args):
-    """The pool's worker logs here, each under a '==> path <==' header (--follow: until Ctrl-C)."""
     record = load_pool(backend, args.model)
-    if "ec2" in record:
-        print(f"pool {args.model} runs on EC2: each instance's worker log is its journal (`journalctl -u calque-warmd` "
-              f"on the instance; the bootstrap's in /var/log/cloud-init-output.log); `pool status --model "
-              f"{args.model}` lists the instances")
-        return EXIT_OK
-    folder = state_dir(conf, args.model)
-    name = "worker-*.log" if args.worker is None else f"worker-{args.worker}.log"
-    paths = sorted(glob.glob(os.path.join(folder, name)), key=lambda p: int(re.findall(r"\d+", p)[-1]))
-    if not paths:
-        raise UserError(f"pool {args.model}: no {name} in {folder}: no local worker ran here"
-                        + (" in that slot" if args.worker is not None else "")
-                        + f" ---> HINT: {command()} pool scale --model {args.model} --workers 1")
-    offsets, first = dict.fromkeys(paths, 0), True
-    while first or args.follow:
-        for path in paths:
-            with open(path, "rb") as f:
-                f.seek(offsets[path])
-                text = f.read()
-                offsets[path] = f.tell()
-            if text or first:
-                print(f"==> {path} <==\n{text.decode(errors='replace')}", end="", flush=True)
-        first = False
-        time.sleep(SUPERVISOR_TICK if args.follow else 0)
+    fleet_for(conf, backend, record, args).logs(record)
     return EXIT_OK
 
 
 def cmd_submit(conf, backend, args):
+    """A pool run (--pool M) or a cold run (--model M): their flags' clashes refused here, first."""
     wait_seconds(conf, args.timeout)   # checked before anything is read (the run keeps a given one)
+    planned = args.plan or args.deadline is not None or args.budget is not None
+    if args.pool and args.shards > 1:
+        raise UserError("--pool with --shards > 1: a pool submission is claims against an "
+                        "already-running pool; scale the pool instead (pool scale), or drop "
+                        "--pool for a cold run")
+    if not args.pool and not args.model:
+        raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
+    if not args.pool and planned:
+        raise UserError("--plan, --deadline and --budget plan a pool run ---> HINT: "
+                        "submit --pool M")
+    if not args.pool and args.no_wait:
+        raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while "
+                        "submit waits")
     items = read_items(args.items, args.columns and [c.strip() for c in args.columns.split(",") if c.strip()])
     if items.large:
         few_malloc_arenas()
-    progress = not args.json and sys.stderr.isatty()
-    planned = args.plan or args.deadline is not None or args.budget is not None
+    run = (submit_pool_run(conf, backend, args, items, planned) if args.pool
+           else submit_cold_run(conf, backend, args, items))
+    return run if isinstance(run, int) else report_submitted(backend, *run, args)
+
+
+def submit_pool_run(conf, backend, args, items, planned):
+    """submit --pool: (run, summaries, timed_out), or an exit status (not run, --no-wait)."""
     kept = None   # a planned run's plan: the count picked, its predicted time and cost
-    if args.pool:
-        if args.shards > 1:
-            raise UserError("--pool with --shards > 1: a pool submission is claims against an already-running pool; "
-                            "scale the pool instead (pool scale), or drop --pool for a cold run")
-        if planned:
-            items = items.counted() or items   # read in once, then planned and staged
-            plan = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
-            print("\n".join(format_plan(plan)), file=sys.stderr)
-            record = load_pool(backend, args.pool)
-            option = planned_count(conf, backend, record, plan, args)
-            noun = "instances" if record.get("ec2") else "workers"
-            kept = dict(count=option[noun], noun=noun, seconds=option["seconds"],
-                        cost_usd=option["cost_usd"])
-            if args.plan and not confirm(f"run {plan['items']:,} items at {option[plan['noun']]} {plan['noun']}, "
-                                         f"{_usd(option['cost_usd'])} predicted?", args.yes):
-                print("submit: not run", file=sys.stderr)
-                return EXIT_FAILED
-            if record.get("ec2"):     # before anything is queued: the group grows for the run
-                from calque_ec2 import refuse_spending
-                refuse_spending(f"submit --pool {args.pool} at {option['instances']} instances", dry_run=False,
-                                yes_spend_money=args.yes_spend_money)
-        run_id = new_run_id(args.pool)
-        follow = args.follow_logs and not args.no_wait
-        output = calque_supervisor.WorkerOutput(backend, {args.pool: args.pool}) if follow else None
-        try:
-            with signals_interrupt():
-                run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
-                             wait_for_workers=args.wait_for_workers or args.no_wait,
-                             timeout=args.timeout, context=(conf, backend), run_id=run_id,
-                             plan=kept)
-        except SubmitInterrupted as e:
-            return interrupted(backend, run_id, e.signum)
-        if kept:   # once its claims are queued: a local pool's boost lasts while they wait
-            apply_count(conf, backend, record, kept, "submit")
-        if backend.kind == "aws":   # an EC2 pool's backlog steps follow the claims it ran
-            from calque_ec2 import refresh_backlog_steps
-            refresh_backlog_steps(backend, load_pool(backend, args.pool))
-        if args.no_wait:
-            print(run.run_id)
-            return EXIT_OK
-        try:   # every claim is queued: an interrupt leaves the run to go on without us
-            with sigint_noted() as noted:
-                depth = backend.queues.open_queue(run.record["queue"]).counts()
-                print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} "
-                      f"items sent to {run.record['queue']} ({depth['visible']} visible, "
-                      f"{depth['in_flight']} in flight)", file=sys.stderr, flush=True)
-                timed_out = not run.wait(args.timeout, progress, interrupted=noted)
-        except KeyboardInterrupt:
-            return interrupted_waiting(run.run_id)
-        finally:
-            if output:
-                output.stop()
-        run, summaries = run.record, run.waited
-    else:
-        if not args.model:
-            raise UserError("submit needs --pool M (a warm pool) or --model M (a cold run)")
-        if planned:
-            raise UserError("--plan, --deadline and --budget plan a pool run ---> HINT: submit --pool M")
-        if args.no_wait:
-            raise UserError("--no-wait applies to --pool runs; a cold run's workers live only while submit waits")
-        check_claim_size(args.claim_size)
-        if args.id_field:
-            items = items.with_id_field(args.id_field)
-        ec2 = None   # fresh local processes, unless the flags ask for EC2 instances
-        if backend.kind == "aws" and (args.ami or args.yes_spend_money or args.dry_run):
-            from calque_ec2 import ColdLaunch
-            ec2 = ColdLaunch(args.ami, args.instance_type, spot=args.spot, subnet=args.subnet, key_name=args.key_name)
-        try:
-            with signals_interrupt():   # a SIGTERM too ends its workers and deletes its queues
-                run, summaries, timed_out = cold_run(
-                    conf, backend, items, model=args.model, handler=args.handler, shards=args.shards,
-                    batch_size=args.batch_size, claim_size=args.claim_size,
-                    timeout=wait_seconds(conf, args.timeout), progress=progress, ec2=ec2,
-                    dry_run=args.dry_run, yes_spend_money=args.yes_spend_money,
-                    options=run_options(args.id_field, args.timeout))
-        except SubmitInterrupted as e:
-            print("calque: interrupted: the cold run is cancelled (its workers and queues are "
-                  "gone) ---> HINT: submit again", file=sys.stderr)
-            return 128 + e.signum
-        if run is None:   # --dry-run on EC2: the calls were printed, nothing was staged
-            return EXIT_OK
-    return report_submitted(backend, run, summaries, timed_out, args)
+    record = load_pool(backend, args.pool)
+    fleet = fleet_for(conf, backend, record, args)
+    if planned:
+        items = items.counted() or items   # read in once, then planned and staged
+        plan = plan_run(conf, backend, args.pool, items, args.claim_size, _pricing(args))
+        print("\n".join(format_plan(plan)), file=sys.stderr)
+        option = planned_count(conf, backend, record, plan, args)
+        kept = dict(count=option[fleet.unit], noun=fleet.unit, seconds=option["seconds"],
+                    cost_usd=option["cost_usd"])
+        if args.plan and not confirm(f"run {plan['items']:,} items at {option[plan['noun']]} {plan['noun']}, "
+                                     f"{_usd(option['cost_usd'])} predicted?", args.yes):
+            print("submit: not run", file=sys.stderr)
+            return EXIT_FAILED
+        fleet.boost(record, kept["count"], check=True)   # before anything is queued
+    run_id = new_run_id(args.pool)
+    follow = args.follow_logs and not args.no_wait
+    output = calque_supervisor.WorkerOutput(backend, {args.pool: args.pool}) if follow else None
+    try:
+        with signals_interrupt():
+            run = submit(items, args.pool, claim_size=args.claim_size, id_field=args.id_field,
+                         wait_for_workers=args.wait_for_workers or args.no_wait,
+                         timeout=args.timeout, context=(conf, backend), run_id=run_id,
+                         plan=kept)
+    except SubmitInterrupted as e:
+        return interrupted(backend, run_id, e.signum)
+    if kept:   # once its claims are queued: the fleet holds the planned count while they wait
+        apply_count(fleet, record, kept, "submit")
+    else:   # (an EC2 group's backlog steps follow the claims it ran)
+        fleet.boost(record, None)
+    if args.no_wait:
+        print(run.run_id)
+        return EXIT_OK
+    try:   # every claim is queued: an interrupt leaves the run to go on without us
+        with sigint_noted() as noted:
+            depth = backend.queues.open_queue(run.record["queue"]).counts()
+            print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} "
+                  f"items sent to {run.record['queue']} ({depth['visible']} visible, "
+                  f"{depth['in_flight']} in flight)", file=sys.stderr, flush=True)
+            progress = not args.json and sys.stderr.isatty()
+            timed_out = not run.wait(args.timeout, progress, interrupted=noted)
+    except KeyboardInterrupt:
+        return interrupted_waiting(run.run_id)
+    finally:
+        if output:
+            output.stop()
+    return run.record, run.waited, timed_out
+
+
+def submit_cold_run(conf, backend, args, items):
+    """submit --model: fresh workers here, or with --ami / --yes-spend-money / --dry-run on an
+    s3:// store EC2 instances (fleet_for); (run, summaries, timed_out), or an exit status."""
+    check_claim_size(args.claim_size)
+    if args.id_field:
+        items = items.with_id_field(args.id_field)
+    try:
+        with signals_interrupt():   # a SIGTERM too ends its workers and deletes its queues
+            run = cold_run(conf, backend, items, model=args.model, handler=args.handler,
+                           shards=args.shards, batch_size=args.batch_size,
+                           claim_size=args.claim_size, timeout=wait_seconds(conf, args.timeout),
+                           fleet=fleet_for(conf, backend, args=args),
+                           progress=not args.json and sys.stderr.isatty(),
+                           options=run_options(args.id_field, args.timeout))
+    except SubmitInterrupted as e:
+        print("calque: interrupted: the cold run is cancelled (its workers and queues are "
+              "gone) ---> HINT: submit again", file=sys.stderr)
+        return 128 + e.signum
+    return EXIT_OK if run[0] is None else run   # None: a dry run printed its calls, staged nothing
 
 
 def cmd_plan(conf, backend, args):
@@ -1305,7 +1039,8 @@ def cmd_runs_resume(conf, backend, args):
                   + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""),
                   file=sys.stderr, flush=True)
             if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with them
-                apply_count(conf, backend, record, run["options"]["plan"], "runs resume")
+                fleet = fleet_for(conf, backend, record)
+                apply_count(fleet, record, run["options"]["plan"], "runs resume")
             if args.no_wait:
                 return EXIT_OK
             summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
@@ -1702,12 +1437,11 @@ def build_parser():
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
     p.add_argument("--handler", required=True,
                    help="path/to/handler.py:ClassName (snapshotted into the store)")
-    p.add_argument("--workers", type=int, help="local warmd.py processes to start under a "
-                   f"supervisor, waited for until warm (default {LOCAL_WORKERS_DEFAULT})")
-    p.add_argument("--min-workers", type=int, metavar="A",
-                   help="floor of a pool that sizes itself on its backlog")
-    p.add_argument("--max-workers", type=int, metavar="B",
-                   help="its ceiling (with no floor given: floor 0)")
+    add_count_flags(p, (f"its workers: local warmd.py processes, waited for until warm "
+                        f"(default {LOCAL_WORKERS_DEFAULT}), or with --instances an EC2 Auto "
+                        "Scaling group's",
+                        "floor of a pool that sizes itself on its backlog (default: N; 0 with a "
+                        "ceiling alone or --scale-to-zero-after)", "its ceiling"))
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
                    help="idle window (fractions allowed) before the pool shrinks to its floor "
                         f"(0 unless given); default {SCALE_IDLE_MINUTES:g} with a floor below "
@@ -1733,9 +1467,7 @@ def build_parser():
     modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
                              help="the folder modal.Volume.from_name(NAME) is, linked at its "
                                   "mount path")
-    ec2 = p.add_argument_group("EC2 cohort (s3:// store)")
-    ec2.add_argument("--instances", type=int,
-                     help="run the pool on N EC2 instances of an Auto Scaling group")
+    ec2 = p.add_argument_group("EC2 cohort (s3:// store; --instances N and --min-/--max-instances)")
     ec2.add_argument("--instance-type",
                      help="EC2 instance type, e.g. g5.xlarge (required with --instances)")
     ec2.add_argument("--ami", help="AMI id (default: the current deep-learning GPU AMI, from its "
@@ -1744,10 +1476,6 @@ def build_parser():
     ec2.add_argument("--read", action="append", metavar="S3_PREFIX",
                      help="an s3:// prefix its runs read by reference: its instance role may read it (a run "
                           "naming another grants it then); repeat for several")
-    ec2.add_argument("--min-instances", type=int, help="floor the group keeps (default: "
-                     "--instances; 0 with --scale-to-zero-after or --max-instances)")
-    ec2.add_argument("--max-instances", type=int,
-                     help="ceiling of a group that sizes itself on its backlog")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
     add(ec2, "--key-name", "--yes-spend-money")
     switch(ec2, "--dry-run", "print every AWS call that would change something; change nothing")
@@ -1762,12 +1490,8 @@ def build_parser():
     switch(p, "--no-wait", "return once the workers start, not when warm")
     p = verb(pool, "scale", cmd_pool_scale, "--model",
              help="set the number of local workers, or of EC2 instances")
-    p.add_argument("--workers", type=int, help="local warmd.py processes on this machine")
-    p.add_argument("--instances", type=int, help="EC2 instances of the pool's Auto Scaling group")
-    for noun in ("workers", "instances"):
-        p.add_argument(f"--min-{noun}", type=int, metavar="A",
-                       help=f"new floor of a pool that sizes itself ({noun})")
-        p.add_argument(f"--max-{noun}", type=int, metavar="B", help="its new ceiling")
+    add_count_flags(p, ("its workers here, or its EC2 group's instances", "its new floor (the "
+                        "ceiling kept)", "its new ceiling (the floor kept)"))
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
                    help="local: its new idle window")
     local_options(p)

@@ -191,7 +191,7 @@ class Dashboard:
     # -- views: each a dict of plain values, what /api/... answers
     def pools_view(self):
         with self.lock:
-            return {"pools": [self.pool_summary(m) for m in calque_fleet.list_pools(self.backend)]}
+            return {"pools": [self.pool_summary(m) for m in calque_supervisor.list_pools(self.backend)]}
 
     def pool_summary(self, model):
         status = self.pool_status(model)

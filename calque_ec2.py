@@ -2,26 +2,10 @@
 of instances, each running `warmd --model M` under systemd; a cold run is one-shot instances on a
 run queue. AWS does the fleet work: the group keeps the cohort at size, SQS redelivers a dead
 worker's claim, S3 holds the rest. Every AWS call goes through AwsCalls.call, so --dry-run prints
-each mutating call instead. calque imports this module only inside the verbs that need it."""
-import base64
-import contextlib
-import glob
-import gzip
-import hashlib
-import io
-import json
-import logging
-import math
-import os
-import re
-import shlex
-import string
-import sys
-import tarfile
-import threading
-import time
-import urllib.error
-import urllib.request
+each mutating call instead. Ec2Fleet is its Fleet; calque_fleet.fleet_for, the one place above
+that imports this module, does so only for an EC2 pool or run."""
+import base64, contextlib, glob, gzip, hashlib, io, json, logging, math, os, re, shlex, string
+import sys, tarfile, threading, time, urllib.error, urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
@@ -30,10 +14,12 @@ from calque_core import (DEFAULT_REGION, HERE, NotFound, POOL_PREFIX, QUEUE_REUS
                          UserError, _aws_error_code, aws_client_config, aws_retry, check_slug_free,
                          command, deleted_queue_key, desired_count, dlq_name, load_pool,
                          measured_seconds, note_queue_deleted, now_iso, package_file, pool_bounds,
-                         pool_key, pool_queue_name, pool_version, pyproject, queue_depth, read_json,
-                         read_worker_stats, recent_summaries, redrive_policy, refuse_other_version,
-                         setting_number, settings, slug, snapshot_handler, wait_queue_reusable)
+                         pool_key, pool_name_claimed, pool_queue_name, pool_version, pyproject,
+                         queue_depth, read_json, read_worker_stats, recent_summaries,
+                         redrive_policy, refuse_other_version, setting_number, settings, slug,
+                         snapshot_handler, wait_queue_reusable)
 from calque_cost import (instance_rate_per_second, load_rates, measured_enter_seconds)
+from calque_runs import cancel_pool_runs
 
 IAM_NAME_MAX = 64                   # characters of an IAM role or instance-profile name
 DLAMI_PARAMETERS = {                # SSM public parameters: the current deep-learning GPU AMI
@@ -707,9 +693,6 @@ def pool_options(instances, instance_type=None, *, min_instances=None, ami=None,
     minutes that CloudWatch can evaluate."""
     if instances is max_instances is None or (instances or 0) < 0:
         raise UserError(f"--instances {instances}: give the number of EC2 instances (0 or more)")
-    if min_instances is not None and not 0 <= min_instances <= (max_instances or instances):
-        raise UserError(f"--min-instances {min_instances}: between 0 and --instances "
-                        f"{max_instances or instances}")
     lo, hi, idle = pool_bounds(instances, min_instances, max_instances, scale_to_zero_after,
                                "instances")
     minutes = math.ceil(idle / 60 - 1e-9) if idle is not None else None
@@ -1264,13 +1247,6 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     return full
 
 
-def _require_ec2(record):
-    if not record.get("ec2"):
-        raise UserError(f"pool {record['model']} has no EC2 cohort (it was created without "
-                        f"--instances): scale its local workers with `pool scale --workers N`")
-    return record["ec2"]
-
-
 def _existing_asg(calls, model):
     asg = describe_asg(calls, resource_names(model)["asg"])
     if asg is None:
@@ -1279,36 +1255,62 @@ def _existing_asg(calls, model):
     return asg
 
 
-def pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=False, calls=None):
-    """`pool scale --instances N` of an EC2 pool. A fixed cohort: min, max and desired to N. A
-    scale-to-zero pool: N > 0 holds it at N (MinSize N), since its idle alarm would undo a plain
-    scale-up within a minute; N = 0 releases the hold (down to its floor now, up on work).
-    Growing needs yes_spend_money (or dry_run)."""
-    model = record["model"]
+def pool_scale(backend, record, instances=None, *, lo=None, hi=None, dry_run=False,
+               yes_spend_money=False, calls=None):
+    """`pool scale` of an EC2 pool. --instances N: a fixed cohort's min, max and desired to N; a
+    scale-to-zero pool held at N (MinSize N), since its idle alarm would undo a plain scale-up
+    within a minute, N = 0 releasing the hold (down to its floor now, up on work). --min-instances
+    A / --max-instances B (`lo`, `hi`; either kept when None) of a pool that sizes itself: the
+    group's bounds, backlog steps and alarms put anew, a hold released. Growing needs
+    yes_spend_money (or dry_run)."""
+    model, bounds = record["model"], lo is not None or hi is not None
     _aws_store(backend, "pool scale --instances")
-    ec2 = dict(_require_ec2(record))
-    if instances is None or instances < 0:
-        raise UserError(f"--instances {instances}: 0 or more")
-    calls = calls or AwsCalls.for_backend(backend, dry_run)
-    names = resource_names(model)
-    asg = _existing_asg(calls, model)
-    if instances > asg["DesiredCapacity"]:
-        refuse_spending(f"pool scale --model {model} --instances {instances}", dry_run=dry_run,
-                        yes_spend_money=yes_spend_money)
+    ec2 = dict(record["ec2"])
     sleeps = bool(ec2.get("scale_to_zero_after"))
-    if sleeps:
+    if bounds and not sleeps:
+        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or "
+                        f"ceiling ---> HINT: `pool scale --instances N`, or re-run `pool create` "
+                        f"with --min-instances A --max-instances B")
+    if bounds:
+        lo = (ec2["min_instances"] or 0) if lo is None else lo
+        hi = ec2["instances"] if hi is None else hi
+        if not 0 <= lo <= hi or hi < 1:
+            raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max "
+                            f">= 1 ---> HINT: e.g. --min-instances 0 --max-instances 4")
+        ec2.update(min_instances=lo, instances=hi, held=None)
+    elif instances is None or instances < 0:
+        raise UserError(f"--instances {instances}: 0 or more")
+    elif sleeps:
         ec2.update(held=instances or None, instances=instances or ec2["instances"])
     else:
         ec2["instances"] = instances
+    calls = calls or AwsCalls.for_backend(backend, dry_run)
+    names = resource_names(model)
+    asg = _existing_asg(calls, model)
     lo, hi, desired = _asg_sizes(ec2)
-    desired = desired if instances else lo     # a released hold goes down to the floor now
-    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
-               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
+    if bounds:
+        desired = min(max(asg["DesiredCapacity"], lo), hi)
+    elif not instances:
+        desired = lo     # a released hold goes down to the floor now
+    if desired > asg["DesiredCapacity"]:
+        given = f"--min-instances {lo}" if bounds else f"--instances {instances}"
+        refuse_spending(f"pool scale --model {model} {given}", dry_run=dry_run,
+                        yes_spend_money=yes_spend_money)
     if sleeps:
         ec2["scaling"] = measured_scaling(backend, model, lo, ec2["instances"])
+    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
+               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
+    if bounds:
+        _ensure_scale_to_zero(calls, names, ec2, _tag_dict(asg.get("Tags")))
+    elif sleeps:
         _put_backlog_policy(calls, names, ec2)
     full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
     _put_pool_record(calls, backend, full)
+    if bounds:
+        print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), "
+              f"desired {asg['DesiredCapacity']} -> {desired}; backlog steps "
+              f"{_show_steps(ec2['scaling'])}")
+        return full
     cost = _hourly(ec2["instance_type"], ec2["spot"], desired) if desired else "no cost at 0"
     print(f"pool {model}: auto scaling group {names['asg']} {asg['DesiredCapacity']} -> {desired} "
           f"instance(s) (min {lo}, max {hi}); {cost}")
@@ -1318,42 +1320,6 @@ def pool_scale(backend, record, instances, *, dry_run=False, yes_spend_money=Fal
     elif sleeps:
         print(f"pool {model}: the backlog and idle alarms in charge again: up to "
               f"{ec2['instances']} on its backlog")
-    return full
-
-
-def pool_scale_bounds(backend, record, lo, hi, *, dry_run=False, yes_spend_money=False, calls=None):
-    """`pool scale --min-instances A --max-instances B` (either kept when not given) of an EC2 pool
-    that sizes itself: the group's bounds, backlog steps and alarms put anew; a `pool scale
-    --instances` hold is released. A floor above the desired capacity needs yes_spend_money."""
-    model = record["model"]
-    _aws_store(backend, "pool scale --min-instances / --max-instances")
-    ec2 = dict(_require_ec2(record))
-    if not ec2.get("scale_to_zero_after"):
-        raise UserError(f"pool {model}: a fixed cohort of {ec2['instances']} has no floor or "
-                        f"ceiling ---> HINT: `pool scale --instances N`, or re-run `pool create` "
-                        f"with --min-instances A --max-instances B")
-    lo = (ec2["min_instances"] or 0) if lo is None else lo
-    hi = ec2["instances"] if hi is None else hi
-    if not 0 <= lo <= hi or hi < 1:
-        raise UserError(f"--min-instances {lo} --max-instances {hi}: give 0 <= min <= max, max "
-                        f">= 1 ---> HINT: e.g. --min-instances 0 --max-instances 4")
-    calls = calls or AwsCalls.for_backend(backend, dry_run)
-    names = resource_names(model)
-    asg = _existing_asg(calls, model)
-    desired = min(max(asg["DesiredCapacity"], lo), hi)
-    if desired > asg["DesiredCapacity"]:
-        refuse_spending(f"pool scale --model {model} --min-instances {lo}", dry_run=dry_run,
-                        yes_spend_money=yes_spend_money)
-    ec2.update(min_instances=lo, instances=hi, held=None)
-    ec2["scaling"] = measured_scaling(backend, model, lo, hi)
-    calls.call("autoscaling", "UpdateAutoScalingGroup", AutoScalingGroupName=names["asg"],
-               MinSize=lo, MaxSize=hi, DesiredCapacity=desired)
-    _ensure_scale_to_zero(calls, names, ec2, _tag_dict(asg.get("Tags")))
-    full = dict(record, ec2=dict(ec2, updated_at=now_iso()))
-    _put_pool_record(calls, backend, full)
-    print(f"pool {model}: auto scaling group {names['asg']} between {lo} and {hi} instance(s), "
-          f"desired {asg['DesiredCapacity']} -> {desired}; backlog steps "
-          f"{_show_steps(ec2['scaling'])}")
     return full
 
 
@@ -1669,37 +1635,6 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
     return ok
 
 
-def cold_wait_hint(backend, record, calls=None):
-    """For `submit --pool M`: one line when the EC2 pool has no instance in service (how long until
-    the first claim can start, and why), else None (and for a local pool)."""
-    ec2 = record.get("ec2")
-    if not ec2 or getattr(backend, "kind", None) != "aws":
-        return None
-    model = record["model"]
-    calls = calls or AwsCalls.for_backend(backend)
-    asg = describe_asg(calls, resource_names(model)["asg"])
-    if asg is None:
-        return (f"pool {model} has no auto scaling group: no instance will claim this run "
-                f"---> HINT: re-run `pool create` for it")
-    states = [i["LifecycleState"] for i in asg.get("Instances", [])]
-    if "InService" in states:
-        return None
-    enter = measured_enter_seconds(read_worker_stats(backend, model))
-    load = f"@enter ~{enter:.0f}s (measured)" if enter is not None else "@enter (not measured yet)"
-    boot = f"boot + bootstrap ~{BOOT_ESTIMATE / 60:.0f} min (assumed)"
-    if asg["DesiredCapacity"] == 0:
-        if not ec2.get("scale_to_zero_after"):
-            return (f"pool {model} is scaled to 0: nothing will claim this run "
-                    f"---> HINT: pool scale --model {model} --instances N")
-        return (f"pool {model} is cold (0 instances): its wake alarm sizes it to the backlog (up "
-                f"to {ec2['instances']}) in ~1-3 min (SQS metrics are per minute; up to 15 min "
-                f"more after 6 idle hours, while SQS resumes them), then {boot}, then {load} "
-                f"before the first claim starts")
-    pending = sum(s.startswith("Pending") for s in states)
-    return (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in service, {pending} "
-            f"launching): {boot} from launch, then {load} before the first claim starts")
-
-
 # ------------------------------------------------------------------------------------------------
 # the cold path on AWS: one-shot instances on a run-scoped queue
 def cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_run=False,
@@ -1777,6 +1712,136 @@ def cold_cleanup(backend, instance_ids, calls=None):
         print(f"cold run: terminated {len(live)} instance(s) still up: {', '.join(live)}",
               file=sys.stderr)
     return live
+
+
+# ------------------------------------------------------------------------------------------------
+# the EC2 fleet: calque reaches this module through calque_fleet.fleet_for only
+class Ec2Fleet:
+    """A pool's workers on the instances of an EC2 Auto Scaling group, one worker each (a cold
+    run: one-shot instances): the Fleet that calque_fleet.fleet_for documents, counted in
+    instances. `args`: the verb's flags (--dry-run, --yes-spend-money, the instances')."""
+    unit = "instances"
+    here = False   # each instance's venv installs a Modal image's packages at boot; its role reads
+
+    def __init__(self, conf, backend, args=None):
+        self.backend, self.args = backend, args
+        self.dry_run = bool(getattr(args, "dry_run", False))
+        self.spend = bool(getattr(args, "yes_spend_money", False))
+
+    def create(self, pool, modal=None, include=(), suggested=None):
+        args = self.args
+        snapshot_handler(args.handler, "", lambda key, data: None, include)   # before any AWS call
+        record = pool.draft(args.batch_size, args.visibility_timeout, args.max_deliveries,
+                            args.batch_timeout, modal)
+        itype = args.instance_type or (suggested or {}).get("instance_type")   # the app's gpu=
+        options = pool_options(args.count, itype,
+                               min_instances=args.lo, ami=args.ami, spot=args.spot,
+                               subnet=args.subnet, key_name=args.key_name, max_instances=args.hi,
+                               scale_to_zero_after=args.scale_to_zero_after, reads=args.read)
+        claimed = pool_name_claimed(self.backend, pool.model)
+        with contextlib.nullcontext() if self.dry_run else claimed:
+            pool_create(self.backend, record, args.handler, options, dry_run=self.dry_run,
+                        include=include, yes_spend_money=self.spend)
+
+    def scale(self, pool, record):
+        a = self.args
+        pool_scale(self.backend, record, a.count, lo=a.lo, hi=a.hi, dry_run=self.dry_run,
+                   yes_spend_money=self.spend)
+
+    def bounds(self, record):
+        hi, lo = max(1, record["ec2"]["instances"]), record["ec2"].get("min_instances")
+        return (hi if lo is None else min(hi, lo)), hi
+
+    def boost(self, record, count, check=False):
+        """The group's desired capacity raised to `count` (check: refused first without
+        --yes-spend-money); after every run queued, its backlog steps follow its claims."""
+        if check:
+            return refuse_spending(f"submit --pool {record['model']} at {count} instances",
+                                   dry_run=False, yes_spend_money=self.spend)
+        calls, name = AwsCalls.for_backend(self.backend), resource_names(record["model"])["asg"]
+        asg = describe_asg(calls, name) if count else None
+        if asg and asg["DesiredCapacity"] < count:
+            calls.call("autoscaling", "SetDesiredCapacity", AutoScalingGroupName=name,
+                       DesiredCapacity=count)
+        refresh_backlog_steps(self.backend, load_pool(self.backend, record["model"]))
+
+    def waking(self, record):
+        """For a submit, no worker running: ("starting", why) while instances boot or its wake
+        alarm sizes it, else ("none", how long until a first claim could start, and why)."""
+        model, ec2 = record["model"], record["ec2"]
+        asg = describe_asg(AwsCalls.for_backend(self.backend), resource_names(model)["asg"])
+        if asg is None:
+            return "none", (f"pool {model} has no auto scaling group: no instance will claim this "
+                            f"run ---> HINT: re-run `pool create` for it")
+        states = [i["LifecycleState"] for i in asg.get("Instances", [])]
+        if "InService" in states:
+            return "starting", (f"pool {model}: instances in service, no worker running yet "
+                                "(bootstrapping)")
+        enter = measured_enter_seconds(read_worker_stats(self.backend, model))
+        load = "@enter (not measured yet)" if enter is None else f"@enter ~{enter:.0f}s (measured)"
+        boot = f"boot + bootstrap ~{BOOT_ESTIMATE / 60:.0f} min (assumed)"
+        if asg["DesiredCapacity"] == 0 and not ec2.get("scale_to_zero_after"):
+            return "none", (f"pool {model} is scaled to 0: nothing will claim this run "
+                            f"---> HINT: pool scale --model {model} --instances N")
+        if asg["DesiredCapacity"] == 0:
+            return "starting", (f"pool {model} is cold (0 instances): its wake alarm sizes it to "
+                                f"the backlog (up to {ec2['instances']}) in ~1-3 min (SQS metrics "
+                                f"are per minute; up to 15 min more after 6 idle hours, while SQS "
+                                f"resumes them), then {boot}, then {load} before the first claim "
+                                f"starts")
+        pending = sum(s.startswith("Pending") for s in states)
+        return "none", (f"pool {model} is cold (0 of {asg['DesiredCapacity']} instances in "
+                        f"service, {pending} launching): {boot} from launch, then {load} before "
+                        f"the first claim starts")
+
+    def status(self, record):   # the group's status reads the queues and worker stats: not twice
+        status = pool_status(self.backend, record)
+        return {"queue": status["queue"], "dlq": status["dlq"], "workers": status["workers"],
+                "ec2": status}
+
+    def lines(self, status):
+        return ["    " + line for line in format_status(status["ec2"])]
+
+    def logs(self, record):
+        print(f"pool {record['model']} runs on EC2: each instance's worker log is its journal "
+              f"(`journalctl -u calque-warmd` on the instance; the bootstrap's in "
+              f"/var/log/cloud-init-output.log); `pool status --model {record['model']}` lists "
+              f"the instances")
+
+    def delete(self, pool, record):
+        """Every part of the pool, found by name and tag (`record` may be only {"model"}): only
+        with --yes, or previewed with --dry-run; --force cancels its unfinished runs first."""
+        args = self.args
+        if not args.yes and not args.dry_run:
+            raise UserError(f"pool delete {pool.model}: an EC2 pool is deleted only with --yes "
+                            f"(or previewed with --dry-run)")
+        force = args.force and not args.dry_run
+        cancelled = cancel_pool_runs(self.backend, pool.model) if force else {}
+        pool_delete(self.backend, record, yes=args.yes, dry_run=args.dry_run)
+        return cancelled
+
+    def pools(self):
+        return pool_list(self.backend)
+
+    @contextlib.contextmanager
+    def cold_workers(self, cold, run, shards, timeout):
+        """One-shot instances (--ami, --instance-type, --spot, --subnet, --key-name) on the run's
+        queue, terminated at the end if still up; a dry run prints the launch and stages nothing."""
+        a = self.args
+        launch = ColdLaunch(a.ami, a.instance_type, spot=a.spot, subnet=a.subnet,
+                            key_name=a.key_name)
+        ids = cold_launch(self.backend, cold, run["run_id"], shards, launch, timeout=timeout,
+                          dry_run=self.dry_run, yes_spend_money=self.spend)
+        try:
+            yield lambda: None
+        finally:
+            cold_cleanup(self.backend, [] if self.dry_run else ids)
+
+    def start_seconds(self, enter, acquisition):
+        return enter + BOOT_ESTIMATE
+
+    def grant_read(self, record, uri):
+        grant_read(self.backend, record, uri)
 
 
 # ------------------------------------------------------------------------------------------------

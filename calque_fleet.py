@@ -1,25 +1,25 @@
-"""Across both fleets: a Modal app's pool options, the cold baseline, pools' status, the planner.
-Stands on calque_core, calque_runs, calque_cost and the fleets (calque_supervisor, calque_ec2)."""
-import contextlib, datetime, heapq, inspect, itertools, math, os, re
-import shlex, signal, socket, statistics, subprocess, time, sys
+"""Across the fleets: where a pool's workers run (fleet_for: the Fleet interface), a Modal app's
+pool options, the cold baseline, pools' status and liveness, the planner. Stands on calque_core,
+calque_runs, calque_cost and the fleets (calque_supervisor; calque_ec2 through fleet_for only)."""
+import argparse, contextlib, datetime, heapq, inspect, itertools, math, os, re
+import shlex, socket, statistics, time, sys
 from collections import Counter
 
-from calque_core import (CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR, CLAIM_SIZE_MAX, HERE,
+from calque_core import (CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR, CLAIM_SIZE_MAX,
                          MODAL_GPU_ALIASES, NotFound, PLAN_GAP_MAX, SCALE_MEASURED_CLAIMS,
-                         StoreFault, UserError, WARMD, WorkersFailed, _parse_time, claim_id,
-                         claim_sizes, cold_record_key, command, dlq_name, format_sizes,
-                         import_modal_app, imports_modal, key_values, load_pool, measured_seconds,
-                         modal_param, new_run_id, now_iso, parse_handler_spec, pool_queue_name,
-                         pool_settings, pool_version, queue_depth, read_json, read_run,
-                         read_worker_stats, run_key, run_queue_names, setting_number, settings,
-                         slug, snapshot_handler, summary_claims, version_label, version_of,
-                         write_json)
+                         StoreFault, UserError, _parse_time, claim_id, claim_sizes,
+                         cold_record_key, command, dlq_name, format_sizes, import_modal_app,
+                         imports_modal, key_values, load_pool, measured_seconds, modal_param,
+                         new_run_id, now_iso, parse_handler_spec, pool_queue_name, pool_settings,
+                         pool_version, read_json, read_run, read_worker_stats, run_key,
+                         run_queue_names, setting_number, settings, slug, snapshot_handler,
+                         version_label, version_of, write_json)
 from calque_runs import ClaimSizes, as_sizes, cancel_run, stage_run, wait_for_run
 from calque_cost import (_usd, choose_pricing, instance_rate_per_second, load_rates,
                          measured_enter_seconds)
-from calque_supervisor import (COLD_EXIT_WAIT, LIVE_STATES, SCALE_INTERVAL, STOPPED_SHOWN,
-                               WORKER_LOST_AFTER, child_env, gpu_devices, pid_alive, read_desired,
-                               read_scaling, read_supervisor, state_dir)
+from calque_supervisor import (LIVE_STATES, STOPPED_SHOWN, WORKER_LOST_AFTER, LocalFleet,
+                               crash_looping, gpu_devices, pid_alive, read_scaling,
+                               read_supervisor, state_dir)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,11 +199,12 @@ def pip_unmet(requirement):
 
 
 def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=None, claim_size=None, timeout,
-             progress=True, ec2=None, dry_run=False, yes_spend_money=False, options=None):
-    """The baseline: fresh workers (warmd.py here, EC2 with `ec2`) pay @enter, drain this run's
+             progress=True, fleet=None, options=None):
+    """The baseline: fresh workers of `fleet` (default: warmd.py here) pay @enter, drain this run's
     queue and exit; the run keeps `options` (run_options). Returns (run, summaries, timed_out);
-    (None, [], False) for an EC2 dry run."""
-    if items.reads and ec2:
+    (None, [], False) for a dry run (the fleet's calls printed, nothing staged)."""
+    fleet = fleet or fleet_for(conf, backend)
+    if items.reads and not fleet.here:
         raise UserError(f"{items.where}: a cold run on EC2 cannot read an s3:// prefix (its shared role "
                         f"may not) ---> HINT: run it on a pool: pool create --instances N --read "
                         f"{items.reads}")
@@ -215,7 +216,7 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             "workdir": os.getcwd(),   # the workers run where submit ran (warmd.enter_workdir)
             **pool_settings(conf, batch_size=batch_size or (record or {}).get("batch_size")), "created_at": now_iso()}
     prefix = f"runs/{run_id}/"
-    stage = not (ec2 and dry_run)    # an EC2 dry run prints the launch and writes nothing
+    stage = not fleet.dry_run        # a dry run prints the launch and writes nothing
     if handler:                      # (the handler file is still checked)
         cold["handler"] = snapshot_handler(handler, prefix, backend.store.put if stage else lambda key, data: None)
     else:
@@ -229,15 +230,9 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
             backend.store.put(new["key"], backend.store.get(old["key"]))
     cold["version"] = pool_version(cold)
     shards = max(1, shards)
-
-    def launch():   # one-shot instances that drain the run's queue and terminate themselves
-        from calque_ec2 import cold_launch
-        return cold_launch(backend, cold, run_id, shards, ec2, timeout=timeout, dry_run=dry_run,
-                           yes_spend_money=yes_spend_money)
-
     if not stage:
-        launch()
-        return None, [], False
+        with fleet.cold_workers(cold, {"run_id": run_id}, shards, timeout):
+            return None, [], False
     queue = backend.queues.create_queue(queue_name, cold["visibility_timeout"])
     backend.queues.create_queue(dlq, cold["visibility_timeout"])
     counted = None if claim_size else items.counted()
@@ -246,42 +241,12 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     elif not claim_size:   # one claim per shard: the items are counted first (a stream read in)
         items, claim_size = counted, max(1, -(-counted.count // shards))
     write_json(backend, cold_record_key(run_id), cold)
-    procs, instance_ids = [], []
     try:
         run = stage_run(backend, cold, items, claim_size, queue, "cold", run_id, options)
-        if ec2:
-            instance_ids = launch()
-        else:        # fresh local processes
-            folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run_id)
-            os.makedirs(folder, exist_ok=True)
-            for shard in range(shards):
-                with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
-                    argv = [sys.executable, WARMD, "--run", run_id, "--spawned-at", repr(time.time())]
-                    procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                                  env=child_env(conf), cwd=HERE))
-            print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {run['items']} items, "
-                  f"{shards} fresh worker(s); logs in {folder}", file=sys.stderr)
-
-        def exited():   # every local worker gone, claims left (a handler that failed to load): none runs them
-            if not procs or any(proc.poll() is None for proc in procs):
-                return
-            if len(summary_claims(backend, run_id)) < len(run["claims"]):   # listed after the exits: none missed
-                with open(os.path.join(folder, "worker-0.log"), errors="replace") as f:
-                    last = ([line.strip() for line in f if line.strip()] or ["its log is empty"])[-1]
-                raise WorkersFailed(f"run {run_id}: every cold worker exited with claims left: {last} "
-                                    f"---> HINT: see {folder}")
-        summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress, stop_if=exited)
+        with fleet.cold_workers(cold, run, shards, timeout) as exited:
+            summaries, timed_out = wait_for_run(backend, run, timeout, progress=progress,
+                                                stop_if=exited)
     finally:
-        # a drained worker exits within a poll; one still running gets SIGTERM, releasing its claim
-        for proc in procs:
-            try:
-                proc.wait(COLD_EXIT_WAIT)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGTERM)
-                proc.wait()
-        if instance_ids:
-            from calque_ec2 import cold_cleanup
-            cold_cleanup(backend, instance_ids)
         backend.queues.delete_queue(queue_name)
         backend.queues.delete_queue(cold["dlq"])
         with contextlib.suppress(NotFound):   # no run record: stopped while staging, nothing queued
@@ -290,35 +255,53 @@ def cold_run(conf, backend, items, *, model, handler=None, shards=1, batch_size=
     return run, summaries, timed_out
 
 
-def list_pools(backend):
-    """The models of the pools whose records are in the store."""
-    models = []
-    for folder in backend.store.list("pools/"):
-        with contextlib.suppress(NotFound):
-            models.append(read_json(backend, folder + "/pool.json")["model"])
-    return models
-
-
 def pool_status(conf, backend, model):
     """What `pool status` shows, as data: record, queues, supervisor, workers, an EC2 fleet."""
     record = load_pool(backend, model)
-    if "ec2" in record:     # the fleet's status reads the queues and the worker stats: not twice
-        from calque_ec2 import pool_status as fleet_status
-        ec2 = fleet_status(backend, record)
-        queue, dlq, stats = ec2["queue"], ec2["dlq"], ec2["workers"]
-    else:
-        ec2 = None
-        queue, dlq = queue_depth(backend, record["queue"]), queue_depth(backend, record["dlq"])
-        stats = read_worker_stats(backend, model)
+    fleet = fleet_for(conf, backend, record).status(record)
     supervisor = read_supervisor(conf, model)
     local = [dict(w, alive=bool(w["pid"]) and pid_alive(w["pid"]))
              for w in (supervisor["workers"] if supervisor else [])]
-    stats = mark_lost_workers(stats)
-    return {"model": model, "version": version_of(record), "record": record, "queue": queue,
-            "dlq": dlq, "ec2": ec2,
+    return {"model": model, "version": version_of(record), "record": record, **fleet,
+            "workers": mark_lost_workers(fleet["workers"]),
             "supervisor": {k: supervisor[k] for k in ("pid", "desired", "restarts")} if supervisor else None,
             "scaling": read_scaling(state_dir(conf, model)) if supervisor else None,
-            "local_workers": local, "workers": stats}
+            "local_workers": local}
+
+
+def pool_liveness(conf, backend, record):
+    """("live" | "starting" | "crashing" | "none", why) for a submit: a worker warm anywhere, every
+    local one dying before warm, workers loading or waking on work, or none to claim the run."""
+    model = record["model"]
+    status = read_supervisor(conf, model)
+    local = status["workers"] if status else []
+    if any(w.get("warm") for w in local):
+        return "live", ""
+    stats = mark_lost_workers(read_worker_stats(backend, model))
+    if any(w.get("state") == "running" for w in stats):
+        return "live", ""
+    crashing = crash_looping(conf, model)
+    if crashing:
+        return "crashing", f"pool {model}: every local worker dies before it is warm: {crashing}"
+    starting = max(len(local), sum(w.get("state") == "starting" for w in stats))
+    if starting:
+        return "starting", (f"pool {model}: {starting} worker{'s' * (starting > 1)} starting (@enter); "
+                            "the run waits for them")
+    waking = fleet_for(conf, backend, record).waking(record)
+    if waking:
+        return waking
+    died = unwarmed_death(stats)
+    return "none", f"pool {model} has no live worker (no supervisor on this machine, no worker running elsewhere" + (
+        f"; {died})" if died else ")")
+
+
+def unwarmed_death(stats, since=""):
+    """'worker W died before it was warm: why' for the newest worker stats that say so (updated
+    after the ISO time `since`), else None: a worker started by hand, on any machine."""
+    died = [w for w in stats if w.get("state") == "stopped" and not w.get("entered_at") and w.get("exit")
+            and w["updated_at"] > since]
+    last = max(died, key=lambda w: w["updated_at"], default=None)
+    return last and f"worker {last['worker_id']} died before it was warm: {last['exit']}"
 
 
 def mark_lost_workers(stats, now=None):
@@ -352,9 +335,7 @@ def format_pool_status(status, store_description):
              f"  queue: {q['visible'] if q else '?'} visible, {q['in_flight'] if q else '?'} in "
              f"flight;  dead-letter: {d['visible'] if d else '?'}",
              f"  version: {version_label(status['record'])}; each worker's is in its row"]
-    if status["ec2"]:
-        import calque_ec2 as ec2
-        lines += ["    " + line for line in ec2.format_status(status["ec2"])]
+    lines += fleet_for(None, None, status["record"]).lines(status)
     sup = status["supervisor"]
     if sup:
         alive = sum(w["alive"] for w in status["local_workers"])
@@ -434,6 +415,82 @@ def pool_record_to_delete(backend, model, force):
     return {"model": model, "slug": slug(model), "queue": pool_queue_name(model), "dlq": dlq_name(model)}
 
 
+# ---- the fleets: where a pool's workers run, behind one interface
+def fleet_for(conf, backend, record=None, args=None):
+    """The Fleet of the pool `record`, or (record None) of a new pool or a cold run as `args`, the
+    verb's flags, ask: EC2 (calque_ec2.Ec2Fleet) for a pool with an "ec2" entry (or none left on
+    S3: half-created), counts spelled in instances, a cold run on S3 with --ami, --yes-spend-money
+    or --dry-run; else this machine (calque_supervisor.LocalFleet). Only here is calque_ec2
+    imported above it.
+    A Fleet(conf, backend, args) has (a third fleet is a class of these in one new file, and its
+    test in tests/test_fleets.py):
+      unit, here, dry_run   what its counts count; whether its workers run this Python; whether
+                            it only prints the AWS calls it would make
+      create(pool, modal, include, suggested)   `pool create`: the pool (a calque.Pool) and its
+                            workers as args.count / args.lo / args.hi ask; re-run: idempotent
+      scale(pool, record)   `pool scale`: args.count, or the floor / ceiling args.lo / args.hi
+      bounds(record)        (floor, ceiling) of its count, for the planner
+      boost(record, count, check=False)   a run was queued: at least `count` (a plan's) while
+                            its backlog lasts; check: refuse first what the flags do not allow
+      waking(record)        (state, why) for a submit when no worker is live or starting, or None
+      status(record)        {queue, dlq, workers, ec2} of `pool status`; lines(status): its own
+      logs(record)          `pool logs`; delete(pool, record): `pool delete`, the runs cancelled
+      pools()               [{model, record, asg, ...}] of `pool list`
+      cold_workers(cold, run, shards, timeout)   a context: fresh workers draining a cold run's
+                            queue, yielding what raises WorkersFailed when none is left to
+      start_seconds(enter, acquisition)   s from asking for a worker to its first claim
+      grant_read(record, uri)   let the pool's workers read an s3:// prefix a run names"""
+    if record is not None:
+        ec2 = record.get("ec2") or ("queue" not in record and backend.kind == "aws")
+    else:
+        units = {flag.rpartition("-")[2] for flag in getattr(args, "spelled", {}).values()}
+        cold = getattr(args, "verb", None) == "submit" and backend.kind == "aws"
+        ec2 = units == {"instances"} or cold and any(
+            getattr(args, flag) for flag in ("ami", "yes_spend_money", "dry_run"))
+    if ec2:
+        import calque_ec2
+        return calque_ec2.Ec2Fleet(conf, backend, args)
+    return LocalFleet(conf, backend, args)
+
+
+class FleetCount(argparse.Action):
+    """--workers N / --instances N (and --min-*, --max-*): two spellings of one count, in the
+    pool's fleet's unit; args.spelled keeps which was given (pool create: --instances is EC2)."""
+
+    def __call__(self, parser, args, value, option):
+        try:
+            setattr(args, self.dest, int(value))
+        except ValueError:
+            parser.error(f"argument {option}: invalid int value: {value!r}")
+        args.spelled = dict(getattr(args, "spelled", {}), **{self.dest: option})
+
+
+def add_count_flags(parser, helps):
+    """pool create's / scale's counts: `helps` for N, A (the floor) and B (the ceiling)."""
+    for dest, prefix, metavar, text in zip(("count", "lo", "hi"), ("", "min-", "max-"), "NAB",
+                                           helps):
+        parser.add_argument(f"--{prefix}workers", f"--{prefix}instances", dest=dest,
+                            metavar=metavar, action=FleetCount, help=text)
+
+
+def check_counts(args, verb):
+    """The counts given, in one unit and 0 or more; pool scale: one count, or a floor and/or a
+    ceiling (the other kept)."""
+    spelled = getattr(args, "spelled", {})
+    given = " ".join(f"{flag} {getattr(args, dest)}" for dest, flag in spelled.items())
+    if len({flag.rpartition("-")[2] for flag in spelled.values()}) > 1:
+        raise UserError(f"{given}: a pool's workers run in one fleet: give its counts in one unit "
+                        "---> HINT: --workers for this machine's, --instances for EC2's")
+    for dest, flag in spelled.items():
+        if getattr(args, dest) < 0:
+            raise UserError(f"{flag} {getattr(args, dest)}: must be 0 or more")
+    if verb == "scale" and (not spelled or "count" in spelled and len(spelled) > 1):
+        raise UserError(f"pool scale {given or 'without a count'}: give --workers N, "
+                        f"--instances N, --min-workers A --max-workers B, or --min-instances A "
+                        f"--max-instances B ---> HINT: e.g. pool scale --model {args.model} "
+                        f"--min-workers 0 --max-workers 2")
+
+
 # ---- the planner: a run's wall time and cost for 1..B workers before it starts, and after
 PLAN_RUNS_READ = 5                      # run records read for the time to a run's first claim
 PLAN_CLAIMS_READ = 200                  # claim summaries it reads, over the newest runs (50 a run)
@@ -507,12 +564,8 @@ def pool_ceiling(conf, backend, record):
     """(A, B, noun, running): the pool's floor and ceiling of workers or instances, how many run."""
     stats = mark_lost_workers(read_worker_stats(backend, record["model"]))
     warm = sum(w.get("state") == "running" for w in stats)
-    if record.get("ec2"):
-        hi, lo = max(1, record["ec2"]["instances"]), record["ec2"].get("min_instances")
-        return (hi if lo is None else min(hi, lo)), hi, "instances", warm
-    folder = state_dir(conf, record["model"])
-    bounds = read_scaling(folder) or {"lo": max(1, read_desired(folder)), "hi": read_desired(folder)}
-    return bounds["lo"], max(1, bounds["hi"]), "workers", warm
+    fleet = fleet_for(conf, backend, record)
+    return (*fleet.bounds(record), fleet.unit, warm)
 
 
 def claim_overheads(backend, summaries):
@@ -569,10 +622,7 @@ def make_plan(backend, conf, record, items, claim_size, price, summaries):
     paid = [w["acquisition_seconds"] for w in stats if w.get("acquisition_seconds")]
     acquisition = sum(paid) / len(paid) if paid else 0.0
     _, ceiling, noun, warm = pool_ceiling(conf, backend, record)
-    start = enter + acquisition + SCALE_INTERVAL
-    if noun == "instances":
-        import calque_ec2 as ec2
-        start = enter + ec2.BOOT_ESTIMATE
+    start = fleet_for(conf, backend, record).start_seconds(enter, acquisition)
     gap, latency = claim_overheads(backend, summaries)
     sizes = as_sizes(claim_size).plan(items)
     shared = noun == "workers" and not gpu_devices(conf)     # CPU workers share the cores

@@ -128,7 +128,8 @@ def stage_claim(backend, run, items, claim, start, stop, chunk):
     backend.store.put(manifest_key(run["run_id"], claim), items.stage(backend, manifest, chunk))
 
 
-def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, options=None):
+def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, options=None,
+              grant=None):
     """Stage the items as a stream, sending each claim once its manifest has landed; returns the
     run, its claims sized by `claim_size` (an int, or a ClaimSizes). The run record comes first
     (`staged: false`, with the submit `options` it keeps: run_options); claims are cut as items
@@ -136,12 +137,12 @@ def stage_run(backend, record, items, claim_size, queue, mode, run_id=None, opti
     SEND_BATCH a request, with at most STAGE_AHEAD manifests a writer unsent (bounded memory).
     SIGINT or SIGTERM stops the sending, not the staging (`runs resume` sends the rest), then
     raises SubmitInterrupted. Another error before a claim was sent deletes what was staged;
-    after, the run keeps the claims sent."""
+    after, the run keeps the claims sent. `grant`: the fleet's grant_read, for an s3:// prefix the
+    pool's workers may not read yet (an EC2 pool's role)."""
     run_id, items = run_id or new_run_id(record["model"]), as_items(items)
     items.place(backend, record)
-    if items.reads and record.get("ec2"):   # an s3:// prefix the pool's role may not read yet
-        from calque_ec2 import grant_read
-        grant_read(backend, record, items.reads)
+    if items.reads and grant:
+        grant(record, items.reads)
     known = items.count
     sizes = as_sizes(claim_size)
     planned = sizes.plan(known) if known else []

@@ -4,27 +4,18 @@
 
 One per pool and machine (a lock in its state folder). Every SUPERVISOR_TICK s it reads the count
 wanted (LocalScaler), restarts the dead with backoff, leases GPUs, and writes supervisor.json, which
-calque reads (section 6). calque imports it only in the verbs that start or stop workers.
+calque reads (section 6). LocalFleet is the Fleet (calque_fleet.fleet_for) of a pool's workers here.
 """
-import contextlib
-import fcntl
-import functools
-import json
-import math
-import os
-import re
-import signal
-import socket
-import sqlite3
-import subprocess
-import sys
-import threading
-import time
+import contextlib, fcntl, functools, glob, json, math, os, re, signal, socket, sqlite3
+import subprocess, sys, threading, time
 
 import calque_core
-from calque_core import (DEFAULTS, NotFound, StoreFault, UserError, desired_count, load_pool,
-                         measured_seconds, now_iso, open_backend, recent_summaries, slug, state_dir,
-                         stop_seconds, worker_stats_prefix, write_file_atomic)
+from calque_core import (DEFAULTS, NotFound, StoreFault, UserError, WorkersFailed,
+                         check_slug_free, command, desired_count, load_pool, measured_seconds,
+                         now_iso, open_backend, pool_bounds, pool_key, queue_depth, read_json,
+                         read_worker_stats, recent_summaries, setting_number, slug, state_dir,
+                         stop_seconds, summary_claims, version_label, version_of,
+                         worker_stats_prefix, write_file_atomic)
 from calque_runs import drop_pool
 
 # ------------------------------------------------------------------------------------------------
@@ -216,6 +207,288 @@ def stop_supervisor(conf, model, timeout):
             return True
         time.sleep(0.05)
     return False
+
+
+# ------------------------------------------------------------------------------------------------
+# the local fleet: this machine's workers of a pool, and what waits on them
+def wait_warm(conf, model, workers, since, progress=False, timeout=WARM_WAIT, then=None):
+    """Wait until `workers` local workers have finished @enter. One that dies before it is warm
+    (an exit after `since`, epoch s) raises WorkersFailed, the pool's local workers scaled to 0;
+    `then`: what to do once the handler is fixed (default: pool deploy it)."""
+    folder, started, shown = state_dir(conf, model), time.monotonic(), ""
+    try:
+        while True:
+            status = read_supervisor(conf, model)
+            if status is None:
+                raise WorkersFailed(f"pool {model}: its supervisor exited ---> HINT: see {folder}/supervisor.log")
+            died = [w for w in status["workers"] if (w.get("last_exit") or {}).get("at", 0) >= since
+                    and not w["last_exit"]["warm"]]
+            if died:
+                scale_local(conf, model, 0)
+                raise WorkersFailed(f"pool {model}: {died_line(died[0])}; its local workers are stopped ---> HINT: "
+                                    f"fix the handler (or install what it imports), then "
+                                    f"{then or f'{command()} pool deploy --model {model} --handler F.py:C'}")
+            warm = sum(bool(w.get("warm")) for w in status["workers"])
+            line = f"pool {model}: {warm} of {workers} local worker(s) warm ({time.monotonic() - started:.0f} s)"
+            if progress and line != shown:
+                print("\r" + line, end="", file=sys.stderr, flush=True)
+                shown = line
+            if warm >= workers:
+                return
+            if time.monotonic() - started > timeout:
+                raise WorkersFailed(f"pool {model}: {warm} of {workers} worker(s) warm after {timeout:g} s (still in "
+                                    f"@enter?); they keep loading ---> HINT: {command()} pool logs --model {model}")
+            time.sleep(SUPERVISOR_TICK)
+    finally:
+        if shown:
+            print(file=sys.stderr)
+
+
+def died_line(worker):
+    """'worker 0 died before it was warm: <its error line> (log <path>)'."""
+    return (f"worker {worker['slot']} died before it was warm: {worker['last_exit']['reason']} "
+            f"(log {worker['log']})")
+
+
+def crash_looping(conf, model):
+    """The first death line when every local worker here keeps dying before it is warm, or None."""
+    status = read_supervisor(conf, model)
+    workers = status["workers"] if status else []
+    if workers and all(not w.get("warm") and (w.get("last_exit") or {}).get("warm") is False for w in workers):
+        return died_line(workers[0])
+    return None
+
+
+def scale_local(conf, model, workers, gpus_per_worker=None, bounds=None, threads_per_worker=None):
+    """Set the pool's local worker count here; 0 stops its supervisor. With `bounds` (lo, hi, idle
+    s) the supervisor sizes the pool itself and stays up at 0. Returns its pid (None at 0)."""
+    if workers < 0:
+        raise UserError(f"--workers {workers}: must be 0 or more")
+    folder = state_dir(conf, model)
+    if bounds:
+        os.makedirs(folder, exist_ok=True)
+        write_file_atomic(os.path.join(folder, "scaling.json"), json.dumps(
+            {"lo": bounds[0], "hi": bounds[1], "idle_window": bounds[2],
+             "target_drain": setting_number(conf, "CALQUE_TARGET_DRAIN", float, 0.001)}))
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, "scaling.json"))
+    if workers or bounds:
+        return start_supervisor(conf, model, workers, gpus_per_worker, threads_per_worker)
+    if os.path.isdir(folder):
+        write_file_atomic(os.path.join(folder, "desired"), "0")
+    stop_supervisor(conf, model, stop_seconds(conf) + 10)
+    return None
+
+
+def list_pools(backend):
+    """The models of the pools whose records are in the store."""
+    models = []
+    for folder in backend.store.list("pools/"):
+        with contextlib.suppress(NotFound):
+            models.append(read_json(backend, folder + "/pool.json")["model"])
+    return models
+
+class LocalFleet:
+    """A pool's warmd.py workers on this machine, under its supervisor: the Fleet that
+    calque_fleet.fleet_for documents, counted in workers."""
+    unit, dry_run = "workers", False
+    here = True   # its workers run this Python as this user: a Modal image's packages checked here
+
+    def __init__(self, conf, backend, args=None):
+        self.conf, self.backend, self.args = conf, backend, args
+
+    def create(self, pool, modal=None, include=(), suggested=None):
+        args, model = self.args, pool.model
+        if args.dry_run:
+            raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
+        if args.read:
+            raise UserError("--read grants an EC2 pool's instance role (--instances); local workers "
+                            "read what you can")
+        count = args.count
+        if count is None and args.hi is None:
+            count = LOCAL_WORKERS_DEFAULT if args.lo is None else args.lo
+        lo, hi, idle = pool_bounds(count, args.lo, args.hi, args.scale_to_zero_after, "workers")
+        new = not self.backend.store.exists(pool_key(model))   # a failed create leaves it not there
+        existed = check_slug_free(self.backend, model)
+        record = pool.create(args.handler, 0, batch_size=args.batch_size,
+                             visibility_timeout=args.visibility_timeout,
+                             max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout,
+                             modal=modal, include=include)
+        counted = idle is not None or any(n is not None for n in (args.count, args.lo, args.hi))
+        if existed and version_of(existed):   # the same version: pool.create refuses another
+            here = read_supervisor(self.conf, model)   # none: workers start as at a first create
+            kept = here and not counted and (
+                f"; its {here['desired']} local worker(s) here are left as they are ---> HINT: "
+                f"{command()} pool scale --model {model} --workers N changes the count")
+            print(f"pool {model}: exists, version {version_label(record)}: nothing changed{kept or ''}")
+            if here and not counted:
+                return
+        else:
+            print(f"pool {model}: queue {record['queue']}, dead-letter {record['dlq']}, version "
+                  f"{version_label(record)}, visibility {record['visibility_timeout']}s, max "
+                  f"deliveries {record['max_deliveries']}; workers run in {record['workdir']}")
+        if not counted:
+            print(f"pool {model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
+        if idle is not None:
+            pid = self.start(pool, lo, (lo, hi, idle), new)
+            print(f"pool {model}: sizes itself between {lo} and {hi} local worker(s) on its "
+                  f"backlog (drain target {self.conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} "
+                  f"min -> {lo}), supervisor pid {pid}; logs: {command()} pool logs --model {model}")
+        elif lo:
+            pid = self.start(pool, lo, new=new)
+            print(f"pool {model}: {lo} local worker(s) {'started' if args.no_wait else 'warm'} under "
+                  f"supervisor pid {pid}; logs: {command()} pool logs --model {model} "
+                  f"({state_dir(self.conf, model)})")
+
+    def start(self, pool, workers, bounds=None, new=False):
+        """Set the workers here (pool.scale), waiting until warm unless --no-wait. A `new` pool whose
+        workers cannot start, or all die before warm, is deleted again: a failed create leaves no
+        pool (the worker logs its error names stay)."""
+        args = self.args
+        try:
+            return pool.scale(workers, gpus_per_worker=args.gpus_per_worker, wait=not args.no_wait,
+                              threads_per_worker=args.threads_per_worker, bounds=bounds,
+                              progress=sys.stderr.isatty(),
+                              then=f"{command()} pool create again" if new else None)
+        except (UserError, WorkersFailed):
+            if new and read_supervisor(self.conf, pool.model) is None:   # none left loading
+                with contextlib.suppress(Exception):   # the error being raised is the one to report
+                    pool.delete(force=True)
+            raise
+        except KeyboardInterrupt:   # Ctrl-C while waiting for warm: the pool and its workers go on
+            print(f"calque: interrupted while waiting: pool {pool.model}: its workers go on loading "
+                  f"---> HINT: {command()} pool status --model {pool.model}", file=sys.stderr)
+            raise SystemExit(128 + signal.SIGINT)
+
+    def scale(self, pool, record):
+        args, model = self.args, pool.model
+        if args.lo is not None or args.hi is not None:  # one keeps the other
+            had = read_scaling(state_dir(self.conf, model)) or {}
+            lo = had.get("lo", 0) if args.lo is None else args.lo
+            hi = had.get("hi") if args.hi is None else args.hi
+            minutes = args.scale_to_zero_after or (had.get("idle_window", 0) / 60 or None)
+            lo, hi, idle = pool_bounds(None, lo, hi, minutes, "workers")
+            pid = self.start(pool, lo, (lo, hi, idle) if idle else None)
+            print(f"pool {model}: sizes itself between {lo} and {hi} local worker(s)"
+                  f"{f' (idle {idle / 60:g} min -> {lo})' if idle else ''}, supervisor pid {pid}")
+        elif args.count == 0:
+            scale_local(self.conf, model, 0)
+            print(f"pool {model}: scaled to 0 local workers")
+        else:
+            pid = self.start(pool, args.count)
+            print(f"pool {model}: {args.count} local worker(s) "
+                  f"{'starting' if args.no_wait else 'warm'} (supervisor pid {pid})")
+
+    def bounds(self, record):
+        folder = state_dir(self.conf, record["model"])
+        bounds = read_scaling(folder) or {"lo": max(1, read_desired(folder)), "hi": read_desired(folder)}
+        return bounds["lo"], max(1, bounds["hi"])
+
+    def boost(self, record, count, check=False):
+        """A pool that sizes itself keeps at least `count` workers while its backlog lasts."""
+        folder = state_dir(self.conf, record["model"])
+        bounds = read_scaling(folder)
+        if bounds and count and not check:
+            write_file_atomic(os.path.join(folder, "scaling.json"),
+                              json.dumps(dict(bounds, boost=count)))
+
+    def waking(self, record):
+        model = record["model"]
+        if read_supervisor(self.conf, model) and read_scaling(state_dir(self.conf, model)):
+            return "starting", f"pool {model} sizes itself: its supervisor starts workers for the run"
+        return None
+
+    def status(self, record):
+        return {"queue": queue_depth(self.backend, record["queue"]), "ec2": None,
+                "dlq": queue_depth(self.backend, record["dlq"]),
+                "workers": read_worker_stats(self.backend, record["model"])}
+
+    def lines(self, status):
+        return []
+
+    def logs(self, record):
+        """The worker logs here, each under a '==> path <==' header (--follow: until Ctrl-C)."""
+        args, model = self.args, record["model"]
+        folder = state_dir(self.conf, model)
+        name = "worker-*.log" if args.worker is None else f"worker-{args.worker}.log"
+        paths = sorted(glob.glob(os.path.join(folder, name)), key=lambda p: int(re.findall(r"\d+", p)[-1]))
+        if not paths:
+            raise UserError(f"pool {model}: no {name} in {folder}: no local worker ran here"
+                            + (" in that slot" if args.worker is not None else "")
+                            + f" ---> HINT: {command()} pool scale --model {model} --workers 1")
+        offsets, first = dict.fromkeys(paths, 0), True
+        while first or args.follow:
+            for path in paths:
+                with open(path, "rb") as f:
+                    f.seek(offsets[path])
+                    text = f.read()
+                    offsets[path] = f.tell()
+                if text or first:
+                    print(f"==> {path} <==\n{text.decode(errors='replace')}", end="", flush=True)
+            first = False
+            time.sleep(SUPERVISOR_TICK if args.follow else 0)
+
+    def delete(self, pool, record):
+        args, model = self.args, pool.model
+        if not args.yes:
+            if not sys.stdin.isatty():
+                raise UserError(f"pool delete {model}: refusing without --yes (no terminal to ask)")
+            answer = input(f"delete pool {model}: stop its local workers, "
+                           f"delete {record['queue']} and {record['dlq']}? [y/N] ")
+            if answer.strip().lower() not in ("y", "yes"):
+                print("not deleted")
+                return False
+        cancelled = pool.delete(args.force)
+        print(f"pool {model}: local workers stopped")
+        for role in ("queue", "dlq"):
+            print(f"pool {model}: deleted queue {record[role]}")
+        print(f"pool {model}: deleted its record, handler snapshot and worker stats; its runs remain "
+              f"in the store ---> HINT: {command()} runs prune --model {model} --older-than 0s (or "
+              f"runs delete RUN) deletes them")
+        return cancelled
+
+    def pools(self):
+        return [{"model": model, "record": True, "asg": None} for model in list_pools(self.backend)]
+
+    @contextlib.contextmanager
+    def cold_workers(self, cold, run, shards, timeout):
+        """`shards` fresh warmd.py processes on the run's queue; yields what raises WorkersFailed
+        once every one exited with claims left (a handler that failed to load: none runs them)."""
+        run_id, procs = run["run_id"], []
+        folder = os.path.join(os.path.abspath(self.conf["CALQUE_STATE"]), "runs", run_id)
+        os.makedirs(folder, exist_ok=True)
+
+        def exited():
+            if any(proc.poll() is None for proc in procs):
+                return
+            if len(summary_claims(self.backend, run_id)) < len(run["claims"]):   # listed after the exits
+                with open(os.path.join(folder, "worker-0.log"), errors="replace") as f:
+                    last = ([line.strip() for line in f if line.strip()] or ["its log is empty"])[-1]
+                raise WorkersFailed(f"run {run_id}: every cold worker exited with claims left: {last} "
+                                    f"---> HINT: see {folder}")
+        try:
+            for shard in range(shards):
+                with open(os.path.join(folder, f"worker-{shard}.log"), "ab") as log:
+                    argv = [sys.executable, calque_core.WARMD, "--run", run_id, "--spawned-at", repr(time.time())]
+                    procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                                  env=child_env(self.conf), cwd=calque_core.HERE))
+            print(f"run {run_id}: cold, {len(run['claims'])} claim(s) of {run['items']} items, "
+                  f"{shards} fresh worker(s); logs in {folder}", file=sys.stderr)
+            yield exited
+        finally:   # a drained worker exits within a poll; one still running gets SIGTERM, releasing its claim
+            for proc in procs:
+                try:
+                    proc.wait(COLD_EXIT_WAIT)
+                except subprocess.TimeoutExpired:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait()
+
+    def start_seconds(self, enter, acquisition):
+        return enter + acquisition + SCALE_INTERVAL
+
+    def grant_read(self, record, uri):
+        pass   # local workers read what the user who started them can
 
 
 def supervise(conf, model):

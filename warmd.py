@@ -834,7 +834,7 @@ class Worker:
                                  GpuSampler(gpu_index))
         self.protection = None        # an EC2 pool instance's scale-in protection
         if not ephemeral and "ec2" in record and conf.get("CALQUE_SPOT_POLL"):
-            import calque_ec2
+            import calque_ec2   # its own instance's metadata and group: no fleet verb
             self.protection = calque_ec2.ScaleInProtection.on_instance(record, conf)
         self.fetchers = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="fetch")   # calque_sources.FetchedItems
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="manifest")

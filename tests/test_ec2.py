@@ -483,12 +483,15 @@ def test_scale_to_zero_alarms_and_cold_hint(aws, capsys):
         "ApproximateNumberOfMessagesVisible", "ApproximateNumberOfMessagesNotVisible"}
 
     stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
-    assert ec2.cold_wait_hint(aws.backend, stored) is None          # 3 in service
+    fleet = ec2.Ec2Fleet({}, aws.backend)
+    assert fleet.waking(stored) == ("starting", f"pool {MODEL}: instances in service, no worker running yet "
+                                                "(bootstrapping)")          # 3 in service
     ec2.pool_scale(aws.backend, stored, 0)
     stored = calque_core.read_json(aws.backend, calque_core.pool_key(MODEL))
-    hint = ec2.cold_wait_hint(aws.backend, stored)
-    assert "is cold (0 instances)" in hint and "wake alarm" in hint and "min" in hint
-    assert ec2.cold_wait_hint(aws.backend, dict(stored, ec2=None)) is None
+    state, hint = fleet.waking(stored)
+    assert state == "starting" and "is cold (0 instances)" in hint and "wake alarm" in hint and "min" in hint
+    local = calque_fleet.fleet_for(calque_core.settings(), aws.backend, dict(stored, ec2=None))
+    assert not local.waking(dict(stored, ec2=None))    # a pool without EC2: none of its hints
 
     # re-run without the flag
     ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(instances=3), yes_spend_money=True)
@@ -681,7 +684,7 @@ def test_every_aws_call_is_documented(aws, api_calls):
     ec2.pool_status(backend, stored)
     ec2.pool_scale(backend, stored, 1, yes_spend_money=True)
     ec2.pool_list(backend)
-    ec2.cold_wait_hint(backend, stored)
+    ec2.Ec2Fleet({}, backend).waking(stored)
     ids = ec2.cold_launch(backend, {"model": MODEL, "queue": "calque-run-r9"}, "r9", 1, launch(ami=aws.ami),
                           timeout=600.0, yes_spend_money=True)
     ec2.cold_cleanup(backend, ids)
@@ -752,8 +755,8 @@ def test_group_that_sizes_itself_protection_and_delete(aws, monkeypatch, capsys)
         "EvaluationPeriods"] == 5
 
     fire(names["alarm_idle"])                                 # created at its ceiling; idle: to 0
-    calque.apply_count({}, aws.backend, stored, {"count": 2, "noun": "instances", "seconds": 60.0,
-                                                 "cost_usd": 0.1}, "submit")   # submit --deadline's pick
+    calque.apply_count(calque_fleet.fleet_for({}, aws.backend, stored), stored, {
+        "count": 2, "noun": "instances", "seconds": 60.0, "cost_usd": 0.1}, "submit")   # submit --deadline's pick
     assert asg_of()["DesiredCapacity"] == 2
     fire(names["alarm_wake"], backlog=6)                      # a burst: to the ceiling
     assert asg_of()["DesiredCapacity"] == 3
@@ -842,7 +845,7 @@ def test_the_local_path_runs_without_ec2(local_env, tmp_path):
     created, runs a submit, shows its status and list, and is deleted."""
     items = tmp_path / "items.jsonl"
     items.write_text("".join(json.dumps({"x": i}) + "\n" for i in range(5)))
-    no_ec2 = "import sys; sys.modules['ec2'] = None; import calque; sys.exit(calque.main(sys.argv[1:]))"
+    no_ec2 = "import sys; sys.modules['calque_ec2'] = None; import calque; sys.exit(calque.main(sys.argv[1:]))"
     for args in (["pool", "create", "--model", "m", "--handler", HANDLER, "--workers", "1"],
                  ["submit", "--pool", "m", str(items)], ["pool", "status", "--model", "m"],
                  ["pool", "list"], ["pool", "delete", "--model", "m", "--yes"]):
