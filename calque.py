@@ -1359,11 +1359,10 @@ def modal_run_target(shim, module, path, name):
     entrypoints, functions = {}, {}
     for app in [v for v in vars(module).values() if isinstance(v, shim.App)]:
         entrypoints.update(app.entrypoints)
-        for key, obj in app.registered.items():
-            if isinstance(obj, shim.Function) and not getattr(obj.raw_f, "_modal_role", {}).get("web"):
-                functions[key] = obj
-            elif isinstance(obj, shim.Cls):
-                functions.update({f"{key}.{m}": obj for m in obj.methods()})
+        functions.update({key: f for key, f in app.registered_functions.items()
+                          if not getattr(f.raw_f, "_modal_role", {}).get("web")})
+        for key, cls in app.registered_classes.items():
+            functions.update({f"{key}.{m}": cls for m in cls.methods()})
     if not name:
         found = entrypoints or functions
         if len(found) != 1:

@@ -116,7 +116,7 @@ class ClaimSizes:
 
 def as_sizes(size):
     """A ClaimSizes from an int (a fixed size) or a ClaimSizes."""
-    return size if isinstance(size, ClaimSizes) else ClaimSizes(fixed=size)
+    return size if hasattr(size, "plan") else ClaimSizes(fixed=size)
 
 
 def stage_claim(backend, run, items, claim, start, stop, chunk):
