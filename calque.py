@@ -2,16 +2,16 @@
 the handler API). A run: stage_run writes the run record, a manifest and a queue message per claim;
 warmd.py's Worker receives a claim, its ClaimRun runs its batches and writes its summary, then acks it;
 wait_for_run waits on the summaries. The kit in floors, each importing only those below it
-(docs/contract.md: the contract; README.md: the commands):
+(tests/test_layout.py keeps it so; docs/contract.md: the contract; README.md: the commands):
     calque.py            the Python API (Pool, submit, Run) and the CLI (cmd_* per verb, main)
     calque_dashboard.py  the web dashboard and the run report
-    calque_fleet.py      both paths: Modal pool options, cold runs, pools' status, the planner
-    calque_supervisor.py, calque_ec2.py   where workers run: this machine; EC2 Auto Scaling
+    calque_fleet.py      where a pool's workers run, chosen (fleet_for); cold runs, status, planner
+    warmd.py             the worker (it reaches EC2 itself for its own instance's notices)
+    calque_supervisor.py, calque_ec2.py   the two fleets: this machine; an EC2 Auto Scaling group
     calque_runs.py       submit and runs: stage, send, wait, cancel, redrive, report
-    calque_cost.py       the cost model
-    calque_sources.py    where items come from: one Source class per input kind, read back
+    calque_sources.py, calque_cost.py     items, one Source per input kind; the cost model
     calque_core.py       the ground floor: handler API, settings, the contract, backends, records
-warmd.py (the worker) stands on calque_core and calque_sources.
+    calque_values.py     the typed encoding of Python values (a Modal call's), below them all
 """
 import sys
 if __name__ == "__main__":   # `python calque.py` / `python -m calque`: a handler's or an app's `import calque`
