@@ -462,7 +462,10 @@ class FleetCount(argparse.Action):
             setattr(args, self.dest, int(value))
         except ValueError:
             parser.error(f"argument {option}: invalid int value: {value!r}")
-        args.spelled = dict(getattr(args, "spelled", {}), **{self.dest: option})
+        spelled = getattr(args, "spelled", {})
+        if spelled.get(self.dest, option) != option:   # --workers 1 --instances 2: not the last one
+            parser.error(f"{spelled[self.dest]} and {option} are one count given twice: give one")
+        args.spelled = dict(spelled, **{self.dest: option})
 
 
 def add_count_flags(parser, helps):

@@ -100,8 +100,9 @@ def test_fleet_for_chooses_in_one_place(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("spelling", SPELLINGS)
 def test_count_flags_refused_in_one_line(local_env, tmp_path, spelling):
-    """Mixed units, a negative count, a count with a floor on pool scale, a count that is no
-    number: one line naming it, exit 2, nothing created, as `calque` and `python calque.py`."""
+    """Mixed units, one count in both spellings, a negative count, a count with a floor on pool
+    scale, a count that is no number: one line naming it, exit 2, nothing created, as `calque`
+    and `python calque.py`."""
     command = [os.path.join(BIN, "calque")] if spelling == "installed" else [PY, os.path.join(ROOT, "calque.py")]
 
     def error(*args):
@@ -113,6 +114,8 @@ def test_count_flags_refused_in_one_line(local_env, tmp_path, spelling):
     assert "--workers 1 --max-instances 2: a pool's workers run in one fleet" in error(
         *create, "--workers", "1", "--max-instances", "2")
     assert "--min-instances -1: must be 0 or more" in error(*create, "--min-instances", "-1")
+    assert "--workers and --instances are one count given twice" in error(   # not the last one silently
+        *create, "--workers", "1", "--instances", "2")
     assert "argument --instances: invalid int value: 'two'" in error(*create, "--instances", "two")
     assert not os.path.exists(local_env["CALQUE_STORE"]) or not os.listdir(
         os.path.join(local_env["CALQUE_STORE"], "pools"))
