@@ -43,7 +43,7 @@ from calque_runs import (SubmitInterrupted, as_sizes,
                          claim_states, delete_run, drop_pool, format_runs_list, interrupted,
                          interrupted_waiting, listed_run, live_claims, next_step, parse_age,
                          redrive, report_run, run_array, run_options, run_table,
-                         run_view, runs_to_prune, send_batch, send_claims, sigint_noted,
+                         run_view, runs_to_prune, send_batch, send_claims, handling, sigint_noted,
                          signals_interrupt, stage_run, wait_for_run, with_parts)
 from calque_cost import (_usd, format_cost_table, format_ladder, format_pool_cost, format_run_cost,
                          pool_cost_report, pricing, run_cost_report)
@@ -189,9 +189,7 @@ class Pool:
         since, noted = time.time(), []
         # a signal waits until the replacement is done: noted, not blocked (a mask is inherited
         # by the processes started)
-        previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with handling(lambda signum, frame: noted.append(signum), signal.SIGINT, signal.SIGTERM):
             if here and not calque_supervisor.stop_supervisor(self.conf, self.model,
                                                                 stop_seconds(self.conf) + 15):
                 raise UserError(f"pool {self.model}: its supervisor did not stop: nothing changed; "
@@ -208,9 +206,6 @@ class Pool:
                               for name in ("gpus-per-worker", "threads-per-worker")]
                 calque_supervisor.start_supervisor(self.conf, self.model, read_desired(folder),
                                                      *[int(v) if v else None for v in per_worker])
-        finally:
-            for sig, was in previous.items():
-                signal.signal(sig, was)
         desired = read_desired(folder)
         if here and wait and not noted and desired:   # a death before warm: the pool is on `new`
             wait_warm(self.conf, self.model, desired, since, progress,
@@ -1272,16 +1267,11 @@ class ModalRun:
                 for run in self.runs:
                     run.wait()
         finally:   # a second SIGTERM or Ctrl-C waits for the pools' deletion
-            handlers = {sig: signal.signal(sig, signal.SIG_IGN)
-                        for sig in (signal.SIGTERM, signal.SIGINT)}
-            self.output.stop()
-            try:
+            with handling(signal.SIG_IGN, signal.SIGTERM, signal.SIGINT):
+                self.output.stop()
                 for model in self.created:
                     with contextlib.suppress(NotFound):
                         Pool(model, context=self.context).delete(force=True)
-            finally:
-                for sig, handler in handlers.items():
-                    signal.signal(sig, handler)
 
 
 MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI parses
@@ -1327,29 +1317,27 @@ def cmd_modal_run(conf, backend, args):
     kwargs = vars(entrypoint_parser(fn, f"{command()} modal run {args.app}").parse_args(args.args))
     shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume, args.secret)
     done = False
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        out = fn(**kwargs)
-        if inspect.iscoroutine(out):
-            import asyncio
-            asyncio.run(out)
-        done = True
-    except shim.RemoteError as e:
-        where = f" (at {e.where})" if getattr(e, "where", None) else ""
-        raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {type(e).__name__}: {one_line(e)}{where} "
-                                    f"---> HINT: map(..., return_exceptions=True) to go on past failed items")
-    except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
-        raise
-    except Exception as e:   # the entrypoint's own code failed: where, in one line
-        if kit_fault(e, path):
-            raise
-        raise ModalEntrypointFailed(f"entrypoint {name} failed: {user_code_error(path, e)}")
-    finally:
-        shim.runner = None
+    with handling(lambda signum, frame: sys.exit(128 + signum), signal.SIGTERM):
         try:
-            runner.close(wait=done)
+            out = fn(**kwargs)
+            if inspect.iscoroutine(out):
+                import asyncio
+                asyncio.run(out)
+            done = True
+        except shim.RemoteError as e:
+            where = f" (at {e.where})" if getattr(e, "where", None) else ""
+            raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {type(e).__name__}: "
+                                        f"{one_line(e)}{where} ---> HINT: map(..., "
+                                        "return_exceptions=True) to go on past failed items")
+        except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
+            raise
+        except Exception as e:   # the entrypoint's own code failed: where, in one line
+            if kit_fault(e, path):
+                raise
+            raise ModalEntrypointFailed(f"entrypoint {name} failed: {user_code_error(path, e)}")
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            shim.runner = None
+            runner.close(wait=done)
     return EXIT_OK
 
 
