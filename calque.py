@@ -1381,6 +1381,11 @@ def build_parser():
                           help="seconds to wait for the summaries (default CALQUE_TIMEOUT)"),
         "--key-name": dict(help="EC2 key pair for SSH (none by default)"),
         "--yes-spend-money": dict(action="store_true", help="allow starting paid EC2 instances"),
+        "--dry-run": dict(action="store_true", help="EC2: print the AWS calls; change nothing"),
+        "--batch-size": dict(type=int, help="items per handler.batch() call (default: the pool's; "
+                                            "a new pool's: CALQUE_BATCH_SIZE)"),
+        "--include": dict(action="append", metavar="PATH", help="a file or folder the handler "
+                          "needs beside it, snapshotted with it (modules, data)"),
     }
 
     def add(group, *flags):
@@ -1434,11 +1439,7 @@ def build_parser():
                         f"(0 unless given); default {SCALE_IDLE_MINUTES:g} with a floor below "
                         "the ceiling")
     local_options(p)
-    p.add_argument("--batch-size", type=int,
-                   help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
-    p.add_argument("--include", action="append", metavar="PATH",
-                   help="a file or folder the handler needs beside it, snapshotted with it "
-                        "(modules, data)")
+    add(p, "--batch-size", "--include")
     p.add_argument("--visibility-timeout", type=int,
                    help="seconds a claim stays invisible; the heartbeat renews it")
     p.add_argument("--max-deliveries", type=int,
@@ -1464,16 +1465,12 @@ def build_parser():
                      help="an s3:// prefix its runs read by reference: its instance role may read it (a run "
                           "naming another grants it then); repeat for several")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
-    add(ec2, "--key-name", "--yes-spend-money")
-    switch(ec2, "--dry-run", "print every AWS call that would change something; change nothing")
+    add(ec2, "--key-name", "--yes-spend-money", "--dry-run")
     p = verb(pool, "deploy", cmd_pool_deploy, "--model",
              help="change a live pool's handler: waits for the runs in flight, then replaces its "
                   "workers")
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName, the new version")
-    p.add_argument("--batch-size", type=int,
-                   help="items per handler.batch() call (default: the pool's)")
-    p.add_argument("--include", action="append", metavar="PATH",
-                   help="a file or folder the handler needs beside it, snapshotted with it")
+    add(p, "--batch-size", "--include")
     switch(p, "--no-wait", "return once the workers start, not when warm")
     p = verb(pool, "scale", cmd_pool_scale, "--model",
              help="set the number of local workers, or of EC2 instances")
@@ -1482,8 +1479,7 @@ def build_parser():
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
                    help="local: its new idle window")
     local_options(p)
-    add(p, "--yes-spend-money")
-    switch(p, "--dry-run", "print the AWS calls; change nothing")
+    add(p, "--yes-spend-money", "--dry-run")
     verb(pool, "status", cmd_pool_status, "--model", "--json",
          help="queue depths, live workers, per-worker claims, warm hits, enter_count")
     verb(pool, "list", cmd_pool_list, "--json", help="the pools in this store")
@@ -1491,12 +1487,11 @@ def build_parser():
              help="stop local workers, delete the queues and the pool record")
     switch(p, "--yes", "do not ask for confirmation")
     switch(p, "--force", "delete even with claims still queued or in flight (they are lost)")
-    switch(p, "--dry-run", "EC2 pools: print the AWS calls; change nothing")
-    p = verb(pool, "cost", cmd_pool_cost, "--model", cost=True,
+    add(p, "--dry-run")
+    p = verb(pool, "cost", cmd_pool_cost, "--model", "--json", cost=True,
              help="what the pool paid, idle included, against cold starts")
     p.add_argument("--since", metavar="T",
                    help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
-    add(p, "--json")
     verb(pool, "redrive", cmd_pool_redrive, "--model",
          help="send the dead-lettered claims of every run of the pool back to its queue")
     p = verb(pool, "logs", cmd_pool_logs, "--model",
@@ -1504,7 +1499,7 @@ def build_parser():
     switch(p, "--follow", "keep printing what the workers write (Ctrl-C stops)")
     p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
 
-    p = verb(verbs, "submit", cmd_submit, cost=True, help="run items: against a warm pool (--pool) "
+    p = verb(verbs, "submit", cmd_submit, "--timeout", "--json", cost=True, help="run items: against a warm pool (--pool) "
              "or as a cold fresh acquisition (--model)")
     p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz "
                    "file of numeric items, or a Parquet/.arrow/.feather file, folder or quoted "
@@ -1520,7 +1515,6 @@ def build_parser():
     p.add_argument("--batch-size", type=int, help="cold run: items per handler.batch() call")
     p.add_argument("--claim-size", type=int,
                    help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
-    add(p, "--timeout")
     switch(p, "--no-wait", "print the run id and return at once")
     switch(p, "--wait-for-workers",
            "queue the run even when the pool has no live worker (else: exit 2 at once)")
@@ -1539,16 +1533,13 @@ def build_parser():
     cold_ec2.add_argument("--ami",
                           help="the AMI of the one-shot instances (required for a cold run on EC2)")
     cold_ec2.add_argument("--subnet", help="subnet id (default: the default VPC's)")
-    add(cold_ec2, "--key-name", "--yes-spend-money")
-    switch(cold_ec2, "--dry-run", "print the AWS calls; change nothing")
-    add(p, "--json")
+    add(cold_ec2, "--key-name", "--yes-spend-money", "--dry-run")
 
-    p = verb(verbs, "plan", cmd_plan, cost=True,
+    p = verb(verbs, "plan", cmd_plan, "--json", cost=True,
              help="a pool run's wall time and cost for 1..B workers, before it starts")
     p.add_argument("items", help="the JSONL (or .npy/.npz) file submit would take")
     p.add_argument("--pool", metavar="M", required=True, help="the pool of model M")
     p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE)")
-    add(p, "--json")
 
     runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, "
                             "redrive, delete, prune them")
@@ -1574,10 +1565,9 @@ def build_parser():
                         "--files: the key holding the bytes")
     p.add_argument("--fill", type=float,
                    help="npy: the row of a failed item (default NaN, for a float dtype)")
-    p = verb(runs, "resume", cmd_runs_resume, "run", "--timeout", cost=True,
+    p = verb(runs, "resume", cmd_runs_resume, "run", "--timeout", "--json", cost=True,
              help="send the claims an interrupted submit did not, and those in no queue, then wait")
     switch(p, "--no-wait", "return once the claims are sent")
-    add(p, "--json")
     verb(runs, "cancel", cmd_runs_cancel, "run",
          help="cancel a run: its claims without a summary will not run")
     verb(runs, "redrive", cmd_runs_redrive, "run",
@@ -1597,11 +1587,10 @@ def build_parser():
     p.add_argument("--model", help="only this model's runs")
     switch(p, "--force", "also runs with claims queued or running")
 
-    p = verb(verbs, "cost", cmd_cost, cost=True,
+    p = verb(verbs, "cost", cmd_cost, "--json", cost=True,
              help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table "
                                           "(`latest`: the newest)")
-    add(p, "--json")
     p = verb(verbs, "dashboard", cmd_dashboard, cost=True,
              help="a read-only live web page of the store")
     p.add_argument("--port", type=int, default=8265, help="default 8265; 0: any free port")
