@@ -25,7 +25,7 @@ import calque_values
 from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Parser, RUN_RECHECK,
                          ResultsIncomplete, SCALE_IDLE_MINUTES, SEND_BATCH, SUMMARY_POLL_MAX,
                          StoreFault, UserError, VERSION_CHECK, VersionAction, WorkersFailed,
-                         aws_error_line, batch, check_slug_free, claim_items, command,
+                         batch, check_slug_free, claim_items, cli_error, command,
                          desired_count, dlq_name, dumps, enter, import_modal_file, include_paths,
                          json_line, kit_fault, kit_python, latest_runs, list_runs, load_modal_shim,
                          load_pool, new_run_id, now_iso, one_line, open_backend, orjson,
@@ -1626,12 +1626,6 @@ def main(argv=None):
         if isinstance(getattr(args, "run", None), (str, list)):   # `runs show latest`: the store's newest run
             args.run = latest_runs(backend, args.run)
         return args.func(conf, backend, args)
-    except UserError as e:
-        print(f"calque: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (StoreFault, WorkersFailed, ModalEntrypointFailed, ResultsIncomplete) as e:
-        print(f"calque: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
     except BrokenPipeError:
         # the reader went away (`runs results RUN | head`): stop quietly; stdout to /dev/null, so
         # that the interpreter's flush at exit does not fail again
@@ -1663,11 +1657,8 @@ def main(argv=None):
               file=sys.stderr)
         return EXIT_FAILED
     except Exception as e:
-        if type(e).__module__.startswith("botocore"):   # AWS refused or is unreachable: one line
-            print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions "
-                  "(docs/aws.md) and region", file=sys.stderr)
-            return EXIT_FAILED
-        raise   # anything else is a bug: the traceback is the report
+        return cli_error(e, "calque", "check credentials, permissions (docs/aws.md) and region",
+                         StoreFault, WorkersFailed, ModalEntrypointFailed, ResultsIncomplete)
 
 
 if __name__ == "__main__":
