@@ -304,9 +304,9 @@ def _fill_pad(views, lengths, pad_value, t):
     reference.pad(views, pad_value, out=t.detach().numpy(), max_len=t.shape[1])
 
 
-def _fill_padded(views, lengths, t, t_lengths):
-    """A padded key of collate_default: its rows, padded with 0, and their lengths."""
-    _fill_pad(views, lengths, 0, t)
+def _fill_padded(views, lengths, pad_value, t, t_lengths):
+    """_fill_pad, and the lengths into t_lengths (a ring's slot, a batch of collate_default)."""
+    _fill_pad(views, lengths, pad_value, t)
     t_lengths.copy_(torch.from_numpy(lengths))
 
 
@@ -378,7 +378,7 @@ def _plan_collate(payloads):
             views, lengths, L, dtype = _plan_pad(vals, None)
             plans.append(({key: ((len(views), L), _TORCH[dtype]),
                            f"{key}_lengths": ((len(views),), torch.int64)},
-                          functools.partial(_fill_padded, views, lengths)))
+                          functools.partial(_fill_padded, views, lengths, 0)))
         else:
             return None
     # dicts of plain numbers ({"x": 3}) are records, not tensors: they pass through; numbers beside an
@@ -522,8 +522,7 @@ class PinnedRing:
         views, lengths, L, dtype = _plan_pad(seqs, max_len)
         pv = _pad_scalar(pad_value, dtype)
         slot, (t, lens) = self.acquire_many([((len(views), L), _TORCH[dtype]), ((len(views),), torch.int64)], timeout)
-        lens.copy_(torch.from_numpy(lengths))
-        self._fill(slot, _fill_pad, views, lengths, pv, t)
+        self._fill(slot, _fill_padded, views, lengths, pv, t, lens)
         return slot, t, lens
 
     def collate(self, payloads, timeout=None):
