@@ -355,9 +355,9 @@ CALL_KEY = "__modal_call__"
 CALL_FORMS = ("remote", "remote_gen", "map", "starmap", "for_each", "spawn", "spawn_map")
 
 
-async def _in_thread(fn, *args, **kwargs):
-    """fn's value, computed on a daemon thread: asyncio.to_thread's pool would be waited for when
-    the event loop closes, so a signal could not end `modal run` while a call waits on its pool."""
+def _on_thread(fn, *args, **kwargs):
+    """A Future of fn's value, computed on a daemon thread: a pool's (asyncio.to_thread's) would be
+    waited for at exit, so a signal could not end `modal run` while a call waits on its pool."""
     outcome = Future()
 
     def work():
@@ -367,7 +367,11 @@ async def _in_thread(fn, *args, **kwargs):
             except BaseException as e:
                 outcome.set_exception(e)
     threading.Thread(target=work, daemon=True).start()
-    return await asyncio.wrap_future(outcome)
+    return outcome
+
+
+async def _in_thread(fn, *args, **kwargs):
+    return await asyncio.wrap_future(_on_thread(fn, *args, **kwargs))
 
 
 async def _async_iter(results):
@@ -495,14 +499,8 @@ class FunctionCall:
     _spawned = {}
 
     def __init__(self, results):
-        self._outcome = Future()   # filled by a thread that waits for the call's result
-
-        def wait():
-            try:
-                self._outcome.set_result(next(iter(results)))
-            except Exception as e:   # the run cannot finish (ResultsIncomplete...): get() raises it
-                self._outcome.set_exception(e)
-        threading.Thread(target=wait, daemon=True).start()
+        # the call's result, or why the run cannot finish (ResultsIncomplete...): get() raises it
+        self._outcome = _on_thread(next, iter(results))
         self.object_id = f"fc-{uuid.uuid4().hex}"
         FunctionCall._spawned[self.object_id] = self
         self.get = _CallForm(self._get, False)
