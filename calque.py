@@ -1382,8 +1382,8 @@ def build_parser():
         "--key-name": dict(help="EC2 key pair for SSH (none by default)"),
         "--yes-spend-money": dict(action="store_true", help="allow starting paid EC2 instances"),
         "--dry-run": dict(action="store_true", help="EC2: print the AWS calls; change nothing"),
-        "--batch-size": dict(type=int, help="items per handler.batch() call (default: the pool's; "
-                                            "a new pool's: CALQUE_BATCH_SIZE)"),
+        "--batch-size": dict(type=int, help="items per handler.batch() call (default "
+                                            "CALQUE_BATCH_SIZE; pool deploy: the pool's)"),
         "--include": dict(action="append", metavar="PATH", help="a file or folder the handler "
                           "needs beside it, snapshotted with it (modules, data)"),
     }
