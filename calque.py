@@ -1499,8 +1499,9 @@ def build_parser():
     switch(p, "--follow", "keep printing what the workers write (Ctrl-C stops)")
     p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
 
-    p = verb(verbs, "submit", cmd_submit, "--timeout", "--json", cost=True, help="run items: against a warm pool (--pool) "
-             "or as a cold fresh acquisition (--model)")
+    p = verb(verbs, "submit", cmd_submit, "--timeout", "--json", cost=True,
+             help="run items: against a warm pool (--pool) or as a cold fresh acquisition "
+                  "(--model)")
     p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz "
                    "file of numeric items, or a Parquet/.arrow/.feather file, folder or quoted "
                    "glob (one item a row)")

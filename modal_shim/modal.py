@@ -270,7 +270,7 @@ class _Declared:
     """What @app.cls and @app.function make alike: their variants and deployed twins."""
 
     def with_options(self, **options):
-        """Modal scales the variant apart; here its calls go to the same pool (options checked, recorded)."""
+        """Modal scales the variant apart; here its calls go to the same pool (options checked)."""
         _check_options(f"{self.__name__}.with_options", options)
         return self
 

@@ -721,9 +721,9 @@ def test_with_options_and_from_name_of_a_function_as_of_a_class():
         assert made.with_options(gpu="T4", cpu=2) is made
         with pytest.raises(shim.Unsupported, match=r"with_options\(gpux=...\) .* mean gpu=\?"):
             made.with_options(gpux=1)
-        kind = type(made).__name__
-        with pytest.raises(shim.Unsupported, match=rf"^modal.{kind}.from_name \(a deployed app\) "
-                                                   rf".* HINT: import the app file and call its {what}$"):
+        refused = (rf"^modal.{type(made).__name__}.from_name \(a deployed app\) .* HINT: "
+                   rf"import the app file and call its {what}$")
+        with pytest.raises(shim.Unsupported, match=refused):
             type(made).from_name("app", "name")
 
 
