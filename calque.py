@@ -25,7 +25,7 @@ import calque_values
 from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Parser, RUN_RECHECK,
                          ResultsIncomplete, SCALE_IDLE_MINUTES, SEND_BATCH, SUMMARY_POLL_MAX,
                          StoreFault, UserError, VERSION_CHECK, VersionAction, WorkersFailed,
-                         aws_error_line, batch, check_slug_free, claim_items, command,
+                         batch, check_slug_free, claim_items, cli_error, command,
                          desired_count, dlq_name, dumps, enter, import_modal_file, include_paths,
                          json_line, kit_fault, kit_python, latest_runs, list_runs, load_modal_shim,
                          load_pool, new_run_id, now_iso, one_line, open_backend, orjson,
@@ -43,7 +43,7 @@ from calque_runs import (SubmitInterrupted, as_sizes,
                          claim_states, delete_run, drop_pool, format_runs_list, interrupted,
                          interrupted_waiting, listed_run, live_claims, next_step, parse_age,
                          redrive, report_run, run_array, run_options, run_table,
-                         run_view, runs_to_prune, send_batch, send_claims, sigint_noted,
+                         run_view, runs_to_prune, send_batch, send_claims, handling, sigint_noted,
                          signals_interrupt, stage_run, wait_for_run, with_parts)
 from calque_cost import (_usd, format_cost_table, format_ladder, format_pool_cost, format_run_cost,
                          pool_cost_report, pricing, run_cost_report)
@@ -189,9 +189,7 @@ class Pool:
         since, noted = time.time(), []
         # a signal waits until the replacement is done: noted, not blocked (a mask is inherited
         # by the processes started)
-        previous = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
-                    for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with handling(lambda signum, frame: noted.append(signum), signal.SIGINT, signal.SIGTERM):
             if here and not calque_supervisor.stop_supervisor(self.conf, self.model,
                                                                 stop_seconds(self.conf) + 15):
                 raise UserError(f"pool {self.model}: its supervisor did not stop: nothing changed; "
@@ -208,9 +206,6 @@ class Pool:
                               for name in ("gpus-per-worker", "threads-per-worker")]
                 calque_supervisor.start_supervisor(self.conf, self.model, read_desired(folder),
                                                      *[int(v) if v else None for v in per_worker])
-        finally:
-            for sig, was in previous.items():
-                signal.signal(sig, was)
         desired = read_desired(folder)
         if here and wait and not noted and desired:   # a death before warm: the pool is on `new`
             wait_warm(self.conf, self.model, desired, since, progress,
@@ -1272,16 +1267,11 @@ class ModalRun:
                 for run in self.runs:
                     run.wait()
         finally:   # a second SIGTERM or Ctrl-C waits for the pools' deletion
-            handlers = {sig: signal.signal(sig, signal.SIG_IGN)
-                        for sig in (signal.SIGTERM, signal.SIGINT)}
-            self.output.stop()
-            try:
+            with handling(signal.SIG_IGN, signal.SIGTERM, signal.SIGINT):
+                self.output.stop()
                 for model in self.created:
                     with contextlib.suppress(NotFound):
                         Pool(model, context=self.context).delete(force=True)
-            finally:
-                for sig, handler in handlers.items():
-                    signal.signal(sig, handler)
 
 
 MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI parses
@@ -1327,29 +1317,27 @@ def cmd_modal_run(conf, backend, args):
     kwargs = vars(entrypoint_parser(fn, f"{command()} modal run {args.app}").parse_args(args.args))
     shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume, args.secret)
     done = False
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    try:
-        out = fn(**kwargs)
-        if inspect.iscoroutine(out):
-            import asyncio
-            asyncio.run(out)
-        done = True
-    except shim.RemoteError as e:
-        where = f" (at {e.where})" if getattr(e, "where", None) else ""
-        raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {type(e).__name__}: {one_line(e)}{where} "
-                                    f"---> HINT: map(..., return_exceptions=True) to go on past failed items")
-    except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
-        raise
-    except Exception as e:   # the entrypoint's own code failed: where, in one line
-        if kit_fault(e, path):
-            raise
-        raise ModalEntrypointFailed(f"entrypoint {name} failed: {user_code_error(path, e)}")
-    finally:
-        shim.runner = None
+    with handling(lambda signum, frame: sys.exit(128 + signum), signal.SIGTERM):
         try:
-            runner.close(wait=done)
+            out = fn(**kwargs)
+            if inspect.iscoroutine(out):
+                import asyncio
+                asyncio.run(out)
+            done = True
+        except shim.RemoteError as e:
+            where = f" (at {e.where})" if getattr(e, "where", None) else ""
+            raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {type(e).__name__}: "
+                                        f"{one_line(e)}{where} ---> HINT: map(..., "
+                                        "return_exceptions=True) to go on past failed items")
+        except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
+            raise
+        except Exception as e:   # the entrypoint's own code failed: where, in one line
+            if kit_fault(e, path):
+                raise
+            raise ModalEntrypointFailed(f"entrypoint {name} failed: {user_code_error(path, e)}")
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            shim.runner = None
+            runner.close(wait=done)
     return EXIT_OK
 
 
@@ -1393,6 +1381,11 @@ def build_parser():
                           help="seconds to wait for the summaries (default CALQUE_TIMEOUT)"),
         "--key-name": dict(help="EC2 key pair for SSH (none by default)"),
         "--yes-spend-money": dict(action="store_true", help="allow starting paid EC2 instances"),
+        "--dry-run": dict(action="store_true", help="EC2: print the AWS calls; change nothing"),
+        "--batch-size": dict(type=int, help="items per handler.batch() call (default "
+                                            "CALQUE_BATCH_SIZE; pool deploy: the pool's)"),
+        "--include": dict(action="append", metavar="PATH", help="a file or folder the handler "
+                          "needs beside it, snapshotted with it (modules, data)"),
     }
 
     def add(group, *flags):
@@ -1446,11 +1439,7 @@ def build_parser():
                         f"(0 unless given); default {SCALE_IDLE_MINUTES:g} with a floor below "
                         "the ceiling")
     local_options(p)
-    p.add_argument("--batch-size", type=int,
-                   help="items per handler.batch() call (default CALQUE_BATCH_SIZE)")
-    p.add_argument("--include", action="append", metavar="PATH",
-                   help="a file or folder the handler needs beside it, snapshotted with it "
-                        "(modules, data)")
+    add(p, "--batch-size", "--include")
     p.add_argument("--visibility-timeout", type=int,
                    help="seconds a claim stays invisible; the heartbeat renews it")
     p.add_argument("--max-deliveries", type=int,
@@ -1476,16 +1465,12 @@ def build_parser():
                      help="an s3:// prefix its runs read by reference: its instance role may read it (a run "
                           "naming another grants it then); repeat for several")
     ec2.add_argument("--subnet", help="subnet id(s), comma-separated (default: the default VPC's)")
-    add(ec2, "--key-name", "--yes-spend-money")
-    switch(ec2, "--dry-run", "print every AWS call that would change something; change nothing")
+    add(ec2, "--key-name", "--yes-spend-money", "--dry-run")
     p = verb(pool, "deploy", cmd_pool_deploy, "--model",
              help="change a live pool's handler: waits for the runs in flight, then replaces its "
                   "workers")
     p.add_argument("--handler", required=True, help="path/to/handler.py:ClassName, the new version")
-    p.add_argument("--batch-size", type=int,
-                   help="items per handler.batch() call (default: the pool's)")
-    p.add_argument("--include", action="append", metavar="PATH",
-                   help="a file or folder the handler needs beside it, snapshotted with it")
+    add(p, "--batch-size", "--include")
     switch(p, "--no-wait", "return once the workers start, not when warm")
     p = verb(pool, "scale", cmd_pool_scale, "--model",
              help="set the number of local workers, or of EC2 instances")
@@ -1494,8 +1479,7 @@ def build_parser():
     p.add_argument("--scale-to-zero-after", type=float, metavar="MINUTES",
                    help="local: its new idle window")
     local_options(p)
-    add(p, "--yes-spend-money")
-    switch(p, "--dry-run", "print the AWS calls; change nothing")
+    add(p, "--yes-spend-money", "--dry-run")
     verb(pool, "status", cmd_pool_status, "--model", "--json",
          help="queue depths, live workers, per-worker claims, warm hits, enter_count")
     verb(pool, "list", cmd_pool_list, "--json", help="the pools in this store")
@@ -1503,12 +1487,11 @@ def build_parser():
              help="stop local workers, delete the queues and the pool record")
     switch(p, "--yes", "do not ask for confirmation")
     switch(p, "--force", "delete even with claims still queued or in flight (they are lost)")
-    switch(p, "--dry-run", "EC2 pools: print the AWS calls; change nothing")
-    p = verb(pool, "cost", cmd_pool_cost, "--model", cost=True,
+    add(p, "--dry-run")
+    p = verb(pool, "cost", cmd_pool_cost, "--model", "--json", cost=True,
              help="what the pool paid, idle included, against cold starts")
     p.add_argument("--since", metavar="T",
                    help="only from this ISO-8601 time on (e.g. 2026-11-29T10:00:00Z)")
-    add(p, "--json")
     verb(pool, "redrive", cmd_pool_redrive, "--model",
          help="send the dead-lettered claims of every run of the pool back to its queue")
     p = verb(pool, "logs", cmd_pool_logs, "--model",
@@ -1516,8 +1499,9 @@ def build_parser():
     switch(p, "--follow", "keep printing what the workers write (Ctrl-C stops)")
     p.add_argument("--worker", type=int, metavar="W", help="only worker slot W")
 
-    p = verb(verbs, "submit", cmd_submit, cost=True, help="run items: against a warm pool (--pool) "
-             "or as a cold fresh acquisition (--model)")
+    p = verb(verbs, "submit", cmd_submit, "--timeout", "--json", cost=True,
+             help="run items: against a warm pool (--pool) or as a cold fresh acquisition "
+                  "(--model)")
     p.add_argument("items", help="a JSONL file (one JSON item per line), - for stdin, a .npy/.npz "
                    "file of numeric items, or a Parquet/.arrow/.feather file, folder or quoted "
                    "glob (one item a row)")
@@ -1532,7 +1516,6 @@ def build_parser():
     p.add_argument("--batch-size", type=int, help="cold run: items per handler.batch() call")
     p.add_argument("--claim-size", type=int,
                    help="items per claim (default CALQUE_CLAIM_SIZE; cold: items/shards)")
-    add(p, "--timeout")
     switch(p, "--no-wait", "print the run id and return at once")
     switch(p, "--wait-for-workers",
            "queue the run even when the pool has no live worker (else: exit 2 at once)")
@@ -1551,16 +1534,13 @@ def build_parser():
     cold_ec2.add_argument("--ami",
                           help="the AMI of the one-shot instances (required for a cold run on EC2)")
     cold_ec2.add_argument("--subnet", help="subnet id (default: the default VPC's)")
-    add(cold_ec2, "--key-name", "--yes-spend-money")
-    switch(cold_ec2, "--dry-run", "print the AWS calls; change nothing")
-    add(p, "--json")
+    add(cold_ec2, "--key-name", "--yes-spend-money", "--dry-run")
 
-    p = verb(verbs, "plan", cmd_plan, cost=True,
+    p = verb(verbs, "plan", cmd_plan, "--json", cost=True,
              help="a pool run's wall time and cost for 1..B workers, before it starts")
     p.add_argument("items", help="the JSONL (or .npy/.npz) file submit would take")
     p.add_argument("--pool", metavar="M", required=True, help="the pool of model M")
     p.add_argument("--claim-size", type=int, help="items per claim (default CALQUE_CLAIM_SIZE)")
-    add(p, "--json")
 
     runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, "
                             "redrive, delete, prune them")
@@ -1586,10 +1566,9 @@ def build_parser():
                         "--files: the key holding the bytes")
     p.add_argument("--fill", type=float,
                    help="npy: the row of a failed item (default NaN, for a float dtype)")
-    p = verb(runs, "resume", cmd_runs_resume, "run", "--timeout", cost=True,
+    p = verb(runs, "resume", cmd_runs_resume, "run", "--timeout", "--json", cost=True,
              help="send the claims an interrupted submit did not, and those in no queue, then wait")
     switch(p, "--no-wait", "return once the claims are sent")
-    add(p, "--json")
     verb(runs, "cancel", cmd_runs_cancel, "run",
          help="cancel a run: its claims without a summary will not run")
     verb(runs, "redrive", cmd_runs_redrive, "run",
@@ -1609,11 +1588,10 @@ def build_parser():
     p.add_argument("--model", help="only this model's runs")
     switch(p, "--force", "also runs with claims queued or running")
 
-    p = verb(verbs, "cost", cmd_cost, cost=True,
+    p = verb(verbs, "cost", cmd_cost, "--json", cost=True,
              help="a run's cost, its cold counterfactual and the crossover ladder")
     p.add_argument("run", nargs="+", help="one run for the details, several for a comparison table "
                                           "(`latest`: the newest)")
-    add(p, "--json")
     p = verb(verbs, "dashboard", cmd_dashboard, cost=True,
              help="a read-only live web page of the store")
     p.add_argument("--port", type=int, default=8265, help="default 8265; 0: any free port")
@@ -1649,12 +1627,6 @@ def main(argv=None):
         if isinstance(getattr(args, "run", None), (str, list)):   # `runs show latest`: the store's newest run
             args.run = latest_runs(backend, args.run)
         return args.func(conf, backend, args)
-    except UserError as e:
-        print(f"calque: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except (StoreFault, WorkersFailed, ModalEntrypointFailed, ResultsIncomplete) as e:
-        print(f"calque: error: {e}", file=sys.stderr)
-        return EXIT_FAILED
     except BrokenPipeError:
         # the reader went away (`runs results RUN | head`): stop quietly; stdout to /dev/null, so
         # that the interpreter's flush at exit does not fail again
@@ -1686,11 +1658,8 @@ def main(argv=None):
               file=sys.stderr)
         return EXIT_FAILED
     except Exception as e:
-        if type(e).__module__.startswith("botocore"):   # AWS refused or is unreachable: one line
-            print(f"calque: error: AWS: {aws_error_line(e)}: check credentials, permissions "
-                  "(docs/aws.md) and region", file=sys.stderr)
-            return EXIT_FAILED
-        raise   # anything else is a bug: the traceback is the report
+        return cli_error(e, "calque", "check credentials, permissions (docs/aws.md) and region",
+                         StoreFault, WorkersFailed, ModalEntrypointFailed, ResultsIncomplete)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,16 @@ class SubmitInterrupted(BaseException):
 
 
 @contextlib.contextmanager
+def handling(handler, *signums):
+    """Inside the block `handler` takes the signals given; the handlers before are back after it."""
+    previous = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield
+    finally:
+        for s, was in previous.items():
+            signal.signal(s, was)
+
+
 def signals_interrupt():
     """Inside the block SIGINT and SIGTERM raise SubmitInterrupted once; a second one is ignored, so
     that recording what was sent is not cut short."""
@@ -42,12 +52,7 @@ def signals_interrupt():
             fired.append(signum)
             raise SubmitInterrupted(signum)
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    return handling(on_signal, signal.SIGINT, signal.SIGTERM)
 
 
 @contextlib.contextmanager
@@ -384,11 +389,8 @@ def sigint_noted():
         noted.append(signum)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
+    with handling(on_sigint, signal.SIGINT):
         yield noted
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def run_recheck(progressed, now):

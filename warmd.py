@@ -2067,18 +2067,12 @@ def main(argv=None):
         worker.work()
         if worker.rules.replaced_by:
             return calque_core.EXIT_REPLACED
-    except calque_core.UserError as e:
-        print(f"warmd: error: {e}", file=sys.stderr)
-        return calque_core.EXIT_USAGE
     except calque_core.NotFound as e:
         print(f"warmd: error: {e} not found in the store: check CALQUE_STORE and the pool (`{calque_core.command()} pool list`)",
               file=sys.stderr)
         return calque_core.EXIT_USAGE
-    except Exception as e:
-        if type(e).__module__.startswith("botocore"):   # at start-up: credentials, permissions, endpoint
-            print(f"warmd: error: AWS: {calque_core.aws_error_line(e)}: check the instance role and region", file=sys.stderr)
-            return calque_core.EXIT_FAILED
-        raise
+    except Exception as e:   # AWS at start-up: credentials, permissions, endpoint
+        return calque_core.cli_error(e, "warmd", "check the instance role and region")
     return calque_core.EXIT_OK
 
 

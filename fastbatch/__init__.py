@@ -20,6 +20,7 @@ Thread-safe: a prefetch thread may gather while another thread drives the model 
 releases the GIL; the pointer scratch array is per thread; PinnedRing is locked).
 """
 import fcntl
+import functools
 import logging
 import math
 import numbers
@@ -303,6 +304,12 @@ def _fill_pad(views, lengths, pad_value, t):
     reference.pad(views, pad_value, out=t.detach().numpy(), max_len=t.shape[1])
 
 
+def _fill_padded(views, lengths, pad_value, t, t_lengths):
+    """_fill_pad, and the lengths into t_lengths (a ring's slot, a batch of collate_default)."""
+    _fill_pad(views, lengths, pad_value, t)
+    t_lengths.copy_(torch.from_numpy(lengths))
+
+
 # --- public API -------------------------------------------------------------------------------
 
 def stack(arrays, out=None):
@@ -346,8 +353,9 @@ def _numeric(v):
 
 
 def _plan_collate(payloads):
-    """[(key, kind, plan)] with kind "stack" or "pad", or None when the payloads are not all dicts
-    of the same string keys whose values are numeric and either same-shape or 1-D."""
+    """[({name: (shape, torch dtype)} of a key's tensors, fill(*those tensors))], or None when the
+    payloads are not all dicts of the same string keys whose values are numeric and either
+    same-shape (stacked) or 1-D (padded)."""
     if not isinstance(payloads, (list, tuple)) or not payloads or not all(isinstance(p, dict) for p in payloads):
         return None
     keys = payloads[0].keys()
@@ -364,9 +372,13 @@ def _plan_collate(payloads):
             return None
         vals = [v if v.dtype == dtype else v.astype(dtype) for v in vals]
         if all(v.shape == vals[0].shape for v in vals):
-            plans.append((key, "stack", _plan_stack(vals)))
+            views, shape, dtype = _plan_stack(vals)
+            plans.append(({key: (shape, _TORCH[dtype])}, functools.partial(_fill_stack, views)))
         elif all(v.ndim == 1 for v in vals) and f"{key}_lengths" not in keys:
-            plans.append((key, "pad", _plan_pad(vals, None)))
+            views, lengths, L, dtype = _plan_pad(vals, None)
+            plans.append(({key: ((len(views), L), _TORCH[dtype]),
+                           f"{key}_lengths": ((len(views),), torch.int64)},
+                          functools.partial(_fill_padded, views, lengths, 0)))
         else:
             return None
     # dicts of plain numbers ({"x": 3}) are records, not tensors: they pass through; numbers beside an
@@ -376,31 +388,15 @@ def _plan_collate(payloads):
 
 def _collate(plans, tensors):
     """Fill the tensors laid out by _specs(plans) and return the batch dict."""
-    batch, it = {}, iter(tensors)
-    for key, kind, plan in plans:
-        if kind == "stack":
-            views, _, _ = plan
-            batch[key] = next(it)
-            _fill_stack(views, batch[key])
-        else:
-            views, lengths, _, dtype = plan
-            batch[key], batch[f"{key}_lengths"] = next(it), next(it)
-            _fill_pad(views, lengths, np.zeros((), dtype), batch[key])
-            batch[f"{key}_lengths"].copy_(torch.from_numpy(lengths))
+    batch = dict(zip([name for specs, _ in plans for name in specs], tensors))
+    for specs, fill in plans:
+        fill(*map(batch.get, specs))
     return batch
 
 
 def _specs(plans):
     """[(shape, torch dtype)] of every tensor the batch dict holds, in _collate's order."""
-    specs = []
-    for key, kind, plan in plans:
-        if kind == "stack":
-            _, shape, dtype = plan
-            specs.append((shape, _TORCH[dtype]))
-        else:
-            views, _, L, dtype = plan
-            specs += [((len(views), L), _TORCH[dtype]), ((len(views),), torch.int64)]
-    return specs
+    return [spec for specs, _ in plans for spec in specs.values()]
 
 
 def collate_default(payloads):
@@ -526,8 +522,7 @@ class PinnedRing:
         views, lengths, L, dtype = _plan_pad(seqs, max_len)
         pv = _pad_scalar(pad_value, dtype)
         slot, (t, lens) = self.acquire_many([((len(views), L), _TORCH[dtype]), ((len(views),), torch.int64)], timeout)
-        lens.copy_(torch.from_numpy(lengths))
-        self._fill(slot, _fill_pad, views, lengths, pv, t)
+        self._fill(slot, _fill_padded, views, lengths, pv, t, lens)
         return slot, t, lens
 
     def collate(self, payloads, timeout=None):

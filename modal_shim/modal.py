@@ -266,8 +266,23 @@ def _parentheses(given, decorator):
         raise Unsupported(f"{decorator} without parentheses ---> HINT: write {decorator}()")
 
 
-class Cls:
+class _Declared:
+    """What @app.cls and @app.function make alike: their variants and deployed twins."""
+
+    def with_options(self, **options):
+        """Modal scales the variant apart; here its calls go to the same pool (options checked)."""
+        _check_options(f"{self.__name__}.with_options", options)
+        return self
+
+    @classmethod
+    def from_name(cls, app_name, name, **_):
+        _unsupported(f"modal.{cls.__name__}.from_name (a deployed app)",
+                     f"import the app file and call its {cls.declares}")
+
+
+class Cls(_Declared):
     """What @app.cls makes of a class: Batcher(**params).method.map(...) on a pool; .user_cls for the worker."""
+    declares = "class"
 
     def __init__(self, app, user_cls, options):
         self.app, self.user_cls, self.options = app, user_cls, options
@@ -288,15 +303,6 @@ class Cls:
             raise app_error(TypeError(f"{self.__name__}() got parameters it does not declare: "
                                       f"{', '.join(sorted(unknown))}"))
         return Obj(self, params)
-
-    def with_options(self, **options):
-        """Modal scales the variant apart; here its calls go to the same pool (options checked, recorded)."""
-        _check_options(f"{self.__name__}.with_options", options)
-        return self
-
-    @classmethod
-    def from_name(cls, app_name, name, **_):
-        _unsupported("modal.Cls.from_name (a deployed app)", "import the app file and call its class")
 
     def __getattr__(self, name):   # Modal 1.0 style: Cls.method without parameters
         if name in vars(self).get("user_cls", object).__dict__:
@@ -321,10 +327,11 @@ class Obj:
         return instance
 
 
-class Function:
+class Function(_Declared):
+    declares = "function"
+
     def __init__(self, app, fn, options):
         self.app, self.raw_f, self.options = app, fn, options
-        self.__name__ = fn.__name__
         self._handle = Handle(fn.__name__, {}, fn, None)
         functools.update_wrapper(self, fn)
 
@@ -335,15 +342,6 @@ class Function:
 
     def __call__(self, *args, **kwargs):
         return self.raw_f(*args, **kwargs)
-
-    def with_options(self, **options):
-        """Modal scales the variant apart; here its calls go to the same pool (options checked, recorded)."""
-        _check_options(f"{self.__name__}.with_options", options)
-        return self
-
-    @classmethod
-    def from_name(cls, app_name, name, **_):
-        _unsupported("modal.Function.from_name (a deployed app)", "import the app file and call its function")
 
 
 def _call_item(args, kwargs, *stream):
@@ -357,9 +355,9 @@ CALL_KEY = "__modal_call__"
 CALL_FORMS = ("remote", "remote_gen", "map", "starmap", "for_each", "spawn", "spawn_map")
 
 
-async def _in_thread(fn, *args, **kwargs):
-    """fn's value, computed on a daemon thread: asyncio.to_thread's pool would be waited for when
-    the event loop closes, so a signal could not end `modal run` while a call waits on its pool."""
+def _on_thread(fn, *args, **kwargs):
+    """A Future of fn's value, computed on a daemon thread: a pool's (asyncio.to_thread's) would be
+    waited for at exit, so a signal could not end `modal run` while a call waits on its pool."""
     outcome = Future()
 
     def work():
@@ -369,7 +367,11 @@ async def _in_thread(fn, *args, **kwargs):
             except BaseException as e:
                 outcome.set_exception(e)
     threading.Thread(target=work, daemon=True).start()
-    return await asyncio.wrap_future(outcome)
+    return outcome
+
+
+async def _in_thread(fn, *args, **kwargs):
+    return await asyncio.wrap_future(_on_thread(fn, *args, **kwargs))
 
 
 async def _async_iter(results):
@@ -438,7 +440,7 @@ class Handle:
              wrap_returned_exceptions=True):
         """Results in input order as claims finish (order_outputs=False accepted: input order is one of the
         orders it allows). The first failed item raises unless return_exceptions."""
-        return self._values([_call_item(x, kwargs or {}) for x in zip(*iterables)], return_exceptions)
+        return self._starmap(zip(*iterables), kwargs, return_exceptions=return_exceptions)
 
     def _starmap(self, iterable, kwargs=None, order_outputs=True, return_exceptions=False, **_):
         return self._values([_call_item(args, kwargs or {}) for args in iterable], return_exceptions)
@@ -497,14 +499,8 @@ class FunctionCall:
     _spawned = {}
 
     def __init__(self, results):
-        self._outcome = Future()   # filled by a thread that waits for the call's result
-
-        def wait():
-            try:
-                self._outcome.set_result(next(iter(results)))
-            except Exception as e:   # the run cannot finish (ResultsIncomplete...): get() raises it
-                self._outcome.set_exception(e)
-        threading.Thread(target=wait, daemon=True).start()
+        # the call's result, or why the run cannot finish (ResultsIncomplete...): get() raises it
+        self._outcome = _on_thread(next, iter(results))
         self.object_id = f"fc-{uuid.uuid4().hex}"
         FunctionCall._spawned[self.object_id] = self
         self.get = _CallForm(self._get, False)

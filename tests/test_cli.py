@@ -321,3 +321,19 @@ def test_ctrl_c_while_pool_create_waits_says_the_workers_go_on(local_env, tmp_pa
         "calque: interrupted while waiting: pool m: its workers go on loading ---> HINT: calque pool status --model m"]
     assert "local workers: 1 alive of 1 desired" in status()
     assert calque("installed", local_env, folder, "pool", "delete", "--model", "m", "--yes").returncode == 0
+
+
+def test_a_command_error_is_one_line_by_its_kind(capsys):
+    """calque's and warmd's mains triage alike (calque_core.cli_error): a mistake exits 2, a failure
+    given or AWS refusing exits 1, each one line; any other error is raised again, a bug."""
+    from botocore.exceptions import ClientError
+    from calque_core import StoreFault, UserError, cli_error
+    refused = ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "CreateQueue")
+    assert cli_error(UserError("bad --x"), "calque", "check it", StoreFault) == 2
+    assert cli_error(StoreFault("store down"), "warmd", "check it", StoreFault) == 1
+    assert cli_error(refused, "warmd", "check the role") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "calque: error: bad --x", "warmd: error: store down",
+        "warmd: error: AWS: AccessDenied: no (CreateQueue): check the role"]
+    with pytest.raises(StoreFault):   # not among those given: a bug's traceback
+        cli_error(StoreFault("x"), "warmd", "check it")

@@ -712,6 +712,21 @@ def test_timeout_and_options_of_a_function_as_of_a_class_at_pool_create(local_en
         shim.App().function(banana=3)
 
 
+def test_with_options_and_from_name_of_a_function_as_of_a_class():
+    """Both: .with_options checks its options and is the same pool; .from_name (a deployed app) is
+    refused in one line naming which and what to write instead."""
+    shim = calque_core.load_modal_shim()
+    for made, what in ((shim.App().function()(lambda x: x), "function"),
+                       (shim.App().cls()(type("C", (), {})), "class")):
+        assert made.with_options(gpu="T4", cpu=2) is made
+        with pytest.raises(shim.Unsupported, match=r"with_options\(gpux=...\) .* mean gpu=\?"):
+            made.with_options(gpux=1)
+        refused = (rf"^modal.{type(made).__name__}.from_name \(a deployed app\) .* HINT: "
+                   rf"import the app file and call its {what}$")
+        with pytest.raises(shim.Unsupported, match=refused):
+            type(made).from_name("app", "name")
+
+
 def test_a_bug_in_the_kit_is_named_as_the_kits(local_env, tmp_path):
     """An exception raised in the kit's own code while `modal run` serves the app is the kit's: its
     traceback with a note naming the kit's line, not one line blaming the app's; an app's own error,
