@@ -297,11 +297,12 @@ class LocalFleet:
 
     def __init__(self, conf, backend, args=None):
         self.conf, self.backend, self.args = conf, backend, args
+        if getattr(args, "dry_run", False):   # not a verb run for real that was asked to change nothing
+            raise UserError("--dry-run prints an EC2 pool's AWS calls; this one's workers run on this "
+                            "machine: nothing was done ---> HINT: drop --dry-run")
 
     def create(self, pool, modal=None, include=(), suggested=None):
         args, model = self.args, pool.model
-        if args.dry_run:
-            raise UserError("--dry-run applies to AWS calls (pool create --instances on an s3:// store)")
         if args.read:
             raise UserError("--read grants an EC2 pool's instance role (--instances); local workers "
                             "read what you can")

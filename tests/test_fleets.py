@@ -3,6 +3,7 @@
 interface names; `pool create` in its unit, then `pool scale` spelled in the other unit (two
 spellings of one count), are what its bounds, status and list say; `pool delete` leaves none.
 A third fleet adds its case to FLEETS. Then the count flags' refusals, as a user types them."""
+import json
 import os
 import subprocess
 
@@ -123,3 +124,8 @@ def test_count_flags_refused_in_one_line(local_env, tmp_path, spelling):
                           capture_output=True, timeout=60).returncode == 0
     assert "pool scale --instances 1 --min-instances 0: give --workers N" in error(
         "pool", "scale", "--model", "m", "--instances", "1", "--min-instances", "0")
+    for verb in (["delete", "--yes"], ["scale", "--workers", "2"]):   # a dry run of this machine's fleet
+        assert "--dry-run prints an EC2 pool's AWS calls" in error("pool", *verb, "--model", "m", "--dry-run")
+    status = subprocess.run(command + ["pool", "status", "--model", "m", "--json"], env=local_env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and json.loads(status.stdout)["model"] == "m"   # still there
