@@ -39,12 +39,12 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
 from calque_sources import as_items, read_items
 from calque_runs import (SubmitInterrupted, as_sizes,
                          cancel_run, check_deletable, claim_batch,
-                         claim_column_rows, claim_ids, claim_list, claim_parts, claim_results,
-                         claim_states, delete_run, drop_pool, format_runs_list, interrupted,
+                         claim_ids, claim_list, claim_parts, claim_results, claim_states,
+                         delete_run, drop_pool, field_value, format_runs_list, interrupted,
                          interrupted_waiting, listed_run, live_claims, next_step, parse_age,
                          redrive, report_run, run_array, run_options, run_table,
                          run_view, runs_to_prune, send_batch, send_claims, sigint_noted,
-                         signals_interrupt, stage_run, wait_for_run, with_parts)
+                         signals_interrupt, stage_run, typed_values, wait_for_run, with_parts)
 from calque_cost import (_usd, format_cost_table, format_ladder, format_pool_cost, format_run_cost,
                          pool_cost_report, pricing, run_cost_report)
 from calque_supervisor import (DEPLOY_POLL, LIVE_STATES, LOCAL_WORKERS_DEFAULT, WORKER_START_GRACE,
@@ -436,8 +436,7 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
         while True:
             if claim in summary_claims(backend, run["run_id"]):
                 s = read_json(backend, summary_key(run["run_id"], claim))
-                state = "cancelled" if s["status"] == "cancelled" else "dead-lettered" if s.get("error") else "done"
-                detail = s.get("reason") or s.get("error") or ""
+                state, detail = claim_states(backend, run, [s], dead_letters=False)[claim]
                 break
             if time.monotonic() >= recheck:   # claim_states may scan the DLQ: not every poll
                 recheck = time.monotonic() + RUN_RECHECK
@@ -446,7 +445,7 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
                 if state != "queued or running":
                     break
             time.sleep(poll)
-        if state != "done":
+        if state not in ("done", "failed"):
             raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
                                     f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
         yield index, claim
@@ -577,15 +576,14 @@ def write_result_files(backend, run, claims, folder, field):
     id_field = run["options"].get("id_field")
     for _, claim, parts in claims:
         ids = claim_ids(backend, run, claim, id_field) if id_field else None
-        typed = dict(zip(*claim_column_rows(parts, field)))
+        typed = typed_values(parts, field)
         held.update(dict.fromkeys(b.field for part in parts for b in part.blocks
                                   if b.dtype == BYTES and b.field not in (None, field)))
         hint = (f"--field {next(iter(held))} (its bytes)" if held else "no field of its results "
                 f"holds bytes: read them with `{command()} runs results {run['run_id']}`")
         for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
             result = line.get("result")
-            value = typed.get(k, result if field is None else
-                              result.get(field) if isinstance(result, dict) else None)
+            value = typed.get(k, field_value(result, field))
             if line["ok"] and not isinstance(value, bytes) and value is not None:
                 raise UserError(f"run {run['run_id']}: {what} is not bytes (item {line['i']}: "
                                 f"{type(value).__name__}), and --files writes bytes "

@@ -303,6 +303,14 @@ class DeadLetters:
 
     def claims(self):
         try:
+            return self.scan()
+        except StoreFault:
+            if self.backend.kind != "local":
+                raise
+            return self.scan()   # the local queue file was replaced: reopened now
+
+    def scan(self):
+        try:
             self.queue = self.queue or self.backend.queues.open_queue(self.name)
         except NotFound:   # deleted (an ended cold run's, a deleted pool's): it holds nothing
             return {}
@@ -398,21 +406,11 @@ def run_recheck(progressed, now):
 
 
 def nothing_left_to_run(backend, run, done, dead):
-    """True when no worker can take a claim without a summary: the run was cancelled, or each such
-    claim was never sent or is dead-lettered (`dead`). Reads the run record again, into `run`."""
+    """True when no worker can take a claim without a summary (claim_states, with `dead` the
+    waiter's DeadLetters). Reads the run record again, into `run`."""
     run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
-    if run.get("cancelled"):
-        return True
-    try:
-        letters = dead.claims()
-    except StoreFault:
-        if backend.kind != "local":
-            raise
-        letters = dead.claims()   # the local queue file was replaced: reopened now
-    waiting = [claim for index, claim in enumerate(run["claims"])
-               if claim not in done and index < run["sent"] and claim not in letters]
-    lost = claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" else []
-    return len(lost) == len(waiting)
+    states = claim_states(backend, run, list(done.values()), dead)
+    return all(state != "queued or running" for state, _ in states.values())
 
 
 def cancel_run(backend, run, reason):
@@ -568,11 +566,7 @@ def claim_column(parts, field):
     """(offsets, values) of the items whose result holds `field` (None: the result itself): typed
     arrays stacked (bfloat16 as float32), else as numpy.array makes them; ValueError on shapes."""
     import numpy as np
-    blocks, lines, at = [], [], 0
-    for part in parts:
-        blocks += [b._replace(rows=b.rows + at) for b in part.blocks if b.field == field]
-        lines += part.lines
-        at += len(part.lines)
+    blocks = field_blocks(parts, field)
     if blocks:
         if any(b.dtype == BYTES for b in blocks):
             raise ValueError("its values are bytes")
@@ -584,9 +578,8 @@ def claim_column(parts, field):
         order = np.argsort(rows, kind="stable")
         return rows[order], values[order]
     rows, values = [], []
-    for k, line in enumerate(map(orjson.loads, lines)):
-        value = line.get("result")
-        value = value if field is None else value.get(field) if isinstance(value, dict) else None
+    for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
+        value = field_value(line.get("result"), field)
         if line["ok"] and value is not None:
             rows.append(k)
             values.append(value)
@@ -594,6 +587,26 @@ def claim_column(parts, field):
     if values.dtype.kind not in NUMERIC_KINDS:
         raise ValueError(f"its values are not numbers: numpy makes {values.dtype} of them")
     return np.array(rows, dtype=np.int64), values
+
+
+def field_value(result, field):
+    """`field` of a result (None: the result itself); None where the result is no dict."""
+    return result if field is None else result.get(field) if isinstance(result, dict) else None
+
+
+def field_blocks(parts, field):
+    """The parts' typed blocks of `field`, their rows offset to count the claim's items."""
+    blocks, at = [], 0
+    for part in parts:
+        blocks += [b._replace(rows=b.rows + at) for b in part.blocks if b.field == field]
+        at += len(part.lines)
+    return blocks
+
+
+def typed_values(parts, field):
+    """{row: array} of the claim's typed values of `field` (bytes for a bytes block)."""
+    return {row: array for block in field_blocks(parts, field)
+            for row, array in zip(block.rows.tolist(), block.arrays())}
 
 
 def typed_fields(parts):
@@ -703,24 +716,21 @@ def claim_batch(backend, run, claim, parts):
     keyed = results and None not in typed and all(isinstance(r, dict) for r in results)
     for field in dict.fromkeys(k for r in results for k in r) if keyed else [None] if results else []:
         name = "result" if field is None else field if field not in columns else f"result.{field}"
-        def value(line, field=field):
-            result = line.get("result")
-            return result if field is None else (result or {}).get(field)
+        values = [field_value(line.get("result"), field) for line in lines]
         if field in typed:
             try:
                 rows, stacked = claim_column(parts, field)
             except ValueError:      # shapes that differ: one list a row, below
                 rows = None
             if rows is not None and (len(rows) == count or not any(
-                    value(lines[k]) is not None for k in set(range(count)) - set(rows.tolist()))):
+                    values[k] is not None for k in set(range(count)) - set(rows.tolist()))):
                 columns[name] = _arrow_column(pa, stacked)
                 if len(rows) < count:   # the items without it (failed) are nulls
                     where = np.full(count, -1)
                     where[rows] = np.arange(len(rows))
                     columns[name] = columns[name].take(pa.array(where, mask=where < 0))
                 continue
-        values = [value(line) for line in lines]
-        for row, array in zip(*claim_column_rows(parts, field)):
+        for row, array in typed_values(parts, field).items():
             values[row] = array if isinstance(array, bytes) else array.tolist()
         try:
             columns[name] = pa.array(values)
@@ -728,18 +738,6 @@ def claim_batch(backend, run, claim, parts):
             columns[name] = pa.array([None if v is None else bytes_text(v) if isinstance(v, bytes) else dumps(v)
                                       for v in values], pa.string())
     return pa.record_batch(columns)
-
-
-def claim_column_rows(parts, field):
-    """(offsets, arrays) of the claim's typed values of `field`, one array a row."""
-    rows, arrays, at = [], [], 0
-    for part in parts:
-        for block in part.blocks:
-            if block.field == field:
-                rows += (block.rows + at).tolist()
-                arrays += block.arrays()
-        at += len(part.lines)
-    return rows, arrays
 
 
 def run_table(batches):
@@ -771,11 +769,13 @@ NOT_RUN = {   # what becomes of the claims of each state that did not run (forma
 
 def claim_states(backend, run, summaries, dead_letters=True):
     """{claim: (state, detail)}, state one of CLAIM_STATES (in no queue: its queue lost it), the
-    detail the dead-letter or cancel reason. Without dead_letters: no DLQ scan, no queue look."""
+    detail the dead-letter or cancel reason. Without dead_letters: no DLQ scan, no queue look;
+    a DeadLetters: its scan (a waiter's, rescanned only when the DLQ changed)."""
     by_claim = {s["claim"]: s for s in summaries}
     cancelled = run.get("cancelled")
     pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
-    letters = DeadLetters(backend, run).claims() if pending and dead_letters else {}
+    dead = DeadLetters(backend, run) if dead_letters is True else dead_letters
+    letters = dead.claims() if pending and dead else {}
     states = {}
     for index, claim in enumerate(run["claims"]):
         s = by_claim.get(claim)
