@@ -29,9 +29,9 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          desired_count, dlq_name, dumps, enter, import_modal_file, include_paths,
                          json_line, kit_fault, kit_python, latest_runs, list_runs, load_modal_shim,
                          load_pool, new_run_id, now_iso, one_line, open_backend, orjson,
-                         pool_key, pool_name_claimed, pool_queue_name, pool_settings,
-                         pool_version, queue_depth, read_json, read_run, read_summaries,
-                         read_worker_stats, recent_summaries, refuse_other_version, setting_number,
+                         pool_key, pool_name_claimed, pool_queue_name, pool_settings, pool_version,
+                         queue_depth, read_json, read_run, read_summaries, read_worker_stats,
+                         recent_summaries, refuse_other_version, result_lines, setting_number,
                          settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
                          stream_prefix, summary_claims, summary_key, update_run, user_code_error,
                          version_label, version_of, wait_queue_reusable, wait_seconds, with_bytes,
@@ -39,7 +39,7 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
 from calque_sources import as_items, read_items
 from calque_runs import (SubmitInterrupted, as_sizes,
                          cancel_run, check_deletable, claim_batch,
-                         claim_ids, claim_list, claim_parts, claim_results, claim_states,
+                         claim_ids, claim_list, claim_states,
                          delete_run, drop_pool, field_value, format_runs_list, interrupted,
                          interrupted_waiting, listed_run, live_claims, next_step, parse_age,
                          redrive, report_run, run_array, run_options, run_table,
@@ -424,9 +424,8 @@ class Run:
 
 def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
     """Each claim's result lines (with the run's id_field), in claim order, as each finishes."""
-    for index, claim in follow_claims(backend, run, poll):
-        lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
-        yield with_ids(backend, run, claim, lines)
+    for _, claim, parts in with_parts(backend, run, follow_claims(backend, run, poll)):
+        yield with_ids(backend, run, claim, parts)
 
 
 def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
@@ -451,9 +450,10 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
         yield index, claim
 
 
-def with_ids(backend, run, claim, lines):
-    """The claim's result lines with each item's --id-field (if the run has one) copied in from the
-    claim's manifest."""
+def with_ids(backend, run, claim, parts):
+    """The claim's result lines (of its parts) with each item's --id-field (if the run has one)
+    copied in from the claim's manifest."""
+    lines = [line for part in parts for line in result_lines(part)]
     field = run["options"].get("id_field")
     if not field:
         return lines
@@ -521,23 +521,15 @@ def print_lost(e):
 
 
 def write_binary_results(out, backend, run, claims, args):
-    """The results of `claims` as one Parquet table or .npy array to `out`: (exit code, rows);
-    EXIT_FAILED when a claim's part cannot be read (on stderr)."""
-    def readable():
-        nonlocal code
-        for index, claim in claims:
-            try:
-                yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
-            except ResultsIncomplete as e:
-                code = print_lost(e)
-    code = EXIT_OK
+    """The results of `claims` ((index, claim, parts)) as one Parquet table or .npy array to `out`
+    (--files: a file an item); the rows written."""
     if args.files is not None:
-        return code, write_result_files(backend, run, readable(), args.files, args.field)
+        return write_result_files(backend, run, claims, args.files, args.field)
     if args.format == "npy":
         import numpy as np
-        array = run_array(run, readable(), args.field, args.fill)
+        array = run_array(run, claims, args.field, args.fill)
         np.save(out, array, allow_pickle=False)
-        return code, len(array)
+        return len(array)
     import pyarrow as pa
     import pyarrow.parquet as pq
     if "pandas" not in sys.modules:   # pyarrow would import it (a third of the time)
@@ -546,12 +538,12 @@ def write_binary_results(out, backend, run, claims, args):
             pa.array([None])
         finally:
             sys.meta_path.remove(NoPandas)
-    table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
+    table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in claims)
     if args.failed:
         import pyarrow.compute as pc
         table = table.filter(pc.invert(table["ok"]))
     pq.write_table(table, out)
-    return code, table.num_rows
+    return table.num_rows
 
 
 # runs results --files: a file's extension told from its first bytes (.bin where none matches)
@@ -970,25 +962,24 @@ def cmd_runs_results(conf, backend, args):
                 return EXIT_FAILED
             return EXIT_OK
         view = run_view(backend, run, read_summaries(backend, args.run))
-        code, not_run, done = EXIT_OK, {}, []
-        for index, claim in enumerate(run["claims"]):
-            state = view["claims"][claim]["state"]
-            if state not in ("done", "failed"):
-                not_run.setdefault(state, []).append(claim)
-                continue
-            try:
-                lines = claim_results(backend, args.run, claim, claim_items(run, index)) if not binary else None
-            except ResultsIncomplete as e:
-                code = print_lost(e)
-                continue
-            if binary:
-                done.append((index, claim))
-            else:
-                rows.append(write_results(out, with_ids(backend, run, claim, lines), args.failed))
+        code, not_run = EXIT_OK, {}
+
+        def finished():   # (index, claim, parts) of the claims that ran; one lost is said, skipped
+            nonlocal code
+            for index, claim in enumerate(run["claims"]):
+                state = view["claims"][claim]["state"]
+                if state not in ("done", "failed"):
+                    not_run.setdefault(state, []).append(claim)
+                    continue
+                try:
+                    yield from with_parts(backend, run, [(index, claim)])
+                except ResultsIncomplete as e:
+                    code = print_lost(e)
         if binary:
-            written = write_binary_results(out, backend, run, done, args)
-            code = max(code, written[0])
-            rows.append(written[1])
+            rows.append(write_binary_results(out, backend, run, finished(), args))
+        else:
+            for _, claim, parts in finished():
+                rows.append(write_results(out, with_ids(backend, run, claim, parts), args.failed))
     for state, claims in not_run.items():
         print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} "
               f"({claim_list(claims)}) ---> HINT: {next_step(run, state)}", file=sys.stderr)

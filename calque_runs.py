@@ -15,7 +15,7 @@ from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_SIZE_MAX, DLQ_SCAN_WA
                          claim_sizes, claim_summary, claims_progress, command, dlq_name, dumps,
                          format_sizes, list_runs, list_summaries, make_message, manifest_key,
                          new_run_id, note_queue_deleted, now_iso, orjson, parse_message,
-                         read_claim_parts, read_json, read_summaries, result_lines, results_key,
+                         read_claim_parts, read_json, read_summaries, results_key,
                          results_prefix, run_key, run_queue_names, summary_claims, summary_key,
                          update_run, write_json)
 from calque_sources import as_items, claim_field
@@ -301,26 +301,22 @@ class DeadLetters:
         self.backend, self.run_id, self.name = backend, run["run_id"], run_dlq_name(run)
         self.queue, self.depth, self.found = None, None, {}
 
-    def claims(self):
-        try:
-            return self.scan()
-        except StoreFault:
-            if self.backend.kind != "local":
-                raise
-            return self.scan()   # the local queue file was replaced: reopened now
-
-    def scan(self):
+    def claims(self, retry=True):
         try:
             self.queue = self.queue or self.backend.queues.open_queue(self.name)
+            counts = self.queue.counts()
+            if counts["visible"] + counts["in_flight"] != self.depth or counts["in_flight"]:
+                self.depth = counts["visible"] + counts["in_flight"]
+                messages = receive_all(self.queue, counts["visible"])
+                release(self.queue, messages)
+                letters = [dead_letter_of(m) for m in messages]
+                self.found = {c: why for rid, c, why in filter(None, letters) if rid == self.run_id}
         except NotFound:   # deleted (an ended cold run's, a deleted pool's): it holds nothing
             return {}
-        counts = self.queue.counts()
-        if counts["visible"] + counts["in_flight"] != self.depth or counts["in_flight"]:
-            self.depth = counts["visible"] + counts["in_flight"]
-            messages = receive_all(self.queue, counts["visible"])
-            release(self.queue, messages)
-            letters = [dead_letter_of(m) for m in messages]
-            self.found = {c: why for rid, c, why in filter(None, letters) if rid == self.run_id}
+        except StoreFault:
+            if self.backend.kind != "local" or not retry:
+                raise
+            return self.claims(retry=False)   # the local queue file was replaced: reopened now
         return self.found
 
 
@@ -548,11 +544,6 @@ def claim_parts(backend, run_id, claim, count):
             raise ResultsIncomplete(f"run {run_id} claim {claim}: {results_key(run_id, claim)} is "
                                     f"truncated ({len(lines)} of {count} lines)")
         return [Part(lines, [])]
-
-
-def claim_results(backend, run_id, claim, count):
-    """The claim's result lines, in item order, as JSONL prints them."""
-    return [ln for p in claim_parts(backend, run_id, claim, count) for ln in result_lines(p)]
 
 
 def claim_ids(backend, run, claim, field, manifest=None):
