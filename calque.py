@@ -784,7 +784,7 @@ def cmd_pool_redrive(conf, backend, args):
     runs = {run["run_id"]: run for run in list_runs(backend, args.model)
             if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
     other = [r for r in runs if runs[r].get("version", version_of(record)) != version_of(record)]
-    if other:   # their claims would be dead-lettered again (check_run_version)
+    if other:   # their claims would be dead-lettered again (pool_of_run)
         print(f"pool {args.model}: {len(other)} run(s) of an earlier version not redriven "
               f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): submit their items "
               "again")
@@ -861,12 +861,23 @@ def submit_pool_run(conf, backend, args, items, planned):
     if args.no_wait:
         print(run.run_id)
         return EXIT_OK
-    try:   # every claim is queued: an interrupt leaves the run to go on without us
+
+    def say_sent():
+        depth = backend.queues.open_queue(run.record["queue"]).counts()
+        print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} "
+              f"items sent to {run.record['queue']} ({depth['visible']} visible, "
+              f"{depth['in_flight']} in flight)", file=sys.stderr, flush=True)
+    return wait_submitted(run, args, say_sent, output)
+
+
+def wait_submitted(run, args, say_sent, output=None):
+    """The end of submit --pool and runs resume, all claims queued: say_sent(), the wait (an
+    interrupt leaves the run going on; `output`, worker logs followed, stops), the report."""
+    try:
         with sigint_noted() as noted:
-            depth = backend.queues.open_queue(run.record["queue"]).counts()
-            print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} "
-                  f"items sent to {run.record['queue']} ({depth['visible']} visible, "
-                  f"{depth['in_flight']} in flight)", file=sys.stderr, flush=True)
+            say_sent()
+            if args.no_wait:
+                return EXIT_OK
             progress = not args.json and sys.stderr.isatty()
             timed_out = not run.wait(args.timeout, progress, interrupted=noted)
     except KeyboardInterrupt:
@@ -874,7 +885,7 @@ def submit_pool_run(conf, backend, args, items, planned):
     finally:
         if output:
             output.stop()
-    return run.record, run.waited, timed_out
+    return report_submitted(run.backend, run.record, run.waited, timed_out, args)
 
 
 def submit_cold_run(conf, backend, args, items):
@@ -991,23 +1002,16 @@ def cmd_runs_resume(conf, backend, args):
     submit would have (its options: --timeout and --wait-for-workers unless given here)."""
     wait_seconds(conf, args.timeout)   # a bad CALQUE_TIMEOUT is said before anything is read
     run = read_run(backend, args.run)
-    if run["mode"] != "pool":
-        raise UserError(f"run {args.run} is a cold run: its workers and queues lived only while "
-                        "its submit waited ---> HINT: submit its items again")
-    if run.get("cancelled"):
-        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
-                        "resume ---> HINT: submit its items again")
+    record = pool_of_run(backend, run, "runs resume")
     if not run["staged"]:   # submit killed while staging: past `sent`, manifests may be missing
         raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were "
                         f"queued, the rest may have no manifest ---> HINT: runs cancel {args.run}, "
                         f"then submit the items from {sum(claim_items(run, k) for k in range(run['sent']))} on again")
     try:
-        record = load_pool(backend, run["model"])
         queue = backend.queues.open_queue(record["queue"])
     except NotFound:
         raise UserError(f"run {args.run}: pool {run['model']}'s queue is gone ---> HINT: pool create --model "
                         f"{run['model']} ... again (it is idempotent), then runs resume {args.run}") from None
-    check_run_version(run, record, "runs resume")
     done = summary_claims(backend, args.run)
     if len(done) < len(run["claims"]):   # claims left to run: a worker to run them, as its submit
         pool_ready(conf, backend, record, args.no_wait or run["options"].get("wait_for_workers"),
@@ -1022,29 +1026,31 @@ def cmd_runs_resume(conf, backend, args):
             send_claims(backend, run, queue, skip=done, resume=True)
     except SubmitInterrupted as e:
         return interrupted(backend, args.run, e.signum)
-    try:   # every claim is queued: an interrupt leaves the run to go on without us
-        with sigint_noted() as noted:
-            print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
-                  + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""),
-                  file=sys.stderr, flush=True)
-            if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with them
-                fleet = fleet_for(conf, backend, record)
-                apply_count(fleet, record, run["options"]["plan"], "runs resume")
-            if args.no_wait:
-                return EXIT_OK
-            summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
-                                                not args.json and sys.stderr.isatty(), interrupted=noted)
-    except KeyboardInterrupt:
-        return interrupted_waiting(args.run)
-    return report_submitted(backend, run, summaries, timed_out, args)
+    def say_sent():
+        again = f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})"
+        print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
+              f"{again if lost else ''}", file=sys.stderr, flush=True)
+        if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with them
+            fleet = fleet_for(conf, backend, record)
+            apply_count(fleet, record, run["options"]["plan"], "runs resume")
+    return wait_submitted(Run(args.run, context=(conf, backend)), args, say_sent)
 
 
-def check_run_version(run, record, verb):
-    """A run keeps its version: `verb` of a run of a version its pool no longer runs is refused."""
+def pool_of_run(backend, run, verb):
+    """The pool record of a run `verb` (runs resume, runs redrive) sends claims of: a cold run, a
+    cancelled one, or one of a version its pool no longer runs (a run keeps its version) refused."""
+    if run["mode"] != "pool":
+        raise UserError(f"run {run['run_id']} is a cold run: its workers and queues lived only "
+                        "while its submit waited ---> HINT: submit its items again")
+    if run.get("cancelled"):
+        raise UserError(f"run {run['run_id']} was cancelled ({run['cancelled']['reason']}): "
+                        f"nothing to {verb.split()[1]} ---> HINT: submit its items again")
+    record = load_pool(backend, run["model"])
     if run.get("version", version_of(record)) != version_of(record):
         raise UserError(f"run {run['run_id']} was submitted to version {run['version']}; pool "
                         f"{run['model']} runs {version_label(record)} now (pool deploy): {verb} "
                         "would run none of its claims ---> HINT: submit its items again")
+    return record
 
 
 def cmd_runs_cancel(conf, backend, args):
@@ -1097,13 +1103,7 @@ def cmd_runs_prune(conf, backend, args):
 def cmd_runs_redrive(conf, backend, args):
     """Send a run's dead-lettered claims back to its pool's queue (redrive)."""
     run = read_run(backend, args.run)
-    if run["mode"] != "pool":
-        raise UserError(f"run {args.run} is a cold run: its queues are gone ---> HINT: submit its items again")
-    if run.get("cancelled"):
-        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
-                        "redrive ---> HINT: submit its items again")
-    record = load_pool(backend, run["model"])
-    check_run_version(run, record, "runs redrive")
+    record = pool_of_run(backend, run, "runs redrive")
     sent = redrive(backend, record, {args.run: run})
     print_redriven(record, sent)
     if not sent:
