@@ -932,8 +932,8 @@ def cmd_runs_list(conf, backend, args):
 def cmd_runs_show(conf, backend, args):
     run, summaries = read_run(backend, args.run), read_summaries(backend, args.run)
     code = report_run(backend, run, summaries, args.json)
-    if not args.json and plan_against_actual(run, summaries):
-        print(plan_against_actual(run, summaries))
+    if not args.json and (versus := plan_against_actual(run, summaries)):
+        print(versus)
     return code
 
 
@@ -1149,9 +1149,9 @@ def cmd_cost(conf, backend, args):
         print(f"run {run['run_id']} ({run['mode']}, model {run['model']})")
         for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
             print("  " + line)
-        if plan_against_actual(run, summaries):
+        if versus := plan_against_actual(run, summaries):
             noun = run["options"]["plan"]["noun"][:-1]
-            print(f"  {plan_against_actual(run, summaries)}; its claims cost {_usd(report['total_usd'])} "
+            print(f"  {versus}; its claims cost {_usd(report['total_usd'])} "
                   f"(the plan prices every {noun} for the whole wall time)")
         return EXIT_OK
     labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind

@@ -516,9 +516,7 @@ def redrive(backend, record, runs):
                 if failure or (s is None and (run_id, claim) in copies):
                     if failure:
                         backend.store.delete(summary_key(run_id, claim))
-                    uri = backend.store.uri(manifest_key(run_id, claim))
-                    queue.send(make_message(run_id, run["model"], uri, claim, True,
-                                            run.get("version")))
+                    send_batch(backend, run, queue, [claim], resume=True)
                     sent.setdefault(run_id, []).append(claim)
                 for message in copies.get((run_id, claim), []):
                     dlq.delete(message)
@@ -945,16 +943,13 @@ def item_names(backend, run, summaries, indices):
     """{index: name} of these failed items: their --id-field value, else a file's path (one read of
     the manifest of each claim holding some), else their index."""
     claim_of = {int(i): s["claim"] for s in summaries for i in s.get("errors", {})}
-    wanted, names = collections.defaultdict(list), dict(zip(indices, indices))
-    for i in indices:
-        wanted[claim_of[i]].append(i)
-    for claim, items in wanted.items():
+    field, names = run["options"].get("id_field"), dict(zip(indices, indices))
+    for claim in dict.fromkeys(claim_of[i] for i in indices):
         with contextlib.suppress(NotFound):   # a manifest deleted: its items keep their indices
             manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
-            field = run["options"].get("id_field")
             ids = (claim_field(backend.store, manifest, field or "path")   # else: a file's path
                    if field or {"refs", "bytes"} & set(manifest) else [])
-            for i in items:
+            for i in (i for i in indices if claim_of[i] == claim):
                 k = i - manifest["first_index"]
                 if k < len(ids) and ids[k] is not None:
                     names[i] = ids[k]
