@@ -384,7 +384,7 @@ class Run:
 
     def iter_batches(self, poll=SUMMARY_POLL_MAX):
         """Each claim's results as a pyarrow.RecordBatch, in item order, as each claim finishes."""
-        for _, claim, parts in with_parts(self.backend, self.record, follow_claims(self.backend, self.record, poll)):
+        for _, claim, parts in follow_claims(self.backend, self.record, poll):
             yield claim_batch(self.backend, self.record, claim, parts)
 
     def to_arrow(self):
@@ -394,8 +394,7 @@ class Run:
     def to_numpy(self, field=None, fill=None):
         """`field` of every result (None: the result or its only array) stacked; a failed item's
         row is `fill` (default NaN for floats, else a UserError). bfloat16 comes as float32."""
-        return run_array(self.record, with_parts(self.backend, self.record, follow_claims(self.backend, self.record)),
-                         field, fill)
+        return run_array(self.record, follow_claims(self.backend, self.record), field, fill)
 
     def to_pandas(self):
         """to_arrow() as a pandas DataFrame (pandas must be installed)."""
@@ -424,12 +423,12 @@ class Run:
 
 def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
     """Each claim's result lines (with the run's id_field), in claim order, as each finishes."""
-    for _, claim, parts in with_parts(backend, run, follow_claims(backend, run, poll)):
+    for _, claim, parts in follow_claims(backend, run, poll):
         yield with_ids(backend, run, claim, parts)
 
 
 def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
-    """(index, claim) as each claim is summarised, in order; one that will not run raises."""
+    """(index, claim, parts) as each claim is summarised, in order; one that will not run raises."""
     recheck = 0.0
     for index, claim in enumerate(run["claims"]):
         while True:
@@ -447,7 +446,7 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
         if state not in ("done", "failed"):
             raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
                                     f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
-        yield index, claim
+        yield from with_parts(backend, run, [(index, claim)])
 
 
 def with_ids(backend, run, claim, parts):
@@ -512,12 +511,6 @@ class NoPandas:
     def find_spec(name, path=None, target=None):
         if name == "pandas":
             raise ImportError("pandas is not needed here")
-
-
-def print_lost(e):
-    print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items "
-          "again", file=sys.stderr)
-    return EXIT_FAILED
 
 
 def write_binary_results(out, backend, run, claims, args):
@@ -972,20 +965,22 @@ def cmd_runs_results(conf, backend, args):
                 print(f"calque: error: {e}", file=sys.stderr)
                 return EXIT_FAILED
             return EXIT_OK
-        view = run_view(backend, run, read_summaries(backend, args.run))
+        states = claim_states(backend, run, read_summaries(backend, args.run))
         code, not_run = EXIT_OK, {}
 
         def finished():   # (index, claim, parts) of the claims that ran; one lost is said, skipped
             nonlocal code
             for index, claim in enumerate(run["claims"]):
-                state = view["claims"][claim]["state"]
+                state = states[claim][0]
                 if state not in ("done", "failed"):
                     not_run.setdefault(state, []).append(claim)
                     continue
                 try:
                     yield from with_parts(backend, run, [(index, claim)])
                 except ResultsIncomplete as e:
-                    code = print_lost(e)
+                    print(f"calque: error: {e} ---> HINT: the store lost these results: submit "
+                          "the claim's items again", file=sys.stderr)
+                    code = EXIT_FAILED
         if binary:
             rows.append(write_binary_results(out, backend, run, finished(), args))
         else:

@@ -436,13 +436,9 @@ def cancel_run(backend, run, reason):
 
 def cancel_pool_runs(backend, model):
     """pool delete --force: cancel each unfinished run of the pool; {run id: claims marked}."""
-    cancelled = {}
-    for run in list_runs(backend, model):
-        if run["model"] == model and run["mode"] == "pool":
-            marked = cancel_run(backend, run, "pool deleted")
-            if marked:
-                cancelled[run["run_id"]] = marked
-    return cancelled
+    runs = [r for r in list_runs(backend, model) if r["model"] == model and r["mode"] == "pool"]
+    marked = {run["run_id"]: cancel_run(backend, run, "pool deleted") for run in runs}
+    return {run_id: claims for run_id, claims in marked.items() if claims}
 
 
 def live_claims(backend, run):
@@ -544,10 +540,10 @@ def claim_parts(backend, run_id, claim, count):
         return [Part(lines, [])]
 
 
-def claim_ids(backend, run, claim, field, manifest=None):
+def claim_ids(backend, run, claim, field):
     """The `field` of each of the claim's items, read from its manifest (by reference: a file's
     path, a Parquet column's values; a bytes value reads as null)."""
-    manifest = manifest or json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
+    manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
     return claim_field(backend.store, manifest, field)
 
 
