@@ -1021,6 +1021,7 @@ def cmd_runs_resume(conf, backend, args):
             send_claims(backend, run, queue, skip=done, resume=True)
     except SubmitInterrupted as e:
         return interrupted(backend, args.run, e.signum)
+
     def say_sent():
         again = f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})"
         print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
