@@ -366,7 +366,9 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
                 if progress:   # a long claim's items done count too (claims_progress)
                     running = claims_progress(backend, run["run_id"], [c for c in run["claims"] if c not in done])
                     bar.update(finished + sum(running.values()) - bar.n)
-                if nothing_left_to_run(backend, run, done, dead):
+                run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
+                states = claim_states(backend, run, list(done.values()), dead).values()
+                if all(state != "queued or running" for state, _ in states):   # none will run
                     break
                 if stop_if:
                     stop_if()
@@ -399,14 +401,6 @@ def run_recheck(progressed, now):
     """When wait_for_run next looks at the run record: RUN_RECHECK s after the last new summary,
     then at gaps doubling with the time stalled, up to RUN_RECHECK_MAX."""
     return max(progressed + RUN_RECHECK, now + min(max(now - progressed, RUN_RECHECK), RUN_RECHECK_MAX))
-
-
-def nothing_left_to_run(backend, run, done, dead):
-    """True when no worker can take a claim without a summary (claim_states, with `dead` the
-    waiter's DeadLetters). Reads the run record again, into `run`."""
-    run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
-    states = claim_states(backend, run, list(done.values()), dead)
-    return all(state != "queued or running" for state, _ in states.values())
 
 
 def cancel_run(backend, run, reason):
