@@ -574,7 +574,7 @@ def field_value(result, field):
 
 
 def field_blocks(parts, field):
-    """The parts' typed blocks of `field`, their rows offset to count the claim's items."""
+    """The parts' typed blocks of `field`, their rows as offsets in the whole claim."""
     blocks, at = [], 0
     for part in parts:
         blocks += [b._replace(rows=b.rows + at) for b in part.blocks if b.field == field]
