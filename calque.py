@@ -29,9 +29,9 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          desired_count, dlq_name, dumps, enter, import_modal_file, include_paths,
                          json_line, kit_fault, kit_python, latest_runs, list_runs, load_modal_shim,
                          load_pool, new_run_id, now_iso, one_line, open_backend, orjson,
-                         pool_key, pool_name_claimed, pool_queue_name, pool_settings,
-                         pool_version, queue_depth, read_json, read_run, read_summaries,
-                         read_worker_stats, recent_summaries, refuse_other_version, setting_number,
+                         pool_key, pool_name_claimed, pool_queue_name, pool_settings, pool_version,
+                         queue_depth, read_json, read_run, read_summaries, read_worker_stats,
+                         recent_summaries, refuse_other_version, result_lines, setting_number,
                          settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
                          stream_prefix, summary_claims, summary_key, update_run, user_code_error,
                          version_label, version_of, wait_queue_reusable, wait_seconds, with_bytes,
@@ -39,12 +39,12 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
 from calque_sources import as_items, read_items
 from calque_runs import (SubmitInterrupted, as_sizes,
                          cancel_run, check_deletable, claim_batch,
-                         claim_column_rows, claim_ids, claim_list, claim_parts, claim_results,
-                         claim_states, delete_run, drop_pool, format_runs_list, interrupted,
+                         claim_ids, claim_list, claim_states,
+                         delete_run, drop_pool, field_value, format_runs_list, interrupted,
                          interrupted_waiting, listed_run, live_claims, next_step, parse_age,
                          redrive, report_run, run_array, run_options, run_table,
                          run_view, runs_to_prune, send_batch, send_claims, handling, sigint_noted,
-                         signals_interrupt, stage_run, wait_for_run, with_parts)
+                         signals_interrupt, stage_run, typed_values, wait_for_run, with_parts)
 from calque_cost import (_usd, format_cost_table, format_ladder, format_pool_cost, format_run_cost,
                          pool_cost_report, pricing, run_cost_report)
 from calque_supervisor import (DEPLOY_POLL, LIVE_STATES, LOCAL_WORKERS_DEFAULT, WORKER_START_GRACE,
@@ -379,7 +379,7 @@ class Run:
 
     def iter_batches(self, poll=SUMMARY_POLL_MAX):
         """Each claim's results as a pyarrow.RecordBatch, in item order, as each claim finishes."""
-        for _, claim, parts in with_parts(self.backend, self.record, follow_claims(self.backend, self.record, poll)):
+        for _, claim, parts in follow_claims(self.backend, self.record, poll):
             yield claim_batch(self.backend, self.record, claim, parts)
 
     def to_arrow(self):
@@ -389,8 +389,7 @@ class Run:
     def to_numpy(self, field=None, fill=None):
         """`field` of every result (None: the result or its only array) stacked; a failed item's
         row is `fill` (default NaN for floats, else a UserError). bfloat16 comes as float32."""
-        return run_array(self.record, with_parts(self.backend, self.record, follow_claims(self.backend, self.record)),
-                         field, fill)
+        return run_array(self.record, follow_claims(self.backend, self.record), field, fill)
 
     def to_pandas(self):
         """to_arrow() as a pandas DataFrame (pandas must be installed)."""
@@ -419,20 +418,18 @@ class Run:
 
 def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
     """Each claim's result lines (with the run's id_field), in claim order, as each finishes."""
-    for index, claim in follow_claims(backend, run, poll):
-        lines = claim_results(backend, run["run_id"], claim, claim_items(run, index))
-        yield with_ids(backend, run, claim, lines)
+    for _, claim, parts in follow_claims(backend, run, poll):
+        yield with_ids(backend, run, claim, parts)
 
 
 def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
-    """(index, claim) as each claim is summarised, in order; one that will not run raises."""
+    """(index, claim, parts) as each claim is summarised, in order; one that will not run raises."""
     recheck = 0.0
     for index, claim in enumerate(run["claims"]):
         while True:
             if claim in summary_claims(backend, run["run_id"]):
                 s = read_json(backend, summary_key(run["run_id"], claim))
-                state = "cancelled" if s["status"] == "cancelled" else "dead-lettered" if s.get("error") else "done"
-                detail = s.get("reason") or s.get("error") or ""
+                state, detail = claim_states(backend, run, [s], dead_letters=False)[claim]
                 break
             if time.monotonic() >= recheck:   # claim_states may scan the DLQ: not every poll
                 recheck = time.monotonic() + RUN_RECHECK
@@ -441,15 +438,16 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
                 if state != "queued or running":
                     break
             time.sleep(poll)
-        if state != "done":
+        if state not in ("done", "failed"):
             raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
                                     f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
-        yield index, claim
+        yield from with_parts(backend, run, [(index, claim)])
 
 
-def with_ids(backend, run, claim, lines):
-    """The claim's result lines with each item's --id-field (if the run has one) copied in from the
-    claim's manifest."""
+def with_ids(backend, run, claim, parts):
+    """The claim's result lines (of its parts) with each item's --id-field (if the run has one)
+    copied in from the claim's manifest."""
+    lines = [line for part in parts for line in result_lines(part)]
     field = run["options"].get("id_field")
     if not field:
         return lines
@@ -510,30 +508,16 @@ class NoPandas:
             raise ImportError("pandas is not needed here")
 
 
-def print_lost(e):
-    print(f"calque: error: {e} ---> HINT: the store lost these results: submit the claim's items "
-          "again", file=sys.stderr)
-    return EXIT_FAILED
-
-
 def write_binary_results(out, backend, run, claims, args):
-    """The results of `claims` as one Parquet table or .npy array to `out`: (exit code, rows);
-    EXIT_FAILED when a claim's part cannot be read (on stderr)."""
-    def readable():
-        nonlocal code
-        for index, claim in claims:
-            try:
-                yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
-            except ResultsIncomplete as e:
-                code = print_lost(e)
-    code = EXIT_OK
+    """The results of `claims` ((index, claim, parts)) as one Parquet table or .npy array to `out`
+    (--files: a file an item); the rows written."""
     if args.files is not None:
-        return code, write_result_files(backend, run, readable(), args.files, args.field)
+        return write_result_files(backend, run, claims, args.files, args.field)
     if args.format == "npy":
         import numpy as np
-        array = run_array(run, readable(), args.field, args.fill)
+        array = run_array(run, claims, args.field, args.fill)
         np.save(out, array, allow_pickle=False)
-        return code, len(array)
+        return len(array)
     import pyarrow as pa
     import pyarrow.parquet as pq
     if "pandas" not in sys.modules:   # pyarrow would import it (a third of the time)
@@ -542,12 +526,12 @@ def write_binary_results(out, backend, run, claims, args):
             pa.array([None])
         finally:
             sys.meta_path.remove(NoPandas)
-    table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in readable())
+    table = run_table(claim_batch(backend, run, claim, parts) for _, claim, parts in claims)
     if args.failed:
         import pyarrow.compute as pc
         table = table.filter(pc.invert(table["ok"]))
     pq.write_table(table, out)
-    return code, table.num_rows
+    return table.num_rows
 
 
 # runs results --files: a file's extension told from its first bytes (.bin where none matches)
@@ -572,15 +556,14 @@ def write_result_files(backend, run, claims, folder, field):
     id_field = run["options"].get("id_field")
     for _, claim, parts in claims:
         ids = claim_ids(backend, run, claim, id_field) if id_field else None
-        typed = dict(zip(*claim_column_rows(parts, field)))
+        typed = typed_values(parts, field)
         held.update(dict.fromkeys(b.field for part in parts for b in part.blocks
                                   if b.dtype == BYTES and b.field not in (None, field)))
         hint = (f"--field {next(iter(held))} (its bytes)" if held else "no field of its results "
                 f"holds bytes: read them with `{command()} runs results {run['run_id']}`")
         for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
             result = line.get("result")
-            value = typed.get(k, result if field is None else
-                              result.get(field) if isinstance(result, dict) else None)
+            value = typed.get(k, field_value(result, field))
             if line["ok"] and not isinstance(value, bytes) and value is not None:
                 raise UserError(f"run {run['run_id']}: {what} is not bytes (item {line['i']}: "
                                 f"{type(value).__name__}), and --files writes bytes "
@@ -789,7 +772,7 @@ def cmd_pool_redrive(conf, backend, args):
     runs = {run["run_id"]: run for run in list_runs(backend, args.model)
             if run["model"] == args.model and run["mode"] == "pool" and not run.get("cancelled")}
     other = [r for r in runs if runs[r].get("version", version_of(record)) != version_of(record)]
-    if other:   # their claims would be dead-lettered again (check_run_version)
+    if other:   # their claims would be dead-lettered again (pool_of_run)
         print(f"pool {args.model}: {len(other)} run(s) of an earlier version not redriven "
               f"({', '.join(other[:3])}{', ...' if len(other) > 3 else ''}): submit their items "
               "again")
@@ -866,12 +849,23 @@ def submit_pool_run(conf, backend, args, items, planned):
     if args.no_wait:
         print(run.run_id)
         return EXIT_OK
-    try:   # every claim is queued: an interrupt leaves the run to go on without us
+
+    def say_sent():
+        depth = backend.queues.open_queue(run.record["queue"]).counts()
+        print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} "
+              f"items sent to {run.record['queue']} ({depth['visible']} visible, "
+              f"{depth['in_flight']} in flight)", file=sys.stderr, flush=True)
+    return wait_submitted(run, args, say_sent, output)
+
+
+def wait_submitted(run, args, say_sent, output=None):
+    """The end of submit --pool and runs resume, all claims queued: say_sent(), the wait (an
+    interrupt leaves the run going on; `output`, worker logs followed, stops), the report."""
+    try:
         with sigint_noted() as noted:
-            depth = backend.queues.open_queue(run.record["queue"]).counts()
-            print(f"run {run.run_id}: {len(run.record['claims'])} claim(s) of {run.record['items']} "
-                  f"items sent to {run.record['queue']} ({depth['visible']} visible, "
-                  f"{depth['in_flight']} in flight)", file=sys.stderr, flush=True)
+            say_sent()
+            if args.no_wait:
+                return EXIT_OK
             progress = not args.json and sys.stderr.isatty()
             timed_out = not run.wait(args.timeout, progress, interrupted=noted)
     except KeyboardInterrupt:
@@ -879,7 +873,7 @@ def submit_pool_run(conf, backend, args, items, planned):
     finally:
         if output:
             output.stop()
-    return run.record, run.waited, timed_out
+    return report_submitted(run.backend, run.record, run.waited, timed_out, args)
 
 
 def submit_cold_run(conf, backend, args, items):
@@ -926,8 +920,8 @@ def cmd_runs_list(conf, backend, args):
 def cmd_runs_show(conf, backend, args):
     run, summaries = read_run(backend, args.run), read_summaries(backend, args.run)
     code = report_run(backend, run, summaries, args.json)
-    if not args.json and plan_against_actual(run, summaries):
-        print(plan_against_actual(run, summaries))
+    if not args.json and (versus := plan_against_actual(run, summaries)):
+        print(versus)
     return code
 
 
@@ -966,26 +960,27 @@ def cmd_runs_results(conf, backend, args):
                 print(f"calque: error: {e}", file=sys.stderr)
                 return EXIT_FAILED
             return EXIT_OK
-        view = run_view(backend, run, read_summaries(backend, args.run))
-        code, not_run, done = EXIT_OK, {}, []
-        for index, claim in enumerate(run["claims"]):
-            state = view["claims"][claim]["state"]
-            if state not in ("done", "failed"):
-                not_run.setdefault(state, []).append(claim)
-                continue
-            try:
-                lines = claim_results(backend, args.run, claim, claim_items(run, index)) if not binary else None
-            except ResultsIncomplete as e:
-                code = print_lost(e)
-                continue
-            if binary:
-                done.append((index, claim))
-            else:
-                rows.append(write_results(out, with_ids(backend, run, claim, lines), args.failed))
+        states = claim_states(backend, run, read_summaries(backend, args.run))
+        code, not_run = EXIT_OK, {}
+
+        def finished():   # (index, claim, parts) of the claims that ran; one lost is said, skipped
+            nonlocal code
+            for index, claim in enumerate(run["claims"]):
+                state = states[claim][0]
+                if state not in ("done", "failed"):
+                    not_run.setdefault(state, []).append(claim)
+                    continue
+                try:
+                    yield from with_parts(backend, run, [(index, claim)])
+                except ResultsIncomplete as e:
+                    print(f"calque: error: {e} ---> HINT: the store lost these results: submit "
+                          "the claim's items again", file=sys.stderr)
+                    code = EXIT_FAILED
         if binary:
-            written = write_binary_results(out, backend, run, done, args)
-            code = max(code, written[0])
-            rows.append(written[1])
+            rows.append(write_binary_results(out, backend, run, finished(), args))
+        else:
+            for _, claim, parts in finished():
+                rows.append(write_results(out, with_ids(backend, run, claim, parts), args.failed))
     for state, claims in not_run.items():
         print(f"calque: error: run {args.run}: no results for {len(claims)} claim(s) {state} "
               f"({claim_list(claims)}) ---> HINT: {next_step(run, state)}", file=sys.stderr)
@@ -997,23 +992,16 @@ def cmd_runs_resume(conf, backend, args):
     submit would have (its options: --timeout and --wait-for-workers unless given here)."""
     wait_seconds(conf, args.timeout)   # a bad CALQUE_TIMEOUT is said before anything is read
     run = read_run(backend, args.run)
-    if run["mode"] != "pool":
-        raise UserError(f"run {args.run} is a cold run: its workers and queues lived only while "
-                        "its submit waited ---> HINT: submit its items again")
-    if run.get("cancelled"):
-        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
-                        "resume ---> HINT: submit its items again")
+    record = pool_of_run(backend, run, "runs resume")
     if not run["staged"]:   # submit killed while staging: past `sent`, manifests may be missing
         raise UserError(f"run {args.run} was stopped while staging: {run['sent']} claim(s) were "
                         f"queued, the rest may have no manifest ---> HINT: runs cancel {args.run}, "
                         f"then submit the items from {sum(claim_items(run, k) for k in range(run['sent']))} on again")
     try:
-        record = load_pool(backend, run["model"])
         queue = backend.queues.open_queue(record["queue"])
     except NotFound:
         raise UserError(f"run {args.run}: pool {run['model']}'s queue is gone ---> HINT: pool create --model "
                         f"{run['model']} ... again (it is idempotent), then runs resume {args.run}") from None
-    check_run_version(run, record, "runs resume")
     done = summary_claims(backend, args.run)
     if len(done) < len(run["claims"]):   # claims left to run: a worker to run them, as its submit
         pool_ready(conf, backend, record, args.no_wait or run["options"].get("wait_for_workers"),
@@ -1028,29 +1016,32 @@ def cmd_runs_resume(conf, backend, args):
             send_claims(backend, run, queue, skip=done, resume=True)
     except SubmitInterrupted as e:
         return interrupted(backend, args.run, e.signum)
-    try:   # every claim is queued: an interrupt leaves the run to go on without us
-        with sigint_noted() as noted:
-            print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
-                  + (f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})" if lost else ""),
-                  file=sys.stderr, flush=True)
-            if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with them
-                fleet = fleet_for(conf, backend, record)
-                apply_count(fleet, record, run["options"]["plan"], "runs resume")
-            if args.no_wait:
-                return EXIT_OK
-            summaries, timed_out = wait_for_run(backend, run, wait_seconds(conf, args.timeout, run),
-                                                not args.json and sys.stderr.isatty(), interrupted=noted)
-    except KeyboardInterrupt:
-        return interrupted_waiting(args.run)
-    return report_submitted(backend, run, summaries, timed_out, args)
+
+    def say_sent():
+        again = f"; {len(lost)} claim(s) in no queue sent again ({claim_list(lost)})"
+        print(f"run {args.run}: {len(unsent)} claim(s) not sent before now sent to {queue.name}"
+              f"{again if lost else ''}", file=sys.stderr, flush=True)
+        if run["options"].get("plan") and (unsent or lost):   # its submit's boost ended with them
+            fleet = fleet_for(conf, backend, record)
+            apply_count(fleet, record, run["options"]["plan"], "runs resume")
+    return wait_submitted(Run(args.run, context=(conf, backend)), args, say_sent)
 
 
-def check_run_version(run, record, verb):
-    """A run keeps its version: `verb` of a run of a version its pool no longer runs is refused."""
+def pool_of_run(backend, run, verb):
+    """The pool record of a run `verb` (runs resume, runs redrive) sends claims of: a cold run, a
+    cancelled one, or one of a version its pool no longer runs (a run keeps its version) refused."""
+    if run["mode"] != "pool":
+        raise UserError(f"run {run['run_id']} is a cold run: its workers and queues lived only "
+                        "while its submit waited ---> HINT: submit its items again")
+    if run.get("cancelled"):
+        raise UserError(f"run {run['run_id']} was cancelled ({run['cancelled']['reason']}): "
+                        f"nothing to {verb.split()[1]} ---> HINT: submit its items again")
+    record = load_pool(backend, run["model"])
     if run.get("version", version_of(record)) != version_of(record):
         raise UserError(f"run {run['run_id']} was submitted to version {run['version']}; pool "
                         f"{run['model']} runs {version_label(record)} now (pool deploy): {verb} "
                         "would run none of its claims ---> HINT: submit its items again")
+    return record
 
 
 def cmd_runs_cancel(conf, backend, args):
@@ -1103,13 +1094,7 @@ def cmd_runs_prune(conf, backend, args):
 def cmd_runs_redrive(conf, backend, args):
     """Send a run's dead-lettered claims back to its pool's queue (redrive)."""
     run = read_run(backend, args.run)
-    if run["mode"] != "pool":
-        raise UserError(f"run {args.run} is a cold run: its queues are gone ---> HINT: submit its items again")
-    if run.get("cancelled"):
-        raise UserError(f"run {args.run} was cancelled ({run['cancelled']['reason']}): nothing to "
-                        "redrive ---> HINT: submit its items again")
-    record = load_pool(backend, run["model"])
-    check_run_version(run, record, "runs redrive")
+    record = pool_of_run(backend, run, "runs redrive")
     sent = redrive(backend, record, {args.run: run})
     print_redriven(record, sent)
     if not sent:
@@ -1155,9 +1140,9 @@ def cmd_cost(conf, backend, args):
         print(f"run {run['run_id']} ({run['mode']}, model {run['model']})")
         for line in format_run_cost(report, label) + (format_ladder(ladder, status) if ladder else []):
             print("  " + line)
-        if plan_against_actual(run, summaries):
+        if versus := plan_against_actual(run, summaries):
             noun = run["options"]["plan"]["noun"][:-1]
-            print(f"  {plan_against_actual(run, summaries)}; its claims cost {_usd(report['total_usd'])} "
+            print(f"  {versus}; its claims cost {_usd(report['total_usd'])} "
                   f"(the plan prices every {noun} for the whole wall time)")
         return EXIT_OK
     labels = list(dict.fromkeys(label for _, _, _, label, _ in reports))   # one per run kind

@@ -15,7 +15,7 @@ from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_SIZE_MAX, DLQ_SCAN_WA
                          claim_sizes, claim_summary, claims_progress, command, dlq_name, dumps,
                          format_sizes, list_runs, list_summaries, make_message, manifest_key,
                          new_run_id, note_queue_deleted, now_iso, orjson, parse_message,
-                         read_claim_parts, read_json, read_summaries, result_lines, results_key,
+                         read_claim_parts, read_json, read_summaries, results_key,
                          results_prefix, run_key, run_queue_names, summary_claims, summary_key,
                          update_run, write_json)
 from calque_sources import as_items, claim_field
@@ -306,18 +306,22 @@ class DeadLetters:
         self.backend, self.run_id, self.name = backend, run["run_id"], run_dlq_name(run)
         self.queue, self.depth, self.found = None, None, {}
 
-    def claims(self):
+    def claims(self, retry=True):
         try:
             self.queue = self.queue or self.backend.queues.open_queue(self.name)
+            counts = self.queue.counts()
+            if counts["visible"] + counts["in_flight"] != self.depth or counts["in_flight"]:
+                self.depth = counts["visible"] + counts["in_flight"]
+                messages = receive_all(self.queue, counts["visible"])
+                release(self.queue, messages)
+                letters = [dead_letter_of(m) for m in messages]
+                self.found = {c: why for rid, c, why in filter(None, letters) if rid == self.run_id}
         except NotFound:   # deleted (an ended cold run's, a deleted pool's): it holds nothing
             return {}
-        counts = self.queue.counts()
-        if counts["visible"] + counts["in_flight"] != self.depth or counts["in_flight"]:
-            self.depth = counts["visible"] + counts["in_flight"]
-            messages = receive_all(self.queue, counts["visible"])
-            release(self.queue, messages)
-            letters = [dead_letter_of(m) for m in messages]
-            self.found = {c: why for rid, c, why in filter(None, letters) if rid == self.run_id}
+        except StoreFault:
+            if self.backend.kind != "local" or not retry:
+                raise
+            return self.claims(retry=False)   # the local queue file was replaced: reopened now
         return self.found
 
 
@@ -367,7 +371,9 @@ def wait_for_run(backend, run, timeout, progress=True, stop_if=None, interrupted
                 if progress:   # a long claim's items done count too (claims_progress)
                     running = claims_progress(backend, run["run_id"], [c for c in run["claims"] if c not in done])
                     bar.update(finished + sum(running.values()) - bar.n)
-                if nothing_left_to_run(backend, run, done, dead):
+                run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
+                states = claim_states(backend, run, list(done.values()), dead).values()
+                if all(state != "queued or running" for state, _ in states):   # none will run
                     break
                 if stop_if:
                     stop_if()
@@ -399,24 +405,6 @@ def run_recheck(progressed, now):
     return max(progressed + RUN_RECHECK, now + min(max(now - progressed, RUN_RECHECK), RUN_RECHECK_MAX))
 
 
-def nothing_left_to_run(backend, run, done, dead):
-    """True when no worker can take a claim without a summary: the run was cancelled, or each such
-    claim was never sent or is dead-lettered (`dead`). Reads the run record again, into `run`."""
-    run.update(_run_defaults(read_json(backend, run_key(run["run_id"]))))
-    if run.get("cancelled"):
-        return True
-    try:
-        letters = dead.claims()
-    except StoreFault:
-        if backend.kind != "local":
-            raise
-        letters = dead.claims()   # the local queue file was replaced: reopened now
-    waiting = [claim for index, claim in enumerate(run["claims"])
-               if claim not in done and index < run["sent"] and claim not in letters]
-    lost = claims_in_no_queue(backend, run, waiting) if waiting and run["mode"] == "pool" else []
-    return len(lost) == len(waiting)
-
-
 def cancel_run(backend, run, reason):
     """Mark the run cancelled with a `cancelled` summary for each claim without one (a worker acks
     such a claim unrun; one finished meanwhile keeps its own). Returns the claims marked."""
@@ -444,13 +432,9 @@ def cancel_run(backend, run, reason):
 
 def cancel_pool_runs(backend, model):
     """pool delete --force: cancel each unfinished run of the pool; {run id: claims marked}."""
-    cancelled = {}
-    for run in list_runs(backend, model):
-        if run["model"] == model and run["mode"] == "pool":
-            marked = cancel_run(backend, run, "pool deleted")
-            if marked:
-                cancelled[run["run_id"]] = marked
-    return cancelled
+    runs = [r for r in list_runs(backend, model) if r["model"] == model and r["mode"] == "pool"]
+    marked = {run["run_id"]: cancel_run(backend, run, "pool deleted") for run in runs}
+    return {run_id: claims for run_id, claims in marked.items() if claims}
 
 
 def live_claims(backend, run):
@@ -524,9 +508,7 @@ def redrive(backend, record, runs):
                 if failure or (s is None and (run_id, claim) in copies):
                     if failure:
                         backend.store.delete(summary_key(run_id, claim))
-                    uri = backend.store.uri(manifest_key(run_id, claim))
-                    queue.send(make_message(run_id, run["model"], uri, claim, True,
-                                            run.get("version")))
+                    send_batch(backend, run, queue, [claim], resume=True)
                     sent.setdefault(run_id, []).append(claim)
                 for message in copies.get((run_id, claim), []):
                     dlq.delete(message)
@@ -554,15 +536,10 @@ def claim_parts(backend, run_id, claim, count):
         return [Part(lines, [])]
 
 
-def claim_results(backend, run_id, claim, count):
-    """The claim's result lines, in item order, as JSONL prints them."""
-    return [ln for p in claim_parts(backend, run_id, claim, count) for ln in result_lines(p)]
-
-
-def claim_ids(backend, run, claim, field, manifest=None):
+def claim_ids(backend, run, claim, field):
     """The `field` of each of the claim's items, read from its manifest (by reference: a file's
     path, a Parquet column's values; a bytes value reads as null)."""
-    manifest = manifest or json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
+    manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
     return claim_field(backend.store, manifest, field)
 
 
@@ -570,11 +547,7 @@ def claim_column(parts, field):
     """(offsets, values) of the items whose result holds `field` (None: the result itself): typed
     arrays stacked (bfloat16 as float32), else as numpy.array makes them; ValueError on shapes."""
     import numpy as np
-    blocks, lines, at = [], [], 0
-    for part in parts:
-        blocks += [b._replace(rows=b.rows + at) for b in part.blocks if b.field == field]
-        lines += part.lines
-        at += len(part.lines)
+    blocks = field_blocks(parts, field)
     if blocks:
         if any(b.dtype == BYTES for b in blocks):
             raise ValueError("its values are bytes")
@@ -586,9 +559,8 @@ def claim_column(parts, field):
         order = np.argsort(rows, kind="stable")
         return rows[order], values[order]
     rows, values = [], []
-    for k, line in enumerate(map(orjson.loads, lines)):
-        value = line.get("result")
-        value = value if field is None else value.get(field) if isinstance(value, dict) else None
+    for k, line in enumerate(map(orjson.loads, (line for part in parts for line in part.lines))):
+        value = field_value(line.get("result"), field)
         if line["ok"] and value is not None:
             rows.append(k)
             values.append(value)
@@ -596,6 +568,26 @@ def claim_column(parts, field):
     if values.dtype.kind not in NUMERIC_KINDS:
         raise ValueError(f"its values are not numbers: numpy makes {values.dtype} of them")
     return np.array(rows, dtype=np.int64), values
+
+
+def field_value(result, field):
+    """`field` of a result (None: the result itself); None where the result is no dict."""
+    return result if field is None else result.get(field) if isinstance(result, dict) else None
+
+
+def field_blocks(parts, field):
+    """The parts' typed blocks of `field`, their rows as offsets in the whole claim."""
+    blocks, at = [], 0
+    for part in parts:
+        blocks += [b._replace(rows=b.rows + at) for b in part.blocks if b.field == field]
+        at += len(part.lines)
+    return blocks
+
+
+def typed_values(parts, field):
+    """{row: array} of the claim's typed values of `field` (bytes for a bytes block)."""
+    return {row: array for block in field_blocks(parts, field)
+            for row, array in zip(block.rows.tolist(), block.arrays())}
 
 
 def typed_fields(parts):
@@ -705,24 +697,21 @@ def claim_batch(backend, run, claim, parts):
     keyed = results and None not in typed and all(isinstance(r, dict) for r in results)
     for field in dict.fromkeys(k for r in results for k in r) if keyed else [None] if results else []:
         name = "result" if field is None else field if field not in columns else f"result.{field}"
-        def value(line, field=field):
-            result = line.get("result")
-            return result if field is None else (result or {}).get(field)
+        values = [field_value(line.get("result"), field) for line in lines]
         if field in typed:
             try:
                 rows, stacked = claim_column(parts, field)
             except ValueError:      # shapes that differ: one list a row, below
                 rows = None
             if rows is not None and (len(rows) == count or not any(
-                    value(lines[k]) is not None for k in set(range(count)) - set(rows.tolist()))):
+                    values[k] is not None for k in set(range(count)) - set(rows.tolist()))):
                 columns[name] = _arrow_column(pa, stacked)
                 if len(rows) < count:   # the items without it (failed) are nulls
                     where = np.full(count, -1)
                     where[rows] = np.arange(len(rows))
                     columns[name] = columns[name].take(pa.array(where, mask=where < 0))
                 continue
-        values = [value(line) for line in lines]
-        for row, array in zip(*claim_column_rows(parts, field)):
+        for row, array in typed_values(parts, field).items():
             values[row] = array if isinstance(array, bytes) else array.tolist()
         try:
             columns[name] = pa.array(values)
@@ -730,18 +719,6 @@ def claim_batch(backend, run, claim, parts):
             columns[name] = pa.array([None if v is None else bytes_text(v) if isinstance(v, bytes) else dumps(v)
                                       for v in values], pa.string())
     return pa.record_batch(columns)
-
-
-def claim_column_rows(parts, field):
-    """(offsets, arrays) of the claim's typed values of `field`, one array a row."""
-    rows, arrays, at = [], [], 0
-    for part in parts:
-        for block in part.blocks:
-            if block.field == field:
-                rows += (block.rows + at).tolist()
-                arrays += block.arrays()
-        at += len(part.lines)
-    return rows, arrays
 
 
 def run_table(batches):
@@ -773,11 +750,13 @@ NOT_RUN = {   # what becomes of the claims of each state that did not run (forma
 
 def claim_states(backend, run, summaries, dead_letters=True):
     """{claim: (state, detail)}, state one of CLAIM_STATES (in no queue: its queue lost it), the
-    detail the dead-letter or cancel reason. Without dead_letters: no DLQ scan, no queue look."""
+    detail the dead-letter or cancel reason. Without dead_letters: no DLQ scan, no queue look;
+    a DeadLetters: its scan (a waiter's, rescanned only when the DLQ changed)."""
     by_claim = {s["claim"]: s for s in summaries}
     cancelled = run.get("cancelled")
     pending = not cancelled and any(claim not in by_claim for claim in run["claims"])
-    letters = DeadLetters(backend, run).claims() if pending and dead_letters else {}
+    dead = DeadLetters(backend, run) if dead_letters is True else dead_letters
+    letters = dead.claims() if pending and dead else {}
     states = {}
     for index, claim in enumerate(run["claims"]):
         s = by_claim.get(claim)
@@ -956,16 +935,13 @@ def item_names(backend, run, summaries, indices):
     """{index: name} of these failed items: their --id-field value, else a file's path (one read of
     the manifest of each claim holding some), else their index."""
     claim_of = {int(i): s["claim"] for s in summaries for i in s.get("errors", {})}
-    wanted, names = collections.defaultdict(list), dict(zip(indices, indices))
-    for i in indices:
-        wanted[claim_of[i]].append(i)
-    for claim, items in wanted.items():
+    field, names = run["options"].get("id_field"), dict(zip(indices, indices))
+    for claim in dict.fromkeys(claim_of[i] for i in indices):
         with contextlib.suppress(NotFound):   # a manifest deleted: its items keep their indices
             manifest = json.loads(backend.store.get(manifest_key(run["run_id"], claim)))
-            field = run["options"].get("id_field")
             ids = (claim_field(backend.store, manifest, field or "path")   # else: a file's path
                    if field or {"refs", "bytes"} & set(manifest) else [])
-            for i in items:
+            for i in (i for i in indices if claim_of[i] == claim):
                 k = i - manifest["first_index"]
                 if k < len(ids) and ids[k] is not None:
                     names[i] = ids[k]
