@@ -92,7 +92,8 @@ def test_fleet_for_chooses_in_one_place(tmp_path, monkeypatch):
     create = ["pool", "create", "--model", "m", "--handler", "h.py:C"]
     assert fleet(local, argv=create + ["--max-instances", "2"]) == "Ec2Fleet"
     assert fleet(S3, argv=create + ["--workers", "2", "--yes-spend-money"]) == "LocalFleet"
-    assert fleet(S3, argv=create + ["--dry-run"]) == "LocalFleet"   # which says it is EC2's flag
+    with pytest.raises(calque_core.UserError, match="--dry-run prints an EC2 pool's AWS calls"):
+        fleet(S3, argv=create + ["--dry-run"])   # this machine's fleet, which says it is EC2's flag
     cold = ["submit", "--model", "m", "items.jsonl"]
     assert fleet(S3, argv=cold + ["--ami", "ami-1"]) == "Ec2Fleet"
     assert fleet(local, argv=cold + ["--ami", "ami-1"]) == "LocalFleet"
