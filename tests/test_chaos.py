@@ -266,8 +266,8 @@ def test_churn_every_run_done_nothing_lost_no_good_item_quarantined(tmp_path):
     bench/bench_churn.py): every run is done, every item has one right result, none fails as poison, nothing is
     dead-lettered; a worker that died after progress was restarted at once."""
     seed = random.randrange(2 ** 32)
-    got = churn.churn(str(tmp_path), 6, (0.5, 1.5), seed, sizes=(60, 120), claims=(5, 20), spin=40000,
-                      timeout=120)
+    got = churn.churn(str(tmp_path), 6, (0.5, 1.5), seed, sizes=(200, 400), claims=(5, 20), spin=40000,
+                      timeout=120)   # ~10 s of work here: kills enough to test, on a faster machine too
     assert got["runs_done"] == 6 and got["ok"] == got["items"], (seed, got)
     assert got["lost"] == got["wrong"] == got["failed"] == got["dead_letters"] == 0, (seed, got)
     assert got["kills"] >= 3 and got["restarts"].get("died after progress"), (seed, got)

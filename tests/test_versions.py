@@ -197,21 +197,22 @@ def test_a_claim_of_another_version_never_runs(any_env, folder):
     """A worker of A given a claim of B, the pool's version now (deployed elsewhere, no supervisor here): it gives
     the claim back and exits 75 to restart on B; B's worker runs it. A claim of a version the pool no longer runs
     (submitted during a change): a failure summary naming both versions, a dead letter; nothing loops. On the
-    local store and on S3 + SQS (moto_server), where an EC2 pool's workers restart so."""
+    local store and on S3 + SQS (moto_server), where an EC2 pool's workers restart so. Its own model: the
+    session's moto_server keeps other tests' queues of model m."""
     run = runner("script", any_env, folder)
-    run("pool", "create", "--model", "m", "--handler", "a.py:A", "--workers", "0")
+    run("pool", "create", "--model", "vm", "--handler", "a.py:A", "--workers", "0")
     backend = backend_for(any_env)
-    old = calque_core.load_pool(backend, "m")
-    stale = start_worker(any_env, "--model", "m", log=open(folder / "stale.log", "w"))
+    old = calque_core.load_pool(backend, "vm")
+    stale = start_worker(any_env, "--model", "vm", log=open(folder / "stale.log", "w"))
     wait_for(lambda: "version" in (folder / "stale.log").read_text(), 60, "the stale worker started")
-    run("pool", "deploy", "--model", "m", "--handler", "b.py:B")   # no workers here: the record changes
-    new = calque_core.load_pool(backend, "m")
-    submit = subprocess.Popen(command("script") + ["submit", "--pool", "m", "items.jsonl", "--json"],
+    run("pool", "deploy", "--model", "vm", "--handler", "b.py:B")   # no workers here: the record changes
+    new = calque_core.load_pool(backend, "vm")
+    submit = subprocess.Popen(command("script") + ["submit", "--pool", "vm", "items.jsonl", "--json"],
                               env=any_env, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert stale.wait(120) == calque_core.EXIT_REPLACED
     log = (folder / "stale.log").read_text()
     assert f"claim of version {new['version']}, this worker runs {old['version']}" in log, log
-    start_worker(any_env, "--model", "m")   # what its supervisor (systemd on EC2) does: B now
+    start_worker(any_env, "--model", "vm")   # what its supervisor (systemd on EC2) does: B now
     out, err = submit.communicate(timeout=300)
     assert submit.returncode == 0, out + err
     assert versions(run, json.loads(out)["run"]["run_id"]) == {"B": 400}
