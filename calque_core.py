@@ -1299,14 +1299,15 @@ def cli_error(error, prog, aws_hint, *failed):
     """A command's exit status for `error`, said in one line: a UserError exits 2; one of `failed`
     or AWS refusing (`aws_hint`: what to check) exits 1. Anything else is a bug: raised again,
     its traceback the report."""
-    if isinstance(error, (UserError, *failed)):
+    usage = isinstance(error, UserError)
+    if usage or isinstance(error, failed):
         line = str(error)
     elif type(error).__module__.startswith("botocore"):
         line = f"AWS: {aws_error_line(error)}: {aws_hint}"
     else:
         raise error
     print(f"{prog}: error: {line}", file=sys.stderr)
-    return EXIT_USAGE if isinstance(error, UserError) else EXIT_FAILED
+    return EXIT_USAGE if usage else EXIT_FAILED
 
 
 def aws_retry(fn, retryable, what, bound, sleep, hint):
