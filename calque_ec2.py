@@ -52,18 +52,13 @@ def _digest(text, n):
     return hashlib.sha256(text.encode()).hexdigest()[:n]
 
 
-def _iam_name(name, key):
-    """`name` if it fits IAM's 64 characters, else cut + '-' + 8 hex of sha256(key)."""
-    if len(name) <= IAM_NAME_MAX:
-        return name
-    return name[: IAM_NAME_MAX - 9].rstrip("-") + "-" + _digest(key, 8)
-
-
 def resource_names(model):
     """Every AWS name of a model's EC2 pool, from its slug: `pool delete` needs no record."""
     s = slug(model)
     base = POOL_PREFIX + s          # <= 80 characters: fits every name below
-    role = _iam_name("calque-" + s, s)
+    role = "calque-" + s
+    if len(role) > IAM_NAME_MAX:    # cut, + '-' + 8 hex of sha256(slug): unique, and it fits
+        role = role[: IAM_NAME_MAX - 9].rstrip("-") + "-" + _digest(s, 8)
     return {"queue": pool_queue_name(model), "dlq": dlq_name(model), "role": role,
             "instance_profile": role, "launch_template": base, "asg": base,
             "alarm_wake": base + "-wake", "alarm_idle": base + "-idle",
@@ -531,24 +526,19 @@ def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes,
         preamble=f'shutdown -h +{int(max_minutes)} "calque: cold run over its time limit" || true')
 
 
-def _user_data_b64(script):
-    return base64.b64encode(script.encode()).decode()
-
-
 # ------------------------------------------------------------------------------------------------
 # pre-flight: everything read-only, before anything is created
 def _instance_type_info(calls, instance_type):
     if not instance_type:
         raise UserError("--instance-type is required for EC2 workers (e.g. g5.xlarge): see "
                         "rates.json for priced ones")
-    try:
-        return calls.call("ec2", "DescribeInstanceTypes",
-                          InstanceTypes=[instance_type])["InstanceTypes"][0]
-    except Exception as e:
-        if _aws_error_code(e) in ("InvalidInstanceType", "InvalidParameterValue"):
-            raise UserError(f"--instance-type {instance_type}: not an instance type in "
-                            f"{calls.region} ---> HINT: e.g. g5.xlarge") from None
-        raise
+    info = _exists(lambda: calls.call("ec2", "DescribeInstanceTypes",
+                                      InstanceTypes=[instance_type])["InstanceTypes"][0],
+                   "InvalidInstanceType", "InvalidParameterValue")
+    if info is None:
+        raise UserError(f"--instance-type {instance_type}: not an instance type in "
+                        f"{calls.region} ---> HINT: e.g. g5.xlarge")
+    return info
 
 
 def resolve_ami(calls, ami, instance_type_info):
@@ -564,26 +554,19 @@ def resolve_ami(calls, ami, instance_type_info):
                             f"architecture(s): cannot pick one deep-learning AMI ---> HINT: pass "
                             f"--ami ami-...")
         param = DLAMI_PARAMETERS[archs[0]]
-        try:
-            value = calls.call("ssm", "GetParameter", Name=param)["Parameter"]["Value"]
-        except Exception as e:
-            if _aws_error_code(e) in ("ParameterNotFound", "ParameterVersionNotFound"):
-                raise UserError(f"no current deep-learning AMI: SSM public parameter {param} does "
-                                f"not exist in {calls.region} ---> HINT: pass --ami ami-... (an "
-                                f"image with an NVIDIA driver)") from None
-            raise
+        value = _exists(lambda: calls.call("ssm", "GetParameter", Name=param)["Parameter"]["Value"],
+                        "ParameterNotFound", "ParameterVersionNotFound")
+        if value is None:
+            raise UserError(f"no current deep-learning AMI: SSM public parameter {param} does "
+                            f"not exist in {calls.region} ---> HINT: pass --ami ami-... (an "
+                            f"image with an NVIDIA driver)")
         found = [v.strip() for v in value.split(",") if v.strip()]
         if len(found) != 1 or not re.fullmatch(r"ami-[0-9a-f]{8,17}", found[0]):
             raise UserError(f"SSM parameter {param} holds {value!r}, not exactly one AMI id "
                             f"---> HINT: pass --ami ami-...")
         ami, source = found[0], f"ssm:{param}"
-    try:
-        images = calls.call("ec2", "DescribeImages", ImageIds=[ami])["Images"]
-    except Exception as e:
-        if _aws_error_code(e) not in ("InvalidAMIID.NotFound", "InvalidAMIID.Malformed",
-                                      "InvalidAMIID.Unavailable"):
-            raise
-        images = []
+    images = _exists(lambda: calls.call("ec2", "DescribeImages", ImageIds=[ami])["Images"],
+                     "InvalidAMIID.NotFound", "InvalidAMIID.Malformed", "InvalidAMIID.Unavailable")
     if not images:
         raise UserError(f"AMI {ami} ({source}) does not exist in {calls.region} or is not visible "
                         f"to this account")
@@ -629,13 +612,10 @@ def resolve_subnets(calls, subnet_arg, instance_type):
     zones that offer the instance type."""
     if subnet_arg:
         ids = [s.strip() for s in subnet_arg.split(",") if s.strip()]
-        try:
-            subnets = calls.call("ec2", "DescribeSubnets", SubnetIds=ids)["Subnets"]
-        except Exception as e:
-            if _aws_error_code(e) in ("InvalidSubnetID.NotFound", "InvalidSubnetID.Malformed"):
-                raise UserError(f"--subnet {subnet_arg}: no such subnet in "
-                                f"{calls.region}") from None
-            raise
+        subnets = _exists(lambda: calls.call("ec2", "DescribeSubnets", SubnetIds=ids)["Subnets"],
+                          "InvalidSubnetID.NotFound", "InvalidSubnetID.Malformed")
+        if subnets is None:
+            raise UserError(f"--subnet {subnet_arg}: no such subnet in {calls.region}")
     else:
         subnets = calls.call("ec2", "DescribeSubnets",
                              Filters=[{"Name": "default-for-az", "Values": ["true"]}])["Subnets"]
@@ -654,14 +634,9 @@ def resolve_subnets(calls, subnet_arg, instance_type):
 
 
 def _check_key(calls, key_name):
-    if not key_name:
-        return
-    try:
-        calls.call("ec2", "DescribeKeyPairs", KeyNames=[key_name])
-    except Exception as e:
-        if _aws_error_code(e) == "InvalidKeyPair.NotFound":
-            raise UserError(f"--key-name {key_name}: no such key pair in {calls.region}") from None
-        raise
+    if key_name and _exists(lambda: calls.call("ec2", "DescribeKeyPairs", KeyNames=[key_name]),
+                            "InvalidKeyPair.NotFound") is None:
+        raise UserError(f"--key-name {key_name}: no such key pair in {calls.region}")
 
 
 @dataclass(frozen=True)
@@ -921,13 +896,6 @@ def _policy_arn(calls, asg, name, answer):
     return policies["ScalingPolicies"][0]["PolicyARN"]
 
 
-def _put_capacity_policy(calls, asg, name, capacity):
-    """A simple-scaling policy: the group to exactly `capacity` instances when its alarm fires."""
-    return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg, PolicyName=name,
-                      PolicyType="SimpleScaling", AdjustmentType="ExactCapacity",
-                      ScalingAdjustment=capacity, Cooldown=60)
-
-
 def backlog_steps(lo, hi, seconds_per_claim, target_drain):
     """[(backlog, capacity)]: from each backlog (visible + in flight) on, the capacity
     desired_count gives a growing group (at most STEP_ADJUSTMENTS_MAX steps, the last `hi`)."""
@@ -978,18 +946,15 @@ def _backlog_metrics(queue):
     """Metric math: visible + in flight, each FILLed with 0 where SQS published no point."""
     def stat(name, metric):
         return {"Id": name, "ReturnData": False, "MetricStat": {
-            "Metric": _sqs_metric(queue, metric), "Period": ALARM_PERIOD, "Stat": "Maximum"}}
+            "Metric": {"Namespace": "AWS/SQS", "MetricName": metric,
+                       "Dimensions": [{"Name": "QueueName", "Value": queue}]},
+            "Period": ALARM_PERIOD, "Stat": "Maximum"}}
     return [stat("visible_raw", "ApproximateNumberOfMessagesVisible"),
             stat("inflight_raw", "ApproximateNumberOfMessagesNotVisible"),
             {"Id": "visible", "Expression": "FILL(visible_raw, 0)", "ReturnData": False},
             {"Id": "inflight", "Expression": "FILL(inflight_raw, 0)", "ReturnData": False},
             {"Id": "backlog", "Expression": "visible + inflight",
              "Label": "claims waiting or running", "ReturnData": True}]
-
-
-def _sqs_metric(queue, metric):
-    return {"Namespace": "AWS/SQS", "MetricName": metric,
-            "Dimensions": [{"Name": "QueueName", "Value": queue}]}
 
 
 def _ensure_scale_to_zero(calls, names, ec2, tags):
@@ -999,7 +964,9 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
     asg, minutes = names["asg"], ec2["scale_to_zero_after"]
     floor = ec2["min_instances"] or 0
     wake = _put_backlog_policy(calls, names, ec2)
-    idle = _put_capacity_policy(calls, asg, names["policy_idle"], floor)
+    idle = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg,
+                      PolicyName=names["policy_idle"], PolicyType="SimpleScaling",
+                      AdjustmentType="ExactCapacity", ScalingAdjustment=floor, Cooldown=60)
     calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_wake"],
                AlarmDescription=f"calque: size pool {asg} to its backlog in {names['queue']}",
                ActionsEnabled=True,
@@ -1189,7 +1156,7 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
 
     def launch_template():
         data = {"ImageId": ami, "InstanceType": options.instance_type, "BlockDeviceMappings": root,
-                "UserData": _user_data_b64(script), "IamInstanceProfile": {"Name": profile},
+                "UserData": base64.b64encode(script.encode()).decode(), "IamInstanceProfile": {"Name": profile},
                 "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
         if options.key_name:
             data["KeyName"] = options.key_name
@@ -1247,14 +1214,6 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     return full
 
 
-def _existing_asg(calls, model):
-    asg = describe_asg(calls, resource_names(model)["asg"])
-    if asg is None:
-        raise UserError(f"pool {model}: auto scaling group {resource_names(model)['asg']} does not "
-                        f"exist: re-run `pool create` to finish the pool")
-    return asg
-
-
 def pool_scale(backend, record, instances=None, *, lo=None, hi=None, dry_run=False,
                yes_spend_money=False, calls=None):
     """`pool scale` of an EC2 pool. --instances N: a fixed cohort's min, max and desired to N; a
@@ -1286,7 +1245,10 @@ def pool_scale(backend, record, instances=None, *, lo=None, hi=None, dry_run=Fal
         ec2["instances"] = instances
     calls = calls or AwsCalls.for_backend(backend, dry_run)
     names = resource_names(model)
-    asg = _existing_asg(calls, model)
+    asg = describe_asg(calls, names["asg"])
+    if asg is None:
+        raise UserError(f"pool {model}: auto scaling group {names['asg']} does not exist: re-run "
+                        f"`pool create` to finish the pool")
     lo, hi, desired = _asg_sizes(ec2)
     if bounds:
         desired = min(max(asg["DesiredCapacity"], lo), hi)
