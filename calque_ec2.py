@@ -4,8 +4,8 @@ run queue. AWS does the fleet work: the group keeps the cohort at size, SQS rede
 worker's claim, S3 holds the rest. Every AWS call goes through AwsCalls.call, so --dry-run prints
 each mutating call instead. Ec2Fleet is its Fleet; calque_fleet.fleet_for, the one place above
 that imports this module, does so only for an EC2 pool or run."""
-import base64, contextlib, glob, gzip, hashlib, io, json, logging, math, os, re, shlex, string
-import sys, tarfile, threading, time, urllib.error, urllib.request
+import base64, contextlib, glob, gzip, hashlib, io, json, logging, math, os, pathlib, re, shlex
+import string, sys, tarfile, threading, time, urllib.error, urllib.request
 from collections import Counter
 from dataclasses import dataclass
 
@@ -268,24 +268,24 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
                 f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
                 f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
         listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"], pruned=f"{obj}pools/{s}/output/*")
+    names = resource_names(model)
     if reads:   # and list them: an object gone since submit is a 404 (its item fails), not a 403
         named = [uri[len("s3://"):] for uri in reads]
-        policy["Statement"].append({"Sid": "ReadInputsByReference", "Effect": "Allow", "Action": ["s3:GetObject"],
-                                    "Resource": [f"arn:{partition}:s3:::{o}*" for o in named]})
-        policy["Statement"].append({
+        policy["Statement"] += [{
+            "Sid": "ReadInputsByReference", "Effect": "Allow", "Action": ["s3:GetObject"],
+            "Resource": [f"arn:{partition}:s3:::{o}*" for o in named]}, {
             "Sid": "VanishedInputIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
             "Resource": sorted({f"arn:{partition}:s3:::{o.partition('/')[0]}" for o in named}),
-            "Condition": {"StringLike": {"s3:prefix": [o.partition("/")[2] + "*" for o in named]}}})
-    policy["Statement"].append({
+            "Condition": {"StringLike": {"s3:prefix": [o.partition("/")[2] + "*" for o in named]}}}]
+    policy["Statement"] += [{
         "Sid": "ShareOwnVenv", "Effect": "Allow",
         "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
-        "Resource": f"{obj}{resource_names(model)['env_prefix']}*"})
-    policy["Statement"].append({
+        "Resource": f"{obj}{names['env_prefix']}*"}, {
         "Sid": "ReplaceOrProtectOwnInstance", "Effect": "Allow",
         "Action": ["autoscaling:SetInstanceHealth", "autoscaling:SetInstanceProtection",
                    "autoscaling:CompleteLifecycleAction"],
         "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:"
-                    f"autoScalingGroupName/{resource_names(model)['asg']}"})
+                    f"autoScalingGroupName/{names['asg']}"}]
     return policy
 
 
@@ -383,11 +383,8 @@ def kit_archive():
         for pattern in ["*.py", *setup["package-data"].get(package, [])]:
             files.update({os.path.relpath(p, os.path.dirname(folder)): p
                           for p in glob.glob(os.path.join(folder, pattern))})
-    contents = {}
-    for name, path in files.items():
-        if os.path.isfile(path):
-            with open(path, "rb") as f:
-                contents[name] = f.read()
+    contents = {name: pathlib.Path(path).read_bytes() for name, path in files.items()
+                if os.path.isfile(path)}
     version = top.split("-", 1)[1]
     contents["PKG-INFO"] = f"Metadata-Version: 2.1\nName: calque\nVersion: {version}\n".encode()
     raw = io.BytesIO()
@@ -406,10 +403,8 @@ def kit_archive():
 def _pin(name):
     """The `name==version` line of requirements.txt (without its comment), or the bare name."""
     with open(package_file("calque_data", "sdist/requirements.txt")) as f:
-        for line in f:
-            if line.split("#")[0].strip().startswith(name + "=="):
-                return line.split("#")[0].strip()
-    return name
+        pins = [line.split("#")[0].strip() for line in f]
+    return next((pin for pin in pins if pin.startswith(name + "==")), name)
 
 
 class ShellTemplate(string.Template):
@@ -991,17 +986,11 @@ def _describe_alarms(calls, names):
     return alarms["MetricAlarms"]
 
 
-def _delete_alarms(calls, names):
-    """Delete the pool's scale-to-zero alarms that exist; returns their names."""
-    alarms = [a["AlarmName"] for a in _describe_alarms(calls, names)]
-    if alarms:
-        calls.call("cloudwatch", "DeleteAlarms", AlarmNames=alarms)
-    return alarms
-
-
 def _remove_scale_to_zero(calls, names):
-    """Alarms and policies of a pool that no longer scales to zero; True if any were removed."""
-    removed = bool(_delete_alarms(calls, names))
+    """Delete the pool's scale-to-zero alarms and policies that exist; returns their names."""
+    removed = [a["AlarmName"] for a in _describe_alarms(calls, names)]
+    if removed:
+        calls.call("cloudwatch", "DeleteAlarms", AlarmNames=removed)
     if describe_asg(calls, names["asg"]):
         policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=names["asg"])
         have = {p["PolicyName"] for p in policies["ScalingPolicies"]}
@@ -1009,7 +998,7 @@ def _remove_scale_to_zero(calls, names):
             if policy in have:
                 calls.call("autoscaling", "DeletePolicy", AutoScalingGroupName=names["asg"],
                            PolicyName=policy)
-                removed = True
+                removed.append(policy)
     return removed
 
 
@@ -1043,9 +1032,7 @@ def _run_steps(subject, steps, fix):
         try:
             fn()
         except (Exception, KeyboardInterrupt) as e:
-            interrupted = isinstance(e, KeyboardInterrupt)
-            code = _aws_error_code(e) or type(e).__name__
-            reason = "interrupted" if interrupted else f"{code}: {e}"
+            reason = "interrupted" if isinstance(e, KeyboardInterrupt) else _error_line(e)
             print(f"{subject}: stopped at {title} ({reason})", file=sys.stderr)
             print(f"  in place: {', '.join(done) or 'nothing'}", file=sys.stderr)
             print(f"  not done: {', '.join(t for t, _ in steps if t not in done)}", file=sys.stderr)
@@ -1448,11 +1435,9 @@ def pool_list(backend, calls=None):
                                    "desired": None, "in_service": 0,
                                    "instance_type": ec2.get("instance_type"),
                                    "spot": ec2.get("spot"), "store": backend.describe()}
-    token = None
-    while True:
-        page = calls.call("autoscaling", "DescribeAutoScalingGroups",
-                          Filters=[{"Name": "tag:calque:role", "Values": ["pool-worker"]}],
-                          **({"NextToken": token} if token else {}))
+    params = {"Filters": [{"Name": "tag:calque:role", "Values": ["pool-worker"]}]}
+    while params:
+        page = calls.call("autoscaling", "DescribeAutoScalingGroups", **params)
         for g in page["AutoScalingGroups"]:
             tags = _tag_dict(g.get("Tags"))
             model = tags.get("calque:pool-model")
@@ -1463,9 +1448,7 @@ def pool_list(backend, calls=None):
             entry.update(asg=g["AutoScalingGroupName"], desired=g["DesiredCapacity"],
                          in_service=sum(i["LifecycleState"] == "InService"
                                         for i in g.get("Instances", [])))
-        token = page.get("NextToken")
-        if not token:
-            break
+        params = page.get("NextToken") and dict(params, NextToken=page["NextToken"])
     return sorted(found.values(), key=lambda p: p["model"])
 
 
@@ -1503,10 +1486,9 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
     asg_name, template_name = names["asg"], names["launch_template"]
     profile_name, role_name = names["instance_profile"], names["role"]
 
-    def alarms():
-        deleted = _delete_alarms(calls, names)
-        _remove_scale_to_zero(calls, names)    # policies: AWS drops them with the group, moto not
-        return "deleted " + ", ".join(deleted) + " and their policies" if deleted else "none"
+    def alarms():   # and their policies: AWS drops them with the group, moto does not
+        removed = _remove_scale_to_zero(calls, names)
+        return "deleted " + ", ".join(removed) if removed else "none"
 
     def asg():
         group = describe_asg(calls, asg_name)
@@ -1664,11 +1646,9 @@ def cold_cleanup(backend, instance_ids, calls=None):
     if not instance_ids:
         return []
     calls = calls or AwsCalls.for_backend(backend)
-    live = []
     found = calls.call("ec2", "DescribeInstances", InstanceIds=list(instance_ids))
-    for res in found["Reservations"]:
-        live += [i["InstanceId"] for i in res["Instances"]
-                 if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
+    live = [i["InstanceId"] for res in found["Reservations"] for i in res["Instances"]
+            if i["State"]["Name"] in ("pending", "running", "stopping", "stopped")]
     if live:
         calls.call("ec2", "TerminateInstances", InstanceIds=live)
         print(f"cold run: terminated {len(live)} instance(s) still up: {', '.join(live)}",
