@@ -79,21 +79,17 @@ class AwsCalls:
     """The one door every EC2-cohort AWS call goes through: `call(service, operation, **params)`.
     In dry-run a mutating call (not Get*/Describe*/List*/Head*) is printed as `would call
     iam.CreateRole {...}` and answered with a plausible fake; read-only calls still run, so the
-    plan shows what exists. `log` keeps (service, operation, executed) of every call."""
+    plan shows what exists."""
 
     READ_ONLY = ("Get", "Describe", "List", "Head")
 
     def __init__(self, session, region, dry_run=False, sleep=time.sleep):
         self.session, self.region, self.dry_run, self.sleep = session, region, dry_run, sleep
-        self.clients, self.log, self._identity = {}, [], None
+        self.clients, self._identity = {}, None
 
     @classmethod
     def for_backend(cls, backend, dry_run=False):
         return cls(backend.session, backend.queues.sqs.meta.region_name, dry_run)
-
-    @classmethod
-    def mutating(cls, operation):
-        return not operation.startswith(cls.READ_ONLY)
 
     def client(self, service):
         if service not in self.clients:
@@ -102,17 +98,14 @@ class AwsCalls:
         return self.clients[service]
 
     def call(self, service, operation, **params):
-        if self.dry_run and self.mutating(operation):
-            self.log.append((service, operation, False))
+        if self.dry_run and not operation.startswith(self.READ_ONLY):
             print(f"would call {service}.{operation} {_show_params(params)}")
             return self._fake(service, operation, params)
-        self.log.append((service, operation, True))
         import botocore   # lazy: the embedded backend never loads boto3/botocore
         return getattr(self.client(service), botocore.xform_name(operation))(**params)
 
     def note(self, service, operation, shown):
-        """A store write made through the backend: printed in dry-run, logged; True: make it."""
-        self.log.append((service, operation, not self.dry_run))
+        """A store write made through the backend: printed in dry-run; True: make it."""
         if self.dry_run:
             print(f"would call {service}.{operation} {json.dumps(shown)}")
         return not self.dry_run
@@ -156,17 +149,13 @@ class AwsCalls:
 
 def _show_params(params):
     """The call's parameters as one line of JSON: user-data by size and digest, policies as JSON."""
-    def shown(value):
+    def shown(value, key=""):
+        if key == "UserData" and isinstance(value, str):
+            return f"<user-data: {len(value)} base64 characters, sha256 {_digest(value, 12)}>"
+        if key.endswith("PolicyDocument") and isinstance(value, str):
+            return json.loads(value)
         if isinstance(value, dict):
-            out = {}
-            for k, v in value.items():
-                if k == "UserData" and isinstance(v, str):
-                    out[k] = f"<user-data: {len(v)} base64 characters, sha256 {_digest(v, 12)}>"
-                elif k.endswith("PolicyDocument") and isinstance(v, str):
-                    out[k] = json.loads(v)
-                else:
-                    out[k] = shown(v)
-            return out
+            return {k: shown(v, k) for k, v in value.items()}
         if isinstance(value, list):
             return [shown(v) for v in value]
         return value
@@ -393,10 +382,7 @@ def kit_archive():
             info = tarfile.TarInfo(f"{top}/{name}")
             info.size, info.mode, info.mtime = len(contents[name]), 0o644, 0
             tar.addfile(info, io.BytesIO(contents[name]))
-    packed = io.BytesIO()
-    with gzip.GzipFile(fileobj=packed, mode="wb", mtime=0) as gz:
-        gz.write(raw.getvalue())
-    blob = packed.getvalue()
+    blob = gzip.compress(raw.getvalue(), mtime=0)
     return blob, hashlib.sha256(blob).hexdigest()
 
 
@@ -429,19 +415,17 @@ def _bootstrap(*, worker_args, env, conf=None, **fields):
     lines.update(env)
     for key, value in lines.items():
         _check_text(str(value), key)
-    report_prefix, env_prefix = fields.pop("report_prefix", ""), fields.pop("env_prefix", "")
+    for key in ("report_prefix", "env_prefix"):   # under the store's prefix, or none
+        fields[key] = shlex.quote(prefix + fields[key] if fields.get(key) else "")
+    for key in ("preamble", "image_apt", "image_pip"):
+        fields.setdefault(key, "")
     fields.update(
         bucket=shlex.quote(bucket), kit_key=shlex.quote(prefix + fields["kit_key"]),
         region=shlex.quote(region), imds=METADATA_URL,
-        report_prefix=shlex.quote(prefix + report_prefix if report_prefix else ""),
-        env_prefix=shlex.quote(prefix + env_prefix if env_prefix else ""),
         state=STATE_DIR, attempts=BOOTSTRAP_ATTEMPTS, backoff=BOOTSTRAP_BACKOFF,
         boto3_pin=shlex.quote(_pin("boto3")), worker_args=worker_args,
         env="\n".join(f"{k}={shlex.quote(str(v))}" for k, v in lines.items()),
         stop_timeout=int(float(conf.get("CALQUE_GRACE", 30)) + 30))
-    fields.setdefault("preamble", "")
-    fields.setdefault("image_apt", "")
-    fields.setdefault("image_pip", "")
     with open(package_file("calque_data", "ec2_bootstrap.sh")) as f:
         template = ShellTemplate(f.read())
     mismatched = set(fields) ^ set(template.get_identifiers())
@@ -788,16 +772,14 @@ def _ensure_instance_profile(calls, name, role, tags):
     return state
 
 
-def _profile_propagating(error):
-    """EC2 (InvalidParameterValue) or Auto Scaling (ValidationError) refusing an instance profile
-    that IAM has not propagated to it yet: the codes and words Terraform's AWS provider retries."""
-    return (_aws_error_code(error) in ("ValidationError", "InvalidParameterValue")
-            and any(words.lower() in str(error).lower() for words in PROFILE_PROPAGATING))
-
-
 def _once_profile_propagates(calls, profile, fn):
-    """fn()'s answer, retried while AWS refuses instance profile `profile` as not propagated."""
-    return aws_retry(fn, _profile_propagating, f"IAM to propagate instance profile {profile} to EC2",
+    """fn()'s answer, retried while EC2 (InvalidParameterValue) or Auto Scaling (ValidationError)
+    refuses instance profile `profile` as IAM has not propagated it yet: the codes and words
+    Terraform's AWS provider retries."""
+    def propagating(error):
+        return (_aws_error_code(error) in ("ValidationError", "InvalidParameterValue")
+                and any(words.lower() in str(error).lower() for words in PROFILE_PROPAGATING))
+    return aws_retry(fn, propagating, f"IAM to propagate instance profile {profile} to EC2",
                      IAM_RETRY_SECONDS, calls.sleep,
                      "run the command again in a minute (IAM can be slower in a new account)")
 
@@ -841,7 +823,8 @@ def _asg_sizes(ec2):
     return min(floor, n), n, n
 
 
-def _asg_params(names, ec2):
+def _ensure_asg(calls, names, ec2, tags, owner):
+    asg = describe_asg(calls, names["asg"])
     lo, hi, desired = _asg_sizes(ec2)
     template = {"LaunchTemplateName": names["launch_template"], "Version": "$Latest"}
     params = {"AutoScalingGroupName": names["asg"], "MinSize": lo, "MaxSize": hi,
@@ -856,12 +839,6 @@ def _asg_params(names, ec2):
         params["CapacityRebalance"] = True     # a replacement starts before the 2-minute notice
     else:
         params["LaunchTemplate"] = template
-    return params
-
-
-def _ensure_asg(calls, names, ec2, tags, owner):
-    asg = describe_asg(calls, names["asg"])
-    params = _asg_params(names, ec2)
     asg_tags = [{"ResourceId": names["asg"], "ResourceType": "auto-scaling-group", "Key": k,
                  "Value": str(v), "PropagateAtLaunch": True} for k, v in tags.items()]
     profile = names["instance_profile"]     # Auto Scaling checks the template's profile at once
