@@ -936,24 +936,22 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
     asg, minutes = names["asg"], ec2["scale_to_zero_after"]
     floor = ec2["min_instances"] or 0
     wake = _put_backlog_policy(calls, names, ec2)
+
+    def alarm(name, about, policy, answer, **rule):
+        calls.call("cloudwatch", "PutMetricAlarm", AlarmName=name, AlarmDescription=about,
+                   ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, policy, answer)],
+                   Threshold=0, Tags=_tags(tags, strict=True),
+                   Metrics=_backlog_metrics(names["queue"]), **rule)
     idle = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg,
                       PolicyName=names["policy_idle"], PolicyType="SimpleScaling",
                       AdjustmentType="ExactCapacity", ScalingAdjustment=floor, Cooldown=60)
-    calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_wake"],
-               AlarmDescription=f"calque: size pool {asg} to its backlog in {names['queue']}",
-               ActionsEnabled=True,
-               AlarmActions=[_policy_arn(calls, asg, names["policy_wake"], wake)],
-               EvaluationPeriods=1, Threshold=0, ComparisonOperator="GreaterThanThreshold",
-               TreatMissingData="notBreaching", Tags=_tags(tags, strict=True),
-               Metrics=_backlog_metrics(names["queue"]))
-    calls.call("cloudwatch", "PutMetricAlarm", AlarmName=names["alarm_idle"],
-               AlarmDescription=f"calque: scale pool {asg} to {floor} after {minutes} idle "
-                                f"minute(s)", ActionsEnabled=True,
-               AlarmActions=[_policy_arn(calls, asg, names["policy_idle"], idle)],
-               EvaluationPeriods=minutes, DatapointsToAlarm=minutes, Threshold=0,
-               ComparisonOperator="LessThanOrEqualToThreshold", TreatMissingData="breaching",
-               Tags=_tags(tags, strict=True), Metrics=_backlog_metrics(names["queue"]))
-    return "put"
+    alarm(names["alarm_wake"], f"calque: size pool {asg} to its backlog in {names['queue']}",
+          names["policy_wake"], wake, EvaluationPeriods=1,
+          ComparisonOperator="GreaterThanThreshold", TreatMissingData="notBreaching")
+    alarm(names["alarm_idle"], f"calque: scale pool {asg} to {floor} after {minutes} idle "
+          f"minute(s)", names["policy_idle"], idle, EvaluationPeriods=minutes,
+          DatapointsToAlarm=minutes, ComparisonOperator="LessThanOrEqualToThreshold",
+          TreatMissingData="breaching")
 
 
 def _describe_alarms(calls, names):
@@ -1293,28 +1291,25 @@ def pool_status(backend, record, calls=None):
     names = resource_names(model)
     asg = describe_asg(calls, names["asg"])
     status = {"model": model, "ec2": record.get("ec2"), "asg": None, "instances": {},
-              "instance_list": [], "activities": [], "alarms": {},
+              "instance_list": [], "activities": [],
+              "alarms": {a["AlarmName"]: a["StateValue"] for a in _describe_alarms(calls, names)},
               "queue": queue_depth(backend, names["queue"]),
               "dlq": queue_depth(backend, names["dlq"]),
               "workers": read_worker_stats(backend, model)}
     if asg:
         status["asg"] = {"name": names["asg"], "min": asg["MinSize"], "max": asg["MaxSize"],
                          "desired": asg["DesiredCapacity"], "status": asg.get("Status")}
-        for i in asg.get("Instances", []):
-            state = i["LifecycleState"]
-            status["instances"][state] = status["instances"].get(state, 0) + 1
-            status["instance_list"].append({"id": i["InstanceId"], "state": state,
-                                            "health": i.get("HealthStatus"),
-                                            "zone": i.get("AvailabilityZone"),
-                                            "type": i.get("InstanceType")})
+        status["instance_list"] = [
+            {"id": i["InstanceId"], "state": i["LifecycleState"], "health": i.get("HealthStatus"),
+             "zone": i.get("AvailabilityZone"), "type": i.get("InstanceType")}
+            for i in asg.get("Instances", [])]
+        status["instances"] = dict(Counter(i["state"] for i in status["instance_list"]))
         activities = calls.call("autoscaling", "DescribeScalingActivities",
                                 AutoScalingGroupName=names["asg"], MaxRecords=3)
-        for a in activities.get("Activities", []):
-            status["activities"].append({
-                "status": a.get("StatusCode"), "description": a.get("Description"),
-                "reason": (a.get("StatusMessage") or a.get("Cause") or "")[:300],
-                "start": str(a.get("StartTime", ""))})
-    status["alarms"] = {a["AlarmName"]: a["StateValue"] for a in _describe_alarms(calls, names)}
+        status["activities"] = [
+            {"status": a.get("StatusCode"), "description": a.get("Description"),
+             "reason": (a.get("StatusMessage") or a.get("Cause") or "")[:300],
+             "start": str(a.get("StartTime", ""))} for a in activities.get("Activities", [])]
     ids = {i["id"] for i in status["instance_list"]}
     status["bootstrap"] = bootstrap_reports(backend, model, ids)
     return status
