@@ -118,25 +118,12 @@ class AwsCalls:
         return self._identity
 
     def _fake(self, service, operation, params):
-        """What a dry-run mutating call answers: the fields the code reads next."""
+        """What a dry-run mutating call answers: the fields the code reads next (the answers of
+        the others, CreateRole and CreateQueue among them, are not read)."""
         ident = self.identity()
         account, partition, region = ident["account"], ident["partition"], self.region
-        if operation == "CreateRole":
-            name = params["RoleName"]
-            return {"Role": {"RoleName": name,
-                             "Arn": f"arn:{partition}:iam::{account}:role/{name}"}}
-        if operation == "CreateInstanceProfile":
-            name = params["InstanceProfileName"]
-            arn = f"arn:{partition}:iam::{account}:instance-profile/{name}"
-            return {"InstanceProfile": {"InstanceProfileName": name, "Arn": arn}}
-        if operation == "CreateLaunchTemplate":
-            return {"LaunchTemplate": {"LaunchTemplateId": "lt-dry-run", "LatestVersionNumber": 1,
-                                       "LaunchTemplateName": params["LaunchTemplateName"]}}
         if operation == "CreateLaunchTemplateVersion":
             return {"LaunchTemplateVersion": {"VersionNumber": 0}}
-        if operation == "CreateQueue":
-            name = params["QueueName"]
-            return {"QueueUrl": f"https://sqs.{region}.amazonaws.com/{account}/{name}"}
         if operation == "PutScalingPolicy":
             return {"PolicyARN": f"arn:{partition}:autoscaling:{region}:{account}:scalingPolicy:"
                                  f"dry-run:autoScalingGroupName/{params['AutoScalingGroupName']}"
@@ -202,7 +189,6 @@ def _aws_store(backend, what):
     if not re.fullmatch(r"[A-Za-z0-9._/-]*", prefix):
         raise UserError(f"store prefix {prefix!r}: on EC2 use letters, digits and . _ / - only "
                         f"(it goes into IAM policies and shell)")
-    return backend.bucket, prefix
 
 
 def _check_text(value, what):
@@ -902,12 +888,11 @@ def _put_backlog_policy(calls, names, ec2):
     """The wake alarm's step policy: the group to exactly backlog_steps' capacity for the backlog
     (scale-in protection keeps busy instances)."""
     steps = ec2["scaling"]["steps"]
-    adjustments = []
-    for i, (b, k) in enumerate(steps):
-        step = {"MetricIntervalLowerBound": 0.0 if i == 0 else b - 0.5, "ScalingAdjustment": k}
-        if i + 1 < len(steps):
-            step["MetricIntervalUpperBound"] = steps[i + 1][0] - 0.5
-        adjustments.append(step)
+    lower = [0.0] + [b - 0.5 for b, _ in steps[1:]]    # a step ends where the next one starts
+    adjustments = [{"MetricIntervalLowerBound": lo, "ScalingAdjustment": k}
+                   for lo, (_, k) in zip(lower, steps)]
+    for step, upper in zip(adjustments, lower[1:]):
+        step["MetricIntervalUpperBound"] = upper
     return calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=names["asg"],
                       PolicyName=names["policy_wake"], PolicyType="StepScaling",
                       AdjustmentType="ExactCapacity", MetricAggregationType="Maximum",
@@ -989,7 +974,7 @@ def _put_pool_record(calls, backend, record):
 
 def _said(calls, state):
     """A step's outcome as printed: 'created' in a dry run reads 'would be created'."""
-    return f"would be {state}" if calls.dry_run and state not in ("found",) else state
+    return f"would be {state}" if calls.dry_run and state != "found" else state
 
 
 def _error_line(error):
@@ -1516,15 +1501,13 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         return "deleted"
 
     def queue(name):
-        def step():
-            url = _queue_url(calls, name)
-            if not url:
-                return "not found (already gone)"
-            calls.call("sqs", "DeleteQueue", QueueUrl=url)
-            if calls.note("s3", "PutObject", {"uri": backend.store.uri(deleted_queue_key(name))}):
-                note_queue_deleted(backend.store, name)    # a create within the minute waits
-            return "deleted (SQS lets the name be reused after 60 s)"
-        return step
+        url = _queue_url(calls, name)
+        if not url:
+            return "not found (already gone)"
+        calls.call("sqs", "DeleteQueue", QueueUrl=url)
+        if calls.note("s3", "PutObject", {"uri": backend.store.uri(deleted_queue_key(name))}):
+            note_queue_deleted(backend.store, name)    # a create within the minute waits
+        return "deleted (SQS lets the name be reused after 60 s)"
 
     def store():
         prefix = f"pools/{slug(model)}/"
@@ -1539,8 +1522,8 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
               _delete_step(model, f"launch template {template_name}", template),
               _delete_step(model, f"instance profile {profile_name}", profile),
               _delete_step(model, f"IAM role {role_name}", role),
-              _delete_step(model, f"queue {names['queue']}", queue(names["queue"])),
-              _delete_step(model, f"queue {names['dlq']}", queue(names["dlq"]))])
+              _delete_step(model, f"queue {names['queue']}", lambda: queue(names["queue"])),
+              _delete_step(model, f"queue {names['dlq']}", lambda: queue(names["dlq"]))])
     if ok:
         ok = _delete_step(model, f"store folder pools/{slug(model)}/", store)
     else:
@@ -1814,10 +1797,9 @@ class SpotPoller:
         return False
 
     def _run(self):
-        while True:
+        time.sleep(self.interval)
+        while not self._poll():
             time.sleep(self.interval)
-            if self._poll():
-                return
 
 
 class ScaleInProtection:
