@@ -1103,8 +1103,9 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
 
     def launch_template():
         data = {"ImageId": ami, "InstanceType": options.instance_type, "BlockDeviceMappings": root,
-                "UserData": base64.b64encode(script.encode()).decode(), "IamInstanceProfile": {"Name": profile},
-                "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(tags)}
+                "UserData": base64.b64encode(script.encode()).decode(),
+                "IamInstanceProfile": {"Name": profile}, "MetadataOptions": IMDS_V2_ONLY,
+                "TagSpecifications": _instance_tag_specs(tags)}
         if options.key_name:
             data["KeyName"] = options.key_name
         state = _ensure_launch_template(calls, names["launch_template"], data, tags, owner)
