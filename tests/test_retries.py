@@ -40,7 +40,7 @@ def flaky(x):
 
 @app.local_entrypoint()
 def main():
-    print(flaky.map(range(6), return_exceptions=True))
+    print(list(flaky.map(range(6), return_exceptions=True)))
 '''
 
 NATIVE = '''
