@@ -100,7 +100,7 @@ class Pool:
                progress=False, modal=None, include=(), retries=None):
         """Create the pool (one of the same version is left as it is, another refused: `pool
         deploy`), then start `workers` local workers, waited for unless wait=False. `modal`:
-        modal_options' record; `include`: [local, relative path] files; `retries`: retry_policy's."""
+        modal_options' record; `include`: [local, relative path] files; `retries`: N or retry_policy's."""
         record = self.draft(batch_size, visibility_timeout, max_deliveries, batch_timeout, modal,
                             retries)
         record["workdir"] = os.getcwd()
@@ -140,6 +140,8 @@ class Pool:
             record["batch_timeout"] = batch_timeout
         if modal:
             record["modal"] = modal
+        if isinstance(retries, int):   # --retries N: Modal's retries=N
+            retries = retry_policy(retries)
         if retries and retries["max_retries"]:   # absent: an item that raises fails at once
             record["retries"] = retries
         return record
@@ -691,8 +693,6 @@ def cmd_pool_create(conf, backend, args):
                                             batch_size, workers_here=fleet.here)
     for note in notes:
         print(f"pool {args.model}: {note}")
-    if args.retries is not None:
-        args.retries = retry_policy(args.retries)
     for key in ("retries", "max_deliveries", "batch_timeout"):   # the app's retries=, timeout=;
         if getattr(args, key) is None:                           # if not given
             setattr(args, key, suggested.get(key))
