@@ -1299,7 +1299,7 @@ class ClaimRun:
         self.formatted = []                       # (stop, format_outcome's) not yet in a part
         self.held = []                            # units whose items wait a retry (hold), in order
         self.retries = []                         # heap: (due, offset, its unit's hold, payload)
-        self.retried = [0, 0]                     # items retried, their attempts in all
+        self.retried = Counter()                  # items retried, their attempts in all
         self.kind = None                          # Collator.claim_kind, once, as its drain starts
         self.batches, self.last_commit = 0, 0.0   # batches since the last part, and when it went
         self.reported_at = 0.0                    # monotonic s of its last progress record
@@ -1443,7 +1443,7 @@ class ClaimRun:
     def hold(self, unit, outcome):
         """A unit's outcome, held until its items that raised are retried (the pool's retries, as
         Modal's: max_retries, each after its backoff) while later units run; kept in order."""
-        policy, base = self.worker.record.get("retries"), unit.start
+        policy = self.worker.record.get("retries")
         held = {"unit": unit, "outcome": list(outcome), "attempts": {}, "pending": 0}
         for k, (ok, value) in zip(unit, outcome):
             if policy and not ok and isinstance(value, ItemError):
@@ -1465,10 +1465,11 @@ class ClaimRun:
             self.model_seconds += model
             self.wait_seconds += waited
             held["outcome"][k - held["unit"].start] = outcome[0]
-            tries = held["attempts"][self.first + k] = held["attempts"][self.first + k] + 1
+            held["attempts"][self.first + k] += 1
+            retries = held["attempts"][self.first + k] - 1   # done so far
             if not outcome[0][0] and isinstance(outcome[0][1], ItemError) and (
-                    tries <= policy["max_retries"]):
-                delay = policy["initial_delay"] * policy["backoff_coefficient"] ** (tries - 1)
+                    retries < policy["max_retries"]):
+                delay = policy["initial_delay"] * policy["backoff_coefficient"] ** retries
                 due = time.monotonic() + min(delay, policy["max_delay"])
                 heapq.heappush(self.retries, (due, k, held, payload))
             else:
@@ -1476,8 +1477,7 @@ class ClaimRun:
         while self.held and not self.held[0]["pending"]:
             held = self.held.pop(0)
             attempts = {i: n for i, n in held["attempts"].items() if n > 1}
-            self.retried[0] += len(attempts)
-            self.retried[1] += sum(attempts.values())
+            self.retried.update(items=len(attempts), attempts=sum(attempts.values()))
             unit = held["unit"]
             self.keep(unit, format_outcome(held["outcome"], self.first + unit.start, attempts))
 
@@ -1583,7 +1583,7 @@ class ClaimRun:
             model_seconds=self.model_seconds, notes=notes, parts=self.parts,
             resumed=self.start, collate_wait_seconds=round(self.wait_seconds, 6),
             prefetch=worker.model.pipelined(self.kind), gpu_utilisation=self.gpu,
-            **({"retried": dict(zip(("items", "attempts"), self.retried))} if self.retried[0] else {}))
+            **({"retried": dict(self.retried)} if self.retried["items"] else {}))
         worker.output.flush()              # what the claim printed lands before its summary
         self.put(calque_core.summary_key(self.run_id, self.claim_id), json.dumps(summary, indent=1))
         worker.made_progress()
