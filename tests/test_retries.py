@@ -139,7 +139,7 @@ def test_native_handler_retries_option(local_env, installed, tmp_path):
     assert lines == [{"i": 0, "ok": True, "result": 1},
                      {"i": 1, "ok": True, "result": 2, "attempts": 2},
                      {"i": 2, "ok": True, "result": 3}]
-    assert "1 items retried (2 attempts)" in calque(local_env, installed, "runs", "show",
+    assert "1 item retried (2 attempts)" in calque(local_env, installed, "runs", "show",
                                                    run_id).stdout
     calque(local_env, installed, "pool", "delete", "--model", "n", "--yes")
 
