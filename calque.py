@@ -31,8 +31,8 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          load_pool, new_run_id, now_iso, one_line, open_backend, orjson,
                          pool_key, pool_name_claimed, pool_queue_name, pool_settings, pool_version,
                          queue_depth, read_json, read_run, read_summaries, read_worker_stats,
-                         recent_summaries, refuse_other_version, result_lines, setting_number,
-                         settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
+                         recent_summaries, refuse_other_version, result_lines, retry_policy,
+                         setting_number, settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
                          stream_prefix, summary_claims, summary_key, update_run, user_code_error,
                          version_label, version_of, wait_queue_reusable, wait_seconds, with_bytes,
                          write_file_atomic, write_json)
@@ -97,11 +97,12 @@ class Pool:
 
     def create(self, handler, workers=LOCAL_WORKERS_DEFAULT, *, batch_size=None, visibility_timeout=None,
                max_deliveries=None, batch_timeout=None, gpus_per_worker=None, threads_per_worker=None, wait=True,
-               progress=False, modal=None, include=()):
+               progress=False, modal=None, include=(), retries=None):
         """Create the pool (one of the same version is left as it is, another refused: `pool
         deploy`), then start `workers` local workers, waited for unless wait=False. `modal`:
-        modal_options' record; `include`: [local, relative path] files."""
-        record = self.draft(batch_size, visibility_timeout, max_deliveries, batch_timeout, modal)
+        modal_options' record; `include`: [local, relative path] files; `retries`: N or retry_policy's."""
+        record = self.draft(batch_size, visibility_timeout, max_deliveries, batch_timeout, modal,
+                            retries)
         record["workdir"] = os.getcwd()
         snapshot = {}   # checked whole before the store has any of it: a bad handler writes nothing
         files = list(include) + (modal or {}).get("image", {}).get("files", [])
@@ -127,7 +128,7 @@ class Pool:
         return record
 
     def draft(self, batch_size=None, visibility_timeout=None, max_deliveries=None,
-              batch_timeout=None, modal=None):
+              batch_timeout=None, modal=None, retries=None):
         """Its record before the handler snapshot: names, settings, when and where."""
         if batch_timeout is not None and not (math.isfinite(batch_timeout) and batch_timeout > 0):
             raise UserError(f"--batch-timeout {batch_timeout}: must be a number of seconds above 0")
@@ -139,6 +140,10 @@ class Pool:
             record["batch_timeout"] = batch_timeout
         if modal:
             record["modal"] = modal
+        if isinstance(retries, int):   # --retries N: Modal's retries=N
+            retries = retry_policy(retries)
+        if retries and retries["max_retries"]:   # absent: an item that raises fails at once
+            record["retries"] = retries
         return record
 
     def scale(self, workers, *, gpus_per_worker=None, threads_per_worker=None, wait=True, progress=False,
@@ -688,8 +693,8 @@ def cmd_pool_create(conf, backend, args):
                                             batch_size, workers_here=fleet.here)
     for note in notes:
         print(f"pool {args.model}: {note}")
-    for key in ("max_deliveries", "batch_timeout"):   # the app's retries=, timeout=; if not given
-        if getattr(args, key) is None:
+    for key in ("retries", "max_deliveries", "batch_timeout"):   # the app's retries=, timeout=;
+        if getattr(args, key) is None:                           # if not given
             setattr(args, key, suggested.get(key))
     fleet.create(Pool(args.model, context=(conf, backend)), modal=modal, suggested=suggested,
                  include=include_paths(args.include, args.handler))
@@ -1241,7 +1246,7 @@ class ModalRun:
         conf = dict(self.context[0], CALQUE_GRACE="0")   # a signal: let go a call nobody awaits
         Pool(model, context=(conf, self.context[1])).create(
             spec, self.workers, modal=modal, max_deliveries=suggested.get("max_deliveries"),
-            batch_timeout=suggested.get("batch_timeout"))
+            batch_timeout=suggested.get("batch_timeout"), retries=suggested.get("retries"))
         return model
 
     def close(self, wait):
@@ -1429,6 +1434,9 @@ def build_parser():
                    help="seconds a claim stays invisible; the heartbeat renews it")
     p.add_argument("--max-deliveries", type=int,
                    help="deliveries before a claim goes to the dead-letter queue")
+    p.add_argument("--retries", type=int, metavar="N",
+                   help="retries of an item whose call raised, after 1 s, doubling (Modal's "
+                        "retries=N; a Modal app's own retries= unless given)")
     p.add_argument("--batch-timeout", type=float, metavar="SECONDS",
                    help="seconds one handler.batch() call may run before the worker gives up on it "
                         "(default: the workers' CALQUE_BATCH_TIMEOUT)")

@@ -1160,8 +1160,8 @@ class ModalHandler:
         outcomes = [self._outcome(p, *one) for p, one in zip(payloads, self._each(payloads))]
         if all(ok for ok, _ in outcomes):
             return [value for _, value in outcomes]
-        # warmd retries a failed batch item by item: replay each outcome, not a second call
-        self.replay = {id(p): outcome for p, outcome in zip(payloads, outcomes)}
+        if len(payloads) > 1:   # warmd retries a failed batch item by item: replay, not a 2nd call
+            self.replay = {id(p): outcome for p, outcome in zip(payloads, outcomes)}
         raise next(value for ok, value in outcomes if not ok)
 
     def _args(self, item):
@@ -2195,6 +2195,27 @@ def slug_clash(model, owner):
     return UserError(f"model {model!r} shares its queue name {pool_queue_name(model)} with the pool "
                      f"of {owner!r} ---> HINT: use that exact name, or one that differs in more "
                      f"than case or punctuation")
+
+
+# Modal's bounds of modal.Retries' fields (its docs): a value outside is refused at pool create
+RETRY_BOUNDS = {"max_retries": (0, 10), "backoff_coefficient": (1.0, 10.0),
+                "initial_delay": (0.0, 60.0), "max_delay": (1.0, 60.0)}
+
+
+def retry_policy(max_retries, backoff_coefficient=2.0, initial_delay=1.0, max_delay=60.0):
+    """A pool's retries of an item whose call raised, as Modal's modal.Retries (its defaults and
+    bounds; retries=N is max_retries=N): retry r waits min(initial_delay * backoff_coefficient **
+    (r - 1), max_delay) s (warmd's ClaimRun.retry)."""
+    policy = {"max_retries": max_retries, "backoff_coefficient": backoff_coefficient,
+              "initial_delay": initial_delay, "max_delay": max_delay}
+    for key, (lo, hi) in RETRY_BOUNDS.items():
+        value = policy[key]
+        whole = key == "max_retries"
+        if (isinstance(value, bool) or not isinstance(value, int if whole else (int, float))
+                or not lo <= value <= hi):
+            raise UserError(f"retries: {key}={value!r}: must be {'a whole' if whole else 'a'} "
+                            f"number from {lo:g} to {hi:g} (Modal's bounds)")
+    return policy
 
 
 def pool_settings(conf, batch_size=None, visibility_timeout=None, max_deliveries=None):

@@ -1630,7 +1630,7 @@ class Ec2Fleet:
         args = self.args
         snapshot_handler(args.handler, "", lambda key, data: None, include)   # before any AWS call
         record = pool.draft(args.batch_size, args.visibility_timeout, args.max_deliveries,
-                            args.batch_timeout, modal)
+                            args.batch_timeout, modal, args.retries)
         itype = args.instance_type or (suggested or {}).get("instance_type")   # the app's gpu=
         options = pool_options(args.count, itype,
                                min_instances=args.lo, ami=args.ami, spot=args.spot,

@@ -11,7 +11,8 @@ from calque_core import (CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR, CLAIM_SIZE_MAX,
                          cold_record_key, command, dlq_name, format_sizes, import_modal_app,
                          imports_modal, key_values, load_pool, measured_seconds, modal_param,
                          new_run_id, now_iso, parse_handler_spec, pool_queue_name, pool_settings,
-                         pool_version, read_json, read_run, read_worker_stats, run_key,
+                         pool_version, read_json, read_run, read_worker_stats, retry_policy,
+                         run_key,
                          run_queue_names, setting_number, settings, slug, snapshot_handler,
                          version_label, version_of, write_json)
 from calque_runs import ClaimSizes, as_sizes, cancel_run, stage_run, wait_for_run
@@ -45,8 +46,8 @@ def suggest_instance(rates, pairs):
 def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None,
                   workers_here=True):
     """What a Modal handler's pool needs from its app file, imported here: (the record's "modal"
-    entry, the max_deliveries / batch_timeout / instance_type its retries=, timeout= and gpu=
-    suggest, notes); (None, {}, []) for a calque handler. `workers_here`: pip packages checked."""
+    entry, the retries / max_deliveries / batch_timeout / instance_type its retries=, timeout=
+    and gpu= suggest, notes); (None, {}, []) for a calque handler. `workers_here`: pip packages checked."""
     path, name = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         if not imports_modal(f.read(), path):
@@ -99,7 +100,10 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
                      f"{name or 'none in rates.json'}{price}")
     retries = options.get("retries")
     if retries is not None:
-        suggested["max_deliveries"] = 1 + (retries if isinstance(retries, int) else retries.max_retries)
+        policy = retry_policy(**(retries.policy if hasattr(retries, "policy") else
+                                 {"max_retries": retries}))
+        suggested["retries"] = policy   # an item that raises, retried; a crash, redelivered
+        suggested["max_deliveries"] = 1 + policy["max_retries"]
     if options.get("timeout"):   # a batch is one call of a @modal.batched, else one call per item
         fn = getattr(target.user_cls, method) if method else target.raw_f
         per_batch = 1 if getattr(fn, "_modal_role", {}).get("kind") == "batched" else batch_size

@@ -905,6 +905,10 @@ def format_run(run, summaries, view, results_uri, names):
         index = last + 1
     lines += [f"  claim {claim} dead-lettered: {v['detail']}" for claim, v in view["claims"].items()
               if v["state"] == "dead-lettered"]
+    retried, attempts = (sum(s.get("retried", {}).get(k, 0) for s in summaries)
+                         for k in ("items", "attempts"))
+    if retried:   # a pool's retries (docs/modal.md): their attempts, the first included
+        lines.append(f"  {retried} item{'s' * (retried > 1)} retried ({attempts} attempts)")
     lines += format_item_errors(run, summaries, names)
     lines.append(f"  results: {results_uri}  ({command()} runs results {run['run_id']})")
     cancelled = sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})

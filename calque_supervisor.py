@@ -315,7 +315,7 @@ class LocalFleet:
         record = pool.create(args.handler, 0, batch_size=args.batch_size,
                              visibility_timeout=args.visibility_timeout,
                              max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout,
-                             modal=modal, include=include)
+                             modal=modal, include=include, retries=args.retries)
         counted = idle is not None or any(n is not None for n in (args.count, args.lo, args.hi))
         if existed and version_of(existed):   # the same version: pool.create refuses another
             here = read_supervisor(self.conf, model)   # none: workers start as at a first create

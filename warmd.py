@@ -46,6 +46,7 @@ import fcntl
 import functools
 import glob
 import hashlib
+import heapq
 import importlib.util
 import itertools
 import json
@@ -297,9 +298,12 @@ def load_framer(folder=None):
 ffi, framer = load_framer()
 
 
-def format_outcome(outcome, base):
+def format_outcome(outcome, base, attempts=None):
     """One batch's [(ok, result or error)] as ([result lines], failed indices, errors): encoded in
-    one call and framed in C where all succeeded (frame_lines), else item by item (format_each)."""
+    one call and framed in C where all succeeded (frame_lines), else item by item (format_each;
+    `attempts`: {index: calls} of the items retried, said in their lines)."""
+    if attempts:
+        return format_each(outcome, base, attempts)
     if framer is not None and all(ok for ok, _ in outcome):
         lines = frame_lines([value for _, value in outcome], base)
         if lines is not None:
@@ -322,19 +326,20 @@ def frame_lines(values, base):
     return ffi.unpack(out, written).decode()
 
 
-def format_each(outcome, base):
+def format_each(outcome, base, attempts=None):
     """format_outcome one item at a time (encode_fast, else encode_result). Arrays in a result
     (calque.typed_cells) are null in its line and kept in binary in the lines' cells. A result that
     is not strict JSON fails its item alone."""
-    lines, failed, errors, cells = [], [], {}, []
+    lines, failed, errors, cells, attempts = [], [], {}, [], attempts or {}
     for i, (ok, value) in enumerate(outcome, base):
+        tried = f',"attempts":{attempts[i]}' if i in attempts else ""
         if ok:
             try:
                 typed = calque_core.typed_cells(value)
                 value = value if typed is None else typed[0]
                 fast = b"null" if typed and value is None else encode_fast(value)
                 text = encode_result(value) if fast is None else fast.decode()
-                lines.append(f'{{"i":{i},"ok":true,"result":{text}}}\n')
+                lines.append(f'{{"i":{i},"ok":true,"result":{text}{tried}}}\n')
                 cells += [(i - base, *cell) for cell in typed[1]] if typed else []
                 continue
             except Exception as e:
@@ -346,6 +351,8 @@ def format_each(outcome, base):
             line["trace"] = value.trace
         if getattr(value, "raised", None):   # a `modal run` call's exception (calque.ModalHandler)
             line["raised"] = value.raised
+        if tried:
+            line["attempts"] = attempts[i]
         lines.append(encode_result(line) + "\n")
     text = "".join(lines)
     if cells:
@@ -1290,6 +1297,9 @@ class ClaimRun:
         self.parts, self.failed, self.errors = [], [], {}   # [start, stop]s; run indices; messages
         self.resumed_failed = 0                   # of `failed`, those from earlier parts
         self.formatted = []                       # (stop, format_outcome's) not yet in a part
+        self.held = []                            # units whose items wait a retry (hold), in order
+        self.retries = []                         # heap: (due, offset, its unit's hold, payload)
+        self.retried = Counter()                  # items retried, their attempts in all
         self.kind = None                          # Collator.claim_kind, once, as its drain starts
         self.batches, self.last_commit = 0, 0.0   # batches since the last part, and when it went
         self.reported_at = 0.0                    # monotonic s of its last progress record
@@ -1343,13 +1353,15 @@ class ClaimRun:
                     current = self.collated(ahead, units, runnable, u, lone)
                 waited, busy = self.wait_seconds, self.model_seconds
                 outcome = self.run_unit(unit, runnable[u], current)
+                self.hold(unit, outcome)
                 self.items.drop(unit)
                 if single:                    # it ran alone and the process lived: not a killer
                     if any([self.record["deaths"].pop(str(k), 0) for k in runnable[u]]):
                         self.worker.rules.mark_churn()
                 elif self.kind == BY_HANDLER and not first:
                     model.deepen(self.wait_seconds - waited, self.model_seconds - busy)
-                self.keep(unit, format_outcome(outcome, self.first + unit.start))
+                self.retry(wait=False)
+            self.retry(wait=True)
             self.commit()
         finally:
             for future in ahead.values():   # gathered ahead of a loop that ended early: slots back
@@ -1427,6 +1439,47 @@ class ClaimRun:
             ran = dict(zip(runnable, outcome))
         return [ran[k] if k in ran else (False, missing.get(k) or self.quarantined[str(k)])
                 for k in unit]
+
+    def hold(self, unit, outcome):
+        """A unit's outcome, held until its items that raised are retried (the pool's retries, as
+        Modal's: max_retries, each after its backoff) while later units run; kept in order."""
+        policy = self.worker.record.get("retries")
+        held = {"unit": unit, "outcome": list(outcome), "attempts": {}, "pending": 0}
+        for k, (ok, value) in zip(unit, outcome):
+            if policy and not ok and isinstance(value, ItemError):
+                held["attempts"][self.first + k] = 1
+                held["pending"] += 1
+                due = time.monotonic() + policy["initial_delay"]
+                heapq.heappush(self.retries, (due, k, held, self.items[k]))
+        self.held.append(held)
+
+    def retry(self, wait):
+        """The held items' retries now due (with `wait`: all, each at its time; the heartbeat keeps
+        the lease meanwhile), then the held units now settled kept, in order."""
+        policy = self.worker.record.get("retries")
+        while self.retries and (wait or self.retries[0][0] <= time.monotonic()):
+            due, k, held, payload = heapq.heappop(self.retries)
+            self.worker.release_now.wait(max(0.0, due - time.monotonic()))
+            self.check()   # given back (a stop, the lease lost): what is kept stays done
+            outcome, model, waited = self.worker.model.run(None, [payload], [k], self.kind)
+            self.model_seconds += model
+            self.wait_seconds += waited
+            held["outcome"][k - held["unit"].start] = outcome[0]
+            held["attempts"][self.first + k] += 1
+            retries = held["attempts"][self.first + k] - 1   # done so far
+            if not outcome[0][0] and isinstance(outcome[0][1], ItemError) and (
+                    retries < policy["max_retries"]):
+                delay = policy["initial_delay"] * policy["backoff_coefficient"] ** retries
+                due = time.monotonic() + min(delay, policy["max_delay"])
+                heapq.heappush(self.retries, (due, k, held, payload))
+            else:
+                held["pending"] -= 1
+        while self.held and not self.held[0]["pending"]:
+            held = self.held.pop(0)
+            attempts = {i: n for i, n in held["attempts"].items() if n > 1}
+            self.retried.update(items=len(attempts), attempts=sum(attempts.values()))
+            unit = held["unit"]
+            self.keep(unit, format_outcome(held["outcome"], self.first + unit.start, attempts))
 
     def keep(self, unit, lines):
         """A unit's result lines: spooled, held for the next part, progress said every
@@ -1529,7 +1582,8 @@ class ClaimRun:
             enter_seconds_paid=self.enter_paid, acquisition_seconds=self.acquisition,
             model_seconds=self.model_seconds, notes=notes, parts=self.parts,
             resumed=self.start, collate_wait_seconds=round(self.wait_seconds, 6),
-            prefetch=worker.model.pipelined(self.kind), gpu_utilisation=self.gpu)
+            prefetch=worker.model.pipelined(self.kind), gpu_utilisation=self.gpu,
+            **({"retried": dict(self.retried)} if self.retried["items"] else {}))
         worker.output.flush()              # what the claim printed lands before its summary
         self.put(calque_core.summary_key(self.run_id, self.claim_id), json.dumps(summary, indent=1))
         worker.made_progress()
@@ -1906,8 +1960,10 @@ class Model:
                         return [(True, o) for o in rows], model, wait
                     except ValueError as e:     # the wrong count or shape: all fail, none retried
                         return [(False, str(e))] * len(payloads), model, wait
-                except Exception:
+                except Exception as e:
                     model = self.model_clock() - t0
+                    if len(payloads) == 1:   # one item (alone, a retry): its error, not a 2nd call
+                        return [(False, item_error(e, payloads[0]))], model, wait
                 finally:
                     self.collator.release(prepared)
             outcome = []

@@ -96,8 +96,11 @@ Period = Cron
 
 
 class Retries:
+    """retries=: kept as given; pool create checks it (calque_core.retry_policy) and the workers
+    retry an item that raises with its backoff."""
     def __init__(self, max_retries, backoff_coefficient=2.0, initial_delay=1.0, max_delay=60.0):
-        self.max_retries = max_retries
+        self.policy = dict(max_retries=max_retries, backoff_coefficient=backoff_coefficient,
+                           initial_delay=initial_delay, max_delay=max_delay)
 
 
 class Secret:
