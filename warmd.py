@@ -368,6 +368,12 @@ class ItemError(str):
     trace, kept, raised = (), None, None
 
 
+def raised(ok, value):
+    """Whether an item's outcome is its call's exception (an ItemError): what the pool's retries
+    retry; not a wrong result count, a quarantined or a vanished item."""
+    return not ok and isinstance(value, ItemError)
+
+
 def item_error(error, payload=None):
     """The ItemError of a handler's exception for one item, with its last frames. A BytesIO's
     address in it (a decoder's name for the bytes it was given) is the file's path in the result
@@ -1446,7 +1452,7 @@ class ClaimRun:
         policy = self.worker.record.get("retries")
         held = {"unit": unit, "outcome": list(outcome), "attempts": {}, "pending": 0}
         for k, (ok, value) in zip(unit, outcome):
-            if policy and not ok and isinstance(value, ItemError):
+            if policy and raised(ok, value):
                 held["attempts"][self.first + k] = 1
                 held["pending"] += 1
                 due = time.monotonic() + policy["initial_delay"]
@@ -1467,8 +1473,7 @@ class ClaimRun:
             held["outcome"][k - held["unit"].start] = outcome[0]
             held["attempts"][self.first + k] += 1
             retries = held["attempts"][self.first + k] - 1   # done so far
-            if not outcome[0][0] and isinstance(outcome[0][1], ItemError) and (
-                    retries < policy["max_retries"]):
+            if raised(*outcome[0]) and retries < policy["max_retries"]:
                 delay = policy["initial_delay"] * policy["backoff_coefficient"] ** retries
                 due = time.monotonic() + min(delay, policy["max_delay"])
                 heapq.heappush(self.retries, (due, k, held, payload))
