@@ -12,15 +12,14 @@ from calque_core import (CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR, CLAIM_SIZE_MAX,
                          imports_modal, key_values, load_pool, measured_seconds, modal_param,
                          new_run_id, now_iso, parse_handler_spec, pool_queue_name, pool_settings,
                          pool_version, read_json, read_run, read_worker_stats, retry_policy,
-                         run_key,
-                         run_queue_names, setting_number, settings, slug, snapshot_handler,
-                         version_label, version_of, write_json)
+                         run_key, run_queue_names, setting_number, settings, slug,
+                         snapshot_handler, state_dir, version_label, version_of, write_json)
 from calque_runs import ClaimSizes, as_sizes, cancel_run, stage_run, wait_for_run
 from calque_cost import (_usd, choose_pricing, instance_rate_per_second, load_rates,
                          measured_enter_seconds)
 from calque_supervisor import (LIVE_STATES, STOPPED_SHOWN, WORKER_LOST_AFTER, LocalFleet,
                                crash_looping, gpu_devices, pid_alive, read_scaling,
-                               read_supervisor, state_dir)
+                               read_supervisor)
 
 
 # ------------------------------------------------------------------------------------------------
