@@ -10,11 +10,12 @@ import calque
 
 
 class Echo:
-    """Doubles x; an item with "fail" raises, so only that item fails; counts @enter calls in a file."""
+    """Doubles x; an item with "fail" raises, so only that item fails. Its @enter builds a small table:
+    tens of microseconds, so that the time a cold claim paid never rounds to 0 in its summary."""
 
     @calque.enter
     def load(self):
-        self.loaded = True
+        self.loaded = dict.fromkeys(range(2000), True)
 
     @calque.batch
     def run(self, items):
