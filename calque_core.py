@@ -474,7 +474,8 @@ def _row_ranges(rows):
     return ranges
 
 
-def _npy(array):
+def npy_bytes(array):
+    """An array as .npy bytes, C-ordered and without pickle (npy_view reads them back)."""
     import numpy as np
     buf = io.BytesIO()
     np.lib.format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
@@ -502,9 +503,9 @@ def encode_part(chunks):
             blocks.append({"field": field, "dtype": dtype, "shape": list(arrays[0].shape) if uniform else None,
                            "rows": _row_ranges([row for row, _ in cells])})
             stacked = np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])
-            z.writestr(f"b{k}.npy", _npy(stacked))
+            z.writestr(f"b{k}.npy", npy_bytes(stacked))
             if not uniform:
-                z.writestr(f"b{k}.shapes.npy", _npy(np.array([a.shape for a in arrays], dtype=np.int64)))
+                z.writestr(f"b{k}.shapes.npy", npy_bytes(np.array([a.shape for a in arrays], dtype=np.int64)))
         z.writestr("index.json", json.dumps({"format": PART_FORMAT, "items": at, "blocks": blocks}))
     return ".npz", buf.getvalue()
 

@@ -3,13 +3,13 @@ numeric arrays, Arrow tables, files) is one Source class: it counts or streams i
 them into claims and stages each claim's manifest. read_claim reads any claim back for a worker;
 the results and redrive read it through manifest_items and claim_field (docs/contract.md,
 "Sources"). Stands on calque_core; calque_runs sends what a source stages."""
-import collections, contextlib, glob, io, itertools, json, os, re, stat, sys, threading, zipfile
+import collections, contextlib, glob, itertools, json, os, re, stat, sys, threading, zipfile
 import zlib
 
 from calque_core import (CLAIM_BYTES, Changed, ITEM_BYTES_MAX, ITEM_DEPTH_MAX, LocalStore,
                          NotFound, READ_BLOCK, READ_FIRST, Requests, S3Store, Unavailable,
                          UserError, _aws_error_info, aws_error_line, checked_json, did_you_mean,
-                         dumps, json_line, npy_view, size_text, text_lines, to_jsonable,
+                         dumps, json_line, npy_bytes, npy_view, size_text, text_lines, to_jsonable,
                          unchanged)
 
 RESULT_FIELDS = ("i", "ok", "result", "error", "trace")   # a result line's own: never an --id-field
@@ -296,15 +296,12 @@ class ArrayItems(Source):
 def stage_arrays(backend, manifest, fields):
     """Write each field's {role: array} (values, offsets, valid) as .npy objects; returns the
     manifest's `arrays` ({field: {role: key}}), keys numbered (a column name need not be safe)."""
-    import numpy as np
     entry = {}
     for number, (name, roles) in enumerate(fields.items()):
         entry[name] = {}
         for role, array in roles.items():
-            buf = io.BytesIO()
-            np.save(buf, np.ascontiguousarray(array), allow_pickle=False)
             key = f"runs/{manifest['run_id']}/inputs/{manifest['claim']}/{number}.{role}.npy"
-            backend.store.put(key, buf.getvalue())
+            backend.store.put(key, npy_bytes(array))
             entry[name][role] = key
     return entry
 
@@ -959,11 +956,8 @@ def table_items(table, start, source):
     json = [n for n in table.column_names if n not in numeric]
     items = ([dict(zip(json, row)) for row in zip(*(_json_column(table.column(n)) for n in json))] if json
              else [{} for _ in range(table.num_rows)])
-    fields = {}
-    for name in numeric:
-        roles = _numeric_column(table.column(name).combine_chunks(), name, start, source)
-        fields[name] = (roles["values"], roles.get("offsets"), roles.get("valid"))
-    return merge_fields(items, fields)
+    return merge_fields(items, {name: _numeric_column(table.column(name).combine_chunks(), name,
+                                                      start, source) for name in numeric})
 
 
 # ---- reading a claim back: a worker runs it, results name its items (whatever kind staged it)
@@ -977,7 +971,7 @@ def array_items(store, manifest):
         if (offsets is not None and len(offsets) != count + 1) or (offsets is None and len(values) != count) \
                 or (valid is not None and len(valid) != count):
             raise ValueError(f"field {name!r} does not hold {count} items")
-        fields[name] = (values, offsets, valid)
+        fields[name] = {"values": values, "offsets": offsets, "valid": valid}
     items = manifest.get("items") or [{} for _ in range(count)]
     if len(items) != count:
         raise ValueError(f"'items' does not hold {count} items")
@@ -985,8 +979,9 @@ def array_items(store, manifest):
 
 
 def merge_fields(items, fields):
-    """Set each {field: (values, offsets, valid)} in the items, row i item i's."""
-    for name, (values, offsets, valid) in fields.items():
+    """Set each {field: {role: array}} (_numeric_column's roles) in the items, row i item i's."""
+    for name, roles in fields.items():
+        values, offsets, valid = roles["values"], roles.get("offsets"), roles.get("valid")
         for i, item in enumerate(items):
             item[name] = (None if valid is not None and not valid[i] else
                           values[i] if offsets is None else values[offsets[i]:offsets[i + 1]])
@@ -1001,13 +996,10 @@ def bytes_items(store, manifest, items):
     for k, path, start, stop in entry["at"]:
         if not 0 <= start <= stop <= len(blob):
             raise ValueError(f"bytes [{start}, {stop}) are outside {entry['key']}")
-        if not path:
-            items[k] = blob[start:stop]
-            continue
-        node = items[k]
-        for step in path[:-1]:
+        node, *steps, last = [items, k, *path]
+        for step in steps:
             node = node[step]
-        node[path[-1]] = blob[start:stop]
+        node[last] = blob[start:stop]
     return items
 
 
