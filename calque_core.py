@@ -693,12 +693,9 @@ def make_message(run_id, model, manifest_uri, claim, resume=False, version=None)
     # `claim` (an extra field) lets a worker write a failure summary for a claim whose
     # manifest_uri it refuses; `resume` (runs resume, redrive): look for its result parts;
     # `version`: the pool version the run was submitted to, the only one that may run it.
-    msg = {"run_id": run_id, "model": model, "manifest_uri": manifest_uri, "claim": claim}
-    if version:
-        msg["version"] = version
-    if resume:
-        msg["resume"] = True
-    return json.dumps(msg)
+    optional = {"version": version, "resume": bool(resume)}
+    return json.dumps({"run_id": run_id, "model": model, "manifest_uri": manifest_uri,
+                       "claim": claim, **{key: value for key, value in optional.items() if value}})
 
 
 def parse_message(body):
@@ -754,10 +751,8 @@ def claim_summary(*, run_id, claim, model, worker_id, mode, backend, receive_cou
     model_seconds None: not measured; `parts`: [start, stop] of each part covering it; `resumed`:
     items from earlier deliveries; `measured`: the worker's other measurements."""
     failed, claim_seconds = list(failed), max(0.0, finished - started)
-    if error is None and not failed:
-        status = "ok"
-    else:
-        status = "failed" if error is not None or len(failed) == items else "partial"
+    status = ("failed" if error is not None or failed and len(failed) == items
+              else "partial" if failed else "ok")
     occupancy = {"value": None, "source": "drain-loop", "scope": "claim", "measured": model_seconds is not None}
     if model_seconds is not None and claim_seconds > 0:
         occupancy["value"] = round(model_seconds / claim_seconds, 4)
@@ -886,11 +881,9 @@ def load_handler(path, cls, modal=None, container=False, streams=None):
             handler = ModalHandler(target, method, modal or {}, streams)
             return handler, handler.enter, handler.batch, handler.collate
     module = import_file(path, "calque_handler_" + re.sub(r"\W", "_", os.path.basename(path)[:-3]))
-    obj, methods = getattr(module, cls)(), {}
-    for attr in dir(type(obj)):
-        role = getattr(getattr(type(obj), attr), "_calque_role", None)
-        if role:
-            methods[role] = getattr(obj, attr)
+    obj = getattr(module, cls)()
+    methods = {role: getattr(obj, attr) for attr in dir(type(obj))
+               if (role := getattr(getattr(type(obj), attr), "_calque_role", None))}
     missing = [f"@calque.{r}" for r in ("enter", "batch") if r not in methods]
     if missing:
         raise UserError(f"handler {path}:{cls} lacks {' and '.join(missing)} (its own or a base class's)")
@@ -1445,10 +1438,8 @@ class LocalStore:
 
     def key_for_uri(self, uri):
         """The key a URI names, or None when it points outside this store's root."""
-        if not uri.startswith("file://"):
-            return None
         path = os.path.realpath(uri[len("file://"):])
-        if not path.startswith(self.root + os.sep):
+        if not uri.startswith("file://") or not path.startswith(self.root + os.sep):
             return None
         return os.path.relpath(path, self.root).replace(os.sep, "/")
 
@@ -1523,9 +1514,8 @@ class LocalStore:
             return []
         except OSError as e:
             raise self._fault("list", prefix, e) from None
-        keys = sorted(prefix + n for n in names if ".tmp-" not in n)
-        if start_after is not None:
-            keys = [k for k in keys if k > start_after]
+        keys = sorted(prefix + n for n in names
+                      if ".tmp-" not in n and prefix + n > (start_after or ""))
         self.keys_listed += len(keys)
         return keys
 
