@@ -132,15 +132,6 @@ def pyproject():
         return tomllib.load(f)
 
 
-def calque_version():
-    """This calque's version: its package metadata, else (a checkout) its pyproject.toml's."""
-    import importlib.metadata
-    try:
-        return importlib.metadata.version("calque")
-    except importlib.metadata.PackageNotFoundError:
-        return pyproject()["project"]["version"]
-
-
 class UserError(Exception):
     """A mistake the user can fix: printed as one line, exit 2, nothing lost."""
 
@@ -465,13 +456,8 @@ class TypedLines(str):
 
 def _row_ranges(rows):
     """[[start, stop], ...] of sorted row offsets: index.json's compact form of a block's rows."""
-    ranges = []
-    for row in rows:
-        if ranges and ranges[-1][1] == row:
-            ranges[-1][1] += 1
-        else:
-            ranges.append([row, row + 1])
-    return ranges
+    runs = (list(run) for _, run in itertools.groupby(enumerate(rows), lambda at: at[1] - at[0]))
+    return [[run[0][1], run[-1][1] + 1] for run in runs]   # a run: rows one apart
 
 
 def npy_bytes(array):
@@ -541,10 +527,8 @@ class Block(typing.NamedTuple):
         keep = self.rows >= skip
         if self.shapes is None:
             return self._replace(rows=self.rows[keep] - skip, values=self.values[keep])
-        import numpy as np
-        ends = self.shapes.prod(axis=1).cumsum()
-        flat = np.concatenate([self.values[end - size:end] for end, size, k in
-                               zip(ends, self.shapes.prod(axis=1), keep) if k] or [self.values[:0]])
+        import numpy as np   # each kept row's values: its size repeated in a mask
+        flat = self.values[np.repeat(keep, self.shapes.prod(axis=1))]
         return self._replace(rows=self.rows[keep] - skip, values=flat, shapes=self.shapes[keep])
 
 
@@ -2599,7 +2583,12 @@ class VersionAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, help="print calque's version and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        print(f"calque {calque_version()}")
+        import importlib.metadata
+        try:   # its package metadata, else (a checkout) its pyproject.toml's
+            version = importlib.metadata.version("calque")
+        except importlib.metadata.PackageNotFoundError:
+            version = pyproject()["project"]["version"]
+        print(f"calque {version}")
         parser.exit()
 
 

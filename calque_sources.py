@@ -662,12 +662,8 @@ def _media_size(value):
 
 def _fitting(sizes):
     """How many of the first items fit in CLAIM_BYTES (one at least)."""
-    total = 0
-    for k, size in enumerate(sizes):
-        total += size
-        if total > CLAIM_BYTES and k:
-            return k
-    return len(sizes)
+    totals = enumerate(itertools.accumulate(sizes))
+    return next((k for k, total in totals if total > CLAIM_BYTES and k), len(sizes))
 
 
 def _cut(start, chunk, sizes):
