@@ -923,14 +923,10 @@ def _row_range(f, start, stop, columns):
     """Rows [start, stop) of a ParquetFile: only the row groups that hold them are read, a batch
     at a time."""
     import pyarrow as pa
-    groups, first, at = [], None, 0
-    for g in range(f.metadata.num_row_groups):
-        n = f.metadata.row_group(g).num_rows
-        if at < stop and at + n > start:
-            groups.append(g)
-            first = at if first is None else first
-        at += n
-    batches, skip, want = [], start - (first or 0), stop - start
+    sizes = [f.metadata.row_group(g).num_rows for g in range(f.metadata.num_row_groups)]
+    starts = [0, *itertools.accumulate(sizes)]   # the first row of each group
+    groups = [g for g, n in enumerate(sizes) if starts[g] < stop and starts[g] + n > start]
+    batches, skip, want = [], start - starts[groups[0] if groups else 0], stop - start
     for batch in f.iter_batches(row_groups=groups, columns=columns, use_threads=False):
         if skip >= batch.num_rows:
             skip -= batch.num_rows
