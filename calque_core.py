@@ -294,8 +294,7 @@ SAFE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # run and claim ids
 
 def slug(model, prefix=POOL_PREFIX):
     """The queue-safe form of a model name, cut so that prefix + slug fits in 80 characters."""
-    s = re.sub(r"[^a-z0-9_]", "-", model.lower())
-    s = re.sub(r"-+", "-", s).strip("-")
+    s = re.sub(r"[^a-z0-9_]+", "-", model.lower()).strip("-")   # a run of others: one '-'
     s = s[: QUEUE_NAME_MAX - len(prefix)].rstrip("-")
     if not s:
         raise UserError(f"model name {model!r} has no letters or digits to name a queue with: "
