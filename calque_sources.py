@@ -262,16 +262,15 @@ class ArrayItems(Source):
             if values.dtype.hasobject or values.dtype.kind not in "biuf":
                 raise UserError(f"{path}: array {name!r} has dtype {values.dtype}: only numeric arrays are items")
             offsets = arrays.get(name + "_offsets")
-            if offsets is not None:
-                if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) < 1 or offsets[0] != 0 \
-                        or offsets[-1] != len(values) or (np.diff(offsets) < 0).any() or values.ndim != 1:
-                    raise UserError(f"{path}: {name}_offsets must be N+1 increasing ints from 0 to "
-                                    f"len({name}) over a 1-D {name}")
-                counts[name] = len(offsets) - 1
-            else:
-                if values.ndim == 0:
-                    raise UserError(f"{path}: array {name!r} is a scalar: its first axis must index the items")
-                counts[name] = values.shape[0]
+            if offsets is not None and (values.ndim != 1 or offsets.ndim != 1 or len(offsets) < 1
+                                        or offsets.dtype.kind not in "iu" or offsets[0] != 0
+                                        or offsets[-1] != len(values) or (np.diff(offsets) < 0).any()):
+                raise UserError(f"{path}: {name}_offsets must be N+1 increasing ints from 0 to "
+                                f"len({name}) over a 1-D {name}")
+            if values.ndim == 0:
+                raise UserError(f"{path}: array {name!r} is a scalar: its first axis must index "
+                                f"the items")
+            counts[name] = len(values) if offsets is None else len(offsets) - 1
             fields[name] = (np.ascontiguousarray(values), offsets)
         if len(set(counts.values())) > 1:
             raise UserError(f"{path}: fields disagree on the item count: {counts}")

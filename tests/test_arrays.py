@@ -1,6 +1,9 @@
 """Numeric inputs (.npy, ragged .npz) staged as binary and read back by the worker as views."""
 import json
+import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ import calque
 import calque_core
 import calque_runs
 import calque_sources
-from conftest import HANDLERS, cli, start_worker
+from conftest import HANDLERS, ROOT, cli, start_worker
 
 
 def test_npy_view_is_a_view_not_a_copy():
@@ -55,6 +58,8 @@ def test_stage_and_read_back_ragged_and_fixed(tmp_path):
     ({"a": np.zeros((3, 2)), "b": np.zeros(4)}, "disagree on the item count"),
     ({"a": np.zeros((0, 2))}, "holds no items"),
     ({"s": np.array(["x", "y"])}, "only numeric arrays"),
+    ({"x": np.array(5)}, "is a scalar: its first axis must index the items"),
+    ({"x": np.array(5), "x_offsets": np.array([0, 1])}, "x_offsets must be .* over a 1-D x"),
 ])
 def test_bad_array_inputs(tmp_path, arrays, problem):
     """Bad numeric inputs are refused with a message naming the field."""
@@ -62,6 +67,20 @@ def test_bad_array_inputs(tmp_path, arrays, problem):
     np.savez(path, **arrays)
     with pytest.raises(calque.UserError, match=problem):
         calque_sources.read_items(str(path))
+
+
+@pytest.mark.parametrize("spelling", ["script", "installed"])
+def test_a_ragged_scalar_is_one_line(local_env, tmp_path, spelling):
+    """A scalar with offsets (`x_offsets` over a 0-d `x`) is refused by submit in one line, exit 2, from
+    either spelling of the command: not a traceback of len() of an unsized object."""
+    np.savez(tmp_path / "bad.npz", x=np.array(5), x_offsets=np.array([0, 1]))
+    command = ([sys.executable, os.path.join(ROOT, "calque.py")] if spelling == "script"
+               else [os.path.join(os.path.dirname(sys.executable), "calque")])
+    out = subprocess.run([*command, "submit", "--model", "sum", "--handler", f"{HANDLERS}:RowSum", "bad.npz"],
+                         env=local_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == ["calque: error: bad.npz: x_offsets must be N+1 increasing ints "
+                                               "from 0 to len(x) over a 1-D x"]
 
 
 def test_numeric_run_end_to_end(local_env, tmp_path):
