@@ -490,7 +490,8 @@ def encode_part(chunks):
             stacked = np.stack(arrays) if uniform else np.concatenate([a.ravel() for a in arrays])
             z.writestr(f"b{k}.npy", npy_bytes(stacked))
             if not uniform:
-                z.writestr(f"b{k}.shapes.npy", npy_bytes(np.array([a.shape for a in arrays], dtype=np.int64)))
+                shapes = np.array([a.shape for a in arrays], dtype=np.int64)
+                z.writestr(f"b{k}.shapes.npy", npy_bytes(shapes))
         z.writestr("index.json", json.dumps({"format": PART_FORMAT, "items": at, "blocks": blocks}))
     return ".npz", buf.getvalue()
 

@@ -264,7 +264,8 @@ class ArrayItems(Source):
             offsets = arrays.get(name + "_offsets")
             if offsets is not None and (values.ndim != 1 or offsets.ndim != 1 or len(offsets) < 1
                                         or offsets.dtype.kind not in "iu" or offsets[0] != 0
-                                        or offsets[-1] != len(values) or (np.diff(offsets) < 0).any()):
+                                        or offsets[-1] != len(values)
+                                        or (np.diff(offsets) < 0).any()):
                 raise UserError(f"{path}: {name}_offsets must be N+1 increasing ints from 0 to "
                                 f"len({name}) over a 1-D {name}")
             if values.ndim == 0:

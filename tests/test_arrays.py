@@ -71,16 +71,17 @@ def test_bad_array_inputs(tmp_path, arrays, problem):
 
 @pytest.mark.parametrize("spelling", ["script", "installed"])
 def test_a_ragged_scalar_is_one_line(local_env, tmp_path, spelling):
-    """A scalar with offsets (`x_offsets` over a 0-d `x`) is refused by submit in one line, exit 2, from
-    either spelling of the command: not a traceback of len() of an unsized object."""
+    """A scalar with offsets (`x_offsets` over a 0-d `x`) is refused by submit in one line, exit 2,
+    from either spelling of the command: not a traceback of len() of an unsized object."""
     np.savez(tmp_path / "bad.npz", x=np.array(5), x_offsets=np.array([0, 1]))
     command = ([sys.executable, os.path.join(ROOT, "calque.py")] if spelling == "script"
                else [os.path.join(os.path.dirname(sys.executable), "calque")])
-    out = subprocess.run([*command, "submit", "--model", "sum", "--handler", f"{HANDLERS}:RowSum", "bad.npz"],
-                         env=local_env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    args = ["submit", "--model", "sum", "--handler", f"{HANDLERS}:RowSum", "bad.npz"]
+    out = subprocess.run([*command, *args], env=local_env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert out.stderr.strip().splitlines() == ["calque: error: bad.npz: x_offsets must be N+1 increasing ints "
-                                               "from 0 to len(x) over a 1-D x"]
+    assert out.stderr.strip().splitlines() == ["calque: error: bad.npz: x_offsets must be N+1 "
+                                               "increasing ints from 0 to len(x) over a 1-D x"]
 
 
 def test_numeric_run_end_to_end(local_env, tmp_path):
