@@ -646,9 +646,8 @@ def format_ladder(ladder, status):
     if ladder.get("too_few_claims"):
         return lines + [f"  {ladder['too_few_claims']}"]
     lines.append(f"  {'items':>9}  {'warm':>13}  {'cold':>13}  {'serverless':>13}  cheapest")
-    for row in ladder["rows"]:
-        lines.append(f"  {row['items']:>9,}  {_usd(row['warm_usd']):>13}  {_usd(row['cold_usd']):>13}  "
-                     f"{_usd(row['serverless_usd']):>13}  {row['cheapest']}")
+    lines += [f"  {row['items']:>9,}  {_usd(row['warm_usd']):>13}  {_usd(row['cold_usd']):>13}  "
+              f"{_usd(row['serverless_usd']):>13}  {row['cheapest']}" for row in ladder["rows"]]
     for name, w in ladder["wins"].items():
         if w["from"] is None:
             lines.append(f"  {name:<10}  {w['reason']}")
@@ -664,15 +663,14 @@ def format_ladder(ladder, status):
 def format_cost_table(run_reports, priced_as):
     """`calque.py cost RUN RUN ...`: one comparison line per (run record, run_cost report)."""
     width = max(len(run["run_id"]) for run, _ in run_reports)
-    lines = [f"priced as {priced_as}",
-             f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} "
-             f"{'fixed_s':>8} {'drain_s':>8} {'total':>13} {'per 1,000 items':>16}"]
-    for run, report in run_reports:
-        lines.append(f"  {run['run_id']:<{width}} {run['mode']:<5} {report['claims']:>6} {report['warm_hits']:>5} "
-                     f"{report['items']:>7} {report['fixed_seconds']:>8.2f} {report['variable_seconds']:>8.3f} "
-                     f"{_usd(report['total_usd']):>13} {_usd(report['usd_per_1000_items'] or 0):>16}"
-                     + ("  [partial]" if report["partial"] else ""))
-    return lines
+    header = [f"priced as {priced_as}",
+              f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} "
+              f"{'fixed_s':>8} {'drain_s':>8} {'total':>13} {'per 1,000 items':>16}"]
+    return header + [f"  {run['run_id']:<{width}} {run['mode']:<5} {report['claims']:>6} "
+                     f"{report['warm_hits']:>5} {report['items']:>7} {report['fixed_seconds']:>8.2f} "
+                     f"{report['variable_seconds']:>8.3f} {_usd(report['total_usd']):>13} "
+                     f"{_usd(report['usd_per_1000_items'] or 0):>16}"
+                     + ("  [partial]" if report["partial"] else "") for run, report in run_reports]
 
 
 def format_pool_cost(report, priced_as, model):
