@@ -251,8 +251,6 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
              expected_claims=None, backend="aws"):
     """Price a run from its claim summaries: actual, warm, cold (`shards` fresh acquisitions) and
     the saving (docs/cost.md); fewer summaries than expected_claims is partial."""
-    if backend not in ("aws", "local"):
-        raise ValueError(f"backend must be 'aws' or 'local', got {backend!r}")
     _check_numbers(enter_seconds=enter_seconds, acquisition_seconds=acquisition_seconds)
     claims = [claim_cost(s, rate_per_s, rates) for s in summaries]
     items = sum(int(_seconds(s, "items", _claim_label(s))) for s in summaries)

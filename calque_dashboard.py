@@ -524,10 +524,8 @@ def usd(x):
     return f"${x:.{max(2, 2 - math.floor(math.log10(abs(x))))}f}".replace("$-", "-$")
 
 
-def secs(s):
-    if s < 120:
-        return f"{s:.2f} s" if s < 10 else f"{s:.0f} s"
-    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+def secs(s):   # _duration, but below 2 min whole seconds (0.01 s below 10 s)
+    return calque_fleet._duration(s) if s >= 120 else f"{s:.2f} s" if s < 10 else f"{s:.0f} s"
 
 
 def percent(x):
