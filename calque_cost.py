@@ -664,8 +664,9 @@ def format_cost_table(run_reports, priced_as):
     header = [f"priced as {priced_as}",
               f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} "
               f"{'fixed_s':>8} {'drain_s':>8} {'total':>13} {'per 1,000 items':>16}"]
-    return header + [f"  {run['run_id']:<{width}} {run['mode']:<5} {r['claims']:>6} {r['warm_hits']:>5} "
-                     f"{r['items']:>7} {r['fixed_seconds']:>8.2f} {r['variable_seconds']:>8.3f} "
+    return header + [f"  {run['run_id']:<{width}} {run['mode']:<5} {r['claims']:>6} "
+                     f"{r['warm_hits']:>5} {r['items']:>7} {r['fixed_seconds']:>8.2f} "
+                     f"{r['variable_seconds']:>8.3f} "
                      f"{_usd(r['total_usd']):>13} {_usd(r['usd_per_1000_items'] or 0):>16}"
                      + ("  [partial]" if r["partial"] else "") for run, r in run_reports]
 
