@@ -317,12 +317,9 @@ def rate_series(cache, now):
 
 def latest_summaries(caches):
     """{worker id: its most recent summary} over the cached runs."""
-    latest, ends = {}, {}
-    for cache in caches:
-        for claim, s in cache.summaries.items():
-            if cache.times[claim][1] > ends.get(s["worker_id"], -math.inf):
-                latest[s["worker_id"]], ends[s["worker_id"]] = s, cache.times[claim][1]
-    return latest
+    ended = sorted(((c.times[claim][1], s) for c in caches for claim, s in c.summaries.items()),
+                   key=lambda pair: pair[0])
+    return {s["worker_id"]: s for _, s in ended}   # each worker's latest written last
 
 
 def pool_workers(status, latest):
