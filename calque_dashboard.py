@@ -125,12 +125,10 @@ class Dashboard:
 
     def once(self, what):
         """True the first time `what` is asked for in this request (always, outside one)."""
-        if self.fresh is None:
-            return True
-        if what in self.fresh:
-            return False
-        self.fresh.add(what)
-        return True
+        seen = set() if self.fresh is None else self.fresh
+        first = what not in seen
+        seen.add(what)
+        return first
 
     # -- reading
     def run_cache(self, run_id):
@@ -157,8 +155,8 @@ class Dashboard:
 
     def pool_status(self, model):
         """calque.pool_status, read again after POOL_TTL s (a missing pool's UserError too)."""
-        at, status = self.pools.get(model, (None, None))
-        if at is None or time.monotonic() - at > POOL_TTL:
+        at, status = self.pools.get(model, (-math.inf, None))
+        if time.monotonic() - at > POOL_TTL:
             try:
                 status = calque_fleet.pool_status(self.conf, self.backend, model)
             except calque_core.UserError as err:
