@@ -23,13 +23,11 @@ def load_rates(path=None):
     path = str(path or package_file("calque_data", "rates.json"))
     try:
         with open(path, encoding="utf-8") as f:
-            text = f.read()
+            rates = json.load(f)
     except FileNotFoundError:
         raise UserError(f"rates file {path} not found ---> HINT: pass --rates FILE, or restore rates.json") from None
     except OSError as e:
         raise UserError(f"rates file {path}: cannot read it ({e.strerror})") from None
-    try:
-        rates = json.loads(text)
     except json.JSONDecodeError as e:
         raise UserError(f"rates file {path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     _check_rates(rates, path)
@@ -186,21 +184,16 @@ def request_counts(requests):
     unknown = set(requests) - set(REQUEST_KEYS)
     if unknown:
         raise ValueError(f"unknown request counter(s) {sorted(unknown)}; known: {', '.join(REQUEST_KEYS)}")
-    counts = {}
-    for k in REQUEST_KEYS:
-        v = requests.get(k, 0)
+    counts = {k: requests.get(k, 0) for k in REQUEST_KEYS}
+    for k, v in counts.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise ValueError(f"request counter {k} must be a count >= 0, got {v!r}")
-        counts[k] = v
     return counts
 
 
 def _add_counts(many):
-    total = dict.fromkeys(REQUEST_KEYS, 0)
-    for counts in many:
-        for k, v in request_counts(counts).items():
-            total[k] += v
-    return total
+    many = [request_counts(counts) for counts in many]
+    return {k: sum(counts[k] for counts in many) for k in REQUEST_KEYS}
 
 
 def request_cost(rates, requests):
@@ -258,8 +251,6 @@ def run_cost(summaries, rate_per_s, rates, enter_seconds, acquisition_seconds, *
              expected_claims=None, backend="aws"):
     """Price a run from its claim summaries: actual, warm, cold (`shards` fresh acquisitions) and
     the saving (docs/cost.md); fewer summaries than expected_claims is partial."""
-    if backend not in ("aws", "local"):
-        raise ValueError(f"backend must be 'aws' or 'local', got {backend!r}")
     _check_numbers(enter_seconds=enter_seconds, acquisition_seconds=acquisition_seconds)
     claims = [claim_cost(s, rate_per_s, rates) for s in summaries]
     items = sum(int(_seconds(s, "items", _claim_label(s))) for s in summaries)
@@ -532,23 +523,24 @@ def choose_pricing(price, records):
     EC2 instance type its workers ran on (an EC2 pool's or cold run's); else, where it saw no GPU,
     as the rates file's defaults.cpu_instance_type, or, without one, its label says a GPU price was
     assumed."""
+    def priced_as(instance_type, why):
+        priced = pricing(instance_type=instance_type, spot=price.spot,
+                         savings_plan=price.savings_plan, rates=price.rates)
+        return priced._replace(label=f"{priced.label}: {why} (--instance-type prices another)",
+                               chosen=False)
+
     if price.chosen:
         return price
     ran_on = {r.get("instance_type") for r in records} - {None}
     if len(ran_on) == 1 and next(iter(ran_on)) in price.rates["ec2"]["instances"]:
-        priced = pricing(instance_type=ran_on.pop(), spot=price.spot, savings_plan=price.savings_plan,
-                         rates=price.rates)
-        return priced._replace(label=f"{priced.label}: the type the workers ran on (--instance-type prices "
-                                     "another)", chosen=False)
+        return priced_as(ran_on.pop(), "the type the workers ran on")
     if not used_no_gpu(records):
         return price
     cpu = price.rates["defaults"].get("cpu_instance_type", {}).get("value")
     if cpu is None:
         return price._replace(label=f"{price.label}; a GPU price assumed for work that used no "
                                     "GPU (the rates file names no defaults.cpu_instance_type)")
-    priced = pricing(instance_type=cpu, spot=price.spot, savings_plan=price.savings_plan, rates=price.rates)
-    return priced._replace(label=f"{priced.label}: no worker saw a GPU (--instance-type prices another)",
-                           chosen=False)
+    return priced_as(cpu, "no worker saw a GPU")
 
 
 def pool_cost_report(worker_stats, price, since=None):
@@ -652,9 +644,8 @@ def format_ladder(ladder, status):
     if ladder.get("too_few_claims"):
         return lines + [f"  {ladder['too_few_claims']}"]
     lines.append(f"  {'items':>9}  {'warm':>13}  {'cold':>13}  {'serverless':>13}  cheapest")
-    for row in ladder["rows"]:
-        lines.append(f"  {row['items']:>9,}  {_usd(row['warm_usd']):>13}  {_usd(row['cold_usd']):>13}  "
-                     f"{_usd(row['serverless_usd']):>13}  {row['cheapest']}")
+    lines += [f"  {row['items']:>9,}  {_usd(row['warm_usd']):>13}  {_usd(row['cold_usd']):>13}  "
+              f"{_usd(row['serverless_usd']):>13}  {row['cheapest']}" for row in ladder["rows"]]
     for name, w in ladder["wins"].items():
         if w["from"] is None:
             lines.append(f"  {name:<10}  {w['reason']}")
@@ -670,15 +661,14 @@ def format_ladder(ladder, status):
 def format_cost_table(run_reports, priced_as):
     """`calque.py cost RUN RUN ...`: one comparison line per (run record, run_cost report)."""
     width = max(len(run["run_id"]) for run, _ in run_reports)
-    lines = [f"priced as {priced_as}",
-             f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} "
-             f"{'fixed_s':>8} {'drain_s':>8} {'total':>13} {'per 1,000 items':>16}"]
-    for run, report in run_reports:
-        lines.append(f"  {run['run_id']:<{width}} {run['mode']:<5} {report['claims']:>6} {report['warm_hits']:>5} "
-                     f"{report['items']:>7} {report['fixed_seconds']:>8.2f} {report['variable_seconds']:>8.3f} "
-                     f"{_usd(report['total_usd']):>13} {_usd(report['usd_per_1000_items'] or 0):>16}"
-                     + ("  [partial]" if report["partial"] else ""))
-    return lines
+    header = [f"priced as {priced_as}",
+              f"  {'run':<{width}} {'mode':<5} {'claims':>6} {'warm':>5} {'items':>7} "
+              f"{'fixed_s':>8} {'drain_s':>8} {'total':>13} {'per 1,000 items':>16}"]
+    return header + [f"  {run['run_id']:<{width}} {run['mode']:<5} {r['claims']:>6} "
+                     f"{r['warm_hits']:>5} {r['items']:>7} {r['fixed_seconds']:>8.2f} "
+                     f"{r['variable_seconds']:>8.3f} "
+                     f"{_usd(r['total_usd']):>13} {_usd(r['usd_per_1000_items'] or 0):>16}"
+                     + ("  [partial]" if r["partial"] else "") for run, r in run_reports]
 
 
 def format_pool_cost(report, priced_as, model):

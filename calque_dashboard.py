@@ -77,7 +77,7 @@ class RunCache:
 
     def __init__(self, run):
         self.run, self.summaries, self.times, self.below, self.order = run, {}, {}, 0, []
-        self.cost = None   # (summaries priced, run_cost_report's answer)
+        self.cost = (0, None)   # (summaries priced, run_cost_report's answer: None before one)
         self.names = {}    # {index: name} of the failed items shown (calque.item_names)
 
     @property
@@ -115,7 +115,7 @@ class Dashboard:
 
     @contextlib.contextmanager
     def request(self):
-        """One page or API answer: each run and the runs list read at most once in it."""
+        """One page or API answer, under the lock: each run and the runs list read at most once."""
         with self.lock:
             self.fresh = set()
             try:
@@ -125,12 +125,10 @@ class Dashboard:
 
     def once(self, what):
         """True the first time `what` is asked for in this request (always, outside one)."""
-        if self.fresh is None:
-            return True
-        if what in self.fresh:
-            return False
-        self.fresh.add(what)
-        return True
+        seen = set() if self.fresh is None else self.fresh
+        first = what not in seen
+        seen.add(what)
+        return first
 
     # -- reading
     def run_cache(self, run_id):
@@ -157,8 +155,8 @@ class Dashboard:
 
     def pool_status(self, model):
         """calque.pool_status, read again after POOL_TTL s (a missing pool's UserError too)."""
-        at, status = self.pools.get(model, (None, None))
-        if at is None or time.monotonic() - at > POOL_TTL:
+        at, status = self.pools.get(model, (-math.inf, None))
+        if time.monotonic() - at > POOL_TTL:
             try:
                 status = calque_fleet.pool_status(self.conf, self.backend, model)
             except calque_core.UserError as err:
@@ -181,17 +179,14 @@ class Dashboard:
 
     def run_cost(self, cache):
         """run_cost_report's (report, ladder, label, status), priced again only on new summaries."""
-        if not cache.summaries:
-            return None
-        if cache.cost is None or cache.cost[0] != len(cache.summaries):
+        if cache.cost[0] != len(cache.summaries):
             report = calque_cost.run_cost_report(self.backend, cache.run, cache.in_order(), self.price)
             cache.cost = (len(cache.summaries), report)
         return cache.cost[1]
 
     # -- views: each a dict of plain values, what /api/... answers
     def pools_view(self):
-        with self.lock:
-            return {"pools": [self.pool_summary(m) for m in calque_supervisor.list_pools(self.backend)]}
+        return {"pools": [self.pool_summary(m) for m in calque_supervisor.list_pools(self.backend)]}
 
     def pool_summary(self, model):
         status = self.pool_status(model)
@@ -206,16 +201,15 @@ class Dashboard:
                 "items_per_second_now": items_now(caches)}
 
     def pool_view(self, model):
-        with self.lock:
-            view = self.pool_summary(model)
-            caches = self.model_runs(model, "pool", POOL_RUNS)
-            stats = self.pool_stats(model)
-            view["workers"] = pool_workers(self.pool_status(model), latest_summaries(caches))
-            view["timeline"] = timeline(caches, stats, live=bool(view["workers_running"]))
-            view["runs"] = [self.cost_row(c) for c in caches + self.model_runs(model, "cold", 1)]
-            cost, view["priced_as"] = calque_cost.pool_cost_report(stats, self.price)
-            view["pool_cost"] = cost if stats else None
-            return view
+        view = self.pool_summary(model)
+        caches = self.model_runs(model, "pool", POOL_RUNS)
+        stats = self.pool_stats(model)
+        view["workers"] = pool_workers(self.pool_status(model), latest_summaries(caches))
+        view["timeline"] = timeline(caches, stats, live=bool(view["workers_running"]))
+        view["runs"] = [self.cost_row(c) for c in caches + self.model_runs(model, "cold", 1)]
+        cost, view["priced_as"] = calque_cost.pool_cost_report(stats, self.price)
+        view["pool_cost"] = cost if stats else None
+        return view
 
     def cost_row(self, cache):
         """A run's line of a pool's cost table: what it cost, and its cold counterfactual."""
@@ -227,47 +221,45 @@ class Dashboard:
                 "cold_usd": cost[0]["cold"]["usd"] if cost and pool else None}
 
     def runs_view(self, page=1):
-        with self.lock:
-            records = self.run_records()
-            pages = max(1, math.ceil(len(records) / RUNS_PER_PAGE))
-            page = min(max(1, page), pages)
-            shown = [self.run_cache(r["run_id"]) for r in
-                     records[(page - 1) * RUNS_PER_PAGE:page * RUNS_PER_PAGE]]
-            return {"page": page, "pages": pages, "total": len(records), "runs": [
-                {"run_id": c.run["run_id"], "model": c.run["model"], "mode": c.run["mode"],
-                 "items": c.run["items"], "claims": len(c.run["claims"]),
-                 "done_claims": len(c.summaries), "created_at": c.run["created_at"],
-                 "cancelled": bool(c.run.get("cancelled")), "state": view["state"],
-                 "ok": view["items"]["ok"], "failed": view["items"]["failed"],
-                 "outcomes": view["items"]} for c, view in ((c, self.outcome(c)) for c in shown)]}
+        records = self.run_records()
+        pages = max(1, math.ceil(len(records) / RUNS_PER_PAGE))
+        page = min(max(1, page), pages)
+        shown = [self.run_cache(r["run_id"]) for r in
+                 records[(page - 1) * RUNS_PER_PAGE:page * RUNS_PER_PAGE]]
+        return {"page": page, "pages": pages, "total": len(records), "runs": [
+            {"run_id": c.run["run_id"], "model": c.run["model"], "mode": c.run["mode"],
+             "items": c.run["items"], "claims": len(c.run["claims"]),
+             "done_claims": len(c.summaries), "created_at": c.run["created_at"],
+             "cancelled": bool(c.run.get("cancelled")), "state": view["state"],
+             "ok": view["items"]["ok"], "failed": view["items"]["failed"],
+             "outcomes": view["items"]} for c, view in ((c, self.outcome(c)) for c in shown)]}
 
     def run_view(self, run_id):
-        with self.lock:
-            cache = self.run_cache(run_id)
-            run, summaries, now = cache.run, cache.in_order(), time.time()
-            view = self.outcome(cache)
-            items = view["items"]
-            groups = calque_runs.item_errors(summaries)
-            shown = [i for i in calque_runs.first_items(groups, ERROR_GROUPS) if i not in cache.names]
-            cache.names.update(calque_runs.item_names(self.backend, run, summaries, shown))
-            rate = overall_rate(cache, now) if cache.complete else items_now([cache], now)
-            stats = self.pool_stats(run["model"]) if run["mode"] == "pool" else []
-            return {
-                "run_id": run_id, "model": run["model"], "mode": run["mode"],
-                "created_at": run["created_at"], "items_total": run["items"],
-                "claims_total": len(run["claims"]), "complete": view["complete"],
-                "state": view["state"], "cancelled": run.get("cancelled"), "items": items,
-                "claim_counts": view["claim_counts"],
-                "queue": view["queue"], "items_per_second": rate,
-                "eta_seconds": items["pending"] / rate if rate and items["pending"] else None,
-                "items_running_done": view["items_running_done"],   # inside claims not finished yet
-                "done_fraction": 1 - (items["pending"] - view["items_running_done"]) / run["items"]
-                if run["items"] else 1.0,
-                "rate_series": rate_series(cache, now),
-                "timeline": timeline([cache], stats, live=bool(items["pending"])),
-                "failures": failures(groups, view, cache.names),
-                "cost": cost_view(self.run_cost(cache)),
-                "logs": worker_logs(self.conf, run, self.backend)}
+        cache = self.run_cache(run_id)
+        run, summaries, now = cache.run, cache.in_order(), time.time()
+        view = self.outcome(cache)
+        items = view["items"]
+        groups = calque_runs.item_errors(summaries)
+        shown = [i for i in calque_runs.first_items(groups, ERROR_GROUPS) if i not in cache.names]
+        cache.names.update(calque_runs.item_names(self.backend, run, summaries, shown))
+        rate = overall_rate(cache) if cache.complete else items_now([cache], now)
+        stats = self.pool_stats(run["model"]) if run["mode"] == "pool" else []
+        return {
+            "run_id": run_id, "model": run["model"], "mode": run["mode"],
+            "created_at": run["created_at"], "items_total": run["items"],
+            "claims_total": len(run["claims"]), "complete": view["complete"],
+            "state": view["state"], "cancelled": run.get("cancelled"), "items": items,
+            "claim_counts": view["claim_counts"],
+            "queue": view["queue"], "items_per_second": rate,
+            "eta_seconds": items["pending"] / rate if rate and items["pending"] else None,
+            "items_running_done": view["items_running_done"],   # inside claims not finished yet
+            "done_fraction": 1 - (items["pending"] - view["items_running_done"]) / run["items"]
+            if run["items"] else 1.0,
+            "rate_series": rate_series(cache, now),
+            "timeline": timeline([cache], stats, live=bool(items["pending"])),
+            "failures": failures(groups, view, cache.names),
+            "cost": cost_view(self.run_cost(cache)),
+            "logs": worker_logs(self.conf, run, self.backend)}
 
 
 def cost_view(cost):
@@ -295,12 +287,10 @@ def items_now(caches, now=None):
     return done / window if done and window > 0 else None
 
 
-def overall_rate(cache, now):
-    """Items a second from the first claim's start to the last one's end (to now while live)."""
-    if not cache.times:
-        return None
-    start = min(t[0] for t in cache.times.values())
-    end = max(t[1] for t in cache.times.values()) if cache.complete else now
+def overall_rate(cache):
+    """Items a second of a complete run, from its first claim's start to its last one's end."""
+    start = min((t[0] for t in cache.times.values()), default=0.0)
+    end = max((t[1] for t in cache.times.values()), default=0.0)
     items = sum(s["items"] for s in cache.summaries.values())
     return items / (end - start) if end > start else None
 
@@ -325,12 +315,9 @@ def rate_series(cache, now):
 
 def latest_summaries(caches):
     """{worker id: its most recent summary} over the cached runs."""
-    latest, ends = {}, {}
-    for cache in caches:
-        for claim, s in cache.summaries.items():
-            if cache.times[claim][1] > ends.get(s["worker_id"], -math.inf):
-                latest[s["worker_id"]], ends[s["worker_id"]] = s, cache.times[claim][1]
-    return latest
+    ended = sorted(((c.times[claim][1], s) for c in caches for claim, s in c.summaries.items()),
+                   key=lambda pair: pair[0])
+    return {s["worker_id"]: s for _, s in ended}   # each worker's latest written last
 
 
 def pool_workers(status, latest):
@@ -454,10 +441,8 @@ def failures(groups, view, names):
 def worker_logs(conf, run, backend):
     """{log path: its last LOG_LINES lines} of the run's workers on this machine (a local pool's
     slots, a cold run's shards); for an EC2 pool, {"": where its logs are}."""
-    if run["mode"] == "cold":
-        folder = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run["run_id"])
-    else:
-        folder = calque_core.state_dir(conf, run["model"])
+    folder = (os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "runs", run["run_id"])
+              if run["mode"] == "cold" else calque_core.state_dir(conf, run["model"]))
     tails = {}
     for path in sorted(glob.glob(os.path.join(folder, "worker-*.log"))):
         with contextlib.suppress(OSError), open(path, "rb") as f:
@@ -534,12 +519,8 @@ def usd(x):
     return f"${x:.{max(2, 2 - math.floor(math.log10(abs(x))))}f}".replace("$-", "-$")
 
 
-def secs(s):
-    if s is None:
-        return "-"
-    if s < 120:
-        return f"{s:.2f} s" if s < 10 else f"{s:.0f} s"
-    return f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+def secs(s):   # _duration, but below 2 min whole seconds (0.01 s below 10 s)
+    return calque_fleet._duration(s) if s >= 120 else f"{s:.2f} s" if s < 10 else f"{s:.0f} s"
 
 
 def percent(x):
@@ -650,9 +631,8 @@ def svg_timeline(tl):
                          '</rect>')
         parts.append("</g>")
     axis = len(tl["rows"]) * row_h + 14
-    for k in range(6):
-        parts.append(f'<text x="{label + width * k / 5:.0f}" y="{axis}" text-anchor="middle">'
-                     f'+{secs(tl["seconds"] * k / 5)}</text>')
+    parts += [f'<text x="{label + width * k / 5:.0f}" y="{axis}" text-anchor="middle">'
+              f'+{secs(tl["seconds"] * k / 5)}</text>' for k in range(6)]
     kinds = {b[2] for row in tl["rows"] for b in row["bars"]}
     legend = "".join(f'<span class="key" style="background:{COLOURS[k]}"></span>{KIND_NAMES[k]}'
                      for k in COLOURS if k in kinds)
@@ -698,10 +678,9 @@ def svg_ladder(ladder, items):
 
     parts = [f'<svg id="ladder" width="{w + 130}" height="{h + 40}" '
              f'viewBox="-50 -10 {w + 130} {h + 40}">']
-    for k in range(int(math.log10(top_n)) + 1):
-        parts.append(f'<line x1="{x(10 ** k):.1f}" y1="0" x2="{x(10 ** k):.1f}" y2="{h}" '
-                     f'stroke="#f0efee"/><text x="{x(10 ** k):.1f}" y="{h + 14}" '
-                     f'text-anchor="middle">{10 ** k:,}</text>')
+    parts += [f'<line x1="{x(10 ** k):.1f}" y1="0" x2="{x(10 ** k):.1f}" y2="{h}" '
+              f'stroke="#f0efee"/><text x="{x(10 ** k):.1f}" y="{h + 14}" '
+              f'text-anchor="middle">{10 ** k:,}</text>' for k in range(int(math.log10(top_n)) + 1)]
     label_y = -math.inf
     for name, fn in sorted(cost.items(), key=lambda kv: -kv[1](top_n)):   # labels top down, apart
         points = " ".join(f"{x(n):.1f},{y(fn(n)):.1f}"

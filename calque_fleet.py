@@ -324,13 +324,6 @@ def mark_lost_workers(stats, now=None):
     return marked
 
 
-def worker_counts(workers):
-    """'3 (1 running, 2 lost)': the workers with stats, by state ('1 starting' while one is)."""
-    states = Counter(w.get("state") for w in workers)
-    starting = f"{states['starting']} starting, " if states["starting"] else ""
-    return f"{len(workers)} ({starting}{states['running']} running, {states['lost']} lost)"
-
-
 def format_pool_status(status, store_description):
     """pool_status as `pool status` prints it: queues, fleet, local workers, a table of workers."""
     q, d = status["queue"], status["dlq"]
@@ -344,15 +337,17 @@ def format_pool_status(status, store_description):
         alive = sum(w["alive"] for w in status["local_workers"])
         lines.append(f"  local workers: {alive} alive of {sup['desired']} desired (supervisor pid "
                      f"{sup['pid']}, {sup['restarts']} restart(s))")
-        if status["scaling"]:
-            b = status["scaling"]
+        if b := status["scaling"]:
             lines.append(f"  sizes itself: {b['lo']}..{b['hi']} workers on its backlog (drain target "
                          f"{b['target_drain']:g} s; after {b['idle_window'] / 60:g} idle min -> {b['lo']})")
         lines += [format_local_worker(w) for w in status["local_workers"]]
     else:
         lines.append("  local workers: none on this machine")
     running = [w for w in status["workers"] if w.get("state") in LIVE_STATES]
-    lines.append(f"  workers with stats: {worker_counts(status['workers'])}")
+    states = Counter(w.get("state") for w in status["workers"])   # '1 starting' while one is
+    starting = f"{states['starting']} starting, " if states["starting"] else ""
+    lines.append(f"  workers with stats: {len(status['workers'])} ({starting}{states['running']} "
+                 f"running, {states['lost']} lost)")
     fallback = [w for w in running if w.get("fastbatch") == "reference"]
     if fallback:   # never silently numpy on a GPU pool
         lines.append(f"  note: {len(fallback)} running worker(s) collate with fastbatch's numpy fallback, not its C "
