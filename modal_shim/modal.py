@@ -20,6 +20,8 @@ import threading
 import uuid
 from concurrent.futures import Future, wait   # its TimeoutError is the builtin one (3.11)
 
+import calque_values
+
 runner = None      # set by `calque modal run`: call(target, params, items) -> an iterator of result dicts
 container = False  # True in a worker: Image.imports() blocks import for real there
 
@@ -414,7 +416,7 @@ def _remote_exception(result):
         with contextlib.suppress(TypeError):   # a class that cannot be mixed with RemoteError
             mixed = type(kind.__name__, (kind, RemoteError), {"__module__": kind.__module__,
                                                                "__qualname__": kind.__qualname__})
-            error = mixed.__new__(mixed, *raised.args)
+            error = mixed.__new__(mixed, *calque_values.exception_args(raised))
             error.args, error.__dict__ = raised.args, vars(raised)
     error.where = (result.get("raised") or {}).get("where")
     return error

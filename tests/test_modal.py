@@ -491,8 +491,8 @@ NUMPY = importlib.metadata.version("numpy")
 
 def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
     """A syntax error, a top-level import this Python lacks, an image pip package not installed or
-    not at the version pinned, a decorator without its parentheses, a web endpoint as the target, an
-    exception in the entrypoint: each one line naming the file (and line) and the next step."""
+    not at the version pinned, a decorator without its parentheses, a web endpoint as the target (of
+    pool create, and of modal run, named or alone in its file), an exception in the entrypoint: each one line naming the file (and line) and the next step."""
     cases = {
         "syntax.py": ("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x +\n",
                       "f", "syntax error on line 5"),
@@ -515,6 +515,14 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                   "--workers", "0")
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, (name, out.stderr)
         assert "boto3" not in out.stderr
+    for target, installed in ((str(tmp_path / "web.py"), False), (f"{tmp_path / 'web.py'}::f", True)):
+        out = modal_run(local_env, target, installed=installed)   # not "has no function f"
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert "web.py:f: f is a @modal.asgi_app web endpoint" in out.stderr
+    (tmp_path / "raw.py").write_text("import modal\napp = modal.App()\n@app.function()\n"
+                                     "def f(data: bytes):\n    return len(data)\n")
+    out = cli(local_env, "modal", "run", str(tmp_path / "raw.py"))   # Modal's CLI has no bytes option
+    assert out.returncode == 2 and "parameter data is a bytes: Modal's CLI" in out.stderr, out.stderr
     (tmp_path / "entry.py").write_text("import modal\napp = modal.App()\n@app.local_entrypoint()\ndef main():\n"
                                        "    raise RuntimeError('first\\nsecond')\n")
     out = cli(local_env, "modal", "run", str(tmp_path / "entry.py"))
