@@ -302,7 +302,10 @@ class Cls(_Declared):
         return {k: v._modal_role for k, v in vars(self.user_cls).items()
                 if getattr(v, "_modal_role", {}).get("kind") in ("method", "batched")}
 
-    def __call__(self, **params):
+    def __call__(self, *args, **params):
+        if args:   # Modal runs them through the class's own __init__ (deprecated since 0.73)
+            _unsupported(f"{self.__name__}(*args), an __init__'s arguments,",
+                         "declare them as modal.parameter() fields and pass them by name")
         unknown = set(params) - set(self.parameters())
         if unknown:
             raise app_error(TypeError(f"{self.__name__}() got parameters it does not declare: "

@@ -492,7 +492,8 @@ NUMPY = importlib.metadata.version("numpy")
 def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
     """A syntax error, a top-level import this Python lacks, an image pip package not installed or
     not at the version pinned, a decorator without its parentheses, a web endpoint as the target (of
-    pool create, and of modal run, named or alone in its file), an exception in the entrypoint: each one line naming the file (and line) and the next step."""
+    pool create, and of modal run, named or alone in its file), a class's constructor arguments, an
+    exception in the entrypoint: each one line naming the file (and line) and the next step."""
     cases = {
         "syntax.py": ("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x +\n",
                       "f", "syntax error on line 5"),
@@ -523,6 +524,13 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                                      "def f(data: bytes):\n    return len(data)\n")
     out = cli(local_env, "modal", "run", str(tmp_path / "raw.py"))   # Modal's CLI has no bytes option
     assert out.returncode == 2 and "parameter data is a bytes: Modal's CLI" in out.stderr, out.stderr
+    (tmp_path / "ctor.py").write_text(   # Modal's deprecated constructor arguments
+        "import modal\napp = modal.App()\n@app.cls()\nclass C:\n    def __init__(self, p):\n"
+        "        self.p = p\n    @modal.method()\n    def f(self):\n        return self.p\n"
+        "@app.local_entrypoint()\ndef main():\n    C('x').f.remote()\n")
+    out = modal_run(local_env, str(tmp_path / "ctor.py"), installed=True)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert "ctor.py:12: C(*args), an __init__'s arguments, is not supported" in out.stderr
     (tmp_path / "entry.py").write_text("import modal\napp = modal.App()\n@app.local_entrypoint()\ndef main():\n"
                                        "    raise RuntimeError('first\\nsecond')\n")
     out = cli(local_env, "modal", "run", str(tmp_path / "entry.py"))
