@@ -1259,8 +1259,8 @@ class ModalRun:
         finally:   # a second SIGTERM or Ctrl-C waits for the pools' deletion
             with handling(signal.SIG_IGN, signal.SIGTERM, signal.SIGINT):
                 self.output.stop()
-                for model in self.created:
-                    with contextlib.suppress(NotFound):
+                for model in self.created:   # UserError: no record, its making failed (and says why)
+                    with contextlib.suppress(NotFound, UserError):
                         Pool(model, context=self.context).delete(force=True)
 
 

@@ -486,6 +486,36 @@ def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
     wait_for(lambda: not running(model), 30, "the pool's supervisor and worker to exit")
 
 
+PATH_KEYED = '''
+import pathlib
+import modal
+
+app = modal.App()
+MOUNT = pathlib.PurePosixPath({mount!r})   # Modal takes a path as a volumes= key, as a str
+
+
+@app.function(volumes={{MOUNT: modal.Volume.from_name("notes", create_if_missing=True)}})
+def note(text: str = "hi"):
+    pathlib.Path(MOUNT, "note.txt").write_text(text)
+'''
+
+
+def test_volume_keyed_by_a_path_and_a_pool_that_fails_to_be_made(local_env, tmp_path):
+    """volumes={PurePosixPath: Volume} mounts as a str key does (it was a traceback in pool create,
+    and in modal run hidden behind "no pool ... nothing to delete"); an ephemeral pool that cannot
+    be made (CALQUE_STATE is a file) says why in one line, not that there is nothing to delete."""
+    path = tmp_path / "keyed.py"
+    path.write_text(PATH_KEYED.format(mount=str(tmp_path / "mnt")))
+    out = cli(local_env, "modal", "run", f"{path}::note", "--text", "kept")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "state" / "volumes" / "notes" / "note.txt").read_text() == "kept"
+    (tmp_path / "plain-file").write_text("")
+    env = dict(local_env, CALQUE_STATE=str(tmp_path / "plain-file"))
+    out = modal_run(env, f"{path}::note", "--volume", f"notes={tmp_path / 'mine'}", installed=True)
+    assert out.returncode != 0 and "no pool for model" not in out.stderr, out.stderr
+    assert "plain-file/pools: Not a directory" in out.stderr.splitlines()[-1], out.stderr
+
+
 NUMPY = importlib.metadata.version("numpy")
 
 
