@@ -1259,7 +1259,7 @@ class ModalRun:
         finally:   # a second SIGTERM or Ctrl-C waits for the pools' deletion
             with handling(signal.SIG_IGN, signal.SIGTERM, signal.SIGINT):
                 self.output.stop()
-                for model in self.created:   # UserError: no record, its making failed (and says why)
+                for model in self.created:   # UserError: no record: its making failed, saying why
                     with contextlib.suppress(NotFound, UserError):
                         Pool(model, context=self.context).delete(force=True)
 

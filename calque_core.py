@@ -1011,7 +1011,8 @@ def one_line(message):
 def web_endpoint(path, name, web):
     """The one line refusing a web endpoint as a pool's handler or `modal run`'s target."""
     return UserError(f"{path}:{name}: {name} is a @modal.{web} web endpoint: a calque pool serves "
-                     f"batch claims, not HTTP ---> HINT: name a plain @app.function or @modal.method")
+                     f"batch claims, not HTTP ---> HINT: name a plain @app.function or "
+                     f"@modal.method")
 
 
 def import_modal_app(path, name, container=False):

@@ -546,14 +546,16 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                   "--workers", "0")
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, (name, out.stderr)
         assert "boto3" not in out.stderr
-    for target, installed in ((str(tmp_path / "web.py"), False), (f"{tmp_path / 'web.py'}::f", True)):
+    web = tmp_path / "web.py"
+    for target, installed in ((str(web), False), (f"{web}::f", True)):
         out = modal_run(local_env, target, installed=installed)   # not "has no function f"
         assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
         assert "web.py:f: f is a @modal.asgi_app web endpoint" in out.stderr
     (tmp_path / "raw.py").write_text("import modal\napp = modal.App()\n@app.function()\n"
                                      "def f(data: bytes):\n    return len(data)\n")
-    out = cli(local_env, "modal", "run", str(tmp_path / "raw.py"))   # Modal's CLI has no bytes option
-    assert out.returncode == 2 and "parameter data is a bytes: Modal's CLI" in out.stderr, out.stderr
+    out = cli(local_env, "modal", "run", str(tmp_path / "raw.py"))   # Modal's CLI: no bytes option
+    assert out.returncode == 2, out.stderr
+    assert "parameter data is a bytes: Modal's CLI" in out.stderr
     (tmp_path / "ctor.py").write_text(   # Modal's deprecated constructor arguments
         "import modal\napp = modal.App()\n@app.cls()\nclass C:\n    def __init__(self, p):\n"
         "        self.p = p\n    @modal.method()\n    def f(self):\n        return self.p\n"
