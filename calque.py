@@ -34,8 +34,8 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          recent_summaries, refuse_other_version, result_lines, retry_policy,
                          setting_number, settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
                          stream_prefix, summary_claims, summary_key, update_run, user_code_error,
-                         version_label, version_of, wait_queue_reusable, wait_seconds, with_bytes,
-                         write_file_atomic, write_json)
+                         version_label, version_of, wait_queue_reusable, wait_seconds, web_endpoint,
+                         with_bytes, write_file_atomic, write_json)
 from calque_sources import as_items, read_items
 from calque_runs import (SubmitInterrupted, as_sizes,
                          cancel_run, check_deletable, claim_batch,
@@ -1259,8 +1259,8 @@ class ModalRun:
         finally:   # a second SIGTERM or Ctrl-C waits for the pools' deletion
             with handling(signal.SIG_IGN, signal.SIGTERM, signal.SIGINT):
                 self.output.stop()
-                for model in self.created:
-                    with contextlib.suppress(NotFound):
+                for model in self.created:   # UserError: no record: its making failed, saying why
+                    with contextlib.suppress(NotFound, UserError):
                         Pool(model, context=self.context).delete(force=True)
 
 
@@ -1284,7 +1284,8 @@ def entrypoint_parser(fn, prog):
         elif kind in MODAL_ARG_TYPES:
             parser.add_argument(flag, dest=name, type=kind, default=default, required=required)
         else:
-            raise UserError(f"entrypoint {fn.__name__}: parameter {name} is a {kind}: Modal's CLI "
+            raise UserError(f"entrypoint {fn.__name__}: parameter {name} is a "
+                            f"{getattr(kind, '__name__', kind)}: Modal's CLI "
                             "and calque's take int, float, str and bool")
     return parser
 
@@ -1334,21 +1335,24 @@ def cmd_modal_run(conf, backend, args):
 def modal_run_target(shim, module, path, name):
     """(callable, name) `modal run app.py[::name]` runs: a local entrypoint, else (as Modal's CLI)
     a function or Cls.method called once with its parameters as options."""
-    entrypoints, functions = {}, {}
+    entrypoints, functions, webs = {}, {}, {}
     for app in [v for v in vars(module).values() if isinstance(v, shim.App)]:
         entrypoints.update(app.entrypoints)
-        functions.update({key: f for key, f in app.registered_functions.items()
-                          if not getattr(f.raw_f, "_modal_role", {}).get("web")})
+        for key, f in app.registered_functions.items():
+            web = getattr(f.raw_f, "_modal_role", {}).get("web")
+            (webs if web else functions)[key] = web or f
         for key, cls in app.registered_classes.items():
             functions.update({f"{key}.{m}": cls for m in cls.methods()})
     if not name:
-        found = entrypoints or functions
-        if len(found) != 1:
+        found = entrypoints or functions or webs   # web endpoints only: the first is refused below
+        if len(found) != 1 and found is not webs:
             raise UserError(f"{path} has {len(entrypoints)} local entrypoints and {len(functions)} functions "
                             f"({', '.join(found) or 'none'}) ---> HINT: name one: modal run {path}::NAME")
         name = next(iter(found))
     if name in entrypoints:
         return entrypoints[name], name
+    if name in webs:
+        raise web_endpoint(path, name, webs[name])
     if name not in functions:
         raise UserError(f"{path} has no @app.local_entrypoint() or function {name} "
                         f"(it has: {', '.join([*entrypoints, *functions]) or 'none'})")

@@ -986,6 +986,13 @@ def one_line(message):
     return " ".join(str(message).split())
 
 
+def web_endpoint(path, name, web):
+    """The one line refusing a web endpoint as a pool's handler or `modal run`'s target."""
+    return UserError(f"{path}:{name}: {name} is a @modal.{web} web endpoint: a calque pool serves "
+                     f"batch claims, not HTTP ---> HINT: name a plain @app.function or "
+                     f"@modal.method")
+
+
 def import_modal_app(path, name, container=False):
     """(shim, registered object, method name or None) of `name` in a Modal app file."""
     shim, module = import_modal_file(path, container)
@@ -994,8 +1001,7 @@ def import_modal_app(path, name, container=False):
     if isinstance(target, shim.Function):
         web = getattr(target.raw_f, "_modal_role", {}).get("web")
         if web:
-            raise UserError(f"{path}:{name}: {top} is a @modal.{web} web endpoint: a calque pool serves batch "
-                            f"claims, not HTTP ---> HINT: name a plain @app.function or @modal.method")
+            raise web_endpoint(path, top, web)
         return shim, target, None
     if not isinstance(target, shim.Cls):
         raise UserError(f"{path}:{name}: {top} is not an @app.cls class or an @app.function function")

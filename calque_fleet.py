@@ -130,7 +130,7 @@ def modal_volumes(declared, volumes, workers_here, notes):
         folders[vol.name] = os.path.join(os.path.abspath(settings()["CALQUE_STATE"]), "volumes", slug(vol.name))
         os.makedirs(folders[vol.name], exist_ok=True)
         notes.append(f"volume {vol.name}: create_if_missing: the folder {folders[vol.name]}, at {mount} in workers")
-    return {mount: folders[vol.name] for mount, vol in declared.items()}
+    return {str(mount): folders[vol.name] for mount, vol in declared.items()}   # a path, as Modal
 
 
 def image_plan(image, app_path):

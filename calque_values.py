@@ -114,7 +114,7 @@ class Encoder:
         if isinstance(value, enum.Enum):
             return "enum", [name, value.name]
         if isinstance(value, BaseException):
-            return "exception", [name, [self.encode(v) for v in value.args]]
+            return "exception", [name, [self.encode(v) for v in exception_args(value)]]
         if isinstance(value, tuple) and hasattr(kind, "_fields"):
             return "namedtuple", [name, [self.encode(v) for v in value]]
         if dataclasses.is_dataclass(value):
@@ -184,6 +184,12 @@ def _object(payload, allowed):
     for k in fields.keys() - init:
         object.__setattr__(value, k, fields[k])
     return value
+
+
+def exception_args(error):
+    """What rebuilds an exception: its args, and an OSError's file names, which its args lack
+    (as pickle's OSError.__reduce__ gives them: Modal's `e.filename`, and its message's end)."""
+    return error.__reduce__()[1] if isinstance(error, OSError) else error.args
 
 
 def _exception(payload, allowed):

@@ -20,6 +20,8 @@ import threading
 import uuid
 from concurrent.futures import Future, wait   # its TimeoutError is the builtin one (3.11)
 
+import calque_values
+
 runner = None      # set by `calque modal run`: call(target, params, items) -> an iterator of result dicts
 container = False  # True in a worker: Image.imports() blocks import for real there
 
@@ -300,7 +302,10 @@ class Cls(_Declared):
         return {k: v._modal_role for k, v in vars(self.user_cls).items()
                 if getattr(v, "_modal_role", {}).get("kind") in ("method", "batched")}
 
-    def __call__(self, **params):
+    def __call__(self, *args, **params):
+        if args:   # Modal runs them through the class's own __init__ (deprecated since 0.73)
+            _unsupported(f"{self.__name__}(*args), an __init__'s arguments,",
+                         "declare them as modal.parameter() fields and pass them by name")
         unknown = set(params) - set(self.parameters())
         if unknown:
             raise app_error(TypeError(f"{self.__name__}() got parameters it does not declare: "
@@ -414,7 +419,7 @@ def _remote_exception(result):
         with contextlib.suppress(TypeError):   # a class that cannot be mixed with RemoteError
             mixed = type(kind.__name__, (kind, RemoteError), {"__module__": kind.__module__,
                                                                "__qualname__": kind.__qualname__})
-            error = mixed.__new__(mixed, *raised.args)
+            error = mixed.__new__(mixed, *calque_values.exception_args(raised))
             error.args, error.__dict__ = raised.args, vars(raised)
     error.where = (result.get("raised") or {}).get("where")
     return error

@@ -486,12 +486,43 @@ def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
     wait_for(lambda: not running(model), 30, "the pool's supervisor and worker to exit")
 
 
+PATH_KEYED = '''
+import pathlib
+import modal
+
+app = modal.App()
+MOUNT = pathlib.PurePosixPath({mount!r})   # Modal takes a path as a volumes= key, as a str
+
+
+@app.function(volumes={{MOUNT: modal.Volume.from_name("notes", create_if_missing=True)}})
+def note(text: str = "hi"):
+    pathlib.Path(MOUNT, "note.txt").write_text(text)
+'''
+
+
+def test_volume_keyed_by_a_path_and_a_pool_that_fails_to_be_made(local_env, tmp_path):
+    """volumes={PurePosixPath: Volume} mounts as a str key does (it was a traceback in pool create,
+    and in modal run hidden behind "no pool ... nothing to delete"); an ephemeral pool that cannot
+    be made (CALQUE_STATE is a file) says why in one line, not that there is nothing to delete."""
+    path = tmp_path / "keyed.py"
+    path.write_text(PATH_KEYED.format(mount=str(tmp_path / "mnt")))
+    out = cli(local_env, "modal", "run", f"{path}::note", "--text", "kept")
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "state" / "volumes" / "notes" / "note.txt").read_text() == "kept"
+    (tmp_path / "plain-file").write_text("")
+    env = dict(local_env, CALQUE_STATE=str(tmp_path / "plain-file"))
+    out = modal_run(env, f"{path}::note", "--volume", f"notes={tmp_path / 'mine'}", installed=True)
+    assert out.returncode != 0 and "no pool for model" not in out.stderr, out.stderr
+    assert "plain-file/pools: Not a directory" in out.stderr.splitlines()[-1], out.stderr
+
+
 NUMPY = importlib.metadata.version("numpy")
 
 
 def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
     """A syntax error, a top-level import this Python lacks, an image pip package not installed or
-    not at the version pinned, a decorator without its parentheses, a web endpoint as the target, an
+    not at the version pinned, a decorator without its parentheses, a web endpoint as the target (of
+    pool create, and of modal run, named or alone in its file), a class's constructor arguments, an
     exception in the entrypoint: each one line naming the file (and line) and the next step."""
     cases = {
         "syntax.py": ("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x +\n",
@@ -515,6 +546,23 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                   "--workers", "0")
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and words in out.stderr, (name, out.stderr)
         assert "boto3" not in out.stderr
+    web = tmp_path / "web.py"
+    for target, installed in ((str(web), False), (f"{web}::f", True)):
+        out = modal_run(local_env, target, installed=installed)   # not "has no function f"
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert "web.py:f: f is a @modal.asgi_app web endpoint" in out.stderr
+    (tmp_path / "raw.py").write_text("import modal\napp = modal.App()\n@app.function()\n"
+                                     "def f(data: bytes):\n    return len(data)\n")
+    out = cli(local_env, "modal", "run", str(tmp_path / "raw.py"))   # Modal's CLI: no bytes option
+    assert out.returncode == 2, out.stderr
+    assert "parameter data is a bytes: Modal's CLI" in out.stderr
+    (tmp_path / "ctor.py").write_text(   # Modal's deprecated constructor arguments
+        "import modal\napp = modal.App()\n@app.cls()\nclass C:\n    def __init__(self, p):\n"
+        "        self.p = p\n    @modal.method()\n    def f(self):\n        return self.p\n"
+        "@app.local_entrypoint()\ndef main():\n    C('x').f.remote()\n")
+    out = modal_run(local_env, str(tmp_path / "ctor.py"), installed=True)
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert "ctor.py:12: C(*args), an __init__'s arguments, is not supported" in out.stderr
     (tmp_path / "entry.py").write_text("import modal\napp = modal.App()\n@app.local_entrypoint()\ndef main():\n"
                                        "    raise RuntimeError('first\\nsecond')\n")
     out = cli(local_env, "modal", "run", str(tmp_path / "entry.py"))

@@ -71,6 +71,8 @@ def plan(job: Job, when: datetime.date, size: Size = Size.SMALL):
 def odd(x):
     if x == "json":
         return json.loads("{{")   # fails inside the standard library: the app's line is named
+    if x == "file":
+        return open("nothing-here.txt")   # an OSError's file name is not in its args
     at = datetime.datetime(2024, 5, 6, 7, 8, 9, tzinfo=datetime.timezone.utc)
     return {{"span": Span(1, 2), "set": {{3}}, "money": decimal.Decimal("1.10"), "at": at,
             "id": uuid.UUID(int=7), 1: "int key", "t": (1, (2,))}}
@@ -97,6 +99,10 @@ def main(fail: str = ""):
     out = list(plan.map(jobs, [datetime.date(2024, 1, 5)] * 2, return_exceptions=True))
     first = out[0] + ("!",)   # a tuple, as Modal gives it back
     error = out[1]
+    try:
+        odd.remote("file")
+    except FileNotFoundError as e:
+        missing = [e.filename, str(e)]
     print(json.dumps({{
         "first": [first[0], first[1], first[2].name, str(first[3]), [b.decode() for b in first[4]],
                   first[5]],
@@ -104,7 +110,7 @@ def main(fail: str = ""):
         "error": [type(error).__name__, isinstance(error, Unlucky),
                   isinstance(error, modal.RemoteError), error.job.name, str(error)],
         "odd": repr(odd.remote("x")), "functions": sorted(app.registered_functions),
-        "pairs": [repr(p) for p in pairs.remote_gen(3)]}}))
+        "pairs": [repr(p) for p in pairs.remote_gen(3)], "missing": missing}}))
     if fail == "local":
         class Point:   # a class no worker can find again by name
             pass
@@ -131,6 +137,8 @@ def test_values_of_modal_idioms_travel(backend, installed, request, tmp_path):
     assert got["path"] == "PosixPath"
     job = "Job(name='bad', day=datetime.date(2024, 1, 2), tags=())"
     assert got["error"] == ["Unlucky", True, True, "bad", f"({job}, 'due 2024-01-05')"]
+    assert got["missing"] == [
+        "nothing-here.txt", "[Errno 2] No such file or directory: 'nothing-here.txt'"]
     assert got["odd"] == (
         "{'span': Span(start=1, stop=2), 'set': {3}, 'money': Decimal('1.10'), "
         "'at': datetime.datetime(2024, 5, 6, 7, 8, 9, tzinfo=datetime.timezone.utc), "
@@ -197,13 +205,15 @@ def test_encoding_round_trip_and_plain_values_untouched():
               datetime.datetime(2024, 1, 2, 3, 4, 5, 6), datetime.date(2024, 1, 2),
               datetime.time(1, 2), datetime.timedelta(days=1, seconds=2, microseconds=3),
               decimal.Decimal("0.1"), uuid.uuid4(), pathlib.PurePosixPath("a/b"), Colour.RED,
-              Pair(1, b"x"), late, KeyError("k"), [ValueError("v")]]
+              Pair(1, b"x"), late, KeyError("k"), [ValueError("v")],
+              FileNotFoundError(2, "No such file or directory", "a.txt"),
+              OSError(1, "Operation not permitted", "a", None, "b")]
     for value in values:
         encoder = calque_values.Encoder(allowed, tag_bytes=True)
         back = calque_values.decode(json.loads(json.dumps(encoder.encode(value))), allowed)
         assert encoder.tagged and type(back) is type(value), value
         if isinstance(value, BaseException):
-            assert back.args == value.args
+            assert back.args == value.args and str(back) == str(value)   # an OSError's file names
         elif isinstance(value, list):
             assert type(back[0]) is ValueError and back[0].args == ("v",)
         else:
