@@ -38,13 +38,13 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          write_file_atomic, write_json)
 from calque_sources import as_items, read_items
 from calque_runs import (SubmitInterrupted, as_sizes,
-                         cancel_run, check_deletable, claim_batch,
+                         cancel_run, check_deletable, claim_batch, claim_parts,
                          claim_ids, claim_list, claim_states,
                          delete_run, drop_pool, field_value, format_runs_list, interrupted,
                          interrupted_waiting, listed_run, live_claims, next_step, parse_age,
                          redrive, report_run, run_array, run_options, run_table,
                          run_view, runs_to_prune, send_batch, send_claims, handling, sigint_noted,
-                         signals_interrupt, stage_run, typed_values, wait_for_run, with_parts)
+                         signals_interrupt, stage_run, typed_values, wait_for_run)
 from calque_cost import (_usd, format_cost_table, format_ladder, format_pool_cost, format_run_cost,
                          pool_cost_report, pricing, run_cost_report)
 from calque_supervisor import (DEPLOY_POLL, LIVE_STATES, LOCAL_WORKERS_DEFAULT, WORKER_START_GRACE,
@@ -265,8 +265,6 @@ def runs_to_adopt(backend, record, busy):
     return not warm and not any(started)
 
 
-
-
 def check_claim_size(claim_size):
     if claim_size is not None and claim_size < 1:
         raise UserError(f"--claim-size {claim_size}: must be at least 1")
@@ -446,7 +444,7 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
         if state not in ("done", "failed"):
             raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
                                     f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
-        yield from with_parts(backend, run, [(index, claim)])
+        yield index, claim, claim_parts(backend, run, index)
 
 
 def with_ids(backend, run, claim, parts):
@@ -471,11 +469,6 @@ def emit(args, data, text, *text_args):
 def _pricing(args):
     """The Pricing the cost options every cost-printing verb takes ask for."""
     return pricing(args.rates, args.instance_type, args.spot, args.savings_plan)
-
-
-def print_cancelled(model, cancelled):
-    for run_id, marked in cancelled.items():
-        print(f"pool {model}: run {run_id} cancelled: {len(marked)} claim(s) without a summary will not run")
 
 
 def print_redriven(record, sent):
@@ -605,21 +598,19 @@ def results_output(path):
     if path is None:
         yield sys.stdout.buffer, []
         return
+    try:
+        out = open(path, "wb")
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror}) ---> HINT: pick a path in a folder "
+                        "you can write to")
     rows = []
-    with open_output(path) as out:
+    with out:
         try:
             yield out, rows
         except BaseException:
             os.unlink(path)
             raise
     print(f"runs results: wrote {sum(rows):,} rows, {os.path.getsize(path):,} bytes, to {path}", file=sys.stderr)
-
-
-def open_output(path):
-    try:
-        return open(path, "wb")
-    except OSError as e:
-        raise UserError(f"cannot write {path} ({e.strerror}) ---> HINT: pick a path in a folder you can write to")
 
 
 def plan_run(conf, backend, model, items, claim_size, price):
@@ -760,7 +751,9 @@ def cmd_pool_delete(conf, backend, args):
     cancelled = fleet_for(conf, backend, record, args).delete(pool, record)
     if cancelled is False:
         return EXIT_FAILED
-    print_cancelled(args.model, cancelled)
+    for run_id, marked in cancelled.items():
+        print(f"pool {args.model}: run {run_id} cancelled: {len(marked)} claim(s) without a "
+              "summary will not run")
     return EXIT_OK
 
 
@@ -976,7 +969,7 @@ def cmd_runs_results(conf, backend, args):
                     not_run.setdefault(state, []).append(claim)
                     continue
                 try:
-                    yield from with_parts(backend, run, [(index, claim)])
+                    yield index, claim, claim_parts(backend, run, index)
                 except ResultsIncomplete as e:
                     print(f"calque: error: {e} ---> HINT: the store lost these results: submit "
                           "the claim's items again", file=sys.stderr)
@@ -1107,22 +1100,18 @@ def cmd_runs_redrive(conf, backend, args):
     return EXIT_OK
 
 
-def dashboard_module():
-    """calque_dashboard.py: imported only by `dashboard` and `runs report`."""
-    import calque_dashboard
-    return calque_dashboard
-
-
 def cmd_runs_report(conf, backend, args):
+    import calque_dashboard   # (the web page's code loads for `dashboard` and `runs report` alone)
     run_id = read_run(backend, args.run)["run_id"]
-    view = dashboard_module().write_report(conf, backend, run_id, args.html, _pricing(args))
+    view = calque_dashboard.write_report(conf, backend, run_id, args.html, _pricing(args))
     print(f"run {args.run}: report written to {args.html} ({view['items']['ok']} items ok, "
           f"{view['items']['failed']} failed, {view['items']['pending']} pending)")
     return EXIT_OK
 
 
 def cmd_dashboard(conf, backend, args):
-    dashboard_module().serve(conf, backend, args.host, args.port, args.token, _pricing(args))
+    import calque_dashboard
+    calque_dashboard.serve(conf, backend, args.host, args.port, args.token, _pricing(args))
     return EXIT_OK
 
 

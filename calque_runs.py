@@ -106,9 +106,8 @@ class ClaimSizes:
 
     def plan(self, total):
         """The sizes of a run of `total` items (where no media cuts a claim short)."""
-        if self.fixed:
-            return [self.fixed] * (total // self.fixed) + ([total % self.fixed] if total % self.fixed else [])
-        fresh, sizes, left = ClaimSizes(None, self.workers, self.lo, self.hi, self.unit), [], total
+        fresh = ClaimSizes(self.fixed, self.workers, self.lo, self.hi, self.unit)
+        sizes, left = [], total
         while left > 0:
             sizes.append(min(fresh.next(left), left))
             left -= sizes[-1]
@@ -518,8 +517,10 @@ def redrive(backend, record, runs):
     return sent
 
 
-def claim_parts(backend, run_id, claim, count):
-    """The claim's result parts in item order (a calque 0.2 claim's one results object instead)."""
+def claim_parts(backend, run, index):
+    """The run's claim `index`'s result parts in item order (a calque 0.2 claim's one results
+    object instead)."""
+    run_id, claim, count = run["run_id"], run["claims"][index], claim_items(run, index)
     try:
         return read_claim_parts(backend.store, run_id, claim, count)
     except ResultsIncomplete:
@@ -612,12 +613,6 @@ def holds_numbers(value):
     while isinstance(value, list) and value:
         value = value[0]
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def with_parts(backend, run, claims):
-    """(index, claim, its parts) for each (index, claim) of `claims`."""
-    for index, claim in claims:
-        yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
 
 
 def run_array(run, claims, field=None, fill=None):

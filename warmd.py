@@ -141,14 +141,10 @@ JSON_SCALARS = {str, int, float, bool, type(None), dict}  # value types of JSON 
 
 def may_collate(item):
     """Whether a batch holding this item may collate (type checks only: nothing imported)."""
-    if type(item) is not dict:
+    if type(item) is not dict or any(isinstance(value, NOT_NUMERIC) for value in item.values()):
         return False
-    array = False
-    for value in item.values():
-        if isinstance(value, NOT_NUMERIC):
-            return False
-        array = array or isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0
-    return array
+    return any(isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0
+               for value in item.values())
 
 
 class Collator:
