@@ -298,13 +298,11 @@ def format_outcome(outcome, base, attempts=None):
     """One batch's [(ok, result or error)] as ([result lines], failed indices, errors): encoded in
     one call and framed in C where all succeeded (frame_lines), else item by item (format_each;
     `attempts`: {index: calls} of the items retried, said in their lines)."""
-    if attempts:
-        return format_each(outcome, base, attempts)
-    if framer is not None and all(ok for ok, _ in outcome):
+    if not attempts and framer is not None and all(ok for ok, _ in outcome):
         lines = frame_lines([value for _, value in outcome], base)
         if lines is not None:
             return [lines], [], {}
-    return format_each(outcome, base)
+    return format_each(outcome, base, attempts)
 
 
 def frame_lines(values, base):
@@ -1338,8 +1336,7 @@ class ClaimRun:
             if self.quarantined:
                 runnable = [[k for k in unit if str(k) not in self.quarantined] for unit in units]
             self.last_commit = self.reported_at = time.monotonic()
-            if self.formatted:   # the spool's lines (take_over): a part before anything else
-                self.commit()
+            self.commit()   # the spool's lines (take_over), if any: a part before anything else
             for u, unit in enumerate(units):
                 self.check()
                 single = unit.start in lone
