@@ -908,11 +908,8 @@ def format_run(run, summaries, view, results_uri, names):
     lines.append(f"  results: {results_uri}  ({command()} runs results {run['run_id']})")
     cancelled = sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})
     why = f" ({'; '.join(cancelled)})"
-    for state, what in NOT_RUN.items():
-        if counts[state]:
-            lines.append(f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> "
-                         f"HINT: {next_step(run, state)}")
-    return lines
+    return lines + [f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> HINT: "
+                    f"{next_step(run, state)}" for state, what in NOT_RUN.items() if counts[state]]
 
 
 def item_errors(summaries):

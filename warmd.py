@@ -753,8 +753,7 @@ class Spool:
 
     def add(self, start, stop, chunks):
         """Items [start, stop) (run indices) are done: their result lines, else how far."""
-        if self.lines and any(getattr(chunk, "cells", None) for chunk in chunks):
-            self.lines = False
+        self.lines = self.lines and not any(getattr(chunk, "cells", None) for chunk in chunks)
         try:
             if self.fd is None:
                 self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
