@@ -1813,21 +1813,15 @@ class Rules:
 
     def part_due(self, claim):
         """Whether the batches the claim ran since its last part make a part now: the checkpoint
-        rule (CALQUE_CHECKPOINT_BATCHES and _SECONDS), or under churn the interval's."""
-        since, every = time.monotonic() - claim.last_commit, self.interval(claim)
-        if every is None:
-            return claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
-        return since >= every
-
-    def interval(self, claim):
-        """s between two parts under churn (Young's, sqrt(2 x part PUT x life), at most the
-        checkpoint; life: the dead delivery's, else the latest seen), or None (the checkpoint rule)
-        where neither this claim's last delivery died nor this worker saw a death lately."""
+        rule (CALQUE_CHECKPOINT_BATCHES and _SECONDS); under churn (this claim's last delivery
+        died, or this worker saw a death lately) Young's interval, sqrt(2 x part PUT x life), at
+        most the checkpoint (life: the dead delivery's, else the latest seen)."""
+        since = time.monotonic() - claim.last_commit
         seen = self.seen_life is not None and time.time() - self.seen_at <= CHURN_MEMORY
         if claim.life is None and not seen:
-            return None
+            return claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
         life = claim.life or (self.seen_life or 0.0)
-        return min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
+        return since >= min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
 
     def mark_churn(self):
         """An item with a death pinned on it ran alone and returned: mark the pool as churning."""
