@@ -1401,8 +1401,7 @@ def build_parser():
     verbs = parser.add_subparsers(dest="verb", required=True,
                                   metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
-        dest="pool_verb", required=True,
-        metavar="{create,scale,status,list,delete,cost,redrive,logs}")
+        required=True)   # no dest: argparse names the verbs, from their parsers, where one is missing
     p = verb(pool, "create", cmd_pool_create, help="create a pool: queue + dead-letter queue, pool "
              "record, handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
@@ -1526,9 +1525,7 @@ def build_parser():
 
     runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, "
                             "redrive, delete, prune them")
-    runs = runs.add_subparsers(
-        dest="runs_verb", required=True,
-        metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
+    runs = runs.add_subparsers(required=True)
     p = verb(runs, "list", cmd_runs_list, "--json", help="every run in the store, oldest first")
     p.add_argument("--model", help="only this model's runs")
     verb(runs, "show", cmd_runs_show, "run", "--json",
