@@ -1401,7 +1401,7 @@ def build_parser():
     verbs = parser.add_subparsers(dest="verb", required=True,
                                   metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
-        required=True)   # no dest: argparse names the verbs, from their parsers, where one is missing
+        required=True)   # no dest: argparse names the verbs from their parsers where one is missing
     p = verb(pool, "create", cmd_pool_create, help="create a pool: queue + dead-letter queue, pool "
              "record, handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
