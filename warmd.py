@@ -2015,10 +2015,8 @@ class Accounts:
     def count(self, claim, seconds, warm_hit, finished):
         """A claim finished in `seconds` (its summary's claim_seconds)."""
         ran = len(claim.items) - claim.start
-        self.stats["claims"] += 1
-        self.stats["warm_hits"] += warm_hit
-        self.stats["items"] += ran
-        self.stats["items_failed"] += len(claim.failed) - claim.resumed_failed
+        self.stats.update(claims=1, warm_hits=int(warm_hit), items=ran,
+                          items_failed=len(claim.failed) - claim.resumed_failed)
         self.busy_seconds += seconds
         seconds -= claim.enter_paid
         for k, value in enumerate((1, ran, seconds, ran * ran, ran * seconds)):
