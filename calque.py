@@ -38,13 +38,13 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          write_file_atomic, write_json)
 from calque_sources import as_items, read_items
 from calque_runs import (SubmitInterrupted, as_sizes,
-                         cancel_run, check_deletable, claim_batch, claim_parts,
+                         cancel_run, check_deletable, claim_batch,
                          claim_ids, claim_list, claim_states,
                          delete_run, drop_pool, field_value, format_runs_list, interrupted,
                          interrupted_waiting, listed_run, live_claims, next_step, parse_age,
                          redrive, report_run, run_array, run_options, run_table,
                          run_view, runs_to_prune, send_batch, send_claims, handling, sigint_noted,
-                         signals_interrupt, stage_run, typed_values, wait_for_run)
+                         signals_interrupt, stage_run, typed_values, wait_for_run, with_parts)
 from calque_cost import (_usd, format_cost_table, format_ladder, format_pool_cost, format_run_cost,
                          pool_cost_report, pricing, run_cost_report)
 from calque_supervisor import (DEPLOY_POLL, LIVE_STATES, LOCAL_WORKERS_DEFAULT, WORKER_START_GRACE,
@@ -444,7 +444,7 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
         if state not in ("done", "failed"):
             raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
                                     f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
-        yield index, claim, claim_parts(backend, run, index)
+        yield from with_parts(backend, run, [(index, claim)])
 
 
 def with_ids(backend, run, claim, parts):
@@ -969,7 +969,7 @@ def cmd_runs_results(conf, backend, args):
                     not_run.setdefault(state, []).append(claim)
                     continue
                 try:
-                    yield index, claim, claim_parts(backend, run, index)
+                    yield from with_parts(backend, run, [(index, claim)])
                 except ResultsIncomplete as e:
                     print(f"calque: error: {e} ---> HINT: the store lost these results: submit "
                           "the claim's items again", file=sys.stderr)

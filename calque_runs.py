@@ -517,10 +517,8 @@ def redrive(backend, record, runs):
     return sent
 
 
-def claim_parts(backend, run, index):
-    """The run's claim `index`'s result parts in item order (a calque 0.2 claim's one results
-    object instead)."""
-    run_id, claim, count = run["run_id"], run["claims"][index], claim_items(run, index)
+def claim_parts(backend, run_id, claim, count):
+    """The claim's result parts in item order (a calque 0.2 claim's one results object instead)."""
     try:
         return read_claim_parts(backend.store, run_id, claim, count)
     except ResultsIncomplete:
@@ -613,6 +611,12 @@ def holds_numbers(value):
     while isinstance(value, list) and value:
         value = value[0]
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def with_parts(backend, run, claims):
+    """(index, claim, its parts) for each (index, claim) of `claims`."""
+    for index, claim in claims:
+        yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
 
 
 def run_array(run, claims, field=None, fill=None):
