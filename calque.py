@@ -265,8 +265,6 @@ def runs_to_adopt(backend, record, busy):
     return not warm and not any(started)
 
 
-
-
 def check_claim_size(claim_size):
     if claim_size is not None and claim_size < 1:
         raise UserError(f"--claim-size {claim_size}: must be at least 1")
@@ -473,11 +471,6 @@ def _pricing(args):
     return pricing(args.rates, args.instance_type, args.spot, args.savings_plan)
 
 
-def print_cancelled(model, cancelled):
-    for run_id, marked in cancelled.items():
-        print(f"pool {model}: run {run_id} cancelled: {len(marked)} claim(s) without a summary will not run")
-
-
 def print_redriven(record, sent):
     for run_id, claims in sent.items():
         print(f"run {run_id}: {len(claims)} dead-lettered claim(s) sent back to {record['queue']} "
@@ -605,21 +598,19 @@ def results_output(path):
     if path is None:
         yield sys.stdout.buffer, []
         return
+    try:
+        out = open(path, "wb")
+    except OSError as e:
+        raise UserError(f"cannot write {path} ({e.strerror}) ---> HINT: pick a path in a folder "
+                        "you can write to")
     rows = []
-    with open_output(path) as out:
+    with out:
         try:
             yield out, rows
         except BaseException:
             os.unlink(path)
             raise
     print(f"runs results: wrote {sum(rows):,} rows, {os.path.getsize(path):,} bytes, to {path}", file=sys.stderr)
-
-
-def open_output(path):
-    try:
-        return open(path, "wb")
-    except OSError as e:
-        raise UserError(f"cannot write {path} ({e.strerror}) ---> HINT: pick a path in a folder you can write to")
 
 
 def plan_run(conf, backend, model, items, claim_size, price):
@@ -760,7 +751,9 @@ def cmd_pool_delete(conf, backend, args):
     cancelled = fleet_for(conf, backend, record, args).delete(pool, record)
     if cancelled is False:
         return EXIT_FAILED
-    print_cancelled(args.model, cancelled)
+    for run_id, marked in cancelled.items():
+        print(f"pool {args.model}: run {run_id} cancelled: {len(marked)} claim(s) without a "
+              "summary will not run")
     return EXIT_OK
 
 
@@ -1107,22 +1100,18 @@ def cmd_runs_redrive(conf, backend, args):
     return EXIT_OK
 
 
-def dashboard_module():
-    """calque_dashboard.py: imported only by `dashboard` and `runs report`."""
-    import calque_dashboard
-    return calque_dashboard
-
-
 def cmd_runs_report(conf, backend, args):
+    import calque_dashboard   # (the web page's code loads for `dashboard` and `runs report` alone)
     run_id = read_run(backend, args.run)["run_id"]
-    view = dashboard_module().write_report(conf, backend, run_id, args.html, _pricing(args))
+    view = calque_dashboard.write_report(conf, backend, run_id, args.html, _pricing(args))
     print(f"run {args.run}: report written to {args.html} ({view['items']['ok']} items ok, "
           f"{view['items']['failed']} failed, {view['items']['pending']} pending)")
     return EXIT_OK
 
 
 def cmd_dashboard(conf, backend, args):
-    dashboard_module().serve(conf, backend, args.host, args.port, args.token, _pricing(args))
+    import calque_dashboard
+    calque_dashboard.serve(conf, backend, args.host, args.port, args.token, _pricing(args))
     return EXIT_OK
 
 
@@ -1416,8 +1405,7 @@ def build_parser():
     verbs = parser.add_subparsers(dest="verb", required=True,
                                   metavar="{pool,submit,plan,runs,cost,dashboard,modal}")
     pool = verbs.add_parser("pool", help="create, scale, inspect and delete pools").add_subparsers(
-        dest="pool_verb", required=True,
-        metavar="{create,scale,status,list,delete,cost,redrive,logs}")
+        required=True)   # no dest: argparse names the verbs from their parsers where one is missing
     p = verb(pool, "create", cmd_pool_create, help="create a pool: queue + dead-letter queue, pool "
              "record, handler snapshot, local workers")
     p.add_argument("--model", required=True, help="the model name: the pool's identity")
@@ -1541,9 +1529,7 @@ def build_parser():
 
     runs = verbs.add_parser("runs", help="read runs (list, show, results, report); resume, cancel, "
                             "redrive, delete, prune them")
-    runs = runs.add_subparsers(
-        dest="runs_verb", required=True,
-        metavar="{list,show,results,resume,cancel,redrive,report,delete,prune}")
+    runs = runs.add_subparsers(required=True)
     p = verb(runs, "list", cmd_runs_list, "--json", help="every run in the store, oldest first")
     p.add_argument("--model", help="only this model's runs")
     verb(runs, "show", cmd_runs_show, "run", "--json",

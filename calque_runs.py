@@ -106,9 +106,8 @@ class ClaimSizes:
 
     def plan(self, total):
         """The sizes of a run of `total` items (where no media cuts a claim short)."""
-        if self.fixed:
-            return [self.fixed] * (total // self.fixed) + ([total % self.fixed] if total % self.fixed else [])
-        fresh, sizes, left = ClaimSizes(None, self.workers, self.lo, self.hi, self.unit), [], total
+        fresh = ClaimSizes(self.fixed, self.workers, self.lo, self.hi, self.unit)
+        sizes, left = [], total
         while left > 0:
             sizes.append(min(fresh.next(left), left))
             left -= sizes[-1]
@@ -913,11 +912,8 @@ def format_run(run, summaries, view, results_uri, names):
     lines.append(f"  results: {results_uri}  ({command()} runs results {run['run_id']})")
     cancelled = sorted({v["detail"] for v in view["claims"].values() if v["state"] == "cancelled"})
     why = f" ({'; '.join(cancelled)})"
-    for state, what in NOT_RUN.items():
-        if counts[state]:
-            lines.append(f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> "
-                         f"HINT: {next_step(run, state)}")
-    return lines
+    return lines + [f"  not finished: {counts[state]} claim(s) {what.format(why=why)} ---> HINT: "
+                    f"{next_step(run, state)}" for state, what in NOT_RUN.items() if counts[state]]
 
 
 def item_errors(summaries):

@@ -141,14 +141,10 @@ JSON_SCALARS = {str, int, float, bool, type(None), dict}  # value types of JSON 
 
 def may_collate(item):
     """Whether a batch holding this item may collate (type checks only: nothing imported)."""
-    if type(item) is not dict:
+    if type(item) is not dict or any(isinstance(value, NOT_NUMERIC) for value in item.values()):
         return False
-    array = False
-    for value in item.values():
-        if isinstance(value, NOT_NUMERIC):
-            return False
-        array = array or isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0
-    return array
+    return any(isinstance(value, (list, tuple)) or getattr(value, "ndim", 0) > 0
+               for value in item.values())
 
 
 class Collator:
@@ -302,13 +298,11 @@ def format_outcome(outcome, base, attempts=None):
     """One batch's [(ok, result or error)] as ([result lines], failed indices, errors): encoded in
     one call and framed in C where all succeeded (frame_lines), else item by item (format_each;
     `attempts`: {index: calls} of the items retried, said in their lines)."""
-    if attempts:
-        return format_each(outcome, base, attempts)
-    if framer is not None and all(ok for ok, _ in outcome):
+    if not attempts and framer is not None and all(ok for ok, _ in outcome):
         lines = frame_lines([value for _, value in outcome], base)
         if lines is not None:
             return [lines], [], {}
-    return format_each(outcome, base)
+    return format_each(outcome, base, attempts)
 
 
 def frame_lines(values, base):
@@ -759,8 +753,7 @@ class Spool:
 
     def add(self, start, stop, chunks):
         """Items [start, stop) (run indices) are done: their result lines, else how far."""
-        if self.lines and any(getattr(chunk, "cells", None) for chunk in chunks):
-            self.lines = False
+        self.lines = self.lines and not any(getattr(chunk, "cells", None) for chunk in chunks)
         try:
             if self.fd is None:
                 self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -1342,8 +1335,7 @@ class ClaimRun:
             if self.quarantined:
                 runnable = [[k for k in unit if str(k) not in self.quarantined] for unit in units]
             self.last_commit = self.reported_at = time.monotonic()
-            if self.formatted:   # the spool's lines (take_over): a part before anything else
-                self.commit()
+            self.commit()   # the spool's lines (take_over), if any: a part before anything else
             for u, unit in enumerate(units):
                 self.check()
                 single = unit.start in lone
@@ -1821,21 +1813,15 @@ class Rules:
 
     def part_due(self, claim):
         """Whether the batches the claim ran since its last part make a part now: the checkpoint
-        rule (CALQUE_CHECKPOINT_BATCHES and _SECONDS), or under churn the interval's."""
-        since, every = time.monotonic() - claim.last_commit, self.interval(claim)
-        if every is None:
-            return claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
-        return since >= every
-
-    def interval(self, claim):
-        """s between two parts under churn (Young's, sqrt(2 x part PUT x life), at most the
-        checkpoint; life: the dead delivery's, else the latest seen), or None (the checkpoint rule)
-        where neither this claim's last delivery died nor this worker saw a death lately."""
+        rule (CALQUE_CHECKPOINT_BATCHES and _SECONDS); under churn (this claim's last delivery
+        died, or this worker saw a death lately) Young's interval, sqrt(2 x part PUT x life), at
+        most the checkpoint (life: the dead delivery's, else the latest seen)."""
+        since = time.monotonic() - claim.last_commit
         seen = self.seen_life is not None and time.time() - self.seen_at <= CHURN_MEMORY
         if claim.life is None and not seen:
-            return None
+            return claim.batches >= self.checkpoint_batches and since >= self.checkpoint_seconds
         life = claim.life or (self.seen_life or 0.0)
-        return min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
+        return since >= min(self.checkpoint_seconds, (2 * self.part_seconds * life) ** 0.5)
 
     def mark_churn(self):
         """An item with a death pinned on it ran alone and returned: mark the pool as churning."""
@@ -2029,10 +2015,8 @@ class Accounts:
     def count(self, claim, seconds, warm_hit, finished):
         """A claim finished in `seconds` (its summary's claim_seconds)."""
         ran = len(claim.items) - claim.start
-        self.stats["claims"] += 1
-        self.stats["warm_hits"] += warm_hit
-        self.stats["items"] += ran
-        self.stats["items_failed"] += len(claim.failed) - claim.resumed_failed
+        self.stats.update(claims=1, warm_hits=int(warm_hit), items=ran,
+                          items_failed=len(claim.failed) - claim.resumed_failed)
         self.busy_seconds += seconds
         seconds -= claim.enter_paid
         for k, value in enumerate((1, ran, seconds, ran * ran, ran * seconds)):

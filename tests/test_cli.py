@@ -56,6 +56,8 @@ TYPOS = [
      "{shown} pool create: argument --workers: invalid int value: 'two' ---> HINT: see "
      "`{shown} pool create --help`"),
     (["runs", "show", "a", "b"], "{shown} runs show: unexpected argument 'b'"),
+    (["pool"], "{shown} pool: the following arguments are required: {{"   # every verb, deploy too
+     + POOL_VERBS.replace(", ", ",") + "}}"),
     (["pool", "create", "--model", "m", "--handler", "h.py:Up", "--workers", "-1"], "--workers -1: must be 0 or more"),
 ]
 # an option's prefix: once taken as the option (`--worker 2` as `--workers 2`), now a mistake
