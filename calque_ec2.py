@@ -716,15 +716,12 @@ def _check_owned(kind, name, tags, model, store, region):
                         f"one first")
 
 
-def _role_tags(calls, name):
-    return _tag_dict(calls.call("iam", "ListRoleTags", RoleName=name)["Tags"])
-
-
 def _ensure_role(calls, name, policy, tags, owner):
     """Create the role (or check the existing one is ours), then put its one inline policy:
     always, so a re-run also repairs a policy edited by hand."""
-    if _find_role(calls, name):
-        _check_owned("IAM role", name, _role_tags(calls, name), *owner)
+    found = _find_role(calls, name)   # GetRole answers its tags too
+    if found:
+        _check_owned("IAM role", name, _tag_dict(found.get("Tags")), *owner)
         state = "found"
     else:
         about = "calque worker instances (least privilege; see the calque README, On AWS)"
@@ -1479,9 +1476,10 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         return "deleted"
 
     def role():
-        if not _find_role(calls, role_name):
+        found = _find_role(calls, role_name)
+        if not found:
             return "not found (already gone)"
-        _require_managed(role_name, _role_tags(calls, role_name))
+        _require_managed(role_name, _tag_dict(found.get("Tags")))
         for p in calls.call("iam", "ListRolePolicies", RoleName=role_name)["PolicyNames"]:
             calls.call("iam", "DeleteRolePolicy", RoleName=role_name, PolicyName=p)
         attached = calls.call("iam", "ListAttachedRolePolicies", RoleName=role_name)
@@ -1765,21 +1763,19 @@ class SpotPoller:
         if not self._poll():   # the first check before anything loads: a notice given stops it
             threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
 
-    def _check(self):
-        lifecycle = ["autoscaling/target-lifecycle-state"] if self.on_terminating else []
-        *state, notice = metadata(self.base, *lifecycle, "spot/instance-action")
-        if state == [b"Terminated"]:
-            worker_log.warning("its instance is terminating: no new claims; the claim held finishes first")
-            self.on_terminating()
-            self.on_terminating = None
-        return None if notice is None else json.loads(notice or b"{}")
-
     def _poll(self):
         """One check; True when it found a notice (and called on_notice)."""
         try:
-            notice = self._check()
+            lifecycle = ["autoscaling/target-lifecycle-state"] if self.on_terminating else []
+            *state, notice = metadata(self.base, *lifecycle, "spot/instance-action")
+            if state == [b"Terminated"]:
+                worker_log.warning("its instance is terminating: no new claims; the claim held "
+                                   "finishes first")
+                self.on_terminating()
+                self.on_terminating = None
             if notice is not None:
-                worker_log.warning("spot: interruption notice %s; stopping as on SIGTERM", notice)
+                worker_log.warning("spot: interruption notice %s; stopping as on SIGTERM",
+                                   json.loads(notice or b"{}"))
                 self.on_notice()
                 return True
         except Exception as e:

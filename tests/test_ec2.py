@@ -345,6 +345,26 @@ def test_aws_failure_midway_is_one_line_user_error(aws, monkeypatch, capsys):
     assert "not done: launch template" in capsys.readouterr().err
 
 
+def test_a_role_of_our_name_that_is_not_ours_is_never_adopted_nor_deleted(aws, capsys):
+    """The role's tags (GetRole answers them): one without calque:managed=true, or another store's pool's, is
+    refused by pool create before it makes anything IAM; pool delete skips it and keeps the record to re-run."""
+    name = ec2.resource_names(MODEL)["role"]
+    trust = json.dumps(ec2.TRUST_POLICY)
+    client("iam").create_role(RoleName=name, AssumeRolePolicyDocument=trust)
+    with pytest.raises(calque.UserError, match=f"IAM role {name} exists but is not calque's"):
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    assert not client("iam").list_role_policies(RoleName=name)["PolicyNames"]
+    capsys.readouterr()
+    assert not ec2.pool_delete(aws.backend, {"model": MODEL}, yes=True)
+    assert f"IAM role {name}: skipped: {name} is not tagged calque:managed=true" in capsys.readouterr().out
+    assert role_exists(name)
+    client("iam").tag_role(RoleName=name, Tags=[{"Key": "calque:managed", "Value": "true"},
+                                                {"Key": "calque:pool-model", "Value": ec2._strict_tag(MODEL)},
+                                                {"Key": "calque:store", "Value": "s3://another-bucket/x"}])
+    with pytest.raises(calque.UserError, match=f"IAM role {name} belongs to the pool of .* \\(store s3://another"):
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+
+
 def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
     """Delete after a create that stopped before its launch template removes what exists and reports the
     rest as already gone; a pool that never got its record is deleted by model name alone."""
