@@ -428,10 +428,8 @@ def _bootstrap(*, worker_args, env, conf=None, **fields):
 def _refuse_credentials(text):
     """User-data is readable by anyone who can describe the instance: no key may be in it."""
     names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-    banned = [*names, "aws_secret_access_key"]
-    for var in names:
-        if len(os.environ.get(var, "")) >= 16:     # a real key (dummy test values are short)
-            banned.append(os.environ[var])
+    keys = [os.environ.get(var, "") for var in names]   # a real key is long (dummy test ones short)
+    banned = [*names, "aws_secret_access_key", *(key for key in keys if len(key) >= 16)]
     if re.search(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b", text) or any(b in text for b in banned):
         raise RuntimeError("refusing to write user-data that contains AWS credentials")
 

@@ -303,6 +303,16 @@ def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
         ec2._refuse_credentials("key AKIAABCDEFGHIJKLMNOP here")
 
 
+def test_user_data_never_carries_a_key_from_the_environment(monkeypatch):
+    """A real-length key in the environment is refused wherever its value appears; a short dummy is no key."""
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    monkeypatch.setenv("AWS_SESSION_TOKEN", secret)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    with pytest.raises(RuntimeError, match="credentials"):
+        ec2._refuse_credentials(f"echo {secret} > /tmp/x")
+    ec2._refuse_credentials("pip install testing")
+
+
 def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     """A create interrupted before the ASG says what is in place and what is not; re-running it finishes
     without duplicating anything (same launch-template version, one role)."""
