@@ -837,14 +837,6 @@ def _ensure_asg(calls, names, ec2, tags, owner):
     return f"updated; desired {asg['DesiredCapacity']} kept"
 
 
-def _policy_arn(calls, asg, name, answer):
-    if answer.get("PolicyARN"):
-        return answer["PolicyARN"]
-    policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=asg,
-                          PolicyNames=[name])
-    return policies["ScalingPolicies"][0]["PolicyARN"]
-
-
 def backlog_steps(lo, hi, seconds_per_claim, target_drain):
     """[(backlog, capacity)]: from each backlog (visible + in flight) on, the capacity
     desired_count gives a growing group (at most STEP_ADJUSTMENTS_MAX steps, the last `hi`)."""
@@ -914,8 +906,11 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
     wake = _put_backlog_policy(calls, names, ec2)
 
     def alarm(name, about, policy, answer, **rule):
+        arn = answer.get("PolicyARN") or calls.call(   # moto 5 answers none: look it up
+            "autoscaling", "DescribePolicies", AutoScalingGroupName=asg,
+            PolicyNames=[policy])["ScalingPolicies"][0]["PolicyARN"]
         calls.call("cloudwatch", "PutMetricAlarm", AlarmName=name, AlarmDescription=about,
-                   ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, policy, answer)],
+                   ActionsEnabled=True, AlarmActions=[arn],
                    Threshold=0, Tags=_tags(tags, strict=True),
                    Metrics=_backlog_metrics(names["queue"]), **rule)
     idle = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg,
