@@ -349,7 +349,8 @@ def kit_archive():
     calque_data/sdist's build files. Reproducible: a checkout and an install of one calque pack the
     same bytes, so a re-run `pool create` finds its launch template unchanged."""
     config = pyproject()
-    setup, top = config["tool"]["setuptools"], f"calque-{config['project']['version']}"
+    version = config["project"]["version"]
+    setup, top = config["tool"]["setuptools"], f"calque-{version}"
     sdist = package_file("calque_data", "sdist")
     files = {name: os.path.join(sdist, name) for name in os.listdir(sdist)}
     files.update({f"{m}.py": os.path.join(HERE, f"{m}.py") for m in setup["py-modules"]})
@@ -360,7 +361,6 @@ def kit_archive():
                           for p in glob.glob(os.path.join(folder, pattern))})
     contents = {name: pathlib.Path(path).read_bytes() for name, path in files.items()
                 if os.path.isfile(path)}
-    version = top.split("-", 1)[1]
     contents["PKG-INFO"] = f"Metadata-Version: 2.1\nName: calque\nVersion: {version}\n".encode()
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -396,9 +396,7 @@ def _bootstrap(*, worker_args, env, conf=None, **fields):
     region = fields["region"]
     lines = {"CALQUE_STORE": store, "CALQUE_STATE": STATE_DIR,
              "CALQUE_SPOT_POLL": METADATA_URL, "AWS_REGION": region, "AWS_DEFAULT_REGION": region,
-             "PYTHONUNBUFFERED": "1"}
-    lines.update({k: conf[k] for k in PASSED_SETTINGS if k in conf})
-    lines.update(env)
+             "PYTHONUNBUFFERED": "1", **{k: conf[k] for k in PASSED_SETTINGS if k in conf}, **env}
     for key, value in lines.items():
         _check_text(str(value), key)
     for key in ("report_prefix", "env_prefix"):   # under the store's prefix, or none
@@ -419,16 +417,19 @@ def _bootstrap(*, worker_args, env, conf=None, **fields):
         raise RuntimeError(f"ec2_bootstrap.sh and its fields disagree on {sorted(mismatched)}")
     script = template.substitute(fields)
     _refuse_credentials(script)
+    size = len(script.encode())
+    if size > USER_DATA_MAX:   # refused here, before anything is made
+        raise UserError(f"{fields['title']}: its bootstrap script is {size:,} bytes, over EC2's "
+                        f"user-data limit of {USER_DATA_MAX:,} (16 KB) ---> HINT: fewer image "
+                        f"packages (pip_install, apt_install), or an --ami that has them")
     return script
 
 
 def _refuse_credentials(text):
     """User-data is readable by anyone who can describe the instance: no key may be in it."""
     names = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-    banned = [*names, "aws_secret_access_key"]
-    for var in names:
-        if len(os.environ.get(var, "")) >= 16:     # a real key (dummy test values are short)
-            banned.append(os.environ[var])
+    keys = [os.environ.get(var, "") for var in names]   # a real key is long (dummy test ones short)
+    banned = [*names, "aws_secret_access_key", *(key for key in keys if len(key) >= 16)]
     if re.search(r"\b(AKIA|ASIA)[A-Z0-9]{16}\b", text) or any(b in text for b in banned):
         raise RuntimeError("refusing to write user-data that contains AWS credentials")
 
@@ -493,17 +494,26 @@ def user_data_cold(run_id, store, region, kit_key, kit_sha256, max_minutes,
 
 # ------------------------------------------------------------------------------------------------
 # pre-flight: everything read-only, before anything is created
-def _instance_type_info(calls, instance_type):
-    if not instance_type:
+def _preflight(calls, launch):
+    """The read-only checks of a launch (PoolOptions or ColdLaunch) before anything is created:
+    (its instance type's description, AMI, where that came from, root volume, usable subnets)."""
+    itype = launch.instance_type
+    if not itype:
         raise UserError("--instance-type is required for EC2 workers (e.g. g5.xlarge): see "
                         "rates.json for priced ones")
     info = _exists(lambda: calls.call("ec2", "DescribeInstanceTypes",
-                                      InstanceTypes=[instance_type])["InstanceTypes"][0],
+                                      InstanceTypes=[itype])["InstanceTypes"][0],
                    "InvalidInstanceType", "InvalidParameterValue")
     if info is None:
-        raise UserError(f"--instance-type {instance_type}: not an instance type in "
+        raise UserError(f"--instance-type {itype}: not an instance type in "
                         f"{calls.region} ---> HINT: e.g. g5.xlarge")
-    return info
+    ami, source, root = resolve_ami(calls, launch.ami, info)
+    subnets = resolve_subnets(calls, launch.subnet, itype)
+    key = launch.key_name
+    if key and _exists(lambda: calls.call("ec2", "DescribeKeyPairs", KeyNames=[key]),
+                       "InvalidKeyPair.NotFound") is None:
+        raise UserError(f"--key-name {key}: no such key pair in {calls.region}")
+    return info, ami, source, root, subnets
 
 
 def resolve_ami(calls, ami, instance_type_info):
@@ -562,16 +572,6 @@ def _root_said(root):
     return f"{size} GB gp3 ({why})"
 
 
-def check_user_data(script, what):
-    """EC2 takes 16 KB of user-data: a bigger bootstrap is refused here, before anything is made."""
-    size = len(script.encode())
-    if size > USER_DATA_MAX:
-        raise UserError(f"{what}: its bootstrap script is {size:,} bytes, over EC2's user-data limit "
-                        f"of {USER_DATA_MAX:,} (16 KB) ---> HINT: fewer image packages (pip_install, "
-                        f"apt_install), or an --ami that has them")
-    return script
-
-
 def resolve_subnets(calls, subnet_arg, instance_type):
     """--subnet (comma-separated) checked to exist, else the default VPC's subnets; only those in
     zones that offer the instance type."""
@@ -596,12 +596,6 @@ def resolve_subnets(calls, subnet_arg, instance_type):
                         f"{', '.join(s['SubnetId'] for s in subnets)}: pick another --subnet or "
                         f"--instance-type")
     return sorted(usable)
-
-
-def _check_key(calls, key_name):
-    if key_name and _exists(lambda: calls.call("ec2", "DescribeKeyPairs", KeyNames=[key_name]),
-                            "InvalidKeyPair.NotFound") is None:
-        raise UserError(f"--key-name {key_name}: no such key pair in {calls.region}")
 
 
 @dataclass(frozen=True)
@@ -720,15 +714,12 @@ def _check_owned(kind, name, tags, model, store, region):
                         f"one first")
 
 
-def _role_tags(calls, name):
-    return _tag_dict(calls.call("iam", "ListRoleTags", RoleName=name)["Tags"])
-
-
 def _ensure_role(calls, name, policy, tags, owner):
     """Create the role (or check the existing one is ours), then put its one inline policy:
     always, so a re-run also repairs a policy edited by hand."""
-    if _find_role(calls, name):
-        _check_owned("IAM role", name, _role_tags(calls, name), *owner)
+    found = _find_role(calls, name)   # GetRole answers its tags too
+    if found:
+        _check_owned("IAM role", name, _tag_dict(found.get("Tags")), *owner)
         state = "found"
     else:
         about = "calque worker instances (least privilege; see the calque README, On AWS)"
@@ -846,14 +837,6 @@ def _ensure_asg(calls, names, ec2, tags, owner):
     return f"updated; desired {asg['DesiredCapacity']} kept"
 
 
-def _policy_arn(calls, asg, name, answer):
-    if answer.get("PolicyARN"):
-        return answer["PolicyARN"]
-    policies = calls.call("autoscaling", "DescribePolicies", AutoScalingGroupName=asg,
-                          PolicyNames=[name])
-    return policies["ScalingPolicies"][0]["PolicyARN"]
-
-
 def backlog_steps(lo, hi, seconds_per_claim, target_drain):
     """[(backlog, capacity)]: from each backlog (visible + in flight) on, the capacity
     desired_count gives a growing group (at most STEP_ADJUSTMENTS_MAX steps, the last `hi`)."""
@@ -923,8 +906,11 @@ def _ensure_scale_to_zero(calls, names, ec2, tags):
     wake = _put_backlog_policy(calls, names, ec2)
 
     def alarm(name, about, policy, answer, **rule):
+        arn = answer.get("PolicyARN") or calls.call(   # moto 5 answers none: look it up
+            "autoscaling", "DescribePolicies", AutoScalingGroupName=asg,
+            PolicyNames=[policy])["ScalingPolicies"][0]["PolicyARN"]
         calls.call("cloudwatch", "PutMetricAlarm", AlarmName=name, AlarmDescription=about,
-                   ActionsEnabled=True, AlarmActions=[_policy_arn(calls, asg, policy, answer)],
+                   ActionsEnabled=True, AlarmActions=[arn],
                    Threshold=0, Tags=_tags(tags, strict=True),
                    Metrics=_backlog_metrics(names["queue"]), **rule)
     idle = calls.call("autoscaling", "PutScalingPolicy", AutoScalingGroupName=asg,
@@ -1028,10 +1014,7 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     refuse_other_version(existing, record, handler)   # a re-run of the same version finishes it
 
     ident = calls.identity()     # pre-flight: read-only; nothing is created if any fails
-    itype = _instance_type_info(calls, options.instance_type)
-    ami, ami_source, root = resolve_ami(calls, options.ami, itype)
-    subnets = resolve_subnets(calls, options.subnet, options.instance_type)
-    _check_key(calls, options.key_name)
+    itype, ami, ami_source, root, subnets = _preflight(calls, options)
     if not itype.get("GpuInfo"):
         print(f"pool {model}: note: {options.instance_type} has no GPU; fine for a CPU handler, "
               f"not for a GPU model")
@@ -1043,9 +1026,9 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
     blob, kit_sha = kit_archive()
     kit_key = f"{names['kit_prefix']}{kit_sha[:16]}.tar.gz"
     profile = names["instance_profile"]
-    script = check_user_data(user_data_pool(
-        model, store, region, kit_key, kit_sha, profile=profile,
-        image=record.get("modal", {}).get("image"), instance_type=options.instance_type), f"pool {model}")
+    script = user_data_pool(model, store, region, kit_key, kit_sha, profile=profile,
+                            image=record.get("modal", {}).get("image"),
+                            instance_type=options.instance_type)
     idle = options.scale_to_zero_after
     previous = (existing or {}).get("ec2") or {}
     created_at = previous.get("created_at") or record.get("created_at") or now_iso()
@@ -1486,9 +1469,10 @@ def pool_delete(backend, record, *, yes=False, dry_run=False, calls=None):
         return "deleted"
 
     def role():
-        if not _find_role(calls, role_name):
+        found = _find_role(calls, role_name)
+        if not found:
             return "not found (already gone)"
-        _require_managed(role_name, _role_tags(calls, role_name))
+        _require_managed(role_name, _tag_dict(found.get("Tags")))
         for p in calls.call("iam", "ListRolePolicies", RoleName=role_name)["PolicyNames"]:
             calls.call("iam", "DeleteRolePolicy", RoleName=role_name, PolicyName=p)
         attached = calls.call("iam", "ListAttachedRolePolicies", RoleName=role_name)
@@ -1553,17 +1537,13 @@ def cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_ru
     calls = calls or AwsCalls.for_backend(backend, dry_run)
     store, region = backend.describe(), calls.region
     ident = calls.identity()
-    itype = _instance_type_info(calls, launch.instance_type)
-    ami, _, root = resolve_ami(calls, launch.ami, itype)
-    subnet = resolve_subnets(calls, launch.subnet, itype["InstanceType"])[0]
-    _check_key(calls, launch.key_name)
+    itype, ami, _, root, subnets = _preflight(calls, launch)
     name = cold_role_name(store, region)
     blob, kit_sha = kit_archive()
     kit_key = f"runs/{run_id}/kit/{kit_sha[:16]}.tar.gz"
     max_minutes = math.ceil(timeout / 60) + COLD_BOOT_ALLOWANCE
-    script = check_user_data(user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes,
-                                            profile=name, instance_type=itype["InstanceType"]),
-                             f"run {run_id}")
+    script = user_data_cold(run_id, store, region, kit_key, kit_sha, max_minutes, profile=name,
+                            instance_type=itype["InstanceType"])
     tags = {"calque:pool-model": cold_record["model"], "calque:role": "cold-worker",
             "calque:managed": "true", "calque:created-at": now_iso(), "calque:store": store,
             "calque:region": region}
@@ -1578,7 +1558,7 @@ def cold_launch(backend, cold_record, run_id, shards, launch, *, timeout, dry_ru
     params = {"ImageId": ami, "InstanceType": itype["InstanceType"], "MinCount": shards,
               "MaxCount": shards, "UserData": script, "IamInstanceProfile": {"Name": name},
               "BlockDeviceMappings": root,
-              "InstanceInitiatedShutdownBehavior": "terminate", "SubnetId": subnet,
+              "InstanceInitiatedShutdownBehavior": "terminate", "SubnetId": subnets[0],
               "MetadataOptions": IMDS_V2_ONLY, "TagSpecifications": _instance_tag_specs(run_tags)}
     if launch.key_name:
         params["KeyName"] = launch.key_name
@@ -1776,21 +1756,19 @@ class SpotPoller:
         if not self._poll():   # the first check before anything loads: a notice given stops it
             threading.Thread(target=self._run, name="spot-poller", daemon=True).start()
 
-    def _check(self):
-        lifecycle = ["autoscaling/target-lifecycle-state"] if self.on_terminating else []
-        *state, notice = metadata(self.base, *lifecycle, "spot/instance-action")
-        if state == [b"Terminated"]:
-            worker_log.warning("its instance is terminating: no new claims; the claim held finishes first")
-            self.on_terminating()
-            self.on_terminating = None
-        return None if notice is None else json.loads(notice or b"{}")
-
     def _poll(self):
         """One check; True when it found a notice (and called on_notice)."""
         try:
-            notice = self._check()
+            lifecycle = ["autoscaling/target-lifecycle-state"] if self.on_terminating else []
+            *state, notice = metadata(self.base, *lifecycle, "spot/instance-action")
+            if state == [b"Terminated"]:
+                worker_log.warning("its instance is terminating: no new claims; the claim held "
+                                   "finishes first")
+                self.on_terminating()
+                self.on_terminating = None
             if notice is not None:
-                worker_log.warning("spot: interruption notice %s; stopping as on SIGTERM", notice)
+                worker_log.warning("spot: interruption notice %s; stopping as on SIGTERM",
+                                   json.loads(notice or b"{}"))
                 self.on_notice()
                 return True
         except Exception as e:

@@ -12,7 +12,7 @@ import subprocess, sys, threading, time
 import calque_core
 from calque_core import (DEFAULTS, NotFound, StoreFault, UserError, WorkersFailed,
                          check_slug_free, command, desired_count, load_pool, measured_seconds,
-                         now_iso, open_backend, pool_bounds, pool_key, queue_depth, read_json,
+                         now_iso, open_backend, pool_bounds, queue_depth, read_json,
                          read_worker_stats, recent_summaries, setting_number, slug, state_dir,
                          stop_seconds, summary_claims, version_label, version_of,
                          worker_stats_prefix, write_file_atomic)
@@ -73,16 +73,12 @@ def child_env(conf):
 def pid_alive(pid):
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:   # a zombie still answers kill(0); /proc tells (and a process reaped since has no entry)
+        # a zombie still answers kill(0); /proc tells (and a process reaped since has no entry)
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (ProcessLookupError, FileNotFoundError):
         return False
-    except OSError:
+    except OSError:   # PermissionError: another user's process, alive
         return True
 
 
@@ -168,10 +164,9 @@ def start_supervisor(conf, model, workers, gpus_per_worker=None, threads_per_wor
         raise UserError(f"--threads-per-worker {threads_per_worker}: must be 1 or more")
     folder = state_dir(conf, model)
     os.makedirs(folder, exist_ok=True)
-    write_file_atomic(os.path.join(folder, "gpus-per-worker"),
-                      "" if gpus_per_worker is None else str(gpus_per_worker))
-    write_file_atomic(os.path.join(folder, "threads-per-worker"), str(threads_per_worker or ""))
-    write_file_atomic(os.path.join(folder, "desired"), str(workers))
+    for name, value in (("gpus-per-worker", gpus_per_worker),
+                        ("threads-per-worker", threads_per_worker), ("desired", workers)):
+        write_file_atomic(os.path.join(folder, name), "" if value is None else str(value))
     status = read_supervisor(conf, model)
     if status:
         with contextlib.suppress(ProcessLookupError):   # gone since the read: a new one starts
@@ -310,8 +305,7 @@ class LocalFleet:
         if count is None and args.hi is None:
             count = LOCAL_WORKERS_DEFAULT if args.lo is None else args.lo
         lo, hi, idle = pool_bounds(count, args.lo, args.hi, args.scale_to_zero_after, "workers")
-        new = not self.backend.store.exists(pool_key(model))   # a failed create leaves it not there
-        existed = check_slug_free(self.backend, model)
+        existed = check_slug_free(self.backend, model)   # None: new (a failed create leaves none)
         record = pool.create(args.handler, 0, batch_size=args.batch_size,
                              visibility_timeout=args.visibility_timeout,
                              max_deliveries=args.max_deliveries, batch_timeout=args.batch_timeout,
@@ -332,12 +326,12 @@ class LocalFleet:
         if not counted:
             print(f"pool {model}: --workers not given: starting {lo} local worker (--workers 0 for none)")
         if idle is not None:
-            pid = self.start(pool, lo, (lo, hi, idle), new)
+            pid = self.start(pool, lo, (lo, hi, idle), not existed)
             print(f"pool {model}: sizes itself between {lo} and {hi} local worker(s) on its "
                   f"backlog (drain target {self.conf['CALQUE_TARGET_DRAIN']} s; idle {idle / 60:g} "
                   f"min -> {lo}), supervisor pid {pid}; logs: {command()} pool logs --model {model}")
         elif lo:
-            pid = self.start(pool, lo, new=new)
+            pid = self.start(pool, lo, new=not existed)
             print(f"pool {model}: {lo} local worker(s) {'started' if args.no_wait else 'warm'} under "
                   f"supervisor pid {pid}; logs: {command()} pool logs --model {model} "
                   f"({state_dir(self.conf, model)})")
@@ -725,7 +719,9 @@ def record_exit(conf, model, backend, pid, code, receipts):
 
 def _spawn(conf, model, folder, slots, want, now):
     """Start a warmd.py in each wanted slot that has none and whose backoff is over, on its GPUs."""
-    devices, per_worker = gpu_plan(conf, folder)
+    devices = gpu_devices(conf)   # GPUs per worker: the count `pool create` wrote, else 1 where any
+    asked = read_state(os.path.join(folder, "gpus-per-worker"), str.strip, "")
+    per_worker = int(asked) if asked else min(1, len(devices))
     bounds = read_scaling(folder)
     for s in range(want):
         base = os.path.join(folder, f"worker-{s}")
@@ -775,13 +771,6 @@ def thread_env(folder, want, gpus, env):
         return {}
     share = str(max(1, len(os.sched_getaffinity(0)) // max(1, want)))
     return {var: env.get(var) or share for var in THREAD_VARS}
-
-
-def gpu_plan(conf, folder):
-    """(devices, GPUs per worker): the count `pool create` wrote, else 1 where devices exist."""
-    devices = gpu_devices(conf)
-    asked = read_state(os.path.join(folder, "gpus-per-worker"), str.strip, "")
-    return devices, int(asked) if asked else min(1, len(devices))
 
 
 def worker_gpus(devices, per_worker, slot):

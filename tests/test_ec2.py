@@ -303,6 +303,16 @@ def test_user_data_parses_and_carries_model_store_and_flags(aws, tmp_path):
         ec2._refuse_credentials("key AKIAABCDEFGHIJKLMNOP here")
 
 
+def test_user_data_never_carries_a_key_from_the_environment(monkeypatch):
+    """A real-length key in the environment is refused wherever its value appears; a short dummy is no key."""
+    secret = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+    monkeypatch.setenv("AWS_SESSION_TOKEN", secret)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    with pytest.raises(RuntimeError, match="credentials"):
+        ec2._refuse_credentials(f"echo {secret} > /tmp/x")
+    ec2._refuse_credentials("pip install testing")
+
+
 def test_interrupted_create_rerun_finishes(aws, monkeypatch, capsys):
     """A create interrupted before the ASG says what is in place and what is not; re-running it finishes
     without duplicating anything (same launch-template version, one role)."""
@@ -343,6 +353,26 @@ def test_aws_failure_midway_is_one_line_user_error(aws, monkeypatch, capsys):
     with pytest.raises(calque.UserError, match=r"create stopped at launch template .*UnauthorizedOperation"):
         ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     assert "not done: launch template" in capsys.readouterr().err
+
+
+def test_a_role_of_our_name_that_is_not_ours_is_never_adopted_nor_deleted(aws, capsys):
+    """The role's tags (GetRole answers them): one without calque:managed=true, or another store's pool's, is
+    refused by pool create before it makes anything IAM; pool delete skips it and keeps the record to re-run."""
+    name = ec2.resource_names(MODEL)["role"]
+    trust = json.dumps(ec2.TRUST_POLICY)
+    client("iam").create_role(RoleName=name, AssumeRolePolicyDocument=trust)
+    with pytest.raises(calque.UserError, match=f"IAM role {name} exists but is not calque's"):
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    assert not client("iam").list_role_policies(RoleName=name)["PolicyNames"]
+    capsys.readouterr()
+    assert not ec2.pool_delete(aws.backend, {"model": MODEL}, yes=True)
+    assert f"IAM role {name}: skipped: {name} is not tagged calque:managed=true" in capsys.readouterr().out
+    assert role_exists(name)
+    client("iam").tag_role(RoleName=name, Tags=[{"Key": "calque:managed", "Value": "true"},
+                                                {"Key": "calque:pool-model", "Value": ec2._strict_tag(MODEL)},
+                                                {"Key": "calque:store", "Value": "s3://another-bucket/x"}])
+    with pytest.raises(calque.UserError, match=f"IAM role {name} belongs to the pool of .* \\(store s3://another"):
+        ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
 
 
 def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):

@@ -76,6 +76,19 @@ def test_restart_delay_knows_a_crash_loop_from_a_killed_worker():
     assert supervisor.restart_delay(True, False, 2.0, 2, segv) == (2.0, "died without progress")
 
 
+def test_pid_alive_tells_a_zombie_and_a_reaped_process_from_a_live_one():
+    """kill(0) answers for a zombie too: pid_alive reads /proc, so an exited child not reaped yet is gone."""
+    import subprocess
+    import calque_supervisor as supervisor
+    child = subprocess.Popen(["sleep", "30"])
+    assert supervisor.pid_alive(os.getpid()) and supervisor.pid_alive(child.pid)
+    child.kill()
+    wait_for(lambda: open(f"/proc/{child.pid}/stat").read().split(")")[-1].split()[0] == "Z", 10, "a zombie")
+    assert not supervisor.pid_alive(child.pid)
+    child.wait()
+    assert not supervisor.pid_alive(child.pid)
+
+
 def test_a_death_is_recorded_and_told_to_the_warm_siblings(tmp_path):
     """_reap on real processes: a worker's exit status goes to `died`, and each warm sibling (its
     pid in its ready file) gets a SIGUSR2, which warmd takes as a notice to commit under churn; one
