@@ -1193,9 +1193,9 @@ class ModalRun:
     def _typed(self, item):
         """A call item with its arguments in the typed encoding where JSON cannot say them (the
         worker's ModalHandler decodes them); a plain call as it is, walked once."""
-        (key, call), = item.items()   # {"__modal_call__": [args, kwargs(, stream)]}
-        if calque_values.plain(call):
+        if calque_values.plain(item):   # {"__modal_call__": [args, kwargs(, stream)]}
             return item
+        (key, call), = item.items()
         encoder = calque_values.Encoder(self.allowed, tag_bytes=False)   # bytes: the bytes form
         call = [encoder.encode(call[0]), encoder.encode(call[1]), *call[2:]]
         return {key: {calque_values.TAG: ["typed", call]}} if encoder.tagged else item

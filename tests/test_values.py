@@ -6,12 +6,17 @@ import dataclasses
 import datetime
 import decimal
 import enum
+import collections
+import importlib.util
 import json
 import pathlib
+import sys
 import typing
 import uuid
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import cli
 from test_modal import modal_run, write_app
@@ -227,6 +232,67 @@ def test_encoding_round_trip_and_plain_values_untouched():
     elsewhere = calque_values.app_modules("/nowhere")   # calque_cost is no module of that app's
     with pytest.raises(calque_values.Refused, match="^calque_cost.X is not rebuilt"):
         calque_values.decode({"$py": ["object", ["calque_cost:X", {}]]}, elsewhere)
+
+
+def python_plain():
+    """calque_values.plain as the Python walk (calque_values loaded again, calque_plain hidden)."""
+    spec = importlib.util.spec_from_file_location("calque_values_python", calque_values.__file__)
+    module = importlib.util.module_from_spec(spec)
+    saved = sys.modules.get("calque_plain")
+    sys.modules["calque_plain"] = None   # its import raises ImportError
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop("calque_plain")
+        if saved:
+            sys.modules["calque_plain"] = saved
+    return module.plain
+
+
+class Tagged(str):
+    """A str subclass: JSON writes it as text, so it comes back a str."""
+
+
+JSONISH = st.recursive(   # JSON values, with what JSON would change mixed in (tuples, other keys)
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4)
+    | st.sampled_from([b"x", Tagged("t"), Colour.RED, decimal.Decimal(1)]),
+    lambda inner: (st.lists(inner, max_size=4) | st.lists(inner, max_size=3).map(tuple)
+                   | st.dictionaries(st.text(max_size=4) | st.sampled_from(["$py", "$pz", "é$p"]),
+                                     inner, max_size=4)
+                   | st.dictionaries(st.integers() | st.sampled_from([Tagged("k"), None, (1,)]),
+                                     inner, min_size=1, max_size=2)),
+    max_leaves=20)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(JSONISH)
+def test_the_c_walk_answers_as_the_python_walk(value):
+    """calque_plain (fastbatch/plain.c), which calque_values.plain is where it was built, says of
+    every value what the Python walk says: generated JSON values with tuples, keys not text,
+    "$py" keys, subclasses (a str, a dict, an IntEnum member) and other leaves mixed in."""
+    c_plain, walk = pytest.importorskip("calque_plain").plain, python_plain()
+    assert calque_values.plain is c_plain and walk is not c_plain
+    for each in (value, [value], {"k": value}, collections.OrderedDict(k=value), [[value], (value,)]):
+        assert c_plain(each) is walk(each), each
+
+
+def test_the_c_walk_on_edges():
+    """The C walk's answers where the Python walk has to be matched by hand: exact types only (a
+    bool is a leaf, an IntEnum member or a str subclass not), a "$py" key at any depth, and a value
+    nested past the recursion limit (RecursionError, as the Python walk's, not a crash)."""
+    c_plain, walk = pytest.importorskip("calque_plain").plain, python_plain()
+    cases = {True: [True, {"a": [False, None, 1, 2.5, "é", float("nan")]}, {}, [], {"$p": 1}],
+             False: [(1,), [{"a": (1,)}], {1: "a"}, {"a": {"$py": 0}}, [b""], Tagged("x"),
+                     {Tagged("k"): 1}, [Colour.RED], Colour.RED, collections.OrderedDict()]}
+    for want, values in cases.items():
+        for value in values:
+            assert c_plain(value) is walk(value) is want, value
+    deep = []
+    for _ in range(sys.getrecursionlimit() * 3):
+        deep = [deep]
+    for each in (c_plain, walk):
+        with pytest.raises(RecursionError):
+            each(deep)
 
 
 def test_gpu_any_and_lists():
