@@ -28,8 +28,8 @@ static int plain(PyObject *v)
         Py_ssize_t at = 0;
         PyObject *key, *value;
         while (ok == 1 && PyDict_Next(v, &at, &key, &value))
-            ok = Py_TYPE(key) == &PyUnicode_Type && (PyUnicode_GET_LENGTH(key) != 3
-                                                      || PyUnicode_CompareWithASCIIString(key, "$py"))
+            ok = Py_TYPE(key) == &PyUnicode_Type   /* text, and not "$py" (a length first) */
+                 && (PyUnicode_GET_LENGTH(key) != 3 || PyUnicode_CompareWithASCIIString(key, "$py"))
                  ? plain(value) : 0;
     }
     Py_LeaveRecursiveCall();

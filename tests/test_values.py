@@ -272,7 +272,8 @@ def test_the_c_walk_answers_as_the_python_walk(value):
     "$py" keys, subclasses (a str, a dict, an IntEnum member) and other leaves mixed in."""
     c_plain, walk = pytest.importorskip("calque_plain").plain, python_plain()
     assert calque_values.plain is c_plain and walk is not c_plain
-    for each in (value, [value], {"k": value}, collections.OrderedDict(k=value), [[value], (value,)]):
+    nested = ([value], {"k": value}, collections.OrderedDict(k=value), [[value], (value,)])
+    for each in (value, *nested):
         assert c_plain(each) is walk(each), each
 
 
