@@ -1185,7 +1185,10 @@ class ModalRun:
             try:
                 items = [self._typed(item) for item in items]
                 run = submit(items, pool=self.pools[key], context=self.context)
-            except TypeError as e:   # calque_values.Refused; an array's tolist() of objects
+            except (TypeError, RecursionError) as e:   # calque_values.Refused, an array's tolist()
+                if isinstance(e, RecursionError):        # of objects; or a value nested too deep
+                    e = f"nested deeper than Python's recursion limit ({sys.getrecursionlimit()}): " \
+                        "flatten them"
                 raise load_modal_shim().app_error(TypeError(f"{target}'s arguments: {e}")) from None
             self.runs.append(run)
         return self._decoded(run.results())

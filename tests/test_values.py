@@ -118,6 +118,11 @@ def main(fail: str = ""):
         odd.remote("json")
     if fail == "result":
         opaque.remote()
+    if fail == "deep":
+        deep = []
+        for _ in range(5000):
+            deep = [deep]
+        odd.remote(deep)
 '''
 
 
@@ -152,19 +157,24 @@ def test_values_of_modal_idioms_travel(backend, installed, request, tmp_path):
 
 def test_refusals_and_the_apps_frame(local_env, tmp_path):
     """An argument of a class no worker can find by name is refused at the call in one line naming
-    it and what travels; an uncaught item error raised inside the standard library names the app's
-    line, not the kit's or json's; a result of a class the encoding does not carry fails its item
-    in one line."""
+    it and what travels, and so is one nested past the recursion limit (the installed `calque`); an
+    uncaught item error raised inside the standard library names the app's line, not the kit's or
+    json's; a result of a class the encoding does not carry fails its item in one line."""
     path, _ = write_app(tmp_path, APP)
     lines = APP.splitlines()
-    call, loads = (next(n for n, line in enumerate(lines, 1) if text in line)
-                   for text in ("plan.remote(Point()", "json.loads("))
+    call, loads, deep = (next(n for n, line in enumerate(lines, 1) if text in line)
+                         for text in ("plan.remote(Point()", "json.loads(", "odd.remote(deep)"))
     out = modal_run(local_env, path, "--fail", "local")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         f"calque: error: entrypoint main failed: {path}:{call}: TypeError: plan's arguments: a "
         "calque_modal_app_app.main.<locals>.Point does not travel: its class is not at the top of "
         f"the app's own modules or the standard library ({calque_values.TRAVELS})")
+    out = modal_run(local_env, path, "--fail", "deep", installed=True)   # either walk's RecursionError
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"calque: error: entrypoint main failed: {path}:{deep}: TypeError: odd's arguments: nested "
+        f"deeper than Python's recursion limit ({sys.getrecursionlimit()}): flatten them")
     out = modal_run(local_env, path, "--fail", "json")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(
