@@ -34,7 +34,6 @@ class Refused(TypeError):
 
 def plain(value):
     """Whether JSON carries `value` exactly: no tuple, no key that is not text, nothing tagged.
-    Replaced by calque_plain's, the same walk in C, where it was built (fastbatch/plain.c).
     (Leaves are checked inline: a call a leaf made it twice as slow.)"""
     kind = type(value)
     if kind is dict:
@@ -52,8 +51,8 @@ def plain(value):
     return kind in LEAVES
 
 
-with contextlib.suppress(ImportError):   # 7x faster: the encoding's whole cost on plain JSON
-    from calque_plain import plain
+with contextlib.suppress(ImportError):   # the same walk in C (fastbatch/plain.c), 7x faster,
+    from calque_plain import plain        # where it was built: this walk was the encoding's cost
 
 
 def app_modules(folder):
