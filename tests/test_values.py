@@ -256,7 +256,15 @@ def python_plain():
         sys.modules.pop("calque_plain")
         if saved:
             sys.modules["calque_plain"] = saved
+    assert module.plain.__module__ == "calque_values_python"   # the Python function, not C's
     return module.plain
+
+
+def c_walk():
+    """calque_values.plain, which make setup (or pip install) builds in C: without it, a failure, as
+    fastbatch's tests fail without its C module."""
+    assert calque_values.plain.__module__ == "calque_plain", "calque_plain is not built ---> make setup"
+    return calque_values.plain
 
 
 class Tagged(str):
@@ -280,8 +288,7 @@ def test_the_c_walk_answers_as_the_python_walk(value):
     """calque_plain (fastbatch/plain.c), which calque_values.plain is where it was built, says of
     every value what the Python walk says: generated JSON values with tuples, keys not text,
     "$py" keys, subclasses (a str, a dict, an IntEnum member) and other leaves mixed in."""
-    c_plain, walk = pytest.importorskip("calque_plain").plain, python_plain()
-    assert calque_values.plain is c_plain and walk is not c_plain
+    c_plain, walk = c_walk(), python_plain()
     nested = ([value], {"k": value}, collections.OrderedDict(k=value), [[value], (value,)])
     for each in (value, *nested):
         assert c_plain(each) is walk(each), each
@@ -291,7 +298,7 @@ def test_the_c_walk_on_edges():
     """The C walk's answers where the Python walk has to be matched by hand: exact types only (a
     bool is a leaf, an IntEnum member or a str subclass not), a "$py" key at any depth, and a value
     nested past the recursion limit (RecursionError, as the Python walk's, not a crash)."""
-    c_plain, walk = pytest.importorskip("calque_plain").plain, python_plain()
+    c_plain, walk = c_walk(), python_plain()
     cases = {True: [True, {"a": [False, None, 1, 2.5, "é", float("nan")]}, {}, [], {"$p": 1}],
              False: [(1,), [{"a": (1,)}], {1: "a"}, {"a": {"$py": 0}}, [b""], Tagged("x"),
                      {Tagged("k"): 1}, [Colour.RED], Colour.RED, collections.OrderedDict()]}
