@@ -34,7 +34,8 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt
 # `warmd` commands in $(VENV)/bin, and fastbatch's C module compiled in place by setup.py's cffi_modules; again when
 # its build or sources change. A failed compile is not fatal: the numpy reference path takes over, and fastbatch
 # says so in one line at its first batch
-$(FASTBATCH_SO): $(VENV)/.installed pyproject.toml setup.py fastbatch/fastbatch.c fastbatch/fastbatch.h fastbatch/_build.py
+$(FASTBATCH_SO): $(VENV)/.installed pyproject.toml setup.py fastbatch/fastbatch.c fastbatch/fastbatch.h fastbatch/_build.py \
+		fastbatch/plain.c
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	ls fastbatch/_fastbatch_c.*.so >/dev/null 2>&1 || echo "fastbatch: C build failed; the numpy reference path will be used ---> HINT: check gcc and python3-dev"
 	touch $@
@@ -98,4 +99,4 @@ gpu-check: setup $(MEDIA)
 	$(PY) fastbatch/gpu_check.py
 
 clean:
-	rm -rf .calque .calque-state .calque-demo $(PEERS_VENV) $(RAY_VENV) build calque.egg-info fastbatch/_fastbatch_c.* fastbatch/*.o fastbatch/.build-* $(FASTBATCH_SO)
+	rm -rf .calque .calque-state .calque-demo $(PEERS_VENV) $(RAY_VENV) build calque.egg-info fastbatch/_fastbatch_c.* calque_plain.*.so fastbatch/*.o fastbatch/.build-* $(FASTBATCH_SO)

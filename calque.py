@@ -1174,7 +1174,10 @@ class ModalRun:
             try:
                 items = [self._typed(item) for item in items]
                 run = submit(items, pool=self.pools[key], context=self.context)
-            except TypeError as e:   # calque_values.Refused; an array's tolist() of objects
+            except (TypeError, RecursionError) as e:   # calque_values.Refused, an array's tolist()
+                if isinstance(e, RecursionError):        # of objects; or a value nested too deep
+                    e = f"nested deeper than Python's recursion limit ({sys.getrecursionlimit()}): " \
+                        "flatten them"
                 raise load_modal_shim().app_error(TypeError(f"{target}'s arguments: {e}")) from None
             self.runs.append(run)
         return self._decoded(run.results())
@@ -1182,9 +1185,9 @@ class ModalRun:
     def _typed(self, item):
         """A call item with its arguments in the typed encoding where JSON cannot say them (the
         worker's ModalHandler decodes them); a plain call as it is, walked once."""
-        (key, call), = item.items()   # {"__modal_call__": [args, kwargs(, stream)]}
-        if calque_values.plain(call):
+        if calque_values.plain(item):   # {"__modal_call__": [args, kwargs(, stream)]}
             return item
+        (key, call), = item.items()
         encoder = calque_values.Encoder(self.allowed, tag_bytes=False)   # bytes: the bytes form
         call = [encoder.encode(call[0]), encoder.encode(call[1]), *call[2:]]
         return {key: {calque_values.TAG: ["typed", call]}} if encoder.tagged else item

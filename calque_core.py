@@ -1159,9 +1159,9 @@ class ModalHandler:
     def _out(self, item, value):
         """A `modal run` call's result in the typed encoding (calque.ModalRun decodes it); a
         submitted item's as before (plain JSON, a tuple as a list)."""
-        if isinstance(item, dict) and MODAL_CALL_KEY in item:
-            return calque_values.encode_result(value, self.allowed)
-        return value
+        if calque_values.plain(value) or not (isinstance(item, dict) and MODAL_CALL_KEY in item):
+            return value   # plain JSON (checked first: a call less) or a submitted item's
+        return calque_values.encode_result(value, self.allowed)
 
     def _outcome(self, item, ok, value):
         """(ok, result) of one item's call, its result encoded (a value that does not travel fails

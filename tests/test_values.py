@@ -6,12 +6,17 @@ import dataclasses
 import datetime
 import decimal
 import enum
+import collections
+import importlib.util
 import json
 import pathlib
+import sys
 import typing
 import uuid
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import cli
 from test_modal import modal_run, write_app
@@ -119,6 +124,11 @@ def main(fail: str = ""):
         odd.remote("json")
     if fail == "result":
         opaque.remote()
+    if fail == "deep":
+        deep = []
+        for _ in range(5000):
+            deep = [deep]
+        odd.remote(deep)
 '''
 
 
@@ -155,19 +165,24 @@ def test_values_of_modal_idioms_travel(backend, installed, request, tmp_path):
 
 def test_refusals_and_the_apps_frame(local_env, tmp_path):
     """An argument of a class no worker can find by name is refused at the call in one line naming
-    it and what travels; an uncaught item error raised inside the standard library names the app's
-    line, not the kit's or json's; a result of a class the encoding does not carry fails its item
-    in one line."""
+    it and what travels, and so is one nested past the recursion limit (the installed `calque`); an
+    uncaught item error raised inside the standard library names the app's line, not the kit's or
+    json's; a result of a class the encoding does not carry fails its item in one line."""
     path, _ = write_app(tmp_path, APP)
     lines = APP.splitlines()
-    call, loads = (next(n for n, line in enumerate(lines, 1) if text in line)
-                   for text in ("plan.remote(Point()", "json.loads("))
+    call, loads, deep = (next(n for n, line in enumerate(lines, 1) if text in line)
+                         for text in ("plan.remote(Point()", "json.loads(", "odd.remote(deep)"))
     out = modal_run(local_env, path, "--fail", "local")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1] == (
         f"calque: error: entrypoint main failed: {path}:{call}: TypeError: plan's arguments: a "
         "calque_modal_app_app.main.<locals>.Point does not travel: its class is not at the top of "
         f"the app's own modules or the standard library ({calque_values.TRAVELS})")
+    out = modal_run(local_env, path, "--fail", "deep", installed=True)   # either walk's RecursionError
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"calque: error: entrypoint main failed: {path}:{deep}: TypeError: odd's arguments: nested "
+        f"deeper than Python's recursion limit ({sys.getrecursionlimit()}): flatten them")
     out = modal_run(local_env, path, "--fail", "json")
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines()[-1].startswith(
@@ -237,6 +252,75 @@ def test_encoding_round_trip_and_plain_values_untouched():
     elsewhere = calque_values.app_modules("/nowhere")   # calque_cost is no module of that app's
     with pytest.raises(calque_values.Refused, match="^calque_cost.X is not rebuilt"):
         calque_values.decode({"$py": ["object", ["calque_cost:X", {}]]}, elsewhere)
+
+
+def python_plain():
+    """calque_values.plain as the Python walk (calque_values loaded again, calque_plain hidden)."""
+    spec = importlib.util.spec_from_file_location("calque_values_python", calque_values.__file__)
+    module = importlib.util.module_from_spec(spec)
+    saved = sys.modules.get("calque_plain")
+    sys.modules["calque_plain"] = None   # its import raises ImportError
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.modules.pop("calque_plain")
+        if saved:
+            sys.modules["calque_plain"] = saved
+    assert module.plain.__module__ == "calque_values_python"   # the Python function, not C's
+    return module.plain
+
+
+def c_walk():
+    """calque_values.plain, which make setup (or pip install) builds in C: without it, a failure, as
+    fastbatch's tests fail without its C module."""
+    assert calque_values.plain.__module__ == "calque_plain", "calque_plain is not built ---> make setup"
+    return calque_values.plain
+
+
+class Tagged(str):
+    """A str subclass: JSON writes it as text, so it comes back a str."""
+
+
+JSONISH = st.recursive(   # JSON values, with what JSON would change mixed in (tuples, other keys)
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=4)
+    | st.sampled_from([b"x", Tagged("t"), Colour.RED, decimal.Decimal(1)]),
+    lambda inner: (st.lists(inner, max_size=4) | st.lists(inner, max_size=3).map(tuple)
+                   | st.dictionaries(st.text(max_size=4) | st.sampled_from(["$py", "$pz", "é$p"]),
+                                     inner, max_size=4)
+                   | st.dictionaries(st.integers() | st.sampled_from([Tagged("k"), None, (1,)]),
+                                     inner, min_size=1, max_size=2)),
+    max_leaves=20)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(JSONISH)
+def test_the_c_walk_answers_as_the_python_walk(value):
+    """calque_plain (fastbatch/plain.c), which calque_values.plain is where it was built, says of
+    every value what the Python walk says: generated JSON values with tuples, keys not text,
+    "$py" keys, subclasses (a str, a dict, an IntEnum member) and other leaves mixed in."""
+    c_plain, walk = c_walk(), python_plain()
+    nested = ([value], {"k": value}, collections.OrderedDict(k=value), [[value], (value,)])
+    for each in (value, *nested):
+        assert c_plain(each) is walk(each), each
+
+
+def test_the_c_walk_on_edges():
+    """The C walk's answers where the Python walk has to be matched by hand: exact types only (a
+    bool is a leaf, an IntEnum member or a str subclass not), a "$py" key at any depth, and a value
+    nested past the recursion limit (RecursionError, as the Python walk's, not a crash)."""
+    c_plain, walk = c_walk(), python_plain()
+    cases = {True: [True, {"a": [False, None, 1, 2.5, "é", float("nan")]}, {}, [], {"$p": 1}],
+             False: [(1,), [{"a": (1,)}], {1: "a"}, {"a": {"$py": 0}}, [b""], Tagged("x"),
+                     {Tagged("k"): 1}, [Colour.RED], Colour.RED, collections.OrderedDict()]}
+    for want, values in cases.items():
+        for value in values:
+            assert c_plain(value) is walk(value) is want, value
+    deep = []
+    for _ in range(sys.getrecursionlimit() * 3):
+        deep = [deep]
+    for each in (c_plain, walk):
+        with pytest.raises(RecursionError):
+            each(deep)
 
 
 def test_gpu_any_and_lists():
