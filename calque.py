@@ -27,12 +27,13 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          StoreFault, UserError, VERSION_CHECK, VersionAction, WorkersFailed,
                          batch, check_slug_free, claim_items, cli_error, command,
                          desired_count, dlq_name, dumps, enter, import_modal_file, include_paths,
-                         json_line, kit_fault, kit_python, latest_runs, list_runs, load_modal_shim,
-                         load_pool, new_run_id, now_iso, one_line, open_backend, orjson,
+                         json_line, key_values, kit_fault, kit_python, latest_runs, list_runs,
+                         load_modal_shim, load_pool, new_run_id, now_iso, one_line, open_backend,
+                         open_volume, orjson,
                          pool_key, pool_name_claimed, pool_queue_name, pool_settings, pool_version,
                          queue_depth, read_json, read_run, read_summaries, read_worker_stats,
                          recent_summaries, refuse_other_version, result_lines, retry_policy,
-                         setting_number, settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
+                         serve_volumes, setting_number, settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
                          stream_prefix, summary_claims, summary_key, update_run, user_code_error,
                          version_label, version_of, wait_queue_reusable, wait_seconds, with_bytes,
                          write_file_atomic, write_json)
@@ -690,7 +691,7 @@ def cmd_pool_create(conf, backend, args):
     fleet = fleet_for(conf, backend, args=args)
     batch_size = pool_settings(conf, args.batch_size)["batch_size"]
     modal, suggested, notes = modal_options(args.handler, args.param, args.secret, args.volume, args.gpus_per_worker,
-                                            batch_size, workers_here=fleet.here)
+                                            batch_size, workers_here=fleet.here, store=backend.store)
     for note in notes:
         print(f"pool {args.model}: {note}")
     for key in ("retries", "max_deliveries", "batch_timeout"):   # the app's retries=, timeout=;
@@ -1166,6 +1167,7 @@ class ModalRun:
     def __init__(self, context, path, pool, workers, volumes=(), secrets=()):
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
         self.pools, self.created, self.runs, self.lock = {}, [], [], threading.Lock()
+        self.links = {}   # {mount: (the volume's folder, a folder was there)} its pools' workers link
         record = load_pool(context[1], pool) if pool else None
         if record:
             self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
@@ -1231,9 +1233,13 @@ class ModalRun:
         batch_size = pool_settings(self.context[0])["batch_size"]
         app = {k: v for k, v in sys.modules.items() if k.startswith("calque_modal_app_")}
         modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
-                                                self.volumes, batch_size=batch_size)
+                                                self.volumes, batch_size=batch_size, store=self.context[1].store)
         sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold
                                   # the entrypoint's classes
+        for mount, volume in modal["volumes"].items():
+            if not os.path.islink(mount):
+                place = open_volume(self.context[0], self.context[1].store, volume["name"], volume.get("folder"))
+                self.links[mount] = (place.folder, os.path.isdir(mount))
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
         print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
         for note in notes:
@@ -1262,6 +1268,11 @@ class ModalRun:
                 for model in self.created:
                     with contextlib.suppress(NotFound):
                         Pool(model, context=self.context).delete(force=True)
+                for mount, (folder, was_folder) in self.links.items():   # the links its workers made
+                    if os.path.islink(mount) and os.readlink(mount) == folder:
+                        os.remove(mount)
+                        if was_folder:   # the empty folder the link replaced
+                            os.mkdir(mount)
 
 
 MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI parses
@@ -1302,6 +1313,7 @@ def cmd_modal_run(conf, backend, args):
                         "(modal run path/app.py[::function])")
     if args.workers < 1:
         raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
+    serve_volumes(conf, backend.store, folders=key_values(args.volume, "--volume"))
     shim, module = import_modal_file(path)
     fn, name = modal_run_target(shim, module, path, name)
     kwargs = vars(entrypoint_parser(fn, f"{command()} modal run {args.app}").parse_args(args.args))
