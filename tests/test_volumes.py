@@ -1,0 +1,236 @@
+"""Modal Volumes that live in the store (the prefix volumes/<slug>/), in Modal's idioms: a volume written and
+committed by one function, read after reload by another and listed and read from the entrypoint; a volume under a
+`Path` key that the app's module-level code sees (the folder an import made at its mount gives way); the one-line
+refusal of a mount that holds files; the links an ephemeral pool made removed when it ends; two machines' copies
+kept apart and brought together by commit and reload; a 2-worker machine fetching a volume once. On the embedded
+store and on moto_server, through `calque modal run` and `pool create` (both spellings) from a folder outside the
+checkout."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from conftest import PY, ROOT, FaultProxy, backend_for, wait_for, write_items
+import calque_core
+
+CALQUE = os.path.join(os.path.dirname(PY), "calque")   # the installed command
+
+VOLS = '''
+import io
+import json
+import os
+import pathlib
+
+import modal
+
+app = modal.App("vols")
+notes = modal.Volume.from_name("notes", create_if_missing=True)
+cache = modal.Volume.from_name("hf-cache", create_if_missing=True)
+DATA = {data!r}
+HUB = pathlib.Path({hub!r})
+os.environ["HF_HUB_CACHE"] = str(HUB / "hub")
+os.makedirs(os.environ["HF_HUB_CACHE"], exist_ok=True)   # as `import diffusers` does: a folder at the mount
+AT_IMPORT = sorted(os.listdir(HUB))
+
+
+@app.function(volumes={{DATA: notes}})
+def write(text):
+    with open(f"{{DATA}}/greeting.txt", "w") as f:
+        f.write(text)
+    os.makedirs(f"{{DATA}}/sub", exist_ok=True)
+    with open(f"{{DATA}}/sub/x.bin", "wb") as f:
+        f.write(bytes(10))
+    notes.commit()
+    return "written"
+
+
+@app.function(volumes={{DATA: notes}})
+def read():
+    notes.reload()
+    with open(f"{{DATA}}/greeting.txt") as f:
+        return f.read()
+
+
+@app.function(volumes={{HUB: cache}})
+def seen():
+    return AT_IMPORT
+
+
+def refused(call):
+    try:
+        call()
+    except (FileNotFoundError, FileExistsError, IsADirectoryError) as e:
+        return type(e).__name__
+
+
+@app.local_entrypoint()
+def main(tokenizer: str):
+    with cache.batch_upload() as batch:
+        batch.put_file(io.BytesIO(b"weights"), "model.safetensors")
+        batch.put_directory(tokenizer, "/tok")
+
+    def again():
+        with cache.batch_upload() as batch:
+            batch.put_file(io.BytesIO(b"other"), "/model.safetensors")
+    out = {{"write": write.remote("hello"), "read": read.remote(), "seen": seen.remote(),
+           "tree": [[e.path, e.type.name, e.size] for e in notes.listdir("/", recursive=True)],
+           "top": [e.path for e in notes.iterdir("/", recursive=False)],
+           "file": b"".join(notes.read_file("/greeting.txt")).decode(),
+           "tok": [e.path for e in cache.listdir("tok", recursive=True)],
+           "refused": [refused(again), refused(lambda: notes.remove_file("sub")),
+                       refused(lambda: list(notes.read_file("nope.txt")))]}}
+    notes.copy_files(["greeting.txt", "sub"], "copies")
+    notes.copy_files(["greeting.txt"], "renamed.txt")
+    out["copied"] = [e.path for e in notes.listdir("/", recursive=True) if e.type.name == "FILE"]
+    notes.remove_file("copies", recursive=True)
+    notes.remove_file("renamed.txt")
+    out["after"] = [e.path for e in notes.listdir("/")]
+    print(json.dumps(out))
+'''
+
+
+def write_vols(tmp_path):
+    (tmp_path / "tokenizer" / "inner").mkdir(parents=True)
+    (tmp_path / "tokenizer" / "vocab.txt").write_text("a b")
+    (tmp_path / "tokenizer" / "inner" / "merges.txt").write_text("ab")
+    path = tmp_path / "vols.py"
+    path.write_text(VOLS.format(data=str(tmp_path / "data"), hub=str(tmp_path / "hub")))
+    return path
+
+
+def calque_cli(env, *args, installed, cwd):
+    argv = [CALQUE] if installed else [PY, os.path.join(ROOT, "calque.py")]
+    return subprocess.run([*argv, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_a_volume_in_the_store_through_modal_run(any_env, tmp_path):
+    """The fixture app on either store: what one function commits another reads, the entrypoint lists, reads,
+    uploads, copies and removes it in the store; the Path-keyed volume is in place when the app is imported (its
+    module-level listing sees the uploaded weights); the links made are gone after the run, the folder the
+    import made is back; Modal's exceptions for an existing file, a folder removed without recursive=True and a
+    missing file. Run from a folder outside the checkout; python calque.py on the local store, the installed
+    command on moto_server."""
+    path, s3 = write_vols(tmp_path), any_env["CALQUE_STORE"].startswith("s3://")
+    out = calque_cli(any_env, "modal", "run", str(path), "--tokenizer", str(tmp_path / "tokenizer"),
+                     installed=s3, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["write"] == "written" and got["read"] == "hello" and got["file"] == "hello"
+    assert got["seen"] == ["hub", "model.safetensors", "tok"]   # the volume, at import
+    assert got["tree"] == [["greeting.txt", "FILE", 5], ["sub", "DIRECTORY", 0], ["sub/x.bin", "FILE", 10]]
+    assert got["top"] == ["greeting.txt", "sub"]
+    assert got["tok"] == ["tok/inner", "tok/inner/merges.txt", "tok/vocab.txt"]
+    assert got["refused"] == ["FileExistsError", "IsADirectoryError", "FileNotFoundError"]
+    assert got["copied"] == ["copies/greeting.txt", "copies/sub/x.bin", "greeting.txt", "renamed.txt",
+                             "sub/x.bin"]
+    assert got["after"] == ["greeting.txt", "sub"]
+    store = backend_for(any_env).store
+    assert store.get("volumes/notes/greeting.txt") == b"hello"
+    assert store.get("volumes/hf-cache/model.safetensors") == b"weights"
+    assert not os.path.lexists(tmp_path / "data")                                  # no folder was there
+    assert os.path.isdir(tmp_path / "hub") and not os.path.islink(tmp_path / "hub")   # the import's folder
+    assert ("fetched into" in out.stderr) == s3   # a machine's copy on s3:// only
+
+
+def test_a_mount_that_holds_files_is_refused_in_one_line(local_env, tmp_path):
+    """pool create of a function whose mount holds a file: one line naming the volume's own name in the flag
+    that makes that folder the volume (both spellings); with that flag the pool starts, the folder untouched."""
+    path = write_vols(tmp_path)
+    (tmp_path / "hub").mkdir()
+    (tmp_path / "hub" / "keep.txt").write_text("mine")
+    for installed in (False, True):
+        out = calque_cli(local_env, "pool", "create", "--model", "v", "--handler", f"{path}:seen",
+                         "--workers", "1", installed=installed, cwd=str(tmp_path))
+        assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+        assert (f"volume hf-cache: its mount {tmp_path / 'hub'} exists and holds files ---> HINT: move it away, "
+                f"or make it the volume: --volume hf-cache={tmp_path / 'hub'}") in out.stderr
+    out = calque_cli(local_env, "pool", "create", "--model", "v", "--handler", f"{path}:seen", "--workers", "1",
+                     "--volume", f"hf-cache={tmp_path / 'hub'}", installed=True, cwd=str(tmp_path))
+    assert out.returncode == 0, out.stderr   # its worker is warm: the app imported, the folder its volume
+    assert (tmp_path / "hub" / "keep.txt").read_text() == "mine" and not os.path.islink(tmp_path / "hub")
+    assert calque_cli(local_env, "pool", "delete", "--model", "v", "--yes", "--force", installed=False,
+                      cwd=str(tmp_path)).returncode == 0
+
+
+def test_two_machines_copies_meet_through_commit_and_reload(aws_env, tmp_path):
+    """Two machines' copies of one volume (two CALQUE_STATE folders) on moto_server: a file committed on one is
+    fetched by the other's reload, once; a file changed on a machine and not committed stays through a reload;
+    a file removed and committed goes from the other's copy; a reload with nothing new fetches nothing."""
+    store = backend_for(aws_env).store
+    a, b = (calque_core.open_volume({"CALQUE_STATE": str(tmp_path / m)}, store, "Weights v1") for m in "ab")
+    assert a.folder != b.folder and a.sync() == b.sync() == 0
+    os.makedirs(os.path.join(a.folder, "sub"))
+    for name, data in (("w.bin", b"1" * 1000), ("sub/t.txt", b"tok"), ("gone.txt", b"x")):
+        with open(os.path.join(a.folder, name), "wb") as f:
+            f.write(data)
+    a.commit()
+    assert sorted(k for k, *_ in store.walk("volumes/weights-v1/")) == ["gone.txt", "sub/t.txt", "w.bin"]
+    assert b.sync() == 1004 and b.sync() == 0
+    with open(os.path.join(b.folder, "sub", "t.txt"), "wb") as f:
+        f.write(b"b's own")                              # not committed
+    with open(os.path.join(a.folder, "sub", "t.txt"), "wb") as f:
+        f.write(b"a's")
+    os.remove(os.path.join(a.folder, "gone.txt"))
+    a.commit()
+    assert b.sync() == 0                                  # b's change is kept; nothing else is new
+    assert open(os.path.join(b.folder, "sub", "t.txt"), "rb").read() == b"b's own"
+    assert not os.path.exists(os.path.join(b.folder, "gone.txt"))
+    assert store.get("volumes/weights-v1/sub/t.txt") == b"a's"
+    b.commit()                                            # last writer wins, as on Modal
+    assert store.get("volumes/weights-v1/sub/t.txt") == b"b's own"
+    assert a.sync() == 7 and open(os.path.join(a.folder, "sub", "t.txt"), "rb").read() == b"b's own"
+
+
+WEIGHTS = '''
+import os
+import pathlib
+
+import modal
+
+app = modal.App("weights")
+MOUNT = pathlib.Path({mount!r})
+# at import, as a loader does, in the container only (modal.is_local(): pool create's import of the file)
+SIZES = {{}} if modal.is_local() else {{n: os.path.getsize(MOUNT / n) for n in os.listdir(MOUNT)}}
+
+
+@app.cls(volumes={{MOUNT: modal.Volume.from_name("weights")}})
+class Model:
+    @modal.method()
+    def sizes(self, x):
+        return SIZES
+'''
+
+
+def test_a_two_worker_machine_fetches_a_volume_once(aws_env, tmp_path):
+    """pool create --workers 2 of a class whose weights are in a volume (a Path key), on moto_server behind a
+    recording proxy: each of the volume's objects is fetched once for the machine, and both workers' imports
+    see the files; a volume that does not exist (without create_if_missing) is refused in one line."""
+    app = tmp_path / "weights.py"
+    app.write_text(WEIGHTS.format(mount=str(tmp_path / "weights")))
+    out = calque_cli(aws_env, "pool", "create", "--model", "w", "--handler", f"{app}:Model", "--workers", "0",
+                     installed=True, cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "volume weights (mounted at" in out.stderr and "create_if_missing=True" in out.stderr
+    store = backend_for(aws_env).store
+    files = {f"part-{n}.safetensors": os.urandom(100_000 + n) for n in range(3)}
+    for name, data in files.items():
+        store.put(f"volumes/weights/{name}", data)
+    proxy = FaultProxy(aws_env["AWS_ENDPOINT_URL"])
+    env = dict(aws_env, AWS_ENDPOINT_URL=proxy.url)
+    try:
+        out = calque_cli(env, "pool", "create", "--model", "w", "--handler", f"{app}:Model", "--workers", "2",
+                         installed=False, cwd=str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        fetched = [e["path"] for e in proxy.seen if e["method"] == "GET" and "/volumes/weights/" in e["path"]]
+        assert sorted(fetched) == sorted(f"/{store.bucket}/root/volumes/weights/{n}" for n in files)
+        out = calque_cli(env, "submit", "--pool", "w", write_items(tmp_path / "i.jsonl", list(range(8))),
+                         "--claim-size", "1", "--json", installed=True, cwd=str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        assert len({s["worker_id"] for s in json.loads(out.stdout)["summaries"]}) == 2
+        out = calque_cli(env, "runs", "results", "latest", installed=False, cwd=str(tmp_path))
+        sizes = {n: len(d) for n, d in files.items()}
+        assert [json.loads(line)["result"] for line in out.stdout.splitlines()] == [sizes] * 8, out.stdout
+    finally:
+        calque_cli(env, "pool", "delete", "--model", "w", "--yes", "--force", installed=False, cwd=str(tmp_path))
+        proxy.close()
