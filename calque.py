@@ -33,7 +33,8 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          pool_key, pool_name_claimed, pool_queue_name, pool_settings, pool_version,
                          queue_depth, read_json, read_run, read_summaries, read_worker_stats,
                          recent_summaries, refuse_other_version, result_lines, retry_policy,
-                         serve_volumes, setting_number, settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
+                         serve_volumes, setting_number, settings, size_text, slug, snapshot_handler,
+                         state_dir, stop_seconds,
                          stream_prefix, summary_claims, summary_key, update_run, user_code_error,
                          version_label, version_of, wait_queue_reusable, wait_seconds, with_bytes,
                          write_file_atomic, write_json)
@@ -691,7 +692,8 @@ def cmd_pool_create(conf, backend, args):
     fleet = fleet_for(conf, backend, args=args)
     batch_size = pool_settings(conf, args.batch_size)["batch_size"]
     modal, suggested, notes = modal_options(args.handler, args.param, args.secret, args.volume, args.gpus_per_worker,
-                                            batch_size, workers_here=fleet.here, store=backend.store)
+                                            batch_size, workers_here=fleet.here,
+                                            store=backend.store)
     for note in notes:
         print(f"pool {args.model}: {note}")
     for key in ("retries", "max_deliveries", "batch_timeout"):   # the app's retries=, timeout=;
@@ -1167,7 +1169,7 @@ class ModalRun:
     def __init__(self, context, path, pool, workers, volumes=(), secrets=()):
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
         self.pools, self.created, self.runs, self.lock = {}, [], [], threading.Lock()
-        self.links = {}   # {mount: (the volume's folder, a folder was there)} its pools' workers link
+        self.links = {}   # {mount: (its volume's folder, a folder was there)}: its pools' links
         record = load_pool(context[1], pool) if pool else None
         if record:
             self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
@@ -1233,12 +1235,14 @@ class ModalRun:
         batch_size = pool_settings(self.context[0])["batch_size"]
         app = {k: v for k, v in sys.modules.items() if k.startswith("calque_modal_app_")}
         modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
-                                                self.volumes, batch_size=batch_size, store=self.context[1].store)
+                                                self.volumes, batch_size=batch_size,
+                                                store=self.context[1].store)
         sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold
                                   # the entrypoint's classes
         for mount, volume in modal["volumes"].items():
             if not os.path.islink(mount):
-                place = open_volume(self.context[0], self.context[1].store, volume["name"], volume.get("folder"))
+                place = open_volume(self.context[0], self.context[1].store, volume["name"],
+                                    volume.get("folder"))
                 self.links[mount] = (place.folder, os.path.isdir(mount))
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
         print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
@@ -1268,7 +1272,7 @@ class ModalRun:
                 for model in self.created:
                     with contextlib.suppress(NotFound):
                         Pool(model, context=self.context).delete(force=True)
-                for mount, (folder, was_folder) in self.links.items():   # the links its workers made
+                for mount, (folder, was_folder) in self.links.items():   # links its workers made
                     if os.path.islink(mount) and os.readlink(mount) == folder:
                         os.remove(mount)
                         if was_folder:   # the empty folder the link replaced
@@ -1458,8 +1462,8 @@ def build_parser():
     modal_flags.add_argument("--secret", action="append", metavar="NAME=FILE",
                              help="the KEY=value file modal.Secret.from_name(NAME) reads")
     modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
-                             help="the folder modal.Volume.from_name(NAME) is, linked at its "
-                                  "mount path")
+                             help="a local folder for modal.Volume.from_name(NAME), instead of "
+                                  "the store's prefix volumes/NAME/ (docs/modal.md#volumes)")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store; --instances N and --min-/--max-instances)")
     ec2.add_argument("--instance-type",
                      help="EC2 instance type, e.g. g5.xlarge (required with --instances)")

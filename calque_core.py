@@ -1071,8 +1071,8 @@ class StoredVolume:
                  self.store.walk(self.prefix + key + "/" if key else self.prefix, dated=True)]
         if under or not key:
             return under
-        found = [(k, size, mtime) for k, size, _, mtime in self.store.walk(self.prefix + key, dated=True)
-                 if k == ""]
+        found = [(k, size, mtime) for k, size, _, mtime in
+                 self.store.walk(self.prefix + key, dated=True) if k == ""]
         if not found:
             raise FileNotFoundError(f"volume {self.name}: no file or folder {key}")
         return found
@@ -1118,7 +1118,8 @@ class StoredVolume:
             key = self._key(source)
             place = posixpath.join(target, posixpath.basename(key)) if into else target
             for suffix, *_ in self._files(key):
-                self.store.put(self.prefix + place + suffix, self.store.get(self.prefix + key + suffix))
+                data = self.store.get(self.prefix + key + suffix)
+                self.store.put(self.prefix + place + suffix, data)
 
     def _files_or_none(self, key):
         with contextlib.suppress(FileNotFoundError):
@@ -1252,8 +1253,8 @@ def serve_volumes(conf, store, mounts=None, folders=None):
         os.makedirs(volume.folder, exist_ok=True)
         fetched = volume.sync()
         if fetched:
-            print(f"calque: volume {volume.name}: {size_text(fetched)} fetched into {volume.folder}",
-                  file=sys.stderr)
+            print(f"calque: volume {volume.name}: {size_text(fetched)} fetched into "
+                  f"{volume.folder}", file=sys.stderr)
         if mount_volume(mount, volume.folder, volume.name):
             made.append(mount)
     load_modal_shim().volume = lambda name: opened.get(name) or open_volume(
@@ -2036,7 +2037,8 @@ class S3Store:
         strip = len(self._key(prefix))
         for page in self._pages(Prefix=self._key(prefix)):
             for o in page.get("Contents", []):
-                yield (o["Key"][strip:], o["Size"], o["ETag"]) + (_epoch(o["LastModified"]),) * dated
+                found = o["Key"][strip:], o["Size"], o["ETag"]
+                yield found + (_epoch(o["LastModified"]),) * dated
 
     def _pages(self, **params):
         """The LIST pages of these list_objects_v2 parameters, each one request, read as needed."""

@@ -274,7 +274,8 @@ def worker_policy(store, model, region, account, partition="aws", reads=(), volu
 
 def store_volumes(record):
     """The names of a Modal pool's volumes that live in the store (not a --volume folder)."""
-    return [v["name"] for v in record.get("modal", {}).get("volumes", {}).values() if "folder" not in v]
+    volumes = record.get("modal", {}).get("volumes", {}).values()
+    return [volume["name"] for volume in volumes if "folder" not in volume]
 
 
 def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed, pruned):
@@ -325,8 +326,8 @@ def grant_read(backend, record, uri):
     current = load_pool(backend, model)   # re-read: another change to the record since is kept
     reads = sorted(set(current["ec2"].get("reads", [])) | {uri})
     ident = calls.identity()
-    policy = worker_policy(backend.describe(), model, ec2["region"], ident["account"], ident["partition"], reads,
-                           store_volumes(current))
+    policy = worker_policy(backend.describe(), model, ec2["region"], ident["account"],
+                           ident["partition"], reads, store_volumes(current))
     try:
         calls.call("iam", "PutRolePolicy", RoleName=ec2["role"], PolicyName="calque-worker",
                    PolicyDocument=json.dumps(policy))
@@ -1106,8 +1107,8 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
               f"{kit_sha[:16]}, record {_said(calls, 'written')}")
 
     def role():
-        policy = worker_policy(store, model, region, ident["account"], ident["partition"], ec2["reads"],
-                               store_volumes(record))
+        policy = worker_policy(store, model, region, ident["account"], ident["partition"],
+                               ec2["reads"], store_volumes(record))
         state = _ensure_role(calls, names["role"], policy, tags, owner)
         print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy "
               f"{_said(calls, 'put')}")

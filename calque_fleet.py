@@ -12,7 +12,7 @@ from calque_core import (CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR, CLAIM_SIZE_MAX,
                          imports_modal, key_values, load_pool, measured_seconds, modal_param,
                          new_run_id, now_iso, parse_handler_spec, pool_queue_name, pool_settings,
                          pool_version, read_json, read_run, read_worker_stats, retry_policy,
-                         run_key, run_queue_names, setting_number, settings, slug,
+                         run_key, run_queue_names, setting_number, slug,
                          snapshot_handler, state_dir, version_label, version_of, volume_key,
                          write_json)
 from calque_runs import ClaimSizes, as_sizes, cancel_run, stage_run, wait_for_run
@@ -121,19 +121,23 @@ def modal_volumes(declared, volumes, store, notes):
     folders = key_values(volumes, "--volume")
     for name, folder in folders.items():
         if "://" in folder:
-            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> HINT: "
-                            f"leave it out: Volume {name} is then the store's prefix {volume_key(name)}")
+            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> "
+                            f"HINT: leave it out: Volume {name} is then the store's prefix "
+                            f"{volume_key(name)}")
         folders[name] = os.path.abspath(folder)
     mounts = {}
     for mount, vol in declared.items():
-        mounts[mount] = {"name": vol.name, **({"folder": folders[vol.name]} if vol.name in folders else {})}
+        mounts[mount] = {"name": vol.name}
+        if vol.name in folders:
+            mounts[mount]["folder"] = folders[vol.name]
         if store is None or vol.name in folders:
             continue
         where = store.uri(volume_key(vol.name))
         if not vol.create_if_missing and next(store.walk(volume_key(vol.name)), None) is None:
-            raise UserError(f"volume {vol.name} (mounted at {mount}) does not exist: {where} holds no file "
-                            f"---> HINT: modal.Volume.from_name({vol.name!r}, create_if_missing=True), or "
-                            f"--volume {vol.name}=PATH (a local folder)")
+            raise UserError(f"volume {vol.name} (mounted at {mount}) does not exist: {where} holds "
+                            f"no file ---> HINT: modal.Volume.from_name({vol.name!r}, "
+                            f"create_if_missing=True), or --volume {vol.name}=PATH (a local "
+                            f"folder)")
         notes.append(f"volume {vol.name}: {where}, at {mount} in the workers")
     return mounts
 

@@ -68,7 +68,7 @@ OPTIONS = {
     **dict.fromkeys(("serialized", "name", "include_source", "block_network",
                      "restrict_modal_access", "experimental_options",
                      "_experimental_restrict_output"), NO_EFFECT),
-    "network_file_systems": "modal.NetworkFileSystem is refused: use volumes= with --volume N=PATH",
+    "network_file_systems": "modal.NetworkFileSystem is refused: use volumes= (in the store)",
     "nonpreemptible": "an EC2 pool is on-demand unless --spot; local workers are not preempted",
     "enable_memory_snapshot": "no snapshot is taken: each worker runs @modal.enter once",
     "startup_timeout": "@modal.enter runs as long as it takes (pool create waits until it is done)",
@@ -164,7 +164,8 @@ class Volume:
 
     def iterdir(self, path, *, recursive=True):
         for name, folder, mtime, size in self._stored().entries(path, recursive):
-            yield FileEntry(name, FileEntryType.DIRECTORY if folder else FileEntryType.FILE, mtime, size)
+            kind = FileEntryType.DIRECTORY if folder else FileEntryType.FILE
+            yield FileEntry(name, kind, mtime, size)
 
     def listdir(self, path, *, recursive=False):
         return list(self.iterdir(path, recursive=recursive))
@@ -191,7 +192,8 @@ class _Upload:
         self.files = {}
 
     def put_file(self, local_file, remote_path, mode=None):
-        self.files[str(remote_path)] = local_file if hasattr(local_file, "read") else str(local_file)
+        readable = hasattr(local_file, "read")
+        self.files[str(remote_path)] = local_file if readable else str(local_file)
 
     def put_directory(self, local_path, remote_path, recursive=True):
         local = pathlib.Path(local_path)
@@ -622,7 +624,7 @@ _REFUSED = {
     "Queue": "submit items to the pool (calque.submit) instead of a Modal queue",
     "Sandbox": "run the command in the handler, or on Modal",
     "NetworkFileSystem": "use modal.Volume.from_name(N) with pool create --volume N=PATH",
-    "CloudBucketMount": "use modal.Volume.from_name(N) with pool create --volume N=s3://bucket/prefix",
+    "CloudBucketMount": "use modal.Volume.from_name(N): on an s3:// store, its prefix volumes/N/",
     "Stub": "rename modal.Stub to modal.App (Modal did in 0.64)",
     "gpu": "write gpu=\"A100:2\" (a string), as Modal 1.0 does",
 }

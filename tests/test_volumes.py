@@ -9,9 +9,7 @@ import json
 import os
 import subprocess
 
-import pytest
-
-from conftest import PY, ROOT, FaultProxy, backend_for, wait_for, write_items
+from conftest import PY, ROOT, FaultProxy, backend_for, write_items
 import calque_core
 
 CALQUE = os.path.join(os.path.dirname(PY), "calque")   # the installed command
