@@ -907,6 +907,8 @@ def load_handler(path, cls, modal=None, container=False, streams=None):
 MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]},
                                      # typed (calque_values) where JSON could not say them
 STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
+VOLUME_INDEX_SAVE = 1.0              # s between two saves of a volume copy's index while it fetches:
+                                     # a fetch killed -9 fetches again only what came after
 # a Modal gpu= card as rates.json's cards ("any": the cards Modal's "any" picks from)
 MODAL_GPU_ALIASES = {"A100": ("A100-40GB",), "A100-40G": ("A100-40GB",), "A100-80G": ("A100-80GB",),
                      "ANY": ("T4", "L4", "A10G")}
@@ -1053,7 +1055,8 @@ class StoredVolume:
     """modal.Volume.from_name(name) as calque keeps it: the keys under `prefix` of `store`, and
     `folder`, what a mount links to: on a local store the prefix's own folder; on s3:// (`cached`)
     this machine's copy, which its workers share: sync() fills it, commit() uploads it, under one
-    lock (beside it: .lock; .json, the index: key -> [size, mtime ns, ETag] at the last sync)."""
+    lock (beside it: .lock; .json, the index: key -> [size, mtime ns, ETag] at the last sync;
+    .part, the object being fetched)."""
 
     def __init__(self, name, store, prefix, folder, cached=False):
         self.name, self.store, self.prefix, self.folder = name, store, prefix, folder
@@ -1152,7 +1155,10 @@ class StoredVolume:
             try:
                 yield index
             finally:
-                write_file_atomic(self.folder + ".json", json.dumps(index))
+                self._save(index)
+
+    def _save(self, index):
+        write_file_atomic(self.folder + ".json", json.dumps(index))
 
     def _seen(self, key):
         with contextlib.suppress(FileNotFoundError):
@@ -1168,16 +1174,20 @@ class StoredVolume:
             return fetched
         with self._locked() as index:
             listed = {key: etag for key, _, etag in self.store.walk(self.prefix)}
+            saved = time.monotonic()
             for key, etag in listed.items():
                 entry = index.get(key)
                 if entry is None or entry[2] != etag and self._seen(key) == entry[:2]:
                     data = self.store.get(self.prefix + key)
                     path = os.path.join(self.folder, key)
                     os.makedirs(os.path.dirname(path), exist_ok=True)
-                    with open(f"{path}.tmp-{os.getpid()}", "wb") as f:
-                        f.write(data)
+                    with open(self.folder + ".part", "wb") as f:   # beside the copy: a kill
+                        f.write(data)                                # leaves no part in it
                     os.replace(f.name, path)
                     index[key], fetched = self._seen(key) + [etag], fetched + len(data)
+                    if time.monotonic() - saved > VOLUME_INDEX_SAVE:
+                        self._save(index)
+                        saved = time.monotonic()
             for key in set(index) - set(listed):
                 if self._seen(key) == index[key][:2]:
                     os.remove(os.path.join(self.folder, key))
@@ -1192,7 +1202,7 @@ class StoredVolume:
             return
         with self._locked() as index:
             here = {os.path.relpath(os.path.join(d, f), self.folder): None
-                    for d, _, files in os.walk(self.folder) for f in files if ".tmp-" not in f}
+                    for d, _, files in os.walk(self.folder) for f in files}
             for key in here:
                 seen = self._seen(key)
                 if seen and index.get(key, [None, None])[:2] != seen:
@@ -1235,7 +1245,8 @@ def mount_volume(mount, folder, name):
     except FileExistsError:
         if os.path.exists(mount) and os.path.samefile(mount, folder):   # another worker's link
             return False
-        raise UserError(f"volume {name}: its mount {mount} exists and holds files "
+        what = f"is a link to {os.readlink(mount)}" if os.path.islink(mount) else "holds files"
+        raise UserError(f"volume {name}: its mount {mount} exists and {what} "
                         f"---> HINT: move it away, or make it the volume: --volume {name}={mount}")
     except OSError as e:
         raise UserError(f"volume {name}: cannot link {mount} to {folder} ({e.strerror}) ---> "

@@ -85,7 +85,9 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         if secret.name and secret.name not in secret_files:
             notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables "
                          "must be in the workers' environment (pool.env)")
-    mounts = modal_volumes(options["volumes"], volumes, store, notes)
+    app_volumes = {vol.name for obj in target.app.registered.values()
+                   for vol in obj.options["volumes"].values()}
+    mounts = modal_volumes(options["volumes"], volumes, store, notes, app_volumes)
     pairs = modal_gpu(options.get("gpu"))
     fitting = [(card, count) for card, count in pairs if count <= (gpus_per_worker or 1)]
     if pairs and not fitting:
@@ -114,12 +116,16 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     return record, suggested, notes
 
 
-def modal_volumes(declared, volumes, store, notes):
+def modal_volumes(declared, volumes, store, notes, app_volumes):
     """{mount path: {"name", "folder": the --volume NAME=PATH folder, if named}} of the app's
     volumes; one without a folder is the store's prefix (volume_key), which must hold a file
-    unless create_if_missing (as Modal's from_name refuses a volume that does not exist)."""
+    unless create_if_missing (as Modal's from_name refuses a volume that does not exist).
+    `app_volumes`: the names the app declares anywhere, which --volume must name."""
     folders = key_values(volumes, "--volume")
     for name, folder in folders.items():
+        if name not in app_volumes:
+            raise UserError(f"--volume {name}={folder}: the app has no volume {name} (it has: "
+                            f"{', '.join(sorted(app_volumes)) or 'none'})")
         if "://" in folder:
             raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> "
                             f"HINT: leave it out: Volume {name} is then the store's prefix "
@@ -127,6 +133,9 @@ def modal_volumes(declared, volumes, store, notes):
         folders[name] = os.path.abspath(folder)
     mounts = {}
     for mount, vol in declared.items():
+        if not os.path.isabs(mount):   # Modal refuses it too
+            raise UserError(f"volume {vol.name}: its mount {mount} is not an absolute path ---> "
+                            f"HINT: volumes={{\"/{mount}\": ...}}")
         mounts[mount] = {"name": vol.name}
         if vol.name in folders:
             mounts[mount]["folder"] = folders[vol.name]

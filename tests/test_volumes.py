@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 
-from conftest import PY, ROOT, FaultProxy, backend_for, write_items
+from conftest import PY, ROOT, FaultProxy, backend_for, wait_for, write_items
 import calque_core
 
 CALQUE = os.path.join(os.path.dirname(PY), "calque")   # the installed command
@@ -143,12 +143,34 @@ def test_a_mount_that_holds_files_is_refused_in_one_line(local_env, tmp_path):
         assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
         assert (f"volume hf-cache: its mount {tmp_path / 'hub'} exists and holds files ---> HINT: move it away, "
                 f"or make it the volume: --volume hf-cache={tmp_path / 'hub'}") in out.stderr
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "data")   # left by someone: not replaced
+    out = calque_cli(local_env, "pool", "create", "--model", "v", "--handler", f"{path}:read", "--workers", "1",
+                     installed=False, cwd=str(tmp_path))
+    assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr
+    assert f"its mount {tmp_path / 'data'} exists and is a link to {tmp_path / 'elsewhere'}" in out.stderr
     out = calque_cli(local_env, "pool", "create", "--model", "v", "--handler", f"{path}:seen", "--workers", "1",
                      "--volume", f"hf-cache={tmp_path / 'hub'}", installed=True, cwd=str(tmp_path))
     assert out.returncode == 0, out.stderr   # its worker is warm: the app imported, the folder its volume
     assert (tmp_path / "hub" / "keep.txt").read_text() == "mine" and not os.path.islink(tmp_path / "hub")
     assert calque_cli(local_env, "pool", "delete", "--model", "v", "--yes", "--force", installed=False,
                       cwd=str(tmp_path)).returncode == 0
+
+
+def test_newcomer_mistakes_with_volumes_are_one_line(local_env, tmp_path):
+    """--volume naming a volume the app does not declare (a typo), and a mount path that is not absolute (Modal
+    refuses it too): one line each, exit 2, nothing created."""
+    path = write_vols(tmp_path)
+    out = calque_cli(local_env, "pool", "create", "--model", "v", "--handler", f"{path}:seen", "--workers", "0",
+                     "--volume", "hf_cache=weights", installed=True, cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr == ("calque: error: --volume hf_cache=weights: the app has no "
+                                                  "volume hf_cache (it has: hf-cache, notes)\n"), out.stderr
+    path.write_text(path.read_text().replace("volumes={HUB: cache}", 'volumes={"hub": cache}'))
+    out = calque_cli(local_env, "modal", "run", f"{path}::seen", installed=False, cwd=str(tmp_path))
+    assert out.returncode == 2 and out.stderr.endswith(
+        'calque: error: volume hf-cache: its mount hub is not an absolute path ---> HINT: volumes={"/hub": '
+        '...}\n'), out.stderr
+    assert "vols" not in calque_cli(local_env, "pool", "list", installed=False, cwd=str(tmp_path)).stdout
 
 
 def test_two_machines_copies_meet_through_commit_and_reload(aws_env, tmp_path):
@@ -232,3 +254,38 @@ def test_a_two_worker_machine_fetches_a_volume_once(aws_env, tmp_path):
     finally:
         calque_cli(env, "pool", "delete", "--model", "w", "--yes", "--force", installed=False, cwd=str(tmp_path))
         proxy.close()
+
+
+SYNC = """import sys, calque_core
+store = calque_core.open_backend(sys.argv[1]).store
+calque_core.open_volume({"CALQUE_STATE": sys.argv[2]}, store, "slow").sync()
+"""
+
+
+def test_a_fetch_killed_9_leaves_nothing_half_and_the_next_one_finishes(aws_env, tmp_path):
+    """A worker's fetch of a volume killed -9 after its first files (moto_server behind a 0.2 s delay per
+    request), its index saved each second meanwhile: the copy holds whole files only, no partial one inside it;
+    the next fetch completes the copy, fetching only what the index saved does not record."""
+    from latency_proxy import start_proxy
+    store = backend_for(aws_env).store
+    files = {f"f{n:02d}.bin": os.urandom(1000 + n) for n in range(20)}
+    for name, data in files.items():
+        store.put(f"volumes/slow/{name}", data)
+    url, stop = start_proxy(aws_env["AWS_ENDPOINT_URL"], 200)
+    try:
+        proc = subprocess.Popen([PY, "-c", SYNC, aws_env["CALQUE_STORE"], str(tmp_path / "state")],
+                                env=dict(aws_env, AWS_ENDPOINT_URL=url, PYTHONPATH=ROOT))
+        volume = calque_core.open_volume({"CALQUE_STATE": str(tmp_path / "state")}, store, "slow")
+        wait_for(lambda: os.path.isdir(volume.folder) and len(os.listdir(volume.folder)) >= 8, 60,
+                 "8 files fetched (1.6 s or more: past an index save)")
+        proc.kill()
+        proc.wait()
+    finally:
+        stop()
+    had = os.listdir(volume.folder)
+    assert 8 <= len(had) < 20 and all(open(os.path.join(volume.folder, n), "rb").read() == files[n] for n in had)
+    indexed = json.load(open(volume.folder + ".json"))
+    assert indexed and set(indexed) <= set(had)
+    assert volume.sync() == sum(len(d) for n, d in files.items() if n not in indexed)
+    assert {n: open(os.path.join(volume.folder, n), "rb").read() for n in os.listdir(volume.folder)} == files
+    assert volume.sync() == 0
