@@ -1230,9 +1230,9 @@ def open_volume(conf, store, name, folder=None, cached=True):
 def mount_volume(mount, folder, name):
     """Make the app's volume mount path (/data) show `folder`: a symlink where nothing is, or a
     folder holding no file was (made by an import of the app elsewhere: pool create's, `modal
-    run`'s, setting HF_HUB_CACHE in it). True where this call linked it."""
+    run`'s, setting HF_HUB_CACHE in it)."""
     if os.path.exists(mount) and os.path.samefile(mount, folder):
-        return False
+        return
     if os.path.isdir(mount) and not os.path.islink(mount) and not any(
             files for _, _, files in os.walk(mount)):
         for inner, _, _ in os.walk(mount, topdown=False):
@@ -1241,10 +1241,9 @@ def mount_volume(mount, folder, name):
     try:
         os.makedirs(os.path.dirname(mount), exist_ok=True)
         os.symlink(folder, mount)
-        return True
     except FileExistsError:
         if os.path.exists(mount) and os.path.samefile(mount, folder):   # another worker's link
-            return False
+            return
         what = f"is a link to {os.readlink(mount)}" if os.path.islink(mount) else "holds files"
         raise UserError(f"volume {name}: its mount {mount} exists and {what} "
                         f"---> HINT: move it away, or make it the volume: --volume {name}={mount}")
@@ -1256,9 +1255,8 @@ def mount_volume(mount, folder, name):
 def serve_volumes(conf, store, mounts=None, folders=None):
     """Give the stand-in modal its volumes (the Volume methods), and mount `mounts` (a pool
     record's {path: {"name", "folder"?}}), each filled first: in a worker, before its app is
-    imported, as Modal mounts. `folders`: `modal run --volume`'s. Returns the links made."""
-    folders = dict(folders or {})
-    opened, made = {}, []
+    imported, as Modal mounts. `folders`: `modal run --volume`'s."""
+    opened, folders = {}, folders or {}
     for mount, spec in (mounts or {}).items():
         volume = opened[spec["name"]] = open_volume(conf, store, spec["name"], spec.get("folder"))
         os.makedirs(volume.folder, exist_ok=True)
@@ -1266,11 +1264,9 @@ def serve_volumes(conf, store, mounts=None, folders=None):
         if fetched:
             print(f"calque: volume {volume.name}: {size_text(fetched)} fetched into "
                   f"{volume.folder}", file=sys.stderr)
-        if mount_volume(mount, volume.folder, volume.name):
-            made.append(mount)
+        mount_volume(mount, volume.folder, volume.name)
     load_modal_shim().volume = lambda name: opened.get(name) or open_volume(
         conf, store, name, folders.get(name), cached=False)
-    return made
 
 
 def key_values(pairs, flag):
