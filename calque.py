@@ -35,7 +35,8 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          recent_summaries, refuse_other_version, result_lines, retry_policy,
                          serve_volumes, setting_number, settings, size_text, slug, snapshot_handler,
                          state_dir, stop_seconds,
-                         stream_prefix, summary_claims, summary_key, update_run, user_code_error,
+                         stream_prefix, summary_claims, summary_key, unlink_volumes, update_run,
+                         user_code_error,
                          version_label, version_of, wait_queue_reusable, wait_seconds, with_bytes,
                          write_file_atomic, write_json)
 from calque_sources import as_items, read_items
@@ -1239,11 +1240,10 @@ class ModalRun:
                                                 store=self.context[1].store)
         sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold
                                   # the entrypoint's classes
-        for mount, volume in modal["volumes"].items():
-            if not os.path.islink(mount):
-                place = open_volume(self.context[0], self.context[1].store, volume["name"],
-                                    volume.get("folder"))
-                self.links[mount] = (place.folder, os.path.isdir(mount))
+        links = {mount: (open_volume(self.context[0], self.context[1].store, volume["name"],
+                                     volume.get("folder")).folder, os.path.isdir(mount))
+                 for mount, volume in modal["volumes"].items() if not os.path.islink(mount)}
+        self.links.update(links)
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
         print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
         for note in notes:
@@ -1252,6 +1252,7 @@ class ModalRun:
         folder = state_dir(self.context[0], model)   # `owner`: its supervisor deletes the pool
         os.makedirs(folder, exist_ok=True)            # once this process is gone (kill -9)
         write_file_atomic(os.path.join(folder, "owner"), str(os.getpid()))
+        write_file_atomic(os.path.join(folder, "links.json"), json.dumps(links))   # and these
         self.output.add(model, target)
         conf = dict(self.context[0], CALQUE_GRACE="0")   # a signal: let go a call nobody awaits
         Pool(model, context=(conf, self.context[1])).create(
@@ -1272,11 +1273,7 @@ class ModalRun:
                 for model in self.created:
                     with contextlib.suppress(NotFound):
                         Pool(model, context=self.context).delete(force=True)
-                for mount, (folder, was_folder) in self.links.items():   # links its workers made
-                    if os.path.islink(mount) and os.readlink(mount) == folder:
-                        os.remove(mount)
-                        if was_folder:   # the empty folder the link replaced
-                            os.mkdir(mount)
+                unlink_volumes(self.links)
 
 
 MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI parses

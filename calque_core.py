@@ -1252,6 +1252,17 @@ def mount_volume(mount, folder, name):
                         f"HINT: sudo ln -s {folder} {mount} on the worker machine")
 
 
+def unlink_volumes(links):
+    """Remove the links an ephemeral pool's workers made at its volumes' mounts ({mount: [folder,
+    a folder was there]}), where they still point at that folder; a folder a link replaced is
+    made again."""
+    for mount, (folder, was_folder) in links.items():
+        if os.path.islink(mount) and os.readlink(mount) == folder:
+            os.remove(mount)
+            if was_folder:
+                os.mkdir(mount)
+
+
 def serve_volumes(conf, store, mounts=None, folders=None):
     """Give the stand-in modal its volumes (the Volume methods), and mount `mounts` (a pool
     record's {path: {"name", "folder"?}}), each filled first: in a worker, before its app is

@@ -289,3 +289,40 @@ def test_a_fetch_killed_9_leaves_nothing_half_and_the_next_one_finishes(aws_env,
     assert volume.sync() == sum(len(d) for n, d in files.items() if n not in indexed)
     assert {n: open(os.path.join(volume.folder, n), "rb").read() for n in os.listdir(volume.folder)} == files
     assert volume.sync() == 0
+
+
+NAP = '''
+import time
+import modal
+
+app = modal.App()
+vol = modal.Volume.from_name("naps", create_if_missing=True)
+
+
+@app.function(volumes={{{mount!r}: vol}})
+def nap(x: int = 1):
+    open({mount!r} + "/started", "w").write("yes")
+    time.sleep(60)
+'''
+
+
+def test_modal_run_killed_9_its_pools_supervisor_removes_the_links(local_env, tmp_path):
+    """`modal run` killed -9 while its function naps in a volume: the ephemeral pool's supervisor, which
+    deletes the pool, also removes the link its worker made at the mount (the folder the link replaced made
+    again); the volume's files stay in the store."""
+    path, mount = tmp_path / "nap.py", tmp_path / "naps"
+    path.write_text(NAP.format(mount=str(mount)))
+    mount.mkdir()   # an empty folder: the link replaces it
+    proc = subprocess.Popen([CALQUE, "modal", "run", str(path)], env=dict(local_env, CALQUE_GRACE="1"),
+                            cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: (mount / "started").exists(), 60, "the function started, in the volume")
+        assert os.path.islink(mount)
+    finally:
+        proc.kill()
+        proc.wait()
+    wait_for(lambda: not os.path.islink(mount), 60, "the supervisor to remove the link")
+    assert os.path.isdir(mount) and os.listdir(mount) == []
+    assert (tmp_path / "store" / "volumes" / "naps" / "started").read_text() == "yes"
+    wait_for(lambda: "modal-nap" not in calque_cli(local_env, "pool", "list", installed=False,
+                                                   cwd=str(tmp_path)).stdout, 60, "the pool deleted")
