@@ -1102,25 +1102,31 @@ class StoredVolume:
         except NotFound:
             raise FileNotFoundError(f"volume {self.name}: no file {self._key(path)}") from None
 
+    def _tree(self, key, recursive, call):
+        """_files(key), where it is a folder only if `recursive`, as Modal's `call` refuses it."""
+        files = self._files(key)
+        if files and files[0][0] and not recursive:
+            raise IsADirectoryError(f"volume {self.name}: {key or '/'} is a folder ---> HINT: "
+                                    f"{call}(..., recursive=True)")
+        return files
+
     def remove(self, path, recursive=False):
         key = self._key(path)
-        files = self._files(key)
+        files = self._tree(key, recursive, "remove_file")
         if files and files[0][0]:
-            if not recursive:
-                raise IsADirectoryError(f"volume {self.name}: {key or '/'} is a folder ---> HINT: "
-                                        f"remove_file({path!r}, recursive=True)")
             self.store.delete_prefix(self.prefix + key + "/" if key else self.prefix)
         elif files:
             self.store.delete(self.prefix + key)
 
-    def copy(self, sources, destination):
-        """As cp -r: into `destination` where it is a folder (or several are copied), else as it."""
+    def copy(self, sources, destination, recursive=False):
+        """As cp (-r: `recursive`): into `destination` where it is a folder (or several are
+        copied), else as it."""
         target = self._key(destination)
         into = len(sources) > 1 or not target or any(s for s, *_ in self._files_or_none(target))
         for source in sources:
             key = self._key(source)
             place = posixpath.join(target, posixpath.basename(key)) if into else target
-            for suffix, *_ in self._files(key):
+            for suffix, *_ in self._tree(key, recursive, "copy_files"):
                 data = self.store.get(self.prefix + key + suffix)
                 self.store.put(self.prefix + place + suffix, data)
 

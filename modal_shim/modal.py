@@ -176,8 +176,8 @@ class Volume:
     def remove_file(self, path, recursive=False):
         self._stored().remove(path, recursive)
 
-    def copy_files(self, src_paths, dst_path):
-        self._stored().copy(list(src_paths), dst_path)
+    def copy_files(self, src_paths, dst_path, recursive=False):
+        self._stored().copy(list(src_paths), dst_path, recursive)
 
     @contextlib.contextmanager
     def batch_upload(self, force=False):

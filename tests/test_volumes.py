@@ -77,8 +77,9 @@ def main(tokenizer: str):
            "file": b"".join(notes.read_file("/greeting.txt")).decode(),
            "tok": [e.path for e in cache.listdir("tok", recursive=True)],
            "refused": [refused(again), refused(lambda: notes.remove_file("sub")),
-                       refused(lambda: list(notes.read_file("nope.txt")))]}}
-    notes.copy_files(["greeting.txt", "sub"], "copies")
+                       refused(lambda: list(notes.read_file("nope.txt"))),
+                       refused(lambda: notes.copy_files(["sub"], "sub2"))]}}
+    notes.copy_files(["greeting.txt", "sub"], "copies", recursive=True)
     notes.copy_files(["greeting.txt"], "renamed.txt")
     out["copied"] = [e.path for e in notes.listdir("/", recursive=True) if e.type.name == "FILE"]
     notes.remove_file("copies", recursive=True)
@@ -106,8 +107,8 @@ def test_a_volume_in_the_store_through_modal_run(any_env, tmp_path):
     """The fixture app on either store: what one function commits another reads, the entrypoint lists, reads,
     uploads, copies and removes it in the store; the Path-keyed volume is in place when the app is imported (its
     module-level listing sees the uploaded weights); the links made are gone after the run, the folder the
-    import made is back; Modal's exceptions for an existing file, a folder removed without recursive=True and a
-    missing file. Run from a folder outside the checkout; python calque.py on the local store, the installed
+    import made is back; Modal's exceptions for an existing file, a folder removed or copied without
+    recursive=True and a missing file. Run from a folder outside the checkout; python calque.py on the local store, the installed
     command on moto_server."""
     path, s3 = write_vols(tmp_path), any_env["CALQUE_STORE"].startswith("s3://")
     out = calque_cli(any_env, "modal", "run", str(path), "--tokenizer", str(tmp_path / "tokenizer"),
@@ -119,7 +120,7 @@ def test_a_volume_in_the_store_through_modal_run(any_env, tmp_path):
     assert got["tree"] == [["greeting.txt", "FILE", 5], ["sub", "DIRECTORY", 0], ["sub/x.bin", "FILE", 10]]
     assert got["top"] == ["greeting.txt", "sub"]
     assert got["tok"] == ["tok/inner", "tok/inner/merges.txt", "tok/vocab.txt"]
-    assert got["refused"] == ["FileExistsError", "IsADirectoryError", "FileNotFoundError"]
+    assert got["refused"] == ["FileExistsError", "IsADirectoryError", "FileNotFoundError", "IsADirectoryError"]
     assert got["copied"] == ["copies/greeting.txt", "copies/sub/x.bin", "greeting.txt", "renamed.txt",
                              "sub/x.bin"]
     assert got["after"] == ["greeting.txt", "sub"]
