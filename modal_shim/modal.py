@@ -150,20 +150,25 @@ class Volume:
     def from_name(cls, name, create_if_missing=False, **_):
         return cls(name, create_if_missing)
 
-    def _stored(self):
+    def _call(self, method, *args):
+        """What the volume's calque side (calque_core.StoredVolume) answers; its OSError (a file
+        missing, a folder where a file was meant) is the app's doing."""
         if volume is None:
             _unsupported(f"Volume {self.name}'s methods outside `calque modal run` and a worker",
                          "call them from the app's local entrypoint or its functions")
-        return volume(self.name)
+        try:
+            return getattr(volume(self.name), method)(*args)
+        except OSError as e:
+            raise app_error(e) from None
 
     def commit(self):
-        self._stored().commit()
+        self._call("commit")
 
     def reload(self):
-        self._stored().sync()
+        self._call("sync")
 
     def iterdir(self, path, *, recursive=True):
-        for name, folder, mtime, size in self._stored().entries(path, recursive):
+        for name, folder, mtime, size in self._call("entries", path, recursive):
             kind = FileEntryType.DIRECTORY if folder else FileEntryType.FILE
             yield FileEntry(name, kind, mtime, size)
 
@@ -171,20 +176,20 @@ class Volume:
         return list(self.iterdir(path, recursive=recursive))
 
     def read_file(self, path):
-        yield self._stored().read(path)
+        yield self._call("read", path)
 
     def remove_file(self, path, recursive=False):
-        self._stored().remove(path, recursive)
+        self._call("remove", path, recursive)
 
     def copy_files(self, src_paths, dst_path, recursive=False):
-        self._stored().copy(list(src_paths), dst_path, recursive)
+        self._call("copy", list(src_paths), dst_path, recursive)
 
     @contextlib.contextmanager
     def batch_upload(self, force=False):
         """put_file / put_directory inside the block; the files are written when it ends."""
         batch = _Upload()
         yield batch
-        self._stored().upload(batch.files, force)
+        self._call("upload", batch.files, force)
 
 
 class _Upload:

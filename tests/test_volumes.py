@@ -159,8 +159,9 @@ def test_a_mount_that_holds_files_is_refused_in_one_line(local_env, tmp_path):
 
 
 def test_newcomer_mistakes_with_volumes_are_one_line(local_env, tmp_path):
-    """--volume naming a volume the app does not declare (a typo), and a mount path that is not absolute (Modal
-    refuses it too): one line each, exit 2, nothing created."""
+    """--volume naming a volume the app does not declare (a typo), a mount path that is not absolute (Modal
+    refuses it too): one line each, exit 2, nothing created; the entrypoint reading a file the volume lacks: one
+    line naming the app's line, not a kit traceback."""
     path = write_vols(tmp_path)
     out = calque_cli(local_env, "pool", "create", "--model", "v", "--handler", f"{path}:seen", "--workers", "0",
                      "--volume", "hf_cache=weights", installed=True, cwd=str(tmp_path))
@@ -172,6 +173,12 @@ def test_newcomer_mistakes_with_volumes_are_one_line(local_env, tmp_path):
         'calque: error: volume hf-cache: its mount hub is not an absolute path ---> HINT: volumes={"/hub": '
         '...}\n'), out.stderr
     assert "vols" not in calque_cli(local_env, "pool", "list", installed=False, cwd=str(tmp_path)).stdout
+    (tmp_path / "miss.py").write_text("import modal\napp = modal.App()\nvol = modal.Volume.from_name('notes')\n"
+                                      "@app.local_entrypoint()\ndef main():\n"
+                                      "    print(b''.join(vol.read_file('nope.txt')))\n")
+    out = calque_cli(local_env, "modal", "run", "miss.py", installed=True, cwd=str(tmp_path))
+    assert out.returncode == 1 and out.stderr == ("calque: error: entrypoint main failed: miss.py:6: "
+                                                  "FileNotFoundError: volume notes: no file nope.txt\n"), out.stderr
 
 
 def test_two_machines_copies_meet_through_commit_and_reload(aws_env, tmp_path):
