@@ -907,8 +907,8 @@ def load_handler(path, cls, modal=None, container=False, streams=None):
 MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]},
                                      # typed (calque_values) where JSON could not say them
 STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
-VOLUME_INDEX_SAVE = 1.0              # s between two saves of a volume copy's index while it fetches:
-                                     # a fetch killed -9 fetches again only what came after
+VOLUME_INDEX_SAVE = 1.0              # s between two saves of a volume copy's index while it
+                                     # fetches: one killed -9 fetches again only what came after
 # a Modal gpu= card as rates.json's cards ("any": the cards Modal's "any" picks from)
 MODAL_GPU_ALIASES = {"A100": ("A100-40GB",), "A100-40G": ("A100-40GB",), "A100-80G": ("A100-80GB",),
                      "ANY": ("T4", "L4", "A10G")}

@@ -1,12 +1,13 @@
-"""make bench: a Modal Volume in the store. A 2-worker pool on one machine (local workers, an s3:// store on
-moto_server) whose class reads BENCH_VOLUME_MB MB of weights from a volume at import: the bytes its boot fetched
-from the store against the volume's size (goal: 1.0x, once for the machine, not once per worker), and the bytes a
-second boot of the same machine fetches (goal: 0, its copy is current: one listing).
+"""make bench: a Modal Volume in the store. A 2-worker pool on one machine (local workers, an
+s3:// store on moto_server) whose class reads BENCH_VOLUME_MB MB of weights from a volume at
+import: the bytes its boot fetched from the store against the volume's size (goal: 1.0x, once for
+the machine, not once per worker), and the bytes a second boot of the same machine fetches (goal:
+0, its copy is current: one listing).
 
     .venv/bin/python bench/bench_volume.py          # BENCH_VOLUME_MB=256 for a larger volume
 
-Bytes are counted at a proxy between the workers and moto_server: the objects' GETs under volumes/ (a listing is
-counted apart). The machine is shared: read the bytes, not the seconds.
+Bytes are counted at a proxy between the workers and moto_server: the objects' GETs under
+volumes/ (a listing is counted apart). The machine is shared: read the bytes, not the seconds.
 """
 import http.server
 import json
@@ -32,8 +33,9 @@ import modal
 
 app = modal.App("weights")
 MOUNT = {mount!r}
-# the weights read at import in the container, as a loader does (not by pool create's import of the file)
-LOADED = 0 if modal.is_local() else sum(len(open(os.path.join(MOUNT, n), "rb").read()) for n in os.listdir(MOUNT))
+# the weights read at import in the container, as a loader does (not pool create's import)
+LOADED = 0 if modal.is_local() else sum(
+    len(open(os.path.join(MOUNT, n), "rb").read()) for n in os.listdir(MOUNT))
 
 
 @app.cls(volumes={{MOUNT: modal.Volume.from_name("weights")}})
@@ -45,8 +47,8 @@ class Model:
 
 
 def counting_proxy(upstream):
-    """A proxy to moto_server that counts the bytes of each object GET under volumes/ and the LISTs there:
-    (its URL, {"bytes", "gets", "lists"})."""
+    """A proxy to moto_server that counts the bytes of each object GET under volumes/ and the
+    LISTs there: (its URL, {"bytes", "gets", "lists"})."""
     counts = {"bytes": 0, "gets": 0, "lists": 0}
 
     class Counting(latency_proxy.handler_class(upstream, 0)):
@@ -78,7 +80,8 @@ def main():
     moto = start_moto()
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            env = dict(os.environ, CALQUE_STORE="s3://bench/volume", CALQUE_STATE=os.path.join(tmp, "state"),
+            env = dict(os.environ, CALQUE_STORE="s3://bench/volume",
+                       CALQUE_STATE=os.path.join(tmp, "state"),
                        CALQUE_ENV=os.path.join(tmp, "none.env"))
             store = calque_core.open_backend(env["CALQUE_STORE"]).store
             size = VOLUME_MB * 2**20
@@ -88,18 +91,19 @@ def main():
                 f.write(APP.format(mount=os.path.join(tmp, "weights")))
             url, counts = counting_proxy(os.environ["AWS_ENDPOINT_URL"])
             env["AWS_ENDPOINT_URL"] = url
-            print(f"volume: a 2-worker machine (local workers, moto_server) whose class reads a volume of "
-                  f"{VOLUME_MB} MB (4 files) at import")
-            boots = (("first boot", "create", "--handler", "app.py:Model"), ("second boot", "scale"))
+            print(f"volume: a 2-worker machine (local workers, moto_server) whose class reads a "
+                  f"volume of {VOLUME_MB} MB (4 files) at import")
+            boots = (("first boot", "create", "--handler", "app.py:Model"),
+                     ("second boot", "scale"))
             for label, verb, *handler in boots:
                 if verb == "scale":
                     calque(env, tmp, "pool", "scale", "--model", "w", "--workers", "0")
                 before, started = dict(counts), time.monotonic()
                 calque(env, tmp, "pool", verb, "--model", "w", *handler, "--workers", "2")
                 got = {k: counts[k] - before[k] for k in counts}
-                print(f"  {label:<12} fetched {got['bytes'] / 2**20:8.1f} MB = {got['bytes'] / size:.2f}x the "
-                      f"volume ({got['gets']} GETs, {got['lists']} LISTs); 2 workers warm in "
-                      f"{time.monotonic() - started:.1f} s", flush=True)
+                print(f"  {label:<12} fetched {got['bytes'] / 2**20:8.1f} MB = "
+                      f"{got['bytes'] / size:.2f}x the volume ({got['gets']} GETs, {got['lists']} "
+                      f"LISTs); 2 workers warm in {time.monotonic() - started:.1f} s", flush=True)
             with open(os.path.join(tmp, "items.jsonl"), "w") as f:
                 f.write("1\n2\n")
             calque(env, tmp, "submit", "--pool", "w", "items.jsonl", "--claim-size", "1")
