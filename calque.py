@@ -27,15 +27,17 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          StoreFault, UserError, VERSION_CHECK, VersionAction, WorkersFailed,
                          batch, check_slug_free, claim_items, cli_error, command,
                          desired_count, dlq_name, dumps, enter, import_modal_file, include_paths,
-                         json_line, kit_fault, kit_python, latest_runs, list_runs, load_modal_shim,
-                         load_pool, new_run_id, now_iso, one_line, open_backend, orjson,
+                         json_line, key_values, kit_fault, kit_python, latest_runs, list_runs,
+                         load_modal_shim, load_pool, new_run_id, now_iso, one_line, open_backend,
+                         open_volume, orjson,
                          pool_key, pool_name_claimed, pool_queue_name, pool_settings, pool_version,
                          queue_depth, read_json, read_run, read_summaries, read_worker_stats,
                          recent_summaries, refuse_other_version, result_lines, retry_policy,
-                         setting_number, settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
-                         stream_prefix, summary_claims, summary_key, update_run, user_code_error,
-                         version_label, version_of, wait_queue_reusable, wait_seconds, web_endpoint,
-                         with_bytes, write_file_atomic, write_json)
+                         serve_volumes, setting_number, settings, size_text, slug, snapshot_handler,
+                         state_dir, stop_seconds, stream_prefix, summary_claims, summary_key,
+                         unlink_volumes, update_run, user_code_error, version_label, version_of,
+                         wait_queue_reusable, wait_seconds, web_endpoint, with_bytes,
+                         write_file_atomic, write_json)
 from calque_sources import as_items, read_items
 from calque_runs import (SubmitInterrupted, as_sizes,
                          cancel_run, check_deletable, claim_batch,
@@ -681,7 +683,8 @@ def cmd_pool_create(conf, backend, args):
     fleet = fleet_for(conf, backend, args=args)
     batch_size = pool_settings(conf, args.batch_size)["batch_size"]
     modal, suggested, notes = modal_options(args.handler, args.param, args.secret, args.volume, args.gpus_per_worker,
-                                            batch_size, workers_here=fleet.here)
+                                            batch_size, workers_here=fleet.here,
+                                            store=backend.store)
     for note in notes:
         print(f"pool {args.model}: {note}")
     for key in ("retries", "max_deliveries", "batch_timeout"):   # the app's retries=, timeout=;
@@ -1155,6 +1158,7 @@ class ModalRun:
     def __init__(self, context, path, pool, workers, volumes=(), secrets=()):
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
         self.pools, self.created, self.runs, self.lock = {}, [], [], threading.Lock()
+        self.links = {}   # {mount: (its volume's folder, a folder was there)}: its pools' links
         record = load_pool(context[1], pool) if pool else None
         if record:
             self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
@@ -1223,9 +1227,14 @@ class ModalRun:
         batch_size = pool_settings(self.context[0])["batch_size"]
         app = {k: v for k, v in sys.modules.items() if k.startswith("calque_modal_app_")}
         modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
-                                                self.volumes, batch_size=batch_size)
+                                                self.volumes, batch_size=batch_size,
+                                                store=self.context[1].store)
         sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold
                                   # the entrypoint's classes
+        links = {mount: (open_volume(self.context[0], self.context[1].store, volume["name"],
+                                     volume.get("folder")).folder, os.path.isdir(mount))
+                 for mount, volume in modal["volumes"].items() if not os.path.islink(mount)}
+        self.links.update(links)
         model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
         print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
         for note in notes:
@@ -1234,6 +1243,7 @@ class ModalRun:
         folder = state_dir(self.context[0], model)   # `owner`: its supervisor deletes the pool
         os.makedirs(folder, exist_ok=True)            # once this process is gone (kill -9)
         write_file_atomic(os.path.join(folder, "owner"), str(os.getpid()))
+        write_file_atomic(os.path.join(folder, "links.json"), json.dumps(links))   # and these
         self.output.add(model, target)
         conf = dict(self.context[0], CALQUE_GRACE="0")   # a signal: let go a call nobody awaits
         Pool(model, context=(conf, self.context[1])).create(
@@ -1254,6 +1264,7 @@ class ModalRun:
                 for model in self.created:   # UserError: no record: its making failed, saying why
                     with contextlib.suppress(NotFound, UserError):
                         Pool(model, context=self.context).delete(force=True)
+                unlink_volumes(self.links)
 
 
 MODAL_ARG_TYPES = (int, float, str)   # entrypoint parameter types Modal's CLI parses
@@ -1295,6 +1306,7 @@ def cmd_modal_run(conf, backend, args):
                         "(modal run path/app.py[::function])")
     if args.workers < 1:
         raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
+    serve_volumes(conf, backend.store, folders=key_values(args.volume, "--volume"))
     shim, module = import_modal_file(path)
     fn, name = modal_run_target(shim, module, path, name)
     kwargs = vars(entrypoint_parser(fn, f"{command()} modal run {args.app}").parse_args(args.args))
@@ -1441,8 +1453,8 @@ def build_parser():
     modal_flags.add_argument("--secret", action="append", metavar="NAME=FILE",
                              help="the KEY=value file modal.Secret.from_name(NAME) reads")
     modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
-                             help="the folder modal.Volume.from_name(NAME) is, linked at its "
-                                  "mount path")
+                             help="a local folder for modal.Volume.from_name(NAME), instead of "
+                                  "the store's prefix volumes/NAME/ (docs/modal.md#volumes)")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store; --instances N and --min-/--max-instances)")
     ec2.add_argument("--instance-type",
                      help="EC2 instance type, e.g. g5.xlarge (required with --instances)")

@@ -4,7 +4,7 @@ summary, result parts, handler loading; 3. the store and queue backends; 4. the 
 section uses only those above it. calque.py, warmd.py, the fleets and the dashboard import it."""
 import argparse, ast, base64, contextlib, datetime, difflib, enum, fcntl, functools, gzip, hashlib
 import importlib.util, inspect, io, json, math, os, re, secrets, shutil, sqlite3, struct, tarfile
-import itertools, threading, time, traceback, typing, uuid, zipfile, sys
+import itertools, posixpath, threading, time, traceback, typing, uuid, zipfile, sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -316,6 +316,11 @@ def pool_key(model):
 
 def worker_stats_prefix(model):
     return f"pools/{slug(model)}/workers/"
+
+
+def volume_key(name):
+    """The store prefix of modal.Volume.from_name(name): its files are the keys below it."""
+    return f"volumes/{slug(name)}/"
 
 
 def output_key(prefix, seq, label):
@@ -880,6 +885,8 @@ def load_handler(path, cls, modal=None, container=False, streams=None):
 MODAL_CALL_KEY = "__modal_call__"    # a `modal run` call's item: {key: [args, kwargs(, stream)]},
                                      # typed (calque_values) where JSON could not say them
 STREAM_FLUSH = 0.5                   # s between two chunks of a .remote_gen call's items (Streamed)
+VOLUME_INDEX_SAVE = 1.0              # s between two saves of a volume copy's index while it
+                                     # fetches: one killed -9 fetches again only what came after
 # a Modal gpu= card as rates.json's cards ("any": the cards Modal's "any" picks from)
 MODAL_GPU_ALIASES = {"A100": ("A100-40GB",), "A100-40G": ("A100-40GB",), "A100-80G": ("A100-80GB",),
                      "ANY": ("T4", "L4", "A10G")}
@@ -1028,19 +1035,239 @@ def modal_param(user_cls, key, value):
         raise UserError(f"--param {key}={value}: {user_cls.__name__}.{key} is annotated {kind.__name__}")
 
 
-def mount_volume(mount, folder):
-    """Make the app's volume mount path (/data) show `folder`: a symlink where nothing is yet."""
-    if os.path.lexists(mount):
-        if not (os.path.exists(mount) and os.path.samefile(mount, folder)):
-            raise UserError(f"volume mount {mount} exists and is not {folder} ---> HINT: move it, "
-                            f"or name it with --volume NAME={mount}")
+class StoredVolume:
+    """modal.Volume.from_name(name) as calque keeps it: the keys under `prefix` of `store`, and
+    `folder`, what a mount links to: on a local store the prefix's own folder; on s3:// (`cached`)
+    this machine's copy, which its workers share: sync() fills it, commit() uploads it, under one
+    lock (beside it: .lock; .json, the index: key -> [size, mtime ns, ETag] at the last sync;
+    .part, the object being fetched)."""
+
+    def __init__(self, name, store, prefix, folder, cached=False):
+        self.name, self.store, self.prefix, self.folder = name, store, prefix, folder
+        self.cached = cached
+
+    @staticmethod
+    def _key(path):
+        """A volume path ("/", "/a/b.txt", "a/b.txt") as a key under the prefix ("", "a/b.txt")."""
+        return posixpath.normpath("/" + str(path)).lstrip("/")
+
+    def _files(self, key):
+        """[(suffix, size, mtime s)] of the file `key` names (suffix "") or of the files under it
+        ("/name"); FileNotFoundError where there is neither."""
+        under = [("/" + k, size, mtime) for k, size, _, mtime in
+                 self.store.walk(self.prefix + key + "/" if key else self.prefix, dated=True)]
+        if under or not key:
+            return under
+        found = [(k, size, mtime) for k, size, _, mtime in
+                 self.store.walk(self.prefix + key, dated=True) if k == ""]
+        if not found:
+            raise FileNotFoundError(f"volume {self.name}: no file or folder {key}")
+        return found
+
+    def entries(self, path, recursive):
+        """(path, is a folder, mtime s, size) of the file `path` names or of what is in the folder,
+        `recursive`ly or one level down; the folders are those its keys imply."""
+        key, out = self._key(path), {}
+        base = key + "/" if key else ""
+        for suffix, size, mtime in self._files(key):
+            if not suffix:   # the file `path` names
+                return [(key, False, mtime, size)]
+            parts = suffix[1:].split("/")
+            for cut in range(1, len(parts) if recursive else min(2, len(parts))):
+                folder = base + "/".join(parts[:cut])
+                out[folder] = (folder, True, max(mtime, out.get(folder, (0, 0, 0))[2]), 0)
+            if recursive or len(parts) == 1:
+                out[base + suffix[1:]] = (base + suffix[1:], False, mtime, size)
+        return sorted(out.values())
+
+    def read(self, path):
+        try:
+            return self.store.get(self.prefix + self._key(path))
+        except NotFound:
+            raise FileNotFoundError(f"volume {self.name}: no file {self._key(path)}") from None
+
+    def _tree(self, key, recursive, call):
+        """_files(key), where it is a folder only if `recursive`, as Modal's `call` refuses it."""
+        files = self._files(key)
+        if files and files[0][0] and not recursive:
+            raise IsADirectoryError(f"volume {self.name}: {key or '/'} is a folder ---> HINT: "
+                                    f"{call}(..., recursive=True)")
+        return files
+
+    def remove(self, path, recursive=False):
+        key = self._key(path)
+        files = self._tree(key, recursive, "remove_file")
+        if files and files[0][0]:
+            self.store.delete_prefix(self.prefix + key + "/" if key else self.prefix)
+        elif files:
+            self.store.delete(self.prefix + key)
+
+    def copy(self, sources, destination, recursive=False):
+        """As cp (-r: `recursive`): into `destination` where it is a folder (or several are
+        copied), else as it."""
+        target = self._key(destination)
+        into = len(sources) > 1 or not target or any(s for s, *_ in self._files_or_none(target))
+        for source in sources:
+            key = self._key(source)
+            place = posixpath.join(target, posixpath.basename(key)) if into else target
+            for suffix, *_ in self._tree(key, recursive, "copy_files"):
+                data = self.store.get(self.prefix + key + suffix)
+                self.store.put(self.prefix + place + suffix, data)
+
+    def _files_or_none(self, key):
+        with contextlib.suppress(FileNotFoundError):
+            return self._files(key)
+        return []
+
+    def upload(self, files, force=False):
+        """batch_upload's files, {volume path: local path or readable file}; without `force` one
+        that exists refuses them all (FileExistsError), as Modal's."""
+        keys = {self._key(path): source for path, source in files.items()}
+        taken = [] if force else [k for k in keys if self._files_or_none(k)]
+        if taken:
+            raise FileExistsError(f"volume {self.name}: {taken[0]} exists ---> HINT: "
+                                  f"batch_upload(force=True) overwrites")
+        for key, source in keys.items():
+            data = source.read() if hasattr(source, "read") else open(source, "rb").read()
+            self.store.put(self.prefix + key, data)
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """The machine's copy to change, its index: one process at a time (the others wait)."""
+        os.makedirs(self.folder, exist_ok=True)
+        with open(self.folder + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                with open(self.folder + ".json") as f:
+                    index = json.load(f)
+            except FileNotFoundError:
+                index = {}
+            try:
+                yield index
+            finally:
+                self._save(index)
+
+    def _save(self, index):
+        write_file_atomic(self.folder + ".json", json.dumps(index))
+
+    def _seen(self, key):
+        with contextlib.suppress(FileNotFoundError):
+            seen = os.stat(os.path.join(self.folder, key))
+            return [seen.st_size, seen.st_mtime_ns]
+
+    def sync(self):
+        """Bring the machine's copy up to the prefix (Modal's reload): fetch what is new or changed
+        there, drop what was removed there; a file changed here and not committed stays. Returns
+        the bytes fetched."""
+        fetched = 0
+        if not self.cached:
+            return fetched
+        with self._locked() as index:
+            listed = {key: etag for key, _, etag in self.store.walk(self.prefix)}
+            saved = time.monotonic()
+            for key, etag in listed.items():
+                entry = index.get(key)
+                if entry is None or entry[2] != etag and self._seen(key) == entry[:2]:
+                    data = self.store.get(self.prefix + key)
+                    path = os.path.join(self.folder, key)
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    with open(self.folder + ".part", "wb") as f:   # beside the copy: a kill
+                        f.write(data)                                # leaves no part in it
+                    os.replace(f.name, path)
+                    index[key], fetched = self._seen(key) + [etag], fetched + len(data)
+                    if time.monotonic() - saved > VOLUME_INDEX_SAVE:
+                        self._save(index)
+                        saved = time.monotonic()
+            for key in set(index) - set(listed):
+                if self._seen(key) == index[key][:2]:
+                    os.remove(os.path.join(self.folder, key))
+                if self._seen(key) is None:
+                    del index[key]
+        return fetched
+
+    def commit(self):
+        """Upload what changed in the machine's copy since the last sync and delete from the prefix
+        what was removed here, then sync, as Modal's commit."""
+        if not self.cached:
+            return
+        with self._locked() as index:
+            here = {os.path.relpath(os.path.join(d, f), self.folder): None
+                    for d, _, files in os.walk(self.folder) for f in files}
+            for key in here:
+                seen = self._seen(key)
+                if seen and index.get(key, [None, None])[:2] != seen:
+                    with open(os.path.join(self.folder, key), "rb") as f:
+                        index[key] = seen + [self.store.put(self.prefix + key, f.read())]
+            for key in set(index) - set(here):
+                self.store.delete(self.prefix + key)
+                del index[key]
+        self.sync()
+
+
+def open_volume(conf, store, name, folder=None, cached=True):
+    """Volume `name` where it lives: the --volume `folder` given, else the store's prefix
+    volume_key(name), mounted from this machine's copy on s3:// (`cached`: CALQUE_STATE/volumes)."""
+    if folder:
+        return StoredVolume(name, LocalStore(folder, Requests()), "", folder)
+    key = volume_key(name)
+    if isinstance(store, LocalStore):
+        return StoredVolume(name, store, key, os.path.normpath(store._path(key)))
+    root = hashlib.sha256(store.uri("").encode()).hexdigest()[:12]   # one copy per store
+    place = os.path.join(os.path.abspath(conf["CALQUE_STATE"]), "volumes", root, slug(name))
+    return StoredVolume(name, store, key, place, cached)
+
+
+def mount_volume(mount, folder, name):
+    """Make the app's volume mount path (/data) show `folder`: a symlink where nothing is, or a
+    folder holding no file was (made by an import of the app elsewhere: pool create's, `modal
+    run`'s, setting HF_HUB_CACHE in it)."""
+    if os.path.exists(mount) and os.path.samefile(mount, folder):
         return
+    if os.path.isdir(mount) and not os.path.islink(mount) and not any(
+            files for _, _, files in os.walk(mount)):
+        for inner, _, _ in os.walk(mount, topdown=False):
+            with contextlib.suppress(OSError):   # a link to a folder in it: refused below
+                os.rmdir(inner)
     try:
         os.makedirs(os.path.dirname(mount), exist_ok=True)
         os.symlink(folder, mount)
+    except FileExistsError:
+        if os.path.exists(mount) and os.path.samefile(mount, folder):   # another worker's link
+            return
+        what = f"is a link to {os.readlink(mount)}" if os.path.islink(mount) else "holds files"
+        raise UserError(f"volume {name}: its mount {mount} exists and {what} "
+                        f"---> HINT: move it away, or make it the volume: --volume {name}={mount}")
     except OSError as e:
-        raise UserError(f"volume mount {mount}: cannot link it to {folder} ({e.strerror}) ---> "
+        raise UserError(f"volume {name}: cannot link {mount} to {folder} ({e.strerror}) ---> "
                         f"HINT: sudo ln -s {folder} {mount} on the worker machine")
+
+
+def unlink_volumes(links):
+    """Remove the links an ephemeral pool's workers made at its volumes' mounts ({mount: [folder,
+    a folder was there]}), where they still point at that folder; a folder a link replaced is
+    made again."""
+    for mount, (folder, was_folder) in links.items():
+        if os.path.islink(mount) and os.readlink(mount) == folder:
+            os.remove(mount)
+            if was_folder:
+                os.mkdir(mount)
+
+
+def serve_volumes(conf, store, mounts=None, folders=None):
+    """Give the stand-in modal its volumes (the Volume methods), and mount `mounts` (a pool
+    record's {path: {"name", "folder"?}}), each filled first: in a worker, before its app is
+    imported, as Modal mounts. `folders`: `modal run --volume`'s."""
+    opened, folders = {}, folders or {}
+    for mount, spec in (mounts or {}).items():
+        volume = opened[spec["name"]] = open_volume(conf, store, spec["name"], spec.get("folder"))
+        os.makedirs(volume.folder, exist_ok=True)
+        fetched = volume.sync()
+        if fetched:
+            print(f"calque: volume {volume.name}: {size_text(fetched)} fetched into "
+                  f"{volume.folder}", file=sys.stderr)
+        mount_volume(mount, volume.folder, volume.name)
+    load_modal_shim().volume = lambda name: opened.get(name) or open_volume(
+        conf, store, name, folders.get(name), cached=False)
 
 
 def key_values(pairs, flag):
@@ -1093,8 +1320,6 @@ class ModalHandler:
         for secret in self.target.options["secrets"]:   # modal.Secret.from_dict: in the source
             for key, value in secret.values.items():
                 os.environ.setdefault(key, value)
-        for mount, folder in self.options.get("volumes", {}).items():
-            mount_volume(mount, folder)
         if not self.method:
             self.fn = self.raw
             return
@@ -1494,6 +1719,18 @@ class LocalStore:
         self.requests["store_gets"] += 1
         return os.path.exists(self._path(key))
 
+    def walk(self, prefix="", dated=False):
+        """(key under `prefix`, size, mtime ns[, mtime s: `dated`]) of each file under it, or of
+        the file it names (key ""), in key order, as S3Store.walk."""
+        top = self._path(prefix)
+        found = [("", top)] if os.path.isfile(top) else sorted(
+            (os.path.relpath(os.path.join(d, f), top).replace(os.sep, "/"), os.path.join(d, f))
+            for d, _, files in os.walk(top) for f in files if ".tmp-" not in f)
+        for key, path in found:
+            with contextlib.suppress(FileNotFoundError):   # removed meanwhile
+                seen = os.stat(path)
+                yield (key, seen.st_size, seen.st_mtime_ns) + (int(seen.st_mtime),) * dated
+
     def list(self, prefix, start_after=None):
         """Keys under a prefix ending in '/', one level deep, in order; with `start_after`, only
         those that sort after it (as S3's StartAfter)."""
@@ -1798,13 +2035,15 @@ class S3Store:
 
     fetch = get
 
-    def walk(self, prefix=""):
-        """(key under `prefix`, size, ETag) of every object under it, in key order, a LIST page
-        (1000 keys) at a time as they come: a prefix of any size is never held whole."""
+    def walk(self, prefix="", dated=False):
+        """(key under `prefix`, size, ETag[, mtime s: `dated`]) of every object under it, in key
+        order, a LIST page (1000 keys) at a time as they come: a prefix of any size is never held
+        whole."""
         strip = len(self._key(prefix))
         for page in self._pages(Prefix=self._key(prefix)):
             for o in page.get("Contents", []):
-                yield o["Key"][strip:], o["Size"], o["ETag"]
+                found = o["Key"][strip:], o["Size"], o["ETag"]
+                yield found + (_epoch(o["LastModified"]),) * dated
 
     def _pages(self, **params):
         """The LIST pages of these list_objects_v2 parameters, each one request, read as needed."""
@@ -1822,9 +2061,10 @@ class S3Store:
 
     @endpoint_retried
     def put(self, key, data):
+        """Write the object; its ETag."""
         self.requests["store_puts"] += 1
-        self.s3.put_object(Bucket=self.bucket, Key=self._key(key),
-                           Body=data if isinstance(data, bytes) else data.encode())
+        return self.s3.put_object(Bucket=self.bucket, Key=self._key(key),
+                                  Body=data if isinstance(data, bytes) else data.encode())["ETag"]
 
     @endpoint_retried
     def put_new(self, key, data):
@@ -1887,6 +2127,13 @@ class S3Store:
     def delete(self, key):
         """Delete one object; one that is not there is no error (S3 answers 204 either way)."""
         self.s3.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+
+def _epoch(modified):
+    """An S3 listing's LastModified (text from the data session, else a datetime) in seconds."""
+    if isinstance(modified, str):
+        modified = datetime.datetime.fromisoformat(modified.replace("Z", "+00:00"))
+    return int(modified.timestamp())
 
 
 class SqsQueues:

@@ -17,7 +17,7 @@ from calque_core import (DEFAULT_REGION, HERE, NotFound, POOL_PREFIX, QUEUE_REUS
                          pool_key, pool_name_claimed, pool_queue_name, pool_version, pyproject,
                          queue_depth, read_json, read_worker_stats, recent_summaries,
                          redrive_policy, refuse_other_version, setting_number, settings, slug,
-                         snapshot_handler, wait_queue_reusable)
+                         snapshot_handler, volume_key, wait_queue_reusable)
 from calque_cost import (instance_rate_per_second, load_rates, measured_enter_seconds)
 from calque_runs import cancel_pool_runs
 
@@ -221,7 +221,7 @@ def _s3_parts(store, partition):
     return f"arn:{partition}:s3:::{bucket}", f"arn:{partition}:s3:::{bucket}/{root}", root
 
 
-def worker_policy(store, model, region, account, partition="aws", reads=()):
+def worker_policy(store, model, region, account, partition="aws", reads=(), volumes=()):
     """The pool worker's inline policy: claim from its pool queue, dead-letter to its DLQ, read
     its pool's folder and its model's runs (runs/<slug>.*: manifests, inputs, summaries, and the
     results and attempt record a redelivered claim resumes from), write their results, summaries
@@ -230,8 +230,10 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
     answer 404, not 403, for a summary not written yet. On its own group only: SetInstanceHealth
     (a failed bootstrap), SetInstanceProtection (scale-in while it holds a claim) and
     CompleteLifecycleAction (let a terminating instance go). `reads`: the
-    s3:// prefixes its runs read by reference (GetObject under each, ListBucket for 404s)."""
+    s3:// prefixes its runs read by reference (GetObject under each, ListBucket for 404s);
+    `volumes`: its Modal app's volumes in the store (read, commit: write and delete, list)."""
     s = slug(model)
+    kept = [volume_key(name) for name in volumes]
     bucket_arn, obj, root = _s3_parts(store, partition)
     policy = _worker_policy(
         f"arn:{partition}:sqs:{region}:{account}:", pool_queue_name(model), dlq_name(model),
@@ -242,7 +244,13 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
                 f"{obj}runs/{s}.*/progress/*",
                 f"{obj}pools/{s}/workers/*", f"{obj}pools/{s}/instances/*",
                 f"{obj}pools/{s}/output/*", f"{obj}pools/{s}/streams/*"],
-        listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"], pruned=f"{obj}pools/{s}/output/*")
+        listed=[f"{root}runs/{s}.*", f"{root}pools/{s}/*"] + [f"{root}{k}*" for k in kept],
+        pruned=f"{obj}pools/{s}/output/*")
+    if kept:
+        policy["Statement"].append({
+            "Sid": "OwnVolumes", "Effect": "Allow",
+            "Action": ["s3:GetObject", "s3:PutObject", "s3:DeleteObject"],
+            "Resource": [f"{obj}{k}*" for k in kept]})
     names = resource_names(model)
     if reads:   # and list them: an object gone since submit is a 404 (its item fails), not a 403
         named = [uri[len("s3://"):] for uri in reads]
@@ -262,6 +270,12 @@ def worker_policy(store, model, region, account, partition="aws", reads=()):
         "Resource": f"arn:{partition}:autoscaling:{region}:{account}:autoScalingGroup:*:"
                     f"autoScalingGroupName/{names['asg']}"}]
     return policy
+
+
+def store_volumes(record):
+    """The names of a Modal pool's volumes that live in the store (not a --volume folder)."""
+    volumes = record.get("modal", {}).get("volumes", {}).values()
+    return [volume["name"] for volume in volumes if "folder" not in volume]
 
 
 def _worker_policy(sqs, queue, dlq, sids, bucket_arn, root, reads, writes, listed, pruned):
@@ -312,7 +326,8 @@ def grant_read(backend, record, uri):
     current = load_pool(backend, model)   # re-read: another change to the record since is kept
     reads = sorted(set(current["ec2"].get("reads", [])) | {uri})
     ident = calls.identity()
-    policy = worker_policy(backend.describe(), model, ec2["region"], ident["account"], ident["partition"], reads)
+    policy = worker_policy(backend.describe(), model, ec2["region"], ident["account"],
+                           ident["partition"], reads, store_volumes(current))
     try:
         calls.call("iam", "PutRolePolicy", RoleName=ec2["role"], PolicyName="calque-worker",
                    PolicyDocument=json.dumps(policy))
@@ -1075,7 +1090,8 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
               f"{kit_sha[:16]}, record {_said(calls, 'written')}")
 
     def role():
-        policy = worker_policy(store, model, region, ident["account"], ident["partition"], ec2["reads"])
+        policy = worker_policy(store, model, region, ident["account"], ident["partition"],
+                               ec2["reads"], store_volumes(record))
         state = _ensure_role(calls, names["role"], policy, tags, owner)
         print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy "
               f"{_said(calls, 'put')}")

@@ -12,8 +12,9 @@ from calque_core import (CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR, CLAIM_SIZE_MAX,
                          imports_modal, key_values, load_pool, measured_seconds, modal_param,
                          new_run_id, now_iso, parse_handler_spec, pool_queue_name, pool_settings,
                          pool_version, read_json, read_run, read_worker_stats, retry_policy,
-                         run_key, run_queue_names, setting_number, settings, slug,
-                         snapshot_handler, state_dir, version_label, version_of, write_json)
+                         run_key, run_queue_names, setting_number, slug,
+                         snapshot_handler, state_dir, version_label, version_of, volume_key,
+                         write_json)
 from calque_runs import ClaimSizes, as_sizes, cancel_run, stage_run, wait_for_run
 from calque_cost import (_usd, choose_pricing, instance_rate_per_second, load_rates,
                          measured_enter_seconds)
@@ -43,10 +44,11 @@ def suggest_instance(rates, pairs):
 
 
 def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None,
-                  workers_here=True):
+                  workers_here=True, store=None):
     """What a Modal handler's pool needs from its app file, imported here: (the record's "modal"
     entry, the retries / max_deliveries / batch_timeout / instance_type its retries=, timeout=
-    and gpu= suggest, notes); (None, {}, []) for a calque handler. `workers_here`: pip packages checked."""
+    and gpu= suggest, notes); (None, {}, []) for a calque handler. `workers_here`: pip packages
+    checked; `store`: where its volumes are looked for."""
     path, name = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         if not imports_modal(f.read(), path):
@@ -83,7 +85,9 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         if secret.name and secret.name not in secret_files:
             notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables "
                          "must be in the workers' environment (pool.env)")
-    mounts = modal_volumes(options["volumes"], volumes, workers_here, notes)
+    app_volumes = {vol.name for obj in target.app.registered.values()
+                   for vol in obj.options["volumes"].values()}
+    mounts = modal_volumes(options["volumes"], volumes, store, notes, app_volumes)
     pairs = modal_gpu(options.get("gpu"))
     fitting = [(card, count) for card, count in pairs if count <= (gpus_per_worker or 1)]
     if pairs and not fitting:
@@ -112,25 +116,39 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     return record, suggested, notes
 
 
-def modal_volumes(declared, volumes, workers_here, notes):
-    """{mount path: folder} of the app's volumes: the --volume NAME=PATH folder, or for a
-    create_if_missing volume of local workers a new one in CALQUE_STATE/volumes, as Modal does."""
+def modal_volumes(declared, volumes, store, notes, app_volumes):
+    """{mount path: {"name", "folder": the --volume NAME=PATH folder, if named}} of the app's
+    volumes; one without a folder is the store's prefix (volume_key), which must hold a file
+    unless create_if_missing (as Modal's from_name refuses a volume that does not exist).
+    `app_volumes`: the names the app declares anywhere, which --volume must name."""
     folders = key_values(volumes, "--volume")
     for name, folder in folders.items():
+        if name not in app_volumes:
+            raise UserError(f"--volume {name}={folder}: the app has no volume {name} (it has: "
+                            f"{', '.join(sorted(app_volumes)) or 'none'})")
         if "://" in folder:
-            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> HINT: copy the prefix "
-                            f"to a folder the workers see (aws s3 sync), and name that")
+            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> "
+                            f"HINT: leave it out: Volume {name} is then the store's prefix "
+                            f"{volume_key(name)}")
         folders[name] = os.path.abspath(folder)
+    mounts = {}
     for mount, vol in declared.items():
+        if not os.path.isabs(mount):   # Modal refuses it too
+            raise UserError(f"volume {vol.name}: its mount {mount} is not an absolute path ---> "
+                            f"HINT: volumes={{\"/{mount}\": ...}}")
+        mounts[mount] = {"name": vol.name}
         if vol.name in folders:
+            mounts[mount]["folder"] = folders[vol.name]
+        if store is None or vol.name in folders:
             continue
-        if not (vol.create_if_missing and workers_here):
-            raise UserError(f"volume {vol.name} (mounted at {mount}) has no folder ---> HINT: --volume "
-                            f"{vol.name}=PATH (pool create or modal run: a local folder the workers see at {mount})")
-        folders[vol.name] = os.path.join(os.path.abspath(settings()["CALQUE_STATE"]), "volumes", slug(vol.name))
-        os.makedirs(folders[vol.name], exist_ok=True)
-        notes.append(f"volume {vol.name}: create_if_missing: the folder {folders[vol.name]}, at {mount} in workers")
-    return {str(mount): folders[vol.name] for mount, vol in declared.items()}   # a path, as Modal
+        where = store.uri(volume_key(vol.name))
+        if not vol.create_if_missing and next(store.walk(volume_key(vol.name)), None) is None:
+            raise UserError(f"volume {vol.name} (mounted at {mount}) does not exist: {where} holds "
+                            f"no file ---> HINT: modal.Volume.from_name({vol.name!r}, "
+                            f"create_if_missing=True), or --volume {vol.name}=PATH (a local "
+                            f"folder)")
+        notes.append(f"volume {vol.name}: {where}, at {mount} in the workers")
+    return mounts
 
 
 def image_plan(image, app_path):

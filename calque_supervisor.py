@@ -14,7 +14,7 @@ from calque_core import (DEFAULTS, NotFound, StoreFault, UserError, WorkersFaile
                          check_slug_free, command, desired_count, load_pool, measured_seconds,
                          now_iso, open_backend, pool_bounds, queue_depth, read_json,
                          read_worker_stats, recent_summaries, setting_number, slug, state_dir,
-                         stop_seconds, summary_claims, version_label, version_of,
+                         stop_seconds, summary_claims, unlink_volumes, version_label, version_of,
                          worker_stats_prefix, write_file_atomic)
 from calque_runs import drop_pool
 
@@ -533,6 +533,7 @@ def supervise(conf, model):
         with contextlib.suppress(NotFound, UserError):   # deleted already (modal run's last act)
             backend = open_backend(conf["CALQUE_STORE"])
             drop_pool(backend, load_pool(backend, model), cancel=True)
+        unlink_volumes(read_state(os.path.join(folder, "links.json"), json.loads, {}))
 
 
 def try_lock(path):

@@ -944,6 +944,9 @@ class Worker:
         os.chdir(folder)
         sys.path.insert(0, folder)
         log.info("worker: working directory %s", folder)
+        if "modal" in self.record:   # its volumes in place before its app is imported, as Modal's
+            calque_core.serve_volumes(self.conf, self.backend.store,
+                                      self.record["modal"]["volumes"])
         streams = None if self.ephemeral else (self.backend.store, self.record["model"])
         self.handler, self.enter_fn, batch_fn, collate = calque_core.load_handler(
             path, h["class"], self.record.get("modal"), container=True, streams=streams)

@@ -13,9 +13,13 @@ docs/modal.md has the compatibility table.
 import asyncio
 import builtins
 import contextlib
+import dataclasses
 import difflib
+import enum
 import functools
 import inspect
+import os
+import pathlib
 import threading
 import uuid
 from concurrent.futures import Future, wait   # its TimeoutError is the builtin one (3.11)
@@ -24,6 +28,7 @@ import calque_values
 
 runner = None      # set by `calque modal run`: call(target, params, items) -> an iterator of result dicts
 container = False  # True in a worker: Image.imports() blocks import for real there
+volume = None      # set by calque (a worker, `modal run`): NAME -> where Volume NAME lives
 
 
 class Unsupported(Exception):
@@ -65,7 +70,7 @@ OPTIONS = {
     **dict.fromkeys(("serialized", "name", "include_source", "block_network",
                      "restrict_modal_access", "experimental_options",
                      "_experimental_restrict_output"), NO_EFFECT),
-    "network_file_systems": "modal.NetworkFileSystem is refused: use volumes= with --volume N=PATH",
+    "network_file_systems": "modal.NetworkFileSystem is refused: use volumes= (in the store)",
     "nonpreemptible": "an EC2 pool is on-demand unless --spot; local workers are not preempted",
     "enable_memory_snapshot": "no snapshot is taken: each worker runs @modal.enter once",
     "startup_timeout": "@modal.enter runs as long as it takes (pool create waits until it is done)",
@@ -122,7 +127,24 @@ class Secret:
         _unsupported("modal.Secret.from_dotenv", "use modal.Secret.from_name(N) with pool create --secret N=file.env")
 
 
+class FileEntryType(enum.IntEnum):
+    UNSPECIFIED, FILE, DIRECTORY, SYMLINK = range(4)
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """A file or folder of a Volume, as Modal's listdir gives it (path: from the volume's root)."""
+    path: str
+    type: FileEntryType
+    mtime: int
+    size: int
+
+
 class Volume:
+    """A Volume is the store's prefix volumes/NAME/ (or the folder `--volume NAME=PATH` names): a
+    worker mounts it before the app is imported (on s3://, the machine's copy: commit() uploads
+    it, reload() brings others' commits); the methods below work on the store from anywhere."""
+
     def __init__(self, name, create_if_missing=False):
         self.name, self.create_if_missing = name, create_if_missing
 
@@ -130,11 +152,61 @@ class Volume:
     def from_name(cls, name, create_if_missing=False, **_):
         return cls(name, create_if_missing)
 
+    def _call(self, method, *args):
+        """What the volume's calque side (calque_core.StoredVolume) answers; its OSError (a file
+        missing, a folder where a file was meant) is the app's doing."""
+        if volume is None:
+            _unsupported(f"Volume {self.name}'s methods outside `calque modal run` and a worker",
+                         "call them from the app's local entrypoint or its functions")
+        try:
+            return getattr(volume(self.name), method)(*args)
+        except OSError as e:
+            raise app_error(e) from None
+
     def commit(self):
-        """A local folder or a mounted prefix has nothing to commit."""
+        self._call("commit")
 
     def reload(self):
-        """Nothing to reload: the folder is read directly."""
+        self._call("sync")
+
+    def iterdir(self, path, *, recursive=True):
+        for name, folder, mtime, size in self._call("entries", path, recursive):
+            kind = FileEntryType.DIRECTORY if folder else FileEntryType.FILE
+            yield FileEntry(name, kind, mtime, size)
+
+    def listdir(self, path, *, recursive=False):
+        return list(self.iterdir(path, recursive=recursive))
+
+    def read_file(self, path):
+        yield self._call("read", path)
+
+    def remove_file(self, path, recursive=False):
+        self._call("remove", path, recursive)
+
+    def copy_files(self, src_paths, dst_path, recursive=False):
+        self._call("copy", list(src_paths), dst_path, recursive)
+
+    @contextlib.contextmanager
+    def batch_upload(self, force=False):
+        """put_file / put_directory inside the block; the files are written when it ends."""
+        batch = _Upload()
+        yield batch
+        self._call("upload", batch.files, force)
+
+
+class _Upload:
+    def __init__(self):
+        self.files = {}
+
+    def put_file(self, local_file, remote_path, mode=None):
+        readable = hasattr(local_file, "read")
+        self.files[str(remote_path)] = local_file if readable else str(local_file)
+
+    def put_directory(self, local_path, remote_path, recursive=True):
+        local = pathlib.Path(local_path)
+        for path in local.rglob("*") if recursive else local.glob("*"):
+            if path.is_file():
+                self.files[f"{remote_path}/{path.relative_to(local).as_posix()}"] = str(path)
 
 
 class Image:
@@ -226,7 +298,8 @@ class App:
         _check_options(where, options)
         merged = {"image": self.image, **options}
         merged["secrets"] = self.secrets + list(options.get("secrets", ()))
-        merged["volumes"] = {**self.volumes, **options.get("volumes", {})}
+        merged["volumes"] = {os.fspath(mount): vol for mount, vol in   # a str or a Path
+                             {**self.volumes, **options.get("volumes", {})}.items()}
 
         def wrap(obj):
             self.registered[obj.__name__] = kind(self, obj, merged)
@@ -561,7 +634,7 @@ _REFUSED = {
     "Queue": "submit items to the pool (calque.submit) instead of a Modal queue",
     "Sandbox": "run the command in the handler, or on Modal",
     "NetworkFileSystem": "use modal.Volume.from_name(N) with pool create --volume N=PATH",
-    "CloudBucketMount": "use modal.Volume.from_name(N) with pool create --volume N=s3://bucket/prefix",
+    "CloudBucketMount": "use modal.Volume.from_name(N): on an s3:// store, its prefix volumes/N/",
     "Stub": "rename modal.Stub to modal.App (Modal did in 0.64)",
     "gpu": "write gpu=\"A100:2\" (a string), as Modal 1.0 does",
 }

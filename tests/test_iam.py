@@ -20,7 +20,7 @@ import boto3
 import pytest
 
 import calque_ec2
-from conftest import PY, ROOT, FaultProxy, serving, start_worker, wait_for
+from conftest import PY, ROOT, FaultProxy, serving, start_worker, wait_for, write_items
 from test_warmd import SpotStub
 
 BUCKET = "calque-iam-test"
@@ -389,3 +389,51 @@ def test_a_cold_run_under_the_cold_role(account, tmp_path):
     assert "not written" not in (tmp_path / "first.log").read_text()
     assert any(e["method"] == "DELETE" and "/output/" in e["path"] for e in account.proxy.seen)
     assert account.refused(role) == []
+
+
+VOLUME_APP = """import modal
+
+app = modal.App("iam-volume")
+notes = modal.Volume.from_name("iam-notes")
+
+
+@app.function(volumes={{{mount!r}: notes}})
+def note(x):
+    notes.reload()
+    with open(f"{mount}/n{{x}}.txt", "w") as f:
+        f.write(str(x))
+    notes.commit()
+    return sorted(e.path for e in notes.listdir("/"))
+"""
+
+
+def test_a_modal_pools_worker_fetches_and_commits_its_volume_under_its_role(account, tmp_path):
+    """A Modal app's pool on EC2 (`pool create --instances 0`, the operator's keys) grants its role
+    its volume's prefix: a warmd on that role's credentials fills its copy at start, and a function
+    reloads, writes, commits and lists it; every call granted, and the volume's files in the
+    store."""
+    (account.folder / "vol.py").write_text(VOLUME_APP.format(mount=str(tmp_path / "notes")))
+    account.client("s3").put_object(Bucket=BUCKET, Key="root/volumes/iam-notes/seed.txt",
+                                    Body=b"seed")
+    made = account.calque("pool", "create", "--model", "iam-vol", "--handler", "vol.py:note",
+                          "--instances", "0", "--instance-type", "g5.xlarge", "--yes-spend-money",
+                          installed=True)
+    assert made.returncode == 0, made.stdout + made.stderr
+    role = calque_ec2.resource_names("iam-vol")["role"]
+    asg = account.client("autoscaling").describe_auto_scaling_groups(
+        AutoScalingGroupNames=["calque-pool-iam-vol"])["AutoScalingGroups"][0]
+    account.proxy.seen = []
+    run_id = account.calque("submit", "--pool", "iam-vol", "--no-wait",
+                            str(write_items(account.folder / "n.jsonl", [1]))).stdout.split()[-1]
+    worker = start_worker(account.worker_env(role), "--model", "iam-vol",
+                          log=open(tmp_path / "w.log", "w"))
+    done = wait_for(lambda: summary(account, run_id), 60, "the claim's summary")
+    assert stop(worker) == 0
+    assert (tmp_path / "notes" / "seed.txt").read_text() == "seed"      # its copy, filled at start
+    assert done["status"] == "ok", done
+    listed = json.loads(account.calque("runs", "results", run_id).stdout)["result"]
+    assert listed == ["n1.txt", "seed.txt"]
+    assert account.keys("volumes/iam-notes/") == ["volumes/iam-notes/n1.txt",
+                                                  "volumes/iam-notes/seed.txt"]
+    assert "AccessDenied" not in (tmp_path / "w.log").read_text()
+    assert account.refused(role, asg["AutoScalingGroupARN"]) == []

@@ -460,17 +460,17 @@ def nap(x):
 
 def test_modal_run_of_a_function_and_sigterm(local_env, tmp_path):
     """`modal run app.py::fn --opt v` calls the function once with its options, as Modal's CLI (its print on our
-    stderr); its create_if_missing volume is a new folder, or the one --volume names; a file of several functions
-    and no entrypoint names them in one line; SIGTERM of `modal run` deletes its ephemeral pool and stops its
-    workers."""
+    stderr); its create_if_missing volume is the store's folder of it, or the one --volume names, linked at its
+    mount while the run lasts; a file of several functions and no entrypoint names them in one line; SIGTERM of
+    `modal run` deletes its ephemeral pool and stops its workers."""
     path = tmp_path / "sleepy.py"
     path.write_text(SLEEPY.format(mount=str(tmp_path / "mnt")))
     out = cli(local_env, "modal", "run", f"{path}::greet", "--name", "calque", "--times", "2")
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("[greet w0] hi calque") == 2
-    assert (tmp_path / "state" / "volumes" / "notes" / "greeted.txt").read_text() == "calque"
+    assert (tmp_path / "store" / "volumes" / "notes" / "greeted.txt").read_text() == "calque"
+    assert not os.path.lexists(tmp_path / "mnt")   # the link its worker made is gone with the run
     (tmp_path / "mine").mkdir()
-    os.remove(tmp_path / "mnt")   # the link the first run's worker made
     out = cli(local_env, "modal", "run", f"{path}::greet", "--volume", f"notes={tmp_path / 'mine'}")
     assert out.returncode == 0 and (tmp_path / "mine" / "greeted.txt").read_text() == "you", out.stderr
     out = cli(local_env, "modal", "run", str(path))
