@@ -508,7 +508,7 @@ def test_volume_keyed_by_a_path_and_a_pool_that_fails_to_be_made(local_env, tmp_
     path.write_text(PATH_KEYED.format(mount=str(tmp_path / "mnt")))
     out = cli(local_env, "modal", "run", f"{path}::note", "--text", "kept")
     assert out.returncode == 0, out.stderr
-    assert (tmp_path / "state" / "volumes" / "notes" / "note.txt").read_text() == "kept"
+    assert (tmp_path / "store" / "volumes" / "notes" / "note.txt").read_text() == "kept"   # the store's
     (tmp_path / "plain-file").write_text("")
     env = dict(local_env, CALQUE_STATE=str(tmp_path / "plain-file"))
     out = modal_run(env, f"{path}::note", "--volume", f"notes={tmp_path / 'mine'}", installed=True)
