@@ -1,7 +1,7 @@
 """Runs: stage and send claims (a source cuts and stages them), wait on summaries, cancel,
 redrive, report. Stands on calque_core and calque_sources; calque.py's submit and runs verbs, the
 fleets and the dashboard call it."""
-import collections, contextlib, datetime, json, math, os, re, shutil, signal, time, sys
+import collections, contextlib, datetime, json, math, os, re, shutil, signal, threading, time, sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,11 +13,13 @@ from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_SIZE_MAX, DLQ_SCAN_WA
                          SUMMARY_POLL_FLOOR, SUMMARY_POLL_MIN, SUMMARY_WAIT_MAX, StoreFault,
                          UserError, _parse_time, _run_defaults, bytes_text, claim_id, claim_items,
                          claim_sizes, claim_summary, claims_progress, command, dlq_name, dumps,
-                         format_sizes, list_runs, list_summaries, make_message, manifest_key,
-                         new_run_id, note_queue_deleted, now_iso, orjson, parse_message,
-                         read_claim_parts, read_json, read_summaries, results_key,
-                         results_prefix, run_key, run_queue_names, summary_claims, summary_key,
-                         update_run, write_json)
+                         format_sizes, json_line, list_runs, list_summaries, load_modal_shim,
+                         make_message, manifest_key, new_run_id, note_queue_deleted, now_iso,
+                         orjson, parse_message, read_claim_parts, read_json, read_run,
+                         read_summaries, result_lines, results_key, results_prefix, run_key,
+                         run_queue_names, stream_prefix, SUMMARY_POLL_MAX, summary_claims,
+                         summary_key, update_run, with_bytes, write_json)
+import calque_values
 from calque_sources import as_items, claim_field
 
 
@@ -620,6 +622,48 @@ def with_parts(backend, run, claims):
         yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
 
 
+def follow_results(backend, run, poll=SUMMARY_POLL_MAX, stop_if=None):
+    """Each claim's result lines (with the run's id_field), in claim order, as each finishes."""
+    for _, claim, parts in follow_claims(backend, run, poll, stop_if):
+        yield with_ids(backend, run, claim, parts)
+
+
+def follow_claims(backend, run, poll=SUMMARY_POLL_MAX, stop_if=None):
+    """(index, claim, parts) as each claim is summarised, in order; one that will not run raises.
+    stop_if() may raise, looked at with the run record (RUN_RECHECK s)."""
+    recheck = 0.0
+    for index, claim in enumerate(run["claims"]):
+        while True:
+            if claim in summary_claims(backend, run["run_id"]):
+                s = read_json(backend, summary_key(run["run_id"], claim))
+                state, detail = claim_states(backend, run, [s], dead_letters=False)[claim]
+                break
+            if time.monotonic() >= recheck:   # claim_states may scan the DLQ: not every poll
+                recheck = time.monotonic() + RUN_RECHECK
+                run.update(read_run(backend, run["run_id"]))
+                state, detail = claim_states(backend, run, [])[claim]
+                if state != "queued or running":
+                    break
+                if stop_if:
+                    stop_if()
+            time.sleep(poll)
+        if state not in ("done", "failed"):
+            raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
+                                    f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
+        yield from with_parts(backend, run, [(index, claim)])
+
+
+def with_ids(backend, run, claim, parts):
+    """The claim's result lines (of its parts) with each item's --id-field (if the run has one)
+    copied in from the claim's manifest."""
+    lines = [line for part in parts for line in result_lines(part)]
+    field = run["options"].get("id_field")
+    if not field:
+        return lines
+    ids = claim_ids(backend, run, claim, field)
+    return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
+
+
 def run_array(run, claims, field=None, fill=None):
     """One array of `field` (None: the result, or its only array) over `claims` ((index, claim,
     parts)); a row without it is `fill` (default NaN for floats, else a UserError)."""
@@ -1006,3 +1050,74 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
     return EXIT_OK if view["complete"] and all_ok else EXIT_FAILED
 
 
+
+
+# ------------------------------------------------------------------------------------------------
+# a Modal app's calls, from `modal run`'s entrypoint (calque.ModalRun) or a worker (warmd.WorkerCalls)
+def result_of(line):
+    """A result line as the item's result dict (its bytes values as bytes)."""
+    return json_line(line) if '"$bytes"' not in line else with_bytes(json_line(line))
+
+
+class Calls:
+    """Where a Modal app's .remote / .map / .spawn ... go (modal_shim's `runner`): a call's items,
+    typed where JSON cannot say them, as one run on the pool that serves its target (pool_for,
+    send: the caller's), its results decoded as each claim ends; a worker's stop_if (ended) may
+    end the wait."""
+    ended = None
+
+    def __init__(self, backend, folder):
+        self.backend, self.allowed = backend, calque_values.app_modules(folder)
+        self.runs, self.lock = [], threading.Lock()
+
+    @staticmethod
+    def key(target, params):
+        return target, json.dumps({k: str(v) for k, v in params.items()}, sort_keys=True)
+
+    def __call__(self, target, params, items):
+        with self.lock:   # .aio calls come from threads: one pool per target, one submit at a time
+            pool = self.pool_for(target, params)
+            try:
+                items = [self._typed(item) for item in items]
+                run = self.send(pool, items)
+            except TypeError as e:   # calque_values.Refused; an array's tolist() of objects
+                raise load_modal_shim().app_error(TypeError(f"{target}'s arguments: {e}")) from None
+            self.runs.append(run)
+        return self._decoded(result_of(line) for lines in follow_results(
+            self.backend, run, stop_if=self.ended) for line in lines)
+
+    def _typed(self, item):
+        """A call item with its arguments in the typed encoding where JSON cannot say them (the
+        worker's ModalHandler decodes them); a plain call as it is, walked once."""
+        (key, call), = item.items()   # {"__modal_call__": [args, kwargs(, stream)]}
+        if calque_values.plain(call):
+            return item
+        encoder = calque_values.Encoder(self.allowed, tag_bytes=False)   # bytes: the bytes form
+        call = [encoder.encode(call[0]), encoder.encode(call[1]), *call[2:]]
+        return {key: {calque_values.TAG: ["typed", call]}} if encoder.tagged else item
+
+    def _decoded(self, results):
+        """Each result as the call returned it; a failed one's exception rebuilt (`exception`)
+        where its class is the app's or the standard library's, else left to its message."""
+        for result in results:
+            if result["ok"]:
+                try:
+                    result["result"] = calque_values.decode_result(result["result"], self.allowed)
+                except calque_values.Refused as e:
+                    raise load_modal_shim().app_error(e) from None
+            elif "exception" in result.get("raised", {}):
+                raised = result["raised"]["exception"]
+                with contextlib.suppress(Exception):   # a class not found here: RemoteError
+                    result["exception"] = calque_values.decode(raised, self.allowed)
+            yield result
+
+    def streamed(self, target, params, stream, after=None, done=False):
+        """The chunks a .remote_gen worker wrote after key `after`: [(key, chunk)]; `done` deletes."""
+        store = self.backend.store
+        prefix = stream_prefix(self.pool_for(target, params), stream)
+        if done:
+            return store.delete_prefix(prefix)
+        chunks = [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
+        for _, chunk in chunks:   # its values in the typed encoding (calque.Streamed)
+            chunk["values"] = calque_values.decode_result(chunk["values"], self.allowed)
+        return chunks

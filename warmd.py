@@ -67,6 +67,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 import calque_core
+import calque_runs
 import calque_sources
 from calque_core import orjson
 
@@ -106,6 +107,8 @@ OUTPUT_CHUNK = 64 << 10     # characters of a chunk at most; past 4 unwritten, t
 OUTPUT_KEPT = 64            # chunks a worker keeps in the store (it deletes the older ones)
 EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout
 SPOOL_KEPT = 86400.0        # s a spool file left by a dead worker is kept for a delivery here
+CALL_SPREAD = 8             # workers a Modal call from a worker is cut into claims for (factoring,
+                            # as submit's; the pool's own count is a fleet's, a floor above)
 
 log = logging.getLogger("warmd")
 
@@ -861,6 +864,7 @@ class Worker:
         self.finishing = None            # future of the claim the finisher writes
         self.acks = self.leases = None   # Acks, and Leases (the claims' heartbeats), once started
         self.model = None                # the handler's, once started
+        self.calls = None                # WorkerCalls, for a Modal app's handler
         ready = re.search(r"worker-(\d+)\.ready$", ready_file)
         self.output = Output(backend.store, stats_key_prefix.replace("/workers/", "/output/"),
                              f"w{ready[1]}" if ready else socket.gethostname())
@@ -954,6 +958,8 @@ class Worker:
         streams = None if self.ephemeral else (self.backend.store, self.record["model"])
         self.handler, self.enter_fn, batch_fn, collate = calque_core.load_handler(
             path, h["class"], self.record.get("modal"), container=True, streams=streams)
+        if isinstance(self.handler, calque_core.ModalHandler):   # its calls to the app's others
+            self.calls = calque_core.load_modal_shim().runner = WorkerCalls(self, self.handler)
         self.model = Model(self.worker_id, batch_fn, collate, self.watchdog)
         log.info("worker %s: pool %s, version %s", self.worker_id, self.record["model"],
                  calque_core.version_label(self.record))
@@ -1162,14 +1168,20 @@ class Worker:
         ahead = pipelined and self.receives_ahead
         on_call = functools.partial(self.reach_ahead, claim) if ahead else None
         self.watchdog.arm(lambda offsets: self.overrun(claim, offsets), on_call)
+        if self.calls:
+            self.calls.start(claim)
         with self.ending(claim):
             try:
                 claim.run()
+                if self.calls:   # what it spawned ends before its summary
+                    self.calls.settle()
                 if self.finishing is not None:
                     self.finishing.result()
             finally:
                 self.watchdog.arm(None)
         if claim.ended:
+            if self.calls:
+                self.calls.cancel(claim.stop_reason or "it was let go")
             return claim.stop_reason
         if not pipelined:
             return self.finish_claim(claim)
@@ -1615,6 +1627,76 @@ class ClaimRun:
                         worker.worker_id, self, type(e).__name__, e)
         log.warning("worker %s: claim %s let go (%s); visible again in %.0fs", worker.worker_id,
                     self, why, delay)
+
+
+class WorkerCalls(calque_runs.Calls):
+    """A Modal app's calls from this worker (one of its functions calling another): each to the
+    pool its record's modal `calls` names; refused in one line where none does, or where the target
+    is this pool's or one up the chain of calls waiting on this claim (the run record's `chain`):
+    a call that could wait on itself. They are the running claim's: followed while it holds its
+    lease, its run is not cancelled and the worker keeps it, else cancelled; waited for before its
+    summary, so none outlives it."""
+
+    def __init__(self, worker, handler):
+        super().__init__(worker.backend, handler.folder)
+        self.worker, self.records = worker, {}
+        self.target = handler.target.__name__ + (f".{handler.method}" if handler.method else "")
+        self.claim = self.chain = None
+
+    def start(self, claim):
+        self.claim, self.chain, self.runs = claim, None, []
+
+    def pool_for(self, target, params):
+        shim, claim = calque_core.load_modal_shim(), self.claim
+        if self.chain is None:   # the targets waiting on this claim, itself last
+            run = claim and calque_core.read_json(self.backend, calque_core.run_key(claim.run_id))
+            self.chain = (run["options"].get("chain", []) if run else []) + [self.target]
+        pool = self.worker.record.get("modal", {}).get("calls", {}).get(target)
+        if target in self.chain:
+            raise shim.Unsupported(
+                f"{self.target} calls {target}, which waits on this call ({' -> '.join(self.chain)} "
+                f"-> {target}): it could wait on itself ---> HINT: call the code as a plain "
+                f"function, or call {target} from the local entrypoint")
+        if pool is None:
+            raise shim.Unsupported(
+                f"{self.target} calls {target}: no pool serves it for pool "
+                f"{self.worker.record['model']} ---> HINT: pool create --call {target}=POOL, "
+                "or calque modal run the app (docs/modal.md)")
+        if pool not in self.records:
+            self.records[pool] = calque_core.load_pool(self.backend, pool)
+        served = self.records[pool].get("modal", {}).get("params", {})
+        if self.key(target, params) != self.key(target, served):
+            raise shim.Unsupported(f"{self.target} calls {target} with parameters {params}: its "
+                                   f"pool {pool} serves {served} ---> HINT: pool create --call "
+                                   f"{target}=POOL naming a pool made with --param")
+        return pool
+
+    def send(self, pool, items):
+        self.ended()   # a claim that ends makes no more calls
+        record = self.records[pool]
+        sizes = calque_runs.ClaimSizes(workers=CALL_SPREAD, unit=record["batch_size"])
+        return calque_runs.stage_run(self.backend, record, items, sizes,
+                                     self.backend.queues.open_queue(record["queue"]), "pool",
+                                     options={"chain": self.chain})
+
+    def ended(self):
+        """Raise, the calls cancelled, once the claim cannot use their results."""
+        claim = self.claim
+        why = claim and ("its lease was lost" if claim.heartbeat.lost.is_set() else
+                         "the worker let it go" if self.worker.release_now.is_set() else
+                         "its run was cancelled" if self.backend.store.exists(
+                             calque_core.summary_key(claim.run_id, claim.claim_id)) else None)
+        if why:
+            self.cancel(why)
+            raise calque_core.ResultsIncomplete(f"calls of claim {claim} cancelled: {why}")
+
+    def cancel(self, why):
+        for run in self.runs:
+            calque_runs.cancel_run(self.backend, run, f"the calling claim {self.claim} ended: {why}")
+
+    def settle(self):
+        for run in self.runs:
+            calque_runs.wait_for_run(self.backend, run, math.inf, False, stop_if=self.ended)
 
 
 class Rules:
