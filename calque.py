@@ -26,9 +26,10 @@ from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Pars
                          StoreFault, UserError, VERSION_CHECK, VersionAction, WorkersFailed,
                          batch, check_slug_free, claim_items, cli_error, command,
                          desired_count, dlq_name, enter, import_modal_file, include_paths,
-                         kit_fault, kit_python, latest_runs, list_runs, load_modal_shim,
+                         key_values, kit_fault, kit_python, latest_runs, list_runs, load_modal_shim,
                          load_pool, new_run_id, now_iso, one_line, open_backend, orjson,
-                         pool_key, pool_name_claimed, pool_queue_name, pool_settings, pool_version,
+                         parse_handler_spec, pool_key, pool_name_claimed, pool_queue_name,
+                         pool_settings, pool_version,
                          queue_depth, read_run, read_summaries, read_worker_stats,
                          recent_summaries, refuse_other_version, retry_policy,
                          setting_number, settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
@@ -654,12 +655,43 @@ def cmd_pool_create(conf, backend, args):
                                             batch_size, workers_here=fleet.here)
     for note in notes:
         print(f"pool {args.model}: {note}")
+    if modal:
+        modal["calls"] = pool_calls(backend, args.model, args.handler, args.call)
+    elif args.call:
+        raise UserError(f"--call applies to a Modal app handler; {args.handler} imports no modal")
     for key in ("retries", "max_deliveries", "batch_timeout"):   # the app's retries=, timeout=;
         if getattr(args, key) is None:                           # if not given
             setattr(args, key, suggested.get(key))
     fleet.create(Pool(args.model, context=(conf, backend)), modal=modal, suggested=suggested,
                  include=include_paths(args.include, args.handler))
     return EXIT_OK
+
+
+def pool_calls(backend, model, handler, given):
+    """A Modal app pool's `calls` (printed): for each other target of its app, the pool --call
+    TARGET=POOL names, else an existing one serving that target of the same file."""
+    path, name = parse_handler_spec(handler)
+    shim, module = import_modal_file(path)
+    targets = app_targets(shim, module)[1]
+    full = {t.partition(".")[0] if len(targets[t].methods()) == 1 else t: t
+            for t in targets if "." in t}   # a one-method class's pool names the class alone
+    calls, own = {}, full.get(name, name)
+    for pool in sorted(calque_supervisor.list_pools(backend)):
+        h = load_pool(backend, pool)["handler"]
+        target = full.get(h["class"], h["class"])
+        if h.get("source_path") == os.path.abspath(path) and target in targets and target != own:
+            calls.setdefault(target, pool)
+    for target, pool in key_values(given, "--call").items():
+        if target not in targets or target == own:
+            raise UserError(f"--call {target}={pool}: {path} has no other function or Cls.method "
+                            f"{target} (it has: {', '.join(t for t in targets if t != own)})")
+        load_pool(backend, pool)   # there
+        calls[target] = pool
+    missing = [t for t in targets if t not in calls and t != own]
+    print(f"pool {model}: its calls go to: "
+          f"{', '.join(f'{t} -> {p}' for t, p in calls.items()) or 'none'}"
+          + (f"; no pool for {', '.join(missing)} (--call TARGET=POOL)" if missing else ""))
+    return calls
 
 
 def cmd_pool_scale(conf, backend, args):
@@ -1262,9 +1294,10 @@ def cmd_modal_run(conf, backend, args):
             done = True
         except shim.RemoteError as e:
             where = f" (at {e.where})" if getattr(e, "where", None) else ""
+            hint = "" if "--->" in str(e) else (" ---> HINT: map(..., return_exceptions=True) "
+                                               "to go on past failed items")
             raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {type(e).__name__}: "
-                                        f"{one_line(e)}{where} ---> HINT: map(..., "
-                                        "return_exceptions=True) to go on past failed items")
+                                        f"{one_line(e)}{where}{hint}")
         except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
             raise
         except Exception as e:   # the entrypoint's own code failed: where, in one line
@@ -1401,6 +1434,9 @@ def build_parser():
     modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
                              help="the folder modal.Volume.from_name(NAME) is, linked at its "
                                   "mount path")
+    modal_flags.add_argument("--call", action="append", metavar="TARGET=POOL",
+                             help="the pool its workers' calls to TARGET (Cls.method or function) "
+                                  "go to (default: one of the same app file serving it)")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store; --instances N and --min-/--max-instances)")
     ec2.add_argument("--instance-type",
                      help="EC2 instance type, e.g. g5.xlarge (required with --instances)")

@@ -1653,10 +1653,11 @@ class WorkerCalls(calque_runs.Calls):
             self.chain = (run["options"].get("chain", []) if run else []) + [self.target]
         pool = self.worker.record.get("modal", {}).get("calls", {}).get(target)
         if target in self.chain:
+            why = ("its own pool, whose workers could all be waiting" if target == self.target else
+                   f"which waits on this call ({' -> '.join(self.chain)} -> {target})")
             raise shim.Unsupported(
-                f"{self.target} calls {target}, which waits on this call ({' -> '.join(self.chain)} "
-                f"-> {target}): it could wait on itself ---> HINT: call the code as a plain "
-                f"function, or call {target} from the local entrypoint")
+                f"{self.target} calls {target}, {why}: it could wait on itself ---> HINT: call "
+                f"the code as a plain function, or call {target} from the local entrypoint")
         if pool is None:
             raise shim.Unsupported(
                 f"{self.target} calls {target}: no pool serves it for pool "

@@ -407,6 +407,8 @@ def _remote_exception(result):
     message"). `where`: the app's innermost frame in it."""
     error, raised = RemoteError(result["error"]), result.get("exception")
     name, _, message = result["error"].partition(": ")
+    if name == "RemoteError":   # a call's failed call (a worker's): said once
+        error = RemoteError(message)
     base = getattr(builtins, name, None)
     if raised is None and isinstance(base, type) and issubclass(base, Exception):
         with contextlib.suppress(TypeError):
