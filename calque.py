@@ -1184,10 +1184,10 @@ class ModalRun(Calls):
         """The pool of the first call to (target, params). The very first names the pools of all
         `targets` (one token a run) and makes the others', sizing themselves from zero."""
         if not self.calls:
-            token = secrets.token_hex(3)
-            self.calls = {t: self._name(t, token) for t in self.targets}
+            token, given = secrets.token_hex(3), {key[0]: pool for key, pool in self.pools.items()}
+            self.calls = {t: given.get(t) or self._name(t, token) for t in self.targets}
             for other, model in self.calls.items():
-                if other != target or params:
+                if (other != target or params) and other not in given:   # not --pool's
                     self._make(other, {}, model, 0)
         model = None if params else self.calls.get(target)
         if model in self.created:   # made from zero: the entrypoint's call wakes it
