@@ -5,7 +5,8 @@ import collections, contextlib, datetime, json, math, os, re, shutil, signal, th
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_SIZE_MAX, DLQ_SCAN_WAIT, ERRORS_KEPT,
+from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR,
+                         CLAIM_SIZE_MAX, DLQ_SCAN_WAIT, ERRORS_KEPT,
                          ERROR_GROUPS_SHOWN, EXIT_FAILED, EXIT_OK, FIRST_ITEMS_SHOWN,
                          LOCAL_SUMMARY_WAIT, LOCAL_WRITERS, LeaseLost, NUMERIC_KINDS, NotFound,
                          Part, RUN_RECHECK, RUN_RECHECK_MAX, ResultsIncomplete, SEND_BATCH,
@@ -16,7 +17,8 @@ from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_SIZE_MAX, DLQ_SCAN_WA
                          format_sizes, json_line, list_runs, list_summaries, load_modal_shim,
                          make_message, manifest_key, new_run_id, note_queue_deleted, now_iso,
                          orjson, parse_message, read_claim_parts, read_json, read_run,
-                         read_summaries, result_lines, results_key, results_prefix, run_key,
+                         read_summaries, read_worker_stats, result_lines, results_key,
+                         results_prefix, run_key, setting_number,
                          run_queue_names, stream_prefix, SUMMARY_POLL_MAX, summary_claims,
                          summary_key, update_run, with_bytes, write_json)
 import calque_values
@@ -119,6 +121,48 @@ class ClaimSizes:
     def ahead(self):
         """Items a stream is read ahead of its claims, so that `left` is known where it matters."""
         return 0 if self.fixed else min(CLAIM_LOOKAHEAD_MAX, 2 * self.workers * self.hi)
+
+
+def sized_claims(conf, backend, record, claim_size, workers):
+    """The ClaimSizes of a run on the pool `record` (None: unmeasured): --claim-size, else a set
+    CALQUE_CLAIM_SIZE, else factoring over `workers` (calque_fleet.claim_sizing: the pool's ceiling), its claims at
+    most CALQUE_CLAIM_SECONDS long and CLAIM_SIZE_MAX items, at least CLAIM_OVERHEAD_SHARE of
+    overhead: both from the pool's claims so far (claim_costs), once it has some."""
+    if claim_size:
+        return ClaimSizes(fixed=claim_size, why="--claim-size")
+    if conf["CALQUE_CLAIM_SIZE"].strip():
+        return ClaimSizes(fixed=setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), why="CALQUE_CLAIM_SIZE")
+    target = setting_number(conf, "CALQUE_CLAIM_SECONDS", float, 0.001)
+    per_item, fixed = claim_costs(backend, record) if record else (None, None)
+    if per_item is None:
+        hi, lo, measured = CLAIM_SIZE_MAX, CLAIM_SIZE_FLOOR, "the pool has no measured claim yet"
+    else:
+        hi = max(1, min(CLAIM_SIZE_MAX, math.floor(target / per_item + 1e-6)))   # (a fit's rounding)
+        lo = max(CLAIM_SIZE_FLOOR, math.ceil(fixed / CLAIM_OVERHEAD_SHARE / per_item - 1e-6))   # (f + g: 0 unseen)
+        measured = (f"{per_item * 1000:.3g} ms an item and {fixed * 1000:.3g} ms a claim measured: {target:g} s "
+                    f"at most, {CLAIM_OVERHEAD_SHARE:.0%} overhead at most")
+    sizes = ClaimSizes(workers=workers, lo=lo, hi=hi, unit=(record or {}).get("batch_size", 1))
+    sizes.why = (f"sized to the run: {workers} worker(s), claims of {sizes.lo} to {sizes.hi} items"
+                 f"{f' in whole batches of {sizes.unit}' if sizes.unit > 1 else ''} ({measured})")
+    return sizes
+
+
+def claim_costs(backend, record):
+    """(s an item, s a claim) of the pool's claims: claim seconds = fixed + items x per item, fitted
+    by least squares over the sums its workers keep in their stats (`claim_fit`; claims of one size:
+    all per item), plus their mean gap between two claims (`claim_gaps`); (None, None) before any
+    claim. A LIST and a GET a worker, as pool_liveness reads at each submit."""
+    stats = read_worker_stats(backend, record["model"])
+    n, sx, sy, sxx, sxy = (sum(w.get("claim_fit", [0] * 5)[k] for w in stats) for k in range(5))
+    if not sx:
+        return None, None
+    spread = n * sxx - sx * sx
+    per_item = (n * sxy - sx * sy) / spread if spread > 1e-9 * n * sxx else 0.0
+    fixed = (sy - per_item * sx) / n
+    if per_item <= 0 or fixed < 0:   # one size, or noise: all of it per item
+        per_item, fixed = sy / sx, 0.0
+    gaps = [sum(w.get("claim_gaps", [0, 0.0])[k] for w in stats) for k in range(2)]
+    return max(per_item, 1e-9), fixed + (gaps[1] / gaps[0] if gaps[0] else 0.0)
 
 
 def as_sizes(size):
@@ -633,6 +677,7 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX, stop_if=None):
     stop_if() may raise, looked at with the run record (RUN_RECHECK s)."""
     recheck = 0.0
     for index, claim in enumerate(run["claims"]):
+        delay = SUMMARY_POLL_MIN   # quick at first (a short claim's round trip), growing to `poll`
         while True:
             if claim in summary_claims(backend, run["run_id"]):
                 s = read_json(backend, summary_key(run["run_id"], claim))
@@ -646,7 +691,8 @@ def follow_claims(backend, run, poll=SUMMARY_POLL_MAX, stop_if=None):
                     break
                 if stop_if:
                     stop_if()
-            time.sleep(poll)
+            time.sleep(delay)
+            delay = min(delay * 1.5, poll)
         if state not in ("done", "failed"):
             raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
                                     f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")

@@ -69,6 +69,7 @@ from concurrent.futures import ThreadPoolExecutor
 import calque_core
 import calque_runs
 import calque_sources
+import calque_supervisor
 from calque_core import orjson
 
 # ------------------------------------------------------------------------------------------------
@@ -107,8 +108,6 @@ OUTPUT_CHUNK = 64 << 10     # characters of a chunk at most; past 4 unwritten, t
 OUTPUT_KEPT = 64            # chunks a worker keeps in the store (it deletes the older ones)
 EXIT_HUNG = 3               # exit status after a handler call overran batch_timeout
 SPOOL_KEPT = 86400.0        # s a spool file left by a dead worker is kept for a delivery here
-CALL_SPREAD = 8             # workers a Modal call from a worker is cut into claims for (factoring,
-                            # as submit's; the pool's own count is a fleet's, a floor above)
 
 log = logging.getLogger("warmd")
 
@@ -1674,8 +1673,10 @@ class WorkerCalls(calque_runs.Calls):
 
     def send(self, pool, items):
         self.ended()   # a claim that ends makes no more calls
-        record = self.records[pool]
-        sizes = calque_runs.ClaimSizes(workers=CALL_SPREAD, unit=record["batch_size"])
+        record, conf = self.records[pool], self.worker.conf
+        workers = (record["ec2"]["instances"] if "ec2" in record else   # its ceiling, as submit's
+                   calque_supervisor.LocalFleet(conf, self.backend).bounds(record)[1])
+        sizes = calque_runs.sized_claims(conf, self.backend, record, None, workers)
         return calque_runs.stage_run(self.backend, record, items, sizes,
                                      self.backend.queues.open_queue(record["queue"]), "pool",
                                      options={"chain": self.chain})
