@@ -233,7 +233,9 @@ def worker_policy(store, model, region, account, partition="aws", reads=(), call
     s3:// prefixes its runs read by reference (GetObject under each, ListBucket for 404s).
     `calls`: the pools its Modal app's functions call (the record's modal `calls`), exactly
     those: send to their queues, scan their dead letters, write and read their runs (manifests,
-    record, summaries: a cancel), read their records, read and drop their .remote_gen streams."""
+    record, summaries: a cancel), read their records and worker stats (a run's claims sized to
+    them, as submit's), read and drop their .remote_gen streams; and read its own runs' records
+    (the chain of calls a run came from)."""
     s = slug(model)
     bucket_arn, obj, root = _s3_parts(store, partition)
     policy = _worker_policy(
@@ -267,13 +269,15 @@ def worker_policy(store, model, region, account, partition="aws", reads=(), call
             "Resource": [sqs + dlq_name(p) for p in sorted(calls)]}, {
             "Sid": "RunCalls", "Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject"],
             "Resource": [f"{obj}runs/{c}.*/*" for c in called]}, {
-            "Sid": "ReadCalledPools", "Effect": "Allow", "Action": ["s3:GetObject"],
-            "Resource": [f"{obj}pools/{c}/{k}" for c in called for k in ("pool.json", "streams/*")]}, {
+            "Sid": "ReadCalledPools", "Effect": "Allow", "Action": ["s3:GetObject"],   # + the chain
+            "Resource": [f"{obj}runs/{s}.*/run.json"]    # of calls its own run came from
+            + [f"{obj}pools/{c}/{k}" for c in called
+               for k in ("pool.json", "streams/*", "workers/*")]}, {
             "Sid": "DropCallStreams", "Effect": "Allow", "Action": ["s3:DeleteObject"],
             "Resource": [f"{obj}pools/{c}/streams/*" for c in called]}, {
             "Sid": "ListCalls", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn,
             "Condition": {"StringLike": {"s3:prefix": [f"{root}{k}" for c in called for k in (
-                f"runs/{c}.*", f"pools/{c}/streams/*")]}}}]
+                f"runs/{c}.*", f"pools/{c}/streams/*", f"pools/{c}/workers/*")]}}}]
     policy["Statement"] += [{
         "Sid": "ShareOwnVenv", "Effect": "Allow",
         "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],

@@ -1647,11 +1647,11 @@ class WorkerCalls(calque_runs.Calls):
 
     def pool_for(self, target, params):
         shim, claim = calque_core.load_modal_shim(), self.claim
-        if self.chain is None:   # the targets waiting on this claim, itself last
+        pool = self.worker.record.get("modal", {}).get("calls", {}).get(target)
+        if self.chain is None and pool:   # the targets waiting on this claim, itself last
             run = claim and calque_core.read_json(self.backend, calque_core.run_key(claim.run_id))
             self.chain = (run["options"].get("chain", []) if run else []) + [self.target]
-        pool = self.worker.record.get("modal", {}).get("calls", {}).get(target)
-        if target in self.chain:
+        if target == self.target or target in (self.chain or ()):
             why = ("its own pool, whose workers could all be waiting" if target == self.target else
                    f"which waits on this call ({' -> '.join(self.chain)} -> {target})")
             raise shim.Unsupported(

@@ -210,10 +210,12 @@ def test_worker_policy_grants_exactly_the_pools_it_calls():
                                  "Action": ["s3:GetObject", "s3:PutObject"],
                                  "Resource": [obj + "runs/emb-a.*/*", obj + "runs/qwen-emb.*/*"]}
     assert added["ReadCalledPools"]["Resource"] == [
-        obj + "pools/emb-a/pool.json", obj + "pools/emb-a/streams/*",
-        obj + "pools/qwen-emb/pool.json", obj + "pools/qwen-emb/streams/*"]
+        obj + "runs/orch.*/run.json",   # its own runs' chain of calls
+        obj + "pools/emb-a/pool.json", obj + "pools/emb-a/streams/*", obj + "pools/emb-a/workers/*",
+        obj + "pools/qwen-emb/pool.json", obj + "pools/qwen-emb/streams/*",
+        obj + "pools/qwen-emb/workers/*"]
     assert added["ListCalls"]["Condition"]["StringLike"]["s3:prefix"] == [
-        "root/runs/emb-a.*", "root/pools/emb-a/streams/*", "root/runs/qwen-emb.*",
-        "root/pools/qwen-emb/streams/*"]
+        "root/runs/emb-a.*", "root/pools/emb-a/streams/*", "root/pools/emb-a/workers/*",
+        "root/runs/qwen-emb.*", "root/pools/qwen-emb/streams/*", "root/pools/qwen-emb/workers/*"]
     alone = calque_ec2.worker_policy("s3://bkt/root", "orch", "eu-west-1", "111122223333")
     assert not {"SendCalls", "RunCalls"} & {s["Sid"] for s in alone["Statement"]}
