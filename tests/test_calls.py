@@ -6,6 +6,7 @@ and the EC2 worker role's grants for exactly the pools it calls."""
 import json
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -219,3 +220,24 @@ def test_worker_policy_grants_exactly_the_pools_it_calls():
         "root/runs/qwen-emb.*", "root/pools/qwen-emb/streams/*", "root/pools/qwen-emb/workers/*"]
     alone = calque_ec2.worker_policy("s3://bkt/root", "orch", "eu-west-1", "111122223333")
     assert not {"SendCalls", "RunCalls"} & {s["Sid"] for s in alone["Statement"]}
+
+
+def test_the_calling_claim_stays_leased_while_its_calls_wait(local_env, tmp_path):
+    """An orchestrator whose visibility timeout is 2 s waits on a call held 3 timeouts long: its
+    heartbeat keeps the claim, which is delivered once and finishes ok."""
+    gate = tmp_path / "gate"
+    folder = write_fanout(tmp_path, str(gate))
+    handler = str(folder / "fanout.py")
+    for model, target, more in (("held-emb", "Embedder.embed", []),
+                                ("orch", "orchestrate", ["--visibility-timeout", "2"])):
+        out = cli(local_env, "pool", "create", "--model", model, "--handler", f"{handler}:{target}",
+                  "--workers", "1", *more, cwd=str(folder))
+        assert out.returncode == 0, out.stderr
+    items = write_items(tmp_path / "items.jsonl", [["ab"]])
+    run_id = cli(local_env, "submit", "--pool", "orch", items, "--no-wait", cwd=str(folder)).stdout.strip()
+    backend = backend_for(local_env)
+    wait_for(lambda: any("held-emb." in k for k in backend.store.list("runs/")), 60, "the call's run")
+    time.sleep(6)   # three of the orchestrator's visibility timeouts pass while its call waits
+    gate.write_text("open")
+    summary = wait_for(lambda: calque_core.read_summaries(backend, run_id), 60, "its summary")[0]
+    assert summary["status"] == "ok" and summary["receive_count"] == 1
