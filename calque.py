@@ -1165,7 +1165,8 @@ class ModalRun(Calls):
         self.pools, self.created, self.targets, self.calls = {}, [], targets, {}
         record = load_pool(context[1], pool) if pool else None
         if record:
-            self.pools[self.key(record["handler"]["class"], record.get("modal", {}).get("params", {}))] = pool
+            params = record.get("modal", {}).get("params", {})
+            self.pools[self.key(record["handler"]["class"], params)] = pool
         labels = {pool: record["handler"]["class"]} if record else {}
         self.output = calque_supervisor.WorkerOutput(context[1], labels)
 
@@ -1207,7 +1208,8 @@ class ModalRun(Calls):
         sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold
                                   # the entrypoint's classes
         modal["calls"] = {t: pool for t, pool in self.calls.items() if t != target}
-        size = f"{workers} local worker(s)" if workers else f"0 to {self.workers} local worker(s), on its calls"
+        size = (f"{workers} local worker(s)" if workers else
+                f"0 to {self.workers} local worker(s), on its calls")
         print(f"calque: ephemeral pool {model} for {target}: {size}", file=sys.stderr)
         for note in notes:
             print(f"calque: {target}: {note}", file=sys.stderr)

@@ -275,7 +275,8 @@ def worker_policy(store, model, region, account, partition="aws", reads=(), call
                for k in ("pool.json", "streams/*", "workers/*")]}, {
             "Sid": "DropCallStreams", "Effect": "Allow", "Action": ["s3:DeleteObject"],
             "Resource": [f"{obj}pools/{c}/streams/*" for c in called]}, {
-            "Sid": "ListCalls", "Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": bucket_arn,
+            "Sid": "ListCalls", "Effect": "Allow", "Action": ["s3:ListBucket"],
+            "Resource": bucket_arn,
             "Condition": {"StringLike": {"s3:prefix": [f"{root}{k}" for c in called for k in (
                 f"runs/{c}.*", f"pools/{c}/streams/*", f"pools/{c}/workers/*")]}}}]
     policy["Statement"] += [{
@@ -338,8 +339,9 @@ def grant_read(backend, record, uri):
     current = load_pool(backend, model)   # re-read: another change to the record since is kept
     reads = sorted(set(current["ec2"].get("reads", [])) | {uri})
     ident = calls.identity()
-    policy = worker_policy(backend.describe(), model, ec2["region"], ident["account"], ident["partition"], reads,
-                           (current.get("modal") or {}).get("calls", {}).values())
+    calls_to = (current.get("modal") or {}).get("calls", {}).values()
+    policy = worker_policy(backend.describe(), model, ec2["region"], ident["account"],
+                           ident["partition"], reads, calls_to)
     try:
         calls.call("iam", "PutRolePolicy", RoleName=ec2["role"], PolicyName="calque-worker",
                    PolicyDocument=json.dumps(policy))
@@ -1119,8 +1121,9 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
               f"{kit_sha[:16]}, record {_said(calls, 'written')}")
 
     def role():
-        policy = worker_policy(store, model, region, ident["account"], ident["partition"], ec2["reads"],
-                               (full.get("modal") or {}).get("calls", {}).values())
+        calls_to = (full.get("modal") or {}).get("calls", {}).values()
+        policy = worker_policy(store, model, region, ident["account"], ident["partition"],
+                               ec2["reads"], calls_to)
         state = _ensure_role(calls, names["role"], policy, tags, owner)
         print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy "
               f"{_said(calls, 'put')}")

@@ -125,9 +125,10 @@ class ClaimSizes:
 
 def sized_claims(conf, backend, record, claim_size, workers):
     """The ClaimSizes of a run on the pool `record` (None: unmeasured): --claim-size, else a set
-    CALQUE_CLAIM_SIZE, else factoring over `workers` (calque_fleet.claim_sizing: the pool's ceiling), its claims at
-    most CALQUE_CLAIM_SECONDS long and CLAIM_SIZE_MAX items, at least CLAIM_OVERHEAD_SHARE of
-    overhead: both from the pool's claims so far (claim_costs), once it has some."""
+    CALQUE_CLAIM_SIZE, else factoring over `workers` (calque_fleet.claim_sizing: the pool's
+    ceiling), its claims at most CALQUE_CLAIM_SECONDS long and CLAIM_SIZE_MAX items, at least
+    CLAIM_OVERHEAD_SHARE of overhead: both from the pool's claims so far (claim_costs), once it
+    has some. Here, below the fleets, so that a worker's calls are sized as submit's runs."""
     if claim_size:
         return ClaimSizes(fixed=claim_size, why="--claim-size")
     if conf["CALQUE_CLAIM_SIZE"].strip():
@@ -1099,7 +1100,7 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
 
 
 # ------------------------------------------------------------------------------------------------
-# a Modal app's calls, from `modal run`'s entrypoint (calque.ModalRun) or a worker (warmd.WorkerCalls)
+# a Modal app's calls, from `modal run`'s entrypoint (calque.ModalRun) or a worker (WorkerCalls)
 def result_of(line):
     """A result line as the item's result dict (its bytes values as bytes)."""
     return json_line(line) if '"$bytes"' not in line else with_bytes(json_line(line))
@@ -1129,8 +1130,15 @@ class Calls:
             except TypeError as e:   # calque_values.Refused; an array's tolist() of objects
                 raise load_modal_shim().app_error(TypeError(f"{target}'s arguments: {e}")) from None
             self.runs.append(run)
-        return self._decoded(result_of(line) for lines in follow_results(
-            self.backend, run, stop_if=self.ended) for line in lines)
+        return self._decoded(self._results(run))
+
+    def _results(self, run):
+        """The run's results as its claims end; once read whole it is done: not waited for, nor
+        cancelled (a worker's claim may have made thousands)."""
+        for lines in follow_results(self.backend, run, stop_if=self.ended):
+            yield from map(result_of, lines)
+        with self.lock, contextlib.suppress(ValueError):   # (a claim before's, in a worker)
+            self.runs.remove(run)
 
     def _typed(self, item):
         """A call item with its arguments in the typed encoding where JSON cannot say them (the
@@ -1158,7 +1166,8 @@ class Calls:
             yield result
 
     def streamed(self, target, params, stream, after=None, done=False):
-        """The chunks a .remote_gen worker wrote after key `after`: [(key, chunk)]; `done` deletes."""
+        """The chunks a .remote_gen worker wrote after key `after`: [(key, chunk)]; `done`
+        deletes them."""
         store = self.backend.store
         prefix = stream_prefix(self.pool_for(target, params), stream)
         if done:

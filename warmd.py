@@ -1638,7 +1638,7 @@ class WorkerCalls(calque_runs.Calls):
 
     def __init__(self, worker, handler):
         super().__init__(worker.backend, handler.folder)
-        self.worker, self.records = worker, {}
+        self.worker, self.records, self.queues = worker, {}, {}   # of the pools it calls
         self.target = handler.target.__name__ + (f".{handler.method}" if handler.method else "")
         self.claim = self.chain = None
 
@@ -1672,13 +1672,14 @@ class WorkerCalls(calque_runs.Calls):
         return pool
 
     def send(self, pool, items):
-        self.ended()   # a claim that ends makes no more calls
+        """A run of the call's items (made after the claim ended, it is cancelled once followed)."""
         record, conf = self.records[pool], self.worker.conf
         workers = (record["ec2"]["instances"] if "ec2" in record else   # its ceiling, as submit's
                    calque_supervisor.LocalFleet(conf, self.backend).bounds(record)[1])
         sizes = calque_runs.sized_claims(conf, self.backend, record, None, workers)
-        return calque_runs.stage_run(self.backend, record, items, sizes,
-                                     self.backend.queues.open_queue(record["queue"]), "pool",
+        if pool not in self.queues:
+            self.queues[pool] = self.backend.queues.open_queue(record["queue"])
+        return calque_runs.stage_run(self.backend, record, items, sizes, self.queues[pool], "pool",
                                      options={"chain": self.chain})
 
     def ended(self):
@@ -1694,7 +1695,8 @@ class WorkerCalls(calque_runs.Calls):
 
     def cancel(self, why):
         for run in self.runs:
-            calque_runs.cancel_run(self.backend, run, f"the calling claim {self.claim} ended: {why}")
+            calque_runs.cancel_run(self.backend, run,
+                                   f"the calling claim {self.claim} ended: {why}")
 
     def settle(self):
         for run in self.runs:

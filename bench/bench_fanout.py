@@ -3,7 +3,7 @@
 class's pool, and the entrypoint maps the same N calls onto the same pool, warm, rounds
 interleaved; the ratio of their rates (goal: >= 0.9x).
 
-    .venv/bin/python bench/bench_fanout.py     # ~15 s; BENCH_FANOUT_CALLS (1000), _ROUNDS (7), _WORKERS (2)
+    .venv/bin/python bench/bench_fanout.py   # ~15 s; BENCH_FANOUT_CALLS, _ROUNDS, _WORKERS
 
 Each path is timed where it makes the call: the entrypoint around its .map, the worker's function
 around its own (not counting the .remote that carries it there). A call is a cheap method (a sum),
@@ -66,10 +66,11 @@ def main():
     with open(os.path.join(folder, "app.py"), "w") as f:
         f.write(APP)
     env = dict(os.environ, CALQUE_STORE=os.path.join(folder, "store"),
-               CALQUE_STATE=os.path.join(folder, "state"), CALQUE_ENV=os.path.join(folder, "none.env"))
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "calque.py"), "modal", "run", "app.py",
-                          "--calls", str(CALLS), "--rounds", str(ROUNDS), "--workers", str(WORKERS)],
-                         cwd=folder, env=env, capture_output=True, text=True)
+               CALQUE_STATE=os.path.join(folder, "state"),
+               CALQUE_ENV=os.path.join(folder, "none.env"))
+    argv = [sys.executable, os.path.join(ROOT, "calque.py"), "modal", "run", "app.py", "--calls",
+            str(CALLS), "--rounds", str(ROUNDS), "--workers", str(WORKERS)]
+    out = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True)
     if out.returncode:
         sys.exit(f"bench_fanout: modal run failed:\n{out.stderr}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
@@ -81,7 +82,8 @@ def main():
     median = {path: statistics.median(s for s, _ in runs) for path, runs in got.items()}
     for path, seconds in median.items():
         print(f"{path:<12} {seconds:>8.3f} {CALLS / seconds:>9.0f}")
-    print(f"worker / entrypoint rate: {median['entrypoint'] / median['worker']:.2f}x (goal >= 0.9x)")
+    ratio = median["entrypoint"] / median["worker"]
+    print(f"worker / entrypoint rate: {ratio:.2f}x (goal >= 0.9x)")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,8 @@ even where the real `modal` package is installed: the real one's decorators turn
 Modal's servers, whose internal metadata API changes between releases, while everything calque needs is what
 the decorators declare. So this file only records: the options of @app.cls / @app.function, the roles of
 @modal.enter / exit / method / batched / concurrent, modal.parameter() fields. calque.ModalHandler runs them
-on a worker; calque's `modal run`, and a worker for its function's calls, route .map / .remote / .spawn
-to a pool through `runner` below.
+on a worker; calque's `modal run`, and a worker for its function's calls, route .map / .remote /
+.spawn to a pool through `runner` below.
 
 A construct it does not implement raises Unsupported at import, naming it and what to do: never a no-op.
 docs/modal.md has the compatibility table.
@@ -21,8 +21,8 @@ import threading
 import uuid
 from concurrent.futures import Future, wait   # its TimeoutError is the builtin one (3.11)
 
-runner = None      # set by `calque modal run` and a worker (calque_runs.Calls): call(target, params,
-                   # items) -> an iterator of result dicts
+runner = None      # set by `calque modal run` and a worker (calque_runs.Calls):
+                   # call(target, params, items) -> an iterator of result dicts
 container = False  # True in a worker: Image.imports() blocks import for real there
 
 
