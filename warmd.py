@@ -1683,7 +1683,8 @@ class WorkerCalls(calque_runs.Calls):
                                      options={"chain": self.chain})
 
     def ended(self):
-        """Raise, the calls cancelled, once the claim cannot use their results."""
+        """Raise, the calls cancelled, once the claim cannot use their results: ReleaseNow where
+        the worker lets it go (it is given back whole, not failed by the item that waited)."""
         claim = self.claim
         why = claim and ("its lease was lost" if claim.heartbeat.lost.is_set() else
                          "the worker let it go" if self.worker.release_now.is_set() else
@@ -1691,6 +1692,8 @@ class WorkerCalls(calque_runs.Calls):
                              calque_core.summary_key(claim.run_id, claim.claim_id)) else None)
         if why:
             self.cancel(why)
+            if self.worker.release_now.is_set():
+                raise ReleaseNow()
             raise calque_core.ResultsIncomplete(f"calls of claim {claim} cancelled: {why}")
 
     def cancel(self, why):

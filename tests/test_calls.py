@@ -241,3 +241,35 @@ def test_the_calling_claim_stays_leased_while_its_calls_wait(local_env, tmp_path
     gate.write_text("open")
     summary = wait_for(lambda: calque_core.read_summaries(backend, run_id), 60, "its summary")[0]
     assert summary["status"] == "ok" and summary["receive_count"] == 1
+
+
+def test_a_stopping_worker_gives_its_claim_back_and_cancels_its_calls(local_env, tmp_path):
+    """`pool scale --workers 0` while the orchestrator's call waits: after its grace the claim is
+    given back whole (not failed by the waiting item) and its call's run cancelled; a worker
+    started again runs it anew, to the end."""
+    gate = tmp_path / "gate"
+    folder = write_fanout(tmp_path, str(gate))
+    handler = str(folder / "fanout.py")
+    local_env = dict(local_env, CALQUE_GRACE="1")
+    for model, target in (("gated-emb", "Embedder.embed"), ("orch", "orchestrate")):
+        out = cli(local_env, "pool", "create", "--model", model, "--handler", f"{handler}:{target}",
+                  "--workers", "1", cwd=str(folder))
+        assert out.returncode == 0, out.stderr
+    items = write_items(tmp_path / "items.jsonl", [["ab"]])
+    run_id = cli(local_env, "submit", "--pool", "orch", items, "--no-wait", cwd=str(folder)).stdout.strip()
+    backend = backend_for(local_env)
+
+    def calls():
+        return [calque_core.read_json(backend, key + "/run.json")
+                for key in backend.store.list("runs/") if "gated-emb." in key]
+    first = wait_for(calls, 60, "the call's run")[0]
+    out = cli(local_env, "pool", "scale", "--model", "orch", "--workers", "0")
+    assert out.returncode == 0, out.stderr
+    record = calque_core.read_json(backend, calque_core.run_key(first["run_id"]))
+    assert record["cancelled"]["reason"] == (f"the calling claim {run_id}/c00000 ended: the worker "
+                                             "let it go")
+    assert not calque_core.read_summaries(backend, run_id)   # given back, not written
+    gate.write_text("open")
+    assert cli(local_env, "pool", "scale", "--model", "orch", "--workers", "1").returncode == 0
+    summary = wait_for(lambda: calque_core.read_summaries(backend, run_id), 60, "its summary")[0]
+    assert summary["status"] == "ok" and summary["receive_count"] == 2
