@@ -685,7 +685,10 @@ def pool_calls(backend, model, handler, given):
         if target not in targets or target == own:
             raise UserError(f"--call {target}={pool}: {path} has no other function or Cls.method "
                             f"{target} (it has: {', '.join(t for t in targets if t != own)})")
-        load_pool(backend, pool)   # there
+        h = load_pool(backend, pool)["handler"]
+        if full.get(h["class"], h["class"]) != target:   # its items would reach another method
+            raise UserError(f"--call {target}={pool}: pool {pool} serves {h['file']}:{h['class']}, "
+                            f"not {target} ---> HINT: pool create --handler {path}:{target} first")
         calls[target] = pool
     missing = [t for t in targets if t not in calls and t != own]
     print(f"pool {model}: its calls go to: "

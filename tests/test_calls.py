@@ -149,7 +149,9 @@ def test_named_pools_and_their_calls(local_env, tmp_path):
     create("emb-a", "Embedder.embed")
     assert "its calls go to: Embedder.embed -> emb-a" in create("orch", "orchestrate")
     for bad, said in ((["--call", "Embedder.embed=nope"], "no pool for model 'nope'"),
-                      (["--call", "Nope=emb-a"], "--call Nope=emb-a: ")):
+                      (["--call", "Nope=emb-a"], "--call Nope=emb-a: "),
+                      (["--call", "Embedder.embed=lonely"], "pool lonely serves fanout.py:"
+                                                            "orchestrate, not Embedder.embed")):
         out = cli(local_env, "pool", "create", "--model", "orch-x", "--handler",
                   f"{handler}:orchestrate", "--workers", "0", *bad, cwd=str(folder))
         assert out.returncode == 2 and said in out.stderr and len(out.stderr.splitlines()) == 1
