@@ -1697,13 +1697,16 @@ class WorkerCalls(calque_runs.Calls):
             raise calque_core.ResultsIncomplete(f"calls of claim {claim} cancelled: {why}")
 
     def cancel(self, why):
-        for run in self.runs:
+        for run in list(self.runs):   # (a spawned call's thread may drop one meanwhile)
             calque_runs.cancel_run(self.backend, run,
                                    f"the calling claim {self.claim} ended: {why}")
 
     def settle(self):
-        for run in self.runs:
-            calque_runs.wait_for_run(self.backend, run, math.inf, False, stop_if=self.ended)
+        """Wait for the calls the claim did not read whole; cancelled with its run, they are
+        done (the claim's items are)."""
+        with contextlib.suppress(calque_core.ResultsIncomplete):
+            for run in list(self.runs):
+                calque_runs.wait_for_run(self.backend, run, math.inf, False, stop_if=self.ended)
 
 
 class Rules:
