@@ -1190,9 +1190,13 @@ class ModalRun(Calls):
         if not self.calls:
             token, given = secrets.token_hex(3), {key[0]: pool for key, pool in self.pools.items()}
             self.calls = {t: given.get(t) or self._name(t, token) for t in self.targets}
-            for other, model in self.calls.items():
+            for other, model in list(self.calls.items()):
                 if (other != target or params) and other not in given:   # not --pool's
-                    self._make(other, {}, model, 0)
+                    try:
+                        self._make(other, {}, model, 0)
+                    except UserError as e:   # (an image's package missing): said, not fatal
+                        del self.calls[other]   # here; a call to it says so
+                        print(f"calque: {other}: no pool for its callers: {e}", file=sys.stderr)
         model = None if params else self.calls.get(target)
         if model in self.created:   # made from zero: the entrypoint's call wakes it
             return model
