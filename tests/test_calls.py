@@ -275,3 +275,35 @@ def test_a_stopping_worker_gives_its_claim_back_and_cancels_its_calls(local_env,
     assert cli(local_env, "pool", "scale", "--model", "orch", "--workers", "1").returncode == 0
     summary = wait_for(lambda: calque_core.read_summaries(backend, run_id), 60, "its summary")[0]
     assert summary["status"] == "ok" and summary["receive_count"] == 2
+
+
+NEEDS = '''
+import modal
+
+app = modal.App("needs")
+
+
+@app.function(image=modal.Image.debian_slim().pip_install("calque-absent-pkg==9.9"))
+def heavy(x):
+    return x
+
+
+@app.function()
+def light(x):
+    return x + 1
+
+
+@app.local_entrypoint()
+def main():
+    print(light.remote(1))
+'''
+
+
+def test_a_target_whose_pool_cannot_be_made_is_left_out(local_env, tmp_path):
+    """`modal run` makes every target's pool up front; one that cannot be (its image's package
+    missing) is said in a line and left out, and the entrypoint that never calls it runs."""
+    (tmp_path / "needs.py").write_text(NEEDS)
+    out = modal_run_in(local_env, tmp_path, False, "needs.py")
+    assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr
+    assert "calque: heavy: no pool for its callers: needs.py: the image's pip_install " \
+           "calque-absent-pkg==9.9 (not installed)" in out.stderr
