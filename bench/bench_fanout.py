@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from common import compile_kit  # noqa: E402
 
 CALLS = int(os.environ.get("BENCH_FANOUT_CALLS", "1000"))    # calls a path a round
-ROUNDS = int(os.environ.get("BENCH_FANOUT_ROUNDS", "7"))     # rounds, each path once a round
+ROUNDS = int(os.environ.get("BENCH_FANOUT_ROUNDS", "15"))     # rounds, each path once a round
 WORKERS = int(os.environ.get("BENCH_FANOUT_WORKERS", "2"))   # the class pool's workers (--workers)
 APP = '''
 import json
