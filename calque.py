@@ -8,7 +8,7 @@ wait_for_run waits on the summaries. The kit in floors, each importing only thos
     calque_fleet.py      where a pool's workers run, chosen (fleet_for); cold runs, status, planner
     warmd.py             the worker (it reaches EC2 itself for its own instance's notices)
     calque_supervisor.py, calque_ec2.py   the two fleets: this machine; an EC2 Auto Scaling group
-    calque_runs.py       submit and runs: stage, send, wait, cancel, redrive, report
+    calque_runs.py       submit and runs: stage, send, wait, cancel, redrive, report; Modal calls
     calque_sources.py, calque_cost.py     items, one Source per input kind; the cost model
     calque_core.py       the ground floor: handler API, settings, the contract, backends, records
     calque_values.py     the typed encoding of Python values (a Modal call's), below them all

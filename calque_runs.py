@@ -1,6 +1,6 @@
 """Runs: stage and send claims (a source cuts and stages them), wait on summaries, cancel,
-redrive, report. Stands on calque_core and calque_sources; calque.py's submit and runs verbs, the
-fleets and the dashboard call it."""
+redrive, report; a Modal app's calls as runs (Calls). Stands on calque_core and calque_sources;
+calque.py's submit and runs verbs, `modal run`, the fleets, the worker and the dashboard call it."""
 import collections, contextlib, datetime, json, math, os, re, shutil, signal, threading, time, sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
