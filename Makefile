@@ -70,6 +70,7 @@ bench: setup $(EMBED) $(MEDIA)
 	$(PY) bench/fast_paths.py
 	$(PY) bench/bench_values.py
 	AWS_EC2_METADATA_DISABLED=true $(PY) bench/bench_volume.py
+	$(PY) bench/bench_fanout.py
 
 # calque against Celery 5.x (SQS transport, S3 results) on one moto_server, side by side: bench/peers/compare.py;
 # then the embedding job and the image job against Ray Data (bench/peers/ray_embed.py, ray_images.py).

@@ -8,7 +8,7 @@ wait_for_run waits on the summaries. The kit in floors, each importing only thos
     calque_fleet.py      where a pool's workers run, chosen (fleet_for); cold runs, status, planner
     warmd.py             the worker (it reaches EC2 itself for its own instance's notices)
     calque_supervisor.py, calque_ec2.py   the two fleets: this machine; an EC2 Auto Scaling group
-    calque_runs.py       submit and runs: stage, send, wait, cancel, redrive, report
+    calque_runs.py       submit and runs: stage, send, wait, cancel, redrive, report; Modal calls
     calque_sources.py, calque_cost.py     items, one Source per input kind; the cost model
     calque_core.py       the ground floor: handler API, settings, the contract, backends, records
     calque_values.py     the typed encoding of Python values (a Modal call's), below them all
@@ -17,29 +17,27 @@ import sys
 if __name__ == "__main__":   # `python calque.py` / `python -m calque`: a handler's or an app's `import calque`
     sys.modules["calque"] = sys.modules[__name__]   # gets this module, not a second copy
 import argparse, contextlib, ctypes, functools, importlib.util, inspect, json
-import math, os, re, secrets, signal, sqlite3, threading, time, typing
+import math, os, re, secrets, signal, sqlite3, time, typing
 
 import calque_supervisor
-import calque_values
 
-from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Parser, RUN_RECHECK,
+from calque_core import (BYTES, EXIT_FAILED, EXIT_OK, EXIT_USAGE, NotFound, Parser,
                          ResultsIncomplete, SCALE_IDLE_MINUTES, SEND_BATCH, SUMMARY_POLL_MAX,
-                         StoreFault, UserError, VERSION_CHECK, VersionAction, WorkersFailed,
-                         batch, check_slug_free, claim_items, cli_error, command,
-                         desired_count, dlq_name, dumps, enter, import_modal_file, include_paths,
-                         json_line, key_values, kit_fault, kit_python, latest_runs, list_runs,
-                         load_modal_shim, load_pool, new_run_id, now_iso, one_line, open_backend,
-                         open_volume, orjson,
-                         pool_key, pool_name_claimed, pool_queue_name, pool_settings, pool_version,
-                         queue_depth, read_json, read_run, read_summaries, read_worker_stats,
-                         recent_summaries, refuse_other_version, result_lines, retry_policy,
-                         serve_volumes, setting_number, settings, size_text, slug, snapshot_handler,
-                         state_dir, stop_seconds, stream_prefix, summary_claims, summary_key,
-                         unlink_volumes, update_run, user_code_error, version_label, version_of,
-                         wait_queue_reusable, wait_seconds, web_endpoint, with_bytes,
+                         StoreFault, UserError, VERSION_CHECK, VersionAction, WorkersFailed, batch,
+                         check_slug_free, claim_items, cli_error, command, desired_count, dlq_name,
+                         enter, import_modal_file, include_paths, key_values, kit_fault, kit_python,
+                         latest_runs, list_runs, load_pool, new_run_id, now_iso, one_line,
+                         open_backend, open_volume, orjson, parse_handler_spec, pool_key,
+                         pool_name_claimed, pool_queue_name, pool_settings, pool_version,
+                         queue_depth, read_run, read_summaries, read_worker_stats, recent_summaries,
+                         refuse_other_version, retry_policy, serve_volumes, setting_number,
+                         settings, size_text, slug, snapshot_handler, state_dir, stop_seconds,
+                         summary_claims, unlink_volumes, update_run, user_code_error, version_label,
+                         version_of, wait_queue_reusable, wait_seconds, web_endpoint,
                          write_file_atomic, write_json)
 from calque_sources import as_items, read_items
-from calque_runs import (SubmitInterrupted, as_sizes,
+from calque_runs import (Calls, SubmitInterrupted, as_sizes, follow_claims, follow_results,
+                         result_of, with_ids,
                          cancel_run, check_deletable, claim_batch,
                          claim_ids, claim_list, claim_states,
                          delete_run, drop_pool, field_value, format_runs_list, interrupted,
@@ -378,7 +376,7 @@ class Run:
         not run raises ResultsIncomplete there: never a short read that looks whole."""
         for lines in follow_results(self.backend, self.record, poll):
             for line in lines:
-                result = json_line(line) if '"$bytes"' not in line else with_bytes(json_line(line))
+                result = result_of(line)
                 if not (failed_only and result.get("ok")):
                     yield result
 
@@ -419,45 +417,6 @@ class Run:
             raise UserError(f"run {self.run_id} has no finished claim yet: nothing to price")
         return run_cost_report(self.backend, self.record, summaries,
                                pricing(rates, instance_type, spot, savings_plan))
-
-
-def follow_results(backend, run, poll=SUMMARY_POLL_MAX):
-    """Each claim's result lines (with the run's id_field), in claim order, as each finishes."""
-    for _, claim, parts in follow_claims(backend, run, poll):
-        yield with_ids(backend, run, claim, parts)
-
-
-def follow_claims(backend, run, poll=SUMMARY_POLL_MAX):
-    """(index, claim, parts) as each claim is summarised, in order; one that will not run raises."""
-    recheck = 0.0
-    for index, claim in enumerate(run["claims"]):
-        while True:
-            if claim in summary_claims(backend, run["run_id"]):
-                s = read_json(backend, summary_key(run["run_id"], claim))
-                state, detail = claim_states(backend, run, [s], dead_letters=False)[claim]
-                break
-            if time.monotonic() >= recheck:   # claim_states may scan the DLQ: not every poll
-                recheck = time.monotonic() + RUN_RECHECK
-                run.update(read_run(backend, run["run_id"]))
-                state, detail = claim_states(backend, run, [])[claim]
-                if state != "queued or running":
-                    break
-            time.sleep(poll)
-        if state not in ("done", "failed"):
-            raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
-                                    f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
-        yield from with_parts(backend, run, [(index, claim)])
-
-
-def with_ids(backend, run, claim, parts):
-    """The claim's result lines (of its parts) with each item's --id-field (if the run has one)
-    copied in from the claim's manifest."""
-    lines = [line for part in parts for line in result_lines(part)]
-    field = run["options"].get("id_field")
-    if not field:
-        return lines
-    ids = claim_ids(backend, run, claim, field)
-    return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -687,12 +646,46 @@ def cmd_pool_create(conf, backend, args):
                                             store=backend.store)
     for note in notes:
         print(f"pool {args.model}: {note}")
+    if modal:
+        modal["calls"] = pool_calls(backend, args.model, args.handler, args.call)
+    elif args.call:
+        raise UserError(f"--call applies to a Modal app handler; {args.handler} imports no modal")
     for key in ("retries", "max_deliveries", "batch_timeout"):   # the app's retries=, timeout=;
         if getattr(args, key) is None:                           # if not given
             setattr(args, key, suggested.get(key))
     fleet.create(Pool(args.model, context=(conf, backend)), modal=modal, suggested=suggested,
                  include=include_paths(args.include, args.handler))
     return EXIT_OK
+
+
+def pool_calls(backend, model, handler, given):
+    """A Modal app pool's `calls` (printed): for each other target of its app, the pool --call
+    TARGET=POOL names, else an existing one serving that target of the same file."""
+    path, name = parse_handler_spec(handler)
+    shim, module = import_modal_file(path)
+    targets = app_targets(shim, module)[1]
+    full = {t.partition(".")[0] if len(targets[t].methods()) == 1 else t: t
+            for t in targets if "." in t}   # a one-method class's pool names the class alone
+    calls, own = {}, full.get(name, name)
+    for pool in sorted(calque_supervisor.list_pools(backend)):
+        h = load_pool(backend, pool)["handler"]
+        target = full.get(h["class"], h["class"])
+        if h.get("source_path") == os.path.abspath(path) and target in targets and target != own:
+            calls.setdefault(target, pool)
+    for target, pool in key_values(given, "--call").items():
+        if target not in targets or target == own:
+            raise UserError(f"--call {target}={pool}: {path} has no other function or Cls.method "
+                            f"{target} (it has: {', '.join(t for t in targets if t != own)})")
+        h = load_pool(backend, pool)["handler"]
+        if full.get(h["class"], h["class"]) != target:   # its items would reach another method
+            raise UserError(f"--call {target}={pool}: pool {pool} serves {h['file']}:{h['class']}, "
+                            f"not {target} ---> HINT: pool create --handler {path}:{target} first")
+        calls[target] = pool
+    missing = [t for t in targets if t not in calls and t != own]
+    print(f"pool {model}: its calls go to: "
+          f"{', '.join(f'{t} -> {p}' for t, p in calls.items()) or 'none'}"
+          + (f"; no pool for {', '.join(missing)} (--call TARGET=POOL)" if missing else ""))
+    return calls
 
 
 def cmd_pool_scale(conf, backend, args):
@@ -1151,78 +1144,59 @@ class ModalEntrypointFailed(Exception):
     """A remote call of `calque modal run`'s entrypoint failed: one line, exit 1."""
 
 
-class ModalRun:
+class ModalRun(Calls):
     """Where `calque modal run` sends calls: each target's items go to its pool (--pool M, or an
-    ephemeral one made at the first call, deleted by close()); returns Run.results()."""
+    ephemeral one made at the first call, deleted by close()). At the first, the pools of the
+    app's other `targets` (those without a required modal.parameter) are named and made too,
+    sizing themselves from zero: each pool's record names them all (modal `calls`), so a worker's
+    calls reach them (warmd.WorkerCalls)."""
 
-    def __init__(self, context, path, pool, workers, volumes=(), secrets=()):
+    def __init__(self, context, path, pool, workers, volumes=(), secrets=(), targets=()):
+        super().__init__(context[1], os.path.dirname(os.path.abspath(path)))
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
-        self.pools, self.created, self.runs, self.lock = {}, [], [], threading.Lock()
+        self.pools, self.created, self.targets, self.calls = {}, [], targets, {}
         self.links = {}   # {mount: (its volume's folder, a folder was there)}: its pools' links
         record = load_pool(context[1], pool) if pool else None
         if record:
-            self.pools[(record["handler"]["class"], self._key(record.get("modal", {}).get("params", {})))] = pool
+            params = record.get("modal", {}).get("params", {})
+            self.pools[self.key(record["handler"]["class"], params)] = pool
         labels = {pool: record["handler"]["class"]} if record else {}
         self.output = calque_supervisor.WorkerOutput(context[1], labels)
-        self.allowed = calque_values.app_modules(os.path.dirname(os.path.abspath(path)))
 
-    @staticmethod
-    def _key(params):
-        return json.dumps({k: str(v) for k, v in params.items()}, sort_keys=True)
+    def pool_for(self, target, params):
+        key = self.key(target, params)
+        if key not in self.pools:
+            self.pools[key] = self._ephemeral(target, params)
+        return self.pools[key]
 
-    def __call__(self, target, params, items):
-        key = (target, self._key(params))
-        with self.lock:   # .aio calls come from threads: one pool per target, one submit at a time
-            if key not in self.pools:
-                self.pools[key] = self._ephemeral(target, params)
-            try:
-                items = [self._typed(item) for item in items]
-                run = submit(items, pool=self.pools[key], context=self.context)
-            except (TypeError, RecursionError) as e:   # calque_values.Refused, an array's tolist()
-                if isinstance(e, RecursionError):        # of objects; or a value nested too deep
-                    e = f"nested deeper than Python's recursion limit ({sys.getrecursionlimit()}): " \
-                        "flatten them"
-                raise load_modal_shim().app_error(TypeError(f"{target}'s arguments: {e}")) from None
-            self.runs.append(run)
-        return self._decoded(run.results())
-
-    def _typed(self, item):
-        """A call item with its arguments in the typed encoding where JSON cannot say them (the
-        worker's ModalHandler decodes them); a plain call as it is, walked once."""
-        if calque_values.plain(item):   # {"__modal_call__": [args, kwargs(, stream)]}
-            return item
-        (key, call), = item.items()
-        encoder = calque_values.Encoder(self.allowed, tag_bytes=False)   # bytes: the bytes form
-        call = [encoder.encode(call[0]), encoder.encode(call[1]), *call[2:]]
-        return {key: {calque_values.TAG: ["typed", call]}} if encoder.tagged else item
-
-    def _decoded(self, results):
-        """Each result as the call returned it; a failed one's exception rebuilt (`exception`)
-        where its class is the app's or the standard library's, else left to its message."""
-        for result in results:
-            if result["ok"]:
-                try:
-                    result["result"] = calque_values.decode_result(result["result"], self.allowed)
-                except calque_values.Refused as e:
-                    raise load_modal_shim().app_error(e) from None
-            elif "exception" in result.get("raised", {}):
-                raised = result["raised"]["exception"]
-                with contextlib.suppress(Exception):   # a class not found here: RemoteError
-                    result["exception"] = calque_values.decode(raised, self.allowed)
-            yield result
-
-    def streamed(self, target, params, stream, after=None, done=False):
-        """The chunks a .remote_gen worker wrote after key `after`: [(key, chunk)]; `done` deletes."""
-        store = self.context[1].store
-        prefix = stream_prefix(self.pools[(target, self._key(params))], stream)
-        if done:
-            return store.delete_prefix(prefix)
-        chunks = [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
-        for _, chunk in chunks:   # its values in the typed encoding (calque.Streamed)
-            chunk["values"] = calque_values.decode_result(chunk["values"], self.allowed)
-        return chunks
+    def send(self, pool, items):
+        """A self-sizing pool made here may have no worker yet: its queue wakes it."""
+        run = submit(items, pool=pool, context=self.context, wait_for_workers=pool in self.created)
+        return run.record
 
     def _ephemeral(self, target, params):
+        """The pool of the first call to (target, params). The very first names the pools of all
+        `targets` (one token a run) and makes the others', sizing themselves from zero."""
+        if not self.calls:
+            token, given = secrets.token_hex(3), {key[0]: pool for key, pool in self.pools.items()}
+            self.calls = {t: given.get(t) or self._name(t, token) for t in self.targets}
+            for other, model in list(self.calls.items()):
+                if (other != target or params) and other not in given:   # not --pool's
+                    try:
+                        self._make(other, {}, model, 0)
+                    except UserError as e:   # (an image's package missing): said, not fatal
+                        del self.calls[other]   # here; a call to it says so
+                        print(f"calque: {other}: no pool for its callers: {e}", file=sys.stderr)
+        model = None if params else self.calls.get(target)
+        if model in self.created:   # made from zero: the entrypoint's call wakes it
+            return model
+        model = model or self._name(target, secrets.token_hex(3))
+        return self._make(target, params, model, self.workers)
+
+    def _name(self, target, token):
+        return f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{token}"
+
+    def _make(self, target, params, model, workers):
         spec = f"{self.path}:{target}"
         batch_size = pool_settings(self.context[0])["batch_size"]
         app = {k: v for k, v in sys.modules.items() if k.startswith("calque_modal_app_")}
@@ -1235,8 +1209,10 @@ class ModalRun:
                                      volume.get("folder")).folder, os.path.isdir(mount))
                  for mount, volume in modal["volumes"].items() if not os.path.islink(mount)}
         self.links.update(links)
-        model = f"modal-{os.path.basename(self.path)[:-3]}-{target.replace('.', '-')}-{secrets.token_hex(3)}"
-        print(f"calque: ephemeral pool {model} for {target}: {self.workers} local worker(s)", file=sys.stderr)
+        modal["calls"] = {t: pool for t, pool in self.calls.items() if t != target}
+        size = (f"{workers} local worker(s)" if workers else
+                f"0 to {self.workers} local worker(s), on its calls")
+        print(f"calque: ephemeral pool {model} for {target}: {size}", file=sys.stderr)
         for note in notes:
             print(f"calque: {target}: {note}", file=sys.stderr)
         self.created.append(model)
@@ -1246,9 +1222,11 @@ class ModalRun:
         write_file_atomic(os.path.join(folder, "links.json"), json.dumps(links))   # and these
         self.output.add(model, target)
         conf = dict(self.context[0], CALQUE_GRACE="0")   # a signal: let go a call nobody awaits
-        Pool(model, context=(conf, self.context[1])).create(
-            spec, self.workers, modal=modal, max_deliveries=suggested.get("max_deliveries"),
-            batch_timeout=suggested.get("batch_timeout"), retries=suggested.get("retries"))
+        pool = Pool(model, context=(conf, self.context[1]))
+        pool.create(spec, workers, modal=modal, max_deliveries=suggested.get("max_deliveries"),
+                    batch_timeout=suggested.get("batch_timeout"), retries=suggested.get("retries"))
+        if not workers:
+            pool.scale(0, bounds=(0, self.workers, 60.0 * SCALE_IDLE_MINUTES), wait=False)
         return model
 
     def close(self, wait):
@@ -1257,7 +1235,7 @@ class ModalRun:
         try:
             if wait:
                 for run in self.runs:
-                    run.wait()
+                    Run(run["run_id"], context=self.context).wait()
         finally:   # a second SIGTERM or Ctrl-C waits for the pools' deletion
             with handling(signal.SIG_IGN, signal.SIGTERM, signal.SIGINT):
                 self.output.stop()
@@ -1310,7 +1288,10 @@ def cmd_modal_run(conf, backend, args):
     shim, module = import_modal_file(path)
     fn, name = modal_run_target(shim, module, path, name)
     kwargs = vars(entrypoint_parser(fn, f"{command()} modal run {args.app}").parse_args(args.args))
-    shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume, args.secret)
+    targets = [t for t, f in app_targets(shim, module)[1].items()   # a worker may call them
+               if inspect.Parameter.empty not in getattr(f, "parameters", dict)().values()]
+    shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume,
+                                    args.secret, targets)
     done = False
     with handling(lambda signum, frame: sys.exit(128 + signum), signal.SIGTERM):
         try:
@@ -1321,9 +1302,10 @@ def cmd_modal_run(conf, backend, args):
             done = True
         except shim.RemoteError as e:
             where = f" (at {e.where})" if getattr(e, "where", None) else ""
+            hint = "" if "--->" in str(e) else (" ---> HINT: map(..., return_exceptions=True) "
+                                               "to go on past failed items")
             raise ModalEntrypointFailed(f"entrypoint {name}: an item failed: {type(e).__name__}: "
-                                        f"{one_line(e)}{where} ---> HINT: map(..., "
-                                        "return_exceptions=True) to go on past failed items")
+                                        f"{one_line(e)}{where}{hint}")
         except (UserError, StoreFault, WorkersFailed, ResultsIncomplete):
             raise
         except Exception as e:   # the entrypoint's own code failed: where, in one line
@@ -1336,9 +1318,9 @@ def cmd_modal_run(conf, backend, args):
     return EXIT_OK
 
 
-def modal_run_target(shim, module, path, name):
-    """(callable, name) `modal run app.py[::name]` runs: a local entrypoint, else (as Modal's CLI)
-    a function or Cls.method called once with its parameters as options."""
+def app_targets(shim, module):
+    """({name: local entrypoint}, {target: its Function or Cls}, {name: web decorator}) of a Modal
+    app module: the functions and Cls.methods a call can go to, and its web endpoints (not called)."""
     entrypoints, functions, webs = {}, {}, {}
     for app in [v for v in vars(module).values() if isinstance(v, shim.App)]:
         entrypoints.update(app.entrypoints)
@@ -1347,6 +1329,13 @@ def modal_run_target(shim, module, path, name):
             (webs if web else functions)[key] = web or f
         for key, cls in app.registered_classes.items():
             functions.update({f"{key}.{m}": cls for m in cls.methods()})
+    return entrypoints, functions, webs
+
+
+def modal_run_target(shim, module, path, name):
+    """(callable, name) `modal run app.py[::name]` runs: a local entrypoint, else (as Modal's CLI)
+    a function or Cls.method called once with its parameters as options."""
+    entrypoints, functions, webs = app_targets(shim, module)
     if not name:
         found = entrypoints or functions or webs   # web endpoints only: the first is refused below
         if len(found) != 1 and found is not webs:
@@ -1455,6 +1444,9 @@ def build_parser():
     modal_flags.add_argument("--volume", action="append", metavar="NAME=PATH",
                              help="a local folder for modal.Volume.from_name(NAME), instead of "
                                   "the store's prefix volumes/NAME/ (docs/modal.md#volumes)")
+    modal_flags.add_argument("--call", action="append", metavar="TARGET=POOL",
+                             help="the pool its workers' calls to TARGET (Cls.method or function) "
+                                  "go to (default: one of the same app file serving it)")
     ec2 = p.add_argument_group("EC2 cohort (s3:// store; --instances N and --min-/--max-instances)")
     ec2.add_argument("--instance-type",
                      help="EC2 instance type, e.g. g5.xlarge (required with --instances)")

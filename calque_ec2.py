@@ -221,7 +221,7 @@ def _s3_parts(store, partition):
     return f"arn:{partition}:s3:::{bucket}", f"arn:{partition}:s3:::{bucket}/{root}", root
 
 
-def worker_policy(store, model, region, account, partition="aws", reads=(), volumes=()):
+def worker_policy(store, model, region, account, partition="aws", reads=(), volumes=(), calls=()):
     """The pool worker's inline policy: claim from its pool queue, dead-letter to its DLQ, read
     its pool's folder and its model's runs (runs/<slug>.*: manifests, inputs, summaries, and the
     results and attempt record a redelivered claim resumes from), write their results, summaries
@@ -231,7 +231,12 @@ def worker_policy(store, model, region, account, partition="aws", reads=(), volu
     (a failed bootstrap), SetInstanceProtection (scale-in while it holds a claim) and
     CompleteLifecycleAction (let a terminating instance go). `reads`: the
     s3:// prefixes its runs read by reference (GetObject under each, ListBucket for 404s);
-    `volumes`: its Modal app's volumes in the store (read, commit: write and delete, list)."""
+    `volumes`: its Modal app's volumes in the store (read, commit: write and delete, list).
+    `calls`: the pools its Modal app's functions call (the record's modal `calls`), exactly
+    those: send to their queues, scan their dead letters, write and read their runs (manifests,
+    record, summaries: a cancel), read their records and worker stats (a run's claims sized to
+    them, as submit's), read and drop their .remote_gen streams; and read its own runs' records
+    (the chain of calls a run came from)."""
     s = slug(model)
     kept = [volume_key(name) for name in volumes]
     bucket_arn, obj, root = _s3_parts(store, partition)
@@ -260,6 +265,28 @@ def worker_policy(store, model, region, account, partition="aws", reads=(), volu
             "Sid": "VanishedInputIsNotForbidden", "Effect": "Allow", "Action": ["s3:ListBucket"],
             "Resource": sorted({f"arn:{partition}:s3:::{o.partition('/')[0]}" for o in named}),
             "Condition": {"StringLike": {"s3:prefix": [o.partition("/")[2] + "*" for o in named]}}}]
+    if calls:
+        sqs, called = f"arn:{partition}:sqs:{region}:{account}:", sorted({slug(p) for p in calls})
+        policy["Statement"] += [{
+            "Sid": "SendCalls", "Effect": "Allow",
+            "Action": ["sqs:GetQueueAttributes", "sqs:GetQueueUrl", "sqs:SendMessage"],
+            "Resource": [sqs + pool_queue_name(p) for p in sorted(calls)]}, {
+            "Sid": "FollowCallsDeadLetters", "Effect": "Allow",
+            "Action": ["sqs:ChangeMessageVisibility", "sqs:GetQueueAttributes",
+                       "sqs:GetQueueUrl", "sqs:ReceiveMessage"],
+            "Resource": [sqs + dlq_name(p) for p in sorted(calls)]}, {
+            "Sid": "RunCalls", "Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject"],
+            "Resource": [f"{obj}runs/{c}.*/*" for c in called]}, {
+            "Sid": "ReadCalledPools", "Effect": "Allow", "Action": ["s3:GetObject"],   # + the chain
+            "Resource": [f"{obj}runs/{s}.*/run.json"]    # of calls its own run came from
+            + [f"{obj}pools/{c}/{k}" for c in called
+               for k in ("pool.json", "streams/*", "workers/*")]}, {
+            "Sid": "DropCallStreams", "Effect": "Allow", "Action": ["s3:DeleteObject"],
+            "Resource": [f"{obj}pools/{c}/streams/*" for c in called]}, {
+            "Sid": "ListCalls", "Effect": "Allow", "Action": ["s3:ListBucket"],
+            "Resource": bucket_arn,
+            "Condition": {"StringLike": {"s3:prefix": [f"{root}{k}" for c in called for k in (
+                f"runs/{c}.*", f"pools/{c}/streams/*", f"pools/{c}/workers/*")]}}}]
     policy["Statement"] += [{
         "Sid": "ShareOwnVenv", "Effect": "Allow",
         "Action": ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"],
@@ -326,8 +353,9 @@ def grant_read(backend, record, uri):
     current = load_pool(backend, model)   # re-read: another change to the record since is kept
     reads = sorted(set(current["ec2"].get("reads", [])) | {uri})
     ident = calls.identity()
+    calls_to = (current.get("modal") or {}).get("calls", {}).values()
     policy = worker_policy(backend.describe(), model, ec2["region"], ident["account"],
-                           ident["partition"], reads, store_volumes(current))
+                           ident["partition"], reads, store_volumes(current), calls_to)
     try:
         calls.call("iam", "PutRolePolicy", RoleName=ec2["role"], PolicyName="calque-worker",
                    PolicyDocument=json.dumps(policy))
@@ -1090,8 +1118,9 @@ def pool_create(backend, record, handler, options, *, dry_run=False, yes_spend_m
               f"{kit_sha[:16]}, record {_said(calls, 'written')}")
 
     def role():
+        calls_to = (full.get("modal") or {}).get("calls", {}).values()
         policy = worker_policy(store, model, region, ident["account"], ident["partition"],
-                               ec2["reads"], store_volumes(record))
+                               ec2["reads"], store_volumes(record), calls_to)
         state = _ensure_role(calls, names["role"], policy, tags, owner)
         print(f"pool {model}: IAM role {names['role']} {_said(calls, state)}, policy "
               f"{_said(calls, 'put')}")

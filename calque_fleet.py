@@ -5,17 +5,15 @@ import argparse, contextlib, datetime, heapq, inspect, itertools, math, os, re
 import shlex, socket, statistics, time, sys
 from collections import Counter
 
-from calque_core import (CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR, CLAIM_SIZE_MAX,
-                         MODAL_GPU_ALIASES, NotFound, PLAN_GAP_MAX, SCALE_MEASURED_CLAIMS,
+from calque_core import (MODAL_GPU_ALIASES, NotFound, PLAN_GAP_MAX, SCALE_MEASURED_CLAIMS,
                          StoreFault, UserError, _parse_time, claim_id, claim_sizes,
                          cold_record_key, command, dlq_name, format_sizes, import_modal_app,
                          imports_modal, key_values, load_pool, measured_seconds, modal_param,
                          new_run_id, now_iso, parse_handler_spec, pool_queue_name, pool_settings,
                          pool_version, read_json, read_run, read_worker_stats, retry_policy,
-                         run_key, run_queue_names, setting_number, slug,
-                         snapshot_handler, state_dir, version_label, version_of, volume_key,
-                         write_json)
-from calque_runs import ClaimSizes, as_sizes, cancel_run, stage_run, wait_for_run
+                         run_key, run_queue_names, slug, snapshot_handler, state_dir,
+                         version_label, version_of, volume_key, write_json)
+from calque_runs import as_sizes, cancel_run, sized_claims, stage_run, wait_for_run
 from calque_cost import (_usd, choose_pricing, instance_rate_per_second, load_rates,
                          measured_enter_seconds)
 from calque_supervisor import (LIVE_STATES, STOPPED_SHOWN, WORKER_LOST_AFTER, LocalFleet,
@@ -519,46 +517,9 @@ PLAN_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def claim_sizing(conf, backend, record, claim_size, workers=None):
-    """The ClaimSizes of a run on the pool `record` (None: unmeasured): --claim-size, else a set
-    CALQUE_CLAIM_SIZE, else factoring over `workers` (default: the pool's ceiling), its claims at
-    most CALQUE_CLAIM_SECONDS long and CLAIM_SIZE_MAX items, at least CLAIM_OVERHEAD_SHARE of
-    overhead: both from the pool's claims so far (claim_costs), once it has some."""
-    if claim_size:
-        return ClaimSizes(fixed=claim_size, why="--claim-size")
-    if conf["CALQUE_CLAIM_SIZE"].strip():
-        return ClaimSizes(fixed=setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), why="CALQUE_CLAIM_SIZE")
-    target = setting_number(conf, "CALQUE_CLAIM_SECONDS", float, 0.001)
+    """calque_runs.sized_claims over `workers`, by default the pool's ceiling."""
     workers = workers or pool_ceiling(conf, backend, record)[1]
-    per_item, fixed = claim_costs(backend, record) if record else (None, None)
-    if per_item is None:
-        hi, lo, measured = CLAIM_SIZE_MAX, CLAIM_SIZE_FLOOR, "the pool has no measured claim yet"
-    else:
-        hi = max(1, min(CLAIM_SIZE_MAX, math.floor(target / per_item + 1e-6)))   # (a fit's rounding)
-        lo = max(CLAIM_SIZE_FLOOR, math.ceil(fixed / CLAIM_OVERHEAD_SHARE / per_item - 1e-6))   # (f + g: 0 unseen)
-        measured = (f"{per_item * 1000:.3g} ms an item and {fixed * 1000:.3g} ms a claim measured: {target:g} s "
-                    f"at most, {CLAIM_OVERHEAD_SHARE:.0%} overhead at most")
-    sizes = ClaimSizes(workers=workers, lo=lo, hi=hi, unit=(record or {}).get("batch_size", 1))
-    sizes.why = (f"sized to the run: {workers} worker(s), claims of {sizes.lo} to {sizes.hi} items"
-                 f"{f' in whole batches of {sizes.unit}' if sizes.unit > 1 else ''} ({measured})")
-    return sizes
-
-
-def claim_costs(backend, record):
-    """(s an item, s a claim) of the pool's claims: claim seconds = fixed + items x per item, fitted
-    by least squares over the sums its workers keep in their stats (`claim_fit`; claims of one size:
-    all per item), plus their mean gap between two claims (`claim_gaps`); (None, None) before any
-    claim. A LIST and a GET a worker, as pool_liveness reads at each submit."""
-    stats = read_worker_stats(backend, record["model"])
-    n, sx, sy, sxx, sxy = (sum(w.get("claim_fit", [0] * 5)[k] for w in stats) for k in range(5))
-    if not sx:
-        return None, None
-    spread = n * sxx - sx * sx
-    per_item = (n * sxy - sx * sy) / spread if spread > 1e-9 * n * sxx else 0.0
-    fixed = (sy - per_item * sx) / n
-    if per_item <= 0 or fixed < 0:   # one size, or noise: all of it per item
-        per_item, fixed = sy / sx, 0.0
-    gaps = [sum(w.get("claim_gaps", [0, 0.0])[k] for w in stats) for k in range(2)]
-    return max(per_item, 1e-9), fixed + (gaps[1] / gaps[0] if gaps[0] else 0.0)
+    return sized_claims(conf, backend, record, claim_size, workers)
 
 
 def parse_duration(text):

@@ -1,11 +1,12 @@
 """Runs: stage and send claims (a source cuts and stages them), wait on summaries, cancel,
-redrive, report. Stands on calque_core and calque_sources; calque.py's submit and runs verbs, the
-fleets and the dashboard call it."""
-import collections, contextlib, datetime, json, math, os, re, shutil, signal, time, sys
+redrive, report; a Modal app's calls as runs (Calls). Stands on calque_core and calque_sources;
+calque.py's submit and runs verbs, `modal run`, the fleets, the worker and the dashboard call it."""
+import collections, contextlib, datetime, json, math, os, re, shutil, signal, threading, time, sys
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
-from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_SIZE_MAX, DLQ_SCAN_WAIT, ERRORS_KEPT,
+from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR,
+                         CLAIM_SIZE_MAX, DLQ_SCAN_WAIT, ERRORS_KEPT,
                          ERROR_GROUPS_SHOWN, EXIT_FAILED, EXIT_OK, FIRST_ITEMS_SHOWN,
                          LOCAL_SUMMARY_WAIT, LOCAL_WRITERS, LeaseLost, NUMERIC_KINDS, NotFound,
                          Part, RUN_RECHECK, RUN_RECHECK_MAX, ResultsIncomplete, SEND_BATCH,
@@ -13,11 +14,14 @@ from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_SIZE_MAX, DLQ_SCAN_WA
                          SUMMARY_POLL_FLOOR, SUMMARY_POLL_MIN, SUMMARY_WAIT_MAX, StoreFault,
                          UserError, _parse_time, _run_defaults, bytes_text, claim_id, claim_items,
                          claim_sizes, claim_summary, claims_progress, command, dlq_name, dumps,
-                         format_sizes, list_runs, list_summaries, make_message, manifest_key,
-                         new_run_id, note_queue_deleted, now_iso, orjson, parse_message,
-                         read_claim_parts, read_json, read_summaries, results_key,
-                         results_prefix, run_key, run_queue_names, summary_claims, summary_key,
-                         update_run, write_json)
+                         format_sizes, json_line, list_runs, list_summaries, load_modal_shim,
+                         make_message, manifest_key, new_run_id, note_queue_deleted, now_iso,
+                         orjson, parse_message, read_claim_parts, read_json, read_run,
+                         read_summaries, read_worker_stats, result_lines, results_key,
+                         results_prefix, run_key, setting_number,
+                         run_queue_names, stream_prefix, SUMMARY_POLL_MAX, summary_claims,
+                         summary_key, update_run, with_bytes, write_json)
+import calque_values
 from calque_sources import as_items, claim_field
 
 
@@ -116,6 +120,49 @@ class ClaimSizes:
     def ahead(self):
         """Items a stream is read ahead of its claims, so that `left` is known where it matters."""
         return 0 if self.fixed else min(CLAIM_LOOKAHEAD_MAX, 2 * self.workers * self.hi)
+
+
+def sized_claims(conf, backend, record, claim_size, workers):
+    """The ClaimSizes of a run on the pool `record` (None: unmeasured): --claim-size, else a set
+    CALQUE_CLAIM_SIZE, else factoring over `workers` (calque_fleet.claim_sizing: the pool's
+    ceiling), its claims at most CALQUE_CLAIM_SECONDS long and CLAIM_SIZE_MAX items, at least
+    CLAIM_OVERHEAD_SHARE of overhead: both from the pool's claims so far (claim_costs), once it
+    has some. Here, below the fleets, so that a worker's calls are sized as submit's runs."""
+    if claim_size:
+        return ClaimSizes(fixed=claim_size, why="--claim-size")
+    if conf["CALQUE_CLAIM_SIZE"].strip():
+        return ClaimSizes(fixed=setting_number(conf, "CALQUE_CLAIM_SIZE", int, 1), why="CALQUE_CLAIM_SIZE")
+    target = setting_number(conf, "CALQUE_CLAIM_SECONDS", float, 0.001)
+    per_item, fixed = claim_costs(backend, record) if record else (None, None)
+    if per_item is None:
+        hi, lo, measured = CLAIM_SIZE_MAX, CLAIM_SIZE_FLOOR, "the pool has no measured claim yet"
+    else:
+        hi = max(1, min(CLAIM_SIZE_MAX, math.floor(target / per_item + 1e-6)))   # (a fit's rounding)
+        lo = max(CLAIM_SIZE_FLOOR, math.ceil(fixed / CLAIM_OVERHEAD_SHARE / per_item - 1e-6))   # (f + g: 0 unseen)
+        measured = (f"{per_item * 1000:.3g} ms an item and {fixed * 1000:.3g} ms a claim measured: {target:g} s "
+                    f"at most, {CLAIM_OVERHEAD_SHARE:.0%} overhead at most")
+    sizes = ClaimSizes(workers=workers, lo=lo, hi=hi, unit=(record or {}).get("batch_size", 1))
+    sizes.why = (f"sized to the run: {workers} worker(s), claims of {sizes.lo} to {sizes.hi} items"
+                 f"{f' in whole batches of {sizes.unit}' if sizes.unit > 1 else ''} ({measured})")
+    return sizes
+
+
+def claim_costs(backend, record):
+    """(s an item, s a claim) of the pool's claims: claim seconds = fixed + items x per item, fitted
+    by least squares over the sums its workers keep in their stats (`claim_fit`; claims of one size:
+    all per item), plus their mean gap between two claims (`claim_gaps`); (None, None) before any
+    claim. A LIST and a GET a worker, as pool_liveness reads at each submit."""
+    stats = read_worker_stats(backend, record["model"])
+    n, sx, sy, sxx, sxy = (sum(w.get("claim_fit", [0] * 5)[k] for w in stats) for k in range(5))
+    if not sx:
+        return None, None
+    spread = n * sxx - sx * sx
+    per_item = (n * sxy - sx * sy) / spread if spread > 1e-9 * n * sxx else 0.0
+    fixed = (sy - per_item * sx) / n
+    if per_item <= 0 or fixed < 0:   # one size, or noise: all of it per item
+        per_item, fixed = sy / sx, 0.0
+    gaps = [sum(w.get("claim_gaps", [0, 0.0])[k] for w in stats) for k in range(2)]
+    return max(per_item, 1e-9), fixed + (gaps[1] / gaps[0] if gaps[0] else 0.0)
 
 
 def as_sizes(size):
@@ -619,6 +666,50 @@ def with_parts(backend, run, claims):
         yield index, claim, claim_parts(backend, run["run_id"], claim, claim_items(run, index))
 
 
+def follow_results(backend, run, poll=SUMMARY_POLL_MAX, stop_if=None):
+    """Each claim's result lines (with the run's id_field), in claim order, as each finishes."""
+    for _, claim, parts in follow_claims(backend, run, poll, stop_if):
+        yield with_ids(backend, run, claim, parts)
+
+
+def follow_claims(backend, run, poll=SUMMARY_POLL_MAX, stop_if=None):
+    """(index, claim, parts) as each claim is summarised, in order; one that will not run raises.
+    stop_if() may raise, looked at with the run record (RUN_RECHECK s)."""
+    recheck = 0.0
+    for index, claim in enumerate(run["claims"]):
+        delay = SUMMARY_POLL_MIN   # quick at first (a short claim's round trip), growing to `poll`
+        while True:
+            if claim in summary_claims(backend, run["run_id"]):
+                s = read_json(backend, summary_key(run["run_id"], claim))
+                state, detail = claim_states(backend, run, [s], dead_letters=False)[claim]
+                break
+            if time.monotonic() >= recheck:   # claim_states may scan the DLQ: not every poll
+                recheck = time.monotonic() + RUN_RECHECK
+                run.update(read_run(backend, run["run_id"]))
+                state, detail = claim_states(backend, run, [])[claim]
+                if state != "queued or running":
+                    break
+                if stop_if:
+                    stop_if()
+            time.sleep(delay)
+            delay = min(delay * 1.5, poll)
+        if state not in ("done", "failed"):
+            raise ResultsIncomplete(f"run {run['run_id']}: no results for claim {claim} ({state}"
+                                    f"{': ' + detail if detail else ''}) ---> HINT: {next_step(run, state)}")
+        yield from with_parts(backend, run, [(index, claim)])
+
+
+def with_ids(backend, run, claim, parts):
+    """The claim's result lines (of its parts) with each item's --id-field (if the run has one)
+    copied in from the claim's manifest."""
+    lines = [line for part in parts for line in result_lines(part)]
+    field = run["options"].get("id_field")
+    if not field:
+        return lines
+    ids = claim_ids(backend, run, claim, field)
+    return [dumps(dict(json.loads(line), **{field: ids[k]})) + "\n" for k, line in enumerate(lines)]
+
+
 def run_array(run, claims, field=None, fill=None):
     """One array of `field` (None: the result, or its only array) over `claims` ((index, claim,
     parts)); a row without it is `fill` (default NaN for floats, else a UserError)."""
@@ -1002,3 +1093,85 @@ def report_run(backend, run, summaries, as_json, out=sys.stdout):
     return EXIT_OK if view["complete"] and all_ok else EXIT_FAILED
 
 
+
+
+# ------------------------------------------------------------------------------------------------
+# a Modal app's calls, from `modal run`'s entrypoint (calque.ModalRun) or a worker (WorkerCalls)
+def result_of(line):
+    """A result line as the item's result dict (its bytes values as bytes)."""
+    return json_line(line) if '"$bytes"' not in line else with_bytes(json_line(line))
+
+
+class Calls:
+    """Where a Modal app's .remote / .map / .spawn ... go (modal_shim's `runner`): a call's items,
+    typed where JSON cannot say them, as one run on the pool that serves its target (pool_for,
+    send: the caller's), its results decoded as each claim ends; a worker's stop_if (ended) may
+    end the wait."""
+    ended = None
+
+    def __init__(self, backend, folder):
+        self.backend, self.allowed = backend, calque_values.app_modules(folder)
+        self.runs, self.lock = [], threading.Lock()
+
+    @staticmethod
+    def key(target, params):
+        return target, json.dumps({k: str(v) for k, v in params.items()}, sort_keys=True)
+
+    def __call__(self, target, params, items):
+        with self.lock:   # .aio calls come from threads: one pool per target, one submit at a time
+            pool = self.pool_for(target, params)
+            try:
+                items = [self._typed(item) for item in items]
+                run = self.send(pool, items)
+            except (TypeError, RecursionError) as e:   # calque_values.Refused, an array's tolist()
+                if isinstance(e, RecursionError):        # of objects; or a value nested too deep
+                    e = f"nested deeper than Python's recursion limit ({sys.getrecursionlimit()}): " \
+                        "flatten them"
+                raise load_modal_shim().app_error(TypeError(f"{target}'s arguments: {e}")) from None
+            self.runs.append(run)
+        return self._decoded(self._results(run))
+
+    def _results(self, run):
+        """The run's results as its claims end; once read whole it is done: not waited for, nor
+        cancelled (a worker's claim may have made thousands)."""
+        for lines in follow_results(self.backend, run, stop_if=self.ended):
+            yield from map(result_of, lines)
+        with self.lock, contextlib.suppress(ValueError):   # (a claim before's, in a worker)
+            self.runs.remove(run)
+
+    def _typed(self, item):
+        """A call item with its arguments in the typed encoding where JSON cannot say them (the
+        worker's ModalHandler decodes them); a plain call as it is, walked once."""
+        if calque_values.plain(item):   # {"__modal_call__": [args, kwargs(, stream)]}
+            return item
+        (key, call), = item.items()
+        encoder = calque_values.Encoder(self.allowed, tag_bytes=False)   # bytes: the bytes form
+        call = [encoder.encode(call[0]), encoder.encode(call[1]), *call[2:]]
+        return {key: {calque_values.TAG: ["typed", call]}} if encoder.tagged else item
+
+    def _decoded(self, results):
+        """Each result as the call returned it; a failed one's exception rebuilt (`exception`)
+        where its class is the app's or the standard library's, else left to its message."""
+        for result in results:
+            if result["ok"]:
+                try:
+                    result["result"] = calque_values.decode_result(result["result"], self.allowed)
+                except calque_values.Refused as e:
+                    raise load_modal_shim().app_error(e) from None
+            elif "exception" in result.get("raised", {}):
+                raised = result["raised"]["exception"]
+                with contextlib.suppress(Exception):   # a class not found here: RemoteError
+                    result["exception"] = calque_values.decode(raised, self.allowed)
+            yield result
+
+    def streamed(self, target, params, stream, after=None, done=False):
+        """The chunks a .remote_gen worker wrote after key `after`: [(key, chunk)]; `done`
+        deletes them."""
+        store = self.backend.store
+        prefix = stream_prefix(self.pool_for(target, params), stream)
+        if done:
+            return store.delete_prefix(prefix)
+        chunks = [(key, json.loads(store.get(key))) for key in store.list(prefix, after)]
+        for _, chunk in chunks:   # its values in the typed encoding (calque.Streamed)
+            chunk["values"] = calque_values.decode_result(chunk["values"], self.allowed)
+        return chunks

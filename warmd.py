@@ -67,7 +67,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 
 import calque_core
+import calque_runs
 import calque_sources
+import calque_supervisor
 from calque_core import orjson
 
 # ------------------------------------------------------------------------------------------------
@@ -854,6 +856,7 @@ class Worker:
         self.finishing = None            # future of the claim the finisher writes
         self.acks = self.leases = None   # Acks, and Leases (the claims' heartbeats), once started
         self.model = None                # the handler's, once started
+        self.calls = None                # WorkerCalls, for a Modal app's handler
         ready = re.search(r"worker-(\d+)\.ready$", ready_file)
         self.output = Output(backend.store, stats_key_prefix.replace("/workers/", "/output/"),
                              f"w{ready[1]}" if ready else socket.gethostname())
@@ -950,6 +953,8 @@ class Worker:
         streams = None if self.ephemeral else (self.backend.store, self.record["model"])
         self.handler, self.enter_fn, batch_fn, collate = calque_core.load_handler(
             path, h["class"], self.record.get("modal"), container=True, streams=streams)
+        if isinstance(self.handler, calque_core.ModalHandler):   # its calls to the app's others
+            self.calls = calque_core.load_modal_shim().runner = WorkerCalls(self, self.handler)
         self.model = Model(self.worker_id, batch_fn, collate, self.watchdog)
         log.info("worker %s: pool %s, version %s", self.worker_id, self.record["model"],
                  calque_core.version_label(self.record))
@@ -1158,14 +1163,20 @@ class Worker:
         ahead = pipelined and self.receives_ahead
         on_call = functools.partial(self.reach_ahead, claim) if ahead else None
         self.watchdog.arm(lambda offsets: self.overrun(claim, offsets), on_call)
+        if self.calls:
+            self.calls.start(claim)
         with self.ending(claim):
             try:
                 claim.run()
+                if self.calls:   # what it spawned ends before its summary
+                    self.calls.settle()
                 if self.finishing is not None:
                     self.finishing.result()
             finally:
                 self.watchdog.arm(None)
         if claim.ended:
+            if self.calls:
+                self.calls.cancel(claim.stop_reason or "it was let go")
             return claim.stop_reason
         if not pipelined:
             return self.finish_claim(claim)
@@ -1610,6 +1621,87 @@ class ClaimRun:
                         worker.worker_id, self, type(e).__name__, e)
         log.warning("worker %s: claim %s let go (%s); visible again in %.0fs", worker.worker_id,
                     self, why, delay)
+
+
+class WorkerCalls(calque_runs.Calls):
+    """A Modal app's calls from this worker (one of its functions calling another): each to the
+    pool its record's modal `calls` names; refused in one line where none does, or where the target
+    is this pool's or one up the chain of calls waiting on this claim (the run record's `chain`):
+    a call that could wait on itself. They are the running claim's: followed while it holds its
+    lease, its run is not cancelled and the worker keeps it, else cancelled; waited for before its
+    summary, so none outlives it."""
+
+    def __init__(self, worker, handler):
+        super().__init__(worker.backend, handler.folder)
+        self.worker, self.records, self.queues = worker, {}, {}   # of the pools it calls
+        self.target = handler.target.__name__ + (f".{handler.method}" if handler.method else "")
+        self.claim = self.chain = None
+
+    def start(self, claim):
+        self.claim, self.chain, self.runs = claim, None, []
+
+    def pool_for(self, target, params):
+        shim, claim = calque_core.load_modal_shim(), self.claim
+        pool = self.worker.record.get("modal", {}).get("calls", {}).get(target)
+        if self.chain is None and pool:   # the targets waiting on this claim, itself last
+            run = claim and calque_core.read_json(self.backend, calque_core.run_key(claim.run_id))
+            self.chain = (run["options"].get("chain", []) if run else []) + [self.target]
+        if target == self.target or target in (self.chain or ()):
+            why = ("its own pool, whose workers could all be waiting" if target == self.target else
+                   f"which waits on this call ({' -> '.join(self.chain)} -> {target})")
+            raise shim.Unsupported(
+                f"{self.target} calls {target}, {why}: it could wait on itself ---> HINT: call "
+                f"the code as a plain function, or call {target} from the local entrypoint")
+        if pool is None:
+            raise shim.Unsupported(
+                f"{self.target} calls {target}: no pool serves it for pool "
+                f"{self.worker.record['model']} ---> HINT: pool create --call {target}=POOL, "
+                "or calque modal run the app (docs/modal.md)")
+        if pool not in self.records:
+            self.records[pool] = calque_core.load_pool(self.backend, pool)
+        served = self.records[pool].get("modal", {}).get("params", {})
+        if self.key(target, params) != self.key(target, served):
+            raise shim.Unsupported(f"{self.target} calls {target} with parameters {params}: its "
+                                   f"pool {pool} serves {served} ---> HINT: pool create --call "
+                                   f"{target}=POOL naming a pool made with --param")
+        return pool
+
+    def send(self, pool, items):
+        """A run of the call's items (made after the claim ended, it is cancelled once followed)."""
+        record, conf = self.records[pool], self.worker.conf
+        workers = (record["ec2"]["instances"] if "ec2" in record else   # its ceiling, as submit's
+                   calque_supervisor.LocalFleet(conf, self.backend).bounds(record)[1])
+        sizes = calque_runs.sized_claims(conf, self.backend, record, None, workers)
+        if pool not in self.queues:
+            self.queues[pool] = self.backend.queues.open_queue(record["queue"])
+        return calque_runs.stage_run(self.backend, record, items, sizes, self.queues[pool], "pool",
+                                     options={"chain": self.chain})
+
+    def ended(self):
+        """Raise, the calls cancelled, once the claim cannot use their results: ReleaseNow where
+        the worker lets it go (it is given back whole, not failed by the item that waited)."""
+        claim = self.claim
+        why = claim and ("its lease was lost" if claim.heartbeat.lost.is_set() else
+                         "the worker let it go" if self.worker.release_now.is_set() else
+                         "its run was cancelled" if self.backend.store.exists(
+                             calque_core.summary_key(claim.run_id, claim.claim_id)) else None)
+        if why:
+            self.cancel(why)
+            if self.worker.release_now.is_set():
+                raise ReleaseNow()
+            raise calque_core.ResultsIncomplete(f"calls of claim {claim} cancelled: {why}")
+
+    def cancel(self, why):
+        for run in list(self.runs):   # (a spawned call's thread may drop one meanwhile)
+            calque_runs.cancel_run(self.backend, run,
+                                   f"the calling claim {self.claim} ended: {why}")
+
+    def settle(self):
+        """Wait for the calls the claim did not read whole; cancelled with its run, they are
+        done (the claim's items are)."""
+        with contextlib.suppress(calque_core.ResultsIncomplete):
+            for run in list(self.runs):
+                calque_runs.wait_for_run(self.backend, run, math.inf, False, stop_if=self.ended)
 
 
 class Rules:

@@ -5,7 +5,8 @@ even where the real `modal` package is installed: the real one's decorators turn
 Modal's servers, whose internal metadata API changes between releases, while everything calque needs is what
 the decorators declare. So this file only records: the options of @app.cls / @app.function, the roles of
 @modal.enter / exit / method / batched / concurrent, modal.parameter() fields. calque.ModalHandler runs them
-on a worker; calque's `modal run` routes .map / .remote / .spawn to a pool through `runner` below.
+on a worker; calque's `modal run`, and a worker for its function's calls, route .map / .remote /
+.spawn to a pool through `runner` below.
 
 A construct it does not implement raises Unsupported at import, naming it and what to do: never a no-op.
 docs/modal.md has the compatibility table.
@@ -26,7 +27,8 @@ from concurrent.futures import Future, wait   # its TimeoutError is the builtin 
 
 import calque_values
 
-runner = None      # set by `calque modal run`: call(target, params, items) -> an iterator of result dicts
+runner = None      # set by `calque modal run` and a worker (calque_runs.Calls):
+                   # call(target, params, items) -> an iterator of result dicts
 container = False  # True in a worker: Image.imports() blocks import for real there
 volume = None      # set by calque (a worker, `modal run`): NAME -> where Volume NAME lives
 
@@ -483,6 +485,8 @@ def _remote_exception(result):
     message"). `where`: the app's innermost frame in it."""
     error, raised = RemoteError(result["error"]), result.get("exception")
     name, _, message = result["error"].partition(": ")
+    if name == "RemoteError":   # a call's failed call (a worker's): said once
+        error = RemoteError(message)
     base = getattr(builtins, name, None)
     if raised is None and isinstance(base, type) and issubclass(base, Exception):
         with contextlib.suppress(TypeError):
@@ -507,9 +511,6 @@ class Handle:
             setattr(self, name, _CallForm(getattr(self, "_" + name), name in ("remote_gen", "map", "starmap")))
 
     def _results(self, items):
-        if runner is None and container:
-            _unsupported(f"{self.target}.remote/.map/.spawn from a worker (one function calling another)",
-                         "make the calls from the app's local entrypoint")
         if runner is None:
             _unsupported(f"{self.target}.remote/.map outside `calque modal run`",
                          "call it from the app's local entrypoint, run with calque modal run app.py")

@@ -437,3 +437,36 @@ def test_a_modal_pools_worker_fetches_and_commits_its_volume_under_its_role(acco
                                                   "volumes/iam-notes/seed.txt"]
     assert "AccessDenied" not in (tmp_path / "w.log").read_text()
     assert account.refused(role, asg["AutoScalingGroupARN"]) == []
+
+
+def test_a_modal_function_calls_another_pool_under_its_role(account, tmp_path):
+    """An orchestrator's pool made after its class's pool calls it (pool create fills `calls`): its
+    worker, on its own role, stages the .map's run on the class's pool and follows it, each request
+    granted; the class's worker serves it on its role."""
+    from test_calls import FANOUT, embed
+    (account.folder / "fanout.py").write_text(FANOUT.format(gate=""))
+    roles = {}
+    for model, target in (("iam-emb", "Embedder.embed"), ("iam-orch", "orchestrate")):
+        made = account.calque("pool", "create", "--model", model, "--handler", f"fanout.py:{target}",
+                              "--instances", "0", "--instance-type", "g5.xlarge", "--yes-spend-money")
+        assert made.returncode == 0, made.stdout + made.stderr
+        roles[model] = calque_ec2.resource_names(model)["role"]
+    assert "its calls go to: Embedder.embed -> iam-emb" in made.stdout
+    assert {s["Sid"] for s in account.policy(roles["iam-orch"])["Statement"]} >= {"SendCalls", "RunCalls"}
+    log = open(tmp_path / "workers.log", "w")
+    account.proxy.seen = []
+    served = dict(account.worker_env(roles["iam-emb"]), AWS_ENDPOINT_URL=account.url)   # not recorded:
+    workers = [start_worker(served, "--model", "iam-emb", log=log),        # moto checks its role
+               start_worker(account.worker_env(roles["iam-orch"]), "--model", "iam-orch", log=log)]
+    path = account.folder / "texts.jsonl"
+    path.write_text(json.dumps(["ab", "abc"]) + "\n")
+    out = account.calque("submit", "--pool", "iam-orch", "--no-wait", "texts.jsonl")
+    assert out.returncode == 0, out.stderr
+    run_id = out.stdout.split()[-1]
+    done = wait_for(lambda: summary(account, run_id), 90, "the orchestrator's summary")
+    assert all(stop(w) == 0 for w in workers)
+    denied = account.refused(roles["iam-orch"])
+    assert denied == [], json.dumps(denied)   # every request the orchestrator sent, granted
+    assert done["status"] == "ok", done["errors"]
+    result = json.loads(account.calque("runs", "results", run_id).stdout)["result"]
+    assert result["vectors"] == [embed("ab"), embed("abc")]
