@@ -789,8 +789,8 @@ def test_a_bug_in_the_kit_is_named_as_the_kits(local_env, tmp_path):
     assert out.returncode == 1 and "Traceback" in out.stderr, out.stderr
     assert "calque: a bug in calque (calque_fleet.py:" in out.stderr and "in modal_options), not in " in out.stderr
     assert "entrypoint main failed" not in out.stderr
-    broken = (f"import sys; sys.path.insert(0, {ROOT!r}); import calque; "
-              "calque.load_modal_shim()._check_options = lambda where, options: {}['x']; "   # at import
+    broken = (f"import sys; sys.path.insert(0, {ROOT!r}); import calque, calque_core; "
+              "calque_core.load_modal_shim()._check_options = lambda where, options: {}['x']; "   # at import
               f"sys.exit(calque.main(['pool', 'create', '--model', 'g', '--handler', {path + ':greet'!r}]))")
     out = subprocess.run([PY, "-c", broken], env=local_env, cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
