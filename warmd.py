@@ -953,7 +953,7 @@ class Worker:
         streams = None if self.ephemeral else (self.backend.store, self.record["model"])
         self.handler, self.enter_fn, batch_fn, collate = calque_core.load_handler(
             path, h["class"], self.record.get("modal"), container=True, streams=streams)
-        if isinstance(self.handler, calque_core.ModalHandler):   # its calls to the app's others
+        if "modal" in self.record:   # a Modal app's handler: its calls to the app's others
             self.calls = calque_core.load_modal_shim().runner = WorkerCalls(self, self.handler)
         self.model = Model(self.worker_id, batch_fn, collate, self.watchdog)
         log.info("worker %s: pool %s, version %s", self.worker_id, self.record["model"],
