@@ -1732,17 +1732,19 @@ class LocalStore:
                 yield (key, seen.st_size, seen.st_mtime_ns) + (int(seen.st_mtime),) * dated
 
     def list(self, prefix, start_after=None):
-        """Keys under a prefix ending in '/', one level deep, in order; with `start_after`, only
-        those that sort after it (as S3's StartAfter)."""
+        """Keys under a prefix, one level deep, in order; with `start_after`, only those that
+        sort after it (as S3's StartAfter)."""
         self.requests["store_lists"] += 1
+        folder, _, start = prefix.rpartition("/")   # a prefix may end inside a name, as S3's
         try:
-            names = os.listdir(self._path(prefix))
+            names = os.listdir(self._path(folder))
         except FileNotFoundError:
             return []
         except OSError as e:
             raise self._fault("list", prefix, e) from None
-        keys = sorted(prefix + n for n in names
-                      if ".tmp-" not in n and prefix + n > (start_after or ""))
+        folder = prefix[:len(prefix) - len(start)]
+        keys = sorted(folder + n for n in names if n.startswith(start) and ".tmp-" not in n
+                      and folder + n > (start_after or ""))
         self.keys_listed += len(keys)
         return keys
 
@@ -2612,12 +2614,12 @@ def update_run(backend, run, **fields):
 
 
 def list_runs(backend, model=None):
-    """Every run record in the store (only `model`'s when given), oldest first."""
+    """Every run record in the store (only `model`'s when given: listed by its slug, as IAM lets
+    a worker list the runs of the pools it calls), oldest first."""
     runs = []
-    for folder in backend.store.list("runs/"):
-        if model is None or run_slug(folder.rsplit("/", 1)[1]) == slug(model):
-            with contextlib.suppress(NotFound):
-                runs.append(_run_defaults(read_json(backend, folder + "/run.json")))
+    for folder in backend.store.list(f"runs/{slug(model)}." if model else "runs/"):
+        with contextlib.suppress(NotFound):
+            runs.append(_run_defaults(read_json(backend, folder + "/run.json")))
     return sorted(runs, key=lambda r: r["created_at"])
 
 

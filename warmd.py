@@ -1638,7 +1638,18 @@ class WorkerCalls(calque_runs.Calls):
         self.claim = self.chain = None
 
     def start(self, claim):
+        """Before a claim runs: where it is delivered again, cancel what an earlier delivery of it
+        called and left running (its worker killed -9), found by the runs' `caller`."""
         self.claim, self.chain, self.runs = claim, None, []
+        if claim.message.receive_count > 1:
+            for pool in set(self.worker.record.get("modal", {}).get("calls", {}).values()):
+                for run in calque_core.list_runs(self.backend, pool):
+                    if run["options"].get("caller") == self.caller():
+                        calque_runs.cancel_run(self.backend, run, f"the calling claim {claim} "
+                                               f"was delivered again")
+
+    def caller(self):
+        return self.claim and {"run": self.claim.run_id, "claim": self.claim.claim_id}
 
     def pool_for(self, target, params):
         shim, claim = calque_core.load_modal_shim(), self.claim
@@ -1675,7 +1686,7 @@ class WorkerCalls(calque_runs.Calls):
         if pool not in self.queues:
             self.queues[pool] = self.backend.queues.open_queue(record["queue"])
         return calque_runs.stage_run(self.backend, record, items, sizes, self.queues[pool], "pool",
-                                     options={"chain": self.chain})
+                                     options={"chain": self.chain, "caller": self.caller()})
 
     def ended(self):
         """Raise, the calls cancelled, once the claim cannot use their results: ReleaseNow where

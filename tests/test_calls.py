@@ -5,12 +5,13 @@ refusals (a cycle, the caller's own pool, no pool), the calls cancelled with the
 and the EC2 worker role's grants for exactly the pools it calls."""
 import json
 import os
+import signal
 import subprocess
 import time
 
 import pytest
 
-from conftest import PY, ROOT, backend_for, cli, wait_for, write_items
+from conftest import PY, ROOT, backend_for, cli, pool_pids, wait_for, write_items
 from test_modal import CALQUE
 import calque_core
 import calque_ec2
@@ -275,6 +276,71 @@ def test_a_stopping_worker_gives_its_claim_back_and_cancels_its_calls(local_env,
     assert cli(local_env, "pool", "scale", "--model", "orch", "--workers", "1").returncode == 0
     summary = wait_for(lambda: calque_core.read_summaries(backend, run_id), 60, "its summary")[0]
     assert summary["status"] == "ok" and summary["receive_count"] == 2
+
+
+def held_call(env, tmp_path, *orch_args):
+    """Pools orch (1 worker, `orch_args`) and gated-emb (1 worker, held at a gate), and a run of one
+    orchestrator claim waiting on its .map (6 claims): (backend, gate, run id, the .map's run)."""
+    gate = tmp_path / "gate"
+    folder = write_fanout(tmp_path, str(gate))
+    handler = str(folder / "fanout.py")
+    for model, target, more in (("gated-emb", "Embedder.embed", ()), ("orch", "orchestrate", orch_args)):
+        out = cli(env, "pool", "create", "--model", model, "--handler", f"{handler}:{target}",
+                  "--workers", "1", *more, cwd=str(folder))
+        assert out.returncode == 0, out.stderr
+    items = write_items(tmp_path / "items.jsonl", [[f"t{i}" for i in range(6)]])
+    run_id = cli(env, "submit", "--pool", "orch", items, "--no-wait", cwd=str(folder)).stdout.strip()
+    backend = backend_for(env)
+    first = wait_for(lambda: calque_core.list_runs(backend, "gated-emb"), 60, "the call's run")[0]
+    assert first["options"]["caller"] == {"run": run_id, "claim": "c00000"}
+    return backend, gate, run_id, first
+
+
+def cancelled_unrun(backend, run):
+    """The run's record once cancelled (with at most its one claim held at the gate run)."""
+    record = wait_for(lambda: calque_core.read_run(backend, run["run_id"]).get("cancelled") and
+                      calque_core.read_run(backend, run["run_id"]), 60, "the call's run cancelled")
+    states = [s["status"] for s in calque_core.read_summaries(backend, run["run_id"])]
+    assert len(run["claims"]) == 6 and states.count("cancelled") >= 5
+    return record
+
+
+def test_a_claim_delivered_again_cancels_the_calls_its_killed_worker_made(any_env, tmp_path):
+    """The orchestrator's worker killed -9 while its .map waits: the supervisor's new worker takes
+    the claim again and, before running it, cancels the .map run the dead one made (its claims
+    not run); the claim's calls made anew, it ends ok."""
+    env = dict(any_env, CALQUE_CLAIM_SIZE="1")   # the .map's 6 calls: 6 claims
+    backend, gate, run_id, first = held_call(env, tmp_path)
+    os.kill(pool_pids(env, "orch")[1][0], signal.SIGKILL)
+    record = cancelled_unrun(backend, first)
+    assert record["cancelled"]["reason"] == (f"the calling claim {run_id}/c00000 was delivered "
+                                             "again")
+    gate.write_text("open")
+    summary = wait_for(lambda: calque_core.read_summaries(backend, run_id), 120, "its summary")[0]
+    assert summary["status"] == "ok" and summary["receive_count"] == 2
+    got = json.loads(cli(env, "runs", "results", run_id).stdout)["result"]
+    assert got["vectors"] == [embed(f"t{i}") for i in range(6)]
+    again = calque_core.list_runs(backend, "gated-emb")[1:]   # .map, 2 .spawn, .remote, 2 .aio
+    assert len(again) == 6 and not any(run.get("cancelled") for run in again)
+
+
+def test_a_claim_whose_lease_is_lost_cancels_its_calls(local_env, tmp_path):
+    """Another receiver takes the orchestrator's claim (its lease lapsed) while its .map waits:
+    the worker that lost it cancels the .map's run."""
+    env = dict(local_env, CALQUE_CLAIM_SIZE="1")
+    backend, gate, run_id, first = held_call(env, tmp_path, "--visibility-timeout", "3")
+    queue = backend.queues.open_queue(calque_core.load_pool(backend, "orch")["queue"])
+
+    def steal():   # the lease lapses (as if the heartbeat had stalled), again if a renewal landed
+        backend.queues.db().execute("UPDATE messages SET visible_at = 0 WHERE queue = ?",
+                                    (queue.name,))
+        return queue.receive(0)
+    thief = wait_for(steal, 30, "another receiver to take the claim")
+    queue.change_visibility(thief, 600)   # the claim stays the thief's
+    record = cancelled_unrun(backend, first)
+    assert record["cancelled"]["reason"] == (f"the calling claim {run_id}/c00000 ended: its lease "
+                                             "was lost")
+    gate.write_text("open")
 
 
 NEEDS = '''
