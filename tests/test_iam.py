@@ -442,9 +442,11 @@ def test_a_modal_pools_worker_fetches_and_commits_its_volume_under_its_role(acco
 def test_a_modal_function_calls_another_pool_under_its_role(account, tmp_path):
     """An orchestrator's pool made after its class's pool calls it (pool create fills `calls`): its
     worker, on its own role, stages the .map's run on the class's pool and follows it, each request
-    granted; the class's worker serves it on its role."""
+    granted; the class's worker serves it on its role. Killed -9 while the call waits at a gate, it
+    is replaced by one that takes the claim again and cancels the dead one's call (granted too)."""
     from test_calls import FANOUT, embed
-    (account.folder / "fanout.py").write_text(FANOUT.format(gate=""))
+    gate = tmp_path / "gate"
+    (account.folder / "fanout.py").write_text(FANOUT.format(gate=str(gate)))
     roles = {}
     for model, target in (("iam-emb", "Embedder.embed"), ("iam-orch", "orchestrate")):
         made = account.calque("pool", "create", "--model", model, "--handler", f"fanout.py:{target}",
@@ -463,6 +465,13 @@ def test_a_modal_function_calls_another_pool_under_its_role(account, tmp_path):
     out = account.calque("submit", "--pool", "iam-orch", "--no-wait", "texts.jsonl")
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.split()[-1]
+    first = wait_for(lambda: [k for k in account.keys("runs/iam-emb.") if k.endswith("/run.json")],
+                     60, "the call's run")[0]
+    workers[1].send_signal(signal.SIGKILL)
+    workers[1].wait()
+    workers[1] = start_worker(account.worker_env(roles["iam-orch"]), "--model", "iam-orch", log=log)
+    wait_for(lambda: account.read(first).get("cancelled"), 60, "the dead worker's call cancelled")
+    gate.write_text("open")
     done = wait_for(lambda: summary(account, run_id), 90, "the orchestrator's summary")
     assert all(stop(w) == 0 for w in workers)
     denied = account.refused(roles["iam-orch"])
