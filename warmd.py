@@ -1148,6 +1148,8 @@ class Worker:
         claim = ClaimRun(self, message, requests)
         with self.ending(claim):
             claim.accepted = self.rules.accept(claim)
+            if self.calls and claim.run_id and claim.message.receive_count > 1:
+                self.calls.cancel_earlier(claim)
         if claim.ended:
             return None
         if not claim.accepted:
@@ -1638,18 +1640,20 @@ class WorkerCalls(calque_runs.Calls):
         self.claim = self.chain = None
 
     def start(self, claim):
-        """Before a claim runs: where it is delivered again, cancel what an earlier delivery of it
-        called and left running (its worker killed -9), found by the runs' `caller`."""
         self.claim, self.chain, self.runs = claim, None, []
-        if claim.message.receive_count > 1:
-            for pool in set(self.worker.record.get("modal", {}).get("calls", {}).values()):
-                for run in calque_core.list_runs(self.backend, pool):
-                    if run["options"].get("caller") == self.caller():
-                        calque_runs.cancel_run(self.backend, run, f"the calling claim {claim} "
-                                               f"was delivered again")
 
-    def caller(self):
-        return self.claim and {"run": self.claim.run_id, "claim": self.claim.claim_id}
+    def cancel_earlier(self, claim):
+        """A claim delivered again, run or dead-lettered: cancel what its earlier deliveries called
+        and left running (their worker killed -9), found by their runs' `caller`."""
+        for pool in set(self.worker.record["modal"].get("calls", {}).values()):
+            for run in calque_core.list_runs(self.backend, pool):
+                if run["options"].get("caller") == self.caller(claim):
+                    calque_runs.cancel_run(self.backend, run, "the calling claim "
+                                           f"{claim.run_id}/{claim.claim_id} was delivered again")
+
+    @staticmethod
+    def caller(claim):
+        return claim and {"run": claim.run_id, "claim": claim.claim_id}
 
     def pool_for(self, target, params):
         shim, claim = calque_core.load_modal_shim(), self.claim
@@ -1685,8 +1689,9 @@ class WorkerCalls(calque_runs.Calls):
         sizes = calque_runs.sized_claims(conf, self.backend, record, None, workers)
         if pool not in self.queues:
             self.queues[pool] = self.backend.queues.open_queue(record["queue"])
+        options = {"chain": self.chain, "caller": self.caller(self.claim)}
         return calque_runs.stage_run(self.backend, record, items, sizes, self.queues[pool], "pool",
-                                     options={"chain": self.chain, "caller": self.caller()})
+                                     options=options)
 
     def ended(self):
         """Raise, the calls cancelled, once the claim cannot use their results: ReleaseNow where

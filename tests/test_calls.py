@@ -325,6 +325,19 @@ def test_a_claim_delivered_again_cancels_the_calls_its_killed_worker_made(any_en
     assert len(again) == 6 and not any(run.get("cancelled") for run in again)
 
 
+def test_a_claim_dead_lettered_on_its_next_delivery_cancels_the_calls_it_made(local_env, tmp_path):
+    """Max deliveries 1: the claim whose worker was killed -9 is dead-lettered, not run, when it
+    comes back; what its dead delivery called is cancelled all the same."""
+    env = dict(local_env, CALQUE_CLAIM_SIZE="1")
+    backend, gate, run_id, first = held_call(env, tmp_path, "--max-deliveries", "1")
+    os.kill(pool_pids(env, "orch")[1][0], signal.SIGKILL)
+    cancelled_unrun(backend, first)
+    summary = wait_for(lambda: calque_core.read_summaries(backend, run_id), 60, "its summary")[0]
+    assert summary["status"] == "failed" and "more than the pool's max deliveries 1" in summary[
+        "error"], summary
+    gate.write_text("open")
+
+
 def test_a_claim_whose_lease_is_lost_cancels_its_calls(local_env, tmp_path):
     """Another receiver takes the orchestrator's claim (its lease lapsed) while its .map waits:
     the worker that lost it cancels the .map's run."""
