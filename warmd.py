@@ -1763,6 +1763,7 @@ class Rules:
         if calque_core.run_slug(run_id) != self.record["slug"]:
             return self.dead_letter(claim, f"run {run_id} is not one of this model's runs "
                                            f"({self.record['slug']}.*): refused", msg)
+        claim.run_id, claim.claim_id = run_id, claim_id   # ours: from here, whatever becomes of it
         if msg.get("version", self.version) != self.version and not self.adopted(run_id):
             return self.other_version(claim, msg)
         # over a network, the manifest is read beside the duplicate check; a local one after it
@@ -1783,7 +1784,7 @@ class Rules:
             return self.dead_letter(claim, f"claim object {e} does not exist", msg)
         except (ValueError, KeyError, TypeError, IndexError) as e:
             return self.dead_letter(claim, f"manifest {key} is corrupt: {e}", msg)
-        claim.run_id, claim.claim_id, claim.items, claim.first = run_id, claim_id, items, first
+        claim.items, claim.first = items, first
         if self.spool_folder:
             claim.spool = Spool(self.spool_folder, claim)
         limit, rc = self.record["max_deliveries"], message.receive_count

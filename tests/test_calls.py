@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import PY, ROOT, backend_for, cli, pool_pids, wait_for, write_items
+from conftest import PY, ROOT, backend_for, cli, pool_pids, start_worker, wait_for, write_items
 from test_modal import CALQUE
 import calque_core
 import calque_ec2
@@ -179,6 +179,7 @@ def test_cancelling_the_calling_run_cancels_its_calls(local_env, tmp_path):
         out = cli(local_env, "pool", "create", "--model", model, "--handler", f"{handler}:{target}",
                   "--workers", "1", cwd=str(folder))
         assert out.returncode == 0, out.stderr
+    made()
     items = write_items(tmp_path / "items.jsonl", [[f"t{i}" for i in range(6)]])
     run = cli(local_env, "submit", "--pool", "orch", items, "--no-wait", cwd=str(folder))
     assert run.returncode == 0, run.stderr
@@ -278,9 +279,10 @@ def test_a_stopping_worker_gives_its_claim_back_and_cancels_its_calls(local_env,
     assert summary["status"] == "ok" and summary["receive_count"] == 2
 
 
-def held_call(env, tmp_path, *orch_args):
-    """Pools orch (1 worker, `orch_args`) and gated-emb (1 worker, held at a gate), and a run of one
-    orchestrator claim waiting on its .map (6 claims): (backend, gate, run id, the .map's run)."""
+def held_call(env, tmp_path, *orch_args, made=lambda: None):
+    """Pools orch (1 worker, `orch_args`) and gated-emb (1 worker, held at a gate), `made()`, and a
+    run of one orchestrator claim waiting on its .map (6 claims): (backend, gate, run id, the .map's
+    run)."""
     gate = tmp_path / "gate"
     folder = write_fanout(tmp_path, str(gate))
     handler = str(folder / "fanout.py")
@@ -288,6 +290,7 @@ def held_call(env, tmp_path, *orch_args):
         out = cli(env, "pool", "create", "--model", model, "--handler", f"{handler}:{target}",
                   "--workers", "1", *more, cwd=str(folder))
         assert out.returncode == 0, out.stderr
+    made()
     items = write_items(tmp_path / "items.jsonl", [[f"t{i}" for i in range(6)]])
     run_id = cli(env, "submit", "--pool", "orch", items, "--no-wait", cwd=str(folder)).stdout.strip()
     backend = backend_for(env)
@@ -336,6 +339,27 @@ def test_a_claim_dead_lettered_on_its_next_delivery_cancels_the_calls_it_made(lo
     assert summary["status"] == "failed" and "more than the pool's max deliveries 1" in summary[
         "error"], summary
     gate.write_text("open")
+
+
+def test_a_run_cancelled_while_its_worker_is_dead_cancels_its_calls_on_redelivery(local_env,
+                                                                                 tmp_path):
+    """No supervisor: the orchestrator's worker killed -9, then `runs cancel` of its run (no live
+    worker to pass it on): the next worker to start acks the claim unrun and cancels its call."""
+    env = dict(local_env, CALQUE_CLAIM_SIZE="1")
+    holder = []
+    backend, gate, run_id, first = held_call(env, tmp_path, "--workers", "0", made=lambda: holder.append(
+        start_worker(env, "--model", "orch")))
+    holder[0].kill()
+    holder[0].wait()
+    assert cli(env, "runs", "cancel", run_id).returncode == 0
+    assert not calque_core.read_run(backend, first["run_id"]).get("cancelled")
+    successor = start_worker(env, "--model", "orch")
+    record = cancelled_unrun(backend, first)
+    assert record["cancelled"]["reason"] == (f"the calling claim {run_id}/c00000 was delivered "
+                                             "again")
+    gate.write_text("open")
+    successor.terminate()
+    assert successor.wait(60) == 0
 
 
 def test_a_claim_whose_lease_is_lost_cancels_its_calls(local_env, tmp_path):
