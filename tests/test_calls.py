@@ -179,7 +179,6 @@ def test_cancelling_the_calling_run_cancels_its_calls(local_env, tmp_path):
         out = cli(local_env, "pool", "create", "--model", model, "--handler", f"{handler}:{target}",
                   "--workers", "1", cwd=str(folder))
         assert out.returncode == 0, out.stderr
-    made()
     items = write_items(tmp_path / "items.jsonl", [[f"t{i}" for i in range(6)]])
     run = cli(local_env, "submit", "--pool", "orch", items, "--no-wait", cwd=str(folder))
     assert run.returncode == 0, run.stderr
