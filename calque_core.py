@@ -1742,9 +1742,9 @@ class LocalStore:
             return []
         except OSError as e:
             raise self._fault("list", prefix, e) from None
-        folder = prefix[:len(prefix) - len(start)]
-        keys = sorted(folder + n for n in names if n.startswith(start) and ".tmp-" not in n
-                      and folder + n > (start_after or ""))
+        head = prefix[:len(prefix) - len(start)]
+        keys = sorted(head + n for n in names if n.startswith(start) and ".tmp-" not in n
+                      and head + n > (start_after or ""))
         self.keys_listed += len(keys)
         return keys
 
