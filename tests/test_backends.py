@@ -47,6 +47,14 @@ def test_list_start_after(backend):
     assert backend.store.keys_listed == listed + 2
 
 
+def test_list_a_prefix_that_ends_inside_a_name(backend):
+    """As S3 lists it: a pool's runs by `runs/<slug>.` (what IAM lets a worker list), folders too."""
+    for run in ("emb.1", "emb.2", "embx.1", "orch.1"):
+        backend.store.put(f"runs/{run}/run.json", b"{}")
+    assert backend.store.list("runs/emb.") == ["runs/emb.1", "runs/emb.2"]
+    assert backend.store.list("runs/none.") == [] and backend.store.list("nowhere/x") == []
+
+
 def test_waiting_lists_each_summary_about_once(backend, monkeypatch):
     """wait_for_run lists past the claims already done: a run of C claims finishing two at a time, the second
     of each pair first (two workers), costs at most 3 C keys listed even when it polls after every summary."""
