@@ -1156,6 +1156,7 @@ class ModalRun(Calls):
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
         self.pools, self.created, self.targets, self.calls = {}, [], targets, {}
         self.links = {}   # {mount: (its volume's folder, a folder was there)}: its pools' links
+        self.crashing = functools.partial(crash_looping, context[0])
         record = load_pool(context[1], pool) if pool else None
         if record:
             params = record.get("modal", {}).get("params", {})
