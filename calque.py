@@ -54,7 +54,8 @@ from calque_fleet import (PLAN_CLAIMS_READ, _duration, add_count_flags, check_co
                           claim_sizing, cold_run, fleet_for, format_plan, format_pool_list,
                           format_pool_status, make_plan, mark_lost_workers, modal_options,
                           parse_duration, pick_option, plan_against_actual, pool_ceiling,
-                          pool_liveness, pool_record_to_delete, pool_status, unwarmed_death)
+                          pool_liveness, pool_record_to_delete, pool_status, unwarmed_death,
+                          volume_folders)
 
 __all__ = [
     "enter", "batch",                                   # the handler API
@@ -1287,6 +1288,7 @@ def cmd_modal_run(conf, backend, args):
         raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
     serve_volumes(conf, backend.store, folders=key_values(args.volume, "--volume"))
     shim, module = import_modal_file(path)
+    volume_folders([v for v in vars(module).values() if isinstance(v, shim.App)], args.volume)
     fn, name = modal_run_target(shim, module, path, name)
     kwargs = vars(entrypoint_parser(fn, f"{command()} modal run {args.app}").parse_args(args.args))
     targets = [t for t, f in app_targets(shim, module)[1].items()   # a worker may call them

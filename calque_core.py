@@ -1260,7 +1260,12 @@ def serve_volumes(conf, store, mounts=None, folders=None):
     opened, folders = {}, folders or {}
     for mount, spec in (mounts or {}).items():
         volume = opened[spec["name"]] = open_volume(conf, store, spec["name"], spec.get("folder"))
-        os.makedirs(volume.folder, exist_ok=True)
+        try:
+            os.makedirs(volume.folder, exist_ok=True)
+        except OSError as e:   # a --volume NAME=PATH this machine cannot make
+            raise UserError(f"volume {volume.name}: cannot make its folder {volume.folder} "
+                            f"({e.strerror}) ---> HINT: --volume {volume.name}=PATH naming a "
+                            "folder the workers can write") from None
         fetched = volume.sync()
         if fetched:
             print(f"calque: volume {volume.name}: {size_text(fetched)} fetched into "

@@ -1149,7 +1149,7 @@ class Calls:
         if died:
             why = f"pool {run['model']}: every local worker dies before it is warm: {died}"
             cancel_run(self.backend, run, why)
-            raise WorkersFailed(f"{why} ---> HINT: fix the app, then run it again")
+            raise WorkersFailed(why if "---> HINT" in why else f"{why} ---> HINT: fix the app")
 
     def _typed(self, item):
         """A call item with its arguments in the typed encoding where JSON cannot say them (the
