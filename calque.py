@@ -1152,8 +1152,10 @@ class ModalRun(Calls):
     sizing themselves from zero: each pool's record names them all (modal `calls`), so a worker's
     calls reach them (warmd.WorkerCalls)."""
 
-    def __init__(self, context, path, pool, workers, volumes=(), secrets=(), targets=()):
+    def __init__(self, context, path, pool, workers, volumes=(), secrets=(), targets=(),
+                 module=None):
         super().__init__(context[1], os.path.dirname(os.path.abspath(path)))
+        self.module = module   # the app file as the entrypoint imported it: not imported again
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
         self.pools, self.created, self.targets, self.calls = {}, [], targets, {}
         self.links = {}   # {mount: (its volume's folder, a folder was there)}: its pools' links
@@ -1201,12 +1203,9 @@ class ModalRun(Calls):
     def _make(self, target, params, model, workers):
         spec = f"{self.path}:{target}"
         batch_size = pool_settings(self.context[0])["batch_size"]
-        app = {k: v for k, v in sys.modules.items() if k.startswith("calque_modal_app_")}
         modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
                                                 self.volumes, batch_size=batch_size,
-                                                store=self.context[1].store)
-        sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold
-                                  # the entrypoint's classes
+                                                store=self.context[1].store, module=self.module)
         links = {mount: (open_volume(self.context[0], self.context[1].store, volume["name"],
                                      volume.get("folder")).folder, os.path.isdir(mount))
                  for mount, volume in modal["volumes"].items() if not os.path.islink(mount)}
@@ -1294,7 +1293,7 @@ def cmd_modal_run(conf, backend, args):
     targets = [t for t, f in app_targets(shim, module)[1].items()   # a worker may call them
                if inspect.Parameter.empty not in getattr(f, "parameters", dict)().values()]
     shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume,
-                                    args.secret, targets)
+                                    args.secret, targets, module)
     done = False
     with handling(lambda signum, frame: sys.exit(128 + signum), signal.SIGTERM):
         try:

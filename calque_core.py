@@ -1000,9 +1000,10 @@ def web_endpoint(path, name, web):
                      f"@modal.method")
 
 
-def import_modal_app(path, name, container=False):
-    """(shim, registered object, method name or None) of `name` in a Modal app file."""
-    shim, module = import_modal_file(path, container)
+def import_modal_app(path, name, container=False, module=None):
+    """(shim, registered object, method name or None) of `name` in a Modal app file (`module`:
+    the file as imported already, by modal run: its module-level code runs once, as Modal's)."""
+    shim, module = (load_modal_shim(), module) if module else import_modal_file(path, container)
     top, _, method = name.partition(".")
     target = getattr(module, top, None)
     if isinstance(target, shim.Function):

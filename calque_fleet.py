@@ -42,18 +42,18 @@ def suggest_instance(rates, pairs):
 
 
 def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None,
-                  workers_here=True, store=None):
+                  workers_here=True, store=None, module=None):
     """What a Modal handler's pool needs from its app file, imported here: (the record's "modal"
     entry, the retries / max_deliveries / batch_timeout / instance_type its retries=, timeout=
     and gpu= suggest, notes); (None, {}, []) for a calque handler. `workers_here`: pip packages
-    checked; `store`: where its volumes are looked for."""
+    checked; `store`: where its volumes are looked for; `module`: the app file imported already."""
     path, name = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         if not imports_modal(f.read(), path):
             if params or secrets or volumes:
                 raise UserError(f"--param, --secret and --volume apply to a Modal app handler; {path} imports no modal")
             return None, {}, []
-    shim, target, method = import_modal_app(path, name)
+    shim, target, method = import_modal_app(path, name, module=module)
     options, notes, suggested = target.options, shim.ignored(target.options), {}
     given = key_values(params, "--param")
     declared = target.parameters() if method else {}

@@ -23,6 +23,9 @@ import modal
 
 app = modal.App("fanout")
 GATE = {gate!r}
+if modal.is_local():   # counted: once in `modal run`, as Modal's CLI imports it
+    with open(__file__ + ".imports", "a") as f:
+        f.write("1")
 
 
 @app.cls(gpu="A10G")
@@ -103,6 +106,7 @@ def test_fan_out_from_a_worker_under_modal_run(any_env, tmp_path):
     assert json.loads(out.stdout) == expected(6)
     assert "for Embedder.embed: 0 to 2 local worker(s), on its calls" in out.stderr
     assert "for orchestrate: 2 local worker(s)" in out.stderr
+    assert (folder / "fanout.py.imports").read_text() == "1"   # not once a pool as well
     backend = backend_for(any_env)
     assert not backend.store.list("pools/")   # every pool deleted at close
     runs = [calque_core.read_json(backend, key + "/run.json") for key in backend.store.list("runs/")]
