@@ -54,7 +54,8 @@ from calque_fleet import (PLAN_CLAIMS_READ, _duration, add_count_flags, check_co
                           claim_sizing, cold_run, fleet_for, format_plan, format_pool_list,
                           format_pool_status, make_plan, mark_lost_workers, modal_options,
                           parse_duration, pick_option, plan_against_actual, pool_ceiling,
-                          pool_liveness, pool_record_to_delete, pool_status, unwarmed_death)
+                          pool_liveness, pool_record_to_delete, pool_status, unwarmed_death,
+                          volume_folders)
 
 __all__ = [
     "enter", "batch",                                   # the handler API
@@ -1151,11 +1152,14 @@ class ModalRun(Calls):
     sizing themselves from zero: each pool's record names them all (modal `calls`), so a worker's
     calls reach them (warmd.WorkerCalls)."""
 
-    def __init__(self, context, path, pool, workers, volumes=(), secrets=(), targets=()):
+    def __init__(self, context, path, pool, workers, volumes=(), secrets=(), targets=(),
+                 module=None):
         super().__init__(context[1], os.path.dirname(os.path.abspath(path)))
+        self.module = module   # the app file as the entrypoint imported it: not imported again
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
         self.pools, self.created, self.targets, self.calls = {}, [], targets, {}
         self.links = {}   # {mount: (its volume's folder, a folder was there)}: its pools' links
+        self.crashing = functools.partial(crash_looping, context[0])
         record = load_pool(context[1], pool) if pool else None
         if record:
             params = record.get("modal", {}).get("params", {})
@@ -1199,12 +1203,9 @@ class ModalRun(Calls):
     def _make(self, target, params, model, workers):
         spec = f"{self.path}:{target}"
         batch_size = pool_settings(self.context[0])["batch_size"]
-        app = {k: v for k, v in sys.modules.items() if k.startswith("calque_modal_app_")}
         modal, suggested, notes = modal_options(spec, [f"{k}={v}" for k, v in params.items()], self.secrets,
                                                 self.volumes, batch_size=batch_size,
-                                                store=self.context[1].store)
-        sys.modules.update(app)   # the entrypoint's module, not modal_options' copy: results hold
-                                  # the entrypoint's classes
+                                                store=self.context[1].store, module=self.module)
         links = {mount: (open_volume(self.context[0], self.context[1].store, volume["name"],
                                      volume.get("folder")).folder, os.path.isdir(mount))
                  for mount, volume in modal["volumes"].items() if not os.path.islink(mount)}
@@ -1286,12 +1287,13 @@ def cmd_modal_run(conf, backend, args):
         raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
     serve_volumes(conf, backend.store, folders=key_values(args.volume, "--volume"))
     shim, module = import_modal_file(path)
+    volume_folders([v for v in vars(module).values() if isinstance(v, shim.App)], args.volume)
     fn, name = modal_run_target(shim, module, path, name)
     kwargs = vars(entrypoint_parser(fn, f"{command()} modal run {args.app}").parse_args(args.args))
     targets = [t for t, f in app_targets(shim, module)[1].items()   # a worker may call them
                if inspect.Parameter.empty not in getattr(f, "parameters", dict)().values()]
     shim.runner = runner = ModalRun((conf, backend), path, args.pool, args.workers, args.volume,
-                                    args.secret, targets)
+                                    args.secret, targets, module)
     done = False
     with handling(lambda signum, frame: sys.exit(128 + signum), signal.SIGTERM):
         try:

@@ -1000,9 +1000,10 @@ def web_endpoint(path, name, web):
                      f"@modal.method")
 
 
-def import_modal_app(path, name, container=False):
-    """(shim, registered object, method name or None) of `name` in a Modal app file."""
-    shim, module = import_modal_file(path, container)
+def import_modal_app(path, name, container=False, module=None):
+    """(shim, registered object, method name or None) of `name` in a Modal app file (`module`:
+    the file as imported already, by modal run: its module-level code runs once, as Modal's)."""
+    shim, module = (load_modal_shim(), module) if module else import_modal_file(path, container)
     top, _, method = name.partition(".")
     target = getattr(module, top, None)
     if isinstance(target, shim.Function):
@@ -1260,7 +1261,12 @@ def serve_volumes(conf, store, mounts=None, folders=None):
     opened, folders = {}, folders or {}
     for mount, spec in (mounts or {}).items():
         volume = opened[spec["name"]] = open_volume(conf, store, spec["name"], spec.get("folder"))
-        os.makedirs(volume.folder, exist_ok=True)
+        try:
+            os.makedirs(volume.folder, exist_ok=True)
+        except OSError as e:   # a --volume NAME=PATH this machine cannot make
+            raise UserError(f"volume {volume.name}: cannot make its folder {volume.folder} "
+                            f"({e.strerror}) ---> HINT: --volume {volume.name}=PATH naming a "
+                            "folder the workers can write") from None
         fetched = volume.sync()
         if fetched:
             print(f"calque: volume {volume.name}: {size_text(fetched)} fetched into "

@@ -42,18 +42,18 @@ def suggest_instance(rates, pairs):
 
 
 def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_worker=None, batch_size=None,
-                  workers_here=True, store=None):
+                  workers_here=True, store=None, module=None):
     """What a Modal handler's pool needs from its app file, imported here: (the record's "modal"
     entry, the retries / max_deliveries / batch_timeout / instance_type its retries=, timeout=
     and gpu= suggest, notes); (None, {}, []) for a calque handler. `workers_here`: pip packages
-    checked; `store`: where its volumes are looked for."""
+    checked; `store`: where its volumes are looked for; `module`: the app file imported already."""
     path, name = parse_handler_spec(handler_spec)
     with open(path, "rb") as f:
         if not imports_modal(f.read(), path):
             if params or secrets or volumes:
                 raise UserError(f"--param, --secret and --volume apply to a Modal app handler; {path} imports no modal")
             return None, {}, []
-    shim, target, method = import_modal_app(path, name)
+    shim, target, method = import_modal_app(path, name, module=module)
     options, notes, suggested = target.options, shim.ignored(target.options), {}
     given = key_values(params, "--param")
     declared = target.parameters() if method else {}
@@ -83,9 +83,8 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
         if secret.name and secret.name not in secret_files:
             notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables "
                          "must be in the workers' environment (pool.env)")
-    app_volumes = {vol.name for obj in target.app.registered.values()
-                   for vol in obj.options["volumes"].values()}
-    mounts = modal_volumes(options["volumes"], volumes, store, notes, app_volumes)
+    mounts = modal_volumes(options["volumes"], volume_folders([target.app], volumes), store,
+                           notes)
     pairs = modal_gpu(options.get("gpu"))
     fitting = [(card, count) for card, count in pairs if count <= (gpus_per_worker or 1)]
     if pairs and not fitting:
@@ -114,21 +113,28 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
     return record, suggested, notes
 
 
-def modal_volumes(declared, volumes, store, notes, app_volumes):
-    """{mount path: {"name", "folder": the --volume NAME=PATH folder, if named}} of the app's
-    volumes; one without a folder is the store's prefix (volume_key), which must hold a file
-    unless create_if_missing (as Modal's from_name refuses a volume that does not exist).
-    `app_volumes`: the names the app declares anywhere, which --volume must name."""
+def volume_folders(apps, volumes):
+    """{name: absolute folder} of the `--volume NAME=PATH` flags, each naming a volume one of
+    `apps` declares and a local folder (modal run checks them once, before any pool)."""
+    declared = {vol.name for app in apps for obj in app.registered.values()
+                for vol in obj.options["volumes"].values()}
     folders = key_values(volumes, "--volume")
     for name, folder in folders.items():
-        if name not in app_volumes:
+        if name not in declared:
             raise UserError(f"--volume {name}={folder}: the app has no volume {name} (it has: "
-                            f"{', '.join(sorted(app_volumes)) or 'none'})")
-        if "://" in folder:
-            raise UserError(f"--volume {name}={folder}: only a local folder is supported ---> "
-                            f"HINT: leave it out: Volume {name} is then the store's prefix "
-                            f"{volume_key(name)}")
+                            f"{', '.join(sorted(declared)) or 'none'})")
+        if "://" in folder or not folder:
+            raise UserError(f"--volume {name}={folder}: not a local folder ---> HINT: --volume "
+                            f"{name}=PATH, or leave it out: Volume {name} is then the store's "
+                            f"prefix {volume_key(name)}")
         folders[name] = os.path.abspath(folder)
+    return folders
+
+
+def modal_volumes(declared, folders, store, notes):
+    """{mount path: {"name", "folder": its volume_folders folder, if named}} of the app's
+    volumes; one without a folder is the store's prefix (volume_key), which must hold a file
+    unless create_if_missing (as Modal's from_name refuses a volume that does not exist)."""
     mounts = {}
     for mount, vol in declared.items():
         if not os.path.isabs(mount):   # Modal refuses it too

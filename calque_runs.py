@@ -6,7 +6,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from calque_core import (BYTES, CLAIM_LOOKAHEAD_MAX, CLAIM_OVERHEAD_SHARE, CLAIM_SIZE_FLOOR,
-                         CLAIM_SIZE_MAX, DLQ_SCAN_WAIT, ERRORS_KEPT,
+                         CLAIM_SIZE_MAX, DLQ_SCAN_WAIT, ERRORS_KEPT, WorkersFailed,
                          ERROR_GROUPS_SHOWN, EXIT_FAILED, EXIT_OK, FIRST_ITEMS_SHOWN,
                          LOCAL_SUMMARY_WAIT, LOCAL_WRITERS, LeaseLost, NUMERIC_KINDS, NotFound,
                          Part, RUN_RECHECK, RUN_RECHECK_MAX, ResultsIncomplete, SEND_BATCH,
@@ -1106,8 +1106,9 @@ class Calls:
     """Where a Modal app's .remote / .map / .spawn ... go (modal_shim's `runner`): a call's items,
     typed where JSON cannot say them, as one run on the pool that serves its target (pool_for,
     send: the caller's), its results decoded as each claim ends; a worker's stop_if (ended) may
-    end the wait."""
-    ended = None
+    end the wait, and so does the called pool's every worker dying before it is warm (crashing:
+    the death line of a pool of this machine, as submit's wait)."""
+    ended = crashing = None
 
     def __init__(self, backend, folder):
         self.backend, self.allowed = backend, calque_values.app_modules(folder)
@@ -1134,10 +1135,21 @@ class Calls:
     def _results(self, run):
         """The run's results as its claims end; once read whole it is done: not waited for, nor
         cancelled (a worker's claim may have made thousands)."""
-        for lines in follow_results(self.backend, run, stop_if=self.ended):
+        for lines in follow_results(self.backend, run, stop_if=lambda: self.check(run)):
             yield from map(result_of, lines)
         with self.lock, contextlib.suppress(ValueError):   # (a claim before's, in a worker)
             self.runs.remove(run)
+
+    def check(self, run):
+        """Raise where waiting for `run` is moot: ended(), or no worker of its pool will come
+        (WorkersFailed; the run cancelled, so nothing waits on it)."""
+        if self.ended:
+            self.ended()
+        died = self.crashing and self.crashing(run["model"])
+        if died:
+            why = f"pool {run['model']}: every local worker dies before it is warm: {died}"
+            cancel_run(self.backend, run, why)
+            raise WorkersFailed(why if "---> HINT" in why else f"{why} ---> HINT: fix the app")
 
     def _typed(self, item):
         """A call item with its arguments in the typed encoding where JSON cannot say them (the

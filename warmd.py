@@ -1638,6 +1638,7 @@ class WorkerCalls(calque_runs.Calls):
         self.worker, self.records, self.queues = worker, {}, {}   # of the pools it calls
         self.target = handler.target.__name__ + (f".{handler.method}" if handler.method else "")
         self.claim = self.chain = None
+        self.crashing = functools.partial(calque_supervisor.crash_looping, worker.conf)
 
     def start(self, claim):
         self.claim, self.chain, self.runs = claim, None, []
@@ -1717,7 +1718,9 @@ class WorkerCalls(calque_runs.Calls):
         done (the claim's items are)."""
         with contextlib.suppress(calque_core.ResultsIncomplete):
             for run in list(self.runs):
-                calque_runs.wait_for_run(self.backend, run, math.inf, False, stop_if=self.ended)
+                with contextlib.suppress(calque_core.WorkersFailed):   # that run cancelled
+                    calque_runs.wait_for_run(self.backend, run, math.inf, False,
+                                             stop_if=functools.partial(self.check, run))
 
 
 class Rules:

@@ -24,6 +24,9 @@ import modal
 
 app = modal.App("fanout")
 GATE = {gate!r}
+if modal.is_local():   # counted: once in `modal run`, as Modal's CLI imports it
+    with open(__file__ + ".imports", "a") as f:
+        f.write("1")
 
 
 @app.cls(gpu="A10G")
@@ -104,6 +107,7 @@ def test_fan_out_from_a_worker_under_modal_run(any_env, tmp_path):
     assert json.loads(out.stdout) == expected(6)
     assert "for Embedder.embed: 0 to 2 local worker(s), on its calls" in out.stderr
     assert "for orchestrate: 2 local worker(s)" in out.stderr
+    assert (folder / "fanout.py.imports").read_text() == "1"   # not once a pool as well
     backend = backend_for(any_env)
     assert not backend.store.list("pools/")   # every pool deleted at close
     runs = [calque_core.read_json(backend, key + "/run.json") for key in backend.store.list("runs/")]
@@ -409,3 +413,49 @@ def test_a_target_whose_pool_cannot_be_made_is_left_out(local_env, tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr
     assert "calque: heavy: no pool for its callers: needs.py: the image's pip_install " \
            "calque-absent-pkg==9.9 (not installed)" in out.stderr
+
+
+BROKEN = '''
+import modal
+
+app = modal.App("broken")
+
+
+@app.cls()
+class Embedder:
+    @modal.enter()
+    def load(self):
+        raise RuntimeError("no weights here")
+
+    @modal.method()
+    def embed(self, text):
+        return len(text)
+
+
+@app.function()
+def orchestrate(texts):
+    return list(Embedder().embed.map(texts))
+
+
+@app.local_entrypoint()
+def main():
+    print(orchestrate.remote(["a", "bb"]))
+'''
+
+
+def test_a_call_to_a_pool_whose_workers_die_unwarmed_fails_in_one_line(local_env, tmp_path):
+    """The called pool's every worker dies before it is warm (its @enter raises): the waiting
+    call fails naming the death, as submit does, its run cancelled; no hang, no pool left."""
+    folder = tmp_path / "app"
+    folder.mkdir()
+    (folder / "broken.py").write_text(BROKEN)
+    out = modal_run_in(local_env, folder, True, "broken.py")
+    assert out.returncode == 1, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert "died before it was warm" in last and "no weights here" in last, out.stderr
+    assert "Traceback" not in out.stderr
+    backend = backend_for(local_env)
+    assert not backend.store.list("pools/")
+    runs = [calque_core.read_json(backend, key + "/run.json") for key in backend.store.list("runs/")]
+    called, = [r for r in runs if r["model"].startswith("modal-broken-Embedder-embed-")]
+    assert "died before it was warm" in called["cancelled"]["reason"]

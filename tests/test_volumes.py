@@ -171,8 +171,9 @@ def test_a_mount_that_holds_files_is_refused_in_one_line(local_env, tmp_path):
 
 
 def test_newcomer_mistakes_with_volumes_are_one_line(local_env, tmp_path):
-    """--volume naming a volume the app does not declare (a typo), a mount path that is not absolute
-    (Modal refuses it too): one line each, exit 2, nothing created; the entrypoint reading a file
+    """--volume naming a volume the app does not declare (a typo) or no folder, a mount path that
+    is not absolute (Modal refuses it too): one line each, exit 2, nothing created (modal run: no
+    line per target); a folder the workers cannot make: one line; the entrypoint reading a file
     the volume lacks: one line naming the app's line, not a kit traceback."""
     path = write_vols(tmp_path)
     out = calque_cli(local_env, tmp_path, "pool", "create", "--model", "v", "--handler",
@@ -181,6 +182,19 @@ def test_newcomer_mistakes_with_volumes_are_one_line(local_env, tmp_path):
     assert out.returncode == 2 and out.stderr == (
         "calque: error: --volume hf_cache=weights: the app has no volume hf_cache (it has: "
         "hf-cache, notes)\n"), out.stderr
+    for flag, said in (("hf_cache=weights", "the app has no volume hf_cache (it has: "),
+                       ("notes=", "--volume notes=: not a local folder ---> HINT: ")):
+        out = calque_cli(local_env, tmp_path, "modal", "run", str(path), "--tokenizer",
+                         str(tmp_path / "tokenizer"), "--volume", flag)
+        assert out.returncode == 2 and len(out.stderr.splitlines()) == 1, out.stderr   # no pool
+        assert said in out.stderr, out.stderr
+    (tmp_path / "afile").write_text("")   # a --volume folder no worker can make: one line
+    out = calque_cli(local_env, tmp_path, "modal", "run", f"{path}::write", "--text", "hi",
+                     "--volume", f"notes={tmp_path}/afile/notes", installed=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert (f"volume notes: cannot make its folder {tmp_path}/afile/notes (Not a directory) ---> "
+            "HINT: --volume notes=PATH naming a folder the workers can write"
+            ) in out.stderr.splitlines()[-1], out.stderr
     path.write_text(path.read_text().replace("volumes={HUB: cache}", 'volumes={"hub": cache}'))
     out = calque_cli(local_env, tmp_path, "modal", "run", f"{path}::seen")
     assert out.returncode == 2 and out.stderr.endswith(
