@@ -1224,9 +1224,11 @@ class ModalRun(Calls):
         self.output.add(model, target)
         conf = dict(self.context[0], CALQUE_GRACE="0")   # a signal: let go a call nobody awaits
         pool = Pool(model, context=(conf, self.context[1]))
-        pool.create(spec, workers, modal=modal, max_deliveries=suggested.get("max_deliveries"),
+        pool.create(spec, 0, modal=modal, max_deliveries=suggested.get("max_deliveries"),
                     batch_timeout=suggested.get("batch_timeout"), retries=suggested.get("retries"))
-        if not workers:
+        if workers:   # a worker that dies unwarmed: the fix is the app's, then this command again
+            pool.scale(workers, then=f"{command()} modal run {self.path} again")
+        else:
             pool.scale(0, bounds=(0, self.workers, 60.0 * SCALE_IDLE_MINUTES), wait=False)
         return model
 

@@ -459,3 +459,7 @@ def test_a_call_to_a_pool_whose_workers_die_unwarmed_fails_in_one_line(local_env
     runs = [calque_core.read_json(backend, key + "/run.json") for key in backend.store.list("runs/")]
     called, = [r for r in runs if r["model"].startswith("modal-broken-Embedder-embed-")]
     assert "died before it was warm" in called["cancelled"]["reason"]
+    out = modal_run_in(local_env, folder, False, "broken.py::Embedder.embed", "--text", "a")
+    last = out.stderr.strip().splitlines()[-1]   # the pool called first, made warm: its hint is
+    assert out.returncode == 1 and "no weights here" in last, out.stderr   # this command again,
+    assert "modal run broken.py again" in last and "pool deploy" not in last   # not a deploy
