@@ -339,7 +339,8 @@ def format_each(outcome, base, attempts=None):
                 cells += [(i - base, *cell) for cell in typed[1]] if typed else []
                 continue
             except Exception as e:
-                value = f"result is not JSON-serialisable: {type(e).__name__}: {e}"
+                value = (f"result is not JSON-serialisable: {type(e).__name__}: {e} ---> HINT: "
+                         "return JSON values (a date: .isoformat()), arrays or bytes")
         failed.append(i)
         errors[str(i)] = (getattr(value, "kept", None) or value)[:calque_core.ERROR_CHARS]
         line = {"i": i, "ok": False, "error": value[:calque_core.ERROR_CHARS]}
