@@ -316,18 +316,24 @@ def test_a_claim_delivered_again_cancels_the_calls_its_killed_worker_made(any_en
     the claim again and, before running it, cancels the .map run the dead one made (its claims
     not run); the claim's calls made anew, it ends ok."""
     env = dict(any_env, CALQUE_CLAIM_SIZE="1")   # the .map's 6 calls: 6 claims
-    backend, gate, run_id, first = held_call(env, tmp_path)
-    os.kill(pool_pids(env, "orch")[1][0], signal.SIGKILL)
-    record = cancelled_unrun(backend, first)
-    assert record["cancelled"]["reason"] == (f"the calling claim {run_id}/c00000 was delivered "
-                                             "again")
-    gate.write_text("open")
-    summary = wait_for(lambda: calque_core.read_summaries(backend, run_id), 120, "its summary")[0]
-    assert summary["status"] == "ok" and summary["receive_count"] == 2
-    got = json.loads(cli(env, "runs", "results", run_id).stdout)["result"]
-    assert got["vectors"] == [embed(f"t{i}") for i in range(6)]
-    again = calque_core.list_runs(backend, "gated-emb")[1:]   # .map, 2 .spawn, .remote, 2 .aio
-    assert len(again) == 6 and not any(run.get("cancelled") for run in again)
+    try:
+        backend, gate, run_id, first = held_call(env, tmp_path)
+        os.kill(pool_pids(env, "orch")[1][0], signal.SIGKILL)
+        record = cancelled_unrun(backend, first)
+        assert record["cancelled"]["reason"] == (f"the calling claim {run_id}/c00000 was "
+                                                 "delivered again")
+        gate.write_text("open")
+        summary = wait_for(lambda: calque_core.read_summaries(backend, run_id), 120,
+                           "its summary")[0]
+        assert summary["status"] == "ok" and summary["receive_count"] == 2
+        got = json.loads(cli(env, "runs", "results", run_id).stdout)["result"]
+        assert got["vectors"] == [embed(f"t{i}") for i in range(6)]
+        again = calque_core.list_runs(backend, "gated-emb")[1:]   # .map, 2 .spawn, .remote, 2 .aio
+        assert len(again) == 6 and not any(run.get("cancelled") for run in again)
+    finally:   # the session's moto_server is shared: no queue of ours left for the tests after
+        for model in ("orch", "gated-emb"):
+            out = cli(env, "pool", "delete", "--model", model, "--force", "--yes")
+            assert out.returncode == 0, out.stderr
 
 
 def test_a_claim_dead_lettered_on_its_next_delivery_cancels_the_calls_it_made(local_env, tmp_path):
