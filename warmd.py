@@ -1092,6 +1092,8 @@ class Worker:
             except Interrupted:
                 return "stop requested while polling"
             except Exception as e:   # the queue unreachable a while: stay warm, retry
+                if self.ephemeral and calque_core._aws_error_code(e) in calque_core.SQS_NOT_FOUND:
+                    return "cold run drained"   # its submit deleted the queue: every summary is in
                 self.backoff = min(max(self.backoff * 2, ERROR_BACKOFF[0]), ERROR_BACKOFF[1])
                 log.warning("worker %s: receive failed (%s: %s); retrying in %.0fs",
                             self.worker_id, type(e).__name__, e, self.backoff)

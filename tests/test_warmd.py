@@ -531,3 +531,21 @@ def test_the_worker_is_in_rooms_none_over_600_lines():
     sizes = {n.name: n.end_lineno - n.lineno + 1 for n in tree.body if isinstance(n, ast.ClassDef)}
     assert {"Worker", "ClaimRun", "Rules", "Model", "Accounts"} <= set(sizes), sizes
     assert max(sizes.values()) <= 600, sizes
+
+
+def test_a_cold_worker_whose_run_queue_is_deleted_exits_drained(aws_env, monkeypatch):
+    """A cold run's submit deletes the run's queue once every summary is in: a cold worker whose
+    next receive finds the queue gone is done ("cold run drained"), not backing off on it forever
+    (it was, when the delete came between its last claim and its idle check)."""
+    import warmd
+    assert cli(aws_env, "pool", "create", "--model", "gone", "--handler", f"{HANDLERS}:Echo",
+               "--workers", "0").returncode == 0
+    backend = backend_for(aws_env)
+    for key in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_ENV"):
+        monkeypatch.setenv(key, aws_env[key])
+    record = calque_core.load_pool(backend, "gone")
+    worker = warmd.Worker(backend, record, "runs/gone.cold/workers/", calque_core.settings(), True)
+    worker.start()
+    backend.queues.delete_queue(record["queue"])
+    worker.backoff = 0.0   # as work() starts its loop
+    assert worker._loop_once() == "cold run drained"
