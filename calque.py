@@ -1289,7 +1289,7 @@ def cmd_modal_run(conf, backend, args):
         raise UserError(f"--workers {args.workers}: an ephemeral pool needs at least 1")
     serve_volumes(conf, backend.store, folders=key_values(args.volume, "--volume"))
     shim, module = import_modal_file(path)
-    volume_folders([v for v in vars(module).values() if isinstance(v, shim.App)], args.volume)
+    volume_folders(modal_apps(shim, module), args.volume)
     fn, name = modal_run_target(shim, module, path, name)
     kwargs = vars(entrypoint_parser(fn, f"{command()} modal run {args.app}").parse_args(args.args))
     targets = [t for t, f in app_targets(shim, module)[1].items()   # a worker may call them
@@ -1322,11 +1322,16 @@ def cmd_modal_run(conf, backend, args):
     return EXIT_OK
 
 
+def modal_apps(shim, module):
+    """The modal.App objects a Modal app module made."""
+    return [v for v in vars(module).values() if isinstance(v, shim.App)]
+
+
 def app_targets(shim, module):
     """({name: local entrypoint}, {target: its Function or Cls}, {name: web decorator}) of a Modal
     app module: the functions and Cls.methods a call can go to, and its web endpoints (not called)."""
     entrypoints, functions, webs = {}, {}, {}
-    for app in [v for v in vars(module).values() if isinstance(v, shim.App)]:
+    for app in modal_apps(shim, module):
         entrypoints.update(app.entrypoints)
         for key, f in app.registered_functions.items():
             web = getattr(f.raw_f, "_modal_role", {}).get("web")
