@@ -1210,7 +1210,8 @@ def open_volume(conf, store, name, folder=None, cached=True):
     volume_key(name), mounted from this machine's copy on s3:// (`cached`: CALQUE_STATE/volumes)."""
     if folder:
         return StoredVolume(name, LocalStore(folder, Requests()), "", folder)
-    key, where = volume_key(name), store.uri(volume_key(name))
+    key = volume_key(name)
+    where = store.uri(key)
     if where.startswith("file://"):   # the local store: the prefix is a folder
         return StoredVolume(name, store, key, os.path.normpath(where[len("file://"):]))
     root = hashlib.sha256(store.uri("").encode()).hexdigest()[:12]   # one copy per store

@@ -1686,11 +1686,13 @@ class WorkerCalls(calque_runs.Calls):
         return pool
 
     def send(self, pool, items):
-        """A run of the call's items (made after the claim ended, it is cancelled once followed)."""
-        record, conf = self.records[pool], self.worker.conf
-        workers = (record["ec2"]["instances"] if "ec2" in record else   # its ceiling, as submit's
-                   calque_supervisor.LocalFleet(conf, self.backend).bounds(record)[1])
-        sizes = calque_runs.sized_claims(conf, self.backend, record, None, workers)
+        """A run of the call's items (made after the claim ended, it is cancelled once followed).
+        One item (.remote, .spawn) is one claim: sized without reading the pool's stats."""
+        record, conf, sizes = self.records[pool], self.worker.conf, calque_runs.as_sizes(1)
+        if len(items) > 1:
+            workers = (record["ec2"]["instances"] if "ec2" in record else   # its ceiling, as submit's
+                       calque_supervisor.LocalFleet(conf, self.backend).bounds(record)[1])
+            sizes = calque_runs.sized_claims(conf, self.backend, record, None, workers)
         if pool not in self.queues:
             self.queues[pool] = self.backend.queues.open_queue(record["queue"])
         options = {"chain": self.chain, "caller": self.caller(self.claim)}
