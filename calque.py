@@ -1631,9 +1631,12 @@ def main(argv=None):
         # that the interpreter's flush at exit does not fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
-    except sqlite3.Error as e:   # the embedded queue: its file unwritable, full or damaged
-        print(f"calque: error: the local queue in {conf['CALQUE_STORE']} failed ({e}) ---> HINT: "
-              "check that the folder is writable and has free space, then retry", file=sys.stderr)
+    except sqlite3.Error as e:   # the embedded queue: its file unwritable, full or damaged, or a user stopped
+        hint = ("a process using it is stopped (Ctrl-Z, SIGSTOP): resume or end it"
+                if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_PROTOCOL
+                else "check that the folder is writable and has free space")
+        print(f"calque: error: the local queue in {conf['CALQUE_STORE']} failed ({e}) ---> HINT: {hint}, then retry",
+              file=sys.stderr)
         return EXIT_FAILED
     except NotFound as e:   # something the pool record names is gone (a queue deleted by hand, say)
         region = getattr(backend, "region", None)

@@ -67,6 +67,8 @@ DEFAULTS = {
 ENV_FILE = "pool.env"                   # what settings() reads unless $CALQUE_ENV names a file
 LOCAL_POLL_INTERVAL = 0.005             # s between two index probes of the local queue's long poll (~30 us each)
 QUEUE_FILE_CHECK = 2.0                  # s between two checks that the local queue file is still the one opened
+QUEUE_PROTOCOL_TRIES = 3                # tries of a local queue statement SQLite gave up on (~10 s each): see
+                                        # PatientConnection
 ENDPOINT_BACKOFF = (0.25, 4.0)          # s: first wait before retrying an unreachable AWS endpoint, doubling to a cap
 INCLUDE_MAX_BYTES = 64 << 20           # bytes of files a pool snapshots beside its handler (--include, add_local_*)
 ITEM_DEPTH_MAX = 512                    # nesting levels of an item (a manifest nests it 3 deeper; json stops near 1000)
@@ -1787,14 +1789,13 @@ class LocalQueues:
     """SQS semantics on one SQLite file (WAL: many workers read while one writes); a claim takes the
     write lock (BEGIN IMMEDIATE) for its UPDATE, so two workers never receive the same message."""
 
-    SCHEMA = """
-    CREATE TABLE IF NOT EXISTS queues (
-        name TEXT PRIMARY KEY, visibility_timeout REAL NOT NULL, created_at REAL NOT NULL);
-    CREATE TABLE IF NOT EXISTS messages (
-        id INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT NOT NULL, body TEXT NOT NULL,
-        visible_at REAL NOT NULL, receive_count INTEGER NOT NULL DEFAULT 0, receipt TEXT, sent_at REAL NOT NULL);
-    CREATE INDEX IF NOT EXISTS messages_ready ON messages (queue, visible_at);
-    """
+    SCHEMA = (
+        "CREATE TABLE IF NOT EXISTS queues ("
+        "    name TEXT PRIMARY KEY, visibility_timeout REAL NOT NULL, created_at REAL NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS messages ("
+        "    id INTEGER PRIMARY KEY AUTOINCREMENT, queue TEXT NOT NULL, body TEXT NOT NULL,"
+        "    visible_at REAL NOT NULL, receive_count INTEGER NOT NULL DEFAULT 0, receipt TEXT, sent_at REAL NOT NULL)",
+        "CREATE INDEX IF NOT EXISTS messages_ready ON messages (queue, visible_at)")
     SQL_READY = "SELECT 1 FROM messages WHERE queue = ? AND visible_at <= ? LIMIT 1"
     SQL_NEXT = ("SELECT id, body, receive_count FROM messages WHERE queue = ? AND visible_at <= ? "
                 "ORDER BY visible_at, id LIMIT 1")
@@ -1840,10 +1841,11 @@ class LocalQueues:
             return self._connect()
 
     def _connect(self):
-        conn = sqlite3.connect(self.path, timeout=10, isolation_level=None)   # autocommit
+        conn = sqlite3.connect(self.path, timeout=10, isolation_level=None, factory=PatientConnection)  # autocommit
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")   # durable across process crashes, not power loss
-        conn.executescript(self.SCHEMA)
+        for statement in self.SCHEMA:
+            conn.execute(statement)
         return conn, _file_id(self.path)
 
     @contextlib.contextmanager
@@ -1875,6 +1877,20 @@ class LocalQueues:
         with self.transaction() as db:
             db.execute("DELETE FROM messages WHERE queue = ?", (name,))
             db.execute("DELETE FROM queues WHERE name = ?", (name,))
+
+
+class PatientConnection(sqlite3.Connection):
+    """A connection that tries a statement again when SQLite gives up with SQLITE_PROTOCOL: in WAL mode a
+    transaction's start that loses the lock race for ~10 s (a process stopped or starved while it holds a lock of
+    the -shm index) raises it before changing anything, and SQLite's documentation calls it safe to retry."""
+
+    def execute(self, *args):
+        for tries_left in reversed(range(QUEUE_PROTOCOL_TRIES)):
+            try:
+                return super().execute(*args)
+            except sqlite3.OperationalError as e:
+                if e.sqlite_errorcode != sqlite3.SQLITE_PROTOCOL or not tries_left:
+                    raise
 
 
 def _file_id(path):

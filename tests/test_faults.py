@@ -207,6 +207,38 @@ def test_queue_file_deleted_under_a_running_worker(local_env, tmp_path):
     assert cli(local_env, "pool", "delete", "--model", "m", "--yes").returncode == 0
 
 
+def test_a_process_stopped_holding_the_queue_index_locks_delays_a_claim_not_fails_it(local_env, monkeypatch,
+                                                                                   capsys):
+    """A process stopped (SIGSTOP, starved) while it holds the WAL index's read locks: SQLite gives up on a new read
+    after ~10 s with SQLITE_PROTOCOL, before changing anything. The queue tries again and gets its message once the
+    locks are let go (CI lost a submit to it once); a command whose tries all fail names the stopped process. Held
+    here by a process fcntl-locking the -shm file's five read lock bytes, where SQLite's unix VFS keeps them."""
+    import calque
+    store = local_env["CALQUE_STORE"]
+    for name in ("CALQUE_STORE", "CALQUE_STATE", "CALQUE_ENV"):
+        monkeypatch.setenv(name, local_env[name])
+    queue = calque_core.open_backend(store).queues.create_queue("q", 60)
+    queue.send("claim")
+    locker = subprocess.Popen([PY, "-c", f"""if True:
+        import fcntl, os, time
+        fd = os.open({store + "/queue.db-shm"!r}, os.O_RDWR)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 5, 123)
+        print("held", flush=True)
+        time.sleep(12)   # past SQLite's own ~10 s of tries
+        print(time.time(), flush=True)"""], stdout=subprocess.PIPE, text=True)
+    assert locker.stdout.readline() == "held\n"
+    with monkeypatch.context() as patch:
+        patch.setattr(calque_core, "QUEUE_PROTOCOL_TRIES", 1)
+        assert calque.main(["pool", "create", "--model", "m", "--handler", f"{HANDLERS}:Faulty", "--workers", "0"]) \
+            == calque_core.EXIT_FAILED
+    assert capsys.readouterr().err.endswith("failed (locking protocol) ---> HINT: a process using it is stopped "
+                                            "(Ctrl-Z, SIGSTOP): resume or end it, then retry\n")
+    message = queue.receive(0)
+    assert message is not None and message.body == "claim"
+    assert time.time() > float(locker.stdout.readline())   # it waited for the locks, and had no other way
+    assert locker.wait() == 0
+
+
 def test_one_supervisor_per_pool(local_env, tmp_path):
     """The same `pool create --workers 1` twice at once leaves one supervisor (both name it); a third started by
     hand exits at once; `pool delete` then leaves no supervisor and no worker."""
