@@ -364,15 +364,16 @@ def test_a_role_of_our_name_that_is_not_ours_is_never_adopted_nor_deleted(aws, c
     with pytest.raises(calque.UserError, match=f"IAM role {name} exists but is not calque's"):
         ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
     assert not client("iam").list_role_policies(RoleName=name)["PolicyNames"]
-    capsys.readouterr()
-    assert not ec2.pool_delete(aws.backend, {"model": MODEL}, yes=True)
-    assert f"IAM role {name}: skipped: {name} is not tagged calque:managed=true" in capsys.readouterr().out
-    assert role_exists(name)
-    client("iam").tag_role(RoleName=name, Tags=[{"Key": "calque:managed", "Value": "true"},
-                                                {"Key": "calque:pool-model", "Value": ec2._strict_tag(MODEL)},
-                                                {"Key": "calque:store", "Value": "s3://another-bucket/x"}])
+    tags = {"calque:managed": "true", "calque:pool-model": ec2._strict_tag(MODEL),
+            "calque:store": "s3://another-bucket/x"}
+    client("iam").tag_role(RoleName=name, Tags=[{"Key": k, "Value": v} for k, v in tags.items()])
     with pytest.raises(calque.UserError, match=f"IAM role {name} belongs to the pool of .* \\(store s3://another"):
         ec2.pool_create(aws.backend, record(aws.backend), HANDLER, options(), yes_spend_money=True)
+    client("iam").untag_role(RoleName=name, TagKeys=list(tags))
+    capsys.readouterr()
+    assert not ec2.pool_delete(aws.backend, {"model": MODEL}, yes=True)   # last: a create after it waits SQS's minute
+    assert f"IAM role {name}: skipped: {name} is not tagged calque:managed=true" in capsys.readouterr().out
+    assert role_exists(name)
 
 
 def test_delete_of_a_half_created_pool(aws, monkeypatch, capsys):
