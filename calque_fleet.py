@@ -10,7 +10,7 @@ from calque_core import (MODAL_GPU_ALIASES, NotFound, PLAN_GAP_MAX, SCALE_MEASUR
                          cold_record_key, command, dlq_name, format_sizes, import_modal_app,
                          imports_modal, key_values, load_pool, measured_seconds, modal_param,
                          new_run_id, now_iso, parse_handler_spec, pool_queue_name, pool_settings,
-                         pool_version, read_json, read_run, read_worker_stats, retry_policy,
+                         pool_version, read_env_file, read_json, read_run, read_worker_stats, retry_policy,
                          run_key, run_queue_names, slug, snapshot_handler, state_dir,
                          version_label, version_of, volume_key, write_json)
 from calque_runs import as_sizes, cancel_run, sized_claims, stage_run, wait_for_run
@@ -80,9 +80,17 @@ def modal_options(handler_spec, params=(), secrets=(), volumes=(), gpus_per_work
                             f"{' '.join(shlex.quote(m) for m in unmet)}")
     secret_files = {k: os.path.abspath(v) for k, v in key_values(secrets, "--secret").items()}
     for secret in options["secrets"]:
-        if secret.name and secret.name not in secret_files:
+        path, keys = secret_files.get(secret.name), ", ".join(secret.required_keys)
+        if path and not os.path.isfile(path):
+            raise UserError(f"--secret {secret.name}={path}: no such file ---> HINT: name a file of KEY=value lines")
+        missing = path and [key for key in secret.required_keys
+                            if key not in read_env_file(path, f"--secret {secret.name}")]
+        if missing:
+            raise UserError(f"secret {secret.name}: {path} lacks {', '.join(missing)} (its required_keys: {keys}) "
+                            f"---> HINT: add a KEY=value line for each")
+        if secret.name and not path:
             notes.append(f"secret {secret.name}: no --secret {secret.name}=FILE: its variables "
-                         "must be in the workers' environment (pool.env)")
+                         f"{f'({keys}) ' if keys else ''}must be in the workers' environment (pool.env)")
     mounts = modal_volumes(options["volumes"], volume_folders([target.app], volumes), store,
                            notes)
     pairs = modal_gpu(options.get("gpu"))

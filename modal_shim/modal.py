@@ -113,12 +113,12 @@ class Retries:
 
 
 class Secret:
-    def __init__(self, name=None, values=None):
-        self.name, self.values = name, values or {}
+    def __init__(self, name=None, values=None, required_keys=()):
+        self.name, self.values, self.required_keys = name, values or {}, list(required_keys)
 
     @classmethod
-    def from_name(cls, name, **_):
-        return cls(name=name)
+    def from_name(cls, name, required_keys=(), **_):
+        return cls(name=name, required_keys=required_keys)
 
     @classmethod
     def from_dict(cls, values):
@@ -339,6 +339,11 @@ class App:
 
     def run(self, *args, **kwargs):
         _unsupported("app.run()", "run it as calque modal run app.py (the entrypoint runs locally, calls go to a pool)")
+
+    @classmethod
+    def lookup(cls, name, **_):
+        _unsupported("modal.App.lookup (a deployed app, as Sandboxes use)",
+                     "declare modal.App(name) in the file and run it with calque modal run")
 
 
 def _parentheses(given, decorator):

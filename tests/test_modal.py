@@ -517,13 +517,58 @@ def test_volume_keyed_by_a_path_and_a_pool_that_fails_to_be_made(local_env, tmp_
     assert "plain-file/pools: Not a directory" in out.stderr.splitlines()[-1], out.stderr
 
 
+SECRETS = '''
+import json
+import os
+import modal
+
+app = modal.App(secrets=[modal.Secret.from_dict({"FROM_DICT": "d"})])
+
+
+@app.function(secrets=[modal.Secret.from_name("api", required_keys=["API_KEY"])])
+def getenv(name):
+    return os.environ.get(name)
+
+
+@app.local_entrypoint()
+def main():
+    print(json.dumps({name: getenv.remote(name) for name in ("API_KEY", "FROM_DICT", "UNSET")}))
+'''
+
+
+def test_secrets_from_a_file_from_the_source_and_their_required_keys(local_env, tmp_path):
+    """`--secret N=FILE` and `Secret.from_dict` reach the function's environment; a file lacking one of
+    `required_keys`, or no file at all, is refused in one line before any pool is made; with no --secret,
+    the note names the keys the workers' environment must hold."""
+    path = tmp_path / "secrets_app.py"
+    path.write_text(SECRETS)
+    (tmp_path / "good.env").write_text("export API_KEY=k1\nOTHER=o\n")
+    (tmp_path / "bad.env").write_text("OTHER=o\n")
+    out = modal_run(local_env, str(path), "--secret", f"api={tmp_path / 'good.env'}")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"API_KEY": "k1", "FROM_DICT": "d", "UNSET": None}
+    out = modal_run(local_env, str(path), "--secret", f"api={tmp_path / 'bad.env'}", installed=True)
+    assert (out.returncode, out.stderr.splitlines()[-1]) == (2, (
+        f"calque: error: secret api: {tmp_path / 'bad.env'} lacks API_KEY (its required_keys: API_KEY) ---> HINT: "
+        f"add a KEY=value line for each"))
+    out = cli(local_env, "pool", "create", "--model", "secret-app", "--handler", f"{path}:getenv", "--workers", "0",
+              "--secret", "api=nowhere.env")
+    assert (out.returncode, out.stderr.splitlines()[-1]) == (2, (
+        f"calque: error: --secret api={ROOT}/nowhere.env: no such file ---> HINT: name a file of KEY=value lines"))
+    out = modal_run(local_env, str(path))
+    assert out.returncode == 0 and json.loads(out.stdout)["API_KEY"] is None, out.stderr
+    assert "secret api: no --secret api=FILE: its variables (API_KEY) must be in the workers' environment" \
+        in out.stderr
+    assert "secret-app" not in cli(local_env, "pool", "list").stdout
+
+
 NUMPY = importlib.metadata.version("numpy")
 
 
 def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
     """A syntax error, a top-level import this Python lacks, an image pip package not installed or
     not at the version pinned, a decorator without its parentheses, a web endpoint as the target (of
-    pool create, and of modal run, named or alone in its file), a class's constructor arguments, an
+    pool create, and of modal run, named or alone in its file), `App.lookup`, a class's constructor arguments, an
     exception in the entrypoint: each one line naming the file (and line) and the next step."""
     cases = {
         "syntax.py": ("import modal\napp = modal.App()\n@app.function()\ndef f(x):\n    return x +\n",
@@ -540,6 +585,8 @@ def test_errors_in_a_users_file_are_one_line(local_env, tmp_path):
                     "bare.py:3: @app.function without parentheses ---> HINT: write @app.function()"),
         "web.py": ("import modal\napp = modal.App()\n@app.function()\n@modal.asgi_app()\ndef f():\n    return None\n",
                    "f", "f is a @modal.asgi_app web endpoint"),
+        "lookup.py": ("import modal\napp = modal.App.lookup('box', create_if_missing=True)\n", "f",
+                      "lookup.py:2: modal.App.lookup (a deployed app, as Sandboxes use) is not supported"),
     }
     for name, (source, target, words) in cases.items():
         (tmp_path / name).write_text(source)
