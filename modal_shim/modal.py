@@ -142,10 +142,21 @@ class FileEntry:
     size: int
 
 
+class _WithAio:
+    """A method with Modal's .aio twin (`await vol.commit.aio()`, `async for e in vol.iterdir.aio(p)`)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __get__(self, obj, owner):
+        return _CallForm(self.fn.__get__(obj), inspect.isgeneratorfunction(self.fn)) if obj is not None else self
+
+
 class Volume:
     """A Volume is the store's prefix volumes/NAME/ (or the folder `--volume NAME=PATH` names): a
     worker mounts it before the app is imported (on s3://, the machine's copy: commit() uploads
-    it, reload() brings others' commits); the methods below work on the store from anywhere."""
+    it, reload() brings others' commits); the methods below work on the store from anywhere, and
+    each but batch_upload has its .aio form."""
 
     def __init__(self, name, create_if_missing=False):
         self.name, self.create_if_missing = name, create_if_missing
@@ -165,26 +176,33 @@ class Volume:
         except OSError as e:
             raise app_error(e) from None
 
+    @_WithAio
     def commit(self):
         self._call("commit")
 
+    @_WithAio
     def reload(self):
         self._call("sync")
 
+    @_WithAio
     def iterdir(self, path, *, recursive=True):
         for name, folder, mtime, size in self._call("entries", path, recursive):
             kind = FileEntryType.DIRECTORY if folder else FileEntryType.FILE
             yield FileEntry(name, kind, mtime, size)
 
+    @_WithAio
     def listdir(self, path, *, recursive=False):
         return list(self.iterdir(path, recursive=recursive))
 
+    @_WithAio
     def read_file(self, path):
         yield self._call("read", path)
 
+    @_WithAio
     def remove_file(self, path, recursive=False):
         self._call("remove", path, recursive)
 
+    @_WithAio
     def copy_files(self, src_paths, dst_path, recursive=False):
         self._call("copy", list(src_paths), dst_path, recursive)
 

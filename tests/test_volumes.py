@@ -16,6 +16,7 @@ import calque_core
 CALQUE = os.path.join(os.path.dirname(PY), "calque")   # the installed command
 
 VOLS = '''
+import asyncio
 import io
 import json
 import os
@@ -45,8 +46,8 @@ def write(text):
 
 
 @app.function(volumes={{DATA: notes}})
-def read():
-    notes.reload()
+async def read():
+    await notes.reload.aio()
     with open(f"{{DATA}}/greeting.txt") as f:
         return f.read()
 
@@ -63,6 +64,11 @@ def refused(call):
         return type(e).__name__
 
 
+async def aio_forms():
+    return ([e.path async for e in notes.iterdir.aio("/", recursive=False)], len(await notes.listdir.aio("/")),
+            b"".join([chunk async for chunk in notes.read_file.aio("greeting.txt")]).decode())
+
+
 @app.local_entrypoint()
 def main(tokenizer: str):
     with cache.batch_upload() as batch:
@@ -76,7 +82,7 @@ def main(tokenizer: str):
            "tree": [[e.path, e.type.name, e.size] for e in notes.listdir("/", recursive=True)],
            "top": [e.path for e in notes.iterdir("/", recursive=False)],
            "file": b"".join(notes.read_file("/greeting.txt")).decode(),
-           "tok": [e.path for e in cache.listdir("tok", recursive=True)],
+           "tok": [e.path for e in cache.listdir("tok", recursive=True)], "aio": asyncio.run(aio_forms()),
            "refused": [refused(again), refused(lambda: notes.remove_file("sub")),
                        refused(lambda: list(notes.read_file("nope.txt"))),
                        refused(lambda: notes.copy_files(["sub"], "sub2"))]}}
@@ -111,7 +117,7 @@ def test_a_volume_in_the_store_through_modal_run(any_env, tmp_path):
     lists, reads, uploads, copies and removes it in the store; the Path-keyed volume is in place
     when the app is imported (its module-level listing sees the uploaded weights); the links made
     are gone after the run, the folder the import made is back; Modal's exceptions for an existing
-    file, a folder removed or copied without recursive=True and a missing file. Run from a folder
+    file, a folder removed or copied without recursive=True and a missing file; the .aio forms. Run from a folder
     outside the checkout; python calque.py on the local store, the installed command on
     moto_server."""
     path, s3 = write_vols(tmp_path), any_env["CALQUE_STORE"].startswith("s3://")
@@ -123,7 +129,7 @@ def test_a_volume_in_the_store_through_modal_run(any_env, tmp_path):
     assert got["seen"] == ["hub", "model.safetensors", "tok"]   # the volume, at import
     assert got["tree"] == [["greeting.txt", "FILE", 5], ["sub", "DIRECTORY", 0],
                            ["sub/x.bin", "FILE", 10]]
-    assert got["top"] == ["greeting.txt", "sub"]
+    assert got["top"] == ["greeting.txt", "sub"] and got["aio"] == [["greeting.txt", "sub"], 2, "hello"]
     assert got["tok"] == ["tok/inner", "tok/inner/merges.txt", "tok/vocab.txt"]
     assert got["refused"] == ["FileExistsError", "IsADirectoryError", "FileNotFoundError",
                               "IsADirectoryError"]
