@@ -17,7 +17,7 @@ import sys
 if __name__ == "__main__":   # `python calque.py` / `python -m calque`: a handler's or an app's `import calque`
     sys.modules["calque"] = sys.modules[__name__]   # gets this module, not a second copy
 import argparse, contextlib, ctypes, functools, importlib.util, inspect, json
-import math, os, re, secrets, signal, sqlite3, time, typing
+import math, os, re, secrets, shutil, signal, sqlite3, time, typing
 
 import calque_supervisor
 
@@ -1245,6 +1245,7 @@ class ModalRun(Calls):
                 for model in self.created:   # UserError: no record: its making failed, saying why
                     with contextlib.suppress(NotFound, UserError):
                         Pool(model, context=self.context).delete(force=True)
+                        shutil.rmtree(state_dir(self.context[0], model), ignore_errors=True)   # logs shown already
                 unlink_volumes(self.links)
 
 

@@ -6,7 +6,7 @@ One per pool and machine (a lock in its state folder). Every SUPERVISOR_TICK s i
 wanted (LocalScaler), restarts the dead with backoff, leases GPUs, and writes supervisor.json, which
 calque reads (section 6). LocalFleet is the Fleet (calque_fleet.fleet_for) of a pool's workers here.
 """
-import contextlib, fcntl, functools, glob, json, math, os, re, signal, socket, sqlite3
+import contextlib, fcntl, functools, glob, json, math, os, re, shutil, signal, socket, sqlite3
 import subprocess, sys, threading, time
 
 import calque_core
@@ -534,6 +534,7 @@ def supervise(conf, model):
             backend = open_backend(conf["CALQUE_STORE"])
             drop_pool(backend, load_pool(backend, model), cancel=True)
         unlink_volumes(read_state(os.path.join(folder, "links.json"), json.loads, {}))
+        shutil.rmtree(folder, ignore_errors=True)   # as modal run does: its pool's logs were shown as they ran
 
 
 def try_lock(path):

@@ -345,6 +345,7 @@ def test_modal_idioms_under_modal_run(local_env, tmp_path):
     assert "[work w0] work 3 1" in out.stderr and "[work w0] to stderr" in out.stderr
     assert "[work w0] work 7 1" in out.stderr   # the spawn_map call ran
     assert "Traceback" not in out.stderr and "modal-idioms" not in cli(env, "pool", "list").stdout
+    assert os.listdir(tmp_path / "state" / "pools") == []   # the ephemeral pools' logs, shown as they ran
 
 
 TAGGER = '''
@@ -903,9 +904,10 @@ def test_one_signal_ends_modal_run_awaiting_an_aio_call(local_env, tmp_path, sig
 
 def test_modal_run_killed_leaves_no_pool_running(local_env, tmp_path):
     """kill -9 of `modal run`: nothing of it can act, so its ephemeral pool's supervisor, which
-    watches the modal run's pid, stops the worker and deletes the pool."""
+    watches the modal run's pid, stops the worker and deletes the pool and its folder."""
     proc, model = start_hang(local_env, tmp_path)
     proc.kill()
     proc.wait()
     wait_for(lambda: not running(model), 60, "the pool's supervisor and worker to exit")
     wait_for(lambda: "modal-hang" not in cli(local_env, "pool", "list").stdout, 30, "the pool's deletion")
+    wait_for(lambda: not (tmp_path / "state" / "pools" / calque_core.slug(model)).exists(), 30, "its folder removed")
