@@ -1245,7 +1245,8 @@ class ModalRun(Calls):
                 for model in self.created:   # UserError: no record: its making failed, saying why
                     with contextlib.suppress(NotFound, UserError):
                         Pool(model, context=self.context).delete(force=True)
-                        shutil.rmtree(state_dir(self.context[0], model), ignore_errors=True)   # logs shown already
+                        if wait:   # its logs were shown as they ran; a failed run's error line names them
+                            shutil.rmtree(state_dir(self.context[0], model), ignore_errors=True)
                 unlink_volumes(self.links)
 
 

@@ -5,6 +5,7 @@ refusals (a cycle, the caller's own pool, no pool), the calls cancelled with the
 and the EC2 worker role's grants for exactly the pools it calls."""
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -20,6 +21,7 @@ FANOUT = '''
 import asyncio
 import json
 import os
+import re
 import modal
 
 app = modal.App("fanout")
@@ -469,3 +471,4 @@ def test_a_call_to_a_pool_whose_workers_die_unwarmed_fails_in_one_line(local_env
     last = out.stderr.strip().splitlines()[-1]   # the pool called first, made warm: its hint is
     assert out.returncode == 1 and "no weights here" in last, out.stderr   # this command again,
     assert "modal run broken.py again" in last and "pool deploy" not in last   # not a deploy
+    assert "no weights here" in open(re.search(r"\(log (.+?)\)", last).group(1)).read()   # kept: a failed run
