@@ -1158,6 +1158,7 @@ class ModalRun(Calls):
         self.module = module   # the app file as the entrypoint imported it: not imported again
         self.context, self.path, self.workers, self.volumes, self.secrets = context, path, workers, volumes, secrets
         self.pools, self.created, self.targets, self.calls = {}, [], targets, {}
+        self.unmade = {}   # {target: why its pool could not be made}: what a call to it fails with
         self.links = {}   # {mount: (its volume's folder, a folder was there)}: its pools' links
         self.crashing = functools.partial(crash_looping, context[0])
         record = load_pool(context[1], pool) if pool else None
@@ -1190,6 +1191,7 @@ class ModalRun(Calls):
                         self._make(other, {}, model, 0)
                     except UserError as e:   # (an image's package missing): said, not fatal
                         del self.calls[other]   # here; a call to it says so
+                        self.unmade[other] = str(e)
                         print(f"calque: {other}: no pool for its callers: {e}", file=sys.stderr)
         model = None if params else self.calls.get(target)
         if model in self.created:   # made from zero: the entrypoint's call wakes it
@@ -1211,6 +1213,7 @@ class ModalRun(Calls):
                  for mount, volume in modal["volumes"].items() if not os.path.islink(mount)}
         self.links.update(links)
         modal["calls"] = {t: pool for t, pool in self.calls.items() if t != target}
+        modal["unmade"] = self.unmade
         size = (f"{workers} local worker(s)" if workers else
                 f"0 to {self.workers} local worker(s), on its calls")
         print(f"calque: ephemeral pool {model} for {target}: {size}", file=sys.stderr)

@@ -1671,6 +1671,9 @@ class WorkerCalls(calque_runs.Calls):
             raise shim.Unsupported(
                 f"{self.target} calls {target}, {why}: it could wait on itself ---> HINT: call "
                 f"the code as a plain function, or call {target} from the local entrypoint")
+        unmade = self.worker.record.get("modal", {}).get("unmade", {}).get(target)
+        if pool is None and unmade:   # under modal run
+            raise shim.Unsupported(f"{self.target} calls {target}, whose pool could not be made: {unmade}")
         if pool is None:
             raise shim.Unsupported(
                 f"{self.target} calls {target}: no pool serves it for pool "

@@ -407,20 +407,29 @@ def light(x):
     return x + 1
 
 
+@app.function()
+def via(x):
+    return heavy.remote(x)
+
+
 @app.local_entrypoint()
-def main():
-    print(light.remote(1))
+def main(through: bool = False):
+    print(via.remote(1) if through else light.remote(1))
 '''
 
 
 def test_a_target_whose_pool_cannot_be_made_is_left_out(local_env, tmp_path):
     """`modal run` makes every target's pool up front; one that cannot be (its image's package
-    missing) is said in a line and left out, and the entrypoint that never calls it runs."""
+    missing) is said in a line and left out, and the entrypoint that never calls it runs; a call to it
+    fails saying why."""
     (tmp_path / "needs.py").write_text(NEEDS)
     out = modal_run_in(local_env, tmp_path, False, "needs.py")
     assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr
     assert "calque: heavy: no pool for its callers: needs.py: the image's pip_install " \
            "calque-absent-pkg==9.9 (not installed)" in out.stderr
+    out = modal_run_in(local_env, tmp_path, True, "needs.py", "--through")   # a call to it says why
+    assert out.returncode == 1 and "via calls heavy, whose pool could not be made: needs.py: the image's " \
+        "pip_install calque-absent-pkg==9.9 (not installed)" in out.stderr.splitlines()[-1], out.stderr
 
 
 BROKEN = '''
