@@ -1993,6 +1993,17 @@ class LocalBackend:
                             f"folder): set CALQUE_STORE to a writable folder")
 
 
+def whole_answer(operation_model, response_dict, **_):
+    """botocore reads an answer's body without checking its Content-Length: one cut short by a dropped
+    connection parses as an empty answer (a LIST of nothing, an answer without its fields). Raised
+    here as the dropped connection it is, so that endpoint_retried retries it."""
+    import botocore.exceptions
+    body, length = response_dict["body"], response_dict["headers"].get("content-length")
+    if isinstance(body, bytes) and length and operation_model.http["method"] != "HEAD" and len(body) != int(length):
+        raise botocore.exceptions.ConnectionClosedError(
+            endpoint_url=f"{operation_model.name}'s answer, {len(body)} of its {length} bytes")
+
+
 def endpoint_retried(method):
     """An S3 or SQS call that outlasts an endpoint blip: a dropped, refused or timed-out connection
     is retried with backoff (ENDPOINT_BACKOFF) for `endpoint_retry` s, then it is a StoreFault. Only
@@ -2309,7 +2320,8 @@ class AwsBackend:
         self.requests = Requests()
         if endpoint_retry is None:
             endpoint_retry = setting_number(settings(), "CALQUE_ENDPOINT_RETRY", float, 0)
-        self.session = boto3.session.Session()
+        self.session = boto3.session.Session()   # EC2, IAM...: pool create's and the fleet's
+        self.session.events.register("before-parse", whole_answer)
         # boto3's resolution: AWS_REGION / AWS_DEFAULT_REGION, then ~/.aws/config's profile
         self.region = self.session.region_name or DEFAULT_REGION
         config = aws_client_config(self.region)
@@ -2325,6 +2337,7 @@ class AwsBackend:
         import botocore.session
         core = botocore.session.get_session()
         core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=lambda text: text)
+        core.register("before-parse", whole_answer)
         return boto3.session.Session(botocore_session=core)
 
     def describe(self):
@@ -2337,7 +2350,7 @@ class AwsBackend:
         except botocore.exceptions.NoCredentialsError:
             raise UserError("no AWS credentials found: configure them (aws configure, or "
                             "AWS_ACCESS_KEY_ID) or use a local CALQUE_STORE")
-        except botocore.exceptions.EndpointConnectionError as e:
+        except (botocore.exceptions.EndpointConnectionError, botocore.exceptions.ConnectionClosedError) as e:
             raise UserError(f"cannot reach the S3 endpoint ({e}): check AWS_ENDPOINT_URL and the network")
         except botocore.exceptions.ClientError as e:
             if _aws_error_code(e) in ("404", "NoSuchBucket", "NotFound"):

@@ -2,6 +2,7 @@
 next step, with the right exit code (2 bad input, 1 a failed run or store), and nothing lost or left behind.
 Real processes, real SQLite, real signals and sockets; moto_server for SQS + S3."""
 import json
+import math
 import os
 import re
 import resource
@@ -309,10 +310,12 @@ def test_status_counts_lost_workers(local_env, tmp_path):
 
 class DroppingProxy:
     """A loopback TCP proxy to `target`; while dropping, it resets every connection, open or new (as an
-    endpoint blip does), and counts those it refused."""
+    endpoint blip does), and counts those it refused. `whole_answers`: how many answers pass whole; each
+    after has its headers passed and its connection reset before the body (a drop mid-answer)."""
 
-    def __init__(self, target_port):
+    def __init__(self, target_port, whole_answers=math.inf):
         self.target, self.dropping, self.refused, self.open = target_port, False, 0, []
+        self.whole_answers = whole_answers
         self.server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         self.lock = threading.Lock()
@@ -346,12 +349,17 @@ class DroppingProxy:
                 upstream = socket.create_connection(("127.0.0.1", self.target))
                 self.open += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b, a is upstream), daemon=True).start()
 
-    @staticmethod
-    def _pump(src, dst):
+    def _pump(self, src, dst, answers):
         try:
             while data := src.recv(65536):
+                if answers and b"HTTP/1.1 " in data[:9]:
+                    self.whole_answers -= 1
+                if self.whole_answers < 0:
+                    dst.sendall(data.partition(b"\r\n\r\n")[0] + b"\r\n\r\n")
+                    self._reset(dst)
+                    break
                 dst.sendall(data)
         except OSError:
             pass
@@ -360,6 +368,26 @@ class DroppingProxy:
                 s.close()
             except OSError:
                 pass
+
+
+@pytest.mark.parametrize("installed", [False, True], ids=["script", "installed"])
+def test_an_answer_cut_short_is_a_dropped_connection_not_an_empty_answer(aws_env, tmp_path, installed):
+    """A connection dropped mid-answer: botocore parses the body it got, none, as an empty answer, and
+    `runs list` said "no runs in this store" of a store holding one. Now it is the dropped connection it is:
+    retried (CALQUE_ENDPOINT_RETRY), then one line; the store's check at the start says so too."""
+    items = write_items(tmp_path / "items.jsonl", [{"x": 1}])
+    assert cli(aws_env, "submit", "--model", "cut", items, "--handler", f"{HANDLERS}:Echo").returncode == 0
+    port = int(aws_env["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+    argv = [os.path.join(os.path.dirname(PY), "calque")] if installed else [PY, os.path.join(ROOT, "calque.py")]
+    for whole, said in ((1, "AWS endpoint {url} unreachable for 1 s (ConnectionClosedError)"),
+                        (0, "cannot reach the S3 endpoint (Connection was closed before we received a valid "
+                            "response from endpoint URL: \"ListObjectsV2's answer, 0 of its")):
+        proxy = DroppingProxy(port, whole_answers=whole)   # 1: the store's check passes, the listing is cut
+        env = dict(aws_env, AWS_ENDPOINT_URL=proxy.url, AWS_MAX_ATTEMPTS="1", CALQUE_ENDPOINT_RETRY="1")
+        out = subprocess.run([*argv, "runs", "list"], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and out.stdout == "" and len(out.stderr.splitlines()) == 1, out
+        assert said.format(url=proxy.url) in out.stderr, out.stderr
+    assert "cut" in cli(aws_env, "runs", "list").stdout   # as it was, whole
 
 
 def test_endpoint_blip_while_submit_waits(aws_env, tmp_path):
