@@ -1194,14 +1194,14 @@ class StoredVolume:
         if not self.cached:
             return
         with self._locked() as index:
-            here = {os.path.relpath(os.path.join(d, f), self.folder): None
+            here = {os.path.relpath(os.path.join(d, f), self.folder)
                     for d, _, files in os.walk(self.folder) for f in files}
             for key in here:
                 seen = self._seen(key)
                 if seen and index.get(key, [None, None])[:2] != seen:
                     with open(os.path.join(self.folder, key), "rb") as f:
                         index[key] = seen + [self.store.put(self.prefix + key, f.read())]
-            for key in set(index) - set(here):
+            for key in set(index) - here:
                 self.store.delete(self.prefix + key)
                 del index[key]
         self.sync()
